@@ -1,0 +1,27 @@
+# waferline: `make demo` runs the main job, `make test` runs the tests. Both set up .venv when missing.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test venv clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	@# torch first: a local CPU build of torch is used where one exists, instead of a multi-GB CUDA download
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)" || $(BIN)/python -m pip install -q "torch>=2.5"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/waferline demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,19 @@
+"""waferline: serve huge MoE models the way wafer-scale deployments do, and predict how fast they run."""
+
+from waferline.errors import WaferlineError
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "Output", "WaferlineError", "__version__"]
+
+
+def __getattr__(name: str):
+    # the engine needs torch; the planner does not, so import the engine lazily
+    if name in ("LLM", "Output"):
+        from waferline.engine import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from waferline.engine.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'waferline' has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""The `waferline` command line: generate, demo, info, and the planner's plan / simulate / validate / calibrate."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from waferline.errors import WaferlineError
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    llm = LLM(args.model, dtype=args.dtype)
+    prompt: str | list[int]
+    if args.prompt_ids is not None:
+        prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise WaferlineError("give --prompt TEXT or --prompt-ids '1 2 3'")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
+    out = llm.generate([prompt], params)[0]
+    tps = out.metrics.get("decode_tokens_per_s", 0.0)
+    if args.json:
+        print(json.dumps({"token_ids": out.token_ids, "text": out.text, "tokens_per_s": tps,
+                          "ttft_s": out.metrics.get("ttft_s"), "finish_reason": out.finish_reason}))
+    else:
+        if isinstance(prompt, str):
+            print(prompt + out.text)
+        else:
+            print(out.text if out.text else " ".join(map(str, out.token_ids)))
+        print(f"\n[{len(out.token_ids)} tokens, {tps:.1f} tok/s decode, TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, "
+              f"finish: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from waferline.spec.model import ModelSpec
+    from pathlib import Path
+
+    p = Path(args.model)
+    spec = ModelSpec.from_pretrained(p) if p.is_dir() else ModelSpec.from_config_file(p)
+    s = spec.summary()
+    s["weight_bytes"] = {str(b): spec.weight_bytes(b) for b in (16, 8, 4)}
+    s["cache_bytes_per_token"] = {str(b): spec.cache_bytes_per_token(b) for b in (16, 8)}
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        for k, v in s.items():
+            print(f"{k:>24}: {v}")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from waferline.demo import run_demo
+
+    return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="waferline", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="generate text from a Hugging Face checkpoint directory",
+                       description="Load a checkpoint (config.json + safetensors) and continue a prompt.")
+    g.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
+    g.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1 2 3' (for checkpoints without a tokenizer)")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s} as JSON")
+    g.set_defaults(func=_cmd_generate)
+
+    i = sub.add_parser("info", help="architecture and accounting of a checkpoint dir or config.json",
+                       description="Parameters, bytes at 16/8/4 bits and cache bytes per token, from the ModelSpec.")
+    i.add_argument("model", help="checkpoint directory or config.json path")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_info)
+
+    d = sub.add_parser("demo", help="the main job: build a small Sol-architecture model and generate from it",
+                       description="Builds a small checkpoint of waferline's own 'sol' architecture and runs a real generation.")
+    d.add_argument("--out", default="demo_out", help="where the demo writes its checkpoint and report (default demo_out/)")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=_cmd_demo)
+
+    try:
+        from waferline.plan import commands as plan_commands
+    except ImportError:
+        plan_commands = None
+    if plan_commands is not None and hasattr(plan_commands, "register"):
+        plan_commands.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except WaferlineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The single-process engine and the stable Python API: LLM, SamplingParams, Output."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.errors import ConfigError, RequestError
+from waferline.model.context import StepBatch
+from waferline.model.load import load_model
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Output:
+    """One finished request: the generated tokens only (not the prompt), their text, and why it stopped."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (eos/stop string) or "length"
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
+    ids: set[int] = set()
+    sources = [cfg]
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except json.JSONDecodeError:
+            pass
+    for src in sources:
+        e = src.get("eos_token_id")
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, list):
+            ids.update(int(x) for x in e)
+    return ids
+
+
+def _load_tokenizer(directory: Path) -> Any:
+    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+class LLM:
+    """Load a checkpoint directory and generate from it in this process.
+
+    >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
+    >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))[0].text
+    """
+
+    def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None):
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        self.path = Path(path)
+        self.dtype = DTYPES[dtype]
+        self.model = load_model(self.path, self.dtype)
+        self.spec = self.model.spec
+        self.tokenizer = _load_tokenizer(self.path)
+        self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
+        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+
+    # -- tokens
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise RequestError(f"{self.path} has no tokenizer (tokenizer.json); pass prompts as lists of token ids")
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("empty prompt: give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
+        return ids
+
+    # -- engine
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log_softmax of the logits at every prompt position: a [len, vocab] fp32 tensor."""
+        ids = self._prompt_ids(token_ids)
+        self._check_len(len(ids), 0)
+        caches = self.model.new_caches(1)
+        h = self.model(torch.tensor([ids]), caches, StepBatch.make([0], [0], len(ids)))
+        return torch.log_softmax(self.model.logits(h[0]), dim=-1)
+
+    def _check_len(self, prompt_len: int, max_tokens: int) -> None:
+        if prompt_len + max_tokens > self.max_model_len:
+            raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's context of "
+                               f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None) -> list[Output]:
+        """Prefill every prompt, then decode them together as one batch until each stops."""
+        params = params or SamplingParams()
+        params.validate()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        ids = [self._prompt_ids(p) for p in prompts]
+        for p in ids:
+            self._check_len(len(p), params.max_tokens)
+        B = len(ids)
+        caches = self.model.new_caches(B)
+        gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        reason = ["length"] * B
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        t0 = time.perf_counter()
+        last = []
+        for b, p in enumerate(ids):  # prefill one sequence at a time (ragged lengths, no padding)
+            h = self.model(torch.tensor([p]), caches, StepBatch.make([b], [0], len(p)))
+            last.append(self.model.logits(h[0, -1]))
+        ttft = time.perf_counter() - t0
+        logits = torch.stack(last)
+        lengths = [len(p) for p in ids]
+        steps = 0
+        while True:
+            for b in range(B):
+                if done[b]:
+                    continue
+                tok = sample(logits[b], params, gens[b])
+                out[b].append(tok)
+                if tok in stop_ids:
+                    done[b], reason[b] = True, "stop"
+                elif params.stop and self._hit_stop(out[b], params.stop):
+                    done[b], reason[b] = True, "stop"
+                elif len(out[b]) >= params.max_tokens:
+                    done[b] = True
+            active = [b for b in range(B) if not done[b]]
+            if not active:
+                break
+            toks = torch.tensor([[out[b][-1]] for b in active])
+            batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
+            h = self.model(toks, caches, batch)
+            step_logits = self.model.logits(h[:, 0])
+            logits = torch.zeros(B, step_logits.shape[-1])
+            logits[active] = step_logits
+            steps += 1
+        total = time.perf_counter() - t0
+        n_gen = sum(len(o) for o in out)
+        decode_time = max(total - ttft, 1e-9)
+        metrics = {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": (n_gen - B) / decode_time if n_gen > B else 0.0}
+        results = []
+        for b in range(B):
+            toks = out[b]
+            text = self.decode(toks)
+            if params.stop and reason[b] == "stop" and toks and toks[-1] not in stop_ids:
+                text = _cut_at_stop(text, params.stop)
+            results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
+        return results
+
+    def _hit_stop(self, toks: list[int], stops: list[str]) -> bool:
+        if self.tokenizer is None:
+            return False
+        tail = self.decode(toks[-16:])
+        return any(s in tail for s in stops)
+
+
+def _seeded(params: SamplingParams, row: int) -> torch.Generator | None:
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    g.manual_seed(int(params.seed) * 1_000_003 + row)
+    return g
+
+
+def _cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = min((text.find(s) for s in stops if s in text), default=-1)
+    return text[:cut] if cut >= 0 else text

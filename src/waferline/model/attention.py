@@ -1,0 +1,222 @@
+"""Attention mixers and their caches: GQA (full, sliding-window, with sinks) and MLA over cached latents.
+
+MLA caches only the normalised latent c_KV and the rotary key part; with W_UK absorbed into the query and
+W_UV applied after attention, it is multi-query attention over the latent (one shared "head" of width
+kv_lora_rank + rope_dim), so both mixers share one attention kernel and one cache type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from waferline.model.context import StepBatch
+from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale
+from waferline.model.weights import WeightSource, copy_into
+from waferline.spec.model import AttentionSpec, MLASpec
+
+
+class TokenCache:
+    """Per-token cache rows for ``num_slots`` sequences: one tensor [slots, capacity, width].
+
+    Full attention keeps every position (capacity grows on demand). A sliding-window cache is a ring of
+    ``window`` entries with the absolute position of each entry (-1 = empty), so it never exceeds the window.
+    """
+
+    def __init__(self, num_slots: int, width: int, dtype: torch.dtype, device: torch.device | str | None = None,
+                 window: int | None = None, capacity: int = 64):
+        self.window = window
+        cap = window if window is not None else capacity
+        self.data = torch.zeros(num_slots, cap, width, dtype=dtype, device=device)
+        self.pos = torch.full((num_slots, cap), -1, dtype=torch.long, device=device) if window is not None else None
+
+    @property
+    def capacity(self) -> int:
+        return int(self.data.shape[1])
+
+    def reset(self, slots: torch.Tensor) -> None:
+        if self.pos is not None:
+            self.pos[slots] = -1
+
+    def _grow(self, needed: int) -> None:
+        cap = self.capacity
+        while cap < needed:
+            cap *= 2
+        extra = torch.zeros(self.data.shape[0], cap - self.capacity, self.data.shape[2], dtype=self.data.dtype, device=self.data.device)
+        self.data = torch.cat([self.data, extra], dim=1)
+
+    def update(self, new: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``new`` [B, T, width] at the batch's positions; return the keys to attend to
+        [B, L, width] and their absolute positions [B, L] (-1 for entries that must be masked)."""
+        pos = batch.positions()
+        if self.window is None:
+            end = int(batch.start.max()) + batch.T
+            if end > self.capacity:
+                self._grow(end)
+            self.data[batch.slots[:, None], pos] = new
+            keys = self.data[batch.slots, :end]
+            key_pos = torch.arange(end, device=new.device).expand(batch.B, end)
+            return keys, key_pos
+        old, old_pos = self.data[batch.slots], self.pos[batch.slots]
+        keys = torch.cat([old, new], dim=1)
+        key_pos = torch.cat([old_pos, pos], dim=1)
+        keep = min(batch.T, self.window)
+        ring = pos[:, -keep:] % self.window
+        self.data[batch.slots[:, None], ring] = new[:, -keep:]
+        self.pos[batch.slots[:, None], ring] = pos[:, -keep:]
+        return keys, key_pos
+
+    def tokens_held(self, slot: int) -> int:
+        """How many token entries this slot's row actually holds (for tests and accounting checks)."""
+        if self.pos is not None:
+            return int((self.pos[slot] >= 0).sum())
+        return self.capacity
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+           scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (optionally windowed) grouped attention.
+
+    q [B, T, H, Dk]; k [B, L, Hkv, Dk]; v [B, L, Hkv, Dv]; q_pos [B, T]; k_pos [B, L] (-1 = empty).
+    ``sinks`` [H]: a per-head logit that joins the softmax and is then dropped (GPT-OSS). Returns [B, T, H, Dv].
+    """
+    B, T, H, Dk = q.shape
+    Hkv = k.shape[2]
+    G = H // Hkv
+    qg = q.view(B, T, Hkv, G, Dk)
+    scores = torch.einsum("btkgd,blkd->bkgtl", qg, k).float() * scale
+    qp, kp = q_pos[:, None, None, :, None], k_pos[:, None, None, None, :]
+    ok = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        ok = ok & (kp > qp - window)
+    scores = scores.masked_fill(~ok, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, T, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgtl,blkd->btkgd", probs.to(v.dtype), v)
+    return out.reshape(B, T, H, v.shape[-1])
+
+
+class GQAttention(nn.Module):
+    """Grouped-query attention with optional q/k norms, biases, partial/no rotary, sliding window and sinks."""
+
+    def __init__(self, spec: AttentionSpec, cfg: dict[str, Any], dtype: torch.dtype = torch.float32,
+                 rotary: Rotary | None = None, scale: float | None = None, norm_eps: float = 1e-6):
+        super().__init__()
+        self.spec = spec
+        h, kv, hd, d = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
+        self.q_proj = Linear(d, h * hd, spec.qkv_bias, dtype)
+        self.k_proj = Linear(d, kv * hd, spec.qkv_bias, dtype)
+        self.v_proj = Linear(d, kv * hd, spec.qkv_bias, dtype)
+        self.o_proj = Linear(h * hd, d, spec.o_bias, dtype)
+        self.q_norm = RMSNorm(hd, norm_eps, dtype) if spec.qk_norm else None
+        self.k_norm = RMSNorm(hd, norm_eps, dtype) if spec.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(h, dtype=dtype), requires_grad=False) if spec.sinks else None
+        self.rotary = rotary
+        self.scale = scale if scale is not None else hd ** -0.5
+        self.dtype = dtype
+
+    def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
+        s = self.spec
+        return TokenCache(num_slots, 2 * s.num_kv_heads * s.head_dim, self.dtype, device, window=s.sliding_window)
+
+    def load_hf(self, src: WeightSource, prefix: str) -> None:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            getattr(self, name).load_hf(src, prefix + name)
+        if self.q_norm is not None:
+            self.q_norm.load_hf(src, prefix + "q_norm.weight")
+            self.k_norm.load_hf(src, prefix + "k_norm.weight")
+        if self.sinks is not None:
+            copy_into(self.sinks, src.get(prefix + "sinks", tuple(self.sinks.shape)))
+
+    def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
+        s = self.spec
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, s.num_heads, s.head_dim)
+        k = self.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        v = self.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        pos = batch.positions()
+        if self.rotary is not None:
+            cos, sin = self.rotary.cos_sin(pos)
+            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        kv, k_pos = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
+        kv = kv.view(B, kv.shape[1], 2 * s.num_kv_heads, s.head_dim)
+        out = attend(q, kv[:, :, : s.num_kv_heads], kv[:, :, s.num_kv_heads:], pos, k_pos, self.scale,
+                     s.sliding_window, self.sinks)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class MLAttention(nn.Module):
+    """DeepSeek multi-head latent attention; caches [c_KV (normalised) | k_rope] per token, decodes absorbed."""
+
+    def __init__(self, spec: MLASpec, cfg: dict[str, Any], dtype: torch.dtype = torch.float32, interleaved_rope: bool = True,
+                 norm_eps: float = 1e-6):
+        super().__init__()
+        self.spec = spec
+        h, d = spec.num_heads, spec.hidden_size
+        bias = bool(cfg.get("attention_bias", False))
+        if spec.q_lora_rank:
+            self.q_a_proj = Linear(d, spec.q_lora_rank, bias, dtype)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, norm_eps, dtype)
+            self.q_b_proj = Linear(spec.q_lora_rank, h * spec.qk_head_dim, False, dtype)
+        else:
+            self.q_proj = Linear(d, h * spec.qk_head_dim, False, dtype)
+        self.kv_a_proj_with_mqa = Linear(d, spec.kv_lora_rank + spec.qk_rope_head_dim, bias, dtype)
+        self.kv_a_layernorm = RMSNorm(spec.kv_lora_rank, norm_eps, dtype)
+        self.kv_b_proj = Linear(spec.kv_lora_rank, h * (spec.qk_nope_head_dim + spec.v_head_dim), False, dtype)
+        self.o_proj = Linear(h * spec.v_head_dim, d, bias, dtype)
+        self.rotary = Rotary(spec.qk_rope_head_dim, cfg, interleaved=interleaved_rope)
+        self.scale = attention_softmax_scale(cfg, spec.qk_head_dim)
+        self.dtype = dtype
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
+        return TokenCache(num_slots, self.spec.kv_lora_rank + self.spec.qk_rope_head_dim, self.dtype, device)
+
+    def load_hf(self, src: WeightSource, prefix: str) -> None:
+        names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+        names += ["q_a_proj", "q_b_proj"] if self.spec.q_lora_rank else ["q_proj"]
+        for name in names:
+            getattr(self, name).load_hf(src, prefix + name)
+        self.kv_a_layernorm.load_hf(src, prefix + "kv_a_layernorm.weight")
+        if self.spec.q_lora_rank:
+            self.q_a_layernorm.load_hf(src, prefix + "q_a_layernorm.weight")
+        self._absorbed = None
+
+    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention)."""
+        if self._absorbed is None:
+            s = self.spec
+            w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+            self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
+        return self._absorbed
+
+    def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
+        s = self.spec
+        B, T, _ = x.shape
+        if s.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(B, T, s.num_heads, s.qk_head_dim)
+        q_nope, q_rope = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim:]
+        ckv = self.kv_a_proj_with_mqa(x)
+        c, k_rope = self.kv_a_layernorm(ckv[..., : s.kv_lora_rank]), ckv[..., s.kv_lora_rank:]
+        pos = batch.positions()
+        cos, sin = self.rotary.cos_sin(pos)
+        q_rope = self.rotary.apply(q_rope, cos, sin)
+        k_rope = self.rotary.apply(k_rope[:, :, None, :], cos, sin)[:, :, 0]
+        latents, k_pos = cache.update(torch.cat([c, k_rope], dim=-1), batch)  # [B, L, r + rope]
+        w_uk, w_uv = self.absorbed()
+        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
+        q_cat = torch.cat([q_lat, q_rope], dim=-1)
+        kv = latents[:, :, None, :]
+        o_lat = attend(q_cat, kv, kv[..., : s.kv_lora_rank], pos, k_pos, self.scale)  # [B, T, H, r]
+        out = torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
+        return self.o_proj(out.reshape(B, T, -1))

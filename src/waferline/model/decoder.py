@@ -1,0 +1,190 @@
+"""One generic decoder for every architecture: layers built from the ModelSpec, weights named per model_type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from waferline.errors import ConfigError
+from waferline.model.attention import GQAttention, MLAttention
+from waferline.model.context import StepBatch
+from waferline.model.layers import RMSNorm, Rotary, rope_parameters
+from waferline.model.moe import MoE, DenseFFN
+from waferline.model.ssm import Mamba2Mixer
+from waferline.model.weights import WeightSource, copy_into
+from waferline.spec.model import ENGINE_MODEL_TYPES, AttentionSpec, DenseFFNSpec, LayerSpec, MLASpec, Mamba2Spec, ModelSpec, MoESpec
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where an architecture keeps its tensors in a Hugging Face checkpoint."""
+
+    root: str = "model."
+    embed: str = "embed_tokens"
+    final_norm: str = "norm"
+    norm_mixer: str = "input_layernorm"
+    norm_ffn: str = "post_attention_layernorm"
+    attn: str = "self_attn"
+    ssm: str = "mamba"
+    ffn: str = "mlp"
+
+
+NAMING = {
+    "mixtral": Naming(ffn="block_sparse_moe"),
+    "bamba": Naming(final_norm="final_layernorm", norm_ffn="pre_ff_layernorm", ffn="feed_forward"),
+    "granitemoehybrid": Naming(ffn=""),  # the MoE loader finds block_sparse_moe.* and shared_mlp.* itself
+    "nemotron_h": Naming(root="backbone.", embed="embeddings", final_norm="norm_f", norm_mixer="norm", norm_ffn="norm",
+                         attn="mixer", ssm="mixer", ffn="mixer"),
+}
+
+
+def _norm_eps(cfg: dict[str, Any]) -> float:
+    for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        if cfg.get(k) is not None:
+            return float(cfg[k])
+    return 1e-6
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + m·mixer(norm(x)), then x + m·ffn(norm(x)); either part may be absent."""
+
+    def __init__(self, spec: LayerSpec, model_type: str, cfg: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        self.spec = spec
+        eps = _norm_eps(cfg)
+        d = spec.hidden_size
+        self.residual_multiplier = float(cfg.get("residual_multiplier") or 1.0) if model_type == "granitemoehybrid" else 1.0
+        self.mixer_norm = RMSNorm(d, eps, dtype) if spec.mixer is not None else None
+        self.ffn_norm = RMSNorm(d, eps, dtype) if spec.ffn is not None else None
+        self.mixer = _build_mixer(spec, model_type, cfg, dtype, eps)
+        self.ffn = _build_ffn(spec, model_type, cfg, dtype)
+
+    def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> Any:
+        return self.mixer.new_cache(num_slots, device) if self.mixer is not None else None
+
+    def forward(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> torch.Tensor:
+        m = self.residual_multiplier
+        if self.mixer is not None:
+            h = self.mixer(self.mixer_norm(x), cache, batch)
+            x = x + h * m if m != 1.0 else x + h
+        if self.ffn is not None:
+            B, T, D = x.shape
+            h = self.ffn(self.ffn_norm(x).view(B * T, D)).view(B, T, D)
+            x = x + h * m if m != 1.0 else x + h
+        return x
+
+
+def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype, eps: float) -> nn.Module | None:
+    mix = spec.mixer
+    if mix is None:
+        return None
+    if isinstance(mix, MLASpec):
+        interleaved = mt == "deepseek_v2" or (mt == "deepseek_v3" and cfg.get("rope_interleave", True)) or (
+            mt == "sol" and cfg.get("rope_interleave", False))
+        return MLAttention(mix, cfg, dtype, interleaved_rope=bool(interleaved), norm_eps=eps)
+    if isinstance(mix, AttentionSpec):
+        rotary = None
+        use_rope = mt != "nemotron_h" and not (mt == "granitemoehybrid" and cfg.get("position_embedding_type") != "rope")
+        if use_rope:
+            partial = rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+            if partial is None:
+                partial = 0.5 if mt == "bamba" else 1.0
+            rotary = Rotary(int(mix.head_dim * float(partial)), cfg)
+        scale = float(cfg["attention_multiplier"]) if mt == "granitemoehybrid" and cfg.get("attention_multiplier") else None
+        return GQAttention(mix, cfg, dtype, rotary=rotary, scale=scale, norm_eps=eps)
+    if isinstance(mix, Mamba2Spec):
+        return Mamba2Mixer(mix, dtype=dtype, **_mamba_flags(mt, cfg))
+    raise ConfigError(f"layer {spec.index}: the engine cannot run a {mix.kind!r} mixer (planner-only architecture)")
+
+
+def _mamba_flags(mt: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    act = cfg.get("mamba_hidden_act") or cfg.get("hidden_act") or "silu"
+    return {"act": act}
+
+
+def _build_ffn(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype) -> nn.Module | None:
+    ffn = spec.ffn
+    if ffn is None:
+        return None
+    act = cfg.get("mlp_hidden_act") if mt == "nemotron_h" else (cfg.get("hidden_act") or "silu")
+    if isinstance(ffn, DenseFFNSpec):
+        return DenseFFN(ffn, dtype=dtype, act=act or "silu")
+    if isinstance(ffn, MoESpec):
+        return MoE(ffn, dtype=dtype, act=act or "silu", flavor=mt)
+    raise ConfigError(f"layer {spec.index}: unknown FFN kind {ffn.kind!r}")
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers ``layer_range`` of the model, final norm and LM head.
+
+    A pipeline stage holds a slice of layers; ``has_embed`` / ``has_head`` say whether it also embeds
+    tokens or computes logits. The single-process engine holds all of them.
+    """
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, layer_range: range | None = None,
+                 has_embed: bool = True, has_head: bool = True):
+        super().__init__()
+        if spec.model_type not in ENGINE_MODEL_TYPES:
+            raise ConfigError(f"model_type {spec.model_type!r} is planner-only; the engine runs: {', '.join(ENGINE_MODEL_TYPES)}")
+        self.spec = spec
+        self.cfg = spec.hf_config
+        self.naming = NAMING.get(spec.model_type, Naming())
+        self.dtype = dtype
+        self.layer_range = layer_range if layer_range is not None else range(spec.num_layers)
+        d = spec.hidden_size
+        self.embed = nn.Embedding(spec.vocab_size, d, dtype=dtype) if has_embed else None
+        if self.embed is not None:
+            self.embed.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range])
+        self.norm = RMSNorm(d, _norm_eps(self.cfg), dtype) if has_head else None
+        self.lm_head = nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
+        granite = spec.model_type == "granitemoehybrid"
+        self.embedding_multiplier = float(self.cfg.get("embedding_multiplier") or 1.0) if granite else 1.0
+        self.logits_scaling = float(self.cfg.get("logits_scaling") or 1.0) if granite else 1.0
+
+    # -- weights
+    def load_hf(self, src: WeightSource) -> None:
+        n = self.naming
+        r = n.root
+        if self.embed is not None:
+            copy_into(self.embed.weight, src.get(r + n.embed + ".weight", tuple(self.embed.weight.shape)))
+        for layer, i in zip(self.layers, self.layer_range):
+            p = f"{r}layers.{i}."
+            if layer.mixer is not None:
+                layer.mixer_norm.load_hf(src, p + n.norm_mixer + ".weight")
+                sub = n.ssm if isinstance(layer.mixer, Mamba2Mixer) else n.attn
+                layer.mixer.load_hf(src, p + sub + ".")
+            if layer.ffn is not None:
+                layer.ffn_norm.load_hf(src, p + n.norm_ffn + ".weight")
+                layer.ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
+        if self.norm is not None:
+            self.norm.load_hf(src, r + n.final_norm + ".weight")
+            if self.spec.tie_word_embeddings and not src.has("lm_head.weight"):
+                copy_into(self.lm_head, src.get(r + n.embed + ".weight", tuple(self.lm_head.shape)))
+            else:
+                copy_into(self.lm_head, src.get("lm_head.weight", tuple(self.lm_head.shape)))
+
+    def new_caches(self, num_slots: int, device: torch.device | str | None = None) -> list[Any]:
+        return [layer.new_cache(num_slots, device) for layer in self.layers]
+
+    # -- compute
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+
+    def forward_layers(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cache, batch)
+        return x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for hidden states h [..., D]."""
+        out = torch.nn.functional.linear(self.norm(h), self.lm_head).float()
+        return out / self.logits_scaling if self.logits_scaling != 1.0 else out
+
+    def forward(self, tokens: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
+        """Tokens [B, T] -> hidden states [B, T, D] after this model's layers (no final norm)."""
+        return self.forward_layers(self.embed_tokens(tokens), caches, batch)

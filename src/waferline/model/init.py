@@ -1,0 +1,64 @@
+"""Random checkpoints for any engine architecture (incl. our own `sol`), written in Hugging Face layout."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from waferline.model.weights import WeightSource
+from waferline.spec.model import ModelSpec
+
+
+class _RecordingSource(WeightSource):
+    """Answers every ``get`` with a fresh random tensor of the requested shape, and remembers it."""
+
+    def __init__(self, seed: int):
+        super().__init__([], lambda name: torch.empty(0))
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        if shape is None:
+            raise ValueError(f"random init needs a shape for {name}")
+        if name not in self.tensors:
+            self.tensors[name] = _init(name, shape, self.gen)
+        return self.tensors[name]
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and len(shape) == 1 or leaf == "D":
+        return torch.ones(shape)
+    if leaf == "A_log":
+        return torch.log(torch.empty(shape).uniform_(1, 16, generator=gen))
+    if leaf == "dt_bias":
+        dt = torch.exp(torch.empty(shape).uniform_(math.log(1e-3), math.log(1e-1), generator=gen))
+        return dt + torch.log(-torch.expm1(-dt))
+    if len(shape) == 1 or leaf.endswith("bias") or "correction_bias" in name:
+        return torch.zeros(shape)
+    fan_in = shape[-1]
+    return torch.randn(shape, generator=gen) * (0.5 / math.sqrt(fan_in))
+
+
+def write_random_checkpoint(cfg: dict[str, Any], directory: str | Path, seed: int = 0) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` with random weights for ``cfg`` (any engine model_type)."""
+    from waferline.model.decoder import DecoderModel
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    spec = ModelSpec.from_hf_config(dict(cfg))
+    src = _RecordingSource(seed)
+    DecoderModel(spec, torch.float32).load_hf(src)
+    tmp = directory / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in src.tensors.items()}, str(tmp), metadata={"format": "pt"})
+    tmp.replace(directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    return directory

@@ -1,0 +1,152 @@
+"""Small shared building blocks: RMSNorm, linear layers, and rotary position embeddings (default/linear/llama3/YaRN)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from waferline.errors import ConfigError
+from waferline.model.weights import WeightSource, copy_into
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dt)
+
+    def load_hf(self, src: WeightSource, name: str) -> None:
+        copy_into(self.weight, src.get(name, tuple(self.weight.shape)))
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). One place for every projection, so weight formats (int4, ...) can be swapped in later."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
+
+    def load_hf(self, src: WeightSource, prefix: str) -> None:
+        """Load ``{prefix}.weight`` (and ``{prefix}.bias`` when this layer has one)."""
+        copy_into(self.weight, src.get(prefix + ".weight", tuple(self.weight.shape)))
+        if self.bias is not None:
+            copy_into(self.bias, src.get(prefix + ".bias", tuple(self.bias.shape)))
+
+
+def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Rotary settings from either transformers-5 ``rope_parameters`` or hub ``rope_theta`` + ``rope_scaling``."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        params = dict(rp)
+    else:
+        params = dict(cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+class Rotary(nn.Module):
+    """Rotary embedding for ``dim`` rotated channels; ``interleaved`` pairs (x0,x1),(x2,x3) as DeepSeek lays them out."""
+
+    def __init__(self, dim: int, cfg: dict[str, Any], interleaved: bool = False):
+        super().__init__()
+        self.dim = dim
+        self.interleaved = interleaved
+        p = rope_parameters(cfg)
+        base = float(p["rope_theta"])
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        self.attention_scaling = 1.0
+        kind = p["rope_type"]
+        if kind == "default":
+            pass
+        elif kind == "linear":
+            inv = inv / float(p["factor"])
+        elif kind == "llama3":
+            inv = _llama3(inv, p)
+        elif kind == "yarn":
+            inv, self.attention_scaling = _yarn(inv, base, dim, p, cfg)
+        else:
+            raise ConfigError(f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of shape [*positions.shape, dim/2] in fp32."""
+        ang = positions.float()[..., None] * self.inv_freq
+        return ang.cos() * self.attention_scaling, ang.sin() * self.attention_scaling
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate the first ``dim`` channels of x [B, T, H, *] (cos/sin [B, T, dim/2]); the rest pass through."""
+        dt = x.dtype
+        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+        else:
+            x1, x2 = rot[..., : self.dim // 2], rot[..., self.dim // 2:]
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
+        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dt)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+    factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    out = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * out / factor + smooth * out
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, smoothed, out)
+
+
+def _yarn_mscale(scale: float, m: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def _yarn(inv: torch.Tensor, base: float, dim: int, p: dict[str, Any], cfg: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    orig = float(p["original_max_position_embeddings"])
+    factor = p.get("factor") or cfg.get("max_position_embeddings", orig) / orig
+    factor = float(factor)
+    att = p.get("attention_factor")
+    if att is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        att = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if (m and m_all) else _yarn_mscale(factor)
+    beta_fast, beta_slow = float(p.get("beta_fast") or 32), float(p.get("beta_slow") or 1)
+
+    def corr_dim(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = corr_dim(beta_fast), corr_dim(beta_slow)
+    if p.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extra = 1 - ramp
+    inv_new = (inv / factor) * (1 - extra) + inv * extra
+    return inv_new, float(att)
+
+
+def attention_softmax_scale(cfg: dict[str, Any], head_dim: int) -> float:
+    """1/sqrt(d), times YaRN's mscale² when ``mscale_all_dim`` is set (DeepSeek)."""
+    scale = head_dim ** -0.5
+    p = rope_parameters(cfg)
+    if p["rope_type"] == "yarn" and p.get("mscale_all_dim"):
+        m = _yarn_mscale(float(p["factor"]), float(p["mscale_all_dim"]))
+        scale *= m * m
+    return scale

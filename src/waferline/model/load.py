@@ -1,0 +1,110 @@
+"""Load a Hugging Face checkpoint directory (config.json + safetensors, single file or sharded) into a DecoderModel."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from waferline.errors import CheckpointError, ConfigError
+from waferline.model.decoder import DecoderModel
+from waferline.model.weights import WeightSource
+from waferline.spec.model import ModelSpec
+
+# tensors some checkpoints carry that no module needs
+_IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attn\.bias)$")
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (sharded index or single file); never pickle files."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from None
+        files = sorted({directory / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{directory}: shards listed in the index are missing: {', '.join(missing)}")
+        return files
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(directory.glob("*.safetensors"))
+    if others:
+        return others
+    if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
+        raise CheckpointError(f"{directory} holds only pickle weights (*.bin/*.pt); waferline loads safetensors only "
+                              "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
+    raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+def open_weights(directory: Path) -> WeightSource:
+    """A lazy WeightSource over all safetensors files of ``directory``; truncated or corrupt files are reported."""
+    where: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in checkpoint_files(directory):
+        size = f.stat().st_size
+        try:
+            with safe_open(str(f), "pt") as h:
+                end = 0
+                for k in h.keys():
+                    where[k] = f
+                    sl = h.get_slice(k)
+                    shapes[k] = tuple(sl.get_shape())
+                    end = max(end, _data_end(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-download or re-save it") from None
+        if end and size < end:
+            raise CheckpointError(f"{f} is truncated: {size} bytes but its header describes {end}; re-download or re-save it")
+    handles: dict[Path, object] = {}
+
+    def load(name: str) -> torch.Tensor:
+        f = where[name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), "pt")
+        try:
+            return handles[f].get_tensor(name)
+        except (SafetensorError, RuntimeError) as e:
+            raise CheckpointError(f"cannot read tensor {name!r} from {f} ({e}); the file may be corrupt") from None
+
+    return WeightSource(where.keys(), load, shapes)
+
+
+def _data_end(f: Path) -> int:
+    """Byte offset where the tensor data described by the safetensors header ends."""
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    return 8 + n + (max(ends) if ends else 0)
+
+
+def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_range: range | None = None,
+               has_embed: bool = True, has_head: bool = True) -> DecoderModel:
+    """Build waferline's modules for a checkpoint and load its weights; every tensor must be used exactly once."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"model directory {directory} does not exist")
+    spec = ModelSpec.from_pretrained(directory)
+    src = open_weights(directory)
+    model = DecoderModel(spec, dtype, layer_range, has_embed, has_head)
+    model.load_hf(src)
+    if layer_range is None and has_embed and has_head:
+        extra = [k for k in src.unused() if not _IGNORED.search(k) and not _is_mtp(k, spec)]
+        if extra:
+            more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
+            raise CheckpointError(f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
+                                  f"{', '.join(extra[:10])}{more}; is config.json from the same model?")
+    model.eval()
+    return model
+
+
+def _is_mtp(name: str, spec: ModelSpec) -> bool:
+    """DeepSeek-style MTP modules are stored as extra layers after the last decoder layer."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return bool(m) and spec.num_layers <= int(m.group(1)) < spec.num_layers + len(spec.mtp_layers)

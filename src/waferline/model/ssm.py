@@ -1,0 +1,303 @@
+"""Mamba-2 (SSD) mixer: chunked-scan prefill and recurrent decode over a constant-size per-slot conv + SSM state.
+
+One module serves the three Hugging Face families that use this mixer (``bamba``, ``nemotron_h``,
+``granitemoehybrid``); in transformers 5.x their mixers are the same code, and only configuration differs:
+
+====================  ==============================  ======================  =======================================
+family                HF mixer weight prefix          conv activation         dt clamp in the T > 1 (chunked) path
+====================  ==============================  ======================  =======================================
+bamba                 ``model.layers.{i}.mamba.``     ``config.hidden_act``   ``config.time_step_limit``
+granitemoehybrid      ``model.layers.{i}.mamba.``     ``config.hidden_act``   ``config.time_step_limit``
+nemotron_h            ``backbone.layers.{i}.mixer.``  ``mamba_hidden_act``    ``(config.time_step_min, inf)`` (!)
+                      (in memory: ``model.layers.``)
+====================  ==============================  ======================  =======================================
+
+HF clamps dt to the limit only in its chunked path; its single-token (decode) path never clamps. With the default
+limit ``(0, inf)`` that is a no-op, but nemotron_h's ``(time_step_min, inf)`` makes the two paths differ. By default
+this module does the same as HF (``clamp_dt_in_decode=False``); pass ``True`` to clamp in both paths (then chunked
+prefill, speculative verify and plain decode are mutually consistent, at the cost of differing from HF's decode).
+
+The computation: ``in_proj`` -> [z | xBC | dt]; causal depthwise conv over xBC (with the cached K-1 previous
+inputs) + activation; x, B, C split (B/C shared by the heads of a group); dt = softplus(dt + dt_bias);
+state h <- exp(dt*A) h + dt * x B^T; y = C h + D x; y * silu(z), RMS-normalised per group, times the norm weight;
+``out_proj``. The SSM state and all scan arithmetic are float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from waferline.errors import CheckpointError, ConfigError
+from waferline.model.context import StepBatch
+from waferline.model.weights import WeightSource, copy_into
+from waferline.spec.model import Mamba2Spec
+
+_ACTS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "identity": lambda t: t,
+    "linear": lambda t: t,
+}
+
+
+@dataclass
+class Mamba2Cache:
+    """Per-layer Mamba-2 state for up to ``num_slots`` sequences; its size does not depend on sequence length.
+
+    conv: the last ``conv_kernel - 1`` inputs of the causal conv, ``[num_slots, conv_dim, conv_kernel - 1]``, model dtype.
+    ssm:  the SSM state, ``[num_slots, num_heads, head_dim, state_size]``, always float32.
+    """
+
+    conv: Tensor
+    ssm: Tensor
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.ssm.shape[0])
+
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
+
+    def reset(self, slots: Tensor) -> None:
+        """Zero the state of ``slots`` (a slot starting a new sequence)."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.ssm.device).reshape(-1)
+        self.conv.index_fill_(0, slots, 0)
+        self.ssm.index_fill_(0, slots, 0)
+
+    def snapshot(self, slots: Tensor) -> tuple[Tensor, Tensor]:
+        """Copies of the (conv, ssm) state of ``slots``, e.g. to roll back after a rejected speculative verify."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.ssm.device).reshape(-1)
+        return self.conv.index_select(0, slots), self.ssm.index_select(0, slots)
+
+    def restore(self, slots: Tensor, state: tuple[Tensor, Tensor]) -> None:
+        """Write back a ``snapshot`` of ``slots``."""
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.ssm.device).reshape(-1)
+        self.conv.index_copy_(0, slots, state[0].to(self.conv.dtype))
+        self.ssm.index_copy_(0, slots, state[1].to(self.ssm.dtype))
+
+
+def _segsum(a: Tensor) -> Tensor:
+    """For a [..., L] tensor of per-step log-decays, the [..., L, L] matrix of sum_{s < k <= l} a_k (−inf where s > l).
+
+    Summed directly (masked cumulative sum) rather than as a difference of prefix sums, which loses precision once
+    the prefix sums grow large.
+    """
+    L = a.shape[-1]
+    strict = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(-1)  # [k, s]: k > s
+    x = a[..., :, None].expand(*a.shape, L).masked_fill(~strict, 0.0)  # [..., k, s] = a_k if k > s
+    out = torch.cumsum(x, dim=-2)  # [..., l, s] = sum_{s < k <= l} a_k
+    causal = torch.ones(L, L, dtype=torch.bool, device=a.device).tril(0)
+    return out.masked_fill_(~causal, float("-inf"))
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba-2 mixer of one layer. ``forward`` reads and updates a ``Mamba2Cache`` at the rows ``batch.slots``."""
+
+    def __init__(self, spec: Mamba2Spec, dtype: torch.dtype = torch.float32, act: str = "silu",
+                 time_step_limit: tuple[float, float] | None = None, clamp_dt_in_decode: bool = False):
+        super().__init__()
+        if spec.num_heads % spec.n_groups != 0:
+            raise ConfigError(f"mamba2: num_heads {spec.num_heads} is not a multiple of n_groups {spec.n_groups}")
+        if spec.conv_kernel < 2:
+            raise ConfigError(f"mamba2: conv_kernel must be >= 2, got {spec.conv_kernel}")
+        if act not in _ACTS:
+            raise ConfigError(f"mamba2: unsupported conv activation {act!r}; use one of {sorted(_ACTS)}")
+        self.spec = spec
+        self.dtype = dtype
+        self.act_name = act
+        self._act = _ACTS[act]
+        lim = spec.time_step_limit if time_step_limit is None else time_step_limit
+        self.time_step_limit = (float(lim[0]), float(lim[1]))
+        self._clamp = self.time_step_limit != (0.0, float("inf"))
+        self.clamp_dt_in_decode = clamp_dt_in_decode
+
+        H, P, N, G, K = spec.num_heads, spec.head_dim, spec.state_size, spec.n_groups, spec.conv_kernel
+        self.H, self.P, self.N, self.G, self.K = H, P, N, G, K
+        self.d_inner = spec.d_inner
+        self.conv_dim = spec.conv_dim
+        self.in_proj = nn.Linear(spec.hidden_size, self.d_inner + self.conv_dim + H, bias=spec.proj_bias, dtype=dtype)
+        self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, K, dtype=dtype))
+        self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim, dtype=dtype)) if spec.conv_bias else None
+        # the per-head scalars are tiny: keep them float32 whatever the model dtype
+        self.dt_bias = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.D = nn.Parameter(torch.ones(H, dtype=torch.float32))
+        self.norm_weight = nn.Parameter(torch.ones(self.d_inner, dtype=dtype))
+        self.out_proj = nn.Linear(self.d_inner, spec.hidden_size, bias=spec.proj_bias, dtype=dtype)
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ state and weights
+
+    def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> Mamba2Cache:
+        device = device if device is not None else self.conv_weight.device
+        return Mamba2Cache(
+            conv=torch.zeros(num_slots, self.conv_dim, self.K - 1, dtype=self.conv_weight.dtype, device=device),
+            ssm=torch.zeros(num_slots, self.H, self.P, self.N, dtype=torch.float32, device=device),
+        )
+
+    def load_hf(self, src: WeightSource, prefix: str) -> None:
+        """Load the HF mixer tensors under ``prefix`` (e.g. ``model.layers.3.mamba.``)."""
+        s = self.spec
+        copy_into(self.in_proj.weight, src.get(prefix + "in_proj.weight", tuple(self.in_proj.weight.shape)))
+        if s.proj_bias:
+            copy_into(self.in_proj.bias, src.get(prefix + "in_proj.bias", (self.in_proj.out_features,)))
+            copy_into(self.out_proj.bias, src.get(prefix + "out_proj.bias", (s.hidden_size,)))
+        copy_into(self.out_proj.weight, src.get(prefix + "out_proj.weight", (s.hidden_size, self.d_inner)))
+        w = src.get(prefix + "conv1d.weight")
+        if tuple(w.shape) not in ((self.conv_dim, 1, self.K), (self.conv_dim, self.K)):
+            raise CheckpointError(f"tensor {prefix + 'conv1d.weight'!r} has shape {list(w.shape)} but the config "
+                                  f"implies {[self.conv_dim, 1, self.K]}")
+        copy_into(self.conv_weight, w.reshape(self.conv_dim, self.K))
+        if s.conv_bias:
+            copy_into(self.conv_bias, src.get(prefix + "conv1d.bias", (self.conv_dim,)))
+        copy_into(self.dt_bias, src.get(prefix + "dt_bias", (self.H,)))
+        copy_into(self.A_log, src.get(prefix + "A_log", (self.H,)))
+        copy_into(self.D, src.get(prefix + "D", (self.H,)))
+        copy_into(self.norm_weight, src.get(prefix + "norm.weight", (self.d_inner,)))
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]; row b continues the sequence held in cache slot ``batch.slots[b]``."""
+        if x.shape[1] == 1:
+            return self._step(x, cache, batch.slots)
+        return self._scan(x, cache, batch.slots)
+
+    def _gated_norm_out(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
+        """y (float32) * silu(z), RMS-normalised within each of the n_groups groups, scaled, then out_proj."""
+        shp = y.shape
+        g = y * F.silu(z.float())
+        g = g.view(*shp[:-1], self.G, self.d_inner // self.G)
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
+        g = g.view(shp) * self.norm_weight.float()
+        return self.out_proj(g.to(dtype))
+
+    def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
+        """One new token per row: the recurrent form (the decode hot loop)."""
+        Bsz = x.shape[0]
+        H, P, N, G = self.H, self.P, self.N, self.G
+        zxbcdt = self.in_proj(x[:, 0])
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
+
+        # causal conv: window = [K-1 cached inputs | new input]
+        window = torch.cat([cache.conv.index_select(0, slots), xBC[:, :, None].to(cache.conv.dtype)], dim=-1)
+        cache.conv.index_copy_(0, slots, window[:, :, 1:])
+        xBC = (window * self.conv_weight).sum(-1)
+        if self.conv_bias is not None:
+            xBC = xBC + self.conv_bias
+        xBC = self._act(xBC)
+        xs, Bm, Cm = xBC.float().split([self.d_inner, G * N, G * N], dim=-1)
+
+        dt = F.softplus(dt.float() + self.dt_bias)  # [B, H]
+        if self.clamp_dt_in_decode and self._clamp:
+            dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
+        A = -torch.exp(self.A_log)
+        dA = torch.exp(dt * A)  # [B, H]
+
+        xs = xs.view(Bsz, H, P)
+        h = cache.ssm.index_select(0, slots)  # [B, H, P, N]
+        # heads of a group share B and C: view heads as [G, H/G] and broadcast
+        Bg = Bm.view(Bsz, G, 1, 1, N)
+        Cg = Cm.view(Bsz, G, 1, N, 1)
+        dx = (dt[:, :, None] * xs).view(Bsz, G, H // G, P, 1)
+        h = h.view(Bsz, G, H // G, P, N)  # a fresh copy (index_select): update it in place
+        h.mul_(dA.view(Bsz, G, H // G, 1, 1)).addcmul_(dx, Bg)
+        y = torch.matmul(h, Cg).view(Bsz, H, P) + self.D[:, None] * xs
+        cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N))
+        return self._gated_norm_out(y.reshape(Bsz, 1, self.d_inner), z[:, None], x.dtype)
+
+    def _scan(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
+        """T > 1 new tokens per row, continuing from each row's cached state: the chunked SSD scan."""
+        Bsz, T, _ = x.shape
+        H, P, N, G, K = self.H, self.P, self.N, self.G, self.K
+        Q = self.spec.chunk_size
+        zxbcdt = self.in_proj(x)
+        z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
+
+        # causal depthwise conv over [K-1 cached inputs | T new inputs]
+        full = torch.cat([cache.conv.index_select(0, slots), xBC.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
+        cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
+        xBC = F.conv1d(full, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)  # [B, C, T]
+        xBC = self._act(xBC).transpose(1, 2).float()
+        xs, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
+        xs = xs.reshape(Bsz, T, H, P)
+        Bm = Bm.reshape(Bsz, T, G, N)
+        Cm = Cm.reshape(Bsz, T, G, N)
+
+        dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
+        if self._clamp:
+            dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
+        a = dt * -torch.exp(self.A_log)  # per-step log decay, [B, T, H]
+        y_skip = self.D[:, None] * xs
+        xdt = xs * dt[..., None]
+
+        # pad T up to a multiple of Q (zero input, zero log-decay: padding neither adds to nor decays the state)
+        nc = -(-T // Q)
+        pad = nc * Q - T
+        if pad:
+            xdt = F.pad(xdt, (0, 0, 0, 0, 0, pad))
+            a = F.pad(a, (0, 0, 0, pad))
+            Bm = F.pad(Bm, (0, 0, 0, 0, 0, pad))
+            Cm = F.pad(Cm, (0, 0, 0, 0, 0, pad))
+        R = H // G
+        # chunked views; heads split as (g, r) so B/C broadcast over the r heads of their group
+        xc = xdt.view(Bsz, nc, Q, G, R, P)
+        Bc = Bm.view(Bsz, nc, Q, G, N)
+        Cc = Cm.view(Bsz, nc, Q, G, N)
+        ac = a.view(Bsz, nc, Q, G, R).permute(0, 1, 3, 4, 2)  # [B, c, g, r, Q]
+        acum = torch.cumsum(ac, dim=-1)  # [B, c, g, r, Q]
+
+        # 1. within-chunk (diagonal blocks): y[l] = sum_{s<=l} (C_l . B_s) exp(sum_{s<k<=l} a_k) xdt[s]
+        CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)  # [B, c, g, l, s]
+        M = _segsum(ac).exp_().mul_(CB[:, :, :, None])  # [B, c, g, r, l, s] (in place: the largest tensors here)
+        y = torch.einsum("bcgrls,bcsgrp->bclgrp", M, xc)
+        del M, CB
+
+        # 2. state contributed by each chunk alone, at its end
+        to_end = torch.exp(acum[..., -1:] - acum)  # [B, c, g, r, Q]
+        chunk_states = torch.einsum("bcsgn,bcgrs,bcsgrp->bcgrpn", Bc, to_end, xc)  # [B, c, g, r, P, N]
+
+        # 3. states at chunk starts: h_start[c] = sum_{z<=c} exp(sum of chunk decays z..c-1) * (h0 if z == 0 else S[z-1])
+        h0 = cache.ssm.index_select(0, slots).view(Bsz, 1, G, R, P, N)
+        S = torch.cat([h0, chunk_states], dim=1)  # [B, nc+1, g, r, P, N]
+        tot = F.pad(acum[..., -1].permute(0, 2, 3, 1), (1, 0))  # [B, g, r, nc+1]: per-chunk total log decay
+        chunk_decay = torch.exp(_segsum(tot))  # [B, g, r, c, z]
+        starts = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, S)  # [B, nc+1, g, r, P, N]
+        cache.ssm.index_copy_(0, slots, starts[:, -1].reshape(Bsz, H, P, N))
+
+        # 4. contribution of each chunk's start state: y[l] += exp(acum[l]) C_l . h_start
+        y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, starts[:, :-1]) * torch.exp(acum).permute(0, 1, 4, 2, 3)[..., None]
+        y = (y + y_off).reshape(Bsz, nc * Q, H, P)[:, :T] + y_skip
+        return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
+
+
+def hf_mixer_prefix(model_type: str, layer: int, src: WeightSource | None = None) -> str:
+    """The weight-name prefix of layer ``layer``'s Mamba-2 mixer in a Hugging Face checkpoint.
+
+    nemotron_h files (hub, and ``save_pretrained`` in transformers 5.x) say ``backbone.layers.{i}.mixer.``, while the
+    in-memory transformers module says ``model.layers.{i}.mixer.``; with ``src`` given, the one present is returned.
+    """
+    if model_type in ("bamba", "granitemoehybrid"):
+        return f"model.layers.{layer}.mamba."
+    if model_type == "nemotron_h":
+        in_memory = f"model.layers.{layer}.mixer."
+        if src is not None and src.has(in_memory + "A_log"):
+            return in_memory
+        return f"backbone.layers.{layer}.mixer."
+    raise ConfigError(f"mamba2: no known mixer prefix for model_type {model_type!r}")
+
+
+def hf_mixer_kwargs(model_type: str, hf_config: dict) -> dict:
+    """Constructor flags (beyond the spec) that make ``Mamba2Mixer`` reproduce a family's HF mixer."""
+    if model_type in ("bamba", "granitemoehybrid"):
+        return {"act": hf_config.get("hidden_act", "silu")}
+    if model_type == "nemotron_h":
+        tmin = hf_config.get("time_step_min", hf_config.get("mamba_dt_min", 0.001))
+        return {"act": hf_config.get("mamba_hidden_act", "silu"), "time_step_limit": (float(tmin), float("inf"))}
+    raise ConfigError(f"mamba2: no known HF mixer for model_type {model_type!r}")

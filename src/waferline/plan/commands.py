@@ -1,0 +1,277 @@
+"""CLI subcommands of the planner/simulator: plan, simulate, validate, calibrate (register() adds them to argparse)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from waferline.errors import ConfigError, WaferlineError
+
+DEFAULT_DATA = "../shared/data/published_results.csv"
+
+
+def _console():
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=160)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.2f}"
+
+
+def _add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="catalog model id (e.g. gpt-5.6-sol, deepseek-v3), a config.json path, or a checkpoint dir")
+    p.add_argument("--hardware", "-H", required=True, help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
+    p.add_argument("--devices", type=int, default=None, help="number of devices (default: the fewest that fit)")
+    p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4))
+    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
+    p.add_argument("--context", type=int, default=None, help="context length per sequence for memory sizing (default 4096; simulate: prompt+output)")
+    p.add_argument("--batch", type=int, default=1, help="sequences resident at once (memory sizing)")
+    p.add_argument("--layers-per-stage", type=int, default=None, help="K layers per stage (default: as many as fit)")
+    p.add_argument("--afd", action="store_true", help="attention/FFN disaggregation: separate attention and FFN device pools")
+    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default min(batch, stages))")
+    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _spec_cfg(args: argparse.Namespace):
+    from waferline.plan.plan import SpeculativeConfig
+
+    method = getattr(args, "speculative", "none") or "none"
+    return SpeculativeConfig(method=method, num_tokens=getattr(args, "num_speculative_tokens", None) or 0,
+                             accept_rate=getattr(args, "accept_rate", None), draft_model=getattr(args, "draft_model", None))
+
+
+def _make_plan(args: argparse.Namespace, context: int):
+    from waferline.plan.place import place
+
+    return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
+                 context=context, batch=args.batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
+                 micro_batches=args.micro_batches, speculative=_spec_cfg(args))
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Place a model on hardware; print per-stage memory; exit 2 if it does not fit."""
+    from waferline.plan.place import context_capacity
+    from waferline.spec.catalog import load_model
+
+    ctx = args.context or 4096
+    plan = _make_plan(args, ctx)
+    if args.out:
+        plan.save(args.out)
+    max_ctx = context_capacity(plan, load_model(args.model)) if plan.fits else 0
+    if args.json:
+        d = plan.to_dict()
+        d["max_context_per_sequence"] = max_ctx
+        print(json.dumps(d, indent=1))
+        return 0 if plan.fits else 2
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"{plan.model} on {plan.hardware}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
+                    f"{plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch {plan.batch}")
+    for c in ("stage", "role", "layers", "devices", "weights GB", "cache GB", "act GB", "reserve GB", "total GB", "capacity GB", "fits"):
+        t.add_column(c, justify="right" if c not in ("role", "fits") else "left")
+    rows = plan.stages
+    show = rows if len(rows) <= 24 else rows[:10] + [None] + rows[-10:]  # type: ignore[list-item]
+    for s in show:
+        if s is None:
+            t.add_row("...", "", f"({len(rows) - 20} more)", "", "", "", "", "", "", "", "")
+            continue
+        m = s.memory
+        t.add_row(str(s.index), s.role, f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]), str(s.num_devices),
+                  _gb(m.weights), _gb(m.cache), _gb(m.activations), _gb(m.reserve), _gb(m.total), _gb(m.capacity),
+                  "yes" if m.fits else "[red]NO[/red]")
+    con.print(t)
+    for n in plan.notes:
+        con.print(f"note: {n}")
+    if plan.fits:
+        con.print(f"fits. Longest context per sequence at batch {plan.batch}: {max_ctx:,} tokens")
+    else:
+        con.print("[red]does not fit:[/red]")
+        for p in plan.problems:
+            con.print(f"  {p}")
+    if args.out:
+        con.print(f"plan written to {args.out}")
+    return 0 if plan.fits else 2
+
+
+def _load_params(args: argparse.Namespace):
+    from waferline.sim.cost import load_params
+
+    return load_params(getattr(args, "params", None))
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Plan (or read --plan) and predict tokens/s, TTFT and a per-stage breakdown."""
+    from waferline.plan.plan import Plan
+    from waferline.sim.pipeline import simulate
+
+    params = _load_params(args)
+    P = args.prompt_len or params.default_prompt_len
+    O = args.output_len or params.default_output_len
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        plan = _make_plan(args, args.context or (P + O))
+    r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)
+    if args.json:
+        d = r.to_dict()
+        d["plan"] = {"weight_bits": plan.weight_bits, "kv_bits": plan.kv_bits, "afd": plan.afd, "context_len": plan.context_len}
+        print(json.dumps(d, indent=1))
+        return 0 if r.fits else 2
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"{r.model} on {r.num_devices} x {r.hardware} ({r.num_stages} stages, {plan.weight_bits}-bit weights)")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    t.add_row("decode tokens/s per user", f"{r.decode_tokens_per_s_per_user:,.1f}")
+    t.add_row(f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)", f"{r.aggregate_tokens_per_s:,.1f}")
+    t.add_row("one decode step through all stages (ms)", f"{r.step_latency_s * 1e3:.3f}")
+    t.add_row(f"TTFT, prompt {r.prompt_len:,} (ms)", f"{r.ttft_s * 1e3:.1f}")
+    t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", f"{r.end_to_end_s:.3f}")
+    t.add_row("decode is bound by", r.bound)
+    sp = r.speculative
+    if sp.get("method", "none") != "none":
+        t.add_row(f"speculative: {sp['method']} ({sp['drafter']})",
+                  f"k={sp['num_tokens']}, accept {sp['accept_rate']:.2f} ({sp['accept_rate_source']}), "
+                  f"{sp['expected_tokens_per_step']:.2f} tok/step, x{sp['speedup']:.2f}")
+    con.print(t)
+    st = Table(title="per-stage decode step (us)")
+    for c in ("stage", "role", "layers", "devices", "compute", "memory", "fixed", "collective", "hop", "total"):
+        st.add_column(c, justify="right" if c != "role" else "left")
+    rows = r.stages
+    show = rows if len(rows) <= 16 else rows[:6] + [None] + rows[-6:]  # type: ignore[list-item]
+    for s in show:
+        if s is None:
+            st.add_row("...", "", f"({len(rows) - 12} more)", "", "", "", "", "", "", "")
+            continue
+        st.add_row(str(s.index), s.role, s.layers, str(s.devices), f"{s.compute * 1e6:.1f}", f"{s.memory * 1e6:.1f}",
+                   f"{s.fixed * 1e6:.1f}", f"{s.comm * 1e6:.1f}", f"{s.hop * 1e6:.1f}", f"{s.total * 1e6:.1f}")
+    con.print(st)
+    if not r.fits:
+        con.print("[red]warning: the plan does not fit:[/red]")
+        for p in r.problems:
+            con.print(f"  {p}")
+        return 2
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    """Predict every row of a published-results CSV and print error factors, median and max."""
+    from waferline.sim.validate import validate
+
+    data = args.data or DEFAULT_DATA
+    results, summary = validate(data, _load_params(args))
+    if args.json:
+        print(json.dumps({"summary": summary, "rows": [
+            {"id": r.row.id, "model": r.row.model, "hardware": r.row.hardware, "metric": r.row.metric, "published": r.row.value,
+             "predicted": r.predicted, "error_factor": r.error_factor, "devices": r.devices, "skipped": r.skipped,
+             "spec_decoding": r.row.spec_decoding} for r in results]}, indent=1))
+        return 0
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"validation on {data} (parameters: {summary['params']})")
+    for c in ("id", "model", "hardware", "chips", "bits", "spec", "metric", "published", "predicted", "error x"):
+        t.add_column(c, justify="right" if c in ("chips", "bits", "published", "predicted", "error x") else "left")
+    for r in results:
+        if r.predicted is None:
+            t.add_row(r.row.id, r.row.model, r.row.hardware, "", str(r.row.weight_bits), r.row.spec_decoding, r.row.metric,
+                      f"{r.row.value:g}", "skipped", r.skipped[:60])
+            continue
+        e = r.error_factor or 0
+        col = "green" if e <= 1.25 else "yellow" if e <= 2 else "red"
+        t.add_row(r.row.id, r.row.model, r.row.hardware, str(r.devices), str(r.row.weight_bits), r.row.spec_decoding, r.row.metric,
+                  f"{r.row.value:g}", f"{r.predicted:.4g}", f"[{col}]{e:.2f}[/{col}]")
+    con.print(t)
+    if summary["median_error_factor"] is not None:
+        con.print(f"median error factor {summary['median_error_factor']:.3f}, max {summary['max_error_factor']:.3f}; "
+                  f"{summary['within_1_25']}/{summary['predicted']} within 1.25x, {summary['within_2']}/{summary['predicted']} within 2x"
+                  + (f"; {summary['skipped']} skipped" if summary["skipped"] else ""))
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Re-fit the simulator's fitted parameters on a published-results CSV and store them marked fitted."""
+    from waferline.sim.cost import FITTED_PATH
+    from waferline.sim.fit import fit, save_fitted
+
+    if not args.published:
+        raise ConfigError("calibrate needs --published CSV (e.g. ../shared/data/published_results.csv)")
+    params, report = fit(args.published, base=_load_params(args), restarts=args.restarts, iters=args.iters)
+    out = Path(args.out) if args.out else FITTED_PATH
+    save_fitted(params, out, str(args.published))
+    report["written"] = str(out)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+        return 0
+    from rich.table import Table
+
+    con = _console()
+    t = Table(title=f"fitted on {args.published} ({report['rows']} rows, {report['free_parameters']} parameters, {report['seconds']:.1f} s)")
+    t.add_column("parameter")
+    t.add_column("value", justify="right")
+    for k, v in report["params"].items():
+        t.add_row(k, f"{v:.4g}")
+    con.print(t)
+    con.print(f"error factor before: median {report['before']['median']:.3f}, max {report['before']['max']:.3f}; "
+              f"after: median {report['after']['median']:.3f}, max {report['after']['max']:.3f}")
+    con.print(f"written to {out}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add plan / simulate / validate / calibrate to an argparse subparsers object."""
+    p = subparsers.add_parser("plan", help="place a model on hardware and check that it fits")
+    _add_plan_args(p)
+    p.set_defaults(func=cmd_plan)
+
+    s = subparsers.add_parser("simulate", help="predict tokens/s, TTFT and per-stage latency of a deployment")
+    _add_plan_args(s)
+    s.add_argument("--plan", default=None, help="simulate this plan JSON instead of placing MODEL")
+    s.add_argument("--prompt-len", type=int, default=None)
+    s.add_argument("--output-len", type=int, default=None)
+    s.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default: --batch)")
+    s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
+    s.add_argument("--accept-rate", type=float, default=None, help="per-token acceptance (default: fitted per method)")
+    s.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)")
+    s.add_argument("--draft-model", default=None, help="draft model for --speculative draft (default llama-3.2-1b)")
+    s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")
+    s.set_defaults(func=cmd_simulate)
+
+    v = subparsers.add_parser("validate", help="compare predictions with a CSV of published results")
+    v.add_argument("--data", default=None, help=f"results CSV (default {DEFAULT_DATA})")
+    v.add_argument("--params", default=None, help="simulator parameter YAML (default: sim/fitted.yaml)")
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_validate)
+
+    c = subparsers.add_parser("calibrate", help="re-fit the simulator's fitted parameters on published results")
+    c.add_argument("--published", default=None, help="results CSV to fit on")
+    c.add_argument("--out", default=None, help="where to write the parameters (default: sim/fitted.yaml)")
+    c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
+    c.add_argument("--restarts", type=int, default=2)
+    c.add_argument("--iters", type=int, default=1500)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_calibrate)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m waferline.plan.commands", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = ap.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except WaferlineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+"""Placement: put a model's layers on devices, check memory per device, and explain in bytes why a plan does not fit."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from waferline.errors import ConfigError, FitError
+from waferline.plan.plan import MemoryBreakdown, Plan, SpeculativeConfig, Stage
+from waferline.spec.hardware import HardwareSpec
+
+# Activation workspace per stage: tokens in flight x hidden x 2 bytes x this factor (residual, q/k/v, MLP
+# intermediate, attention scores, double buffers). Assumed, not fitted: it is small next to weights and cache.
+ACTIVATION_FACTOR = 8
+DEFAULT_PREFILL_CHUNK = 512
+STATE_BITS = 16
+MAX_DEVICES = 100_000
+
+
+def _resolve(model: Any, hardware: Any) -> tuple[Any, HardwareSpec]:
+    from waferline.spec.catalog import load_hardware, load_model
+
+    if isinstance(model, str):
+        model = load_model(model)
+    if isinstance(hardware, str):
+        hardware = load_hardware(hardware)
+    return model, hardware
+
+
+@dataclass
+class _Part:
+    """The memory a placement unit (a layer, or its attention / FFN half) needs, summed over all its devices."""
+
+    layer: int
+    weights: float
+    cache: float
+
+
+def _parts(spec: Any, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int) -> list[_Part]:
+    out = []
+    for layer in spec.layers:
+        cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
+        if role == "full":
+            out.append(_Part(layer.index, layer.weight_bytes(weight_bits, group), cache))
+        elif role == "attention":
+            out.append(_Part(layer.index, layer.mixer_weight_bytes(weight_bits, group), cache))
+        else:
+            out.append(_Part(layer.index, layer.ffn_weight_bytes(weight_bits, group), 0.0))
+    return out
+
+
+def _activation_bytes(spec: Any, batch: int, chunk: int) -> float:
+    return max(batch, chunk) * spec.hidden_size * 2 * ACTIVATION_FACTOR
+
+
+def _stage_memory(parts: list[_Part], n_dev: int, hw: HardwareSpec, act: float, extra_weights: float) -> MemoryBreakdown:
+    w = (sum(p.weights for p in parts) + extra_weights) / n_dev
+    c = sum(p.cache for p in parts) / n_dev
+    return MemoryBreakdown(weights=w, cache=c, activations=act, reserve=hw.memory_bytes * hw.reserve_fraction,
+                           capacity=hw.memory_bytes)
+
+
+def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
+    avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
+    if avail <= 0:
+        return MAX_DEVICES
+    return max(1, math.ceil(total / avail - 1e-12))
+
+
+def _balanced_split(parts: list[_Part], n: int) -> list[list[_Part]]:
+    """Split parts into n contiguous groups of (nearly) equal memory, every group non-empty."""
+    n = max(1, min(n, len(parts)))
+    sizes = [p.weights + p.cache for p in parts]
+    total = sum(sizes) or 1.0
+    groups: list[list[_Part]] = []
+    cur: list[_Part] = []
+    acc = 0.0
+    for i, p in enumerate(parts):
+        remaining_parts = len(parts) - i
+        remaining_groups = n - len(groups)
+        if cur and (remaining_parts < remaining_groups or acc + sizes[i] / 2 > total * (len(groups) + 1) / n):
+            groups.append(cur)
+            cur = []
+        cur.append(p)
+        acc += sizes[i]
+    groups.append(cur)
+    return groups
+
+
+def _greedy_pack(parts: list[_Part], hw: HardwareSpec, act: float, first_extra: float, last_extra: float) -> list[tuple[list[_Part], int]]:
+    """Fewest devices: fill one device with consecutive parts; a part too big for one device gets several."""
+    avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
+    out: list[tuple[list[_Part], int]] = []
+    cur: list[_Part] = []
+    used = first_extra
+    for i, p in enumerate(parts):
+        size = p.weights + p.cache + (last_extra if i == len(parts) - 1 else 0.0)
+        if cur and used + size <= avail:
+            cur.append(p)
+            used += size
+            continue
+        if cur:
+            out.append((cur, 1))
+            cur, used = [], 0.0
+        extra = first_extra if not out and not cur else 0.0
+        if size + extra > avail:
+            out.append(([p], _devices_needed(size + extra, hw, act)))
+            used = 0.0
+        else:
+            cur, used = [p], size + extra
+    if cur:
+        out.append((cur, 1))
+    return out
+
+
+def _tp_sizes(hw: HardwareSpec) -> list[int]:
+    sizes, t = [], 1
+    while t < hw.devices_per_node:
+        sizes.append(t)
+        t *= 2
+    sizes.append(hw.devices_per_node)
+    return sorted({s for s in sizes if s >= min(hw.min_devices, hw.devices_per_node)})
+
+
+def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits: int = 16, kv_bits: int = 16,
+          embed_bits: int = 16, group_size: int = 128, context: int = 4096, batch: int = 1,
+          layers_per_stage: int | None = None, afd: bool = False, micro_batches: int | None = None,
+          speculative: SpeculativeConfig | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+          require_fit: bool = False) -> Plan:
+    """Place ``model`` on ``hardware``: the fewest devices that fit when ``devices`` is None, else exactly ``devices``."""
+    spec, hw = _resolve(model, hardware)
+    if weight_bits not in (4, 8, 16):
+        raise ConfigError(f"--weight-bits must be 4, 8 or 16, got {weight_bits}")
+    if kv_bits not in (4, 8, 16):
+        raise ConfigError(f"--kv-bits must be 4, 8 or 16, got {kv_bits}")
+    if batch < 1 or context < 1:
+        raise ConfigError(f"batch and context must be >= 1 (got batch={batch}, context={context})")
+    if devices is not None and devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    if layers_per_stage is not None and layers_per_stage < 1:
+        raise ConfigError(f"--layers-per-stage must be >= 1, got {layers_per_stage}")
+    act = _activation_bytes(spec, batch, prefill_chunk)
+    emb = spec.embed_bytes(embed_bits)
+    head = spec.lm_head_bytes(embed_bits)
+    kw = dict(weight_bits=weight_bits, kv_bits=kv_bits, embed_bits=embed_bits, group_size=group_size,
+              context_len=context, batch=batch, afd=afd, speculative=speculative or SpeculativeConfig())
+    notes: list[str] = []
+
+    def mk_stages(groups: list[tuple[list[_Part], int]], role: str, start_dev: int, start_idx: int,
+                  with_ends: bool) -> list[Stage]:
+        stages, dev = [], start_dev
+        for gi, (g, n) in enumerate(groups):
+            first = with_ends and gi == 0
+            last = with_ends and gi == len(groups) - 1
+            extra = (emb if first else 0.0) + (head if last else 0.0)
+            stages.append(Stage(index=start_idx + gi, role=role, layers=[p.layer for p in g], device=hw.name,
+                                device_ids=list(range(dev, dev + n)), weight_bits=weight_bits, kv_bits=kv_bits,
+                                has_embedding=first, has_lm_head=last, memory=_stage_memory(g, n, hw, act, extra)))
+            dev += n
+        return stages
+
+    if afd:
+        att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size)
+        ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
+        if devices is None:
+            ga = _greedy_pack(att, hw, act, emb, head)
+            gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
+        else:
+            if devices < 2:
+                raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
+            ma = sum(p.weights + p.cache for p in att) + emb + head
+            mf = sum(p.weights for p in ffn)
+            na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
+            ga = _split_into(att, na, hw, act, layers_per_stage)
+            gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
+        stages = mk_stages(ga, "attention", 0, 0, True)
+        n_att = sum(n for _, n in ga)
+        stages += mk_stages(gf, "ffn", n_att, len(stages), False)
+        notes.append(f"attention/FFN disaggregation: {n_att} attention device(s), {sum(n for _, n in gf)} FFN device(s)")
+    elif hw.placement == "pipeline":
+        parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size)
+        if devices is None and layers_per_stage is None:
+            groups = _greedy_pack(parts, hw, act, emb, head)
+        elif devices is None:
+            chunks = [parts[i:i + layers_per_stage] for i in range(0, len(parts), layers_per_stage)]
+            groups = []
+            for ci, c in enumerate(chunks):
+                extra = (emb if ci == 0 else 0.0) + (head if ci == len(chunks) - 1 else 0.0)
+                groups.append((c, _devices_needed(sum(p.weights + p.cache for p in c) + extra, hw, act)))
+        else:
+            groups = _split_into(parts, devices, hw, act, layers_per_stage)
+            used = sum(n for _, n in groups)
+            if used < devices:
+                notes.append(f"{devices - used} of {devices} devices left idle: {len(parts)} layers cannot use them evenly")
+        stages = mk_stages(groups, "full", 0, 0, True)
+    else:
+        stages = _place_tensor(spec, hw, devices, layers_per_stage, weight_bits, kv_bits, context, batch, group_size, act, emb,
+                               head, mk_stages, notes)
+
+    plan = Plan(model=spec.name, hardware=hw.name, stages=stages, notes=notes, **kw)
+    plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
+    plan.problems = explain(plan)
+    plan.fits = not plan.problems
+    if not plan.fits and require_fit:
+        raise FitError("; ".join(plan.problems))
+    return plan
+
+
+def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None) -> list[tuple[list[_Part], int]]:
+    """Use exactly ``devices`` devices (or as many as divide evenly): stages of layers, devices per stage."""
+    if k is not None:
+        groups = [parts[i:i + k] for i in range(0, len(parts), k)]
+    elif devices >= len(parts):
+        groups = [[p] for p in parts]
+    else:
+        groups = _balanced_split(parts, devices)
+    per = max(1, devices // len(groups))
+    if devices < len(groups):
+        raise ConfigError(f"{devices} devices cannot hold {len(groups)} stages of at most {k} layers; "
+                          f"use --devices >= {len(groups)} or a larger --layers-per-stage")
+    return [(g, per) for g in groups]
+
+
+def _place_tensor(spec: Any, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
+                  context: int, batch: int, group: int, act: float, emb: float, head: float, mk_stages: Any,
+                  notes: list[str]) -> list[Stage]:
+    """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes."""
+    parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group)
+    total = sum(p.weights + p.cache for p in parts) + emb + head
+
+    def build(tp: int, pp: int) -> list[tuple[list[_Part], int]]:
+        if k is not None:
+            groups = [parts[i:i + k] for i in range(0, len(parts), k)]
+        else:
+            groups = _balanced_split(parts, pp)
+        return [(g, tp) for g in groups]
+
+    def fits(groups: list[tuple[list[_Part], int]]) -> bool:
+        for gi, (g, n) in enumerate(groups):
+            extra = (emb if gi == 0 else 0.0) + (head if gi == len(groups) - 1 else 0.0)
+            if not _stage_memory(g, n, hw, act, extra).fits:
+                return False
+        return True
+
+    if devices is not None:
+        tp = min(devices, hw.devices_per_node)
+        if k is not None:
+            n_st = math.ceil(len(parts) / k)
+            tp = max(1, devices // n_st)
+            pp = n_st
+        else:
+            pp = max(1, devices // tp)
+        if tp * pp < devices:
+            notes.append(f"{devices - tp * pp} of {devices} devices left idle (stages use {tp} device(s) each)")
+        return mk_stages(build(tp, pp), "full", 0, 0, True)
+    if k is not None:
+        n_st = math.ceil(len(parts) / k)
+        for tp in _tp_sizes(hw):
+            g = build(tp, n_st)
+            if fits(g):
+                return mk_stages(g, "full", 0, 0, True)
+        return mk_stages(build(hw.devices_per_node, n_st), "full", 0, 0, True)
+    for tp in _tp_sizes(hw):
+        g = build(tp, 1)
+        if fits(g):
+            return mk_stages(g, "full", 0, 0, True)
+    tp = hw.devices_per_node
+    pp = max(2, math.ceil(total / (tp * (hw.memory_bytes * (1 - hw.reserve_fraction) - act))))
+    while pp <= len(parts):
+        g = build(tp, pp)
+        if fits(g):
+            return mk_stages(g, "full", 0, 0, True)
+        pp += 1
+    return mk_stages(build(tp, len(parts)), "full", 0, 0, True)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def explain(plan: Plan) -> list[str]:
+    """One line per stage that does not fit: which devices, which term dominates, by how many bytes."""
+    out = []
+    for s in plan.stages:
+        m = s.memory
+        if m.fits:
+            continue
+        terms = {"weights": m.weights, "cache": m.cache, "activations": m.activations, "reserve": m.reserve}
+        big = max(terms, key=terms.get)  # type: ignore[arg-type]
+        layers = f"layer {s.layers[0]}" if len(s.layers) == 1 else f"layers {s.layers[0]}-{s.layers[-1]}"
+        hint = {"weights": "use fewer bits (--weight-bits), more devices, or fewer layers per stage",
+                "cache": "use a shorter --context, a smaller --batch, --kv-bits 8, or more devices",
+                "activations": "use a smaller --batch or prefill chunk",
+                "reserve": "the device is too small for this model"}[big]
+        out.append(f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
+                   f" + cache {_gb(m.cache)} + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"
+                   f" = {_gb(m.total)} > capacity {_gb(m.capacity)} by {_gb(m.total - m.capacity)} ({m.total - m.capacity:.0f} bytes);"
+                   f" largest term: {big}; {hint}")
+    return out
+
+
+def context_capacity(plan: Plan, model: Any) -> int:
+    """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights (binary search)."""
+    from waferline.spec.catalog import load_hardware, load_model
+
+    spec = load_model(model) if isinstance(model, str) else model
+    hw = load_hardware(plan.hardware)
+    by_index = {layer.index: layer for layer in spec.layers}
+    lo, hi = 0, 1 << 34
+
+    def ok(ctx: int) -> bool:
+        for s in plan.stages:
+            if s.role == "ffn":
+                continue
+            cache = sum(plan.batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS) for i in s.layers) / s.num_devices
+            if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
+                return False
+        return True
+
+    if not ok(1):
+        return 0
+    if ok(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

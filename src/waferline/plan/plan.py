@@ -1,0 +1,169 @@
+"""Plan and Stage: a serialisable deployment that both the engine and the simulator execute."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from waferline.errors import ConfigError
+
+ROLES = ("full", "attention", "ffn")
+SPEC_METHODS = ("none", "draft", "mtp", "ngram", "eagle", "medusa")
+PLAN_VERSION = 1
+
+
+@dataclass
+class MemoryBreakdown:
+    """Bytes per device of one stage, by term."""
+
+    weights: float = 0.0
+    cache: float = 0.0
+    activations: float = 0.0
+    reserve: float = 0.0
+    capacity: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.cache + self.activations + self.reserve
+
+    @property
+    def free(self) -> float:
+        return self.capacity - self.total
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity * (1 + 1e-9)
+
+
+@dataclass
+class Stage:
+    """One pipeline stage: a group of devices holding some layers (or their attention / FFN part)."""
+
+    index: int
+    role: str  # full | attention | ffn
+    layers: list[int]
+    device: str  # hardware id (e.g. "wse-3", "h200-sxm")
+    device_ids: list[int]  # global device indices this stage spans (tensor / expert parallel inside the stage)
+    weight_bits: int = 16
+    kv_bits: int = 16
+    has_embedding: bool = False
+    has_lm_head: bool = False
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+
+    @property
+    def num_devices(self) -> int:
+        return len(self.device_ids)
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ConfigError(f"stage {self.index}: role {self.role!r} unknown; use one of {', '.join(ROLES)}")
+        if not self.device_ids:
+            raise ConfigError(f"stage {self.index}: needs at least one device")
+        if isinstance(self.memory, dict):
+            self.memory = MemoryBreakdown(**self.memory)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: method, draft tokens per step, acceptance rate (None = fitted default)."""
+
+    method: str = "none"
+    num_tokens: int = 0
+    accept_rate: float | None = None
+    draft_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"speculative method {self.method!r} unknown; use one of {', '.join(SPEC_METHODS)}")
+        if self.accept_rate is not None and not 0.0 <= self.accept_rate < 1.0:
+            raise ConfigError(f"accept rate must be in [0, 1), got {self.accept_rate}")
+        if self.num_tokens < 0:
+            raise ConfigError(f"num speculative tokens must be >= 0, got {self.num_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none" and self.num_tokens > 0
+
+
+@dataclass
+class Plan:
+    """A deployment: model, hardware, stages, precision, cache budget, micro-batches and speculation."""
+
+    model: str
+    hardware: str
+    stages: list[Stage]
+    weight_bits: int = 16
+    kv_bits: int = 16
+    embed_bits: int = 16
+    group_size: int = 128
+    context_len: int = 4096
+    batch: int = 1
+    micro_batches: int = 1
+    afd: bool = False
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    fits: bool = True
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    version: int = PLAN_VERSION
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    @property
+    def num_devices(self) -> int:
+        return len({d for s in self.stages for d in s.device_ids})
+
+    def layer_stage(self, layer: int, role: str = "full") -> Stage:
+        for s in self.stages:
+            if layer in s.layers and (s.role == role or s.role == "full"):
+                return s
+        raise ConfigError(f"layer {layer} is in no {role} stage of this plan")
+
+    # -- serialisation
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for s, sd in zip(self.stages, d["stages"]):
+            sd["memory"]["total"] = s.memory.total
+            sd["memory"]["fits"] = s.memory.fits
+        return d
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        try:
+            d = dict(d)
+            if d.get("version", PLAN_VERSION) != PLAN_VERSION:
+                raise ConfigError(f"plan version {d.get('version')} is not supported (this waferline reads version {PLAN_VERSION})")
+            stages = []
+            for sd in d.pop("stages"):
+                sd = dict(sd)
+                mem = {k: v for k, v in (sd.pop("memory", None) or {}).items() if k in MemoryBreakdown.__dataclass_fields__}
+                stages.append(Stage(memory=MemoryBreakdown(**mem), **sd))
+            spec = SpeculativeConfig(**(d.pop("speculative", None) or {}))
+            return cls(stages=stages, speculative=spec, **d)
+        except TypeError as e:
+            raise ConfigError(f"malformed plan: {e}") from None
+        except KeyError as e:
+            raise ConfigError(f"malformed plan: missing {e.args[0]!r}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"plan is not valid JSON: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"no plan file at {p}")
+        return cls.from_json(p.read_text())

@@ -1,0 +1,346 @@
+"""Per-layer and per-stage cost: roofline (bytes, FLOPs) plus explicit fixed latencies, with fitted parameters per device class."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from waferline.errors import ConfigError
+from waferline.spec.hardware import HardwareSpec
+from waferline.spec.model import MoESpec, quantized_bytes
+
+FITTED_PATH = Path(__file__).parent / "fitted.yaml"
+SPEC_METHODS = ("draft", "mtp", "eagle", "medusa", "ngram")
+STATE_BITS = 16
+
+# parameter name -> (prior value, prior log-sd, lower bound, upper bound, meaning)
+CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
+    "bw_eff": (0.75, 0.3, 0.05, 1.0, "achieved fraction of peak memory bandwidth in decode"),
+    "flops_eff": (0.5, 0.5, 0.02, 1.0, "achieved fraction of peak FLOP/s in prefill"),
+    "layer_latency_s": (10e-6, 1.5, 1e-7, 2e-4, "fixed latency per layer per decode step (launches, syncs; on a wafer the per-layer reduction across the mesh)"),
+    "hidden_latency_s": (1e-9, 3.0, 1e-13, 1e-8, "latency per hidden element per layer (streaming a d-vector through the on-chip fabric)"),
+    "moe_latency_s": (5e-6, 2.0, 1e-8, 2e-4, "extra latency per MoE layer (router top-k, token dispatch and combine)"),
+    "hop_latency_s": (5e-6, 1.5, 1e-7, 1e-4, "latency of one hop between devices of different stages (overrides the link's assumed latency)"),
+}
+
+
+@dataclass
+class ClassParams:
+    """Fitted/assumed cost parameters of one device class (gpu, wafer, lpu, rdu, ...)."""
+
+    bw_eff: float = 0.75
+    flops_eff: float = 0.5
+    layer_latency_s: float = 10e-6
+    hidden_latency_s: float = 0.0
+    moe_latency_s: float = 5e-6
+    hop_latency_s: float | None = None
+    status: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SimParams:
+    """All parameters that no datasheet gives: per device class, speculative acceptance, request overhead."""
+
+    classes: dict[str, ClassParams] = field(default_factory=dict)
+    accept_rate: dict[str, float] = field(default_factory=lambda: {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.6, "ngram": 0.5})
+    num_tokens: dict[str, int] = field(default_factory=lambda: {"draft": 5, "mtp": 3, "eagle": 6, "medusa": 4, "ngram": 4})
+    draft_models: dict[str, str] = field(default_factory=lambda: {"llama": "llama-3.2-1b", "default": "llama-3.2-1b"})
+    ttft_overhead_s: float = 0.0
+    default_prompt_len: int = 1000
+    default_output_len: int = 500
+    fitted_on: str = ""
+    status: dict[str, str] = field(default_factory=dict)
+
+    def for_hardware(self, hw: HardwareSpec) -> ClassParams:
+        if hw.name in self.classes:
+            return self.classes[hw.name]
+        if hw.kind in self.classes:
+            return self.classes[hw.kind]
+        if "gpu" in self.classes:
+            return self.classes["gpu"]
+        return ClassParams()
+
+    def copy(self) -> "SimParams":
+        return replace(self, classes={k: replace(v, status=dict(v.status)) for k, v in self.classes.items()},
+                       accept_rate=dict(self.accept_rate), num_tokens=dict(self.num_tokens),
+                       draft_models=dict(self.draft_models), status=dict(self.status))
+
+    # -- YAML
+    def to_yaml_dict(self) -> dict[str, Any]:
+        def val(v: Any, status: str) -> dict[str, Any]:
+            key = "fitted" if status == "fitted" else "assumed"
+            return {"value": v, key: True if status == "fitted" else (status if status != "assumed" else "prior, not constrained by the data")}
+
+        classes = {}
+        for name, cp in self.classes.items():
+            d = {}
+            for p in CLASS_PARAMS:
+                v = getattr(cp, p)
+                if v is not None:
+                    d[p] = val(float(v), cp.status.get(p, "assumed"))
+            classes[name] = d
+        return {
+            "fitted_on": self.fitted_on,
+            "classes": classes,
+            "speculative": {
+                "accept_rate": {m: val(float(a), self.status.get(f"accept_rate.{m}", "assumed")) for m, a in self.accept_rate.items()},
+                "num_tokens": {m: {"value": int(k), "assumed": "default draft length per method"} for m, k in self.num_tokens.items()},
+                "draft_models": dict(self.draft_models),
+            },
+            "ttft_overhead_s": val(float(self.ttft_overhead_s), self.status.get("ttft_overhead_s", "assumed")),
+            "defaults": {"prompt_len": {"value": self.default_prompt_len, "assumed": "prompt length when a source does not state it"},
+                         "output_len": {"value": self.default_output_len, "assumed": "output length when a source does not state it"}},
+        }
+
+    @classmethod
+    def from_yaml_dict(cls, d: dict[str, Any], where: str = "fitted.yaml") -> "SimParams":
+        def num(x: Any, name: str) -> tuple[float, str]:
+            if isinstance(x, dict):
+                if "value" not in x:
+                    raise ConfigError(f"{where}: {name} has no value")
+                st = "fitted" if x.get("fitted") else "assumed"
+                return float(x["value"]), st
+            return float(x), "assumed"
+
+        sp = cls()
+        try:
+            sp.fitted_on = str(d.get("fitted_on", ""))
+            for cname, cd in (d.get("classes") or {}).items():
+                cp = ClassParams(hop_latency_s=None)
+                for p, raw in (cd or {}).items():
+                    if p not in CLASS_PARAMS:
+                        raise ConfigError(f"{where}: class {cname!r} has unknown parameter {p!r}; known: {', '.join(CLASS_PARAMS)}")
+                    v, st = num(raw, f"{cname}.{p}")
+                    setattr(cp, p, v)
+                    cp.status[p] = st
+                sp.classes[cname] = cp
+            spd = d.get("speculative") or {}
+            for m, raw in (spd.get("accept_rate") or {}).items():
+                v, st = num(raw, f"accept_rate.{m}")
+                sp.accept_rate[m] = v
+                sp.status[f"accept_rate.{m}"] = st
+            for m, raw in (spd.get("num_tokens") or {}).items():
+                sp.num_tokens[m] = int(num(raw, f"num_tokens.{m}")[0])
+            sp.draft_models.update(spd.get("draft_models") or {})
+            if "ttft_overhead_s" in d:
+                sp.ttft_overhead_s, sp.status["ttft_overhead_s"] = num(d["ttft_overhead_s"], "ttft_overhead_s")
+            dd = d.get("defaults") or {}
+            if "prompt_len" in dd:
+                sp.default_prompt_len = int(num(dd["prompt_len"], "prompt_len")[0])
+            if "output_len" in dd:
+                sp.default_output_len = int(num(dd["output_len"], "output_len")[0])
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{where}: malformed simulator parameters: {e}") from None
+        return sp
+
+    def save(self, path: str | Path = FITTED_PATH, header: str = "") -> None:
+        text = yaml.safe_dump(self.to_yaml_dict(), sort_keys=False)
+        Path(path).write_text((header + "\n" if header else "") + text)
+
+
+_PARAMS_CACHE: dict[str, SimParams] = {}
+
+
+def load_params(path: str | Path | None = None) -> SimParams:
+    """The simulator parameters (sim/fitted.yaml unless ``path`` is given)."""
+    p = Path(path) if path else FITTED_PATH
+    key = str(p.resolve()) + (str(p.stat().st_mtime) if p.is_file() else "")
+    if key in _PARAMS_CACHE:
+        return _PARAMS_CACHE[key]
+    if not p.is_file():
+        if path:
+            raise ConfigError(f"no simulator parameter file at {p}")
+        sp = SimParams(classes={"gpu": ClassParams()})
+    else:
+        sp = SimParams.from_yaml_dict(yaml.safe_load(p.read_text()) or {}, str(p))
+    _PARAMS_CACHE[key] = sp
+    return sp
+
+
+# ----------------------------------------------------------------------------- per-layer tables
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Everything the cost model needs about one layer at a given precision and context (from spec.model)."""
+
+    index: int
+    weight_bytes: float  # resident, all experts
+    mixer_bytes: float
+    ffn_bytes: float
+    dense_ffn_bytes: float  # FFN bytes excluding routed experts
+    expert_bytes: float  # bytes of one routed expert
+    num_experts: int
+    top_k: int
+    cache_bytes: float  # per sequence at the context
+    mixer_flops: float  # per token at the context
+    ffn_flops: float  # per token
+    is_moe: bool
+
+
+_TABLE_CACHE: dict[tuple, list[LayerCost]] = {}
+
+
+def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: int = 128) -> list[LayerCost]:
+    """Per-layer bytes / FLOPs of ``spec`` (cached: sweeps reuse it)."""
+    key = (id(spec), spec.name, weight_bits, kv_bits, context, group)
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None:
+        return hit
+    memo: dict[tuple, LayerCost] = {}
+    out = []
+    for layer in spec.layers:
+        sig = (repr(layer.mixer), repr(layer.ffn))
+        proto = memo.get(sig)
+        if proto is not None:
+            out.append(replace(proto, index=layer.index))
+            continue
+        ffn = layer.ffn
+        moe = isinstance(ffn, MoESpec)
+        eb = quantized_bytes(ffn.expert_params(), weight_bits, group) if moe else 0.0
+        fb = layer.ffn_weight_bytes(weight_bits, group)
+        total_f = layer.flops_per_token(context)
+        mixer_f = (2.0 * layer.mixer.matmul_params() + layer.mixer.attention_flops(context)) if layer.mixer is not None else 0.0
+        lc = LayerCost(index=layer.index, weight_bytes=layer.weight_bytes(weight_bits, group),
+                       mixer_bytes=layer.mixer_weight_bytes(weight_bits, group), ffn_bytes=fb,
+                       dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0), expert_bytes=eb,
+                       num_experts=ffn.num_experts if moe else 0, top_k=ffn.top_k if moe else 0,
+                       cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
+                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe)
+        memo[sig] = lc
+        out.append(lc)
+    if len(_TABLE_CACHE) > 256:
+        _TABLE_CACHE.clear()
+    _TABLE_CACHE[key] = out
+    return out
+
+
+# ----------------------------------------------------------------------------- step cost
+
+
+@dataclass
+class StepCost:
+    """Seconds one stage spends on one step, by term."""
+
+    compute: float = 0.0
+    memory: float = 0.0
+    roofline: float = 0.0  # sum over ops of max(compute, memory)
+    fixed: float = 0.0
+    comm: float = 0.0  # collective communication inside the stage (tensor / expert parallel)
+
+    @property
+    def total(self) -> float:
+        return self.roofline + self.fixed + self.comm
+
+    def add(self, o: "StepCost") -> None:
+        self.compute += o.compute
+        self.memory += o.memory
+        self.roofline += o.roofline
+        self.fixed += o.fixed
+        self.comm += o.comm
+
+
+def compute_bits(weight_bits: int, hw: HardwareSpec) -> int:
+    """Matmul precision: 8-bit weights run on fp8/int8 units where the device has them; 4-bit weights compute in 16-bit (W4A16)."""
+    if weight_bits == 8 and ("fp8" in hw.flops or "int8" in hw.flops):
+        return 8
+    return 16
+
+
+def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
+    if num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
+               batch: int, tokens: int, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
+               spatial_resident: float | None = None) -> StepCost:
+    """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
+
+    On a spatial (wafer) device each layer runs on its own region of cores, so a layer's bytes are read at
+    the region's share of the bandwidth: every layer costs resident-bytes-of-the-stage / bandwidth.
+    """
+    bw = hw.memory_bandwidth * prm.bw_eff
+    fl = hw.peak_flops(compute_bits(weight_bits, hw)) * prm.flops_eff
+    spatial = hw.kind == "wafer"
+    n_tok = batch * tokens
+    out = StepCost()
+    link = hw.intra_stage_link() if n_dev > 1 else None
+    if spatial and n_dev > 1:
+        link = hw.scale_out
+    act_bytes = n_tok * hidden * 2.0
+    resident = spatial_resident
+    if spatial and resident is None:
+        resident = sum(_layer_resident(lc, role, batch) for lc in layers) + lm_head_bytes
+    for lc in layers:
+        if role == "attention":
+            wbytes, flops, fixed_frac, moe = lc.mixer_bytes, lc.mixer_flops, 0.5, False
+            cache = lc.cache_bytes * batch
+        elif role == "ffn":
+            wbytes, flops, fixed_frac, moe = lc.ffn_bytes, lc.ffn_flops, 0.5, lc.is_moe
+            cache = 0.0
+        else:
+            wbytes, flops, fixed_frac, moe = lc.weight_bytes, lc.mixer_flops + lc.ffn_flops, 1.0, lc.is_moe
+            cache = lc.cache_bytes * batch
+        if moe and role != "attention":
+            touched = _touched_experts(lc.num_experts, lc.top_k, n_tok)
+            read = wbytes - lc.num_experts * lc.expert_bytes + touched * lc.expert_bytes
+        else:
+            read = wbytes
+        flops_all = flops * n_tok
+        if spatial:
+            res_layer = wbytes + cache
+            share = max(res_layer / resident, 1e-12) if resident else 1.0
+            t_mem = resident / n_dev / bw if (read + cache) > 0 else 0.0
+            t_cmp = flops_all / n_dev / (fl * share)
+        else:
+            t_mem = (read + cache) / n_dev / bw
+            t_cmp = flops_all / n_dev / fl
+        fixed = fixed_frac * (prm.layer_latency_s + prm.hidden_latency_s * hidden)
+        if moe:
+            fixed += prm.moe_latency_s
+        comm = 0.0
+        if link is not None:
+            if spatial:
+                comm = 2 * link.transfer_time(act_bytes)
+            else:
+                comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
+        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm))
+    if lm_head_bytes:
+        t_mem = (resident / n_dev / bw) if spatial else lm_head_bytes / n_dev / bw
+        t_cmp = lm_head_flops * n_tok / n_dev / fl
+        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=0.5 * prm.layer_latency_s))
+    return out
+
+
+def _layer_resident(lc: LayerCost, role: str, batch: int) -> float:
+    if role == "attention":
+        return lc.mixer_bytes + lc.cache_bytes * batch
+    if role == "ffn":
+        return lc.ffn_bytes
+    return lc.weight_bytes + lc.cache_bytes * batch
+
+
+def hop_time(hw: HardwareSpec, prm: ClassParams, a: int, b: int, nbytes: float) -> float:
+    """One activation transfer from device ``a`` to device ``b`` (fitted hop latency when the class has one)."""
+    link = hw.link_between(a, b)
+    lat = prm.hop_latency_s if (prm.hop_latency_s is not None and link is not hw.scale_up) else link.latency
+    return lat + nbytes / link.bandwidth
+
+
+def expected_tokens_per_step(accept: float, k: int) -> float:
+    """Expected tokens emitted per verify step with k drafted tokens and per-token acceptance ``accept``."""
+    if k <= 0:
+        return 1.0
+    if accept >= 1.0:
+        return float(k + 1)
+    return (1.0 - accept ** (k + 1)) / (1.0 - accept)
+
+
+def log_error(pred: float, actual: float) -> float:
+    return abs(math.log(pred / actual))

@@ -1,0 +1,235 @@
+"""Pipeline simulation of a Plan: per-token latency (sum over stages + hops), throughput, TTFT, speculative decoding."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from waferline.errors import ConfigError
+from waferline.plan.plan import Plan, Stage
+from waferline.sim.cost import (ClassParams, LayerCost, SimParams, StepCost, expected_tokens_per_step, hop_time,
+                                layer_table, load_params, stage_step)
+from waferline.spec.hardware import HardwareSpec
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class StageTiming:
+    """One stage's share of a decode step (seconds)."""
+
+    index: int
+    role: str
+    layers: str
+    devices: int
+    compute: float
+    memory: float
+    fixed: float
+    comm: float
+    hop: float
+    total: float
+
+
+@dataclass
+class SimResult:
+    """What the simulator predicts for a plan and a workload."""
+
+    model: str
+    hardware: str
+    num_devices: int
+    num_stages: int
+    fits: bool
+    concurrency: int
+    micro_batches: int
+    prompt_len: int
+    output_len: int
+    step_latency_s: float  # one decode step of one micro-batch through every stage, hops included
+    decode_tokens_per_s_per_user: float
+    aggregate_tokens_per_s: float
+    ttft_s: float
+    end_to_end_s: float
+    bound: str  # what limits decode: latency | bandwidth | compute | pipeline
+    stages: list[StageTiming] = field(default_factory=list)
+    speculative: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Ctx:
+    plan: Plan
+    spec: Any
+    hw: HardwareSpec
+    prm: ClassParams
+    params: SimParams
+
+
+def _lm_head(spec: Any, embed_bits: int) -> tuple[float, float]:
+    return spec.lm_head_bytes(embed_bits) if spec.lm_head_params() else spec.embed_bytes(embed_bits), 2.0 * spec.vocab_size * spec.hidden_size
+
+
+def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_batch: int) -> tuple[float, list[StageTiming], float]:
+    """(latency of one step through all stages incl. hops, per-stage timings, slowest stage time)."""
+    plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
+    head_b, head_f = _lm_head(spec, plan.embed_bits)
+    act = batch * tokens * spec.hidden_size * 2.0
+    timings: list[StageTiming] = []
+    total = 0.0
+    slowest = 0.0
+    stages = plan.stages
+    for i, s in enumerate(stages):
+        lcs = [table[j] for j in s.layers]
+        hb = head_b if s.has_lm_head else 0.0
+        resident = None
+        if hw.kind == "wafer":
+            resident = sum((lc.mixer_bytes + lc.cache_bytes * resident_batch) if s.role == "attention" else
+                           lc.ffn_bytes if s.role == "ffn" else lc.weight_bytes + lc.cache_bytes * resident_batch for lc in lcs) + hb
+        sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
+                        lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
+        hop = _hops_out(ctx, i, act)
+        timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed, sc.comm,
+                                   hop, sc.total + hop))
+        total += sc.total + hop
+        slowest = max(slowest, sc.total)
+    return total, timings, slowest
+
+
+def _hops_out(ctx: _Ctx, i: int, act: float) -> float:
+    """Transfers leaving stage i in one step: to the next stage, or (last stage) the sampled tokens back to the first."""
+    plan, hw, prm = ctx.plan, ctx.hw, ctx.prm
+    stages = plan.stages
+    s = stages[i]
+    if plan.afd:
+        if s.role != "attention":
+            return 0.0
+        # each of this stage's layers goes attention -> FFN stage -> back
+        t = 0.0
+        for layer in s.layers:
+            f = next((x for x in stages if x.role == "ffn" and layer in x.layers), None)
+            if f is not None:
+                t += hop_time(hw, prm, s.device_ids[0], f.device_ids[0], act) + hop_time(hw, prm, f.device_ids[0], s.device_ids[0], act)
+        att = [x for x in stages if x.role == "attention"]
+        if len(att) > 1:
+            nxt = att[(att.index(s) + 1) % len(att)]
+            t += hop_time(hw, prm, s.device_ids[-1], nxt.device_ids[0], act if nxt is not att[0] else 64.0)
+        return t
+    if len(stages) == 1:
+        return 0.0
+    nxt = stages[(i + 1) % len(stages)]
+    nbytes = act if i + 1 < len(stages) else 64.0  # token ids back to the embedding stage
+    return hop_time(hw, prm, s.device_ids[-1], nxt.device_ids[0], nbytes)
+
+
+def _layer_range(s: Stage) -> str:
+    return str(s.layers[0]) if len(s.layers) == 1 else f"{s.layers[0]}-{s.layers[-1]}"
+
+
+def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
+    """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
+    plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
+    head_b, head_f = _lm_head(spec, plan.embed_bits)
+    last = plan.stages[-1] if not plan.afd else next(s for s in plan.stages if s.has_lm_head)
+    n = last.num_devices
+    if method == "ngram":
+        return 0.0, "prompt-lookup n-gram (host)"
+    if method == "medusa":
+        sc = stage_step([], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
+                        lm_head_bytes=k * head_b, lm_head_flops=k * head_f)
+        return sc.total, f"{k} Medusa heads in one pass"
+    if method in ("mtp", "eagle"):
+        if method == "mtp" and spec.mtp_layers:
+            from types import SimpleNamespace
+
+            mspec = SimpleNamespace(layers=spec.mtp_layers[:1], name=spec.name + ":mtp")
+            lc = layer_table(mspec, plan.weight_bits, plan.kv_bits, context)[0]
+            what = "MTP module"
+        else:
+            lc = table[0]
+            what = "one-layer draft head (EAGLE-style)" if method == "eagle" else "MTP-like one-layer head (model has no MTP layers)"
+        one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
+                         lm_head_bytes=head_b, lm_head_flops=head_f)
+        return k * one.total, what
+    if method == "draft":
+        from waferline.plan.place import place
+        from waferline.spec.catalog import load_model
+
+        fam = spec.model_type
+        name = plan.speculative.draft_model or ctx.params.draft_models.get(fam) or ctx.params.draft_models.get("default")
+        if not name:
+            raise ConfigError("no draft model: pass --draft-model (a catalog id or config.json)")
+        dspec = load_model(name)
+        devs = plan.stages[0].num_devices if hw.placement == "tensor" else None
+        dplan = place(dspec, hw, devices=devs, weight_bits=plan.weight_bits, kv_bits=plan.kv_bits, context=plan.context_len,
+                      batch=batch)
+        dctx = _Ctx(dplan, dspec, hw, prm, ctx.params)
+        dtable = layer_table(dspec, plan.weight_bits, plan.kv_bits, context)
+        t, _, _ = _step(dctx, dtable, batch, 1, batch)
+        return k * t, f"draft model {dspec.name} on {dplan.num_devices} x {hw.name}"
+    raise ConfigError(f"unknown speculative method {method!r}")
+
+
+def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | None = None, concurrency: int | None = None,
+             params: SimParams | None = None, spec: Any = None, hardware: HardwareSpec | None = None) -> SimResult:
+    """Predict decode speed, TTFT and end-to-end latency of ``plan``."""
+    from waferline.spec.catalog import load_hardware, load_model
+
+    params = params or load_params()
+    spec = spec if spec is not None else load_model(plan.model)
+    hw = hardware if hardware is not None else load_hardware(plan.hardware)
+    prm = params.for_hardware(hw)
+    P = int(prompt_len if prompt_len is not None else params.default_prompt_len)
+    O = int(output_len if output_len is not None else params.default_output_len)
+    if P < 1 or O < 1:
+        raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
+    B = int(concurrency if concurrency is not None else plan.batch)
+    if B < 1:
+        raise ConfigError(f"concurrency must be >= 1, got {B}")
+    S = plan.num_stages
+    M = plan.micro_batches if concurrency is None or concurrency == plan.batch else max(1, min(B, S))
+    M = max(1, min(M, B))
+    b = math.ceil(B / M)
+    ctx = _Ctx(plan, spec, hw, prm, params)
+    dec_ctx = P + O // 2
+    table = layer_table(spec, plan.weight_bits, plan.kv_bits, dec_ctx, plan.group_size)
+
+    t1, timings, slow1 = _step(ctx, table, b, 1, B)
+    interval = max(t1, M * slow1)
+    bound = _bound(timings, t1, M * slow1)
+    rate = 1.0 / interval
+    spec_info: dict[str, Any] = {"method": plan.speculative.method}
+    sp = plan.speculative
+    if sp.method != "none":
+        k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
+        a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(sp.method, 0.6)
+        E = expected_tokens_per_step(a, k)
+        tv, _, slowv = _step(ctx, table, b, k + 1, B)
+        tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
+        step = max(tv + tdraft, M * slowv)
+        spec_rate = E / step
+        spec_info.update(num_tokens=k, accept_rate=a, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
+                         drafter=what, speedup=spec_rate / rate, accept_rate_source="given" if sp.accept_rate is not None else "fitted default")
+        rate = spec_rate
+    # TTFT: chunked prefill pipelined through the stages
+    C = min(P, PREFILL_CHUNK)
+    n_chunks = math.ceil(P / C)
+    ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
+    tp, _, slowp = _step(ctx, ptable, 1, C, B)
+    ttft = params.ttft_overhead_s + tp + (n_chunks - 1) * slowp
+    e2e = ttft + (O - 1) / rate
+    return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=S, fits=plan.fits,
+                     concurrency=B, micro_batches=M, prompt_len=P, output_len=O, step_latency_s=t1,
+                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft, end_to_end_s=e2e,
+                     bound=bound, stages=timings, speculative=spec_info, problems=list(plan.problems))
+
+
+def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:
+    if pipe > token:
+        return "pipeline (slowest stage x micro-batches)"
+    fixed = sum(t.fixed + t.comm + t.hop for t in timings)
+    mem = sum(t.memory for t in timings)
+    cmp_ = sum(t.compute for t in timings)
+    best = max((fixed, "latency (fixed per-layer, collectives, hops)"), (mem, "memory bandwidth"), (cmp_, "compute"))
+    return best[1]

@@ -1,0 +1,141 @@
+"""Validation against published results: read a results CSV, plan and simulate every row, report error factors."""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from waferline.errors import ConfigError, WaferlineError
+from waferline.sim.cost import SimParams, load_params
+
+METRICS = ("decode_tokens_per_s_per_user", "ttft_s", "end_to_end_latency_s", "aggregate_tokens_per_s")
+REQUIRED_COLUMNS = ("model", "hardware", "metric", "value")
+
+
+@dataclass
+class Row:
+    """One published result (the CSV format of shared/data/published_results.csv)."""
+
+    id: str
+    model: str
+    hardware: str
+    num_chips: int | None
+    weight_bits: int
+    spec_decoding: str
+    concurrency: int
+    input_len: int | None
+    output_len: int | None
+    metric: str
+    value: float
+    system: str = ""
+    source: str = ""
+
+
+def read_published(path: str | Path) -> list[Row]:
+    """Parse a published-results CSV ('#' lines are comments); blank cells take documented defaults."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"no CSV at {p}")
+    lines = [ln for ln in p.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    reader = csv.DictReader(lines)
+    cols = reader.fieldnames or []
+    missing = [c for c in REQUIRED_COLUMNS if c not in cols]
+    if missing:
+        raise ConfigError(f"{p}: missing column(s) {', '.join(missing)}; expected a header like "
+                          "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,...")
+    rows = []
+
+    def opt_int(v: str | None) -> int | None:
+        v = (v or "").strip()
+        return int(float(v)) if v else None
+
+    for i, r in enumerate(reader):
+        try:
+            rows.append(Row(id=(r.get("id") or f"row-{i + 1}").strip(), model=r["model"].strip(), hardware=r["hardware"].strip(),
+                            num_chips=opt_int(r.get("num_chips")), weight_bits=opt_int(r.get("weight_bits")) or 16,
+                            spec_decoding=(r.get("spec_decoding") or "none").strip() or "none",
+                            concurrency=opt_int(r.get("concurrency")) or 1, input_len=opt_int(r.get("input_len")),
+                            output_len=opt_int(r.get("output_len")), metric=r["metric"].strip(), value=float(r["value"]),
+                            system=(r.get("system") or "").strip(), source=(r.get("source") or "").strip()))
+        except (ValueError, KeyError) as e:
+            raise ConfigError(f"{p}: row {i + 1} is malformed ({e}); numbers must be plain numbers, blanks allowed") from None
+    return rows
+
+
+@dataclass
+class RowResult:
+    row: Row
+    predicted: float | None
+    error_factor: float | None
+    devices: int | None = None
+    skipped: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class RowModel:
+    """A row's plan, placed once (placement does not depend on fitted parameters), simulated on demand."""
+
+    def __init__(self, row: Row, params: SimParams):
+        from waferline.plan.place import place
+        from waferline.plan.plan import SpeculativeConfig
+        from waferline.spec.catalog import load_hardware, load_model
+
+        if row.metric not in METRICS:
+            raise ConfigError(f"metric {row.metric!r} unknown; use one of {', '.join(METRICS)}")
+        self.row = row
+        self.spec = load_model(row.model)
+        self.hw = load_hardware(row.hardware)
+        self.P = row.input_len or params.default_prompt_len
+        self.O = row.output_len or params.default_output_len
+        method = row.spec_decoding if row.spec_decoding else "none"
+        self.plan = place(self.spec, self.hw, devices=row.num_chips, weight_bits=row.weight_bits, context=self.P + self.O,
+                          batch=row.concurrency, speculative=SpeculativeConfig(method))
+
+    def predict(self, params: SimParams) -> tuple[float, Any]:
+        from waferline.sim.pipeline import simulate
+
+        r = simulate(self.plan, prompt_len=self.P, output_len=self.O, concurrency=self.row.concurrency, params=params,
+                     spec=self.spec, hardware=self.hw)
+        value = {"decode_tokens_per_s_per_user": r.decode_tokens_per_s_per_user, "ttft_s": r.ttft_s,
+                 "end_to_end_latency_s": r.end_to_end_s, "aggregate_tokens_per_s": r.aggregate_tokens_per_s}[self.row.metric]
+        return value, r
+
+
+def error_factor(pred: float, actual: float) -> float:
+    """exp(|ln(pred / actual)|): 1.0 is exact, 2.0 is off by 2x either way."""
+    return math.exp(abs(math.log(pred / actual)))
+
+
+def build_models(rows: list[Row], params: SimParams) -> list[tuple[Row, RowModel | None, str]]:
+    out = []
+    for row in rows:
+        try:
+            out.append((row, RowModel(row, params), ""))
+        except WaferlineError as e:
+            out.append((row, None, str(e)))
+    return out
+
+
+def validate(path: str | Path, params: SimParams | None = None) -> tuple[list[RowResult], dict[str, Any]]:
+    """Predict every row of the CSV; return per-row results and a summary (median / max error factor)."""
+    params = params or load_params()
+    results = []
+    for row, rm, why in build_models(read_published(path), params):
+        if rm is None:
+            results.append(RowResult(row, None, None, skipped=why))
+            continue
+        pred, r = rm.predict(params)
+        results.append(RowResult(row, pred, error_factor(pred, row.value), devices=rm.plan.num_devices,
+                                 detail={"fits": rm.plan.fits, "stages": rm.plan.num_stages, "bound": r.bound,
+                                         "speculative": r.speculative.get("speedup")}))
+    errs = [r.error_factor for r in results if r.error_factor is not None]
+    summary = {"rows": len(results), "predicted": len(errs), "skipped": len(results) - len(errs),
+               "median_error_factor": statistics.median(errs) if errs else None,
+               "max_error_factor": max(errs) if errs else None,
+               "within_1_25": sum(e <= 1.25 for e in errs), "within_2": sum(e <= 2.0 for e in errs),
+               "params": params.fitted_on or "defaults"}
+    return results, summary

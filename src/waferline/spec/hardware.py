@@ -1,0 +1,275 @@
+"""HardwareSpec and LinkSpec: devices and links as data, loaded from YAML with the source of every number."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from waferline.errors import ConfigError
+
+DEVICE_KINDS = ("gpu", "wafer", "lpu", "rdu", "tpu", "asic", "cpu")
+# How a multi-device stage is split: "tensor" = tensor/expert parallel inside a node first (GPUs, TPUs, RDUs);
+# "pipeline" = one or a few layers per device first (wafers, SRAM-only chips).
+PLACEMENT_STYLES = ("tensor", "pipeline")
+
+REQUIRED_DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth", "flops")
+REQUIRED_LINK_FIELDS = ("bandwidth", "latency")
+
+
+@dataclass(frozen=True)
+class Sourced:
+    """A number with where it came from: a citation, 'assumed: why', 'fitted', or 'derived: how'."""
+
+    value: float
+    source: str
+    status: str = "sourced"  # sourced | assumed | fitted | derived | user
+
+    def to_yaml(self) -> dict[str, Any]:
+        key = {"sourced": "source", "derived": "derived", "assumed": "assumed", "fitted": "fitted", "user": "source"}[self.status]
+        return {"value": self.value, key: self.source if self.status != "fitted" else (self.source or True)}
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link: per-device bandwidth in bytes/s (one direction) and one-way latency in seconds."""
+
+    name: str
+    bandwidth: float
+    latency: float
+    description: str = ""
+    sources: dict[str, Sourced] = field(default_factory=dict, compare=False, repr=False)
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to move ``nbytes`` point to point over this link."""
+        return self.latency + nbytes / self.bandwidth
+
+    def allreduce_time(self, nbytes: float, n: int) -> float:
+        """Ring all-reduce of ``nbytes`` among ``n`` devices: 2(n-1) latency steps bounded by log2 tree, plus bandwidth term."""
+        if n <= 1:
+            return 0.0
+        steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
+        return steps * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One device type (and the system it comes in): memory, bandwidth, peak FLOP/s per precision, links."""
+
+    name: str
+    kind: str
+    memory_bytes: float
+    memory_bandwidth: float
+    flops: dict[str, float]  # peak dense FLOP/s by precision: bf16, fp8, fp4, int8
+    devices_per_node: int = 1
+    min_devices: int = 1
+    placement: str = "tensor"
+    reserve_fraction: float = 0.1
+    cores: int | None = None
+    power_w: float | None = None
+    scale_up: LinkSpec | None = None  # inside a node / NVLink domain
+    scale_out: LinkSpec | None = None  # between nodes / systems / wafers
+    on_chip: LinkSpec | None = None  # the on-die fabric (wafer mesh)
+    description: str = ""
+    path: str = ""
+    sources: dict[str, Sourced] = field(default_factory=dict, compare=False, repr=False)
+
+    # -- queries
+    def peak_flops(self, bits: int = 16) -> float:
+        """Peak dense FLOP/s for matmuls whose operands are ``bits`` wide (falls back to bf16)."""
+        key = {16: "bf16", 8: "fp8", 4: "fp4"}.get(bits, "bf16")
+        if key in self.flops:
+            return self.flops[key]
+        if bits == 8 and "int8" in self.flops:
+            return self.flops["int8"]
+        return self.flops["bf16"]
+
+    def usable_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.reserve_fraction)
+
+    def link_between(self, a: int, b: int) -> LinkSpec:
+        """The link a hop between global device indices ``a`` and ``b`` uses."""
+        same_node = a // max(1, self.devices_per_node) == b // max(1, self.devices_per_node)
+        if same_node and self.scale_up is not None:
+            return self.scale_up
+        if self.scale_out is not None:
+            return self.scale_out
+        if self.scale_up is not None:
+            return self.scale_up
+        raise ConfigError(f"hardware {self.name!r} has no link to go from device {a} to device {b}: add scale_out to its YAML")
+
+    def intra_stage_link(self) -> LinkSpec | None:
+        return self.scale_up or self.scale_out
+
+    def source_table(self) -> list[tuple[str, float, str, str]]:
+        return [(k, s.value, s.status, s.source) for k, s in sorted(self.sources.items())]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "memory_bytes": self.memory_bytes,
+                "memory_bandwidth": self.memory_bandwidth, "flops": dict(self.flops),
+                "devices_per_node": self.devices_per_node, "min_devices": self.min_devices, "placement": self.placement,
+                "reserve_fraction": self.reserve_fraction, "cores": self.cores,
+                "scale_up": self.scale_up.name if self.scale_up else None,
+                "scale_out": self.scale_out.name if self.scale_out else None,
+                "on_chip": self.on_chip.name if self.on_chip else None}
+
+
+# ----------------------------------------------------------------------------- YAML loading
+
+
+def _num(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool, *, positive: bool = True) -> float:
+    """Parse ``raw`` (a number or {value, source|assumed|fitted|derived}) into a float; record its source."""
+    if isinstance(raw, dict):
+        if "value" not in raw:
+            raise ConfigError(f"{where}: field {fieldname!r} is a mapping without 'value'; write {{value: 1.0e12, source: \"...\"}}")
+        value = raw["value"]
+        if "source" in raw:
+            src = Sourced(float(value), str(raw["source"]), "sourced")
+        elif "derived" in raw:
+            src = Sourced(float(value), str(raw["derived"]), "derived")
+        elif "assumed" in raw:
+            src = Sourced(float(value), str(raw["assumed"]), "assumed")
+        elif "fitted" in raw:
+            src = Sourced(float(value), str(raw["fitted"]) if raw["fitted"] is not True else "fitted", "fitted")
+        else:
+            if require_source:
+                raise ConfigError(f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog number needs one")
+            src = Sourced(float(value), f"user: {where}", "user")
+    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+        if require_source:
+            raise ConfigError(f"{where}: field {fieldname!r} = {raw} has no source; write {{value: {raw}, source: \"...\"}} or {{value: {raw}, assumed: \"why\"}}")
+        value = raw
+        src = Sourced(float(raw), f"user: {where}", "user")
+    elif isinstance(raw, str):
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {raw!r}") from None
+        if require_source:
+            raise ConfigError(f"{where}: field {fieldname!r} has no source")
+        src = Sourced(float(value), f"user: {where}", "user")
+    else:
+        raise ConfigError(f"{where}: field {fieldname!r} must be a number or {{value, source}}, got {raw!r}")
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {value!r}") from None
+    if not math.isfinite(value) or (positive and value <= 0) or (not positive and value < 0):
+        raise ConfigError(f"{where}: field {fieldname!r} must be {'> 0' if positive else '>= 0'} and finite, got {value}")
+    sources[fieldname] = src
+    return value
+
+
+def link_from_dict(d: dict[str, Any], where: str, require_source: bool = False, name: str | None = None) -> LinkSpec:
+    """Build a LinkSpec from a YAML mapping, with clear errors for missing fields."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: a link must be a mapping with bandwidth and latency, got {d!r}")
+    missing = [f for f in REQUIRED_LINK_FIELDS if f not in d]
+    if missing:
+        raise ConfigError(f"{where}: link {name or d.get('name', '?')!r} is missing field(s) {', '.join(missing)} "
+                          "(bandwidth in bytes/s per direction, latency in seconds)")
+    sources: dict[str, Sourced] = {}
+    lname = str(d.get("name") or name or "link")
+    bw = _num(d["bandwidth"], where, f"{lname}.bandwidth", sources, require_source)
+    lat = _num(d["latency"], where, f"{lname}.latency", sources, require_source, positive=False)
+    return LinkSpec(name=lname, bandwidth=bw, latency=lat, description=str(d.get("description", "")), sources=sources)
+
+
+_LINKS_CACHE: dict[str, LinkSpec] | None = None
+
+
+def catalog_dir() -> Path:
+    return Path(__file__).parent / "catalog" / "hardware"
+
+
+def catalog_links() -> dict[str, LinkSpec]:
+    """The named links of the catalog (links.yaml)."""
+    global _LINKS_CACHE
+    if _LINKS_CACHE is None:
+        path = catalog_dir() / "links.yaml"
+        data = yaml.safe_load(path.read_text()) or {}
+        links = {}
+        for name, d in (data.get("links") or {}).items():
+            links[name] = link_from_dict(dict(d, name=name), str(path), require_source=True, name=name)
+        _LINKS_CACHE = links
+    return _LINKS_CACHE
+
+
+def _link(raw: Any, where: str, require_source: bool, role: str) -> LinkSpec | None:
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        links = catalog_links()
+        if raw not in links:
+            raise ConfigError(f"{where}: {role} link {raw!r} is not in the catalog; known links: {', '.join(sorted(links))}; "
+                              "or give a mapping {bandwidth: ..., latency: ...}")
+        return links[raw]
+    return link_from_dict(raw, where, require_source, name=role)
+
+
+def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_source: bool = False) -> HardwareSpec:
+    """Validate a hardware mapping (catalog or user YAML) and build a HardwareSpec."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: a hardware file must be a YAML mapping, got {type(data).__name__}")
+    if "name" not in data:
+        raise ConfigError(f"{where}: missing field 'name' (the hardware id, e.g. name: my-asic)")
+    dev = data.get("device")
+    if not isinstance(dev, dict):
+        raise ConfigError(f"{where}: missing mapping 'device' with fields {', '.join(REQUIRED_DEVICE_FIELDS)} "
+                          "(memory_bytes, memory_bandwidth in bytes/s, flops: {bf16: FLOP/s})")
+    missing = [f for f in REQUIRED_DEVICE_FIELDS if f not in dev]
+    if missing:
+        raise ConfigError(f"{where}: device is missing field(s) {', '.join(missing)}; required: {', '.join(REQUIRED_DEVICE_FIELDS)} "
+                          "(memory_bytes in bytes, memory_bandwidth in bytes/s, flops: {bf16: peak dense FLOP/s})")
+    kind = str(data.get("kind", "asic"))
+    if kind not in DEVICE_KINDS:
+        raise ConfigError(f"{where}: kind {kind!r} unknown; use one of {', '.join(DEVICE_KINDS)}")
+    sources: dict[str, Sourced] = {}
+    mem = _num(dev["memory_bytes"], where, "memory_bytes", sources, require_source)
+    bw = _num(dev["memory_bandwidth"], where, "memory_bandwidth", sources, require_source)
+    fl = dev["flops"]
+    if not isinstance(fl, dict) or "bf16" not in fl:
+        raise ConfigError(f"{where}: device.flops must be a mapping with at least 'bf16' (peak dense FLOP/s), got {fl!r}")
+    flops = {str(k): _num(v, where, f"flops.{k}", sources, require_source) for k, v in fl.items()}
+    cores = int(_num(dev["cores"], where, "cores", sources, require_source)) if "cores" in dev else None
+    power = _num(dev["power_w"], where, "power_w", sources, require_source) if "power_w" in dev else None
+    reserve = _num(dev.get("reserve_fraction", {"value": 0.1, "assumed": "default 10% for runtime, workspace, fragmentation"}),
+                   where, "reserve_fraction", sources, require_source, positive=False)
+    if reserve >= 0.9:
+        raise ConfigError(f"{where}: reserve_fraction {reserve} leaves no memory; use a fraction such as 0.1")
+    sysd = data.get("system") or {}
+    dpn = int(_num(sysd.get("devices_per_node", {"value": 1, "assumed": "single device"}), where, "devices_per_node", sources, require_source))
+    min_dev = int(_num(sysd.get("min_devices", {"value": 1, "assumed": "any count"}), where, "min_devices", sources, require_source))
+    placement = str(data.get("placement", "pipeline" if kind in ("wafer", "lpu") else "tensor"))
+    if placement not in PLACEMENT_STYLES:
+        raise ConfigError(f"{where}: placement {placement!r} unknown; use one of {', '.join(PLACEMENT_STYLES)}")
+    links = data.get("links") or {}
+    if not isinstance(links, dict):
+        raise ConfigError(f"{where}: links must be a mapping like {{scale_up: nvlink4, scale_out: ib-400g}}")
+    scale_up = _link(links.get("scale_up"), where, require_source, "scale_up")
+    scale_out = _link(links.get("scale_out"), where, require_source, "scale_out")
+    on_chip = _link(links.get("on_chip"), where, require_source, "on_chip")
+    if scale_up is None and scale_out is None:
+        # a single device needs no link; multi-device plans will say so if they need one
+        pass
+    return HardwareSpec(name=str(data["name"]), kind=kind, memory_bytes=mem, memory_bandwidth=bw, flops=flops,
+                        devices_per_node=dpn, min_devices=min_dev, placement=placement, reserve_fraction=reserve,
+                        cores=cores, power_w=power, scale_up=scale_up, scale_out=scale_out, on_chip=on_chip,
+                        description=str(data.get("description", "")), path=where, sources=sources)
+
+
+def load_hardware_file(path: str | Path, require_source: bool | None = None) -> HardwareSpec:
+    """Load a hardware YAML file (catalog files must cite every number; user files may give plain numbers)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no hardware file at {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML: {e}") from None
+    if require_source is None:
+        require_source = catalog_dir() in path.resolve().parents
+    return hardware_from_dict(data, str(path), require_source=require_source)

@@ -1,0 +1,929 @@
+"""ModelSpec: a model architecture as data, and the one accounting of parameters, bytes, FLOPs and cache.
+
+Both the engine and the planner/simulator use this module; nothing else counts parameters or bytes.
+It parses Hugging Face ``config.json`` dicts (hub spellings and transformers-5.x spellings) and
+needs no torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from waferline.errors import ConfigError
+
+BYTES_16 = 2
+
+
+def quantized_bytes(n_params: float, bits: int, group_size: int = 128, scale_bits: int = 16, zeros: bool = False) -> float:
+    """Bytes to store ``n_params`` weights at ``bits`` with one scale (and zero) per ``group_size`` weights."""
+    if bits not in (4, 8, 16, 32):
+        raise ConfigError(f"weight bits must be 4, 8, 16 or 32, got {bits}")
+    if bits >= 16:
+        return n_params * bits / 8
+    per_group = (scale_bits / 8) * (2 if zeros else 1)
+    return n_params * bits / 8 + math.ceil(n_params / group_size) * per_group
+
+
+# ----------------------------------------------------------------------------- mixers
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Grouped-query attention (MHA/GQA/MQA), optionally sliding-window and with attention sinks."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+    sinks: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    kind: str = "gqa"
+
+    def params(self) -> int:
+        q = self.hidden_size * self.num_heads * self.head_dim
+        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        o = self.num_heads * self.head_dim * self.hidden_size
+        n = q + kv + o
+        if self.qkv_bias:
+            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if self.o_bias:
+            n += self.hidden_size
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        if self.sinks:
+            n += self.num_heads
+        return n
+
+    def small_params(self) -> int:
+        """Parameters kept at 16 bits when quantising (biases, norms, sinks)."""
+        return self.params() - self.matmul_params()
+
+    def matmul_params(self) -> int:
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+
+    def cache_elems_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return self.cache_elems_per_token() * kv_bits / 8
+
+    def cached_tokens(self, context_len: int) -> int:
+        return context_len if self.sliding_window is None else min(context_len, self.sliding_window)
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return 0.0
+
+    def attention_flops(self, context_len: int) -> float:
+        """Score and value FLOPs for one new token attending to ``context_len`` cached tokens."""
+        return 4.0 * self.num_heads * self.head_dim * self.cached_tokens(context_len)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """DeepSeek multi-head latent attention: caches only the normalised latent c_KV and the rotary key."""
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kind: str = "mla"
+    sliding_window: None = None
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def matmul_params(self) -> int:
+        h, d = self.num_heads, self.hidden_size
+        if self.q_lora_rank:
+            q = d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
+        else:
+            q = d * h * self.qk_head_dim
+        kv_a = d * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv_b = self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
+        o = h * self.v_head_dim * d
+        return q + kv_a + kv_b + o
+
+    def small_params(self) -> int:
+        return (self.q_lora_rank or 0) + self.kv_lora_rank  # the two latent RMSNorms
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def cache_elems_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return self.cache_elems_per_token() * kv_bits / 8
+
+    def cached_tokens(self, context_len: int) -> int:
+        return context_len
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return 0.0
+
+    def attention_flops(self, context_len: int) -> float:
+        """Absorbed decode: each head scores against (latent + rope) and reads the latent as values."""
+        per_tok = 2 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim)
+        return float(per_tok * context_len)
+
+
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """Mamba-2 (SSD) mixer: constant-size conv + SSM state per sequence."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool = True
+    proj_bias: bool = False
+    chunk_size: int = 256
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    norm_eps: float = 1e-5
+    kind: str = "mamba2"
+    sliding_window: None = None
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    def matmul_params(self) -> int:
+        in_proj = self.hidden_size * (2 * self.d_inner + 2 * self.n_groups * self.state_size + self.num_heads)
+        out_proj = self.d_inner * self.hidden_size
+        return in_proj + out_proj
+
+    def small_params(self) -> int:
+        n = self.conv_dim * self.conv_kernel + 3 * self.num_heads + self.d_inner  # conv, dt_bias/A_log/D, norm
+        if self.conv_bias:
+            n += self.conv_dim
+        if self.proj_bias:
+            n += 2 * self.d_inner + 2 * self.n_groups * self.state_size + self.num_heads + self.hidden_size
+        return n
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def cache_elems_per_token(self) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return 0.0
+
+    def cached_tokens(self, context_len: int) -> int:
+        return 0
+
+    def state_elems(self) -> int:
+        return self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_size
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return self.state_elems() * state_bits / 8
+
+    def attention_flops(self, context_len: int) -> float:
+        # state update + readout: ~ 2 FLOPs per state element each, per token
+        return 4.0 * self.num_heads * self.head_dim * self.state_size
+
+
+@dataclass(frozen=True)
+class Mamba1Spec:
+    """Mamba-1 selective SSM (Jamba): accounting only, the engine does not run it."""
+
+    hidden_size: int
+    d_inner: int
+    state_size: int
+    conv_kernel: int
+    dt_rank: int
+    kind: str = "mamba"
+    sliding_window: None = None
+
+    def matmul_params(self) -> int:
+        return (self.hidden_size * 2 * self.d_inner + self.d_inner * (self.dt_rank + 2 * self.state_size)
+                + self.dt_rank * self.d_inner + self.d_inner * self.hidden_size)
+
+    def small_params(self) -> int:
+        return self.d_inner * (self.conv_kernel + 1) + self.d_inner * self.state_size + 2 * self.d_inner
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def cache_elems_per_token(self) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return 0.0
+
+    def cached_tokens(self, context_len: int) -> int:
+        return 0
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return (self.d_inner * (self.conv_kernel - 1) + self.d_inner * self.state_size) * state_bits / 8
+
+    def attention_flops(self, context_len: int) -> float:
+        return 4.0 * self.d_inner * self.state_size
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetSpec:
+    """Gated DeltaNet linear attention (Qwen3-Next): accounting only, the engine does not run it."""
+
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    kind: str = "gdn"
+    sliding_window: None = None
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    def matmul_params(self) -> int:
+        qkvz = self.hidden_size * (2 * self.key_dim + 2 * self.value_dim)
+        ba = self.hidden_size * 2 * self.num_v_heads
+        return qkvz + ba + self.value_dim * self.hidden_size
+
+    def small_params(self) -> int:
+        return (2 * self.key_dim + self.value_dim) * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def cache_elems_per_token(self) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return 0.0
+
+    def cached_tokens(self, context_len: int) -> int:
+        return 0
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        conv = (2 * self.key_dim + self.value_dim) * (self.conv_kernel - 1)
+        return (conv + self.num_v_heads * self.head_k_dim * self.head_v_dim) * state_bits / 8
+
+    def attention_flops(self, context_len: int) -> float:
+        return 4.0 * self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+
+MixerSpec = AttentionSpec | MLASpec | Mamba2Spec | Mamba1Spec | GatedDeltaNetSpec
+
+
+# ----------------------------------------------------------------------------- FFNs
+
+
+@dataclass(frozen=True)
+class DenseFFNSpec:
+    """A dense MLP: gated (gate/up/down, SwiGLU) or plain (up/down, e.g. relu²)."""
+
+    hidden_size: int
+    intermediate_size: int
+    gated: bool = True
+    bias: bool = False
+    kind: str = "dense"
+
+    def matmul_params(self) -> int:
+        return (3 if self.gated else 2) * self.hidden_size * self.intermediate_size
+
+    def small_params(self) -> int:
+        if not self.bias:
+            return 0
+        return (2 if self.gated else 1) * self.intermediate_size + self.hidden_size
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def active_params(self) -> int:
+        return self.params()
+
+    def active_matmul_params(self) -> int:
+        return self.matmul_params()
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture of experts: a router, routed experts (top-k of E) and optional always-on shared experts."""
+
+    hidden_size: int
+    num_experts: int
+    top_k: int
+    expert_intermediate: int
+    num_shared: int = 0
+    shared_intermediate: int = 0  # total width of all shared experts together
+    gated: bool = True
+    expert_bias: bool = False
+    router_bias: bool = False  # a learned bias in the router linear (GPT-OSS)
+    scoring: str = "softmax"  # softmax | sigmoid
+    correction_bias: bool = False  # DeepSeek-V3 e_score_correction_bias (selection only)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling: float = 1.0
+    softmax_after_topk: bool = False  # GPT-OSS: top-k on logits, softmax over the chosen
+    shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
+    kind: str = "moe"
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        n = (3 if self.gated else 2) * self.hidden_size * self.expert_intermediate
+        if self.expert_bias:
+            n += (2 if self.gated else 1) * self.expert_intermediate + self.hidden_size
+        return n
+
+    def shared_params(self) -> int:
+        if not self.shared_intermediate:
+            return 0
+        n = (3 if self.gated else 2) * self.hidden_size * self.shared_intermediate
+        if self.shared_gate:
+            n += self.hidden_size
+        return n
+
+    def router_params(self) -> int:
+        n = self.hidden_size * self.num_experts
+        if self.router_bias:
+            n += self.num_experts
+        if self.correction_bias:
+            n += self.num_experts
+        return n
+
+    def params(self) -> int:
+        return self.router_params() + self.num_experts * self.expert_params() + self.shared_params()
+
+    def active_params(self) -> int:
+        return self.router_params() + self.top_k * self.expert_params() + self.shared_params()
+
+    def matmul_params(self) -> int:
+        return self.num_experts * self.expert_params() + self.shared_params()
+
+    def small_params(self) -> int:
+        return self.router_params()
+
+    def active_matmul_params(self) -> int:
+        return self.top_k * self.expert_params() + self.shared_params()
+
+
+FFNSpec = DenseFFNSpec | MoESpec
+
+
+# ----------------------------------------------------------------------------- layers and model
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer: a mixer and an FFN (either may be None, as in Nemotron-H's single-block layers)."""
+
+    index: int
+    mixer: MixerSpec | None
+    ffn: FFNSpec | None
+    hidden_size: int
+
+    def _parts(self) -> list[Any]:
+        return [p for p in (self.mixer, self.ffn) if p is not None]
+
+    def norm_params(self) -> int:
+        return self.hidden_size * len(self._parts())
+
+    def params(self) -> int:
+        return sum(p.params() for p in self._parts()) + self.norm_params()
+
+    def active_params(self) -> int:
+        n = self.norm_params() + (self.mixer.params() if self.mixer else 0)
+        return n + (self.ffn.active_params() if self.ffn else 0)
+
+    def weight_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
+        """Stored bytes: matmul weights at ``bits`` (+ scales); norms, routers, biases stay 16-bit."""
+        mm = sum(p.matmul_params() for p in self._parts())
+        small = sum(p.small_params() for p in self._parts()) + self.norm_params()
+        return quantized_bytes(mm, bits, group_size, zeros=zeros) + small * BYTES_16
+
+    def mixer_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
+        """Bytes of the mixer part (attention side of an attention/FFN split), with its norm."""
+        if self.mixer is None:
+            return 0.0
+        return quantized_bytes(self.mixer.matmul_params(), bits, group_size) + (self.mixer.small_params() + self.hidden_size) * BYTES_16
+
+    def ffn_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
+        """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm."""
+        if self.ffn is None:
+            return 0.0
+        return quantized_bytes(self.ffn.matmul_params(), bits, group_size) + (self.ffn.small_params() + self.hidden_size) * BYTES_16
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return self.mixer.cache_bytes_per_token(kv_bits) if self.mixer else 0.0
+
+    def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        if self.mixer is None:
+            return 0.0
+        m = self.mixer
+        return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        """Forward FLOPs for one decoded token with ``context_len`` tokens of context."""
+        f = 0.0
+        if self.mixer is not None:
+            f += 2.0 * self.mixer.matmul_params() + self.mixer.attention_flops(context_len)
+        if self.ffn is not None:
+            f += 2.0 * self.ffn.active_matmul_params()
+            if isinstance(self.ffn, MoESpec):
+                f += 2.0 * self.hidden_size * self.ffn.num_experts
+        return f
+
+
+@dataclass
+class ModelSpec:
+    """A whole model: embeddings, a list of layers, the LM head, and optional MTP layers."""
+
+    name: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    layers: list[LayerSpec]
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    mtp_layers: list[LayerSpec] = field(default_factory=list)
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    # -- parameters
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def lm_head_params(self) -> int:
+        return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+
+    def params_total(self) -> int:
+        """All parameters, excluding MTP layers (as DeepSeek reports 671B without its 14B MTP module)."""
+        return (self.embedding_params() + self.lm_head_params() + self.hidden_size
+                + sum(layer.params() for layer in self.layers))
+
+    def params_active(self) -> int:
+        """Parameters touched per token (routed experts: top-k only), embeddings and head included."""
+        return (self.embedding_params() + self.lm_head_params() + self.hidden_size
+                + sum(layer.active_params() for layer in self.layers))
+
+    def mtp_params(self) -> int:
+        return sum(layer.params() for layer in self.mtp_layers)
+
+    # -- bytes
+    def embed_bytes(self, embed_bits: int = 16) -> float:
+        return quantized_bytes(self.embedding_params(), embed_bits)
+
+    def lm_head_bytes(self, embed_bits: int = 16) -> float:
+        return quantized_bytes(self.lm_head_params(), embed_bits) + self.hidden_size * BYTES_16
+
+    def weight_bytes(self, bits: int = 16, group_size: int = 128, embed_bits: int = 16) -> float:
+        return (self.embed_bytes(embed_bits) + self.lm_head_bytes(embed_bits)
+                + sum(layer.weight_bytes(bits, group_size) for layer in self.layers))
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return sum(layer.cache_bytes_per_token(kv_bits) for layer in self.layers)
+
+    def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        return sum(layer.cache_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
+
+    def flops_per_token(self, context_len: int = 0) -> float:
+        head = 2.0 * self.vocab_size * self.hidden_size
+        return head + sum(layer.flops_per_token(context_len) for layer in self.layers)
+
+    def summary(self) -> dict[str, Any]:
+        kinds: dict[str, int] = {}
+        for layer in self.layers:
+            key = f"{layer.mixer.kind if layer.mixer else '-'}+{layer.ffn.kind if layer.ffn else '-'}"
+            kinds[key] = kinds.get(key, 0) + 1
+        return {
+            "name": self.name, "model_type": self.model_type, "layers": self.num_layers, "layer_kinds": kinds,
+            "params_total": self.params_total(), "params_active": self.params_active(),
+            "kv_bytes_per_token_bf16": self.cache_bytes_per_token(16),
+        }
+
+    # -- construction
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str | None = None) -> "ModelSpec":
+        cfg = _flatten_text_config(cfg)
+        mt = cfg.get("model_type")
+        if mt is None:
+            raise ConfigError("config has no 'model_type'; is this a Hugging Face config.json?")
+        mt = MODEL_TYPE_ALIASES.get(mt, mt)
+        parser = _PARSERS.get(mt)
+        if parser is None:
+            raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_PARSERS))}")
+        try:
+            return parser(cfg, name or cfg.get("_name_or_path") or mt)
+        except KeyError as e:
+            raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
+
+    @classmethod
+    def from_config_file(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"no config file at {path}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_config(cfg, name=name or path.parent.name)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path) -> "ModelSpec":
+        directory = Path(directory)
+        cfg = directory / "config.json"
+        if not cfg.is_file():
+            raise ConfigError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
+        return cls.from_config_file(cfg, name=directory.name)
+
+
+# ----------------------------------------------------------------------------- parsers
+
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
+ENGINE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                      "granitemoehybrid", "nemotron_h", "bamba", "sol")
+
+
+def _flatten_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal configs (Llama 4, Kimi K2.5) nest the language model under text_config."""
+    tc = cfg.get("text_config")
+    if isinstance(tc, dict) and "hidden_size" not in cfg:
+        merged = dict(tc)
+        merged.setdefault("model_type", cfg.get("model_type"))
+        if cfg.get("model_type") in ("llama4",):
+            merged["model_type"] = "llama4"
+        for k in ("tie_word_embeddings", "_waferline"):
+            if k in cfg:
+                merged.setdefault(k, cfg[k])
+        return merged
+    return cfg
+
+
+def _get(cfg: dict[str, Any], *names: str, default: Any = KeyError) -> Any:
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    if default is KeyError:
+        raise KeyError(names[0])
+    return default
+
+
+def _float(v: Any) -> float:
+    """A float from config.json, where transformers writes inf as {"__float__": "Infinity"}."""
+    if isinstance(v, dict) and "__float__" in v:
+        return float(v["__float__"])
+    return float(v)
+
+
+def _head_dim(cfg: dict[str, Any]) -> int:
+    hd = cfg.get("head_dim")
+    return int(hd) if hd else cfg["hidden_size"] // cfg["num_attention_heads"]
+
+
+def _gqa(cfg: dict[str, Any], window: int | None = None, **kw: Any) -> AttentionSpec:
+    return AttentionSpec(
+        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+        num_kv_heads=_get(cfg, "num_key_value_heads", default=cfg["num_attention_heads"]),
+        head_dim=_head_dim(cfg), sliding_window=window, **kw)
+
+
+def _mla(cfg: dict[str, Any]) -> MLASpec:
+    return MLASpec(
+        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+        q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"])
+
+
+def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
+    d = cfg["hidden_size"]
+    heads = _get(cfg, "mamba_n_heads", "mamba_num_heads")
+    expand = _get(cfg, "mamba_expand", "expand", default=2)
+    hd = _get(cfg, "mamba_d_head", "mamba_head_dim", default="auto")
+    if hd == "auto":
+        hd = expand * d // heads
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    return Mamba2Spec(
+        hidden_size=d, num_heads=heads, head_dim=int(hd),
+        state_size=_get(cfg, "mamba_d_state", "ssm_state_size"),
+        n_groups=_get(cfg, "mamba_n_groups", "n_groups", default=1),
+        conv_kernel=_get(cfg, "mamba_d_conv", "conv_kernel", default=4),
+        conv_bias=bool(_get(cfg, "mamba_conv_bias", "use_conv_bias", default=True)),
+        proj_bias=bool(_get(cfg, "mamba_proj_bias", "use_bias", default=False)),
+        chunk_size=_get(cfg, "mamba_chunk_size", "chunk_size", default=256),
+        time_step_limit=(_float(limit[0]), _float(limit[1])),
+        norm_eps=_get(cfg, "rms_norm_eps", "layer_norm_epsilon", default=1e-5))
+
+
+def _dense(cfg: dict[str, Any], inter: int | None = None, gated: bool = True) -> DenseFFNSpec:
+    return DenseFFNSpec(hidden_size=cfg["hidden_size"], intermediate_size=inter or cfg["intermediate_size"],
+                        gated=gated, bias=bool(cfg.get("mlp_bias", False)))
+
+
+def _spec(cfg: dict[str, Any], name: str, mt: str, layers: list[LayerSpec], mtp: list[LayerSpec] | None = None) -> ModelSpec:
+    return ModelSpec(
+        name=name, model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], layers=layers,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), mtp_layers=mtp or [], hf_config=cfg)
+
+
+def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
+    """Per-layer attention kind from `layer_types` (full_attention / sliding_attention / ...)."""
+    lt = cfg.get("layer_types")
+    if lt is None:
+        return ["full_attention"] * n
+    if len(lt) != n:
+        raise ConfigError(f"layer_types has {len(lt)} entries but num_hidden_layers is {n}")
+    return list(lt)
+
+
+def _parse_llama_like(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    qk_norm = mt in ("qwen3", "qwen3_moe")
+    bias = bool(cfg.get("attention_bias", False))
+    types = _layer_types(cfg, n)
+    layers = []
+    sparse_step = cfg.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
+    for i in range(n):
+        window = None
+        if types[i] == "sliding_attention" or (mt == "mixtral" and cfg.get("sliding_window")):
+            window = cfg.get("sliding_window")
+        mixer = _gqa(cfg, window=window, qk_norm=qk_norm, qkv_bias=bias, o_bias=bias)
+        n_exp = _get(cfg, "num_experts", "num_local_experts", default=0)
+        if mt == "qwen3_moe" and i not in mlp_only and n_exp > 0 and (i + 1) % sparse_step == 0:
+            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=n_exp,
+                                   top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
+                                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        elif mt == "mixtral":
+            ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "num_local_experts", "num_experts"),
+                          top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["intermediate_size"])
+        else:
+            ffn = _dense(cfg)
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
+    scoring = cfg.get("scoring_func") or ("sigmoid" if mt == "deepseek_v3" else "softmax")
+    topk_method = cfg.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")
+    grouped = topk_method in ("group_limited_greedy", "noaux_tc")
+    n_shared = cfg.get("n_shared_experts") or 0
+    return MoESpec(
+        hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_experts"),
+        top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
+        num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
+        scoring=scoring, correction_bias=topk_method == "noaux_tc",
+        n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
+        routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
+
+
+def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    first_dense = cfg.get("first_k_dense_replace", 0) or 0
+    freq = cfg.get("moe_layer_freq", 1) or 1
+    has_moe = (cfg.get("n_routed_experts") or 0) > 0
+
+    def layer(i: int) -> LayerSpec:
+        moe = has_moe and i >= first_dense and i % freq == 0
+        return LayerSpec(i, _mla(cfg), _deepseek_moe(cfg, mt) if moe else _dense(cfg), cfg["hidden_size"])
+
+    layers = [layer(i) for i in range(n)]
+    mtp = [layer(n + j) for j in range(cfg.get("num_nextn_predict_layers", 0) or 0)]
+    # each MTP module also has enorm, hnorm, a 2d->d projection (embeddings/head shared with the main model)
+    return _spec(cfg, name, mt, layers, mtp)
+
+
+def _parse_gpt_oss(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if len(types) != n:
+        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
+    layers = []
+    for i in range(n):
+        window = cfg.get("sliding_window") if types[i] == "sliding_attention" else None
+        mixer = _gqa(cfg, window=window, sinks=True, qkv_bias=bool(cfg.get("attention_bias", True)),
+                     o_bias=bool(cfg.get("attention_bias", True)))
+        ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "num_local_experts", "num_experts"),
+                      top_k=_get(cfg, "num_experts_per_tok", "experts_per_token"),
+                      expert_intermediate=cfg["intermediate_size"], expert_bias=True, router_bias=True,
+                      softmax_after_topk=True)
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _hybrid_kinds(cfg: dict[str, Any], n: int | None) -> list[str]:
+    """Per-layer block kinds of a Mamba hybrid, normalised to mamba / attention / mlp / moe."""
+    kinds = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if kinds is None and cfg.get("hybrid_override_pattern"):
+        code = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+        try:
+            kinds = [code[c] for c in cfg["hybrid_override_pattern"]]
+        except KeyError as e:
+            raise ConfigError(f"hybrid_override_pattern has unknown layer code {e.args[0]!r} (known: M * - E)") from None
+    if kinds is None and "attn_layer_indices" in cfg and n is not None:
+        attn = set(cfg.get("attn_layer_indices") or [])
+        kinds = ["attention" if i in attn else "mamba" for i in range(n)]
+    if kinds is None:
+        raise KeyError("layers_block_type")
+    norm = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
+            "mlp": "mlp", "moe": "moe"}
+    try:
+        kinds = [norm[k] for k in kinds]
+    except KeyError as e:
+        raise ConfigError(f"unknown hybrid layer kind {e.args[0]!r} (known: {', '.join(norm)})") from None
+    if n is not None and len(kinds) != n:
+        raise ConfigError(f"the hybrid layer pattern has {len(kinds)} entries but num_hidden_layers is {n}")
+    return kinds
+
+
+def _parse_bamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    kinds = _hybrid_kinds(cfg, n)
+    layers = []
+    for i, k in enumerate(kinds):
+        mixer = _mamba2(cfg) if k == "mamba" else _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")))
+        if mt == "granitemoehybrid" and (cfg.get("num_local_experts") or 0) > 0:
+            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_local_experts"],
+                                   top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["intermediate_size"],
+                                   num_shared=1 if cfg.get("shared_intermediate_size") else 0,
+                                   shared_intermediate=cfg.get("shared_intermediate_size") or 0)
+        elif mt == "granitemoehybrid":
+            ffn = _dense(cfg, inter=cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
+        else:
+            ffn = _dense(cfg)
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    kinds = _hybrid_kinds(cfg, cfg.get("num_hidden_layers"))
+    cfg = dict(cfg, num_hidden_layers=len(kinds))
+    layers = []
+    for i, k in enumerate(kinds):
+        mixer: MixerSpec | None = None
+        ffn: FFNSpec | None = None
+        if k == "mamba":
+            mixer = _mamba2(cfg)
+        elif k == "attention":
+            mixer = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")))
+        elif k == "mlp":
+            ffn = _dense(cfg, gated=False)
+        else:
+            if cfg.get("moe_latent_size"):
+                raise ConfigError("nemotron_h MoE layers with moe_latent_size are not supported yet")
+            n_shared = cfg.get("n_shared_experts") or 0
+            ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
+                          expert_intermediate=cfg["moe_intermediate_size"], num_shared=n_shared,
+                          shared_intermediate=(cfg.get("moe_shared_expert_intermediate_size") or 0) if n_shared else 0,
+                          gated=False, scoring="sigmoid", correction_bias=True, n_group=cfg.get("n_group") or 1,
+                          topk_group=cfg.get("topk_group") or 1, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                          routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    """waferline's own architecture: per layer a mixer (mla | gqa | mamba2) and an FFN (dense | moe)."""
+    n = cfg["num_hidden_layers"]
+    mixers = cfg.get("mixer_types") or ["mla"] * n
+    ffns = cfg.get("ffn_types") or ["moe"] * n
+    if len(mixers) != n or len(ffns) != n:
+        raise ConfigError(f"sol config: mixer_types ({len(mixers)}) and ffn_types ({len(ffns)}) must both have num_hidden_layers={n} entries")
+
+    def layer(i: int, mixer_kind: str, ffn_kind: str) -> LayerSpec:
+        if mixer_kind == "mla":
+            mixer: MixerSpec = _mla(cfg)
+        elif mixer_kind == "gqa":
+            mixer = _gqa(cfg, window=cfg.get("sliding_window") if cfg.get("sliding_window") else None)
+        elif mixer_kind == "mamba2":
+            mixer = _mamba2(cfg)
+        else:
+            raise ConfigError(f"sol config: layer {i} has mixer {mixer_kind!r}; use mla, gqa or mamba2")
+        if ffn_kind == "dense":
+            ffn: FFNSpec = _dense(cfg)
+        elif ffn_kind == "moe":
+            ffn = _deepseek_moe(cfg, "deepseek_v3" if cfg.get("scoring_func") == "sigmoid" else "deepseek_v2")
+        else:
+            raise ConfigError(f"sol config: layer {i} has ffn {ffn_kind!r}; use dense or moe")
+        return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
+
+    layers = [layer(i, m, f) for i, (m, f) in enumerate(zip(mixers, ffns))]
+    n_mtp = cfg.get("num_nextn_predict_layers", 0) or 0
+    mtp = [layer(n + j, cfg.get("mtp_mixer_type", "mla"), cfg.get("mtp_ffn_type", "dense")) for j in range(n_mtp)]
+    return _spec(cfg, name, mt, layers, mtp)
+
+
+def _parse_glm4_moe(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    first_dense = cfg.get("first_k_dense_replace", 0) or 0
+    bias = bool(cfg.get("attention_bias", False))
+    layers = []
+    for i in range(n):
+        mixer = _gqa(cfg, qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
+        ffn: FFNSpec = _deepseek_moe(dict(cfg, scoring_func="sigmoid", topk_method="noaux_tc"), "deepseek_v3") if i >= first_dense else _dense(cfg)
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    step = cfg.get("interleave_moe_layer_step", 1) or 1
+    moe_layers = cfg.get("moe_layers")
+    moe_set = set(moe_layers) if moe_layers is not None else {i for i in range(n) if (i + 1) % step == 0}
+    layers = []
+    for i in range(n):
+        mixer = _gqa(cfg)
+        if i in moe_set:
+            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                                   expert_intermediate=cfg["intermediate_size"], num_shared=1,
+                                   shared_intermediate=cfg["intermediate_size"], scoring="sigmoid")
+        else:
+            ffn = _dense(cfg, inter=_get(cfg, "intermediate_size_mlp", "intermediate_size"))
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _parse_qwen3_next(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % (cfg.get("full_attention_interval") or 4) == 0 else "linear_attention" for i in range(n)]
+    layers = []
+    for i in range(n):
+        if types[i] == "linear_attention":
+            mixer: MixerSpec = GatedDeltaNetSpec(
+                hidden_size=cfg["hidden_size"], num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
+                head_k_dim=cfg["linear_key_head_dim"], head_v_dim=cfg["linear_value_head_dim"],
+                conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
+        else:
+            # gated attention: the query projection also produces a per-head output gate (2x q width)
+            mixer = _gqa(cfg, qk_norm=True)
+        ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                      expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
+                      shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0, shared_gate=True)
+        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+def _parse_jamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    n = cfg["num_hidden_layers"]
+    a_period, a_off = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
+    e_period, e_off = cfg.get("expert_layer_period", 2), cfg.get("expert_layer_offset", 1)
+    d = cfg["hidden_size"]
+    d_inner = cfg.get("mamba_expand", 2) * d
+    layers = []
+    for i in range(n):
+        if i % a_period == a_off:
+            mixer: MixerSpec = _gqa(cfg)
+        else:
+            mixer = Mamba1Spec(hidden_size=d, d_inner=d_inner, state_size=cfg.get("mamba_d_state", 16),
+                               conv_kernel=cfg.get("mamba_d_conv", 4), dt_rank=cfg.get("mamba_dt_rank") or math.ceil(d / 16))
+        if i % e_period == e_off and (cfg.get("num_experts") or 1) > 1:
+            ffn: FFNSpec = MoESpec(hidden_size=d, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                                   expert_intermediate=cfg["intermediate_size"])
+        else:
+            ffn = _dense(cfg)
+        layers.append(LayerSpec(i, mixer, ffn, d))
+    return _spec(cfg, name, mt, layers)
+
+
+_PARSERS = {
+    "llama": lambda c, n: _parse_llama_like(c, n, "llama"),
+    "mistral": lambda c, n: _parse_llama_like(c, n, "mistral"),
+    "qwen2": lambda c, n: _parse_llama_like(c, n, "qwen2"),
+    "qwen3": lambda c, n: _parse_llama_like(c, n, "qwen3"),
+    "qwen3_moe": lambda c, n: _parse_llama_like(c, n, "qwen3_moe"),
+    "mixtral": lambda c, n: _parse_llama_like(c, n, "mixtral"),
+    "deepseek_v2": lambda c, n: _parse_deepseek(c, n, "deepseek_v2"),
+    "deepseek_v3": lambda c, n: _parse_deepseek(c, n, "deepseek_v3"),
+    "gpt_oss": lambda c, n: _parse_gpt_oss(c, n, "gpt_oss"),
+    "bamba": lambda c, n: _parse_bamba(c, n, "bamba"),
+    "granitemoehybrid": lambda c, n: _parse_bamba(c, n, "granitemoehybrid"),
+    "nemotron_h": lambda c, n: _parse_nemotron_h(c, n, "nemotron_h"),
+    "sol": lambda c, n: _parse_sol(c, n, "sol"),
+    "glm4_moe": lambda c, n: _parse_glm4_moe(c, n, "glm4_moe"),
+    "llama4": lambda c, n: _parse_llama4(c, n, "llama4"),
+    "llama4_text": lambda c, n: _parse_llama4(c, n, "llama4"),
+    "qwen3_next": lambda c, n: _parse_qwen3_next(c, n, "qwen3_next"),
+    "jamba": lambda c, n: _parse_jamba(c, n, "jamba"),
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))

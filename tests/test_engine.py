@@ -1,0 +1,132 @@
+"""Engine behaviour: cache shapes per layer kind, stop conditions, errors a user can cause, the CLI."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import build, configs
+from waferline import LLM, SamplingParams
+from waferline.errors import CheckpointError, ConfigError, RequestError, WaferlineError
+from waferline.model.attention import TokenCache
+from waferline.model.context import StepBatch
+from waferline.model.ssm import Mamba2Cache
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for mt in ("deepseek_v3", "gpt_oss", "bamba", "llama"):
+        d = tmp_path_factory.mktemp(mt)
+        build(mt, d)
+        out[mt] = d
+    return out
+
+
+def _prefill(llm, n):
+    caches = llm.model.new_caches(1)
+    llm.model(torch.arange(3, 3 + n)[None] % 100, caches, StepBatch.make([0], [0], n))
+    return caches
+
+
+def test_mla_caches_only_latent_and_rope(ckpts):
+    llm = LLM(ckpts["deepseek_v3"])
+    c = configs()["deepseek_v3"]
+    caches = _prefill(llm, 20)
+    for cache in caches:
+        assert isinstance(cache, TokenCache)
+        assert cache.data.shape[-1] == c["kv_lora_rank"] + c["qk_rope_head_dim"]  # not heads * (k + v)
+
+
+def test_mamba_state_does_not_grow(ckpts):
+    llm = LLM(ckpts["bamba"])
+    short, long = _prefill(llm, 5), _prefill(llm, 60)
+    ssm = [(a, b) for a, b in zip(short, long) if isinstance(a, Mamba2Cache)]
+    assert len(ssm) == 2
+    for a, b in ssm:
+        assert a.conv.shape == b.conv.shape and a.ssm.shape == b.ssm.shape
+
+
+def test_sliding_window_cache_stays_in_window(ckpts):
+    llm = LLM(ckpts["gpt_oss"])
+    caches = _prefill(llm, 30)
+    window = configs()["gpt_oss"]["sliding_window"]
+    sliding = caches[0]  # layer_types = [sliding, full]
+    assert sliding.capacity == window and sliding.tokens_held(0) == window
+    assert caches[1].capacity >= 30
+
+
+def test_prompt_too_long_and_bad_params(ckpts):
+    llm = LLM(ckpts["llama"])
+    with pytest.raises(RequestError, match="exceeds the model's context"):
+        llm.generate([[1] * 250], SamplingParams(max_tokens=10))
+    with pytest.raises(RequestError, match="max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=0))
+    with pytest.raises(RequestError, match="empty prompt"):
+        llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="no tokenizer"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+
+
+def test_stop_token(ckpts):
+    llm = LLM(ckpts["llama"])
+    first = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
+    out = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=6, stop_token_ids=[first[2]]))[0]
+    assert out.token_ids == first[:3] and out.finish_reason == "stop"
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_checkpoint_errors(ckpts, tmp_path):
+    src = ckpts["llama"]
+    with pytest.raises(ConfigError, match="no config.json"):
+        LLM(tmp_path)
+    bad = _copy(src, tmp_path / "unsupported")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(dict(cfg, model_type="bert")))
+    with pytest.raises(ConfigError, match="unsupported model_type 'bert'"):
+        LLM(bad)
+    tensors = load_file(str(src / "model.safetensors"))
+    name = "model.layers.1.self_attn.k_proj.weight"
+    for case, mutate, pattern in [
+        ("missing", lambda t: t.pop(name), f"missing tensor '{name}'"),
+        ("extra", lambda t: t.__setitem__("model.layers.7.foo.weight", torch.zeros(2)), "model.layers.7.foo.weight"),
+        ("shape", lambda t: t.__setitem__(name, torch.zeros(3, 64)), r"has shape \[3, 64\] but the config implies \[32, 64\]"),
+    ]:
+        d = _copy(src, tmp_path / case)
+        t = dict(tensors)
+        mutate(t)
+        save_file(t, str(d / "model.safetensors"))
+        with pytest.raises(CheckpointError, match=pattern):
+            LLM(d)
+    d = _copy(src, tmp_path / "truncated")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) - 1000])
+    with pytest.raises(CheckpointError, match="truncated|corrupt"):
+        LLM(d)
+    d = _copy(src, tmp_path / "pickle")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"not loaded")
+    with pytest.raises(CheckpointError, match="safetensors only"):
+        LLM(d)
+
+
+def test_cli_generate_json_and_errors(ckpts, tmp_path):
+    cmd = [sys.executable, "-m", "waferline.cli", "generate", "--model", str(ckpts["llama"]), "--prompt-ids", "1 5 9",
+           "--max-tokens", "4", "--json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 4 and out["tokens_per_s"] >= 0 and "text" in out
+    r = subprocess.run([sys.executable, "-m", "waferline.cli", "generate", "--model", str(tmp_path), "--prompt-ids", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "error:" in r.stderr and "config.json" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,108 @@
+"""Hardware catalog and user hardware YAML: every catalog number has a source; bad files fail clearly."""
+
+import pytest
+import yaml
+
+from waferline.errors import ConfigError
+from waferline.spec.catalog import HARDWARE_DIR, list_hardware, load_hardware
+from waferline.spec.hardware import catalog_links, load_hardware_file
+
+EXPECTED = {"wse-2", "wse-3", "h100-sxm", "h200-sxm", "h800", "b200", "gb200-nvl72", "mi300x", "groq-lpu-v1", "sn40l", "tpu-v5p"}
+
+GOOD = {"name": "jalapeno-guess", "kind": "asic",
+        "device": {"memory_bytes": 2.0e11, "memory_bandwidth": 1.0e13, "flops": {"bf16": 2.0e15, "fp8": 4.0e15}},
+        "system": {"devices_per_node": 8},
+        "links": {"scale_up": {"bandwidth": 8.0e11, "latency": 2.0e-6}, "scale_out": "ib-400g"}}
+
+
+def test_catalog_has_every_device_and_links_are_not_devices():
+    assert EXPECTED <= set(list_hardware())
+    assert "links" not in list_hardware()
+    assert {"nvlink4", "nvlink5", "nvl72", "ib-400g", "eth-100g", "wse3-mesh", "cs3-io"} <= set(catalog_links())
+
+
+def _numbers_without_source(node, path=""):
+    """Numeric leaves not wrapped in {value, source|assumed|fitted|derived}."""
+    bad = []
+    if isinstance(node, dict):
+        if "value" in node:
+            if not ({"source", "assumed", "fitted", "derived"} & set(node)):
+                bad.append(path)
+            return bad
+        for k, v in node.items():
+            bad += _numbers_without_source(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            bad += _numbers_without_source(v, f"{path}[{i}]")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        bad.append(path)
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted(HARDWARE_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_catalog_number_carries_a_source(path):
+    assert _numbers_without_source(yaml.safe_load(path.read_text())) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_catalog_devices_load_with_sources(name):
+    hw = load_hardware(name)
+    assert hw.memory_bytes > 0 and hw.memory_bandwidth > 0 and hw.flops["bf16"] > 0
+    assert {"memory_bytes", "memory_bandwidth", "flops.bf16"} <= set(hw.sources)
+    assert all(s.source for s in hw.sources.values())
+
+
+def test_issue_datasheet_numbers():
+    wse3 = load_hardware("wse-3")
+    assert wse3.memory_bytes == 44e9 and wse3.memory_bandwidth == 21e15 and wse3.flops["bf16"] == 125e15
+    assert wse3.placement == "pipeline" and wse3.scale_out.bandwidth == 150e9
+    h200 = load_hardware("h200-sxm")
+    assert h200.memory_bytes == 141e9 and h200.memory_bandwidth == 4.8e12 and h200.scale_up.bandwidth * 2 == 900e9
+    assert load_hardware("groq-lpu-v1").memory_bytes == 230e6
+    assert load_hardware("gb200-nvl72").devices_per_node == 72
+
+
+def test_user_yaml_with_plain_numbers_loads(tmp_path):
+    p = tmp_path / "my_asic.yaml"
+    p.write_text(yaml.safe_dump(GOOD))
+    hw = load_hardware(str(p))
+    assert hw.name == "jalapeno-guess" and hw.peak_flops(8) == 4.0e15 and hw.scale_out.name == "ib-400g"
+    assert hw.sources["memory_bytes"].status == "user"
+
+
+@pytest.mark.parametrize("drop,needle", [("memory_bandwidth", "memory_bandwidth"), ("flops", "flops"), ("memory_bytes", "memory_bytes")])
+def test_user_yaml_missing_field_is_rejected_clearly(tmp_path, drop, needle):
+    bad = yaml.safe_load(yaml.safe_dump(GOOD))
+    del bad["device"][drop]
+    p = tmp_path / "broken.yaml"
+    p.write_text(yaml.safe_dump(bad))
+    with pytest.raises(ConfigError) as e:
+        load_hardware(str(p))
+    assert needle in str(e.value) and "broken.yaml" in str(e.value)
+
+
+def test_user_yaml_bad_values_are_rejected(tmp_path):
+    for mutate, needle in [(lambda d: d["device"].update(memory_bytes=-1), "memory_bytes"),
+                           (lambda d: d["device"].update(flops={"fp8": 1e15}), "bf16"),
+                           (lambda d: d["links"].update(scale_up="warp-drive"), "warp-drive"),
+                           (lambda d: d["links"].update(scale_up={"bandwidth": 1e9}), "latency"),
+                           (lambda d: d.update(kind="toaster"), "toaster"),
+                           (lambda d: d.pop("name"), "name")]:
+        d = yaml.safe_load(yaml.safe_dump(GOOD))
+        mutate(d)
+        p = tmp_path / "x.yaml"
+        p.write_text(yaml.safe_dump(d))
+        with pytest.raises(ConfigError, match=needle):
+            load_hardware_file(p)
+
+
+def test_catalog_files_must_cite(tmp_path):
+    p = tmp_path / "uncited.yaml"
+    p.write_text(yaml.safe_dump(GOOD))
+    with pytest.raises(ConfigError, match="source"):
+        load_hardware_file(p, require_source=True)
+
+
+def test_unknown_hardware_names_the_catalog():
+    with pytest.raises(ConfigError, match="wse-3"):
+        load_hardware("no-such-chip")

@@ -1,0 +1,114 @@
+"""ModelSpec accounting against published facts, and config parsing across spellings."""
+
+import pytest
+
+from waferline.errors import ConfigError
+from waferline.spec.model import ModelSpec, quantized_bytes
+
+DSV3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+            moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+            n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536,
+            qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=8, topk_group=4,
+            num_experts_per_tok=8, moe_layer_freq=1, first_k_dense_replace=3, norm_topk_prob=True,
+            scoring_func="sigmoid", num_nextn_predict_layers=1, max_position_embeddings=163840)
+KIMI_K2 = dict(DSV3, model_type="kimi_k2", vocab_size=163840, num_attention_heads=64, n_routed_experts=384,
+               first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.827)
+LLAMA_405B = dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                  num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8)
+
+
+def within(x, target, rel=0.02):
+    return abs(x - target) <= rel * target
+
+
+def test_deepseek_v3_published_facts():
+    s = ModelSpec.from_hf_config(DSV3)
+    assert s.cache_bytes_per_token(16) == 70272
+    assert within(s.params_total(), 671e9)
+    assert within(s.params_active(), 37e9)
+    assert len(s.mtp_layers) == 1 and s.mtp_params() > 10e9  # the MTP module is not part of the 671B
+
+
+def test_kimi_k2_published_facts():
+    s = ModelSpec.from_hf_config(KIMI_K2)
+    assert s.model_type == "deepseek_v3"
+    assert within(s.params_total(), 1.04e12)
+    assert within(s.params_active(), 32e9, rel=0.05)  # Moonshot rounds to "32B activated"
+    assert s.cache_bytes_per_token(16) == 70272
+
+
+def test_llama_405b_cache():
+    s = ModelSpec.from_hf_config(LLAMA_405B)
+    assert s.cache_bytes_per_token(16) == 516096
+    assert within(s.params_total(), 405e9)
+
+
+def test_quantized_bytes_overhead():
+    assert quantized_bytes(1024, 16) == 2048
+    assert quantized_bytes(1024, 4, group_size=32) == 512 + 32 * 2
+    assert quantized_bytes(1024, 4, group_size=128, zeros=True) == 512 + 8 * 4
+    s = ModelSpec.from_hf_config(DSV3)
+    w4, w16 = s.weight_bytes(4, group_size=32), s.weight_bytes(16)
+    assert 0.25 < w4 / w16 < 0.32
+
+
+def test_sliding_window_and_ssm_cache_bounds():
+    oss = dict(model_type="gpt_oss", vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
+    s = ModelSpec.from_hf_config(oss)
+    per_tok = 2 * 2 * 16 * 2
+    assert s.cache_bytes_per_seq(100) == 4 * 100 * per_tok
+    assert s.cache_bytes_per_seq(10_000) == 2 * 10_000 * per_tok + 2 * 128 * per_tok
+    hyb = dict(model_type="nemotron_h", vocab_size=1000, hidden_size=64, hybrid_override_pattern="M-M*-",
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
+               mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4)
+    h = ModelSpec.from_hf_config(hyb)
+    assert [(l.mixer.kind if l.mixer else None, l.ffn.kind if l.ffn else None) for l in h.layers] == [
+        ("mamba2", None), (None, "dense"), ("mamba2", None), ("gqa", None), (None, "dense")]
+    growth = h.cache_bytes_per_seq(2000) - h.cache_bytes_per_seq(1000)
+    assert growth == 1000 * 2 * 2 * 16 * 2  # only the one attention layer grows
+
+
+def test_hybrid_spellings_agree():
+    base = dict(model_type="nemotron_h", vocab_size=1000, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2)
+    a = ModelSpec.from_hf_config(dict(base, hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16, moe_shared_expert_intermediate_size=16))
+    b = ModelSpec.from_hf_config(dict(base, layers_block_type=["mamba", "attention", "mlp", "moe"], n_routed_experts=4,
+                                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16))
+    assert a.params_total() == b.params_total() and a.num_layers == 4
+    g1 = dict(model_type="granitemoehybrid", vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
+              mamba_d_state=16)
+    x = ModelSpec.from_hf_config(dict(g1, layer_types=["mamba", "attention"]))
+    y = ModelSpec.from_hf_config(dict(g1, layers_block_type=["mamba", "attention"]))
+    assert x.params_total() == y.params_total()
+    q = dict(model_type="mixtral", vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+             intermediate_size=32, num_experts_per_tok=2)
+    assert (ModelSpec.from_hf_config(dict(q, num_local_experts=4)).params_total()
+            == ModelSpec.from_hf_config(dict(q, num_experts=4)).params_total())
+
+
+def test_unsupported_and_missing_fields():
+    with pytest.raises(ConfigError, match="unsupported model_type 'bert'.*deepseek_v3"):
+        ModelSpec.from_hf_config({"model_type": "bert"})
+    with pytest.raises(ConfigError, match="missing the field 'kv_lora_rank'"):
+        ModelSpec.from_hf_config({k: v for k, v in DSV3.items() if k != "kv_lora_rank"})
+    with pytest.raises(ConfigError, match="no 'model_type'"):
+        ModelSpec.from_hf_config({"hidden_size": 4})
+
+
+def test_sol_layers():
+    cfg = dict(model_type="sol", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+               intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+               num_experts_per_tok=2, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+               v_head_dim=16, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
+               mixer_types=["mamba2", "mamba2", "mamba2", "mla"], ffn_types=["dense", "moe", "moe", "moe"],
+               num_nextn_predict_layers=1)
+    s = ModelSpec.from_hf_config(cfg)
+    assert [l.mixer.kind for l in s.layers] == ["mamba2", "mamba2", "mamba2", "mla"]
+    assert s.cache_bytes_per_token(16) == (32 + 8) * 2
+    assert len(s.mtp_layers) == 1
+    with pytest.raises(ConfigError, match="mixer 'xyz'"):
+        ModelSpec.from_hf_config(dict(cfg, mixer_types=["xyz"] * 4))

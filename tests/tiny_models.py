@@ -1,0 +1,77 @@
+"""Tiny random Hugging Face checkpoints for every supported model_type, built and saved by the tests themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def configs() -> dict[str, dict]:
+    """model_type -> kwargs for the transformers config class (small, but every code path switched on)."""
+    dsv3 = dict(COMMON, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                routed_scaling_factor=2.5, norm_topk_prob=True, num_key_value_heads=4,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+                                     beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+    dsv2 = dict(COMMON, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                n_shared_experts=2, num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+                first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, routed_scaling_factor=1.5, num_key_value_heads=4)
+    mamba = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_expand=2,
+                 mamba_chunk_size=8)
+    return {
+        "llama": dict(COMMON, num_hidden_layers=2, intermediate_size=96,
+                      rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=64)),
+        "qwen3": dict(COMMON, num_hidden_layers=2, intermediate_size=96, head_dim=24),
+        "qwen3_moe": dict(COMMON, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                          num_experts_per_tok=2, head_dim=16, norm_topk_prob=True),
+        "mixtral": dict(COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
+        "deepseek_v2": dsv2,
+        "deepseek_v3": dsv3,
+        "gpt_oss": dict(COMMON, num_hidden_layers=2, intermediate_size=32, head_dim=16, num_local_experts=4,
+                        num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        "granitemoehybrid": dict(COMMON, num_hidden_layers=4, intermediate_size=32, shared_intermediate_size=48,
+                                 num_local_experts=4, num_experts_per_tok=2, position_embedding_type="rope",
+                                 layer_types=["mamba", "attention", "mamba", "mamba"], embedding_multiplier=2.0,
+                                 residual_multiplier=0.7, attention_multiplier=0.2, logits_scaling=1.5, **mamba),
+        "nemotron_h": dict(COMMON, head_dim=16, intermediate_size=96, layers_block_type=["mamba", "moe", "attention", "mlp"],
+                           mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+                           expand=2, chunk_size=8, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                           moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, n_group=4, topk_group=2,
+                           routed_scaling_factor=1.5),
+        "bamba": dict(COMMON, num_hidden_layers=3, intermediate_size=96, attn_layer_indices=[1], **mamba),
+    }
+
+
+def build(model_type: str, directory: Path, seed: int = 0) -> torch.nn.Module:
+    """Build a tiny random model of ``model_type``, save it to ``directory`` and return the eager reference model."""
+    import transformers
+
+    cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
+    cfg = cfg_cls(**configs()[model_type])
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # random, non-trivial values everywhere (HF init leaves norms at 1, biases at 0, A_log fixed, ...)
+            if p.dim() == 1 and ("norm" in name or name.endswith("D")):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif p.dim() == 1 and "A_log" in name:
+                p.copy_(torch.log(torch.rand_like(p) * 4 + 0.5))
+            elif p.dim() == 1:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1]) ** 0.5)
+        for name, b in model.named_buffers():
+            if "e_score_correction_bias" in name:
+                b.copy_(0.1 * torch.randn_like(b))
+    model.save_pretrained(directory)
+    return model
