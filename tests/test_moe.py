@@ -343,6 +343,9 @@ def test_misshaped_fused_and_missing_tensors_are_checkpoint_errors(tmp_path):
     tensors[name] = tensors[name].transpose(1, 2).contiguous()  # [E, 2I, D] instead of [E, D, 2I]
     with pytest.raises(CheckpointError, match=r"experts\.gate_up_proj"):
         _ours(case, tensors)
+    tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(1, dtype=torch.uint8)
+    with pytest.raises(CheckpointError, match="MXFP4"):
+        _ours(case, tensors)
     case = _make("deepseek_v3")
     tensors = _save(case.model, tmp_path / "ds")
     del tensors["model.layers.1.mlp.gate.e_score_correction_bias"]
@@ -373,6 +376,9 @@ def test_prefixes_and_config_errors():
         MoE(spec, act="bogus", flavor="mixtral")
     with pytest.raises(ConfigError):
         MoE(MoESpec(hidden_size=D, num_experts=E, top_k=K, expert_intermediate=I_EXPERT, n_group=3, topk_group=1),
+            flavor="deepseek_v3")
+    with pytest.raises(ConfigError, match="top_k=5"):
+        MoE(MoESpec(hidden_size=D, num_experts=E, top_k=5, expert_intermediate=I_EXPERT, n_group=4, topk_group=2),
             flavor="deepseek_v3")
 
 

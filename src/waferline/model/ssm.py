@@ -109,7 +109,6 @@ class Mamba2Mixer(nn.Module):
         if act not in _ACTS:
             raise ConfigError(f"mamba2: unsupported conv activation {act!r}; use one of {sorted(_ACTS)}")
         self.spec = spec
-        self.dtype = dtype
         self.act_name = act
         self._act = _ACTS[act]
         lim = spec.time_step_limit if time_step_limit is None else time_step_limit

@@ -1,0 +1,153 @@
+"""Planner: catalog accounting facts, placement, memory fit and no-fit explanations, Plan JSON round trip."""
+
+import json
+
+import pytest
+
+from waferline.errors import ConfigError, FitError
+from waferline.plan.place import context_capacity, place
+from waferline.plan.plan import Plan, SpeculativeConfig
+from waferline.spec.catalog import list_models, load_model, model_config
+
+ISSUE_MODELS = {"gpt-5.6-sol", "gpt-5.6-sol-mla", "gpt-5.6-sol-hybrid", "gpt-5.6-sol-gqa", "kimi-k2.6", "deepseek-v3",
+                "deepseek-r1", "qwen3-235b-a22b", "qwen3-32b", "glm-4.6", "gpt-oss-120b", "llama-4-maverick", "llama-3-8b",
+                "llama-3.1-8b", "llama-3.1-70b", "llama-3.3-70b", "llama-3.1-405b", "llama-2-70b", "mixtral-8x7b",
+                "qwen3-next-80b-a3b", "jamba-1.5-large"}
+
+
+def within(x, target, rel=0.02):
+    return abs(x - target) <= rel * target
+
+
+@pytest.mark.parametrize("name", sorted(ISSUE_MODELS))
+def test_catalog_models_are_hf_configs_with_provenance(name):
+    cfg = model_config(name)
+    assert "model_type" in cfg and cfg["_waferline"]["source"]
+    spec = load_model(name)
+    assert spec.num_layers > 0 and spec.params_total() > spec.params_active() * 0.99
+
+
+def test_all_issue_models_present():
+    assert ISSUE_MODELS <= set(list_models())
+
+
+def test_accounting_facts():
+    assert load_model("deepseek-v3").cache_bytes_per_token(16) == 70272
+    assert load_model("llama-3.1-405b").cache_bytes_per_token(16) == 516096
+    ds = load_model("deepseek-v3")
+    assert within(ds.params_total(), 671e9) and within(ds.params_active(), 37e9)
+    kimi = load_model("kimi-k2.6")
+    assert within(kimi.params_total(), 1.04e12) and within(kimi.params_active(), 32e9, rel=0.05)
+    assert within(load_model("gpt-oss-120b").params_total(), 117e9)
+
+
+def test_sol_variants_are_about_3t_150b_and_differ_in_cache():
+    sols = {v: load_model(f"gpt-5.6-sol-{v}") for v in ("mla", "hybrid", "gqa")}
+    for s in sols.values():
+        assert 2.7e12 < s.params_total() < 3.2e12 and 140e9 < s.params_active() < 170e9 and s.num_layers == 80
+        assert s.mtp_layers
+    kinds = [layer.mixer.kind for layer in sols["hybrid"].layers]
+    assert kinds.count("mla") == 20 and kinds.count("mamba2") == 60
+    per_tok = {v: s.cache_bytes_per_token(16) for v, s in sols.items()}
+    assert per_tok["hybrid"] < per_tok["mla"] < per_tok["gqa"]
+
+
+def test_fewest_wafers_for_llama_70b_is_four():
+    plan = place("llama-3.1-70b", "wse-3")
+    assert plan.fits and plan.num_devices == 4 and plan.num_stages == 4
+    assert plan.stages[0].has_embedding and plan.stages[-1].has_lm_head
+    assert sorted(i for s in plan.stages for i in s.layers) == list(range(80))
+
+
+def test_per_stage_memory_counts_only_its_layers():
+    """llm-analysis 0.2.2 bug: pipeline stages each charged all layers' weights."""
+    spec = load_model("llama-3.1-70b")
+    plan = place(spec, "h100-sxm", devices=4, layers_per_stage=20)
+    total = spec.weight_bytes(16)
+    assert plan.num_stages == 4
+    per_stage = [s.memory.weights * s.num_devices for s in plan.stages]
+    assert within(sum(per_stage), total, rel=1e-6)
+    assert max(per_stage) < total / 3
+
+
+def test_experts_are_sharded_and_counted_once():
+    """GenZ bug: 721 GB per chip for DeepSeek-V3 because experts were not sharded."""
+    spec = load_model("deepseek-v3")
+    plan = place(spec, "h200-sxm", weight_bits=8)
+    assert plan.fits and plan.num_devices == 8
+    per_device = plan.stages[0].memory.weights
+    assert per_device < 100e9
+    assert within(per_device * 8, spec.weight_bytes(8), rel=1e-6)
+
+
+def test_no_fit_explains_device_term_and_bytes():
+    plan = place("llama-3.1-70b", "wse-3", devices=2)
+    assert not plan.fits and len(plan.problems) == 2
+    msg = plan.problems[0]
+    assert "stage 0" in msg and "weights" in msg and "by 29." in msg and "bytes" in msg and "largest term: weights" in msg
+    with pytest.raises(FitError, match="stage 0"):
+        place("llama-3.1-70b", "wse-3", devices=2, require_fit=True)
+
+
+def test_cache_overflow_names_the_cache():
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=131072, batch=16)
+    assert not plan.fits and "largest term: cache" in plan.problems[0]
+
+
+def test_several_devices_per_layer_when_a_layer_does_not_fit():
+    plan = place("gpt-5.6-sol", "wse-3", weight_bits=16)
+    assert plan.fits and plan.num_stages == 80 and all(s.num_devices == 2 for s in plan.stages)
+
+
+def test_one_layer_per_wafer_at_4_bits():
+    plan = place("gpt-5.6-sol", "wse-3", weight_bits=4, devices=80)
+    assert plan.fits and plan.num_stages == 80 and all(len(s.layers) == 1 for s in plan.stages)
+    fewest = place("gpt-5.6-sol", "wse-3", weight_bits=4)
+    assert fewest.fits and fewest.num_devices < 80
+
+
+def test_context_capacity_orders_kv_variants():
+    caps = {v: context_capacity(place(f"gpt-5.6-sol-{v}", "wse-3", weight_bits=4, devices=80), f"gpt-5.6-sol-{v}")
+            for v in ("mla", "gqa", "hybrid")}
+    assert caps["gqa"] < caps["mla"] <= caps["hybrid"]
+    assert caps["mla"] > 1_000_000
+
+
+def test_afd_splits_attention_and_ffn():
+    plan = place("deepseek-v3", "wse-3", weight_bits=4, afd=True)
+    roles = {s.role for s in plan.stages}
+    assert roles == {"attention", "ffn"} and plan.fits
+    att = sorted(i for s in plan.stages if s.role == "attention" for i in s.layers)
+    assert att == list(range(61))
+    ffn = sorted(i for s in plan.stages if s.role == "ffn" for i in s.layers)
+    assert ffn == list(range(61))
+    assert not set(plan.stages[0].device_ids) & set(plan.stages[-1].device_ids)
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = place("qwen3-32b", "h200-sxm", devices=2, weight_bits=8, speculative=SpeculativeConfig("eagle", 4, 0.7))
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    back = Plan.load(path)
+    assert back.to_dict() == plan.to_dict()
+    assert back.speculative.method == "eagle" and back.stages[0].num_devices == 2
+    d = json.loads(path.read_text())
+    assert d["stages"][0]["role"] == "full" and "weights" in d["stages"][0]["memory"]
+
+
+def test_bad_inputs_raise_config_errors():
+    with pytest.raises(ConfigError):
+        place("llama-3.1-8b", "wse-3", weight_bits=3)
+    with pytest.raises(ConfigError):
+        place("not-a-model", "wse-3")
+    with pytest.raises(ConfigError):
+        Plan.from_json('{"model": "x"}')
+    with pytest.raises(ConfigError):
+        SpeculativeConfig("telepathy")
+
+
+def test_config_json_path_is_accepted(tmp_path):
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(model_config("llama-3.1-8b")))
+    plan = place(str(p), "h100-sxm")
+    assert plan.fits and plan.num_devices == 1
