@@ -52,8 +52,14 @@ def _load_tokenizer(directory: Path) -> Any:
     if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
         return None
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # our own model_types (e.g. `sol`) are unknown to transformers' config registry
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 class LLM:

@@ -13,7 +13,7 @@ from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
 from waferline.model.layers import RMSNorm, Rotary, rope_parameters
 from waferline.model.moe import MoE, DenseFFN
-from waferline.model.ssm import Mamba2Mixer
+from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import ENGINE_MODEL_TYPES, AttentionSpec, DenseFFNSpec, LayerSpec, MLASpec, Mamba2Spec, ModelSpec, MoESpec
 
@@ -101,8 +101,9 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
 
 
 def _mamba_flags(mt: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    act = cfg.get("mamba_hidden_act") or cfg.get("hidden_act") or "silu"
-    return {"act": act}
+    if mt == "sol":
+        return {"act": "silu"}
+    return hf_mixer_kwargs(mt, cfg)
 
 
 def _build_ffn(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype) -> nn.Module | None:

@@ -148,10 +148,9 @@ class Mamba2Mixer(nn.Module):
             copy_into(self.in_proj.bias, src.get(prefix + "in_proj.bias", (self.in_proj.out_features,)))
             copy_into(self.out_proj.bias, src.get(prefix + "out_proj.bias", (s.hidden_size,)))
         copy_into(self.out_proj.weight, src.get(prefix + "out_proj.weight", (s.hidden_size, self.d_inner)))
-        w = src.get(prefix + "conv1d.weight")
-        if tuple(w.shape) not in ((self.conv_dim, 1, self.K), (self.conv_dim, self.K)):
-            raise CheckpointError(f"tensor {prefix + 'conv1d.weight'!r} has shape {list(w.shape)} but the config "
-                                  f"implies {[self.conv_dim, 1, self.K]}")
+        name = prefix + "conv1d.weight"
+        flat = src.has(name) and tuple(src.shape(name)) == (self.conv_dim, self.K)
+        w = src.get(name, (self.conv_dim, self.K) if flat else (self.conv_dim, 1, self.K))
         copy_into(self.conv_weight, w.reshape(self.conv_dim, self.K))
         if s.conv_bias:
             copy_into(self.conv_bias, src.get(prefix + "conv1d.bias", (self.conv_dim,)))

@@ -116,6 +116,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     O = args.output_len or params.default_output_len
     if args.plan:
         plan = Plan.load(args.plan)
+        if args.speculative != "none":
+            plan.speculative = _spec_cfg(args)
     else:
         plan = _make_plan(args, args.context or (P + O))
     r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)

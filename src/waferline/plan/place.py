@@ -37,16 +37,33 @@ class _Part:
     cache: float
 
 
+_PARTS_CACHE: dict[tuple, list[_Part]] = {}
+
+
 def _parts(spec: Any, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int) -> list[_Part]:
+    """Per-layer memory of ``role`` parts (cached per model and precision: sweeps reuse it)."""
+    key = (id(spec), spec.name, role, weight_bits, kv_bits, context, batch, group)
+    hit = _PARTS_CACHE.get(key)
+    if hit is not None:
+        return hit
+    memo: dict[tuple, tuple[float, float]] = {}
     out = []
     for layer in spec.layers:
-        cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
-        if role == "full":
-            out.append(_Part(layer.index, layer.weight_bytes(weight_bits, group), cache))
-        elif role == "attention":
-            out.append(_Part(layer.index, layer.mixer_weight_bytes(weight_bits, group), cache))
-        else:
-            out.append(_Part(layer.index, layer.ffn_weight_bytes(weight_bits, group), 0.0))
+        sig = (repr(layer.mixer), repr(layer.ffn))
+        wc = memo.get(sig)
+        if wc is None:
+            cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
+            if role == "full":
+                wc = (layer.weight_bytes(weight_bits, group), cache)
+            elif role == "attention":
+                wc = (layer.mixer_weight_bytes(weight_bits, group), cache)
+            else:
+                wc = (layer.ffn_weight_bytes(weight_bits, group), 0.0)
+            memo[sig] = wc
+        out.append(_Part(layer.index, wc[0], wc[1]))
+    if len(_PARTS_CACHE) > 512:
+        _PARTS_CACHE.clear()
+    _PARTS_CACHE[key] = out
     return out
 
 
@@ -68,23 +85,34 @@ def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
     return max(1, math.ceil(total / avail - 1e-12))
 
 
-def _balanced_split(parts: list[_Part], n: int) -> list[list[_Part]]:
-    """Split parts into n contiguous groups of (nearly) equal memory, every group non-empty."""
+def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[list[_Part]]:
+    """Split parts into n contiguous non-empty groups minimising the largest group's memory (extras on the ends)."""
     n = max(1, min(n, len(parts)))
     sizes = [p.weights + p.cache for p in parts]
-    total = sum(sizes) or 1.0
-    groups: list[list[_Part]] = []
-    cur: list[_Part] = []
-    acc = 0.0
-    for i, p in enumerate(parts):
-        remaining_parts = len(parts) - i
-        remaining_groups = n - len(groups)
-        if cur and (remaining_parts < remaining_groups or acc + sizes[i] / 2 > total * (len(groups) + 1) / n):
-            groups.append(cur)
-            cur = []
-        cur.append(p)
-        acc += sizes[i]
-    groups.append(cur)
+    sizes[0] += first_extra
+    sizes[-1] += last_extra
+
+    def cuts(limit: float) -> list[int] | None:
+        starts, acc = [0], 0.0
+        for i, x in enumerate(sizes):
+            if acc + x > limit and i > starts[-1]:
+                starts.append(i)
+                acc = 0.0
+            acc += x
+        return starts if len(starts) <= n else None
+
+    lo, hi = max(sizes), sum(sizes)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if cuts(mid) else (mid, hi)
+    starts = cuts(hi) or [0]
+    bounds = starts + [len(parts)]
+    groups = [parts[bounds[i]:bounds[i + 1]] for i in range(len(starts))]
+    while len(groups) < n:  # use every device: split the largest splittable group
+        gi = max((i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: sum(p.weights + p.cache for p in groups[i]))
+        g = groups[gi]
+        half = len(g) // 2
+        groups[gi:gi + 1] = [g[:half], g[half:]]
     return groups
 
 
@@ -172,7 +200,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             ma = sum(p.weights + p.cache for p in att) + emb + head
             mf = sum(p.weights for p in ffn)
             na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
-            ga = _split_into(att, na, hw, act, layers_per_stage)
+            ga = _split_into(att, na, hw, act, layers_per_stage, emb, head)
             gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
         stages = mk_stages(ga, "attention", 0, 0, True)
         n_att = sum(n for _, n in ga)
@@ -189,7 +217,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                 extra = (emb if ci == 0 else 0.0) + (head if ci == len(chunks) - 1 else 0.0)
                 groups.append((c, _devices_needed(sum(p.weights + p.cache for p in c) + extra, hw, act)))
         else:
-            groups = _split_into(parts, devices, hw, act, layers_per_stage)
+            groups = _split_into(parts, devices, hw, act, layers_per_stage, emb, head)
             used = sum(n for _, n in groups)
             if used < devices:
                 notes.append(f"{devices - used} of {devices} devices left idle: {len(parts)} layers cannot use them evenly")
@@ -207,14 +235,15 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     return plan
 
 
-def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None) -> list[tuple[list[_Part], int]]:
+def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None,
+                first_extra: float = 0.0, last_extra: float = 0.0) -> list[tuple[list[_Part], int]]:
     """Use exactly ``devices`` devices (or as many as divide evenly): stages of layers, devices per stage."""
     if k is not None:
         groups = [parts[i:i + k] for i in range(0, len(parts), k)]
     elif devices >= len(parts):
         groups = [[p] for p in parts]
     else:
-        groups = _balanced_split(parts, devices)
+        groups = _balanced_split(parts, devices, first_extra, last_extra)
     per = max(1, devices // len(groups))
     if devices < len(groups):
         raise ConfigError(f"{devices} devices cannot hold {len(groups)} stages of at most {k} layers; "
@@ -233,7 +262,7 @@ def _place_tensor(spec: Any, hw: HardwareSpec, devices: int | None, k: int | Non
         if k is not None:
             groups = [parts[i:i + k] for i in range(0, len(parts), k)]
         else:
-            groups = _balanced_split(parts, pp)
+            groups = _balanced_split(parts, pp, emb, head)
         return [(g, tp) for g in groups]
 
     def fits(groups: list[tuple[list[_Part], int]]) -> bool:

@@ -180,6 +180,7 @@ class LayerCost:
     mixer_flops: float  # per token at the context
     ffn_flops: float  # per token
     is_moe: bool
+    kind_id: int = 0  # layers with equal kind_id (in one table) have identical costs
 
 
 _TABLE_CACHE: dict[tuple, list[LayerCost]] = {}
@@ -210,7 +211,7 @@ def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: 
                        dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0), expert_bytes=eb,
                        num_experts=ffn.num_experts if moe else 0, top_k=ffn.top_k if moe else 0,
                        cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
-                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe)
+                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe, kind_id=len(memo))
         memo[sig] = lc
         out.append(lc)
     if len(_TABLE_CACHE) > 256:

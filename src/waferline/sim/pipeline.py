@@ -65,6 +65,15 @@ class _Ctx:
     hw: HardwareSpec
     prm: ClassParams
     params: SimParams
+    hop_memo: dict = field(default_factory=dict)
+
+    def hop(self, a: int, b: int, nbytes: float) -> float:
+        dpn = max(1, self.hw.devices_per_node)
+        key = (a // dpn == b // dpn, nbytes)
+        t = self.hop_memo.get(key)
+        if t is None:
+            t = self.hop_memo[key] = hop_time(self.hw, self.prm, a, b, nbytes)
+        return t
 
 
 def _lm_head(spec: Any, embed_bits: int) -> tuple[float, float]:
@@ -80,15 +89,20 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
     total = 0.0
     slowest = 0.0
     stages = plan.stages
+    memo: dict[tuple, StepCost] = {}
     for i, s in enumerate(stages):
         lcs = [table[j] for j in s.layers]
         hb = head_b if s.has_lm_head else 0.0
-        resident = None
-        if hw.kind == "wafer":
-            resident = sum((lc.mixer_bytes + lc.cache_bytes * resident_batch) if s.role == "attention" else
-                           lc.ffn_bytes if s.role == "ffn" else lc.weight_bytes + lc.cache_bytes * resident_batch for lc in lcs) + hb
-        sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
-                        lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
+        key = (tuple(lc.kind_id for lc in lcs), s.role, s.num_devices, hb)
+        sc = memo.get(key)
+        if sc is None:
+            resident = None
+            if hw.kind == "wafer":
+                resident = sum((lc.mixer_bytes + lc.cache_bytes * resident_batch) if s.role == "attention" else
+                               lc.ffn_bytes if s.role == "ffn" else lc.weight_bytes + lc.cache_bytes * resident_batch for lc in lcs) + hb
+            sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
+                            lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
+            memo[key] = sc
         hop = _hops_out(ctx, i, act)
         timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed, sc.comm,
                                    hop, sc.total + hop))
@@ -110,17 +124,17 @@ def _hops_out(ctx: _Ctx, i: int, act: float) -> float:
         for layer in s.layers:
             f = next((x for x in stages if x.role == "ffn" and layer in x.layers), None)
             if f is not None:
-                t += hop_time(hw, prm, s.device_ids[0], f.device_ids[0], act) + hop_time(hw, prm, f.device_ids[0], s.device_ids[0], act)
+                t += ctx.hop(s.device_ids[0], f.device_ids[0], act) + ctx.hop(f.device_ids[0], s.device_ids[0], act)
         att = [x for x in stages if x.role == "attention"]
         if len(att) > 1:
             nxt = att[(att.index(s) + 1) % len(att)]
-            t += hop_time(hw, prm, s.device_ids[-1], nxt.device_ids[0], act if nxt is not att[0] else 64.0)
+            t += ctx.hop(s.device_ids[-1], nxt.device_ids[0], act if nxt is not att[0] else 64.0)
         return t
     if len(stages) == 1:
         return 0.0
     nxt = stages[(i + 1) % len(stages)]
     nbytes = act if i + 1 < len(stages) else 64.0  # token ids back to the embedding stage
-    return hop_time(hw, prm, s.device_ids[-1], nxt.device_ids[0], nbytes)
+    return ctx.hop(s.device_ids[-1], nxt.device_ids[0], nbytes)
 
 
 def _layer_range(s: Stage) -> str:

@@ -1,0 +1,112 @@
+"""Validation and calibration: the published CSV, arbitrary CSVs, fitting, and the CLI commands."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from waferline.errors import ConfigError
+from waferline.plan import commands
+from waferline.sim.cost import SimParams, load_params
+from waferline.sim.fit import fit, save_fitted
+from waferline.sim.validate import error_factor, read_published, validate
+
+PUBLISHED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "published_results.csv"
+HEADER = "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,date,source,notes\n"
+
+needs_published = pytest.mark.skipif(not PUBLISHED.is_file(), reason="shared/data/published_results.csv not present")
+
+
+def _csv(tmp_path, rows, name="r.csv"):
+    p = tmp_path / name
+    p.write_text("# comment line\n" + HEADER + "".join(r + "\n" for r in rows))
+    return p
+
+
+def test_error_factor_is_symmetric():
+    assert error_factor(200, 100) == pytest.approx(2.0) and error_factor(50, 100) == pytest.approx(2.0)
+    assert error_factor(100, 100) == 1.0
+
+
+@needs_published
+def test_published_calibration_set_meets_the_target():
+    results, summary = validate(PUBLISHED)
+    assert summary["predicted"] == summary["rows"] >= 15
+    assert summary["median_error_factor"] <= 1.25
+    assert summary["within_2"] >= summary["predicted"] - 1
+    assert all(r.predicted > 0 for r in results)
+
+
+def test_any_csv_unknown_rows_are_skipped_not_fatal(tmp_path):
+    p = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                        "b,x,no-such-model,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                        "c,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,bogus_metric,1,x,,,",
+                        "d,x,qwen3-32b,b200,,8,none,8,2000,500,aggregate_tokens_per_s,2000,tok/s,,,"])
+    results, summary = validate(p)
+    assert summary["rows"] == 4 and summary["predicted"] == 2 and summary["skipped"] == 2
+    assert "no-such-model" in results[1].skipped and "bogus_metric" in results[2].skipped
+    assert results[3].devices == 1 and results[3].predicted > 0
+
+
+def test_csv_missing_columns_is_a_config_error(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("model,hardware\nllama-3.1-8b,h100-sxm\n")
+    with pytest.raises(ConfigError, match="metric"):
+        read_published(p)
+
+
+def test_fit_reduces_error_and_marks_parameters_fitted(tmp_path):
+    p = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,120,tok/s,,,",
+                        "b,x,llama-3.1-70b,h100-sxm,4,16,none,1,,,decode_tokens_per_s_per_user,40,tok/s,,,"])
+    base = load_params().copy()
+    before = validate(p, base)[1]["median_error_factor"]
+    fitted, report = fit(p, base=base, restarts=1, iters=150)
+    after = validate(p, fitted)[1]["median_error_factor"]
+    assert after < before and report["after"]["median"] == pytest.approx(after, rel=1e-6)
+    assert fitted.classes["gpu"].status["bw_eff"] == "fitted"
+    out = tmp_path / "fitted.yaml"
+    save_fitted(fitted, out, str(p))
+    d = yaml.safe_load(out.read_text())
+    assert d["classes"]["gpu"]["bw_eff"]["fitted"] is True
+    assert "assumed" in d["classes"]["gpu"]["flops_eff"]
+    again = load_params(out)
+    assert again.classes["gpu"].bw_eff == pytest.approx(fitted.classes["gpu"].bw_eff)
+
+
+def test_shipped_parameters_are_all_marked():
+    d = yaml.safe_load((Path(load_params.__code__.co_filename).parent / "fitted.yaml").read_text())
+    for cls in d["classes"].values():
+        for v in cls.values():
+            assert "fitted" in v or "assumed" in v
+    assert any(v.get("fitted") for cls in d["classes"].values() for v in cls.values())
+    assert all(0 < v["value"] < 1 for v in d["speculative"]["accept_rate"].values())
+
+
+def test_cli_plan_simulate_validate_calibrate(tmp_path, capsys):
+    assert commands.main(["plan", "llama-3.1-70b", "--hardware", "wse-3", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["stages"]) == 4 and d["max_context_per_sequence"] > 0
+    assert commands.main(["plan", "llama-3.1-70b", "--hardware", "wse-3", "--devices", "2"]) == 2
+    assert "does not fit" in capsys.readouterr().out
+    plan_path = tmp_path / "p.json"
+    assert commands.main(["plan", "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80",
+                          "--out", str(plan_path), "--json"]) == 0
+    capsys.readouterr()
+    assert commands.main(["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--plan", str(plan_path),
+                          "--speculative", "mtp", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["num_stages"] == 80 and s["decode_tokens_per_s_per_user"] > 0 and s["speculative"]["method"] == "mtp"
+    assert commands.main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm"]) == 0
+    assert "decode tokens/s per user" in capsys.readouterr().out
+    csv = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,"])
+    assert commands.main(["validate", "--data", str(csv), "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert v["summary"]["predicted"] == 1 and math.isfinite(v["rows"][0]["error_factor"])
+    out = tmp_path / "f.yaml"
+    assert commands.main(["calibrate", "--published", str(csv), "--out", str(out), "--iters", "60", "--restarts", "1",
+                          "--json"]) == 0
+    assert out.is_file() and json.loads(capsys.readouterr().out)["rows"] == 1
+    assert commands.main(["plan", "no-such-model", "--hardware", "wse-3"]) == 1
+    assert "unknown model" in capsys.readouterr().err
