@@ -130,3 +130,26 @@ def test_cli_generate_json_and_errors(ckpts, tmp_path):
     r = subprocess.run([sys.executable, "-m", "waferline.cli", "generate", "--model", str(tmp_path), "--prompt-ids", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "error:" in r.stderr and "config.json" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sharded_checkpoint_loads_like_single(ckpts, tmp_path):
+    from tiny_models import build as build_ref
+
+    ref = build_ref("deepseek_v3", tmp_path / "single")
+    ref.save_pretrained(tmp_path / "sharded", max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = [1, 5, 9, 33, 70]
+    a = LLM(tmp_path / "single").prompt_logprobs(ids)
+    b = LLM(tmp_path / "sharded").prompt_logprobs(ids)
+    assert torch.equal(a, b)
+
+
+def test_bfloat16_close_to_float32(ckpts):
+    ids = [1, 5, 9, 33, 70, 12, 90, 4]
+    for mt in ("deepseek_v3", "bamba", "gpt_oss"):
+        a = LLM(ckpts[mt], dtype="float32").prompt_logprobs(ids)
+        b = LLM(ckpts[mt], dtype="bfloat16").prompt_logprobs(ids)
+        assert b.dtype == torch.float32 and torch.isfinite(b).all()
+        assert (a.exp() - b.exp()).abs().max() < 0.05, mt  # bf16 rounding, not a different model
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        LLM(ckpts["llama"], dtype="int3")

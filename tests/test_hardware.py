@@ -106,3 +106,17 @@ def test_catalog_files_must_cite(tmp_path):
 def test_unknown_hardware_names_the_catalog():
     with pytest.raises(ConfigError, match="wse-3"):
         load_hardware("no-such-chip")
+
+
+def test_user_hardware_plans_and_simulates_end_to_end(tmp_path):
+    from waferline.plan.place import place
+    from waferline.plan.plan import Plan
+    from waferline.sim.pipeline import simulate
+
+    p = tmp_path / "my_asic.yaml"
+    p.write_text(yaml.safe_dump(GOOD))
+    plan = place("llama-3.1-70b", str(p), weight_bits=8)
+    assert plan.fits and plan.stages[0].device == "jalapeno-guess"
+    back = Plan.from_json(plan.to_json())
+    r = simulate(back, prompt_len=256, output_len=64)
+    assert r.decode_tokens_per_s_per_user > 0 and r.hardware == str(p.resolve())

@@ -108,3 +108,17 @@ def test_no_torch_in_planner_and_simulator():
             "from waferline.plan.place import place; from waferline.sim.pipeline import simulate; "
             "simulate(place('gpt-5.6-sol', 'wse-3', weight_bits=4)); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_serving_queues_and_batches_under_load():
+    from waferline.sim.serving import simulate_serving
+
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=1024)
+    light = simulate_serving(plan, arrival_rate=0.05, num_requests=30, prompt_len=512, output_len=128, seed=1)
+    heavy = simulate_serving(plan, arrival_rate=50.0, num_requests=200, prompt_len=512, output_len=128, seed=1)
+    assert light.mean_batch < 1.5 < heavy.mean_batch
+    assert heavy.output_tokens_per_s > 3 * light.output_tokens_per_s
+    assert heavy.ttft_p99_s > light.ttft_p99_s and heavy.itl_p50_s > light.itl_p50_s
+    assert light.ttft_p50_s >= load_params().ttft_overhead_s
+    capped = simulate_serving(plan, arrival_rate=50.0, num_requests=100, prompt_len=512, output_len=128, max_batch=4)
+    assert capped.max_batch == 4 and capped.mean_batch <= 4.0001

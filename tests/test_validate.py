@@ -9,7 +9,7 @@ import yaml
 
 from waferline.errors import ConfigError
 from waferline.plan import commands
-from waferline.sim.cost import SimParams, load_params
+from waferline.sim.cost import load_params
 from waferline.sim.fit import fit, save_fitted
 from waferline.sim.validate import error_factor, read_published, validate
 

@@ -94,13 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=_cmd_demo)
 
-    try:
-        from waferline.plan import commands as plan_commands
-    except ImportError:
-        plan_commands = None
-    if plan_commands is not None and hasattr(plan_commands, "register"):
-        plan_commands.register(sub)
+    import importlib
+
+    for modname in COMMAND_MODULES:  # each module adds its subcommands with register(subparsers)
+        try:
+            mod = importlib.import_module(modname)
+        except ModuleNotFoundError as e:
+            if e.name != modname:
+                raise
+            continue
+        mod.register(sub)
     return p
+
+
+# modules that contribute subcommands (a module not present yet is skipped)
+COMMAND_MODULES = ("waferline.plan.commands", "waferline.model.quant_commands")
 
 
 def main(argv: list[str] | None = None) -> int:

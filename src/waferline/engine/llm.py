@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -115,9 +116,16 @@ class LLM:
             raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's context of "
                                f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens")
 
-    @torch.inference_mode()
     def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None) -> list[Output]:
         """Prefill every prompt, then decode them together as one batch until each stops."""
+        results: list[Output] = []
+        for event in self.stream(prompts, params):
+            if isinstance(event, list):
+                results = event
+        return results
+
+    def stream(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None) -> Iterator[Any]:
+        """Like ``generate`` but yields ``(row, token_id)`` as each token is sampled, then the list of Outputs."""
         params = params or SamplingParams()
         params.validate()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
@@ -125,6 +133,10 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for p in ids:
             self._check_len(len(p), params.max_tokens)
+        return self._stream(ids, params)
+
+    @torch.inference_mode()
+    def _stream(self, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
         B = len(ids)
         caches = self.model.new_caches(B)
         gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
@@ -140,13 +152,13 @@ class LLM:
         ttft = time.perf_counter() - t0
         logits = torch.stack(last)
         lengths = [len(p) for p in ids]
-        steps = 0
         while True:
             for b in range(B):
                 if done[b]:
                     continue
                 tok = sample(logits[b], params, gens[b])
                 out[b].append(tok)
+                yield b, tok
                 if tok in stop_ids:
                     done[b], reason[b] = True, "stop"
                 elif params.stop and self._hit_stop(out[b], params.stop):
@@ -162,7 +174,6 @@ class LLM:
             step_logits = self.model.logits(h[:, 0])
             logits = torch.zeros(B, step_logits.shape[-1])
             logits[active] = step_logits
-            steps += 1
         total = time.perf_counter() - t0
         n_gen = sum(len(o) for o in out)
         decode_time = max(total - ttft, 1e-9)
@@ -174,7 +185,7 @@ class LLM:
             if params.stop and reason[b] == "stop" and toks and toks[-1] not in stop_ids:
                 text = _cut_at_stop(text, params.stop)
             results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
-        return results
+        yield results
 
     def _hit_stop(self, toks: list[int], stops: list[str]) -> bool:
         if self.tokenizer is None:

@@ -11,7 +11,7 @@ from torch import nn
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
-from waferline.model.layers import RMSNorm, Rotary, rope_parameters
+from waferline.model.layers import Linear, RMSNorm, Rotary, rope_parameters
 from waferline.model.moe import MoE, DenseFFN
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.weights import WeightSource, copy_into
@@ -118,6 +118,42 @@ def _build_ffn(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype
     raise ConfigError(f"layer {spec.index}: unknown FFN kind {ffn.kind!r}")
 
 
+class MTPHead(nn.Module):
+    """DeepSeek-style multi-token-prediction module: from the main model's hidden state at t and the
+    embedding of token t+1 it predicts token t+2 (embeddings and LM head are shared with the main model)."""
+
+    def __init__(self, spec: LayerSpec, model_type: str, cfg: dict[str, Any], dtype: torch.dtype):
+        super().__init__()
+        d, eps = spec.hidden_size, _norm_eps(cfg)
+        self.enorm = RMSNorm(d, eps, dtype)
+        self.hnorm = RMSNorm(d, eps, dtype)
+        self.eh_proj = Linear(2 * d, d, False, dtype)
+        self.layer = DecoderLayer(spec, model_type, cfg, dtype)
+        self.norm = RMSNorm(d, eps, dtype)
+
+    def load_hf(self, src: WeightSource, prefix: str, naming: "Naming") -> None:
+        self.enorm.load_hf(src, prefix + "enorm.weight")
+        self.hnorm.load_hf(src, prefix + "hnorm.weight")
+        self.eh_proj.load_hf(src, prefix + "eh_proj")
+        self.norm.load_hf(src, prefix + "shared_head.norm.weight")
+        _load_layer(self.layer, src, prefix, naming)
+
+    def forward(self, h: torch.Tensor, next_embeds: torch.Tensor, cache: Any, batch: StepBatch) -> torch.Tensor:
+        """h: main-model hidden states at positions t [B, T, D]; next_embeds: embeddings of tokens t+1."""
+        x = self.eh_proj(torch.cat([self.enorm(next_embeds), self.hnorm(h)], dim=-1))
+        return self.layer(x, cache, batch)
+
+
+def _load_layer(layer: DecoderLayer, src: WeightSource, p: str, n: Naming) -> None:
+    if layer.mixer is not None:
+        layer.mixer_norm.load_hf(src, p + n.norm_mixer + ".weight")
+        sub = n.ssm if isinstance(layer.mixer, Mamba2Mixer) else n.attn
+        layer.mixer.load_hf(src, p + sub + ".")
+    if layer.ffn is not None:
+        layer.ffn_norm.load_hf(src, p + n.norm_ffn + ".weight")
+        layer.ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers ``layer_range`` of the model, final norm and LM head.
 
@@ -126,7 +162,7 @@ class DecoderModel(nn.Module):
     """
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, layer_range: range | None = None,
-                 has_embed: bool = True, has_head: bool = True):
+                 has_embed: bool = True, has_head: bool = True, with_mtp: bool | None = None):
         super().__init__()
         if spec.model_type not in ENGINE_MODEL_TYPES:
             raise ConfigError(f"model_type {spec.model_type!r} is planner-only; the engine runs: {', '.join(ENGINE_MODEL_TYPES)}")
@@ -142,6 +178,10 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range])
         self.norm = RMSNorm(d, _norm_eps(self.cfg), dtype) if has_head else None
         self.lm_head = nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
+        # MTP heads: None = load them when the checkpoint has them, True = required, False = never
+        self.with_mtp = with_mtp
+        self.mtp = nn.ModuleList([MTPHead(l, spec.model_type, self.cfg, dtype) for l in spec.mtp_layers]
+                                 if has_head and has_embed and with_mtp is not False else [])
         granite = spec.model_type == "granitemoehybrid"
         self.embedding_multiplier = float(self.cfg.get("embedding_multiplier") or 1.0) if granite else 1.0
         self.logits_scaling = float(self.cfg.get("logits_scaling") or 1.0) if granite else 1.0
@@ -153,14 +193,14 @@ class DecoderModel(nn.Module):
         if self.embed is not None:
             copy_into(self.embed.weight, src.get(r + n.embed + ".weight", tuple(self.embed.weight.shape)))
         for layer, i in zip(self.layers, self.layer_range):
-            p = f"{r}layers.{i}."
-            if layer.mixer is not None:
-                layer.mixer_norm.load_hf(src, p + n.norm_mixer + ".weight")
-                sub = n.ssm if isinstance(layer.mixer, Mamba2Mixer) else n.attn
-                layer.mixer.load_hf(src, p + sub + ".")
-            if layer.ffn is not None:
-                layer.ffn_norm.load_hf(src, p + n.norm_ffn + ".weight")
-                layer.ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
+            _load_layer(layer, src, f"{r}layers.{i}.", n)
+        if len(self.mtp):
+            first = f"{r}layers.{self.spec.num_layers}."
+            if self.with_mtp or src.has(first + "eh_proj.weight"):
+                for j, head in enumerate(self.mtp):
+                    head.load_hf(src, f"{r}layers.{self.spec.num_layers + j}.", n)
+            else:
+                self.mtp = nn.ModuleList()  # the checkpoint carries no MTP weights (e.g. transformers drops them)
         if self.norm is not None:
             self.norm.load_hf(src, r + n.final_norm + ".weight")
             if self.spec.tie_word_embeddings and not src.has("lm_head.weight"):

@@ -56,9 +56,61 @@ def write_random_checkpoint(cfg: dict[str, Any], directory: str | Path, seed: in
     directory.mkdir(parents=True, exist_ok=True)
     spec = ModelSpec.from_hf_config(dict(cfg))
     src = _RecordingSource(seed)
-    DecoderModel(spec, torch.float32).load_hf(src)
+    DecoderModel(spec, torch.float32, with_mtp=True).load_hf(src)
     tmp = directory / "model.safetensors.tmp"
     save_file({k: v.contiguous() for k, v in src.tensors.items()}, str(tmp), metadata={"format": "pt"})
     tmp.replace(directory / "model.safetensors")
     (directory / "config.json").write_text(json.dumps(cfg, indent=2))
     return directory
+
+
+class _FillSource(_RecordingSource):
+    """Answers ``get`` with a tensor whose values encode where each element lives in the checkpoint."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], mode: str):
+        super().__init__(0)
+        self.shapes, self.mode, self.order = shapes, mode, list(shapes)
+
+    def has(self, name: str) -> bool:
+        return name in self.shapes
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        shape = self.shapes[name]
+        if self.mode == "name":
+            return torch.full(shape, float(self.order.index(name)))
+        return torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+
+
+def export_hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Invert ``load_hf``: the model's weights under their Hugging Face names and shapes.
+
+    Runs the module's own loading code twice on a float32 probe — once with every checkpoint tensor filled
+    with its name's index, once with each element's flat index — so every parameter element learns which
+    checkpoint element it came from (slices, transposes and fused layouts included), then scatters back.
+    """
+    from waferline.model.decoder import DecoderModel
+
+    spec = model.spec
+    rec = _RecordingSource(0)
+    DecoderModel(spec, torch.float32, with_mtp=len(model.mtp) > 0).load_hf(rec)
+    shapes = {k: tuple(v.shape) for k, v in rec.tensors.items()}
+    probes = {}
+    for mode in ("name", "index"):
+        probe = DecoderModel(spec, torch.float32, with_mtp=len(model.mtp) > 0)
+        probe.load_hf(_FillSource(shapes, mode))
+        probes[mode] = probe.state_dict()
+    order = list(shapes)
+    out = {k: torch.zeros(s, dtype=torch.float32) for k, s in shapes.items()}
+    for key, value in model.state_dict().items():
+        if key not in probes["name"]:
+            continue
+        names = probes["name"][key].flatten().long()
+        idx = probes["index"][key].flatten().long()
+        vals = value.detach().flatten().float()
+        for n in names.unique().tolist():
+            m = names == n
+            out[order[n]].view(-1)[idx[m]] = vals[m]
+    return out

@@ -220,7 +220,7 @@ class Mamba2Mixer(nn.Module):
 
         # causal depthwise conv over [K-1 cached inputs | T new inputs]
         full = torch.cat([cache.conv.index_select(0, slots), xBC.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
-        cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
+        cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):].to(cache.conv.dtype))
         xBC = F.conv1d(full, self.conv_weight[:, None, :], self.conv_bias, groups=self.conv_dim)  # [B, C, T]
         xBC = self._act(xBC).transpose(1, 2).float()
         xs, Bm, Cm = xBC.split([self.d_inner, G * N, G * N], dim=-1)
@@ -253,7 +253,7 @@ class Mamba2Mixer(nn.Module):
 
         # 1. within-chunk (diagonal blocks): y[l] = sum_{s<=l} (C_l . B_s) exp(sum_{s<k<=l} a_k) xdt[s]
         CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)  # [B, c, g, l, s]
-        M = _segsum(ac).exp_().mul_(CB[:, :, :, None])  # [B, c, g, r, l, s] (in place: the largest tensors here)
+        M = _segsum(ac).exp_().mul_(CB[:, :, :, None]) if not torch.is_grad_enabled() else _segsum(ac).exp() * CB[:, :, :, None]  # [B, c, g, r, l, s] (in place: the largest tensors here)
         y = torch.einsum("bcgrls,bcsgrp->bclgrp", M, xc)
         del M, CB
 
@@ -267,7 +267,7 @@ class Mamba2Mixer(nn.Module):
         tot = F.pad(acum[..., -1].permute(0, 2, 3, 1), (1, 0))  # [B, g, r, nc+1]: per-chunk total log decay
         chunk_decay = torch.exp(_segsum(tot))  # [B, g, r, c, z]
         starts = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, S)  # [B, nc+1, g, r, P, N]
-        cache.ssm.index_copy_(0, slots, starts[:, -1].reshape(Bsz, H, P, N))
+        cache.ssm.index_copy_(0, slots, starts[:, -1].reshape(Bsz, H, P, N).to(cache.ssm.dtype))
 
         # 4. contribution of each chunk's start state: y[l] += exp(acum[l]) C_l . h_start
         y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, starts[:, :-1]) * torch.exp(acum).permute(0, 1, 4, 2, 3)[..., None]

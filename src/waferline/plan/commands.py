@@ -13,6 +13,15 @@ from waferline.errors import ConfigError, WaferlineError
 DEFAULT_DATA = "../shared/data/published_results.csv"
 
 
+def _default_data() -> str:
+    """../shared/data/published_results.csv from the working directory, else next to the repository."""
+    if Path(DEFAULT_DATA).is_file():
+        return DEFAULT_DATA
+    repo = Path(__file__).resolve().parents[3]
+    alt = repo.parent / "shared" / "data" / "published_results.csv"
+    return str(alt) if alt.is_file() else DEFAULT_DATA
+
+
 def _console():
     from rich.console import Console
 
@@ -56,17 +65,20 @@ def _make_plan(args: argparse.Namespace, context: int):
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Place a model on hardware; print per-stage memory; exit 2 if it does not fit."""
-    from waferline.plan.place import context_capacity
+    from waferline.plan.place import batch_capacity, context_capacity
     from waferline.spec.catalog import load_model
 
     ctx = args.context or 4096
     plan = _make_plan(args, ctx)
     if args.out:
         plan.save(args.out)
-    max_ctx = context_capacity(plan, load_model(args.model)) if plan.fits else 0
+    spec = load_model(args.model)
+    max_ctx = context_capacity(plan, spec) if plan.fits else 0
+    max_batch = batch_capacity(plan, spec, plan.context_len) if plan.fits else 0
     if args.json:
         d = plan.to_dict()
         d["max_context_per_sequence"] = max_ctx
+        d["max_sequences_at_context"] = max_batch
         print(json.dumps(d, indent=1))
         return 0 if plan.fits else 2
     from rich.table import Table
@@ -90,7 +102,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for n in plan.notes:
         con.print(f"note: {n}")
     if plan.fits:
-        con.print(f"fits. Longest context per sequence at batch {plan.batch}: {max_ctx:,} tokens")
+        con.print(f"fits. Longest context per sequence at batch {plan.batch}: {max_ctx:,} tokens; "
+                  f"sequences of {plan.context_len:,} tokens that fit: {max_batch:,}")
     else:
         con.print("[red]does not fit:[/red]")
         for p in plan.problems:
@@ -121,8 +134,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         plan = _make_plan(args, args.context or (P + O))
     r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)
+    serving = None
+    if args.arrival_rate:
+        from waferline.sim.serving import simulate_serving
+
+        serving = simulate_serving(plan, arrival_rate=args.arrival_rate, num_requests=args.num_requests, prompt_len=P,
+                                   output_len=O, params=params)
     if args.json:
         d = r.to_dict()
+        if serving is not None:
+            d["serving"] = serving.to_dict()
         d["plan"] = {"weight_bits": plan.weight_bits, "kv_bits": plan.kv_bits, "afd": plan.afd, "context_len": plan.context_len}
         print(json.dumps(d, indent=1))
         return 0 if r.fits else 2
@@ -135,7 +156,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     t.add_row("decode tokens/s per user", f"{r.decode_tokens_per_s_per_user:,.1f}")
     t.add_row(f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)", f"{r.aggregate_tokens_per_s:,.1f}")
     t.add_row("one decode step through all stages (ms)", f"{r.step_latency_s * 1e3:.3f}")
-    t.add_row(f"TTFT, prompt {r.prompt_len:,} (ms)", f"{r.ttft_s * 1e3:.1f}")
+    t.add_row(f"TTFT, prompt {r.prompt_len:,} (ms)", f"{r.ttft_s * 1e3:.1f} (prefill {r.prefill_s * 1e3:.1f} + request overhead "
+              f"{(r.ttft_s - r.prefill_s) * 1e3:.1f})")
     t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", f"{r.end_to_end_s:.3f}")
     t.add_row("decode is bound by", r.bound)
     sp = r.speculative
@@ -156,6 +178,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         st.add_row(str(s.index), s.role, s.layers, str(s.devices), f"{s.compute * 1e6:.1f}", f"{s.memory * 1e6:.1f}",
                    f"{s.fixed * 1e6:.1f}", f"{s.comm * 1e6:.1f}", f"{s.hop * 1e6:.1f}", f"{s.total * 1e6:.1f}")
     con.print(st)
+    if serving is not None:
+        sv = Table(title=f"serving {serving.requests} requests at {serving.arrival_rate:g} req/s (continuous batching, at most {serving.max_batch} in flight)")
+        sv.add_column("metric")
+        sv.add_column("p50", justify="right")
+        sv.add_column("p99", justify="right")
+        sv.add_row("TTFT (s)", f"{serving.ttft_p50_s:.3f}", f"{serving.ttft_p99_s:.3f}")
+        sv.add_row("inter-token latency (ms)", f"{serving.itl_p50_s * 1e3:.2f}", f"{serving.itl_p99_s * 1e3:.2f}")
+        sv.add_row("end-to-end (s)", f"{serving.e2e_p50_s:.2f}", f"{serving.e2e_p99_s:.2f}")
+        sv.add_row("output tokens/s, mean batch", f"{serving.output_tokens_per_s:,.0f}", f"{serving.mean_batch:.1f}")
+        con.print(sv)
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")
         for p in r.problems:
@@ -168,7 +200,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     """Predict every row of a published-results CSV and print error factors, median and max."""
     from waferline.sim.validate import validate
 
-    data = args.data or DEFAULT_DATA
+    data = args.data or _default_data()
     results, summary = validate(data, _load_params(args))
     if args.json:
         print(json.dumps({"summary": summary, "rows": [
@@ -245,6 +277,8 @@ def register(subparsers: Any) -> None:
     s.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)")
     s.add_argument("--draft-model", default=None, help="draft model for --speculative draft (default llama-3.2-1b)")
     s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")
+    s.add_argument("--arrival-rate", type=float, default=None, help="also simulate serving Poisson arrivals at this rate (req/s)")
+    s.add_argument("--num-requests", type=int, default=200, help="requests in the serving simulation")
     s.set_defaults(func=cmd_simulate)
 
     v = subparsers.add_parser("validate", help="compare predictions with a CSV of published results")

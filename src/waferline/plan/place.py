@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError, FitError
@@ -191,14 +192,24 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     if afd:
         att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size)
         ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
-        if devices is None:
+        ma = sum(p.weights + p.cache for p in att) + emb + head
+        mf = sum(p.weights for p in ffn)
+        if hw.placement == "tensor" and layers_per_stage is None:
+            # GPU-style pools: one attention stage (tensor parallel) and one FFN stage (experts sharded over the pool)
+            if devices is None:
+                na, nf = _devices_needed(ma, hw, act), _devices_needed(mf, hw, act)
+            else:
+                if devices < 2:
+                    raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
+                na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
+                nf = devices - na
+            ga, gf = [(att, na)], [(ffn, nf)]
+        elif devices is None:
             ga = _greedy_pack(att, hw, act, emb, head)
             gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
         else:
             if devices < 2:
                 raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
-            ma = sum(p.weights + p.cache for p in att) + emb + head
-            mf = sum(p.weights for p in ffn)
             na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
             ga = _split_into(att, na, hw, act, layers_per_stage, emb, head)
             gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
@@ -226,13 +237,32 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         stages = _place_tensor(spec, hw, devices, layers_per_stage, weight_bits, kv_bits, context, batch, group_size, act, emb,
                                head, mk_stages, notes)
 
-    plan = Plan(model=spec.name, hardware=hw.name, stages=stages, notes=notes, **kw)
+    plan = Plan(model=_model_ref(model, spec), hardware=_hardware_ref(hw), stages=stages, notes=notes, **kw)
     plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
     plan.problems = explain(plan)
     plan.fits = not plan.problems
     if not plan.fits and require_fit:
         raise FitError("; ".join(plan.problems))
     return plan
+
+
+def _hardware_ref(hw: HardwareSpec) -> str:
+    """What a Plan records to find the hardware again: the catalog id, or the user's YAML path."""
+    from waferline.spec.catalog import HARDWARE_DIR
+
+    p = Path(hw.path) if hw.path else None
+    if p is None or not p.is_file() or HARDWARE_DIR.resolve() in p.resolve().parents:
+        return hw.name
+    return str(p.resolve())
+
+
+def _model_ref(model: Any, spec: Any) -> str:
+    """The catalog id, or the config path / checkpoint dir the model came from."""
+    from waferline.spec.catalog import MODELS_DIR
+
+    if isinstance(model, (str, Path)) and not (MODELS_DIR / f"{model}.json").is_file() and Path(model).exists():
+        return str(Path(model).resolve())
+    return spec.name
 
 
 def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None,
@@ -329,29 +359,36 @@ def explain(plan: Plan) -> list[str]:
     return out
 
 
-def context_capacity(plan: Plan, model: Any) -> int:
-    """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights (binary search)."""
-    from waferline.spec.catalog import load_hardware, load_model
-
-    spec = load_model(model) if isinstance(model, str) else model
-    hw = load_hardware(plan.hardware)
+def _fits_cache(plan: Plan, spec: Any, hw: HardwareSpec, ctx: int, batch: int) -> bool:
     by_index = {layer.index: layer for layer in spec.layers}
-    lo, hi = 0, 1 << 34
+    for s in plan.stages:
+        if s.role == "ffn":
+            continue
+        cache = sum(batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS) for i in s.layers) / s.num_devices
+        if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
+            return False
+    return True
 
-    def ok(ctx: int) -> bool:
-        for s in plan.stages:
-            if s.role == "ffn":
-                continue
-            cache = sum(plan.batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS) for i in s.layers) / s.num_devices
-            if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
-                return False
-        return True
 
+def _max_int(ok: Any, hi: int) -> int:
     if not ok(1):
         return 0
     if ok(hi):
         return hi
+    lo = 1
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
+
+
+def context_capacity(plan: Plan, model: Any) -> int:
+    """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights."""
+    spec, hw = _resolve(model, plan.hardware)
+    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch), 1 << 34)
+
+
+def batch_capacity(plan: Plan, model: Any, context: int) -> int:
+    """Most sequences of ``context`` tokens whose cache every stage of ``plan`` can hold next to its weights."""
+    spec, hw = _resolve(model, plan.hardware)
+    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b), 1 << 24)

@@ -16,6 +16,7 @@ from waferline.spec.model import MoESpec, quantized_bytes
 FITTED_PATH = Path(__file__).parent / "fitted.yaml"
 SPEC_METHODS = ("draft", "mtp", "eagle", "medusa", "ngram")
 STATE_BITS = 16
+MOE_VECTOR_PASSES = 2  # dispatch and combine each stream the hidden vector once more (assumed, physical)
 
 # parameter name -> (prior value, prior log-sd, lower bound, upper bound, meaning)
 CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
@@ -48,7 +49,8 @@ class SimParams:
     classes: dict[str, ClassParams] = field(default_factory=dict)
     accept_rate: dict[str, float] = field(default_factory=lambda: {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.6, "ngram": 0.5})
     num_tokens: dict[str, int] = field(default_factory=lambda: {"draft": 5, "mtp": 3, "eagle": 6, "medusa": 4, "ngram": 4})
-    draft_models: dict[str, str] = field(default_factory=lambda: {"llama": "llama-3.2-1b", "default": "llama-3.2-1b"})
+    draft_models: dict[str, str] = field(default_factory=lambda: {"llama": "llama-3.2-1b", "qwen3": "qwen3-0.6b", "qwen3_moe": "qwen3-0.6b",
+                                                                  "qwen3_next": "qwen3-0.6b", "default": "llama-3.2-1b"})
     ttft_overhead_s: float = 0.0
     default_prompt_len: int = 1000
     default_output_len: int = 500
@@ -246,9 +248,12 @@ class StepCost:
 
 
 def compute_bits(weight_bits: int, hw: HardwareSpec) -> int:
-    """Matmul precision: 8-bit weights run on fp8/int8 units where the device has them; 4-bit weights compute in 16-bit (W4A16)."""
+    """Matmul precision: 8-bit weights run on fp8/int8 units where the device has them; 4-bit weights run on fp4
+    units where the device has them (Blackwell NVFP4), else compute in 16-bit (W4A16)."""
     if weight_bits == 8 and ("fp8" in hw.flops or "int8" in hw.flops):
         return 8
+    if weight_bits == 4 and "fp4" in hw.flops:
+        return 4
     return 16
 
 
@@ -304,7 +309,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             t_cmp = flops_all / n_dev / fl
         fixed = fixed_frac * (prm.layer_latency_s + prm.hidden_latency_s * hidden)
         if moe:
-            fixed += prm.moe_latency_s
+            # router + dispatch to the chosen experts + combine: a constant, plus (where the fabric streams
+            # vectors element by element, as on a wafer) two more passes of the d-vector
+            fixed += prm.moe_latency_s + MOE_VECTOR_PASSES * prm.hidden_latency_s * hidden
         comm = 0.0
         if link is not None:
             if spatial:

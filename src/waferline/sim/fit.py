@@ -15,13 +15,21 @@ from waferline.sim.validate import Row, RowModel, build_models, read_published
 # Priors per device class (value, log-sd). Physically: GPUs pay kernel launches + syncs per layer (~10 us with
 # CUDA graphs); a wafer pays mesh reductions per layer (~us) and a d-vector streamed through the fabric (~1 cycle per element).
 CLASS_PRIORS: dict[str, dict[str, tuple[float, float]]] = {
-    "gpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0)},
-    "tpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0)},
-    "rdu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0)},
-    "lpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.5)},
+    "gpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (30e-6, 1.0),
+            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
+    "tpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (30e-6, 1.0),
+            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
+    "rdu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (10e-6, 1.0),
+            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
+    "lpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.5), "moe_latency_s": (10e-6, 1.0),
+            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
     "wafer": {"bw_eff": (0.75, 0.3), "layer_latency_s": (5e-6, 1.5), "hidden_latency_s": (1e-9, 1.5),
-              "moe_latency_s": (10e-6, 1.5), "hop_latency_s": (5e-6, 1.0)},
+              "moe_latency_s": (1e-6, 0.0), "hop_latency_s": (5e-6, 1.0), "flops_eff": (0.5, 0.5)},
 }
+# Which priors the data may move (sd 0 = held at the prior: physically motivated, not fitted).
+FITTABLE = ("layer_latency_s", "hidden_latency_s", "bw_eff", "moe_latency_s", "hop_latency_s")
+# A device whose peak bandwidth is only assumed (no datasheet) may show an effective bandwidth above it.
+ASSUMED_BW_EFF_MAX = 4.0
 ACCEPT_PRIOR = {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.7, "ngram": 0.5}
 ACCEPT_BOUNDS = (0.3, 0.97)
 PRIOR_WEIGHT = 0.05
@@ -70,15 +78,19 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
     for row, rm in models:
         kind = rm.hw.kind
         cname = kind if kind in CLASS_PRIORS else "gpu"
+        pri = CLASS_PRIORS[cname]
         if cname not in base.classes:
             base.classes[cname] = ClassParams(hop_latency_s=None)
-        pri = CLASS_PRIORS[cname]
+            for pname, (v, _) in pri.items():
+                setattr(base.classes[cname], pname, v)
         if row.metric != "ttft_s":
             for pname in ("layer_latency_s", "hidden_latency_s", "bw_eff"):
-                if pname in pri:
+                if pname in pri and pri[pname][1] > 0:
                     _, _, lo, hi, _ = CLASS_PARAMS[pname]
+                    if pname == "bw_eff" and rm.hw.sources.get("memory_bandwidth") and rm.hw.sources["memory_bandwidth"].status == "assumed":
+                        hi = ASSUMED_BW_EFF_MAX
                     add(("class", cname, pname), pri[pname][0], pri[pname][1], lo, hi)
-            if "moe_latency_s" in pri and any(lc.ffn is not None and lc.ffn.kind == "moe" for lc in rm.spec.layers):
+            if pri.get("moe_latency_s", (0, 0))[1] > 0 and any(lc.ffn is not None and lc.ffn.kind == "moe" for lc in rm.spec.layers):
                 _, _, lo, hi, _ = CLASS_PARAMS["moe_latency_s"]
                 add(("class", cname, "moe_latency_s"), *pri["moe_latency_s"], lo, hi)
             if "hop_latency_s" in pri and rm.plan.num_stages > 1:
@@ -126,6 +138,8 @@ def fit(csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, 
     """Fit the free parameters on the CSV; returns the new parameters and a report (before/after errors)."""
     t0 = time.time()
     base = (base or load_params()).copy()
+    base.classes = {}  # every fit starts from the physical priors (reproducible), not from a previous fit
+    base.status = {}
     rows = read_published(csv_path)
     built = build_models(rows, base)
     models = [(r, m) for r, m, _ in built if m is not None]

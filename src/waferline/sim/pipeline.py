@@ -48,6 +48,7 @@ class SimResult:
     decode_tokens_per_s_per_user: float
     aggregate_tokens_per_s: float
     ttft_s: float
+    prefill_s: float  # TTFT without the fitted request overhead
     end_to_end_s: float
     bound: str  # what limits decode: latency | bandwidth | compute | pipeline
     stages: list[StageTiming] = field(default_factory=list)
@@ -113,7 +114,7 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
 
 def _hops_out(ctx: _Ctx, i: int, act: float) -> float:
     """Transfers leaving stage i in one step: to the next stage, or (last stage) the sampled tokens back to the first."""
-    plan, hw, prm = ctx.plan, ctx.hw, ctx.prm
+    plan = ctx.plan
     stages = plan.stages
     s = stages[i]
     if plan.afd:
@@ -235,7 +236,8 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
     e2e = ttft + (O - 1) / rate
     return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=S, fits=plan.fits,
                      concurrency=B, micro_batches=M, prompt_len=P, output_len=O, step_latency_s=t1,
-                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft, end_to_end_s=e2e,
+                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft,
+                     prefill_s=ttft - params.ttft_overhead_s, end_to_end_s=e2e,
                      bound=bound, stages=timings, speculative=spec_info, problems=list(plan.problems))
 
 

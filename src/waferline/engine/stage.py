@@ -1,0 +1,391 @@
+"""One pipeline stage: its slice of layers and caches, the wire format between stages, and the worker process loop."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from waferline.engine.sampling import SamplingParams, make_generator, sample
+
+# message kinds on the activation chain (rank r -> r+1) and on the feedback channel (last -> first)
+BEGIN, STEP, SHUTDOWN, FEEDBACK = 1, 2, 3, 4
+# what the last stage returns for a row
+EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS = 0, 1, 2
+# worker exit codes the driver interprets
+EXIT_ERROR, EXIT_PEER_LOST, EXIT_ABORTED = 3, 4, 5
+# a recv on an idle stage must not time out (gloo applies the group timeout to recv too)
+IDLE_TIMEOUT = datetime.timedelta(days=30)
+PUBLISH_INTERVAL_S = 0.1
+
+
+class PeerLost(RuntimeError):
+    """A send/recv failed because a neighbouring stage went away."""
+
+
+@dataclass
+class Group:
+    """Rows of a micro-batch that append the same number of tokens T (one forward call per stage)."""
+
+    T: int
+    seqs: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    emits: list[int] = field(default_factory=list)
+
+    @property
+    def B(self) -> int:
+        return len(self.seqs)
+
+
+@dataclass
+class MicroBatch:
+    """A set of disjoint sequences travelling the pipeline together; ``groups`` split it by tokens per row."""
+
+    mb_id: int
+    groups: list[Group]
+
+    def encode(self) -> list[int]:
+        meta = [self.mb_id, len(self.groups)]
+        for g in self.groups:
+            meta += [g.B, g.T]
+            meta += g.seqs + g.slots + g.starts + g.emits
+        return meta
+
+    @classmethod
+    def decode(cls, meta: list[int]) -> "MicroBatch":
+        mb_id, n = meta[0], meta[1]
+        i, groups = 2, []
+        for _ in range(n):
+            B, T = meta[i], meta[i + 1]
+            i += 2
+            cols = [meta[i + k * B: i + (k + 1) * B] for k in range(4)]
+            i += 4 * B
+            groups.append(Group(T, *cols))
+        return cls(mb_id, groups)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(g.B * g.T for g in self.groups)
+
+
+# ---------------------------------------------------------------- transport (torch.distributed point-to-point)
+
+def make_group(store: Any, name: str, rank: int, size: int, device: torch.device, local: bool) -> Any:
+    """A process group over ``store`` without touching torch.distributed's global default group."""
+    prefixed = dist.PrefixStore(name, store)
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = IDLE_TIMEOUT
+        return dist.ProcessGroupNCCL(prefixed, rank, size, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = IDLE_TIMEOUT
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if local:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    elif ifname:
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in ifname.split(",")]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(prefixed, rank, size, opts)
+
+
+class Link:
+    """Messages over one process group: an int64 header [kind, nbytes, nmeta], then a uint8 payload holding
+    ``nmeta`` int64 metadata values followed by raw tensor bytes. Sends are asynchronous; buffers are kept
+    alive until their send completes."""
+
+    def __init__(self, pg: Any, device: torch.device):
+        self.pg = pg
+        self.device = device
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+
+    def send(self, dst: int, kind: int, meta: list[int], tensors: list[torch.Tensor] = ()) -> None:
+        m = torch.tensor(meta, dtype=torch.int64).view(torch.uint8)
+        parts = [m.to(self.device)] + [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
+        hdr = torch.tensor([kind, payload.numel(), len(meta)], dtype=torch.int64, device=self.device)
+        try:
+            self._pending.append((self.pg.send([hdr], dst, 0), hdr))
+            if payload.numel():
+                self._pending.append((self.pg.send([payload], dst, 0), payload))
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from None
+        self._prune()
+
+    def recv(self, src: int) -> tuple[int, list[int], torch.Tensor]:
+        hdr = torch.empty(3, dtype=torch.int64, device=self.device)
+        try:
+            self.pg.recv([hdr], src, 0).wait()
+            kind, nbytes, nmeta = (int(v) for v in hdr.tolist())
+            payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            if nbytes:
+                self.pg.recv([payload], src, 0).wait()
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from None
+        meta = payload[: 8 * nmeta].view(torch.int64).tolist() if nmeta else []
+        return kind, meta, payload[8 * nmeta:]
+
+    def _prune(self) -> None:
+        try:
+            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from None
+
+    def flush(self) -> None:
+        try:
+            for w, _ in self._pending:
+                w.wait()
+        except RuntimeError as e:
+            raise PeerLost(str(e)) from None
+        self._pending.clear()
+
+
+def json_meta(obj: Any) -> list[int]:
+    """A small control payload (BEGIN) as int64 metadata: the UTF-8 bytes of its JSON."""
+    return list(json.dumps(obj).encode())
+
+
+def meta_json(meta: list[int]) -> Any:
+    return json.loads(bytes(meta).decode())
+
+
+# ---------------------------------------------------------------- compute
+
+class StageRunner:
+    """The compute of one stage: embed (first), its layers, and logits + sampling (last)."""
+
+    def __init__(self, model: Any, rank: int, num_stages: int, device: torch.device):
+        self.model = model
+        self.rank = rank
+        self.is_first = rank == 0
+        self.is_last = rank == num_stages - 1
+        self.device = device
+        self.caches: list[Any] = []
+        self.params: SamplingParams | None = None
+        self.gens: list[torch.Generator | None] = []
+
+    def begin(self, cfg: dict[str, Any]) -> None:
+        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling."""
+        self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
+        if self.is_last:
+            from waferline.engine.llm import _seeded  # the single-process engine's per-row seeding
+
+            p = cfg.get("params") or {}
+            self.params = SamplingParams(max_tokens=1, temperature=float(p.get("temperature", 0.0)),
+                                         top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", 0)), seed=p.get("seed"))
+            n = int(cfg["num_slots"])
+            self.gens = [make_generator(self.params) if self.params.seed is None else _seeded(self.params, i) for i in range(n)]
+
+    @torch.inference_mode()
+    def forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """inputs per group: token ids [B, T] on the first stage, hidden states [B, T, D] elsewhere."""
+        from waferline.model.context import StepBatch
+
+        out = []
+        for g, x in zip(mb.groups, inputs):
+            batch = StepBatch.make(g.slots, g.starts, g.T, self.device)
+            if self.is_first:
+                x = self.model.embed_tokens(x.to(self.device))
+            out.append(self.model.forward_layers(x, self.caches, batch))
+        return out
+
+    @torch.inference_mode()
+    def feedback(self, mb: MicroBatch, hs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+        """The last stage's answer for a micro-batch: sampled tokens (a variable number per row) and log-probs.
+
+        meta = [mb_id, R, n_tok, n_lp] + seq[R] + count[R] + tokens[n_tok] + lp_seq[n_lp] + lp_T[n_lp];
+        tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0.
+        """
+        seqs, counts, toks, lp_seqs, lp_T, lps = [], [], [], [], [], []
+        for g, h in zip(mb.groups, hs):
+            rows = [r for r in range(g.B) if g.emits[r] == EMIT_TOKEN]
+            if rows:
+                logits = self.model.logits(h[rows, -1]).float().cpu()
+                for k, r in enumerate(rows):
+                    seqs.append(g.seqs[r])
+                    counts.append(1)
+                    toks.append(sample(logits[k], self.params, self.gens[g.seqs[r]]))
+            for r in range(g.B):
+                if g.emits[r] == EMIT_LOGPROBS:
+                    lp_seqs.append(g.seqs[r])
+                    lp_T.append(g.T)
+                    lps.append(torch.log_softmax(self.model.logits(h[r]).float(), dim=-1))
+        meta = [mb.mb_id, len(seqs), len(toks), len(lp_seqs)] + seqs + counts + toks + lp_seqs + lp_T
+        return meta, ([torch.cat(lps)] if lps else [])
+
+    def split_hidden(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
+        """Hidden states per group from the raw bytes of a STEP message."""
+        D, dt = self.model.spec.hidden_size, self.model.dtype
+        flat = tail.view(dt)
+        out, i = [], 0
+        for g in mb.groups:
+            n = g.B * g.T * D
+            out.append(flat[i:i + n].view(g.B, g.T, D))
+            i += n
+        return out
+
+
+def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor]]:
+    """(mb_id, tokens per sequence, log-probs per sequence) from a FEEDBACK message (see StageRunner.feedback)."""
+    mb_id, R, n_tok, n_lp = meta[:4]
+    i = 4
+    seqs, counts = meta[i:i + R], meta[i + R:i + 2 * R]
+    i += 2 * R
+    flat = meta[i:i + n_tok]
+    i += n_tok
+    lp_seqs, lp_T = meta[i:i + n_lp], meta[i + n_lp:i + 2 * n_lp]
+    tokens, j = {}, 0
+    for s, c in zip(seqs, counts):
+        tokens[s] = flat[j:j + c]
+        j += c
+    lps, k = {}, 0
+    if n_lp:
+        allp = tail.view(torch.float32).view(-1, vocab)
+        for s, T in zip(lp_seqs, lp_T):
+            lps[s] = allp[k:k + T]
+            k += T
+    return mb_id, tokens, lps
+
+
+# ---------------------------------------------------------------- worker process
+
+class Control:
+    """Keys in the rendezvous store through which stages report liveness, progress and errors to the driver."""
+
+    def __init__(self, store: Any, run_id: str):
+        self.store = store
+        self.run = run_id
+
+    def key(self, what: str, rank: int | None = None) -> str:
+        return f"waferline/{self.run}/{what}" + (f"/{rank}" if rank is not None else "")
+
+    def set(self, what: str, rank: int | None, value: str) -> None:
+        self.store.set(self.key(what, rank), value)
+
+    def get(self, what: str, rank: int | None = None) -> str | None:
+        k = self.key(what, rank)
+        if not self.store.check([k]):
+            return None
+        return self.store.get(k).decode(errors="replace")
+
+
+def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int | None) -> None:
+    """Publish this stage's progress counter; exit the process if the driver is gone or asked for an abort."""
+    last = None
+    while True:
+        n = state["processed"]
+        if n != last:
+            try:
+                ctl.set("progress", rank, str(n))
+            except Exception:
+                os._exit(EXIT_PEER_LOST)
+            last = n
+        try:
+            if ctl.get("abort") is not None:
+                os._exit(EXIT_ABORTED)
+        except Exception:
+            os._exit(EXIT_PEER_LOST)
+        if driver_pid is not None:
+            try:
+                os.kill(driver_pid, 0)
+            except ProcessLookupError:
+                os._exit(EXIT_PEER_LOST)
+        time.sleep(PUBLISH_INTERVAL_S)
+
+
+def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, Any], device: torch.device,
+          local: bool, driver_pid: int | None = None) -> int:
+    """Run stage ``rank`` (>= 1) until SHUTDOWN: receive from rank-1, compute, send on (or feed back to rank 0)."""
+    ctl = Control(store, run_id)
+    ctl.set("alive", rank, str(os.getpid()))
+    state = {"processed": 0}
+    try:
+        act = Link(make_group(store, f"waferline/{run_id}/act", rank, num_stages, device, local), device)
+        fb = Link(make_group(store, f"waferline/{run_id}/fb", rank, num_stages, device, local), device)
+        from waferline.model.load import load_model
+
+        a, b = load["layer_range"]
+        model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=rank == num_stages - 1,
+                           **load.get("extra", {}))
+        if device.type != "cpu":
+            model.to(device)
+    except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
+        ctl.set("status", rank, f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        return EXIT_ERROR
+    ctl.set("progress", rank, "0")
+    ctl.set("ready", rank, "1")
+    threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
+                     daemon=True, name=f"waferline-stage{rank}-publisher").start()
+    runner = StageRunner(model, rank, num_stages, device)
+    last = runner.is_last
+    try:
+        while True:
+            kind, meta, tail = act.recv(rank - 1)
+            if kind == SHUTDOWN:
+                if not last:
+                    act.send(rank + 1, SHUTDOWN, [])
+                    act.flush()
+                state["processed"] += 1
+                return 0
+            if kind == BEGIN:
+                runner.begin(meta_json(meta))
+                if not last:
+                    act.send(rank + 1, BEGIN, meta)
+            elif kind == STEP:
+                mb = MicroBatch.decode(meta)
+                hs = runner.forward(mb, runner.split_hidden(mb, tail))
+                if last:
+                    fmeta, ft = runner.feedback(mb, hs)
+                    fb.send(0, FEEDBACK, fmeta, ft)
+                else:
+                    act.send(rank + 1, STEP, meta, hs)
+            state["processed"] += 1
+    except PeerLost as e:
+        ctl_safe_set(ctl, "status", rank, f"lost a neighbour: {str(e)[:300]}")
+        return EXIT_PEER_LOST
+    except Exception as e:
+        ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
+        traceback.print_exc()
+        return EXIT_ERROR
+
+
+def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:
+    try:
+        ctl.set(what, rank, value)
+    except Exception:
+        pass
+
+
+def _client_of(store: Any, load: dict[str, Any]) -> Any:
+    """A second connection to the rendezvous store for the publisher thread (store clients are not shared)."""
+    host, port = load["store_addr"]
+    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+
+
+def worker_main(rank: int, num_stages: int, load: dict[str, Any], run_id: str, threads: int, device: str,
+                driver_pid: int) -> None:
+    """Entry point of a locally spawned stage process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which shuts the stages down
+    torch.set_num_threads(max(1, threads))
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+        torch.cuda.set_device(dev)
+    host, port = load["store_addr"]
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+    code = serve(store, run_id, rank, num_stages, load, dev, local=True, driver_pid=driver_pid)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,1 @@
+"""The planner: Plan / Stage (the seam the engine and the simulator share), placement and its CLI commands."""
