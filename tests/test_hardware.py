@@ -120,3 +120,15 @@ def test_user_hardware_plans_and_simulates_end_to_end(tmp_path):
     back = Plan.from_json(plan.to_json())
     r = simulate(back, prompt_len=256, output_len=64)
     assert r.decode_tokens_per_s_per_user > 0 and r.hardware == str(p.resolve())
+
+
+def test_measured_host_yaml_loads_and_plans(tmp_path):
+    from waferline.plan.place import place
+    from waferline.sim.measure import write_host_yaml
+
+    out = tmp_path / "host.yaml"
+    d = write_host_yaml(out, quick=True)
+    hw = load_hardware(str(out))
+    assert hw.kind == "cpu" and hw.memory_bandwidth > 1e8 and hw.flops["bf16"] > 1e8 and 0 < hw.scale_up.latency < 1e-2
+    assert all("measured on" in s.source or s.status == "assumed" for s in hw.sources.values())
+    assert place("llama-3.2-1b", str(out), devices=2).num_stages == 2 and d["kind"] == "cpu"

@@ -151,3 +151,14 @@ def test_config_json_path_is_accepted(tmp_path):
     p.write_text(json.dumps(model_config("llama-3.1-8b")))
     plan = place(str(p), "h100-sxm")
     assert plan.fits and plan.num_devices == 1
+
+
+def test_gqa_cache_is_not_split_below_one_kv_head_per_device():
+    spec = load_model("llama-3.1-70b")  # 8 KV heads
+    per_seq = spec.cache_bytes_per_seq(8192)
+    p8 = place(spec, "b200", devices=8, context=8192)
+    p16 = place(spec, "b200", devices=16, layers_per_stage=80, context=8192)
+    assert p16.num_stages == 1 and p16.stages[0].num_devices == 16
+    assert p8.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)
+    assert p16.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)  # replicated, not /16
+    assert p16.stages[0].memory.weights == pytest.approx(p8.stages[0].memory.weights / 2, rel=1e-6)

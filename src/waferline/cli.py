@@ -13,7 +13,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype)
+    pipe: dict = {}
+    if args.stages is not None or args.layers_per_stage is not None:  # pipeline of stage processes
+        if args.stages is not None and args.layers_per_stage is not None:
+            raise WaferlineError("give --stages S or --layers-per-stage K, not both")
+        from waferline.engine.pipeline import serve_from_env, torchrun_rank
+
+        if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
+        pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
+    elif args.micro_batches is not None:
+        raise WaferlineError("--micro-batches needs --stages S or --layers-per-stage K")
+    if args.speculative:
+        pipe.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=args.group_size, **pipe)
     prompt: str | list[int]
     if args.prompt_ids is not None:
         prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
@@ -24,10 +37,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, stop=args.stop or [])
     out = llm.generate([prompt], params)[0]
+    llm.close()
     tps = out.metrics.get("decode_tokens_per_s", 0.0)
+    spec = {k: v for k, v in out.metrics.items() if k.startswith("spec_")}  # speculative: acceptance, accepted length
     if args.json:
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "tokens_per_s": tps,
-                          "ttft_s": out.metrics.get("ttft_s"), "finish_reason": out.finish_reason}))
+                          "ttft_s": out.metrics.get("ttft_s"), "finish_reason": out.finish_reason, **spec}))
     else:
         if isinstance(prompt, str):
             print(prompt + out.text)
@@ -35,6 +50,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(out.text if out.text else " ".join(map(str, out.token_ids)))
         print(f"\n[{len(out.token_ids)} tokens, {tps:.1f} tok/s decode, TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, "
               f"finish: {out.finish_reason}]", file=sys.stderr)
+        if spec:
+            print(f"[speculative {args.speculative}: acceptance {spec['spec_acceptance_rate']:.2f}, "
+                  f"{spec['spec_mean_accepted_length']:.2f} tokens per verify step]", file=sys.stderr)
     return 0
 
 
@@ -79,6 +97,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
     g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s} as JSON")
+    g.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
+                   help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint; int4 checkpoints load as int4)")
+    g.add_argument("--group-size", type=int, default=128, help="int4 group size for --weight-bits 4 (default 128)")
+    g.add_argument("--stages", type=int, default=None,
+                   help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
+    g.add_argument("--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)")
+    g.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight in the pipeline (default: stages)")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding (exact): ngram | mtp | draft:PATH (a checkpoint sharing the tokenizer)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="most draft tokens per step (default 4; adapted to the observed acceptance)")
     g.set_defaults(func=_cmd_generate)
 
     i = sub.add_parser("info", help="architecture and accounting of a checkpoint dir or config.json",
@@ -108,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # modules that contribute subcommands (a module not present yet is skipped)
-COMMAND_MODULES = ("waferline.plan.commands", "waferline.model.quant_commands")
+COMMAND_MODULES = ("waferline.plan.commands", "waferline.model.quant_commands", "waferline.server.commands")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,16 +70,48 @@ class LLM:
     >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))[0].text
     """
 
-    def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None):
+    def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
+                 stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
+                 weight_bits: int = 16, group_size: int = 128, speculative: str | None = None,
+                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True, **pipeline_options: Any):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if weight_bits not in (16, 4):
+            raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
-        self.model = load_model(self.path, self.dtype)
-        self.spec = self.model.spec
+        self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
+        if stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
+            from waferline.engine.pipeline import Pipeline
+
+            if weight_bits == 4 and not _is_int4_checkpoint(self.path):
+                raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
+                                  f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
+
+            self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
+                                      micro_batches=micro_batches, **pipeline_options)
+            self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
+            self.spec = self._pipeline.spec
+        else:
+            if micro_batches is not None or pipeline_options:
+                raise ConfigError("micro_batches and pipeline options need stages=S or layers_per_stage=K")
+            self.model = load_model(self.path, self.dtype)
+            self.spec = self.model.spec
+            from waferline.model.quant import QuantOptions, is_int4, quantize_model
+
+            if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
+                quantize_model(self.model, QuantOptions(group_size=group_size))
         self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+        self._spec = None  # speculative decoding (engine/speculative.py): "ngram" | "mtp" | "draft:PATH"
+        if speculative:
+            if self._pipeline is not None:
+                raise ConfigError("speculative decoding does not run under the pipeline engine yet; drop stages / "
+                                  "layers_per_stage, or drop speculative")
+            from waferline.engine.speculative import Speculator
+
+            self._spec = Speculator(self.model, speculative, num_speculative_tokens, self.dtype, speculative_adaptive)
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
@@ -107,6 +139,8 @@ class LLM:
         """log_softmax of the logits at every prompt position: a [len, vocab] fp32 tensor."""
         ids = self._prompt_ids(token_ids)
         self._check_len(len(ids), 0)
+        if self._pipeline is not None:
+            return self._pipeline.prompt_logprobs(ids)
         caches = self.model.new_caches(1)
         h = self.model(torch.tensor([ids]), caches, StepBatch.make([0], [0], len(ids)))
         return torch.log_softmax(self.model.logits(h[0]), dim=-1)
@@ -133,6 +167,10 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for p in ids:
             self._check_len(len(p), params.max_tokens)
+        if self._pipeline is not None:
+            return self._pipeline.stream(self, ids, params)
+        if self._spec is not None:
+            return self._spec.stream(self, ids, params)
         return self._stream(ids, params)
 
     @torch.inference_mode()
@@ -187,11 +225,29 @@ class LLM:
             results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
         yield results
 
+    def close(self) -> None:
+        """Stop the pipeline's stage processes (no-op for the single-process engine)."""
+        if self._pipeline is not None:
+            self._pipeline.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def _hit_stop(self, toks: list[int], stops: list[str]) -> bool:
         if self.tokenizer is None:
             return False
         tail = self.decode(toks[-16:])
         return any(s in tail for s in stops)
+
+
+def _is_int4_checkpoint(directory: Path) -> bool:
+    from waferline.model.quant import quant_method
+
+    cfg = directory / "config.json"
+    return cfg.is_file() and quant_method(json.loads(cfg.read_text())) is not None
 
 
 def _seeded(params: SamplingParams, row: int) -> torch.Generator | None:

@@ -68,6 +68,25 @@ class TokenCache:
         self.pos[batch.slots[:, None], ring] = pos[:, -keep:]
         return keys, key_pos
 
+    def ring_snapshot(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Copies of a sliding-window ring's rows for ``slots`` before a speculative verify (None for full attention:
+        entries of rejected tokens lie beyond the sequence, are masked causally and are overwritten later)."""
+        if self.window is None:
+            return None
+        return self.data[slots].clone(), self.pos[slots].clone()
+
+    def ring_rewind(self, batch: StepBatch, keep: list[int], snap: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """After a verify of ``batch`` (T <= window): put back the ring entries that rejected tokens (row b's tokens
+        from ``keep[b]`` on) overwrote, so the window again holds the accepted sequence's last entries."""
+        if snap is None:
+            return
+        for b, k in enumerate(keep):
+            if k < batch.T:
+                s, start = int(batch.slots[b]), int(batch.start[b])
+                ring = torch.arange(start + k, start + batch.T) % self.window
+                self.data[s, ring] = snap[0][b, ring]
+                self.pos[s, ring] = snap[1][b, ring]
+
     def tokens_held(self, slot: int) -> int:
         """How many token entries this slot's row actually holds (for tests and accounting checks)."""
         if self.pos is not None:

@@ -51,12 +51,11 @@ def open_weights(directory: Path) -> WeightSource:
         size = f.stat().st_size
         try:
             with safe_open(str(f), "pt") as h:
-                end = 0
                 for k in h.keys():
                     where[k] = f
                     sl = h.get_slice(k)
                     shapes[k] = tuple(sl.get_shape())
-                    end = max(end, _data_end(f))
+            end = _data_end(f)
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-download or re-save it") from None
         if end and size < end:
@@ -93,7 +92,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
     spec = ModelSpec.from_pretrained(directory)
     src = open_weights(directory)
     model = DecoderModel(spec, dtype, layer_range, has_embed, has_head)
-    model.load_hf(src)
+    int4 = _int4_source(directory, src)
+    model.load_hf(int4 or src)
+    if int4 is not None:  # int4 checkpoint (waferline, compressed-tensors or GPTQ): keep the stored codes
+        from waferline.model.quant import attach_int4
+
+        attach_int4(model, int4)
     if layer_range is None and has_embed and has_head:
         extra = [k for k in src.unused() if not _IGNORED.search(k) and not _is_mtp(k, spec)]
         if extra:
@@ -102,6 +106,14 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
                                   f"{', '.join(extra[:10])}{more}; is config.json from the same model?")
     model.eval()
     return model
+
+
+def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:
+    """The int4 view of ``src`` when config.json has a ``quantization_config`` (see model/quant.py), else None."""
+    from waferline.model.quant import Int4Source, quant_method
+
+    cfg = json.loads((directory / "config.json").read_text())
+    return Int4Source(src, cfg) if quant_method(cfg) is not None else None
 
 
 def _is_mtp(name: str, spec: ModelSpec) -> bool:

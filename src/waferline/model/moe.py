@@ -163,6 +163,9 @@ class DenseFFN(nn.Module):
 
     def linear(self, x: Tensor, which: str) -> Tensor:
         """``x @ W_which.T (+ b_which)`` for which in gate_up | up | down: the one place this module multiplies."""
+        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
+        if q is not None:
+            return q.linear(x, getattr(self, "b_" + which))
         return F.linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -339,8 +342,11 @@ class MoE(nn.Module):
         ``experts`` an int: ``x [n, in]`` all go through that expert -> ``[n, out]``.
         ``experts`` a LongTensor ``[M]``: row m of ``x [M, in]`` goes through expert ``experts[m]`` -> ``[M, out]``.
         """
-        w = getattr(self, "w_" + which)
         b = getattr(self, "b_" + which)
+        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
+        if q is not None:
+            return q.expert_linear(x, experts, b)
+        w = getattr(self, "w_" + which)
         if isinstance(experts, int):
             return F.linear(x, w[experts], None if b is None else b[experts])
         y = torch.bmm(w.index_select(0, experts), x.unsqueeze(-1)).squeeze(-1)

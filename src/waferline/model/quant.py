@@ -120,7 +120,9 @@ def _group_params(wg: Tensor, symmetric: bool, scale_dtype: torch.dtype) -> tupl
     if symmetric:
         amax = wg.abs().amax(dim=-1)
         scale = torch.where(amax > 0, amax / 7.5, torch.ones_like(amax))
-        return scale.to(scale_dtype).float(), None
+        r = scale.to(scale_dtype)
+        r = torch.where(r.float() < scale, torch.nextafter(r, torch.full_like(r, math.inf)), r)  # round up: |w| <= 7.5 s
+        return r.float(), None
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     scale = (hi - lo) / 15.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -330,9 +332,10 @@ class Int4Weight(nn.Module):
 class QuantLinear(nn.Module):
     """A projection whose weight is int4 (replaces ``layers.Linear`` / ``nn.Linear`` after quantization)."""
 
-    def __init__(self, weight: Int4Weight, bias: Tensor | None = None):
+    def __init__(self, weight: Int4Weight, bias: Tensor | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.int4 = weight
+        self.dtype = dtype
         self.in_features, self.out_features = weight.in_features, weight.out_features
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
@@ -341,8 +344,8 @@ class QuantLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dequantized weight (fp32), for code that needs the matrix itself (e.g. MLA's absorbed weights)."""
-        return self.int4.dequantize()
+        """The dequantized weight, for code that needs the matrix itself (e.g. MLA's absorbed weights)."""
+        return self.int4.dequantize().to(self.dtype)
 
 
 # ----------------------------------------------------------------------------- which module weights are int4
@@ -377,7 +380,7 @@ def install(root: nn.Module, path: str, weight: Int4Weight) -> None:
     if leaf == "weight":
         parent_path, _, child = owner_path.rpartition(".")
         parent = root.get_submodule(parent_path) if parent_path else root
-        setattr(parent, child, QuantLinear(weight, owner.bias))
+        setattr(parent, child, QuantLinear(weight, owner.bias, owner.weight.dtype))
         return
     owner.register_module("q_" + leaf[2:], weight)
     setattr(owner, leaf, None)
@@ -570,16 +573,20 @@ FORMATS: dict[str, Callable[[WeightSource, dict[str, Any]], list[_Entry]]] = {
 }
 
 
+def _qconfig(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    for c in (cfg, cfg.get("text_config") or {}):  # multimodal configs (Kimi K2.6) nest it under text_config
+        qc = c.get("quantization_config") or c.get("compression_config")
+        if qc:
+            return qc
+    return None
+
+
 def quant_method(cfg: dict[str, Any]) -> str | None:
-    """The int4 format named by a config's ``quantization_config`` (None: not quantized)."""
-    qc = cfg.get("quantization_config") or cfg.get("compression_config")
-    if not qc:
-        return None
-    m = qc.get("quant_method")
-    if m not in FORMATS:
-        raise CheckpointError(f"quantization_config.quant_method {m!r} is not supported; waferline loads "
-                              f"{', '.join(FORMATS)} int4 checkpoints (or 16-bit ones)")
-    return m
+    """The int4 format named by a config's ``quantization_config``: None when the checkpoint is not int4 (16-bit,
+    or another scheme such as fp8 / MXFP4, which the regular loader reports)."""
+    qc = _qconfig(cfg)
+    m = (qc or {}).get("quant_method")
+    return m if m in FORMATS else None
 
 
 class Int4Source(WeightSource):
@@ -588,7 +595,9 @@ class Int4Source(WeightSource):
 
     def __init__(self, raw: WeightSource, cfg: dict[str, Any]):
         method = quant_method(cfg)
-        qc = cfg.get("quantization_config") or cfg.get("compression_config")
+        if method is None:
+            raise CheckpointError("config.json has no int4 quantization_config")
+        qc = _qconfig(cfg)
         self.raw, self.method = raw, method
         self.entries = {e.logical: e for e in FORMATS[method](raw, qc)}
         hidden = {n for e in self.entries.values() for n in e.raw}
@@ -646,58 +655,55 @@ def trace_layer(spec: Any, i: int, shapes: dict[str, tuple[int, ...]], selected:
     return out
 
 
-@dataclass
-class _GroupMap:
-    """How one module weight's int4 groups map onto checkpoint tensors (element ids split per tensor)."""
-
-    tensor_ids: Tensor  # [..., N, K] which selected tensor each element comes from
-    flat: Tensor  # [..., N, K] flat index inside that tensor
+def _used_tensors(ids: Tensor) -> list[int]:
+    """The selected-tensor numbers that occur in ``ids``."""
+    return torch.bincount((ids >> 32).flatten()).nonzero().flatten().tolist()
 
 
-def _split(ids: Tensor) -> _GroupMap:
-    return _GroupMap(ids >> 32, ids & 0xFFFFFFFF)
+def _group_ids(ids: Tensor, tensors: list[int], shapes: list[tuple[int, ...]], G: int) -> tuple[Tensor, Tensor, Tensor]:
+    """For every element of ``ids``: its index in the concatenation of ``tensors`` (flattened, in that order) and
+    its group's index in the concatenation of their ``[..., N_t, K_t/G]`` scale grids. Also each tensor's K_t."""
+    n = int(ids.max() >> 32) + 1
+    lut = torch.full((n,), -1, dtype=torch.int64)
+    lut[torch.tensor(tensors)] = torch.arange(len(tensors))
+    numel = torch.tensor([math.prod(sh) for sh in shapes])
+    Ks = torch.tensor([sh[-1] for sh in shapes])
+    base = torch.cumsum(numel, 0) - numel
+    gbase = torch.cumsum(numel // G, 0) - numel // G
+    local = lut[ids >> 32]
+    flat = ids & 0xFFFFFFFF
+    K = Ks[local]
+    return base[local] + flat, gbase[local] + (flat // K) * (K // G) + (flat % K) // G, Ks
+
+
+def _groups_line_up(gid: Tensor, G: int) -> bool:
+    """True when every module group of G inputs is exactly one checkpoint group (so scales map one-to-one)."""
+    *lead, N, K = gid.shape
+    if K % G:
+        return False
+    heads = gid.view(*lead, N, K // G, G)
+    if not bool((heads == heads[..., :1]).all()):
+        return False
+    return int(torch.bincount(heads[..., 0].flatten()).max()) <= 1
 
 
 def gather_int4(ids: Tensor, selected: list[str], get: Callable[[str], Int4Tensor]) -> Int4Tensor:
     """Assemble the module-layout int4 weight for ``ids`` (from :func:`trace_layer`) out of checkpoint tensors."""
-    m = _split(ids)
-    codes = torch.empty(ids.shape, dtype=torch.uint8)
-    gid = torch.empty(ids.shape, dtype=torch.int64)
-    scale_e = zero_e = None
-    G = None
-    offset = 0
-    for t in m.tensor_ids.unique().tolist():
-        src = get(selected[t])
-        K = src.shape[-1]
-        Gt = src.group_size
-        if G is None:
-            G = Gt
-        elif Gt != G:
-            raise CheckpointError(f"{selected[t]} has group size {Gt} but other parts of the same weight use {G}")
-        sel = m.tensor_ids == t
-        flat = m.flat[sel]
-        codes[sel] = src.codes.reshape(-1)[flat]
-        g = (flat // K) * (K // G) + (flat % K) // G
-        gid[sel] = g + offset
-        offset += src.scales.numel()
-        if scale_e is None:
-            scale_e = torch.empty(ids.shape, dtype=src.scales.dtype)
-            zero_e = torch.zeros(ids.shape, dtype=src.scales.dtype if src.zeros is None else src.zeros.dtype)
-            has_zero = src.zeros is not None
-        elif (src.zeros is not None) != has_zero:
-            raise CheckpointError(f"{selected[t]}: mixing symmetric and asymmetric parts in one weight is not supported")
-        scale_e[sel] = src.scales.reshape(-1)[g].to(scale_e.dtype)
-        if src.zeros is not None:
-            zero_e[sel] = src.zeros.reshape(-1)[g].to(zero_e.dtype)
-    *lead, N, K = ids.shape
-    if K % G:
-        raise CheckpointError(f"a weight with {K} inputs cannot take the checkpoint's group size {G}")
-    grouped = gid.view(*lead, N, K // G, G)
-    if not bool((grouped == grouped[..., :1]).all()):
-        raise CheckpointError("the checkpoint's int4 groups do not run along the module's input dimension "
+    used = _used_tensors(ids)
+    parts = [get(selected[j]) for j in used]
+    G = parts[0].group_size
+    if any(p.group_size != G for p in parts) or any((p.zeros is None) != (parts[0].zeros is None) for p in parts):
+        raise CheckpointError(f"{', '.join(selected[j] for j in used)} feed one weight but differ in group size or "
+                              "symmetry; waferline needs them alike")
+    elem, gid, _ = _group_ids(ids, used, [p.shape for p in parts], G)
+    if not _groups_line_up(gid, G):
+        raise CheckpointError(f"the int4 groups of {selected[used[0]]} do not run along the module's input dimension "
                               "(a transposed layout, e.g. gpt_oss experts); keep those weights 16-bit")
-    first = (slice(None),) * (len(lead) + 2) + (slice(None, None, G),)
-    return Int4Tensor(codes, scale_e[first].contiguous(), zero_e[first].contiguous() if has_zero else None)
+    codes = torch.cat([p.codes.flatten() for p in parts])[elem]
+    heads = gid[..., ::G]
+    scales = torch.cat([p.scales.flatten() for p in parts])[heads]
+    zeros = None if parts[0].zeros is None else torch.cat([p.zeros.flatten() for p in parts])[heads]
+    return Int4Tensor(codes, scales, zeros)
 
 
 def attach_int4(model: nn.Module, src: Int4Source) -> int:
@@ -838,43 +844,36 @@ def _scatter(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, 
              outs: dict[str, dict[str, Tensor]], covered: dict[str, int]) -> bool:
     """Write module-layout ``t`` back into per-checkpoint-tensor codes/scales/zeros (``outs``); False (nothing
     written) when the module's groups do not map one-to-one onto groups along each checkpoint tensor's last dim."""
-    m = _split(ids)
-    *lead, N, K = ids.shape
     G = t.group_size
-    gid = torch.empty(ids.shape, dtype=torch.int64)
-    offset = 0
-    tids = m.tensor_ids.unique().tolist()
-    for j in tids:
-        Kt = shapes[selected[j]][-1]
-        if Kt % G:
-            return False
-        sel = m.tensor_ids == j
-        flat = m.flat[sel]
-        gid[sel] = offset + (flat // Kt) * (Kt // G) + (flat % Kt) // G
-        offset += math.prod(shapes[selected[j]]) // G
-    heads = gid.view(*lead, N, K // G, G)
-    if not bool((heads == heads[..., :1]).all()) or heads[..., 0].unique().numel() != heads[..., 0].numel():
+    used = _used_tensors(ids)
+    shp = [shapes[selected[j]] for j in used]
+    if any(sh[-1] % G for sh in shp):
         return False
-    scale_e = t.scales.repeat_interleave(G, dim=-1)
-    zero_e = None if t.zeros is None else t.zeros.repeat_interleave(G, dim=-1)
-    for j in tids:
+    elem, gid, _ = _group_ids(ids, used, shp, G)
+    if not _groups_line_up(gid, G):
+        return False
+    numel = [math.prod(sh) for sh in shp]
+    codes = torch.full((sum(numel),), 8, dtype=torch.uint8)
+    codes[elem.flatten()] = t.codes.flatten()
+    heads = gid[..., ::G].flatten()
+    scales = torch.zeros(sum(numel) // G, dtype=t.scales.dtype)
+    scales[heads] = t.scales.flatten()
+    zeros = None
+    if t.zeros is not None:
+        zeros = torch.zeros(sum(numel) // G, dtype=t.zeros.dtype)
+        zeros[heads] = t.zeros.flatten()
+    counts = torch.bincount(ids.flatten() >> 32, minlength=max(used) + 1)
+    e0 = g0 = 0
+    for j, sh, n in zip(used, shp, numel):
         name = selected[j]
-        shape = shapes[name]
-        sel = m.tensor_ids == j
-        flat = m.flat[sel]
-        Kt = shape[-1]
-        g = (flat // Kt) * (Kt // G) + (flat % Kt) // G
-        o = outs.setdefault(name, {
-            "codes": torch.full(shape, 8, dtype=torch.uint8),
-            "scales": torch.zeros(*shape[:-1], Kt // G, dtype=t.scales.dtype),
-            **({} if zero_e is None else {"zeros": torch.zeros(*shape[:-1], Kt // G, dtype=t.zeros.dtype)})})
-        if ("zeros" in o) != (zero_e is not None) or o["scales"].shape[-1] != Kt // G:
-            raise CheckpointError(f"{name} feeds weights quantized with different group sizes or symmetry")
-        o["codes"].view(-1)[flat] = t.codes[sel]
-        o["scales"].view(-1)[g] = scale_e[sel]
-        if zero_e is not None:
-            o["zeros"].view(-1)[g] = zero_e[sel]
-        covered[name] = covered.get(name, 0) + int(sel.sum())
+        if name in outs:
+            raise CheckpointError(f"{name} feeds more than one weight; waferline cannot quantize it")
+        grid = (*sh[:-1], sh[-1] // G)
+        outs[name] = {"codes": codes[e0:e0 + n].view(sh), "scales": scales[g0:g0 + n // G].view(grid)}
+        if zeros is not None:
+            outs[name]["zeros"] = zeros[g0:g0 + n // G].view(grid)
+        covered[name] = int(counts[j])
+        e0, g0 = e0 + n, g0 + n // G
     return True
 
 
@@ -899,9 +898,8 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory to --model")
     cfg = json.loads((model_dir / "config.json").read_text())
-    if cfg.get("quantization_config") or cfg.get("compression_config"):
-        raise ConfigError(f"{model_dir} is already quantized ({(cfg.get('quantization_config') or {}).get('quant_method')}); "
-                          "quantize a 16-bit checkpoint")
+    if _qconfig(cfg):
+        raise ConfigError(f"{model_dir} is already quantized ({_qconfig(cfg).get('quant_method')}); quantize a 16-bit checkpoint")
     if out_dir.resolve() == model_dir.resolve():
         raise ConfigError("--out must differ from --model")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
@@ -932,7 +930,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         for path, owner, leaf in matmul_weights(layer):
             mpath = f"layers.{pos}.{path}"
             ids = traced.get(path)
-            feeds = [] if ids is None else [selected[j] for j in (ids >> 32).unique().tolist()]
+            feeds = [] if ids is None else [selected[j] for j in _used_tensors(ids)]
             if ids is None or _kept(mpath, opts.keep) or any(_kept(f, opts.keep) for f in feeds):
                 kept.append(", ".join(feeds) if feeds else mpath)
                 continue

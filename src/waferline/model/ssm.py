@@ -56,6 +56,10 @@ class Mamba2Cache:
 
     conv: Tensor
     ssm: Tensor
+    # speculative verify: when keep_trail is set, a T > 1 forward also records the (conv, ssm) state after each of
+    # its T tokens in ``trail`` ([B, T, ...] each), so ``rewind`` can keep any prefix without re-running it
+    keep_trail: bool = False
+    trail: tuple[Tensor, Tensor] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -80,6 +84,19 @@ class Mamba2Cache:
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.ssm.device).reshape(-1)
         self.conv.index_copy_(0, slots, state[0].to(self.conv.dtype))
         self.ssm.index_copy_(0, slots, state[1].to(self.ssm.dtype))
+
+    def rewind(self, slots: Tensor, keep: list[int]) -> None:
+        """After a T-token forward with ``keep_trail``: give row b the state after its first ``keep[b]`` (>= 1) tokens."""
+        if self.trail is None:
+            raise RuntimeError("Mamba2Cache.rewind needs a forward with keep_trail=True first")
+        conv_t, ssm_t = self.trail
+        T = conv_t.shape[1]
+        for b, k in enumerate(keep):
+            if k < T:
+                s = int(slots[b])
+                self.conv[s] = conv_t[b, k - 1].to(self.conv.dtype)
+                self.ssm[s] = ssm_t[b, k - 1].to(self.ssm.dtype)
+        self.trail = None
 
 
 def _segsum(a: Tensor) -> Tensor:
@@ -234,6 +251,8 @@ class Mamba2Mixer(nn.Module):
         a = dt * -torch.exp(self.A_log)  # per-step log decay, [B, T, H]
         y_skip = self.D[:, None] * xs
         xdt = xs * dt[..., None]
+        if cache.keep_trail:
+            cache.trail = self._trail(full, xdt, a, Bm, cache.ssm.index_select(0, slots))
 
         # pad T up to a multiple of Q (zero input, zero log-decay: padding neither adds to nor decays the state)
         nc = -(-T // Q)
@@ -273,6 +292,18 @@ class Mamba2Mixer(nn.Module):
         y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, starts[:, :-1]) * torch.exp(acum).permute(0, 1, 4, 2, 3)[..., None]
         y = (y + y_off).reshape(Bsz, nc * Q, H, P)[:, :T] + y_skip
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
+
+
+    def _trail(self, full: Tensor, xdt: Tensor, a: Tensor, Bm: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """The (conv, ssm) state after each of the T new tokens (short T: a speculative verify), by the recurrence."""
+        T, K, R = xdt.shape[1], self.K, self.H // self.G
+        conv = torch.stack([full[:, :, t + 1: t + K] for t in range(T)], dim=1)  # [B, T, conv_dim, K-1]
+        Bh = Bm.repeat_interleave(R, dim=2)  # [B, T, H, N]
+        states = []
+        for t in range(T):
+            h = h * torch.exp(a[:, t])[:, :, None, None] + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
+            states.append(h)
+        return conv, torch.stack(states, dim=1)  # [B, T, H, P, N]
 
 
 def hf_mixer_prefix(model_type: str, layer: int, src: WeightSource | None = None) -> str:

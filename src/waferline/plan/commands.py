@@ -32,9 +32,11 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f}"
 
 
-def _add_plan_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="catalog model id (e.g. gpt-5.6-sol, deepseek-v3), a config.json path, or a checkpoint dir")
-    p.add_argument("--hardware", "-H", required=True, help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
+def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("model", nargs="?" if optional else None,
+                   help="catalog model id (e.g. gpt-5.6-sol, deepseek-v3), a config.json path, or a checkpoint dir")
+    p.add_argument("--hardware", "-H", required=not optional,
+                   help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
     p.add_argument("--devices", type=int, default=None, help="number of devices (default: the fewest that fit)")
     p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4))
     p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
@@ -58,8 +60,11 @@ def _spec_cfg(args: argparse.Namespace):
 def _make_plan(args: argparse.Namespace, context: int):
     from waferline.plan.place import place
 
+    if not args.model or not args.hardware:
+        raise ConfigError("give MODEL and --hardware (or --plan PLAN.json for simulate)")
+    batch = max(args.batch, getattr(args, "concurrency", None) or 1)  # size memory for every concurrent sequence
     return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
-                 context=context, batch=args.batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
+                 context=context, batch=batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
                  micro_batches=args.micro_batches, speculative=_spec_cfg(args))
 
 
@@ -236,8 +241,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from waferline.sim.cost import FITTED_PATH
     from waferline.sim.fit import fit, save_fitted
 
+    if args.measure:
+        from waferline.sim.measure import write_host_yaml
+        from waferline.spec.hardware import load_hardware_file
+
+        out = Path(args.out or "hardware-host.yaml")
+        d = write_host_yaml(out)
+        hw = load_hardware_file(out)
+        if args.json:
+            print(json.dumps({"written": str(out), "hardware": hw.to_dict(),
+                              "link": {"bandwidth": hw.scale_up.bandwidth, "latency": hw.scale_up.latency}}, indent=1))
+        else:
+            _console().print(f"{d['name']}: memory {hw.memory_bytes / 1e9:.1f} GB, bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s, "
+                             f"matmul {hw.flops['bf16'] / 1e9:.1f} GFLOP/s, local link {hw.scale_up.latency * 1e6:.1f} us / "
+                             f"{hw.scale_up.bandwidth / 1e9:.2f} GB/s; written to {out} (use --hardware {out})")
+        return 0
     if not args.published:
-        raise ConfigError("calibrate needs --published CSV (e.g. ../shared/data/published_results.csv)")
+        raise ConfigError("calibrate needs --published CSV (e.g. ../shared/data/published_results.csv) or --measure")
     params, report = fit(args.published, base=_load_params(args), restarts=args.restarts, iters=args.iters)
     out = Path(args.out) if args.out else FITTED_PATH
     save_fitted(params, out, str(args.published))
@@ -267,7 +287,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=cmd_plan)
 
     s = subparsers.add_parser("simulate", help="predict tokens/s, TTFT and per-stage latency of a deployment")
-    _add_plan_args(s)
+    _add_plan_args(s, optional=True)
     s.add_argument("--plan", default=None, help="simulate this plan JSON instead of placing MODEL")
     s.add_argument("--prompt-len", type=int, default=None)
     s.add_argument("--output-len", type=int, default=None)
@@ -287,9 +307,10 @@ def register(subparsers: Any) -> None:
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate)
 
-    c = subparsers.add_parser("calibrate", help="re-fit the simulator's fitted parameters on published results")
+    c = subparsers.add_parser("calibrate", help="re-fit the simulator's fitted parameters on published results (or --measure this host)")
     c.add_argument("--published", default=None, help="results CSV to fit on")
-    c.add_argument("--out", default=None, help="where to write the parameters (default: sim/fitted.yaml)")
+    c.add_argument("--measure", action="store_true", help="instead: measure this host and write a hardware YAML for it")
+    c.add_argument("--out", default=None, help="where to write (default: sim/fitted.yaml; with --measure: hardware-host.yaml)")
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
     c.add_argument("--restarts", type=int, default=2)
     c.add_argument("--iters", type=int, default=1500)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ class _Part:
     layer: int
     weights: float
     cache: float
+    kv_shards: int = 0  # most devices the cache can be split over (GQA: its KV heads); 0 = no limit
 
 
 _PARTS_CACHE: dict[tuple, list[_Part]] = {}
@@ -54,18 +56,33 @@ def _parts(spec: Any, role: str, weight_bits: int, kv_bits: int, context: int, b
         wc = memo.get(sig)
         if wc is None:
             cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
+            shards = kv_shard_limit(layer)
             if role == "full":
-                wc = (layer.weight_bytes(weight_bits, group), cache)
+                wc = (layer.weight_bytes(weight_bits, group), cache, shards)
             elif role == "attention":
-                wc = (layer.mixer_weight_bytes(weight_bits, group), cache)
+                wc = (layer.mixer_weight_bytes(weight_bits, group), cache, shards)
             else:
-                wc = (layer.ffn_weight_bytes(weight_bits, group), 0.0)
+                wc = (layer.ffn_weight_bytes(weight_bits, group), 0.0, 0)
             memo[sig] = wc
-        out.append(_Part(layer.index, wc[0], wc[1]))
+        out.append(_Part(layer.index, wc[0], wc[1], wc[2]))
     if len(_PARTS_CACHE) > 512:
         _PARTS_CACHE.clear()
     _PARTS_CACHE[key] = out
     return out
+
+
+def kv_shard_limit(layer: Any) -> int:
+    """How many devices a layer's cache can be split over: GQA K/V heads cannot be split below one head per device
+    (with more tensor-parallel ranks than KV heads the heads are replicated); other caches split freely (0)."""
+    m = layer.mixer
+    if m is not None and getattr(m, "kind", "") == "gqa":
+        return int(m.num_kv_heads)
+    return 0
+
+
+def cache_per_device(cache: float, n_dev: int, shards: int) -> float:
+    """Bytes of a cache of ``cache`` bytes on each of ``n_dev`` devices, given its shard limit."""
+    return cache / (min(n_dev, shards) if shards else n_dev)
 
 
 def _activation_bytes(spec: Any, batch: int, chunk: int) -> float:
@@ -74,7 +91,7 @@ def _activation_bytes(spec: Any, batch: int, chunk: int) -> float:
 
 def _stage_memory(parts: list[_Part], n_dev: int, hw: HardwareSpec, act: float, extra_weights: float) -> MemoryBreakdown:
     w = (sum(p.weights for p in parts) + extra_weights) / n_dev
-    c = sum(p.cache for p in parts) / n_dev
+    c = sum(cache_per_device(p.cache, n_dev, p.kv_shards) for p in parts)
     return MemoryBreakdown(weights=w, cache=c, activations=act, reserve=hw.memory_bytes * hw.reserve_fraction,
                            capacity=hw.memory_bytes)
 
@@ -103,7 +120,7 @@ def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_e
         return starts if len(starts) <= n else None
 
     lo, hi = max(sizes), sum(sizes)
-    for _ in range(60):
+    while hi - lo > 1e-9 * hi:
         mid = 0.5 * (lo + hi)
         lo, hi = (lo, mid) if cuts(mid) else (mid, hi)
     starts = cuts(hi) or [0]
@@ -248,11 +265,16 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
 
 def _hardware_ref(hw: HardwareSpec) -> str:
     """What a Plan records to find the hardware again: the catalog id, or the user's YAML path."""
+    return _hardware_ref_cached(hw.name, hw.path)
+
+
+@lru_cache(maxsize=256)
+def _hardware_ref_cached(name: str, path: str) -> str:
     from waferline.spec.catalog import HARDWARE_DIR
 
-    p = Path(hw.path) if hw.path else None
+    p = Path(path) if path else None
     if p is None or not p.is_file() or HARDWARE_DIR.resolve() in p.resolve().parents:
-        return hw.name
+        return name
     return str(p.resolve())
 
 
@@ -364,7 +386,8 @@ def _fits_cache(plan: Plan, spec: Any, hw: HardwareSpec, ctx: int, batch: int) -
     for s in plan.stages:
         if s.role == "ffn":
             continue
-        cache = sum(batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS) for i in s.layers) / s.num_devices
+        cache = sum(cache_per_device(batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS), s.num_devices,
+                                     kv_shard_limit(by_index[i])) for i in s.layers)
         if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
             return False
     return True

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,6 @@ from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec, quantized_bytes
 
 FITTED_PATH = Path(__file__).parent / "fitted.yaml"
-SPEC_METHODS = ("draft", "mtp", "eagle", "medusa", "ngram")
 STATE_BITS = 16
 MOE_VECTOR_PASSES = 2  # dispatch and combine each stream the hidden vector once more (assumed, physical)
 
@@ -74,8 +72,9 @@ class SimParams:
     # -- YAML
     def to_yaml_dict(self) -> dict[str, Any]:
         def val(v: Any, status: str) -> dict[str, Any]:
-            key = "fitted" if status == "fitted" else "assumed"
-            return {"value": v, key: True if status == "fitted" else (status if status != "assumed" else "prior, not constrained by the data")}
+            if status == "fitted":
+                return {"value": v, "fitted": True}
+            return {"value": v, "assumed": status[len("assumed: "):] if status.startswith("assumed: ") else "prior, not constrained by the data"}
 
         classes = {}
         for name, cp in self.classes.items():
@@ -104,7 +103,8 @@ class SimParams:
             if isinstance(x, dict):
                 if "value" not in x:
                     raise ConfigError(f"{where}: {name} has no value")
-                st = "fitted" if x.get("fitted") else "assumed"
+                st = "fitted" if x.get("fitted") else ("assumed: " + str(x["assumed"]) if isinstance(x.get("assumed"), str) and
+                                                         not str(x["assumed"]).startswith("prior") else "assumed")
                 return float(x["value"]), st
             return float(x), "assumed"
 
@@ -182,6 +182,7 @@ class LayerCost:
     mixer_flops: float  # per token at the context
     ffn_flops: float  # per token
     is_moe: bool
+    kv_shards: int = 0  # most devices the cache splits over (GQA: KV heads), 0 = no limit
     kind_id: int = 0  # layers with equal kind_id (in one table) have identical costs
 
 
@@ -213,7 +214,9 @@ def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: 
                        dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0), expert_bytes=eb,
                        num_experts=ffn.num_experts if moe else 0, top_k=ffn.top_k if moe else 0,
                        cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
-                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe, kind_id=len(memo))
+                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe,
+                       kv_shards=int(layer.mixer.num_kv_heads) if layer.mixer is not None and layer.mixer.kind == "gqa" else 0,
+                       kind_id=len(memo))
         memo[sig] = lc
         out.append(lc)
     if len(_TABLE_CACHE) > 256:
@@ -305,7 +308,8 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             t_mem = resident / n_dev / bw if (read + cache) > 0 else 0.0
             t_cmp = flops_all / n_dev / (fl * share)
         else:
-            t_mem = (read + cache) / n_dev / bw
+            kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
+            t_mem = (read / n_dev + cache / kv_dev) / bw
             t_cmp = flops_all / n_dev / fl
         fixed = fixed_frac * (prm.layer_latency_s + prm.hidden_latency_s * hidden)
         if moe:
@@ -315,7 +319,8 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         comm = 0.0
         if link is not None:
             if spatial:
-                comm = 2 * link.transfer_time(act_bytes)
+                lat = prm.hop_latency_s if prm.hop_latency_s is not None else link.latency
+                comm = 2 * (lat + act_bytes / link.bandwidth)  # a layer split over wafers: exchange halves twice
             else:
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm))
@@ -348,7 +353,3 @@ def expected_tokens_per_step(accept: float, k: int) -> float:
     if accept >= 1.0:
         return float(k + 1)
     return (1.0 - accept ** (k + 1)) / (1.0 - accept)
-
-
-def log_error(pred: float, actual: float) -> float:
-    return abs(math.log(pred / actual))

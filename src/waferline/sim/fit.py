@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,7 +25,12 @@ CLASS_PRIORS: dict[str, dict[str, tuple[float, float]]] = {
             "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
     "wafer": {"bw_eff": (0.75, 0.3), "layer_latency_s": (5e-6, 1.5), "hidden_latency_s": (1e-9, 1.5),
               "moe_latency_s": (1e-6, 0.0), "hop_latency_s": (5e-6, 1.0), "flops_eff": (0.5, 0.5)},
+    # a host CPU running the torch engine eagerly: ~15-20 ops per layer at ~10 us of dispatch each
+    "cpu": {"bw_eff": (0.6, 0.5), "layer_latency_s": (150e-6, 1.5), "moe_latency_s": (100e-6, 1.0),
+            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.3, 0.5), "hop_latency_s": (50e-6, 1.5)},
 }
+# Classes with no rows in the data: these take the fitted gpu values (their own priors otherwise).
+LIKE_GPU = ("tpu", "asic")
 # Which priors the data may move (sd 0 = held at the prior: physically motivated, not fitted).
 FITTABLE = ("layer_latency_s", "hidden_latency_s", "bw_eff", "moe_latency_s", "hop_latency_s")
 # A device whose peak bandwidth is only assumed (no datasheet) may show an effective bandwidth above it.
@@ -187,6 +192,17 @@ def fit(csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, 
             fitted.status[f"accept_rate.{p.key[1]}"] = "fitted"
         else:
             fitted.status["ttft_overhead_s"] = "fitted"
+    for cname in LIKE_GPU:
+        if cname not in fitted.classes and "gpu" in fitted.classes:
+            g = fitted.classes["gpu"]
+            fitted.classes[cname] = replace(g, status={k: "assumed: as gpu (no data)" for k in g.status} | {
+                k: "assumed: as gpu (no data)" for k in CLASS_PARAMS if getattr(g, k) is not None})
+    for cname, pri in CLASS_PRIORS.items():
+        if cname not in fitted.classes:
+            cp = ClassParams(hop_latency_s=None)
+            for pname, (v, _) in pri.items():
+                setattr(cp, pname, v)
+            fitted.classes[cname] = cp
     fitted.fitted_on = f"{Path(csv_path).name} ({len(models)} rows)"
     after = [math.exp(abs(x)) for x in errors(fitted)]
     report = {"rows": len(models), "skipped": skipped, "free_parameters": len(free), "seconds": time.time() - t0,
@@ -215,6 +231,7 @@ def save_fitted(params: SimParams, path: str | Path = FITTED_PATH, csv_path: str
     header = ("# waferline simulator parameters. Values marked `fitted: true` were fitted by\n"
               f"#   waferline calibrate --published {csv_path or '<csv>'}\n"
               "# on that file only (MAP fit: log error factors, weak physical priors); values marked `assumed` are priors\n"
-              "# the data could not constrain. Device classes without data fall back to the gpu class.\n"
+              "# the data could not constrain. Classes without rows: tpu and asic take the gpu values; cpu (a host running\n"
+              "# the torch engine) keeps its priors until engine runs are added to the CSV.\n"
               "# Meanings: " + "; ".join(f"{k}: {v[4]}" for k, v in CLASS_PARAMS.items()))
     params.save(path, header=header)

@@ -67,6 +67,8 @@ class _Ctx:
     prm: ClassParams
     params: SimParams
     hop_memo: dict = field(default_factory=dict)
+    keys: list | None = None
+    hop_keys: list = field(default_factory=list)
 
     def hop(self, a: int, b: int, nbytes: float) -> float:
         dpn = max(1, self.hw.devices_per_node)
@@ -81,7 +83,19 @@ def _lm_head(spec: Any, embed_bits: int) -> tuple[float, float]:
     return spec.lm_head_bytes(embed_bits) if spec.lm_head_params() else spec.embed_bytes(embed_bits), 2.0 * spec.vocab_size * spec.hidden_size
 
 
-def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_batch: int) -> tuple[float, list[StageTiming], float]:
+def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
+    """Per stage: a key that is equal for stages with identical layers, role and device count (computed once)."""
+    if ctx.keys is None:
+        st = ctx.plan.stages
+        dpn = max(1, ctx.hw.devices_per_node)
+        ctx.keys = [(tuple(table[j].kind_id for j in s.layers), s.role, s.num_devices, s.has_lm_head) for s in st]
+        ctx.hop_keys = [(s.device_ids[-1] // dpn == st[(i + 1) % len(st)].device_ids[0] // dpn, i + 1 == len(st))
+                        for i, s in enumerate(st)]
+    return ctx.keys
+
+
+def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_batch: int,
+          want_timings: bool = True) -> tuple[float, list[StageTiming], float]:
     """(latency of one step through all stages incl. hops, per-stage timings, slowest stage time)."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     head_b, head_f = _lm_head(spec, plan.embed_bits)
@@ -91,12 +105,12 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
     slowest = 0.0
     stages = plan.stages
     memo: dict[tuple, StepCost] = {}
-    for i, s in enumerate(stages):
-        lcs = [table[j] for j in s.layers]
-        hb = head_b if s.has_lm_head else 0.0
-        key = (tuple(lc.kind_id for lc in lcs), s.role, s.num_devices, hb)
+    hops: dict[tuple, float] = {}
+    for i, (s, key) in enumerate(zip(stages, _stage_keys(ctx, table))):
         sc = memo.get(key)
         if sc is None:
+            lcs = [table[j] for j in s.layers]
+            hb = head_b if s.has_lm_head else 0.0
             resident = None
             if hw.kind == "wafer":
                 resident = sum((lc.mixer_bytes + lc.cache_bytes * resident_batch) if s.role == "attention" else
@@ -104,11 +118,20 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
                             lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
             memo[key] = sc
-        hop = _hops_out(ctx, i, act)
-        timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed, sc.comm,
-                                   hop, sc.total + hop))
-        total += sc.total + hop
-        slowest = max(slowest, sc.total)
+        if plan.afd:
+            hop = _hops_out(ctx, i, act)
+        else:
+            hkey = ctx.hop_keys[i]
+            hop = hops.get(hkey)
+            if hop is None:
+                hop = hops[hkey] = _hops_out(ctx, i, act)
+        st = sc.total
+        if want_timings:
+            timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed,
+                                       sc.comm, hop, st + hop))
+        total += st + hop
+        if st > slowest:
+            slowest = st
     return total, timings, slowest
 
 
@@ -220,7 +243,7 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
         a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(sp.method, 0.6)
         E = expected_tokens_per_step(a, k)
-        tv, _, slowv = _step(ctx, table, b, k + 1, B)
+        tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False)
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
         step = max(tv + tdraft, M * slowv)
         spec_rate = E / step
@@ -231,7 +254,7 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
     C = min(P, PREFILL_CHUNK)
     n_chunks = math.ceil(P / C)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-    tp, _, slowp = _step(ctx, ptable, 1, C, B)
+    tp, _, slowp = _step(ctx, ptable, 1, C, B, want_timings=False)
     ttft = params.ttft_overhead_s + tp + (n_chunks - 1) * slowp
     e2e = ttft + (O - 1) / rate
     return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=S, fits=plan.fits,

@@ -117,6 +117,10 @@ class MLASpec:
     def small_params(self) -> int:
         return (self.q_lora_rank or 0) + self.kv_lora_rank  # the two latent RMSNorms
 
+    def kept_16bit_params(self) -> int:
+        """Matmul parameters that stay 16-bit in int4 checkpoints: kv_b_proj, whose halves W_UK / W_UV are absorbed."""
+        return self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
 
@@ -386,6 +390,11 @@ class MoESpec:
 FFNSpec = DenseFFNSpec | MoESpec
 
 
+def _kept_16bit(part: Any, bits: int) -> int:
+    """Matmul parameters of ``part`` that int4/int8 checkpoints keep at 16 bits (MLA's kv_b_proj)."""
+    return part.kept_16bit_params() if bits < 16 and hasattr(part, "kept_16bit_params") else 0
+
+
 # ----------------------------------------------------------------------------- layers and model
 
 
@@ -413,15 +422,18 @@ class LayerSpec:
 
     def weight_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
         """Stored bytes: matmul weights at ``bits`` (+ scales); norms, routers, biases stay 16-bit."""
-        mm = sum(p.matmul_params() for p in self._parts())
-        small = sum(p.small_params() for p in self._parts()) + self.norm_params()
+        kept = sum(_kept_16bit(p, bits) for p in self._parts())
+        mm = sum(p.matmul_params() for p in self._parts()) - kept
+        small = sum(p.small_params() for p in self._parts()) + self.norm_params() + kept
         return quantized_bytes(mm, bits, group_size, zeros=zeros) + small * BYTES_16
 
     def mixer_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
         """Bytes of the mixer part (attention side of an attention/FFN split), with its norm."""
         if self.mixer is None:
             return 0.0
-        return quantized_bytes(self.mixer.matmul_params(), bits, group_size) + (self.mixer.small_params() + self.hidden_size) * BYTES_16
+        kept = _kept_16bit(self.mixer, bits)
+        return (quantized_bytes(self.mixer.matmul_params() - kept, bits, group_size)
+                + (self.mixer.small_params() + kept + self.hidden_size) * BYTES_16)
 
     def ffn_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
         """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm."""
@@ -495,9 +507,9 @@ class ModelSpec:
     def lm_head_bytes(self, embed_bits: int = 16) -> float:
         return quantized_bytes(self.lm_head_params(), embed_bits) + self.hidden_size * BYTES_16
 
-    def weight_bytes(self, bits: int = 16, group_size: int = 128, embed_bits: int = 16) -> float:
+    def weight_bytes(self, bits: int = 16, group_size: int = 128, embed_bits: int = 16, zeros: bool = False) -> float:
         return (self.embed_bytes(embed_bits) + self.lm_head_bytes(embed_bits)
-                + sum(layer.weight_bytes(bits, group_size) for layer in self.layers))
+                + sum(layer.weight_bytes(bits, group_size, zeros) for layer in self.layers))
 
     def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
         return sum(layer.cache_bytes_per_token(kv_bits) for layer in self.layers)

@@ -1,0 +1,711 @@
+"""Pipeline-parallel engine: stages as processes, activations streamed over torch.distributed, a decode ring of
+micro-batches with token feedback from the last stage to the first, chunked pipelined prefill, and a watchdog.
+
+The calling process is stage 0 and the scheduler (it embeds, runs its layers and owns the request table); stages
+1..S-1 are worker processes (``waferline.engine.stage``). Every stage owns its layers, their weights and the
+per-sequence caches of those layers; the last stage computes logits and samples with the single-process engine's
+sampling code and per-row seeds, so outputs match ``LLM`` without stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import os
+import sys
+import threading
+import time
+import uuid
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from waferline import errors
+from waferline.engine.sampling import SamplingParams
+from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ABORTED, EXIT_PEER_LOST, FEEDBACK,
+                                    SHUTDOWN, STEP, Control, Group, Link, MicroBatch, PeerLost, StageRunner,
+                                    decode_feedback, json_meta, make_group, serve, worker_main)
+from waferline.errors import ConfigError, WaferlineError
+
+DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_HANG_TIMEOUT_S = 8.0
+WATCH_INTERVAL_S = 0.2
+START_TIMEOUT_S = 120.0
+
+
+class StageError(WaferlineError):
+    """A pipeline stage died, hung or failed; the message names the stage. The pipeline is unusable afterwards."""
+
+
+# ---------------------------------------------------------------- the stage split
+
+def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: int | None = None,
+                 plan: Any = None) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [a, b) per stage: from a Plan, from K layers per stage, or S balanced stages."""
+    given = sum(x is not None for x in (stages, layers_per_stage, plan))
+    if given > 1:
+        raise ConfigError("give only one of stages, layers_per_stage or plan")
+    if plan is not None:
+        if isinstance(plan, (str, Path)):
+            from waferline.plan.plan import Plan
+
+            plan = Plan.load(plan)
+        out = []
+        for st in plan.stages:
+            if st.role != "full":
+                raise ConfigError(f"plan stage {st.index} has role {st.role!r}; the pipeline engine runs 'full' stages "
+                                  "only (attention/FFN disaggregation is a separate engine)")
+            ls = sorted(st.layers)
+            if not ls or ls != list(range(ls[0], ls[-1] + 1)):
+                raise ConfigError(f"plan stage {st.index} holds layers {st.layers}: a stage needs a non-empty contiguous range")
+            out.append((ls[0], ls[-1] + 1))
+        if [a for a, _ in out] != [0] + [b for _, b in out[:-1]] or out[-1][1] != num_layers:
+            raise ConfigError(f"plan stages {out} do not cover layers 0..{num_layers - 1} in order; re-plan for this model")
+        return out
+    if layers_per_stage is not None:
+        if layers_per_stage < 1:
+            raise ConfigError(f"layers_per_stage must be >= 1, got {layers_per_stage}")
+        return [(a, min(a + layers_per_stage, num_layers)) for a in range(0, num_layers, layers_per_stage)]
+    S = 1 if stages is None else int(stages)
+    if S < 1:
+        raise ConfigError(f"stages must be >= 1, got {S}")
+    if S > num_layers:
+        raise ConfigError(f"{S} stages for a model of {num_layers} layers: each stage needs at least one layer; "
+                          f"use stages <= {num_layers} (or layers_per_stage=1)")
+    base, extra = divmod(num_layers, S)
+    out, a = [], 0
+    for i in range(S):
+        b = a + base + (1 if i < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def torchrun_rank() -> int:
+    """This process's rank when launched by torchrun (env:// with WORLD_SIZE > 1), else 0."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ.get("RANK", "0"))
+    return 0
+
+
+# ---------------------------------------------------------------- request state on the scheduler (stage 0)
+
+PREFILL, DECODE, DONE = 0, 1, 2
+
+
+@dataclass
+class _Seq:
+    idx: int
+    prompt: list[int]
+    out: list[int] = field(default_factory=list)
+    next_pos: int = 0  # prompt tokens already launched into the pipeline
+    phase: int = PREFILL
+    inflight: bool = False
+    reason: str = "length"
+    ttft: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    logprobs: list[torch.Tensor] = field(default_factory=list)
+
+
+class Pipeline:
+    """S stages over ``torch.distributed`` point-to-point; this process is stage 0 and the scheduler.
+
+    >>> with Pipeline("ckpt", stages=2, micro_batches=2) as pipe:
+    ...     toks, reasons, metrics = pipe.run_generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", *, stages: int | None = None,
+                 layers_per_stage: int | None = None, micro_batches: int | None = None, plan: Any = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_stage: int | None = None,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
+                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None):
+        from waferline.engine.llm import DTYPES
+        from waferline.spec.model import ModelSpec
+
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"model directory {self.path} does not exist")
+        self.spec = ModelSpec.from_pretrained(self.path)
+        self.ranges = stage_ranges(self.spec.num_layers, stages, layers_per_stage, plan)
+        self.num_stages = S = len(self.ranges)
+        if micro_batches is None and plan is not None and not isinstance(plan, (str, Path)):
+            micro_batches = plan.micro_batches
+        self.micro_batches = int(micro_batches) if micro_batches is not None else S
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
+        self.hang_timeout_s = float(hang_timeout_s)
+        default_threads = torch.get_num_threads() if S == 1 else max(1, (os.cpu_count() or 1) // S)
+        self.threads = int(threads_per_stage) if threads_per_stage else default_threads
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' requested but CUDA is not available; use device='cpu'")
+        self.dtype = dtype
+        self._procs: list[Any] = []  # local worker processes (index r-1 for stage r)
+        self._closed = False
+        self._broken: StageError | None = None
+        self._fault: str | None = None
+        self._lock = threading.Lock()
+        self._chain_sent = 0  # messages stage 0 put into the activation chain (every stage must process each)
+        self._mb_ids = 0
+        self._local_fb: deque[tuple[list[int], list[torch.Tensor]]] = deque()
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if launch not in ("auto", "local", "env"):
+            raise ConfigError(f"launch must be 'auto', 'local' (spawn stage processes here) or 'env' (torchrun), got {launch!r}")
+        self._env = launch == "env" or (launch == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+        load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
+        self._finalizer = weakref.finalize(self, _reap, self._procs)
+        try:
+            self._start(load, start_method)
+        except BaseException:
+            self._kill_all()
+            self._closed = True
+            raise
+
+    # ------------------------------------------------------------ start-up
+    def _start(self, load: dict[str, Any], start_method: str) -> None:
+        from waferline.model.load import load_model
+
+        S = self.num_stages
+        if S > 1:
+            if self._env:
+                self._start_env(load)
+            else:
+                self._start_local(load, start_method)
+            self.act = Link(make_group(self.store, f"waferline/{self.run_id}/act", 0, S, self.device, not self._env), self.device)
+            self.fb = Link(make_group(self.store, f"waferline/{self.run_id}/fb", 0, S, self.device, not self._env), self.device)
+        a, b = self.ranges[0]
+        model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
+        if self.device.type != "cpu":
+            model.to(self.device)
+        self.runner = StageRunner(model, 0, S, self.device)
+        if S > 1:
+            self._wait_for("ready", "load its layers")
+            self._watcher = threading.Thread(target=self._watch, daemon=True, name="waferline-pipeline-watchdog")
+            self._watcher.start()
+
+    def _start_local(self, load: dict[str, Any], start_method: str) -> None:
+        import torch.multiprocessing as mp
+
+        S = self.num_stages
+        self.run_id = uuid.uuid4().hex[:12]
+        self.store = dist.TCPStore("127.0.0.1", 0, S, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=60))
+        load["store_addr"] = ("127.0.0.1", self.store.port)
+        self.ctl = Control(self.store, self.run_id)
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["waferline.engine.stage", "waferline.model.load"])
+        for r in range(1, S):
+            stage_load = dict(load, layer_range=self.ranges[r])
+            p = ctx.Process(target=worker_main, args=(r, S, stage_load, self.run_id, self.threads, self.device.type, os.getpid()),
+                            name=f"waferline-stage{r}", daemon=True)
+            with _main_hidden():
+                p.start()
+            self._procs.append(p)
+        self._wait_for("alive", "start")
+
+    def _start_env(self, load: dict[str, Any]) -> None:
+        store, rank, world = _rendezvous_env()
+        if rank != 0:
+            raise ConfigError(f"rank {rank}: under torchrun only rank 0 drives the pipeline; other ranks run "
+                              "waferline.engine.pipeline.serve_from_env (the CLI does this for you)")
+        if world != self.num_stages:
+            raise ConfigError(f"torchrun started {world} processes but the pipeline has {self.num_stages} stages; "
+                              f"launch with {self.num_stages} processes in total (nnodes x nproc-per-node)")
+        self.store = store
+        self.run_id = _env_run_id()
+        load["store_addr"] = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.ctl = Control(store, self.run_id)
+        self._store_addr = load["store_addr"]
+        self._wait_for("alive", "start")
+
+    def _wait_for(self, what: str, doing: str) -> None:
+        """Wait until every worker stage has set key ``what``; a stage that fails or dies meanwhile raises."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(1, self.num_stages))
+        while pending:
+            for r in sorted(pending):
+                status = self.ctl.get("status", r)
+                if status is not None:
+                    raise _status_error(r, self.ranges[r], status)
+                if self.ctl.get(what, r) is not None:
+                    pending.discard(r)
+            if not self._env:
+                for r, p in enumerate(self._procs, start=1):
+                    if r in pending and p.exitcode is not None:
+                        status = self.ctl.get("status", r)
+                        if status is not None:
+                            raise _status_error(r, self.ranges[r], status)
+                        raise StageError(f"stage {r} ({_layers(self.ranges[r])}) exited with {_describe_exit(p.exitcode)} "
+                                         f"before it could {doing}; see its output above")
+            if pending and time.monotonic() > deadline:
+                raise StageError(f"stage(s) {sorted(pending)} did not {doing} within {START_TIMEOUT_S:.0f} s")
+            if pending:
+                time.sleep(0.02)
+
+    # ------------------------------------------------------------ watchdog
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: a dead stage, an error reported by a stage, or a stage that owes work and has not
+        progressed for ``hang_timeout_s`` is a fault; the watchdog then stops every stage, which unblocks the driver."""
+        if self._env:
+            ctl = Control(dist.TCPStore(self._store_addr[0], self._store_addr[1], is_master=False,
+                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
+        else:
+            ctl = Control(dist.TCPStore("127.0.0.1", self.store.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
+        S = self.num_stages
+        keys = [ctl.key("progress", r) for r in range(1, S)]
+        last = {r: (0, time.monotonic()) for r in range(1, S)}
+        while not self._stop_watch.wait(WATCH_INTERVAL_S):
+            try:
+                fault = self._diagnose(ctl)
+                if fault is None and self.hang_timeout_s > 0:
+                    now = time.monotonic()
+                    prog = [int(v) for v in ctl.store.multi_get(keys)]
+                    upstream = self._chain_sent
+                    for r in range(1, S):
+                        n = prog[r - 1]
+                        if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
+                            last[r] = (n, now)
+                        elif now - last[r][1] > self.hang_timeout_s:
+                            fault = (f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
+                                     f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)")
+                            break
+                        upstream = n
+            except Exception as e:  # the store itself went away
+                if self._closed:
+                    return
+                fault = f"lost contact with the stages ({e})"
+            if fault is not None and not self._closed:
+                self._fault = fault
+                self._kill_all()
+                return
+
+    def _diagnose(self, ctl: Control) -> str | None:
+        """Name the stage that failed first, if any (a stage that only lost its neighbour is not the cause)."""
+        if not self._env:
+            dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            if not dead:
+                return None
+            time.sleep(0.3)  # let the cause's exit be reaped too before choosing
+            dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            cause = [(r, p) for r, p in dead if p.exitcode not in (EXIT_PEER_LOST, EXIT_ABORTED)] or dead
+            r, p = cause[0]
+            status = _safe_status(ctl, r)
+            detail = f": {status}" if status and p.exitcode not in (EXIT_PEER_LOST,) else ""
+            return f"stage {r} ({_layers(self.ranges[r])}, pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
+        for r in range(1, self.num_stages):
+            status = _safe_status(ctl, r)
+            if status is not None and not status.startswith("lost a neighbour"):
+                return f"stage {r} ({_layers(self.ranges[r])}) failed: {status}"
+        return None
+
+    def _kill_all(self) -> None:
+        """Stop every worker stage now (local: SIGKILL; torchrun: an abort key their publisher threads obey)."""
+        for p in self._procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        if self._env and self.num_stages > 1:
+            try:
+                self.ctl.set("abort", None, "1")
+            except Exception:
+                pass
+
+    def _failed(self, err: BaseException) -> StageError:
+        """Turn a transport failure in the driver into a StageError naming the stage (asks the watchdog first)."""
+        deadline = time.monotonic() + 3.0
+        while self._fault is None and time.monotonic() < deadline and self._watcher is not None and self._watcher.is_alive():
+            time.sleep(0.05)
+        reason = self._fault
+        if reason is None:
+            try:
+                reason = self._diagnose(self.ctl)
+            except Exception:
+                reason = None
+        reason = reason or f"a stage stopped answering ({str(err).splitlines()[0][:200]})"
+        self._broken = StageError(f"pipeline failed: {reason}. Every stage was stopped; create a new LLM to continue.")
+        self._shutdown_now()
+        return self._broken
+
+    # ------------------------------------------------------------ the chain
+    def _send_chain(self, kind: int, meta: list[int], tensors: list[torch.Tensor] = ()) -> None:
+        self.act.send(1, kind, meta, list(tensors))
+        self._chain_sent += 1
+
+    def _launch(self, mb: MicroBatch, tokens: list[torch.Tensor]) -> None:
+        hs = self.runner.forward(mb, tokens)
+        if self.num_stages == 1:
+            self._local_fb.append(self.runner.feedback(mb, hs))
+        else:
+            self._send_chain(STEP, mb.encode(), hs)
+
+    def _next_feedback(self) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor]]:
+        if self.num_stages == 1:
+            meta, ts = self._local_fb.popleft()
+            tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
+        else:
+            kind, meta, tail = self.fb.recv(self.num_stages - 1)
+            if kind != FEEDBACK:
+                raise StageError(f"protocol error: expected feedback from stage {self.num_stages - 1}, got kind {kind}")
+        return decode_feedback(meta, tail.cpu(), self.spec.vocab_size)
+
+    def _begin(self, num_slots: int, params: SamplingParams) -> None:
+        cfg = {"num_slots": num_slots, "params": {"temperature": params.temperature, "top_p": params.top_p,
+                                                  "top_k": params.top_k, "seed": params.seed}}
+        self.runner.begin(cfg)
+        if self.num_stages > 1:
+            self._send_chain(BEGIN, json_meta(cfg))
+
+    # ------------------------------------------------------------ scheduling
+    def _schedule(self, seqs: list[_Seq], logprobs: bool) -> tuple[MicroBatch, list[torch.Tensor]] | None:
+        """The next micro-batch: ready decode rows (capped so the ring keeps min(M, n) micro-batches busy: no
+        collapse into one after a drain), then prefill chunks within the token budget."""
+        rows: dict[int, tuple[Group, list[list[int]]]] = {}
+
+        def add(s: _Seq, toks: list[int], start: int, emit: int) -> None:
+            g, tl = rows.setdefault(len(toks), (Group(len(toks)), []))
+            g.seqs.append(s.idx)
+            g.slots.append(s.idx)
+            g.starts.append(start)
+            g.emits.append(emit)
+            tl.append(toks)
+
+        decoding = [s for s in seqs if s.phase == DECODE]
+        n_dec = 0
+        if decoding:
+            cap = math.ceil(len(decoding) / min(self.micro_batches, len(decoding)))
+            for s in [s for s in decoding if not s.inflight][:cap]:
+                add(s, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN)
+                s.inflight = True
+                n_dec += 1
+        budget = max(self.prefill_chunk - n_dec, 1)
+        for s in seqs:
+            if budget <= 0:
+                break
+            if s.phase != PREFILL or s.next_pos >= len(s.prompt):
+                continue
+            n = min(len(s.prompt) - s.next_pos, budget)
+            last_chunk = s.next_pos + n == len(s.prompt)
+            emit = EMIT_LOGPROBS if logprobs else (EMIT_TOKEN if last_chunk else EMIT_NONE)
+            add(s, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit)
+            s.next_pos += n
+            budget -= n
+        if not rows:
+            return None
+        self._mb_ids += 1
+        groups = [rows[T][0] for T in sorted(rows)]
+        toks = [torch.tensor(rows[T][1], dtype=torch.long) for T in sorted(rows)]
+        return MicroBatch(self._mb_ids, groups), toks
+
+    def _run(self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any) -> Iterator[list[tuple[int, int]]]:
+        """Keep up to M micro-batches in flight until every sequence is done; yield the (row, token) events of
+        each answer from the last stage."""
+        self._begin(len(seqs), params)
+        inflight: set[int] = set()
+        try:
+            yield from self._ring(seqs, logprobs, on_tokens, inflight)
+        except GeneratorExit:  # the caller stopped reading a stream: collect what is in flight, stay usable
+            while inflight:
+                inflight.discard(self._next_feedback()[0])
+            if self.num_stages > 1:
+                self.act.flush()
+            raise
+        if self.num_stages > 1:
+            self.act.flush()
+
+    def _ring(self, seqs: list[_Seq], logprobs: bool, on_tokens: Any, inflight: set[int]) -> Iterator[list[tuple[int, int]]]:
+        while True:
+            while len(inflight) < self.micro_batches:
+                nxt = self._schedule(seqs, logprobs)
+                if nxt is None:
+                    break
+                mb, toks = nxt
+                self._launch(mb, toks)
+                inflight.add(mb.mb_id)
+            if not inflight:
+                break
+            mb_id, tokens, lps = self._next_feedback()
+            inflight.discard(mb_id)
+            now = time.perf_counter()
+            for i, lp in lps.items():
+                seqs[i].logprobs.append(lp.clone())
+                if seqs[i].next_pos >= len(seqs[i].prompt) and sum(x.shape[0] for x in seqs[i].logprobs) == len(seqs[i].prompt):
+                    seqs[i].phase = DONE
+            events: list[tuple[int, int]] = []
+            for i, toks in tokens.items():
+                events += [(i, t) for t in on_tokens(seqs[i], toks, now)]
+            if events:
+                yield events
+
+    # ------------------------------------------------------------ public API
+    def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
+        """Drive ``it`` (one _run) under the pipeline's lock; turn transport failures into a StageError naming the
+        stage, and Ctrl-C into a clean shutdown of every stage."""
+        if self._broken is not None:
+            raise StageError(str(self._broken))
+        if self._closed:
+            raise StageError("this pipeline is closed; create a new LLM")
+        with self._lock:
+            if self._broken is not None:
+                raise StageError(str(self._broken))
+            old = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                yield from it
+            except PeerLost as e:
+                raise self._failed(e) from None
+            except KeyboardInterrupt:
+                self._broken = StageError("pipeline interrupted (Ctrl-C); every stage was stopped; create a new LLM")
+                self._shutdown_now()
+                raise
+            except StageError as e:
+                self._broken = e
+                self._shutdown_now()
+                raise
+            except GeneratorExit:
+                raise
+            except BaseException as e:  # an error in stage 0 itself: micro-batches may be in flight, so stop
+                self._broken = StageError(f"pipeline stopped after an error in stage 0 ({type(e).__name__}: {e}); "
+                                          "create a new LLM")
+                self._shutdown_now()
+                raise
+            finally:
+                torch.set_num_threads(old)
+
+    def run_generate(self, prompts: list[list[int]], params: SamplingParams, stop_ids: set[int] | None = None,
+                     hit_stop: Any = None) -> tuple[list[list[int]], list[str], list[dict[str, float]]]:
+        """Generate for token-id prompts: (tokens per prompt, finish reason per prompt, metrics per prompt)."""
+        result: Any = None
+        for ev in self.run_stream(prompts, params, stop_ids, hit_stop):
+            if isinstance(ev, tuple) and len(ev) == 3:
+                result = ev
+        return result
+
+    def run_stream(self, prompts: list[list[int]], params: SamplingParams, stop_ids: set[int] | None = None,
+                   hit_stop: Any = None) -> Iterator[Any]:
+        """Yield (row, token) as tokens arrive from the last stage, then (tokens, reasons, metrics)."""
+        stop_ids = set(stop_ids or ())
+        seqs = [_Seq(i, list(p)) for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+
+        def on_tokens(s: _Seq, toks: list[int], now: float) -> list[int]:
+            if s.phase == PREFILL:
+                s.phase, s.ttft = DECODE, now - t0
+            s.inflight = False
+            kept = []
+            for tok in toks:  # a variable number of tokens per row (speculative decoding sends several)
+                kept.append(tok)
+                s.out.append(tok)
+                s.token_times.append(now)
+                if tok in stop_ids:
+                    s.phase, s.reason = DONE, "stop"
+                elif params.stop and hit_stop is not None and hit_stop(s.out, params.stop):
+                    s.phase, s.reason = DONE, "stop"
+                elif len(s.out) >= params.max_tokens:
+                    s.phase = DONE
+                if s.phase == DONE:
+                    break
+            return kept
+
+        for events in self._guarded(self._run(seqs, params, False, on_tokens)):
+            yield from events
+        total = time.perf_counter() - t0
+        last_prefill = max((s.ttft for s in seqs), default=0.0) + t0
+        late = sum(1 for s in seqs for t in s.token_times if t > last_prefill)
+        window = t0 + total - last_prefill
+        agg = late / window if late and window > 0 else 0.0
+        metrics = []
+        for s in seqs:
+            span = s.token_times[-1] - s.token_times[0] if len(s.token_times) > 1 else 0.0
+            metrics.append({"ttft_s": s.ttft, "total_s": total, "decode_tokens_per_s": agg,
+                            "tokens_per_s_per_user": (len(s.out) - 1) / span if span > 0 else 0.0,
+                            "stages": float(self.num_stages), "micro_batches": float(self.micro_batches)})
+        yield [s.out for s in seqs], [s.reason for s in seqs], metrics
+
+    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log_softmax of the logits at every prompt position, [len, vocab] fp32 (prefill chunked and pipelined)."""
+        seqs = [_Seq(0, list(token_ids))]
+        for _ in self._guarded(self._run(seqs, SamplingParams(max_tokens=1), True, lambda *a: [])):
+            pass
+        return torch.cat(seqs[0].logprobs)
+
+    def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
+        """The LLM.stream contract for already-validated prompts: (row, token) events, then the list of Outputs."""
+        from waferline.engine.llm import Output, _cut_at_stop
+
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
+        final: Any = None
+        for ev in self.run_stream(ids, params, stop_ids, lambda toks, stops: llm._hit_stop(toks, stops)):
+            if len(ev) == 3:
+                final = ev
+            else:
+                yield ev
+        outs, reasons, metrics = final
+        results = []
+        for p, toks, reason, m in zip(ids, outs, reasons, metrics):
+            text = llm.decode(toks)
+            if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:
+                text = _cut_at_stop(text, params.stop)
+            results.append(Output(p, toks, text, reason, m))
+        yield results
+
+    # ------------------------------------------------------------ shutdown
+    def _shutdown_now(self) -> None:
+        self._closed = True
+        self._stop_watch.set()
+        self._kill_all()
+
+    def close(self) -> None:
+        """Stop every stage: a SHUTDOWN travels the chain; stages that do not exit within 5 s are killed."""
+        if self._closed:
+            return
+        idle = self._lock.acquire(timeout=2.0)  # a call still running in another thread: no graceful shutdown
+        try:
+            self._closed = True
+            self._stop_watch.set()
+            if idle and self.num_stages > 1 and self._broken is None:
+                try:
+                    self.act.send(1, SHUTDOWN, [])
+                    self.act.flush()
+                except Exception:
+                    pass
+                for p in self._procs:
+                    p.join(timeout=5)
+            self._kill_all()
+            self._finalizer.detach()
+        finally:
+            if idle:
+                self._lock.release()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the worker stages 1..S-1 (stage 0 is this process)."""
+        return [p.pid for p in self._procs]
+
+
+# ---------------------------------------------------------------- helpers
+
+@contextlib.contextmanager
+def _main_hidden() -> Any:
+    """Start a worker without re-running the caller's ``__main__`` in it.
+
+    multiprocessing's spawn/forkserver children re-import the parent's main script (so scripts need an
+    ``if __name__ == "__main__"`` guard). A stage needs nothing from ``__main__`` (its target and arguments live in
+    waferline), so the main module's file/spec are hidden while the child's preparation data is taken.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _reap(procs: list[Any]) -> None:
+    """Finalizer: never leave stage processes behind."""
+    for p in procs:
+        try:
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=2)
+        except Exception:
+            pass
+
+
+def _layers(rng: tuple[int, int]) -> str:
+    a, b = rng
+    return f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
+
+
+def _describe_exit(code: int | None) -> str:
+    import signal
+
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return {EXIT_PEER_LOST: "exit code 4 (lost a neighbouring stage)", EXIT_ABORTED: "exit code 5 (aborted)"}.get(
+        code, f"exit code {code}")
+
+
+def _safe_status(ctl: Control, r: int) -> str | None:
+    try:
+        return ctl.get("status", r)
+    except Exception:
+        return None
+
+
+def _status_error(r: int, rng: tuple[int, int], status: str) -> WaferlineError:
+    """Re-raise a stage's load error with its own class when it is a WaferlineError (e.g. CheckpointError)."""
+    name, _, msg = status.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, WaferlineError):
+        return cls(f"stage {r} ({_layers(rng)}): {msg}")
+    return StageError(f"stage {r} ({_layers(rng)}) failed: {status}")
+
+
+def _env_run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "env") + "-" + os.environ.get("MASTER_PORT", "0")
+
+
+def _rendezvous_env() -> tuple[Any, int, int]:
+    """(store, rank, world size) from torchrun's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise ConfigError(f"env:// launch needs {', '.join(missing)} in the environment (start the command with torchrun)")
+    store, rank, world = next(dist.rendezvous("env://", timeout=datetime.timedelta(seconds=300)))
+    return store, rank, world
+
+
+def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
+                   layers_per_stage: int | None = None, plan: Any = None, device: str = "cpu",
+                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None) -> int:
+    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
+    from waferline.engine.llm import DTYPES
+    from waferline.spec.model import ModelSpec
+
+    spec = ModelSpec.from_pretrained(Path(path))
+    ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
+    store, rank, world = _rendezvous_env()
+    if world != len(ranges):
+        raise ConfigError(f"torchrun started {world} processes but the pipeline has {len(ranges)} stages")
+    if threads_per_stage:
+        torch.set_num_threads(threads_per_stage)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    load = {"path": str(path), "dtype": DTYPES[dtype] if isinstance(dtype, str) else dtype, "layer_range": ranges[rank],
+            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))}
+    return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)

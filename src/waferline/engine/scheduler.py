@@ -1,0 +1,582 @@
+"""Continuous batching: a slot pool with page accounting of the cache per layer kind, chunked prefill,
+admission and preemption (recompute), and a background engine loop that streams tokens per request.
+
+How memory is managed
+---------------------
+The model's caches are the per-layer objects the engine already has (``DecoderModel.new_caches(max_num_seqs)``):
+``TokenCache`` rows for GQA / MLA / sliding-window layers and ``Mamba2Cache`` state for Mamba-2 layers, indexed
+by *slot*. A running sequence owns one slot (that is its SSM state slot) and a number of *pages* of token
+capacity in every pool of token-cache layers:
+
+=========  ==========================================  ===============================================
+pool       layers                                      pages a sequence of n tokens holds
+=========  ==========================================  ===============================================
+``gqa``    full-attention GQA (K and V)                ceil(n / page_tokens)
+``swa``    sliding-window GQA (one pool per window)    ceil(min(n, window) / page_tokens)
+``mla``    MLA (normalised latent c_KV + rotary key)    ceil(n / page_tokens)
+``mamba2`` Mamba-2 (conv + SSM state)                  1 state slot, whatever n
+=========  ==========================================  ===============================================
+
+The bytes of a page and of a state slot, and the tokens a layer keeps (``cached_tokens``), come from the
+``ModelSpec`` accounting (``LayerSpec.cache_bytes_per_token``, ``mixer.state_bytes_per_seq``,
+``mixer.cached_tokens``) — the same numbers the planner and simulator use. All pools draw on one byte budget
+(``cache_bytes``, default: ``max_num_seqs`` sequences of ``max_model_len`` tokens, so nothing is ever
+preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq``.
+
+The pages are an accounting of capacity, enforced by admission and preemption; the tensors themselves stay
+slot-contiguous (``TokenCache`` rows), so physical memory is ``max_num_seqs`` x the longest live sequence.
+A block-table layout of the tensors (and with it a gather-free prefix cache) is future work.
+
+Scheduling, one step
+--------------------
+1. Every running sequence that is decoding gets its next token's page (oldest first). When the budget is
+   exhausted, the newest running sequence is **preempted by recompute**: its pages and slot are freed and it
+   goes back to the front of the waiting queue with its prompt *and the tokens generated so far*; when it is
+   re-admitted, those are prefilled again (chunked) and decoding continues where it stopped — same sampler
+   state, so the tokens it streams are unchanged and no token is sent twice.
+2. Sequences still prefilling get chunks of up to ``chunk_tokens`` within the step's token budget
+   (``max_num_batched_tokens``), so a long prompt never stalls the decodes of others for more than one chunk.
+3. Waiting sequences are admitted in arrival order while a slot is free and the budget holds their current
+   length + 1 token (no skipping ahead: FIFO fairness).
+
+All decodes run as one batched forward call ([B, 1]); each prefill chunk is a forward call of its own. A
+sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else is in the
+batch (up to floating-point reassociation in batched matmuls).
+
+Prefix caching is not implemented: with slot-contiguous rows it would need copies between slots; it is
+planned together with block-table tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.errors import ConfigError, RequestError, WaferlineError
+from waferline.model.context import StepBatch
+from waferline.model.ssm import Mamba2Cache
+from waferline.spec.model import ModelSpec
+
+
+class QueueFullError(WaferlineError):
+    """The server's waiting queue is full (HTTP 429): retry later, or raise --max-queue / --max-num-seqs."""
+
+
+# ----------------------------------------------------------------------------- cache accounting
+
+
+@dataclass(frozen=True)
+class CachePool:
+    """Cache layers of one kind that grow together: every sequence holds the same pages in each of them."""
+
+    kind: str  # "gqa" | "swa" | "mla" | "mamba2"
+    layers: tuple[int, ...]
+    window: int | None
+    page_bytes: float  # one page (page_tokens tokens) across all layers of the pool; mamba2: one sequence's state
+    per_seq: bool  # True: a constant-size state per sequence (Mamba-2), not token pages
+
+
+def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int) -> list[CachePool]:
+    groups: dict[tuple[str, int | None], list[int]] = {}
+    for layer in spec.layers:
+        m = layer.mixer
+        if m is None:
+            continue
+        if m.state_bytes_per_seq(state_bits) > 0 and m.cache_bytes_per_token(kv_bits) == 0:
+            key: tuple[str, int | None] = (m.kind, None)
+        elif m.cache_bytes_per_token(kv_bits) > 0:
+            window = getattr(m, "sliding_window", None)
+            key = ("swa" if window else m.kind, window)
+        else:
+            continue
+        groups.setdefault(key, []).append(layer.index)
+    pools = []
+    for (kind, window), idx in groups.items():
+        layers = [spec.layers[i] for i in idx]
+        if any(l.mixer.cache_bytes_per_token(kv_bits) > 0 for l in layers):
+            page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
+            pools.append(CachePool(kind, tuple(idx), window, page, False))
+        else:
+            state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
+            pools.append(CachePool(kind, tuple(idx), None, state, True))
+    return pools
+
+
+class CacheManager:
+    """Slots and pages: who holds how much of the cache budget. Touched only by the engine thread."""
+
+    def __init__(self, spec: ModelSpec, max_num_seqs: int, max_model_len: int, page_tokens: int = 16,
+                 cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16):
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if page_tokens < 1:
+            raise ConfigError(f"page size must be >= 1 token, got {page_tokens}")
+        self.spec = spec
+        self.page_tokens = page_tokens
+        self.max_num_seqs = max_num_seqs
+        self.kv_bits, self.state_bits = kv_bits, state_bits
+        self.pools = _pools(spec, page_tokens, kv_bits, state_bits)
+        self.max_seq_bytes = self.bytes_for(max_model_len)
+        self.budget = float(cache_bytes) if cache_bytes is not None else max_num_seqs * self.max_seq_bytes
+        if self.budget < self.max_seq_bytes:
+            raise ConfigError(f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
+                              f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB); raise the cache budget "
+                              "or lower --max-model-len")
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
+        self.used_bytes = 0.0
+
+    # -- accounting (pure)
+    def pages_for(self, n_tokens: int) -> list[int]:
+        """Pages (or state slots) per pool for a sequence of ``n_tokens`` cached tokens."""
+        out = []
+        for p in self.pools:
+            if p.per_seq:
+                out.append(1)
+            else:
+                cached = self.spec.layers[p.layers[0]].mixer.cached_tokens(n_tokens)
+                out.append(math.ceil(cached / self.page_tokens))
+        return out
+
+    def _bytes(self, pages: list[int]) -> float:
+        return sum(n * p.page_bytes for n, p in zip(pages, self.pools))
+
+    def bytes_for(self, n_tokens: int) -> float:
+        return self._bytes(self.pages_for(n_tokens))
+
+    # -- state
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def holds(self, rid: str) -> bool:
+        return rid in self._held
+
+    def can_admit(self, n_tokens: int) -> bool:
+        return bool(self._free_slots) and self.used_bytes + self.bytes_for(n_tokens) <= self.budget
+
+    def admit(self, rid: str) -> int:
+        """Give ``rid`` a slot (and its state slots); token pages come with ``grow``."""
+        slot = self._free_slots.pop()
+        pages = [1 if p.per_seq else 0 for p in self.pools]
+        self._held[rid] = (slot, pages)
+        self.used_bytes += self._bytes(pages)
+        return slot
+
+    def grow(self, rid: str, n_tokens: int) -> bool:
+        """Hold enough pages for ``n_tokens``; False (holding what it held) when the budget does not allow it."""
+        slot, held = self._held[rid]
+        want = [max(a, b) for a, b in zip(held, self.pages_for(n_tokens))]
+        extra = self._bytes(want) - self._bytes(held)
+        if extra > 0 and self.used_bytes + extra > self.budget + 1e-6:
+            return False
+        self._held[rid] = (slot, want)
+        self.used_bytes += extra
+        return True
+
+    def free(self, rid: str) -> None:
+        slot, held = self._held.pop(rid)
+        self.used_bytes -= self._bytes(held)
+        if not self._held:
+            self.used_bytes = 0.0  # no drift from float sums
+        self._free_slots.append(slot)
+
+    def pages_in_use(self) -> dict[str, int]:
+        """Pages held per pool kind (state slots for Mamba-2)."""
+        out: dict[str, int] = {}
+        for _, held in list(self._held.values()):
+            for n, p in zip(held, self.pools):
+                out[p.kind] = out.get(p.kind, 0) + n
+        for p in self.pools:
+            out.setdefault(p.kind, 0)
+        return out
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: one per generated token, then (possibly with the last token) the end."""
+
+    token_id: int | None
+    text: str  # new text since the previous event (held back while it may be part of a stop string)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    """One request inside the scheduler."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of prompt + output already in the cache
+    slot: int = -1
+    status: str = "waiting"  # waiting | running | finished
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+    sent_chars: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed through the model before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampler of one request: with a seed, the same stream ``LLM.generate([prompt], params)`` uses."""
+    if params.temperature == 0:
+        return None
+    if params.seed is None:
+        return make_generator(params)
+    g = torch.Generator()
+    g.manual_seed(int(params.seed) * 1_000_003)  # LLM._seeded(params, row=0)
+    return g
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_model_len: int | None = None  # None: the model's (LLM.max_model_len)
+    max_num_batched_tokens: int = 512  # tokens per step: decodes + prefill chunks
+    chunk_tokens: int = 256  # largest prefill chunk of one sequence
+    page_tokens: int = 16
+    cache_bytes: float | None = None  # None: max_num_seqs sequences of max_model_len
+    max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_tokens", "page_tokens", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+class Scheduler:
+    """Continuous batching over one single-process ``LLM``. Not thread-safe: ``EngineLoop`` drives it."""
+
+    def __init__(self, llm: Any, config: SchedulerConfig | None = None):
+        self.config = config = config or SchedulerConfig()
+        config.validate()
+        if getattr(llm, "model", None) is None:
+            raise ConfigError("serving runs the single-process engine; a pipeline LLM (stages=...) cannot be served yet")
+        self.llm = llm
+        self.model = llm.model
+        self.spec: ModelSpec = llm.spec
+        mml = config.max_model_len or llm.max_model_len
+        if mml > self.spec.max_position_embeddings:
+            raise ConfigError(f"max_model_len {mml} exceeds the model's max_position_embeddings "
+                              f"{self.spec.max_position_embeddings}")
+        self.max_model_len = mml
+        bits = torch.finfo(self.model.dtype).bits
+        self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
+                                  kv_bits=bits, state_bits=bits)
+        self.caches = self.model.new_caches(config.max_num_seqs)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []  # in admission order (the newest is preempted first)
+        self.stop_ids_default = set(llm.eos_token_ids)
+        self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
+        self.stats = {"preemptions": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0}
+
+    # -- requests
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError for a request that can never run (the server turns it into HTTP 400)."""
+        params.validate()
+        if not prompt_ids:
+            raise RequestError("empty prompt: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                               f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_request(seq.prompt_ids, seq.params)
+        if seq.generator is None:
+            seq.generator = request_generator(seq.params)
+        seq.status = "waiting"
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        for seq in list(self.running) + list(self.waiting):
+            if seq.request_id == request_id:
+                self._finish(seq, "abort")
+                return True
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step
+    @torch.inference_mode()
+    def step(self) -> int:
+        """Schedule and run one step; returns the number of tokens fed through the model."""
+        decodes, prefills = self._schedule()
+        fed = 0
+        if decodes:
+            toks = torch.tensor([[s.all_ids[s.num_computed]] for s in decodes])
+            batch = StepBatch.make([s.slot for s in decodes], [s.num_computed for s in decodes], 1)
+            h = self.model(toks, self.caches, batch)
+            logits = self.model.logits(h[:, 0])
+            for b, s in enumerate(decodes):
+                s.num_computed += 1
+                self._sample(s, logits[b])
+            fed += len(decodes)
+        for s, t in prefills:
+            if s.status != "running":
+                continue
+            chunk = torch.tensor([s.all_ids[s.num_computed:s.num_computed + t]])
+            h = self.model(chunk, self.caches, StepBatch.make([s.slot], [s.num_computed], t))
+            s.num_computed += t
+            self.stats["prefill_tokens"] += t
+            fed += t
+            if s.remaining == 0:
+                self._sample(s, self.model.logits(h[0, -1]))
+        self.stats["steps"] += 1
+        return fed
+
+    def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        decodes: list[Sequence] = []
+        prefills: list[tuple[Sequence, int]] = []
+        preempted = False
+        # decodes first (one token each, oldest first), then prefill chunks
+        order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
+        for s in order:
+            if s.status != "running" or budget <= 0:
+                continue
+            t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
+            while not self.cache.grow(s.request_id, s.num_computed + t):
+                victim = next((v for v in reversed(self.running) if v is not s), None)
+                if victim is None:  # cannot happen: the budget holds one max_model_len sequence
+                    raise RuntimeError("cache budget exhausted by a single sequence")
+                self._preempt(victim)
+                preempted = True
+                if victim in decodes:
+                    decodes.remove(victim)
+                prefills = [(v, n) for v, n in prefills if v is not victim]
+            if s.remaining == 1:
+                decodes.append(s)
+            else:
+                prefills.append((s, t))
+            budget -= t
+        while self.waiting and budget > 0 and not preempted:
+            s = self.waiting[0]
+            if not self.cache.can_admit(len(s.all_ids) + 1):
+                break
+            self.waiting.popleft()
+            s.slot = self.cache.admit(s.request_id)
+            slots = torch.tensor([s.slot])
+            for c in self.caches:  # a fresh sequence in this slot: clear ring positions / SSM state
+                if c is not None:
+                    c.reset(slots)
+            s.status, s.num_computed = "running", 0
+            self.running.append(s)
+            t = min(s.remaining, cfg.chunk_tokens, budget)
+            self.cache.grow(s.request_id, t)
+            prefills.append((s, t))
+            budget -= t
+        return decodes, prefills
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the pages and slot; later re-prefill prompt + generated tokens."""
+        self.cache.free(seq.request_id)
+        self.running.remove(seq)
+        seq.status, seq.num_computed, seq.slot = "waiting", 0, -1
+        seq.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.waiting.appendleft(seq)
+
+    # -- tokens and stopping
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> None:
+        p = seq.params
+        tok = sample(logits, p, seq.generator)
+        now = time.perf_counter()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            self.stats["prompt_tokens"] += len(seq.prompt_ids)
+        seq.last_token_at = now
+        seq.output_ids.append(tok)
+        self.stats["generated_tokens"] += 1
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids_default)
+        reason = None
+        text, cut = self._text(seq)
+        if tok in stop_ids:
+            reason = "stop"
+        elif cut is not None:
+            reason, text = "stop", text[:cut]
+        elif len(seq.output_ids) >= p.max_tokens:
+            reason = "length"
+        if reason is None:
+            hold = max((len(s) for s in p.stop), default=1) - 1
+            end = len(text) - hold
+            while end > seq.sent_chars and text[end - 1] == "\ufffd":  # an incomplete UTF-8 sequence: wait
+                end -= 1
+            delta = text[seq.sent_chars:end] if end > seq.sent_chars else ""
+        else:
+            if tok in stop_ids:  # the stop token's own text (e.g. "</s>") is not part of the output
+                text = self._decode(seq.output_ids[:-1])
+            delta = text[seq.sent_chars:]
+        seq.sent_chars += len(delta)
+        self._emit(seq, Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids)))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.llm.tokenizer is None:
+            return ""
+        with self.tokenizer_lock:
+            return self.llm.decode(ids)
+
+    def _text(self, seq: Sequence) -> tuple[str, int | None]:
+        text = self._decode(seq.output_ids)
+        if not seq.params.stop:
+            return text, None
+        hits = [text.find(s) for s in seq.params.stop if s and s in text]
+        return text, (min(hits) if hits else None)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status == "finished":
+            return
+        if self.cache.holds(seq.request_id):
+            self.cache.free(seq.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = "finished", reason
+        self._emit(seq, Event(None, "", True, reason, len(seq.prompt_ids), len(seq.output_ids), error))
+
+    def fail_all(self, error: str) -> None:
+        for seq in list(self.running) + list(self.waiting):
+            self._finish(seq, "error", error)
+
+    @staticmethod
+    def _emit(seq: Sequence, ev: Event) -> None:
+        if seq.sink is not None:
+            seq.sink(ev)
+
+
+# ----------------------------------------------------------------------------- the background loop
+
+
+class EngineLoop:
+    """Runs a Scheduler in a background thread. ``submit``/``abort`` are thread-safe; events reach each
+    request's ``sink`` from the engine thread (the server forwards them into its event loop)."""
+
+    def __init__(self, scheduler: Scheduler, torch_threads: int | None = None):
+        self.scheduler = scheduler
+        self.torch_threads = torch_threads
+        self._lock = threading.Condition()
+        self._inbox: collections.deque[Sequence] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._stop = False
+        self._paused = False
+        self._thread = threading.Thread(target=self._run, name="waferline-engine", daemon=True)
+        self.last_error: str | None = None
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def pause(self) -> None:
+        """Stop stepping (requests still queue up): for maintenance and for tests of the queue bound."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._lock.notify_all()
+
+    # -- thread-safe API
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink: Callable[[Event], None],
+               request_id: str | None = None) -> str:
+        """Queue a request; raises RequestError (never runnable) or QueueFullError (try again later)."""
+        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink)
+        self.scheduler.check_request(seq.prompt_ids, params)
+        seq.generator = request_generator(params)
+        with self._lock:
+            if self.num_waiting >= self.scheduler.config.max_queue:
+                raise QueueFullError(f"the server's queue is full ({self.scheduler.config.max_queue} waiting requests); "
+                                     "retry later")
+            self._inbox.append(seq)
+            self._lock.notify_all()
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify_all()
+
+    # -- the thread
+    def _run(self) -> None:
+        if self.torch_threads:
+            torch.set_num_threads(self.torch_threads)
+        sch = self.scheduler
+        while True:
+            with self._lock:
+                while not self._stop and (self._paused or not (self._inbox or self._aborts or sch.has_work())):
+                    self._lock.wait(0.5)
+                if self._stop:
+                    break
+                incoming = list(self._inbox)
+                self._inbox.clear()
+                aborts = list(self._aborts)
+                self._aborts.clear()
+            for seq in incoming:
+                try:
+                    sch.add(seq)
+                except WaferlineError as e:
+                    seq.status = "finished"
+                    Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, str(e)))
+            for rid in aborts:
+                if not sch.abort(rid):  # not queued yet (still in the inbox of a later wakeup) or already done
+                    pass
+            if not sch.has_work():
+                continue
+            try:
+                sch.step()
+            except Exception as e:  # a bug or an out-of-memory: fail what is in flight, keep serving
+                self.last_error = f"{type(e).__name__}: {e}"
+                sch.fail_all(f"engine error: {self.last_error}")
+                sch.caches = sch.model.new_caches(sch.config.max_num_seqs)
+        sch.fail_all("server shutting down")

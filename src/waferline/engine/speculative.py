@@ -1,0 +1,624 @@
+"""Exact speculative decoding: drafters (prompt-lookup n-grams, a draft model, MTP heads), the verifier, cache
+rollback and adaptive K, for the single-process engine; the verifier is pure functions the pipeline can call.
+
+One decode step, for the rows still running: the drafter proposes up to K tokens per row; the target model
+verifies ``[last token] + drafts`` in ONE forward (``StepBatch`` with T = K_max + 1 from each row's position); the
+verifier accepts a prefix of the drafts and adds one token of its own (a correction or a bonus), so every step
+emits between 1 and K + 1 tokens per row; the caches are rolled back to the accepted prefix.
+
+Exactness. Greedy (T = 0): a draft is accepted while it equals the argmax of the target's logits at its position,
+and the extra token is that argmax — the output is the non-speculative greedy output, token for token.
+Sampled: draft x ~ q is accepted with probability min(1, p(x) / q(x)); on rejection the token is drawn from the
+normalised residual max(0, p − q); after K acceptances a bonus token is drawn from p. p and q both come from
+``target_probs`` (temperature, top-k, top-p), and the n-gram drafter's q is one-hot. The emitted tokens then follow
+exactly the distribution the non-speculative sampler draws from (Leviathan et al. 2023; Chen et al. 2023).
+
+Rollback, per cache kind:
+
+* full attention / MLA (``TokenCache`` without a window): nothing to do — entries are positional, those of rejected
+  tokens lie past the sequence, are masked causally, and the next step overwrites them;
+* sliding window (a ring): the ring rows a verify will touch are snapshotted first and the ones overwritten by
+  rejected tokens are put back (``TokenCache.ring_snapshot`` / ``ring_rewind``); K is capped at window − 1;
+* Mamba-2: an SSM state cannot be un-updated, and re-running the accepted prefix would cost a second forward of
+  the whole model, so the verify forward records the (conv, ssm) state after each of its T tokens
+  (``Mamba2Cache.keep_trail``) and ``rewind`` selects the one after the accepted prefix.
+
+Draft models and MTP heads with non-positional caches snapshot their state after each drafted token instead.
+
+Adaptive K. Each row keeps an estimate α of its per-token acceptance (exponential average of accepted / drafted).
+The step's K maximises the expected speedup  E(k) · c(B, 0) / c(B, k)  where  E(k) = (1 − α^(k+1)) / (1 − α)  is the
+expected number of tokens a step emits and  c(B, k) = overhead + B·(k + 1) + B·k·draft_cost  is the cost of a step
+with B rows in tokens-equivalent (``overhead`` = a forward's fixed cost in per-token units, measured by
+``benchmarks/speculative.py``). When even k = 1 does not pay — a large batch, or a low acceptance — the step is a
+plain decode step: speculation backs off by itself as the batch grows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+
+from waferline.engine.sampling import SamplingParams, target_probs
+from waferline.errors import ConfigError
+from waferline.model.attention import TokenCache
+from waferline.model.context import StepBatch
+from waferline.model.ssm import Mamba2Cache
+
+# ----------------------------------------------------------------------------------------------- the verifier
+
+
+def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
+    """Greedy verify of one row. ``target_logits`` [k+1, V]: the target's logits at the last accepted token and at each
+    of the k drafts. Returns the tokens to emit: the accepted drafts then the target's own next token (1..k+1 tokens)."""
+    best = target_logits[: len(draft) + 1].argmax(-1).tolist()
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        if best[i] != d:
+            break
+        out.append(d)
+    out.append(best[len(out)])
+    return out
+
+
+def residual(p: torch.Tensor, q: torch.Tensor | None, x: int) -> torch.Tensor:
+    """The rejection distribution: max(0, p − q) normalised; ``q`` None means one-hot at ``x`` (an n-gram draft)."""
+    if q is None:
+        r = p.clone()
+        r[x] = 0.0
+    else:
+        r = (p - q).clamp_min(0.0)
+    s = r.sum()
+    return r / s if s > 0 else p  # s == 0 only when p == q, where rejection has probability 0
+
+
+def verify_sampled(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], gen: torch.Generator | None) -> list[int]:
+    """Ratio-test verify of one row. ``p`` [k+1, V]: target probabilities at the last token and each draft;
+    ``q`` [k, V]: the drafter's probabilities for each draft, or None for a deterministic (one-hot) drafter.
+    Draft i is accepted with probability min(1, p_i(x) / q_i(x)); the first rejection is replaced by a sample of
+    the residual; if all k are accepted a bonus token is drawn from p_k. Returns 1..k+1 tokens."""
+    out: list[int] = []
+    if draft:
+        u = torch.rand(len(draft), generator=gen, dtype=torch.float64).tolist()
+        px = p[torch.arange(len(draft)), torch.tensor(draft)].double().tolist()
+        qx = [1.0] * len(draft) if q is None else q[torch.arange(len(draft)), torch.tensor(draft)].double().tolist()
+        for i, x in enumerate(draft):
+            if qx[i] > 0 and u[i] * qx[i] < px[i]:  # u < p/q without dividing
+                out.append(x)
+                continue
+            r = residual(p[i], None if q is None else q[i], x)
+            out.append(int(torch.multinomial(r, 1, generator=gen)))
+            return out
+    out.append(int(torch.multinomial(p[len(draft)], 1, generator=gen)))
+    return out
+
+
+def verify(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Tensor | None, params: SamplingParams,
+           gen: torch.Generator | None) -> list[int]:
+    """Verify one row's drafts against the target's fp32 logits [k+1, V] under ``params``; returns the tokens to emit.
+
+    The entry point for any engine (the pipeline's last stage included): it needs only the logits of the verify
+    forward and the drafts (plus the drafter's probabilities when it samples)."""
+    if params.temperature == 0:
+        return verify_greedy(target_logits, draft)
+    p = target_probs(target_logits[: len(draft) + 1], params)
+    return verify_sampled(p, draft_probs, draft, gen)
+
+
+# ----------------------------------------------------------------------------------------------- cache rollback
+
+
+def _stateful(caches: list[Any]) -> bool:
+    return any(isinstance(c, Mamba2Cache) or (isinstance(c, TokenCache) and c.window is not None) for c in caches)
+
+
+def _window(caches: list[Any]) -> int | None:
+    w = [c.window for c in caches if isinstance(c, TokenCache) and c.window is not None]
+    return min(w) if w else None
+
+
+class VerifyRollback:
+    """Prepare the target's caches for a T-token verify of ``batch``, then keep each row's accepted prefix."""
+
+    def __init__(self, caches: list[Any], batch: StepBatch):
+        self.caches, self.batch = caches, batch
+        self.rings = [c.ring_snapshot(batch.slots) if isinstance(c, TokenCache) and batch.T > 1 else None for c in caches]
+        for c in caches:
+            if isinstance(c, Mamba2Cache):
+                c.keep_trail = batch.T > 1
+
+    def done(self, keep: list[int]) -> None:
+        """``keep[b]``: how many of row b's T input tokens were accepted (the last accepted token + accepted drafts)."""
+        for c, snap in zip(self.caches, self.rings):
+            if isinstance(c, TokenCache):
+                c.ring_rewind(self.batch, keep, snap)
+            elif isinstance(c, Mamba2Cache):
+                c.keep_trail = False
+                if self.batch.T > 1:
+                    c.rewind(self.batch.slots, keep)
+
+
+def _save(caches: list[Any], slot: int) -> list[Any]:
+    """A copy of one slot's non-positional state (rings, Mamba-2) in ``caches``."""
+    s = torch.tensor([slot])
+    out: list[Any] = []
+    for c in caches:
+        if isinstance(c, Mamba2Cache):
+            out.append(c.snapshot(s))
+        elif isinstance(c, TokenCache) and c.window is not None:
+            out.append(c.ring_snapshot(s))
+        else:
+            out.append(None)
+    return out
+
+
+def _load(caches: list[Any], slot: int, saved: list[Any]) -> None:
+    s = torch.tensor([slot])
+    for c, st in zip(caches, saved):
+        if st is None:
+            continue
+        if isinstance(c, Mamba2Cache):
+            c.restore(s, st)
+        else:
+            c.data[slot], c.pos[slot] = st[0][0], st[1][0]
+
+
+# ----------------------------------------------------------------------------------------------- drafters
+
+
+@dataclass
+class Proposal:
+    """One row's drafts: tokens, and the drafter's probabilities [k, V] when it sampled them (None: one-hot)."""
+
+    tokens: list[int]
+    probs: torch.Tensor | None = None
+
+
+class Drafter(Protocol):
+    """What the engine needs from a drafter. Rows are cache slots; ``seqs[b]`` is row b's prompt + output so far."""
+
+    name: str
+
+    def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None: ...
+
+    def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
+                gens: list[torch.Generator | None]) -> list[Proposal]: ...
+
+    def accepted(self, rows: list[int], seqs: list[list[int]], n_accepted: list[int], n_drafted: list[int],
+                 hidden: torch.Tensor | None) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt lookup: find the latest earlier occurrence of the sequence's last n tokens (n from ``max_n`` down to
+    ``min_n``) in the prompt + output, and propose the tokens that followed it. Needs no model; q is one-hot."""
+
+    name = "ngram"
+    uses_hidden = False
+
+    def __init__(self, min_n: int = 1, max_n: int = 3):
+        if not 1 <= min_n <= max_n:
+            raise ConfigError(f"n-gram drafter needs 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.index: dict[int, dict[int, dict[tuple[int, ...], int]]] = {}  # row -> n -> n-gram -> end of latest
+        self.indexed: dict[int, int] = {}  # row -> n-grams ending before this index are in the index
+
+    def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
+        self.index = {b: {n: {} for n in range(self.min_n, self.max_n + 1)} for b in range(len(seqs))}
+        self.indexed = {b: 0 for b in range(len(seqs))}
+
+    def _update(self, b: int, seq: list[int], upto: int) -> None:
+        idx = self.index[b]
+        for end in range(max(self.indexed[b], 1), upto):  # n-grams seq[end-n:end] with end < upto
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                idx[n][tuple(seq[end - n:end])] = end
+        self.indexed[b] = max(self.indexed[b], upto)
+
+    def lookup(self, b: int, seq: list[int], k: int) -> list[int]:
+        L = len(seq)
+        self._update(b, seq, L)  # every n-gram ending strictly before the last token's end
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            end = self.index[b][n].get(tuple(seq[L - n:]))
+            if end is not None:
+                return seq[end:end + k]
+        return []
+
+    def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
+                gens: list[torch.Generator | None]) -> list[Proposal]:
+        return [Proposal(self.lookup(b, seqs[b], k) if k > 0 else []) for b, k in zip(rows, ks)]
+
+    def accepted(self, rows: list[int], seqs: list[list[int]], n_accepted: list[int], n_drafted: list[int],
+                 hidden: torch.Tensor | None) -> None:
+        pass
+
+
+def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
+    """The drafter's token from its logits [V] and, when sampling, the distribution it came from."""
+    if params.temperature == 0:
+        return int(logits.argmax()), None
+    q = target_probs(logits, params)
+    return int(torch.multinomial(q, 1, generator=gen)), q
+
+
+class _ModelDrafter:
+    """Shared machinery of the drafters that run a network autoregressively over their own cache."""
+
+    name = "model"
+
+    def _drafts(self, rows: list[int], ks: list[int], first: list[torch.Tensor], step: Any, params: SamplingParams,
+                gens: list[torch.Generator | None], caches: list[Any]) -> list[Proposal]:
+        """``first[i]``: logits of row i's first draft; ``step(rows, tokens, j)`` runs one more drafted token per
+        row and returns the logits of the next. Saves non-positional state per step so ``_rewind`` can restore it."""
+        toks: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        stateful = _stateful(caches)
+        self._saved = {b: [_save(caches, b)] for b in rows} if stateful else {}
+        logits = first
+        live = [i for i in range(len(rows)) if ks[i] > 0]
+        for j in range(max(ks)):
+            for i in live:
+                t, q = _pick(logits[i], params, gens[rows[i]])
+                toks[i].append(t)
+                if q is not None:
+                    probs[i].append(q)
+            live = [i for i in live if len(toks[i]) < ks[i]]
+            if not live:
+                break
+            logits_live = step([rows[i] for i in live], [toks[i][-1] for i in live], j)
+            for n, i in enumerate(live):
+                logits[i] = logits_live[n]
+                if stateful:
+                    self._saved[rows[i]].append(_save(caches, rows[i]))
+        return [Proposal(t, torch.stack(p) if p else None) for t, p in zip(toks, probs)]
+
+    def _rewind(self, rows: list[int], n_accepted: list[int], caches: list[Any]) -> None:
+        """Restore non-positional state to the one after the accepted drafts the drafter itself consumed."""
+        if not self._saved:
+            return
+        for b, a in zip(rows, n_accepted):
+            saved = self._saved.get(b)
+            if saved:
+                _load(caches, b, saved[min(a, len(saved) - 1)])
+        self._saved = {}
+
+
+def _ragged(seqs: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, list[int]]:
+    T = max(len(s) for s in seqs)
+    return torch.tensor([s + [pad] * (T - len(s)) for s in seqs]), [len(s) - 1 for s in seqs]
+
+
+class DraftModelDrafter(_ModelDrafter):
+    """A smaller checkpoint sharing the target's vocabulary drafts autoregressively over its own caches."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype, vocab_size: int):
+        from waferline.model.load import load_model
+
+        self.model = load_model(Path(path), dtype)
+        if self.model.spec.vocab_size != vocab_size:
+            raise ConfigError(f"draft model {path} has vocab_size {self.model.spec.vocab_size} but the target has "
+                              f"{vocab_size}; a draft model must share the target's tokenizer")
+        self.name = f"draft:{path}"
+        self.caches: list[Any] = []
+        self.cached: list[int] = []  # tokens of each row held in the draft caches
+        self._saved: dict[int, list[Any]] = {}
+        self._base: dict[int, int] = {}
+
+    def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
+        self.caches = self.model.new_caches(len(seqs))
+        self.cached = [0] * len(seqs)
+
+    def _forward(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
+        """Feed each row its chunk (ragged lengths padded at the end where caches are positional, else grouped);
+        return the logits after each row's last real token, [len(rows), V]."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        groups: dict[int, list[int]] = {}
+        if _stateful(self.caches):
+            for i, c in enumerate(chunks):
+                groups.setdefault(len(c), []).append(i)
+        else:
+            groups[0] = list(range(len(rows)))
+        for idx in groups.values():
+            toks, last = _ragged([chunks[i] for i in idx])
+            batch = StepBatch.make([rows[i] for i in idx], [self.cached[rows[i]] for i in idx], toks.shape[1])
+            h = self.model(toks, self.caches, batch)
+            lg = self.model.logits(h[torch.arange(len(idx)), torch.tensor(last)])
+            for n, i in enumerate(idx):
+                out[i] = lg[n]
+                self.cached[rows[i]] += len(chunks[i])
+        return torch.stack(out)  # type: ignore[arg-type]
+
+    def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
+                gens: list[torch.Generator | None]) -> list[Proposal]:
+        first = list(self._forward(rows, [seqs[b][self.cached[b]:] for b in rows]))
+        self._base = {b: self.cached[b] for b in rows}  # rows proposed for in this step
+
+        def step(srows: list[int], toks: list[int], j: int) -> torch.Tensor:
+            return self._forward(srows, [[t] for t in toks])
+
+        return self._drafts(rows, ks, first, step, params, gens, self.caches)
+
+    def accepted(self, rows: list[int], seqs: list[list[int]], n_accepted: list[int], n_drafted: list[int],
+                 hidden: torch.Tensor | None) -> None:
+        for b, a in zip(rows, n_accepted):
+            if b in self._base:
+                fed = self.cached[b] - self._base[b]  # drafted tokens the draft model consumed (k - 1)
+                self.cached[b] = self._base[b] + min(a, fed)
+        self._rewind(rows, n_accepted, self.caches)
+        self._base = {}
+
+
+class MTPDrafter(_ModelDrafter):
+    """DeepSeek-style MTP head: from the target's hidden state at t and the embedding of token t+1 it predicts t+2.
+    The first draft is exact MTP; further drafts reuse the head on its own output (as vLLM / SGLang do)."""
+
+    name = "mtp"
+    uses_hidden = True
+
+    def __init__(self, model: Any):
+        if not len(model.mtp):
+            raise ConfigError("speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 "
+                              "and model.layers.{N}.eh_proj.weight ...); use 'ngram' or 'draft:PATH' instead")
+        self.model = model
+        self.head = model.mtp[0]
+        self.caches: list[Any] = []
+        self.committed: list[int] = []  # MTP positions holding true (h_t, token t+1) pairs
+        self.pending: list[torch.Tensor] = []  # target hidden states from position committed[b] on
+        self._saved: dict[int, list[Any]] = {}
+
+    def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
+        self.caches = [self.head.layer.new_cache(len(seqs))]
+        self.committed = [0] * len(seqs)
+        self.pending = list(prompt_hidden)
+
+    def _run(self, rows: list[int], h: list[torch.Tensor], toks: list[list[int]], start: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP layer over ragged rows; returns (last output hidden [n, D], logits [n, V]) for each row's last pair."""
+        outs_h: list[torch.Tensor | None] = [None] * len(rows)
+        groups: dict[int, list[int]] = {}
+        if _stateful(self.caches):
+            for i, t in enumerate(toks):
+                groups.setdefault(len(t), []).append(i)
+        else:
+            groups[0] = list(range(len(rows)))
+        for idx in groups.values():
+            tt, last = _ragged([toks[i] for i in idx])
+            T = tt.shape[1]
+            hh = torch.stack([torch.nn.functional.pad(h[i], (0, 0, 0, T - h[i].shape[0])) for i in idx])
+            batch = StepBatch.make([rows[i] for i in idx], [start[i] for i in idx], T)
+            out = self.head(hh, self.model.embed_tokens(tt), self.caches[0], batch)
+            for n, i in enumerate(idx):
+                outs_h[i] = out[n, last[n]]
+        hs = torch.stack(outs_h)  # type: ignore[arg-type]
+        return hs, torch.nn.functional.linear(self.head.norm(hs), self.model.lm_head).float()
+
+    def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
+                gens: list[torch.Generator | None]) -> list[Proposal]:
+        # commit the pairs (h_t, x_{t+1}) for t = committed .. len-2; the last one predicts the first draft
+        hs = [self.pending[b] for b in rows]
+        toks = [seqs[b][self.committed[b] + 1: self.committed[b] + 1 + hs[i].shape[0]] for i, b in enumerate(rows)]
+        h_last, first = self._run(rows, hs, toks, [self.committed[b] for b in rows])
+        for i, b in enumerate(rows):
+            self.committed[b] += hs[i].shape[0]
+            self.pending[b] = hs[i][:0]
+        state = {b: h_last[i] for i, b in enumerate(rows)}
+        pos = {b: self.committed[b] for b in rows}
+
+        def step(srows: list[int], stoks: list[int], j: int) -> torch.Tensor:
+            h, lg = self._run(srows, [state[b][None] for b in srows], [[t] for t in stoks], [pos[b] for b in srows])
+            for i, b in enumerate(srows):
+                state[b], pos[b] = h[i], pos[b] + 1
+            return lg
+
+        return self._drafts(rows, ks, list(first), step, params, gens, self.caches)
+
+    def accepted(self, rows: list[int], seqs: list[list[int]], n_accepted: list[int], n_drafted: list[int],
+                 hidden: torch.Tensor | None) -> None:
+        assert hidden is not None
+        for i, (b, a) in enumerate(zip(rows, n_accepted)):
+            # the target's hidden states at the last token and at each accepted draft (position committed[b] on)
+            self.pending[b] = torch.cat([self.pending[b], hidden[i, : a + 1]])
+        self._rewind(rows, [0] * len(rows), self.caches)  # drafted pairs were guesses: back to the committed state
+
+
+def make_drafter(spec: str, model: Any, dtype: torch.dtype) -> Any:
+    """'ngram' | 'ngram:MIN:MAX' | 'mtp' | 'draft:PATH' -> a drafter for the target ``model``."""
+    if spec == "ngram" or spec.startswith("ngram:"):
+        parts = spec.split(":")[1:]
+        try:
+            mn, mx = (int(parts[0]), int(parts[1])) if len(parts) == 2 else (1, 3)
+        except ValueError:
+            raise ConfigError(f"speculative={spec!r}: use 'ngram' or 'ngram:MIN_N:MAX_N' (e.g. ngram:1:3)") from None
+        return NgramDrafter(mn, mx)
+    if spec == "mtp":
+        return MTPDrafter(model)
+    if spec.startswith("draft:") and len(spec) > len("draft:"):
+        return DraftModelDrafter(spec[len("draft:"):], dtype, model.spec.vocab_size)
+    raise ConfigError(f"unknown speculative method {spec!r}: use 'ngram', 'mtp' or 'draft:PATH' (a checkpoint sharing "
+                      "the target's tokenizer)")
+
+
+# ----------------------------------------------------------------------------------------------- adaptive K
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens one verify step emits with k drafts of per-token acceptance alpha: (1 − α^(k+1)) / (1 − α)."""
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class AdaptiveK:
+    """Chooses each step's number of drafts from the observed acceptance and the batch size (see the module doc).
+
+    ``overhead``: a forward's fixed cost in per-token units (t(N tokens) ≈ t0 + t1·N, overhead = t0 / t1);
+    ``draft_cost``: a drafted token's cost relative to a verified one. ``enabled`` False: always k_max drafts."""
+
+    k_max: int
+    enabled: bool = True
+    overhead: float = 24.0
+    draft_cost: float = 0.0
+    prior: float = 0.6
+    decay: float = 0.7
+    alpha: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        if drafted > 0:
+            a = self.alpha.get(row, self.prior)
+            self.alpha[row] = self.decay * a + (1 - self.decay) * accepted / drafted
+
+    def gain(self, alpha: float, k: int, batch: int) -> float:
+        base = self.overhead + batch
+        cost = self.overhead + batch * (k + 1) + batch * k * self.draft_cost
+        return expected_tokens(alpha, k) * base / cost
+
+    def choose(self, rows: list[int]) -> list[int]:
+        if not self.enabled:
+            return [self.k_max] * len(rows)
+        B = len(rows)
+        ks = []
+        for b in rows:
+            a = min(self.alpha.get(b, self.prior), 0.99)
+            gains = [self.gain(a, k, B) for k in range(self.k_max + 1)]
+            ks.append(max(range(self.k_max + 1), key=lambda k: gains[k]))
+        # the step's cost is set by the largest k: rows with a smaller k still pay for the padded width
+        return ks
+
+
+# ----------------------------------------------------------------------------------------------- the engine loop
+
+
+@dataclass
+class SpecStats:
+    steps: int = 0          # verify forwards (of the rows' steps: a row's step counts once)
+    row_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    plain_steps: int = 0    # steps where no row drafted (plain decode)
+
+    def metrics(self) -> dict[str, float]:
+        return {"spec_acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "spec_mean_accepted_length": self.emitted / self.row_steps if self.row_steps else 0.0,
+                "spec_drafted": float(self.drafted), "spec_accepted": float(self.accepted),
+                "spec_verify_steps": float(self.steps), "spec_plain_steps": float(self.plain_steps)}
+
+
+class Speculator:
+    """Speculative decoding for ``LLM``: ``LLM(path, speculative="ngram" | "mtp" | "draft:PATH", num_speculative_tokens=K)``."""
+
+    def __init__(self, model: Any, method: str, num_tokens: int, dtype: torch.dtype, adaptive: bool = True,
+                 overhead: float | None = None):
+        if num_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        self.model = model
+        self.method = method
+        w = _window(model.new_caches(1))
+        if w is not None and num_tokens >= w:
+            num_tokens = w - 1  # a verify must not wrap a sliding-window ring onto itself
+        self.k_max = num_tokens
+        self.drafter = make_drafter(method, model, dtype)
+        self.adaptive = adaptive
+        draft_cost = 0.0
+        if isinstance(self.drafter, DraftModelDrafter):
+            draft_cost = _param_count(self.drafter.model) / max(_param_count(model), 1)
+        elif isinstance(self.drafter, MTPDrafter):
+            draft_cost = 1.0 / max(model.spec.num_layers, 1)
+        self.draft_cost = draft_cost
+        self.overhead = 24.0 if overhead is None else overhead
+
+    def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
+        from waferline.engine.llm import Output, _cut_at_stop, _seeded
+        from waferline.engine.sampling import make_generator, sample
+
+        model = self.model
+        B = len(ids)
+        ctl = AdaptiveK(self.k_max, self.adaptive, self.overhead, self.draft_cost)
+        stats = SpecStats()
+        with torch.inference_mode():
+            caches = model.new_caches(B)
+            gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
+            seqs = [list(p) for p in ids]
+            out: list[list[int]] = [[] for _ in range(B)]
+            done = [False] * B
+            reason = ["length"] * B
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else llm.eos_token_ids)
+            t0 = time.perf_counter()
+            hidden: list[torch.Tensor] = []
+            first: list[int] = []
+            for b, p in enumerate(ids):
+                h = model(torch.tensor([p]), caches, StepBatch.make([b], [0], len(p)))
+                first.append(sample(model.logits(h[0, -1]), params, gens[b]))
+                hidden.append(h[0])
+            ttft = time.perf_counter() - t0
+            self.drafter.begin(seqs, hidden)
+            del hidden
+
+            def emit(b: int, toks: list[int]) -> Iterator[tuple[int, int]]:
+                for tok in toks:
+                    out[b].append(tok)
+                    seqs[b].append(tok)
+                    yield b, tok
+                    if tok in stop_ids or (params.stop and llm._hit_stop(out[b], params.stop)):
+                        done[b], reason[b] = True, "stop"
+                    elif len(out[b]) >= params.max_tokens:
+                        done[b] = True
+                    if done[b]:
+                        return
+
+            for b in range(B):
+                yield from emit(b, [first[b]])
+            while True:
+                active = [b for b in range(B) if not done[b]]
+                if not active:
+                    break
+                ks = ctl.choose(active)
+                for i, b in enumerate(active):  # never draft past max_tokens or the context
+                    room = min(params.max_tokens - len(out[b]) - 1, llm.max_model_len - len(seqs[b]))
+                    ks[i] = max(0, min(ks[i], room))
+                props = self.drafter.propose(active, seqs, ks, params, gens) if max(ks) > 0 else \
+                    [Proposal([]) for _ in active]
+                width = max(len(p.tokens) for p in props)
+                rows = [[seqs[b][-1]] + p.tokens + [0] * (width - len(p.tokens)) for b, p in zip(active, props)]
+                batch = StepBatch.make(active, [len(seqs[b]) - 1 for b in active], width + 1)
+                rb = VerifyRollback(caches, batch)
+                h = model(torch.tensor(rows), caches, batch)
+                logits = model.logits(h)
+                keep, n_acc = [], []
+                emitted: list[list[int]] = []
+                for i, (b, p) in enumerate(zip(active, props)):
+                    toks = verify(logits[i], p.tokens, p.probs, params, gens[b])
+                    emitted.append(toks)
+                    n_acc.append(len(toks) - 1)
+                    keep.append(len(toks))
+                    ctl.observe(b, len(p.tokens), len(toks) - 1)
+                    stats.drafted += len(p.tokens)
+                    stats.accepted += len(toks) - 1
+                    stats.emitted += len(toks)
+                    stats.row_steps += 1
+                stats.steps += 1
+                stats.plain_steps += width == 0
+                rb.done(keep)
+                for i, b in enumerate(active):
+                    yield from emit(b, emitted[i])
+                self.drafter.accepted(active, seqs, n_acc, [len(p.tokens) for p in props],
+                                      h if getattr(self.drafter, "uses_hidden", False) else None)
+            total = time.perf_counter() - t0
+        n_gen = sum(len(o) for o in out)
+        decode_time = max(total - ttft, 1e-9)
+        metrics = {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": (n_gen - B) / decode_time if n_gen > B else 0.0}
+        metrics.update(stats.metrics())
+        self.last_stats = stats
+        results = []
+        for b in range(B):
+            toks = out[b]
+            text = llm.decode(toks)
+            if params.stop and reason[b] == "stop" and toks and toks[-1] not in stop_ids:
+                text = _cut_at_stop(text, params.stop)
+            results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
+        yield results
+
+
+def _param_count(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,47 @@
+"""Prometheus metrics of one server: requests, tokens, TTFT and inter-token latency, cache pages, queue length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
+
+
+class Metrics:
+    """One registry per server (several servers can live in one process, e.g. in tests)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("waferline_requests", "HTTP requests to the API, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("waferline_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("waferline_generation_tokens", "tokens generated", registry=r)
+        self.finished = Counter("waferline_request_finished", "finished requests by finish reason", ["reason"], registry=r)
+        self.ttft = Histogram("waferline_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT_BUCKETS,
+                              registry=r)
+        self.itl = Histogram("waferline_inter_token_latency_seconds", "time between consecutive tokens of a request",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("waferline_e2e_request_latency_seconds", "arrival to last token", buckets=_TTFT_BUCKETS,
+                             registry=r)
+        self.pages = Gauge("waferline_cache_pages_in_use", "cache pages held by live sequences, per cache kind "
+                           "(mamba2: state slots)", ["kind"], registry=r)
+        self.cache_bytes = Gauge("waferline_cache_bytes_in_use", "cache bytes held (ModelSpec accounting)", registry=r)
+        self.cache_budget = Gauge("waferline_cache_bytes_budget", "cache byte budget", registry=r)
+        self.waiting = Gauge("waferline_num_requests_waiting", "requests in the queue, not yet admitted", registry=r)
+        self.running = Gauge("waferline_num_requests_running", "requests being prefilled or decoded", registry=r)
+        self.preemptions = Gauge("waferline_preemptions", "sequences preempted (recompute) since start", registry=r)
+
+    def render(self) -> bytes:
+        sch = self.engine.scheduler
+        for kind, n in sch.cache.pages_in_use().items():
+            self.pages.labels(kind).set(n)
+        self.cache_bytes.set(sch.cache.used_bytes)
+        self.cache_budget.set(sch.cache.budget)
+        self.waiting.set(self.engine.num_waiting)
+        self.running.set(self.engine.num_running)
+        self.preemptions.set(sch.stats["preemptions"])
+        return generate_latest(self.registry)

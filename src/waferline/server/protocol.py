@@ -1,0 +1,107 @@
+"""OpenAI request bodies (validated strictly: a wrong type is a 400, not a silent coercion) and error objects."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from waferline.errors import RequestError
+
+
+class APIError(RequestError):
+    """A request the server refuses: HTTP ``status`` with an OpenAI-style error object."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: Any = None
+    user: str | None = None
+    # extensions (as in vLLM): pass with extra_body=
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    tools: Any = None
+    response_format: Any = None
+
+
+def parse(cls: type[_Strict], data: Any) -> Any:
+    """Validate a decoded JSON body; a mismatch becomes a 400 naming the first offending field."""
+    if not isinstance(data, dict):
+        raise APIError("the request body must be a JSON object")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "union[")) and x not in
+                       ("str", "int", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "float", "bool"))
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise APIError(f"invalid value for '{loc or param}': {err['msg']} (got {_short(err.get('input'))})", param=param) from None
+
+
+def _short(v: Any) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."

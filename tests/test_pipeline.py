@@ -1,0 +1,283 @@
+"""Pipeline engine: stages as processes give the single-process engine's tokens and log-probs; faults are named."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tiny_models
+from waferline import LLM, SamplingParams
+from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
+from waferline.errors import CheckpointError, ConfigError, WaferlineError
+
+ROOT = Path(__file__).resolve().parents[1]
+SOL_MINI = ROOT / "models" / "sol-mini"
+CHUNK = 16  # prefill chunk: the longer prompts below are prefilled in several pipelined chunks
+LENGTHS = [5, 23, 3, 40, 11]  # mixed prompt lengths
+LOGPROB_TOL = 1e-5  # a prompt prefilled in one chunk: the same ops as the single-process engine
+CHUNKED_LOGPROB_TOL = 1e-4  # a prompt prefilled in several chunks: fp32 reassociation only (seen: <= 9e-6)
+
+
+def _build_variant(model_type: str, directory: Path, **overrides) -> None:
+    """tiny_models.build with some config fields changed (e.g. more layers so that 4 stages fit)."""
+    orig = tiny_models.configs
+    tiny_models.configs = lambda: {**orig(), model_type: dict(orig()[model_type], **overrides)}
+    try:
+        tiny_models.build(model_type, directory)
+    finally:
+        tiny_models.configs = orig
+
+
+def _sol_checkpoint(tmp: Path) -> Path:
+    if (SOL_MINI / "config.json").is_file() and any(SOL_MINI.glob("*.safetensors")):
+        return SOL_MINI
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+
+    d = tmp / "sol"
+    write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core machine: one thread per process avoids OpenMP oversubscription."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    out = {}
+    out["deepseek_v3"] = tmp / "dsv3"
+    _build_variant("deepseek_v3", out["deepseek_v3"], num_hidden_layers=4)  # MLA + MoE, 4 layers
+    out["nemotron_h"] = tmp / "nemotron_h"
+    tiny_models.build("nemotron_h", out["nemotron_h"])  # Mamba-2 / MoE / attention / MLP, 4 layers
+    out["sol"] = _sol_checkpoint(tmp)
+    return out
+
+
+def _prompts(vocab: int, lengths: list[int]) -> list[list[int]]:
+    return [[(i * 7 + j * 3 + 1) % vocab for j in range(n)] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module")
+def references(ckpts):
+    """The single-process engine's answers, per model."""
+    refs = {}
+    for name, d in ckpts.items():
+        llm = LLM(d)
+        V = llm.spec.vocab_size
+        many, few = _prompts(V, LENGTHS), _prompts(V, [17, 4])
+        greedy = SamplingParams(max_tokens=10, ignore_eos=True)
+        sampled = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+        refs[name] = {
+            "layers": llm.spec.num_layers,
+            "many": many, "few": few, "greedy": greedy, "sampled": sampled,
+            "many_out": [o.token_ids for o in llm.generate(many, greedy)],
+            "few_out": [o.token_ids for o in llm.generate(few, greedy)],
+            "sampled_out": [o.token_ids for o in llm.generate(many[:3], sampled)],
+            "logprobs": llm.prompt_logprobs(many[3][:CHUNK]),
+            "chunked_logprobs": llm.prompt_logprobs(many[3]),
+        }
+    return refs
+
+
+def _stage_counts(layers: int) -> list[tuple[int | None, int | None, int | None]]:
+    """(stages, layers_per_stage, micro_batches): 1, 2 and 4 stages, and one layer per stage."""
+    if layers == 4:  # 4 stages is one layer per stage; run it with more micro-batches than stages
+        return [(1, None, None), (2, None, None), (None, 1, 6)]
+    cases = [(1, None, None), (2, None, None)] if layers >= 2 else [(1, None, None)]
+    if layers > 4:
+        cases.append((4, None, 6))
+    return cases + [(None, 1, None)] if layers > 2 else cases
+
+
+@pytest.mark.parametrize("model", ["deepseek_v3", "nemotron_h", "sol"])
+def test_pipeline_matches_single_process(model, ckpts, references):
+    ref = references[model]
+    for stages, k, M in _stage_counts(ref["layers"]):
+        with LLM(ckpts[model], stages=stages, layers_per_stage=k, micro_batches=M, prefill_chunk=CHUNK,
+                 threads_per_stage=1) as llm:
+            S = llm._pipeline.num_stages
+            where = f"{model} S={S} M={llm._pipeline.micro_batches}"
+            # more sequences than stages (S <= 4), and fewer (2 sequences on 4+ stages)
+            assert [o.token_ids for o in llm.generate(ref["many"], ref["greedy"])] == ref["many_out"], where
+            assert [o.token_ids for o in llm.generate(ref["few"], ref["greedy"])] == ref["few_out"], where
+            assert [o.token_ids for o in llm.generate(ref["many"][:3], ref["sampled"])] == ref["sampled_out"], where
+            lp = llm.prompt_logprobs(ref["many"][3][:CHUNK])
+            assert lp.shape == ref["logprobs"].shape
+            diff = (lp - ref["logprobs"]).abs().max().item()
+            assert diff < LOGPROB_TOL, f"{where}: prompt log-probs differ by {diff:.2e}"
+            lp = llm.prompt_logprobs(ref["many"][3])  # 40 tokens: three chunks streamed through the stages
+            diff = (lp - ref["chunked_logprobs"]).abs().max().item()
+            assert lp.shape == ref["chunked_logprobs"].shape and diff < CHUNKED_LOGPROB_TOL, f"{where}: {diff:.2e}"
+
+
+def test_stage_split_and_errors(ckpts):
+    assert stage_ranges(6, stages=4) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert stage_ranges(5, layers_per_stage=2) == [(0, 2), (2, 4), (4, 5)]
+    assert stage_ranges(3) == [(0, 3)]
+    with pytest.raises(ConfigError, match="at least one layer"):
+        stage_ranges(3, stages=4)
+    with pytest.raises(ConfigError, match="only one of"):
+        stage_ranges(4, stages=2, layers_per_stage=2)
+    with pytest.raises(ConfigError, match="micro_batches"):
+        LLM(ckpts["sol"], stages=2, micro_batches=0)
+    with pytest.raises(ConfigError, match="need stages"):
+        LLM(ckpts["sol"], micro_batches=2)
+
+
+def test_pipeline_from_plan(ckpts):
+    from waferline.plan.plan import Plan, Stage
+
+    def plan(layers: list[list[int]], mb: int = 2) -> Plan:
+        return Plan(model="sol", hardware="cpu", micro_batches=mb,
+                    stages=[Stage(index=i, role="full", layers=ls, device="cpu", device_ids=[i]) for i, ls in enumerate(layers)])
+
+    assert stage_ranges(4, plan=plan([[0], [1, 2], [3]])) == [(0, 1), (1, 3), (3, 4)]
+    with pytest.raises(ConfigError, match="contiguous"):
+        stage_ranges(4, plan=plan([[0, 2], [1, 3]]))
+    with pytest.raises(ConfigError, match="do not cover"):
+        stage_ranges(4, plan=plan([[0], [1]]))
+    with Pipeline(ckpts["nemotron_h"], plan=plan([[0, 1, 2], [3]], mb=3), threads_per_stage=1) as pipe:
+        assert pipe.ranges == [(0, 3), (3, 4)] and pipe.micro_batches == 3
+        toks, reasons, _ = pipe.run_generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(toks[0]) == 3 and reasons == ["length"]
+
+
+def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):
+    ref = references["sol"]
+    with LLM(ckpts["sol"], stages=2, prefill_chunk=CHUNK, threads_per_stage=1) as llm:
+        events = list(llm.stream(ref["many"], ref["greedy"]))
+        outs = events[-1]
+        assert [o.token_ids for o in outs] == ref["many_out"]
+        for b, o in enumerate(outs):  # (row, token) events arrive in order per row
+            assert [t for r, t in events[:-1] if r == b] == o.token_ids
+        first = ref["few_out"][0]
+        out = llm.generate([ref["few"][0]], SamplingParams(max_tokens=10, stop_token_ids=[first[2]]))[0]
+        assert out.token_ids == first[:first.index(first[2]) + 1] and out.finish_reason == "stop"
+        it = llm.stream(ref["many"], ref["greedy"])
+        next(it)
+        it.close()  # micro-batches were in flight: they are collected, and the pipeline stays usable
+        assert [o.token_ids for o in llm.generate(ref["few"], ref["greedy"])] == ref["few_out"]
+        assert llm.generate([], ref["greedy"]) == []
+
+
+def _expect_stage_error(fn) -> StageError:
+    """Run fn in a thread (so a hang cannot block the test run) and return the StageError it raised."""
+    box: dict = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["e"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the caller hung instead of getting an error"
+    assert isinstance(box.get("e"), StageError), box.get("e")
+    return box["e"]
+
+
+def _gone(pids: list[int]) -> bool:
+    for p in pids:
+        try:
+            state = Path(f"/proc/{p}/stat").read_text().split()[2]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state != "Z":
+            return False
+    return True
+
+
+@pytest.mark.parametrize("sig,when", [(signal.SIGKILL, "idle"), (signal.SIGKILL, "during"), (signal.SIGSTOP, "during")],
+                         ids=["killed-idle", "killed-during-decode", "hung-during-decode"])
+def test_dead_or_hung_stage_is_named(ckpts, sig, when):
+    llm = LLM(ckpts["sol"], stages=3, threads_per_stage=1, hang_timeout_s=2.0)
+    pids = llm._pipeline.pids
+    victim = pids[0] if sig == signal.SIGKILL else pids[1]  # stage 1 dies, or stage 2 hangs
+    name = "stage 1" if sig == signal.SIGKILL else "stage 2"
+    long = SamplingParams(max_tokens=500, ignore_eos=True)
+    if when == "idle":
+        os.kill(victim, sig)
+    else:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))  # the pipeline works before the fault
+        threading.Timer(0.2, os.kill, (victim, sig)).start()
+    err = _expect_stage_error(lambda: llm.generate([[1, 2, 3], [4, 5]], long))
+    assert name in str(err) and ("died" in str(err) or "hung" in str(err)), str(err)
+    assert _gone(pids), "stage processes left behind"
+    with pytest.raises(StageError, match=name):  # every later caller gets the same answer
+        llm.generate([[1, 2]], SamplingParams(max_tokens=2))
+    llm.close()
+
+
+def test_stage_load_error_is_reported_with_its_class(tmp_path):
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+
+    d = tmp_path / "broken"
+    write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    f = d / "model.safetensors"
+    tensors = load_file(f)
+    last = SOL_DEMO_CONFIG["num_hidden_layers"] - 1
+    victim = next(k for k in tensors if k.startswith(f"model.layers.{last}."))
+    del tensors[victim]
+    save_file(tensors, f)
+    with pytest.raises(CheckpointError, match="stage 2"):
+        LLM(d, stages=3, threads_per_stage=1)
+
+
+def test_cli_generate_with_stages(ckpts, references, capsys):
+    from waferline.cli import main
+
+    ref = references["sol"]
+    ids = " ".join(map(str, ref["few"][0]))
+    assert main(["generate", "--model", str(ckpts["sol"]), "--prompt-ids", ids, "--max-tokens", "10", "--stages", "2",
+                 "--micro-batches", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["token_ids"] == ref["few_out"][0]
+    assert main(["generate", "--model", str(ckpts["sol"]), "--prompt-ids", ids, "--stages", "2", "--layers-per-stage", "1"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+CTRL_C_SCRIPT = """
+import sys, torch
+torch.set_num_threads(1)
+from waferline import LLM, SamplingParams
+llm = LLM(sys.argv[1], stages=3, threads_per_stage=1)
+print("ready", *llm._pipeline.pids, flush=True)
+llm.generate([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=900, ignore_eos=True))
+print("finished", flush=True)
+"""
+
+
+def test_ctrl_c_shuts_every_stage_down(ckpts):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_SCRIPT, str(ckpts["sol"])], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "ready", proc.stderr.read()
+        pids = [int(p) for p in line[1:]]
+        threading.Event().wait(0.5)  # let it get into the decode loop
+        proc.send_signal(signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "finished" not in rest
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert _gone(pids)

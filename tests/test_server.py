@@ -1,0 +1,384 @@
+"""The scheduler (page accounting, chunked prefill, preemption) and the OpenAI-compatible server, tested with the
+official `openai` client against a live server on 127.0.0.1."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tiny_models import build
+from waferline import LLM, SamplingParams
+from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+from waferline.engine.scheduler import CacheManager, Scheduler, SchedulerConfig, Sequence
+from waferline.errors import ConfigError
+from waferline.model.init import write_random_checkpoint
+
+KEY = "sk-test-key"
+MAX_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until(cond, limit=30.0, every=0.05):
+    """Poll ``cond`` until it is truthy (returns its value) or ``limit`` seconds pass (returns the last value)."""
+    end = time.monotonic() + limit
+    while True:
+        v = cond()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(every)
+
+
+@pytest.fixture(scope="module")
+def threads():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread is fastest, and the machine is shared
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def sol(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sol-serve")
+    write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    write_tokenizer(d, DEMO_TEXT, SOL_DEMO_CONFIG["vocab_size"])
+    return d
+
+
+@pytest.fixture(scope="module")
+def live(sol, threads):
+    """A live server in this process (uvicorn in a thread) on a free loopback port."""
+    import uvicorn
+
+    from waferline.server.commands import build_server
+
+    app = build_server(sol, max_num_seqs=16, max_model_len=MAX_LEN, api_key=KEY, served_model_name="sol-test",
+                       max_body_bytes=64 * 1024, chunk_tokens=32)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    assert _wait_until(lambda: server.started, 30), "server did not start"
+    app.state.base = f"http://127.0.0.1:{port}"
+    yield app
+    server.should_exit = True
+    t.join(10)
+    app.state.server.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return openai.OpenAI(base_url=live.state.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _metrics(live) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(live.state.base + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _pages_in_use(live) -> float:
+    return sum(v for k, v in _metrics(live).items() if k.startswith("waferline_cache_pages_in_use"))
+
+
+# ----------------------------------------------------------------------------- scheduler
+
+
+def test_page_accounting_is_the_modelspec_accounting(sol, tmp_path):
+    gpt = tmp_path / "gpt_oss"
+    build("gpt_oss", gpt)  # one sliding-window (8) GQA layer, one full GQA layer
+    for d in (sol, gpt):
+        llm = LLM(d)
+        cm = CacheManager(llm.spec, max_num_seqs=4, max_model_len=128, page_tokens=8, kv_bits=32, state_bits=32)
+        kinds = {p.kind for p in cm.pools}
+        assert kinds == ({"mamba2", "mla"} if d == sol else {"swa", "gqa"})
+        for n in (8, 64, 128):  # page-aligned: the bytes a sequence holds are exactly the spec's
+            assert cm.bytes_for(n) == pytest.approx(llm.spec.cache_bytes_per_seq(n, 32, 32))
+        assert cm.budget == pytest.approx(4 * llm.spec.cache_bytes_per_seq(128, 32, 32))
+        if d == gpt:
+            swa = [p.kind for p in cm.pools].index("swa")
+            assert cm.pages_for(100)[swa] == 1  # bounded by the window of 8 tokens
+            assert cm.pages_for(100)[1 - swa] == 13
+        else:
+            assert cm.pages_for(100)[[p.kind for p in cm.pools].index("mamba2")] == 1  # one state slot
+    with pytest.raises(ConfigError, match="cannot hold one sequence"):
+        CacheManager(llm.spec, 4, 128, cache_bytes=100.0)
+    with pytest.raises(ConfigError, match="max-num-seqs"):
+        SchedulerConfig(max_num_seqs=0).validate()
+
+
+@pytest.mark.parametrize("arch", ["sol", "gpt_oss"])
+def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, threads):
+    """With a budget of ~2 sequences for 6 requests, chunked prefill and recompute preemption still produce
+    exactly the tokens of LLM.generate for each prompt alone (greedy and seeded sampling)."""
+    d = sol
+    if arch == "gpt_oss":
+        d = tmp_path / "gpt_oss"
+        build("gpt_oss", d)
+    llm = LLM(d)
+    prompts = [[(7 * i + 3 * j) % 100 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(6)]
+    want = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    probe = CacheManager(llm.spec, 4, 80, page_tokens=4, kv_bits=32, state_bits=32)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=80, page_tokens=4, chunk_tokens=7,
+                                         max_num_batched_tokens=12, cache_bytes=probe.bytes_for(80) * 1.6))
+    got: dict[int, list[int]] = {i: [] for i in range(6)}
+    ends: dict[int, str] = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        def sink(ev, i=i):
+            if ev.token_id is not None:
+                got[i].append(ev.token_id)
+            if ev.finished:
+                ends[i] = ev.finish_reason
+        sch.add(Sequence(f"r{i}", p, sp, sink))
+    steps = 0
+    while sch.has_work() and steps < 2000:
+        sch.step()
+        steps += 1
+    assert ends == {i: "length" for i in range(6)}
+    assert [got[i] for i in range(6)] == want
+    assert sch.stats["preemptions"] > 0  # the budget really was too small for all of them at once
+    assert sch.cache.used_bytes == 0 and sum(sch.cache.pages_in_use().values()) == 0 and sch.cache.free_slots == 4
+
+
+# ----------------------------------------------------------------------------- the API
+
+
+def test_completion_matches_the_engine(live, client):
+    llm = live.state.server.llm
+    prompt = "Cerebras wafers keep the weights"
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95, seed=7, ignore_eos=True)
+    want = llm.generate([prompt], sp)[0]
+    r = client.completions.create(model="sol-test", prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.95, seed=7,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.object == "text_completion" and r.model == "sol-test" and r.id.startswith("cmpl-")
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == want.token_ids and c.text == want.text and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(llm.encode(prompt)), 12, len(llm.encode(prompt)) + 12)
+    ids = client.completions.create(model="sol-test", prompt=llm.encode(prompt), max_tokens=12, temperature=0.8,
+                                    top_p=0.95, seed=7, extra_body={"ignore_eos": True})
+    assert ids.choices[0].text == want.text  # a prompt of token ids is the same prompt
+
+
+def test_models_and_chat(live, client):
+    assert [m.id for m in client.models.list().data] == ["sol-test"]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a wafer?"}]
+    r = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=6, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    c = r.choices[0]
+    assert c.message.role == "assistant" and isinstance(c.message.content, str) and c.finish_reason == "length"
+    # no chat_template in this tokenizer config: the documented fallback template is used
+    from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
+
+    text = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
+    llm = live.state.server.llm
+    assert r.usage.prompt_tokens == len(llm.encode(text))
+    want = llm.generate([text], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    assert c.message.content == want.text
+
+
+def test_streaming_with_usage(live, client):
+    kw = dict(model="sol-test", prompt="A light cache lets many sequences", max_tokens=10, temperature=0.7, seed=3,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert all(c.usage is None for c in chunks[:-1])
+    no_usage = list(client.completions.create(stream=True, **kw))
+    assert all(c.usage is None for c in no_usage) and len(no_usage) == 11  # 10 tokens + the finish chunk
+
+    chat = list(client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=5, seed=1, stream=True,
+                                               stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-2].choices[0].finish_reason == "length" and chat[-1].usage.completion_tokens == 5
+
+
+def test_stop_strings_cut_the_text(live, client):
+    free = client.completions.create(model="sol-test", prompt="Experts hold most parameters", max_tokens=24,
+                                     temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    stop = free[len(free) // 2:len(free) // 2 + 3]
+    assert len(stop) == 3
+    r = client.completions.create(model="sol-test", prompt="Experts hold most parameters", max_tokens=24, temperature=0,
+                                  stop=[stop], extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == free[:free.find(stop)]
+    s = list(client.completions.create(model="sol-test", prompt="Experts hold most parameters", max_tokens=24,
+                                       temperature=0, stop=stop, stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in s) == free[:free.find(stop)]  # the stop string is never streamed
+
+
+def test_16_concurrent_streams_get_the_tokens_of_a_lone_request(live, client):
+    def run(i):
+        toks = []
+        stream = client.completions.create(
+            model="sol-test", prompt=f"request {i}: " + DEMO_TEXT[i * 7:i * 7 + 20 + 3 * i], max_tokens=20,
+            temperature=0.0 if i % 4 == 0 else 0.9, top_p=0.95, seed=100 + i, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        for c in stream:
+            if c.choices and c.choices[0].model_extra.get("token_ids"):
+                toks += c.choices[0].model_extra["token_ids"]
+        return toks
+
+    alone = [run(i) for i in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, range(16)))
+    assert all(len(t) == 20 for t in alone)
+    assert together == alone
+    assert len({tuple(t) for t in alone}) == 16
+
+
+def _assert_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"]
+    return err
+
+
+def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
+    ok = {"model": "sol-test", "prompt": "hello", "max_tokens": 2}
+    url = live.state.base + "/v1/completions"
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def post(body, headers=None, **kw):
+        return httpx.post(url, headers={**auth, **(headers or {})}, **({"json": body} if body is not None else kw))
+
+    cases = [
+        ({**ok, "model": "gpt-9"}, 404, "model"),
+        ({**ok, "max_tokens": 0}, 400, "max_tokens"),
+        ({**ok, "max_tokens": -3}, 400, "max_tokens"),
+        ({**ok, "max_tokens": MAX_LEN}, 400, "max_tokens"),  # prompt + max_tokens beyond the context
+        ({**ok, "max_tokens": "ten"}, 400, "max_tokens"),
+        ({**ok, "temperature": "hot"}, 400, "temperature"),
+        ({**ok, "temperature": -1}, 400, "temperature"),
+        ({**ok, "stream": "yes"}, 400, "stream"),
+        ({**ok, "n": 2}, 400, "n"),
+        ({**ok, "prompt": ""}, 400, "prompt"),
+        ({**ok, "prompt": []}, 400, "prompt"),
+        ({**ok, "prompt": [1, 99999]}, 400, "prompt"),
+        ({**ok, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({**ok, "prompt": "wafer " * 400}, 400, "prompt"),  # longer than the context
+        ({**ok, "prompt": 5}, 400, "prompt"),
+        ({**ok, "seed": -1}, 400, "seed"),
+        ({"prompt": "hi"}, 400, "model"),
+        ({**ok, "logprobs": 3}, 400, "logprobs"),
+        ([1, 2], 400, None),
+    ]
+    for body, status, param in cases:
+        err = _assert_error(post(body), status)
+        assert err["param"] == param, (body, err)
+    _assert_error(post(None, content=b'{"model": "sol-test", "prompt": '), 400)  # malformed JSON
+    _assert_error(post(None, content=b'{"model": "sol-test", "prompt": "\xff\xfe"}'), 400)  # invalid UTF-8
+    _assert_error(post(None, content=b'{"model": "sol-test", "prompt": "\\udc80"}'), 400)  # lone surrogate
+    _assert_error(post(None, content=json.dumps({**ok, "prompt": "x" * 70_000}).encode()), 413)  # body > 64 KiB
+    _assert_error(post(ok, headers={"Authorization": ""}), 401)
+    _assert_error(post(ok, headers={"Authorization": "Bearer wrong"}), 401)
+    chat = live.state.base + "/v1/chat/completions"
+    _assert_error(httpx.post(chat, headers=auth, json={"model": "sol-test", "messages": []}), 400)
+    _assert_error(httpx.post(chat, headers=auth, json={"model": "sol-test", "messages": [{"role": "wizard", "content": "x"}]}), 400)
+    _assert_error(httpx.post(chat, headers=auth, json={"model": "sol-test", "messages": "hi"}), 400)
+    _assert_error(httpx.get(live.state.base + "/v1/nothing-here", headers=auth), 404)
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=live.state.base + "/v1", api_key="nope", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.completions.create(model="sol-test", prompt="x", max_tokens=2, n=3)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
+
+    r = client.completions.create(model="sol-test", prompt="still here", max_tokens=3, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 3
+    assert httpx.get(live.state.base + "/health").json()["status"] == "ok"
+    m = _metrics(live)
+    assert m['waferline_requests_total{endpoint="completions",status="400"}'] >= 17
+
+
+def test_client_disconnect_frees_its_pages(live):
+    body = {"model": "sol-test", "prompt": "A light cache lets many sequences live", "max_tokens": 200,
+            "temperature": 0.9, "ignore_eos": True, "stream": True}
+    aborted = _metrics(live).get('waferline_request_finished_total{reason="abort"}', 0.0)
+    with httpx.stream("POST", live.state.base + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = 0
+        for line in lines:
+            if line.startswith("data: "):
+                got += 1
+            if got == 3:
+                break
+        assert _pages_in_use(live) > 0  # the live sequence holds pages
+    assert _wait_until(lambda: _pages_in_use(live) == 0 and _metrics(live)["waferline_num_requests_running"] == 0), \
+        "pages were not freed after the client went away"
+    m = _metrics(live)
+    assert m['waferline_request_finished_total{reason="abort"}'] == aborted + 1
+    assert m["waferline_cache_bytes_in_use"] == 0
+
+
+def test_overload_queues_then_429(live, client):
+    engine = live.state.server.engine
+    cfg = engine.scheduler.config
+    old = cfg.max_queue
+    cfg.max_queue = 2
+    engine.pause()  # nothing is admitted while paused: requests wait in the queue
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(client.completions.create, model="sol-test", prompt="queued", max_tokens=3,
+                                   extra_body={"ignore_eos": True}) for _ in range(2)]
+            assert _wait_until(lambda: engine.num_waiting == 2)
+            assert _metrics(live)["waferline_num_requests_waiting"] == 2
+            with pytest.raises(openai.RateLimitError, match="queue is full"):
+                client.completions.create(model="sol-test", prompt="one too many", max_tokens=3)
+            engine.resume()
+            assert [f.result(timeout=60).usage.completion_tokens for f in waiting] == [3, 3]
+    finally:
+        engine.resume()
+        cfg.max_queue = old
+    assert client.completions.create(model="sol-test", prompt="after", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_serve_command(sol):
+    """`waferline serve` in its own process, on loopback: one request, then a clean error for a bad --model."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(sol), "--port", str(port),
+                          "--max-model-len", "128", "--torch-threads", "1"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return p.poll() is not None  # stop waiting if it died
+        assert _wait_until(healthy, 60, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        r = c.completions.create(model=sol.name, prompt="Cerebras", max_tokens=4, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 4 and r.model == sol.name
+    finally:
+        p.terminate()
+        p.wait(20)
+    bad = subprocess.run([sys.executable, "-m", "waferline.cli", "serve", "--model", str(Path(sol) / "missing")],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "not a checkpoint directory" in bad.stderr
