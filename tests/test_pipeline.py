@@ -100,7 +100,7 @@ def _stage_counts(layers: int) -> list[tuple[int | None, int | None, int | None]
     cases = [(1, None, None), (2, None, None)] if layers >= 2 else [(1, None, None)]
     if layers > 4:
         cases.append((4, None, 6))
-    return cases + [(None, 1, None)] if layers > 2 else cases
+    return cases + [(None, 1, None)] if layers > 2 else cases  # one layer per stage (L stages)
 
 
 @pytest.mark.parametrize("model", ["deepseek_v3", "nemotron_h", "sol"])
@@ -154,6 +154,29 @@ def test_pipeline_from_plan(ckpts):
         assert pipe.ranges == [(0, 3), (3, 4)] and pipe.micro_batches == 3
         toks, reasons, _ = pipe.run_generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
         assert len(toks[0]) == 3 and reasons == ["length"]
+
+
+def test_decode_ring_spreads_sequences_after_a_drain(ckpts):
+    """All 5 sequences ready at once (after a drain) fill min(M, n) micro-batches, not one; 1 sequence on a ring of
+    4 is launched alone (nothing waits for the ring to fill); prefill chunks keep to the token budget."""
+    from waferline.engine.pipeline import DECODE, _Seq
+
+    with Pipeline(ckpts["sol"], stages=1, micro_batches=2, prefill_chunk=8) as pipe:
+        seqs = [_Seq(i, [1, 2, 3], out=[4], next_pos=3, phase=DECODE) for i in range(5)]
+        sizes = []
+        while (nxt := pipe._schedule(seqs, False)) is not None:
+            sizes.append(sum(g.B for g in nxt[0].groups))
+        assert sizes == [3, 2]
+        lone = [_Seq(0, [1, 2, 3], out=[4], next_pos=3, phase=DECODE)]
+        mb, _ = pipe._schedule(lone, False)
+        assert mb.groups[0].seqs == [0] and pipe._schedule(lone, False) is None  # in flight: not scheduled twice
+        prompts = [_Seq(0, list(range(20))), _Seq(1, list(range(5)))]
+        chunks = []
+        while (nxt := pipe._schedule(prompts, False)) is not None:
+            chunks.append([(g.T, g.seqs, g.starts, g.emits) for g in nxt[0].groups])
+        # 20 tokens in chunks of 8 launched back to back (pipelined); the 5-token prompt fills the rest of the
+        # budget; only a prompt's last chunk samples
+        assert chunks == [[(8, [0], [0], [0])], [(8, [0], [8], [0])], [(4, [0, 1], [16, 0], [1, 0])], [(1, [1], [4], [1])]]
 
 
 def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):

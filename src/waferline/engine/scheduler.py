@@ -25,7 +25,7 @@ preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelS
 
 The pages are an accounting of capacity, enforced by admission and preemption; the tensors themselves stay
 slot-contiguous (``TokenCache`` rows), so physical memory is ``max_num_seqs`` x the longest live sequence.
-A block-table layout of the tensors (and with it a gather-free prefix cache) is future work.
+A block-table layout of the tensors (and with it a copy-free prefix cache) is future work.
 
 Scheduling, one step
 --------------------
@@ -43,8 +43,13 @@ All decodes run as one batched forward call ([B, 1]); each prefill chunk is a fo
 sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else is in the
 batch (up to floating-point reassociation in batched matmuls).
 
-Prefix caching is not implemented: with slot-contiguous rows it would need copies between slots; it is
-planned together with block-table tensors.
+Prefix caching (attention-only models whose layers all keep every token: GQA and MLA without a sliding
+window) keeps full pages of finished sequences in a store keyed by the exact token chain (a page is reused
+only when it *and every page before it* match). A new sequence whose prompt starts with stored pages gets them
+copied into its slot and prefills only the rest; at least one prompt token is always computed (for the
+logits). Stored pages count against the same byte budget and are evicted least-recently-used (with the pages
+that extend them) whenever a live sequence needs the room — they never cause a preemption. Models with
+Mamba-2 or sliding-window layers do not cache prefixes (their state is not a per-token prefix).
 """
 
 from __future__ import annotations
@@ -62,7 +67,7 @@ import torch
 from waferline.engine.sampling import SamplingParams, make_generator, sample
 from waferline.errors import ConfigError, RequestError, WaferlineError
 from waferline.model.context import StepBatch
-from waferline.model.ssm import Mamba2Cache
+from waferline.model.attention import TokenCache
 from waferline.spec.model import ModelSpec
 
 
@@ -132,7 +137,9 @@ class CacheManager:
                               "or lower --max-model-len")
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
-        self.used_bytes = 0.0
+        self.used_bytes = 0.0  # held by live sequences
+        self.prefix_bytes = 0.0  # held by the prefix store (evictable)
+        self.reclaim: Callable[[float], None] | None = None  # evict prefix pages until this many bytes are free
 
     # -- accounting (pure)
     def pages_for(self, n_tokens: int) -> list[int]:
@@ -160,8 +167,20 @@ class CacheManager:
     def holds(self, rid: str) -> bool:
         return rid in self._held
 
+    @property
+    def page_bytes(self) -> float:
+        """One page of every token pool together (what a prefix-store page costs)."""
+        return sum(p.page_bytes for p in self.pools if not p.per_seq)
+
+    def _room(self, extra: float) -> bool:
+        if self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6:
+            return True
+        if self.reclaim is not None and self.prefix_bytes > 0:
+            self.reclaim(self.used_bytes + self.prefix_bytes + extra - self.budget)
+        return self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6
+
     def can_admit(self, n_tokens: int) -> bool:
-        return bool(self._free_slots) and self.used_bytes + self.bytes_for(n_tokens) <= self.budget
+        return bool(self._free_slots) and self._room(self.bytes_for(n_tokens))
 
     def admit(self, rid: str) -> int:
         """Give ``rid`` a slot (and its state slots); token pages come with ``grow``."""
@@ -176,7 +195,7 @@ class CacheManager:
         slot, held = self._held[rid]
         want = [max(a, b) for a, b in zip(held, self.pages_for(n_tokens))]
         extra = self._bytes(want) - self._bytes(held)
-        if extra > 0 and self.used_bytes + extra > self.budget + 1e-6:
+        if extra > 0 and not self._room(extra):
             return False
         self._held[rid] = (slot, want)
         self.used_bytes += extra
@@ -198,6 +217,105 @@ class CacheManager:
         for p in self.pools:
             out.setdefault(p.kind, 0)
         return out
+
+
+class PrefixCache:
+    """Full pages of finished sequences, reusable by any later sequence whose tokens start the same way.
+
+    A page is keyed by (the page before it, its tokens), so a hit is always an exact match of the whole prefix.
+    Its rows (one [page_tokens, width] tensor per layer) are copies; their bytes are ``CacheManager.prefix_bytes``.
+    """
+
+    def __init__(self, manager: CacheManager):
+        self.cm = manager
+        self.P = manager.page_tokens
+        self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._blocks: dict[int, tuple[tuple[int, tuple[int, ...]], list[torch.Tensor | None], set[int]]] = {}
+        self._used: dict[int, int] = {}  # block id -> last use (a tick; larger is more recent)
+        self._tick = 0
+        self._next = 0
+        self.hit_tokens = 0
+        manager.reclaim = self.evict
+
+    @staticmethod
+    def eligible(caches: list[Any]) -> bool:
+        """Every cache keeps every token (no sliding window, no recurrent state)."""
+        return all(c is None or (isinstance(c, TokenCache) and c.window is None) for c in caches) and any(
+            c is not None for c in caches)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._blocks)
+
+    def match(self, ids: list[int]) -> list[int]:
+        """Stored pages that start ``ids``, leaving at least one token to compute."""
+        out: list[int] = []
+        parent = -1
+        for i in range((len(ids) - 1) // self.P):
+            b = self._by_key.get((parent, tuple(ids[i * self.P:(i + 1) * self.P])))
+            if b is None:
+                break
+            out.append(b)
+            parent = b
+        self._touch(out)
+        return out
+
+    def load(self, blocks: list[int], slot: int, caches: list[Any]) -> None:
+        """Copy stored pages into ``slot`` at positions [0, len(blocks) * page_tokens)."""
+        batch = StepBatch.make([slot], [0], len(blocks) * self.P)
+        for layer, c in enumerate(caches):
+            if c is not None:
+                c.update(torch.cat([self._blocks[b][1][layer] for b in blocks])[None], batch)
+        self.hit_tokens += len(blocks) * self.P
+
+    def store(self, ids: list[int], n_computed: int, slot: int, caches: list[Any]) -> None:
+        """Keep the full pages of a sequence's first ``n_computed`` tokens (its rows in ``slot``)."""
+        parent, chain = -1, []
+        for i in range(n_computed // self.P):
+            key = (parent, tuple(ids[i * self.P:(i + 1) * self.P]))
+            b = self._by_key.get(key)
+            if b is None:
+                self._touch(chain)
+                if not self.cm._room(self.cm.page_bytes) or (chain and chain[-1] not in self._blocks):
+                    return
+                lo, hi = i * self.P, (i + 1) * self.P
+                rows = [None if c is None else c.data[slot, lo:hi].clone() for c in caches]
+                b = self._next
+                self._next += 1
+                self._blocks[b] = (key, rows, set())
+                self._by_key[key] = b
+                if parent >= 0:
+                    self._blocks[parent][2].add(b)
+                self.cm.prefix_bytes += self.cm.page_bytes
+            chain.append(b)
+            parent = b
+        self._touch(chain)
+
+    def _touch(self, blocks: list[int]) -> None:
+        self._tick += 1
+        for b in blocks:
+            self._used[b] = self._tick
+
+    def evict(self, need: float) -> None:
+        """Drop least-recently-used pages (and the pages that extend them) until ``need`` bytes are freed."""
+        freed = 0.0
+        for b in sorted(self._used, key=self._used.__getitem__):
+            if freed >= need:
+                break
+            if b in self._blocks:
+                freed += self._drop(b)
+        if not self._blocks:
+            self.cm.prefix_bytes = 0.0
+
+    def _drop(self, b: int) -> float:
+        key, _, children = self._blocks.pop(b)
+        self._by_key.pop(key, None)
+        self._used.pop(b, None)
+        parent = key[0]
+        if parent in self._blocks:
+            self._blocks[parent][2].discard(b)
+        self.cm.prefix_bytes -= self.cm.page_bytes
+        return self.cm.page_bytes + sum(self._drop(c) for c in list(children) if c in self._blocks)
 
 
 # ----------------------------------------------------------------------------- requests
@@ -266,6 +384,7 @@ class SchedulerConfig:
     page_tokens: int = 16
     cache_bytes: float | None = None  # None: max_num_seqs sequences of max_model_len
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
+    prefix_caching: bool = True  # where the model allows it (attention-only, no sliding window)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_tokens", "page_tokens", "max_queue"):
@@ -293,6 +412,7 @@ class Scheduler:
         self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
                                   kv_bits=bits, state_bits=bits)
         self.caches = self.model.new_caches(config.max_num_seqs)
+        self.prefix = PrefixCache(self.cache) if config.prefix_caching and PrefixCache.eligible(self.caches) else None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (the newest is preempted first)
         self.stop_ids_default = set(llm.eos_token_ids)
@@ -395,8 +515,13 @@ class Scheduler:
                     c.reset(slots)
             s.status, s.num_computed = "running", 0
             self.running.append(s)
+            if self.prefix is not None:
+                hit = self.prefix.match(s.all_ids)
+                if hit and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
+                    self.prefix.load(hit, s.slot, self.caches)
+                    s.num_computed = len(hit) * self.cache.page_tokens
             t = min(s.remaining, cfg.chunk_tokens, budget)
-            self.cache.grow(s.request_id, t)
+            self.cache.grow(s.request_id, s.num_computed + t)
             prefills.append((s, t))
             budget -= t
         return decodes, prefills
@@ -463,6 +588,8 @@ class Scheduler:
             return
         if self.cache.holds(seq.request_id):
             self.cache.free(seq.request_id)
+            if self.prefix is not None and reason != "error":  # the slot's rows stay valid until it is reused
+                self.prefix.store(seq.all_ids, seq.num_computed, seq.slot, self.caches)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
@@ -579,4 +706,6 @@ class EngineLoop:
                 self.last_error = f"{type(e).__name__}: {e}"
                 sch.fail_all(f"engine error: {self.last_error}")
                 sch.caches = sch.model.new_caches(sch.config.max_num_seqs)
+                if sch.prefix is not None:
+                    sch.prefix.evict(float("inf"))
         sch.fail_all("server shutting down")

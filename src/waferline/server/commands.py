@@ -14,7 +14,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, chunk_tokens: int = 256,
                  page_tokens: int = 16, cache_mb: float | None = None, max_queue: int = 256,
                  api_key: str | None = None, served_model_name: str | None = None, max_body_bytes: int = 1 << 20,
-                 torch_threads: int | None = None) -> Any:
+                 torch_threads: int | None = None, prefix_caching: bool = True) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest)."""
     from waferline.engine.llm import LLM
     from waferline.engine.scheduler import EngineLoop, Scheduler, SchedulerConfig
@@ -28,7 +28,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=llm.max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, chunk_tokens=chunk_tokens,
                           page_tokens=page_tokens, cache_bytes=None if cache_mb is None else cache_mb * 2**20,
-                          max_queue=max_queue)
+                          max_queue=max_queue, prefix_caching=prefix_caching)
     engine = EngineLoop(Scheduler(llm, cfg), torch_threads=torch_threads).start()
     server = Server(engine, served_model_name or path.name, api_key, max_body_bytes)
     return create_app(server)
@@ -45,7 +45,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                        chunk_tokens=args.chunk_tokens, page_tokens=args.page_tokens, cache_mb=args.cache_mb,
                        max_queue=args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
-                       max_body_bytes=args.max_body_bytes, torch_threads=args.torch_threads)
+                       max_body_bytes=args.max_body_bytes, torch_threads=args.torch_threads,
+                       prefix_caching=not args.no_prefix_caching)
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
@@ -72,6 +73,8 @@ def register(sub: Any) -> None:
     s.add_argument("--page-tokens", type=int, default=16, help="tokens per cache page")
     s.add_argument("--cache-mb", type=float, default=None, help="cache budget in MiB (default: max-num-seqs sequences of "
                    "max-model-len tokens, by the ModelSpec accounting); smaller budgets preempt")
+    s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes (they are "
+                   "reused only on attention-only models without sliding windows)")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before the server answers 429")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -34,6 +34,9 @@ class Metrics:
         self.waiting = Gauge("waferline_num_requests_waiting", "requests in the queue, not yet admitted", registry=r)
         self.running = Gauge("waferline_num_requests_running", "requests being prefilled or decoded", registry=r)
         self.preemptions = Gauge("waferline_preemptions", "sequences preempted (recompute) since start", registry=r)
+        self.prefix_pages = Gauge("waferline_prefix_cache_pages", "pages kept by the prefix cache (evictable)", registry=r)
+        self.prefix_hits = Gauge("waferline_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache "
+                                 "since start", registry=r)
 
     def render(self) -> bytes:
         sch = self.engine.scheduler
@@ -44,4 +47,7 @@ class Metrics:
         self.waiting.set(self.engine.num_waiting)
         self.running.set(self.engine.num_running)
         self.preemptions.set(sch.stats["preemptions"])
+        if sch.prefix is not None:
+            self.prefix_pages.set(sch.prefix.num_pages)
+            self.prefix_hits.set(sch.prefix.hit_tokens)
         return generate_latest(self.registry)

@@ -208,7 +208,7 @@ def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: 
         eb = quantized_bytes(ffn.expert_params(), weight_bits, group) if moe else 0.0
         fb = layer.ffn_weight_bytes(weight_bits, group)
         total_f = layer.flops_per_token(context)
-        mixer_f = (2.0 * layer.mixer.matmul_params() + layer.mixer.attention_flops(context)) if layer.mixer is not None else 0.0
+        mixer_f = layer.mixer_flops_per_token(context)
         lc = LayerCost(index=layer.index, weight_bytes=layer.weight_bytes(weight_bits, group),
                        mixer_bytes=layer.mixer_weight_bytes(weight_bits, group), ffn_bytes=fb,
                        dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0), expert_bytes=eb,

@@ -450,16 +450,24 @@ class LayerSpec:
         m = self.mixer
         return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
 
+    def mixer_flops_per_token(self, context_len: int = 0) -> float:
+        """Forward FLOPs of the mixer (attention side) for one token with ``context_len`` tokens of context."""
+        if self.mixer is None:
+            return 0.0
+        return 2.0 * self.mixer.matmul_params() + self.mixer.attention_flops(context_len)
+
+    def ffn_flops_per_token(self) -> float:
+        """Forward FLOPs of the FFN (router + active experts + shared experts) for one token."""
+        if self.ffn is None:
+            return 0.0
+        f = 2.0 * self.ffn.active_matmul_params()
+        if isinstance(self.ffn, MoESpec):
+            f += 2.0 * self.hidden_size * self.ffn.num_experts
+        return f
+
     def flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs for one decoded token with ``context_len`` tokens of context."""
-        f = 0.0
-        if self.mixer is not None:
-            f += 2.0 * self.mixer.matmul_params() + self.mixer.attention_flops(context_len)
-        if self.ffn is not None:
-            f += 2.0 * self.ffn.active_matmul_params()
-            if isinstance(self.ffn, MoESpec):
-                f += 2.0 * self.hidden_size * self.ffn.num_experts
-        return f
+        return self.mixer_flops_per_token(context_len) + self.ffn_flops_per_token()
 
 
 @dataclass

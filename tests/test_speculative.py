@@ -1,0 +1,328 @@
+"""Speculative decoding: greedy output identical to plain decoding for every drafter and cache kind, the verifier's
+output distribution (chi-square), cache rollback, adaptive K, and the errors a user can cause."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tiny_models import VOCAB, build
+from waferline import LLM, SamplingParams
+from waferline.engine.sampling import target_probs
+from waferline.engine.speculative import (AdaptiveK, NgramDrafter, Proposal, expected_tokens, residual, verify,
+                                          verify_greedy, verify_sampled)
+from waferline.errors import ConfigError, WaferlineError
+from waferline.model.context import StepBatch
+from waferline.model.init import write_random_checkpoint
+
+TYPES = ("llama", "deepseek_v3", "bamba", "gpt_oss")
+
+
+def _perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
+    """A draft model: the target's checkpoint with every weight perturbed (shares the vocab, disagrees sometimes)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    w = load_file(src / "model.safetensors")
+    out = {k: (v + noise * v.float().std().nan_to_num(0.0) * torch.randn(v.shape, generator=g)).to(v.dtype)
+           if v.is_floating_point() and v.dim() == 2 else v for k, v in w.items()}
+    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for mt in TYPES:
+        d = tmp_path_factory.mktemp(mt)
+        build(mt, d)
+        out[mt] = d
+        out[mt + ":draft"] = _perturbed_copy(d, tmp_path_factory.mktemp(mt + "_draft"), 0.05)
+    # DeepSeek-V3 with its MTP module (transformers drops MTP weights, so write the same config with random ones)
+    cfg = json.loads((out["deepseek_v3"] / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    out["deepseek_v3:mtp"] = write_random_checkpoint(cfg, tmp_path_factory.mktemp("dsv3_mtp"), seed=3)
+    # our sol hybrid (Mamba-2 + MLA + MoE) with an MTP head
+    out["sol:mtp"] = write_random_checkpoint(SOL, tmp_path_factory.mktemp("sol_mtp"), seed=4)
+    return out
+
+
+SOL = {"model_type": "sol", "vocab_size": VOCAB, "hidden_size": 64, "num_hidden_layers": 3,
+           "mixer_types": ["mamba2", "mla", "gqa"], "ffn_types": ["dense", "moe", "moe"], "num_attention_heads": 4,
+           "num_key_value_heads": 2, "q_lora_rank": None, "kv_lora_rank": 16, "qk_nope_head_dim": 16,
+           "qk_rope_head_dim": 8, "v_head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
+           "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "mamba_n_heads": 4,
+           "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_chunk_size": 8,
+           "num_nextn_predict_layers": 1, "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = [3, 11, 6, 19, 8, 14][:n]
+    ps = [torch.randint(3, VOCAB, (k,), generator=g).tolist() for k in lens]
+    ps[1] = [7, 8, 9, 10] * 3  # repetitive: the n-gram drafter finds matches
+    return ps
+
+
+GREEDY = SamplingParams(max_tokens=14, ignore_eos=True)
+
+
+class Scripted:
+    """A test drafter that knows the reference continuation and corrupts one draft per step at a position that
+    cycles over 0..k (k: no corruption), so every row sees every accepted length and every rollback depth."""
+
+    name = "scripted"
+    uses_hidden = False
+
+    def __init__(self, ref: list[list[int]]):
+        self.ref, self.step = ref, 0
+
+    def begin(self, seqs, hidden):
+        pass
+
+    def propose(self, rows, seqs, ks, params, gens):
+        self.step += 1
+        props = []
+        for b, k in zip(rows, ks):
+            n = len(seqs[b])
+            assert seqs[b] == self.ref[b][:n], "speculative output left the reference"
+            d = self.ref[b][n:n + k]
+            bad = (self.step + b) % (k + 1)
+            if bad < len(d):
+                d[bad] = (d[bad] + 1) % VOCAB
+            props.append(Proposal(d))
+        return props
+
+    def accepted(self, rows, seqs, n_accepted, n_drafted, hidden):
+        pass
+
+
+@pytest.mark.parametrize("mt", TYPES)
+def test_greedy_identical_every_drafter(ckpts, mt):
+    prompts = _prompts()
+    ref = [o.token_ids for o in LLM(ckpts[mt]).generate(prompts, GREEDY)]
+    # every rollback depth, non-adaptive K (gpt_oss: window 8 caps K at 7)
+    llm = LLM(ckpts[mt], speculative="ngram", num_speculative_tokens=5, speculative_adaptive=False)
+    llm._spec.drafter = Scripted([p + r for p, r in zip(prompts, ref)])
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    m = outs[0].metrics
+    assert 0 < m["spec_acceptance_rate"] < 1 and m["spec_mean_accepted_length"] > 1.5
+    for method in ("ngram", f"draft:{ckpts[mt + ':draft']}"):
+        outs = LLM(ckpts[mt], speculative=method, num_speculative_tokens=4).generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == ref, method
+        assert outs[0].metrics["spec_drafted"] > 0
+    if mt == "deepseek_v3":
+        ref = [o.token_ids for o in LLM(ckpts["deepseek_v3:mtp"]).generate(prompts, GREEDY)]
+        outs = LLM(ckpts["deepseek_v3:mtp"], speculative="mtp", num_speculative_tokens=3,
+                   speculative_adaptive=False).generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == ref
+
+
+def test_draft_model_partial_acceptance(ckpts):
+    """The perturbed draft model agrees often but not always: rejections in the draft model's own caches (Mamba-2
+    state, attention) are rolled back too."""
+    prompts = _prompts()
+    ref = [o.token_ids for o in LLM(ckpts["bamba"]).generate(prompts, GREEDY)]
+    outs = LLM(ckpts["bamba"], speculative=f"draft:{ckpts['bamba:draft']}", num_speculative_tokens=3,
+               speculative_adaptive=False).generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ref
+    assert 0.1 < outs[0].metrics["spec_acceptance_rate"] < 1.0
+
+
+def test_mtp_sol_hybrid_and_drafts_match_full_forward(ckpts):
+    """sol (Mamba-2 + MLA + GQA, MoE) with an MTP head: greedy output identical, and every first draft the MTP
+    drafter proposed equals the MTP head's prediction from a single full-sequence forward (t, token t+1 -> t+2)."""
+    d = ckpts["sol:mtp"]
+    prompts = _prompts()
+    ref = [o.token_ids for o in LLM(d).generate(prompts, GREEDY)]
+    llm = LLM(d, speculative="mtp", num_speculative_tokens=2, speculative_adaptive=False)
+    drafter = llm._spec.drafter
+    seen: list[tuple[int, list[int], int]] = []
+    orig = drafter.propose
+
+    def spy(rows, seqs, ks, params, gens):
+        props = orig(rows, seqs, ks, params, gens)
+        seen.extend((b, list(seqs[b]), p.tokens[0]) for b, p in zip(rows, props) if p.tokens)
+        return props
+
+    drafter.propose = spy
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ref
+    assert len(seen) > 10
+    model = llm.model
+    with torch.inference_mode():
+        for b, seq, first in seen[::3]:
+            n = len(seq)
+            toks = torch.tensor([seq])
+            h = model(toks, model.new_caches(1), StepBatch.make([0], [0], n))
+            head = model.mtp[0]
+            h2 = head(h[:, :-1], model.embed_tokens(toks[:, 1:]), head.layer.new_cache(1), StepBatch.make([0], [0], n - 1))
+            pred = int(torch.nn.functional.linear(head.norm(h2[0, -1]), model.lm_head).argmax())
+            assert pred == first
+
+
+def test_sampled_generation_runs_and_is_seeded(ckpts):
+    prompts = _prompts(3)
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)
+    for method in ("ngram", f"draft:{ckpts['llama:draft']}"):
+        llm = LLM(ckpts["llama"], speculative=method, num_speculative_tokens=3, speculative_adaptive=False)
+        a = [o.token_ids for o in llm.generate(prompts, sp)]
+        b = [o.token_ids for o in llm.generate(prompts, sp)]
+        assert a == b and all(len(x) == 12 for x in a)
+
+
+def test_stop_token_inside_accepted_drafts(ckpts):
+    prompts = _prompts(3)
+    ref_full = [o.token_ids for o in LLM(ckpts["llama"]).generate(prompts, GREEDY)]
+    stop = ref_full[0][5]  # a token row 0 emits mid-sequence
+    sp = SamplingParams(max_tokens=14, stop_token_ids=[stop], ignore_eos=True)
+    ref = LLM(ckpts["llama"]).generate(prompts, sp)
+    llm = LLM(ckpts["llama"], speculative="ngram", num_speculative_tokens=4, speculative_adaptive=False)
+    llm._spec.drafter = Scripted([p + r for p, r in zip(prompts, ref_full)])
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] == stop
+
+
+# ----------------------------------------------------------------------------------------------- the verifier
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    exp = probs.double() * counts.sum()
+    keep = exp > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
+    stat = float(((counts[keep].double() - exp[keep]) ** 2 / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def _run_verifier(fn, p, q, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """n draws of: draft 2 tokens from q (or a fixed draft with one-hot q), verify; count the first emitted token,
+    and the second one when the first draft was accepted."""
+    g = torch.Generator().manual_seed(seed)
+    V = p.shape[1]
+    first, second = torch.zeros(V), torch.zeros(V)
+    for _ in range(n):
+        if q is None:
+            draft = [0, 4]
+        else:
+            draft = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(2)]
+        out = fn(p, q, draft, g)
+        first[out[0]] += 1
+        if len(out) >= 2:
+            second[out[1]] += 1
+    return first, second
+
+
+P = torch.tensor([[0.30, 0.05, 0.25, 0.10, 0.20, 0.10], [0.10, 0.40, 0.05, 0.05, 0.30, 0.10],
+                  [0.20, 0.20, 0.20, 0.20, 0.10, 0.10]])
+Q = torch.tensor([[0.05, 0.40, 0.05, 0.30, 0.10, 0.10], [0.30, 0.10, 0.30, 0.10, 0.10, 0.10]])
+
+
+@pytest.mark.parametrize("q", [Q, None], ids=["draft-distribution", "one-hot-ngram"])
+def test_verifier_output_follows_target_distribution(q):
+    first, second = _run_verifier(verify_sampled, P, q, 20_000, seed=0)
+    assert _chi2_pvalue(first, P[0]) > 1e-3
+    assert second.sum() > 2000 and _chi2_pvalue(second, P[1]) > 1e-3
+
+
+def test_broken_verifier_fails_the_test():
+    """Resampling a rejected draft from p instead of the residual max(0, p − q) (a classic bug) is caught."""
+
+    def broken(p, q, draft, g):
+        out = []
+        for i, x in enumerate(draft):
+            qx = 1.0 if q is None else float(q[i, x])
+            if float(torch.rand(1, generator=g)) * qx < float(p[i, x]):
+                out.append(x)
+                continue
+            out.append(int(torch.multinomial(p[i], 1, generator=g)))
+            return out
+        return out + [int(torch.multinomial(p[len(draft)], 1, generator=g))]
+
+    for q in (Q, None):
+        first, _ = _run_verifier(broken, P, q, 20_000, seed=0)
+        assert _chi2_pvalue(first, P[0]) < 1e-6
+
+
+def test_verify_respects_temperature_top_k_top_p():
+    """verify() builds p with target_probs: tokens outside top-k / top-p are never emitted, and the emitted
+    distribution is the truncated, tempered one."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 8) * 2
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
+    p = target_probs(logits, params)
+    q = torch.softmax(torch.randn(1, 8), -1)
+    g = torch.Generator().manual_seed(1)
+    counts = torch.zeros(8)
+    for _ in range(20_000):
+        d = [int(torch.multinomial(q[0], 1, generator=g))]
+        counts[verify(logits, d, q, params, g)[0]] += 1
+    assert _chi2_pvalue(counts, p[0]) > 1e-3
+
+
+def test_greedy_verify_and_residual():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    assert verify_greedy(logits, [1, 0]) == [1, 0, 2]  # all accepted + bonus
+    assert verify_greedy(logits, [1, 2]) == [1, 0]  # second rejected, replaced by the argmax
+    assert verify_greedy(logits, [2, 0]) == [1]
+    assert verify_greedy(logits, []) == [1]
+    p = torch.tensor([0.5, 0.3, 0.2])
+    assert torch.allclose(residual(p, None, 0), torch.tensor([0.0, 0.6, 0.4]))
+    assert torch.allclose(residual(p, torch.tensor([0.2, 0.6, 0.2]), 1), torch.tensor([1.0, 0.0, 0.0]))
+
+
+# ----------------------------------------------------------------------------------------------- drafters, K, errors
+
+
+def test_ngram_lookup_prefers_longest_latest_match():
+    d = NgramDrafter(1, 3)
+    d.begin([[]], [])
+    seq = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    assert d.lookup(0, seq, 3) == [7, 5, 1]  # "1 2 3" last seen before position 7
+    seq += [7, 5]
+    assert d.lookup(0, seq, 2) == [1, 2]  # "3 7 5" -> 1 2
+    assert d.lookup(0, [4, 4], 2) == [4]
+
+
+def test_adaptive_k_grows_with_acceptance_and_backs_off_with_batch():
+    ctl = AdaptiveK(k_max=6, overhead=24.0)
+    for _ in range(10):
+        ctl.observe(0, 4, 4)
+        ctl.observe(1, 4, 0)
+    k_hi, k_lo = ctl.choose([0, 1])[0], AdaptiveK(6, overhead=24.0, alpha={1: ctl.alpha[1]}).choose([1])[0]
+    assert k_hi >= 5 and k_lo <= 1
+    assert ctl.choose(list(range(64)))[0] < k_hi  # a large batch pays for every verified token
+    low = AdaptiveK(k_max=6, overhead=24.0, alpha={b: 0.3 for b in range(64)})
+    assert low.choose(list(range(64))) == [0] * 64  # no longer pays: plain decode
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875) and expected_tokens(1.0, 3) == 4.0
+    assert AdaptiveK(k_max=3, enabled=False).choose([0, 1]) == [3, 3]
+
+
+def test_user_errors(ckpts, tmp_path):
+    with pytest.raises(ConfigError, match="MTP"):
+        LLM(ckpts["llama"], speculative="mtp")
+    with pytest.raises(ConfigError, match="unknown speculative"):
+        LLM(ckpts["llama"], speculative="medusa")
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        LLM(ckpts["llama"], speculative="ngram", num_speculative_tokens=0)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        LLM(ckpts["llama"], speculative=f"draft:{write_random_checkpoint(dict(SOL, vocab_size=256), tmp_path / 'v')}")
+    with pytest.raises(WaferlineError):
+        LLM(ckpts["llama"], speculative=f"draft:{tmp_path / 'missing'}")
+
+
+def test_cli_generate_speculative(ckpts):
+    base = [sys.executable, "-m", "waferline.cli", "generate", "--model", str(ckpts["llama"]),
+            "--prompt-ids", "7 8 9 10 7 8 9 10 7 8", "--max-tokens", "10", "--json"]
+    plain = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)
+    spec = json.loads(subprocess.run(base + ["--speculative", "ngram", "--num-speculative-tokens", "3"],
+                                     capture_output=True, text=True, check=True).stdout)
+    assert spec["token_ids"] == plain["token_ids"] and "spec_acceptance_rate" in spec
+    bad = subprocess.run(base + ["--speculative", "nope"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown speculative method" in bad.stderr and "Traceback" not in bad.stderr
