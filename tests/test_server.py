@@ -193,7 +193,7 @@ def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol
     tight = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, chunk_tokens=16,
                                            cache_bytes=CacheManager(llm.spec, 1, 64, 8, kv_bits=32).budget))
     assert _run_all(tight, [Sequence(f"t{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]) == want
-    assert tight.cache.prefix_bytes + tight.cache.used_bytes <= tight.cache.budget
+    assert tight.prefix.evicted_pages > 0 and tight.cache.prefix_bytes + tight.cache.used_bytes <= tight.cache.budget
     assert Scheduler(LLM(sol), SchedulerConfig(max_model_len=64)).prefix is None  # Mamba-2 state is not a prefix
 
 
@@ -374,6 +374,19 @@ def test_client_disconnect_frees_its_pages(live):
     m = _metrics(live)
     assert m['waferline_request_finished_total{reason="abort"}'] == aborted + 1
     assert m["waferline_cache_bytes_in_use"] == 0
+
+    engine = live.state.server.engine  # a client that gives up while still queued is dropped before any compute
+    generated = m["waferline_generation_tokens_total"]
+    engine.pause()
+    try:
+        with httpx.stream("POST", live.state.base + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+            assert r.status_code == 200 and _wait_until(lambda: engine.num_waiting == 1)
+        assert _wait_until(lambda: _metrics(live)['waferline_request_finished_total{reason="abort"}'] == aborted + 2)
+    finally:
+        engine.resume()
+    assert _wait_until(lambda: engine.num_waiting == 0 and engine.num_running == 0)
+    assert _metrics(live)["waferline_generation_tokens_total"] == generated and _pages_in_use(live) == 0
 
 
 def test_overload_queues_then_429(live, client):

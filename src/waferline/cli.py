@@ -76,7 +76,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from waferline.demo import run_demo
 
-    return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json)
+    return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
+                    prompt=args.prompt, model=args.model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,11 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_info)
 
-    d = sub.add_parser("demo", help="the main job: build a small Sol-architecture model and generate from it",
-                       description="Builds a small checkpoint of waferline's own 'sol' architecture and runs a real generation.")
+    d = sub.add_parser("demo", help="the main job: sol-mini streams Shakespeare, the planner sizes gpt-5.6-sol, a report is written",
+                       description="Loads sol-mini (waferline's own Sol architecture in miniature), streams a continuation with a live "
+                                   "tokens/s, prints what the planner predicts for gpt-5.6-sol on WSE-3 wafers, and writes "
+                                   "demo_out/waferline-report.html.")
     d.add_argument("--out", default="demo_out", help="where the demo writes its checkpoint and report (default demo_out/)")
-    d.add_argument("--max-tokens", type=int, default=48)
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--max-tokens", type=int, default=160, help="tokens to stream (default 160)")
+    d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")
+    d.add_argument("--model", default=None, help="checkpoint directory (default: the bundled models/sol-mini)")
+    d.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.set_defaults(func=_cmd_demo)
 
     import importlib

@@ -1,8 +1,9 @@
-"""`waferline demo`: build a small checkpoint of the Sol architecture and run a real generation from it.
+"""`waferline demo`: the main job. sol-mini (a small model of the Sol architecture, trained on Shakespeare)
+streams a continuation with a live tokens/s; then the planner and simulator say what the full-size
+gpt-5.6-sol would do on WSE-3 wafers; and an HTML report with the plots is written.
 
-Until the trained sol-mini model lands, the demo's weights are RANDOM (a fixed seed): the text it prints is
-noise, but every mechanism is real — the hybrid Mamba-2 + MLA stack, the MoE with a shared expert, the
-latent/SSM caches, the batch of prompts of different lengths, greedy and sampled decoding.
+If the bundled checkpoint is missing (e.g. a source tree without models/), the demo builds a small random
+`sol` checkpoint instead and says so: every mechanism is real, the text is then noise.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+DEFAULT_PROMPT = "ROMEO.\nWhat light is this that breaks upon the wafer?\n"
+BUNDLED = Path(__file__).resolve().parents[2] / "models" / "sol-mini"
 
 DEMO_TEXT = (
     "Cerebras wafers keep the weights of a layer in on-chip SRAM and stream activations from wafer to wafer. "
@@ -71,6 +75,7 @@ def write_tokenizer(directory: Path, text: str, vocab_size: int) -> None:
 
 
 def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
+    """A small random `sol` checkpoint with a tokenizer (used when sol-mini is not bundled, and by tests)."""
     from waferline.model.init import write_random_checkpoint
 
     write_random_checkpoint(SOL_DEMO_CONFIG, directory, seed=seed)
@@ -78,43 +83,225 @@ def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def run_demo(out_dir: str = "demo_out", max_tokens: int = 48, json_out: bool = False) -> int:
+class LayerTimer:
+    """Wall time of every decoder layer during decode steps (forward hooks): the per-stage timeline when each
+    layer is its own stage ("one wafer, one layer")."""
+
+    def __init__(self, model: Any):
+        self.model, self.handles, self.times = model, [], {}
+        self._t0: dict[int, float] = {}
+        for i, layer in enumerate(model.layers):
+            self.handles.append(layer.register_forward_pre_hook(self._pre(i)))
+            self.handles.append(layer.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int):
+        def hook(mod: Any, args: Any) -> None:
+            self._t0[i] = time.perf_counter()
+        return hook
+
+    def _post(self, i: int):
+        def hook(mod: Any, args: Any, out: Any) -> None:
+            if args[0].shape[1] == 1:  # decode steps only
+                self.times.setdefault(i, []).append(time.perf_counter() - self._t0[i])
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def median_s(self) -> list[float]:
+        import statistics
+
+        return [statistics.median(self.times.get(i, [0.0])) for i in range(len(self.model.layers))]
+
+
+def planner_headline() -> dict[str, Any]:
+    """What the planner/simulator say about gpt-5.6-sol on WSE-3 (and GB200 NVL72) — numbers for the terminal and report."""
+    from waferline.plan.place import place
+    from waferline.plan.plan import SpeculativeConfig
+    from waferline.sim.pipeline import simulate
+
+    out: dict[str, Any] = {}
+    for bits in (4, 16):
+        p = place("gpt-5.6-sol", "wse-3", weight_bits=bits)
+        out[f"wafers_{bits}bit"] = p.num_devices
+    p80 = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4)
+    r = simulate(p80)
+    p80_long = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, context=131072, batch=16)
+    out.update(one_layer_per_wafer_devices=80, tok_s_per_user=r.decode_tokens_per_s_per_user, ttft_s=r.ttft_s,
+               stage_ms=[s.total * 1e3 for s in r.stages])
+    ps = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, speculative=SpeculativeConfig("mtp", 3))
+    out["tok_s_per_user_mtp"] = simulate(ps).decode_tokens_per_s_per_user
+    out["memory_per_wafer_gb"] = [(s.index, s.memory.weights / 1e9, s.memory.cache / 1e9, s.memory.capacity / 1e9)
+                                  for s in p80_long.stages]
+    sweep = []
+    for n in (40, 41, 48, 60, 80, 100, 120, 160, 200):
+        pn = place("gpt-5.6-sol", "wse-3", devices=n, weight_bits=4)
+        if pn.fits:
+            sweep.append((n, simulate(pn).decode_tokens_per_s_per_user,
+                          simulate(place("gpt-5.6-sol", "wse-3", devices=n, weight_bits=4,
+                                         speculative=SpeculativeConfig("mtp", 3))).decode_tokens_per_s_per_user))
+    out["sweep"] = sweep
+    nvl = place("gpt-5.6-sol", "gb200-nvl72", weight_bits=4)
+    out["nvl72_gpus"] = nvl.num_devices
+    out["nvl72_tok_s_per_user"] = simulate(nvl).decode_tokens_per_s_per_user
+    return out
+
+
+def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from waferline.spec.catalog import load_model
+
+    figs: dict[str, Any] = {}
+    fig, ax = plt.subplots(figsize=(9, 2.8))
+    t = 0.0
+    colors = {"mamba2": "#4c9be8", "mla": "#e8774c", "gqa": "#8bc34a"}
+    for i, (ms, kind) in enumerate(zip(timeline_ms, kinds)):
+        ax.barh(0, ms, left=t, color=colors.get(kind, "#999"), edgecolor="white")
+        ax.text(t + ms / 2, 0, f"L{i}\n{kind}", ha="center", va="center", fontsize=7)
+        t += ms
+    ax.set_yticks([])
+    ax.set_xlabel("ms within one decode step (one token through every layer = every stage)")
+    ax.set_title("sol-mini: per-layer (per-stage) timeline of one decode step, measured")
+    figs["timeline"] = fig
+
+    fig, ax = plt.subplots(figsize=(9, 3.2))
+    mem = head["memory_per_wafer_gb"]
+    idx = [m[0] for m in mem]
+    ax.bar(idx, [m[1] for m in mem], label="weights (4-bit + scales)", color="#4c9be8")
+    ax.bar(idx, [m[2] for m in mem], bottom=[m[1] for m in mem], label="KV cache (16 sequences x 128k tokens)", color="#e8774c")
+    ax.axhline(mem[0][3], color="k", ls="--", lw=1, label="SRAM per wafer")
+    ax.set_xlabel("wafer (stage)")
+    ax.set_ylabel("GB")
+    ax.set_title("gpt-5.6-sol on 80 WSE-3 wafers, one layer per wafer: memory per wafer (predicted)")
+    ax.legend(fontsize=8)
+    figs["memory"] = fig
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ctx = [2 ** k for k in range(10, 21)]
+    for name, label in (("gpt-5.6-sol-gqa", "GQA (8 KV heads)"), ("gpt-5.6-sol-mla", "MLA latent"),
+                        ("gpt-5.6-sol-hybrid", "hybrid 3 Mamba-2 : 1 MLA")):
+        spec = load_model(name)
+        ax.plot(ctx, [spec.cache_bytes_per_seq(c, 16) / 1e9 for c in ctx], marker="o", ms=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("cache per sequence, GB (bf16)")
+    ax.set_title("KV / state bytes vs context, gpt-5.6-sol variants (ModelSpec accounting)")
+    ax.legend(fontsize=8)
+    figs["kv"] = fig
+
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    sw = head["sweep"]
+    ax.plot([s[0] for s in sw], [s[1] for s in sw], marker="o", label="no speculation")
+    ax.plot([s[0] for s in sw], [s[2] for s in sw], marker="s", label="MTP, k=3 (acceptance 0.85 assumed)")
+    ax.axhline(750, color="k", ls=":", lw=1, label="750 tok/s (reported)")
+    ax.set_xlabel("WSE-3 wafers")
+    ax.set_ylabel("decode tok/s per user")
+    ax.set_title("gpt-5.6-sol, 4-bit weights: predicted tokens/s vs wafers")
+    ax.legend(fontsize=8)
+    figs["sweep"] = fig
+    return figs
+
+
+def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = False, report: bool = True,
+             prompt: str | None = None, model: str | None = None) -> int:
     from rich.console import Console
+    from rich.live import Live
     from rich.table import Table
+    from rich.text import Text
 
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
 
     console = Console(stderr=json_out)
-    ckpt = Path(out_dir) / "sol-demo-random"
-    with console.status("building a random Sol-architecture checkpoint (6 layers: Mamba-2 + MLA, MoE 8x top-2 + shared)"):
+    prompt = prompt or DEFAULT_PROMPT
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = Path(model) if model else BUNDLED
+    trained = (ckpt / "model.safetensors").is_file()
+    if not trained:
+        ckpt = out / "sol-demo-random"
+        console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
+                      "(the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
         build_demo_checkpoint(ckpt)
     llm = LLM(ckpt)
     spec = llm.spec
-    table = Table(title=f"{ckpt} — the ModelSpec accounting the simulator also uses")
-    for col in ("layer", "mixer", "ffn", "params", "cache B/token (bf16)", "state B/seq (bf16)"):
-        table.add_column(col, justify="right")
-    for layer in spec.layers:
-        table.add_row(str(layer.index), layer.mixer.kind, layer.ffn.kind, f"{layer.params():,}",
-                      f"{layer.cache_bytes_per_token(16):,.0f}", f"{layer.mixer.state_bytes_per_seq(16):,.0f}")
-    console.print(table)
-    prompts = ["Cerebras wafers keep the weights", "A light cache lets many sequences live beside the weights: latent"]
-    results: dict[str, Any] = {"checkpoint": str(ckpt), "weights": "random (seed 0) — the text is noise until sol-mini is trained",
-                               "params_total": spec.params_total(), "runs": []}
-    for name, params in (("greedy", SamplingParams(max_tokens=max_tokens)),
-                         ("sampled T=0.8 top-p 0.95 seed 1", SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=1))):
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        for p, o in zip(prompts, outs):
-            console.print(f"[bold]{name}[/bold] | [cyan]{p}[/cyan]{o.text!r}")
-        m = outs[0].metrics
-        console.print(f"  batch of {len(prompts)}: {sum(len(o.token_ids) for o in outs)} tokens in {wall:.2f} s, "
-                      f"decode {m['decode_tokens_per_s']:.0f} tok/s aggregate, TTFT {m['ttft_s'] * 1e3:.0f} ms")
-        results["runs"].append({"mode": name, "outputs": [o.text for o in outs], "token_ids": [o.token_ids for o in outs],
-                                "decode_tokens_per_s": m["decode_tokens_per_s"], "ttft_s": m["ttft_s"]})
-    console.print("[yellow]note:[/yellow] weights are random, so the text is noise; the trained sol-mini model replaces them.")
-    (Path(out_dir) / "demo.json").write_text(json.dumps(results, indent=2))
+    kinds = [layer.mixer.kind for layer in spec.layers]
+    console.print(f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
+                  f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
+                  f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
+                  f"cache {spec.cache_bytes_per_token(16):.0f} B/token + {spec.cache_bytes_per_seq(0) / 1e3:.1f} kB/sequence (bf16)")
+    console.print("plan: single process, one stage per layer measured with hooks; 16-bit weights")
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=0)
+    timer = LayerTimer(llm.model)
+    text = Text(prompt, style="cyan")
+    n, t_first, t0 = 0, None, time.perf_counter()
+    result = None
+    with Live(text, console=console, refresh_per_second=12, transient=False) as live:
+        pieces: list[int] = []
+        for event in llm.stream([prompt], params):
+            if isinstance(event, list):
+                result = event[0]
+                break
+            _, tok = event
+            pieces.append(tok)
+            n += 1
+            if t_first is None:
+                t_first = time.perf_counter()
+            rate = (n - 1) / max(time.perf_counter() - t_first, 1e-9) if n > 1 else 0.0
+            live.update(Text.assemble((prompt, "cyan"), llm.decode(pieces), (f"\n[{n} tokens, {rate:.0f} tok/s]", "bold green")))
+    timer.close()
+    assert result is not None
+    m = result.metrics
+    timeline_ms = [t * 1e3 for t in timer.median_s()]
+    console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
+                  f"{len(result.token_ids)} tokens ({'trained sol-mini' if trained else 'RANDOM weights'})")
+    head = planner_headline()
+    t = Table(title="gpt-5.6-sol (~3T total / ~150B active, 80 layers; speculative config) on Cerebras WSE-3 — predicted")
+    t.add_column("question")
+    t.add_column("answer", justify="right")
+    t.add_row("wafers needed, 4-bit weights", f"{head['wafers_4bit']}")
+    t.add_row("wafers needed, 16-bit weights", f"{head['wafers_16bit']}")
+    t.add_row("tok/s per user, one layer per wafer (80), 4-bit", f"{head['tok_s_per_user']:.0f}")
+    t.add_row("  ... with MTP speculation (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}")
+    t.add_row("TTFT, 1,000-token prompt", f"{head['ttft_s'] * 1e3:.0f} ms")
+    t.add_row(f"GB200 NVL72, 4-bit: GPUs / tok/s per user", f"{head['nvl72_gpus']} / {head['nvl72_tok_s_per_user']:.0f}")
+    console.print(t)
+    console.print("commands: waferline plan gpt-5.6-sol --hardware wse-3 --weight-bits 4 ; "
+                  "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
+    summary = {"checkpoint": str(ckpt), "trained": trained, "prompt": prompt, "text": result.text,
+               "token_ids": result.token_ids, "decode_tokens_per_s": m["decode_tokens_per_s"], "ttft_s": m["ttft_s"],
+               "layer_ms": timeline_ms, "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)}}
+    if report:
+        from waferline.report.html import Report
+
+        figs = _figures(timeline_ms, kinds, head)
+        rep = Report("waferline demo report", f"sol-mini run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}")
+        rep.add("The run", text=prompt + result.text,
+                note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms "
+                     f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), sampled T=0.8 top-p 0.95 seed 0")
+        rep.add("Per-stage timeline", figure=figs["timeline"],
+                note="Median wall time of each layer during decode steps, measured in this run (single process; each layer "
+                     "is one stage in the one-layer-per-wafer plan).")
+        rep.add("gpt-5.6-sol on WSE-3 — the planner's answer",
+                table=[["question", "answer"], ["wafers needed, 4-bit", head["wafers_4bit"]], ["wafers needed, 16-bit", head["wafers_16bit"]],
+                       ["tok/s per user, 80 wafers, 4-bit", f"{head['tok_s_per_user']:.0f}"],
+                       ["... with MTP (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}"],
+                       ["TTFT (1,000-token prompt)", f"{head['ttft_s'] * 1e3:.0f} ms"],
+                       ["GB200 NVL72 4-bit: GPUs", head["nvl72_gpus"]], ["GB200 NVL72: tok/s per user", f"{head['nvl72_tok_s_per_user']:.0f}"]],
+                note="Simulator predictions (fitted on published results; see docs/planner.md). gpt-5.6-sol is a speculative config.")
+        rep.add("Memory per wafer", figure=figs["memory"])
+        rep.add("KV / state bytes vs context", figure=figs["kv"])
+        rep.add("Predicted tokens/s vs number of wafers", figure=figs["sweep"])
+        path = rep.write(out / "waferline-report.html")
+        summary["report"] = str(path)
+        console.print(f"report: {path}")
+    (out / "demo.json").write_text(json.dumps(summary, indent=2))
     if json_out:
-        print(json.dumps(results))
+        print(json.dumps(summary))
     return 0

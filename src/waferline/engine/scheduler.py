@@ -235,6 +235,7 @@ class PrefixCache:
         self._tick = 0
         self._next = 0
         self.hit_tokens = 0
+        self.evicted_pages = 0
         manager.reclaim = self.evict
 
     @staticmethod
@@ -315,6 +316,7 @@ class PrefixCache:
         if parent in self._blocks:
             self._blocks[parent][2].discard(b)
         self.cm.prefix_bytes -= self.cm.page_bytes
+        self.evicted_pages += 1
         return self.cm.page_bytes + sum(self._drop(c) for c in list(children) if c in self._blocks)
 
 
@@ -357,6 +359,13 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi) of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        return self.prompt_ids[lo:] + self.output_ids[max(lo - n, 0):hi - n]
 
     @property
     def remaining(self) -> int:
@@ -456,7 +465,7 @@ class Scheduler:
         decodes, prefills = self._schedule()
         fed = 0
         if decodes:
-            toks = torch.tensor([[s.all_ids[s.num_computed]] for s in decodes])
+            toks = torch.tensor([s.tokens(s.num_computed, s.num_computed + 1) for s in decodes])
             batch = StepBatch.make([s.slot for s in decodes], [s.num_computed for s in decodes], 1)
             h = self.model(toks, self.caches, batch)
             logits = self.model.logits(h[:, 0])
@@ -467,7 +476,7 @@ class Scheduler:
         for s, t in prefills:
             if s.status != "running":
                 continue
-            chunk = torch.tensor([s.all_ids[s.num_computed:s.num_computed + t]])
+            chunk = torch.tensor([s.tokens(s.num_computed, s.num_computed + t)])
             h = self.model(chunk, self.caches, StepBatch.make([s.slot], [s.num_computed], t))
             s.num_computed += t
             self.stats["prefill_tokens"] += t

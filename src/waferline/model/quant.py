@@ -741,7 +741,7 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"calibration file {p} does not exist")
-    text = p.read_text(errors="replace")
+    text = p.read_text(errors="replace")[: max_tokens * 16]  # more characters than max_tokens tokens need
     parts = text.split()
     if parts and all(s.isdigit() for s in parts[:1000]):
         ids = [int(s) for s in parts]

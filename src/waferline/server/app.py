@@ -12,6 +12,7 @@ import json
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -172,7 +173,11 @@ class Server:
             raise APIError(str(e), 429, type="rate_limit_error", code="queue_full") from None
         except RequestError as e:
             raise APIError(str(e)) from None
-        return self._events(queue, rid, arrival)
+        events = self._events(queue, rid, arrival)
+        # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
+        # generator's cleanup: abort when it is collected (a no-op for a request that already finished)
+        weakref.finalize(events, self.engine.abort, rid)
+        return events
 
     async def _events(self, queue: asyncio.Queue, rid: str, arrival: float) -> AsyncIterator[tuple[Event, float]]:
         finished = False

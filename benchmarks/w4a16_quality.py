@@ -1,0 +1,123 @@
+"""Held-out perplexity and weight bytes of bf16 vs int4 (RTN g128, RTN g32, GPTQ g32) for a checkpoint.
+
+Default: the trained sol-mini (`models/sol-mini`, its `heldout.txt`), GPTQ calibrated on the first tokens of the
+training text (`train/work/data/train.txt`, never the held-out plays). Perplexity is scored as sol-mini's model
+card scores it: consecutive non-overlapping windows of 256 tokens, each from scratch. int4 variants run W4A16
+(bf16 activations). Weight bytes are the safetensors tensor bytes of each written checkpoint. Prints a table,
+writes benchmarks/results/w4a16_quality.json.
+
+    python benchmarks/w4a16_quality.py
+    python benchmarks/w4a16_quality.py --model DIR --heldout FILE --calibration FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from waferline import LLM
+from waferline.model.load import checkpoint_files
+from waferline.model.quant import QuantOptions, calibration_tokens, quantize_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = (("int4 RTN g128", "rtn", 128), ("int4 RTN g32", "rtn", 32), ("int4 GPTQ g32", "gptq", 32))
+
+
+def tensor_bytes(directory: Path) -> int:
+    """Bytes of tensor data in a checkpoint (headers excluded)."""
+    n = 0
+    for f in checkpoint_files(directory):
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                t = h.get_slice(k)
+                n += math.prod(t.get_shape()) * {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4,
+                                                   "I64": 8, "F64": 8}[t.get_dtype()]
+    return n
+
+
+def perplexity(llm: LLM, ids: list[int], window: int = 256) -> float:
+    nll, n = 0.0, 0
+    for s in range(0, len(ids) - 1, window):
+        chunk = ids[s: s + window + 1]
+        if len(chunk) < 2:
+            break
+        lp = llm.prompt_logprobs(chunk)
+        nll -= float(lp[:-1].gather(1, torch.tensor(chunk[1:])[:, None]).sum())
+        n += len(chunk) - 1
+    return math.exp(nll / n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "models" / "sol-mini"))
+    ap.add_argument("--heldout", default=None, help="held-out text or token ids (default: MODEL/heldout.txt)")
+    ap.add_argument("--calibration", default=str(ROOT / "train" / "work" / "data" / "train.txt"),
+                    help="GPTQ calibration text or token ids (default: sol-mini's training text)")
+    ap.add_argument("--calibration-tokens", type=int, default=4096)
+    ap.add_argument("--max-eval-tokens", type=int, default=8192)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "w4a16_quality.json"))
+    a = ap.parse_args()
+    model = Path(a.model)
+    if not (model / "config.json").is_file():
+        raise SystemExit(f"{model} is not a checkpoint directory (the trained sol-mini appears at models/sol-mini); "
+                         "pass --model DIR --heldout FILE")
+    heldout = Path(a.heldout) if a.heldout else model / "heldout.txt"
+    base = LLM(str(model), dtype="bfloat16")
+    ids = calibration_tokens(str(heldout), base.tokenizer, a.max_eval_tokens)
+    rows = []
+    bf16_bytes = None
+    work = Path(tempfile.mkdtemp(prefix="w4a16-quality-"))
+    try:
+        for name, method, group in (("bf16", None, None), *VARIANTS):
+            t = time.perf_counter()
+            if method is None:
+                llm, path = base, model
+                nbytes = tensor_bytes(model) if _is_bf16(model) else None
+            else:
+                path = work / f"{method}-g{group}"
+                quantize_checkpoint(model, path, QuantOptions(group_size=group, method=method),
+                                    calibration=a.calibration if method == "gptq" else None,
+                                    calibration_max_tokens=a.calibration_tokens)
+                llm = LLM(str(path), dtype="bfloat16")
+                nbytes = tensor_bytes(path)
+            ppl = perplexity(llm, ids)
+            if bf16_bytes is None:
+                bf16_bytes = nbytes if nbytes is not None else llm.spec.weight_bytes(16)
+                nbytes = bf16_bytes
+            rows.append({"variant": name, "perplexity": round(ppl, 3), "weight_bytes": nbytes,
+                         "vs_bf16_bytes": round(nbytes / bf16_bytes, 3), "seconds": round(time.perf_counter() - t, 1)})
+            print(f"{name:>14}: ppl {ppl:8.3f}  {nbytes / 1e6:7.2f} MB  ({time.perf_counter() - t:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ref = rows[0]["perplexity"]
+    for r in rows:
+        r["ppl_vs_bf16"] = round(r["perplexity"] / ref - 1, 4)
+    res = {"model": str(model), "heldout": str(heldout), "eval_tokens": len(ids), "calibration": a.calibration,
+           "calibration_tokens": a.calibration_tokens, "rows": rows}
+    print(f"\n{model.name}: {len(ids)} held-out tokens ({heldout.name}); GPTQ calibrated on "
+          f"{a.calibration_tokens} tokens of {Path(a.calibration).name}")
+    print("| weights | held-out perplexity | vs bf16 | weight bytes | vs bf16 |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['perplexity']:.2f} | {100 * r['ppl_vs_bf16']:+.1f}% | "
+              f"{r['weight_bytes'] / 1e6:.2f} MB | {r['vs_bf16_bytes']:.2f}x |")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=2))
+    print(f"wrote {a.out}")
+
+
+def _is_bf16(directory: Path) -> bool:
+    with safe_open(str(checkpoint_files(directory)[0]), "pt") as h:
+        return all(h.get_slice(k).get_dtype() in ("BF16", "F16") for k in list(h.keys())[:8])
+
+
+if __name__ == "__main__":
+    main()
