@@ -147,18 +147,23 @@ def predict(spec, ranges, M: int, B: int, P: int, O: int, hw):
 
 # ------------------------------------------------------------------ engine runs
 
-def run_case(path: Path, S: int, M: int, B: int, P: int, O: int, threads: int) -> dict:
+def run_case(path: Path, S: int, M: int, B: int, P: int, O: int, threads: int, repeats: int = 2) -> dict:
     from waferline import LLM, SamplingParams
 
     kw = {} if S == 1 and M == 1 and threads == 0 else {"stages": S, "micro_batches": M, "threads_per_stage": max(threads, 1)}
     V = 1024
     prompts = [[(7 * i + 3 * j + 5) % V for j in range(P)] for i in range(B)]
     params = SamplingParams(max_tokens=O, ignore_eos=True)
+    best = None
     with LLM(path, **kw) as llm:
         llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
-        t = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        total = time.perf_counter() - t
+        for _ in range(repeats):  # best of `repeats`: other work on a shared machine only ever slows a run down
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            total = time.perf_counter() - t
+            if best is None or outs[0].metrics["decode_tokens_per_s"] > best[0][0].metrics["decode_tokens_per_s"]:
+                best = (outs, total)
+    outs, total = best
     m = outs[0].metrics
     per_user = statistics.mean(o.metrics.get("tokens_per_s_per_user", 0.0) for o in outs) if S > 1 or kw else None
     return {"stages": S, "micro_batches": M, "batch": B, "threads_per_stage": threads, "prompt": P, "output": O,

@@ -1,7 +1,7 @@
 """Load test of `waferline serve`: N concurrent streaming clients for a bounded duration; TTFT and inter-token
 latency p50/p99, tokens/s, errors, and the server's RSS before and after. Prints a table, writes JSON.
 
-    python benchmarks/serve_load.py --model demo_out/sol-demo-random --clients 16 --duration 30
+    python benchmarks/serve_load.py --model demo_out/sol-demo-random --build-demo --clients 16 --duration 30
     python benchmarks/serve_load.py --url http://127.0.0.1:8000 --server-pid PID --model-name NAME   # a running server
 
 With --model it starts the server itself on a free 127.0.0.1 port and stops it afterwards. Only loopback.
@@ -107,6 +107,8 @@ def _free_port() -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="checkpoint directory: start `waferline serve` on it")
+    ap.add_argument("--build-demo", action="store_true",
+                    help="if --model does not exist, build the random Sol demo checkpoint there (as `make demo` does)")
     ap.add_argument("--url", help="an already running server (http://127.0.0.1:PORT)")
     ap.add_argument("--model-name", help="model id to send (default: from /v1/models)")
     ap.add_argument("--server-pid", type=int, help="pid of the running server (for RSS with --url)")
@@ -125,6 +127,11 @@ def main() -> None:
         ap.error("give --model DIR (start a server) or --url URL (use a running one)")
     proc = None
     pid = args.server_pid
+    if args.model and args.build_demo and not Path(args.model).exists():
+        from waferline.demo import build_demo_checkpoint
+
+        Path(args.model).mkdir(parents=True)
+        build_demo_checkpoint(Path(args.model))
     if args.model:
         port = _free_port()
         cmd = [sys.executable, "-m", "waferline.cli", "serve", "--model", args.model, "--port", str(port),

@@ -303,6 +303,10 @@ def test_quantize_cli_end_to_end(tmp_path, llama_dir, capsys):
     assert cli.main(["generate", "--model", str(out), "--prompt-ids", "1 2 3", "--max-tokens", "4", "--json"]) == 0
     gen = json.loads(capsys.readouterr().out)
     assert len(gen["token_ids"]) == 4
+    # --weight-bits 4 on the 16-bit checkpoint quantizes on load (RTN)
+    assert cli.main(["generate", "--model", str(llama_dir), "--prompt-ids", "1 2 3", "--max-tokens", "4", "--json",
+                     "--weight-bits", "4", "--group-size", "32"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["token_ids"]) == 4
     # refuses to overwrite, to re-quantize, and GPTQ without calibration; each with exit status 2
     assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(out), "--json"]) == 2
     assert cli.main(["quantize", "--model", str(out), "--out", str(tmp_path / "again"), "--json"]) == 2

@@ -233,6 +233,15 @@ def test_models_and_chat(live, client):
     assert r.usage.prompt_tokens == len(llm.encode(text))
     want = llm.generate([text], SamplingParams(max_tokens=6, ignore_eos=True))[0]
     assert c.message.content == want.text
+    # with a chat_template in the tokenizer config, that template renders the prompt
+    tok = llm.tokenizer
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}")
+    try:
+        r = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2)
+    finally:
+        tok.chat_template = None
+    assert r.usage.prompt_tokens == len(llm.encode("[system] Be brief.\n[user] What is a wafer?\n[assistant] "))
 
 
 def test_streaming_with_usage(live, client):

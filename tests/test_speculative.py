@@ -34,6 +34,15 @@ def _perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     return dst
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tests run many tiny ops, which a second intra-op thread only slows down (badly on a shared machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     out = {}
@@ -112,8 +121,11 @@ def test_greedy_identical_every_drafter(ckpts, mt):
     assert [o.token_ids for o in outs] == ref
     m = outs[0].metrics
     assert 0 < m["spec_acceptance_rate"] < 1 and m["spec_mean_accepted_length"] > 1.5
-    for method in ("ngram", f"draft:{ckpts[mt + ':draft']}"):
-        outs = LLM(ckpts[mt], speculative=method, num_speculative_tokens=4).generate(prompts, GREEDY)
+    # the n-gram drafter with adaptive K; the draft model (as large as the target here, so adaptive K would
+    # rightly never draft with it) at a fixed K
+    for method, adaptive in (("ngram", True), (f"draft:{ckpts[mt + ':draft']}", False)):
+        outs = LLM(ckpts[mt], speculative=method, num_speculative_tokens=4,
+                   speculative_adaptive=adaptive).generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == ref, method
         assert outs[0].metrics["spec_drafted"] > 0
     if mt == "deepseek_v3":
@@ -260,7 +272,7 @@ def test_verify_respects_temperature_top_k_top_p():
     q = torch.softmax(torch.randn(1, 8), -1)
     g = torch.Generator().manual_seed(1)
     counts = torch.zeros(8)
-    for _ in range(5_000):  # (the 20,000-sample tests above test the verifier itself; this one its use of p)
+    for _ in range(20_000):
         d = [int(torch.multinomial(q[0], 1, generator=g))]
         counts[verify(logits, d, q, params, g)[0]] += 1
     assert _chi2_pvalue(counts, p[0]) > 1e-3
@@ -329,3 +341,28 @@ def test_cli_generate_speculative(ckpts):
     assert spec["token_ids"] == plain["token_ids"] and "spec_acceptance_rate" in spec
     bad = subprocess.run(base + ["--speculative", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown speculative method" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("mt", ["bamba", "gpt_oss"])
+def test_verify_rollback_equals_running_only_the_accepted_prefix(ckpts, mt):
+    """After a 6-token verify and a rollback to the first k tokens, the caches give the same next-token logits as
+    caches that only ever saw those k tokens (Mamba-2 state from the trail; the sliding-window ring restored)."""
+    from waferline.engine.speculative import VerifyRollback
+
+    m = LLM(ckpts[mt]).model
+    prompt = torch.arange(3, 3 + 13)[None] % VOCAB  # longer than gpt_oss's window of 8: the ring has wrapped
+    new = torch.tensor([[17, 40, 9, 88, 5, 61]])
+    with torch.inference_mode():
+        for keep in (1, 3, 6):
+            a, b = m.new_caches(1), m.new_caches(1)
+            for c in (a, b):
+                m(prompt, c, StepBatch.make([0], [0], 13))
+            batch = StepBatch.make([0], [13], 6)
+            rb = VerifyRollback(a, batch)
+            m(new, a, batch)
+            rb.done([keep])
+            m(new[:, :keep], b, StepBatch.make([0], [13], keep))
+            nxt = torch.tensor([[33]])
+            la = m.logits(m(nxt, a, StepBatch.make([0], [13 + keep], 1)))
+            lb = m.logits(m(nxt, b, StepBatch.make([0], [13 + keep], 1)))
+            assert torch.allclose(la, lb, atol=1e-4), (keep, float((la - lb).abs().max()))

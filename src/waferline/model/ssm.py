@@ -56,8 +56,8 @@ class Mamba2Cache:
 
     conv: Tensor
     ssm: Tensor
-    # speculative verify: when keep_trail is set, a T > 1 forward also records the (conv, ssm) state after each of
-    # its T tokens in ``trail`` ([B, T, ...] each), so ``rewind`` can keep any prefix without re-running it
+    # speculative verify: when keep_trail is set, a T > 1 forward runs the decode recurrence token by token and records
+    # the (conv, ssm) state after each of its T tokens in ``trail`` ([B, T, ...] each), so ``rewind`` keeps any prefix
     keep_trail: bool = False
     trail: tuple[Tensor, Tensor] | None = None
 
@@ -182,6 +182,8 @@ class Mamba2Mixer(nn.Module):
         """x [B, T, hidden] -> [B, T, hidden]; row b continues the sequence held in cache slot ``batch.slots[b]``."""
         if x.shape[1] == 1:
             return self._step(x, cache, batch.slots)
+        if cache.keep_trail:
+            return self._recurrent(x, cache, batch.slots)
         return self._scan(x, cache, batch.slots)
 
     def _gated_norm_out(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
@@ -251,8 +253,6 @@ class Mamba2Mixer(nn.Module):
         a = dt * -torch.exp(self.A_log)  # per-step log decay, [B, T, H]
         y_skip = self.D[:, None] * xs
         xdt = xs * dt[..., None]
-        if cache.keep_trail:
-            cache.trail = self._trail(full, xdt, a, Bm, cache.ssm.index_select(0, slots))
 
         # pad T up to a multiple of Q (zero input, zero log-decay: padding neither adds to nor decays the state)
         nc = -(-T // Q)
@@ -294,16 +294,38 @@ class Mamba2Mixer(nn.Module):
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
 
 
-    def _trail(self, full: Tensor, xdt: Tensor, a: Tensor, Bm: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
-        """The (conv, ssm) state after each of the T new tokens (short T: a speculative verify), by the recurrence."""
-        T, K, R = xdt.shape[1], self.K, self.H // self.G
-        conv = torch.stack([full[:, :, t + 1: t + K] for t in range(T)], dim=1)  # [B, T, conv_dim, K-1]
-        Bh = Bm.repeat_interleave(R, dim=2)  # [B, T, H, N]
-        states = []
+    def _recurrent(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
+        """A few new tokens per row (a speculative verify) by the decode recurrence, token after token, recording the
+        (conv, ssm) state after each in ``cache.trail`` so a rejected suffix can be dropped (``Mamba2Cache.rewind``).
+        Same arithmetic as ``_step`` (dt clamp included), so verify logits match plain decoding's."""
+        Bsz, T, _ = x.shape
+        H, P, N, G, K = self.H, self.P, self.N, self.G, self.K
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
+        full = torch.cat([cache.conv.index_select(0, slots), xBC.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
+        conv_trail = torch.stack([full[:, :, t + 1: t + K] for t in range(T)], dim=1)  # [B, T, conv_dim, K-1]
+        xBC = torch.stack([(full[:, :, t: t + K] * self.conv_weight).sum(-1) for t in range(T)], dim=1)
+        if self.conv_bias is not None:
+            xBC = xBC + self.conv_bias
+        xs, Bm, Cm = self._act(xBC).float().split([self.d_inner, G * N, G * N], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
+        if self.clamp_dt_in_decode and self._clamp:
+            dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
+        dA = torch.exp(dt * -torch.exp(self.A_log))
+        xs = xs.view(Bsz, T, H, P)
+        R = H // G
+        Bh = Bm.view(Bsz, T, G, 1, N).expand(Bsz, T, G, R, N).reshape(Bsz, T, H, N)
+        Ch = Cm.view(Bsz, T, G, 1, N).expand(Bsz, T, G, R, N).reshape(Bsz, T, H, N)
+        h = cache.ssm.index_select(0, slots)  # [B, H, P, N]
+        ys, states = [], []
         for t in range(T):
-            h = h * torch.exp(a[:, t])[:, :, None, None] + xdt[:, t, :, :, None] * Bh[:, t, :, None, :]
+            h = h * dA[:, t, :, None, None] + (dt[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
+            ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]) + self.D[:, None] * xs[:, t])
             states.append(h)
-        return conv, torch.stack(states, dim=1)  # [B, T, H, P, N]
+        cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
+        cache.ssm.index_copy_(0, slots, h.to(cache.ssm.dtype))
+        cache.trail = (conv_trail, torch.stack(states, dim=1))
+        y = torch.stack(ys, dim=1).reshape(Bsz, T, self.d_inner)
+        return self._gated_norm_out(y, z, x.dtype)
 
 
 def hf_mixer_prefix(model_type: str, layer: int, src: WeightSource | None = None) -> str:

@@ -1,0 +1,269 @@
+"""Speculative decoding on sol-mini's held-out prompts: speedup, acceptance and mean accepted length per drafter at
+T = 0 and T = 0.8, batch 1 and 8, beside the simulator's prediction for the measured acceptance; then where
+speculation stops paying as the batch grows. Prints tables; writes benchmarks/results/speculative.json.
+
+    python benchmarks/speculative.py                       # models/sol-mini, n-gram / MTP / a 4-layer draft model
+    python benchmarks/speculative.py --quick               # fewer prompts and tokens
+
+The draft model is sol-mini cut to its first ``--draft-layers`` layers (same embeddings, final norm and LM head:
+a real checkpoint sharing the tokenizer, written under benchmarks/results/), since no smaller sol was trained.
+Without models/sol-mini the script runs on a random-weight sol checkpoint with an MTP head (it says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waferline import LLM, SamplingParams
+from waferline.engine.speculative import Speculator
+from waferline.model.context import StepBatch
+
+
+def make_draft(model_dir: Path, layers: int, out: Path) -> Path:
+    """sol-mini's first ``layers`` layers + its embeddings, final norm and LM head, as a checkpoint of its own."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if (out / "config.json").is_file() and json.loads((out / "config.json").read_text()).get("num_hidden_layers") == layers:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    n = cfg["num_hidden_layers"]
+    cfg.update(num_hidden_layers=layers, num_nextn_predict_layers=0)
+    for key in ("mixer_types", "ffn_types"):
+        if isinstance(cfg.get(key), list):
+            cfg[key] = cfg[key][:layers]
+    keep = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        for k, v in load_file(f).items():
+            parts = k.split(".")
+            if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= layers:
+                continue  # deeper layers and the MTP module (layer n)
+            keep[k] = v
+    assert n > layers
+    save_file(keep, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / extra).is_file():
+            (out / extra).write_text((model_dir / extra).read_text())
+    return out
+
+
+def heldout_prompts(llm: LLM, path: Path | None, n: int, length: int) -> list[list[int]]:
+    if path is not None and path.is_file() and llm.tokenizer is not None:
+        ids = llm.encode(path.read_text())
+        step = max(1, (len(ids) - length) // n)
+        return [ids[i * step: i * step + length] for i in range(n)]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(2, llm.spec.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def forward_cost(llm: LLM, reps: int = 3) -> dict[str, Any]:
+    """Time one forward of N new tokens (1 row x T, and B rows x 1) after a 64-token prefill; fit t = t0 + t1 * N."""
+    m = llm.model
+    pts = []
+    with torch.inference_mode():
+        for B, T in ((1, 1), (1, 2), (1, 4), (1, 8), (4, 1), (8, 1), (16, 1), (8, 4)):
+            caches = m.new_caches(B)
+            for b in range(B):
+                m(torch.arange(2, 66)[None] % llm.spec.vocab_size, caches, StepBatch.make([b], [0], 64))
+            ts = []
+            for r in range(reps):
+                t0 = time.perf_counter()
+                m(torch.full((B, T), 5), caches, StepBatch.make(list(range(B)), [64] * B, T))
+                ts.append(time.perf_counter() - t0)
+            pts.append((B * T, min(ts), B, T))
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    t1 = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    t0 = my - t1 * mx
+    return {"points": [{"B": B, "T": T, "s": s} for _, s, B, T in pts], "t0_s": t0, "t1_s": t1,
+            "overhead_tokens": max(t0 / t1, 1.0) if t1 > 0 else 64.0}
+
+
+def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int) -> dict[str, Any]:
+    outs, decode_s = [], 0.0
+    for i in range(0, len(prompts), batch):
+        o = llm.generate(prompts[i:i + batch], params)
+        decode_s += o[0].metrics["total_s"] - o[0].metrics["ttft_s"]
+        outs += o
+    toks = sum(len(o.token_ids) - 1 for o in outs)  # the first token of each row comes with the prefill
+    return {"tokens": [o.token_ids for o in outs], "decode_s": decode_s, "tok_s": toks / decode_s}
+
+
+def fit_alpha(E: float, k: float) -> float:
+    """The per-token acceptance α with (1 − α^(k+1)) / (1 − α) = E (what the simulator's model means by α)."""
+    if k <= 0 or E <= 1.0:
+        return 0.0
+    lo, hi = 0.0, 0.999999
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if (1 - a ** (k + 1)) / (1 - a) < E:
+            lo = a
+        else:
+            hi = a
+    return (lo + hi) / 2
+
+
+class Totals:
+    """Accumulates the speculator's per-call stats across the generate calls of one measurement."""
+
+    def __init__(self, spec: Speculator):
+        self.spec, self.d = spec, {"drafted": 0, "accepted": 0, "emitted": 0, "row_steps": 0, "steps": 0, "plain": 0}
+        orig = spec.stream
+
+        def stream(*a: Any, **k: Any) -> Any:
+            yield from orig(*a, **k)
+            s = spec.last_stats
+            for key, v in (("drafted", s.drafted), ("accepted", s.accepted), ("emitted", s.emitted),
+                           ("row_steps", s.row_steps), ("steps", s.steps), ("plain", s.plain_steps)):
+                self.d[key] += v
+
+        spec.stream = stream  # type: ignore[method-assign]
+
+    def reset(self) -> None:
+        for k in self.d:
+            self.d[k] = 0
+
+    def summary(self) -> dict[str, float]:
+        d = self.d
+        E = d["emitted"] / max(d["row_steps"], 1)
+        kbar = d["drafted"] / max(d["row_steps"], 1)
+        return {"acceptance_rate": d["accepted"] / max(d["drafted"], 1), "mean_accepted_length": E,
+                "mean_drafts_per_step": kbar, "alpha_fit": fit_alpha(E, kbar), "verify_steps": d["steps"],
+                "plain_steps": d["plain"]}
+
+
+def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: int, prompt: int, output: int,
+                     hardware: str, draft_dir: Path | None) -> float | None:
+    from waferline.plan.place import place
+    from waferline.plan.plan import SpeculativeConfig
+    from waferline.sim.pipeline import simulate
+
+    sim_method = "draft" if method.startswith("draft:") else method
+    try:
+        sc = SpeculativeConfig(sim_method, num_tokens=max(k, 1), accept_rate=min(max(alpha, 0.0), 0.99),
+                               draft_model=str(draft_dir / "config.json") if draft_dir is not None and sim_method == "draft" else None)
+        plan = place(str(model_dir / "config.json"), hardware, context=prompt + output, batch=batch, speculative=sc)
+        r = simulate(plan, prompt_len=prompt, output_len=output, concurrency=batch)
+        return float(r.speculative.get("speedup", float("nan")))
+    except Exception as e:  # the prediction is a side column: report why it is missing, keep measuring
+        print(f"  (simulator: {type(e).__name__}: {e})")
+        return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="models/sol-mini")
+    ap.add_argument("--prompts", default=None, help="held-out text (default MODEL/heldout.txt)")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4, help="most draft tokens per step")
+    ap.add_argument("--methods", default="ngram,mtp,draft")
+    ap.add_argument("--draft-layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--temps", default="0,0.8")
+    ap.add_argument("--backoff-batches", default="1,4,16,32", help="batch sizes for the back-off measurement ('' = skip)")
+    ap.add_argument("--sim-hardware", default="wse-3,h200-sxm")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/speculative.json")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.quick:
+        a.num_prompts, a.max_tokens, a.prompt_tokens, a.backoff_batches = 8, 32, 64, "1,8,32"
+    model_dir = Path(a.model)
+    random_weights = not (model_dir / "config.json").is_file()
+    if random_weights:
+        from waferline.demo import SOL_DEMO_CONFIG
+        from waferline.model.init import write_random_checkpoint
+
+        model_dir = Path(tempfile.mkdtemp()) / "sol-random"
+        write_random_checkpoint(dict(SOL_DEMO_CONFIG, num_nextn_predict_layers=1), model_dir)
+        print(f"!! {a.model} not found: RANDOM-weight sol checkpoint with an MTP head ({model_dir})")
+    results_dir = Path(a.out).parent
+    results_dir.mkdir(parents=True, exist_ok=True)
+    draft_dir = make_draft(model_dir, a.draft_layers, results_dir / f"{model_dir.name}-draft-L{a.draft_layers}")
+
+    llm = LLM(model_dir)
+    prompts = heldout_prompts(llm, Path(a.prompts) if a.prompts else model_dir / "heldout.txt", a.num_prompts, a.prompt_tokens)
+    cost = forward_cost(llm)
+    print(f"forward cost on this host: t = {cost['t0_s'] * 1e3:.2f} ms + {cost['t1_s'] * 1e3:.3f} ms x tokens  "
+          f"-> overhead = {cost['overhead_tokens']:.1f} tokens (adaptive K uses it)")
+    methods = [m if m != "draft" else f"draft:{draft_dir}" for m in a.methods.split(",")]
+    specs = {}
+    for m in methods:
+        s = Speculator(llm.model, m, a.k, llm.dtype, adaptive=True, overhead=cost["overhead_tokens"])
+        specs[m] = (s, Totals(s))
+    hw = [h for h in a.sim_hardware.split(",") if h]
+    rows: list[dict[str, Any]] = []
+    for temp in [float(t) for t in a.temps.split(",")]:
+        params = SamplingParams(max_tokens=a.max_tokens, temperature=temp, seed=0 if temp > 0 else None, ignore_eos=True)
+        for batch in [int(b) for b in a.batches.split(",")]:
+            llm._spec = None
+            base = run(llm, prompts, params, batch)
+            for m in methods:
+                spec, tot = specs[m]
+                tot.reset()
+                llm._spec = spec
+                r = run(llm, prompts, params, batch)
+                s = tot.summary()
+                row = {"method": m.split(":")[0] if m.startswith("draft:") else m, "temperature": temp, "batch": batch,
+                       "base_tok_s": base["tok_s"], "spec_tok_s": r["tok_s"], "speedup": r["tok_s"] / base["tok_s"],
+                       "identical": (r["tokens"] == base["tokens"]) if temp == 0 else None, **s}
+                for h in hw:
+                    row[f"sim_speedup_{h}"] = simulate_speedup(model_dir, m, round(s["mean_drafts_per_step"]) or a.k,
+                                                               s["alpha_fit"], batch, a.prompt_tokens, a.max_tokens, h,
+                                                               draft_dir)
+                rows.append(row)
+                print(_fmt(row, hw), flush=True)
+            llm._spec = None
+    backoff: list[dict[str, Any]] = []
+    bb = [int(b) for b in a.backoff_batches.split(",") if b]
+    if bb:
+        m = "mtp" if "mtp" in methods else methods[0]
+        params = SamplingParams(max_tokens=min(a.max_tokens, 32), ignore_eos=True)
+        print(f"\nback-off with batch size ({m}, T=0, {params.max_tokens} tokens): speedup over plain decoding")
+        for B in bb:
+            ps = (prompts * (B // len(prompts) + 1))[:B]
+            llm._spec = None
+            base = run(llm, ps, params, B)
+            row = {"batch": B, "base_tok_s": base["tok_s"]}
+            for label, adaptive in (("fixed_k", False), ("adaptive", True)):
+                spec = Speculator(llm.model, m, a.k, llm.dtype, adaptive=adaptive, overhead=cost["overhead_tokens"])
+                llm._spec = spec
+                r = run(llm, ps, params, B)
+                row[f"{label}_speedup"] = r["tok_s"] / base["tok_s"]
+                row[f"{label}_plain_steps"] = spec.last_stats.plain_steps
+                row[f"{label}_steps"] = spec.last_stats.steps
+            llm._spec = None
+            backoff.append(row)
+            print(f"  batch {B:3d}: plain {row['base_tok_s']:8.1f} tok/s | K={a.k} fixed x{row['fixed_k_speedup']:.2f} | "
+                  f"adaptive x{row['adaptive_speedup']:.2f} ({row['adaptive_plain_steps']}/{row['adaptive_steps']} steps plain)",
+                  flush=True)
+    out = {"model": str(a.model), "random_weights": random_weights, "draft_model": str(draft_dir), "k_max": a.k,
+           "num_prompts": a.num_prompts, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
+           "threads": torch.get_num_threads(), "forward_cost": cost, "rows": rows, "backoff": backoff}
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print(f"\nwrote {a.out}")
+
+
+def _fmt(r: dict[str, Any], hw: list[str]) -> str:
+    sim = " ".join(f"sim[{h}] x{r[f'sim_speedup_{h}']:.2f}" if r.get(f"sim_speedup_{h}") else f"sim[{h}] -" for h in hw)
+    ident = "" if r["identical"] is None else (" identical" if r["identical"] else " DIFFERENT")
+    return (f"{r['method']:6s} T={r['temperature']:.1f} B={r['batch']:2d}: {r['base_tok_s']:7.1f} -> {r['spec_tok_s']:7.1f} tok/s "
+            f"x{r['speedup']:.2f} | accept {r['acceptance_rate']:.2f} len {r['mean_accepted_length']:.2f} "
+            f"alpha {r['alpha_fit']:.2f} | {sim}{ident}")
+
+
+if __name__ == "__main__":
+    main()
