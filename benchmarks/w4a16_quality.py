@@ -3,7 +3,8 @@
 Default: the trained sol-mini (`models/sol-mini`, its `heldout.txt`), GPTQ calibrated on the first tokens of the
 training text (`train/work/data/train.txt`, never the held-out plays). Perplexity is scored as sol-mini's model
 card scores it: consecutive non-overlapping windows of 256 tokens, each from scratch. int4 variants run W4A16
-(bf16 activations). Weight bytes are the safetensors tensor bytes of each written checkpoint. Prints a table,
+(bf16 activations). Weight bytes are the safetensors tensor bytes of each checkpoint (bf16: the source's tensors
+at 2 bytes), in all and for the decoder layers alone (embeddings, LM head and MTP head stay 16-bit). Prints a table,
 writes benchmarks/results/w4a16_quality.json.
 
     python benchmarks/w4a16_quality.py
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shutil
 import tempfile
 import time
@@ -31,16 +33,24 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = (("int4 RTN g128", "rtn", 128), ("int4 RTN g32", "rtn", 32), ("int4 GPTQ g32", "gptq", 32))
 
 
-def tensor_bytes(directory: Path) -> int:
-    """Bytes of tensor data in a checkpoint (headers excluded)."""
-    n = 0
+_SIZES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8}
+
+
+def tensor_bytes(directory: Path, num_layers: int, as_bf16: bool = False) -> tuple[int, int]:
+    """Bytes of tensor data in a checkpoint (headers excluded): all tensors, and the decoder layers only (no
+    embeddings, LM head or MTP head). ``as_bf16``: count floating-point tensors at 2 bytes (a bf16 export)."""
+    total = layers = 0
     for f in checkpoint_files(directory):
         with safe_open(str(f), "pt") as h:
             for k in h.keys():
                 t = h.get_slice(k)
-                n += math.prod(t.get_shape()) * {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4,
-                                                   "I64": 8, "F64": 8}[t.get_dtype()]
-    return n
+                size = 2 if as_bf16 and t.get_dtype() in ("F32", "F16", "BF16", "F64") else _SIZES[t.get_dtype()]
+                n = math.prod(t.get_shape()) * size
+                total += n
+                m = re.match(r"(model|backbone)\.layers\.(\d+)\.", k)
+                if m and int(m.group(2)) < num_layers:
+                    layers += n
+    return total, layers
 
 
 def perplexity(llm: LLM, ids: list[int], window: int = 256) -> float:
@@ -73,27 +83,25 @@ def main() -> None:
     base = LLM(str(model), dtype="bfloat16")
     ids = calibration_tokens(str(heldout), base.tokenizer, a.max_eval_tokens)
     rows = []
-    bf16_bytes = None
+    L = base.spec.num_layers
+    bf16_total, bf16_layers = tensor_bytes(model, L, as_bf16=True)
     work = Path(tempfile.mkdtemp(prefix="w4a16-quality-"))
     try:
         for name, method, group in (("bf16", None, None), *VARIANTS):
             t = time.perf_counter()
             if method is None:
-                llm, path = base, model
-                nbytes = tensor_bytes(model) if _is_bf16(model) else None
+                llm, nbytes, nlayers = base, bf16_total, bf16_layers
             else:
                 path = work / f"{method}-g{group}"
                 quantize_checkpoint(model, path, QuantOptions(group_size=group, method=method),
                                     calibration=a.calibration if method == "gptq" else None,
                                     calibration_max_tokens=a.calibration_tokens)
                 llm = LLM(str(path), dtype="bfloat16")
-                nbytes = tensor_bytes(path)
+                nbytes, nlayers = tensor_bytes(path, L)
             ppl = perplexity(llm, ids)
-            if bf16_bytes is None:
-                bf16_bytes = nbytes if nbytes is not None else llm.spec.weight_bytes(16)
-                nbytes = bf16_bytes
             rows.append({"variant": name, "perplexity": round(ppl, 3), "weight_bytes": nbytes,
-                         "vs_bf16_bytes": round(nbytes / bf16_bytes, 3), "seconds": round(time.perf_counter() - t, 1)})
+                         "vs_bf16_bytes": round(nbytes / bf16_total, 3), "layer_bytes": nlayers,
+                         "layers_vs_bf16": round(nlayers / bf16_layers, 3), "seconds": round(time.perf_counter() - t, 1)})
             print(f"{name:>14}: ppl {ppl:8.3f}  {nbytes / 1e6:7.2f} MB  ({time.perf_counter() - t:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -104,19 +112,16 @@ def main() -> None:
            "calibration_tokens": a.calibration_tokens, "rows": rows}
     print(f"\n{model.name}: {len(ids)} held-out tokens ({heldout.name}); GPTQ calibrated on "
           f"{a.calibration_tokens} tokens of {Path(a.calibration).name}")
-    print("| weights | held-out perplexity | vs bf16 | weight bytes | vs bf16 |")
-    print("|---|---|---|---|---|")
+    print("| weights | held-out perplexity | vs bf16 | weight bytes (all) | vs bf16 | decoder layers only | vs bf16 |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['variant']} | {r['perplexity']:.2f} | {100 * r['ppl_vs_bf16']:+.1f}% | "
-              f"{r['weight_bytes'] / 1e6:.2f} MB | {r['vs_bf16_bytes']:.2f}x |")
+              f"{r['weight_bytes'] / 1e6:.2f} MB | {r['vs_bf16_bytes']:.2f}x | {r['layer_bytes'] / 1e6:.2f} MB | "
+              f"{r['layers_vs_bf16']:.2f}x |")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print(f"wrote {a.out}")
 
-
-def _is_bf16(directory: Path) -> bool:
-    with safe_open(str(checkpoint_files(directory)[0]), "pt") as h:
-        return all(h.get_slice(k).get_dtype() in ("BF16", "F16") for k in list(h.keys())[:8])
 
 
 if __name__ == "__main__":

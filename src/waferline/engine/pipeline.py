@@ -185,8 +185,7 @@ class Pipeline:
                 self._start_env(load)
             else:
                 self._start_local(load, start_method)
-            self.act = Link(make_group(self.store, f"waferline/{self.run_id}/act", 0, S, self.device, not self._env), self.device)
-            self.fb = Link(make_group(self.store, f"waferline/{self.run_id}/fb", 0, S, self.device, not self._env), self.device)
+            self._connect()
         a, b = self.ranges[0]
         model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
         if self.device.type != "cpu":
@@ -233,25 +232,52 @@ class Pipeline:
         self._store_addr = load["store_addr"]
         self._wait_for("alive", "start")
 
+    def _connect(self) -> None:
+        """Build stage 0's two process groups. Building blocks until every stage has joined, so it runs in a helper
+        thread while this one keeps checking that the stages are alive (a stage dying now must not hang us)."""
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                for name in ("act", "fb"):
+                    box[name] = make_group(self.store, f"waferline/{self.run_id}/{name}", 0, self.num_stages, self.device,
+                                           not self._env)
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                box["error"] = e
+
+        t = threading.Thread(target=build, daemon=True, name="waferline-pipeline-connect")
+        t.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while t.is_alive():
+            t.join(0.05)
+            if t.is_alive():
+                self._check_starting("connect to the other stages")
+                if time.monotonic() > deadline:
+                    raise StageError(f"the stages did not connect within {START_TIMEOUT_S:.0f} s")
+        if "error" in box:
+            raise StageError(f"stage 0 could not connect to the other stages: {box['error']}")
+        self.act, self.fb = Link(box["act"], self.device), Link(box["fb"], self.device)
+
+    def _check_starting(self, doing: str, pending: set[int] | None = None) -> None:
+        """Raise if a worker stage reported an error or (local) exited while starting."""
+        for r in range(1, self.num_stages):
+            status = self.ctl.get("status", r)
+            if status is not None:
+                raise _status_error(r, self.ranges[r], status)
+        for r, p in enumerate(self._procs, start=1):
+            if (pending is None or r in pending) and p.exitcode is not None:
+                raise StageError(f"stage {r} ({_layers(self.ranges[r])}) exited with {_describe_exit(p.exitcode)} "
+                                 f"before it could {doing}; see its output above")
+
     def _wait_for(self, what: str, doing: str) -> None:
         """Wait until every worker stage has set key ``what``; a stage that fails or dies meanwhile raises."""
         deadline = time.monotonic() + START_TIMEOUT_S
         pending = set(range(1, self.num_stages))
         while pending:
             for r in sorted(pending):
-                status = self.ctl.get("status", r)
-                if status is not None:
-                    raise _status_error(r, self.ranges[r], status)
                 if self.ctl.get(what, r) is not None:
                     pending.discard(r)
-            if not self._env:
-                for r, p in enumerate(self._procs, start=1):
-                    if r in pending and p.exitcode is not None:
-                        status = self.ctl.get("status", r)
-                        if status is not None:
-                            raise _status_error(r, self.ranges[r], status)
-                        raise StageError(f"stage {r} ({_layers(self.ranges[r])}) exited with {_describe_exit(p.exitcode)} "
-                                         f"before it could {doing}; see its output above")
+            self._check_starting(doing, pending)
             if pending and time.monotonic() > deadline:
                 raise StageError(f"stage(s) {sorted(pending)} did not {doing} within {START_TIMEOUT_S:.0f} s")
             if pending:

@@ -39,7 +39,7 @@ Scheduling, one step
 3. Waiting sequences are admitted in arrival order while a slot is free and the budget holds their current
    length + 1 token (no skipping ahead: FIFO fairness).
 
-All decodes run as one batched forward call ([B, 1]); each prefill chunk is a forward call of its own. A
+All decodes run as one batched forward call ([B, 1]); prefill chunks of equal length run together ([B, t]). A
 sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else is in the
 batch (up to floating-point reassociation in batched matmuls).
 
@@ -473,16 +473,19 @@ class Scheduler:
                 s.num_computed += 1
                 self._sample(s, logits[b])
             fed += len(decodes)
+        groups: dict[int, list[Sequence]] = {}  # chunks of equal length run as one [B, t] call
         for s, t in prefills:
-            if s.status != "running":
-                continue
-            chunk = torch.tensor([s.tokens(s.num_computed, s.num_computed + t)])
-            h = self.model(chunk, self.caches, StepBatch.make([s.slot], [s.num_computed], t))
-            s.num_computed += t
-            self.stats["prefill_tokens"] += t
-            fed += t
-            if s.remaining == 0:
-                self._sample(s, self.model.logits(h[0, -1]))
+            if s.status == "running":
+                groups.setdefault(t, []).append(s)
+        for t, seqs in groups.items():
+            chunk = torch.tensor([s.tokens(s.num_computed, s.num_computed + t) for s in seqs])
+            h = self.model(chunk, self.caches, StepBatch.make([s.slot for s in seqs], [s.num_computed for s in seqs], t))
+            for b, s in enumerate(seqs):
+                s.num_computed += t
+                self.stats["prefill_tokens"] += t
+                fed += t
+                if s.remaining == 0:
+                    self._sample(s, self.model.logits(h[b, -1]))
         self.stats["steps"] += 1
         return fed
 

@@ -23,7 +23,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -754,10 +754,26 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
     return ids[:max_tokens]
 
 
+def _chunks(tokens: list[int], seq_len: int) -> list[list[int]]:
+    return [tokens[s:s + seq_len] for s in range(0, len(tokens), seq_len) if len(tokens[s:s + seq_len]) >= 2]
+
+
 @torch.inference_mode()
 def collect_hessians(model: nn.Module, tokens: list[int], seq_len: int = 256) -> dict[str, Tensor]:
-    """``H = sum x x^T`` of the inputs of every matmul weight (per expert for MoE) over the calibration tokens."""
+    """``H = sum x x^T`` of the inputs of every matmul weight (per expert for MoE) of the whole model, from one
+    pass over the calibration tokens (keys: paths as in :func:`matmul_weights`)."""
     from waferline.model.context import StepBatch
+
+    def run() -> None:
+        for chunk in _chunks(tokens, seq_len):
+            model(torch.tensor([chunk]), model.new_caches(1), StepBatch.make([0], [0], len(chunk)))
+
+    return hessians(model, run)
+
+
+def hessians(root: nn.Module, run: Callable[[], None]) -> dict[str, Tensor]:
+    """``H = sum x x^T`` of the inputs of every matmul weight under ``root`` (per expert for MoE) while ``run()``
+    drives data through it. Keys are the paths of :func:`matmul_weights` relative to ``root``."""
     from waferline.model.moe import DenseFFN, MoE
 
     H: dict[str, Tensor] = {}
@@ -769,14 +785,14 @@ def collect_hessians(model: nn.Module, tokens: list[int], seq_len: int = 256) ->
         (H[key][expert] if expert is not None else H[key]).add_(x.t() @ x)
 
     hooks, patched = [], []
-    for path, owner, leaf in matmul_weights(model):
+    for path, owner, leaf in matmul_weights(root):
         K = getattr(owner, leaf).shape[-1]
         if leaf == "weight":
             hooks.append(owner.register_forward_pre_hook(
                 lambda m, args, key=path, K=K: acc(key, args[0], K)))
-    for name, mod in model.named_modules():
+    for name, mod in root.named_modules():
         pre = name + "." if name else ""
-        if isinstance(mod, MoE):
+        if isinstance(mod, MoE) and isinstance(getattr(mod, "w_down", None), Tensor):
             orig, E = mod.expert_linear, mod.num_experts
 
             def ex(x: Tensor, which: str, experts: Any, orig: Any = orig, pre: str = pre, mod: MoE = mod, E: int = E) -> Tensor:
@@ -791,7 +807,7 @@ def collect_hessians(model: nn.Module, tokens: list[int], seq_len: int = 256) ->
             mod.expert_linear = ex
             patched.append((mod, mod.gather_max))
             mod.gather_max = 0
-        elif isinstance(mod, DenseFFN):
+        elif isinstance(mod, DenseFFN) and isinstance(getattr(mod, "w_down", None), Tensor):
             orig = mod.linear
 
             def lin(x: Tensor, which: str, orig: Any = orig, pre: str = pre, mod: DenseFFN = mod) -> Tensor:
@@ -801,12 +817,8 @@ def collect_hessians(model: nn.Module, tokens: list[int], seq_len: int = 256) ->
             mod.linear = lin
             patched.append((mod, None))
     try:
-        for s in range(0, len(tokens), seq_len):
-            chunk = tokens[s:s + seq_len]
-            if len(chunk) < 2:
-                continue
-            caches = model.new_caches(1)
-            model(torch.tensor([chunk]), caches, StepBatch.make([0], [0], len(chunk)))
+        with torch.inference_mode():
+            run()
     finally:
         for h in hooks:
             h.remove()
@@ -816,6 +828,31 @@ def collect_hessians(model: nn.Module, tokens: list[int], seq_len: int = 256) ->
             if gm is not None:
                 mod.gather_max = gm
     return {k: v.float() for k, v in H.items()}
+
+
+class SequentialCalibration:
+    """GPTQ's layer-by-layer calibration: the inputs of layer i come from layers < i *after* they were quantized,
+    so each layer's quantization sees (and corrects for) the error of the ones before it."""
+
+    def __init__(self, model: nn.Module, tokens: list[int], seq_len: int = 256):
+        from waferline.model.context import StepBatch
+
+        self.chunks = _chunks(tokens, seq_len)
+        self.batches = [StepBatch.make([0], [0], len(c)) for c in self.chunks]
+        with torch.inference_mode():
+            self.xs = [model.embed_tokens(torch.tensor([c])) for c in self.chunks]
+
+    def _run(self, layer: nn.Module) -> list[Tensor]:
+        return [layer(x, layer.new_cache(1), b) for x, b in zip(self.xs, self.batches)]
+
+    def hessians(self, layer: nn.Module) -> dict[str, Tensor]:
+        """Hessians of ``layer``'s matmul weights (keys relative to the layer) on its current inputs."""
+        return hessians(layer, lambda: self._run(layer))
+
+    @torch.inference_mode()
+    def advance(self, layer: nn.Module) -> None:
+        """Feed the (now quantized) ``layer``: its outputs become the next layer's inputs."""
+        self.xs = self._run(layer)
 
 
 # ----------------------------------------------------------------------------- config record
@@ -832,7 +869,8 @@ def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, An
 
 
 __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Source", "rtn_quantize", "gptq_quantize",
-           "quantize_model", "attach_int4", "trace_layer", "gather_int4", "collect_hessians", "calibration_tokens",
+           "quantize_model", "attach_int4", "trace_layer", "gather_int4", "collect_hessians", "hessians",
+           "SequentialCalibration", "calibration_tokens",
            "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "group_for", "choose_backend",
            "quant_method", "quantization_config", "FORMATS", "KERNEL_GROUPS", "ALWAYS_16BIT", "DEFAULT_KEEP"]
 
@@ -910,14 +948,14 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
 
     spec = ModelSpec.from_pretrained(model_dir)
     model = load_model(model_dir, torch.float32)
-    hess = None
+    calib = None
     n_calib = 0
     if opts.method == "gptq":
         from waferline.engine.llm import _load_tokenizer
 
         tokens = calibration_tokens(calibration, _load_tokenizer(model_dir), calibration_max_tokens)
         n_calib = len(tokens)
-        hess = collect_hessians(model, tokens)
+        calib = SequentialCalibration(model, tokens)
     raw = open_weights(model_dir)
     names = raw.names_with_prefix("")
     shapes = {n: tuple(raw.shape(n)) for n in names}
@@ -928,6 +966,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     total = len(model.layers)
     for pos, (layer, i) in enumerate(zip(model.layers, model.layer_range)):
         traced = trace_layer(spec, i, shapes, selected)
+        hess = calib.hessians(layer) if calib is not None else {}
         for path, owner, leaf in matmul_weights(layer):
             mpath = f"layers.{pos}.{path}"
             ids = traced.get(path)
@@ -935,9 +974,14 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             if ids is None or _kept(mpath, opts.keep) or any(_kept(f, opts.keep) for f in feeds):
                 kept.append(", ".join(feeds) if feeds else mpath)
                 continue
-            t = _quantize_param(getattr(owner, leaf).detach(), opts, None if hess is None else hess.get(mpath))
+            w = getattr(owner, leaf).detach()
+            t = _quantize_param(w, opts, hess.get(path))
             if t is None or not _scatter(t, ids, selected, shapes, outs, covered):
                 kept.append(", ".join(feeds))
+            elif calib is not None:  # later layers calibrate on this layer's int4 outputs
+                install(layer, path, Int4Weight(t, w.device, torch.bfloat16))
+        if calib is not None:
+            calib.advance(layer)
         if progress:
             progress(pos + 1, total, f"layer {i}")
     tensors: dict[str, Tensor] = {}

@@ -25,7 +25,7 @@ state h <- exp(dt*A) h + dt * x B^T; y = C h + D x; y * silu(z), RMS-normalised 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +57,10 @@ class Mamba2Cache:
     conv: Tensor
     ssm: Tensor
     # speculative verify: when keep_trail is set, a T > 1 forward runs the decode recurrence token by token and records
-    # the (conv, ssm) state after each of its T tokens in ``trail`` ([B, T, ...] each), so ``rewind`` keeps any prefix
+    # per slot the (conv, ssm) state after each of its T tokens ([T, ...] each), so ``rewind`` keeps any prefix. Keyed
+    # by slot, so verifies of other slots (another micro-batch in a pipeline) in between do not disturb it.
     keep_trail: bool = False
-    trail: tuple[Tensor, Tensor] | None = None
+    trail: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     @property
     def num_slots(self) -> int:
@@ -87,16 +88,14 @@ class Mamba2Cache:
 
     def rewind(self, slots: Tensor, keep: list[int]) -> None:
         """After a T-token forward with ``keep_trail``: give row b the state after its first ``keep[b]`` (>= 1) tokens."""
-        if self.trail is None:
-            raise RuntimeError("Mamba2Cache.rewind needs a forward with keep_trail=True first")
-        conv_t, ssm_t = self.trail
-        T = conv_t.shape[1]
         for b, k in enumerate(keep):
-            if k < T:
-                s = int(slots[b])
-                self.conv[s] = conv_t[b, k - 1].to(self.conv.dtype)
-                self.ssm[s] = ssm_t[b, k - 1].to(self.ssm.dtype)
-        self.trail = None
+            s = int(slots[b])
+            if s not in self.trail:
+                raise RuntimeError(f"Mamba2Cache.rewind: no trail for slot {s} (run the verify with keep_trail=True)")
+            conv_t, ssm_t = self.trail.pop(s)
+            if k < conv_t.shape[0]:
+                self.conv[s] = conv_t[k - 1].to(self.conv.dtype)
+                self.ssm[s] = ssm_t[k - 1].to(self.ssm.dtype)
 
 
 def _segsum(a: Tensor) -> Tensor:
@@ -323,7 +322,9 @@ class Mamba2Mixer(nn.Module):
             states.append(h)
         cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
         cache.ssm.index_copy_(0, slots, h.to(cache.ssm.dtype))
-        cache.trail = (conv_trail, torch.stack(states, dim=1))
+        ssm_trail = torch.stack(states, dim=1)
+        for b, s in enumerate(slots.tolist()):
+            cache.trail[s] = (conv_trail[b], ssm_trail[b])
         y = torch.stack(ys, dim=1).reshape(Bsz, T, self.d_inner)
         return self._gated_norm_out(y, z, x.dtype)
 
