@@ -32,6 +32,14 @@ cost of a step with B rows in tokens-equivalent: a forward costs t0 + t1·N for 
 (measured by ``benchmarks/speculative.py``), and a drafted token costs ``draft_cost`` of a one-token target step
 (0 for n-grams, about 1 / layers for an MTP head, the layer ratio for a draft model). When even k = 1 does not pay — a large batch, or a low acceptance — the step is a
 plain decode step: speculation backs off by itself as the batch grows.
+
+Under the pipeline (engine/pipeline.py; not wired yet): the pieces are pure and per-slot so the last stage can call
+them. Stage 0 proposes (``NgramDrafter.lookup`` needs only tokens; an MTP head or draft model would live on the last
+stage, which has the hidden states and logits) and launches ``[last] + drafts`` as a group with T = k + 1 (the
+pipeline already groups rows by T); the drafts ride in the micro-batch meta to the last stage, which calls
+``verify_rows`` and sends back the variable-width tokens; every stage holds a ``VerifyRollback`` per in-flight
+micro-batch and calls ``done(keep)`` (keep = len(tokens emitted)) when the row's next micro-batch carries it —
+Mamba-2 trails are kept per slot, so other micro-batches' verifies in between do not disturb them.
 """
 
 from __future__ import annotations
@@ -107,6 +115,14 @@ def verify(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Ten
         return verify_greedy(target_logits, draft)
     p = target_probs(target_logits[: len(draft) + 1], params)
     return verify_sampled(p, draft_probs, draft, gen)
+
+
+def verify_rows(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                params: SamplingParams, gens: list[torch.Generator | None]) -> list[list[int]]:
+    """Verify a whole verify forward: ``logits`` [B, T, V] (T = 1 + the longest draft; shorter drafts padded at the
+    end), row b's drafts and drafter probabilities. Returns, per row, the tokens to emit (the variable-width feedback
+    a pipeline's last stage sends back; ``len(out[b])`` is also the ``keep`` its caches roll back to)."""
+    return [verify(logits[b], d, q, params, g) for b, (d, q, g) in enumerate(zip(drafts, draft_probs, gens))]
 
 
 # ----------------------------------------------------------------------------------------------- cache rollback
@@ -586,11 +602,10 @@ class Speculator:
                 rb = VerifyRollback(caches, batch)
                 h = model(torch.tensor(rows), caches, batch)
                 logits = model.logits(h)
+                emitted = verify_rows(logits, [p.tokens for p in props], [p.probs for p in props], params,
+                                      [gens[b] for b in active])
                 keep, n_acc = [], []
-                emitted: list[list[int]] = []
-                for i, (b, p) in enumerate(zip(active, props)):
-                    toks = verify(logits[i], p.tokens, p.probs, params, gens[b])
-                    emitted.append(toks)
+                for b, p, toks in zip(active, props, emitted):
                     n_acc.append(len(toks) - 1)
                     keep.append(len(toks))
                     ctl.observe(b, len(p.tokens), len(toks) - 1)

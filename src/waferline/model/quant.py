@@ -670,10 +670,15 @@ def _group_ids(ids: Tensor, tensors: list[int], shapes: list[tuple[int, ...]], G
     Ks = torch.tensor([sh[-1] for sh in shapes])
     base = torch.cumsum(numel, 0) - numel
     gbase = torch.cumsum(numel // G, 0) - numel // G
-    local = lut[ids >> 32]
     flat = ids & 0xFFFFFFFF
+    if len(tensors) == 1:  # the common case: plain scalar arithmetic
+        K = int(Ks[0])
+        row = flat // K
+        return flat, row * (K // G) + (flat - row * K) // G, Ks
+    local = lut[ids >> 32]
     K = Ks[local]
-    return base[local] + flat, gbase[local] + (flat // K) * (K // G) + (flat % K) // G, Ks
+    row = flat // K
+    return base[local] + flat, gbase[local] + row * (K // G) + (flat - row * K) // G, Ks
 
 
 def _groups_line_up(gid: Tensor, G: int) -> bool:
