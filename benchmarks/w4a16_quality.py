@@ -36,10 +36,10 @@ VARIANTS = (("int4 RTN g128", "rtn", 128), ("int4 RTN g32", "rtn", 32), ("int4 G
 _SIZES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8}
 
 
-def tensor_bytes(directory: Path, num_layers: int, as_bf16: bool = False) -> tuple[int, int]:
-    """Bytes of tensor data in a checkpoint (headers excluded): all tensors, and the decoder layers only (no
-    embeddings, LM head or MTP head). ``as_bf16``: count floating-point tensors at 2 bytes (a bf16 export)."""
-    total = layers = 0
+def tensor_bytes(directory: Path, num_layers: int, as_bf16: bool = False) -> tuple[int, int, int]:
+    """Bytes of tensor data in a checkpoint (headers excluded): all tensors, the decoder layers only (no
+    embeddings, LM head or MTP head), and the MTP head. ``as_bf16``: floating-point tensors at 2 bytes (bf16)."""
+    total = layers = mtp = 0
     for f in checkpoint_files(directory):
         with safe_open(str(f), "pt") as h:
             for k in h.keys():
@@ -50,7 +50,9 @@ def tensor_bytes(directory: Path, num_layers: int, as_bf16: bool = False) -> tup
                 m = re.match(r"(model|backbone)\.layers\.(\d+)\.", k)
                 if m and int(m.group(2)) < num_layers:
                     layers += n
-    return total, layers
+                elif m:
+                    mtp += n
+    return total, layers, mtp
 
 
 def perplexity(llm: LLM, ids: list[int], window: int = 256) -> float:
@@ -84,7 +86,7 @@ def main() -> None:
     ids = calibration_tokens(str(heldout), base.tokenizer, a.max_eval_tokens)
     rows = []
     L = base.spec.num_layers
-    bf16_total, bf16_layers = tensor_bytes(model, L, as_bf16=True)
+    bf16_total, bf16_layers, _ = tensor_bytes(model, L, as_bf16=True)
     work = Path(tempfile.mkdtemp(prefix="w4a16-quality-"))
     try:
         for name, method, group in (("bf16", None, None), *VARIANTS):
@@ -97,7 +99,10 @@ def main() -> None:
                                     calibration=a.calibration if method == "gptq" else None,
                                     calibration_max_tokens=a.calibration_tokens)
                 llm = LLM(str(path), dtype="bfloat16")
-                nbytes, nlayers = tensor_bytes(path, L)
+                nbytes, nlayers, nmtp = tensor_bytes(path, L)
+                acct = llm.spec.weight_bytes(4, group)  # the planner's accounting (no MTP head)
+                print(f"{name:>14}: file bytes without the MTP head {nbytes - nmtp:,} vs ModelSpec.weight_bytes(4, {group}) "
+                      f"{acct:,.0f} ({100 * ((nbytes - nmtp) / acct - 1):+.2f}%)", flush=True)
             ppl = perplexity(llm, ids)
             rows.append({"variant": name, "perplexity": round(ppl, 3), "weight_bytes": nbytes,
                          "vs_bf16_bytes": round(nbytes / bf16_total, 3), "layer_bytes": nlayers,
