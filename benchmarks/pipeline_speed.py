@@ -156,20 +156,33 @@ def run_case(path: Path, S: int, M: int, B: int, P: int, O: int, threads: int, r
     params = SamplingParams(max_tokens=O, ignore_eos=True)
     best = None
     with LLM(path, **kw) as llm:
+        pids = [os.getpid()] + (llm._pipeline.pids if llm._pipeline is not None else [])
         llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # warm-up
         for _ in range(repeats):  # best of `repeats`: other work on a shared machine only ever slows a run down
+            c0 = [cpu_seconds(p) for p in pids]
             t = time.perf_counter()
             outs = llm.generate(prompts, params)
             total = time.perf_counter() - t
+            cpu = [cpu_seconds(p) - c for p, c in zip(pids, c0)]
             if best is None or outs[0].metrics["decode_tokens_per_s"] > best[0][0].metrics["decode_tokens_per_s"]:
-                best = (outs, total)
-    outs, total = best
+                best = (outs, total, cpu)
+    outs, total, cpu = best
     m = outs[0].metrics
     per_user = statistics.mean(o.metrics.get("tokens_per_s_per_user", 0.0) for o in outs) if S > 1 or kw else None
     return {"stages": S, "micro_batches": M, "batch": B, "threads_per_stage": threads, "prompt": P, "output": O,
             "total_s": total, "aggregate_decode_tokens_per_s": m["decode_tokens_per_s"],
             "tokens_per_s_per_user": per_user if per_user is not None else m["decode_tokens_per_s"] / B,
-            "ttft_s": max(o.metrics["ttft_s"] for o in outs)}
+            "ttft_s": max(o.metrics["ttft_s"] for o in outs), "cpu_s_per_process": cpu,
+            "cores_used": sum(cpu) / total, "loadavg": os.getloadavg()[0]}
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def main() -> int:
@@ -206,13 +219,15 @@ def main() -> int:
               f"\nmodel: sol architecture, {L} layers, hidden {cfg['hidden_size']}, fp32")
 
         # aggregate decode throughput vs S and M (many sequences: compute-bound micro-batches)
-        B, P, O = (16, 16, 12) if args.quick else (32, 16, 16)
+        B, P, O = (16, 16, 12) if args.quick else (64, 16, 12)
         cases = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (2, 2, 1), (2, 4, 1)]
         if not args.quick:
             cases += [(4, 4, 1), (L, L, 1)]
-        print(f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each "
-              "(threads = per stage; 0 = all cores in one process):")
-        print(f"{'S':>3} {'M':>3} {'thr':>3} {'agg tok/s':>10} {'per user':>9} {'vs S=1':>7} {'TTFT':>8}   {'sim agg tok/s':>13} {'sim/user':>9}")
+        print(f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each (threads = per stage; 0 = all cores "
+              "in one process; CPU s = CPU time of all stage processes in the run; cores = CPU s / wall: below S means "
+              "the stages were starved by other work on the machine):")
+        print(f"{'S':>3} {'M':>3} {'thr':>3} {'agg tok/s':>10} {'per user':>9} {'vs S=1':>7} {'TTFT':>8} {'CPU s':>6} "
+              f"{'cores':>5}   {'sim agg tok/s':>13} {'sim/user':>9}")
         base = None
         for S, M, thr in cases:
             r = run_case(path, S, M, B, P, O, thr)
@@ -227,7 +242,8 @@ def main() -> int:
             results["throughput"].append(r)
             simtxt = (f"{r['sim_aggregate_tokens_per_s']:>13.1f} {r['sim_tokens_per_s_per_user']:>9.2f}" if sim else f"{'-':>13} {'-':>9}")
             print(f"{S:>3} {M:>3} {thr:>3} {r['aggregate_decode_tokens_per_s']:>10.1f} {r['tokens_per_s_per_user']:>9.2f} "
-                  f"{r['speedup_vs_1stage_1thread'] or 0:>6.2f}x {r['ttft_s'] * 1e3:>6.0f}ms   {simtxt}")
+                  f"{r['speedup_vs_1stage_1thread'] or 0:>6.2f}x {r['ttft_s'] * 1e3:>6.0f}ms {sum(r['cpu_s_per_process']):>6.1f} "
+                  f"{r['cores_used']:>5.2f}   {simtxt}")
 
         # per-token latency vs S: one sequence, nothing to overlap with
         print("\nper-token latency, 1 sequence (M = 1):")

@@ -217,12 +217,13 @@ def main() -> None:
     set_gather(llm.model, a.moe_gather_max)
     prompts = heldout_prompts(llm, Path(a.prompts) if a.prompts else model_dir / "heldout.txt", a.num_prompts, a.prompt_tokens)
     cost = forward_cost(llm)
-    print(f"forward cost on this host: t = {cost['t0_s'] * 1e3:.2f} ms + {cost['t1_s'] * 1e3:.3f} ms x tokens  "
-          f"-> overhead = {cost['overhead_tokens']:.1f} tokens (adaptive K uses it)")
+    print("forward cost on this host (ms per forward, rows x tokens): " +
+          ", ".join(f"{p['B']}x{p['T']}: {p['s'] * 1e3:.1f}" for p in cost["points"]) + "  (adaptive K uses these)")
+    table = [(p["B"] * p["T"], p["s"]) for p in cost["points"]]  # adaptive K decides on the measured costs
     methods = [m if m != "draft" else f"draft:{draft_dir}" for m in a.methods.split(",")]
     specs = {}
     for m in methods:
-        s = Speculator(llm.model, m, a.k, llm.dtype, adaptive=True, overhead=cost["overhead_tokens"])
+        s = Speculator(llm.model, m, a.k, llm.dtype, adaptive=True, cost_table=table)
         if hasattr(s.drafter, "model") and s.drafter.model is not llm.model:
             set_gather(s.drafter.model, a.moe_gather_max)
         specs[m] = (s, Totals(s))
@@ -261,7 +262,7 @@ def main() -> None:
             base = run(llm, ps, params, B, a.repeats)
             row = {"batch": B, "base_tok_s": base["tok_s"]}
             for label, adaptive in (("fixed_k", False), ("adaptive", True)):
-                spec = Speculator(llm.model, m, a.k, llm.dtype, adaptive=adaptive, overhead=cost["overhead_tokens"])
+                spec = Speculator(llm.model, m, a.k, llm.dtype, adaptive=adaptive, cost_table=table)
                 if hasattr(spec.drafter, "model") and spec.drafter.model is not llm.model:
                     set_gather(spec.drafter.model, a.moe_gather_max)
                 llm._spec = spec

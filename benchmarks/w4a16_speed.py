@@ -2,8 +2,8 @@
 
 Models: a ~100M-parameter Llama-type checkpoint with random weights (built once, cached) where reading weights
 dominates, and the demo `sol` checkpoint (or sol-mini when `models/sol-mini` exists). The roofline is the weight
-bytes read per decode step (ModelSpec accounting, embeddings excluded) divided by this machine's measured copy
-bandwidth; at batch 8 one read of the weights serves 8 tokens. Prints a table, writes benchmarks/results/w4a16_speed.json.
+bytes read per decode step (ModelSpec accounting, embeddings excluded; of an MoE layer's experts only those a step
+can touch) divided by this machine's measured copy bandwidth; at batch 8 one read of the weights serves 8 tokens. Prints a table, writes benchmarks/results/w4a16_speed.json.
 
     python benchmarks/w4a16_speed.py                 # ~3-6 minutes on a 2-core CPU
     python benchmarks/w4a16_speed.py --tokens 16 --models llama100m
@@ -23,7 +23,7 @@ import torch
 
 from waferline import LLM, SamplingParams
 from waferline.model.quant import Int4Weight
-from waferline.spec.model import ModelSpec
+from waferline.spec.model import ModelSpec, MoESpec, quantized_bytes
 
 ROOT = Path(__file__).resolve().parent
 LLAMA_100M = {
@@ -57,7 +57,7 @@ def checkpoint(name: str, cache: Path) -> Path:
         return d
     mini = ROOT.parent / "models" / "sol-mini"
     if (mini / "config.json").is_file():
-        return mini
+        return mini  # the trained sol-mini
     from waferline.demo import SOL_DEMO_CONFIG
 
     d = cache / "sol-demo"
@@ -66,12 +66,18 @@ def checkpoint(name: str, cache: Path) -> Path:
     return d
 
 
-def bytes_per_step(spec: ModelSpec, variant: str, group: int) -> float:
-    """Weight bytes one decode step reads: every layer and the LM head (the embedding table is only indexed)."""
-    if variant == "fp32":
-        return spec.weight_bytes(32, embed_bits=32) - spec.embed_bytes(32)
-    bits = 4 if variant == "int4" else 16
-    return spec.weight_bytes(bits, group) - spec.embed_bytes(16)
+def bytes_per_step(spec: ModelSpec, variant: str, group: int, batch: int) -> float:
+    """Weight bytes one decode step of ``batch`` sequences reads (ModelSpec accounting): every layer and the LM head,
+    not the embedding table (only indexed); of each MoE layer's experts at most ``batch * top_k`` are touched."""
+    bits = {"fp32": 32, "bf16": 16, "int4": 4}[variant]
+    embed_bits = 32 if bits == 32 else 16
+    total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
+    for layer in spec.layers:
+        ffn = layer.ffn
+        if isinstance(ffn, MoESpec):
+            idle = ffn.num_experts - min(ffn.num_experts, batch * ffn.top_k)
+            total -= idle * quantized_bytes(ffn.expert_params(), bits, group)
+    return total
 
 
 def decode_rate(llm: LLM, batch: int, tokens: int, vocab: int, prompt_len: int = 16) -> float:
@@ -88,6 +94,7 @@ def run(models: list[str], tokens: int, group: int, cache: Path, repeats: int) -
     for name in models:
         path = checkpoint(name, cache)
         spec = ModelSpec.from_pretrained(path)
+        name = path.name if name == "sol" else name  # sol-mini, or sol-demo (random weights) until it exists
         llms, info = {}, {}
         for variant, dtype, bits in VARIANTS:
             t = time.perf_counter()
@@ -103,7 +110,7 @@ def run(models: list[str], tokens: int, group: int, cache: Path, repeats: int) -
                 for variant, llm in llms.items():
                     best[variant] = max(best[variant], decode_rate(llm, batch, tokens, spec.vocab_size))
             for variant, rate in best.items():
-                step_bytes = bytes_per_step(spec, variant, group)
+                step_bytes = bytes_per_step(spec, variant, group, batch)
                 roof = batch * bw / step_bytes
                 rows.append({"model": name, "params_M": round(spec.params_total() / 1e6, 1), "variant": variant,
                              "batch": batch, "decode_tok_s": round(rate, 2), "roofline_tok_s": round(roof, 1),

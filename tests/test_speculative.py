@@ -317,6 +317,12 @@ def test_adaptive_k_grows_with_acceptance_and_backs_off_with_batch():
     assert k1 >= 5 and 1 <= k8 <= 3 and k64 == 0
     assert expected_tokens(0.5, 3) == pytest.approx(1.875) and expected_tokens(1.0, 3) == 4.0
     assert AdaptiveK(k_max=3, enabled=False).choose([0, 1]) == [3, 3]
+    # a measured cost table where 2..8 tokens cost twice one token (a CPU's gemv -> gemm step): only a high
+    # acceptance pays
+    table = [(1, 1.0), (2, 2.0), (8, 2.0), (64, 10.0)]
+    assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.5}).choose([0]) == [0]
+    assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.9}).choose([0])[0] >= 4
+    assert AdaptiveK(k_max=6, cost_table=table).cost(5) == 2.0 and AdaptiveK(6, cost_table=table).cost(120) == pytest.approx(18.0)
 
 
 def test_user_errors(ckpts, tmp_path):

@@ -383,7 +383,7 @@ def main() -> int:
 
     llm = LLM(out)
     ids = llm.encode((out / "heldout.txt").read_text())
-    ppl = heldout_perplexity(llm, ids)
+    ppl = llm.perplexity(ids, window=SEQ)
     samples = []
     for prompt in ("ROMEO.\n", "First Citizen.\nWhat say you to", "KING.\nMy lords,"):
         o = llm.generate([prompt], SamplingParams(max_tokens=60))[0]
@@ -393,20 +393,6 @@ def main() -> int:
     (out / "README.md").write_text(model_card(info, card))
     log(f"held-out perplexity {ppl:.2f}; wrote {out}")
     return 0
-
-
-def heldout_perplexity(llm, ids: list[int], window: int = SEQ) -> float:
-    """Perplexity over consecutive, non-overlapping windows of ``window`` tokens (each scored from scratch)."""
-    nll, n = 0.0, 0
-    for s in range(0, len(ids) - 1, window):
-        chunk = ids[s: s + window + 1]
-        if len(chunk) < 2:
-            break
-        lp = llm.prompt_logprobs(chunk)
-        tgt = torch.tensor(chunk[1:])
-        nll -= float(lp[:-1].gather(1, tgt[:, None]).sum())
-        n += len(chunk) - 1
-    return math.exp(nll / n)
 
 
 if __name__ == "__main__":

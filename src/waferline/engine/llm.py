@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,20 @@ class LLM:
         caches = self.model.new_caches(1)
         h = self.model(torch.tensor([ids]), caches, StepBatch.make([0], [0], len(ids)))
         return torch.log_softmax(self.model.logits(h[0]), dim=-1)
+
+    def perplexity(self, token_ids: list[int], window: int = 256) -> float:
+        """exp(mean NLL) over consecutive windows of ``window`` predicted tokens, each window scored from scratch."""
+        nll, n = 0.0, 0
+        for s in range(0, len(token_ids) - 1, window):
+            chunk = token_ids[s: s + window + 1]
+            if len(chunk) < 2:
+                break
+            lp = self.prompt_logprobs(chunk)
+            nll -= float(lp[:-1].gather(1, torch.tensor(chunk[1:])[:, None]).sum())
+            n += len(chunk) - 1
+        if n == 0:
+            raise RequestError("perplexity needs at least 2 tokens")
+        return math.exp(nll / n)
 
     def _check_len(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.max_model_len:

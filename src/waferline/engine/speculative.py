@@ -470,11 +470,14 @@ class AdaptiveK:
     """Chooses each step's number of drafts from the observed acceptance and the batch size (see the module doc).
 
     ``overhead``: a forward's fixed cost in per-token units (t(N tokens) ≈ t0 + t1·N, overhead = t0 / t1);
+    ``cost_table``: measured (N tokens, seconds) points of one forward, used instead of that line when given
+    (piecewise linear; on CPUs the step from 1 token (gemv) to 2 (gemm) is far from linear);
     ``draft_cost``: a drafted token's cost relative to a one-token target step. ``enabled`` False: always k_max."""
 
     k_max: int
     enabled: bool = True
     overhead: float = 24.0
+    cost_table: list[tuple[int, float]] | None = None
     draft_cost: float = 0.0
     prior: float = 0.6
     decay: float = 0.7
@@ -485,9 +488,22 @@ class AdaptiveK:
             a = self.alpha.get(row, self.prior)
             self.alpha[row] = self.decay * a + (1 - self.decay) * accepted / drafted
 
+    def cost(self, n: int) -> float:
+        """Cost of one forward over n tokens (tokens-equivalent, or seconds with a cost table)."""
+        pts = sorted({n: t for n, t in sorted(self.cost_table or [], key=lambda p: -p[1])}.items())  # min per n
+        if not pts:
+            return self.overhead + n
+        if n <= pts[0][0]:
+            return pts[0][1]
+        for (n0, t0), (n1, t1) in zip(pts, pts[1:]):
+            if n <= n1:
+                return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
+        (n0, t0), (n1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
+        return t1 + (t1 - t0) / max(n1 - n0, 1) * (n - n1)
+
     def gain(self, alpha: float, k: int, batch: int) -> float:
-        base = self.overhead + batch
-        cost = self.overhead + batch * (k + 1) + k * self.draft_cost * base
+        base = self.cost(batch)
+        cost = self.cost(batch * (k + 1)) + k * self.draft_cost * base
         return expected_tokens(alpha, k) * base / cost
 
     def choose(self, rows: list[int]) -> list[int]:
@@ -526,7 +542,7 @@ class Speculator:
     """Speculative decoding for ``LLM``: ``LLM(path, speculative="ngram" | "mtp" | "draft:PATH", num_speculative_tokens=K)``."""
 
     def __init__(self, model: Any, method: str, num_tokens: int, dtype: torch.dtype, adaptive: bool = True,
-                 overhead: float | None = None):
+                 overhead: float | None = None, cost_table: list[tuple[int, float]] | None = None):
         if num_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
         self.model = model
@@ -544,6 +560,7 @@ class Speculator:
             draft_cost = 1.0 / max(model.spec.num_layers, 1)
         self.draft_cost = draft_cost
         self.overhead = 24.0 if overhead is None else overhead
+        self.cost_table = cost_table  # measured (tokens, seconds) of one forward: see AdaptiveK
 
     def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
         from waferline.engine.llm import Output, _cut_at_stop, _seeded
@@ -551,7 +568,7 @@ class Speculator:
 
         model = self.model
         B = len(ids)
-        ctl = AdaptiveK(self.k_max, self.adaptive, self.overhead, self.draft_cost)
+        ctl = AdaptiveK(self.k_max, self.adaptive, self.overhead, self.cost_table, self.draft_cost)
         stats = SpecStats()
         with torch.inference_mode():
             caches = model.new_caches(B)

@@ -142,8 +142,21 @@ class MLASpec:
         return float(per_tok * context_len)
 
 
+class _StateMixer:
+    """Mixers with a constant per-sequence state and no per-token cache (Mamba-1/2, Gated DeltaNet)."""
+
+    def cache_elems_per_token(self) -> int:
+        return 0
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return 0.0
+
+    def cached_tokens(self, context_len: int) -> int:
+        return 0
+
+
 @dataclass(frozen=True)
-class Mamba2Spec:
+class Mamba2Spec(_StateMixer):
     """Mamba-2 (SSD) mixer: constant-size conv + SSM state per sequence."""
 
     hidden_size: int
@@ -184,15 +197,6 @@ class Mamba2Spec:
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
 
-    def cache_elems_per_token(self) -> int:
-        return 0
-
-    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
-        return 0.0
-
-    def cached_tokens(self, context_len: int) -> int:
-        return 0
-
     def state_elems(self) -> int:
         return self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_size
 
@@ -205,7 +209,7 @@ class Mamba2Spec:
 
 
 @dataclass(frozen=True)
-class Mamba1Spec:
+class Mamba1Spec(_StateMixer):
     """Mamba-1 selective SSM (Jamba): accounting only, the engine does not run it."""
 
     hidden_size: int
@@ -226,15 +230,6 @@ class Mamba1Spec:
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
 
-    def cache_elems_per_token(self) -> int:
-        return 0
-
-    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
-        return 0.0
-
-    def cached_tokens(self, context_len: int) -> int:
-        return 0
-
     def state_bytes_per_seq(self, state_bits: int = 16) -> float:
         return (self.d_inner * (self.conv_kernel - 1) + self.d_inner * self.state_size) * state_bits / 8
 
@@ -243,7 +238,7 @@ class Mamba1Spec:
 
 
 @dataclass(frozen=True)
-class GatedDeltaNetSpec:
+class GatedDeltaNetSpec(_StateMixer):
     """Gated DeltaNet linear attention (Qwen3-Next): accounting only, the engine does not run it."""
 
     hidden_size: int
@@ -273,15 +268,6 @@ class GatedDeltaNetSpec:
 
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
-
-    def cache_elems_per_token(self) -> int:
-        return 0
-
-    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
-        return 0.0
-
-    def cached_tokens(self, context_len: int) -> int:
-        return 0
 
     def state_bytes_per_seq(self, state_bits: int = 16) -> float:
         conv = (2 * self.key_dim + self.value_dim) * (self.conv_kernel - 1)
