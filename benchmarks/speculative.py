@@ -6,7 +6,7 @@ speculation stops paying as the batch grows. Prints tables; writes benchmarks/re
     python benchmarks/speculative.py --quick               # fewer prompts and tokens
 
 The draft model is sol-mini cut to its first ``--draft-layers`` layers (same embeddings, final norm and LM head:
-a real checkpoint sharing the tokenizer, written under benchmarks/results/), since no smaller sol was trained.
+a real checkpoint sharing the tokenizer, written under $TMPDIR/waferline-spec/), since no smaller sol was trained.
 Without models/sol-mini the script runs on a random-weight sol checkpoint with an MTP head (it says so).
 """
 
@@ -193,6 +193,7 @@ def main() -> None:
     ap.add_argument("--moe-gather-max", type=int, default=None,
                     help="set MoE.gather_max on target and draft (0 = always the sorted-experts path; default: model's)")
     ap.add_argument("--repeats", type=int, default=2, help="best of N per measurement (default 2)")
+    ap.add_argument("--no-adaptive", action="store_true", help="main table at a fixed K (the drafters' raw acceptance)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     a = ap.parse_args()
@@ -211,7 +212,9 @@ def main() -> None:
         print(f"!! {a.model} not found: RANDOM-weight sol checkpoint with an MTP head ({model_dir})")
     results_dir = Path(a.out).parent
     results_dir.mkdir(parents=True, exist_ok=True)
-    draft_dir = make_draft(model_dir, a.draft_layers, results_dir / f"{model_dir.name}-draft-L{a.draft_layers}")
+    # the derived draft checkpoint is a build product, not a result: keep it out of the repository
+    draft_dir = make_draft(model_dir, a.draft_layers,
+                           Path(tempfile.gettempdir()) / "waferline-spec" / f"{model_dir.name}-draft-L{a.draft_layers}")
 
     llm = LLM(model_dir)
     set_gather(llm.model, a.moe_gather_max)
@@ -223,7 +226,7 @@ def main() -> None:
     methods = [m if m != "draft" else f"draft:{draft_dir}" for m in a.methods.split(",")]
     specs = {}
     for m in methods:
-        s = Speculator(llm.model, m, a.k, llm.dtype, adaptive=True, cost_table=table)
+        s = Speculator(llm.model, m, a.k, llm.dtype, adaptive=not a.no_adaptive, cost_table=table)
         if hasattr(s.drafter, "model") and s.drafter.model is not llm.model:
             set_gather(s.drafter.model, a.moe_gather_max)
         specs[m] = (s, Totals(s))
@@ -276,6 +279,7 @@ def main() -> None:
                   f"adaptive x{row['adaptive_speedup']:.2f} ({row['adaptive_plain_steps']}/{row['adaptive_steps']} steps plain)",
                   flush=True)
     out = {"model": str(a.model), "random_weights": random_weights, "draft_model": str(draft_dir), "k_max": a.k,
+           "adaptive": not a.no_adaptive,
            "num_prompts": a.num_prompts, "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens,
            "threads": torch.get_num_threads(), "moe_gather_max": a.moe_gather_max, "forward_cost": cost, "rows": rows, "backoff": backoff}
     Path(a.out).write_text(json.dumps(out, indent=2))

@@ -1,8 +1,8 @@
 """Held-out perplexity and weight bytes of bf16 vs int4 (RTN g128, RTN g32, GPTQ g32) for a checkpoint.
 
 Default: the trained sol-mini (`models/sol-mini`, its `heldout.txt`), GPTQ calibrated on the first tokens of the
-training text (`train/work/data/train.txt`, never the held-out plays). Perplexity is scored as sol-mini's model
-card scores it: consecutive non-overlapping windows of 256 tokens, each from scratch. int4 variants run W4A16
+training text (`train/work/data/train.txt`, never the held-out plays). Perplexity is `LLM.perplexity`, as sol-mini's
+model card scores it: consecutive non-overlapping windows of 256 tokens, each from scratch. int4 variants run W4A16
 (bf16 activations). Weight bytes are the safetensors tensor bytes of each checkpoint (bf16: the source's tensors
 at 2 bytes), in all and for the decoder layers alone (embeddings, LM head and MTP head stay 16-bit). Prints a table,
 writes benchmarks/results/w4a16_quality.json.
@@ -22,7 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from waferline import LLM
@@ -53,18 +52,6 @@ def tensor_bytes(directory: Path, num_layers: int, as_bf16: bool = False) -> tup
                 elif m:
                     mtp += n
     return total, layers, mtp
-
-
-def perplexity(llm: LLM, ids: list[int], window: int = 256) -> float:
-    nll, n = 0.0, 0
-    for s in range(0, len(ids) - 1, window):
-        chunk = ids[s: s + window + 1]
-        if len(chunk) < 2:
-            break
-        lp = llm.prompt_logprobs(chunk)
-        nll -= float(lp[:-1].gather(1, torch.tensor(chunk[1:])[:, None]).sum())
-        n += len(chunk) - 1
-    return math.exp(nll / n)
 
 
 def main() -> None:
@@ -103,7 +90,7 @@ def main() -> None:
                 acct = llm.spec.weight_bytes(4, group)  # the planner's accounting (no MTP head)
                 print(f"{name:>14}: file bytes without the MTP head {nbytes - nmtp:,} vs ModelSpec.weight_bytes(4, {group}) "
                       f"{acct:,.0f} ({100 * ((nbytes - nmtp) / acct - 1):+.2f}%)", flush=True)
-            ppl = perplexity(llm, ids)
+            ppl = llm.perplexity(ids)
             rows.append({"variant": name, "perplexity": round(ppl, 3), "weight_bytes": nbytes,
                          "vs_bf16_bytes": round(nbytes / bf16_total, 3), "layer_bytes": nlayers,
                          "layers_vs_bf16": round(nlayers / bf16_layers, 3), "seconds": round(time.perf_counter() - t, 1)})

@@ -209,7 +209,7 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
 
 
 def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = False, report: bool = True,
-             prompt: str | None = None, model: str | None = None) -> int:
+             prompt: str | None = None, model: str | None = None, weight_bits: int = 4, group_size: int = 32) -> int:
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
@@ -229,14 +229,15 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
                       "(the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
         build_demo_checkpoint(ckpt)
-    llm = LLM(ckpt)
+    llm = LLM(ckpt, dtype="bfloat16", weight_bits=weight_bits, group_size=group_size)
     spec = llm.spec
     kinds = [layer.mixer.kind for layer in spec.layers]
     console.print(f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
                   f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
                   f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
                   f"cache {spec.cache_bytes_per_token(16):.0f} B/token + {spec.cache_bytes_per_seq(0) / 1e3:.1f} kB/sequence (bf16)")
-    console.print("plan: single process, one stage per layer measured with hooks; 16-bit weights")
+    console.print(f"plan: single process, each layer timed as its own stage; "
+                  f"{'int4 weights (RTN, group ' + str(group_size) + '), bf16 compute' if weight_bits == 4 else 'bf16 weights and compute'}")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=0)
     timer = LayerTimer(llm.model)
     text = Text(prompt, style="cyan")
@@ -274,7 +275,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     console.print(t)
     console.print("commands: waferline plan gpt-5.6-sol --hardware wse-3 --weight-bits 4 ; "
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
-    summary = {"checkpoint": str(ckpt), "trained": trained, "prompt": prompt, "text": result.text,
+    summary = {"checkpoint": str(ckpt), "trained": trained, "weight_bits": weight_bits, "prompt": prompt, "text": result.text,
                "token_ids": result.token_ids, "decode_tokens_per_s": m["decode_tokens_per_s"], "ttft_s": m["ttft_s"],
                "layer_ms": timeline_ms, "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)}}
     if report:
@@ -284,7 +285,8 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         rep = Report("waferline demo report", f"sol-mini run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}")
         rep.add("The run", text=prompt + result.text,
                 note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms "
-                     f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), sampled T=0.8 top-p 0.95 seed 0")
+                     f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
+                     "sampled T=0.8 top-p 0.95 seed 0")
         rep.add("Per-stage timeline", figure=figs["timeline"],
                 note="Median wall time of each layer during decode steps, measured in this run (single process; each layer "
                      "is one stage in the one-layer-per-wafer plan).")
