@@ -77,7 +77,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from waferline.demo import run_demo
 
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
-                    prompt=args.prompt, model=args.model, weight_bits=args.weight_bits)
+                    prompt=args.prompt, model=args.model, weight_bits=args.weight_bits,
+                    layers_per_stage=args.layers_per_stage)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")
     d.add_argument("--model", default=None, help="checkpoint directory (default: the bundled models/sol-mini)")
     d.add_argument("--no-report", action="store_true", help="skip the HTML report")
+    d.add_argument("--layers-per-stage", type=int, default=1,
+                   help="layers per pipeline stage process (default 1: one wafer, one layer); 0 = single process")
     d.add_argument("--weight-bits", type=int, default=4, choices=[4, 16], help="4 = int4 weights, RTN on load (default), 16 = bf16 file as is")
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.set_defaults(func=_cmd_demo)
