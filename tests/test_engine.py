@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from tiny_models import build, configs
 from waferline import LLM, SamplingParams
-from waferline.errors import CheckpointError, ConfigError, RequestError, WaferlineError
+from waferline.errors import CheckpointError, ConfigError, RequestError
 from waferline.model.attention import TokenCache
 from waferline.model.context import StepBatch
 from waferline.model.ssm import Mamba2Cache

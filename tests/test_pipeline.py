@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 import tiny_models
 from waferline import LLM, SamplingParams
 from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
-from waferline.errors import CheckpointError, ConfigError, WaferlineError
+from waferline.errors import CheckpointError, ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 SOL_MINI = ROOT / "models" / "sol-mini"

@@ -17,7 +17,7 @@ from waferline import cli
 from waferline.errors import CheckpointError, ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model, open_weights
-from waferline.model.quant import (Int4Source, Int4Tensor, Int4Weight, QuantLinear, QuantOptions, gptq_quantize,
+from waferline.model.quant import (Int4Source, Int4Weight, QuantLinear, QuantOptions, gptq_quantize,
                                    pack_nibbles, quantize_checkpoint, quantize_model, rtn_quantize,
                                    unpack_nibbles)
 from waferline.spec.model import ModelSpec

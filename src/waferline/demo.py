@@ -262,7 +262,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     console.print(f"plan: {plan_text}")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=0)
     text = Text(prompt, style="cyan")
-    n, t_first, t0 = 0, None, time.perf_counter()
+    n, t_first = 0, None
     result = None
     with Live(text, console=console, refresh_per_second=12, transient=False) as live:
         pieces: list[int] = []
@@ -292,7 +292,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     t.add_row("tok/s per user, one layer per wafer (80), 4-bit", f"{head['tok_s_per_user']:.0f}")
     t.add_row("  ... with MTP speculation (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}")
     t.add_row("TTFT, 1,000-token prompt", f"{head['ttft_s'] * 1e3:.0f} ms")
-    t.add_row(f"GB200 NVL72, 4-bit: GPUs / tok/s per user", f"{head['nvl72_gpus']} / {head['nvl72_tok_s_per_user']:.0f}")
+    t.add_row("GB200 NVL72, 4-bit: GPUs / tok/s per user", f"{head['nvl72_gpus']} / {head['nvl72_tok_s_per_user']:.0f}")
     console.print(t)
     console.print("commands: waferline plan gpt-5.6-sol --hardware wse-3 --weight-bits 4 ; "
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")

@@ -227,18 +227,16 @@ class LLM:
             step_logits = self.model.logits(h[:, 0])
             logits = torch.zeros(B, step_logits.shape[-1])
             logits[active] = step_logits
-        total = time.perf_counter() - t0
-        n_gen = sum(len(o) for o in out)
-        decode_time = max(total - ttft, 1e-9)
-        metrics = {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": (n_gen - B) / decode_time if n_gen > B else 0.0}
-        results = []
-        for b in range(B):
-            toks = out[b]
-            text = self.decode(toks)
-            if params.stop and reason[b] == "stop" and toks and toks[-1] not in stop_ids:
-                text = _cut_at_stop(text, params.stop)
-            results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
-        yield results
+        metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
+        yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
+
+    def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],
+                    params: SamplingParams, metrics: dict[str, float]) -> Output:
+        """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
+        text = self.decode(toks)
+        if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:
+            text = _cut_at_stop(text, params.stop)
+        return Output(prompt_ids, toks, text, reason, dict(metrics))
 
     def close(self) -> None:
         """Stop the pipeline's stage processes (no-op for the single-process engine)."""
@@ -271,6 +269,14 @@ def _seeded(params: SamplingParams, row: int) -> torch.Generator | None:
     g = torch.Generator()
     g.manual_seed(int(params.seed) * 1_000_003 + row)
     return g
+
+
+def decode_metrics(t0: float, ttft: float, n_generated: int, rows: int) -> dict[str, float]:
+    """TTFT, total time and decode tokens/s (the first token of each row belongs to the prefill)."""
+    total = time.perf_counter() - t0
+    decode_time = max(total - ttft, 1e-9)
+    rate = (n_generated - rows) / decode_time if n_generated > rows else 0.0
+    return {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": rate}
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> str:

@@ -573,8 +573,6 @@ class Pipeline:
 
     def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
         """The LLM.stream contract for already-validated prompts: (row, token) events, then the list of Outputs."""
-        from waferline.engine.llm import Output, _cut_at_stop
-
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
         final: Any = None
         for ev in self.run_stream(ids, params, stop_ids, lambda toks, stops: llm._hit_stop(toks, stops)):
@@ -583,13 +581,7 @@ class Pipeline:
             else:
                 yield ev
         outs, reasons, metrics = final
-        results = []
-        for p, toks, reason, m in zip(ids, outs, reasons, metrics):
-            text = llm.decode(toks)
-            if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:
-                text = _cut_at_stop(text, params.stop)
-            results.append(Output(p, toks, text, reason, m))
-        yield results
+        yield [llm.make_output(p, toks, reason, stop_ids, params, m) for p, toks, reason, m in zip(ids, outs, reasons, metrics)]
 
     # ------------------------------------------------------------ shutdown
     def _shutdown_now(self) -> None:

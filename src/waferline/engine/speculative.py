@@ -563,7 +563,7 @@ class Speculator:
         self.cost_table = cost_table  # measured (tokens, seconds) of one forward: see AdaptiveK
 
     def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
-        from waferline.engine.llm import Output, _cut_at_stop, _seeded
+        from waferline.engine.llm import _seeded, decode_metrics
         from waferline.engine.sampling import make_generator, sample
 
         model = self.model
@@ -637,18 +637,8 @@ class Speculator:
                     yield from emit(b, emitted[i])
                 self.drafter.accepted(active, seqs, n_acc, [len(p.tokens) for p in props],
                                       h if getattr(self.drafter, "uses_hidden", False) else None)
-            total = time.perf_counter() - t0
-        n_gen = sum(len(o) for o in out)
-        decode_time = max(total - ttft, 1e-9)
-        metrics = {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": (n_gen - B) / decode_time if n_gen > B else 0.0}
+        metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         metrics.update(stats.metrics())
         self.last_stats = stats
-        results = []
-        for b in range(B):
-            toks = out[b]
-            text = llm.decode(toks)
-            if params.stop and reason[b] == "stop" and toks and toks[-1] not in stop_ids:
-                text = _cut_at_stop(text, params.stop)
-            results.append(Output(ids[b], toks, text, reason[b], dict(metrics)))
-        yield results
+        yield [llm.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 

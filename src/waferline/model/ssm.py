@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from waferline.errors import CheckpointError, ConfigError
+from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import Mamba2Spec
