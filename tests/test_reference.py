@@ -50,3 +50,14 @@ def test_sampling_is_seeded_and_valid(pair):
     assert all(len(o.token_ids) == 8 for o in a)
     c = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0.9, seed=8, ignore_eos=True))
     assert [o.token_ids for o in a] != [o.token_ids for o in c]
+
+
+def test_modelspec_counts_exactly_the_loaded_parameters(pair):
+    """The one accounting (ModelSpec) equals what the engine actually holds, element for element."""
+    mt, _, llm = pair
+    m = llm.model
+    held = sum(p.numel() for n, p in m.named_parameters() if not n.startswith("mtp."))
+    held += sum(b.numel() for n, b in m.named_buffers() if "correction_bias" in n and not n.startswith("mtp."))
+    assert held == llm.spec.params_total(), mt
+    if len(m.mtp):
+        assert sum(p.numel() for p in m.mtp.parameters()) == llm.spec.mtp_params()

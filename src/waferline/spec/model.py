@@ -492,7 +492,10 @@ class ModelSpec:
                 + sum(layer.active_params() for layer in self.layers))
 
     def mtp_params(self) -> int:
-        return sum(layer.params() for layer in self.mtp_layers)
+        """MTP modules: each a decoder layer plus its input projection [2d -> d] and three norms
+        (embeddings and LM head are shared with the main model)."""
+        d = self.hidden_size
+        return sum(layer.params() + 2 * d * d + 3 * d for layer in self.mtp_layers)
 
     # -- bytes
     def embed_bytes(self, embed_bits: int = 16) -> float:
