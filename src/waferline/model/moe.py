@@ -241,6 +241,7 @@ class MoE(nn.Module):
     experts' weights are gathered and applied with one ``bmm`` (no host sync); otherwise tokens are sorted by expert
     and each expert that was hit runs once on its contiguous slice (one ``.tolist()`` of the per-expert counts).
     ``gather_max`` defaults to what keeps the gathered copy under ``GATHER_BYTES`` (at most 16 pairs); 0 disables it.
+    The gather path is used on accelerators only: on CPU the sorted path measured faster at every size.
 
     ``act`` defaults to the flavor's expert activation (silu; relu2 for nemotron_h); GPT-OSS ignores it and uses
     the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)``.
@@ -281,6 +282,7 @@ class MoE(nn.Module):
             expert_bytes = (3 if self.gated else 2) * D * I * torch.empty(0, dtype=dtype).element_size()
             gather_max = max(0, min(16, GATHER_BYTES // max(expert_bytes, 1)))
         self.gather_max = gather_max
+        self.gather_on_cpu = False  # tests force the gather path on CPU to check it against the reference
 
         def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
             return nn.Parameter(torch.zeros(*shape, dtype=dt), requires_grad=False)
@@ -368,7 +370,9 @@ class MoE(nn.Module):
     def experts_forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         """Sum over the chosen experts of weight * expert(x): ``x [N, D]``, ``weights``/``idx [N, k]`` -> ``[N, D]``."""
         N, k = idx.shape
-        if N * k <= self.gather_max:
+        # the gather path saves a host sync, which only pays on an accelerator: on CPU the sorted path is faster
+        # (sol-mini decode, 1 thread: 115 vs 97 tok/s at batch 1, 525 vs 198 at batch 8)
+        if N * k <= self.gather_max and (x.device.type != "cpu" or self.gather_on_cpu):
             flat = idx.reshape(-1)
             y = self._expert_ffn(x.repeat_interleave(k, dim=0), flat).float()
             return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
