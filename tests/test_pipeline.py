@@ -9,13 +9,14 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 import tiny_models
 from waferline import LLM, SamplingParams
 from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
 from waferline.errors import CheckpointError, ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[1]
 SOL_MINI = ROOT / "models" / "sol-mini"
@@ -44,15 +45,6 @@ def _sol_checkpoint(tmp: Path) -> Path:
     d = tmp / "sol"
     write_random_checkpoint(SOL_DEMO_CONFIG, d)
     return d
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one thread per process avoids OpenMP oversubscription."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,8 @@ from waferline.errors import ConfigError, WaferlineError
 from waferline.model.context import StepBatch
 from waferline.model.init import write_random_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TYPES = ("llama", "deepseek_v3", "bamba", "gpt_oss")
 
 
@@ -32,15 +34,6 @@ def _perturbed_copy(src: Path, dst: Path, noise: float, seed: int = 1) -> Path:
     save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
     (dst / "config.json").write_text((src / "config.json").read_text())
     return dst
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tests run many tiny ops, which a second intra-op thread only slows down (badly on a shared machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
