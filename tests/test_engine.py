@@ -68,6 +68,8 @@ def test_prompt_too_long_and_bad_params(ckpts):
         llm.generate([[1, 2]], SamplingParams(max_tokens=0))
     with pytest.raises(RequestError, match="empty prompt"):
         llm.generate([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(RequestError, match="at least 2 tokens"):
+        llm.perplexity([5])
     with pytest.raises(RequestError, match="no tokenizer"):
         llm.generate(["hello"], SamplingParams(max_tokens=2))
 

@@ -141,7 +141,7 @@ class GQAttention(nn.Module):
 
     def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
         s = self.spec
-        return TokenCache(num_slots, 2 * s.num_kv_heads * s.head_dim, self.dtype, device, window=s.sliding_window)
+        return TokenCache(num_slots, s.cache_elems_per_token(), self.dtype, device, window=s.sliding_window)
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -196,7 +196,7 @@ class MLAttention(nn.Module):
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
-        return TokenCache(num_slots, self.spec.kv_lora_rank + self.spec.qk_rope_head_dim, self.dtype, device)
+        return TokenCache(num_slots, self.spec.cache_elems_per_token(), self.dtype, device)  # [c_KV | k_rope]
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
