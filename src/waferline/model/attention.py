@@ -47,26 +47,32 @@ class TokenCache:
         extra = torch.zeros(self.data.shape[0], cap - self.capacity, self.data.shape[2], dtype=self.data.dtype, device=self.data.device)
         self.data = torch.cat([self.data, extra], dim=1)
 
-    def update(self, new: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``new`` [B, T, width] at the batch's positions; return the keys to attend to
-        [B, L, width] and their absolute positions [B, L] (-1 for entries that must be masked)."""
-        pos = batch.positions()
+    def update(self, new: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Store ``new`` [B, T, width] at the batch's positions; return the keys to attend to [B, L, width] and the
+        mask of keys each query must NOT see (bool, broadcastable to [B, T, L]; None when every key is visible)."""
+        B, T = new.shape[0], new.shape[1]
         if self.window is None:
-            end = int(batch.start.max()) + batch.T
+            end = batch.end
             if end > self.capacity:
                 self._grow(end)
-            self.data[batch.slots[:, None], pos] = new
-            keys = self.data[batch.slots, :end]
-            key_pos = torch.arange(end, device=new.device).expand(batch.B, end)
-            return keys, key_pos
+            s0 = batch.slot0
+            if s0 is not None and batch.uniform:  # one contiguous block: a slice copy, no scatter
+                st = batch.host_start[0]
+                self.data[s0: s0 + B, st: st + T] = new
+            else:
+                self.data[batch.slots[:, None], batch.positions()] = new
+            keys = self.data[s0: s0 + B, :end] if s0 is not None else self.data[batch.slots, :end]
+            return keys, causal_mask(batch, end)
+        pos = batch.positions()
         old, old_pos = self.data[batch.slots], self.pos[batch.slots]
         keys = torch.cat([old, new], dim=1)
         key_pos = torch.cat([old_pos, pos], dim=1)
-        keep = min(batch.T, self.window)
+        keep = min(T, self.window)
         ring = pos[:, -keep:] % self.window
         self.data[batch.slots[:, None], ring] = new[:, -keep:]
         self.pos[batch.slots[:, None], ring] = pos[:, -keep:]
-        return keys, key_pos
+        qp, kp = pos[:, :, None], key_pos[:, None, :]
+        return keys, (kp < 0) | (kp > qp) | (kp <= qp - self.window)
 
     def ring_snapshot(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copies of a sliding-window ring's rows for ``slots`` before a speculative verify (None for full attention:
@@ -94,30 +100,59 @@ class TokenCache:
         return self.capacity
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-           scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal (optionally windowed) grouped attention.
+def causal_mask(batch: StepBatch, L: int) -> torch.Tensor | None:
+    """Keys at positions 0..L-1 that each query of ``batch`` must not see (bool [B, T, L]), computed once per step and
+    shared by the layers; None when nothing is hidden (one new token per row, all rows at the same position)."""
+    key = ("causal", L)
+    if key not in batch.memo:
+        if batch.T == 1 and batch.uniform and L == batch.end:
+            batch.memo[key] = None
+        else:
+            kp = torch.arange(L, device=batch.start.device)
+            batch.memo[key] = kp[None, None, :] > batch.positions()[:, :, None]
+    return batch.memo[key]
 
-    q [B, T, H, Dk]; k [B, L, Hkv, Dk]; v [B, L, Hkv, Dv]; q_pos [B, T]; k_pos [B, L] (-1 = empty).
-    ``sinks`` [H]: a per-head logit that joins the softmax and is then dropped (GPT-OSS). Returns [B, T, H, Dv].
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None, scale: float,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Grouped attention with a precomputed mask.
+
+    q [B, T, H, Dk]; k [B, L, Hkv, Dk]; v [B, L, Hkv, Dv]; ``blocked`` bool [B, T, L] (True = masked) or None.
+    Scores and softmax in fp32. ``sinks`` [H]: a per-head logit that joins the softmax and is then dropped
+    (GPT-OSS). Returns [B, T, H, Dv].
     """
     B, T, H, Dk = q.shape
-    Hkv = k.shape[2]
+    L, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
-    qg = q.view(B, T, Hkv, G, Dk)
-    scores = torch.einsum("btkgd,blkd->bkgtl", qg, k).float() * scale
-    qp, kp = q_pos[:, None, None, :, None], k_pos[:, None, None, None, :]
-    ok = (kp >= 0) & (kp <= qp)
-    if window is not None:
-        ok = ok & (kp > qp - window)
-    scores = scores.masked_fill(~ok, float("-inf"))
+    out_dtype = q.dtype
+    if q.device.type == "cpu" and (q.dtype != torch.float32 or k.dtype != torch.float32):
+        # 16-bit attention matmuls on CPU go through oneDNN, which builds a new kernel for every new key length
+        # (measured ~0.7 ms per call in decode against ~16 us for fp32 with the casts): compute them in fp32
+        q, k, v = q.float(), k.float(), v.float()
+    if Hkv == 1:  # multi-query (MLA over its latent): one batched matmul for every head, queries ordered (t, h)
+        scores = torch.matmul(q.reshape(B, T * H, Dk), k[:, :, 0].transpose(1, 2)).view(B, T, H, L)
+        mask = None if blocked is None else blocked[:, :, None, :]
+    else:  # [B, Hkv, T*G, Dk] x [B, Hkv, Dk, L], queries ordered (t, g) within each kv head
+        qg = q.view(B, T, Hkv, G, Dk).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, Dk)
+        scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).view(B, Hkv, T, G, L)
+        mask = None if blocked is None else blocked[:, None, :, None, :]
+    scores = scores.float().mul_(scale) if scores.dtype != torch.float32 else scores.mul_(scale)
+    if mask is not None:
+        scores.masked_fill_(mask, float("-inf"))
     if sinks is not None:
-        sink = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, T, 1)
+        sink = sinks.float().view(1, Hkv, 1, G, 1).expand(B, Hkv, T, G, 1) if Hkv > 1 else \
+            sinks.float().view(1, 1, H, 1).expand(B, T, H, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgtl,blkd->btkgd", probs.to(v.dtype), v)
-    return out.reshape(B, T, H, v.shape[-1])
+    if probs.dtype != v.dtype:
+        probs = probs.to(v.dtype)
+    if Hkv == 1:
+        out = torch.matmul(probs.view(B, T * H, L), v[:, :, 0]).view(B, T, H, Dv)
+    else:
+        out = torch.matmul(probs.reshape(B, Hkv, T * G, L), v.permute(0, 2, 1, 3))  # [B, Hkv, T*G, Dv]
+        out = out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class GQAttention(nn.Module):
@@ -155,19 +190,18 @@ class GQAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, s.num_heads, s.head_dim)
-        k = self.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
-        v = self.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim)
+        h, kvh = s.num_heads, s.num_kv_heads
+        q = self.q_proj(x).view(B, T, h, s.head_dim)
+        k = self.k_proj(x).view(B, T, kvh, s.head_dim)
+        v = self.v_proj(x).view(B, T, kvh, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        pos = batch.positions()
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(pos)
-            q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        kv, k_pos = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
-        kv = kv.view(B, kv.shape[1], 2 * s.num_kv_heads, s.head_dim)
-        out = attend(q, kv[:, :, : s.num_kv_heads], kv[:, :, s.num_kv_heads:], pos, k_pos, self.scale,
-                     s.sliding_window, self.sinks)
+        if self.rotary is not None:  # q and k rotated together: one pass over [B, T, H + Hkv, head_dim]
+            cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+            q, k = self.rotary.apply(torch.cat([q, k], dim=2), cos, sin).split([h, kvh], dim=2)
+        kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
+        kv = kv.view(B, kv.shape[1], 2 * kvh, s.head_dim)
+        out = attend(q, kv[:, :, :kvh], kv[:, :, kvh:], blocked, self.scale, self.sinks)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -209,33 +243,38 @@ class MLAttention(nn.Module):
         self._absorbed = None
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention)."""
+        """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention); fp32 on CPU."""
         if self._absorbed is None:
             s = self.spec
             w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+            if w.device.type == "cpu":  # small per-head matmuls: fp32 on CPU (16-bit ones go through slow oneDNN paths)
+                w = w.float()
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
         return self._absorbed
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
+        H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
         if s.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.view(B, T, s.num_heads, s.qk_head_dim)
-        q_nope, q_rope = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim:]
+        q = q.view(B, T, H, s.qk_head_dim)
         ckv = self.kv_a_proj_with_mqa(x)
-        c, k_rope = self.kv_a_layernorm(ckv[..., : s.kv_lora_rank]), ckv[..., s.kv_lora_rank:]
-        pos = batch.positions()
-        cos, sin = self.rotary.cos_sin(pos)
-        q_rope = self.rotary.apply(q_rope, cos, sin)
-        k_rope = self.rotary.apply(k_rope[:, :, None, :], cos, sin)[:, :, 0]
-        latents, k_pos = cache.update(torch.cat([c, k_rope], dim=-1), batch)  # [B, L, r + rope]
+        c = self.kv_a_layernorm(ckv[..., :r])
+        cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+        # the query's rope part and the single rope key rotated together: [B, T, H + 1, rope]
+        rope = self.rotary.apply(torch.cat([q[..., n:], ckv[:, :, None, r:]], dim=2), cos, sin)
+        latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
         w_uk, w_uv = self.absorbed()
-        q_lat = torch.einsum("bthn,hnr->bthr", q_nope, w_uk)
-        q_cat = torch.cat([q_lat, q_rope], dim=-1)
+        q_nope, q_rope = q[..., :n], rope[:, :, :H]
+        if x.device.type == "cpu" and w_uk.dtype != x.dtype:  # fp32 absorbed weights (see absorbed())
+            q_nope, q_rope = q_nope.float(), q_rope.float()
+        # absorb W_UK into the query: per head [B*T, n] @ [n, r]
+        q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk).transpose(0, 1).view(B, T, H, r)
         kv = latents[:, :, None, :]
-        o_lat = attend(q_cat, kv, kv[..., : s.kv_lora_rank], pos, k_pos, self.scale)  # [B, T, H, r]
-        out = torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
-        return self.o_proj(out.reshape(B, T, -1))
+        o_lat = attend(torch.cat([q_lat, q_rope], dim=-1), kv, kv[..., :r], blocked, self.scale)  # [B, T, H, r]
+        out = torch.bmm(o_lat.reshape(B * T, H, r).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B*T, v]
+        out = out.transpose(0, 1).reshape(B, T, -1)
+        return self.o_proj(out if out.dtype == x.dtype else out.to(x.dtype))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -14,11 +15,18 @@ class StepBatch:
 
     Prefill with T > 1 on a slot whose ``start`` is 0 begins a fresh sequence; T > 1 with ``start`` > 0 is a
     chunked-prefill (or speculative verify) continuation; T == 1 is a decode step.
+
+    ``make`` also keeps the slots and starts as Python ints, so the layers can take views instead of gathers
+    (``slot0``), skip masks nobody needs (``uniform``) and size caches (``end``) without reading tensors back;
+    ``memo`` holds what every layer of one step shares (positions, masks, rotary tables), computed once per step.
     """
 
     slots: torch.Tensor  # int64 [B]
     start: torch.Tensor  # int64 [B]
     T: int
+    host_slots: tuple[int, ...] | None = None
+    host_start: tuple[int, ...] | None = None
+    memo: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def B(self) -> int:
@@ -26,8 +34,33 @@ class StepBatch:
 
     def positions(self) -> torch.Tensor:
         """Absolute positions of the new tokens, int64 [B, T]."""
-        return self.start[:, None] + torch.arange(self.T, device=self.start.device)[None, :]
+        pos = self.memo.get("pos")
+        if pos is None:
+            pos = self.memo["pos"] = self.start[:, None] + torch.arange(self.T, device=self.start.device)[None, :]
+        return pos
+
+    @property
+    def end(self) -> int:
+        """One past the last position any row writes: max(start) + T."""
+        if self.host_start is not None:
+            return max(self.host_start) + self.T
+        return int(self.start.max()) + self.T
+
+    @property
+    def slot0(self) -> int | None:
+        """The first slot when the rows' slots are consecutive (s0, s0+1, ...): the cache rows are then a view."""
+        s = self.host_slots
+        if s is None or any(b != s[0] + i for i, b in enumerate(s)):
+            return None
+        return s[0]
+
+    @property
+    def uniform(self) -> bool:
+        """Every row starts at the same position (no ragged lengths: causal masks are the same for all rows)."""
+        return self.host_start is not None and all(x == self.host_start[0] for x in self.host_start)
 
     @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> "StepBatch":
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(start, dtype=torch.long, device=device), T)
+        slots, start = [int(s) for s in slots], [int(s) for s in start]
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(start, dtype=torch.long, device=device), T,
+                   tuple(slots), tuple(start))

@@ -22,8 +22,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
+        if dt == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(self.eps))
         return self.weight * xf.to(dt)
 
     def load_hf(self, src: WeightSource, name: str) -> None:
@@ -83,23 +85,40 @@ class Rotary(nn.Module):
         else:
             raise ConfigError(f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
         self.register_buffer("inv_freq", inv, persistent=False)
+        # what makes two rotaries compute the same tables (shared per step through StepBatch.memo)
+        self.key = (dim, float(inv[0]), float(inv[-1]), float(inv.sum()), self.attention_scaling)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of shape [*positions.shape, dim/2] in fp32."""
+    def cos_sin(self, positions: torch.Tensor, batch: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotation tables for ``positions``: ``(cos2, sin2)`` of shape [*positions.shape, dim] in fp32, laid out for
+        :meth:`apply` (cos twice; sin negated then positive). With ``batch`` (a StepBatch) the tables are computed
+        once per step and shared by every layer with the same rotary settings."""
+        if batch is not None:
+            key = ("rope", self.key)
+            hit = batch.memo.get(key)
+            if hit is None:
+                hit = batch.memo[key] = self.cos_sin(positions)
+            return hit
         ang = positions.float()[..., None] * self.inv_freq
-        return ang.cos() * self.attention_scaling, ang.sin() * self.attention_scaling
+        cos, sin = ang.cos(), ang.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate the first ``dim`` channels of x [B, T, H, *] (cos/sin [B, T, dim/2]); the rest pass through."""
+        """Rotate the first ``dim`` channels of x [B, T, H, *] (cos/sin from :meth:`cos_sin`); the rest pass through.
+
+        Computed in fp32: out = x * cos2 + swap_halves(x) * sin2. An interleaved layout (x0,x1),(x2,x3)... is first
+        de-interleaved to [x0,x2,... | x1,x3,...], as the reference implementations do, so the output is in
+        half-split order either way."""
         dt = x.dtype
-        rot, rest = x[..., : self.dim].float(), x[..., self.dim:]
+        d = self.dim
+        rot = x[..., :d] if x.shape[-1] != d else x
         if self.interleaved:
-            x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        else:
-            x1, x2 = rot[..., : self.dim // 2], rot[..., self.dim // 2:]
-        c, s = cos[:, :, None, :], sin[:, :, None, :]
-        out = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(dt)
-        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+            rot = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)
+        rot = rot.float()
+        swapped = torch.cat([rot[..., d // 2:], rot[..., : d // 2]], dim=-1)
+        out = torch.addcmul(rot * cos[:, :, None, :], swapped, sin[:, :, None, :]).to(dt)
+        return torch.cat([out, x[..., d:]], dim=-1) if x.shape[-1] != d else out
 
 
 def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:

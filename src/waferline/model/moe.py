@@ -312,12 +312,14 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights (fp32) and expert indices (int64), both ``[N, top_k]``, for tokens ``x [N, D]``."""
         s = self.spec
-        logits = F.linear(x.float(), self.gate_weight.float(), None if self.gate_bias is None else self.gate_bias.float())
+        g = self.gate_weight if self.gate_weight.dtype == torch.float32 else self.gate_weight.float()
+        b = None if self.gate_bias is None else (self.gate_bias if self.gate_bias.dtype == torch.float32 else self.gate_bias.float())
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), g, b)
         if s.softmax_after_topk:
             top, idx = logits.topk(self.top_k, dim=-1)
             return top.softmax(dim=-1), idx
         scores = logits.softmax(dim=-1) if s.scoring == "softmax" else logits.sigmoid()
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
         if s.n_group > 1 and s.topk_group < s.n_group:
             N = x.shape[0]
             grouped = choice.view(N, s.n_group, self.num_experts // s.n_group)
@@ -376,6 +378,14 @@ class MoE(nn.Module):
             flat = idx.reshape(-1)
             y = self._expert_ffn(x.repeat_interleave(k, dim=0), flat).float()
             return (y.view(N, k, -1) * weights.unsqueeze(-1)).sum(dim=1).to(x.dtype)
+        if N == 1 and x.device.type == "cpu":
+            # one token (batch-1 decode): its k experts one after another, weights read back once — the fewest ops
+            acc = None
+            for e, w in zip(idx[0].tolist(), weights[0].tolist()):
+                h = self._expert_ffn(x, e)
+                h = h.float().mul_(w) if h.dtype != torch.float32 else h.mul_(w)
+                acc = h if acc is None else acc.add_(h)
+            return acc.to(x.dtype) if acc.dtype != x.dtype else acc
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
         token = order // k

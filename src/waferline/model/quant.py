@@ -297,9 +297,20 @@ class Int4Weight(nn.Module):
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self._pick("packed", index).device)
         return self._mm(eye, index).float().t().contiguous()
 
+    def _kernel_args(self, index: int | None) -> tuple[Tensor, Tensor]:
+        """(packed, scales_zeros) of the whole weight or of expert ``index``: views kept in a list, so the decode loop
+        does not pay an indexing op per expert matmul (rebuilt if the buffers move, e.g. ``.to(device)``)."""
+        if index is None:
+            return self.packed, self.scales_zeros
+        views = self.__dict__.get("_views")
+        if views is None or views[0] != self.packed.data_ptr():
+            views = (self.packed.data_ptr(), list(zip(self.packed.unbind(0), self.scales_zeros.unbind(0))))
+            self.__dict__["_views"] = views
+        return views[1][index]
+
     def _mm(self, x2: Tensor, index: int | None) -> Tensor:
-        packed, sz = self._pick("packed", index), self._pick("scales_zeros", index)
-        xc = x2.to(self.compute_dtype).contiguous()
+        packed, sz = self._kernel_args(index)
+        xc = x2 if x2.dtype == self.compute_dtype and x2.is_contiguous() else x2.to(self.compute_dtype).contiguous()
         if self.backend == "cpu_int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, packed, self.group_size, sz)
         else:
@@ -308,15 +319,17 @@ class Int4Weight(nn.Module):
 
     def linear(self, x: Tensor, bias: Tensor | None = None, index: int | None = None) -> Tensor:
         """``x [..., K] @ W[index].T (+ bias)`` -> ``[..., N]`` in ``x.dtype``."""
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        flat = x.dim() == 2
+        x2 = x if flat else x.reshape(-1, self.in_features)
         if self.backend == "dequant":
             y = F.linear(x2, self.dequantize(index).to(x.dtype))
         else:
-            y = self._mm(x2, index).to(x.dtype)
+            y = self._mm(x2, index)
+            if y.dtype != x.dtype:
+                y = y.to(x.dtype)
         if bias is not None:
             y = y + bias
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if flat else y.reshape(*x.shape[:-1], self.out_features)
 
     def expert_linear(self, x: Tensor, experts: int | Tensor, bias: Tensor | None = None) -> Tensor:
         """MoE form: ``experts`` an int (all rows through it) or a LongTensor ``[M]`` (row m through expert m)."""

@@ -180,53 +180,72 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> Tensor:
         """x [B, T, hidden] -> [B, T, hidden]; row b continues the sequence held in cache slot ``batch.slots[b]``."""
         if x.shape[1] == 1:
-            return self._step(x, cache, batch.slots)
+            return self._step(x, cache, batch.slots, batch.slot0)
         if cache.keep_trail:
             return self._recurrent(x, cache, batch.slots)
         return self._scan(x, cache, batch.slots)
 
+    def _consts(self) -> tuple[Tensor, Tensor, Tensor]:
+        """-exp(A_log) [H], D [H, 1] and the fp32 gated-norm weight: derived once from the loaded weights (the decode
+        step would otherwise recompute them every token)."""
+        key = (self.A_log.data_ptr(), self.A_log._version, self.D.data_ptr(), self.D._version,
+               self.norm_weight.data_ptr(), self.norm_weight._version)
+        c = self.__dict__.get("_const")
+        if c is None or c[0] != key:
+            derived = (-torch.exp(self.A_log.float()), self.D.float()[:, None], self.norm_weight.float())
+            c = self.__dict__["_const"] = (key, derived)
+        return c[1]
+
     def _gated_norm_out(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
         """y (float32) * silu(z), RMS-normalised within each of the n_groups groups, scaled, then out_proj."""
         shp = y.shape
-        g = y * F.silu(z.float())
+        g = y * F.silu(z if z.dtype == torch.float32 else z.float())
         g = g.view(*shp[:-1], self.G, self.d_inner // self.G)
-        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.spec.norm_eps)
-        g = g.view(shp) * self.norm_weight.float()
-        return self.out_proj(g.to(dtype))
+        g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True).add_(self.spec.norm_eps))
+        g = g.view(shp) * self._consts()[2]
+        return self.out_proj(g if dtype == torch.float32 else g.to(dtype))
 
-    def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
-        """One new token per row: the recurrent form (the decode hot loop)."""
+    def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, slot0: int | None = None) -> Tensor:
+        """One new token per row: the recurrent form (the decode hot loop). With consecutive slots (``slot0``) the
+        states are updated in place through views; otherwise gathered and scattered back."""
         Bsz = x.shape[0]
         H, P, N, G = self.H, self.P, self.N, self.G
+        A, D, _ = self._consts()
         zxbcdt = self.in_proj(x[:, 0])
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
 
         # causal conv: window = [K-1 cached inputs | new input]
-        window = torch.cat([cache.conv.index_select(0, slots), xBC[:, :, None].to(cache.conv.dtype)], dim=-1)
-        cache.conv.index_copy_(0, slots, window[:, :, 1:])
+        conv = cache.conv[slot0: slot0 + Bsz] if slot0 is not None else cache.conv.index_select(0, slots)
+        new = xBC[:, :, None] if xBC.dtype == conv.dtype else xBC[:, :, None].to(conv.dtype)
+        window = torch.cat([conv, new], dim=-1)
+        if slot0 is not None:
+            conv.copy_(window[:, :, 1:])
+        else:
+            cache.conv.index_copy_(0, slots, window[:, :, 1:])
         xBC = (window * self.conv_weight).sum(-1)
         if self.conv_bias is not None:
             xBC = xBC + self.conv_bias
         xBC = self._act(xBC)
-        xs, Bm, Cm = xBC.float().split([self.d_inner, G * N, G * N], dim=-1)
+        xs, Bm, Cm = (xBC if xBC.dtype == torch.float32 else xBC.float()).split([self.d_inner, G * N, G * N], dim=-1)
 
-        dt = F.softplus(dt.float() + self.dt_bias)  # [B, H]
+        dt = F.softplus((dt if dt.dtype == torch.float32 else dt.float()) + self.dt_bias)  # [B, H]
         if self.clamp_dt_in_decode and self._clamp:
             dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
-        A = -torch.exp(self.A_log)
         dA = torch.exp(dt * A)  # [B, H]
 
         xs = xs.view(Bsz, H, P)
-        h = cache.ssm.index_select(0, slots)  # [B, H, P, N]
         # heads of a group share B and C: view heads as [G, H/G] and broadcast
-        Bg = Bm.view(Bsz, G, 1, 1, N)
-        Cg = Cm.view(Bsz, G, 1, N, 1)
         dx = (dt[:, :, None] * xs).view(Bsz, G, H // G, P, 1)
-        h = h.view(Bsz, G, H // G, P, N)  # a fresh copy (index_select): update it in place
-        h.mul_(dA.view(Bsz, G, H // G, 1, 1)).addcmul_(dx, Bg)
-        y = torch.matmul(h, Cg).view(Bsz, H, P) + self.D[:, None] * xs
-        cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N))
-        return self._gated_norm_out(y.reshape(Bsz, 1, self.d_inner), z[:, None], x.dtype)
+        if slot0 is not None:  # the state rows themselves, updated in place
+            h = cache.ssm[slot0: slot0 + Bsz].view(Bsz, G, H // G, P, N)
+        else:  # a fresh copy (index_select): update it in place, then scatter back
+            h = cache.ssm.index_select(0, slots).view(Bsz, G, H // G, P, N)
+        h.mul_(dA.view(Bsz, G, H // G, 1, 1)).addcmul_(dx, Bm.view(Bsz, G, 1, 1, N))
+        # C . h as multiply-and-sum (small: faster than a batched matmul here, and the same arithmetic as _recurrent)
+        y = (h * Cm.view(Bsz, G, 1, 1, N)).sum(-1).view(Bsz, H, P) + D * xs
+        if slot0 is None:
+            cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N))
+        return self._gated_norm_out(y.view(Bsz, 1, self.d_inner), z[:, None], x.dtype)
 
     def _scan(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
         """T > 1 new tokens per row, continuing from each row's cached state: the chunked SSD scan."""
@@ -318,7 +337,7 @@ class Mamba2Mixer(nn.Module):
         ys, states = [], []
         for t in range(T):
             h = h * dA[:, t, :, None, None] + (dt[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
-            ys.append(torch.einsum("bhpn,bhn->bhp", h, Ch[:, t]) + self.D[:, None] * xs[:, t])
+            ys.append((h * Ch[:, t, :, None, :]).sum(-1) + self.D.float()[:, None] * xs[:, t])
             states.append(h)
         cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
         cache.ssm.index_copy_(0, slots, h.to(cache.ssm.dtype))

@@ -1,0 +1,109 @@
+"""The decode fast paths (views for consecutive slots, shared per-step tables, one-token MoE, fp32 attention on CPU,
+int8 LM head) compute the same thing as the general paths they short-cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_models import build
+from waferline.errors import ConfigError
+from waferline.model.context import StepBatch
+from waferline.model.layers import Rotary
+from waferline.model.load import load_model
+
+
+def _decode(model, prompts, slots, num_slots, steps=4):
+    """Prefill ``prompts`` into ``slots`` one by one, then decode them together greedily; return the logits per step."""
+    caches = model.new_caches(num_slots)
+    last = []
+    for p, s in zip(prompts, slots):
+        h = model(torch.tensor([p]), caches, StepBatch.make([s], [0], len(p)))
+        last.append(model.logits(h[0, -1]))
+    out = [torch.stack(last)]
+    toks = out[0].argmax(-1)
+    lengths = [len(p) for p in prompts]
+    for i in range(steps):
+        h = model(toks[:, None], caches, StepBatch.make(slots, [n + i for n in lengths], 1))
+        out.append(model.logits(h[:, 0]))
+        toks = out[-1].argmax(-1)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "nemotron_h", "gpt_oss", "qwen3_moe"])
+def test_slot_layouts_agree(tmp_path, model_type, one_thread):
+    """Consecutive slots (cache views, in-place state updates), scattered slots (gather/scatter) and one sequence at a
+    time (no mask at all) give the same logits, with ragged and with equal lengths."""
+    build(model_type, tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    g = torch.Generator().manual_seed(1)
+    for lens in ((7, 12), (9, 9)):
+        prompts = [torch.randint(3, 120, (n,), generator=g).tolist() for n in lens]
+        with torch.inference_mode():
+            together = _decode(model, prompts, [0, 1], 2)
+            scattered = _decode(model, prompts, [3, 1], 4)
+            alone = torch.stack([_decode(model, [p], [0], 1)[:, 0] for p in prompts], dim=1)
+        torch.testing.assert_close(scattered, together, rtol=0, atol=1e-5)
+        torch.testing.assert_close(alone, together, rtol=0, atol=1e-5)
+
+
+def test_rotary_tables_are_shared_only_between_equal_rotaries():
+    batch = StepBatch.make([0, 1], [5, 9], 2)
+    a = Rotary(16, {"rope_theta": 10000.0})
+    b = Rotary(16, {"rope_theta": 10000.0})
+    c = Rotary(16, {"rope_theta": 500000.0})
+    ca = a.cos_sin(batch.positions(), batch)
+    assert b.cos_sin(batch.positions(), batch)[0] is ca[0]  # computed once per step
+    cc = c.cos_sin(batch.positions(), batch)
+    assert not torch.allclose(cc[0], ca[0])
+    torch.testing.assert_close(cc[0], c.cos_sin(batch.positions())[0])  # the memo returns what a fresh computation does
+
+
+def test_one_token_moe_path_matches_sorted_path(tmp_path, one_thread):
+    build("deepseek_v3", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    moe = next(l.ffn for l in model.layers if type(l.ffn).__name__ == "MoE")
+    x = torch.randn(3, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        w, idx = moe.route(x)
+        batched = moe.experts_forward(x, w, idx)  # N = 3: the sorted path
+        one_by_one = torch.cat([moe.experts_forward(x[i: i + 1], w[i: i + 1], idx[i: i + 1]) for i in range(3)])
+    torch.testing.assert_close(one_by_one, batched, rtol=0, atol=1e-6)
+
+
+def test_bf16_attention_close_to_fp32(tmp_path, one_thread):
+    """16-bit models compute the attention matmuls in fp32 on CPU; the logits stay within bf16 rounding of fp32."""
+    build("deepseek_v3", tmp_path)
+    prompts = [[5, 9, 33, 71, 2 + 3, 8, 100], [40, 41, 42]]
+    with torch.inference_mode():
+        ref = _decode(load_model(tmp_path, torch.float32), prompts, [0, 1], 2, steps=2)
+        bf = _decode(load_model(tmp_path, torch.bfloat16), prompts, [0, 1], 2, steps=2)
+    assert (bf - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_int8_head(tmp_path, one_thread):
+    build("llama", tmp_path)
+    model = load_model(tmp_path, torch.float32)
+    h = torch.randn(4, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        ref = model.logits(h)
+        model.quantize_head(8)
+        assert model.lm_head is None and model.lm_head_int8.dtype == torch.int8
+        q = model.logits(h)
+    err = (q - ref).abs().max() / ref.abs().max()
+    assert 0 < err < 0.02  # quantized (not the same numbers), but close
+    with pytest.raises(ConfigError, match="head_bits"):
+        load_model(tmp_path, torch.float32).quantize_head(4)
+
+
+def test_llm_head_bits(tmp_path, one_thread):
+    from waferline import LLM
+
+    build("llama", tmp_path)
+    with pytest.raises(ConfigError, match="head_bits"):
+        LLM(tmp_path, head_bits=5)
+    with pytest.raises(ConfigError, match="single-process"):
+        LLM(tmp_path, head_bits=8, stages=2)
+    llm = LLM(tmp_path, head_bits=8)
+    assert llm.model.lm_head is None
+    assert len(llm.generate([[5, 6, 7]], __import__("waferline").SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
