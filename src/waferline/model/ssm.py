@@ -234,17 +234,17 @@ class Mamba2Mixer(nn.Module):
         dA = torch.exp(dt * A)  # [B, H]
 
         xs = xs.view(Bsz, H, P)
-        # heads of a group share B and C: view heads as [G, H/G] and broadcast
-        dx = (dt[:, :, None] * xs).view(Bsz, G, H // G, P, 1)
+        R = H // G
+        # h <- h * exp(dt A) + (dt x) B ; y = C . h + D x. Heads of a group share B and C: heads viewed as [G, R].
+        # The same ops, in the same order, as _recurrent (a speculative verify must reproduce decode exactly).
+        dBx = (dt[:, :, None] * xs).view(Bsz, G, R, P, 1) * Bm.view(Bsz, G, 1, 1, N)
         if slot0 is not None:  # the state rows themselves, updated in place
-            h = cache.ssm[slot0: slot0 + Bsz].view(Bsz, G, H // G, P, N)
-        else:  # a fresh copy (index_select): update it in place, then scatter back
-            h = cache.ssm.index_select(0, slots).view(Bsz, G, H // G, P, N)
-        h.mul_(dA.view(Bsz, G, H // G, 1, 1)).addcmul_(dx, Bm.view(Bsz, G, 1, 1, N))
-        # C . h as multiply-and-sum (small: faster than a batched matmul here, and the same arithmetic as _recurrent)
-        y = (h * Cm.view(Bsz, G, 1, 1, N)).sum(-1).view(Bsz, H, P) + D * xs
-        if slot0 is None:
+            h = cache.ssm[slot0: slot0 + Bsz].view(Bsz, G, R, P, N)
+            torch.addcmul(dBx, h, dA.view(Bsz, G, R, 1, 1), out=h)
+        else:  # gathered, updated, scattered back
+            h = torch.addcmul(dBx, cache.ssm.index_select(0, slots).view(Bsz, G, R, P, N), dA.view(Bsz, G, R, 1, 1))
             cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N))
+        y = (h * Cm.view(Bsz, G, 1, 1, N)).sum(-1).view(Bsz, H, P) + D * xs
         return self._gated_norm_out(y.view(Bsz, 1, self.d_inner), z[:, None], x.dtype)
 
     def _scan(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
@@ -315,37 +315,40 @@ class Mamba2Mixer(nn.Module):
     def _recurrent(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
         """A few new tokens per row (a speculative verify) by the decode recurrence, token after token, recording the
         (conv, ssm) state after each in ``cache.trail`` so a rejected suffix can be dropped (``Mamba2Cache.rewind``).
-        Same arithmetic as ``_step`` (dt clamp included), so verify logits match plain decoding's."""
+        Same arithmetic as ``_step`` (dt clamp included), so verify logits match plain decoding's; everything but the
+        state recurrence itself is computed for all T tokens at once."""
         Bsz, T, _ = x.shape
         H, P, N, G, K = self.H, self.P, self.N, self.G, self.K
+        R = H // G
+        A, D, _ = self._consts()
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
         full = torch.cat([cache.conv.index_select(0, slots), xBC.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
-        conv_trail = torch.stack([full[:, :, t + 1: t + K] for t in range(T)], dim=1)  # [B, T, conv_dim, K-1]
-        xBC = torch.stack([(full[:, :, t: t + K] * self.conv_weight).sum(-1) for t in range(T)], dim=1)
+        windows = full.unfold(-1, K, 1)  # [B, C, T, K]: the conv window of each new token (a view)
+        xBC = (windows * self.conv_weight[:, None, :]).sum(-1).transpose(1, 2)  # [B, T, C]
         if self.conv_bias is not None:
             xBC = xBC + self.conv_bias
-        xs, Bm, Cm = self._act(xBC).float().split([self.d_inner, G * N, G * N], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias)  # [B, T, H]
+        xBC = self._act(xBC)
+        xs, Bm, Cm = (xBC if xBC.dtype == torch.float32 else xBC.float()).split([self.d_inner, G * N, G * N], dim=-1)
+        dt = F.softplus((dt if dt.dtype == torch.float32 else dt.float()) + self.dt_bias)  # [B, T, H]
         if self.clamp_dt_in_decode and self._clamp:
             dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
-        dA = torch.exp(dt * -torch.exp(self.A_log))
+        dA = torch.exp(dt * A).view(Bsz, T, G, R, 1, 1)
         xs = xs.view(Bsz, T, H, P)
-        R = H // G
-        Bh = Bm.view(Bsz, T, G, 1, N).expand(Bsz, T, G, R, N).reshape(Bsz, T, H, N)
-        Ch = Cm.view(Bsz, T, G, 1, N).expand(Bsz, T, G, R, N).reshape(Bsz, T, H, N)
-        h = cache.ssm.index_select(0, slots)  # [B, H, P, N]
-        ys, states = [], []
+        dBx = (dt[..., None] * xs).view(Bsz, T, G, R, P, 1) * Bm.view(Bsz, T, G, 1, 1, N)  # [B, T, G, R, P, N]
+        h = cache.ssm.index_select(0, slots).view(Bsz, G, R, P, N)
+        states = []
         for t in range(T):
-            h = h * dA[:, t, :, None, None] + (dt[:, t, :, None] * xs[:, t])[..., None] * Bh[:, t, :, None, :]
-            ys.append((h * Ch[:, t, :, None, :]).sum(-1) + self.D.float()[:, None] * xs[:, t])
+            h = torch.addcmul(dBx[:, t], h, dA[:, t])
             states.append(h)
+        ssm_trail = torch.stack(states, dim=1)  # [B, T, G, R, P, N]
+        y = (ssm_trail * Cm.view(Bsz, T, G, 1, 1, N)).sum(-1).view(Bsz, T, H, P) + D * xs
         cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
-        cache.ssm.index_copy_(0, slots, h.to(cache.ssm.dtype))
-        ssm_trail = torch.stack(states, dim=1)
+        cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N).to(cache.ssm.dtype))
+        conv_trail = full.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2)  # [B, T, C, K-1]: conv state after each token
+        ssm_trail = ssm_trail.view(Bsz, T, H, P, N)
         for b, s in enumerate(slots.tolist()):
             cache.trail[s] = (conv_trail[b], ssm_trail[b])
-        y = torch.stack(ys, dim=1).reshape(Bsz, T, self.d_inner)
-        return self._gated_norm_out(y, z, x.dtype)
+        return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
 
 
 def hf_mixer_prefix(model_type: str, layer: int, src: WeightSource | None = None) -> str:
