@@ -1,0 +1,110 @@
+"""What a change to the decode step bought: an older revision of waferline against the working tree, same run.
+
+    python benchmarks/decode_ab.py --rev fd94d52 --model models/sol-mini --model DIR ... [--batch 1,8] [--json PATH]
+
+The older revision's ``src/`` is checked out with ``git worktree`` into a temporary directory; each (revision, model,
+dtype/bits, batch) cell runs in its own subprocess with 1 thread, alternating old/new for ``--rounds`` rounds, and
+reports the best CPU time per decode step (``time.process_time``: less sensitive to other jobs on a shared machine
+than wall time, though memory-bandwidth contention still shows). The step is one decode forward of B rows
+(different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STEP = r"""
+import json, sys, time, torch
+from waferline.model.load import load_model
+from waferline.model.context import StepBatch
+torch.set_num_threads(1)
+path, dtype, bits, B, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+m = load_model(path, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+if bits == 4:
+    from waferline.model.quant import QuantOptions, is_int4, quantize_model
+    if not is_int4(m):
+        quantize_model(m, QuantOptions(group_size=32))
+V = m.spec.vocab_size
+caches = m.new_caches(B)
+with torch.inference_mode():
+    for b in range(B):
+        m((torch.arange(3, 67)[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], 64))
+    def step(i):
+        h = m((torch.arange(B)[:, None] * 997 + 5 + i) % V, caches, StepBatch.make(list(range(B)), [64 + i] * B, 1))
+        return m.logits(h[:, 0]).argmax(-1)
+    for i in range(3):
+        step(i)
+    best = float("inf")
+    for r in range(3):
+        t = time.process_time()
+        for i in range(steps):
+            step(3 + r * steps + i)
+        best = min(best, (time.process_time() - t) / steps)
+print(json.dumps({"ms_per_step": best * 1e3}))
+"""
+
+
+def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int) -> float:
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps)], env=env,
+                         capture_output=True, text=True, timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{src}: {model} {dtype} w{bits} b{batch} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["ms_per_step"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rev", required=True, help="the older revision to compare against (e.g. a commit before the change)")
+    ap.add_argument("--model", action="append", required=True, help="checkpoint directory (repeatable)")
+    ap.add_argument("--variants", default="bf16:16,bf16:4", help="dtype:weight-bits pairs (default bf16:16,bf16:4)")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
+    ap.add_argument("--steps", type=int, default=20, help="decode steps per timing block (best of 3 blocks)")
+    ap.add_argument("--rounds", type=int, default=2, help="old/new alternations per cell (best kept)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    from rich.console import Console
+    from rich.table import Table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        wt = Path(tmp) / "old"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(wt), args.rev], check=True,
+                       capture_output=True)
+        try:
+            rows = []
+            for model in args.model:
+                for variant in args.variants.split(","):
+                    dtype, bits = variant.split(":")
+                    for b in (int(x) for x in args.batch.split(",")):
+                        old = new = float("inf")
+                        for _ in range(args.rounds):
+                            old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps))
+                            new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps))
+                        rows.append({"model": model, "dtype": dtype, "weight_bits": int(bits), "batch": b,
+                                     "old_ms": old, "new_ms": new, "speedup": old / new})
+                        print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x)", file=sys.stderr)
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
+    t = Table(title=f"decode step, CPU ms per step (1 thread): {args.rev} vs working tree")
+    for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", "new tok/s/row"):
+        t.add_column(c, justify="right" if c not in ("model",) else "left")
+    for r in rows:
+        t.add_row(Path(r["model"]).name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
+                  str(r["batch"]), f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}", f"{r['speedup']:.2f}x",
+                  f"{1e3 / r['new_ms']:.0f}")
+    Console().print(t)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rev": args.rev, "load_avg": os.getloadavg(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
