@@ -107,3 +107,22 @@ def test_llm_head_bits(tmp_path, one_thread):
     llm = LLM(tmp_path, head_bits=8)
     assert llm.model.lm_head is None
     assert len(llm.generate([[5, 6, 7]], __import__("waferline").SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_one_row_16bit_linear_skips_onednn_and_restores_the_flag():
+    from waferline.model.layers import linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(1, 64, generator=g).bfloat16()
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert torch._C._get_mkldnn_enabled()
+    out = linear(x, w, b)
+    assert torch._C._get_mkldnn_enabled()  # switched back on
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    with pytest.raises(RuntimeError):
+        linear(torch.randn(1, 63).bfloat16(), w)  # a shape error inside still restores the flag
+    assert torch._C._get_mkldnn_enabled()
+    many = linear(torch.cat([x, x]), w, b)  # two rows: the usual path, same numbers as one row
+    torch.testing.assert_close(many[0].float(), out[0].float(), rtol=1e-2, atol=1e-2)

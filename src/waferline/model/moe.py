@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from waferline.errors import CheckpointError, ConfigError
+from waferline.model.layers import linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
@@ -166,7 +167,7 @@ class DenseFFN(nn.Module):
         q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
         if q is not None:
             return q.linear(x, getattr(self, "b_" + which))
-        return F.linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which))
+        return linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gated:
@@ -352,7 +353,7 @@ class MoE(nn.Module):
             return q.expert_linear(x, experts, b)
         w = getattr(self, "w_" + which)
         if isinstance(experts, int):
-            return F.linear(x, w[experts], None if b is None else b[experts])
+            return linear(x, w[experts], None if b is None else b[experts])
         y = torch.bmm(w.index_select(0, experts), x.unsqueeze(-1)).squeeze(-1)
         return y if b is None else y + b.index_select(0, experts)
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
+from waferline.model.layers import Linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import Mamba2Spec
 
@@ -136,7 +137,7 @@ class Mamba2Mixer(nn.Module):
         self.H, self.P, self.N, self.G, self.K = H, P, N, G, K
         self.d_inner = spec.d_inner
         self.conv_dim = spec.conv_dim
-        self.in_proj = nn.Linear(spec.hidden_size, self.d_inner + self.conv_dim + H, bias=spec.proj_bias, dtype=dtype)
+        self.in_proj = Linear(spec.hidden_size, self.d_inner + self.conv_dim + H, spec.proj_bias, dtype)
         self.conv_weight = nn.Parameter(torch.zeros(self.conv_dim, K, dtype=dtype))
         self.conv_bias = nn.Parameter(torch.zeros(self.conv_dim, dtype=dtype)) if spec.conv_bias else None
         # the per-head scalars are tiny: keep them float32 whatever the model dtype
@@ -144,7 +145,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         self.D = nn.Parameter(torch.ones(H, dtype=torch.float32))
         self.norm_weight = nn.Parameter(torch.ones(self.d_inner, dtype=dtype))
-        self.out_proj = nn.Linear(self.d_inner, spec.hidden_size, bias=spec.proj_bias, dtype=dtype)
+        self.out_proj = Linear(self.d_inner, spec.hidden_size, spec.proj_bias, dtype)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------------ state and weights
