@@ -70,6 +70,44 @@ def measure_core() -> tuple[float, float]:
     return flops, bw
 
 
+def _gemm_worker(seconds: float, q) -> None:
+    torch.set_num_threads(1)
+    a, b = torch.randn(32, 1024), torch.randn(1024, 4096)  # a 32-row micro-batch through a 1024 x 4096 FFN matrix
+    for _ in range(3):
+        a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    q.put(n / (time.perf_counter() - t0))
+
+
+def measure_parallel_ceiling(seconds: float = 3.0) -> dict:
+    """The most any 2-stage pipeline can gain on this machine: the same single-thread GEMM loop (the shape of a stage's
+    work) in one process alone, then in one process per core at once. Aggregate rate (all) / rate (one alone) is the
+    ceiling; on a machine whose cores share execution units (SMT siblings, a shared AVX-512 unit, a power limit) it is
+    well below the core count."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    cores = os.cpu_count() or 1
+
+    def run(n: int) -> list[float]:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_gemm_worker, args=(seconds, q)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        rates = [q.get(timeout=seconds + 60) for _ in procs]
+        for p in procs:
+            p.join(10)
+        return rates
+
+    alone = run(1)[0]
+    together = run(cores)
+    return {"processes": cores, "rate_alone": alone, "rates_together": together,
+            "ceiling": sum(together) / alone, "loadavg": os.getloadavg()[0]}
+
+
 def _hop_peer(port: int) -> None:
     import torch.distributed as dist
 
@@ -199,6 +237,9 @@ def main() -> int:
           f"load average {os.getloadavg()[0]:.2f} (other work on the machine skews every number)")
     flops, bw = measure_core()
     print(f"one core: {flops / 1e9:.1f} GFLOP/s fp32 matmul, {bw / 1e9:.1f} GB/s copy")
+    ceiling = measure_parallel_ceiling(1.0 if args.quick else 3.0)
+    print(f"parallel ceiling: {ceiling['processes']} single-thread GEMM processes at once run {ceiling['ceiling']:.2f}x "
+          "the rate of one alone (the most S stages on this machine can gain over 1 stage with 1 thread)")
     hops = measure_hop([8, 1024, 65536, 1 << 20, 8 << 20])
     print("\ngloo send/recv between two local processes (one way):")
     print(f"{'bytes':>10} {'latency':>12} {'bandwidth':>12}")
@@ -206,7 +247,8 @@ def main() -> int:
         print(f"{h['bytes']:>10} {h['one_way_s'] * 1e6:>10.1f}us {h['bandwidth_Bps'] / 1e9:>9.2f}GB/s")
     hop_lat, hop_bw = hops[0]["one_way_s"], hops[-1]["bandwidth_Bps"]
 
-    results: dict = {"machine": {"cores": cores, "core_flops": flops, "core_bw": bw, "loadavg": os.getloadavg()[0]},
+    results: dict = {"machine": {"cores": cores, "core_flops": flops, "core_bw": bw, "loadavg": os.getloadavg()[0],
+                                 "parallel_ceiling": ceiling},
                      "hops": hops, "throughput": [], "latency": []}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "sol-bench"
