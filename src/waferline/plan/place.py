@@ -11,6 +11,7 @@ from typing import Any
 from waferline.errors import ConfigError, FitError
 from waferline.plan.plan import MemoryBreakdown, Plan, SpeculativeConfig, Stage
 from waferline.spec.hardware import HardwareSpec
+from waferline.spec.model import quantized_bytes
 
 # Activation workspace per stage: tokens in flight x hidden x 2 bytes x this factor (residual, q/k/v, MLP
 # intermediate, attention scores, double buffers). Assumed, not fitted: it is small next to weights and cache.
@@ -169,13 +170,88 @@ def _tp_sizes(hw: HardwareSpec) -> list[int]:
     return sorted({s for s in sizes if s >= min(hw.min_devices, hw.devices_per_node)})
 
 
+def expert_split(num_experts: int, ranks: int) -> list[tuple[int, int]]:
+    """AFD expert parallelism: contiguous expert ranges [e0, e1) per FFN rank; the first ``num_experts mod ranks``
+    ranks hold one expert more (the engine and the planner both use this split)."""
+    base, extra = divmod(num_experts, ranks)
+    out, a = [], 0
+    for n in range(ranks):
+        b = a + base + (1 if n < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def ffn_owner(layer: int, ranks: int) -> int:
+    """AFD: the FFN rank that holds layer ``layer``'s shared experts or dense FFN."""
+    return layer % ranks
+
+
+def _place_afd_ranks(spec: Any, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
+                     batch: int, group: int, act: float, emb: float, head: float) -> list[Stage]:
+    """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding
+    and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
+    every MoE layer plus the shared experts / dense FFN of the layers it owns. Each rank gets the fewest devices its
+    memory needs."""
+    from waferline.spec.model import MoESpec
+
+    if M < 1 or N < 1:
+        raise ConfigError(f"--attention-ranks and --ffn-ranks must be >= 1 (got {M}, {N})")
+    share = math.ceil(batch / M) / batch
+    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards)
+           for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group)]
+    ffn = {p.layer: p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group) if p.weights > 0}
+    routed: dict[int, tuple[float, int]] = {}  # layer -> (bytes of one routed expert, experts)
+    for layer in spec.layers:
+        f = layer.ffn
+        if isinstance(f, MoESpec) and layer.index in ffn:
+            if f.num_experts < N:
+                raise ConfigError(f"layer {layer.index} has {f.num_experts} experts: at most {f.num_experts} FFN ranks")
+            routed[layer.index] = (quantized_bytes(f.expert_params(), weight_bits, group), f.num_experts)
+    if not ffn:
+        raise ConfigError(f"{spec.name}: no layer has an FFN; attention/FFN disaggregation has nothing to split")
+    if not routed and N > len(ffn):
+        raise ConfigError(f"{spec.name} is dense: at most {len(ffn)} FFN ranks (one per FFN layer)")
+    stages: list[Stage] = []
+    dev = 0
+    for m in range(M):
+        n_dev = _devices_needed(sum(p.weights + p.cache for p in att) + emb + head, hw, act)
+        stages.append(Stage(index=m, role="attention", layers=[p.layer for p in att], device=hw.name,
+                            device_ids=list(range(dev, dev + n_dev)), weight_bits=weight_bits, kv_bits=kv_bits,
+                            has_embedding=True, has_lm_head=True, memory=_stage_memory(att, n_dev, hw, act, emb + head)))
+        dev += n_dev
+    for n in range(N):
+        parts = []
+        for i, p in ffn.items():
+            w = p.weights
+            if i in routed:
+                eb, E = routed[i]
+                e0, e1 = expert_split(E, N)[n]
+                w = (w - E * eb) * (ffn_owner(i, N) == n) + (e1 - e0) * eb
+            elif ffn_owner(i, N) != n:
+                w = 0.0
+            parts.append(_Part(i, w, 0.0))
+        n_dev = _devices_needed(sum(p.weights for p in parts), hw, act)
+        stages.append(Stage(index=M + n, role="ffn", layers=sorted(ffn), device=hw.name,
+                            device_ids=list(range(dev, dev + n_dev)), weight_bits=weight_bits, kv_bits=kv_bits,
+                            memory=_stage_memory(parts, n_dev, hw, act, 0.0)))
+        dev += n_dev
+    return stages
+
+
 def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits: int = 16, kv_bits: int = 16,
           embed_bits: int = 16, group_size: int = 128, context: int = 4096, batch: int = 1,
           layers_per_stage: int | None = None, afd: bool = False, micro_batches: int | None = None,
           speculative: SpeculativeConfig | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-          require_fit: bool = False) -> Plan:
-    """Place ``model`` on ``hardware``: the fewest devices that fit when ``devices`` is None, else exactly ``devices``."""
+          require_fit: bool = False, attention_ranks: int | None = None, ffn_ranks: int | None = None) -> Plan:
+    """Place ``model`` on ``hardware``: the fewest devices that fit when ``devices`` is None, else exactly ``devices``.
+
+    ``afd=True`` with ``attention_ranks`` / ``ffn_ranks``: the layout the AFD engine runs (data-parallel attention
+    ranks, expert-sharded FFN ranks, each rank sized to fit); ``afd=True`` alone: attention and FFN device pools
+    with layers packed onto them (planner/simulator only)."""
     spec, hw = _resolve(model, hardware)
+    if (attention_ranks is not None or ffn_ranks is not None) and not afd:
+        raise ConfigError("--attention-ranks / --ffn-ranks need --afd")
     if weight_bits not in (4, 8, 16):
         raise ConfigError(f"--weight-bits must be 4, 8 or 16, got {weight_bits}")
     if kv_bits not in (4, 8, 16):
@@ -206,7 +282,15 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             dev += n
         return stages
 
-    if afd:
+    if afd and (attention_ranks is not None or ffn_ranks is not None):
+        if devices is not None or layers_per_stage is not None:
+            raise ConfigError("--attention-ranks/--ffn-ranks size each rank to fit; drop --devices / --layers-per-stage")
+        M, N = attention_ranks or 1, ffn_ranks or 1
+        stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, emb, head)
+        notes.append(f"attention/FFN disaggregation as the engine runs it: {M} data-parallel attention rank(s) "
+                     f"({stages[0].num_devices} device(s) each), {N} expert-parallel FFN rank(s)")
+        micro_batches = micro_batches or 2
+    elif afd:
         att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size)
         ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
         ma = sum(p.weights + p.cache for p in att) + emb + head

@@ -45,9 +45,15 @@ class AttentionSpec:
     o_bias: bool = False
     qk_norm: bool = False
     kind: str = "gqa"
+    q_rank: int = 0  # low-rank query D -> q_rank (normed) -> heads x head_dim (Step-3's MFA); 0 = a plain q_proj
+
+    def _q_matmul(self) -> int:
+        if self.q_rank:
+            return self.hidden_size * self.q_rank + self.q_rank * self.num_heads * self.head_dim
+        return self.hidden_size * self.num_heads * self.head_dim
 
     def params(self) -> int:
-        q = self.hidden_size * self.num_heads * self.head_dim
+        q = self._q_matmul() + self.q_rank  # (+ the norm of the low-rank query)
         kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
         o = self.num_heads * self.head_dim * self.hidden_size
         n = q + kv + o
@@ -66,7 +72,7 @@ class AttentionSpec:
         return self.params() - self.matmul_params()
 
     def matmul_params(self) -> int:
-        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        return self._q_matmul() + self.hidden_size * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
 
     def cache_elems_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
@@ -915,6 +921,25 @@ def _parse_jamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     return _spec(cfg, name, mt, layers)
 
 
+def _parse_step3(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    """StepFun Step-3 (text): MFA attention (low-rank query, one shared K/V head of 256), MoE in the layers listed
+    by ``moe_layers_enum`` (routed experts + one shared expert of ``share_expert_dim``), dense elsewhere."""
+    n = cfg["num_hidden_layers"]
+    enum = cfg.get("moe_layers_enum")
+    moe_layers = {int(x) for x in (enum.split(",") if isinstance(enum, str) else enum or []) if str(x).strip()}
+    d = cfg["hidden_size"]
+    mixer = AttentionSpec(hidden_size=d, num_heads=cfg["num_attention_heads"],
+                          num_kv_heads=_get(cfg, "num_attention_groups", "num_key_value_heads", default=1),
+                          head_dim=_head_dim(cfg), q_rank=int(cfg.get("share_q_dim") or 0))
+    moe = MoESpec(hidden_size=d, num_experts=cfg["moe_num_experts"], top_k=cfg["moe_top_k"],
+                  expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
+                  shared_intermediate=int(cfg.get("share_expert_dim") or cfg["moe_intermediate_size"]),
+                  norm_topk_prob=bool(cfg.get("norm_expert_weight", False)))
+    layers = [LayerSpec(i, mixer, moe if i in moe_layers else _dense(cfg), d) for i in range(n)]
+    return _spec(dict(cfg, max_position_embeddings=cfg.get("max_position_embedding") or cfg.get("max_seq_len")),
+                 name, mt, layers)
+
+
 _PARSERS = {
     "llama": lambda c, n: _parse_llama_like(c, n, "llama"),
     "mistral": lambda c, n: _parse_llama_like(c, n, "mistral"),
@@ -934,5 +959,6 @@ _PARSERS = {
     "llama4_text": lambda c, n: _parse_llama4(c, n, "llama4"),
     "qwen3_next": lambda c, n: _parse_qwen3_next(c, n, "qwen3_next"),
     "jamba": lambda c, n: _parse_jamba(c, n, "jamba"),
+    "step3_text": lambda c, n: _parse_step3(c, n, "step3_text"),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
