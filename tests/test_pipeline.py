@@ -160,7 +160,7 @@ def test_decode_ring_spreads_sequences_after_a_drain(ckpts):
             sizes.append(sum(g.B for g in nxt[0].groups))
         assert sizes == [3, 2]
         lone = [_Seq(0, [1, 2, 3], out=[4], next_pos=3, phase=DECODE)]
-        mb, _ = pipe._schedule(lone, False)
+        mb = pipe._schedule(lone, False)[0]
         assert mb.groups[0].seqs == [0] and pipe._schedule(lone, False) is None  # in flight: not scheduled twice
         prompts = [_Seq(0, list(range(20))), _Seq(1, list(range(5)))]
         chunks = []

@@ -174,7 +174,8 @@ def test_sampled_generation_runs_and_is_seeded(ckpts):
     prompts = _prompts(3)
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)
     for method in ("ngram", f"draft:{ckpts['llama:draft']}"):
-        llm = LLM(ckpts["llama"], speculative=method, num_speculative_tokens=3, speculative_adaptive=False)
+        # adaptive K (n-gram) must not make a seeded run depend on wall-clock timings
+        llm = LLM(ckpts["llama"], speculative=method, num_speculative_tokens=3, speculative_adaptive=method == "ngram")
         a = [o.token_ids for o in llm.generate(prompts, sp)]
         b = [o.token_ids for o in llm.generate(prompts, sp)]
         assert a == b and all(len(x) == 12 for x in a)
@@ -316,6 +317,33 @@ def test_adaptive_k_grows_with_acceptance_and_backs_off_with_batch():
     assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.5}).choose([0]) == [0]
     assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.9}).choose([0])[0] >= 4
     assert AdaptiveK(k_max=6, cost_table=table).cost(5) == 2.0 and AdaptiveK(6, cost_table=table).cost(120) == pytest.approx(18.0)
+
+
+def test_adaptive_k_follows_measured_step_costs():
+    """With ``measure``, what steps really cost replaces the prior: a verify that costs 3x a plain step stops
+    speculation at a middling acceptance; one that costs hardly more (a pipeline's hops) makes it draft the most;
+    and a plain step is taken every ``explore_every`` steps so its cost stays measured."""
+    ctl = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
+    first = [ctl.choose([0])[0] for _ in range(8)]
+    assert first.count(0) >= 1  # a new batch size: one plain step early on, to measure it
+    ctl.record(1, 1, 0.010)
+    for T in range(2, 6):
+        ctl.record(1, T, 0.030)
+    assert ctl.step_cost(1, 3) == pytest.approx(0.030) and ctl.choose([0]) == [0]
+    fast = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
+    fast.record(1, 1, 0.010)
+    fast.record(1, 5, 0.011)  # unmeasured T: the prior line scaled to the measurements
+    ks = [fast.choose([0])[0] for _ in range(12)]
+    assert max(ks) >= 3 and ks.count(0) in (2, 3, 4)  # plain exactly when due, K >= 3 otherwise
+    # a pipeline explores with one plain step per micro-batch in a row, so its measurement is not mixed with verifies
+    run = AdaptiveK(k_max=4, measure=True, explore_every=4, explore_run=2, alpha={0: 0.9})
+    ks = [run.choose([0])[0] for _ in range(10)]
+    assert ks[4:6] == [0, 0] and min(ks[:4] + ks[6:]) > 0
+    # measured drafting time counts against drafting
+    slow_draft = AdaptiveK(k_max=4, measure=True, alpha={0: 0.5})
+    slow_draft.record(1, 1, 0.010)
+    slow_draft.record_draft(1, 2, 0.040)  # 20 ms per drafted token
+    assert slow_draft.gain(0.5, 2, 1) < 1.0
 
 
 def test_user_errors(ckpts, tmp_path):

@@ -28,9 +28,9 @@ import torch.distributed as dist
 
 from waferline import errors
 from waferline.engine.sampling import SamplingParams
-from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ABORTED, EXIT_PEER_LOST, FEEDBACK,
-                                    SHUTDOWN, STEP, Control, Group, Link, MicroBatch, PeerLost, StageRunner,
-                                    decode_feedback, json_meta, make_group, serve, worker_main)
+from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EMIT_VERIFY, EXIT_ABORTED,
+                                    EXIT_PEER_LOST, FEEDBACK, SHUTDOWN, STEP, Control, Group, Link, MicroBatch, PeerLost,
+                                    StageRunner, check_mtp, decode_feedback, json_meta, make_group, serve, worker_main)
 from waferline.errors import ConfigError, WaferlineError
 
 DEFAULT_PREFILL_CHUNK = 256
@@ -111,6 +111,22 @@ class _Seq:
     ttft: float = 0.0
     token_times: list[float] = field(default_factory=list)
     logprobs: list[torch.Tensor] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # speculative: drafts for the next verify (MTP: from the last stage)
+    verify_k: int = -1  # drafts in the verify now in flight (-1: none in flight)
+    verify_T: int = 0  # that verify's T (the micro-batch's verify group width)
+
+
+@dataclass
+class _SpecRun:
+    """Stage 0's per-run state of speculative decoding (see engine/speculative.py, "Under the pipeline")."""
+
+    params: SamplingParams
+    ctl: Any  # AdaptiveK, for every drafter (for MTP it picks each row's next K, drafted by the last stage)
+    stats: Any  # SpecStats
+    gens: list[torch.Generator | None]  # stage 0's drafting streams (a draft model sampling at T > 0)
+    rewinds: list[tuple[int, int]] = field(default_factory=list)  # (slot, keep) not yet sent to the stages
+    launched: dict[int, tuple] = field(default_factory=dict)  # verify-only mb -> (time, B, T, clean, stage-0 s)
+    widths: dict[int, int] = field(default_factory=dict)  # mb in flight -> its verify width T (0: other work too)
 
 
 class Pipeline:
@@ -124,7 +140,8 @@ class Pipeline:
                  layers_per_stage: int | None = None, micro_batches: int | None = None, plan: Any = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_stage: int | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
-                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None):
+                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
+                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
         from waferline.engine.llm import DTYPES
         from waferline.spec.model import ModelSpec
 
@@ -167,6 +184,7 @@ class Pipeline:
             raise ConfigError(f"launch must be 'auto', 'local' (spawn stage processes here) or 'env' (torchrun), got {launch!r}")
         self._env = launch == "env" or (launch == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
+        self._setup_speculative(speculative, num_speculative_tokens, speculative_adaptive, load)
         self._finalizer = weakref.finalize(self, _reap, self._procs)
         try:
             self._start(load, start_method)
@@ -174,6 +192,38 @@ class Pipeline:
             self._kill_all()
             self._closed = True
             raise
+
+    def _setup_speculative(self, method: str | None, k: int, adaptive: bool, load: dict[str, Any]) -> None:
+        """Speculative decoding under the pipeline: n-gram / draft-model drafting here on stage 0, MTP drafting on the
+        last stage (which then loads the embeddings and the MTP head too); the last stage verifies."""
+        from waferline.engine.speculative import make_drafter, pipeline_method
+
+        self.speculative = method
+        self.spec_method = pipeline_method(method) if method else None
+        self.drafter: Any = None
+        self._sr: _SpecRun | None = None
+        self._costs: Any = None  # AdaptiveK with the step costs measured so far (kept across runs)
+        self._hop_s = 0.0  # measured: a step's round trip minus S x stage 0's compute (hops, last-stage extras)
+        if not method:
+            return
+        if k < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {k}")
+        windows = [w for w in (getattr(layer.mixer, "sliding_window", None) for layer in self.spec.layers) if w]
+        if windows and k >= min(windows):
+            k = min(windows) - 1  # a verify must not wrap a sliding-window ring onto itself
+        self.k_max, self.spec_adaptive = k, adaptive
+        L = max(self.spec.num_layers, 1)
+        self.draft_cost = 0.0
+        if self.spec_method == "mtp":
+            if not self.spec.mtp_layers:
+                raise ConfigError(f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1); "
+                                  f"{self.path} has none: use 'ngram' or 'draft:PATH' instead")
+            load["mtp"] = True
+            self.draft_cost = 1.0 / L
+        else:
+            self.drafter = make_drafter(method, _VocabOnly(self.spec), self.dtype)
+            if self.spec_method == "draft":
+                self.draft_cost = self.drafter.model.spec.num_layers / L
 
     # ------------------------------------------------------------ start-up
     def _start(self, load: dict[str, Any], start_method: str) -> None:
@@ -188,6 +238,8 @@ class Pipeline:
             self._connect()
         a, b = self.ranges[0]
         model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
+        if S == 1 and load.get("mtp"):
+            check_mtp(model, self.path)
         if self.device.type != "cpu":
             model.to(self.device)
         self.runner = StageRunner(model, 0, S, self.device)
@@ -374,14 +426,23 @@ class Pipeline:
         self.act.send(1, kind, meta, list(tensors))
         self._chain_sent += 1
 
-    def _launch(self, mb: MicroBatch, tokens: list[torch.Tensor]) -> None:
+    def _launch(self, mb: MicroBatch, tokens: list[torch.Tensor], extra: list[torch.Tensor] = ()) -> None:
+        """Run stage 0's layers on ``mb`` and send it down the chain; ``extra`` (a draft model's probabilities) rides
+        behind the hidden states to the last stage."""
+        t = time.perf_counter()
         hs = self.runner.forward(mb, tokens)
         if self.num_stages == 1:
-            self._local_fb.append(self.runner.feedback(mb, hs))
-        else:
-            self._send_chain(STEP, mb.encode(), hs)
+            raw = torch.cat([t.reshape(-1).view(torch.uint8) for t in extra]) if extra else None
+            self._local_fb.append(self.runner.feedback(mb, hs, raw))
+        sent = self._sr.launched.get(mb.mb_id) if self._sr is not None else None
+        if sent is not None:  # a verify-only step: its cost ~ S x stage 0's compute + the measured hop overhead
+            t_fwd = time.perf_counter() - t
+            self._sr.launched[mb.mb_id] = sent[:3] + (sent[3], t_fwd)  # type: ignore[assignment]
+            self._sr.ctl.record(sent[1], sent[2], self.num_stages * t_fwd + self._hop_s)
+        if self.num_stages > 1:
+            self._send_chain(STEP, mb.encode(), list(hs) + list(extra))
 
-    def _next_feedback(self) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor]]:
+    def _next_feedback(self) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
         if self.num_stages == 1:
             meta, ts = self._local_fb.popleft()
             tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
@@ -392,17 +453,25 @@ class Pipeline:
         return decode_feedback(meta, tail.cpu(), self.spec.vocab_size)
 
     def _begin(self, num_slots: int, params: SamplingParams) -> None:
-        cfg = {"num_slots": num_slots, "params": {"temperature": params.temperature, "top_p": params.top_p,
-                                                  "top_k": params.top_k, "seed": params.seed}}
+        cfg: dict[str, Any] = {"num_slots": num_slots, "params": {"temperature": params.temperature, "top_p": params.top_p,
+                                                                  "top_k": params.top_k, "seed": params.seed}}
+        if self._sr is not None:
+            cfg["spec"] = {"method": self.spec_method, "k_max": self.k_max, "adaptive": self.spec_adaptive,
+                           "max_tokens": params.max_tokens}
+            if self.drafter is not None:
+                self.drafter.begin([[] for _ in range(num_slots)], [])
         self.runner.begin(cfg)
         if self.num_stages > 1:
             self._send_chain(BEGIN, json_meta(cfg))
 
     # ------------------------------------------------------------ scheduling
-    def _schedule(self, seqs: list[_Seq], logprobs: bool) -> tuple[MicroBatch, list[torch.Tensor]] | None:
+    def _schedule(self, seqs: list[_Seq], logprobs: bool) -> tuple[MicroBatch, list[torch.Tensor], list[torch.Tensor]] | None:
         """The next micro-batch: ready decode rows (capped so the ring keeps min(M, n) micro-batches busy: no
-        collapse into one after a drain), then prefill chunks within the token budget."""
+        collapse into one after a drain), then prefill chunks within the token budget. When speculating, the decode
+        rows form one verify group ([last token] + drafts, padded to the longest) and the rows whose earlier verify
+        came back ride along as rewinds."""
         rows: dict[int, tuple[Group, list[list[int]]]] = {}
+        verify: tuple[Group, list[list[int]], list[torch.Tensor]] | None = None
 
         def add(s: _Seq, toks: list[int], start: int, emit: int) -> None:
             g, tl = rows.setdefault(len(toks), (Group(len(toks)), []))
@@ -416,10 +485,15 @@ class Pipeline:
         n_dec = 0
         if decoding:
             cap = math.ceil(len(decoding) / min(self.micro_batches, len(decoding)))
-            for s in [s for s in decoding if not s.inflight][:cap]:
-                add(s, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN)
+            ready = [s for s in decoding if not s.inflight][:cap]
+            if self._sr is not None and ready:
+                verify = self._verify_group(ready)
+                n_dec = verify[0].B * verify[0].T
+            for s in ready:
+                if verify is None:
+                    add(s, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN)
+                    n_dec += 1
                 s.inflight = True
-                n_dec += 1
         budget = max(self.prefill_chunk - n_dec, 1)
         for s in seqs:
             if budget <= 0:
@@ -432,12 +506,96 @@ class Pipeline:
             add(s, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit)
             s.next_pos += n
             budget -= n
-        if not rows:
+        if not rows and verify is None:
             return None
         self._mb_ids += 1
         groups = [rows[T][0] for T in sorted(rows)]
         toks = [torch.tensor(rows[T][1], dtype=torch.long) for T in sorted(rows)]
-        return MicroBatch(self._mb_ids, groups), toks
+        if self.spec_method == "mtp" and self._sr is not None:  # the last stage keeps the token history MTP needs
+            for g, T in zip(groups, sorted(rows)):
+                g.tokens = [t for row in rows[T][1] for t in row]
+                # after a prompt's first token, the last stage drafts K_max (the row's acceptance is not known yet)
+                g.ks = [min(self.k_max, max(0, self._sr.params.max_tokens - 2)) for _ in g.seqs]
+        extra: list[torch.Tensor] = []
+        rewinds: list[tuple[int, int]] = []
+        if verify is not None:
+            groups.append(verify[0])
+            toks.append(torch.tensor(verify[1], dtype=torch.long))
+            extra = verify[2]
+        if self._sr is not None:
+            rewinds, self._sr.rewinds = self._sr.rewinds, []
+            # a verify-only micro-batch's round trip is the step's cost — a clean measurement when the micro-batches
+            # ahead of it (which it may wait behind at some stage) are steps of the same width
+            T = verify[0].T if verify is not None and not rows else 0
+            clean = T > 0 and all(w == T for w in self._sr.widths.values())
+            self._sr.widths[self._mb_ids] = T
+            if T:
+                self._sr.launched[self._mb_ids] = (time.perf_counter(), verify[0].B, T, clean)
+        return MicroBatch(self._mb_ids, groups, rewinds), toks, extra
+
+    def _verify_group(self, ready: list[_Seq]) -> tuple[Group, list[list[int]], list[torch.Tensor]]:
+        """Draft for the ready decode rows (n-gram / draft model here; MTP drafts came back with the feedback) and
+        build their verify group: row b's input is [last token] + its drafts, padded to T = 1 + the longest draft."""
+        sr = self._sr
+        assert sr is not None
+        params = sr.params
+        idx = [s.idx for s in ready]
+        room = [max(0, params.max_tokens - len(s.out) - 1) for s in ready]  # never draft past max_tokens
+        probs: list[torch.Tensor | None] = [None] * len(ready)
+        ks = sr.ctl.choose(idx)
+        next_ks = None
+        if self.spec_method == "mtp":  # drafted by the last stage after the previous verify; ks: after this one
+            drafts = [s.drafts[:r] for s, r in zip(ready, room)]
+            next_ks = [min(k, max(0, r - 1)) for k, r in zip(ks, room)]
+        else:
+            ks = [min(k, r) for k, r in zip(ks, room)]
+            drafts = [[] for _ in ready]
+            if max(ks) > 0:
+                t = time.perf_counter()
+                props = self.drafter.propose(idx, {s.idx: s.prompt + s.out for s in ready}, ks, params, sr.gens)
+                sr.ctl.record_draft(len(idx), max(ks), time.perf_counter() - t)
+                drafts = [p.tokens for p in props]
+                probs = [p.probs for p in props]
+        T = 1 + max(len(d) for d in drafts)
+        g = Group(T, drafts=drafts, ks=next_ks)
+        tl = []
+        for s, d in zip(ready, drafts):
+            g.seqs.append(s.idx)
+            g.slots.append(s.idx)
+            g.starts.append(len(s.prompt) + len(s.out) - 1)
+            g.emits.append(EMIT_VERIFY)
+            tl.append([s.out[-1]] + d + [0] * (T - 1 - len(d)))
+            s.verify_k, s.verify_T, s.drafts = len(d), T, []
+        extra: list[torch.Tensor] = []
+        with_q = [p for p, d in zip(probs, drafts) if d]
+        if with_q and all(p is not None for p in with_q):  # a draft model sampling: the verifier needs q
+            g.has_q = True
+            extra = [torch.cat([p.float().cpu() for p in with_q])]  # type: ignore[union-attr]
+        sr.stats.steps += 1
+        sr.stats.plain_steps += T == 1
+        return g, tl, extra
+
+    def _spec_feedback(self, seqs: list[_Seq], tokens: dict[int, list[int]], drafts: dict[int, list[int]]) -> None:
+        """A verify came back: count it, let the drafter (and AdaptiveK) learn the accepted length, queue the rows'
+        rollbacks for the stages, and keep MTP's next drafts."""
+        sr = self._sr
+        assert sr is not None
+        for i, toks in tokens.items():
+            s = seqs[i]
+            s.drafts = drafts.get(i, [])
+            if s.verify_k < 0:
+                continue
+            k, a = s.verify_k, len(toks) - 1
+            sr.stats.row_steps += 1
+            sr.stats.drafted += k
+            sr.stats.accepted += a
+            sr.stats.emitted += len(toks)
+            sr.ctl.observe(i, k, a)
+            if self.drafter is not None:
+                self.drafter.accepted([i], None, [a], [k], None)
+            if s.verify_T > 1:
+                sr.rewinds.append((i, len(toks)))
+            s.verify_k = -1
 
     def _run(self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any) -> Iterator[list[tuple[int, int]]]:
         """Keep up to M micro-batches in flight until every sequence is done; yield the (row, token) events of
@@ -461,13 +619,20 @@ class Pipeline:
                 nxt = self._schedule(seqs, logprobs)
                 if nxt is None:
                     break
-                mb, toks = nxt
-                self._launch(mb, toks)
+                mb, toks, extra = nxt
+                self._launch(mb, toks, extra)
                 inflight.add(mb.mb_id)
             if not inflight:
                 break
-            mb_id, tokens, lps = self._next_feedback()
+            mb_id, tokens, lps, drafts = self._next_feedback()
             inflight.discard(mb_id)
+            if self._sr is not None:
+                self._sr.widths.pop(mb_id, None)
+                sent = self._sr.launched.pop(mb_id, None)
+                if sent is not None and sent[3] and self.num_stages > 1:  # clean: learn the hops' share of a step
+                    extra_s = max(0.0, time.perf_counter() - sent[0] - self.num_stages * sent[4])
+                    self._hop_s = 0.7 * self._hop_s + 0.3 * extra_s if self._hop_s else extra_s
+                self._spec_feedback(seqs, tokens, drafts)
             now = time.perf_counter()
             for i, lp in lps.items():
                 seqs[i].logprobs.append(lp.clone())
@@ -529,6 +694,29 @@ class Pipeline:
         stop_ids = set(stop_ids or ())
         seqs = [_Seq(i, list(p)) for i, p in enumerate(prompts)]
         t0 = time.perf_counter()
+        if self.speculative:
+            from waferline.engine.speculative import AdaptiveK, SpecStats, reproducible_k
+
+            gens = []
+            for i in range(len(prompts)):  # drafting streams of their own, apart from the last stage's verify streams
+                g = None
+                if params.temperature > 0:
+                    g = torch.Generator()
+                    g.manual_seed((int(params.seed) * 1_000_003 + i) ^ 0x5EED if params.seed is not None
+                                  else int(torch.randint(0, 2**62, (1,))))
+                gens.append(g)
+            # MTP drafts inside the measured round trip (on the last stage): no separate drafting cost. The measured
+            # step costs carry over from earlier runs; a seeded sampled run (which must repeat) uses the prior only
+            draft_cost = 0.0 if self.spec_method == "mtp" else self.draft_cost
+            if reproducible_k(params):
+                ctl = AdaptiveK(self.k_max, self.spec_adaptive, 24.0, None, draft_cost)
+            else:
+                if self._costs is None:
+                    self._costs = AdaptiveK(self.k_max, self.spec_adaptive, 24.0, None, draft_cost, measure=True,
+                                            explore_run=self.micro_batches)
+                ctl = self._costs
+                ctl.alpha = {}
+            self._sr = _SpecRun(params, ctl, SpecStats(), gens)
 
         def on_tokens(s: _Seq, toks: list[int], now: float) -> list[int]:
             if s.phase == PREFILL:
@@ -549,8 +737,11 @@ class Pipeline:
                     break
             return kept
 
-        for events in self._guarded(self._run(seqs, params, False, on_tokens)):
-            yield from events
+        try:
+            for events in self._guarded(self._run(seqs, params, False, on_tokens)):
+                yield from events
+        finally:
+            sr, self._sr = self._sr, None
         total = time.perf_counter() - t0
         last_prefill = max((s.ttft for s in seqs), default=0.0) + t0
         late = sum(1 for s in seqs for t in s.token_times if t > last_prefill)
@@ -561,7 +752,10 @@ class Pipeline:
             span = s.token_times[-1] - s.token_times[0] if len(s.token_times) > 1 else 0.0
             metrics.append({"ttft_s": s.ttft, "total_s": total, "decode_tokens_per_s": agg,
                             "tokens_per_s_per_user": (len(s.out) - 1) / span if span > 0 else 0.0,
-                            "stages": float(self.num_stages), "micro_batches": float(self.micro_batches)})
+                            "stages": float(self.num_stages), "micro_batches": float(self.micro_batches),
+                            **(sr.stats.metrics() if sr is not None else {})})
+        if sr is not None:
+            self.last_stats = sr.stats
         yield [s.out for s in seqs], [s.reason for s in seqs], metrics
 
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
@@ -624,6 +818,13 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------- helpers
+
+class _VocabOnly:
+    """What make_drafter needs of the target for n-gram / draft-model drafters: its ModelSpec (vocab size)."""
+
+    def __init__(self, spec: Any):
+        self.spec = spec
+
 
 @contextlib.contextmanager
 def _main_hidden() -> Any:
@@ -708,8 +909,12 @@ def _rendezvous_env() -> tuple[Any, int, int]:
 
 def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
                    layers_per_stage: int | None = None, plan: Any = None, device: str = "cpu",
-                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None) -> int:
-    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
+                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None,
+                   speculative: str | None = None) -> int:
+    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
+    ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
+    from waferline.engine.speculative import pipeline_method
+
     from waferline.engine.llm import DTYPES
     from waferline.spec.model import ModelSpec
 
@@ -725,5 +930,6 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
     load = {"path": str(path), "dtype": DTYPES[dtype] if isinstance(dtype, str) else dtype, "layer_range": ranges[rank],
-            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))}
+            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+            "mtp": bool(speculative) and pipeline_method(speculative) == "mtp"}
     return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)

@@ -1,5 +1,6 @@
 """Exact speculative decoding: drafters (prompt-lookup n-grams, a draft model, MTP heads), the verifier, cache
-rollback and adaptive K, for the single-process engine; the verifier is pure functions the pipeline can call.
+rollback and adaptive K — for the single-process engine (``Speculator``) and the pipeline's stages
+(``LastStageSpec``, ``SlotRollback``).
 
 One decode step, for the rows still running: the drafter proposes up to K tokens per row; the target model
 verifies ``[last token] + drafts`` in ONE forward (``StepBatch`` with T = K_max + 1 from each row's position); the
@@ -30,16 +31,30 @@ The step's K maximises the expected speedup  E(k) · c(B, 0) / c(B, k)  where  E
 expected number of tokens a step emits and  c(B, k) = (overhead + B·(k + 1)) + k·draft_cost·(overhead + B)  is the
 cost of a step with B rows in tokens-equivalent: a forward costs t0 + t1·N for N tokens, ``overhead`` = t0 / t1
 (measured by ``benchmarks/speculative.py``), and a drafted token costs ``draft_cost`` of a one-token target step
-(0 for n-grams, about 1 / layers for an MTP head, the layer ratio for a draft model). When even k = 1 does not pay — a large batch, or a low acceptance — the step is a
-plain decode step: speculation backs off by itself as the batch grows.
+(0 for n-grams, about 1 / layers for an MTP head, the layer ratio for a draft model). That is the prior: the engines
+time every step (B rows x T tokens) and every drafting pass, and measured costs replace the prior (``AdaptiveK.record``;
+one plain step in 16 keeps the plain cost measured). When even k = 1 does not pay — a large batch, a low acceptance,
+or a verify that costs much more than a plain step — the step is a plain decode step: speculation backs off by
+itself as the batch grows.
 
-Under the pipeline (engine/pipeline.py; not wired yet): the pieces are pure and per-slot so the last stage can call
-them. Stage 0 proposes (``NgramDrafter.lookup`` needs only tokens; an MTP head or draft model would live on the last
-stage, which has the hidden states and logits) and launches ``[last] + drafts`` as a group with T = k + 1 (the
-pipeline already groups rows by T); the drafts ride in the micro-batch meta to the last stage, which calls
-``verify_rows`` and sends back the variable-width tokens; every stage holds a ``VerifyRollback`` per in-flight
-micro-batch and calls ``done(keep)`` (keep = len(tokens emitted)) when the row's next micro-batch carries it —
-Mamba-2 trails are kept per slot, so other micro-batches' verifies in between do not disturb them.
+Under the pipeline (engine/pipeline.py, engine/stage.py; docs/pipeline.md). Stage 0 (the scheduler) puts each
+ready decode row of a micro-batch into one *verify group*: input [last token] + drafts, padded to T = 1 + the
+longest draft, emit code EMIT_VERIFY; the drafts ride in the micro-batch meta. The n-gram and draft-model drafters
+run on stage 0 (they need only tokens; a draft model's probabilities q travel behind the hidden states when it
+samples). The MTP drafter runs on the last stage, which has the final hidden states and the LM head and loads the
+embedding table and the MTP head when MTP is on; prompt tokens travel with the prefill groups so it knows every
+row's history. The last stage verifies (``LastStageSpec.verify`` -> ``verify``), then (MTP) drafts the row's next K
+and sends [accepted..., bonus] and the new drafts back on the variable-width feedback channel; stage 0 launches them
+as the row's next verify. Rollback: every stage snapshots, per row, what a verify group overwrites before running it
+(``SlotRollback.before``: sliding-window rings; Mamba-2 caches record a per-token trail, keyed by slot so other
+micro-batches in between do not disturb it); when stage 0 learns a row's accepted length it attaches (slot, keep)
+to the next micro-batch it launches, and every stage applies it (``SlotRollback.apply``) before that micro-batch's
+forward — necessarily before the row's own next forward, since stages process micro-batches in order. The draft
+model's and the MTP head's own caches are rolled back by their drafters, per row (several micro-batches' drafts
+are outstanding at once). Adaptive K runs on stage 0 for every drafter, with the micro-batch's rows as the batch;
+a step's measured cost is S x stage 0's own compute for it plus the hop overhead (a step's round trip minus that
+compute, learnt from micro-batches that waited behind no other kind of step); for MTP it picks each row's next K,
+which travels to the last stage in the micro-batch meta.
 """
 
 from __future__ import annotations
@@ -122,6 +137,8 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list
     """Verify a whole verify forward: ``logits`` [B, T, V] (T = 1 + the longest draft; shorter drafts padded at the
     end), row b's drafts and drafter probabilities. Returns, per row, the tokens to emit (the variable-width feedback
     a pipeline's last stage sends back; ``len(out[b])`` is also the ``keep`` its caches roll back to)."""
+    if params.temperature == 0 and not any(drafts):  # a plain greedy step: one argmax for the whole batch
+        return [[t] for t in logits[:, 0].argmax(-1).tolist()]
     return [verify(logits[b], d, q, params, g) for b, (d, q, g) in enumerate(zip(drafts, draft_probs, gens))]
 
 
@@ -156,6 +173,54 @@ class VerifyRollback:
                 c.keep_trail = False
                 if self.batch.T > 1:
                     c.rewind(self.batch.slots, keep)
+
+
+class SlotRollback:
+    """A pipeline stage's rollback of verify forwards, one row at a time.
+
+    ``before`` (just ahead of a verify group's forward on this stage) snapshots the sliding-window rings the group
+    will touch and switches Mamba-2 caches to recording a per-token trail; ``after`` switches that off. The accepted
+    length of a row is known only once the last stage has verified it, so it comes back to every stage on a later
+    micro-batch as a (slot, keep) pair, and ``apply`` then keeps that row's first ``keep`` tokens. Each row's state is
+    kept by slot, so other micro-batches' forwards in between do not disturb it."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, tuple[int, int, list[Any]]] = {}  # slot -> (start, T, per-cache ring snapshot)
+
+    def reset(self) -> None:
+        self.rows.clear()
+
+    def before(self, caches: list[Any], batch: StepBatch) -> None:
+        if batch.T <= 1:
+            return
+        snaps = [c.ring_snapshot(batch.slots) if isinstance(c, TokenCache) else None for c in caches]
+        for b, slot in enumerate(batch.slots.tolist()):
+            self.rows[slot] = (int(batch.start[b]), batch.T,
+                               [None if sn is None else (sn[0][b:b + 1], sn[1][b:b + 1]) for sn in snaps])
+        for c in caches:
+            if isinstance(c, Mamba2Cache):
+                c.keep_trail = True
+
+    @staticmethod
+    def after(caches: list[Any]) -> None:
+        for c in caches:
+            if isinstance(c, Mamba2Cache):
+                c.keep_trail = False
+
+    def apply(self, caches: list[Any], rewinds: list[tuple[int, int]], device: Any = "cpu") -> None:
+        """``rewinds``: (slot, keep) for rows whose verify this stage ran; a row without a recorded verify (T = 1,
+        or a row this stage has not seen verify) is skipped."""
+        for slot, keep in rewinds:
+            st = self.rows.pop(slot, None)
+            if st is None:
+                continue
+            start, T, snaps = st
+            one = StepBatch.make([slot], [start], T, device)
+            for c, sn in zip(caches, snaps):
+                if isinstance(c, TokenCache):
+                    c.ring_rewind(one, [keep], sn)
+                elif isinstance(c, Mamba2Cache):
+                    c.rewind(one.slots, [keep])
 
 
 def _save(caches: list[Any], slot: int) -> list[Any]:
@@ -271,7 +336,8 @@ class _ModelDrafter:
         toks: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
         stateful = _stateful(caches)
-        self._saved = {b: [_save(caches, b)] for b in rows} if stateful else {}
+        if stateful:  # per row: a pipeline proposes for one micro-batch while another's verify is in flight
+            self._saved.update({b: [_save(caches, b)] for b in rows})
         logits = first
         live = [i for i in range(len(rows)) if ks[i] > 0]
         for j in range(max(ks)):
@@ -295,10 +361,9 @@ class _ModelDrafter:
         if not self._saved:
             return
         for b, a in zip(rows, n_accepted):
-            saved = self._saved.get(b)
+            saved = self._saved.pop(b, None)
             if saved:
                 _load(caches, b, saved[min(a, len(saved) - 1)])
-        self._saved = {}
 
 
 def _ragged(seqs: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, list[int]]:
@@ -325,6 +390,7 @@ class DraftModelDrafter(_ModelDrafter):
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
         self.caches = self.model.new_caches(len(seqs))
         self.cached = [0] * len(seqs)
+        self._saved, self._base = {}, {}
 
     def _forward(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Feed each row its chunk (ragged lengths padded at the end where caches are positional, else grouped);
@@ -349,7 +415,7 @@ class DraftModelDrafter(_ModelDrafter):
     def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
                 gens: list[torch.Generator | None]) -> list[Proposal]:
         first = list(self._forward(rows, [seqs[b][self.cached[b]:] for b in rows]))
-        self._base = {b: self.cached[b] for b in rows}  # rows proposed for in this step
+        self._base.update({b: self.cached[b] for b in rows})  # rows proposed for in this step
 
         def step(srows: list[int], toks: list[int], j: int) -> torch.Tensor:
             return self._forward(srows, [[t] for t in toks])
@@ -359,11 +425,11 @@ class DraftModelDrafter(_ModelDrafter):
     def accepted(self, rows: list[int], seqs: list[list[int]], n_accepted: list[int], n_drafted: list[int],
                  hidden: torch.Tensor | None) -> None:
         for b, a in zip(rows, n_accepted):
-            if b in self._base:
-                fed = self.cached[b] - self._base[b]  # drafted tokens the draft model consumed (k - 1)
-                self.cached[b] = self._base[b] + min(a, fed)
+            base = self._base.pop(b, None)
+            if base is not None:
+                fed = self.cached[b] - base  # drafted tokens the draft model consumed (k - 1)
+                self.cached[b] = base + min(a, fed)
         self._rewind(rows, n_accepted, self.caches)
-        self._base = {}
 
 
 class MTPDrafter(_ModelDrafter):
@@ -385,9 +451,10 @@ class MTPDrafter(_ModelDrafter):
         self._saved: dict[int, list[Any]] = {}
 
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
-        self.caches = [self.head.layer.new_cache(len(seqs))]
+        self.caches = [self.head.layer.new_cache(len(seqs), self.model.norm.weight.device)]
         self.committed = [0] * len(seqs)
         self.pending = list(prompt_hidden)
+        self._saved = {}
 
     def _run(self, rows: list[int], h: list[torch.Tensor], toks: list[list[int]], start: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer over ragged rows; returns (last output hidden [n, D], logits [n, V]) for each row's last pair."""
@@ -407,7 +474,7 @@ class MTPDrafter(_ModelDrafter):
             for n, i in enumerate(idx):
                 outs_h[i] = out[n, last[n]]
         hs = torch.stack(outs_h)  # type: ignore[arg-type]
-        return hs, torch.nn.functional.linear(self.head.norm(hs), self.model.lm_head).float()
+        return hs, self.model.project(self.head.norm(hs))
 
     def propose(self, rows: list[int], seqs: list[list[int]], ks: list[int], params: SamplingParams,
                 gens: list[torch.Generator | None]) -> list[Proposal]:
@@ -472,7 +539,14 @@ class AdaptiveK:
     ``overhead``: a forward's fixed cost in per-token units (t(N tokens) ≈ t0 + t1·N, overhead = t0 / t1);
     ``cost_table``: measured (N tokens, seconds) points of one forward, used instead of that line when given
     (piecewise linear; on CPUs the step from 1 token (gemv) to 2 (gemm) is far from linear);
-    ``draft_cost``: a drafted token's cost relative to a one-token target step. ``enabled`` False: always k_max."""
+    ``draft_cost``: a drafted token's cost relative to a one-token target step. ``enabled`` False: always k_max.
+
+    ``measure``: learn what steps really cost while decoding. The engine calls ``record(B, T, seconds)`` after
+    each step of B rows x T tokens (and ``record_draft`` for drafting time); a measured (B, T) replaces the prior
+    (the line or table above, scaled to the measured seconds). A verify of T tokens may cost far more than T/1 of a
+    plain step (different kernels, a Mamba-2 trail) — or hardly more (a pipeline's hops): either way K follows the
+    measurement. So that a plain step's cost is known too, a row set that has not taken one for
+    ``explore_every`` steps takes one. (Off for seeded sampling: see ``reproducible_k``.)"""
 
     k_max: int
     enabled: bool = True
@@ -482,14 +556,34 @@ class AdaptiveK:
     prior: float = 0.6
     decay: float = 0.7
     alpha: dict[int, float] = field(default_factory=dict)
+    measure: bool = False
+    explore_every: int = 16
+    explore_run: int = 1  # plain steps in a row when exploring (a pipeline: its micro-batches, so they run alike)
+    observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, T) -> seconds (EMA)
+    draft_s: dict[int, float] = field(default_factory=dict)  # B -> seconds per drafted token step (EMA)
+    since_plain: dict[int, int] = field(default_factory=dict)  # B -> steps since the last plain step
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         if drafted > 0:
             a = self.alpha.get(row, self.prior)
             self.alpha[row] = self.decay * a + (1 - self.decay) * accepted / drafted
 
+    def record(self, B: int, T: int, seconds: float) -> None:
+        """A measured step of B rows x T tokens (T = 1: a plain step); ignored unless ``measure``."""
+        if not self.measure:
+            return
+        old = self.observed.get((B, T))
+        self.observed[(B, T)] = seconds if old is None else 0.5 * old + 0.5 * seconds
+
+    def record_draft(self, B: int, k: int, seconds: float) -> None:
+        """Measured drafting time of B rows x k drafted tokens (a drafter that runs apart from the target's step)."""
+        if k > 0 and self.measure:
+            old = self.draft_s.get(B)
+            per = seconds / k
+            self.draft_s[B] = per if old is None else 0.5 * old + 0.5 * per
+
     def cost(self, n: int) -> float:
-        """Cost of one forward over n tokens (tokens-equivalent, or seconds with a cost table)."""
+        """Prior cost of one forward over n tokens (tokens-equivalent, or seconds with a cost table)."""
         pts = sorted({n: t for n, t in sorted(self.cost_table or [], key=lambda p: -p[1])}.items())  # min per n
         if not pts:
             return self.overhead + n
@@ -501,22 +595,50 @@ class AdaptiveK:
         (n0, t0), (n1, t1) = pts[-2:] if len(pts) > 1 else (pts[0], (pts[0][0] + 1, pts[0][1]))
         return t1 + (t1 - t0) / max(n1 - n0, 1) * (n - n1)
 
+    def step_cost(self, B: int, T: int) -> float:
+        """Cost of a step of B rows x T tokens: measured when it was, else the prior scaled to the measurements."""
+        got = self.observed.get((B, T))
+        if got is not None:
+            return got
+        prior = self.cost(B * T)
+        if self.observed:
+            ratios = sorted(v / self.cost(b * t) for (b, t), v in self.observed.items())
+            return prior * ratios[len(ratios) // 2]
+        return prior
+
     def gain(self, alpha: float, k: int, batch: int) -> float:
-        base = self.cost(batch)
-        cost = self.cost(batch * (k + 1)) + k * self.draft_cost * base
-        return expected_tokens(alpha, k) * base / cost
+        base = self.step_cost(batch, 1)
+        if batch in self.draft_s and self.observed:
+            draft = k * self.draft_s[batch]
+        else:
+            draft = k * self.draft_cost * base
+        return expected_tokens(alpha, k) * base / (self.step_cost(batch, k + 1) + draft)
 
     def choose(self, rows: list[int]) -> list[int]:
         if not self.enabled:
             return [self.k_max] * len(rows)
         B = len(rows)
+        if self.measure:
+            n = self.since_plain.get(B, self.explore_every - 4)  # a new batch size: a plain step soon, to measure it
+            if n < 0 or n >= self.explore_every:  # exploring: explore_run plain steps
+                self.since_plain[B] = n + 1 if n < 0 else 1 - self.explore_run
+                return [0] * B
         ks = []
         for b in rows:
             a = min(self.alpha.get(b, self.prior), 0.99)
             gains = [self.gain(a, k, B) for k in range(self.k_max + 1)]
             ks.append(max(range(self.k_max + 1), key=lambda k: gains[k]))
         # the step's cost is set by the largest k: rows with a smaller k still pay for the padded width
+        if self.measure:
+            self.since_plain[B] = 0 if max(ks) == 0 else max(self.since_plain.get(B, self.explore_every - 4), 0) + 1
         return ks
+
+
+def reproducible_k(params: SamplingParams) -> bool:
+    """A seeded sampled run must repeat exactly, and which tokens it samples depends on the K of every step: K then
+    follows the acceptance and the prior cost model only, not wall-clock measurements (greedy output does not
+    depend on K, so greedy and unseeded runs measure)."""
+    return params.temperature > 0 and params.seed is not None
 
 
 # ----------------------------------------------------------------------------------------------- the engine loop
@@ -561,6 +683,17 @@ class Speculator:
         self.draft_cost = draft_cost
         self.overhead = 24.0 if overhead is None else overhead
         self.cost_table = cost_table  # measured (tokens, seconds) of one forward: see AdaptiveK
+        self.ctl: AdaptiveK | None = None  # kept across requests: what steps cost is learnt once
+
+    def controller(self, params: SamplingParams) -> AdaptiveK:
+        """This request's AdaptiveK: the measured step costs carry over from earlier requests (a fresh prior-only
+        one for a seeded sampled request, which must repeat exactly); the per-row acceptance starts afresh."""
+        if reproducible_k(params):
+            return AdaptiveK(self.k_max, self.adaptive, self.overhead, self.cost_table, self.draft_cost)
+        if self.ctl is None:
+            self.ctl = AdaptiveK(self.k_max, self.adaptive, self.overhead, self.cost_table, self.draft_cost, measure=True)
+        self.ctl.alpha = {}
+        return self.ctl
 
     def stream(self, llm: Any, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
         from waferline.engine.llm import _seeded, decode_metrics
@@ -568,7 +701,7 @@ class Speculator:
 
         model = self.model
         B = len(ids)
-        ctl = AdaptiveK(self.k_max, self.adaptive, self.overhead, self.cost_table, self.draft_cost)
+        ctl = self.controller(params)
         stats = SpecStats()
         with torch.inference_mode():
             caches = model.new_caches(B)
@@ -611,14 +744,18 @@ class Speculator:
                 for i, b in enumerate(active):  # never draft past max_tokens or the context
                     room = min(params.max_tokens - len(out[b]) - 1, llm.max_model_len - len(seqs[b]))
                     ks[i] = max(0, min(ks[i], room))
+                t_draft = time.perf_counter()
                 props = self.drafter.propose(active, seqs, ks, params, gens) if max(ks) > 0 else \
                     [Proposal([]) for _ in active]
                 width = max(len(p.tokens) for p in props)
+                t_step = time.perf_counter()
+                ctl.record_draft(len(active), width, t_step - t_draft)
                 rows = [[seqs[b][-1]] + p.tokens + [0] * (width - len(p.tokens)) for b, p in zip(active, props)]
                 batch = StepBatch.make(active, [len(seqs[b]) - 1 for b in active], width + 1)
                 rb = VerifyRollback(caches, batch)
                 h = model(torch.tensor(rows), caches, batch)
                 logits = model.logits(h)
+                ctl.record(len(active), width + 1, time.perf_counter() - t_step)  # what this step really cost
                 emitted = verify_rows(logits, [p.tokens for p in props], [p.probs for p in props], params,
                                       [gens[b] for b in active])
                 keep, n_acc = [], []
@@ -642,3 +779,86 @@ class Speculator:
         self.last_stats = stats
         yield [llm.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 
+
+
+# ----------------------------------------------------------------------------------------------- under the pipeline
+
+
+def pipeline_method(method: str) -> str:
+    """Validate a speculative method for the pipeline engine; returns 'ngram', 'mtp' or 'draft'."""
+    if method == "ngram" or method.startswith("ngram:"):
+        return "ngram"
+    if method == "mtp":
+        return "mtp"
+    if method.startswith("draft:") and len(method) > len("draft:"):
+        return "draft"
+    raise ConfigError(f"unknown speculative method {method!r}: use 'ngram', 'mtp' or 'draft:PATH' (a checkpoint sharing "
+                      "the target's tokenizer)")
+
+
+class LastStageSpec:
+    """The last pipeline stage's part of speculative decoding.
+
+    It verifies each row's drafts (sent by stage 0 in the micro-batch meta; a draft model's probabilities ride
+    behind the hidden states) against the logits of the verify forward. With MTP it is also the drafter: it keeps
+    each row's token history (prompt tokens arrive in the prefill meta) and the target's hidden states, and after
+    every verify drafts the row's next K tokens, which travel back to stage 0 on the feedback channel beside the
+    emitted tokens; stage 0 sends them back as the next verify's drafts."""
+
+    def __init__(self, model: Any, cfg: dict[str, Any], params: SamplingParams, gens: list[torch.Generator | None]):
+        sc = cfg["spec"]
+        n = int(cfg["num_slots"])
+        self.model, self.params, self.gens = model, params, gens
+        self.max_tokens = int(sc["max_tokens"])
+        self.n_out = [0] * n
+        self.mtp: MTPDrafter | None = None
+        if sc["method"] == "mtp":
+            self.mtp = MTPDrafter(model)
+            dev = model.norm.weight.device
+            self.mtp.begin([[] for _ in range(n)],
+                           [torch.empty(0, model.spec.hidden_size, dtype=model.dtype, device=dev) for _ in range(n)])
+        self.seqs: list[list[int]] = [[] for _ in range(n)]  # MTP: every token of the row known here
+        self.q: dict[int, torch.Tensor] = {}  # MTP, sampling: probabilities of the drafts sent for row b
+
+    def prefill(self, row: int, tokens: list[int], h: torch.Tensor) -> None:
+        """A prefill chunk of ``row`` reached the last stage: its tokens and final hidden states [T, D]."""
+        if self.mtp is not None:
+            self.seqs[row] += tokens
+            self.mtp.pending[row] = torch.cat([self.mtp.pending[row], h])
+
+    def first(self, row: int, token: int) -> None:
+        """The row's first token, sampled after its prefill."""
+        self.n_out[row] += 1
+        if self.mtp is not None:
+            self.seqs[row].append(token)
+
+    def verify(self, rows: list[int], drafts: list[list[int]], qs: list[torch.Tensor | None], logits: torch.Tensor,
+               hidden: torch.Tensor) -> list[list[int]]:
+        """Verify rows of one verify group: ``logits`` / ``hidden`` [n, T, ...]; returns the tokens each emits."""
+        out = []
+        for i, (b, d, q) in enumerate(zip(rows, drafts, qs)):
+            if self.mtp is not None:
+                q = self.q.pop(b, None)
+                q = None if q is None or self.params.temperature == 0 else q[: len(d)]
+            out.append(verify(logits[i], d, q, self.params, self.gens[b]))
+        if self.mtp is not None:
+            self.mtp.accepted(rows, self.seqs, [len(t) - 1 for t in out], [len(d) for d in drafts], hidden)
+            for b, t in zip(rows, out):
+                self.seqs[b] += t
+        for b, t in zip(rows, out):
+            self.n_out[b] += len(t)
+        return out
+
+    def draft(self, rows: list[int], ks: list[int]) -> list[list[int]]:
+        """MTP: the next drafts of rows that just emitted, ``ks[i]`` of them (stage 0's adaptive K chose them; none
+        for other drafters, or when K backs off to 0)."""
+        if self.mtp is None or not rows:
+            return [[] for _ in rows]
+        ks = [max(0, min(k, self.max_tokens - self.n_out[b] - 1)) for b, k in zip(rows, ks)]
+        if max(ks) == 0:  # the hidden states wait in ``pending`` and are committed at the next draft
+            return [[] for _ in rows]
+        props = self.mtp.propose(rows, self.seqs, ks, self.params, self.gens)
+        for b, p in zip(rows, props):
+            if p.probs is not None:
+                self.q[b] = p.probs
+        return [p.tokens for p in props]

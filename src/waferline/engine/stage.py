@@ -20,8 +20,8 @@ from waferline.engine.sampling import SamplingParams, make_generator, sample
 
 # message kinds on the activation chain (rank r -> r+1) and on the feedback channel (last -> first)
 BEGIN, STEP, SHUTDOWN, FEEDBACK = 1, 2, 3, 4
-# what the last stage returns for a row
-EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS = 0, 1, 2
+# what the last stage returns for a row (EMIT_VERIFY: a speculative verify of [last token] + drafts)
+EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS, EMIT_VERIFY = 0, 1, 2, 3
 # worker exit codes the driver interprets
 EXIT_ERROR, EXIT_PEER_LOST, EXIT_ABORTED = 3, 4, 5
 # a recv on an idle stage must not time out (gloo applies the group timeout to recv too)
@@ -35,31 +35,60 @@ class PeerLost(RuntimeError):
 
 @dataclass
 class Group:
-    """Rows of a micro-batch that append the same number of tokens T (one forward call per stage)."""
+    """Rows of a micro-batch that append the same number of tokens T (one forward call per stage).
+
+    Speculative decoding: a verify group's rows (EMIT_VERIFY) carry ``drafts`` (row b's input is its last token,
+    its drafts, then padding up to T); ``has_q`` says the drafter's probabilities [sum of draft lengths, V] (fp32)
+    follow the hidden states in the message; ``tokens`` (B*T input ids) travel with prefill groups when the last
+    stage drafts with MTP and needs the token history; ``ks`` (MTP) is how many tokens the last stage drafts for each
+    row after it emits (stage 0's adaptive K chose them)."""
 
     T: int
     seqs: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     emits: list[int] = field(default_factory=list)
+    drafts: list[list[int]] | None = None
+    tokens: list[int] | None = None
+    has_q: bool = False
+    ks: list[int] | None = None
 
     @property
     def B(self) -> int:
         return len(self.seqs)
 
+    @property
+    def verify(self) -> bool:
+        return self.drafts is not None
+
 
 @dataclass
 class MicroBatch:
-    """A set of disjoint sequences travelling the pipeline together; ``groups`` split it by tokens per row."""
+    """A set of disjoint sequences travelling the pipeline together; ``groups`` split it by tokens per row.
+
+    ``rewinds``: (slot, keep) pairs — rows whose earlier verify kept only its first ``keep`` tokens; every stage
+    rolls those rows' caches back before running this micro-batch."""
 
     mb_id: int
     groups: list[Group]
+    rewinds: list[tuple[int, int]] = field(default_factory=list)
 
     def encode(self) -> list[int]:
         meta = [self.mb_id, len(self.groups)]
         for g in self.groups:
             meta += [g.B, g.T]
             meta += g.seqs + g.slots + g.starts + g.emits
+            flags = (g.drafts is not None) | (g.tokens is not None) << 1 | g.has_q << 2 | (g.ks is not None) << 3
+            meta.append(flags)
+            if g.drafts is not None:
+                meta += [len(d) for d in g.drafts] + [t for d in g.drafts for t in d]
+            if g.tokens is not None:
+                meta += g.tokens
+            if g.ks is not None:
+                meta += g.ks
+        meta.append(len(self.rewinds))
+        for slot, keep in self.rewinds:
+            meta += [slot, keep]
         return meta
 
     @classmethod
@@ -71,8 +100,27 @@ class MicroBatch:
             i += 2
             cols = [meta[i + k * B: i + (k + 1) * B] for k in range(4)]
             i += 4 * B
-            groups.append(Group(T, *cols))
-        return cls(mb_id, groups)
+            g = Group(T, *cols)
+            flags = meta[i]
+            i += 1
+            if flags & 1:
+                lens = meta[i:i + B]
+                i += B
+                g.drafts = []
+                for n_d in lens:
+                    g.drafts.append(meta[i:i + n_d])
+                    i += n_d
+            if flags & 2:
+                g.tokens = meta[i:i + B * T]
+                i += B * T
+            g.has_q = bool(flags & 4)
+            if flags & 8:
+                g.ks = meta[i:i + B]
+                i += B
+            groups.append(g)
+        n_rw = meta[i]
+        rewinds = [(meta[i + 1 + 2 * k], meta[i + 2 + 2 * k]) for k in range(n_rw)]
+        return cls(mb_id, groups, rewinds)
 
     @property
     def num_tokens(self) -> int:
@@ -174,10 +222,17 @@ class StageRunner:
         self.caches: list[Any] = []
         self.params: SamplingParams | None = None
         self.gens: list[torch.Generator | None] = []
+        from waferline.engine.speculative import SlotRollback
+
+        self.rollback = SlotRollback()  # speculative verifies of this stage's layers, until their keep arrives
+        self.spec: Any = None  # the last stage's LastStageSpec when the run speculates
 
     def begin(self, cfg: dict[str, Any]) -> None:
-        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling."""
+        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (and, when
+        ``cfg["spec"]`` is set, speculative verification / MTP drafting)."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
+        self.rollback.reset()
+        self.spec = None
         if self.is_last:
             from waferline.engine.llm import _seeded  # the single-process engine's per-row seeding
 
@@ -186,29 +241,64 @@ class StageRunner:
                                          top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", 0)), seed=p.get("seed"))
             n = int(cfg["num_slots"])
             self.gens = [make_generator(self.params) if self.params.seed is None else _seeded(self.params, i) for i in range(n)]
+            if cfg.get("spec"):
+                from waferline.engine.speculative import LastStageSpec
+
+                self.spec = LastStageSpec(self.model, cfg, self.params, self.gens)
 
     @torch.inference_mode()
     def forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """inputs per group: token ids [B, T] on the first stage, hidden states [B, T, D] elsewhere."""
+        """inputs per group: token ids [B, T] on the first stage, hidden states [B, T, D] elsewhere. Rows named in
+        ``mb.rewinds`` are rolled back first; verify groups record what a later rollback needs."""
         from waferline.model.context import StepBatch
 
+        if mb.rewinds:
+            self.rollback.apply(self.caches, mb.rewinds, self.device)
         out = []
         for g, x in zip(mb.groups, inputs):
             batch = StepBatch.make(g.slots, g.starts, g.T, self.device)
             if self.is_first:
                 x = self.model.embed_tokens(x.to(self.device))
-            out.append(self.model.forward_layers(x, self.caches, batch))
+            if g.verify and g.T > 1:
+                self.rollback.before(self.caches, batch)
+                try:
+                    out.append(self.model.forward_layers(x, self.caches, batch))
+                finally:
+                    self.rollback.after(self.caches)
+            else:
+                out.append(self.model.forward_layers(x, self.caches, batch))
         return out
 
     @torch.inference_mode()
-    def feedback(self, mb: MicroBatch, hs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
-        """The last stage's answer for a micro-batch: sampled tokens (a variable number per row) and log-probs.
+    def feedback(self, mb: MicroBatch, hs: list[torch.Tensor], extra: torch.Tensor | None = None
+                 ) -> tuple[list[int], list[torch.Tensor]]:
+        """The last stage's answer for a micro-batch: emitted tokens (a variable number per row: speculative verifies
+        emit 1..K+1), the next drafts per row (MTP drafting here), and log-probs.
 
-        meta = [mb_id, R, n_tok, n_lp] + seq[R] + count[R] + tokens[n_tok] + lp_seq[n_lp] + lp_T[n_lp];
+        meta = [mb_id, R, n_tok, n_lp, n_dr] + seq[R] + count[R] + dcount[R] + tokens[n_tok] + drafts[n_dr]
+               + lp_seq[n_lp] + lp_T[n_lp];
         tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0.
         """
-        seqs, counts, toks, lp_seqs, lp_T, lps = [], [], [], [], [], []
-        for g, h in zip(mb.groups, hs):
+        seqs, counts, toks, lp_seqs, lp_T, lps, ks = [], [], [], [], [], [], []
+        qs = self.split_probs(mb, extra)
+        for g, h, gq in zip(mb.groups, hs, qs):
+            if g.verify:
+                rows = [r for r in range(g.B) if g.emits[r] == EMIT_VERIFY]
+                if rows:
+                    if self.spec is None:
+                        raise RuntimeError("a verify micro-batch arrived but this run does not speculate")
+                    logits = self.model.logits(h[rows]).float().cpu()
+                    em = self.spec.verify([g.seqs[r] for r in rows], [g.drafts[r] for r in rows], [gq[r] for r in rows],
+                                          logits, h[rows])
+                    for r, t in zip(rows, em):
+                        seqs.append(g.seqs[r])
+                        counts.append(len(t))
+                        toks += t
+                        ks.append(g.ks[r] if g.ks is not None else 0)
+                continue
+            if self.spec is not None and g.tokens is not None:
+                for r in range(g.B):
+                    self.spec.prefill(g.seqs[r], g.tokens[r * g.T:(r + 1) * g.T], h[r])
             rows = [r for r in range(g.B) if g.emits[r] == EMIT_TOKEN]
             if rows:
                 logits = self.model.logits(h[rows, -1]).float().cpu()
@@ -216,46 +306,81 @@ class StageRunner:
                     seqs.append(g.seqs[r])
                     counts.append(1)
                     toks.append(sample(logits[k], self.params, self.gens[g.seqs[r]]))
+                    ks.append(g.ks[r] if g.ks is not None else 0)
+                    if self.spec is not None:
+                        self.spec.first(g.seqs[r], toks[-1])
             for r in range(g.B):
                 if g.emits[r] == EMIT_LOGPROBS:
                     lp_seqs.append(g.seqs[r])
                     lp_T.append(g.T)
                     lps.append(torch.log_softmax(self.model.logits(h[r]).float(), dim=-1))
-        meta = [mb.mb_id, len(seqs), len(toks), len(lp_seqs)] + seqs + counts + toks + lp_seqs + lp_T
+        drafts = self.spec.draft(seqs, ks) if self.spec is not None else [[] for _ in seqs]
+        flat = [t for d in drafts for t in d]
+        meta = ([mb.mb_id, len(seqs), len(toks), len(lp_seqs), len(flat)] + seqs + counts + [len(d) for d in drafts]
+                + toks + flat + lp_seqs + lp_T)
         return meta, ([torch.cat(lps)] if lps else [])
 
-    def split_hidden(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
-        """Hidden states per group from the raw bytes of a STEP message."""
+    def split_probs(self, mb: MicroBatch, extra: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
+        """Per group and row, the drafter's probabilities [len(draft), V] that ride behind the hidden states."""
+        V = self.model.spec.vocab_size
+        flat = extra.clone().view(torch.float32) if extra is not None and extra.numel() else None
+        out, off = [], 0
+        for g in mb.groups:
+            row: list[torch.Tensor | None] = [None] * g.B
+            if g.has_q and g.drafts is not None and flat is not None:
+                for r, d in enumerate(g.drafts):
+                    if d:
+                        row[r] = flat[off: off + len(d) * V].view(len(d), V)
+                        off += len(d) * V
+            out.append(row)
+        return out
+
+    def split(self, mb: MicroBatch, tail: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Hidden states per group from the raw bytes of a STEP message, and the bytes after them (draft
+        probabilities, passed on unchanged to the last stage)."""
         D, dt = self.model.spec.hidden_size, self.model.dtype
-        flat = tail.view(dt)
+        n_h = sum(g.B * g.T for g in mb.groups) * D
+        nbytes = n_h * torch.empty(0, dtype=dt).element_size()
+        flat = tail[:nbytes].view(dt)
         out, i = [], 0
         for g in mb.groups:
             n = g.B * g.T * D
             out.append(flat[i:i + n].view(g.B, g.T, D))
             i += n
-        return out
+        return out, tail[nbytes:]
+
+    def split_hidden(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
+        """Hidden states per group from the raw bytes of a STEP message."""
+        return self.split(mb, tail)[0]
 
 
-def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor]]:
-    """(mb_id, tokens per sequence, log-probs per sequence) from a FEEDBACK message (see StageRunner.feedback)."""
-    mb_id, R, n_tok, n_lp = meta[:4]
-    i = 4
-    seqs, counts = meta[i:i + R], meta[i + R:i + 2 * R]
-    i += 2 * R
+def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int
+                    ) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
+    """(mb_id, tokens per sequence, log-probs per sequence, next drafts per sequence) from a FEEDBACK message
+    (see StageRunner.feedback)."""
+    mb_id, R, n_tok, n_lp, n_dr = meta[:5]
+    i = 5
+    seqs, counts, dcounts = meta[i:i + R], meta[i + R:i + 2 * R], meta[i + 2 * R:i + 3 * R]
+    i += 3 * R
     flat = meta[i:i + n_tok]
     i += n_tok
+    dflat = meta[i:i + n_dr]
+    i += n_dr
     lp_seqs, lp_T = meta[i:i + n_lp], meta[i + n_lp:i + 2 * n_lp]
-    tokens, j = {}, 0
-    for s, c in zip(seqs, counts):
+    tokens, drafts, j, k = {}, {}, 0, 0
+    for s, c, dc in zip(seqs, counts, dcounts):
         tokens[s] = flat[j:j + c]
         j += c
+        if dc:
+            drafts[s] = dflat[k:k + dc]
+            k += dc
     lps, k = {}, 0
     if n_lp:
         allp = tail.view(torch.float32).view(-1, vocab)
         for s, T in zip(lp_seqs, lp_T):
             lps[s] = allp[k:k + T]
             k += T
-    return mb_id, tokens, lps
+    return mb_id, tokens, lps, drafts
 
 
 # ---------------------------------------------------------------- worker process
@@ -316,8 +441,12 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
         from waferline.model.load import load_model
 
         a, b = load["layer_range"]
-        model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=rank == num_stages - 1,
+        last = rank == num_stages - 1
+        mtp = bool(load.get("mtp")) and last  # MTP drafts on the last stage: it needs the embeddings and the head
+        model = load_model(load["path"], load["dtype"], range(a, b), has_embed=mtp, has_head=last,
                            **load.get("extra", {}))
+        if mtp:
+            check_mtp(model, load["path"])
         if device.type != "cpu":
             model.to(device)
     except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
@@ -345,12 +474,13 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                     act.send(rank + 1, BEGIN, meta)
             elif kind == STEP:
                 mb = MicroBatch.decode(meta)
-                hs = runner.forward(mb, runner.split_hidden(mb, tail))
+                h_in, extra = runner.split(mb, tail)
+                hs = runner.forward(mb, h_in)
                 if last:
-                    fmeta, ft = runner.feedback(mb, hs)
+                    fmeta, ft = runner.feedback(mb, hs, extra)
                     fb.send(0, FEEDBACK, fmeta, ft)
                 else:
-                    act.send(rank + 1, STEP, meta, hs)
+                    act.send(rank + 1, STEP, meta, hs + ([extra] if extra.numel() else []))
             state["processed"] += 1
     except PeerLost as e:
         ctl_safe_set(ctl, "status", rank, f"lost a neighbour: {str(e)[:300]}")
@@ -359,6 +489,15 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
         ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
         traceback.print_exc()
         return EXIT_ERROR
+
+
+def check_mtp(model: Any, path: Any) -> None:
+    """Speculative 'mtp' needs MTP weights in the checkpoint (they are loaded on the last stage)."""
+    from waferline.errors import ConfigError
+
+    if not len(model.mtp):
+        raise ConfigError(f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
+                          f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead")
 
 
 def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:

@@ -14,7 +14,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  max_model_len: int | None = None, max_num_batched_tokens: int = 512, chunk_tokens: int = 256,
                  page_tokens: int = 16, cache_mb: float | None = None, max_queue: int = 256,
                  api_key: str | None = None, served_model_name: str | None = None, max_body_bytes: int = 1 << 20,
-                 torch_threads: int | None = None, prefix_caching: bool = True) -> Any:
+                 torch_threads: int | None = None, prefix_caching: bool = True, speculative: str | None = None,
+                 num_speculative_tokens: int = 4) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest)."""
     from waferline.engine.llm import LLM
     from waferline.engine.scheduler import EngineLoop, Scheduler, SchedulerConfig
@@ -23,6 +24,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     path = Path(model)
     if not path.is_dir():
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
+    if speculative:
+        check_serve_speculative(speculative, num_speculative_tokens)
     kw: dict[str, Any] = {"weight_bits": weight_bits} if weight_bits != 16 else {}
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=llm.max_model_len,
@@ -32,6 +35,21 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     engine = EngineLoop(Scheduler(llm, cfg), torch_threads=torch_threads).start()
     server = Server(engine, served_model_name or path.name, api_key, max_body_bytes)
     return create_app(server)
+
+
+def check_serve_speculative(method: str, k: int) -> None:
+    """``serve --speculative``: the method is checked, then refused with the reason — the server's continuous-batching
+    scheduler (engine/scheduler.py: paged slots, preemption, prefix cache) has no verify step or cache rollback yet.
+    Speculation runs in ``LLM`` (single process and pipeline), ``waferline generate`` and ``waferline demo``."""
+    from waferline.engine.speculative import pipeline_method
+
+    pipeline_method(method)  # an unknown method gets that error first
+    if k < 1:
+        raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
+    raise ConfigError(f"--speculative {method}: the server's continuous-batching scheduler does not speculate yet (it "
+                      "has no verify step or cache rollback); serve without --speculative, or use speculative decoding "
+                      "through `waferline generate --speculative ...`, `waferline demo --speculative ...` or "
+                      "waferline.LLM(path, speculative=...)")
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -46,7 +64,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        chunk_tokens=args.chunk_tokens, page_tokens=args.page_tokens, cache_mb=args.cache_mb,
                        max_queue=args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
                        max_body_bytes=args.max_body_bytes, torch_threads=args.torch_threads,
-                       prefix_caching=not args.no_prefix_caching)
+                       prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
+                       num_speculative_tokens=args.num_speculative_tokens)
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
@@ -80,5 +99,10 @@ def register(sub: Any) -> None:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4], help="4: int4 weights (W4A16)")
     s.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads of the engine")
+    s.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="ngram | mtp | draft:PATH. NOT SUPPORTED by the server yet: the continuous-batching scheduler "
+                        "has no verify step, so serve refuses it with an error (speculation works in `waferline "
+                        "generate`, `waferline demo` and waferline.LLM, single process and pipelined)")
+    s.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K", help="most drafts per step (see --speculative)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=_cmd_serve)
