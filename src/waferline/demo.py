@@ -210,7 +210,7 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
 
 def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = False, report: bool = True,
              prompt: str | None = None, model: str | None = None, weight_bits: int = 4, group_size: int = 32,
-             layers_per_stage: int = 1) -> int:
+             layers_per_stage: int = 1, speculative: str | None = None, num_speculative_tokens: int = 3) -> int:
     from rich.console import Console
     from rich.live import Live
     from rich.table import Table
@@ -245,10 +245,13 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     timer.close()
     timeline_ms = [t * 1e3 for t in timer.median_s()]
     del single
+    spec_kw: dict[str, Any] = {}
+    if speculative:  # exact speculative decoding (engine/speculative.py); under the pipeline when layers_per_stage
+        spec_kw = {"speculative": speculative, "num_speculative_tokens": num_speculative_tokens}
     if layers_per_stage:
-        llm = LLM(ckpt, dtype="bfloat16", layers_per_stage=layers_per_stage)
+        llm = LLM(ckpt, dtype="bfloat16", layers_per_stage=layers_per_stage, **spec_kw)
     else:
-        llm = LLM(ckpt, dtype="bfloat16")
+        llm = LLM(ckpt, dtype="bfloat16", **spec_kw)
     spec = llm.spec
     kinds = [layer.mixer.kind for layer in spec.layers]
     console.print(f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
@@ -259,6 +262,8 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     plan_text = (f"{n_stages} stage processes ({layers_per_stage} layer{'s' if layers_per_stage > 1 else ''} per stage, "
                  "activations over torch.distributed gloo)" if layers_per_stage else "single process")
     plan_text += "; " + (f"int4 weights (RTN, group {group_size}), bf16 compute" if weight_bits == 4 else "bf16 weights and compute")
+    if speculative:
+        plan_text += f"; speculative decoding: {speculative}, up to {num_speculative_tokens} drafts per step (adaptive)"
     console.print(f"plan: {plan_text}")
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=0)
     text = Text(prompt, style="cyan")
@@ -283,6 +288,13 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     m = result.metrics
     console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
                   f"{len(result.token_ids)} tokens ({'trained sol-mini' if trained else 'RANDOM weights'})")
+    spec_stats = {k: v for k, v in m.items() if k.startswith("spec_")}
+    if speculative:
+        console.print(f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
+                      f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
+                      f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per verify step, "
+                      f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} "
+                      "steps without drafts (adaptive back-off)")
     head = planner_headline()
     t = Table(title="gpt-5.6-sol (~3T total / ~150B active, 80 layers; speculative config) on Cerebras WSE-3 — predicted")
     t.add_column("question")
@@ -298,6 +310,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
     summary = {"checkpoint": str(ckpt), "trained": trained, "weight_bits": weight_bits, "plan": plan_text, "prompt": prompt, "text": result.text,
                "token_ids": result.token_ids, "decode_tokens_per_s": m["decode_tokens_per_s"], "ttft_s": m["ttft_s"],
+               "speculative": speculative, **spec_stats,
                "layer_ms": timeline_ms, "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)}}
     if report:
         from waferline.report.html import Report
@@ -321,6 +334,14 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         rep.add("Memory per wafer", figure=figs["memory"])
         rep.add("KV / state bytes vs context", figure=figs["kv"])
         rep.add("Predicted tokens/s vs number of wafers", figure=figs["sweep"])
+        # --- the twin (report/twin_section.py): a cached `waferline twin` result, not a new run (keeps the demo fast)
+        try:
+            from waferline.report.twin_section import add_twin_sections, load_result
+
+            add_twin_sections(rep, *load_result())
+        except Exception as e:  # noqa: BLE001 - the twin section must never break the demo
+            rep.add("The twin: simulator vs engine on this machine", text=f"twin section unavailable: {type(e).__name__}: {e}")
+        # --- end of the twin
         path = rep.write(out / "waferline-report.html")
         summary["report"] = str(path)
         console.print(f"report: {path}")

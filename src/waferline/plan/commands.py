@@ -1,4 +1,4 @@
-"""CLI subcommands of the planner/simulator: plan, simulate, validate, calibrate (register() adds them to argparse)."""
+"""CLI subcommands of the planner/simulator: plan, simulate, validate, calibrate, twin (register() adds them to argparse)."""
 
 from __future__ import annotations
 
@@ -237,27 +237,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """Re-fit the simulator's fitted parameters on a published-results CSV and store them marked fitted."""
+    """Measure this host and write a hardware YAML (default), or with --published re-fit the simulator's fitted
+    parameters on a published-results CSV and store them marked fitted."""
     from waferline.sim.cost import FITTED_PATH
     from waferline.sim.fit import fit, save_fitted
 
-    if args.measure:
-        from waferline.sim.measure import write_host_yaml
-        from waferline.spec.hardware import load_hardware_file
-
-        out = Path(args.out or "hardware-host.yaml")
-        d = write_host_yaml(out)
-        hw = load_hardware_file(out)
-        if args.json:
-            print(json.dumps({"written": str(out), "hardware": hw.to_dict(),
-                              "link": {"bandwidth": hw.scale_up.bandwidth, "latency": hw.scale_up.latency}}, indent=1))
-        else:
-            _console().print(f"{d['name']}: memory {hw.memory_bytes / 1e9:.1f} GB, bandwidth {hw.memory_bandwidth / 1e9:.1f} GB/s, "
-                             f"matmul {hw.flops['bf16'] / 1e9:.1f} GFLOP/s, local link {hw.scale_up.latency * 1e6:.1f} us / "
-                             f"{hw.scale_up.bandwidth / 1e9:.2f} GB/s; written to {out} (use --hardware {out})")
-        return 0
-    if not args.published:
-        raise ConfigError("calibrate needs --published CSV (e.g. ../shared/data/published_results.csv) or --measure")
+    if args.measure or not args.published:  # measure this host (the default)
+        return _calibrate_host(args)
     params, report = fit(args.published, base=_load_params(args), restarts=args.restarts, iters=args.iters)
     out = Path(args.out) if args.out else FITTED_PATH
     save_fitted(params, out, str(args.published))
@@ -278,6 +264,91 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
               f"after: median {report['after']['median']:.3f}, max {report['after']['max']:.3f}")
     con.print(f"written to {out}")
     return 0
+
+
+def _progress_bar(quiet: bool):
+    """A rich progress bar on stderr (a no-op callback and context when ``quiet``)."""
+    import contextlib
+
+    if quiet:
+        return contextlib.nullcontext(lambda what, frac: None)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=False) as prog:
+            task = prog.add_task("starting", total=1.0)
+            yield lambda what, frac: prog.update(task, completed=frac, description=what)
+    return bar()
+
+
+def _calibrate_host(args: argparse.Namespace) -> int:
+    """`waferline calibrate [--quick] [--out FILE]`: measure this host, write its hardware YAML."""
+    import time
+
+    from waferline.sim.host import HostParams
+    from waferline.sim.measure import write_host_yaml
+    from waferline.spec.hardware import load_hardware_file
+
+    out = Path(args.out or "hardware-host.yaml")
+    t0 = time.perf_counter()
+    with _progress_bar(args.json) as say:
+        d = write_host_yaml(out, quick=args.quick, progress=say, pipeline=False if args.no_pipeline else None)
+    hw = load_hardware_file(out)
+    host = HostParams.load(out)
+    secs = time.perf_counter() - t0
+    summary = {"written": str(out), "seconds": secs, "name": d["name"], "cores": host.cores,
+               "memory_bandwidth_1_thread": host.memory_bandwidth, "matmul_flops": hw.flops,
+               "linear": {k: {"bytes_per_s": v.bytes_per_s, "flops_per_s": v.flops_per_s, "t0_s": v.t0_s} for k, v in host.linear.items()},
+               "op_overhead_s": host.op_overhead_s, "step_overhead_s": host.step_overhead_s,
+               "link": {"latency_s": host.link_latency_s, "bytes_per_s": host.link_bytes_per_s, "cpu_per_message_s": host.link_cpu_s},
+               "pipeline_hop_overhead_s": host.hop_overhead_s, "pipeline_hop_latency_s": host.hop_latency_s, "cuda": d["host_engine"].get("cuda") is not None,
+               "load_average_1m": host.measured.get("load_average_1m")}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    from rich.table import Table
+
+    t = Table(title=f"{d['name']}: measured in {secs:.0f} s (load average {summary['load_average_1m']:.2f}; one thread per process)")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    t.add_row("cores", str(host.cores))
+    t.add_row("copy bandwidth, 1 thread", f"{host.memory_bandwidth / 1e9:.1f} GB/s")
+    for k, v in hw.flops.items():
+        t.add_row(f"matmul {k}, 1 thread", f"{v / 1e9:.1f} GFLOP/s")
+    for k, v in host.linear.items():
+        t.add_row(f"linear {k}: weights / s, FLOP/s, fixed", f"{v.bytes_per_s / 1e9:.1f} GB/s, {v.flops_per_s / 1e9:.1f} GFLOP/s, {v.t0_s * 1e6:.1f} us")
+    for k, v in host.op_overhead_s.items():
+        t.add_row(f"engine per-op overhead ({k})", f"{v * 1e6:.2f} us/op + {host.step_overhead_s[k] * 1e6:.0f} us/step")
+    t.add_row("gloo link (engine Link): latency, bandwidth", f"{host.link_latency_s * 1e6:.0f} us, {host.link_bytes_per_s / 1e9:.2f} GB/s")
+    t.add_row("gloo CPU per message", f"{host.link_cpu_s * 1e6:.0f} us")
+    t.add_row("pipeline hop as the engine sees it", "not measured" if host.hop_latency_s is None else f"{host.hop_latency_s * 1e6:.0f} us")
+    t.add_row("CUDA", "measured" if summary["cuda"] else "no device")
+    con = _console()
+    con.print(t)
+    con.print(f"written to {out} (use --hardware {out}; `waferline twin --hardware {out}` compares it with the engine)")
+    return 0
+
+
+def cmd_twin(args: argparse.Namespace) -> int:
+    """Run the engine on a grid of Plans and predict each with the simulator calibrated to this host."""
+    from waferline.sim.twin import render, run_twin
+
+    with _progress_bar(args.json) as say:
+        result = run_twin(args.model, args.hardware, args.grid, prompt_len=args.prompt_len, output_len=args.output_len,
+                          repeats=args.repeats, recalibrate=args.recalibrate, progress=say, timeout_s=args.timeout)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        render(result, _console())
+        if args.out:
+            _console().print(f"written to {args.out}")
+    return 0 if result["summary"]["plans_compared"] else 1
 
 
 def register(subparsers: Any) -> None:
@@ -307,15 +378,44 @@ def register(subparsers: Any) -> None:
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate)
 
-    c = subparsers.add_parser("calibrate", help="re-fit the simulator's fitted parameters on published results (or --measure this host)")
-    c.add_argument("--published", default=None, help="results CSV to fit on")
-    c.add_argument("--measure", action="store_true", help="instead: measure this host and write a hardware YAML for it")
-    c.add_argument("--out", default=None, help="where to write (default: sim/fitted.yaml; with --measure: hardware-host.yaml)")
+    c = subparsers.add_parser("calibrate", help="measure this host and write its hardware YAML (or --published: re-fit the simulator)",
+                              description="Without --published: measure this machine (~1-2 min) -- copy bandwidth, fp32/bf16/int4 "
+                              "matmul and GEMV speed, the engine's per-op and per-step decode overhead, the gloo link between two "
+                              "local processes and the pipeline's per-hop overhead (and CUDA numbers when a GPU is present) -- and "
+                              "write a hardware YAML with every figure marked measured (date, method). With --published CSV: "
+                              "re-fit the simulator's fitted parameters on published results.")
+    c.add_argument("--published", default=None, help="results CSV to fit the simulator's parameters on")
+    c.add_argument("--measure", action="store_true", help="measure this host (the default without --published)")
+    c.add_argument("--quick", action="store_true", help="smaller, noisier probes and no pipeline probe (~20 s; for tests)")
+    c.add_argument("--no-pipeline", action="store_true", help="skip the pipeline per-hop probe (it starts a stage process)")
+    c.add_argument("--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)")
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
     c.add_argument("--restarts", type=int, default=2)
     c.add_argument("--iters", type=int, default=1500)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
+
+    tw = subparsers.add_parser("twin", help="run the engine on a grid of Plans and compare with the calibrated simulator",
+                               description="For every Plan of a grid (default: 16 -- stages 1 / 2 / one layer per stage, "
+                               "micro-batches, bf16 vs int4, speculation off / ngram / mtp, batch 1 / 8, AFD) run the engine "
+                               "(a child process per Plan, one thread per process), predict the same Plan with the simulator "
+                               "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
+                               "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
+                               "max. Plans the engine cannot run yet are listed as not available.")
+    tw.add_argument("--model", required=True, help="checkpoint directory (e.g. models/sol-mini)")
+    tw.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: calibrate this host "
+                    "now, cached for a day under ~/.cache/waferline)")
+    tw.add_argument("--grid", default="default", help="'default' or a YAML list of points, e.g. "
+                    "'- {stages: 2, micro_batches: 2, batch: 8, weight_bits: 4}' (fields: stages (int or L), micro_batches, "
+                    "weight_bits 16|4, speculative none|ngram|mtp, k, batch, afd, attention_ranks, ffn_ranks)")
+    tw.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
+    tw.add_argument("--output-len", type=int, default=32, help="new tokens per sequence (default 32)")
+    tw.add_argument("--repeats", type=int, default=2, help="timed runs per Plan; the fastest counts (default 2)")
+    tw.add_argument("--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists")
+    tw.add_argument("--timeout", type=float, default=300.0, help="seconds per Plan before its engine run is killed")
+    tw.add_argument("--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)")
+    tw.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
+    tw.set_defaults(func=cmd_twin)
 
 
 def main(argv: list[str] | None = None) -> int:

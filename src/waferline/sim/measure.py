@@ -1,117 +1,874 @@
-"""Measure this host (memory bandwidth, matmul FLOP/s, local link latency/bandwidth) and write a hardware YAML for it."""
+"""Measure this host for the twin: memory bandwidth, fp32/bf16/int4 matmul and GEMV speed, the engine's per-op and
+per-step overhead, and the gloo link between two local processes; write a hardware YAML with every figure marked
+measured (date, method).
+
+The device of the YAML is *one core* of this machine (the engine runs one torch thread per stage process), the
+scale-up link is gloo over loopback as the pipeline engine uses it, and the ``host_engine`` section holds the numbers
+the simulator's host-engine model (``sim/host.py``) needs. Probes take the best of several repeats: other work on a
+shared machine only ever slows a probe down.
+"""
 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
 import platform
-import socket
-import threading
+import statistics
+import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import yaml
 
+Progress = Callable[[str, float], None]  # (what is being measured, fraction done)
 
-def _best(fn: Any, repeat: int = 5) -> float:
+# A tiny model of the engine's own architecture with every layer kind the engine runs on this repo's models (Mamba-2,
+# MLA, dense and MoE FFNs): its decode step is all per-op overhead, so its step time over its op count measures it.
+_TINY_BASE = {
+    "model_type": "sol", "architectures": ["SolForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+    "num_attention_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "intermediate_size": 128, "moe_intermediate_size": 64, "n_routed_experts": 4,
+    "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 1,
+    "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_chunk_size": 16, "num_nextn_predict_layers": 0,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1,
+}
+_TINY_PATTERN = [("mamba2", "dense"), ("mla", "moe"), ("mamba2", "moe"), ("mla", "dense")]
+
+
+def tiny_config(layers: int) -> dict[str, Any]:
+    """The calibration model with ``layers`` layers (kinds cycle through Mamba-2/MLA x dense/MoE)."""
+    kinds = [_TINY_PATTERN[i % len(_TINY_PATTERN)] for i in range(layers)]
+    return dict(_TINY_BASE, num_hidden_layers=layers, mixer_types=[m for m, _ in kinds], ffn_types=[f for _, f in kinds])
+
+
+def _best(fn: Callable[[], Any], repeat: int = 5, clock: Callable[[], float] = time.process_time) -> float:
+    """Fastest of ``repeat`` runs. Single-threaded probes are timed in this process's CPU time: on a machine shared with
+    other work, wall time would count the time the core spent on someone else (on a quiet machine both agree)."""
     best = float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        best = min(best, time.perf_counter() - t)
+        best = min(best, clock() - t)
     return best
 
 
-def _memory_bandwidth(mb: int = 256) -> float:
-    n = mb * (1 << 20) // 4
-    a = np.ones(n, dtype=np.float32)
-    b = np.empty_like(a)
-    t = _best(lambda: np.copyto(b, a))
-    return 2 * a.nbytes / t  # read + write
+def _fig(value: float, tag: str, method: str) -> dict[str, Any]:
+    """A measured figure: value, a source line the catalog loader reads, and {date, method}."""
+    return {"value": float(value), "source": f"{tag}: {method}", "measured": {"date": tag.split()[-1], "method": method}}
 
 
-def _matmul_flops(n: int = 1024) -> float:
-    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
-    b = a.copy()
-    a @ b  # warm the BLAS threads
-    t = _best(lambda: a @ b)
-    return 2.0 * n ** 3 / t
+# ----------------------------------------------------------------------------- probes
 
 
-def _link(rounds: int = 2000, chunk: int = 1 << 20, total: int = 64 << 20) -> tuple[float, float]:
-    """(one-way latency s, bandwidth bytes/s) over a local TCP connection, as gloo uses between processes."""
-    srv = socket.create_server(("127.0.0.1", 0))
-    port = srv.getsockname()[1]
+def memory_bandwidth(mb: int, threads: int) -> float:
+    """Copy bandwidth (read + write bytes / s) of a ``mb`` MB tensor copy with ``threads`` torch threads."""
+    import torch
 
-    def echo() -> None:
-        conn, _ = srv.accept()
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with conn:
-            for _ in range(rounds):
-                conn.sendall(conn.recv(64))
-            got = 0
-            while got < total:
-                got += len(conn.recv(1 << 20))
-            conn.sendall(b"k")
-
-    th = threading.Thread(target=echo, daemon=True)
-    th.start()
-    c = socket.create_connection(("127.0.0.1", port))
-    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    msg = b"x" * 64
-    t = time.perf_counter()
-    for _ in range(rounds):
-        c.sendall(msg)
-        c.recv(64)
-    lat = (time.perf_counter() - t) / rounds / 2
-    buf = b"y" * chunk
-    t = time.perf_counter()
-    sent = 0
-    while sent < total:
-        c.sendall(buf)
-        sent += chunk
-    c.recv(1)
-    bw = total / (time.perf_counter() - t)
-    c.close()
-    srv.close()
-    th.join(timeout=5)
-    return lat, bw
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(mb * (1 << 20) // 4)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        t = _best(lambda: b.copy_(a), 5, time.process_time if threads == 1 else time.perf_counter)
+        return 2 * a.numel() * 4 / t
+    finally:
+        torch.set_num_threads(old)
 
 
-def measure_host(quick: bool = False) -> dict[str, Any]:
-    """A hardware mapping for this machine; every number says how it was measured (quick: smaller, noisier probes)."""
+def memory_bandwidth_small(nbytes: int) -> float:
+    """Copy bandwidth of a working set that stays in cache (``nbytes`` copied 200 times), 1 thread."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.ones(nbytes // 4)
+        b = torch.empty_like(a)
+
+        def run() -> None:
+            for _ in range(200):
+                b.copy_(a)
+        run()
+        return 2 * 200 * a.numel() * 4 / _best(run, 5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def elementwise_bandwidth(numel: int, dtype: str, reps: int) -> float:
+    """Bytes / s of z = x * y (read 2, write 1) on ``numel``-element tensors in ``dtype``, 1 thread."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+        x = torch.ones(numel, dtype=dt)
+        y = torch.ones(numel, dtype=dt)
+        z = torch.empty_like(x)
+
+        def run() -> None:
+            for _ in range(reps):
+                torch.mul(x, y, out=z)
+        run()
+        return 3 * reps * x.numel() * x.element_size() / _best(run, 5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def matmul_flops(n: int, dtype: str, threads: int) -> float:
+    """Square n^3 matmul FLOP/s in ``dtype`` (fp32 | bf16) with ``threads`` torch threads."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+        a = torch.randn(n, n).to(dt)
+        b = torch.randn(n, n).to(dt)
+        a @ b
+        return 2.0 * n ** 3 / _best(lambda: a @ b, 3)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _int4_weight(K: int, N: int, group: int = 128) -> tuple[Any, Any] | None:
+    """(packed weight, scales-and-zeros) for torch's CPU int4pack kernel, or None where this torch lacks it."""
+    import torch
+
+    if not (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
+        return None
+    codes = torch.randint(0, 16, (N, K), dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    sz = torch.zeros(K // group, N, 2, dtype=torch.bfloat16)
+    sz[..., 0] = 0.01
+    return packed, sz
+
+
+def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int) -> list[dict[str, float]]:
+    """Seconds per linear call y = x W^T for each token count M and square size K = N, cycling through a pool of
+    distinct weights of up to ``pool_mb`` MB (weights bigger than the caches come from memory; small ones stay cached,
+    as small layers' weights do in the engine), one torch thread, process CPU time."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for n in sizes:
+            group = 128 if n % 128 == 0 else 32
+            if dtype == "int4":
+                one = n * n // 2 + (n // group) * n * 4
+            else:
+                one = n * n * (4 if dtype == "fp32" else 2)
+            count = max(2, min(64, pool_mb * (1 << 20) // one))
+            if dtype == "int4":
+                ws = [_int4_weight(n, n, group) for _ in range(count)]
+                if ws[0] is None:
+                    return []
+            else:
+                dt = torch.float32 if dtype == "fp32" else torch.bfloat16
+                ws = [torch.randn(n, n).to(dt) for _ in range(count)]
+            for m in ms:
+                x = torch.randn(m, n).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
+                use = ws[: max(2, min(len(ws), int(3e8 / (2.0 * m * n * n))))]  # bound the probe's time
+                if dtype == "int4":
+                    def run() -> None:
+                        for w, sz in use:
+                            torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+                else:
+                    def run() -> None:
+                        for w in use:
+                            torch.nn.functional.linear(x, w)
+                run()
+                t = _best(run, 3) / len(use)
+                rows.append({"m": m, "k": n, "n": n, "bytes": float(one), "flops": 2.0 * m * n * n, "seconds": t})
+    finally:
+        torch.set_num_threads(old)
+    return rows
+
+
+def linear_table(rows: list[dict[str, float]]) -> dict[str, Any]:
+    """The sweep as a lookup table: seconds[i][j] for token count m[i] and weight bytes bytes[j]."""
+    ms = sorted({int(r["m"]) for r in rows})
+    bs = sorted({float(r["bytes"]) for r in rows})
+    sec = {(int(r["m"]), float(r["bytes"])): r["seconds"] for r in rows}
+    return {"m": ms, "bytes": bs, "seconds": [[sec.get((m, b), float("nan")) for b in bs] for m in ms]}
+
+
+def fit_linear(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Fit seconds = t0 + bytes / bytes_per_s + flops / flops_per_s (non-negative terms, relative least squares)."""
+    if not rows:
+        return {}
+    t = np.array([r["seconds"] for r in rows])
+    X = np.array([[1.0, r["bytes"], r["flops"]] for r in rows]) / t[:, None]
+    y = np.ones(len(rows))
+    active = [0, 1, 2]
+    coef = np.zeros(3)
+    for _ in range(3):  # drop negative terms and refit (tiny NNLS)
+        c, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
+        coef[:] = 0.0
+        coef[active] = c
+        neg = [a for a, v in zip(active, c) if v < 0]
+        if not neg:
+            break
+        active = [a for a in active if a not in neg]
+    pred = np.array([[1.0, r["bytes"], r["flops"]] for r in rows]) @ coef
+    err = float(np.exp(np.median(np.abs(np.log(np.maximum(pred, 1e-12) / t)))))
+    return {"t0_s": float(max(coef[0], 0.0)), "bytes_per_s": float(1.0 / coef[1]) if coef[1] > 0 else float("inf"),
+            "flops_per_s": float(1.0 / coef[2]) if coef[2] > 0 else float("inf"), "median_fit_error_factor": err}
+
+
+SMALL_OP_BYTES = 1 << 20  # a non-matmul op moving at most this many bytes runs from cache (assumed: L2 is 0.5-2 MB)
+_WEIGHT_OPS = {"linear", "mm", "addmm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm"}
+_MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm",
+               "einsum"}
+
+
+def _tensors(x: Any) -> list[Any]:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    return []
+
+
+# ops that only make a new view (no data moves)
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "select", "slice", "unsqueeze", "squeeze", "expand", "permute", "transpose",
+             "t", "as_strided", "alias", "detach", "split", "split_with_sizes", "chunk", "unbind", "narrow", "diagonal",
+             "unflatten", "flatten", "movedim", "view_as_real", "view_as_complex", "lift_fresh", "expand_as", "view_as"}
+# ops that read only the selected rows of their (possibly large) input
+_GATHER_OPS = {"index_select", "gather", "embedding", "index", "take"}
+
+
+def _op_bytes(name: str, ins: list[Any], outs: list[Any]) -> float:
+    """Bytes an op moves: views move none; in-place updates read and write the size of their source (not the whole
+    destination); gathers read the selected rows; everything else reads its inputs and writes its outputs."""
+    def nb(ts: list[Any]) -> float:
+        return float(sum(t.numel() * t.element_size() for t in ts))
+
+    if name in _VIEW_OPS:
+        return 0.0
+    if name in _GATHER_OPS:
+        return 2.0 * nb(outs) + nb([t for t in ins[1:] if not t.is_floating_point()])
+    if name.endswith("_") and not name.startswith("_") and ins:
+        src = ins[1:]
+        return 2.0 * (nb(src) if src else nb(ins[:1]))
+    return nb(ins) + nb(outs)
+
+
+def _einsum_flops(eq: str, ops: list[Any]) -> float:
+    if "..." in eq or "->" not in eq:
+        return 0.0
+    ins = eq.replace(" ", "").split("->")[0].split(",")
+    size: dict[str, int] = {}
+    for sub, t in zip(ins, ops):
+        for ch, n in zip(sub, t.shape):
+            size[ch] = int(n)
+    return 2.0 * math.prod(size.values()) if size else 0.0
+
+
+class OpCounter:
+    """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
+    label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
+    The mode sees each op the engine calls once (what an op calls inside is not seen again), so nothing counts twice."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                out = func(*args, **(kwargs or {}))
+                counter._record(func, args, out)
+                return out
+
+        self.counts: dict[Any, int] = {}
+        self.work: dict[Any, dict[str, float]] = {}
+        self.label: Any = None
+        self.mode = _Mode()
+
+    def _record(self, func: Any, args: Any, out: Any) -> None:
+        import torch
+
+        lab = self.label
+        self.counts[lab] = self.counts.get(lab, 0) + 1
+        w = self.work.setdefault(lab, {})
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        ins = _tensors(args)
+        outs = _tensors(out)
+        nbytes = _op_bytes(name, ins, outs)
+        if name in _MATMUL_OPS and outs:
+            if name == "einsum":
+                flops = _einsum_flops(str(args[0]), _tensors(args[1]))
+                x = _tensors(args[1])[0] if _tensors(args[1]) else outs[0]
+            else:
+                x = ins[1] if name in ("addmm", "baddbmm") and len(ins) > 1 else ins[0]
+                flops = 2.0 * outs[0].numel() * (x.shape[-1] if x.dim() else 1)
+            dt = "int4" if "int4" in name else ("fp32" if x.dtype == torch.float32 else "bf16")
+            if name in _WEIGHT_OPS and len(ins) > 1:  # x @ W with a weight matrix: the measured linear table prices it
+                wts = ins[2:3] if name == "addmm" else ins[1:2]
+                if "int4" in name:
+                    wts = [t for t in ins[1:] if t is not x]
+                wb = float(sum(t.numel() * t.element_size() for t in wts))
+                rows = max(1, x.numel() // max(1, x.shape[-1]))
+                key = f"call|{dt}|{rows}|{int(wb)}"
+                w[key] = w.get(key, 0.0) + 1.0
+            else:
+                w[f"mm_bytes_{dt}"] = w.get(f"mm_bytes_{dt}", 0.0) + nbytes
+                w[f"mm_flops_{dt}"] = w.get(f"mm_flops_{dt}", 0.0) + flops
+        else:  # elementwise, reductions, copies, scans: from cache when small; 16-bit ones convert on CPU
+            lead = (ins or outs)[0] if (ins or outs) else None
+            half = lead is not None and lead.dtype in (torch.bfloat16, torch.float16)
+            key = ("small_bytes" if nbytes <= SMALL_OP_BYTES else "large_bytes") + ("_bf16" if half else "")
+            w[key] = w.get(key, 0.0) + nbytes
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def __enter__(self) -> "OpCounter":
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.mode.__exit__(*exc)
+
+
+def count_generate_ops(llm: Any, prompts: list[list[int]], max_tokens: int) -> int:
+    """aten ops the engine dispatches for ``llm.generate(prompts, max_tokens)`` (greedy, eos ignored)."""
+    from waferline.engine.sampling import SamplingParams
+
+    with OpCounter() as c:
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return c.total
+
+
+def _generate_work(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """All labels merged: {ops, call|dtype|rows|bytes counts, ...} of one generate call."""
+    from waferline.engine.sampling import SamplingParams
+
+    with OpCounter() as c:
+        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    out: dict[str, float] = {"ops": float(c.total)}
+    for w in c.work.values():
+        for k, v in w.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def table_seconds(work: dict[str, float], tables: dict[str, Any]) -> tuple[float, float]:
+    """(linear calls, their seconds from the measured linear tables) in a work record."""
+    from waferline.sim.host import LinearTable
+
+    lt = {k: LinearTable.from_dict(v) for k, v in tables.items()}
+    n = t = 0.0
+    for k, c in work.items():
+        if k.startswith("call|"):
+            _, dt, m, b = k.split("|")
+            tab = lt.get(dt) or lt.get("bf16")
+            n += c
+            t += c * (tab.time(int(m), float(b)) if tab else 0.0)
+    return n, t
+
+
+def _timed_cpu(fn: Callable[[], Any]) -> float:
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def _bytes_seconds(work: dict[str, float], ew: dict[str, float]) -> float:
+    """Seconds the non-matmul bytes of a work record take at the measured elementwise bandwidths."""
+    return sum(work.get(f"{size}_bytes{suf}", 0.0) / ew[f"{dt}_{size}"]
+               for size in ("small", "large") for suf, dt in (("", "fp32"), ("_bf16", "bf16")) if ew.get(f"{dt}_{size}"))
+
+
+def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares on relative errors with non-negative coefficients (drop negative ones and refit)."""
+    Xr, yr = X / y[:, None], np.ones(len(y))
+    active = list(range(X.shape[1]))
+    coef = np.zeros(X.shape[1])
+    for _ in range(X.shape[1]):
+        c, *_ = np.linalg.lstsq(Xr[:, active], yr, rcond=None)
+        coef[:] = 0.0
+        coef[active] = c
+        neg = [a for a, v in zip(active, c) if v < 0]
+        if not neg:
+            break
+        active = [a for a in active if a not in neg]
+    return coef
+
+
+def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
+                    tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None) -> dict[str, Any]:
+    """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
+    (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
+    elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
+    priced by the measured linear ``tables`` + row_overhead x sequences in the step (the loop's Python work per
+    sequence: sampling, stop checks) + row_layer_overhead x sequences x layers (per-sequence work inside each layer
+    that grows faster than its op count) -- relative least squares, non-negative. ``linear_scale`` is how much
+    slower a linear runs inside the engine (cold caches between ops) than in the isolated sweep. Ops are counted
+    (TorchDispatchMode) on separate, untimed runs."""
+    import torch
+
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+    from waferline.model.init import write_random_checkpoint
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    pts: list[dict[str, Any]] = []
+    pre: list[dict[str, Any]] = []
+    try:
+        for h, L in models:
+            d = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+            if not (d / "config.json").is_file():
+                write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h,
+                                             moe_intermediate_size=h), d, seed=L + h)
+            llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
+            for P in (32, 96):  # prefill: one prompt of P tokens (generate with max_tokens=1)
+                prompt = [[(5 * j + 3) % 200 + 2 for j in range(P)]]
+                wp = _generate_work(llm, prompt, 1)
+                n_lin, t_lin = table_seconds(wp, tables or {})
+                llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                best = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))) for _ in range(3))
+                pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin, "linear_table_s": t_lin,
+                            "bytes_s": _bytes_seconds(wp, ew or {}), "seconds": best})
+            for B in batches:
+                prompt = [[(3 * j + 5 + 7 * r) % 200 + 2 for j in range(8)] for r in range(B)]
+                w2, w1 = _generate_work(llm, prompt, tokens + 1), _generate_work(llm, prompt, 1)
+                step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
+                n_lin, t_lin = table_seconds(step, tables or {})
+                t_bytes = _bytes_seconds(step, ew or {})
+                llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+                b1 = bn = float("inf")
+                for _ in range(3):  # CPU time of this (single-threaded) process: see _best; fastest of each length
+                    t0 = time.process_time()
+                    llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                    t1 = time.process_time()
+                    llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+                    t2 = time.process_time()
+                    b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
+                best = (bn - b1) / tokens
+                if best <= 0:
+                    continue  # a disturbed probe: leave the point out
+                pts.append({"hidden": h, "layers": L, "batch": B, "ops_per_step": step["ops"], "linear_calls": n_lin,
+                            "linear_table_s": t_lin, "bytes_s": t_bytes, "seconds_per_step": best})
+    finally:
+        torch.set_num_threads(old)
+    X = np.array([[1.0, p["ops_per_step"] - p["linear_calls"], p["linear_table_s"], p["batch"], p["batch"] * p["layers"]]
+                  for p in pts])
+    y = np.array([max(p["seconds_per_step"] - p["bytes_s"], 1e-7) for p in pts])
+    a, c, g, r, rl = (float(v) for v in _nnls_rel(X, y))
+    if c <= 0:  # noise: the mean time per op
+        c = float(np.mean(y / np.maximum(X[:, 1], 1.0)))
+    if g <= 0:
+        g = 1.0
+    pred = X @ np.array([a, c, g, r, rl])
+    one = [p for p in pts if p["hidden"] == models[0][0] and p["batch"] == batches[0]]
+    # prefill: its own per-op cost and linear scale (longer tensors per op than decode)
+    Xp = np.array([[1.0, p["ops"] - p["linear_calls"], p["linear_table_s"]] for p in pre])
+    yp = np.array([max(p["seconds"] - p["bytes_s"], 1e-7) for p in pre])
+    ap, cp, gp = (float(v) for v in _nnls_rel(Xp, yp)) if len(pre) >= 3 else (0.0, c, g)
+    predp = Xp @ np.array([ap, cp, gp]) if len(pre) >= 3 else yp
+    return {"op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
+            "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
+            "prefill_overhead_s": ap, "prefill_points": pre,
+            "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
+            "points": pts,
+            "fit_error_factor": float(np.exp(np.median(np.abs(np.log(pred / y))))),
+            "ops_per_layer": float((one[-1]["ops_per_step"] - one[0]["ops_per_step"]) / max(one[-1]["layers"] - one[0]["layers"], 1))}
+
+
+def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: float, k: int = 3,
+                         tables: dict[str, Any] | None = None, scale: float = 1.0,
+                         ew: dict[str, float] | None = None, row_s: float = 0.0) -> dict[str, float]:
+    """Per verify step, the speculative engine's Python work that dispatches no aten op (drafting, verification,
+    rollback bookkeeping): CPU seconds per verify step of the 2-layer calibration model with prompt-lookup drafting
+    minus per-op overhead x ops per verify step (ops counted on a separate run)."""
+    import torch
+
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = LLM(Path(workdir) / "tiny-2", dtype="bfloat16" if dtype == "bf16" else "float32", speculative="ngram",
+                  num_speculative_tokens=k, speculative_adaptive=False)
+        prompt = [[(3 * j + 5) % 200 + 2 for j in range(8)] * 2]
+
+        def steps(max_tokens: int) -> float:
+            out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
+            return float(out.metrics.get("spec_verify_steps", 0.0))
+
+        w1, w2 = {}, {}
+        for store, mt in ((w1, 1), (w2, tokens + 1)):
+            with OpCounter() as c:
+                n = steps(mt)
+            store["ops"] = float(c.total)
+            for wk in c.work.values():
+                for kk, vv in wk.items():
+                    store[kk] = store.get(kk, 0.0) + vv
+        per = {kk: (w2.get(kk, 0.0) - w1.get(kk, 0.0)) / max(n, 1.0) for kk in set(w1) | set(w2)}
+        n_lin, t_lin = table_seconds(per, tables or {})
+        t_lin = t_lin * scale + _bytes_seconds(per, ew or {}) + row_s  # one sequence (row_s: per row + per row-layer)
+        ops = per["ops"] - n_lin
+        b1 = bn = float("inf")
+        for _ in range(3):
+            t0 = time.process_time()
+            steps(1)
+            t1 = time.process_time()
+            n = steps(tokens + 1)
+            t2 = time.process_time()
+            b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
+        best = max(0.0, (bn - b1) / max(n, 1.0))
+    finally:
+        torch.set_num_threads(old)
+    return {"seconds_per_verify_step": best, "ops_per_verify_step": ops,
+            "spec_step_overhead_s": max(0.0, best - t_lin - op_s * ops)}
+
+
+def pipeline_overhead(workdir: str | Path, tokens: int, single_s: float, link_s: float = 0.0) -> dict[str, float]:
+    """Extra seconds per hop of the pipeline engine beyond the single-process step (stage loops, message packing,
+    the scheduler's feedback handling): a 2-stage pipeline of the 2-layer calibration model at one sequence, per-token
+    time minus the single-process step, split over its 2 hops (stage 0 -> 1, tokens back 1 -> 0)."""
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    d = Path(workdir) / "tiny-2"
+    prompt = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
+    with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as llm:
+        llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        best = float("inf")
+        for _ in range(3):
+            out = llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))[0]
+            r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
+            if r > 0:
+                best = min(best, 1.0 / r)
+    single = single_s
+    return {"per_token_s": best, "single_process_step_s": single, "hop_latency_s": max(0.0, (best - single) / 2),
+            "hop_overhead_s": max(0.0, (best - single) / 2 - link_s)}
+
+
+def run_isolated(target: str, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Call ``module:function(**kwargs)`` in a fresh Python process (its own session, killed with its stage processes
+    after ``timeout`` s) and return its JSON result; a hang or crash in an engine run cannot take the caller with it.
+    Raises RuntimeError with the child's last output lines when it fails."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import json, sys, importlib; a = json.loads(sys.stdin.read()); m, f = a['target'].split(':'); "
+            "r = getattr(importlib.import_module(m), f)(**a['kwargs']); print('\\n@@RESULT@@' + json.dumps(r))")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True, env=env)
+    try:
+        out, _ = p.communicate(json.dumps({"target": target, "kwargs": kwargs}), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise RuntimeError(f"{target} did not finish within {timeout:.0f} s (killed)") from None
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # stage processes it may have left behind
+        except (ProcessLookupError, PermissionError):
+            pass
+    if p.returncode != 0 or "@@RESULT@@" not in out:
+        tail = " | ".join(out.strip().splitlines()[-3:])
+        raise RuntimeError(f"{target} failed (exit {p.returncode}): {tail}")
+    return json.loads(out.rsplit("@@RESULT@@", 1)[1])
+
+
+def _hop_peer(port: int, sizes: list[int], reps: int) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from waferline.engine.stage import Link, make_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+    link = Link(make_group(store, "calib", 1, 2, torch.device("cpu"), True), torch.device("cpu"))
+    for _ in sizes:
+        for _ in range(reps):
+            kind, meta, payload = link.recv(0)
+            link.send(0, kind, meta, [payload])
+    link.flush()
+
+
+def gloo_link(sizes: list[int], reps: int) -> dict[str, Any]:
+    """The engine's own transport (engine.stage.Link over a gloo group) between two local processes: one-way time
+    per message size (round trip / 2), fitted to latency + bytes / bandwidth, and this process's CPU seconds per
+    message (what a hop costs a core on a machine with fewer cores than stages)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from waferline.engine.stage import Link, make_group
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+    p = mp.get_context("spawn").Process(target=_hop_peer, args=(store.port, sizes, reps), daemon=True)
+    p.start()
+    rows = []
+    try:
+        link = Link(make_group(store, "calib", 0, 2, torch.device("cpu"), True), torch.device("cpu"))
+        for size in sizes:
+            buf = torch.zeros(size, dtype=torch.uint8)
+            times, cpus = [], []
+            for i in range(reps):
+                c = time.process_time()
+                t = time.perf_counter()
+                link.send(1, 1, [1, 2, 3, 4], [buf])
+                link.recv(1)
+                if i >= min(5, reps // 4):
+                    times.append(time.perf_counter() - t)
+                    cpus.append(time.process_time() - c)
+            times.sort()
+            cpus.sort()
+            q = len(times) // 10  # 10th percentile: other work on a shared machine only ever slows a round trip down
+            rows.append({"bytes": size, "one_way_s": times[q] / 2, "cpu_per_message_s": cpus[q] / 2})
+        link.flush()
+    finally:
+        p.join(20)
+        if p.is_alive():
+            p.kill()
+        torch.set_num_threads(old)
+    small = [r for r in rows if r["bytes"] <= 16384] or rows[:1]
+    lat = float(min(r["one_way_s"] for r in small))
+    big = sorted(rows, key=lambda r: r["bytes"])[-2:]
+    if len(big) == 2 and big[1]["one_way_s"] > big[0]["one_way_s"]:
+        bw = (big[1]["bytes"] - big[0]["bytes"]) / (big[1]["one_way_s"] - big[0]["one_way_s"])
+    else:
+        bw = big[-1]["bytes"] / max(big[-1]["one_way_s"] - lat, 1e-9)
+    return {"latency_s": lat, "bytes_per_s": float(bw),
+            "cpu_per_message_s": float(statistics.median(r["cpu_per_message_s"] for r in small)), "points": rows}
+
+
+def cuda_numbers() -> dict[str, float] | None:
+    """bf16 matmul FLOP/s, device copy bandwidth and host-to-device bandwidth of CUDA device 0, or None."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        dev = torch.device("cuda")
+        n = 8192
+        a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+
+        def sync(fn: Callable[[], Any]) -> Callable[[], None]:
+            def run() -> None:
+                fn()
+                torch.cuda.synchronize()
+            return run
+
+        sync(lambda: a @ b)()
+        fl = 2.0 * n ** 3 / _best(sync(lambda: a @ b), 5, time.perf_counter)
+        x = torch.empty(1 << 28, dtype=torch.uint8, device=dev)
+        y = torch.empty_like(x)
+        sync(lambda: y.copy_(x))()
+        bw = 2 * x.numel() / _best(sync(lambda: y.copy_(x)), 5, time.perf_counter)
+        h = torch.empty(1 << 26, dtype=torch.uint8).pin_memory()
+        h2d = h.numel() / _best(sync(lambda: x[: h.numel()].copy_(h, non_blocking=True)), 5, time.perf_counter)
+        return {"name": torch.cuda.get_device_name(0), "bf16_flops": fl, "memory_bandwidth": bw, "h2d_bytes_per_s": h2d,
+                "memory_bytes": float(torch.cuda.get_device_properties(0).total_memory)}
+    except Exception:  # noqa: BLE001 - a GPU probe must never break calibration of the host
+        return None
+
+
+# ----------------------------------------------------------------------------- the YAML
+
+
+def measure_host(quick: bool = False, progress: Progress | None = None, engine: bool = True, link: bool = True,
+                 pipeline: bool | None = None) -> dict[str, Any]:
+    """A hardware mapping for this machine (one core = one device); every number says when and how it was measured.
+
+    ``quick``: smaller, noisier probes (for tests). ``engine`` / ``link`` / ``pipeline``: include the engine's per-op
+    overhead, the gloo link and the pipeline's per-hop overhead (each needs torch and the engine; the pipeline probe
+    starts a stage process; default: on unless ``quick``)."""
+    import torch
+
+    say = progress or (lambda what, frac: None)
+    if pipeline is None:
+        pipeline = not quick  # the pipeline probe starts a stage process (~5 s): off in quick mode unless asked
     host = platform.node() or "host"
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     tag = f"measured on {host} {when}"
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    bw = _memory_bandwidth(32 if quick else 256)
-    fl = _matmul_flops(256 if quick else 1024)
-    lat, lbw = _link(rounds=100 if quick else 1000, total=(4 << 20) if quick else (64 << 20))
     cores = os.cpu_count() or 1
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    load = os.getloadavg()
+    say("memory bandwidth", 0.02)
+    bw1 = memory_bandwidth(32 if quick else 256, 1)
+    bwc = max(memory_bandwidth_small(256 * 1024), bw1)
+    ew = {(d, size): elementwise_bandwidth(n, d, r) for d in ("fp32", "bf16")
+          for size, n, r in (("small", 64 * 1024 // (4 if d == "fp32" else 2), 200), ("large", (32 << 20) // (4 if d == "fp32" else 2), 2))}
+    bwn = memory_bandwidth(32 if quick else 256, cores) if not quick else bw1
+    say("matmul FLOP/s", 0.08)
+    n = 256 if quick else 1024
+    fl = {d: matmul_flops(n, d, 1) for d in ("fp32", "bf16")}
+    sweep_ms = [1, 8, 64] if quick else [1, 4, 16, 64, 256]
+    sweep_sizes = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
+    pool = 8 if quick else 64
+    lin: dict[str, Any] = {}
+    for i, d in enumerate(("fp32", "bf16", "int4")):
+        say(f"linear (GEMV/GEMM) sweep {d}", 0.12 + 0.12 * i)
+        rows = linear_sweep(d, sweep_ms, sweep_sizes, pool)
+        if rows:
+            lin[d] = {"fit": fit_linear(rows), "points": rows}
+    he: dict[str, Any] = {
+        "measured": {"date": when, "host": host, "torch": str(torch.__version__), "load_average_1m": load[0],
+                     "clock": "process CPU time for single-threaded probes, wall time for the link and the pipeline",
+                     "threads_per_process": 1, "quick": quick},
+        "cores": _fig(cores, tag, "os.cpu_count()"),
+        "memory_bandwidth_1_thread": _fig(bw1, tag, f"torch copy of {32 if quick else 256} MB, 1 thread, read+write bytes / best of 5"),
+        "cache_bandwidth_1_thread": _fig(bwc, tag, "torch copy of 256 KB x 200 (stays in cache), 1 thread, read+write bytes / best of 5"),
+        "small_op_bytes": {"value": SMALL_OP_BYTES, "assumed": "non-matmul ops moving at most this many bytes run from cache"},
+        "elementwise": {f"{d}_{size}": _fig(v, tag, f"z = x * y in {d}, {'64 KB tensors x 200 (in cache)' if size == 'small' else '32 MB tensors'}, "
+                                                   "1 thread, (2 reads + 1 write) bytes / best of 5")
+                        for (d, size), v in ew.items()},
+        "linear": {},
+    }
+    for d, v in lin.items():
+        f = v["fit"]
+        meth = (f"{d} y = x W^T, M in {sweep_ms}, K = N in {sweep_sizes}, {pool} MB of distinct weights cycled, 1 thread; "
+                f"fit t = t0 + bytes/bw + flops/F (median fit error x{f['median_fit_error_factor']:.2f})")
+        he["linear"][d] = {"t0_s": _fig(f["t0_s"], tag, meth), "bytes_per_s": _fig(min(f["bytes_per_s"], 1e15), tag, meth),
+                           "flops_per_s": _fig(min(f["flops_per_s"], 1e16), tag, meth),
+                           "table": dict(linear_table(v["points"]), measured={"date": when, "method": meth.split("; fit")[0] +
+                                                                                  "; seconds per call, best of 3"}),
+                           "points": [[r["m"], r["k"], r["n"], r["seconds"]] for r in v["points"]]}
+    lk = None
+    if link:
+        say("gloo link between two processes", 0.85)
+        lk = run_isolated("waferline.sim.measure:gloo_link", {"sizes": [0, 4096, 65536, 1 << 20] if quick else
+                                                               [0, 1024, 16384, 65536, 1 << 20, 4 << 20],
+                                                               "reps": 30 if quick else 120}, 120)
+        meth = ("engine.stage.Link over gloo between two local processes, 1 thread each: 10th percentile of round trip / 2 per "
+                "size; latency = the smallest over messages <= 16 KB, bandwidth = slope between the two largest")
+        he["link"] = {"latency_s": _fig(lk["latency_s"], tag, meth), "bytes_per_s": _fig(lk["bytes_per_s"], tag, meth),
+                      "cpu_per_message_s": _fig(lk["cpu_per_message_s"], tag, "process CPU time per message (time.process_time)"),
+                      "points": [[r["bytes"], r["one_way_s"], r["cpu_per_message_s"]] for r in lk["points"]]}
+    if engine:
+        tmp = tempfile.TemporaryDirectory(prefix="waferline-calib-")
+        work = Path(tmp.name)
+        try:
+            cal_models = [(64, 1), (64, 2), (384, 2)] if quick else [(64, 1), (64, 2), (64, 6), (384, 2), (384, 4)]
+            batches = [1, 4]
+            toks = 8 if quick else 16
+            ew_rates = {f"{d}_{size}": v for (d, size), v in ew.items()}
+            he["engine"] = {}
+            for i, d in enumerate(("fp32", "bf16")):
+                say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
+                eo = engine_overhead(d, cal_models, batches, toks, work, {k: linear_table(v["points"]) for k, v in lin.items()},
+                                     ew_rates)
+                meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
+                        f"(Mamba-2/MLA, dense/MoE) at batch {batches}, 1 thread: CPU seconds per step - other ops' bytes "
+                        f"at the elementwise bandwidths = step + op x non-linear aten ops + linear_scale x linear calls "
+                        f"priced by the linear table + row x sequences + row_layer x sequences x layers (ops counted by TorchDispatchMode); relative least squares, fit "
+                        f"error x{eo['fit_error_factor']:.2f}")
+                he["engine"][d] = {"op_overhead_s": _fig(eo["op_overhead_s"], tag, meth),
+                                   "step_overhead_s": _fig(eo["step_overhead_s"], tag, meth),
+                                   "ops_per_layer": _fig(eo["ops_per_layer"], tag, "aten ops per layer per decode step of the calibration models"),
+                                   "linear_scale": _fig(eo["linear_scale"], tag, meth),
+                                   "row_overhead_s": _fig(eo["row_overhead_s"], tag, meth),
+                                   "row_layer_overhead_s": _fig(eo["row_layer_overhead_s"], tag, meth),
+                                   **{k: _fig(eo[k], tag, f"prefill (generate with max_tokens=1) of 32- and 96-token prompts on the "
+                                                       f"same calibration models: CPU seconds - bytes = overhead + op x non-linear ops"
+                                                       f" + scale x table-priced linears; relative least squares, fit error "
+                                                       f"x{eo['prefill_fit_error_factor']:.2f}")
+                                      for k in ("prefill_op_overhead_s", "prefill_linear_scale", "prefill_overhead_s")},
+                                   "points": eo["points"]}
+            try:
+                say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
+                so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
+                                          + 0.0, row_s=he["engine"]["bf16"]["row_overhead_s"]["value"]
+                                          + 2 * he["engine"]["bf16"]["row_layer_overhead_s"]["value"],
+                                          tables={k: linear_table(v["points"]) for k, v in lin.items()},
+                                          scale=he["engine"]["bf16"]["linear_scale"]["value"], ew=ew_rates)
+                he["engine"]["bf16"]["spec_step_overhead_s"] = _fig(
+                    so["spec_step_overhead_s"], tag, "single-process speculative decoding (n-gram, k=3) of the 2-layer "
+                    "calibration model, bf16, 1 thread: CPU s per verify step - op overhead x ops per verify step")
+            except Exception as e:  # noqa: BLE001 - speculative decoding may be unavailable; the rest stands
+                he["engine"]["bf16"]["spec_step_overhead_s"] = {"value": 0.0, "assumed": f"not measured: {type(e).__name__}: {e}"[:200]}
+            if pipeline:
+                say("pipeline per-hop overhead (2 stage processes)", 0.72)
+                e32 = he["engine"]["fp32"]
+                single = next(p["seconds_per_step"] for p in e32["points"] if p["layers"] == 2 and p["hidden"] == 64 and p["batch"] == 1)
+                try:
+                    po = run_isolated("waferline.sim.measure:pipeline_overhead",
+                                      {"workdir": str(work), "tokens": toks, "single_s": single,
+                                       "link_s": lk["latency_s"] if lk else 0.0}, 120)
+                except Exception as e:  # noqa: BLE001 - the pipeline engine may be unavailable; the rest stands
+                    po = None
+                    he["pipeline"] = {"hop_overhead_s": {"value": 0.0, "assumed": f"not measured: {type(e).__name__}: {e}"[:200]}}
+                if po is not None:
+                    he["pipeline"] = {"hop_latency_s": _fig(po["hop_latency_s"], tag,
+                                                            "2-stage pipeline of the 2-layer calibration model, 1 sequence, "
+                                                            "fp32: (per-token time - single-process step) / 2 hops"),
+                                      "hop_overhead_s": _fig(po["hop_overhead_s"], tag,
+                                                         "2-stage pipeline of the 2-layer calibration model, 1 sequence: "
+                                                             "(per-token time - single-process step) / 2 hops - link latency"),
+                                      "per_token_s": po["per_token_s"]}
+        finally:
+            tmp.cleanup()
+    say("CUDA (if present)", 0.95)
+    cu = cuda_numbers()
+    if cu:
+        he["cuda"] = {"name": cu["name"], "bf16_flops": _fig(cu["bf16_flops"], tag, "8192^3 bf16 matmul, best of 5"),
+                      "memory_bandwidth": _fig(cu["memory_bandwidth"], tag, "256 MB device copy, read + write, best of 5"),
+                      "h2d_bytes_per_s": _fig(cu["h2d_bytes_per_s"], tag, "64 MB pinned host -> device copy"),
+                      "memory_bytes": _fig(cu["memory_bytes"], tag, "torch.cuda.get_device_properties")}
+    say("done", 1.0)
+    flops = {"bf16": _fig(fl["bf16"], tag, f"torch bf16 {n}^3 matmul, 1 thread, best of 3"),
+             "fp32": _fig(fl["fp32"], tag, f"torch fp32 {n}^3 matmul, 1 thread, best of 3")}
+    links: dict[str, Any] = {"scale_out": "eth-100g"}
+    if lk is not None:
+        links["scale_up"] = {"name": "gloo-loopback", "bandwidth": he["link"]["bytes_per_s"], "latency": he["link"]["latency_s"]}
+    else:
+        links["scale_up"] = {"name": "gloo-loopback", "bandwidth": {"value": 1e9, "assumed": "link not measured (--no-link)"},
+                             "latency": {"value": 1e-4, "assumed": "link not measured (--no-link)"}}
     return {
         "name": f"cpu-{host}".lower().replace(" ", "-"),
         "kind": "cpu",
         "placement": "pipeline",
-        "description": f"This host ({platform.processor() or platform.machine()}, {cores} logical CPUs): engine stages are processes.",
+        "description": (f"One core of this host ({platform.processor() or platform.machine()}, {cores} logical CPUs, "
+                        f"load average {load[0]:.2f} when measured): engine stages are processes with one thread each."),
         "device": {
-            "memory_bytes": {"value": float(mem), "source": f"{tag}: physical memory (sysconf)"},
-            "memory_bandwidth": {"value": float(bw), "source": f"{tag}: numpy copy of 256 MB, read + write bytes / best of 5"},
-            "flops": {"bf16": {"value": float(fl), "source": f"{tag}: numpy float32 1024^3 matmul (bf16 on CPU is rarely faster)"}},
+            "memory_bytes": _fig(mem, tag, "physical memory (sysconf)"),
+            "memory_bandwidth": _fig(bw1, tag, f"torch copy of {32 if quick else 256} MB, 1 thread, read + write bytes / best of 5"),
+            "memory_bandwidth_all_cores": _fig(bwn, tag, f"same with {cores} threads"),
+            "flops": flops,
+            "cores": _fig(cores, tag, "os.cpu_count()"),
             "reserve_fraction": {"value": 0.2, "assumed": "OS, Python and torch runtime"},
         },
-        "system": {"devices_per_node": {"value": cores, "source": f"{tag}: os.cpu_count()"}},
-        "links": {
-            "scale_up": {"name": "localhost-tcp",
-                         "bandwidth": {"value": float(lbw), "source": f"{tag}: 64 MB over local TCP"},
-                         "latency": {"value": float(lat), "source": f"{tag}: 64-byte TCP ping-pong / 2 (gloo adds its own overhead)"}},
-            "scale_out": "eth-100g",
-        },
+        "system": {"devices_per_node": _fig(cores, tag, "os.cpu_count(): one device per core")},
+        "links": links,
+        "host_engine": he,
     }
 
 
-def write_host_yaml(path: str | Path, quick: bool = False) -> dict[str, Any]:
-    d = measure_host(quick)
-    Path(path).write_text("# written by `waferline calibrate --measure`; re-run to refresh\n" + yaml.safe_dump(d, sort_keys=False))
+def write_host_yaml(path: str | Path, quick: bool = False, progress: Progress | None = None, **kw: Any) -> dict[str, Any]:
+    """Measure this host and write the hardware YAML to ``path``; returns the mapping."""
+    import json
+
+    d = json.loads(json.dumps(measure_host(quick, progress, **kw), default=lambda o: float(o) if hasattr(o, "__float__") else str(o)))
+    Path(path).write_text("# written by `waferline calibrate`; re-run to refresh. Every figure is measured (see source).\n"
+                          + yaml.safe_dump(d, sort_keys=False, width=140))
     return d

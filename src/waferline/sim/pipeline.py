@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from waferline.errors import ConfigError
@@ -210,8 +210,12 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
 
 
 def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | None = None, concurrency: int | None = None,
-             params: SimParams | None = None, spec: Any = None, hardware: HardwareSpec | None = None) -> SimResult:
-    """Predict decode speed, TTFT and end-to-end latency of ``plan``."""
+             params: SimParams | None = None, spec: Any = None, hardware: HardwareSpec | None = None,
+             host: Any = None, ops: Any = None) -> SimResult:
+    """Predict decode speed, TTFT and end-to-end latency of ``plan``.
+
+    ``host`` (a ``sim.host.HostParams`` from `waferline calibrate`): predict waferline's own CPU engine on this host
+    instead (per-op overheads, measured GEMV speed, gloo hops, processes vs cores; ``ops``: the engine's op counts)."""
     from waferline.spec.catalog import load_hardware, load_model
 
     params = params or load_params()
@@ -225,6 +229,10 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
     B = int(concurrency if concurrency is not None else plan.batch)
     if B < 1:
         raise ConfigError(f"concurrency must be >= 1, got {B}")
+    if host is not None:  # waferline's own engine on a calibrated host (sim/host.py)
+        from waferline.sim.host import simulate_host
+
+        return simulate_host(plan, spec, hw, host, ops, prompt_len=P, output_len=O, concurrency=B)
     S = plan.num_stages
     M = plan.micro_batches if concurrency is None or concurrency == plan.batch else max(1, min(B, S))
     M = max(1, min(M, B))
@@ -233,6 +241,8 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
     dec_ctx = P + O // 2
     table = layer_table(spec, plan.weight_bits, plan.kv_bits, dec_ctx, plan.group_size)
 
+    if is_afd_ranks(plan):  # the engine's AFD layout: data-parallel attention ranks, expert-sharded FFN ranks
+        return _simulate_afd_ranks(ctx, table, B, P, O, dec_ctx)
     t1, timings, slow1 = _step(ctx, table, b, 1, B)
     interval = max(t1, M * slow1)
     bound = _bound(timings, t1, M * slow1)
@@ -272,3 +282,119 @@ def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:
     cmp_ = sum(t.compute for t in timings)
     best = max((fixed, "latency (fixed per-layer, collectives, hops)"), (mem, "memory bandwidth"), (cmp_, "compute"))
     return best[1]
+
+
+# ---------------------------------------------------------------- AFD as the engine runs it
+
+def is_afd_ranks(plan: Plan) -> bool:
+    """A plan in the AFD engine's layout: every attention stage holds every layer (data-parallel replicas) and every
+    FFN stage holds the same FFN layers (expert shards), as ``place(..., afd=True, attention_ranks=M, ffn_ranks=N)``."""
+    if not plan.afd:
+        return False
+    att = [s for s in plan.stages if s.role == "attention"]
+    ffn = [s for s in plan.stages if s.role == "ffn"]
+    if not att or not ffn or len(att) + len(ffn) != len(plan.stages):
+        return False
+    return len({tuple(s.layers) for s in att}) == 1 and len({tuple(s.layers) for s in ffn}) == 1 and \
+        all(s.has_lm_head for s in att)
+
+
+def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K: int, resident_batch: int
+                     ) -> tuple[float, dict[str, float]]:
+    """One step of K micro-batches of ``bm`` sequences x ``tokens`` per attention rank: the time (sum over layers of
+    the ping-pong bound) and the busy seconds per side / term."""
+    plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
+    att = [s for s in plan.stages if s.role == "attention"]
+    ffn = [s for s in plan.stages if s.role == "ffn"]
+    M, N = len(att), len(ffn)
+    a, f = att[0], max(ffn, key=lambda s: s.num_devices)
+    D = spec.hidden_size
+    wb = plan.weight_bits
+    ffn_layers = set(f.layers)
+    spatial = hw.kind == "wafer"
+    res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) if spatial else None
+
+    def local(lc: LayerCost) -> LayerCost:  # one FFN rank's share of a layer (its experts; shared/dense averaged)
+        if not lc.is_moe:
+            return replace(lc, ffn_bytes=lc.ffn_bytes / N, ffn_flops=lc.ffn_flops / N)
+        e_loc = math.ceil(lc.num_experts / N)
+        return replace(lc, num_experts=e_loc, top_k=lc.top_k * e_loc / lc.num_experts,
+                       ffn_bytes=lc.dense_ffn_bytes / N + e_loc * lc.expert_bytes, ffn_flops=lc.ffn_flops / N)
+
+    locs = [local(lc) for lc in table]
+    res_f = sum(lc.ffn_bytes for lc, t in zip(locs, table) if t.index in ffn_layers) if spatial else None
+    tot = {"attention": 0.0, "ffn": 0.0, "transfer": 0.0, "att_compute": 0.0, "att_memory": 0.0, "att_fixed": 0.0,
+           "ffn_compute": 0.0, "ffn_memory": 0.0, "ffn_fixed": 0.0}
+    step = 0.0
+    for lc, loc in zip(table, locs):
+        ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a)
+        T_a = ta.total
+        T_f = T_c = 0.0
+        if lc.index in ffn_layers:
+            tf = stage_step([loc], "ffn", f.num_devices, hw, prm, D, M * bm, tokens, wb, spatial_resident=res_f)
+            T_f = tf.total
+            pairs = bm * tokens * ((lc.top_k / N) if lc.is_moe else 1.0)  # rows one attention rank sends one FFN rank
+            nbytes = pairs * D * 2.0 + (bm * tokens * D * 2.0 / N if lc.is_moe and lc.dense_ffn_bytes > 0 else 0.0)
+            T_c = ctx.hop(a.device_ids[0], f.device_ids[0], nbytes)
+            tot["ffn"] += K * T_f
+            tot["ffn_compute"] += K * tf.compute
+            tot["ffn_memory"] += K * tf.memory
+            tot["ffn_fixed"] += K * (tf.fixed + tf.comm)
+            tot["transfer"] += K * 2 * T_c
+            step += max(K * T_a, K * T_f, T_a + T_f + 2 * T_c)
+        else:
+            step += K * T_a
+        tot["attention"] += K * T_a
+        tot["att_compute"] += K * ta.compute
+        tot["att_memory"] += K * ta.memory
+        tot["att_fixed"] += K * (ta.fixed + ta.comm)
+    head_b, head_f = _lm_head(spec, plan.embed_bits)
+    th = stage_step([], "attention", a.num_devices, hw, prm, D, bm, 1, wb, lm_head_bytes=head_b, lm_head_flops=head_f,
+                    spatial_resident=res_a).total
+    step += K * th
+    tot["attention"] += K * th
+    return step, tot
+
+
+def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: int, dec_ctx: int) -> SimResult:
+    """Decode: every attention rank runs K micro-batches of its ceil(B / M) sequences through every layer; per layer
+    the two sides ping-pong, so a layer costs max(K x attention, K x FFN, one round trip) (MegaScale-Infer's bound)."""
+    plan, spec, params = ctx.plan, ctx.spec, ctx.params
+    att = [s for s in plan.stages if s.role == "attention"]
+    M = len(att)
+    b = math.ceil(B / M)
+    K = max(1, min(plan.micro_batches, b))
+    bm = math.ceil(b / K)
+    step, tot = _afd_layer_times(ctx, table, bm, 1, K, b)
+    rate = 1.0 / step
+    spec_info: dict[str, Any] = {"method": plan.speculative.method}
+    sp = plan.speculative
+    if sp.method != "none":
+        k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
+        acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(sp.method, 0.6)
+        E = expected_tokens_per_step(acc, k)
+        tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b)
+        tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx)
+        spec_info.update(num_tokens=k, accept_rate=acc, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
+                         drafter=what, speedup=(E / (tv + K * tdraft)) / rate)
+        rate = E / (tv + K * tdraft)
+    C = min(P, PREFILL_CHUNK)
+    ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
+    tp, _ = _afd_layer_times(ctx, ptable, 1, C, 1, b)
+    ttft = params.ttft_overhead_s + math.ceil(P / C) * tp
+    timings = []
+    for s in plan.stages:
+        side = "att" if s.role == "attention" else "ffn"
+        busy = tot["attention"] if s.role == "attention" else tot["ffn"]
+        timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, tot[side + "_compute"],
+                                   tot[side + "_memory"], tot[side + "_fixed"], 0.0,
+                                   tot["transfer"] if s.role == "attention" else 0.0, busy))
+    sides = {"attention": tot["attention"], "FFN": tot["ffn"], "transfer": tot["transfer"]}
+    big = max(sides, key=sides.get)  # type: ignore[arg-type]
+    bound = f"AFD: {big} ({sides[big] / step:.0%} of the step busy)" if sides[big] / step > 0.8 else \
+        "AFD: round-trip latency (micro-batches too small to hide it)"
+    return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=plan.num_stages,
+                     fits=plan.fits, concurrency=B, micro_batches=K, prompt_len=P, output_len=O, step_latency_s=step,
+                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft,
+                     prefill_s=ttft - params.ttft_overhead_s, end_to_end_s=ttft + (O - 1) / rate, bound=bound,
+                     stages=timings, speculative=spec_info, problems=list(plan.problems))

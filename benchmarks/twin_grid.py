@@ -1,0 +1,85 @@
+"""The twin's measured tables: `waferline twin` on sol-mini and on a ~100M-parameter DeepSeek-V3-type random
+checkpoint, each against this host's calibration; writes benchmarks/results/twin_<model>.json and prints the tables.
+
+    python benchmarks/twin_grid.py                       # calibrate (cached for a day), then both models (~10-15 min on 2 cores)
+    python benchmarks/twin_grid.py --models sol-mini     # one model
+    python benchmarks/twin_grid.py --recalibrate         # re-measure the host first
+
+Run it on a quiet machine: every engine run and every calibration probe counts wall time, and other work on the
+machine slows the engine runs down (the table prints the load average; the JSON records it per run). Never part of the
+test pass/fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# DeepSeek-V3 architecture (MLA with q/kv LoRA, first layer dense, sigmoid-routed MoE with a shared expert and group
+# routing, one MTP module) at ~100M parameters.
+DSV3_100M = {
+    "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8192, "hidden_size": 768,
+    "num_hidden_layers": 10, "num_attention_heads": 12, "num_key_value_heads": 12, "q_lora_rank": 384,
+    "kv_lora_rank": 256, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "intermediate_size": 2048,
+    "moe_intermediate_size": 384, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+    "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "topk_method": "noaux_tc", "num_nextn_predict_layers": 1, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "max_position_embeddings": 2048, "tie_word_embeddings": False, "bos_token_id": 0,
+    "eos_token_id": 1, "torch_dtype": "bfloat16",
+}
+
+
+def dsv3_checkpoint() -> Path:
+    """The ~100M DeepSeek-V3-type random checkpoint (seed 0), written once into the cache."""
+    from waferline.model.init import write_random_checkpoint
+    from waferline.sim.twin import cache_dir
+
+    d = cache_dir() / "models" / "dsv3-100m"
+    if not (d / "model.safetensors").is_file():
+        write_random_checkpoint(DSV3_100M, d, seed=0)
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["sol-mini", "dsv3-100m"], choices=["sol-mini", "dsv3-100m"])
+    ap.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: cached calibration)")
+    ap.add_argument("--recalibrate", action="store_true")
+    ap.add_argument("--grid", default="default")
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
+    from rich.console import Console
+
+    from waferline.sim.twin import cached_hardware, render, run_twin
+    from waferline.spec.model import ModelSpec
+
+    con = Console(width=200)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    src = Path(args.hardware or cached_hardware(recalibrate=args.recalibrate))
+    hw = RESULTS / "twin_host.yaml"  # the calibration these tables were predicted with, kept beside them
+    if src.resolve() != hw.resolve():
+        shutil.copyfile(src, hw)
+    for name in args.models:
+        path = ROOT / "models" / "sol-mini" if name == "sol-mini" else dsv3_checkpoint()
+        spec = ModelSpec.from_pretrained(path)
+        con.print(f"\n[bold]{name}[/]: {spec.params_total() / 1e6:.0f}M parameters, {spec.params_active() / 1e6:.0f}M active per token")
+        t = time.perf_counter()
+        res = run_twin(path, str(hw), args.grid, repeats=args.repeats,
+                       progress=lambda what, frac: print(f"  [{frac * 100:3.0f}%] {what}", file=sys.stderr, flush=True))
+        res["wall_s"] = time.perf_counter() - t
+        out = RESULTS / f"twin_{name}.json"
+        out.write_text(json.dumps(res, indent=1))
+        render(res, con)
+        con.print(f"wrote {out} ({res['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""The twin section of the HTML report: predicted vs measured per Plan, and one run's per-stage timeline with the
+simulator's predicted timeline beside it (from a `waferline twin` JSON result)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[3]
+DEFAULT_RESULT = REPO / "benchmarks" / "results" / "twin_sol-mini.json"
+
+
+def load_result(path: str | Path | None = None) -> tuple[dict[str, Any] | None, str]:
+    """A twin result and where it came from: ``path``, else benchmarks/results/twin_sol-mini.json; (None, why) if none."""
+    p = Path(path) if path else DEFAULT_RESULT
+    if not p.is_file():
+        return None, (f"no twin result at {p}: run `waferline twin --model models/sol-mini --out {p}` "
+                      "(or `python benchmarks/twin_grid.py`) to add this section")
+    try:
+        return json.loads(p.read_text()), f"cached twin result {p}"
+    except json.JSONDecodeError as e:
+        return None, f"{p} is not valid JSON ({e}); re-run `waferline twin ... --out {p}`"
+
+
+def _ok(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in result.get("rows", []) if r.get("status") == "ok"]
+
+
+def figure_pred_vs_meas(result: dict[str, Any]) -> Any:
+    """Log-log scatter: predicted vs measured tokens/s per user, aggregate tokens/s and TTFT, one point per Plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _ok(result)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+    for ax, (key, label, scale) in zip(axes, (("tokens_per_s_per_user", "decode tokens/s per user", 1.0),
+                                              ("aggregate_tokens_per_s", "aggregate tokens/s", 1.0),
+                                              ("ttft_s", "TTFT (ms)", 1e3))):
+        xs = [r["measured"][key] * scale for r in rows]
+        ys = [r["predicted"][key] * scale for r in rows]
+        if not xs:
+            continue
+        lo, hi = min(xs + ys) / 1.6, max(xs + ys) * 1.6
+        ax.plot([lo, hi], [lo, hi], color="k", lw=1, label="exact")
+        for f, st in ((1.1, ":"), (1.5, "--")):
+            ax.plot([lo, hi], [lo * f, hi * f], color="gray", lw=0.8, ls=st, label=f"x{f}")
+            ax.plot([lo, hi], [lo / f, hi / f], color="gray", lw=0.8, ls=st)
+        colors = ["tab:red" if r["point"]["afd"] else "tab:green" if r["point"]["speculative"] != "none" else
+                  "tab:blue" if r["point"]["stages"] != 1 else "tab:orange" for r in rows]
+        ax.scatter(xs, ys, c=colors, s=28, zorder=3)
+        for r, x, y in zip(rows, xs, ys):
+            ax.annotate(r["plan"], (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        from matplotlib.ticker import NullFormatter
+
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        ax.set_xlabel(f"measured {label}")
+        ax.set_ylabel(f"predicted {label}")
+        s = result["summary"].get(key, {})
+        if s.get("n"):
+            ax.set_title(f"{label}: median x{s['median']:.2f}, max x{s['max']:.2f}", fontsize=10)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle("twin: simulator vs engine, per Plan (orange: 1 process, blue: pipeline, green: speculative, red: AFD)",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def pick_timeline_row(result: dict[str, Any]) -> dict[str, Any] | None:
+    """The pipeline Plan with the most stages (then micro-batches) that was compared, else any compared Plan."""
+    rows = [r for r in _ok(result) if r.get("run", {}).get("arrivals_row0")]
+    if not rows:
+        return None
+    return max(rows, key=lambda r: (r["sim"]["num_stages"] if not r["point"]["afd"] else 0, r["sim"]["micro_batches"],
+                                    r["point"]["batch"]))
+
+
+def figure_timeline(result: dict[str, Any], row: dict[str, Any]) -> Any:
+    """Left: token arrivals of one sequence, measured vs predicted. Middle: the simulator's per-stage timeline of the
+    first decode cycles (busy per micro-batch, hops). Right: CPU seconds per stage process over the run, measured
+    (from /proc) vs predicted (decode)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [1.0, 1.4, 0.9]})
+    arr = [t * 1e3 for t in row["run"]["arrivals_row0"]]
+    p = row["predicted"]
+    rate = p["tokens_per_s_per_user"]
+    pred = [p["ttft_s"] * 1e3 + i * 1e3 / rate for i in range(len(arr))]
+    a1.step(arr, range(1, len(arr) + 1), where="post", label="measured (engine)")
+    a1.step(pred, range(1, len(pred) + 1), where="post", ls="--", label="predicted (simulator)")
+    a1.set_xlabel("ms since the request")
+    a1.set_ylabel("tokens of sequence 0")
+    a1.set_title(f"{row['plan']}: token arrivals", fontsize=10)
+    a1.legend(fontsize=8)
+    # predicted Gantt: micro-batch j enters stage i after stage i-1 and its hop; each stage serves one at a time
+    stages = row["sim"]["stages"]
+    M = max(1, row["sim"]["micro_batches"])
+    S = len(stages)
+    busy = [s["total"] - s["hop"] for s in stages]
+    hops = [s["hop"] for s in stages]
+    free = [0.0] * S
+    cycles = 3
+    ready = [0.0] * M
+    cmap = plt.get_cmap("tab10")
+    for c in range(cycles):
+        for j in range(M):
+            t = ready[j]
+            for i in range(S):
+                start = max(t, free[i])
+                a2.barh(i, busy[i] * 1e3, left=start * 1e3, color=cmap(j % 10), alpha=0.85 if c % 2 == 0 else 0.55,
+                        edgecolor="k", lw=0.3)
+                free[i] = start + busy[i]
+                t = free[i] + hops[i]
+            ready[j] = t
+    a2.set_yticks(range(S))
+    a2.set_yticklabels([f"stage {s['index']} ({s['role']}, L{s['layers']})" for s in stages], fontsize=7)
+    a2.invert_yaxis()
+    a2.set_xlabel("ms (predicted)")
+    a2.set_title(f"predicted per-stage timeline: {cycles} cycles x {M} micro-batch(es), colour = micro-batch\n"
+                 "(stage busy, then the hop; processes sharing cores not drawn)", fontsize=9)
+    # CPU per process
+    meas = row["run"].get("cpu_s_per_process") or []
+    host = row["sim"].get("host", {})
+    cpu = host.get("cpu_per_stage_s") or busy
+    n_tok = max(1, result["output_len"] - 1)
+    tpc = max(1.0, (row.get("acceptance") or {}).get("tokens_per_verify_step", 1.0))
+    pred_cpu = [c * M * n_tok / tpc for c in cpu]
+    x = range(max(len(meas), len(pred_cpu)))
+    a3.bar([i - 0.2 for i in range(len(meas))], meas, width=0.4, label="measured (/proc, whole run)")
+    a3.bar([i + 0.2 for i in range(len(pred_cpu))], pred_cpu, width=0.4, label="predicted (decode)")
+    a3.set_xticks(list(x))
+    a3.set_xlabel("stage process")
+    a3.set_ylabel("CPU seconds in the timed run")
+    a3.set_title("CPU per stage process", fontsize=10)
+    a3.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def table_rows(result: dict[str, Any]) -> list[list[Any]]:
+    head = ["plan", "stages", "M", "B", "tok/s/user meas", "pred", "err x", "agg tok/s meas", "pred", "err x",
+            "TTFT ms meas", "pred", "err x", "status"]
+    out: list[list[Any]] = [head]
+
+    def f(x: float | None, d: int = 1) -> str:
+        return "-" if x is None else f"{x:.{d}f}"
+
+    for r in result.get("rows", []):
+        pt = r["point"]
+        m, p, e = r.get("measured", {}), r.get("predicted", {}), r.get("error_factor", {})
+        out.append([r["plan"], "afd" if pt["afd"] else pt["stages"], pt["micro_batches"], pt["batch"],
+                    f(m.get("tokens_per_s_per_user")), f(p.get("tokens_per_s_per_user")), f(e.get("tokens_per_s_per_user"), 2),
+                    f(m.get("aggregate_tokens_per_s")), f(p.get("aggregate_tokens_per_s")), f(e.get("aggregate_tokens_per_s"), 2),
+                    f(m["ttft_s"] * 1e3 if m.get("ttft_s") else None), f(p["ttft_s"] * 1e3 if p.get("ttft_s") else None),
+                    f(e.get("ttft_s"), 2), r.get("status", "")[:60]])
+    return out
+
+
+def add_twin_sections(report: Any, result: dict[str, Any] | None, source: str) -> None:
+    """Append the twin sections to ``report`` (a report.html.Report); with no result, one section that says why."""
+    if result is None:
+        report.add("The twin: simulator vs engine on this machine", text=source)
+        return
+    s = result["summary"]
+    summ = "; ".join(f"{label} median x{s[k]['median']:.2f}, max x{s[k]['max']:.2f}" for k, label in
+                     (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate"),
+                      ("ttft_s", "TTFT")) if s.get(k, {}).get("n"))
+    note = (f"Source: {source}; model {result.get('model_name')}, measured {result.get('date')} on {result.get('machine')} "
+            f"({result.get('cores')} cores, one thread per process, load average {result['load_average'][0]:.2f}); "
+            f"prompt {result['prompt_len']}, {result['output_len']} new tokens. Measured inputs: {result['inputs']['measured']}. "
+            f"Modelled: {result['inputs']['modelled']}.")
+    report.add("The twin: predicted vs measured per Plan", text=f"{s['plans_compared']} Plans compared: {summ}.",
+               figure=figure_pred_vs_meas(result), table=table_rows(result), note=note)
+    row = pick_timeline_row(result)
+    if row is not None:
+        report.add(f"The twin: one run's timeline ({row['plan']})", figure=figure_timeline(result, row),
+                   note="Left: when each token of sequence 0 arrived in the engine run vs when the simulator predicts it "
+                        "(TTFT + i / predicted rate). Middle: the simulator's per-stage timeline (stage busy time per "
+                        "micro-batch, then the hop to the next stage). Right: CPU seconds each stage process used in the "
+                        "timed run (measured from /proc; includes the prefill) vs the simulator's decode CPU per stage.")

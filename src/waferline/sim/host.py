@@ -1,0 +1,502 @@
+"""The host-engine cost model: how long waferline's own CPU engine takes for a Plan on a calibrated machine.
+
+A stage process's decode step is priced op by op over the engine's own op stream (counted, not timed, by the twin):
+  linear calls (x W^T, int4pack)   the measured linear table (seconds per call by rows and weight bytes) x linear_scale
+  other matmuls (attention, scans) roofline: bytes / bandwidth + FLOPs / FLOP/s of the measured linear fit
+  every other aten op              the per-op overhead + its bytes at the measured elementwise bandwidth
+plus per-sequence work (sampling on the head's stage, bookkeeping per layer) and the scheduler's per-step overhead,
+all measured/fitted by `waferline calibrate` on calibration models. Between stages one message costs the measured
+pipeline hop + bytes / link bandwidth. With S stage processes on C cores, a micro-batch cycle is bounded by the round
+trip, by M x the busiest stage and by M x all stages' CPU work / C. Speculative decoding: a cycle is one verify step
+and emits (1 - a^(k+1)) / (1 - a) tokens. AFD: attention and FFN sides ping-pong per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from waferline.errors import ConfigError
+
+PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt tokens per prefill micro-batch
+
+
+def _v(x: Any, where: str) -> float:
+    if isinstance(x, dict):
+        if "value" not in x:
+            raise ConfigError(f"{where}: a mapping without 'value'")
+        x = x["value"]
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number, got {x!r}") from None
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """Seconds of one linear call = t0 + bytes / bytes_per_s + flops / flops_per_s (t0 is part of the per-op cost)."""
+
+    t0_s: float
+    bytes_per_s: float
+    flops_per_s: float
+
+    def time(self, nbytes: float, flops: float) -> float:
+        return nbytes / self.bytes_per_s + flops / self.flops_per_s
+
+
+@dataclass(frozen=True)
+class LinearTable:
+    """Measured seconds per linear call (x W^T) by token count m and weight bytes: linear in m between measured
+    counts, log-log in bytes between measured sizes; beyond the largest size, proportional to bytes; beyond the largest
+    m, proportional to m."""
+
+    m: tuple[int, ...]
+    nbytes: tuple[float, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [i_m][j_bytes]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "LinearTable":
+        return cls(tuple(int(x) for x in d["m"]), tuple(float(x) for x in d["bytes"]),
+                   tuple(tuple(float(x) for x in row) for row in d["seconds"]))
+
+    def _at_m(self, i: int, b: float) -> float:
+        bs, row = self.nbytes, self.seconds[i]
+        if b <= bs[0]:
+            return row[0]
+        if b >= bs[-1]:
+            return row[-1] * b / bs[-1]
+        j = next(j for j in range(1, len(bs)) if bs[j] >= b)
+        f = math.log(b / bs[j - 1]) / math.log(bs[j] / bs[j - 1])
+        return math.exp(math.log(row[j - 1]) * (1 - f) + math.log(row[j]) * f)
+
+    def time(self, m: int, nbytes: float) -> float:
+        ms = self.m
+        if m <= ms[0]:
+            return self._at_m(0, nbytes)
+        if m >= ms[-1]:
+            return self._at_m(len(ms) - 1, nbytes) * m / ms[-1]
+        i = next(i for i in range(1, len(ms)) if ms[i] >= m)
+        f = (m - ms[i - 1]) / (ms[i] - ms[i - 1])
+        return self._at_m(i - 1, nbytes) * (1 - f) + self._at_m(i, nbytes) * f
+
+    def scaled(self, factor: float) -> "LinearTable":
+        return replace(self, seconds=tuple(tuple(x * factor for x in row) for row in self.seconds))
+
+
+@dataclass(frozen=True)
+class HostParams:
+    """What `waferline calibrate` measured about this host and the engine on it (the ``host_engine`` YAML section)."""
+
+    cores: int
+    memory_bandwidth: float  # one thread, copy (DRAM)
+    cache_bandwidth: float  # one thread, copy of a working set that stays in cache
+    small_op_bytes: float  # non-matmul ops at most this big run from cache
+    linear: dict[str, LinearFit]  # fp32 | bf16 | int4
+    tables: dict[str, LinearTable]  # fp32 | bf16 | int4: seconds per linear call (measured sweep)
+    op_overhead_s: dict[str, float]  # engine compute dtype (fp32 | bf16) -> seconds per aten op
+    linear_scale: dict[str, float]  # engine compute dtype -> in-engine linear time / the isolated sweep's
+    row_overhead_s: dict[str, float]  # engine compute dtype -> the loop's Python seconds per sequence per step
+    row_layer_overhead_s: dict[str, float]  # engine compute dtype -> seconds per sequence per layer per step
+    prefill: dict[str, tuple[float, float, float]]  # engine compute dtype -> (per-op, linear scale, per prompt) in prefill
+    step_overhead_s: dict[str, float]  # per decode step of the single-process engine / the pipeline scheduler
+    spec_step_overhead_s: dict[str, float]  # per verify step of the speculative engine (Python work without aten ops)
+    ops_per_layer: dict[str, float]  # default op count when no engine profile is given
+    link_latency_s: float
+    link_bytes_per_s: float
+    link_cpu_s: float  # CPU seconds per message (each side)
+    hop_overhead_s: float  # the pipeline engine's extra seconds per hop (stage loop, packing) beyond the link latency
+    hop_latency_s: float | None = None  # one pipeline hop as the engine sees it (measured on a 2-stage pipeline)
+    elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
+    source: str = ""
+    measured: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "<host_engine>") -> "HostParams":
+        he = d.get("host_engine") if "host_engine" in d else d
+        if not isinstance(he, dict):
+            raise ConfigError(f"{where}: no host_engine section; run `waferline calibrate` on this machine to write one")
+        try:
+            lin = {k: LinearFit(_v(v["t0_s"], where), _v(v["bytes_per_s"], where), _v(v["flops_per_s"], where))
+                   for k, v in (he.get("linear") or {}).items()}
+            tabs = {k: LinearTable.from_dict(v["table"]) for k, v in (he.get("linear") or {}).items() if v.get("table")}
+            eng = he["engine"]
+            link = he.get("link") or {}
+            pipe = he.get("pipeline") or {}
+            bw = _v(he["memory_bandwidth_1_thread"], where)
+            return cls(cores=int(_v(he["cores"], where)), memory_bandwidth=bw,
+                       cache_bandwidth=_v(he.get("cache_bandwidth_1_thread", bw), where),
+                       small_op_bytes=_v(he.get("small_op_bytes", 1 << 20), where), linear=lin, tables=tabs,
+                       op_overhead_s={k: _v(v["op_overhead_s"], where) for k, v in eng.items()},
+                       linear_scale={k: _v(v.get("linear_scale", 1.0), where) for k, v in eng.items()},
+                       row_overhead_s={k: _v(v.get("row_overhead_s", 0.0), where) for k, v in eng.items()},
+                       row_layer_overhead_s={k: _v(v.get("row_layer_overhead_s", 0.0), where) for k, v in eng.items()},
+                       prefill={k: (_v(v.get("prefill_op_overhead_s", v["op_overhead_s"]), where),
+                                    _v(v.get("prefill_linear_scale", v.get("linear_scale", 1.0)), where),
+                                    _v(v.get("prefill_overhead_s", 0.0), where)) for k, v in eng.items()},
+                       step_overhead_s={k: _v(v["step_overhead_s"], where) for k, v in eng.items()},
+                       spec_step_overhead_s={k: _v(v.get("spec_step_overhead_s", v["step_overhead_s"]), where) for k, v in eng.items()},
+                       ops_per_layer={k: _v(v["ops_per_layer"], where) for k, v in eng.items()},
+                       link_latency_s=_v(link.get("latency_s", 1e-4), where), link_bytes_per_s=_v(link.get("bytes_per_s", 1e9), where),
+                       link_cpu_s=_v(link.get("cpu_per_message_s", 0.0), where),
+                       hop_overhead_s=_v(pipe.get("hop_overhead_s", 0.0), where),
+                       hop_latency_s=_v(pipe["hop_latency_s"], where) if "hop_latency_s" in pipe else None, source=where,
+                       elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
+                       measured=dict(he.get("measured") or {}))
+        except KeyError as e:
+            raise ConfigError(f"{where}: host_engine is missing {e.args[0]!r}; re-run `waferline calibrate`") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HostParams":
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"no hardware file at {p}")
+        return cls.from_dict(yaml.safe_load(p.read_text()) or {}, str(p))
+
+    def linear_for(self, weight_bits: int, compute: str) -> LinearFit:
+        key = "int4" if weight_bits == 4 else compute
+        if key not in self.linear:
+            key = next(iter(self.linear), None)  # type: ignore[arg-type]
+            if key is None:
+                raise ConfigError(f"{self.source}: no linear (GEMV) measurements; re-run `waferline calibrate`")
+        return self.linear[key]
+
+    def scaled(self, *, bandwidth: float = 1.0, op_overhead: float = 1.0, link_latency: float = 1.0) -> "HostParams":
+        """A copy with figures multiplied (to show that a wrong figure makes predictions worse)."""
+        return replace(self, memory_bandwidth=self.memory_bandwidth * bandwidth, cache_bandwidth=self.cache_bandwidth * bandwidth,
+                       linear={k: replace(v, bytes_per_s=v.bytes_per_s * bandwidth) for k, v in self.linear.items()},
+                       tables={k: v.scaled(1.0 / bandwidth) for k, v in self.tables.items()},
+                       elementwise={k: v * bandwidth for k, v in self.elementwise.items()},
+                       op_overhead_s={k: v * op_overhead for k, v in self.op_overhead_s.items()},
+                       step_overhead_s={k: v * op_overhead for k, v in self.step_overhead_s.items()},
+                       row_overhead_s={k: v * op_overhead for k, v in self.row_overhead_s.items()},
+                       row_layer_overhead_s={k: v * op_overhead for k, v in self.row_layer_overhead_s.items()},
+                       prefill={k: (v[0] * op_overhead, v[1], v[2] * op_overhead) for k, v in self.prefill.items()},
+                       spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
+                       link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
+                       hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency)
+
+    def hop(self, nbytes: float) -> float:
+        """One message between stage / rank processes: the engine's measured hop latency (else the link's latency +
+        the pipeline overhead) + bytes / link bandwidth."""
+        lat = self.hop_latency_s if self.hop_latency_s is not None else self.link_latency_s + self.hop_overhead_s
+        return lat + nbytes / self.link_bytes_per_s
+
+
+@dataclass
+class Work:
+    """What one part of a forward dispatches: aten ops, matmul bytes and FLOPs by dtype (fp32 | bf16 | int4), and the
+    bytes of the other ops (small ones run from cache, large ones from memory)."""
+
+    ops: float = 0.0
+    mm_bytes: dict[str, float] = field(default_factory=dict)
+    mm_flops: dict[str, float] = field(default_factory=dict)
+    small_bytes: float = 0.0
+    large_bytes: float = 0.0
+    calls: dict[str, float] = field(default_factory=dict)  # "dtype|rows|weight bytes" -> linear calls (x W^T)
+    small_bytes_bf16: float = 0.0  # the part of small / large bytes moved by 16-bit ops
+    large_bytes_bf16: float = 0.0
+
+    @classmethod
+    def from_counts(cls, ops: float, w: dict[str, float] | None) -> "Work":
+        w = w or {}
+        return cls(ops=float(ops), mm_bytes={k[9:]: float(v) for k, v in w.items() if k.startswith("mm_bytes_")},
+                   mm_flops={k[9:]: float(v) for k, v in w.items() if k.startswith("mm_flops_")},
+                   small_bytes=float(w.get("small_bytes", 0.0)), large_bytes=float(w.get("large_bytes", 0.0)),
+                   calls={k[5:]: float(v) for k, v in w.items() if k.startswith("call|") and v},
+                   small_bytes_bf16=float(w.get("small_bytes_bf16", 0.0)), large_bytes_bf16=float(w.get("large_bytes_bf16", 0.0)))
+
+    def add(self, o: "Work") -> None:
+        self.ops += o.ops
+        for k, v in o.mm_bytes.items():
+            self.mm_bytes[k] = self.mm_bytes.get(k, 0.0) + v
+        for k, v in o.mm_flops.items():
+            self.mm_flops[k] = self.mm_flops.get(k, 0.0) + v
+        self.small_bytes += o.small_bytes
+        self.large_bytes += o.large_bytes
+        for k, v in o.calls.items():
+            self.calls[k] = self.calls.get(k, 0.0) + v
+        self.small_bytes_bf16 += o.small_bytes_bf16
+        self.large_bytes_bf16 += o.large_bytes_bf16
+
+
+@dataclass
+class OpCount:
+    """One forward's work: per layer (index -> Work) and outside the layers (embedding, final norm, LM head, sampling,
+    drafting, the engine loop). ``traced``: counted from the engine (bytes and FLOPs per op); else only op counts, and
+    weights come from the ModelSpec accounting."""
+
+    layers: dict[int, Work]
+    other: Work
+    traced: bool = True
+
+
+class OpsProfile(Protocol):
+    """Where the host model gets op counts: counted from the engine (the twin) or a per-layer default."""
+
+    def decode(self, rows: int, tokens: int) -> OpCount: ...
+
+    def prefill(self, rows: int, prompt_len: int) -> OpCount: ...
+
+
+@dataclass
+class DefaultOps:
+    """No engine at hand: every layer dispatches the calibration models' mean ops per layer; outside the layers the
+    same again (a stated estimate, not a count)."""
+
+    num_layers: int
+    per_layer: float
+
+    def decode(self, rows: int, tokens: int) -> OpCount:
+        return OpCount({i: Work(self.per_layer) for i in range(self.num_layers)}, Work(self.per_layer), traced=False)
+
+    def prefill(self, rows: int, prompt_len: int) -> OpCount:
+        return OpCount({i: Work(self.per_layer * 1.5) for i in range(self.num_layers)}, Work(self.per_layer), traced=False)
+
+
+def compute_dtype(plan: Any) -> str:
+    """The engine's activation dtype for a Plan: 32-bit weights run fp32; 16- and 4-bit weights run bf16 (W4A16)."""
+    return "fp32" if getattr(plan, "weight_bits", 16) >= 32 else "bf16"
+
+
+# ----------------------------------------------------------------------------- per-stage costs
+
+
+@dataclass
+class _StageCost:
+    ops_s: float  # per-op overhead
+    linear_s: float  # weights (and LM head) through the linear kernels
+    cache_s: float  # cache reads
+    extra_s: float  # scheduler step overhead (stage 0)
+
+    @property
+    def total(self) -> float:
+        return self.ops_s + self.linear_s + self.cache_s + self.extra_s
+
+
+def _touched(num_experts: int, top_k: int, tokens: float) -> float:
+    if num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None) -> tuple[float, float, float]:
+    """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
+    linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
+    every other op the per-op overhead + its bytes at cache or memory bandwidth."""
+    mm = 0.0
+    n_calls = 0.0
+    for key, n in w.calls.items():
+        dt, rows, nb = key.split("|")
+        tab = host.tables.get(dt) or host.tables.get("bf16")
+        if tab is None:  # an old calibration without tables: the fit
+            fit = host.linear.get(dt) or host.linear_for(16, "bf16")
+            mm += n * (fit.t0_s + fit.time(float(nb), 0.0))
+        else:
+            mm += n * tab.time(int(rows), float(nb))
+        n_calls += n
+    for dt, b in w.mm_bytes.items():
+        fit = host.linear.get(dt) or host.linear_for(16, "bf16")
+        mm += fit.time(b, w.mm_flops.get(dt, 0.0))
+    ew = host.elementwise
+
+    def rate(key: str, fallback: float) -> float:
+        return ew.get(key) or fallback
+
+    other = (w.small_bytes / rate("fp32_small", host.cache_bandwidth) + w.large_bytes / rate("fp32_large", host.memory_bandwidth)
+             + w.small_bytes_bf16 / rate("bf16_small", host.cache_bandwidth)
+             + w.large_bytes_bf16 / rate("bf16_large", host.memory_bandwidth))
+    return c_op * max(0.0, w.ops - n_calls), mm * (host.linear_scale.get(comp, 1.0) if scale is None else scale), other
+
+
+def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers: list[int], count: OpCount, rows: int,
+                tokens: int, has_head: bool, head_tokens: int, ops_other: bool, step_extra: float,
+                prefill: bool = False) -> _StageCost:
+    comp = compute_dtype(plan)
+    c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
+    scale = None
+    if prefill and comp in host.prefill:
+        c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
+    if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
+        w = Work()
+        for i in layers:
+            if i in count.layers:
+                w.add(count.layers[i])
+        if ops_other:
+            w.add(count.other)
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale)
+        return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
+    # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
+    lin = host.linear_for(plan.weight_bits, comp)
+    n = rows * tokens
+    ops = sum(count.layers[i].ops for i in layers if i in count.layers) + (count.other.ops if ops_other else 0.0)
+    lin_s = cache_s = 0.0
+    for i in layers:
+        lc = table[i]
+        if lc.is_moe:
+            read = lc.weight_bytes - lc.num_experts * lc.expert_bytes + _touched(lc.num_experts, lc.top_k, n) * lc.expert_bytes
+        else:
+            read = lc.weight_bytes
+        lin_s += lin.time(read, (lc.mixer_flops + lc.ffn_flops) * n)
+        cache_s += lc.cache_bytes * rows / host.memory_bandwidth
+    if has_head:
+        hl = host.linear_for(16, comp)  # the LM head stays 16-bit
+        head_b = spec.lm_head_bytes(plan.embed_bits) if spec.lm_head_params() else spec.embed_bytes(plan.embed_bits)
+        lin_s += hl.time(head_b, 2.0 * spec.vocab_size * spec.hidden_size * head_tokens)
+    return _StageCost(ops_s=c_op * ops, linear_s=lin_s, cache_s=cache_s, extra_s=step_extra)
+
+
+def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsProfile | None, *, prompt_len: int,
+                  output_len: int, concurrency: int) -> Any:
+    """SimResult of ``plan`` run by waferline's own engine on the calibrated host (see the module docstring)."""
+    from waferline.sim.cost import expected_tokens_per_step, layer_table
+    from waferline.sim.pipeline import SimResult, StageTiming
+
+    P, O, B = int(prompt_len), int(output_len), int(concurrency)
+    if P < 1 or O < 1 or B < 1:
+        raise ConfigError(f"prompt, output and concurrency must be >= 1 (got {P}, {O}, {B})")
+    if plan.afd:
+        return _simulate_host_afd(plan, spec, host, profile, P, O, B)
+    profile = profile or DefaultOps(spec.num_layers, host.ops_per_layer.get(compute_dtype(plan), 150.0))
+    comp = compute_dtype(plan)
+    S = plan.num_stages
+    M = max(1, min(plan.micro_batches if S > 1 else 1, B))
+    b = math.ceil(B / M)
+    table = layer_table(spec, plan.weight_bits, plan.kv_bits, P + O // 2, plan.group_size)
+    sp = plan.speculative
+    k = sp.num_tokens if sp.method != "none" else 0
+    t = k + 1
+    plain_over = host.step_overhead_s.get(comp, 0.0)
+    step_over = host.spec_step_overhead_s.get(comp, plain_over) if k > 0 else plain_over
+    act_bytes = 2.0 if comp == "bf16" else 4.0
+
+    hop = host.hop
+
+    # ---- decode
+    count = profile.decode(b, t)
+    costs = []
+    row_over = host.row_overhead_s.get(comp, 0.0)
+    rl_over = host.row_layer_overhead_s.get(comp, 0.0)
+    for i, s in enumerate(plan.stages):  # per-sequence work: sampling where the head is, bookkeeping in every layer
+        costs.append(_stage_cost(host, plan, spec, table, list(s.layers), count, b, t, s.has_lm_head, b * t,
+                                 ops_other=s.has_lm_head,
+                                 step_extra=(step_over if i == 0 else 0.0) + (b * row_over if s.has_lm_head else 0.0)
+                                 + b * len(s.layers) * rl_over))
+    stage_s = [c.total for c in costs]
+    hops = [hop(b * t * spec.hidden_size * act_bytes) if i + 1 < S else hop(8.0 * b * t) for i in range(S)] if S > 1 else [0.0]
+    round_trip = sum(stage_s) + sum(hops)
+    cpu = [st + (2 * host.link_cpu_s if S > 1 else 0.0) for st in stage_s]
+    cycle = max(round_trip, M * max(cpu), M * sum(cpu) / max(1, min(host.cores, S)) if S > 1 else 0.0)
+    bound = ("round trip (latency)" if cycle == round_trip else
+             "busiest stage x micro-batches" if cycle == M * max(cpu) else f"CPU cores ({S} processes on {host.cores} cores)")
+    spec_info: dict[str, Any] = {"method": sp.method}
+    tokens_per_cycle = 1.0
+    if k > 0:
+        a = sp.accept_rate if sp.accept_rate is not None else 0.5
+        E = expected_tokens_per_step(a, k)
+        tokens_per_cycle = E  # one cycle is one verify step (its op count includes the drafting): E tokens per row
+        spec_info.update(num_tokens=k, accept_rate=a, expected_tokens_per_step=E,
+                         accept_rate_source="given" if sp.accept_rate is not None else "assumed 0.5")
+    rate = tokens_per_cycle / cycle
+    # ---- TTFT: every row's first token (prefill)
+    if S == 1:
+        pc = profile.prefill(1, P)
+        one = _stage_cost(host, plan, spec, table, list(plan.stages[0].layers), pc, 1, P, True, 1, True, 0.0, prefill=True)
+        ttft = B * (one.total + host.prefill.get(comp, (0, 0, 0.0))[2]) + plain_over
+    else:
+        rows_per_mb = max(1, PIPELINE_PREFILL_CHUNK // P) if P <= PIPELINE_PREFILL_CHUNK else 1
+        chunks_per_row = math.ceil(P / PIPELINE_PREFILL_CHUNK)
+        r = min(B, rows_per_mb)
+        n_mb = math.ceil(B / rows_per_mb) * chunks_per_row
+        tok = min(P, PIPELINE_PREFILL_CHUNK)
+        pc = profile.prefill(r, tok)
+        pst = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r, s.has_lm_head,
+                           plain_over if i == 0 else 0.0, prefill=True).total for i, s in enumerate(plan.stages)]
+        phop = [hop(r * tok * spec.hidden_size * act_bytes) if i + 1 < S else hop(8.0 * r) for i in range(S)]
+        ttft = sum(pst) + sum(phop) + (n_mb - 1) * max(pst)
+    timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
+                           devices=s.num_devices, compute=c.linear_s, memory=c.cache_s, fixed=c.ops_s + c.extra_s, comm=0.0,
+                           hop=h, total=c.total + h) for s, c, h in zip(plan.stages, costs, hops)]
+    spec_info["host"] = {"micro_batch_rows": b, "tokens_per_row_per_step": t, "cycle_s": cycle, "round_trip_s": round_trip,
+                         "ops_per_step": sum(w.ops for w in count.layers.values()) + count.other.ops,
+                         "cpu_per_stage_s": cpu, "cores": host.cores}
+    return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=S, fits=plan.fits,
+                     concurrency=B, micro_batches=M, prompt_len=P, output_len=O, step_latency_s=round_trip,
+                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft, prefill_s=ttft,
+                     end_to_end_s=ttft + (O - 1) / rate, bound=bound, stages=timings, speculative=spec_info,
+                     problems=list(plan.problems))
+
+
+def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfile | None, P: int, O: int, B: int) -> Any:
+    """AFD as engine/afd.py runs it: Ma attention ranks (data parallel over sequences: mixers, head, sampling) and Nf FFN
+    ranks (the FFN work of the Ma ranks' tokens, split over them); per layer and micro-batch one message each way between
+    every attention and FFN rank; K micro-batches ping-pong, so per layer the step is bounded by the busier side x K or
+    by one micro-batch's attention + FFN + two hops; all ranks share the cores."""
+    from waferline.sim.pipeline import SimResult, StageTiming
+
+    if profile is None or not hasattr(profile, "ffn"):
+        raise ConfigError("the host model of AFD needs the engine's op counts split into FFN and the rest (run it from `waferline twin`)")
+    att = [s for s in plan.stages if s.role == "attention"]
+    ffn = [s for s in plan.stages if s.role == "ffn"]
+    Ma, Nf = max(1, len(att)), max(1, len(ffn))
+    comp = compute_dtype(plan)
+    c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
+    over = host.step_overhead_s.get(comp, 0.0)
+    Ba = math.ceil(B / Ma)
+    K = max(1, min(plan.micro_batches, Ba))
+    b = math.ceil(Ba / K)
+    act = 2.0 if comp == "bf16" else 4.0
+
+    hop = host.hop
+
+    def side_times(count: OpCount, ffn_w: dict[int, Work], rows_tokens: int) -> tuple[list[float], list[float], float]:
+        a_t, f_t = [], []
+        for i, w in sorted(count.layers.items()):
+            fw = ffn_w.get(i, Work())
+            aw = Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
+                      {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
+                      w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
+                      {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
+                      w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16)
+            a_t.append(sum(_work_time(host, aw, c_op, comp)))
+            scaled = Work(fw.ops * Ma / Nf, {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
+                          {k: v * Ma / Nf for k, v in fw.mm_flops.items()}, fw.small_bytes * Ma / Nf, fw.large_bytes * Ma / Nf,
+                          {k: v * Ma / Nf for k, v in fw.calls.items()}, fw.small_bytes_bf16 * Ma / Nf,
+                          fw.large_bytes_bf16 * Ma / Nf)
+            f_t.append(sum(_work_time(host, scaled, c_op, comp)) if fw.ops else 0.0)
+        return a_t, f_t, sum(_work_time(host, count.other, c_op, comp))
+
+    dc = profile.decode(b, 1)
+    a_t, f_t, other = side_times(dc, profile.ffn("decode"), b)
+    h = hop(b * spec.hidden_size * act)
+    msg_a, msg_f = 2 * Nf * host.link_cpu_s, 2 * Ma * host.link_cpu_s
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + 2 * h) if f > 0 else K * a for a, f in zip(a_t, f_t)]
+    row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
+    step = sum(per_layer) + K * (other + b * row_over) + over
+    cpu_total = Ma * (K * (sum(a_t) + other + b * row_over) + over) + Nf * K * sum(f_t) + K * len(a_t) * (Ma * msg_a + Nf * msg_f)
+    cores_bound = cpu_total / max(1, min(host.cores, Ma + Nf))
+    bound = "cores (ranks share them)" if cores_bound > step else "ping-pong per layer (busier side or one micro-batch's round trip)"
+    step = max(step, cores_bound)
+    rate = 1.0 / step
+    # TTFT: prompts prefilled in chunks of the engine's prefill budget, each through every layer's attention and FFN
+    r = min(Ba, max(1, PIPELINE_PREFILL_CHUNK // P))
+    n_mb = math.ceil(Ba / r)
+    pc = profile.prefill(r, P)
+    pa, pf, pother = side_times(pc, profile.ffn("prefill"), r * P)
+    ph = hop(r * P * spec.hidden_size * act)
+    ttft = n_mb * (sum(pa) + sum(pf) + 2 * ph * sum(1 for f in pf if f > 0) + pother) + over
+    timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
+                           devices=s.num_devices, compute=0.0, memory=0.0,
+                           fixed=K * (sum(a_t) + other) if s.role == "attention" else K * sum(f_t),
+                           comm=0.0, hop=h, total=K * (sum(a_t) + other) if s.role == "attention" else K * sum(f_t))
+               for s in plan.stages]
+    return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=plan.num_stages,
+                     fits=plan.fits, concurrency=B, micro_batches=K, prompt_len=P, output_len=O, step_latency_s=step,
+                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft, prefill_s=ttft,
+                     end_to_end_s=ttft + (O - 1) / rate, bound=bound, stages=timings,
+                     speculative={"method": "none", "host": {"attention_ranks": Ma, "ffn_ranks": Nf, "micro_batch_rows": b,
+                                                             "cycle_s": step, "cores": host.cores}},
+                     problems=list(plan.problems))

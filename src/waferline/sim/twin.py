@@ -1,0 +1,638 @@
+"""The twin: run the engine on a grid of Plans, predict the same Plans with the simulator calibrated to this host, and
+report measured vs predicted decode tokens/s (per user and aggregate) and TTFT with error factors exp(|ln(pred/meas)|).
+
+Each engine run happens in a fresh child process (killed with its stage processes on a timeout), one torch thread per
+process. The simulator side uses only: the Plan, the model's ModelSpec accounting, the hardware YAML that
+`waferline calibrate` measured, the engine's op counts for the Plan (counted, not timed, in the child) and the measured
+speculative acceptance of the run; never a time measured on the grid.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from waferline.errors import ConfigError
+
+SPEC_METHODS = ("none", "ngram", "mtp")
+POINT_TIMEOUT_S = 300.0
+MEASURED_INPUTS = ("per-op and per-step engine overhead, GEMV/GEMM speed per dtype (fp32/bf16/int4), copy bandwidth, "
+                   "gloo link latency/bandwidth/CPU per message, pipeline per-hop overhead (all from `waferline calibrate`); "
+                   "aten op counts per layer of each Plan (counted from the engine, not timed); speculative acceptance "
+                   "(measured in each run)")
+MODELLED_INPUTS = ("bytes and FLOPs per layer (ModelSpec accounting), experts touched per step, stage sums and hops, "
+                   "the ring bound (micro-batches x busiest stage), the cores bound (processes vs cores), prefill "
+                   "micro-batching, tokens per verify step from the acceptance")
+
+
+@dataclass
+class GridPoint:
+    """One engine configuration = one Plan: stages (1, 2, ... or "L" = one layer per stage), micro-batches, weight
+    bits, speculation, batch (concurrent sequences), AFD."""
+
+    name: str = ""
+    stages: int | str = 1
+    micro_batches: int = 1
+    weight_bits: int = 16
+    speculative: str = "none"
+    k: int = 3
+    batch: int = 1
+    afd: bool = False
+    attention_ranks: int = 1
+    ffn_ranks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stages != "L" and (not isinstance(self.stages, int) or self.stages < 1):
+            raise ConfigError(f"grid point {self.name!r}: stages must be a positive integer or 'L' (one layer per stage), got {self.stages!r}")
+        if self.weight_bits not in (16, 4):
+            raise ConfigError(f"grid point {self.name!r}: weight_bits must be 16 or 4, got {self.weight_bits}")
+        if self.speculative not in SPEC_METHODS:
+            raise ConfigError(f"grid point {self.name!r}: speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}")
+        if self.batch < 1 or self.micro_batches < 1 or self.k < 1:
+            raise ConfigError(f"grid point {self.name!r}: batch, micro_batches and k must be >= 1")
+        if not self.name:
+            st = "L" if self.stages == "L" else str(self.stages)
+            self.name = (f"afd{self.attention_ranks}x{self.ffn_ranks}" if self.afd else f"S{st}") + \
+                (f"-M{self.micro_batches}" if self.stages != 1 else "") + f"-{'int4' if self.weight_bits == 4 else 'bf16'}" + \
+                (f"-{self.speculative}{self.k}" if self.speculative != "none" else "") + f"-B{self.batch}"
+
+    @property
+    def pipeline(self) -> bool:
+        return self.stages != 1 and not self.afd
+
+
+def default_grid() -> list[GridPoint]:
+    """16 Plans: stages 1 / 2 / one layer per stage, micro-batches 1 / 2 / 4 / L, bf16 vs int4, speculation off /
+    ngram / mtp (also under the pipeline), batch 1 / 8, AFD (1 attention + 1 FFN rank) on/off."""
+    G = GridPoint
+    return [
+        G(stages=1, batch=1), G(stages=1, batch=8), G(stages=1, weight_bits=4, batch=1), G(stages=1, weight_bits=4, batch=8),
+        G(stages=2, micro_batches=1, batch=1), G(stages=2, micro_batches=2, batch=8), G(stages=2, micro_batches=4, batch=8),
+        G(stages=2, micro_batches=2, weight_bits=4, batch=8),
+        G(stages="L", micro_batches=1, batch=1), G(stages="L", micro_batches=8, batch=8),
+        G(stages=1, speculative="ngram", batch=1), G(stages=1, speculative="mtp", batch=1), G(stages=1, speculative="mtp", batch=8),
+        G(stages=2, micro_batches=2, speculative="ngram", batch=8), G(stages=2, micro_batches=1, speculative="mtp", batch=1),
+        G(afd=True, micro_batches=2, batch=8),
+    ]
+
+
+def load_grid(grid: str | list[dict[str, Any]] | None) -> list[GridPoint]:
+    """``default``, a YAML file with a list of grid points (fields of GridPoint), or such a list."""
+    if grid is None or grid == "default":
+        return default_grid()
+    if isinstance(grid, str):
+        p = Path(grid)
+        if not p.is_file():
+            raise ConfigError(f"no grid file at {p}; use --grid default or a YAML list of points "
+                              "(e.g. - {stages: 2, micro_batches: 2, batch: 8})")
+        try:
+            grid = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p} is not valid YAML: {e}") from None
+        if isinstance(grid, dict):
+            grid = grid.get("points")
+    if not isinstance(grid, list) or not grid:
+        raise ConfigError("a grid is a non-empty list of points such as {stages: 2, micro_batches: 2, batch: 8}")
+    out = []
+    for i, d in enumerate(grid):
+        if not isinstance(d, dict):
+            raise ConfigError(f"grid point {i}: expected a mapping, got {d!r}")
+        unknown = set(d) - set(GridPoint.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"grid point {i}: unknown field(s) {', '.join(sorted(unknown))}; known: "
+                              f"{', '.join(GridPoint.__dataclass_fields__)}")
+        out.append(GridPoint(**d))
+    return out
+
+
+def error_factor(pred: float | None, meas: float | None) -> float | None:
+    """exp(|ln(pred / meas)|): 1.0 is exact, 2.0 is off by a factor of two either way."""
+    if not pred or not meas or pred <= 0 or meas <= 0:
+        return None
+    return math.exp(abs(math.log(pred / meas)))
+
+
+def accept_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
+    """The per-token acceptance α with (1 - α^(k+1)) / (1 - α) = the measured tokens per verify step."""
+    from waferline.sim.cost import expected_tokens_per_step
+
+    if tokens_per_step <= 1.0:
+        return 0.0
+    if tokens_per_step >= k + 1 - 1e-6:
+        return 0.999
+    lo, hi = 0.0, 0.999
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if expected_tokens_per_step(mid, k) < tokens_per_step else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+# ----------------------------------------------------------------------------- the child: run the engine, count ops
+
+
+def make_prompts(vocab: int, rows: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """Deterministic token-id prompts: a random phrase said twice (so prompt-lookup has something to find)."""
+    import random
+
+    out = []
+    for r in range(rows):
+        g = random.Random(seed * 7919 + r)
+        phrase = [g.randrange(2, vocab) for _ in range(max(1, prompt_len // 2))]
+        out.append((phrase * 3)[:prompt_len])
+    return out
+
+
+def _engine_kwargs(point: dict[str, Any], plan_json: str | None) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if point["afd"]:
+        kw.update(afd=True, attention_ranks=point["attention_ranks"], ffn_ranks=point["ffn_ranks"],
+                  micro_batches=point["micro_batches"], threads_per_rank=1)
+    elif point["stages"] != 1:
+        from waferline.plan.plan import Plan
+
+        kw.update(plan=Plan.from_json(plan_json) if plan_json else None, micro_batches=point["micro_batches"],
+                  threads_per_stage=1)
+    if point["speculative"] != "none":
+        kw.update(speculative=point["speculative"], num_speculative_tokens=point["k"], speculative_adaptive=False)
+    return kw
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def _timed_run(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    from waferline.engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    n: dict[int, int] = {}
+    outs: Any = None
+    t0 = time.perf_counter()
+    for ev in llm.stream(prompts, params):
+        if isinstance(ev, list):
+            outs = ev
+            break
+        now = time.perf_counter()
+        row = int(ev[0])
+        first.setdefault(row, now)
+        last[row] = now
+        n[row] = n.get(row, 0) + 1
+    end = time.perf_counter()
+    rows = sorted(n)
+    rates = [(n[r] - 1) / (last[r] - first[r]) for r in rows if n[r] > 1 and last[r] > first[r]]
+    ttft = max(first.values()) - t0 if first else float("nan")
+    window = max(last.values()) - max(first.values()) if first else 0.0
+    dec = sum(n[r] - 1 for r in rows)
+    metrics = dict(outs[0].metrics) if outs else {}
+    return {"ttft_s": ttft, "tokens_per_s_per_user": statistics.mean(rates) if rates else 0.0,
+            "aggregate_tokens_per_s": dec / window if window > 0 else 0.0, "total_s": end - t0,
+            "tokens": [n[r] for r in rows],
+            "engine_metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
+
+
+def _arrivals(llm: Any, prompts: list[list[int]], output_len: int) -> list[float]:
+    """Token arrival times of row 0 (s since the request), for the report's timeline."""
+    from waferline.engine.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    times = []
+    for ev in llm.stream(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True)):
+        if isinstance(ev, list):
+            break
+        if int(ev[0]) == 0:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int, prefill_rows: int, prompt_len: int,
+              steps: int = 6) -> dict[str, Any]:
+    """The engine's aten op counts (TorchDispatchMode, untimed) for one decode step of ``decode_rows`` sequences
+    (per layer and outside the layers: embedding, head, sampling, drafting, the loop) and for one prefill forward of
+    ``prefill_rows`` prompts of ``prompt_len`` tokens, on the single-process engine with the same weights."""
+    import torch
+
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+    from waferline.model.context import StepBatch
+    from waferline.sim.measure import OpCounter
+
+    kw: dict[str, Any] = {}
+    if speculative != "none":
+        kw = {"speculative": speculative, "num_speculative_tokens": k, "speculative_adaptive": False}
+    llm = LLM(path, dtype=dtype, **kw)
+    model = llm.model
+    idx = list(model.layer_range)
+    counter = OpCounter()
+    hooks = []
+    for i, layer in zip(idx, model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
+        if getattr(layer, "ffn", None) is not None:  # the FFN part separately (what AFD's FFN ranks run)
+            hooks.append(layer.ffn.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", f"f{i}")))
+            hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: setattr(counter, "label", i)))
+    prompts = make_prompts(llm.spec.vocab_size, max(decode_rows, prefill_rows), prompt_len)
+
+    def run(rows: int, max_tokens: int) -> tuple[dict[Any, dict[str, float]], dict[str, float]]:
+        counter.counts, counter.work = {}, {}
+        with counter:
+            out = llm.generate(prompts[:rows], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        return _merged(counter), out[0].metrics
+
+    def diff(a: dict[str, float] | None, b: dict[str, float] | None, n: float) -> dict[str, float]:
+        a, b = a or {}, b or {}
+        return {k: (b.get(k, 0.0) - a.get(k, 0.0)) / n for k in set(a) | set(b)}
+
+    c1, _ = run(decode_rows, 1)
+    c2, m2 = run(decode_rows, steps + 1)
+    n_steps = m2.get("spec_verify_steps", steps) if speculative != "none" else steps
+    n_steps = max(float(n_steps), 1.0)
+    def both(c: dict[Any, dict[str, float]], i: int) -> dict[str, float]:
+        a, f = c.get(i, {}), c.get(f"f{i}", {})
+        return {k: a.get(k, 0.0) + f.get(k, 0.0) for k in set(a) | set(f)}
+
+    decode = {"layers": {i: diff(both(c1, i), both(c2, i), n_steps) for i in idx},
+              "ffn": {i: diff(c1.get(f"f{i}"), c2.get(f"f{i}"), n_steps) for i in idx},
+              "other": diff(c1.get(None), c2.get(None), n_steps), "verify_steps": n_steps}
+    # prefill: one forward of prefill_rows x prompt_len tokens, as a pipeline stage runs a prefill micro-batch
+    counter.counts, counter.work = {}, {}
+    with torch.inference_mode(), counter:
+        caches = model.new_caches(prefill_rows)
+        toks = torch.tensor([p[:prompt_len] for p in prompts[:prefill_rows]])
+        h = model(toks, caches, StepBatch.make(list(range(prefill_rows)), [0] * prefill_rows, prompt_len))
+        model.logits(h[:, -1]).argmax(-1)
+    c3 = _merged(counter)
+    pre = {"layers": {i: both(c3, i) for i in idx}, "ffn": {i: c3.get(f"f{i}", {}) for i in idx}, "other": c3.get(None, {})}
+    for h_ in hooks:
+        h_.remove()
+    return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
+            "tokens_per_row": (k + 1) if speculative != "none" else 1}
+
+
+def _merged(counter: Any) -> dict[Any, dict[str, float]]:
+    """label -> {ops, matmul bytes/FLOPs by dtype, small/large bytes} from an OpCounter."""
+    out: dict[Any, dict[str, float]] = {}
+    for lab in set(counter.counts) | set(counter.work):
+        d = dict(counter.work.get(lab, {}))
+        d["ops"] = float(counter.counts.get(lab, 0))
+        out[lab] = d
+    return out
+
+
+def measure_point(path: str, point: dict[str, Any], plan_json: str | None, prompt_len: int, output_len: int,
+                  repeats: int, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
+    """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate), then count its ops."""
+    import torch
+
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    dtype = "bfloat16"
+    load0 = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    with LLM(path, dtype=dtype, **_engine_kwargs(point, plan_json)) as llm:
+        start_s = time.perf_counter() - t_start
+        prompts = make_prompts(llm.spec.vocab_size, point["batch"], prompt_len)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        pipe = getattr(llm, "_pipeline", None)
+        pids = [os.getpid()] + list(getattr(pipe, "pids", []) or [])
+        best = None
+        for _ in range(repeats):
+            c0 = [_cpu_seconds(p) for p in pids]
+            r = _timed_run(llm, prompts, output_len)
+            r["cpu_s_per_process"] = [_cpu_seconds(p) - c for p, c in zip(pids, c0)]
+            if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
+                best = r
+        best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
+    assert best is not None
+    best["load_average_1m"] = [load0, os.getloadavg()[0]]
+    best["start_s"] = start_s
+    best["ops"] = count_ops(path, dtype, point["speculative"], point["k"], decode_rows, prefill_rows, prompt_len)
+    return best
+
+
+# ----------------------------------------------------------------------------- the parent: plans, predictions, table
+
+
+class CountedOps:
+    """An ops profile for sim.host from the counts of one grid point (decode at its micro-batch rows, prefill)."""
+
+    def __init__(self, ops: dict[str, Any]):
+        self.ops = ops
+
+    @staticmethod
+    def _count(d: dict[str, Any]) -> Any:
+        from waferline.sim.host import OpCount, Work
+
+        return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
+                       Work.from_counts(d["other"].get("ops", 0.0), d["other"]))
+
+    def decode(self, rows: int, tokens: int) -> Any:
+        return self._count(self.ops["decode"])
+
+    def ffn(self, phase: str) -> dict[int, Any]:
+        """The FFN part of each layer (what AFD's FFN ranks run), for ``decode`` or ``prefill``."""
+        from waferline.sim.host import Work
+
+        return {int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in (self.ops[phase].get("ffn") or {}).items()}
+
+    def prefill(self, rows: int, prompt_len: int) -> Any:
+        return self._count(self.ops["prefill"])
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("WAFERLINE_CACHE", Path.home() / ".cache" / "waferline"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def cached_hardware(max_age_h: float = 24.0, recalibrate: bool = False, quick: bool = False,
+                    progress: Callable[[str, float], None] | None = None) -> Path:
+    """This host's calibrated hardware YAML: the cached one when younger than ``max_age_h``, else measured now."""
+    from waferline.sim.measure import write_host_yaml
+
+    host = (platform.node() or "host").lower().replace(" ", "-")
+    p = cache_dir() / f"host-{host}{'-quick' if quick else ''}.yaml"
+    if recalibrate or not p.is_file() or time.time() - p.stat().st_mtime > max_age_h * 3600:
+        write_host_yaml(p, quick=quick, progress=progress)
+    return p
+
+
+def int4_checkpoint(path: Path) -> Path:
+    """An int4 (RTN, group 128) copy of ``path`` in the cache (made once); an int4 checkpoint is returned as is."""
+    import json
+
+    from waferline.model.quant import QuantOptions, quant_method, quantize_checkpoint
+
+    cfg = json.loads((path / "config.json").read_text())
+    if quant_method(cfg) is not None:
+        return path
+    st = path / "model.safetensors"
+    stamp = f"{path.resolve()}:{st.stat().st_mtime if st.is_file() else 0}"
+    out = cache_dir() / "int4" / (path.name + "-" + str(abs(hash(stamp)) % 10**10))
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        quantize_checkpoint(str(path), str(out), QuantOptions())
+    return out
+
+
+def _plan_for(point: GridPoint, spec: Any, hw: Any, prompt_len: int, output_len: int) -> Any:
+    from waferline.plan.place import place
+    from waferline.plan.plan import SpeculativeConfig
+
+    spc = SpeculativeConfig(method=point.speculative, num_tokens=point.k if point.speculative != "none" else 0)
+    common = dict(weight_bits=point.weight_bits, context=prompt_len + output_len + 8, batch=point.batch, speculative=spc)
+    if point.afd:
+        return place(spec, hw, afd=True, attention_ranks=point.attention_ranks, ffn_ranks=point.ffn_ranks,
+                     micro_batches=point.micro_batches, **common)
+    if point.stages == "L":
+        return place(spec, hw, layers_per_stage=1, micro_batches=point.micro_batches, **common)
+    S = int(point.stages)
+    if S > spec.num_layers:
+        raise ConfigError(f"{point.name}: {S} stages for {spec.num_layers} layers")
+    return place(spec, hw, devices=S, micro_batches=point.micro_batches if S > 1 else 1, **common)
+
+
+def predict(plan: Any, spec: Any, hw: Any, host: Any, ops: dict[str, Any] | None, prompt_len: int, output_len: int,
+            batch: int, accept: float | None) -> Any:
+    """The simulator's prediction of ``plan`` on the calibrated host (sim.pipeline.simulate with host=)."""
+    from waferline.sim.pipeline import simulate
+
+    if accept is not None:
+        plan.speculative.accept_rate = min(max(accept, 0.0), 0.999)
+    return simulate(plan, prompt_len=prompt_len, output_len=output_len, concurrency=batch, spec=spec, hardware=hw,
+                    host=host, ops=CountedOps(ops) if ops else None)
+
+
+def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = "default", *, prompt_len: int = 32,
+             output_len: int = 32, repeats: int = 2, quick_calibration: bool = False, recalibrate: bool = False,
+             progress: Callable[[str, float], None] | None = None, host_override: Any = None,
+             timeout_s: float = POINT_TIMEOUT_S) -> dict[str, Any]:
+    """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able)."""
+    from waferline.sim.host import HostParams
+    from waferline.sim.measure import run_isolated
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    say = progress or (lambda what, frac: None)
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"--model {path}: not a checkpoint directory (no config.json); e.g. models/sol-mini")
+    if prompt_len < 2 or output_len < 3:
+        raise ConfigError("--prompt-len must be >= 2 and --output-len >= 3")
+    points = load_grid(grid)
+    if hardware is None:
+        say("calibrating this host (cached for a day)", 0.0)
+        hardware = cached_hardware(recalibrate=recalibrate, quick=quick_calibration)
+    hw_path = Path(hardware)
+    hw = load_hardware_file(hw_path)
+    host = host_override or HostParams.load(hw_path)
+    spec = ModelSpec.from_pretrained(path)
+    has_mtp = bool(getattr(spec, "mtp_layers", None))
+    rows = []
+    int4_path: Path | None = None
+    for i, pt in enumerate(points):
+        say(f"{pt.name}: engine", (i + 0.1) / len(points))
+        row: dict[str, Any] = {"plan": pt.name, "point": asdict(pt)}
+        rows.append(row)
+        if pt.speculative == "mtp" and not has_mtp:
+            row["status"] = "not available: the model has no MTP layers"
+            continue
+        try:
+            plan = _plan_for(pt, spec, hw, prompt_len, output_len)
+        except Exception as e:  # noqa: BLE001 - a point the planner cannot place is reported, not fatal
+            row["status"] = f"not available: planner: {e}"
+            continue
+        ckpt = path
+        if pt.weight_bits == 4:
+            if int4_path is None:
+                say("quantizing an int4 copy (cached)", (i + 0.1) / len(points))
+                int4_path = int4_checkpoint(path)
+            ckpt = int4_path
+        if pt.afd:  # rows per micro-batch on one attention rank
+            Ba = math.ceil(pt.batch / max(1, sum(1 for s in plan.stages if s.role == "attention")))
+            b = math.ceil(Ba / max(1, min(plan.micro_batches, Ba)))
+            prefill_rows = min(Ba, max(1, 256 // prompt_len))
+        else:
+            M = plan.micro_batches if plan.num_stages > 1 else 1
+            b = math.ceil(pt.batch / max(1, min(M, pt.batch)))
+            prefill_rows = 1 if plan.num_stages == 1 else min(pt.batch, max(1, 256 // prompt_len))
+        try:
+            meas = run_isolated("waferline.sim.twin:measure_point",
+                                {"path": str(ckpt), "point": asdict(pt), "plan_json": plan.to_json(indent=None) if pt.pipeline else None,
+                                 "prompt_len": prompt_len, "output_len": output_len, "repeats": repeats,
+                                 "decode_rows": b, "prefill_rows": prefill_rows}, timeout_s)
+        except RuntimeError as e:
+            msg = str(e)
+            if "ConfigError" in msg or "does not run" in msg or "unexpected keyword" in msg or "not supported" in msg:
+                row["status"] = "not available: " + msg.split(": ", 1)[-1][-240:]
+            else:
+                row["status"] = "engine failed: " + msg[-300:]
+            continue
+        row["measured"] = {k: meas[k] for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s")}
+        row["run"] = {k: meas.get(k) for k in ("total_s", "tokens", "cpu_s_per_process", "load_average_1m", "start_s",
+                                               "engine_metrics", "arrivals_row0")}
+        cpu = [c for c in (meas.get("cpu_s_per_process") or []) if c == c]
+        if cpu and meas.get("total_s"):  # the share of the cores the engine's processes got (low: a busy machine)
+            row["run"]["cpu_share"] = sum(cpu) / (meas["total_s"] * min(len(cpu), os.cpu_count() or 1))
+        row["ops"] = meas["ops"]
+        accept = None
+        if pt.speculative != "none":
+            em = meas.get("engine_metrics", {})
+            tps = em.get("spec_mean_accepted_length")
+            if tps:
+                accept = accept_from_tokens_per_step(tps, pt.k)
+                row["acceptance"] = {"tokens_per_verify_step": tps, "alpha_fed": accept,
+                                     "per_token_acceptance": em.get("spec_acceptance_rate")}
+            elif em.get("spec_acceptance_rate") is not None:
+                accept = em["spec_acceptance_rate"]
+                row["acceptance"] = {"alpha_fed": accept, "per_token_acceptance": accept}
+        say(f"{pt.name}: simulator", (i + 0.9) / len(points))
+        try:
+            sim = predict(plan, spec, hw, host, meas["ops"], prompt_len, output_len, pt.batch, accept)
+        except ConfigError as e:
+            row["status"] = f"measured; not modelled: {e}"
+            continue
+        row["plan_json"] = plan.to_json(indent=None)
+        row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
+                            "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
+        row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
+        row["sim"] = {"bound": sim.bound, "stages": [asdict(s) for s in sim.stages], "host": sim.speculative.get("host", {}),
+                      "num_stages": sim.num_stages, "micro_batches": sim.micro_batches}
+        row["status"] = "ok"
+    say("done", 1.0)
+    return {"model": str(path.resolve()), "model_name": spec.name, "hardware": str(hw_path), "host": host.measured,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
+            "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "prompt_len": prompt_len,
+            "output_len": output_len, "repeats": repeats, "threads_per_process": 1,
+            "inputs": {"measured": MEASURED_INPUTS, "modelled": MODELLED_INPUTS},
+            "rows": rows, "summary": summarize(rows)}
+
+
+def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
+    """The same twin result with every prediction redone from ``host`` (other hardware figures), measurements kept:
+    shows how the error factors depend on the figures (a wrong figure must make them worse)."""
+    import copy
+
+    from waferline.plan.plan import Plan
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    out = copy.deepcopy(result)
+    spec = ModelSpec.from_pretrained(Path(result["model"]))
+    hw = load_hardware_file(result["hardware"])
+    for row in out["rows"]:
+        if row.get("status") != "ok":
+            continue
+        plan = Plan.from_json(row["plan_json"])
+        sim = predict(plan, spec, hw, host, row["ops"], result["prompt_len"], result["output_len"], row["point"]["batch"],
+                      plan.speculative.accept_rate)
+        row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
+                            "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
+        row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
+    out["summary"] = summarize(out["rows"])
+    return out
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and max error factor over every predicted metric (and per metric)."""
+    out: dict[str, Any] = {}
+    allf = []
+    for m in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s"):
+        fs = [r["error_factor"][m] for r in rows if r.get("status") == "ok" and r["error_factor"].get(m)]
+        allf += fs
+        out[m] = {"median": statistics.median(fs) if fs else None, "max": max(fs) if fs else None, "n": len(fs)}
+    out["all"] = {"median": statistics.median(allf) if allf else None, "max": max(allf) if allf else None, "n": len(allf)}
+    out["plans_compared"] = sum(1 for r in rows if r.get("status") == "ok")
+    out["plans_skipped"] = [{"plan": r["plan"], "status": r.get("status")} for r in rows if r.get("status") != "ok"]
+    return out
+
+
+def render(result: dict[str, Any], console: Any) -> None:
+    """The twin table (rich)."""
+    from rich.table import Table
+
+    t = Table(title=f"twin: {result['model_name']} on {result['machine']} ({result['cores']} cores, 1 thread per process; "
+                    f"prompt {result['prompt_len']}, {result['output_len']} new tokens; load average "
+                    f"{result['load_average'][0]:.2f})")
+    for c in ("plan", "stages", "M", "B", "tok/s/user meas", "pred", "err x", "agg tok/s meas", "pred", "err x",
+              "TTFT ms meas", "pred", "err x", "accept", "bound / status"):
+        t.add_column(c, justify="left" if c in ("plan", "bound / status") else "right")
+
+    def col(e: float | None) -> str:
+        if e is None:
+            return "-"
+        c = "green" if e <= 1.1 else "yellow" if e <= 1.5 else "red"
+        return f"[{c}]{e:.2f}[/{c}]"
+
+    for r in result["rows"]:
+        pt = r["point"]
+        st = "afd" if pt["afd"] else str(pt["stages"])
+        if r.get("status") != "ok" and "measured" not in r:
+            t.add_row(r["plan"], st, str(pt["micro_batches"]), str(pt["batch"]), *["-"] * 10, r.get("status", "")[:70])
+            continue
+        m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
+        acc = r.get("acceptance", {}).get("alpha_fed")
+        t.add_row(r["plan"], st, str(r.get("sim", {}).get("micro_batches", pt["micro_batches"])), str(pt["batch"]),
+                  f"{m['tokens_per_s_per_user']:.1f}", f"{p['tokens_per_s_per_user']:.1f}" if p else "-", col(e.get("tokens_per_s_per_user")),
+                  f"{m['aggregate_tokens_per_s']:.1f}", f"{p['aggregate_tokens_per_s']:.1f}" if p else "-", col(e.get("aggregate_tokens_per_s")),
+                  f"{m['ttft_s'] * 1e3:.1f}", f"{p['ttft_s'] * 1e3:.1f}" if p else "-", col(e.get("ttft_s")),
+                  f"{acc:.2f}" if acc is not None else "",
+                  (r.get("sim", {}).get("bound", "") if r.get("status") == "ok" else r.get("status", ""))[:70])
+    console.print(t)
+    s = result["summary"]
+    for k, label in (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate tokens/s"),
+                     ("ttft_s", "TTFT"), ("all", "all metrics")):
+        v = s[k]
+        if v["n"]:
+            console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} plans")
+    console.print(f"measured inputs: {result['inputs']['measured']}")
+    console.print(f"modelled: {result['inputs']['modelled']}")
+    console.print(f"hardware: {result['hardware']} (calibrated {result['host'].get('date', '?')}, load average then "
+                  f"{result['host'].get('load_average_1m', float('nan')):.2f})")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The twin table as Markdown (for docs)."""
+    lines = [f"`{result['model_name']}`, {result['date']}, {result['machine']} ({result['cores']} cores), load average "
+             f"{result['load_average'][0]:.2f} at the end; prompt {result['prompt_len']}, {result['output_len']} new tokens, "
+             f"best of {result['repeats']}. load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
+             "processes / (wall x the cores they could use): well below 1 for a single process means other work took the core.", "",
+             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "measured" not in r:
+            lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |")
+            continue
+        m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
+
+        def f(x: Any, d: int = 1) -> str:
+            return "-" if x is None else f"{x:.{d}f}"
+        acc = (r.get("acceptance") or {}).get("alpha_fed")
+        load = (r.get("run") or {}).get("load_average_1m") or [None]
+        lines.append(f"| {r['plan']} | {f(m['tokens_per_s_per_user'])} | {f(p.get('tokens_per_s_per_user'))} | "
+                     f"{f(e.get('tokens_per_s_per_user'), 2)} | {f(m['aggregate_tokens_per_s'])} | "
+                     f"{f(p.get('aggregate_tokens_per_s'))} | {f(e.get('aggregate_tokens_per_s'), 2)} | "
+                     f"{f(m['ttft_s'] * 1e3)} | {f(p['ttft_s'] * 1e3 if p else None)} | {f(e.get('ttft_s'), 2)} | "
+                     f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | {f((r.get('run') or {}).get('cpu_share'), 2)} |")
+    s = result["summary"]
+    lines.append("")
+    lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
+                           (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate"),
+                            ("ttft_s", "TTFT"), ("all", "all")) if s[k]["n"]) + f" ({s['plans_compared']} Plans).")
+    return "\n".join(lines)

@@ -1,0 +1,134 @@
+"""The twin: `calibrate` writes a valid measured hardware YAML; `twin` runs a 2-Plan grid on a tiny checkpoint and
+compares; a wrong hardware figure makes the error factor grow (the comparison is not circular)."""
+
+import json
+import math
+
+import pytest
+import yaml
+
+from waferline.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def host_yaml(tmp_path_factory):
+    from waferline.sim.measure import write_host_yaml
+
+    out = tmp_path_factory.mktemp("host") / "host.yaml"
+    write_host_yaml(out, quick=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    from waferline.model.init import write_random_checkpoint
+    from waferline.sim.measure import tiny_config
+
+    d = tmp_path_factory.mktemp("ckpt") / "tiny"
+    write_random_checkpoint(dict(tiny_config(4), hidden_size=96, vocab_size=512), d, seed=3)
+    return d
+
+
+@pytest.fixture(scope="module")
+def twin_result(tiny_ckpt, host_yaml):
+    from waferline.sim.twin import run_twin
+
+    grid = [{"stages": 1, "batch": 2}, {"stages": 2, "micro_batches": 2, "batch": 2}]
+    return run_twin(tiny_ckpt, host_yaml, grid, prompt_len=8, output_len=12, repeats=1, timeout_s=120)
+
+
+def test_calibrate_writes_a_valid_measured_yaml(host_yaml):
+    from waferline.sim.host import HostParams
+    from waferline.spec.hardware import load_hardware_file
+
+    hw = load_hardware_file(host_yaml)
+    assert hw.kind == "cpu" and hw.cores and hw.memory_bandwidth > 1e8 and hw.flops["bf16"] > 1e8
+    assert hw.scale_up is not None and 0 < hw.scale_up.latency < 0.1 and hw.scale_up.bandwidth > 1e6
+    assert all("measured on" in s.source or s.status == "assumed" for s in hw.sources.values())
+    he = yaml.safe_load(host_yaml.read_text())["host_engine"]
+
+    def figures(d):
+        for k, v in d.items():
+            if isinstance(v, dict) and "value" in v:
+                yield k, v
+            elif isinstance(v, dict):
+                yield from figures(v)
+
+    figs = list(figures(he))
+    assert len(figs) >= 15
+    for name, f in figs:  # every figure is measured (date, method) or says why it is assumed
+        assert ("measured" in f and f["measured"]["date"] and f["measured"]["method"]) or "assumed" in f, name
+    assert set(he["linear"]) >= {"fp32", "bf16"} and "int4" in he["linear"]  # torch 2.5+ has the CPU int4pack op
+    host = HostParams.load(host_yaml)
+    assert 1e-7 < host.op_overhead_s["bf16"] < 1e-3 and host.link_latency_s > 0 and host.cores >= 1
+
+
+def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
+    """The CLI path, with the probes stubbed to keep it fast: writes the file and prints JSON."""
+    from waferline.plan import commands
+    from waferline.sim import measure
+
+    real = measure.measure_host
+    monkeypatch.setattr(measure, "measure_host", lambda quick=False, progress=None, **kw: real(True, progress, link=False))
+    out = tmp_path / "h.yaml"
+    assert commands.main(["calibrate", "--quick", "--out", str(out), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["written"] == str(out) and d["op_overhead_s"]["bf16"] > 0 and out.is_file()
+
+
+def test_twin_runs_a_two_plan_grid(twin_result):
+    rows = twin_result["rows"]
+    assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("status") for r in rows]
+    assert rows[1]["sim"]["num_stages"] == 2 and rows[1]["sim"]["micro_batches"] == 2
+    for r in rows:
+        for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s"):
+            assert r["measured"][k] > 0 and r["predicted"][k] > 0
+            e = r["error_factor"][k]
+            assert e is not None and 1.0 <= e < 20.0, (r["plan"], k, e)  # loose: CI machines are noisy
+        assert sum(w["ops"] for w in r["ops"]["decode"]["layers"].values()) > 0
+    s = twin_result["summary"]
+    assert s["all"]["n"] == 6 and s["all"]["median"] >= 1.0 and s["all"]["max"] >= s["all"]["median"]
+    assert twin_result["load_average"] and twin_result["inputs"]["measured"]
+
+
+def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import repredict
+
+    host = HostParams.load(host_yaml)
+    same = repredict(twin_result, host)
+    assert same["summary"]["all"]["median"] == pytest.approx(twin_result["summary"]["all"]["median"])
+    base = same["summary"]["all"]["median"]
+    assert base < 10.0  # a shared CI machine makes runs slower than calibrated, but not by an order of magnitude
+    fast = repredict(twin_result, host.scaled(op_overhead=0.1))  # per-op overhead x 0.1: far too optimistic
+    assert fast["summary"]["all"]["median"] > base and fast["summary"]["all"]["median"] > 2.0
+    slow = repredict(twin_result, host.scaled(op_overhead=100.0))  # x 100: far too pessimistic
+    assert slow["summary"]["all"]["median"] > base and slow["summary"]["all"]["median"] > 5.0
+    # bandwidth x 0.01 (a wrong memory figure) slows every prediction
+    bw = repredict(twin_result, host.scaled(bandwidth=0.01))
+    for a, b in zip(same["rows"], bw["rows"]):
+        assert b["predicted"]["tokens_per_s_per_user"] < a["predicted"]["tokens_per_s_per_user"]
+
+
+def test_grid_and_cli_errors(tmp_path, capsys):
+    from waferline.plan import commands
+    from waferline.sim.twin import GridPoint, accept_from_tokens_per_step, default_grid, error_factor, load_grid
+
+    assert len(default_grid()) >= 12
+    assert {p.speculative for p in default_grid()} == {"none", "ngram", "mtp"} and any(p.afd for p in default_grid())
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_grid([{"stages": 2, "bogus": 1}])
+    with pytest.raises(ConfigError, match="stages"):
+        GridPoint(stages=0)
+    with pytest.raises(ConfigError, match="weight_bits"):
+        GridPoint(weight_bits=8)
+    g = tmp_path / "g.yaml"
+    g.write_text("- {stages: L, micro_batches: 4, batch: 8}\n")
+    assert load_grid(str(g))[0].name == "SL-M4-bf16-B8"
+    assert error_factor(2.0, 1.0) == pytest.approx(2.0) and error_factor(1.0, 2.0) == pytest.approx(2.0)
+    a = accept_from_tokens_per_step(2.0, 3)
+    from waferline.sim.cost import expected_tokens_per_step
+
+    assert math.isclose(expected_tokens_per_step(a, 3), 2.0, rel_tol=1e-6)
+    assert commands.main(["twin", "--model", str(tmp_path / "nope"), "--hardware", str(g)]) == 1
+    assert "not a checkpoint directory" in capsys.readouterr().err
