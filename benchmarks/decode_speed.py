@@ -1,0 +1,976 @@
+"""Decode speed, side by side in one run: transformers `generate` (bf16), waferline (fp32 / bf16 / int4) and
+llama.cpp through `llama-cpp-python` (GGUF f16 and Q4_0), at batch 1 and 8, beside the memory-bandwidth roofline.
+
+The checkpoints are built here with fixed seeds (transformers config classes + `save_pretrained`, random weights)
+and cached under benchmarks/.cache/:
+
+  dsv3      DeepSeek-V3-type MoE with MLA, ~135M parameters: hidden 512, 8 layers (the first dense, FFN 1536),
+            q_lora 256 / kv_lora 128, nope 64 + rope 32, v 64, 8 heads, 16 routed experts of FFN 512, top-2,
+            1 shared expert, vocab 32000
+  qwen3moe  Qwen3-MoE of similar size: hidden 512, 8 layers, 8 heads (4 KV, head 64, q/k norm), 16 experts of
+            FFN 512, top-2, vocab 32000 (~140M)
+  llama     Llama, hidden 768, 12 layers, 12 heads (4 KV), FFN 2048, vocab 32000 (~125M)
+
+plus a tokenizer the GGUF converter accepts: a byte-level BPE (GPT-2 pre-tokenizer) of 32000 tokens built
+deterministically with the `tokenizers` library (see `build_tokenizer`). Every engine is fed the same token ids,
+so the tokenizer only has to exist; the converter cannot know its pre-tokenizer hash, so it is told "gpt-2"
+(which is what the tokenizer uses) — the only change made to the converter's behaviour, done at run time.
+
+The GGUF files are converted from the same checkpoints with `convert_hf_to_gguf.py` from the llama-cpp-python
+sdist (vendor/llama.cpp, run with its own vendored gguf-py) at f16, then quantized to Q4_0 with
+`llama_cpp.llama_model_quantize`. The converter is looked up in --llama-cpp-src, $LLAMA_CPP_SRC, or extracted
+from the sdist (--llama-cpp-sdist, or `pip download llama-cpp-python==<installed> --no-binary :all:`).
+Before timing, every engine is checked against transformers fp32 on the same checkpoint: teacher-forced top-1
+agreement and KL over prompt + 16 reference tokens, and its free-running greedy tokens. For llama.cpp f16 this is
+the conversion check: OK when it agrees as well as transformers' own bf16 run (or on >= 95% of positions).
+The DeepSeek-V3 config also carries the hub's `scoring_func: sigmoid`: transformers 5 does not save it, and
+without it the converter writes no gating function and llama.cpp routes by softmax (found by this check).
+The roofline uses the better of two copy-bandwidth measurements (start and end of the run).
+
+Timing, the same for every engine: greedy, random prompt token ids (fixed seed) of --prompt-len tokens,
+--new-tokens generated per sequence (EOS ignored). TTFT = start of the request until the first generated token
+of every sequence exists (the prefill). Decode tok/s = tokens generated after the first one, over all sequences,
+divided by the time after TTFT (aggregate; per user = / batch). Each measurement is repeated (--repeats,
+interleaved across engines) and the best is kept: the machine may be shared.
+
+Roofline (tok/s) = batch x measured copy bandwidth / bytes one decode step reads: the active weights (ModelSpec
+accounting, embeddings excluded; of each MoE layer's experts the expected number a step of `batch` tokens touches
+under uniform routing, E(1-(1-k/E)^B)) plus the KV cache of every sequence at the mean context. Random weights give
+near-uniform expert routing; trained models route less evenly, so at batch 8 fewer experts may be touched.
+
+    python benchmarks/decode_speed.py                      # everything (batch 1 alone: 23 min at load average 6-7)
+    python benchmarks/decode_speed.py --quick              # tiny models, a few tokens: a smoke test
+    python benchmarks/decode_speed.py --models dsv3 --engines hf,waferline,llamacpp --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+REPO = ROOT.parent
+CACHE = ROOT / ".cache"
+SEED = 0
+BOS, EOS, PAD = 1, 2, 0
+
+# ----------------------------------------------------------------------------- checkpoints
+
+COMMON = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
+              pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dsv3": ("deepseek_v3", dict(
+        COMMON, hidden_size=512, num_hidden_layers=8, first_k_dense_replace=1, intermediate_size=1536,
+        q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, moe_intermediate_size=512,
+        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.5, num_nextn_predict_layers=0,
+        # not attributes of transformers' DeepseekV3Config (it always routes by sigmoid + correction bias), but the
+        # keys DeepSeek-V3's hub config.json carries; without scoring_func the GGUF converter writes no gating
+        # function and llama.cpp falls back to softmax routing (its DeepSeek-V2 default)
+        scoring_func="sigmoid", topk_method="noaux_tc", rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "qwen3moe": ("qwen3_moe", dict(
+        COMMON, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+        intermediate_size=1536, num_experts=16, moe_intermediate_size=512, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
+    "llama": ("llama", dict(
+        COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+        intermediate_size=2048, rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+}
+# --quick: the same architectures, tiny
+QUICK = {
+    "dsv3": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, intermediate_size=256, q_lora_rank=64,
+                 kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+                 num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=64),
+    "qwen3moe": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, num_experts=4, moe_intermediate_size=64),
+    "llama": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=256),
+}
+
+
+def model_config(name: str, quick: bool) -> tuple[str, dict[str, Any]]:
+    model_type, kw = MODELS[name]
+    return model_type, dict(kw, **QUICK[name]) if quick else dict(kw)
+
+
+def build_tokenizer(vocab_size: int, directory: Path) -> None:
+    """A byte-level BPE (GPT-2 pre-tokenizer and byte alphabet) of exactly ``vocab_size`` tokens, built without
+    training: <pad> <s> </s>, the 256 byte symbols, then merges spelling every 2-, 3-, ... letter string over
+    [space a-z] in a fixed order. It tokenizes English-ish text sensibly and is accepted by the GGUF converter's
+    `gpt2` vocab path (tokenizer.json + tokenizer_config.json, loaded through transformers' AutoTokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    specials = ["<pad>", "<s>", "</s>"]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(specials + alphabet)}
+    letters = ["\u0120"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]  # "Ġ" is the byte-level space
+    merges: list[tuple[str, str]] = []
+    level = list(letters)
+    while len(vocab) < vocab_size:
+        nxt = []
+        for left in level:
+            for ch in letters:
+                if len(vocab) >= vocab_size:
+                    break
+                tok = left + ch
+                if tok in vocab:
+                    continue
+                vocab[tok] = len(vocab)
+                merges.append((left, ch))
+                nxt.append(tok)
+        level = nxt
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
+        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+
+
+def build_checkpoint(name: str, quick: bool, cache: Path) -> Path:
+    """Random-weight checkpoint of ``name`` written by transformers' ``save_pretrained`` (bf16 safetensors) with its
+    tokenizer; rebuilt only when the configuration (or this builder) changes."""
+    import transformers
+
+    model_type, kw = model_config(name, quick)
+    stamp = hashlib.sha256(json.dumps([model_type, kw, SEED, "v2"], sort_keys=True).encode()).hexdigest()[:12]
+    d = cache / f"{name}{'-quick' if quick else ''}"
+    hf = d / "hf"
+    if (d / "stamp").is_file() and (d / "stamp").read_text() == stamp and (hf / "model.safetensors").is_file():
+        return d
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)
+    t = time.perf_counter()
+    cfg = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(SEED)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    g = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():  # the same recipe as tests/tiny_models.py: non-trivial values everywhere
+        for pname, p in model.named_parameters():
+            r = torch.randn(p.shape, generator=g)
+            if p.dim() == 1 and "norm" in pname:
+                p.copy_(1.0 + 0.2 * r)
+            elif p.dim() == 1:
+                p.copy_(0.1 * r)
+            else:
+                p.copy_(r * (1.0 / p.shape[-1]) ** 0.5)
+        for bname, b in model.named_buffers():
+            if "e_score_correction_bias" in bname:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    model.to(torch.bfloat16).save_pretrained(hf)
+    model.generation_config.save_pretrained(hf)
+    build_tokenizer(cfg.vocab_size, hf)
+    n = sum(p.numel() for p in model.parameters())
+    (d / "stamp").write_text(stamp)
+    print(f"built {name}: {model_type}, {n / 1e6:.1f}M parameters in {time.perf_counter() - t:.0f}s -> {hf}", flush=True)
+    del model
+    gc.collect()
+    return d
+
+
+# ----------------------------------------------------------------------------- llama.cpp: converter + quantizer
+
+CONVERTER_RUNNER = r"""
+import sys, runpy
+src, model, out, outtype = sys.argv[1:5]
+sys.path.insert(0, src)
+sys.path.insert(1, src + "/gguf-py")
+import conversion.base as base
+_orig = base.TextModel.get_vocab_base_pre
+def _pre(self, tokenizer):
+    # our synthetic byte-level BPE is not in the converter's table of known pre-tokenizer hashes; it uses the
+    # GPT-2 regex, so it is "gpt-2" (only ever reached for a tokenizer the table does not know)
+    try:
+        return _orig(self, tokenizer)
+    except NotImplementedError:
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = _pre
+sys.argv = [src + "/convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def _llama_cpp() -> Any:
+    """The llama_cpp module with llama.cpp's own log (load / quantize chatter) cut down to errors."""
+    import llama_cpp
+    from llama_cpp import _logger
+
+    _logger.set_verbose(False)
+    return llama_cpp
+
+
+def llama_cpp_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("llama_cpp_python")
+    except Exception:
+        return None
+
+
+def find_converter(src: str | None, sdist: str | None, cache: Path) -> Path:
+    """A directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/ (llama.cpp's, as shipped in the
+    llama-cpp-python sdist). Raises RuntimeError with what to do when there is none."""
+    cands = [Path(p) for p in (src, os.environ.get("LLAMA_CPP_SRC")) if p]
+    ver = llama_cpp_version()
+    extracted = cache / f"llama.cpp-src-{ver}"
+    cands.append(extracted)
+    for c in cands:
+        if (c / "convert_hf_to_gguf.py").is_file():
+            return c
+    if ver is None:
+        raise RuntimeError("llama-cpp-python is not installed")
+    tarball = Path(sdist) if sdist else None
+    if tarball is None:
+        found = sorted(cache.glob(f"llama_cpp_python-{ver}.tar.gz"))
+        if found:
+            tarball = found[0]
+        else:  # the ordinary pip client, only when nothing local exists
+            print(f"fetching the llama-cpp-python {ver} sdist for its GGUF converter (pip download) ...", flush=True)
+            r = subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={ver}", "--no-deps",
+                                "--no-binary", ":all:", "-d", str(cache)], capture_output=True, text=True)
+            found = sorted(cache.glob(f"llama_cpp_python-{ver}.tar.gz"))
+            if r.returncode != 0 or not found:
+                raise RuntimeError(f"no GGUF converter: pass --llama-cpp-src DIR (vendor/llama.cpp of the "
+                                   f"llama-cpp-python sdist) or --llama-cpp-sdist PATH ({r.stderr.strip()[-200:]})")
+            tarball = found[0]
+    prefix = None
+    with tarfile.open(tarball) as tf:
+        members = []
+        for m in tf.getmembers():
+            parts = Path(m.name).parts
+            if len(parts) > 3 and parts[1:3] == ("vendor", "llama.cpp") and (
+                    parts[3] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")):
+                prefix = Path(*parts[:3])
+                members.append(m)
+        if prefix is None:
+            raise RuntimeError(f"{tarball} has no vendor/llama.cpp/convert_hf_to_gguf.py")
+        tmp = cache / "llama.cpp-src.tmp"
+        tf.extractall(tmp, members=members, filter="data")
+    import shutil
+
+    shutil.rmtree(extracted, ignore_errors=True)
+    (tmp / prefix).rename(extracted)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return extracted
+
+
+def build_gguf(d: Path, converter: Path, threads: int) -> dict[str, Path]:
+    """f16 GGUF by the converter, Q4_0 by llama.cpp's quantizer; cached next to the checkpoint."""
+    out = {"f16": d / "model-f16.gguf", "q4_0": d / "model-q4_0.gguf"}
+    if not out["f16"].is_file():
+        t = time.perf_counter()
+        tmp = out["f16"].with_suffix(".tmp")
+        r = subprocess.run([sys.executable, "-c", CONVERTER_RUNNER, str(converter), str(d / "hf"), str(tmp), "f16"],
+                           capture_output=True, text=True)
+        (d / "convert.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0 or not tmp.is_file():
+            tail = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()][-3:]
+            raise RuntimeError(f"convert_hf_to_gguf.py failed (see {d / 'convert.log'}): {' | '.join(tail)}")
+        tmp.replace(out["f16"])
+        print(f"converted {d.name} -> {out['f16'].name} in {time.perf_counter() - t:.0f}s", flush=True)
+    if not out["q4_0"].is_file():
+        llama_cpp = _llama_cpp()
+
+        t = time.perf_counter()
+        tmp = out["q4_0"].with_suffix(".tmp")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+        params.nthread = threads
+        rc = llama_cpp.llama_model_quantize(str(out["f16"]).encode(), str(tmp).encode(), params)
+        if rc != 0 or not tmp.is_file():
+            raise RuntimeError(f"llama_model_quantize to Q4_0 failed (rc={rc})")
+        tmp.replace(out["q4_0"])
+        print(f"quantized {d.name} -> {out['q4_0'].name} in {time.perf_counter() - t:.0f}s", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- engines
+
+
+@dataclass
+class Run:
+    ttft_s: float
+    decode_s: float
+    tokens: list[list[int]]  # generated ids per sequence (the first one included)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(max(len(t) - 1, 0) for t in self.tokens)
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / max(self.decode_s, 1e-9)
+
+
+class HFEngine:
+    """transformers `generate`, greedy, bf16, SDPA attention (transformers' default), KV cache on."""
+
+    name, bits, kv_bits = "transformers bf16", 16, 16
+
+    def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16):
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        try:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except (ValueError, ImportError):  # an architecture without SDPA support: transformers' eager attention
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+        self.model.eval()
+        self.attn_implementation = self.model.config._attn_implementation
+
+    @torch.inference_mode()
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([seq])).logits[0].float()
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], n: int) -> Run:
+        from transformers.generation.streamers import BaseStreamer
+
+        class Clock(BaseStreamer):
+            calls, first = 0, None
+
+            def put(self, value: Any) -> None:
+                self.calls += 1
+                if self.calls == 2:  # the first call carries the prompt
+                    self.first = time.perf_counter()
+
+            def end(self) -> None:
+                pass
+
+        ids = torch.tensor(prompts)
+        clock = Clock()
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, streamer=clock, pad_token_id=PAD)
+        t1 = time.perf_counter()
+        first = clock.first if clock.first is not None else t1
+        return Run(first - t0, t1 - first, out[:, ids.shape[1]:].tolist())
+
+
+class WaferlineEngine:
+    """waferline.LLM, greedy; timed from its token stream (first token = end of the prefill)."""
+
+    def __init__(self, path: Path, variant: str, **kw: Any):
+        from waferline import LLM
+
+        dtype, bits = {"fp32": ("float32", 16), "bf16": ("bfloat16", 16), "int4": ("bfloat16", 4)}[variant]
+        self.name = f"waferline {variant}"
+        self.bits, self.kv_bits = {"fp32": 32, "bf16": 16, "int4": 4}[variant], 32 if variant == "fp32" else 16
+        self.llm = LLM(str(path), dtype=dtype, weight_bits=bits, **kw)
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        return self.llm.prompt_logprobs(seq).float()  # log-softmax: the same argmax and KL as the logits
+
+    def run(self, prompts: list[list[int]], n: int) -> Run:
+        from waferline import SamplingParams
+
+        t0 = time.perf_counter()
+        first = None
+        toks: list[list[int]] = [[] for _ in prompts]
+        for ev in self.llm.stream(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)):
+            if isinstance(ev, tuple):
+                if first is None:
+                    first = time.perf_counter()
+            else:
+                toks = [list(o.token_ids) for o in ev]
+        t1 = time.perf_counter()
+        first = first or t1
+        return Run(first - t0, t1 - first, toks)
+
+
+class LlamaCppEngine:
+    """llama.cpp through llama-cpp-python's low-level API: one context holding `batch` sequences; the prompts are
+    prefilled together in one llama_decode, then each step decodes one token per sequence (greedy argmax on the
+    returned logits). The same path serves batch 1 and batch 8."""
+
+    def __init__(self, gguf: Path, quant: str, threads: int, max_batch: int, ctx_per_seq: int):
+        lc = _llama_cpp()
+        self.lc, self.name = lc, f"llama.cpp {quant}"
+        self.bits, self.group, self.kv_bits = (16, 128, 16) if quant == "f16" else (4, 32, 16)
+        lc.llama_backend_init()
+        mp = lc.llama_model_default_params()
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = max_batch * (-(-ctx_per_seq // 256) * 256)
+        cp.n_batch = cp.n_ubatch = max(512, max_batch * 64)
+        cp.n_seq_max = max_batch
+        cp.n_threads = cp.n_threads_batch = threads
+        cp.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(cp.n_batch, 0, max_batch)
+        self.n_batch = cp.n_batch
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        b = self.batch
+        for i, (tok, pos, seq, want) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        rc = self.lc.llama_decode(self.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def _argmax(self, rows: int) -> list[int]:
+        import numpy as np
+
+        ptr = self.lc.llama_get_logits(self.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).argmax(axis=1).tolist()
+
+    def logits(self, seq: list[int]) -> torch.Tensor:
+        import numpy as np
+
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        self._decode([(t, i, 0, True) for i, t in enumerate(seq)])
+        ptr = self.lc.llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(seq), self.n_vocab)).copy())
+
+    def run(self, prompts: list[list[int]], n: int) -> Run:
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        B = len(prompts)
+        t0 = time.perf_counter()
+        items = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
+        for c in range(0, len(items), self.n_batch):  # rows of logits come back in batch order
+            self._decode(items[c: c + self.n_batch])
+        last = self._argmax(B) if len(items) <= self.n_batch else None
+        if last is None:
+            raise RuntimeError("prompts larger than one llama.cpp batch")
+        toks = [[t] for t in last]
+        t1 = time.perf_counter()
+        for step in range(1, n):
+            self._decode([(toks[s][-1], len(prompts[s]) + step - 1, s, True) for s in range(B)])
+            for s, t in enumerate(self._argmax(B)):
+                toks[s].append(t)
+        t2 = time.perf_counter()
+        return Run(t1 - t0, t2 - t1, toks)
+
+    def close(self) -> None:
+        lc = self.lc
+        lc.llama_batch_free(self.batch)
+        lc.llama_free(self.ctx)
+        lc.llama_model_free(self.model)
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """Bytes/s moved by a large torch tensor copy (read + write), best of ``reps``."""
+    src = torch.empty(mib << 20, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() / best
+
+
+def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected distinct experts a step of ``batch`` tokens uses when routing is uniform (random weights)."""
+    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
+
+
+def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int) -> float:
+    """Bytes one decode step of ``batch`` sequences reads: weights (no embedding table; idle experts not read) and
+    each sequence's cache at ``context`` tokens."""
+    from waferline.spec.model import MoESpec, quantized_bytes
+
+    embed_bits = 32 if bits == 32 else 16
+    total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
+    for layer in spec.layers:
+        if isinstance(layer.ffn, MoESpec):
+            f = layer.ffn
+            idle = f.num_experts - experts_touched(f.num_experts, f.top_k, batch)
+            total -= idle * quantized_bytes(f.expert_params(), bits, group)
+    return total + batch * spec.cache_bytes_per_seq(context, kv_bits=kv_bits)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass
+class Result:
+    model: str
+    engine: str
+    batch: int
+    best: Run | None = None
+    runs: list[float] = field(default_factory=list)
+    na: str | None = None
+    roofline_tok_s: float | None = None
+    step_MB: float | None = None
+    first_tokens: list[int] | None = None
+    quality: dict | None = None
+
+
+def prompts_for(vocab: int, batch: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def reference(hf_dir: Path, prompt: list[int], n: int) -> dict[str, Any]:
+    """transformers fp32 on the checkpoint: its greedy continuation of ``prompt`` and its logits over prompt +
+    continuation, the yardstick every engine's numerics are compared against."""
+    ref = HFEngine(hf_dir, torch.float32)
+    toks = ref.run([prompt], n).tokens[0]
+    seq = prompt + toks
+    logp = ref.logits(seq).log_softmax(-1)
+    del ref
+    gc.collect()
+    return {"greedy": toks, "seq": seq, "logp": logp}
+
+
+def agreement(ref: dict[str, Any], engine: Any) -> dict[str, Any]:
+    """Teacher-forced on the reference sequence: per position top-1 agreement and KL(ref || engine); plus how many
+    of the free-running greedy tokens equal the reference's before the first difference. Random weights make
+    near-ties (in the logits and in the expert routing) common, so one flipped token is not by itself a bug; a
+    wrong conversion shows as low agreement at most positions."""
+    logp = engine.logits(ref["seq"]).float().log_softmax(-1)
+    r = ref["logp"]
+    top1 = (logp.argmax(-1) == r.argmax(-1)).float().mean().item()
+    kl = (r.exp() * (r - logp)).sum(-1)
+    greedy = engine.run([ref["seq"][: len(ref["seq"]) - len(ref["greedy"])]], len(ref["greedy"])).tokens[0]
+    same = next((i for i, (a, b) in enumerate(zip(ref["greedy"], greedy)) if a != b), len(ref["greedy"]))
+    return {"top1_agree": round(top1, 4), "kl_mean": round(kl.mean().item(), 5), "kl_max": round(kl.max().item(), 4),
+            "positions": len(ref["seq"]), "greedy_same_prefix": same, "greedy_of": len(ref["greedy"])}
+
+
+ENGINE_GROUPS = {"hf": ["hf"], "transformers": ["hf"], "waferline": ["wl_fp32", "wl_bf16", "wl_int4"],
+                 "llamacpp": ["lcpp_f16", "lcpp_q4_0"], "wl_fp32": ["wl_fp32"], "wl_bf16": ["wl_bf16"],
+                 "wl_int4": ["wl_int4"], "lcpp_f16": ["lcpp_f16"], "lcpp_q4_0": ["lcpp_q4_0"], "sol": ["sol"]}
+LABELS = {"hf": "transformers bf16", "wl_fp32": "waferline fp32", "wl_bf16": "waferline bf16",
+          "wl_int4": "waferline int4", "lcpp_f16": "llama.cpp f16", "lcpp_q4_0": "llama.cpp Q4_0"}
+BITS = {"hf": (16, 128, 16), "wl_fp32": (32, 128, 32), "wl_bf16": (16, 128, 16), "wl_int4": (4, 128, 16),
+        "lcpp_f16": (16, 128, 16), "lcpp_q4_0": (4, 32, 16)}
+
+
+def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.Namespace, bw: float,
+                converter: Path | str) -> tuple[list[Result], list[dict], dict]:
+    from waferline.spec.model import ModelSpec
+
+    d = build_checkpoint(name, a.quick, Path(a.cache))
+    hf_dir = d / "hf"
+    spec = ModelSpec.from_pretrained(hf_dir)
+    info = {"model": name, "model_type": spec.hf_config.get("model_type"), "params_M": round(spec.params_total() / 1e6, 1),
+            "active_params_M": round(spec.params_active() / 1e6, 1), "checkpoint": str(hf_dir.relative_to(REPO))
+            if hf_dir.is_relative_to(REPO) else str(hf_dir)}
+    B = max(batches)
+    prompts = prompts_for(spec.vocab_size, B, a.prompt_len)
+    ctx = a.prompt_len + a.new_tokens
+    loaded: dict[str, Any] = {}
+    na: dict[str, str] = {}
+    checks: list[dict] = []
+    quality: dict[str, dict] = {}
+    ref = reference(hf_dir, prompts[0], a.check_tokens) if a.check_tokens else None
+    ggufs: dict[str, Path] = {}
+    if any(e.startswith("lcpp") for e in engines):
+        try:
+            if isinstance(converter, str):
+                raise RuntimeError(converter)
+            ggufs = build_gguf(d, converter, a.threads)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            for e_ in engines:
+                if e_.startswith("lcpp"):
+                    na[e_] = str(e)
+    for e in engines:
+        if e in na:
+            continue
+        t = time.perf_counter()
+        try:
+            if e == "hf":
+                loaded[e] = HFEngine(hf_dir)
+                info["transformers_attn_implementation"] = loaded[e].attn_implementation
+            elif e.startswith("wl_"):
+                loaded[e] = WaferlineEngine(hf_dir, e[3:])
+            else:
+                q = e[5:]
+                loaded[e] = LlamaCppEngine(ggufs[q], q, a.threads, B, max(ctx, a.prompt_len + a.check_tokens) + 16)
+        except Exception as ex:  # noqa: BLE001
+            na[e] = f"{type(ex).__name__}: {ex}"
+            print(f"  {name} {e}: n/a ({na[e]})", flush=True)
+            continue
+        msg = f"  loaded {name} {LABELS[e]} in {time.perf_counter() - t:.1f}s"
+        if ref is not None:
+            try:
+                quality[e] = c = agreement(ref, loaded[e])
+            except Exception as ex:  # noqa: BLE001
+                na[e] = f"{type(ex).__name__}: {ex}"
+                print(f"  {name} {e}: n/a ({na[e]})", flush=True)
+                del loaded[e]
+                continue
+            msg += (f"; vs transformers fp32: top-1 {100 * c['top1_agree']:.0f}% of {c['positions']} positions, "
+                    f"KL {c['kl_mean']:.4f}, greedy {c['greedy_same_prefix']}/{c['greedy_of']} tokens equal")
+            if e == "lcpp_f16":
+                # the yardstick: transformers' own bf16 run of the same checkpoint (random weights make routing and
+                # logits near-ties common, so 16-bit rounding alone moves some tokens); a wrong conversion (e.g. the
+                # wrong routing function) is far worse than that at most positions
+                own = quality.get("hf", {}).get("kl_mean")
+                ok = c["top1_agree"] >= 0.95 or (own is not None and c["kl_mean"] <= own)
+                checks.append(dict(c, engine=LABELS[e], conversion_ok=ok, transformers_bf16_kl_mean=own))
+                msg += f" -> conversion {'OK' if ok else 'SUSPECT'}"
+        print(msg, flush=True)
+    results: list[Result] = []
+    for batch in batches:
+        rows = {e: Result(name, LABELS[e], batch, na=na.get(e)) for e in engines}
+        ps = prompts[:batch]
+        live = dict(loaded)
+        for rep in range(1 + a.repeats):  # a warm-up (allocations, lazy init), then interleaved repeats, best of
+            for e, eng in list(live.items()):
+                try:
+                    r = eng.run(ps, a.new_tokens if rep else min(4, a.new_tokens))
+                except Exception as ex:  # noqa: BLE001 - one engine failing must not end the run
+                    rows[e].na = f"{type(ex).__name__}: {ex}"
+                    print(f"  {name} b={batch} {LABELS[e]}: failed ({rows[e].na})", flush=True)
+                    del live[e]
+                    continue
+                if not rep:
+                    continue
+                rows[e].runs.append(round(r.decode_tok_s, 2))
+                best = rows[e].best
+                if best is None or r.decode_tok_s > best.decode_tok_s:
+                    rows[e].best = Run(min(r.ttft_s, best.ttft_s) if best else r.ttft_s, r.decode_s, r.tokens)
+                elif r.ttft_s < best.ttft_s:
+                    best.ttft_s = r.ttft_s
+        for e in engines:
+            bits, group, kv_bits = BITS[e]
+            sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2)
+            rows[e].roofline_tok_s = batch * bw / sb
+            rows[e].step_MB = sb / 1e6
+            if rows[e].na:
+                rows[e].best = None
+            if rows[e].best is not None:
+                rows[e].first_tokens = rows[e].best.tokens[0][:8]
+            rows[e].quality = quality.get(e)
+            r = rows[e]
+            print(f"  {name:>8} b={batch} {LABELS[e]:<18} " + (
+                f"decode {r.best.decode_tok_s:8.1f} tok/s  TTFT {1e3 * r.best.ttft_s:7.1f} ms  "
+                f"(roofline {r.roofline_tok_s:7.0f})" if r.best else f"n/a: {r.na}"), flush=True)
+            results.append(r)
+    for eng in loaded.values():
+        if isinstance(eng, LlamaCppEngine):
+            eng.close()
+    loaded.clear()
+    gc.collect()
+    return results, checks, info
+
+
+def bench_sol(a: argparse.Namespace) -> list[dict]:
+    """sol-mini, waferline int4 (bf16 compute), batch 1: speculation (MTP / n-gram, k=3) against none, on a
+    held-out Shakespeare prompt (speculation depends on the text; random ids would be meaningless)."""
+    path = REPO / "models" / "sol-mini"
+    if not (path / "config.json").is_file():
+        return [{"variant": "sol-mini", "na": f"{path} not found"}]
+    from waferline import LLM
+
+    text = (path / "heldout.txt").read_text() if (path / "heldout.txt").is_file() else "To be, or not to be: " * 40
+    rows, engines = [], {}
+    for variant, kw in (("int4", {}), ("int4 + MTP k=3", dict(speculative="mtp", num_speculative_tokens=3)),
+                        ("int4 + n-gram k=3", dict(speculative="ngram", num_speculative_tokens=3))):
+        try:
+            llm = LLM(str(path), dtype="bfloat16", weight_bits=4, **kw)
+            eng = WaferlineEngine.__new__(WaferlineEngine)
+            eng.llm, eng.name = llm, f"sol-mini {variant}"
+            engines[variant] = eng
+        except Exception as ex:  # noqa: BLE001
+            rows.append({"variant": variant, "na": f"{type(ex).__name__}: {ex}"})
+    if not engines:
+        return rows
+    prompt = next(iter(engines.values())).llm.encode(text)[: a.prompt_len]
+    best: dict[str, Run] = {}
+    for eng in engines.values():
+        eng.run([prompt], min(4, a.new_tokens))
+    for _ in range(a.repeats):
+        for variant, eng in engines.items():
+            r = eng.run([prompt], a.new_tokens)
+            if variant not in best or r.decode_tok_s > best[variant].decode_tok_s:
+                best[variant] = r
+    base = best.get("int4")
+    for variant, r in best.items():
+        same = base is not None and r.tokens == base.tokens
+        rows.append({"variant": variant, "batch": 1, "decode_tok_s": round(r.decode_tok_s, 1),
+                     "ttft_ms": round(1e3 * r.ttft_s, 1), "same_tokens_as_int4": same,
+                     "target_750": r.decode_tok_s >= 750})
+        print(f"  sol-mini {variant:<18} decode {r.decode_tok_s:8.1f} tok/s per user  TTFT {1e3 * r.ttft_s:6.1f} ms"
+              f"{'' if same else '  (tokens differ from plain int4)'}", flush=True)
+    return rows
+
+
+def targets(rows: list[dict], sol: list[dict]) -> list[dict]:
+    def get(model: str, engine: str, batch: int) -> float | None:
+        return next((r["decode_tok_s"] for r in rows if r["model"] == model and r["engine"] == engine
+                     and r["batch"] == batch and r.get("decode_tok_s")), None)
+
+    out = []
+    for m in sorted({r["model"] for r in rows}):
+        wl, hf = get(m, "waferline bf16", 1), get(m, "transformers bf16", 1)
+        if wl and hf:
+            out.append({"target": f"{m}: waferline bf16 >= 5x transformers bf16 (batch 1)", "value": round(wl / hf, 2),
+                        "met": wl / hf >= 5})
+        if m == "dsv3":
+            w4, q4 = get(m, "waferline int4", 1), get(m, "llama.cpp Q4_0", 1)
+            if w4 and q4:
+                out.append({"target": "dsv3: waferline int4 >= llama.cpp Q4_0 (batch 1)", "value": round(w4 / q4, 2),
+                            "met": w4 >= q4})
+        for e in ("waferline fp32", "waferline bf16", "waferline int4"):
+            b1, b8 = get(m, e, 1), get(m, e, 8)
+            if b1 and b8:
+                out.append({"target": f"{m}: {e} batch 8 aggregate >= 4x batch 1", "value": round(b8 / b1, 2),
+                            "met": b8 / b1 >= 4})
+    spec = [r for r in sol if "+" in r.get("variant", "") and r.get("decode_tok_s")]
+    if spec:
+        bestspec = max(spec, key=lambda r: r["decode_tok_s"])
+        out.append({"target": f"sol-mini int4 + speculation >= 750 tok/s per user ({bestspec['variant']})",
+                    "value": bestspec["decode_tok_s"], "met": bestspec["decode_tok_s"] >= 750})
+    return out
+
+
+def print_tables(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=160)
+    t = Table(title=f"decode speed — {res['threads']} threads, prompt {res['prompt_len']}, {res['new_tokens']} new "
+                    f"tokens, greedy, best of {res['repeats']}; copy bandwidth {res['copy_bandwidth_GBps']} GB/s; "
+                    f"load avg {res['loadavg_start'][0]:.2f} → {res['loadavg_end'][0]:.2f}")
+    for col in ("model", "engine", "batch", "decode tok/s", "per user", "TTFT ms", "vs transformers",
+                "roofline tok/s", "% roofline", "top-1 vs fp32"):
+        t.add_column(col, justify="left" if col in ("model", "engine") else "right")
+    for r in res["rows"]:
+        if r.get("na"):
+            t.add_row(r["model"], r["engine"], str(r["batch"]), "n/a", "", "", "", f"{r['roofline_tok_s']:.0f}", "", "")
+            continue
+        t.add_row(r["model"], r["engine"], str(r["batch"]), f"{r['decode_tok_s']:.1f}", f"{r['per_user_tok_s']:.1f}",
+                  f"{r['ttft_ms']:.0f}", f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else "",
+                  f"{r['roofline_tok_s']:.0f}", f"{100 * r['of_roofline']:.0f}%", _agree(r))
+    con.print(t)
+    if res["sol_mini"]:
+        s = Table(title="sol-mini (trained), waferline int4, batch 1, held-out prompt")
+        for col in ("variant", "decode tok/s per user", "TTFT ms", "same tokens", "≥ 750"):
+            s.add_column(col)
+        for r in res["sol_mini"]:
+            if r.get("na"):
+                s.add_row(r["variant"], "n/a", r["na"][:60], "", "")
+            else:
+                s.add_row(r["variant"], f"{r['decode_tok_s']:.1f}", f"{r['ttft_ms']:.0f}",
+                          str(r["same_tokens_as_int4"]), "yes" if r["target_750"] else "no")
+        con.print(s)
+    for why in sorted({f"{r['engine']}: {r['na']}" for r in res["rows"] if r.get("na")}):
+        con.print(f"n/a — {why}")
+    for c in res["conversion_checks"]:
+        con.print(f"conversion check {c['model']} {c['engine']} vs transformers fp32: top-1 {100 * c['top1_agree']:.0f}% of "
+                  f"{c['positions']} teacher-forced positions, mean KL {c['kl_mean']:.4f}, greedy "
+                  f"{c['greedy_same_prefix']}/{c['greedy_of']} first tokens equal -> "
+                  f"{'OK' if c['conversion_ok'] else 'SUSPECT'}")
+    for g in res["targets"]:
+        con.print(f"[{'green' if g['met'] else 'red'}]{'MET ' if g['met'] else 'NOT '}[/] {g['target']}: {g['value']}")
+
+
+def _agree(r: dict) -> str:
+    q = r.get("vs_fp32_reference")
+    return f"{100 * q['top1_agree']:.0f}%" if q else ""
+
+
+def markdown(res: dict) -> str:
+    lines = ["| model | engine | batch | decode tok/s | per user | TTFT ms | vs transformers | roofline tok/s | "
+             "% of roofline | top-1 vs fp32 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        if r.get("na"):
+            lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | n/a | | | | {r['roofline_tok_s']:.0f} | | |")
+        else:
+            vs = f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else ""
+            lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['decode_tok_s']:.1f} | "
+                         f"{r['per_user_tok_s']:.1f} | {r['ttft_ms']:.0f} | {vs} | {r['roofline_tok_s']:.0f} | "
+                         f"{100 * r['of_roofline']:.0f}% | {_agree(r)} |")
+    if res["sol_mini"]:
+        lines += ["", "| sol-mini (trained), waferline int4, batch 1 | decode tok/s per user | TTFT ms | same tokens as int4 |",
+                  "|---|---|---|---|"]
+        for r in res["sol_mini"]:
+            lines.append(f"| {r['variant']} | n/a: {r['na']} | | |" if r.get("na") else
+                         f"| {r['variant']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['same_tokens_as_int4']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="dsv3,qwen3moe,llama", help="comma list of dsv3,qwen3moe,llama (or 'none')")
+    ap.add_argument("--engines", default="hf,waferline,llamacpp,sol",
+                    help="comma list of hf, waferline (= wl_fp32,wl_bf16,wl_int4), llamacpp (= lcpp_f16,lcpp_q4_0), "
+                         "sol (the sol-mini speculation rows), or single names")
+    ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence (default 128; 8 with --quick)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 with --quick)")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats, best kept (default 2; 1 with --quick)")
+    ap.add_argument("--check-tokens", type=int, default=16, help="greedy tokens of the transformers fp32 reference "
+                    "each engine is checked against (teacher-forced top-1 / KL and free-running greedy); 0 = no check")
+    ap.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
+    ap.add_argument("--quick", action="store_true", help="tiny models and a few tokens: a smoke test")
+    ap.add_argument("--cache", default=str(CACHE), help="where checkpoints and GGUF files are kept (benchmarks/.cache)")
+    ap.add_argument("--llama-cpp-src", default=None, help="llama.cpp source dir with convert_hf_to_gguf.py "
+                    "(default: $LLAMA_CPP_SRC, else extracted from the llama-cpp-python sdist)")
+    ap.add_argument("--llama-cpp-sdist", default=None, help="path of the llama-cpp-python sdist (.tar.gz)")
+    ap.add_argument("--json", default=None, help="output (default benchmarks/results/decode_speed.json; "
+                    "decode_speed_quick.json with --quick)")
+    a = ap.parse_args()
+    a.new_tokens = a.new_tokens or (8 if a.quick else 128)
+    a.prompt_len = a.prompt_len or (16 if a.quick else 64)
+    a.repeats = a.repeats or (1 if a.quick else 2)
+    a.json = a.json or str(ROOT / "results" / ("decode_speed_quick.json" if a.quick else "decode_speed.json"))
+    models = [m for m in a.models.split(",") if m and m != "none"]
+    for m in models:
+        if m not in MODELS:
+            ap.error(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
+    engines: list[str] = []
+    for e in a.engines.split(","):
+        if e not in ENGINE_GROUPS:
+            ap.error(f"unknown engine {e!r}: choose from {', '.join(ENGINE_GROUPS)}")
+        engines += [x for x in ENGINE_GROUPS[e] if x not in engines]
+    batches = [int(b) for b in a.batch.split(",")]
+    torch.set_num_threads(a.threads)
+    Path(a.cache).mkdir(parents=True, exist_ok=True)
+
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s, load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    converter: Path | str = "not needed"
+    if any(e.startswith("lcpp") for e in engines):
+        try:
+            _llama_cpp()
+            converter = find_converter(a.llama_cpp_src, a.llama_cpp_sdist, Path(a.cache))
+        except ImportError as ex:
+            converter = f"llama-cpp-python is not installed (pip install -e '.[bench]'): {ex}"
+        except Exception as ex:  # noqa: BLE001
+            converter = str(ex)
+    all_rows: list[Result] = []
+    checks: list[dict] = []
+    infos: list[dict] = []
+    model_engines = [e for e in engines if e != "sol"]
+    for m in models:
+        if not model_engines:
+            break
+        print(f"== {m}", flush=True)
+        rows, ch, info = bench_model(m, model_engines, batches, a, bw, converter)
+        all_rows += rows
+        checks += [dict(c, model=m) for c in ch]
+        infos.append(info)
+    sol: list[dict] = []
+    if "sol" in engines:
+        print("== sol-mini", flush=True)
+        sol = bench_sol(a)
+    load1 = os.getloadavg()
+    bw_end = copy_bandwidth()
+    if bw_end > bw:  # the better of the two measurements: the machine may be shared
+        bw = bw_end
+    for r in all_rows:
+        r.roofline_tok_s = r.batch * bw / (r.step_MB * 1e6)
+
+    rows = []
+    for r in all_rows:
+        row: dict[str, Any] = {"model": r.model, "engine": r.engine, "batch": r.batch,
+                               "roofline_tok_s": round(r.roofline_tok_s, 1), "bytes_per_step_MB": round(r.step_MB, 2)}
+        if r.best is None:
+            row["na"] = r.na or "not measured"
+        else:
+            row.update(decode_tok_s=round(r.best.decode_tok_s, 2), per_user_tok_s=round(r.best.decode_tok_s / r.batch, 2),
+                       ttft_ms=round(1e3 * r.best.ttft_s, 1), of_roofline=round(r.best.decode_tok_s / r.roofline_tok_s, 3),
+                       repeats_tok_s=r.runs, first_tokens=r.first_tokens)
+        if r.quality:
+            row["vs_fp32_reference"] = r.quality
+        rows.append(row)
+    for row in rows:
+        base = next((x for x in rows if x["model"] == row["model"] and x["batch"] == row["batch"]
+                     and x["engine"] == "transformers bf16" and x.get("decode_tok_s")), None)
+        if base and row.get("decode_tok_s"):
+            row["vs_transformers"] = round(row["decode_tok_s"] / base["decode_tok_s"], 2)
+    import transformers
+
+    res = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu": _cpu_name(), "cpus": os.cpu_count()},
+        "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in load1],
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "llama_cpp_python": llama_cpp_version(),
+                     "waferline": _waferline_version()},
+        "threads": a.threads, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "repeats": a.repeats,
+        "quick": a.quick, "copy_bandwidth_GBps": round(bw / 1e9, 2), "models": infos,
+        "llama_cpp_converter": str(converter),
+        "notes": [
+            "Random weights give near-uniform expert routing: at batch > 1 a step touches more distinct experts than a "
+            "trained model usually would, and the roofline assumes the uniform-routing expectation E(1-(1-k/E)^B).",
+            "decode tok/s = generated tokens after the first of each sequence / time after TTFT, aggregate over the "
+            "batch; TTFT includes the prefill of every prompt of the batch. Best of the repeats; the machine may be shared.",
+            "transformers: generate(), bf16, attn_implementation='sdpa', greedy, min_new_tokens = max_new_tokens.",
+            "llama.cpp: llama-cpp-python low-level API, one context with n_seq_max = batch, prompts prefilled in one "
+            "llama_decode, greedy argmax in numpy; GGUF f16 from convert_hf_to_gguf.py (pre-tokenizer set to 'gpt-2' "
+            "for our synthetic tokenizer), Q4_0 from llama_model_quantize with default params (llama.cpp's choice "
+            "of types for the output/embedding tensors).",
+            "roofline: ModelSpec weight accounting (embedding table excluded; Q4_0 approximated as 4 bits + one 16-bit "
+            "scale per 32 weights, waferline int4 as group 128) + KV cache at the mean context, over the measured "
+            "torch copy bandwidth (read + write bytes).",
+        ],
+        "rows": rows, "sol_mini": sol, "conversion_checks": checks, "targets": targets(rows, sol),
+        "wall_s": round(time.perf_counter() - t_start, 1),
+    }
+    print_tables(res)
+    print("\n" + markdown(res))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(res, indent=2))
+    print(f"wrote {a.json} ({res['wall_s']:.0f}s)")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _waferline_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        v = version("waferline")
+    except Exception:  # noqa: BLE001
+        v = "?"
+    try:
+        sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "src"], capture_output=True,
+                               text=True).stdout.strip()
+        return f"{v} ({sha}{' + uncommitted src changes' if dirty else ''})"
+    except OSError:
+        return v
+
+
+if __name__ == "__main__":
+    main()
