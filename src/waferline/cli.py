@@ -14,18 +14,26 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from waferline.engine.sampling import SamplingParams
 
     pipe: dict = {}
-    if args.stages is not None or args.layers_per_stage is not None:  # pipeline of stage processes
+    if args.afd or args.attention_ranks is not None or args.ffn_ranks is not None:  # attention/FFN disaggregation
+        if args.stages is not None or args.layers_per_stage is not None:
+            raise WaferlineError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
+        pipe = {"afd": True, "attention_ranks": args.attention_ranks or 1, "ffn_ranks": args.ffn_ranks or 1,
+                "micro_batches": args.micro_batches}
+    elif args.stages is not None or args.layers_per_stage is not None:  # pipeline of stage processes
         if args.stages is not None and args.layers_per_stage is not None:
             raise WaferlineError("give --stages S or --layers-per-stage K, not both")
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
-            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
+                                  speculative=args.speculative)
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
     elif args.micro_batches is not None:
-        raise WaferlineError("--micro-batches needs --stages S or --layers-per-stage K")
+        raise WaferlineError("--micro-batches needs --stages S, --layers-per-stage K or --afd")
     if args.speculative:
         pipe.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    if args.head_bits != 16:
+        pipe["head_bits"] = args.head_bits
     llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=args.group_size, **pipe)
     prompt: str | list[int]
     if args.prompt_ids is not None:
@@ -78,7 +86,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
                     prompt=args.prompt, model=args.model, weight_bits=args.weight_bits,
-                    layers_per_stage=args.layers_per_stage)
+                    layers_per_stage=args.layers_per_stage, speculative=args.speculative,
+                    num_speculative_tokens=args.num_speculative_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,14 +111,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
                    help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint; int4 checkpoints load as int4)")
     g.add_argument("--group-size", type=int, default=128, help="int4 group size for --weight-bits 4 (default 128)")
+    g.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
+                   help="8 = int8 LM head (per-row scales; halves the largest matrix read per token of a small model), "
+                        "16 = as loaded (default); single-process engine only")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
     g.add_argument("--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)")
-    g.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight in the pipeline (default: stages)")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help="micro-batches in flight in the pipeline (default: stages); with --afd, micro-batches "
+                        "ping-ponging between attention and FFN ranks (default 2)")
+    g.add_argument("--afd", action="store_true",
+                   help="attention/FFN disaggregation: attention ranks (mixers, caches, sampling) and FFN ranks (experts "
+                        "sharded by expert) as processes, two micro-batches ping-ponging (see docs/afd.md)")
+    g.add_argument("--attention-ranks", type=int, default=None, metavar="M",
+                   help="with --afd: attention ranks, each serving every layer for its share of the sequences (default 1)")
+    g.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+                   help="with --afd: FFN ranks; MoE experts are split across them, unevenly when N does not divide "
+                        "the expert count (default 1)")
     g.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="speculative decoding (exact): ngram | mtp | draft:PATH (a checkpoint sharing the tokenizer)")
+                   help="speculative decoding (exact): ngram | mtp | draft:PATH (a checkpoint sharing the tokenizer); "
+                        "also under --stages / --layers-per-stage (MTP then drafts on the last stage)")
     g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="most draft tokens per step (default 4; adapted to the observed acceptance)")
+                   help="most draft tokens per step (default 4; adapted to the observed acceptance and the measured "
+                        "cost of a step)")
     g.set_defaults(func=_cmd_generate)
 
     i = sub.add_parser("info", help="architecture and accounting of a checkpoint dir or config.json",
@@ -131,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layers per pipeline stage process (default 1: one wafer, one layer); 0 = single process")
     d.add_argument("--weight-bits", type=int, default=4, choices=[4, 16], help="4 = int4 weights, RTN on load (default), 16 = bf16 file as is")
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
+    d.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="exact speculative decoding through the pipeline: ngram (prompt lookup, drafted on stage 0) | "
+                        "mtp (sol-mini's MTP head, drafted on the last stage) | draft:PATH (a checkpoint sharing the "
+                        "tokenizer); the demo then reports acceptance and mean accepted length")
+    d.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="most draft tokens per step with --speculative (default 3; adapted to the observed acceptance "
+                        "and the measured cost of a step)")
     d.set_defaults(func=_cmd_demo)
 
     import importlib

@@ -73,16 +73,29 @@ class LLM:
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
                  stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
-                 weight_bits: int = 16, group_size: int = 128, speculative: str | None = None,
+                 weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True, **pipeline_options: Any):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if weight_bits not in (16, 4):
             raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")
+        if head_bits not in (16, 8):
+            raise ConfigError(f"head_bits must be 16 or 8, got {head_bits}")
+        if head_bits != 16 and (stages is not None or layers_per_stage is not None or pipeline_options):
+            raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
         self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
-        if stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
+        if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd.py)
+            from waferline.engine.afd import AFD
+
+            if stages is not None or layers_per_stage is not None or speculative or weight_bits != 16:
+                raise ConfigError("afd runs 16-bit weights without stages, layers_per_stage or speculative decoding; "
+                                  "drop those options (or drop afd / attention_ranks / ffn_ranks)")
+            self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **pipeline_options)
+            self.model = None  # the layers live in the attention and FFN ranks
+            self.spec = self._pipeline.spec
+        elif stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
             from waferline.engine.pipeline import Pipeline
 
             if weight_bits == 4 and not _is_int4_checkpoint(self.path):
@@ -90,7 +103,9 @@ class LLM:
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
 
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
-                                      micro_batches=micro_batches, **pipeline_options)
+                                      micro_batches=micro_batches, speculative=speculative,
+                                      num_speculative_tokens=num_speculative_tokens,
+                                      speculative_adaptive=speculative_adaptive, **pipeline_options)
             self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
             self.spec = self._pipeline.spec
         else:
@@ -102,14 +117,12 @@ class LLM:
 
             if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
+            self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
         self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
         self._spec = None  # speculative decoding (engine/speculative.py): "ngram" | "mtp" | "draft:PATH"
-        if speculative:
-            if self._pipeline is not None:
-                raise ConfigError("speculative decoding does not run under the pipeline engine yet; drop stages / "
-                                  "layers_per_stage, or drop speculative")
+        if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline.py)
             from waferline.engine.speculative import Speculator
 
             self._spec = Speculator(self.model, speculative, num_speculative_tokens, self.dtype, speculative_adaptive)
@@ -205,11 +218,11 @@ class LLM:
         ttft = time.perf_counter() - t0
         logits = torch.stack(last)
         lengths = [len(p) for p in ids]
+        rows = list(range(B))  # logits row i belongs to sequence rows[i]
         while True:
-            for b in range(B):
-                if done[b]:
-                    continue
-                tok = sample(logits[b], params, gens[b])
+            greedy = logits.argmax(-1).tolist() if params.temperature == 0 else None  # one op for the whole batch
+            for i, b in enumerate(rows):
+                tok = greedy[i] if greedy is not None else sample(logits[i], params, gens[b])
                 out[b].append(tok)
                 yield b, tok
                 if tok in stop_ids:
@@ -224,9 +237,7 @@ class LLM:
             toks = torch.tensor([[out[b][-1]] for b in active])
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
             h = self.model(toks, caches, batch)
-            step_logits = self.model.logits(h[:, 0])
-            logits = torch.zeros(B, step_logits.shape[-1])
-            logits[active] = step_logits
+            logits, rows = self.model.logits(h[:, 0]), active
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 
@@ -254,6 +265,17 @@ class LLM:
             return False
         tail = self.decode(toks[-16:])
         return any(s in tail for s in stops)
+
+
+def _wants_afd(options: dict[str, Any]) -> bool:
+    """afd=True, attention_ranks / ffn_ranks, or a Plan with attention and FFN stages (removes the ``afd`` flag)."""
+    if options.pop("afd", False) or options.get("attention_ranks") is not None or options.get("ffn_ranks") is not None:
+        return True
+    if options.get("plan") is None:
+        return False
+    from waferline.engine.afd import is_afd_plan
+
+    return is_afd_plan(options["plan"])
 
 
 def _is_int4_checkpoint(directory: Path) -> bool:
