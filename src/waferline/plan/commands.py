@@ -44,6 +44,11 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--batch", type=int, default=1, help="sequences resident at once (memory sizing)")
     p.add_argument("--layers-per-stage", type=int, default=None, help="K layers per stage (default: as many as fit)")
     p.add_argument("--afd", action="store_true", help="attention/FFN disaggregation: separate attention and FFN device pools")
+    p.add_argument("--attention-ranks", type=int, default=None, metavar="M",
+                   help="with --afd: M attention ranks, each holding every layer's mixer for its share of the sequences "
+                        "(the layout the engine's `generate --afd` runs)")
+    p.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+                   help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default min(batch, stages))")
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -65,7 +70,8 @@ def _make_plan(args: argparse.Namespace, context: int):
     batch = max(args.batch, getattr(args, "concurrency", None) or 1)  # size memory for every concurrent sequence
     return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
                  context=context, batch=batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
-                 micro_batches=args.micro_batches, speculative=_spec_cfg(args))
+                 micro_batches=args.micro_batches, speculative=_spec_cfg(args),
+                 attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
