@@ -227,6 +227,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer cases")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--batch", type=int, default=None, help="sequences in the throughput runs (default 64; 16 with --quick)")
+    ap.add_argument("--cases", default=None,
+                    help="throughput cases as S:M:threads,... (threads 0 = all cores in one process); default "
+                         "1:1:1,1:1:0,2:1:1,2:2:1,2:4:1,4:4:1,L:L:1")
+    ap.add_argument("--no-latency", action="store_true", help="skip the per-token latency runs")
     args = ap.parse_args()
     from waferline.engine.pipeline import stage_ranges
     from waferline.model.init import write_random_checkpoint
@@ -262,9 +267,12 @@ def main() -> int:
 
         # aggregate decode throughput vs S and M (many sequences: compute-bound micro-batches)
         B, P, O = (16, 16, 12) if args.quick else (64, 16, 12)
+        B = args.batch or B
         cases = [(1, 1, 1), (1, 1, 0), (2, 1, 1), (2, 2, 1), (2, 4, 1)]
         if not args.quick:
             cases += [(4, 4, 1), (L, L, 1)]
+        if args.cases:
+            cases = [tuple(L if v == "L" else int(v) for v in c.split(":")) for c in args.cases.split(",")]
         print(f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each (threads = per stage; 0 = all cores "
               "in one process; CPU s = CPU time of all stage processes in the run; cores = CPU s / wall: below S means "
               "the stages were starved by other work on the machine):")
@@ -290,7 +298,7 @@ def main() -> int:
         # per-token latency vs S: one sequence, nothing to overlap with
         print("\nper-token latency, 1 sequence (M = 1):")
         print(f"{'S':>3} {'ms/token':>9} {'sim ms/token':>13}")
-        for S in ([1, 2, 4, L] if not args.quick else [1, 2, L]):
+        for S in ([] if args.no_latency else [1, 2, 4, L] if not args.quick else [1, 2, L]):
             r = run_case(path, S, 1, 1, P, 2 * O, 1)
             lat = 1.0 / r["tokens_per_s_per_user"] if r["tokens_per_s_per_user"] else float("nan")
             sim = predict(spec, stage_ranges(L, stages=S), 1, 1, P, 2 * O, cpu_hardware(S, flops, bw, hop_lat, hop_bw))
