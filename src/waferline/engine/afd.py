@@ -47,14 +47,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from waferline.engine.pipeline import (DECODE, DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, DONE, PREFILL, START_TIMEOUT_S,
-                                       WATCH_INTERVAL_S, Pipeline, StageError, _describe_exit, _main_hidden, _reap,
-                                       _safe_status, _Seq)
+from waferline.engine.pipeline import (DECODE, DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, DONE, PREFILL,
+                                       WATCH_INTERVAL_S, Pipeline, StageError, _main_hidden, _reap, _Seq)
 from waferline.engine.sampling import SamplingParams, make_generator
-from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ABORTED, EXIT_ERROR, EXIT_PEER_LOST,
+from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ERROR,
                                     FEEDBACK, SHUTDOWN, STEP, Control, Group, Link, MicroBatch, PeerLost, StageRunner,
-                                    _client_of, _publisher, ctl_safe_set, decode_feedback, json_meta, make_group, meta_json)
-from waferline.errors import ConfigError, WaferlineError
+                                    _client_of, _publisher, decode_feedback, json_meta, make_group, meta_json,
+                                    worker_failed)
+from waferline.errors import ConfigError
 from waferline.model.moe import MoE
 from waferline.plan.place import expert_split, ffn_owner
 
@@ -780,13 +780,8 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
             else:
                 raise RuntimeError(f"protocol error: unexpected message kind {kind}")
             state["processed"] += 1
-    except PeerLost as e:
-        ctl_safe_set(ctl, "status", rank, f"lost a neighbour: {str(e)[:300]}")
-        return EXIT_PEER_LOST
     except Exception as e:
-        ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
-        return EXIT_ERROR
+        return worker_failed(ctl, rank, e)
 
 
 def worker_main(rank: int, load: dict[str, Any], run_id: str, threads: int, driver_pid: int) -> None:
@@ -910,51 +905,19 @@ class AFD(Pipeline):
             try:
                 box["pg"] = make_group(self.store, f"waferline/{self.run_id}/afd", 0, self.layout.world,
                                        torch.device("cpu"), True)
-            except BaseException as e:  # noqa: BLE001 - re-raised below
+            except BaseException as e:  # noqa: BLE001 - re-raised by _connect_watching
                 box["error"] = e
 
-        t = threading.Thread(target=build, daemon=True, name="waferline-afd-connect")
-        t.start()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while t.is_alive():
-            t.join(0.05)
-            if t.is_alive():
-                self._check_starting("connect to the other ranks")
-                if time.monotonic() > deadline:
-                    raise AFDError(f"the AFD ranks did not connect within {START_TIMEOUT_S:.0f} s")
-        if "error" in box:
-            raise AFDError(f"attention rank 0 could not connect to the other ranks: {box['error']}")
+        self._connect_watching(build, box)
         self.link = AFLink(box["pg"], Clock())
 
-    def _check_starting(self, doing: str, pending: set[int] | None = None) -> None:
-        from waferline import errors
+    # fault messages name ranks the AFD way (the Pipeline's start-up checks and diagnosis use these)
+    _error_cls = AFDError
+    _peers_name = "ranks"
+    _engine_name = "AFD"
 
-        for r in range(1, self.layout.world):
-            status = self.ctl.get("status", r)
-            if status is not None:
-                name, _, msg = status.partition(": ")
-                cls = getattr(errors, name, None)
-                if isinstance(cls, type) and issubclass(cls, WaferlineError):
-                    raise cls(f"{self.layout.describe(r)}: {msg}")
-                raise AFDError(f"{self.layout.describe(r)} failed: {status}")
-        for r, p in enumerate(self._procs, start=1):
-            if (pending is None or r in pending) and p.exitcode is not None:
-                raise AFDError(f"{self.layout.describe(r)} exited with {_describe_exit(p.exitcode)} before it could "
-                               f"{doing}; see its output above")
-
-    def _wait_for(self, what: str, doing: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        pending = set(range(1, self.layout.world))
-        while pending:
-            for r in sorted(pending):
-                if self.ctl.get(what, r) is not None:
-                    pending.discard(r)
-            self._check_starting(doing, pending)
-            if pending and time.monotonic() > deadline:
-                raise AFDError(f"{', '.join(self.layout.describe(r) for r in sorted(pending))} did not {doing} "
-                               f"within {START_TIMEOUT_S:.0f} s")
-            if pending:
-                time.sleep(0.02)
+    def _rank_name(self, r: int) -> str:
+        return self.layout.describe(r)
 
     # ------------------------------------------------------------ watchdog
     def _watch(self) -> None:
@@ -994,23 +957,6 @@ class AFD(Pipeline):
                 self._kill_all()
                 return
 
-    def _diagnose(self, ctl: Control) -> str | None:
-        """Name the rank that failed first (a rank that only lost a peer is not the cause)."""
-        dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
-        if dead:
-            time.sleep(0.3)  # let the cause's exit be reaped too before choosing
-            dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
-            cause = [(r, p) for r, p in dead if p.exitcode not in (EXIT_PEER_LOST, EXIT_ABORTED)] or dead
-            r, p = cause[0]
-            status = _safe_status(ctl, r)
-            detail = f": {status}" if status and p.exitcode != EXIT_PEER_LOST else ""
-            return f"{self.layout.describe(r)} (pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
-        for r in range(1, self.layout.world):
-            status = _safe_status(ctl, r)
-            if status is not None and not status.startswith("lost a neighbour"):
-                return f"{self.layout.describe(r)} failed: {status}"
-        return None
-
     def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
         """The Pipeline's guard (lock, fault naming, Ctrl-C shutdown), raising AFDError for every rank failure."""
         try:
@@ -1019,21 +965,6 @@ class AFD(Pipeline):
             if isinstance(e, AFDError):
                 raise
             raise AFDError(str(e)) from None
-
-    def _failed(self, err: BaseException) -> StageError:
-        deadline = time.monotonic() + 3.0
-        while self._fault is None and time.monotonic() < deadline and self._watcher is not None and self._watcher.is_alive():
-            time.sleep(0.05)
-        reason = self._fault
-        if reason is None:
-            try:
-                reason = self._diagnose(self.ctl)
-            except Exception:
-                reason = None
-        reason = reason or f"a rank stopped answering ({str(err).splitlines()[0][:200]})"
-        self._broken = AFDError(f"AFD failed: {reason}. Every rank was stopped; create a new LLM to continue.")
-        self._shutdown_now()
-        return self._broken
 
     # ------------------------------------------------------------ scheduling
     def _rank_of(self, i: int) -> int:

@@ -297,29 +297,42 @@ class Pipeline:
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 box["error"] = e
 
-        t = threading.Thread(target=build, daemon=True, name="waferline-pipeline-connect")
+        self._connect_watching(build, box)
+        self.act, self.fb = Link(box["act"], self.device), Link(box["fb"], self.device)
+
+    # the names a fault message uses; AFD (engine/afd.py) overrides these three
+    _error_cls = StageError
+    _peers_name = "stages"
+    _engine_name = "pipeline"
+
+    def _rank_name(self, r: int) -> str:
+        return f"stage {r} ({_layers(self.ranges[r])})"
+
+    def _connect_watching(self, build: Any, box: dict[str, Any]) -> None:
+        """Run ``build`` (which makes the process groups, storing them or an ``"error"`` in ``box``) in a thread while
+        watching the other processes: one that fails or dies meanwhile raises instead of a hang."""
+        t = threading.Thread(target=build, daemon=True, name="waferline-connect")
         t.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while t.is_alive():
             t.join(0.05)
             if t.is_alive():
-                self._check_starting("connect to the other stages")
+                self._check_starting(f"connect to the other {self._peers_name}")
                 if time.monotonic() > deadline:
-                    raise StageError(f"the stages did not connect within {START_TIMEOUT_S:.0f} s")
+                    raise self._error_cls(f"the {self._peers_name} did not connect within {START_TIMEOUT_S:.0f} s")
         if "error" in box:
-            raise StageError(f"stage 0 could not connect to the other stages: {box['error']}")
-        self.act, self.fb = Link(box["act"], self.device), Link(box["fb"], self.device)
+            raise self._error_cls(f"{self._rank_name(0)} could not connect to the other {self._peers_name}: {box['error']}")
 
     def _check_starting(self, doing: str, pending: set[int] | None = None) -> None:
         """Raise if a worker stage reported an error or (local) exited while starting."""
         for r in range(1, self.num_stages):
             status = self.ctl.get("status", r)
             if status is not None:
-                raise _status_error(r, self.ranges[r], status)
+                raise _status_error(self._rank_name(r), status, self._error_cls)
         for r, p in enumerate(self._procs, start=1):
             if (pending is None or r in pending) and p.exitcode is not None:
-                raise StageError(f"stage {r} ({_layers(self.ranges[r])}) exited with {_describe_exit(p.exitcode)} "
-                                 f"before it could {doing}; see its output above")
+                raise self._error_cls(f"{self._rank_name(r)} exited with {_describe_exit(p.exitcode)} "
+                                      f"before it could {doing}; see its output above")
 
     def _wait_for(self, what: str, doing: str) -> None:
         """Wait until every worker stage has set key ``what``; a stage that fails or dies meanwhile raises."""
@@ -331,7 +344,8 @@ class Pipeline:
                     pending.discard(r)
             self._check_starting(doing, pending)
             if pending and time.monotonic() > deadline:
-                raise StageError(f"stage(s) {sorted(pending)} did not {doing} within {START_TIMEOUT_S:.0f} s")
+                raise self._error_cls(f"{', '.join(self._rank_name(r) for r in sorted(pending))} did not {doing} "
+                                      f"within {START_TIMEOUT_S:.0f} s")
             if pending:
                 time.sleep(0.02)
 
@@ -385,11 +399,11 @@ class Pipeline:
             r, p = cause[0]
             status = _safe_status(ctl, r)
             detail = f": {status}" if status and p.exitcode not in (EXIT_PEER_LOST,) else ""
-            return f"stage {r} ({_layers(self.ranges[r])}, pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
+            return f"{self._rank_name(r)} (pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
         for r in range(1, self.num_stages):
             status = _safe_status(ctl, r)
             if status is not None and not status.startswith("lost a neighbour"):
-                return f"stage {r} ({_layers(self.ranges[r])}) failed: {status}"
+                return f"{self._rank_name(r)} failed: {status}"
         return None
 
     def _kill_all(self) -> None:
@@ -416,8 +430,10 @@ class Pipeline:
                 reason = self._diagnose(self.ctl)
             except Exception:
                 reason = None
-        reason = reason or f"a stage stopped answering ({str(err).splitlines()[0][:200]})"
-        self._broken = StageError(f"pipeline failed: {reason}. Every stage was stopped; create a new LLM to continue.")
+        one = self._peers_name[:-1]
+        reason = reason or f"a {one} stopped answering ({str(err).splitlines()[0][:200]})"
+        self._broken = self._error_cls(f"{self._engine_name} failed: {reason}. Every {one} was stopped; create a new "
+                                       "LLM to continue.")
         self._shutdown_now()
         return self._broken
 
@@ -885,13 +901,13 @@ def _safe_status(ctl: Control, r: int) -> str | None:
         return None
 
 
-def _status_error(r: int, rng: tuple[int, int], status: str) -> WaferlineError:
-    """Re-raise a stage's load error with its own class when it is a WaferlineError (e.g. CheckpointError)."""
+def _status_error(who: str, status: str, fallback: type[WaferlineError] = StageError) -> WaferlineError:
+    """Re-raise a worker's load error with its own class when it is a WaferlineError (e.g. CheckpointError)."""
     name, _, msg = status.partition(": ")
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, WaferlineError):
-        return cls(f"stage {r} ({_layers(rng)}): {msg}")
-    return StageError(f"stage {r} ({_layers(rng)}) failed: {status}")
+        return cls(f"{who}: {msg}")
+    return fallback(f"{who} failed: {status}")
 
 
 def _env_run_id() -> str:

@@ -482,13 +482,18 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                 else:
                     act.send(rank + 1, STEP, meta, hs + ([extra] if extra.numel() else []))
             state["processed"] += 1
-    except PeerLost as e:
+    except Exception as e:
+        return worker_failed(ctl, rank, e)
+
+
+def worker_failed(ctl: "Control", rank: int, e: Exception) -> int:
+    """Publish why a worker's serve loop ended (a lost neighbour is not the cause of a fault) and pick its exit code."""
+    if isinstance(e, PeerLost):
         ctl_safe_set(ctl, "status", rank, f"lost a neighbour: {str(e)[:300]}")
         return EXIT_PEER_LOST
-    except Exception as e:
-        ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
-        return EXIT_ERROR
+    ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
+    traceback.print_exc()
+    return EXIT_ERROR
 
 
 def check_mtp(model: Any, path: Any) -> None:
