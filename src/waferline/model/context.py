@@ -42,22 +42,27 @@ class StepBatch:
     @property
     def end(self) -> int:
         """One past the last position any row writes: max(start) + T."""
-        if self.host_start is not None:
-            return max(self.host_start) + self.T
-        return int(self.start.max()) + self.T
+        if "end" not in self.memo:
+            top = max(self.host_start) if self.host_start is not None else int(self.start.max())
+            self.memo["end"] = top + self.T
+        return self.memo["end"]
 
     @property
     def slot0(self) -> int | None:
         """The first slot when the rows' slots are consecutive (s0, s0+1, ...): the cache rows are then a view."""
-        s = self.host_slots
-        if s is None or any(b != s[0] + i for i, b in enumerate(s)):
-            return None
-        return s[0]
+        if "slot0" not in self.memo:
+            s = self.host_slots
+            consecutive = s is not None and all(b == s[0] + i for i, b in enumerate(s))
+            self.memo["slot0"] = s[0] if consecutive else None
+        return self.memo["slot0"]
 
     @property
     def uniform(self) -> bool:
         """Every row starts at the same position (no ragged lengths: causal masks are the same for all rows)."""
-        return self.host_start is not None and all(x == self.host_start[0] for x in self.host_start)
+        if "uniform" not in self.memo:
+            h = self.host_start
+            self.memo["uniform"] = h is not None and all(x == h[0] for x in h)
+        return self.memo["uniform"]
 
     @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> "StepBatch":
