@@ -1,4 +1,4 @@
-"""The `waferline` command line: generate, demo, info, and the planner's plan / simulate / validate / calibrate."""
+"""The `waferline` command line: generate, demo, info, quantize, serve, and the planner's plan / simulate / validate / calibrate / twin."""
 
 from __future__ import annotations
 
