@@ -1087,25 +1087,8 @@ class AFD(Pipeline):
         return {"ranks": {self.layout.describe(r): c for r, c in ranks.items()}, "sides": sides}
 
     # ------------------------------------------------------------ shutdown
-    def close(self) -> None:
-        """Stop every rank: SHUTDOWN to each; ranks that do not exit within 5 s are killed."""
-        if self._closed:
-            return
-        idle = self._lock.acquire(timeout=2.0)
-        try:
-            self._closed = True
-            self._stop_watch.set()
-            if idle and self._broken is None:
-                try:
-                    for r in range(1, self.layout.world):
-                        (self.link.send if r < self.M else self.link.send_slot)(r, SHUTDOWN, [])
-                    self.link.flush()
-                except Exception:
-                    pass
-                for p in self._procs:
-                    p.join(timeout=5)
-            self._kill_all()
-            self._finalizer.detach()
-        finally:
-            if idle:
-                self._lock.release()
+    def _send_shutdown(self) -> None:
+        """SHUTDOWN to every rank (the Pipeline's close() calls this)."""
+        for r in range(1, self.layout.world):
+            (self.link.send if r < self.M else self.link.send_slot)(r, SHUTDOWN, [])
+        self.link.flush()

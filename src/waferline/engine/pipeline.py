@@ -799,8 +799,13 @@ class Pipeline:
         self._stop_watch.set()
         self._kill_all()
 
+    def _send_shutdown(self) -> None:
+        """Ask the workers to exit (AFD overrides: a SHUTDOWN to every rank)."""
+        self.act.send(1, SHUTDOWN, [])  # it travels the chain
+        self.act.flush()
+
     def close(self) -> None:
-        """Stop every stage: a SHUTDOWN travels the chain; stages that do not exit within 5 s are killed."""
+        """Stop every worker: SHUTDOWN (``_send_shutdown``); workers that do not exit within 5 s are killed."""
         if self._closed:
             return
         idle = self._lock.acquire(timeout=2.0)  # a call still running in another thread: no graceful shutdown
@@ -809,8 +814,7 @@ class Pipeline:
             self._stop_watch.set()
             if idle and self.num_stages > 1 and self._broken is None:
                 try:
-                    self.act.send(1, SHUTDOWN, [])
-                    self.act.flush()
+                    self._send_shutdown()
                 except Exception:
                     pass
                 for p in self._procs:
