@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from waferline.sim.measure import measure_parallel_ceiling
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_speed.json"
 
@@ -68,44 +70,6 @@ def measure_core() -> tuple[float, float]:
     bw = 5 * 2 * x.numel() * 4 / (time.perf_counter() - t)
     torch.set_num_threads(old)
     return flops, bw
-
-
-def _gemm_worker(seconds: float, q) -> None:
-    torch.set_num_threads(1)
-    a, b = torch.randn(32, 1024), torch.randn(1024, 4096)  # a 32-row micro-batch through a 1024 x 4096 FFN matrix
-    for _ in range(3):
-        a @ b
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        a @ b
-        n += 1
-    q.put(n / (time.perf_counter() - t0))
-
-
-def measure_parallel_ceiling(seconds: float = 3.0) -> dict:
-    """The most any 2-stage pipeline can gain on this machine: the same single-thread GEMM loop (the shape of a stage's
-    work) in one process alone, then in one process per core at once. Aggregate rate (all) / rate (one alone) is the
-    ceiling; on a machine whose cores share execution units (SMT siblings, a shared AVX-512 unit, a power limit) it is
-    well below the core count."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    cores = os.cpu_count() or 1
-
-    def run(n: int) -> list[float]:
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_gemm_worker, args=(seconds, q)) for _ in range(n)]
-        for p in procs:
-            p.start()
-        rates = [q.get(timeout=seconds + 60) for _ in procs]
-        for p in procs:
-            p.join(10)
-        return rates
-
-    alone = run(1)[0]
-    together = run(cores)
-    return {"processes": cores, "rate_alone": alone, "rates_together": together,
-            "ceiling": sum(together) / alone, "loadavg": os.getloadavg()[0]}
 
 
 def _hop_peer(port: int) -> None:

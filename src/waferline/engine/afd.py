@@ -51,7 +51,8 @@ from waferline.engine.pipeline import (DECODE, DEFAULT_HANG_TIMEOUT_S, DEFAULT_P
                                        WATCH_INTERVAL_S, Pipeline, StageError, _main_hidden, _reap, _Seq)
 from waferline.engine.sampling import SamplingParams, make_generator
 from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ERROR,
-                                    FEEDBACK, SHUTDOWN, STEP, Control, Group, Link, MicroBatch, PeerLost, StageRunner,
+                                    FEEDBACK, SHUTDOWN, SLOT_BYTES, STEP, Control, Group, Link, MicroBatch,
+                                    StageRunner,
                                     _client_of, _publisher, decode_feedback, json_meta, make_group, meta_json,
                                     worker_failed)
 from waferline.errors import ConfigError
@@ -338,10 +339,12 @@ class Clock:
 
 
 class TimedLink(Link):
-    """A Link that charges its time to a Clock (header wait = idle, the rest = transfer)."""
+    """A Link that charges its time to a Clock: issuing sends = transfer; a wait splits into idle (the peer had not
+    sent yet) and transfer (sent, not yet here) by the send time the message carries; both ends are on one host,
+    where the clocks agree."""
 
-    def __init__(self, pg: Any, device: torch.device, clock: Clock):
-        super().__init__(pg, device)
+    def __init__(self, pg: Any, device: torch.device, clock: Clock, slot_bytes: int = SLOT_BYTES):
+        super().__init__(pg, device, slot_bytes)
         self.clock = clock
 
     def send(self, dst: int, kind: int, meta: list[int], tensors: list[torch.Tensor] = ()) -> None:
@@ -351,114 +354,25 @@ class TimedLink(Link):
         self.clock.messages += 1
         self.clock.bytes += sum(x.numel() * x.element_size() for x in tensors) + 8 * len(meta)
 
-    def recv(self, src: int) -> tuple[int, list[int], torch.Tensor]:
-        hdr = torch.empty(3, dtype=torch.int64)
-        t0 = time.perf_counter()
-        try:
-            self.pg.recv([hdr], src, 0).wait()
-            t1 = time.perf_counter()
-            kind, nbytes, nmeta = (int(v) for v in hdr.tolist())
-            payload = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                self.pg.recv([payload], src, 0).wait()
-        except RuntimeError as e:
-            raise PeerLost(str(e)) from None
-        t2 = time.perf_counter()
-        self.clock.idle += t1 - t0
-        self.clock.transfer += t2 - t1
-        meta = payload[: 8 * nmeta].view(torch.int64).tolist() if nmeta else []
-        return kind, meta, payload[8 * nmeta:]
-
-
-SLOT_BYTES = 64 * 1024  # attention -> FFN messages travel in slots of this size that the FFN rank posts ahead
-_SLOT_HDR = 32  # int64 kind, payload bytes, metadata values, send time (ns)
-
-
-class AFLink(TimedLink):
-    """The attention <-> FFN channel, built so that gloo moves each message in one hop.
-
-    gloo delivers a message once the receiver has posted its recv (a send meets a posted recv in one one-way trip,
-    else it waits for the recv-ready handshake). So: an FFN rank keeps a recv of ``SLOT_BYTES`` posted for the next
-    message from every attention rank (header, metadata and payload in one slot; a larger payload's remainder follows
-    in a second message), and an attention rank posts the recv of an FFN rank's reply, whose size it knows, before it
-    dispatches. Messages carry their send time, so a wait splits into idle (the peer had not sent yet) and transfer
-    (sent, not yet here); both ends are on one host, where the clocks agree.
-    """
-
-    def __init__(self, pg: Any, clock: Clock, slot_bytes: int = SLOT_BYTES):
-        super().__init__(pg, torch.device("cpu"), clock)
-        self.slot_bytes = slot_bytes
-        self._slots: dict[int, tuple[torch.Tensor, Any]] = {}
-
-    def _post(self, src: int, buf: torch.Tensor) -> Any:
-        try:
-            return self.pg.recv([buf], src, 0)
-        except RuntimeError as e:
-            raise PeerLost(str(e)) from None
-
-    def _put(self, dst: int, t: torch.Tensor) -> None:
-        try:
-            self._pending.append((self.pg.send([t], dst, 0), t))
-        except RuntimeError as e:
-            raise PeerLost(str(e)) from None
-        self._prune()
-
     def _wait(self, work: Any, sent_ns: Any) -> None:
-        """Wait for a posted recv; charge the wait to idle / transfer by the message's send time."""
         w0 = time.time_ns()
-        try:
-            work.wait()
-        except RuntimeError as e:
-            raise PeerLost(str(e)) from None
+        super()._wait(work, sent_ns)
         a = time.time_ns()
-        sent = int(sent_ns())
+        sent = int(sent_ns()) or w0
         self.clock.transfer += max(0, a - max(sent, w0)) / 1e9
         self.clock.idle += max(0, min(sent, a) - w0) / 1e9
 
-    # -- attention -> FFN: slots
-    def send_slot(self, dst: int, kind: int, meta: list[int], tensors: list[torch.Tensor] = ()) -> None:
-        t = time.perf_counter()
-        parts = [torch.tensor(meta, dtype=torch.int64).view(torch.uint8)]
-        parts += [x.detach().contiguous().reshape(-1).view(torch.uint8) for x in tensors]
-        body = torch.cat(parts) if len(parts) > 1 else parts[0]
-        n = min(body.numel(), self.slot_bytes - _SLOT_HDR)
-        first = torch.empty(self.slot_bytes, dtype=torch.uint8)
-        first[:_SLOT_HDR] = torch.tensor([kind, body.numel(), len(meta), time.time_ns()], dtype=torch.int64).view(torch.uint8)
-        first[_SLOT_HDR:_SLOT_HDR + n] = body[:n]
-        self._put(dst, first)
-        if body.numel() > n:
-            self._put(dst, body[n:])
-        self.clock.transfer += time.perf_counter() - t
-        self.clock.messages += 1
-        self.clock.bytes += body.numel()
 
-    def post_slots(self, srcs: list[int]) -> None:
-        for src in srcs:
-            buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
-            self._slots[src] = (buf, self._post(src, buf))
+AFD_SLOT_BYTES = 64 * 1024  # attention -> FFN messages travel in slots of this size that the FFN rank posts ahead
 
-    def recv_slot(self, src: int) -> tuple[int, list[int], torch.Tensor]:
-        """The next slot message from ``src`` (posted ahead); the next slot is posted again before returning."""
-        if src not in self._slots:
-            self.post_slots([src])
-        buf, work = self._slots.pop(src)
-        hdr = buf[:_SLOT_HDR].view(torch.int64)
-        self._wait(work, lambda: hdr[3])
-        kind, nbytes, nmeta = (int(v) for v in hdr[:3].tolist())
-        n = min(nbytes, self.slot_bytes - _SLOT_HDR)
-        body = buf[_SLOT_HDR:_SLOT_HDR + n]
-        if nbytes > n:
-            t = time.perf_counter()
-            rest = torch.empty(nbytes - n, dtype=torch.uint8)
-            try:
-                self._post(src, rest).wait()
-            except RuntimeError as e:
-                raise PeerLost(str(e)) from None
-            body = torch.cat([body, rest])
-            self.clock.transfer += time.perf_counter() - t
-        self.post_slots([src])
-        meta = body[:8 * nmeta].view(torch.int64).tolist() if nmeta else []
-        return kind, meta, body[8 * nmeta:]
+
+class AFLink(TimedLink):
+    """The attention <-> FFN channel, built so that gloo moves each message in one hop: an FFN rank keeps a slot of
+    ``AFD_SLOT_BYTES`` posted for the next message from every attention rank (Link's slotted messages), and an
+    attention rank posts the recv of an FFN rank's reply, whose size it knows, before it dispatches."""
+
+    def __init__(self, pg: Any, clock: Clock, slot_bytes: int = AFD_SLOT_BYTES):
+        super().__init__(pg, torch.device("cpu"), clock, slot_bytes)
 
     # -- FFN -> attention: replies of a size the attention rank knows
     def post_reply(self, src: int, nbytes: int) -> tuple[torch.Tensor, Any]:
@@ -554,7 +468,7 @@ class AttentionRunner:
             self.clock.compute += time.perf_counter() - self._t
             pend.replies.append((o, 0, self.link.post_reply(M + o, Ntot * D * esz)))
             pend.shared_rows = Ntot
-            self.link.send_slot(M + o, DISPATCH, [li, 0, Ntot], [h])
+            self.link.send(M + o, DISPATCH, [li, 0, Ntot], [h])
             self._t = time.perf_counter()
             return pend
         E = front.router.num_experts
@@ -576,7 +490,7 @@ class AttentionRunner:
             S = Ntot if (n == o and L.shared[li]) else 0
             pend.replies.append((n, R, self.link.post_reply(M + n, R * D * 4 + S * D * esz)))
             pend.shared_rows += S
-            self.link.send_slot(M + n, DISPATCH, [li, R, S] + c, [rows[start:start + R]] + ([h] if S else []))
+            self.link.send(M + n, DISPATCH, [li, R, S] + c, [rows[start:start + R]] + ([h] if S else []))
             start += R
         self._t = time.perf_counter()
         return pend
@@ -683,7 +597,7 @@ class FFNRunner:
     @torch.inference_mode()
     def round(self, first: tuple[int, list[int], torch.Tensor]) -> None:
         L, M, D, dt = self.layout, self.layout.attention_ranks, self.D, self.dtype
-        msgs = [first] + [self.link.recv_slot(m) for m in range(1, M)]
+        msgs = [first] + [self.link.recv(m) for m in range(1, M)]
         t0 = time.perf_counter()
         li = first[1][0]
         if any(kind != DISPATCH or meta[0] != li for kind, meta, _ in msgs):
@@ -750,7 +664,8 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
         else:
             mods = load_ffn_side(load["path"], load["dtype"], rank - M, layout)
             runner = FFNRunner(mods, layout, rank - M, link, load["hidden"], load["dtype"])
-            link.post_slots(list(range(M)))
+            for m in range(M):
+                link.post(m)
     except Exception as e:  # a load error goes to the driver, which raises it
         ctl.set("status", rank, f"{type(e).__name__}: {e}")
         traceback.print_exc()
@@ -761,7 +676,7 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
                      daemon=True, name=f"waferline-afd{rank}-publisher").start()
     try:
         while True:
-            kind, meta, tail = link.recv_slot(0) if rank >= M else link.recv(0)
+            kind, meta, tail = link.recv(0)
             if kind == SHUTDOWN:
                 link.flush()
                 return 0
@@ -1067,7 +982,7 @@ class AFD(Pipeline):
         with self._lock:
             for r in range(1, self.layout.world):
                 self.ctl.store.delete_key(self.ctl.key("stats", r))
-                (self.link.send if r < self.M else self.link.send_slot)(r, STATS, [1 if reset else 0])
+                self.link.send(r, STATS, [1 if reset else 0])
             self.link.flush()
             ranks = {0: self.link.clock.as_dict()}
             if reset:
@@ -1090,5 +1005,5 @@ class AFD(Pipeline):
     def _send_shutdown(self) -> None:
         """SHUTDOWN to every rank (the Pipeline's close() calls this)."""
         for r in range(1, self.layout.world):
-            (self.link.send if r < self.M else self.link.send_slot)(r, SHUTDOWN, [])
+            self.link.send(r, SHUTDOWN, [])
         self.link.flush()

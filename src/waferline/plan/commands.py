@@ -331,6 +331,9 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     t.add_row("gloo link (engine Link): latency, bandwidth", f"{host.link_latency_s * 1e6:.0f} us, {host.link_bytes_per_s / 1e9:.2f} GB/s")
     t.add_row("gloo CPU per message", f"{host.link_cpu_s * 1e6:.0f} us")
     t.add_row("pipeline hop as the engine sees it", "not measured" if host.hop_latency_s is None else f"{host.hop_latency_s * 1e6:.0f} us")
+    t.add_row(f"parallel ceiling ({host.cores} processes at once)",
+              "not measured" if host.parallel_ceiling is None else f"{host.parallel_ceiling:.2f} cores")
+    t.add_row("last-level cache (weights that fit run from it)", "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB")
     t.add_row("CUDA", "measured" if summary["cuda"] else "no device")
     con = _console()
     con.print(t)

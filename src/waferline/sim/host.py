@@ -96,7 +96,7 @@ class HostParams:
     cache_bandwidth: float  # one thread, copy of a working set that stays in cache
     small_op_bytes: float  # non-matmul ops at most this big run from cache
     linear: dict[str, LinearFit]  # fp32 | bf16 | int4
-    tables: dict[str, LinearTable]  # fp32 | bf16 | int4: seconds per linear call (measured sweep)
+    tables: dict[str, LinearTable]  # fp32 | bf16 | int4: seconds per linear call (measured sweep, weights from memory)
     op_overhead_s: dict[str, float]  # engine compute dtype (fp32 | bf16) -> seconds per aten op
     linear_scale: dict[str, float]  # engine compute dtype -> in-engine linear time / the isolated sweep's
     row_overhead_s: dict[str, float]  # engine compute dtype -> the loop's Python seconds per sequence per step
@@ -110,6 +110,9 @@ class HostParams:
     link_cpu_s: float  # CPU seconds per message (each side)
     hop_overhead_s: float  # the pipeline engine's extra seconds per hop (stage loop, packing) beyond the link latency
     hop_latency_s: float | None = None  # one pipeline hop as the engine sees it (measured on a 2-stage pipeline)
+    parallel_ceiling: float | None = None  # what one process per core gets together, in cores (measured; <= cores)
+    tables_hot: dict[str, LinearTable] = field(default_factory=dict)  # the same with the weights in the caches
+    llc_bytes: float | None = None  # last-level cache: a host whose weights fit in it prices linears from tables_hot
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -144,6 +147,10 @@ class HostParams:
                        link_cpu_s=_v(link.get("cpu_per_message_s", 0.0), where),
                        hop_overhead_s=_v(pipe.get("hop_overhead_s", 0.0), where),
                        hop_latency_s=_v(pipe["hop_latency_s"], where) if "hop_latency_s" in pipe else None, source=where,
+                       parallel_ceiling=_v(he["parallel_ceiling"], where) if "parallel_ceiling" in he else None,
+                       tables_hot={k: LinearTable.from_dict(v["table_hot"]) for k, v in (he.get("linear") or {}).items()
+                                   if v.get("table_hot")},
+                       llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
                        measured=dict(he.get("measured") or {}))
         except KeyError as e:
@@ -169,6 +176,7 @@ class HostParams:
         return replace(self, memory_bandwidth=self.memory_bandwidth * bandwidth, cache_bandwidth=self.cache_bandwidth * bandwidth,
                        linear={k: replace(v, bytes_per_s=v.bytes_per_s * bandwidth) for k, v in self.linear.items()},
                        tables={k: v.scaled(1.0 / bandwidth) for k, v in self.tables.items()},
+                       tables_hot={k: v.scaled(1.0 / bandwidth) for k, v in self.tables_hot.items()},
                        elementwise={k: v * bandwidth for k, v in self.elementwise.items()},
                        op_overhead_s={k: v * op_overhead for k, v in self.op_overhead_s.items()},
                        step_overhead_s={k: v * op_overhead for k, v in self.step_overhead_s.items()},
@@ -178,6 +186,16 @@ class HostParams:
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency)
+
+    def parallel(self, processes: int) -> float:
+        """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
+        ceiling (one process per core) when there is one, else the core count; never more than ``processes``."""
+        full = self.cores if self.parallel_ceiling is None else min(float(self.cores), self.parallel_ceiling)
+        return float(min(processes, full)) if processes < self.cores else full
+
+    def cached(self, weight_bytes: float) -> bool:
+        """Whether weights of this many bytes (every process on the host together) stay in the last-level cache."""
+        return bool(self.tables_hot) and self.llc_bytes is not None and weight_bytes <= self.llc_bytes
 
     def hop(self, nbytes: float) -> float:
         """One message between stage / rank processes: the engine's measured hop latency (else the link's latency +
@@ -283,7 +301,8 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None) -> tuple[float, float, float]:
+def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
+               hot: bool = False) -> tuple[float, float, float]:
     """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
     linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
     every other op the per-op overhead + its bytes at cache or memory bandwidth."""
@@ -291,7 +310,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     n_calls = 0.0
     for key, n in w.calls.items():
         dt, rows, nb = key.split("|")
-        tab = host.tables.get(dt) or host.tables.get("bf16")
+        tabs = host.tables_hot if hot and host.tables_hot else host.tables
+        tab = tabs.get(dt) or tabs.get("bf16")
         if tab is None:  # an old calibration without tables: the fit
             fit = host.linear.get(dt) or host.linear_for(16, "bf16")
             mm += n * (fit.t0_s + fit.time(float(nb), 0.0))
@@ -312,6 +332,11 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     return c_op * max(0.0, w.ops - n_calls), mm * (host.linear_scale.get(comp, 1.0) if scale is None else scale), other
 
 
+def _hot(host: HostParams, plan: Any) -> bool:
+    """Whether the Plan's weights (all its processes on this host together) stay in the last-level cache."""
+    return host.cached(sum(float(getattr(getattr(s, "memory", None), "weights", 0.0) or 0.0) for s in plan.stages))
+
+
 def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers: list[int], count: OpCount, rows: int,
                 tokens: int, has_head: bool, head_tokens: int, ops_other: bool, step_extra: float,
                 prefill: bool = False) -> _StageCost:
@@ -327,7 +352,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
                 w.add(count.layers[i])
         if ops_other:
             w.add(count.other)
-        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale)
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan))
         return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
     # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
     lin = host.linear_for(plan.weight_bits, comp)
@@ -389,7 +414,7 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
     hops = [hop(b * t * spec.hidden_size * act_bytes) if i + 1 < S else hop(8.0 * b * t) for i in range(S)] if S > 1 else [0.0]
     round_trip = sum(stage_s) + sum(hops)
     cpu = [st + (2 * host.link_cpu_s if S > 1 else 0.0) for st in stage_s]
-    cycle = max(round_trip, M * max(cpu), M * sum(cpu) / max(1, min(host.cores, S)) if S > 1 else 0.0)
+    cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
     bound = ("round trip (latency)" if cycle == round_trip else
              "busiest stage x micro-batches" if cycle == M * max(cpu) else f"CPU cores ({S} processes on {host.cores} cores)")
     spec_info: dict[str, Any] = {"method": sp.method}
@@ -451,6 +476,7 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     act = 2.0 if comp == "bf16" else 4.0
 
     hop = host.hop
+    hot = _hot(host, plan)
 
     def side_times(count: OpCount, ffn_w: dict[int, Work], rows_tokens: int) -> tuple[list[float], list[float], float]:
         a_t, f_t = [], []
@@ -461,13 +487,13 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
                       w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
                       {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
                       w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16)
-            a_t.append(sum(_work_time(host, aw, c_op, comp)))
+            a_t.append(sum(_work_time(host, aw, c_op, comp, hot=hot)))
             scaled = Work(fw.ops * Ma / Nf, {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
                           {k: v * Ma / Nf for k, v in fw.mm_flops.items()}, fw.small_bytes * Ma / Nf, fw.large_bytes * Ma / Nf,
                           {k: v * Ma / Nf for k, v in fw.calls.items()}, fw.small_bytes_bf16 * Ma / Nf,
                           fw.large_bytes_bf16 * Ma / Nf)
-            f_t.append(sum(_work_time(host, scaled, c_op, comp)) if fw.ops else 0.0)
-        return a_t, f_t, sum(_work_time(host, count.other, c_op, comp))
+            f_t.append(sum(_work_time(host, scaled, c_op, comp, hot=hot)) if fw.ops else 0.0)
+        return a_t, f_t, sum(_work_time(host, count.other, c_op, comp, hot=hot))
 
     dc = profile.decode(b, 1)
     a_t, f_t, other = side_times(dc, profile.ffn("decode"), b)
@@ -477,7 +503,7 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
     step = sum(per_layer) + K * (other + b * row_over) + over
     cpu_total = Ma * (K * (sum(a_t) + other + b * row_over) + over) + Nf * K * sum(f_t) + K * len(a_t) * (Ma * msg_a + Nf * msg_f)
-    cores_bound = cpu_total / max(1, min(host.cores, Ma + Nf))
+    cores_bound = cpu_total / host.parallel(Ma + Nf)
     bound = "cores (ranks share them)" if cores_bound > step else "ping-pong per layer (busier side or one micro-batch's round trip)"
     step = max(step, cores_bound)
     rate = 1.0 / step

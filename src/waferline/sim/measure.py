@@ -150,11 +150,14 @@ def _int4_weight(K: int, N: int, group: int = 128) -> tuple[Any, Any] | None:
     return packed, sz
 
 
-def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int) -> list[dict[str, float]]:
-    """Seconds per linear call y = x W^T for each token count M and square size K = N, cycling through a pool of
-    distinct weights of up to ``pool_mb`` MB (weights bigger than the caches come from memory; small ones stay cached,
-    as small layers' weights do in the engine), one torch thread, process CPU time."""
+def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int, hot: bool = False) -> list[dict[str, float]]:
+    """Seconds per linear call y = x W^T through the engine's own ``linear`` (and int4pack) for each token count M and
+    square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB (weights bigger than the
+    caches come from memory), one torch thread, process CPU time. ``hot``: two weights only, which stay in the
+    caches (a model whose weights all fit in the last-level cache)."""
     import torch
+
+    from waferline.model.layers import linear
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -166,7 +169,7 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int) -> l
                 one = n * n // 2 + (n // group) * n * 4
             else:
                 one = n * n * (4 if dtype == "fp32" else 2)
-            count = max(2, min(64, pool_mb * (1 << 20) // one))
+            count = 2 if hot else max(2, min(64, pool_mb * (1 << 20) // one))
             if dtype == "int4":
                 ws = [_int4_weight(n, n, group) for _ in range(count)]
                 if ws[0] is None:
@@ -184,13 +187,31 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int) -> l
                 else:
                     def run() -> None:
                         for w in use:
-                            torch.nn.functional.linear(x, w)
+                            linear(x, w)
                 run()
                 t = _best(run, 3) / len(use)
                 rows.append({"m": m, "k": n, "n": n, "bytes": float(one), "flops": 2.0 * m * n * n, "seconds": t})
     finally:
         torch.set_num_threads(old)
     return rows
+
+
+def last_level_cache_bytes() -> float | None:
+    """The largest CPU cache of this machine (sysfs), or None where it is not readable."""
+    best = None
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            s = (d / "size").read_text().strip().upper()
+            v = float(s[:-1]) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[s[-1]] if s[-1] in "KMG" else float(s)
+        except (OSError, ValueError, KeyError, IndexError):
+            continue
+        best = v if best is None else max(best, v)
+    return best
+
+
+def hot_tables(lin: dict[str, Any]) -> dict[str, Any]:
+    """The cache-resident linear tables (the calibration models' weights all fit in the caches), else the sweep's."""
+    return {k: linear_table(v.get("hot") or v["points"]) for k, v in lin.items()}
 
 
 def linear_table(rows: list[dict[str, float]]) -> dict[str, Any]:
@@ -560,6 +581,51 @@ def pipeline_overhead(workdir: str | Path, tokens: int, single_s: float, link_s:
             "hop_overhead_s": max(0.0, (best - single) / 2 - link_s)}
 
 
+def _ceiling_worker(kind: str, seconds: float, q: Any) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    if kind == "gemm":  # a 32-row micro-batch through a 1024 x 4096 FFN matrix (compute-bound)
+        xs, ws = [torch.randn(32, 1024)], [torch.randn(1024, 4096)]
+    else:  # one-row bf16 GEMVs cycling through 64 MB of weights (memory-bound, a batch-1 decode step)
+        xs, ws = [torch.randn(1, 1024).bfloat16()], [torch.randn(1024, 2048).bfloat16() for _ in range(16)]
+    for w in ws:
+        xs[0] @ w
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for w in ws:
+            xs[0] @ w
+        n += len(ws)
+    q.put(n / (time.perf_counter() - t0))
+
+
+def measure_parallel_ceiling(seconds: float = 3.0, kind: str = "gemm") -> dict:
+    """The most any multi-process engine can gain on this machine: the same single-thread loop (``gemm``: a stage's
+    compute-bound work; ``gemv``: a batch-1 decode step's memory-bound work) in one process alone, then in one process
+    per core at once. Aggregate rate (all) / rate (one alone) is the ceiling; on a machine whose cores share
+    execution units or memory bandwidth (SMT siblings, a shared AVX-512 unit, a power limit) it is below the core
+    count."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    cores = os.cpu_count() or 1
+
+    def run(n: int) -> list[float]:
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_ceiling_worker, args=(kind, seconds, q)) for _ in range(n)]
+        for p in procs:
+            p.start()
+        rates = [q.get(timeout=seconds + 60) for _ in procs]
+        for p in procs:
+            p.join(10)
+        return rates
+
+    alone = run(1)[0]
+    together = run(cores)
+    return {"kind": kind, "processes": cores, "rate_alone": alone, "rates_together": together,
+            "ceiling": sum(together) / alone, "loadavg": os.getloadavg()[0]}
+
+
 def run_isolated(target: str, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Call ``module:function(**kwargs)`` in a fresh Python process (its own session, killed with its stage processes
     after ``timeout`` s) and return its JSON result; a hang or crash in an engine run cannot take the caller with it.
@@ -723,7 +789,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     say("matmul FLOP/s", 0.08)
     n = 256 if quick else 1024
     fl = {d: matmul_flops(n, d, 1) for d in ("fp32", "bf16")}
-    sweep_ms = [1, 8, 64] if quick else [1, 4, 16, 64, 256]
+    sweep_ms = [1, 8, 64] if quick else [1, 2, 4, 16, 64, 256]
     sweep_sizes = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
     pool = 8 if quick else 64
     lin: dict[str, Any] = {}
@@ -731,7 +797,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         say(f"linear (GEMV/GEMM) sweep {d}", 0.12 + 0.12 * i)
         rows = linear_sweep(d, sweep_ms, sweep_sizes, pool)
         if rows:
-            lin[d] = {"fit": fit_linear(rows), "points": rows}
+            lin[d] = {"fit": fit_linear(rows), "points": rows, "hot": linear_sweep(d, sweep_ms, sweep_sizes, pool, hot=True)}
+    llc = last_level_cache_bytes()
     he: dict[str, Any] = {
         "measured": {"date": when, "host": host, "torch": str(torch.__version__), "load_average_1m": load[0],
                      "clock": "process CPU time for single-threaded probes, wall time for the link and the pipeline",
@@ -754,6 +821,12 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                            "table": dict(linear_table(v["points"]), measured={"date": when, "method": meth.split("; fit")[0] +
                                                                                   "; seconds per call, best of 3"}),
                            "points": [[r["m"], r["k"], r["n"], r["seconds"]] for r in v["points"]]}
+        if v["hot"]:
+            he["linear"][d]["table_hot"] = dict(linear_table(v["hot"]), measured={
+                "date": when, "method": f"{d} y = x W^T, M in {sweep_ms}, K = N in {sweep_sizes}, the same 2 weights "
+                                        "alternated (they stay in the caches), 1 thread; seconds per call, best of 3"})
+    if llc:
+        he["llc_bytes"] = _fig(llc, tag, "last-level cache size (sysfs /sys/devices/system/cpu/cpu0/cache)")
     lk = None
     if link:
         say("gloo link between two processes", 0.85)
@@ -765,6 +838,13 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         he["link"] = {"latency_s": _fig(lk["latency_s"], tag, meth), "bytes_per_s": _fig(lk["bytes_per_s"], tag, meth),
                       "cpu_per_message_s": _fig(lk["cpu_per_message_s"], tag, "process CPU time per message (time.process_time)"),
                       "points": [[r["bytes"], r["one_way_s"], r["cpu_per_message_s"]] for r in lk["points"]]}
+    if not quick and cores > 1:
+        say("parallel ceiling (one process per core)", 0.88)
+        pc = [measure_parallel_ceiling(1.5, kind)["ceiling"] for kind in ("gemv", "gemm")]
+        he["parallel_ceiling"] = _fig(min(float(cores), max(1.0, min(pc))), tag,
+                                      f"{cores} single-thread processes at once vs one alone (aggregate rate / rate alone), "
+                                      f"bf16 one-row GEMVs over 64 MB of weights {pc[0]:.2f}x and fp32 32-row GEMMs "
+                                      f"{pc[1]:.2f}x; the smaller")
     if engine:
         tmp = tempfile.TemporaryDirectory(prefix="waferline-calib-")
         work = Path(tmp.name)
@@ -776,7 +856,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             he["engine"] = {}
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
-                eo = engine_overhead(d, cal_models, batches, toks, work, {k: linear_table(v["points"]) for k, v in lin.items()},
+                eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin),
                                      ew_rates)
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
                         f"(Mamba-2/MLA, dense/MoE) at batch {batches}, 1 thread: CPU seconds per step - other ops' bytes "
@@ -800,7 +880,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
                                           + 0.0, row_s=he["engine"]["bf16"]["row_overhead_s"]["value"]
                                           + 2 * he["engine"]["bf16"]["row_layer_overhead_s"]["value"],
-                                          tables={k: linear_table(v["points"]) for k, v in lin.items()},
+                                          tables=hot_tables(lin),
                                           scale=he["engine"]["bf16"]["linear_scale"]["value"], ew=ew_rates)
                 he["engine"]["bf16"]["spec_step_overhead_s"] = _fig(
                     so["spec_step_overhead_s"], tag, "single-process speculative decoding (n-gram, k=3) of the 2-layer "
