@@ -12,10 +12,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from waferline import kernels
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
+
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
 
 
 class TokenCache:
@@ -269,6 +272,11 @@ class MLAttention(nn.Module):
         latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
         w_uk, w_uv = self.absorbed()
         q_nope, q_rope = q[..., :n], rope[:, :, :H]
+        if x.device.type == "cpu" and w_uk.dtype == torch.float32 and kernels.available():
+            # the absorbed decode below (W_UK into the query, scores, softmax, latents, W_UV) as one fused op
+            out = torch.ops.waferline.mla_decode(q_nope, q_rope, latents, blocked if blocked is not None else _NO_MASK,
+                                                 w_uk, w_uv, self.scale, x.dtype)
+            return self.o_proj(out)
         if x.device.type == "cpu" and w_uk.dtype != x.dtype:  # fp32 absorbed weights (see absorbed())
             q_nope, q_rope = q_nope.float(), q_rope.float()
         # absorb W_UK into the query: per head [B*T, n] @ [n, r]

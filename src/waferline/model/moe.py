@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from waferline import kernels
 from waferline.errors import CheckpointError, ConfigError
 from waferline.model.layers import linear
 from waferline.model.weights import WeightSource, copy_into
@@ -32,6 +33,14 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
     "tanh": torch.tanh,
     "sigmoid": torch.sigmoid,
 }
+
+
+def gated_act(h: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
+    """``act(gate) * up`` for ``h = [gate | up]`` (the gated FFN's middle); SiLU on CPU runs fused (waferline.kernels)."""
+    if act is F.silu and h.device.type == "cpu" and kernels.available():
+        return torch.ops.waferline.silu_mul(h)
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate) * up
 
 
 def activation(name: str) -> Callable[[Tensor], Tensor]:
@@ -171,8 +180,7 @@ class DenseFFN(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gated:
-            gate, up = self.linear(x, "gate_up").chunk(2, dim=-1)
-            h = self.act(gate) * up
+            h = gated_act(self.linear(x, "gate_up"), self.act)
         else:
             h = self.act(self.linear(x, "up"))
         return self.linear(h, "down")
@@ -361,13 +369,13 @@ class MoE(nn.Module):
         if not self.gated:
             return self.expert_linear(self.act(self.expert_linear(x, "up", experts)), "down", experts)
         h = self.expert_linear(x, "gate_up", experts)
-        gate, up = h.chunk(2, dim=-1)
         if self.clamped_swiglu:
+            gate, up = h.chunk(2, dim=-1)
             gate = gate.clamp(max=self.swiglu_limit)
             up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
             h = (up + 1) * (gate * torch.sigmoid(gate * self.swiglu_alpha))
         else:
-            h = self.act(gate) * up
+            h = gated_act(h, self.act)
         return self.expert_linear(h, "down", experts)
 
     def experts_forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:

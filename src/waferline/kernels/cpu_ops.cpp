@@ -1,0 +1,226 @@
+// waferline's fused CPU operators for the decode step (torch.ops.waferline.*).
+//
+// Why: a batch-1 decode step of a small MoE is ~1,100 eager aten ops of 2-4 us each; the weights' GEMVs are already
+// near one core's memory bandwidth, so the ops around them are what is left to cut. Each operator here replaces a
+// chain of eager ops with one call and computes what that chain computes (same dtypes, fp32 where it is fp32, the
+// same rounding points to 16 bits); tests/test_kernels.py checks each against the eager path.
+//
+// Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions); no intrinsics, so any CPU with a C++ compiler
+// builds it. Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float f32(T v) { return static_cast<float>(v); }
+
+// ---------------------------------------------------------------- RMSNorm
+// out = weight * to(dtype)(x_f32 * rsqrt(mean(x_f32^2) + eps)), the multiply by weight in fp32, rounded once.
+template <typename T>
+void rms_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> tmp(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      T* yr = y + r * D;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < D; ++i) {
+        float v = f32(xr[i]);
+        tmp[i] = v;
+        ss += v * v;
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) {
+        T n = static_cast<T>(tmp[i] * inv);  // the normalised value in the input dtype (a no-op for fp32)
+        yr[i] = static_cast<T>(f32(w[i]) * f32(n));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "waferline::rms_norm: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "waferline::rms_norm: x and weight must share a dtype");
+  const int64_t D = x.size(-1);
+  TORCH_CHECK(weight.numel() == D, "waferline::rms_norm: weight must have ", D, " elements");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t rows = D ? xc.numel() / D : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "waferline_rms_norm", [&] {
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, D,
+                       static_cast<float>(eps));
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- SwiGLU: silu(gate) * up
+// h [..., 2F] = [gate | up] -> [..., F]; silu is rounded to the dtype before the multiply, as the eager chain does.
+template <typename T>
+void silu_mul_rows(const T* h, T* y, int64_t rows, int64_t F) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(F, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = h + r * 2 * F;
+      const T* u = g + F;
+      T* o = y + r * F;
+      for (int64_t i = 0; i < F; ++i) {
+        float a = f32(g[i]);
+        T s = static_cast<T>(a / (1.f + std::exp(-a)));
+        o[i] = static_cast<T>(f32(s) * f32(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& h) {
+  TORCH_CHECK(h.device().is_cpu(), "waferline::silu_mul: CPU tensors only");
+  const int64_t F2 = h.size(-1);
+  TORCH_CHECK(F2 % 2 == 0, "waferline::silu_mul: the last dimension must be even");
+  auto hc = h.contiguous();
+  auto sizes = hc.sizes().vec();
+  sizes.back() = F2 / 2;
+  auto y = at::empty(sizes, hc.options());
+  const int64_t rows = F2 ? hc.numel() / F2 : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hc.scalar_type(), "waferline_silu_mul", [&] {
+    silu_mul_rows<scalar_t>(hc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, F2 / 2);
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- MLA, absorbed decode
+// q_nope [B, T, H, n], q_rope [B, T, H, p] (any dtype), latents [B, L, r + p] (the cache: c_KV | k_rope),
+// blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
+// Per (b, t, h), all in fp32: q_lat = q_nope W_UK; s_l = scale (q_lat . c_l + q_rope . k_rope_l); p = softmax(s);
+// o = sum_l p_l c_l; out = o W_UV^T -> [B, T, H * v] in ``out_dtype``.
+template <typename C>
+void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocked, const float* wuk, const float* wuv,
+              float* out, int64_t B, int64_t T, int64_t H, int64_t n, int64_t p, int64_t r, int64_t v, int64_t L,
+              float scale) {
+  const int64_t R = r + p;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  // one (sequence, token) per task: its cache rows are read once for all heads
+  at::parallel_for(0, B * T, std::max<int64_t>(1, 65536 / std::max<int64_t>(L * R * H, 1)), [&](int64_t i0, int64_t i1) {
+    std::vector<float> ql(H * r), sc(H * L), ol(H * r), c(R);
+    for (int64_t bt = i0; bt < i1; ++bt) {
+      const int64_t b = bt / T;
+      for (int64_t h = 0; h < H; ++h) {  // absorb W_UK into the query
+        const float* q = qn + (bt * H + h) * n;
+        const float* wk = wuk + h * n * r;
+        float* qh = ql.data() + h * r;
+        for (int64_t j = 0; j < r; ++j) qh[j] = 0.f;
+        for (int64_t k = 0; k < n; ++k) {
+          const float qk = q[k];
+          const float* row = wk + k * r;
+          for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
+        }
+      }
+      const C* lb = lat + b * L * R;
+      const bool* mk = blocked ? blocked + bt * L : nullptr;
+      for (int64_t l = 0; l < L; ++l) {  // scores
+        if (mk && mk[l]) {
+          for (int64_t h = 0; h < H; ++h) sc[h * L + l] = ninf;
+          continue;
+        }
+        for (int64_t j = 0; j < R; ++j) c[j] = f32(lb[l * R + j]);
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = ql.data() + h * r;
+          const float* qrp = qr + (bt * H + h) * p;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t j = 0; j < r; ++j) s += qh[j] * c[j];
+          float s2 = 0.f;
+#pragma omp simd reduction(+ : s2)
+          for (int64_t j = 0; j < p; ++j) s2 += qrp[j] * c[r + j];
+          sc[h * L + l] = (s + s2) * scale;
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {  // softmax per head
+        float* sh = sc.data() + h * L;
+        float mx = ninf;
+        for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sh[l]);
+        float den = 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          const float e = sh[l] == ninf ? 0.f : std::exp(sh[l] - mx);
+          sh[l] = e;
+          den += e;
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
+      }
+      for (int64_t j = 0; j < H * r; ++j) ol[j] = 0.f;
+      for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
+        if (mk && mk[l]) continue;
+        for (int64_t j = 0; j < r; ++j) c[j] = f32(lb[l * R + j]);
+        for (int64_t h = 0; h < H; ++h) {
+          const float pl = sc[h * L + l];
+          float* oh = ol.data() + h * r;
+          for (int64_t j = 0; j < r; ++j) oh[j] += pl * c[j];
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {  // W_UV after attention
+        const float* oh = ol.data() + h * r;
+        const float* wv = wuv + h * v * r;
+        float* o = out + (bt * H + h) * v;
+        for (int64_t k = 0; k < v; ++k) {
+          const float* row = wv + k * r;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t j = 0; j < r; ++j) s += oh[j] * row[j];
+          o[k] = s;
+        }
+      }
+    }
+  });
+}
+
+at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latents,
+                      const at::Tensor& blocked, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale,
+                      at::ScalarType out_dtype) {
+  TORCH_CHECK(q_nope.dim() == 4 && q_rope.dim() == 4 && latents.dim() == 3, "waferline::mla_decode: bad ranks");
+  TORCH_CHECK(w_uk.scalar_type() == at::kFloat && w_uv.scalar_type() == at::kFloat, "waferline::mla_decode: fp32 W_UK/W_UV");
+  const int64_t B = q_nope.size(0), T = q_nope.size(1), H = q_nope.size(2), n = q_nope.size(3), p = q_rope.size(3);
+  const int64_t L = latents.size(1), r = w_uk.size(2), v = w_uv.size(1);
+  TORCH_CHECK(latents.size(0) == B && latents.size(2) == r + p, "waferline::mla_decode: latents must be [B, L, r + rope]");
+  TORCH_CHECK(w_uk.size(0) == H && w_uk.size(1) == n && w_uv.size(0) == H && w_uv.size(2) == r,
+              "waferline::mla_decode: W_UK [H, n, r] and W_UV [H, v, r]");
+  const bool has_mask = blocked.numel() > 0;
+  if (has_mask) {
+    TORCH_CHECK(blocked.scalar_type() == at::kBool && blocked.numel() == B * T * L, "waferline::mla_decode: mask [B, T, L]");
+  }
+  auto qn = q_nope.to(at::kFloat).contiguous();
+  auto qr = q_rope.to(at::kFloat).contiguous();
+  auto lat = latents.contiguous();
+  auto mk = has_mask ? blocked.contiguous() : blocked;
+  auto wk = w_uk.contiguous();
+  auto wv = w_uv.contiguous();
+  auto out = at::empty({B, T, H * v}, qn.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, lat.scalar_type(), "waferline_mla_decode", [&] {
+    mla_rows<scalar_t>(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<scalar_t>(),
+                       has_mask ? mk.data_ptr<bool>() : nullptr, wk.data_ptr<float>(), wv.data_ptr<float>(),
+                       out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
+  });
+  return out_dtype == at::kFloat ? out : out.to(out_dtype);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(waferline, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor h) -> Tensor");
+  m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
+        "ScalarType out_dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(waferline, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("mla_decode", &mla_decode);
+}
