@@ -98,7 +98,7 @@ class HostParams:
     linear: dict[str, LinearFit]  # fp32 | bf16 | int4
     tables: dict[str, LinearTable]  # fp32 | bf16 | int4: seconds per linear call (measured sweep, weights from memory)
     op_overhead_s: dict[str, float]  # engine compute dtype (fp32 | bf16) -> seconds per aten op
-    linear_scale: dict[str, float]  # engine compute dtype -> in-engine linear time / the isolated sweep's
+    linear_scale: dict[str, float]  # engine compute dtype -> in-engine linear time / the isolated sweep's (cache-resident)
     row_overhead_s: dict[str, float]  # engine compute dtype -> the loop's Python seconds per sequence per step
     row_layer_overhead_s: dict[str, float]  # engine compute dtype -> seconds per sequence per layer per step
     prefill: dict[str, tuple[float, float, float]]  # engine compute dtype -> (per-op, linear scale, per prompt) in prefill
@@ -113,6 +113,8 @@ class HostParams:
     parallel_ceiling: float | None = None  # what one process per core gets together, in cores (measured; <= cores)
     tables_hot: dict[str, LinearTable] = field(default_factory=dict)  # the same with the weights in the caches
     llc_bytes: float | None = None  # last-level cache: a host whose weights fit in it prices linears from tables_hot
+    linear_scale_dram: dict[str, float] = field(default_factory=dict)  # the same for weights read from memory
+    hop_vs_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle s, hop s) measured on 2-stage pipelines
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -135,6 +137,8 @@ class HostParams:
                        small_op_bytes=_v(he.get("small_op_bytes", 1 << 20), where), linear=lin, tables=tabs,
                        op_overhead_s={k: _v(v["op_overhead_s"], where) for k, v in eng.items()},
                        linear_scale={k: _v(v.get("linear_scale", 1.0), where) for k, v in eng.items()},
+                       linear_scale_dram={k: _v(v["linear_scale_dram"], where) for k, v in eng.items()
+                                          if isinstance(v.get("linear_scale_dram"), dict) and "value" in v["linear_scale_dram"]},
                        row_overhead_s={k: _v(v.get("row_overhead_s", 0.0), where) for k, v in eng.items()},
                        row_layer_overhead_s={k: _v(v.get("row_layer_overhead_s", 0.0), where) for k, v in eng.items()},
                        prefill={k: (_v(v.get("prefill_op_overhead_s", v["op_overhead_s"]), where),
@@ -151,6 +155,7 @@ class HostParams:
                        tables_hot={k: LinearTable.from_dict(v["table_hot"]) for k, v in (he.get("linear") or {}).items()
                                    if v.get("table_hot")},
                        llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
+                       hop_vs_idle=tuple(sorted((float(a), float(b)) for a, b in (pipe.get("hop_vs_idle") or {}).get("points", []))),
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
                        measured=dict(he.get("measured") or {}))
         except KeyError as e:
@@ -185,7 +190,8 @@ class HostParams:
                        prefill={k: (v[0] * op_overhead, v[1], v[2] * op_overhead) for k, v in self.prefill.items()},
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
-                       hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency)
+                       hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
+                       hop_vs_idle=tuple((a, b * link_latency) for a, b in self.hop_vs_idle))
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -197,10 +203,22 @@ class HostParams:
         """Whether weights of this many bytes (every process on the host together) stay in the last-level cache."""
         return bool(self.tables_hot) and self.llc_bytes is not None and weight_bytes <= self.llc_bytes
 
-    def hop(self, nbytes: float) -> float:
-        """One message between stage / rank processes: the engine's measured hop latency (else the link's latency +
-        the pipeline overhead) + bytes / link bandwidth."""
-        lat = self.hop_latency_s if self.hop_latency_s is not None else self.link_latency_s + self.hop_overhead_s
+    def hop(self, nbytes: float, idle_s: float = 0.0) -> float:
+        """One message between stage / rank processes: the engine's measured hop latency (after the receiver was idle
+        for ``idle_s``: interpolated in the measured hop-vs-idle points, flat beyond them; else the hop of the smallest
+        probe, else the link's latency + the pipeline overhead) + bytes / link bandwidth."""
+        pts = self.hop_vs_idle
+        if pts:
+            if idle_s <= pts[0][0]:
+                lat = pts[0][1]
+            elif idle_s >= pts[-1][0]:
+                lat = pts[-1][1]
+            else:
+                j = next(j for j in range(1, len(pts)) if pts[j][0] >= idle_s)
+                f = (idle_s - pts[j - 1][0]) / max(pts[j][0] - pts[j - 1][0], 1e-12)
+                lat = pts[j - 1][1] * (1 - f) + pts[j][1] * f
+        else:
+            lat = self.hop_latency_s if self.hop_latency_s is not None else self.link_latency_s + self.hop_overhead_s
         return lat + nbytes / self.link_bytes_per_s
 
 
@@ -329,7 +347,10 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     other = (w.small_bytes / rate("fp32_small", host.cache_bandwidth) + w.large_bytes / rate("fp32_large", host.memory_bandwidth)
              + w.small_bytes_bf16 / rate("bf16_small", host.cache_bandwidth)
              + w.large_bytes_bf16 / rate("bf16_large", host.memory_bandwidth))
-    return c_op * max(0.0, w.ops - n_calls), mm * (host.linear_scale.get(comp, 1.0) if scale is None else scale), other
+    if scale is None:
+        scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
+            host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
+    return c_op * max(0.0, w.ops - n_calls), mm * scale, other
 
 
 def _hot(host: HostParams, plan: Any) -> bool:
@@ -411,10 +432,15 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
                                  step_extra=(step_over if i == 0 else 0.0) + (b * row_over if s.has_lm_head else 0.0)
                                  + b * len(s.layers) * rl_over))
     stage_s = [c.total for c in costs]
-    hops = [hop(b * t * spec.hidden_size * act_bytes) if i + 1 < S else hop(8.0 * b * t) for i in range(S)] if S > 1 else [0.0]
-    round_trip = sum(stage_s) + sum(hops)
+    hop_bytes = [b * t * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * b * t for i in range(S)]
     cpu = [st + (2 * host.link_cpu_s if S > 1 else 0.0) for st in stage_s]
-    cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
+    hops = [hop(nb) for nb in hop_bytes] if S > 1 else [0.0]
+    for it in range(3):  # a hop costs more the longer its receiver waited: per micro-batch, cycle / M - its own work
+        round_trip = sum(stage_s) + sum(hops)
+        cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
+        if S == 1 or it == 2:
+            break
+        hops = [hop(nb, max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
     bound = ("round trip (latency)" if cycle == round_trip else
              "busiest stage x micro-batches" if cycle == M * max(cpu) else f"CPU cores ({S} processes on {host.cores} cores)")
     spec_info: dict[str, Any] = {"method": sp.method}
@@ -497,9 +523,14 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
 
     dc = profile.decode(b, 1)
     a_t, f_t, other = side_times(dc, profile.ffn("decode"), b)
-    h = hop(b * spec.hidden_size * act)
+    nb = b * spec.hidden_size * act
+    h = hop(nb)
     msg_a, msg_f = 2 * Nf * host.link_cpu_s, 2 * Ma * host.link_cpu_s
     per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + 2 * h) if f > 0 else K * a for a, f in zip(a_t, f_t)]
+    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower hop
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f),
+                     a + f + hop(nb, max(0.0, pl / K - f)) + hop(nb, max(0.0, pl / K - a))) if f > 0 else K * a
+                 for a, f, pl in zip(a_t, f_t, per_layer)]
     row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
     step = sum(per_layer) + K * (other + b * row_over) + over
     cpu_total = Ma * (K * (sum(a_t) + other + b * row_over) + over) + Nf * K * sum(f_t) + K * len(a_t) * (Ma * msg_a + Nf * msg_f)

@@ -150,11 +150,11 @@ def _int4_weight(K: int, N: int, group: int = 128) -> tuple[Any, Any] | None:
     return packed, sz
 
 
-def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int, hot: bool = False) -> list[dict[str, float]]:
+def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, hot: bool = False) -> list[dict[str, float]]:
     """Seconds per linear call y = x W^T through the engine's own ``linear`` (and int4pack) for each token count M and
-    square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB (weights bigger than the
-    caches come from memory), one torch thread, process CPU time. ``hot``: two weights only, which stay in the
-    caches (a model whose weights all fit in the last-level cache)."""
+    square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB, one torch thread, process
+    CPU time. A pool bigger than the last-level cache measures weights read from memory; ``hot``: a pool that fits
+    in it (half of it: a model whose weights stay in the last-level cache, not in the core's own L2)."""
     import torch
 
     from waferline.model.layers import linear
@@ -169,7 +169,7 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: int, hot:
                 one = n * n // 2 + (n // group) * n * 4
             else:
                 one = n * n * (4 if dtype == "fp32" else 2)
-            count = 2 if hot else max(2, min(64, pool_mb * (1 << 20) // one))
+            count = max(2, min(512 if hot else 64, int(pool_mb * (1 << 20)) // one))
             if dtype == "int4":
                 ws = [_int4_weight(n, n, group) for _ in range(count)]
                 if ws[0] is None:
@@ -210,7 +210,8 @@ def last_level_cache_bytes() -> float | None:
 
 
 def hot_tables(lin: dict[str, Any]) -> dict[str, Any]:
-    """The cache-resident linear tables (the calibration models' weights all fit in the caches), else the sweep's."""
+    """The cache-resident linear tables (the calibration models' weights all fit in the last-level cache), else the
+    sweep's."""
     return {k: linear_table(v.get("hot") or v["points"]) for k, v in lin.items()}
 
 
@@ -327,7 +328,13 @@ class OpCounter:
         ins = _tensors(args)
         outs = _tensors(out)
         nbytes = _op_bytes(name, ins, outs)
-        if name in _MATMUL_OPS and outs:
+        if name == "mla_decode" and outs:  # waferline.kernels: absorbed MLA decode, fp32 arithmetic
+            qn, qr, lat, w_uk = ins[0], ins[1], ins[2], ins[-2]  # q_nope, q_rope, latents, (mask,) W_UK, W_UV
+            B, T, H, n = qn.shape
+            L, r, p, v = lat.shape[1], w_uk.shape[-1], qr.shape[-1], outs[0].shape[-1] // max(H, 1)
+            w["mm_bytes_fp32"] = w.get("mm_bytes_fp32", 0.0) + nbytes
+            w["mm_flops_fp32"] = w.get("mm_flops_fp32", 0.0) + 2.0 * B * T * H * (n * r + L * (r + p) + L * r + v * r)
+        elif name in _MATMUL_OPS and outs:
             if name == "einsum":
                 flops = _einsum_flops(str(args[0]), _tensors(args[1]))
                 x = _tensors(args[1])[0] if _tensors(args[1]) else outs[0]
@@ -430,15 +437,19 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
-                    tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None) -> dict[str, Any]:
+                    tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
+                    big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None) -> dict[str, Any]:
     """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
     (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
     elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
-    priced by the measured linear ``tables`` + row_overhead x sequences in the step (the loop's Python work per
+    priced by the (cache-resident) linear ``tables`` + row_overhead x sequences in the step (the loop's Python work per
     sequence: sampling, stop checks) + row_layer_overhead x sequences x layers (per-sequence work inside each layer
     that grows faster than its op count) -- relative least squares, non-negative. ``linear_scale`` is how much
-    slower a linear runs inside the engine (cold caches between ops) than in the isolated sweep. Ops are counted
-    (TorchDispatchMode) on separate, untimed runs."""
+    slower a linear runs inside the engine (other ops between them, cold caches) than in the isolated sweep.
+    ``big`` = (hidden, layers, FFN) of a model whose weights do not fit in the last-level cache: its measured step
+    minus the fitted other terms, over its linears priced by ``dram_tables``, is ``linear_scale_dram`` (a linear
+    reading its weight from memory inside the engine vs in the sweep). Ops are counted (TorchDispatchMode) on
+    separate, untimed runs."""
     import torch
 
     from waferline.engine.llm import LLM
@@ -501,7 +512,44 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     yp = np.array([max(p["seconds"] - p["bytes_s"], 1e-7) for p in pre])
     ap, cp, gp = (float(v) for v in _nnls_rel(Xp, yp)) if len(pre) >= 3 else (0.0, c, g)
     predp = Xp @ np.array([ap, cp, gp]) if len(pre) >= 3 else yp
-    return {"op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
+    # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
+    # other terms from the fit above (its step is mostly linears, so this is well determined)
+    g_dram, big_pts = g, []
+    if big is not None and dram_tables:
+        h, L, ffn = big
+        d = workdir / f"big-h{h}-{L}"
+        if not (d / "config.json").is_file():
+            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=ffn, moe_intermediate_size=ffn // 2,
+                                         num_attention_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                         v_head_dim=64, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64), d, seed=7)
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
+            for B in batches:
+                prompt = [[(3 * j + 5 + 7 * r_) % 200 + 2 for j in range(8)] for r_ in range(B)]
+                w2, w1 = _generate_work(llm, prompt, tokens + 1), _generate_work(llm, prompt, 1)
+                step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
+                n_lin, t_lin = table_seconds(step, dram_tables)
+                llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+                b1 = bn = float("inf")
+                for _ in range(3):
+                    t0 = time.process_time()
+                    llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                    t1 = time.process_time()
+                    llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+                    t2 = time.process_time()
+                    b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
+                sec = (bn - b1) / tokens
+                rest = a + c * (step["ops"] - n_lin) + r * B + rl * B * L + _bytes_seconds(step, ew or {})
+                if sec > rest and t_lin > 0:
+                    big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
+                                    "rest_s": rest, "scale": (sec - rest) / t_lin})
+        finally:
+            torch.set_num_threads(old)
+        if big_pts:
+            g_dram = float(np.median([p["scale"] for p in big_pts]))
+    return {"linear_scale_dram": g_dram, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
@@ -559,26 +607,51 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
             "spec_step_overhead_s": max(0.0, best - t_lin - op_s * ops)}
 
 
-def pipeline_overhead(workdir: str | Path, tokens: int, single_s: float, link_s: float = 0.0) -> dict[str, float]:
-    """Extra seconds per hop of the pipeline engine beyond the single-process step (stage loops, message packing,
-    the scheduler's feedback handling): a 2-stage pipeline of the 2-layer calibration model at one sequence, per-token
-    time minus the single-process step, split over its 2 hops (stage 0 -> 1, tokens back 1 -> 0)."""
+BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
+HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models
+
+
+def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
+                      models: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """One pipeline hop as the engine sees it, against how long the receiving stage had been idle: for calibration
+    models of growing size, a 2-stage pipeline at one sequence, (per-token time - the single-process step) / 2 hops,
+    beside how long a stage waits per token (the per-token time minus its half of the step). A stage process that sleeps longer wakes
+    up slower (measured on this VM: ~0.5 ms per hop after ~0.3 ms idle, ~0.8 ms after ~4 ms)."""
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
+    from waferline.model.init import write_random_checkpoint
 
-    d = Path(workdir) / "tiny-2"
     prompt = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
-    with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as llm:
+    points = []
+    for h, L in models or HOP_PROBE_MODELS:
+        d = Path(workdir) / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+        if not (d / "config.json").is_file():
+            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
+                                    d, seed=L + h)
+        single = float("inf")
+        llm = LLM(d, dtype="float32")
         llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        for _ in range(3):  # wall time, as the pipeline's per-token time is
+            t0 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            t1 = time.perf_counter()
+            llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+            t2 = time.perf_counter()
+            single = min(single, ((t2 - t1) - (t1 - t0)) / tokens)
+        del llm
         best = float("inf")
-        for _ in range(3):
-            out = llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))[0]
-            r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
-            if r > 0:
-                best = min(best, 1.0 / r)
-    single = single_s
-    return {"per_token_s": best, "single_process_step_s": single, "hop_latency_s": max(0.0, (best - single) / 2),
-            "hop_overhead_s": max(0.0, (best - single) / 2 - link_s)}
+        with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as pl:
+            pl.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+            for _ in range(3):
+                out = pl.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))[0]
+                r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
+                if r > 0:
+                    best = min(best, 1.0 / r)
+        points.append({"hidden": h, "layers": L, "single_step_s": single, "per_token_s": best,
+                       "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2)})
+    first = points[0]
+    return {"per_token_s": first["per_token_s"], "single_process_step_s": first["single_step_s"],
+            "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points}
 
 
 def _ceiling_worker(kind: str, seconds: float, q: Any) -> None:
@@ -792,13 +865,15 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     sweep_ms = [1, 8, 64] if quick else [1, 2, 4, 16, 64, 256]
     sweep_sizes = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
     pool = 8 if quick else 64
+    llc = last_level_cache_bytes()
+    hot_mb = llc / 2 / (1 << 20) if llc and not quick else 0.0
     lin: dict[str, Any] = {}
     for i, d in enumerate(("fp32", "bf16", "int4")):
         say(f"linear (GEMV/GEMM) sweep {d}", 0.12 + 0.12 * i)
         rows = linear_sweep(d, sweep_ms, sweep_sizes, pool)
         if rows:
-            lin[d] = {"fit": fit_linear(rows), "points": rows, "hot": linear_sweep(d, sweep_ms, sweep_sizes, pool, hot=True)}
-    llc = last_level_cache_bytes()
+            lin[d] = {"fit": fit_linear(rows), "points": rows,
+                      "hot": linear_sweep(d, sweep_ms, sweep_sizes, hot_mb, hot=True) if hot_mb else []}
     he: dict[str, Any] = {
         "measured": {"date": when, "host": host, "torch": str(torch.__version__), "load_average_1m": load[0],
                      "clock": "process CPU time for single-threaded probes, wall time for the link and the pipeline",
@@ -823,8 +898,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                            "points": [[r["m"], r["k"], r["n"], r["seconds"]] for r in v["points"]]}
         if v["hot"]:
             he["linear"][d]["table_hot"] = dict(linear_table(v["hot"]), measured={
-                "date": when, "method": f"{d} y = x W^T, M in {sweep_ms}, K = N in {sweep_sizes}, the same 2 weights "
-                                        "alternated (they stay in the caches), 1 thread; seconds per call, best of 3"})
+                "date": when, "method": f"{d} y = x W^T, M in {sweep_ms}, K = N in {sweep_sizes}, {hot_mb:.0f} MB of distinct "
+                                        "weights cycled (half the last-level cache: they stay in it), 1 thread; seconds "
+                                        "per call, best of 3"})
     if llc:
         he["llc_bytes"] = _fig(llc, tag, "last-level cache size (sysfs /sys/devices/system/cpu/cpu0/cache)")
     lk = None
@@ -856,17 +932,23 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             he["engine"] = {}
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
-                eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin),
-                                     ew_rates)
+                eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
+                                     big=None if quick else BIG_CALIBRATION_MODEL,
+                                     dram_tables={k: linear_table(v["points"]) for k, v in lin.items()})
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
                         f"(Mamba-2/MLA, dense/MoE) at batch {batches}, 1 thread: CPU seconds per step - other ops' bytes "
-                        f"at the elementwise bandwidths = step + op x non-linear aten ops + linear_scale x linear calls "
-                        f"priced by the linear table + row x sequences + row_layer x sequences x layers (ops counted by TorchDispatchMode); relative least squares, fit "
-                        f"error x{eo['fit_error_factor']:.2f}")
+                        f"at the elementwise bandwidths = step + op x non-linear aten ops + linear_scale x linear calls priced "
+                        f"by the cache-resident linear table + row x sequences + row_layer x sequences x layers (ops "
+                        f"counted by TorchDispatchMode); relative least squares, fit error x{eo['fit_error_factor']:.2f}")
                 he["engine"][d] = {"op_overhead_s": _fig(eo["op_overhead_s"], tag, meth),
                                    "step_overhead_s": _fig(eo["step_overhead_s"], tag, meth),
                                    "ops_per_layer": _fig(eo["ops_per_layer"], tag, "aten ops per layer per decode step of the calibration models"),
                                    "linear_scale": _fig(eo["linear_scale"], tag, meth),
+                                   "linear_scale_dram": _fig(eo["linear_scale_dram"], tag, (
+                                       f"decode of a random sol model (hidden, layers, FFN) = {BIG_CALIBRATION_MODEL} whose "
+                                       f"weights exceed the last-level cache, at batch {batches}: (CPU s per step - the fitted "
+                                       f"other terms) / its linears priced by the from-memory table, median")
+                                                         if eo["big_points"] else "not measured: as linear_scale"),
                                    "row_overhead_s": _fig(eo["row_overhead_s"], tag, meth),
                                    "row_layer_overhead_s": _fig(eo["row_layer_overhead_s"], tag, meth),
                                    **{k: _fig(eo[k], tag, f"prefill (generate with max_tokens=1) of 32- and 96-token prompts on the "
@@ -888,24 +970,24 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             except Exception as e:  # noqa: BLE001 - speculative decoding may be unavailable; the rest stands
                 he["engine"]["bf16"]["spec_step_overhead_s"] = {"value": 0.0, "assumed": f"not measured: {type(e).__name__}: {e}"[:200]}
             if pipeline:
-                say("pipeline per-hop overhead (2 stage processes)", 0.72)
-                e32 = he["engine"]["fp32"]
-                single = next(p["seconds_per_step"] for p in e32["points"] if p["layers"] == 2 and p["hidden"] == 64 and p["batch"] == 1)
+                say("pipeline hop vs idle time (2 stage processes, 3 model sizes)", 0.72)
                 try:
                     po = run_isolated("waferline.sim.measure:pipeline_overhead",
-                                      {"workdir": str(work), "tokens": toks, "single_s": single,
-                                       "link_s": lk["latency_s"] if lk else 0.0}, 120)
+                                      {"workdir": str(work), "tokens": toks, "link_s": lk["latency_s"] if lk else 0.0}, 300)
                 except Exception as e:  # noqa: BLE001 - the pipeline engine may be unavailable; the rest stands
                     po = None
                     he["pipeline"] = {"hop_overhead_s": {"value": 0.0, "assumed": f"not measured: {type(e).__name__}: {e}"[:200]}}
                 if po is not None:
-                    he["pipeline"] = {"hop_latency_s": _fig(po["hop_latency_s"], tag,
-                                                            "2-stage pipeline of the 2-layer calibration model, 1 sequence, "
-                                                            "fp32: (per-token time - single-process step) / 2 hops"),
-                                      "hop_overhead_s": _fig(po["hop_overhead_s"], tag,
-                                                         "2-stage pipeline of the 2-layer calibration model, 1 sequence: "
-                                                             "(per-token time - single-process step) / 2 hops - link latency"),
-                                      "per_token_s": po["per_token_s"]}
+                    meth = ("2-stage pipeline of calibration models (hidden, layers) = "
+                            f"{[(p['hidden'], p['layers']) for p in po['points']]}, 1 sequence, fp32, wall time: "
+                            "(per-token time - single-process step) / 2 hops, against the receiving stage's wait per token "
+                            "(per-token time - half the step)")
+                    he["pipeline"] = {"hop_latency_s": _fig(po["hop_latency_s"], tag, meth + "; the smallest model"),
+                                      "hop_overhead_s": _fig(po["hop_overhead_s"], tag, meth + "; the smallest model, "
+                                                             "minus the link latency"),
+                                      "hop_vs_idle": {"points": [[p["idle_s"], p["hop_s"]] for p in po["points"]],
+                                                      "measured": {"date": when, "method": meth}},
+                                      "per_token_s": po["per_token_s"], "probes": po["points"]}
         finally:
             tmp.cleanup()
     say("CUDA (if present)", 0.95)

@@ -322,7 +322,10 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
     assert best is not None
     best["load_average_1m"] = [load0, os.getloadavg()[0]]
     best["start_s"] = start_s
-    best["ops"] = count_ops(path, dtype, point["speculative"], point["k"], decode_rows, prefill_rows, prompt_len)
+    # speculative runs: counted over as many tokens as the timed run, so the mix of drafted and undrafted (n-gram
+    # without a match) verify steps, and the drafts' lengths, are the ones that were timed
+    best["ops"] = count_ops(path, dtype, point["speculative"], point["k"], decode_rows, prefill_rows, prompt_len,
+                            steps=max(6, output_len - 1) if point["speculative"] != "none" else 6)
     return best
 
 
