@@ -115,6 +115,7 @@ class HostParams:
     llc_bytes: float | None = None  # last-level cache: a host whose weights fit in it prices linears from tables_hot
     linear_scale_dram: dict[str, float] = field(default_factory=dict)  # the same for weights read from memory
     hop_vs_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle s, hop s) measured on 2-stage pipelines
+    stage_step_cpu_s: float | None = None  # a stage process's CPU per micro-batch step besides computing (measured)
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
@@ -155,6 +156,7 @@ class HostParams:
                        tables_hot={k: LinearTable.from_dict(v["table_hot"]) for k, v in (he.get("linear") or {}).items()
                                    if v.get("table_hot")},
                        llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
+                       stage_step_cpu_s=_v(pipe["stage_step_cpu_s"], where) if "stage_step_cpu_s" in pipe else None,
                        hop_vs_idle=tuple(sorted((float(a), float(b)) for a, b in (pipe.get("hop_vs_idle") or {}).get("points", []))),
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
                        measured=dict(he.get("measured") or {}))
@@ -191,7 +193,8 @@ class HostParams:
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
-                       hop_vs_idle=tuple((a, b * link_latency) for a, b in self.hop_vs_idle))
+                       hop_vs_idle=tuple((a, b * link_latency) for a, b in self.hop_vs_idle),
+                       stage_step_cpu_s=None if self.stage_step_cpu_s is None else self.stage_step_cpu_s * link_latency)
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -433,7 +436,8 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
                                  + b * len(s.layers) * rl_over))
     stage_s = [c.total for c in costs]
     hop_bytes = [b * t * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * b * t for i in range(S)]
-    cpu = [st + (2 * host.link_cpu_s if S > 1 else 0.0) for st in stage_s]
+    per_step = host.stage_step_cpu_s if host.stage_step_cpu_s is not None else 2 * host.link_cpu_s
+    cpu = [st + (per_step if S > 1 else 0.0) for st in stage_s]
     hops = [hop(nb) for nb in hop_bytes] if S > 1 else [0.0]
     for it in range(3):  # a hop costs more the longer its receiver waited: per micro-batch, cycle / M - its own work
         round_trip = sum(stage_s) + sum(hops)

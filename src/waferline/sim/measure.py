@@ -628,30 +628,49 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
         if not (d / "config.json").is_file():
             write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
                                     d, seed=L + h)
-        single = float("inf")
+        single = single_cpu = float("inf")
         llm = LLM(d, dtype="float32")
         llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        for _ in range(3):  # wall time, as the pipeline's per-token time is
-            t0 = time.perf_counter()
+        for _ in range(3):  # wall time, as the pipeline's per-token time is; and CPU time
+            t0, c0 = time.perf_counter(), time.process_time()
             llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             single = min(single, ((t2 - t1) - (t1 - t0)) / tokens)
+            single_cpu = min(single_cpu, ((c2 - c1) - (c1 - c0)) / tokens)
         del llm
-        best = float("inf")
+        best = pipe_cpu = float("inf")
         with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as pl:
             pl.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+            pids = [os.getpid()] + list(getattr(pl._pipeline, "pids", []) or [])
             for _ in range(3):
+                c0 = sum(process_cpu_seconds(p) for p in pids)
+                pl.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                c1 = sum(process_cpu_seconds(p) for p in pids)
                 out = pl.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))[0]
+                c2 = sum(process_cpu_seconds(p) for p in pids)
+                pipe_cpu = min(pipe_cpu, ((c2 - c1) - (c1 - c0)) / tokens)
                 r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
                 if r > 0:
                     best = min(best, 1.0 / r)
         points.append({"hidden": h, "layers": L, "single_step_s": single, "per_token_s": best,
-                       "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2)})
+                       "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2),
+                       "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
+                       "stage_step_cpu_s": max(0.0, (pipe_cpu - single_cpu) / 2)})
     first = points[0]
     return {"per_token_s": first["per_token_s"], "single_process_step_s": first["single_step_s"],
-            "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points}
+            "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points,
+            "stage_step_cpu_s": float(np.median([p["stage_step_cpu_s"] for p in points]))}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a local process so far (/proc), NaN where unreadable."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def _ceiling_worker(kind: str, seconds: float, q: Any) -> None:
@@ -987,6 +1006,11 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                                              "minus the link latency"),
                                       "hop_vs_idle": {"points": [[p["idle_s"], p["hop_s"]] for p in po["points"]],
                                                       "measured": {"date": when, "method": meth}},
+                                      "stage_step_cpu_s": _fig(po["stage_step_cpu_s"], tag, (
+                                          "the same pipelines: (CPU seconds of both processes per token - the "
+                                          "single-process CPU per token) / 2 stage steps, median over the models: what "
+                                          "a stage process spends per micro-batch step besides computing (receive, "
+                                          "send, unpack, wake-up)")),
                                       "per_token_s": po["per_token_s"], "probes": po["points"]}
         finally:
             tmp.cleanup()

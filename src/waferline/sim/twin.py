@@ -166,14 +166,6 @@ def _engine_kwargs(point: dict[str, Any], plan_json: str | None) -> dict[str, An
     return kw
 
 
-def _cpu_seconds(pid: int) -> float:
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return float("nan")
-
-
 def _timed_run(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
     from waferline.engine.sampling import SamplingParams
 
@@ -300,6 +292,7 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
 
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
+    from waferline.sim.measure import process_cpu_seconds
 
     torch.set_num_threads(1)
     dtype = "bfloat16"
@@ -313,9 +306,9 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
         pids = [os.getpid()] + list(getattr(pipe, "pids", []) or [])
         best = None
         for _ in range(repeats):
-            c0 = [_cpu_seconds(p) for p in pids]
+            c0 = [process_cpu_seconds(p) for p in pids]
             r = _timed_run(llm, prompts, output_len)
-            r["cpu_s_per_process"] = [_cpu_seconds(p) - c for p, c in zip(pids, c0)]
+            r["cpu_s_per_process"] = [process_cpu_seconds(p) - c for p, c in zip(pids, c0)]
             if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
                 best = r
         best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
