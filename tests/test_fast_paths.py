@@ -6,28 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import build
+from tiny_models import build, decode_logits
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.layers import Rotary
 from waferline.model.load import load_model
-
-
-def _decode(model, prompts, slots, num_slots, steps=4):
-    """Prefill ``prompts`` into ``slots`` one by one, then decode them together greedily; return the logits per step."""
-    caches = model.new_caches(num_slots)
-    last = []
-    for p, s in zip(prompts, slots):
-        h = model(torch.tensor([p]), caches, StepBatch.make([s], [0], len(p)))
-        last.append(model.logits(h[0, -1]))
-    out = [torch.stack(last)]
-    toks = out[0].argmax(-1)
-    lengths = [len(p) for p in prompts]
-    for i in range(steps):
-        h = model(toks[:, None], caches, StepBatch.make(slots, [n + i for n in lengths], 1))
-        out.append(model.logits(h[:, 0]))
-        toks = out[-1].argmax(-1)
-    return torch.stack(out)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "nemotron_h", "gpt_oss", "qwen3_moe"])
@@ -40,9 +23,9 @@ def test_slot_layouts_agree(tmp_path, model_type, one_thread):
     for lens in ((7, 12), (9, 9)):
         prompts = [torch.randint(3, 120, (n,), generator=g).tolist() for n in lens]
         with torch.inference_mode():
-            together = _decode(model, prompts, [0, 1], 2)
-            scattered = _decode(model, prompts, [3, 1], 4)
-            alone = torch.stack([_decode(model, [p], [0], 1)[:, 0] for p in prompts], dim=1)
+            together = decode_logits(model, prompts, [0, 1], 2)
+            scattered = decode_logits(model, prompts, [3, 1], 4)
+            alone = torch.stack([decode_logits(model, [p], [0], 1)[:, 0] for p in prompts], dim=1)
         torch.testing.assert_close(scattered, together, rtol=0, atol=1e-5)
         torch.testing.assert_close(alone, together, rtol=0, atol=1e-5)
 
@@ -76,8 +59,8 @@ def test_bf16_attention_close_to_fp32(tmp_path, one_thread):
     build("deepseek_v3", tmp_path)
     prompts = [[5, 9, 33, 71, 2 + 3, 8, 100], [40, 41, 42]]
     with torch.inference_mode():
-        ref = _decode(load_model(tmp_path, torch.float32), prompts, [0, 1], 2, steps=2)
-        bf = _decode(load_model(tmp_path, torch.bfloat16), prompts, [0, 1], 2, steps=2)
+        ref = decode_logits(load_model(tmp_path, torch.float32), prompts, [0, 1], 2, steps=2)
+        bf = decode_logits(load_model(tmp_path, torch.bfloat16), prompts, [0, 1], 2, steps=2)
     assert (bf - ref).abs().max() < 0.05 * ref.abs().max()
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tiny_models import build
+from tiny_models import build, decode_logits
 from waferline import kernels
 from waferline.model.context import StepBatch
 from waferline.model.layers import RMSNorm
@@ -71,24 +71,11 @@ def test_silu_mul(dtype, eager):
 
 
 def _logits(model, prompts, steps=4):
-    """Prefill ragged prompts one by one into slots 0..B-1, then decode all of them together (a mask) and each alone
-    (no mask); logits of every step."""
-    caches = model.new_caches(len(prompts))
-    last = []
-    for s, p in enumerate(prompts):
-        h = model(torch.tensor([p]), caches, StepBatch.make([s], [0], len(p)))
-        last.append(model.logits(h[0, -1]))
-    out = [torch.stack(last)]
-    toks = out[0].argmax(-1)
-    lens = [len(p) for p in prompts]
-    for i in range(steps):
-        h = model(toks[:, None], caches, StepBatch.make(list(range(len(prompts))), [n + i for n in lens], 1))
-        out.append(model.logits(h[:, 0]))
-        toks = out[-1].argmax(-1)
-    # a 3-token verify-shaped step (T > 1 with a causal mask) for the first sequence
-    h = model(torch.tensor([[5, 6, 7]]), caches, StepBatch.make([0], [lens[0] + steps], 3))
-    out.append(model.logits(h[0]).expand(len(prompts), 3, -1)[:, -1])
-    return torch.stack(out)
+    """Ragged prompts prefilled into slots 0..B-1 and decoded together (a mask; one prompt: no mask), then a 3-token
+    verify-shaped step (T > 1 with a causal mask) for the first sequence; logits of every step."""
+    out, caches = decode_logits(model, prompts, list(range(len(prompts))), len(prompts), steps, return_caches=True)
+    h = model(torch.tensor([[5, 6, 7]]), caches, StepBatch.make([0], [len(prompts[0]) + steps], 3))
+    return torch.cat([out, model.logits(h[0]).expand(len(prompts), 3, -1)[:, -1][None]])
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe"])

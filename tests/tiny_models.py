@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from waferline.model.context import StepBatch
+
 VOCAB = 128
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -75,3 +77,21 @@ def build(model_type: str, directory: Path, seed: int = 0) -> torch.nn.Module:
                 b.copy_(0.1 * torch.randn_like(b))
     model.save_pretrained(directory)
     return model
+
+
+def decode_logits(model, prompts, slots, num_slots, steps=4, return_caches=False):
+    """Prefill ``prompts`` into ``slots`` one by one, then decode them together greedily; return the logits per step
+    (and the caches, to go on from there)."""
+    caches = model.new_caches(num_slots)
+    last = []
+    for p, s in zip(prompts, slots):
+        h = model(torch.tensor([p]), caches, StepBatch.make([s], [0], len(p)))
+        last.append(model.logits(h[0, -1]))
+    out = [torch.stack(last)]
+    toks = out[0].argmax(-1)
+    lengths = [len(p) for p in prompts]
+    for i in range(steps):
+        h = model(toks[:, None], caches, StepBatch.make(slots, [n + i for n in lengths], 1))
+        out.append(model.logits(h[:, 0]))
+        toks = out[-1].argmax(-1)
+    return (torch.stack(out), caches) if return_caches else torch.stack(out)

@@ -436,6 +436,26 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[dict[str, float], float]:
+    """One decode step of ``prompts`` on the single-process engine: its counted work (ops, linear calls, bytes: the
+    difference between generating ``tokens + 1`` and 1 token, per token) and its CPU seconds (the same difference,
+    fastest of 3, after a warm-up; CPU time of this single-threaded process, see _best)."""
+    from waferline.engine.sampling import SamplingParams
+
+    w2, w1 = _generate_work(llm, prompts, tokens + 1), _generate_work(llm, prompts, 1)
+    step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    b1 = bn = float("inf")
+    for _ in range(3):
+        t0 = time.process_time()
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        t1 = time.process_time()
+        llm.generate(prompts, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
+        t2 = time.process_time()
+        b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
+    return step, (bn - b1) / tokens
+
+
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
                     tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
                     big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -477,20 +497,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                             "bytes_s": _bytes_seconds(wp, ew or {}), "seconds": best})
             for B in batches:
                 prompt = [[(3 * j + 5 + 7 * r) % 200 + 2 for j in range(8)] for r in range(B)]
-                w2, w1 = _generate_work(llm, prompt, tokens + 1), _generate_work(llm, prompt, 1)
-                step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
+                step, best = _decode_step_probe(llm, prompt, tokens)
                 n_lin, t_lin = table_seconds(step, tables or {})
                 t_bytes = _bytes_seconds(step, ew or {})
-                llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-                b1 = bn = float("inf")
-                for _ in range(3):  # CPU time of this (single-threaded) process: see _best; fastest of each length
-                    t0 = time.process_time()
-                    llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                    t1 = time.process_time()
-                    llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-                    t2 = time.process_time()
-                    b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
-                best = (bn - b1) / tokens
                 if best <= 0:
                     continue  # a disturbed probe: leave the point out
                 pts.append({"hidden": h, "layers": L, "batch": B, "ops_per_step": step["ops"], "linear_calls": n_lin,
@@ -528,19 +537,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
             for B in batches:
                 prompt = [[(3 * j + 5 + 7 * r_) % 200 + 2 for j in range(8)] for r_ in range(B)]
-                w2, w1 = _generate_work(llm, prompt, tokens + 1), _generate_work(llm, prompt, 1)
-                step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
+                step, sec = _decode_step_probe(llm, prompt, tokens)
                 n_lin, t_lin = table_seconds(step, dram_tables)
-                llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-                b1 = bn = float("inf")
-                for _ in range(3):
-                    t0 = time.process_time()
-                    llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                    t1 = time.process_time()
-                    llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-                    t2 = time.process_time()
-                    b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
-                sec = (bn - b1) / tokens
                 rest = a + c * (step["ops"] - n_lin) + r * B + rl * B * L + _bytes_seconds(step, ew or {})
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
