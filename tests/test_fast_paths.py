@@ -109,3 +109,28 @@ def test_one_row_16bit_linear_skips_onednn_and_restores_the_flag():
     assert torch._C._get_mkldnn_enabled()
     many = linear(torch.cat([x, x]), w, b)  # two rows: the usual path, same numbers as one row
     torch.testing.assert_close(many[0].float(), out[0].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_packed_linear_is_the_same_product_and_follows_weight_changes():
+    """16-bit products of 2+ rows run oneDNN on a weight laid out once: bitwise what F.linear gives, re-laid out when
+    the weight changes in place, and one-row products keep the plain path."""
+    from waferline.model.layers import Linear, packed_linear
+
+    g = torch.Generator().manual_seed(0)
+    lin = Linear(64, 48, bias=True, dtype=torch.bfloat16)
+    lin.weight.copy_(torch.randn(48, 64, generator=g))
+    lin.bias.copy_(torch.randn(48, generator=g))
+    for shape in ((3, 64), (2, 5, 64), (1, 64)):
+        x = torch.randn(shape, generator=g).to(torch.bfloat16)
+        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    assert 0 in lin._packs  # the 2+ row calls made the copy
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    before = lin(x)
+    lin.weight.mul_(1.5)  # an in-place change: the copy must follow
+    after = lin(x)
+    assert not torch.equal(before, after)
+    assert torch.equal(after, torch.nn.functional.linear(x, lin.weight, lin.bias))
+    packs: dict = {}
+    w32 = torch.randn(48, 64, generator=g)
+    torch.testing.assert_close(packed_linear(x.float(), w32, None, packs, 0), x.float() @ w32.T)
+    assert not packs  # fp32 weights are not re-laid out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import torch
@@ -52,6 +53,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return nn.functional.linear(x, weight, bias)
 
 
+_PREPACK = os.environ.get("WAFERLINE_PREPACK", "1") != "0"
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packs: dict[Any, Any],
+                  key: Any) -> torch.Tensor:
+    """``linear``, except that a 16-bit product of two or more rows on CPU runs oneDNN on a copy of ``weight`` laid
+    out for it once (kept in ``packs[key]``, redone when the weight is modified in place) instead of re-laying the
+    weight out on every call: the same kernel, the same results, 1.5-2x faster for 2-8 rows (batched decode,
+    speculative verify, the MoE's per-expert groups). Costs a second copy of every 16-bit weight used that way
+    (``WAFERLINE_PREPACK=0`` turns it off). One-row products keep ATen's GEMV (see ``linear``)."""
+    if (_PREPACK and weight.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and weight.dim() == 2
+            and x.dtype == weight.dtype and x.numel() > x.shape[-1] and torch._C._get_mkldnn_enabled()
+            and not weight.is_inference()):  # (weights made under inference_mode keep no version to check the copy by)
+        ent = packs.get(key)
+        stamp = (weight.data_ptr(), weight._version, tuple(weight.shape))
+        if ent is None or ent[0] != stamp:
+            ent = packs[key] = (stamp, torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None))
+        return torch.ops.mkldnn._linear_pointwise(x, ent[1], bias, "none", [], "")
+    return linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). One place for every projection, so weight formats (int4, ...) can be swapped in later."""
 
@@ -69,7 +91,7 @@ class Linear(nn.Module):
         return int(self.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.bias, self.__dict__.setdefault("_packs", {}), 0)
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         """Load ``{prefix}.weight`` (and ``{prefix}.bias`` when this layer has one)."""

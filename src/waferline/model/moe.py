@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from waferline import kernels
 from waferline.errors import CheckpointError, ConfigError
-from waferline.model.layers import linear
+from waferline.model.layers import packed_linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
@@ -176,7 +176,8 @@ class DenseFFN(nn.Module):
         q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
         if q is not None:
             return q.linear(x, getattr(self, "b_" + which))
-        return linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which))
+        return packed_linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which),
+                             self.__dict__.setdefault("_packs", {}), which)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gated:
@@ -361,7 +362,8 @@ class MoE(nn.Module):
             return q.expert_linear(x, experts, b)
         w = getattr(self, "w_" + which)
         if isinstance(experts, int):
-            return linear(x, w[experts], None if b is None else b[experts])
+            return packed_linear(x, w[experts], None if b is None else b[experts], self.__dict__.setdefault("_packs", {}),
+                                 (which, experts))
         y = torch.bmm(w.index_select(0, experts), x.unsqueeze(-1)).squeeze(-1)
         return y if b is None else y + b.index_select(0, experts)
 
