@@ -158,14 +158,15 @@ _SLOT_TAG, _REST_TAG = 1, 2  # gloo tags of slots and of the remainders of large
 class Link:
     """Messages over one process group: ``kind``, int64 metadata and raw tensor bytes.
 
-    On CPU (gloo) the receiver keeps a recv of ``slot_bytes`` posted for the next message from every peer it has
-    heard from (``SLOTS_AHEAD`` of them, in order): a fixed-size slot holds a 32-byte header (kind, body bytes, metadata count, send time), the metadata
-    and the start of the payload; a larger body's remainder follows as a second message (its own tag) of known size. Why: gloo
-    moves a send that meets a posted recv in one trip, but a message that arrives while its receiver is busy
-    computing waits for a recv-ready handshake, and gloo's event loop thread spins meanwhile (measured on the
-    2-stage pipeline with 2 micro-batches: its loop threads used ~1 CPU-second per 256 micro-batch steps, stealing the
-    cores the stages compute on). On other devices a message is an int64 header [kind, nbytes, nmeta] then the
-    payload. Sends are asynchronous; buffers are kept alive until their send completes."""
+    On CPU (gloo) the receiver keeps ``SLOTS_AHEAD`` recvs of ``slot_bytes`` posted, in order, for the next messages
+    from every peer it has heard from: a fixed-size slot holds a 32-byte header (kind, body bytes, metadata count,
+    send time), the metadata and the start of the payload; a larger body's remainder follows as a second message
+    (its own tag) of known size. Why: gloo moves a send that meets a posted recv in one trip, but a message that
+    arrives while its receiver is busy computing waits for a recv-ready handshake, and gloo's event loop thread
+    spins meanwhile (measured on the 2-stage pipeline with 2 micro-batches: its loop threads used ~1 CPU-second per
+    256 micro-batch steps, stealing the cores the stages compute on). On other devices a message is an int64
+    header [kind, nbytes, nmeta] then the payload. Sends are asynchronous; buffers are kept alive until their send
+    completes."""
 
     def __init__(self, pg: Any, device: torch.device, slot_bytes: int = SLOT_BYTES):
         self.pg = pg
