@@ -89,6 +89,12 @@ def test_twin_runs_a_two_plan_grid(twin_result):
     s = twin_result["summary"]
     assert s["all"]["n"] == 6 and s["all"]["median"] >= 1.0 and s["all"]["max"] >= s["all"]["median"]
     assert twin_result["load_average"] and twin_result["inputs"]["measured"]
+    d = twin_result["drift"]  # the first Plan measured again after the grid: the machine's own drift
+    assert d["plan"] == rows[0]["plan"] and d["end_tokens_per_s_per_user"] > 0 and d["factor"] >= 1.0
+    assert d["start_tokens_per_s_per_user"] == rows[0]["measured"]["tokens_per_s_per_user"]
+    from waferline.sim.twin import drift_line, markdown
+
+    assert "machine drift" in drift_line(twin_result) and "machine drift" in markdown(twin_result)
 
 
 def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):

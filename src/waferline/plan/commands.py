@@ -410,7 +410,8 @@ def register(subparsers: Any) -> None:
                                "(a child process per Plan, one thread per process), predict the same Plan with the simulator "
                                "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
                                "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
-                               "max. Plans the engine cannot run yet are listed as not available.")
+                               "max. The first Plan is run once more at the end: how far its speed moved is the machine's own drift "
+                               "over the grid. Plans the engine cannot run yet are listed as not available.")
     tw.add_argument("--model", required=True, help="checkpoint directory (e.g. models/sol-mini)")
     tw.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: calibrate this host "
                     "now, cached for a day under ~/.cache/waferline)")

@@ -418,8 +418,10 @@ def predict(plan: Any, spec: Any, hw: Any, host: Any, ops: dict[str, Any] | None
 def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = "default", *, prompt_len: int = 32,
              output_len: int = 32, repeats: int = 2, quick_calibration: bool = False, recalibrate: bool = False,
              progress: Callable[[str, float], None] | None = None, host_override: Any = None,
-             timeout_s: float = POINT_TIMEOUT_S) -> dict[str, Any]:
-    """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able)."""
+             timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True) -> dict[str, Any]:
+    """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able).
+    ``drift_check``: run the first measured point once more at the end; how far its speed moved over the grid
+    (``drift``) is how much of an error factor this machine's own drift accounts for."""
     from waferline.sim.host import HostParams
     from waferline.sim.measure import run_isolated
     from waferline.spec.hardware import load_hardware_file
@@ -442,6 +444,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     has_mtp = bool(getattr(spec, "mtp_layers", None))
     rows = []
     int4_path: Path | None = None
+    first_run: tuple[str, dict[str, Any], float] | None = None  # (plan, measure_point kwargs, tokens/s per user)
     for i, pt in enumerate(points):
         say(f"{pt.name}: engine", (i + 0.1) / len(points))
         row: dict[str, Any] = {"plan": pt.name, "point": asdict(pt)}
@@ -468,11 +471,11 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
             M = plan.micro_batches if plan.num_stages > 1 else 1
             b = math.ceil(pt.batch / max(1, min(M, pt.batch)))
             prefill_rows = 1 if plan.num_stages == 1 else min(pt.batch, max(1, 256 // prompt_len))
+        kwargs = {"path": str(ckpt), "point": asdict(pt), "plan_json": plan.to_json(indent=None) if pt.pipeline else None,
+                  "prompt_len": prompt_len, "output_len": output_len, "repeats": repeats,
+                  "decode_rows": b, "prefill_rows": prefill_rows}
         try:
-            meas = run_isolated("waferline.sim.twin:measure_point",
-                                {"path": str(ckpt), "point": asdict(pt), "plan_json": plan.to_json(indent=None) if pt.pipeline else None,
-                                 "prompt_len": prompt_len, "output_len": output_len, "repeats": repeats,
-                                 "decode_rows": b, "prefill_rows": prefill_rows}, timeout_s)
+            meas = run_isolated("waferline.sim.twin:measure_point", kwargs, timeout_s)
         except RuntimeError as e:
             msg = str(e)
             if "ConfigError" in msg or "does not run" in msg or "unexpected keyword" in msg or "not supported" in msg:
@@ -481,6 +484,8 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
                 row["status"] = "engine failed: " + msg[-300:]
             continue
         row["measured"] = {k: meas[k] for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s")}
+        if first_run is None and meas["tokens_per_s_per_user"] > 0:
+            first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
         row["run"] = {k: meas.get(k) for k in ("total_s", "tokens", "cpu_s_per_process", "load_average_1m", "start_s",
                                                "engine_metrics", "arrivals_row0")}
         cpu = [c for c in (meas.get("cpu_s_per_process") or []) if c == c]
@@ -511,8 +516,17 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         row["sim"] = {"bound": sim.bound, "stages": [asdict(s) for s in sim.stages], "host": sim.speculative.get("host", {}),
                       "num_stages": sim.num_stages, "micro_batches": sim.micro_batches}
         row["status"] = "ok"
+    drift = None
+    if drift_check and first_run is not None and len(points) > 1:
+        say(f"{first_run[0]} again (the machine's drift over the grid)", 0.99)
+        try:
+            again = run_isolated("waferline.sim.twin:measure_point", first_run[1], timeout_s)["tokens_per_s_per_user"]
+            drift = {"plan": first_run[0], "start_tokens_per_s_per_user": first_run[2], "end_tokens_per_s_per_user": again,
+                     "factor": error_factor(again, first_run[2])}
+        except RuntimeError as e:
+            drift = {"plan": first_run[0], "error": str(e)[-200:]}
     say("done", 1.0)
-    return {"model": str(path.resolve()), "model_name": spec.name, "hardware": str(hw_path), "host": host.measured,
+    return {"drift": drift, "model": str(path.resolve()), "model_name": spec.name, "hardware": str(hw_path), "host": host.measured,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "prompt_len": prompt_len,
             "output_len": output_len, "repeats": repeats, "threads_per_process": 1,
@@ -597,6 +611,9 @@ def render(result: dict[str, Any], console: Any) -> None:
         v = s[k]
         if v["n"]:
             console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} plans")
+    line = drift_line(result)
+    if line:
+        console.print(line)
     console.print(f"measured inputs: {result['inputs']['measured']}")
     console.print(f"modelled: {result['inputs']['modelled']}")
     console.print(f"hardware: {result['hardware']} (calibrated {result['host'].get('date', '?')}, load average then "
@@ -631,4 +648,18 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
                            (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate"),
                             ("ttft_s", "TTFT"), ("all", "all")) if s[k]["n"]) + f" ({s['plans_compared']} Plans).")
+    line = drift_line(result)
+    if line:
+        lines.append("")
+        lines.append(line + ".")
     return "\n".join(lines)
+
+
+def drift_line(result: dict[str, Any]) -> str | None:
+    """One sentence on how far the machine itself moved over the grid (the first Plan measured again at the end)."""
+    d = result.get("drift") or {}
+    if "factor" not in d:
+        return None
+    return (f"machine drift: {d['plan']} measured again after the grid ran {d['end_tokens_per_s_per_user']:.1f} tok/s per "
+            f"user against {d['start_tokens_per_s_per_user']:.1f} at the start (x{d['factor']:.2f}): error factors "
+            f"within that are this machine's own noise")
