@@ -608,6 +608,7 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
+CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline: /proc counts a worker's CPU in 10 ms ticks
 HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models
 
 
@@ -631,29 +632,38 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
         single = single_cpu = float("inf")
         llm = LLM(d, dtype="float32")
         llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        for _ in range(3):  # wall time, as the pipeline's per-token time is; and CPU time
-            t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(3):  # wall time, as the pipeline's per-token time is
+            t0 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1 = time.perf_counter()
             llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-            t2, c2 = time.perf_counter(), time.process_time()
+            t2 = time.perf_counter()
             single = min(single, ((t2 - t1) - (t1 - t0)) / tokens)
-            single_cpu = min(single_cpu, ((c2 - c1) - (c1 - c0)) / tokens)
+        for _ in range(2):  # CPU time, over as many tokens as the pipeline's CPU probe
+            c0 = time.process_time()
+            llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            c1 = time.process_time()
+            llm.generate(prompt, SamplingParams(max_tokens=CPU_PROBE_TOKENS + 1, ignore_eos=True))
+            c2 = time.process_time()
+            single_cpu = min(single_cpu, ((c2 - c1) - (c1 - c0)) / CPU_PROBE_TOKENS)
         del llm
         best = pipe_cpu = float("inf")
         with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as pl:
             pl.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
             pids = [os.getpid()] + list(getattr(pl._pipeline, "pids", []) or [])
             for _ in range(3):
-                c0 = sum(process_cpu_seconds(p) for p in pids)
-                pl.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                c1 = sum(process_cpu_seconds(p) for p in pids)
                 out = pl.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))[0]
-                c2 = sum(process_cpu_seconds(p) for p in pids)
-                pipe_cpu = min(pipe_cpu, ((c2 - c1) - (c1 - c0)) / tokens)
                 r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
                 if r > 0:
                     best = min(best, 1.0 / r)
+            # CPU: the workers' is read from /proc in clock ticks (10 ms), so over many tokens, twice
+            for _ in range(2):
+                c0 = sum(process_cpu_seconds(p) for p in pids)
+                pl.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+                c1 = sum(process_cpu_seconds(p) for p in pids)
+                pl.generate(prompt, SamplingParams(max_tokens=CPU_PROBE_TOKENS + 1, ignore_eos=True))
+                c2 = sum(process_cpu_seconds(p) for p in pids)
+                pipe_cpu = min(pipe_cpu, ((c2 - c1) - (c1 - c0)) / CPU_PROBE_TOKENS)
         points.append({"hidden": h, "layers": L, "single_step_s": single, "per_token_s": best,
                        "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2),
                        "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
