@@ -438,6 +438,22 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
+def _per_token(llm: Any, prompts: list[list[int]], n: int, clock: Callable[[], float], repeats: int) -> float:
+    """Seconds per decode token on ``clock``: (generating n + 1 tokens - generating 1) / n, the fastest of
+    ``repeats`` (the prefill and the first token cancel out)."""
+    from waferline.engine.sampling import SamplingParams
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
+        t1 = clock()
+        llm.generate(prompts, SamplingParams(max_tokens=n + 1, ignore_eos=True))
+        t2 = clock()
+        best = min(best, ((t2 - t1) - (t1 - t0)) / n)
+    return best
+
+
 def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[dict[str, float], float]:
     """One decode step of ``prompts`` on the single-process engine: its counted work (ops, linear calls, bytes: the
     difference between generating ``tokens + 1`` and 1 token, per token) and its CPU seconds (the same difference,
@@ -447,15 +463,7 @@ def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple
     w2, w1 = _generate_work(llm, prompts, tokens + 1), _generate_work(llm, prompts, 1)
     step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
     llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    b1 = bn = float("inf")
-    for _ in range(3):
-        t0 = time.process_time()
-        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-        t1 = time.process_time()
-        llm.generate(prompts, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-        t2 = time.process_time()
-        b1, bn = min(b1, t1 - t0), min(bn, t2 - t1)
-    return step, (bn - b1) / tokens
+    return step, _per_token(llm, prompts, tokens, time.process_time, 3)
 
 
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
@@ -629,25 +637,12 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
         if not (d / "config.json").is_file():
             write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
                                     d, seed=L + h)
-        single = single_cpu = float("inf")
         llm = LLM(d, dtype="float32")
         llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
-        for _ in range(3):  # wall time, as the pipeline's per-token time is
-            t0 = time.perf_counter()
-            llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            t1 = time.perf_counter()
-            llm.generate(prompt, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))
-            t2 = time.perf_counter()
-            single = min(single, ((t2 - t1) - (t1 - t0)) / tokens)
-        for _ in range(2):  # CPU time, over as many tokens as the pipeline's CPU probe
-            c0 = time.process_time()
-            llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            c1 = time.process_time()
-            llm.generate(prompt, SamplingParams(max_tokens=CPU_PROBE_TOKENS + 1, ignore_eos=True))
-            c2 = time.process_time()
-            single_cpu = min(single_cpu, ((c2 - c1) - (c1 - c0)) / CPU_PROBE_TOKENS)
+        single = _per_token(llm, prompt, tokens, time.perf_counter, 3)  # wall time, as the pipeline's per-token time is
+        single_cpu = _per_token(llm, prompt, CPU_PROBE_TOKENS, time.process_time, 2)
         del llm
-        best = pipe_cpu = float("inf")
+        best = float("inf")
         with LLM(d, dtype="float32", stages=2, micro_batches=1, threads_per_stage=1) as pl:
             pl.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
             pids = [os.getpid()] + list(getattr(pl._pipeline, "pids", []) or [])
@@ -656,14 +651,8 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
                 r = out.metrics.get("tokens_per_s_per_user") or out.metrics.get("decode_tokens_per_s") or 0.0
                 if r > 0:
                     best = min(best, 1.0 / r)
-            # CPU: the workers' is read from /proc in clock ticks (10 ms), so over many tokens, twice
-            for _ in range(2):
-                c0 = sum(process_cpu_seconds(p) for p in pids)
-                pl.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-                c1 = sum(process_cpu_seconds(p) for p in pids)
-                pl.generate(prompt, SamplingParams(max_tokens=CPU_PROBE_TOKENS + 1, ignore_eos=True))
-                c2 = sum(process_cpu_seconds(p) for p in pids)
-                pipe_cpu = min(pipe_cpu, ((c2 - c1) - (c1 - c0)) / CPU_PROBE_TOKENS)
+            # CPU of all its processes: the workers' is read from /proc in clock ticks (10 ms), so over many tokens
+            pipe_cpu = _per_token(pl, prompt, CPU_PROBE_TOKENS, lambda: sum(process_cpu_seconds(p) for p in pids), 2)
         points.append({"hidden": h, "layers": L, "single_step_s": single, "per_token_s": best,
                        "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2),
                        "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
