@@ -230,19 +230,9 @@ def fit_linear(rows: list[dict[str, float]]) -> dict[str, float]:
     if not rows:
         return {}
     t = np.array([r["seconds"] for r in rows])
-    X = np.array([[1.0, r["bytes"], r["flops"]] for r in rows]) / t[:, None]
-    y = np.ones(len(rows))
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    for _ in range(3):  # drop negative terms and refit (tiny NNLS)
-        c, *_ = np.linalg.lstsq(X[:, active], y, rcond=None)
-        coef[:] = 0.0
-        coef[active] = c
-        neg = [a for a, v in zip(active, c) if v < 0]
-        if not neg:
-            break
-        active = [a for a in active if a not in neg]
-    pred = np.array([[1.0, r["bytes"], r["flops"]] for r in rows]) @ coef
+    X = np.array([[1.0, r["bytes"], r["flops"]] for r in rows])
+    coef = _nnls_rel(X, t)
+    pred = X @ coef
     err = float(np.exp(np.median(np.abs(np.log(np.maximum(pred, 1e-12) / t)))))
     return {"t0_s": float(max(coef[0], 0.0)), "bytes_per_s": float(1.0 / coef[1]) if coef[1] > 0 else float("inf"),
             "flops_per_s": float(1.0 / coef[2]) if coef[2] > 0 else float("inf"), "median_fit_error_factor": err}
