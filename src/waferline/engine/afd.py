@@ -36,7 +36,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 import uuid
 import weakref
 from dataclasses import dataclass, field
@@ -50,11 +49,9 @@ from torch import nn
 from waferline.engine.pipeline import (DECODE, DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, DONE, PREFILL,
                                        WATCH_INTERVAL_S, Pipeline, StageError, _main_hidden, _reap, _Seq)
 from waferline.engine.sampling import SamplingParams, make_generator
-from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, EXIT_ERROR,
-                                    FEEDBACK, SHUTDOWN, SLOT_BYTES, STEP, Control, Group, Link, MicroBatch,
-                                    StageRunner,
-                                    _client_of, _publisher, decode_feedback, json_meta, make_group, meta_json,
-                                    worker_failed)
+from waferline.engine.stage import (BEGIN, EMIT_LOGPROBS, EMIT_NONE, EMIT_TOKEN, FEEDBACK, SHUTDOWN, SLOT_BYTES, STEP,
+                                    Control, Group, Link, MicroBatch, StageRunner, decode_feedback, json_meta,
+                                    make_group, meta_json, worker_failed, worker_load_failed, worker_ready)
 from waferline.errors import ConfigError
 from waferline.model.moe import MoE
 from waferline.plan.place import expert_split, ffn_owner
@@ -667,13 +664,8 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
             for m in range(M):
                 link.post(m)
     except Exception as e:  # a load error goes to the driver, which raises it
-        ctl.set("status", rank, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
-        return EXIT_ERROR
-    ctl.set("progress", rank, "0")
-    ctl.set("ready", rank, "1")
-    threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
-                     daemon=True, name=f"waferline-afd{rank}-publisher").start()
+        return worker_load_failed(ctl, rank, e)
+    worker_ready(ctl, store, load, run_id, rank, state, driver_pid, f"waferline-afd{rank}-publisher")
     try:
         while True:
             kind, meta, tail = link.recv(0)

@@ -511,13 +511,8 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
         if device.type != "cpu":
             model.to(device)
     except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
-        ctl.set("status", rank, f"{type(e).__name__}: {e}")
-        traceback.print_exc()
-        return EXIT_ERROR
-    ctl.set("progress", rank, "0")
-    ctl.set("ready", rank, "1")
-    threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
-                     daemon=True, name=f"waferline-stage{rank}-publisher").start()
+        return worker_load_failed(ctl, rank, e)
+    worker_ready(ctl, store, load, run_id, rank, state, driver_pid, f"waferline-stage{rank}-publisher")
     runner = StageRunner(model, rank, num_stages, device)
     last = runner.is_last
     try:
@@ -545,6 +540,22 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
             state["processed"] += 1
     except Exception as e:
         return worker_failed(ctl, rank, e)
+
+
+def worker_load_failed(ctl: "Control", rank: int, e: Exception) -> int:
+    """A worker could not load its part: say why through the store (the driver raises it) and pick the exit code."""
+    ctl.set("status", rank, f"{type(e).__name__}: {e}")
+    traceback.print_exc()
+    return EXIT_ERROR
+
+
+def worker_ready(ctl: "Control", store: Any, load: dict[str, Any], run_id: str, rank: int, state: dict[str, Any],
+                 driver_pid: int | None, thread_name: str) -> None:
+    """A worker has loaded: announce it and start the thread that publishes its progress for the driver's watchdog."""
+    ctl.set("progress", rank, "0")
+    ctl.set("ready", rank, "1")
+    threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
+                     daemon=True, name=thread_name).start()
 
 
 def worker_failed(ctl: "Control", rank: int, e: Exception) -> int:
