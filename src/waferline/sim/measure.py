@@ -447,12 +447,13 @@ def _per_token(llm: Any, prompts: list[list[int]], n: int, clock: Callable[[], f
 def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[dict[str, float], float]:
     """One decode step of ``prompts`` on the single-process engine: its counted work (ops, linear calls, bytes: the
     difference between generating ``tokens + 1`` and 1 token, per token) and its CPU seconds (the same difference,
-    fastest of 3, after a warm-up; CPU time of this single-threaded process, see _best)."""
+    fastest of 3, after a warm-up; CPU time of this single-threaded process, see _best). The warm-up comes first:
+    one-time work (weights laid out for oneDNN, absorbed MLA weights) must not land in either counted run."""
     from waferline.engine.sampling import SamplingParams
 
+    llm.generate(prompts, SamplingParams(max_tokens=tokens + 1, ignore_eos=True))  # warm-up
     w2, w1 = _generate_work(llm, prompts, tokens + 1), _generate_work(llm, prompts, 1)
     step = {k: (w2.get(k, 0.0) - w1.get(k, 0.0)) / tokens for k in set(w1) | set(w2)}
-    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     return step, _per_token(llm, prompts, tokens, time.process_time, 3)
 
 
@@ -489,9 +490,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
             for P in (32, 96):  # prefill: one prompt of P tokens (generate with max_tokens=1)
                 prompt = [[(5 * j + 3) % 200 + 2 for j in range(P)]]
+                llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up (one-time work) first
                 wp = _generate_work(llm, prompt, 1)
                 n_lin, t_lin = table_seconds(wp, tables or {})
-                llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
                 best = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))) for _ in range(3))
                 pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin, "linear_table_s": t_lin,
                             "bytes_s": _bytes_seconds(wp, ew or {}), "seconds": best})
@@ -578,6 +579,7 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
             out = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
             return float(out.metrics.get("spec_verify_steps", 0.0))
 
+        steps(tokens + 1)  # warm-up: one-time work (weight layouts) must not land in a counted run
         w1, w2 = {}, {}
         for store, mt in ((w1, 1), (w2, tokens + 1)):
             with OpCounter() as c:
