@@ -11,7 +11,7 @@ from torch import nn
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, RMSNorm, Rotary, linear, rope_parameters
+from waferline.model.layers import Linear, RMSNorm, Rotary, packed_linear, rope_parameters
 from waferline.model.moe import MoE, DenseFFN
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.weights import WeightSource, copy_into
@@ -229,7 +229,7 @@ class DecoderModel(nn.Module):
     def project(self, hn: torch.Tensor) -> torch.Tensor:
         """fp32 ``hn @ lm_head.T`` for already-normalised states (no logits scaling): the one place the head multiplies."""
         if self.lm_head is not None:
-            return linear(hn, self.lm_head).float()
+            return packed_linear(hn, self.lm_head, None, self.__dict__.setdefault("_packs", {}), "lm_head").float()
         q, scale = self.lm_head_int8, self.lm_head_scale
         x = hn.reshape(-1, hn.shape[-1]).to(scale.dtype).contiguous()
         if x.device.type == "cpu":
