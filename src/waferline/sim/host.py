@@ -117,6 +117,7 @@ class HostParams:
     hop_vs_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle s, hop s) measured on 2-stage pipelines
     stage_step_cpu_s: float | None = None  # a stage process's CPU per micro-batch step besides computing (measured)
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
+    prefill_int4_scale: dict[str, float] = field(default_factory=dict)  # compute dtype -> prefill scale of int4 linears
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -159,6 +160,9 @@ class HostParams:
                        stage_step_cpu_s=_v(pipe["stage_step_cpu_s"], where) if "stage_step_cpu_s" in pipe else None,
                        hop_vs_idle=tuple(sorted((float(a), float(b)) for a, b in (pipe.get("hop_vs_idle") or {}).get("points", []))),
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
+                       prefill_int4_scale={k: _v(v["prefill_linear_scale_int4"], where) for k, v in eng.items()
+                                           if isinstance(v.get("prefill_linear_scale_int4"), dict)
+                                           and "value" in v["prefill_linear_scale_int4"]},
                        measured=dict(he.get("measured") or {}))
         except KeyError as e:
             raise ConfigError(f"{where}: host_engine is missing {e.args[0]!r}; re-run `waferline calibrate`") from None
@@ -323,11 +327,12 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
 
 
 def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
-               hot: bool = False) -> tuple[float, float, float]:
+               hot: bool = False, int4_scale: float | None = None) -> tuple[float, float, float]:
     """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
     linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
-    every other op the per-op overhead + its bytes at cache or memory bandwidth."""
-    mm = 0.0
+    every other op the per-op overhead + its bytes at cache or memory bandwidth. ``int4_scale``: int4 linear calls
+    scaled by it instead of ``scale`` (prefill, where the two were measured apart)."""
+    mm = mm4 = 0.0
     n_calls = 0.0
     for key, n in w.calls.items():
         dt, rows, nb = key.split("|")
@@ -336,6 +341,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         if tab is None:  # an old calibration without tables: the fit
             fit = host.linear.get(dt) or host.linear_for(16, "bf16")
             mm += n * (fit.t0_s + fit.time(float(nb), 0.0))
+        elif dt == "int4" and int4_scale is not None:
+            mm4 += n * tab.time(int(rows), float(nb))
         else:
             mm += n * tab.time(int(rows), float(nb))
         n_calls += n
@@ -353,7 +360,7 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     if scale is None:
         scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
             host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
-    return c_op * max(0.0, w.ops - n_calls), mm * scale, other
+    return c_op * max(0.0, w.ops - n_calls), mm * scale + mm4 * (int4_scale or 0.0), other
 
 
 def _hot(host: HostParams, plan: Any) -> bool:
@@ -366,9 +373,10 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
                 prefill: bool = False) -> _StageCost:
     comp = compute_dtype(plan)
     c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
-    scale = None
+    scale = int4_scale = None
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
+        int4_scale = host.prefill_int4_scale.get(comp)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
         for i in layers:
@@ -376,7 +384,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
                 w.add(count.layers[i])
         if ops_other:
             w.add(count.other)
-        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan))
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan), int4_scale=int4_scale)
         return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
     # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
     lin = host.linear_for(plan.weight_bits, comp)

@@ -459,7 +459,8 @@ def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple
 
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
                     tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
-                    big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None) -> dict[str, Any]:
+                    big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None,
+                    int4_models: list[tuple[int, int]] | None = None) -> dict[str, Any]:
     """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
     (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
     elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
@@ -522,6 +523,38 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     yp = np.array([max(p["seconds"] - p["bytes_s"], 1e-7) for p in pre])
     ap, cp, gp = (float(v) for v in _nnls_rel(Xp, yp)) if len(pre) >= 3 else (0.0, c, g)
     predp = Xp @ np.array([ap, cp, gp]) if len(pre) >= 3 else yp
+    # int4 prefill: the same models quantized (RTN, group 128); their int4 GEMMs against the int4 table, the other terms
+    # from the bf16 fit above (the scale fitted there is a bf16 figure: int4 kernels are compute-bound at 32+ rows)
+    g_int4, int4_pts = None, []
+    if int4_models and tables and "int4" in tables:
+        from waferline.model.quant import QuantOptions, quantize_checkpoint
+
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for h, L in int4_models:
+                src = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+                d = src.with_name(src.name + "-int4")
+                if not (d / "config.json").is_file():
+                    quantize_checkpoint(str(src), str(d), QuantOptions())
+                llm = LLM(d, dtype="bfloat16")
+                for P in (32, 96):
+                    prompt = [[(5 * j + 3) % 200 + 2 for j in range(P)]]
+                    llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))  # warm-up (one-time work) first
+                    wp = _generate_work(llm, prompt, 1)
+                    _, t4 = table_seconds({k: v for k, v in wp.items() if k.startswith("call|int4|")}, tables)
+                    n_lin, t_lin = table_seconds(wp, tables)
+                    sec = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
+                              for _ in range(3))
+                    rest = (ap + (cp if cp > 0 else c) * (wp["ops"] - n_lin) + (gp if gp > 0 else g) * (t_lin - t4)
+                            + _bytes_seconds(wp, ew or {}))
+                    if t4 > 0 and sec > rest:
+                        int4_pts.append({"hidden": h, "layers": L, "prompt": P, "seconds": sec, "int4_table_s": t4,
+                                         "rest_s": rest, "scale": (sec - rest) / t4})
+        finally:
+            torch.set_num_threads(old)
+        if int4_pts:
+            g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
     g_dram, big_pts = g, []
@@ -548,7 +581,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             torch.set_num_threads(old)
         if big_pts:
             g_dram = float(np.median([p["scale"] for p in big_pts]))
-    return {"linear_scale_dram": g_dram, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
+    return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
+            "linear_scale_dram": g_dram, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
@@ -872,7 +906,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     say("matmul FLOP/s", 0.08)
     n = 256 if quick else 1024
     fl = {d: matmul_flops(n, d, 1) for d in ("fp32", "bf16")}
-    sweep_ms = [1, 8, 64] if quick else [1, 2, 4, 16, 64, 256]
+    sweep_ms = [1, 8, 64] if quick else [1, 2, 4, 8, 16, 64, 256]
     sweep_sizes = [64, 256, 1024] if quick else [64, 128, 256, 512, 1024, 2048]
     pool = 8 if quick else 64
     llc = last_level_cache_bytes()
@@ -944,7 +978,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
                                      big=None if quick else BIG_CALIBRATION_MODEL,
-                                     dram_tables={k: linear_table(v["points"]) for k, v in lin.items()})
+                                     dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
+                                     int4_models=[m for m in cal_models if m[0] % 128 == 0] if d == "bf16" else None)
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
                         f"(Mamba-2/MLA, dense/MoE) at batch {batches}, 1 thread: CPU seconds per step - other ops' bytes "
                         f"at the elementwise bandwidths = step + op x non-linear aten ops + linear_scale x linear calls priced "
@@ -967,6 +1002,13 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                                        f"x{eo['prefill_fit_error_factor']:.2f}")
                                       for k in ("prefill_op_overhead_s", "prefill_linear_scale", "prefill_overhead_s")},
                                    "points": eo["points"]}
+                if eo["prefill_linear_scale_int4"] is not None:
+                    he["engine"][d]["prefill_linear_scale_int4"] = _fig(
+                        eo["prefill_linear_scale_int4"], tag,
+                        f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
+                        f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
+                        f"int4 linears priced by the int4 table, median")
+                    he["engine"][d]["int4_prefill_points"] = eo["int4_prefill_points"]
             try:
                 say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]

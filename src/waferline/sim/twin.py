@@ -10,6 +10,7 @@ speculative acceptance of the run; never a time measured on the grid.
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import math
 import os
 import platform
@@ -382,7 +383,7 @@ def int4_checkpoint(path: Path) -> Path:
         return path
     st = path / "model.safetensors"
     stamp = f"{path.resolve()}:{st.stat().st_mtime if st.is_file() else 0}"
-    out = cache_dir() / "int4" / (path.name + "-" + str(abs(hash(stamp)) % 10**10))
+    out = cache_dir() / "int4" / (path.name + "-" + hashlib.sha1(stamp.encode()).hexdigest()[:10])  # stable across runs
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         quantize_checkpoint(str(path), str(out), QuantOptions())
