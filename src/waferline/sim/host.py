@@ -431,6 +431,10 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
     act_bytes = 2.0 if comp == "bf16" else 4.0
 
     hop = host.hop
+    # A hop costs more the longer the receiving *core* slept (measured on 2-stage pipelines, one process per core). With
+    # more stage processes than cores, each core serves S / cores of them in turn and sleeps that much less than any
+    # one process waits.
+    core_share = min(1.0, host.cores / max(plan.num_stages, 1))
 
     # ---- decode
     count = profile.decode(b, t)
@@ -452,7 +456,7 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
         if S == 1 or it == 2:
             break
-        hops = [hop(nb, max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
+        hops = [hop(nb, core_share * max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
     bound = ("round trip (latency)" if cycle == round_trip else
              "busiest stage x micro-batches" if cycle == M * max(cpu) else f"CPU cores ({S} processes on {host.cores} cores)")
     spec_info: dict[str, Any] = {"method": sp.method}
@@ -478,7 +482,9 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         pc = profile.prefill(r, tok)
         pst = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r, s.has_lm_head,
                            plain_over if i == 0 else 0.0, prefill=True).total for i, s in enumerate(plan.stages)]
-        phop = [hop(r * tok * spec.hidden_size * act_bytes) if i + 1 < S else hop(8.0 * r) for i in range(S)]
+        # each hop's receiver waited for the stages ahead of it (and, before the first chunk, since the last request)
+        phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, core_share * sum(pst[:i + 1]))
+                for i in range(S)]
         ttft = sum(pst) + sum(phop) + (n_mb - 1) * max(pst)
     timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
                            devices=s.num_devices, compute=c.linear_s, memory=c.cache_s, fixed=c.ops_s + c.extra_s, comm=0.0,
