@@ -118,6 +118,7 @@ class HostParams:
     stage_step_cpu_s: float | None = None  # a stage process's CPU per micro-batch step besides computing (measured)
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     prefill_int4_scale: dict[str, float] = field(default_factory=dict)  # compute dtype -> prefill scale of int4 linears
+    afd_message_cpu_s: float | None = None  # CPU per AFD message besides compute (measured on an AFD calibration run)
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -158,6 +159,9 @@ class HostParams:
                                    if v.get("table_hot")},
                        llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
                        stage_step_cpu_s=_v(pipe["stage_step_cpu_s"], where) if "stage_step_cpu_s" in pipe else None,
+                       afd_message_cpu_s=_v(pipe["afd_message_cpu_s"], where)
+                       if isinstance(pipe.get("afd_message_cpu_s"), dict) and pipe["afd_message_cpu_s"].get("value") is not None
+                       else None,
                        hop_vs_idle=tuple(sorted((float(a), float(b)) for a, b in (pipe.get("hop_vs_idle") or {}).get("points", []))),
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
                        prefill_int4_scale={k: _v(v["prefill_linear_scale_int4"], where) for k, v in eng.items()
@@ -198,7 +202,8 @@ class HostParams:
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
                        hop_vs_idle=tuple((a, b * link_latency) for a, b in self.hop_vs_idle),
-                       stage_step_cpu_s=None if self.stage_step_cpu_s is None else self.stage_step_cpu_s * link_latency)
+                       stage_step_cpu_s=None if self.stage_step_cpu_s is None else self.stage_step_cpu_s * link_latency,
+                       afd_message_cpu_s=None if self.afd_message_cpu_s is None else self.afd_message_cpu_s * link_latency)
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -543,7 +548,11 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     a_t, f_t, other = side_times(dc, profile.ffn("decode"), b)
     nb = b * spec.hidden_size * act
     h = hop(nb)
-    msg_a, msg_f = 2 * Nf * host.link_cpu_s, 2 * Ma * host.link_cpu_s
+    # CPU per message besides compute (receive, unpack, send, wake-up): measured on an AFD calibration run; else half a
+    # pipeline stage's step CPU (one receive and one send on the same transport); else the link probe's
+    per_msg = (host.afd_message_cpu_s if host.afd_message_cpu_s is not None else
+               host.stage_step_cpu_s / 2 if host.stage_step_cpu_s is not None else host.link_cpu_s)
+    msg_a, msg_f = 2 * Nf * per_msg, 2 * Ma * per_msg
     per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + 2 * h) if f > 0 else K * a for a, f in zip(a_t, f_t)]
     # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower hop
     per_layer = [max(K * (a + msg_a), K * (f + msg_f),

@@ -642,12 +642,14 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
-CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline: /proc counts a worker's CPU in 10 ms ticks
+CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline (workers read through /proc: schedstat, else 10 ms ticks)
 HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models
+AFD_PROBE_MODEL = (384, 4)  # (hidden, layers) of the AFD probe's calibration model (one of the above)
 
 
 def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
-                      models: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+                      models: list[tuple[int, int]] | None = None,
+                      afd_model: tuple[int, int] = AFD_PROBE_MODEL) -> dict[str, Any]:
     """One pipeline hop as the engine sees it, against how long the receiving stage had been idle: for calibration
     models of growing size, a 2-stage pipeline at one sequence, (per-token time - the single-process step) / 2 hops,
     beside how long a stage waits per token (the per-token time minus its half of the step). A stage process that sleeps longer wakes
@@ -684,13 +686,47 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
                        "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
                        "stage_step_cpu_s": max(0.0, (pipe_cpu - single_cpu) / 2)})
     first = points[0]
-    return {"per_token_s": first["per_token_s"], "single_process_step_s": first["single_step_s"],
-            "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points,
-            "stage_step_cpu_s": float(np.median([p["stage_step_cpu_s"] for p in points]))}
+    out = {"per_token_s": first["per_token_s"], "single_process_step_s": first["single_step_s"],
+           "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points,
+           "stage_step_cpu_s": float(np.median([p["stage_step_cpu_s"] for p in points]))}
+    try:
+        out["afd"] = afd_exchange_cpu(Path(workdir), afd_model, prompt)
+    except Exception as e:  # noqa: BLE001 - AFD may be unavailable; the pipeline figures stand
+        out["afd_error"] = f"{type(e).__name__}: {e}"[:200]
+    return out
+
+
+
+def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[int]]) -> dict[str, Any]:
+    """CPU per message of attention/FFN disaggregation: one attention and one FFN rank (engine/afd.py) decoding one
+    sequence of a calibration model, CPU seconds of all its processes per token minus the single process's, over the 4
+    messages of each FFN layer's exchange (each side sends one and receives one)."""
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    h, L = model
+    d = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+    llm = LLM(d, dtype="bfloat16")
+    llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    single_cpu = _per_token(llm, prompt, CPU_PROBE_TOKENS, time.process_time, 2)
+    del llm
+    with LLM(d, dtype="bfloat16", afd=True, attention_ranks=1, ffn_ranks=1, micro_batches=1, threads_per_rank=1) as al:
+        al.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+        pids = [os.getpid()] + list(getattr(al._pipeline, "pids", []) or [])
+        afd_cpu = _per_token(al, prompt, CPU_PROBE_TOKENS, lambda: sum(process_cpu_seconds(p) for p in pids), 2)
+        n_ffn = sum(1 for layer in al.spec.layers if layer.ffn is not None)
+    return {"hidden": h, "layers": L, "ffn_layers": n_ffn, "single_cpu_s": single_cpu, "afd_cpu_s": afd_cpu,
+            "message_cpu_s": max(0.0, (afd_cpu - single_cpu) / (4 * max(n_ffn, 1)))}
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a local process so far (/proc), NaN where unreadable."""
+    """CPU seconds of a local process so far: the scheduler's nanosecond run time summed over its threads
+    (/proc/PID/task/*/schedstat), else user + system time from /proc/PID/stat (10 ms ticks: too coarse for the
+    sub-millisecond differences the pipeline probe takes); NaN where unreadable."""
+    try:
+        return sum(int((t / "schedstat").read_text().split()[0]) for t in Path(f"/proc/{pid}/task").iterdir()) / 1e9
+    except (OSError, IndexError, ValueError):
+        pass
     try:
         f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -1045,6 +1081,15 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                           "a stage process spends per micro-batch step besides computing (receive, "
                                           "send, unpack, wake-up)")),
                                       "per_token_s": po["per_token_s"], "probes": po["points"]}
+                    if po.get("afd"):
+                        a = po["afd"]
+                        he["pipeline"]["afd_message_cpu_s"] = _fig(a["message_cpu_s"], tag, (
+                            f"attention/FFN disaggregation of the calibration model (hidden, layers) = ({a['hidden']}, "
+                            f"{a['layers']}), 1 attention + 1 FFN rank, 1 sequence, bf16: (CPU seconds of all its "
+                            f"processes per token - the single process's) / (4 messages x {a['ffn_layers']} FFN layers)"))
+                        he["pipeline"]["afd_probe"] = a
+                    elif po.get("afd_error"):
+                        he["pipeline"]["afd_message_cpu_s"] = {"value": None, "assumed": "not measured: " + po["afd_error"]}
         finally:
             tmp.cleanup()
     say("CUDA (if present)", 0.95)
