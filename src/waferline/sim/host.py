@@ -114,6 +114,7 @@ class HostParams:
     tables_hot: dict[str, LinearTable] = field(default_factory=dict)  # the same with the weights in the caches
     llc_bytes: float | None = None  # last-level cache: a host whose weights fit in it prices linears from tables_hot
     linear_scale_dram: dict[str, float] = field(default_factory=dict)  # the same for weights read from memory
+    linear_scale_dram_multi: dict[str, float] = field(default_factory=dict)  # the same for products of 2+ rows
     hop_vs_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle s, hop s) measured on 2-stage pipelines
     stage_step_cpu_s: float | None = None  # a stage process's CPU per micro-batch step besides computing (measured)
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
@@ -142,6 +143,9 @@ class HostParams:
                        linear_scale={k: _v(v.get("linear_scale", 1.0), where) for k, v in eng.items()},
                        linear_scale_dram={k: _v(v["linear_scale_dram"], where) for k, v in eng.items()
                                           if isinstance(v.get("linear_scale_dram"), dict) and "value" in v["linear_scale_dram"]},
+                       linear_scale_dram_multi={k: _v(v["linear_scale_dram_multi"], where) for k, v in eng.items()
+                                                if isinstance(v.get("linear_scale_dram_multi"), dict)
+                                                and "value" in v["linear_scale_dram_multi"]},
                        row_overhead_s={k: _v(v.get("row_overhead_s", 0.0), where) for k, v in eng.items()},
                        row_layer_overhead_s={k: _v(v.get("row_layer_overhead_s", 0.0), where) for k, v in eng.items()},
                        prefill={k: (_v(v.get("prefill_op_overhead_s", v["op_overhead_s"]), where),
@@ -337,8 +341,11 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
     every other op the per-op overhead + its bytes at cache or memory bandwidth. ``int4_scale``: int4 linear calls
     scaled by it instead of ``scale`` (prefill, where the two were measured apart)."""
-    mm = mm4 = 0.0
+    mm = mm4 = mm_multi = 0.0
     n_calls = 0.0
+    # products of 2+ rows (oneDNN) get their own in-engine scale when the weights come from memory and one was measured
+    multi_scale = (host.linear_scale_dram_multi.get(comp)
+                   if scale is None and host.tables_hot and not hot else None)
     for key, n in w.calls.items():
         dt, rows, nb = key.split("|")
         tabs = host.tables_hot if hot and host.tables_hot else host.tables
@@ -348,6 +355,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
             mm += n * (fit.t0_s + fit.time(float(nb), 0.0))
         elif dt == "int4" and int4_scale is not None:
             mm4 += n * tab.time(int(rows), float(nb))
+        elif multi_scale is not None and int(rows) > 1 and dt != "int4":
+            mm_multi += n * tab.time(int(rows), float(nb))
         else:
             mm += n * tab.time(int(rows), float(nb))
         n_calls += n
@@ -365,7 +374,7 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     if scale is None:
         scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
             host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
-    return c_op * max(0.0, w.ops - n_calls), mm * scale + mm4 * (int4_scale or 0.0), other
+    return c_op * max(0.0, w.ops - n_calls), mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0), other
 
 
 def _hot(host: HostParams, plan: Any) -> bool:

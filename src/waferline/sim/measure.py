@@ -557,7 +557,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
-    g_dram, big_pts = g, []
+    g_dram, g_dram_multi, big_pts = g, None, []
     if big is not None and dram_tables:
         h, L, ffn = big
         d = workdir / f"big-h{h}-{L}"
@@ -569,20 +569,29 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
         torch.set_num_threads(1)
         try:
             llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
-            for B in batches:
+            for B in BIG_PROBE_BATCHES:  # 1: one-row products (ATen's GEMV); 8: multi-row ones (oneDNN), apart
                 prompt = [[(3 * j + 5 + 7 * r_) % 200 + 2 for j in range(8)] for r_ in range(B)]
                 step, sec = _decode_step_probe(llm, prompt, tokens)
                 n_lin, t_lin = table_seconds(step, dram_tables)
+                _, t_one = table_seconds({k: v for k, v in step.items() if k.startswith("call|") and k.split("|")[2] == "1"},
+                                         dram_tables)
                 rest = a + c * (step["ops"] - n_lin) + r * B + rl * B * L + _bytes_seconds(step, ew or {})
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
-                                    "rest_s": rest, "scale": (sec - rest) / t_lin})
+                                    "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
         finally:
             torch.set_num_threads(old)
-        if big_pts:
+        at1 = [p for p in big_pts if p["batch"] == 1]
+        if at1:
+            g_dram = at1[0]["scale"]
+        for p in big_pts:  # multi-row calls: what is left after the one-row ones at the batch-1 scale
+            multi = p["linear_table_s"] - p["one_row_table_s"]
+            if p["batch"] > 1 and multi > 0 and p["seconds_per_step"] - p["rest_s"] > g_dram * p["one_row_table_s"]:
+                g_dram_multi = (p["seconds_per_step"] - p["rest_s"] - g_dram * p["one_row_table_s"]) / multi
+        if big_pts and not at1:
             g_dram = float(np.median([p["scale"] for p in big_pts]))
     return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
-            "linear_scale_dram": g_dram, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
+            "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
@@ -642,6 +651,7 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
+BIG_PROBE_BATCHES = (1, 8)  # its decode batches: one-row products at 1, multi-row ones at 8
 CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline (workers read through /proc: schedstat, else 10 ms ticks)
 HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models
 AFD_PROBE_MODEL = (384, 4)  # (hidden, layers) of the AFD probe's calibration model (one of the above)
@@ -1027,9 +1037,14 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                    "linear_scale": _fig(eo["linear_scale"], tag, meth),
                                    "linear_scale_dram": _fig(eo["linear_scale_dram"], tag, (
                                        f"decode of a random sol model (hidden, layers, FFN) = {BIG_CALIBRATION_MODEL} whose "
-                                       f"weights exceed the last-level cache, at batch {batches}: (CPU s per step - the fitted "
-                                       f"other terms) / its linears priced by the from-memory table, median")
+                                       f"weights exceed the last-level cache, at batch 1: (CPU s per step - the fitted "
+                                       f"other terms) / its linears priced by the from-memory table")
                                                          if eo["big_points"] else "not measured: as linear_scale"),
+                                   **({"linear_scale_dram_multi": _fig(eo["linear_scale_dram_multi"], tag, (
+                                       f"the same model at batch {BIG_PROBE_BATCHES[-1]}: (CPU s per step - the fitted other "
+                                       f"terms - its one-row linears at linear_scale_dram) / its multi-row linears priced by "
+                                       f"the from-memory table"))} if eo["linear_scale_dram_multi"] is not None else {}),
+                                   "big_points": eo["big_points"],
                                    "row_overhead_s": _fig(eo["row_overhead_s"], tag, meth),
                                    "row_layer_overhead_s": _fig(eo["row_layer_overhead_s"], tag, meth),
                                    **{k: _fig(eo[k], tag, f"prefill (generate with max_tokens=1) of 32- and 96-token prompts on the "
