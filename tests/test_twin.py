@@ -138,3 +138,40 @@ def test_grid_and_cli_errors(tmp_path, capsys):
     assert math.isclose(expected_tokens_per_step(a, 3), 2.0, rel_tol=1e-6)
     assert commands.main(["twin", "--model", str(tmp_path / "nope"), "--hardware", str(g)]) == 1
     assert "not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_host_model_prices_int4_prefill_and_multi_row_products_apart(host_yaml):
+    """int4 linears in prefill take the int4 prefill scale, multi-row 16-bit products from memory the multi-row scale:
+    doubling either doubles exactly its own calls' time and leaves the others alone."""
+    from dataclasses import replace
+
+    from waferline.sim.host import HostParams, Work, _work_time
+
+    host = HostParams.load(host_yaml)
+    host = replace(host, llc_bytes=1.0, tables_hot=host.tables_hot or host.tables, prefill_int4_scale={"bf16": 1.0},
+                   linear_scale_dram_multi={"bf16": 1.0})
+    w = Work(ops=10, calls={"int4|32|131072": 3.0, "bf16|32|262144": 2.0, "bf16|1|262144": 4.0})
+    _, base, _ = _work_time(host, w, 1e-6, "bf16", scale=1.0, int4_scale=1.0)
+    _, dbl, _ = _work_time(host, w, 1e-6, "bf16", scale=1.0, int4_scale=2.0)
+    int4_s = 3.0 * host.tables["int4"].time(32, 131072.0)
+    assert dbl - base == pytest.approx(int4_s, rel=1e-9) and int4_s > 0
+    # decode (no scale given), weights from memory: rows > 1 at the multi-row scale, one-row calls at linear_scale_dram
+    _, m1, _ = _work_time(host, w, 1e-6, "bf16")
+    _, m2, _ = _work_time(replace(host, linear_scale_dram_multi={"bf16": 2.0}), w, 1e-6, "bf16")
+    multi_s = 2.0 * host.tables["bf16"].time(32, 262144.0)
+    assert m2 - m1 == pytest.approx(multi_s, rel=1e-9) and multi_s > 0
+
+
+def test_process_cpu_seconds_resolves_milliseconds():
+    """Worker CPU is read from the scheduler's ns run time: a few ms of work shows (10 ms ticks would often read 0)."""
+    import os
+    import time
+
+    from waferline.sim.measure import process_cpu_seconds
+
+    a = process_cpu_seconds(os.getpid())
+    t = time.process_time()
+    while time.process_time() - t < 0.003:
+        pass
+    b = process_cpu_seconds(os.getpid())
+    assert 0.002 < b - a < 1.0

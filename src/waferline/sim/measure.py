@@ -706,7 +706,6 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
     return out
 
 
-
 def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[int]]) -> dict[str, Any]:
     """CPU per message of attention/FFN disaggregation: one attention and one FFN rank (engine/afd.py) decoding one
     sequence of a calibration model, CPU seconds of all its processes per token minus the single process's, over the 4
