@@ -7,6 +7,8 @@ dtype/bits, batch) cell runs in its own subprocess with 1 thread (``--threads N`
 clock), alternating old/new for ``--rounds`` rounds, and reports the best CPU time per decode step (``time.process_time``: less sensitive to other jobs on a shared machine
 than wall time, though memory-bandwidth contention still shows). The step is one decode forward of B rows
 (different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions.
+``--tokens T``: each step feeds T tokens per row instead, the target forward of a speculative verify (Mamba-2
+layers record each token's state, as for a rollback); drafting and acceptance are not in it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ STEP = r"""
 import json, sys, time, torch
 from waferline.model.load import load_model
 from waferline.model.context import StepBatch
-path, dtype, bits, B, steps, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+path, dtype, bits, B, steps, threads, T = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
+                                           int(sys.argv[6]), int(sys.argv[7]))
 torch.set_num_threads(threads)
 clock = time.process_time if threads == 1 else time.perf_counter  # CPU time on one thread, wall time on several
 m = load_model(path, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
@@ -38,9 +41,14 @@ caches = m.new_caches(B)
 with torch.inference_mode():
     for b in range(B):
         m((torch.arange(3, 67)[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], 64))
+    if T > 1:  # a speculative verify's target forward: Mamba-2 layers record every token's state (for a rollback)
+        for c in caches:
+            if hasattr(c, "keep_trail"):
+                c.keep_trail = True
     def step(i):
-        h = m((torch.arange(B)[:, None] * 997 + 5 + i) % V, caches, StepBatch.make(list(range(B)), [64 + i] * B, 1))
-        return m.logits(h[:, 0]).argmax(-1)
+        toks = (torch.arange(B)[:, None] * 997 + 5 + i + torch.arange(T)[None]) % V
+        h = m(toks, caches, StepBatch.make(list(range(B)), [64 + i * T] * B, T))
+        return m.logits(h).argmax(-1)
     for i in range(3):
         step(i)
     best = float("inf")
@@ -53,9 +61,11 @@ print(json.dumps({"ms_per_step": best * 1e3}))
 """
 
 
-def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1) -> float:
+def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1,
+             tokens: int = 1) -> float:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
-    out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps), str(threads)], env=env,
+    out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps), str(threads),
+                          str(tokens)], env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{src}: {model} {dtype} w{bits} b{batch} failed:\n{out.stderr[-2000:]}")
@@ -72,6 +82,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="old/new alternations per cell (best kept)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: CPU time per step; more: wall time per step, noisier)")
+    ap.add_argument("--tokens", type=int, default=1,
+                    help="tokens per row per step (default 1; T > 1: a speculative verify's forward of T tokens, "
+                         "Mamba-2 states recorded per token)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     from rich.console import Console
@@ -89,15 +102,19 @@ def main() -> int:
                     for b in (int(x) for x in args.batch.split(",")):
                         old = new = float("inf")
                         for _ in range(args.rounds):
-                            old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads))
-                            new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads))
+                            old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads,
+                                                    args.tokens))
+                            new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads,
+                                                    args.tokens))
                         rows.append({"model": model, "dtype": dtype, "weight_bits": int(bits), "batch": b,
+                                     "tokens_per_row": args.tokens,
                                      "old_ms": old, "new_ms": new, "speedup": old / new})
                         print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x)", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
     clock = "CPU ms per step (1 thread)" if args.threads == 1 else f"wall ms per step ({args.threads} threads)"
-    t = Table(title=f"decode step, {clock}: {args.rev} vs working tree")
+    what = "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)"
+    t = Table(title=f"{what}, {clock}: {args.rev} vs working tree")
     for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", "new tok/s/row"):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
     for r in rows:
@@ -106,7 +123,8 @@ def main() -> int:
                   f"{1e3 / r['new_ms']:.0f}")
     Console().print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "load_avg": os.getloadavg(), "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "tokens_per_row": args.tokens,
+                                               "load_avg": os.getloadavg(), "rows": rows}, indent=1))
     return 0
 
 

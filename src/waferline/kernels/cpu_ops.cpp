@@ -210,6 +210,76 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
+// ---------------------------------------------------------------- Mamba-2 state update (decode, speculative verify)
+// h [Bs, H, P, N] fp32, updated in place; dA [Bs, T, H], dtx = dt x [Bs, T, H, P], Bm / Cm [Bs, T, G, N], all fp32;
+// heads of a group share B and C (group = head / (H / G)). For each new token t in order:
+//   h = h * dA_t + dtx_t * B_t ;  y_t = sum_n h * C_t     (the caller adds D x)
+// -> y [Bs, T, H, P]; ``trail`` [Bs, T, H, P, N] (or empty) receives the state after each token. One pass over the
+// state per token instead of the eager chain's broadcast products ([.., P, N] temporaries written and read again);
+// the arithmetic per token does not depend on T, so a T-token verify computes what T one-token steps compute.
+void ssm_rows(float* h, const float* dA, const float* dtx, const float* Bm, const float* Cm, float* y, float* trail,
+              int64_t Bs, int64_t T, int64_t H, int64_t P, int64_t N, int64_t G) {
+  const int64_t R = H / G;
+  at::parallel_for(0, Bs * H, std::max<int64_t>(1, 4096 / std::max<int64_t>(P * N * T, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t bh = i0; bh < i1; ++bh) {
+      const int64_t b = bh / H, hd = bh % H, g = hd / R;
+      for (int64_t pp = 0; pp < P; ++pp) {
+        float* hs = h + (bh * P + pp) * N;
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t bt = b * T + t;
+          const float a = dA[bt * H + hd];
+          const float x = dtx[(bt * H + hd) * P + pp];
+          const float* Bv = Bm + (bt * G + g) * N;
+          const float* Cv = Cm + (bt * G + g) * N;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t k = 0; k < N; ++k) {
+            const float v = hs[k] * a + x * Bv[k];
+            hs[k] = v;
+            acc += v * Cv[k];
+          }
+          y[(bt * H + hd) * P + pp] = acc;
+          if (trail) {
+            float* tr = trail + ((bt * H + hd) * P + pp) * N;
+            for (int64_t k = 0; k < N; ++k) tr[k] = hs[k];
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor ssm_update(at::Tensor& h, const at::Tensor& dA, const at::Tensor& dtx, const at::Tensor& Bm,
+                      const at::Tensor& Cm, at::Tensor& trail) {
+  TORCH_CHECK(h.device().is_cpu() && h.scalar_type() == at::kFloat && h.is_contiguous() && h.dim() == 4,
+              "waferline::ssm_update: h must be a contiguous fp32 CPU tensor [B, H, P, N]");
+  const int64_t Bs = h.size(0), H = h.size(1), P = h.size(2), N = h.size(3);
+  TORCH_CHECK(dA.dim() == 3 && dA.size(0) == Bs && dA.size(2) == H, "waferline::ssm_update: dA must be [B, T, H]");
+  const int64_t T = dA.size(1);
+  TORCH_CHECK(dtx.dim() == 4 && dtx.size(0) == Bs && dtx.size(1) == T && dtx.size(2) == H && dtx.size(3) == P,
+              "waferline::ssm_update: dtx must be [B, T, H, P]");
+  TORCH_CHECK(Bm.dim() == 4 && Bm.sizes() == Cm.sizes() && Bm.size(0) == Bs && Bm.size(1) == T && Bm.size(3) == N,
+              "waferline::ssm_update: B and C must be [B, T, G, N]");
+  const int64_t G = Bm.size(2);
+  TORCH_CHECK(G > 0 && H % G == 0, "waferline::ssm_update: heads must divide into groups");
+  for (const at::Tensor* t : {&dA, &dtx, &Bm, &Cm}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat, "waferline::ssm_update: fp32 inputs only");
+  }
+  const bool record = trail.numel() > 0;
+  if (record) {
+    TORCH_CHECK(trail.scalar_type() == at::kFloat && trail.is_contiguous() && trail.numel() == Bs * T * H * P * N,
+                "waferline::ssm_update: trail must be a contiguous fp32 [B, T, H, P, N] tensor (or empty)");
+  }
+  auto a = dA.contiguous();
+  auto x = dtx.contiguous();
+  auto bm = Bm.contiguous();
+  auto cm = Cm.contiguous();
+  auto y = at::empty({Bs, T, H, P}, h.options());
+  ssm_rows(h.data_ptr<float>(), a.data_ptr<float>(), x.data_ptr<float>(), bm.data_ptr<float>(), cm.data_ptr<float>(),
+           y.data_ptr<float>(), record ? trail.data_ptr<float>() : nullptr, Bs, T, H, P, N, G);
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(waferline, m) {
@@ -217,10 +287,12 @@ TORCH_LIBRARY(waferline, m) {
   m.def("silu_mul(Tensor h) -> Tensor");
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
+  m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("mla_decode", &mla_decode);
+  m.impl("ssm_update", &ssm_update);
 }

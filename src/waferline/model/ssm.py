@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear
@@ -236,6 +237,13 @@ class Mamba2Mixer(nn.Module):
 
         xs = xs.view(Bsz, H, P)
         R = H // G
+        if _fused(cache, x):  # one fused pass over the state (waferline.kernels), as _recurrent does with T tokens
+            h = cache.ssm[slot0: slot0 + Bsz] if slot0 is not None else cache.ssm.index_select(0, slots)
+            y = torch.ops.waferline.ssm_update(h, dA[:, None], (dt[:, :, None] * xs)[:, None], Bm.reshape(Bsz, 1, G, N),
+                                               Cm.reshape(Bsz, 1, G, N), _NO_TRAIL)
+            if slot0 is None:
+                cache.ssm.index_copy_(0, slots, h)
+            return self._gated_norm_out((y.view(Bsz, H, P) + D * xs).view(Bsz, 1, self.d_inner), z[:, None], x.dtype)
         # h <- h * exp(dt A) + (dt x) B ; y = C . h + D x. Heads of a group share B and C: heads viewed as [G, R].
         # The same ops, in the same order, as _recurrent (a speculative verify must reproduce decode exactly).
         dBx = (dt[:, :, None] * xs).view(Bsz, G, R, P, 1) * Bm.view(Bsz, G, 1, 1, N)
@@ -333,16 +341,22 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus((dt if dt.dtype == torch.float32 else dt.float()) + self.dt_bias)  # [B, T, H]
         if self.clamp_dt_in_decode and self._clamp:
             dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
-        dA = torch.exp(dt * A).view(Bsz, T, G, R, 1, 1)
         xs = xs.view(Bsz, T, H, P)
-        dBx = (dt[..., None] * xs).view(Bsz, T, G, R, P, 1) * Bm.view(Bsz, T, G, 1, 1, N)  # [B, T, G, R, P, N]
-        h = cache.ssm.index_select(0, slots).view(Bsz, G, R, P, N)
-        states = []
-        for t in range(T):
-            h = torch.addcmul(dBx[:, t], h, dA[:, t])
-            states.append(h)
-        ssm_trail = torch.stack(states, dim=1)  # [B, T, G, R, P, N]
-        y = (ssm_trail * Cm.view(Bsz, T, G, 1, 1, N)).sum(-1).view(Bsz, T, H, P) + D * xs
+        if _fused(cache, x):  # T tokens through the fused update, each state recorded (the same arithmetic as _step)
+            h = cache.ssm.index_select(0, slots)
+            ssm_trail = torch.empty(Bsz, T, H, P, N, dtype=torch.float32)
+            y = torch.ops.waferline.ssm_update(h, torch.exp(dt * A), dt[..., None] * xs, Bm.reshape(Bsz, T, G, N),
+                                               Cm.reshape(Bsz, T, G, N), ssm_trail) + D * xs
+        else:
+            dA = torch.exp(dt * A).view(Bsz, T, G, R, 1, 1)
+            dBx = (dt[..., None] * xs).view(Bsz, T, G, R, P, 1) * Bm.view(Bsz, T, G, 1, 1, N)  # [B, T, G, R, P, N]
+            h = cache.ssm.index_select(0, slots).view(Bsz, G, R, P, N)
+            states = []
+            for t in range(T):
+                h = torch.addcmul(dBx[:, t], h, dA[:, t])
+                states.append(h)
+            ssm_trail = torch.stack(states, dim=1)  # [B, T, G, R, P, N]
+            y = (ssm_trail * Cm.view(Bsz, T, G, 1, 1, N)).sum(-1).view(Bsz, T, H, P) + D * xs
         cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
         cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N).to(cache.ssm.dtype))
         conv_trail = full.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2)  # [B, T, C, K-1]: conv state after each token
@@ -350,6 +364,14 @@ class Mamba2Mixer(nn.Module):
         for b, s in enumerate(slots.tolist()):
             cache.trail[s] = (conv_trail[b], ssm_trail[b])
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
+
+
+_NO_TRAIL = torch.empty(0)  # ssm_update's "no per-token states"
+
+
+def _fused(cache: Mamba2Cache, x: Tensor) -> bool:
+    """Whether the state update runs as the fused CPU operator: on CPU, an fp32 state, the operators built."""
+    return x.device.type == "cpu" and cache.ssm.dtype == torch.float32 and kernels.available()
 
 
 def hf_mixer_prefix(model_type: str, layer: int, src: WeightSource | None = None) -> str:
