@@ -162,6 +162,25 @@ def test_host_model_prices_int4_prefill_and_multi_row_products_apart(host_yaml):
     assert m2 - m1 == pytest.approx(multi_s, rel=1e-9) and multi_s > 0
 
 
+def test_host_model_adds_the_in_engine_cost_of_multi_row_16_bit_calls(host_yaml):
+    """The fitted per-call cost of 16-bit products of 2+ rows (oneDNN inside the engine) is added once per such call:
+    not to one-row GEMVs, not to int4 calls; calibrate writes the figure and fits it from batches 1 and 4."""
+    from waferline.sim.host import HostParams, Work, _work_time
+    from waferline.sim.measure import multi_row_calls
+
+    host = HostParams.load(host_yaml)
+    assert "bf16" in host.multi_call_overhead_s and host.multi_call_overhead_s["bf16"] >= 0.0
+    w = Work(ops=10, calls={"int4|4|131072": 3.0, "bf16|4|262144": 2.0, "bf16|1|262144": 4.0, "fp32|2|65536": 1.0})
+    assert multi_row_calls({"call|" + k: v for k, v in w.calls.items()} | {"ops": 10.0}) == 3.0
+    _, base, _ = _work_time(host, w, 1e-6, "bf16")
+    _, more, _ = _work_time(host, w, 1e-6, "bf16", multi_s=1e-4)
+    assert more - base == pytest.approx(3.0 * 1e-4, rel=1e-9)
+    points = yaml.safe_load(host_yaml.read_text())["host_engine"]["engine"]["bf16"]["points"]
+    assert {p["batch"] for p in points} >= {1, 4} and all("multi_row_calls" in p for p in points)
+    assert all(p["multi_row_calls"] == 0 for p in points if p["batch"] == 1)
+    assert any(p["multi_row_calls"] > 0 for p in points if p["batch"] > 1)
+
+
 def test_process_cpu_seconds_resolves_milliseconds():
     """Worker CPU is read from the scheduler's ns run time: a few ms of work shows (10 ms ticks would often read 0)."""
     import os
@@ -175,3 +194,31 @@ def test_process_cpu_seconds_resolves_milliseconds():
         pass
     b = process_cpu_seconds(os.getpid())
     assert 0.002 < b - a < 1.0
+
+
+def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
+    """calibrate times waferline's fused operators (mla_decode, ssm_update) and the host model prices each call at
+    t0 + work units / rate instead of the per-op overhead; an older calibration without those rates falls back to
+    the FLOP-rate and bandwidth pricing. The counter records each call's units (FLOPs; state elements updated)."""
+    from dataclasses import replace
+
+    from waferline import kernels
+    from waferline.sim.host import HostParams, Work, _work_time
+    from waferline.sim.measure import fused_units
+
+    host = HostParams.load(host_yaml)
+    if kernels.available():
+        assert set(host.fused) == {"mla_decode", "ssm_update"}
+        assert all(t0 >= 0 and rate > 0 for t0, rate in host.fused.values())
+    host = replace(host, fused={"mla_decode": (1e-5, 2e10), "ssm_update": (2e-6, 1e9)})
+    w = Work(ops=10, fused={"mla_decode|calls": 2.0, "mla_decode|units": 4e6, "mla_decode|bytes": 1e6,
+                            "ssm_update|calls": 3.0, "ssm_update|units": 3e5, "ssm_update|bytes": 2e6})
+    ops_s, mm_s, other_s = _work_time(host, w, 1e-6, "bf16")
+    assert ops_s == pytest.approx(5 * 1e-6)  # 10 ops - 5 fused calls at the per-op overhead
+    assert mm_s == 0.0 and other_s == pytest.approx(2 * 1e-5 + 4e6 / 2e10 + 3 * 2e-6 + 3e5 / 1e9, rel=1e-9)
+    old = replace(host, fused={})
+    ops_old, _, other_old = _work_time(old, w, 1e-6, "bf16")
+    assert ops_old == pytest.approx(10 * 1e-6) and other_old > 0 and other_old != pytest.approx(other_s)
+    import torch
+    h, dA = torch.zeros(2, 4, 8, 16), torch.zeros(2, 3, 4)
+    assert fused_units("ssm_update", [h, dA], []) == 2 * 3 * 4 * 8 * 16

@@ -100,7 +100,7 @@ class HostParams:
     op_overhead_s: dict[str, float]  # engine compute dtype (fp32 | bf16) -> seconds per aten op
     linear_scale: dict[str, float]  # engine compute dtype -> in-engine linear time / the isolated sweep's (cache-resident)
     row_overhead_s: dict[str, float]  # engine compute dtype -> the loop's Python seconds per sequence per step
-    row_layer_overhead_s: dict[str, float]  # engine compute dtype -> seconds per sequence per layer per step
+    row_layer_overhead_s: dict[str, float]  # engine compute dtype -> seconds per sequence per layer per step (old files)
     prefill: dict[str, tuple[float, float, float]]  # engine compute dtype -> (per-op, linear scale, per prompt) in prefill
     step_overhead_s: dict[str, float]  # per decode step of the single-process engine / the pipeline scheduler
     spec_step_overhead_s: dict[str, float]  # per verify step of the speculative engine (Python work without aten ops)
@@ -120,6 +120,9 @@ class HostParams:
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     prefill_int4_scale: dict[str, float] = field(default_factory=dict)  # compute dtype -> prefill scale of int4 linears
     afd_message_cpu_s: float | None = None  # CPU per AFD message besides compute (measured on an AFD calibration run)
+    # engine compute dtype -> in-engine seconds per 16-bit linear call of 2+ rows beyond its table price (fitted)
+    multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
+    fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -171,6 +174,10 @@ class HostParams:
                        prefill_int4_scale={k: _v(v["prefill_linear_scale_int4"], where) for k, v in eng.items()
                                            if isinstance(v.get("prefill_linear_scale_int4"), dict)
                                            and "value" in v["prefill_linear_scale_int4"]},
+                       fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
+                              for k, v in (he.get("fused_ops") or {}).items()},
+                       multi_call_overhead_s={k: _v(v["multi_call_overhead_s"], where) for k, v in eng.items()
+                                              if v.get("multi_call_overhead_s") is not None},
                        measured=dict(he.get("measured") or {}))
         except KeyError as e:
             raise ConfigError(f"{where}: host_engine is missing {e.args[0]!r}; re-run `waferline calibrate`") from None
@@ -201,6 +208,8 @@ class HostParams:
                        step_overhead_s={k: v * op_overhead for k, v in self.step_overhead_s.items()},
                        row_overhead_s={k: v * op_overhead for k, v in self.row_overhead_s.items()},
                        row_layer_overhead_s={k: v * op_overhead for k, v in self.row_layer_overhead_s.items()},
+                       multi_call_overhead_s={k: v * op_overhead for k, v in self.multi_call_overhead_s.items()},
+                       fused={k: (t0 * op_overhead, rate * bandwidth) for k, (t0, rate) in self.fused.items()},
                        prefill={k: (v[0] * op_overhead, v[1], v[2] * op_overhead) for k, v in self.prefill.items()},
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
@@ -251,6 +260,7 @@ class Work:
     calls: dict[str, float] = field(default_factory=dict)  # "dtype|rows|weight bytes" -> linear calls (x W^T)
     small_bytes_bf16: float = 0.0  # the part of small / large bytes moved by 16-bit ops
     large_bytes_bf16: float = 0.0
+    fused: dict[str, float] = field(default_factory=dict)  # "op|calls" | "op|units" | "op|bytes" of fused operators
 
     @classmethod
     def from_counts(cls, ops: float, w: dict[str, float] | None) -> "Work":
@@ -259,7 +269,8 @@ class Work:
                    mm_flops={k[9:]: float(v) for k, v in w.items() if k.startswith("mm_flops_")},
                    small_bytes=float(w.get("small_bytes", 0.0)), large_bytes=float(w.get("large_bytes", 0.0)),
                    calls={k[5:]: float(v) for k, v in w.items() if k.startswith("call|") and v},
-                   small_bytes_bf16=float(w.get("small_bytes_bf16", 0.0)), large_bytes_bf16=float(w.get("large_bytes_bf16", 0.0)))
+                   small_bytes_bf16=float(w.get("small_bytes_bf16", 0.0)), large_bytes_bf16=float(w.get("large_bytes_bf16", 0.0)),
+                   fused={k[6:]: float(v) for k, v in w.items() if k.startswith("fused|")})
 
     def add(self, o: "Work") -> None:
         self.ops += o.ops
@@ -273,6 +284,8 @@ class Work:
             self.calls[k] = self.calls.get(k, 0.0) + v
         self.small_bytes_bf16 += o.small_bytes_bf16
         self.large_bytes_bf16 += o.large_bytes_bf16
+        for k, v in o.fused.items():
+            self.fused[k] = self.fused.get(k, 0.0) + v
 
 
 @dataclass
@@ -336,13 +349,14 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
 
 
 def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
-               hot: bool = False, int4_scale: float | None = None) -> tuple[float, float, float]:
+               hot: bool = False, int4_scale: float | None = None, multi_s: float = 0.0) -> tuple[float, float, float]:
     """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
     linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
     every other op the per-op overhead + its bytes at cache or memory bandwidth. ``int4_scale``: int4 linear calls
-    scaled by it instead of ``scale`` (prefill, where the two were measured apart)."""
+    scaled by it instead of ``scale`` (prefill, where the two were measured apart). ``multi_s``: the fitted in-engine
+    seconds each 16-bit linear call of 2+ rows costs beyond its table price (decode)."""
     mm = mm4 = mm_multi = 0.0
-    n_calls = 0.0
+    n_calls = n_multi = 0.0
     # products of 2+ rows (oneDNN) get their own in-engine scale when the weights come from memory and one was measured
     multi_scale = (host.linear_scale_dram_multi.get(comp)
                    if scale is None and host.tables_hot and not hot else None)
@@ -360,10 +374,25 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         else:
             mm += n * tab.time(int(rows), float(nb))
         n_calls += n
+        if dt != "int4" and int(rows) > 1:
+            n_multi += n
     for dt, b in w.mm_bytes.items():
         fit = host.linear.get(dt) or host.linear_for(16, "bf16")
         mm += fit.time(b, w.mm_flops.get(dt, 0.0))
     ew = host.elementwise
+    fused_s = 0.0
+    for name in {k.split("|")[0] for k in w.fused}:  # waferline.kernels operators: their own measured rates
+        calls, units, nb = (w.fused.get(f"{name}|{k}", 0.0) for k in ("calls", "units", "bytes"))
+        if name in host.fused:
+            t0, rate = host.fused[name]
+            fused_s += calls * t0 + units / rate
+            n_calls += calls
+        elif name == "mla_decode":  # an older calibration: an fp32 matmul of its FLOPs and bytes
+            fused_s += (host.linear.get("fp32") or host.linear_for(16, "bf16")).time(nb, units)
+        else:  # elementwise bytes (from memory beyond the small-op size per call)
+            big = calls > 0 and nb / calls > host.small_op_bytes
+            fused_s += nb / (ew.get("fp32_large" if big else "fp32_small") or
+                             (host.memory_bandwidth if big else host.cache_bandwidth))
 
     def rate(key: str, fallback: float) -> float:
         return ew.get(key) or fallback
@@ -374,7 +403,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     if scale is None:
         scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
             host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
-    return c_op * max(0.0, w.ops - n_calls), mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0), other
+    return (c_op * max(0.0, w.ops - n_calls),
+            mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0) + multi_s * n_multi, other + fused_s)
 
 
 def _hot(host: HostParams, plan: Any) -> bool:
@@ -388,9 +418,11 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
     comp = compute_dtype(plan)
     c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
     scale = int4_scale = None
+    multi_s = host.multi_call_overhead_s.get(comp, 0.0)
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
         int4_scale = host.prefill_int4_scale.get(comp)
+        multi_s = 0.0  # prefill's own fit (its linear scale) covers its GEMMs' in-engine cost
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
         for i in layers:
@@ -398,7 +430,8 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
                 w.add(count.layers[i])
         if ops_other:
             w.add(count.other)
-        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan), int4_scale=int4_scale)
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan), int4_scale=int4_scale,
+                                          multi_s=multi_s)
         return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
     # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
     lin = host.linear_for(plan.weight_bits, comp)
@@ -536,7 +569,12 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     hop = host.hop
     hot = _hot(host, plan)
 
-    def side_times(count: OpCount, ffn_w: dict[int, Work], rows_tokens: int) -> tuple[list[float], list[float], float]:
+    def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool) -> tuple[list[float], list[float], float]:
+        # prefill with the prefill constants (per op, linear scale, int4 scale), decode with the decode ones
+        pf = host.prefill.get(comp) if prefill else None
+        kw: dict[str, Any] = ({"scale": pf[1], "int4_scale": host.prefill_int4_scale.get(comp)} if pf else
+                              {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)})
+        cop = pf[0] if pf else c_op
         a_t, f_t = [], []
         for i, w in sorted(count.layers.items()):
             fw = ffn_w.get(i, Work())
@@ -544,17 +582,18 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
                       {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
                       w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
                       {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
-                      w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16)
-            a_t.append(sum(_work_time(host, aw, c_op, comp, hot=hot)))
+                      w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
+                      {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
+            a_t.append(sum(_work_time(host, aw, cop, comp, hot=hot, **kw)))
             scaled = Work(fw.ops * Ma / Nf, {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
                           {k: v * Ma / Nf for k, v in fw.mm_flops.items()}, fw.small_bytes * Ma / Nf, fw.large_bytes * Ma / Nf,
                           {k: v * Ma / Nf for k, v in fw.calls.items()}, fw.small_bytes_bf16 * Ma / Nf,
-                          fw.large_bytes_bf16 * Ma / Nf)
-            f_t.append(sum(_work_time(host, scaled, c_op, comp, hot=hot)) if fw.ops else 0.0)
-        return a_t, f_t, sum(_work_time(host, count.other, c_op, comp, hot=hot))
+                          fw.large_bytes_bf16 * Ma / Nf, {k: v * Ma / Nf for k, v in fw.fused.items()})
+            f_t.append(sum(_work_time(host, scaled, cop, comp, hot=hot, **kw)) if fw.ops else 0.0)
+        return a_t, f_t, sum(_work_time(host, count.other, cop, comp, hot=hot, **kw))
 
     dc = profile.decode(b, 1)
-    a_t, f_t, other = side_times(dc, profile.ffn("decode"), b)
+    a_t, f_t, other = side_times(dc, profile.ffn("decode"), False)
     nb = b * spec.hidden_size * act
     h = hop(nb)
     # CPU per message besides compute (receive, unpack, send, wake-up): measured on an AFD calibration run; else half a
@@ -578,7 +617,7 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     r = min(Ba, max(1, PIPELINE_PREFILL_CHUNK // P))
     n_mb = math.ceil(Ba / r)
     pc = profile.prefill(r, P)
-    pa, pf, pother = side_times(pc, profile.ffn("prefill"), r * P)
+    pa, pf, pother = side_times(pc, profile.ffn("prefill"), True)
     ph = hop(r * P * spec.hidden_size * act)
     ttft = n_mb * (sum(pa) + sum(pf) + 2 * ph * sum(1 for f in pf if f > 0) + pother) + over
     timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),

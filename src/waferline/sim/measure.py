@@ -289,6 +289,27 @@ def _einsum_flops(eq: str, ops: list[Any]) -> float:
     return 2.0 * math.prod(size.values()) if size else 0.0
 
 
+FUSED_OPS = ("mla_decode", "ssm_update")  # waferline.kernels operators with their own calibrated rates
+
+
+def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
+    """The work unit a fused operator's time is proportional to: mla_decode, its FLOPs (absorbed MLA: W_UK into the
+    query, scores and weighted sum over the latents, W_UV); ssm_update, state elements updated (batch x tokens x heads x
+    head dim x state size)."""
+    if name == "mla_decode":
+        qn, qr, lat, w_uk = ins[0], ins[1], ins[2], ins[-2]  # q_nope, q_rope, latents, (mask,) W_UK, W_UV
+        B, T, H, n = qn.shape
+        L, r, p, v = lat.shape[1], w_uk.shape[-1], qr.shape[-1], outs[0].shape[-1] // max(H, 1)
+        mask = ins[3] if len(ins) == 6 else None
+        # (token, latent) pairs attended: masked ones are skipped (a causal prefill attends to about half)
+        seen = float((~mask).sum()) if mask is not None and mask.numel() else float(B * T * L)
+        return 2.0 * H * (B * T * (n * r + v * r) + seen * (2 * r + p))
+    if name == "ssm_update":
+        h, dA = ins[0], ins[1]  # h [B, H, P, N], dA [B, T, H]
+        return float(h.numel() * dA.shape[1])
+    raise ValueError(name)
+
+
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -320,12 +341,10 @@ class OpCounter:
         ins = _tensors(args)
         outs = _tensors(out)
         nbytes = _op_bytes(name, ins, outs)
-        if name == "mla_decode" and outs:  # waferline.kernels: absorbed MLA decode, fp32 arithmetic
-            qn, qr, lat, w_uk = ins[0], ins[1], ins[2], ins[-2]  # q_nope, q_rope, latents, (mask,) W_UK, W_UV
-            B, T, H, n = qn.shape
-            L, r, p, v = lat.shape[1], w_uk.shape[-1], qr.shape[-1], outs[0].shape[-1] // max(H, 1)
-            w["mm_bytes_fp32"] = w.get("mm_bytes_fp32", 0.0) + nbytes
-            w["mm_flops_fp32"] = w.get("mm_flops_fp32", 0.0) + 2.0 * B * T * H * (n * r + L * (r + p) + L * r + v * r)
+        if name in FUSED_OPS and outs:  # waferline.kernels: priced by their own measured rates (calibrate)
+            units = fused_units(name, ins, outs)
+            for key, val in (("calls", 1.0), ("units", units), ("bytes", nbytes)):
+                w[f"fused|{name}|{key}"] = w.get(f"fused|{name}|{key}", 0.0) + val
         elif name in _MATMUL_OPS and outs:
             if name == "einsum":
                 flops = _einsum_flops(str(args[0]), _tensors(args[1]))
@@ -400,6 +419,29 @@ def table_seconds(work: dict[str, float], tables: dict[str, Any]) -> tuple[float
     return n, t
 
 
+def fused_calls(work: dict[str, float], rates: dict[str, tuple[float, float]] | None) -> float:
+    """Calls of the fused operators that have measured rates in a work record (priced apart, not per op)."""
+    return sum(work.get(f"fused|{k}|calls", 0.0) for k in (rates or {}))
+
+
+def fused_seconds(work: dict[str, float], rates: dict[str, tuple[float, float]] | None) -> float:
+    """Seconds of the fused operators in a work record at their measured rates (calls x t0 + units / rate)."""
+    return sum(work.get(f"fused|{k}|calls", 0.0) * t0 + work.get(f"fused|{k}|units", 0.0) / rate
+               for k, (t0, rate) in (rates or {}).items())
+
+
+def multi_row_calls(work: dict[str, float]) -> float:
+    """16-bit (fp32 / bf16) linear calls of two or more rows in a work record: the engine's oneDNN (bf16) or MKL (fp32)
+    products, each with a fixed in-engine cost beyond the sweep's (int4 calls run their own kernel, priced by its table)."""
+    n = 0.0
+    for k, v in work.items():
+        if k.startswith("call|"):
+            _, dt, rows, _b = k.split("|")
+            if dt != "int4" and int(rows) > 1:
+                n += v
+    return n
+
+
 def _timed_cpu(fn: Callable[[], Any]) -> float:
     t = time.process_time()
     fn()
@@ -460,18 +502,21 @@ def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
                     tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
                     big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None,
-                    int4_models: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+                    int4_models: list[tuple[int, int]] | None = None,
+                    fused: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
     (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
     elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
     priced by the (cache-resident) linear ``tables`` + row_overhead x sequences in the step (the loop's Python work per
-    sequence: sampling, stop checks) + row_layer_overhead x sequences x layers (per-sequence work inside each layer
-    that grows faster than its op count) -- relative least squares, non-negative. ``linear_scale`` is how much
-    slower a linear runs inside the engine (other ops between them, cold caches) than in the isolated sweep.
+    sequence: sampling, stop checks) + multi_call_overhead x 16-bit linear calls of two or more rows (oneDNN products:
+    each costs ~20 us more inside the engine than back to back in the sweep, whatever its size; a step at batch 2,
+    flat beyond) -- relative least squares, non-negative. ``linear_scale`` is how much slower a linear runs inside the
+    engine (other ops between them, cold caches) than in the isolated sweep.
     ``big`` = (hidden, layers, FFN) of a model whose weights do not fit in the last-level cache: its measured step
     minus the fitted other terms, over its linears priced by ``dram_tables``, is ``linear_scale_dram`` (a linear
     reading its weight from memory inside the engine vs in the sweep). Ops are counted (TorchDispatchMode) on
-    separate, untimed runs."""
+    separate, untimed runs. The fused operators (``fused``: name -> (t0, units/s) from fused_op_probe) are priced
+    apart, like the other ops' bytes."""
     import torch
 
     from waferline.engine.llm import LLM
@@ -495,31 +540,34 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 wp = _generate_work(llm, prompt, 1)
                 n_lin, t_lin = table_seconds(wp, tables or {})
                 best = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))) for _ in range(3))
-                pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin, "linear_table_s": t_lin,
-                            "bytes_s": _bytes_seconds(wp, ew or {}), "seconds": best})
+                pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin,
+                            "fused_calls": fused_calls(wp, fused), "linear_table_s": t_lin,
+                            "bytes_s": _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused), "seconds": best})
             for B in batches:
                 prompt = [[(3 * j + 5 + 7 * r) % 200 + 2 for j in range(8)] for r in range(B)]
                 step, best = _decode_step_probe(llm, prompt, tokens)
                 n_lin, t_lin = table_seconds(step, tables or {})
-                t_bytes = _bytes_seconds(step, ew or {})
+                t_bytes = _bytes_seconds(step, ew or {}) + fused_seconds(step, fused)
                 if best <= 0:
                     continue  # a disturbed probe: leave the point out
                 pts.append({"hidden": h, "layers": L, "batch": B, "ops_per_step": step["ops"], "linear_calls": n_lin,
-                            "linear_table_s": t_lin, "bytes_s": t_bytes, "seconds_per_step": best})
+                            "multi_row_calls": multi_row_calls(step), "fused_calls": fused_calls(step, fused),
+                            "linear_table_s": t_lin, "bytes_s": t_bytes,
+                            "seconds_per_step": best})
     finally:
         torch.set_num_threads(old)
-    X = np.array([[1.0, p["ops_per_step"] - p["linear_calls"], p["linear_table_s"], p["batch"], p["batch"] * p["layers"]]
-                  for p in pts])
+    X = np.array([[1.0, p["ops_per_step"] - p["linear_calls"] - p["fused_calls"], p["linear_table_s"], p["batch"],
+                   p["multi_row_calls"]] for p in pts])
     y = np.array([max(p["seconds_per_step"] - p["bytes_s"], 1e-7) for p in pts])
-    a, c, g, r, rl = (float(v) for v in _nnls_rel(X, y))
+    a, c, g, r, dm = (float(v) for v in _nnls_rel(X, y))
     if c <= 0:  # noise: the mean time per op
         c = float(np.mean(y / np.maximum(X[:, 1], 1.0)))
     if g <= 0:
         g = 1.0
-    pred = X @ np.array([a, c, g, r, rl])
+    pred = X @ np.array([a, c, g, r, dm])
     one = [p for p in pts if p["hidden"] == models[0][0] and p["batch"] == batches[0]]
     # prefill: its own per-op cost and linear scale (longer tensors per op than decode)
-    Xp = np.array([[1.0, p["ops"] - p["linear_calls"], p["linear_table_s"]] for p in pre])
+    Xp = np.array([[1.0, p["ops"] - p["linear_calls"] - p["fused_calls"], p["linear_table_s"]] for p in pre])
     yp = np.array([max(p["seconds"] - p["bytes_s"], 1e-7) for p in pre])
     ap, cp, gp = (float(v) for v in _nnls_rel(Xp, yp)) if len(pre) >= 3 else (0.0, c, g)
     predp = Xp @ np.array([ap, cp, gp]) if len(pre) >= 3 else yp
@@ -546,8 +594,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                     n_lin, t_lin = table_seconds(wp, tables)
                     sec = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
                               for _ in range(3))
-                    rest = (ap + (cp if cp > 0 else c) * (wp["ops"] - n_lin) + (gp if gp > 0 else g) * (t_lin - t4)
-                            + _bytes_seconds(wp, ew or {}))
+                    rest = (ap + (cp if cp > 0 else c) * (wp["ops"] - n_lin - fused_calls(wp, fused))
+                            + (gp if gp > 0 else g) * (t_lin - t4) + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused))
                     if t4 > 0 and sec > rest:
                         int4_pts.append({"hidden": h, "layers": L, "prompt": P, "seconds": sec, "int4_table_s": t4,
                                          "rest_s": rest, "scale": (sec - rest) / t4})
@@ -575,7 +623,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 n_lin, t_lin = table_seconds(step, dram_tables)
                 _, t_one = table_seconds({k: v for k, v in step.items() if k.startswith("call|") and k.split("|")[2] == "1"},
                                          dram_tables)
-                rest = a + c * (step["ops"] - n_lin) + r * B + rl * B * L + _bytes_seconds(step, ew or {})
+                rest = (a + c * (step["ops"] - n_lin - fused_calls(step, fused)) + r * B + dm * multi_row_calls(step)
+                        + _bytes_seconds(step, ew or {}) + fused_seconds(step, fused))
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
                                     "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
@@ -591,7 +640,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
         if big_pts and not at1:
             g_dram = float(np.median([p["scale"] for p in big_pts]))
     return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
-            "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "row_layer_overhead_s": rl,
+            "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "multi_call_overhead_s": dm,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
@@ -602,7 +651,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
 
 def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: float, k: int = 3,
                          tables: dict[str, Any] | None = None, scale: float = 1.0,
-                         ew: dict[str, float] | None = None, row_s: float = 0.0) -> dict[str, float]:
+                         ew: dict[str, float] | None = None, row_s: float = 0.0, multi_s: float = 0.0,
+                         fused: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """Per verify step, the speculative engine's Python work that dispatches no aten op (drafting, verification,
     rollback bookkeeping): CPU seconds per verify step of the 2-layer calibration model with prompt-lookup drafting
     minus per-op overhead x ops per verify step (ops counted on a separate run)."""
@@ -633,8 +683,10 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
                     store[kk] = store.get(kk, 0.0) + vv
         per = {kk: (w2.get(kk, 0.0) - w1.get(kk, 0.0)) / max(n, 1.0) for kk in set(w1) | set(w2)}
         n_lin, t_lin = table_seconds(per, tables or {})
-        t_lin = t_lin * scale + _bytes_seconds(per, ew or {}) + row_s  # one sequence (row_s: per row + per row-layer)
-        ops = per["ops"] - n_lin
+        # one sequence (row_s); multi_s per 16-bit product of 2+ rows (a verify step's tokens)
+        t_lin = (t_lin * scale + _bytes_seconds(per, ew or {}) + row_s + multi_s * multi_row_calls(per)
+                 + fused_seconds(per, fused))
+        ops = per["ops"] - n_lin - fused_calls(per, fused)
         b1 = bn = float("inf")
         for _ in range(3):
             t0 = time.process_time()
@@ -648,6 +700,76 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
         torch.set_num_threads(old)
     return {"seconds_per_verify_step": best, "ops_per_verify_step": ops,
             "spec_step_overhead_s": max(0.0, best - t_lin - op_s * ops)}
+
+
+# head shapes of the fused-operator probe: a sol-mini-like and a DeepSeek-V3-like MLA head set (H, nope, rank, rope, v),
+# and Mamba-2 state shapes (heads, head dim, state size)
+FUSED_PROBE_MLA = [(4, 32, 64, 16, 32), (12, 64, 256, 32, 64)]
+FUSED_PROBE_SSM = [(4, 16, 16), (8, 64, 32)]
+
+
+def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
+    """Seconds per call of waferline's fused CPU operators (mla_decode, ssm_update) against their work units (FLOPs;
+    state elements updated) over rows / tokens 1-32, one thread, the same call back to back (best of 3 x 5), as the
+    engine calls them (ssm_update with its states gathered and scattered back, a fresh per-token trail); fit
+    t = t0 + units / rate. The host model prices these operators with it: the linear fit's FLOP rate put the absorbed
+    MLA decode of 8 rows at half its time, the elementwise bandwidth the state update at a fifth. None where the
+    operators are not built. (Timed after a 64 MB copy instead, every call costs ~0.1 ms more here, small ones too:
+    that measures the copy's eviction of everything, code included, more than the operator, so it is not used.)"""
+    import torch
+
+    from waferline import kernels
+
+    if not kernels.available():
+        return None
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    no_mask = torch.empty(0, dtype=torch.bool)
+    pts: dict[str, list[dict[str, float]]] = {"mla_decode": [], "ssm_update": []}
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        return _best(lambda: [fn() for _ in range(5)], 3) / 5
+
+    try:
+        for H, n, r, p, v in FUSED_PROBE_MLA[-1:] if quick else FUSED_PROBE_MLA:
+            w_uk, w_uv = torch.randn(H, n, r), torch.randn(H, v, r)
+            for B, T in ((1, 1), (8, 1), (1, 32)) if quick else ((1, 1), (4, 1), (8, 1), (1, 4), (8, 4), (1, 32)):
+                L = 48
+                qn, qr = torch.randn(B, T, H, n).bfloat16(), torch.randn(B, T, H, p).bfloat16()
+                lat = torch.randn(B, L, r + p).bfloat16()
+                mask = torch.zeros(B, T, L, dtype=torch.bool) if T > 1 else no_mask
+                sec = timed(lambda: torch.ops.waferline.mla_decode(qn, qr, lat, mask, w_uk, w_uv, 0.1, torch.bfloat16))
+                units = fused_units("mla_decode", [qn, qr, lat, mask, w_uk, w_uv], [torch.empty(B, T, H * v)])
+                pts["mla_decode"].append({"heads": H, "rank": r, "rows": B * T, "units": units, "seconds": sec})
+        for H, P, N in FUSED_PROBE_SSM[-1:] if quick else FUSED_PROBE_SSM:
+            cache = torch.randn(16, H, P, N)
+            for B, T in ((1, 1), (8, 4)) if quick else ((1, 1), (8, 1), (1, 4), (8, 4)):
+                slots = torch.arange(B) * 2
+                dA, dtx = torch.rand(B, T, H), torch.randn(B, T, H, P)
+                Bm, Cm = torch.randn(B, T, 1, N), torch.randn(B, T, 1, N)
+
+                def step() -> None:  # as the engine calls it: states gathered, a fresh trail, states scattered back
+                    h = cache.index_select(0, slots)
+                    torch.ops.waferline.ssm_update(h, dA, dtx, Bm, Cm, torch.empty(B, T, H, P, N) if T > 1 else
+                                                   torch.empty(0))
+                    cache.index_copy_(0, slots, h)
+
+                pts["ssm_update"].append({"heads": H, "rows": B, "tokens": T, "units": float(B * T * H * P * N),
+                                          "seconds": timed(step)})
+    finally:
+        torch.set_num_threads(old)
+    out: dict[str, Any] = {}
+    for name, ps in pts.items():
+        X = np.array([[1.0, q["units"]] for q in ps])
+        y = np.array([q["seconds"] for q in ps])
+        t0, inv = (float(c) for c in _nnls_rel(X, y))
+        if inv <= 0:
+            inv = float(np.median(y / X[:, 1]))
+        pred = X @ np.array([t0, inv])
+        out[name] = {"t0_s": t0, "units_per_s": 1.0 / inv, "points": ps,
+                     "fit_error_factor": float(np.exp(np.median(np.abs(np.log(pred / y)))))}
+    return out
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
@@ -992,6 +1114,18 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                         "per call, best of 3"})
     if llc:
         he["llc_bytes"] = _fig(llc, tag, "last-level cache size (sysfs /sys/devices/system/cpu/cpu0/cache)")
+    say("fused operators (mla_decode, ssm_update)", 0.47)
+    fo = fused_op_probe(quick)
+    if fo:
+        he["fused_ops"] = {}
+        for name, f in fo.items():
+            unit = "FLOPs" if name == "mla_decode" else "state elements updated"
+            meth = (f"torch.ops.waferline.{name} back to back, 1 thread, rows x tokens 1-32 "
+                    f"({'MLA heads ' + str(FUSED_PROBE_MLA) if name == 'mla_decode' else 'Mamba-2 states ' + str(FUSED_PROBE_SSM)}):"
+                    f" fit t = t0 + {unit} / rate, fit error x{f['fit_error_factor']:.2f}")
+            he["fused_ops"][name] = {"t0_s": _fig(f["t0_s"], tag, meth), "units_per_s": _fig(f["units_per_s"], tag, meth),
+                                     "points": f["points"]}
+    fused_rates = {k: (v["t0_s"], v["units_per_s"]) for k, v in (fo or {}).items()}
     lk = None
     if link:
         say("gloo link between two processes", 0.85)
@@ -1015,20 +1149,20 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         work = Path(tmp.name)
         try:
             cal_models = [(64, 1), (64, 2), (384, 2)] if quick else [(64, 1), (64, 2), (64, 6), (384, 2), (384, 4)]
-            batches = [1, 4]
+            batches = [1, 4] if quick else [1, 2, 4]  # 2 and 4: a multi-row call costs the same at both, a table lookup does not
             toks = 8 if quick else 16
             ew_rates = {f"{d}_{size}": v for (d, size), v in ew.items()}
             he["engine"] = {}
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
-                                     big=None if quick else BIG_CALIBRATION_MODEL,
+                                     big=None if quick else BIG_CALIBRATION_MODEL, fused=fused_rates,
                                      dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
                                      int4_models=[m for m in cal_models if m[0] % 128 == 0] if d == "bf16" else None)
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
                         f"(Mamba-2/MLA, dense/MoE) at batch {batches}, 1 thread: CPU seconds per step - other ops' bytes "
                         f"at the elementwise bandwidths = step + op x non-linear aten ops + linear_scale x linear calls priced "
-                        f"by the cache-resident linear table + row x sequences + row_layer x sequences x layers (ops "
+                        f"by the cache-resident linear table + row x sequences + multi_call x 16-bit linear calls of 2+ rows (ops "
                         f"counted by TorchDispatchMode); relative least squares, fit error x{eo['fit_error_factor']:.2f}")
                 he["engine"][d] = {"op_overhead_s": _fig(eo["op_overhead_s"], tag, meth),
                                    "step_overhead_s": _fig(eo["step_overhead_s"], tag, meth),
@@ -1045,7 +1179,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                        f"the from-memory table"))} if eo["linear_scale_dram_multi"] is not None else {}),
                                    "big_points": eo["big_points"],
                                    "row_overhead_s": _fig(eo["row_overhead_s"], tag, meth),
-                                   "row_layer_overhead_s": _fig(eo["row_layer_overhead_s"], tag, meth),
+                                   "multi_call_overhead_s": _fig(eo["multi_call_overhead_s"], tag, meth),
                                    **{k: _fig(eo[k], tag, f"prefill (generate with max_tokens=1) of 32- and 96-token prompts on the "
                                                        f"same calibration models: CPU seconds - bytes = overhead + op x non-linear ops"
                                                        f" + scale x table-priced linears; relative least squares, fit error "
@@ -1062,8 +1196,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             try:
                 say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
-                                          + 0.0, row_s=he["engine"]["bf16"]["row_overhead_s"]["value"]
-                                          + 2 * he["engine"]["bf16"]["row_layer_overhead_s"]["value"],
+                                          + 0.0, row_s=he["engine"]["bf16"]["row_overhead_s"]["value"],
+                                          multi_s=he["engine"]["bf16"]["multi_call_overhead_s"]["value"],
+                                          fused=fused_rates,
                                           tables=hot_tables(lin),
                                           scale=he["engine"]["bf16"]["linear_scale"]["value"], ew=ew_rates)
                 he["engine"]["bf16"]["spec_step_overhead_s"] = _fig(
