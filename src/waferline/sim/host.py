@@ -421,8 +421,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
     multi_s = host.multi_call_overhead_s.get(comp, 0.0)
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
-        int4_scale = host.prefill_int4_scale.get(comp)
-        multi_s = 0.0  # prefill's own fit (its linear scale) covers its GEMMs' in-engine cost
+        int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
         for i in layers:
@@ -572,8 +571,9 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool) -> tuple[list[float], list[float], float]:
         # prefill with the prefill constants (per op, linear scale, int4 scale), decode with the decode ones
         pf = host.prefill.get(comp) if prefill else None
-        kw: dict[str, Any] = ({"scale": pf[1], "int4_scale": host.prefill_int4_scale.get(comp)} if pf else
-                              {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)})
+        kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
+        if pf:
+            kw.update(scale=pf[1], int4_scale=host.prefill_int4_scale.get(comp))
         cop = pf[0] if pf else c_op
         a_t, f_t = [], []
         for i, w in sorted(count.layers.items()):

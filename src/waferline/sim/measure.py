@@ -541,7 +541,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 n_lin, t_lin = table_seconds(wp, tables or {})
                 best = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True))) for _ in range(3))
                 pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin,
-                            "fused_calls": fused_calls(wp, fused), "linear_table_s": t_lin,
+                            "fused_calls": fused_calls(wp, fused), "multi_row_calls": multi_row_calls(wp),
+                            "linear_table_s": t_lin,
                             "bytes_s": _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused), "seconds": best})
             for B in batches:
                 prompt = [[(3 * j + 5 + 7 * r) % 200 + 2 for j in range(8)] for r in range(B)]
@@ -568,7 +569,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     one = [p for p in pts if p["hidden"] == models[0][0] and p["batch"] == batches[0]]
     # prefill: its own per-op cost and linear scale (longer tensors per op than decode)
     Xp = np.array([[1.0, p["ops"] - p["linear_calls"] - p["fused_calls"], p["linear_table_s"]] for p in pre])
-    yp = np.array([max(p["seconds"] - p["bytes_s"], 1e-7) for p in pre])
+    # the decode fit's in-engine cost per 16-bit product of 2+ rows (every prefill linear is one) is taken as known:
+    # a scale fitted on the calibration models' tiny GEMMs would otherwise carry it to large ones
+    yp = np.array([max(p["seconds"] - p["bytes_s"] - dm * p["multi_row_calls"], 1e-7) for p in pre])
     ap, cp, gp = (float(v) for v in _nnls_rel(Xp, yp)) if len(pre) >= 3 else (0.0, c, g)
     predp = Xp @ np.array([ap, cp, gp]) if len(pre) >= 3 else yp
     # int4 prefill: the same models quantized (RTN, group 128); their int4 GEMMs against the int4 table, the other terms
@@ -595,7 +598,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                     sec = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
                               for _ in range(3))
                     rest = (ap + (cp if cp > 0 else c) * (wp["ops"] - n_lin - fused_calls(wp, fused))
-                            + (gp if gp > 0 else g) * (t_lin - t4) + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused))
+                            + (gp if gp > 0 else g) * (t_lin - t4) + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused)
+                            + dm * multi_row_calls(wp))
                     if t4 > 0 and sec > rest:
                         int4_pts.append({"hidden": h, "layers": L, "prompt": P, "seconds": sec, "int4_table_s": t4,
                                          "rest_s": rest, "scale": (sec - rest) / t4})
