@@ -123,6 +123,7 @@ class HostParams:
     # engine compute dtype -> in-engine seconds per 16-bit linear call of 2+ rows beyond its table price (fitted)
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
+    prefill_scale_dram: dict[str, float] = field(default_factory=dict)  # prefill linear scale, weights from memory
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -174,6 +175,8 @@ class HostParams:
                        prefill_int4_scale={k: _v(v["prefill_linear_scale_int4"], where) for k, v in eng.items()
                                            if isinstance(v.get("prefill_linear_scale_int4"), dict)
                                            and "value" in v["prefill_linear_scale_int4"]},
+                       prefill_scale_dram={k: _v(v["prefill_linear_scale_dram"], where) for k, v in eng.items()
+                                           if isinstance(v.get("prefill_linear_scale_dram"), dict)},
                        fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
                               for k, v in (he.get("fused_ops") or {}).items()},
                        multi_call_overhead_s={k: _v(v["multi_call_overhead_s"], where) for k, v in eng.items()
@@ -419,8 +422,11 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
     c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
     scale = int4_scale = None
     multi_s = host.multi_call_overhead_s.get(comp, 0.0)
+    hot = _hot(host, plan)
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
+        if not hot and comp in host.prefill_scale_dram:  # GEMMs a real model's size, weights from memory
+            scale = host.prefill_scale_dram[comp]
         int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
@@ -429,7 +435,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
                 w.add(count.layers[i])
         if ops_other:
             w.add(count.other)
-        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=_hot(host, plan), int4_scale=int4_scale,
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=hot, int4_scale=int4_scale,
                                           multi_s=multi_s)
         return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
     # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
@@ -573,7 +579,8 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
         pf = host.prefill.get(comp) if prefill else None
         kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
         if pf:
-            kw.update(scale=pf[1], int4_scale=host.prefill_int4_scale.get(comp))
+            kw.update(scale=host.prefill_scale_dram.get(comp, pf[1]) if not hot else pf[1],
+                      int4_scale=host.prefill_int4_scale.get(comp))
         cop = pf[0] if pf else c_op
         a_t, f_t = [], []
         for i, w in sorted(count.layers.items()):

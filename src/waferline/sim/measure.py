@@ -609,7 +609,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
-    g_dram, g_dram_multi, big_pts = g, None, []
+    g_dram, g_dram_multi, g_pre_dram, big_pts = g, None, None, []
+    cp_ = cp if cp > 0 else c
     if big is not None and dram_tables:
         h, L, ffn = big
         d = workdir / f"big-h{h}-{L}"
@@ -632,20 +633,37 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
                                     "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
+            # its prefill (a 32-token prompt): GEMMs the size of a real model's, where the tiny models' prefill scale,
+            # fitted on GEMMs dominated by their fixed cost, does not carry
+            prompt = [[(5 * j + 3) % 200 + 2 for j in range(32)]]
+            one_tok = SamplingParams(max_tokens=1, ignore_eos=True)
+            llm.generate(prompt, one_tok)  # warm-up (one-time work) first
+            wp = _generate_work(llm, prompt, 1)
+            n_lin, t_lin = table_seconds(wp, dram_tables)
+            sec = min(_timed_cpu(lambda: llm.generate(prompt, one_tok)) for _ in range(3))
+            rest = (ap + cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + dm * multi_row_calls(wp)
+                    + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused))
+            if sec > rest and t_lin > 0:
+                g_pre_dram = (sec - rest) / t_lin
+                big_pts.append({"hidden": h, "layers": L, "prompt": 32, "seconds": sec, "linear_table_s": t_lin,
+                                "rest_s": rest, "scale": g_pre_dram})
         finally:
             torch.set_num_threads(old)
-        at1 = [p for p in big_pts if p["batch"] == 1]
+        at1 = [p for p in big_pts if p.get("batch") == 1]
         if at1:
             g_dram = at1[0]["scale"]
         for p in big_pts:  # multi-row calls: what is left after the one-row ones at the batch-1 scale
+            if "batch" not in p:
+                continue
             multi = p["linear_table_s"] - p["one_row_table_s"]
             if p["batch"] > 1 and multi > 0 and p["seconds_per_step"] - p["rest_s"] > g_dram * p["one_row_table_s"]:
                 g_dram_multi = (p["seconds_per_step"] - p["rest_s"] - g_dram * p["one_row_table_s"]) / multi
         if big_pts and not at1:
-            g_dram = float(np.median([p["scale"] for p in big_pts]))
+            g_dram = float(np.median([p["scale"] for p in big_pts if "batch" in p] or [g]))
     return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
             "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "multi_call_overhead_s": dm,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
+            "prefill_linear_scale_dram": g_pre_dram,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
             "points": pts,
@@ -1190,6 +1208,12 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                                        f"x{eo['prefill_fit_error_factor']:.2f}")
                                       for k in ("prefill_op_overhead_s", "prefill_linear_scale", "prefill_overhead_s")},
                                    "points": eo["points"]}
+                if eo["prefill_linear_scale_dram"] is not None:
+                    he["engine"][d]["prefill_linear_scale_dram"] = _fig(
+                        eo["prefill_linear_scale_dram"], tag,
+                        f"prefill of a 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} (weights beyond the "
+                        f"last-level cache): (CPU seconds - the fitted prefill terms) / its linears priced by the "
+                        f"from-memory table")
                 if eo["prefill_linear_scale_int4"] is not None:
                     he["engine"][d]["prefill_linear_scale_int4"] = _fig(
                         eo["prefill_linear_scale_int4"], tag,
