@@ -115,7 +115,8 @@ def main() -> int:
     clock = "CPU ms per step (1 thread)" if args.threads == 1 else f"wall ms per step ({args.threads} threads)"
     what = "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)"
     t = Table(title=f"{what}, {clock}: {args.rev} vs working tree")
-    for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", "new tok/s/row"):
+    rate = "new tok/s/row" if args.tokens == 1 else "new steps/s"
+    for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", rate):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
     for r in rows:
         t.add_row(Path(r["model"]).name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
