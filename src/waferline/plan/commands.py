@@ -389,7 +389,8 @@ def register(subparsers: Any) -> None:
 
     c = subparsers.add_parser("calibrate", help="measure this host and write its hardware YAML (or --published: re-fit the simulator)",
                               description="Without --published: measure this machine (~1-2 min) -- copy bandwidth, fp32/bf16/int4 "
-                              "matmul and GEMV speed, the engine's per-op and per-step decode overhead, the gloo link between two "
+                              "matmul and GEMV speed, the fused operators' rates, the engine's per-op, per-step and per-product decode "
+                              "and prefill overheads, the gloo link between two "
                               "local processes and the pipeline's per-hop overhead (and CUDA numbers when a GPU is present) -- and "
                               "write a hardware YAML with every figure marked measured (date, method). With --published CSV: "
                               "re-fit the simulator's fitted parameters on published results.")
