@@ -1,10 +1,12 @@
 """The host-engine cost model: how long waferline's own CPU engine takes for a Plan on a calibrated machine.
 
 A stage process's decode step is priced op by op over the engine's own op stream (counted, not timed, by the twin):
-  linear calls (x W^T, int4pack)   the measured linear table (seconds per call by rows and weight bytes) x linear_scale
+  linear calls (x W^T, int4pack)   the measured linear table (seconds per call by rows and weight bytes) x linear_scale,
+                                   + a fitted in-engine cost per 16-bit product of 2+ rows
+  fused operators (waferline.kernels: mla_decode, ssm_update)   their measured t0 + work units / rate
   other matmuls (attention, scans) roofline: bytes / bandwidth + FLOPs / FLOP/s of the measured linear fit
   every other aten op              the per-op overhead + its bytes at the measured elementwise bandwidth
-plus per-sequence work (sampling on the head's stage, bookkeeping per layer) and the scheduler's per-step overhead,
+plus per-sequence work (sampling on the head's stage) and the scheduler's per-step overhead,
 all measured/fitted by `waferline calibrate` on calibration models. Between stages one message costs the measured
 pipeline hop + bytes / link bandwidth. With S stage processes on C cores, a micro-batch cycle is bounded by the round
 trip, by M x the busiest stage and by M x all stages' CPU work / C. Speculative decoding: a cycle is one verify step
@@ -357,7 +359,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
     linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
     every other op the per-op overhead + its bytes at cache or memory bandwidth. ``int4_scale``: int4 linear calls
     scaled by it instead of ``scale`` (prefill, where the two were measured apart). ``multi_s``: the fitted in-engine
-    seconds each 16-bit linear call of 2+ rows costs beyond its table price (decode)."""
+    seconds each 16-bit linear call of 2+ rows costs beyond its table price. The fused operators (mla_decode,
+    ssm_update) at their measured t0 + units / rate are added to the third term."""
     mm = mm4 = mm_multi = 0.0
     n_calls = n_multi = 0.0
     # products of 2+ rows (oneDNN) get their own in-engine scale when the weights come from memory and one was measured

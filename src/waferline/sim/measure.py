@@ -1208,18 +1208,18 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                                        f"x{eo['prefill_fit_error_factor']:.2f}")
                                       for k in ("prefill_op_overhead_s", "prefill_linear_scale", "prefill_overhead_s")},
                                    "points": eo["points"]}
-                if eo["prefill_linear_scale_dram"] is not None:
-                    he["engine"][d]["prefill_linear_scale_dram"] = _fig(
-                        eo["prefill_linear_scale_dram"], tag,
-                        f"prefill of a 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} (weights beyond the "
-                        f"last-level cache): (CPU seconds - the fitted prefill terms) / its linears priced by the "
-                        f"from-memory table")
+                for key, how in (
+                        ("prefill_linear_scale_dram",
+                         f"prefill of a 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} (weights beyond the "
+                         f"last-level cache): (CPU seconds - the fitted prefill terms) / its linears priced by the "
+                         f"from-memory table"),
+                        ("prefill_linear_scale_int4",
+                         f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
+                         f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
+                         f"int4 linears priced by the int4 table, median")):
+                    if eo[key] is not None:
+                        he["engine"][d][key] = _fig(eo[key], tag, how)
                 if eo["prefill_linear_scale_int4"] is not None:
-                    he["engine"][d]["prefill_linear_scale_int4"] = _fig(
-                        eo["prefill_linear_scale_int4"], tag,
-                        f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
-                        f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
-                        f"int4 linears priced by the int4 table, median")
                     he["engine"][d]["int4_prefill_points"] = eo["int4_prefill_points"]
             try:
                 say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
