@@ -353,6 +353,12 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
+def multi_row_product(dtype: str, rows: int) -> bool:
+    """A linear call that carries the fitted in-engine per-call cost: 16-bit (oneDNN / MKL) with 2+ rows. int4 calls
+    run their own kernel, priced by its table."""
+    return dtype != "int4" and rows > 1
+
+
 def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
                hot: bool = False, int4_scale: float | None = None, multi_s: float = 0.0) -> tuple[float, float, float]:
     """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
@@ -380,7 +386,7 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         else:
             mm += n * tab.time(int(rows), float(nb))
         n_calls += n
-        if dt != "int4" and int(rows) > 1:
+        if multi_row_product(dt, int(rows)):
             n_multi += n
     for dt, b in w.mm_bytes.items():
         fit = host.linear.get(dt) or host.linear_for(16, "bf16")

@@ -431,15 +431,12 @@ def fused_seconds(work: dict[str, float], rates: dict[str, tuple[float, float]] 
 
 
 def multi_row_calls(work: dict[str, float]) -> float:
-    """16-bit (fp32 / bf16) linear calls of two or more rows in a work record: the engine's oneDNN (bf16) or MKL (fp32)
-    products, each with a fixed in-engine cost beyond the sweep's (int4 calls run their own kernel, priced by its table)."""
-    n = 0.0
-    for k, v in work.items():
-        if k.startswith("call|"):
-            _, dt, rows, _b = k.split("|")
-            if dt != "int4" and int(rows) > 1:
-                n += v
-    return n
+    """16-bit (fp32 / bf16) linear calls of two or more rows in a work record (sim.host.multi_row_product): the
+    engine's oneDNN (bf16) or MKL (fp32) products, each with a fixed in-engine cost beyond the sweep's."""
+    from waferline.sim.host import multi_row_product
+
+    return sum(v for k, v in work.items() if k.startswith("call|")
+               and multi_row_product(k.split("|")[1], int(k.split("|")[2])))
 
 
 def _timed_cpu(fn: Callable[[], Any]) -> float:
