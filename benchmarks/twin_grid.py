@@ -53,7 +53,8 @@ def main() -> int:
     ap.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: cached calibration)")
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--grid", default="default")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per Plan and pass; the fastest counts")
+    ap.add_argument("--passes", type=int, default=2, help="passes over the grid; each Plan's fastest pass counts")
     args = ap.parse_args()
     from rich.console import Console
 
@@ -71,7 +72,7 @@ def main() -> int:
         spec = ModelSpec.from_pretrained(path)
         con.print(f"\n[bold]{name}[/]: {spec.params_total() / 1e6:.0f}M parameters, {spec.params_active() / 1e6:.0f}M active per token")
         t = time.perf_counter()
-        res = run_twin(path, str(hw), args.grid, repeats=args.repeats,
+        res = run_twin(path, str(hw), args.grid, repeats=args.repeats, passes=args.passes,
                        progress=lambda what, frac: print(f"  [{frac * 100:3.0f}%] {what}", file=sys.stderr, flush=True))
         res["wall_s"] = time.perf_counter() - t
         out = RESULTS / f"twin_{name}.json"

@@ -34,7 +34,7 @@ def twin_result(tiny_ckpt, host_yaml):
     from waferline.sim.twin import run_twin
 
     grid = [{"stages": 1, "batch": 2}, {"stages": 2, "micro_batches": 2, "batch": 2}]
-    return run_twin(tiny_ckpt, host_yaml, grid, prompt_len=8, output_len=12, repeats=1, timeout_s=120)
+    return run_twin(tiny_ckpt, host_yaml, grid, prompt_len=8, output_len=12, repeats=1, passes=1, timeout_s=120)
 
 
 def test_calibrate_writes_a_valid_measured_yaml(host_yaml):
@@ -95,6 +95,26 @@ def test_twin_runs_a_two_plan_grid(twin_result):
     from waferline.sim.twin import drift_line, markdown
 
     assert "machine drift" in drift_line(twin_result) and "machine drift" in markdown(twin_result)
+
+
+def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml):
+    """Two passes over a one-Plan grid: both recorded, the fastest rate and the shortest TTFT kept, their spread
+    reported instead of the drift re-run, and the error factor computed from what was kept."""
+    from waferline.errors import ConfigError
+    from waferline.sim.twin import drift_line, error_factor, run_twin
+
+    res = run_twin(tiny_ckpt, host_yaml, [{"stages": 1, "batch": 2}], prompt_len=8, output_len=12, repeats=1, passes=2,
+                   timeout_s=120)
+    row = res["rows"][0]
+    assert row["status"] == "ok" and len(row["passes"]) == 2 and res["drift"] is None and res["passes"] == 2
+    rates = [q["tokens_per_s_per_user"] for q in row["passes"]]
+    assert row["measured"]["tokens_per_s_per_user"] == max(rates)
+    assert row["measured"]["ttft_s"] == min(q["ttft_s"] for q in row["passes"])
+    assert row["pass_spread"] == pytest.approx(max(rates) / min(rates)) and row["pass_spread"] >= 1.0
+    assert res["summary"]["pass_spread"]["n"] == 1 and "machine noise" in drift_line(res)
+    assert row["error_factor"]["ttft_s"] == error_factor(row["predicted"]["ttft_s"], row["measured"]["ttft_s"])
+    with pytest.raises(ConfigError):
+        run_twin(tiny_ckpt, host_yaml, [{"stages": 1, "batch": 1}], passes=0)
 
 
 def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
@@ -222,3 +242,61 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
     import torch
     h, dA = torch.zeros(2, 4, 8, 16), torch.zeros(2, 3, 4)
     assert fused_units("ssm_update", [h, dA], []) == 2 * 3 * 4 * 8 * 16
+
+
+def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twin_result, host_yaml):
+    """calibrate fits the pipeline probes' extra CPU as 2 x fixed + inflation x single-process CPU (both >= 0); the host
+    model adds the inflation to each stage's compute in the CPU bounds of a pipeline and leaves one process alone."""
+    from dataclasses import replace
+
+    from waferline.sim.host import HostParams
+    from waferline.sim.measure import stage_cpu_fit
+    from waferline.sim.twin import repredict
+
+    pts = [{"single_cpu_s": x, "pipeline_cpu_s": x + 2 * 4e-4 + 0.25 * x} for x in (6e-4, 3e-3, 8e-3)]
+    assert stage_cpu_fit(pts) == pytest.approx((4e-4, 0.25), rel=1e-6)
+    falling = [{"single_cpu_s": x, "pipeline_cpu_s": x + 2e-3 - 0.1 * x} for x in (6e-4, 3e-3, 8e-3)]
+    fixed, infl = stage_cpu_fit(falling)  # a negative slope is not a speed-up: the mean extra, no inflation
+    assert infl == 0.0 and fixed == pytest.approx(sum(2e-3 - 0.1 * x for x in (6e-4, 3e-3, 8e-3)) / 6)
+    d = yaml.safe_load(host_yaml.read_text())  # (the quick calibration skips the pipeline probes)
+    d["host_engine"].setdefault("pipeline", {}).update(stage_step_cpu_s={"value": 3e-4}, stage_cpu_inflation={"value": 0.3})
+    read = HostParams.from_dict(d)
+    assert (read.stage_step_cpu_s, read.stage_cpu_inflation) == (3e-4, 0.3)
+    host = HostParams.load(host_yaml)
+    base = repredict(twin_result, replace(host, stage_cpu_inflation=0.0))["rows"]
+    more = repredict(twin_result, replace(host, stage_cpu_inflation=5.0))["rows"]
+    key = "tokens_per_s_per_user"
+    assert more[0]["predicted"][key] == base[0]["predicted"][key]  # one process: no stage CPU
+    assert more[1]["predicted"][key] < base[1]["predicted"][key]  # 2 stages x 2 micro-batches: bound by the cores
+
+
+def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
+    """AFD with 2+ micro-batches takes the hop and the CPU per message end that calibrate measured with both sides
+    working; with one micro-batch the idle-link figures stand. (A stored twin row of sol-mini's AFD Plan: its ops.)"""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import predict
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    d = json.loads((res / "twin_sol-mini.json").read_text())
+    row = next(r for r in d["rows"] if r["point"]["afd"])
+    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    hw = load_hardware_file(res / "twin_host.yaml")
+    host = replace(HostParams.load(res / "twin_host.yaml"), afd_overlapped_hop_s=None, afd_overlapped_message_cpu_s=None)
+
+    def rate(h, mbs):
+        plan = Plan.from_json(row["plan_json"])
+        plan.micro_batches = mbs
+        return predict(plan, spec, hw, h, row["ops"], 32, 32, 8, None).decode_tokens_per_s_per_user
+
+    base = rate(host, 2)
+    slow_hop = rate(replace(host, afd_overlapped_hop_s=5e-3), 2)
+    slow_msg = rate(replace(host, afd_overlapped_message_cpu_s=2e-3), 2)
+    assert slow_hop < base and slow_msg < base
+    one = rate(host, 1)
+    assert rate(replace(host, afd_overlapped_hop_s=5e-3, afd_overlapped_message_cpu_s=2e-3), 1) == one

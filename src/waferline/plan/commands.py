@@ -331,6 +331,9 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     t.add_row("gloo link (engine Link): latency, bandwidth", f"{host.link_latency_s * 1e6:.0f} us, {host.link_bytes_per_s / 1e9:.2f} GB/s")
     t.add_row("gloo CPU per message", f"{host.link_cpu_s * 1e6:.0f} us")
     t.add_row("pipeline hop as the engine sees it", "not measured" if host.hop_latency_s is None else f"{host.hop_latency_s * 1e6:.0f} us")
+    t.add_row("stage process CPU per step besides compute; compute inflation",
+              "not measured" if host.stage_step_cpu_s is None else
+              f"{host.stage_step_cpu_s * 1e6:.0f} us; +{host.stage_cpu_inflation * 100:.0f}%")
     t.add_row(f"parallel ceiling ({host.cores} processes at once)",
               "not measured" if host.parallel_ceiling is None else f"{host.parallel_ceiling:.2f} cores")
     t.add_row("last-level cache (weights that fit run from it)", "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB")
@@ -347,7 +350,8 @@ def cmd_twin(args: argparse.Namespace) -> int:
 
     with _progress_bar(args.json) as say:
         result = run_twin(args.model, args.hardware, args.grid, prompt_len=args.prompt_len, output_len=args.output_len,
-                          repeats=args.repeats, recalibrate=args.recalibrate, progress=say, timeout_s=args.timeout)
+                          repeats=args.repeats, passes=args.passes, recalibrate=args.recalibrate, progress=say,
+                          timeout_s=args.timeout)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -411,8 +415,11 @@ def register(subparsers: Any) -> None:
                                "(a child process per Plan, one thread per process), predict the same Plan with the simulator "
                                "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
                                "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
-                               "max. The first Plan is run once more at the end: how far its speed moved is the machine's own drift "
-                               "over the grid. Plans the engine cannot run yet are listed as not available.")
+                               "max. The grid is measured in --passes passes (the second in reverse order) and each Plan's "
+                               "fastest pass counts: this machine's speed moves by 1.3-1.5x for seconds to minutes at a time; "
+                               "the spread between a Plan's passes is printed as the machine's own noise (with one pass, the "
+                               "first Plan is run once more at the end instead). Plans the engine cannot run yet are listed as "
+                               "not available.")
     tw.add_argument("--model", required=True, help="checkpoint directory (e.g. models/sol-mini)")
     tw.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: calibrate this host "
                     "now, cached for a day under ~/.cache/waferline)")
@@ -422,6 +429,8 @@ def register(subparsers: Any) -> None:
     tw.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
     tw.add_argument("--output-len", type=int, default=32, help="new tokens per sequence (default 32)")
     tw.add_argument("--repeats", type=int, default=2, help="timed runs per Plan; the fastest counts (default 2)")
+    tw.add_argument("--passes", type=int, default=2, help="measure the whole grid this many times and keep each Plan's "
+                    "fastest pass (default 2; 1 halves the time)")
     tw.add_argument("--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists")
     tw.add_argument("--timeout", type=float, default=300.0, help="seconds per Plan before its engine run is killed")
     tw.add_argument("--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)")

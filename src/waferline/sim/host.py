@@ -119,9 +119,14 @@ class HostParams:
     linear_scale_dram_multi: dict[str, float] = field(default_factory=dict)  # the same for products of 2+ rows
     hop_vs_idle: tuple[tuple[float, float], ...] = ()  # (receiver idle s, hop s) measured on 2-stage pipelines
     stage_step_cpu_s: float | None = None  # a stage process's CPU per micro-batch step besides computing (measured)
+    # a stage process's compute takes this much more CPU than in one process (cold caches after each wake-up; fitted
+    # with stage_step_cpu_s on the calibration pipelines; 0: stage_step_cpu_s is the old median of fixed + inflation)
+    stage_cpu_inflation: float = 0.0
     elementwise: dict[str, float] = field(default_factory=dict)  # "fp32_small" | "fp32_large" | "bf16_small" | ... -> bytes/s
     prefill_int4_scale: dict[str, float] = field(default_factory=dict)  # compute dtype -> prefill scale of int4 linears
     afd_message_cpu_s: float | None = None  # CPU per AFD message besides compute (measured on an AFD calibration run)
+    afd_overlapped_hop_s: float | None = None  # one AFD message's link time while both sides work (measured, 2 mbs)
+    afd_overlapped_message_cpu_s: float | None = None  # CPU per AFD message end at several rows in 2 mbs (measured)
     # engine compute dtype -> in-engine seconds per 16-bit linear call of 2+ rows beyond its table price (fitted)
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
@@ -169,9 +174,14 @@ class HostParams:
                                    if v.get("table_hot")},
                        llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
                        stage_step_cpu_s=_v(pipe["stage_step_cpu_s"], where) if "stage_step_cpu_s" in pipe else None,
+                       stage_cpu_inflation=_v(pipe["stage_cpu_inflation"], where) if "stage_cpu_inflation" in pipe else 0.0,
                        afd_message_cpu_s=_v(pipe["afd_message_cpu_s"], where)
                        if isinstance(pipe.get("afd_message_cpu_s"), dict) and pipe["afd_message_cpu_s"].get("value") is not None
                        else None,
+                       afd_overlapped_hop_s=_v(pipe["afd_overlapped_hop_s"], where)
+                       if isinstance(pipe.get("afd_overlapped_hop_s"), dict) else None,
+                       afd_overlapped_message_cpu_s=_v(pipe["afd_overlapped_message_cpu_s"], where)
+                       if isinstance(pipe.get("afd_overlapped_message_cpu_s"), dict) else None,
                        hop_vs_idle=tuple(sorted((float(a), float(b)) for a, b in (pipe.get("hop_vs_idle") or {}).get("points", []))),
                        elementwise={k: _v(v, where) for k, v in (he.get("elementwise") or {}).items()},
                        prefill_int4_scale={k: _v(v["prefill_linear_scale_int4"], where) for k, v in eng.items()
@@ -221,7 +231,11 @@ class HostParams:
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
                        hop_vs_idle=tuple((a, b * link_latency) for a, b in self.hop_vs_idle),
                        stage_step_cpu_s=None if self.stage_step_cpu_s is None else self.stage_step_cpu_s * link_latency,
-                       afd_message_cpu_s=None if self.afd_message_cpu_s is None else self.afd_message_cpu_s * link_latency)
+                       afd_message_cpu_s=None if self.afd_message_cpu_s is None else self.afd_message_cpu_s * link_latency,
+                       afd_overlapped_hop_s=None if self.afd_overlapped_hop_s is None
+                       else self.afd_overlapped_hop_s * link_latency,
+                       afd_overlapped_message_cpu_s=None if self.afd_overlapped_message_cpu_s is None
+                       else self.afd_overlapped_message_cpu_s * link_latency)
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -510,7 +524,7 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
     stage_s = [c.total for c in costs]
     hop_bytes = [b * t * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * b * t for i in range(S)]
     per_step = host.stage_step_cpu_s if host.stage_step_cpu_s is not None else 2 * host.link_cpu_s
-    cpu = [st + (per_step if S > 1 else 0.0) for st in stage_s]
+    cpu = [st * (1.0 + host.stage_cpu_inflation) + per_step for st in stage_s] if S > 1 else list(stage_s)
     hops = [hop(nb) for nb in hop_bytes] if S > 1 else [0.0]
     for it in range(3):  # a hop costs more the longer its receiver waited: per micro-batch, cycle / M - its own work
         round_trip = sum(stage_s) + sum(hops)
@@ -616,12 +630,24 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     # pipeline stage's step CPU (one receive and one send on the same transport); else the link probe's
     per_msg = (host.afd_message_cpu_s if host.afd_message_cpu_s is not None else
                host.stage_step_cpu_s / 2 if host.stage_step_cpu_s is not None else host.link_cpu_s)
+    if K > 1 and host.afd_overlapped_message_cpu_s is not None:  # measured with micro-batches of several rows
+        per_msg = host.afd_overlapped_message_cpu_s
     msg_a, msg_f = 2 * Nf * per_msg, 2 * Ma * per_msg
-    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + 2 * h) if f > 0 else K * a for a, f in zip(a_t, f_t)]
-    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower hop
+    # one micro-batch's round trip through a layer is serial: attention, its message out (sent by one side, received
+    # by the other), the FFN, the message back, each end's CPU included
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + msg_a + msg_f + 2 * h) if f > 0 else K * a
+                 for a, f in zip(a_t, f_t)]
+    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower hop. With 2+
+    # micro-batches both sides work while a message is under way, and it takes the hop measured so (a message then
+    # waits for a core busy with the other rank's compute)
+    busy = host.afd_overlapped_hop_s if K > 1 and host.afd_overlapped_hop_s is not None else None
+
+    def hop_afd(idle: float) -> float:
+        return hop(nb, idle) if busy is None else busy + nb / host.link_bytes_per_s
+
     per_layer = [max(K * (a + msg_a), K * (f + msg_f),
-                     a + f + hop(nb, max(0.0, pl / K - f)) + hop(nb, max(0.0, pl / K - a))) if f > 0 else K * a
-                 for a, f, pl in zip(a_t, f_t, per_layer)]
+                     a + f + msg_a + msg_f + hop_afd(max(0.0, pl / K - f - msg_f)) + hop_afd(max(0.0, pl / K - a - msg_a)))
+                 if f > 0 else K * a for a, f, pl in zip(a_t, f_t, per_layer)]
     row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
     step = sum(per_layer) + K * (other + b * row_over) + over
     cpu_total = Ma * (K * (sum(a_t) + other + b * row_over) + over) + Nf * K * sum(f_t) + K * len(a_t) * (Ma * msg_a + Nf * msg_f)

@@ -837,14 +837,31 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
                        "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
                        "stage_step_cpu_s": max(0.0, (pipe_cpu - single_cpu) / 2)})
     first = points[0]
+    fixed, inflation = stage_cpu_fit(points)
     out = {"per_token_s": first["per_token_s"], "single_process_step_s": first["single_step_s"],
            "hop_latency_s": first["hop_s"], "hop_overhead_s": max(0.0, first["hop_s"] - link_s), "points": points,
-           "stage_step_cpu_s": float(np.median([p["stage_step_cpu_s"] for p in points]))}
+           "stage_step_cpu_s": fixed, "stage_cpu_inflation": inflation}
     try:
         out["afd"] = afd_exchange_cpu(Path(workdir), afd_model, prompt)
     except Exception as e:  # noqa: BLE001 - AFD may be unavailable; the pipeline figures stand
         out["afd_error"] = f"{type(e).__name__}: {e}"[:200]
     return out
+
+
+def stage_cpu_fit(points: list[dict[str, float]]) -> tuple[float, float]:
+    """(CPU s per stage step besides computing, relative CPU inflation of a stage's compute) from the 2-stage probes:
+    pipeline CPU - single-process CPU = 2 x fixed + inflation x single-process CPU per token, least squares with both
+    terms >= 0. The extra CPU grows with the model (~0.6 ms per token for the smallest probe, ~2-4 ms for the largest):
+    a stage's compute runs slower than in one process (caches cold after each wake-up), besides a fixed cost per step."""
+    x = np.array([p["single_cpu_s"] for p in points])
+    y = np.array([max(0.0, p["pipeline_cpu_s"] - p["single_cpu_s"]) for p in points])
+    X = np.stack([np.full_like(x, 2.0), x], axis=1)
+    c, *_ = np.linalg.lstsq(X, y, rcond=None)
+    if c[0] < 0:
+        return 0.0, float(max(0.0, x @ y / (x @ x)))
+    if c[1] < 0:
+        return float(y.mean() / 2), 0.0
+    return float(c[0]), float(c[1])
 
 
 def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[int]]) -> dict[str, Any]:
@@ -865,8 +882,45 @@ def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[in
         pids = [os.getpid()] + list(getattr(al._pipeline, "pids", []) or [])
         afd_cpu = _per_token(al, prompt, CPU_PROBE_TOKENS, lambda: sum(process_cpu_seconds(p) for p in pids), 2)
         n_ffn = sum(1 for layer in al.spec.layers if layer.ffn is not None)
-    return {"hidden": h, "layers": L, "ffn_layers": n_ffn, "single_cpu_s": single_cpu, "afd_cpu_s": afd_cpu,
-            "message_cpu_s": max(0.0, (afd_cpu - single_cpu) / (4 * max(n_ffn, 1)))}
+    out = {"hidden": h, "layers": L, "ffn_layers": n_ffn, "single_cpu_s": single_cpu, "afd_cpu_s": afd_cpu,
+           "message_cpu_s": max(0.0, (afd_cpu - single_cpu) / (4 * max(n_ffn, 1)))}
+    out.update(afd_overlapped(d, [[(p_ + 7 * r) % 200 + 2 for p_ in prompt[0]] for r in range(4)], n_ffn))
+    return out
+
+
+def afd_overlapped(d: Path, prompts: list[list[int]], n_ffn: int, micro_batches: int = 2, tokens: int = 32
+                   ) -> dict[str, Any]:
+    """AFD with both sides working (several sequences in micro-batches ping-ponging): the link time of one message, from
+    the engine's own time split (engine/afd.py: issuing sends + the part of each wait after the peer had sent) per
+    message, mean of both ranks, fastest of 2 runs -- about twice an idle pipeline's hop here (~0.5-0.65 vs ~0.35 ms):
+    a message waits for a core busy with the other rank's compute; and the CPU per message end, as in the one-sequence
+    probe but at these rows (dispatching and combining several rows' experts)."""
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+
+    llm = LLM(d, dtype="bfloat16")
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    single_cpu = _per_token(llm, prompts, tokens, time.process_time, 2)
+    del llm
+    best = float("inf")
+    with LLM(d, dtype="bfloat16", afd=True, attention_ranks=1, ffn_ranks=1, micro_batches=micro_batches,
+             threads_per_rank=1) as al:
+        al.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+        pids = [os.getpid()] + list(getattr(al._pipeline, "pids", []) or [])
+        for _ in range(2):
+            al._pipeline.time_split(reset=True)
+            al.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+            ranks = al._pipeline.time_split(reset=True)["ranks"].values()
+            per = [r["transfer"] / r["messages"] for r in ranks if r.get("messages")]
+            if per:
+                best = min(best, float(np.mean(per)))
+        afd_cpu = _per_token(al, prompts, tokens, lambda: sum(process_cpu_seconds(p) for p in pids), 2)
+    if best == float("inf"):
+        return {}
+    ends = 4 * max(n_ffn, 1) * min(micro_batches, len(prompts))  # per token: each micro-batch, each FFN layer
+    return {"overlapped_hop_s": best, "overlapped_rows": len(prompts), "overlapped_micro_batches": micro_batches,
+            "overlapped_single_cpu_s": single_cpu, "overlapped_afd_cpu_s": afd_cpu,
+            "overlapped_message_cpu_s": max(0.0, (afd_cpu - single_cpu) / ends)}
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -1250,10 +1304,14 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                       "hop_vs_idle": {"points": [[p["idle_s"], p["hop_s"]] for p in po["points"]],
                                                       "measured": {"date": when, "method": meth}},
                                       "stage_step_cpu_s": _fig(po["stage_step_cpu_s"], tag, (
-                                          "the same pipelines: (CPU seconds of both processes per token - the "
-                                          "single-process CPU per token) / 2 stage steps, median over the models: what "
-                                          "a stage process spends per micro-batch step besides computing (receive, "
-                                          "send, unpack, wake-up)")),
+                                          "the same pipelines: CPU seconds of both processes per token - the "
+                                          "single-process CPU per token = 2 stage steps x this + stage_cpu_inflation x "
+                                          "the single-process CPU, least squares over the models: what a stage process "
+                                          "spends per micro-batch step besides computing (receive, send, unpack, "
+                                          "wake-up)")),
+                                      "stage_cpu_inflation": _fig(po["stage_cpu_inflation"], tag, (
+                                          "the same fit: how much more CPU a stage's compute takes than in one "
+                                          "process (caches cold after each wake-up)")),
                                       "per_token_s": po["per_token_s"], "probes": po["points"]}
                     if po.get("afd"):
                         a = po["afd"]
@@ -1261,6 +1319,16 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                             f"attention/FFN disaggregation of the calibration model (hidden, layers) = ({a['hidden']}, "
                             f"{a['layers']}), 1 attention + 1 FFN rank, 1 sequence, bf16: (CPU seconds of all its "
                             f"processes per token - the single process's) / (4 messages x {a['ffn_layers']} FFN layers)"))
+                        if a.get("overlapped_hop_s") is not None:
+                            he["pipeline"]["afd_overlapped_hop_s"] = _fig(a["overlapped_hop_s"], tag, (
+                                f"the same model, {a['overlapped_rows']} sequences in {a['overlapped_micro_batches']} "
+                                "micro-batches (both ranks working): link seconds per message in the engine's own time "
+                                "split (issuing sends + the part of each wait after the peer had sent), mean of the two "
+                                "ranks, best of 2"))
+                            he["pipeline"]["afd_overlapped_message_cpu_s"] = _fig(a["overlapped_message_cpu_s"], tag, (
+                                f"the same model, {a['overlapped_rows']} sequences in {a['overlapped_micro_batches']} "
+                                "micro-batches: (CPU seconds of all its processes per token - the single process's at "
+                                "the same sequences) / (4 message ends x FFN layers x micro-batches)"))
                         he["pipeline"]["afd_probe"] = a
                     elif po.get("afd_error"):
                         he["pipeline"]["afd_message_cpu_s"] = {"value": None, "assumed": "not measured: " + po["afd_error"]}

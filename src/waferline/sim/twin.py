@@ -289,10 +289,11 @@ def _merged(counter: Any) -> dict[Any, dict[str, float]]:
 
 
 def measure_point(path: str, point: dict[str, Any], plan_json: str | None, prompt_len: int, output_len: int,
-                  repeats: int, decode_rows: int, prefill_rows: int) -> dict[str, Any]:
+                  repeats: int, decode_rows: int, prefill_rows: int, count: bool = True) -> dict[str, Any]:
     """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate; TTFT the best of the
-    repeats too), then count its ops. The warm-up generates for the whole batch first, so one-time work at the batch's
-    shapes (oneDNN kernels made for the prefill's row count, weight layouts) is not timed."""
+    repeats too), then (``count``) count its ops and record row 0's token arrivals. The warm-up generates for the whole
+    batch first, so one-time work at the batch's shapes (oneDNN kernels made for the prefill's row count, weight
+    layouts) is not timed."""
     import torch
 
     from waferline.engine.llm import LLM
@@ -318,11 +319,14 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
             ttfts.append(r["ttft_s"])
             if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
                 best = r
-        best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
+        if count:
+            best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
     assert best is not None
     best["ttft_s_runs"], best["ttft_s"] = ttfts, min(ttfts)
     best["load_average_1m"] = [load0, os.getloadavg()[0]]
     best["start_s"] = start_s
+    if not count:
+        return best
     # speculative runs: counted over as many tokens as the timed run, so the mix of drafted and undrafted (n-gram
     # without a match) verify steps, and the drafts' lengths, are the ones that were timed
     best["ops"] = count_ops(path, dtype, point["speculative"], point["k"], decode_rows, prefill_rows, prompt_len,
@@ -426,10 +430,13 @@ def predict(plan: Any, spec: Any, hw: Any, host: Any, ops: dict[str, Any] | None
 def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = "default", *, prompt_len: int = 32,
              output_len: int = 32, repeats: int = 2, quick_calibration: bool = False, recalibrate: bool = False,
              progress: Callable[[str, float], None] | None = None, host_override: Any = None,
-             timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True) -> dict[str, Any]:
+             timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True, passes: int = 2) -> dict[str, Any]:
     """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able).
-    ``drift_check``: run the first measured point once more at the end; how far its speed moved over the grid
-    (``drift``) is how much of an error factor this machine's own drift accounts for."""
+    ``passes``: measure the whole grid this many times (the second pass in reverse order, so no Plan is always first or
+    last) and keep each Plan's fastest pass: this machine runs 1.3-1.5x slower for seconds to minutes at a time, longer
+    than one Plan's runs, so repeats back to back do not see past it; the spread between passes is reported per Plan.
+    ``drift_check`` (one pass only): run the first measured point once more at the end; how far its speed moved over
+    the grid (``drift``) is how much of an error factor this machine's own drift accounts for."""
     from waferline.sim.host import HostParams
     from waferline.sim.measure import run_isolated
     from waferline.spec.hardware import load_hardware_file
@@ -450,11 +457,14 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     host = host_override or HostParams.load(hw_path)
     spec = ModelSpec.from_pretrained(path)
     has_mtp = bool(getattr(spec, "mtp_layers", None))
+    if passes < 1:
+        raise ConfigError("--passes must be >= 1")
     rows = []
+    todo: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (row, measure_point kwargs) of the Plans that ran
     int4_path: Path | None = None
     first_run: tuple[str, dict[str, Any], float] | None = None  # (plan, measure_point kwargs, tokens/s per user)
     for i, pt in enumerate(points):
-        say(f"{pt.name}: engine", (i + 0.1) / len(points))
+        say(f"{pt.name}: engine" + (f", pass 1 of {passes}" if passes > 1 else ""), (i + 0.1) / len(points) / passes)
         row: dict[str, Any] = {"plan": pt.name, "point": asdict(pt)}
         rows.append(row)
         if pt.speculative == "mtp" and not has_mtp:
@@ -468,7 +478,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         ckpt = path
         if pt.weight_bits == 4:
             if int4_path is None:
-                say("quantizing an int4 copy (cached)", (i + 0.1) / len(points))
+                say("quantizing an int4 copy (cached)", (i + 0.1) / len(points) / passes)
                 int4_path = int4_checkpoint(path)
             ckpt = int4_path
         if pt.afd:  # rows per micro-batch on one attention rank
@@ -492,6 +502,8 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
                 row["status"] = "engine failed: " + msg[-300:]
             continue
         row["measured"] = {k: meas[k] for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s")}
+        row["passes"] = [_pass_record(meas)]
+        todo.append((row, kwargs))
         if first_run is None and meas["tokens_per_s_per_user"] > 0:
             first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
         row["run"] = {k: meas.get(k) for k in ("total_s", "tokens", "cpu_s_per_process", "load_average_1m", "start_s",
@@ -511,7 +523,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
             elif em.get("spec_acceptance_rate") is not None:
                 accept = em["spec_acceptance_rate"]
                 row["acceptance"] = {"alpha_fed": accept, "per_token_acceptance": accept}
-        say(f"{pt.name}: simulator", (i + 0.9) / len(points))
+        say(f"{pt.name}: simulator", (i + 0.9) / len(points) / passes)
         try:
             sim = predict(plan, spec, hw, host, meas["ops"], prompt_len, output_len, pt.batch, accept)
         except ConfigError as e:
@@ -524,8 +536,28 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         row["sim"] = {"bound": sim.bound, "stages": [asdict(s) for s in sim.stages], "host": sim.speculative.get("host", {}),
                       "num_stages": sim.num_stages, "micro_batches": sim.micro_batches}
         row["status"] = "ok"
+    for p in range(2, passes + 1):
+        order = todo[::-1] if p % 2 == 0 else todo
+        for j, (row, kwargs) in enumerate(order):
+            say(f"{row['plan']}: engine, pass {p} of {passes}", ((p - 1) * len(points) + j + 0.5) / len(points) / passes)
+            try:
+                again = run_isolated("waferline.sim.twin:measure_point", dict(kwargs, count=False), timeout_s)
+            except RuntimeError as e:
+                row["passes"].append({"error": str(e)[-200:]})
+                continue
+            row["passes"].append(_pass_record(again))
+            if again["tokens_per_s_per_user"] > row["measured"]["tokens_per_s_per_user"]:  # rates of the same run
+                row["measured"]["tokens_per_s_per_user"] = again["tokens_per_s_per_user"]
+                row["measured"]["aggregate_tokens_per_s"] = again["aggregate_tokens_per_s"]
+            row["measured"]["ttft_s"] = min(row["measured"]["ttft_s"], again["ttft_s"])
+    for row, _ in todo:
+        rates = [q["tokens_per_s_per_user"] for q in row["passes"] if q.get("tokens_per_s_per_user")]
+        if len(rates) > 1:
+            row["pass_spread"] = max(rates) / min(rates)
+        if row.get("predicted"):
+            row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
     drift = None
-    if drift_check and first_run is not None and len(points) > 1:
+    if drift_check and passes == 1 and first_run is not None and len(points) > 1:
         say(f"{first_run[0]} again (the machine's drift over the grid)", 0.99)
         try:
             again = run_isolated("waferline.sim.twin:measure_point", first_run[1], timeout_s)["tokens_per_s_per_user"]
@@ -537,9 +569,14 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     return {"drift": drift, "model": str(path.resolve()), "model_name": spec.name, "hardware": str(hw_path), "host": host.measured,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
             "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "prompt_len": prompt_len,
-            "output_len": output_len, "repeats": repeats, "threads_per_process": 1,
+            "output_len": output_len, "repeats": repeats, "passes": passes, "threads_per_process": 1,
             "inputs": {"measured": MEASURED_INPUTS, "modelled": MODELLED_INPUTS},
             "rows": rows, "summary": summarize(rows)}
+
+
+def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
+    """What one pass of one Plan measured (kept per pass in the result)."""
+    return {k: meas.get(k) for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "load_average_1m")}
 
 
 def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
@@ -576,6 +613,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         allf += fs
         out[m] = {"median": statistics.median(fs) if fs else None, "max": max(fs) if fs else None, "n": len(fs)}
     out["all"] = {"median": statistics.median(allf) if allf else None, "max": max(allf) if allf else None, "n": len(allf)}
+    spread = [r["pass_spread"] for r in rows if r.get("pass_spread")]
+    if spread:  # how far one Plan's passes lay apart: the machine's own noise, for reading the error factors
+        out["pass_spread"] = {"median": statistics.median(spread), "max": max(spread), "n": len(spread)}
     out["plans_compared"] = sum(1 for r in rows if r.get("status") == "ok")
     out["plans_skipped"] = [{"plan": r["plan"], "status": r.get("status")} for r in rows if r.get("status") != "ok"]
     return out
@@ -632,7 +672,8 @@ def markdown(result: dict[str, Any]) -> str:
     """The twin table as Markdown (for docs)."""
     lines = [f"`{result['model_name']}`, {result['date']}, {result['machine']} ({result['cores']} cores), load average "
              f"{result['load_average'][0]:.2f} at the end; prompt {result['prompt_len']}, {result['output_len']} new tokens, "
-             f"best of {result['repeats']}. load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
+             f"best of {result['repeats']} runs" + (f" in each of {result['passes']} passes" if result.get("passes", 1) > 1 else "")
+             + ". load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
              "processes / (wall x the cores they could use): well below 1 for a single process means other work took the core.", "",
              "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -664,7 +705,14 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def drift_line(result: dict[str, Any]) -> str | None:
-    """One sentence on how far the machine itself moved over the grid (the first Plan measured again at the end)."""
+    """One sentence on how far the machine itself moved over the grid: the spread between a Plan's passes, or (one
+    pass) the first Plan measured again at the end."""
+    sp = (result.get("summary") or {}).get("pass_spread")
+    if sp:
+        worst = max((r for r in result["rows"] if r.get("pass_spread")), key=lambda r: r["pass_spread"])
+        return (f"machine noise: each Plan measured in {result.get('passes')} passes over the grid, the fastest kept; one "
+                f"Plan's passes lay x{sp['median']:.2f} apart in median, x{sp['max']:.2f} at most ({worst['plan']}): "
+                "error factors within that are this machine's own noise")
     d = result.get("drift") or {}
     if "factor" not in d:
         return None
