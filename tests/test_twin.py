@@ -228,7 +228,7 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
 
     host = HostParams.load(host_yaml)
     if kernels.available():
-        assert set(host.fused) == {"mla_decode", "ssm_update"}
+        assert set(host.fused) == {"mla_decode", "ssm_update", "silu_mul", "rms_norm"}
         assert all(t0 >= 0 and rate > 0 for t0, rate in host.fused.values())
     host = replace(host, fused={"mla_decode": (1e-5, 2e10), "ssm_update": (2e-6, 1e9)})
     w = Work(ops=10, fused={"mla_decode|calls": 2.0, "mla_decode|units": 4e6, "mla_decode|bytes": 1e6,
@@ -242,6 +242,7 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
     import torch
     h, dA = torch.zeros(2, 4, 8, 16), torch.zeros(2, 3, 4)
     assert fused_units("ssm_update", [h, dA], []) == 2 * 3 * 4 * 8 * 16
+    assert fused_units("silu_mul", [torch.zeros(5, 64)], [torch.zeros(5, 32)]) == 5 * 32
 
 
 def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twin_result, host_yaml):

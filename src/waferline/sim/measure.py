@@ -289,7 +289,7 @@ def _einsum_flops(eq: str, ops: list[Any]) -> float:
     return 2.0 * math.prod(size.values()) if size else 0.0
 
 
-FUSED_OPS = ("mla_decode", "ssm_update")  # waferline.kernels operators with their own calibrated rates
+FUSED_OPS = ("mla_decode", "ssm_update", "silu_mul", "rms_norm")  # waferline.kernels operators, own calibrated rates
 
 
 def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
@@ -307,6 +307,8 @@ def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
     if name == "ssm_update":
         h, dA = ins[0], ins[1]  # h [B, H, P, N], dA [B, T, H]
         return float(h.numel() * dA.shape[1])
+    if name in ("silu_mul", "rms_norm"):  # elements written
+        return float(outs[0].numel())
     raise ValueError(name)
 
 
@@ -725,6 +727,8 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
 # and Mamba-2 state shapes (heads, head dim, state size)
 FUSED_PROBE_MLA = [(4, 32, 64, 16, 32), (12, 64, 256, 32, 64)]
 FUSED_PROBE_SSM = [(4, 16, 16), (8, 64, 32)]
+FUSED_PROBE_ROWS = (1, 8, 32, 256)  # rows of silu_mul / rms_norm (decode, batched decode and verify, prefill)
+FUSED_PROBE_WIDTHS = (256, 1024, 3072)  # their output widths (hidden sizes, FFN / expert widths)
 
 
 def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
@@ -744,7 +748,7 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     no_mask = torch.empty(0, dtype=torch.bool)
-    pts: dict[str, list[dict[str, float]]] = {"mla_decode": [], "ssm_update": []}
+    pts: dict[str, list[dict[str, float]]] = {"mla_decode": [], "ssm_update": [], "silu_mul": [], "rms_norm": []}
 
     def timed(fn: Callable[[], Any]) -> float:
         fn()
@@ -776,6 +780,17 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
 
                 pts["ssm_update"].append({"heads": H, "rows": B, "tokens": T, "units": float(B * T * H * P * N),
                                           "seconds": timed(step)})
+        # the elementwise ones: bf16 rows the previous op just wrote (in cache, as in the engine); exp and a division
+        # per element make them slower than their bytes at the copy-like elementwise bandwidth (silu_mul of 256 x 512:
+        # ~100 us here, ~35 us by bytes)
+        for rows in FUSED_PROBE_ROWS[::3] if quick else FUSED_PROBE_ROWS:
+            for width in FUSED_PROBE_WIDTHS[:1] if quick else FUSED_PROBE_WIDTHS:
+                g = torch.randn(rows, 2 * width).bfloat16()
+                x, w = torch.randn(rows, width).bfloat16(), torch.randn(width).bfloat16()
+                pts["silu_mul"].append({"rows": rows, "width": width, "units": float(rows * width),
+                                        "seconds": timed(lambda: torch.ops.waferline.silu_mul(g))})
+                pts["rms_norm"].append({"rows": rows, "width": width, "units": float(rows * width),
+                                        "seconds": timed(lambda: torch.ops.waferline.rms_norm(x, w, 1e-6))})
     finally:
         torch.set_num_threads(old)
     out: dict[str, Any] = {}
@@ -1187,15 +1202,16 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                         "per call, best of 3"})
     if llc:
         he["llc_bytes"] = _fig(llc, tag, "last-level cache size (sysfs /sys/devices/system/cpu/cpu0/cache)")
-    say("fused operators (mla_decode, ssm_update)", 0.47)
+    say("fused operators (mla_decode, ssm_update, silu_mul, rms_norm)", 0.47)
     fo = fused_op_probe(quick)
     if fo:
         he["fused_ops"] = {}
         for name, f in fo.items():
-            unit = "FLOPs" if name == "mla_decode" else "state elements updated"
-            meth = (f"torch.ops.waferline.{name} back to back, 1 thread, rows x tokens 1-32 "
-                    f"({'MLA heads ' + str(FUSED_PROBE_MLA) if name == 'mla_decode' else 'Mamba-2 states ' + str(FUSED_PROBE_SSM)}):"
-                    f" fit t = t0 + {unit} / rate, fit error x{f['fit_error_factor']:.2f}")
+            unit, shapes = {"mla_decode": ("FLOPs", f"rows x tokens 1-32, MLA heads {FUSED_PROBE_MLA}"),
+                            "ssm_update": ("state elements updated", f"rows x tokens 1-32, Mamba-2 states {FUSED_PROBE_SSM}")
+                            }.get(name, ("elements written", f"bf16, rows {FUSED_PROBE_ROWS} x widths {FUSED_PROBE_WIDTHS}"))
+            meth = (f"torch.ops.waferline.{name} back to back, 1 thread, {shapes}: fit t = t0 + {unit} / rate, fit "
+                    f"error x{f['fit_error_factor']:.2f}")
             he["fused_ops"][name] = {"t0_s": _fig(f["t0_s"], tag, meth), "units_per_s": _fig(f["units_per_s"], tag, meth),
                                      "points": f["points"]}
     fused_rates = {k: (v["t0_s"], v["units_per_s"]) for k, v in (fo or {}).items()}
