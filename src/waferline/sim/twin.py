@@ -675,11 +675,11 @@ def markdown(result: dict[str, Any]) -> str:
              f"best of {result['repeats']} runs" + (f" in each of {result['passes']} passes" if result.get("passes", 1) > 1 else "")
              + ". load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
              "processes / (wall x the cores they could use): well below 1 for a single process means other work took the core.", "",
-             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share | tok/s/user per pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "measured" not in r:
-            lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
 
@@ -691,7 +691,8 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{f(e.get('tokens_per_s_per_user'), 2)} | {f(m['aggregate_tokens_per_s'])} | "
                      f"{f(p.get('aggregate_tokens_per_s'))} | {f(e.get('aggregate_tokens_per_s'), 2)} | "
                      f"{f(m['ttft_s'] * 1e3)} | {f(p['ttft_s'] * 1e3 if p else None)} | {f(e.get('ttft_s'), 2)} | "
-                     f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | {f((r.get('run') or {}).get('cpu_share'), 2)} |")
+                     f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | {f((r.get('run') or {}).get('cpu_share'), 2)} | "
+                     + " / ".join(f(q.get("tokens_per_s_per_user")) for q in r.get("passes", [])) + " |")
     s = result["summary"]
     lines.append("")
     lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
