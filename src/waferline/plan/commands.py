@@ -416,7 +416,7 @@ def register(subparsers: Any) -> None:
                                "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
                                "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
                                "max. The grid is measured in --passes passes (the second in reverse order) and each Plan's "
-                               "fastest pass counts: this machine's speed moves by 1.2-1.8x for seconds to minutes at a time; "
+                               "fastest pass counts: this machine's speed moves by up to 1.3-2.4x for seconds to minutes at a time; "
                                "the spread between a Plan's passes is printed as the machine's own noise (with one pass, the "
                                "first Plan is run once more at the end instead). Plans the engine cannot run yet are listed as "
                                "not available.")

@@ -433,8 +433,9 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
              timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True, passes: int = 2) -> dict[str, Any]:
     """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able).
     ``passes``: measure the whole grid this many times (the second pass in reverse order, so no Plan is always first or
-    last) and keep each Plan's fastest pass: this machine runs 1.2-1.8x slower for seconds to minutes at a time, longer
-    than one Plan's runs, so repeats back to back do not see past it; the spread between passes is reported per Plan.
+    last) and keep each Plan's fastest pass: this machine runs up to 1.3-2.4x slower for seconds to minutes at a time,
+    longer than one Plan's runs, so repeats back to back do not see past it; the spread between passes is reported
+    per Plan.
     ``drift_check`` (one pass only): run the first measured point once more at the end; how far its speed moved over
     the grid (``drift``) is how much of an error factor this machine's own drift accounts for."""
     from waferline.sim.host import HostParams
