@@ -633,18 +633,18 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     if K > 1 and host.afd_overlapped_message_cpu_s is not None:  # measured with micro-batches of several rows
         per_msg = host.afd_overlapped_message_cpu_s
     msg_a, msg_f = 2 * Nf * per_msg, 2 * Ma * per_msg
-    # one micro-batch's round trip through a layer is serial: attention, its message out (sent by one side, received
-    # by the other), the FFN, the message back, each end's CPU included
-    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + msg_a + msg_f + 2 * h) if f > 0 else K * a
-                 for a, f in zip(a_t, f_t)]
-    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower hop. With 2+
-    # micro-batches both sides work while a message is under way, and it takes the hop measured so (a message then
-    # waits for a core busy with the other rank's compute)
+    # With 2+ micro-batches both sides work while a message is under way, and it takes the hop measured so (a message
+    # then waits for a core busy with the other rank's compute); else the idle hop at the receiver's wait
     busy = host.afd_overlapped_hop_s if K > 1 and host.afd_overlapped_hop_s is not None else None
 
     def hop_afd(idle: float) -> float:
         return hop(nb, idle) if busy is None else busy + nb / host.link_bytes_per_s
 
+    # one micro-batch's round trip through a layer is serial: attention, its message out (sent by one side, received
+    # by the other), the FFN, the message back, each end's CPU included
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + msg_a + msg_f + 2 * hop_afd(0.0)) if f > 0 else K * a
+                 for a, f in zip(a_t, f_t)]
+    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower (idle) hop
     per_layer = [max(K * (a + msg_a), K * (f + msg_f),
                      a + f + msg_a + msg_f + hop_afd(max(0.0, pl / K - f - msg_f)) + hop_afd(max(0.0, pl / K - a - msg_a)))
                  if f > 0 else K * a for a, f, pl in zip(a_t, f_t, per_layer)]
