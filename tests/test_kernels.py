@@ -123,9 +123,10 @@ def test_mla_decode_bf16_matches_eager(tmp_path, eager, one_thread):
 
 def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
     """Mamba-2's fused state update against the eager chain: one-token steps (state rows in place for consecutive
-    slots, gathered and scattered otherwise) and a recorded 3-token verify give the same outputs, states and per-token
-    trail to float rounding; with the operator, the verify agrees with three one-token steps (to rounding: the
-    projections' GEMMs differ in rounding with the row count, in the eager path too)."""
+    slots, gathered and scattered otherwise) and a recorded 3-token verify give the same outputs, states, per-token
+    trail (replayed, with the operator) and rewound states to float rounding; with the operator, the verify and its
+    rewind to 1, 2 or 3 kept tokens agree with one-token steps (to rounding: the projections' GEMMs differ in
+    rounding with the row count, in the eager path too)."""
     from waferline.model.ssm import Mamba2Mixer
 
     build("bamba", tmp_path)  # 2 groups of heads: the group indexing is exercised
@@ -139,8 +140,10 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
         step = mixer(x[:, 5:6], c, StepBatch.make(slots, [5] * 3, 1))
         c.keep_trail = True
         verify = mixer(x[:, 6:9], c, StepBatch.make(slots, [6] * 3, 3))
-        trail = torch.stack([c.trail[s][1] for s in slots])
-        return step, verify, c.ssm.clone(), trail
+        trail = torch.stack([torch.stack([c.ssm_after(s, k) for k in (1, 2, 3)]) for s in slots])
+        after = c.ssm.clone()
+        c.rewind(torch.tensor(slots), [1, 2, 3])  # row b keeps its first b + 1 tokens
+        return step, verify, after, trail, c.ssm.clone(), c.conv.clone()
 
     with torch.inference_mode():
         for slots in ([0, 1, 2], [3, 0, 2]):
@@ -152,7 +155,14 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
             c = mixer.new_cache(4)  # the verify's three tokens one at a time
             mixer(x[:, :5], c, StepBatch.make(slots, [0] * 3, 5))
             mixer(x[:, 5:6], c, StepBatch.make(slots, [5] * 3, 1))
-            steps = torch.cat([mixer(x[:, t:t + 1], c, StepBatch.make(slots, [t] * 3, 1)) for t in range(6, 9)], 1)
-            torch.testing.assert_close(steps, fused[1], rtol=1e-5, atol=1e-5)
+            outs, kept = [], []
+            for t in range(6, 9):
+                outs.append(mixer(x[:, t:t + 1], c, StepBatch.make(slots, [t] * 3, 1)))
+                b = t - 6  # row b's rewind kept b + 1 tokens: its state is the one after this step
+                kept.append((c.ssm[slots[b]].clone(), c.conv[slots[b]].clone()))
+            torch.testing.assert_close(torch.cat(outs, 1), fused[1], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(c.ssm, fused[2], rtol=1e-5, atol=1e-5)
+            for b, (ssm, conv) in enumerate(kept):
+                torch.testing.assert_close(fused[4][slots[b]], ssm, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(fused[5][slots[b]], conv, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(fused[2], torch.zeros_like(fused[2]))  # states really moved

@@ -61,8 +61,13 @@ class Mamba2Cache:
     # speculative verify: when keep_trail is set, a T > 1 forward runs the decode recurrence token by token and records
     # per slot the (conv, ssm) state after each of its T tokens ([T, ...] each), so ``rewind`` keeps any prefix. Keyed
     # by slot, so verifies of other slots (another micro-batch in a pipeline) in between do not disturb it.
+    # With the fused operator the SSM part of a trail is not the T states themselves (a [T, H, P, N] fp32 tensor per
+    # slot, written every verify) but what replays them: the state before the verify (``ssm_prev``, one persistent
+    # row per slot) and the verify's per-token inputs (``_Replay``); ``ssm_after`` recomputes the state after k tokens
+    # by the same arithmetic, so a rewind lands on exactly the state plain decoding would have.
     keep_trail: bool = False
-    trail: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+    trail: dict[int, tuple[Tensor, Tensor | _Replay]] = field(default_factory=dict)
+    ssm_prev: Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -94,10 +99,29 @@ class Mamba2Cache:
             s = int(slots[b])
             if s not in self.trail:
                 raise RuntimeError(f"Mamba2Cache.rewind: no trail for slot {s} (run the verify with keep_trail=True)")
-            conv_t, ssm_t = self.trail.pop(s)
-            if k < conv_t.shape[0]:
-                self.conv[s] = conv_t[k - 1].to(self.conv.dtype)
-                self.ssm[s] = ssm_t[k - 1].to(self.ssm.dtype)
+            if k < self.trail[s][0].shape[0]:
+                self.conv[s] = self.trail[s][0][k - 1].to(self.conv.dtype)
+                self.ssm[s] = self.ssm_after(s, k).to(self.ssm.dtype)
+            del self.trail[s]
+
+    def ssm_after(self, slot: int, k: int) -> Tensor:
+        """The SSM state of ``slot`` after the first ``k`` (>= 1) tokens of its recorded verify, ``[H, P, N]``."""
+        rec = self.trail[slot][1]
+        if not isinstance(rec, _Replay):
+            return rec[k - 1]
+        h = self.ssm_prev[slot: slot + 1].clone()
+        torch.ops.waferline.ssm_update(h, rec.dA[None, :k], rec.dtx[None, :k], rec.Bm[None, :k], rec.Cm[None, :k], _NO_TRAIL)
+        return h[0]
+
+
+@dataclass
+class _Replay:
+    """One slot's verify inputs to the fused state update (``[T, ...]`` each): replayed from ``Mamba2Cache.ssm_prev``."""
+
+    dA: Tensor
+    dtx: Tensor
+    Bm: Tensor
+    Cm: Tensor
 
 
 def _segsum(a: Tensor) -> Tensor:
@@ -184,7 +208,7 @@ class Mamba2Mixer(nn.Module):
         if x.shape[1] == 1:
             return self._step(x, cache, batch.slots, batch.slot0)
         if cache.keep_trail:
-            return self._recurrent(x, cache, batch.slots)
+            return self._recurrent(x, cache, batch.slots, batch.slot0)
         return self._scan(x, cache, batch.slots)
 
     def _consts(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -321,9 +345,10 @@ class Mamba2Mixer(nn.Module):
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
 
 
-    def _recurrent(self, x: Tensor, cache: Mamba2Cache, slots: Tensor) -> Tensor:
-        """A few new tokens per row (a speculative verify) by the decode recurrence, token after token, recording the
-        (conv, ssm) state after each in ``cache.trail`` so a rejected suffix can be dropped (``Mamba2Cache.rewind``).
+    def _recurrent(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, slot0: int | None = None) -> Tensor:
+        """A few new tokens per row (a speculative verify) by the decode recurrence, token after token, recording in
+        ``cache.trail`` the (conv, ssm) state after each (the SSM state as a replay with the fused operator) so a
+        rejected suffix can be dropped (``Mamba2Cache.rewind``).
         Same arithmetic as ``_step`` (dt clamp included), so verify logits match plain decoding's; everything but the
         state recurrence itself is computed for all T tokens at once."""
         Bsz, T, _ = x.shape
@@ -342,27 +367,39 @@ class Mamba2Mixer(nn.Module):
         if self.clamp_dt_in_decode and self._clamp:
             dt = dt.clamp(self.time_step_limit[0], self.time_step_limit[1])
         xs = xs.view(Bsz, T, H, P)
-        if _fused(cache, x):  # T tokens through the fused update, each state recorded (the same arithmetic as _step)
-            h = cache.ssm.index_select(0, slots)
-            ssm_trail = torch.empty(Bsz, T, H, P, N, dtype=torch.float32)
-            y = torch.ops.waferline.ssm_update(h, torch.exp(dt * A), dt[..., None] * xs, Bm.reshape(Bsz, T, G, N),
-                                               Cm.reshape(Bsz, T, G, N), ssm_trail) + D * xs
-        else:
-            dA = torch.exp(dt * A).view(Bsz, T, G, R, 1, 1)
+        if _fused(cache, x):  # T tokens through the fused update (the same arithmetic as _step), replayable
+            # Recording all T states cost a fresh [B, T, H, P, N] buffer per verify, kept until the rewind: at sol-mini
+            # batch 8 x 4 tokens that is 2 MB per layer of first-touch pages, which doubled the update's time
+            # (~460 vs ~180 us); the state before the verify is kept instead and a rewind replays the kept tokens.
+            if cache.ssm_prev is None:
+                cache.ssm_prev = torch.empty_like(cache.ssm)
+            dA, dtx, Bg, Cg = torch.exp(dt * A), dt[..., None] * xs, Bm.reshape(Bsz, T, G, N), Cm.reshape(Bsz, T, G, N)
+            if slot0 is not None:  # consecutive slots: the state rows themselves, updated in place
+                h = cache.ssm[slot0: slot0 + Bsz]
+                cache.ssm_prev[slot0: slot0 + Bsz].copy_(h)
+            else:
+                h = cache.ssm.index_select(0, slots)
+                cache.ssm_prev.index_copy_(0, slots, h)
+            y = torch.ops.waferline.ssm_update(h, dA, dtx, Bg, Cg, _NO_TRAIL) + D * xs
+            if slot0 is None:
+                cache.ssm.index_copy_(0, slots, h)
+            records: list[Tensor | _Replay] = [_Replay(dA[b], dtx[b], Bg[b], Cg[b]) for b in range(Bsz)]
+        else:  # the eager chain: every state recorded
+            dA6 = torch.exp(dt * A).view(Bsz, T, G, R, 1, 1)
             dBx = (dt[..., None] * xs).view(Bsz, T, G, R, P, 1) * Bm.view(Bsz, T, G, 1, 1, N)  # [B, T, G, R, P, N]
             h = cache.ssm.index_select(0, slots).view(Bsz, G, R, P, N)
             states = []
             for t in range(T):
-                h = torch.addcmul(dBx[:, t], h, dA[:, t])
+                h = torch.addcmul(dBx[:, t], h, dA6[:, t])
                 states.append(h)
             ssm_trail = torch.stack(states, dim=1)  # [B, T, G, R, P, N]
             y = (ssm_trail * Cm.view(Bsz, T, G, 1, 1, N)).sum(-1).view(Bsz, T, H, P) + D * xs
+            cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N).to(cache.ssm.dtype))
+            records = list(ssm_trail.view(Bsz, T, H, P, N).unbind(0))
         cache.conv.index_copy_(0, slots, full[:, :, -(K - 1):])
-        cache.ssm.index_copy_(0, slots, h.view(Bsz, H, P, N).to(cache.ssm.dtype))
         conv_trail = full.unfold(-1, K - 1, 1)[:, :, 1:].transpose(1, 2)  # [B, T, C, K-1]: conv state after each token
-        ssm_trail = ssm_trail.view(Bsz, T, H, P, N)
         for b, s in enumerate(slots.tolist()):
-            cache.trail[s] = (conv_trail[b], ssm_trail[b])
+            cache.trail[s] = (conv_trail[b], records[b])
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
 
 
