@@ -734,7 +734,7 @@ FUSED_PROBE_WIDTHS = (256, 1024, 3072)  # their output widths (hidden sizes, FFN
 def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
     """Seconds per call of waferline's fused CPU operators (mla_decode, ssm_update) against their work units (FLOPs;
     state elements updated) over rows / tokens 1-32, one thread, the same call back to back (best of 3 x 5), as the
-    engine calls them (ssm_update with its states gathered and scattered back, a fresh per-token trail); fit
+    engine calls them (ssm_update with its states gathered and scattered back, a verify's kept first); fit
     t = t0 + units / rate. The host model prices these operators with it: the linear fit's FLOP rate put the absorbed
     MLA decode of 8 rows at half its time, the elementwise bandwidth the state update at a fifth. None where the
     operators are not built. (Timed after a 64 MB copy instead, every call costs ~0.1 ms more here, small ones too:
@@ -766,16 +766,17 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
                 units = fused_units("mla_decode", [qn, qr, lat, mask, w_uk, w_uv], [torch.empty(B, T, H * v)])
                 pts["mla_decode"].append({"heads": H, "rank": r, "rows": B * T, "units": units, "seconds": sec})
         for H, P, N in FUSED_PROBE_SSM[-1:] if quick else FUSED_PROBE_SSM:
-            cache = torch.randn(16, H, P, N)
+            cache, prev, no_trail = torch.randn(16, H, P, N), torch.empty(16, H, P, N), torch.empty(0)
             for B, T in ((1, 1), (8, 4)) if quick else ((1, 1), (8, 1), (1, 4), (8, 4)):
                 slots = torch.arange(B) * 2
                 dA, dtx = torch.rand(B, T, H), torch.randn(B, T, H, P)
                 Bm, Cm = torch.randn(B, T, 1, N), torch.randn(B, T, 1, N)
 
-                def step() -> None:  # as the engine calls it: states gathered, a fresh trail, states scattered back
+                def step() -> None:  # as the engine calls it: states gathered (a verify keeps them), scattered back
                     h = cache.index_select(0, slots)
-                    torch.ops.waferline.ssm_update(h, dA, dtx, Bm, Cm, torch.empty(B, T, H, P, N) if T > 1 else
-                                                   torch.empty(0))
+                    if T > 1:
+                        prev.index_copy_(0, slots, h)
+                    torch.ops.waferline.ssm_update(h, dA, dtx, Bm, Cm, no_trail)
                     cache.index_copy_(0, slots, h)
 
                 pts["ssm_update"].append({"heads": H, "rows": B, "tokens": T, "units": float(B * T * H * P * N),
