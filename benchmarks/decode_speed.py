@@ -379,6 +379,8 @@ class WaferlineEngine:
         dtype, bits = {"fp32": ("float32", 16), "bf16": ("bfloat16", 16), "int4": ("bfloat16", 4)}[variant]
         self.name = f"waferline {variant}"
         self.bits, self.kv_bits = {"fp32": 32, "bf16": 16, "int4": 4}[variant], 32 if variant == "fp32" else 16
+        if variant == "int4":  # as llama.cpp's Q4_0 files do (their head is Q6_K), the LM head is not left 16-bit
+            kw.setdefault("head_bits", 8)
         self.llm = LLM(str(path), dtype=dtype, weight_bits=bits, **kw)
 
     def logits(self, seq: list[int]) -> torch.Tensor:
@@ -498,13 +500,17 @@ def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
     return n_experts * (1 - (1 - top_k / n_experts) ** batch)
 
 
-def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int) -> float:
-    """Bytes one decode step of ``batch`` sequences reads: weights (no embedding table; idle experts not read) and
-    each sequence's cache at ``context`` tokens."""
+def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int, head_bits: float = 16) -> float:
+    """Bytes one decode step of ``batch`` sequences reads: weights (no embedding table; idle experts not read; the LM
+    head at ``head_bits``: 8 = int8 with a 16-bit scale per row, 6.5625 = llama.cpp's Q6_K) and each sequence's cache
+    at ``context`` tokens."""
     from waferline.spec.model import MoESpec, quantized_bytes
 
     embed_bits = 32 if bits == 32 else 16
     total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
+    if head_bits != embed_bits:
+        head = spec.lm_head_params() * head_bits / 8 + (spec.vocab_size * 2 if head_bits == 8 else 0)
+        total += head - quantized_bytes(spec.lm_head_params(), embed_bits)
     for layer in spec.layers:
         if isinstance(layer.ffn, MoESpec):
             f = layer.ffn
@@ -569,6 +575,9 @@ LABELS = {"hf": "transformers bf16", "wl_fp32": "waferline fp32", "wl_bf16": "wa
           "wl_int4": "waferline int4", "lcpp_f16": "llama.cpp f16", "lcpp_q4_0": "llama.cpp Q4_0"}
 BITS = {"hf": (16, 128, 16), "wl_fp32": (32, 128, 32), "wl_bf16": (16, 128, 16), "wl_int4": (4, 128, 16),
         "lcpp_f16": (16, 128, 16), "lcpp_q4_0": (4, 32, 16)}
+# the LM head's bits where they differ from the embedding's: llama.cpp's Q4_0 files keep output.weight at Q6_K
+# (6.5625 bits; read from the GGUFs this script makes), waferline int4 runs its int8 head (LLM(head_bits=8))
+HEAD_BITS = {"wl_int4": 8, "lcpp_q4_0": 6.5625}
 
 
 def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.Namespace, bw: float,
@@ -660,7 +669,7 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                     best.ttft_s = r.ttft_s
         for e in engines:
             bits, group, kv_bits = BITS[e]
-            sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2)
+            sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, HEAD_BITS.get(e, 16))
             rows[e].roofline_tok_s = batch * bw / sb
             rows[e].step_MB = sb / 1e6
             if rows[e].na:
@@ -932,8 +941,9 @@ def main() -> None:
             "for our synthetic tokenizer), Q4_0 from llama_model_quantize with default params (llama.cpp's choice "
             "of types for the output/embedding tensors).",
             "roofline: ModelSpec weight accounting (embedding table excluded; Q4_0 approximated as 4 bits + one 16-bit "
-            "scale per 32 weights, waferline int4 as group 128) + KV cache at the mean context, over the measured "
-            "torch copy bandwidth (read + write bytes).",
+            "scale per 32 weights, waferline int4 as group 128; the LM head 16-bit, except llama.cpp Q4_0's Q6_K "
+            "(6.5625 bits, its default) and waferline int4's int8 head with per-row scales) + KV cache at the mean "
+            "context, over the measured torch copy bandwidth (read + write bytes).",
         ],
         "rows": rows, "sol_mini": sol, "conversion_checks": checks, "targets": targets(rows, sol),
         "wall_s": round(time.perf_counter() - t_start, 1),

@@ -55,6 +55,33 @@ def test_rms_norm(dtype, shape, eager):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("B, T, H, W, d", [(1, 1, 9, 32, 32), (2, 5, 3, 96, 32), (3, 2, 4, 64, 64)])
+def test_rope(dtype, interleaved, B, T, H, W, d, eager):
+    """The fused rotary op against Rotary.apply's eager chain: rotated part (half-split or de-interleaved), pass-through
+    channels beyond ``d``, ragged positions per row, and YaRN's attention scaling folded into the tables."""
+    from waferline.model.layers import Rotary
+
+    rot = Rotary(d, {"rope_theta": 10000.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                             "original_max_position_embeddings": 64}},
+                 interleaved=interleaved)
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(B, T, H, W, generator=g) * 2).to(dtype)
+    pos = torch.randint(0, 500, (B, 1), generator=g) + torch.arange(T)[None]
+    cos, sin = rot.cos_sin(pos)
+    fused = rot.apply(x, cos, sin)
+    with eager:
+        ref = rot.apply(x, cos, sin)
+    assert fused.shape == ref.shape and fused.dtype == ref.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
+    else:
+        _close_16bit(fused, ref)
+    assert torch.equal(fused[..., d:], x[..., d:])
+    assert not torch.allclose(fused[..., :d].float(), x[..., :d].float())  # it did rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype, eager):
     g = torch.Generator().manual_seed(1)
     h = (torch.randn(4, 2, 256, generator=g) * 4).to(dtype)

@@ -95,6 +95,61 @@ at::Tensor silu_mul(const at::Tensor& h) {
   return y;
 }
 
+// ---------------------------------------------------------------- rotary embedding
+// x [B, T, H, W] (any dtype), cos2 / sin2 [B, T, d] fp32 as Rotary.cos_sin lays them out (cos twice; -sin then sin).
+// The first d channels of each row are rotated in fp32 -- de-interleaved first when ``interleaved`` (x0,x1),(x2,x3)..
+// -> [x0,x2,.. | x1,x3,..] -- as rot * cos2 + swap_halves(rot) * sin2, rounded once to x's dtype; the other W - d
+// channels pass through. One pass instead of the eager chain's slices, casts, concatenations and products.
+template <typename T>
+void rope_rows(const T* x, const float* cs, const float* sn, T* y, int64_t BT, int64_t H, int64_t W, int64_t d,
+               bool interleaved) {
+  const int64_t half = d / 2;
+  at::parallel_for(0, BT * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(W, 1)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> rot(d);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * W;
+      T* yr = y + r * W;
+      const float* c = cs + (r / H) * d;
+      const float* s = sn + (r / H) * d;
+      if (interleaved) {
+        for (int64_t j = 0; j < half; ++j) {
+          rot[j] = f32(xr[2 * j]);
+          rot[half + j] = f32(xr[2 * j + 1]);
+        }
+      } else {
+        for (int64_t j = 0; j < d; ++j) rot[j] = f32(xr[j]);
+      }
+      for (int64_t j = 0; j < half; ++j) {
+        const float a = rot[j] * c[j];
+        yr[j] = static_cast<T>(a + rot[half + j] * s[j]);
+      }
+      for (int64_t j = half; j < d; ++j) {
+        const float a = rot[j] * c[j];
+        yr[j] = static_cast<T>(a + rot[j - half] * s[j]);
+      }
+      for (int64_t j = d; j < W; ++j) yr[j] = xr[j];
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& sin2, int64_t d, bool interleaved) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 4, "waferline::rope: x must be a CPU tensor [B, T, H, W]");
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), W = x.size(3);
+  TORCH_CHECK(d > 0 && d % 2 == 0 && d <= W, "waferline::rope: the rotated width must be even and at most W");
+  TORCH_CHECK(cos2.scalar_type() == at::kFloat && sin2.scalar_type() == at::kFloat && cos2.numel() == B * T * d &&
+                  sin2.numel() == B * T * d,
+              "waferline::rope: cos / sin must be fp32 [B, T, d]");
+  auto xc = x.contiguous();
+  auto c = cos2.contiguous();
+  auto s = sin2.contiguous();
+  auto y = at::empty_like(xc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "waferline_rope", [&] {
+    rope_rows<scalar_t>(xc.data_ptr<scalar_t>(), c.data_ptr<float>(), s.data_ptr<float>(), y.data_ptr<scalar_t>(),
+                        B * T, H, W, d, interleaved);
+  });
+  return y;
+}
+
 // ---------------------------------------------------------------- MLA, absorbed decode
 // q_nope [B, T, H, n], q_rope [B, T, H, p] (any dtype), latents [B, L, r + p] (the cache: c_KV | k_rope),
 // blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
@@ -285,6 +340,7 @@ at::Tensor ssm_update(at::Tensor& h, const at::Tensor& dA, const at::Tensor& dtx
 TORCH_LIBRARY(waferline, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor h) -> Tensor");
+  m.def("rope(Tensor x, Tensor cos2, Tensor sin2, int d, bool interleaved) -> Tensor");
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
@@ -293,6 +349,7 @@ TORCH_LIBRARY(waferline, m) {
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope", &rope);
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
 }

@@ -162,6 +162,9 @@ class Rotary(nn.Module):
         half-split order either way."""
         dt = x.dtype
         d = self.dim
+        if (x.device.type == "cpu" and x.dim() == 4 and cos.dtype == torch.float32 and cos.shape[:2] == x.shape[:2]
+                and kernels.available()):
+            return torch.ops.waferline.rope(x, cos, sin, d, self.interleaved)  # the chain below as one fused op
         rot = x[..., :d] if x.shape[-1] != d else x
         if self.interleaved:
             rot = rot.unflatten(-1, (d // 2, 2)).transpose(-1, -2).flatten(-2)
