@@ -733,8 +733,8 @@ FUSED_PROBE_WIDTHS = (256, 1024, 3072)  # their output widths (hidden sizes, FFN
 
 def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
     """Seconds per call of waferline's fused CPU operators (mla_decode, ssm_update) against their work units (FLOPs;
-    state elements updated) over rows / tokens 1-32, one thread, the same call back to back (best of 3 x 5), as the
-    engine calls them (ssm_update with its states gathered and scattered back, a verify's kept first); fit
+    state elements updated) over rows x tokens 1-4 (mla_decode) and 1-32, one thread, the same call back to back (best
+    of 3 x 5), as the engine calls them (ssm_update with its states gathered and scattered back, a verify's kept first); fit
     t = t0 + units / rate. The host model prices these operators with it: the linear fit's FLOP rate put the absorbed
     MLA decode of 8 rows at half its time, the elementwise bandwidth the state update at a fifth. None where the
     operators are not built. (Timed after a 64 MB copy instead, every call costs ~0.1 ms more here, small ones too:
@@ -757,7 +757,8 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
     try:
         for H, n, r, p, v in FUSED_PROBE_MLA[-1:] if quick else FUSED_PROBE_MLA:
             w_uk, w_uv = torch.randn(H, n, r), torch.randn(H, v, r)
-            for B, T in ((1, 1), (8, 1), (1, 32)) if quick else ((1, 1), (4, 1), (8, 1), (1, 4), (8, 4), (1, 32)):
+            # the engine runs the fused op for at most MLA_FUSED_MAX_ROWS query rows (more go through batched GEMMs)
+            for B, T in ((1, 1), (1, 4)) if quick else ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4)):
                 L = 48
                 qn, qr = torch.randn(B, T, H, n).bfloat16(), torch.randn(B, T, H, p).bfloat16()
                 lat = torch.randn(B, L, r + p).bfloat16()
@@ -1208,7 +1209,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     if fo:
         he["fused_ops"] = {}
         for name, f in fo.items():
-            unit, shapes = {"mla_decode": ("FLOPs", f"rows x tokens 1-32, MLA heads {FUSED_PROBE_MLA}"),
+            unit, shapes = {"mla_decode": ("FLOPs", f"rows x tokens 1-4, MLA heads {FUSED_PROBE_MLA}"),
                             "ssm_update": ("state elements updated", f"rows x tokens 1-32, Mamba-2 states {FUSED_PROBE_SSM}")
                             }.get(name, ("elements written", f"bf16, rows {FUSED_PROBE_ROWS} x widths {FUSED_PROBE_WIDTHS}"))
             meth = (f"torch.ops.waferline.{name} back to back, 1 thread, {shapes}: fit t = t0 + {unit} / rate, fit "
