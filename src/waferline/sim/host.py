@@ -555,11 +555,10 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         n_mb = math.ceil(B / rows_per_mb) * chunks_per_row
         tok = min(P, PIPELINE_PREFILL_CHUNK)
         pc = profile.prefill(r, tok)
-        # a stage process's prefill chunk costs what its decode steps do beyond the compute (cpu above): the per-step
-        # CPU of receiving, sending and waking, and the inflation of its compute next to the other processes
+        # a stage process's prefill chunk costs the per-step CPU its decode steps do (receive, send, wake; cpu above);
+        # not the inflation of its compute, measured with every stage busy at once: one chunk runs one stage at a time
         pst = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r, s.has_lm_head,
-                           plain_over if i == 0 else 0.0, prefill=True).total * (1.0 + host.stage_cpu_inflation) + per_step
-               for i, s in enumerate(plan.stages)]
+                           plain_over if i == 0 else 0.0, prefill=True).total + per_step for i, s in enumerate(plan.stages)]
         # each hop's receiver waited for the stages ahead of it (and, before the first chunk, since the last request)
         phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, core_share * sum(pst[:i + 1]))
                 for i in range(S)]
