@@ -301,3 +301,45 @@ def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     assert slow_hop < base and slow_msg < base
     one = rate(host, 1)
     assert rate(replace(host, afd_overlapped_hop_s=5e-3, afd_overlapped_message_cpu_s=2e-3), 1) == one
+
+
+def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
+    """`calibrate --combine` of three calibrations: each measured figure and probe number is the median of the three
+    (not the first file's, not the mean), the result loads as a host model and says what it combined; one file, a
+    foreign YAML or another host's calibration are refused."""
+    from pathlib import Path
+
+    from waferline.cli import main
+    from waferline.sim.host import HostParams
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    base = yaml.safe_load(src.read_text())
+    op = base["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"]
+    pts = base["host_engine"]["link"]["points"]
+    files = []
+    for i, f in enumerate((3.0, 1.0, 2.0)):  # median x2, mean x2, first x3
+        d = yaml.safe_load(src.read_text())
+        d["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] = op * f
+        d["host_engine"]["link"]["points"][0][-1] = pts[0][-1] * f
+        files.append(tmp_path / f"h{i}.yaml")
+        files[-1].write_text(yaml.safe_dump(d))
+    d = yaml.safe_load(files[1].read_text())
+    d["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] = op * 7.0  # the median is robust to one outlier
+    files[1].write_text(yaml.safe_dump(d))
+    out = tmp_path / "combined.yaml"
+    assert main(["calibrate", "--combine", *map(str, files), "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["written"] == str(out)
+    c = yaml.safe_load(out.read_text())
+    assert c["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] == pytest.approx(op * 3.0)  # median of 3, 7, 2
+    assert "median of 3 calibrations" in c["host_engine"]["engine"]["bf16"]["op_overhead_s"]["source"]
+    assert c["host_engine"]["link"]["points"][0][-1] == pytest.approx(pts[0][-1] * 2.0)  # median of 3, 1, 2
+    assert [e["file"] for e in c["host_engine"]["measured"]["combined"]] == list(map(str, files))
+    assert HostParams.load(out).op_overhead_s["bf16"] == pytest.approx(op * 3.0)
+    assert main(["calibrate", "--combine", str(files[0]), "--out", str(out)]) == 2
+    (tmp_path / "other.yaml").write_text("name: x\n")
+    assert main(["calibrate", "--combine", str(files[0]), str(tmp_path / "other.yaml"), "--out", str(out)]) == 2
+    d = yaml.safe_load(files[2].read_text())
+    d["host_engine"]["measured"]["host"] = "another-machine"
+    files[2].write_text(yaml.safe_dump(d))
+    assert main(["calibrate", "--combine", *map(str, files), "--out", str(out)]) == 2
+    assert "different hosts" in capsys.readouterr().err

@@ -248,6 +248,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from waferline.sim.cost import FITTED_PATH
     from waferline.sim.fit import fit, save_fitted
 
+    if args.combine:
+        return _combine_calibrations(args)
     if args.measure or not args.published:  # measure this host (the default)
         return _calibrate_host(args)
     params, report = fit(args.published, base=_load_params(args), restarts=args.restarts, iters=args.iters)
@@ -288,6 +290,24 @@ def _progress_bar(quiet: bool):
             task = prog.add_task("starting", total=1.0)
             yield lambda what, frac: prog.update(task, completed=frac, description=what)
     return bar()
+
+
+def _combine_calibrations(args: argparse.Namespace) -> int:
+    """`waferline calibrate --combine A.yaml B.yaml ... --out FILE`: the median of several calibrations."""
+    from waferline.sim.host import HostParams
+    from waferline.sim.measure import write_combined_yaml
+
+    out = Path(args.out or "hardware-host.yaml")
+    write_combined_yaml(out, args.combine)
+    host = HostParams.load(out)  # the result loads like any calibration
+    summary = {"written": str(out), "combined": list(args.combine), "op_overhead_s": host.op_overhead_s,
+               "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation}
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        per_op = ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in host.op_overhead_s.items())
+        _console().print(f"median of {len(args.combine)} calibrations written to {out} (per-op cost: {per_op})")
+    return 0
 
 
 def _calibrate_host(args: argparse.Namespace) -> int:
@@ -402,6 +422,9 @@ def register(subparsers: Any) -> None:
     c.add_argument("--measure", action="store_true", help="measure this host (the default without --published)")
     c.add_argument("--quick", action="store_true", help="smaller, noisier probes and no pipeline probe (~20 s; for tests)")
     c.add_argument("--no-pipeline", action="store_true", help="skip the pipeline per-hop probe (it starts a stage process)")
+    c.add_argument("--combine", nargs="+", default=None, metavar="YAML",
+                   help="measure nothing: write the median of these calibrations of this host (every measured figure and "
+                   "probe point) to --out; steadier than any one run on a machine whose speed drifts")
     c.add_argument("--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)")
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
     c.add_argument("--restarts", type=int, default=2)

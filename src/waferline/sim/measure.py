@@ -23,6 +23,8 @@ from typing import Any, Callable
 import numpy as np
 import yaml
 
+from waferline.errors import ConfigError
+
 Progress = Callable[[str, float], None]  # (what is being measured, fraction done)
 
 # A tiny model of the engine's own architecture with every layer kind the engine runs on this repo's models (Mamba-2,
@@ -1386,6 +1388,70 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         "links": links,
         "host_engine": he,
     }
+
+
+def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
+    """Several calibrations of one host as one hardware mapping: every measured number (a figure's ``value``, and each
+    number of the probe tables, point by point) is the median over the files; the rest is the first file's. Why: the
+    fitted constants of one calibration move with the machine's slow phases (this 2-core VM: the per-op cost 2.8-4.3
+    us, the prefill linear scale 1.3-2.0 between runs minutes apart), and the median of a few runs at different times
+    is steadier than any one. The files must come from the same host and tree (the same probes); each combined figure
+    says so in its ``source``."""
+    import json
+
+    if len(paths) < 2:
+        raise ConfigError("--combine needs two or more calibrations (hardware YAMLs written by `waferline calibrate`)")
+    docs = []
+    for p in paths:
+        try:
+            d = yaml.safe_load(Path(p).read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{p}: cannot read ({e})") from None
+        if not isinstance(d, dict) or not isinstance(d.get("host_engine"), dict):
+            raise ConfigError(f"{p}: no host_engine section (not written by `waferline calibrate`)")
+        docs.append(d)
+    hosts = {str(d["host_engine"].get("measured", {}).get("host")) for d in docs}
+    if len(hosts) > 1:
+        raise ConfigError(f"--combine: calibrations of different hosts ({', '.join(sorted(hosts))})")
+    n = len(docs)
+    note = f" [median of {n} calibrations: {', '.join(str(p) for p in paths)}]"
+
+    def num(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def merge(dst: Any, srcs: list[Any]) -> None:
+        if isinstance(dst, dict):
+            if num(dst.get("value")) and all(isinstance(s, dict) and num(s.get("value")) for s in srcs):
+                dst["value"] = float(statistics.median(s["value"] for s in srcs))
+                if isinstance(dst.get("source"), str):
+                    dst["source"] += note
+                return
+            for k in dst:
+                merge(dst[k], [s.get(k) if isinstance(s, dict) else None for s in srcs])
+        elif isinstance(dst, list) and all(isinstance(s, list) and len(s) == len(dst) for s in srcs):
+            for i in range(len(dst)):
+                if num(dst[i]) and all(num(s[i]) for s in srcs):
+                    dst[i] = float(statistics.median(s[i] for s in srcs))
+                else:
+                    merge(dst[i], [s[i] for s in srcs])
+
+    out = json.loads(json.dumps(docs[0]))
+    merge(out, docs)
+    out["host_engine"]["measured"]["combined"] = [
+        {"file": str(p), "date": str(d["host_engine"].get("measured", {}).get("date")),
+         "load_average_1m": d["host_engine"].get("measured", {}).get("load_average_1m")} for p, d in zip(paths, docs)]
+    out["description"] = f"{out.get('description', '')} Median of {n} calibrations.".strip()
+    return out
+
+
+def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, Any]:
+    """``combine_host_yamls(paths)`` written to ``path`` (via a temporary file: nothing half-written on failure)."""
+    d = combine_host_yamls(paths)
+    tmp = Path(str(path) + ".tmp")
+    tmp.write_text("# written by `waferline calibrate --combine`: the median of several calibrations of this host.\n"
+                   + yaml.safe_dump(d, sort_keys=False, width=140))
+    tmp.replace(path)
+    return d
 
 
 def write_host_yaml(path: str | Path, quick: bool = False, progress: Progress | None = None, **kw: Any) -> dict[str, Any]:
