@@ -8,7 +8,8 @@ clock), alternating old/new for ``--rounds`` rounds, and reports the best CPU ti
 than wall time, though memory-bandwidth contention still shows). The step is one decode forward of B rows
 (different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions.
 ``--tokens T``: each step feeds T tokens per row instead, the target forward of a speculative verify (Mamba-2
-layers record each token's state, as for a rollback); drafting and acceptance are not in it.
+layers record each token's state, as for a rollback) followed by the rollback of its last token (Mamba-2 layers
+rewound to T - 1 kept tokens); drafting and acceptance are not in it.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ with torch.inference_mode():
         for c in caches:
             if hasattr(c, "keep_trail"):
                 c.keep_trail = True
+    adv = T - 1 if T > 1 else 1  # a verify keeps T - 1 of its T tokens (its last draft rejected) and rewinds the rest
     def step(i):
         toks = (torch.arange(B)[:, None] * 997 + 5 + i + torch.arange(T)[None]) % V
-        h = m(toks, caches, StepBatch.make(list(range(B)), [64 + i * T] * B, T))
-        return m.logits(h).argmax(-1)
+        h = m(toks, caches, StepBatch.make(list(range(B)), [64 + i * adv] * B, T))
+        out = m.logits(h).argmax(-1)
+        if T > 1:
+            for c in caches:
+                if hasattr(c, "rewind"):
+                    c.rewind(torch.arange(B), [T - 1] * B)
+        return out
     for i in range(3):
         step(i)
     best = float("inf")
@@ -84,7 +91,7 @@ def main() -> int:
                     help="torch threads (default 1: CPU time per step; more: wall time per step, noisier)")
     ap.add_argument("--tokens", type=int, default=1,
                     help="tokens per row per step (default 1; T > 1: a speculative verify's forward of T tokens, "
-                         "Mamba-2 states recorded per token)")
+                         "Mamba-2 states recorded per token, then rewound to T - 1 kept tokens)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     from rich.console import Console
