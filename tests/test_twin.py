@@ -317,14 +317,14 @@ def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     op = base["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"]
     pts = base["host_engine"]["link"]["points"]
     files = []
-    for i, f in enumerate((3.0, 1.0, 2.0)):  # median x2, mean x2, first x3
+    for i, f in enumerate((3.0, 1.0, 2.0)):  # the link point: median x2 (the first file has x3)
         d = yaml.safe_load(src.read_text())
         d["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] = op * f
         d["host_engine"]["link"]["points"][0][-1] = pts[0][-1] * f
         files.append(tmp_path / f"h{i}.yaml")
         files[-1].write_text(yaml.safe_dump(d))
     d = yaml.safe_load(files[1].read_text())
-    d["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] = op * 7.0  # the median is robust to one outlier
+    d["host_engine"]["engine"]["bf16"]["op_overhead_s"]["value"] = op * 7.0  # per-op x3, x7, x2: median x3, mean x4
     files[1].write_text(yaml.safe_dump(d))
     out = tmp_path / "combined.yaml"
     assert main(["calibrate", "--combine", *map(str, files), "--out", str(out), "--json"]) == 0
@@ -334,6 +334,8 @@ def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     assert "median of 3 calibrations" in c["host_engine"]["engine"]["bf16"]["op_overhead_s"]["source"]
     assert c["host_engine"]["link"]["points"][0][-1] == pytest.approx(pts[0][-1] * 2.0)  # median of 3, 1, 2
     assert [e["file"] for e in c["host_engine"]["measured"]["combined"]] == list(map(str, files))
+    assert c["host_engine"]["engine"]["bf16"]["op_overhead_s"]["measured"] == base["host_engine"]["engine"]["bf16"][
+        "op_overhead_s"]["measured"]  # text and dates are the first file's
     assert HostParams.load(out).op_overhead_s["bf16"] == pytest.approx(op * 3.0)
     assert main(["calibrate", "--combine", str(files[0]), "--out", str(out)]) == 2
     (tmp_path / "other.yaml").write_text("name: x\n")

@@ -1391,8 +1391,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
 
 
 def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
-    """Several calibrations of one host as one hardware mapping: every measured number (a figure's ``value``, and each
-    number of the probe tables, point by point) is the median over the files; the rest is the first file's. Why: the
+    """Several calibrations of one host as one hardware mapping: every number found at the same place in all files (a
+    figure's ``value``, each number of the probe tables and points) is the median over the files; the rest (text,
+    flags) is the first file's. Why: the
     fitted constants of one calibration move with the machine's slow phases (this 2-core VM: the per-op cost 2.8-4.3
     us, the prefill linear scale 1.3-2.0 between runs minutes apart), and the median of a few runs at different times
     is steadier than any one. The files must come from the same host and tree (the same probes); each combined figure
@@ -1419,21 +1420,20 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
     def num(x: Any) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool)
 
-    def merge(dst: Any, srcs: list[Any]) -> None:
+    def merge(dst: Any, srcs: list[Any]) -> None:  # every number that all files have at the same place -> median
         if isinstance(dst, dict):
-            if num(dst.get("value")) and all(isinstance(s, dict) and num(s.get("value")) for s in srcs):
-                dst["value"] = float(statistics.median(s["value"] for s in srcs))
-                if isinstance(dst.get("source"), str):
-                    dst["source"] += note
-                return
-            for k in dst:
-                merge(dst[k], [s.get(k) if isinstance(s, dict) else None for s in srcs])
+            keys, subs = list(dst), [[s.get(k) if isinstance(s, dict) else None for s in srcs] for k in dst]
         elif isinstance(dst, list) and all(isinstance(s, list) and len(s) == len(dst) for s in srcs):
-            for i in range(len(dst)):
-                if num(dst[i]) and all(num(s[i]) for s in srcs):
-                    dst[i] = float(statistics.median(s[i] for s in srcs))
-                else:
-                    merge(dst[i], [s[i] for s in srcs])
+            keys, subs = list(range(len(dst))), [[s[i] for s in srcs] for i in range(len(dst))]
+        else:
+            return
+        for k, vals in zip(keys, subs):
+            if num(dst[k]) and all(num(v) for v in vals):
+                dst[k] = float(statistics.median(vals))
+            else:
+                merge(dst[k], vals)
+        if isinstance(dst, dict) and num(dst.get("value")) and isinstance(dst.get("source"), str):
+            dst["source"] += note
 
     out = json.loads(json.dumps(docs[0]))
     merge(out, docs)
