@@ -81,6 +81,31 @@ def test_rope(dtype, interleaved, B, T, H, W, d, eager):
     assert not torch.allclose(fused[..., :d].float(), x[..., :d].float())  # it did rotate
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "mixtral", "gpt_oss", "nemotron_h"])
+def test_moe_route(tmp_path, model_type, eager):
+    """The fused router against MoE.route's eager chain for every routing flavour the tiny checkpoints carry: softmax
+    (renormalised or not), sigmoid with a correction bias and group-limited top-k (top-2 group scores or the max),
+    GPT-OSS's softmax over the top-k logits with a router bias, routed scaling: the same experts in the same order,
+    the same weights to float rounding."""
+    from waferline.model.moe import MoE
+
+    build(model_type, tmp_path)
+    moes = [m for m in load_model(tmp_path, torch.float32).modules() if isinstance(m, MoE)]
+    assert moes
+    g = torch.Generator().manual_seed(5)
+    for moe in moes:
+        if moe.e_score_correction_bias is not None:  # zeros in a fresh checkpoint: make it matter
+            moe.e_score_correction_bias.copy_(torch.randn(moe.num_experts, generator=g) * 0.3)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(37, moe.hidden_size, generator=g) * 3).to(dtype)
+            w, idx = moe.route(x)
+            with eager:
+                w_ref, idx_ref = moe.route(x)
+            assert idx.dtype == torch.int64 and w.dtype == torch.float32
+            torch.testing.assert_close(idx, idx_ref, rtol=0, atol=0)
+            torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype, eager):
     g = torch.Generator().manual_seed(1)

@@ -12,8 +12,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -148,6 +150,108 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos2, const at::Tensor& s
                         B * T, H, W, d, interleaved);
   });
   return y;
+}
+
+// ---------------------------------------------------------------- MoE router
+// x [N, D] (any dtype; read as fp32), gate_w [E, D] fp32, gate_b [E] fp32 or empty, corr [E] fp32 or empty
+// (DeepSeek-V3's e_score_correction_bias). Per token, in fp32: logits = x W^T + b; then either
+//   softmax_after_topk: the top-k logits, softmax over them (GPT-OSS); or
+//   scores = softmax(logits) | sigmoid(logits); choice = scores + corr; with n_group > 1 and topk_group < n_group only
+//   the topk_group groups with the best group score (the sum of its top 2 choices when group_top2, else its max)
+//   stay eligible; the top-k choices, weighted by their scores, renormalised (norm) and times ``scaling``.
+// -> (weights fp32 [N, k], indices int64 [N, k]), in descending order of the choice, as topk returns them. The
+// eager chain is ~12 ops per token batch; the logits' sums run in another order than the BLAS GEMV (float rounding).
+inline void top_desc(const float* v, int64_t n, int64_t k, int64_t* out) {  // indices of the k largest, descending
+  std::vector<int64_t> ids(n);
+  for (int64_t i = 0; i < n; ++i) ids[i] = i;
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int64_t a, int64_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); });
+  for (int64_t i = 0; i < k; ++i) out[i] = ids[i];
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& gate_w, const at::Tensor& gate_b,
+                                             const at::Tensor& corr, int64_t k, bool softmax_scores,
+                                             bool softmax_after_topk, int64_t n_group, int64_t topk_group,
+                                             bool group_top2, bool norm, double scaling) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && gate_w.dim() == 2 && gate_w.scalar_type() == at::kFloat,
+              "waferline::moe_route: x [N, D] and an fp32 gate [E, D] on CPU");
+  const int64_t N = x.size(0), D = x.size(1), E = gate_w.size(0);
+  TORCH_CHECK(gate_w.size(1) == D && k >= 1 && k <= E, "waferline::moe_route: gate [E, D] with 1 <= k <= E");
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1, "waferline::moe_route: experts must split into groups");
+  for (const at::Tensor* t : {&gate_b, &corr}) {
+    TORCH_CHECK(t->numel() == 0 || (t->scalar_type() == at::kFloat && t->numel() == E),
+                "waferline::moe_route: biases must be fp32 [E] (or empty)");
+  }
+  auto xf = x.to(at::kFloat).contiguous();
+  auto w = gate_w.contiguous();
+  auto gb = gate_b.numel() ? gate_b.contiguous() : gate_b;
+  auto cb = corr.numel() ? corr.contiguous() : corr;
+  const float* xp = xf.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = gb.numel() ? gb.data_ptr<float>() : nullptr;
+  const float* cp = cb.numel() ? cb.data_ptr<float>() : nullptr;
+  auto weights = at::empty({N, k}, xf.options());
+  auto idx = at::empty({N, k}, xf.options().dtype(at::kLong));
+  float* op = weights.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t G = n_group, per = E / G;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(E * D, 1)), [&](int64_t n0, int64_t n1) {
+    std::vector<float> lg(E), sc(E), ch(E), gs(G);
+    std::vector<int64_t> top(E);
+    for (int64_t t = n0; t < n1; ++t) {
+      const float* xr = xp + t * D;
+      for (int64_t e = 0; e < E; ++e) {
+        const float* wr = wp + e * D;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < D; ++j) acc += xr[j] * wr[j];
+        lg[e] = bp ? acc + bp[e] : acc;
+      }
+      float* wo = op + t * k;
+      int64_t* io = ip + t * k;
+      if (softmax_after_topk) {
+        top_desc(lg.data(), E, k, io);
+        float den = 0.f;
+        for (int64_t i = 0; i < k; ++i) den += (wo[i] = std::exp(lg[io[i]] - lg[io[0]]));
+        for (int64_t i = 0; i < k; ++i) wo[i] /= den;
+        continue;
+      }
+      if (softmax_scores) {
+        float mx = ninf, den = 0.f;
+        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, lg[e]);
+        for (int64_t e = 0; e < E; ++e) den += (sc[e] = std::exp(lg[e] - mx));
+        for (int64_t e = 0; e < E; ++e) sc[e] /= den;
+      } else {
+        for (int64_t e = 0; e < E; ++e) sc[e] = 1.f / (1.f + std::exp(-lg[e]));
+      }
+      for (int64_t e = 0; e < E; ++e) ch[e] = cp ? sc[e] + cp[e] : sc[e];
+      if (G > 1 && topk_group < G) {  // group-limited routing: only the best topk_group groups stay eligible
+        for (int64_t g = 0; g < G; ++g) {
+          const float* c = ch.data() + g * per;
+          if (group_top2 && per >= 2) {
+            top_desc(c, per, 2, top.data());
+            gs[g] = c[top[0]] + c[top[1]];
+          } else {
+            gs[g] = *std::max_element(c, c + per);
+          }
+        }
+        top_desc(gs.data(), G, topk_group, top.data());
+        std::vector<char> keep(G, 0);
+        for (int64_t i = 0; i < topk_group; ++i) keep[top[i]] = 1;
+        for (int64_t e = 0; e < E; ++e)
+          if (!keep[e / per]) ch[e] = ninf;
+      }
+      top_desc(ch.data(), E, k, io);
+      float sum = 0.f;
+      for (int64_t i = 0; i < k; ++i) sum += (wo[i] = sc[io[i]]);
+      for (int64_t i = 0; i < k; ++i) {
+        if (norm) wo[i] /= sum + 1e-20f;
+        if (scaling != 1.0) wo[i] *= static_cast<float>(scaling);
+      }
+    }
+  });
+  return {weights, idx};
 }
 
 // ---------------------------------------------------------------- MLA, absorbed decode
@@ -341,6 +445,8 @@ TORCH_LIBRARY(waferline, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor h) -> Tensor");
   m.def("rope(Tensor x, Tensor cos2, Tensor sin2, int d, bool interleaved) -> Tensor");
+  m.def("moe_route(Tensor x, Tensor gate_w, Tensor gate_b, Tensor corr, int k, bool softmax_scores, "
+        "bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm, float scaling) -> (Tensor, Tensor)");
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
@@ -350,6 +456,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope", &rope);
+  m.impl("moe_route", &moe_route);
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
 }

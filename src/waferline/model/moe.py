@@ -14,6 +14,8 @@ from waferline.model.layers import packed_linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
+_NONE = torch.empty(0)  # moe_route's "no bias"
+
 # ----------------------------------------------------------------------------- activations
 
 
@@ -322,6 +324,13 @@ class MoE(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Routing weights (fp32) and expert indices (int64), both ``[N, top_k]``, for tokens ``x [N, D]``."""
         s = self.spec
+        if x.device.type == "cpu" and self.gate_weight.dtype == torch.float32 and kernels.available():
+            # the chain below as one fused op (waferline.kernels)
+            return torch.ops.waferline.moe_route(
+                x, self.gate_weight, _NONE if self.gate_bias is None else self.gate_bias,
+                _NONE if self.e_score_correction_bias is None else self.e_score_correction_bias, self.top_k,
+                s.scoring == "softmax", s.softmax_after_topk, s.n_group, s.topk_group, self.group_top2,
+                s.norm_topk_prob, s.routed_scaling)
         g = self.gate_weight if self.gate_weight.dtype == torch.float32 else self.gate_weight.float()
         b = None if self.gate_bias is None else (self.gate_bias if self.gate_bias.dtype == torch.float32 else self.gate_bias.float())
         logits = F.linear(x if x.dtype == torch.float32 else x.float(), g, b)
