@@ -107,6 +107,32 @@ def test_moe_route(tmp_path, model_type, eager):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 4), (6, 1)])
+@pytest.mark.parametrize("masked, sinks", [(False, False), (True, False), (True, True)])
+def test_gqa_decode(dtype, H, Hkv, masked, sinks):
+    """The fused grouped-query attention against attend(): grouped, multi-head and multi-query heads, with a mask
+    (a sliding window's or a ragged batch's) and GPT-OSS's sinks, over cache rows laid out [keys | values]."""
+    from waferline.model.attention import attend
+
+    g = torch.Generator().manual_seed(6)
+    B, T, L, D = 3, 2, 37, 32
+    q = torch.randn(B, T, H, D, generator=g).to(dtype)
+    kv = torch.randn(B, L, 2 * Hkv, D, generator=g).to(dtype)
+    blocked = torch.rand(B, T, L, generator=g) < 0.3 if masked else None
+    if blocked is not None:
+        blocked[:, :, 0] = False  # every query sees at least one key
+    sk = torch.randn(H, generator=g) if sinks else None
+    fused = torch.ops.waferline.gqa_decode(q, kv, blocked if masked else torch.empty(0, dtype=torch.bool),
+                                           sk if sinks else torch.empty(0), 0.17)
+    ref = attend(q, kv[:, :, :Hkv], kv[:, :, Hkv:], blocked, 0.17, sk)
+    assert fused.shape == ref.shape and fused.dtype == ref.dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-6)
+    else:
+        _close_16bit(fused, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype, eager):
     g = torch.Generator().manual_seed(1)
     h = (torch.randn(4, 2, 256, generator=g) * 4).to(dtype)

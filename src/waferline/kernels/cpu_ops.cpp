@@ -254,6 +254,100 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
   return {weights, idx};
 }
 
+// ---------------------------------------------------------------- grouped-query attention, decode
+// q [B, T, H, Dk] (any dtype), kv [B, L, 2 Hkv, D] (the cache rows: Hkv key heads, then Hkv value heads; any dtype),
+// blocked bool [B, T, L] (True = masked) or empty, sinks [H] fp32 or empty (a per-head logit that joins the softmax
+// and is dropped: GPT-OSS). Per (b, t, head), in fp32: s_l = scale q . k_l; p = softmax(s [, sink]); o = sum_l p_l v_l
+// -> [B, T, H, D] in q's dtype. Head h reads key / value head h / (H / Hkv). What `attend` computes for Hkv > 1 in one
+// pass over the cache rows (no fp32 copies of the cache, no permuted views, no mask broadcast).
+template <typename Q, typename C>
+void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, Q* out, int64_t B, int64_t T,
+              int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {
+  const int64_t G = H / Hkv;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, B * T * Hkv, std::max<int64_t>(1, 32768 / std::max<int64_t>(L * D * G, 1)), [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(G * D), sc(G * L), row(D), o(G * D);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
+      const bool* mk = blocked ? blocked + bt * L : nullptr;
+      const C* base = kv + b * L * 2 * Hkv * D;
+      for (int64_t l = 0; l < L; ++l) {
+        if (mk && mk[l]) {
+          for (int64_t g = 0; g < G; ++g) sc[g * L + l] = ninf;
+          continue;
+        }
+        const C* kr = base + (l * 2 * Hkv + j) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = f32(kr[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+          for (int64_t d = 0; d < D; ++d) acc += qg[d] * row[d];
+          sc[g * L + l] = acc * scale;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = sc.data() + g * L;
+        const float sink = sinks ? sinks[j * G + g] : ninf;
+        float mx = sink;
+        for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sg[l]);
+        float den = sinks ? std::exp(sink - mx) : 0.f;
+        for (int64_t l = 0; l < L; ++l) {
+          const float e = sg[l] == ninf ? 0.f : std::exp(sg[l] - mx);
+          sg[l] = e;
+          den += e;
+        }
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+        for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
+      }
+      for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
+      for (int64_t l = 0; l < L; ++l) {
+        if (mk && mk[l]) continue;
+        const C* vr = base + (l * 2 * Hkv + Hkv + j) * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = f32(vr[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = sc[g * L + l];
+          float* og = o.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) og[d] += p * row[d];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) out[(bt * H + j * G + g) * D + d] = static_cast<Q>(o[g * D + d]);
+    }
+  });
+}
+
+at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& blocked, const at::Tensor& sinks,
+                      double scale) {
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 4 && kv.dim() == 4, "waferline::gqa_decode: q [B, T, H, D], kv [B, L, 2 Hkv, D]");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), L = kv.size(1), Hkv = kv.size(2) / 2;
+  TORCH_CHECK(kv.size(0) == B && kv.size(3) == D && kv.size(2) % 2 == 0 && Hkv > 0 && H % Hkv == 0,
+              "waferline::gqa_decode: kv must be [B, L, 2 Hkv, D] with Hkv dividing H");
+  const bool has_mask = blocked.numel() > 0, has_sinks = sinks.numel() > 0;
+  if (has_mask) {
+    TORCH_CHECK(blocked.scalar_type() == at::kBool && blocked.numel() == B * T * L, "waferline::gqa_decode: mask [B, T, L]");
+  }
+  if (has_sinks) {
+    TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == H, "waferline::gqa_decode: sinks fp32 [H]");
+  }
+  auto qc = q.contiguous();
+  auto kc = kv.contiguous();
+  auto mk = has_mask ? blocked.contiguous() : blocked;
+  auto sk = has_sinks ? sinks.contiguous() : sinks;
+  auto out = at::empty_like(qc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "waferline_gqa_decode_q", [&] {
+    using Q = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "waferline_gqa_decode_kv", [&] {
+      gqa_rows<Q, scalar_t>(qc.data_ptr<Q>(), kc.data_ptr<scalar_t>(), has_mask ? mk.data_ptr<bool>() : nullptr,
+                            has_sinks ? sk.data_ptr<float>() : nullptr, out.data_ptr<Q>(), B, T, H, Hkv, D, L,
+                            static_cast<float>(scale));
+    });
+  });
+  return out;
+}
+
 // ---------------------------------------------------------------- MLA, absorbed decode
 // q_nope [B, T, H, n], q_rope [B, T, H, p] (any dtype), latents [B, L, r + p] (the cache: c_KV | k_rope),
 // blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
@@ -447,6 +541,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("rope(Tensor x, Tensor cos2, Tensor sin2, int d, bool interleaved) -> Tensor");
   m.def("moe_route(Tensor x, Tensor gate_w, Tensor gate_b, Tensor corr, int k, bool softmax_scores, "
         "bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm, float scaling) -> (Tensor, Tensor)");
+  m.def("gqa_decode(Tensor q, Tensor kv, Tensor blocked, Tensor sinks, float scale) -> Tensor");
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
@@ -457,6 +552,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("rope", &rope);
   m.impl("moe_route", &moe_route);
+  m.impl("gqa_decode", &gqa_decode);
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
 }

@@ -23,6 +23,10 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
 # beats the eager chain's batched GEMMs only for a few rows (dsv3-100m attention, 1 thread: 1 row 0.36 vs 0.52 ms,
 # 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0).
 MLA_FUSED_MAX_ROWS = 4
+# Query rows up to which grouped-query attention runs as one fused op (decode, a speculative verify); prefill keeps
+# attend()'s batched matmuls.
+GQA_FUSED_MAX_ROWS = 8
+_NO_SINKS = torch.empty(0)  # gqa_decode's "no sinks"
 
 
 class TokenCache:
@@ -208,7 +212,13 @@ class GQAttention(nn.Module):
             q, k = self.rotary.apply(torch.cat([q, k], dim=2), cos, sin).split([h, kvh], dim=2)
         kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
         kv = kv.view(B, kv.shape[1], 2 * kvh, s.head_dim)
-        out = attend(q, kv[:, :, :kvh], kv[:, :, kvh:], blocked, self.scale, self.sinks)
+        if x.device.type == "cpu" and B * T <= GQA_FUSED_MAX_ROWS and kernels.available():
+            # attend() below as one fused op over the cache rows
+            mask = _NO_MASK if blocked is None else blocked.expand(B, T, kv.shape[1])
+            sinks = _NO_SINKS if self.sinks is None else self.sinks.float()
+            out = torch.ops.waferline.gqa_decode(q, kv, mask, sinks, self.scale)
+        else:
+            out = attend(q, kv[:, :, :kvh], kv[:, :, kvh:], blocked, self.scale, self.sinks)
         return self.o_proj(out.reshape(B, T, -1))
 
 
