@@ -126,7 +126,8 @@ def main() -> int:
     for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", rate):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
     for r in rows:
-        t.add_row(Path(r["model"]).name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
+        name = Path(r["model"]).name if Path(r["model"]).name != "hf" else Path(r["model"]).parent.name  # .cache/<m>/hf
+        t.add_row(name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
                   str(r["batch"]), f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}", f"{r['speedup']:.2f}x",
                   f"{1e3 / r['new_ms']:.0f}")
     Console().print(t)
