@@ -254,6 +254,23 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
   return {weights, idx};
 }
 
+// ---------------------------------------------------------------- attention softmax
+// In place over L scores (-inf = masked): p = exp(s - max) / sum, with an optional sink logit (-inf = none) that joins
+// the sum and is dropped; a row with every score masked (and no sink) becomes all zeros.
+inline void softmax_masked(float* s, int64_t L, float sink) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx = sink;
+  for (int64_t l = 0; l < L; ++l) mx = std::max(mx, s[l]);
+  float den = sink == ninf ? 0.f : std::exp(sink - mx);
+  for (int64_t l = 0; l < L; ++l) {
+    const float e = s[l] == ninf ? 0.f : std::exp(s[l] - mx);
+    s[l] = e;
+    den += e;
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  for (int64_t l = 0; l < L; ++l) s[l] *= inv;
+}
+
 // ---------------------------------------------------------------- grouped-query attention, decode
 // q [B, T, H, Dk] (any dtype), kv [B, L, 2 Hkv, D] (the cache rows: Hkv key heads, then Hkv value heads; any dtype),
 // blocked bool [B, T, L] (True = masked) or empty, sinks [H] fp32 or empty (a per-head logit that joins the softmax
@@ -288,20 +305,7 @@ void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, 
           sc[g * L + l] = acc * scale;
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = sc.data() + g * L;
-        const float sink = sinks ? sinks[j * G + g] : ninf;
-        float mx = sink;
-        for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sg[l]);
-        float den = sinks ? std::exp(sink - mx) : 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          const float e = sg[l] == ninf ? 0.f : std::exp(sg[l] - mx);
-          sg[l] = e;
-          den += e;
-        }
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        for (int64_t l = 0; l < L; ++l) sg[l] *= inv;
-      }
+      for (int64_t g = 0; g < G; ++g) softmax_masked(sc.data() + g * L, L, sinks ? sinks[j * G + g] : ninf);
       for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
       for (int64_t l = 0; l < L; ++l) {
         if (mk && mk[l]) continue;
@@ -395,19 +399,7 @@ void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocke
           sc[h * L + l] = (s + s2) * scale;
         }
       }
-      for (int64_t h = 0; h < H; ++h) {  // softmax per head
-        float* sh = sc.data() + h * L;
-        float mx = ninf;
-        for (int64_t l = 0; l < L; ++l) mx = std::max(mx, sh[l]);
-        float den = 0.f;
-        for (int64_t l = 0; l < L; ++l) {
-          const float e = sh[l] == ninf ? 0.f : std::exp(sh[l] - mx);
-          sh[l] = e;
-          den += e;
-        }
-        const float inv = den > 0.f ? 1.f / den : 0.f;
-        for (int64_t l = 0; l < L; ++l) sh[l] *= inv;
-      }
+      for (int64_t h = 0; h < H; ++h) softmax_masked(sc.data() + h * L, L, ninf);  // softmax per head
       for (int64_t j = 0; j < H * r; ++j) ol[j] = 0.f;
       for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
         if (mk && mk[l]) continue;
