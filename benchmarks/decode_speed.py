@@ -508,9 +508,10 @@ def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, conte
 
     embed_bits = 32 if bits == 32 else 16
     total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
-    if head_bits != embed_bits:
-        head = spec.lm_head_params() * head_bits / 8 + (spec.vocab_size * 2 if head_bits == 8 else 0)
-        total += head - quantized_bytes(spec.lm_head_params(), embed_bits)
+    if head_bits != embed_bits:  # int8: ModelSpec's accounting with one scale per row; Q6_K: its 6.5625 bits flat
+        n = spec.lm_head_params()
+        head = quantized_bytes(n, 8, group_size=spec.hidden_size) if head_bits == 8 else n * head_bits / 8
+        total += head - quantized_bytes(n, embed_bits)
     for layer in spec.layers:
         if isinstance(layer.ffn, MoESpec):
             f = layer.ffn
