@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tiny_models import build, decode_logits
+from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.layers import Rotary
@@ -112,19 +113,19 @@ def test_one_row_16bit_linear_skips_onednn_and_restores_the_flag():
 
 
 def test_packed_linear_is_the_same_product_and_follows_weight_changes():
-    """16-bit products of 2+ rows run oneDNN on a weight laid out once: bitwise what F.linear gives, re-laid out when
-    the weight changes in place, and one-row products keep the plain path."""
-    from waferline.model.layers import Linear, packed_linear
+    """16-bit products of more rows than the few-row kernel takes run oneDNN on a weight laid out once: bitwise what
+    F.linear gives, re-laid out when the weight changes in place."""
+    from waferline.model.layers import FEW_ROWS, Linear, packed_linear
 
     g = torch.Generator().manual_seed(0)
     lin = Linear(64, 48, bias=True, dtype=torch.bfloat16)
     lin.weight.copy_(torch.randn(48, 64, generator=g))
     lin.bias.copy_(torch.randn(48, generator=g))
-    for shape in ((3, 64), (2, 5, 64), (1, 64)):
+    for shape in ((FEW_ROWS + 2, 64), (2, 5, 64)):
         x = torch.randn(shape, generator=g).to(torch.bfloat16)
         assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
-    assert 0 in lin._packs  # the 2+ row calls made the copy
-    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    assert 0 in lin._packs  # the many-row calls made the copy
+    x = torch.randn(FEW_ROWS + 1, 64, generator=g).to(torch.bfloat16)
     before = lin(x)
     lin.weight.mul_(1.5)  # an in-place change: the copy must follow
     after = lin(x)
@@ -134,3 +135,26 @@ def test_packed_linear_is_the_same_product_and_follows_weight_changes():
     w32 = torch.randn(48, 64, generator=g)
     torch.testing.assert_close(packed_linear(x.float(), w32, None, packs, 0), x.float() @ w32.T)
     assert not packs  # fp32 weights are not re-laid out
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+@pytest.mark.parametrize("K", [64, 96, 200])
+def test_few_row_bf16_linear(K):
+    """bf16 products of 1..FEW_ROWS rows run waferline::linear_rows (no oneDNN copy made): the fp32 product of the same
+    bf16 numbers, rounded once to bf16 (a different summation order may flip a rounding), bias added after; K not a
+    multiple of the kernel's 128-wide steps exercises its tail."""
+    from waferline.model.layers import FEW_ROWS, Linear
+
+    g = torch.Generator().manual_seed(1)
+    lin = Linear(K, 80, bias=True, dtype=torch.bfloat16)
+    lin.weight.copy_(torch.randn(80, K, generator=g))
+    lin.bias.copy_(torch.randn(80, generator=g))
+    for rows in range(1, FEW_ROWS + 1):
+        x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+        ref = (x.float() @ lin.weight.float().T).to(torch.bfloat16)
+        out = lin(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 80)
+        diff = (out.float() - (ref.float() + lin.bias.float())).abs()
+        tol = (ref.float().abs() + lin.bias.float().abs()).clamp_min(1e-2) * 2.0 ** -7 * 2.01
+        assert bool((diff <= tol).all()), f"{rows} rows: max diff {diff.max().item()}"
+    assert not lin.__dict__.get("_packs")  # no oneDNN copy for few rows

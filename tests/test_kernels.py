@@ -244,3 +244,69 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
                 torch.testing.assert_close(fused[4][slots[b]], ssm, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(fused[5][slots[b]], conv, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(fused[2], torch.zeros_like(fused[2]))  # states really moved
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "int4"])
+def test_moe_ffn_matches_eager(tmp_path, model_type, variant, one_thread):
+    """The fused MoE block (waferline::moe_ffn: routed experts grouped per expert, their weighted sum, the shared
+    expert) against MoE.forward's per-expert eager loop on the same routing, for 1, 3, 8 and 20 tokens (one token,
+    several sharing experts), dense fp32 / bf16 weights and the CPU int4 layout: the same numbers to the rounding of
+    the products' 16-bit outputs."""
+    from waferline.model.moe import MoE
+    from waferline.model.quant import Int4Weight, QuantOptions, quantize_model
+
+    build(model_type, tmp_path)
+    model = load_model(tmp_path, torch.float32 if variant == "fp32" else torch.bfloat16)
+    fused_runs = 0
+    if variant == "int4":
+        quantize_model(model, QuantOptions(group_size=32))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    assert moes
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        for moe in moes:
+            for n in (1, 3, 8, 20):
+                x = torch.randn(n, moe.hidden_size, generator=g).to(torch.float32 if variant == "fp32" else torch.bfloat16)
+                # the fused op is what runs, unless an int4 weight fell back to dequantising (K not a multiple of
+                # the group: tiny mixtral's down projection)
+                expect = all(q.backend == "cpu_int4pack" for q in moe.modules() if isinstance(q, Int4Weight))
+                assert (moe._fused_weights(x) is not None) == expect
+                fused_runs += expect
+                fused = moe(x)
+                moe._fused_weights = lambda x: None
+                try:
+                    ref = moe(x)
+                finally:
+                    del moe._fused_weights
+                assert fused.dtype == ref.dtype == x.dtype and fused.shape == ref.shape
+                if variant == "fp32":
+                    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+                else:
+                    diff = (fused.float() - ref.float()).abs()
+                    assert diff.max().item() <= 0.02 * ref.float().abs().max().item(), diff.max().item()
+                    assert diff.mean().item() <= 2e-3 * ref.float().abs().mean().item(), diff.mean().item()
+    assert fused_runs or (variant, model_type) == ("int4", "mixtral")
+    if variant != "int4":  # the comparison can fail: a changed expert weight moves the fused output
+        moe = moes[-1]
+        x = torch.randn(2, moe.hidden_size, generator=g).to(moe.w_down.dtype)
+        with torch.inference_mode():
+            before = moe(x)
+            moe.w_down.data.mul_(1.5)
+            assert not torch.equal(before, moe(x))
+
+
+def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
+    """GPT-OSS's clamped SwiGLU with expert biases, installed matmul hooks (GPTQ's Hessians) and prefill-sized token
+    counts keep the eager loop."""
+    from waferline.model.moe import MOE_FUSED_MAX_ROWS, MoE
+
+    build("gpt_oss", tmp_path)
+    moe = next(m for m in load_model(tmp_path, torch.float32).modules() if isinstance(m, MoE))
+    assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None
+    build("qwen3_moe", tmp_path / "q")
+    moe = next(m for m in load_model(tmp_path / "q", torch.float32).modules() if isinstance(m, MoE))
+    assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is not None
+    assert moe._fused_weights(torch.zeros(MOE_FUSED_MAX_ROWS + 1, moe.hidden_size)) is None
+    moe.expert_linear = lambda *a: None  # what quant.hessians installs
+    assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None

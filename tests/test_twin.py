@@ -184,19 +184,21 @@ def test_host_model_prices_int4_prefill_and_multi_row_products_apart(host_yaml):
 
 def test_host_model_adds_the_in_engine_cost_of_multi_row_16_bit_calls(host_yaml):
     """The fitted per-call cost of 16-bit products of 2+ rows (oneDNN inside the engine) is added once per such call:
-    not to one-row GEMVs, not to int4 calls; calibrate writes the figure and fits it from batches 1 and 4."""
+    not to one-row GEMVs, not to int4 calls, not to bf16 ones of up to 4 rows (the engine's own kernel); calibrate
+    writes the figure and fits it from batches 1 and 8."""
     from waferline.sim.host import HostParams, Work, _work_time
     from waferline.sim.measure import multi_row_calls
 
     host = HostParams.load(host_yaml)
     assert "bf16" in host.multi_call_overhead_s and host.multi_call_overhead_s["bf16"] >= 0.0
-    w = Work(ops=10, calls={"int4|4|131072": 3.0, "bf16|4|262144": 2.0, "bf16|1|262144": 4.0, "fp32|2|65536": 1.0})
+    w = Work(ops=10, calls={"int4|4|131072": 3.0, "bf16|8|262144": 2.0, "bf16|1|262144": 4.0, "fp32|2|65536": 1.0,
+                            "bf16|4|262144": 5.0})  # (bf16 products of up to 4 rows: the engine's own kernel)
     assert multi_row_calls({"call|" + k: v for k, v in w.calls.items()} | {"ops": 10.0}) == 3.0
     _, base, _ = _work_time(host, w, 1e-6, "bf16")
     _, more, _ = _work_time(host, w, 1e-6, "bf16", multi_s=1e-4)
     assert more - base == pytest.approx(3.0 * 1e-4, rel=1e-9)
     points = yaml.safe_load(host_yaml.read_text())["host_engine"]["engine"]["bf16"]["points"]
-    assert {p["batch"] for p in points} >= {1, 4} and all("multi_row_calls" in p for p in points)
+    assert {p["batch"] for p in points} >= {1, 8} and all("multi_row_calls" in p for p in points)
     assert all(p["multi_row_calls"] == 0 for p in points if p["batch"] == 1)
     assert any(p["multi_row_calls"] > 0 for p in points if p["batch"] > 1)
 
@@ -345,3 +347,43 @@ def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     files[2].write_text(yaml.safe_dump(d))
     assert main(["calibrate", "--combine", *map(str, files), "--out", str(out)]) == 2
     assert "different hosts" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_op_counter_sees_the_fused_moe_block_as_the_linear_calls_it_makes(tmp_path, bits):
+    """The twin prices waferline::moe_ffn by the expert products inside it: the same linear calls (dtype, rows, weight
+    bytes) the eager per-expert loop records for the same routing, so fusing the block does not change what the
+    simulator charges for the products; the engine's few-row bf16 kernel size is the host model's."""
+    import torch
+    from tiny_models import build
+
+    from waferline import kernels
+    from waferline.model.layers import FEW_ROWS
+    from waferline.model.load import load_model
+    from waferline.model.moe import MoE
+    from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.sim.host import ENGINE_FEW_ROWS
+    from waferline.sim.measure import OpCounter
+
+    assert ENGINE_FEW_ROWS == FEW_ROWS
+    if not kernels.available():
+        pytest.skip("fused CPU operators not built")
+    build("deepseek_v3", tmp_path)
+    model = load_model(tmp_path, torch.bfloat16)
+    if bits == 4:
+        quantize_model(model, QuantOptions(group_size=32))
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3):
+        x = torch.randn(n, moe.hidden_size, generator=g).bfloat16()
+        assert moe._fused_weights(x) is not None
+        records = []
+        for fused in (True, False):
+            if not fused:
+                moe._fused_weights = lambda x: None
+            c = OpCounter()
+            with torch.inference_mode(), c:
+                moe(x)
+            moe.__dict__.pop("_fused_weights", None)
+            records.append({k: v for k, v in c.work[None].items() if k.startswith("call|")})
+        assert records[0] and records[0] == records[1], records

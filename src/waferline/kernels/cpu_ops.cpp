@@ -5,17 +5,24 @@
 // chain of eager ops with one call and computes what that chain computes (same dtypes, fp32 where it is fp32, the
 // same rounding points to 16 bits); tests/test_kernels.py checks each against the eager path.
 //
-// Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions); no intrinsics, so any CPU with a C++ compiler
-// builds it. Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
+// Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
+// one exception, the few-row bf16 product, uses AVX512-BF16 intrinsics where the CPU has them (a portable loop
+// otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads (torch.set_num_threads).
+// Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -252,6 +259,256 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
     }
   });
   return {weights, idx};
+}
+
+// ---------------------------------------------------------------- few-row linear: y = x W^T for up to 8 rows
+// x [M, K] and W [N, K] of one dtype (fp32 / bf16 / fp16), y [M, N] of that dtype, fp32 sums rounded once. The
+// decode step's products have 1-8 rows: every weight row is read once from memory and multiplied into all M rows
+// while it sits in L1 (ATen's one-row GEMV reads it once too, but 2-8 rows go to oneDNN, which re-lays each weight
+// out per call). With AVX512-BF16 the bf16 products run as pairwise bf16 dot products (vdpbf16ps: exact products,
+// fp32 sums); elsewhere a portable loop. Rows of W are split across threads.
+constexpr int64_t FEW_ROWS = 8;
+
+template <typename T>
+void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(x[i]);
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    std::vector<float> wr(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      const T* src = w + n * K;
+      for (int64_t j = 0; j < K; ++j) wr[j] = f32(src[j]);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xr = xf.data() + m * K;
+        float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < K; ++j) acc += xr[j] * wr[j];
+        y[m * ldy + n] = static_cast<T>(acc);
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// One weight row at a time, read straight through (the hardware prefetcher's best case: measured 1.3-1.9x the GB/s
+// of blocking several rows together), into M x U independent accumulators (U chains over K hide the dot product's
+// latency when M is small).
+template <int M, int U>
+void bf16_block(const uint16_t* x, const uint16_t* w, int64_t K, c10::BFloat16* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t Kv = K / (32 * U) * (32 * U);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
+    __m512 acc[U][M];
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < Kv; k += 32 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+        for (int m = 0; m < M; ++m)
+          acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m512 a = acc[0][m];
+      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][m]);
+      float v = _mm512_reduce_add_ps(a);
+      for (int64_t k = Kv; k < K; ++k)
+        v += f32(c10::BFloat16(x[m * K + k], c10::BFloat16::from_bits())) *
+             f32(c10::BFloat16(wr[k], c10::BFloat16::from_bits()));
+      y[m * ldy + n] = c10::BFloat16(v);
+    }
+  }
+}
+
+template <int M>
+void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
+  constexpr int U = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t n0, int64_t n1) { bf16_block<M, U>(x, w, K, y, ldy, n0, n1); });
+}
+
+bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, int64_t N, int64_t K,
+                   c10::BFloat16* y, int64_t ldy) {
+  auto x = reinterpret_cast<const uint16_t*>(xp);
+  auto w = reinterpret_cast<const uint16_t*>(wp);
+  switch (M) {
+    case 1: bf16_rows<1>(x, w, N, K, y, ldy); return true;
+    case 2: bf16_rows<2>(x, w, N, K, y, ldy); return true;
+    case 3: bf16_rows<3>(x, w, N, K, y, ldy); return true;
+    case 4: bf16_rows<4>(x, w, N, K, y, ldy); return true;
+    case 5: bf16_rows<5>(x, w, N, K, y, ldy); return true;
+    case 6: bf16_rows<6>(x, w, N, K, y, ldy); return true;
+    case 7: bf16_rows<7>(x, w, N, K, y, ldy); return true;
+    case 8: bf16_rows<8>(x, w, N, K, y, ldy); return true;
+  }
+  return false;
+}
+#endif
+
+// y[m * ldy + n] for m < M <= FEW_ROWS, n < N
+template <typename T>
+void few_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (few_rows_bf16(x, M, w, N, K, y, ldy)) return;
+  }
+#endif
+  few_rows_generic<T>(x, M, w, N, K, y, ldy);
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 && x.scalar_type() == w.scalar_type(),
+              "waferline::linear_rows: CPU x [..., K] and W [N, K] of one dtype");
+  const int64_t K = w.size(1), N = w.size(0);
+  TORCH_CHECK(x.size(-1) == K, "waferline::linear_rows: x has ", x.size(-1), " inputs, W ", K);
+  auto xc = x.contiguous();
+  auto wc = w.contiguous();
+  const int64_t M = K ? xc.numel() / K : 0;
+  TORCH_CHECK(M <= FEW_ROWS, "waferline::linear_rows: at most ", FEW_ROWS, " rows");
+  auto sizes = xc.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, xc.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "waferline_linear_rows", [&] {
+    few_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, wc.data_ptr<scalar_t>(), N, K, y.data_ptr<scalar_t>(), N);
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- MoE FFN (routed experts + shared expert)
+// The decode step's MoE block after the router, as one call: for each expert hit by the (token, expert) pairs
+// ``idx [N, k]`` its tokens' rows go through gate_up [2I, D], silu(gate) * up, down [D, I] (each product rounded to
+// x's dtype, as the eager chain's are), and are summed into fp32 weighted by ``weights [N, k]``; the sum is rounded to
+// x's dtype and the shared expert's output (gate_up [2S, D], down [D, S]; S = 0: none) added, rounded again.
+// A weight is either dense (x's dtype; ``[E, out, in]`` for the experts, ``[out, in]`` for the shared one) or
+// ATen's CPU int4 layout (``sz`` non-empty: packed [E, ...] and scales_zeros [E, in / group, padded out, 2] from
+// _convert_weight_to_int4pack_for_cpu, bf16 x only), multiplied by ATen's own int4 kernel. Dense products of up to
+// 8 rows run few_rows, larger groups of rows ATen's mm.
+struct Bundle {
+  const at::Tensor& w;
+  const at::Tensor& sz;
+  int64_t group;
+  bool int4() const { return sz.numel() > 0; }
+};
+
+// rows X [R, K] (contiguous) through weight b (expert e, or e < 0: b is not stacked) -> [R, n_out] (row stride >= n_out)
+at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_t n_out) {
+  if (b.int4()) {
+    auto y = at::_weight_int4pack_mm_for_cpu(X, e >= 0 ? b.w.select(0, e) : b.w, b.group, e >= 0 ? b.sz.select(0, e) : b.sz);
+    return y.size(1) == n_out ? y : y.narrow(1, 0, n_out);
+  }
+  const int64_t R = X.size(0), K = X.size(1);
+  auto W = e >= 0 ? b.w.select(0, e) : b.w;
+  if (R > FEW_ROWS) return at::mm(X, W.t());
+  auto y = at::empty({R, n_out}, X.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_moe_linear", [&] {
+    few_rows<scalar_t>(X.data_ptr<scalar_t>(), R, W.data_ptr<scalar_t>(), n_out, K, y.data_ptr<scalar_t>(), n_out);
+  });
+  return y;
+}
+
+template <typename T>
+at::Tensor gated_ffn(const at::Tensor& X, const Bundle& gu, const Bundle& dn, int64_t e, int64_t I, int64_t D) {
+  auto h = bundle_linear(X, gu, e, 2 * I);  // [R, 2I], row stride h.stride(0)
+  const int64_t R = X.size(0), ldh = h.stride(0);
+  auto a = at::empty({R, I}, X.options());
+  const T* hp = h.data_ptr<T>();
+  T* ap = a.data_ptr<T>();
+  for (int64_t r = 0; r < R; ++r) {
+    const T* g = hp + r * ldh;
+    for (int64_t i = 0; i < I; ++i) {
+      float v = f32(g[i]);
+      T s = static_cast<T>(v / (1.f + std::exp(-v)));
+      ap[r * I + i] = static_cast<T>(f32(s) * f32(g[I + i]));
+    }
+  }
+  return bundle_linear(a, dn, e, D);
+}
+
+template <typename T>
+at::Tensor moe_ffn_impl(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx, const Bundle& gu,
+                        const Bundle& dn, const Bundle& sgu, const Bundle& sdn, int64_t I, int64_t S) {
+  const int64_t N = x.size(0), D = x.size(1), k = idx.size(1), E = gu.w.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  std::vector<std::vector<int64_t>> pairs(E);  // per expert, its (token * k + slot) pairs in token order
+  for (int64_t p = 0; p < N * k; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "waferline::moe_ffn: expert index ", ip[p], " out of range");
+    pairs[ip[p]].push_back(p);
+  }
+  auto acc = at::zeros({N, D}, x.options().dtype(at::kFloat));
+  float* ap = acc.data_ptr<float>();
+  const T* xp = x.data_ptr<T>();
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& ps = pairs[e];
+    if (ps.empty()) continue;
+    const int64_t R = static_cast<int64_t>(ps.size());
+    at::Tensor xs;
+    if (N == 1) {
+      xs = x;
+    } else {
+      xs = at::empty({R, D}, x.options());
+      T* dst = xs.data_ptr<T>();
+      for (int64_t r = 0; r < R; ++r) std::copy(xp + (ps[r] / k) * D, xp + (ps[r] / k + 1) * D, dst + r * D);
+    }
+    at::Tensor o = gated_ffn<T>(xs, gu, dn, e, I, D);
+    const T* op = o.data_ptr<T>();
+    const int64_t ldo = o.stride(0);
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = ap + (ps[r] / k) * D;
+      const float wt = wp[ps[r]];
+      const T* src = op + r * ldo;
+      for (int64_t j = 0; j < D; ++j) dst[j] += f32(src[j]) * wt;
+    }
+  }
+  auto y = acc.to(x.scalar_type());
+  if (S > 0) {
+    at::Tensor s = gated_ffn<T>(x, sgu, sdn, -1, S, D);
+    T* yp = y.data_ptr<T>();
+    const T* sp = s.data_ptr<T>();
+    const int64_t lds = s.stride(0);
+    for (int64_t t = 0; t < N; ++t)
+      for (int64_t j = 0; j < D; ++j) yp[t * D + j] = static_cast<T>(f32(yp[t * D + j]) + f32(sp[t * lds + j]));
+  }
+  return y;
+}
+
+at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx, const at::Tensor& gu,
+                   const at::Tensor& gu_sz, const at::Tensor& dn, const at::Tensor& dn_sz, const at::Tensor& sgu,
+                   const at::Tensor& sgu_sz, const at::Tensor& sdn, const at::Tensor& sdn_sz, int64_t group,
+                   int64_t inter, int64_t shared_inter) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "waferline::moe_ffn: contiguous CPU x [N, D]");
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == x.size(0) && idx.scalar_type() == at::kLong && idx.is_contiguous() &&
+                  weights.sizes() == idx.sizes() && weights.scalar_type() == at::kFloat && weights.is_contiguous(),
+              "waferline::moe_ffn: weights fp32 and idx int64, both [N, k] and contiguous");
+  Bundle b_gu{gu, gu_sz, group}, b_dn{dn, dn_sz, group}, b_sgu{sgu, sgu_sz, group}, b_sdn{sdn, sdn_sz, group};
+  for (const Bundle* b : {&b_gu, &b_dn, &b_sgu, &b_sdn}) {
+    if (b->int4()) {
+      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "waferline::moe_ffn: int4 weights take bf16 activations");
+    } else if (b->w.numel()) {
+      TORCH_CHECK(b->w.scalar_type() == x.scalar_type() && b->w.is_contiguous(),
+                  "waferline::moe_ffn: dense weights must be contiguous and of x's dtype");
+    }
+  }
+  // every weight's shape (no product may read past a weight): dense [(E,) out, in]; int4 scales [(E,) in / G, >= out, 2]
+  const int64_t D = x.size(1), E = gu.dim() ? gu.size(0) : 0;
+  auto shaped = [&](const Bundle& b, bool stacked, int64_t out, int64_t in) {
+    const at::Tensor& t = b.int4() ? b.sz : b.w;
+    const int64_t lead = stacked ? 1 : 0;
+    if (stacked && (t.dim() < 1 || t.size(0) != E || b.w.size(0) != E)) return false;
+    if (b.int4())
+      return b.group > 0 && in % b.group == 0 && t.dim() == 3 + lead && t.size(lead) == in / b.group &&
+             t.size(lead + 1) >= out && t.size(lead + 2) == 2 && t.scalar_type() == at::kBFloat16;
+    return t.dim() == 2 + lead && t.size(lead) == out && t.size(lead + 1) == in;
+  };
+  TORCH_CHECK(E > 0 && inter > 0 && shaped(b_gu, true, 2 * inter, D) && shaped(b_dn, true, D, inter),
+              "waferline::moe_ffn: experts must be gate_up [E, 2I, D] and down [E, D, I] (or their int4 layouts)");
+  TORCH_CHECK(shared_inter == 0 || (shaped(b_sgu, false, 2 * shared_inter, D) && shaped(b_sdn, false, D, shared_inter)),
+              "waferline::moe_ffn: the shared expert must be gate_up [2S, D] and down [D, S] (or their int4 layouts)");
+  at::Tensor y;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "waferline_moe_ffn", [&] {
+    y = moe_ffn_impl<scalar_t>(x, weights, idx, b_gu, b_dn, b_sgu, b_sdn, inter, shared_inter);
+  });
+  return y;
 }
 
 // ---------------------------------------------------------------- attention softmax
@@ -536,6 +793,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("gqa_decode(Tensor q, Tensor kv, Tensor blocked, Tensor sinks, float scale) -> Tensor");
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
+  m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("moe_ffn(Tensor x, Tensor weights, Tensor idx, Tensor gu, Tensor gu_sz, Tensor dn, Tensor dn_sz, Tensor sgu, "
+        "Tensor sgu_sz, Tensor sdn, Tensor sdn_sz, int group, int inter, int shared_inter) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
 }
 
@@ -547,4 +807,6 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("gqa_decode", &gqa_decode);
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
+  m.impl("linear_rows", &linear_rows);
+  m.impl("moe_ffn", &moe_ffn);
 }

@@ -36,13 +36,23 @@ class RMSNorm(nn.Module):
         copy_into(self.weight, src.get(name, tuple(self.weight.shape)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, except that a one-row product with 16-bit weights on CPU (a batch-1 decode step) bypasses oneDNN.
+FEW_ROWS = 4  # bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows)
 
-    oneDNN re-packs a bf16 weight it has not seen before on every call; in a decode step every weight is used once,
-    so each projection pays the re-pack (measured ~2x slower than ATen's own vectorised GEMV for a 512 x 1536 weight,
-    and ~3x for 512 x 512). For two or more rows oneDNN's blocked kernel wins again, so only one-row calls switch.
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, except for 16-bit weights on CPU with few rows (decode steps).
+
+    A bf16 product of up to ``FEW_ROWS`` rows runs ``waferline::linear_rows`` (waferline.kernels: each weight row read
+    once, straight through, into every row's fp32 sums; measured 1.2-1.5x ATen's GEMV at one row and 1-4x oneDNN at
+    2-4 rows on this project's 2-core CPU, benchmarks/results/decode_ab_linear_rows.json). Otherwise a one-row
+    product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step every
+    weight is used once; ~2x slower than ATen's own GEMV for 512 x 1536, ~3x for 512 x 512); for two or more rows
+    oneDNN's blocked kernel wins again.
     """
+    if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dim() == 2
+            and x.numel() <= FEW_ROWS * x.shape[-1] and kernels.available()):
+        y = torch.ops.waferline.linear_rows(x, weight)
+        return y if bias is None else y + bias
     if weight.dtype != torch.float32 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         prev = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)
@@ -62,9 +72,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out for it once (kept in ``packs[key]``, redone when the weight is modified in place) instead of re-laying the
     weight out on every call: the same kernel, the same results, 1.5-2x faster for 2-8 rows (batched decode,
     speculative verify, the MoE's per-expert groups). Costs a second copy of every 16-bit weight used that way
-    (``WAFERLINE_PREPACK=0`` turns it off). One-row products keep ATen's GEMV (see ``linear``)."""
+    (``WAFERLINE_PREPACK=0`` turns it off). Few-row bf16 products and one-row 16-bit ones go to ``linear`` instead."""
     if (_PREPACK and weight.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and weight.dim() == 2
             and x.dtype == weight.dtype and x.numel() > x.shape[-1] and torch._C._get_mkldnn_enabled()
+            and not (weight.dtype == torch.bfloat16 and x.numel() <= FEW_ROWS * x.shape[-1] and kernels.available())
             and not weight.is_inference()):  # (weights made under inference_mode keep no version to check the copy by)
         ent = packs.get(key)
         stamp = (weight.data_ptr(), weight._version, tuple(weight.shape))

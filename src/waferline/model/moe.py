@@ -106,6 +106,7 @@ DENSE_NAMES: dict[str, dict[str, str]] = {
 
 FLAVORS = tuple(MOE_PREFIXES)
 GATHER_BYTES = 64 << 20  # decode gather path: most bytes of expert weights copied per forward
+MOE_FUSED_MAX_ROWS = 32  # tokens up to which a CPU MoE block runs as one fused op (decode and verify, not prefill)
 
 
 def hf_act(model_type: str, cfg: dict) -> str:
@@ -421,11 +422,44 @@ class MoE(nn.Module):
         y = torch.zeros(N, self.hidden_size, dtype=torch.float32, device=x.device).index_add_(0, token, out)
         return y.to(x.dtype)
 
+    def _fused_weights(self, x: Tensor) -> tuple | None:
+        """The arguments of ``waferline::moe_ffn`` after ``(x, weights, idx)`` when this block can run as that one op
+        on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in the CPU int4 layout, no matmul hooks
+        installed), else None."""
+        if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
+                and self.shared_gate_weight is None and not self.gather_on_cpu and "expert_linear" not in self.__dict__
+                and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+            return None
+        sh = self.shared
+        if sh is not None and not (sh.gated and sh.act is F.silu and sh.b_down is None and "linear" not in sh.__dict__):
+            return None
+        groups: set[int] = set()
+
+        def weight(owner: nn.Module, which: str) -> tuple[Tensor, Tensor] | None:
+            q = getattr(owner, "q_" + which, None)
+            if q is None:
+                w = getattr(owner, "w_" + which)
+                return (w, _NONE) if w.dtype == x.dtype and w.is_contiguous() else None
+            if q.backend != "cpu_int4pack" or q.compute_dtype != x.dtype:
+                return None
+            groups.add(q.group_size)
+            return q.packed, q.scales_zeros
+
+        parts = [weight(self, "gate_up"), weight(self, "down")]
+        parts += [weight(sh, "gate_up"), weight(sh, "down")] if sh is not None else [(_NONE, _NONE)] * 2
+        if any(p is None for p in parts) or len(groups) > 1:
+            return None
+        return (*(t for p in parts for t in p), groups.pop() if groups else 0, self.intermediate_size,
+                sh.intermediate_size if sh is not None else 0)
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [N, D]`` (N tokens, any batch flattened) -> ``[N, D]``."""
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
         weights, idx = self.route(x)
+        fused = self._fused_weights(x)
+        if fused is not None:  # routed experts, their weighted sum and the shared expert as one op (waferline.kernels)
+            return torch.ops.waferline.moe_ffn(x.contiguous(), weights, idx, *fused).reshape(shape)
         y = self.experts_forward(x, weights, idx)
         if self.shared is not None:
             s = self.shared(x)

@@ -367,10 +367,14 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
+ENGINE_FEW_ROWS = 4  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
+
+
 def multi_row_product(dtype: str, rows: int) -> bool:
-    """A linear call that carries the fitted in-engine per-call cost: 16-bit (oneDNN / MKL) with 2+ rows. int4 calls
-    run their own kernel, priced by its table."""
-    return dtype != "int4" and rows > 1
+    """A linear call that carries the fitted in-engine per-call cost: 16-bit (oneDNN / MKL) with 2+ rows, except bf16
+    products of up to ENGINE_FEW_ROWS rows (waferline::linear_rows, no oneDNN). int4 calls run their own kernel,
+    priced by its table."""
+    return dtype != "int4" and rows > 1 and not (dtype == "bf16" and rows <= ENGINE_FEW_ROWS)
 
 
 def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,

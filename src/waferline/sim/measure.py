@@ -241,9 +241,10 @@ def fit_linear(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 SMALL_OP_BYTES = 1 << 20  # a non-matmul op moving at most this many bytes runs from cache (assumed: L2 is 0.5-2 MB)
-_WEIGHT_OPS = {"linear", "mm", "addmm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "_linear_pointwise"}
+_WEIGHT_OPS = {"linear", "mm", "addmm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "_linear_pointwise",
+               "linear_rows"}
 _MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm",
-               "einsum", "_linear_pointwise"}
+               "einsum", "_linear_pointwise", "linear_rows"}
 
 
 def _tensors(x: Any) -> list[Any]:
@@ -314,6 +315,35 @@ def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
     raise ValueError(name)
 
 
+def moe_ffn_calls(args: Any) -> dict[str, float]:
+    """The linear calls inside one ``waferline::moe_ffn`` (its arguments ``x, weights, idx, gate_up, its scales, down,
+    its scales, shared gate_up, scales, shared down, scales, ...``) as OpCounter's ``call|dtype|rows|weight bytes``
+    keys: per expert hit, its gate_up and down product over the rows routed to it; the shared expert's over all rows."""
+    import torch
+
+    x, _, idx, gu, gu_sz, dn, dn_sz, sgu, sgu_sz, sdn, sdn_sz = args[:11]
+    dense = "fp32" if x.dtype == torch.float32 else "bf16"
+    E = int(gu.shape[0])
+    per_expert = [0] * E
+    for e in idx.reshape(-1).tolist():
+        per_expert[e] += 1
+    calls: dict[str, float] = {}
+
+    def add(wt: Any, sz: Any, rows: int, share: int) -> None:
+        nbytes = (wt.numel() * wt.element_size() + sz.numel() * sz.element_size()) // share
+        key = f"call|{'int4' if sz.numel() else dense}|{rows}|{int(nbytes)}"
+        calls[key] = calls.get(key, 0.0) + 1.0
+
+    for rows in per_expert:
+        if rows:
+            add(gu, gu_sz, rows, E)
+            add(dn, dn_sz, rows, E)
+    if sgu.numel():
+        add(sgu, sgu_sz, int(x.shape[0]), 1)
+        add(sdn, sdn_sz, int(x.shape[0]), 1)
+    return calls
+
+
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -345,7 +375,13 @@ class OpCounter:
         ins = _tensors(args)
         outs = _tensors(out)
         nbytes = _op_bytes(name, ins, outs)
-        if name in FUSED_OPS and outs:  # waferline.kernels: priced by their own measured rates (calibrate)
+        if name == "moe_ffn":  # waferline.kernels' MoE block: the expert products it makes, as the linear calls they are
+            calls = moe_ffn_calls(args)
+            for key, n in calls.items():
+                w[key] = w.get(key, 0.0) + n
+            # one op per call, as everywhere else: the tables' per-call time carries the dispatch of the op itself
+            self.counts[lab] += int(sum(calls.values())) - 1
+        elif name in FUSED_OPS and outs:  # waferline.kernels: priced by their own measured rates (calibrate)
             units = fused_units(name, ins, outs)
             for key, val in (("calls", 1.0), ("units", units), ("bytes", nbytes)):
                 w[f"fused|{name}|{key}"] = w.get(f"fused|{name}|{key}", 0.0) + val
@@ -1242,7 +1278,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         work = Path(tmp.name)
         try:
             cal_models = [(64, 1), (64, 2), (384, 2)] if quick else [(64, 1), (64, 2), (64, 6), (384, 2), (384, 4)]
-            batches = [1, 4] if quick else [1, 2, 4]  # 2 and 4: a multi-row call costs the same at both, a table lookup does not
+            # 2, 4 and 8: a multi-row call costs the same at each, a table lookup does not; bf16 products of up to 4
+            # rows run the engine's own kernel (no oneDNN call), so only batch 8 shows bf16's multi-row cost
+            batches = [1, 8] if quick else [1, 2, 4, 8]
             toks = 8 if quick else 16
             ew_rates = {f"{d}_{size}": v for (d, size), v in ew.items()}
             he["engine"] = {}
