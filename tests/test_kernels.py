@@ -199,18 +199,22 @@ def test_mla_decode_bf16_matches_eager(tmp_path, eager, one_thread):
     assert torch.equal(fused[:-1].argmax(-1), ref[:-1].argmax(-1))
 
 
-def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
-    """Mamba-2's fused state update against the eager chain: one-token steps (state rows in place for consecutive
-    slots, gathered and scattered otherwise) and a recorded 3-token verify give the same outputs, states, per-token
-    trail (replayed, with the operator) and rewound states to float rounding; with the operator, the verify and its
-    rewind to 1, 2 or 3 kept tokens agree with one-token steps (to rounding: the projections' GEMMs differ in
-    rounding with the row count, in the eager path too)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread, dtype):
+    """Mamba-2's fused mixer (waferline::mamba2_mix: conv, activations, state update and gated norm between the two
+    projections) against the eager chain: one-token steps (slots in order and not) and a recorded 3-token verify give
+    the same outputs, states, per-token trail (replayed, with the operator) and rewound states to float rounding (to
+    16-bit rounding in bf16); with the operator, the verify and its rewind to 1, 2 or 3 kept tokens agree with
+    one-token steps (to rounding: the projections' GEMMs differ in rounding with the row count, in the eager path
+    too)."""
     from waferline.model.ssm import Mamba2Mixer
 
     build("bamba", tmp_path)  # 2 groups of heads: the group indexing is exercised
-    mixer = next(layer.mixer for layer in load_model(tmp_path, torch.float32).layers
+    mixer = next(layer.mixer for layer in load_model(tmp_path, dtype).layers
                  if isinstance(layer.mixer, Mamba2Mixer))
-    x = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(4)).to(dtype)
+    assert mixer._mixes_fused(mixer.new_cache(1), x)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 3e-2}
 
     def run(slots):
         c = mixer.new_cache(4)
@@ -229,7 +233,7 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
             with eager:
                 ref = run(slots)
             for a, b in zip(fused, ref):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(a, b, **tol)
             c = mixer.new_cache(4)  # the verify's three tokens one at a time
             mixer(x[:, :5], c, StepBatch.make(slots, [0] * 3, 5))
             mixer(x[:, 5:6], c, StepBatch.make(slots, [5] * 3, 1))
@@ -238,11 +242,11 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread):
                 outs.append(mixer(x[:, t:t + 1], c, StepBatch.make(slots, [t] * 3, 1)))
                 b = t - 6  # row b's rewind kept b + 1 tokens: its state is the one after this step
                 kept.append((c.ssm[slots[b]].clone(), c.conv[slots[b]].clone()))
-            torch.testing.assert_close(torch.cat(outs, 1), fused[1], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(c.ssm, fused[2], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.cat(outs, 1), fused[1], **tol)
+            torch.testing.assert_close(c.ssm, fused[2], **tol)
             for b, (ssm, conv) in enumerate(kept):
-                torch.testing.assert_close(fused[4][slots[b]], ssm, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(fused[5][slots[b]], conv, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(fused[4][slots[b]], ssm, **tol)
+                torch.testing.assert_close(fused[5][slots[b]], conv, **tol)
     assert not torch.allclose(fused[2], torch.zeros_like(fused[2]))  # states really moved
 
 

@@ -620,64 +620,55 @@ void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocke
               float scale) {
   const int64_t R = r + p;
   const float ninf = -std::numeric_limits<float>::infinity();
-  // one (sequence, token) per task: its cache rows are read once for all heads
-  at::parallel_for(0, B * T, std::max<int64_t>(1, 65536 / std::max<int64_t>(L * R * H, 1)), [&](int64_t i0, int64_t i1) {
-    std::vector<float> ql(H * r), sc(H * L), ol(H * r), c(R);
-    for (int64_t bt = i0; bt < i1; ++bt) {
-      const int64_t b = bt / T;
-      for (int64_t h = 0; h < H; ++h) {  // absorb W_UK into the query
-        const float* q = qn + (bt * H + h) * n;
-        const float* wk = wuk + h * n * r;
-        float* qh = ql.data() + h * r;
-        for (int64_t j = 0; j < r; ++j) qh[j] = 0.f;
-        for (int64_t k = 0; k < n; ++k) {
-          const float qk = q[k];
-          const float* row = wk + k * r;
-          for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
-        }
+  // one (sequence, token, head) per task: heads are independent, so even one decode row splits across threads (its
+  // cache rows, a few tens of KB, are read once per head from the core's cache)
+  at::parallel_for(0, B * T * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(L * R, 1)), [&](int64_t i0, int64_t i1) {
+    std::vector<float> qh(r), sc(L), oh(r);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bt = i / H, h = i % H, b = bt / T;
+      const float* q = qn + i * n;  // absorb W_UK into the query
+      const float* wk = wuk + h * n * r;
+      for (int64_t j = 0; j < r; ++j) qh[j] = 0.f;
+      for (int64_t k = 0; k < n; ++k) {
+        const float qk = q[k];
+        const float* row = wk + k * r;
+#pragma omp simd
+        for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
       }
       const C* lb = lat + b * L * R;
       const bool* mk = blocked ? blocked + bt * L : nullptr;
+      const float* qrp = qr + i * p;
       for (int64_t l = 0; l < L; ++l) {  // scores
         if (mk && mk[l]) {
-          for (int64_t h = 0; h < H; ++h) sc[h * L + l] = ninf;
+          sc[l] = ninf;
           continue;
         }
-        for (int64_t j = 0; j < R; ++j) c[j] = f32(lb[l * R + j]);
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = ql.data() + h * r;
-          const float* qrp = qr + (bt * H + h) * p;
-          float s = 0.f;
+        const C* c = lb + l * R;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t j = 0; j < r; ++j) s += qh[j] * c[j];
-          float s2 = 0.f;
+        for (int64_t j = 0; j < r; ++j) s += qh[j] * f32(c[j]);
+        float s2 = 0.f;
 #pragma omp simd reduction(+ : s2)
-          for (int64_t j = 0; j < p; ++j) s2 += qrp[j] * c[r + j];
-          sc[h * L + l] = (s + s2) * scale;
-        }
+        for (int64_t j = 0; j < p; ++j) s2 += qrp[j] * f32(c[r + j]);
+        sc[l] = (s + s2) * scale;
       }
-      for (int64_t h = 0; h < H; ++h) softmax_masked(sc.data() + h * L, L, ninf);  // softmax per head
-      for (int64_t j = 0; j < H * r; ++j) ol[j] = 0.f;
+      softmax_masked(sc.data(), L, ninf);
+      for (int64_t j = 0; j < r; ++j) oh[j] = 0.f;
       for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
         if (mk && mk[l]) continue;
-        for (int64_t j = 0; j < r; ++j) c[j] = f32(lb[l * R + j]);
-        for (int64_t h = 0; h < H; ++h) {
-          const float pl = sc[h * L + l];
-          float* oh = ol.data() + h * r;
-          for (int64_t j = 0; j < r; ++j) oh[j] += pl * c[j];
-        }
+        const float pl = sc[l];
+        const C* c = lb + l * R;
+#pragma omp simd
+        for (int64_t j = 0; j < r; ++j) oh[j] += pl * f32(c[j]);
       }
-      for (int64_t h = 0; h < H; ++h) {  // W_UV after attention
-        const float* oh = ol.data() + h * r;
-        const float* wv = wuv + h * v * r;
-        float* o = out + (bt * H + h) * v;
-        for (int64_t k = 0; k < v; ++k) {
-          const float* row = wv + k * r;
-          float s = 0.f;
+      const float* wv = wuv + h * v * r;  // W_UV after attention
+      float* o = out + i * v;
+      for (int64_t k = 0; k < v; ++k) {
+        const float* row = wv + k * r;
+        float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t j = 0; j < r; ++j) s += oh[j] * row[j];
-          o[k] = s;
-        }
+        for (int64_t j = 0; j < r; ++j) s += oh[j] * row[j];
+        o[k] = s;
       }
     }
   });
@@ -699,16 +690,16 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
   }
   auto qn = q_nope.to(at::kFloat).contiguous();
   auto qr = q_rope.to(at::kFloat).contiguous();
-  auto lat = latents.contiguous();
+  // the cache rows in fp32 once (each head reads them; converting 16-bit rows inside the dot products kept those
+  // loops from vectorising: 42 vs ~20 us per dsv3-100m layer at 130 cached tokens)
+  auto lat = latents.to(at::kFloat).contiguous();
   auto mk = has_mask ? blocked.contiguous() : blocked;
   auto wk = w_uk.contiguous();
   auto wv = w_uv.contiguous();
   auto out = at::empty({B, T, H * v}, qn.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, lat.scalar_type(), "waferline_mla_decode", [&] {
-    mla_rows<scalar_t>(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<scalar_t>(),
-                       has_mask ? mk.data_ptr<bool>() : nullptr, wk.data_ptr<float>(), wv.data_ptr<float>(),
-                       out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
-  });
+  mla_rows<float>(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(),
+                  has_mask ? mk.data_ptr<bool>() : nullptr, wk.data_ptr<float>(), wv.data_ptr<float>(),
+                  out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
@@ -782,6 +773,162 @@ at::Tensor ssm_update(at::Tensor& h, const at::Tensor& dA, const at::Tensor& dtx
   return y;
 }
 
+// ---------------------------------------------------------------- Mamba-2 mixer between its two projections
+// zxbcdt [B, T, d_inner + C + H] (in_proj's output, dtype X) for rows continuing the sequences of cache ``slots``;
+// conv [S, C, K-1] (X) and ssm [S, H, P, N] (fp32) are the cache, updated in place at those slots. Per row, token
+// after token, what Mamba2Mixer._step computes (and _recurrent for a T-token verify), with its rounding points:
+//   window = [conv state | xBC_t]; xBC = act(round(sum_k round(window_k w_k)) + b) (X; silu), state shifted;
+//   dt = softplus(dt_t + dt_bias) (clamped when asked), dA = exp(dt A); the SSM update as ssm_update does;
+//   y = C . h + D x; g = y * silu(z), RMS-normalised per group, times the norm weight -> out [B, T, d_inner] (X).
+// ``record`` (a speculative verify): ssm_prev[slot] gets the state before the tokens, and the per-token inputs of the
+// update (dA, dt x, B, C) and the conv state after each token come back, for Mamba2Cache.rewind. ~40 eager ops per
+// layer and token (slicing, casts, the conv window, activations, the gated norm) become one call.
+inline float softplus1(float x) { return x > 20.f ? x : std::log1p(std::exp(x)); }
+inline float silu1(float x) { return x / (1.f + std::exp(-x)); }
+
+template <typename X>
+void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const X* cb, const float* dtb, const float* A,
+                 const float* Dp, const float* nw, float* ssm, float* prev, X* out, float* rdA, float* rdtx, float* rB,
+                 float* rC, X* ctrail, int64_t Bs, int64_t T, int64_t F, int64_t Din, int64_t C, int64_t K, int64_t H,
+                 int64_t P, int64_t N, int64_t G, float eps, bool clamp, float lo, float hi) {
+  const int64_t R = H / G, gw = Din / G, Km = K - 1;
+  std::vector<float> xbc(T * C), dt(T * H), y(T * H * P);
+  for (int64_t b = 0; b < Bs; ++b) {
+    const int64_t s = slots[b];
+    X* cs = conv + s * C * Km;
+    float* hs = ssm + s * H * P * N;
+    if (prev) std::copy(hs, hs + H * P * N, prev + s * H * P * N);
+    for (int64_t t = 0; t < T; ++t) {  // causal depthwise conv + activation, dt; the conv state shifts
+      const X* row = zx + (b * T + t) * F;
+      for (int64_t c = 0; c < C; ++c) {
+        X* st = cs + c * Km;
+        const X* w = cw + c * K;
+        const X xn = row[Din + c];
+        float acc = 0.f;
+        for (int64_t k = 0; k < Km; ++k) acc += f32(static_cast<X>(f32(st[k]) * f32(w[k])));
+        acc += f32(static_cast<X>(f32(xn) * f32(w[Km])));
+        X v = static_cast<X>(acc);
+        if (cb) v = static_cast<X>(f32(v) + f32(cb[c]));
+        xbc[t * C + c] = f32(static_cast<X>(silu1(f32(v))));
+        for (int64_t k = 0; k + 1 < Km; ++k) st[k] = st[k + 1];
+        if (Km > 0) st[Km - 1] = xn;
+      }
+      if (ctrail) std::copy(cs, cs + C * Km, ctrail + (b * T + t) * C * Km);
+      for (int64_t h = 0; h < H; ++h) {
+        float d = softplus1(f32(row[Din + C + h]) + dtb[h]);
+        if (clamp) d = std::min(std::max(d, lo), hi);
+        dt[t * H + h] = d;
+      }
+    }
+    at::parallel_for(0, H, std::max<int64_t>(1, 4096 / std::max<int64_t>(P * N * T, 1)), [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) {  // the state update, head by head (heads of a group share B and C)
+        const int64_t g = h / R;
+        for (int64_t pp = 0; pp < P; ++pp) {
+          float* hv = hs + (h * P + pp) * N;
+          for (int64_t t = 0; t < T; ++t) {
+            const float a = std::exp(dt[t * H + h] * A[h]);
+            const float xv = xbc[t * C + h * P + pp];
+            const float x = dt[t * H + h] * xv;
+            const float* Bv = xbc.data() + t * C + Din + g * N;
+            const float* Cv = xbc.data() + t * C + Din + G * N + g * N;
+            float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+            for (int64_t k = 0; k < N; ++k) {
+              const float v = hv[k] * a + x * Bv[k];
+              hv[k] = v;
+              acc += v * Cv[k];
+            }
+            y[(t * H + h) * P + pp] = acc + Dp[h] * xv;
+          }
+        }
+      }
+    });
+    for (int64_t t = 0; t < T; ++t) {  // y * silu(z), RMS-normalised per group, times the norm weight
+      const X* z = zx + (b * T + t) * F;
+      X* o = out + (b * T + t) * Din;
+      float* yt = y.data() + t * H * P;
+      for (int64_t gi = 0; gi < G; ++gi) {
+        float ss = 0.f;
+        for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) {
+          const float v = yt[j] * silu1(f32(z[j]));
+          yt[j] = v;
+          ss += v * v;
+        }
+        const float rs = 1.f / std::sqrt(ss / static_cast<float>(gw) + eps);
+        for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) o[j] = static_cast<X>(yt[j] * rs * nw[j]);
+      }
+      if (rdA) {  // the verify's replay record
+        const int64_t bt = b * T + t;
+        for (int64_t h = 0; h < H; ++h) {
+          rdA[bt * H + h] = std::exp(dt[t * H + h] * A[h]);
+          for (int64_t pp = 0; pp < P; ++pp) rdtx[(bt * H + h) * P + pp] = dt[t * H + h] * xbc[t * C + h * P + pp];
+        }
+        std::copy(xbc.data() + t * C + Din, xbc.data() + t * C + Din + G * N, rB + bt * G * N);
+        std::copy(xbc.data() + t * C + Din + G * N, xbc.data() + t * C + Din + 2 * G * N, rC + bt * G * N);
+      }
+    }
+  }
+}
+
+std::vector<at::Tensor> mamba2_mix(const at::Tensor& zxbcdt, at::Tensor& conv, const at::Tensor& slots,
+                                   const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& dt_bias,
+                                   const at::Tensor& A, const at::Tensor& D, const at::Tensor& norm_w, at::Tensor& ssm,
+                                   at::Tensor& ssm_prev, int64_t groups, double eps, bool clamp, double lo, double hi,
+                                   bool record) {
+  TORCH_CHECK(zxbcdt.dim() == 3 && conv.dim() == 3 && ssm.dim() == 4 && slots.dim() == 1,
+              "waferline::mamba2_mix: zxbcdt [B, T, F], conv [S, C, K-1], ssm [S, H, P, N], slots [B]");
+  const int64_t Bs = zxbcdt.size(0), T = zxbcdt.size(1), F = zxbcdt.size(2);
+  const int64_t C = conv.size(1), K = conv.size(2) + 1, H = ssm.size(1), P = ssm.size(2), N = ssm.size(3), G = groups;
+  const int64_t Din = H * P;
+  TORCH_CHECK(G >= 1 && H % G == 0 && C == Din + 2 * G * N && F == Din + C + H,
+              "waferline::mamba2_mix: widths must be d_inner = H P, conv = d_inner + 2 G N, in_proj = d_inner + conv + H");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.size(0) == Bs, "waferline::mamba2_mix: int64 slots [B]");
+  TORCH_CHECK(zxbcdt.scalar_type() == conv.scalar_type() && conv_w.scalar_type() == conv.scalar_type() &&
+                  conv_w.sizes() == at::IntArrayRef({C, K}) && conv.is_contiguous() && ssm.is_contiguous() &&
+                  ssm.scalar_type() == at::kFloat,
+              "waferline::mamba2_mix: conv state and weight [C, K] of the activations' dtype, contiguous; fp32 state");
+  TORCH_CHECK(conv_b.numel() == 0 || (conv_b.numel() == C && conv_b.scalar_type() == conv.scalar_type()),
+              "waferline::mamba2_mix: conv bias [C] of the activations' dtype, or empty");
+  for (const at::Tensor* t : {&dt_bias, &A, &D}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == H, "waferline::mamba2_mix: dt_bias, A, D fp32 [H]");
+  }
+  TORCH_CHECK(norm_w.scalar_type() == at::kFloat && norm_w.numel() == Din, "waferline::mamba2_mix: fp32 norm weight [d_inner]");
+  TORCH_CHECK(!record || (ssm_prev.sizes() == ssm.sizes() && ssm_prev.scalar_type() == at::kFloat && ssm_prev.is_contiguous()),
+              "waferline::mamba2_mix: recording needs ssm_prev shaped like ssm");
+  auto sl = slots.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t b = 0; b < Bs; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < ssm.size(0) && sp[b] < conv.size(0), "waferline::mamba2_mix: slot out of range");
+  }
+  auto zx = zxbcdt.contiguous();
+  auto cw = conv_w.contiguous();
+  auto cb = conv_b.numel() ? conv_b.contiguous() : conv_b;
+  auto f32o = zx.options().dtype(at::kFloat);
+  auto out = at::empty({Bs, T, Din}, zx.options());
+  at::Tensor rdA, rdtx, rB, rC, ctr;
+  if (record) {
+    rdA = at::empty({Bs, T, H}, f32o);
+    rdtx = at::empty({Bs, T, H, P}, f32o);
+    rB = at::empty({Bs, T, G, N}, f32o);
+    rC = at::empty({Bs, T, G, N}, f32o);
+    ctr = at::empty({Bs, T, C, K - 1}, zx.options());
+  } else {
+    rdA = rdtx = rB = rC = ctr = at::empty({0}, f32o);
+  }
+  auto dtb = dt_bias.contiguous(), Ac = A.contiguous(), Dc = D.contiguous(), nwc = norm_w.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zx.scalar_type(), "waferline_mamba2_mix", [&] {
+    mamba2_rows<scalar_t>(zx.data_ptr<scalar_t>(), conv.data_ptr<scalar_t>(), sp, cw.data_ptr<scalar_t>(),
+                          cb.numel() ? cb.data_ptr<scalar_t>() : nullptr, dtb.data_ptr<float>(), Ac.data_ptr<float>(),
+                          Dc.data_ptr<float>(), nwc.data_ptr<float>(), ssm.data_ptr<float>(),
+                          record ? ssm_prev.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
+                          record ? rdA.data_ptr<float>() : nullptr, record ? rdtx.data_ptr<float>() : nullptr,
+                          record ? rB.data_ptr<float>() : nullptr, record ? rC.data_ptr<float>() : nullptr,
+                          record ? ctr.data_ptr<scalar_t>() : nullptr, Bs, T, F, Din, C, K, H, P, N, G,
+                          static_cast<float>(eps), clamp, static_cast<float>(lo), static_cast<float>(hi));
+  });
+  return {out, rdA, rdtx, rB, rC, ctr};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(waferline, m) {
@@ -794,6 +941,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
+        "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
+        "float hi, bool record) -> Tensor[]");
   m.def("moe_ffn(Tensor x, Tensor weights, Tensor idx, Tensor gu, Tensor gu_sz, Tensor dn, Tensor dn_sz, Tensor sgu, "
         "Tensor sgu_sz, Tensor sdn, Tensor sdn_sz, int group, int inter, int shared_inter) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
@@ -808,5 +958,6 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
+  m.impl("mamba2_mix", &mamba2_mix);
   m.impl("moe_ffn", &moe_ffn);
 }

@@ -231,9 +231,26 @@ class Mamba2Mixer(nn.Module):
         g = g.view(shp) * self._consts()[2]
         return self.out_proj(g if dtype == torch.float32 else g.to(dtype))
 
+    def _mixes_fused(self, cache: Mamba2Cache, x: Tensor) -> bool:
+        """Whether decode and verify steps run everything between the projections as waferline::mamba2_mix: the fused
+        state update applies, a SiLU conv, the conv state and weight in the activations' dtype."""
+        return (self.act_name in ("silu", "swish") and cache.conv.dtype == x.dtype == self.conv_weight.dtype
+                and _fused(cache, x))
+
+    def _mix(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, record: bool) -> list[Tensor]:
+        A, D, norm = self._consts()
+        lo, hi = self.time_step_limit
+        dtb = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
+        return torch.ops.waferline.mamba2_mix(
+            self.in_proj(x), cache.conv, slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
+            dtb, A, D.view(-1), norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
+            self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, min(hi, 3.0e38), record)
+
     def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, slot0: int | None = None) -> Tensor:
         """One new token per row: the recurrent form (the decode hot loop). With consecutive slots (``slot0``) the
         states are updated in place through views; otherwise gathered and scattered back."""
+        if self._mixes_fused(cache, x):  # conv, activations, state update and gated norm as one op
+            return self.out_proj(self._mix(x, cache, slots, record=False)[0])
         Bsz = x.shape[0]
         H, P, N, G = self.H, self.P, self.N, self.G
         A, D, _ = self._consts()
@@ -351,6 +368,13 @@ class Mamba2Mixer(nn.Module):
         rejected suffix can be dropped (``Mamba2Cache.rewind``).
         Same arithmetic as ``_step`` (dt clamp included), so verify logits match plain decoding's; everything but the
         state recurrence itself is computed for all T tokens at once."""
+        if self._mixes_fused(cache, x):  # as _step's fused op, T tokens, recording what a rewind replays
+            if cache.ssm_prev is None:
+                cache.ssm_prev = torch.empty_like(cache.ssm)
+            g, dA, dtx, Bg, Cg, conv_after = self._mix(x, cache, slots, record=True)
+            for b, s in enumerate(slots.tolist()):
+                cache.trail[s] = (conv_after[b], _Replay(dA[b], dtx[b], Bg[b], Cg[b]))
+            return self.out_proj(g)
         Bsz, T, _ = x.shape
         H, P, N, G, K = self.H, self.P, self.N, self.G, self.K
         R = H // G
