@@ -792,7 +792,7 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
                  float* rC, X* ctrail, int64_t Bs, int64_t T, int64_t F, int64_t Din, int64_t C, int64_t K, int64_t H,
                  int64_t P, int64_t N, int64_t G, float eps, bool clamp, float lo, float hi) {
   const int64_t R = H / G, gw = Din / G, Km = K - 1;
-  std::vector<float> xbc(T * C), dt(T * H), y(T * H * P);
+  std::vector<float> xbc(T * C), dt(T * H), dA(T * H), y(T * H * P), pre(C), sz(Din);
   for (int64_t b = 0; b < Bs; ++b) {
     const int64_t s = slots[b];
     X* cs = conv + s * C * Km;
@@ -809,15 +809,19 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
         acc += f32(static_cast<X>(f32(xn) * f32(w[Km])));
         X v = static_cast<X>(acc);
         if (cb) v = static_cast<X>(f32(v) + f32(cb[c]));
-        xbc[t * C + c] = f32(static_cast<X>(silu1(f32(v))));
+        pre[c] = f32(v);
         for (int64_t k = 0; k + 1 < Km; ++k) st[k] = st[k + 1];
         if (Km > 0) st[Km - 1] = xn;
       }
+      float* xt = xbc.data() + t * C;
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) xt[c] = f32(static_cast<X>(silu1(pre[c])));
       if (ctrail) std::copy(cs, cs + C * Km, ctrail + (b * T + t) * C * Km);
       for (int64_t h = 0; h < H; ++h) {
         float d = softplus1(f32(row[Din + C + h]) + dtb[h]);
         if (clamp) d = std::min(std::max(d, lo), hi);
         dt[t * H + h] = d;
+        dA[t * H + h] = std::exp(d * A[h]);
       }
     }
     at::parallel_for(0, H, std::max<int64_t>(1, 4096 / std::max<int64_t>(P * N * T, 1)), [&](int64_t h0, int64_t h1) {
@@ -826,7 +830,7 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
         for (int64_t pp = 0; pp < P; ++pp) {
           float* hv = hs + (h * P + pp) * N;
           for (int64_t t = 0; t < T; ++t) {
-            const float a = std::exp(dt[t * H + h] * A[h]);
+            const float a = dA[t * H + h];
             const float xv = xbc[t * C + h * P + pp];
             const float x = dt[t * H + h] * xv;
             const float* Bv = xbc.data() + t * C + Din + g * N;
@@ -847,20 +851,24 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
       const X* z = zx + (b * T + t) * F;
       X* o = out + (b * T + t) * Din;
       float* yt = y.data() + t * H * P;
+#pragma omp simd
+      for (int64_t j = 0; j < Din; ++j) sz[j] = silu1(f32(z[j]));
       for (int64_t gi = 0; gi < G; ++gi) {
         float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
         for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) {
-          const float v = yt[j] * silu1(f32(z[j]));
+          const float v = yt[j] * sz[j];
           yt[j] = v;
           ss += v * v;
         }
         const float rs = 1.f / std::sqrt(ss / static_cast<float>(gw) + eps);
+#pragma omp simd
         for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) o[j] = static_cast<X>(yt[j] * rs * nw[j]);
       }
       if (rdA) {  // the verify's replay record
         const int64_t bt = b * T + t;
         for (int64_t h = 0; h < H; ++h) {
-          rdA[bt * H + h] = std::exp(dt[t * H + h] * A[h]);
+          rdA[bt * H + h] = dA[t * H + h];
           for (int64_t pp = 0; pp < P; ++pp) rdtx[(bt * H + h) * P + pp] = dt[t * H + h] * xbc[t * C + h * P + pp];
         }
         std::copy(xbc.data() + t * C + Din, xbc.data() + t * C + Din + G * N, rB + bt * G * N);
