@@ -99,10 +99,16 @@ class Mamba2Cache:
             s = int(slots[b])
             if s not in self.trail:
                 raise RuntimeError(f"Mamba2Cache.rewind: no trail for slot {s} (run the verify with keep_trail=True)")
-            if k < self.trail[s][0].shape[0]:
-                self.conv[s] = self.trail[s][0][k - 1].to(self.conv.dtype)
-                self.ssm[s] = self.ssm_after(s, k).to(self.ssm.dtype)
-            del self.trail[s]
+            conv_after, rec = self.trail.pop(s)
+            if k < conv_after.shape[0]:
+                self.conv[s].copy_(conv_after[k - 1])
+                if isinstance(rec, _Replay):  # replayed straight into the cache row (no temporary state)
+                    row = self.ssm[s: s + 1]
+                    row.copy_(self.ssm_prev[s: s + 1])
+                    torch.ops.waferline.ssm_update(row, rec.dA[None, :k], rec.dtx[None, :k], rec.Bm[None, :k],
+                                                   rec.Cm[None, :k], _NO_TRAIL)
+                else:
+                    self.ssm[s].copy_(rec[k - 1])
 
     def ssm_after(self, slot: int, k: int) -> Tensor:
         """The SSM state of ``slot`` after the first ``k`` (>= 1) tokens of its recorded verify, ``[H, P, N]``."""
