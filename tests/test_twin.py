@@ -219,9 +219,10 @@ def test_process_cpu_seconds_resolves_milliseconds():
 
 
 def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
-    """calibrate times waferline's fused operators (mla_decode, ssm_update) and the host model prices each call at
-    t0 + work units / rate instead of the per-op overhead; an older calibration without those rates falls back to
-    the FLOP-rate and bandwidth pricing. The counter records each call's units (FLOPs; state elements updated)."""
+    """calibrate times waferline's fused operators (mla_decode, ssm_update, mamba2_mix, ...) and the host model prices
+    each call at t0 + work units / rate instead of the per-op overhead; an older calibration without those rates falls
+    back to the FLOP-rate and bandwidth pricing. The counter records each call's units (FLOPs; state elements
+    updated)."""
     from dataclasses import replace
 
     from waferline import kernels
@@ -230,7 +231,7 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
 
     host = HostParams.load(host_yaml)
     if kernels.available():
-        assert set(host.fused) == {"mla_decode", "ssm_update", "silu_mul", "rms_norm"}
+        assert set(host.fused) == {"mla_decode", "ssm_update", "mamba2_mix", "silu_mul", "rms_norm"}
         assert all(t0 >= 0 and rate > 0 for t0, rate in host.fused.values())
     host = replace(host, fused={"mla_decode": (1e-5, 2e10), "ssm_update": (2e-6, 1e9)})
     w = Work(ops=10, fused={"mla_decode|calls": 2.0, "mla_decode|units": 4e6, "mla_decode|bytes": 1e6,
@@ -245,6 +246,8 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
     h, dA = torch.zeros(2, 4, 8, 16), torch.zeros(2, 3, 4)
     assert fused_units("ssm_update", [h, dA], []) == 2 * 3 * 4 * 8 * 16
     assert fused_units("silu_mul", [torch.zeros(5, 64)], [torch.zeros(5, 32)]) == 5 * 32
+    mix_args = [torch.zeros(3, 2, 99)] + [torch.zeros(1)] * 8 + [torch.zeros(6, 4, 8, 16)]  # zxbcdt, ..., ssm [slots, H, P, N]
+    assert fused_units("mamba2_mix", mix_args, []) == 3 * 2 * 4 * 8 * 16
 
 
 def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twin_result, host_yaml):

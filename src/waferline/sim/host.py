@@ -1,9 +1,11 @@
 """The host-engine cost model: how long waferline's own CPU engine takes for a Plan on a calibrated machine.
 
 A stage process's decode step is priced op by op over the engine's own op stream (counted, not timed, by the twin):
-  linear calls (x W^T, int4pack)   the measured linear table (seconds per call by rows and weight bytes) x linear_scale,
-                                   + a fitted in-engine cost per 16-bit product of 2+ rows
-  fused operators (waferline.kernels: mla_decode, ssm_update, silu_mul, rms_norm)   measured t0 + work units / rate
+  linear calls (x W^T, int4pack,   the measured linear table (seconds per call by rows and weight bytes) x linear_scale,
+  the expert products in moe_ffn)  + a fitted in-engine cost per oneDNN/MKL product of 2+ rows
+  fused operators (waferline.      measured t0 + work units / rate
+  kernels: mla_decode, ssm_update,
+  mamba2_mix, silu_mul, rms_norm)
   other matmuls (attention, scans) roofline: bytes / bandwidth + FLOPs / FLOP/s of the measured linear fit
   every other aten op              the per-op overhead + its bytes at the measured elementwise bandwidth
 plus per-sequence work (sampling on the head's stage) and the scheduler's per-step overhead,

@@ -292,13 +292,13 @@ def _einsum_flops(eq: str, ops: list[Any]) -> float:
     return 2.0 * math.prod(size.values()) if size else 0.0
 
 
-FUSED_OPS = ("mla_decode", "ssm_update", "silu_mul", "rms_norm")  # waferline.kernels operators, own calibrated rates
+FUSED_OPS = ("mla_decode", "ssm_update", "mamba2_mix", "silu_mul", "rms_norm")  # waferline.kernels, own calibrated rates
 
 
 def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
     """The work unit a fused operator's time is proportional to: mla_decode, its FLOPs (absorbed MLA: W_UK into the
-    query, scores and weighted sum over the latents, W_UV); ssm_update, state elements updated (batch x tokens x heads x
-    head dim x state size)."""
+    query, scores and weighted sum over the latents, W_UV); ssm_update and mamba2_mix (the whole Mamba-2 mixer between
+    its projections), state elements updated (batch x tokens x heads x head dim x state size)."""
     if name == "mla_decode":
         qn, qr, lat, w_uk = ins[0], ins[1], ins[2], ins[-2]  # q_nope, q_rope, latents, (mask,) W_UK, W_UV
         B, T, H, n = qn.shape
@@ -310,6 +310,9 @@ def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
     if name == "ssm_update":
         h, dA = ins[0], ins[1]  # h [B, H, P, N], dA [B, T, H]
         return float(h.numel() * dA.shape[1])
+    if name == "mamba2_mix":  # zxbcdt [B, T, F], ..., the cache's ssm [slots, H, P, N] (10th tensor argument)
+        zx, ssm = ins[0], ins[9]
+        return float(zx.shape[0] * zx.shape[1] * ssm[0].numel())
     if name in ("silu_mul", "rms_norm"):  # elements written
         return float(outs[0].numel())
     raise ValueError(name)
@@ -786,7 +789,8 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     no_mask = torch.empty(0, dtype=torch.bool)
-    pts: dict[str, list[dict[str, float]]] = {"mla_decode": [], "ssm_update": [], "silu_mul": [], "rms_norm": []}
+    pts: dict[str, list[dict[str, float]]] = {"mla_decode": [], "ssm_update": [], "mamba2_mix": [], "silu_mul": [],
+                                              "rms_norm": []}
 
     def timed(fn: Callable[[], Any]) -> float:
         fn()
@@ -820,6 +824,17 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
 
                 pts["ssm_update"].append({"heads": H, "rows": B, "tokens": T, "units": float(B * T * H * P * N),
                                           "seconds": timed(step)})
+            # the whole mixer between its projections, as the engine's decode (T = 1) and verify (recorded) call it
+            C = H * P + 2 * N
+            conv, cw, no_bias = torch.randn(16, C, 3).bfloat16(), torch.randn(C, 4).bfloat16() * 0.3, torch.empty(0)
+            dtb, A, D, nw = torch.randn(H), -torch.rand(H), torch.ones(H), torch.ones(H * P)
+            for B, T in ((1, 1), (8, 4)) if quick else ((1, 1), (8, 1), (1, 4), (8, 4)):
+                slots = torch.arange(B) * 2
+                zx = torch.randn(B, T, H * P + C + H).bfloat16()
+                sec = timed(lambda: torch.ops.waferline.mamba2_mix(zx, conv, slots, cw, no_bias, dtb, A, D, nw, cache,
+                                                                   prev, 1, 1e-6, False, 0.0, 1e30, T > 1))
+                pts["mamba2_mix"].append({"heads": H, "rows": B, "tokens": T, "units": float(B * T * H * P * N),
+                                          "seconds": sec})
         # the elementwise ones: bf16 rows the previous op just wrote (in cache, as in the engine); exp and a division
         # per element make them slower than their bytes at the copy-like elementwise bandwidth (silu_mul of 256 x 512:
         # ~100 us here, ~35 us by bytes)
@@ -1242,13 +1257,14 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                         "per call, best of 3"})
     if llc:
         he["llc_bytes"] = _fig(llc, tag, "last-level cache size (sysfs /sys/devices/system/cpu/cpu0/cache)")
-    say("fused operators (mla_decode, ssm_update, silu_mul, rms_norm)", 0.47)
+    say("fused operators (mla_decode, ssm_update, mamba2_mix, silu_mul, rms_norm)", 0.47)
     fo = fused_op_probe(quick)
     if fo:
         he["fused_ops"] = {}
         for name, f in fo.items():
             unit, shapes = {"mla_decode": ("FLOPs", f"rows x tokens 1-4, MLA heads {FUSED_PROBE_MLA}"),
-                            "ssm_update": ("state elements updated", f"rows x tokens 1-32, Mamba-2 states {FUSED_PROBE_SSM}")
+                            "ssm_update": ("state elements updated", f"rows x tokens 1-32, Mamba-2 states {FUSED_PROBE_SSM}"),
+                            "mamba2_mix": ("state elements updated", f"rows x tokens 1-32, Mamba-2 states {FUSED_PROBE_SSM}")
                             }.get(name, ("elements written", f"bf16, rows {FUSED_PROBE_ROWS} x widths {FUSED_PROBE_WIDTHS}"))
             meth = (f"torch.ops.waferline.{name} back to back, 1 thread, {shapes}: fit t = t0 + {unit} / rate, fit "
                     f"error x{f['fit_error_factor']:.2f}")
