@@ -30,6 +30,26 @@ namespace {
 template <typename T>
 inline float f32(T v) { return static_cast<float>(v); }
 
+inline float dotf(const float* a, const float* b, int64_t n) {  // sum of a[i] b[i], vectorised (fp32 throughout)
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// One token of the Mamba-2 recurrence on one (head, head-dim) row of the state: h = h a + x B, returns C . h. Shared
+// by ssm_update (a rewind's replay) and mamba2_mix (decode and verify), so both reach bitwise the same states.
+inline float ssm_token(float* h, float a, float x, const float* B, const float* C, int64_t N) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t k = 0; k < N; ++k) {
+    const float v = h[k] * a + x * B[k];
+    h[k] = v;
+    acc += v * C[k];
+  }
+  return acc;
+}
+
 // ---------------------------------------------------------------- RMSNorm
 // out = weight * to(dtype)(x_f32 * rsqrt(mean(x_f32^2) + eps)), the multiply by weight in fp32, rounded once.
 template <typename T>
@@ -209,10 +229,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
     for (int64_t t = n0; t < n1; ++t) {
       const float* xr = xp + t * D;
       for (int64_t e = 0; e < E; ++e) {
-        const float* wr = wp + e * D;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < D; ++j) acc += xr[j] * wr[j];
+        const float acc = dotf(xr, wp + e * D, D);
         lg[e] = bp ? acc + bp[e] : acc;
       }
       float* wo = op + t * k;
@@ -278,13 +295,7 @@ void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T
     for (int64_t n = n0; n < n1; ++n) {
       const T* src = w + n * K;
       for (int64_t j = 0; j < K; ++j) wr[j] = f32(src[j]);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xf.data() + m * K;
-        float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-        for (int64_t j = 0; j < K; ++j) acc += xr[j] * wr[j];
-        y[m * ldy + n] = static_cast<T>(acc);
-      }
+      for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = static_cast<T>(dotf(xf.data() + m * K, wr.data(), K));
     }
   });
 }
@@ -554,13 +565,7 @@ void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, 
         }
         const C* kr = base + (l * 2 * Hkv + j) * D;
         for (int64_t d = 0; d < D; ++d) row[d] = f32(kr[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t d = 0; d < D; ++d) acc += qg[d] * row[d];
-          sc[g * L + l] = acc * scale;
-        }
+        for (int64_t g = 0; g < G; ++g) sc[g * L + l] = dotf(qf.data() + g * D, row.data(), D) * scale;
       }
       for (int64_t g = 0; g < G; ++g) softmax_masked(sc.data() + g * L, L, sinks ? sinks[j * G + g] : ninf);
       for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
@@ -614,8 +619,7 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
 // blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
 // Per (b, t, h), all in fp32: q_lat = q_nope W_UK; s_l = scale (q_lat . c_l + q_rope . k_rope_l); p = softmax(s);
 // o = sum_l p_l c_l; out = o W_UV^T -> [B, T, H * v] in ``out_dtype``.
-template <typename C>
-void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocked, const float* wuk, const float* wuv,
+void mla_rows(const float* qn, const float* qr, const float* lat, const bool* blocked, const float* wuk, const float* wuv,
               float* out, int64_t B, int64_t T, int64_t H, int64_t n, int64_t p, int64_t r, int64_t v, int64_t L,
               float scale) {
   const int64_t R = r + p;
@@ -635,7 +639,7 @@ void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocke
 #pragma omp simd
         for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
       }
-      const C* lb = lat + b * L * R;
+      const float* lb = lat + b * L * R;
       const bool* mk = blocked ? blocked + bt * L : nullptr;
       const float* qrp = qr + i * p;
       for (int64_t l = 0; l < L; ++l) {  // scores
@@ -643,33 +647,21 @@ void mla_rows(const float* qn, const float* qr, const C* lat, const bool* blocke
           sc[l] = ninf;
           continue;
         }
-        const C* c = lb + l * R;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < r; ++j) s += qh[j] * f32(c[j]);
-        float s2 = 0.f;
-#pragma omp simd reduction(+ : s2)
-        for (int64_t j = 0; j < p; ++j) s2 += qrp[j] * f32(c[r + j]);
-        sc[l] = (s + s2) * scale;
+        const float* c = lb + l * R;
+        sc[l] = (dotf(qh.data(), c, r) + dotf(qrp, c + r, p)) * scale;
       }
       softmax_masked(sc.data(), L, ninf);
       for (int64_t j = 0; j < r; ++j) oh[j] = 0.f;
       for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
         if (mk && mk[l]) continue;
         const float pl = sc[l];
-        const C* c = lb + l * R;
+        const float* c = lb + l * R;
 #pragma omp simd
-        for (int64_t j = 0; j < r; ++j) oh[j] += pl * f32(c[j]);
+        for (int64_t j = 0; j < r; ++j) oh[j] += pl * c[j];
       }
       const float* wv = wuv + h * v * r;  // W_UV after attention
       float* o = out + i * v;
-      for (int64_t k = 0; k < v; ++k) {
-        const float* row = wv + k * r;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t j = 0; j < r; ++j) s += oh[j] * row[j];
-        o[k] = s;
-      }
+      for (int64_t k = 0; k < v; ++k) o[k] = dotf(oh.data(), wv + k * r, r);
     }
   });
 }
@@ -697,7 +689,7 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
   auto wk = w_uk.contiguous();
   auto wv = w_uv.contiguous();
   auto out = at::empty({B, T, H * v}, qn.options());
-  mla_rows<float>(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(),
+  mla_rows(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(),
                   has_mask ? mk.data_ptr<bool>() : nullptr, wk.data_ptr<float>(), wv.data_ptr<float>(),
                   out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
@@ -724,14 +716,7 @@ void ssm_rows(float* h, const float* dA, const float* dtx, const float* Bm, cons
           const float x = dtx[(bt * H + hd) * P + pp];
           const float* Bv = Bm + (bt * G + g) * N;
           const float* Cv = Cm + (bt * G + g) * N;
-          float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-          for (int64_t k = 0; k < N; ++k) {
-            const float v = hs[k] * a + x * Bv[k];
-            hs[k] = v;
-            acc += v * Cv[k];
-          }
-          y[(bt * H + hd) * P + pp] = acc;
+          y[(bt * H + hd) * P + pp] = ssm_token(hs, a, x, Bv, Cv, N);
           if (trail) {
             float* tr = trail + ((bt * H + hd) * P + pp) * N;
             for (int64_t k = 0; k < N; ++k) tr[k] = hs[k];
@@ -835,14 +820,7 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
             const float x = dt[t * H + h] * xv;
             const float* Bv = xbc.data() + t * C + Din + g * N;
             const float* Cv = xbc.data() + t * C + Din + G * N + g * N;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t k = 0; k < N; ++k) {
-              const float v = hv[k] * a + x * Bv[k];
-              hv[k] = v;
-              acc += v * Cv[k];
-            }
-            y[(t * H + h) * P + pp] = acc + Dp[h] * xv;
+            y[(t * H + h) * P + pp] = ssm_token(hv, a, x, Bv, Cv, N) + Dp[h] * xv;
           }
         }
       }
