@@ -281,8 +281,8 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 // ---------------------------------------------------------------- few-row linear: y = x W^T for up to 8 rows
 // x [M, K] and W [N, K] of one dtype (fp32 / bf16 / fp16), y [M, N] of that dtype, fp32 sums rounded once. The
 // decode step's products have 1-8 rows: every weight row is read once from memory and multiplied into all M rows
-// while it sits in L1 (ATen's one-row GEMV reads it once too, but 2-8 rows go to oneDNN, which re-lays each weight
-// out per call). With AVX512-BF16 the bf16 products run as pairwise bf16 dot products (vdpbf16ps: exact products,
+// while it sits in L1 (ATen's one-row GEMV reads it once too; 2-8 rows otherwise go to oneDNN, slower on the small
+// weights of a decode step). With AVX512-BF16 the bf16 products run as pairwise bf16 dot products (vdpbf16ps: exact products,
 // fp32 sums); elsewhere a portable loop. Rows of W are split across threads.
 constexpr int64_t FEW_ROWS = 8;
 
@@ -301,7 +301,7 @@ void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-// One weight row at a time, read straight through (the hardware prefetcher's best case: measured 1.3-1.9x the GB/s
+// One weight row at a time, read straight through (the hardware prefetcher's best case: measured 1.4-1.9x the GB/s
 // of blocking several rows together), into M x U independent accumulators (U chains over K hide the dot product's
 // latency when M is small).
 template <int M, int U>

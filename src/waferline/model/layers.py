@@ -43,8 +43,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear``, except for 16-bit weights on CPU with few rows (decode steps).
 
     A bf16 product of up to ``FEW_ROWS`` rows runs ``waferline::linear_rows`` (waferline.kernels: each weight row read
-    once, straight through, into every row's fp32 sums; measured 1.2-1.5x ATen's GEMV at one row and 1-4x oneDNN at
-    2-4 rows on this project's 2-core CPU, benchmarks/results/decode_ab_linear_rows.json). Otherwise a one-row
+    once, straight through, into every row's fp32 sums; on this project's 2-core CPU 22-34 GB/s of weights at one row
+    against ATen's GEMV at 16-33, and 2.7-4.3x oneDNN at 4 rows on weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an
+    ad-hoc loop, README "Decode speed", session 8). Otherwise a one-row
     product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step every
     weight is used once; ~2x slower than ATen's own GEMV for 512 x 1536, ~3x for 512 x 512); for two or more rows
     oneDNN's blocked kernel wins again.

@@ -250,7 +250,7 @@ class Mamba2Mixer(nn.Module):
         return torch.ops.waferline.mamba2_mix(
             self.in_proj(x), cache.conv, slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
             dtb, A, D.view(-1), norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
-            self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, min(hi, 3.0e38), record)
+            self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, hi, record)
 
     def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, slot0: int | None = None) -> Tensor:
         """One new token per row: the recurrent form (the decode hot loop). With consecutive slots (``slot0``) the
