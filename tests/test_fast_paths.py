@@ -139,12 +139,21 @@ def test_packed_linear_is_the_same_product_and_follows_weight_changes():
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
 @pytest.mark.parametrize("K", [64, 96, 200])
-def test_few_row_bf16_linear(K):
+@pytest.mark.parametrize("portable", [False, True])
+def test_few_row_bf16_linear(K, portable):
     """bf16 products of 1..FEW_ROWS rows run waferline::linear_rows (no oneDNN copy made): the fp32 product of the same
     bf16 numbers, rounded once to bf16 (a different summation order may flip a rounding), bias added after; K not a
-    multiple of the kernel's 128-wide steps exercises its tail."""
+    multiple of the kernel's 128-wide steps exercises its tail; ``portable``: the loop CPUs without AVX512-BF16 run."""
     from waferline.model.layers import FEW_ROWS, Linear
 
+    prev = torch.ops.waferline.use_portable(portable)
+    try:
+        _few_row_products(K, FEW_ROWS, Linear)
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
+def _few_row_products(K, FEW_ROWS, Linear):
     g = torch.Generator().manual_seed(1)
     lin = Linear(K, 80, bias=True, dtype=torch.bfloat16)
     lin.weight.copy_(torch.randn(80, K, generator=g))

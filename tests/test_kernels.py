@@ -251,12 +251,21 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread, dtype):
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("variant", ["fp32", "bf16", "int4"])
+@pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-portable", "int4"])
 def test_moe_ffn_matches_eager(tmp_path, model_type, variant, one_thread):
     """The fused MoE block (waferline::moe_ffn: routed experts grouped per expert, their weighted sum, the shared
     expert) against MoE.forward's per-expert eager loop on the same routing, for 1, 3, 8 and 20 tokens (one token,
-    several sharing experts), dense fp32 / bf16 weights and the CPU int4 layout: the same numbers to the rounding of
-    the products' 16-bit outputs."""
+    several sharing experts), dense fp32 / bf16 weights (bf16-portable: the few-row products' portable loop, what CPUs
+    without AVX512-BF16 run) and the CPU int4 layout: the same numbers to the rounding of the products' 16-bit
+    outputs."""
+    prev = torch.ops.waferline.use_portable(variant.endswith("-portable"))
+    try:
+        _moe_ffn_vs_eager(tmp_path, model_type, variant.removesuffix("-portable"))
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
+def _moe_ffn_vs_eager(tmp_path, model_type, variant):
     from waferline.model.moe import MoE
     from waferline.model.quant import Int4Weight, QuantOptions, quantize_model
 

@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -356,12 +357,16 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 }
 #endif
 
+std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs that have the AVX512-BF16 kernel
+
+bool use_portable(bool on) { return g_portable.exchange(on); }
+
 // y[m * ldy + n] for m < M <= FEW_ROWS, n < N
 template <typename T>
 void few_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (few_rows_bf16(x, M, w, N, K, y, ldy)) return;
+    if (!g_portable.load(std::memory_order_relaxed) && few_rows_bf16(x, M, w, N, K, y, ldy)) return;
   }
 #endif
   few_rows_generic<T>(x, M, w, N, K, y, ldy);
@@ -927,6 +932,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("use_portable(bool on) -> bool");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
         "float hi, bool record) -> Tensor[]");
@@ -934,6 +940,8 @@ TORCH_LIBRARY(waferline, m) {
         "Tensor sgu_sz, Tensor sdn, Tensor sdn_sz, int group, int inter, int shared_inter) -> Tensor");
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
 }
+
+TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable); }
 
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
