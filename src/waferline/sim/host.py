@@ -512,10 +512,10 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
     act_bytes = 2.0 if comp == "bf16" else 4.0
 
     hop = host.hop
-    # A hop costs more the longer the receiving *core* slept (measured on 2-stage pipelines, one process per core). With
-    # more stage processes than cores, each core serves S / cores of them in turn and sleeps that much less than any
-    # one process waits.
-    core_share = min(1.0, host.cores / max(plan.num_stages, 1))
+    # A hop costs more the longer its receiving process waited (measured on 2-stage pipelines, one process per core).
+    # With more stage processes than cores it is still the process's own wait that counts, not a core's share of it:
+    # sol-mini one layer per stage (8 processes on 2 cores, one row) measured ~0.67 ms per hop, the hop-vs-idle curve
+    # at the process's ~3.9 ms wait, where a core's quarter of it priced 0.32 ms (twin run E, session 8).
 
     # ---- decode
     count = profile.decode(b, t)
@@ -537,7 +537,7 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
         if S == 1 or it == 2:
             break
-        hops = [hop(nb, core_share * max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
+        hops = [hop(nb, max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
     bound = ("round trip (latency)" if cycle == round_trip else
              "busiest stage x micro-batches" if cycle == M * max(cpu) else f"CPU cores ({S} processes on {host.cores} cores)")
     spec_info: dict[str, Any] = {"method": sp.method}
@@ -566,7 +566,7 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         pst = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r, s.has_lm_head,
                            plain_over if i == 0 else 0.0, prefill=True).total + per_step for i, s in enumerate(plan.stages)]
         # each hop's receiver waited for the stages ahead of it (and, before the first chunk, since the last request)
-        phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, core_share * sum(pst[:i + 1]))
+        phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, sum(pst[:i + 1]))
                 for i in range(S)]
         ttft = sum(pst) + sum(phop) + (n_mb - 1) * max(pst)
     timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
@@ -663,13 +663,20 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     bound = "cores (ranks share them)" if cores_bound > step else "ping-pong per layer (busier side or one micro-batch's round trip)"
     step = max(step, cores_bound)
     rate = 1.0 / step
-    # TTFT: prompts prefilled in chunks of the engine's prefill budget, each through every layer's attention and FFN
+    # TTFT: prompts prefilled in steps of the engine's prefill budget (r rows per attention rank); the engine splits a
+    # step's rows into its micro-batches as it does a decode step's, so the prefill ping-pongs between the sides too:
+    # per layer the busier side over all micro-batches, or one micro-batch's round trip (the counted prefill is one
+    # micro-batch's rows, rp)
     r = min(Ba, max(1, PIPELINE_PREFILL_CHUNK // P))
-    n_mb = math.ceil(Ba / r)
-    pc = profile.prefill(r, P)
+    Kp = max(1, min(K, r))
+    rp = math.ceil(r / Kp)
+    n_steps = math.ceil(Ba / r)
+    pc = profile.prefill(rp, P)
     pa, pf, pother = side_times(pc, profile.ffn("prefill"), True)
-    ph = hop(r * P * spec.hidden_size * act)
-    ttft = n_mb * (sum(pa) + sum(pf) + 2 * ph * sum(1 for f in pf if f > 0) + pother) + over
+    ph = hop(rp * P * spec.hidden_size * act)
+    per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + f + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
+                   for a, f in zip(pa, pf)]
+    ttft = n_steps * (sum(per_layer_p) + Kp * pother) + over
     timings = [StageTiming(index=s.index, role=s.role, layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
                            devices=s.num_devices, compute=0.0, memory=0.0,
                            fixed=K * (sum(a_t) + other) if s.role == "attention" else K * sum(f_t),

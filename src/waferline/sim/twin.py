@@ -482,10 +482,11 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
                 say("quantizing an int4 copy (cached)", (i + 0.1) / len(points) / passes)
                 int4_path = int4_checkpoint(path)
             ckpt = int4_path
-        if pt.afd:  # rows per micro-batch on one attention rank
+        if pt.afd:  # rows per micro-batch on one attention rank, in decode and in a prefill step alike
             Ba = math.ceil(pt.batch / max(1, sum(1 for s in plan.stages if s.role == "attention")))
             b = math.ceil(Ba / max(1, min(plan.micro_batches, Ba)))
-            prefill_rows = min(Ba, max(1, 256 // prompt_len))
+            r = min(Ba, max(1, 256 // prompt_len))
+            prefill_rows = math.ceil(r / max(1, min(plan.micro_batches, r)))
         else:
             M = plan.micro_batches if plan.num_stages > 1 else 1
             b = math.ceil(pt.batch / max(1, min(M, pt.batch)))
