@@ -308,6 +308,42 @@ def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     assert rate(replace(host, afd_overlapped_hop_s=5e-3, afd_overlapped_message_cpu_s=2e-3), 1) == one
 
 
+def test_afd_prefill_ping_pongs_its_micro_batches():
+    """An AFD prefill step is split into the engine's micro-batches like a decode step, so with 2 micro-batches one's
+    attention overlaps the other's FFN: a prefill layer costs one micro-batch's round trip when the link dominates
+    (not one per micro-batch), and each message's CPU counts (a stored twin row of sol-mini's AFD Plan, whose prefill
+    was counted for one micro-batch's rows)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import predict
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    d = json.loads((res / "twin_sol-mini.json").read_text())
+    row = next(r for r in d["rows"] if r["point"]["afd"])
+    assert row["ops"]["prefill_rows"] == 4  # batch 8 on one attention rank, in 2 micro-batches
+    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    hw = load_hardware_file(res / "twin_host.yaml")
+    host = HostParams.load(res / "twin_host.yaml")
+
+    def ttft(h, mbs):
+        plan = Plan.from_json(row["plan_json"])
+        plan.micro_batches = mbs
+        return predict(plan, spec, hw, h, row["ops"], 32, 32, 8, None).ttft_s
+
+    base = ttft(host, 2)
+    slow_msg = replace(host, afd_message_cpu_s=5e-3, afd_overlapped_message_cpu_s=5e-3)
+    assert ttft(slow_msg, 2) > base  # messages' CPU is part of a prefill layer
+    # with the hop dominating, a prefill layer is one micro-batch's round trip (two hops), not one per micro-batch:
+    # 0.1 s more per hop adds 2 x 0.1 s per layer (sol-mini: 8 layers, each with an FFN), with 2 micro-batches too
+    h1, h2 = (replace(host, hop_vs_idle=[], hop_latency_s=x) for x in (0.1, 0.2))
+    assert ttft(h2, 2) - ttft(h1, 2) == pytest.approx(8 * 2 * 0.1, rel=1e-6)
+
+
 def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     """`calibrate --combine` of three calibrations: each measured figure and probe number is the median of the three
     (not the first file's, not the mean), the result loads as a host model and says what it combined; one file, a
