@@ -59,7 +59,8 @@ def _load() -> bool:
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
-                       extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-march=native"], extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+                       extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-march=native"], extra_ldflags=["-fopenmp"],
+                       is_python_module=False, verbose=False)
     return True
 
 

@@ -105,8 +105,7 @@ class Mamba2Cache:
                 if isinstance(rec, _Replay):  # replayed straight into the cache row (no temporary state)
                     row = self.ssm[s: s + 1]
                     row.copy_(self.ssm_prev[s: s + 1])
-                    torch.ops.waferline.ssm_update(row, rec.dA[None, :k], rec.dtx[None, :k], rec.Bm[None, :k],
-                                                   rec.Cm[None, :k], _NO_TRAIL)
+                    rec.replay(row, k)
                 else:
                     self.ssm[s].copy_(rec[k - 1])
 
@@ -116,7 +115,7 @@ class Mamba2Cache:
         if not isinstance(rec, _Replay):
             return rec[k - 1]
         h = self.ssm_prev[slot: slot + 1].clone()
-        torch.ops.waferline.ssm_update(h, rec.dA[None, :k], rec.dtx[None, :k], rec.Bm[None, :k], rec.Cm[None, :k], _NO_TRAIL)
+        rec.replay(h, k)
         return h[0]
 
 
@@ -128,6 +127,11 @@ class _Replay:
     dtx: Tensor
     Bm: Tensor
     Cm: Tensor
+
+    def replay(self, h: Tensor, k: int) -> None:
+        """Advance ``h`` ([1, H, P, N], the state before the verify) in place through the first ``k`` tokens."""
+        torch.ops.waferline.ssm_update(h, self.dA[None, :k], self.dtx[None, :k], self.Bm[None, :k], self.Cm[None, :k],
+                                       _NO_TRAIL)
 
 
 def _segsum(a: Tensor) -> Tensor:
