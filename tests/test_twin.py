@@ -276,6 +276,59 @@ def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twi
     assert more[1]["predicted"][key] < base[1]["predicted"][key]  # 2 stages x 2 micro-batches: bound by the cores
 
 
+def test_more_stage_processes_than_cores_take_the_oversubscribed_stage_cpu():
+    """With more stage processes than cores the stage CPU measured in that regime prices a step: one micro-batch is a
+    serial chain of stage steps (each its CPU, at the measured wall per CPU second), every process busy is bound by
+    the cores at the busy-regime figures; 2 stages on 2 cores keep the 2-stage figures. The fit behind the figures
+    recovers a known fixed cost and inflation."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import numpy as np
+
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams
+    from waferline.sim.measure import _fixed_inflation_fit, oversubscribed_figures
+    from waferline.sim.twin import predict
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    x = np.array([1.4e-3, 5.3e-3])
+    assert _fixed_inflation_fit(x, 64 * 7e-4 + 1.0 * x, 64.0) == pytest.approx((7e-4, 1.0), rel=1e-6)
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    d = json.loads((res / "twin_sol-mini.json").read_text())
+    rows = {r["plan"]: r for r in d["rows"] if r.get("status") == "ok"}
+    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    hw = load_hardware_file(res / "twin_host.yaml")
+    base = replace(HostParams.load(res / "twin_host.yaml"), oversubscribed={})
+    ov = {"stages": 8, "m1_step_cpu_s": 7e-4, "m1_cpu_inflation": 0.3, "m1_wall_per_cpu": 0.9,
+          "mS_step_cpu_s": 9e-4, "mS_cpu_inflation": 1.0}
+    host = replace(base, oversubscribed=ov)
+    # the YAML entries calibrate writes read back as these figures
+    figs = oversubscribed_figures({"stages": 8, "points": [{"hidden": 64, "layers": 8}],
+                                   **{k: v for k, v in ov.items() if k != "stages"}}, "measured on test 2026-01-01")
+    y = yaml.safe_load((res / "twin_host.yaml").read_text())
+    y["host_engine"]["pipeline"]["oversubscribed"] = figs
+    assert HostParams.from_dict(y).oversubscribed == ov
+
+    def sim(h, name):
+        r = rows[name]
+        return predict(Plan.from_json(r["plan_json"]), spec, hw, h, r["ops"], 32, 32, r["point"]["batch"], None)
+
+    chain = sim(host, "SL-M1-bf16-B1")
+    compute = [s.total - s.hop for s in chain.stages]
+    want = sum(c * 1.3 + 7e-4 for c in compute) * 0.9
+    assert chain.step_latency_s == pytest.approx(want, rel=1e-9)
+    assert 1 / chain.decode_tokens_per_s_per_user == pytest.approx(want, rel=1e-9)
+    busy = sim(host, "SL-M8-bf16-B8")
+    assert "CPU cores" in busy.bound
+    want = 8 * sum(c * 2.0 + 9e-4 for c in (s.total - s.hop for s in busy.stages)) / host.parallel(8)
+    assert 1 / busy.decode_tokens_per_s_per_user == pytest.approx(want, rel=1e-9)
+    assert busy.decode_tokens_per_s_per_user < sim(base, "SL-M8-bf16-B8").decode_tokens_per_s_per_user
+    two = "S2-M2-bf16-B8"  # 2 processes on 2 cores: not oversubscribed
+    assert sim(host, two).decode_tokens_per_s_per_user == sim(base, two).decode_tokens_per_s_per_user
+
+
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     """AFD with 2+ micro-batches takes the hop and the CPU per message end that calibrate measured with both sides
     working; with one micro-batch the idle-link figures stand. (A stored twin row of sol-mini's AFD Plan: its ops.)"""

@@ -331,7 +331,9 @@ def _calibrate_host(args: argparse.Namespace) -> int:
                "op_overhead_s": host.op_overhead_s, "step_overhead_s": host.step_overhead_s,
                "link": {"latency_s": host.link_latency_s, "bytes_per_s": host.link_bytes_per_s, "cpu_per_message_s": host.link_cpu_s},
                "pipeline_hop_overhead_s": host.hop_overhead_s, "pipeline_hop_latency_s": host.hop_latency_s, "cuda": d["host_engine"].get("cuda") is not None,
-               "load_average_1m": host.measured.get("load_average_1m")}
+               "load_average_1m": host.measured.get("load_average_1m"),
+               "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation,
+               "chain_wall_per_cpu": host.chain_wall_per_cpu, "oversubscribed": host.oversubscribed}
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -354,6 +356,11 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     t.add_row("stage process CPU per step besides compute; compute inflation",
               "not measured" if host.stage_step_cpu_s is None else
               f"{host.stage_step_cpu_s * 1e6:.0f} us; +{host.stage_cpu_inflation * 100:.0f}%")
+    ov = host.oversubscribed
+    if "mS_step_cpu_s" in ov:
+        t.add_row(f"the same with {ov.get('stages', 0):.0f} stage processes on {host.cores} cores: 1 / all micro-batches",
+                  f"{ov['m1_step_cpu_s'] * 1e6:.0f} us, +{ov['m1_cpu_inflation'] * 100:.0f}%; "
+                  f"{ov['mS_step_cpu_s'] * 1e6:.0f} us, +{ov['mS_cpu_inflation'] * 100:.0f}%")
     t.add_row(f"parallel ceiling ({host.cores} processes at once)",
               "not measured" if host.parallel_ceiling is None else f"{host.parallel_ceiling:.2f} cores")
     t.add_row("last-level cache (weights that fit run from it)", "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB")

@@ -26,6 +26,7 @@ import yaml
 
 from waferline.errors import ConfigError
 
+OVERSUB_KEYS = ("stages", "m1_step_cpu_s", "m1_cpu_inflation", "m1_wall_per_cpu", "mS_step_cpu_s", "mS_cpu_inflation")
 PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt tokens per prefill micro-batch
 
 
@@ -91,6 +92,16 @@ class LinearTable:
         return replace(self, seconds=tuple(tuple(x * factor for x in row) for row in self.seconds))
 
 
+def _chain_wall_per_cpu(pipe: dict[str, Any], where: str) -> float | None:
+    """The pipeline's chain_wall_per_cpu figure; for calibrations written before it, the median over their stored
+    2-stage probes (per-token wall time / CPU of both processes per token); None without either."""
+    if "chain_wall_per_cpu" in pipe:
+        return _v(pipe["chain_wall_per_cpu"], where)
+    r = sorted(p["per_token_s"] / p["pipeline_cpu_s"] for p in pipe.get("probes") or []
+               if p.get("pipeline_cpu_s") and p.get("per_token_s"))
+    return r[len(r) // 2] if len(r) % 2 else (0.5 * (r[len(r) // 2 - 1] + r[len(r) // 2]) if r else None)
+
+
 @dataclass(frozen=True)
 class HostParams:
     """What `waferline calibrate` measured about this host and the engine on it (the ``host_engine`` YAML section)."""
@@ -133,6 +144,13 @@ class HostParams:
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
     prefill_scale_dram: dict[str, float] = field(default_factory=dict)  # prefill linear scale, weights from memory
+    # more stage processes than cores (measured on a one-layer-per-stage pipeline): "m1_step_cpu_s",
+    # "m1_cpu_inflation", "m1_wall_per_cpu" (one micro-batch: a serial chain of wake-ups), "mS_step_cpu_s",
+    # "mS_cpu_inflation" (as many micro-batches as stages: every process busy), "stages" (of the probe)
+    oversubscribed: dict[str, float] = field(default_factory=dict)
+    # one micro-batch through a pipeline is a serial chain of stage steps: its wall time per CPU second of all the
+    # stage processes (measured on the 2-stage probes; ~0.9-1.0: what a hop costs beyond CPU is waking up)
+    chain_wall_per_cpu: float | None = None
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -195,6 +213,9 @@ class HostParams:
                               for k, v in (he.get("fused_ops") or {}).items()},
                        multi_call_overhead_s={k: _v(v["multi_call_overhead_s"], where) for k, v in eng.items()
                                               if v.get("multi_call_overhead_s") is not None},
+                       oversubscribed={k: _v(v, where) for k, v in (pipe.get("oversubscribed") or {}).items()
+                                       if k in OVERSUB_KEYS},
+                       chain_wall_per_cpu=_chain_wall_per_cpu(pipe, where),
                        measured=dict(he.get("measured") or {}))
         except KeyError as e:
             raise ConfigError(f"{where}: host_engine is missing {e.args[0]!r}; re-run `waferline calibrate`") from None
@@ -237,7 +258,9 @@ class HostParams:
                        afd_overlapped_hop_s=None if self.afd_overlapped_hop_s is None
                        else self.afd_overlapped_hop_s * link_latency,
                        afd_overlapped_message_cpu_s=None if self.afd_overlapped_message_cpu_s is None
-                       else self.afd_overlapped_message_cpu_s * link_latency)
+                       else self.afd_overlapped_message_cpu_s * link_latency,
+                       oversubscribed={k: v * link_latency if k.endswith("_step_cpu_s") else v
+                                       for k, v in self.oversubscribed.items()})
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -530,12 +553,28 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
     stage_s = [c.total for c in costs]
     hop_bytes = [b * t * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * b * t for i in range(S)]
     per_step = host.stage_step_cpu_s if host.stage_step_cpu_s is not None else 2 * host.link_cpu_s
-    cpu = [st * (1.0 + host.stage_cpu_inflation) + per_step for st in stage_s] if S > 1 else list(stage_s)
+    inflation = host.stage_cpu_inflation
+    ov = host.oversubscribed
+    # more stage processes than cores: a stage step's CPU as measured on a pipeline in that regime (each process
+    # sleeps while others use its core and wakes with cold caches), with one micro-batch or with every process busy
+    wall_per_cpu = host.chain_wall_per_cpu
+    if S > host.cores and ov:
+        key = "m1" if M == 1 else "mS"
+        if f"{key}_step_cpu_s" in ov:
+            per_step, inflation = ov[f"{key}_step_cpu_s"], ov[f"{key}_cpu_inflation"]
+            wall_per_cpu = ov.get("m1_wall_per_cpu", wall_per_cpu)
+    chain = S > 1 and M == 1 and wall_per_cpu is not None
+    cpu = [st * (1.0 + inflation) + per_step for st in stage_s] if S > 1 else list(stage_s)
     hops = [hop(nb) for nb in hop_bytes] if S > 1 else [0.0]
+    if chain:  # one micro-batch: a serial chain of stage steps, each one stage process's CPU (its compute slowed by
+        # the caches it finds cold, receiving, sending, waking), at the wall time per CPU second measured on such chains
+        round_trip = sum(cpu) * wall_per_cpu
+        hops = [max(0.0, (round_trip - sum(stage_s)) / S)] * S  # for the timeline: a hop = a stage's time beyond its compute
     for it in range(3):  # a hop costs more the longer its receiver waited: per micro-batch, cycle / M - its own work
-        round_trip = sum(stage_s) + sum(hops)
+        if not chain:
+            round_trip = sum(stage_s) + sum(hops)
         cycle = max(round_trip, M * max(cpu), M * sum(cpu) / host.parallel(S) if S > 1 else 0.0)
-        if S == 1 or it == 2:
+        if S == 1 or chain or it == 2:
             break
         hops = [hop(nb, max(0.0, cycle / M - cpu[(i + 1) % S])) for i, nb in enumerate(hop_bytes)]
     bound = ("round trip (latency)" if cycle == round_trip else

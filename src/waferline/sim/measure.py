@@ -918,6 +918,91 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
     return out
 
 
+OVERSUB_STAGES = 8  # stage processes of the oversubscribed probe (the default twin grid's one-layer-per-stage Plans: 8-10)
+OVERSUB_PROBE_MODELS = [(64, 8), (768, 8)]  # (hidden, layers): one layer per stage process
+
+
+def oversubscribed_pipeline(workdir: str | Path, tokens: int, stages: int = OVERSUB_STAGES,
+                            models: list[tuple[int, int]] | None = None) -> dict[str, Any]:
+    """A stage step when there are more stage processes than cores (one layer per stage on a small host): each
+    process sleeps between its steps while others run on its core, and wakes with cold caches. For calibration models
+    of ``stages`` layers, bf16, one layer per stage process: one sequence (micro-batch 1: one process runs at a time)
+    and ``stages`` sequences in ``stages`` micro-batches (every process busy). Per token, CPU of all processes -
+    the single process's (x the micro-batches: each stage runs that many one-row steps) = stage steps x fixed +
+    inflation x the single process's compute, fitted per regime over the models; and the one-sequence chain's wall
+    time over its CPU (the chain is serial: a hop is a process waking up)."""
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+    from waferline.model.init import write_random_checkpoint
+
+    one = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
+    many = [[(3 * j + 7 * r + 5) % 200 + 2 for j in range(8)] for r in range(stages)]
+    points = []
+    for h, L in models or OVERSUB_PROBE_MODELS:
+        d = Path(workdir) / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+        if not (d / "config.json").is_file():
+            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
+                                    d, seed=L + h)
+        llm = LLM(d, dtype="bfloat16")
+        llm.generate(one, SamplingParams(max_tokens=4, ignore_eos=True))
+        single_cpu = _per_token(llm, one, tokens, time.process_time, 2)
+        del llm
+        p: dict[str, float] = {"hidden": h, "layers": L, "stages": stages, "single_cpu_s": single_cpu}
+        # one sequence makes one micro-batch (the engine splits the rows in min(micro-batches, rows))
+        with LLM(d, dtype="bfloat16", stages=stages, micro_batches=stages, threads_per_stage=1) as pl:
+            pids = [os.getpid()] + list(getattr(pl._pipeline, "pids", []) or [])
+            for key, prompts in (("m1", one), ("mS", many)):
+                pl.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+                p[f"{key}_wall_s"] = _per_token(pl, prompts, tokens, time.perf_counter, 2)
+                p[f"{key}_cpu_s"] = _per_token(pl, prompts, tokens, lambda: sum(process_cpu_seconds(q) for q in pids), 1)
+        points.append(p)
+    out: dict[str, Any] = {"stages": stages, "points": points}
+    for key, mb in (("m1", 1), ("mS", stages)):
+        steps = stages * mb  # one-row stage steps per token (each of the stages runs one per micro-batch)
+        x = np.array([mb * q["single_cpu_s"] for q in points])
+        y = np.array([max(0.0, q[f"{key}_cpu_s"] - mb * q["single_cpu_s"]) for q in points])
+        fixed, infl = _fixed_inflation_fit(x, y, float(steps))
+        out[f"{key}_step_cpu_s"], out[f"{key}_cpu_inflation"] = fixed, infl
+    out["m1_wall_per_cpu"] = float(np.median([q["m1_wall_s"] / q["m1_cpu_s"] for q in points if q["m1_cpu_s"] > 0]))
+    return out
+
+
+def oversubscribed_figures(ov: dict[str, Any], tag: str) -> dict[str, Any]:
+    """The hardware YAML entries of an oversubscribed_pipeline() result (host_engine.pipeline.oversubscribed)."""
+    S = ov["stages"]
+    models = [(int(p["hidden"]), int(p["layers"])) for p in ov["points"]]
+    base = (f"{S}-stage pipelines (one layer per stage process, more processes than cores) of calibration models "
+            f"(hidden, layers) = {models}, bf16, 1 thread per process")
+    fit = ("CPU seconds of all processes per token - the single process's x micro-batches = stage steps x "
+           "{what}_step_cpu_s + {what}_cpu_inflation x the single process's CPU x micro-batches, least squares over "
+           "the models, both >= 0")
+    return {
+        "stages": S,
+        "m1_step_cpu_s": _fig(ov["m1_step_cpu_s"], tag, base + ", 1 sequence (one micro-batch): " + fit.format(what="m1")
+                              + "; a stage step's CPU besides computing"),
+        "m1_cpu_inflation": _fig(ov["m1_cpu_inflation"], tag, base + ", 1 sequence: the same fit, how much more CPU a "
+                                 "stage's compute takes than in one process"),
+        "m1_wall_per_cpu": _fig(ov["m1_wall_per_cpu"], tag, base + ", 1 sequence: wall seconds per token / CPU seconds "
+                                "of all processes per token, median over the models (the chain is serial)"),
+        "mS_step_cpu_s": _fig(ov["mS_step_cpu_s"], tag, base + f", {S} sequences in {S} micro-batches (every process "
+                              "busy): " + fit.format(what="mS")),
+        "mS_cpu_inflation": _fig(ov["mS_cpu_inflation"], tag, base + f", {S} sequences in {S} micro-batches: the same "
+                                 "fit"),
+        "probes": ov["points"],
+    }
+
+
+def _fixed_inflation_fit(x: np.ndarray, y: np.ndarray, n_fixed: float) -> tuple[float, float]:
+    """y = n_fixed x fixed + inflation x x, least squares with both terms >= 0."""
+    X = np.stack([np.full_like(x, n_fixed), x], axis=1)
+    c, *_ = np.linalg.lstsq(X, y, rcond=None)
+    if c[0] < 0:
+        return 0.0, float(max(0.0, x @ y / (x @ x)))
+    if c[1] < 0:
+        return float(y.mean() / n_fixed), 0.0
+    return float(c[0]), float(c[1])
+
+
 def stage_cpu_fit(points: list[dict[str, float]]) -> tuple[float, float]:
     """(CPU s per stage step besides computing, relative CPU inflation of a stage's compute) from the 2-stage probes:
     pipeline CPU - single-process CPU = 2 x fixed + inflation x single-process CPU per token, least squares with both
@@ -925,13 +1010,7 @@ def stage_cpu_fit(points: list[dict[str, float]]) -> tuple[float, float]:
     a stage's compute runs slower than in one process (caches cold after each wake-up), besides a fixed cost per step."""
     x = np.array([p["single_cpu_s"] for p in points])
     y = np.array([max(0.0, p["pipeline_cpu_s"] - p["single_cpu_s"]) for p in points])
-    X = np.stack([np.full_like(x, 2.0), x], axis=1)
-    c, *_ = np.linalg.lstsq(X, y, rcond=None)
-    if c[0] < 0:
-        return 0.0, float(max(0.0, x @ y / (x @ x)))
-    if c[1] < 0:
-        return float(y.mean() / 2), 0.0
-    return float(c[0]), float(c[1])
+    return _fixed_inflation_fit(x, y, 2.0)
 
 
 def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[int]]) -> dict[str, Any]:
@@ -1387,6 +1466,11 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                           "the same fit: how much more CPU a stage's compute takes than in one "
                                           "process (caches cold after each wake-up)")),
                                       "per_token_s": po["per_token_s"], "probes": po["points"]}
+                    ratios = [p["per_token_s"] / p["pipeline_cpu_s"] for p in po["points"] if p["pipeline_cpu_s"] > 0]
+                    if ratios:
+                        he["pipeline"]["chain_wall_per_cpu"] = _fig(float(np.median(ratios)), tag, (
+                            "the same pipelines (one sequence: a serial chain of stage steps): per-token wall time / "
+                            "CPU seconds of both processes per token, median over the models"))
                     if po.get("afd"):
                         a = po["afd"]
                         he["pipeline"]["afd_message_cpu_s"] = _fig(a["message_cpu_s"], tag, (
@@ -1406,6 +1490,14 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                         he["pipeline"]["afd_probe"] = a
                     elif po.get("afd_error"):
                         he["pipeline"]["afd_message_cpu_s"] = {"value": None, "assumed": "not measured: " + po["afd_error"]}
+                    if cores < OVERSUB_STAGES and not quick:  # Plans with more stage processes than cores can run here
+                        say(f"pipeline with more stage processes than cores ({OVERSUB_STAGES} on {cores})", 0.85)
+                        try:
+                            ov = run_isolated("waferline.sim.measure:oversubscribed_pipeline",
+                                              {"workdir": str(work), "tokens": toks}, 300)
+                            he["pipeline"]["oversubscribed"] = oversubscribed_figures(ov, tag)
+                        except Exception as e:  # noqa: BLE001 - the 2-stage figures stand for such Plans
+                            he["pipeline"]["oversubscribed"] = {"error": f"not measured: {type(e).__name__}: {e}"[:200]}
         finally:
             tmp.cleanup()
     say("CUDA (if present)", 0.95)
