@@ -329,6 +329,54 @@ def test_more_stage_processes_than_cores_take_the_oversubscribed_stage_cpu():
     assert sim(host, two).decode_tokens_per_s_per_user == sim(base, two).decode_tokens_per_s_per_user
 
 
+def test_prefill_from_memory_adds_a_per_call_cost_and_other_matmuls_run_at_their_roofline():
+    """A prefill whose weights come from memory (dsv3-100m's) pays the fitted per-call cost on each 16-bit product of
+    2+ rows besides its scaled table price; one whose weights stay in the cache (sol-mini's) does not. Matmuls
+    without a weight are scaled with the linears only for calibrations that folded them into the scale."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams, Work, _work_time, multi_row_product
+    from waferline.sim.measure import _known_seconds
+    from waferline.sim.twin import predict
+    from waferline.spec.hardware import load_hardware_file
+    from waferline.spec.model import ModelSpec
+
+    root = Path(__file__).resolve().parents[1]
+    res = root / "benchmarks" / "results"
+    hw = load_hardware_file(res / "twin_host.yaml")
+    host = HostParams.load(res / "twin_host.yaml")
+    work = {"mm_bytes_fp32": 4e6, "mm_flops_fp32": 2e9, "small_bytes": 1e5}
+    fits = {k: (v.bytes_per_s, v.flops_per_s) for k, v in host.linear.items()}
+    ew = {k: v for k, v in host.elementwise.items()}
+    assert _known_seconds(work, ew, None, fits) == pytest.approx(
+        _known_seconds(work, ew, None, None) + host.linear["fp32"].time(4e6, 2e9), rel=1e-9)
+    w = Work.from_counts(10, work)
+    folded = sum(_work_time(host, w, 0.0, "bf16", 2.0))
+    apart = sum(_work_time(replace(host, other_mm_unscaled=True), w, 0.0, "bf16", 2.0))
+    assert folded - apart == pytest.approx(host.linear["fp32"].time(4e6, 2e9), rel=1e-9)
+
+    d = json.loads((res / "twin_sol-mini.json").read_text())
+    r = next(r for r in d["rows"] if r["plan"] == "S2-M2-bf16-B8")
+    spec = ModelSpec.from_pretrained(root / "models" / "sol-mini")
+
+    def ttft(h):
+        return predict(Plan.from_json(r["plan_json"]), spec, hw, h, r["ops"], 32, 32, 8, None).ttft_s
+
+    per_call = {"bf16": 1e-3}
+    hot = replace(host, llc_bytes=1e12)  # a cache that holds its weights: no per-call cost
+    assert ttft(replace(hot, prefill_call_s_dram=per_call)) == ttft(replace(hot, prefill_call_s_dram={}))
+    # a host whose cache holds none of them (its prefill reads them from memory), hops at a fixed latency
+    mem = replace(host, llc_bytes=1.0, hop_vs_idle=(), hop_latency_s=1e-4)
+    pre = r["ops"]["prefill"]
+    calls = sum(v for w in [*pre["layers"].values(), pre["other"]] for k, v in w.items()
+                if k.startswith("call|") and multi_row_product(k.split("|")[1], int(k.split("|")[2])))
+    assert calls > 0
+    assert ttft(replace(mem, prefill_call_s_dram=per_call)) - ttft(replace(mem, prefill_call_s_dram={})) == \
+        pytest.approx(1e-3 * calls, rel=1e-6)
+
+
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     """AFD with 2+ micro-batches takes the hop and the CPU per message end that calibrate measured with both sides
     working; with one micro-batch the idle-link figures stand. (A stored twin row of sol-mini's AFD Plan: its ops.)"""

@@ -144,6 +144,12 @@ class HostParams:
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
     prefill_scale_dram: dict[str, float] = field(default_factory=dict)  # prefill linear scale, weights from memory
+    # the same prefill's in-engine seconds per 16-bit product of 2+ rows beyond its scaled table price (fitted with the
+    # scale on one prompt and on a batch of prompts: small and large GEMMs)
+    prefill_call_s_dram: dict[str, float] = field(default_factory=dict)
+    # calibrations that price matmuls without a weight (attention, scans) at their roofline, apart from the linear
+    # scale (older ones folded them into it, and the model scales them as those fits did)
+    other_mm_unscaled: bool = False
     # more stage processes than cores (measured on a one-layer-per-stage pipeline): "m1_step_cpu_s",
     # "m1_cpu_inflation", "m1_wall_per_cpu" (one micro-batch: a serial chain of wake-ups), "mS_step_cpu_s",
     # "mS_cpu_inflation" (as many micro-batches as stages: every process busy), "stages" (of the probe)
@@ -209,6 +215,9 @@ class HostParams:
                                            and "value" in v["prefill_linear_scale_int4"]},
                        prefill_scale_dram={k: _v(v["prefill_linear_scale_dram"], where) for k, v in eng.items()
                                            if isinstance(v.get("prefill_linear_scale_dram"), dict)},
+                       prefill_call_s_dram={k: _v(v["prefill_call_overhead_s_dram"], where) for k, v in eng.items()
+                                            if isinstance(v.get("prefill_call_overhead_s_dram"), dict)},
+                       other_mm_unscaled=bool(he.get("other_matmuls_at_roofline", False)),
                        fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
                               for k, v in (he.get("fused_ops") or {}).items()},
                        multi_call_overhead_s={k: _v(v["multi_call_overhead_s"], where) for k, v in eng.items()
@@ -249,6 +258,7 @@ class HostParams:
                        multi_call_overhead_s={k: v * op_overhead for k, v in self.multi_call_overhead_s.items()},
                        fused={k: (t0 * op_overhead, rate * bandwidth) for k, (t0, rate) in self.fused.items()},
                        prefill={k: (v[0] * op_overhead, v[1], v[2] * op_overhead) for k, v in self.prefill.items()},
+                       prefill_call_s_dram={k: v * op_overhead for k, v in self.prefill_call_s_dram.items()},
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
@@ -431,9 +441,10 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         n_calls += n
         if multi_row_product(dt, int(rows)):
             n_multi += n
+    other_mm = 0.0  # matmuls without a weight (attention, scans): their roofline, not scaled (calibrate prices them so)
     for dt, b in w.mm_bytes.items():
         fit = host.linear.get(dt) or host.linear_for(16, "bf16")
-        mm += fit.time(b, w.mm_flops.get(dt, 0.0))
+        other_mm += fit.time(b, w.mm_flops.get(dt, 0.0))
     ew = host.elementwise
     fused_s = 0.0
     for name in {k.split("|")[0] for k in w.fused}:  # waferline.kernels operators: their own measured rates
@@ -459,7 +470,8 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
             host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
     return (c_op * max(0.0, w.ops - n_calls),
-            mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0) + multi_s * n_multi, other + fused_s)
+            mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0) + multi_s * n_multi
+            + other_mm * (1.0 if host.other_mm_unscaled else scale), other + fused_s)
 
 
 def _hot(host: HostParams, plan: Any) -> bool:
@@ -479,6 +491,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
         if not hot and comp in host.prefill_scale_dram:  # GEMMs a real model's size, weights from memory
             scale = host.prefill_scale_dram[comp]
+            multi_s += host.prefill_call_s_dram.get(comp, 0.0)
         int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
@@ -649,6 +662,8 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
         pf = host.prefill.get(comp) if prefill else None
         kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
         if pf:
+            if not hot:
+                kw["multi_s"] += host.prefill_call_s_dram.get(comp, 0.0)
             kw.update(scale=host.prefill_scale_dram.get(comp, pf[1]) if not hot else pf[1],
                       int4_scale=host.prefill_int4_scale.get(comp))
         cop = pf[0] if pf else c_op

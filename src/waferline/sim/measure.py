@@ -438,13 +438,7 @@ def _generate_work(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[
     """All labels merged: {ops, call|dtype|rows|bytes counts, ...} of one generate call."""
     from waferline.engine.sampling import SamplingParams
 
-    with OpCounter() as c:
-        llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    out: dict[str, float] = {"ops": float(c.total)}
-    for w in c.work.values():
-        for k, v in w.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
+    return _forward_work(lambda: llm.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
 
 
 def table_seconds(work: dict[str, float], tables: dict[str, Any]) -> tuple[float, float]:
@@ -488,6 +482,17 @@ def _timed_cpu(fn: Callable[[], Any]) -> float:
     return time.process_time() - t
 
 
+def _known_seconds(work: dict[str, float], ew: dict[str, float] | None, fused: dict[str, tuple[float, float]] | None,
+                   mm_fits: dict[str, tuple[float, float]] | None) -> float:
+    """The priced-apart part of a work record: other ops' bytes at the elementwise bandwidths, the fused operators at
+    their rates, and matmuls without a weight (attention, scans) at the roofline of the linear fit (``mm_fits``: dtype
+    -> (bytes/s, FLOP/s)), as the host model prices them."""
+    t = _bytes_seconds(work, ew or {}) + fused_seconds(work, fused)
+    for dt, (bps, fps) in (mm_fits or {}).items():
+        t += work.get(f"mm_bytes_{dt}", 0.0) / bps + work.get(f"mm_flops_{dt}", 0.0) / fps
+    return t
+
+
 def _bytes_seconds(work: dict[str, float], ew: dict[str, float]) -> float:
     """Seconds the non-matmul bytes of a work record take at the measured elementwise bandwidths."""
     return sum(work.get(f"{size}_bytes{suf}", 0.0) / ew[f"{dt}_{size}"]
@@ -526,6 +531,39 @@ def _per_token(llm: Any, prompts: list[list[int]], n: int, clock: Callable[[], f
     return best
 
 
+BIG_PREFILL_ROWS = (1, 8)  # prompts of 32 tokens in one prefill forward of the big calibration model
+
+
+def _prefill_forward(llm: Any, prompts: list[list[int]]) -> Callable[[], Any]:
+    """One prefill forward of ``prompts`` (equal lengths) through the single-process engine's model, fresh caches,
+    the last position's logits and argmax: what a pipeline of one stage runs for a prefill micro-batch."""
+    import torch
+
+    from waferline.model.context import StepBatch
+
+    model = llm.model
+    toks = torch.tensor(prompts)
+    n, P = toks.shape
+
+    def run() -> Any:
+        with torch.inference_mode():
+            caches = model.new_caches(n)
+            h = model(toks, caches, StepBatch.make(list(range(n)), [0] * n, P))
+            return model.logits(h[:, -1]).argmax(-1)
+    return run
+
+
+def _forward_work(fn: Callable[[], Any]) -> dict[str, float]:
+    """All labels merged: {ops, call|dtype|rows|bytes counts, ...} of one call of ``fn``."""
+    with OpCounter() as c:
+        fn()
+    out: dict[str, float] = {"ops": float(c.total)}
+    for w in c.work.values():
+        for k, v in w.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple[dict[str, float], float]:
     """One decode step of ``prompts`` on the single-process engine: its counted work (ops, linear calls, bytes: the
     difference between generating ``tokens + 1`` and 1 token, per token) and its CPU seconds (the same difference,
@@ -543,7 +581,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                     tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
                     big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None,
                     int4_models: list[tuple[int, int]] | None = None,
-                    fused: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+                    fused: dict[str, tuple[float, float]] | None = None,
+                    mm_fits: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
     """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
     (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
     elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
@@ -583,12 +622,12 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 pre.append({"hidden": h, "layers": L, "prompt": P, "ops": wp["ops"], "linear_calls": n_lin,
                             "fused_calls": fused_calls(wp, fused), "multi_row_calls": multi_row_calls(wp),
                             "linear_table_s": t_lin,
-                            "bytes_s": _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused), "seconds": best})
+                            "bytes_s": _known_seconds(wp, ew, fused, mm_fits), "seconds": best})
             for B in batches:
                 prompt = [[(3 * j + 5 + 7 * r) % 200 + 2 for j in range(8)] for r in range(B)]
                 step, best = _decode_step_probe(llm, prompt, tokens)
                 n_lin, t_lin = table_seconds(step, tables or {})
-                t_bytes = _bytes_seconds(step, ew or {}) + fused_seconds(step, fused)
+                t_bytes = _known_seconds(step, ew, fused, mm_fits)
                 if best <= 0:
                     continue  # a disturbed probe: leave the point out
                 pts.append({"hidden": h, "layers": L, "batch": B, "ops_per_step": step["ops"], "linear_calls": n_lin,
@@ -638,7 +677,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                     sec = min(_timed_cpu(lambda: llm.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
                               for _ in range(3))
                     rest = (ap + (cp if cp > 0 else c) * (wp["ops"] - n_lin - fused_calls(wp, fused))
-                            + (gp if gp > 0 else g) * (t_lin - t4) + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused)
+                            + (gp if gp > 0 else g) * (t_lin - t4) + _known_seconds(wp, ew, fused, mm_fits)
                             + dm * multi_row_calls(wp))
                     if t4 > 0 and sec > rest:
                         int4_pts.append({"hidden": h, "layers": L, "prompt": P, "seconds": sec, "int4_table_s": t4,
@@ -649,7 +688,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
-    g_dram, g_dram_multi, g_pre_dram, big_pts = g, None, None, []
+    g_dram, g_dram_multi, g_pre_dram, d_pre_dram, big_pts = g, None, None, None, []
     cp_ = cp if cp > 0 else c
     if big is not None and dram_tables:
         h, L, ffn = big
@@ -669,24 +708,39 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 _, t_one = table_seconds({k: v for k, v in step.items() if k.startswith("call|") and k.split("|")[2] == "1"},
                                          dram_tables)
                 rest = (a + c * (step["ops"] - n_lin - fused_calls(step, fused)) + r * B + dm * multi_row_calls(step)
-                        + _bytes_seconds(step, ew or {}) + fused_seconds(step, fused))
+                        + _known_seconds(step, ew, fused, mm_fits))
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
                                     "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
-            # its prefill (a 32-token prompt): GEMMs the size of a real model's, where the tiny models' prefill scale,
-            # fitted on GEMMs dominated by their fixed cost, does not carry
-            prompt = [[(5 * j + 3) % 200 + 2 for j in range(32)]]
-            one_tok = SamplingParams(max_tokens=1, ignore_eos=True)
-            llm.generate(prompt, one_tok)  # warm-up (one-time work) first
-            wp = _generate_work(llm, prompt, 1)
-            n_lin, t_lin = table_seconds(wp, dram_tables)
-            sec = min(_timed_cpu(lambda: llm.generate(prompt, one_tok)) for _ in range(3))
-            rest = (ap + cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + dm * multi_row_calls(wp)
-                    + _bytes_seconds(wp, ew or {}) + fused_seconds(wp, fused))
-            if sec > rest and t_lin > 0:
-                g_pre_dram = (sec - rest) / t_lin
-                big_pts.append({"hidden": h, "layers": L, "prompt": 32, "seconds": sec, "linear_table_s": t_lin,
-                                "rest_s": rest, "scale": g_pre_dram})
+            # its prefill: GEMMs the size of a real model's, where the tiny models' prefill scale, fitted on GEMMs
+            # dominated by their fixed cost, does not carry. One 32-token prompt (as the single-process engine
+            # prefills) and 8 of them in one forward (as a pipeline stage prefills a micro-batch: 256-row GEMMs):
+            # seconds - the fitted other terms = scale x linears priced by the from-memory table + per-call cost x
+            # 16-bit products of 2+ rows, both >= 0
+            pre_pts = []
+            for rows in BIG_PREFILL_ROWS:
+                prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(32)] for r_ in range(rows)]
+                fwd = _prefill_forward(llm, prompts)
+                fwd()  # warm-up (one-time work) first
+                wp = _forward_work(fwd)
+                n_lin, t_lin = table_seconds(wp, dram_tables)
+                sec = min(_timed_cpu(fwd) for _ in range(3))
+                rest = (cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + dm * multi_row_calls(wp)
+                        + _known_seconds(wp, ew, fused, mm_fits))  # (a bare forward: no per-prompt engine work)
+                if sec > rest and t_lin > 0:
+                    pre_pts.append({"hidden": h, "layers": L, "prompt": 32, "rows": rows, "seconds": sec,
+                                    "linear_table_s": t_lin, "multi_row_calls": multi_row_calls(wp), "rest_s": rest,
+                                    "scale": (sec - rest) / t_lin})
+            big_pts += pre_pts
+            if len(pre_pts) >= 2:
+                x = np.array([[q["linear_table_s"], q["multi_row_calls"]] for q in pre_pts])
+                y = np.array([q["seconds"] - q["rest_s"] for q in pre_pts])
+                g_pre_dram, d_pre_dram = (float(v) for v in _nnls_rel(x, y))
+                if g_pre_dram <= 0:  # per-call cost alone explains it (noise): keep the scale at one
+                    g_pre_dram = 1.0
+                    d_pre_dram = float(max(0.0, np.mean((y - x[:, 0]) / np.maximum(x[:, 1], 1.0))))
+            elif pre_pts:
+                g_pre_dram = pre_pts[0]["scale"]
         finally:
             torch.set_num_threads(old)
         at1 = [p for p in big_pts if p.get("batch") == 1]
@@ -703,7 +757,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
             "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "multi_call_overhead_s": dm,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
-            "prefill_linear_scale_dram": g_pre_dram,
+            "prefill_linear_scale_dram": g_pre_dram, "prefill_call_overhead_s_dram": d_pre_dram,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
             "points": pts,
@@ -714,7 +768,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
 def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: float, k: int = 3,
                          tables: dict[str, Any] | None = None, scale: float = 1.0,
                          ew: dict[str, float] | None = None, row_s: float = 0.0, multi_s: float = 0.0,
-                         fused: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
+                         fused: dict[str, tuple[float, float]] | None = None,
+                         mm_fits: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """Per verify step, the speculative engine's Python work that dispatches no aten op (drafting, verification,
     rollback bookkeeping): CPU seconds per verify step of the 2-layer calibration model with prompt-lookup drafting
     minus per-op overhead x ops per verify step (ops counted on a separate run)."""
@@ -746,8 +801,7 @@ def speculative_overhead(dtype: str, workdir: str | Path, tokens: int, op_s: flo
         per = {kk: (w2.get(kk, 0.0) - w1.get(kk, 0.0)) / max(n, 1.0) for kk in set(w1) | set(w2)}
         n_lin, t_lin = table_seconds(per, tables or {})
         # one sequence (row_s); multi_s per 16-bit product of 2+ rows (a verify step's tokens)
-        t_lin = (t_lin * scale + _bytes_seconds(per, ew or {}) + row_s + multi_s * multi_row_calls(per)
-                 + fused_seconds(per, fused))
+        t_lin = (t_lin * scale + _known_seconds(per, ew, fused, mm_fits) + row_s + multi_s * multi_row_calls(per))
         ops = per["ops"] - n_lin - fused_calls(per, fused)
         b1 = bn = float("inf")
         for _ in range(3):
@@ -1378,11 +1432,15 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             batches = [1, 8] if quick else [1, 2, 4, 8]
             toks = 8 if quick else 16
             ew_rates = {f"{d}_{size}": v for (d, size), v in ew.items()}
+            # matmuls without a weight (attention, scans) at the linear fit's roofline, as the host model prices them
+            mm_fits = {k: (min(v["fit"]["bytes_per_s"], 1e15), min(v["fit"]["flops_per_s"], 1e16)) for k, v in lin.items()
+                       if k != "int4"}
+            he["other_matmuls_at_roofline"] = True
             he["engine"] = {}
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
-                                     big=None if quick else BIG_CALIBRATION_MODEL, fused=fused_rates,
+                                     big=None if quick else BIG_CALIBRATION_MODEL, fused=fused_rates, mm_fits=mm_fits,
                                      dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
                                      int4_models=[m for m in cal_models if m[0] % 128 == 0] if d == "bf16" else None)
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
@@ -1414,9 +1472,13 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                    "points": eo["points"]}
                 for key, how in (
                         ("prefill_linear_scale_dram",
-                         f"prefill of a 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} (weights beyond the "
-                         f"last-level cache): (CPU seconds - the fitted prefill terms) / its linears priced by the "
-                         f"from-memory table"),
+                         f"prefill forwards of {list(BIG_PREFILL_ROWS)} 32-token prompts at once on the random sol model "
+                         f"{BIG_CALIBRATION_MODEL} (weights beyond the last-level cache): CPU seconds - the fitted prefill "
+                         f"terms = this x its linears priced by the from-memory table + prefill_call_overhead_s_dram x "
+                         f"its 16-bit products of 2+ rows, relative least squares, both >= 0"),
+                        ("prefill_call_overhead_s_dram",
+                         "the same fit: in-engine seconds per 16-bit product of 2+ rows in such a prefill beyond its "
+                         "scaled table price (small GEMMs of one prompt against 256-row ones of a batch)"),
                         ("prefill_linear_scale_int4",
                          f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
                          f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
@@ -1430,7 +1492,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
                                           + 0.0, row_s=he["engine"]["bf16"]["row_overhead_s"]["value"],
                                           multi_s=he["engine"]["bf16"]["multi_call_overhead_s"]["value"],
-                                          fused=fused_rates,
+                                          fused=fused_rates, mm_fits=mm_fits,
                                           tables=hot_tables(lin),
                                           scale=he["engine"]["bf16"]["linear_scale"]["value"], ew=ew_rates)
                 he["engine"]["bf16"]["spec_step_overhead_s"] = _fig(
