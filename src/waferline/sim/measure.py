@@ -733,12 +733,12 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                                     "scale": (sec - rest) / t_lin})
             big_pts += pre_pts
             if len(pre_pts) >= 2:
-                x = np.array([[q["linear_table_s"], q["multi_row_calls"]] for q in pre_pts])
-                y = np.array([q["seconds"] - q["rest_s"] for q in pre_pts])
-                g_pre_dram, d_pre_dram = (float(v) for v in _nnls_rel(x, y))
+                xd = np.array([[q["linear_table_s"], q["multi_row_calls"]] for q in pre_pts])
+                yd = np.array([q["seconds"] - q["rest_s"] for q in pre_pts])
+                g_pre_dram, d_pre_dram = (float(v) for v in _nnls_rel(xd, yd))
                 if g_pre_dram <= 0:  # per-call cost alone explains it (noise): keep the scale at one
                     g_pre_dram = 1.0
-                    d_pre_dram = float(max(0.0, np.mean((y - x[:, 0]) / np.maximum(x[:, 1], 1.0))))
+                    d_pre_dram = float(max(0.0, np.mean((yd - xd[:, 0]) / np.maximum(xd[:, 1], 1.0))))
             elif pre_pts:
                 g_pre_dram = pre_pts[0]["scale"]
         finally:
