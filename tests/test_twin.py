@@ -329,15 +329,15 @@ def test_more_stage_processes_than_cores_take_the_oversubscribed_stage_cpu():
     assert sim(host, two).decode_tokens_per_s_per_user == sim(base, two).decode_tokens_per_s_per_user
 
 
-def test_prefill_from_memory_adds_a_per_call_cost_and_other_matmuls_run_at_their_roofline():
-    """A prefill whose weights come from memory (dsv3-100m's) pays the fitted per-call cost on each 16-bit product of
-    2+ rows besides its scaled table price; one whose weights stay in the cache (sol-mini's) does not. Matmuls
-    without a weight are scaled with the linears only for calibrations that folded them into the scale."""
+def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_their_roofline():
+    """A prefill whose weights come from memory takes the linear scale calibrate measured at its size: one prompt's
+    (32 tokens) or a batch's (256 tokens, as a pipeline stage prefills 8 prompts), log-log in between. Matmuls without
+    a weight are scaled with the linears only for calibrations that folded them into the scale."""
     from dataclasses import replace
     from pathlib import Path
 
     from waferline.plan.plan import Plan
-    from waferline.sim.host import HostParams, Work, _work_time, multi_row_product
+    from waferline.sim.host import HostParams, Work, _work_time
     from waferline.sim.measure import _known_seconds
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
@@ -349,7 +349,7 @@ def test_prefill_from_memory_adds_a_per_call_cost_and_other_matmuls_run_at_their
     host = HostParams.load(res / "twin_host.yaml")
     work = {"mm_bytes_fp32": 4e6, "mm_flops_fp32": 2e9, "small_bytes": 1e5}
     fits = {k: (v.bytes_per_s, v.flops_per_s) for k, v in host.linear.items()}
-    ew = {k: v for k, v in host.elementwise.items()}
+    ew = dict(host.elementwise)
     assert _known_seconds(work, ew, None, fits) == pytest.approx(
         _known_seconds(work, ew, None, None) + host.linear["fp32"].time(4e6, 2e9), rel=1e-9)
     w = Work.from_counts(10, work)
@@ -357,24 +357,24 @@ def test_prefill_from_memory_adds_a_per_call_cost_and_other_matmuls_run_at_their
     apart = sum(_work_time(replace(host, other_mm_unscaled=True), w, 0.0, "bf16", 2.0))
     assert folded - apart == pytest.approx(host.linear["fp32"].time(4e6, 2e9), rel=1e-9)
 
+    sized = replace(host, llc_bytes=1.0, prefill_scale_dram={"bf16": 2.0}, prefill_scale_dram_batch={"bf16": (256.0, 1.0)})
+    assert sized.prefill_dram_scale("bf16", 32) == sized.prefill_dram_scale("bf16", 8) == 2.0
+    assert sized.prefill_dram_scale("bf16", 256) == sized.prefill_dram_scale("bf16", 4096) == 1.0
+    assert sized.prefill_dram_scale("bf16", 128) == pytest.approx(2.0 ** (1 / 3), rel=1e-9)
     d = json.loads((res / "twin_sol-mini.json").read_text())
-    r = next(r for r in d["rows"] if r["plan"] == "S2-M2-bf16-B8")
     spec = ModelSpec.from_pretrained(root / "models" / "sol-mini")
 
-    def ttft(h):
-        return predict(Plan.from_json(r["plan_json"]), spec, hw, h, r["ops"], 32, 32, 8, None).ttft_s
+    def ttft(h, name):
+        r = next(r for r in d["rows"] if r["plan"] == name)
+        return predict(Plan.from_json(r["plan_json"]), spec, hw, h, r["ops"], 32, 32, r["point"]["batch"], None).ttft_s
 
-    per_call = {"bf16": 1e-3}
-    hot = replace(host, llc_bytes=1e12)  # a cache that holds its weights: no per-call cost
-    assert ttft(replace(hot, prefill_call_s_dram=per_call)) == ttft(replace(hot, prefill_call_s_dram={}))
-    # a host whose cache holds none of them (its prefill reads them from memory), hops at a fixed latency
-    mem = replace(host, llc_bytes=1.0, hop_vs_idle=(), hop_latency_s=1e-4)
-    pre = r["ops"]["prefill"]
-    calls = sum(v for w in [*pre["layers"].values(), pre["other"]] for k, v in w.items()
-                if k.startswith("call|") and multi_row_product(k.split("|")[1], int(k.split("|")[2])))
-    assert calls > 0
-    assert ttft(replace(mem, prefill_call_s_dram=per_call)) - ttft(replace(mem, prefill_call_s_dram={})) == \
-        pytest.approx(1e-3 * calls, rel=1e-6)
+    one = replace(sized, prefill_scale_dram_batch={})
+    at_one = replace(sized, prefill_scale_dram={"bf16": 1.0}, prefill_scale_dram_batch={})
+    # 2 stages, 8 prompts of 32 tokens in one prefill micro-batch: 256 tokens, the batch's scale
+    assert ttft(sized, "S2-M2-bf16-B8") == pytest.approx(ttft(at_one, "S2-M2-bf16-B8"), rel=1e-12)
+    assert ttft(one, "S2-M2-bf16-B8") > ttft(sized, "S2-M2-bf16-B8")
+    # one process prefills its prompts one at a time: 32 tokens, the one-prompt scale
+    assert ttft(sized, "S1-bf16-B8") == pytest.approx(ttft(one, "S1-bf16-B8"), rel=1e-12)
 
 
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():

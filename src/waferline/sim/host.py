@@ -27,6 +27,7 @@ import yaml
 from waferline.errors import ConfigError
 
 OVERSUB_KEYS = ("stages", "m1_step_cpu_s", "m1_cpu_inflation", "m1_wall_per_cpu", "mS_step_cpu_s", "mS_cpu_inflation")
+PREFILL_PROBE_TOKENS = 32  # tokens of calibrate's one-prompt prefill probe (sim.measure)
 PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt tokens per prefill micro-batch
 
 
@@ -144,9 +145,10 @@ class HostParams:
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
     prefill_scale_dram: dict[str, float] = field(default_factory=dict)  # prefill linear scale, weights from memory
-    # the same prefill's in-engine seconds per 16-bit product of 2+ rows beyond its scaled table price (fitted with the
-    # scale on one prompt and on a batch of prompts: small and large GEMMs)
-    prefill_call_s_dram: dict[str, float] = field(default_factory=dict)
+    # the same scale measured on a prefill forward of several prompts at once: compute dtype -> (tokens in that
+    # forward, scale); a forward of n tokens takes the scale interpolated (log-log) between the one-prompt probe's
+    # tokens and these, flat outside
+    prefill_scale_dram_batch: dict[str, tuple[float, float]] = field(default_factory=dict)
     # calibrations that price matmuls without a weight (attention, scans) at their roofline, apart from the linear
     # scale (older ones folded them into it, and the model scales them as those fits did)
     other_mm_unscaled: bool = False
@@ -215,8 +217,11 @@ class HostParams:
                                            and "value" in v["prefill_linear_scale_int4"]},
                        prefill_scale_dram={k: _v(v["prefill_linear_scale_dram"], where) for k, v in eng.items()
                                            if isinstance(v.get("prefill_linear_scale_dram"), dict)},
-                       prefill_call_s_dram={k: _v(v["prefill_call_overhead_s_dram"], where) for k, v in eng.items()
-                                            if isinstance(v.get("prefill_call_overhead_s_dram"), dict)},
+                       prefill_scale_dram_batch={k: (_v(v["prefill_linear_scale_dram_batch"]["tokens"], where),
+                                                     _v(v["prefill_linear_scale_dram_batch"], where))
+                                                 for k, v in eng.items()
+                                                 if isinstance(v.get("prefill_linear_scale_dram_batch"), dict)
+                                                 and "tokens" in v["prefill_linear_scale_dram_batch"]},
                        other_mm_unscaled=bool(he.get("other_matmuls_at_roofline", False)),
                        fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
                               for k, v in (he.get("fused_ops") or {}).items()},
@@ -258,7 +263,6 @@ class HostParams:
                        multi_call_overhead_s={k: v * op_overhead for k, v in self.multi_call_overhead_s.items()},
                        fused={k: (t0 * op_overhead, rate * bandwidth) for k, (t0, rate) in self.fused.items()},
                        prefill={k: (v[0] * op_overhead, v[1], v[2] * op_overhead) for k, v in self.prefill.items()},
-                       prefill_call_s_dram={k: v * op_overhead for k, v in self.prefill_call_s_dram.items()},
                        spec_step_overhead_s={k: v * op_overhead for k, v in self.spec_step_overhead_s.items()},
                        link_latency_s=self.link_latency_s * link_latency, hop_overhead_s=self.hop_overhead_s * link_latency,
                        hop_latency_s=None if self.hop_latency_s is None else self.hop_latency_s * link_latency,
@@ -271,6 +275,20 @@ class HostParams:
                        else self.afd_overlapped_message_cpu_s * link_latency,
                        oversubscribed={k: v * link_latency if k.endswith("_step_cpu_s") else v
                                        for k, v in self.oversubscribed.items()})
+
+    def prefill_dram_scale(self, comp: str, tokens: float) -> float:
+        """The from-memory prefill linear scale for a forward of ``tokens`` tokens (all its prompts together): the
+        one-prompt probe's (PREFILL_PROBE_TOKENS) and, where measured, the batch probe's, log-log in between."""
+        one = self.prefill_scale_dram[comp]
+        if comp not in self.prefill_scale_dram_batch:
+            return one
+        n, many = self.prefill_scale_dram_batch[comp]
+        if n <= PREFILL_PROBE_TOKENS or tokens <= PREFILL_PROBE_TOKENS:
+            return one
+        if tokens >= n:
+            return many
+        f = math.log(tokens / PREFILL_PROBE_TOKENS) / math.log(n / PREFILL_PROBE_TOKENS)
+        return math.exp(math.log(one) * (1 - f) + math.log(many) * f)
 
     def parallel(self, processes: int) -> float:
         """How many cores' worth of work ``processes`` single-thread processes get at once: the measured parallel
@@ -490,8 +508,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
         if not hot and comp in host.prefill_scale_dram:  # GEMMs a real model's size, weights from memory
-            scale = host.prefill_scale_dram[comp]
-            multi_s += host.prefill_call_s_dram.get(comp, 0.0)
+            scale = host.prefill_dram_scale(comp, rows * tokens)
         int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
@@ -657,14 +674,14 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     hop = host.hop
     hot = _hot(host, plan)
 
-    def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool) -> tuple[list[float], list[float], float]:
+    def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool,
+                   prefill_tokens: float = 0.0) -> tuple[list[float], list[float], float]:
         # prefill with the prefill constants (per op, linear scale, int4 scale), decode with the decode ones
         pf = host.prefill.get(comp) if prefill else None
         kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
         if pf:
-            if not hot:
-                kw["multi_s"] += host.prefill_call_s_dram.get(comp, 0.0)
-            kw.update(scale=host.prefill_scale_dram.get(comp, pf[1]) if not hot else pf[1],
+            kw.update(scale=(host.prefill_dram_scale(comp, prefill_tokens) if comp in host.prefill_scale_dram else pf[1])
+                      if not hot else pf[1],
                       int4_scale=host.prefill_int4_scale.get(comp))
         cop = pf[0] if pf else c_op
         a_t, f_t = [], []
@@ -726,7 +743,7 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
     rp = math.ceil(r / Kp)
     n_steps = math.ceil(Ba / r)
     pc = profile.prefill(rp, P)
-    pa, pf, pother = side_times(pc, profile.ffn("prefill"), True)
+    pa, pf, pother = side_times(pc, profile.ffn("prefill"), True, rp * P)
     ph = hop(rp * P * spec.hidden_size * act)
     per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + f + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
                    for a, f in zip(pa, pf)]

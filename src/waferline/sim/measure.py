@@ -688,7 +688,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
-    g_dram, g_dram_multi, g_pre_dram, d_pre_dram, big_pts = g, None, None, None, []
+    g_dram, g_dram_multi, g_pre_dram, g_pre_dram_batch, big_pts = g, None, None, None, []
     cp_ = cp if cp > 0 else c
     if big is not None and dram_tables:
         h, L, ffn = big
@@ -714,10 +714,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                                     "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
             # its prefill: GEMMs the size of a real model's, where the tiny models' prefill scale, fitted on GEMMs
             # dominated by their fixed cost, does not carry. One 32-token prompt (as the single-process engine
-            # prefills) and 8 of them in one forward (as a pipeline stage prefills a micro-batch: 256-row GEMMs):
-            # seconds - the fitted other terms = scale x linears priced by the from-memory table + per-call cost x
-            # 16-bit products of 2+ rows, both >= 0
-            pre_pts = []
+            # prefills) and 8 of them in one forward (as a pipeline stage prefills a micro-batch: 256-row GEMMs), each
+            # (seconds - the fitted other terms) / its linears priced by the from-memory table: one prompt's GEMMs ran
+            # ~1.5x their table price here, a batch's ~1.1x, so neither scale carries to the other
             for rows in BIG_PREFILL_ROWS:
                 prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(32)] for r_ in range(rows)]
                 fwd = _prefill_forward(llm, prompts)
@@ -728,19 +727,13 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 rest = (cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + dm * multi_row_calls(wp)
                         + _known_seconds(wp, ew, fused, mm_fits))  # (a bare forward: no per-prompt engine work)
                 if sec > rest and t_lin > 0:
-                    pre_pts.append({"hidden": h, "layers": L, "prompt": 32, "rows": rows, "seconds": sec,
-                                    "linear_table_s": t_lin, "multi_row_calls": multi_row_calls(wp), "rest_s": rest,
+                    big_pts.append({"hidden": h, "layers": L, "prompt": 32, "rows": rows, "tokens": 32 * rows,
+                                    "seconds": sec, "linear_table_s": t_lin, "rest_s": rest,
                                     "scale": (sec - rest) / t_lin})
-            big_pts += pre_pts
-            if len(pre_pts) >= 2:
-                xd = np.array([[q["linear_table_s"], q["multi_row_calls"]] for q in pre_pts])
-                yd = np.array([q["seconds"] - q["rest_s"] for q in pre_pts])
-                g_pre_dram, d_pre_dram = (float(v) for v in _nnls_rel(xd, yd))
-                if g_pre_dram <= 0:  # per-call cost alone explains it (noise): keep the scale at one
-                    g_pre_dram = 1.0
-                    d_pre_dram = float(max(0.0, np.mean((yd - xd[:, 0]) / np.maximum(xd[:, 1], 1.0))))
-            elif pre_pts:
-                g_pre_dram = pre_pts[0]["scale"]
+                    if rows == 1:
+                        g_pre_dram = (sec - rest) / t_lin
+                    else:
+                        g_pre_dram_batch = {"tokens": 32 * rows, "scale": (sec - rest) / t_lin}
         finally:
             torch.set_num_threads(old)
         at1 = [p for p in big_pts if p.get("batch") == 1]
@@ -757,7 +750,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     return {"prefill_linear_scale_int4": g_int4, "int4_prefill_points": int4_pts,
             "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "multi_call_overhead_s": dm,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
-            "prefill_linear_scale_dram": g_pre_dram, "prefill_call_overhead_s_dram": d_pre_dram,
+            "prefill_linear_scale_dram": g_pre_dram, "prefill_linear_scale_dram_batch": g_pre_dram_batch,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
             "points": pts,
@@ -1472,13 +1465,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                    "points": eo["points"]}
                 for key, how in (
                         ("prefill_linear_scale_dram",
-                         f"prefill forwards of {list(BIG_PREFILL_ROWS)} 32-token prompts at once on the random sol model "
-                         f"{BIG_CALIBRATION_MODEL} (weights beyond the last-level cache): CPU seconds - the fitted prefill "
-                         f"terms = this x its linears priced by the from-memory table + prefill_call_overhead_s_dram x "
-                         f"its 16-bit products of 2+ rows, relative least squares, both >= 0"),
-                        ("prefill_call_overhead_s_dram",
-                         "the same fit: in-engine seconds per 16-bit product of 2+ rows in such a prefill beyond its "
-                         "scaled table price (small GEMMs of one prompt against 256-row ones of a batch)"),
+                         f"prefill forward of one 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} "
+                         f"(weights beyond the last-level cache): (CPU seconds - the fitted prefill terms) / its "
+                         f"linears priced by the from-memory table"),
                         ("prefill_linear_scale_int4",
                          f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
                          f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
@@ -1487,6 +1476,12 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                         he["engine"][d][key] = _fig(eo[key], tag, how)
                 if eo["prefill_linear_scale_int4"] is not None:
                     he["engine"][d]["int4_prefill_points"] = eo["int4_prefill_points"]
+                if eo["prefill_linear_scale_dram_batch"] is not None:
+                    b_ = eo["prefill_linear_scale_dram_batch"]
+                    he["engine"][d]["prefill_linear_scale_dram_batch"] = dict(_fig(b_["scale"], tag, (
+                        f"the same model, one prefill forward of {b_['tokens'] // 32} such prompts at once (as a "
+                        f"pipeline stage prefills a micro-batch): the same ratio; a forward of n tokens takes the two "
+                        f"scales interpolated (log-log in n) between 32 and {b_['tokens']} tokens")), tokens=b_["tokens"])
             try:
                 say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
