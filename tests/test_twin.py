@@ -479,6 +479,13 @@ def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     assert c["host_engine"]["engine"]["bf16"]["op_overhead_s"]["measured"] == base["host_engine"]["engine"]["bf16"][
         "op_overhead_s"]["measured"]  # text and dates are the first file's
     assert HostParams.load(out).op_overhead_s["bf16"] == pytest.approx(op * 3.0)
+    # a stage step's fixed CPU and its compute's inflation are refitted on the median probe points, not taken as the
+    # median of each alone (which can pair one file's fixed cost with another's inflation)
+    from waferline.sim.measure import stage_cpu_fit
+
+    probes = c["host_engine"]["pipeline"]["probes"]
+    assert c["host_engine"]["pipeline"]["stage_step_cpu_s"]["value"] == pytest.approx(stage_cpu_fit(probes)[0])
+    assert "refitted on the median probe points" in c["host_engine"]["pipeline"]["stage_cpu_inflation"]["source"]
     assert main(["calibrate", "--combine", str(files[0]), "--out", str(out)]) == 2
     (tmp_path / "other.yaml").write_text("name: x\n")
     assert main(["calibrate", "--combine", str(files[0]), str(tmp_path / "other.yaml"), "--out", str(out)]) == 2

@@ -93,6 +93,12 @@ class LinearTable:
         return replace(self, seconds=tuple(tuple(x * factor for x in row) for row in self.seconds))
 
 
+def _sized(eng: dict[str, Any], key: str, where: str) -> dict[str, tuple[float, float]]:
+    """compute dtype -> (tokens, value) of a figure measured at a stated prefill size."""
+    return {k: (_v(v[key]["tokens"], where), _v(v[key], where)) for k, v in eng.items()
+            if isinstance(v.get(key), dict) and "tokens" in v[key]}
+
+
 def _chain_wall_per_cpu(pipe: dict[str, Any], where: str) -> float | None:
     """The pipeline's chain_wall_per_cpu figure; for calibrations written before it, the median over their stored
     2-stage probes (per-token wall time / CPU of both processes per token); None without either."""
@@ -149,6 +155,10 @@ class HostParams:
     # forward, scale); a forward of n tokens takes the scale interpolated (log-log) between the one-prompt probe's
     # tokens and these, flat outside
     prefill_scale_dram_batch: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the same prefills' other ops (per-op cost + bytes + fused operators) measured (profiler) over priced: compute
+    # dtype -> at one prompt, and (tokens, ratio) at the batch; interpolated like the linear scale
+    prefill_rest_dram: dict[str, float] = field(default_factory=dict)
+    prefill_rest_dram_batch: dict[str, tuple[float, float]] = field(default_factory=dict)
     # calibrations that price matmuls without a weight (attention, scans) at their roofline, apart from the linear
     # scale (older ones folded them into it, and the model scales them as those fits did)
     other_mm_unscaled: bool = False
@@ -217,11 +227,10 @@ class HostParams:
                                            and "value" in v["prefill_linear_scale_int4"]},
                        prefill_scale_dram={k: _v(v["prefill_linear_scale_dram"], where) for k, v in eng.items()
                                            if isinstance(v.get("prefill_linear_scale_dram"), dict)},
-                       prefill_scale_dram_batch={k: (_v(v["prefill_linear_scale_dram_batch"]["tokens"], where),
-                                                     _v(v["prefill_linear_scale_dram_batch"], where))
-                                                 for k, v in eng.items()
-                                                 if isinstance(v.get("prefill_linear_scale_dram_batch"), dict)
-                                                 and "tokens" in v["prefill_linear_scale_dram_batch"]},
+                       prefill_scale_dram_batch=_sized(eng, "prefill_linear_scale_dram_batch", where),
+                       prefill_rest_dram={k: _v(v["prefill_rest_scale_dram"], where) for k, v in eng.items()
+                                          if isinstance(v.get("prefill_rest_scale_dram"), dict)},
+                       prefill_rest_dram_batch=_sized(eng, "prefill_rest_scale_dram_batch", where),
                        other_mm_unscaled=bool(he.get("other_matmuls_at_roofline", False)),
                        fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
                               for k, v in (he.get("fused_ops") or {}).items()},
@@ -276,13 +285,15 @@ class HostParams:
                        oversubscribed={k: v * link_latency if k.endswith("_step_cpu_s") else v
                                        for k, v in self.oversubscribed.items()})
 
-    def prefill_dram_scale(self, comp: str, tokens: float) -> float:
-        """The from-memory prefill linear scale for a forward of ``tokens`` tokens (all its prompts together): the
-        one-prompt probe's (PREFILL_PROBE_TOKENS) and, where measured, the batch probe's, log-log in between."""
-        one = self.prefill_scale_dram[comp]
-        if comp not in self.prefill_scale_dram_batch:
+    def prefill_dram_scale(self, comp: str, tokens: float, rest: bool = False) -> float:
+        """The from-memory prefill linear scale (``rest``: the other ops' ratio, 1 where not measured) for a forward
+        of ``tokens`` tokens (all its prompts together): the one-prompt probe's (PREFILL_PROBE_TOKENS) and, where
+        measured, the batch probe's, log-log in between."""
+        one = (self.prefill_rest_dram if rest else self.prefill_scale_dram).get(comp, 1.0)
+        batch = self.prefill_rest_dram_batch if rest else self.prefill_scale_dram_batch
+        if comp not in batch:
             return one
-        n, many = self.prefill_scale_dram_batch[comp]
+        n, many = batch[comp]
         if n <= PREFILL_PROBE_TOKENS or tokens <= PREFILL_PROBE_TOKENS:
             return one
         if tokens >= n:
@@ -505,10 +516,12 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
     scale = int4_scale = None
     multi_s = host.multi_call_overhead_s.get(comp, 0.0)
     hot = _hot(host, plan)
+    rest_scale = 1.0
     if prefill and comp in host.prefill:
         c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
         if not hot and comp in host.prefill_scale_dram:  # GEMMs a real model's size, weights from memory
             scale = host.prefill_dram_scale(comp, rows * tokens)
+            rest_scale = host.prefill_dram_scale(comp, rows * tokens, rest=True)
         int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
     if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
         w = Work()
@@ -519,7 +532,7 @@ def _stage_cost(host: HostParams, plan: Any, spec: Any, table: list[Any], layers
             w.add(count.other)
         ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=hot, int4_scale=int4_scale,
                                           multi_s=multi_s)
-        return _StageCost(ops_s=ops_s, linear_s=mm_s, cache_s=other_s, extra_s=step_extra)
+        return _StageCost(ops_s=ops_s * rest_scale, linear_s=mm_s, cache_s=other_s * rest_scale, extra_s=step_extra)
     # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
     lin = host.linear_for(plan.weight_bits, comp)
     n = rows * tokens
@@ -684,6 +697,12 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
                       if not hot else pf[1],
                       int4_scale=host.prefill_int4_scale.get(comp))
         cop = pf[0] if pf else c_op
+        rs = host.prefill_dram_scale(comp, prefill_tokens, rest=True) if pf and not hot else 1.0
+
+        def secs(w: Work) -> float:  # (other ops' parts at the prefill's measured ratio)
+            ops_s, mm_s, other_s = _work_time(host, w, cop, comp, hot=hot, **kw)
+            return (ops_s + other_s) * rs + mm_s
+
         a_t, f_t = [], []
         for i, w in sorted(count.layers.items()):
             fw = ffn_w.get(i, Work())
@@ -693,13 +712,13 @@ def _simulate_host_afd(plan: Any, spec: Any, host: HostParams, profile: OpsProfi
                       {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
                       w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
                       {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
-            a_t.append(sum(_work_time(host, aw, cop, comp, hot=hot, **kw)))
+            a_t.append(secs(aw))
             scaled = Work(fw.ops * Ma / Nf, {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
                           {k: v * Ma / Nf for k, v in fw.mm_flops.items()}, fw.small_bytes * Ma / Nf, fw.large_bytes * Ma / Nf,
                           {k: v * Ma / Nf for k, v in fw.calls.items()}, fw.small_bytes_bf16 * Ma / Nf,
                           fw.large_bytes_bf16 * Ma / Nf, {k: v * Ma / Nf for k, v in fw.fused.items()})
-            f_t.append(sum(_work_time(host, scaled, cop, comp, hot=hot, **kw)) if fw.ops else 0.0)
-        return a_t, f_t, sum(_work_time(host, count.other, cop, comp, hot=hot, **kw))
+            f_t.append(secs(scaled) if fw.ops else 0.0)
+        return a_t, f_t, secs(count.other)
 
     dc = profile.decode(b, 1)
     a_t, f_t, other = side_times(dc, profile.ffn("decode"), False)

@@ -553,6 +553,31 @@ def _prefill_forward(llm: Any, prompts: list[list[int]]) -> Callable[[], Any]:
     return run
 
 
+_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "waferline::moe_ffn")  # products with a weight
+_OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")  # matmuls without one
+
+
+def _profiled_shares(fn: Callable[[], Any]) -> tuple[float, float, float]:
+    """One profiled call of ``fn`` (torch.profiler, CPU): the shares of its ops' self time spent in products with a
+    weight (linear layers, oneDNN / MKL / int4 products, the fused MoE block's expert products), in matmuls without a
+    weight (attention, scans), and in everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    lin = other = rest = 0.0
+    for e in prof.key_averages():
+        t = float(e.self_cpu_time_total)
+        if any(k in e.key for k in _LINEAR_EVENTS):
+            lin += t
+        elif any(k == e.key for k in _OTHER_MM_EVENTS):
+            other += t
+        else:
+            rest += t
+    tot = lin + other + rest
+    return (lin / tot, other / tot, rest / tot) if tot > 0 else (0.0, 0.0, 0.0)
+
+
 def _forward_work(fn: Callable[[], Any]) -> dict[str, float]:
     """All labels merged: {ops, call|dtype|rows|bytes counts, ...} of one call of ``fn``."""
     with OpCounter() as c:
@@ -688,7 +713,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             g_int4 = float(np.median([p["scale"] for p in int4_pts]))
     # a model whose weights do not fit in the last-level cache: its linears against the from-memory table, with the
     # other terms from the fit above (its step is mostly linears, so this is well determined)
-    g_dram, g_dram_multi, g_pre_dram, g_pre_dram_batch, big_pts = g, None, None, None, []
+    g_dram, g_dram_multi, g_pre_dram, g_pre_dram_batch, r_pre_dram, big_pts = g, None, None, None, None, []
     cp_ = cp if cp > 0 else c
     if big is not None and dram_tables:
         h, L, ffn = big
@@ -724,16 +749,20 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 wp = _forward_work(fwd)
                 n_lin, t_lin = table_seconds(wp, dram_tables)
                 sec = min(_timed_cpu(fwd) for _ in range(3))
-                rest = (cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + dm * multi_row_calls(wp)
-                        + _known_seconds(wp, ew, fused, mm_fits))  # (a bare forward: no per-prompt engine work)
-                if sec > rest and t_lin > 0:
-                    big_pts.append({"hidden": h, "layers": L, "prompt": 32, "rows": rows, "tokens": 32 * rows,
-                                    "seconds": sec, "linear_table_s": t_lin, "rest_s": rest,
-                                    "scale": (sec - rest) / t_lin})
+                # where its time goes (the profiler's self time per op, as shares of the timed seconds): products
+                # with a weight, matmuls without one (priced at their roofline, not scaled), everything else
+                lin_share, _, rest_share = _profiled_shares(fwd)
+                rest = cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + _known_seconds(wp, ew, fused, None)
+                lin_s = lin_share * sec - dm * multi_row_calls(wp)
+                if lin_s > 0 and t_lin > 0 and rest > 0:
+                    pt = {"hidden": h, "layers": L, "prompt": 32, "rows": rows, "tokens": 32 * rows, "seconds": sec,
+                          "linear_table_s": t_lin, "linear_share": lin_share, "scale": lin_s / t_lin,
+                          "rest_priced_s": rest, "rest_share": rest_share, "rest_scale": rest_share * sec / rest}
+                    big_pts.append(pt)
                     if rows == 1:
-                        g_pre_dram = (sec - rest) / t_lin
+                        g_pre_dram, r_pre_dram = pt["scale"], pt["rest_scale"]
                     else:
-                        g_pre_dram_batch = {"tokens": 32 * rows, "scale": (sec - rest) / t_lin}
+                        g_pre_dram_batch = {"tokens": 32 * rows, "scale": pt["scale"], "rest_scale": pt["rest_scale"]}
         finally:
             torch.set_num_threads(old)
         at1 = [p for p in big_pts if p.get("batch") == 1]
@@ -751,6 +780,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             "linear_scale_dram": g_dram, "linear_scale_dram_multi": g_dram_multi, "big_points": big_pts, "op_overhead_s": c, "step_overhead_s": a, "linear_scale": g, "row_overhead_s": r, "multi_call_overhead_s": dm,
             "prefill_op_overhead_s": cp if cp > 0 else c, "prefill_linear_scale": gp if gp > 0 else g,
             "prefill_linear_scale_dram": g_pre_dram, "prefill_linear_scale_dram_batch": g_pre_dram_batch,
+            "prefill_rest_scale_dram": r_pre_dram,
             "prefill_overhead_s": ap, "prefill_points": pre,
             "prefill_fit_error_factor": float(np.exp(np.median(np.abs(np.log(np.maximum(predp, 1e-9) / yp))))),
             "points": pts,
@@ -1003,13 +1033,17 @@ def oversubscribed_pipeline(workdir: str | Path, tokens: int, stages: int = OVER
                 p[f"{key}_wall_s"] = _per_token(pl, prompts, tokens, time.perf_counter, 2)
                 p[f"{key}_cpu_s"] = _per_token(pl, prompts, tokens, lambda: sum(process_cpu_seconds(q) for q in pids), 1)
         points.append(p)
-    out: dict[str, Any] = {"stages": stages, "points": points}
+    return dict(oversubscribed_fit(points, stages), stages=stages, points=points)
+
+
+def oversubscribed_fit(points: list[dict[str, float]], stages: int) -> dict[str, float]:
+    """The oversubscribed probe's figures from its per-model points (see oversubscribed_pipeline)."""
+    out: dict[str, float] = {}
     for key, mb in (("m1", 1), ("mS", stages)):
         steps = stages * mb  # one-row stage steps per token (each of the stages runs one per micro-batch)
         x = np.array([mb * q["single_cpu_s"] for q in points])
         y = np.array([max(0.0, q[f"{key}_cpu_s"] - mb * q["single_cpu_s"]) for q in points])
-        fixed, infl = _fixed_inflation_fit(x, y, float(steps))
-        out[f"{key}_step_cpu_s"], out[f"{key}_cpu_inflation"] = fixed, infl
+        out[f"{key}_step_cpu_s"], out[f"{key}_cpu_inflation"] = _fixed_inflation_fit(x, y, float(steps))
     out["m1_wall_per_cpu"] = float(np.median([q["m1_wall_s"] / q["m1_cpu_s"] for q in points if q["m1_cpu_s"] > 0]))
     return out
 
@@ -1466,8 +1500,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 for key, how in (
                         ("prefill_linear_scale_dram",
                          f"prefill forward of one 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} "
-                         f"(weights beyond the last-level cache): (CPU seconds - the fitted prefill terms) / its "
-                         f"linears priced by the from-memory table"),
+                         f"(weights beyond the last-level cache): the profiler's share of its ops' self time in products "
+                         f"with a weight x its CPU seconds / those products priced by the from-memory table"),
                         ("prefill_linear_scale_int4",
                          f"prefill of 32- and 96-token prompts on int4 copies (RTN, group 128) of the calibration models "
                          f"{[m for m in cal_models if m[0] % 128 == 0]}: (CPU seconds - the fitted prefill terms) / their "
@@ -1476,12 +1510,20 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                         he["engine"][d][key] = _fig(eo[key], tag, how)
                 if eo["prefill_linear_scale_int4"] is not None:
                     he["engine"][d]["int4_prefill_points"] = eo["int4_prefill_points"]
+                if eo["prefill_rest_scale_dram"] is not None:
+                    he["engine"][d]["prefill_rest_scale_dram"] = _fig(eo["prefill_rest_scale_dram"], tag, (
+                        "the same prefill forward: the profiler's share of its ops' self time outside matmuls x its CPU "
+                        "seconds / those ops priced as the host model does (per-op cost + bytes at the elementwise "
+                        "bandwidths + the fused operators at their rates)"))
                 if eo["prefill_linear_scale_dram_batch"] is not None:
                     b_ = eo["prefill_linear_scale_dram_batch"]
-                    he["engine"][d]["prefill_linear_scale_dram_batch"] = dict(_fig(b_["scale"], tag, (
-                        f"the same model, one prefill forward of {b_['tokens'] // 32} such prompts at once (as a "
-                        f"pipeline stage prefills a micro-batch): the same ratio; a forward of n tokens takes the two "
-                        f"scales interpolated (log-log in n) between 32 and {b_['tokens']} tokens")), tokens=b_["tokens"])
+                    how = (f"the same model, one prefill forward of {b_['tokens'] // 32} such prompts at once (as a "
+                           f"pipeline stage prefills a micro-batch): the same ratio; a forward of n tokens takes the "
+                           f"two scales interpolated (log-log in n) between 32 and {b_['tokens']} tokens")
+                    he["engine"][d]["prefill_linear_scale_dram_batch"] = dict(_fig(b_["scale"], tag, how),
+                                                                              tokens=b_["tokens"])
+                    he["engine"][d]["prefill_rest_scale_dram_batch"] = dict(_fig(b_["rest_scale"], tag, how),
+                                                                            tokens=b_["tokens"])
             try:
                 say("speculative engine per-step overhead (tiny model, n-gram)", 0.68)
                 so = speculative_overhead("bf16", work, toks, he["engine"]["bf16"]["op_overhead_s"]["value"]
@@ -1640,11 +1682,32 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
 
     out = json.loads(json.dumps(docs[0]))
     merge(out, docs)
+    _refit_pairs(out["host_engine"].get("pipeline") or {}, n)
     out["host_engine"]["measured"]["combined"] = [
         {"file": str(p), "date": str(d["host_engine"].get("measured", {}).get("date")),
          "load_average_1m": d["host_engine"].get("measured", {}).get("load_average_1m")} for p, d in zip(paths, docs)]
     out["description"] = f"{out.get('description', '')} Median of {n} calibrations.".strip()
     return out
+
+
+def _refit_pairs(pipe: dict[str, Any], n: int) -> None:
+    """Figures fitted in pairs (a stage step's fixed CPU and its compute's inflation) refitted from the combined
+    (median) probe points: the median of each figure alone can pair one file's fixed cost with another's inflation
+    (they trade off against each other from one noisy calibration to the next)."""
+    why = f" [refitted on the median probe points of {n} calibrations]"
+    pts = pipe.get("probes")
+    if isinstance(pts, list) and len(pts) >= 2 and all("pipeline_cpu_s" in p for p in pts) \
+            and isinstance(pipe.get("stage_step_cpu_s"), dict) and isinstance(pipe.get("stage_cpu_inflation"), dict):
+        fixed, infl = stage_cpu_fit(pts)
+        for key, val in (("stage_step_cpu_s", fixed), ("stage_cpu_inflation", infl)):
+            pipe[key]["value"] = val
+            pipe[key]["source"] = pipe[key].get("source", "").split(" [median of")[0] + why
+    ov = pipe.get("oversubscribed")
+    if isinstance(ov, dict) and isinstance(ov.get("probes"), list) and len(ov["probes"]) >= 2 and "stages" in ov:
+        for key, val in oversubscribed_fit(ov["probes"], int(ov["stages"])).items():
+            if isinstance(ov.get(key), dict):
+                ov[key]["value"] = val
+                ov[key]["source"] = ov[key].get("source", "").split(" [median of")[0] + why
 
 
 def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, Any]:
