@@ -375,6 +375,13 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     assert ttft(one, "S2-M2-bf16-B8") > ttft(sized, "S2-M2-bf16-B8")
     # one process prefills its prompts one at a time: 32 tokens, the one-prompt scale
     assert ttft(sized, "S1-bf16-B8") == pytest.approx(ttft(one, "S1-bf16-B8"), rel=1e-12)
+    # the other ops' measured ratio multiplies their part of a from-memory prefill (not the products'), by size too
+    rest2 = replace(at_one, prefill_rest_dram={"bf16": 2.0})
+    rest1 = replace(at_one, prefill_rest_dram={"bf16": 1.0})
+    assert ttft(rest2, "S1-bf16-B8") > ttft(rest1, "S1-bf16-B8")
+    assert ttft(replace(rest2, prefill_rest_dram_batch={"bf16": (256.0, 1.0)}), "S2-M2-bf16-B8") == \
+        pytest.approx(ttft(rest1, "S2-M2-bf16-B8"), rel=1e-12)
+    assert replace(host, prefill_rest_dram={}).prefill_dram_scale("bf16", 64, rest=True) == 1.0  # not measured: 1
 
 
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
@@ -534,3 +541,21 @@ def test_op_counter_sees_the_fused_moe_block_as_the_linear_calls_it_makes(tmp_pa
             moe.__dict__.pop("_fused_weights", None)
             records.append({k: v for k, v in c.work[None].items() if k.startswith("call|")})
         assert records[0] and records[0] == records[1], records
+
+
+def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
+    """calibrate's profiler split of a prefill: products with a weight, matmuls without one (bmm) and everything else,
+    as shares of the ops' self time that add up to one; the profiler's own start/stop lines stay off stderr."""
+    import torch
+
+    from waferline.sim.measure import _profiled_shares
+
+    x, w = torch.randn(64, 512), torch.randn(1024, 512)
+    a, b = torch.randn(16, 64, 64), torch.randn(16, 64, 64)
+    lin = _profiled_shares(lambda: [torch.nn.functional.linear(x, w) for _ in range(20)])
+    bmm = _profiled_shares(lambda: [torch.bmm(a, b) for _ in range(20)])
+    ew = _profiled_shares(lambda: [x.exp().mul(2.0) for _ in range(20)])
+    for s in (lin, bmm, ew):
+        assert sum(s) == pytest.approx(1.0)
+    assert lin[0] > 0.8 and bmm[1] > 0.8 and ew[2] > 0.8
+    assert "profiler" not in capfd.readouterr().err

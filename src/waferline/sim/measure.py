@@ -561,10 +561,20 @@ def _profiled_shares(fn: Callable[[], Any]) -> tuple[float, float, float]:
     """One profiled call of ``fn`` (torch.profiler, CPU): the shares of its ops' self time spent in products with a
     weight (linear layers, oneDNN / MKL / int4 products, the fused MoE block's expert products), in matmuls without a
     weight (attention, scans), and in everything else."""
+    import sys
+
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
+    sys.stderr.flush()
+    saved = os.dup(2)  # the profiler's C++ side prints a line at start and stop to fd 2 (the progress bar's)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
     lin = other = rest = 0.0
     for e in prof.key_averages():
         t = float(e.self_cpu_time_total)
