@@ -289,9 +289,10 @@ class HostParams:
         """The from-memory prefill linear scale (``rest``: the other ops' ratio, 1 where not measured) for a forward
         of ``tokens`` tokens (all its prompts together): the one-prompt probe's (PREFILL_PROBE_TOKENS) and, where
         measured, the batch probe's, log-log in between."""
-        one = (self.prefill_rest_dram if rest else self.prefill_scale_dram).get(comp, 1.0)
+        ones = self.prefill_rest_dram if rest else self.prefill_scale_dram
         batch = self.prefill_rest_dram_batch if rest else self.prefill_scale_dram_batch
-        if comp not in batch:
+        one = ones.get(comp, 1.0)
+        if comp not in ones or comp not in batch:
             return one
         n, many = batch[comp]
         if n <= PREFILL_PROBE_TOKENS or tokens <= PREFILL_PROBE_TOKENS:
