@@ -386,6 +386,26 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     assert replace(host, prefill_rest_dram={}).prefill_dram_scale("bf16", 64, rest=True) == 1.0  # not measured: 1
 
 
+def test_fused_operators_read_their_operands_from_memory_when_the_weights_do_not_fit():
+    """The fused operators' rates were measured back to back with their operands in cache; in a Plan whose weights
+    do not fit in the last-level cache each call also reads its bytes from memory (MLA's absorbed weights)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from waferline.sim.host import HostParams, Work, _work_time
+
+    host = HostParams.load(Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml")
+    w = Work.from_counts(10, {"fused|mla_decode|calls": 10.0, "fused|mla_decode|units": 1.25e7,
+                              "fused|mla_decode|bytes": 1.6e7})
+    t0, rate = host.fused["mla_decode"]
+    hot = _work_time(host, w, 0.0, "bf16", hot=True)[2]
+    cold = _work_time(host, w, 0.0, "bf16", hot=False)[2]
+    assert hot == pytest.approx(10 * t0 + 1.25e7 / rate, rel=1e-12)
+    assert cold - hot == pytest.approx(1.6e7 / host.memory_bandwidth, rel=1e-12)
+    # a calibration without the cache-resident tables cannot tell the two apart: no extra term
+    assert _work_time(replace(host, tables_hot={}), w, 0.0, "bf16", hot=False)[2] == pytest.approx(hot, rel=1e-12)
+
+
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     """AFD with 2+ micro-batches takes the hop and the CPU per message end that calibrate measured with both sides
     working; with one micro-batch the idle-link figures stand. (A stored twin row of sol-mini's AFD Plan: its ops.)"""

@@ -482,6 +482,10 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         if name in host.fused:
             t0, rate = host.fused[name]
             fused_s += calls * t0 + units / rate
+            if not hot and host.tables_hot:  # measured back to back with its operands in cache; in a Plan whose
+                # weights do not fit in the last-level cache it reads them (MLA's absorbed W_UK / W_UV: ~1.5 MB a layer
+                # on dsv3-100m) from memory: ~2x the probe's time there, by hand)
+                fused_s += nb / host.memory_bandwidth
             n_calls += calls
         elif name == "mla_decode":  # an older calibration: an fp32 matmul of its FLOPs and bytes
             fused_s += (host.linear.get("fp32") or host.linear_for(16, "bf16")).time(nb, units)

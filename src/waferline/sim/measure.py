@@ -483,11 +483,14 @@ def _timed_cpu(fn: Callable[[], Any]) -> float:
 
 
 def _known_seconds(work: dict[str, float], ew: dict[str, float] | None, fused: dict[str, tuple[float, float]] | None,
-                   mm_fits: dict[str, tuple[float, float]] | None) -> float:
+                   mm_fits: dict[str, tuple[float, float]] | None, cold_bw: float | None = None) -> float:
     """The priced-apart part of a work record: other ops' bytes at the elementwise bandwidths, the fused operators at
-    their rates, and matmuls without a weight (attention, scans) at the roofline of the linear fit (``mm_fits``: dtype
-    -> (bytes/s, FLOP/s)), as the host model prices them."""
+    their rates (``cold_bw``: and their operands read from memory at it, as for a model beyond the last-level cache),
+    and matmuls without a weight (attention, scans) at the roofline of the linear fit (``mm_fits``: dtype -> (bytes/s,
+    FLOP/s)), as the host model prices them."""
     t = _bytes_seconds(work, ew or {}) + fused_seconds(work, fused)
+    if cold_bw:
+        t += sum(work.get(f"fused|{k}|bytes", 0.0) for k in (fused or {})) / cold_bw
     for dt, (bps, fps) in (mm_fits or {}).items():
         t += work.get(f"mm_bytes_{dt}", 0.0) / bps + work.get(f"mm_flops_{dt}", 0.0) / fps
     return t
@@ -617,7 +620,8 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                     big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None,
                     int4_models: list[tuple[int, int]] | None = None,
                     fused: dict[str, tuple[float, float]] | None = None,
-                    mm_fits: dict[str, tuple[float, float]] | None = None) -> dict[str, Any]:
+                    mm_fits: dict[str, tuple[float, float]] | None = None,
+                    dram_bw: float | None = None) -> dict[str, Any]:
     """The single-process engine's decode step on calibration models of its own architecture (random `sol` models of
     (hidden, layers) in ``models``, at each batch in ``batches``): CPU seconds per step - other ops' bytes at the
     elementwise bandwidths = step_overhead + op_overhead x non-linear aten ops + linear_scale x the step's linear calls
@@ -743,7 +747,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 _, t_one = table_seconds({k: v for k, v in step.items() if k.startswith("call|") and k.split("|")[2] == "1"},
                                          dram_tables)
                 rest = (a + c * (step["ops"] - n_lin - fused_calls(step, fused)) + r * B + dm * multi_row_calls(step)
-                        + _known_seconds(step, ew, fused, mm_fits))
+                        + _known_seconds(step, ew, fused, mm_fits, dram_bw))
                 if sec > rest and t_lin > 0:
                     big_pts.append({"hidden": h, "layers": L, "batch": B, "seconds_per_step": sec, "linear_table_s": t_lin,
                                     "one_row_table_s": t_one, "rest_s": rest, "scale": (sec - rest) / t_lin})
@@ -762,7 +766,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 # where its time goes (the profiler's self time per op, as shares of the timed seconds): products
                 # with a weight, matmuls without one (priced at their roofline, not scaled), everything else
                 lin_share, _, rest_share = _profiled_shares(fwd)
-                rest = cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + _known_seconds(wp, ew, fused, None)
+                rest = cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + _known_seconds(wp, ew, fused, None, dram_bw)
                 lin_s = lin_share * sec - dm * multi_row_calls(wp)
                 if lin_s > 0 and t_lin > 0 and rest > 0:
                     pt = {"hidden": h, "layers": L, "prompt": 32, "rows": rows, "tokens": 32 * rows, "seconds": sec,
@@ -1478,6 +1482,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
                                      big=None if quick else BIG_CALIBRATION_MODEL, fused=fused_rates, mm_fits=mm_fits,
+                                     dram_bw=bw1,
                                      dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
                                      int4_models=[m for m in cal_models if m[0] % 128 == 0] if d == "bf16" else None)
                 meth = (f"single-process engine decode of random sol calibration models (hidden, layers) = {cal_models} "
