@@ -381,6 +381,9 @@ class OpCount:
     layers: dict[int, Work]
     other: Work
     traced: bool = True
+    # prefill with MTP under a pipeline: the last stage's MTP pass over the prompt and first drafts, which it runs
+    # before the first token goes back to stage 0 (engine/speculative.py, the last stage's draft())
+    first_draft: Work | None = None
 
 
 class OpsProfile(Protocol):
@@ -652,6 +655,9 @@ def simulate_host(plan: Any, spec: Any, hw: Any, host: HostParams, profile: OpsP
         # not the inflation of its compute, measured with every stage busy at once: one chunk runs one stage at a time
         pst = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r, s.has_lm_head,
                            plain_over if i == 0 else 0.0, prefill=True).total + per_step for i, s in enumerate(plan.stages)]
+        if sp.method == "mtp" and pc.first_draft is not None:  # the last stage drafts before the first token returns
+            pst[-1] += _stage_cost(host, plan, spec, table, [], OpCount({}, pc.first_draft), r, tok, False, 0, True, 0.0,
+                                   prefill=True).total
         # each hop's receiver waited for the stages ahead of it (and, before the first chunk, since the last request)
         phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, sum(pst[:i + 1]))
                 for i in range(S)]

@@ -272,6 +272,24 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         model.logits(h[:, -1]).argmax(-1)
     c3 = _merged(counter)
     pre = {"layers": {i: both(c3, i) for i in idx}, "ffn": {i: c3.get(f"f{i}", {}) for i in idx}, "other": c3.get(None, {})}
+    if speculative == "mtp" and len(getattr(model, "mtp", [])):
+        # under a pipeline the last stage runs the MTP layer over the prompt's hidden states and drafts k tokens
+        # before the first token goes back (engine/speculative.py): counted apart, for the pipeline's TTFT
+        from waferline.engine.speculative import MTPDrafter
+
+        drafter = MTPDrafter(model)
+        with torch.inference_mode():
+            drafter.begin([list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]], [x for x in h])
+            counter.counts, counter.work = {}, {}
+            with counter:
+                drafter.propose(list(range(prefill_rows)), [list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]],
+                                [k] * prefill_rows, SamplingParams(max_tokens=k + 2), [None] * prefill_rows)
+        c4 = _merged(counter)
+        fd: dict[str, float] = {}
+        for w in c4.values():
+            for key, v in w.items():
+                fd[key] = fd.get(key, 0.0) + v
+        pre["first_draft"] = fd
     for h_ in hooks:
         h_.remove()
     return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
@@ -347,8 +365,10 @@ class CountedOps:
     def _count(d: dict[str, Any]) -> Any:
         from waferline.sim.host import OpCount, Work
 
+        fd = d.get("first_draft")
         return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
-                       Work.from_counts(d["other"].get("ops", 0.0), d["other"]))
+                       Work.from_counts(d["other"].get("ops", 0.0), d["other"]),
+                       first_draft=Work.from_counts(fd.get("ops", 0.0), fd) if fd else None)
 
     def decode(self, rows: int, tokens: int) -> Any:
         return self._count(self.ops["decode"])
