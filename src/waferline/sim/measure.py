@@ -48,6 +48,19 @@ def tiny_config(layers: int) -> dict[str, Any]:
     return dict(_TINY_BASE, num_hidden_layers=layers, mixer_types=[m for m, _ in kinds], ffn_types=[f for _, f in kinds])
 
 
+def calibration_checkpoint(workdir: str | Path, hidden: int, layers: int) -> Path:
+    """The random calibration model of (hidden, layers) under ``workdir`` (FFN 2 x hidden, experts' hidden), written
+    on first use; every probe of a calibration shares it."""
+    from waferline.model.init import write_random_checkpoint
+
+    h, L = hidden, layers
+    d = Path(workdir) / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+    if not (d / "config.json").is_file():
+        write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
+                                d, seed=L + h)
+    return d
+
+
 def _best(fn: Callable[[], Any], repeat: int = 5, clock: Callable[[], float] = time.process_time) -> float:
     """Fastest of ``repeat`` runs. Single-threaded probes are timed in this process's CPU time: on a machine shared with
     other work, wall time would count the time the core spent on someone else (on a quiet machine both agree)."""
@@ -647,10 +660,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     pre: list[dict[str, Any]] = []
     try:
         for h, L in models:
-            d = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
-            if not (d / "config.json").is_file():
-                write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h,
-                                             moe_intermediate_size=h), d, seed=L + h)
+            d = calibration_checkpoint(workdir, h, L)
             llm = LLM(d, dtype="bfloat16" if dtype == "bf16" else "float32")
             for P in (32, 96):  # prefill: one prompt of P tokens (generate with max_tokens=1)
                 prompt = [[(5 * j + 3) % 200 + 2 for j in range(P)]]
@@ -702,7 +712,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
         torch.set_num_threads(1)
         try:
             for h, L in int4_models:
-                src = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+                src = calibration_checkpoint(workdir, h, L)
                 d = src.with_name(src.name + "-int4")
                 if not (d / "config.json").is_file():
                     quantize_checkpoint(str(src), str(d), QuantOptions())
@@ -968,15 +978,11 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
     up slower (measured on this VM: ~0.5 ms per hop after ~0.3 ms idle, ~0.8 ms after ~4 ms)."""
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
-    from waferline.model.init import write_random_checkpoint
 
     prompt = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
     points = []
     for h, L in models or HOP_PROBE_MODELS:
-        d = Path(workdir) / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
-        if not (d / "config.json").is_file():
-            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
-                                    d, seed=L + h)
+        d = calibration_checkpoint(workdir, h, L)
         llm = LLM(d, dtype="float32")
         llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
         single = _per_token(llm, prompt, tokens, time.perf_counter, 3)  # wall time, as the pipeline's per-token time is
@@ -1024,16 +1030,12 @@ def oversubscribed_pipeline(workdir: str | Path, tokens: int, stages: int = OVER
     time over its CPU (the chain is serial: a hop is a process waking up)."""
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
-    from waferline.model.init import write_random_checkpoint
 
     one = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
     many = [[(3 * j + 7 * r + 5) % 200 + 2 for j in range(8)] for r in range(stages)]
     points = []
     for h, L in models or OVERSUB_PROBE_MODELS:
-        d = Path(workdir) / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
-        if not (d / "config.json").is_file():
-            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h),
-                                    d, seed=L + h)
+        d = calibration_checkpoint(workdir, h, L)
         llm = LLM(d, dtype="bfloat16")
         llm.generate(one, SamplingParams(max_tokens=4, ignore_eos=True))
         single_cpu = _per_token(llm, one, tokens, time.process_time, 2)
@@ -1116,7 +1118,7 @@ def afd_exchange_cpu(workdir: Path, model: tuple[int, int], prompt: list[list[in
     from waferline.engine.sampling import SamplingParams
 
     h, L = model
-    d = workdir / (f"tiny-{L}" if h == 64 else f"tiny-h{h}-{L}")
+    d = calibration_checkpoint(workdir, h, L)
     llm = LLM(d, dtype="bfloat16")
     llm.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     single_cpu = _per_token(llm, prompt, CPU_PROBE_TOKENS, time.process_time, 2)
