@@ -764,8 +764,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             # its prefill: GEMMs the size of a real model's, where the tiny models' prefill scale, fitted on GEMMs
             # dominated by their fixed cost, does not carry. One 32-token prompt (as the single-process engine
             # prefills) and 8 of them in one forward (as a pipeline stage prefills a micro-batch: 256-row GEMMs), each
-            # (seconds - the fitted other terms) / its linears priced by the from-memory table: one prompt's GEMMs ran
-            # ~1.5x their table price here, a batch's ~1.1x, so neither scale carries to the other
+            # split by the profiler: its products' share of the CPU seconds over their from-memory table price, and
+            # the other ops' share over their price (one prompt's products ran ~1.3-1.7x their table price here, a
+            # batch's ~0.95-1.1x, so neither scale carries to the other)
             for rows in BIG_PREFILL_ROWS:
                 prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(32)] for r_ in range(rows)]
                 fwd = _prefill_forward(llm, prompts)

@@ -276,20 +276,15 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         # under a pipeline the last stage runs the MTP layer over the prompt's hidden states and drafts k tokens
         # before the first token goes back (engine/speculative.py): counted apart, for the pipeline's TTFT
         from waferline.engine.speculative import MTPDrafter
+        from waferline.sim.measure import _forward_work
 
         drafter = MTPDrafter(model)
+        seqs = [list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]]  # the prompt and a first token
         with torch.inference_mode():
-            drafter.begin([list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]], [x for x in h])
-            counter.counts, counter.work = {}, {}
-            with counter:
-                drafter.propose(list(range(prefill_rows)), [list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]],
-                                [k] * prefill_rows, SamplingParams(max_tokens=k + 2), [None] * prefill_rows)
-        c4 = _merged(counter)
-        fd: dict[str, float] = {}
-        for w in c4.values():
-            for key, v in w.items():
-                fd[key] = fd.get(key, 0.0) + v
-        pre["first_draft"] = fd
+            drafter.begin(seqs, list(h))
+            pre["first_draft"] = _forward_work(lambda: drafter.propose(
+                list(range(prefill_rows)), seqs, [k] * prefill_rows, SamplingParams(max_tokens=k + 2),
+                [None] * prefill_rows))
     for h_ in hooks:
         h_.remove()
     return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
