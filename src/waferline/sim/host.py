@@ -18,6 +18,7 @@ and emits (1 - a^(k+1)) / (1 - a) tokens. AFD: attention and FFN sides ping-pong
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -104,9 +105,9 @@ def _chain_wall_per_cpu(pipe: dict[str, Any], where: str) -> float | None:
     2-stage probes (per-token wall time / CPU of both processes per token); None without either."""
     if "chain_wall_per_cpu" in pipe:
         return _v(pipe["chain_wall_per_cpu"], where)
-    r = sorted(p["per_token_s"] / p["pipeline_cpu_s"] for p in pipe.get("probes") or []
-               if p.get("pipeline_cpu_s") and p.get("per_token_s"))
-    return r[len(r) // 2] if len(r) % 2 else (0.5 * (r[len(r) // 2 - 1] + r[len(r) // 2]) if r else None)
+    r = [p["per_token_s"] / p["pipeline_cpu_s"] for p in pipe.get("probes") or []
+         if p.get("pipeline_cpu_s") and p.get("per_token_s")]
+    return statistics.median(r) if r else None
 
 
 @dataclass(frozen=True)

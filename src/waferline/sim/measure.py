@@ -767,8 +767,10 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             # split by the profiler: its products' share of the CPU seconds over their from-memory table price, and
             # the other ops' share over their price (one prompt's products ran ~1.3-1.7x their table price here, a
             # batch's ~0.95-1.1x, so neither scale carries to the other)
+            from waferline.sim.host import PREFILL_PROBE_TOKENS as P32
+
             for rows in BIG_PREFILL_ROWS:
-                prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(32)] for r_ in range(rows)]
+                prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(P32)] for r_ in range(rows)]
                 fwd = _prefill_forward(llm, prompts)
                 fwd()  # warm-up (one-time work) first
                 wp = _forward_work(fwd)
@@ -780,14 +782,14 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
                 rest = cp_ * (wp["ops"] - n_lin - fused_calls(wp, fused)) + _known_seconds(wp, ew, fused, None, dram_bw)
                 lin_s = lin_share * sec - dm * multi_row_calls(wp)
                 if lin_s > 0 and t_lin > 0 and rest > 0:
-                    pt = {"hidden": h, "layers": L, "prompt": 32, "rows": rows, "tokens": 32 * rows, "seconds": sec,
+                    pt = {"hidden": h, "layers": L, "prompt": P32, "rows": rows, "tokens": P32 * rows, "seconds": sec,
                           "linear_table_s": t_lin, "linear_share": lin_share, "scale": lin_s / t_lin,
                           "rest_priced_s": rest, "rest_share": rest_share, "rest_scale": rest_share * sec / rest}
                     big_pts.append(pt)
                     if rows == 1:
                         g_pre_dram, r_pre_dram = pt["scale"], pt["rest_scale"]
                     else:
-                        g_pre_dram_batch = {"tokens": 32 * rows, "scale": pt["scale"], "rest_scale": pt["rest_scale"]}
+                        g_pre_dram_batch = {"tokens": P32 * rows, "scale": pt["scale"], "rest_scale": pt["rest_scale"]}
         finally:
             torch.set_num_threads(old)
         at1 = [p for p in big_pts if p.get("batch") == 1]
