@@ -167,3 +167,23 @@ def _few_row_products(K, FEW_ROWS, Linear):
         tol = (ref.float().abs() + lin.bias.float().abs()).clamp_min(1e-2) * 2.0 ** -7 * 2.01
         assert bool((diff <= tol).all()), f"{rows} rows: max diff {diff.max().item()}"
     assert not lin.__dict__.get("_packs")  # no oneDNN copy for few rows
+
+
+def test_a_stale_kernel_build_lock_is_dropped(tmp_path):
+    """A build lock left by a process killed mid-build is removed (cpp_extension would wait on it forever); a fresh
+    one, a build running now, is kept."""
+    import os
+    import time
+
+    from waferline.kernels import STALE_LOCK_S, _drop_stale_lock
+
+    old, fresh = tmp_path / "old" / "lock", tmp_path / "fresh" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    past = time.time() - STALE_LOCK_S - 60
+    os.utime(old, (past, past))
+    _drop_stale_lock(old)
+    _drop_stale_lock(fresh)
+    _drop_stale_lock(tmp_path / "none" / "lock")  # no lock: nothing to do
+    assert not old.exists() and fresh.exists()

@@ -323,3 +323,95 @@ def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
     assert moe._fused_weights(torch.zeros(MOE_FUSED_MAX_ROWS + 1, moe.hidden_size)) is None
     moe.expert_linear = lambda *a: None  # what quant.hessians installs
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None
+
+
+@pytest.mark.parametrize("model_type, variant", [("deepseek_v3", "bf16"), ("deepseek_v3", "bf16-portable"),
+                                                 ("deepseek_v2", "bf16"), ("deepseek_v2", "int4")])
+def test_mla_project_matches_eager(tmp_path, model_type, variant, one_thread):
+    """MLA's projections, norms and rotation as one op (waferline::mla_project) against the module chain it replaces:
+    bitwise the same attention output and cache rows, for one row, a batch of two (ragged positions), a 4-token verify
+    and 2 x 2; with the query LoRA (deepseek_v3) and without it (deepseek_v2's q_proj, here in the CPU int4 layout with
+    padded output rows); bf16-portable: the few-row products' portable loop."""
+    from waferline.model.attention import MLAttention
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    prev = torch.ops.waferline.use_portable(variant.endswith("-portable"))
+    try:
+        build(model_type, tmp_path)
+        model = load_model(tmp_path, torch.bfloat16)
+        if variant == "int4":
+            quantize_model(model, QuantOptions(group_size=32))
+        att = next(m for m in model.modules() if isinstance(m, MLAttention))
+        _project_vs_eager(att, variant)
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
+@pytest.mark.parametrize("model_type, variant", [("qwen3_moe", "bf16"), ("qwen3_moe", "int4"), ("llama", "bf16-portable"),
+                                                 ("bamba", "bf16"), ("nemotron_h", "bf16")])
+def test_gqa_project_matches_eager(tmp_path, model_type, variant, one_thread):
+    """GQA's q/k/v projections, q/k norms and rotation as one op (waferline::gqa_project) against the module chain:
+    bitwise the same attention output and cache rows for the same step shapes as MLA's test; with q/k norms
+    (qwen3_moe, also in the CPU int4 layout), full (llama), partial (bamba) and no rotation (nemotron_h)."""
+    from waferline.model.attention import GQAttention
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    prev = torch.ops.waferline.use_portable(variant.endswith("-portable"))
+    try:
+        build(model_type, tmp_path)
+        model = load_model(tmp_path, torch.bfloat16)
+        if variant == "int4":
+            quantize_model(model, QuantOptions(group_size=32))
+        att = next(m for m in model.modules() if isinstance(m, GQAttention))
+        _project_vs_eager(att, variant)
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
+def _project_vs_eager(att, variant):
+    g = torch.Generator().manual_seed(11)
+    D = att.spec.hidden_size
+    with torch.inference_mode():
+        for slots, starts, T in (([0], [6], 1), ([0, 1], [6, 3], 1), ([1], [5], 4), ([0, 1], [6, 4], 2)):
+            x = torch.randn(len(slots), T, D, generator=g).to(torch.bfloat16)
+            assert att._project_weights(x) is not None  # the fused op is what runs
+            outs = []
+            for fused in (True, False):
+                cache = att.new_cache(2)
+                pre = torch.randn(2, 6, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+                att(pre, cache, StepBatch.make([0, 1], [0, 0], 6))  # a prefill (the module chain either way: 12 rows)
+                if not fused:
+                    att._project_weights = lambda x: None
+                try:
+                    y = att(x, cache, StepBatch.make(slots, starts, T))
+                finally:
+                    att.__dict__.pop("_project_weights", None)
+                outs.append((y, cache.data.clone()))
+            assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+            assert outs[0][0].abs().max().item() > 0
+        # the comparison can fail: a changed projection weight moves the fused output
+        before = att(x, cache, StepBatch.make(slots, starts, T))
+        proj = att.kv_a_proj_with_mqa if hasattr(att, "kv_a_proj_with_mqa") else att.k_proj
+        w = proj.int4.scales_zeros if variant == "int4" else proj.weight
+        w.mul_(1.5)
+        assert not torch.equal(before, att(x, cache, StepBatch.make(slots, starts, T)))
+
+
+def test_mla_project_falls_back_where_it_does_not_apply(tmp_path):
+    """fp32 models, more rows than the fused decode takes, hooks on a projection (GPTQ's Hessians) and biases keep the
+    module chain."""
+    from waferline.model.attention import PROJECT_FUSED_MAX_ROWS, MLAttention
+
+    build("deepseek_v3", tmp_path)
+    att = next(m for m in load_model(tmp_path, torch.float32).modules() if isinstance(m, MLAttention))
+    D = att.spec.hidden_size
+    assert att._project_weights(torch.zeros(1, 1, D)) is None  # fp32
+    att = next(m for m in load_model(tmp_path, torch.bfloat16).modules() if isinstance(m, MLAttention))
+    x = torch.zeros(1, 1, D, dtype=torch.bfloat16)
+    assert att._project_weights(x) is not None
+    assert att._project_weights(torch.zeros(1, PROJECT_FUSED_MAX_ROWS + 1, D, dtype=torch.bfloat16)) is None
+    h = att.q_a_proj.register_forward_pre_hook(lambda m, a: None)
+    assert att._project_weights(x) is None
+    h.remove()
+    att.kv_a_proj_with_mqa.bias = torch.nn.Parameter(torch.zeros(att.kv_a_proj_with_mqa.out_features, dtype=torch.bfloat16))
+    assert att._project_weights(x) is None

@@ -58,10 +58,26 @@ def _load() -> bool:
                 break
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
+    _drop_stale_lock(d / "lock")
     cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
                        extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-march=native"], extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     return True
+
+
+STALE_LOCK_S = 600.0  # a build takes ~15-60 s here; a lock this old was left by a process killed mid-build
+
+
+def _drop_stale_lock(lock: Path) -> None:
+    """Remove a build lock left behind by a process killed while it built: cpp_extension waits on an existing lock
+    for as long as it exists, so every later process would hang at its first fused operator."""
+    import time
+
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
 
 
 def _ninja_module() -> object | None:
