@@ -602,47 +602,6 @@ def test_op_counter_sees_the_fused_moe_block_as_the_linear_calls_it_makes(tmp_pa
         assert records[0] and records[0] == records[1], records
 
 
-@pytest.mark.parametrize("model_type, bits", [("deepseek_v3", 16), ("deepseek_v2", 4), ("qwen3_moe", 16), ("qwen3_moe", 4)])
-def test_op_counter_sees_the_fused_projections_as_the_ops_they_replace(tmp_path, model_type, bits):
-    """The twin prices waferline::mla_project / gqa_project as what the module chain they replace makes: the same
-    linear calls (dtype, rows, weight bytes) and the same RMSNorm work as the eager chain records, and fewer ops."""
-    import torch
-    from tiny_models import build
-
-    from waferline import kernels
-    from waferline.model.attention import GQAttention, MLAttention
-    from waferline.model.context import StepBatch
-    from waferline.model.load import load_model
-    from waferline.model.quant import QuantOptions, quantize_model
-    from waferline.sim.measure import OpCounter
-
-    if not kernels.available():
-        pytest.skip("fused CPU operators not built")
-    build(model_type, tmp_path)
-    model = load_model(tmp_path, torch.bfloat16)
-    if bits == 4:
-        quantize_model(model, QuantOptions(group_size=32))
-    att = next(m for m in model.modules() if isinstance(m, (MLAttention, GQAttention)))
-    x = torch.randn(2, 1, att.spec.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
-    assert att._project_weights(x) is not None
-    if isinstance(att, MLAttention):
-        with torch.inference_mode():
-            att.absorbed()  # made once per layer, outside the counted steps
-    records, ops = [], []
-    for fused in (True, False):
-        if not fused:
-            att._project_weights = lambda x: None
-        cache = att.new_cache(2)
-        c = OpCounter()
-        with torch.inference_mode(), c:
-            att(x, cache, StepBatch.make([0, 1], [0, 0], 1))
-        att.__dict__.pop("_project_weights", None)
-        records.append({k: v for k, v in c.work[None].items() if k.startswith(("call|", "fused|rms_norm|"))})
-        ops.append(c.counts[None])
-    assert records[0] and records[0] == records[1], records
-    assert ops[0] < ops[1]
-
-
 def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
     """calibrate's profiler split of a prefill: products with a weight, matmuls without one (bmm) and everything else,
     as shares of the ops' self time that add up to one; the profiler's own start/stop lines stay off stderr."""

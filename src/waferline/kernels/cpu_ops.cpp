@@ -689,175 +689,6 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
-// ---------------------------------------------------------------- MLA projections (decode)
-// The query and the new cache row of an MLA layer for a few decode rows, from its (already normalised) input x [R, D]:
-//   q = q_b(q_a_layernorm(q_a(x)))   (or q_proj(x) when qa is empty: no query LoRA)  -> [R, H, n + p]
-//   ckv = kv_a(x) -> [R, r + p];  c = kv_a_layernorm(ckv[:, :r])
-//   the query's rope parts and the rope key rotated together (rope_rows over H + 1 heads, cos2 / sin2 [R, p] fp32)
-// -> (q_nope [R, H, n], q_rope [R, H, p], kv [R, r + p] = [c | rotated k_rope]), all in x's dtype. Every product,
-// norm and rotation is the kernel the eager chain calls (bundle_linear: the few-row product or ATen's int4 kernel;
-// rms_rows; rope_rows), rounded at the same points, so the results are bitwise the eager chain's; what goes is the
-// chain's ~20 ops and module calls per layer (slices, concatenations, views) around them.
-std::vector<at::Tensor> mla_project(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& qa_sz,
-                                    const at::Tensor& qa_norm, const at::Tensor& qb, const at::Tensor& qb_sz,
-                                    const at::Tensor& kva, const at::Tensor& kva_sz, const at::Tensor& kva_norm,
-                                    const at::Tensor& cos2, const at::Tensor& sin2, int64_t group, int64_t heads,
-                                    int64_t nope, int64_t rope_dim, double eps_q, double eps_kv, bool interleaved) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "waferline::mla_project: contiguous CPU x [R, D]");
-  const int64_t R = x.size(0), H = heads, n = nope, p = rope_dim, r = kva_norm.numel();
-  TORCH_CHECK(R >= 1 && R <= FEW_ROWS, "waferline::mla_project: 1 to ", FEW_ROWS, " rows");
-  TORCH_CHECK(p > 0 && p % 2 == 0 && cos2.scalar_type() == at::kFloat && sin2.scalar_type() == at::kFloat &&
-                  cos2.numel() == R * p && sin2.numel() == R * p,
-              "waferline::mla_project: cos / sin must be fp32 [R, rope] with an even rope width");
-  const bool lora = qa.numel() > 0;
-  Bundle b_qa{qa, qa_sz, group}, b_qb{qb, qb_sz, group}, b_kva{kva, kva_sz, group};
-  for (const Bundle* b : {&b_qa, &b_qb, &b_kva}) {
-    if (b->int4()) {
-      TORCH_CHECK(x.scalar_type() == at::kBFloat16 && b->sz.scalar_type() == at::kBFloat16 && b->sz.dim() == 3 &&
-                      b->sz.size(2) == 2 && group > 0,
-                  "waferline::mla_project: int4 weights take bf16 activations and scales_zeros [K / G, >= N, 2]");
-    } else if (b->w.numel()) {
-      TORCH_CHECK(b->w.scalar_type() == x.scalar_type() && b->w.is_contiguous() && b->w.dim() == 2,
-                  "waferline::mla_project: dense weights must be contiguous [N, K] of x's dtype");
-    }
-  }
-  auto in_of = [&](const Bundle& b) { return b.int4() ? b.sz.size(0) * group : b.w.size(1); };
-  auto out_ok = [&](const Bundle& b, int64_t N) { return b.int4() ? b.sz.size(1) >= N : b.w.size(0) == N; };
-  const int64_t D = x.size(1), qr_rank = lora ? qa_norm.numel() : D;
-  TORCH_CHECK(!lora || (in_of(b_qa) == D && out_ok(b_qa, qr_rank)), "waferline::mla_project: q_a must be [q_lora, D]");
-  TORCH_CHECK(in_of(b_qb) == qr_rank && out_ok(b_qb, H * (n + p)), "waferline::mla_project: q_b / q_proj must be [H (n + p), ",
-              qr_rank, "]");
-  TORCH_CHECK(in_of(b_kva) == D && out_ok(b_kva, r + p) && kva_norm.scalar_type() == x.scalar_type() &&
-                  (!lora || qa_norm.scalar_type() == x.scalar_type()),
-              "waferline::mla_project: kv_a must be [r + rope, D] and the norms' weights of x's dtype");
-  at::Tensor q_nope = at::empty({R, H, n}, x.options()), q_rope = at::empty({R, H, p}, x.options());
-  at::Tensor kv = at::empty({R, r + p}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "waferline_mla_project", [&] {
-    at::Tensor qin = x;
-    if (lora) {
-      auto a = bundle_linear(x, b_qa, -1, qr_rank).contiguous();
-      qin = at::empty_like(a);
-      rms_rows<scalar_t>(a.data_ptr<scalar_t>(), qa_norm.contiguous().data_ptr<scalar_t>(), qin.data_ptr<scalar_t>(), R,
-                         qr_rank, static_cast<float>(eps_q));
-    }
-    auto q = bundle_linear(qin, b_qb, -1, H * (n + p)).contiguous();  // [R, H (n + p)]
-    auto ckv = bundle_linear(x, b_kva, -1, r + p).contiguous();        // [R, r + p]
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* cp = ckv.data_ptr<scalar_t>();
-    scalar_t* kvp = kv.data_ptr<scalar_t>();
-    // c, normalised straight into the cache row (row stride r + p)
-    auto cn = at::empty({R, r}, x.options());
-    auto craw = at::empty({R, r}, x.options());
-    for (int64_t i = 0; i < R; ++i) std::copy(cp + i * (r + p), cp + i * (r + p) + r, craw.data_ptr<scalar_t>() + i * r);
-    rms_rows<scalar_t>(craw.data_ptr<scalar_t>(), kva_norm.contiguous().data_ptr<scalar_t>(), cn.data_ptr<scalar_t>(), R,
-                       r, static_cast<float>(eps_kv));
-    // the rope parts of the H query heads and the one rope key, rotated together: [R, H + 1, p]
-    auto rot_in = at::empty({R, H + 1, p}, x.options());
-    auto rot_out = at::empty({R, H + 1, p}, x.options());
-    scalar_t* ri = rot_in.data_ptr<scalar_t>();
-    scalar_t* qn = q_nope.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < R; ++i) {
-      for (int64_t h = 0; h < H; ++h) {
-        const scalar_t* src = qp + (i * H + h) * (n + p);
-        std::copy(src, src + n, qn + (i * H + h) * n);
-        std::copy(src + n, src + n + p, ri + (i * (H + 1) + h) * p);
-      }
-      std::copy(cp + i * (r + p) + r, cp + (i + 1) * (r + p), ri + (i * (H + 1) + H) * p);
-    }
-    rope_rows<scalar_t>(ri, cos2.contiguous().data_ptr<float>(), sin2.contiguous().data_ptr<float>(),
-                        rot_out.data_ptr<scalar_t>(), R, H + 1, p, p, interleaved);
-    const scalar_t* ro = rot_out.data_ptr<scalar_t>();
-    scalar_t* qrp = q_rope.data_ptr<scalar_t>();
-    const scalar_t* cnp = cn.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < R; ++i) {
-      std::copy(ro + i * (H + 1) * p, ro + (i * (H + 1) + H) * p, qrp + i * H * p);
-      std::copy(cnp + i * r, cnp + (i + 1) * r, kvp + i * (r + p));
-      std::copy(ro + (i * (H + 1) + H) * p, ro + (i + 1) * (H + 1) * p, kvp + i * (r + p) + r);
-    }
-  });
-  return {q_nope, q_rope, kv};
-}
-
-// ---------------------------------------------------------------- grouped-query attention projections (decode)
-// The query and the new cache row of a GQA layer for a few decode rows, from its (already normalised) input x [R, D]:
-//   q = q_proj(x) [R, H, hd], k = k_proj(x), v = v_proj(x) [R, Hkv, hd]; with q_norm / k_norm (non-empty) each head
-//   RMS-normalised; with rope_dim > 0 the first rope_dim channels of every q and k head rotated (rope_rows over
-//   H + Hkv heads, cos2 / sin2 [R, rope_dim] fp32)
-// -> (q [R, H, hd], kv [R, 2 Hkv hd] = [k | v]) in x's dtype: the kernels the eager chain calls, rounded at the same
-// points (bitwise its results), without the chain's views, splits and concatenations.
-std::vector<at::Tensor> gqa_project(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& q_sz,
-                                    const at::Tensor& wk, const at::Tensor& k_sz, const at::Tensor& wv,
-                                    const at::Tensor& v_sz, const at::Tensor& q_norm, const at::Tensor& k_norm,
-                                    const at::Tensor& cos2, const at::Tensor& sin2, int64_t group, int64_t heads,
-                                    int64_t kv_heads, int64_t head_dim, int64_t rope_dim, double eps, bool interleaved) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "waferline::gqa_project: contiguous CPU x [R, D]");
-  const int64_t R = x.size(0), H = heads, G = kv_heads, hd = head_dim, d = rope_dim;
-  TORCH_CHECK(R >= 1 && R <= FEW_ROWS, "waferline::gqa_project: 1 to ", FEW_ROWS, " rows");
-  TORCH_CHECK(H > 0 && G > 0 && hd > 0 && d >= 0 && d <= hd && d % 2 == 0, "waferline::gqa_project: bad head sizes");
-  TORCH_CHECK(d == 0 || (cos2.scalar_type() == at::kFloat && sin2.scalar_type() == at::kFloat && cos2.numel() == R * d &&
-                         sin2.numel() == R * d),
-              "waferline::gqa_project: cos / sin must be fp32 [R, rope_dim]");
-  const bool normed = q_norm.numel() > 0;
-  TORCH_CHECK(!normed || (q_norm.numel() == hd && k_norm.numel() == hd && q_norm.scalar_type() == x.scalar_type() &&
-                          k_norm.scalar_type() == x.scalar_type()),
-              "waferline::gqa_project: q / k norm weights [head_dim] of x's dtype");
-  Bundle b_q{wq, q_sz, group}, b_k{wk, k_sz, group}, b_v{wv, v_sz, group};
-  const int64_t D = x.size(1);
-  for (const auto& [b, N] : {std::pair<const Bundle*, int64_t>{&b_q, H * hd}, {&b_k, G * hd}, {&b_v, G * hd}}) {
-    if (b->int4()) {
-      TORCH_CHECK(x.scalar_type() == at::kBFloat16 && b->sz.scalar_type() == at::kBFloat16 && b->sz.dim() == 3 &&
-                      b->sz.size(2) == 2 && group > 0 && b->sz.size(0) * group == D && b->sz.size(1) >= N,
-                  "waferline::gqa_project: int4 weights take bf16 activations and scales_zeros [D / G, >= N, 2]");
-    } else {
-      TORCH_CHECK(b->w.scalar_type() == x.scalar_type() && b->w.is_contiguous() && b->w.dim() == 2 && b->w.size(0) == N &&
-                      b->w.size(1) == D,
-                  "waferline::gqa_project: dense weights must be contiguous [N, D] of x's dtype");
-    }
-  }
-  at::Tensor q_out = at::empty({R, H, hd}, x.options()), kv = at::empty({R, 2 * G * hd}, x.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "waferline_gqa_project", [&] {
-    auto q = bundle_linear(x, b_q, -1, H * hd).contiguous();
-    auto k = bundle_linear(x, b_k, -1, G * hd).contiguous();
-    auto v = bundle_linear(x, b_v, -1, G * hd).contiguous();
-    // q and k heads side by side ([R, H + G, hd]), normalised per head, then rotated together
-    auto qk = at::empty({R, H + G, hd}, x.options());
-    scalar_t* qkp = qk.data_ptr<scalar_t>();
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kp = k.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < R; ++i) {
-      std::copy(qp + i * H * hd, qp + (i + 1) * H * hd, qkp + i * (H + G) * hd);
-      std::copy(kp + i * G * hd, kp + (i + 1) * G * hd, qkp + (i * (H + G) + H) * hd);
-    }
-    if (normed) {  // q_norm on the H query heads, k_norm on the G key heads of each row
-      auto nq = at::empty_like(qk);
-      scalar_t* np = nq.data_ptr<scalar_t>();
-      for (int64_t i = 0; i < R; ++i) {
-        rms_rows<scalar_t>(qkp + i * (H + G) * hd, q_norm.contiguous().data_ptr<scalar_t>(), np + i * (H + G) * hd, H, hd,
-                           static_cast<float>(eps));
-        rms_rows<scalar_t>(qkp + (i * (H + G) + H) * hd, k_norm.contiguous().data_ptr<scalar_t>(),
-                           np + (i * (H + G) + H) * hd, G, hd, static_cast<float>(eps));
-      }
-      qk = nq;
-    }
-    at::Tensor rot = qk;
-    if (d > 0) {
-      rot = at::empty_like(qk);
-      rope_rows<scalar_t>(qk.data_ptr<scalar_t>(), cos2.contiguous().data_ptr<float>(), sin2.contiguous().data_ptr<float>(),
-                          rot.data_ptr<scalar_t>(), R, H + G, hd, d, interleaved);
-    }
-    const scalar_t* rp = rot.data_ptr<scalar_t>();
-    scalar_t* qo = q_out.data_ptr<scalar_t>();
-    scalar_t* kvp = kv.data_ptr<scalar_t>();
-    const scalar_t* vp = v.data_ptr<scalar_t>();
-    for (int64_t i = 0; i < R; ++i) {
-      std::copy(rp + i * (H + G) * hd, rp + (i * (H + G) + H) * hd, qo + i * H * hd);
-      std::copy(rp + (i * (H + G) + H) * hd, rp + (i + 1) * (H + G) * hd, kvp + i * 2 * G * hd);
-      std::copy(vp + i * G * hd, vp + (i + 1) * G * hd, kvp + i * 2 * G * hd + G * hd);
-    }
-  });
-  return {q_out, kv};
-}
-
 // ---------------------------------------------------------------- Mamba-2 state update (decode, speculative verify)
 // h [Bs, H, P, N] fp32, updated in place; dA [Bs, T, H], dtx = dt x [Bs, T, H, P], Bm / Cm [Bs, T, G, N], all fp32;
 // heads of a group share B and C (group = head / (H / G)). For each new token t in order:
@@ -1089,12 +920,6 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
-  m.def("gqa_project(Tensor x, Tensor wq, Tensor q_sz, Tensor wk, Tensor k_sz, Tensor wv, Tensor v_sz, Tensor q_norm, "
-        "Tensor k_norm, Tensor cos2, Tensor sin2, int group, int heads, int kv_heads, int head_dim, int rope_dim, "
-        "float eps, bool interleaved) -> Tensor[]");
-  m.def("mla_project(Tensor x, Tensor qa, Tensor qa_sz, Tensor qa_norm, Tensor qb, Tensor qb_sz, Tensor kva, Tensor kva_sz, "
-        "Tensor kva_norm, Tensor cos2, Tensor sin2, int group, int heads, int nope, int rope_dim, float eps_q, "
-        "float eps_kv, bool interleaved) -> Tensor[]");
   m.def("use_portable(bool on) -> bool");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
@@ -1113,8 +938,6 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("moe_route", &moe_route);
   m.impl("gqa_decode", &gqa_decode);
   m.impl("mla_decode", &mla_decode);
-  m.impl("mla_project", &mla_project);
-  m.impl("gqa_project", &gqa_project);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
   m.impl("mamba2_mix", &mamba2_mix);

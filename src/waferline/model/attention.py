@@ -14,15 +14,11 @@ from torch import nn
 
 from waferline import kernels
 from waferline.model.context import StepBatch
-from waferline.model.layers import FEW_ROWS, Linear, RMSNorm, Rotary, attention_softmax_scale
+from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
-_NONE = torch.empty(0)  # the fused projections' "no weight" / "no int4 scales"
-# Rows up to which the projections before attention run as one fused op (mla_project, gqa_project): the module chain's
-# bf16 products of up to FEW_ROWS rows run the few-row kernel the op calls too (bitwise alike); more go to oneDNN.
-PROJECT_FUSED_MAX_ROWS = FEW_ROWS
 # Query rows (B x T) up to which MLA runs the fused absorbed decode: it multiplies W_UK and W_UV row by row, which
 # beats the eager chain's batched GEMMs only for a few rows (dsv3-100m attention, 1 thread: 1 row 0.36 vs 0.52 ms,
 # 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0).
@@ -170,41 +166,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, T, D] as contiguous rows [B * T, D] (a view when it already is)."""
-    r = x.reshape(-1, x.shape[-1])
-    return r if r.is_contiguous() else r.contiguous()
-
-
-def _fused_weights(x: torch.Tensor, mods: tuple[nn.Module | None, ...]) -> tuple | None:
-    """``((weight, int4 scales_zeros or _NONE), ..., group size)`` of projections that a fused projection op can read
-    for bf16 ``x``: each a plain ``Linear`` with a weight of x's dtype, or a ``QuantLinear`` in the CPU int4 layout
-    (one group size for all); no bias and no hooks (GPTQ's Hessians hook the projections). ``None`` entries of
-    ``mods`` give ``(_NONE, _NONE)``. None when any cannot be read."""
-    groups: set[int] = set()
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for mod in mods:
-        if mod is None:
-            out.append((_NONE, _NONE))
-            continue
-        if getattr(mod, "bias", None) is not None or mod._forward_hooks or mod._forward_pre_hooks:
-            return None
-        q = getattr(mod, "int4", None)
-        if q is not None:
-            if q.backend != "cpu_int4pack" or q.compute_dtype != x.dtype or q.lead:
-                return None
-            groups.add(q.group_size)
-            out.append((q.packed, q.scales_zeros))
-        elif type(mod) is Linear and "forward" not in mod.__dict__ and mod.weight.dtype == x.dtype \
-                and mod.weight.is_contiguous():
-            out.append((mod.weight, _NONE))
-        else:
-            return None
-    if len(groups) > 1:
-        return None
-    return (*out, groups.pop() if groups else 0)
-
-
 class GQAttention(nn.Module):
     """Grouped-query attention with optional q/k norms, biases, partial/no rotary, sliding window and sinks."""
 
@@ -237,48 +198,19 @@ class GQAttention(nn.Module):
         if self.sinks is not None:
             copy_into(self.sinks, src.get(prefix + "sinks", tuple(self.sinks.shape)))
 
-    def _project_weights(self, x: torch.Tensor) -> tuple | None:
-        """The weight arguments of ``waferline::gqa_project`` when this layer's q/k/v projections, q/k norms and rotation
-        can run as that one op on ``x`` (as MLAttention._project_weights: CPU, bf16, a few rows, bf16 or CPU int4
-        weights with one group size, no biases or hooks), else None."""
-        if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] * x.shape[1] <= PROJECT_FUSED_MAX_ROWS
-                and kernels.available()):
-            return None
-        if self.q_norm is not None and (self.q_norm.eps != self.k_norm.eps or any(
-                m.weight.dtype != x.dtype or m._forward_hooks or m._forward_pre_hooks for m in (self.q_norm, self.k_norm))):
-            return None
-        parts = _fused_weights(x, (self.q_proj, self.k_proj, self.v_proj))
-        if parts is None:
-            return None
-        (wq, q_sz), (wk, k_sz), (wv, v_sz), group = parts
-        normed = self.q_norm is not None
-        return (wq, q_sz, wk, k_sz, wv, v_sz, self.q_norm.weight if normed else _NONE,
-                self.k_norm.weight if normed else _NONE, group, self.q_norm.eps if normed else 0.0)
-
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         h, kvh = s.num_heads, s.num_kv_heads
-        fused = self._project_weights(x)
-        if fused is not None:  # the projections, norms and rotation below as one op (waferline.kernels), bitwise alike
-            wq, q_sz, wk, k_sz, wv, v_sz, qn, kn, group, eps = fused
-            rot = self.rotary
-            cos, sin = rot.cos_sin(batch.positions(), batch) if rot is not None else (_NONE, _NONE)
-            q, kv_new = torch.ops.waferline.gqa_project(
-                _rows(x), wq, q_sz, wk, k_sz, wv, v_sz, qn, kn, cos, sin, group, h, kvh, s.head_dim,
-                rot.dim if rot is not None else 0, eps, bool(rot is not None and rot.interleaved))
-            q = q.view(B, T, h, s.head_dim)
-            kv, blocked = cache.update(kv_new.view(B, T, -1), batch)
-        else:
-            q = self.q_proj(x).view(B, T, h, s.head_dim)
-            k = self.k_proj(x).view(B, T, kvh, s.head_dim)
-            v = self.v_proj(x).view(B, T, kvh, s.head_dim)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            if self.rotary is not None:  # q and k rotated together: one pass over [B, T, H + Hkv, head_dim]
-                cos, sin = self.rotary.cos_sin(batch.positions(), batch)
-                q, k = self.rotary.apply(torch.cat([q, k], dim=2), cos, sin).split([h, kvh], dim=2)
-            kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
+        q = self.q_proj(x).view(B, T, h, s.head_dim)
+        k = self.k_proj(x).view(B, T, kvh, s.head_dim)
+        v = self.v_proj(x).view(B, T, kvh, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:  # q and k rotated together: one pass over [B, T, H + Hkv, head_dim]
+            cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+            q, k = self.rotary.apply(torch.cat([q, k], dim=2), cos, sin).split([h, kvh], dim=2)
+        kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
         kv = kv.view(B, kv.shape[1], 2 * kvh, s.head_dim)
         if x.device.type == "cpu" and B * T <= GQA_FUSED_MAX_ROWS and kernels.available():
             # attend() below as one fused op over the cache rows
@@ -337,52 +269,23 @@ class MLAttention(nn.Module):
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
         return self._absorbed
 
-    def _project_weights(self, x: torch.Tensor) -> tuple | None:
-        """The weight arguments of ``waferline::mla_project`` when this layer's projections, norms and rotation can run
-        as that one op on ``x`` (CPU, bf16, at most PROJECT_FUSED_MAX_ROWS rows; each projection bf16 or in the CPU int4
-        layout, one group size, no bias, no hooks on it), else None."""
-        s = self.spec
-        if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[0] * x.shape[1] <= PROJECT_FUSED_MAX_ROWS
-                and self.rotary.dim == s.qk_rope_head_dim and kernels.available()):
-            return None
-        lora = bool(s.q_lora_rank)
-        norms = [self.q_a_layernorm, self.kv_a_layernorm] if lora else [self.kv_a_layernorm]
-        if any(m.weight.dtype != x.dtype or m._forward_hooks or m._forward_pre_hooks for m in norms):
-            return None
-        parts = _fused_weights(x, (self.q_a_proj, self.q_b_proj, self.kv_a_proj_with_mqa) if lora
-                               else (None, self.q_proj, self.kv_a_proj_with_mqa))
-        if parts is None:
-            return None
-        (qa, qa_sz), (qb, qb_sz), (kva, kva_sz), group = parts
-        return (qa, qa_sz, self.q_a_layernorm.weight if lora else _NONE, qb, qb_sz, kva, kva_sz, self.kv_a_layernorm.weight,
-                group, self.q_a_layernorm.eps if lora else 0.0, self.kv_a_layernorm.eps)
-
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
-        cos, sin = self.rotary.cos_sin(batch.positions(), batch)
-        fused = self._project_weights(x)
-        if fused is not None:  # the projections, norms and rotation below as one op (waferline.kernels), bitwise alike
-            qa, qa_sz, qa_norm, qb, qb_sz, kva, kva_sz, kva_norm, group, eps_q, eps_kv = fused
-            q_nope, q_rope, kv = torch.ops.waferline.mla_project(
-                _rows(x), qa, qa_sz, qa_norm, qb, qb_sz, kva, kva_sz, kva_norm, cos, sin, group, H,
-                n, s.qk_rope_head_dim, eps_q, eps_kv, self.rotary.interleaved)
-            q_nope, q_rope = q_nope.view(B, T, H, n), q_rope.view(B, T, H, -1)
-            latents, blocked = cache.update(kv.view(B, T, -1), batch)  # [B, L, r + rope]
+        if s.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
-            if s.q_lora_rank:
-                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-            else:
-                q = self.q_proj(x)
-            q = q.view(B, T, H, s.qk_head_dim)
-            ckv = self.kv_a_proj_with_mqa(x)
-            c = self.kv_a_layernorm(ckv[..., :r])
-            # the query's rope part and the single rope key rotated together: [B, T, H + 1, rope]
-            rope = self.rotary.apply(torch.cat([q[..., n:], ckv[:, :, None, r:]], dim=2), cos, sin)
-            latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
-            q_nope, q_rope = q[..., :n], rope[:, :, :H]
+            q = self.q_proj(x)
+        q = q.view(B, T, H, s.qk_head_dim)
+        ckv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(ckv[..., :r])
+        cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+        # the query's rope part and the single rope key rotated together: [B, T, H + 1, rope]
+        rope = self.rotary.apply(torch.cat([q[..., n:], ckv[:, :, None, r:]], dim=2), cos, sin)
+        latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
         w_uk, w_uv = self.absorbed()
+        q_nope, q_rope = q[..., :n], rope[:, :, :H]
         if x.device.type == "cpu" and w_uk.dtype == torch.float32 and B * T <= MLA_FUSED_MAX_ROWS and kernels.available():
             # the absorbed decode below (W_UK into the query, scores, softmax, latents, W_UV) as one fused op
             out = torch.ops.waferline.mla_decode(q_nope, q_rope, latents, blocked if blocked is not None else _NO_MASK,

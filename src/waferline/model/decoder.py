@@ -232,7 +232,7 @@ class DecoderModel(nn.Module):
             return packed_linear(hn, self.lm_head, None, self.__dict__.setdefault("_packs", {}), "lm_head").float()
         q, scale = self.lm_head_int8, self.lm_head_scale
         x = hn.reshape(-1, hn.shape[-1]).to(scale.dtype).contiguous()
-        if x.device.type == "cpu":
+        if x.device.type == "cpu" and q.shape[1] % 16 == 0:  # (ATen's kernel reads garbage when K % 16 != 0)
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
         else:
             y = torch.nn.functional.linear(x, q.to(x.dtype)) * scale

@@ -360,41 +360,6 @@ def moe_ffn_calls(args: Any) -> dict[str, float]:
     return calls
 
 
-PROJECT_OPS = ("mla_project", "gqa_project")  # waferline.kernels' fused projections before attention
-
-
-def project_calls(name: str, args: Any) -> tuple[dict[str, float], dict[str, float], float]:
-    """What one fused projection op does, as the ops it replaces: ``mla_project`` (arguments ``x, q_a, scales, q_a norm,
-    q_b, scales, kv_a, scales, kv_a norm, cos, sin, group, heads, ...``) or ``gqa_project`` (``x, q, scales, k, scales, v,
-    scales, q norm, k norm, cos, sin, group, heads, kv heads, head dim, rope dim, ...``): its products as OpCounter's
-    ``call|dtype|rows|weight bytes`` keys, its RMSNorms as ``rms_norm`` work (calls, elements written, bytes) and the
-    bytes its rotation moves (0 without one)."""
-    import torch
-
-    x, rows = args[0], int(args[0].shape[0])
-    es = x.element_size()
-    dense = "fp32" if x.dtype == torch.float32 else "bf16"
-    if name == "mla_project":
-        prods = [(args[1], args[2]), (args[4], args[5]), (args[6], args[7])]
-        norms = ([(args[3], rows * args[3].numel())] if args[1].numel() else []) + [(args[8], rows * args[8].numel())]
-        rot_elems = rows * (int(args[12]) + 1) * int(args[9].shape[-1])
-    else:
-        H, G, hd, d = (int(a) for a in args[12:16])
-        prods = [(args[1], args[2]), (args[3], args[4]), (args[5], args[6])]
-        norms = [(args[7], rows * H * hd), (args[8], rows * G * hd)] if args[7].numel() else []
-        rot_elems = rows * (H + G) * hd if d else 0
-    calls: dict[str, float] = {}
-    for wt, sz in prods:
-        if wt.numel():
-            key = f"call|{'int4' if sz.numel() else dense}|{rows}|{int(wt.numel() * wt.element_size() + sz.numel() * sz.element_size())}"
-            calls[key] = calls.get(key, 0.0) + 1.0
-    # each norm reads its rows and its weight and writes its rows; the rotation reads and writes its rows and the tables
-    work = {"calls": float(len(norms)), "units": float(sum(u for _, u in norms)),
-            "bytes": float(sum((2 * u + w.numel()) * es for w, u in norms))}
-    rope_bytes = float(2 * rot_elems * es + 2 * args[9].numel() * 4) if rot_elems else 0.0
-    return calls, work, rope_bytes
-
-
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -432,16 +397,6 @@ class OpCounter:
                 w[key] = w.get(key, 0.0) + n
             # one op per call, as everywhere else: the tables' per-call time carries the dispatch of the op itself
             self.counts[lab] += int(sum(calls.values())) - 1
-        elif name in PROJECT_OPS:  # waferline.kernels' projections before attention: the products, norms, rotation
-            calls, norms, rope_bytes = project_calls(name, args)
-            for key, n in calls.items():
-                w[key] = w.get(key, 0.0) + n
-            for key, val in norms.items():
-                w[f"fused|rms_norm|{key}"] = w.get(f"fused|rms_norm|{key}", 0.0) + val
-            half = "_bf16" if ins[0].dtype in (torch.bfloat16, torch.float16) else ""
-            w["small_bytes" + half] = w.get("small_bytes" + half, 0.0) + rope_bytes
-            # one op per product, per norm and for the rotation, as the ops it replaces were counted
-            self.counts[lab] += int(sum(calls.values()) + norms["calls"])
         elif name in FUSED_OPS and outs:  # waferline.kernels: priced by their own measured rates (calibrate)
             units = fused_units(name, ins, outs)
             for key, val in (("calls", 1.0), ("units", units), ("bytes", nbytes)):
