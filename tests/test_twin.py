@@ -97,15 +97,33 @@ def test_twin_runs_a_two_plan_grid(twin_result):
     assert "machine drift" in drift_line(twin_result) and "machine drift" in markdown(twin_result)
 
 
-def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml):
+def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml, tmp_path, monkeypatch):
     """Two passes over a one-Plan grid: both recorded, the fastest rate and the shortest TTFT kept, their spread
-    reported instead of the drift re-run, and the error factor computed from what was kept."""
+    reported instead of the drift re-run, and the error factor computed from what was kept. With a calibration that
+    recorded the canary, the canary runs before each pass and each Plan is also compared at the machine's speed of its
+    runs (a small canary model here, so the test stays quick)."""
     from waferline.errors import ConfigError
-    from waferline.sim.twin import drift_line, error_factor, run_twin
+    from waferline.sim import measure
+    from waferline.sim.twin import canary_line, drift_line, error_factor, markdown, run_twin
 
-    res = run_twin(tiny_ckpt, host_yaml, [{"stages": 1, "batch": 2}], prompt_len=8, output_len=12, repeats=1, passes=2,
+    monkeypatch.setattr(measure, "BIG_CALIBRATION_MODEL", (128, 2, 256))
+    monkeypatch.setenv("WAFERLINE_CACHE", str(tmp_path / "cache"))
+    d = yaml.safe_load(host_yaml.read_text())
+    d["host_engine"]["canary_s"] = {"value": 0.002, "measured": "test"}
+    hw = tmp_path / "host-canary.yaml"
+    hw.write_text(yaml.safe_dump(d))
+    res = run_twin(tiny_ckpt, hw, [{"stages": 1, "batch": 2}], prompt_len=8, output_len=12, repeats=1, passes=2,
                    timeout_s=120)
     row = res["rows"][0]
+    runs = [q["canary_s"] for q in row["passes"]]
+    assert all(r > 0 for r in runs) and res["canary"] == {"calibration_s": 0.002, "ran": True}
+    f = min(runs) / 0.002
+    assert row["machine_factor"] == pytest.approx(f)
+    p, m = row["predicted"], row["measured"]
+    assert row["error_factor_at_canary"]["tokens_per_s_per_user"] == pytest.approx(
+        error_factor(p["tokens_per_s_per_user"] / f, m["tokens_per_s_per_user"]))
+    assert row["error_factor_at_canary"]["ttft_s"] == pytest.approx(error_factor(p["ttft_s"] * f, m["ttft_s"]))
+    assert res["summary"]["at_canary"]["n"] == 3 and "canary" in canary_line(res) and "machine x" in markdown(res)
     assert row["status"] == "ok" and len(row["passes"]) == 2 and res["drift"] is None and res["passes"] == 2
     rates = [q["tokens_per_s_per_user"] for q in row["passes"]]
     assert row["measured"]["tokens_per_s_per_user"] == max(rates)

@@ -300,7 +300,7 @@ def _combine_calibrations(args: argparse.Namespace) -> int:
     out = Path(args.out or "hardware-host.yaml")
     write_combined_yaml(out, args.combine)
     host = HostParams.load(out)  # the result loads like any calibration
-    summary = {"written": str(out), "combined": list(args.combine), "op_overhead_s": host.op_overhead_s,
+    summary = {"written": str(out), "combined": list(args.combine), "op_overhead_s": host.op_overhead_s, "canary_s": host.canary_s,
                "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation}
     if args.json:
         print(json.dumps(summary, indent=1))
@@ -333,7 +333,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
                "pipeline_hop_overhead_s": host.hop_overhead_s, "pipeline_hop_latency_s": host.hop_latency_s, "cuda": d["host_engine"].get("cuda") is not None,
                "load_average_1m": host.measured.get("load_average_1m"),
                "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation,
-               "chain_wall_per_cpu": host.chain_wall_per_cpu, "oversubscribed": host.oversubscribed}
+               "chain_wall_per_cpu": host.chain_wall_per_cpu, "oversubscribed": host.oversubscribed,
+               "canary_s": host.canary_s}
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
@@ -363,6 +364,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
                   f"{ov['mS_step_cpu_s'] * 1e6:.0f} us, +{ov['mS_cpu_inflation'] * 100:.0f}%")
     t.add_row(f"parallel ceiling ({host.cores} processes at once)",
               "not measured" if host.parallel_ceiling is None else f"{host.parallel_ceiling:.2f} cores")
+    t.add_row("canary: a fixed engine workload, wall per token (twin reruns it per Plan)",
+              "not measured" if host.canary_s is None else f"{host.canary_s * 1e3:.2f} ms")
     t.add_row("last-level cache (weights that fit run from it)", "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB")
     t.add_row("CUDA", "measured" if summary["cuda"] else "no device")
     con = _console()
@@ -378,7 +381,7 @@ def cmd_twin(args: argparse.Namespace) -> int:
     with _progress_bar(args.json) as say:
         result = run_twin(args.model, args.hardware, args.grid, prompt_len=args.prompt_len, output_len=args.output_len,
                           repeats=args.repeats, passes=args.passes, recalibrate=args.recalibrate, progress=say,
-                          timeout_s=args.timeout)
+                          timeout_s=args.timeout, canary_runs=not args.no_canary)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
@@ -463,6 +466,9 @@ def register(subparsers: Any) -> None:
                     "fastest pass (default 2; 1 halves the time)")
     tw.add_argument("--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists")
     tw.add_argument("--timeout", type=float, default=300.0, help="seconds per Plan before its engine run is killed")
+    tw.add_argument("--no-canary", action="store_true", help="do not run the canary (a fixed engine workload, ~0.2 s) "
+                    "before each Plan; by default, with a calibration that recorded it, each Plan is also compared at the "
+                    "machine's speed of its runs ('machine x')")
     tw.add_argument("--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)")
     tw.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     tw.set_defaults(func=cmd_twin)

@@ -170,6 +170,9 @@ class HostParams:
     # one micro-batch through a pipeline is a serial chain of stage steps: its wall time per CPU second of all the
     # stage processes (measured on the 2-stage probes; ~0.9-1.0: what a hop costs beyond CPU is waking up)
     chain_wall_per_cpu: float | None = None
+    # the canary's wall seconds per token during the calibration (measure.Canary): twin compares each Plan's own
+    # canary run with it (None: calibrated before the canary existed)
+    canary_s: float | None = None
     source: str = ""
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -233,6 +236,7 @@ class HostParams:
                                           if isinstance(v.get("prefill_rest_scale_dram"), dict)},
                        prefill_rest_dram_batch=_sized(eng, "prefill_rest_scale_dram_batch", where),
                        other_mm_unscaled=bool(he.get("other_matmuls_at_roofline", False)),
+                       canary_s=_v(he["canary_s"], where) if isinstance(he.get("canary_s"), dict) else None,
                        fused={k: (_v(v["t0_s"], where), _v(v["units_per_s"], where))
                               for k, v in (he.get("fused_ops") or {}).items()},
                        multi_call_overhead_s={k: _v(v["multi_call_overhead_s"], where) for k, v in eng.items()

@@ -741,11 +741,7 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     cp_ = cp if cp > 0 else c
     if big is not None and dram_tables:
         h, L, ffn = big
-        d = workdir / f"big-h{h}-{L}"
-        if not (d / "config.json").is_file():
-            write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=ffn, moe_intermediate_size=ffn // 2,
-                                         num_attention_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
-                                         v_head_dim=64, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64), d, seed=7)
+        d = big_calibration_checkpoint(workdir, big)
         old = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -966,6 +962,64 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
+
+
+def big_calibration_checkpoint(workdir: str | Path, big: tuple[int, int, int] = BIG_CALIBRATION_MODEL) -> Path:
+    """The random calibration model beyond the last-level cache, (hidden, layers, FFN) = ``big``, under ``workdir``
+    (written on first use, from a fixed seed: the same weights wherever it is written)."""
+    from waferline.model.init import write_random_checkpoint
+
+    h, L, ffn = big
+    d = Path(workdir) / f"big-h{h}-{L}"
+    if not (d / "config.json").is_file():
+        write_random_checkpoint(dict(tiny_config(L), hidden_size=h, intermediate_size=ffn, moe_intermediate_size=ffn // 2,
+                                     num_attention_heads=8, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32,
+                                     v_head_dim=64, mamba_n_heads=16, mamba_d_head=64, mamba_d_state=64), d, seed=7)
+    return d
+
+
+CANARY_TOKENS = 6  # decode tokens per canary run
+
+
+class Canary:
+    """A fixed engine workload that says how fast this machine runs right now: wall seconds per decode token of the big
+    calibration model (weights beyond the last-level cache, so it moves both with the CPU time this process gets and
+    with memory bandwidth), one 8-token sequence, bf16, one thread, fastest of 2 (~0.2 s). calibrate records it with
+    its figures; twin runs it before every Plan it measures, so each Plan's error can be read against how much faster
+    or slower the machine ran then than during the calibration (this VM: 1.3-2.4x slower for minutes at a time)."""
+
+    def __init__(self, workdir: str | Path):
+        from waferline.engine.llm import LLM
+
+        from waferline.engine.sampling import SamplingParams
+
+        self.llm = LLM(big_calibration_checkpoint(workdir, BIG_CALIBRATION_MODEL), dtype="bfloat16")
+        self.prompt = [[(3 * j + 5) % 200 + 2 for j in range(8)]]
+        self.llm.generate(self.prompt, SamplingParams(max_tokens=2, ignore_eos=True))  # one-time work off the clock
+
+    def seconds(self, repeats: int = 2) -> float:
+        """(generating CANARY_TOKENS + 1 tokens - generating 1) / CANARY_TOKENS, each the fastest of ``repeats``."""
+        import torch
+
+        from waferline.engine.sampling import SamplingParams
+
+        def best(n: int) -> float:
+            out = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                self.llm.generate(self.prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+                out = min(out, time.perf_counter() - t)
+            return out
+
+        old = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return max(best(CANARY_TOKENS + 1) - best(1), 1e-9) / CANARY_TOKENS
+        finally:
+            torch.set_num_threads(old)
+
+    def close(self) -> None:
+        self.llm.close()
 BIG_PROBE_BATCHES = (1, 8)  # its decode batches: one-row products at 1, multi-row ones at 8
 CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline (workers read through /proc: schedstat, else 10 ms ticks)
 HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models
@@ -1482,6 +1536,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             mm_fits = {k: (min(v["fit"]["bytes_per_s"], 1e15), min(v["fit"]["flops_per_s"], 1e16)) for k, v in lin.items()
                        if k != "int4"}
             he["other_matmuls_at_roofline"] = True
+            canary = None if quick else Canary(work)
+            canary_runs = [] if canary is None else [canary.seconds(), canary.seconds()]
             he["engine"] = {}
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
@@ -1617,6 +1673,13 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                             he["pipeline"]["oversubscribed"] = oversubscribed_figures(ov, tag)
                         except Exception as e:  # noqa: BLE001 - the 2-stage figures stand for such Plans
                             he["pipeline"]["oversubscribed"] = {"error": f"not measured: {type(e).__name__}: {e}"[:200]}
+            if canary is not None:
+                canary_runs += [canary.seconds(), canary.seconds()]
+                canary.close()
+                he["canary_s"] = _fig(statistics.median(canary_runs), tag, (
+                    f"wall seconds per decode token of the random sol model {BIG_CALIBRATION_MODEL}, one 8-token "
+                    f"sequence, bf16, 1 thread, fastest of 2; median of {len(canary_runs)} runs at the start and the end "
+                    "of the engine probes (twin runs the same before each Plan: the machine's speed then against now)"))
         finally:
             tmp.cleanup()
     say("CUDA (if present)", 0.95)

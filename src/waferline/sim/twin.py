@@ -445,16 +445,18 @@ def predict(plan: Any, spec: Any, hw: Any, host: Any, ops: dict[str, Any] | None
 def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = "default", *, prompt_len: int = 32,
              output_len: int = 32, repeats: int = 2, quick_calibration: bool = False, recalibrate: bool = False,
              progress: Callable[[str, float], None] | None = None, host_override: Any = None,
-             timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True, passes: int = 2) -> dict[str, Any]:
+             timeout_s: float = POINT_TIMEOUT_S, drift_check: bool = True, passes: int = 2,
+             canary_runs: bool = True) -> dict[str, Any]:
     """Run every grid point on the engine and the simulator; return rows, summary and provenance (JSON-able).
     ``passes``: measure the whole grid this many times (the second pass in reverse order, so no Plan is always first or
     last) and keep each Plan's fastest pass: this machine runs up to 1.3-2.4x slower for seconds to minutes at a time,
     longer than one Plan's runs, so repeats back to back do not see past it; the spread between passes is reported
     per Plan.
     ``drift_check`` (one pass only): run the first measured point once more at the end; how far its speed moved over
-    the grid (``drift``) is how much of an error factor this machine's own drift accounts for."""
+    the grid (``drift``) is how much of an error factor this machine's own drift accounts for.
+    ``canary_runs`` (calibrations that recorded the canary): run measure.Canary before each Plan's every pass, and
+    compare each Plan also at the machine's speed of its runs (``error_factor_at_canary``, see compare())."""
     from waferline.sim.host import HostParams
-    from waferline.sim.measure import run_isolated
     from waferline.spec.hardware import load_hardware_file
     from waferline.spec.model import ModelSpec
 
@@ -475,6 +477,28 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     has_mtp = bool(getattr(spec, "mtp_layers", None))
     if passes < 1:
         raise ConfigError("--passes must be >= 1")
+    canary = None
+    if host.canary_s and canary_runs:  # the machine's speed before each Plan, against the calibration's (measure.Canary)
+        from waferline.sim.measure import Canary
+
+        say("loading the canary workload", 0.0)
+        canary = Canary(cache_dir() / "calibration-models")
+    try:
+        return _run_grid(points, path, spec, hw, host, hw_path, has_mtp, canary, prompt_len, output_len, repeats, passes,
+                         timeout_s, drift_check, say)
+    finally:
+        if canary is not None:
+            canary.close()
+
+
+def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any, hw_path: Path, has_mtp: bool,
+              canary: Any, prompt_len: int, output_len: int, repeats: int, passes: int, timeout_s: float,
+              drift_check: bool, say: Callable[[str, float], None]) -> dict[str, Any]:
+    from waferline.sim.measure import run_isolated
+
+    def probe() -> float | None:
+        return canary.seconds() if canary is not None else None
+
     rows = []
     todo: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (row, measure_point kwargs) of the Plans that ran
     int4_path: Path | None = None
@@ -510,6 +534,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
                   "prompt_len": prompt_len, "output_len": output_len, "repeats": repeats,
                   "decode_rows": b, "prefill_rows": prefill_rows}
         try:
+            canary_s = probe()
             meas = run_isolated("waferline.sim.twin:measure_point", kwargs, timeout_s)
         except RuntimeError as e:
             msg = str(e)
@@ -519,7 +544,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
                 row["status"] = "engine failed: " + msg[-300:]
             continue
         row["measured"] = {k: meas[k] for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s")}
-        row["passes"] = [_pass_record(meas)]
+        row["passes"] = [dict(_pass_record(meas), canary_s=canary_s)]
         todo.append((row, kwargs))
         if first_run is None and meas["tokens_per_s_per_user"] > 0:
             first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
@@ -549,7 +574,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         row["plan_json"] = plan.to_json(indent=None)
         row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
                             "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
-        row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
+        compare(row, host)
         row["sim"] = {"bound": sim.bound, "stages": [asdict(s) for s in sim.stages], "host": sim.speculative.get("host", {}),
                       "num_stages": sim.num_stages, "micro_batches": sim.micro_batches}
         row["status"] = "ok"
@@ -558,11 +583,12 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         for j, (row, kwargs) in enumerate(order):
             say(f"{row['plan']}: engine, pass {p} of {passes}", ((p - 1) * len(points) + j + 0.5) / len(points) / passes)
             try:
+                canary_s = probe()
                 again = run_isolated("waferline.sim.twin:measure_point", dict(kwargs, count=False), timeout_s)
             except RuntimeError as e:
                 row["passes"].append({"error": str(e)[-200:]})
                 continue
-            row["passes"].append(_pass_record(again))
+            row["passes"].append(dict(_pass_record(again), canary_s=canary_s))
             if again["tokens_per_s_per_user"] > row["measured"]["tokens_per_s_per_user"]:  # rates of the same run
                 row["measured"]["tokens_per_s_per_user"] = again["tokens_per_s_per_user"]
                 row["measured"]["aggregate_tokens_per_s"] = again["aggregate_tokens_per_s"]
@@ -572,7 +598,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         if len(rates) > 1:
             row["pass_spread"] = max(rates) / min(rates)
         if row.get("predicted"):
-            row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
+            compare(row, host)
     drift = None
     if drift_check and passes == 1 and first_run is not None and len(points) > 1:
         say(f"{first_run[0]} again (the machine's drift over the grid)", 0.99)
@@ -588,12 +614,31 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
             "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "prompt_len": prompt_len,
             "output_len": output_len, "repeats": repeats, "passes": passes, "threads_per_process": 1,
             "inputs": {"measured": MEASURED_INPUTS, "modelled": MODELLED_INPUTS},
+            "canary": {"calibration_s": host.canary_s, "ran": canary is not None},
             "rows": rows, "summary": summarize(rows)}
 
 
 def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
     """What one pass of one Plan measured (kept per pass in the result)."""
     return {k: meas.get(k) for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "load_average_1m")}
+
+
+def compare(row: dict[str, Any], host: Any) -> None:
+    """A Plan's error factors; and, where the canary ran before its passes and the calibration recorded it, how much
+    slower (> 1) or faster the machine ran then than during the calibration (``machine_factor``: the fastest pass's
+    canary over the calibration's; the fastest pass is what is kept) and the error factors with the prediction
+    scaled by it (``error_factor_at_canary``: rates / factor, TTFT x factor). The canary is a fixed engine workload,
+    not the Plan: the scaled comparison stays a prediction, with the machine's speed of that minute measured apart."""
+    m, p = row["measured"], row["predicted"]
+    row["error_factor"] = {k: error_factor(p[k], m[k]) for k in m}
+    runs = [q["canary_s"] for q in row.get("passes", []) if q.get("canary_s")]
+    if not (runs and getattr(host, "canary_s", None)):
+        row.pop("machine_factor", None), row.pop("error_factor_at_canary", None)
+        return
+    f = min(runs) / host.canary_s
+    row["machine_factor"] = f
+    scaled = {k: (p[k] * f if k == "ttft_s" else p[k] / f) if p[k] is not None else None for k in p}
+    row["error_factor_at_canary"] = {k: error_factor(scaled[k], m[k]) for k in m}
 
 
 def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
@@ -616,7 +661,7 @@ def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
                       plan.speculative.accept_rate)
         row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
                             "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
-        row["error_factor"] = {k: error_factor(row["predicted"][k], row["measured"][k]) for k in row["measured"]}
+        compare(row, host)
     out["summary"] = summarize(out["rows"])
     return out
 
@@ -630,6 +675,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         allf += fs
         out[m] = {"median": statistics.median(fs) if fs else None, "max": max(fs) if fs else None, "n": len(fs)}
     out["all"] = {"median": statistics.median(allf) if allf else None, "max": max(allf) if allf else None, "n": len(allf)}
+    at = [f for r in rows if r.get("status") == "ok" for f in (r.get("error_factor_at_canary") or {}).values() if f]
+    mf = [r["machine_factor"] for r in rows if r.get("status") == "ok" and r.get("machine_factor")]
+    if at:  # the same comparison with each prediction scaled by the machine's speed at its Plan's runs (compare())
+        out["at_canary"] = {"median": statistics.median(at), "max": max(at), "n": len(at),
+                            "machine_factor": {"median": statistics.median(mf), "min": min(mf), "max": max(mf)}}
     spread = [r["pass_spread"] for r in rows if r.get("pass_spread")]
     if spread:  # how far one Plan's passes lay apart: the machine's own noise, for reading the error factors
         out["pass_spread"] = {"median": statistics.median(spread), "max": max(spread), "n": len(spread)}
@@ -676,9 +726,9 @@ def render(result: dict[str, Any], console: Any) -> None:
         v = s[k]
         if v["n"]:
             console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} plans")
-    line = drift_line(result)
-    if line:
-        console.print(line)
+    for line in (drift_line(result), canary_line(result)):
+        if line:
+            console.print(line)
     console.print(f"measured inputs: {result['inputs']['measured']}")
     console.print(f"modelled: {result['inputs']['modelled']}")
     console.print(f"hardware: {result['hardware']} (calibrated {result['host'].get('date', '?')}, load average then "
@@ -692,11 +742,11 @@ def markdown(result: dict[str, Any]) -> str:
              f"best of {result['repeats']} runs" + (f" in each of {result['passes']} passes" if result.get("passes", 1) > 1 else "")
              + ". load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
              "processes / (wall x the cores they could use): well below 1 for a single process means other work took the core.", "",
-             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share | tok/s/user per pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share | tok/s/user per pass | machine x |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "measured" not in r:
-            lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |  |")
+            lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |  |  |")
             continue
         m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
 
@@ -709,17 +759,31 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{f(p.get('aggregate_tokens_per_s'))} | {f(e.get('aggregate_tokens_per_s'), 2)} | "
                      f"{f(m['ttft_s'] * 1e3)} | {f(p['ttft_s'] * 1e3 if p else None)} | {f(e.get('ttft_s'), 2)} | "
                      f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | {f((r.get('run') or {}).get('cpu_share'), 2)} | "
-                     + " / ".join(f(q.get("tokens_per_s_per_user")) for q in r.get("passes", [])) + " |")
+                     + " / ".join(f(q.get("tokens_per_s_per_user")) for q in r.get("passes", [])) + " | "
+                     + f(r.get("machine_factor"), 2) + " |")
     s = result["summary"]
     lines.append("")
     lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
                            (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate"),
                             ("ttft_s", "TTFT"), ("all", "all")) if s[k]["n"]) + f" ({s['plans_compared']} Plans).")
-    line = drift_line(result)
-    if line:
-        lines.append("")
-        lines.append(line + ".")
+    for line in (drift_line(result), canary_line(result)):
+        if line:
+            lines.append("")
+            lines.append(line + ".")
     return "\n".join(lines)
+
+
+def canary_line(result: dict[str, Any]) -> str | None:
+    """One sentence on the canary (compare()): how fast the machine ran at the Plans' runs against the calibration,
+    and the error factors with each prediction scaled by that."""
+    c = (result.get("summary") or {}).get("at_canary")
+    if not c:
+        return None
+    mf = c["machine_factor"]
+    return (f"machine speed at each Plan's runs (the canary, a fixed engine workload, before every pass) against the "
+            f"calibration's: x{mf['median']:.2f} in median ({mf['min']:.2f}-{mf['max']:.2f}; > 1 = slower, 'machine x'); "
+            f"with each prediction scaled by it: median error x{c['median']:.2f}, max x{c['max']:.2f} over {c['n']} "
+            "metrics")
 
 
 def drift_line(result: dict[str, Any]) -> str | None:
