@@ -652,7 +652,6 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
 
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
-    from waferline.model.init import write_random_checkpoint
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -780,10 +780,10 @@ def canary_line(result: dict[str, Any]) -> str | None:
     if not c:
         return None
     mf = c["machine_factor"]
-    return (f"machine speed at each Plan's runs (the canary, a fixed engine workload, before every pass) against the "
-            f"calibration's: x{mf['median']:.2f} in median ({mf['min']:.2f}-{mf['max']:.2f}; > 1 = slower, 'machine x'); "
-            f"with each prediction scaled by it: median error x{c['median']:.2f}, max x{c['max']:.2f} over {c['n']} "
-            "metrics")
+    return (f"the canary (a fixed engine workload, run before each Plan's every pass) took x{mf['median']:.2f} its "
+            f"calibration time in median ({mf['min']:.2f}-{mf['max']:.2f} per Plan, 'machine x'; > 1: the machine ran "
+            f"slower than when calibrated); with each prediction scaled by it: median error x{c['median']:.2f}, max "
+            f"x{c['max']:.2f} over {c['n']} metrics")
 
 
 def drift_line(result: dict[str, Any]) -> str | None:
