@@ -989,7 +989,6 @@ class Canary:
 
     def __init__(self, workdir: str | Path):
         from waferline.engine.llm import LLM
-
         from waferline.engine.sampling import SamplingParams
 
         self.llm = LLM(big_calibration_checkpoint(workdir, BIG_CALIBRATION_MODEL), dtype="bfloat16")
@@ -1019,6 +1018,8 @@ class Canary:
 
     def close(self) -> None:
         self.llm.close()
+
+
 BIG_PROBE_BATCHES = (1, 8)  # its decode batches: one-row products at 1, multi-row ones at 8
 CPU_PROBE_TOKENS = 96  # tokens per CPU-time probe of the pipeline (workers read through /proc: schedstat, else 10 ms ticks)
 HOP_PROBE_MODELS = [(64, 2), (384, 4), (768, 4)]  # (hidden, layers) of the pipeline probe's calibration models

@@ -625,15 +625,17 @@ def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
 
 def compare(row: dict[str, Any], host: Any) -> None:
     """A Plan's error factors; and, where the canary ran before its passes and the calibration recorded it, how much
-    slower (> 1) or faster the machine ran then than during the calibration (``machine_factor``: the fastest pass's
-    canary over the calibration's; the fastest pass is what is kept) and the error factors with the prediction
-    scaled by it (``error_factor_at_canary``: rates / factor, TTFT x factor). The canary is a fixed engine workload,
-    not the Plan: the scaled comparison stays a prediction, with the machine's speed of that minute measured apart."""
+    slower (> 1) or faster the machine ran then than during the calibration (``machine_factor``: the shortest canary
+    time of its passes over the calibration's, as the fastest of its passes is what is kept) and the error factors
+    with the prediction scaled by it (``error_factor_at_canary``: rates / factor, TTFT x factor). The canary is a
+    fixed engine workload, not the Plan: the scaled comparison stays a prediction, with the machine's speed of that
+    minute measured apart."""
     m, p = row["measured"], row["predicted"]
     row["error_factor"] = {k: error_factor(p[k], m[k]) for k in m}
     runs = [q["canary_s"] for q in row.get("passes", []) if q.get("canary_s")]
     if not (runs and getattr(host, "canary_s", None)):
-        row.pop("machine_factor", None), row.pop("error_factor_at_canary", None)
+        row.pop("machine_factor", None)
+        row.pop("error_factor_at_canary", None)
         return
     f = min(runs) / host.canary_s
     row["machine_factor"] = f
