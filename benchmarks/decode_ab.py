@@ -10,6 +10,8 @@ than wall time, though memory-bandwidth contention still shows). The step is one
 ``--tokens T``: each step feeds T tokens per row instead, the target forward of a speculative verify (Mamba-2
 layers record each token's state, as for a rollback) followed by the rollback of its last token (Mamba-2 layers
 rewound to T - 1 kept tokens); drafting and acceptance are not in it.
+``--prefill P``: each step is instead one prefill forward of B rows of P tokens from fresh caches (what a pipeline
+stage runs for a prefill micro-batch) plus the last position's logits and argmax.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ STEP = r"""
 import json, sys, time, torch
 from waferline.model.load import load_model
 from waferline.model.context import StepBatch
-path, dtype, bits, B, steps, threads, T = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]),
-                                           int(sys.argv[6]), int(sys.argv[7]))
+path, dtype, bits, B, steps, threads, T, P = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                                              int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
 torch.set_num_threads(threads)
 clock = time.process_time if threads == 1 else time.perf_counter  # CPU time on one thread, wall time on several
 m = load_model(path, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
@@ -47,7 +49,14 @@ with torch.inference_mode():
             if hasattr(c, "keep_trail"):
                 c.keep_trail = True
     adv = T - 1 if T > 1 else 1  # a verify keeps T - 1 of its T tokens (its last draft rejected) and rewinds the rest
+    def prefill(i):
+        fresh = m.new_caches(B)
+        toks = (torch.arange(B)[:, None] * 997 + 5 + i + torch.arange(P)[None]) % V
+        h = m(toks, fresh, StepBatch.make(list(range(B)), [0] * B, P))
+        return m.logits(h[:, -1]).argmax(-1)
     def step(i):
+        if P:
+            return prefill(i)
         toks = (torch.arange(B)[:, None] * 997 + 5 + i + torch.arange(T)[None]) % V
         h = m(toks, caches, StepBatch.make(list(range(B)), [64 + i * adv] * B, T))
         out = m.logits(h).argmax(-1)
@@ -69,10 +78,10 @@ print(json.dumps({"ms_per_step": best * 1e3}))
 
 
 def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1,
-             tokens: int = 1) -> float:
+             tokens: int = 1, prefill: int = 0) -> float:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps), str(threads),
-                          str(tokens)], env=env,
+                          str(tokens), str(prefill)], env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{src}: {model} {dtype} w{bits} b{batch} failed:\n{out.stderr[-2000:]}")
@@ -92,6 +101,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=1,
                     help="tokens per row per step (default 1; T > 1: a speculative verify's forward of T tokens, "
                          "Mamba-2 states recorded per token, then rewound to T - 1 kept tokens)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="P",
+                    help="time prefill forwards of P tokens per row from fresh caches instead of decode steps")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     from rich.console import Console
@@ -110,19 +121,20 @@ def main() -> int:
                         old = new = float("inf")
                         for _ in range(args.rounds):
                             old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens))
+                                                    args.tokens, args.prefill))
                             new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens))
+                                                    args.tokens, args.prefill))
                         rows.append({"model": model, "dtype": dtype, "weight_bits": int(bits), "batch": b,
-                                     "tokens_per_row": args.tokens,
+                                     "tokens_per_row": args.tokens, "prefill_tokens": args.prefill,
                                      "old_ms": old, "new_ms": new, "speedup": old / new})
                         print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x)", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
     clock = "CPU ms per step (1 thread)" if args.threads == 1 else f"wall ms per step ({args.threads} threads)"
-    what = "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)"
+    what = (f"prefill forward ({args.prefill} tokens per row)" if args.prefill else
+            "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)")
     t = Table(title=f"{what}, {clock}: {args.rev} vs working tree")
-    rate = "new tok/s/row" if args.tokens == 1 else "new steps/s"
+    rate = "new tok/s/row" if args.tokens == 1 and not args.prefill else "new steps/s"
     for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", rate):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
     for r in rows:
@@ -133,6 +145,7 @@ def main() -> int:
     Console().print(t)
     if args.json:
         Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "tokens_per_row": args.tokens,
+                                               "prefill_tokens": args.prefill,
                                                "load_avg": os.getloadavg(), "rows": rows}, indent=1))
     return 0
 

@@ -143,6 +143,18 @@ def test_silu_mul(dtype, eager):
         torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-6)
     else:
         _close_16bit(fused, ref)
+    # many rows, a width across the kernel's 256-wide chunks with a ragged tail, and the exp's edges (its argument
+    # beyond +-87: 0 / inf; NaN stays NaN)
+    wide = (torch.randn(37, 2 * 300, generator=g) * 8).to(dtype)
+    wide[0, :6] = torch.tensor([-200.0, -88.5, 0.0, 88.5, 200.0, float("nan")]).to(dtype)
+    fused = torch.ops.waferline.silu_mul(wide)
+    ref = F.silu(wide[:, :300]) * wide[:, 300:]
+    assert fused[0, 5].isnan() and ref[0, 5].isnan()
+    fused[0, 5] = ref[0, 5] = 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(fused, ref, rtol=1e-6, atol=1e-30)
+    else:
+        _close_16bit(fused, ref)
     gelu = gated_act(h, F.gelu)  # other activations keep the eager chain
     gate, up = h.chunk(2, dim=-1)
     torch.testing.assert_close(gelu, F.gelu(gate) * up, rtol=0, atol=0)

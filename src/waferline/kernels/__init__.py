@@ -18,6 +18,9 @@ import warnings
 from pathlib import Path
 
 _SRC = Path(__file__).with_name("cpu_ops.cpp")
+# -fno-trapping-math: no code relies on floating-point exception flags; it lets the compiler vectorise floor() and
+# float -> int conversions (vexp in cpu_ops.cpp)
+_CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None, "enabled": os.environ.get("WAFERLINE_KERNELS", "1") != "0", "error": None}
 
@@ -39,7 +42,8 @@ def build_dir() -> Path:
     root = os.environ.get("WAFERLINE_KERNELS_DIR") or (Path.home() / ".cache" / "waferline" / "kernels")
     import torch
 
-    tag = hashlib.sha256(_SRC.read_bytes() + torch.__version__.encode() + _cpu_flags().encode()).hexdigest()[:12]
+    tag = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode()
+                         + _cpu_flags().encode()).hexdigest()[:12]
     return Path(root) / f"cpu_ops-{tag}"
 
 
@@ -60,7 +64,7 @@ def _load() -> bool:
     d.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(d / "lock")
     cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
-                       extra_cflags=["-O3", "-fopenmp", "-fno-math-errno", "-march=native"], extra_ldflags=["-fopenmp"],
+                       extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                        is_python_module=False, verbose=False)
     return True
 

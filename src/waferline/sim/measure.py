@@ -936,7 +936,7 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
                                           "seconds": sec})
         # the elementwise ones: bf16 rows the previous op just wrote (in cache, as in the engine); exp and a division
         # per element make them slower than their bytes at the copy-like elementwise bandwidth (silu_mul of 256 x 512:
-        # ~100 us here, ~35 us by bytes)
+        # ~70 us here, ~35 us by bytes)
         for rows in FUSED_PROBE_ROWS[::3] if quick else FUSED_PROBE_ROWS:
             for width in FUSED_PROBE_WIDTHS[:1] if quick else FUSED_PROBE_WIDTHS:
                 g = torch.randn(rows, 2 * width).bfloat16()
