@@ -636,3 +636,21 @@ def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
         assert sum(s) == pytest.approx(1.0)
     assert lin[0] > 0.8 and bmm[1] > 0.8 and ew[2] > 0.8
     assert "profiler" not in capfd.readouterr().err
+
+
+
+def test_pipeline_probe_points_and_fit(tmp_path, monkeypatch):
+    """calibrate's 2-stage probe (off in quick mode): per model a hop from the wall times, the CPU of both stage
+    processes against the single process's, and the stage fit from exactly those points."""
+    from waferline.sim import measure
+    from waferline.sim.measure import pipeline_overhead, stage_cpu_fit
+
+    monkeypatch.setattr(measure, "afd_exchange_cpu", lambda *a, **k: None)  # its own probe, not under test
+    out = pipeline_overhead(tmp_path, 4, models=[(64, 2), (96, 2)])
+    assert [(p["hidden"], p["layers"]) for p in out["points"]] == [(64, 2), (96, 2)]
+    for p in out["points"]:
+        assert p["per_token_s"] > 0 and p["single_step_s"] > 0 and p["single_cpu_s"] > 0 and p["pipeline_cpu_s"] > 0
+        assert p["hop_s"] == pytest.approx(max(0.0, (p["per_token_s"] - p["single_step_s"]) / 2))
+        assert p["idle_s"] == pytest.approx(max(0.0, p["per_token_s"] - p["single_step_s"] / 2))
+    assert out["hop_latency_s"] == out["points"][0]["hop_s"]
+    assert (out["stage_step_cpu_s"], out["stage_cpu_inflation"]) == pytest.approx(stage_cpu_fit(out["points"]))
