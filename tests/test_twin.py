@@ -638,7 +638,6 @@ def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
     assert "profiler" not in capfd.readouterr().err
 
 
-
 def test_pipeline_probe_points_and_fit(tmp_path, monkeypatch):
     """calibrate's 2-stage probe (off in quick mode): per model a hop from the wall times, the CPU of both stage
     processes against the single process's, and the stage fit from exactly those points."""
