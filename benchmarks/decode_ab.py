@@ -105,6 +105,8 @@ def main() -> int:
                     help="time prefill forwards of P tokens per row from fresh caches instead of decode steps")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    if args.prefill < 0 or args.tokens < 1:
+        ap.error("--prefill must be >= 0 and --tokens >= 1")
     from rich.console import Console
     from rich.table import Table
 
