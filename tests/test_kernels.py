@@ -199,8 +199,11 @@ def _perturbed(model, prompts, eager):
 
 
 def test_mla_decode_bf16_matches_eager(tmp_path, eager, one_thread):
-    """bf16 DeepSeek-V3 decode: the fused and eager paths pick the same greedy tokens and agree to bf16 rounding."""
-    build("deepseek_v3", tmp_path)
+    """bf16 DeepSeek-V3 decode: the fused and eager paths pick the same greedy tokens and agree to bf16 rounding.
+    Dense FFNs in every layer: with routed experts, a one-step bf16 rounding difference upstream (the fused RMSNorm's
+    fp32 sums in another order) can flip an expert choice at a near-tie and move the logits far more than rounding
+    (seen on an AVX2 CPU: a T = 3 verify step 9% apart, every module before the MoE within 0.5%)."""
+    build("deepseek_v3", tmp_path, first_k_dense_replace=3)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 120, (n,), generator=g).tolist() for n in (5, 9)]
     with torch.inference_mode():

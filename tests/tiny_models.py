@@ -52,12 +52,13 @@ def configs() -> dict[str, dict]:
     }
 
 
-def build(model_type: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    """Build a tiny random model of ``model_type``, save it to ``directory`` and return the eager reference model."""
+def build(model_type: str, directory: Path, seed: int = 0, **overrides) -> torch.nn.Module:
+    """Build a tiny random model of ``model_type`` (config fields in ``overrides`` replaced), save it to ``directory``
+    and return the eager reference model."""
     import transformers
 
     cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
-    cfg = cfg_cls(**configs()[model_type])
+    cfg = cfg_cls(**dict(configs()[model_type], **overrides))
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()

@@ -65,6 +65,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 _PREPACK = os.environ.get("WAFERLINE_PREPACK", "1") != "0"
+_PREPACK_DTYPES: dict[torch.dtype, bool] = {}
+
+
+def prepack_supported(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can lay out and multiply ``dtype`` weights on this CPU (its 16-bit path needs AVX512-BF16/FP16 or
+    AVX-NE-CONVERT: an AVX2-only CPU raises instead); tried once per dtype on a tiny product and remembered."""
+    ok = _PREPACK_DTYPES.get(dtype)
+    if ok is None:
+        try:
+            w = torch.ones(16, 32, dtype=dtype)
+            torch.ops.mkldnn._linear_pointwise(torch.ones(2, 32, dtype=dtype),
+                                               torch.ops.mkldnn._reorder_linear_weight(w, None), None, "none", [], "")
+            ok = True
+        except (RuntimeError, AttributeError, NotImplementedError):
+            ok = False
+        _PREPACK_DTYPES[dtype] = ok
+    return ok
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packs: dict[Any, Any],
@@ -73,11 +90,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out for it once (kept in ``packs[key]``, redone when the weight is modified in place) instead of re-laying the
     weight out on every call: the same kernel, the same results, 1.5-2x faster for 2-8 rows (batched decode,
     speculative verify, the MoE's per-expert groups). Costs a second copy of every 16-bit weight used that way
-    (``WAFERLINE_PREPACK=0`` turns it off). Few-row bf16 products and one-row 16-bit ones go to ``linear`` instead."""
+    (``WAFERLINE_PREPACK=0`` turns it off; a CPU without oneDNN's 16-bit kernels skips it). Few-row bf16 products and
+    one-row 16-bit ones go to ``linear`` instead."""
     if (_PREPACK and weight.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and weight.dim() == 2
             and x.dtype == weight.dtype and x.numel() > x.shape[-1] and torch._C._get_mkldnn_enabled()
             and not (weight.dtype == torch.bfloat16 and x.numel() <= FEW_ROWS * x.shape[-1] and kernels.available())
-            and not weight.is_inference()):  # (weights made under inference_mode keep no version to check the copy by)
+            and not weight.is_inference()  # (weights made under inference_mode keep no version to check the copy by)
+            and prepack_supported(weight.dtype)):
         ent = packs.get(key)
         stamp = (weight.data_ptr(), weight._version, tuple(weight.shape))
         if ent is None or ent[0] != stamp:
