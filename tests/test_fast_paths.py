@@ -139,16 +139,25 @@ def test_packed_linear_is_the_same_product_and_follows_weight_changes():
     lin = Linear(64, 48, bias=True, dtype=torch.bfloat16)
     lin.weight.copy_(torch.randn(48, 64, generator=g))
     lin.bias.copy_(torch.randn(48, generator=g))
+    native = prepack_supported(torch.bfloat16)
+
+    def check(x):
+        y = lin(x)
+        if native:  # oneDNN's kernel on the laid-out copy: bitwise F.linear
+            assert torch.equal(y, torch.nn.functional.linear(x, lin.weight, lin.bias))
+        else:  # the few-row kernel (5-8 rows) or the fp32 product (more): the exact products' fp32 sums, rounded
+            ref = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+            torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item())
+        return y
+
     for shape in ((FEW_ROWS + 2, 64), (2, 5, 64)):
-        x = torch.randn(shape, generator=g).to(torch.bfloat16)
-        assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
-    assert (0 in lin._packs) == prepack_supported(torch.bfloat16)  # the many-row calls made the copy, where they can
+        check(torch.randn(shape, generator=g).to(torch.bfloat16))
+    assert (0 in lin._packs) == native  # the many-row calls made the copy, where the CPU has the kernels
     x = torch.randn(FEW_ROWS + 1, 64, generator=g).to(torch.bfloat16)
     before = lin(x)
     lin.weight.mul_(1.5)  # an in-place change: the copy must follow
-    after = lin(x)
+    after = check(x)
     assert not torch.equal(before, after)
-    assert torch.equal(after, torch.nn.functional.linear(x, lin.weight, lin.bias))
     packs: dict = {}
     w32 = torch.randn(48, 64, generator=g)
     torch.testing.assert_close(packed_linear(x.float(), w32, None, packs, 0), x.float() @ w32.T)
@@ -161,12 +170,21 @@ def test_packed_linear_is_the_same_product_and_follows_weight_changes():
 def test_few_row_bf16_linear(K, portable):
     """bf16 products of 1..FEW_ROWS rows run waferline::linear_rows (no oneDNN copy made): the fp32 product of the same
     bf16 numbers, rounded once to bf16 (a different summation order may flip a rounding), bias added after; K not a
-    multiple of the kernel's 128-wide steps exercises its tail; ``portable``: the loop CPUs without AVX512-BF16 run."""
-    from waferline.model.layers import FEW_ROWS, Linear
+    multiple of the kernel's 128-wide steps exercises its tail; ``portable``: the loop CPUs without AVX512-BF16 or
+    AVX2 run. Linear routes ``few_rows()`` rows there (FEW_ROWS, or 8 where oneDNN has no bf16 GEMM); the operator
+    itself is checked at every row count it takes (1-8: each has its own register blocking)."""
+    from waferline.model.layers import KERNEL_FEW_ROWS, Linear, few_rows
 
     prev = torch.ops.waferline.use_portable(portable)
     try:
-        _few_row_products(K, FEW_ROWS, Linear)
+        _few_row_products(K, few_rows(torch.bfloat16), Linear)
+        g = torch.Generator().manual_seed(2)
+        w = torch.randn(48, K, generator=g).to(torch.bfloat16)
+        for rows in range(1, KERNEL_FEW_ROWS + 1):
+            x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+            ref = x.float() @ w.float().T
+            out = torch.ops.waferline.linear_rows(x, w).float()
+            assert bool(((out - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all()), f"{rows} rows"
     finally:
         torch.ops.waferline.use_portable(prev)
 

@@ -6,8 +6,8 @@
 // same rounding points to 16 bits); tests/test_kernels.py checks each against the eager path.
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
-// one exception, the few-row bf16 product, uses AVX512-BF16 intrinsics where the CPU has them (a portable loop
-// otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads (torch.set_num_threads).
+// one exception, the few-row bf16 product, uses AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where
+// it has those (a portable loop otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads (torch.set_num_threads).
 // Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
 #include <ATen/ATen.h>
@@ -16,6 +16,9 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define WAFERLINE_BF16_AVX2 1  // few-row bf16 products: widen the weight to fp32 in registers, fp32 FMAs
 #endif
 
 #include <algorithm>
@@ -358,18 +361,36 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 // decode step's products have 1-8 rows: every weight row is read once from memory and multiplied into all M rows
 // while it sits in L1 (ATen's one-row GEMV reads it once too; 2-8 rows otherwise go to oneDNN, slower on the small
 // weights of a decode step). With AVX512-BF16 the bf16 products run as pairwise bf16 dot products (vdpbf16ps: exact products,
-// fp32 sums); elsewhere a portable loop. Rows of W are split across threads.
+// fp32 sums); with AVX2 + FMA (no bf16 arithmetic: AMD Zen 2/3, Intel before Cooper Lake) each weight vector is widened
+// to fp32 in registers (a bf16 is the top half of an fp32) into fp32 FMAs; elsewhere a portable loop. Rows of W are
+// split across threads.
 constexpr int64_t FEW_ROWS = 8;
+
+// Whether this CPU multiplies 16-bit matrices natively (what oneDNN's bf16 GEMM needs: AVX512 BW/VL/DQ or
+// AVX-NE-CONVERT). Without it ATen's bf16 mm runs a generic loop, ~6-8x slower here (AVX2, 256 x 2048 x 2048: 205 ms)
+// than widening both operands to fp32 and running the fp32 GEMM (33 ms): the same products (bf16 x bf16 is exact in
+// fp32), fp32 sums, one rounding at the end, as oneDNN's bf16 kernel computes.
+#if (defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)) || defined(__AVXNECONVERT__)
+constexpr bool kNative16 = true;
+#else
+constexpr bool kNative16 = false;
+#endif
+
+// X [R, K] W^T for 16-bit X and W of many rows: ATen's mm, through fp32 where the CPU has no 16-bit GEMM.
+at::Tensor mm_rows(const at::Tensor& X, const at::Tensor& W) {
+  if (!kNative16 && X.scalar_type() != at::kFloat)
+    return at::mm(X.to(at::kFloat), W.to(at::kFloat).t()).to(X.scalar_type());
+  return at::mm(X, W.t());
+}
 
 template <typename T>
 void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
   std::vector<float> xf(M * K);
-  for (int64_t i = 0; i < M * K; ++i) xf[i] = f32(x[i]);
+  load_f32<T>(x, xf.data(), M * K);
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     std::vector<float> wr(K);
     for (int64_t n = n0; n < n1; ++n) {
-      const T* src = w + n * K;
-      for (int64_t j = 0; j < K; ++j) wr[j] = f32(src[j]);
+      load_f32<T>(w + n * K, wr.data(), K);
       for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = static_cast<T>(dotf(xf.data() + m * K, wr.data(), K));
     }
   });
@@ -431,7 +452,105 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 }
 #endif
 
-std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs that have the AVX512-BF16 kernel
+#if defined(WAFERLINE_BF16_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One weight row at a time, straight through, into M x U accumulators (x already in fp32). A bf16 is the top half of
+// an fp32, so 16 weights loaded as 8 32-bit lanes give the odd-indexed ones as fp32 by masking the low half off and the
+// even-indexed ones by shifting left 16: two integer ops per 16 weights (widening 8 at a time with vpmovzxwd + shift
+// ran at ~14 GB/s, compute-bound); x is laid out to match (per 16: its 8 even entries, then its 8 odd ones). The same
+// exact products and fp32 sums as the portable loop, in another order.
+template <int M, int U, int S>
+void bf16_block_avx2(const float* xp, const uint16_t* w, int64_t K, int64_t Kv, c10::BFloat16* y, int64_t ldy,
+                     int64_t n0, int64_t n1) {
+  const int64_t K16 = K / 16 * 16;  // x is laid out in blocks of 16 up to here, as it is beyond
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = w + n * K;
+    __m256 acc[U][M][S];  // S = 2: the even and the odd products in chains of their own (FMA latency, few rows)
+    for (int u = 0; u < U; ++u)
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < S; ++t) acc[u][m][t] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < Kv; k += 16 * U) {
+      for (int u = 0; u < U; ++u) {
+        const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16 * u));
+        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wi, 16));
+        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wi, hi));
+        for (int m = 0; m < M; ++m) {
+          const float* xm = xp + m * K + k + 16 * u;
+          acc[u][m][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xm), acc[u][m][0]);
+          acc[u][m][S - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + 8), acc[u][m][S - 1]);
+        }
+      }
+    }
+    for (int64_t k = Kv; k < K16; k += 16) {  // whole blocks of 16 left after the unrolled ones
+      const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wi, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wi, hi));
+      for (int m = 0; m < M; ++m) {
+        acc[0][m][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xp + m * K + k), acc[0][m][0]);
+        acc[0][m][S - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp + m * K + k + 8), acc[0][m][S - 1]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 a = acc[0][m][0];
+      for (int u = 0; u < U; ++u)
+        for (int t = 0; t < S; ++t)
+          if (u || t) a = _mm256_add_ps(a, acc[u][m][t]);
+      float v = hsum8(a);
+      for (int64_t k = K16; k < K; ++k) v += xp[m * K + k] * bf16_bits_f32(wr[k]);
+      y[m * ldy + n] = c10::BFloat16(v);
+    }
+  }
+}
+
+template <int M>
+void bf16_rows_avx2(const float* xp, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
+  // ~8 independent accumulator chains (FMA latency x throughput), within AVX2's 16 registers
+  constexpr int U = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  constexpr int S = M <= 2 ? 2 : 1;
+  const int64_t Kv = K / (16 * U) * (16 * U);
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t n0, int64_t n1) { bf16_block_avx2<M, U, S>(xp, w, K, Kv, y, ldy, n0, n1); });
+}
+
+bool few_rows_bf16_avx2(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, int64_t N, int64_t K,
+                        c10::BFloat16* y, int64_t ldy) {
+  // x in fp32, each whole block of 16 as its 8 even entries then its 8 odd ones (the tail as it is)
+  std::vector<float> xf(M * K);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(xp);
+  const int64_t K16 = K / 16 * 16;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* s = xb + m * K;
+    float* d = xf.data() + m * K;
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int j = 0; j < 8; ++j) {
+        d[k + j] = bf16_bits_f32(s[k + 2 * j]);
+        d[k + 8 + j] = bf16_bits_f32(s[k + 2 * j + 1]);
+      }
+    for (int64_t k = K16; k < K; ++k) d[k] = bf16_bits_f32(s[k]);
+  }
+  auto w = reinterpret_cast<const uint16_t*>(wp);
+  switch (M) {
+    case 1: bf16_rows_avx2<1>(xf.data(), w, N, K, y, ldy); return true;
+    case 2: bf16_rows_avx2<2>(xf.data(), w, N, K, y, ldy); return true;
+    case 3: bf16_rows_avx2<3>(xf.data(), w, N, K, y, ldy); return true;
+    case 4: bf16_rows_avx2<4>(xf.data(), w, N, K, y, ldy); return true;
+    case 5: bf16_rows_avx2<5>(xf.data(), w, N, K, y, ldy); return true;
+    case 6: bf16_rows_avx2<6>(xf.data(), w, N, K, y, ldy); return true;
+    case 7: bf16_rows_avx2<7>(xf.data(), w, N, K, y, ldy); return true;
+    case 8: bf16_rows_avx2<8>(xf.data(), w, N, K, y, ldy); return true;
+  }
+  return false;
+}
+#endif
+
+std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs that have the AVX512-BF16 or AVX2 kernel
 
 bool use_portable(bool on) { return g_portable.exchange(on); }
 
@@ -441,6 +560,10 @@ void few_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (!g_portable.load(std::memory_order_relaxed) && few_rows_bf16(x, M, w, N, K, y, ldy)) return;
+  }
+#elif defined(WAFERLINE_BF16_AVX2)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (!g_portable.load(std::memory_order_relaxed) && few_rows_bf16_avx2(x, M, w, N, K, y, ldy)) return;
   }
 #endif
   few_rows_generic<T>(x, M, w, N, K, y, ldy);
@@ -488,7 +611,7 @@ at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_
   }
   const int64_t R = X.size(0), K = X.size(1);
   auto W = e >= 0 ? b.w.select(0, e) : b.w;
-  if (R > FEW_ROWS) return at::mm(X, W.t());
+  if (R > FEW_ROWS) return mm_rows(X, W);
   auto y = at::empty({R, n_out}, X.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_moe_linear", [&] {
     few_rows<scalar_t>(X.data_ptr<scalar_t>(), R, W.data_ptr<scalar_t>(), n_out, K, y.data_ptr<scalar_t>(), n_out);

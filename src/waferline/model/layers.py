@@ -37,6 +37,14 @@ class RMSNorm(nn.Module):
 
 
 FEW_ROWS = 4  # bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows)
+KERNEL_FEW_ROWS = 8  # the most rows linear_rows takes: where oneDNN has no bf16 GEMM, it runs products of 5-8 rows too
+
+
+def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
+    """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs: ``FEW_ROWS`` where oneDNN multiplies
+    16-bit matrices natively (it wins at 5-8 rows), else all the kernel takes (AVX2: oneDNN's bf16 path is missing, and
+    8 rows on a 1024 x 4096 weight ran ~1.2 ms in the kernel against ~6.7 ms in ATen's bf16 loop, ~2.8 in fp32)."""
+    return FEW_ROWS if prepack_supported(dtype) else KERNEL_FEW_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,9 +59,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     oneDNN's blocked kernel wins again.
     """
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dim() == 2
-            and x.numel() <= FEW_ROWS * x.shape[-1] and kernels.available()):
+            and x.numel() <= few_rows(weight.dtype) * x.shape[-1] and kernels.available()):
         y = torch.ops.waferline.linear_rows(x, weight)
         return y if bias is None else y + bias
+    if (weight.dtype != torch.float32 and x.device.type == "cpu" and x.numel() > x.shape[-1]
+            and not prepack_supported(weight.dtype)):
+        # no 16-bit GEMM on this CPU (AVX2 only): ATen's generic bf16 loop runs 6-8x slower than widening both to fp32
+        # (exact) and running the fp32 GEMM; fp32 sums, rounded once to 16 bits, as a native bf16 GEMM computes them
+        y = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return y.to(x.dtype)
     if weight.dtype != torch.float32 and x.device.type == "cpu" and x.numel() == x.shape[-1]:
         prev = torch._C._get_mkldnn_enabled()
         torch._C._set_mkldnn_enabled(False)
@@ -94,7 +108,8 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     one-row 16-bit ones go to ``linear`` instead."""
     if (_PREPACK and weight.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu" and weight.dim() == 2
             and x.dtype == weight.dtype and x.numel() > x.shape[-1] and torch._C._get_mkldnn_enabled()
-            and not (weight.dtype == torch.bfloat16 and x.numel() <= FEW_ROWS * x.shape[-1] and kernels.available())
+            and not (weight.dtype == torch.bfloat16 and x.numel() <= few_rows(weight.dtype) * x.shape[-1]
+                     and kernels.available())
             and not weight.is_inference()  # (weights made under inference_mode keep no version to check the copy by)
             and prepack_supported(weight.dtype)):
         ent = packs.get(key)

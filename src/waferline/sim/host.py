@@ -32,6 +32,10 @@ PREFILL_PROBE_TOKENS = 32  # tokens of calibrate's one-prompt prefill probe (sim
 PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt tokens per prefill micro-batch
 
 
+ENGINE_FEW_ROWS = 4  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
+# (where oneDNN has bf16 GEMMs; elsewhere the engine runs up to 8 rows there, recorded by calibrate: engine_few_rows)
+
+
 def _v(x: Any, where: str) -> float:
     if isinstance(x, dict):
         if "value" not in x:
@@ -150,6 +154,7 @@ class HostParams:
     afd_overlapped_message_cpu_s: float | None = None  # CPU per AFD message end at several rows in 2 mbs (measured)
     # engine compute dtype -> in-engine seconds per 16-bit linear call of 2+ rows beyond its table price (fitted)
     multi_call_overhead_s: dict[str, float] = field(default_factory=dict)
+    engine_few_rows: int = ENGINE_FEW_ROWS  # bf16 products of up to this many rows run the engine's own kernel here
     fused: dict[str, tuple[float, float]] = field(default_factory=dict)  # fused operator -> (t0 s, work units per s)
     prefill_scale_dram: dict[str, float] = field(default_factory=dict)  # prefill linear scale, weights from memory
     # the same scale measured on a prefill forward of several prompts at once: compute dtype -> (tokens in that
@@ -212,6 +217,7 @@ class HostParams:
                        hop_overhead_s=_v(pipe.get("hop_overhead_s", 0.0), where),
                        hop_latency_s=_v(pipe["hop_latency_s"], where) if "hop_latency_s" in pipe else None, source=where,
                        parallel_ceiling=_v(he["parallel_ceiling"], where) if "parallel_ceiling" in he else None,
+                       engine_few_rows=int(_v(he.get("engine_few_rows", ENGINE_FEW_ROWS), where)),
                        tables_hot={k: LinearTable.from_dict(v["table_hot"]) for k, v in (he.get("linear") or {}).items()
                                    if v.get("table_hot")},
                        llc_bytes=_v(he["llc_bytes"], where) if "llc_bytes" in he else None,
@@ -440,14 +446,11 @@ def _touched(num_experts: int, top_k: int, tokens: float) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
-ENGINE_FEW_ROWS = 4  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
-
-
-def multi_row_product(dtype: str, rows: int) -> bool:
+def multi_row_product(dtype: str, rows: int, few: int = ENGINE_FEW_ROWS) -> bool:
     """A linear call that carries the fitted in-engine per-call cost: 16-bit (oneDNN / MKL) with 2+ rows, except bf16
-    products of up to ENGINE_FEW_ROWS rows (waferline::linear_rows, no oneDNN). int4 calls run their own kernel,
-    priced by its table."""
-    return dtype != "int4" and rows > 1 and not (dtype == "bf16" and rows <= ENGINE_FEW_ROWS)
+    products of up to ``few`` rows (waferline::linear_rows, no oneDNN). int4 calls run their own kernel, priced by its
+    table."""
+    return dtype != "int4" and rows > 1 and not (dtype == "bf16" and rows <= few)
 
 
 def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
@@ -477,7 +480,7 @@ def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale
         else:
             mm += n * tab.time(int(rows), float(nb))
         n_calls += n
-        if multi_row_product(dt, int(rows)):
+        if multi_row_product(dt, int(rows), host.engine_few_rows):
             n_multi += n
     other_mm = 0.0  # matmuls without a weight (attention, scans): their roofline, not scaled (calibrate prices them so)
     for dt, b in w.mm_bytes.items():

@@ -483,10 +483,12 @@ def fused_seconds(work: dict[str, float], rates: dict[str, tuple[float, float]] 
 def multi_row_calls(work: dict[str, float]) -> float:
     """16-bit (fp32 / bf16) linear calls of two or more rows in a work record (sim.host.multi_row_product): the
     engine's oneDNN (bf16) or MKL (fp32) products, each with a fixed in-engine cost beyond the sweep's."""
+    from waferline.model.layers import few_rows
     from waferline.sim.host import multi_row_product
 
+    few = few_rows()
     return sum(v for k, v in work.items() if k.startswith("call|")
-               and multi_row_product(k.split("|")[1], int(k.split("|")[2])))
+               and multi_row_product(k.split("|")[1], int(k.split("|")[2]), few))
 
 
 def _timed_cpu(fn: Callable[[], Any]) -> float:
@@ -1431,6 +1433,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     starts a stage process; default: on unless ``quick``)."""
     import torch
 
+    from waferline.model.layers import few_rows
+
     say = progress or (lambda what, frac: None)
     if pipeline is None:
         pipeline = not quick  # the pipeline probe starts a stage process (~5 s): off in quick mode unless asked
@@ -1466,6 +1470,9 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                      "clock": "process CPU time for single-threaded probes, wall time for the link and the pipeline",
                      "threads_per_process": 1, "quick": quick},
         "cores": _fig(cores, tag, "os.cpu_count()"),
+        "engine_few_rows": _fig(few_rows(torch.bfloat16), tag, "waferline.model.layers.few_rows(bf16): the most rows of a "
+                                "bf16 product the engine's own kernel runs on this CPU (4 where oneDNN has bf16 GEMMs, "
+                                "else 8)"),
         "memory_bandwidth_1_thread": _fig(bw1, tag, f"torch copy of {32 if quick else 256} MB, 1 thread, read+write bytes / best of 5"),
         "cache_bandwidth_1_thread": _fig(bwc, tag, "torch copy of 256 KB x 200 (stays in cache), 1 thread, read+write bytes / best of 5"),
         "small_op_bytes": {"value": SMALL_OP_BYTES, "assumed": "non-matmul ops moving at most this many bytes run from cache"},
