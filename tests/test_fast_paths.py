@@ -165,6 +165,28 @@ def test_packed_linear_is_the_same_product_and_follows_weight_changes():
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+def test_widened_bf16_product_is_one_operator_with_the_fp32_result():
+    """waferline::linear_wide (what linear() runs for many-row 16-bit products where oneDNN has no bf16 GEMM):
+    bitwise the fp32 product of the widened operands rounded once, with and without a bias, for 2-D and 3-D x; the
+    twin's op counter records it as one bf16 product with its 16-bit weight's bytes."""
+    from waferline.sim.measure import OpCounter
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 72, generator=g).to(torch.bfloat16)
+    b = torch.randn(40, generator=g).to(torch.bfloat16)
+    for shape in ((20, 72), (2, 9, 72)):
+        x = torch.randn(shape, generator=g).to(torch.bfloat16)
+        for bias in (None, b):
+            ref = torch.nn.functional.linear(x.float(), w.float(), None if bias is None else bias.float()).bfloat16()
+            assert torch.equal(torch.ops.waferline.linear_wide(x, w, bias), ref)
+    x = torch.ones(20, 72, dtype=torch.bfloat16)
+    with OpCounter() as c:
+        torch.ops.waferline.linear_wide(x, w, None)
+    work = {k: v for d in c.work.values() for k, v in d.items()}
+    assert c.total == 1 and work == {f"call|bf16|20|{40 * 72 * 2}": 1.0}
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
 @pytest.mark.parametrize("K", [64, 96, 200])
 @pytest.mark.parametrize("portable", [False, True])
 def test_few_row_bf16_linear(K, portable):

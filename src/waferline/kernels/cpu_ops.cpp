@@ -376,10 +376,45 @@ constexpr bool kNative16 = true;
 constexpr bool kNative16 = false;
 #endif
 
+// a 16-bit tensor widened to a new fp32 one, in loops of our own (no dispatched copy ops: a profile of a widened
+// product shows one operator, with the conversion in its own time)
+at::Tensor widen(const at::Tensor& t) {
+  auto c = t.contiguous();
+  auto f = at::empty(c.sizes(), c.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, c.scalar_type(), "waferline_widen", [&] {
+    const scalar_t* s = c.data_ptr<scalar_t>();
+    float* d = f.data_ptr<float>();
+    at::parallel_for(0, c.numel(), 1 << 16, [&](int64_t i0, int64_t i1) { load_f32<scalar_t>(s + i0, d + i0, i1 - i0); });
+  });
+  return f;
+}
+
+at::Tensor narrow_to(const at::Tensor& f, at::ScalarType dt) {  // fp32 -> dt, rounded as c10 rounds
+  if (dt == at::kFloat) return f;
+  auto c = f.contiguous();
+  auto y = at::empty(c.sizes(), c.options().dtype(dt));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dt, "waferline_narrow", [&] {
+    store_f32<scalar_t>(c.data_ptr<float>(), y.data_ptr<scalar_t>(), c.numel());
+  });
+  return y;
+}
+
+// x [..., K] W^T (+ b) for 16-bit x and W on a CPU without 16-bit GEMMs: both widened to fp32 (exact), ATen's fp32
+// product (fp32 sums), rounded once to x's dtype, as a native bf16 GEMM computes it. One operator (the engine's
+// linear() calls it for products of more rows than linear_rows takes), so the twin's op count and the profiler see
+// one product with a 16-bit weight, priced by the bf16 linear table calibrate measured through the same path.
+at::Tensor linear_wide(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.dim() == 2 && x.scalar_type() == w.scalar_type(),
+              "waferline::linear_wide: CPU x [..., K] and W [N, K] of one dtype");
+  if (x.scalar_type() == at::kFloat) return at::linear(x, w, bias);
+  std::optional<at::Tensor> bf;
+  if (bias.has_value() && bias->defined()) bf = widen(*bias);
+  return narrow_to(at::linear(widen(x), widen(w), bf), x.scalar_type());
+}
+
 // X [R, K] W^T for 16-bit X and W of many rows: ATen's mm, through fp32 where the CPU has no 16-bit GEMM.
 at::Tensor mm_rows(const at::Tensor& X, const at::Tensor& W) {
-  if (!kNative16 && X.scalar_type() != at::kFloat)
-    return at::mm(X.to(at::kFloat), W.to(at::kFloat).t()).to(X.scalar_type());
+  if (!kNative16 && X.scalar_type() != at::kFloat) return narrow_to(at::mm(widen(X), widen(W).t()), X.scalar_type());
   return at::mm(X, W.t());
 }
 
@@ -1118,6 +1153,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_decode(Tensor q_nope, Tensor q_rope, Tensor latents, Tensor blocked, Tensor w_uk, Tensor w_uv, float scale, "
         "ScalarType out_dtype) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_wide(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("use_portable(bool on) -> bool");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
@@ -1138,6 +1174,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("mla_decode", &mla_decode);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
+  m.impl("linear_wide", &linear_wide);
   m.impl("mamba2_mix", &mamba2_mix);
   m.impl("moe_ffn", &moe_ffn);
 }

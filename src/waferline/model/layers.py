@@ -67,6 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and not prepack_supported(weight.dtype)):
         # no 16-bit GEMM on this CPU (AVX2 only): ATen's generic bf16 loop runs 6-8x slower than widening both to fp32
         # (exact) and running the fp32 GEMM; fp32 sums, rounded once to 16 bits, as a native bf16 GEMM computes them
+        if kernels.available():
+            return torch.ops.waferline.linear_wide(x, weight, bias)  # the same, as one operator
         y = nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
         return y.to(x.dtype)
     if weight.dtype != torch.float32 and x.device.type == "cpu" and x.numel() == x.shape[-1]:

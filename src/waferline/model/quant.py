@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from waferline.errors import CheckpointError, ConfigError
+from waferline.model.layers import linear as dense_linear
 from waferline.model.weights import WeightSource
 
 QUANT_METHOD = "waferline"
@@ -321,8 +322,8 @@ class Int4Weight(nn.Module):
         """``x [..., K] @ W[index].T (+ bias)`` -> ``[..., N]`` in ``x.dtype``."""
         flat = x.dim() == 2
         x2 = x if flat else x.reshape(-1, self.in_features)
-        if self.backend == "dequant":
-            y = F.linear(x2, self.dequantize(index).to(x.dtype))
+        if self.backend == "dequant":  # (the engine's linear: no generic 16-bit loop on a CPU without bf16 GEMMs)
+            y = dense_linear(x2, self.dequantize(index).to(x.dtype))
         else:
             y = self._mm(x2, index)
             if y.dtype != x.dtype:

@@ -259,9 +259,9 @@ def fit_linear(rows: list[dict[str, float]]) -> dict[str, float]:
 
 SMALL_OP_BYTES = 1 << 20  # a non-matmul op moving at most this many bytes runs from cache (assumed: L2 is 0.5-2 MB)
 _WEIGHT_OPS = {"linear", "mm", "addmm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "_linear_pointwise",
-               "linear_rows"}
+               "linear_rows", "linear_wide"}
 _MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm",
-               "einsum", "_linear_pointwise", "linear_rows"}
+               "einsum", "_linear_pointwise", "linear_rows", "linear_wide"}
 
 
 def _tensors(x: Any) -> list[Any]:
