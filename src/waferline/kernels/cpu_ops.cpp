@@ -7,7 +7,8 @@
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
 // one exception, the few-row bf16 product, uses AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where
-// it has those (a portable loop otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads (torch.set_num_threads).
+// it has those (a portable loop otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads
+// (torch.set_num_threads).
 // Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
 #include <ATen/ATen.h>
@@ -412,9 +413,9 @@ at::Tensor linear_wide(const at::Tensor& x, const at::Tensor& w, const std::opti
   return narrow_to(at::linear(widen(x), widen(w), bf), x.scalar_type());
 }
 
-// X [R, K] W^T for 16-bit X and W of many rows: ATen's mm, through fp32 where the CPU has no 16-bit GEMM.
+// X [R, K] W^T for X and W of many rows: ATen's mm, widened (linear_wide) where the CPU has no 16-bit GEMM.
 at::Tensor mm_rows(const at::Tensor& X, const at::Tensor& W) {
-  if (!kNative16 && X.scalar_type() != at::kFloat) return narrow_to(at::mm(widen(X), widen(W).t()), X.scalar_type());
+  if (!kNative16 && X.scalar_type() != at::kFloat) return linear_wide(X, W, std::nullopt);
   return at::mm(X, W.t());
 }
 

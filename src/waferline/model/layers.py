@@ -38,13 +38,17 @@ class RMSNorm(nn.Module):
 
 FEW_ROWS = 4  # bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows)
 KERNEL_FEW_ROWS = 8  # the most rows linear_rows takes: where oneDNN has no bf16 GEMM, it runs products of 5-8 rows too
+_FEW_ROWS_BY_DTYPE: dict[torch.dtype, int] = {}
 
 
 def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs: ``FEW_ROWS`` where oneDNN multiplies
     16-bit matrices natively (it wins at 5-8 rows), else all the kernel takes (AVX2: oneDNN's bf16 path is missing, and
     8 rows on a 1024 x 4096 weight ran ~1.2 ms in the kernel against ~6.7 ms in ATen's bf16 loop, ~2.8 in fp32)."""
-    return FEW_ROWS if prepack_supported(dtype) else KERNEL_FEW_ROWS
+    n = _FEW_ROWS_BY_DTYPE.get(dtype)  # (called per product on the decode path: remembered per dtype)
+    if n is None:
+        n = _FEW_ROWS_BY_DTYPE[dtype] = FEW_ROWS if prepack_supported(dtype) else KERNEL_FEW_ROWS
+    return n
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
