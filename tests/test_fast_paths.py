@@ -132,7 +132,7 @@ def test_one_row_16bit_linear_skips_onednn_and_restores_the_flag():
 def test_packed_linear_is_the_same_product_and_follows_weight_changes():
     """16-bit products of more rows than the few-row kernel takes run oneDNN on a weight laid out once: bitwise what
     F.linear gives, re-laid out when the weight changes in place. A CPU without oneDNN's bf16 kernels (AVX2 only)
-    keeps no copy and runs F.linear."""
+    keeps no copy and runs the few-row kernel (5-8 rows) or the widened fp32 product (more)."""
     from waferline.model.layers import FEW_ROWS, Linear, packed_linear, prepack_supported
 
     g = torch.Generator().manual_seed(0)
@@ -245,3 +245,24 @@ def test_a_stale_kernel_build_lock_is_dropped(tmp_path):
     _drop_stale_lock(fresh)
     _drop_stale_lock(tmp_path / "none" / "lock")  # no lock: nothing to do
     assert not old.exists() and fresh.exists()
+
+
+def test_causal_depthwise_conv_is_the_depthwise_conv1d():
+    """The Mamba-2 prefill's conv as K shifted multiply-adds: F.conv1d's last T outputs (fp32 to float rounding; bf16
+    within one rounding of the fp32 result of the same bf16 inputs), with and without a bias."""
+    import torch.nn.functional as F
+
+    from waferline.model.ssm import causal_depthwise_conv
+
+    g = torch.Generator().manual_seed(5)
+    C, K, T = 24, 4, 7
+    full = torch.randn(2, C, K - 1 + T, generator=g)
+    w, b = torch.randn(C, K, generator=g), torch.randn(C, generator=g)
+    for bias in (None, b):
+        ref = F.conv1d(full, w[:, None, :], bias, groups=C)
+        torch.testing.assert_close(causal_depthwise_conv(full, w, bias, T), ref, rtol=1e-6, atol=1e-6)
+        f16, w16 = full.bfloat16(), w.bfloat16()
+        ref16 = F.conv1d(f16.float(), w16.float()[:, None, :], None if bias is None else bias.bfloat16().float(), groups=C)
+        out = causal_depthwise_conv(f16, w16, None if bias is None else bias.bfloat16(), T)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref16, rtol=2 ** -8, atol=1e-6)

@@ -54,11 +54,11 @@ def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except for 16-bit weights on CPU with few rows (decode steps), or on a CPU without 16-bit GEMMs.
 
-    A bf16 product of up to ``few_rows()`` rows (``FEW_ROWS``; 8 on an AVX2-only CPU) runs ``waferline::linear_rows`` (waferline.kernels: each weight row read
-    once, straight through, into every row's fp32 sums; on this project's 2-core CPU 22-34 GB/s of weights at one row
-    against ATen's GEMV at 16-33, and 2.7-4.3x oneDNN at 4 rows on weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an
-    ad-hoc loop, README "Decode speed", session 8). Otherwise a one-row
-    product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step every
+    A bf16 product of up to ``few_rows()`` rows (``FEW_ROWS``; 8 on an AVX2-only CPU) runs ``waferline::linear_rows``
+    (waferline.kernels: each weight row read once, straight through, into every row's fp32 sums; on this project's
+    2-core AVX-512 CPU 22-34 GB/s of weights at one row against ATen's GEMV at 16-33, and 2.7-4.3x oneDNN at 4 rows on
+    weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an ad-hoc loop, README "Decode speed", session 8). Otherwise a
+    one-row product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step every
     weight is used once; ~2x slower than ATen's own GEMV for 512 x 1536, ~3x for 512 x 512); for two or more rows
     oneDNN's blocked kernel wins again, except where oneDNN has no 16-bit GEMM (AVX2 only): there 16-bit products of
     more rows are widened to fp32 (README "Decode speed", session 12).
