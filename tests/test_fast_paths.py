@@ -211,6 +211,55 @@ def test_few_row_bf16_linear(K, portable):
         torch.ops.waferline.use_portable(prev)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("G,K,Z,sdtype", [(32, 224, 1, torch.bfloat16), (32, 224, 2, torch.float16),
+                                          (64, 256, 2, torch.float32), (128, 384, 1, torch.bfloat16)])
+def test_int4_linear_is_the_dequantized_product(portable, G, K, Z, sdtype):
+    """waferline::int4_linear (waferline's CPU int4 layout) computes x @ W^T with W = (code - 8) * scale + zero in
+    fp32: against the fp32 product with the dequantized weight, rounded once to bf16, at every row count the few-row
+    kernel takes (1-8, one register blocking each), in blocks of 8 (12, 16) and through the dequantise-and-GEMM path
+    (20, 40); K with a 32-input tail; groups of 32 (two per 64-input block) and of 64 / 128 (several blocks per group),
+    symmetric and with zeros, 16- and 32-bit scales, and
+    ``portable``: the loop CPUs without AVX2 run. Its layout is ``quant.pack_kernel``'s (a wrong byte order fails);
+    ``unpack_kernel`` inverts it; bad shapes are refused."""
+    from waferline.model.quant import pack_kernel, pack_nibbles, unpack_kernel
+
+    g = torch.Generator().manual_seed(3)
+    N = 40  # K = 224: three 64-input blocks and a 32-input tail
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    assert torch.equal(unpack_kernel(pack_kernel(codes)), codes)
+    scales = (torch.rand(N, K // G, generator=g) * 0.05 + 0.01).to(sdtype)
+    zeros = (torch.randn(N, K // G, generator=g) * 0.02).to(sdtype)
+    sz = torch.stack([scales, zeros], -1) if Z == 2 else scales.unsqueeze(-1)
+    w = (codes.float().view(N, K // G, G) - 8) * scales.float().unsqueeze(-1)
+    if Z == 2:
+        w = w + zeros.float().unsqueeze(-1)
+    w = w.view(N, K)
+    packed = pack_kernel(codes)
+    prev = torch.ops.waferline.use_portable(portable)
+    try:
+        for rows in (*range(1, 9), 12, 16, 20, 40):
+            x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+            ref = x.float() @ w.T
+            out = torch.ops.waferline.int4_linear(x, packed, sz.contiguous(), G)
+            assert out.dtype == torch.bfloat16 and out.shape == (rows, N)
+            tol = (x.float().abs() @ w.abs().T) * 2.0 ** -20 + ref.abs() * 2.0 ** -8
+            assert bool(((out.float() - ref).abs() <= tol).all()), f"{rows} rows"
+        x3 = torch.randn(2, 3, K, generator=g)  # fp32 activations, leading dims kept
+        out = torch.ops.waferline.int4_linear(x3, packed, sz.contiguous(), G)
+        assert out.dtype == torch.float32 and out.shape == (2, 3, N)
+        torch.testing.assert_close(out, x3 @ w.T, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.ops.waferline.use_portable(prev)
+    wrong = pack_nibbles(codes)  # the canonical on-disk order is not the kernel's
+    assert not torch.allclose(torch.ops.waferline.int4_linear(x3, wrong, sz.contiguous(), G), x3 @ w.T, atol=1e-2)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        torch.ops.waferline.int4_linear(x3, packed[:, :-1].contiguous(), sz.contiguous(), G)
+    with pytest.raises(RuntimeError, match="int4_linear"):
+        torch.ops.waferline.int4_linear(x3, packed, sz.contiguous(), 48)
+
+
 def _few_row_products(K, FEW_ROWS, Linear):
     g = torch.Generator().manual_seed(1)
     lin = Linear(K, 80, bias=True, dtype=torch.bfloat16)

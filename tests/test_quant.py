@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tiny_models import build
-from waferline import cli
+from waferline import cli, kernels
 from waferline.errors import CheckpointError, ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model, open_weights
@@ -33,33 +33,40 @@ def _bf16_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- matmul paths
 
 
-@pytest.mark.parametrize("lead,N,K,G,sym,backend", [
-    ((), 64, 256, 32, True, "cpu_int4pack"),       # the kernel
-    ((), 64, 128, 128, False, "cpu_int4pack"),
-    ((), 40, 128, 64, False, "cpu_int4pack"),      # N % 16 != 0: padded to 48 for the kernel, sliced back
-    ((), 24, 96, 48, False, "dequant"),            # odd group size: dequantise-then-matmul
-    ((), 32, 64, 16, True, "dequant"),             # group 16: the kernel rejects it
-    ((3,), 32, 128, 32, True, "cpu_int4pack"),     # stacked experts
-    ((3,), 20, 96, 48, False, "dequant"),
+CPU_KERNEL = "cpu_waferline" if kernels.available() else "cpu_int4pack"  # ours where the fused operators build
+
+
+@pytest.mark.parametrize("lead,N,K,G,sym,backend,force", [
+    ((), 64, 256, 32, True, CPU_KERNEL, False),        # the kernel
+    ((), 64, 128, 128, False, CPU_KERNEL, False),
+    ((), 40, 128, 64, False, CPU_KERNEL, False),       # int4pack: N % 16 != 0, padded to 48 for it, sliced back
+    ((), 24, 96, 32, False, CPU_KERNEL, False),        # K % 64 == 32: the kernel's 32-input tail
+    ((), 24, 96, 48, False, "dequant", False),         # odd group size: dequantise-then-matmul
+    ((), 32, 64, 16, True, "dequant", False),          # group 16: the kernels reject it
+    ((3,), 32, 128, 32, True, CPU_KERNEL, False),      # stacked experts
+    ((3,), 20, 96, 48, False, "dequant", False),
+    ((), 40, 128, 64, False, "cpu_int4pack", True),    # ATen's int4pack where waferline's kernel is not built
+    ((3,), 32, 128, 32, True, "cpu_int4pack", True),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_matmul_matches_dequantized_fp32(lead, N, K, G, sym, backend, dtype):
+@pytest.mark.parametrize("rows", [5, 20])
+def test_int4_matmul_matches_dequantized_fp32(lead, N, K, G, sym, backend, force, dtype, rows):
     w = torch.randn(*lead, N, K)
     t = rtn_quantize(w, G, symmetric=sym, scale_dtype=torch.bfloat16)
-    q = Int4Weight(t)
+    q = Int4Weight(t, backend=backend if force else None)
     assert q.backend == backend
     deq = t.dequantize()
-    x = torch.randn(5, K).to(dtype)
+    x = torch.randn(rows, K).to(dtype)
     if not lead:
         y = q.linear(x)
-        assert y.dtype == dtype and y.shape == (5, N)
+        assert y.dtype == dtype and y.shape == (rows, N)
         ref = x.float() @ deq.t()
         assert ((y.float() - ref).abs() <= _bf16_bound(x, deq)).all()
         assert torch.allclose(q.dequantize(), deq, rtol=2 ** -7, atol=1e-6)
         ql = QuantLinear(q, torch.randn(N).to(dtype), dtype)
         assert ((ql(x).float() - ql.bias.float() - ref).abs() <= 2 * _bf16_bound(x, deq) + 2e-2).all()
     else:
-        experts = torch.tensor([2, 0, 2, 1, 0])
+        experts = torch.tensor([2, 0, 2, 1, 0] * (rows // 5))
         y = q.expert_linear(x, experts)
         for m, e in enumerate(experts.tolist()):
             ref = x[m:m + 1].float() @ deq[e].t()
@@ -216,7 +223,7 @@ def test_import_compressed_tensors_kimi_experts(tmp_path):
         assert (got - orig).abs().max() <= 0.5 * orig.abs().max() / 7.5 * 1.05
     model = load_model(d)
     moe = model.layers[1].ffn
-    assert moe.w_gate_up is None and moe.q_gate_up.shape == (8, 64, 64) and moe.q_down.backend == "cpu_int4pack"
+    assert moe.w_gate_up is None and moe.q_gate_up.shape == (8, 64, 64) and moe.q_down.backend == CPU_KERNEL
     for e in range(8):
         p = f"model.layers.1.mlp.experts.{e}."
         want = torch.cat([ref[p + "gate_proj.weight"][0], ref[p + "up_proj.weight"][0]])

@@ -15,10 +15,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>  // the few-row bf16 and int4 products' vector kernels
+#endif
+#if !(defined(__AVX512BF16__) && defined(__AVX512F__)) && defined(__AVX2__) && defined(__FMA__)
 #define WAFERLINE_BF16_AVX2 1  // few-row bf16 products: widen the weight to fp32 in registers, fp32 FMAs
 #endif
 
@@ -488,13 +488,16 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 }
 #endif
 
-#if defined(WAFERLINE_BF16_AVX2)
+#if defined(__AVX2__) && defined(__FMA__)
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
+
+#if defined(WAFERLINE_BF16_AVX2)
 
 // One weight row at a time, straight through, into M x U accumulators (x already in fp32). A bf16 is the top half of
 // an fp32, so 16 weights loaded as 8 32-bit lanes give the odd-indexed ones as fp32 by masking the low half off and the
@@ -623,15 +626,282 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// ---------------------------------------------------------------- int4 weights (W4A16) in waferline's own layout
+// packed uint8 [N, K/2] in blocks of 64 inputs (32 bytes): byte b holds the code of input k0 + lo_k(b) in its low nibble
+// and of k0 + 32 + lo_k(b) in its high one (codes 0..15; lo_k, below, is the order the AVX2 kernel's widening produces,
+// so the kernel reads x in its natural order); where K % 64 == 32 the last 32 inputs are 16 bytes, byte j holding
+// input k0 + j low and k0 + 16 + j high; sz [N, K/G, Z] per row and group: the scale (Z = 1, symmetric) or the
+// scale and the zero (Z = 2), 16-bit or fp32. The weight is w = (code - 8) * scale + zero, in fp32 with one fused
+// multiply-add (one rounding; exact when zero = 0). x [..., K] of any float dtype is widened to fp32, sums are fp32, y
+// is rounded once to x's dtype. Why our own layout: ATen's int4pack kernel ran a decode step's small products (1 row,
+// 512-2048 square) at ~2 GB/s of packed weight on a 2-core AVX2 CPU, slower than our bf16 product reading 4x the
+// bytes. Here (AVX2) a table lookup (vpshufb) turns 32 codes at once into the bf16 bits of code - 8, which widen to
+// fp32 by a shift or a mask (a bf16 is the top half of an fp32), one FMA applies scale and zero, and each weight
+// vector is multiplied into every row while it is in registers. Up to INT4_KERNEL_ROWS rows go through that kernel (8
+// at a time); more rows dequantise the weight to fp32 once and run ATen's fp32 GEMM (prefill: compute-bound there).
+constexpr int64_t INT4_BLOCK = 64;
+
+// the input (0..31) whose code sits in the low nibble of byte b (0..31) of a block (the high nibble: that + 32). The
+// kernel's widening: bytes -> 16-bit lanes by unpacklo / unpackhi_epi8 (per 128-bit lane), then even / odd 16-bit
+// lanes -> fp32 vectors; vector t (0..3) lane i holds input 8 t + i.
+constexpr int int4_lo_k(int b) {
+  // byte b lands in 16-bit lane p of unpack half u: u = 0 takes bytes 0-7 and 16-23, u = 1 bytes 8-15 and 24-31
+  const int u = (b / 8) % 2, p = (b % 8) + 8 * (b / 16), t = 2 * u + p % 2, i = p / 2;
+  return 8 * t + i;
+}
+
+template <typename S>
+inline void int4_dequant_row_generic(const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, float* w) {
+  const int64_t K64 = K / INT4_BLOCK * INT4_BLOCK;
+  if (K64 < K) {  // the 32-input tail
+    const int64_t g = K64 / G;
+    const float st = f32(sz[g * Z]), zt = Z > 1 ? f32(sz[g * Z + 1]) : 0.f;
+    const uint8_t* qb = q + K64 / 2;
+    for (int j = 0; j < 16; ++j) {
+      w[K64 + j] = std::fma(static_cast<float>(static_cast<int>(qb[j] & 15) - 8), st, zt);
+      w[K64 + 16 + j] = std::fma(static_cast<float>(static_cast<int>(qb[j] >> 4) - 8), st, zt);
+    }
+  }
+  for (int64_t k0 = 0; k0 < K64; k0 += INT4_BLOCK) {
+    const int64_t gl = k0 / G, gh = (k0 + 32) / G;
+    const float sl = f32(sz[gl * Z]), zl = Z > 1 ? f32(sz[gl * Z + 1]) : 0.f;
+    const float sh = f32(sz[gh * Z]), zh = Z > 1 ? f32(sz[gh * Z + 1]) : 0.f;
+    const uint8_t* qb = q + k0 / 2;
+    for (int b = 0; b < 32; ++b) {
+      const int k = int4_lo_k(b);
+      w[k0 + k] = std::fma(static_cast<float>(static_cast<int>(qb[b] & 15) - 8), sl, zl);
+      w[k0 + 32 + k] = std::fma(static_cast<float>(static_cast<int>(qb[b] >> 4) - 8), sh, zh);
+    }
+  }
+}
+
+template <typename T, typename S>
+void int4_rows_generic(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
+                       int64_t G, T* y, int64_t ldy) {
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      int4_dequant_row_generic<S>(q + n * (K / 2), sz + n * (K / G) * Z, Z, K, G, w.data());
+      for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = static_cast<T>(dotf(xf + m * K, w.data(), K));
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 64 codes (32 bytes) -> 8 fp32 vectors of w = (code - 8) * scale + zero, vector t holding inputs 8 t .. 8 t + 7 of
+// the block (the first 4 from the low nibbles, with the low half's scale and zero; the last 4 from the high ones)
+struct Int4Widen {
+  __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i hi16 = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // bf16 bits of code - 8 (-8 .. 7, exact in bf16): the low bytes, then the high bytes, per 128-bit lane
+  __m256i tab_lo = _mm256_setr_epi8(0, static_cast<char>(0xE0), static_cast<char>(0xC0), static_cast<char>(0xA0),
+                                    static_cast<char>(0x80), 0x40, 0, static_cast<char>(0x80), 0, static_cast<char>(0x80),
+                                    0, 0x40, static_cast<char>(0x80), static_cast<char>(0xA0), static_cast<char>(0xC0),
+                                    static_cast<char>(0xE0), 0, static_cast<char>(0xE0), static_cast<char>(0xC0),
+                                    static_cast<char>(0xA0), static_cast<char>(0x80), 0x40, 0, static_cast<char>(0x80),
+                                    0, static_cast<char>(0x80), 0, 0x40, static_cast<char>(0x80),
+                                    static_cast<char>(0xA0), static_cast<char>(0xC0), static_cast<char>(0xE0));
+  __m256i tab_hi = _mm256_setr_epi8(static_cast<char>(0xC1), static_cast<char>(0xC0), static_cast<char>(0xC0),
+                                    static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xC0),
+                                    static_cast<char>(0xC0), static_cast<char>(0xBF), 0, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                    0x40, 0x40, static_cast<char>(0xC1), static_cast<char>(0xC0),
+                                    static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xC0),
+                                    static_cast<char>(0xC0), static_cast<char>(0xC0), static_cast<char>(0xBF), 0, 0x3F,
+                                    0x40, 0x40, 0x40, 0x40, 0x40, 0x40);
+
+  inline void half(__m256i idx, __m256 s, __m256 z, __m256* w) const {
+    const __m256i bl = _mm256_shuffle_epi8(tab_lo, idx), bh = _mm256_shuffle_epi8(tab_hi, idx);
+    const __m256i u0 = _mm256_unpacklo_epi8(bl, bh), u1 = _mm256_unpackhi_epi8(bl, bh);
+    w[0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(u0, 16)), s, z);
+    w[1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(u0, hi16)), s, z);
+    w[2] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(u1, 16)), s, z);
+    w[3] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(u1, hi16)), s, z);
+  }
+  inline void block(const uint8_t* qb, __m256 sl, __m256 zl, __m256 sh, __m256 zh, __m256* w) const {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb));
+    half(_mm256_and_si256(v, low4), sl, zl, w);
+    half(_mm256_and_si256(_mm256_srli_epi16(v, 4), low4), sh, zh, w + 4);
+  }
+  // the 32-input tail (16 bytes, natural order): 4 vectors, by sign extension and conversion
+  inline void tail(const uint8_t* qb, __m256 s, __m256 z, __m256* w) const {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qb));
+    const __m128i m4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(v, m4), eight);
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), eight);
+    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), s, z);
+    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))), s, z);
+    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), s, z);
+    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))), s, z);
+  }
+};
+
+template <typename S>
+inline void int4_scale(const S* sz, int64_t Z, int64_t g, __m256& s, __m256& z) {
+  s = _mm256_set1_ps(f32(sz[g * Z]));
+  z = _mm256_set1_ps(Z > 1 ? f32(sz[g * Z + 1]) : 0.f);
+}
+
+// One weight row at a time, straight through, into M x U accumulators (U chains per row: FMA latency when M is small)
+template <int M, int U, typename T, typename S>
+void int4_block_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, T* y,
+                     int64_t ldy, int64_t n0, int64_t n1) {
+  const Int4Widen wd;
+  const int64_t ng = K / G, K64 = K / INT4_BLOCK * INT4_BLOCK;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * (K / 2);
+    const S* sr = sz + n * ng * Z;
+    __m256 acc[M][U];
+    for (int m = 0; m < M; ++m)
+      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
+    __m256 sl, zl, sh, zh;
+    for (int64_t k0 = 0; k0 < K64; k0 += INT4_BLOCK) {
+      if (k0 % G == 0) int4_scale(sr, Z, k0 / G, sl, zl);
+      if ((k0 + 32) % G == 0) int4_scale(sr, Z, (k0 + 32) / G, sh, zh);
+      else if (k0 % G == 0) sh = sl, zh = zl;
+      __m256 w[8];
+      wd.block(qr + k0 / 2, sl, zl, sh, zh, w);
+      for (int t = 0; t < 8; ++t)
+        for (int m = 0; m < M; ++m)
+          acc[m][t % U] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + k0 + 8 * t), acc[m][t % U]);
+    }
+    if (K64 < K) {
+      int4_scale(sr, Z, K64 / G, sl, zl);
+      __m256 w[4];
+      wd.tail(qr + K64 / 2, sl, zl, w);
+      for (int t = 0; t < 4; ++t)
+        for (int m = 0; m < M; ++m)
+          acc[m][t % U] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + K64 + 8 * t), acc[m][t % U]);
+    }
+    for (int m = 0; m < M; ++m) {
+      __m256 a = acc[m][0];
+      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[m][u]);
+      y[m * ldy + n] = static_cast<T>(hsum8(a));
+    }
+  }
+}
+
+template <int M, typename T, typename S>
+void int4_rows_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K, int64_t G, T* y,
+                    int64_t ldy) {
+  constexpr int U = M == 1 ? 4 : (M <= 4 ? 2 : 1);  // ~4-8 independent chains, within AVX2's 16 registers
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t n0, int64_t n1) { int4_block_avx2<M, U, T, S>(xf, q, sz, Z, K, G, y, ldy, n0, n1); });
+}
+
+template <typename S>
+inline void int4_dequant_row_avx2(const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, float* w) {
+  const Int4Widen wd;
+  const int64_t K64 = K / INT4_BLOCK * INT4_BLOCK;
+  __m256 sl, zl, sh, zh, v[8];
+  for (int64_t k0 = 0; k0 < K64; k0 += INT4_BLOCK) {
+    int4_scale(sz, Z, k0 / G, sl, zl);
+    int4_scale(sz, Z, (k0 + 32) / G, sh, zh);
+    wd.block(q + k0 / 2, sl, zl, sh, zh, v);
+    for (int t = 0; t < 8; ++t) _mm256_storeu_ps(w + k0 + 8 * t, v[t]);
+  }
+  if (K64 < K) {
+    int4_scale(sz, Z, K64 / G, sl, zl);
+    wd.tail(q + K64 / 2, sl, zl, v);
+    for (int t = 0; t < 4; ++t) _mm256_storeu_ps(w + K64 + 8 * t, v[t]);
+  }
+}
+#endif
+
+template <typename S>
+inline void int4_dequant_row(const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, float* w) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!g_portable.load(std::memory_order_relaxed)) return int4_dequant_row_avx2<S>(q, sz, Z, K, G, w);
+#endif
+  int4_dequant_row_generic<S>(q, sz, Z, K, G, w);
+}
+
+// y[m * ldy + n] for m < M <= 8: the vector kernel where the CPU has AVX2 + FMA (and the portable loop is not forced)
+template <typename T, typename S>
+void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
+                   int64_t G, T* y, int64_t ldy) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!g_portable.load(std::memory_order_relaxed)) {
+    switch (M) {
+      case 1: return int4_rows_avx2<1, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 2: return int4_rows_avx2<2, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 3: return int4_rows_avx2<3, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 4: return int4_rows_avx2<4, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 5: return int4_rows_avx2<5, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 6: return int4_rows_avx2<6, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 7: return int4_rows_avx2<7, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+      case 8: return int4_rows_avx2<8, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
+    }
+  }
+#endif
+  int4_rows_generic<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
+}
+
+constexpr int64_t INT4_KERNEL_ROWS = 16;  // more rows: dequantise once, fp32 GEMM (measured: about even at 16 rows)
+
+// X [R, K] (contiguous) through an int4 weight (packed [N, K/2], sz [N, K/G, Z]) -> [R, N] contiguous, X's dtype
+at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
+  const int64_t R = X.size(0), K = X.size(1), N = packed.size(0), Z = sz.size(2);
+  auto y = at::empty({R, N}, X.options());
+  if (R == 0 || N == 0) return y;
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  auto run = [&](auto s_tag) {
+    using S = decltype(s_tag);
+    const S* sp = reinterpret_cast<const S*>(sz.data_ptr());
+    if (R > INT4_KERNEL_ROWS) {
+      auto W = at::empty({N, K}, X.options().dtype(at::kFloat));
+      float* wp = W.data_ptr<float>();
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for (int64_t n = n0; n < n1; ++n) int4_dequant_row<S>(q + n * (K / 2), sp + n * (K / G) * Z, Z, K, G, wp + n * K);
+      });
+      auto Xf = X.scalar_type() == at::kFloat ? X : widen(X);
+      y = narrow_to(at::mm(Xf, W.t()), X.scalar_type());
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_int4_rows", [&] {
+      std::vector<float> xf(R * K);
+      load_f32<scalar_t>(X.data_ptr<scalar_t>(), xf.data(), R * K);
+      scalar_t* yp = y.data_ptr<scalar_t>();
+      for (int64_t r0 = 0; r0 < R; r0 += 8)
+        int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min<int64_t>(8, R - r0), q, sp, Z, N, K, G, yp + r0 * N, N);
+    });
+  };
+  switch (sz.scalar_type()) {
+    case at::kBFloat16: run(c10::BFloat16()); break;
+    case at::kHalf: run(c10::Half()); break;
+    case at::kFloat: run(0.f); break;
+    default: TORCH_CHECK(false, "waferline::int4_linear: scales must be bf16, fp16 or fp32");
+  }
+  return y;
+}
+
+bool int4_shaped(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t N, int64_t K) {
+  return packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.size(0) == N && packed.size(1) * 2 == K &&
+         G > 0 && G % 32 == 0 && K % G == 0 && sz.dim() == 3 && sz.size(0) == N && sz.size(1) == K / G &&
+         (sz.size(2) == 1 || sz.size(2) == 2) && packed.is_contiguous() && sz.is_contiguous();
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && sz.device().is_cpu(), "waferline::int4_linear: CPU tensors only");
+  const int64_t N = packed.dim() == 2 ? packed.size(0) : 0, K = x.size(-1);
+  TORCH_CHECK(int4_shaped(packed, sz, group, N, K),
+              "waferline::int4_linear: x [..., K], packed uint8 [N, K/2], scales [N, K/group, 1 or 2], group a multiple "
+              "of 32 dividing K, all contiguous");
+  auto xc = x.contiguous();
+  auto y = int4_mm(xc.reshape({-1, K}), packed, sz, group);
+  auto sizes = xc.sizes().vec();
+  sizes.back() = N;
+  return y.reshape(sizes);
+}
+
 // ---------------------------------------------------------------- MoE FFN (routed experts + shared expert)
 // The decode step's MoE block after the router, as one call: for each expert hit by the (token, expert) pairs
 // ``idx [N, k]`` its tokens' rows go through gate_up [2I, D], silu(gate) * up, down [D, I] (each product rounded to
 // x's dtype, as the eager chain's are), and are summed into fp32 weighted by ``weights [N, k]``; the sum is rounded to
 // x's dtype and the shared expert's output (gate_up [2S, D], down [D, S]; S = 0: none) added, rounded again.
-// A weight is either dense (x's dtype; ``[E, out, in]`` for the experts, ``[out, in]`` for the shared one) or
-// ATen's CPU int4 layout (``sz`` non-empty: packed [E, ...] and scales_zeros [E, in / group, padded out, 2] from
-// _convert_weight_to_int4pack_for_cpu, bf16 x only), multiplied by ATen's own int4 kernel. Dense products of up to
-// 8 rows run few_rows, larger groups of rows ATen's mm.
+// A weight is either dense (x's dtype; ``[E, out, in]`` for the experts, ``[out, in]`` for the shared one) or int4
+// in waferline's layout (``sz`` non-empty: packed uint8 [E, out, in / 2] and scales [E, out, in / group, 1 or 2], as
+// int4_linear takes them), multiplied by int4_mm. Dense products of up to 8 rows run few_rows, larger groups of rows
+// ATen's mm.
 struct Bundle {
   const at::Tensor& w;
   const at::Tensor& sz;
@@ -641,10 +911,7 @@ struct Bundle {
 
 // rows X [R, K] (contiguous) through weight b (expert e, or e < 0: b is not stacked) -> [R, n_out] (row stride >= n_out)
 at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_t n_out) {
-  if (b.int4()) {
-    auto y = at::_weight_int4pack_mm_for_cpu(X, e >= 0 ? b.w.select(0, e) : b.w, b.group, e >= 0 ? b.sz.select(0, e) : b.sz);
-    return y.size(1) == n_out ? y : y.narrow(1, 0, n_out);
-  }
+  if (b.int4()) return int4_mm(X, e >= 0 ? b.w.select(0, e) : b.w, e >= 0 ? b.sz.select(0, e) : b.sz, b.group);
   const int64_t R = X.size(0), K = X.size(1);
   auto W = e >= 0 ? b.w.select(0, e) : b.w;
   if (R > FEW_ROWS) return mm_rows(X, W);
@@ -657,7 +924,7 @@ at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_
 
 template <typename T>
 at::Tensor gated_ffn(const at::Tensor& X, const Bundle& gu, const Bundle& dn, int64_t e, int64_t I, int64_t D) {
-  auto h = bundle_linear(X, gu, e, 2 * I);  // [R, 2I], row stride h.stride(0) (int4: padded columns)
+  auto h = bundle_linear(X, gu, e, 2 * I);  // [R, 2I], row stride h.stride(0)
   auto a = at::empty({X.size(0), I}, X.options());
   silu_mul_rows<T>(h.data_ptr<T>(), a.data_ptr<T>(), X.size(0), I, h.stride(0));
   return bundle_linear(a, dn, e, D);
@@ -722,21 +989,22 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& weights, const at::Ten
   Bundle b_gu{gu, gu_sz, group}, b_dn{dn, dn_sz, group}, b_sgu{sgu, sgu_sz, group}, b_sdn{sdn, sdn_sz, group};
   for (const Bundle* b : {&b_gu, &b_dn, &b_sgu, &b_sdn}) {
     if (b->int4()) {
-      TORCH_CHECK(x.scalar_type() == at::kBFloat16, "waferline::moe_ffn: int4 weights take bf16 activations");
+      TORCH_CHECK(b->w.scalar_type() == at::kByte && b->w.is_contiguous() && b->sz.is_contiguous(),
+                  "waferline::moe_ffn: int4 weights are contiguous uint8 codes with contiguous scales");
     } else if (b->w.numel()) {
       TORCH_CHECK(b->w.scalar_type() == x.scalar_type() && b->w.is_contiguous(),
                   "waferline::moe_ffn: dense weights must be contiguous and of x's dtype");
     }
   }
-  // every weight's shape (no product may read past a weight): dense [(E,) out, in]; int4 scales [(E,) in / G, >= out, 2]
+  // every weight's shape (no product may read past a weight): dense [(E,) out, in]; int4 codes [(E,) out, in / 2] and
+  // scales [(E,) out, in / G, 1 or 2]
   const int64_t D = x.size(1), E = gu.dim() ? gu.size(0) : 0;
   auto shaped = [&](const Bundle& b, bool stacked, int64_t out, int64_t in) {
     const at::Tensor& t = b.int4() ? b.sz : b.w;
     const int64_t lead = stacked ? 1 : 0;
     if (stacked && (t.dim() < 1 || t.size(0) != E || b.w.size(0) != E)) return false;
     if (b.int4())
-      return b.group > 0 && in % b.group == 0 && t.dim() == 3 + lead && t.size(lead) == in / b.group &&
-             t.size(lead + 1) >= out && t.size(lead + 2) == 2 && t.scalar_type() == at::kBFloat16;
+      return int4_shaped(stacked ? b.w.select(0, 0) : b.w, stacked ? b.sz.select(0, 0) : b.sz, b.group, out, in);
     return t.dim() == 2 + lead && t.size(lead) == out && t.size(lead + 1) == in;
   };
   TORCH_CHECK(E > 0 && inter > 0 && shaped(b_gu, true, 2 * inter, D) && shaped(b_dn, true, D, inter),
@@ -1155,6 +1423,7 @@ TORCH_LIBRARY(waferline, m) {
         "ScalarType out_dtype) -> Tensor");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
   m.def("use_portable(bool on) -> bool");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
@@ -1176,6 +1445,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_wide", &linear_wide);
+  m.impl("int4_linear", &int4_linear);
   m.impl("mamba2_mix", &mamba2_mix);
   m.impl("moe_ffn", &moe_ffn);
 }

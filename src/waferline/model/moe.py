@@ -424,7 +424,7 @@ class MoE(nn.Module):
 
     def _fused_weights(self, x: Tensor) -> tuple | None:
         """The arguments of ``waferline::moe_ffn`` after ``(x, weights, idx)`` when this block can run as that one op
-        on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in the CPU int4 layout, no matmul hooks
+        on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in waferline's CPU int4 layout, no matmul hooks
         installed), else None."""
         if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
                 and self.shared_gate_weight is None and not self.gather_on_cpu and "expert_linear" not in self.__dict__
@@ -440,7 +440,7 @@ class MoE(nn.Module):
             if q is None:
                 w = getattr(owner, "w_" + which)
                 return (w, _NONE) if w.dtype == x.dtype and w.is_contiguous() else None
-            if q.backend != "cpu_int4pack" or q.compute_dtype != x.dtype:
+            if q.backend != "cpu_waferline" or q.compute_dtype != x.dtype:
                 return None
             groups.add(q.group_size)
             return q.packed, q.scales_zeros

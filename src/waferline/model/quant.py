@@ -9,8 +9,9 @@ On disk (safetensors, one set per quantized ``X.weight`` of shape ``[..., N, K]`
 
 ``config.json`` records it as ``quantization_config = {"quant_method": "waferline", "bits": 4, "group_size": G,
 ...}``. The group size of one tensor is ``K / scales.shape[-1]`` (a tensor with ``K < G`` uses one group per row).
-At load the codes are repacked for the device: the CPU int4pack ops, torch's CUDA tinygemm op, or (other devices,
-group sizes the kernels do not take) dequantise-then-matmul. Activations and accumulation stay 16/32-bit.
+At load the codes are repacked for the device: waferline's own CPU kernel (``waferline::int4_linear``,
+kernels/cpu_ops.cpp; ATen's CPU int4pack ops where that is not built), torch's CUDA
+tinygemm op, or (other devices, group sizes the kernels do not take) dequantise-then-matmul. Activations and accumulation stay 16/32-bit.
 
 Checkpoints in compressed-tensors ``pack-quantized`` int4 (Kimi K2.6) and GPTQ format are read into the same
 in-memory form without re-quantizing. Which checkpoint tensor feeds which module weight (fused gate/up, stacked
@@ -209,6 +210,52 @@ def _cpu_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
 
 
+KERNEL_BLOCK = 64  # inputs per block of waferline's CPU int4 layout (32 bytes; a last block of 32 where K % 64 == 32)
+
+
+def _kernel_lo_k(b: int) -> int:
+    """The input (0..31) of a 64-input block whose code the low nibble of byte ``b`` holds (the high nibble: that +
+    32): the order in which the AVX2 kernel widens a block (``int4_lo_k`` in kernels/cpu_ops.cpp)."""
+    u, p = (b // 8) % 2, b % 8 + 8 * (b // 16)
+    return 8 * (2 * u + p % 2) + p // 2
+
+
+_LO_K = [_kernel_lo_k(b) for b in range(32)]
+
+
+def pack_kernel(codes: Tensor) -> Tensor:
+    """uint8 codes ``[..., K]`` (K a multiple of 32) -> ``[..., K/2]`` in waferline's CPU kernel layout: per block of
+    64 inputs, byte b = code(lo_k(b)) | code(lo_k(b) + 32) << 4; a last block of 32, byte j = code(j) | code(j + 16) << 4."""
+    *lead, K = codes.shape
+    K64 = K // KERNEL_BLOCK * KERNEL_BLOCK
+    c = codes.to(torch.uint8)
+    b = c[..., :K64].reshape(*lead, K64 // KERNEL_BLOCK, KERNEL_BLOCK)
+    lo = torch.tensor(_LO_K, device=codes.device)
+    parts = [(b[..., lo] | (b[..., lo + 32] << 4)).reshape(*lead, K64 // 2)]
+    if K64 < K:
+        parts.append(c[..., K64:K64 + 16] | (c[..., K64 + 16:] << 4))
+    return torch.cat(parts, dim=-1).contiguous()
+
+
+def unpack_kernel(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_kernel`."""
+    *lead, H = packed.shape
+    H32 = H // 32 * 32
+    p = packed[..., :H32].reshape(*lead, H32 // 32, 32)
+    inv = torch.argsort(torch.tensor(_LO_K, device=packed.device))
+    parts = [torch.cat([(p & 0xF)[..., inv], (p >> 4)[..., inv]], dim=-1).reshape(*lead, 2 * H32)]
+    if H32 < H:
+        t = packed[..., H32:]
+        parts += [t & 0xF, t >> 4]
+    return torch.cat(parts, dim=-1)
+
+
+def _waferline_kernel_available() -> bool:
+    from waferline import kernels
+
+    return kernels.available()
+
+
 def _inner_k_tiles(K: int) -> int | None:
     for t in (8, 4, 2):
         if K % (t * 16) == 0:
@@ -217,9 +264,12 @@ def _inner_k_tiles(K: int) -> int | None:
 
 
 def choose_backend(device: torch.device, K: int, group_size: int) -> str:
-    """``cpu_int4pack`` | ``cuda_tinygemm`` | ``dequant`` for a weight with ``K`` inputs on ``device``."""
+    """``cpu_waferline`` | ``cpu_int4pack`` | ``cuda_tinygemm`` | ``dequant`` for a weight with ``K`` inputs on
+    ``device``."""
     if group_size not in KERNEL_GROUPS or K % group_size or K % 2:
         return "dequant"
+    if device.type == "cpu" and _waferline_kernel_available():
+        return "cpu_waferline"
     if device.type == "cpu" and _cpu_kernel_available():
         return "cpu_int4pack"
     if device.type == "cuda" and hasattr(torch.ops.aten, "_weight_int4pack_mm") and _inner_k_tiles(K) is not None \
@@ -255,6 +305,12 @@ class Int4Weight(nn.Module):
             self.register_buffer("qweight", pack_nibbles(codes).reshape(*lead, N, K // 2))
             self.register_buffer("scales", scales.reshape(*lead, N, -1))
             self.register_buffer("zeros", None if zeros is None else zeros.reshape(*lead, N, -1))
+            self.n_padded = N
+            return
+        if self.backend == "cpu_waferline":  # packed [*lead, N, K/2], scales (and zeros) [*lead, N, K/G, 1 or 2]
+            self.register_buffer("packed", pack_kernel(codes).reshape(*lead, N, K // 2))
+            sz = scales.unsqueeze(-1) if zeros is None else torch.stack([scales, zeros.to(scales.dtype)], dim=-1)
+            self.register_buffer("scales_zeros", sz.contiguous().reshape(*lead, N, K // self.group_size, -1))
             self.n_padded = N
             return
         mult = 16 if self.backend == "cpu_int4pack" else 8
@@ -294,6 +350,10 @@ class Int4Weight(nn.Module):
         if self.backend == "dequant":
             z = self._pick("zeros", index) if self.zeros is not None else None
             return Int4Tensor(unpack_nibbles(self._pick("qweight", index)), self._pick("scales", index), z).dequantize()
+        if self.backend == "cpu_waferline":
+            sz = self._pick("scales_zeros", index)
+            return Int4Tensor(unpack_kernel(self._pick("packed", index)), sz[..., 0],
+                              sz[..., 1] if sz.shape[-1] == 2 else None).dequantize()
         # the kernel layouts are opaque: read the weight back through the kernel itself
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self._pick("packed", index).device)
         return self._mm(eye, index).float().t().contiguous()
@@ -312,7 +372,9 @@ class Int4Weight(nn.Module):
     def _mm(self, x2: Tensor, index: int | None) -> Tensor:
         packed, sz = self._kernel_args(index)
         xc = x2 if x2.dtype == self.compute_dtype and x2.is_contiguous() else x2.to(self.compute_dtype).contiguous()
-        if self.backend == "cpu_int4pack":
+        if self.backend == "cpu_waferline":
+            y = torch.ops.waferline.int4_linear(xc, packed, sz, self.group_size)
+        elif self.backend == "cpu_int4pack":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, packed, self.group_size, sz)
         else:
             y = torch.ops.aten._weight_int4pack_mm(xc, packed, self.group_size, sz)
@@ -890,7 +952,7 @@ def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, An
 __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Source", "rtn_quantize", "gptq_quantize",
            "quantize_model", "attach_int4", "trace_layer", "gather_int4", "collect_hessians", "hessians",
            "SequentialCalibration", "calibration_tokens",
-           "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "group_for", "choose_backend",
+           "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel", "group_for", "choose_backend",
            "quant_method", "quantization_config", "FORMATS", "KERNEL_GROUPS", "ALWAYS_16BIT", "DEFAULT_KEEP"]
 
 

@@ -156,21 +156,20 @@ def matmul_flops(n: int, dtype: str, threads: int) -> float:
         torch.set_num_threads(old)
 
 
-def _int4_weight(K: int, N: int, group: int = 128) -> tuple[Any, Any] | None:
-    """(packed weight, scales-and-zeros) for torch's CPU int4pack kernel, or None where this torch lacks it."""
+def _int4_weight(K: int, N: int, group: int = 128) -> Any | None:
+    """A random symmetric int4 weight packed as the engine packs it on this machine (``Int4Weight``, its default CPU
+    backend), or None where no int4 kernel runs here (the dequantise fallback is not an int4 product)."""
     import torch
 
-    if not (hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")):
-        return None
-    codes = torch.randint(0, 16, (N, K), dtype=torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-    sz = torch.zeros(K // group, N, 2, dtype=torch.bfloat16)
-    sz[..., 0] = 0.01
-    return packed, sz
+    from waferline.model.quant import Int4Tensor, Int4Weight
+
+    codes = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    w = Int4Weight(Int4Tensor(codes, torch.full((N, K // group), 0.01, dtype=torch.bfloat16)), "cpu")
+    return None if w.backend == "dequant" else w
 
 
 def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, hot: bool = False) -> list[dict[str, float]]:
-    """Seconds per linear call y = x W^T through the engine's own ``linear`` (and int4pack) for each token count M and
+    """Seconds per linear call y = x W^T through the engine's own ``linear`` (int4: its int4 weights) for each token count M and
     square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB, one torch thread, process
     CPU time. A pool bigger than the last-level cache measures weights read from memory; ``hot``: a pool that fits
     in it (half of it: a model whose weights stay in the last-level cache, not in the core's own L2)."""
@@ -185,14 +184,15 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, ho
         for n in sizes:
             group = 128 if n % 128 == 0 else 32
             if dtype == "int4":
-                one = n * n // 2 + (n // group) * n * 4
+                probe = _int4_weight(n, n, group)
+                if probe is None:
+                    return []
+                one = probe.nbytes()
             else:
                 one = n * n * (4 if dtype == "fp32" else 2)
             count = max(2, min(512 if hot else 64, int(pool_mb * (1 << 20)) // one))
             if dtype == "int4":
-                ws = [_int4_weight(n, n, group) for _ in range(count)]
-                if ws[0] is None:
-                    return []
+                ws = [probe] + [_int4_weight(n, n, group) for _ in range(count - 1)]
             else:
                 dt = torch.float32 if dtype == "fp32" else torch.bfloat16
                 ws = [torch.randn(n, n).to(dt) for _ in range(count)]
@@ -200,9 +200,9 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, ho
                 x = torch.randn(m, n).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
                 use = ws[: max(2, min(len(ws), int(3e8 / (2.0 * m * n * n))))]  # bound the probe's time
                 if dtype == "int4":
-                    def run() -> None:
-                        for w, sz in use:
-                            torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+                    def run() -> None:  # as the engine's int4 projections call it
+                        for w in use:
+                            w.linear(x)
                 else:
                     packs: dict[Any, Any] = {}
 
@@ -259,9 +259,9 @@ def fit_linear(rows: list[dict[str, float]]) -> dict[str, float]:
 
 SMALL_OP_BYTES = 1 << 20  # a non-matmul op moving at most this many bytes runs from cache (assumed: L2 is 0.5-2 MB)
 _WEIGHT_OPS = {"linear", "mm", "addmm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm", "_linear_pointwise",
-               "linear_rows", "linear_wide"}
+               "linear_rows", "linear_wide", "int4_linear"}
 _MATMUL_OPS = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm",
-               "einsum", "_linear_pointwise", "linear_rows", "linear_wide"}
+               "einsum", "_linear_pointwise", "linear_rows", "linear_wide", "int4_linear"}
 
 
 def _tensors(x: Any) -> list[Any]:
@@ -575,7 +575,7 @@ def _prefill_forward(llm: Any, prompts: list[list[int]]) -> Callable[[], Any]:
     return run
 
 
-_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "waferline::moe_ffn")  # products with a weight
+_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn")  # products with a weight
 _OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")  # matmuls without one
 
 
