@@ -1,7 +1,7 @@
 """The host-engine cost model: how long waferline's own CPU engine takes for a Plan on a calibrated machine.
 
 A stage process's decode step is priced op by op over the engine's own op stream (counted, not timed, by the twin):
-  linear calls (x W^T, int4pack,   the measured linear table (seconds per call by rows and weight bytes) x linear_scale,
+  linear calls (x W^T, int4,       the measured linear table (seconds per call by rows and weight bytes) x linear_scale,
   the expert products in moe_ffn)  + a fitted in-engine cost per oneDNN/MKL product of 2+ rows
   fused operators (waferline.      measured t0 + work units / rate
   kernels: mla_decode, ssm_update,
