@@ -6,8 +6,8 @@
 // same rounding points to 16 bits); tests/test_kernels.py checks each against the eager path.
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
-// one exception, the few-row bf16 product, uses AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where
-// it has those (a portable loop otherwise). Built with OpenMP, so at::parallel_for splits work across torch's threads
+// exceptions, the few-row bf16 product (AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where it has
+// those) and the int4 product (AVX2 + FMA), have a portable loop beside them for other CPUs. Built with OpenMP, so at::parallel_for splits work across torch's threads
 // (torch.set_num_threads).
 // Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
