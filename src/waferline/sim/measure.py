@@ -10,6 +10,7 @@ shared machine only ever slows a probe down.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import math
 import os
@@ -191,8 +192,8 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, ho
             else:
                 one = n * n * (4 if dtype == "fp32" else 2)
             count = max(2, min(512 if hot else 64, int(pool_mb * (1 << 20)) // one))
-            if dtype == "int4":
-                ws = [probe] + [_int4_weight(n, n, group) for _ in range(count - 1)]
+            if dtype == "int4":  # distinct copies of one packed weight (packing each anew took as long as the timing)
+                ws = [probe] + [copy.deepcopy(probe) for _ in range(count - 1)]
             else:
                 dt = torch.float32 if dtype == "fp32" else torch.bfloat16
                 ws = [torch.randn(n, n).to(dt) for _ in range(count)]
