@@ -7,8 +7,8 @@
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
 // exceptions, the few-row bf16 product (AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where it has
-// those) and the int4 product (AVX2 + FMA), have a portable loop beside them for other CPUs. Built with OpenMP, so at::parallel_for splits work across torch's threads
-// (torch.set_num_threads).
+// those) and the int4 product (AVX2 + FMA), have a portable loop beside them for other CPUs. Built with OpenMP, so
+// at::parallel_for splits work across torch's threads (torch.set_num_threads).
 // Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
 #include <ATen/ATen.h>

@@ -424,8 +424,8 @@ class MoE(nn.Module):
 
     def _fused_weights(self, x: Tensor) -> tuple | None:
         """The arguments of ``waferline::moe_ffn`` after ``(x, weights, idx)`` when this block can run as that one op
-        on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in waferline's CPU int4 layout, no matmul hooks
-        installed), else None."""
+        on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in waferline's CPU int4 layout, no matmul
+        hooks installed), else None."""
         if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
                 and self.shared_gate_weight is None and not self.gather_on_cpu and "expert_linear" not in self.__dict__
                 and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):

@@ -10,8 +10,8 @@ On disk (safetensors, one set per quantized ``X.weight`` of shape ``[..., N, K]`
 ``config.json`` records it as ``quantization_config = {"quant_method": "waferline", "bits": 4, "group_size": G,
 ...}``. The group size of one tensor is ``K / scales.shape[-1]`` (a tensor with ``K < G`` uses one group per row).
 At load the codes are repacked for the device: waferline's own CPU kernel (``waferline::int4_linear``,
-kernels/cpu_ops.cpp; ATen's CPU int4pack ops where that is not built), torch's CUDA
-tinygemm op, or (other devices, group sizes the kernels do not take) dequantise-then-matmul. Activations and accumulation stay 16/32-bit.
+kernels/cpu_ops.cpp; ATen's CPU int4pack ops where that is not built), torch's CUDA tinygemm op, or (other devices,
+group sizes the kernels do not take) dequantise-then-matmul. Activations and accumulation stay 16/32-bit.
 
 Checkpoints in compressed-tensors ``pack-quantized`` int4 (Kimi K2.6) and GPTQ format are read into the same
 in-memory form without re-quantizing. Which checkpoint tensor feeds which module weight (fused gate/up, stacked
@@ -225,7 +225,8 @@ _LO_K = [_kernel_lo_k(b) for b in range(32)]
 
 def pack_kernel(codes: Tensor) -> Tensor:
     """uint8 codes ``[..., K]`` (K a multiple of 32) -> ``[..., K/2]`` in waferline's CPU kernel layout: per block of
-    64 inputs, byte b = code(lo_k(b)) | code(lo_k(b) + 32) << 4; a last block of 32, byte j = code(j) | code(j + 16) << 4."""
+    64 inputs, byte b = code(lo_k(b)) | code(lo_k(b) + 32) << 4; a last block of 32, byte j = code(j) | code(j + 16)
+    << 4."""
     *lead, K = codes.shape
     K64 = K // KERNEL_BLOCK * KERNEL_BLOCK
     c = codes.to(torch.uint8)
@@ -952,7 +953,8 @@ def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, An
 __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Source", "rtn_quantize", "gptq_quantize",
            "quantize_model", "attach_int4", "trace_layer", "gather_int4", "collect_hessians", "hessians",
            "SequentialCalibration", "calibration_tokens",
-           "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel", "group_for", "choose_backend",
+           "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel",
+           "group_for", "choose_backend",
            "quant_method", "quantization_config", "FORMATS", "KERNEL_GROUPS", "ALWAYS_16BIT", "DEFAULT_KEEP"]
 
 

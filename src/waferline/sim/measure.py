@@ -170,10 +170,10 @@ def _int4_weight(K: int, N: int, group: int = 128) -> Any | None:
 
 
 def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, hot: bool = False) -> list[dict[str, float]]:
-    """Seconds per linear call y = x W^T through the engine's own ``linear`` (int4: its int4 weights) for each token count M and
-    square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB, one torch thread, process
-    CPU time. A pool bigger than the last-level cache measures weights read from memory; ``hot``: a pool that fits
-    in it (half of it: a model whose weights stay in the last-level cache, not in the core's own L2)."""
+    """Seconds per linear call y = x W^T through the engine's own ``linear`` (int4: its ``Int4Weight``) for each token
+    count M and square size K = N, cycling through a pool of distinct weights of up to ``pool_mb`` MB, one torch thread,
+    process CPU time. A pool bigger than the last-level cache measures weights read from memory; ``hot``: a pool that
+    fits in it (half of it: a model whose weights stay in the last-level cache, not in the core's own L2)."""
     import torch
 
     from waferline.model.layers import packed_linear
@@ -576,7 +576,8 @@ def _prefill_forward(llm: Any, prompts: list[list[int]]) -> Callable[[], Any]:
     return run
 
 
-_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn")  # products with a weight
+# products with a weight
+_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn")
 _OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")  # matmuls without one
 
 
