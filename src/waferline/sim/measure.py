@@ -539,19 +539,20 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _per_token(llm: Any, prompts: list[list[int]], n: int, clock: Callable[[], float], repeats: int) -> float:
-    """Seconds per decode token on ``clock``: (generating n + 1 tokens - generating 1) / n, the fastest of
-    ``repeats`` (the prefill and the first token cancel out)."""
+    """Seconds per decode token on ``clock``: (generating n + 1 tokens - generating 1) / n, each the fastest of
+    ``repeats`` (the prefill and the first token cancel out). The fastest of each, not the smallest difference: one
+    slow short run made that difference small, even negative on a busy machine."""
     from waferline.engine.sampling import SamplingParams
 
-    best = float("inf")
+    short = long = float("inf")
     for _ in range(repeats):
         t0 = clock()
         llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
         t1 = clock()
         llm.generate(prompts, SamplingParams(max_tokens=n + 1, ignore_eos=True))
         t2 = clock()
-        best = min(best, ((t2 - t1) - (t1 - t0)) / n)
-    return best
+        short, long = min(short, t1 - t0), min(long, t2 - t1)
+    return (long - short) / n
 
 
 BIG_PREFILL_ROWS = (1, 8)  # prompts of 32 tokens in one prefill forward of the big calibration model
