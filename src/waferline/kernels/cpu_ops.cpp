@@ -910,8 +910,8 @@ constexpr int64_t INT4_KERNEL_ROWS = 16;  // more rows: dequantise once, fp32 GE
 // X [R, K] (contiguous) through an int4 weight (packed [N, K/2], sz [N, K/G, Z]) -> [R, N] contiguous, X's dtype
 at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
   const int64_t R = X.size(0), K = X.size(1), N = packed.size(0), Z = sz.size(2);
-  auto y = at::empty({R, N}, X.options());
-  if (R == 0 || N == 0) return y;
+  if (R == 0 || N == 0) return at::empty({R, N}, X.options());
+  at::Tensor y;  // the many-row path's GEMM allocates its own result
   const uint8_t* q = packed.data_ptr<uint8_t>();
   auto run = [&](auto s_tag) {
     using S = decltype(s_tag);
@@ -926,6 +926,7 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
       y = narrow_to(at::mm(Xf, W.t()), X.scalar_type());
       return;
     }
+    y = at::empty({R, N}, X.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_int4_rows", [&] {
       std::vector<float> xf(R * K);
       load_f32<scalar_t>(X.data_ptr<scalar_t>(), xf.data(), R * K);
