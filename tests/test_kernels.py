@@ -300,13 +300,10 @@ def _moe_ffn_vs_eager(tmp_path, model_type, variant):
                 # of the group or of 64: tiny mixtral's down projection)
                 expect = all(q.backend == "cpu_waferline" for q in moe.modules() if isinstance(q, Int4Weight))
                 assert (moe._fused_weights(x) is not None) == expect
+                assert (moe._fused_args(x) is not None) == expect
                 fused_runs += expect
                 fused = moe(x)
-                moe._fused_weights = lambda x: None
-                try:
-                    ref = moe(x)
-                finally:
-                    del moe._fused_weights
+                ref = _moe_eager(moe, x)
                 assert fused.dtype == ref.dtype == x.dtype and fused.shape == ref.shape
                 if variant == "fp32":
                     torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
@@ -324,6 +321,43 @@ def _moe_ffn_vs_eager(tmp_path, model_type, variant):
             assert not torch.equal(before, moe(x))
 
 
+def _moe_eager(moe, x):
+    """``moe(x)`` with the fused ops turned off for this module."""
+    moe._fused_args = lambda x: None
+    moe._fused_weights = lambda x: None
+    try:
+        return moe(x)
+    finally:
+        del moe._fused_args, moe._fused_weights
+
+
+def test_moe_fused_arguments_follow_the_module(tmp_path, one_thread):
+    """The fused MoE path's arguments are built once and reused: replacing the weights (quantizing), forcing the
+    gather path or installing a matmul hook must be seen at the next call, not hidden by the cached copy."""
+    from waferline.model.moe import MoE
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    build("deepseek_v3", tmp_path)
+    model = load_model(tmp_path, torch.bfloat16)
+    moe = next(m for m in model.modules() if isinstance(m, MoE) and m.shared is not None)
+    x = torch.randn(1, moe.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.inference_mode():
+        dense = moe(x)
+        args = moe._fused_args(x)
+        assert args is not None and moe._fused_args(x) is args  # built once, then reused
+        quantize_model(model, QuantOptions(group_size=32))
+        assert moe._fused_args(x) is not args  # the new (int4) weights, seen
+        int4 = moe(x)
+        assert not torch.equal(int4, dense)
+        torch.testing.assert_close(int4, _moe_eager(moe, x), rtol=0.02, atol=0.02 * int4.abs().max().item())
+        moe.gather_on_cpu = True
+        assert moe._fused_args(x) is None
+        moe.gather_on_cpu = False
+        assert moe._fused_args(x) is not None
+        moe.expert_linear = lambda *a: None  # what quant.hessians installs
+        assert moe._fused_args(x) is None
+
+
 def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
     """GPT-OSS's clamped SwiGLU with expert biases, installed matmul hooks (GPTQ's Hessians) and prefill-sized token
     counts keep the eager loop."""
@@ -332,9 +366,11 @@ def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
     build("gpt_oss", tmp_path)
     moe = next(m for m in load_model(tmp_path, torch.float32).modules() if isinstance(m, MoE))
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None
+    assert moe._fused_args(torch.zeros(1, moe.hidden_size)) is None
     build("qwen3_moe", tmp_path / "q")
     moe = next(m for m in load_model(tmp_path / "q", torch.float32).modules() if isinstance(m, MoE))
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is not None
     assert moe._fused_weights(torch.zeros(MOE_FUSED_MAX_ROWS + 1, moe.hidden_size)) is None
+    assert moe._fused_args(torch.zeros(MOE_FUSED_MAX_ROWS + 1, moe.hidden_size)) is None
     moe.expert_linear = lambda *a: None  # what quant.hessians installs
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None

@@ -23,14 +23,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        if x.device.type == "cpu" and dt == self.weight.dtype and kernels.available():
-            return torch.ops.waferline.rms_norm(x, self.weight, self.eps)  # the same arithmetic, one fused op
+        dt, w = x.dtype, self.weight
+        if dt == w.dtype and x.device.type == "cpu" and kernels.available():
+            return torch.ops.waferline.rms_norm(x, w, self.eps)  # the same arithmetic, one fused op
         if dt == torch.float32:
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
+            return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps)))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(self.eps))
-        return self.weight * xf.to(dt)
+        return w * xf.to(dt)
 
     def load_hf(self, src: WeightSource, name: str) -> None:
         copy_into(self.weight, src.get(name, tuple(self.weight.shape)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -422,10 +423,11 @@ class MoE(nn.Module):
         y = torch.zeros(N, self.hidden_size, dtype=torch.float32, device=x.device).index_add_(0, token, out)
         return y.to(x.dtype)
 
-    def _fused_weights(self, x: Tensor) -> tuple | None:
+    def _fused_weights(self, x: Tensor, deps: list | None = None) -> tuple | None:
         """The arguments of ``waferline::moe_ffn`` after ``(x, weights, idx)`` when this block can run as that one op
         on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in waferline's CPU int4 layout, no matmul
-        hooks installed), else None."""
+        hooks installed), else None. ``deps``: where each tensor was looked up is appended to it, ``(dict, key,
+        value)``, so that a cached copy can be checked against the module as it is now (:meth:`_fused_args`)."""
         if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
                 and self.shared_gate_weight is None and not self.gather_on_cpu and "expert_linear" not in self.__dict__
                 and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
@@ -434,28 +436,68 @@ class MoE(nn.Module):
         if sh is not None and not (sh.gated and sh.act is F.silu and sh.b_down is None and "linear" not in sh.__dict__):
             return None
         groups: set[int] = set()
+        seen = deps if deps is not None else []
+
+        def look(d: dict, key: str) -> Any:
+            v = d.get(key)
+            seen.append((d, key, v))
+            return v
 
         def weight(owner: nn.Module, which: str) -> tuple[Tensor, Tensor] | None:
-            q = getattr(owner, "q_" + which, None)
+            q = look(owner._modules, "q_" + which)
             if q is None:
-                w = getattr(owner, "w_" + which)
-                return (w, _NONE) if w.dtype == x.dtype and w.is_contiguous() else None
+                w = look(owner._parameters, "w_" + which)
+                return (w, _NONE) if w is not None and w.dtype == x.dtype and w.is_contiguous() else None
             if q.backend != "cpu_waferline" or q.compute_dtype != x.dtype:
                 return None
             groups.add(q.group_size)
-            return q.packed, q.scales_zeros
+            return look(q._buffers, "packed"), look(q._buffers, "scales_zeros")
 
         parts = [weight(self, "gate_up"), weight(self, "down")]
-        parts += [weight(sh, "gate_up"), weight(sh, "down")] if sh is not None else [(_NONE, _NONE)] * 2
+        if sh is not None:
+            look(self._modules, "shared")
+            look(sh.__dict__, "linear")
+            parts += [weight(sh, "gate_up"), weight(sh, "down")]
+        else:
+            parts += [(_NONE, _NONE)] * 2
         if any(p is None for p in parts) or len(groups) > 1:
             return None
         return (*(t for p in parts for t in p), groups.pop() if groups else 0, self.intermediate_size,
                 sh.intermediate_size if sh is not None else 0)
 
+    def _fused_args(self, x: Tensor) -> tuple[tuple, tuple] | None:
+        """``waferline::moe_route``'s and ``waferline::moe_ffn``'s arguments after ``x`` (and the routing), when both
+        ops apply to ``x`` (see :meth:`route` and :meth:`_fused_weights`), else None. Built once per dtype and reused
+        while every tensor they hold is still the one the module holds (checked by identity at each call: quantizing,
+        a hook, ``.to()`` rebuild them), so the decode step does not rebuild them per token."""
+        if not (x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+            return None
+        c = self.__dict__.get("_fused_cache")
+        if c is not None and c[0] is x.dtype and all(d.get(k) is v for d, k, v in c[1]):
+            return c[2]
+        deps: list = []
+        look = [(self.__dict__, "expert_linear"), (self.__dict__, "gather_on_cpu"), (self._parameters, "gate_weight"),
+                (self._parameters, "gate_bias"), (self._buffers, "e_score_correction_bias")]
+        deps += [(d, k, d.get(k)) for d, k in look]
+        ffn = self._fused_weights(x, deps)
+        gw, gb, cb = (v for _, _, v in deps[2:5])
+        if ffn is None or gw is None or gw.dtype != torch.float32:
+            self.__dict__["_fused_cache"] = (x.dtype, deps, None)
+            return None
+        s = self.spec
+        route = (gw, _NONE if gb is None else gb, _NONE if cb is None else cb, self.top_k, s.scoring == "softmax",
+                 s.softmax_after_topk, s.n_group, s.topk_group, self.group_top2, s.norm_topk_prob, s.routed_scaling)
+        self.__dict__["_fused_cache"] = (x.dtype, deps, (route, ffn))
+        return route, ffn
+
     def forward(self, x: Tensor) -> Tensor:
         """``x [N, D]`` (N tokens, any batch flattened) -> ``[N, D]``."""
         shape = x.shape
         x = x.reshape(-1, self.hidden_size)
+        args = self._fused_args(x)
+        if args is not None:  # routing, routed experts, their weighted sum and the shared expert: two fused ops
+            weights, idx = torch.ops.waferline.moe_route(x, *args[0])
+            return torch.ops.waferline.moe_ffn(x.contiguous(), weights, idx, *args[1]).reshape(shape)
         weights, idx = self.route(x)
         fused = self._fused_weights(x)
         if fused is not None:  # routed experts, their weighted sum and the shared expert as one op (waferline.kernels)

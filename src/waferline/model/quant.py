@@ -383,6 +383,9 @@ class Int4Weight(nn.Module):
 
     def linear(self, x: Tensor, bias: Tensor | None = None, index: int | None = None) -> Tensor:
         """``x [..., K] @ W[index].T (+ bias)`` -> ``[..., N]`` in ``x.dtype``."""
+        if index is None and bias is None and self.backend == "cpu_waferline" and x.dtype == self.compute_dtype:
+            # the decode step's common case, straight to the op (it takes any leading dims): no reshapes around it
+            return torch.ops.waferline.int4_linear(x, self.packed, self.scales_zeros, self.group_size)
         flat = x.dim() == 2
         x2 = x if flat else x.reshape(-1, self.in_features)
         if self.backend == "dequant":  # (the engine's linear: no generic 16-bit loop on a CPU without bf16 GEMMs)
