@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -356,6 +359,16 @@ def test_moe_fused_arguments_follow_the_module(tmp_path, one_thread):
         assert moe._fused_args(x) is not None
         moe.expert_linear = lambda *a: None  # what quant.hessians installs
         assert moe._fused_args(x) is None
+        del moe.expert_linear
+        assert moe._fused_args(x) is not None
+    # the kept arguments make no reference cycle: dropping the model frees the block (and its weights) at once
+    ref = weakref.ref(moe)
+    gc.disable()
+    try:
+        del model, moe
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):

@@ -470,17 +470,18 @@ class MoE(nn.Module):
         ops apply to ``x`` (see :meth:`route` and :meth:`_fused_weights`), else None. Built once per dtype and reused
         while every tensor they hold is still the one the module holds (checked by identity at each call: quantizing,
         a hook, ``.to()`` rebuild them), so the decode step does not rebuild them per token."""
-        if not (x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+        if not (x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
+                and "expert_linear" not in self.__dict__ and kernels.available()):
             return None
         c = self.__dict__.get("_fused_cache")
         if c is not None and c[0] is x.dtype and all(d.get(k) is v for d, k, v in c[1]):
             return c[2]
-        deps: list = []
-        look = [(self.__dict__, "expert_linear"), (self.__dict__, "gather_on_cpu"), (self._parameters, "gate_weight"),
-                (self._parameters, "gate_bias"), (self._buffers, "e_score_correction_bias")]
-        deps += [(d, k, d.get(k)) for d, k in look]
+        # (the module's own __dict__ is not among the dicts kept: it would hold itself, a cycle keeping the weights
+        # alive after the model is dropped until the garbage collector runs)
+        deps = [(d, k, d.get(k)) for d, k in ((self._parameters, "gate_weight"), (self._parameters, "gate_bias"),
+                                               (self._buffers, "e_score_correction_bias"))]
+        gw, gb, cb = (v for _, _, v in deps)
         ffn = self._fused_weights(x, deps)
-        gw, gb, cb = (v for _, _, v in deps[2:5])
         if ffn is None or gw is None or gw.dtype != torch.float32:
             self.__dict__["_fused_cache"] = (x.dtype, deps, None)
             return None
