@@ -77,6 +77,8 @@ def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
 
 
 def test_twin_runs_a_two_plan_grid(twin_result):
+    from waferline.sim.twin import TTFT_REPEATS
+
     rows = twin_result["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("status") for r in rows]
     assert rows[1]["sim"]["num_stages"] == 2 and rows[1]["sim"]["micro_batches"] == 2
@@ -86,6 +88,9 @@ def test_twin_runs_a_two_plan_grid(twin_result):
             e = r["error_factor"][k]
             assert e is not None and 1.0 <= e < 20.0, (r["plan"], k, e)  # loose: CI machines are noisy
         assert sum(w["ops"] for w in r["ops"]["decode"]["layers"].values()) > 0
+        # TTFT: the fastest of the timed repeat (1 here) and the short first-token-only runs
+        runs = r["passes"][0]["ttft_s_runs"]
+        assert len(runs) == 1 + TTFT_REPEATS and all(t > 0 for t in runs) and r["measured"]["ttft_s"] == min(runs)
     s = twin_result["summary"]
     assert s["all"]["n"] == 6 and s["all"]["median"] >= 1.0 and s["all"]["max"] >= s["all"]["median"]
     assert twin_result["load_average"] and twin_result["inputs"]["measured"]

@@ -640,6 +640,7 @@ def _decode_step_probe(llm: Any, prompts: list[list[int]], tokens: int) -> tuple
 def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int], tokens: int, workdir: Path,
                     tables: dict[str, Any] | None = None, ew: dict[str, float] | None = None,
                     big: tuple[int, int, int] | None = None, dram_tables: dict[str, Any] | None = None,
+                    prefill_model: tuple[int, int, int] | None = None,
                     int4_models: list[tuple[int, int]] | None = None,
                     fused: dict[str, tuple[float, float]] | None = None,
                     mm_fits: dict[str, tuple[float, float]] | None = None,
@@ -654,7 +655,9 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
     engine (other ops between them, cold caches) than in the isolated sweep.
     ``big`` = (hidden, layers, FFN) of a model whose weights do not fit in the last-level cache: its measured step
     minus the fitted other terms, over its linears priced by ``dram_tables``, is ``linear_scale_dram`` (a linear
-    reading its weight from memory inside the engine vs in the sweep). Ops are counted (TorchDispatchMode) on
+    reading its weight from memory inside the engine vs in the sweep). The from-memory prefill scales are measured on
+    ``prefill_model`` (same tuple; ``big`` when None): a model as large, whose products are the size of the twin's
+    models' (0.5-5 MB), since a product's in-engine scale depends on its shape. Ops are counted (TorchDispatchMode) on
     separate, untimed runs. The fused operators (``fused``: name -> (t0, units/s) from fused_op_probe) are priced
     apart, like the other ops' bytes."""
     import torch
@@ -770,9 +773,16 @@ def engine_overhead(dtype: str, models: list[tuple[int, int]], batches: list[int
             # prefills) and 8 of them in one forward (as a pipeline stage prefills a micro-batch: 256-row GEMMs), each
             # split by the profiler: its products' share of the CPU seconds over their from-memory table price, and
             # the other ops' share over their price (one prompt's products ran ~1.3-1.7x their table price here, a
-            # batch's ~0.95-1.1x, so neither scale carries to the other)
+            # batch's ~0.95-1.1x, so neither scale carries to the other). On the prefill model: the big model's
+            # 8-17 MB products ran one prompt at 1.35-1.48x their price where a model of 2-5 MB products, and
+            # dsv3-100m, ran at 1.03-1.22x (session 15, interleaved in one process)
             from waferline.sim.host import PREFILL_PROBE_TOKENS as P32
 
+            if prefill_model is not None and prefill_model != big:
+                llm.close()
+                h, L, _ = prefill_model
+                llm = LLM(big_calibration_checkpoint(workdir, prefill_model),
+                          dtype="bfloat16" if dtype == "bf16" else "float32")
             for rows in BIG_PREFILL_ROWS:
                 prompts = [[(5 * j + 3 + 11 * r_) % 200 + 2 for j in range(P32)] for r_ in range(rows)]
                 fwd = _prefill_forward(llm, prompts)
@@ -970,6 +980,9 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
 
 
 BIG_CALIBRATION_MODEL = (1024, 4, 4096)  # (hidden, layers, FFN): ~100 MB in bf16, more than a last-level cache
+# the from-memory prefill probe's model: as far beyond the cache (~130 MB in bf16), products of 1-5 MB like the twin's
+# models' (the big model's 8-17 MB products run slower against the table than products of these sizes)
+PREFILL_CALIBRATION_MODEL = (768, 8, 1536)
 
 
 def big_calibration_checkpoint(workdir: str | Path, big: tuple[int, int, int] = BIG_CALIBRATION_MODEL) -> Path:
@@ -1556,7 +1569,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
-                                     big=None if quick else BIG_CALIBRATION_MODEL, fused=fused_rates, mm_fits=mm_fits,
+                                     big=None if quick else BIG_CALIBRATION_MODEL, prefill_model=PREFILL_CALIBRATION_MODEL,
+                                     fused=fused_rates, mm_fits=mm_fits,
                                      dram_bw=bw1,
                                      dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
                                      int4_models=[m for m in cal_models if m[0] % 128 == 0] if d == "bf16" else None)
@@ -1589,7 +1603,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                    "points": eo["points"]}
                 for key, how in (
                         ("prefill_linear_scale_dram",
-                         f"prefill forward of one 32-token prompt on the random sol model {BIG_CALIBRATION_MODEL} "
+                         f"prefill forward of one 32-token prompt on the random sol model {PREFILL_CALIBRATION_MODEL} "
                          f"(weights beyond the last-level cache): the profiler's share of its ops' self time in products "
                          f"with a weight x its CPU seconds / those products priced by the from-memory table"),
                         ("prefill_linear_scale_int4",

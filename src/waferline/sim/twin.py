@@ -301,12 +301,19 @@ def _merged(counter: Any) -> dict[Any, dict[str, float]]:
     return out
 
 
+TTFT_REPEATS = 3  # short runs per Plan and pass that time only the first token, besides the timed repeats
+
+
 def measure_point(path: str, point: dict[str, Any], plan_json: str | None, prompt_len: int, output_len: int,
-                  repeats: int, decode_rows: int, prefill_rows: int, count: bool = True) -> dict[str, Any]:
-    """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate; TTFT the best of the
-    repeats too), then (``count``) count its ops and record row 0's token arrivals. The warm-up generates for the whole
-    batch first, so one-time work at the batch's shapes (oneDNN kernels made for the prefill's row count, weight
-    layouts) is not timed."""
+                  repeats: int, decode_rows: int, prefill_rows: int, count: bool = True,
+                  ttft_repeats: int = TTFT_REPEATS) -> dict[str, Any]:
+    """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate), then (``count``) count
+    its ops and record row 0's token arrivals. TTFT is the best of the repeats and of ``ttft_repeats`` short runs that
+    stop once every row has its first token (a prefill takes 0.1-1 s: on this machine one stage process of ten can
+    run it 2-3x slower now and then, so two samples per pass often both caught a slow one; the short runs generate
+    as many tokens as a speculative Plan needs to draft before its first token, as the full run does). The warm-up
+    generates for the whole batch first, so one-time work at the batch's shapes (oneDNN kernels made for the
+    prefill's row count, weight layouts) is not timed."""
     import torch
 
     from waferline.engine.llm import LLM
@@ -332,6 +339,10 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
             ttfts.append(r["ttft_s"])
             if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
                 best = r
+        # (MTP drafts k tokens with the first one when at least k + 2 are asked for: as many, so its prefill is the same)
+        short = min(output_len, 1 if point["speculative"] == "none" else point["k"] + 2)
+        for _ in range(ttft_repeats):
+            ttfts.append(_timed_run(llm, prompts, short)["ttft_s"])
         if count:
             best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
     assert best is not None
@@ -620,7 +631,8 @@ def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any
 
 def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
     """What one pass of one Plan measured (kept per pass in the result)."""
-    return {k: meas.get(k) for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "load_average_1m")}
+    return {k: meas.get(k) for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "ttft_s_runs",
+                                     "load_average_1m")}
 
 
 def compare(row: dict[str, Any], host: Any) -> None:
