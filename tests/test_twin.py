@@ -74,6 +74,10 @@ def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
     assert commands.main(["calibrate", "--quick", "--out", str(out), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["written"] == str(out) and d["op_overhead_s"]["bf16"] > 0 and out.is_file()
+    # where the time went: wall seconds per phase, the phases together within the whole run's time
+    ph = d["phase_seconds"]
+    assert {"memory bandwidth", "matmul FLOP/s"} <= set(ph) and all(v >= 0 for v in ph.values())
+    assert 0 < sum(ph.values()) <= d["seconds"]
 
 
 def test_twin_runs_a_two_plan_grid(twin_result):
@@ -669,3 +673,25 @@ def test_pipeline_probe_points_and_fit(tmp_path, monkeypatch):
         assert p["idle_s"] == pytest.approx(max(0.0, p["per_token_s"] - p["single_step_s"] / 2))
     assert out["hop_latency_s"] == out["points"][0]["hop_s"]
     assert (out["stage_step_cpu_s"], out["stage_cpu_inflation"]) == pytest.approx(stage_cpu_fit(out["points"]))
+
+
+def test_per_token_clocks_take_each_clocks_fastest_runs_around_the_same_generations():
+    """Two clocks read around the same generations: per clock (fastest long run - fastest short run) / n, so a slow
+    run on one clock does not count where the other clock saw a fast one."""
+    from waferline.sim.measure import _per_token, _per_token_clocks
+
+    now = {"wall": 0.0, "cpu": 0.0}
+    # (wall, cpu) seconds of each generation in call order: short, long, short, long, short, long
+    costs = iter([(1.0, 2.0), (9.0, 30.0), (1.5, 1.0), (5.0, 11.0), (0.5, 3.0), (7.0, 12.0)])
+
+    class FakeLLM:
+        def generate(self, prompts, params):
+            w, c = next(costs)
+            now["wall"] += w
+            now["cpu"] += c
+
+    n = 4
+    wall, cpu = _per_token_clocks(FakeLLM(), [[1]], n, [lambda: now["wall"], lambda: now["cpu"]], 3)
+    assert wall == pytest.approx((5.0 - 0.5) / n) and cpu == pytest.approx((11.0 - 1.0) / n)
+    costs = iter([(1.0, 0.0), (3.0, 0.0)])
+    assert _per_token(FakeLLM(), [[1]], 2, lambda: now["wall"], 1) == pytest.approx(1.0)

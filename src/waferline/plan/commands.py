@@ -325,7 +325,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     hw = load_hardware_file(out)
     host = HostParams.load(out)
     secs = time.perf_counter() - t0
-    summary = {"written": str(out), "seconds": secs, "name": d["name"], "cores": host.cores,
+    summary = {"written": str(out), "seconds": secs, "phase_seconds": d["host_engine"]["measured"].get("phase_seconds"),
+               "name": d["name"], "cores": host.cores,
                "memory_bandwidth_1_thread": host.memory_bandwidth, "matmul_flops": hw.flops,
                "linear": {k: {"bytes_per_s": v.bytes_per_s, "flops_per_s": v.flops_per_s, "t0_s": v.t0_s} for k, v in host.linear.items()},
                "op_overhead_s": host.op_overhead_s, "step_overhead_s": host.step_overhead_s,

@@ -542,17 +542,25 @@ def _per_token(llm: Any, prompts: list[list[int]], n: int, clock: Callable[[], f
     """Seconds per decode token on ``clock``: (generating n + 1 tokens - generating 1) / n, each the fastest of
     ``repeats`` (the prefill and the first token cancel out). The fastest of each, not the smallest difference: one
     slow short run made that difference small, even negative on a busy machine."""
+    return _per_token_clocks(llm, prompts, n, [clock], repeats)[0]
+
+
+def _per_token_clocks(llm: Any, prompts: list[list[int]], n: int, clocks: list[Callable[[], float]],
+                      repeats: int) -> list[float]:
+    """_per_token on several clocks read around the same runs (wall time and the CPU of a pipeline's processes: each
+    the fastest of the same ``repeats``, instead of one clock's runs and then the other's, fewer of them)."""
     from waferline.engine.sampling import SamplingParams
 
-    short = long = float("inf")
+    short, long = [float("inf")] * len(clocks), [float("inf")] * len(clocks)
     for _ in range(repeats):
-        t0 = clock()
+        t0 = [c() for c in clocks]
         llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
-        t1 = clock()
+        t1 = [c() for c in clocks]
         llm.generate(prompts, SamplingParams(max_tokens=n + 1, ignore_eos=True))
-        t2 = clock()
-        short, long = min(short, t1 - t0), min(long, t2 - t1)
-    return (long - short) / n
+        t2 = [c() for c in clocks]
+        short = [min(s, b - a) for s, a, b in zip(short, t0, t1)]
+        long = [min(g, b - a) for g, a, b in zip(long, t1, t2)]
+    return [(g - s) / n for g, s in zip(long, short)]
 
 
 BIG_PREFILL_ROWS = (1, 8)  # prompts of 32 tokens in one prefill forward of the big calibration model
@@ -1125,8 +1133,10 @@ def oversubscribed_pipeline(workdir: str | Path, tokens: int, stages: int = OVER
             pids = [os.getpid()] + list(getattr(pl._pipeline, "pids", []) or [])
             for key, prompts in (("m1", one), ("mS", many)):
                 pl.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
-                p[f"{key}_wall_s"] = _per_token(pl, prompts, tokens, time.perf_counter, 2)
-                p[f"{key}_cpu_s"] = _per_token(pl, prompts, tokens, lambda: sum(process_cpu_seconds(q) for q in pids), 1)
+                # wall and CPU around the same three runs, each the fastest (the CPU of one run after two timed
+                # ones came out above 2 cores x the fastest wall time: a slow phase of the machine, not the Plan's)
+                p[f"{key}_wall_s"], p[f"{key}_cpu_s"] = _per_token_clocks(
+                    pl, prompts, tokens, [time.perf_counter, lambda: sum(process_cpu_seconds(q) for q in pids)], 3)
         points.append(p)
     return dict(oversubscribed_fit(points, stages), stages=stages, points=points)
 
@@ -1263,49 +1273,61 @@ def process_cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
-def _ceiling_worker(kind: str, seconds: float, q: Any) -> None:
+def _ceiling_worker(kinds: list[str], seconds: float, q: Any, barrier: Any) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if kind == "gemm":  # a 32-row micro-batch through a 1024 x 4096 FFN matrix (compute-bound)
-        xs, ws = [torch.randn(32, 1024)], [torch.randn(1024, 4096)]
-    else:  # one-row bf16 GEMVs cycling through 64 MB of weights (memory-bound, a batch-1 decode step)
-        xs, ws = [torch.randn(1, 1024).bfloat16()], [torch.randn(1024, 2048).bfloat16() for _ in range(16)]
-    for w in ws:
-        xs[0] @ w
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+    loads = {}
+    for kind in kinds:
+        if kind == "gemm":  # a 32-row micro-batch through a 1024 x 4096 FFN matrix (compute-bound)
+            loads[kind] = (torch.randn(32, 1024), [torch.randn(1024, 4096)])
+        else:  # one-row bf16 GEMVs cycling through 64 MB of weights (memory-bound, a batch-1 decode step)
+            loads[kind] = (torch.randn(1, 1024).bfloat16(), [torch.randn(1024, 2048).bfloat16() for _ in range(16)])
+    for kind in kinds:
+        x, ws = loads[kind]
         for w in ws:
-            xs[0] @ w
-        n += len(ws)
-    q.put(n / (time.perf_counter() - t0))
+            x @ w
+        barrier.wait()  # every process starts each loop at once (they start up at different times)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for w in ws:
+                x @ w
+            n += len(ws)
+        q.put((kind, n / (time.perf_counter() - t0)))
 
 
-def measure_parallel_ceiling(seconds: float = 3.0, kind: str = "gemm") -> dict:
+def measure_parallel_ceilings(seconds: float = 3.0, kinds: tuple[str, ...] = ("gemm",)) -> dict[str, dict[str, Any]]:
     """The most any multi-process engine can gain on this machine: the same single-thread loop (``gemm``: a stage's
     compute-bound work; ``gemv``: a batch-1 decode step's memory-bound work) in one process alone, then in one process
-    per core at once. Aggregate rate (all) / rate (one alone) is the ceiling; on a machine whose cores share
-    execution units or memory bandwidth (SMT siblings, a shared AVX-512 unit, a power limit) it is below the core
-    count."""
+    per core at once (each loop started by all of them together). Aggregate rate (all) / rate (one alone) is the
+    ceiling; on a machine whose cores share execution units or memory bandwidth (SMT siblings, a shared AVX-512 unit,
+    a power limit) it is below the core count. Per kind in ``kinds``, all measured by the same processes."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     cores = os.cpu_count() or 1
 
-    def run(n: int) -> list[float]:
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_ceiling_worker, args=(kind, seconds, q)) for _ in range(n)]
+    def run(n: int) -> dict[str, list[float]]:
+        q, barrier = ctx.Queue(), ctx.Barrier(n)
+        procs = [ctx.Process(target=_ceiling_worker, args=(list(kinds), seconds, q, barrier)) for _ in range(n)]
         for p in procs:
             p.start()
-        rates = [q.get(timeout=seconds + 60) for _ in procs]
+        rates: dict[str, list[float]] = {k: [] for k in kinds}
+        for _ in range(n * len(kinds)):
+            k, r = q.get(timeout=seconds + 120)
+            rates[k].append(r)
         for p in procs:
             p.join(10)
         return rates
 
-    alone = run(1)[0]
-    together = run(cores)
-    return {"kind": kind, "processes": cores, "rate_alone": alone, "rates_together": together,
-            "ceiling": sum(together) / alone, "loadavg": os.getloadavg()[0]}
+    alone, together = run(1), run(cores)
+    return {k: {"kind": k, "processes": cores, "rate_alone": alone[k][0], "rates_together": together[k],
+                "ceiling": sum(together[k]) / alone[k][0], "loadavg": os.getloadavg()[0]} for k in kinds}
+
+
+def measure_parallel_ceiling(seconds: float = 3.0, kind: str = "gemm") -> dict:
+    """measure_parallel_ceilings for one kind of loop."""
+    return measure_parallel_ceilings(seconds, (kind,))[kind]
 
 
 def run_isolated(target: str, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -1455,7 +1477,17 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
 
     from waferline.model.layers import few_rows
 
-    say = progress or (lambda what, frac: None)
+    phases: dict[str, float] = {}  # wall seconds per phase (each from its progress message to the next)
+    last = [None, time.perf_counter()]
+
+    def say(what: str, frac: float) -> None:
+        now = time.perf_counter()
+        if last[0] is not None:
+            phases[last[0]] = phases.get(last[0], 0.0) + now - last[1]
+        last[:] = [what, now]
+        if progress is not None:
+            progress(what, frac)
+
     if pipeline is None:
         pipeline = not quick  # the pipeline probe starts a stage process (~5 s): off in quick mode unless asked
     host = platform.node() or "host"
@@ -1544,7 +1576,8 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                       "points": [[r["bytes"], r["one_way_s"], r["cpu_per_message_s"]] for r in lk["points"]]}
     if not quick and cores > 1:
         say("parallel ceiling (one process per core)", 0.88)
-        pc = [measure_parallel_ceiling(1.5, kind)["ceiling"] for kind in ("gemv", "gemm")]
+        pcs = measure_parallel_ceilings(1.5, ("gemv", "gemm"))
+        pc = [pcs[kind]["ceiling"] for kind in ("gemv", "gemm")]
         he["parallel_ceiling"] = _fig(min(float(cores), max(1.0, min(pc))), tag,
                                       f"{cores} single-thread processes at once vs one alone (aggregate rate / rate alone), "
                                       f"bf16 one-row GEMVs over 64 MB of weights {pc[0]:.2f}x and fp32 32-row GEMMs "
@@ -1569,7 +1602,10 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             for i, d in enumerate(("fp32", "bf16")):
                 say(f"engine per-op overhead ({d}, tiny models)", 0.5 + 0.1 * i)
                 eo = engine_overhead(d, cal_models, batches, toks, work, hot_tables(lin), ew_rates,
-                                     big=None if quick else BIG_CALIBRATION_MODEL, prefill_model=PREFILL_CALIBRATION_MODEL,
+                                     # from memory: bf16 only (the twin's Plans and W4A16 compute in 16 bits; an fp32
+                                     # Plan whose weights leave the cache takes the cache-resident scales; ~12 s saved)
+                                     big=None if quick or d == "fp32" else BIG_CALIBRATION_MODEL,
+                                     prefill_model=PREFILL_CALIBRATION_MODEL,
                                      fused=fused_rates, mm_fits=mm_fits,
                                      dram_bw=bw1,
                                      dram_tables={k: linear_table(v["points"]) for k, v in lin.items()},
@@ -1586,8 +1622,10 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                    "linear_scale_dram": _fig(eo["linear_scale_dram"], tag, (
                                        f"decode of a random sol model (hidden, layers, FFN) = {BIG_CALIBRATION_MODEL} whose "
                                        f"weights exceed the last-level cache, at batch 1: (CPU s per step - the fitted "
-                                       f"other terms) / its linears priced by the from-memory table")
-                                                         if eo["big_points"] else "not measured: as linear_scale"),
+                                       f"other terms) / its linears priced by the from-memory table"))
+                                   if eo["big_points"] else {"value": float(eo["linear_scale_dram"]),
+                                                             "assumed": "not measured (bf16 only, not in --quick): "
+                                                                        "as linear_scale"},
                                    **({"linear_scale_dram_multi": _fig(eo["linear_scale_dram_multi"], tag, (
                                        f"the same model at batch {BIG_PROBE_BATCHES[-1]}: (CPU s per step - the fitted other "
                                        f"terms - its one-row linears at linear_scale_dram) / its multi-row linears priced by "
@@ -1718,6 +1756,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                       "h2d_bytes_per_s": _fig(cu["h2d_bytes_per_s"], tag, "64 MB pinned host -> device copy"),
                       "memory_bytes": _fig(cu["memory_bytes"], tag, "torch.cuda.get_device_properties")}
     say("done", 1.0)
+    he["measured"]["phase_seconds"] = {k: round(v, 2) for k, v in phases.items()}
     flops = {"bf16": _fig(fl["bf16"], tag, f"bf16 {n}^3 matmul through the engine's linear() (fp32 inside where oneDNN has no bf16 GEMM), 1 thread, best of 3"),
              "fp32": _fig(fl["fp32"], tag, f"fp32 {n}^3 matmul through the engine's linear(), 1 thread, best of 3")}
     links: dict[str, Any] = {"scale_out": "eth-100g"}
