@@ -1085,7 +1085,9 @@ def pipeline_overhead(workdir: str | Path, tokens: int, link_s: float = 0.0,
                 if r > 0:
                     best = min(best, 1.0 / r)
             # CPU of all its processes: the workers' is read from /proc in clock ticks (10 ms), so over many tokens
-            pipe_cpu = _per_token(pl, prompt, CPU_PROBE_TOKENS, lambda: sum(process_cpu_seconds(p) for p in pids), 2)
+            # (fastest of 3: the stage fit's inflation, from the largest model's difference, moved 0.04-0.55 between
+            # calibrations with the fastest of 2)
+            pipe_cpu = _per_token(pl, prompt, CPU_PROBE_TOKENS, lambda: sum(process_cpu_seconds(p) for p in pids), 3)
         points.append({"hidden": h, "layers": L, "single_step_s": single, "per_token_s": best,
                        "idle_s": max(0.0, best - single / 2), "hop_s": max(0.0, (best - single) / 2),
                        "single_cpu_s": single_cpu, "pipeline_cpu_s": pipe_cpu,
