@@ -151,6 +151,11 @@ def make_group(store: Any, name: str, rank: int, size: int, device: torch.device
 
 SLOT_BYTES = 32 * 1024  # on CPU (gloo), every message travels in a slot of this size that the receiver posts ahead
 SLOTS_AHEAD = 4  # slots kept posted per peer (messages that can arrive while the receiver computes)
+# sends kept in flight before the oldest is waited on: gloo's send work reports completion only once waited on
+# (is_completed() stays False), so without a bound every message's buffer was kept for the process's life (a stage of
+# a one-layer-per-stage pipeline grew ~12 MB per 8 x 32-token generation, and pruning the list cost more each send).
+# The ring has at most a few micro-batches in flight, so a send this old has been received: the wait returns at once
+MAX_PENDING_SENDS = 64
 _SLOT_HDR = 32  # int64 kind, body bytes, metadata values, send time (ns)
 _SLOT_TAG, _REST_TAG = 1, 2  # gloo tags of slots and of the remainders of larger messages (raw messages use tag 0)
 
@@ -172,7 +177,7 @@ class Link:
         self.pg = pg
         self.device = device
         self.slot_bytes = slot_bytes if device.type == "cpu" else 0
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._slots: dict[int, collections.deque[tuple[torch.Tensor, Any]]] = {}
 
     def _put(self, dst: int, t: torch.Tensor, tag: int = 0) -> None:
@@ -180,6 +185,7 @@ class Link:
             self._pending.append((self.pg.send([t], dst, tag), t))
         except RuntimeError as e:
             raise PeerLost(str(e)) from None
+        self._prune()
 
     def _post(self, src: int, buf: torch.Tensor, tag: int = 0) -> Any:
         try:
@@ -210,7 +216,6 @@ class Link:
             self._put(dst, torch.tensor([kind, body.numel(), len(meta)], dtype=torch.int64, device=self.device))
             if body.numel():
                 self._put(dst, body)
-        self._prune()
 
     def post(self, src: int) -> None:
         """Keep ``SLOTS_AHEAD`` slot recvs from ``src`` posted (topped up after every message)."""
@@ -246,8 +251,13 @@ class Link:
         return kind, meta, body[8 * nmeta:]
 
     def _prune(self) -> None:
+        """Release the buffers of finished sends: the completed ones at the front, then (gloo) wait on the oldest
+        beyond MAX_PENDING_SENDS."""
         try:
-            self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+            while self._pending and self._pending[0][0].is_completed():
+                self._pending.popleft()
+            while len(self._pending) > MAX_PENDING_SENDS:
+                self._pending.popleft()[0].wait()
         except RuntimeError as e:
             raise PeerLost(str(e)) from None
 
