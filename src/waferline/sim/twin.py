@@ -308,10 +308,10 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
                   repeats: int, decode_rows: int, prefill_rows: int, count: bool = True,
                   ttft_repeats: int = TTFT_REPEATS) -> dict[str, Any]:
     """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate), then (``count``) count
-    its ops and record row 0's token arrivals. TTFT is the best of the repeats and of ``ttft_repeats`` short runs that
-    stop once every row has its first token (a prefill takes 0.1-1 s: on this machine one stage process of ten can
-    run it 2-3x slower now and then, so two samples per pass often both caught a slow one; the short runs generate
-    as many tokens as a speculative Plan needs to draft before its first token, as the full run does). The warm-up
+    its ops and record row 0's token arrivals. TTFT is the best of the repeats and of ``ttft_repeats`` short runs of
+    one token each (k + 2 for a speculative Plan: MTP drafts with its first token when that many are asked for, as in
+    the full run): a prefill takes 0.02-1 s and this machine runs it up to 1.5-2x slower now and then, so two samples
+    per pass could both catch a slow phase. The warm-up
     generates for the whole batch first, so one-time work at the batch's shapes (oneDNN kernels made for the
     prefill's row count, weight layouts) is not timed."""
     import torch
