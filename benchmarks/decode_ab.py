@@ -30,15 +30,16 @@ STEP = r"""
 import json, sys, time, torch
 from waferline.model.load import load_model
 from waferline.model.context import StepBatch
-path, dtype, bits, B, steps, threads, T, P = (sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
-                                              int(sys.argv[5]), int(sys.argv[6]), int(sys.argv[7]), int(sys.argv[8]))
+path, dtype, bits, B, steps, threads, T, P, G, head = (sys.argv[1], sys.argv[2], *map(int, sys.argv[3:11]))
 torch.set_num_threads(threads)
 clock = time.process_time if threads == 1 else time.perf_counter  # CPU time on one thread, wall time on several
 m = load_model(path, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
 if bits == 4:
     from waferline.model.quant import QuantOptions, is_int4, quantize_model
     if not is_int4(m):
-        quantize_model(m, QuantOptions(group_size=32))
+        quantize_model(m, QuantOptions(group_size=G))
+if head != 16:
+    m.quantize_head(head)
 V = m.spec.vocab_size
 caches = m.new_caches(B)
 with torch.inference_mode():
@@ -78,10 +79,10 @@ print(json.dumps({"ms_per_step": best * 1e3}))
 
 
 def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1,
-             tokens: int = 1, prefill: int = 0) -> float:
+             tokens: int = 1, prefill: int = 0, group: int = 128, head_bits: int = 16) -> float:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
     out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps), str(threads),
-                          str(tokens), str(prefill)], env=env,
+                          str(tokens), str(prefill), str(group), str(head_bits)], env=env,
                          capture_output=True, text=True, timeout=900)
     if out.returncode != 0:
         raise RuntimeError(f"{src}: {model} {dtype} w{bits} b{batch} failed:\n{out.stderr[-2000:]}")
@@ -103,6 +104,10 @@ def main() -> int:
                          "Mamba-2 states recorded per token, then rewound to T - 1 kept tokens)")
     ap.add_argument("--prefill", type=int, default=0, metavar="P",
                     help="time prefill forwards of P tokens per row from fresh caches instead of decode steps")
+    ap.add_argument("--group", type=int, default=128,
+                    help="int4 group size (default 128, the engine's; sessions up to 15 measured 32)")
+    ap.add_argument("--head-bits", type=int, default=16, choices=(16, 8),
+                    help="LM head bits (8: int8, as LLM(head_bits=8) and decode_speed.py's int4 run it)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     if args.prefill < 0 or args.tokens < 1:
@@ -123,11 +128,12 @@ def main() -> int:
                         old = new = float("inf")
                         for _ in range(args.rounds):
                             old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens, args.prefill))
+                                                    args.tokens, args.prefill, args.group, args.head_bits))
                             new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens, args.prefill))
+                                                    args.tokens, args.prefill, args.group, args.head_bits))
                         rows.append({"model": model, "dtype": dtype, "weight_bits": int(bits), "batch": b,
                                      "tokens_per_row": args.tokens, "prefill_tokens": args.prefill,
+                                     "group": args.group if int(bits) == 4 else None, "head_bits": args.head_bits,
                                      "old_ms": old, "new_ms": new, "speedup": old / new})
                         print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x)", file=sys.stderr)
         finally:

@@ -187,6 +187,103 @@ def test_widened_bf16_product_is_one_operator_with_the_fp32_result():
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+def _fixed_point(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [R, K] as the integer-activation kernels hold it: per row and group of ``group`` inputs, the nearest multiple
+    of max|x| / 32767 (the last group may be shorter)."""
+    xf = x.float()
+    out = torch.empty_like(xf)
+    for k0 in range(0, xf.shape[1], group):
+        blk = xf[:, k0:k0 + group]
+        mx = blk.abs().amax(1, keepdim=True)
+        inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+        out[:, k0:k0 + group] = torch.round(blk * inv).clamp(-32767, 32767) * (mx / 32767.0)
+    return out
+
+
+_INT_KERNELS = kernels.available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@pytest.mark.skipif(not _INT_KERNELS, reason="the integer-activation kernels are AVX2 code")
+@pytest.mark.parametrize("G,K,Z", [(64, 256, 2), (128, 384, 1), (256, 512, 2)])
+def test_int4_linear_int16_activations(G, K, Z):
+    """16-bit x through an int4 weight with G % 64 == 0 runs the integer kernel: x as 16-bit fixed point per row and
+    group, exact integer sums. Against the fp32 product of the dequantized weight with x so held (``_fixed_point``):
+    float rounding only, and bf16's at the output, at every row count (1-4 rows per pass; 5-16 in passes of 4, which
+    must not change a row's result). Against the product with x itself: within the fixed point's bound, the sum over
+    groups of max|x_g| / 65534 * sum |w| over the group. Rows that are all zero, and groups with one large x, too."""
+    from waferline.model.quant import pack_kernel
+
+    g = torch.Generator().manual_seed(5)
+    N = 48
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(N, K // G, generator=g) * 0.05 + 0.01).to(torch.bfloat16)
+    zeros = (torch.randn(N, K // G, generator=g) * 0.02).to(torch.bfloat16)
+    sz = (torch.stack([scales, zeros], -1) if Z == 2 else scales.unsqueeze(-1)).contiguous()
+    w = (codes.float().view(N, K // G, G) - 8) * scales.float().unsqueeze(-1)
+    if Z == 2:
+        w = w + zeros.float().unsqueeze(-1)
+    w = w.view(N, K)
+    packed = pack_kernel(codes)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(16, K, generator=g).to(dtype)
+        x[3] = 0
+        x[5, 7] = 300.0  # one outlier: its group's other inputs lose precision, within the bound
+        one = torch.ops.waferline.int4_linear(x[:1], packed, sz, G)
+        for rows in (*range(1, 9), 12, 16):
+            out = torch.ops.waferline.int4_linear(x[:rows], packed, sz, G).float()
+            held = _fixed_point(x[:rows], G).double() @ w.double().T
+            tol = (x[:rows].float().abs() @ w.abs().T).double() * 2.0 ** -20 + held.abs() * 2.0 ** -8
+            assert bool(((out.double() - held).abs() <= tol).all()), f"{dtype} {rows} rows"
+            assert torch.equal(out[:1], one.float())  # a row's result does not depend on the rows beside it
+        exact = x.double() @ w.double().T
+        xmax = x.float().abs().view(16, K // G, G).amax(-1)  # [R, groups]
+        wsum = w.abs().view(N, K // G, G).sum(-1)  # [N, groups]
+        bound = (xmax @ wsum.T).double() / 65534 + exact.abs() * 2.0 ** -7
+        assert bool(((out.double() - exact).abs() <= bound).all())
+        assert bool((out[3] == 0).all())
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+@pytest.mark.parametrize("K", [512, 200, 40])
+def test_int8_linear(K):
+    """waferline::int8_linear (the int8 LM head): fp32 ``x @ (q * scale)^T`` for 1-9 rows, K with and without a
+    partial last group and a tail past the last 16. The integer kernel (AVX2) holds x as 16-bit fixed point per 64
+    inputs: against that to float rounding, and against x itself within the fixed point's bound; the portable loop
+    and the kernel switched off: the exact product to fp32 rounding. Bad shapes are refused."""
+    g = torch.Generator().manual_seed(6)
+    N = 80
+    wf = torch.randn(N, K, generator=g)
+    scale = (wf.abs().amax(1) / 127).to(torch.bfloat16)
+    q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    w = q.float() * scale.float()[:, None]
+    for rows in range(1, 10):
+        x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+        out = torch.ops.waferline.int8_linear(x, q, scale)
+        assert out.dtype == torch.float32 and out.shape == (rows, N)
+        small = (x.float().abs() @ w.abs().T).double() * 2.0 ** -20
+        if _INT_KERNELS:
+            held = _fixed_point(x, 64).double() @ w.double().T
+            assert bool(((out.double() - held).abs() <= small + held.abs() * 2.0 ** -20).all()), f"{rows} rows"
+        exact = x.double() @ w.double().T
+        xmax = torch.stack([x.float()[:, k:k + 64].abs().amax(1) for k in range(0, K, 64)], 1)
+        wsum = torch.stack([w[:, k:k + 64].abs().sum(1) for k in range(0, K, 64)], 1)
+        assert bool(((out.double() - exact).abs() <= (xmax @ wsum.T).double() / 65534 + small).all())
+        for switch, setting in ((torch.ops.waferline.use_portable, True),
+                                (torch.ops.waferline.use_int_activations, False)):
+            prev = switch(setting)
+            try:
+                ref = torch.ops.waferline.int8_linear(x, q, scale)
+            finally:
+                switch(prev)
+            assert bool(((ref.double() - exact).abs() <= small + exact.abs() * 2.0 ** -22).all())
+    x3 = torch.randn(2, 3, K, generator=g)  # leading dims kept
+    assert torch.ops.waferline.int8_linear(x3, q, scale).shape == (2, 3, N)
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        torch.ops.waferline.int8_linear(x3, q[:, :-1], scale)
+    with pytest.raises(RuntimeError, match="int8_linear"):
+        torch.ops.waferline.int8_linear(x3, q.float(), scale)
+
+
 @pytest.mark.parametrize("K", [64, 96, 200])
 @pytest.mark.parametrize("portable", [False, True])
 def test_few_row_bf16_linear(K, portable):
@@ -222,7 +319,8 @@ def test_int4_linear_is_the_dequantized_product(portable, G, K, Z, sdtype):
     (20, 40); K with a 32-input tail; groups of 32 (two per 64-input block) and of 64 / 128 (several blocks per group),
     symmetric and with zeros, 16- and 32-bit scales, and
     ``portable``: the loop CPUs without AVX2 run. Its layout is ``quant.pack_kernel``'s (a wrong byte order fails);
-    ``unpack_kernel`` inverts it; bad shapes are refused."""
+    ``unpack_kernel`` inverts it; bad shapes are refused. The 16-bit-integer activation kernel is off here (it has
+    its own test below): this is the exact fp32 kernel."""
     from waferline.model.quant import pack_kernel, pack_nibbles, unpack_kernel
 
     g = torch.Generator().manual_seed(3)
@@ -238,6 +336,7 @@ def test_int4_linear_is_the_dequantized_product(portable, G, K, Z, sdtype):
     w = w.view(N, K)
     packed = pack_kernel(codes)
     prev = torch.ops.waferline.use_portable(portable)
+    prev_int = torch.ops.waferline.use_int_activations(False)
     try:
         for rows in (*range(1, 9), 12, 16, 20, 40):
             x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
@@ -252,6 +351,7 @@ def test_int4_linear_is_the_dequantized_product(portable, G, K, Z, sdtype):
         torch.testing.assert_close(out, x3 @ w.T, rtol=1e-5, atol=1e-4)
     finally:
         torch.ops.waferline.use_portable(prev)
+        torch.ops.waferline.use_int_activations(prev_int)
     wrong = pack_nibbles(codes)  # the canonical on-disk order is not the kernel's
     assert not torch.allclose(torch.ops.waferline.int4_linear(x3, wrong, sz.contiguous(), G), x3 @ w.T, atol=1e-2)
     with pytest.raises(RuntimeError, match="int4_linear"):

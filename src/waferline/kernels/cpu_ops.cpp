@@ -593,6 +593,12 @@ std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs tha
 
 bool use_portable(bool on) { return g_portable.exchange(on); }
 
+// the int4 and int8 products' 16-bit-integer activation kernels (int4_rows_i16, int8_rows_i16), on by default; off:
+// the fp32 kernels (exact products of the dequantized weight and x), for tests and same-process comparisons
+std::atomic<bool> g_int_act{true};
+
+bool use_int_activations(bool on) { return g_int_act.exchange(on); }
+
 // y[m * ldy + n] for m < M <= FEW_ROWS, n < N
 template <typename T>
 void few_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
@@ -857,6 +863,112 @@ void int4_rows_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, i
                    [&](int64_t n0, int64_t n1) { int4_block_avx2<M, U, T, S>(xf, q, sz, Z, K, G, y, ldy, n0, n1); });
 }
 
+// ---- 16-bit activations (bf16 / fp16 x) as integers: the decode step's int4 product without fp32 widening of the
+// weight. Per row and weight group, x is held as 16-bit fixed point, x_k ~ sx_g * xi_k with |xi_k| <= 32767 and
+// sx_g = max_g |x| / 32767 (so every x within 2^7 of its group's largest keeps all 8 bits of a bf16 mantissa; smaller
+// ones are rounded to sx_g / 2). The codes are widened to 16-bit lanes (two unpacks per 32), vpmaddwd multiplies them
+// into xi pairwise and sums in int32, exactly: sum_k code_k xi_k per group (|sum| < 2^31 for groups of up to 4096).
+// Then per group, in fp32: scale * sx * that + (zero - 8 scale) * sx * sum xi. About half the vector instructions per
+// weight of the fp32 kernel above (which widens every code to fp32): that one ran ~10 G weights/s on one Zen 3 core,
+// compute-bound, below the core's memory bandwidth. fp32 x keeps the fp32 kernel (exact products).
+constexpr int64_t I16_MAX_GROUP = 4096;
+constexpr int64_t I16_TILE = 16;  // weight rows per tile: each goes through all rows of x (4 at a time) from L1
+
+// where input j (0..63) of a 64-input block sits in the 16-bit lanes the kernel builds: vector v = j / 16 (0, 1: the
+// low nibbles unpacked low / high with zero; 2, 3: the high nibbles), lane i = j % 16 -> the byte (0..31) it came from
+constexpr int i16_lane_input(int j) {
+  const int v = j / 16, i = j % 16;
+  const int b = (i < 8 ? i : i + 8) + (v % 2 ? 8 : 0);  // unpacklo: bytes 0-7, 16-23; unpackhi: 8-15, 24-31
+  return (v >= 2 ? 32 : 0) + int4_lo_k(b);
+}
+
+// rows xf [M, K] (fp32) -> xq [M, K] int16 in lane order per 64-input block, sx [M, ng] and sx * sum xi [M, ng]
+inline void i16_quantize(const float* xf, int64_t M, int64_t K, int64_t G, int16_t* xq, float* sx, float* xs) {
+  const int64_t ng = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* x = xf + m * K;
+    for (int64_t g = 0; g < ng; ++g) {
+      float mx = 0.f;
+      for (int64_t k = g * G; k < (g + 1) * G; ++k) mx = std::max(mx, std::fabs(x[k]));
+      const float s = mx > 0.f ? mx / 32767.f : 0.f, inv = mx > 0.f ? 32767.f / mx : 0.f;
+      int64_t sum = 0;
+      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += INT4_BLOCK)
+        for (int j = 0; j < INT4_BLOCK; ++j) {
+          const int v = static_cast<int>(std::nearbyint(x[k0 + i16_lane_input(j)] * inv));
+          xq[m * K + k0 + j] = static_cast<int16_t>(std::clamp(v, -32767, 32767));
+          sum += xq[m * K + k0 + j];
+        }
+      sx[m * ng + g] = s;
+      xs[m * ng + g] = s * static_cast<float>(sum);
+    }
+  }
+}
+
+// weight rows n0..n1 for M (<= 4) rows of xq; y rounded to T
+template <int M, typename T, typename S>
+void int4_block_i16(const int16_t* xq, const float* sx, const float* xs, const uint8_t* q, const S* sz, int64_t Z,
+                    int64_t K, int64_t G, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+  const int64_t ng = K / G;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* qr = q + n * (K / 2);
+    const S* sr = sz + n * ng * Z;
+    __m256 tot[M];
+    float off[M];
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), off[m] = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += INT4_BLOCK) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + k0 / 2));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
+                              _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
+        for (int m = 0; m < M; ++m) {
+          const int16_t* xm = xq + m * K + k0;
+          __m256i p = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16))));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32))));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 48))));
+          acc[m] = _mm256_add_epi32(acc[m], p);
+        }
+      }
+      const float s = f32(sr[g * Z]), zt = (Z > 1 ? f32(sr[g * Z + 1]) : 0.f) - 8.f * s;
+      for (int m = 0; m < M; ++m) {
+        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(s * sx[m * ng + g]), tot[m]);
+        off[m] += zt * xs[m * ng + g];
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<T>(hsum8(tot[m]) + off[m]);
+  }
+}
+
+// M rows (any number) of 16-bit x through the int4 weight, 4 rows at a time over each weight row (it stays in L1)
+template <typename T, typename S>
+void int4_rows_i16(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
+                   int64_t G, T* y, int64_t ldy) {
+  const int64_t ng = K / G;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> sx(M * ng), xs(M * ng);
+  i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x
+      const int64_t t1 = std::min(n1, t0 + I16_TILE);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int16_t* xm = xq.data() + m0 * K;
+        const float *sm = sx.data() + m0 * ng, *zm = xs.data() + m0 * ng;
+        T* ym = y + m0 * ldy;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int4_block_i16<1, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+          case 2: int4_block_i16<2, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+          case 3: int4_block_i16<3, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+          default: int4_block_i16<4, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+        }
+      }
+    }
+  });
+}
+
 template <typename S>
 inline void int4_dequant_row_avx2(const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, float* w) {
   const Int4Widen wd;
@@ -890,6 +1002,9 @@ void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
                    int64_t G, T* y, int64_t ldy) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (!g_portable.load(std::memory_order_relaxed)) {
+    if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {  // 16-bit x: integer kernel
+      if (G % INT4_BLOCK == 0 && G <= I16_MAX_GROUP && g_int_act.load(std::memory_order_relaxed)) return int4_rows_i16<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
+    }
     switch (M) {
       case 1: return int4_rows_avx2<1, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
       case 2: return int4_rows_avx2<2, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
@@ -961,6 +1076,125 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
   return y.reshape(sizes);
+}
+
+// ---------------------------------------------------------------- int8 LM head
+// y [R, N] (fp32) = x [R, K] @ (q [N, K] int8 * scale [N])^T: the head of a small model is the largest matrix a decode
+// step reads (32000 x 512 for the 135M dsv3). Where the CPU has AVX2, x is held per 64 inputs as 16-bit fixed point
+// (as int4_rows_i16 holds it: x_k ~ sx * xi_k, |xi| <= 32767) and the int8 weights widen to 16-bit lanes for vpmaddwd:
+// exact int32 sums per 64 inputs, scaled in fp32. ATen's _weight_int8pack_mm ran this product at ~5.5 GB/s on one
+// Zen 3 core (fp32 FMAs on widened weights) and returned x's 16-bit dtype. Elsewhere a portable fp32 loop.
+constexpr int64_t I8_GROUP = 64;
+
+template <typename S>
+void int8_rows_generic(const float* xf, int64_t M, const int8_t* q, const S* scale, int64_t N, int64_t K, float* y) {
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    std::vector<float> w(K);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t k = 0; k < K; ++k) w[k] = static_cast<float>(q[n * K + k]);
+      const float s = f32(scale[n]);
+      for (int64_t m = 0; m < M; ++m) y[m * N + n] = s * dotf(xf + m * K, w.data(), K);
+    }
+  });
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+template <int M, typename S>
+void int8_block_i16(const int16_t* xq, const float* sx, const int8_t* q, const S* scale, int64_t N, int64_t K,
+                    float* y, int64_t n0, int64_t n1) {
+  const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP, K16 = K / 16 * 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* qr = q + n * K;
+    __m256 tot[M];
+    float tail[M];
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), tail[m] = 0.f;
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t k1 = std::min((g + 1) * I8_GROUP, K16);
+      __m256i acc[M];
+      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
+      for (int64_t k = g * I8_GROUP; k < k1; k += 16) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k)));
+        for (int m = 0; m < M; ++m)
+          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k))));
+      }
+      for (int m = 0; m < M; ++m) {
+        int32_t t = 0;  // inputs past the last whole 16 (in the last group)
+        for (int64_t k = std::max(g * I8_GROUP, K16); k < std::min((g + 1) * I8_GROUP, K); ++k) t += qr[k] * xq[m * K + k];
+        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
+        tail[m] += static_cast<float>(t) * sx[m * ng + g];
+      }
+    }
+    const float s = f32(scale[n]);
+    for (int m = 0; m < M; ++m) y[m * N + n] = s * (hsum8(tot[m]) + tail[m]);
+  }
+}
+
+template <typename S>
+void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, int64_t N, int64_t K, float* y) {
+  const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> sx(M * ng);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t k0 = g * I8_GROUP, k1 = std::min(K, k0 + I8_GROUP);
+      float mx = 0.f;
+      for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, std::fabs(xf[m * K + k]));
+      const float inv = mx > 0.f ? 32767.f / mx : 0.f;
+      sx[m * ng + g] = mx > 0.f ? mx / 32767.f : 0.f;
+      for (int64_t k = k0; k < k1; ++k)
+        xq[m * K + k] = static_cast<int16_t>(std::clamp(static_cast<int>(std::nearbyint(xf[m * K + k] * inv)), -32767, 32767));
+    }
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x
+      const int64_t t1 = std::min(n1, t0 + I16_TILE);
+      for (int64_t m0 = 0; m0 < M; m0 += 4) {
+        const int16_t* xm = xq.data() + m0 * K;
+        const float* sm = sx.data() + m0 * ng;
+        float* ym = y + m0 * N;
+        switch (std::min<int64_t>(4, M - m0)) {
+          case 1: int8_block_i16<1, S>(xm, sm, q, scale, N, K, ym, t0, t1); break;
+          case 2: int8_block_i16<2, S>(xm, sm, q, scale, N, K, ym, t0, t1); break;
+          case 3: int8_block_i16<3, S>(xm, sm, q, scale, N, K, ym, t0, t1); break;
+          default: int8_block_i16<4, S>(xm, sm, q, scale, N, K, ym, t0, t1); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "waferline::int8_linear: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && scale.dim() == 1 && scale.size(0) == q.size(0) &&
+                  x.size(-1) == q.size(1),
+              "waferline::int8_linear: x [..., K], q int8 [N, K], scale [N]");
+  const int64_t N = q.size(0), K = q.size(1);
+  auto xc = x.contiguous();
+  const int64_t R = K ? xc.numel() / K : 0;
+  auto xf = xc.scalar_type() == at::kFloat ? xc : xc.to(at::kFloat);
+  auto qc = q.contiguous();
+  auto sc = scale.contiguous();
+  auto sizes = xc.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, xc.options().dtype(at::kFloat));
+  if (R == 0 || N == 0) return y;
+  auto run = [&](auto s_tag) {
+    using S = decltype(s_tag);
+    const S* sp = reinterpret_cast<const S*>(sc.data_ptr());
+    const int8_t* qp = qc.data_ptr<int8_t>();
+#if defined(__AVX2__) && defined(__FMA__)
+    if (!g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed))
+      return int8_rows_i16<S>(xf.data_ptr<float>(), R, qp, sp, N, K, y.data_ptr<float>());
+#endif
+    int8_rows_generic<S>(xf.data_ptr<float>(), R, qp, sp, N, K, y.data_ptr<float>());
+  };
+  switch (sc.scalar_type()) {
+    case at::kBFloat16: run(c10::BFloat16()); break;
+    case at::kHalf: run(c10::Half()); break;
+    case at::kFloat: run(0.f); break;
+    default: TORCH_CHECK(false, "waferline::int8_linear: scales must be bf16, fp16 or fp32");
+  }
+  return y;
 }
 
 // ---------------------------------------------------------------- MoE FFN (routed experts + shared expert)
@@ -1494,7 +1728,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("use_portable(bool on) -> bool");
+  m.def("use_int_activations(bool on) -> bool");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
         "float hi, bool record) -> Tensor[]");
@@ -1503,7 +1739,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("ssm_update(Tensor(a!) h, Tensor dA, Tensor dtx, Tensor Bm, Tensor Cm, Tensor(b!) trail) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable); }
+TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable);
+  m.impl("use_int_activations", &use_int_activations);
+}
 
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("rms_norm", &rms_norm);
@@ -1516,6 +1754,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_wide", &linear_wide);
   m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
   m.impl("mamba2_mix", &mamba2_mix);
   m.impl("moe_ffn", &moe_ffn);
 }

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
@@ -231,6 +232,8 @@ class DecoderModel(nn.Module):
         if self.lm_head is not None:
             return packed_linear(hn, self.lm_head, None, self.__dict__.setdefault("_packs", {}), "lm_head").float()
         q, scale = self.lm_head_int8, self.lm_head_scale
+        if hn.device.type == "cpu" and kernels.available():  # fp32 out; see waferline::int8_linear
+            return torch.ops.waferline.int8_linear(hn, q, scale)
         x = hn.reshape(-1, hn.shape[-1]).to(scale.dtype).contiguous()
         if x.device.type == "cpu" and q.shape[1] % 16 == 0:  # (ATen's kernel reads garbage when K % 16 != 0)
             y = torch.ops.aten._weight_int8pack_mm(x, q, scale)
@@ -239,9 +242,11 @@ class DecoderModel(nn.Module):
         return y.float().reshape(*hn.shape[:-1], q.shape[0])
 
     def quantize_head(self, bits: int = 8) -> None:
-        """Store the LM head as int8 with one scale per vocabulary row (symmetric absmax, bf16 scales; activations go
-        to bf16 for it). The head is the largest single matrix a small model reads per token (e.g. 32000 x 512);
-        int8 halves those bytes at ~0.4% relative logit error. ``bits=16`` keeps it as loaded."""
+        """Store the LM head as int8 with one scale per vocabulary row (symmetric absmax, bf16 scales). On CPU it
+        multiplies through ``waferline::int8_linear`` (activations as 16-bit fixed point per 64 inputs, exact integer
+        sums, fp32 logits); elsewhere, or without the fused operators, activations go to bf16 for ATen's int8 product.
+        The head is the largest single matrix a small model reads per token (e.g. 32000 x 512); int8 halves those
+        bytes at ~0.4% relative logit error. ``bits=16`` keeps it as loaded."""
         if bits == 16 or self.lm_head is None:
             return
         if bits != 8:
