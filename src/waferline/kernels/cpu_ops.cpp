@@ -44,6 +44,21 @@ inline float dotf(const float* a, const float* b, int64_t n) {  // sum of a[i] b
   return acc;
 }
 
+// a . b_t for the 4 rows b_t = b + t ld (t < 4): four independent sums, where one dotf after another waits on its
+// single chain's FMA latency (attention's scores and output projections over short rows)
+inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float* out) {
+  const float *b0 = b, *b1 = b + ld, *b2 = b + 2 * ld, *b3 = b + 3 * ld;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+  for (int64_t i = 0; i < n; ++i) {
+    s0 += a[i] * b0[i];
+    s1 += a[i] * b1[i];
+    s2 += a[i] * b2[i];
+    s3 += a[i] * b3[i];
+  }
+  out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
+}
+
 // One token of the Mamba-2 recurrence on one (head, head-dim) row of the state: h = h a + x B, returns C . h. Shared
 // by ssm_update (a rewind's replay) and mamba2_mix (decode and verify), so both reach bitwise the same states.
 inline float ssm_token(float* h, float a, float x, const float* B, const float* C, int64_t N) {
@@ -1102,26 +1117,33 @@ void int8_rows_generic(const float* xf, int64_t M, const int8_t* q, const S* sca
 template <int M, typename S>
 void int8_block_i16(const int16_t* xq, const float* sx, const int8_t* q, const S* scale, int64_t N, int64_t K,
                     float* y, int64_t n0, int64_t n1) {
-  const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP, K16 = K / 16 * 16;
+  const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP, K64 = K / I8_GROUP * I8_GROUP, K16 = K / 16 * 16;
+  auto ld16 = [](const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); };
+  auto w16 = [](const int8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* qr = q + n * K;
     __m256 tot[M];
-    float tail[M];
-    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), tail[m] = 0.f;
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t k1 = std::min((g + 1) * I8_GROUP, K16);
-      __m256i acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
-      for (int64_t k = g * I8_GROUP; k < k1; k += 16) {
-        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qr + k)));
-        for (int m = 0; m < M; ++m)
-          acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(w, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k))));
-      }
+    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K64; k0 += I8_GROUP) {  // whole groups: 4 x 16 weights, then one scale per row
+      const __m256i w0 = w16(qr + k0), w1 = w16(qr + k0 + 16), w2 = w16(qr + k0 + 32), w3 = w16(qr + k0 + 48);
+      const int64_t g = k0 / I8_GROUP;
       for (int m = 0; m < M; ++m) {
-        int32_t t = 0;  // inputs past the last whole 16 (in the last group)
-        for (int64_t k = std::max(g * I8_GROUP, K16); k < std::min((g + 1) * I8_GROUP, K); ++k) t += qr[k] * xq[m * K + k];
-        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
-        tail[m] += static_cast<float>(t) * sx[m * ng + g];
+        const int16_t* xm = xq + m * K + k0;
+        __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w0, ld16(xm)), _mm256_madd_epi16(w1, ld16(xm + 16)));
+        a = _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(w2, ld16(xm + 32)), _mm256_madd_epi16(w3, ld16(xm + 48))));
+        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
+      }
+    }
+    float tail[M] = {};
+    if (K64 < K) {  // a shorter last group: whole 16s, then single inputs
+      const int64_t g = K64 / I8_GROUP;
+      for (int m = 0; m < M; ++m) {
+        __m256i a = _mm256_setzero_si256();
+        for (int64_t k = K64; k < K16; k += 16) a = _mm256_add_epi32(a, _mm256_madd_epi16(w16(qr + k), ld16(xq + m * K + k)));
+        int32_t t = 0;
+        for (int64_t k = K16; k < K; ++k) t += qr[k] * xq[m * K + k];
+        tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
+        tail[m] = static_cast<float>(t) * sx[m * ng + g];
       }
     }
     const float s = f32(scale[n]);
@@ -1442,14 +1464,20 @@ void mla_rows(const float* qn, const float* qr, const float* lat, const bool* bl
       const float* lb = lat + b * L * R;
       const bool* mk = blocked ? blocked + bt * L : nullptr;
       const float* qrp = qr + i * p;
-      for (int64_t l = 0; l < L; ++l) {  // scores
-        if (mk && mk[l]) {
-          sc[l] = ninf;
-          continue;
-        }
+      const int64_t L4 = L / 4 * 4;
+      for (int64_t l = 0; l < L4; l += 4) {  // scores, 4 cache rows at a time
+        float a[4], b[4];
+        dot4(qh.data(), lb + l * R, R, r, a);
+        dot4(qrp, lb + l * R + r, R, p, b);
+        for (int t = 0; t < 4; ++t) sc[l + t] = (a[t] + b[t]) * scale;
+      }
+      for (int64_t l = L4; l < L; ++l) {
         const float* c = lb + l * R;
         sc[l] = (dotf(qh.data(), c, r) + dotf(qrp, c + r, p)) * scale;
       }
+      if (mk)
+        for (int64_t l = 0; l < L; ++l)
+          if (mk[l]) sc[l] = ninf;
       softmax_masked(sc.data(), L, ninf);
       for (int64_t j = 0; j < r; ++j) oh[j] = 0.f;
       for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
@@ -1461,7 +1489,9 @@ void mla_rows(const float* qn, const float* qr, const float* lat, const bool* bl
       }
       const float* wv = wuv + h * v * r;  // W_UV after attention
       float* o = out + i * v;
-      for (int64_t k = 0; k < v; ++k) o[k] = dotf(oh.data(), wv + k * r, r);
+      const int64_t v4 = v / 4 * 4;
+      for (int64_t k = 0; k < v4; k += 4) dot4(oh.data(), wv + k * r, r, r, o + k);
+      for (int64_t k = v4; k < v; ++k) o[k] = dotf(oh.data(), wv + k * r, r);
     }
   });
 }
