@@ -268,6 +268,53 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread, dtype):
     assert not torch.allclose(fused[2], torch.zeros_like(fused[2]))  # states really moved
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, one_thread):
+    """waferline::mla_attend_int4 (an int4 MLA block's decode step as one op) against MLAttention.forward's eager
+    chain: bitwise the same logits and caches over prefill + 4 decode steps, for 1 row, 3 rows in scattered slots at
+    different positions (masks), 4 rows at one position; with a q LoRA (V3) and without (V2); rows past
+    MLA_FUSED_MAX_ROWS, fp32 norms or bf16 weights keep the eager chain (the op is not called)."""
+    from waferline.model.attention import MLAttention
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    build(model_type, tmp_path, **({"q_lora_rank": 64} if model_type == "deepseek_v3" else {}))  # K % 32 == 0
+    model = load_model(tmp_path, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=32))
+    calls = {"n": 0}
+    op = torch.ops.waferline.mla_attend_int4
+
+    def counting(*a):
+        calls["n"] += 1
+        return op(*a)
+
+    g = torch.Generator().manual_seed(11)
+    cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([4, 4, 4, 4], [0, 1, 2, 3], 4), ([3] * 6, list(range(6)), 6)]
+    with torch.inference_mode():
+        for lens, slots, nslots in cases:
+            prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
+            with monkeypatch.context() as mp:
+                mp.setattr(MLAttention, "_int4_block", lambda self, x, cache: None)
+                eager, ce = decode_logits(model, prompts, slots, nslots, return_caches=True)
+            calls["n"] = 0
+            with monkeypatch.context() as mp:
+                mp.setattr(torch.ops.waferline, "mla_attend_int4", counting)
+                fused, cf = decode_logits(model, prompts, slots, nslots, return_caches=True)
+            n_mla = sum(isinstance(m, MLAttention) for m in model.modules())
+            assert calls["n"] == (4 * n_mla if len(lens) <= 4 else 0), (lens, calls)
+            assert torch.equal(fused, eager), lens
+            for a, b in zip(cf, ce):
+                if a is not None and hasattr(a, "data"):
+                    assert torch.equal(a.data, b.data)
+    for m in model.modules():
+        if isinstance(m, MLAttention):
+            x = torch.zeros(1, 1, model.spec.hidden_size, dtype=torch.bfloat16)
+            assert m._int4_block(x, m.new_cache(1)) is not None
+            assert m._int4_block(x.float(), m.new_cache(1)) is None  # the weights compute in bf16
+    dense = load_model(tmp_path, torch.bfloat16)
+    att = next(m for m in dense.modules() if isinstance(m, MLAttention))
+    assert att._int4_block(torch.zeros(1, 1, dense.spec.hidden_size, dtype=torch.bfloat16), att.new_cache(1)) is None
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("variant", ["fp32", "bf16", "bf16-portable", "int4"])
 def test_moe_ffn_matches_eager(tmp_path, model_type, variant, one_thread):

@@ -19,6 +19,7 @@ from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
+_EMPTY = torch.empty(0, dtype=torch.uint8)  # mla_attend_int4's "no q LoRA" (its q_a weight and scales)
 # Query rows (B x T) up to which MLA runs the fused absorbed decode: it multiplies W_UK and W_UV row by row, which
 # beats the eager chain's batched GEMMs only for a few rows (dsv3-100m attention, 1 thread: 1 row 0.36 vs 0.52 ms,
 # 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0).
@@ -269,10 +270,48 @@ class MLAttention(nn.Module):
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
         return self._absorbed
 
+    def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
+        """``waferline::mla_attend_int4``'s weight arguments when this block can run as that one op for ``x``: a
+        decode step (one token per row, at most MLA_FUSED_MAX_ROWS rows, as the fused absorbed decode takes) on CPU,
+        a full-attention cache, every projection an int4 weight in waferline's CPU layout without a bias, computing in
+        x's dtype, norms in x's dtype. None otherwise (the eager chain below, which computes the same numbers)."""
+        if (x.shape[1] != 1 or x.shape[0] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
+                or not kernels.available()):
+            return None
+        names = ("q_a_proj", "q_b_proj") if self.spec.q_lora_rank else (None, "q_proj")
+        w: list[torch.Tensor] = []
+        groups: list[int] = []
+        for name in (*names, "kv_a_proj_with_mqa", "o_proj"):
+            if name is None:
+                w += [_EMPTY, _EMPTY]
+                groups.append(0)
+                continue
+            q = getattr(getattr(self, name), "int4", None)
+            if (q is None or q.backend != "cpu_waferline" or q.compute_dtype != x.dtype or q.lead
+                    or getattr(self, name).bias is not None):
+                return None
+            w += [q.packed, q.scales_zeros]
+            groups.append(q.group_size)
+        norms = [self.kv_a_layernorm] + ([self.q_a_layernorm] if self.spec.q_lora_rank else [])
+        if any(nm.weight.dtype != x.dtype for nm in norms):
+            return None
+        return w, groups
+
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
+        fused = self._int4_block(x, cache)
+        if fused is not None:  # the chain below as one op (decode rows, int4 projections)
+            end = batch.end
+            if end > cache.capacity:
+                cache._grow(end)
+            cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+            w_uk, w_uv = self.absorbed()
+            qn = self.q_a_layernorm if s.q_lora_rank else self.kv_a_layernorm
+            return torch.ops.waferline.mla_attend_int4(
+                x, fused[0], fused[1], qn.weight, self.kv_a_layernorm.weight, qn.eps, self.kv_a_layernorm.eps, cos, sin,
+                self.rotary.interleaved, cache.data, batch.slots, batch.start, w_uk, w_uv, self.scale)
         if s.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
