@@ -273,8 +273,8 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
     """waferline::mla_attend_int4 (an int4 MLA block's decode step as one op) against MLAttention.forward's eager
     chain: bitwise the same logits and caches over prefill + 4 decode steps, for 1 row, 3 rows in scattered slots at
     different positions (masks), 4 rows at one position; with a q LoRA (V3) and without (V2); rows past
-    MLA_FUSED_MAX_ROWS, fp32 norms or bf16 weights keep the eager chain (the op is not called)."""
-    from waferline.model.attention import MLAttention
+    MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain (the op is not called)."""
+    from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.quant import QuantOptions, quantize_model
 
     build(model_type, tmp_path, **({"q_lora_rank": 64} if model_type == "deepseek_v3" else {}))  # K % 32 == 0
@@ -288,7 +288,8 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
         return op(*a)
 
     g = torch.Generator().manual_seed(11)
-    cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([4, 4, 4, 4], [0, 1, 2, 3], 4), ([3] * 6, list(range(6)), 6)]
+    cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([4, 4, 4, 4], [0, 1, 2, 3], 4),
+             ([3] * (MLA_FUSED_MAX_ROWS + 1), list(range(MLA_FUSED_MAX_ROWS + 1)), MLA_FUSED_MAX_ROWS + 1)]
     with torch.inference_mode():
         for lens, slots, nslots in cases:
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
@@ -300,7 +301,7 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
                 mp.setattr(torch.ops.waferline, "mla_attend_int4", counting)
                 fused, cf = decode_logits(model, prompts, slots, nslots, return_caches=True)
             n_mla = sum(isinstance(m, MLAttention) for m in model.modules())
-            assert calls["n"] == (4 * n_mla if len(lens) <= 4 else 0), (lens, calls)
+            assert calls["n"] == (4 * n_mla if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
             assert torch.equal(fused, eager), lens
             for a, b in zip(cf, ce):
                 if a is not None and hasattr(a, "data"):
@@ -313,6 +314,39 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
     dense = load_model(tmp_path, torch.bfloat16)
     att = next(m for m in dense.modules() if isinstance(m, MLAttention))
     assert att._int4_block(torch.zeros(1, 1, dense.spec.hidden_size, dtype=torch.bfloat16), att.new_cache(1)) is None
+
+
+def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_thread):
+    """The twin's op counter prices mla_attend_int4 by the operators it runs: the same int4 linear calls (rows, weight
+    bytes), rms_norm elements and mla_decode FLOPs as it counts on the eager chain the op replaces, for a decode step
+    of 3 rows at different positions; fewer ops in all (the eager chain's views and casts are gone)."""
+    from waferline.model.attention import MLAttention
+    from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.sim.measure import OpCounter
+
+    build("deepseek_v3", tmp_path, q_lora_rank=64)
+    model = load_model(tmp_path, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=32))
+
+    def step_work(fused: bool) -> tuple[dict[str, float], int]:
+        with monkeypatch.context() as mp:
+            if not fused:
+                mp.setattr(MLAttention, "_int4_block", lambda self, x, cache: None)
+            caches = model.new_caches(3)
+            with torch.inference_mode():
+                for b, k in enumerate((5, 9, 7)):
+                    model(torch.arange(3, 3 + k)[None], caches, StepBatch.make([b], [0], k))
+                with OpCounter() as c:
+                    c.label = "step"
+                    model(torch.tensor([[4], [5], [6]]), caches, StepBatch.make([0, 1, 2], [5, 9, 7], 1))
+        return c.work["step"], c.total
+
+    (eager, n_eager), (fused, n_fused) = step_work(False), step_work(True)
+    keys = [k for k in eager if k.startswith("call|int4")]
+    assert keys and {k: fused.get(k) for k in keys} == {k: eager[k] for k in keys}
+    for k in ("fused|mla_decode|units", "fused|mla_decode|calls", "fused|rms_norm|units"):
+        assert fused[k] == pytest.approx(eager[k]), k
+    assert n_fused < n_eager
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])

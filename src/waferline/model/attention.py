@@ -22,8 +22,10 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # mla_attend_int4's "no q LoRA" (its q_a weight and scales)
 # Query rows (B x T) up to which MLA runs the fused absorbed decode: it multiplies W_UK and W_UV row by row, which
 # beats the eager chain's batched GEMMs only for a few rows (dsv3-100m attention, 1 thread: 1 row 0.36 vs 0.52 ms,
-# 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0).
-MLA_FUSED_MAX_ROWS = 4
+# 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0). Raised from 4 to 8 in
+# session 16, after its scores went 4 cache rows at a time and int4 blocks became one op (mla_attend_int4): the
+# 135M dsv3's int4 decode step at batch 8 took 23.5 against 25.0 ms with 4 (1 thread; 18.8 vs 20.1 ms on 2).
+MLA_FUSED_MAX_ROWS = 8
 # Query rows up to which grouped-query attention runs as one fused op (decode, a speculative verify); prefill keeps
 # attend()'s batched matmuls.
 GQA_FUSED_MAX_ROWS = 8

@@ -365,6 +365,50 @@ def moe_ffn_calls(args: Any) -> dict[str, float]:
     return calls
 
 
+def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
+    """What one ``waferline::mla_attend_int4`` runs inside (its arguments ``x, [q_a, its scales, q_b, scales, kv_a,
+    scales, o, scales], groups, q_a norm, kv_a norm, eps, eps, cos, sin, interleaved, cache, slots, pos, W_UK, W_UV,
+    scale``), as OpCounter's work keys: the int4 linear calls (``call|int4|rows|weight bytes``), the rms_norm and
+    mla_decode fused operators (their calls, units and bytes), and the small ops between them (rope, two cats, the
+    cache writes, the latents' view or gather) by their bytes; with the number of ops that is, for the op count."""
+    x, w = args[0], list(args[1])
+    qa_norm, kva_norm, cos2, cache, pos, w_uk, w_uv = args[3], args[4], args[7], args[10], args[12], args[13], args[14]
+    B = int(x.shape[0])
+    H, n, r = (int(d) for d in w_uk.shape)
+    R = int(cache.shape[2])
+    p, v = R - r, int(w_uv.shape[1])
+    el = x.element_size()
+    work: dict[str, float] = {}
+
+    def add(key: str, val: float) -> None:
+        work[key] = work.get(key, 0.0) + val
+
+    ops = 0
+    for i in (0, 2, 4, 6):
+        if w[i].numel():
+            add(f"call|int4|{B}|{int(w[i].numel() * w[i].element_size() + w[i + 1].numel() * w[i + 1].element_size())}", 1.0)
+            ops += 1
+    for norm in ((qa_norm,) if w[0].numel() else ()) + (kva_norm,):
+        units = float(B * norm.numel())
+        add("fused|rms_norm|calls", 1.0)
+        add("fused|rms_norm|units", units)
+        add("fused|rms_norm|bytes", 2.0 * units * el)
+        ops += 1
+    pl = pos.reshape(-1).tolist()
+    end = max(pl) + 1
+    seen = float(sum(q + 1 for q in pl))  # keys past a row's own position are masked (skipped)
+    add("fused|mla_decode|calls", 1.0)
+    add("fused|mla_decode|units", 2.0 * H * (B * (n * r + v * r) + seen * (2 * r + p)))
+    add("fused|mla_decode|bytes", float(B * end * R * el + (w_uk.numel() + w_uv.numel()) * 4 + B * H * (n + p + v) * el))
+    ops += 1
+    small = float(B * (H + 1) * p * el * 2 * 2  # rope in and out, and the cat that builds its input
+                  + B * R * el * 2 * 2  # the cache entry's cat and its write
+                  + cos2.numel() * 4 * 2)
+    add("small_bytes_bf16" if el == 2 else "small_bytes", small)
+    ops += 4 + B  # rope, two cats, the latents' view or gather, one write per row
+    return work, ops
+
+
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -402,6 +446,11 @@ class OpCounter:
                 w[key] = w.get(key, 0.0) + n
             # one op per call, as everywhere else: the tables' per-call time carries the dispatch of the op itself
             self.counts[lab] += int(sum(calls.values())) - 1
+        elif name == "mla_attend_int4":  # an int4 MLA block's decode step: the operators it runs, as each is priced
+            inner, n_ops = mla_attend_work(args)
+            for key, val in inner.items():
+                w[key] = w.get(key, 0.0) + val
+            self.counts[lab] += n_ops - 1
         elif name in FUSED_OPS and outs:  # waferline.kernels: priced by their own measured rates (calibrate)
             units = fused_units(name, ins, outs)
             for key, val in (("calls", 1.0), ("units", units), ("bytes", nbytes)):
