@@ -384,9 +384,10 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
         work[key] = work.get(key, 0.0) + val
 
     ops = 0
-    for i in (0, 2, 4, 6):
-        if w[i].numel():
-            add(f"call|int4|{B}|{int(w[i].numel() * w[i].element_size() + w[i + 1].numel() * w[i + 1].element_size())}", 1.0)
+    for packed, scales in zip(w[0::2], w[1::2]):
+        if packed.numel():
+            nbytes = packed.numel() * packed.element_size() + scales.numel() * scales.element_size()
+            add(f"call|int4|{B}|{int(nbytes)}", 1.0)
             ops += 1
     for norm in ((qa_norm,) if w[0].numel() else ()) + (kva_norm,):
         units = float(B * norm.numel())
