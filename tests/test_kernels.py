@@ -273,7 +273,8 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
     """waferline::mla_attend_int4 (an int4 MLA block's decode step as one op) against MLAttention.forward's eager
     chain: bitwise the same logits and caches over prefill + 4 decode steps, for 1 row, 3 rows in scattered slots at
     different positions (masks), 4 rows at one position; with a q LoRA (V3) and without (V2); rows past
-    MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain (the op is not called)."""
+    MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain (the op is not called); the op's
+    arguments, kept between calls, follow a replaced projection."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.quant import QuantOptions, quantize_model
 
@@ -311,6 +312,11 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
             x = torch.zeros(1, 1, model.spec.hidden_size, dtype=torch.bfloat16)
             assert m._int4_block(x, m.new_cache(1)) is not None
             assert m._int4_block(x.float(), m.new_cache(1)) is None  # the weights compute in bf16
+            o = m.o_proj  # the arguments are kept between calls, but follow the module
+            m.o_proj = torch.nn.Linear(o.in_features, o.out_features, bias=False, dtype=torch.bfloat16)
+            assert m._int4_block(x, m.new_cache(1)) is None
+            m.o_proj = o
+            assert m._int4_block(x, m.new_cache(1))[0][6] is o.int4.packed
     dense = load_model(tmp_path, torch.bfloat16)
     att = next(m for m in dense.modules() if isinstance(m, MLAttention))
     assert att._int4_block(torch.zeros(1, 1, dense.spec.hidden_size, dtype=torch.bfloat16), att.new_cache(1)) is None

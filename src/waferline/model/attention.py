@@ -273,13 +273,31 @@ class MLAttention(nn.Module):
         return self._absorbed
 
     def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
-        """``waferline::mla_attend_int4``'s weight arguments when this block can run as that one op for ``x``: a
-        decode step (one token per row, at most MLA_FUSED_MAX_ROWS rows, as the fused absorbed decode takes) on CPU,
-        a full-attention cache, every projection an int4 weight in waferline's CPU layout without a bias, computing in
-        x's dtype, norms in x's dtype. None otherwise (the eager chain below, which computes the same numbers)."""
+        """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights and
+        epsilons) when this block can run as that one op for ``x``: a decode step (one token per row, at most
+        MLA_FUSED_MAX_ROWS rows, as the fused absorbed decode takes) on CPU, a full-attention cache, every projection
+        an int4 weight in waferline's CPU layout without a bias, computing in x's dtype, norms in x's dtype. None
+        otherwise (the eager chain below, which computes the same numbers). Built once per dtype and reused while every
+        module and tensor it was built from is still the one the block holds (checked by identity, as MoE's are):
+        looking them up through the modules took ~30 us a layer."""
         if (x.shape[1] != 1 or x.shape[0] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
                 or not kernels.available()):
             return None
+        c = self.__dict__.get("_int4_cache")
+        if c is not None and c[0] is x.dtype and all(d.get(k) is v for d, k, v in c[1]):
+            return c[2]
+        deps: list[tuple[dict, str, Any]] = []
+
+        def look(d: dict, key: str) -> Any:
+            v = d.get(key)
+            deps.append((d, key, v))
+            return v
+
+        args = self._int4_args(x.dtype, look)
+        self.__dict__["_int4_cache"] = (x.dtype, deps, args)
+        return args
+
+    def _int4_args(self, dtype: torch.dtype, look: Any) -> tuple | None:
         names = ("q_a_proj", "q_b_proj") if self.spec.q_lora_rank else (None, "q_proj")
         w: list[torch.Tensor] = []
         groups: list[int] = []
@@ -288,16 +306,19 @@ class MLAttention(nn.Module):
                 w += [_EMPTY, _EMPTY]
                 groups.append(0)
                 continue
-            q = getattr(getattr(self, name), "int4", None)
-            if (q is None or q.backend != "cpu_waferline" or q.compute_dtype != x.dtype or q.lead
-                    or getattr(self, name).bias is not None):
+            lin = look(self._modules, name)
+            q = look(lin._modules, "int4") if lin is not None else None
+            if (q is None or q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead
+                    or look(lin._parameters, "bias") is not None):
                 return None
-            w += [q.packed, q.scales_zeros]
+            w += [look(q._buffers, "packed"), look(q._buffers, "scales_zeros")]
             groups.append(q.group_size)
-        norms = [self.kv_a_layernorm] + ([self.q_a_layernorm] if self.spec.q_lora_rank else [])
-        if any(nm.weight.dtype != x.dtype for nm in norms):
+        kv = look(self._modules, "kv_a_layernorm")
+        qn = look(self._modules, "q_a_layernorm") if self.spec.q_lora_rank else kv
+        norms = [look(kv._parameters, "weight"), look(qn._parameters, "weight")]
+        if any(nw is None or nw.dtype != dtype for nw in norms):
             return None
-        return w, groups
+        return w, groups, norms[1], norms[0], qn.eps, kv.eps
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
@@ -310,10 +331,10 @@ class MLAttention(nn.Module):
                 cache._grow(end)
             cos, sin = self.rotary.cos_sin(batch.positions(), batch)
             w_uk, w_uv = self.absorbed()
-            qn = self.q_a_layernorm if s.q_lora_rank else self.kv_a_layernorm
-            return torch.ops.waferline.mla_attend_int4(
-                x, fused[0], fused[1], qn.weight, self.kv_a_layernorm.weight, qn.eps, self.kv_a_layernorm.eps, cos, sin,
-                self.rotary.interleaved, cache.data, batch.slots, batch.start, w_uk, w_uv, self.scale)
+            w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
+            return torch.ops.waferline.mla_attend_int4(x, w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin,
+                                                       self.rotary.interleaved, cache.data, batch.slots, batch.start,
+                                                       w_uk, w_uv, self.scale)
         if s.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
