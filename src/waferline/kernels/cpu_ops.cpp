@@ -940,11 +940,11 @@ void int4_block_i16(const int16_t* xq, const float* sx, const float* xs, const u
         const __m256i w[4] = {_mm256_unpacklo_epi8(lo, zero), _mm256_unpackhi_epi8(lo, zero),
                               _mm256_unpacklo_epi8(hi, zero), _mm256_unpackhi_epi8(hi, zero)};
         for (int m = 0; m < M; ++m) {
-          const int16_t* xm = xq + m * K + k0;
-          __m256i p = _mm256_madd_epi16(w[0], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm)));
-          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[1], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 16))));
-          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[2], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 32))));
-          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[3], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xm + 48))));
+          const __m256i* xm = reinterpret_cast<const __m256i*>(xq + m * K + k0);
+          __m256i p = _mm256_madd_epi16(w[0], _mm256_loadu_si256(xm));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[1], _mm256_loadu_si256(xm + 1)));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[2], _mm256_loadu_si256(xm + 2)));
+          p = _mm256_add_epi32(p, _mm256_madd_epi16(w[3], _mm256_loadu_si256(xm + 3)));
           acc[m] = _mm256_add_epi32(acc[m], p);
         }
       }
@@ -1018,7 +1018,8 @@ void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
 #if defined(__AVX2__) && defined(__FMA__)
   if (!g_portable.load(std::memory_order_relaxed)) {
     if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {  // 16-bit x: integer kernel
-      if (G % INT4_BLOCK == 0 && G <= I16_MAX_GROUP && g_int_act.load(std::memory_order_relaxed)) return int4_rows_i16<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
+      if (G % INT4_BLOCK == 0 && G <= I16_MAX_GROUP && g_int_act.load(std::memory_order_relaxed))
+        return int4_rows_i16<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
     }
     switch (M) {
       case 1: return int4_rows_avx2<1, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
@@ -1130,7 +1131,8 @@ void int8_block_i16(const int16_t* xq, const float* sx, const int8_t* q, const S
       for (int m = 0; m < M; ++m) {
         const int16_t* xm = xq + m * K + k0;
         __m256i a = _mm256_add_epi32(_mm256_madd_epi16(w0, ld16(xm)), _mm256_madd_epi16(w1, ld16(xm + 16)));
-        a = _mm256_add_epi32(a, _mm256_add_epi32(_mm256_madd_epi16(w2, ld16(xm + 32)), _mm256_madd_epi16(w3, ld16(xm + 48))));
+        const __m256i b = _mm256_add_epi32(_mm256_madd_epi16(w2, ld16(xm + 32)), _mm256_madd_epi16(w3, ld16(xm + 48)));
+        a = _mm256_add_epi32(a, b);
         tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
       }
     }
@@ -1139,7 +1141,8 @@ void int8_block_i16(const int16_t* xq, const float* sx, const int8_t* q, const S
       const int64_t g = K64 / I8_GROUP;
       for (int m = 0; m < M; ++m) {
         __m256i a = _mm256_setzero_si256();
-        for (int64_t k = K64; k < K16; k += 16) a = _mm256_add_epi32(a, _mm256_madd_epi16(w16(qr + k), ld16(xq + m * K + k)));
+        for (int64_t k = K64; k < K16; k += 16)
+          a = _mm256_add_epi32(a, _mm256_madd_epi16(w16(qr + k), ld16(xq + m * K + k)));
         int32_t t = 0;
         for (int64_t k = K16; k < K; ++k) t += qr[k] * xq[m * K + k];
         tot[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx[m * ng + g]), tot[m]);
@@ -1163,8 +1166,10 @@ void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, 
       for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, std::fabs(xf[m * K + k]));
       const float inv = mx > 0.f ? 32767.f / mx : 0.f;
       sx[m * ng + g] = mx > 0.f ? mx / 32767.f : 0.f;
-      for (int64_t k = k0; k < k1; ++k)
-        xq[m * K + k] = static_cast<int16_t>(std::clamp(static_cast<int>(std::nearbyint(xf[m * K + k] * inv)), -32767, 32767));
+      for (int64_t k = k0; k < k1; ++k) {
+        const int v = static_cast<int>(std::nearbyint(xf[m * K + k] * inv));
+        xq[m * K + k] = static_cast<int16_t>(std::clamp(v, -32767, 32767));
+      }
     }
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x
@@ -1186,7 +1191,8 @@ void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, 
 #endif
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(), "waferline::int8_linear: CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(),
+              "waferline::int8_linear: CPU tensors only");
   TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && scale.dim() == 1 && scale.size(0) == q.size(0) &&
                   x.size(-1) == q.size(1),
               "waferline::int8_linear: x [..., K], q int8 [N, K], scale [N]");
@@ -1537,7 +1543,8 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
                            const at::Tensor& kva_norm, double eps_q, double eps_kv, const at::Tensor& cos2,
                            const at::Tensor& sin2, bool interleaved, at::Tensor& cache, const at::Tensor& slots,
                            const at::Tensor& pos, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale) {
-  TORCH_CHECK(w.size() == 8 && groups.size() == 4, "waferline::mla_attend_int4: 4 int4 weights (packed, scales) and 4 groups");
+  TORCH_CHECK(w.size() == 8 && groups.size() == 4,
+              "waferline::mla_attend_int4: 4 int4 weights (packed, scales) and 4 groups");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "waferline::mla_attend_int4: x must be [B, 1, D]");
   TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == x.scalar_type() && cache.is_contiguous(),
               "waferline::mla_attend_int4: cache must be a contiguous [slots, capacity, r + rope] tensor of x's dtype");
@@ -1563,7 +1570,8 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   } else {
     q = int4_linear(x, w[2], w[3], groups[1]);
   }
-  TORCH_CHECK(q.size(-1) == H * (n + p), "waferline::mla_attend_int4: q has ", q.size(-1), " outputs, want H (nope + rope)");
+  TORCH_CHECK(q.size(-1) == H * (n + p), "waferline::mla_attend_int4: q has ", q.size(-1),
+              " outputs, want H (nope + rope)");
   q = q.view({B, 1, H, n + p});
   auto ckv = int4_linear(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
   auto c = rms_norm(ckv.narrow(-1, 0, r), kva_norm, eps_kv);
