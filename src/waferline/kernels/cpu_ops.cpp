@@ -647,6 +647,18 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// 16-bit fixed point of activations (the integer kernels below): over a span of x, sx = max|x| / 32767 and
+// xi = round(x / sx), so x ~ sx * xi with |xi| <= 32767; an all-zero span has sx = 0 and xi = 0
+inline float fixed16_inv(const float* x, int64_t n, float* sx) {  // -> 1 / sx (0 for an all-zero span); sets sx
+  float mx = 0.f;
+  for (int64_t k = 0; k < n; ++k) mx = std::max(mx, std::fabs(x[k]));
+  *sx = mx > 0.f ? mx / 32767.f : 0.f;
+  return mx > 0.f ? 32767.f / mx : 0.f;
+}
+inline int16_t fixed16(float v, float inv) {
+  return static_cast<int16_t>(std::clamp(static_cast<int>(std::nearbyint(v * inv)), -32767, 32767));
+}
+
 // ---------------------------------------------------------------- int4 weights (W4A16) in waferline's own layout
 // packed uint8 [N, K/2] in blocks of 64 inputs (32 bytes): byte b holds the code of input k0 + lo_k(b) in its low nibble
 // and of k0 + 32 + lo_k(b) in its high one (codes 0..15; lo_k, below, is the order the AVX2 kernel's widening produces,
@@ -903,14 +915,12 @@ inline void i16_quantize(const float* xf, int64_t M, int64_t K, int64_t G, int16
   for (int64_t m = 0; m < M; ++m) {
     const float* x = xf + m * K;
     for (int64_t g = 0; g < ng; ++g) {
-      float mx = 0.f;
-      for (int64_t k = g * G; k < (g + 1) * G; ++k) mx = std::max(mx, std::fabs(x[k]));
-      const float s = mx > 0.f ? mx / 32767.f : 0.f, inv = mx > 0.f ? 32767.f / mx : 0.f;
+      float s;
+      const float inv = fixed16_inv(x + g * G, G, &s);
       int64_t sum = 0;
       for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += INT4_BLOCK)
         for (int j = 0; j < INT4_BLOCK; ++j) {
-          const int v = static_cast<int>(std::nearbyint(x[k0 + i16_lane_input(j)] * inv));
-          xq[m * K + k0 + j] = static_cast<int16_t>(std::clamp(v, -32767, 32767));
+          xq[m * K + k0 + j] = fixed16(x[k0 + i16_lane_input(j)], inv);
           sum += xq[m * K + k0 + j];
         }
       sx[m * ng + g] = s;
@@ -1162,14 +1172,8 @@ void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, 
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t k0 = g * I8_GROUP, k1 = std::min(K, k0 + I8_GROUP);
-      float mx = 0.f;
-      for (int64_t k = k0; k < k1; ++k) mx = std::max(mx, std::fabs(xf[m * K + k]));
-      const float inv = mx > 0.f ? 32767.f / mx : 0.f;
-      sx[m * ng + g] = mx > 0.f ? mx / 32767.f : 0.f;
-      for (int64_t k = k0; k < k1; ++k) {
-        const int v = static_cast<int>(std::nearbyint(xf[m * K + k] * inv));
-        xq[m * K + k] = static_cast<int16_t>(std::clamp(v, -32767, 32767));
-      }
+      const float inv = fixed16_inv(xf + m * K + k0, k1 - k0, &sx[m * ng + g]);
+      for (int64_t k = k0; k < k1; ++k) xq[m * K + k] = fixed16(xf[m * K + k], inv);
     }
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x

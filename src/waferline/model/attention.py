@@ -14,7 +14,7 @@ from torch import nn
 
 from waferline import kernels
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale
+from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale, kept_args
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
 
@@ -283,21 +283,14 @@ class MLAttention(nn.Module):
         if (x.shape[1] != 1 or x.shape[0] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
                 or not kernels.available()):
             return None
-        c = self.__dict__.get("_int4_cache")
-        if c is not None and c[0] is x.dtype and all(d.get(k) is v for d, k, v in c[1]):
-            return c[2]
-        deps: list[tuple[dict, str, Any]] = []
+        return kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
 
+    def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
         def look(d: dict, key: str) -> Any:
             v = d.get(key)
             deps.append((d, key, v))
             return v
 
-        args = self._int4_args(x.dtype, look)
-        self.__dict__["_int4_cache"] = (x.dtype, deps, args)
-        return args
-
-    def _int4_args(self, dtype: torch.dtype, look: Any) -> tuple | None:
         names = ("q_a_proj", "q_b_proj") if self.spec.q_lora_rank else (None, "q_proj")
         w: list[torch.Tensor] = []
         groups: list[int] = []

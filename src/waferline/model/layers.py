@@ -14,6 +14,20 @@ from waferline.errors import ConfigError
 from waferline.model.weights import WeightSource, copy_into
 
 
+def kept_args(owner: nn.Module, slot: str, dtype: torch.dtype, build: Any) -> Any:
+    """A fused op's arguments for ``owner``, built once per dtype by ``build(deps)`` and reused while every
+    ``(dict, key, value)`` the builder appended to ``deps`` still holds that value (checked by identity at each call:
+    quantizing, a hook or ``.to()`` replace a tensor or module, and the arguments are rebuilt). The decode step then
+    does not look its weights up through the modules every token. ``deps`` must not hold ``owner.__dict__`` itself
+    (a cycle: the weights would outlive the model until the garbage collector ran)."""
+    c = owner.__dict__.get(slot)
+    if c is not None and c[0] is dtype and all(d.get(k) is v for d, k, v in c[1]):
+        return c[2]
+    deps: list[tuple[dict, str, Any]] = []
+    args = build(deps)
+    owner.__dict__[slot] = (dtype, deps, args)
+    return args
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back, as the reference implementations do."""
 

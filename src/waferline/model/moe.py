@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from waferline import kernels
 from waferline.errors import CheckpointError, ConfigError
-from waferline.model.layers import packed_linear
+from waferline.model.layers import kept_args, packed_linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
@@ -473,22 +473,18 @@ class MoE(nn.Module):
         if not (x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
                 and "expert_linear" not in self.__dict__ and kernels.available()):
             return None
-        c = self.__dict__.get("_fused_cache")
-        if c is not None and c[0] is x.dtype and all(d.get(k) is v for d, k, v in c[1]):
-            return c[2]
-        # (the module's own __dict__ is not among the dicts kept: it would hold itself, a cycle keeping the weights
-        # alive after the model is dropped until the garbage collector runs)
-        deps = [(d, k, d.get(k)) for d, k in ((self._parameters, "gate_weight"), (self._parameters, "gate_bias"),
-                                               (self._buffers, "e_score_correction_bias"))]
+        return kept_args(self, "_fused_cache", x.dtype, lambda deps: self._build_fused_args(x, deps))
+
+    def _build_fused_args(self, x: Tensor, deps: list) -> tuple[tuple, tuple] | None:
+        deps += [(d, k, d.get(k)) for d, k in ((self._parameters, "gate_weight"), (self._parameters, "gate_bias"),
+                                                (self._buffers, "e_score_correction_bias"))]
         gw, gb, cb = (v for _, _, v in deps)
         ffn = self._fused_weights(x, deps)
         if ffn is None or gw is None or gw.dtype != torch.float32:
-            self.__dict__["_fused_cache"] = (x.dtype, deps, None)
             return None
         s = self.spec
         route = (gw, _NONE if gb is None else gb, _NONE if cb is None else cb, self.top_k, s.scoring == "softmax",
                  s.softmax_after_topk, s.n_group, s.topk_group, self.group_top2, s.norm_topk_prob, s.routed_scaling)
-        self.__dict__["_fused_cache"] = (x.dtype, deps, (route, ffn))
         return route, ffn
 
     def forward(self, x: Tensor) -> Tensor:

@@ -313,6 +313,12 @@ def _einsum_flops(eq: str, ops: list[Any]) -> float:
 FUSED_OPS = ("mla_decode", "ssm_update", "mamba2_mix", "silu_mul", "rms_norm")  # waferline.kernels, own calibrated rates
 
 
+def mla_decode_flops(heads: int, rows: int, nope: int, rank: int, rope: int, v: int, seen: float) -> float:
+    """FLOPs of the absorbed MLA decode: per head and query row W_UK into the query and W_UV after attention; per
+    (query row, key) pair attended (``seen``) the score over latent and rope parts and the weighted latent sum."""
+    return 2.0 * heads * (rows * (nope * rank + v * rank) + seen * (2 * rank + rope))
+
+
 def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
     """The work unit a fused operator's time is proportional to: mla_decode, its FLOPs (absorbed MLA: W_UK into the
     query, scores and weighted sum over the latents, W_UV); ssm_update and mamba2_mix (the whole Mamba-2 mixer between
@@ -324,7 +330,7 @@ def fused_units(name: str, ins: list[Any], outs: list[Any]) -> float:
         mask = ins[3] if len(ins) == 6 else None
         # (token, latent) pairs attended: masked ones are skipped (a causal prefill attends to about half)
         seen = float((~mask).sum()) if mask is not None and mask.numel() else float(B * T * L)
-        return 2.0 * H * (B * T * (n * r + v * r) + seen * (2 * r + p))
+        return mla_decode_flops(H, B * T, n, r, p, v, seen)
     if name == "ssm_update":
         h, dA = ins[0], ins[1]  # h [B, H, P, N], dA [B, T, H]
         return float(h.numel() * dA.shape[1])
@@ -399,7 +405,7 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     end = max(pl) + 1
     seen = float(sum(q + 1 for q in pl))  # keys past a row's own position are masked (skipped)
     add("fused|mla_decode|calls", 1.0)
-    add("fused|mla_decode|units", 2.0 * H * (B * (n * r + v * r) + seen * (2 * r + p)))
+    add("fused|mla_decode|units", mla_decode_flops(H, B, n, r, p, v, seen))
     add("fused|mla_decode|bytes", float(B * end * R * el + (w_uk.numel() + w_uv.numel()) * 4 + B * H * (n + p + v) * el))
     ops += 1
     small = float(B * (H + 1) * p * el * 2 * 2  # rope in and out, and the cat that builds its input
