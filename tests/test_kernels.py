@@ -282,11 +282,15 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
     model = load_model(tmp_path, torch.bfloat16)
     quantize_model(model, QuantOptions(group_size=32))
     calls = {"n": 0}
-    op = torch.ops.waferline.mla_attend_int4
+    op, layer_op = torch.ops.waferline.mla_attend_int4, torch.ops.waferline.mla_moe_layer
 
     def counting(*a):
         calls["n"] += 1
         return op(*a)
+
+    def counting_layer(*a):  # an MLA + MoE layer runs mla_attend_int4 inside its own op
+        calls["n"] += 1
+        return layer_op(*a)
 
     g = torch.Generator().manual_seed(11)
     cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([4, 4, 4, 4], [0, 1, 2, 3], 4),
@@ -300,6 +304,7 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
             calls["n"] = 0
             with monkeypatch.context() as mp:
                 mp.setattr(torch.ops.waferline, "mla_attend_int4", counting)
+                mp.setattr(torch.ops.waferline, "mla_moe_layer", counting_layer)
                 fused, cf = decode_logits(model, prompts, slots, nslots, return_caches=True)
             n_mla = sum(isinstance(m, MLAttention) for m in model.modules())
             assert calls["n"] == (4 * n_mla if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
@@ -353,6 +358,115 @@ def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_threa
     for k in ("fused|mla_decode|units", "fused|mla_decode|calls", "fused|rms_norm|units"):
         assert fused[k] == pytest.approx(eager[k]), k
     assert n_fused < n_eager
+
+
+def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread):
+    """The op counter prices waferline::mla_moe_layer (a whole MLA + MoE layer's decode step) by its parts: the same
+    int4 calls (the attention's, and the experts' as routed), rms_norm elements and mla_decode FLOPs as the modules'
+    path counts for a decode step of 3 rows at different positions, the FFN's under ``ffn_label`` as the twin's
+    label-only hooks put the modules' FFN ops; no more ops than the modules' path."""
+    from waferline.model.decoder import LABEL_ONLY, DecoderLayer
+    from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.sim.measure import OpCounter
+
+    build("deepseek_v3", tmp_path, q_lora_rank=64)
+    model = load_model(tmp_path, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=32))
+    layer = model.layers[-1]  # MLA + MoE
+
+    def step_work(fused: bool) -> dict:
+        c = OpCounter()
+        c.ffn_label = lambda lab: "ffn"
+        pre = lambda m, a: setattr(c, "label", "ffn")  # noqa: E731
+        post = lambda m, a, o: setattr(c, "label", "layer")  # noqa: E731
+        for f in (pre, post):
+            setattr(f, LABEL_ONLY, True)
+        hooks = [layer.ffn.register_forward_pre_hook(pre), layer.ffn.register_forward_hook(post)]
+        with monkeypatch.context() as mp:
+            if not fused:
+                mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)
+            caches = model.new_caches(3)
+            with torch.inference_mode():
+                for b, k in enumerate((5, 9, 7)):
+                    model(torch.arange(3, 3 + k)[None], caches, StepBatch.make([b], [0], k))
+                x = torch.randn(3, 1, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
+                with c:
+                    c.label = "layer"
+                    layer(x.to(torch.bfloat16), caches[-1], StepBatch.make([0, 1, 2], [5, 9, 7], 1))
+        for h in hooks:
+            h.remove()
+        return c
+
+    eager, fused = step_work(False), step_work(True)
+    for lab in ("layer", "ffn"):
+        e, f = eager.work[lab], fused.work[lab]
+        keys = [k for k in e if k.startswith("call|int4")]
+        assert keys and {k: f.get(k) for k in keys} == {k: e[k] for k in keys}, lab
+        assert not [k for k in f if k.startswith("call|") and k not in e], lab
+    for k in ("fused|mla_decode|units", "fused|rms_norm|units"):
+        assert fused.work["layer"][k] == pytest.approx(eager.work["layer"][k]), k
+    assert sum(fused.counts.values()) <= sum(eager.counts.values())
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, monkeypatch, one_thread):
+    """waferline::mla_moe_layer (an int4 MLA + MoE decoder layer's decode step as one op) against DecoderLayer's
+    modules (norms, mla_attend_int4, the MoE block's two ops, the residual adds): bitwise the same logits and caches
+    over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions and 8 rows; called once
+    per MoE layer and step (not for the dense layer, nor past MLA_FUSED_MAX_ROWS rows); a forward hook on a part keeps
+    the modules' path (the op would skip it) unless it is marked label-only."""
+    from waferline.model.attention import MLA_FUSED_MAX_ROWS
+    from waferline.model.decoder import LABEL_ONLY, DecoderLayer
+    from waferline.model.moe import MoE
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    build(model_type, tmp_path, **({"q_lora_rank": 64} if model_type == "deepseek_v3" else {}))
+    model = load_model(tmp_path, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=32))
+    n_moe = sum(isinstance(layer.ffn, MoE) for layer in model.layers)
+    assert 0 < n_moe < len(model.layers)
+    op = torch.ops.waferline.mla_moe_layer
+    calls = {"n": 0}
+
+    def counting(*a):
+        calls["n"] += 1
+        return op(*a)
+
+    def run(fuse_layers: bool, prompts, slots, nslots):
+        calls["n"] = 0
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.ops.waferline, "mla_moe_layer", counting)
+            if not fuse_layers:
+                mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)
+            return decode_logits(model, prompts, slots, nslots, return_caches=True)
+
+    g = torch.Generator().manual_seed(12)
+    cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([3] * 8, list(range(8)), 8),
+             ([3] * (MLA_FUSED_MAX_ROWS + 1), list(range(MLA_FUSED_MAX_ROWS + 1)), MLA_FUSED_MAX_ROWS + 1)]
+    with torch.inference_mode():
+        for lens, slots, nslots in cases:
+            prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
+            ref, cr = run(False, prompts, slots, nslots)
+            assert calls["n"] == 0
+            out, co = run(True, prompts, slots, nslots)
+            assert calls["n"] == (4 * n_moe if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            assert torch.equal(out, ref), lens
+            for a, b in zip(co, cr):
+                if a is not None and hasattr(a, "data"):
+                    assert torch.equal(a.data, b.data)
+        prompts = [[5, 6, 7]]
+        layer = next(layer for layer in model.layers if isinstance(layer.ffn, MoE))
+        seen = []
+        plain = layer.ffn.register_forward_hook(lambda m, a, o: seen.append(1))
+        run(True, prompts, [0], 1)
+        assert calls["n"] == 4 * (n_moe - 1) and len(seen) == 5  # that layer ran its modules (prefill + 4 steps)
+        plain.remove()
+        marked = lambda m, a, o: seen.append(2)  # noqa: E731
+        setattr(marked, LABEL_ONLY, True)
+        handle = layer.ffn.register_forward_hook(marked)
+        run(True, prompts, [0], 1)
+        handle.remove()
+        assert calls["n"] == 4 * n_moe and seen.count(2) == 1  # the prefill only: its decode steps ran as the op
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])

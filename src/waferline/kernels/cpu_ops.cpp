@@ -1591,6 +1591,35 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   return int4_linear(out, w[6], w[7], groups[3]);
 }
 
+// ---------------------------------------------------------------- a decoder layer's decode step, MLA + MoE
+// What DecoderLayer.forward computes for rows of one new token each when its mixer runs as mla_attend_int4 and its FFN
+// as moe_route + moe_ffn: h = x + mla(rms(x)); out = h + moe(rms(h)). The same functions in the same order on the same
+// tensors (the same numbers); it saves the Python of the layer, its two norms, the attention block and the MoE block
+// and their ~10 op calls between them. Returns (out, the experts chosen [B, k]: what an op counter needs to price the
+// expert products).
+std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
+                         at::IntArrayRef groups, const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q,
+                         double eps_kv, const at::Tensor& cos2, const at::Tensor& sin2, bool interleaved,
+                         at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos, const at::Tensor& w_uk,
+                         const at::Tensor& w_uv, double scale, const at::Tensor& ffn_norm, double ffn_eps,
+                         const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
+                         bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group,
+                         bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
+                         int64_t shared_inter) {
+  TORCH_CHECK(moe_w.size() == 8, "waferline::mla_moe_layer: 8 MoE weights (gate_up, down, shared gate_up, shared "
+              "down, each with its scales)");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mla_moe_layer: contiguous x [B, 1, D]");
+  const int64_t B = x.size(0), D = x.size(2);
+  auto h = x + mla_attend_int4(rms_norm(x, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2,
+                               sin2, interleaved, cache, slots, pos, w_uk, w_uv, scale);
+  auto hn = rms_norm(h, ffn_norm, ffn_eps).view({B, D});
+  auto routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
+                          group_top2, norm, scaling);
+  auto m = moe_ffn(hn.contiguous(), std::get<0>(routed), std::get<1>(routed), moe_w[0], moe_w[1], moe_w[2], moe_w[3],
+                   moe_w[4], moe_w[5], moe_w[6], moe_w[7], group, inter, shared_inter);
+  return {h + m.view({B, 1, D}), std::get<1>(routed)};
+}
+
 // ---------------------------------------------------------------- Mamba-2 state update (decode, speculative verify)
 // h [Bs, H, P, N] fp32, updated in place; dA [Bs, T, H], dtx = dt x [Bs, T, H, P], Bm / Cm [Bs, T, G, N], all fp32;
 // heads of a group share B and C (group = head / (H / G)). For each new token t in order:
@@ -1824,6 +1853,12 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_attend_int4(Tensor x, Tensor[] w, int[] groups, Tensor qa_norm, Tensor kva_norm, float eps_q, float eps_kv, "
         "Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, Tensor slots, Tensor pos, Tensor w_uk, "
         "Tensor w_uv, float scale) -> Tensor");
+  m.def("mla_moe_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor[] w, int[] groups, Tensor qa_norm, "
+        "Tensor kva_norm, float eps_q, float eps_kv, Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, "
+        "Tensor slots, Tensor pos, Tensor w_uk, Tensor w_uv, float scale, Tensor ffn_norm, float ffn_eps, "
+        "Tensor gate_w, Tensor gate_b, Tensor corr, int k, bool softmax_scores, bool softmax_after_topk, int n_group, "
+        "int topk_group, bool group_top2, bool norm, float scaling, Tensor[] moe_w, int group, int inter, "
+        "int shared_inter) -> (Tensor, Tensor)");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
@@ -1850,6 +1885,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("gqa_decode", &gqa_decode);
   m.impl("mla_decode", &mla_decode);
   m.impl("mla_attend_int4", &mla_attend_int4);
+  m.impl("mla_moe_layer", &mla_moe_layer);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_wide", &linear_wide);

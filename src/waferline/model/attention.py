@@ -313,21 +313,28 @@ class MLAttention(nn.Module):
             return None
         return w, groups, norms[1], norms[0], qn.eps, kv.eps
 
+    def step_args(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> tuple | None:
+        """``waferline::mla_attend_int4``'s arguments after ``x`` for this step when the block runs as that op (see
+        :meth:`_int4_block`; the cache grown to the step's end first), else None."""
+        fused = self._int4_block(x, cache)
+        if fused is None:
+            return None
+        end = batch.end
+        if end > cache.capacity:
+            cache._grow(end)
+        cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+        w_uk, w_uv = self.absorbed()
+        w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
+        return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, cache.data, batch.slots,
+                batch.start, w_uk, w_uv, self.scale)
+
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
-        fused = self._int4_block(x, cache)
+        fused = self.step_args(x, cache, batch)
         if fused is not None:  # the chain below as one op (decode rows, int4 projections)
-            end = batch.end
-            if end > cache.capacity:
-                cache._grow(end)
-            cos, sin = self.rotary.cos_sin(batch.positions(), batch)
-            w_uk, w_uv = self.absorbed()
-            w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
-            return torch.ops.waferline.mla_attend_int4(x, w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin,
-                                                       self.rotary.interleaved, cache.data, batch.slots, batch.start,
-                                                       w_uk, w_uv, self.scale)
+            return torch.ops.waferline.mla_attend_int4(x, *fused)
         if s.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:

@@ -416,6 +416,24 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     return work, ops
 
 
+def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
+    """The ops one ``waferline::mla_moe_layer`` (a decoder layer's decode step, MLA + MoE) runs inside, as
+    ``(op name, None for the layer's part or "ffn" for the FFN's, its arguments, its output)``: what the modules' path
+    dispatches for the same step (the two norms, the attention block, the residual adds, the router and the experts),
+    so that the op counter prices the fused layer by the same operators."""
+    import torch
+
+    x, n1, e1 = args[0], args[1], args[2]
+    attn, (n2, e2), route, moe_w, moe_dims = args[3:18], args[18:20], args[20:31], list(args[31]), args[32:35]
+    y, idx = out
+    B, D = int(x.shape[0]), int(x.shape[-1])
+    hn = x.view(B, D)  # the FFN input's shape and dtype (the op does not return it)
+    weights = idx.new_empty(idx.shape, dtype=torch.float32)
+    return [("rms_norm", None, (x, n1, e1), x), ("mla_attend_int4", None, (x, *attn), x), ("add", None, (x, x), x),
+            ("rms_norm", None, (x, n2, e2), x), ("moe_route", "ffn", (hn, *route), (weights, idx)),
+            ("moe_ffn", "ffn", (hn, weights, idx, *moe_w, *moe_dims), hn), ("add", None, (x, x), y)]
+
+
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -435,15 +453,24 @@ class OpCounter:
         self.counts: dict[Any, int] = {}
         self.work: dict[Any, dict[str, float]] = {}
         self.label: Any = None
+        # the label a fused layer's FFN part is counted under, from the layer's label (the twin: layer i -> "f{i}",
+        # as its hooks label the FFN module's own ops); by default the layer's
+        self.ffn_label: Any = lambda label: label
         self.mode = _Mode()
 
     def _record(self, func: Any, args: Any, out: Any) -> None:
+        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
+        if name == "mla_moe_layer":  # a whole MLA + MoE decoder layer: its parts, as the modules' path runs them
+            for part, lab, part_args, part_out in mla_moe_layer_parts(args, out):
+                self._account(part, self.label if lab is None else self.ffn_label(self.label), part_args, part_out)
+            return
+        self._account(name, self.label, args, out)
+
+    def _account(self, name: str, lab: Any, args: Any, out: Any) -> None:
         import torch
 
-        lab = self.label
         self.counts[lab] = self.counts.get(lab, 0) + 1
         w = self.work.setdefault(lab, {})
-        name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
         ins = _tensors(args)
         outs = _tensors(out)
         nbytes = _op_bytes(name, ins, outs)

@@ -222,6 +222,7 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
     from waferline.model.context import StepBatch
+    from waferline.model.decoder import LABEL_ONLY
     from waferline.sim.measure import OpCounter
 
     kw: dict[str, Any] = {}
@@ -231,13 +232,20 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     model = llm.model
     idx = list(model.layer_range)
     counter = OpCounter()
+    counter.ffn_label = lambda i: f"f{i}"  # a fused layer's FFN part (waferline::mla_moe_layer), as the hooks label it
     hooks = []
+
+    def label_only(fn: Any) -> Any:  # these hooks only label: the engine still runs a layer as one op (see _hooked)
+        setattr(fn, LABEL_ONLY, True)
+        return fn
+
     for i, layer in zip(idx, model.layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
         if getattr(layer, "ffn", None) is not None:  # the FFN part separately (what AFD's FFN ranks run)
-            hooks.append(layer.ffn.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", f"f{i}")))
-            hooks.append(layer.ffn.register_forward_hook(lambda m, a, o, i=i: setattr(counter, "label", i)))
+            hooks.append(layer.ffn.register_forward_pre_hook(
+                label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
+            hooks.append(layer.ffn.register_forward_hook(label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
     prompts = make_prompts(llm.spec.vocab_size, max(decode_rows, prefill_rows), prompt_len)
 
     def run(rows: int, max_tokens: int) -> tuple[dict[Any, dict[str, float]], dict[str, float]]:
