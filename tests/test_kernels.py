@@ -217,6 +217,41 @@ def test_mla_decode_bf16_matches_eager(tmp_path, eager, one_thread):
     assert torch.equal(fused[:-1].argmax(-1), ref[:-1].argmax(-1))
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_mla_decode_op_against_float64(portable):
+    """waferline::mla_decode (absorbed MLA attention: W_UK into the queries, scores, softmax, weighted latents, W_UV)
+    against the same formula in float64: one row and many, T > 1 with per-token masks, heads not a multiple of the
+    kernel's block of 4, latent widths with and without a vector tail; masked cache rows holding NaN (a slot's stale
+    or unwritten rows) do not reach the output; the vector kernels and the portable loops."""
+    g = torch.Generator().manual_seed(5)
+    prev = torch.ops.waferline.use_portable(portable)
+    try:
+        for B, T, H, n, p, r, v, L in [(1, 1, 8, 64, 32, 128, 64, 131), (3, 1, 8, 64, 32, 128, 64, 40),
+                                       (2, 3, 5, 16, 8, 32, 16, 9), (1, 1, 3, 16, 4, 20, 12, 7)]:
+            qn, qr = torch.randn(B, T, H, n, generator=g), torch.randn(B, T, H, p, generator=g)
+            lat = torch.randn(B, L, r + p, generator=g)
+            wuk, wuv = torch.randn(H, n, r, generator=g) * 0.1, torch.randn(H, v, r, generator=g) * 0.1
+            blocked = torch.rand(B, T, L, generator=g) < 0.3
+            blocked[..., 0] = False
+            for mask in (None, blocked):
+                q_lat = torch.einsum("bthn,hnr->bthr", qn.double(), wuk.double())
+                s = (torch.einsum("bthr,blr->bthl", q_lat, lat[..., :r].double())
+                     + torch.einsum("bthp,blp->bthl", qr.double(), lat[..., r:].double())) * 0.1
+                if mask is not None:
+                    s = s.masked_fill(mask[:, :, None, :], float("-inf"))
+                o = torch.einsum("bthl,blr->bthr", torch.softmax(s, -1), lat[..., :r].double())
+                ref = torch.einsum("bthr,hvr->bthv", o, wuv.double()).reshape(B, T, H * v)
+                stale = lat.clone()
+                if mask is not None:
+                    stale[mask.all(1)] = float("nan")  # rows every token of the row masks
+                none = torch.empty(0, dtype=torch.bool)
+                out = torch.ops.waferline.mla_decode(qn, qr, stale, none if mask is None else mask, wuk, wuv, 0.1,
+                                                     torch.float32)
+                torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread, dtype):
     """Mamba-2's fused mixer (waferline::mamba2_mix: conv, activations, state update and gated norm between the two

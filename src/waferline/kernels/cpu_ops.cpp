@@ -1451,57 +1451,158 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
 // blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
 // Per (b, t, h), all in fp32: q_lat = q_nope W_UK; s_l = scale (q_lat . c_l + q_rope . k_rope_l); p = softmax(s);
 // o = sum_l p_l c_l; out = o W_UV^T -> [B, T, H * v] in ``out_dtype``.
+// In three passes: W_UK into every query row (head by head, so each head's W_UK is read once for all rows), then
+// attention for blocks of MLA_HEADS heads of one query row at a time (each cache row is loaded once for the block),
+// then W_UV (head by head again). The first version, one (row, head) at a time, re-read each head's weights per row
+// and each cache row per head.
+constexpr int64_t MLA_HEADS = 4;
+
+// s[h * L + l] = scale * (q_h . c_l) for the MLA_HEADS query rows q_h = q + h * R and cache rows c_l = lat + l * R
+inline void mla_scores(const float* q, const float* lat, int64_t L, int64_t R, float scale, float* s) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (R % 8 == 0 && !g_portable.load(std::memory_order_relaxed)) {
+    for (int64_t l = 0; l < L; ++l) {
+      const float* c = lat + l * R;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t j = 0; j < R; j += 8) {
+        const __m256 cv = _mm256_loadu_ps(c + j);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), cv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + R + j), cv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * R + j), cv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * R + j), cv, a3);
+      }
+      // the four sums at once: pairwise adds down to [a0 a1 a2 a3] in one 128-bit vector
+      const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+      const __m256 h = _mm256_hadd_ps(h01, h23);  // per 128-bit half: a0 a1 a2 a3 partial sums
+      const __m128 t = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+                                  _mm_set1_ps(scale));
+      alignas(16) float v[4];
+      _mm_store_ps(v, t);
+      for (int k = 0; k < 4; ++k) s[k * L + l] = v[k];
+    }
+    return;
+  }
+#endif
+  for (int64_t l = 0; l < L; ++l) {
+    float a[4];
+    dot4(lat + l * R, q, R, R, a);
+    for (int k = 0; k < 4; ++k) s[k * L + l] = a[k] * scale;
+  }
+}
+
+// o[h * r + j] = sum_l p[h * L + l] c_l[j] for the MLA_HEADS heads (c_l = lat + l * R, its first r entries); masked
+// cache rows (mk[l]) are skipped: whatever they hold (a slot's stale or unwritten rows) does not reach o
+inline void mla_weighted(const float* p, const float* lat, const bool* mk, int64_t L, int64_t R, int64_t r, float* o) {
+  int64_t j0 = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (!g_portable.load(std::memory_order_relaxed)) {
+    for (; j0 + 16 <= r; j0 += 16) {  // 16 columns x 4 heads in 8 registers, over every cache row
+      __m256 a[4][2];
+      for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = _mm256_setzero_ps();
+      for (int64_t l = 0; l < L; ++l) {
+        if (mk && mk[l]) continue;
+        const float* c = lat + l * R + j0;
+        const __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8);
+        for (int k = 0; k < 4; ++k) {
+          const __m256 pk = _mm256_broadcast_ss(p + k * L + l);
+          a[k][0] = _mm256_fmadd_ps(pk, c0, a[k][0]);
+          a[k][1] = _mm256_fmadd_ps(pk, c1, a[k][1]);
+        }
+      }
+      for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(o + k * r + j0, a[k][0]);
+        _mm256_storeu_ps(o + k * r + j0 + 8, a[k][1]);
+      }
+    }
+  }
+#endif
+  for (int k = 0; k < 4; ++k)
+    for (int64_t j = j0; j < r; ++j) o[k * r + j] = 0.f;
+  if (j0 == r) return;
+  for (int64_t l = 0; l < L; ++l) {
+    if (mk && mk[l]) continue;
+    const float* c = lat + l * R;
+    for (int k = 0; k < 4; ++k) {
+      const float pk = p[k * L + l];
+      float* ok = o + k * r;
+#pragma omp simd
+      for (int64_t j = j0; j < r; ++j) ok[j] += pk * c[j];
+    }
+  }
+}
+
+// softmax over L scores in place; masked ones (mk[l], when mk is given; whatever their score) get probability 0; all
+// masked: all 0. exp by vexp, vectorised (std::exp is a libm call per score).
+inline void mla_softmax(float* s, int64_t L, const bool* mk) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx = ninf;
+  for (int64_t l = 0; l < L; ++l)
+    if (mk && mk[l])
+      s[l] = ninf;
+    else
+      mx = std::max(mx, s[l]);
+  if (mx == ninf) {
+    for (int64_t l = 0; l < L; ++l) s[l] = 0.f;
+    return;
+  }
+  float den = 0.f;
+#pragma omp simd reduction(+ : den)
+  for (int64_t l = 0; l < L; ++l) {
+    // below e^-87 (~1.6e-38 of the largest): 0 (masked scores, -inf, land here too)
+    const float d = s[l] - mx;
+    const float e = d < -87.f ? 0.f : vexp(d);
+    s[l] = e;
+    den += e;
+  }
+  const float inv = 1.f / den;
+#pragma omp simd
+  for (int64_t l = 0; l < L; ++l) s[l] *= inv;
+}
+
 void mla_rows(const float* qn, const float* qr, const float* lat, const bool* blocked, const float* wuk, const float* wuv,
               float* out, int64_t B, int64_t T, int64_t H, int64_t n, int64_t p, int64_t r, int64_t v, int64_t L,
               float scale) {
-  const int64_t R = r + p;
-  const float ninf = -std::numeric_limits<float>::infinity();
-  // one (sequence, token, head) per task: heads are independent, so even one decode row splits across threads (its
-  // cache rows, a few tens of KB, are read once per head from the core's cache)
-  at::parallel_for(0, B * T * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(L * R, 1)), [&](int64_t i0, int64_t i1) {
-    std::vector<float> qh(r), sc(L), oh(r);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bt = i / H, h = i % H, b = bt / T;
-      const float* q = qn + i * n;  // absorb W_UK into the query
+  const int64_t R = r + p, BT = B * T, Hp = (H + MLA_HEADS - 1) / MLA_HEADS * MLA_HEADS;
+  std::vector<float> qf(BT * Hp * R, 0.f), ol(BT * Hp * r);  // [BT, Hp, R] queries (latent | rope), [BT, Hp, r]
+  const int64_t head_grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(BT * n * r, 1));
+  at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {  // W_UK into the queries
+    for (int64_t h = h0; h < h1; ++h) {
       const float* wk = wuk + h * n * r;
-      for (int64_t j = 0; j < r; ++j) qh[j] = 0.f;
-      for (int64_t k = 0; k < n; ++k) {
-        const float qk = q[k];
-        const float* row = wk + k * r;
+      for (int64_t bt = 0; bt < BT; ++bt) {
+        float* qh = qf.data() + (bt * Hp + h) * R;
+        const float* q = qn + (bt * H + h) * n;
+        for (int64_t k = 0; k < n; ++k) {
+          const float qk = q[k];
+          const float* row = wk + k * r;
 #pragma omp simd
-        for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
+          for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
+        }
+        std::copy(qr + (bt * H + h) * p, qr + (bt * H + h + 1) * p, qh + r);
       }
+    }
+  });
+  const int64_t blocks = Hp / MLA_HEADS;
+  at::parallel_for(0, BT * blocks, 1, [&](int64_t i0, int64_t i1) {  // attention, MLA_HEADS heads of a row at a time
+    std::vector<float> sc(MLA_HEADS * L);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bt = i / blocks, hb = (i % blocks) * MLA_HEADS, b = bt / T;
       const float* lb = lat + b * L * R;
       const bool* mk = blocked ? blocked + bt * L : nullptr;
-      const float* qrp = qr + i * p;
-      const int64_t L4 = L / 4 * 4;
-      for (int64_t l = 0; l < L4; l += 4) {  // scores, 4 cache rows at a time
-        float a[4], b[4];
-        dot4(qh.data(), lb + l * R, R, r, a);
-        dot4(qrp, lb + l * R + r, R, p, b);
-        for (int t = 0; t < 4; ++t) sc[l + t] = (a[t] + b[t]) * scale;
+      mla_scores(qf.data() + (bt * Hp + hb) * R, lb, L, R, scale, sc.data());
+      for (int64_t k = 0; k < MLA_HEADS; ++k) mla_softmax(sc.data() + k * L, L, mk);
+      mla_weighted(sc.data(), lb, mk, L, R, r, ol.data() + (bt * Hp + hb) * r);
+    }
+  });
+  const int64_t v4 = v / 4 * 4;
+  at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {  // W_UV after attention
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* wv = wuv + h * v * r;
+      for (int64_t bt = 0; bt < BT; ++bt) {
+        const float* oh = ol.data() + (bt * Hp + h) * r;
+        float* o = out + (bt * H + h) * v;
+        for (int64_t k = 0; k < v4; k += 4) dot4(oh, wv + k * r, r, r, o + k);
+        for (int64_t k = v4; k < v; ++k) o[k] = dotf(oh, wv + k * r, r);
       }
-      for (int64_t l = L4; l < L; ++l) {
-        const float* c = lb + l * R;
-        sc[l] = (dotf(qh.data(), c, r) + dotf(qrp, c + r, p)) * scale;
-      }
-      if (mk)
-        for (int64_t l = 0; l < L; ++l)
-          if (mk[l]) sc[l] = ninf;
-      softmax_masked(sc.data(), L, ninf);
-      for (int64_t j = 0; j < r; ++j) oh[j] = 0.f;
-      for (int64_t l = 0; l < L; ++l) {  // probabilities x latents
-        if (mk && mk[l]) continue;
-        const float pl = sc[l];
-        const float* c = lb + l * R;
-#pragma omp simd
-        for (int64_t j = 0; j < r; ++j) oh[j] += pl * c[j];
-      }
-      const float* wv = wuv + h * v * r;  // W_UV after attention
-      float* o = out + i * v;
-      const int64_t v4 = v / 4 * 4;
-      for (int64_t k = 0; k < v4; k += 4) dot4(oh.data(), wv + k * r, r, r, o + k);
-      for (int64_t k = v4; k < v; ++k) o[k] = dotf(oh.data(), wv + k * r, r);
     }
   });
 }
