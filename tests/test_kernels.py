@@ -444,20 +444,27 @@ def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
-def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, monkeypatch, one_thread):
+@pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2)])
+def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
     """waferline::mla_moe_layer (an int4 MLA + MoE decoder layer's decode step as one op) against DecoderLayer's
     modules (norms, mla_attend_int4, the MoE block's two ops, the residual adds): bitwise the same logits and caches
     over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions and 8 rows; called once
-    per MoE layer and step (not for the dense layer, nor past MLA_FUSED_MAX_ROWS rows); a forward hook on a part keeps
-    the modules' path (the op would skip it) unless it is marked label-only."""
+    per MoE layer and step (not for the dense layer, nor past MLA_FUSED_MAX_ROWS rows). Groups of 32 take the op's
+    composed path; groups of 64 (the integer int4 kernel, where the CPU has AVX2) its thread-team path, with 1 and 2
+    threads (the stages split between them). A forward hook on a part keeps the modules' path (the op would skip it)
+    unless it is marked label-only."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
     from waferline.model.quant import QuantOptions, quantize_model
 
-    build(model_type, tmp_path, **({"q_lora_rank": 64} if model_type == "deepseek_v3" else {}))
+    extra = {"q_lora_rank": 64} if model_type == "deepseek_v3" else {}
+    build(model_type, tmp_path, moe_intermediate_size=64, **extra)  # every routed product's K a multiple of 64
     model = load_model(tmp_path, torch.bfloat16)
-    quantize_model(model, QuantOptions(group_size=32))
+    quantize_model(model, QuantOptions(group_size=group))
+    torch.set_num_threads(threads)
+    flags = kernels._cpu_flags().split()
+    team = "avx2" in flags and "fma" in flags  # the team path needs the integer int4 kernel (built with -march=native)
     n_moe = sum(isinstance(layer.ffn, MoE) for layer in model.layers)
     assert 0 < n_moe < len(model.layers)
     op = torch.ops.waferline.mla_moe_layer
@@ -483,8 +490,11 @@ def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, monkeypatch, on
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
             ref, cr = run(False, prompts, slots, nslots)
             assert calls["n"] == 0
+            teams = torch.ops.waferline.team_layers()
             out, co = run(True, prompts, slots, nslots)
-            assert calls["n"] == (4 * n_moe if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            fused_steps = 4 * n_moe if len(lens) <= MLA_FUSED_MAX_ROWS else 0
+            assert calls["n"] == fused_steps, (lens, calls)
+            assert torch.ops.waferline.team_layers() - teams == (fused_steps if team and group == 64 else 0)
             assert torch.equal(out, ref), lens
             for a, b in zip(co, cr):
                 if a is not None and hasattr(a, "data"):

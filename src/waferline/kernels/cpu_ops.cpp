@@ -13,6 +13,9 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <torch/library.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -28,6 +31,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -604,6 +608,8 @@ bool few_rows_bf16_avx2(const c10::BFloat16* xp, int64_t M, const c10::BFloat16*
 }
 #endif
 
+std::atomic<int64_t> g_team_layers{0};  // layers run by mla_moe_team (tests check which path ran)
+int64_t team_layers() { return g_team_layers.load(); }
 std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs that have the AVX512-BF16 or AVX2 kernel
 
 bool use_portable(bool on) { return g_portable.exchange(on); }
@@ -968,6 +974,28 @@ void int4_block_i16(const int16_t* xq, const float* sx, const float* xs, const u
   }
 }
 
+// weight rows n0..n1 for M rows of quantized x (i16_quantize's xq, sx, xs): tiles of I16_TILE weight rows, each
+// through all rows of x 4 at a time (the tile stays in L1)
+template <typename T, typename S>
+void int4_i16_span(const int16_t* xq, const float* sx, const float* xs, int64_t M, const uint8_t* q, const S* sz,
+                   int64_t Z, int64_t K, int64_t G, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G;
+  for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {
+    const int64_t t1 = std::min(n1, t0 + I16_TILE);
+    for (int64_t m0 = 0; m0 < M; m0 += 4) {
+      const int16_t* xm = xq + m0 * K;
+      const float *sm = sx + m0 * ng, *zm = xs + m0 * ng;
+      T* ym = y + m0 * ldy;
+      switch (std::min<int64_t>(4, M - m0)) {
+        case 1: int4_block_i16<1, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+        case 2: int4_block_i16<2, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+        case 3: int4_block_i16<3, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+        default: int4_block_i16<4, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
+      }
+    }
+  }
+}
+
 // M rows (any number) of 16-bit x through the int4 weight, 4 rows at a time over each weight row (it stays in L1)
 template <typename T, typename S>
 void int4_rows_i16(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
@@ -977,20 +1005,7 @@ void int4_rows_i16(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
   std::vector<float> sx(M * ng), xs(M * ng);
   i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x
-      const int64_t t1 = std::min(n1, t0 + I16_TILE);
-      for (int64_t m0 = 0; m0 < M; m0 += 4) {
-        const int16_t* xm = xq.data() + m0 * K;
-        const float *sm = sx.data() + m0 * ng, *zm = xs.data() + m0 * ng;
-        T* ym = y + m0 * ldy;
-        switch (std::min<int64_t>(4, M - m0)) {
-          case 1: int4_block_i16<1, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
-          case 2: int4_block_i16<2, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
-          case 3: int4_block_i16<3, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
-          default: int4_block_i16<4, T, S>(xm, sm, zm, q, sz, Z, K, G, ym, ldy, t0, t1); break;
-        }
-      }
-    }
+    int4_i16_span<T, S>(xq.data(), sx.data(), xs.data(), M, q, sz, Z, K, G, y, ldy, n0, n1);
   });
 }
 
@@ -1559,52 +1574,74 @@ inline void mla_softmax(float* s, int64_t L, const bool* mk) {
   for (int64_t l = 0; l < L; ++l) s[l] *= inv;
 }
 
+// The absorbed decode's shapes and buffers: qf [BT, Hp, R] (each row's queries: latent | rope; heads padded with zeros
+// to a multiple of MLA_HEADS), ol [BT, Hp, r] (attention's latent outputs)
+struct MlaDims {
+  int64_t BT, T, H, n, p, r, v, L, R, Hp;
+  MlaDims(int64_t B, int64_t T_, int64_t H_, int64_t n_, int64_t p_, int64_t r_, int64_t v_, int64_t L_)
+      : BT(B * T_), T(T_), H(H_), n(n_), p(p_), r(r_), v(v_), L(L_), R(r_ + p_),
+        Hp((H_ + MLA_HEADS - 1) / MLA_HEADS * MLA_HEADS) {}
+  int64_t blocks() const { return Hp / MLA_HEADS; }
+  int64_t head_grain() const { return std::max<int64_t>(1, 32768 / std::max<int64_t>(BT * n * r, 1)); }
+};
+
+// pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it
+void mla_absorb(const MlaDims& d, const float* qn, const float* qr, const float* wuk, float* qf, int64_t h0, int64_t h1) {
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* wk = wuk + h * d.n * d.r;
+    for (int64_t bt = 0; bt < d.BT; ++bt) {
+      float* qh = qf + (bt * d.Hp + h) * d.R;
+      const float* q = qn + (bt * d.H + h) * d.n;
+      for (int64_t k = 0; k < d.n; ++k) {
+        const float qk = q[k];
+        const float* row = wk + k * d.r;
+#pragma omp simd
+        for (int64_t j = 0; j < d.r; ++j) qh[j] += qk * row[j];
+      }
+      std::copy(qr + (bt * d.H + h) * d.p, qr + (bt * d.H + h + 1) * d.p, qh + d.r);
+    }
+  }
+}
+
+// pass 2, tasks i0..i1 of BT * blocks (a row's block of MLA_HEADS heads): scores, softmax, weighted latents
+void mla_attend_blocks(const MlaDims& d, const float* qf, const float* lat, const bool* blocked, float scale, float* ol,
+                       int64_t i0, int64_t i1) {
+  std::vector<float> sc(MLA_HEADS * d.L);
+  const int64_t blocks = d.blocks();
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t bt = i / blocks, hb = (i % blocks) * MLA_HEADS, b = bt / d.T;
+    const float* lb = lat + b * d.L * d.R;
+    const bool* mk = blocked ? blocked + bt * d.L : nullptr;
+    mla_scores(qf + (bt * d.Hp + hb) * d.R, lb, d.L, d.R, scale, sc.data());
+    for (int64_t k = 0; k < MLA_HEADS; ++k) mla_softmax(sc.data() + k * d.L, d.L, mk);
+    mla_weighted(sc.data(), lb, mk, d.L, d.R, d.r, ol + (bt * d.Hp + hb) * d.r);
+  }
+}
+
+// pass 3, heads h0..h1: W_UV after attention -> out [BT, H * v]
+void mla_unabsorb(const MlaDims& d, const float* ol, const float* wuv, float* out, int64_t h0, int64_t h1) {
+  const int64_t v4 = d.v / 4 * 4;
+  for (int64_t h = h0; h < h1; ++h) {
+    const float* wv = wuv + h * d.v * d.r;
+    for (int64_t bt = 0; bt < d.BT; ++bt) {
+      const float* oh = ol + (bt * d.Hp + h) * d.r;
+      float* o = out + (bt * d.H + h) * d.v;
+      for (int64_t k = 0; k < v4; k += 4) dot4(oh, wv + k * d.r, d.r, d.r, o + k);
+      for (int64_t k = v4; k < d.v; ++k) o[k] = dotf(oh, wv + k * d.r, d.r);
+    }
+  }
+}
+
 void mla_rows(const float* qn, const float* qr, const float* lat, const bool* blocked, const float* wuk, const float* wuv,
               float* out, int64_t B, int64_t T, int64_t H, int64_t n, int64_t p, int64_t r, int64_t v, int64_t L,
               float scale) {
-  const int64_t R = r + p, BT = B * T, Hp = (H + MLA_HEADS - 1) / MLA_HEADS * MLA_HEADS;
-  std::vector<float> qf(BT * Hp * R, 0.f), ol(BT * Hp * r);  // [BT, Hp, R] queries (latent | rope), [BT, Hp, r]
-  const int64_t head_grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(BT * n * r, 1));
-  at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {  // W_UK into the queries
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* wk = wuk + h * n * r;
-      for (int64_t bt = 0; bt < BT; ++bt) {
-        float* qh = qf.data() + (bt * Hp + h) * R;
-        const float* q = qn + (bt * H + h) * n;
-        for (int64_t k = 0; k < n; ++k) {
-          const float qk = q[k];
-          const float* row = wk + k * r;
-#pragma omp simd
-          for (int64_t j = 0; j < r; ++j) qh[j] += qk * row[j];
-        }
-        std::copy(qr + (bt * H + h) * p, qr + (bt * H + h + 1) * p, qh + r);
-      }
-    }
+  const MlaDims d(B, T, H, n, p, r, v, L);
+  std::vector<float> qf(d.BT * d.Hp * d.R, 0.f), ol(d.BT * d.Hp * d.r);
+  at::parallel_for(0, H, d.head_grain(), [&](int64_t h0, int64_t h1) { mla_absorb(d, qn, qr, wuk, qf.data(), h0, h1); });
+  at::parallel_for(0, d.BT * d.blocks(), 1, [&](int64_t i0, int64_t i1) {
+    mla_attend_blocks(d, qf.data(), lat, blocked, scale, ol.data(), i0, i1);
   });
-  const int64_t blocks = Hp / MLA_HEADS;
-  at::parallel_for(0, BT * blocks, 1, [&](int64_t i0, int64_t i1) {  // attention, MLA_HEADS heads of a row at a time
-    std::vector<float> sc(MLA_HEADS * L);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bt = i / blocks, hb = (i % blocks) * MLA_HEADS, b = bt / T;
-      const float* lb = lat + b * L * R;
-      const bool* mk = blocked ? blocked + bt * L : nullptr;
-      mla_scores(qf.data() + (bt * Hp + hb) * R, lb, L, R, scale, sc.data());
-      for (int64_t k = 0; k < MLA_HEADS; ++k) mla_softmax(sc.data() + k * L, L, mk);
-      mla_weighted(sc.data(), lb, mk, L, R, r, ol.data() + (bt * Hp + hb) * r);
-    }
-  });
-  const int64_t v4 = v / 4 * 4;
-  at::parallel_for(0, H, head_grain, [&](int64_t h0, int64_t h1) {  // W_UV after attention
-    for (int64_t h = h0; h < h1; ++h) {
-      const float* wv = wuv + h * v * r;
-      for (int64_t bt = 0; bt < BT; ++bt) {
-        const float* oh = ol.data() + (bt * Hp + h) * r;
-        float* o = out + (bt * H + h) * v;
-        for (int64_t k = 0; k < v4; k += 4) dot4(oh, wv + k * r, r, r, o + k);
-        for (int64_t k = v4; k < v; ++k) o[k] = dotf(oh, wv + k * r, r);
-      }
-    }
-  });
+  at::parallel_for(0, H, d.head_grain(), [&](int64_t h0, int64_t h1) { mla_unabsorb(d, ol.data(), wuv, out, h0, h1); });
 }
 
 at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latents,
@@ -1692,6 +1729,352 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   return int4_linear(out, w[6], w[7], groups[3]);
 }
 
+// ---------------------------------------------------------------- a decoder layer's decode step, one thread team
+// The same layer (mla_moe_layer below) with its operators' work split over one OpenMP team per half (attention, then
+// the experts), with barriers between the stages, instead of one fork-join per product: the decode step's products
+// are small (~10 us each at the 135M dsv3's shapes), and split one by one they gained little from a second thread
+// (the whole layer 1.07x at 2 threads, measured). Every output element is computed by the same functions as on the
+// composed path (int4_i16_span, rms_rows, rope_rows, the absorbed decode's passes, silu_mul_rows, the experts' sum in
+// expert order): the same numbers, whichever thread computes it. Taken for bf16 / fp16 activations on the integer
+// int4 kernel (AVX2, groups of a multiple of 64) with every projection and expert int4; otherwise the composed path.
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+template <typename S>
+struct I4W {  // an int4 weight in waferline's layout (one expert's, for stacked experts)
+  const uint8_t* q = nullptr;
+  const S* sz = nullptr;
+  int64_t Z = 0, N = 0, K = 0, G = 0;
+};
+
+template <typename S>
+I4W<S> i4w(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t e = -1) {
+  I4W<S> w;
+  w.N = packed.size(packed.dim() - 2), w.K = packed.size(packed.dim() - 1) * 2, w.Z = sz.size(sz.dim() - 1), w.G = G;
+  w.q = packed.data_ptr<uint8_t>() + (e >= 0 ? e * w.N * (w.K / 2) : 0);
+  w.sz = reinterpret_cast<const S*>(sz.data_ptr()) + (e >= 0 ? e * w.N * (w.K / G) * w.Z : 0);
+  return w;
+}
+
+struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quantize) for groups of G
+  std::vector<int16_t> xq;
+  std::vector<float> sx, xs;
+  int64_t M = 0, K = 0, G = 0;
+  void resize(int64_t M_, int64_t K_, int64_t G_) {
+    M = M_, K = K_, G = G_;
+    xq.resize(M * K), sx.resize(M * (K / G)), xs.resize(M * (K / G));
+  }
+  void set(const float* xf, int64_t M_, int64_t K_, int64_t G_) {
+    resize(M_, K_, G_);
+    i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
+  }
+  void set_row(int64_t m, const float* xf) {  // row m alone (the same numbers: rows are quantized independently)
+    const int64_t ng = K / G;
+    i16_quantize(xf, 1, K, G, xq.data() + m * K, sx.data() + m * ng, xs.data() + m * ng);
+  }
+};
+
+template <typename T, typename S>
+void i4_span(const I16Rows& x, const I4W<S>& w, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+  int4_i16_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), x.M, w.q, w.sz, w.Z, w.K, w.G, y, ldy, n0, n1);
+}
+
+inline std::pair<int64_t, int64_t> share(int64_t items, int tid, int nt) {  // this thread's even share of items
+  return {items * tid / nt, items * (tid + 1) / nt};
+}
+
+// products of rows[j] output rows each, in one index space of I16_TILE-row tiles: f(j, n0, n1) for this thread's
+template <typename F>
+void share_tiles(const std::vector<int64_t>& rows, int tid, int nt, F&& f) {
+  int64_t total = 0;
+  for (int64_t nr : rows) total += (nr + I16_TILE - 1) / I16_TILE;
+  const auto [lo, hi] = share(total, tid, nt);
+  int64_t base = 0;
+  for (size_t j = 0; j < rows.size(); ++j) {
+    const int64_t tiles = (rows[j] + I16_TILE - 1) / I16_TILE, a = std::max(lo, base), b = std::min(hi, base + tiles);
+    if (a < b) f(j, (a - base) * I16_TILE, std::min(rows[j], (b - base) * I16_TILE));
+    base += tiles;
+  }
+}
+
+template <typename S>
+bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t N, int64_t K, at::ScalarType st,
+             int64_t E = 0) {  // int4 [(E,) N, K / 2] with scales of dtype st, on the integer kernel's groups
+  if (sz.numel() == 0 || sz.scalar_type() != st || G % INT4_BLOCK != 0 || G > I16_MAX_GROUP) return false;
+  if (E == 0) return int4_shaped(packed, sz, G, N, K);
+  // (int4_shaped's checks on the stacked shapes: a select per weight costs ~1 us a call)
+  return packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(0) == E && packed.size(1) == N &&
+         packed.size(2) * 2 == K && K % G == 0 && sz.dim() == 4 && sz.size(0) == E && sz.size(1) == N &&
+         sz.size(2) == K / G && (sz.size(3) == 1 || sz.size(3) == 2) && packed.is_contiguous() && sz.is_contiguous();
+}
+
+template <typename T, typename S>
+std::tuple<at::Tensor, at::Tensor> mla_moe_team(
+    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w, at::IntArrayRef groups,
+    const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q, double eps_kv, const at::Tensor& cos2,
+    const at::Tensor& sin2, bool interleaved, at::Tensor& cache, const int64_t* sp, const int64_t* pp, int64_t end,
+    bool uniform, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale, const at::Tensor& ffn_norm,
+    double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
+    bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm,
+    double scaling, at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+  const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2);
+  const int64_t R = cache.size(2), p = R - r, v = w_uv.size(1), cap = cache.size(1), Hv = H * v;
+  const bool lora = w[0].numel() > 0;
+  const I4W<S> qa = lora ? i4w<S>(w[0], w[1], groups[0]) : I4W<S>(), qb = i4w<S>(w[2], w[3], groups[1]);
+  const I4W<S> kva = i4w<S>(w[4], w[5], groups[2]), ow = i4w<S>(w[6], w[7], groups[3]);
+  const int64_t Nqa = qa.N, Nq = qb.N, Nkv = kva.N;
+  std::vector<T> xn(B * D), qa_out(B * Nqa), qa_n(B * Nqa), ckv(B * Nkv), c_in(B * r), c(B * r), q(B * Nq);
+  std::vector<T> rin(B * (H + 1) * p), roped(B * (H + 1) * p), att(B * Hv), o(B * D);
+  std::vector<float> xf(B * std::max({D, Nqa, Hv})), qn(B * H * n), qr(B * H * p), lat(B * end * R), attf(B * Hv);
+  const MlaDims md(B, 1, H, n, p, r, v, end);
+  std::vector<float> qf(md.BT * md.Hp * md.R, 0.f), ol(md.BT * md.Hp * r);
+  std::unique_ptr<bool[]> blocked(uniform ? nullptr : new bool[B * end]);
+  I16Rows x_qa, x_kv, x_qb, x_o;
+  T* cp = cache.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const T *n1 = mix_norm.data_ptr<T>(), *nq = lora ? qa_norm.data_ptr<T>() : nullptr, *nkv = kva_norm.data_ptr<T>();
+  const float *cs = cos2.data_ptr<float>(), *sn = sin2.data_ptr<float>();
+  const float *wuk = w_uk.data_ptr<float>(), *wuv = w_uv.data_ptr<float>();
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp single
+    {
+      rms_rows<T>(xp, n1, xn.data(), B, D, static_cast<float>(mix_eps));
+      load_f32<T>(xn.data(), xf.data(), B * D);
+      x_kv.set(xf.data(), B, D, kva.G);
+      if (lora) x_qa.set(xf.data(), B, D, qa.G); else x_qb.set(xf.data(), B, D, qb.G);
+    }
+    share_tiles({Nqa, Nkv}, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
+      if (j == 0) i4_span<T, S>(x_qa, qa, qa_out.data(), Nqa, n0, n1_);
+      else i4_span<T, S>(x_kv, kva, ckv.data(), Nkv, n0, n1_);
+    });
+#pragma omp barrier
+#pragma omp single
+    {
+      if (lora) {
+        rms_rows<T>(qa_out.data(), nq, qa_n.data(), B, Nqa, static_cast<float>(eps_q));
+        load_f32<T>(qa_n.data(), xf.data(), B * Nqa);
+        x_qb.set(xf.data(), B, Nqa, qb.G);
+      }
+      for (int64_t b = 0; b < B; ++b) std::copy(ckv.data() + b * Nkv, ckv.data() + b * Nkv + r, c_in.data() + b * r);
+      rms_rows<T>(c_in.data(), nkv, c.data(), B, r, static_cast<float>(eps_kv));
+    }
+    share_tiles({Nq}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_qb, qb, q.data(), Nq, n0, n1_); });
+#pragma omp barrier
+#pragma omp single
+    {  // rope over the queries' rope parts and the rope key together; the cache entries; fp32 queries; the mask
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          const T* src = q.data() + b * Nq + h * (n + p) + n;
+          std::copy(src, src + p, rin.data() + (b * (H + 1) + h) * p);
+        }
+        std::copy(ckv.data() + b * Nkv + r, ckv.data() + b * Nkv + r + p, rin.data() + (b * (H + 1) + H) * p);
+      }
+      rope_rows<T>(rin.data(), cs, sn, roped.data(), B, H + 1, p, p, interleaved);
+      for (int64_t b = 0; b < B; ++b) {
+        T* dst = cp + (sp[b] * cap + pp[b]) * R;
+        std::copy(c.data() + b * r, c.data() + (b + 1) * r, dst);
+        std::copy(roped.data() + (b * (H + 1) + H) * p, roped.data() + (b * (H + 1) + H + 1) * p, dst + r);
+        for (int64_t h = 0; h < H; ++h) {
+          load_f32<T>(q.data() + b * Nq + h * (n + p), qn.data() + (b * H + h) * n, n);
+          load_f32<T>(roped.data() + (b * (H + 1) + h) * p, qr.data() + (b * H + h) * p, p);
+        }
+        if (blocked)
+          for (int64_t l = 0; l < end; ++l) blocked[b * end + l] = l > pp[b];
+      }
+    }
+    {  // the keys (cache rows 0..end-1 of each row's slot) in fp32
+      const auto [i0, i1] = share(B * end, tid, nth);
+      for (int64_t i = i0; i < i1; ++i)
+        load_f32<T>(cp + (sp[i / end] * cap + i % end) * R, lat.data() + i * R, R);
+    }
+#pragma omp barrier
+    {
+      const auto [h0, h1] = share(H, tid, nth);
+      mla_absorb(md, qn.data(), qr.data(), wuk, qf.data(), h0, h1);
+    }
+#pragma omp barrier
+    {
+      const auto [i0, i1] = share(md.BT * md.blocks(), tid, nth);
+      mla_attend_blocks(md, qf.data(), lat.data(), blocked.get(), static_cast<float>(scale), ol.data(), i0, i1);
+    }
+#pragma omp barrier
+    {
+      const auto [h0, h1] = share(H, tid, nth);
+      mla_unabsorb(md, ol.data(), wuv, attf.data(), h0, h1);
+    }
+#pragma omp barrier
+#pragma omp single
+    {  // the attention output in x's dtype (what mla_decode returns), then o_proj's input
+      store_f32<T>(attf.data(), att.data(), B * Hv);
+      load_f32<T>(att.data(), xf.data(), B * Hv);
+      x_o.set(xf.data(), B, Hv, ow.G);
+    }
+    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_o, ow, o.data(), D, n0, n1_); });
+  }
+  // the residual, the FFN's norm and the router (serial: a few us)
+  std::vector<T> h(B * D);
+  for (int64_t i = 0; i < B * D; ++i) h[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));
+  auto hn = at::empty({B, D}, x.options());
+  rms_rows<T>(h.data(), ffn_norm.data_ptr<T>(), hn.data_ptr<T>(), B, D, static_cast<float>(ffn_eps));
+  auto routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
+                          group_top2, norm, scaling);
+  const at::Tensor& idx = std::get<1>(routed);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const float* wp = std::get<0>(routed).data_ptr<float>();
+  // the experts hit, in expert order, then the shared expert: their tokens, weights and buffers
+  struct Job {
+    I4W<S> gu, dn;
+    int64_t I = 0;
+    std::vector<int64_t> tok;  // its rows' tokens
+    std::vector<float> wt;     // their routing weights
+    std::vector<int64_t> row;  // per token, its row here (-1: not routed here)
+    I16Rows x, a;
+    std::vector<T> hb, ab, y;  // gate_up out [rows, 2I], silu(gate) * up [rows, I], down out [rows, D]
+  };
+  const int64_t E = moe_w[0].size(0);
+  std::vector<Job> jobs;
+  for (int64_t e = 0; e < E; ++e) {
+    Job jb;
+    for (int64_t t = 0; t < B; ++t)
+      for (int64_t s = 0; s < k; ++s)
+        if (ip[t * k + s] == e) jb.tok.push_back(t), jb.wt.push_back(wp[t * k + s]);
+    if (jb.tok.empty()) continue;
+    jb.gu = i4w<S>(moe_w[0], moe_w[1], group, e), jb.dn = i4w<S>(moe_w[2], moe_w[3], group, e), jb.I = inter;
+    jobs.push_back(std::move(jb));
+  }
+  const size_t routed_jobs = jobs.size();
+  if (shared_inter > 0) {
+    Job jb;
+    for (int64_t t = 0; t < B; ++t) jb.tok.push_back(t), jb.wt.push_back(1.f);
+    jb.gu = i4w<S>(moe_w[4], moe_w[5], group), jb.dn = i4w<S>(moe_w[6], moe_w[7], group), jb.I = shared_inter;
+    jobs.push_back(std::move(jb));
+  }
+  std::vector<float> hf(B * D);
+  load_f32<T>(hn.data_ptr<T>(), hf.data(), B * D);
+  std::vector<int64_t> gu_rows, task_job, task_row;
+  for (size_t j = 0; j < jobs.size(); ++j) {
+    Job& jb = jobs[j];
+    const int64_t M = static_cast<int64_t>(jb.tok.size());
+    std::vector<float> xs(M * D);
+    jb.row.assign(B, -1);
+    for (int64_t m = 0; m < M; ++m) {
+      std::copy(hf.data() + jb.tok[m] * D, hf.data() + (jb.tok[m] + 1) * D, xs.data() + m * D);
+      jb.row[jb.tok[m]] = m;
+      task_job.push_back(static_cast<int64_t>(j)), task_row.push_back(m);
+    }
+    jb.x.set(xs.data(), M, D, group);
+    jb.a.resize(M, jb.I, group);
+    jb.hb.resize(M * 2 * jb.I), jb.ab.resize(M * jb.I), jb.y.resize(M * D);
+    gu_rows.push_back(2 * jb.I);
+  }
+  auto out = at::empty({B, 1, D}, x.options());
+  T* op = out.data_ptr<T>();
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    share_tiles(gu_rows, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
+      i4_span<T, S>(jobs[j].x, jobs[j].gu, jobs[j].hb.data(), 2 * jobs[j].I, n0, n1_);
+    });
+#pragma omp barrier
+    {  // silu(gate) * up per row, and that row as the down product's input
+      const auto [i0, i1] = share(static_cast<int64_t>(task_job.size()), tid, nth);
+      std::vector<float> af;
+      for (int64_t i = i0; i < i1; ++i) {
+        Job& jb = jobs[task_job[i]];
+        const int64_t m = task_row[i], I = jb.I;
+        silu_mul_rows<T>(jb.hb.data() + m * 2 * I, jb.ab.data() + m * I, 1, I, 2 * I);
+        af.resize(I);
+        load_f32<T>(jb.ab.data() + m * I, af.data(), I);
+        jb.a.set_row(m, af.data());
+      }
+    }
+#pragma omp barrier
+    {  // the down products by output rows: this thread's rows of every job, then their sum, shared part, residual
+      const auto [t0, t1] = share((D + I16_TILE - 1) / I16_TILE, tid, nth);
+      const int64_t d0 = t0 * I16_TILE, d1 = std::min(D, t1 * I16_TILE);
+      if (d0 < d1) {
+        for (Job& jb : jobs) i4_span<T, S>(jb.a, jb.dn, jb.y.data(), D, d0, d1);
+        for (int64_t t = 0; t < B; ++t) {
+          for (int64_t dd = d0; dd < d1; ++dd) {
+            float acc = 0.f;
+            for (size_t j = 0; j < routed_jobs; ++j) {
+              const int64_t m = jobs[j].row[t];
+              if (m >= 0) acc += f32(jobs[j].y[m * D + dd]) * jobs[j].wt[m];
+            }
+            T yv = static_cast<T>(acc);
+            if (routed_jobs < jobs.size()) yv = static_cast<T>(f32(yv) + f32(jobs.back().y[t * D + dd]));
+            op[t * D + dd] = static_cast<T>(f32(h[t * D + dd]) + f32(yv));
+          }
+        }
+      }
+    }
+  }
+  return {out, idx};
+}
+
+// whether mla_moe_team takes this layer (else the composed path, which checks and reports bad arguments); if so, runs
+// it through ``run(T tag, S tag, slots, positions, end, uniform)`` into res
+template <typename Run>
+bool mla_moe_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorList w, at::IntArrayRef groups,
+                       const at::Tensor& qa_norm, const at::Tensor& kva_norm, const at::Tensor& cos2,
+                       const at::Tensor& sin2, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
+                       const at::Tensor& w_uk, const at::Tensor& w_uv, const at::Tensor& ffn_norm,
+                       at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter,
+                       std::tuple<at::Tensor, at::Tensor>& res, Run&& run) {
+  if (w.size() != 8 || groups.size() != 4 || moe_w.size() != 8 || w_uk.dim() != 3 || w_uv.dim() != 3) return false;
+  const at::ScalarType dt = x.scalar_type(), st = w[3].numel() ? w[3].scalar_type() : at::kFloat;
+  const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2), v = w_uv.size(1);
+  if (B < 1 || w_uk.scalar_type() != at::kFloat || w_uv.scalar_type() != at::kFloat || !w_uk.is_contiguous() ||
+      !w_uv.is_contiguous() || w_uv.size(0) != H || w_uv.size(2) != r)
+    return false;
+  if (cache.dim() != 3 || cache.scalar_type() != dt || !cache.is_contiguous() || cache.size(2) <= r) return false;
+  const int64_t p = cache.size(2) - r;
+  if (p % 2 || cos2.scalar_type() != at::kFloat || sin2.scalar_type() != at::kFloat || !cos2.is_contiguous() ||
+      !sin2.is_contiguous() || cos2.numel() != B * p || sin2.numel() != B * p)
+    return false;
+  if (slots.scalar_type() != at::kLong || pos.scalar_type() != at::kLong || slots.numel() != B || pos.numel() != B ||
+      !slots.is_contiguous() || !pos.is_contiguous())
+    return false;
+  const bool lora = w[0].numel() > 0;
+  const int64_t Nqa = lora ? w[0].size(0) : 0;
+  auto normed = [&](const at::Tensor& t, int64_t len) { return t.scalar_type() == dt && t.numel() == len && t.is_contiguous(); };
+  if (!normed(mix_norm, D) || !normed(ffn_norm, D) || !normed(kva_norm, r) || (lora && !normed(qa_norm, Nqa))) return false;
+  if ((lora && !i4_fits<float>(w[0], w[1], groups[0], Nqa, D, st)) ||
+      !i4_fits<float>(w[2], w[3], groups[1], H * (n + p), lora ? Nqa : D, st) ||
+      !i4_fits<float>(w[4], w[5], groups[2], r + p, D, st) || !i4_fits<float>(w[6], w[7], groups[3], D, H * v, st))
+    return false;
+  const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
+  if (E < 1 || inter < 1 || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
+      !i4_fits<float>(moe_w[2], moe_w[3], group, D, inter, st, E) ||
+      (shared_inter > 0 && (!i4_fits<float>(moe_w[4], moe_w[5], group, 2 * shared_inter, D, st) ||
+                            !i4_fits<float>(moe_w[6], moe_w[7], group, D, shared_inter, st))))
+    return false;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  int64_t end = 0;
+  bool uniform = true;
+  for (int64_t b = 0; b < B; ++b) {
+    if (sp[b] < 0 || sp[b] >= cache.size(0) || pp[b] < 0 || pp[b] >= cache.size(1)) return false;
+    for (int64_t c = 0; c < b; ++c)
+      if (sp[c] == sp[b]) return false;  // two rows of one slot (the composed path writes them in order)
+    end = std::max(end, pp[b] + 1);
+    uniform = uniform && pp[b] == pp[0];
+  }
+  auto with_t = [&](auto s_tag) {
+    if (dt == at::kBFloat16) res = run(c10::BFloat16(), s_tag, sp, pp, end, uniform);
+    else res = run(c10::Half(), s_tag, sp, pp, end, uniform);
+  };
+  switch (st) {
+    case at::kBFloat16: with_t(c10::BFloat16()); break;
+    case at::kHalf: with_t(c10::Half()); break;
+    case at::kFloat: with_t(0.f); break;
+    default: return false;
+  }
+  return true;
+}
+#endif
+
 // ---------------------------------------------------------------- a decoder layer's decode step, MLA + MoE
 // What DecoderLayer.forward computes for rows of one new token each when its mixer runs as mla_attend_int4 and its FFN
 // as moe_route + moe_ffn: h = x + mla(rms(x)); out = h + moe(rms(h)). The same functions in the same order on the same
@@ -1711,6 +2094,26 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::
               "down, each with its scales)");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mla_moe_layer: contiguous x [B, 1, D]");
   const int64_t B = x.size(0), D = x.size(2);
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+  if (!g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed) &&
+      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
+    std::tuple<at::Tensor, at::Tensor> res;
+    if (mla_moe_team_fits(x, mix_norm, w, groups, qa_norm, kva_norm, cos2, sin2, cache, slots, pos, w_uk, w_uv,
+                          ffn_norm, moe_w, group, inter, shared_inter, res, [&](auto t_tag, auto s_tag, const int64_t* sp,
+                                                                                   const int64_t* pp, int64_t end,
+                                                                                   bool uniform) {
+          using T = decltype(t_tag);
+          using S = decltype(s_tag);
+          return mla_moe_team<T, S>(x, mix_norm, mix_eps, w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2, sin2,
+                                    interleaved, cache, sp, pp, end, uniform, w_uk, w_uv, scale, ffn_norm, ffn_eps,
+                                    gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
+                                    group_top2, norm, scaling, moe_w, group, inter, shared_inter);
+        })) {
+      g_team_layers.fetch_add(1, std::memory_order_relaxed);
+      return res;
+    }
+  }
+#endif
   auto h = x + mla_attend_int4(rms_norm(x, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2,
                                sin2, interleaved, cache, slots, pos, w_uk, w_uv, scale);
   auto hn = rms_norm(h, ffn_norm, ffn_eps).view({B, D});
@@ -1966,6 +2369,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("use_portable(bool on) -> bool");
   m.def("use_int_activations(bool on) -> bool");
+  m.def("team_layers() -> int");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
         "float hi, bool record) -> Tensor[]");
@@ -1976,6 +2380,7 @@ TORCH_LIBRARY(waferline, m) {
 
 TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable);
   m.impl("use_int_activations", &use_int_activations);
+  m.impl("team_layers", &team_layers);
 }
 
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {

@@ -109,12 +109,17 @@ def _hooked(*modules: nn.Module) -> bool:
     """Whether a forward hook (the modules' own, or a global one) would run around these modules, other than hooks
     marked ``LABEL_ONLY``: those only tell an op counter which part of the layer runs, and the counter attributes a
     fused layer's parts itself (OpCounter.ffn_label)."""
-    from torch.nn.modules import module as _m
-
-    hooks = [*_m._global_forward_hooks.values(), *_m._global_forward_pre_hooks.values()]
+    dicts = [d for d in (_global_hooks.forward, _global_hooks.pre) if d]
     for m in modules:
-        hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-    return any(not getattr(h, LABEL_ONLY, False) for h in hooks)
+        if m._forward_hooks:
+            dicts.append(m._forward_hooks)
+        if m._forward_pre_hooks:
+            dicts.append(m._forward_pre_hooks)
+    return any(not getattr(h, LABEL_ONLY, False) for d in dicts for h in d.values())
+
+
+class _global_hooks:  # torch's registries of hooks on every module (dicts, mutated in place by torch)
+    from torch.nn.modules.module import _global_forward_hooks as forward, _global_forward_pre_hooks as pre
 
 
 def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype, eps: float) -> nn.Module | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import os
 from typing import Any
 
@@ -21,11 +22,13 @@ def kept_args(owner: nn.Module, slot: str, dtype: torch.dtype, build: Any) -> An
     does not look its weights up through the modules every token. ``deps`` must not hold ``owner.__dict__`` itself
     (a cycle: the weights would outlive the model until the garbage collector ran)."""
     c = owner.__dict__.get(slot)
-    if c is not None and c[0] is dtype and all(d.get(k) is v for d, k, v in c[1]):
-        return c[2]
+    # (the check in C loops: map over the dicts' get, then identity; a generator expression cost ~3x as much)
+    if c is not None and c[0] is dtype and all(map(operator.is_, map(dict.get, c[1], c[2]), c[3])):
+        return c[4]
     deps: list[tuple[dict, str, Any]] = []
     args = build(deps)
-    owner.__dict__[slot] = (dtype, deps, args)
+    dicts, keys, values = (list(t) for t in zip(*deps)) if deps else ([], [], [])
+    owner.__dict__[slot] = (dtype, dicts, keys, values, args)
     return args
 
 class RMSNorm(nn.Module):
