@@ -396,18 +396,23 @@ def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_threa
 
 
 def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread):
-    """The op counter prices waferline::mla_moe_layer (a whole MLA + MoE layer's decode step) by its parts: the same
-    int4 calls (the attention's, and the experts' as routed), rms_norm elements and mla_decode FLOPs as the modules'
-    path counts for a decode step of 3 rows at different positions, the FFN's under ``ffn_label`` as the twin's
-    label-only hooks put the modules' FFN ops; no more ops than the modules' path."""
-    from waferline.model.decoder import LABEL_ONLY, DecoderLayer
+    """The op counter prices waferline::mla_moe_layer (a whole MLA layer's decode step, with a MoE block or a dense
+    FFN) by its parts: the same int4 calls (the attention's, the experts' as routed, the dense FFN's), rms_norm and
+    silu_mul elements and mla_decode FLOPs as the modules' path counts for a decode step of 3 rows at different
+    positions, the FFN's under ``ffn_label`` as the twin's label-only hooks put the modules' FFN ops; no more ops
+    than the modules' path."""
     from waferline.model.quant import QuantOptions, quantize_model
-    from waferline.sim.measure import OpCounter
 
     build("deepseek_v3", tmp_path, q_lora_rank=64)
     model = load_model(tmp_path, torch.bfloat16)
     quantize_model(model, QuantOptions(group_size=32))
-    layer = model.layers[-1]  # MLA + MoE
+    for layer in (model.layers[-1], model.layers[0]):  # MLA + MoE, MLA + a dense FFN
+        _counted_layer_parts(model, layer, monkeypatch)
+
+
+def _counted_layer_parts(model, layer, monkeypatch):
+    from waferline.model.decoder import LABEL_ONLY, DecoderLayer
+    from waferline.sim.measure import OpCounter
 
     def step_work(fused: bool) -> dict:
         c = OpCounter()
@@ -440,20 +445,23 @@ def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread)
         assert not [k for k in f if k.startswith("call|") and k not in e], lab
     for k in ("fused|mla_decode|units", "fused|rms_norm|units"):
         assert fused.work["layer"][k] == pytest.approx(eager.work["layer"][k]), k
+    for k in [k for k in eager.work["ffn"] if k.startswith("fused|")]:  # the dense FFN's silu_mul
+        assert fused.work["ffn"].get(k) == pytest.approx(eager.work["ffn"][k]), k
     assert sum(fused.counts.values()) <= sum(eager.counts.values())
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe"])
 @pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2)])
-def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
-    """waferline::mla_moe_layer (an int4 MLA + MoE decoder layer's decode step as one op) against DecoderLayer's
-    modules (norms, mla_attend_int4, the MoE block's two ops, the residual adds): bitwise the same logits and caches
-    over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions and 8 rows; called once
-    per MoE layer and step (not for the dense layer, nor past MLA_FUSED_MAX_ROWS rows). Groups of 32 take the op's
-    composed path; groups of 64 (the integer int4 kernel, where the CPU has AVX2) its thread-team path, with 1 and 2
-    threads (the stages split between them). A forward hook on a part keeps the modules' path (the op would skip it)
-    unless it is marked label-only."""
-    from waferline.model.attention import MLA_FUSED_MAX_ROWS
+def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
+    """A layer's step as one op against DecoderLayer's modules (norms, mixer, FFN blocks, residual adds): bitwise the
+    same logits and caches over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions
+    and 8 and 9 rows. waferline::mla_moe_layer runs the whole decode step of every MLA layer with an int4 MoE or dense
+    FFN, one call per layer and step (up to MLA_FUSED_MAX_ROWS rows); waferline::ffn_residual the FFN half of the
+    other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
+    integer int4 kernel, where the CPU has AVX2) their thread-team paths, with 1 and 2 threads (the stages split
+    between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
+    label-only."""
+    from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
     from waferline.model.quant import QuantOptions, quantize_model
@@ -465,19 +473,24 @@ def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, group, threads,
     torch.set_num_threads(threads)
     flags = kernels._cpu_flags().split()
     team = "avx2" in flags and "fma" in flags  # the team path needs the integer int4 kernel (built with -march=native)
-    n_moe = sum(isinstance(layer.ffn, MoE) for layer in model.layers)
-    assert 0 < n_moe < len(model.layers)
-    op = torch.ops.waferline.mla_moe_layer
-    calls = {"n": 0}
+    probe = torch.zeros(1, 1, model.spec.hidden_size, dtype=torch.bfloat16)
+    fusable = [layer.ffn.residual_args(probe) is not None for layer in model.layers]
+    assert sum(fusable) >= 2 and any(isinstance(layer.ffn, MoE) for layer in model.layers)
+    whole = sum(f and isinstance(layer.mixer, MLAttention) for f, layer in zip(fusable, model.layers))
+    calls = {"layer": 0, "ffn": 0}
+    ops = {name: getattr(torch.ops.waferline, op) for name, op in (("layer", "mla_moe_layer"), ("ffn", "ffn_residual"))}
 
-    def counting(*a):
-        calls["n"] += 1
-        return op(*a)
+    def counting(name):
+        def call(*a):
+            calls[name] += 1
+            return ops[name](*a)
+        return call
 
     def run(fuse_layers: bool, prompts, slots, nslots):
-        calls["n"] = 0
+        calls.update(layer=0, ffn=0)
         with monkeypatch.context() as mp:
-            mp.setattr(torch.ops.waferline, "mla_moe_layer", counting)
+            mp.setattr(torch.ops.waferline, "mla_moe_layer", counting("layer"))
+            mp.setattr(torch.ops.waferline, "ffn_residual", counting("ffn"))
             if not fuse_layers:
                 mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)
             return decode_logits(model, prompts, slots, nslots, return_caches=True)
@@ -489,29 +502,31 @@ def test_mla_moe_layer_is_the_modules_path(tmp_path, model_type, group, threads,
         for lens, slots, nslots in cases:
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
             ref, cr = run(False, prompts, slots, nslots)
-            assert calls["n"] == 0
-            teams = torch.ops.waferline.team_layers()
+            assert calls == {"layer": 0, "ffn": 0}
+            teams = torch.ops.waferline.team_halves()
             out, co = run(True, prompts, slots, nslots)
-            fused_steps = 4 * n_moe if len(lens) <= MLA_FUSED_MAX_ROWS else 0
-            assert calls["n"] == fused_steps, (lens, calls)
-            assert torch.ops.waferline.team_layers() - teams == (fused_steps if team and group == 64 else 0)
+            assert calls["layer"] == (4 * whole if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            assert calls["ffn"] > 0  # the prefills' FFN halves at least
+            ran_teams = torch.ops.waferline.team_halves() - teams
+            assert (ran_teams > 0) == (team and group == 64), ran_teams
             assert torch.equal(out, ref), lens
             for a, b in zip(co, cr):
                 if a is not None and hasattr(a, "data"):
                     assert torch.equal(a.data, b.data)
         prompts = [[5, 6, 7]]
-        layer = next(layer for layer in model.layers if isinstance(layer.ffn, MoE))
+        i = next(i for i, layer in enumerate(model.layers) if fusable[i] and isinstance(layer.ffn, MoE))
+        layer, n_fused = model.layers[i], sum(fusable)
         seen = []
         plain = layer.ffn.register_forward_hook(lambda m, a, o: seen.append(1))
         run(True, prompts, [0], 1)
-        assert calls["n"] == 4 * (n_moe - 1) and len(seen) == 5  # that layer ran its modules (prefill + 4 steps)
+        assert calls["layer"] + calls["ffn"] == 5 * (n_fused - 1) and len(seen) == 5  # that layer ran its modules
         plain.remove()
         marked = lambda m, a, o: seen.append(2)  # noqa: E731
         setattr(marked, LABEL_ONLY, True)
         handle = layer.ffn.register_forward_hook(marked)
         run(True, prompts, [0], 1)
         handle.remove()
-        assert calls["n"] == 4 * n_moe and seen.count(2) == 1  # the prefill only: its decode steps ran as the op
+        assert calls["layer"] + calls["ffn"] == 5 * n_fused and 2 not in seen  # prefill and steps ran as the ops
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])

@@ -608,8 +608,8 @@ bool few_rows_bf16_avx2(const c10::BFloat16* xp, int64_t M, const c10::BFloat16*
 }
 #endif
 
-std::atomic<int64_t> g_team_layers{0};  // layers run by mla_moe_team (tests check which path ran)
-int64_t team_layers() { return g_team_layers.load(); }
+std::atomic<int64_t> g_team_halves{0};  // layer halves run on a thread team (tests check which path ran)
+int64_t team_halves() { return g_team_halves.load(); }
 std::atomic<bool> g_portable{false};  // tests run the portable loop on CPUs that have the AVX512-BF16 or AVX2 kernel
 
 bool use_portable(bool on) { return g_portable.exchange(on); }
@@ -1806,15 +1806,13 @@ bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t 
          sz.size(2) == K / G && (sz.size(3) == 1 || sz.size(3) == 2) && packed.is_contiguous() && sz.is_contiguous();
 }
 
+// the attention half: x + mla(rms(x)) -> [B, 1, D]
 template <typename T, typename S>
-std::tuple<at::Tensor, at::Tensor> mla_moe_team(
-    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w, at::IntArrayRef groups,
-    const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q, double eps_kv, const at::Tensor& cos2,
-    const at::Tensor& sin2, bool interleaved, at::Tensor& cache, const int64_t* sp, const int64_t* pp, int64_t end,
-    bool uniform, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale, const at::Tensor& ffn_norm,
-    double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
-    bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm,
-    double scaling, at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
+                    at::IntArrayRef groups, const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q,
+                    double eps_kv, const at::Tensor& cos2, const at::Tensor& sin2, bool interleaved, at::Tensor& cache,
+                    const int64_t* sp, const int64_t* pp, int64_t end, bool uniform, const at::Tensor& w_uk,
+                    const at::Tensor& w_uv, double scale) {
   const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2);
   const int64_t R = cache.size(2), p = R - r, v = w_uv.size(1), cap = cache.size(1), Hv = H * v;
   const bool lora = w[0].numel() > 0;
@@ -1912,13 +1910,34 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_team(
     }
     share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_o, ow, o.data(), D, n0, n1_); });
   }
-  // the residual, the FFN's norm and the router (serial: a few us)
-  std::vector<T> h(B * D);
-  for (int64_t i = 0; i < B * D; ++i) h[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));
-  auto hn = at::empty({B, D}, x.options());
-  rms_rows<T>(h.data(), ffn_norm.data_ptr<T>(), hn.data_ptr<T>(), B, D, static_cast<float>(ffn_eps));
-  auto routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
-                          group_top2, norm, scaling);
+  auto h = at::empty({B, 1, D}, x.options());
+  T* hp = h.data_ptr<T>();
+  for (int64_t i = 0; i < B * D; ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));  // the residual
+  return h;
+}
+
+// the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
+// experts (gate_w non-empty: routed by moe_route, each token's top k) and the shared expert (shared_inter > 0), or a
+// dense FFN alone (gate_w empty; its weights where the shared expert's go, k = 0).
+template <typename T, typename S>
+std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
+                                            const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr,
+                                            int64_t k, bool softmax_scores, bool softmax_after_topk, int64_t n_group,
+                                            int64_t topk_group, bool group_top2, bool norm, double scaling,
+                                            at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+  const int64_t D = h.size(-1), B = h.numel() / D;
+  const T* hp = h.data_ptr<T>();
+  auto hn = at::empty({B, D}, h.options());
+  rms_rows<T>(hp, ffn_norm.data_ptr<T>(), hn.data_ptr<T>(), B, D, static_cast<float>(ffn_eps));
+  const bool routing = gate_w.numel() > 0;
+  std::tuple<at::Tensor, at::Tensor> routed;
+  if (routing) {
+    routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
+                       group_top2, norm, scaling);
+  } else {
+    routed = {at::empty({B, 0}, h.options().dtype(at::kFloat)), at::empty({B, 0}, h.options().dtype(at::kLong))};
+    k = 0;
+  }
   const at::Tensor& idx = std::get<1>(routed);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = std::get<0>(routed).data_ptr<float>();
@@ -1932,7 +1951,7 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_team(
     I16Rows x, a;
     std::vector<T> hb, ab, y;  // gate_up out [rows, 2I], silu(gate) * up [rows, I], down out [rows, D]
   };
-  const int64_t E = moe_w[0].size(0);
+  const int64_t E = routing ? moe_w[0].size(0) : 0;
   std::vector<Job> jobs;
   for (int64_t e = 0; e < E; ++e) {
     Job jb;
@@ -1968,8 +1987,9 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_team(
     jb.hb.resize(M * 2 * jb.I), jb.ab.resize(M * jb.I), jb.y.resize(M * D);
     gu_rows.push_back(2 * jb.I);
   }
-  auto out = at::empty({B, 1, D}, x.options());
+  auto out = at::empty_like(h);
   T* op = out.data_ptr<T>();
+  const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
@@ -2004,7 +2024,7 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_team(
             }
             T yv = static_cast<T>(acc);
             if (routed_jobs < jobs.size()) yv = static_cast<T>(f32(yv) + f32(jobs.back().y[t * D + dd]));
-            op[t * D + dd] = static_cast<T>(f32(h[t * D + dd]) + f32(yv));
+            op[t * D + dd] = static_cast<T>(f32(hp[t * D + dd]) + f32(yv));
           }
         }
       }
@@ -2013,17 +2033,15 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_team(
   return {out, idx};
 }
 
-// whether mla_moe_team takes this layer (else the composed path, which checks and reports bad arguments); if so, runs
-// it through ``run(T tag, S tag, slots, positions, end, uniform)`` into res
-template <typename Run>
-bool mla_moe_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorList w, at::IntArrayRef groups,
-                       const at::Tensor& qa_norm, const at::Tensor& kva_norm, const at::Tensor& cos2,
-                       const at::Tensor& sin2, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
-                       const at::Tensor& w_uk, const at::Tensor& w_uv, const at::Tensor& ffn_norm,
-                       at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter,
-                       std::tuple<at::Tensor, at::Tensor>& res, Run&& run) {
-  if (w.size() != 8 || groups.size() != 4 || moe_w.size() != 8 || w_uk.dim() != 3 || w_uv.dim() != 3) return false;
-  const at::ScalarType dt = x.scalar_type(), st = w[3].numel() ? w[3].scalar_type() : at::kFloat;
+// whether mla_team takes this attention block (else the composed path, which checks and reports bad arguments): its
+// int4 weights' scale dtype, and the rows' key range and whether they share a position
+bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorList w, at::IntArrayRef groups,
+                   const at::Tensor& qa_norm, const at::Tensor& kva_norm, const at::Tensor& cos2, const at::Tensor& sin2,
+                   const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos, const at::Tensor& w_uk,
+                   const at::Tensor& w_uv, at::ScalarType& st, int64_t& end, bool& uniform) {
+  if (w.size() != 8 || groups.size() != 4 || w_uk.dim() != 3 || w_uv.dim() != 3 || !w[3].numel()) return false;
+  const at::ScalarType dt = x.scalar_type();
+  st = w[3].scalar_type();
   const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2), v = w_uv.size(1);
   if (B < 1 || w_uk.scalar_type() != at::kFloat || w_uv.scalar_type() != at::kFloat || !w_uk.is_contiguous() ||
       !w_uv.is_contiguous() || w_uv.size(0) != H || w_uv.size(2) != r)
@@ -2039,21 +2057,14 @@ bool mla_moe_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::Tens
   const bool lora = w[0].numel() > 0;
   const int64_t Nqa = lora ? w[0].size(0) : 0;
   auto normed = [&](const at::Tensor& t, int64_t len) { return t.scalar_type() == dt && t.numel() == len && t.is_contiguous(); };
-  if (!normed(mix_norm, D) || !normed(ffn_norm, D) || !normed(kva_norm, r) || (lora && !normed(qa_norm, Nqa))) return false;
+  if (!normed(mix_norm, D) || !normed(kva_norm, r) || (lora && !normed(qa_norm, Nqa))) return false;
   if ((lora && !i4_fits<float>(w[0], w[1], groups[0], Nqa, D, st)) ||
       !i4_fits<float>(w[2], w[3], groups[1], H * (n + p), lora ? Nqa : D, st) ||
       !i4_fits<float>(w[4], w[5], groups[2], r + p, D, st) || !i4_fits<float>(w[6], w[7], groups[3], D, H * v, st))
     return false;
-  const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
-  if (E < 1 || inter < 1 || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
-      !i4_fits<float>(moe_w[2], moe_w[3], group, D, inter, st, E) ||
-      (shared_inter > 0 && (!i4_fits<float>(moe_w[4], moe_w[5], group, 2 * shared_inter, D, st) ||
-                            !i4_fits<float>(moe_w[6], moe_w[7], group, D, shared_inter, st))))
-    return false;
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
-  int64_t end = 0;
-  bool uniform = true;
+  end = 0, uniform = true;
   for (int64_t b = 0; b < B; ++b) {
     if (sp[b] < 0 || sp[b] >= cache.size(0) || pp[b] < 0 || pp[b] >= cache.size(1)) return false;
     for (int64_t c = 0; c < b; ++c)
@@ -2061,26 +2072,106 @@ bool mla_moe_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::Tens
     end = std::max(end, pp[b] + 1);
     uniform = uniform && pp[b] == pp[0];
   }
-  auto with_t = [&](auto s_tag) {
-    if (dt == at::kBFloat16) res = run(c10::BFloat16(), s_tag, sp, pp, end, uniform);
-    else res = run(c10::Half(), s_tag, sp, pp, end, uniform);
-  };
-  switch (st) {
-    case at::kBFloat16: with_t(c10::BFloat16()); break;
-    case at::kHalf: with_t(c10::Half()); break;
-    case at::kFloat: with_t(0.f); break;
-    default: return false;
-  }
   return true;
+}
+
+// whether ffn_team takes this FFN (else the composed path): routed experts [E, 2I, D] / [E, D, I] (gate_w non-empty)
+// and a shared expert [2S, D] / [D, S] (shared_inter > 0), or the dense FFN alone, all int4 with scales of dtype st
+bool ffn_team_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Tensor& gate_w, at::TensorList moe_w,
+                   int64_t group, int64_t inter, int64_t shared_inter, at::ScalarType st) {
+  if (moe_w.size() != 8 || !h.is_contiguous() || h.dim() < 2) return false;
+  const int64_t D = h.size(-1);
+  if (D < 1 || h.numel() / D > INT4_KERNEL_ROWS) return false;  // more rows: int4_mm's GEMM path (other numbers)
+  if (ffn_norm.scalar_type() != h.scalar_type() || ffn_norm.numel() != D || !ffn_norm.is_contiguous()) return false;
+  if (gate_w.numel() > 0) {
+    const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
+    if (E < 1 || inter < 1 || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
+        !i4_fits<float>(moe_w[2], moe_w[3], group, D, inter, st, E))
+      return false;
+  } else if (shared_inter < 1) {
+    return false;
+  }
+  return shared_inter < 1 || (i4_fits<float>(moe_w[4], moe_w[5], group, 2 * shared_inter, D, st) &&
+                              i4_fits<float>(moe_w[6], moe_w[7], group, D, shared_inter, st));
+}
+
+// f(T tag, S tag) for activations of dtype dt (bf16 / fp16) and int4 scales of dtype st
+template <typename F>
+auto with_team_types(at::ScalarType dt, at::ScalarType st, F&& f) {
+  auto with_s = [&](auto t_tag) {
+    switch (st) {
+      case at::kBFloat16: return f(t_tag, c10::BFloat16());
+      case at::kHalf: return f(t_tag, c10::Half());
+      default: return f(t_tag, 0.f);
+    }
+  };
+  return dt == at::kBFloat16 ? with_s(c10::BFloat16()) : with_s(c10::Half());
+}
+
+// the team path's common conditions: the integer int4 kernel on (AVX2, not forced portable), 16-bit activations
+bool team_on(const at::Tensor& x) {
+  return !g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed) &&
+         (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf);
 }
 #endif
 
-// ---------------------------------------------------------------- a decoder layer's decode step, MLA + MoE
+// ---------------------------------------------------------------- a decoder layer's FFN half, decode and verify
+// What DecoderLayer.forward computes after its mixer when its FFN is a MoE block that runs as moe_route + moe_ffn
+// (gate_w non-empty) or a dense SwiGLU FFN of int4 weights (gate_w empty; its gate_up / down where the shared expert's
+// go, shared_inter its width): h + ffn(rms(h)) for the N tokens of h [..., D]; with the experts chosen [N, k]
+// (k = 0 for a dense FFN). On one thread team when the weights fit the integer int4 kernel, else the same operators
+// composed (moe_route, moe_ffn; for a dense FFN the gated product moe_ffn's shared expert runs). The same numbers.
+std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
+                                                const at::Tensor& gate_w, const at::Tensor& gate_b,
+                                                const at::Tensor& corr, int64_t k, bool softmax_scores,
+                                                bool softmax_after_topk, int64_t n_group, int64_t topk_group,
+                                                bool group_top2, bool norm, double scaling, at::TensorList moe_w,
+                                                int64_t group, int64_t inter, int64_t shared_inter) {
+  TORCH_CHECK(moe_w.size() == 8, "waferline::ffn_residual: 8 FFN weights (gate_up, down, shared gate_up, shared "
+              "down, each with its scales)");
+  TORCH_CHECK(h.device().is_cpu() && h.dim() >= 2 && h.is_contiguous(), "waferline::ffn_residual: contiguous CPU h [..., D]");
+  const int64_t D = h.size(-1), N = h.numel() / std::max<int64_t>(D, 1);
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+  const at::ScalarType st = moe_w[5].numel() ? moe_w[5].scalar_type() : moe_w[1].scalar_type();
+  if (team_on(h) && ffn_team_fits(h, ffn_norm, gate_w, moe_w, group, inter, shared_inter, st)) {
+    g_team_halves.fetch_add(1, std::memory_order_relaxed);
+    return with_team_types(h.scalar_type(), st, [&](auto t_tag, auto s_tag) {
+      return ffn_team<decltype(t_tag), decltype(s_tag)>(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores,
+                                                        softmax_after_topk, n_group, topk_group, group_top2, norm,
+                                                        scaling, moe_w, group, inter, shared_inter);
+    });
+  }
+#endif
+  auto hn = rms_norm(h, ffn_norm, ffn_eps).view({N, D});
+  if (gate_w.numel() > 0) {
+    auto routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
+                            group_top2, norm, scaling);
+    auto m = moe_ffn(hn.contiguous(), std::get<0>(routed), std::get<1>(routed), moe_w[0], moe_w[1], moe_w[2],
+                     moe_w[3], moe_w[4], moe_w[5], moe_w[6], moe_w[7], group, inter, shared_inter);
+    return {h + m.view(h.sizes()), std::get<1>(routed)};
+  }
+  TORCH_CHECK(shared_inter > 0 && moe_w[4].numel() && moe_w[6].numel(),
+              "waferline::ffn_residual: a dense FFN (no gate) needs its gate_up and down weights");
+  Bundle gu{moe_w[4], moe_w[5], group}, dn{moe_w[6], moe_w[7], group};
+  for (const Bundle* b : {&gu, &dn}) {
+    TORCH_CHECK(b->int4() ? int4_shaped(b->w, b->sz, group, b->w.size(0), b->w.size(1) * 2)
+                          : b->w.scalar_type() == h.scalar_type() && b->w.is_contiguous() && b->w.dim() == 2,
+                "waferline::ffn_residual: dense FFN weights are int4 (waferline's layout) or of h's dtype");
+  }
+  TORCH_CHECK(gu.w.size(0) == 2 * shared_inter && dn.w.size(0) == D, "waferline::ffn_residual: gate_up [2S, D], down [D, S]");
+  at::Tensor m;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, h.scalar_type(), "waferline_ffn_residual", [&] {
+    m = gated_ffn<scalar_t>(hn.contiguous(), gu, dn, -1, shared_inter, D);
+  });
+  return {h + m.view(h.sizes()), at::empty({N, 0}, h.options().dtype(at::kLong))};
+}
+
+// ---------------------------------------------------------------- a decoder layer's decode step, MLA + FFN
 // What DecoderLayer.forward computes for rows of one new token each when its mixer runs as mla_attend_int4 and its FFN
-// as moe_route + moe_ffn: h = x + mla(rms(x)); out = h + moe(rms(h)). The same functions in the same order on the same
-// tensors (the same numbers); it saves the Python of the layer, its two norms, the attention block and the MoE block
-// and their ~10 op calls between them. Returns (out, the experts chosen [B, k]: what an op counter needs to price the
-// expert products).
+// as ffn_residual does: h = x + mla(rms(x)); out = h + ffn(rms(h)). The same functions in the same order on the same
+// tensors (the same numbers); it saves the Python of the layer, its two norms, the attention block and the FFN and
+// their ~10 op calls between them. On two thread teams (attention, FFN) when the weights fit the integer int4 kernel.
+// Returns (out, the experts chosen [B, k]: what an op counter needs to price the expert products).
 std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
                          at::IntArrayRef groups, const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q,
                          double eps_kv, const at::Tensor& cos2, const at::Tensor& sin2, bool interleaved,
@@ -2090,38 +2181,28 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::
                          bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group,
                          bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
                          int64_t shared_inter) {
-  TORCH_CHECK(moe_w.size() == 8, "waferline::mla_moe_layer: 8 MoE weights (gate_up, down, shared gate_up, shared "
-              "down, each with its scales)");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mla_moe_layer: contiguous x [B, 1, D]");
-  const int64_t B = x.size(0), D = x.size(2);
+  at::Tensor h;
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
-  if (!g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed) &&
-      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)) {
-    std::tuple<at::Tensor, at::Tensor> res;
-    if (mla_moe_team_fits(x, mix_norm, w, groups, qa_norm, kva_norm, cos2, sin2, cache, slots, pos, w_uk, w_uv,
-                          ffn_norm, moe_w, group, inter, shared_inter, res, [&](auto t_tag, auto s_tag, const int64_t* sp,
-                                                                                   const int64_t* pp, int64_t end,
-                                                                                   bool uniform) {
-          using T = decltype(t_tag);
-          using S = decltype(s_tag);
-          return mla_moe_team<T, S>(x, mix_norm, mix_eps, w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2, sin2,
-                                    interleaved, cache, sp, pp, end, uniform, w_uk, w_uv, scale, ffn_norm, ffn_eps,
-                                    gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
-                                    group_top2, norm, scaling, moe_w, group, inter, shared_inter);
-        })) {
-      g_team_layers.fetch_add(1, std::memory_order_relaxed);
-      return res;
-    }
+  at::ScalarType st;
+  int64_t end = 0;
+  bool uniform = true;
+  if (team_on(x) && mla_team_fits(x, mix_norm, w, groups, qa_norm, kva_norm, cos2, sin2, cache, slots, pos, w_uk, w_uv,
+                                  st, end, uniform)) {
+    h = with_team_types(x.scalar_type(), st, [&](auto t_tag, auto s_tag) {
+      return mla_team<decltype(t_tag), decltype(s_tag)>(x, mix_norm, mix_eps, w, groups, qa_norm, kva_norm, eps_q, eps_kv,
+                                                        cos2, sin2, interleaved, cache, slots.data_ptr<int64_t>(),
+                                                        pos.data_ptr<int64_t>(), end, uniform, w_uk, w_uv, scale);
+    });
+    g_team_halves.fetch_add(1, std::memory_order_relaxed);
   }
 #endif
-  auto h = x + mla_attend_int4(rms_norm(x, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2,
-                               sin2, interleaved, cache, slots, pos, w_uk, w_uv, scale);
-  auto hn = rms_norm(h, ffn_norm, ffn_eps).view({B, D});
-  auto routed = moe_route(hn, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group, topk_group,
-                          group_top2, norm, scaling);
-  auto m = moe_ffn(hn.contiguous(), std::get<0>(routed), std::get<1>(routed), moe_w[0], moe_w[1], moe_w[2], moe_w[3],
-                   moe_w[4], moe_w[5], moe_w[6], moe_w[7], group, inter, shared_inter);
-  return {h + m.view({B, 1, D}), std::get<1>(routed)};
+  if (!h.defined()) {
+    h = x + mla_attend_int4(rms_norm(x, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2, sin2,
+                            interleaved, cache, slots, pos, w_uk, w_uv, scale);
+  }
+  return ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group,
+                      topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
 }
 
 // ---------------------------------------------------------------- Mamba-2 state update (decode, speculative verify)
@@ -2357,6 +2438,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mla_attend_int4(Tensor x, Tensor[] w, int[] groups, Tensor qa_norm, Tensor kva_norm, float eps_q, float eps_kv, "
         "Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, Tensor slots, Tensor pos, Tensor w_uk, "
         "Tensor w_uv, float scale) -> Tensor");
+  m.def("ffn_residual(Tensor h, Tensor norm, float eps, Tensor gate_w, Tensor gate_b, Tensor corr, int k, "
+        "bool softmax_scores, bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm_topk, "
+        "float scaling, Tensor[] moe_w, int group, int inter, int shared_inter) -> (Tensor, Tensor)");
   m.def("mla_moe_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor[] w, int[] groups, Tensor qa_norm, "
         "Tensor kva_norm, float eps_q, float eps_kv, Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, "
         "Tensor slots, Tensor pos, Tensor w_uk, Tensor w_uv, float scale, Tensor ffn_norm, float ffn_eps, "
@@ -2369,7 +2453,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("int8_linear(Tensor x, Tensor q, Tensor scale) -> Tensor");
   m.def("use_portable(bool on) -> bool");
   m.def("use_int_activations(bool on) -> bool");
-  m.def("team_layers() -> int");
+  m.def("team_halves() -> int");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
         "float hi, bool record) -> Tensor[]");
@@ -2380,7 +2464,7 @@ TORCH_LIBRARY(waferline, m) {
 
 TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable);
   m.impl("use_int_activations", &use_int_activations);
-  m.impl("team_layers", &team_layers);
+  m.impl("team_halves", &team_halves);
 }
 
 TORCH_LIBRARY_IMPL(waferline, CPU, m) {
@@ -2392,6 +2476,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("mla_decode", &mla_decode);
   m.impl("mla_attend_int4", &mla_attend_int4);
   m.impl("mla_moe_layer", &mla_moe_layer);
+  m.impl("ffn_residual", &ffn_residual);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_wide", &linear_wide);

@@ -68,8 +68,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> torch.Tensor:
         fused = self._fused_step(x, cache, batch)
-        if fused is not None:  # the whole layer as one op (see waferline::mla_moe_layer)
-            return torch.ops.waferline.mla_moe_layer(x, *fused)[0]
+        if fused is not None:
+            whole, args = fused
+            if whole:  # the whole layer as one op (see waferline::mla_moe_layer)
+                return torch.ops.waferline.mla_moe_layer(x, *args)[0]
+            x = x + self.mixer(self.mixer_norm(x), cache, batch)  # the mixer by its modules, then the FFN half as one op
+            return torch.ops.waferline.ffn_residual(x, self.ffn_norm.weight, self.ffn_norm.eps, *args)[0]
         m = self.residual_multiplier
         if self.mixer is not None:
             h = self.mixer(self.mixer_norm(x), cache, batch)
@@ -81,25 +85,30 @@ class DecoderLayer(nn.Module):
         return x
 
 
-    def _fused_step(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> tuple | None:
-        """``waferline::mla_moe_layer``'s arguments after ``x`` when this layer's step runs as that one op: an MLA
-        mixer that runs as ``mla_attend_int4`` (see MLAttention.step_args), a MoE FFN that runs as ``moe_route`` +
-        ``moe_ffn`` (see MoE._fused_args), no residual multiplier, norms in x's dtype, and no forward hook on the parts
-        (the op does not call them, so a hook there keeps the modules' path; hooks marked LABEL_ONLY excepted). None
-        otherwise: the modules below, which compute the same numbers. Measured on the 135M dsv3 (int4, 2 threads,
-        benchmarks/decode_ab.py): 1.17x per decode step at batch 1, 1.12x at batch 8."""
+    def _fused_step(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> tuple[bool, tuple] | None:
+        """How much of this layer's step runs as one op: ``(True, waferline::mla_moe_layer's arguments after x)`` for
+        the whole layer, ``(False, waferline::ffn_residual's arguments after (h, norm, eps))`` for its FFN half, None
+        for neither (the modules below, which compute the same numbers).
+
+        The FFN half: a MoE block that runs as moe_route + moe_ffn (MoE.residual_args) or an int4 SwiGLU FFN
+        (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and an MLA mixer that runs as
+        ``mla_attend_int4`` for one new token per row (MLAttention.step_args). Either needs no residual multiplier
+        and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
+        path; hooks marked LABEL_ONLY excepted). Measured on the 135M dsv3 (int4, 2 threads, benchmarks/decode_ab.py):
+        the whole layer as one op, 1.17x per decode step at batch 1, 1.12x at batch 8; on thread teams, another 1.30x
+        at batch 1."""
         mix, ffn, n1, n2 = self.mixer, self.ffn, self.mixer_norm, self.ffn_norm
-        if (type(mix) is not MLAttention or type(ffn) is not MoE or self.residual_multiplier != 1.0
-                or x.shape[1] != 1 or not x.is_contiguous() or _hooked(mix, ffn, n1, n2)
-                or n1.weight.dtype != x.dtype or n2.weight.dtype != x.dtype):
+        if (type(ffn) not in (MoE, DenseFFN) or self.residual_multiplier != 1.0 or not x.is_contiguous()
+                or n2.weight.dtype != x.dtype or _hooked(ffn, n2)):
             return None
-        moe = ffn._fused_args(x.view(x.shape[0], x.shape[2]))
-        if moe is None:
+        ffn_args = ffn.residual_args(x)
+        if ffn_args is None:
             return None
-        attn = mix.step_args(x, cache, batch)
-        if attn is None:
-            return None
-        return (n1.weight, n1.eps, *attn, n2.weight, n2.eps, *moe[0], moe[1][:8], *moe[1][8:])
+        if (type(mix) is MLAttention and x.shape[1] == 1 and n1.weight.dtype == x.dtype and not _hooked(mix, n1)):
+            attn = mix.step_args(x, cache, batch)
+            if attn is not None:
+                return True, (n1.weight, n1.eps, *attn, n2.weight, n2.eps, *ffn_args)
+        return False, ffn_args
 
 
 LABEL_ONLY = "_waferline_label_only"  # set on a hook that only marks which part runs (e.g. the twin's op counter)

@@ -183,6 +183,32 @@ class DenseFFN(nn.Module):
         return packed_linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which),
                              self.__dict__.setdefault("_packs", {}), which)
 
+    def residual_args(self, x: Tensor) -> tuple | None:
+        """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this FFN runs in that op for the rows
+        of ``x`` (a dense FFN: no gate, its weights where a MoE block's shared expert's go): CPU, SwiGLU without
+        biases, both weights int4 in waferline's CPU layout computing in x's dtype, one group size; else None."""
+        if not (self.gated and self.act is F.silu and x.device.type == "cpu" and x.numel() // x.shape[-1] <= MOE_FUSED_MAX_ROWS
+                and "linear" not in self.__dict__ and kernels.available()):
+            return None
+        return kept_args(self, "_residual_cache", x.dtype, lambda deps: self._residual_args(x.dtype, deps))
+
+    def _residual_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
+        parts = []
+        for which in ("gate_up", "down"):
+            for d, key in ((self._modules, "q_" + which), (self._parameters, "b_" + which)):
+                deps.append((d, key, d.get(key)))
+            q, bias = deps[-2][2], deps[-1][2]
+            if q is None or bias is not None or q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead:
+                return None
+            for key in ("packed", "scales_zeros"):
+                deps.append((q._buffers, key, q._buffers.get(key)))
+            parts.append(q)
+        if parts[0].group_size != parts[1].group_size:
+            return None
+        return (_NONE, _NONE, _NONE, 0, False, False, 1, 1, False, False, 1.0,
+                [_NONE] * 4 + [parts[0].packed, parts[0].scales_zeros, parts[1].packed, parts[1].scales_zeros],
+                parts[0].group_size, 0, self.intermediate_size)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.gated:
             h = gated_act(self.linear(x, "gate_up"), self.act)
@@ -486,6 +512,15 @@ class MoE(nn.Module):
         route = (gw, _NONE if gb is None else gb, _NONE if cb is None else cb, self.top_k, s.scoring == "softmax",
                  s.softmax_after_topk, s.n_group, s.topk_group, self.group_top2, s.norm_topk_prob, s.routed_scaling)
         return route, ffn
+
+    def residual_args(self, x: Tensor) -> tuple | None:
+        """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this block runs as moe_route +
+        moe_ffn for the rows of ``x`` (see :meth:`_fused_args`), else None."""
+        args = self._fused_args(x.reshape(-1, self.hidden_size))
+        if args is None:
+            return None
+        route, ffn = args
+        return (*route, list(ffn[:8]), *ffn[8:])
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [N, D]`` (N tokens, any batch flattened) -> ``[N, D]``."""

@@ -416,22 +416,39 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     return work, ops
 
 
-def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
-    """The ops one ``waferline::mla_moe_layer`` (a decoder layer's decode step, MLA + MoE) runs inside, as
+def ffn_residual_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
+    """The ops one ``waferline::ffn_residual`` (a decoder layer's FFN half: h + ffn(rms(h))) runs inside, as
     ``(op name, None for the layer's part or "ffn" for the FFN's, its arguments, its output)``: what the modules' path
-    dispatches for the same step (the two norms, the attention block, the residual adds, the router and the experts),
-    so that the op counter prices the fused layer by the same operators."""
+    dispatches for the same rows: the norm, then the router and the experts (a MoE block) or the gate_up product, the
+    SwiGLU and the down product (a dense FFN), then the residual add."""
     import torch
 
-    x, n1, e1 = args[0], args[1], args[2]
-    attn, (n2, e2), route, moe_w, moe_dims = args[3:18], args[18:20], args[20:31], list(args[31]), args[32:35]
+    h, norm, eps, gate_w, route = args[0], args[1], args[2], args[3], args[3:14]
+    moe_w, (group, inter, shared) = list(args[14]), args[15:18]
     y, idx = out
-    B, D = int(x.shape[0]), int(x.shape[-1])
-    hn = x.view(B, D)  # the FFN input's shape and dtype (the op does not return it)
-    weights = idx.new_empty(idx.shape, dtype=torch.float32)
+    D = int(h.shape[-1])
+    hn = h.reshape(-1, D)  # the FFN's input rows (shape and dtype; the op does not return them)
+    parts: list[tuple[str, Any, tuple, Any]] = [("rms_norm", None, (h, norm, eps), h)]
+    if gate_w.numel():
+        weights = idx.new_empty(idx.shape, dtype=torch.float32)
+        parts += [("moe_route", "ffn", (hn, *route), (weights, idx)),
+                  ("moe_ffn", "ffn", (hn, weights, idx, *moe_w, group, inter, shared), hn)]
+    else:  # a dense FFN: its weights where the shared expert's go
+        N = int(hn.shape[0])
+        gu, act = hn.new_empty((N, 2 * int(shared))), hn.new_empty((N, int(shared)))
+        parts += [("int4_linear", "ffn", (hn, moe_w[4], moe_w[5], group), gu), ("silu_mul", "ffn", (gu,), act),
+                  ("int4_linear", "ffn", (act, moe_w[6], moe_w[7], group), hn)]
+    return parts + [("add", None, (h, h), y)]
+
+
+def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
+    """The ops one ``waferline::mla_moe_layer`` (a decoder layer's decode step, MLA + FFN) runs inside, as
+    ffn_residual_parts lists them: the attention half (the norm, the attention block, the residual add), then the
+    FFN half's."""
+    x, n1, e1 = args[0], args[1], args[2]
+    attn = args[3:18]
     return [("rms_norm", None, (x, n1, e1), x), ("mla_attend_int4", None, (x, *attn), x), ("add", None, (x, x), x),
-            ("rms_norm", None, (x, n2, e2), x), ("moe_route", "ffn", (hn, *route), (weights, idx)),
-            ("moe_ffn", "ffn", (hn, weights, idx, *moe_w, *moe_dims), hn), ("add", None, (x, x), y)]
+            *ffn_residual_parts((x, *args[18:]), out)]
 
 
 class OpCounter:
@@ -460,8 +477,9 @@ class OpCounter:
 
     def _record(self, func: Any, args: Any, out: Any) -> None:
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-        if name == "mla_moe_layer":  # a whole MLA + MoE decoder layer: its parts, as the modules' path runs them
-            for part, lab, part_args, part_out in mla_moe_layer_parts(args, out):
+        if name in ("mla_moe_layer", "ffn_residual"):  # a whole layer, or its FFN half: its parts, as the modules run them
+            parts = (mla_moe_layer_parts if name == "mla_moe_layer" else ffn_residual_parts)(args, out)
+            for part, lab, part_args, part_out in parts:
                 self._account(part, self.label if lab is None else self.ffn_label(self.label), part_args, part_out)
             return
         self._account(name, self.label, args, out)
