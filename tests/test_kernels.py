@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from waferline.model.context import StepBatch
 from waferline.model.layers import RMSNorm
 from waferline.model.load import load_model
 from waferline.model.moe import gated_act
+
+SOL_MINI = Path(__file__).resolve().parents[1] / "models" / "sol-mini"
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"fused CPU operators not built: {kernels.status()['error']}")
 
@@ -395,12 +398,12 @@ def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_threa
     assert n_fused < n_eager
 
 
-def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread):
-    """The op counter prices waferline::mla_moe_layer (a whole MLA layer's decode step, with a MoE block or a dense
-    FFN) by its parts: the same int4 calls (the attention's, the experts' as routed, the dense FFN's), rms_norm and
-    silu_mul elements and mla_decode FLOPs as the modules' path counts for a decode step of 3 rows at different
-    positions, the FFN's under ``ffn_label`` as the twin's label-only hooks put the modules' FFN ops; no more ops
-    than the modules' path."""
+def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
+    """The op counter prices a whole layer's decode step as one op (waferline::mla_moe_layer with a MoE block or a
+    dense FFN; mamba_ffn_layer) by its parts: the same int4 calls (the mixer's, the experts' as routed, the dense
+    FFN's), rms_norm and silu_mul elements, mla_decode FLOPs and mamba2_mix state elements as the modules' path
+    counts for a decode step of 3 rows at different positions, the FFN's under ``ffn_label`` as the twin's label-only
+    hooks put the modules' FFN ops; no more ops than the modules' path."""
     from waferline.model.quant import QuantOptions, quantize_model
 
     build("deepseek_v3", tmp_path, q_lora_rank=64)
@@ -408,11 +411,17 @@ def test_op_counter_sees_inside_mla_moe_layer(tmp_path, monkeypatch, one_thread)
     quantize_model(model, QuantOptions(group_size=32))
     for layer in (model.layers[-1], model.layers[0]):  # MLA + MoE, MLA + a dense FFN
         _counted_layer_parts(model, layer, monkeypatch)
+    sol = load_model(SOL_MINI, torch.bfloat16)
+    quantize_model(sol, QuantOptions(group_size=64))
+    assert type(sol.layers[1].mixer).__name__ == "Mamba2Mixer"
+    _counted_layer_parts(sol, sol.layers[1], monkeypatch)  # Mamba-2 + MoE: waferline::mamba_ffn_layer
 
 
 def _counted_layer_parts(model, layer, monkeypatch):
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.sim.measure import OpCounter
+
+    i = list(model.layers).index(layer)
 
     def step_work(fused: bool) -> dict:
         c = OpCounter()
@@ -432,7 +441,7 @@ def _counted_layer_parts(model, layer, monkeypatch):
                 x = torch.randn(3, 1, model.spec.hidden_size, generator=torch.Generator().manual_seed(0))
                 with c:
                     c.label = "layer"
-                    layer(x.to(torch.bfloat16), caches[-1], StepBatch.make([0, 1, 2], [5, 9, 7], 1))
+                    layer(x.to(torch.bfloat16), caches[i], StepBatch.make([0, 1, 2], [5, 9, 7], 1))
         for h in hooks:
             h.remove()
         return c
@@ -443,20 +452,21 @@ def _counted_layer_parts(model, layer, monkeypatch):
         keys = [k for k in e if k.startswith("call|int4")]
         assert keys and {k: f.get(k) for k in keys} == {k: e[k] for k in keys}, lab
         assert not [k for k in f if k.startswith("call|") and k not in e], lab
-    for k in ("fused|mla_decode|units", "fused|rms_norm|units"):
-        assert fused.work["layer"][k] == pytest.approx(eager.work["layer"][k]), k
+    for k in [k for k in eager.work["layer"] if k.startswith("fused|")]:  # rms_norm, mla_decode or mamba2_mix
+        assert fused.work["layer"].get(k) == pytest.approx(eager.work["layer"][k]), k
     for k in [k for k in eager.work["ffn"] if k.startswith("fused|")]:  # the dense FFN's silu_mul
         assert fused.work["ffn"].get(k) == pytest.approx(eager.work["ffn"][k]), k
     assert sum(fused.counts.values()) <= sum(eager.counts.values())
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "sol-mini"])
 @pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2)])
 def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
     """A layer's step as one op against DecoderLayer's modules (norms, mixer, FFN blocks, residual adds): bitwise the
     same logits and caches over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions
     and 8 and 9 rows. waferline::mla_moe_layer runs the whole decode step of every MLA layer with an int4 MoE or dense
-    FFN, one call per layer and step (up to MLA_FUSED_MAX_ROWS rows); waferline::ffn_residual the FFN half of the
+    FFN, waferline::mamba_ffn_layer of every Mamba-2 layer (sol-mini: Mamba-2 and MLA mixers, MoE and dense FFNs),
+    one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS rows); waferline::ffn_residual the FFN half of the
     other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, with 1 and 2 threads (the stages split
     between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
@@ -465,9 +475,13 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
     from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.model.ssm import Mamba2Mixer
 
-    extra = {"q_lora_rank": 64} if model_type == "deepseek_v3" else {}
-    build(model_type, tmp_path, moe_intermediate_size=64, **extra)  # every routed product's K a multiple of 64
+    if model_type == "sol-mini":
+        tmp_path = SOL_MINI
+    else:
+        extra = {"q_lora_rank": 64} if model_type == "deepseek_v3" else {}
+        build(model_type, tmp_path, moe_intermediate_size=64, **extra)  # every routed product's K a multiple of 64
     model = load_model(tmp_path, torch.bfloat16)
     quantize_model(model, QuantOptions(group_size=group))
     torch.set_num_threads(threads)
@@ -476,9 +490,12 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     probe = torch.zeros(1, 1, model.spec.hidden_size, dtype=torch.bfloat16)
     fusable = [layer.ffn.residual_args(probe) is not None for layer in model.layers]
     assert sum(fusable) >= 2 and any(isinstance(layer.ffn, MoE) for layer in model.layers)
-    whole = sum(f and isinstance(layer.mixer, MLAttention) for f, layer in zip(fusable, model.layers))
-    calls = {"layer": 0, "ffn": 0}
-    ops = {name: getattr(torch.ops.waferline, op) for name, op in (("layer", "mla_moe_layer"), ("ffn", "ffn_residual"))}
+    mla = sum(f and isinstance(layer.mixer, MLAttention) for f, layer in zip(fusable, model.layers))
+    mamba = sum(f and isinstance(layer.mixer, Mamba2Mixer) for f, layer in zip(fusable, model.layers))
+    assert (mamba > 0) == (model_type == "sol-mini")
+    calls = {"layer": 0, "mamba": 0, "ffn": 0}
+    ops = {name: getattr(torch.ops.waferline, op)
+           for name, op in (("layer", "mla_moe_layer"), ("mamba", "mamba_ffn_layer"), ("ffn", "ffn_residual"))}
 
     def counting(name):
         def call(*a):
@@ -487,9 +504,10 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
         return call
 
     def run(fuse_layers: bool, prompts, slots, nslots):
-        calls.update(layer=0, ffn=0)
+        calls.update(layer=0, mamba=0, ffn=0)
         with monkeypatch.context() as mp:
             mp.setattr(torch.ops.waferline, "mla_moe_layer", counting("layer"))
+            mp.setattr(torch.ops.waferline, "mamba_ffn_layer", counting("mamba"))
             mp.setattr(torch.ops.waferline, "ffn_residual", counting("ffn"))
             if not fuse_layers:
                 mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)
@@ -502,31 +520,33 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
         for lens, slots, nslots in cases:
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
             ref, cr = run(False, prompts, slots, nslots)
-            assert calls == {"layer": 0, "ffn": 0}
+            assert calls == {"layer": 0, "mamba": 0, "ffn": 0}
             teams = torch.ops.waferline.team_halves()
             out, co = run(True, prompts, slots, nslots)
-            assert calls["layer"] == (4 * whole if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            assert calls["layer"] == (4 * mla if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            assert calls["mamba"] == 4 * mamba, (lens, calls)
             assert calls["ffn"] > 0  # the prefills' FFN halves at least
             ran_teams = torch.ops.waferline.team_halves() - teams
             assert (ran_teams > 0) == (team and group == 64), ran_teams
             assert torch.equal(out, ref), lens
             for a, b in zip(co, cr):
-                if a is not None and hasattr(a, "data"):
-                    assert torch.equal(a.data, b.data)
+                for name in ("data", "conv", "ssm"):  # attention caches; Mamba-2 conv and SSM states
+                    if hasattr(a, name):
+                        assert torch.equal(getattr(a, name), getattr(b, name)), name
         prompts = [[5, 6, 7]]
         i = next(i for i, layer in enumerate(model.layers) if fusable[i] and isinstance(layer.ffn, MoE))
         layer, n_fused = model.layers[i], sum(fusable)
         seen = []
         plain = layer.ffn.register_forward_hook(lambda m, a, o: seen.append(1))
         run(True, prompts, [0], 1)
-        assert calls["layer"] + calls["ffn"] == 5 * (n_fused - 1) and len(seen) == 5  # that layer ran its modules
+        assert sum(calls.values()) == 5 * (n_fused - 1) and len(seen) == 5  # that layer ran its modules
         plain.remove()
         marked = lambda m, a, o: seen.append(2)  # noqa: E731
         setattr(marked, LABEL_ONLY, True)
         handle = layer.ffn.register_forward_hook(marked)
         run(True, prompts, [0], 1)
         handle.remove()
-        assert calls["layer"] + calls["ffn"] == 5 * n_fused and 2 not in seen  # prefill and steps ran as the ops
+        assert sum(calls.values()) == 5 * n_fused and 2 not in seen  # prefill and steps ran as the ops
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])

@@ -2042,6 +2042,7 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
   if (w.size() != 8 || groups.size() != 4 || w_uk.dim() != 3 || w_uv.dim() != 3 || !w[3].numel()) return false;
   const at::ScalarType dt = x.scalar_type();
   st = w[3].scalar_type();
+  if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
   const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2), v = w_uv.size(1);
   if (B < 1 || w_uk.scalar_type() != at::kFloat || w_uv.scalar_type() != at::kFloat || !w_uk.is_contiguous() ||
       !w_uv.is_contiguous() || w_uv.size(0) != H || w_uv.size(2) != r)
@@ -2083,9 +2084,10 @@ bool ffn_team_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Te
   const int64_t D = h.size(-1);
   if (D < 1 || h.numel() / D > INT4_KERNEL_ROWS) return false;  // more rows: int4_mm's GEMM path (other numbers)
   if (ffn_norm.scalar_type() != h.scalar_type() || ffn_norm.numel() != D || !ffn_norm.is_contiguous()) return false;
+  if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
   if (gate_w.numel() > 0) {
     const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
-    if (E < 1 || inter < 1 || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
+    if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
         !i4_fits<float>(moe_w[2], moe_w[3], group, D, inter, st, E))
       return false;
   } else if (shared_inter < 1) {
@@ -2424,6 +2426,31 @@ std::vector<at::Tensor> mamba2_mix(const at::Tensor& zxbcdt, at::Tensor& conv, c
   return {out, rdA, rdtx, rB, rC, ctr};
 }
 
+// ---------------------------------------------------------------- a decoder layer's decode step, Mamba-2 + FFN
+// What DecoderLayer.forward computes for rows of one new token each when its mixer is a Mamba-2 mixer whose step runs
+// as in_proj -> mamba2_mix -> out_proj with int4 projections (Mamba2Mixer._step's fused path) and its FFN as
+// ffn_residual runs it: h = x + out_proj(mamba2_mix(in_proj(rms(x)))); out = h + ffn(rms(h)). The same functions
+// on the same tensors (the same numbers), without the Python of the layer, the mixer and the FFN; the conv and SSM
+// states are updated in place as mamba2_mix updates them. Returns (out, the experts chosen [B, k]).
+std::tuple<at::Tensor, at::Tensor> mamba_ffn_layer(
+    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, const at::Tensor& in_w, const at::Tensor& in_sz,
+    int64_t in_group, at::Tensor& conv, const at::Tensor& slots, const at::Tensor& conv_w, const at::Tensor& conv_b,
+    const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, const at::Tensor& norm_w, at::Tensor& ssm,
+    int64_t groups, double eps, bool clamp, double lo, double hi, const at::Tensor& out_w, const at::Tensor& out_sz,
+    int64_t out_group, const at::Tensor& ffn_norm, double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b,
+    const at::Tensor& corr, int64_t k, bool softmax_scores, bool softmax_after_topk, int64_t n_group,
+    int64_t topk_group, bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
+    int64_t shared_inter) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mamba_ffn_layer: contiguous x [B, 1, D]");
+  at::Tensor no_prev = at::empty({0}, ssm.options());
+  auto zx = int4_linear(rms_norm(x, mix_norm, mix_eps), in_w, in_sz, in_group);
+  auto mixed = mamba2_mix(zx, conv, slots, conv_w, conv_b, dt_bias, A, D, norm_w, ssm, no_prev, groups, eps, clamp, lo,
+                          hi, false)[0];
+  auto h = x + int4_linear(mixed, out_w, out_sz, out_group);
+  return ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group,
+                      topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(waferline, m) {
@@ -2439,6 +2466,12 @@ TORCH_LIBRARY(waferline, m) {
         "Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, Tensor slots, Tensor pos, Tensor w_uk, "
         "Tensor w_uv, float scale) -> Tensor");
   m.def("ffn_residual(Tensor h, Tensor norm, float eps, Tensor gate_w, Tensor gate_b, Tensor corr, int k, "
+        "bool softmax_scores, bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm_topk, "
+        "float scaling, Tensor[] moe_w, int group, int inter, int shared_inter) -> (Tensor, Tensor)");
+  m.def("mamba_ffn_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor in_w, Tensor in_sz, int in_group, "
+        "Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, Tensor D, Tensor norm_w, "
+        "Tensor(b!) ssm, int groups, float eps, bool clamp, float lo, float hi, Tensor out_w, Tensor out_sz, "
+        "int out_group, Tensor ffn_norm, float ffn_eps, Tensor gate_w, Tensor gate_b, Tensor corr, int k, "
         "bool softmax_scores, bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm_topk, "
         "float scaling, Tensor[] moe_w, int group, int inter, int shared_inter) -> (Tensor, Tensor)");
   m.def("mla_moe_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor[] w, int[] groups, Tensor qa_norm, "
@@ -2477,6 +2510,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("mla_attend_int4", &mla_attend_int4);
   m.impl("mla_moe_layer", &mla_moe_layer);
   m.impl("ffn_residual", &ffn_residual);
+  m.impl("mamba_ffn_layer", &mamba_ffn_layer);
   m.impl("ssm_update", &ssm_update);
   m.impl("linear_rows", &linear_rows);
   m.impl("linear_wide", &linear_wide);

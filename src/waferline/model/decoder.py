@@ -70,9 +70,10 @@ class DecoderLayer(nn.Module):
         fused = self._fused_step(x, cache, batch)
         if fused is not None:
             whole, args = fused
-            if whole:  # the whole layer as one op (see waferline::mla_moe_layer)
-                return torch.ops.waferline.mla_moe_layer(x, *args)[0]
-            x = x + self.mixer(self.mixer_norm(x), cache, batch)  # the mixer by its modules, then the FFN half as one op
+            if whole:  # the whole layer as one op (waferline::mla_moe_layer or mamba_ffn_layer)
+                return getattr(torch.ops.waferline, whole)(x, *args)[0]
+            if self.mixer is not None:  # the mixer by its modules, then the FFN half as one op
+                x = x + self.mixer(self.mixer_norm(x), cache, batch)
             return torch.ops.waferline.ffn_residual(x, self.ffn_norm.weight, self.ffn_norm.eps, *args)[0]
         m = self.residual_multiplier
         if self.mixer is not None:
@@ -84,19 +85,17 @@ class DecoderLayer(nn.Module):
             x = x + h * m if m != 1.0 else x + h
         return x
 
-
-    def _fused_step(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> tuple[bool, tuple] | None:
-        """How much of this layer's step runs as one op: ``(True, waferline::mla_moe_layer's arguments after x)`` for
-        the whole layer, ``(False, waferline::ffn_residual's arguments after (h, norm, eps))`` for its FFN half, None
-        for neither (the modules below, which compute the same numbers).
+    def _fused_step(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> tuple[str, tuple] | None:
+        """How much of this layer's step runs as one op: ``(op name, its arguments after x)`` for the whole layer
+        (``mla_moe_layer``, ``mamba_ffn_layer``), ``("", waferline::ffn_residual's arguments after (h, norm, eps))``
+        for its FFN half, None for neither (the modules below, which compute the same numbers).
 
         The FFN half: a MoE block that runs as moe_route + moe_ffn (MoE.residual_args) or an int4 SwiGLU FFN
-        (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and an MLA mixer that runs as
-        ``mla_attend_int4`` for one new token per row (MLAttention.step_args). Either needs no residual multiplier
+        (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and for one new token per row an MLA
+        mixer that runs as ``mla_attend_int4`` (MLAttention.step_args) or a Mamba-2 mixer that runs as int4 in_proj,
+        ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args). Either needs no residual multiplier
         and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
-        path; hooks marked LABEL_ONLY excepted). Measured on the 135M dsv3 (int4, 2 threads, benchmarks/decode_ab.py):
-        the whole layer as one op, 1.17x per decode step at batch 1, 1.12x at batch 8; on thread teams, another 1.30x
-        at batch 1."""
+        path; hooks marked LABEL_ONLY excepted). What each bought: README, "What the decode-step work bought"."""
         mix, ffn, n1, n2 = self.mixer, self.ffn, self.mixer_norm, self.ffn_norm
         if (type(ffn) not in (MoE, DenseFFN) or self.residual_multiplier != 1.0 or not x.is_contiguous()
                 or n2.weight.dtype != x.dtype or _hooked(ffn, n2)):
@@ -104,11 +103,12 @@ class DecoderLayer(nn.Module):
         ffn_args = ffn.residual_args(x)
         if ffn_args is None:
             return None
-        if (type(mix) is MLAttention and x.shape[1] == 1 and n1.weight.dtype == x.dtype and not _hooked(mix, n1)):
-            attn = mix.step_args(x, cache, batch)
-            if attn is not None:
-                return True, (n1.weight, n1.eps, *attn, n2.weight, n2.eps, *ffn_args)
-        return False, ffn_args
+        whole = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}.get(type(mix))
+        if whole and x.shape[1] == 1 and n1.weight.dtype == x.dtype and not _hooked(mix, n1):
+            mixer_args = mix.step_args(x, cache, batch)
+            if mixer_args is not None:
+                return whole, (n1.weight, n1.eps, *mixer_args, n2.weight, n2.eps, *ffn_args)
+        return "", ffn_args
 
 
 LABEL_ONLY = "_waferline_label_only"  # set on a hook that only marks which part runs (e.g. the twin's op counter)

@@ -187,8 +187,8 @@ class DenseFFN(nn.Module):
         """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this FFN runs in that op for the rows
         of ``x`` (a dense FFN: no gate, its weights where a MoE block's shared expert's go): CPU, SwiGLU without
         biases, both weights int4 in waferline's CPU layout computing in x's dtype, one group size; else None."""
-        if not (self.gated and self.act is F.silu and x.device.type == "cpu" and x.numel() // x.shape[-1] <= MOE_FUSED_MAX_ROWS
-                and "linear" not in self.__dict__ and kernels.available()):
+        if not (self.gated and self.act is F.silu and x.device.type == "cpu" and "linear" not in self.__dict__
+                and x.numel() // x.shape[-1] <= MOE_FUSED_MAX_ROWS and kernels.available()):
             return None
         return kept_args(self, "_residual_cache", x.dtype, lambda deps: self._residual_args(x.dtype, deps))
 

@@ -26,6 +26,7 @@ state h <- exp(dt*A) h + dt * x B^T; y = C h + D x; y * silu(z), RMS-normalised 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ from torch import Tensor, nn
 from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear
+from waferline.model.layers import Linear, kept_args
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import Mamba2Spec
 
@@ -271,6 +272,41 @@ class Mamba2Mixer(nn.Module):
             self.in_proj(x), cache.conv, slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
             dtb, A, D.view(-1), norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
             self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, hi, record)
+
+    def step_args(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> tuple | None:
+        """``waferline::mamba_ffn_layer``'s mixer arguments (after ``x``, its norm and epsilon; up to the FFN norm) for
+        a decode step (one new token per row) whose mixer runs as in_proj -> mamba2_mix -> out_proj (see
+        :meth:`_mixes_fused`) with both projections int4 in waferline's CPU layout, without biases, computing in x's
+        dtype; else None. The projections' tensors are kept between calls and checked by identity (kept_args)."""
+        if x.shape[1] != 1 or not self._mixes_fused(cache, x):
+            return None
+        w = kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
+        if w is None:
+            return None
+        A, D, norm = self._consts()
+        lo, hi = self.time_step_limit
+        dtb = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
+        return (*w[:3], cache.conv, batch.slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
+                dtb, A, D.view(-1), norm, cache.ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
+                lo, hi, *w[3:])
+
+    def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
+        out: list[Any] = []
+        for name in ("in_proj", "out_proj"):
+            lin = self._modules.get(name)
+            deps.append((self._modules, name, lin))
+            q = lin._modules.get("int4") if lin is not None else None
+            if q is None:
+                return None
+            deps.append((lin._modules, "int4", q))
+            bias = lin._parameters.get("bias")
+            deps.append((lin._parameters, "bias", bias))
+            if q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead or bias is not None:
+                return None
+            for key in ("packed", "scales_zeros"):
+                deps.append((q._buffers, key, q._buffers.get(key)))
+            out += [q.packed, q.scales_zeros, q.group_size]
+        return tuple(out)
 
     def _step(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, slot0: int | None = None) -> Tensor:
         """One new token per row: the recurrent form (the decode hot loop). With consecutive slots (``slot0``) the

@@ -451,6 +451,26 @@ def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]
             *ffn_residual_parts((x, *args[18:]), out)]
 
 
+def mamba_ffn_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
+    """The ops one ``waferline::mamba_ffn_layer`` (a decoder layer's decode step, Mamba-2 + FFN) runs inside, as
+    ffn_residual_parts lists them: the norm, in_proj, the mixer between the projections (mamba2_mix), out_proj, the
+    residual add, then the FFN half's."""
+    x, n1, e1, in_w, in_sz, in_g = args[:6]
+    conv, slots, conv_w, conv_b, dtb, A, D, norm_w, ssm, groups, eps, clamp, lo, hi = args[6:20]
+    out_w, out_sz, out_g = args[20:23]
+    B = int(x.shape[0])
+    zx, mixed = x.new_empty((B, 1, int(in_w.shape[0]))), x.new_empty((B, 1, int(out_w.shape[1]) * 2))
+    no_prev = ssm.new_empty((0,))
+    mix_args = (zx, conv, slots, conv_w, conv_b, dtb, A, D, norm_w, ssm, no_prev, groups, eps, clamp, lo, hi, False)
+    return [("rms_norm", None, (x, n1, e1), x), ("int4_linear", None, (x, in_w, in_sz, in_g), zx),
+            ("mamba2_mix", None, mix_args, [mixed]), ("int4_linear", None, (mixed, out_w, out_sz, out_g), x),
+            ("add", None, (x, x), x), *ffn_residual_parts((x, *args[23:]), out)]
+
+
+_LAYER_OPS = {"mla_moe_layer": mla_moe_layer_parts, "mamba_ffn_layer": mamba_ffn_layer_parts,
+              "ffn_residual": ffn_residual_parts}
+
+
 class OpCounter:
     """Count the aten ops torch dispatches (a TorchDispatchMode) and the bytes and FLOPs each moves, attributed to a
     label the caller sets: per label {ops, bytes of non-matmul ops, matmul bytes and FLOPs by dtype (fp32, bf16, int4)}.
@@ -477,9 +497,9 @@ class OpCounter:
 
     def _record(self, func: Any, args: Any, out: Any) -> None:
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
-        if name in ("mla_moe_layer", "ffn_residual"):  # a whole layer, or its FFN half: its parts, as the modules run them
-            parts = (mla_moe_layer_parts if name == "mla_moe_layer" else ffn_residual_parts)(args, out)
-            for part, lab, part_args, part_out in parts:
+        split = _LAYER_OPS.get(name)
+        if split is not None:  # a whole layer, or its FFN half: its parts, as the modules run them
+            for part, lab, part_args, part_out in split(args, out):
                 self._account(part, self.label if lab is None else self.ffn_label(self.label), part_args, part_out)
             return
         self._account(name, self.label, args, out)

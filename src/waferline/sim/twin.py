@@ -232,7 +232,7 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     model = llm.model
     idx = list(model.layer_range)
     counter = OpCounter()
-    counter.ffn_label = lambda i: f"f{i}"  # a fused layer's FFN part (waferline::mla_moe_layer), as the hooks label it
+    counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part (mla_moe_layer, ffn_residual), as the hooks label it
     hooks = []
 
     def label_only(fn: Any) -> Any:  # these hooks only label: the engine still runs a layer as one op (see _hooked)
