@@ -396,6 +396,27 @@ def test_a_stale_kernel_build_lock_is_dropped(tmp_path):
     assert not old.exists() and fresh.exists()
 
 
+def test_a_lock_that_goes_stale_while_waiting_is_dropped(tmp_path):
+    """A process already waiting on a build lock (as cpp_extension waits: while the file exists) is released when the
+    lock goes stale, i.e. its builder was killed; a live lock is left alone."""
+    import os
+    import time
+
+    from waferline.kernels import STALE_LOCK_S, _watching_lock
+
+    lock = tmp_path / "lock"
+    lock.touch()
+    with _watching_lock(lock, every_s=0.02):
+        time.sleep(0.2)
+        assert lock.exists()  # fresh: a build is running
+        past = time.time() - STALE_LOCK_S - 60
+        os.utime(lock, (past, past))  # its builder dies; the lock ages
+        t = time.monotonic()
+        while lock.exists() and time.monotonic() - t < 5:
+            time.sleep(0.02)
+    assert not lock.exists()
+
+
 def test_causal_depthwise_conv_is_the_depthwise_conv1d():
     """The Mamba-2 prefill's conv as K shifted multiply-adds: F.conv1d's last T outputs (fp32 to float rounding; bf16
     within one rounding of the fp32 result of the same bf16 inputs), with and without a bias."""

@@ -63,9 +63,10 @@ def _load() -> bool:
     d = build_dir()
     d.mkdir(parents=True, exist_ok=True)
     _drop_stale_lock(d / "lock")
-    cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
-                       extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                       is_python_module=False, verbose=False)
+    with _watching_lock(d / "lock"):  # a build killed while this process waits on its lock must not hang it
+        cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
+                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
     return True
 
 
@@ -82,6 +83,26 @@ def _drop_stale_lock(lock: Path) -> None:
             lock.unlink()
     except FileNotFoundError:
         pass
+
+
+class _watching_lock:
+    """While a build runs (or waits on another process's build), drop ``lock`` once it goes stale: cpp_extension
+    checks nothing but the lock's existence while it waits, so a process that began waiting on a live build whose
+    owner was then killed waited forever (seen: a calibration killed mid-build left a benchmark's process asleep)."""
+
+    def __init__(self, lock: Path, every_s: float = 5.0) -> None:
+        self.lock, self.every_s, self.stop = lock, every_s, threading.Event()
+
+    def __enter__(self) -> "_watching_lock":
+        def watch() -> None:
+            while not self.stop.wait(self.every_s):
+                _drop_stale_lock(self.lock)
+
+        threading.Thread(target=watch, name="waferline-kernel-lock", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
 
 
 def _ninja_module() -> object | None:
