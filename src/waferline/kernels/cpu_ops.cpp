@@ -996,16 +996,32 @@ void int4_i16_span(const int16_t* xq, const float* sx, const float* xs, int64_t 
   }
 }
 
+struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quantize) for groups of G
+  std::vector<int16_t> xq;
+  std::vector<float> sx, xs;
+  int64_t M = 0, K = 0, G = 0;
+  void resize(int64_t M_, int64_t K_, int64_t G_) {
+    M = M_, K = K_, G = G_;
+    xq.resize(M * K), sx.resize(M * (K / G)), xs.resize(M * (K / G));
+  }
+  void set(const float* xf, int64_t M_, int64_t K_, int64_t G_) {
+    resize(M_, K_, G_);
+    i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
+  }
+  void set_row(int64_t m, const float* xf) {  // row m alone (the same numbers: rows are quantized independently)
+    const int64_t ng = K / G;
+    i16_quantize(xf, 1, K, G, xq.data() + m * K, sx.data() + m * ng, xs.data() + m * ng);
+  }
+};
+
 // M rows (any number) of 16-bit x through the int4 weight, 4 rows at a time over each weight row (it stays in L1)
 template <typename T, typename S>
 void int4_rows_i16(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
                    int64_t G, T* y, int64_t ldy) {
-  const int64_t ng = K / G;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> sx(M * ng), xs(M * ng);
-  i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
+  I16Rows x;
+  x.set(xf, M, K, G);
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    int4_i16_span<T, S>(xq.data(), sx.data(), xs.data(), M, q, sz, Z, K, G, y, ldy, n0, n1);
+    int4_i16_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), M, q, sz, Z, K, G, y, ldy, n0, n1);
   });
 }
 
@@ -1281,17 +1297,23 @@ at::Tensor gated_ffn(const at::Tensor& X, const Bundle& gu, const Bundle& dn, in
   return bundle_linear(a, dn, e, D);
 }
 
+// per expert, the (token * k + slot) pairs of idx [N, k] routed to it, in token order
+std::vector<std::vector<int64_t>> expert_pairs(const int64_t* ip, int64_t pairs, int64_t E) {
+  std::vector<std::vector<int64_t>> out(E);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "waferline::moe_ffn: expert index ", ip[p], " out of range");
+    out[ip[p]].push_back(p);
+  }
+  return out;
+}
+
 template <typename T>
 at::Tensor moe_ffn_impl(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& idx, const Bundle& gu,
                         const Bundle& dn, const Bundle& sgu, const Bundle& sdn, int64_t I, int64_t S) {
   const int64_t N = x.size(0), D = x.size(1), k = idx.size(1), E = gu.w.size(0);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = weights.data_ptr<float>();
-  std::vector<std::vector<int64_t>> pairs(E);  // per expert, its (token * k + slot) pairs in token order
-  for (int64_t p = 0; p < N * k; ++p) {
-    TORCH_CHECK(ip[p] >= 0 && ip[p] < E, "waferline::moe_ffn: expert index ", ip[p], " out of range");
-    pairs[ip[p]].push_back(p);
-  }
+  const auto pairs = expert_pairs(ip, N * k, E);
   auto acc = at::zeros({N, D}, x.options().dtype(at::kFloat));
   float* ap = acc.data_ptr<float>();
   const T* xp = x.data_ptr<T>();
@@ -1754,24 +1776,6 @@ I4W<S> i4w(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t e 
   return w;
 }
 
-struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quantize) for groups of G
-  std::vector<int16_t> xq;
-  std::vector<float> sx, xs;
-  int64_t M = 0, K = 0, G = 0;
-  void resize(int64_t M_, int64_t K_, int64_t G_) {
-    M = M_, K = K_, G = G_;
-    xq.resize(M * K), sx.resize(M * (K / G)), xs.resize(M * (K / G));
-  }
-  void set(const float* xf, int64_t M_, int64_t K_, int64_t G_) {
-    resize(M_, K_, G_);
-    i16_quantize(xf, M, K, G, xq.data(), sx.data(), xs.data());
-  }
-  void set_row(int64_t m, const float* xf) {  // row m alone (the same numbers: rows are quantized independently)
-    const int64_t ng = K / G;
-    i16_quantize(xf, 1, K, G, xq.data() + m * K, sx.data() + m * ng, xs.data() + m * ng);
-  }
-};
-
 template <typename T, typename S>
 void i4_span(const I16Rows& x, const I4W<S>& w, T* y, int64_t ldy, int64_t n0, int64_t n1) {
   int4_i16_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), x.M, w.q, w.sz, w.Z, w.K, w.G, y, ldy, n0, n1);
@@ -1795,7 +1799,6 @@ void share_tiles(const std::vector<int64_t>& rows, int tid, int nt, F&& f) {
   }
 }
 
-template <typename S>
 bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t N, int64_t K, at::ScalarType st,
              int64_t E = 0) {  // int4 [(E,) N, K / 2] with scales of dtype st, on the integer kernel's groups
   if (sz.numel() == 0 || sz.scalar_type() != st || G % INT4_BLOCK != 0 || G > I16_MAX_GROUP) return false;
@@ -1952,13 +1955,12 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
     std::vector<T> hb, ab, y;  // gate_up out [rows, 2I], silu(gate) * up [rows, I], down out [rows, D]
   };
   const int64_t E = routing ? moe_w[0].size(0) : 0;
+  const auto pairs = expert_pairs(ip, B * k, E);
   std::vector<Job> jobs;
   for (int64_t e = 0; e < E; ++e) {
+    if (pairs[e].empty()) continue;
     Job jb;
-    for (int64_t t = 0; t < B; ++t)
-      for (int64_t s = 0; s < k; ++s)
-        if (ip[t * k + s] == e) jb.tok.push_back(t), jb.wt.push_back(wp[t * k + s]);
-    if (jb.tok.empty()) continue;
+    for (int64_t pr : pairs[e]) jb.tok.push_back(pr / k), jb.wt.push_back(wp[pr]);
     jb.gu = i4w<S>(moe_w[0], moe_w[1], group, e), jb.dn = i4w<S>(moe_w[2], moe_w[3], group, e), jb.I = inter;
     jobs.push_back(std::move(jb));
   }
@@ -2059,9 +2061,9 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
   const int64_t Nqa = lora ? w[0].size(0) : 0;
   auto normed = [&](const at::Tensor& t, int64_t len) { return t.scalar_type() == dt && t.numel() == len && t.is_contiguous(); };
   if (!normed(mix_norm, D) || !normed(kva_norm, r) || (lora && !normed(qa_norm, Nqa))) return false;
-  if ((lora && !i4_fits<float>(w[0], w[1], groups[0], Nqa, D, st)) ||
-      !i4_fits<float>(w[2], w[3], groups[1], H * (n + p), lora ? Nqa : D, st) ||
-      !i4_fits<float>(w[4], w[5], groups[2], r + p, D, st) || !i4_fits<float>(w[6], w[7], groups[3], D, H * v, st))
+  if ((lora && !i4_fits(w[0], w[1], groups[0], Nqa, D, st)) ||
+      !i4_fits(w[2], w[3], groups[1], H * (n + p), lora ? Nqa : D, st) ||
+      !i4_fits(w[4], w[5], groups[2], r + p, D, st) || !i4_fits(w[6], w[7], groups[3], D, H * v, st))
     return false;
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* pp = pos.data_ptr<int64_t>();
@@ -2087,14 +2089,14 @@ bool ffn_team_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Te
   if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
   if (gate_w.numel() > 0) {
     const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
-    if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E || !i4_fits<float>(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
-        !i4_fits<float>(moe_w[2], moe_w[3], group, D, inter, st, E))
+    if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E || !i4_fits(moe_w[0], moe_w[1], group, 2 * inter, D, st, E) ||
+        !i4_fits(moe_w[2], moe_w[3], group, D, inter, st, E))
       return false;
   } else if (shared_inter < 1) {
     return false;
   }
-  return shared_inter < 1 || (i4_fits<float>(moe_w[4], moe_w[5], group, 2 * shared_inter, D, st) &&
-                              i4_fits<float>(moe_w[6], moe_w[7], group, D, shared_inter, st));
+  return shared_inter < 1 || (i4_fits(moe_w[4], moe_w[5], group, 2 * shared_inter, D, st) &&
+                              i4_fits(moe_w[6], moe_w[7], group, D, shared_inter, st));
 }
 
 // f(T tag, S tag) for activations of dtype dt (bf16 / fp16) and int4 scales of dtype st
