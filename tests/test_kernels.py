@@ -225,7 +225,8 @@ def test_mla_decode_op_against_float64(portable):
     """waferline::mla_decode (absorbed MLA attention: W_UK into the queries, scores, softmax, weighted latents, W_UV)
     against the same formula in float64: one row and many, T > 1 with per-token masks, heads not a multiple of the
     kernel's block of 4, latent widths with and without a vector tail; masked cache rows holding NaN (a slot's stale
-    or unwritten rows) do not reach the output; the vector kernels and the portable loops."""
+    or unwritten rows) do not reach the output; the vector kernels and the portable loops. bf16 absorbed weights give
+    bitwise what their fp32 copies give."""
     g = torch.Generator().manual_seed(5)
     prev = torch.ops.waferline.use_portable(portable)
     try:
@@ -251,6 +252,12 @@ def test_mla_decode_op_against_float64(portable):
                 out = torch.ops.waferline.mla_decode(qn, qr, stale, none if mask is None else mask, wuk, wuv, 0.1,
                                                      torch.float32)
                 torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+                # bf16 W_UK / W_UV (a bf16 model's, as absorbed() keeps them) are widened exactly: bitwise what their
+                # fp32 copies give
+                wk16, wv16 = wuk.bfloat16(), wuv.bfloat16()
+                args = (qn, qr, stale, none if mask is None else mask)
+                assert torch.equal(torch.ops.waferline.mla_decode(*args, wk16, wv16, 0.1, torch.float32),
+                                   torch.ops.waferline.mla_decode(*args, wk16.float(), wv16.float(), 0.1, torch.float32))
     finally:
         torch.ops.waferline.use_portable(prev)
 
@@ -419,9 +426,10 @@ def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
 
 def _counted_layer_parts(model, layer, monkeypatch):
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
-    from waferline.sim.measure import OpCounter
+    from waferline.sim.measure import OpCounter, _priced_calls
 
     i = list(model.layers).index(layer)
+    seen: list[tuple[int, float]] = []
 
     def step_work(fused: bool) -> dict:
         c = OpCounter()
@@ -434,6 +442,8 @@ def _counted_layer_parts(model, layer, monkeypatch):
         with monkeypatch.context() as mp:
             if not fused:
                 mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)
+            else:
+                _counting_layer_ops(mp, seen)
             caches = model.new_caches(3)
             with torch.inference_mode():
                 for b, k in enumerate((5, 9, 7)):
@@ -457,6 +467,26 @@ def _counted_layer_parts(model, layer, monkeypatch):
     for k in [k for k in eager.work["ffn"] if k.startswith("fused|")]:  # the dense FFN's silu_mul
         assert fused.work["ffn"].get(k) == pytest.approx(eager.work["ffn"][k]), k
     assert sum(fused.counts.values()) <= sum(eager.counts.values())
+    # the layer operator is one dispatch: beyond the calls it makes that are priced per call (linear, fused), it counts
+    # one op (the per-op overhead's), where the modules' path dispatches its casts, adds, rope and cache writes apart
+    assert seen and all(ops == priced + 1 for ops, priced in seen), seen
+    unpriced = [sum(c.counts.values()) - sum(_priced_calls(w) for w in c.work.values()) for c in (fused, eager)]
+    assert unpriced[0] < unpriced[1], unpriced
+
+
+def _counting_layer_ops(monkeypatch, seen: list) -> None:
+    """Record (ops counted, calls priced per call) for each layer operator an OpCounter sees."""
+    from waferline.sim.measure import _LAYER_OPS, OpCounter, _priced_calls
+
+    record = OpCounter._record
+
+    def spy(self, func, args, out):  # noqa: ANN001
+        n0, p0 = sum(self.counts.values()), sum(_priced_calls(w) for w in self.work.values())
+        record(self, func, args, out)
+        if func.__name__.split(".")[0] in _LAYER_OPS:
+            seen.append((sum(self.counts.values()) - n0, sum(_priced_calls(w) for w in self.work.values()) - p0))
+
+    monkeypatch.setattr(OpCounter, "_record", spy)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "sol-mini"])

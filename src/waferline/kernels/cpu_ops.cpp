@@ -1485,7 +1485,9 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
 
 // ---------------------------------------------------------------- MLA, absorbed decode
 // q_nope [B, T, H, n], q_rope [B, T, H, p] (any dtype), latents [B, L, r + p] (the cache: c_KV | k_rope),
-// blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r] fp32.
+// blocked bool [B, T, L] (True = masked) or an empty tensor, w_uk [H, n, r] and w_uv [H, v, r], both fp32 or both
+// bf16 (a bf16 model's absorbed weights as it holds them: half the bytes a step reads; each weight row widened to fp32
+// once per call, so the numbers are those of their fp32 copies).
 // Per (b, t, h), all in fp32: q_lat = q_nope W_UK; s_l = scale (q_lat . c_l + q_rope . k_rope_l); p = softmax(s);
 // o = sum_l p_l c_l; out = o W_UV^T -> [B, T, H * v] in ``out_dtype``.
 // In three passes: W_UK into every query row (head by head, so each head's W_UK is read once for all rows), then
@@ -1607,21 +1609,37 @@ struct MlaDims {
   int64_t head_grain() const { return std::max<int64_t>(1, 32768 / std::max<int64_t>(BT * n * r, 1)); }
 };
 
-// pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it
-void mla_absorb(const MlaDims& d, const float* qn, const float* qr, const float* wuk, float* qf, int64_t h0, int64_t h1) {
+// rows [size] of an absorbed weight in fp32: themselves, or bf16 widened into buf (exactly: the bits shifted up)
+inline const float* rows_f32(const float* w, int64_t, float*) { return w; }
+inline const float* rows_f32(const c10::BFloat16* w, int64_t size, float* buf) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  for (; i + 8 <= size; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i));
+    _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+#endif
+  for (; i < size; ++i) buf[i] = static_cast<float>(w[i]);
+  return buf;
+}
+
+// pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it. Each
+// weight row is read (and widened, if bf16) once for all query rows; every qf element still sums over k in order.
+template <typename W>
+void mla_absorb(const MlaDims& d, const float* qn, const float* qr, const W* wuk, float* qf, int64_t h0, int64_t h1) {
+  std::vector<float> buf(d.r);
   for (int64_t h = h0; h < h1; ++h) {
-    const float* wk = wuk + h * d.n * d.r;
-    for (int64_t bt = 0; bt < d.BT; ++bt) {
-      float* qh = qf + (bt * d.Hp + h) * d.R;
-      const float* q = qn + (bt * d.H + h) * d.n;
-      for (int64_t k = 0; k < d.n; ++k) {
-        const float qk = q[k];
-        const float* row = wk + k * d.r;
+    for (int64_t k = 0; k < d.n; ++k) {
+      const float* row = rows_f32(wuk + (h * d.n + k) * d.r, d.r, buf.data());
+      for (int64_t bt = 0; bt < d.BT; ++bt) {
+        float* qh = qf + (bt * d.Hp + h) * d.R;
+        const float qk = qn[(bt * d.H + h) * d.n + k];
 #pragma omp simd
         for (int64_t j = 0; j < d.r; ++j) qh[j] += qk * row[j];
       }
-      std::copy(qr + (bt * d.H + h) * d.p, qr + (bt * d.H + h + 1) * d.p, qh + d.r);
     }
+    for (int64_t bt = 0; bt < d.BT; ++bt)
+      std::copy(qr + (bt * d.H + h) * d.p, qr + (bt * d.H + h + 1) * d.p, qf + (bt * d.Hp + h) * d.R + d.r);
   }
 }
 
@@ -1640,21 +1658,27 @@ void mla_attend_blocks(const MlaDims& d, const float* qf, const float* lat, cons
   }
 }
 
-// pass 3, heads h0..h1: W_UV after attention -> out [BT, H * v]
-void mla_unabsorb(const MlaDims& d, const float* ol, const float* wuv, float* out, int64_t h0, int64_t h1) {
-  const int64_t v4 = d.v / 4 * 4;
+// pass 3, heads h0..h1: W_UV after attention -> out [BT, H * v]; four weight rows at a time, read (and widened) once
+// for all query rows
+template <typename W>
+void mla_unabsorb(const MlaDims& d, const float* ol, const W* wuv, float* out, int64_t h0, int64_t h1) {
+  std::vector<float> buf(4 * d.r);
   for (int64_t h = h0; h < h1; ++h) {
-    const float* wv = wuv + h * d.v * d.r;
-    for (int64_t bt = 0; bt < d.BT; ++bt) {
-      const float* oh = ol + (bt * d.Hp + h) * d.r;
-      float* o = out + (bt * d.H + h) * d.v;
-      for (int64_t k = 0; k < v4; k += 4) dot4(oh, wv + k * d.r, d.r, d.r, o + k);
-      for (int64_t k = v4; k < d.v; ++k) o[k] = dotf(oh, wv + k * d.r, d.r);
+    for (int64_t k = 0; k < d.v; k += 4) {
+      const int64_t nk = std::min<int64_t>(4, d.v - k);
+      const float* wv = rows_f32(wuv + (h * d.v + k) * d.r, nk * d.r, buf.data());
+      for (int64_t bt = 0; bt < d.BT; ++bt) {
+        const float* oh = ol + (bt * d.Hp + h) * d.r;
+        float* o = out + (bt * d.H + h) * d.v + k;
+        if (nk == 4) dot4(oh, wv, d.r, d.r, o);
+        else for (int64_t j = 0; j < nk; ++j) o[j] = dotf(oh, wv + j * d.r, d.r);
+      }
     }
   }
 }
 
-void mla_rows(const float* qn, const float* qr, const float* lat, const bool* blocked, const float* wuk, const float* wuv,
+template <typename W>
+void mla_rows(const float* qn, const float* qr, const float* lat, const bool* blocked, const W* wuk, const W* wuv,
               float* out, int64_t B, int64_t T, int64_t H, int64_t n, int64_t p, int64_t r, int64_t v, int64_t L,
               float scale) {
   const MlaDims d(B, T, H, n, p, r, v, L);
@@ -1670,7 +1694,9 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
                       const at::Tensor& blocked, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale,
                       at::ScalarType out_dtype) {
   TORCH_CHECK(q_nope.dim() == 4 && q_rope.dim() == 4 && latents.dim() == 3, "waferline::mla_decode: bad ranks");
-  TORCH_CHECK(w_uk.scalar_type() == at::kFloat && w_uv.scalar_type() == at::kFloat, "waferline::mla_decode: fp32 W_UK/W_UV");
+  TORCH_CHECK(w_uk.scalar_type() == w_uv.scalar_type() &&
+                  (w_uk.scalar_type() == at::kFloat || w_uk.scalar_type() == at::kBFloat16),
+              "waferline::mla_decode: W_UK/W_UV both fp32 or both bf16");
   const int64_t B = q_nope.size(0), T = q_nope.size(1), H = q_nope.size(2), n = q_nope.size(3), p = q_rope.size(3);
   const int64_t L = latents.size(1), r = w_uk.size(2), v = w_uv.size(1);
   TORCH_CHECK(latents.size(0) == B && latents.size(2) == r + p, "waferline::mla_decode: latents must be [B, L, r + rope]");
@@ -1689,9 +1715,13 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
   auto wk = w_uk.contiguous();
   auto wv = w_uv.contiguous();
   auto out = at::empty({B, T, H * v}, qn.options());
-  mla_rows(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(),
-                  has_mask ? mk.data_ptr<bool>() : nullptr, wk.data_ptr<float>(), wv.data_ptr<float>(),
-                  out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
+  const bool* mp = has_mask ? mk.data_ptr<bool>() : nullptr;
+  if (wk.scalar_type() == at::kBFloat16)
+    mla_rows(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(), mp, wk.data_ptr<c10::BFloat16>(),
+             wv.data_ptr<c10::BFloat16>(), out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
+  else
+    mla_rows(qn.data_ptr<float>(), qr.data_ptr<float>(), lat.data_ptr<float>(), mp, wk.data_ptr<float>(),
+             wv.data_ptr<float>(), out.data_ptr<float>(), B, T, H, n, p, r, v, L, static_cast<float>(scale));
   return out_dtype == at::kFloat ? out : out.to(out_dtype);
 }
 
@@ -1833,7 +1863,7 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   const T* xp = x.data_ptr<T>();
   const T *n1 = mix_norm.data_ptr<T>(), *nq = lora ? qa_norm.data_ptr<T>() : nullptr, *nkv = kva_norm.data_ptr<T>();
   const float *cs = cos2.data_ptr<float>(), *sn = sin2.data_ptr<float>();
-  const float *wuk = w_uk.data_ptr<float>(), *wuv = w_uv.data_ptr<float>();
+  const bool wbf = w_uk.scalar_type() == at::kBFloat16;  // else fp32 (mla_team_fits)
   const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
   {
@@ -1892,7 +1922,8 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
 #pragma omp barrier
     {
       const auto [h0, h1] = share(H, tid, nth);
-      mla_absorb(md, qn.data(), qr.data(), wuk, qf.data(), h0, h1);
+      if (wbf) mla_absorb(md, qn.data(), qr.data(), w_uk.data_ptr<c10::BFloat16>(), qf.data(), h0, h1);
+      else mla_absorb(md, qn.data(), qr.data(), w_uk.data_ptr<float>(), qf.data(), h0, h1);
     }
 #pragma omp barrier
     {
@@ -1902,7 +1933,8 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
 #pragma omp barrier
     {
       const auto [h0, h1] = share(H, tid, nth);
-      mla_unabsorb(md, ol.data(), wuv, attf.data(), h0, h1);
+      if (wbf) mla_unabsorb(md, ol.data(), w_uv.data_ptr<c10::BFloat16>(), attf.data(), h0, h1);
+      else mla_unabsorb(md, ol.data(), w_uv.data_ptr<float>(), attf.data(), h0, h1);
     }
 #pragma omp barrier
 #pragma omp single
@@ -2046,7 +2078,8 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
   st = w[3].scalar_type();
   if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
   const int64_t B = x.size(0), D = x.size(2), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2), v = w_uv.size(1);
-  if (B < 1 || w_uk.scalar_type() != at::kFloat || w_uv.scalar_type() != at::kFloat || !w_uk.is_contiguous() ||
+  const at::ScalarType wt = w_uk.scalar_type();
+  if (B < 1 || (wt != at::kFloat && wt != at::kBFloat16) || w_uv.scalar_type() != wt || !w_uk.is_contiguous() ||
       !w_uv.is_contiguous() || w_uv.size(0) != H || w_uv.size(2) != r)
     return false;
   if (cache.dim() != 3 || cache.scalar_type() != dt || !cache.is_contiguous() || cache.size(2) <= r) return false;

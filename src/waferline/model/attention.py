@@ -263,12 +263,14 @@ class MLAttention(nn.Module):
         self._absorbed = None
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention); fp32 on CPU."""
+        """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention). On CPU, fp32, or
+        bf16 as a bf16 model holds them where the fused kernels run (they widen them to fp32 as they read them: the
+        same numbers from half the bytes a decode step reads)."""
         if self._absorbed is None:
             s = self.spec
             w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
-            if w.device.type == "cpu":  # small per-head matmuls: fp32 on CPU (16-bit ones go through slow oneDNN paths)
-                w = w.float()
+            if w.device.type == "cpu" and not (w.dtype == torch.bfloat16 and kernels.available()):
+                w = w.float()  # small per-head matmuls: fp32 on CPU (16-bit ones go through slow oneDNN paths)
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
         return self._absorbed
 
@@ -348,13 +350,13 @@ class MLAttention(nn.Module):
         latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
         w_uk, w_uv = self.absorbed()
         q_nope, q_rope = q[..., :n], rope[:, :, :H]
-        if x.device.type == "cpu" and w_uk.dtype == torch.float32 and B * T <= MLA_FUSED_MAX_ROWS and kernels.available():
+        if x.device.type == "cpu" and B * T <= MLA_FUSED_MAX_ROWS and kernels.available():
             # the absorbed decode below (W_UK into the query, scores, softmax, latents, W_UV) as one fused op
             out = torch.ops.waferline.mla_decode(q_nope, q_rope, latents, blocked if blocked is not None else _NO_MASK,
                                                  w_uk, w_uv, self.scale, x.dtype)
             return self.o_proj(out)
-        if x.device.type == "cpu" and w_uk.dtype != x.dtype:  # fp32 absorbed weights (see absorbed())
-            q_nope, q_rope = q_nope.float(), q_rope.float()
+        if x.device.type == "cpu":  # in fp32 on CPU (see absorbed())
+            q_nope, q_rope, w_uk, w_uv = q_nope.float(), q_rope.float(), w_uk.float(), w_uv.float()
         # absorb W_UK into the query: per head [B*T, n] @ [n, r]
         q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk).transpose(0, 1).view(B, T, H, r)
         kv = latents[:, :, None, :]

@@ -376,7 +376,8 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     scales, o, scales], groups, q_a norm, kv_a norm, eps, eps, cos, sin, interleaved, cache, slots, pos, W_UK, W_UV,
     scale``), as OpCounter's work keys: the int4 linear calls (``call|int4|rows|weight bytes``), the rms_norm and
     mla_decode fused operators (their calls, units and bytes), and the small ops between them (rope, two cats, the
-    cache writes, the latents' view or gather) by their bytes; with the number of ops that is, for the op count."""
+    cache writes, the latents' view or gather) by their bytes; with the number of ops to count: the calls and fused
+    operators (priced per call) and the operator's own dispatch."""
     x, w = args[0], list(args[1])
     qa_norm, kva_norm, cos2, cache, pos, w_uk, w_uv = args[3], args[4], args[7], args[10], args[12], args[13], args[14]
     B = int(x.shape[0])
@@ -406,14 +407,16 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     seen = float(sum(q + 1 for q in pl))  # keys past a row's own position are masked (skipped)
     add("fused|mla_decode|calls", 1.0)
     add("fused|mla_decode|units", mla_decode_flops(H, B, n, r, p, v, seen))
-    add("fused|mla_decode|bytes", float(B * end * R * el + (w_uk.numel() + w_uv.numel()) * 4 + B * H * (n + p + v) * el))
+    add("fused|mla_decode|bytes", float(B * end * R * el + (w_uk.numel() + w_uv.numel()) * w_uk.element_size()
+                                        + B * H * (n + p + v) * el))
     ops += 1
     small = float(B * (H + 1) * p * el * 2 * 2  # rope in and out, and the cat that builds its input
                   + B * R * el * 2 * 2  # the cache entry's cat and its write
                   + cos2.numel() * 4 * 2)
     add("small_bytes_bf16" if el == 2 else "small_bytes", small)
-    ops += 4 + B  # rope, two cats, the latents' view or gather, one write per row
-    return work, ops
+    # rope, the cats, the latents' view or gather and the cache writes run inside the C++ operator: their bytes, no
+    # per-op dispatch; the operator itself is one dispatch
+    return work, ops + 1
 
 
 def ffn_residual_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
@@ -467,6 +470,12 @@ def mamba_ffn_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, An
             ("add", None, (x, x), x), *ffn_residual_parts((x, *args[23:]), out)]
 
 
+def _priced_calls(w: dict[str, float]) -> float:
+    """Linear calls and fused-operator calls in a work record: the ops priced per call, not by the per-op overhead."""
+    return (sum(v for k, v in w.items() if k.startswith("call|"))
+            + sum(w.get(f"fused|{k}|calls", 0.0) for k in FUSED_OPS))
+
+
 _LAYER_OPS = {"mla_moe_layer": mla_moe_layer_parts, "mamba_ffn_layer": mamba_ffn_layer_parts,
               "ffn_residual": ffn_residual_parts}
 
@@ -498,17 +507,23 @@ class OpCounter:
     def _record(self, func: Any, args: Any, out: Any) -> None:
         name = func.__name__.split(".")[0] if hasattr(func, "__name__") else str(func)
         split = _LAYER_OPS.get(name)
-        if split is not None:  # a whole layer, or its FFN half: its parts, as the modules run them
+        if split is not None:  # a whole layer, or its FFN half: its parts' work, as the modules run them
             for part, lab, part_args, part_out in split(args, out):
-                self._account(part, self.label if lab is None else self.ffn_label(self.label), part_args, part_out)
+                self._account(part, self.label if lab is None else self.ffn_label(self.label), part_args, part_out,
+                              inner=True)
+            self.counts[self.label] = self.counts.get(self.label, 0) + 1  # and one dispatch: the layer operator's
             return
         self._account(name, self.label, args, out)
 
-    def _account(self, name: str, lab: Any, args: Any, out: Any) -> None:
+    def _account(self, name: str, lab: Any, args: Any, out: Any, inner: bool = False) -> None:
+        """Add one op's work under ``lab``. ``inner``: a part run inside a C++ layer operator, not dispatched on its
+        own: it counts as ops only its linear calls and fused operators (priced per call, their count taken off the
+        per-op overhead's), none for the elementwise ops between them (their bytes only)."""
         import torch
 
-        self.counts[lab] = self.counts.get(lab, 0) + 1
         w = self.work.setdefault(lab, {})
+        n0, d0 = self.counts.get(lab, 0), _priced_calls(w)
+        self.counts[lab] = n0 + 1
         ins = _tensors(args)
         outs = _tensors(out)
         nbytes = _op_bytes(name, ins, outs)
@@ -551,6 +566,8 @@ class OpCounter:
             half = lead is not None and lead.dtype in (torch.bfloat16, torch.float16)
             key = ("small_bytes" if nbytes <= SMALL_OP_BYTES else "large_bytes") + ("_bf16" if half else "")
             w[key] = w.get(key, 0.0) + nbytes
+        if inner:
+            self.counts[lab] = n0 + round(_priced_calls(w) - d0)
 
     @property
     def total(self) -> int:
@@ -1045,7 +1062,7 @@ def fused_op_probe(quick: bool = False) -> dict[str, Any] | None:
 
     try:
         for H, n, r, p, v in FUSED_PROBE_MLA[-1:] if quick else FUSED_PROBE_MLA:
-            w_uk, w_uv = torch.randn(H, n, r), torch.randn(H, v, r)
+            w_uk, w_uv = torch.randn(H, n, r).bfloat16(), torch.randn(H, v, r).bfloat16()  # as a bf16 model holds them
             # the engine runs the fused op for at most MLA_FUSED_MAX_ROWS query rows (more go through batched GEMMs)
             for B, T in ((1, 1), (1, 4)) if quick else ((1, 1), (2, 1), (4, 1), (1, 2), (1, 4)):
                 L = 48
