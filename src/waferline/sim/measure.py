@@ -724,14 +724,18 @@ def _prefill_forward(llm: Any, prompts: list[list[int]]) -> Callable[[], Any]:
 
 
 # products with a weight
-_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn")
+# (waferline::ffn_residual, a layer's FFN half as one op: its self time is its experts' or dense FFN's products but for
+# a norm, the routing and an add, a few percent of it at prefill sizes; counted as "rest" it doubled the from-memory
+# prefill rest scale, 1.37 -> 2.0-2.05, and priced sol-mini's single-process TTFT x1.3-1.4 slow: session 18)
+_LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn",
+                  "waferline::ffn_residual")
 _OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")  # matmuls without one
 
 
 def _profiled_shares(fn: Callable[[], Any]) -> tuple[float, float, float]:
     """One profiled call of ``fn`` (torch.profiler, CPU): the shares of its ops' self time spent in products with a
-    weight (linear layers, oneDNN / MKL / int4 products, the fused MoE block's expert products), in matmuls without a
-    weight (attention, scans), and in everything else."""
+    weight (linear layers, oneDNN / MKL / int4 products, the fused MoE block's expert products, the fused FFN half),
+    in matmuls without a weight (attention, scans), and in everything else."""
     import sys
 
     from torch.profiler import ProfilerActivity, profile
