@@ -96,34 +96,38 @@ class DecoderLayer(nn.Module):
         ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args). Either needs no residual multiplier
         and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
         path; hooks marked LABEL_ONLY excepted). What each bought: README, "What the decode-step work bought"."""
-        mix, ffn, n1, n2 = self.mixer, self.ffn, self.mixer_norm, self.ffn_norm
-        if (type(ffn) not in (MoE, DenseFFN) or self.residual_multiplier != 1.0 or not x.is_contiguous()
-                or n2.weight.dtype != x.dtype or _hooked(ffn, n2)):
+        m = self._modules  # (this runs per layer and token: the dicts, not nn.Module's __getattr__)
+        mix, ffn, n1, n2 = m.get("mixer"), m.get("ffn"), m.get("mixer_norm"), m.get("ffn_norm")
+        if type(ffn) not in (MoE, DenseFFN) or self.residual_multiplier != 1.0 or not x.is_contiguous():
+            return None
+        w2 = n2._parameters["weight"]
+        if w2.dtype != x.dtype or _hooked(ffn, n2):
             return None
         ffn_args = ffn.residual_args(x)
         if ffn_args is None:
             return None
-        whole = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}.get(type(mix))
-        if whole and x.shape[1] == 1 and n1.weight.dtype == x.dtype and not _hooked(mix, n1):
-            mixer_args = mix.step_args(x, cache, batch)
-            if mixer_args is not None:
-                return whole, (n1.weight, n1.eps, *mixer_args, n2.weight, n2.eps, *ffn_args)
+        whole = _WHOLE_LAYER_OPS.get(type(mix))
+        if whole and x.shape[1] == 1:
+            w1 = n1._parameters["weight"]
+            if w1.dtype == x.dtype and not _hooked(mix, n1):
+                mixer_args = mix.step_args(x, cache, batch)
+                if mixer_args is not None:
+                    return whole, (w1, n1.eps, *mixer_args, w2, n2.eps, *ffn_args)
         return "", ffn_args
 
 
+_WHOLE_LAYER_OPS = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}  # the mixers a layer op takes
 LABEL_ONLY = "_waferline_label_only"  # set on a hook that only marks which part runs (e.g. the twin's op counter)
 
 
-def _hooked(*modules: nn.Module) -> bool:
-    """Whether a forward hook (the modules' own, or a global one) would run around these modules, other than hooks
+def _hooked(a: nn.Module, b: nn.Module) -> bool:
+    """Whether a forward hook (the modules' own, or a global one) would run around these two modules, other than hooks
     marked ``LABEL_ONLY``: those only tell an op counter which part of the layer runs, and the counter attributes a
     fused layer's parts itself (OpCounter.ffn_label)."""
-    dicts = [d for d in (_global_hooks.forward, _global_hooks.pre) if d]
-    for m in modules:
-        if m._forward_hooks:
-            dicts.append(m._forward_hooks)
-        if m._forward_pre_hooks:
-            dicts.append(m._forward_pre_hooks)
+    g = _global_hooks
+    if not (g.forward or g.pre or a._forward_hooks or a._forward_pre_hooks or b._forward_hooks or b._forward_pre_hooks):
+        return False  # (the decode step's case, per layer and token: no lists built)
+    dicts = (g.forward, g.pre, a._forward_hooks, a._forward_pre_hooks, b._forward_hooks, b._forward_pre_hooks)
     return any(not getattr(h, LABEL_ONLY, False) for d in dicts for h in d.values())
 
 

@@ -516,11 +516,15 @@ class MoE(nn.Module):
     def residual_args(self, x: Tensor) -> tuple | None:
         """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this block runs as moe_route +
         moe_ffn for the rows of ``x`` (see :meth:`_fused_args`), else None."""
-        args = self._fused_args(x.reshape(-1, self.hidden_size))
-        if args is None:
+        if not (x.device.type == "cpu" and x.numel() // self.hidden_size <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
+                and "expert_linear" not in self.__dict__ and kernels.available()):
             return None
-        route, ffn = args
-        return (*route, list(ffn[:8]), *ffn[8:])
+
+        def build(deps: list) -> tuple | None:
+            args = self._build_fused_args(x.reshape(-1, self.hidden_size), deps)
+            return None if args is None else (*args[0], list(args[1][:8]), *args[1][8:])
+
+        return kept_args(self, "_residual_cache", x.dtype, build)
 
     def forward(self, x: Tensor) -> Tensor:
         """``x [N, D]`` (N tokens, any batch flattened) -> ``[N, D]``."""

@@ -238,16 +238,19 @@ class Mamba2Mixer(nn.Module):
             return self._recurrent(x, cache, batch.slots, batch.slot0)
         return self._scan(x, cache, batch.slots)
 
-    def _consts(self) -> tuple[Tensor, Tensor, Tensor]:
-        """-exp(A_log) [H], D [H, 1] and the fp32 gated-norm weight: derived once from the loaded weights (the decode
-        step would otherwise recompute them every token)."""
-        key = (self.A_log.data_ptr(), self.A_log._version, self.D.data_ptr(), self.D._version,
-               self.norm_weight.data_ptr(), self.norm_weight._version)
+    def _consts(self) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """-exp(A_log) [H], D [H, 1], the fp32 gated-norm weight, the fp32 dt_bias [H] and D flat [H]: derived once from
+        the loaded weights (the decode step would otherwise recompute them every token), again when one of them is
+        replaced or changed in place (its version)."""
+        p = self._parameters
+        a, d, n, b = p["A_log"], p["D"], p["norm_weight"], p["dt_bias"]
         c = self.__dict__.get("_const")
-        if c is None or c[0] != key:
-            derived = (-torch.exp(self.A_log.float()), self.D.float()[:, None], self.norm_weight.float())
-            c = self.__dict__["_const"] = (key, derived)
-        return c[1]
+        if (c is None or c[0] is not a or c[1] is not d or c[2] is not n or c[3] is not b
+                or c[4] != (a._version, d._version, n._version, b._version)):
+            D = d.float()[:, None]
+            derived = (-torch.exp(a.float()), D, n.float(), b if b.dtype == torch.float32 else b.float(), D.view(-1))
+            c = self.__dict__["_const"] = (a, d, n, b, (a._version, d._version, n._version, b._version), derived)
+        return c[5]
 
     def _gated_norm_out(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
         """y (float32) * silu(z), RMS-normalised within each of the n_groups groups, scaled, then out_proj."""
@@ -261,16 +264,15 @@ class Mamba2Mixer(nn.Module):
     def _mixes_fused(self, cache: Mamba2Cache, x: Tensor) -> bool:
         """Whether decode and verify steps run everything between the projections as waferline::mamba2_mix: the fused
         state update applies, a SiLU conv, the conv state and weight in the activations' dtype."""
-        return (self.act_name in ("silu", "swish") and cache.conv.dtype == x.dtype == self.conv_weight.dtype
+        return (self.act_name in ("silu", "swish") and cache.conv.dtype == x.dtype == self._parameters["conv_weight"].dtype
                 and _fused(cache, x))
 
     def _mix(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, record: bool) -> list[Tensor]:
-        A, D, norm = self._consts()
+        A, _, norm, dtb, D = self._consts()
         lo, hi = self.time_step_limit
-        dtb = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
         return torch.ops.waferline.mamba2_mix(
             self.in_proj(x), cache.conv, slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
-            dtb, A, D.view(-1), norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
+            dtb, A, D, norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
             self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, hi, record)
 
     def step_args(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> tuple | None:
@@ -283,11 +285,11 @@ class Mamba2Mixer(nn.Module):
         w = kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
         if w is None:
             return None
-        A, D, norm = self._consts()
+        A, _, norm, dtb, D = self._consts()
         lo, hi = self.time_step_limit
-        dtb = self.dt_bias if self.dt_bias.dtype == torch.float32 else self.dt_bias.float()
-        return (*w[:3], cache.conv, batch.slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
-                dtb, A, D.view(-1), norm, cache.ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
+        conv_b = self._parameters.get("conv_bias")
+        return (*w[:3], cache.conv, batch.slots, self._parameters["conv_weight"], _NO_TRAIL if conv_b is None else conv_b,
+                dtb, A, D, norm, cache.ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
                 lo, hi, *w[3:])
 
     def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
@@ -315,7 +317,7 @@ class Mamba2Mixer(nn.Module):
             return self.out_proj(self._mix(x, cache, slots, record=False)[0])
         Bsz = x.shape[0]
         H, P, N, G = self.H, self.P, self.N, self.G
-        A, D, _ = self._consts()
+        A, D, *_ = self._consts()
         zxbcdt = self.in_proj(x[:, 0])
         z, xBC, dt = zxbcdt.split([self.d_inner, self.conv_dim, H], dim=-1)
 
@@ -440,7 +442,7 @@ class Mamba2Mixer(nn.Module):
         Bsz, T, _ = x.shape
         H, P, N, G, K = self.H, self.P, self.N, self.G, self.K
         R = H // G
-        A, D, _ = self._consts()
+        A, D, *_ = self._consts()
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, H], dim=-1)
         full = torch.cat([cache.conv.index_select(0, slots), xBC.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
         windows = full.unfold(-1, K, 1)  # [B, C, T, K]: the conv window of each new token (a view)
