@@ -498,8 +498,8 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     FFN, waferline::mamba_ffn_layer of every Mamba-2 layer (sol-mini: Mamba-2 and MLA mixers, MoE and dense FFNs),
     one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS rows); waferline::ffn_residual the FFN half of the
     other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
-    integer int4 kernel, where the CPU has AVX2) their thread-team paths, with 1 and 2 threads (the stages split
-    between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
+    integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
+    mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
     label-only."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
@@ -558,6 +558,8 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
             assert calls["ffn"] > 0  # the prefills' FFN halves at least
             ran_teams = torch.ops.waferline.team_halves() - teams
             assert (ran_teams > 0) == (team and group == 64), ran_teams
+            if team and group == 64:  # a whole layer's op runs both halves on teams (mixer: MLA or Mamba-2; the FFN)
+                assert ran_teams >= 2 * (calls["layer"] + calls["mamba"]), (ran_teams, calls)
             assert torch.equal(out, ref), lens
             for a, b in zip(co, cr):
                 for name in ("data", "conv", "ssm"):  # attention caches; Mamba-2 conv and SSM states

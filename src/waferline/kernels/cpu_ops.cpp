@@ -2461,6 +2461,85 @@ std::vector<at::Tensor> mamba2_mix(const at::Tensor& zxbcdt, at::Tensor& conv, c
   return {out, rdA, rdtx, rB, rC, ctr};
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+// the Mamba-2 mixer half on one thread team: x + out_proj(mamba2_mix(in_proj(rms(x)))) -> [B, 1, D]. The products
+// split by 16-row tiles (in_proj, then out_proj), the mixer between them (conv, state update, gated norm: mamba2_rows,
+// as mamba2_mix runs it) on one thread of the team; the same functions as the composed path, so the same numbers.
+template <typename T, typename S>
+at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, const at::Tensor& in_w,
+                      const at::Tensor& in_sz, int64_t in_group, at::Tensor& conv, const at::Tensor& slots,
+                      const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& dt_bias, const at::Tensor& A,
+                      const at::Tensor& Dp, const at::Tensor& norm_w, at::Tensor& ssm, int64_t G, double eps, bool clamp,
+                      double lo, double hi, const at::Tensor& out_w, const at::Tensor& out_sz, int64_t out_group) {
+  const int64_t B = x.size(0), Dm = x.size(2), C = conv.size(1), K = conv.size(2) + 1, H = ssm.size(1), P = ssm.size(2);
+  const int64_t N = ssm.size(3), Din = H * P;
+  const I4W<S> iw = i4w<S>(in_w, in_sz, in_group), ow = i4w<S>(out_w, out_sz, out_group);
+  const int64_t F = iw.N;
+  std::vector<T> xn(B * Dm), zx(B * F), mixed(B * Din), o(B * Dm);
+  std::vector<float> xf(B * std::max(Dm, Din));
+  I16Rows x_in, x_out;
+  const T* xp = x.data_ptr<T>();
+  const T* n1 = mix_norm.data_ptr<T>();
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp single
+    {
+      rms_rows<T>(xp, n1, xn.data(), B, Dm, static_cast<float>(mix_eps));
+      load_f32<T>(xn.data(), xf.data(), B * Dm);
+      x_in.set(xf.data(), B, Dm, iw.G);
+    }
+    share_tiles({F}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_in, iw, zx.data(), F, n0, n1_); });
+#pragma omp barrier
+#pragma omp single
+    {  // (mamba2_rows' head loop runs inline here: at::parallel_for inside a parallel region does)
+      mamba2_rows<T>(zx.data(), conv.data_ptr<T>(), slots.data_ptr<int64_t>(), conv_w.data_ptr<T>(),
+                     conv_b.numel() ? conv_b.data_ptr<T>() : nullptr, dt_bias.data_ptr<float>(), A.data_ptr<float>(),
+                     Dp.data_ptr<float>(), norm_w.data_ptr<float>(), ssm.data_ptr<float>(), nullptr, mixed.data(),
+                     nullptr, nullptr, nullptr, nullptr, nullptr, B, 1, F, Din, C, K, H, P, N, G,
+                     static_cast<float>(eps), clamp, static_cast<float>(lo), static_cast<float>(hi));
+      load_f32<T>(mixed.data(), xf.data(), B * Din);
+      x_out.set(xf.data(), B, Din, ow.G);
+    }
+    share_tiles({Dm}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_out, ow, o.data(), Dm, n0, n1_); });
+  }
+  auto h = at::empty({B, 1, Dm}, x.options());
+  T* hp = h.data_ptr<T>();
+  for (int64_t i = 0; i < B * Dm; ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));  // the residual
+  return h;
+}
+
+// whether mamba_team takes this mixer half (else the composed path, which checks and reports bad arguments), and
+// its int4 weights' scale dtype
+bool mamba_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, const at::Tensor& in_w, const at::Tensor& in_sz,
+                     int64_t in_group, const at::Tensor& conv, const at::Tensor& slots, const at::Tensor& conv_w,
+                     const at::Tensor& conv_b, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& Dp,
+                     const at::Tensor& norm_w, const at::Tensor& ssm, int64_t G, const at::Tensor& out_w,
+                     const at::Tensor& out_sz, int64_t out_group, at::ScalarType& st) {
+  const at::ScalarType dt = x.scalar_type();
+  st = in_sz.scalar_type();
+  if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
+  if (conv.dim() != 3 || ssm.dim() != 4 || slots.dim() != 1 || in_w.dim() != 2 || out_w.dim() != 2) return false;
+  const int64_t B = x.size(0), Dm = x.size(2), C = conv.size(1), K = conv.size(2) + 1, H = ssm.size(1);
+  const int64_t P = ssm.size(2), N = ssm.size(3), Din = H * P, F = in_w.size(0);
+  if (B < 1 || B > INT4_KERNEL_ROWS || G < 1 || H % G != 0 || C != Din + 2 * G * N || F != Din + C + H) return false;
+  auto is = [](const at::Tensor& t, at::ScalarType type, int64_t n) {
+    return t.scalar_type() == type && t.numel() == n && t.is_contiguous();
+  };
+  if (!is(mix_norm, dt, Dm) || !is(conv_w, dt, C * K) || !(conv_b.numel() == 0 || is(conv_b, dt, C)) ||
+      !is(dt_bias, at::kFloat, H) || !is(A, at::kFloat, H) || !is(Dp, at::kFloat, H) || !is(norm_w, at::kFloat, Din) ||
+      conv.scalar_type() != dt || !conv.is_contiguous() || ssm.scalar_type() != at::kFloat || !ssm.is_contiguous() ||
+      !is(slots, at::kLong, B))
+    return false;
+  if (!i4_fits(in_w, in_sz, in_group, F, Dm, st) || !i4_fits(out_w, out_sz, out_group, Dm, Din, st)) return false;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    if (sp[b] < 0 || sp[b] >= ssm.size(0) || sp[b] >= conv.size(0)) return false;
+  return true;
+}
+#endif
+
 // ---------------------------------------------------------------- a decoder layer's decode step, Mamba-2 + FFN
 // What DecoderLayer.forward computes for rows of one new token each when its mixer is a Mamba-2 mixer whose step runs
 // as in_proj -> mamba2_mix -> out_proj with int4 projections (Mamba2Mixer._step's fused path) and its FFN as
@@ -2477,11 +2556,26 @@ std::tuple<at::Tensor, at::Tensor> mamba_ffn_layer(
     int64_t topk_group, bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
     int64_t shared_inter) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mamba_ffn_layer: contiguous x [B, 1, D]");
-  at::Tensor no_prev = at::empty({0}, ssm.options());
-  auto zx = int4_linear(rms_norm(x, mix_norm, mix_eps), in_w, in_sz, in_group);
-  auto mixed = mamba2_mix(zx, conv, slots, conv_w, conv_b, dt_bias, A, D, norm_w, ssm, no_prev, groups, eps, clamp, lo,
-                          hi, false)[0];
-  auto h = x + int4_linear(mixed, out_w, out_sz, out_group);
+  at::Tensor h;
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+  at::ScalarType st;
+  if (team_on(x) && mamba_team_fits(x, mix_norm, in_w, in_sz, in_group, conv, slots, conv_w, conv_b, dt_bias, A, D,
+                                    norm_w, ssm, groups, out_w, out_sz, out_group, st)) {
+    h = with_team_types(x.scalar_type(), st, [&](auto t_tag, auto s_tag) {
+      return mamba_team<decltype(t_tag), decltype(s_tag)>(x, mix_norm, mix_eps, in_w, in_sz, in_group, conv, slots,
+                                                          conv_w, conv_b, dt_bias, A, D, norm_w, ssm, groups, eps, clamp,
+                                                          lo, hi, out_w, out_sz, out_group);
+    });
+    g_team_halves.fetch_add(1, std::memory_order_relaxed);
+  }
+#endif
+  if (!h.defined()) {
+    at::Tensor no_prev = at::empty({0}, ssm.options());
+    auto zx = int4_linear(rms_norm(x, mix_norm, mix_eps), in_w, in_sz, in_group);
+    auto mixed = mamba2_mix(zx, conv, slots, conv_w, conv_b, dt_bias, A, D, norm_w, ssm, no_prev, groups, eps, clamp,
+                            lo, hi, false)[0];
+    h = x + int4_linear(mixed, out_w, out_sz, out_group);
+  }
   return ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group,
                       topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
 }
