@@ -1839,6 +1839,16 @@ bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t 
          sz.size(2) == K / G && (sz.size(3) == 1 || sz.size(3) == 2) && packed.is_contiguous() && sz.is_contiguous();
 }
 
+// a team half's residual: x + o, rounded to T as the composed path's add rounds it -> [B, 1, D]
+template <typename T>
+at::Tensor residual_rows(const at::Tensor& x, const T* o) {
+  auto h = at::empty(x.sizes(), x.options());
+  const T* xp = x.data_ptr<T>();
+  T* hp = h.data_ptr<T>();
+  for (int64_t i = 0; i < x.numel(); ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));
+  return h;
+}
+
 // the attention half: x + mla(rms(x)) -> [B, 1, D]
 template <typename T, typename S>
 at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
@@ -1945,10 +1955,7 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
     }
     share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_o, ow, o.data(), D, n0, n1_); });
   }
-  auto h = at::empty({B, 1, D}, x.options());
-  T* hp = h.data_ptr<T>();
-  for (int64_t i = 0; i < B * D; ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));  // the residual
-  return h;
+  return residual_rows<T>(x, o.data());
 }
 
 // the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
@@ -2504,10 +2511,7 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
     }
     share_tiles({Dm}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_out, ow, o.data(), Dm, n0, n1_); });
   }
-  auto h = at::empty({B, 1, Dm}, x.options());
-  T* hp = h.data_ptr<T>();
-  for (int64_t i = 0; i < B * Dm; ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));  // the residual
-  return h;
+  return residual_rows<T>(x, o.data());
 }
 
 // whether mamba_team takes this mixer half (else the composed path, which checks and reports bad arguments), and
