@@ -496,10 +496,15 @@ class MoE(nn.Module):
         ops apply to ``x`` (see :meth:`route` and :meth:`_fused_weights`), else None. Built once per dtype and reused
         while every tensor they hold is still the one the module holds (checked by identity at each call: quantizing,
         a hook, ``.to()`` rebuild them), so the decode step does not rebuild them per token."""
-        if not (x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
-                and "expert_linear" not in self.__dict__ and kernels.available()):
+        if not self._fusable(x, x.shape[0]):
             return None
         return kept_args(self, "_fused_cache", x.dtype, lambda deps: self._build_fused_args(x, deps))
+
+    def _fusable(self, x: Tensor, rows: int) -> bool:
+        """The per-call conditions of moe_route + moe_ffn for ``rows`` tokens of ``x`` (the rest are checked when the
+        arguments are built)."""
+        return (x.device.type == "cpu" and rows <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
+                and "expert_linear" not in self.__dict__ and kernels.available())
 
     def _build_fused_args(self, x: Tensor, deps: list) -> tuple[tuple, tuple] | None:
         deps += [(d, k, d.get(k)) for d, k in ((self._parameters, "gate_weight"), (self._parameters, "gate_bias"),
@@ -515,9 +520,8 @@ class MoE(nn.Module):
 
     def residual_args(self, x: Tensor) -> tuple | None:
         """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this block runs as moe_route +
-        moe_ffn for the rows of ``x`` (see :meth:`_fused_args`), else None."""
-        if not (x.device.type == "cpu" and x.numel() // self.hidden_size <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
-                and "expert_linear" not in self.__dict__ and kernels.available()):
+        moe_ffn for the rows of ``x`` (see :meth:`_fused_args`), else None; kept whole between calls (kept_args)."""
+        if not self._fusable(x, x.numel() // self.hidden_size):
             return None
 
         def build(deps: list) -> tuple | None:

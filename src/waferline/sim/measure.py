@@ -522,7 +522,7 @@ class OpCounter:
         import torch
 
         w = self.work.setdefault(lab, {})
-        n0, d0 = self.counts.get(lab, 0), _priced_calls(w)
+        n0, d0 = self.counts.get(lab, 0), _priced_calls(w) if inner else 0.0
         self.counts[lab] = n0 + 1
         ins = _tensors(args)
         outs = _tensors(out)
