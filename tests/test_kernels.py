@@ -317,8 +317,9 @@ def test_mamba_state_update_matches_eager(tmp_path, eager, one_thread, dtype):
 def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, one_thread):
     """waferline::mla_attend_int4 (an int4 MLA block's decode step as one op) against MLAttention.forward's eager
     chain: bitwise the same logits and caches over prefill + 4 decode steps, for 1 row, 3 rows in scattered slots at
-    different positions (masks), 4 rows at one position; with a q LoRA (V3) and without (V2); rows past
-    MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain (the op is not called); the op's
+    different positions (masks), 4 rows at one position; short prefills (their tokens as rows of one slot); with a q
+    LoRA (V3) and without (V2); rows past MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain
+    (the op is not called); the op's
     arguments, kept between calls, follow a replaced projection."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.quant import QuantOptions, quantize_model
@@ -352,7 +353,10 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
                 mp.setattr(torch.ops.waferline, "mla_moe_layer", counting_layer)
                 fused, cf = decode_logits(model, prompts, slots, nslots, return_caches=True)
             n_mla = sum(isinstance(m, MLAttention) for m in model.modules())
-            assert calls["n"] == (4 * n_mla if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            # the 4 decode steps (rows past MLA_FUSED_MAX_ROWS keep the chain), and each prefill of at most that many
+            # tokens (they go in as rows of one token, as a verify's do)
+            steps = (4 if len(lens) <= MLA_FUSED_MAX_ROWS else 0) + sum(k <= MLA_FUSED_MAX_ROWS for k in lens)
+            assert calls["n"] == steps * n_mla, (lens, calls)
             assert torch.equal(fused, eager), lens
             for a, b in zip(cf, ce):
                 if a is not None and hasattr(a, "data"):
@@ -496,7 +500,7 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     same logits and caches over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions
     and 8 and 9 rows. waferline::mla_moe_layer runs the whole decode step of every MLA layer with an int4 MoE or dense
     FFN, waferline::mamba_ffn_layer of every Mamba-2 layer (sol-mini: Mamba-2 and MLA mixers, MoE and dense FFNs),
-    one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS rows); waferline::ffn_residual the FFN half of the
+    one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS tokens, prefills that short too); waferline::ffn_residual the FFN half of the
     other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
     mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
@@ -546,6 +550,7 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     g = torch.Generator().manual_seed(12)
     cases = [([9], [0], 1), ([5, 12, 7], [2, 0, 5], 6), ([3] * 8, list(range(8)), 8),
              ([3] * (MLA_FUSED_MAX_ROWS + 1), list(range(MLA_FUSED_MAX_ROWS + 1)), MLA_FUSED_MAX_ROWS + 1)]
+    ffn_halves = 0
     with torch.inference_mode():
         for lens, slots, nslots in cases:
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
@@ -553,9 +558,11 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
             assert calls == {"layer": 0, "mamba": 0, "ffn": 0}
             teams = torch.ops.waferline.team_halves()
             out, co = run(True, prompts, slots, nslots)
-            assert calls["layer"] == (4 * mla if len(lens) <= MLA_FUSED_MAX_ROWS else 0), (lens, calls)
+            # MLA: the decode steps (up to MLA_FUSED_MAX_ROWS rows) and the prefills that short (tokens as rows)
+            steps = (4 if len(lens) <= MLA_FUSED_MAX_ROWS else 0) + sum(k <= MLA_FUSED_MAX_ROWS for k in lens)
+            assert calls["layer"] == steps * mla, (lens, calls)
             assert calls["mamba"] == 4 * mamba, (lens, calls)
-            assert calls["ffn"] > 0  # the prefills' FFN halves at least
+            ffn_halves += calls["ffn"]
             ran_teams = torch.ops.waferline.team_halves() - teams
             assert (ran_teams > 0) == (team and group == 64), ran_teams
             if team and group == 64:  # a whole layer's op runs both halves on teams (mixer: MLA or Mamba-2; the FFN)
@@ -565,6 +572,7 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
                 for name in ("data", "conv", "ssm"):  # attention caches; Mamba-2 conv and SSM states
                     if hasattr(a, name):
                         assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert ffn_halves > 0  # the FFN half alone ran too (prefills, 9 rows)
         prompts = [[5, 6, 7]]
         i = next(i for i, layer in enumerate(model.layers) if fusable[i] and isinstance(layer.ffn, MoE))
         layer, n_fused = model.layers[i], sum(fusable)
@@ -579,6 +587,70 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
         run(True, prompts, [0], 1)
         handle.remove()
         assert sum(calls.values()) == 5 * n_fused and 2 not in seen  # prefill and steps ran as the ops
+
+
+@pytest.mark.parametrize("group,threads", [(32, 1), (64, 2)])
+def test_verify_steps_run_as_layer_ops(group, threads, monkeypatch, one_thread):
+    """A speculative verify (T tokens per row) runs every layer as one op (MLA: its tokens as rows of one token each;
+    Mamba-2: recording the trail a rewind replays) and computes what one-token decode steps compute, bitwise: the
+    verify's logits; then, rewound to each row's first k tokens, the Mamba-2 states and the next step's logits. sol-mini
+    (Mamba-2 and MLA mixers, MoE and dense FFNs) with int4 groups of 32 (the ops' composed paths) and 64 (their thread
+    teams, 2 threads), 2 rows of 3 tokens in swapped slots at different positions."""
+    from waferline.engine.speculative import VerifyRollback
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    model = load_model(SOL_MINI, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=group))
+    torch.set_num_threads(threads)
+    ops = {name: getattr(torch.ops.waferline, name) for name in ("mla_moe_layer", "mamba_ffn_layer")}
+    calls = {name: 0 for name in ops}
+
+    def counting(name):
+        def call(*a):
+            calls[name] += 1
+            return ops[name](*a)
+        return call
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 4000, (k,), generator=g).tolist() for k in (9, 14)]
+    drafts = torch.randint(3, 4000, (2, 3), generator=g).tolist()
+    slots, starts = [1, 0], [9, 14]
+
+    def prefilled() -> list:
+        caches = model.new_caches(2)
+        for p, s in zip(prompts, slots):
+            model(torch.tensor([p]), caches, StepBatch.make([s], [0], len(p)))
+        return caches
+
+    def one_token_steps(caches: list, upto: list[int]) -> list[list[torch.Tensor]]:  # row by row, token by token
+        return [[model.logits(model(torch.tensor([[tok]]), caches, StepBatch.make([s], [st + t], 1)))[0, 0]
+                 for t, tok in enumerate(row[:k])] for row, s, st, k in zip(drafts, slots, starts, upto)]
+
+    with torch.inference_mode():
+        plain = one_token_steps(prefilled(), [3, 3])
+        caches = prefilled()
+        batch = StepBatch.make(slots, starts, 3)
+        rb = VerifyRollback(caches, batch)
+        with monkeypatch.context() as mp:
+            for name in ops:
+                mp.setattr(torch.ops.waferline, name, counting(name))
+            logits = model.logits(model(torch.tensor(drafts), caches, batch))
+        mixers = [type(layer.mixer).__name__ for layer in model.layers]
+        assert calls == {"mla_moe_layer": mixers.count("MLAttention"), "mamba_ffn_layer": mixers.count("Mamba2Mixer")}
+        for b in range(2):
+            for t in range(3):
+                assert torch.equal(logits[b, t], plain[b][t]), (b, t)
+        keep = [1, 2]
+        rb.done(keep)
+        kept = prefilled()
+        one_token_steps(kept, keep)
+        nxt = StepBatch.make(slots, [st + k for st, k in zip(starts, keep)], 1)
+        for a, b in zip(caches, kept):
+            for name in ("conv", "ssm"):
+                if hasattr(a, name):
+                    assert torch.equal(getattr(a, name), getattr(b, name)), name
+        la = model.logits(model(torch.tensor([[7], [8]]), caches, nxt))
+        assert torch.equal(la, model.logits(model(torch.tensor([[7], [8]]), kept, nxt)))
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "mixtral"])

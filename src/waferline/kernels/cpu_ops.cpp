@@ -63,19 +63,6 @@ inline void dot4(const float* a, const float* b, int64_t ld, int64_t n, float* o
   out[0] = s0, out[1] = s1, out[2] = s2, out[3] = s3;
 }
 
-// One token of the Mamba-2 recurrence on one (head, head-dim) row of the state: h = h a + x B, returns C . h. Shared
-// by ssm_update (a rewind's replay) and mamba2_mix (decode and verify), so both reach bitwise the same states.
-inline float ssm_token(float* h, float a, float x, const float* B, const float* C, int64_t N) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < N; ++k) {
-    const float v = h[k] * a + x * B[k];
-    h[k] = v;
-    acc += v * C[k];
-  }
-  return acc;
-}
-
 // ---------------------------------------------------------------- RMSNorm
 // out = weight * to(dtype)(x_f32 * rsqrt(mean(x_f32^2) + eps)), the multiply by weight in fp32, rounded once.
 template <typename T>
@@ -515,6 +502,32 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 #endif
+
+// One token of the Mamba-2 recurrence on one (head, head-dim) row of the state: h = h a + x B, returns C . h. Shared
+// by ssm_update (a rewind's replay) and mamba2_mix (decode and verify), so both reach bitwise the same states. In
+// 8-lane vectors where the CPU has them (the compiler kept the loop scalar inside mamba2_rows' parallel lambda: ~5 us
+// a token of sol-mini's 512 state rows).
+inline float ssm_token(float* h, float a, float x, const float* B, const float* C, int64_t N) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (N % 8 == 0) {
+    const __m256 va = _mm256_set1_ps(a), vx = _mm256_set1_ps(x);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0; k < N; k += 8) {
+      const __m256 v = _mm256_fmadd_ps(_mm256_loadu_ps(h + k), va, _mm256_mul_ps(vx, _mm256_loadu_ps(B + k)));
+      _mm256_storeu_ps(h + k, v);
+      acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(C + k), acc);
+    }
+    return hsum8(acc);
+  }
+#endif
+  float acc = 0.f;
+  for (int64_t k = 0; k < N; ++k) {
+    const float v = h[k] * a + x * B[k];
+    h[k] = v;
+    acc += v * C[k];
+  }
+  return acc;
+}
 
 #if defined(WAFERLINE_BF16_AVX2)
 
@@ -1730,7 +1743,9 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
 // waferline's layout (no biases), as one call: q = q_b(rms(q_a(x))) (or q_proj(x) without a q LoRA), ckv = kv_a(x),
 // c = rms(ckv[:r]), the rope part of q and ckv's rope key rotated together, [c | k_rope] written into ``cache`` at
 // (slots[b], pos[b]), mla_decode over keys 0..max(pos) (keys past a row's own position masked when rows differ),
-// then o_proj. The same operators as the eager chain, in the same order, on the same tensors: the same numbers. It
+// then o_proj. Rows may share a slot at distinct positions (a speculative verify's T tokens as T rows: each sees
+// the entries the earlier ones wrote). The same operators as the eager chain, in the same order, on the same
+// tensors: the same numbers. It
 // saves the ~30 eager ops and the Python between them (per layer ~0.1-0.2 ms of a ~6 ms step of the 135M dsv3).
 // w: packed / scales of q_a, q_b, kv_a, o (q_a's both empty: q_b is q_proj); groups: their group sizes.
 at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRef groups, const at::Tensor& qa_norm,
@@ -1839,7 +1854,7 @@ bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t 
          sz.size(2) == K / G && (sz.size(3) == 1 || sz.size(3) == 2) && packed.is_contiguous() && sz.is_contiguous();
 }
 
-// a team half's residual: x + o, rounded to T as the composed path's add rounds it -> [B, 1, D]
+// a team half's residual: x + o, rounded to T as the composed path's add rounds it -> x's shape
 template <typename T>
 at::Tensor residual_rows(const at::Tensor& x, const T* o) {
   auto h = at::empty(x.sizes(), x.options());
@@ -2110,8 +2125,8 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
   end = 0, uniform = true;
   for (int64_t b = 0; b < B; ++b) {
     if (sp[b] < 0 || sp[b] >= cache.size(0) || pp[b] < 0 || pp[b] >= cache.size(1)) return false;
-    for (int64_t c = 0; c < b; ++c)
-      if (sp[c] == sp[b]) return false;  // two rows of one slot (the composed path writes them in order)
+    for (int64_t c = 0; c < b; ++c)  // rows of one slot (a verify's tokens, as rows) at distinct positions only
+      if (sp[c] == sp[b] && pp[c] == pp[b]) return false;
     end = std::max(end, pp[b] + 1);
     uniform = uniform && pp[b] == pp[0];
   }
@@ -2211,11 +2226,12 @@ std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::T
 }
 
 // ---------------------------------------------------------------- a decoder layer's decode step, MLA + FFN
-// What DecoderLayer.forward computes for rows of one new token each when its mixer runs as mla_attend_int4 and its FFN
-// as ffn_residual does: h = x + mla(rms(x)); out = h + ffn(rms(h)). The same functions in the same order on the same
+// What DecoderLayer.forward computes for rows of T new tokens each (a decode step, T = 1, or a speculative verify's
+// few; the attention takes the B T tokens as rows, each with its slot and position) when its mixer runs as
+// mla_attend_int4 and its FFN as ffn_residual does: h = x + mla(rms(x)); out = h + ffn(rms(h)). The same functions in the same order on the same
 // tensors (the same numbers); it saves the Python of the layer, its two norms, the attention block and the FFN and
 // their ~10 op calls between them. On two thread teams (attention, FFN) when the weights fit the integer int4 kernel.
-// Returns (out, the experts chosen [B, k]: what an op counter needs to price the expert products).
+// Returns (out, the experts chosen [B T, k]: what an op counter needs to price the expert products).
 std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
                          at::IntArrayRef groups, const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q,
                          double eps_kv, const at::Tensor& cos2, const at::Tensor& sin2, bool interleaved,
@@ -2225,16 +2241,17 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::
                          bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group,
                          bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
                          int64_t shared_inter) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mla_moe_layer: contiguous x [B, 1, D]");
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "waferline::mla_moe_layer: contiguous x [B, T, D]");
+  const at::Tensor xr = x.view({-1, 1, x.size(2)});  // the tokens as rows (slots, pos, cos2, sin2: one per token)
   at::Tensor h;
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
   at::ScalarType st;
   int64_t end = 0;
   bool uniform = true;
-  if (team_on(x) && mla_team_fits(x, mix_norm, w, groups, qa_norm, kva_norm, cos2, sin2, cache, slots, pos, w_uk, w_uv,
-                                  st, end, uniform)) {
+  if (team_on(xr) && mla_team_fits(xr, mix_norm, w, groups, qa_norm, kva_norm, cos2, sin2, cache, slots, pos, w_uk, w_uv,
+                                   st, end, uniform)) {
     h = with_team_types(x.scalar_type(), st, [&](auto t_tag, auto s_tag) {
-      return mla_team<decltype(t_tag), decltype(s_tag)>(x, mix_norm, mix_eps, w, groups, qa_norm, kva_norm, eps_q, eps_kv,
+      return mla_team<decltype(t_tag), decltype(s_tag)>(xr, mix_norm, mix_eps, w, groups, qa_norm, kva_norm, eps_q, eps_kv,
                                                         cos2, sin2, interleaved, cache, slots.data_ptr<int64_t>(),
                                                         pos.data_ptr<int64_t>(), end, uniform, w_uk, w_uv, scale);
     });
@@ -2242,9 +2259,10 @@ std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::
   }
 #endif
   if (!h.defined()) {
-    h = x + mla_attend_int4(rms_norm(x, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2, sin2,
-                            interleaved, cache, slots, pos, w_uk, w_uv, scale);
+    h = xr + mla_attend_int4(rms_norm(xr, mix_norm, mix_eps), w, groups, qa_norm, kva_norm, eps_q, eps_kv, cos2, sin2,
+                             interleaved, cache, slots, pos, w_uk, w_uv, scale);
   }
+  h = h.view(x.sizes());
   return ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group,
                       topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
 }
@@ -2330,31 +2348,49 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
                  float* rC, X* ctrail, int64_t Bs, int64_t T, int64_t F, int64_t Din, int64_t C, int64_t K, int64_t H,
                  int64_t P, int64_t N, int64_t G, float eps, bool clamp, float lo, float hi) {
   const int64_t R = H / G, gw = Din / G, Km = K - 1;
-  std::vector<float> xbc(T * C), dt(T * H), dA(T * H), y(T * H * P), pre(C), sz(Din);
+  std::vector<float> xbc(T * C), dt(T * H), dA(T * H), y(T * H * P), sz(Din), zf(Din), of(Din);
+  // the conv in fp32 lanes across channels: the weight's taps and the state's entries tap-major ([k][c], exact: X
+  // values), the state a ring of Km rows plus the new input's; each product and sum rounded to X as the eager conv
+  // rounds it, the same order of taps. (Channel by channel with c10's scalar conversions it cost ~5 us a token.)
+  std::vector<float> wt(K * C), ring((Km + 1) * C), pre(C);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t k = 0; k < K; ++k) wt[k * C + c] = f32(cw[c * K + k]);
+  std::vector<float*> tap(Km + 1);
   for (int64_t b = 0; b < Bs; ++b) {
     const int64_t s = slots[b];
     X* cs = conv + s * C * Km;
     float* hs = ssm + s * H * P * N;
     if (prev) std::copy(hs, hs + H * P * N, prev + s * H * P * N);
+    for (int64_t k = 0; k <= Km; ++k) tap[k] = ring.data() + k * C;
+    for (int64_t c = 0; c < C; ++c)
+      for (int64_t k = 0; k < Km; ++k) tap[k][c] = f32(cs[c * Km + k]);
     for (int64_t t = 0; t < T; ++t) {  // causal depthwise conv + activation, dt; the conv state shifts
       const X* row = zx + (b * T + t) * F;
-      for (int64_t c = 0; c < C; ++c) {
-        X* st = cs + c * Km;
-        const X* w = cw + c * K;
-        const X xn = row[Din + c];
-        float acc = 0.f;
-        for (int64_t k = 0; k < Km; ++k) acc += f32(static_cast<X>(f32(st[k]) * f32(w[k])));
-        acc += f32(static_cast<X>(f32(xn) * f32(w[Km])));
-        X v = static_cast<X>(acc);
-        if (cb) v = static_cast<X>(f32(v) + f32(cb[c]));
-        pre[c] = f32(v);
-        for (int64_t k = 0; k + 1 < Km; ++k) st[k] = st[k + 1];
-        if (Km > 0) st[Km - 1] = xn;
+      load_f32<X>(row + Din, tap[Km], C);
+      for (int64_t c = 0; c < C; ++c) pre[c] = 0.f;
+      for (int64_t k = 0; k <= Km; ++k) {
+        const float *a = tap[k], *w = wt.data() + k * C;
+        float* pc = pre.data();
+#pragma omp simd
+        for (int64_t c = 0; c < C; ++c) pc[c] += round_to<X>(a[c] * w[c]);
       }
       float* xt = xbc.data() + t * C;
+      float* pc = pre.data();
+      if (cb) {
+        for (int64_t c = 0; c < C; ++c) pc[c] = round_to<X>(round_to<X>(pc[c]) + f32(cb[c]));
+      } else {
 #pragma omp simd
-      for (int64_t c = 0; c < C; ++c) xt[c] = f32(static_cast<X>(silu1(pre[c])));
-      if (ctrail) std::copy(cs, cs + C * Km, ctrail + (b * T + t) * C * Km);
+        for (int64_t c = 0; c < C; ++c) pc[c] = round_to<X>(pc[c]);
+      }
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) xt[c] = round_to<X>(silu1(pc[c]));
+      std::rotate(tap.begin(), tap.begin() + 1, tap.end());  // the oldest entry leaves; the new input is the last
+      if (ctrail || t + 1 == T) {  // the state after this token, channel-major [C, Km], X
+        X* dst = ctrail ? ctrail + (b * T + t) * C * Km : cs;
+        for (int64_t c = 0; c < C; ++c)
+          for (int64_t k = 0; k < Km; ++k) dst[c * Km + k] = static_cast<X>(tap[k][c]);
+        if (ctrail && t + 1 == T) std::copy(dst, dst + C * Km, cs);
+      }
       for (int64_t h = 0; h < H; ++h) {
         float d = softplus1(f32(row[Din + C + h]) + dtb[h]);
         if (clamp) d = std::min(std::max(d, lo), hi);
@@ -2382,8 +2418,11 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
       const X* z = zx + (b * T + t) * F;
       X* o = out + (b * T + t) * Din;
       float* yt = y.data() + t * H * P;
+      load_f32<X>(z, zf.data(), Din);
+      const float* zp = zf.data();
+      float* szp = sz.data();
 #pragma omp simd
-      for (int64_t j = 0; j < Din; ++j) sz[j] = silu1(f32(z[j]));
+      for (int64_t j = 0; j < Din; ++j) szp[j] = silu1(zp[j]);
       for (int64_t gi = 0; gi < G; ++gi) {
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
@@ -2393,9 +2432,11 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
           ss += v * v;
         }
         const float rs = 1.f / std::sqrt(ss / static_cast<float>(gw) + eps);
+        float* op = of.data();
 #pragma omp simd
-        for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) o[j] = static_cast<X>(yt[j] * rs * nw[j]);
+        for (int64_t j = gi * gw; j < (gi + 1) * gw; ++j) op[j] = yt[j] * rs * nw[j];
       }
+      store_f32<X>(of.data(), o, Din);
       if (rdA) {  // the verify's replay record
         const int64_t bt = b * T + t;
         for (int64_t h = 0; h < H; ++h) {
@@ -2408,6 +2449,27 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
     }
   }
 }
+
+// a verify's record (``record`` below): the per-token update inputs and conv states mamba2_rows writes, the tensors
+// that hold them (empty ones when not recording), and ssm_prev's data (the state before the tokens goes there)
+struct MambaRecord {
+  std::vector<at::Tensor> out;  // dA [B, T, H], dt x [B, T, H, P], B and C [B, T, G, N], conv after each token [B, T, C, K-1]
+  float *prev = nullptr, *dA = nullptr, *dtx = nullptr, *Bm = nullptr, *Cm = nullptr;
+  void* conv = nullptr;  // of the activations' dtype
+  MambaRecord(bool record, at::Tensor& ssm_prev, int64_t B, int64_t T, int64_t H, int64_t P, int64_t G, int64_t N,
+              int64_t C, int64_t K, const at::TensorOptions& xo) {
+    const auto fo = xo.dtype(at::kFloat);
+    if (!record) {
+      out.assign(5, at::empty({0}, fo));
+      return;
+    }
+    out = {at::empty({B, T, H}, fo), at::empty({B, T, H, P}, fo), at::empty({B, T, G, N}, fo),
+           at::empty({B, T, G, N}, fo), at::empty({B, T, C, K - 1}, xo)};
+    prev = ssm_prev.data_ptr<float>();
+    dA = out[0].data_ptr<float>(), dtx = out[1].data_ptr<float>(), Bm = out[2].data_ptr<float>();
+    Cm = out[3].data_ptr<float>(), conv = out[4].data_ptr();
+  }
+};
 
 std::vector<at::Tensor> mamba2_mix(const at::Tensor& zxbcdt, at::Tensor& conv, const at::Tensor& slots,
                                    const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& dt_bias,
@@ -2442,48 +2504,39 @@ std::vector<at::Tensor> mamba2_mix(const at::Tensor& zxbcdt, at::Tensor& conv, c
   auto zx = zxbcdt.contiguous();
   auto cw = conv_w.contiguous();
   auto cb = conv_b.numel() ? conv_b.contiguous() : conv_b;
-  auto f32o = zx.options().dtype(at::kFloat);
   auto out = at::empty({Bs, T, Din}, zx.options());
-  at::Tensor rdA, rdtx, rB, rC, ctr;
-  if (record) {
-    rdA = at::empty({Bs, T, H}, f32o);
-    rdtx = at::empty({Bs, T, H, P}, f32o);
-    rB = at::empty({Bs, T, G, N}, f32o);
-    rC = at::empty({Bs, T, G, N}, f32o);
-    ctr = at::empty({Bs, T, C, K - 1}, zx.options());
-  } else {
-    rdA = rdtx = rB = rC = ctr = at::empty({0}, f32o);
-  }
+  MambaRecord rec(record, ssm_prev, Bs, T, H, P, G, N, C, K, zx.options());
   auto dtb = dt_bias.contiguous(), Ac = A.contiguous(), Dc = D.contiguous(), nwc = norm_w.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, zx.scalar_type(), "waferline_mamba2_mix", [&] {
     mamba2_rows<scalar_t>(zx.data_ptr<scalar_t>(), conv.data_ptr<scalar_t>(), sp, cw.data_ptr<scalar_t>(),
                           cb.numel() ? cb.data_ptr<scalar_t>() : nullptr, dtb.data_ptr<float>(), Ac.data_ptr<float>(),
-                          Dc.data_ptr<float>(), nwc.data_ptr<float>(), ssm.data_ptr<float>(),
-                          record ? ssm_prev.data_ptr<float>() : nullptr, out.data_ptr<scalar_t>(),
-                          record ? rdA.data_ptr<float>() : nullptr, record ? rdtx.data_ptr<float>() : nullptr,
-                          record ? rB.data_ptr<float>() : nullptr, record ? rC.data_ptr<float>() : nullptr,
-                          record ? ctr.data_ptr<scalar_t>() : nullptr, Bs, T, F, Din, C, K, H, P, N, G,
-                          static_cast<float>(eps), clamp, static_cast<float>(lo), static_cast<float>(hi));
+                          Dc.data_ptr<float>(), nwc.data_ptr<float>(), ssm.data_ptr<float>(), rec.prev,
+                          out.data_ptr<scalar_t>(), rec.dA, rec.dtx, rec.Bm, rec.Cm, static_cast<scalar_t*>(rec.conv),
+                          Bs, T, F, Din, C, K, H, P, N, G, static_cast<float>(eps), clamp, static_cast<float>(lo),
+                          static_cast<float>(hi));
   });
-  return {out, rdA, rdtx, rB, rC, ctr};
+  rec.out.insert(rec.out.begin(), out);
+  return rec.out;
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
-// the Mamba-2 mixer half on one thread team: x + out_proj(mamba2_mix(in_proj(rms(x)))) -> [B, 1, D]. The products
-// split by 16-row tiles (in_proj, then out_proj), the mixer between them (conv, state update, gated norm: mamba2_rows,
-// as mamba2_mix runs it) on one thread of the team; the same functions as the composed path, so the same numbers.
+// the Mamba-2 mixer half on one thread team: x + out_proj(mamba2_mix(in_proj(rms(x)))) -> [B, Tn, D]. The products
+// split by 16-row tiles (in_proj, then out_proj, all B Tn token rows), the mixer between them (conv, state update,
+// gated norm, token after token: mamba2_rows, as mamba2_mix runs it) on one thread of the team; the same functions as
+// the composed path, so the same numbers. ``rec`` (a verify's record, MambaRecord): as mamba2_mix's record.
 template <typename T, typename S>
 at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, const at::Tensor& in_w,
                       const at::Tensor& in_sz, int64_t in_group, at::Tensor& conv, const at::Tensor& slots,
                       const at::Tensor& conv_w, const at::Tensor& conv_b, const at::Tensor& dt_bias, const at::Tensor& A,
                       const at::Tensor& Dp, const at::Tensor& norm_w, at::Tensor& ssm, int64_t G, double eps, bool clamp,
-                      double lo, double hi, const at::Tensor& out_w, const at::Tensor& out_sz, int64_t out_group) {
-  const int64_t B = x.size(0), Dm = x.size(2), C = conv.size(1), K = conv.size(2) + 1, H = ssm.size(1), P = ssm.size(2);
-  const int64_t N = ssm.size(3), Din = H * P;
+                      double lo, double hi, const at::Tensor& out_w, const at::Tensor& out_sz, int64_t out_group,
+                      MambaRecord& rec) {
+  const int64_t B = x.size(0), Tn = x.size(1), BT = B * Tn, Dm = x.size(2), C = conv.size(1), K = conv.size(2) + 1;
+  const int64_t H = ssm.size(1), P = ssm.size(2), N = ssm.size(3), Din = H * P;
   const I4W<S> iw = i4w<S>(in_w, in_sz, in_group), ow = i4w<S>(out_w, out_sz, out_group);
   const int64_t F = iw.N;
-  std::vector<T> xn(B * Dm), zx(B * F), mixed(B * Din), o(B * Dm);
-  std::vector<float> xf(B * std::max(Dm, Din));
+  std::vector<T> xn(BT * Dm), zx(BT * F), mixed(BT * Din), o(BT * Dm);
+  std::vector<float> xf(BT * std::max(Dm, Din));
   I16Rows x_in, x_out;
   const T* xp = x.data_ptr<T>();
   const T* n1 = mix_norm.data_ptr<T>();
@@ -2493,9 +2546,9 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
 #pragma omp single
     {
-      rms_rows<T>(xp, n1, xn.data(), B, Dm, static_cast<float>(mix_eps));
-      load_f32<T>(xn.data(), xf.data(), B * Dm);
-      x_in.set(xf.data(), B, Dm, iw.G);
+      rms_rows<T>(xp, n1, xn.data(), BT, Dm, static_cast<float>(mix_eps));
+      load_f32<T>(xn.data(), xf.data(), BT * Dm);
+      x_in.set(xf.data(), BT, Dm, iw.G);
     }
     share_tiles({F}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_in, iw, zx.data(), F, n0, n1_); });
 #pragma omp barrier
@@ -2503,11 +2556,11 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
     {  // (mamba2_rows' head loop runs inline here: at::parallel_for inside a parallel region does)
       mamba2_rows<T>(zx.data(), conv.data_ptr<T>(), slots.data_ptr<int64_t>(), conv_w.data_ptr<T>(),
                      conv_b.numel() ? conv_b.data_ptr<T>() : nullptr, dt_bias.data_ptr<float>(), A.data_ptr<float>(),
-                     Dp.data_ptr<float>(), norm_w.data_ptr<float>(), ssm.data_ptr<float>(), nullptr, mixed.data(),
-                     nullptr, nullptr, nullptr, nullptr, nullptr, B, 1, F, Din, C, K, H, P, N, G,
+                     Dp.data_ptr<float>(), norm_w.data_ptr<float>(), ssm.data_ptr<float>(), rec.prev, mixed.data(),
+                     rec.dA, rec.dtx, rec.Bm, rec.Cm, static_cast<T*>(rec.conv), B, Tn, F, Din, C, K, H, P, N, G,
                      static_cast<float>(eps), clamp, static_cast<float>(lo), static_cast<float>(hi));
-      load_f32<T>(mixed.data(), xf.data(), B * Din);
-      x_out.set(xf.data(), B, Din, ow.G);
+      load_f32<T>(mixed.data(), xf.data(), BT * Din);
+      x_out.set(xf.data(), BT, Din, ow.G);
     }
     share_tiles({Dm}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_out, ow, o.data(), Dm, n0, n1_); });
   }
@@ -2520,14 +2573,18 @@ bool mamba_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, const at::
                      int64_t in_group, const at::Tensor& conv, const at::Tensor& slots, const at::Tensor& conv_w,
                      const at::Tensor& conv_b, const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& Dp,
                      const at::Tensor& norm_w, const at::Tensor& ssm, int64_t G, const at::Tensor& out_w,
-                     const at::Tensor& out_sz, int64_t out_group, at::ScalarType& st) {
+                     const at::Tensor& out_sz, int64_t out_group, const at::Tensor& ssm_prev, bool record,
+                     at::ScalarType& st) {
   const at::ScalarType dt = x.scalar_type();
   st = in_sz.scalar_type();
   if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
   if (conv.dim() != 3 || ssm.dim() != 4 || slots.dim() != 1 || in_w.dim() != 2 || out_w.dim() != 2) return false;
   const int64_t B = x.size(0), Dm = x.size(2), C = conv.size(1), K = conv.size(2) + 1, H = ssm.size(1);
   const int64_t P = ssm.size(2), N = ssm.size(3), Din = H * P, F = in_w.size(0);
-  if (B < 1 || B > INT4_KERNEL_ROWS || G < 1 || H % G != 0 || C != Din + 2 * G * N || F != Din + C + H) return false;
+  if (B < 1 || B * x.size(1) > INT4_KERNEL_ROWS || G < 1 || H % G != 0 || C != Din + 2 * G * N || F != Din + C + H)
+    return false;
+  if (record && !(ssm_prev.sizes() == ssm.sizes() && ssm_prev.scalar_type() == at::kFloat && ssm_prev.is_contiguous()))
+    return false;
   auto is = [](const at::Tensor& t, at::ScalarType type, int64_t n) {
     return t.scalar_type() == type && t.numel() == n && t.is_contiguous();
   };
@@ -2545,43 +2602,52 @@ bool mamba_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, const at::
 #endif
 
 // ---------------------------------------------------------------- a decoder layer's decode step, Mamba-2 + FFN
-// What DecoderLayer.forward computes for rows of one new token each when its mixer is a Mamba-2 mixer whose step runs
-// as in_proj -> mamba2_mix -> out_proj with int4 projections (Mamba2Mixer._step's fused path) and its FFN as
-// ffn_residual runs it: h = x + out_proj(mamba2_mix(in_proj(rms(x)))); out = h + ffn(rms(h)). The same functions
-// on the same tensors (the same numbers), without the Python of the layer, the mixer and the FFN; the conv and SSM
-// states are updated in place as mamba2_mix updates them. Returns (out, the experts chosen [B, k]).
-std::tuple<at::Tensor, at::Tensor> mamba_ffn_layer(
+// What DecoderLayer.forward computes for rows of T new tokens each (a decode step: T = 1; a speculative verify: a
+// few, with ``record``) when its mixer is a Mamba-2 mixer whose step runs as in_proj -> mamba2_mix -> out_proj with
+// int4 projections (Mamba2Mixer's fused path) and its FFN as ffn_residual runs it:
+// h = x + out_proj(mamba2_mix(in_proj(rms(x)))); out = h + ffn(rms(h)). The same functions on the same tensors (the
+// same numbers), without the Python of the layer, the mixer and the FFN; the conv and SSM states are updated in place
+// as mamba2_mix updates them, and with ``record`` ssm_prev and the returned record are what mamba2_mix's record is.
+// Returns [out, the experts chosen [B T, k]] and, with ``record``, mamba2_mix's five record tensors.
+std::vector<at::Tensor> mamba_ffn_layer(
     const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, const at::Tensor& in_w, const at::Tensor& in_sz,
     int64_t in_group, at::Tensor& conv, const at::Tensor& slots, const at::Tensor& conv_w, const at::Tensor& conv_b,
     const at::Tensor& dt_bias, const at::Tensor& A, const at::Tensor& D, const at::Tensor& norm_w, at::Tensor& ssm,
     int64_t groups, double eps, bool clamp, double lo, double hi, const at::Tensor& out_w, const at::Tensor& out_sz,
-    int64_t out_group, const at::Tensor& ffn_norm, double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b,
-    const at::Tensor& corr, int64_t k, bool softmax_scores, bool softmax_after_topk, int64_t n_group,
-    int64_t topk_group, bool group_top2, bool norm, double scaling, at::TensorList moe_w, int64_t group, int64_t inter,
-    int64_t shared_inter) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous(), "waferline::mamba_ffn_layer: contiguous x [B, 1, D]");
+    int64_t out_group, at::Tensor& ssm_prev, bool record, const at::Tensor& ffn_norm, double ffn_eps,
+    const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k, bool softmax_scores,
+    bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm, double scaling,
+    at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "waferline::mamba_ffn_layer: contiguous x [B, T, D]");
   at::Tensor h;
+  std::vector<at::Tensor> recorded;
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
   at::ScalarType st;
   if (team_on(x) && mamba_team_fits(x, mix_norm, in_w, in_sz, in_group, conv, slots, conv_w, conv_b, dt_bias, A, D,
-                                    norm_w, ssm, groups, out_w, out_sz, out_group, st)) {
+                                    norm_w, ssm, groups, out_w, out_sz, out_group, ssm_prev, record, st)) {
+    MambaRecord rec(record, ssm_prev, x.size(0), x.size(1), ssm.size(1), ssm.size(2), groups, ssm.size(3), conv.size(1),
+                    conv.size(2) + 1, x.options());
     h = with_team_types(x.scalar_type(), st, [&](auto t_tag, auto s_tag) {
       return mamba_team<decltype(t_tag), decltype(s_tag)>(x, mix_norm, mix_eps, in_w, in_sz, in_group, conv, slots,
                                                           conv_w, conv_b, dt_bias, A, D, norm_w, ssm, groups, eps, clamp,
-                                                          lo, hi, out_w, out_sz, out_group);
+                                                          lo, hi, out_w, out_sz, out_group, rec);
     });
+    recorded = std::move(rec.out);
     g_team_halves.fetch_add(1, std::memory_order_relaxed);
   }
 #endif
   if (!h.defined()) {
-    at::Tensor no_prev = at::empty({0}, ssm.options());
     auto zx = int4_linear(rms_norm(x, mix_norm, mix_eps), in_w, in_sz, in_group);
-    auto mixed = mamba2_mix(zx, conv, slots, conv_w, conv_b, dt_bias, A, D, norm_w, ssm, no_prev, groups, eps, clamp,
-                            lo, hi, false)[0];
-    h = x + int4_linear(mixed, out_w, out_sz, out_group);
+    recorded = mamba2_mix(zx, conv, slots, conv_w, conv_b, dt_bias, A, D, norm_w, ssm, ssm_prev, groups, eps, clamp,
+                          lo, hi, record);
+    h = x + int4_linear(recorded[0], out_w, out_sz, out_group);
+    recorded.erase(recorded.begin());
   }
-  return ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk, n_group,
-                      topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
+  auto [out, experts] = ffn_residual(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores, softmax_after_topk,
+                                     n_group, topk_group, group_top2, norm, scaling, moe_w, group, inter, shared_inter);
+  std::vector<at::Tensor> ret{out, experts};
+  if (record) ret.insert(ret.end(), recorded.begin(), recorded.end());
+  return ret;
 }
 
 }  // namespace
@@ -2604,9 +2670,10 @@ TORCH_LIBRARY(waferline, m) {
   m.def("mamba_ffn_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor in_w, Tensor in_sz, int in_group, "
         "Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, Tensor D, Tensor norm_w, "
         "Tensor(b!) ssm, int groups, float eps, bool clamp, float lo, float hi, Tensor out_w, Tensor out_sz, "
-        "int out_group, Tensor ffn_norm, float ffn_eps, Tensor gate_w, Tensor gate_b, Tensor corr, int k, "
-        "bool softmax_scores, bool softmax_after_topk, int n_group, int topk_group, bool group_top2, bool norm_topk, "
-        "float scaling, Tensor[] moe_w, int group, int inter, int shared_inter) -> (Tensor, Tensor)");
+        "int out_group, Tensor(c!) ssm_prev, bool record, Tensor ffn_norm, float ffn_eps, Tensor gate_w, Tensor gate_b, "
+        "Tensor corr, int k, bool softmax_scores, bool softmax_after_topk, int n_group, int topk_group, "
+        "bool group_top2, bool norm_topk, float scaling, Tensor[] moe_w, int group, int inter, int shared_inter) "
+        "-> Tensor[]");
   m.def("mla_moe_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor[] w, int[] groups, Tensor qa_norm, "
         "Tensor kva_norm, float eps_q, float eps_kv, Tensor cos2, Tensor sin2, bool interleaved, Tensor(a!) cache, "
         "Tensor slots, Tensor pos, Tensor w_uk, Tensor w_uv, float scale, Tensor ffn_norm, float ffn_eps, "

@@ -276,13 +276,13 @@ class MLAttention(nn.Module):
 
     def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
         """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights and
-        epsilons) when this block can run as that one op for ``x``: a decode step (one token per row, at most
-        MLA_FUSED_MAX_ROWS rows, as the fused absorbed decode takes) on CPU, a full-attention cache, every projection
+        epsilons) when this block can run as that one op for ``x``: at most MLA_FUSED_MAX_ROWS new tokens (a decode step,
+        or a verify's few tokens per row, which go in as rows of one token) on CPU, a full-attention cache, every projection
         an int4 weight in waferline's CPU layout without a bias, computing in x's dtype, norms in x's dtype. None
         otherwise (the eager chain below, which computes the same numbers). Built once per dtype and reused while every
         module and tensor it was built from is still the one the block holds (checked by identity, as MoE's are):
         looking them up through the modules took ~30 us a layer."""
-        if (x.shape[1] != 1 or x.shape[0] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
+        if (x.shape[0] * x.shape[1] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
                 or not kernels.available()):
             return None
         return kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
@@ -316,27 +316,30 @@ class MLAttention(nn.Module):
         return w, groups, norms[1], norms[0], qn.eps, kv.eps
 
     def step_args(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> tuple | None:
-        """``waferline::mla_attend_int4``'s arguments after ``x`` for this step when the block runs as that op (see
-        :meth:`_int4_block`; the cache grown to the step's end first), else None."""
+        """``waferline::mla_attend_int4``'s arguments after ``x`` (as rows of one token: ``x.view(-1, 1, D)``) for this
+        step when the block runs as that op (see :meth:`_int4_block`; the cache grown to the step's end first), else
+        None. The rows' slots and positions are those of ``batch.rows()``: each of a verify's tokens sees the cache
+        entries the earlier ones write, as one-token steps would (the same numbers, token by token)."""
         fused = self._int4_block(x, cache)
         if fused is None:
             return None
-        end = batch.end
+        rows = batch.rows()
+        end = rows.end
         if end > cache.capacity:
             cache._grow(end)
-        cos, sin = self.rotary.cos_sin(batch.positions(), batch)
+        cos, sin = self.rotary.cos_sin(rows.positions(), rows)
         w_uk, w_uv = self.absorbed()
         w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
-        return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, cache.data, batch.slots,
-                batch.start, w_uk, w_uv, self.scale)
+        return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, cache.data, rows.slots,
+                rows.start, w_uk, w_uv, self.scale)
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
         fused = self.step_args(x, cache, batch)
-        if fused is not None:  # the chain below as one op (decode rows, int4 projections)
-            return torch.ops.waferline.mla_attend_int4(x, *fused)
+        if fused is not None:  # the chain below as one op (tokens as decode rows, int4 projections)
+            return torch.ops.waferline.mla_attend_int4(x.reshape(B * T, 1, -1), *fused).view(B, T, -1)
         if s.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:

@@ -64,6 +64,20 @@ class StepBatch:
             self.memo["uniform"] = h is not None and all(x == h[0] for x in h)
         return self.memo["uniform"]
 
+    def rows(self) -> "StepBatch":
+        """This step's B x T new tokens as B·T rows of one token each (row b·T + t: slot ``slots[b]``, position
+        ``start[b] + t``), for operators that take a verify's tokens as decode rows; itself when T == 1. Built once
+        per step (the layers share it and its memo)."""
+        if self.T == 1:
+            return self
+        r = self.memo.get("rows")
+        if r is None:
+            T = self.T
+            hs = None if self.host_slots is None else tuple(s for s in self.host_slots for _ in range(T))
+            hp = None if self.host_start is None else tuple(p + t for p in self.host_start for t in range(T))
+            r = self.memo["rows"] = StepBatch(self.slots.repeat_interleave(T), self.positions().reshape(-1), 1, hs, hp)
+        return r
+
     @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> "StepBatch":
         slots, start = [int(s) for s in slots], [int(s) for s in start]

@@ -71,7 +71,10 @@ class DecoderLayer(nn.Module):
         if fused is not None:
             whole, args = fused
             if whole:  # the whole layer as one op (waferline::mla_moe_layer or mamba_ffn_layer)
-                return getattr(torch.ops.waferline, whole)(x, *args)[0]
+                out = getattr(torch.ops.waferline, whole)(x, *args)
+                if len(out) > 2:  # a Mamba-2 verify's record, kept for the rewind
+                    self.mixer.keep_record(cache, batch.slots, out[2:])
+                return out[0]
             if self.mixer is not None:  # the mixer by its modules, then the FFN half as one op
                 x = x + self.mixer(self.mixer_norm(x), cache, batch)
             return torch.ops.waferline.ffn_residual(x, self.ffn_norm.weight, self.ffn_norm.eps, *args)[0]
@@ -91,9 +94,10 @@ class DecoderLayer(nn.Module):
         for its FFN half, None for neither (the modules below, which compute the same numbers).
 
         The FFN half: a MoE block that runs as moe_route + moe_ffn (MoE.residual_args) or an int4 SwiGLU FFN
-        (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and for one new token per row an MLA
-        mixer that runs as ``mla_attend_int4`` (MLAttention.step_args) or a Mamba-2 mixer that runs as int4 in_proj,
-        ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args). Either needs no residual multiplier
+        (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and for a decode step or a speculative
+        verify (a few tokens per row) an MLA mixer that runs as ``mla_attend_int4`` (MLAttention.step_args: the tokens
+        as rows) or a Mamba-2 mixer that runs as int4 in_proj, ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args:
+        recording the verify's trail). Either needs no residual multiplier
         and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
         path; hooks marked LABEL_ONLY excepted). What each bought: README, "What the decode-step work bought"."""
         m = self._modules  # (this runs per layer and token: the dicts, not nn.Module's __getattr__)
@@ -107,7 +111,7 @@ class DecoderLayer(nn.Module):
         if ffn_args is None:
             return None
         whole = _WHOLE_LAYER_OPS.get(type(mix))
-        if whole and x.shape[1] == 1:
+        if whole:
             w1 = n1._parameters["weight"]
             if w1.dtype == x.dtype and not _hooked(mix, n1):
                 mixer_args = mix.step_args(x, cache, batch)

@@ -277,10 +277,13 @@ class Mamba2Mixer(nn.Module):
 
     def step_args(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> tuple | None:
         """``waferline::mamba_ffn_layer``'s mixer arguments (after ``x``, its norm and epsilon; up to the FFN norm) for
-        a decode step (one new token per row) whose mixer runs as in_proj -> mamba2_mix -> out_proj (see
-        :meth:`_mixes_fused`) with both projections int4 in waferline's CPU layout, without biases, computing in x's
-        dtype; else None. The projections' tensors are kept between calls and checked by identity (kept_args)."""
-        if x.shape[1] != 1 or not self._mixes_fused(cache, x):
+        a decode step (one new token per row) or a speculative verify (T tokens per row, ``cache.keep_trail``: it
+        records what :meth:`keep_record` keeps for a rewind, as :meth:`_recurrent` does) whose mixer runs as in_proj ->
+        mamba2_mix -> out_proj (see :meth:`_mixes_fused`) with both projections int4 in waferline's CPU layout, without
+        biases, computing in x's dtype; else None. The projections' tensors are kept between calls and checked by
+        identity (kept_args)."""
+        record = x.shape[1] > 1
+        if (record and not cache.keep_trail) or not self._mixes_fused(cache, x):
             return None
         w = kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
         if w is None:
@@ -288,9 +291,19 @@ class Mamba2Mixer(nn.Module):
         A, _, norm, dtb, D = self._consts()
         lo, hi = self.time_step_limit
         conv_b = self._parameters.get("conv_bias")
+        if record and cache.ssm_prev is None:
+            cache.ssm_prev = torch.empty_like(cache.ssm)
         return (*w[:3], cache.conv, batch.slots, self._parameters["conv_weight"], _NO_TRAIL if conv_b is None else conv_b,
                 dtb, A, D, norm, cache.ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
-                lo, hi, *w[3:])
+                lo, hi, *w[3:], cache.ssm_prev if record else _NO_TRAIL, record)
+
+    @staticmethod
+    def keep_record(cache: Mamba2Cache, slots: Tensor, rec: list[Tensor]) -> None:
+        """Keep a verify's record (mamba2_mix's: dA, dt x, B, C, the conv state after each token) as each slot's trail,
+        for ``Mamba2Cache.rewind``."""
+        dA, dtx, Bg, Cg, conv_after = rec
+        for b, s in enumerate(slots.tolist()):
+            cache.trail[s] = (conv_after[b], _Replay(dA[b], dtx[b], Bg[b], Cg[b]))
 
     def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
         out: list[Any] = []
@@ -435,9 +448,8 @@ class Mamba2Mixer(nn.Module):
         if self._mixes_fused(cache, x):  # as _step's fused op, T tokens, recording what a rewind replays
             if cache.ssm_prev is None:
                 cache.ssm_prev = torch.empty_like(cache.ssm)
-            g, dA, dtx, Bg, Cg, conv_after = self._mix(x, cache, slots, record=True)
-            for b, s in enumerate(slots.tolist()):
-                cache.trail[s] = (conv_after[b], _Replay(dA[b], dtx[b], Bg[b], Cg[b]))
+            g, *rec = self._mix(x, cache, slots, record=True)
+            self.keep_record(cache, slots, rec)
             return self.out_proj(g)
         Bsz, T, _ = x.shape
         H, P, N, G, K = self.H, self.P, self.N, self.G, self.K

@@ -380,7 +380,7 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     operators (priced per call) and the operator's own dispatch."""
     x, w = args[0], list(args[1])
     qa_norm, kva_norm, cos2, cache, pos, w_uk, w_uv = args[3], args[4], args[7], args[10], args[12], args[13], args[14]
-    B = int(x.shape[0])
+    B = int(x.numel() // x.shape[-1])  # rows of one token (a verify's tokens go in as rows)
     H, n, r = (int(d) for d in w_uk.shape)
     R = int(cache.shape[2])
     p, v = R - r, int(w_uv.shape[1])
@@ -455,19 +455,18 @@ def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]
 
 
 def mamba_ffn_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
-    """The ops one ``waferline::mamba_ffn_layer`` (a decoder layer's decode step, Mamba-2 + FFN) runs inside, as
-    ffn_residual_parts lists them: the norm, in_proj, the mixer between the projections (mamba2_mix), out_proj, the
-    residual add, then the FFN half's."""
+    """The ops one ``waferline::mamba_ffn_layer`` (a decoder layer's decode or verify step, Mamba-2 + FFN) runs inside,
+    as ffn_residual_parts lists them: the norm, in_proj, the mixer between the projections (mamba2_mix, recording a
+    verify), out_proj, the residual add, then the FFN half's."""
     x, n1, e1, in_w, in_sz, in_g = args[:6]
     conv, slots, conv_w, conv_b, dtb, A, D, norm_w, ssm, groups, eps, clamp, lo, hi = args[6:20]
-    out_w, out_sz, out_g = args[20:23]
-    B = int(x.shape[0])
-    zx, mixed = x.new_empty((B, 1, int(in_w.shape[0]))), x.new_empty((B, 1, int(out_w.shape[1]) * 2))
-    no_prev = ssm.new_empty((0,))
-    mix_args = (zx, conv, slots, conv_w, conv_b, dtb, A, D, norm_w, ssm, no_prev, groups, eps, clamp, lo, hi, False)
+    out_w, out_sz, out_g, prev, record = args[20:25]
+    B, T = int(x.shape[0]), int(x.shape[1])
+    zx, mixed = x.new_empty((B, T, int(in_w.shape[0]))), x.new_empty((B, T, int(out_w.shape[1]) * 2))
+    mix_args = (zx, conv, slots, conv_w, conv_b, dtb, A, D, norm_w, ssm, prev, groups, eps, clamp, lo, hi, record)
     return [("rms_norm", None, (x, n1, e1), x), ("int4_linear", None, (x, in_w, in_sz, in_g), zx),
-            ("mamba2_mix", None, mix_args, [mixed]), ("int4_linear", None, (mixed, out_w, out_sz, out_g), x),
-            ("add", None, (x, x), x), *ffn_residual_parts((x, *args[23:]), out)]
+            ("mamba2_mix", None, mix_args, [mixed, *out[2:]]), ("int4_linear", None, (mixed, out_w, out_sz, out_g), x),
+            ("add", None, (x, x), x), *ffn_residual_parts((x, *args[25:]), out[:2])]
 
 
 def _priced_calls(w: dict[str, float]) -> float:
