@@ -322,17 +322,20 @@ def test_adaptive_k_grows_with_acceptance_and_backs_off_with_batch():
 def test_adaptive_k_follows_measured_step_costs():
     """With ``measure``, what steps really cost replaces the prior: a verify that costs 3x a plain step stops
     speculation at a middling acceptance; one that costs hardly more (a pipeline's hops) makes it draft the most;
-    and a plain step is taken every ``explore_every`` steps so its cost stays measured."""
+    a plain step is taken every ``explore_every`` steps so its cost stays measured; the estimate skips a shape's first
+    step and follows faster steps at once, slower ones by a quarter."""
     ctl = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
     first = [ctl.choose([0])[0] for _ in range(8)]
     assert first.count(0) >= 1  # a new batch size: one plain step early on, to measure it
-    ctl.record(1, 1, 0.010)
-    for T in range(2, 6):
-        ctl.record(1, T, 0.030)
+    for _ in range(2):  # (a shape's first step is not kept: it pays one-time costs)
+        ctl.record(1, 1, 0.010)
+        for T in range(2, 6):
+            ctl.record(1, T, 0.030)
     assert ctl.step_cost(1, 3) == pytest.approx(0.030) and ctl.choose([0]) == [0]
     fast = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
-    fast.record(1, 1, 0.010)
-    fast.record(1, 5, 0.011)  # unmeasured T: the prior line scaled to the measurements
+    for T, sec in ((1, 0.050), (1, 0.010), (5, 0.011), (5, 0.011)):
+        fast.record(1, T, sec)  # unmeasured T: the prior line scaled to the measurements
+    assert fast.step_cost(1, 1) == pytest.approx(0.010)
     ks = [fast.choose([0])[0] for _ in range(12)]
     assert max(ks) >= 3 and ks.count(0) in (2, 3, 4)  # plain exactly when due, K >= 3 otherwise
     # a pipeline explores with one plain step per micro-batch in a row, so its measurement is not mixed with verifies
@@ -342,8 +345,15 @@ def test_adaptive_k_follows_measured_step_costs():
     # measured drafting time counts against drafting
     slow_draft = AdaptiveK(k_max=4, measure=True, alpha={0: 0.5})
     slow_draft.record(1, 1, 0.010)
+    slow_draft.record(1, 1, 0.010)
+    slow_draft.record_draft(1, 2, 0.040)
     slow_draft.record_draft(1, 2, 0.040)  # 20 ms per drafted token
     assert slow_draft.gain(0.5, 2, 1) < 1.0
+    # noise only slows steps down: a faster step replaces the estimate, a slower one moves it a quarter of the way
+    fast.record(1, 1, 0.030)
+    assert fast.step_cost(1, 1) == pytest.approx(0.015)
+    fast.record(1, 1, 0.012)
+    assert fast.step_cost(1, 1) == pytest.approx(0.012)
 
 
 def test_user_errors(ckpts, tmp_path):

@@ -117,6 +117,10 @@ class LLM:
 
             if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
+            if speculative == "mtp" and is_int4(self.model) and len(self.model.mtp):
+                # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit): a draft only proposes, the
+                # target's verify decides, so the output is unchanged; each draft then runs its layer as one op
+                quantize_model(self.model.mtp, QuantOptions(group_size=group_size))
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
         self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)

@@ -455,6 +455,16 @@ class MTPDrafter(_ModelDrafter):
         self.committed = [0] * len(seqs)
         self.pending = list(prompt_hidden)
         self._saved = {}
+        # the prompt's pairs (h_t, x_t+1) but the last go through the MTP layer now, with the prefill (its prefill, as
+        # serving engines run it): a draft then commits only the pairs of the tokens emitted since the last one, and
+        # what drafting costs per step (adaptive K measures it) is not inflated by the prompt
+        rows = [b for b, h in enumerate(self.pending) if 1 < h.shape[0] <= len(seqs[b])]
+        if rows:
+            n = [self.pending[b].shape[0] - 1 for b in rows]
+            self._run(rows, [self.pending[b][:k] for b, k in zip(rows, n)], [seqs[b][1:k + 1] for b, k in zip(rows, n)],
+                      [0] * len(rows))
+            for b, k in zip(rows, n):
+                self.committed[b], self.pending[b] = k, self.pending[b][k:]
 
     def _run(self, rows: list[int], h: list[torch.Tensor], toks: list[list[int]], start: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer over ragged rows; returns (last output hidden [n, D], logits [n, V]) for each row's last pair."""
@@ -562,6 +572,7 @@ class AdaptiveK:
     observed: dict[tuple[int, int], float] = field(default_factory=dict)  # (B, T) -> seconds (EMA)
     draft_s: dict[int, float] = field(default_factory=dict)  # B -> seconds per drafted token step (EMA)
     since_plain: dict[int, int] = field(default_factory=dict)  # B -> steps since the last plain step
+    warm: set[tuple[int, Any]] = field(default_factory=set)  # (table, key) measured at least once
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         if drafted > 0:
@@ -569,18 +580,26 @@ class AdaptiveK:
             self.alpha[row] = self.decay * a + (1 - self.decay) * accepted / drafted
 
     def record(self, B: int, T: int, seconds: float) -> None:
-        """A measured step of B rows x T tokens (T = 1: a plain step); ignored unless ``measure``."""
-        if not self.measure:
-            return
-        old = self.observed.get((B, T))
-        self.observed[(B, T)] = seconds if old is None else 0.5 * old + 0.5 * seconds
+        """A measured step of B rows x T tokens (T = 1: a plain step); ignored unless ``measure``. The first step of a
+        shape is not kept (it pays one-time costs: buffers, caches growing); then a faster step replaces the estimate
+        and a slower one moves it a quarter of the way: on a shared machine noise only slows steps down, and one slow
+        step must not price a verify width out for good (a width the controller stops choosing is not measured
+        again)."""
+        if self.measure:
+            self._estimate(self.observed, (B, T), seconds)
 
     def record_draft(self, B: int, k: int, seconds: float) -> None:
-        """Measured drafting time of B rows x k drafted tokens (a drafter that runs apart from the target's step)."""
+        """Measured drafting time of B rows x k drafted tokens (a drafter that runs apart from the target's step),
+        estimated as steps are (``record``)."""
         if k > 0 and self.measure:
-            old = self.draft_s.get(B)
-            per = seconds / k
-            self.draft_s[B] = per if old is None else 0.5 * old + 0.5 * per
+            self._estimate(self.draft_s, B, seconds / k)
+
+    def _estimate(self, table: dict, key: Any, seconds: float) -> None:
+        if (id(table), key) not in self.warm:
+            self.warm.add((id(table), key))
+            return
+        old = table.get(key)
+        table[key] = seconds if old is None or seconds < old else old + 0.25 * (seconds - old)
 
     def cost(self, n: int) -> float:
         """Prior cost of one forward over n tokens (tokens-equivalent, or seconds with a cost table)."""
