@@ -2228,9 +2228,9 @@ std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::T
 // ---------------------------------------------------------------- a decoder layer's decode step, MLA + FFN
 // What DecoderLayer.forward computes for rows of T new tokens each (a decode step, T = 1, or a speculative verify's
 // few; the attention takes the B T tokens as rows, each with its slot and position) when its mixer runs as
-// mla_attend_int4 and its FFN as ffn_residual does: h = x + mla(rms(x)); out = h + ffn(rms(h)). The same functions in the same order on the same
-// tensors (the same numbers); it saves the Python of the layer, its two norms, the attention block and the FFN and
-// their ~10 op calls between them. On two thread teams (attention, FFN) when the weights fit the integer int4 kernel.
+// mla_attend_int4 and its FFN as ffn_residual does: h = x + mla(rms(x)); out = h + ffn(rms(h)). The same functions
+// in the same order on the same tensors (the same numbers); it saves the Python of the layer, its two norms, the
+// attention block and the FFN and their ~10 op calls between them. On two thread teams (attention, FFN) when the weights fit the integer int4 kernel.
 // Returns (out, the experts chosen [B T, k]: what an op counter needs to price the expert products).
 std::tuple<at::Tensor, at::Tensor> mla_moe_layer(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
                          at::IntArrayRef groups, const at::Tensor& qa_norm, const at::Tensor& kva_norm, double eps_q,
@@ -2351,7 +2351,7 @@ void mamba2_rows(const X* zx, X* conv, const int64_t* slots, const X* cw, const 
   std::vector<float> xbc(T * C), dt(T * H), dA(T * H), y(T * H * P), sz(Din), zf(Din), of(Din);
   // the conv in fp32 lanes across channels: the weight's taps and the state's entries tap-major ([k][c], exact: X
   // values), the state a ring of Km rows plus the new input's; each product and sum rounded to X as the eager conv
-  // rounds it, the same order of taps. (Channel by channel with c10's scalar conversions it cost ~5 us a token.)
+  // rounds it, the same order of taps (channel by channel, c10's conversions kept the loop scalar).
   std::vector<float> wt(K * C), ring((Km + 1) * C), pre(C);
   for (int64_t c = 0; c < C; ++c)
     for (int64_t k = 0; k < K; ++k) wt[k * C + c] = f32(cw[c * K + k]);

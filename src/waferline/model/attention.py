@@ -276,9 +276,9 @@ class MLAttention(nn.Module):
 
     def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
         """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights and
-        epsilons) when this block can run as that one op for ``x``: at most MLA_FUSED_MAX_ROWS new tokens (a decode step,
-        or a verify's few tokens per row, which go in as rows of one token) on CPU, a full-attention cache, every projection
-        an int4 weight in waferline's CPU layout without a bias, computing in x's dtype, norms in x's dtype. None
+        epsilons) when this block can run as that one op for ``x``: at most MLA_FUSED_MAX_ROWS new tokens (a decode
+        step, or a verify's few tokens per row, which go in as rows of one token) on CPU, a full-attention cache, every
+        projection an int4 weight in waferline's CPU layout without a bias, computing in x's dtype, norms in x's dtype. None
         otherwise (the eager chain below, which computes the same numbers). Built once per dtype and reused while every
         module and tensor it was built from is still the one the block holds (checked by identity, as MoE's are):
         looking them up through the modules took ~30 us a layer."""
