@@ -4,8 +4,9 @@
 
 The older revision's ``src/`` is checked out with ``git worktree`` into a temporary directory; each (revision, model,
 dtype/bits, batch) cell runs in its own subprocess with 1 thread (``--threads N``: N threads, timed by the wall
-clock), alternating old/new for ``--rounds`` rounds, and reports the best CPU time per decode step (``time.process_time``: less sensitive to other jobs on a shared machine
-than wall time, though memory-bandwidth contention still shows). The step is one decode forward of B rows
+clock), alternating old/new for ``--rounds`` rounds, and reports the best CPU time per decode step
+(``time.process_time``: less sensitive to other jobs on a shared machine than wall time, though memory-bandwidth
+contention still shows) and the median of the rounds' paired old/new ratios. The step is one decode forward of B rows
 (different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions.
 ``--tokens T``: each step feeds T tokens per row instead, the target forward of a speculative verify (Mamba-2
 layers record each token's state, as for a rollback) followed by the rollback of its last token (Mamba-2 layers
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,7 +98,9 @@ def main() -> int:
     ap.add_argument("--variants", default="bf16:16,bf16:4", help="dtype:weight-bits pairs (default bf16:16,bf16:4)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing block (best of 3 blocks)")
-    ap.add_argument("--rounds", type=int, default=2, help="old/new alternations per cell (best kept)")
+    ap.add_argument("--rounds", type=int, default=2, help="old/new alternations per cell: the best of each side is kept, and the median of the rounds' "
+                         "old/new ratios is reported beside it ('paired': each round's two runs are adjacent in time, so "
+                         "on a machine whose speed drifts it is the steadier of the two)")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: CPU time per step; more: wall time per step, noisier)")
     ap.add_argument("--tokens", type=int, default=1,
@@ -125,17 +129,21 @@ def main() -> int:
                 for variant in args.variants.split(","):
                     dtype, bits = variant.split(":")
                     for b in (int(x) for x in args.batch.split(",")):
-                        old = new = float("inf")
+                        olds, news = [], []
                         for _ in range(args.rounds):
-                            old = min(old, run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens, args.prefill, args.group, args.head_bits))
-                            new = min(new, run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads,
-                                                    args.tokens, args.prefill, args.group, args.head_bits))
+                            olds.append(run_cell(wt / "src", model, dtype, int(bits), b, args.steps, args.threads,
+                                                 args.tokens, args.prefill, args.group, args.head_bits))
+                            news.append(run_cell(ROOT / "src", model, dtype, int(bits), b, args.steps, args.threads,
+                                                 args.tokens, args.prefill, args.group, args.head_bits))
+                        old, new = min(olds), min(news)
+                        paired = statistics.median(o / n for o, n in zip(olds, news))
                         rows.append({"model": model, "dtype": dtype, "weight_bits": int(bits), "batch": b,
                                      "tokens_per_row": args.tokens, "prefill_tokens": args.prefill,
                                      "group": args.group if int(bits) == 4 else None, "head_bits": args.head_bits,
-                                     "old_ms": old, "new_ms": new, "speedup": old / new})
-                        print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x)", file=sys.stderr)
+                                     "old_ms": old, "new_ms": new, "speedup": old / new, "paired_speedup": paired,
+                                     "rounds_old_ms": olds, "rounds_new_ms": news})
+                        print(f"{model} {variant} b{b}: {old:.2f} -> {new:.2f} ms ({old / new:.2f}x; median of the "
+                              f"rounds' ratios {paired:.2f}x)", file=sys.stderr)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(wt)], capture_output=True)
     clock = "CPU ms per step (1 thread)" if args.threads == 1 else f"wall ms per step ({args.threads} threads)"
@@ -143,13 +151,13 @@ def main() -> int:
             "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)")
     t = Table(title=f"{what}, {clock}: {args.rev} vs working tree")
     rate = "new tok/s/row" if args.tokens == 1 and not args.prefill else "new steps/s"
-    for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", rate):
+    for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", "paired", rate):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
     for r in rows:
         name = Path(r["model"]).name if Path(r["model"]).name != "hf" else Path(r["model"]).parent.name  # .cache/<m>/hf
         t.add_row(name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
                   str(r["batch"]), f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}", f"{r['speedup']:.2f}x",
-                  f"{1e3 / r['new_ms']:.0f}")
+                  f"{r['paired_speedup']:.2f}x", f"{1e3 / r['new_ms']:.0f}")
     Console().print(t)
     if args.json:
         Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "tokens_per_row": args.tokens,

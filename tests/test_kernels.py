@@ -772,3 +772,71 @@ def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
     assert moe._fused_args(torch.zeros(MOE_FUSED_MAX_ROWS + 1, moe.hidden_size)) is None
     moe.expert_linear = lambda *a: None  # what quant.hessians installs
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None
+
+
+def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread):
+    """Decode steps and verifies replay the layer ops recorded at the first step of their shape (DecoderModel's
+    _StepPlan) and compute what the layers' module calls compute, bitwise, and the replay follows the model: a forward
+    hook set between steps runs (and the steps stay the same numbers), a weight replaced or changed in place between
+    steps is used at once. sol-mini, int4 groups of 64 (Mamba-2 and MLA layers): one cache set stepped with plans, one
+    with them off (the modules path), the same tokens into both."""
+    import waferline.model.decoder as decoder
+    from waferline.engine.speculative import VerifyRollback
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    model = load_model(SOL_MINI, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=64))
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, 4000, (1, 12), generator=g)
+    toks = torch.randint(3, 4000, (12, 3), generator=g).tolist()
+
+    def step(caches, planned: bool, tokens: list[int], start: int):
+        monkeypatch.setattr(decoder, "_PLAN_MAX_ROWS", 8 if planned else 0)
+        b = StepBatch.make([0], [start], len(tokens))
+        return model.logits(model(torch.tensor([tokens]), caches, b))[0], b
+
+    with torch.inference_mode():
+        sets = {True: model.new_caches(1), False: model.new_caches(1)}
+        for caches in sets.values():
+            model(prompt, caches, StepBatch.make([0], [0], 12))
+        pos, seen, mamba = 12, [], next(l.mixer for l in model.layers if type(l.mixer).__name__ == "Mamba2Mixer")
+        for i, row in enumerate(toks):
+            if i == 2:  # a hook between steps: it runs, as it would without plans
+                handle = model.layers[1].ffn.register_forward_hook(lambda m, a, o: seen.append(i))
+            if i == 4:
+                handle.remove()
+            if i == 6:  # a weight replaced (a new tensor), then one changed in place (its version)
+                norm = model.layers[2].ffn_norm
+                norm.weight = torch.nn.Parameter(norm.weight * 1.5, requires_grad=False)
+            if i == 8:
+                mamba.A_log.mul_(0.5)
+            tokens = row[:1] if i % 3 else row  # one-token steps and 3-token verifies (rewound to 2 tokens)
+            out = {}
+            for planned, caches in sets.items():
+                rb = VerifyRollback(caches, StepBatch.make([0], [pos], len(tokens))) if len(tokens) > 1 else None
+                out[planned], _ = step(caches, planned, tokens, pos)
+                if rb is not None:
+                    rb.done([2])
+            assert torch.equal(out[True], out[False]), i
+            pos += 1 if len(tokens) == 1 else 2
+        assert seen == [2, 2, 3, 3]  # (both cache sets, steps 2 and 3)
+        assert {k[2] for k in model.__dict__["_step_plans"]} == {(1, 1, 256), (1, 3, 256)}  # (what was planned)
+
+
+def test_rotary_rows_from_the_table_are_computed_rows():
+    """A step's rotary rows come from a table kept between steps (Rotary._rows: a view for one row of consecutive
+    positions, a gather otherwise; the table grows past 256 positions by doubling): bitwise what cos_sin computes
+    for those positions, for default and YaRN settings and several rotated widths."""
+    from waferline.model.layers import Rotary
+
+    yarn = {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                                                "mscale": 1.0, "mscale_all_dim": 1.0}}
+    for cfg in ({"rope_theta": 10000.0}, yarn):
+        for dim in (24, 32, 64):
+            r = Rotary(dim, cfg)
+            for slots, start, T in (([0], [5], 1), ([0], [250], 9), ([1, 0, 2], [3, 700, 41], 1), ([0, 1], [1000, 2], 3)):
+                b = StepBatch.make(slots, start, T)
+                got = r.cos_sin(b.positions(), b)
+                want = r.cos_sin(b.positions())
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (dim, start, T)
+            assert r._table[1].shape[0] >= 1003

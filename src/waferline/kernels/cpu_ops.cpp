@@ -1877,13 +1877,31 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   const I4W<S> qa = lora ? i4w<S>(w[0], w[1], groups[0]) : I4W<S>(), qb = i4w<S>(w[2], w[3], groups[1]);
   const I4W<S> kva = i4w<S>(w[4], w[5], groups[2]), ow = i4w<S>(w[6], w[7], groups[3]);
   const int64_t Nqa = qa.N, Nq = qb.N, Nkv = kva.N;
-  std::vector<T> xn(B * D), qa_out(B * Nqa), qa_n(B * Nqa), ckv(B * Nkv), c_in(B * r), c(B * r), q(B * Nq);
-  std::vector<T> rin(B * (H + 1) * p), roped(B * (H + 1) * p), att(B * Hv), o(B * D);
-  std::vector<float> xf(B * std::max({D, Nqa, Hv})), qn(B * H * n), qr(B * H * p), lat(B * end * R), attf(B * Hv);
+  // buffers kept on this thread from call to call: allocating and zeroing them was ~5% of a decode step's layer.
+  // (Named by references: inside the parallel region a thread_local's own name would mean each thread's own copy.)
+  struct Bufs {
+    std::vector<T> xn, qa_out, qa_n, ckv, c_in, c, q, rin, roped, att, o;
+    std::vector<float> xf, qn, qr, lat, attf, qf, ol;
+    I16Rows x_qa, x_kv, x_qb, x_o;
+  };
+  thread_local Bufs bufs;
+  auto &xn = bufs.xn, &qa_out = bufs.qa_out, &qa_n = bufs.qa_n, &ckv = bufs.ckv, &c_in = bufs.c_in, &c = bufs.c;
+  auto &q = bufs.q, &rin = bufs.rin, &roped = bufs.roped, &att = bufs.att, &o = bufs.o;
+  auto &xf = bufs.xf, &qn = bufs.qn, &qr = bufs.qr, &lat = bufs.lat, &attf = bufs.attf, &qf = bufs.qf, &ol = bufs.ol;
+  auto &x_qa = bufs.x_qa, &x_kv = bufs.x_kv, &x_qb = bufs.x_qb, &x_o = bufs.x_o;
   const MlaDims md(B, 1, H, n, p, r, v, end);
-  std::vector<float> qf(md.BT * md.Hp * md.R, 0.f), ol(md.BT * md.Hp * r);
+  for (auto [buf, size] : {std::pair{&xn, B * D}, {&qa_out, B * Nqa}, {&qa_n, B * Nqa}, {&ckv, B * Nkv}, {&c_in, B * r},
+                           {&c, B * r}, {&q, B * Nq}, {&rin, B * (H + 1) * p}, {&roped, B * (H + 1) * p},
+                           {&att, B * Hv}, {&o, B * D}})
+    buf->resize(size);
+  for (auto [buf, size] : {std::pair{&xf, B * std::max({D, Nqa, Hv})}, {&qn, B * H * n}, {&qr, B * H * p},
+                           {&lat, B * end * R}, {&attf, B * Hv}, {&qf, md.BT * md.Hp * md.R}, {&ol, md.BT * md.Hp * r}})
+    buf->resize(size);
+  std::fill(qf.begin(), qf.end(), 0.f);  // (the padding heads' queries must be zero)
   std::unique_ptr<bool[]> blocked(uniform ? nullptr : new bool[B * end]);
-  I16Rows x_qa, x_kv, x_qb, x_o;
+  // the attention's first two products read the same normed x: quantized once when their groups agree
+  const bool shared_x = lora && qa.G == kva.G;
+  const I16Rows& xq_a = shared_x ? x_kv : x_qa;
   T* cp = cache.data_ptr<T>();
   const T* xp = x.data_ptr<T>();
   const T *n1 = mix_norm.data_ptr<T>(), *nq = lora ? qa_norm.data_ptr<T>() : nullptr, *nkv = kva_norm.data_ptr<T>();
@@ -1898,10 +1916,11 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
       rms_rows<T>(xp, n1, xn.data(), B, D, static_cast<float>(mix_eps));
       load_f32<T>(xn.data(), xf.data(), B * D);
       x_kv.set(xf.data(), B, D, kva.G);
-      if (lora) x_qa.set(xf.data(), B, D, qa.G); else x_qb.set(xf.data(), B, D, qb.G);
+      if (lora && !shared_x) x_qa.set(xf.data(), B, D, qa.G);
+      if (!lora) x_qb.set(xf.data(), B, D, qb.G);
     }
     share_tiles({Nqa, Nkv}, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
-      if (j == 0) i4_span<T, S>(x_qa, qa, qa_out.data(), Nqa, n0, n1_);
+      if (j == 0) i4_span<T, S>(xq_a, qa, qa_out.data(), Nqa, n0, n1_);
       else i4_span<T, S>(x_kv, kva, ckv.data(), Nkv, n0, n1_);
     });
 #pragma omp barrier
@@ -1998,47 +2017,80 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   const at::Tensor& idx = std::get<1>(routed);
   const int64_t* ip = idx.data_ptr<int64_t>();
   const float* wp = std::get<0>(routed).data_ptr<float>();
-  // the experts hit, in expert order, then the shared expert: their tokens, weights and buffers
+  // the experts hit, in expert order, then the shared expert: their tokens, weights and buffers (kept on this thread
+  // from call to call, as mla_team's are)
   struct Job {
     I4W<S> gu, dn;
     int64_t I = 0;
     std::vector<int64_t> tok;  // its rows' tokens
     std::vector<float> wt;     // their routing weights
     std::vector<int64_t> row;  // per token, its row here (-1: not routed here)
-    I16Rows x, a;
+    const I16Rows* x = nullptr;  // its input rows: every token's (xq) when it takes them all in order, else xg
+    I16Rows xg, a;
     std::vector<T> hb, ab, y;  // gate_up out [rows, 2I], silu(gate) * up [rows, I], down out [rows, D]
   };
+  struct Bufs {
+    std::vector<Job> pool;
+    std::vector<float> hf;
+    I16Rows xq;  // every token's normed input, quantized once (rows are quantized independently)
+    std::vector<int64_t> gu_rows, task_job, task_row;
+  };
+  thread_local Bufs bufs;  // (named by references, as in mla_team)
+  auto &pool = bufs.pool, &task_job = bufs.task_job, &task_row = bufs.task_row, &gu_rows = bufs.gu_rows;
+  auto& hf = bufs.hf;
+  auto& xq = bufs.xq;
+  size_t njobs = 0;
+  auto add_job = [&](const I4W<S>& gu, const I4W<S>& dn, int64_t I) -> Job& {
+    if (njobs == pool.size()) pool.emplace_back();
+    Job& jb = pool[njobs++];
+    jb.tok.clear(), jb.wt.clear();
+    jb.gu = gu, jb.dn = dn, jb.I = I;
+    return jb;
+  };
   const int64_t E = routing ? moe_w[0].size(0) : 0;
-  const auto pairs = expert_pairs(ip, B * k, E);
-  std::vector<Job> jobs;
-  for (int64_t e = 0; e < E; ++e) {
-    if (pairs[e].empty()) continue;
-    Job jb;
-    for (int64_t pr : pairs[e]) jb.tok.push_back(pr / k), jb.wt.push_back(wp[pr]);
-    jb.gu = i4w<S>(moe_w[0], moe_w[1], group, e), jb.dn = i4w<S>(moe_w[2], moe_w[3], group, e), jb.I = inter;
-    jobs.push_back(std::move(jb));
+  for (int64_t pr = 0; pr < B * k; ++pr)
+    TORCH_CHECK(ip[pr] >= 0 && ip[pr] < E, "waferline::ffn_residual: expert index ", ip[pr], " out of range");
+  for (int64_t e = 0; e < E; ++e) {  // (a scan per expert: B k is at most a few dozen pairs)
+    Job* jb = nullptr;
+    for (int64_t pr = 0; pr < B * k; ++pr) {
+      if (ip[pr] != e) continue;
+      if (jb == nullptr) jb = &add_job(i4w<S>(moe_w[0], moe_w[1], group, e), i4w<S>(moe_w[2], moe_w[3], group, e), inter);
+      jb->tok.push_back(pr / k), jb->wt.push_back(wp[pr]);
+    }
   }
-  const size_t routed_jobs = jobs.size();
+  const size_t routed_jobs = njobs;
   if (shared_inter > 0) {
-    Job jb;
+    Job& jb = add_job(i4w<S>(moe_w[4], moe_w[5], group), i4w<S>(moe_w[6], moe_w[7], group), shared_inter);
     for (int64_t t = 0; t < B; ++t) jb.tok.push_back(t), jb.wt.push_back(1.f);
-    jb.gu = i4w<S>(moe_w[4], moe_w[5], group), jb.dn = i4w<S>(moe_w[6], moe_w[7], group), jb.I = shared_inter;
-    jobs.push_back(std::move(jb));
   }
-  std::vector<float> hf(B * D);
+  Job* jobs = pool.data();
+  hf.resize(B * D);
   load_f32<T>(hn.data_ptr<T>(), hf.data(), B * D);
-  std::vector<int64_t> gu_rows, task_job, task_row;
-  for (size_t j = 0; j < jobs.size(); ++j) {
+  xq.set(hf.data(), B, D, group);
+  gu_rows.clear(), task_job.clear(), task_row.clear();
+  const int64_t ng = D / group;
+  for (size_t j = 0; j < njobs; ++j) {
     Job& jb = jobs[j];
     const int64_t M = static_cast<int64_t>(jb.tok.size());
-    std::vector<float> xs(M * D);
     jb.row.assign(B, -1);
+    bool in_order = M == B;
     for (int64_t m = 0; m < M; ++m) {
-      std::copy(hf.data() + jb.tok[m] * D, hf.data() + (jb.tok[m] + 1) * D, xs.data() + m * D);
       jb.row[jb.tok[m]] = m;
+      in_order = in_order && jb.tok[m] == m;
       task_job.push_back(static_cast<int64_t>(j)), task_row.push_back(m);
     }
-    jb.x.set(xs.data(), M, D, group);
+    if (in_order) {
+      jb.x = &xq;
+    } else {  // its tokens' rows of xq (the numbers quantizing those rows alone gives)
+      jb.xg.resize(M, D, group);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t t = jb.tok[m];
+        std::copy(xq.xq.begin() + t * D, xq.xq.begin() + (t + 1) * D, jb.xg.xq.begin() + m * D);
+        std::copy(xq.sx.begin() + t * ng, xq.sx.begin() + (t + 1) * ng, jb.xg.sx.begin() + m * ng);
+        std::copy(xq.xs.begin() + t * ng, xq.xs.begin() + (t + 1) * ng, jb.xg.xs.begin() + m * ng);
+      }
+      jb.x = &jb.xg;
+    }
     jb.a.resize(M, jb.I, group);
     jb.hb.resize(M * 2 * jb.I), jb.ab.resize(M * jb.I), jb.y.resize(M * D);
     gu_rows.push_back(2 * jb.I);
@@ -2050,12 +2102,12 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     share_tiles(gu_rows, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
-      i4_span<T, S>(jobs[j].x, jobs[j].gu, jobs[j].hb.data(), 2 * jobs[j].I, n0, n1_);
+      i4_span<T, S>(*jobs[j].x, jobs[j].gu, jobs[j].hb.data(), 2 * jobs[j].I, n0, n1_);
     });
 #pragma omp barrier
     {  // silu(gate) * up per row, and that row as the down product's input
       const auto [i0, i1] = share(static_cast<int64_t>(task_job.size()), tid, nth);
-      std::vector<float> af;
+      thread_local std::vector<float> af;  // (each thread's own)
       for (int64_t i = i0; i < i1; ++i) {
         Job& jb = jobs[task_job[i]];
         const int64_t m = task_row[i], I = jb.I;
@@ -2070,7 +2122,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       const auto [t0, t1] = share((D + I16_TILE - 1) / I16_TILE, tid, nth);
       const int64_t d0 = t0 * I16_TILE, d1 = std::min(D, t1 * I16_TILE);
       if (d0 < d1) {
-        for (Job& jb : jobs) i4_span<T, S>(jb.a, jb.dn, jb.y.data(), D, d0, d1);
+        for (size_t j = 0; j < njobs; ++j) i4_span<T, S>(jobs[j].a, jobs[j].dn, jobs[j].y.data(), D, d0, d1);
         for (int64_t t = 0; t < B; ++t) {
           for (int64_t dd = d0; dd < d1; ++dd) {
             float acc = 0.f;
@@ -2079,7 +2131,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
               if (m >= 0) acc += f32(jobs[j].y[m * D + dd]) * jobs[j].wt[m];
             }
             T yv = static_cast<T>(acc);
-            if (routed_jobs < jobs.size()) yv = static_cast<T>(f32(yv) + f32(jobs.back().y[t * D + dd]));
+            if (routed_jobs < njobs) yv = static_cast<T>(f32(yv) + f32(jobs[njobs - 1].y[t * D + dd]));
             op[t * D + dd] = static_cast<T>(f32(hp[t * D + dd]) + f32(yv));
           }
         }
@@ -2535,9 +2587,16 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
   const int64_t H = ssm.size(1), P = ssm.size(2), N = ssm.size(3), Din = H * P;
   const I4W<S> iw = i4w<S>(in_w, in_sz, in_group), ow = i4w<S>(out_w, out_sz, out_group);
   const int64_t F = iw.N;
-  std::vector<T> xn(BT * Dm), zx(BT * F), mixed(BT * Din), o(BT * Dm);
-  std::vector<float> xf(BT * std::max(Dm, Din));
-  I16Rows x_in, x_out;
+  struct Bufs {  // kept on this thread from call to call, named by references (as mla_team's are)
+    std::vector<T> xn, zx, mixed, o;
+    std::vector<float> xf;
+    I16Rows x_in, x_out;
+  };
+  thread_local Bufs bufs;
+  auto &xn = bufs.xn, &zx = bufs.zx, &mixed = bufs.mixed, &o = bufs.o;
+  auto& xf = bufs.xf;
+  auto &x_in = bufs.x_in, &x_out = bufs.x_out;
+  xn.resize(BT * Dm), zx.resize(BT * F), mixed.resize(BT * Din), o.resize(BT * Dm), xf.resize(BT * std::max(Dm, Din));
   const T* xp = x.data_ptr<T>();
   const T* n1 = mix_norm.data_ptr<T>();
   const int nt = std::max(1, at::get_num_threads());

@@ -323,15 +323,23 @@ class MLAttention(nn.Module):
         fused = self._int4_block(x, cache)
         if fused is None:
             return None
+        cos, sin, data, slots, start = self.step_dynamic(cache, batch)
+        w_uk, w_uv = self.absorbed()
+        w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
+        return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, data, slots, start, w_uk,
+                w_uv, self.scale)
+
+    STEP_DYNAMIC = (6, 7, 9, 10, 11)  # where step_args' per-step values (step_dynamic's, in order) sit
+
+    def step_dynamic(self, cache: TokenCache, batch: StepBatch) -> tuple:
+        """The arguments of :meth:`step_args` that change from step to step (the rest are the weights): the rotary
+        rows, the cache tensor (grown to the step's end first) and the rows' slots and positions."""
         rows = batch.rows()
         end = rows.end
         if end > cache.capacity:
             cache._grow(end)
         cos, sin = self.rotary.cos_sin(rows.positions(), rows)
-        w_uk, w_uv = self.absorbed()
-        w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
-        return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, cache.data, rows.slots,
-                rows.start, w_uk, w_uv, self.scale)
+        return cos, sin, cache.data, rows.slots, rows.start
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec

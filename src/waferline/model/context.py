@@ -35,8 +35,9 @@ class StepBatch:
     def positions(self) -> torch.Tensor:
         """Absolute positions of the new tokens, int64 [B, T]."""
         pos = self.memo.get("pos")
-        if pos is None:
-            pos = self.memo["pos"] = self.start[:, None] + torch.arange(self.T, device=self.start.device)[None, :]
+        if pos is None:  # (a decode step's: a view of start, no op)
+            pos = self.memo["pos"] = (self.start[:, None] if self.T == 1 else
+                                      self.start[:, None] + torch.arange(self.T, device=self.start.device)[None, :])
         return pos
 
     @property

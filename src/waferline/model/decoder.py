@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,7 +69,10 @@ class DecoderLayer(nn.Module):
         return self.mixer.new_cache(num_slots, device) if self.mixer is not None else None
 
     def forward(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> torch.Tensor:
-        fused = self._fused_step(x, cache, batch)
+        return self._run(x, cache, batch, self._fused_step(x, cache, batch))
+
+    def _run(self, x: torch.Tensor, cache: Any, batch: StepBatch, fused: tuple[str, tuple] | None) -> torch.Tensor:
+        """The layer's step, given what :meth:`_fused_step` returned for it."""
         if fused is not None:
             whole, args = fused
             if whole:  # the whole layer as one op (waferline::mla_moe_layer or mamba_ffn_layer)
@@ -121,6 +126,102 @@ class DecoderLayer(nn.Module):
 
 
 _WHOLE_LAYER_OPS = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}  # the mixers a layer op takes
+_PLAN_MAX_ROWS = 8  # steps of at most this many token rows (decode steps, verifies) replay a _StepPlan
+
+
+class _StepPlan:
+    """A decode step's (or verify's) layer calls, kept from one step to the next when every layer ran as one
+    whole-layer op: each layer's op and its arguments, of which only the mixer's per-step values (``step_dynamic``:
+    rotary rows, cache tensors, slots, positions) are looked up again. A step then runs the ops back to back instead
+    of each layer's module call and ``_fused_step`` (~35-45 us a layer in a decode step on a 2-core CPU, where the
+    Python runs with cold caches between ~200 us ops). The plan holds for steps of the same shape, dtype and caches
+    while every tensor and module the arguments were built from is still the one its owner holds (checked by
+    identity, as kept_args does: quantizing, ``.to()`` or loading rebuild it), no forward hook is set anywhere on the
+    path (a hook needs the module calls) and the Mamba-2 caches keep (or not) their verify trail as when it was
+    recorded. Anything else runs the layers as modules. The same ops on the same arguments: the same numbers."""
+
+    def __init__(self, key: tuple, caches: list[Any]):
+        self.key = key
+        self.caches = [weakref.ref(c) for c in caches]
+        self.trails = tuple(getattr(c, "keep_trail", None) for c in caches)
+        self.layers: list[tuple] = []  # (op name, argument list, dynamic positions, mixer)
+        self.hooks: list[dict] = [_global_hooks.forward, _global_hooks.pre]
+        self.dicts: list[dict] = []
+        self.keys: list[str] = []
+        self.values: list[Any] = []
+        self.consts: list[tuple] = []  # (Mamba-2 mixer, its derived constants)
+
+    def _dep(self, d: dict, key: str) -> None:
+        self.dicts.append(d), self.keys.append(key), self.values.append(d.get(key))
+
+    @staticmethod
+    def key_of(x: torch.Tensor) -> tuple:
+        return x.dtype, x.device, tuple(x.shape), kernels.available()
+
+    @classmethod
+    def record(cls, model: "DecoderModel", x: torch.Tensor, caches: list[Any], batch: StepBatch):
+        """Run the layers as modules (what forward_layers does) and return (output, a plan of this step or None)."""
+        plan: _StepPlan | None = None
+        if (x.is_contiguous() and not (_global_hooks.forward or _global_hooks.pre)
+                and all(c is not None for c in caches)):
+            plan = cls(cls.key_of(x), caches)
+        for layer, cache in zip(model.layers, caches):
+            if plan is None or type(layer) is not DecoderLayer or layer._forward_hooks or layer._forward_pre_hooks:
+                plan = None
+                x = layer(x, cache, batch)
+                continue
+            fused = layer._fused_step(x, cache, batch)
+            if fused is not None and fused[0]:
+                plan.add(layer, *fused)
+            else:
+                plan = None
+            x = layer._run(x, cache, batch, fused)  # (what layer(x, cache, batch) runs: it has no hooks)
+        return x, plan
+
+    def add(self, layer: DecoderLayer, whole: str, args: tuple) -> None:
+        mods = layer._modules
+        mix, ffn = mods["mixer"], mods["ffn"]
+        for name in ("mixer", "ffn", "mixer_norm", "ffn_norm"):
+            self._dep(mods, name)
+        for norm in (mods["mixer_norm"], mods["ffn_norm"]):
+            self._dep(norm._parameters, "weight")
+        for owner, slot in ((ffn, "_residual_cache"), (mix, "_int4_cache")):
+            c = owner.__dict__[slot]  # kept_args' (dtype, dicts, keys, values, args): its deps, and itself
+            self.dicts += c[1]
+            self.keys += c[2]
+            self.values += c[3]
+            self._dep(owner.__dict__, slot)
+        for key in ("gather_on_cpu", "expert_linear"):
+            self._dep(ffn.__dict__, key)
+        if isinstance(mix, MLAttention):
+            self._dep(mix.__dict__, "_absorbed")
+        else:
+            for key in ("conv_weight", "conv_bias"):
+                self._dep(mix._parameters, key)
+            self.consts.append((mix, mix._consts()))
+        for m in (layer, mix, ffn, mods["mixer_norm"], mods["ffn_norm"]):
+            self.hooks += m._forward_hooks, m._forward_pre_hooks
+        dyn = tuple(2 + i for i in mix.STEP_DYNAMIC)  # (after the mixer norm's weight and epsilon)
+        self.layers.append((whole, list(args), dyn, mix))
+
+    def valid(self, x: torch.Tensor, caches: list[Any]) -> bool:
+        return (len(caches) == len(self.caches) and x.is_contiguous()
+                and all(map(operator.is_, (r() for r in self.caches), caches))
+                and self.trails == tuple(getattr(c, "keep_trail", None) for c in caches)
+                and not any(map(len, self.hooks))
+                and all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.values))
+                and all(m._consts() is c for m, c in self.consts))
+
+    def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
+        ops = torch.ops.waferline
+        for (whole, args, dyn, mix), cache in zip(self.layers, caches):
+            for i, v in zip(dyn, mix.step_dynamic(cache, batch)):
+                args[i] = v
+            out = getattr(ops, whole)(x, *args)  # (looked up each step, as DecoderLayer does: it can be wrapped)
+            if len(out) > 2:
+                mix.keep_record(cache, batch.slots, out[2:])
+            x = out[0]
+        return x
 LABEL_ONLY = "_waferline_label_only"  # set on a hook that only marks which part runs (e.g. the twin's op counter)
 
 
@@ -279,6 +380,14 @@ class DecoderModel(nn.Module):
         return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def forward_layers(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
+        if len(self.layers) and x.shape[0] * x.shape[1] <= _PLAN_MAX_ROWS:  # a decode step or a verify
+            plans = self.__dict__.setdefault("_step_plans", {})  # one per step shape (a verify's width varies)
+            key = _StepPlan.key_of(x)
+            plan = plans.get(key)
+            if plan is not None and plan.valid(x, caches):
+                return plan.run(x, caches, batch)
+            x, plans[key] = _StepPlan.record(self, x, caches, batch)
+            return x
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cache, batch)
         return x

@@ -216,13 +216,31 @@ class Rotary(nn.Module):
             key = ("rope", self.key)
             hit = batch.memo.get(key)
             if hit is None:
-                hit = batch.memo[key] = self.cos_sin(positions)
+                hit = batch.memo[key] = self._rows(positions, batch)
             return hit
         ang = positions.float()[..., None] * self.inv_freq
         cos, sin = ang.cos(), ang.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+    def _rows(self, positions: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos_sin(positions)`` for a step's positions, as rows of a table of positions 0..n-1 kept between steps
+        (grown by doubling): a view when one row's positions are consecutive, else one gather per table. The same
+        numbers (the table is computed by the same ops; elementwise, they do not depend on the shape). Computing
+        the few rows afresh each step took ~8 small ops (~30-60 us a decode step on a 2-core CPU)."""
+        end = batch.end if batch.host_start is not None else int(positions.max()) + 1
+        tab = self.__dict__.get("_table")
+        if tab is None or tab[0] is not self.inv_freq or tab[1].shape[0] < end:
+            size = max(end, 2 * tab[1].shape[0] if tab is not None and tab[0] is self.inv_freq else 256)
+            cos, sin = self.cos_sin(torch.arange(size, device=self.inv_freq.device))
+            tab = self.__dict__["_table"] = (self.inv_freq, cos, sin)
+        _, cos, sin = tab
+        if batch.host_start is not None and len(batch.host_start) == 1 and positions.shape == (1, batch.T):
+            s = batch.host_start[0]
+            return cos[s: s + batch.T][None], sin[s: s + batch.T][None]
+        flat = positions.reshape(-1).to(cos.device)
+        return cos.index_select(0, flat).view(*positions.shape, -1), sin.index_select(0, flat).view(*positions.shape, -1)
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first ``dim`` channels of x [B, T, H, *] (cos/sin from :meth:`cos_sin`); the rest pass through.

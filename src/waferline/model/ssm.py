@@ -291,11 +291,21 @@ class Mamba2Mixer(nn.Module):
         A, _, norm, dtb, D = self._consts()
         lo, hi = self.time_step_limit
         conv_b = self._parameters.get("conv_bias")
+        conv, slots, ssm, prev = self.step_dynamic(cache, batch)
+        return (*w[:3], conv, slots, self._parameters["conv_weight"], _NO_TRAIL if conv_b is None else conv_b,
+                dtb, A, D, norm, ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
+                lo, hi, *w[3:], prev, record)
+
+    STEP_DYNAMIC = (3, 4, 11, 20)  # where step_args' per-step values (step_dynamic's, in order) sit
+
+    @staticmethod
+    def step_dynamic(cache: Mamba2Cache, batch: StepBatch) -> tuple:
+        """The arguments of :meth:`step_args` that change from step to step (the rest are the weights): the conv and
+        SSM states, the rows' slots and, for a verify (T > 1), the state buffer its record starts from."""
+        record = batch.T > 1
         if record and cache.ssm_prev is None:
             cache.ssm_prev = torch.empty_like(cache.ssm)
-        return (*w[:3], cache.conv, batch.slots, self._parameters["conv_weight"], _NO_TRAIL if conv_b is None else conv_b,
-                dtb, A, D, norm, cache.ssm, self.G, self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp,
-                lo, hi, *w[3:], cache.ssm_prev if record else _NO_TRAIL, record)
+        return cache.conv, batch.slots, cache.ssm, cache.ssm_prev if record else _NO_TRAIL
 
     @staticmethod
     def keep_record(cache: Mamba2Cache, slots: Tensor, rec: list[Tensor]) -> None:
