@@ -493,7 +493,7 @@ def _counting_layer_ops(monkeypatch, seen: list) -> None:
     monkeypatch.setattr(OpCounter, "_record", spy)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2", "qwen3_moe", "sol-mini"])
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v3-8heads", "deepseek_v2", "qwen3_moe", "sol-mini"])
 @pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2)])
 def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
     """A layer's step as one op against DecoderLayer's modules (norms, mixer, FFN blocks, residual adds): bitwise the
@@ -503,7 +503,8 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS tokens, prefills that short too); waferline::ffn_residual the FFN half of the
     other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
-    mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
+    mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2 threads
+    a one-row step's attention and W_UV passes run without a barrier between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
     label-only."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
@@ -514,7 +515,9 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     if model_type == "sol-mini":
         tmp_path = SOL_MINI
     else:
-        extra = {"q_lora_rank": 64} if model_type == "deepseek_v3" else {}
+        extra = {"q_lora_rank": 64} if model_type.startswith("deepseek_v3") else {}
+        if model_type == "deepseek_v3-8heads":  # two head blocks: at 2 threads a batch-1 step skips a barrier
+            model_type, extra["num_attention_heads"] = "deepseek_v3", 8
         build(model_type, tmp_path, moe_intermediate_size=64, **extra)  # every routed product's K a multiple of 64
     model = load_model(tmp_path, torch.bfloat16)
     quantize_model(model, QuantOptions(group_size=group))

@@ -1963,8 +1963,7 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
       for (int64_t i = i0; i < i1; ++i)
         load_f32<T>(cp + (sp[i / end] * cap + i % end) * R, lat.data() + i * R, R);
     }
-#pragma omp barrier
-    {
+    {  // (no barrier between: W_UK into the queries does not read the keys)
       const auto [h0, h1] = share(H, tid, nth);
       if (wbf) mla_absorb(md, qn.data(), qr.data(), w_uk.data_ptr<c10::BFloat16>(), qf.data(), h0, h1);
       else mla_absorb(md, qn.data(), qr.data(), w_uk.data_ptr<float>(), qf.data(), h0, h1);
@@ -1974,7 +1973,17 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
       const auto [i0, i1] = share(md.BT * md.blocks(), tid, nth);
       mla_attend_blocks(md, qf.data(), lat.data(), blocked.get(), static_cast<float>(scale), ol.data(), i0, i1);
     }
+    // one row (a batch-1 decode step) whose head blocks split over the threads as its heads do: each thread's W_UV
+    // pass reads only what its own attention pass wrote, so it needs no barrier (the same for every thread)
+    bool own_heads = md.BT == 1;
+    for (int t = 0; t < nth && own_heads; ++t) {
+      const auto [h0, h1] = share(H, t, nth);
+      const auto [b0, b1] = share(md.blocks(), t, nth);
+      own_heads = h0 == std::min(H, b0 * MLA_HEADS) && h1 == std::min(H, b1 * MLA_HEADS);
+    }
+    if (!own_heads) {
 #pragma omp barrier
+    }
     {
       const auto [h0, h1] = share(H, tid, nth);
       if (wbf) mla_unabsorb(md, ol.data(), w_uv.data_ptr<c10::BFloat16>(), attf.data(), h0, h1);
