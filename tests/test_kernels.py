@@ -843,3 +843,27 @@ def test_rotary_rows_from_the_table_are_computed_rows():
                 want = r.cos_sin(b.positions())
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), (dim, start, T)
             assert r._table[1].shape[0] >= 1003
+
+
+def test_argmax_rows_is_torch_argmax():
+    """waferline::argmax_rows (greedy sampling's argmax) returns torch.argmax's indices: the first of tied largest
+    values, a NaN first, -inf rows, vocabularies that are not a multiple of the vector width, batches of rows."""
+    from waferline.engine.sampling import greedy
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randn(1, 32000, generator=g), torch.randn(5, 1003, generator=g), torch.randn(7, generator=g),
+             torch.full((2, 33), float("-inf")), torch.tensor([[0.0, -0.0, 0.0], [-0.0, 0.0, 1.0]])]
+    tied = torch.randn(3, 100, generator=g)
+    tied[:, 17] = tied[:, 61] = tied[:, 99] = 10.0
+    cases.append(tied)
+    nan = torch.randn(4, 50, generator=g)
+    nan[0, 3] = nan[0, 40] = float("nan")
+    nan[1, 49] = float("nan")
+    nan[2, 9] = float("inf")
+    cases.append(nan)
+    for x in cases:
+        want = x.argmax(-1)
+        assert torch.equal(torch.ops.waferline.argmax_rows(x), want), x.shape
+        assert greedy(x) == want.tolist()
+    xb = torch.randn(2, 9, generator=g).to(torch.bfloat16)  # other dtypes: torch.argmax itself
+    assert greedy(xb) == xb.argmax(-1).tolist()

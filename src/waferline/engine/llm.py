@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.engine.sampling import SamplingParams, make_generator, sample, greedy as greedy_tokens
 from waferline.errors import ConfigError, RequestError
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model
@@ -224,7 +224,7 @@ class LLM:
         lengths = [len(p) for p in ids]
         rows = list(range(B))  # logits row i belongs to sequence rows[i]
         while True:
-            greedy = logits.argmax(-1).tolist() if params.temperature == 0 else None  # one op for the whole batch
+            greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
             for i, b in enumerate(rows):
                 tok = greedy[i] if greedy is not None else sample(logits[i], params, gens[b])
                 out[b].append(tok)

@@ -66,7 +66,7 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, target_probs
+from waferline.engine.sampling import SamplingParams, greedy, target_probs
 from waferline.errors import ConfigError
 from waferline.model.attention import TokenCache
 from waferline.model.context import StepBatch
@@ -78,7 +78,7 @@ from waferline.model.ssm import Mamba2Cache
 def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
     """Greedy verify of one row. ``target_logits`` [k+1, V]: the target's logits at the last accepted token and at each
     of the k drafts. Returns the tokens to emit: the accepted drafts then the target's own next token (1..k+1 tokens)."""
-    best = target_logits[: len(draft) + 1].argmax(-1).tolist()
+    best = greedy(target_logits[: len(draft) + 1])
     out: list[int] = []
     for i, d in enumerate(draft):
         if best[i] != d:
@@ -138,7 +138,7 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list
     end), row b's drafts and drafter probabilities. Returns, per row, the tokens to emit (the variable-width feedback
     a pipeline's last stage sends back; ``len(out[b])`` is also the ``keep`` its caches roll back to)."""
     if params.temperature == 0 and not any(drafts):  # a plain greedy step: one argmax for the whole batch
-        return [[t] for t in logits[:, 0].argmax(-1).tolist()]
+        return [[t] for t in greedy(logits[:, 0])]
     return [verify(logits[b], d, q, params, g) for b, (d, q, g) in enumerate(zip(drafts, draft_probs, gens))]
 
 
@@ -319,7 +319,7 @@ class NgramDrafter:
 def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> tuple[int, torch.Tensor | None]:
     """The drafter's token from its logits [V] and, when sampling, the distribution it came from."""
     if params.temperature == 0:
-        return int(logits.argmax()), None
+        return greedy(logits.reshape(-1)), None
     q = target_probs(logits, params)
     return int(torch.multinomial(q, 1, generator=gen)), q
 
