@@ -867,3 +867,25 @@ def test_argmax_rows_is_torch_argmax():
         assert greedy(x) == want.tolist()
     xb = torch.randn(2, 9, generator=g).to(torch.bfloat16)  # other dtypes: torch.argmax itself
     assert greedy(xb) == xb.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int4_one_row_is_a_row_of_two(threads, one_thread):
+    """A batch-1 product (the integer kernel runs weight rows two at a time for it: int4_pairs_i16) computes every
+    output exactly as the two-row kernel computes that row, bitwise, for odd and even weight-row counts, groups of 64
+    and 128, symmetric and asymmetric weights; and both are within bf16 rounding of the dequantized fp32 product."""
+    from waferline.model.quant import Int4Weight, rtn_quantize
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(4)
+    for N in (1, 17, 41, 64):
+        for K, G in ((128, 64), (512, 128), (192, 64)):
+            for sym in (True, False):
+                t = rtn_quantize(torch.randn(N, K, generator=g), G, symmetric=sym)
+                q = Int4Weight(t, compute_dtype=torch.bfloat16)
+                x = torch.randn(2, K, generator=g).to(torch.bfloat16)
+                one = torch.ops.waferline.int4_linear(x[:1], q.packed, q.scales_zeros, G)
+                two = torch.ops.waferline.int4_linear(x, q.packed, q.scales_zeros, G)
+                assert torch.equal(one[0], two[0]), (N, K, G, sym)
+                ref = x[:1].float() @ t.dequantize().t()
+                assert torch.allclose(one.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item()), (N, K, G)
