@@ -1986,8 +1986,9 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   const I4W<S> qa = lora ? i4w<S>(w[0], w[1], groups[0]) : I4W<S>(), qb = i4w<S>(w[2], w[3], groups[1]);
   const I4W<S> kva = i4w<S>(w[4], w[5], groups[2]), ow = i4w<S>(w[6], w[7], groups[3]);
   const int64_t Nqa = qa.N, Nq = qb.N, Nkv = kva.N;
-  // buffers kept on this thread from call to call: allocating and zeroing them was ~5% of a decode step's layer.
-  // (Named by references: inside the parallel region a thread_local's own name would mean each thread's own copy.)
+  // buffers kept on this thread from call to call (they keep their largest size: the next step needs about as much):
+  // allocating and zeroing them per call was ~5% of a layer op's perf samples (malloc, free, memset). (Named by
+  // references: inside the parallel region a thread_local's own name would mean each thread's own copy.)
   struct Bufs {
     std::vector<T> xn, qa_out, qa_n, ckv, c_in, c, q, rin, roped, att, o;
     std::vector<float> xf, qn, qr, lat, attf, qf, ol;

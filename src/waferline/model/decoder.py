@@ -202,7 +202,7 @@ class _StepPlan:
         for m in (layer, mix, ffn, mods["mixer_norm"], mods["ffn_norm"]):
             self.hooks += m._forward_hooks, m._forward_pre_hooks
         dyn = tuple(2 + i for i in mix.STEP_DYNAMIC)  # (after the mixer norm's weight and epsilon)
-        self.layers.append((whole, list(args), dyn, mix))
+        self.layers.append((whole, [None if i in dyn else a for i, a in enumerate(args)], dyn, mix))
 
     def valid(self, x: torch.Tensor, caches: list[Any]) -> bool:
         return (len(caches) == len(self.caches) and x.is_contiguous()
@@ -218,10 +218,14 @@ class _StepPlan:
             for i, v in zip(dyn, mix.step_dynamic(cache, batch)):
                 args[i] = v
             out = getattr(ops, whole)(x, *args)  # (looked up each step, as DecoderLayer does: it can be wrapped)
+            for i in dyn:  # (the plan holds no cache tensor between steps: a finished request's caches can go)
+                args[i] = None
             if len(out) > 2:
                 mix.keep_record(cache, batch.slots, out[2:])
             x = out[0]
         return x
+
+
 LABEL_ONLY = "_waferline_label_only"  # set on a hook that only marks which part runs (e.g. the twin's op counter)
 
 
