@@ -1,6 +1,7 @@
 """What a change to the decode step bought: an older revision of waferline against the working tree, same run.
 
     python benchmarks/decode_ab.py --rev fd94d52 --model models/sol-mini --model DIR ... [--batch 1,8] [--json PATH]
+    python benchmarks/decode_ab.py --rev fd94d52 --ops int4:1024x512,int8:32000x512,argmax:32000   # single operators
 
 The older revision's ``src/`` is checked out with ``git worktree`` into a temporary directory; each (revision, model,
 dtype/bits, batch) cell runs in its own subprocess with 1 thread (``--threads N``: N threads, timed by the wall
@@ -80,6 +81,53 @@ print(json.dumps({"ms_per_step": best * 1e3}))
 """
 
 
+OP = r"""
+import json, sys, time, torch
+from waferline import kernels
+from waferline.model.quant import Int4Weight, rtn_quantize
+kind, shape, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.set_num_threads(threads)
+assert kernels.available()
+torch.manual_seed(0)
+dims = [int(v) for v in shape.split("x")]
+if kind == "int4":  # one row (a batch-1 decode step) through an N x K int4 weight, groups of 128, bf16 activations
+    N, K = dims
+    q = Int4Weight(rtn_quantize(torch.randn(N, K), 128, symmetric=False), compute_dtype=torch.bfloat16)
+    x = torch.randn(1, K).to(torch.bfloat16)
+    f = lambda: torch.ops.waferline.int4_linear(x, q.packed, q.scales_zeros, 128)
+elif kind == "int8":  # one row through an N x K int8 weight (the LM head's kernel)
+    N, K = dims
+    w, sc = torch.randint(-127, 128, (N, K), dtype=torch.int8), (torch.rand(N) * 0.01).to(torch.bfloat16)
+    x = torch.randn(1, K).to(torch.bfloat16)
+    f = lambda: torch.ops.waferline.int8_linear(x, w, sc)
+elif kind == "argmax":  # greedy sampling over V logits
+    logits = torch.randn(1, dims[0])
+    from waferline.engine.sampling import SamplingParams, sample
+    f = lambda: sample(logits[0], SamplingParams(temperature=0.0), None)
+else:
+    raise SystemExit(f"unknown op kind {kind!r} (int4, int8, argmax)")
+for _ in range(50):
+    f()
+n = 200
+best = float("inf")
+for _ in range(15):
+    t = time.perf_counter()
+    for _ in range(n):
+        f()
+    best = min(best, (time.perf_counter() - t) / n)
+print(json.dumps({"us_per_call": best * 1e6}))
+"""
+
+
+def run_op(src: Path, kind: str, shape: str, threads: int) -> float:
+    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
+    out = subprocess.run([sys.executable, "-c", OP, kind, shape, str(threads)], env=env, capture_output=True, text=True,
+                         timeout=900)
+    if out.returncode != 0:
+        raise RuntimeError(f"{src}: {kind} {shape} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["us_per_call"]
+
+
 def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1,
              tokens: int = 1, prefill: int = 0, group: int = 128, head_bits: int = 16) -> float:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
@@ -94,7 +142,11 @@ def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: in
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rev", required=True, help="the older revision to compare against (e.g. a commit before the change)")
-    ap.add_argument("--model", action="append", required=True, help="checkpoint directory (repeatable)")
+    ap.add_argument("--model", action="append", default=[], help="checkpoint directory (repeatable)")
+    ap.add_argument("--ops", default="", metavar="KIND:SHAPE,...",
+                    help="time single operators instead of decode steps, e.g. int4:1024x512,int8:32000x512,argmax:32000 "
+                         "(int4 / int8: one row through an N x K weight; argmax: greedy sampling over V logits); "
+                         "microseconds per call, best of 15 blocks of 200 calls")
     ap.add_argument("--variants", default="bf16:16,bf16:4", help="dtype:weight-bits pairs (default bf16:16,bf16:4)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
     ap.add_argument("--steps", type=int, default=20, help="decode steps per timing block (best of 3 blocks)")
@@ -116,6 +168,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.prefill < 0 or args.tokens < 1:
         ap.error("--prefill must be >= 0 and --tokens >= 1")
+    if not args.model and not args.ops:
+        ap.error("give --model (decode steps) or --ops (single operators)")
+    ops = [tuple(o.split(":", 1)) for o in args.ops.split(",") if o]
+    if any(len(o) != 2 for o in ops):
+        ap.error("--ops takes KIND:SHAPE items, e.g. int4:1024x512")
     from rich.console import Console
     from rich.table import Table
 
@@ -125,6 +182,17 @@ def main() -> int:
                        capture_output=True)
         try:
             rows = []
+            for kind, shape in ops:
+                olds, news = [], []
+                for _ in range(args.rounds):
+                    olds.append(run_op(wt / "src", kind, shape, args.threads))
+                    news.append(run_op(ROOT / "src", kind, shape, args.threads))
+                paired = statistics.median(o / n for o, n in zip(olds, news))
+                rows.append({"op": kind, "shape": shape, "old_us": min(olds), "new_us": min(news),
+                             "speedup": min(olds) / min(news), "paired_speedup": paired, "rounds_old_us": olds,
+                             "rounds_new_us": news})
+                print(f"{kind} {shape}: {min(olds):.1f} -> {min(news):.1f} us ({min(olds) / min(news):.2f}x; median of "
+                      f"the rounds' ratios {paired:.2f}x)", file=sys.stderr)
             for model in args.model:
                 for variant in args.variants.split(","):
                     dtype, bits = variant.split(":")
@@ -149,16 +217,26 @@ def main() -> int:
     clock = "CPU ms per step (1 thread)" if args.threads == 1 else f"wall ms per step ({args.threads} threads)"
     what = (f"prefill forward ({args.prefill} tokens per row)" if args.prefill else
             "decode step" if args.tokens == 1 else f"verify-shaped step ({args.tokens} tokens per row)")
+    if ops:
+        t = Table(title=f"single operators, us per call ({args.threads} thread(s)): {args.rev} vs working tree")
+        for c in ("op", "shape", "old us", "new us", "speed-up", "paired"):
+            t.add_column(c, justify="left" if c == "op" else "right")
+        for r in rows:
+            if "op" in r:
+                t.add_row(r["op"], r["shape"], f"{r['old_us']:.1f}", f"{r['new_us']:.1f}", f"{r['speedup']:.2f}x",
+                          f"{r['paired_speedup']:.2f}x")
+        Console().print(t)
     t = Table(title=f"{what}, {clock}: {args.rev} vs working tree")
     rate = "new tok/s/row" if args.tokens == 1 and not args.prefill else "new steps/s"
     for c in ("model", "dtype", "weights", "batch", "old ms", "new ms", "speed-up", "paired", rate):
         t.add_column(c, justify="right" if c not in ("model",) else "left")
-    for r in rows:
+    for r in (r for r in rows if "model" in r):
         name = Path(r["model"]).name if Path(r["model"]).name != "hf" else Path(r["model"]).parent.name  # .cache/<m>/hf
         t.add_row(name, r["dtype"], f"int{r['weight_bits']}" if r["weight_bits"] == 4 else "16-bit",
                   str(r["batch"]), f"{r['old_ms']:.2f}", f"{r['new_ms']:.2f}", f"{r['speedup']:.2f}x",
                   f"{r['paired_speedup']:.2f}x", f"{1e3 / r['new_ms']:.0f}")
-    Console().print(t)
+    if args.model:
+        Console().print(t)
     if args.json:
         Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "tokens_per_row": args.tokens,
                                                "prefill_tokens": args.prefill,
