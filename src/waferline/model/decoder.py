@@ -162,19 +162,20 @@ class _StepPlan:
     def record(cls, model: "DecoderModel", x: torch.Tensor, caches: list[Any], batch: StepBatch):
         """Run the layers as modules (what forward_layers does) and return (output, a plan of this step or None)."""
         plan: _StepPlan | None = None
-        if (x.is_contiguous() and not (_global_hooks.forward or _global_hooks.pre)
-                and all(c is not None for c in caches)):
-            plan = cls(cls.key_of(x), caches)
+        ok = (x.is_contiguous() and not (_global_hooks.forward or _global_hooks.pre)
+              and all(c is not None for c in caches))
         for layer, cache in zip(model.layers, caches):
-            if plan is None or type(layer) is not DecoderLayer or layer._forward_hooks or layer._forward_pre_hooks:
-                plan = None
+            if not ok or type(layer) is not DecoderLayer or layer._forward_hooks or layer._forward_pre_hooks:
+                ok, plan = False, None
                 x = layer(x, cache, batch)
                 continue
             fused = layer._fused_step(x, cache, batch)
             if fused is not None and fused[0]:
+                if plan is None:  # (built at the first layer op: a model whose layers are not ops builds none)
+                    plan = cls(cls.key_of(x), caches)
                 plan.add(layer, *fused)
             else:
-                plan = None
+                ok, plan = False, None
             x = layer._run(x, cache, batch, fused)  # (what layer(x, cache, batch) runs: it has no hooks)
         return x, plan
 
