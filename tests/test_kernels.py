@@ -777,13 +777,19 @@ def test_moe_ffn_falls_back_where_it_does_not_apply(tmp_path):
     assert moe._fused_weights(torch.zeros(1, moe.hidden_size)) is None
 
 
-def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread):
+@pytest.mark.parametrize("program", [True, False], ids=["program", "python-replay"])
+def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread, program):
     """Decode steps and verifies replay the layer ops recorded at the first step of their shape (DecoderModel's
     _StepPlan) and compute what the layers' module calls compute, bitwise, and the replay follows the model: a forward
     hook set between steps runs (and the steps stay the same numbers), a weight replaced or changed in place between
     steps is used at once. sol-mini, int4 groups of 64 (Mamba-2 and MLA layers): one cache set stepped with plans, one
-    with them off (the modules path), the same tokens into both."""
+    with them off (the modules path), the same tokens into both. The replay runs through the plan's StepProgram (the
+    ops called from C++; the Mamba-2 verifies' records come back through it) or op by op from Python."""
     import waferline.model.decoder as decoder
+
+    monkeypatch.setattr(decoder, "_USE_PROGRAM", program)
+    programs, built = [], decoder._StepPlan.program  # (what each replay ran through)
+    monkeypatch.setattr(decoder._StepPlan, "program", lambda plan: programs.append(built(plan)) or programs[-1])
     from waferline.engine.speculative import VerifyRollback
     from waferline.model.quant import QuantOptions, quantize_model
 
@@ -791,7 +797,7 @@ def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread):
     quantize_model(model, QuantOptions(group_size=64))
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, 4000, (1, 12), generator=g)
-    toks = torch.randint(3, 4000, (12, 3), generator=g).tolist()
+    toks = torch.randint(3, 4000, (18, 3), generator=g).tolist()  # (the last 8 steps: replays of both shapes)
 
     def step(caches, planned: bool, tokens: list[int], start: int):
         monkeypatch.setattr(decoder, "_PLAN_MAX_ROWS", 8 if planned else 0)
@@ -824,6 +830,8 @@ def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread):
             pos += 1 if len(tokens) == 1 else 2
         assert seen == [2, 2, 3, 3]  # (both cache sets, steps 2 and 3)
         assert {k[2] for k in model.__dict__["_step_plans"]} == {(1, 1, 256), (1, 3, 256)}  # (what was planned)
+        assert len(programs) >= 8 if program else not programs  # (replays, each through a built program)
+        assert all(p is not None for p in programs)
 
 
 def test_rotary_rows_from_the_table_are_computed_rows():

@@ -16,6 +16,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
@@ -2828,9 +2829,97 @@ std::vector<at::Tensor> mamba_ffn_layer(
   return ret;
 }
 
+// ---------------------------------------------------------------- a decode step's layer ops, replayed from C++
+// DecoderModel's step plan (decoder.py, _StepPlan) keeps a step's whole-layer ops (mla_moe_layer, mamba_ffn_layer)
+// and their arguments from one step to the next; this holds those arguments here, as the dispatcher's values, and
+// runs the ops back to back, each through the dispatcher (callBoxed: what a Python call of the op reaches after its
+// arguments are converted, so a dispatch mode, the profiler and the ops' own checks see every op as before). Per step
+// only the mixers' per-step tensors (rotary rows, caches, slots, positions) come in from Python. It saves, per layer,
+// converting ~40 Python arguments and the Python between the ops (~15-25 us a layer on a 2-core CPU, where the second
+// thread waits for it). The same ops on the same arguments: the same numbers.
+struct StepProgram : torch::CustomClassHolder {
+  struct Layer {
+    c10::OperatorHandle op;
+    std::vector<c10::IValue> args;  // the op's arguments after x; None where a per-step tensor goes
+    std::vector<int64_t> dyn;       // where the per-step tensors go (ascending)
+  };
+  std::vector<Layer> layers;
+  int64_t ndyn = 0;
+
+  // one layer: op ``waferline::name``, its arguments after x (Python values, converted as the op's schema types them)
+  void add(const std::string& name, std::vector<c10::IValue> args, std::vector<int64_t> dyn) {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(("waferline::" + name).c_str(), "");
+    const auto& params = op.schema().arguments();
+    TORCH_CHECK(args.size() + 1 == params.size(), "StepProgram.add: waferline::", name, " takes ", params.size(),
+                " arguments, got x and ", args.size());
+    for (size_t i = 0; i < dyn.size(); ++i)
+      TORCH_CHECK(dyn[i] >= 0 && dyn[i] < static_cast<int64_t>(args.size()) && (i == 0 || dyn[i] > dyn[i - 1]),
+                  "StepProgram.add: per-step positions must be ascending argument positions");
+    size_t k = 0;
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (k < dyn.size() && dyn[k] == static_cast<int64_t>(i)) {
+        ++k;
+        continue;
+      }
+      const c10::TypePtr& want = params[i + 1].type();
+      if (want->kind() == c10::TypeKind::FloatType && args[i].isInt()) args[i] = static_cast<double>(args[i].toInt());
+      if (want->kind() == c10::TypeKind::IntType && args[i].isBool()) args[i] = static_cast<int64_t>(args[i].toBool());
+      TORCH_CHECK(args[i].type()->isSubtypeOf(*want), "StepProgram.add: waferline::", name, " argument ",
+                  params[i + 1].name(), " wants ", want->repr_str(), ", got ", args[i].type()->repr_str());
+    }
+    ndyn += static_cast<int64_t>(dyn.size());
+    layers.push_back({op, std::move(args), std::move(dyn)});
+  }
+
+  // x through every layer, the per-step tensors in layer order -> [[the last layer's output]], followed, when any
+  // layer returned more than (out, experts) (a Mamba-2 verify's record), by each layer's list of those
+  std::vector<std::vector<at::Tensor>> run(at::Tensor x, std::vector<at::Tensor> dyn) {
+    TORCH_CHECK(static_cast<int64_t>(dyn.size()) == ndyn, "StepProgram.run: ", ndyn, " per-step tensors, got ",
+                dyn.size());
+    std::vector<std::vector<at::Tensor>> ret(1);
+    bool extras = false;
+    size_t d = 0;
+    torch::jit::Stack stack;
+    for (const Layer& L : layers) {
+      stack.clear();
+      stack.reserve(L.args.size() + 1);
+      stack.emplace_back(std::move(x));
+      size_t k = 0;
+      for (size_t i = 0; i < L.args.size(); ++i) {
+        if (k < L.dyn.size() && L.dyn[k] == static_cast<int64_t>(i)) {
+          stack.emplace_back(dyn[d++]);
+          ++k;
+        } else {
+          stack.push_back(L.args[i]);
+        }
+      }
+      L.op.callBoxed(stack);
+      std::vector<at::Tensor> out;  // (Tensor, Tensor) leaves two values, Tensor[] one list
+      for (auto& v : stack) {
+        if (v.isTensorList()) {
+          for (const at::Tensor& t : v.toTensorList()) out.push_back(t);
+        } else {
+          out.push_back(v.toTensor());
+        }
+      }
+      TORCH_CHECK(out.size() >= 2, "StepProgram.run: a layer op returned ", out.size(), " tensors");
+      x = std::move(out[0]);
+      ret.emplace_back(out.begin() + 2, out.end());
+      extras = extras || out.size() > 2;
+    }
+    if (!extras) ret.resize(1);
+    ret[0].push_back(std::move(x));
+    return ret;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY(waferline, m) {
+  m.class_<StepProgram>("StepProgram")
+      .def(torch::init<>())
+      .def("add", &StepProgram::add)
+      .def("run", &StepProgram::run);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor h) -> Tensor");
   m.def("rope(Tensor x, Tensor cos2, Tensor sin2, int d, bool interleaved) -> Tensor");

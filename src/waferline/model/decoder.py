@@ -127,6 +127,7 @@ class DecoderLayer(nn.Module):
 
 _WHOLE_LAYER_OPS = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}  # the mixers a layer op takes
 _PLAN_MAX_ROWS = 8  # steps of at most this many token rows (decode steps, verifies) replay a _StepPlan
+_USE_PROGRAM = True  # a _StepPlan replays through its StepProgram (False: op by op from Python; tests compare both)
 
 
 class _StepPlan:
@@ -202,6 +203,7 @@ class _StepPlan:
             self.consts.append((mix, mix._consts()))
         for m in (layer, mix, ffn, mods["mixer_norm"], mods["ffn_norm"]):
             self.hooks += m._forward_hooks, m._forward_pre_hooks
+        self._dep(torch.ops.waferline.__dict__, whole)  # (an op wrapped in Python since: record again, and call it)
         dyn = tuple(2 + i for i in mix.STEP_DYNAMIC)  # (after the mixer norm's weight and epsilon)
         self.layers.append((whole, [None if i in dyn else a for i, a in enumerate(args)], dyn, mix))
 
@@ -213,7 +215,36 @@ class _StepPlan:
                 and all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.values))
                 and all(m._consts() is c for m, c in self.consts))
 
+    def program(self) -> Any:
+        """The layers as a ``waferline.StepProgram`` (cpu_ops.cpp), built at the first replay: it keeps the ops'
+        arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
+        once instead of once per layer. None where the ops are not torch's own (wrapped in Python: they are called
+        from Python) or the program cannot take an argument (the replay below then runs)."""
+        prog = self.__dict__.get("_program", False)
+        if prog is False:
+            prog = None
+            if all(type(getattr(torch.ops.waferline, whole)) is torch._ops.OpOverloadPacket for whole, *_ in self.layers):
+                try:
+                    prog = torch.classes.waferline.StepProgram()
+                    for whole, args, dyn, _ in self.layers:
+                        prog.add(whole, [list(a) if isinstance(a, tuple) else a for a in args], list(dyn))
+                except (RuntimeError, TypeError, AttributeError):
+                    prog = None
+            self._program = prog
+        return prog
+
     def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
+        prog = self.program() if _USE_PROGRAM else None
+        if prog is not None:
+            dyn: list[torch.Tensor] = []
+            for (_, _, _, mix), cache in zip(self.layers, caches):
+                dyn += mix.step_dynamic(cache, batch)
+            out = prog.run(x, dyn)
+            if len(out) > 1:  # per layer, a Mamba-2 verify's record (empty for the others)
+                for (_, _, _, mix), cache, rec in zip(self.layers, caches, out[1:]):
+                    if rec:
+                        mix.keep_record(cache, batch.slots, rec)
+            return out[0][0]
         ops = torch.ops.waferline
         for (whole, args, dyn, mix), cache in zip(self.layers, caches):
             for i, v in zip(dyn, mix.step_dynamic(cache, batch)):
