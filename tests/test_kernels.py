@@ -834,6 +834,58 @@ def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread, progra
         assert all(p is not None for p in programs)
 
 
+def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread):
+    """A step's logits and hidden states (DecoderModel.step_logits) through one StepProgram (embedding, layers, final
+    norm, int8 head) are bitwise the modules path's, step after step (decode steps of 2 rows, and 3-token verifies of
+    one row: Mamba-2 records through the program, then a rewind); a forward hook on the final norm runs (that step goes
+    through the modules), and a head quantized again (new tensors) is used at once. sol-mini, int4 groups of 64."""
+    import waferline.model.decoder as decoder
+    from waferline.engine.speculative import VerifyRollback
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    model = load_model(SOL_MINI, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=64))
+    model.quantize_head(8)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, 4000, (2, 9), generator=g)
+    toks = torch.randint(3, 4000, (10, 2, 1), generator=g)
+    tails, built = [], decoder._StepPlan.program
+    monkeypatch.setattr(decoder._StepPlan, "program", lambda plan, tail=(): tails.append(bool(tail)) or built(plan, tail))
+    seen = []
+    with torch.inference_mode():
+        sets = {True: model.new_caches(2), False: model.new_caches(2)}
+        for caches in sets.values():
+            for b in range(2):
+                model(prompt[b:b + 1], caches, StepBatch.make([b], [0], 9))
+        pos = [9, 9]
+        for i, t in enumerate(toks):
+            if i == 4:
+                handle = model.norm.register_forward_hook(lambda m, a, o: seen.append(i))
+            if i == 5:
+                handle.remove()
+            if i == 6:
+                head = (model.lm_head_int8.float() * model.lm_head_scale.float()[:, None] * 1.5).to(torch.bfloat16)
+            if i == 7:  # the head again (new int8 tensors, from a 16-bit head made aside)
+                model.lm_head = torch.nn.Parameter(head, requires_grad=False)
+                del model.lm_head_int8, model.lm_head_scale
+                model.quantize_head(8)
+            verify = i % 3 == 2
+            batch = StepBatch.make([0], pos[:1], 3) if verify else StepBatch.make([0, 1], pos, 1)
+            tokens = t.view(1, 2).repeat(1, 2)[:, :3] if verify else t
+            got = {}
+            for planned, caches in sets.items():
+                rb = VerifyRollback(caches, batch) if verify else None
+                monkeypatch.setattr(decoder, "_PLAN_MAX_ROWS", 8 if planned else 0)
+                got[planned] = model.step_logits(tokens, caches, batch, hidden=True)
+                if rb is not None:
+                    rb.done([2])
+            assert got[True][0].shape == (tokens.shape[0], tokens.shape[1], 4096)
+            assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), i
+            pos = [pos[0] + 2, pos[1]] if verify else [p + 1 for p in pos]  # (row 1 sits the verifies out)
+    assert seen == [4, 4]  # (step 4 of both sets: the hooked norm ran in the planned one too)
+    assert tails.count(True) >= 5  # (the steps that replayed did so with the embedding, norm and head in the program)
+
+
 def test_rotary_rows_from_the_table_are_computed_rows():
     """A step's rotary rows come from a table kept between steps (Rotary._rows: a view for one row of consecutive
     positions, a gather otherwise; the table grows past 256 positions by doubling): bitwise what cos_sin computes

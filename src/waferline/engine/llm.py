@@ -240,8 +240,7 @@ class LLM:
                 break
             toks = torch.tensor([[out[b][-1]] for b in active])
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
-            h = self.model(toks, caches, batch)
-            logits, rows = self.model.logits(h[:, 0]), active
+            logits, rows = self.model.step_logits(toks, caches, batch)[:, 0], active
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 

@@ -156,8 +156,11 @@ class _StepPlan:
         self.dicts.append(d), self.keys.append(key), self.values.append(d.get(key))
 
     @staticmethod
-    def key_of(x: torch.Tensor) -> tuple:
-        return x.dtype, x.device, tuple(x.shape), kernels.available()
+    def key_of(x: torch.Tensor, dtype: torch.dtype | None = None, width: int | None = None) -> tuple:
+        """A plan's key: the step's hidden states x [B, T, D] (or, given their dtype and width D, its tokens [B, T])."""
+        if dtype is None:
+            return x.dtype, x.device, tuple(x.shape), kernels.available()
+        return dtype, x.device, (*x.shape, width), kernels.available()
 
     @classmethod
     def record(cls, model: "DecoderModel", x: torch.Tensor, caches: list[Any], batch: StepBatch):
@@ -215,36 +218,53 @@ class _StepPlan:
                 and all(map(operator.is_, map(dict.get, self.dicts, self.keys), self.values))
                 and all(m._consts() is c for m, c in self.consts))
 
-    def program(self) -> Any:
+    def program(self, tail: tuple = ()) -> Any:
         """The layers as a ``waferline.StepProgram`` (cpu_ops.cpp), built at the first replay: it keeps the ops'
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
-        once instead of once per layer. None where the ops are not torch's own (wrapped in Python: they are called
-        from Python) or the program cannot take an argument (the replay below then runs)."""
-        prog = self.__dict__.get("_program", False)
-        if prog is False:
-            prog = None
-            if all(type(getattr(torch.ops.waferline, whole)) is torch._ops.OpOverloadPacket for whole, *_ in self.layers):
-                try:
-                    prog = torch.classes.waferline.StepProgram()
-                    for whole, args, dyn, _ in self.layers:
-                        prog.add(whole, [list(a) if isinstance(a, tuple) else a for a in args], list(dyn))
-                except (RuntimeError, TypeError, AttributeError):
-                    prog = None
-            self._program = prog
+        once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
+        norm's weight and epsilon, the int8 head's values and scales) the program also embeds the tokens first and
+        ends with the norm and the head; one is kept per tail, rebuilt when a tail tensor is replaced. None where the
+        ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot take an
+        argument (the replay op by op then runs)."""
+        progs = self.__dict__.setdefault("_programs", {})
+        key = tuple(map(id, tail))
+        hit = progs.get(key)
+        if hit is not None and all(map(operator.is_, hit[0], tail)):
+            return hit[1]
+        prog = None
+        if all(type(getattr(torch.ops.waferline, whole)) is torch._ops.OpOverloadPacket for whole, *_ in self.layers):
+            try:
+                prog = torch.classes.waferline.StepProgram()
+                if tail:  # (the same op nn.Embedding calls, with its defaults: no padding index)
+                    prog.add("aten::embedding", [tail[0], None, -1, False, False], [], 1, 1, False)
+                for whole, args, dyn, _ in self.layers:
+                    prog.add("waferline::" + whole, [None] + [list(a) if isinstance(a, tuple) else a for a in args],
+                             [1 + i for i in dyn], 0, 2, False)
+                if tail:
+                    prog.add("waferline::rms_norm", [None, tail[1], tail[2]], [], 0, 1, True)  # (h kept)
+                    prog.add("waferline::int8_linear", [None, tail[3], tail[4]], [], 0, 1, False)
+            except (RuntimeError, TypeError, AttributeError):
+                prog = None
+        if len(progs) >= 2:  # (the layers' own and a decode step's; a replaced tensor's program goes)
+            del progs[next(iter(progs))]
+        progs[key] = (tail, prog)
         return prog
 
-    def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
-        prog = self.program() if _USE_PROGRAM else None
+    def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch, prog: Any = None) -> Any:
+        """The layers' step on x (or, with a tail ``prog``, on the tokens x: then (the logits, the hidden states))."""
+        if prog is None and _USE_PROGRAM:
+            prog = self.program()
         if prog is not None:
             dyn: list[torch.Tensor] = []
             for (_, _, _, mix), cache in zip(self.layers, caches):
                 dyn += mix.step_dynamic(cache, batch)
             out = prog.run(x, dyn)
-            if len(out) > 1:  # per layer, a Mamba-2 verify's record (empty for the others)
-                for (_, _, _, mix), cache, rec in zip(self.layers, caches, out[1:]):
+            if len(out) > 1:  # per op, a Mamba-2 verify's record (empty for the others; the embedding's first)
+                recs = out[2:] if len(out) > len(self.layers) + 1 else out[1:]
+                for (_, _, _, mix), cache, rec in zip(self.layers, caches, recs):
                     if rec:
                         mix.keep_record(cache, batch.slots, rec)
-            return out[0][0]
+            return out[0] if len(out[0]) > 1 else out[0][0]
         ops = torch.ops.waferline
         for (whole, args, dyn, mix), cache in zip(self.layers, caches):
             for i, v in zip(dyn, mix.step_dynamic(cache, batch)):
@@ -427,6 +447,39 @@ class DecoderModel(nn.Module):
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cache, batch)
         return x
+
+    def step_logits(self, tokens: torch.Tensor, caches: list[Any], batch: StepBatch,
+                    hidden: bool = False) -> Any:
+        """fp32 logits [B, T, V] of a step of tokens [B, T]: ``self.logits(self(tokens, caches, batch))`` (with
+        ``hidden``: (those logits, the hidden states [B, T, D] they came from)). When the step (a decode step or a
+        verify) replays a plan through its StepProgram and the LM head is int8 on this CPU's operators, the embedding,
+        the layers, the final norm and the head run as one program (one call from Python; the same ops on the same
+        tensors). Not with a forward hook on the model, its embedding or its norm (they need the module calls)."""
+        tail = self._step_tail(tokens)
+        if tail is not None:
+            plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, self.spec.hidden_size))
+            if plan is not None and plan.valid(tokens, caches):
+                prog = plan.program(tail)
+                if prog is not None:
+                    logits, h = plan.run(tokens, caches, batch, prog)
+                    return (logits, h) if hidden else logits
+        h = self(tokens, caches, batch)
+        return (self.logits(h), h) if hidden else self.logits(h)
+
+    def _step_tail(self, tokens: torch.Tensor) -> tuple | None:
+        """(embedding weight, norm weight, its epsilon, int8 head values, their scales) where step_logits may run a
+        program, else None."""
+        if not _USE_PROGRAM or self.lm_head is not None or self.embed is None or self.norm is None:
+            return None
+        e, n = self.embed, self.norm
+        if (self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
+                or n._forward_hooks or n._forward_pre_hooks or self.embedding_multiplier != 1.0
+                or self.logits_scaling != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
+                or tokens.numel() > _PLAN_MAX_ROWS or n.weight.dtype != e.weight.dtype
+                or not kernels.available()):
+            return None
+        return e._parameters["weight"], n._parameters["weight"], n.eps, self._buffers["lm_head_int8"], \
+            self._buffers["lm_head_scale"]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits for hidden states h [..., D]."""
