@@ -8,7 +8,8 @@ dtype/bits, batch) cell runs in its own subprocess with 1 thread (``--threads N`
 clock), alternating old/new for ``--rounds`` rounds, and reports the best CPU time per decode step
 (``time.process_time``: less sensitive to other jobs on a shared machine than wall time, though memory-bandwidth
 contention still shows) and the median of the rounds' paired old/new ratios. The step is one decode forward of B rows
-(different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions.
+(different tokens per row, 64-token prompts already cached) plus logits and argmax, the same for both revisions
+(through ``step_logits`` where a revision has it, as its engine runs a step; the same logits).
 ``--tokens T``: each step feeds T tokens per row instead, the target forward of a speculative verify (Mamba-2
 layers record each token's state, as for a rollback) followed by the rollback of its last token (Mamba-2 layers
 rewound to T - 1 kept tokens); drafting and acceptance are not in it.
@@ -62,8 +63,11 @@ with torch.inference_mode():
         if P:
             return prefill(i)
         toks = (torch.arange(B)[:, None] * 997 + 5 + i + torch.arange(T)[None]) % V
-        h = m(toks, caches, StepBatch.make(list(range(B)), [64 + i * adv] * B, T))
-        out = m.logits(h).argmax(-1)
+        batch = StepBatch.make(list(range(B)), [64 + i * adv] * B, T)
+        if hasattr(m, "step_logits"):  # (what the engine calls for a step, where the revision has it: the same logits)
+            out = m.step_logits(toks, caches, batch, argmax=True)[2]
+        else:
+            out = m.logits(m(toks, caches, batch)).argmax(-1)
         if T > 1:
             for c in caches:
                 if hasattr(c, "rewind"):

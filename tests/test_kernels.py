@@ -835,8 +835,8 @@ def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread, progra
 
 
 def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread):
-    """A step's logits and hidden states (DecoderModel.step_logits) through one StepProgram (embedding, layers, final
-    norm, int8 head) are bitwise the modules path's, step after step (decode steps of 2 rows, and 3-token verifies of
+    """A step's logits, hidden states and greedy tokens (DecoderModel.step_logits) through one StepProgram (embedding,
+    layers, final norm, int8 head, argmax) are bitwise the modules path's, step after step (decode steps of 2 rows, and 3-token verifies of
     one row: Mamba-2 records through the program, then a rewind); a forward hook on the final norm runs (that step goes
     through the modules), and a head quantized again (new tensors) is used at once. sol-mini, int4 groups of 64."""
     import waferline.model.decoder as decoder
@@ -876,11 +876,12 @@ def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread):
             for planned, caches in sets.items():
                 rb = VerifyRollback(caches, batch) if verify else None
                 monkeypatch.setattr(decoder, "_PLAN_MAX_ROWS", 8 if planned else 0)
-                got[planned] = model.step_logits(tokens, caches, batch, hidden=True)
+                got[planned] = model.step_logits(tokens, caches, batch, argmax=True)
                 if rb is not None:
                     rb.done([2])
             assert got[True][0].shape == (tokens.shape[0], tokens.shape[1], 4096)
-            assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1]), i
+            assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), i  # (logits, hidden states, tokens)
+            assert torch.equal(got[True][2], got[True][0].argmax(-1)), i
             pos = [pos[0] + 2, pos[1]] if verify else [p + 1 for p in pos]  # (row 1 sits the verifies out)
     assert seen == [4, 4]  # (step 4 of both sets: the hooked norm ran in the planned one too)
     assert tails.count(True) >= 5  # (the steps that replayed did so with the embedding, norm and head in the program)

@@ -223,8 +223,8 @@ class LLM:
         logits = torch.stack(last)
         lengths = [len(p) for p in ids]
         rows = list(range(B))  # logits row i belongs to sequence rows[i]
+        greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
         while True:
-            greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
             for i, b in enumerate(rows):
                 tok = greedy[i] if greedy is not None else sample(logits[i], params, gens[b])
                 out[b].append(tok)
@@ -240,7 +240,9 @@ class LLM:
                 break
             toks = torch.tensor([[out[b][-1]] for b in active])
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
-            logits, rows = self.model.step_logits(toks, caches, batch)[:, 0], active
+            logits, _, ids = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
+            logits, rows = logits[:, 0], active
+            greedy = ids[:, 0].tolist() if ids is not None else None
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 

@@ -772,7 +772,7 @@ class Speculator:
                 rows = [[seqs[b][-1]] + p.tokens + [0] * (width - len(p.tokens)) for b, p in zip(active, props)]
                 batch = StepBatch.make(active, [len(seqs[b]) - 1 for b in active], width + 1)
                 rb = VerifyRollback(caches, batch)
-                logits, h = model.step_logits(torch.tensor(rows), caches, batch, hidden=True)
+                logits, h, _ = model.step_logits(torch.tensor(rows), caches, batch)
                 ctl.record(len(active), width + 1, time.perf_counter() - t_step)  # what this step really cost
                 emitted = verify_rows(logits, [p.tokens for p in props], [p.probs for p in props], params,
                                       [gens[b] for b in active])

@@ -223,7 +223,7 @@ class _StepPlan:
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
         once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
         norm's weight and epsilon, the int8 head's values and scales) the program also embeds the tokens first and
-        ends with the norm and the head; one is kept per tail, rebuilt when a tail tensor is replaced. None where the
+        ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is replaced. None where the
         ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot take an
         argument (the replay op by op then runs)."""
         progs = self.__dict__.setdefault("_programs", {})
@@ -243,6 +243,7 @@ class _StepPlan:
                 if tail:
                     prog.add("waferline::rms_norm", [None, tail[1], tail[2]], [], 0, 1, True)  # (h kept)
                     prog.add("waferline::int8_linear", [None, tail[3], tail[4]], [], 0, 1, False)
+                    prog.add("waferline::argmax_rows", [None], [], 0, 1, True)  # (the logits kept)
             except (RuntimeError, TypeError, AttributeError):
                 prog = None
         if len(progs) >= 2:  # (the layers' own and a decode step's; a replaced tensor's program goes)
@@ -251,7 +252,8 @@ class _StepPlan:
         return prog
 
     def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch, prog: Any = None) -> Any:
-        """The layers' step on x (or, with a tail ``prog``, on the tokens x: then (the logits, the hidden states))."""
+        """The layers' step on x (or, with a tail ``prog``, on the tokens x: then (greedy tokens, hidden states,
+        logits))."""
         if prog is None and _USE_PROGRAM:
             prog = self.program()
         if prog is not None:
@@ -449,37 +451,45 @@ class DecoderModel(nn.Module):
         return x
 
     def step_logits(self, tokens: torch.Tensor, caches: list[Any], batch: StepBatch,
-                    hidden: bool = False) -> Any:
-        """fp32 logits [B, T, V] of a step of tokens [B, T]: ``self.logits(self(tokens, caches, batch))`` (with
-        ``hidden``: (those logits, the hidden states [B, T, D] they came from)). When the step (a decode step or a
-        verify) replays a plan through its StepProgram and the LM head is int8 on this CPU's operators, the embedding,
-        the layers, the final norm and the head run as one program (one call from Python; the same ops on the same
-        tensors). Not with a forward hook on the model, its embedding or its norm (they need the module calls)."""
+                    argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A step of tokens [B, T] -> (fp32 logits [B, T, V], the hidden states [B, T, D] they came from, and with
+        ``argmax`` the greedy tokens [B, T] (greedy()'s: torch.argmax's indices)): ``self.logits(self(tokens, caches,
+        batch))``. When the step (a decode step or a verify) replays a plan through its StepProgram and the LM head is
+        int8 on this CPU's operators, the embedding, the layers, the final norm, the head and the argmax run as one
+        program (one call from Python; the same ops on the same tensors). Not with a forward hook on the model, its
+        embedding or its norm (they need the module calls)."""
         tail = self._step_tail(tokens)
         if tail is not None:
-            plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, self.spec.hidden_size))
+            plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
             if plan is not None and plan.valid(tokens, caches):
-                prog = plan.program(tail)
+                prog = plan.program(tail[:5])
                 if prog is not None:
-                    logits, h = plan.run(tokens, caches, batch, prog)
-                    return (logits, h) if hidden else logits
+                    ids, h, logits = plan.run(tokens, caches, batch, prog)
+                    return logits, h, ids if argmax else None
         h = self(tokens, caches, batch)
-        return (self.logits(h), h) if hidden else self.logits(h)
+        logits = self.logits(h)
+        if not argmax:
+            return logits, h, None
+        ids = (torch.ops.waferline.argmax_rows(logits) if logits.device.type == "cpu" and kernels.available()
+               else logits.argmax(-1))
+        return logits, h, ids
 
     def _step_tail(self, tokens: torch.Tensor) -> tuple | None:
-        """(embedding weight, norm weight, its epsilon, int8 head values, their scales) where step_logits may run a
-        program, else None."""
-        if not _USE_PROGRAM or self.lm_head is not None or self.embed is None or self.norm is None:
+        """(embedding weight, norm weight, its epsilon, int8 head values, their scales, hidden size) where step_logits
+        may run a program, else None. (Per step: the modules' dicts, not nn.Module's attribute lookups.)"""
+        d = self.__dict__
+        mods, bufs = d["_modules"], d["_buffers"]
+        e, n, q = mods.get("embed"), mods.get("norm"), bufs.get("lm_head_int8")
+        if (not _USE_PROGRAM or e is None or n is None or q is None or d["_parameters"].get("lm_head") is not None
+                or self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
+                or n._forward_hooks or n._forward_pre_hooks or d["embedding_multiplier"] != 1.0
+                or d["logits_scaling"] != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
+                or tokens.numel() > _PLAN_MAX_ROWS or not kernels.available()):
             return None
-        e, n = self.embed, self.norm
-        if (self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
-                or n._forward_hooks or n._forward_pre_hooks or self.embedding_multiplier != 1.0
-                or self.logits_scaling != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
-                or tokens.numel() > _PLAN_MAX_ROWS or n.weight.dtype != e.weight.dtype
-                or not kernels.available()):
+        ew, nw = e._parameters["weight"], n._parameters["weight"]
+        if nw.dtype != ew.dtype:
             return None
-        return e._parameters["weight"], n._parameters["weight"], n.eps, self._buffers["lm_head_int8"], \
-            self._buffers["lm_head_scale"]
+        return ew, nw, n.eps, q, bufs["lm_head_scale"], ew.shape[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits for hidden states h [..., D]."""
