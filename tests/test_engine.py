@@ -79,6 +79,11 @@ def test_stop_token(ckpts):
     first = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=6, ignore_eos=True))[0].token_ids
     out = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=6, stop_token_ids=[first[2]]))[0]
     assert out.token_ids == first[:3] and out.finish_reason == "stop"
+    # each Output carries its own prompt (rows finishing at different steps; greedy and sampled)
+    prompts = [[1, 5, 9], [7, 7], [2, 4, 6, 8]]
+    for params in (SamplingParams(max_tokens=5, stop_token_ids=[first[2]]), SamplingParams(max_tokens=4, temperature=0.8, seed=1)):
+        outs = llm.generate(prompts, params)
+        assert [o.prompt_token_ids for o in outs] == prompts
 
 
 def _copy(src: Path, dst: Path) -> Path:

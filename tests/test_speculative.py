@@ -14,7 +14,7 @@ from tiny_models import VOCAB, build
 from waferline import LLM, SamplingParams
 from waferline.engine.sampling import target_probs
 from waferline.engine.speculative import (AdaptiveK, NgramDrafter, Proposal, expected_tokens, residual, verify,
-                                          verify_greedy, verify_sampled)
+                                          verify_greedy, verify_rows, verify_sampled)
 from waferline.errors import ConfigError, WaferlineError
 from waferline.model.context import StepBatch
 from waferline.model.init import write_random_checkpoint
@@ -280,6 +280,13 @@ def test_greedy_verify_and_residual():
     assert verify_greedy(logits, []) == [1]
     p = torch.tensor([0.5, 0.3, 0.2])
     assert torch.allclose(residual(p, None, 0), torch.tensor([0.0, 0.6, 0.4]))
+    # a whole greedy verify: with the forward's argmaxes (what step_logits returns) the same tokens as from the logits
+    batch = torch.stack([logits, logits.flip(0)])  # [2, 3, V]
+    greedy_p = SamplingParams(temperature=0)
+    for drafts in ([[1, 0], [2]], [[], []], [[1, 2], []]):
+        want = verify_rows(batch, drafts, [None, None], greedy_p, [None, None])
+        assert verify_rows(batch, drafts, [None, None], greedy_p, [None, None], batch.argmax(-1)) == want, drafts
+    assert verify_rows(batch, [[1, 0], [2]], [None, None], greedy_p, [None, None]) == [[1, 0, 2], [2, 0]]
     assert torch.allclose(residual(p, torch.tensor([0.2, 0.6, 0.2]), 1), torch.tensor([1.0, 0.0, 0.0]))
 
 

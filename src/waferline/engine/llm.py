@@ -240,9 +240,9 @@ class LLM:
                 break
             toks = torch.tensor([[out[b][-1]] for b in active])
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
-            logits, _, ids = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
+            logits, _, top = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
             logits, rows = logits[:, 0], active
-            greedy = ids[:, 0].tolist() if ids is not None else None
+            greedy = top[:, 0].tolist() if top is not None else None
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
 

@@ -75,10 +75,12 @@ from waferline.model.ssm import Mamba2Cache
 # ----------------------------------------------------------------------------------------------- the verifier
 
 
-def verify_greedy(target_logits: torch.Tensor, draft: list[int]) -> list[int]:
+def verify_greedy(target_logits: torch.Tensor, draft: list[int], best: list[int] | None = None) -> list[int]:
     """Greedy verify of one row. ``target_logits`` [k+1, V]: the target's logits at the last accepted token and at each
-    of the k drafts. Returns the tokens to emit: the accepted drafts then the target's own next token (1..k+1 tokens)."""
-    best = greedy(target_logits[: len(draft) + 1])
+    of the k drafts (``best``: their argmaxes, when the forward computed them). Returns the tokens to emit: the accepted
+    drafts then the target's own next token (1..k+1 tokens)."""
+    if best is None:
+        best = greedy(target_logits[: len(draft) + 1])
     out: list[int] = []
     for i, d in enumerate(draft):
         if best[i] != d:
@@ -133,12 +135,18 @@ def verify(target_logits: torch.Tensor, draft: list[int], draft_probs: torch.Ten
 
 
 def verify_rows(logits: torch.Tensor, drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
-                params: SamplingParams, gens: list[torch.Generator | None]) -> list[list[int]]:
+                params: SamplingParams, gens: list[torch.Generator | None],
+                ids: torch.Tensor | None = None) -> list[list[int]]:
     """Verify a whole verify forward: ``logits`` [B, T, V] (T = 1 + the longest draft; shorter drafts padded at the
-    end), row b's drafts and drafter probabilities. Returns, per row, the tokens to emit (the variable-width feedback
-    a pipeline's last stage sends back; ``len(out[b])`` is also the ``keep`` its caches roll back to)."""
-    if params.temperature == 0 and not any(drafts):  # a plain greedy step: one argmax for the whole batch
-        return [[t] for t in greedy(logits[:, 0])]
+    end), row b's drafts and drafter probabilities (``ids``: the logits' argmaxes [B, T], when the forward computed
+    them: greedy verifies use them). Returns, per row, the tokens to emit (the variable-width feedback a pipeline's
+    last stage sends back; ``len(out[b])`` is also the ``keep`` its caches roll back to)."""
+    if params.temperature == 0:
+        best = ids.tolist() if ids is not None else None
+        if not any(drafts):  # a plain greedy step: one argmax for the whole batch
+            return [[row[0]] for row in best] if best is not None else [[t] for t in greedy(logits[:, 0])]
+        if best is not None:
+            return [verify_greedy(logits[b], d, best[b]) for b, d in enumerate(drafts)]
     return [verify(logits[b], d, q, params, g) for b, (d, q, g) in enumerate(zip(drafts, draft_probs, gens))]
 
 
@@ -772,10 +780,10 @@ class Speculator:
                 rows = [[seqs[b][-1]] + p.tokens + [0] * (width - len(p.tokens)) for b, p in zip(active, props)]
                 batch = StepBatch.make(active, [len(seqs[b]) - 1 for b in active], width + 1)
                 rb = VerifyRollback(caches, batch)
-                logits, h, _ = model.step_logits(torch.tensor(rows), caches, batch)
+                logits, h, top = model.step_logits(torch.tensor(rows), caches, batch, argmax=params.temperature == 0)
                 ctl.record(len(active), width + 1, time.perf_counter() - t_step)  # what this step really cost
                 emitted = verify_rows(logits, [p.tokens for p in props], [p.probs for p in props], params,
-                                      [gens[b] for b in active])
+                                      [gens[b] for b in active], top)
                 keep, n_acc = [], []
                 for b, p, toks in zip(active, props, emitted):
                     n_acc.append(len(toks) - 1)
