@@ -223,9 +223,9 @@ class _StepPlan:
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
         once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
         norm's weight and epsilon, the int8 head's values and scales) the program also embeds the tokens first and
-        ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is replaced. None where the
-        ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot take an
-        argument (the replay op by op then runs)."""
+        ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is replaced.
+        None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot
+        take an argument (the replay op by op then runs)."""
         progs = self.__dict__.setdefault("_programs", {})
         key = tuple(map(id, tail))
         hit = progs.get(key)
@@ -254,19 +254,19 @@ class _StepPlan:
     def run(self, x: torch.Tensor, caches: list[Any], batch: StepBatch, prog: Any = None) -> Any:
         """The layers' step on x (or, with a tail ``prog``, on the tokens x: then (greedy tokens, hidden states,
         logits))."""
-        if prog is None and _USE_PROGRAM:
+        tail = prog is not None
+        if not tail and _USE_PROGRAM:
             prog = self.program()
         if prog is not None:
             dyn: list[torch.Tensor] = []
             for (_, _, _, mix), cache in zip(self.layers, caches):
                 dyn += mix.step_dynamic(cache, batch)
             out = prog.run(x, dyn)
-            if len(out) > 1:  # per op, a Mamba-2 verify's record (empty for the others; the embedding's first)
-                recs = out[2:] if len(out) > len(self.layers) + 1 else out[1:]
-                for (_, _, _, mix), cache, rec in zip(self.layers, caches, recs):
+            if len(out) > 1:  # per op, a Mamba-2 verify's record (empty for the others; a tail's embedding first)
+                for (_, _, _, mix), cache, rec in zip(self.layers, caches, out[2 if tail else 1:]):
                     if rec:
                         mix.keep_record(cache, batch.slots, rec)
-            return out[0] if len(out[0]) > 1 else out[0][0]
+            return out[0] if tail else out[0][0]
         ops = torch.ops.waferline
         for (whole, args, dyn, mix), cache in zip(self.layers, caches):
             for i, v in zip(dyn, mix.step_dynamic(cache, batch)):
