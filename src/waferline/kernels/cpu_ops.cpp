@@ -2835,10 +2835,10 @@ std::vector<at::Tensor> mamba_ffn_layer(
 // runs the ops back to back, each through the dispatcher (callBoxed: what a Python call of the op reaches after its
 // arguments are converted, so a dispatch mode, the profiler and the ops' own checks see every op as before), each
 // op's first output going into the next one. A decode step's program may also begin with the embedding and end with
-// the final norm and the LM head (DecoderModel.decode_logits). Per step only the per-step tensors (the tokens, the
-// rotary rows, caches, slots, positions) come in from Python. It saves, per op, converting its Python arguments (~40
-// for a layer) and the Python between the ops (~15-25 us a layer on a 2-core CPU, where the second thread waits for
-// it). The same ops on the same arguments: the same numbers.
+// the final norm, the LM head and the argmax (DecoderModel.step_logits). Per step only the per-step tensors (the
+// tokens, the rotary rows, caches, slots, positions) come in from Python. It saves, per op, converting its Python
+// arguments (~40 for a layer) and the Python between the ops (~15-25 us a layer on a 2-core CPU, where the second
+// thread waits for it). The same ops on the same arguments: the same numbers.
 struct StepProgram : torch::CustomClassHolder {
   struct Op {
     c10::OperatorHandle op;
