@@ -1521,13 +1521,20 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx = sink;
   for (int64_t l = 0; l < L; ++l) mx = std::max(mx, s[l]);
-  float den = sink == ninf ? 0.f : std::exp(sink - mx);
+  if (mx == ninf) {
+    std::fill(s, s + L, 0.f);
+    return;
+  }
+  float den = sink - mx < -87.f ? 0.f : vexp(sink - mx);  // (vexp, vectorised: std::exp is a libm call per score)
+#pragma omp simd reduction(+ : den)
   for (int64_t l = 0; l < L; ++l) {
-    const float e = s[l] == ninf ? 0.f : std::exp(s[l] - mx);
+    const float d = s[l] - mx;  // below e^-87 of the largest (masked -inf too): 0
+    const float e = d < -87.f ? 0.f : vexp(d);
     s[l] = e;
     den += e;
   }
-  const float inv = den > 0.f ? 1.f / den : 0.f;
+  const float inv = 1.f / den;
+#pragma omp simd
   for (int64_t l = 0; l < L; ++l) s[l] *= inv;
 }
 
@@ -1543,32 +1550,45 @@ void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, 
   const int64_t G = H / Hkv;
   const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * T * Hkv, std::max<int64_t>(1, 32768 / std::max<int64_t>(L * D * G, 1)), [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf(G * D), sc(G * L), row(D), o(G * D);
+    thread_local std::vector<float> kbuf, vbuf;  // (kept between calls: ~L * D floats each, not zeroed per call)
+    if (static_cast<int64_t>(kbuf.size()) < L * D) kbuf.resize(L * D), vbuf.resize(L * D);
+    float* kf = kbuf.data();
+    float* vf = vbuf.data();
+    std::vector<float> qf(G * D), sc(G * L), o(G * D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
       const bool* mk = blocked ? blocked + bt * L : nullptr;
       const C* base = kv + b * L * 2 * Hkv * D;
+      // this kv head's key and value rows in fp32, widened once (vectorised) for all G query heads; masked rows zero
       for (int64_t l = 0; l < L; ++l) {
         if (mk && mk[l]) {
-          for (int64_t g = 0; g < G; ++g) sc[g * L + l] = ninf;
+          std::fill(kf + l * D, kf + (l + 1) * D, 0.f);
+          std::fill(vf + l * D, vf + (l + 1) * D, 0.f);
           continue;
         }
-        const C* kr = base + (l * 2 * Hkv + j) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = f32(kr[d]);
-        for (int64_t g = 0; g < G; ++g) sc[g * L + l] = dotf(qf.data() + g * D, row.data(), D) * scale;
+        load_f32<C>(base + (l * 2 * Hkv + j) * D, kf + l * D, D);
+        load_f32<C>(base + (l * 2 * Hkv + Hkv + j) * D, vf + l * D, D);
       }
-      for (int64_t g = 0; g < G; ++g) softmax_masked(sc.data() + g * L, L, sinks ? sinks[j * G + g] : ninf);
-      for (int64_t x = 0; x < G * D; ++x) o[x] = 0.f;
+      for (int64_t g = 0; g < G; ++g) {  // scores: four keys at a time (independent sums)
+        float* s = sc.data() + g * L;
+        const float* qg = qf.data() + g * D;
+        int64_t l = 0;
+        for (; l + 4 <= L; l += 4) dot4(qg, kf + l * D, D, D, s + l);
+        for (; l < L; ++l) s[l] = dotf(qg, kf + l * D, D);
+        for (l = 0; l < L; ++l) s[l] = mk && mk[l] ? ninf : s[l] * scale;
+        softmax_masked(s, L, sinks ? sinks[j * G + g] : ninf);
+      }
+      std::fill(o.begin(), o.end(), 0.f);
       for (int64_t l = 0; l < L; ++l) {
         if (mk && mk[l]) continue;
-        const C* vr = base + (l * 2 * Hkv + Hkv + j) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = f32(vr[d]);
+        const float* vr = vf + l * D;
         for (int64_t g = 0; g < G; ++g) {
           const float p = sc[g * L + l];
           float* og = o.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) og[d] += p * row[d];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) og[d] += p * vr[d];
         }
       }
       for (int64_t g = 0; g < G; ++g)
