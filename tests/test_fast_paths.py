@@ -55,6 +55,47 @@ def test_one_token_moe_path_matches_sorted_path(tmp_path, one_thread):
     torch.testing.assert_close(one_by_one, batched, rtol=0, atol=1e-6)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+def test_bf16_mla_layers_run_as_one_op(tmp_path, monkeypatch, one_thread):
+    """A bf16 DeepSeek-V3's decode steps of up to few_rows() rows run each layer as one op (mla_moe_layer with dense
+    bf16 projections; the dense first layer's FFN in ffn_residual), so the step plan holds: bitwise the logits of the
+    eager chain (the same kernels: linear_rows for the projections, rms_norm, rope, mla_decode), step after step, for
+    1, 2 and 4 rows; more rows than few_rows() keep the modules (where oneDNN multiplies them)."""
+    from waferline.model.attention import MLAttention
+    from waferline.model.layers import few_rows
+    from waferline.model.moe import DenseFFN
+
+    build("deepseek_v3", tmp_path)
+    model = load_model(tmp_path, torch.bfloat16)
+    assert any(type(layer.ffn) is DenseFFN for layer in model.layers)  # (the dense first layer is covered)
+    fused_block, fused_ffn = MLAttention._int4_block, DenseFFN.residual_args
+    V = model.spec.vocab_size
+
+    def use(fused: bool) -> None:
+        monkeypatch.setattr(MLAttention, "_int4_block", fused_block if fused else lambda self, x, cache: None)
+        monkeypatch.setattr(DenseFFN, "residual_args", fused_ffn if fused else lambda self, x: None)
+
+    for B in sorted({1, 2, few_rows(torch.bfloat16), few_rows(torch.bfloat16) + 1}):
+        model.__dict__.pop("_step_plans", None)
+        sets = {True: model.new_caches(B), False: model.new_caches(B)}
+        with torch.inference_mode():
+            for fused, caches in sets.items():
+                use(fused)
+                for b in range(B):
+                    model((torch.arange(3, 14)[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], 11))
+            pos, tok = [11] * B, torch.arange(5, 5 + B)[:, None]
+            for _ in range(3):
+                got = {}
+                for fused, caches in sets.items():
+                    use(fused)
+                    got[fused] = model.step_logits(tok, caches, StepBatch.make(list(range(B)), pos, 1), argmax=True)
+                    if fused:  # (every layer one op: the step recorded a plan)
+                        planned = any(p is not None for p in model.__dict__.get("_step_plans", {}).values())
+                        assert planned == (B <= few_rows(torch.bfloat16)), B
+                assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), B
+                tok, pos = got[True][2], [p + 1 for p in pos]
+
+
 def test_bf16_attention_close_to_fp32(tmp_path, one_thread):
     """16-bit models compute the attention matmuls in fp32 on CPU; the logits stay within bf16 rounding of fp32."""
     build("deepseek_v3", tmp_path)

@@ -1877,13 +1877,19 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
 // the entries the earlier ones wrote). The same operators as the eager chain, in the same order, on the same
 // tensors: the same numbers. It
 // saves the ~30 eager ops and the Python between them (per layer ~0.1-0.2 ms of a ~6 ms step of the 135M dsv3).
-// w: packed / scales of q_a, q_b, kv_a, o (q_a's both empty: q_b is q_proj); groups: their group sizes.
+// w: packed / scales of q_a, q_b, kv_a, o (q_a's both empty: q_b is q_proj); groups: their group sizes. A projection
+// may instead be a dense 16-bit weight [out, in] with empty scales (a bf16 model's, for rows of up to FEW_ROWS):
+// linear_rows then multiplies it, as Linear does for such rows.
+at::Tensor mla_proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  return sz.numel() ? int4_linear(x, w, sz, group) : linear_rows(x, w);
+}
+
 at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRef groups, const at::Tensor& qa_norm,
                            const at::Tensor& kva_norm, double eps_q, double eps_kv, const at::Tensor& cos2,
                            const at::Tensor& sin2, bool interleaved, at::Tensor& cache, const at::Tensor& slots,
                            const at::Tensor& pos, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale) {
   TORCH_CHECK(w.size() == 8 && groups.size() == 4,
-              "waferline::mla_attend_int4: 4 int4 weights (packed, scales) and 4 groups");
+              "waferline::mla_attend_int4: 4 weights (int4 packed and scales, or dense and empty) and 4 groups");
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "waferline::mla_attend_int4: x must be [B, 1, D]");
   TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == x.scalar_type() && cache.is_contiguous(),
               "waferline::mla_attend_int4: cache must be a contiguous [slots, capacity, r + rope] tensor of x's dtype");
@@ -1905,14 +1911,14 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   }
   at::Tensor q;
   if (w[0].numel()) {
-    q = int4_linear(rms_norm(int4_linear(x, w[0], w[1], groups[0]), qa_norm, eps_q), w[2], w[3], groups[1]);
+    q = mla_proj(rms_norm(mla_proj(x, w[0], w[1], groups[0]), qa_norm, eps_q), w[2], w[3], groups[1]);
   } else {
-    q = int4_linear(x, w[2], w[3], groups[1]);
+    q = mla_proj(x, w[2], w[3], groups[1]);
   }
   TORCH_CHECK(q.size(-1) == H * (n + p), "waferline::mla_attend_int4: q has ", q.size(-1),
               " outputs, want H (nope + rope)");
   q = q.view({B, 1, H, n + p});
-  auto ckv = int4_linear(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
+  auto ckv = mla_proj(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
   auto c = rms_norm(ckv.narrow(-1, 0, r), kva_norm, eps_kv);
   auto roped = rope(at::cat({q.narrow(-1, n, p), ckv.narrow(-1, r, p).unsqueeze(2)}, 2), cos2, sin2, p, interleaved);
   auto row = at::cat({c, roped.select(2, H)}, -1);  // [B, 1, r + rope]: this token's cache entry
@@ -1923,7 +1929,7 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
     blocked = at::arange(end, x.options().dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
   }
   auto out = mla_decode(q.narrow(-1, 0, n), roped.narrow(2, 0, H), keys, blocked, w_uk, w_uv, scale, x.scalar_type());
-  return int4_linear(out, w[6], w[7], groups[3]);
+  return mla_proj(out, w[6], w[7], groups[3]);
 }
 
 // ---------------------------------------------------------------- a decoder layer's decode step, one thread team

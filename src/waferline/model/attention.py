@@ -14,7 +14,7 @@ from torch import nn
 
 from waferline import kernels
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale, kept_args
+from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale, few_rows, kept_args
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
 
@@ -278,14 +278,19 @@ class MLAttention(nn.Module):
         """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights and
         epsilons) when this block can run as that one op for ``x``: at most MLA_FUSED_MAX_ROWS new tokens (a decode
         step, or a verify's few tokens per row, which go in as rows of one token) on CPU, a full-attention cache, every
-        projection an int4 weight in waferline's CPU layout without a bias, computing in x's dtype, norms in x's dtype. None
+        projection an int4 weight in waferline's CPU layout computing in x's dtype or a bf16 weight of a bf16 x (for
+        at most ``few_rows()`` rows: what Linear multiplies with ``linear_rows``, as the op then does), none with a
+        bias, norms in x's dtype. None
         otherwise (the eager chain below, which computes the same numbers). Built once per dtype and reused while every
         module and tensor it was built from is still the one the block holds (checked by identity, as MoE's are):
         looking them up through the modules took ~30 us a layer."""
-        if (x.shape[0] * x.shape[1] > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None
-                or not kernels.available()):
+        rows = x.shape[0] * x.shape[1]
+        if rows > MLA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None or not kernels.available():
             return None
-        return kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
+        args = kept_args(self, "_int4_cache", x.dtype, lambda deps: self._int4_args(x.dtype, deps))
+        if args is not None and args[6] and rows > few_rows(x.dtype):
+            return None
+        return args
 
     def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
         def look(d: dict, key: str) -> Any:
@@ -294,6 +299,7 @@ class MLAttention(nn.Module):
             return v
 
         names = ("q_a_proj", "q_b_proj") if self.spec.q_lora_rank else (None, "q_proj")
+        dense = False
         w: list[torch.Tensor] = []
         groups: list[int] = []
         for name in (*names, "kv_a_proj_with_mqa", "o_proj"):
@@ -302,9 +308,18 @@ class MLAttention(nn.Module):
                 groups.append(0)
                 continue
             lin = look(self._modules, name)
-            q = look(lin._modules, "int4") if lin is not None else None
-            if (q is None or q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead
-                    or look(lin._parameters, "bias") is not None):
+            if lin is None or look(lin._parameters, "bias") is not None:
+                return None
+            q = look(lin._modules, "int4")
+            if q is None:  # a dense weight: bf16 only (linear_rows, what Linear runs for few bf16 rows)
+                wt = look(lin._parameters, "weight")
+                if wt is None or wt.dtype != torch.bfloat16 or dtype != torch.bfloat16 or wt.dim() != 2:
+                    return None
+                w += [wt, _EMPTY]
+                groups.append(0)
+                dense = True
+                continue
+            if q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead:
                 return None
             w += [look(q._buffers, "packed"), look(q._buffers, "scales_zeros")]
             groups.append(q.group_size)
@@ -313,7 +328,7 @@ class MLAttention(nn.Module):
         norms = [look(kv._parameters, "weight"), look(qn._parameters, "weight")]
         if any(nw is None or nw.dtype != dtype for nw in norms):
             return None
-        return w, groups, norms[1], norms[0], qn.eps, kv.eps
+        return w, groups, norms[1], norms[0], qn.eps, kv.eps, dense
 
     def step_args(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> tuple | None:
         """``waferline::mla_attend_int4``'s arguments after ``x`` (as rows of one token: ``x.view(-1, 1, D)``) for this
@@ -325,7 +340,7 @@ class MLAttention(nn.Module):
             return None
         cos, sin, data, slots, start = self.step_dynamic(cache, batch)
         w_uk, w_uv = self.absorbed()
-        w, groups, qn_w, kv_w, qn_eps, kv_eps = fused
+        w, groups, qn_w, kv_w, qn_eps, kv_eps, _ = fused
         return (w, groups, qn_w, kv_w, qn_eps, kv_eps, cos, sin, self.rotary.interleaved, data, slots, start, w_uk,
                 w_uv, self.scale)
 

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from waferline import kernels
 from waferline.errors import CheckpointError, ConfigError
-from waferline.model.layers import kept_args, packed_linear
+from waferline.model.layers import few_rows, kept_args, packed_linear
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
@@ -186,13 +186,30 @@ class DenseFFN(nn.Module):
     def residual_args(self, x: Tensor) -> tuple | None:
         """``waferline::ffn_residual``'s arguments after ``(h, norm, eps)`` when this FFN runs in that op for the rows
         of ``x`` (a dense FFN: no gate, its weights where a MoE block's shared expert's go): CPU, SwiGLU without
-        biases, both weights int4 in waferline's CPU layout computing in x's dtype, one group size; else None."""
+        biases, both weights int4 in waferline's CPU layout computing in x's dtype, one group size, or both bf16 for a
+        bf16 x of at most ``few_rows()`` rows (the op's products then run linear_rows' kernel, as ``linear`` does for
+        such rows); else None."""
+        rows = x.numel() // x.shape[-1]
         if not (self.gated and self.act is F.silu and x.device.type == "cpu" and "linear" not in self.__dict__
-                and x.numel() // x.shape[-1] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+                and rows <= MOE_FUSED_MAX_ROWS and kernels.available()):
             return None
-        return kept_args(self, "_residual_cache", x.dtype, lambda deps: self._residual_args(x.dtype, deps))
+        args = kept_args(self, "_residual_cache", x.dtype, lambda deps: self._residual_args(x.dtype, deps))
+        if args is not None and args[-3] == 0 and rows > few_rows(x.dtype):  # (group 0: dense weights)
+            return None
+        return args
 
     def _residual_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
+        if "q_gate_up" not in self._modules and "q_down" not in self._modules:  # dense: bf16 only
+            ws = []
+            for which in ("gate_up", "down"):
+                for key in ("w_" + which, "b_" + which):
+                    deps.append((self._parameters, key, self._parameters.get(key)))
+                w, bias = deps[-2][2], deps[-1][2]
+                if w is None or bias is not None or w.dtype != torch.bfloat16 or dtype != torch.bfloat16:
+                    return None
+                ws += [w, _NONE]
+            return (_NONE, _NONE, _NONE, 0, False, False, 1, 1, False, False, 1.0, [_NONE] * 4 + ws, 0, 0,
+                    self.intermediate_size)
         parts = []
         for which in ("gate_up", "down"):
             for d, key in ((self._modules, "q_" + which), (self._parameters, "b_" + which)):
