@@ -56,44 +56,60 @@ def test_one_token_moe_path_matches_sorted_path(tmp_path, one_thread):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
-def test_bf16_mla_layers_run_as_one_op(tmp_path, monkeypatch, one_thread):
-    """A bf16 DeepSeek-V3's decode steps of up to few_rows() rows run each layer as one op (mla_moe_layer with dense
-    bf16 projections; the dense first layer's FFN in ffn_residual), so the step plan holds: bitwise the logits of the
-    eager chain (the same kernels: linear_rows for the projections, rms_norm, rope, mla_decode), step after step, for
-    1, 2 and 4 rows; more rows than few_rows() keep the modules (where oneDNN multiplies them)."""
-    from waferline.model.attention import MLAttention
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "llama"])
+@pytest.mark.parametrize("variant", ["bf16", "int4"])
+def test_attention_layers_run_as_one_op(tmp_path, monkeypatch, model_type, variant, one_thread):
+    """Decode steps and verifies of DeepSeek-V3 (MLA), Qwen3-MoE and Llama (GQA) layers, bf16 or int4, run each layer
+    as one op (mla_moe_layer / gqa_moe_layer: the attention block with int4 or dense bf16 projections, the FFN in
+    ffn_residual, the dense FFNs' bf16 weights too) up to few_rows() bf16 rows, so the step plan holds: bitwise the
+    logits and greedy tokens of the modules (the same kernels: linear_rows or int4_linear, rms_norm, rope, the
+    attention op), step after step, for 1, 2 and few_rows() rows, rows at different positions and a 2-token verify.
+    More bf16 rows than few_rows() keep the modules (where oneDNN multiplies them)."""
+    from waferline.model.attention import GQAttention, MLAttention
     from waferline.model.layers import few_rows
     from waferline.model.moe import DenseFFN
+    from waferline.model.quant import QuantOptions, quantize_model
 
-    build("deepseek_v3", tmp_path)
+    build(model_type, tmp_path, **({"q_lora_rank": 64} if model_type == "deepseek_v3" else {}))  # (int4 groups of 32)
     model = load_model(tmp_path, torch.bfloat16)
-    assert any(type(layer.ffn) is DenseFFN for layer in model.layers)  # (the dense first layer is covered)
-    fused_block, fused_ffn = MLAttention._int4_block, DenseFFN.residual_args
-    V = model.spec.vocab_size
+    if variant == "int4":
+        quantize_model(model, QuantOptions(group_size=32))
+    if model_type == "deepseek_v3":
+        assert any(type(layer.ffn) is DenseFFN for layer in model.layers)  # (the dense first layer is covered)
+    fused = {(MLAttention, "_int4_block"): MLAttention._int4_block, (GQAttention, "_block"): GQAttention._block,
+             (DenseFFN, "residual_args"): DenseFFN.residual_args}
+    V, most = model.spec.vocab_size, few_rows(torch.bfloat16) if variant == "bf16" else 8
 
-    def use(fused: bool) -> None:
-        monkeypatch.setattr(MLAttention, "_int4_block", fused_block if fused else lambda self, x, cache: None)
-        monkeypatch.setattr(DenseFFN, "residual_args", fused_ffn if fused else lambda self, x: None)
+    def use(on: bool) -> None:
+        for (cls, name), f in fused.items():
+            monkeypatch.setattr(cls, name, f if on else lambda self, *a: None)
 
-    for B in sorted({1, 2, few_rows(torch.bfloat16), few_rows(torch.bfloat16) + 1}):
+    def step(tokens: torch.Tensor, pos: list[int], sets: dict) -> torch.Tensor:
+        got = {}
+        B, T = tokens.shape
+        for on, caches in sets.items():
+            use(on)
+            got[on] = model.step_logits(tokens, caches, StepBatch.make(list(range(B)), pos, T), argmax=True)
+            if on:  # (every layer one op: the step recorded a plan)
+                planned = any(p is not None for p in model.__dict__.get("_step_plans", {}).values())
+                assert planned == (B * T <= most), (B, T)
+        assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), (B, T, pos)
+        return got[True][2]
+
+    for B in sorted({1, 2, most, most + 1}):
         model.__dict__.pop("_step_plans", None)
         sets = {True: model.new_caches(B), False: model.new_caches(B)}
+        lens = [11 + 2 * (b % 2) for b in range(B)]  # (odd rows two tokens ahead: rows at different positions)
         with torch.inference_mode():
-            for fused, caches in sets.items():
-                use(fused)
+            for on, caches in sets.items():
+                use(on)
                 for b in range(B):
-                    model((torch.arange(3, 14)[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], 11))
-            pos, tok = [11] * B, torch.arange(5, 5 + B)[:, None]
+                    model((torch.arange(3, 3 + lens[b])[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], lens[b]))
+            pos, tok = list(lens), torch.arange(5, 5 + B)[:, None]
             for _ in range(3):
-                got = {}
-                for fused, caches in sets.items():
-                    use(fused)
-                    got[fused] = model.step_logits(tok, caches, StepBatch.make(list(range(B)), pos, 1), argmax=True)
-                    if fused:  # (every layer one op: the step recorded a plan)
-                        planned = any(p is not None for p in model.__dict__.get("_step_plans", {}).values())
-                        assert planned == (B <= few_rows(torch.bfloat16)), B
-                assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), B
-                tok, pos = got[True][2], [p + 1 for p in pos]
+                tok, pos = step(tok, pos, sets), [p + 1 for p in pos]
+            if 2 * B <= most:  # a verify: 2 tokens per row (its tokens go in as rows)
+                step(torch.cat([tok, tok + 1], dim=1), pos, sets)
 
 
 def test_bf16_attention_close_to_fp32(tmp_path, one_thread):
@@ -331,8 +347,9 @@ def test_few_row_bf16_linear(K, portable):
     """bf16 products of 1..FEW_ROWS rows run waferline::linear_rows (no oneDNN copy made): the fp32 product of the same
     bf16 numbers, rounded once to bf16 (a different summation order may flip a rounding), bias added after; K not a
     multiple of the kernel's 128-wide steps exercises its tail; ``portable``: the loop CPUs without AVX512-BF16 or
-    AVX2 run. Linear routes ``few_rows()`` rows there (FEW_ROWS, or 8 where oneDNN has no bf16 GEMM); the operator
-    itself is checked at every row count it takes (1-8: each has its own register blocking)."""
+    AVX2 run. Linear routes ``few_rows()`` rows there (FEW_ROWS: 8); the operator itself is checked at every row count
+    it takes (1-8), and each row of x gets bitwise what it gets alone (the same summation order at every row count:
+    a speculative verify's tokens compute what one-token steps compute)."""
     from waferline.model.layers import KERNEL_FEW_ROWS, Linear, few_rows
 
     prev = torch.ops.waferline.use_portable(portable)
@@ -343,7 +360,10 @@ def test_few_row_bf16_linear(K, portable):
         for rows in range(1, KERNEL_FEW_ROWS + 1):
             x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
             ref = x.float() @ w.float().T
-            out = torch.ops.waferline.linear_rows(x, w).float()
+            out = torch.ops.waferline.linear_rows(x, w)
+            alone = torch.cat([torch.ops.waferline.linear_rows(x[i: i + 1], w) for i in range(rows)])
+            assert torch.equal(out, alone), f"{rows} rows"
+            out = out.float()
             assert bool(((out - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all()), f"{rows} rows"
     finally:
         torch.ops.waferline.use_portable(prev)

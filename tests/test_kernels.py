@@ -318,8 +318,8 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
     """waferline::mla_attend_int4 (an int4 MLA block's decode step as one op) against MLAttention.forward's eager
     chain: bitwise the same logits and caches over prefill + 4 decode steps, for 1 row, 3 rows in scattered slots at
     different positions (masks), 4 rows at one position; short prefills (their tokens as rows of one slot); with a q
-    LoRA (V3) and without (V2); rows past MLA_FUSED_MAX_ROWS, fp32 activations or bf16 weights keep the eager chain
-    (the op is not called); the op's
+    LoRA (V3) and without (V2); rows past MLA_FUSED_MAX_ROWS, fp32 activations or a projection that is not waferline's
+    Linear keep the eager chain (the op is not called); bf16 weights go in as dense projections; the op's
     arguments, kept between calls, follow a replaced projection."""
     from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
     from waferline.model.quant import QuantOptions, quantize_model
@@ -371,9 +371,10 @@ def test_mla_attend_int4_is_the_eager_chain(tmp_path, model_type, monkeypatch, o
             assert m._int4_block(x, m.new_cache(1)) is None
             m.o_proj = o
             assert m._int4_block(x, m.new_cache(1))[0][6] is o.int4.packed
-    dense = load_model(tmp_path, torch.bfloat16)
+    dense = load_model(tmp_path, torch.bfloat16)  # bf16 projections: the op multiplies them with linear_rows
     att = next(m for m in dense.modules() if isinstance(m, MLAttention))
-    assert att._int4_block(torch.zeros(1, 1, dense.spec.hidden_size, dtype=torch.bfloat16), att.new_cache(1)) is None
+    x = torch.zeros(1, 1, dense.spec.hidden_size, dtype=torch.bfloat16)
+    assert att._int4_block(x, att.new_cache(1))[6] and att._int4_block(x.float(), att.new_cache(1)) is None
 
 
 def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_thread):
@@ -411,8 +412,9 @@ def test_op_counter_sees_inside_mla_attend_int4(tmp_path, monkeypatch, one_threa
 
 def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
     """The op counter prices a whole layer's decode step as one op (waferline::mla_moe_layer with a MoE block or a
-    dense FFN; mamba_ffn_layer) by its parts: the same int4 calls (the mixer's, the experts' as routed, the dense
-    FFN's), rms_norm and silu_mul elements, mla_decode FLOPs and mamba2_mix state elements as the modules' path
+    dense FFN, int4 or bf16; gqa_moe_layer; mamba_ffn_layer) by its parts: the same linear calls (the mixer's, the
+    experts' as routed, the dense FFN's), rms_norm and silu_mul elements, mla_decode FLOPs and mamba2_mix state
+    elements as the modules' path
     counts for a decode step of 3 rows at different positions, the FFN's under ``ffn_label`` as the twin's label-only
     hooks put the modules' FFN ops; no more ops than the modules' path."""
     from waferline.model.quant import QuantOptions, quantize_model
@@ -422,6 +424,14 @@ def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
     quantize_model(model, QuantOptions(group_size=32))
     for layer in (model.layers[-1], model.layers[0]):  # MLA + MoE, MLA + a dense FFN
         _counted_layer_parts(model, layer, monkeypatch)
+    bf16 = load_model(tmp_path, torch.bfloat16)  # the same layers with bf16 weights (3 rows: few_rows() or fewer)
+    for layer in (bf16.layers[-1], bf16.layers[0]):
+        _counted_layer_parts(bf16, layer, monkeypatch)
+    for model_type in ("qwen3_moe", "llama"):  # GQA + MoE, GQA + a dense FFN: waferline::gqa_moe_layer
+        build(model_type, tmp_path / model_type)
+        gqa = load_model(tmp_path / model_type, torch.bfloat16)
+        quantize_model(gqa, QuantOptions(group_size=32))
+        _counted_layer_parts(gqa, gqa.layers[-1], monkeypatch)
     sol = load_model(SOL_MINI, torch.bfloat16)
     quantize_model(sol, QuantOptions(group_size=64))
     assert type(sol.layers[1].mixer).__name__ == "Mamba2Mixer"
@@ -463,7 +473,7 @@ def _counted_layer_parts(model, layer, monkeypatch):
     eager, fused = step_work(False), step_work(True)
     for lab in ("layer", "ffn"):
         e, f = eager.work[lab], fused.work[lab]
-        keys = [k for k in e if k.startswith("call|int4")]
+        keys = [k for k in e if k.startswith("call|")]
         assert keys and {k: f.get(k) for k in keys} == {k: e[k] for k in keys}, lab
         assert not [k for k in f if k.startswith("call|") and k not in e], lab
     for k in [k for k in eager.work["layer"] if k.startswith("fused|")]:  # rms_norm, mla_decode or mamba2_mix
@@ -499,14 +509,15 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     """A layer's step as one op against DecoderLayer's modules (norms, mixer, FFN blocks, residual adds): bitwise the
     same logits and caches over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions
     and 8 and 9 rows. waferline::mla_moe_layer runs the whole decode step of every MLA layer with an int4 MoE or dense
-    FFN, waferline::mamba_ffn_layer of every Mamba-2 layer (sol-mini: Mamba-2 and MLA mixers, MoE and dense FFNs),
-    one call per layer and step (MLA: up to MLA_FUSED_MAX_ROWS tokens, prefills that short too); waferline::ffn_residual the FFN half of the
-    other steps (prefill, more rows, a GQA mixer). Groups of 32 take the ops' composed paths; groups of 64 (the
+    FFN, waferline::gqa_moe_layer of every GQA layer (Qwen3-MoE), waferline::mamba_ffn_layer of every Mamba-2 layer
+    (sol-mini: Mamba-2 and MLA mixers, MoE and dense FFNs), one call per layer and step (MLA and GQA: up to
+    MLA_FUSED_MAX_ROWS tokens, prefills that short too); waferline::ffn_residual the FFN half of the other steps
+    (prefill, more rows). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
     mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2 threads
     a one-row step's attention and W_UV passes run without a barrier between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
     label-only."""
-    from waferline.model.attention import MLA_FUSED_MAX_ROWS, MLAttention
+    from waferline.model.attention import GQA_FUSED_MAX_ROWS, MLA_FUSED_MAX_ROWS, GQAttention, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
     from waferline.model.quant import QuantOptions, quantize_model
@@ -529,10 +540,13 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     assert sum(fusable) >= 2 and any(isinstance(layer.ffn, MoE) for layer in model.layers)
     mla = sum(f and isinstance(layer.mixer, MLAttention) for f, layer in zip(fusable, model.layers))
     mamba = sum(f and isinstance(layer.mixer, Mamba2Mixer) for f, layer in zip(fusable, model.layers))
-    assert (mamba > 0) == (model_type == "sol-mini")
-    calls = {"layer": 0, "mamba": 0, "ffn": 0}
+    gqa = sum(f and isinstance(layer.mixer, GQAttention) for f, layer in zip(fusable, model.layers))
+    assert (mamba > 0) == (model_type == "sol-mini") and (gqa > 0) == (model_type == "qwen3_moe")
+    assert GQA_FUSED_MAX_ROWS == MLA_FUSED_MAX_ROWS
+    calls = {"layer": 0, "gqa": 0, "mamba": 0, "ffn": 0}
     ops = {name: getattr(torch.ops.waferline, op)
-           for name, op in (("layer", "mla_moe_layer"), ("mamba", "mamba_ffn_layer"), ("ffn", "ffn_residual"))}
+           for name, op in (("layer", "mla_moe_layer"), ("gqa", "gqa_moe_layer"), ("mamba", "mamba_ffn_layer"),
+                            ("ffn", "ffn_residual"))}
 
     def counting(name):
         def call(*a):
@@ -541,9 +555,10 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
         return call
 
     def run(fuse_layers: bool, prompts, slots, nslots):
-        calls.update(layer=0, mamba=0, ffn=0)
+        calls.update(layer=0, gqa=0, mamba=0, ffn=0)
         with monkeypatch.context() as mp:
             mp.setattr(torch.ops.waferline, "mla_moe_layer", counting("layer"))
+            mp.setattr(torch.ops.waferline, "gqa_moe_layer", counting("gqa"))
             mp.setattr(torch.ops.waferline, "mamba_ffn_layer", counting("mamba"))
             mp.setattr(torch.ops.waferline, "ffn_residual", counting("ffn"))
             if not fuse_layers:
@@ -558,12 +573,12 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
         for lens, slots, nslots in cases:
             prompts = [torch.randint(3, 120, (k,), generator=g).tolist() for k in lens]
             ref, cr = run(False, prompts, slots, nslots)
-            assert calls == {"layer": 0, "mamba": 0, "ffn": 0}
+            assert calls == {"layer": 0, "gqa": 0, "mamba": 0, "ffn": 0}
             teams = torch.ops.waferline.team_halves()
             out, co = run(True, prompts, slots, nslots)
             # MLA: the decode steps (up to MLA_FUSED_MAX_ROWS rows) and the prefills that short (tokens as rows)
             steps = (4 if len(lens) <= MLA_FUSED_MAX_ROWS else 0) + sum(k <= MLA_FUSED_MAX_ROWS for k in lens)
-            assert calls["layer"] == steps * mla, (lens, calls)
+            assert calls["layer"] == steps * mla and calls["gqa"] == steps * gqa, (lens, calls)
             assert calls["mamba"] == 4 * mamba, (lens, calls)
             ffn_halves += calls["ffn"]
             ran_teams = torch.ops.waferline.team_halves() - teams

@@ -441,57 +441,51 @@ void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // One weight row at a time, read straight through (the hardware prefetcher's best case: measured 1.4-1.9x the GB/s
-// of blocking several rows together), into M x U independent accumulators (U chains over K hide the dot product's
-// latency when M is small).
-template <int M, int U>
-void bf16_block(const uint16_t* x, const uint16_t* w, int64_t K, c10::BFloat16* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t Kv = K / (32 * U) * (32 * U);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * K;
-    __m512 acc[U][M];
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < M; ++m) acc[u][m] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < Kv; k += 32 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
-        for (int m = 0; m < M; ++m)
-          acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
-      }
+// of blocking several rows together), into 4 independent accumulators per row of x (chains over K that hide the dot
+// product's latency), MM (1 or 2) rows of x at a time: each further pair of rows reads the weight row again from L1.
+// Every row of x sums in the same order whatever the number of rows, so a row's result does not depend on the rows
+// beside it (a speculative verify's T tokens compute what T one-token steps compute, bitwise).
+constexpr int BF16_CHAINS = 4;
+
+template <int MM>
+inline void bf16_row_pair(const uint16_t* x, const uint16_t* wr, int64_t K, int64_t Kv, c10::BFloat16* y, int64_t ldy) {
+  __m512 acc[BF16_CHAINS][MM];
+  for (int u = 0; u < BF16_CHAINS; ++u)
+    for (int m = 0; m < MM; ++m) acc[u][m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < Kv; k += 32 * BF16_CHAINS) {
+    for (int u = 0; u < BF16_CHAINS; ++u) {
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + k + 32 * u);
+      for (int m = 0; m < MM; ++m)
+        acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32 * u));
     }
-    for (int m = 0; m < M; ++m) {
-      __m512 a = acc[0][m];
-      for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][m]);
-      float v = _mm512_reduce_add_ps(a);
-      for (int64_t k = Kv; k < K; ++k)
-        v += f32(c10::BFloat16(x[m * K + k], c10::BFloat16::from_bits())) *
-             f32(c10::BFloat16(wr[k], c10::BFloat16::from_bits()));
-      y[m * ldy + n] = c10::BFloat16(v);
-    }
+  }
+  for (int m = 0; m < MM; ++m) {
+    __m512 a = acc[0][m];
+    for (int u = 1; u < BF16_CHAINS; ++u) a = _mm512_add_ps(a, acc[u][m]);
+    float v = _mm512_reduce_add_ps(a);
+    for (int64_t k = Kv; k < K; ++k)
+      v += f32(c10::BFloat16(x[m * K + k], c10::BFloat16::from_bits())) *
+           f32(c10::BFloat16(wr[k], c10::BFloat16::from_bits()));
+    y[m * ldy] = c10::BFloat16(v);
   }
 }
 
-template <int M>
-void bf16_rows(const uint16_t* x, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
-  constexpr int U = M <= 2 ? 4 : (M <= 4 ? 2 : 1);
-  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
-                   [&](int64_t n0, int64_t n1) { bf16_block<M, U>(x, w, K, y, ldy, n0, n1); });
+void bf16_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
+  const int64_t Kv = K / (32 * BF16_CHAINS) * (32 * BF16_CHAINS);
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      int64_t m = 0;
+      for (; m + 2 <= M; m += 2) bf16_row_pair<2>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
+      if (m < M) bf16_row_pair<1>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
+    }
+  });
 }
 
 bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, int64_t N, int64_t K,
                    c10::BFloat16* y, int64_t ldy) {
-  auto x = reinterpret_cast<const uint16_t*>(xp);
-  auto w = reinterpret_cast<const uint16_t*>(wp);
-  switch (M) {
-    case 1: bf16_rows<1>(x, w, N, K, y, ldy); return true;
-    case 2: bf16_rows<2>(x, w, N, K, y, ldy); return true;
-    case 3: bf16_rows<3>(x, w, N, K, y, ldy); return true;
-    case 4: bf16_rows<4>(x, w, N, K, y, ldy); return true;
-    case 5: bf16_rows<5>(x, w, N, K, y, ldy); return true;
-    case 6: bf16_rows<6>(x, w, N, K, y, ldy); return true;
-    case 7: bf16_rows<7>(x, w, N, K, y, ldy); return true;
-    case 8: bf16_rows<8>(x, w, N, K, y, ldy); return true;
-  }
-  return false;
+  if (M < 1 || M > 8) return false;
+  bf16_rows(reinterpret_cast<const uint16_t*>(xp), M, reinterpret_cast<const uint16_t*>(wp), N, K, y, ldy);
+  return true;
 }
 #endif
 
@@ -532,63 +526,41 @@ inline float ssm_token(float* h, float a, float x, const float* B, const float* 
 
 #if defined(WAFERLINE_BF16_AVX2)
 
-// One weight row at a time, straight through, into M x U accumulators (x already in fp32). A bf16 is the top half of
-// an fp32, so 16 weights loaded as 8 32-bit lanes give the odd-indexed ones as fp32 by masking the low half off and the
-// even-indexed ones by shifting left 16: two integer ops per 16 weights (widening 8 at a time with vpmovzxwd + shift
-// ran at ~14 GB/s, compute-bound); x is laid out to match (per 16: its 8 even entries, then its 8 odd ones). The same
-// exact products and fp32 sums as the portable loop, in another order.
-template <int M, int U, int S>
-void bf16_block_avx2(const float* xp, const uint16_t* w, int64_t K, int64_t Kv, c10::BFloat16* y, int64_t ldy,
-                     int64_t n0, int64_t n1) {
+// One weight row at a time, straight through, into 8 accumulators per row of x (x already in fp32), one row of x at
+// a time (each further row reads the weight row again from L1): every row sums in the same order whatever the number
+// of rows, so its result does not depend on the rows beside it (a verify's tokens compute what one-token steps do).
+// A bf16 is the top half of an fp32, so 16 weights loaded as 8 32-bit lanes give the odd-indexed ones as fp32 by
+// masking the low half off and the even-indexed ones by shifting left 16: two integer ops per 16 weights (widening 8
+// at a time with vpmovzxwd + shift ran at ~14 GB/s, compute-bound); x is laid out to match (per 16: its 8 even
+// entries, then its 8 odd ones). The same exact products and fp32 sums as the portable loop, in another order.
+constexpr int BF16_AVX2_U = 4;  // 4 x (even, odd) chains: FMA latency x throughput, within AVX2's 16 registers
+
+inline void bf16_row_avx2(const float* xm, const uint16_t* wr, int64_t K, int64_t Kv, c10::BFloat16* y) {
   const int64_t K16 = K / 16 * 16;  // x is laid out in blocks of 16 up to here, as it is beyond
   const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint16_t* wr = w + n * K;
-    __m256 acc[U][M][S];  // S = 2: the even and the odd products in chains of their own (FMA latency, few rows)
-    for (int u = 0; u < U; ++u)
-      for (int m = 0; m < M; ++m)
-        for (int t = 0; t < S; ++t) acc[u][m][t] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < Kv; k += 16 * U) {
-      for (int u = 0; u < U; ++u) {
-        const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16 * u));
-        const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wi, 16));
-        const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wi, hi));
-        for (int m = 0; m < M; ++m) {
-          const float* xm = xp + m * K + k + 16 * u;
-          acc[u][m][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xm), acc[u][m][0]);
-          acc[u][m][S - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xm + 8), acc[u][m][S - 1]);
-        }
-      }
-    }
-    for (int64_t k = Kv; k < K16; k += 16) {  // whole blocks of 16 left after the unrolled ones
-      const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
-      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(wi, 16));
-      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(wi, hi));
-      for (int m = 0; m < M; ++m) {
-        acc[0][m][0] = _mm256_fmadd_ps(even, _mm256_loadu_ps(xp + m * K + k), acc[0][m][0]);
-        acc[0][m][S - 1] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(xp + m * K + k + 8), acc[0][m][S - 1]);
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      __m256 a = acc[0][m][0];
-      for (int u = 0; u < U; ++u)
-        for (int t = 0; t < S; ++t)
-          if (u || t) a = _mm256_add_ps(a, acc[u][m][t]);
-      float v = hsum8(a);
-      for (int64_t k = K16; k < K; ++k) v += xp[m * K + k] * bf16_bits_f32(wr[k]);
-      y[m * ldy + n] = c10::BFloat16(v);
+  __m256 acc[BF16_AVX2_U][2];
+  for (int u = 0; u < BF16_AVX2_U; ++u) acc[u][0] = acc[u][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < Kv; k += 16 * BF16_AVX2_U) {
+    for (int u = 0; u < BF16_AVX2_U; ++u) {
+      const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k + 16 * u));
+      acc[u][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wi, 16)), _mm256_loadu_ps(xm + k + 16 * u),
+                                  acc[u][0]);
+      acc[u][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wi, hi)), _mm256_loadu_ps(xm + k + 16 * u + 8),
+                                  acc[u][1]);
     }
   }
-}
-
-template <int M>
-void bf16_rows_avx2(const float* xp, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
-  // ~8 independent accumulator chains (FMA latency x throughput), within AVX2's 16 registers
-  constexpr int U = M == 1 ? 4 : (M == 2 ? 2 : 1);
-  constexpr int S = M <= 2 ? 2 : 1;
-  const int64_t Kv = K / (16 * U) * (16 * U);
-  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
-                   [&](int64_t n0, int64_t n1) { bf16_block_avx2<M, U, S>(xp, w, K, Kv, y, ldy, n0, n1); });
+  for (int64_t k = Kv; k < K16; k += 16) {  // whole blocks of 16 left after the unrolled ones
+    const __m256i wi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr + k));
+    acc[0][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(wi, 16)), _mm256_loadu_ps(xm + k), acc[0][0]);
+    acc[0][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(wi, hi)), _mm256_loadu_ps(xm + k + 8), acc[0][1]);
+  }
+  __m256 a = acc[0][0];
+  for (int u = 0; u < BF16_AVX2_U; ++u)
+    for (int t = 0; t < 2; ++t)
+      if (u || t) a = _mm256_add_ps(a, acc[u][t]);
+  float v = hsum8(a);
+  for (int64_t k = K16; k < K; ++k) v += xm[k] * bf16_bits_f32(wr[k]);
+  *y = c10::BFloat16(v);
 }
 
 bool few_rows_bf16_avx2(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, int64_t N, int64_t K,
@@ -608,17 +580,13 @@ bool few_rows_bf16_avx2(const c10::BFloat16* xp, int64_t M, const c10::BFloat16*
     for (int64_t k = K16; k < K; ++k) d[k] = bf16_bits_f32(s[k]);
   }
   auto w = reinterpret_cast<const uint16_t*>(wp);
-  switch (M) {
-    case 1: bf16_rows_avx2<1>(xf.data(), w, N, K, y, ldy); return true;
-    case 2: bf16_rows_avx2<2>(xf.data(), w, N, K, y, ldy); return true;
-    case 3: bf16_rows_avx2<3>(xf.data(), w, N, K, y, ldy); return true;
-    case 4: bf16_rows_avx2<4>(xf.data(), w, N, K, y, ldy); return true;
-    case 5: bf16_rows_avx2<5>(xf.data(), w, N, K, y, ldy); return true;
-    case 6: bf16_rows_avx2<6>(xf.data(), w, N, K, y, ldy); return true;
-    case 7: bf16_rows_avx2<7>(xf.data(), w, N, K, y, ldy); return true;
-    case 8: bf16_rows_avx2<8>(xf.data(), w, N, K, y, ldy); return true;
-  }
-  return false;
+  if (M < 1 || M > 8) return false;
+  const int64_t Kv = K / (16 * BF16_AVX2_U) * (16 * BF16_AVX2_U);
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) bf16_row_avx2(xf.data() + m * K, w + n * K, K, Kv, y + m * ldy + n);
+  });
+  return true;
 }
 #endif
 
@@ -1880,7 +1848,7 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
 // w: packed / scales of q_a, q_b, kv_a, o (q_a's both empty: q_b is q_proj); groups: their group sizes. A projection
 // may instead be a dense 16-bit weight [out, in] with empty scales (a bf16 model's, for rows of up to FEW_ROWS):
 // linear_rows then multiplies it, as Linear does for such rows.
-at::Tensor mla_proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor block_proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   return sz.numel() ? int4_linear(x, w, sz, group) : linear_rows(x, w);
 }
 
@@ -1911,14 +1879,14 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   }
   at::Tensor q;
   if (w[0].numel()) {
-    q = mla_proj(rms_norm(mla_proj(x, w[0], w[1], groups[0]), qa_norm, eps_q), w[2], w[3], groups[1]);
+    q = block_proj(rms_norm(block_proj(x, w[0], w[1], groups[0]), qa_norm, eps_q), w[2], w[3], groups[1]);
   } else {
-    q = mla_proj(x, w[2], w[3], groups[1]);
+    q = block_proj(x, w[2], w[3], groups[1]);
   }
   TORCH_CHECK(q.size(-1) == H * (n + p), "waferline::mla_attend_int4: q has ", q.size(-1),
               " outputs, want H (nope + rope)");
   q = q.view({B, 1, H, n + p});
-  auto ckv = mla_proj(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
+  auto ckv = block_proj(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
   auto c = rms_norm(ckv.narrow(-1, 0, r), kva_norm, eps_kv);
   auto roped = rope(at::cat({q.narrow(-1, n, p), ckv.narrow(-1, r, p).unsqueeze(2)}, 2), cos2, sin2, p, interleaved);
   auto row = at::cat({c, roped.select(2, H)}, -1);  // [B, 1, r + rope]: this token's cache entry
@@ -1929,7 +1897,89 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
     blocked = at::arange(end, x.options().dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
   }
   auto out = mla_decode(q.narrow(-1, 0, n), roped.narrow(2, 0, H), keys, blocked, w_uk, w_uv, scale, x.scalar_type());
-  return mla_proj(out, w[6], w[7], groups[3]);
+  return block_proj(out, w[6], w[7], groups[3]);
+}
+
+// ---------------------------------------------------------------- GQA attention block, one decode token per row
+// What GQAttention.forward computes for rows of one new token each (a decode step; a verify's tokens as rows, as
+// mla_attend_int4 takes them) with a full-attention cache and no biases, as one call: q, k, v = the projections of x
+// (block_proj: int4, or dense bf16 with empty scales), the q and k RMSNorms over the head dim (empty weights: none),
+// the first ``rot`` channels of q and k rotated together (rope; rot 0: none), [k | v] written into ``cache`` [slots,
+// capacity, 2 Hkv hd] at (slots[b], pos[b]), gqa_decode over keys 0..max(pos) (keys past a row's own position masked
+// when rows differ; ``sinks`` fp32 [H] or empty), then o_proj. The same operators on the same tensors, in the same
+// order, as the modules run: the same numbers. w: q, k, v, o (weight, scales); groups: their group sizes.
+at::Tensor gqa_attend(const at::Tensor& x, at::TensorList w, at::IntArrayRef groups, const at::Tensor& q_norm,
+                      const at::Tensor& k_norm, double qk_eps, const at::Tensor& cos2, const at::Tensor& sin2,
+                      int64_t rot, bool interleaved, at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
+                      const at::Tensor& sinks, double scale, int64_t H, int64_t Hkv) {
+  TORCH_CHECK(w.size() == 8 && groups.size() == 4, "waferline::gqa_moe_layer: 4 weights (int4 packed and scales, or "
+              "dense and empty) and 4 groups");
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1, "waferline::gqa_moe_layer: x must be [B, 1, D]");
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && cache.dim() == 3 && cache.scalar_type() == x.scalar_type() &&
+                  cache.is_contiguous() && cache.size(2) % (2 * Hkv) == 0,
+              "waferline::gqa_moe_layer: cache must be a contiguous [slots, capacity, 2 Hkv hd] tensor of x's dtype");
+  const int64_t B = x.size(0), hd = cache.size(2) / (2 * Hkv);
+  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == B && pos.numel() == B,
+              "waferline::gqa_moe_layer: slots and pos are int64 [B]");
+  auto sl = slots.contiguous();
+  auto ps = pos.contiguous();
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  const int64_t* pp = ps.data_ptr<int64_t>();
+  int64_t end = 0;
+  bool consecutive = true, uniform = true;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(sp[b] >= 0 && sp[b] < cache.size(0) && pp[b] >= 0 && pp[b] < cache.size(1),
+                "waferline::gqa_moe_layer: slot or position outside the cache");
+    end = std::max(end, pp[b] + 1);
+    consecutive = consecutive && sp[b] == sp[0] + b;
+    uniform = uniform && pp[b] == pp[0];
+  }
+  auto q = block_proj(x, w[0], w[1], groups[0]);
+  auto k = block_proj(x, w[2], w[3], groups[1]);
+  auto v = block_proj(x, w[4], w[5], groups[2]);
+  TORCH_CHECK(q.size(-1) == H * hd && k.size(-1) == Hkv * hd && v.size(-1) == Hkv * hd,
+              "waferline::gqa_moe_layer: q / k / v widths must be H hd / Hkv hd / Hkv hd");
+  q = q.view({B, 1, H, hd});
+  k = k.view({B, 1, Hkv, hd});
+  v = v.view({B, 1, Hkv, hd});
+  if (q_norm.numel()) q = rms_norm(q, q_norm, qk_eps), k = rms_norm(k, k_norm, qk_eps);
+  if (rot) {
+    auto qk = rope(at::cat({q, k}, 2), cos2, sin2, rot, interleaved);
+    q = qk.narrow(2, 0, H), k = qk.narrow(2, H, Hkv);
+  }
+  auto row = at::cat({k, v}, 2).view({B, 1, 2 * Hkv * hd});  // this token's cache entry
+  for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b).select(0, 0));
+  auto keys = consecutive ? cache.narrow(0, sp[0], B).narrow(1, 0, end) : cache.index_select(0, sl).narrow(1, 0, end);
+  at::Tensor blocked = at::empty({0}, x.options().dtype(at::kBool));
+  if (!uniform) blocked = at::arange(end, x.options().dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
+  auto out = gqa_decode(q, keys.reshape({B, end, 2 * Hkv, hd}), blocked, sinks, scale);
+  return block_proj(out.reshape({B, 1, H * hd}), w[6], w[7], groups[3]);
+}
+
+std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
+                                                const at::Tensor& gate_w, const at::Tensor& gate_b,
+                                                const at::Tensor& corr, int64_t k, bool softmax_scores,
+                                                bool softmax_after_topk, int64_t n_group, int64_t topk_group,
+                                                bool group_top2, bool norm, double scaling, at::TensorList moe_w,
+                                                int64_t group, int64_t inter, int64_t shared_inter);  // (below)
+
+// A decoder layer's decode step with GQA attention as one call: h = x + gqa(rms(x)); out = h + ffn(rms(h)), the FFN
+// as ffn_residual runs it. Returns (out, the experts chosen [B T, k]), as mla_moe_layer does.
+std::tuple<at::Tensor, at::Tensor> gqa_moe_layer(
+    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w, at::IntArrayRef groups,
+    const at::Tensor& q_norm, const at::Tensor& k_norm, double qk_eps, const at::Tensor& cos2, const at::Tensor& sin2,
+    int64_t rot, bool interleaved, at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
+    const at::Tensor& sinks, double scale, int64_t heads, int64_t kv_heads, const at::Tensor& ffn_norm,
+    double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
+    bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm,
+    double scaling, at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "waferline::gqa_moe_layer: contiguous x [B, T, D]");
+  const at::Tensor xr = x.view({-1, 1, x.size(2)});  // the tokens as rows (slots, pos, cos2, sin2: one per token)
+  auto h = xr + gqa_attend(rms_norm(xr, mix_norm, mix_eps), w, groups, q_norm, k_norm, qk_eps, cos2, sin2, rot,
+                           interleaved, cache, slots, pos, sinks, scale, heads, kv_heads);
+  return ffn_residual(h.view(x.sizes()), ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores,
+                      softmax_after_topk, n_group, topk_group, group_top2, norm, scaling, moe_w, group, inter,
+                      shared_inter);
 }
 
 // ---------------------------------------------------------------- a decoder layer's decode step, one thread team
@@ -2983,6 +3033,12 @@ TORCH_LIBRARY(waferline, m) {
         "Tensor gate_w, Tensor gate_b, Tensor corr, int k, bool softmax_scores, bool softmax_after_topk, int n_group, "
         "int topk_group, bool group_top2, bool norm, float scaling, Tensor[] moe_w, int group, int inter, "
         "int shared_inter) -> (Tensor, Tensor)");
+  m.def("gqa_moe_layer(Tensor x, Tensor mix_norm, float mix_eps, Tensor[] w, int[] groups, Tensor q_norm, "
+        "Tensor k_norm, float qk_eps, Tensor cos2, Tensor sin2, int rot, bool interleaved, Tensor(a!) cache, "
+        "Tensor slots, Tensor pos, Tensor sinks, float scale, int heads, int kv_heads, Tensor ffn_norm, float ffn_eps, "
+        "Tensor gate_w, Tensor gate_b, Tensor corr, int k, bool softmax_scores, bool softmax_after_topk, int n_group, "
+        "int topk_group, bool group_top2, bool norm, float scaling, Tensor[] moe_w, int group, int inter, "
+        "int shared_inter) -> (Tensor, Tensor)");
   m.def("linear_rows(Tensor x, Tensor w) -> Tensor");
   m.def("linear_wide(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, int group) -> Tensor");
@@ -3013,6 +3069,7 @@ TORCH_LIBRARY_IMPL(waferline, CPU, m) {
   m.impl("mla_decode", &mla_decode);
   m.impl("mla_attend_int4", &mla_attend_int4);
   m.impl("mla_moe_layer", &mla_moe_layer);
+  m.impl("gqa_moe_layer", &gqa_moe_layer);
   m.impl("ffn_residual", &ffn_residual);
   m.impl("mamba_ffn_layer", &mamba_ffn_layer);
   m.impl("ssm_update", &ssm_update);

@@ -30,6 +30,51 @@ MLA_FUSED_MAX_ROWS = 8
 # attend()'s batched matmuls.
 GQA_FUSED_MAX_ROWS = 8
 _NO_SINKS = torch.empty(0)  # gqa_decode's "no sinks"
+_NO_ROT = torch.empty(0)  # gqa_moe_layer's rotary rows without rotary
+
+
+def _looker(deps: list) -> Any:
+    def look(d: dict, key: str) -> Any:  # a dict's value, recorded as a dependency of the kept arguments (kept_args)
+        v = d.get(key)
+        deps.append((d, key, v))
+        return v
+
+    return look
+
+
+def _block_weights(mods: dict, names: tuple, dtype: torch.dtype, look: Any) -> tuple | None:
+    """The projections ``names`` of an attention block as a layer op takes them (mla_attend_int4, gqa_moe_layer):
+    (weights, group sizes, whether any is dense): per projection an int4 weight in waferline's CPU layout computing in
+    ``dtype`` (its codes and scales, its group size), or a bf16 weight of a bf16 block (the weight and an empty
+    tensor, group 0: multiplied by linear_rows, as waferline's Linear does for few bf16 rows); a None name: two empty tensors,
+    group 0 (no q LoRA). None where a projection has a bias or is neither."""
+    w: list[torch.Tensor] = []
+    groups: list[int] = []
+    dense = False
+    for name in names:
+        if name is None:
+            w += [_EMPTY, _EMPTY]
+            groups.append(0)
+            continue
+        lin = look(mods, name)
+        if lin is None or look(lin._parameters, "bias") is not None:
+            return None
+        q = look(lin._modules, "int4")
+        if q is None:
+            if type(lin) is not Linear:  # (another module's forward may multiply otherwise, e.g. nn.Linear's F.linear)
+                return None
+            wt = look(lin._parameters, "weight")
+            if wt is None or wt.dtype != torch.bfloat16 or dtype != torch.bfloat16 or wt.dim() != 2:
+                return None
+            w += [wt, _EMPTY]
+            groups.append(0)
+            dense = True
+            continue
+        if q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead:
+            return None
+        w += [look(q._buffers, "packed"), look(q._buffers, "scales_zeros")]
+        groups.append(q.group_size)
+    return w, groups, dense
 
 
 class TokenCache:
@@ -192,6 +237,66 @@ class GQAttention(nn.Module):
         s = self.spec
         return TokenCache(num_slots, s.cache_elems_per_token(), self.dtype, device, window=s.sliding_window)
 
+    def _block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
+        """The weight arguments ``waferline::gqa_moe_layer`` takes for this block when it can run as part of that op
+        for ``x``: at most GQA_FUSED_MAX_ROWS new tokens on CPU (a decode step or a verify's tokens, as rows of one
+        token), a full-attention cache, q/k/v/o int4 in waferline's CPU layout computing in x's dtype or bf16 for a bf16
+        x of at most ``few_rows()`` rows (linear_rows: what Linear runs for them), no biases, q/k norms (if any) in x's
+        dtype. None otherwise (the modules, which compute the same numbers). Kept between calls (kept_args)."""
+        rows = x.shape[0] * x.shape[1]
+        if rows > GQA_FUSED_MAX_ROWS or x.device.type != "cpu" or cache.window is not None or not kernels.available():
+            return None
+        args = kept_args(self, "_int4_cache", x.dtype, lambda deps: self._block_args(x.dtype, deps))
+        if args is not None and args[-1] and rows > few_rows(x.dtype):
+            return None
+        return args
+
+    def _block_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
+        look = _looker(deps)
+        found = _block_weights(self._modules, ("q_proj", "k_proj", "v_proj", "o_proj"), dtype, look)
+        if found is None:
+            return None
+        w, groups, dense = found
+        qn, kn = look(self._modules, "q_norm"), look(self._modules, "k_norm")
+        if (qn is None) != (kn is None):
+            return None
+        qw = kw = _EMPTY
+        eps = 0.0
+        if qn is not None:
+            qw, kw = look(qn._parameters, "weight"), look(kn._parameters, "weight")
+            if qw is None or kw is None or qw.dtype != dtype or kw.dtype != dtype or qn.eps != kn.eps:
+                return None
+            eps = qn.eps
+        rot = look(self._modules, "rotary")
+        sinks = look(self._parameters, "sinks")
+        return (w, groups, qw, kw, eps, rot.dim if rot is not None else 0, bool(rot is not None and rot.interleaved),
+                _NO_SINKS if sinks is None else sinks.float(), dense)
+
+    def step_args(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> tuple | None:
+        """``waferline::gqa_moe_layer``'s attention arguments (after x, the mixer norm's weight and epsilon) for this
+        step when the block runs in that op (see :meth:`_block`; the cache grown to the step's end first), else None.
+        The rows' slots and positions are ``batch.rows()``'s, as for MLAttention.step_args."""
+        a = self._block(x, cache)
+        if a is None:
+            return None
+        cos, sin, data, slots, start = self.step_dynamic(cache, batch)
+        w, groups, qw, kw, eps, rot, interleaved, sinks, _ = a
+        s = self.spec
+        return (w, groups, qw, kw, eps, cos, sin, rot, interleaved, data, slots, start, sinks, self.scale, s.num_heads,
+                s.num_kv_heads)
+
+    STEP_DYNAMIC = (5, 6, 9, 10, 11)  # where step_args' per-step values (step_dynamic's, in order) sit
+
+    def step_dynamic(self, cache: TokenCache, batch: StepBatch) -> tuple:
+        """The arguments of :meth:`step_args` that change from step to step: the rotary rows (empty without rotary),
+        the cache tensor (grown to the step's end first) and the rows' slots and positions."""
+        rows = batch.rows()
+        end = rows.end
+        if end > cache.capacity:
+            cache._grow(end)
+        cos, sin = self.rotary.cos_sin(rows.positions(), rows) if self.rotary is not None else (_NO_ROT, _NO_ROT)
+        return cos, sin, cache.data, rows.slots, rows.start
+
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(self, name).load_hf(src, prefix + name)
@@ -293,36 +398,12 @@ class MLAttention(nn.Module):
         return args
 
     def _int4_args(self, dtype: torch.dtype, deps: list) -> tuple | None:
-        def look(d: dict, key: str) -> Any:
-            v = d.get(key)
-            deps.append((d, key, v))
-            return v
-
+        look = _looker(deps)
         names = ("q_a_proj", "q_b_proj") if self.spec.q_lora_rank else (None, "q_proj")
-        dense = False
-        w: list[torch.Tensor] = []
-        groups: list[int] = []
-        for name in (*names, "kv_a_proj_with_mqa", "o_proj"):
-            if name is None:
-                w += [_EMPTY, _EMPTY]
-                groups.append(0)
-                continue
-            lin = look(self._modules, name)
-            if lin is None or look(lin._parameters, "bias") is not None:
-                return None
-            q = look(lin._modules, "int4")
-            if q is None:  # a dense weight: bf16 only (linear_rows, what Linear runs for few bf16 rows)
-                wt = look(lin._parameters, "weight")
-                if wt is None or wt.dtype != torch.bfloat16 or dtype != torch.bfloat16 or wt.dim() != 2:
-                    return None
-                w += [wt, _EMPTY]
-                groups.append(0)
-                dense = True
-                continue
-            if q.backend != "cpu_waferline" or q.compute_dtype != dtype or q.lead:
-                return None
-            w += [look(q._buffers, "packed"), look(q._buffers, "scales_zeros")]
-            groups.append(q.group_size)
+        found = _block_weights(self._modules, (*names, "kv_a_proj_with_mqa", "o_proj"), dtype, look)
+        if found is None:
+            return None
+        w, groups, dense = found
         kv = look(self._modules, "kv_a_layernorm")
         qn = look(self._modules, "q_a_layernorm") if self.spec.q_lora_rank else kv
         norms = [look(kv._parameters, "weight"), look(qn._parameters, "weight")]

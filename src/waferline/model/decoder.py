@@ -95,13 +95,14 @@ class DecoderLayer(nn.Module):
 
     def _fused_step(self, x: torch.Tensor, cache: Any, batch: StepBatch) -> tuple[str, tuple] | None:
         """How much of this layer's step runs as one op: ``(op name, its arguments after x)`` for the whole layer
-        (``mla_moe_layer``, ``mamba_ffn_layer``), ``("", waferline::ffn_residual's arguments after (h, norm, eps))``
-        for its FFN half, None for neither (the modules below, which compute the same numbers).
+        (``mla_moe_layer``, ``mamba_ffn_layer``, ``gqa_moe_layer``), ``("", waferline::ffn_residual's arguments after
+        (h, norm, eps))`` for its FFN half, None for neither (the modules below, which compute the same numbers).
 
-        The FFN half: a MoE block that runs as moe_route + moe_ffn (MoE.residual_args) or an int4 SwiGLU FFN
+        The FFN half: a MoE block that runs as moe_route + moe_ffn (MoE.residual_args) or a SwiGLU FFN, int4 or bf16
         (DenseFFN.residual_args), the norm in x's dtype. The whole layer: that, and for a decode step or a speculative
         verify (a few tokens per row) an MLA mixer that runs as ``mla_attend_int4`` (MLAttention.step_args: the tokens
-        as rows) or a Mamba-2 mixer that runs as int4 in_proj, ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args:
+        as rows), a GQA mixer that runs as gqa_moe_layer's attention half (GQAttention.step_args, likewise) or a
+        Mamba-2 mixer that runs as int4 in_proj, ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args:
         recording the verify's trail). Either needs no residual multiplier
         and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
         path; hooks marked LABEL_ONLY excepted). What each bought: README, "What the decode-step work bought"."""
@@ -125,7 +126,8 @@ class DecoderLayer(nn.Module):
         return "", ffn_args
 
 
-_WHOLE_LAYER_OPS = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer"}  # the mixers a layer op takes
+_WHOLE_LAYER_OPS = {MLAttention: "mla_moe_layer", Mamba2Mixer: "mamba_ffn_layer",  # the mixers a layer op takes
+                    GQAttention: "gqa_moe_layer"}
 _PLAN_MAX_ROWS = 8  # steps of at most this many token rows (decode steps, verifies) replay a _StepPlan
 _USE_PROGRAM = True  # a _StepPlan replays through its StepProgram (False: op by op from Python; tests compare both)
 
@@ -200,7 +202,7 @@ class _StepPlan:
             self._dep(ffn.__dict__, key)
         if isinstance(mix, MLAttention):
             self._dep(mix.__dict__, "_absorbed")
-        else:
+        elif isinstance(mix, Mamba2Mixer):
             for key in ("conv_weight", "conv_bias"):
                 self._dep(mix._parameters, key)
             self.consts.append((mix, mix._consts()))

@@ -53,15 +53,19 @@ class RMSNorm(nn.Module):
         copy_into(self.weight, src.get(name, tuple(self.weight.shape)))
 
 
-FEW_ROWS = 4  # bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows)
-KERNEL_FEW_ROWS = 8  # the most rows linear_rows takes: where oneDNN has no bf16 GEMM, it runs products of 5-8 rows too
+# bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows), on every CPU: each row of x
+# sums in the same order whatever the number of rows (so a speculative verify's T tokens, and a batch's rows, compute
+# what one-token steps compute, bitwise); oneDNN multiplied 5-8 rows faster on an AVX512-BF16 CPU (session 8), but its
+# sums differ from the kernel's. Session 22 moved the bound from 4 to 8.
+FEW_ROWS = 8
+KERNEL_FEW_ROWS = 8  # the most rows linear_rows takes
 _FEW_ROWS_BY_DTYPE: dict[torch.dtype, int] = {}
 
 
 def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
     """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs: ``FEW_ROWS`` where oneDNN multiplies
-    16-bit matrices natively (it wins at 5-8 rows), else all the kernel takes (AVX2: oneDNN's bf16 path is missing, and
-    8 rows on a 1024 x 4096 weight ran ~1.2 ms in the kernel against ~6.7 ms in ATen's bf16 loop, ~2.8 in fp32)."""
+    16-bit matrices natively, else all the kernel takes (AVX2: oneDNN's bf16 path is missing, and 8 rows on a 1024 x
+    4096 weight ran ~1.2 ms in the kernel against ~6.7 ms in ATen's bf16 loop, ~2.8 in fp32). Both are 8 now."""
     n = _FEW_ROWS_BY_DTYPE.get(dtype)  # (called per product on the decode path: remembered per dtype)
     if n is None:
         n = _FEW_ROWS_BY_DTYPE[dtype] = FEW_ROWS if prepack_supported(dtype) else KERNEL_FEW_ROWS
@@ -71,7 +75,7 @@ def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, except for 16-bit weights on CPU with few rows (decode steps), or on a CPU without 16-bit GEMMs.
 
-    A bf16 product of up to ``few_rows()`` rows (``FEW_ROWS``; 8 on an AVX2-only CPU) runs ``waferline::linear_rows``
+    A bf16 product of up to ``few_rows()`` rows (``FEW_ROWS``, 8) runs ``waferline::linear_rows``
     (waferline.kernels: each weight row read once, straight through, into every row's fp32 sums; on this project's
     2-core AVX-512 CPU 22-34 GB/s of weights at one row against ATen's GEMV at 16-33, and 2.7-4.3x oneDNN at 4 rows on
     weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an ad-hoc loop, README "Decode speed", session 8). Otherwise a

@@ -32,7 +32,7 @@ PREFILL_PROBE_TOKENS = 32  # tokens of calibrate's one-prompt prefill probe (sim
 PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt tokens per prefill micro-batch
 
 
-ENGINE_FEW_ROWS = 4  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
+ENGINE_FEW_ROWS = 8  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
 # (where oneDNN has bf16 GEMMs; elsewhere the engine runs up to 8 rows there, recorded by calibrate: engine_few_rows)
 
 

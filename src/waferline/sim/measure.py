@@ -374,10 +374,13 @@ def moe_ffn_calls(args: Any) -> dict[str, float]:
 def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
     """What one ``waferline::mla_attend_int4`` runs inside (its arguments ``x, [q_a, its scales, q_b, scales, kv_a,
     scales, o, scales], groups, q_a norm, kv_a norm, eps, eps, cos, sin, interleaved, cache, slots, pos, W_UK, W_UV,
-    scale``), as OpCounter's work keys: the int4 linear calls (``call|int4|rows|weight bytes``), the rms_norm and
+    scale``), as OpCounter's work keys: the linear calls (``call|int4|rows|weight bytes``, or ``call|bf16|...`` for a
+    dense projection), the rms_norm and
     mla_decode fused operators (their calls, units and bytes), and the small ops between them (rope, two cats, the
     cache writes, the latents' view or gather) by their bytes; with the number of ops to count: the calls and fused
     operators (priced per call) and the operator's own dispatch."""
+    import torch
+
     x, w = args[0], list(args[1])
     qa_norm, kva_norm, cos2, cache, pos, w_uk, w_uv = args[3], args[4], args[7], args[10], args[12], args[13], args[14]
     B = int(x.numel() // x.shape[-1])  # rows of one token (a verify's tokens go in as rows)
@@ -392,9 +395,10 @@ def mla_attend_work(args: Any) -> tuple[dict[str, float], int]:
 
     ops = 0
     for packed, scales in zip(w[0::2], w[1::2]):
-        if packed.numel():
+        if packed.numel():  # int4 (packed, scales), or a dense 16-bit weight (linear_rows) with empty scales
             nbytes = packed.numel() * packed.element_size() + scales.numel() * scales.element_size()
-            add(f"call|int4|{B}|{int(nbytes)}", 1.0)
+            kind = "int4" if scales.numel() else ("fp32" if packed.dtype == torch.float32 else "bf16")
+            add(f"call|{kind}|{B}|{int(nbytes)}", 1.0)
             ops += 1
     for norm in ((qa_norm,) if w[0].numel() else ()) + (kva_norm,):
         units = float(B * norm.numel())
@@ -439,8 +443,12 @@ def ffn_residual_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]
     else:  # a dense FFN: its weights where the shared expert's go
         N = int(hn.shape[0])
         gu, act = hn.new_empty((N, 2 * int(shared))), hn.new_empty((N, int(shared)))
-        parts += [("int4_linear", "ffn", (hn, moe_w[4], moe_w[5], group), gu), ("silu_mul", "ffn", (gu,), act),
-                  ("int4_linear", "ffn", (act, moe_w[6], moe_w[7], group), hn)]
+        if moe_w[5].numel():  # int4 weights
+            parts += [("int4_linear", "ffn", (hn, moe_w[4], moe_w[5], group), gu), ("silu_mul", "ffn", (gu,), act),
+                      ("int4_linear", "ffn", (act, moe_w[6], moe_w[7], group), hn)]
+        else:  # dense bf16 weights (linear_rows' kernel)
+            parts += [("linear_rows", "ffn", (hn, moe_w[4]), gu), ("silu_mul", "ffn", (gu,), act),
+                      ("linear_rows", "ffn", (act, moe_w[6]), hn)]
     return parts + [("add", None, (h, h), y)]
 
 
@@ -452,6 +460,35 @@ def mla_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]
     attn = args[3:18]
     return [("rms_norm", None, (x, n1, e1), x), ("mla_attend_int4", None, (x, *attn), x), ("add", None, (x, x), x),
             *ffn_residual_parts((x, *args[18:]), out)]
+
+
+def gqa_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
+    """The ops one ``waferline::gqa_moe_layer`` (a decoder layer's decode or verify step, GQA attention + FFN) runs
+    inside, as ffn_residual_parts lists them: the norm, the q / k / v projections (int4_linear, or linear_rows for a
+    dense bf16 weight), the q and k norms, rope, the cache write, gqa_decode over the keys, o_proj, the residual add,
+    then the FFN half's."""
+    x, n1, e1, w, groups, qn, kn, eps, cos2, sin2, rot, inter, cache, slots, pos, sinks, scale, H, Hkv = args[:19]
+    w = list(w)
+    B = int(x.numel() // x.shape[-1])  # rows of one token (a verify's tokens go in as rows)
+    hd = int(cache.shape[2]) // (2 * int(Hkv))
+    end = int(pos.max()) + 1 if pos.numel() else 0
+    q, k, o = x.new_empty((B, 1, int(H), hd)), x.new_empty((B, 1, int(Hkv), hd)), x.new_empty((B, 1, int(H) * hd))
+    qk = x.new_empty((B, 1, int(H) + int(Hkv), hd))
+
+    def proj(i: int, xin: Any, y: Any) -> tuple:
+        if w[2 * i + 1].numel():
+            return ("int4_linear", None, (xin, w[2 * i], w[2 * i + 1], groups[i]), y)
+        return ("linear_rows", None, (xin, w[2 * i]), y)
+
+    parts = [("rms_norm", None, (x, n1, e1), x), proj(0, x, q), proj(1, x, k), proj(2, x, k)]
+    if qn.numel():
+        parts += [("rms_norm", None, (q, qn, eps), q), ("rms_norm", None, (k, kn, eps), k)]
+    if int(rot):
+        parts.append(("rope", None, (qk, cos2, sin2, rot, inter), qk))
+    kv = x.new_empty((B, end, 2 * int(Hkv), hd))
+    parts += [("copy_", None, (k, k), k), ("gqa_decode", None, (q, kv, x.new_empty(0), sinks, scale), q),
+              proj(3, o, x), ("add", None, (x, x), x)]
+    return parts + ffn_residual_parts((x, *args[19:]), out)
 
 
 def mamba_ffn_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]:
@@ -476,7 +513,7 @@ def _priced_calls(w: dict[str, float]) -> float:
 
 
 _LAYER_OPS = {"mla_moe_layer": mla_moe_layer_parts, "mamba_ffn_layer": mamba_ffn_layer_parts,
-              "ffn_residual": ffn_residual_parts}
+              "gqa_moe_layer": gqa_moe_layer_parts, "ffn_residual": ffn_residual_parts}
 
 
 class OpCounter:
