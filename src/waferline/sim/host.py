@@ -33,7 +33,7 @@ PIPELINE_PREFILL_CHUNK = 256  # engine/pipeline.py DEFAULT_PREFILL_CHUNK: prompt
 
 
 ENGINE_FEW_ROWS = 8  # = waferline.model.layers.FEW_ROWS (tests check): bf16 products the engine's own kernel runs
-# (where oneDNN has bf16 GEMMs; elsewhere the engine runs up to 8 rows there, recorded by calibrate: engine_few_rows)
+# (8 on every CPU since session 22; calibrations from before it record 4 where oneDNN had bf16 GEMMs: engine_few_rows)
 
 
 def _v(x: Any, where: str) -> float:

@@ -1,0 +1,136 @@
+"""What session 22's layer ops buy: the same engine, the same process, the new whole-layer paths on and off.
+
+    python benchmarks/layer_ops_ab.py [--model DIR ...] [--variants bf16,int4] [--batch 1] [--rounds 6] [--json PATH]
+
+Session 22 let more decoder layers run a decode step as one op, and so replay from the step plan (decoder.py,
+_StepPlan) through its StepProgram: GQA layers (Qwen3-MoE, Llama: ``waferline::gqa_moe_layer``), MLA layers with bf16
+projections (``mla_attend_int4`` / ``mla_moe_layer`` taking dense weights) and bf16 dense FFNs (``ffn_residual``).
+"Off" returns None from those three argument builders only (GQAttention._block; MLAttention._int4_block and
+DenseFFN.residual_args where their weights are dense bf16), so the layers run as before the session (int4 MLA layers
+stay one op both ways). Each round runs ``LLM.generate`` (greedy, 64-token prompts, --tokens new tokens per row) both
+ways in one process, in alternating order; the table gives the median tok/s of each and the median of the rounds'
+paired ratios, and checks that both ways generate the same tokens (the op computes what the modules compute).
+Checkpoints: decode_speed.py's (run it once to build them). int4: RTN groups of 128 with an int8 LM head, as
+decode_speed.py's waferline int4; bf16: a 16-bit head.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "benchmarks" / ".cache"
+DEFAULT_MODELS = [CACHE / "dsv3" / "hf", CACHE / "qwen3moe" / "hf", CACHE / "llama" / "hf"]
+
+
+def _switch():
+    """(on, off): install the session-22 argument builders, or wrappers that decline what they newly accept."""
+    from waferline.model.attention import GQAttention, MLAttention
+    from waferline.model.moe import DenseFFN
+
+    mla, gqa, dense = MLAttention._int4_block, GQAttention._block, DenseFFN.residual_args
+
+    def mla_old(self, x, cache):  # noqa: ANN001
+        args = mla(self, x, cache)
+        return None if args is not None and args[6] else args  # (dense projections: new)
+
+    def dense_old(self, x):  # noqa: ANN001
+        args = dense(self, x)
+        return None if args is not None and args[-3] == 0 else args  # (group 0: dense bf16 weights, new)
+
+    def on() -> None:
+        MLAttention._int4_block, GQAttention._block, DenseFFN.residual_args = mla, gqa, dense
+
+    def off() -> None:
+        MLAttention._int4_block, GQAttention._block = mla_old, lambda self, x, cache: None
+        DenseFFN.residual_args = dense_old
+
+    return on, off
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--model", action="append", default=None,
+                    help="checkpoint directory (repeatable; default: decode_speed.py's dsv3, qwen3moe and llama)")
+    ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
+    ap.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per cell (default 6)")
+    ap.add_argument("--tokens", type=int, default=64, help="new tokens per row (default 64)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    a = ap.parse_args(argv)
+
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from waferline import LLM, SamplingParams, kernels
+
+    if not kernels.available():
+        print(f"the fused CPU operators are not built ({kernels.status()['error']}): nothing to compare", file=sys.stderr)
+        return 1
+    torch.set_num_threads(a.threads)
+    models = [Path(m) for m in a.model] if a.model else DEFAULT_MODELS
+    variants = [v for v in a.variants.split(",") if v]
+    if any(v not in ("bf16", "int4") for v in variants):
+        ap.error(f"--variants: bf16 and/or int4, got {a.variants!r}")
+    batches = [int(b) for b in a.batch.split(",")]
+    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    on, off = _switch()
+    rows = []
+    try:
+        for path in models:
+            if not (path / "config.json").is_file():
+                print(f"{path}: no checkpoint (run benchmarks/decode_speed.py once to build it)", file=sys.stderr)
+                continue
+            name = path.name if path.name != "hf" else path.parent.name
+            for variant in variants:
+                bits = {"bf16": dict(weight_bits=16, head_bits=16), "int4": dict(weight_bits=4, head_bits=8)}[variant]
+                llm = LLM(str(path), dtype="bfloat16", **bits)
+                V = llm.spec.vocab_size
+                for B in batches:
+                    prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
+                    toks, rates = {}, {True: [], False: []}
+                    for new, switch in ((True, on), (False, off)):  # warm-up, and the tokens each way generates
+                        switch()
+                        toks[new] = [o.token_ids for o in llm.generate(prompts, params)]
+                    for r in range(a.rounds):
+                        for new in ((True, False) if r % 2 else (False, True)):
+                            (on if new else off)()
+                            rates[new].append(llm.generate(prompts, params)[0].metrics["decode_tokens_per_s"])
+                    on()
+                    row = {"model": name, "variant": variant, "batch": B,
+                           "before_median": statistics.median(rates[False]), "after_median": statistics.median(rates[True]),
+                           "paired_median": statistics.median([p / q for p, q in zip(rates[True], rates[False])]),
+                           "same_tokens": toks[True] == toks[False],
+                           "rounds_before": [round(x, 1) for x in rates[False]],
+                           "rounds_after": [round(x, 1) for x in rates[True]]}
+                    rows.append(row)
+                    print(f"{name} {variant} b={B}: before {row['before_median']:.1f} / after {row['after_median']:.1f} "
+                          f"tok/s (median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}",
+                          flush=True)
+                del llm
+    finally:
+        on()
+    t = Table(title=f"decode tok/s (aggregate), {a.threads} threads: session 22's layer ops off / on, {a.rounds} "
+                    "alternating rounds")
+    for c in ("model", "variant", "batch", "before (median)", "after (median)", "paired", "same tokens"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["model"], r["variant"], str(r["batch"]), f"{r['before_median']:.1f}", f"{r['after_median']:.1f}",
+                  f"{r['paired_median']:.3f}x", str(r["same_tokens"]))
+    Console(width=140).print(t)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"threads": a.threads, "tokens": a.tokens, "rounds": a.rounds,
+                                            "rows": rows}, indent=1))
+        print(f"wrote {a.json}")
+    return 0 if all(r["same_tokens"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
