@@ -16,11 +16,10 @@ decode_speed.py's waferline int4; bf16: a 16-bit head.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
+
+import inprocess_ab
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / "benchmarks" / ".cache"
@@ -53,28 +52,15 @@ def _switch():
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--model", action="append", default=None,
-                    help="checkpoint directory (repeatable; default: decode_speed.py's dsv3, qwen3moe and llama)")
+    ap = inprocess_ab.parser(__doc__, "default: decode_speed.py's dsv3, qwen3moe and llama", "1", 6, 64)
     ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
-    ap.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
-    ap.add_argument("--rounds", type=int, default=6, help="alternating rounds per cell (default 6)")
-    ap.add_argument("--tokens", type=int, default=64, help="new tokens per row (default 64)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
-    ap.add_argument("--json", default=None, help="write the rows here")
     a = ap.parse_args(argv)
-
-    import torch
-    from rich.console import Console
     from rich.table import Table
 
-    from waferline import LLM, SamplingParams, kernels
+    from waferline import LLM, SamplingParams
 
-    if not kernels.available():
-        print(f"the fused CPU operators are not built ({kernels.status()['error']}): nothing to compare", file=sys.stderr)
+    if not inprocess_ab.ready(a.threads):
         return 1
-    torch.set_num_threads(a.threads)
     models = [Path(m) for m in a.model] if a.model else DEFAULT_MODELS
     variants = [v for v in a.variants.split(",") if v]
     if any(v not in ("bf16", "int4") for v in variants):
@@ -95,21 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                 V = llm.spec.vocab_size
                 for B in batches:
                     prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
-                    toks, rates = {}, {True: [], False: []}
-                    for new, switch in ((True, on), (False, off)):  # warm-up, and the tokens each way generates
-                        switch()
-                        toks[new] = [o.token_ids for o in llm.generate(prompts, params)]
-                    for r in range(a.rounds):
-                        for new in ((True, False) if r % 2 else (False, True)):
-                            (on if new else off)()
-                            rates[new].append(llm.generate(prompts, params)[0].metrics["decode_tokens_per_s"])
-                    on()
-                    row = {"model": name, "variant": variant, "batch": B,
-                           "before_median": statistics.median(rates[False]), "after_median": statistics.median(rates[True]),
-                           "paired_median": statistics.median([p / q for p, q in zip(rates[True], rates[False])]),
-                           "same_tokens": toks[True] == toks[False],
-                           "rounds_before": [round(x, 1) for x in rates[False]],
-                           "rounds_after": [round(x, 1) for x in rates[True]]}
+                    r = inprocess_ab.alternate(llm, prompts, params, lambda new: (on if new else off)(), a.rounds)
+                    row = {"model": name, "variant": variant, "batch": B, "before_median": r["off_median"],
+                           "after_median": r["on_median"], "paired_median": r["paired_median"],
+                           "same_tokens": r["same_tokens"], "rounds_before": r["rounds_off"],
+                           "rounds_after": r["rounds_on"]}
                     rows.append(row)
                     print(f"{name} {variant} b={B}: before {row['before_median']:.1f} / after {row['after_median']:.1f} "
                           f"tok/s (median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}",
@@ -124,12 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         t.add_row(r["model"], r["variant"], str(r["batch"]), f"{r['before_median']:.1f}", f"{r['after_median']:.1f}",
                   f"{r['paired_median']:.3f}x", str(r["same_tokens"]))
-    Console(width=140).print(t)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"threads": a.threads, "tokens": a.tokens, "rounds": a.rounds,
-                                            "rows": rows}, indent=1))
-        print(f"wrote {a.json}")
-    return 0 if all(r["same_tokens"] for r in rows) else 1
+    return inprocess_ab.finish(a, rows, t)
 
 
 if __name__ == "__main__":

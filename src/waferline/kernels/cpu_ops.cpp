@@ -1848,6 +1848,40 @@ at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const 
 // w: packed / scales of q_a, q_b, kv_a, o (q_a's both empty: q_b is q_proj); groups: their group sizes. A projection
 // may instead be a dense 16-bit weight [out, in] with empty scales (a bf16 model's, for rows of up to FEW_ROWS):
 // linear_rows then multiplies it, as Linear does for such rows.
+// A step's rows in a token cache [slots, capacity, W] (one new token per row): each row's slot and position checked,
+// the keys' end (max position + 1), whether the slots are consecutive (the keys a view) and the positions one (no mask)
+struct CacheRows {
+  at::Tensor sl, ps;
+  const int64_t* sp = nullptr;
+  const int64_t* pp = nullptr;
+  int64_t B = 0, end = 0;
+  bool consecutive = true, uniform = true;
+  CacheRows(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos, int64_t rows, const char* op)
+      : B(rows) {
+    TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == B &&
+                    pos.numel() == B, op, ": slots and pos are int64 [B]");
+    sl = slots.contiguous(), ps = pos.contiguous();
+    sp = sl.data_ptr<int64_t>(), pp = ps.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(sp[b] >= 0 && sp[b] < cache.size(0) && pp[b] >= 0 && pp[b] < cache.size(1), op,
+                  ": slot or position outside the cache");
+      end = std::max(end, pp[b] + 1);
+      consecutive = consecutive && sp[b] == sp[0] + b;
+      uniform = uniform && pp[b] == pp[0];
+    }
+  }
+  void write(at::Tensor& cache, const at::Tensor& row) const {  // row [B, 1, W]: this step's entries
+    for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b).select(0, 0));
+  }
+  at::Tensor keys(const at::Tensor& cache) const {  // [B, end, W]: the rows' slots, positions 0..end-1
+    return consecutive ? cache.narrow(0, sp[0], B).narrow(1, 0, end) : cache.index_select(0, sl).narrow(1, 0, end);
+  }
+  at::Tensor blocked(const at::TensorOptions& o) const {  // rows at different positions: each sees its own keys only
+    if (uniform) return at::empty({0}, o.dtype(at::kBool));
+    return at::arange(end, o.dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
+  }
+};
+
 at::Tensor block_proj(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   return sz.numel() ? int4_linear(x, w, sz, group) : linear_rows(x, w);
 }
@@ -1862,21 +1896,7 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   TORCH_CHECK(cache.dim() == 3 && cache.scalar_type() == x.scalar_type() && cache.is_contiguous(),
               "waferline::mla_attend_int4: cache must be a contiguous [slots, capacity, r + rope] tensor of x's dtype");
   const int64_t B = x.size(0), H = w_uk.size(0), n = w_uk.size(1), r = w_uk.size(2), R = cache.size(2), p = R - r;
-  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == B && pos.numel() == B,
-              "waferline::mla_attend_int4: slots and pos are int64 [B]");
-  auto sl = slots.contiguous();
-  auto ps = pos.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t* pp = ps.data_ptr<int64_t>();
-  int64_t end = 0;
-  bool consecutive = true, uniform = true;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < cache.size(0) && pp[b] >= 0 && pp[b] < cache.size(1),
-                "waferline::mla_attend_int4: slot or position outside the cache");
-    end = std::max(end, pp[b] + 1);
-    consecutive = consecutive && sp[b] == sp[0] + b;
-    uniform = uniform && pp[b] == pp[0];
-  }
+  const CacheRows rows(cache, slots, pos, B, "waferline::mla_attend_int4");
   at::Tensor q;
   if (w[0].numel()) {
     q = block_proj(rms_norm(block_proj(x, w[0], w[1], groups[0]), qa_norm, eps_q), w[2], w[3], groups[1]);
@@ -1889,14 +1909,9 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   auto ckv = block_proj(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
   auto c = rms_norm(ckv.narrow(-1, 0, r), kva_norm, eps_kv);
   auto roped = rope(at::cat({q.narrow(-1, n, p), ckv.narrow(-1, r, p).unsqueeze(2)}, 2), cos2, sin2, p, interleaved);
-  auto row = at::cat({c, roped.select(2, H)}, -1);  // [B, 1, r + rope]: this token's cache entry
-  for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b).select(0, 0));
-  auto keys = consecutive ? cache.narrow(0, sp[0], B).narrow(1, 0, end) : cache.index_select(0, sl).narrow(1, 0, end);
-  at::Tensor blocked = at::empty({0}, x.options().dtype(at::kBool));
-  if (!uniform) {  // rows at different positions: each sees its own keys only
-    blocked = at::arange(end, x.options().dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
-  }
-  auto out = mla_decode(q.narrow(-1, 0, n), roped.narrow(2, 0, H), keys, blocked, w_uk, w_uv, scale, x.scalar_type());
+  rows.write(cache, at::cat({c, roped.select(2, H)}, -1));  // [B, 1, r + rope]: this token's cache entry
+  auto out = mla_decode(q.narrow(-1, 0, n), roped.narrow(2, 0, H), rows.keys(cache), rows.blocked(x.options()), w_uk,
+                        w_uv, scale, x.scalar_type());
   return block_proj(out, w[6], w[7], groups[3]);
 }
 
@@ -1919,21 +1934,7 @@ at::Tensor gqa_attend(const at::Tensor& x, at::TensorList w, at::IntArrayRef gro
                   cache.is_contiguous() && cache.size(2) % (2 * Hkv) == 0,
               "waferline::gqa_moe_layer: cache must be a contiguous [slots, capacity, 2 Hkv hd] tensor of x's dtype");
   const int64_t B = x.size(0), hd = cache.size(2) / (2 * Hkv);
-  TORCH_CHECK(slots.scalar_type() == at::kLong && pos.scalar_type() == at::kLong && slots.numel() == B && pos.numel() == B,
-              "waferline::gqa_moe_layer: slots and pos are int64 [B]");
-  auto sl = slots.contiguous();
-  auto ps = pos.contiguous();
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  const int64_t* pp = ps.data_ptr<int64_t>();
-  int64_t end = 0;
-  bool consecutive = true, uniform = true;
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(sp[b] >= 0 && sp[b] < cache.size(0) && pp[b] >= 0 && pp[b] < cache.size(1),
-                "waferline::gqa_moe_layer: slot or position outside the cache");
-    end = std::max(end, pp[b] + 1);
-    consecutive = consecutive && sp[b] == sp[0] + b;
-    uniform = uniform && pp[b] == pp[0];
-  }
+  const CacheRows rows(cache, slots, pos, B, "waferline::gqa_moe_layer");
   auto q = block_proj(x, w[0], w[1], groups[0]);
   auto k = block_proj(x, w[2], w[3], groups[1]);
   auto v = block_proj(x, w[4], w[5], groups[2]);
@@ -1947,12 +1948,9 @@ at::Tensor gqa_attend(const at::Tensor& x, at::TensorList w, at::IntArrayRef gro
     auto qk = rope(at::cat({q, k}, 2), cos2, sin2, rot, interleaved);
     q = qk.narrow(2, 0, H), k = qk.narrow(2, H, Hkv);
   }
-  auto row = at::cat({k, v}, 2).view({B, 1, 2 * Hkv * hd});  // this token's cache entry
-  for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b).select(0, 0));
-  auto keys = consecutive ? cache.narrow(0, sp[0], B).narrow(1, 0, end) : cache.index_select(0, sl).narrow(1, 0, end);
-  at::Tensor blocked = at::empty({0}, x.options().dtype(at::kBool));
-  if (!uniform) blocked = at::arange(end, x.options().dtype(at::kLong)).view({1, 1, end}) > ps.view({B, 1, 1});
-  auto out = gqa_decode(q, keys.reshape({B, end, 2 * Hkv, hd}), blocked, sinks, scale);
+  rows.write(cache, at::cat({k, v}, 2).view({B, 1, 2 * Hkv * hd}));  // this token's cache entry
+  auto out = gqa_decode(q, rows.keys(cache).reshape({B, rows.end, 2 * Hkv, hd}), rows.blocked(x.options()), sinks,
+                        scale);
   return block_proj(out.reshape({B, 1, H * hd}), w[6], w[7], groups[3]);
 }
 
