@@ -485,8 +485,8 @@ def gqa_moe_layer_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]
         parts += [("rms_norm", None, (q, qn, eps), q), ("rms_norm", None, (k, kn, eps), k)]
     if int(rot):
         parts.append(("rope", None, (qk, cos2, sin2, rot, inter), qk))
-    kv = x.new_empty((B, end, 2 * int(Hkv), hd))
-    parts += [("copy_", None, (k, k), k), ("gqa_decode", None, (q, kv, x.new_empty(0), sinks, scale), q),
+    kv, row = x.new_empty((B, end, 2 * int(Hkv), hd)), x.new_empty((B, 1, 2 * int(Hkv) * hd))
+    parts += [("copy_", None, (row, row), row), ("gqa_decode", None, (q, kv, x.new_empty(0), sinks, scale), q),
               proj(3, o, x), ("add", None, (x, x), x)]
     return parts + ffn_residual_parts((x, *args[19:]), out)
 
