@@ -350,14 +350,14 @@ def test_few_row_bf16_linear(K, portable):
     AVX2 run. Linear routes ``few_rows()`` rows there (FEW_ROWS: 8); the operator itself is checked at every row count
     it takes (1-8), and each row of x gets bitwise what it gets alone (the same summation order at every row count:
     a speculative verify's tokens compute what one-token steps compute)."""
-    from waferline.model.layers import KERNEL_FEW_ROWS, Linear, few_rows
+    from waferline.model.layers import FEW_ROWS, Linear, few_rows
 
     prev = torch.ops.waferline.use_portable(portable)
     try:
         _few_row_products(K, few_rows(torch.bfloat16), Linear)
         g = torch.Generator().manual_seed(2)
         w = torch.randn(48, K, generator=g).to(torch.bfloat16)
-        for rows in range(1, KERNEL_FEW_ROWS + 1):
+        for rows in range(1, FEW_ROWS + 1):
             x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
             ref = x.float() @ w.float().T
             out = torch.ops.waferline.linear_rows(x, w)

@@ -58,18 +58,12 @@ class RMSNorm(nn.Module):
 # what one-token steps compute, bitwise); oneDNN multiplied 5-8 rows faster on an AVX512-BF16 CPU (session 8), but its
 # sums differ from the kernel's. Session 22 moved the bound from 4 to 8.
 FEW_ROWS = 8
-KERNEL_FEW_ROWS = 8  # the most rows linear_rows takes
-_FEW_ROWS_BY_DTYPE: dict[torch.dtype, int] = {}
 
 
 def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
-    """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs: ``FEW_ROWS`` where oneDNN multiplies
-    16-bit matrices natively, else all the kernel takes (AVX2: oneDNN's bf16 path is missing, and 8 rows on a 1024 x
-    4096 weight ran ~1.2 ms in the kernel against ~6.7 ms in ATen's bf16 loop, ~2.8 in fp32). Both are 8 now."""
-    n = _FEW_ROWS_BY_DTYPE.get(dtype)  # (called per product on the decode path: remembered per dtype)
-    if n is None:
-        n = _FEW_ROWS_BY_DTYPE[dtype] = FEW_ROWS if prepack_supported(dtype) else KERNEL_FEW_ROWS
-    return n
+    """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs (``FEW_ROWS`` on every CPU since
+    session 22; before, 4 where oneDNN had bf16 GEMMs). The twin's calibration records it (``engine_few_rows``)."""
+    return FEW_ROWS
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
