@@ -61,9 +61,9 @@ def alternate(llm: Any, prompts: list[list[int]], params: Any, switch: Callable[
             "rounds_on": [round(x, 1) for x in rates[True]], "rounds_off": [round(x, 1) for x in rates[False]]}
 
 
-def finish(a: argparse.Namespace, rows: list[dict], table: Any) -> int:
-    """Print the table, write the rows (and the run's settings) to --json, and return the exit status: 1 where a
-    setting generated other tokens than the other."""
+def finish(a: argparse.Namespace, rows: list[dict], table: Any, extra: dict[str, Any] | None = None) -> int:
+    """Print the table, write the rows (and the run's settings, with ``extra``) to --json, and return the exit status:
+    1 where a setting generated other tokens than the other."""
     import json
     from pathlib import Path
 
@@ -72,6 +72,6 @@ def finish(a: argparse.Namespace, rows: list[dict], table: Any) -> int:
     Console(width=140).print(table)
     if a.json:
         Path(a.json).write_text(json.dumps({"threads": a.threads, "tokens": a.tokens, "rounds": a.rounds,
-                                            "rows": rows}, indent=1))
+                                            **(extra or {}), "rows": rows}, indent=1))
         print(f"wrote {a.json}")
     return 0 if all(r["same_tokens"] for r in rows) else 1

@@ -497,3 +497,58 @@ def test_causal_depthwise_conv_is_the_depthwise_conv1d():
         out = causal_depthwise_conv(f16, w16, None if bias is None else bias.bfloat16(), T)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), ref16, rtol=2 ** -8, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["bf16", "int4"])
+def test_weights_in_huge_pages_compute_the_same(tmp_path, variant, one_thread):
+    """move_to_huge_pages (model/arena.py) puts every weight of a model in one huge-page region: the same logits bit
+    for bit and the same greedy tokens, every moved tensor inside the region, argument caches rebuilt on the new
+    tensors; a tensor two modules share stays one tensor."""
+    from waferline import LLM, SamplingParams
+    from waferline.model.arena import huge_pages_possible, move_to_huge_pages
+
+    if not huge_pages_possible():
+        pytest.skip("no transparent huge pages on this machine (THP 'never' or not Linux)")
+    build("deepseek_v3", tmp_path)
+    llm = LLM(tmp_path, dtype="bfloat16", weight_bits=16 if variant == "bf16" else 4, huge_pages=False)
+    assert llm.arena is None
+    seq = [5, 9, 14, 3, 7, 21, 2]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before, toks = llm.prompt_logprobs(seq), llm.generate([seq, seq[:3]], params)
+
+    def tensors():  # every parameter and buffer (state_dict() leaves out the non-persistent buffers)
+        return {name: t.data_ptr() for name, t in [*llm.model.named_parameters(), *llm.model.named_buffers()]}
+
+    old = tensors()
+    arena = move_to_huge_pages(llm.model, min_bytes=1)
+    assert arena is not None and arena.tensors > 0 and arena.end - arena.start == arena.nbytes
+    moved = tensors()
+    inside = [name for name, p in moved.items() if arena.start <= p < arena.end]
+    assert len(inside) == arena.tensors and all(old[n] != moved[n] for n in inside)
+    assert torch.equal(llm.prompt_logprobs(seq), before)
+    assert [o.token_ids for o in llm.generate([seq, seq[:3]], params)] == [o.token_ids for o in toks]
+    assert 0 <= (arena.huge_bytes() or 0) <= arena.nbytes
+
+    shared = torch.nn.Linear(64, 64, bias=False)
+    root = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})
+    w = shared.weight.detach().clone()
+    assert move_to_huge_pages(root, min_bytes=1).tensors == 1
+    assert root["a"][0].weight is root["b"][0].weight and torch.equal(root["a"][0].weight, w)
+
+
+def test_no_huge_pages_moves_nothing(tmp_path, monkeypatch):
+    """Where the kernel gives no transparent huge pages (THP 'never'), nothing moves; the LLM's arena is None."""
+    from waferline import LLM
+    from waferline.model import arena
+
+    thp = tmp_path / "enabled"
+    thp.write_text("always madvise [never]\n")
+    monkeypatch.setattr(arena, "THP_ENABLED", thp)
+    assert arena.thp_mode() == "never" and not arena.huge_pages_possible()
+    lin = torch.nn.Linear(256, 256)
+    w = lin.weight
+    assert arena.move_to_huge_pages(lin, min_bytes=1) is None and lin.weight is w
+    build("llama", tmp_path / "ckpt")
+    assert LLM(tmp_path / "ckpt").arena is None
+    monkeypatch.setattr(arena, "THP_ENABLED", tmp_path / "missing")
+    assert arena.thp_mode() is None

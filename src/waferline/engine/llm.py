@@ -14,6 +14,7 @@ import torch
 
 from waferline.engine.sampling import SamplingParams, make_generator, sample, greedy as greedy_tokens
 from waferline.errors import ConfigError, RequestError
+from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model
 
@@ -74,7 +75,8 @@ class LLM:
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
                  stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
                  weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True, **pipeline_options: Any):
+                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
+                 **pipeline_options: Any):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if weight_bits not in (16, 4):
@@ -86,6 +88,7 @@ class LLM:
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
         self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
+        self.arena = None  # where the single-process engine's weights went (model/arena.py), if they moved
         if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd.py)
             from waferline.engine.afd import AFD
 
@@ -122,6 +125,8 @@ class LLM:
                 # target's verify decides, so the output is unchanged; each draft then runs its layer as one op
                 quantize_model(self.model.mtp, QuantOptions(group_size=group_size))
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
+            # the weights in transparent huge pages (model/arena.py: a decode step streams them; ~1.1x on CPU)
+            self.arena = move_to_huge_pages(self.model) if huge_pages else None
         self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)

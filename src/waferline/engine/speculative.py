@@ -383,12 +383,14 @@ class DraftModelDrafter(_ModelDrafter):
     """A smaller checkpoint sharing the target's vocabulary drafts autoregressively over its own caches."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype, vocab_size: int):
+        from waferline.model.arena import move_to_huge_pages
         from waferline.model.load import load_model
 
         self.model = load_model(Path(path), dtype)
         if self.model.spec.vocab_size != vocab_size:
             raise ConfigError(f"draft model {path} has vocab_size {self.model.spec.vocab_size} but the target has "
                               f"{vocab_size}; a draft model must share the target's tokenizer")
+        move_to_huge_pages(self.model)  # as the target's (model/arena.py)
         self.name = f"draft:{path}"
         self.caches: list[Any] = []
         self.cached: list[int] = []  # tokens of each row held in the draft caches

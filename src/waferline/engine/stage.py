@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.model.arena import move_to_huge_pages
 
 # message kinds on the activation chain (rank r -> r+1) and on the feedback channel (last -> first)
 BEGIN, STEP, SHUTDOWN, FEEDBACK = 1, 2, 3, 4
@@ -286,6 +287,8 @@ class StageRunner:
 
     def __init__(self, model: Any, rank: int, num_stages: int, device: torch.device):
         self.model = model
+        # this stage's weights in transparent huge pages (model/arena.py: a decode step streams them)
+        self.arena = move_to_huge_pages(model) if device.type == "cpu" else None
         self.rank = rank
         self.is_first = rank == 0
         self.is_last = rank == num_stages - 1

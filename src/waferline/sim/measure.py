@@ -82,17 +82,22 @@ def _fig(value: float, tag: str, method: str) -> dict[str, Any]:
 
 
 def memory_bandwidth(mb: int, threads: int) -> float:
-    """Copy bandwidth (read + write bytes / s) of a ``mb`` MB tensor copy with ``threads`` torch threads."""
+    """Copy bandwidth (read + write bytes / s) of a ``mb`` MB tensor copy with ``threads`` torch threads: the better
+    of 4 KiB and huge pages."""
     import torch
+
+    from waferline.model.arena import huge_buffer
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        a = torch.ones(mb * (1 << 20) // 4)
-        b = torch.empty_like(a)
-        b.copy_(a)
-        t = _best(lambda: b.copy_(a), 5, time.process_time if threads == 1 else time.perf_counter)
-        return 2 * a.numel() * 4 / t
+        best = 0.0
+        for make in (lambda: torch.empty(mb << 20, dtype=torch.uint8), lambda: huge_buffer(mb << 20)):
+            a, b = make().fill_(1), make()  # in 4 KiB pages, and in huge pages as the engine's weights are
+            b.copy_(a)
+            t = _best(lambda: b.copy_(a), 5, time.process_time if threads == 1 else time.perf_counter)
+            best = max(best, 2 * (mb << 20) / t)
+        return best
     finally:
         torch.set_num_threads(old)
 
@@ -176,6 +181,7 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, ho
     fits in it (half of it: a model whose weights stay in the last-level cache, not in the core's own L2)."""
     import torch
 
+    from waferline.model.arena import move_to_huge_pages
     from waferline.model.layers import packed_linear
 
     old = torch.get_num_threads()
@@ -193,10 +199,13 @@ def linear_sweep(dtype: str, ms: list[int], sizes: list[int], pool_mb: float, ho
                 one = n * n * (4 if dtype == "fp32" else 2)
             count = max(2, min(512 if hot else 64, int(pool_mb * (1 << 20)) // one))
             if dtype == "int4":  # distinct copies of one packed weight (packing each anew took as long as the timing)
-                ws = [probe] + [copy.deepcopy(probe) for _ in range(count - 1)]
+                pool: Any = torch.nn.ModuleList([probe] + [copy.deepcopy(probe) for _ in range(count - 1)])
             else:
                 dt = torch.float32 if dtype == "fp32" else torch.bfloat16
-                ws = [torch.randn(n, n).to(dt) for _ in range(count)]
+                pool = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(n, n).to(dt), requires_grad=False)
+                                               for _ in range(count)])
+            move_to_huge_pages(pool)  # where the engine keeps its weights (model/arena.py)
+            ws = list(pool)
             for m in ms:
                 x = torch.randn(m, n).to(torch.float32 if dtype == "fp32" else torch.bfloat16)
                 use = ws[: max(2, min(len(ws), int(3e8 / (2.0 * m * n * n))))]  # bound the probe's time

@@ -1,0 +1,123 @@
+"""What putting the weights in transparent huge pages buys (model/arena.py): the same checkpoint loaded twice in one
+process, with ``LLM(huge_pages=True)`` and ``huge_pages=False``, the two engines' decode alternating round by round.
+
+    python benchmarks/huge_pages_ab.py [--model DIR ...] [--variants bf16,int4] [--batch 1] [--rounds 6] [--json PATH]
+
+A CPU decode step reads every active weight from DRAM once per token; in 4 KiB pages that stream crosses a page (and
+may miss the TLB) every 4 KiB, in 2 MiB pages every 2 MiB. The script also times a torch copy of 256 MiB in each kind
+of page, which is what decode_speed.py's roofline rests on. It prints the kernel's THP mode and how much of each
+engine's weight arena the kernel actually backs with huge pages (/proc/self/smaps): where that is 0 (THP ``never``,
+or no free huge pages) the two settings are the same and the ratio is noise. Both settings must generate the same
+tokens (the same weights, bit for bit). Checkpoints: decode_speed.py's (run it once to build them). int4: RTN groups
+of 128 with an int8 LM head, as decode_speed.py's waferline int4; bf16: a 16-bit head.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import inprocess_ab
+
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "benchmarks" / ".cache"
+DEFAULT_MODELS = [CACHE / "dsv3" / "hf", CACHE / "qwen3moe" / "hf", CACHE / "llama" / "hf"]
+
+
+class _Either:
+    """One engine to ``inprocess_ab.alternate``: the switch picks which of the two loaded ones generates."""
+
+    def __init__(self, on: Any, off: Any) -> None:
+        self.engines, self.current = {True: on, False: off}, on
+
+    def switch(self, on: bool) -> None:
+        self.current = self.engines[on]
+
+    def generate(self, prompts: Any, params: Any) -> Any:
+        return self.current.generate(prompts, params)
+
+
+def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
+    """(4 KiB pages, huge pages): bytes/s (read + write) of a torch copy of ``mib`` MiB, best of ``reps``."""
+    import time
+
+    import torch
+
+    from waferline.model.arena import huge_buffer
+
+    out = []
+    for src, dst in ((torch.empty(mib << 20, dtype=torch.uint8), torch.empty(mib << 20, dtype=torch.uint8)),
+                     (huge_buffer(mib << 20), huge_buffer(mib << 20))):
+        src.fill_(1), dst.fill_(0)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t)
+        out.append(2 * src.numel() / best)
+    return out[0], out[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = inprocess_ab.parser(__doc__, "default: decode_speed.py's dsv3, qwen3moe and llama", "1", 6, 64)
+    ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
+    a = ap.parse_args(argv)
+    from rich.table import Table
+
+    from waferline import LLM, SamplingParams
+    from waferline.model.arena import thp_mode
+
+    if not inprocess_ab.ready(a.threads):
+        return 1
+    models = [Path(m) for m in a.model] if a.model else DEFAULT_MODELS
+    variants = [v for v in a.variants.split(",") if v]
+    if any(v not in ("bf16", "int4") for v in variants):
+        ap.error(f"--variants: bf16 and/or int4, got {a.variants!r}")
+    batches = [int(b) for b in a.batch.split(",")]
+    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    small, huge = copy_bandwidths()
+    print(f"transparent huge pages: {thp_mode()}; torch copy 256 MiB: {small / 1e9:.1f} GB/s in 4 KiB pages, "
+          f"{huge / 1e9:.1f} GB/s in huge pages", flush=True)
+    rows = []
+    for path in models:
+        if not (path / "config.json").is_file():
+            print(f"{path}: no checkpoint (run benchmarks/decode_speed.py once to build it)", file=sys.stderr)
+            continue
+        name = path.name if path.name != "hf" else path.parent.name
+        for variant in variants:
+            bits = {"bf16": dict(weight_bits=16, head_bits=16), "int4": dict(weight_bits=4, head_bits=8)}[variant]
+            both = _Either(LLM(str(path), dtype="bfloat16", huge_pages=True, **bits),
+                           LLM(str(path), dtype="bfloat16", huge_pages=False, **bits))
+            arena = both.engines[True].arena
+            arena_mb = arena.nbytes / 1e6 if arena else 0.0
+            huge_mb = (arena.huge_bytes() or 0) / 1e6 if arena else 0.0
+            V = both.engines[True].spec.vocab_size
+            for B in batches:
+                prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
+                r = inprocess_ab.alternate(both, prompts, params, both.switch, a.rounds)
+                row = {"model": name, "variant": variant, "batch": B, "arena_MB": round(arena_mb, 1),
+                       "huge_MB": round(huge_mb, 1), "small_pages_median": r["off_median"],
+                       "huge_pages_median": r["on_median"], "paired_median": r["paired_median"],
+                       "same_tokens": r["same_tokens"], "rounds_small_pages": r["rounds_off"],
+                       "rounds_huge_pages": r["rounds_on"]}
+                rows.append(row)
+                print(f"{name} {variant} b={B}: arena {arena_mb:.0f} MB ({huge_mb:.0f} MB huge); 4 KiB pages "
+                      f"{row['small_pages_median']:.1f} / huge pages {row['huge_pages_median']:.1f} tok/s (median), "
+                      f"paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}", flush=True)
+            del both
+    t = Table(title=f"decode tok/s (aggregate), {a.threads} threads: weights in 4 KiB pages / in huge pages, "
+                    f"{a.rounds} alternating rounds (THP {thp_mode()}; copy {small / 1e9:.1f} / {huge / 1e9:.1f} GB/s)")
+    for c in ("model", "variant", "batch", "arena MB (huge)", "4 KiB pages (median)", "huge pages (median)", "paired",
+              "same tokens"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(r["model"], r["variant"], str(r["batch"]), f"{r['arena_MB']:.0f} ({r['huge_MB']:.0f})",
+                  f"{r['small_pages_median']:.1f}", f"{r['huge_pages_median']:.1f}", f"{r['paired_median']:.3f}x",
+                  str(r["same_tokens"]))
+    return inprocess_ab.finish(a, rows, t, {"thp": thp_mode(), "copy_GBps_small_pages": round(small / 1e9, 2),
+                                            "copy_GBps_huge_pages": round(huge / 1e9, 2)})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
