@@ -504,7 +504,7 @@ def _counting_layer_ops(monkeypatch, seen: list) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v3-8heads", "deepseek_v2", "qwen3_moe", "sol-mini"])
-@pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2)])
+@pytest.mark.parametrize("group,threads", [(32, 1), (64, 1), (64, 2), (0, 2)])
 def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads, monkeypatch, one_thread):
     """A layer's step as one op against DecoderLayer's modules (norms, mixer, FFN blocks, residual adds): bitwise the
     same logits and caches over prefill + 4 decode steps for 1 row, 3 rows in scattered slots at different positions
@@ -515,7 +515,8 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     (prefill, more rows). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
     mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2 threads
-    a one-row step's attention and W_UV passes run without a barrier between them). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
+    a one-row step's attention and W_UV passes run without a barrier between them). Group 0: bf16 weights, not
+    quantized; the FFN half runs on a thread team with the bf16 kernel where the CPU has AVX512-BF16 (up to 8 rows). A forward hook on a part keeps the modules' path (the op would skip it) unless marked
     label-only."""
     from waferline.model.attention import GQA_FUSED_MAX_ROWS, MLA_FUSED_MAX_ROWS, GQAttention, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
@@ -531,10 +532,12 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
             model_type, extra["num_attention_heads"] = "deepseek_v3", 8
         build(model_type, tmp_path, moe_intermediate_size=64, **extra)  # every routed product's K a multiple of 64
     model = load_model(tmp_path, torch.bfloat16)
-    quantize_model(model, QuantOptions(group_size=group))
+    if group:
+        quantize_model(model, QuantOptions(group_size=group))
     torch.set_num_threads(threads)
     flags = kernels._cpu_flags().split()
     team = "avx2" in flags and "fma" in flags  # the team path needs the integer int4 kernel (built with -march=native)
+    dense_team = "avx512_bf16" in flags  # a bf16 FFN's team: the AVX512-BF16 few-row kernel
     probe = torch.zeros(1, 1, model.spec.hidden_size, dtype=torch.bfloat16)
     fusable = [layer.ffn.residual_args(probe) is not None for layer in model.layers]
     assert sum(fusable) >= 2 and any(isinstance(layer.ffn, MoE) for layer in model.layers)
@@ -579,10 +582,13 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
             # MLA: the decode steps (up to MLA_FUSED_MAX_ROWS rows) and the prefills that short (tokens as rows)
             steps = (4 if len(lens) <= MLA_FUSED_MAX_ROWS else 0) + sum(k <= MLA_FUSED_MAX_ROWS for k in lens)
             assert calls["layer"] == steps * mla and calls["gqa"] == steps * gqa, (lens, calls)
-            assert calls["mamba"] == 4 * mamba, (lens, calls)
+            assert calls["mamba"] == (4 * mamba if group else 0), (lens, calls)  # (mamba_ffn_layer: int4 only)
             ffn_halves += calls["ffn"]
             ran_teams = torch.ops.waferline.team_halves() - teams
-            assert (ran_teams > 0) == (team and group == 64), ran_teams
+            if group == 0:  # (the FFN half on a team for up to 8 rows)
+                assert (ran_teams > 0) == (dense_team and min(len(lens), max(lens)) <= 8), (lens, ran_teams)
+            else:
+                assert (ran_teams > 0) == (team and group == 64), ran_teams
             if team and group == 64:  # a whole layer's op runs both halves on teams (mixer: MLA or Mamba-2; the FFN)
                 assert ran_teams >= 2 * (calls["layer"] + calls["mamba"]), (ran_teams, calls)
             assert torch.equal(out, ref), lens

@@ -470,15 +470,20 @@ inline void bf16_row_pair(const uint16_t* x, const uint16_t* wr, int64_t K, int6
   }
 }
 
-void bf16_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
+// weight rows n0..n1 of w [N, K] for the M rows of x [M, K] -> y[m * ldy + n]
+void bf16_span(const uint16_t* x, int64_t M, const uint16_t* w, int64_t K, c10::BFloat16* y, int64_t ldy, int64_t n0,
+               int64_t n1) {
   const int64_t Kv = K / (32 * BF16_CHAINS) * (32 * BF16_CHAINS);
-  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t m = 0;
-      for (; m + 2 <= M; m += 2) bf16_row_pair<2>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
-      if (m < M) bf16_row_pair<1>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
-    }
-  });
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) bf16_row_pair<2>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
+    if (m < M) bf16_row_pair<1>(x + m * K, w + n * K, K, Kv, y + m * ldy + n, ldy);
+  }
+}
+
+void bf16_rows(const uint16_t* x, int64_t M, const uint16_t* w, int64_t N, int64_t K, c10::BFloat16* y, int64_t ldy) {
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
+                   [&](int64_t n0, int64_t n1) { bf16_span(x, M, w, K, y, ldy, n0, n1); });
 }
 
 bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, int64_t N, int64_t K,
@@ -2192,15 +2197,27 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   return residual_rows<T>(x, o.data());
 }
 
+// weight rows n0..n1 of a dense bf16 weight [N, K] for the M rows of x [M, K] (ffn_team's dense products: the kernel
+// linear_rows runs, row by row the same numbers at any split of the rows n)
+template <typename T>
+void dense_span(const T* x, int64_t M, const uint16_t* w, int64_t K, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    bf16_span(reinterpret_cast<const uint16_t*>(x), M, w, K, y, ldy, n0, n1);
+#endif
+}  // (other T, or no AVX512-BF16: ffn_team_dense_fits keeps them off the team)
+
 // the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
 // experts (gate_w non-empty: routed by moe_route, each token's top k) and the shared expert (shared_inter > 0), or a
-// dense FFN alone (gate_w empty; its weights where the shared expert's go, k = 0).
+// dense FFN alone (gate_w empty; its weights where the shared expert's go, k = 0). Weights int4 (the integer kernel,
+// inputs quantized per row), or with ``dense`` every one bf16 (the few-row bf16 kernel, inputs as they are).
 template <typename T, typename S>
 std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
                                             const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr,
                                             int64_t k, bool softmax_scores, bool softmax_after_topk, int64_t n_group,
                                             int64_t topk_group, bool group_top2, bool norm, double scaling,
-                                            at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+                                            at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter,
+                                            bool dense) {
   const int64_t D = h.size(-1), B = h.numel() / D;
   const T* hp = h.data_ptr<T>();
   auto hn = at::empty({B, D}, h.options());
@@ -2221,13 +2238,16 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   // from call to call, as mla_team's are)
   struct Job {
     I4W<S> gu, dn;
+    const uint16_t *dgu = nullptr, *ddn = nullptr;  // dense: bf16 gate_up [2I, D] and down [D, I]
     int64_t I = 0;
     std::vector<int64_t> tok;  // its rows' tokens
     std::vector<float> wt;     // their routing weights
     std::vector<int64_t> row;  // per token, its row here (-1: not routed here)
     const I16Rows* x = nullptr;  // its input rows: every token's (xq) when it takes them all in order, else xg
+    const T* xd = nullptr;       // dense: its input rows, hn's when it takes them all in order, else xt's
     I16Rows xg, a;
-    std::vector<T> hb, ab, y;  // gate_up out [rows, 2I], silu(gate) * up [rows, I], down out [rows, D]
+    std::vector<T> xt, hb, ab, y;  // (dense) its tokens' rows of hn; gate_up out [rows, 2I], silu(gate) * up [rows, I],
+                                   // down out [rows, D]
   };
   struct Bufs {
     std::vector<Job> pool;
@@ -2240,11 +2260,20 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   auto& hf = bufs.hf;
   auto& xq = bufs.xq;
   size_t njobs = 0;
-  auto add_job = [&](const I4W<S>& gu, const I4W<S>& dn, int64_t I) -> Job& {
+  // a job's two products (gate_up at i, down at i + 2 of moe_w) of expert e (e < 0: not stacked)
+  auto add_job = [&](int i, int64_t e, int64_t I) -> Job& {
     if (njobs == pool.size()) pool.emplace_back();
     Job& jb = pool[njobs++];
     jb.tok.clear(), jb.wt.clear();
-    jb.gu = gu, jb.dn = dn, jb.I = I;
+    jb.I = I;
+    if (dense) {
+      auto dw = [&](const at::Tensor& w) {
+        return reinterpret_cast<const uint16_t*>(w.data_ptr()) + (e >= 0 ? e * w.size(1) * w.size(2) : 0);
+      };
+      jb.dgu = dw(moe_w[i]), jb.ddn = dw(moe_w[i + 2]);
+    } else {
+      jb.gu = i4w<S>(moe_w[i], moe_w[i + 1], group, e), jb.dn = i4w<S>(moe_w[i + 2], moe_w[i + 3], group, e);
+    }
     return jb;
   };
   const int64_t E = routing ? moe_w[0].size(0) : 0;
@@ -2254,21 +2283,24 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
     Job* jb = nullptr;
     for (int64_t pr = 0; pr < B * k; ++pr) {
       if (ip[pr] != e) continue;
-      if (jb == nullptr) jb = &add_job(i4w<S>(moe_w[0], moe_w[1], group, e), i4w<S>(moe_w[2], moe_w[3], group, e), inter);
+      if (jb == nullptr) jb = &add_job(0, e, inter);
       jb->tok.push_back(pr / k), jb->wt.push_back(wp[pr]);
     }
   }
   const size_t routed_jobs = njobs;
   if (shared_inter > 0) {
-    Job& jb = add_job(i4w<S>(moe_w[4], moe_w[5], group), i4w<S>(moe_w[6], moe_w[7], group), shared_inter);
+    Job& jb = add_job(4, -1, shared_inter);
     for (int64_t t = 0; t < B; ++t) jb.tok.push_back(t), jb.wt.push_back(1.f);
   }
   Job* jobs = pool.data();
-  hf.resize(B * D);
-  load_f32<T>(hn.data_ptr<T>(), hf.data(), B * D);
-  xq.set(hf.data(), B, D, group);
+  const T* hnp = hn.data_ptr<T>();
+  if (!dense) {
+    hf.resize(B * D);
+    load_f32<T>(hnp, hf.data(), B * D);
+    xq.set(hf.data(), B, D, group);
+  }
   gu_rows.clear(), task_job.clear(), task_row.clear();
-  const int64_t ng = D / group;
+  const int64_t ng = dense ? 0 : D / group;  // (dense: no quantized rows)
   for (size_t j = 0; j < njobs; ++j) {
     Job& jb = jobs[j];
     const int64_t M = static_cast<int64_t>(jb.tok.size());
@@ -2280,7 +2312,11 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       task_job.push_back(static_cast<int64_t>(j)), task_row.push_back(m);
     }
     if (in_order) {
-      jb.x = &xq;
+      jb.x = &xq, jb.xd = hnp;
+    } else if (dense) {  // its tokens' rows of hn, as moe_ffn gathers them
+      jb.xt.resize(M * D);
+      for (int64_t m = 0; m < M; ++m) std::copy(hnp + jb.tok[m] * D, hnp + (jb.tok[m] + 1) * D, jb.xt.begin() + m * D);
+      jb.xd = jb.xt.data();
     } else {  // its tokens' rows of xq (the numbers quantizing those rows alone gives)
       jb.xg.resize(M, D, group);
       for (int64_t m = 0; m < M; ++m) {
@@ -2291,7 +2327,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       }
       jb.x = &jb.xg;
     }
-    jb.a.resize(M, jb.I, group);
+    if (!dense) jb.a.resize(M, jb.I, group);
     jb.hb.resize(M * 2 * jb.I), jb.ab.resize(M * jb.I), jb.y.resize(M * D);
     gu_rows.push_back(2 * jb.I);
   }
@@ -2302,7 +2338,12 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   {
     const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
     share_tiles(gu_rows, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
-      i4_span<T, S>(*jobs[j].x, jobs[j].gu, jobs[j].hb.data(), 2 * jobs[j].I, n0, n1_);
+      const Job& jb = jobs[j];
+      if (dense) {
+        dense_span<T>(jb.xd, static_cast<int64_t>(jb.tok.size()), jb.dgu, D, jobs[j].hb.data(), 2 * jb.I, n0, n1_);
+      } else {
+        i4_span<T, S>(*jb.x, jb.gu, jobs[j].hb.data(), 2 * jb.I, n0, n1_);
+      }
     });
 #pragma omp barrier
     {  // silu(gate) * up per row, and that row as the down product's input
@@ -2312,6 +2353,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
         Job& jb = jobs[task_job[i]];
         const int64_t m = task_row[i], I = jb.I;
         silu_mul_rows<T>(jb.hb.data() + m * 2 * I, jb.ab.data() + m * I, 1, I, 2 * I);
+        if (dense) continue;  // (the bf16 kernel takes the rows as they are)
         af.resize(I);
         load_f32<T>(jb.ab.data() + m * I, af.data(), I);
         jb.a.set_row(m, af.data());
@@ -2322,7 +2364,14 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       const auto [t0, t1] = share((D + I16_TILE - 1) / I16_TILE, tid, nth);
       const int64_t d0 = t0 * I16_TILE, d1 = std::min(D, t1 * I16_TILE);
       if (d0 < d1) {
-        for (size_t j = 0; j < njobs; ++j) i4_span<T, S>(jobs[j].a, jobs[j].dn, jobs[j].y.data(), D, d0, d1);
+        for (size_t j = 0; j < njobs; ++j) {
+          Job& jb = jobs[j];
+          if (dense) {
+            dense_span<T>(jb.ab.data(), static_cast<int64_t>(jb.tok.size()), jb.ddn, jb.I, jb.y.data(), D, d0, d1);
+          } else {
+            i4_span<T, S>(jb.a, jb.dn, jb.y.data(), D, d0, d1);
+          }
+        }
         for (int64_t t = 0; t < B; ++t) {
           for (int64_t dd = d0; dd < d1; ++dd) {
             float acc = 0.f;
@@ -2406,6 +2455,35 @@ bool ffn_team_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Te
                               i4_fits(moe_w[6], moe_w[7], group, D, shared_inter, st));
 }
 
+// whether ffn_team takes this FFN with dense weights: bf16 h of at most FEW_ROWS rows (the composed path's products
+// run few_rows then, the same kernel) and every weight bf16 with no scales, on a CPU with the AVX512-BF16 kernel
+bool ffn_team_dense_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Tensor& gate_w, at::TensorList moe_w,
+                         int64_t inter, int64_t shared_inter) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (moe_w.size() != 8 || !h.is_contiguous() || h.dim() < 2 || h.scalar_type() != at::kBFloat16) return false;
+  const int64_t D = h.size(-1);
+  if (D < 1 || h.numel() / D > FEW_ROWS) return false;
+  if (ffn_norm.scalar_type() != h.scalar_type() || ffn_norm.numel() != D || !ffn_norm.is_contiguous()) return false;
+  auto fits = [](const at::Tensor& w, const at::Tensor& sz, int64_t N, int64_t K, int64_t E) {
+    return sz.numel() == 0 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() &&
+           (E ? w.dim() == 3 && w.size(0) == E && w.size(1) == N && w.size(2) == K
+              : w.dim() == 2 && w.size(0) == N && w.size(1) == K);
+  };
+  if (gate_w.numel() > 0) {
+    const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
+    if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E || !fits(moe_w[0], moe_w[1], 2 * inter, D, E) ||
+        !fits(moe_w[2], moe_w[3], D, inter, E))
+      return false;
+  } else if (shared_inter < 1) {
+    return false;
+  }
+  return shared_inter < 1 ||
+         (fits(moe_w[4], moe_w[5], 2 * shared_inter, D, 0) && fits(moe_w[6], moe_w[7], D, shared_inter, 0));
+#else
+  return false;
+#endif
+}
+
 // f(T tag, S tag) for activations of dtype dt (bf16 / fp16) and int4 scales of dtype st
 template <typename F>
 auto with_team_types(at::ScalarType dt, at::ScalarType st, F&& f) {
@@ -2444,12 +2522,14 @@ std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::T
   const int64_t D = h.size(-1), N = h.numel() / std::max<int64_t>(D, 1);
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
   const at::ScalarType st = moe_w[5].numel() ? moe_w[5].scalar_type() : moe_w[1].scalar_type();
-  if (team_on(h) && ffn_team_fits(h, ffn_norm, gate_w, moe_w, group, inter, shared_inter, st)) {
+  bool dense = false;
+  if (team_on(h) && (ffn_team_fits(h, ffn_norm, gate_w, moe_w, group, inter, shared_inter, st) ||
+                     (dense = ffn_team_dense_fits(h, ffn_norm, gate_w, moe_w, inter, shared_inter)))) {
     g_team_halves.fetch_add(1, std::memory_order_relaxed);
     return with_team_types(h.scalar_type(), st, [&](auto t_tag, auto s_tag) {
       return ffn_team<decltype(t_tag), decltype(s_tag)>(h, ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores,
                                                         softmax_after_topk, n_group, topk_group, group_top2, norm,
-                                                        scaling, moe_w, group, inter, shared_inter);
+                                                        scaling, moe_w, group, inter, shared_inter, dense);
     });
   }
 #endif
