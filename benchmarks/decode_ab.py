@@ -104,12 +104,16 @@ elif kind == "int8":  # one row through an N x K int8 weight (the LM head's kern
     w, sc = torch.randint(-127, 128, (N, K), dtype=torch.int8), (torch.rand(N) * 0.01).to(torch.bfloat16)
     x = torch.randn(1, K).to(torch.bfloat16)
     f = lambda: torch.ops.waferline.int8_linear(x, w, sc)
+elif kind == "bf16":  # one row through an N x K bf16 weight (linear_rows: the few-row bf16 kernel)
+    N, K = dims
+    w, x = torch.randn(N, K).to(torch.bfloat16), torch.randn(1, K).to(torch.bfloat16)
+    f = lambda: torch.ops.waferline.linear_rows(x, w)
 elif kind == "argmax":  # greedy sampling over V logits
     logits = torch.randn(1, dims[0])
     from waferline.engine.sampling import SamplingParams, sample
     f = lambda: sample(logits[0], SamplingParams(temperature=0.0), None)
 else:
-    raise SystemExit(f"unknown op kind {kind!r} (int4, int8, argmax)")
+    raise SystemExit(f"unknown op kind {kind!r} (int4, int8, bf16, argmax)")
 for _ in range(50):
     f()
 n = 200
@@ -149,7 +153,7 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], help="checkpoint directory (repeatable)")
     ap.add_argument("--ops", default="", metavar="KIND:SHAPE,...",
                     help="time single operators instead of decode steps, e.g. int4:1024x512,int8:32000x512,argmax:32000 "
-                         "(int4 / int8: one row through an N x K weight; argmax: greedy sampling over V logits); "
+                         "(int4 / int8 / bf16: one row through an N x K weight; argmax: greedy sampling over V logits); "
                          "microseconds per call, best of 15 blocks of 200 calls")
     ap.add_argument("--variants", default="bf16:16,bf16:4", help="dtype:weight-bits pairs (default bf16:16,bf16:4)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")

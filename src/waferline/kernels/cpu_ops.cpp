@@ -2210,7 +2210,7 @@ void dense_span(const T* x, int64_t M, const uint16_t* w, int64_t K, T* y, int64
 // the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
 // experts (gate_w non-empty: routed by moe_route, each token's top k) and the shared expert (shared_inter > 0), or a
 // dense FFN alone (gate_w empty; its weights where the shared expert's go, k = 0). Weights int4 (the integer kernel,
-// inputs quantized per row), or with ``dense`` every one bf16 (the few-row bf16 kernel, inputs as they are).
+// inputs quantized per row), or with ``dense`` every one bf16 (the few-row bf16 kernel, inputs as they are; MoE blocks).
 template <typename T, typename S>
 std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
                                             const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr,
@@ -2455,8 +2455,10 @@ bool ffn_team_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Te
                               i4_fits(moe_w[6], moe_w[7], group, D, shared_inter, st));
 }
 
-// whether ffn_team takes this FFN with dense weights: bf16 h of at most FEW_ROWS rows (the composed path's products
-// run few_rows then, the same kernel) and every weight bf16 with no scales, on a CPU with the AVX512-BF16 kernel
+// whether ffn_team takes this FFN with dense weights: a MoE block (routed experts, a shared one or none), bf16 h of at
+// most FEW_ROWS rows (the composed path's products run few_rows then, the same kernel) and every weight bf16 with no
+// scales, on a CPU with the AVX512-BF16 kernel. A dense FFN keeps the composed path: on Llama-type layers the team was
+// level in one process and 0.85x in decode_ab.py's separate ones (session 23), where MoE blocks gained 1.05-1.15x.
 bool ffn_team_dense_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const at::Tensor& gate_w, at::TensorList moe_w,
                          int64_t inter, int64_t shared_inter) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -2469,14 +2471,10 @@ bool ffn_team_dense_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const 
            (E ? w.dim() == 3 && w.size(0) == E && w.size(1) == N && w.size(2) == K
               : w.dim() == 2 && w.size(0) == N && w.size(1) == K);
   };
-  if (gate_w.numel() > 0) {
-    const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
-    if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E || !fits(moe_w[0], moe_w[1], 2 * inter, D, E) ||
-        !fits(moe_w[2], moe_w[3], D, inter, E))
-      return false;
-  } else if (shared_inter < 1) {
+  const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
+  if (gate_w.numel() == 0 || E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E ||
+      !fits(moe_w[0], moe_w[1], 2 * inter, D, E) || !fits(moe_w[2], moe_w[3], D, inter, E))
     return false;
-  }
   return shared_inter < 1 ||
          (fits(moe_w[4], moe_w[5], 2 * shared_inter, D, 0) && fits(moe_w[6], moe_w[7], D, shared_inter, 0));
 #else
