@@ -14,15 +14,9 @@ of 128 with an int8 LM head, as decode_speed.py's waferline int4; bf16: a 16-bit
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import inprocess_ab
-
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache"
-DEFAULT_MODELS = [CACHE / "dsv3" / "hf", CACHE / "qwen3moe" / "hf", CACHE / "llama" / "hf"]
 
 
 class _Either:
@@ -60,33 +54,19 @@ def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = inprocess_ab.parser(__doc__, "default: decode_speed.py's dsv3, qwen3moe and llama", "1", 6, 64)
-    ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
-    a = ap.parse_args(argv)
-    from rich.table import Table
-
-    from waferline import LLM, SamplingParams
-    from waferline.model.arena import thp_mode
-
-    if not inprocess_ab.ready(a.threads):
+    got = inprocess_ab.start(__doc__, argv)
+    if got is None:
         return 1
-    models = [Path(m) for m in a.model] if a.model else DEFAULT_MODELS
-    variants = [v for v in a.variants.split(",") if v]
-    if any(v not in ("bf16", "int4") for v in variants):
-        ap.error(f"--variants: bf16 and/or int4, got {a.variants!r}")
-    batches = [int(b) for b in a.batch.split(",")]
-    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    a, models, variants, batches, params = got
+    from waferline import LLM
+    from waferline.model.arena import thp_mode
     small, huge = copy_bandwidths()
     print(f"transparent huge pages: {thp_mode()}; torch copy 256 MiB: {small / 1e9:.1f} GB/s in 4 KiB pages, "
           f"{huge / 1e9:.1f} GB/s in huge pages", flush=True)
     rows = []
-    for path in models:
-        if not (path / "config.json").is_file():
-            print(f"{path}: no checkpoint (run benchmarks/decode_speed.py once to build it)", file=sys.stderr)
-            continue
-        name = path.name if path.name != "hf" else path.parent.name
+    for name, path in models:
         for variant in variants:
-            bits = {"bf16": dict(weight_bits=16, head_bits=16), "int4": dict(weight_bits=4, head_bits=8)}[variant]
+            bits = inprocess_ab.VARIANTS[variant]
             both = _Either(LLM(str(path), dtype="bfloat16", huge_pages=True, **bits),
                            LLM(str(path), dtype="bfloat16", huge_pages=False, **bits))
             arena = both.engines[True].arena
@@ -106,15 +86,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['small_pages_median']:.1f} / huge pages {row['huge_pages_median']:.1f} tok/s (median), "
                       f"paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}", flush=True)
             del both
-    t = Table(title=f"decode tok/s (aggregate), {a.threads} threads: weights in 4 KiB pages / in huge pages, "
-                    f"{a.rounds} alternating rounds (THP {thp_mode()}; copy {small / 1e9:.1f} / {huge / 1e9:.1f} GB/s)")
-    for c in ("model", "variant", "batch", "arena MB (huge)", "4 KiB pages (median)", "huge pages (median)", "paired",
-              "same tokens"):
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(r["model"], r["variant"], str(r["batch"]), f"{r['arena_MB']:.0f} ({r['huge_MB']:.0f})",
-                  f"{r['small_pages_median']:.1f}", f"{r['huge_pages_median']:.1f}", f"{r['paired_median']:.3f}x",
-                  str(r["same_tokens"]))
+    t = inprocess_ab.table(
+        f"decode tok/s (aggregate), {a.threads} threads: weights in 4 KiB pages / in huge pages, {a.rounds} alternating "
+        f"rounds (THP {thp_mode()}; copy {small / 1e9:.1f} / {huge / 1e9:.1f} GB/s)",
+        ["model", "variant", "batch", "arena MB (huge)", "4 KiB pages (median)", "huge pages (median)", "paired",
+         "same tokens"],
+        [[r["model"], r["variant"], str(r["batch"]), f"{r['arena_MB']:.0f} ({r['huge_MB']:.0f})",
+          f"{r['small_pages_median']:.1f}", f"{r['huge_pages_median']:.1f}", f"{r['paired_median']:.3f}x",
+          str(r["same_tokens"])] for r in rows])
     return inprocess_ab.finish(a, rows, t, {"thp": thp_mode(), "copy_GBps_small_pages": round(small / 1e9, 2),
                                             "copy_GBps_huge_pages": round(huge / 1e9, 2)})
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -24,6 +25,49 @@ def parser(doc: str, models_help: str, batch: str, rounds: int, tokens: int) -> 
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     ap.add_argument("--json", default=None, help="write the rows here")
     return ap
+
+
+CACHE = Path(__file__).resolve().parent / ".cache"
+CHECKPOINTS = [CACHE / "dsv3" / "hf", CACHE / "qwen3moe" / "hf", CACHE / "llama" / "hf"]  # decode_speed.py's
+VARIANTS = {"bf16": dict(weight_bits=16, head_bits=16), "int4": dict(weight_bits=4, head_bits=8)}  # LLM's options
+
+
+def start(doc: str, argv: list[str] | None) -> tuple[argparse.Namespace, list[tuple[str, Path]], list[str],
+                                                     list[int], Any] | None:
+    """For the scripts that run decode_speed.py's checkpoints as bf16 and / or int4: parse parser()'s options and
+    --variants, check the fused operators are built (None if not), and return the options, (name, checkpoint) of each
+    --model that exists (default CHECKPOINTS; a missing one is reported and skipped), the variants, the batch sizes and
+    greedy SamplingParams of --tokens. A bad --variants is a usage error."""
+    ap = parser(doc, "default: decode_speed.py's dsv3, qwen3moe and llama", "1", 6, 64)
+    ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
+    a = ap.parse_args(argv)
+    variants = [v for v in a.variants.split(",") if v]
+    if any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: bf16 and/or int4, got {a.variants!r}")
+    if not ready(a.threads):
+        return None
+    from waferline import SamplingParams
+
+    models = []
+    for path in [Path(m) for m in a.model] if a.model else CHECKPOINTS:
+        if (path / "config.json").is_file():
+            models.append((path.name if path.name != "hf" else path.parent.name, path))
+        else:
+            print(f"{path}: no checkpoint (run benchmarks/decode_speed.py once to build it)", file=sys.stderr)
+    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    return a, models, variants, [int(b) for b in a.batch.split(",")], params
+
+
+def table(title: str, columns: list[str], rows: list[list[str]]) -> Any:
+    """A rich table of right-aligned columns."""
+    from rich.table import Table
+
+    t = Table(title=title)
+    for c in columns:
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(*r)
+    return t
 
 
 def ready(threads: int) -> bool:
@@ -65,7 +109,6 @@ def finish(a: argparse.Namespace, rows: list[dict], table: Any, extra: dict[str,
     """Print the table, write the rows (and the run's settings, with ``extra``) to --json, and return the exit status:
     1 where a setting generated other tokens than the other."""
     import json
-    from pathlib import Path
 
     from rich.console import Console
 

@@ -16,14 +16,7 @@ decode_speed.py's waferline int4; bf16: a 16-bit head.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import inprocess_ab
-
-ROOT = Path(__file__).resolve().parents[1]
-CACHE = ROOT / "benchmarks" / ".cache"
-DEFAULT_MODELS = [CACHE / "dsv3" / "hf", CACHE / "qwen3moe" / "hf", CACHE / "llama" / "hf"]
 
 
 def _switch():
@@ -52,32 +45,17 @@ def _switch():
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = inprocess_ab.parser(__doc__, "default: decode_speed.py's dsv3, qwen3moe and llama", "1", 6, 64)
-    ap.add_argument("--variants", default="bf16,int4", help="comma-separated: bf16 (16-bit head), int4 (int8 head)")
-    a = ap.parse_args(argv)
-    from rich.table import Table
-
-    from waferline import LLM, SamplingParams
-
-    if not inprocess_ab.ready(a.threads):
+    got = inprocess_ab.start(__doc__, argv)
+    if got is None:
         return 1
-    models = [Path(m) for m in a.model] if a.model else DEFAULT_MODELS
-    variants = [v for v in a.variants.split(",") if v]
-    if any(v not in ("bf16", "int4") for v in variants):
-        ap.error(f"--variants: bf16 and/or int4, got {a.variants!r}")
-    batches = [int(b) for b in a.batch.split(",")]
-    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    a, models, variants, batches, params = got
+    from waferline import LLM
     on, off = _switch()
     rows = []
     try:
-        for path in models:
-            if not (path / "config.json").is_file():
-                print(f"{path}: no checkpoint (run benchmarks/decode_speed.py once to build it)", file=sys.stderr)
-                continue
-            name = path.name if path.name != "hf" else path.parent.name
+        for name, path in models:
             for variant in variants:
-                bits = {"bf16": dict(weight_bits=16, head_bits=16), "int4": dict(weight_bits=4, head_bits=8)}[variant]
-                llm = LLM(str(path), dtype="bfloat16", **bits)
+                llm = LLM(str(path), dtype="bfloat16", **inprocess_ab.VARIANTS[variant])
                 V = llm.spec.vocab_size
                 for B in batches:
                     prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
@@ -93,13 +71,11 @@ def main(argv: list[str] | None = None) -> int:
                 del llm
     finally:
         on()
-    t = Table(title=f"decode tok/s (aggregate), {a.threads} threads: session 22's layer ops off / on, {a.rounds} "
-                    "alternating rounds")
-    for c in ("model", "variant", "batch", "before (median)", "after (median)", "paired", "same tokens"):
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(r["model"], r["variant"], str(r["batch"]), f"{r['before_median']:.1f}", f"{r['after_median']:.1f}",
-                  f"{r['paired_median']:.3f}x", str(r["same_tokens"]))
+    t = inprocess_ab.table(
+        f"decode tok/s (aggregate), {a.threads} threads: session 22's layer ops off / on, {a.rounds} alternating rounds",
+        ["model", "variant", "batch", "before (median)", "after (median)", "paired", "same tokens"],
+        [[r["model"], r["variant"], str(r["batch"]), f"{r['before_median']:.1f}", f"{r['after_median']:.1f}",
+          f"{r['paired_median']:.3f}x", str(r["same_tokens"])] for r in rows])
     return inprocess_ab.finish(a, rows, t)
 
 

@@ -26,8 +26,6 @@ DEFAULT_MODELS = [ROOT / "benchmarks" / ".cache" / "dsv3" / "hf", ROOT / "models
 def main(argv: list[str] | None = None) -> int:
     a = inprocess_ab.parser(__doc__, "default: decode_speed.py's dsv3 and models/sol-mini", "1,8", 10,
                             128).parse_args(argv)
-    from rich.table import Table
-
     import waferline.model.decoder as decoder
     from waferline import LLM, SamplingParams
 
@@ -54,15 +52,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{row['model']} b={B}: replay {row['replay_median']:.1f} / program {row['program_median']:.1f} tok/s "
                   f"(median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}", flush=True)
-    t = Table(title=f"decode tok/s (aggregate), int4 + int8 head, bf16, {a.threads} threads: program off / on, "
-                    f"{a.rounds} alternating rounds")
-    for c in ("model", "batch", "replay best", "replay median", "program best", "program median", "paired",
-              "same tokens"):
-        t.add_column(c, justify="right")
-    for r in rows:
-        t.add_row(r["model"], str(r["batch"]), f"{r['replay_best']:.1f}", f"{r['replay_median']:.1f}",
-                  f"{r['program_best']:.1f}", f"{r['program_median']:.1f}", f"{r['paired_median']:.3f}x",
-                  str(r["same_tokens"]))
+    t = inprocess_ab.table(
+        f"decode tok/s (aggregate), int4 + int8 head, bf16, {a.threads} threads: program off / on, {a.rounds} "
+        "alternating rounds",
+        ["model", "batch", "replay best", "replay median", "program best", "program median", "paired", "same tokens"],
+        [[r["model"], str(r["batch"]), f"{r['replay_best']:.1f}", f"{r['replay_median']:.1f}", f"{r['program_best']:.1f}",
+          f"{r['program_median']:.1f}", f"{r['paired_median']:.3f}x", str(r["same_tokens"])] for r in rows])
     return inprocess_ab.finish(a, rows, t)
 
 
