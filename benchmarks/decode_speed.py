@@ -496,16 +496,21 @@ def _best_time(f: Any, reps: int) -> float:
     return best
 
 
-def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
-    """Bytes/s moved by a large torch tensor copy (read + write), best of ``reps`` in 4 KiB pages and in transparent
-    huge pages (where waferline keeps its weights: model/arena.py)."""
+def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
+    """(4 KiB pages, transparent huge pages): bytes/s moved by a torch copy of ``mib`` MiB (read + write), best of
+    ``reps`` each."""
     from waferline.model.arena import huge_buffer
 
-    best = float("inf")
+    out = []
     for make in (lambda: torch.empty(mib << 20, dtype=torch.uint8), lambda: huge_buffer(mib << 20)):
         src, dst = make().fill_(1), make().fill_(0)
-        best = min(best, _best_time(lambda: dst.copy_(src), reps))
-    return 2 * (mib << 20) / best
+        out.append(2 * (mib << 20) / _best_time(lambda: dst.copy_(src), reps))
+    return out[0], out[1]
+
+
+def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
+    """The better of copy_bandwidths(): huge pages are where waferline keeps its weights (model/arena.py)."""
+    return max(copy_bandwidths(mib, reps))
 
 
 def read_bandwidth(mib: int = 256, reps: int = 5) -> float:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import inprocess_ab
+from decode_speed import copy_bandwidths
 
 
 class _Either:
@@ -30,27 +31,6 @@ class _Either:
 
     def generate(self, prompts: Any, params: Any) -> Any:
         return self.current.generate(prompts, params)
-
-
-def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
-    """(4 KiB pages, huge pages): bytes/s (read + write) of a torch copy of ``mib`` MiB, best of ``reps``."""
-    import time
-
-    import torch
-
-    from waferline.model.arena import huge_buffer
-
-    out = []
-    for src, dst in ((torch.empty(mib << 20, dtype=torch.uint8), torch.empty(mib << 20, dtype=torch.uint8)),
-                     (huge_buffer(mib << 20), huge_buffer(mib << 20))):
-        src.fill_(1), dst.fill_(0)
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t)
-        out.append(2 * src.numel() / best)
-    return out[0], out[1]
 
 
 def main(argv: list[str] | None = None) -> int:

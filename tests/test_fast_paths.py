@@ -503,7 +503,7 @@ def test_causal_depthwise_conv_is_the_depthwise_conv1d():
 def test_weights_in_huge_pages_compute_the_same(tmp_path, variant, one_thread):
     """move_to_huge_pages (model/arena.py) puts every weight of a model in one huge-page region: the same logits bit
     for bit and the same greedy tokens, every moved tensor inside the region, argument caches rebuilt on the new
-    tensors; a tensor two modules share stays one tensor."""
+    tensors, a second call moving nothing; a tensor two modules share stays one tensor."""
     from waferline import LLM, SamplingParams
     from waferline.model.arena import huge_pages_possible, move_to_huge_pages
 
@@ -528,6 +528,7 @@ def test_weights_in_huge_pages_compute_the_same(tmp_path, variant, one_thread):
     assert torch.equal(llm.prompt_logprobs(seq), before)
     assert [o.token_ids for o in llm.generate([seq, seq[:3]], params)] == [o.token_ids for o in toks]
     assert 0 <= (arena.huge_bytes() or 0) <= arena.nbytes
+    assert move_to_huge_pages(llm.model, min_bytes=1) is None  # (views of the arena stay: nothing is copied twice)
 
     shared = torch.nn.Linear(64, 64, bias=False)
     root = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})

@@ -70,7 +70,10 @@ def huge_buffer(nbytes: int) -> torch.Tensor:
 
 
 def _movable(t: torch.Tensor | None, min_bytes: int) -> bool:
-    return t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes and t.is_contiguous()
+    """A CPU tensor of at least ``min_bytes`` that is its storage's whole, contiguous content: a view of another
+    tensor's storage (or of an arena, on a second call) stays where it is, so no bytes are copied twice."""
+    return (t is not None and t.device.type == "cpu" and t.nbytes >= min_bytes and t.is_contiguous()
+            and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes)
 
 
 def move_to_huge_pages(root: nn.Module, min_bytes: int = 1 << 16) -> Arena | None:
