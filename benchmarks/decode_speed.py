@@ -40,7 +40,10 @@ near-uniform expert routing; trained models route less evenly, so at batch 8 few
 bandwidth is the better of 4 KiB and transparent huge pages (waferline keeps its weights in huge pages). The read
 roofline puts the same bytes over the read bandwidth (a torch amax over 256 MiB in huge pages: a decode step only reads
 its weights, and this machine reads faster than it copies); a target that is not met and needs more than that is
-flagged "not reachable here".
+flagged "not reachable here". Waferline's rows also get a compute ceiling: the tok/s at which a step's multiply-adds
+(ModelSpec FLOPs / 2 at the mean context) run at the speed of waferline's own product of that format and row count
+with its weight in cache (product_rate: a ceiling of these kernels on this machine, not of the CPU); a target above
+it is flagged "not with these kernels here".
 
     python benchmarks/decode_speed.py                      # everything (batch 1 alone: 23 min at load average 6-7)
     python benchmarks/decode_speed.py --quick              # tiny models, a few tokens: a smoke test
@@ -547,6 +550,86 @@ def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, conte
     return total + batch * spec.cache_bytes_per_seq(context, kv_bits=kv_bits)
 
 
+def product_rate(fmt: str, rows: int, threads: int, reps: int = 9) -> float | None:
+    """Multiply-adds/s of waferline's own product of ``rows`` rows through one weight of 1024 x 1024 per thread, read
+    over and over (bf16 2 MiB, fp32 4 MiB, int4 0.5 MiB, int8 1 MiB a thread: it stays in the last-level cache of
+    any machine this runs on with room to spare, checked), called as the engine calls it (fp32 / bf16: its
+    ``packed_linear``; int4: ``Int4Weight``; int8: the int8 head's operator), ``threads`` torch threads, best of
+    ``reps`` blocks (smaller weights measured less: a call's fixed cost weighs more). With no weight bytes to wait
+    for from memory this is the compute ceiling of waferline's kernels of that format on this machine — not the
+    CPU's peak: a better kernel could raise it. None where the format's kernel does not run here or the weight would
+    not fit in half the last-level cache."""
+    from waferline.model.layers import packed_linear
+    from waferline.sim.measure import _int4_weight, last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    if not llc or 1024 * threads * 1024 * {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5}[fmt] > llc / 2:
+        return None
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        N, K = 1024 * threads, 1024
+        if fmt == "int8":  # the int8 LM head of the int4 engine (decoder.quantize_head)
+            from waferline import kernels
+
+            if not kernels.available():
+                return None
+            q8, s8 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N).to(torch.bfloat16)
+            x = torch.randn(rows, K, dtype=torch.bfloat16)
+            call: Any = lambda: torch.ops.waferline.int8_linear(x, q8, s8)  # noqa: E731
+        elif fmt == "int4":
+            w4 = _int4_weight(K, N)
+            if w4 is None:
+                return None
+            x = torch.randn(rows, K, dtype=torch.bfloat16)
+            call = lambda: w4.linear(x)  # noqa: E731
+        else:
+            dt = torch.float32 if fmt == "fp32" else torch.bfloat16
+            w, x, packs = torch.randn(N, K).to(dt), torch.randn(rows, K).to(dt), {}
+            call = lambda: packed_linear(x, w, None, packs, 0)  # noqa: E731
+        n = max(4, int(4e8 / (rows * N * K)))  # ~0.4 G multiply-adds a block
+
+        def block() -> None:
+            for _ in range(n):
+                call()
+        block()
+        return n * rows * N * K / _best_time(block, reps)
+    finally:
+        torch.set_num_threads(old)
+
+
+def step_macs_per_token(spec: Any, context: int) -> float:
+    """Multiply-adds one token of a decode step costs: ModelSpec's forward FLOPs / 2 at ``context`` (the active
+    weights' products, the router, the LM head, attention over the cache)."""
+    return spec.flops_per_token(context) / 2
+
+
+RATE_FORMATS = {"wl_fp32": ("fp32", "fp32"), "wl_bf16": ("bf16", "bf16"), "wl_int4": ("int4", "int8")}  # (body, head)
+
+
+def product_rates(batches: list[int], threads: int) -> dict[str, float]:
+    """product_rate() of every format waferline's rows use, at each batch size: {"bf16@8": MAC/s, ...}."""
+    out = {}
+    for fmt in sorted({f for pair in RATE_FORMATS.values() for f in pair}):
+        for b in batches:
+            r = product_rate(fmt, b, threads)
+            if r:
+                out[f"{fmt}@{b}"] = r
+    return out
+
+
+def compute_ceiling(engine: str, batch: int, macs: float, head_macs: float, rates: dict[str, float]) -> float | None:
+    """Aggregate tok/s at which a step's multiply-adds (``macs`` a token, ``head_macs`` of them the LM head's) run at
+    the in-cache rates of waferline's kernels (product_rates): the compute side of the roofline. Waferline rows only
+    (another engine's kernels have other ceilings)."""
+    if engine not in RATE_FORMATS:
+        return None
+    body, head = (rates.get(f"{f}@{batch}") for f in RATE_FORMATS[engine])
+    if not body or not head:
+        return None
+    return 1.0 / ((macs - head_macs) / body + head_macs / head)
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -560,6 +643,8 @@ class Result:
     na: str | None = None
     roofline_tok_s: float | None = None
     step_MB: float | None = None
+    macs_per_token: float | None = None
+    head_macs: float | None = None
     first_tokens: list[int] | None = None
     quality: dict | None = None
 
@@ -606,6 +691,7 @@ BITS = {"hf": (16, 128, 16), "wl_fp32": (32, 128, 32), "wl_bf16": (16, 128, 16),
 # the LM head's bits where they differ from the embedding's: llama.cpp's Q4_0 files keep output.weight at Q6_K
 # (6.5625 bits; read from the GGUFs this script makes), waferline int4 runs its int8 head (LLM(head_bits=8))
 HEAD_BITS = {"wl_int4": 8, "lcpp_q4_0": 6.5625}
+ENGINE_KEYS = {v: k for k, v in LABELS.items()}
 
 
 def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.Namespace, bw: float,
@@ -700,6 +786,8 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
             sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, HEAD_BITS.get(e, 16))
             rows[e].roofline_tok_s = batch * bw / sb
             rows[e].step_MB = sb / 1e6
+            rows[e].macs_per_token = step_macs_per_token(spec, a.prompt_len + a.new_tokens // 2)
+            rows[e].head_macs = float(spec.lm_head_params())
             if rows[e].na:
                 rows[e].best = None
             if rows[e].best is not None:
@@ -766,10 +854,15 @@ def targets(rows: list[dict], sol: list[dict]) -> list[dict]:
 
     def ceiling(t: dict, need: float, model: str, engine: str, batch: int) -> dict:
         """A target not met whose rate is above the engine's read-bandwidth roofline says so: no kernel reaches it
-        on this machine (at that many bytes a step)."""
+        on this machine (at that many bytes a step). One above the compute ceiling of waferline's kernels says that
+        too: not with these kernels (a faster kernel could raise that ceiling, not the read roofline)."""
         top = get(model, engine, batch, "read_roofline_tok_s")
         if not t["met"] and top and need > top:
             t["above_roofline"] = f"needs {need:.0f} tok/s, above the read-bandwidth roofline {top:.0f}"
+        cc = get(model, engine, batch, "compute_ceiling_tok_s")
+        if not t["met"] and cc and need > cc:
+            t["above_compute_ceiling"] = (f"needs {need:.0f} tok/s, above the compute ceiling of waferline's kernels "
+                                          f"{cc:.0f}")
         return t
 
     out = []
@@ -806,16 +899,17 @@ def print_tables(res: dict) -> None:
                     f"{res.get('read_bandwidth_GBps', '?')} GB/s; "
                     f"load avg {res['loadavg_start'][0]:.2f} → {res['loadavg_end'][0]:.2f}")
     for col in ("model", "engine", "batch", "decode tok/s", "per user", "TTFT ms", "vs transformers",
-                "roofline tok/s", "% roofline", "read roofline", "top-1 vs fp32"):
+                "roofline tok/s", "% roofline", "read roofline", "compute ceiling", "top-1 vs fp32"):
         t.add_column(col, justify="left" if col in ("model", "engine") else "right")
     for r in res["rows"]:
         if r.get("na"):
             t.add_row(r["model"], r["engine"], str(r["batch"]), "n/a", "", "", "", f"{r['roofline_tok_s']:.0f}", "",
-                      _read_roof(r), "")
+                      _read_roof(r), _compute(r), "")
             continue
         t.add_row(r["model"], r["engine"], str(r["batch"]), f"{r['decode_tok_s']:.1f}", f"{r['per_user_tok_s']:.1f}",
                   f"{r['ttft_ms']:.0f}", f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else "",
-                  f"{r['roofline_tok_s']:.0f}", f"{100 * r['of_roofline']:.0f}%", _read_roof(r), _agree(r))
+                  f"{r['roofline_tok_s']:.0f}", f"{100 * r['of_roofline']:.0f}%", _read_roof(r), _compute(r),
+                  _agree(r))
     con.print(t)
     if res["sol_mini"]:
         s = Table(title="sol-mini (trained), waferline int4 + int8 head, batch 1, held-out prompt")
@@ -837,6 +931,8 @@ def print_tables(res: dict) -> None:
                   f"{'OK' if c['conversion_ok'] else 'SUSPECT'}")
     for g in res["targets"]:
         why = f" ({g['above_roofline']}: not reachable here)" if g.get("above_roofline") else ""
+        if g.get("above_compute_ceiling"):
+            why += f" ({g['above_compute_ceiling']}: not with these kernels here)"
         con.print(f"[{'green' if g['met'] else 'red'}]{'MET ' if g['met'] else 'NOT '}[/] {g['target']}: {g['value']}{why}")
 
 
@@ -849,18 +945,23 @@ def _read_roof(r: dict) -> str:
     return f"{r['read_roofline_tok_s']:.0f}" if r.get("read_roofline_tok_s") else ""
 
 
+def _compute(r: dict) -> str:
+    return f"{r['compute_ceiling_tok_s']:.0f}" if r.get("compute_ceiling_tok_s") else ""
+
+
 def markdown(res: dict) -> str:
     lines = ["| model | engine | batch | decode tok/s | per user | TTFT ms | vs transformers | roofline tok/s | "
-             "% of roofline | read roofline | top-1 vs fp32 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "% of roofline | read roofline | compute ceiling | top-1 vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if r.get("na"):
             lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | n/a | | | | {r['roofline_tok_s']:.0f} | | "
-                         f"{_read_roof(r)} | |")
+                         f"{_read_roof(r)} | {_compute(r)} | |")
         else:
             vs = f"{r['vs_transformers']:.2f}x" if r.get("vs_transformers") else ""
             lines.append(f"| {r['model']} | {r['engine']} | {r['batch']} | {r['decode_tok_s']:.1f} | "
                          f"{r['per_user_tok_s']:.1f} | {r['ttft_ms']:.0f} | {vs} | {r['roofline_tok_s']:.0f} | "
-                         f"{100 * r['of_roofline']:.0f}% | {_read_roof(r)} | {_agree(r)} |")
+                         f"{100 * r['of_roofline']:.0f}% | {_read_roof(r)} | {_compute(r)} | {_agree(r)} |")
     if res["sol_mini"]:
         lines += ["", "| sol-mini (trained), waferline int4 + int8 head, batch 1 | decode tok/s per user | TTFT ms | same tokens as int4 |",
                   "|---|---|---|---|"]
@@ -911,8 +1012,12 @@ def main() -> None:
     t_start = time.perf_counter()
     load0 = os.getloadavg()
     bw, rbw = copy_bandwidth(), read_bandwidth()
+    rates = product_rates(batches, a.threads) if any(e in RATE_FORMATS for e in engines) else {}
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {rbw / 1e9:.1f} GB/s, load average {load0[0]:.2f} "
           f"{load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    if rates:
+        print("waferline's products with the weight in cache (G multiply-adds/s): "
+              + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()), flush=True)
     converter: Path | str = "not needed"
     if any(e.startswith("lcpp") for e in engines):
         try:
@@ -941,6 +1046,8 @@ def main() -> None:
     load1 = os.getloadavg()
     bw = max(bw, copy_bandwidth())  # the better of the two measurements: the machine may be shared
     rbw = max(rbw, read_bandwidth())
+    if rates:  # the better of the two measurements, as for the bandwidths
+        rates = {k: max(v, product_rates([int(k.split("@")[1])], a.threads).get(k, 0.0)) for k, v in rates.items()}
     for r in all_rows:
         r.roofline_tok_s = r.batch * bw / (r.step_MB * 1e6)
 
@@ -949,7 +1056,11 @@ def main() -> None:
         row: dict[str, Any] = {"model": r.model, "engine": r.engine, "batch": r.batch,
                                "roofline_tok_s": round(r.roofline_tok_s, 1),
                                "read_roofline_tok_s": round(r.batch * rbw / (r.step_MB * 1e6), 1),
-                               "bytes_per_step_MB": round(r.step_MB, 2)}
+                               "bytes_per_step_MB": round(r.step_MB, 2),
+                               "macs_per_token_M": round(r.macs_per_token / 1e6, 2)}
+        cc = compute_ceiling(ENGINE_KEYS[r.engine], r.batch, r.macs_per_token, r.head_macs, rates)
+        if cc:
+            row["compute_ceiling_tok_s"] = round(cc, 1)
         if r.best is None:
             row["na"] = r.na or "not measured"
         else:
@@ -976,6 +1087,7 @@ def main() -> None:
         "threads": a.threads, "prompt_len": a.prompt_len, "new_tokens": a.new_tokens, "repeats": a.repeats,
         "quick": a.quick, "copy_bandwidth_GBps": round(bw / 1e9, 2),
         "read_bandwidth_GBps": round(rbw / 1e9, 2), "models": infos,
+        "product_rates_GMACps": {k: round(v / 1e9, 2) for k, v in rates.items()},
         "llama_cpp_converter": str(converter),
         "notes": [
             "Random weights give near-uniform expert routing: at batch > 1 a step touches more distinct experts than a "
@@ -993,6 +1105,11 @@ def main() -> None:
             "context, over the measured torch copy bandwidth (read + write bytes; the better of 4 KiB and huge pages). "
             "read_roofline_tok_s: the same bytes over the read bandwidth (a torch amax over 256 MiB in huge pages), "
             "which on these machines is higher than the copy bandwidth: the ceiling the targets are checked against.",
+            "compute_ceiling_tok_s (waferline rows): the tok/s at which a step's multiply-adds (ModelSpec forward "
+            "FLOPs / 2 at the mean context: active weights, router, LM head, attention) run at the in-cache rate of "
+            "waferline's own product of that format and batch (product_rates_GMACps: 256 x 512 weight rows a thread, "
+            "called as the engine calls it; the int4 engine's head at its int8 rate). A ceiling of these kernels on "
+            "this machine, not the CPU's peak. A decode step is bound by the lower of it and the read roofline.",
         ],
         "rows": rows, "sol_mini": sol, "conversion_checks": checks, "targets": targets(rows, sol),
         "wall_s": round(time.perf_counter() - t_start, 1),

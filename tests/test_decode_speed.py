@@ -1,0 +1,69 @@
+"""benchmarks/decode_speed.py's roofline arithmetic: the compute ceiling of waferline's rows and the targets it flags."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_speed.py"
+
+
+@pytest.fixture(scope="module")
+def ds():
+    spec = importlib.util.spec_from_file_location("decode_speed_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def test_compute_ceiling_prices_body_and_head_at_their_own_rates(ds):
+    rates = {"int4@8": 50e9, "int8@8": 100e9, "bf16@8": 80e9, "bf16@1": 40e9}
+    # int4 engine: 75 M multiply-adds a token at the int4 rate, the 25 M of its int8 head at the int8 rate
+    got = ds.compute_ceiling("wl_int4", 8, 100e6, 25e6, rates)
+    assert got == pytest.approx(1 / (75e6 / 50e9 + 25e6 / 100e9))
+    assert ds.compute_ceiling("wl_bf16", 1, 100e6, 25e6, rates) == pytest.approx(400.0)
+    assert ds.compute_ceiling("wl_bf16", 8, 100e6, 25e6, rates) == pytest.approx(800.0)
+    assert ds.compute_ceiling("wl_int4", 1, 100e6, 25e6, rates) is None  # no int4@1 rate measured
+    assert ds.compute_ceiling("hf", 8, 100e6, 25e6, rates) is None  # another engine's kernels: no ceiling of ours
+
+
+def _row(model, engine, batch, tok_s, read_roof, compute=None):
+    r = {"model": model, "engine": engine, "batch": batch, "decode_tok_s": tok_s, "read_roofline_tok_s": read_roof}
+    if compute is not None:
+        r["compute_ceiling_tok_s"] = compute
+    return r
+
+
+def test_targets_flag_a_batch8_target_above_the_compute_ceiling(ds):
+    rows = [_row("m", "waferline int4", 1, 200.0, 500.0, 300.0), _row("m", "waferline int4", 8, 500.0, 3000.0, 700.0),
+            _row("m", "waferline bf16", 1, 100.0, 160.0, 500.0), _row("m", "waferline bf16", 8, 350.0, 1200.0, 900.0)]
+    got = {t["target"]: t for t in ds.targets(rows, [])}
+    int4 = got["m: waferline int4 batch 8 aggregate >= 4x batch 1"]
+    assert not int4["met"] and int4["value"] == 2.5
+    assert "above the compute ceiling of waferline's kernels 700" in int4["above_compute_ceiling"]
+    assert "above_roofline" not in int4  # 800 tok/s needed, the read roofline is 3000
+    bf16 = got["m: waferline bf16 batch 8 aggregate >= 4x batch 1"]
+    assert not bf16["met"] and "above_compute_ceiling" not in bf16 and "above_roofline" not in bf16  # 400 < 900
+
+
+def test_targets_never_flag_a_met_target(ds):
+    rows = [_row("m", "waferline bf16", 1, 100.0, 160.0, 150.0), _row("m", "waferline bf16", 8, 450.0, 1200.0, 300.0)]
+    (t,) = [t for t in ds.targets(rows, []) if "batch 8" in t["target"]]
+    assert t["met"] and "above_compute_ceiling" not in t
+
+
+def test_product_rate_measures_the_engines_own_products(ds):
+    from waferline import kernels
+
+    r1 = ds.product_rate("fp32", 1, 1, reps=2)
+    assert r1 is not None and 1e8 < r1 < 1e13  # multiply-adds per second of a real product, not a placeholder
+    if kernels.available():
+        r8 = ds.product_rate("bf16", 8, 1, reps=2)
+        assert r8 is not None and 1e8 < r8 < 1e13
