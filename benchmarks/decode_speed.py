@@ -552,13 +552,13 @@ def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, conte
 
 def product_rate(fmt: str, rows: int, threads: int, reps: int = 9) -> float | None:
     """Multiply-adds/s of waferline's own product of ``rows`` rows through one weight of 1024 x 1024 per thread, read
-    over and over (bf16 2 MiB, fp32 4 MiB, int4 0.5 MiB, int8 1 MiB a thread: it stays in the last-level cache of
-    any machine this runs on with room to spare, checked), called as the engine calls it (fp32 / bf16: its
-    ``packed_linear``; int4: ``Int4Weight``; int8: the int8 head's operator), ``threads`` torch threads, best of
-    ``reps`` blocks (smaller weights measured less: a call's fixed cost weighs more). With no weight bytes to wait
-    for from memory this is the compute ceiling of waferline's kernels of that format on this machine — not the
-    CPU's peak: a better kernel could raise it. None where the format's kernel does not run here or the weight would
-    not fit in half the last-level cache."""
+    over and over (bf16 2 MiB, fp32 4 MiB, int4 0.5 MiB, int8 1 MiB a thread; it must fit in half the last-level
+    cache), called as the engine calls it (fp32 / bf16: its ``packed_linear``; int4: ``Int4Weight``; int8: the int8
+    head's operator), ``threads`` torch threads, best of ``reps`` blocks. With no weight bytes to wait for from
+    memory this is the compute ceiling of waferline's kernels of that format on this machine — not the CPU's peak: a
+    better kernel could raise it. A call's fixed cost is in it (a few % at this size; smaller weights measured
+    lower), so an engine step whose products run inside one fused layer op may come out a little above it. None
+    where the format's kernel does not run here or the weight would not fit."""
     from waferline.model.layers import packed_linear
     from waferline.sim.measure import _int4_weight, last_level_cache_bytes
 
