@@ -67,3 +67,20 @@ def test_product_rate_measures_the_engines_own_products(ds):
     if kernels.available():
         r8 = ds.product_rate("bf16", 8, 1, reps=2)
         assert r8 is not None and 1e8 < r8 < 1e13
+
+
+def test_targets_say_when_batch8_must_be_the_more_efficient(ds):
+    # a MoE: batch 8 reads 2.5x the bytes of batch 1 (read rooflines 400 and 1280 tok/s); batch 1 ran at 250 tok/s
+    # (62.5% of its roofline), so 4x (1000 tok/s) needs batch 8 at 78% of its own: flagged with both shares
+    rows = [_row("moe", "waferline bf16", 1, 250.0, 400.0), _row("moe", "waferline bf16", 8, 700.0, 1280.0),
+            _row("dense", "waferline bf16", 1, 100.0, 160.0), _row("dense", "waferline bf16", 8, 350.0, 1200.0)]
+    got = {t["target"]: t for t in ds.targets(rows, []) if "batch 8" in t["target"]}
+    moe = got["moe: waferline bf16 batch 8 aggregate >= 4x batch 1"]
+    assert not moe["met"]
+    assert moe["needs_higher_share"] == ("needs batch 8 at 78% of its read roofline, batch 1 ran at 62% of its own: "
+                                         "a batch-8 step reads 2.50x the bytes of a batch-1 step")
+    # dense: 4x (400 tok/s) needs 33% of batch 8's roofline, batch 1 ran at 62% of its own: not this flag
+    assert "needs_higher_share" not in got["dense: waferline bf16 batch 8 aggregate >= 4x batch 1"]
+    rows[1]["decode_tok_s"] = 1010.0  # met: never flagged
+    (met,) = [t for t in ds.targets(rows, []) if t["target"].startswith("moe") and "batch 8" in t["target"]]
+    assert met["met"] and "needs_higher_share" not in met
