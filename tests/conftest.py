@@ -1,7 +1,25 @@
 """Shared test fixtures."""
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def script_module(name: str):
+    """Yield benchmarks/<name>.py loaded as a module (registered in sys.modules while in use: its dataclasses look
+    their module up there), for a module-scoped fixture of a test of that script."""
+    spec = importlib.util.spec_from_file_location(f"{name}_under_test",
+                                                  Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+        yield mod
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_profile.py"
+from conftest import script_module
+
 
 SAMPLES = """\
    101       329d0 (anonymous namespace)::bf16_row_pair<2> (/root/.cache/waferline/kernels/x/waferline_cpu_ops.so)
@@ -25,14 +22,7 @@ not a sample line
 
 @pytest.fixture(scope="module")
 def sp():
-    spec = importlib.util.spec_from_file_location("step_profile_under_test", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
+    yield from script_module("step_profile")
 
 
 def test_samples_are_sorted_per_thread_into_kinds(sp):
