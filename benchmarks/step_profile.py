@@ -107,9 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     m = load_model(a.model, torch.bfloat16)
     if a.variant == "int4":
-        from waferline.model.quant import QuantOptions, quantize_model
+        from waferline.model.quant import QuantOptions, is_int4, quantize_model
 
-        quantize_model(m, QuantOptions(group_size=128))
+        if not is_int4(m):  # (a checkpoint saved as int4 is already)
+            quantize_model(m, QuantOptions(group_size=128))
         m.quantize_head(8)
     B, V = a.batch, m.spec.vocab_size
     caches = m.new_caches(B)
