@@ -342,17 +342,19 @@ def test_int8_linear(K):
 
 
 @pytest.mark.parametrize("K", [64, 96, 200])
-@pytest.mark.parametrize("portable", [False, True])
-def test_few_row_bf16_linear(K, portable):
+@pytest.mark.parametrize("kernel", ["tiles", "rows", "portable"])
+def test_few_row_bf16_linear(K, kernel):
     """bf16 products of 1..FEW_ROWS rows run waferline::linear_rows (no oneDNN copy made): the fp32 product of the same
     bf16 numbers, rounded once to bf16 (a different summation order may flip a rounding), bias added after; K not a
-    multiple of the kernel's 128-wide steps exercises its tail; ``portable``: the loop CPUs without AVX512-BF16 or
+    multiple of the kernel's 128-wide steps exercises its tail; ``tiles``: through the weight's tile copy (AVX512-BF16
+    CPUs; elsewhere the next kernel), ``rows``: the row kernel, ``portable``: the loop CPUs without AVX512-BF16 or
     AVX2 run. Linear routes ``few_rows()`` rows there (FEW_ROWS: 8); the operator itself is checked at every row count
     it takes (1-8), and each row of x gets bitwise what it gets alone (the same summation order at every row count:
     a speculative verify's tokens compute what one-token steps compute)."""
     from waferline.model.layers import FEW_ROWS, Linear, few_rows
 
-    prev = torch.ops.waferline.use_portable(portable)
+    prev = torch.ops.waferline.use_portable(kernel == "portable")
+    prev_tiles = torch.ops.waferline.use_bf16_tiles(kernel == "tiles")
     try:
         _few_row_products(K, few_rows(torch.bfloat16), Linear)
         g = torch.Generator().manual_seed(2)
@@ -367,6 +369,61 @@ def test_few_row_bf16_linear(K, portable):
             assert bool(((out - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all()), f"{rows} rows"
     finally:
         torch.ops.waferline.use_portable(prev)
+        torch.ops.waferline.use_bf16_tiles(prev_tiles)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+def test_bf16_tile_copies_follow_their_weights():
+    """The few-row bf16 kernel's tile copy of a weight (made at its first product) is redone when the weight is
+    written in place (its version counter moves, in or out of inference mode) and goes when the weight is freed; a
+    weight the copy cannot follow (an inference tensor: no version counter) or lay out (odd K) runs the row kernel.
+    Output counts not a multiple of the 16-output tile: the rows past N are padding, never written. Rows through the
+    tiles equal the row kernel's to a bf16 rounding and each row's result does not depend on the rows beside it."""
+    import gc
+
+    op = torch.ops.waferline
+    g = torch.Generator().manual_seed(4)
+    prev = op.use_bf16_tiles(True)
+    try:
+        gc.collect()  # (earlier tests' weights freed now, not in the middle of the counts below)
+        warm = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+        op.linear_rows(warm[:1], warm)  # (its packing drops the copies of weights freed before this test)
+        before = op.bf16_tile_copies()
+        w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+        x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+        out = op.linear_rows(x, w)
+        if op.bf16_tile_copies() == before:
+            pytest.skip("no AVX512-BF16 here: the row kernel runs (test_few_row_bf16_linear covers it)")
+        assert op.bf16_tile_copies() == before + 1 and out.shape == (5, 40)
+        assert torch.equal(torch.cat([op.linear_rows(x[i:i + 1], w) for i in range(5)]), out)
+        op.use_bf16_tiles(False)
+        rows = op.linear_rows(x, w)
+        op.use_bf16_tiles(True)
+        ref = x.double() @ w.double().T
+        for y in (out, rows):
+            assert bool(((y.double() - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all())
+        with torch.no_grad():
+            w.mul_(-2.0)  # in place: the version moves, the copy is redone
+        assert torch.equal(op.linear_rows(x, w), op.linear_rows(x, w.clone()))
+        with torch.inference_mode():
+            w[3].fill_(0.5)
+            assert torch.equal(op.linear_rows(x, w), op.linear_rows(x, w.clone()))
+        n = op.bf16_tile_copies()
+        del w
+        gc.collect()
+        other = torch.randn(48, 64, generator=g).to(torch.bfloat16)
+        op.linear_rows(x, other)
+        assert op.bf16_tile_copies() == n  # w's copy went, other's came
+        with torch.inference_mode():
+            frozen = torch.randn(32, 64, generator=g).to(torch.bfloat16)
+        odd = torch.randn(32, 63, generator=g).to(torch.bfloat16)
+        for wt, xt in ((frozen, x), (odd, torch.randn(2, 63, generator=g).to(torch.bfloat16))):
+            y = op.linear_rows(xt, wt)
+            assert op.bf16_tile_copies() == n
+            ref = xt.double() @ wt.double().T
+            assert bool(((y.double() - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all())
+    finally:
+        op.use_bf16_tiles(prev)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")

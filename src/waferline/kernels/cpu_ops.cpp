@@ -27,15 +27,24 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/mman.h>  // madvise: the bf16 tile copies in huge pages
+#endif
 
 namespace {
 
@@ -492,7 +501,103 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
   bf16_rows(reinterpret_cast<const uint16_t*>(xp), M, reinterpret_cast<const uint16_t*>(wp), N, K, y, ldy);
   return true;
 }
+
+// ---------------------------------------------------------------- bf16 weights in tiles of 16 outputs
+// The row kernel above ends every weight row with a horizontal sum, and each row of x reloads the weight vector
+// beside its own x vector (two loads per product): at 8 rows it is load-bound at ~40% of the core's bf16 rate, and at
+// one row it streams ~0.8x what a plain read of the weight does. A copy of the weight laid out in tiles of 16
+// outputs -- per tile, K/2 pairs of inputs, each pair as 16 outputs x 2 inputs (64 bytes): [E][T][K/2][16][2],
+// T = ceil(N / 16), rows past N zero -- lets one vdpbf16ps take 16 outputs' products of an input pair against that
+// pair of x broadcast: no horizontal sums, one weight load per 16 outputs shared by up to 8 rows of x, the copy read
+// straight through. Each output's sum runs through its pairs in order in one fp32 lane, whatever the number of rows
+// or tiles taken together: a row's result does not depend on the rows beside it (a verify's tokens equal one-token
+// steps bitwise), and another order than the row kernel's (float rounding apart). Measured (2-core AVX-512 VM, 2
+// threads, huge pages, same process): 8 rows 2.0-3.0x the row kernel in cache, 1.7-2.0x streamed; 1 row 1.0-1.25x.
+constexpr int64_t BF16_TILE = 16;
+
+// the tile copy of w [N, K] or [E, N, K] (contiguous bf16, K even): huge-page aligned (advised MADV_HUGEPAGE)
+at::Tensor pack_bf16_tiles(const at::Tensor& w) {
+  const int64_t E = w.dim() == 3 ? w.size(0) : 1, N = w.size(-2), K = w.size(-1), K2 = K / 2;
+  const int64_t T = (N + BF16_TILE - 1) / BF16_TILE, per = T * BF16_TILE * K;  // elements per expert
+  constexpr size_t HUGE_PAGE = size_t(2) << 20;  // (a copy of less than one huge page: cache-line aligned only)
+  const size_t need = E * per * sizeof(uint16_t), align = need >= HUGE_PAGE ? HUGE_PAGE : 64;
+  const size_t bytes = std::max<size_t>(1, (need + align - 1) / align) * align;
+  void* mem = std::aligned_alloc(align, bytes);
+  TORCH_CHECK(mem != nullptr, "waferline: no memory for a ", bytes, "-byte bf16 tile copy");
+#ifdef MADV_HUGEPAGE
+  if (align == HUGE_PAGE) madvise(mem, bytes, MADV_HUGEPAGE);
 #endif
+  auto out = at::from_blob(mem, {E, T, K2, BF16_TILE, 2}, [](void* q) { std::free(q); },
+                           at::TensorOptions().dtype(at::kBFloat16));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(mem);
+  at::parallel_for(0, E * T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t et = a; et < b; ++et) {  // a tile at a time, written straight through (pairs as 32-bit words)
+      const int64_t e = et / T, t = et % T, rows = std::min<int64_t>(BF16_TILE, N - t * BF16_TILE);
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst + e * per + t * BF16_TILE * K);
+      const uint16_t* s = src + (e * N + t * BF16_TILE) * K;
+      for (int64_t j = 0; j < K2; ++j) {
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(d + j * BF16_TILE + r, s + r * K + 2 * j, sizeof(uint32_t));
+        for (int64_t r = rows; r < BF16_TILE; ++r) d[j * BF16_TILE + r] = 0;
+      }
+    }
+  });
+  return out;
+}
+
+// MR rows of x (row stride K) against S consecutive tiles starting at p (K2 pairs each) -> y[m * ldy + n] for the
+// tiles' outputs n0 + i < n1 (n0: the first tile's first output)
+template <int MR, int S>
+inline void bf16_tile_block(const uint16_t* x, int64_t K, const uint16_t* p, int64_t K2, c10::BFloat16* y, int64_t ldy,
+                            int64_t n0, int64_t n1) {
+  __m512 acc[MR][S];
+  for (int m = 0; m < MR; ++m)
+    for (int s = 0; s < S; ++s) acc[m][s] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < K2; ++j) {
+    __m512bh wv[S];
+    for (int s = 0; s < S; ++s) wv[s] = (__m512bh)_mm512_loadu_si512(p + (s * K2 + j) * 2 * BF16_TILE);
+    for (int m = 0; m < MR; ++m) {
+      uint32_t pair;
+      std::memcpy(&pair, x + m * K + 2 * j, sizeof pair);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int s = 0; s < S; ++s) acc[m][s] = _mm512_dpbf16_ps(acc[m][s], wv[s], xb);
+    }
+  }
+  for (int s = 0; s < S; ++s) {  // rounded to bf16 as c10 rounds (nearest even, NaN -> 0x7FC0), 16 at a time
+    const int64_t a = n0 + s * BF16_TILE, left = n1 - a;
+    if (left <= 0) break;
+    const __mmask16 keep = left >= BF16_TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    for (int m = 0; m < MR; ++m) {
+      const __m512i u = _mm512_castps_si512(acc[m][s]);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(acc[m][s], acc[m][s], _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+      _mm256_mask_storeu_epi16(y + m * ldy + a, keep, _mm512_cvtepi32_epi16(r));
+    }
+  }
+}
+
+template <int S>
+inline void bf16_tile_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* p, int64_t K2, c10::BFloat16* y,
+                           int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) bf16_tile_block<8, S>(x + m * K, K, p, K2, y + m * ldy, ldy, n0, n1);
+  for (; m + 4 <= M; m += 4) bf16_tile_block<4, S>(x + m * K, K, p, K2, y + m * ldy, ldy, n0, n1);
+  for (; m + 2 <= M; m += 2) bf16_tile_block<2, S>(x + m * K, K, p, K2, y + m * ldy, ldy, n0, n1);
+  for (; m < M; ++m) bf16_tile_block<1, S>(x + m * K, K, p, K2, y + m * ldy, ldy, n0, n1);
+}
+
+// outputs n0..n1 (n0 a multiple of BF16_TILE) of the tile copy ``tiles`` (one expert's) for the M rows of x [M, K]
+void bf16_tile_span(const uint16_t* x, int64_t M, const uint16_t* tiles, int64_t K, c10::BFloat16* y, int64_t ldy,
+                    int64_t n0, int64_t n1) {
+  const int64_t K2 = K / 2, t1 = (n1 + BF16_TILE - 1) / BF16_TILE;
+  int64_t t = n0 / BF16_TILE;
+  for (; M > 1 && t + 3 <= t1; t += 3)  // (one row: a tile at a time, one stream; measured faster there)
+    bf16_tile_rows<3>(x, M, K, tiles + t * K * BF16_TILE, K2, y, ldy, t * BF16_TILE, n1);
+  for (; t < t1; ++t) bf16_tile_rows<1>(x, M, K, tiles + t * K * BF16_TILE, K2, y, ldy, t * BF16_TILE, n1);
+}
+#endif
+
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline float hsum8(__m256 v) {
@@ -607,6 +712,89 @@ std::atomic<bool> g_int_act{true};
 
 bool use_int_activations(bool on) { return g_int_act.exchange(on); }
 
+// The tile copies (bf16_tiles), kept per weight -- its storage, offset and shape -- while the weight lives and is not
+// modified in place: an entry holds a weak reference to the weight's storage (it goes when the storage is freed) and
+// the weight's version counter at packing (a write through the tensor or its views bumps it, and the copy is redone;
+// a write through ``.data``, which has its own counter, is not seen -- the same rule as torch's own weight caches).
+// Costs a second copy of each bf16 weight a few-row product multiplies. WAFERLINE_BF16_TILES=0 (or use_bf16_tiles
+// False) keeps the row kernel.
+std::atomic<bool> g_bf16_tiles{[] {
+  const char* v = std::getenv("WAFERLINE_BF16_TILES");
+  return v == nullptr || std::string(v) != "0";
+}()};
+
+bool use_bf16_tiles(bool on) { return g_bf16_tiles.exchange(on); }
+
+struct TileEntry {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
+  int64_t version;
+  at::Tensor tiles;
+};
+std::mutex g_tiles_mu;
+std::map<std::array<int64_t, 6>, TileEntry> g_tiles;  // (storage, offset, dims, sizes)
+
+int64_t bf16_tile_copies() {  // live entries (tests: a freed weight's copy goes at the next packing)
+  std::lock_guard<std::mutex> lock(g_tiles_mu);
+  return static_cast<int64_t>(g_tiles.size());
+}
+
+// The tile copy of a bf16 weight w [N, K] or [E, N, K] for the few-row kernel, made at its first use; an undefined
+// tensor where the row kernel runs instead (no AVX512-BF16, tiles off, odd K, not contiguous, an inference tensor: no
+// version counter to check the copy by).
+at::Tensor bf16_tiles(const at::Tensor& w) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if (!g_bf16_tiles.load(std::memory_order_relaxed) || g_portable.load(std::memory_order_relaxed) ||
+      w.scalar_type() != at::kBFloat16 || (w.dim() != 2 && w.dim() != 3) || w.size(-1) % 2 != 0 ||
+      w.size(-1) == 0 || !w.is_contiguous() || w.is_inference() || !w.has_storage())
+    return at::Tensor();
+  const auto& st = w.storage();
+  std::array<int64_t, 6> key{reinterpret_cast<int64_t>(st.unsafeGetStorageImpl()), w.storage_offset(), w.dim(),
+                             w.size(0), w.size(1), w.dim() == 3 ? w.size(2) : 0};
+  const int64_t version = w._version();
+  {
+    std::lock_guard<std::mutex> lock(g_tiles_mu);
+    auto it = g_tiles.find(key);
+    if (it != g_tiles.end() && it->second.version == version && !it->second.storage.expired()) return it->second.tiles;
+  }
+  auto tiles = pack_bf16_tiles(w);
+  std::lock_guard<std::mutex> lock(g_tiles_mu);
+  for (auto it = g_tiles.begin(); it != g_tiles.end();) it = it->second.storage.expired() ? g_tiles.erase(it) : ++it;
+  g_tiles.insert_or_assign(std::move(key), TileEntry{st.getWeakStorageImpl(), version, tiles});
+  return tiles;
+#else
+  (void)w;
+  return at::Tensor();
+#endif
+}
+
+// where expert e (e < 0: W is one [N, K] weight) of W's tile copy starts; null where W has none
+const uint16_t* tiles_of(const at::Tensor& tiles, int64_t e) {
+  if (!tiles.defined()) return nullptr;
+  return reinterpret_cast<const uint16_t*>(tiles.data_ptr()) + std::max<int64_t>(e, 0) * (tiles.numel() / tiles.size(0));
+}
+
+// y = x W^T (W [N', K], or expert e of W [E, N', K]; its first N rows) for the M <= FEW_ROWS rows of bf16 x through
+// W's tile copy, split across threads by tiles; false where W has none (the caller runs few_rows)
+template <typename T>
+bool few_rows_tiled(const at::Tensor& W, int64_t e, const T* x, int64_t M, int64_t N, int64_t K, T* y, int64_t ldy) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (M < 1 || M > 8) return false;
+    auto tiles = bf16_tiles(W);
+    if (!tiles.defined()) return false;
+    const uint16_t* tp = tiles_of(tiles, e);
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x);
+    const int64_t nt = (N + BF16_TILE - 1) / BF16_TILE;
+    at::parallel_for(0, nt, std::max<int64_t>(1, 16384 / (BF16_TILE * K)), [&](int64_t t0, int64_t t1) {
+      bf16_tile_span(xp, M, tp, K, y, ldy, t0 * BF16_TILE, std::min(N, t1 * BF16_TILE));
+    });
+    return true;
+  }
+#endif
+  (void)W, (void)e, (void)x, (void)M, (void)N, (void)K, (void)y, (void)ldy;
+  return false;
+}
+
 // y[m * ldy + n] for m < M <= FEW_ROWS, n < N
 template <typename T>
 void few_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T* y, int64_t ldy) {
@@ -635,7 +823,8 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   sizes.back() = N;
   auto y = at::empty(sizes, xc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "waferline_linear_rows", [&] {
-    few_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, wc.data_ptr<scalar_t>(), N, K, y.data_ptr<scalar_t>(), N);
+    if (!few_rows_tiled<scalar_t>(wc, -1, xc.data_ptr<scalar_t>(), M, N, K, y.data_ptr<scalar_t>(), N))
+      few_rows<scalar_t>(xc.data_ptr<scalar_t>(), M, wc.data_ptr<scalar_t>(), N, K, y.data_ptr<scalar_t>(), N);
   });
   return y;
 }
@@ -1386,7 +1575,9 @@ at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_
   if (R > FEW_ROWS) return mm_rows(X, W);
   auto y = at::empty({R, n_out}, X.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_moe_linear", [&] {
-    few_rows<scalar_t>(X.data_ptr<scalar_t>(), R, W.data_ptr<scalar_t>(), n_out, K, y.data_ptr<scalar_t>(), n_out);
+    if (!few_rows_tiled<scalar_t>(e >= 0 ? b.w : W, e, X.data_ptr<scalar_t>(), R, n_out, K, y.data_ptr<scalar_t>(),
+                                  n_out))
+      few_rows<scalar_t>(X.data_ptr<scalar_t>(), R, W.data_ptr<scalar_t>(), n_out, K, y.data_ptr<scalar_t>(), n_out);
   });
   return y;
 }
@@ -2200,10 +2391,13 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
 // weight rows n0..n1 of a dense bf16 weight [N, K] for the M rows of x [M, K] (ffn_team's dense products: the kernel
 // linear_rows runs, row by row the same numbers at any split of the rows n)
 template <typename T>
-void dense_span(const T* x, int64_t M, const uint16_t* w, int64_t K, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+void dense_span(const T* x, int64_t M, const uint16_t* w, const uint16_t* tiles, int64_t K, T* y, int64_t ldy,
+                int64_t n0, int64_t n1) {  // (tiles: w's tile copy, or null; n0 a multiple of I16_TILE)
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, c10::BFloat16>)
-    bf16_span(reinterpret_cast<const uint16_t*>(x), M, w, K, y, ldy, n0, n1);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (tiles) bf16_tile_span(reinterpret_cast<const uint16_t*>(x), M, tiles, K, y, ldy, n0, n1);
+    else bf16_span(reinterpret_cast<const uint16_t*>(x), M, w, K, y, ldy, n0, n1);
+  }
 #endif
 }  // (other T, or no AVX512-BF16: ffn_team_dense_fits keeps them off the team)
 
@@ -2239,6 +2433,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   struct Job {
     I4W<S> gu, dn;
     const uint16_t *dgu = nullptr, *ddn = nullptr;  // dense: bf16 gate_up [2I, D] and down [D, I]
+    const uint16_t *tgu = nullptr, *tdn = nullptr;  // their tile copies (bf16_tiles), or null
     int64_t I = 0;
     std::vector<int64_t> tok;  // its rows' tokens
     std::vector<float> wt;     // their routing weights
@@ -2260,6 +2455,9 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   auto& hf = bufs.hf;
   auto& xq = bufs.xq;
   size_t njobs = 0;
+  at::Tensor tiles[8];  // dense: the bf16 weights' tile copies (held for this call)
+  if (dense)
+    for (int i = 0; i < 8; i += 2) tiles[i] = bf16_tiles(moe_w[i]);
   // a job's two products (gate_up at i, down at i + 2 of moe_w) of expert e (e < 0: not stacked)
   auto add_job = [&](int i, int64_t e, int64_t I) -> Job& {
     if (njobs == pool.size()) pool.emplace_back();
@@ -2271,6 +2469,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
         return reinterpret_cast<const uint16_t*>(w.data_ptr()) + (e >= 0 ? e * w.size(1) * w.size(2) : 0);
       };
       jb.dgu = dw(moe_w[i]), jb.ddn = dw(moe_w[i + 2]);
+      jb.tgu = tiles_of(tiles[i], e), jb.tdn = tiles_of(tiles[i + 2], e);
     } else {
       jb.gu = i4w<S>(moe_w[i], moe_w[i + 1], group, e), jb.dn = i4w<S>(moe_w[i + 2], moe_w[i + 3], group, e);
     }
@@ -2340,7 +2539,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
     share_tiles(gu_rows, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
       const Job& jb = jobs[j];
       if (dense) {
-        dense_span<T>(jb.xd, static_cast<int64_t>(jb.tok.size()), jb.dgu, D, jobs[j].hb.data(), 2 * jb.I, n0, n1_);
+        dense_span<T>(jb.xd, static_cast<int64_t>(jb.tok.size()), jb.dgu, jb.tgu, D, jobs[j].hb.data(), 2 * jb.I, n0,
+                      n1_);
       } else {
         i4_span<T, S>(*jb.x, jb.gu, jobs[j].hb.data(), 2 * jb.I, n0, n1_);
       }
@@ -2367,7 +2567,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
         for (size_t j = 0; j < njobs; ++j) {
           Job& jb = jobs[j];
           if (dense) {
-            dense_span<T>(jb.ab.data(), static_cast<int64_t>(jb.tok.size()), jb.ddn, jb.I, jb.y.data(), D, d0, d1);
+            dense_span<T>(jb.ab.data(), static_cast<int64_t>(jb.tok.size()), jb.ddn, jb.tdn, jb.I, jb.y.data(), D, d0,
+                          d1);
           } else {
             i4_span<T, S>(jb.a, jb.dn, jb.y.data(), D, d0, d1);
           }
@@ -3128,6 +3329,8 @@ TORCH_LIBRARY(waferline, m) {
   m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("use_portable(bool on) -> bool");
   m.def("use_int_activations(bool on) -> bool");
+  m.def("use_bf16_tiles(bool on) -> bool");
+  m.def("bf16_tile_copies() -> int");
   m.def("team_halves() -> int");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
@@ -3139,6 +3342,8 @@ TORCH_LIBRARY(waferline, m) {
 
 TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portable", &use_portable);
   m.impl("use_int_activations", &use_int_activations);
+  m.impl("use_bf16_tiles", &use_bf16_tiles);
+  m.impl("bf16_tile_copies", &bf16_tile_copies);
   m.impl("team_halves", &team_halves);
 }
 
