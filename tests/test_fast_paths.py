@@ -388,13 +388,13 @@ def test_bf16_tile_copies_follow_their_weights():
         gc.collect()  # (earlier tests' weights freed now, not in the middle of the counts below)
         warm = torch.randn(16, 32, generator=g).to(torch.bfloat16)
         op.linear_rows(warm[:1], warm)  # (its packing drops the copies of weights freed before this test)
-        before = op.bf16_tile_copies()
+        before = op.bf16_tile_copies()[0]
         w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
         x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
         out = op.linear_rows(x, w)
-        if op.bf16_tile_copies() == before:
+        if op.bf16_tile_copies()[0] == before:
             pytest.skip("no AVX512-BF16 here: the row kernel runs (test_few_row_bf16_linear covers it)")
-        assert op.bf16_tile_copies() == before + 1 and out.shape == (5, 40)
+        assert op.bf16_tile_copies()[0] == before + 1 and out.shape == (5, 40)
         assert torch.equal(torch.cat([op.linear_rows(x[i:i + 1], w) for i in range(5)]), out)
         op.use_bf16_tiles(False)
         rows = op.linear_rows(x, w)
@@ -408,18 +408,18 @@ def test_bf16_tile_copies_follow_their_weights():
         with torch.inference_mode():
             w[3].fill_(0.5)
             assert torch.equal(op.linear_rows(x, w), op.linear_rows(x, w.clone()))
-        n = op.bf16_tile_copies()
+        n = op.bf16_tile_copies()[0]
         del w
         gc.collect()
         other = torch.randn(48, 64, generator=g).to(torch.bfloat16)
         op.linear_rows(x, other)
-        assert op.bf16_tile_copies() == n  # w's copy went, other's came
+        assert op.bf16_tile_copies()[0] == n  # w's copy went, other's came
         with torch.inference_mode():
             frozen = torch.randn(32, 64, generator=g).to(torch.bfloat16)
         odd = torch.randn(32, 63, generator=g).to(torch.bfloat16)
         for wt, xt in ((frozen, x), (odd, torch.randn(2, 63, generator=g).to(torch.bfloat16))):
             y = op.linear_rows(xt, wt)
-            assert op.bf16_tile_copies() == n
+            assert op.bf16_tile_copies()[0] == n
             ref = xt.double() @ wt.double().T
             assert bool(((y.double() - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all())
     finally:
@@ -610,3 +610,30 @@ def test_no_huge_pages_moves_nothing(tmp_path, monkeypatch):
     assert LLM(tmp_path / "ckpt").arena is None
     monkeypatch.setattr(arena, "THP_ENABLED", tmp_path / "missing")
     assert arena.thp_mode() is None
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "qwen3_moe", "llama"])
+def test_a_decode_loop_packs_each_bf16_weight_once(tmp_path, model_type):
+    """The engine's bf16 decode steps (1 and 3 rows) make the tile copies of their weights once: a second generate
+    makes none (a weight re-made per step -- a slice copied, a cast -- would be packed at every call)."""
+    from waferline import LLM, SamplingParams
+
+    op = torch.ops.waferline
+    prev = op.use_bf16_tiles(True)
+    try:
+        build(model_type, tmp_path)
+        llm = LLM(str(tmp_path), dtype="bfloat16")
+        prompts = [[3, 5, 7, 9, 11, 13], [4, 6, 8], [10, 12, 14, 16]]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        llm.generate(prompts[:1], params)
+        llm.generate(prompts, params)
+        live, made = op.bf16_tile_copies()
+        if made == 0:
+            pytest.skip("no AVX512-BF16 here: no tile copies")
+        first = llm.generate(prompts, params)
+        assert op.bf16_tile_copies() == (live, made)
+        op.use_bf16_tiles(False)  # the row kernel: the same tokens (random weights: near-ties may differ; not here)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in first]
+    finally:
+        op.use_bf16_tiles(prev)

@@ -504,15 +504,17 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 
 // ---------------------------------------------------------------- bf16 weights in tiles of 16 outputs
 // The row kernel above ends every weight row with a horizontal sum, and each row of x reloads the weight vector
-// beside its own x vector (two loads per product): at 8 rows it is load-bound at ~40% of the core's bf16 rate, and at
-// one row it streams ~0.8x what a plain read of the weight does. A copy of the weight laid out in tiles of 16
+// beside its own x vector (two loads per product): at 8 rows it is held by those loads, and at one row it streamed
+// 0.75-0.97x what a plain read of the weight does (ad hoc). A copy of the weight laid out in tiles of 16
 // outputs -- per tile, K/2 pairs of inputs, each pair as 16 outputs x 2 inputs (64 bytes): [E][T][K/2][16][2],
 // T = ceil(N / 16), rows past N zero -- lets one vdpbf16ps take 16 outputs' products of an input pair against that
 // pair of x broadcast: no horizontal sums, one weight load per 16 outputs shared by up to 8 rows of x, the copy read
 // straight through. Each output's sum runs through its pairs in order in one fp32 lane, whatever the number of rows
 // or tiles taken together: a row's result does not depend on the rows beside it (a verify's tokens equal one-token
 // steps bitwise), and another order than the row kernel's (float rounding apart). Measured (2-core AVX-512 VM, 2
-// threads, huge pages, same process): 8 rows 2.0-3.0x the row kernel in cache, 1.7-2.0x streamed; 1 row 1.0-1.25x.
+// threads, huge pages, same process): 8 rows 2.0-3.0x the row kernel in cache, 1.7-2.0x streamed; 1 row 0.87-1.2x
+// by shape (slowest at K = 512), one tile at a time (several tiles at once streamed slower there); in the decode step
+// 1.07-1.28x at batch 1 and 1.19-1.56x at batch 8 (README, "What the decode-step work bought", session 26).
 constexpr int64_t BF16_TILE = 16;
 
 // the tile copy of w [N, K] or [E, N, K] (contiguous bf16, K even): huge-page aligned (advised MADV_HUGEPAGE)
@@ -733,9 +735,13 @@ struct TileEntry {
 std::mutex g_tiles_mu;
 std::map<std::array<int64_t, 6>, TileEntry> g_tiles;  // (storage, offset, dims, sizes)
 
-int64_t bf16_tile_copies() {  // live entries (tests: a freed weight's copy goes at the next packing)
+std::atomic<int64_t> g_tile_packs{0};  // tile copies made so far (a weight packed at every call would show here)
+
+// (live entries, copies made so far): tests check that a freed weight's copy goes at the next packing and that a
+// decode loop packs each weight once
+std::tuple<int64_t, int64_t> bf16_tile_copies() {
   std::lock_guard<std::mutex> lock(g_tiles_mu);
-  return static_cast<int64_t>(g_tiles.size());
+  return {static_cast<int64_t>(g_tiles.size()), g_tile_packs.load()};
 }
 
 // The tile copy of a bf16 weight w [N, K] or [E, N, K] for the few-row kernel, made at its first use; an undefined
@@ -757,6 +763,7 @@ at::Tensor bf16_tiles(const at::Tensor& w) {
     if (it != g_tiles.end() && it->second.version == version && !it->second.storage.expired()) return it->second.tiles;
   }
   auto tiles = pack_bf16_tiles(w);
+  g_tile_packs.fetch_add(1);
   std::lock_guard<std::mutex> lock(g_tiles_mu);
   for (auto it = g_tiles.begin(); it != g_tiles.end();) it = it->second.storage.expired() ? g_tiles.erase(it) : ++it;
   g_tiles.insert_or_assign(std::move(key), TileEntry{st.getWeakStorageImpl(), version, tiles});
@@ -3330,7 +3337,7 @@ TORCH_LIBRARY(waferline, m) {
   m.def("use_portable(bool on) -> bool");
   m.def("use_int_activations(bool on) -> bool");
   m.def("use_bf16_tiles(bool on) -> bool");
-  m.def("bf16_tile_copies() -> int");
+  m.def("bf16_tile_copies() -> (int, int)");
   m.def("team_halves() -> int");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
