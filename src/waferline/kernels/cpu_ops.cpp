@@ -512,15 +512,21 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 // straight through. Each output's sum runs through its pairs in order in one fp32 lane, whatever the number of rows
 // or tiles taken together: a row's result does not depend on the rows beside it (a verify's tokens equal one-token
 // steps bitwise), and another order than the row kernel's (float rounding apart). Measured (2-core AVX-512 VM, 2
-// threads, huge pages, same process): 8 rows 2.0-3.0x the row kernel in cache, 1.7-2.0x streamed; 1 row 0.87-1.2x
-// by shape (slowest at K = 512), one tile at a time (several tiles at once streamed slower there); in the decode step
-// 1.07-1.28x at batch 1 and 1.19-1.56x at batch 8 (README, "What the decode-step work bought", session 26).
+// threads, huge pages, same process): 8 rows 2.0-3.0x the row kernel in cache, 1.6-2.0x streamed; 1 row 0.87-1.2x
+// by shape (slowest at K = 512); in the decode step 1.07-1.28x at batch 1 and 1.19-1.56x at batch 8 (README, "What
+// the decode-step work bought", session 26).
 constexpr int64_t BF16_TILE = 16;
 
-// the tile copy of w [N, K] or [E, N, K] (contiguous bf16, K even): huge-page aligned (advised MADV_HUGEPAGE)
+// Tiles go in groups of BF16_GROUP, interleaved pair by pair (per group: [K/2][BF16_GROUP][16][2]), so the tiles a
+// kernel call takes together are read as one stream (several tiles' separate streams ran slower from memory).
+constexpr int64_t BF16_GROUP = 2;
+constexpr int64_t BF16_GROUP_OUT = BF16_GROUP * BF16_TILE;  // outputs per group
+
+// the tile copy of w [N, K] or [E, N, K] (contiguous bf16, K even): [E][ceil(N / 32)][K/2][2][16][2], rows past N
+// zero; huge-page aligned (advised MADV_HUGEPAGE)
 at::Tensor pack_bf16_tiles(const at::Tensor& w) {
   const int64_t E = w.dim() == 3 ? w.size(0) : 1, N = w.size(-2), K = w.size(-1), K2 = K / 2;
-  const int64_t T = (N + BF16_TILE - 1) / BF16_TILE, per = T * BF16_TILE * K;  // elements per expert
+  const int64_t T = (N + BF16_GROUP_OUT - 1) / BF16_GROUP_OUT, per = T * BF16_GROUP_OUT * K;  // elements per expert
   constexpr size_t HUGE_PAGE = size_t(2) << 20;  // (a copy of less than one huge page: cache-line aligned only)
   const size_t need = E * per * sizeof(uint16_t), align = need >= HUGE_PAGE ? HUGE_PAGE : 64;
   const size_t bytes = std::max<size_t>(1, (need + align - 1) / align) * align;
@@ -529,26 +535,26 @@ at::Tensor pack_bf16_tiles(const at::Tensor& w) {
 #ifdef MADV_HUGEPAGE
   if (align == HUGE_PAGE) madvise(mem, bytes, MADV_HUGEPAGE);
 #endif
-  auto out = at::from_blob(mem, {E, T, K2, BF16_TILE, 2}, [](void* q) { std::free(q); },
+  auto out = at::from_blob(mem, {E, T, K2, BF16_GROUP_OUT, 2}, [](void* q) { std::free(q); },
                            at::TensorOptions().dtype(at::kBFloat16));
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   uint16_t* dst = reinterpret_cast<uint16_t*>(mem);
   at::parallel_for(0, E * T, 1, [&](int64_t a, int64_t b) {
-    for (int64_t et = a; et < b; ++et) {  // a tile at a time, written straight through (pairs as 32-bit words)
-      const int64_t e = et / T, t = et % T, rows = std::min<int64_t>(BF16_TILE, N - t * BF16_TILE);
-      uint32_t* d = reinterpret_cast<uint32_t*>(dst + e * per + t * BF16_TILE * K);
-      const uint16_t* s = src + (e * N + t * BF16_TILE) * K;
+    for (int64_t et = a; et < b; ++et) {  // a group at a time, written straight through (pairs as 32-bit words)
+      const int64_t e = et / T, t = et % T, rows = std::min<int64_t>(BF16_GROUP_OUT, N - t * BF16_GROUP_OUT);
+      uint32_t* d = reinterpret_cast<uint32_t*>(dst + e * per + t * BF16_GROUP_OUT * K);
+      const uint16_t* s = src + (e * N + t * BF16_GROUP_OUT) * K;
       for (int64_t j = 0; j < K2; ++j) {
-        for (int64_t r = 0; r < rows; ++r) std::memcpy(d + j * BF16_TILE + r, s + r * K + 2 * j, sizeof(uint32_t));
-        for (int64_t r = rows; r < BF16_TILE; ++r) d[j * BF16_TILE + r] = 0;
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(d + j * BF16_GROUP_OUT + r, s + r * K + 2 * j, sizeof(uint32_t));
+        for (int64_t r = rows; r < BF16_GROUP_OUT; ++r) d[j * BF16_GROUP_OUT + r] = 0;
       }
     }
   });
   return out;
 }
 
-// MR rows of x (row stride K) against S consecutive tiles starting at p (K2 pairs each) -> y[m * ldy + n] for the
-// tiles' outputs n0 + i < n1 (n0: the first tile's first output)
+// MR rows of x (row stride K) against S tiles of one group, the first at p (the next BF16_TILE pairs on), K2 pairs
+// each -> y[m * ldy + n] for the tiles' outputs n0 + i < n1 (n0: the first tile's first output)
 template <int MR, int S>
 inline void bf16_tile_block(const uint16_t* x, int64_t K, const uint16_t* p, int64_t K2, c10::BFloat16* y, int64_t ldy,
                             int64_t n0, int64_t n1) {
@@ -557,7 +563,8 @@ inline void bf16_tile_block(const uint16_t* x, int64_t K, const uint16_t* p, int
     for (int s = 0; s < S; ++s) acc[m][s] = _mm512_setzero_ps();
   for (int64_t j = 0; j < K2; ++j) {
     __m512bh wv[S];
-    for (int s = 0; s < S; ++s) wv[s] = (__m512bh)_mm512_loadu_si512(p + (s * K2 + j) * 2 * BF16_TILE);
+    for (int s = 0; s < S; ++s)
+      wv[s] = (__m512bh)_mm512_loadu_si512(p + (j * BF16_GROUP + s) * 2 * BF16_TILE);
     for (int m = 0; m < MR; ++m) {
       uint32_t pair;
       std::memcpy(&pair, x + m * K + 2 * j, sizeof pair);
@@ -589,14 +596,18 @@ inline void bf16_tile_rows(const uint16_t* x, int64_t M, int64_t K, const uint16
   for (; m < M; ++m) bf16_tile_block<1, S>(x + m * K, K, p, K2, y + m * ldy, ldy, n0, n1);
 }
 
-// outputs n0..n1 (n0 a multiple of BF16_TILE) of the tile copy ``tiles`` (one expert's) for the M rows of x [M, K]
+// outputs n0..n1 (n0 a multiple of BF16_TILE) of the tile copy ``tiles`` (one expert's) for the M rows of x [M, K]:
+// group by group, the span's tiles of each group together (a span may start or end inside a group)
 void bf16_tile_span(const uint16_t* x, int64_t M, const uint16_t* tiles, int64_t K, c10::BFloat16* y, int64_t ldy,
                     int64_t n0, int64_t n1) {
   const int64_t K2 = K / 2, t1 = (n1 + BF16_TILE - 1) / BF16_TILE;
-  int64_t t = n0 / BF16_TILE;
-  for (; M > 1 && t + 3 <= t1; t += 3)  // (one row: a tile at a time, one stream; measured faster there)
-    bf16_tile_rows<3>(x, M, K, tiles + t * K * BF16_TILE, K2, y, ldy, t * BF16_TILE, n1);
-  for (; t < t1; ++t) bf16_tile_rows<1>(x, M, K, tiles + t * K * BF16_TILE, K2, y, ldy, t * BF16_TILE, n1);
+  for (int64_t t = n0 / BF16_TILE; t < t1;) {
+    const int64_t g = t / BF16_GROUP, in = t % BF16_GROUP, take = std::min(BF16_GROUP - in, t1 - t);
+    const uint16_t* p = tiles + g * BF16_GROUP_OUT * K + in * 2 * BF16_TILE;
+    if (take == 2) bf16_tile_rows<2>(x, M, K, p, K2, y, ldy, t * BF16_TILE, n1);
+    else bf16_tile_rows<1>(x, M, K, p, K2, y, ldy, t * BF16_TILE, n1);
+    t += take;
+  }
 }
 #endif
 
