@@ -2090,8 +2090,36 @@ struct CacheRows {
       uniform = uniform && pp[b] == pp[0];
     }
   }
-  void write(at::Tensor& cache, const at::Tensor& row) const {  // row [B, 1, W]: this step's entries
-    for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b).select(0, 0));
+  // this step's entries: the parts' rows ([B, ...] each, B = rows) side by side, in order, make a row's W values.
+  // Copied straight into a contiguous cache of their dtype (one memcpy a part and row instead of a cat and B dispatched
+  // copies: ~0.05 ms a layer at 8 rows); otherwise as the dispatched copies do (converting the dtype).
+  void write(at::Tensor& cache, std::initializer_list<at::Tensor> parts) const {
+    const int64_t W = cache.size(2), cap = cache.size(1);
+    bool direct = cache.is_contiguous();
+    int64_t width = 0;
+    for (const auto& t : parts) {
+      direct = direct && t.scalar_type() == cache.scalar_type();
+      width += t.numel() / std::max<int64_t>(B, 1);
+    }
+    TORCH_CHECK(width == W, "waferline: a cache entry of ", width, " values, the cache holds ", W);
+    if (!direct) {
+      std::vector<at::Tensor> flat;
+      for (const auto& t : parts) flat.push_back(t.reshape({B, -1}));
+      auto row = at::cat(flat, 1);
+      for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b));
+      return;
+    }
+    const int64_t es = cache.element_size();
+    char* base = static_cast<char*>(cache.data_ptr());
+    int64_t off = 0;
+    for (const auto& t : parts) {
+      const auto tc = t.contiguous();
+      const int64_t w = tc.numel() / B;
+      const char* src = static_cast<const char*>(tc.data_ptr());
+      for (int64_t b = 0; b < B; ++b) std::memcpy(base + ((sp[b] * cap + pp[b]) * W + off) * es, src + b * w * es, w * es);
+      off += w;
+    }
+    if (!cache.is_inference()) cache.unsafeGetTensorImpl()->bump_version();  // (as the dispatched copies would)
   }
   at::Tensor keys(const at::Tensor& cache) const {  // [B, end, W]: the rows' slots, positions 0..end-1
     return consecutive ? cache.narrow(0, sp[0], B).narrow(1, 0, end) : cache.index_select(0, sl).narrow(1, 0, end);
@@ -2129,7 +2157,7 @@ at::Tensor mla_attend_int4(const at::Tensor& x, at::TensorList w, at::IntArrayRe
   auto ckv = block_proj(x, w[4], w[5], groups[2]);  // [B, 1, r + rope]
   auto c = rms_norm(ckv.narrow(-1, 0, r), kva_norm, eps_kv);
   auto roped = rope(at::cat({q.narrow(-1, n, p), ckv.narrow(-1, r, p).unsqueeze(2)}, 2), cos2, sin2, p, interleaved);
-  rows.write(cache, at::cat({c, roped.select(2, H)}, -1));  // [B, 1, r + rope]: this token's cache entry
+  rows.write(cache, {c, roped.select(2, H)});  // [B, 1, r] and [B, 1, rope]: this token's cache entry
   auto out = mla_decode(q.narrow(-1, 0, n), roped.narrow(2, 0, H), rows.keys(cache), rows.blocked(x.options()), w_uk,
                         w_uv, scale, x.scalar_type());
   return block_proj(out, w[6], w[7], groups[3]);
@@ -2168,7 +2196,7 @@ at::Tensor gqa_attend(const at::Tensor& x, at::TensorList w, at::IntArrayRef gro
     auto qk = rope(at::cat({q, k}, 2), cos2, sin2, rot, interleaved);
     q = qk.narrow(2, 0, H), k = qk.narrow(2, H, Hkv);
   }
-  rows.write(cache, at::cat({k, v}, 2).view({B, 1, 2 * Hkv * hd}));  // this token's cache entry
+  rows.write(cache, {k, v});  // [B, 1, Hkv, hd] each: this token's cache entry
   auto out = gqa_decode(q, rows.keys(cache).reshape({B, rows.end, 2 * Hkv, hd}), rows.blocked(x.options()), sinks,
                         scale);
   return block_proj(out.reshape({B, 1, H * hd}), w[6], w[7], groups[3]);
