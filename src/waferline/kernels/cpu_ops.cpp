@@ -2090,35 +2090,24 @@ struct CacheRows {
       uniform = uniform && pp[b] == pp[0];
     }
   }
-  // this step's entries: the parts' rows ([B, ...] each, B = rows) side by side, in order, make a row's W values.
-  // Copied straight into a contiguous cache of their dtype (one memcpy a part and row instead of a cat and B dispatched
-  // copies: ~0.05 ms a layer at 8 rows); otherwise as the dispatched copies do (converting the dtype).
+  // this step's entries: the parts' rows ([B, ...] each, B = rows, the cache's dtype) side by side, in order, make a
+  // row's W values, copied straight into the cache (its callers check it contiguous and of x's dtype): one memcpy a
+  // part and row instead of a cat and B dispatched copies (~0.05 ms a layer at 8 rows)
   void write(at::Tensor& cache, std::initializer_list<at::Tensor> parts) const {
-    const int64_t W = cache.size(2), cap = cache.size(1);
-    bool direct = cache.is_contiguous();
-    int64_t width = 0;
-    for (const auto& t : parts) {
-      direct = direct && t.scalar_type() == cache.scalar_type();
-      width += t.numel() / std::max<int64_t>(B, 1);
-    }
-    TORCH_CHECK(width == W, "waferline: a cache entry of ", width, " values, the cache holds ", W);
-    if (!direct) {
-      std::vector<at::Tensor> flat;
-      for (const auto& t : parts) flat.push_back(t.reshape({B, -1}));
-      auto row = at::cat(flat, 1);
-      for (int64_t b = 0; b < B; ++b) cache.select(0, sp[b]).select(0, pp[b]).copy_(row.select(0, b));
-      return;
-    }
-    const int64_t es = cache.element_size();
+    const int64_t W = cache.size(2), cap = cache.size(1), es = cache.element_size();
+    TORCH_CHECK(cache.is_contiguous(), "waferline: the cache must be contiguous");
     char* base = static_cast<char*>(cache.data_ptr());
     int64_t off = 0;
     for (const auto& t : parts) {
+      TORCH_CHECK(t.scalar_type() == cache.scalar_type(), "waferline: a cache entry of another dtype than the cache");
       const auto tc = t.contiguous();
-      const int64_t w = tc.numel() / B;
+      const int64_t w = tc.numel() / std::max<int64_t>(B, 1);
+      TORCH_CHECK(off + w <= W, "waferline: cache entries wider than the cache's ", W, " values");
       const char* src = static_cast<const char*>(tc.data_ptr());
       for (int64_t b = 0; b < B; ++b) std::memcpy(base + ((sp[b] * cap + pp[b]) * W + off) * es, src + b * w * es, w * es);
       off += w;
     }
+    TORCH_CHECK(off == W, "waferline: a cache entry of ", off, " values, the cache holds ", W);
     if (!cache.is_inference()) cache.unsafeGetTensorImpl()->bump_version();  // (as the dispatched copies would)
   }
   at::Tensor keys(const at::Tensor& cache) const {  // [B, end, W]: the rows' slots, positions 0..end-1
