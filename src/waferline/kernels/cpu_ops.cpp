@@ -506,8 +506,8 @@ bool few_rows_bf16(const c10::BFloat16* xp, int64_t M, const c10::BFloat16* wp, 
 // The row kernel above ends every weight row with a horizontal sum, and each row of x reloads the weight vector
 // beside its own x vector (two loads per product): at 8 rows it is held by those loads, and at one row it streamed
 // 0.75-0.97x what a plain read of the weight does (ad hoc). A copy of the weight laid out in tiles of 16
-// outputs -- per tile, K/2 pairs of inputs, each pair as 16 outputs x 2 inputs (64 bytes): [E][T][K/2][16][2],
-// T = ceil(N / 16), rows past N zero -- lets one vdpbf16ps take 16 outputs' products of an input pair against that
+// outputs -- per tile, K/2 pairs of inputs, each pair as 16 outputs x 2 inputs (64 bytes; tiles in groups, below),
+// rows past N zero -- lets one vdpbf16ps take 16 outputs' products of an input pair against that
 // pair of x broadcast: no horizontal sums, one weight load per 16 outputs shared by up to 8 rows of x, the copy read
 // straight through. Each output's sum runs through its pairs in order in one fp32 lane, whatever the number of rows
 // or tiles taken together: a row's result does not depend on the rows beside it (a verify's tokens equal one-token
@@ -728,7 +728,8 @@ bool use_int_activations(bool on) { return g_int_act.exchange(on); }
 // The tile copies (bf16_tiles), kept per weight -- its storage, offset and shape -- while the weight lives and is not
 // modified in place: an entry holds a weak reference to the weight's storage (it goes when the storage is freed) and
 // the weight's version counter at packing (a write through the tensor or its views bumps it, and the copy is redone;
-// a write through ``.data``, which has its own counter, is not seen -- the same rule as torch's own weight caches).
+// a write through ``.data``, which has its own counter, is not seen -- the rule of the oneDNN copy that
+// model/layers.packed_linear keeps for prefill).
 // Costs a second copy of each bf16 weight a few-row product multiplies. WAFERLINE_BF16_TILES=0 (or use_bf16_tiles
 // False) keeps the row kernel.
 std::atomic<bool> g_bf16_tiles{[] {
