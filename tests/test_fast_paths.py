@@ -377,7 +377,7 @@ def test_bf16_tile_copies_follow_their_weights():
     """The few-row bf16 kernel's tile copy of a weight (made at its first product) is redone when the weight is
     written in place (its version counter moves, in or out of inference mode) and goes when the weight is freed; a
     weight the copy cannot follow (an inference tensor: no version counter) or lay out (odd K) runs the row kernel.
-    Output counts not a multiple of the 16-output tile: the rows past N are padding, never written. Rows through the
+    An output count not a multiple of the 16-output tile (the padding's outputs are not stored). Rows through the
     tiles equal the row kernel's to a bf16 rounding and each row's result does not depend on the rows beside it."""
     import gc
 
