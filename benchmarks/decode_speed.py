@@ -1124,7 +1124,7 @@ def main() -> None:
             "which on these machines is higher than the copy bandwidth: the ceiling the targets are checked against.",
             "compute_ceiling_tok_s (waferline rows): the tok/s at which a step's multiply-adds (ModelSpec forward "
             "FLOPs / 2 at the mean context: active weights, router, LM head, attention) run at the in-cache rate of "
-            "waferline's own product of that format and batch (product_rates_GMACps: 256 x 512 weight rows a thread, "
+            "waferline's own product of that format and batch (product_rates_GMACps: a 1024 x 1024 weight a thread, "
             "called as the engine calls it; the int4 engine's head at its int8 rate). A ceiling of these kernels on "
             "this machine, not the CPU's peak. A decode step is bound by the lower of it and the read roofline.",
         ],
