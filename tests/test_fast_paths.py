@@ -261,13 +261,30 @@ _INT_KERNELS = kernels.available() and torch.backends.cpu.get_cpu_capability() i
 
 
 @pytest.mark.skipif(not _INT_KERNELS, reason="the integer-activation kernels are AVX2 code")
+@pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("G,K,Z", [(64, 256, 2), (128, 384, 1), (256, 512, 2)])
-def test_int4_linear_int16_activations(G, K, Z):
+def test_int4_linear_int16_activations(G, K, Z, tiles):
     """16-bit x through an int4 weight with G % 64 == 0 runs the integer kernel: x as 16-bit fixed point per row and
     group, exact integer sums. Against the fp32 product of the dequantized weight with x so held (``_fixed_point``):
     float rounding only, and bf16's at the output, at every row count (1-4 rows per pass; 5-16 in passes of 4, which
     must not change a row's result). Against the product with x itself: within the fixed point's bound, the sum over
-    groups of max|x_g| / 65534 * sum |w| over the group. Rows that are all zero, and groups with one large x, too."""
+    groups of max|x_g| / 65534 * sum |w| over the group. Rows that are all zero, and groups with one large x, too.
+    ``tiles``: through the weight's tile copy (CPUs with AVX512-VNNI: one is made; elsewhere the row kernel runs),
+    else the row kernel (8 rows per pass through the tiles, 2-4 through the rows)."""
+    op = torch.ops.waferline
+    prev = op.use_int_tiles(tiles)
+    try:
+        made = op.int4_tile_copies()[1]
+        _int16_activations(G, K, Z)
+        assert (op.int4_tile_copies()[1] > made) == (tiles and _VNNI)
+    finally:
+        op.use_int_tiles(prev)
+
+
+_VNNI = _INT_KERNELS and {"avx512_vnni", "avx512bw", "avx512vl"} <= set(kernels._cpu_flags().split())
+
+
+def _int16_activations(G, K, Z):
     from waferline.model.quant import pack_kernel
 
     g = torch.Generator().manual_seed(5)
@@ -301,22 +318,38 @@ def test_int4_linear_int16_activations(G, K, Z):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
-@pytest.mark.parametrize("K", [512, 200, 40])
-def test_int8_linear(K):
-    """waferline::int8_linear (the int8 LM head): fp32 ``x @ (q * scale)^T`` for 1-9 rows, K with and without a
-    partial last group and a tail past the last 16. The integer kernel (AVX2) holds x as 16-bit fixed point per 64
-    inputs: against that to float rounding, and against x itself within the fixed point's bound; the portable loop
-    and the kernel switched off: the exact product to fp32 rounding. Bad shapes are refused."""
+@pytest.mark.parametrize("tiles", [True, False])
+@pytest.mark.parametrize("K", [512, 200, 40, 99])
+def test_int8_linear(K, tiles):
+    """waferline::int8_linear (the int8 LM head): fp32 ``x @ (q * scale)^T`` for 1-9, 16 and 17 rows, K with and
+    without a partial last group and a tail past the last 16, odd K. The integer kernel (AVX2) holds x as 16-bit fixed
+    point per 64 inputs: against that to float rounding, and against x itself within the fixed point's bound; the
+    portable loop and the kernel switched off: the exact product to fp32 rounding. ``tiles``: through the head's tile
+    copy (AVX512-VNNI CPUs, even K: one is made; else the row kernel), where each row's result is the row's alone,
+    bitwise; else the row kernel. 80 outputs: the last tile's half is padding. Bad shapes are refused."""
     g = torch.Generator().manual_seed(6)
     N = 80
     wf = torch.randn(N, K, generator=g)
     scale = (wf.abs().amax(1) / 127).to(torch.bfloat16)
     q = torch.round(wf / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
     w = q.float() * scale.float()[:, None]
-    for rows in range(1, 10):
+    op = torch.ops.waferline
+    prev_tiles = op.use_int_tiles(tiles)
+    made = op.int8_tile_copies()[1]
+    try:
+        _int8_rows(g, K, N, q, scale, w, tiles)
+    finally:
+        op.use_int_tiles(prev_tiles)
+    assert (op.int8_tile_copies()[1] == made + 1) == (tiles and _VNNI and K % 2 == 0)
+
+
+def _int8_rows(g, K, N, q, scale, w, tiles):
+    for rows in (*range(1, 10), 16, 17):
         x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
         out = torch.ops.waferline.int8_linear(x, q, scale)
         assert out.dtype == torch.float32 and out.shape == (rows, N)
+        if tiles and _VNNI:
+            assert torch.equal(out[-1:], torch.ops.waferline.int8_linear(x[-1:], q, scale))
         small = (x.float().abs() @ w.abs().T).double() * 2.0 ** -20
         if _INT_KERNELS:
             held = _fixed_point(x, 64).double() @ w.double().T
@@ -424,6 +457,65 @@ def test_bf16_tile_copies_follow_their_weights():
             assert bool(((y.double() - ref).abs() <= ref.abs().clamp_min(1e-2) * 2.0 ** -7 * 1.01).all())
     finally:
         op.use_bf16_tiles(prev)
+
+
+@pytest.mark.skipif(not _VNNI, reason="the int4 tile copies are AVX512-VNNI code")
+def test_int4_tile_copies_follow_their_weights():
+    """The integer int4 kernel's tile copy of a weight (its codes and scales, made at its first product of up to 16
+    16-bit rows) is made once, redone when the codes or the scales are written in place, and goes when the weight is
+    freed; none is made for an inference tensor, groups of 32 (not the integer kernel's), fp32 x or more than 16 rows.
+    40 outputs (not a multiple of the 16-output tile: the padding's are not stored). Rows through the copy equal the
+    row kernel's to float rounding, each row's result not depending on the rows beside it."""
+    import gc
+
+    from waferline.model.quant import Int4Weight, rtn_quantize
+
+    op = torch.ops.waferline
+    g = torch.Generator().manual_seed(6)
+
+    def weight(N, K, G):
+        t = rtn_quantize(torch.randn(N, K, generator=g), G, symmetric=False)
+        q = Int4Weight(t, compute_dtype=torch.bfloat16)
+        return q.packed, q.scales_zeros, t.dequantize()
+
+    def close(y, x, w):  # within bf16 rounding of the dequantized product (plus the 16-bit fixed point of x)
+        ref = x.double() @ w.double().T
+        return bool(((y.double() - ref).abs() <= ref.abs() * 2.0 ** -7 + 1e-3 * ref.abs().max()).all())
+
+    prev = op.use_int_tiles(True)
+    try:
+        gc.collect()  # (earlier tests' weights freed now, not in the middle of the counts below)
+        wp, wsz, _ = weight(16, 64, 64)
+        op.int4_linear(torch.ones(1, 64, dtype=torch.bfloat16), wp, wsz, 64)  # (drops the copies of freed weights)
+        base, made = op.int4_tile_copies()
+        p, sz, w = weight(40, 256, 64)
+        x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+        out = op.int4_linear(x, p, sz, 64)
+        assert op.int4_tile_copies() == (base + 1, made + 1) and out.shape == (5, 40)
+        assert torch.equal(torch.cat([op.int4_linear(x[i:i + 1], p, sz, 64) for i in range(5)]), out)
+        assert op.int4_tile_copies() == (base + 1, made + 1)  # (the same copy)
+        op.use_int_tiles(False)
+        rows = op.int4_linear(x, p, sz, 64)
+        op.use_int_tiles(True)
+        assert close(out, x, w) and close(rows, x, w) and not torch.equal(out, torch.zeros_like(out))
+        p.bitwise_xor_(0x35)  # codes in place: the copy is redone
+        assert torch.equal(op.int4_linear(x, p, sz, 64), op.int4_linear(x, p.clone(), sz.clone(), 64))
+        sz.mul_(-2.0)  # scales in place
+        assert torch.equal(op.int4_linear(x, p, sz, 64), op.int4_linear(x, p.clone(), sz.clone(), 64))
+        del p, sz
+        gc.collect()
+        p, sz, w = weight(48, 256, 128)
+        assert close(op.int4_linear(x, p, sz, 128), x, w)
+        live, made = op.int4_tile_copies()
+        assert live == base + 1  # the old weight's copy (and its clones') went, this one's came
+        with torch.inference_mode():
+            frozen = weight(32, 256, 64)
+        for (wq, wsz, wd), G, xt in ((frozen, 64, x), (weight(32, 256, 32), 32, x), ((p, sz, w), 128, x.float()),
+                                     ((p, sz, w), 128, torch.randn(17, 256, generator=g).to(torch.bfloat16))):
+            y = op.int4_linear(xt, wq, wsz, G)
+            assert op.int4_tile_copies()[1] == made and close(y.float(), xt.float(), wd), G
+    finally:
+        op.use_int_tiles(prev)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
@@ -610,6 +702,33 @@ def test_no_huge_pages_moves_nothing(tmp_path, monkeypatch):
     assert LLM(tmp_path / "ckpt").arena is None
     monkeypatch.setattr(arena, "THP_ENABLED", tmp_path / "missing")
     assert arena.thp_mode() is None
+
+
+@pytest.mark.skipif(not _VNNI, reason="the int4 tile copies are AVX512-VNNI code")
+def test_a_decode_loop_packs_each_int4_weight_once(tmp_path):
+    """An int4 engine's decode steps (1 and 3 rows; the layers as one op, on thread teams) make the tile copies of
+    their int4 weights and int8 head once: a second generate makes none. Without the copies (the row kernels) the
+    same tokens."""
+    from waferline import LLM, SamplingParams
+
+    op = torch.ops.waferline
+    prev = op.use_int_tiles(True)
+    try:
+        build("deepseek_v3", tmp_path, q_lora_rank=64)
+        llm = LLM(str(tmp_path), dtype="bfloat16", weight_bits=4, group_size=64, head_bits=8)
+        prompts = [[3, 5, 7, 9, 11, 13], [4, 6, 8], [10, 12, 14, 16]]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        made0 = op.int4_tile_copies()[1], op.int8_tile_copies()[1]
+        llm.generate(prompts[:1], params)
+        llm.generate(prompts, params)
+        copies = op.int4_tile_copies(), op.int8_tile_copies()
+        assert copies[0][1] > made0[0] and copies[1][1] == made0[1] + 1
+        first = llm.generate(prompts, params)
+        assert (op.int4_tile_copies(), op.int8_tile_copies()) == copies
+        op.use_int_tiles(False)  # (random weights: near-ties could differ; not here)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in first]
+    finally:
+        op.use_int_tiles(prev)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")

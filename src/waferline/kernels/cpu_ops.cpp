@@ -7,7 +7,8 @@
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
 // exceptions, the few-row bf16 product (AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where it has
-// those) and the int4 product (AVX2 + FMA), have a portable loop beside them for other CPUs. Built with OpenMP, so
+// those) and the int4 and int8 products (AVX2 + FMA; tile copies with AVX512-VNNI), have a portable loop beside them
+// for other CPUs. Built with OpenMP, so
 // at::parallel_for splits work across torch's threads (torch.set_num_threads).
 // Sums of products run in a different order than ATen's, so results agree to float rounding, not bitwise.
 
@@ -43,7 +44,7 @@
 #include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
-#include <sys/mman.h>  // madvise: the bf16 tile copies in huge pages
+#include <sys/mman.h>  // madvise: the tile copies in huge pages
 #endif
 
 namespace {
@@ -448,6 +449,41 @@ void few_rows_generic(const T* x, int64_t M, const T* w, int64_t N, int64_t K, T
   });
 }
 
+// a huge-page aligned uint8 buffer of ``need`` bytes for a tile copy (advised MADV_HUGEPAGE; under one huge page:
+// cache-line aligned only), uninitialised
+[[maybe_unused]] at::Tensor tile_buffer(size_t need) {
+  constexpr size_t HUGE_PAGE = size_t(2) << 20;
+  const size_t align = need >= HUGE_PAGE ? HUGE_PAGE : 64;
+  const size_t bytes = std::max<size_t>(1, (need + align - 1) / align) * align;
+  void* mem = std::aligned_alloc(align, bytes);
+  TORCH_CHECK(mem != nullptr, "waferline: no memory for a ", bytes, "-byte tile copy");
+#ifdef MADV_HUGEPAGE
+  if (align == HUGE_PAGE) madvise(mem, bytes, MADV_HUGEPAGE);
+#endif
+  return at::from_blob(mem, {static_cast<int64_t>(need)}, [](void* q) { std::free(q); },
+                       at::TensorOptions().dtype(at::kByte));
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 fp32 lanes rounded to T and stored to y[i] where bit i of keep is set: bf16 as c10 rounds (nearest even, NaN ->
+// 0x7FC0), 16 at a time; other types one by one (static_cast)
+template <typename T>
+inline void store16_rounded(T* y, __m512 v, __mmask16 keep) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_mask_storeu_epi16(y, keep, _mm512_cvtepi32_epi16(r));
+  } else {
+    alignas(64) float f[16];
+    _mm512_store_ps(f, v);
+    for (int i = 0; i < 16; ++i)
+      if (keep >> i & 1) y[i] = static_cast<T>(f[i]);
+  }
+}
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 // One weight row at a time, read straight through (the hardware prefetcher's best case: measured 1.4-1.9x the GB/s
 // of blocking several rows together), into 4 independent accumulators per row of x (chains over K that hide the dot
@@ -527,18 +563,9 @@ constexpr int64_t BF16_GROUP_OUT = BF16_GROUP * BF16_TILE;  // outputs per group
 at::Tensor pack_bf16_tiles(const at::Tensor& w) {
   const int64_t E = w.dim() == 3 ? w.size(0) : 1, N = w.size(-2), K = w.size(-1), K2 = K / 2;
   const int64_t T = (N + BF16_GROUP_OUT - 1) / BF16_GROUP_OUT, per = T * BF16_GROUP_OUT * K;  // elements per expert
-  constexpr size_t HUGE_PAGE = size_t(2) << 20;  // (a copy of less than one huge page: cache-line aligned only)
-  const size_t need = E * per * sizeof(uint16_t), align = need >= HUGE_PAGE ? HUGE_PAGE : 64;
-  const size_t bytes = std::max<size_t>(1, (need + align - 1) / align) * align;
-  void* mem = std::aligned_alloc(align, bytes);
-  TORCH_CHECK(mem != nullptr, "waferline: no memory for a ", bytes, "-byte bf16 tile copy");
-#ifdef MADV_HUGEPAGE
-  if (align == HUGE_PAGE) madvise(mem, bytes, MADV_HUGEPAGE);
-#endif
-  auto out = at::from_blob(mem, {E, T, K2, BF16_GROUP_OUT, 2}, [](void* q) { std::free(q); },
-                           at::TensorOptions().dtype(at::kBFloat16));
+  auto out = tile_buffer(E * per * sizeof(uint16_t)).view(at::kBFloat16).view({E, T, K2, BF16_GROUP_OUT, 2});
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  uint16_t* dst = reinterpret_cast<uint16_t*>(mem);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, E * T, 1, [&](int64_t a, int64_t b) {
     for (int64_t et = a; et < b; ++et) {  // a group at a time, written straight through (pairs as 32-bit words)
       const int64_t e = et / T, t = et % T, rows = std::min<int64_t>(BF16_GROUP_OUT, N - t * BF16_GROUP_OUT);
@@ -576,13 +603,7 @@ inline void bf16_tile_block(const uint16_t* x, int64_t K, const uint16_t* p, int
     const int64_t a = n0 + s * BF16_TILE, left = n1 - a;
     if (left <= 0) break;
     const __mmask16 keep = left >= BF16_TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    for (int m = 0; m < MR; ++m) {
-      const __m512i u = _mm512_castps_si512(acc[m][s]);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-      r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(acc[m][s], acc[m][s], _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-      _mm256_mask_storeu_epi16(y + m * ldy + a, keep, _mm512_cvtepi32_epi16(r));
-    }
+    for (int m = 0; m < MR; ++m) store16_rounded(y + m * ldy + a, acc[m][s], keep);
   }
 }
 
@@ -739,21 +760,68 @@ std::atomic<bool> g_bf16_tiles{[] {
 
 bool use_bf16_tiles(bool on) { return g_bf16_tiles.exchange(on); }
 
+// the integer kernels' tile copies (int4_tiles, int8_tiles; CPUs with AVX512-VNNI), on by default;
+// WAFERLINE_INT_TILES=0 (or use_int_tiles False) keeps their row kernels (int4_i16_span, int8_block_i16)
+std::atomic<bool> g_int_tiles{[] {
+  const char* v = std::getenv("WAFERLINE_INT_TILES");
+  return v == nullptr || std::string(v) != "0";
+}()};
+
+bool use_int_tiles(bool on) { return g_int_tiles.exchange(on); }
+
+// the kinds of tile copy (bf16_tiles; int4_tiles and int8_tiles, further down)
+enum TileKind : int64_t { TILE_BF16 = 0, TILE_INT4 = 1, TILE_INT8 = 2 };
+
 struct TileEntry {
-  c10::weak_intrusive_ptr<c10::StorageImpl> storage;
-  int64_t version;
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage, storage2;  // the weight's; its scales' (int4, int8), or again w's
+  int64_t version, version2;
   at::Tensor tiles;
 };
 std::mutex g_tiles_mu;
-std::map<std::array<int64_t, 6>, TileEntry> g_tiles;  // (storage, offset, dims, sizes)
+// (kind, the weight's storage, offset, dims, sizes, the scales' storage and offset (int4, int8; else 0))
+std::map<std::array<int64_t, 9>, TileEntry> g_tiles;
 
-std::atomic<int64_t> g_tile_packs{0};  // tile copies made so far (a weight packed at every call would show here)
+std::atomic<int64_t> g_tile_packs[3] = {0, 0, 0};  // copies made so far, per kind (a weight packed at every call shows)
 
-// (live entries, copies made so far): tests check that a freed weight's copy goes at the next packing and that a
-// decode loop packs each weight once
-std::tuple<int64_t, int64_t> bf16_tile_copies() {
+// (live entries, copies made so far) of one kind: tests check that a freed weight's copy goes at the next packing
+// and that a decode loop packs each weight once
+std::tuple<int64_t, int64_t> tile_copies(int64_t kind) {
   std::lock_guard<std::mutex> lock(g_tiles_mu);
-  return {static_cast<int64_t>(g_tiles.size()), g_tile_packs.load()};
+  int64_t live = 0;
+  for (const auto& kv : g_tiles) live += kv.first[0] == kind;
+  return {live, g_tile_packs[kind].load()};
+}
+std::tuple<int64_t, int64_t> bf16_tile_copies() { return tile_copies(TILE_BF16); }
+std::tuple<int64_t, int64_t> int4_tile_copies() { return tile_copies(TILE_INT4); }
+std::tuple<int64_t, int64_t> int8_tile_copies() { return tile_copies(TILE_INT8); }
+
+// the copy of weight w (with its scales sz for an integer weight; else undefined) that make() builds, made at the first
+// call and kept while w (and sz) live unmodified. w and sz must not be inference tensors (no version counter to check
+// the copy by) and must have storage.
+template <typename F>
+at::Tensor cached_tiles(TileKind kind, const at::Tensor& w, const at::Tensor& sz, F&& make) {
+  const auto& st = w.storage();
+  const auto& st2 = sz.defined() ? sz.storage() : st;
+  std::array<int64_t, 9> key{kind, reinterpret_cast<int64_t>(st.unsafeGetStorageImpl()), w.storage_offset(), w.dim(),
+                             w.size(0), w.size(1), w.dim() == 3 ? w.size(2) : 0,
+                             sz.defined() ? reinterpret_cast<int64_t>(st2.unsafeGetStorageImpl()) : 0,
+                             sz.defined() ? sz.storage_offset() : 0};
+  const int64_t version = w._version(), version2 = sz.defined() ? sz._version() : version;
+  {
+    std::lock_guard<std::mutex> lock(g_tiles_mu);
+    auto it = g_tiles.find(key);
+    if (it != g_tiles.end() && it->second.version == version && it->second.version2 == version2 &&
+        !it->second.storage.expired() && !it->second.storage2.expired())
+      return it->second.tiles;
+  }
+  at::Tensor tiles = make();
+  g_tile_packs[kind].fetch_add(1);
+  std::lock_guard<std::mutex> lock(g_tiles_mu);
+  for (auto it = g_tiles.begin(); it != g_tiles.end();)
+    it = it->second.storage.expired() || it->second.storage2.expired() ? g_tiles.erase(it) : ++it;
+  g_tiles.insert_or_assign(std::move(key),
+                           TileEntry{st.getWeakStorageImpl(), st2.getWeakStorageImpl(), version, version2, tiles});
+  return tiles;
 }
 
 // The tile copy of a bf16 weight w [N, K] or [E, N, K] for the few-row kernel, made at its first use; an undefined
@@ -765,21 +833,7 @@ at::Tensor bf16_tiles(const at::Tensor& w) {
       w.scalar_type() != at::kBFloat16 || (w.dim() != 2 && w.dim() != 3) || w.size(-1) % 2 != 0 ||
       w.size(-1) == 0 || !w.is_contiguous() || w.is_inference() || !w.has_storage())
     return at::Tensor();
-  const auto& st = w.storage();
-  std::array<int64_t, 6> key{reinterpret_cast<int64_t>(st.unsafeGetStorageImpl()), w.storage_offset(), w.dim(),
-                             w.size(0), w.size(1), w.dim() == 3 ? w.size(2) : 0};
-  const int64_t version = w._version();
-  {
-    std::lock_guard<std::mutex> lock(g_tiles_mu);
-    auto it = g_tiles.find(key);
-    if (it != g_tiles.end() && it->second.version == version && !it->second.storage.expired()) return it->second.tiles;
-  }
-  auto tiles = pack_bf16_tiles(w);
-  g_tile_packs.fetch_add(1);
-  std::lock_guard<std::mutex> lock(g_tiles_mu);
-  for (auto it = g_tiles.begin(); it != g_tiles.end();) it = it->second.storage.expired() ? g_tiles.erase(it) : ++it;
-  g_tiles.insert_or_assign(std::move(key), TileEntry{st.getWeakStorageImpl(), version, tiles});
-  return tiles;
+  return cached_tiles(TILE_BF16, w, at::Tensor(), [&] { return pack_bf16_tiles(w); });
 #else
   (void)w;
   return at::Tensor();
@@ -1247,6 +1301,165 @@ void int4_i16_span(const int16_t* xq, const float* sx, const float* xs, int64_t 
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define WAFERLINE_INT4_TILES 1
+// ---------------------------------------------------------------- int4 weights in tiles of 16 outputs (AVX512-VNNI)
+// The integer kernel above sums each weight row across its 8 lanes at the end (a horizontal sum per output and row of
+// x), widens every code twice per 64 inputs and multiplies with vpmaddwd + vpaddd (two instructions per 16 products):
+// at 8 rows of x it ran at 40-64 G MAC/s on 2 Zen 4 cores, the int4 batch-8 step's ceiling (decode_speed, session 26).
+// A copy of the weight in tiles of 16 outputs lets one vpdpwssd take 16 outputs' products of an input pair against
+// that pair of x broadcast (its int32 lanes are the outputs): no horizontal sums, one widening per 64 weights shared by
+// up to 8 rows of x, one instruction per 32 products. Per tile and weight group: G / 4 steps of 32 bytes, byte 2 j + u
+// holding output j's codes at x positions 4 s + u (low nibble) and 4 s + 2 + u (high) -- positions in the integer
+// kernels' x order (i16_quantize: a lane order per 64 inputs), so both kernels take the same quantized rows -- then
+// the group's scales (and zeros) of the 16 outputs as S. Widened to 16-bit lanes, the low nibbles are the pairs of
+// positions (4 s, 4 s + 1) of the 16 outputs and the high ones (4 s + 2, 4 s + 3). Per output and group the integer
+// sum is the row kernel's (exact); the float steps are the row kernel's in one lane (scale * sx times the sum, summed
+// over groups; (zero - 8 scale) * sum sx xi over groups beside it), so a row's result does not depend on the rows or
+// tiles beside it (a verify's tokens equal one-token steps bitwise); against the row kernel it differs by float
+// rounding (its 8 partial sums per row).
+constexpr int64_t I4_TILE = 16;
+
+template <typename S>
+constexpr int64_t i4_tile_group_bytes(int64_t G, int64_t Z) {  // codes, then Z x 16 scales (zeros) of S
+  return 8 * G + Z * I4_TILE * static_cast<int64_t>(sizeof(S));
+}
+
+// the code at x position j (0..63) of a 64-input block of one weight row in waferline's layout (32 bytes): position
+// j holds the input of the integer kernels' lane j (i16_lane_input), whose code sits in byte b's low or high nibble
+inline int i4_code_at(const uint8_t* qb, int j) {
+  const int v = j / 16, i = j % 16;
+  const int b = (i < 8 ? i : i + 8) + (v % 2 ? 8 : 0);
+  return v >= 2 ? qb[b] >> 4 : qb[b] & 15;
+}
+
+// the tile copy of an int4 weight (packed [(E,) N, K/2], scales sz [(E,) N, K/G, Z] of S; G a multiple of 64):
+// [E][ceil(N / 16)][K / G][i4_tile_group_bytes], outputs past N code 8 with scale and zero 0
+template <typename S>
+at::Tensor pack_int4_tiles(const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
+  const int64_t E = packed.dim() == 3 ? packed.size(0) : 1, N = packed.size(-2), K = packed.size(-1) * 2;
+  const int64_t ng = K / G, Z = sz.size(-1), T = (N + I4_TILE - 1) / I4_TILE, gb = i4_tile_group_bytes<S>(G, Z);
+  auto out = tile_buffer(E * T * ng * gb);
+  const uint8_t* q = packed.data_ptr<uint8_t>();
+  const S* sp = reinterpret_cast<const S*>(sz.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, E * T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t et = a; et < b; ++et) {
+      const int64_t e = et / T, t = et % T;
+      for (int64_t g = 0; g < ng; ++g) {
+        uint8_t* d = dst + (et * ng + g) * gb;
+        for (int64_t st = 0; st < G / 4; ++st)
+          for (int bb = 0; bb < 32; ++bb) {
+            const int64_t n = t * I4_TILE + bb / 2, pos = g * G + 4 * st + bb % 2;  // (pos + 2: the high nibble's)
+            if (n >= N) {
+              d[st * 32 + bb] = 0x88;
+              continue;
+            }
+            const uint8_t* row = q + (e * N + n) * (K / 2);
+            const int lo = i4_code_at(row + pos / 64 * 32, pos % 64), hi = i4_code_at(row + pos / 64 * 32, pos % 64 + 2);
+            d[st * 32 + bb] = static_cast<uint8_t>(lo | hi << 4);
+          }
+        S* sc = reinterpret_cast<S*>(d + 8 * G);
+        for (int64_t z = 0; z < Z; ++z)
+          for (int64_t j = 0; j < I4_TILE; ++j) {
+            const int64_t n = t * I4_TILE + j;
+            sc[z * I4_TILE + j] = n < N ? sp[((e * N + n) * ng + g) * Z + z] : S(0.f);
+          }
+      }
+    }
+  });
+  return out;
+}
+
+// acc + the products of w's 16-bit lanes with the pair of 16-bit x at p broadcast to every 32-bit lane, summed per
+// lane pair (vpdpwssd with an embedded broadcast). Inline assembly: GCC 12's intrinsic for it copied every
+// accumulator to another register and back around each product (2 extra moves per vpdpwssd in the 8-row loop).
+inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int16_t* p) {
+  asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+}
+
+template <typename S>
+inline __m512 load16_f32(const S* p) {  // 16 scales of S, widened to fp32 (exactly)
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
+
+// MR rows of quantized x (xq [MR, K] in the integer kernels' order, sx / xs [MR, K/G]) through one tile at p ->
+// y[m * ldy + n0 + i] for n0 + i < n1 (n1 - n0 <= 16). A int32 accumulators per row (chains: 4 at 1 row, 2 up to 4
+// rows, 1 above), summed per group (exact).
+template <int MR, int A, typename T, typename S>
+inline void int4_tile_block(const int16_t* xq, const float* sx, const float* xs, int64_t K, int64_t G, int64_t Z,
+                            const uint8_t* p, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int U = A == 4 ? 2 : 1;  // steps per iteration
+  const int64_t ng = K / G, gb = i4_tile_group_bytes<S>(G, Z), steps = G / 4;
+  const __m512i low4 = _mm512_set1_epi16(0x0F);
+  __m512 tot[MR], off[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps(), off[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g, p += gb) {
+    __m512i acc[MR][A];
+    for (int m = 0; m < MR; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_si512();
+    const int16_t* xg = xq + g * G;
+    for (int64_t st = 0; st < steps; st += U) {
+      for (int u = 0; u < U; ++u) {
+        const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (st + u) * 32)));
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
+        for (int m = 0; m < MR; ++m) {  // x positions (4 s, 4 s + 1) against lo, (4 s + 2, 4 s + 3) against hi
+          const int16_t* xp = xg + m * K + 4 * (st + u);
+          acc[m][(2 * u) % A] = dpwssd_bcast(acc[m][(2 * u) % A], lo, xp);
+          acc[m][(2 * u + 1) % A] = dpwssd_bcast(acc[m][(2 * u + 1) % A], hi, xp + 2);
+        }
+      }
+    }
+    const S* sc = reinterpret_cast<const S*>(p + 8 * G);
+    const __m512 s = load16_f32<S>(sc), z = Z > 1 ? load16_f32<S>(sc + I4_TILE) : _mm512_setzero_ps();
+    const __m512 zt = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);  // zero - 8 scale (8 scale exact: one rounding)
+    for (int m = 0; m < MR; ++m) {
+      __m512i a = acc[m][0];
+      for (int i = 1; i < A; ++i) a = _mm512_add_epi32(a, acc[m][i]);
+      tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_mul_ps(s, _mm512_set1_ps(sx[m * ng + g])), tot[m]);
+      off[m] = _mm512_fmadd_ps(zt, _mm512_set1_ps(xs[m * ng + g]), off[m]);
+    }
+  }
+  const int64_t left = n1 - n0;
+  const __mmask16 keep = left >= I4_TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  for (int m = 0; m < MR; ++m) store16_rounded<T>(y + m * ldy + n0, _mm512_add_ps(tot[m], off[m]), keep);
+}
+
+// outputs n0..n1 (n0 a multiple of 16) of the tile copy ``tiles`` (one expert's) for M rows of quantized x: each
+// tile through the rows 8 at a time (the tile stays in L1 for the next 8)
+template <typename T, typename S>
+void int4_tile_span(const int16_t* xq, const float* sx, const float* xs, int64_t M, const uint8_t* tiles, int64_t Z,
+                    int64_t K, int64_t G, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G, tb = ng * i4_tile_group_bytes<S>(G, Z);
+  for (int64_t a = n0; a < n1; a += I4_TILE) {
+    const uint8_t* p = tiles + a / I4_TILE * tb;
+    const int64_t b = std::min(n1, a + I4_TILE);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int16_t* xm = xq + m0 * K;
+      const float *sm = sx + m0 * ng, *zm = xs + m0 * ng;
+      T* ym = y + m0 * ldy;
+      const int64_t r = std::min<int64_t>(8, M - m0);
+      switch (r) {
+        case 1: int4_tile_block<1, 4, T, S>(xm, sm, zm, K, G, Z, p, ym, ldy, a, b); break;
+        case 2: int4_tile_block<2, 2, T, S>(xm, sm, zm, K, G, Z, p, ym, ldy, a, b); break;
+        case 3: int4_tile_block<3, 2, T, S>(xm, sm, zm, K, G, Z, p, ym, ldy, a, b); break;
+        case 8: int4_tile_block<8, 1, T, S>(xm, sm, zm, K, G, Z, p, ym, ldy, a, b); break;
+        default: int4_tile_block<4, 2, T, S>(xm, sm, zm, K, G, Z, p, ym, ldy, a, b); break;  // 4 of 4..7
+      }
+      m0 += r >= 4 && r < 8 ? 4 : r;
+    }
+  }
+}
+#endif
+
 struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quantize) for groups of G
   std::vector<int16_t> xq;
   std::vector<float> sx, xs;
@@ -1268,9 +1481,20 @@ struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quan
 // M rows (any number) of 16-bit x through the int4 weight, 4 rows at a time over each weight row (it stays in L1)
 template <typename T, typename S>
 void int4_rows_i16(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
-                   int64_t G, T* y, int64_t ldy) {
+                   int64_t G, T* y, int64_t ldy, const uint8_t* tiles = nullptr) {
   I16Rows x;
   x.set(xf, M, K, G);
+#ifdef WAFERLINE_INT4_TILES
+  if (tiles != nullptr) {  // the weight's tile copy (int4_tiles), split across threads by tiles
+    const int64_t nt = (N + I4_TILE - 1) / I4_TILE;
+    at::parallel_for(0, nt, std::max<int64_t>(1, 32768 / (I4_TILE * K)), [&](int64_t t0, int64_t t1) {
+      int4_tile_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), M, tiles, Z, K, G, y, ldy, t0 * I4_TILE,
+                           std::min(N, t1 * I4_TILE));
+    });
+    return;
+  }
+#endif
+  (void)tiles;
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     int4_i16_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), M, q, sz, Z, K, G, y, ldy, n0, n1);
   });
@@ -1303,15 +1527,48 @@ inline void int4_dequant_row(const uint8_t* q, const S* sz, int64_t Z, int64_t K
   int4_dequant_row_generic<S>(q, sz, Z, K, G, w);
 }
 
+// The tile copy of an int4 weight (packed [(E,) N, K/2], scales [(E,) N, K/G, Z]) for the integer kernel, made at its
+// first use and kept as bf16_tiles keeps its copies (the scales' storage and version checked too); an undefined tensor
+// where the row kernel runs (no AVX512-VNNI, tiles or integer activations off, groups the integer kernel does not
+// take, not contiguous, an inference tensor). Costs a second copy of the weight (the scales widened to 16 per tile).
+at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
+#ifdef WAFERLINE_INT4_TILES
+  if (!g_int_tiles.load(std::memory_order_relaxed) || g_portable.load(std::memory_order_relaxed) ||
+      !g_int_act.load(std::memory_order_relaxed) || G <= 0 || G % INT4_BLOCK != 0 || G > I16_MAX_GROUP ||
+      packed.scalar_type() != at::kByte || (packed.dim() != 2 && packed.dim() != 3) || sz.dim() != packed.dim() + 1 ||
+      packed.size(-1) * 2 % G != 0 || !packed.is_contiguous() || !sz.is_contiguous() || packed.is_inference() ||
+      sz.is_inference() || !packed.has_storage() || !sz.has_storage() || packed.numel() == 0)
+    return at::Tensor();
+  switch (sz.scalar_type()) {
+    case at::kBFloat16:
+      return cached_tiles(TILE_INT4, packed, sz, [&] { return pack_int4_tiles<c10::BFloat16>(packed, sz, G); });
+    case at::kHalf: return cached_tiles(TILE_INT4, packed, sz, [&] { return pack_int4_tiles<c10::Half>(packed, sz, G); });
+    case at::kFloat: return cached_tiles(TILE_INT4, packed, sz, [&] { return pack_int4_tiles<float>(packed, sz, G); });
+    default: return at::Tensor();
+  }
+#else
+  (void)packed, (void)sz, (void)G;
+  return at::Tensor();
+#endif
+}
+
+// where expert e (e < 0: not stacked) of an int4 weight's tile copy starts, for the weight ``packed``; null where it
+// has none
+const uint8_t* int4_tiles_of(const at::Tensor& tiles, const at::Tensor& packed, int64_t e) {
+  if (!tiles.defined()) return nullptr;
+  const int64_t E = packed.dim() == 3 ? packed.size(0) : 1;
+  return tiles.data_ptr<uint8_t>() + std::max<int64_t>(e, 0) * (tiles.numel() / E);
+}
+
 // y[m * ldy + n] for m < M <= 8: the vector kernel where the CPU has AVX2 + FMA (and the portable loop is not forced)
 template <typename T, typename S>
 void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K,
-                   int64_t G, T* y, int64_t ldy) {
+                   int64_t G, T* y, int64_t ldy, const uint8_t* tiles = nullptr) {
 #if defined(__AVX2__) && defined(__FMA__)
   if (!g_portable.load(std::memory_order_relaxed)) {
     if constexpr (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>) {  // 16-bit x: integer kernel
       if (G % INT4_BLOCK == 0 && G <= I16_MAX_GROUP && g_int_act.load(std::memory_order_relaxed))
-        return int4_rows_i16<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
+        return int4_rows_i16<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy, tiles);
     }
     switch (M) {
       case 1: return int4_rows_avx2<1, T, S>(xf, q, sz, Z, N, K, G, y, ldy);
@@ -1330,8 +1587,15 @@ void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
 
 constexpr int64_t INT4_KERNEL_ROWS = 16;  // more rows: dequantise once, fp32 GEMM (measured: about even at 16 rows)
 
-// X [R, K] (contiguous) through an int4 weight (packed [N, K/2], sz [N, K/G, Z]) -> [R, N] contiguous, X's dtype
-at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
+// whether X's rows go through the few-row int4 kernels with 16-bit activations (where a tile copy can serve them)
+inline bool few_int4_rows(const at::Tensor& X) {
+  return X.size(0) <= INT4_KERNEL_ROWS && (X.scalar_type() == at::kBFloat16 || X.scalar_type() == at::kHalf);
+}
+
+// X [R, K] (contiguous) through an int4 weight (packed [N, K/2], sz [N, K/G, Z]) -> [R, N] contiguous, X's dtype;
+// ``tiles``: the weight's tile copy (int4_tiles), where it has one, for 16-bit X
+at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tensor& sz, int64_t G,
+                   const uint8_t* tiles = nullptr) {
   const int64_t R = X.size(0), K = X.size(1), N = packed.size(0), Z = sz.size(2);
   if (R == 0 || N == 0) return at::empty({R, N}, X.options());
   at::Tensor y;  // the many-row path's GEMM allocates its own result
@@ -1354,6 +1618,8 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
       std::vector<float> xf(R * K);
       load_f32<scalar_t>(X.data_ptr<scalar_t>(), xf.data(), R * K);
       scalar_t* yp = y.data_ptr<scalar_t>();
+      if (tiles != nullptr && (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>))
+        return int4_few_rows<scalar_t, S>(xf.data(), R, q, sp, Z, N, K, G, yp, N, tiles);  // (any R: one pass)
       for (int64_t r0 = 0; r0 < R; r0 += 8)
         int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min<int64_t>(8, R - r0), q, sp, Z, N, K, G, yp + r0 * N, N);
     });
@@ -1380,7 +1646,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "waferline::int4_linear: x [..., K], packed uint8 [N, K/2], scales [N, K/group, 1 or 2], group a multiple "
               "of 32 dividing K, all contiguous");
   auto xc = x.contiguous();
-  auto y = int4_mm(xc.reshape({-1, K}), packed, sz, group);
+  auto X = xc.reshape({-1, K});
+  const auto tiles = few_int4_rows(X) ? int4_tiles(packed, sz, group) : at::Tensor();
+  auto y = int4_mm(X, packed, sz, group, int4_tiles_of(tiles, packed, -1));
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
   return y.reshape(sizes);
@@ -1446,8 +1714,101 @@ void int8_block_i16(const int16_t* xq, const float* sx, const int8_t* q, const S
   }
 }
 
+#ifdef WAFERLINE_INT4_TILES
+// The int8 head in tiles of 16 outputs (as the int4 weights' tiles, above): per tile, K / 2 steps of 32 bytes (byte
+// 2 j + u: output j's weight at input 2 s + u; widened to 16-bit lanes, the pairs (2 s, 2 s + 1) of the 16 outputs)
+// against x's pair broadcast, one vpdpwssd per 32 products, then the tile's 16 scales (S). Per output the same exact
+// integer sum per 64 inputs as int8_block_i16 and the same float steps in one lane (sx times that, summed over the
+// groups, times the scale): rows do not change each other's results. K even.
 template <typename S>
-void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, int64_t N, int64_t K, float* y) {
+constexpr int64_t i8_tile_bytes(int64_t K) {
+  return 16 * K + I4_TILE * static_cast<int64_t>(sizeof(S));
+}
+
+template <typename S>
+at::Tensor pack_int8_tiles(const at::Tensor& q, const at::Tensor& scale) {
+  const int64_t N = q.size(0), K = q.size(1), T = (N + I4_TILE - 1) / I4_TILE, tb = i8_tile_bytes<S>(K);
+  auto out = tile_buffer(T * tb);
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const S* sp = reinterpret_cast<const S*>(scale.data_ptr());
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t) {
+      int8_t* d = reinterpret_cast<int8_t*>(dst + t * tb);
+      for (int64_t st = 0; st < K / 2; ++st)
+        for (int bb = 0; bb < 32; ++bb) {
+          const int64_t n = t * I4_TILE + bb / 2;
+          d[st * 32 + bb] = n < N ? qp[n * K + 2 * st + bb % 2] : 0;
+        }
+      S* sc = reinterpret_cast<S*>(d + 16 * K);
+      for (int64_t j = 0; j < I4_TILE; ++j) sc[j] = t * I4_TILE + j < N ? sp[t * I4_TILE + j] : S(0.f);
+    }
+  });
+  return out;
+}
+
+// MR rows of 16-bit x (xq [MR, K], sx [MR, groups of 64]) through one int8 tile at p -> y[m * ldy + n0 + i] (fp32)
+// for n0 + i < n1; A accumulators per row (chains), summed per group (exact)
+template <int MR, int A, typename S>
+inline void int8_tile_block(const int16_t* xq, const float* sx, int64_t K, const uint8_t* p, float* y, int64_t ldy,
+                            int64_t n0, int64_t n1) {
+  const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP;
+  __m512 tot[MR];
+  for (int m = 0; m < MR; ++m) tot[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const int64_t s0 = g * I8_GROUP / 2, s1 = std::min(K, (g + 1) * I8_GROUP) / 2;
+    __m512i acc[MR][A];
+    for (int m = 0; m < MR; ++m)
+      for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_si512();
+    int64_t st = s0;
+    auto step = [&](int64_t s, int a) {
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + s * 32)));
+      for (int m = 0; m < MR; ++m) acc[m][a] = dpwssd_bcast(acc[m][a], w, xq + m * K + 2 * s);
+    };
+    for (; st + A <= s1; st += A)
+      for (int a = 0; a < A; ++a) step(st + a, a);
+    for (; st < s1; ++st) step(st, 0);
+    for (int m = 0; m < MR; ++m) {
+      __m512i a = acc[m][0];
+      for (int i = 1; i < A; ++i) a = _mm512_add_epi32(a, acc[m][i]);
+      tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx[m * ng + g]), tot[m]);
+    }
+  }
+  const __m512 s = load16_f32<S>(reinterpret_cast<const S*>(p + 16 * K));
+  const int64_t left = n1 - n0;
+  const __mmask16 keep = left >= I4_TILE ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+  for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(y + m * ldy + n0, keep, _mm512_mul_ps(s, tot[m]));
+}
+
+template <typename S>
+void int8_tile_rows(const int16_t* xq, const float* sx, int64_t M, const uint8_t* tiles, int64_t N, int64_t K,
+                    float* y) {
+  const int64_t nt = (N + I4_TILE - 1) / I4_TILE, tb = i8_tile_bytes<S>(K), ng = (K + I8_GROUP - 1) / I8_GROUP;
+  at::parallel_for(0, nt, std::max<int64_t>(1, 32768 / (I4_TILE * K)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* p = tiles + t * tb;
+      const int64_t a = t * I4_TILE, b = std::min(N, a + I4_TILE);
+      for (int64_t m0 = 0; m0 < M;) {
+        const int64_t r = std::min<int64_t>(8, M - m0);
+        const int16_t* xm = xq + m0 * K;
+        const float* sm = sx + m0 * ng;
+        switch (r) {
+          case 1: int8_tile_block<1, 4, S>(xm, sm, K, p, y + m0 * N, N, a, b); break;
+          case 2: int8_tile_block<2, 2, S>(xm, sm, K, p, y + m0 * N, N, a, b); break;
+          case 3: int8_tile_block<3, 2, S>(xm, sm, K, p, y + m0 * N, N, a, b); break;
+          case 8: int8_tile_block<8, 1, S>(xm, sm, K, p, y + m0 * N, N, a, b); break;
+          default: int8_tile_block<4, 2, S>(xm, sm, K, p, y + m0 * N, N, a, b); break;  // 4 of 4..7
+        }
+        m0 += r >= 4 && r < 8 ? 4 : r;
+      }
+    }
+  });
+}
+#endif
+
+template <typename S>
+void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, int64_t N, int64_t K, float* y,
+                   const uint8_t* tiles = nullptr) {
   const int64_t ng = (K + I8_GROUP - 1) / I8_GROUP;
   std::vector<int16_t> xq(M * K);
   std::vector<float> sx(M * ng);
@@ -1457,6 +1818,10 @@ void int8_rows_i16(const float* xf, int64_t M, const int8_t* q, const S* scale, 
       const float inv = fixed16_inv(xf + m * K + k0, k1 - k0, &sx[m * ng + g]);
       for (int64_t k = k0; k < k1; ++k) xq[m * K + k] = fixed16(xf[m * K + k], inv);
     }
+#ifdef WAFERLINE_INT4_TILES
+  if (tiles != nullptr) return int8_tile_rows<S>(xq.data(), sx.data(), M, tiles, N, K, y);
+#endif
+  (void)tiles;
   at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t t0 = n0; t0 < n1; t0 += I16_TILE) {  // a tile of weight rows stays in L1 for every 4 rows of x
       const int64_t t1 = std::min(n1, t0 + I16_TILE);
@@ -1535,6 +1900,27 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
   return out;
 }
 
+// The tile copy of an int8 head (q [N, K], scale [N]) for the integer kernel, kept as int4_tiles keeps its copies;
+// an undefined tensor where the row kernel runs (no AVX512-VNNI, tiles or integer activations off, odd K, not
+// contiguous, an inference tensor).
+at::Tensor int8_tiles(const at::Tensor& q, const at::Tensor& scale) {
+#ifdef WAFERLINE_INT4_TILES
+  if (!g_int_tiles.load(std::memory_order_relaxed) || g_portable.load(std::memory_order_relaxed) ||
+      !g_int_act.load(std::memory_order_relaxed) || q.size(1) % 2 != 0 || q.numel() == 0 || !q.is_contiguous() ||
+      !scale.is_contiguous() || q.is_inference() || scale.is_inference() || !q.has_storage() || !scale.has_storage())
+    return at::Tensor();
+  switch (scale.scalar_type()) {
+    case at::kBFloat16: return cached_tiles(TILE_INT8, q, scale, [&] { return pack_int8_tiles<c10::BFloat16>(q, scale); });
+    case at::kHalf: return cached_tiles(TILE_INT8, q, scale, [&] { return pack_int8_tiles<c10::Half>(q, scale); });
+    case at::kFloat: return cached_tiles(TILE_INT8, q, scale, [&] { return pack_int8_tiles<float>(q, scale); });
+    default: return at::Tensor();
+  }
+#else
+  (void)q, (void)scale;
+  return at::Tensor();
+#endif
+}
+
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
   TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu() && scale.device().is_cpu(),
               "waferline::int8_linear: CPU tensors only");
@@ -1556,8 +1942,11 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
     const S* sp = reinterpret_cast<const S*>(sc.data_ptr());
     const int8_t* qp = qc.data_ptr<int8_t>();
 #if defined(__AVX2__) && defined(__FMA__)
-    if (!g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed))
-      return int8_rows_i16<S>(xf.data_ptr<float>(), R, qp, sp, N, K, y.data_ptr<float>());
+    if (!g_portable.load(std::memory_order_relaxed) && g_int_act.load(std::memory_order_relaxed)) {
+      const auto tiles = int8_tiles(qc, sc);
+      return int8_rows_i16<S>(xf.data_ptr<float>(), R, qp, sp, N, K, y.data_ptr<float>(),
+                              tiles.defined() ? tiles.data_ptr<uint8_t>() : nullptr);
+    }
 #endif
     int8_rows_generic<S>(xf.data_ptr<float>(), R, qp, sp, N, K, y.data_ptr<float>());
   };
@@ -1588,7 +1977,11 @@ struct Bundle {
 
 // rows X [R, K] (contiguous) through weight b (expert e, or e < 0: b is not stacked) -> [R, n_out] (row stride >= n_out)
 at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_t n_out) {
-  if (b.int4()) return int4_mm(X, e >= 0 ? b.w.select(0, e) : b.w, e >= 0 ? b.sz.select(0, e) : b.sz, b.group);
+  if (b.int4()) {
+    const auto tiles = few_int4_rows(X) ? int4_tiles(b.w, b.sz, b.group) : at::Tensor();
+    return int4_mm(X, e >= 0 ? b.w.select(0, e) : b.w, e >= 0 ? b.sz.select(0, e) : b.sz, b.group,
+                   int4_tiles_of(tiles, b.w, e));
+  }
   const int64_t R = X.size(0), K = X.size(1);
   auto W = e >= 0 ? b.w.select(0, e) : b.w;
   if (R > FEW_ROWS) return mm_rows(X, W);
@@ -2228,10 +2621,12 @@ std::tuple<at::Tensor, at::Tensor> gqa_moe_layer(
 // int4 kernel (AVX2, groups of a multiple of 64) with every projection and expert int4; otherwise the composed path.
 #if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
 template <typename S>
-struct I4W {  // an int4 weight in waferline's layout (one expert's, for stacked experts)
+struct I4W {  // an int4 weight in waferline's layout (one expert's, for stacked experts), and its tile copy if any
   const uint8_t* q = nullptr;
   const S* sz = nullptr;
   int64_t Z = 0, N = 0, K = 0, G = 0;
+  const uint8_t* tiles = nullptr;
+  at::Tensor hold;  // (the tile copy, held while the weight is used)
 };
 
 template <typename S>
@@ -2240,11 +2635,17 @@ I4W<S> i4w(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t e 
   w.N = packed.size(packed.dim() - 2), w.K = packed.size(packed.dim() - 1) * 2, w.Z = sz.size(sz.dim() - 1), w.G = G;
   w.q = packed.data_ptr<uint8_t>() + (e >= 0 ? e * w.N * (w.K / 2) : 0);
   w.sz = reinterpret_cast<const S*>(sz.data_ptr()) + (e >= 0 ? e * w.N * (w.K / G) * w.Z : 0);
+  w.hold = int4_tiles(packed, sz, G);
+  w.tiles = int4_tiles_of(w.hold, packed, e);
   return w;
 }
 
 template <typename T, typename S>
 void i4_span(const I16Rows& x, const I4W<S>& w, T* y, int64_t ldy, int64_t n0, int64_t n1) {
+#ifdef WAFERLINE_INT4_TILES
+  if (w.tiles != nullptr)
+    return int4_tile_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), x.M, w.tiles, w.Z, w.K, w.G, y, ldy, n0, n1);
+#endif
   int4_i16_span<T, S>(x.xq.data(), x.sx.data(), x.xs.data(), x.M, w.q, w.sz, w.Z, w.K, w.G, y, ldy, n0, n1);
 }
 
@@ -3367,6 +3768,9 @@ TORCH_LIBRARY(waferline, m) {
   m.def("use_int_activations(bool on) -> bool");
   m.def("use_bf16_tiles(bool on) -> bool");
   m.def("bf16_tile_copies() -> (int, int)");
+  m.def("use_int_tiles(bool on) -> bool");
+  m.def("int4_tile_copies() -> (int, int)");
+  m.def("int8_tile_copies() -> (int, int)");
   m.def("team_halves() -> int");
   m.def("mamba2_mix(Tensor zxbcdt, Tensor(a!) conv, Tensor slots, Tensor conv_w, Tensor conv_b, Tensor dt_bias, Tensor A, "
         "Tensor D, Tensor norm_w, Tensor(b!) ssm, Tensor(c!) ssm_prev, int groups, float eps, bool clamp, float lo, "
@@ -3380,6 +3784,9 @@ TORCH_LIBRARY_IMPL(waferline, CompositeExplicitAutograd, m) { m.impl("use_portab
   m.impl("use_int_activations", &use_int_activations);
   m.impl("use_bf16_tiles", &use_bf16_tiles);
   m.impl("bf16_tile_copies", &bf16_tile_copies);
+  m.impl("use_int_tiles", &use_int_tiles);
+  m.impl("int4_tile_copies", &int4_tile_copies);
+  m.impl("int8_tile_copies", &int8_tile_copies);
   m.impl("team_halves", &team_halves);
 }
 
