@@ -35,7 +35,8 @@ from pathlib import Path
 
 KINDS = [  # (kind, substrings of the sampled function's name or library); the first that matches wins
     ("weight products", ("bf16_row_pair", "bf16_span", "bf16_tile", "bf16_row_avx2", "int4_i16", "int4_rows",
-                         "int4_span", "int4_tile", "int8_rows", "few_rows_generic", "dense_span", "i4_span")),
+                         "int4_span", "int4_tile", "int8_rows", "int8_tile", "few_rows_generic", "dense_span",
+                         "i4_span")),
     ("OpenMP wait", ("libgomp", "libiomp")),
     ("attention", ("gqa_rows", "dot4", "mla_", "softmax_masked", "attend")),
     ("python interpreter", ("libpython", "_PyEval", "_Py")),

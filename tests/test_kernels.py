@@ -117,7 +117,9 @@ def test_moe_route(tmp_path, model_type, eager):
 @pytest.mark.parametrize("masked, sinks", [(False, False), (True, False), (True, True)])
 def test_gqa_decode(dtype, H, Hkv, masked, sinks):
     """The fused grouped-query attention against attend(): grouped, multi-head and multi-query heads, with a mask
-    (a sliding window's or a ragged batch's) and GPT-OSS's sinks, over cache rows laid out [keys | values]."""
+    (a sliding window's or a ragged batch's) and GPT-OSS's sinks, over cache rows laid out [keys | values]; kv also
+    as the first L positions of a longer cache's rows (each row's block contiguous, the rows apart: read in place),
+    the same numbers."""
     from waferline.model.attention import attend
 
     g = torch.Generator().manual_seed(6)
@@ -132,6 +134,12 @@ def test_gqa_decode(dtype, H, Hkv, masked, sinks):
                                            sk if sinks else torch.empty(0), 0.17)
     ref = attend(q, kv[:, :, :Hkv], kv[:, :, Hkv:], blocked, 0.17, sk)
     assert fused.shape == ref.shape and fused.dtype == ref.dtype
+    cache = torch.randn(B, L + 9, 2 * Hkv, D, generator=g).to(dtype)
+    cache[:, :L] = kv
+    apart = torch.ops.waferline.gqa_decode(q, cache.narrow(1, 0, L),
+                                           blocked if masked else torch.empty(0, dtype=torch.bool),
+                                           sk if sinks else torch.empty(0), 0.17)
+    assert torch.equal(apart, fused)
     if dtype == torch.float32:
         torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-6)
     else:

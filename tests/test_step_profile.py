@@ -31,6 +31,9 @@ def test_samples_are_sorted_per_thread_into_kinds(sp):
     assert got["107"] == {"OpenMP wait": 0.5, "attention": 0.25, "weight products": 0.25}
     assert sp.kind_of("c10::function_ref<...> (/venv/torch/lib/libtorch_cpu.so)") == "torch ops"
     assert sp.kind_of("something (/usr/lib/libfoo.so)") == "other"
+    for kernel in ("bf16_tile_block<8, 2>", "int4_tile_block<8, 1, c10::BFloat16, c10::BFloat16>",
+                   "int8_tile_block<1, 4, c10::Half>"):  # the tile copies' kernels are weight products too
+        assert sp.kind_of(f"(anonymous namespace)::{kernel} (/x/waferline_cpu_ops.so)") == "weight products"
 
 
 def test_top_functions_counts_every_thread(sp):

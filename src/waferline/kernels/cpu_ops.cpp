@@ -2127,8 +2127,8 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
 // -> [B, T, H, D] in q's dtype. Head h reads key / value head h / (H / Hkv). What `attend` computes for Hkv > 1 in one
 // pass over the cache rows (no fp32 copies of the cache, no permuted views, no mask broadcast).
 template <typename Q, typename C>
-void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, Q* out, int64_t B, int64_t T,
-              int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {
+void gqa_rows(const Q* q, const C* kv, int64_t kvb, const bool* blocked, const float* sinks, Q* out, int64_t B,
+              int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {  // kvb: kv's batch stride
   const int64_t G = H / Hkv;
   const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * T * Hkv, std::max<int64_t>(1, 32768 / std::max<int64_t>(L * D * G, 1)), [&](int64_t i0, int64_t i1) {
@@ -2142,7 +2142,7 @@ void gqa_rows(const Q* q, const C* kv, const bool* blocked, const float* sinks, 
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
       const bool* mk = blocked ? blocked + bt * L : nullptr;
-      const C* base = kv + b * L * 2 * Hkv * D;
+      const C* base = kv + b * kvb;
       // this kv head's key and value rows in fp32, widened once (vectorised) for all G query heads; masked rows zero
       for (int64_t l = 0; l < L; ++l) {
         if (mk && mk[l]) {
@@ -2193,14 +2193,17 @@ at::Tensor gqa_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
     TORCH_CHECK(sinks.scalar_type() == at::kFloat && sinks.numel() == H, "waferline::gqa_decode: sinks fp32 [H]");
   }
   auto qc = q.contiguous();
-  auto kc = kv.contiguous();
+  // each row's [L, 2 Hkv, D] block must be contiguous; the rows may sit apart (the cache's slots, read in place)
+  const bool rows_in_place = kv.stride(3) == 1 && kv.stride(2) == D && kv.stride(1) == 2 * Hkv * D;
+  auto kc = rows_in_place ? kv : kv.contiguous();
+  const int64_t kvb = B > 1 ? kc.stride(0) : 0;
   auto mk = has_mask ? blocked.contiguous() : blocked;
   auto sk = has_sinks ? sinks.contiguous() : sinks;
   auto out = at::empty_like(qc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qc.scalar_type(), "waferline_gqa_decode_q", [&] {
     using Q = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kc.scalar_type(), "waferline_gqa_decode_kv", [&] {
-      gqa_rows<Q, scalar_t>(qc.data_ptr<Q>(), kc.data_ptr<scalar_t>(), has_mask ? mk.data_ptr<bool>() : nullptr,
+      gqa_rows<Q, scalar_t>(qc.data_ptr<Q>(), kc.data_ptr<scalar_t>(), kvb, has_mask ? mk.data_ptr<bool>() : nullptr,
                             has_sinks ? sk.data_ptr<float>() : nullptr, out.data_ptr<Q>(), B, T, H, Hkv, D, L,
                             static_cast<float>(scale));
     });
@@ -2629,14 +2632,17 @@ struct I4W {  // an int4 weight in waferline's layout (one expert's, for stacked
   at::Tensor hold;  // (the tile copy, held while the weight is used)
 };
 
+// ``tiles``: the weight's tile copy (int4_tiles), looked up by the caller and held by it for the call; null: looked up
+// here and held by the I4W
 template <typename S>
-I4W<S> i4w(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t e = -1) {
+I4W<S> i4w(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t e = -1,
+           const at::Tensor* tiles = nullptr) {
   I4W<S> w;
   w.N = packed.size(packed.dim() - 2), w.K = packed.size(packed.dim() - 1) * 2, w.Z = sz.size(sz.dim() - 1), w.G = G;
   w.q = packed.data_ptr<uint8_t>() + (e >= 0 ? e * w.N * (w.K / 2) : 0);
   w.sz = reinterpret_cast<const S*>(sz.data_ptr()) + (e >= 0 ? e * w.N * (w.K / G) * w.Z : 0);
-  w.hold = int4_tiles(packed, sz, G);
-  w.tiles = int4_tiles_of(w.hold, packed, e);
+  if (tiles == nullptr) w.hold = int4_tiles(packed, sz, G);
+  w.tiles = int4_tiles_of(tiles != nullptr ? *tiles : w.hold, packed, e);
   return w;
 }
 
@@ -2892,9 +2898,9 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   auto& hf = bufs.hf;
   auto& xq = bufs.xq;
   size_t njobs = 0;
-  at::Tensor tiles[8];  // dense: the bf16 weights' tile copies (held for this call)
-  if (dense)
-    for (int i = 0; i < 8; i += 2) tiles[i] = bf16_tiles(moe_w[i]);
+  at::Tensor tiles[8];  // the weights' tile copies (bf16_tiles, int4_tiles; held for this call)
+  for (int i = 0; i < 8; i += 2)
+    tiles[i] = dense ? bf16_tiles(moe_w[i]) : int4_tiles(moe_w[i], moe_w[i + 1], group);
   // a job's two products (gate_up at i, down at i + 2 of moe_w) of expert e (e < 0: not stacked)
   auto add_job = [&](int i, int64_t e, int64_t I) -> Job& {
     if (njobs == pool.size()) pool.emplace_back();
@@ -2908,7 +2914,8 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       jb.dgu = dw(moe_w[i]), jb.ddn = dw(moe_w[i + 2]);
       jb.tgu = tiles_of(tiles[i], e), jb.tdn = tiles_of(tiles[i + 2], e);
     } else {
-      jb.gu = i4w<S>(moe_w[i], moe_w[i + 1], group, e), jb.dn = i4w<S>(moe_w[i + 2], moe_w[i + 3], group, e);
+      jb.gu = i4w<S>(moe_w[i], moe_w[i + 1], group, e, &tiles[i]);
+      jb.dn = i4w<S>(moe_w[i + 2], moe_w[i + 3], group, e, &tiles[i + 2]);
     }
     return jb;
   };
