@@ -64,7 +64,8 @@ def test_attention_layers_run_as_one_op(tmp_path, monkeypatch, model_type, varia
     ffn_residual, the dense FFNs' bf16 weights too) up to few_rows() bf16 rows, so the step plan holds: bitwise the
     logits and greedy tokens of the modules (the same kernels: linear_rows or int4_linear, rms_norm, rope, the
     attention op), step after step, for 1, 2 and few_rows() rows, rows at different positions and a 2-token verify.
-    More bf16 rows than few_rows() keep the modules (where oneDNN multiplies them)."""
+    More bf16 rows than few_rows() keep the modules (where oneDNN multiplies them). On AVX512-BF16 CPUs a bf16 GQA
+    layer's op runs both halves on thread teams (the attention's and the FFN's, dense or MoE)."""
     from waferline.model.attention import GQAttention, MLAttention
     from waferline.model.layers import few_rows
     from waferline.model.moe import DenseFFN
@@ -79,6 +80,7 @@ def test_attention_layers_run_as_one_op(tmp_path, monkeypatch, model_type, varia
     fused = {(MLAttention, "_int4_block"): MLAttention._int4_block, (GQAttention, "_block"): GQAttention._block,
              (DenseFFN, "residual_args"): DenseFFN.residual_args}
     V, most = model.spec.vocab_size, few_rows(torch.bfloat16) if variant == "bf16" else 8
+    dense_teams = variant == "bf16" and "avx512_bf16" in kernels._cpu_flags().split()  # (the bf16 kernel's teams)
 
     def use(on: bool) -> None:
         for (cls, name), f in fused.items():
@@ -89,10 +91,13 @@ def test_attention_layers_run_as_one_op(tmp_path, monkeypatch, model_type, varia
         B, T = tokens.shape
         for on, caches in sets.items():
             use(on)
+            teams = torch.ops.waferline.team_halves()
             got[on] = model.step_logits(tokens, caches, StepBatch.make(list(range(B)), pos, T), argmax=True)
             if on:  # (every layer one op: the step recorded a plan)
                 planned = any(p is not None for p in model.__dict__.get("_step_plans", {}).values())
                 assert planned == (B * T <= most), (B, T)
+                if dense_teams and model_type != "deepseek_v3" and B * T <= most:  # both GQA halves on teams
+                    assert torch.ops.waferline.team_halves() - teams >= 2 * len(model.layers), (B, T)
         assert all(torch.equal(a, b) for a, b in zip(got[True], got[False])), (B, T, pos)
         return got[True][2]
 

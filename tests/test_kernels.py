@@ -522,10 +522,10 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     MLA_FUSED_MAX_ROWS tokens, prefills that short too); waferline::ffn_residual the FFN half of the other steps
     (prefill, more rows). Groups of 32 take the ops' composed paths; groups of 64 (the
     integer int4 kernel, where the CPU has AVX2) their thread-team paths, both halves of a whole layer's op (the
-    mixer's, MLA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2 threads
-    a one-row step's attention and W_UV passes run without a barrier between them). Group 0: bf16 weights, not
-    quantized; a MoE block's FFN half runs on a thread team with the bf16 kernel where the CPU has AVX512-BF16 (up to
-    8 rows). A forward hook on a part keeps the modules' path (the op would skip it) unless marked label-only."""
+    mixer's, MLA, GQA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2
+    threads a one-row step's attention and W_UV passes run without a barrier between them). Group 0: bf16 weights, not
+    quantized; a MoE block's FFN half and a GQA layer's attention half run on thread teams with the bf16 kernel where
+    the CPU has AVX512-BF16 (up to 8 rows). A forward hook on a part keeps the modules' path (the op would skip it) unless marked label-only."""
     from waferline.model.attention import GQA_FUSED_MAX_ROWS, MLA_FUSED_MAX_ROWS, GQAttention, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
@@ -595,10 +595,12 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
             ran_teams = torch.ops.waferline.team_halves() - teams
             if group == 0:  # (the FFN half on a team for up to 8 rows)
                 assert (ran_teams > 0) == (dense_team and min(len(lens), max(lens)) <= 8), (lens, ran_teams)
+                if dense_team:  # a GQA layer's op (up to 8 rows) runs both halves on teams
+                    assert ran_teams >= 2 * calls["gqa"], (ran_teams, calls)
             else:
                 assert (ran_teams > 0) == (team and group == 64), ran_teams
-            if team and group == 64:  # a whole layer's op runs both halves on teams (mixer: MLA or Mamba-2; the FFN)
-                assert ran_teams >= 2 * (calls["layer"] + calls["mamba"]), (ran_teams, calls)
+            if team and group == 64:  # a whole layer's op runs both halves on teams (mixer: MLA, GQA or Mamba-2; FFN)
+                assert ran_teams >= 2 * (calls["layer"] + calls["gqa"] + calls["mamba"]), (ran_teams, calls)
             assert torch.equal(out, ref), lens
             for a, b in zip(co, cr):
                 for name in ("data", "conv", "ssm"):  # attention caches; Mamba-2 conv and SSM states

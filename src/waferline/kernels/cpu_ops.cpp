@@ -2126,56 +2126,65 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
 // and is dropped: GPT-OSS). Per (b, t, head), in fp32: s_l = scale q . k_l; p = softmax(s [, sink]); o = sum_l p_l v_l
 // -> [B, T, H, D] in q's dtype. Head h reads key / value head h / (H / Hkv). What `attend` computes for Hkv > 1 in one
 // pass over the cache rows (no fp32 copies of the cache, no permuted views, no mask broadcast).
+// items i0..i1 of B T Hkv (query row bt = i / Hkv, kv head j = i % Hkv): the G query heads of kv head j over the L
+// key / value rows of row b's cache block, base(b) ([L, 2 Hkv, D]: keys then values)
+template <typename Q, typename C, typename F>
+void gqa_items(const Q* q, F&& base, const bool* blocked, const float* sinks, Q* out, int64_t T, int64_t H,
+               int64_t Hkv, int64_t D, int64_t L, float scale, int64_t i0, int64_t i1) {
+  const int64_t G = H / Hkv;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> kbuf, vbuf;  // (kept between calls: ~L * D floats each, not zeroed per call)
+  if (static_cast<int64_t>(kbuf.size()) < L * D) kbuf.resize(L * D), vbuf.resize(L * D);
+  float* kf = kbuf.data();
+  float* vf = vbuf.data();
+  std::vector<float> qf(G * D), sc(G * L), o(G * D);
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
+    const bool* mk = blocked ? blocked + bt * L : nullptr;
+    const C* bb = base(b);
+    // this kv head's key and value rows in fp32, widened once (vectorised) for all G query heads; masked rows zero
+    for (int64_t l = 0; l < L; ++l) {
+      if (mk && mk[l]) {
+        std::fill(kf + l * D, kf + (l + 1) * D, 0.f);
+        std::fill(vf + l * D, vf + (l + 1) * D, 0.f);
+        continue;
+      }
+      load_f32<C>(bb + (l * 2 * Hkv + j) * D, kf + l * D, D);
+      load_f32<C>(bb + (l * 2 * Hkv + Hkv + j) * D, vf + l * D, D);
+    }
+    for (int64_t g = 0; g < G; ++g) {  // scores: four keys at a time (independent sums)
+      float* s = sc.data() + g * L;
+      const float* qg = qf.data() + g * D;
+      int64_t l = 0;
+      for (; l + 4 <= L; l += 4) dot4(qg, kf + l * D, D, D, s + l);
+      for (; l < L; ++l) s[l] = dotf(qg, kf + l * D, D);
+      for (l = 0; l < L; ++l) s[l] = mk && mk[l] ? ninf : s[l] * scale;
+      softmax_masked(s, L, sinks ? sinks[j * G + g] : ninf);
+    }
+    std::fill(o.begin(), o.end(), 0.f);
+    for (int64_t l = 0; l < L; ++l) {
+      if (mk && mk[l]) continue;
+      const float* vr = vf + l * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float p = sc[g * L + l];
+        float* og = o.data() + g * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) og[d] += p * vr[d];
+      }
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) out[(bt * H + j * G + g) * D + d] = static_cast<Q>(o[g * D + d]);
+  }
+}
+
 template <typename Q, typename C>
 void gqa_rows(const Q* q, const C* kv, int64_t kvb, const bool* blocked, const float* sinks, Q* out, int64_t B,
               int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {  // kvb: kv's batch stride
   const int64_t G = H / Hkv;
-  const float ninf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * T * Hkv, std::max<int64_t>(1, 32768 / std::max<int64_t>(L * D * G, 1)), [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> kbuf, vbuf;  // (kept between calls: ~L * D floats each, not zeroed per call)
-    if (static_cast<int64_t>(kbuf.size()) < L * D) kbuf.resize(L * D), vbuf.resize(L * D);
-    float* kf = kbuf.data();
-    float* vf = vbuf.data();
-    std::vector<float> qf(G * D), sc(G * L), o(G * D);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
-      const bool* mk = blocked ? blocked + bt * L : nullptr;
-      const C* base = kv + b * kvb;
-      // this kv head's key and value rows in fp32, widened once (vectorised) for all G query heads; masked rows zero
-      for (int64_t l = 0; l < L; ++l) {
-        if (mk && mk[l]) {
-          std::fill(kf + l * D, kf + (l + 1) * D, 0.f);
-          std::fill(vf + l * D, vf + (l + 1) * D, 0.f);
-          continue;
-        }
-        load_f32<C>(base + (l * 2 * Hkv + j) * D, kf + l * D, D);
-        load_f32<C>(base + (l * 2 * Hkv + Hkv + j) * D, vf + l * D, D);
-      }
-      for (int64_t g = 0; g < G; ++g) {  // scores: four keys at a time (independent sums)
-        float* s = sc.data() + g * L;
-        const float* qg = qf.data() + g * D;
-        int64_t l = 0;
-        for (; l + 4 <= L; l += 4) dot4(qg, kf + l * D, D, D, s + l);
-        for (; l < L; ++l) s[l] = dotf(qg, kf + l * D, D);
-        for (l = 0; l < L; ++l) s[l] = mk && mk[l] ? ninf : s[l] * scale;
-        softmax_masked(s, L, sinks ? sinks[j * G + g] : ninf);
-      }
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        if (mk && mk[l]) continue;
-        const float* vr = vf + l * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = sc[g * L + l];
-          float* og = o.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) og[d] += p * vr[d];
-        }
-      }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) out[(bt * H + j * G + g) * D + d] = static_cast<Q>(o[g * D + d]);
-    }
+    gqa_items<Q, C>(q, [&](int64_t b) { return kv + b * kvb; }, blocked, sinks, out, T, H, Hkv, D, L, scale, i0, i1);
   });
 }
 
@@ -2595,24 +2604,6 @@ std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::T
                                                 bool group_top2, bool norm, double scaling, at::TensorList moe_w,
                                                 int64_t group, int64_t inter, int64_t shared_inter);  // (below)
 
-// A decoder layer's decode step with GQA attention as one call: h = x + gqa(rms(x)); out = h + ffn(rms(h)), the FFN
-// as ffn_residual runs it. Returns (out, the experts chosen [B T, k]), as mla_moe_layer does.
-std::tuple<at::Tensor, at::Tensor> gqa_moe_layer(
-    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w, at::IntArrayRef groups,
-    const at::Tensor& q_norm, const at::Tensor& k_norm, double qk_eps, const at::Tensor& cos2, const at::Tensor& sin2,
-    int64_t rot, bool interleaved, at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
-    const at::Tensor& sinks, double scale, int64_t heads, int64_t kv_heads, const at::Tensor& ffn_norm,
-    double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
-    bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm,
-    double scaling, at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
-  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "waferline::gqa_moe_layer: contiguous x [B, T, D]");
-  const at::Tensor xr = x.view({-1, 1, x.size(2)});  // the tokens as rows (slots, pos, cos2, sin2: one per token)
-  auto h = xr + gqa_attend(rms_norm(xr, mix_norm, mix_eps), w, groups, q_norm, k_norm, qk_eps, cos2, sin2, rot,
-                           interleaved, cache, slots, pos, sinks, scale, heads, kv_heads);
-  return ffn_residual(h.view(x.sizes()), ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores,
-                      softmax_after_topk, n_group, topk_group, group_top2, norm, scaling, moe_w, group, inter,
-                      shared_inter);
-}
 
 // ---------------------------------------------------------------- a decoder layer's decode step, one thread team
 // The same layer (mla_moe_layer below) with its operators' work split over one OpenMP team per half (attention, then
@@ -2844,6 +2835,147 @@ void dense_span(const T* x, int64_t M, const uint16_t* w, const uint16_t* tiles,
 #endif
 }  // (other T, or no AVX512-BF16: ffn_team_dense_fits keeps them off the team)
 
+// one of the attention half's products on a thread team: int4 (the integer kernel; inputs quantized per row) or dense
+// bf16 (the few-row bf16 kernel; inputs as they are), weight rows n0..n1 for the M rows of x
+template <typename T, typename S>
+struct TeamProj {
+  bool dense = false;
+  I4W<S> w4;
+  const uint16_t* dw = nullptr;  // dense: the weight [N, K] and its tile copy (or null)
+  const uint16_t* dt = nullptr;
+  at::Tensor hold;
+  int64_t N = 0, K = 0;
+  TeamProj(const at::Tensor& w, const at::Tensor& sz, int64_t G, bool dense_) : dense(dense_) {
+    N = w.size(0);
+    if (dense) {
+      K = w.size(1), dw = reinterpret_cast<const uint16_t*>(w.data_ptr());
+      hold = bf16_tiles(w);
+      dt = tiles_of(hold, -1);
+    } else {
+      w4 = i4w<S>(w, sz, G), K = w4.K;
+    }
+  }
+  void span(const T* x, const I16Rows& xq, int64_t M, T* y, int64_t ldy, int64_t n0, int64_t n1) const {
+    if (dense) dense_span<T>(x, M, dw, dt, K, y, ldy, n0, n1);
+    else i4_span<T, S>(xq, w4, y, ldy, n0, n1);
+  }
+};
+
+// the attention half of a GQA layer (gqa_attend's decode step) on one thread team: x + o(attn(rope(norm(q, k)), v))
+// for B rows of one token each -> [B, 1, D]. Every output element comes from the functions the composed path runs
+// (rms_rows, the products' spans, rope_rows, gqa_items; the cache entries written as CacheRows::write writes them):
+// the same numbers. Projections all int4 or (``dense``) all bf16.
+template <typename T, typename S>
+at::Tensor gqa_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w,
+                    at::IntArrayRef groups, const at::Tensor& q_norm, const at::Tensor& k_norm, double qk_eps,
+                    const at::Tensor& cos2, const at::Tensor& sin2, int64_t rot, bool interleaved, at::Tensor& cache,
+                    const int64_t* sp, const int64_t* pp, int64_t end, bool uniform, const at::Tensor& sinks,
+                    double scale, int64_t H, int64_t Hkv, bool dense) {
+  const int64_t B = x.size(0), D = x.size(2), W = cache.size(2), cap = cache.size(1), hd = W / (2 * Hkv);
+  const int64_t Nq = H * hd, Nkv = Hkv * hd, Hr = H + Hkv;
+  const TeamProj<T, S> pq(w[0], w[1], groups[0], dense), pk(w[2], w[3], groups[1], dense),
+      pv(w[4], w[5], groups[2], dense), po(w[6], w[7], groups[3], dense);
+  struct Bufs {  // kept on this thread from call to call, named by references (as mla_team's are)
+    std::vector<T> xn, qkv, normed, roped, att, o;
+    std::vector<float> xf;
+    I16Rows x_q, x_k, x_v, x_o;
+  };
+  thread_local Bufs bufs;
+  auto &xn = bufs.xn, &qkv = bufs.qkv, &normed = bufs.normed, &roped = bufs.roped, &att = bufs.att, &o = bufs.o;
+  auto& xf = bufs.xf;
+  auto &x_q = bufs.x_q, &x_k = bufs.x_k, &x_v = bufs.x_v, &x_o = bufs.x_o;
+  xn.resize(B * D), qkv.resize(B * (Nq + 2 * Nkv)), normed.resize(B * Hr * hd), roped.resize(B * Hr * hd);
+  att.resize(B * Nq), o.resize(B * D), xf.resize(B * std::max(D, Nq));
+  T* qp = qkv.data();  // q [B, Nq], then k [B, Nkv], then v [B, Nkv]
+  T* kp = qp + B * Nq;
+  T* vp = kp + B * Nkv;
+  // which quantized rows each input product reads: one set per distinct group (the same numbers: rows are quantized
+  // independently, by group)
+  const I16Rows& xq_k = pk.dense || pk.w4.G == pq.w4.G ? x_q : x_k;
+  const I16Rows& xq_v = pv.dense || pv.w4.G == pq.w4.G ? x_q : pv.w4.G == pk.w4.G ? xq_k : x_v;
+  std::unique_ptr<bool[]> blocked(uniform ? nullptr : new bool[B * end]);
+  T* cp = cache.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
+  const bool qk_norm = q_norm.numel() > 0;
+  const T* qwp = qk_norm ? q_norm.data_ptr<T>() : nullptr;
+  const T* kwp = qk_norm ? k_norm.data_ptr<T>() : nullptr;
+  const float* skp = sinks.numel() ? sinks.data_ptr<float>() : nullptr;
+  const T* qfin = qp;  // the queries attention reads, [B, H, hd] with row stride qstride
+  int64_t qstride = Nq;
+  const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#pragma omp single
+    {
+      rms_rows<T>(xp, mix_norm.data_ptr<T>(), xn.data(), B, D, static_cast<float>(mix_eps));
+      if (!dense) {
+        load_f32<T>(xn.data(), xf.data(), B * D);
+        x_q.set(xf.data(), B, D, pq.w4.G);
+        if (&xq_k == &x_k) x_k.set(xf.data(), B, D, pk.w4.G);
+        if (&xq_v == &x_v) x_v.set(xf.data(), B, D, pv.w4.G);
+      }
+    }
+    share_tiles({Nq, Nkv, Nkv}, tid, nth, [&](size_t j, int64_t n0, int64_t n1_) {
+      if (j == 0) pq.span(xn.data(), x_q, B, qp, Nq, n0, n1_);
+      else if (j == 1) pk.span(xn.data(), xq_k, B, kp, Nkv, n0, n1_);
+      else pv.span(xn.data(), xq_v, B, vp, Nkv, n0, n1_);
+    });
+#pragma omp barrier
+#pragma omp single
+    {  // q / k norms per head, rope over the queries and keys together, the cache entries, the mask
+      const T* kfin = kp;
+      int64_t kstride = Nkv;
+      if (qk_norm || rot) {
+        for (int64_t b = 0; b < B; ++b) {  // [B, H + Hkv, hd]: a row's query heads, then its key heads
+          std::copy(qp + b * Nq, qp + (b + 1) * Nq, normed.data() + b * Hr * hd);
+          std::copy(kp + b * Nkv, kp + (b + 1) * Nkv, normed.data() + b * Hr * hd + Nq);
+        }
+        if (qk_norm) {  // (in place per head: rms_rows reads a row before it writes it)
+          for (int64_t b = 0; b < B; ++b) {
+            T* r = normed.data() + b * Hr * hd;
+            rms_rows<T>(r, qwp, r, H, hd, static_cast<float>(qk_eps));
+            rms_rows<T>(r + Nq, kwp, r + Nq, Hkv, hd, static_cast<float>(qk_eps));
+          }
+        }
+        const T* src = normed.data();
+        if (rot) {
+          rope_rows<T>(normed.data(), cos2.data_ptr<float>(), sin2.data_ptr<float>(), roped.data(), B, Hr, hd, rot,
+                       interleaved);
+          src = roped.data();
+        }
+        qfin = src, kfin = src + Nq, qstride = kstride = Hr * hd;
+      }
+      for (int64_t b = 0; b < B; ++b) {
+        T* dst = cp + (sp[b] * cap + pp[b]) * W;
+        std::copy(kfin + b * kstride, kfin + b * kstride + Nkv, dst);
+        std::copy(vp + b * Nkv, vp + (b + 1) * Nkv, dst + Nkv);
+        if (blocked)
+          for (int64_t l = 0; l < end; ++l) blocked[b * end + l] = l > pp[b];
+      }
+      if (qstride != Nq)  // the queries as gqa_items reads them: [B, H, hd] contiguous
+        for (int64_t b = 0; b < B; ++b)
+          std::copy(qfin + b * qstride, qfin + b * qstride + Nq, normed.data() + b * Nq);
+      if (qstride != Nq) qfin = normed.data(), qstride = Nq;
+    }
+    {
+      const auto [i0, i1] = share(B * Hkv, tid, nth);
+      gqa_items<T, T>(qfin, [&](int64_t b) -> const T* { return cp + sp[b] * cap * W; }, blocked.get(), skp,
+                      att.data(), 1, H, Hkv, hd, end, static_cast<float>(scale), i0, i1);
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+      if (!dense) {
+        load_f32<T>(att.data(), xf.data(), B * Nq);
+        x_o.set(xf.data(), B, Nq, po.w4.G);
+      }
+    }
+    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { po.span(att.data(), x_o, B, o.data(), D, n0, n1_); });
+  }
+  return residual_rows<T>(x, o.data());
+}
+
 // the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
 // experts (gate_w non-empty: routed by moe_route, each token's top k) and the shared expert (shared_inter > 0), or a
 // dense FFN alone (gate_w empty; its weights where the shared expert's go, k = 0). Weights int4 (the integer kernel,
@@ -3035,6 +3167,26 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   return {out, idx};
 }
 
+// a team half's rows (one token each): slots and positions int64 [B] inside the cache, no two rows at one slot and
+// position (a verify's tokens, as rows, sit at distinct positions); -> the keys' end and whether all share a position
+bool team_rows_fit(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos, int64_t B, int64_t& end,
+                   bool& uniform) {
+  if (slots.scalar_type() != at::kLong || pos.scalar_type() != at::kLong || slots.numel() != B || pos.numel() != B ||
+      !slots.is_contiguous() || !pos.is_contiguous())
+    return false;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  end = 0, uniform = true;
+  for (int64_t b = 0; b < B; ++b) {
+    if (sp[b] < 0 || sp[b] >= cache.size(0) || pp[b] < 0 || pp[b] >= cache.size(1)) return false;
+    for (int64_t c = 0; c < b; ++c)
+      if (sp[c] == sp[b] && pp[c] == pp[b]) return false;
+    end = std::max(end, pp[b] + 1);
+    uniform = uniform && pp[b] == pp[0];
+  }
+  return true;
+}
+
 // whether mla_team takes this attention block (else the composed path, which checks and reports bad arguments): its
 // int4 weights' scale dtype, and the rows' key range and whether they share a position
 bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorList w, at::IntArrayRef groups,
@@ -3055,9 +3207,6 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
   if (p % 2 || cos2.scalar_type() != at::kFloat || sin2.scalar_type() != at::kFloat || !cos2.is_contiguous() ||
       !sin2.is_contiguous() || cos2.numel() != B * p || sin2.numel() != B * p)
     return false;
-  if (slots.scalar_type() != at::kLong || pos.scalar_type() != at::kLong || slots.numel() != B || pos.numel() != B ||
-      !slots.is_contiguous() || !pos.is_contiguous())
-    return false;
   const bool lora = w[0].numel() > 0;
   const int64_t Nqa = lora ? w[0].size(0) : 0;
   auto normed = [&](const at::Tensor& t, int64_t len) { return t.scalar_type() == dt && t.numel() == len && t.is_contiguous(); };
@@ -3066,17 +3215,7 @@ bool mla_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorLi
       !i4_fits(w[2], w[3], groups[1], H * (n + p), lora ? Nqa : D, st) ||
       !i4_fits(w[4], w[5], groups[2], r + p, D, st) || !i4_fits(w[6], w[7], groups[3], D, H * v, st))
     return false;
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  end = 0, uniform = true;
-  for (int64_t b = 0; b < B; ++b) {
-    if (sp[b] < 0 || sp[b] >= cache.size(0) || pp[b] < 0 || pp[b] >= cache.size(1)) return false;
-    for (int64_t c = 0; c < b; ++c)  // rows of one slot (a verify's tokens, as rows) at distinct positions only
-      if (sp[c] == sp[b] && pp[c] == pp[b]) return false;
-    end = std::max(end, pp[b] + 1);
-    uniform = uniform && pp[b] == pp[0];
-  }
-  return true;
+  return team_rows_fit(cache, slots, pos, B, end, uniform);
 }
 
 // whether ffn_team takes this FFN (else the composed path): routed experts [E, 2I, D] / [E, D, I] (gate_w non-empty)
@@ -3116,8 +3255,11 @@ bool ffn_team_dense_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const 
            (E ? w.dim() == 3 && w.size(0) == E && w.size(1) == N && w.size(2) == K
               : w.dim() == 2 && w.size(0) == N && w.size(1) == K);
   };
+  if (gate_w.numel() == 0)  // a dense FFN alone (its weights where the shared expert's go)
+    return shared_inter >= 1 && fits(moe_w[4], moe_w[5], 2 * shared_inter, D, 0) &&
+           fits(moe_w[6], moe_w[7], D, shared_inter, 0);
   const int64_t E = moe_w[0].dim() == 3 ? moe_w[0].size(0) : 0;
-  if (gate_w.numel() == 0 || E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E ||
+  if (E < 1 || inter < 1 || gate_w.dim() != 2 || gate_w.size(0) != E ||
       !fits(moe_w[0], moe_w[1], 2 * inter, D, E) || !fits(moe_w[2], moe_w[3], D, inter, E))
     return false;
   return shared_inter < 1 ||
@@ -3125,6 +3267,55 @@ bool ffn_team_dense_fits(const at::Tensor& h, const at::Tensor& ffn_norm, const 
 #else
   return false;
 #endif
+}
+
+// whether gqa_team takes this attention half (else gqa_attend, which checks and reports bad arguments): one token a
+// row, the four projections all int4 on the integer kernel's groups (scales of dtype st) or (``dense``) all bf16 with
+// at most FEW_ROWS rows on an AVX512-BF16 CPU (as ffn_team_dense_fits); -> the keys' end, whether rows share a position
+bool gqa_team_fits(const at::Tensor& x, const at::Tensor& mix_norm, at::TensorList w, at::IntArrayRef groups,
+                   const at::Tensor& q_norm, const at::Tensor& k_norm, const at::Tensor& cos2, const at::Tensor& sin2,
+                   int64_t rot, const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
+                   const at::Tensor& sinks, int64_t H, int64_t Hkv, at::ScalarType& st, bool& dense, int64_t& end,
+                   bool& uniform) {
+  if (w.size() != 8 || groups.size() != 4 || x.dim() != 3 || x.size(1) != 1 || !x.is_contiguous()) return false;
+  const at::ScalarType dt = x.scalar_type();
+  const int64_t B = x.size(0), D = x.size(2);
+  if (B < 1 || H < 1 || Hkv < 1 || H % Hkv != 0) return false;
+  if (cache.dim() != 3 || cache.scalar_type() != dt || !cache.is_contiguous() || cache.size(2) % (2 * Hkv) != 0 ||
+      cache.size(2) == 0)
+    return false;
+  const int64_t hd = cache.size(2) / (2 * Hkv), Nq = H * hd, Nkv = Hkv * hd;
+  auto normed = [&](const at::Tensor& t, int64_t len) { return t.scalar_type() == dt && t.numel() == len && t.is_contiguous(); };
+  if (!normed(mix_norm, D) || ((q_norm.numel() || k_norm.numel()) && !(normed(q_norm, hd) && normed(k_norm, hd))))
+    return false;
+  if (rot != 0 && (rot < 0 || rot % 2 != 0 || rot > hd || cos2.scalar_type() != at::kFloat ||
+                   sin2.scalar_type() != at::kFloat || !cos2.is_contiguous() || !sin2.is_contiguous() ||
+                   cos2.numel() != B * rot || sin2.numel() != B * rot))
+    return false;
+  if (sinks.numel() && (sinks.scalar_type() != at::kFloat || sinks.numel() != H || !sinks.is_contiguous())) return false;
+  const int n_int4 = (w[1].numel() > 0) + (w[3].numel() > 0) + (w[5].numel() > 0) + (w[7].numel() > 0);
+  if (n_int4 == 4) {
+    dense = false, st = w[1].scalar_type();
+    if (st != at::kBFloat16 && st != at::kHalf && st != at::kFloat) return false;
+    if (!i4_fits(w[0], w[1], groups[0], Nq, D, st) || !i4_fits(w[2], w[3], groups[1], Nkv, D, st) ||
+        !i4_fits(w[4], w[5], groups[2], Nkv, D, st) || !i4_fits(w[6], w[7], groups[3], D, Nq, st))
+      return false;
+  } else if (n_int4 == 0) {
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+    dense = true, st = at::kBFloat16;
+    auto fits = [](const at::Tensor& t, int64_t N, int64_t K) {
+      return t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 2 && t.size(0) == N && t.size(1) == K;
+    };
+    if (dt != at::kBFloat16 || B > FEW_ROWS || !fits(w[0], Nq, D) || !fits(w[2], Nkv, D) || !fits(w[4], Nkv, D) ||
+        !fits(w[6], D, Nq))
+      return false;
+#else
+    return false;
+#endif
+  } else {
+    return false;
+  }
+  return team_rows_fit(cache, slots, pos, B, end, uniform);
 }
 
 // f(T tag, S tag) for activations of dtype dt (bf16 / fp16) and int4 scales of dtype st
@@ -3198,6 +3389,44 @@ std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::T
     m = gated_ffn<scalar_t>(hn.contiguous(), gu, dn, -1, shared_inter, D);
   });
   return {h + m.view(h.sizes()), at::empty({N, 0}, h.options().dtype(at::kLong))};
+}
+
+// A decoder layer's decode step with GQA attention as one call: h = x + gqa(rms(x)); out = h + ffn(rms(h)), the FFN
+// as ffn_residual runs it. Returns (out, the experts chosen [B T, k]), as mla_moe_layer does. The attention half on a
+// thread team (gqa_team) where its products fit one, else composed (gqa_attend): the same numbers.
+std::tuple<at::Tensor, at::Tensor> gqa_moe_layer(
+    const at::Tensor& x, const at::Tensor& mix_norm, double mix_eps, at::TensorList w, at::IntArrayRef groups,
+    const at::Tensor& q_norm, const at::Tensor& k_norm, double qk_eps, const at::Tensor& cos2, const at::Tensor& sin2,
+    int64_t rot, bool interleaved, at::Tensor& cache, const at::Tensor& slots, const at::Tensor& pos,
+    const at::Tensor& sinks, double scale, int64_t heads, int64_t kv_heads, const at::Tensor& ffn_norm,
+    double ffn_eps, const at::Tensor& gate_w, const at::Tensor& gate_b, const at::Tensor& corr, int64_t k,
+    bool softmax_scores, bool softmax_after_topk, int64_t n_group, int64_t topk_group, bool group_top2, bool norm,
+    double scaling, at::TensorList moe_w, int64_t group, int64_t inter, int64_t shared_inter) {
+  TORCH_CHECK(x.dim() == 3 && x.is_contiguous(), "waferline::gqa_moe_layer: contiguous x [B, T, D]");
+  const at::Tensor xr = x.view({-1, 1, x.size(2)});  // the tokens as rows (slots, pos, cos2, sin2: one per token)
+  at::Tensor h;
+#if defined(__AVX2__) && defined(__FMA__) && defined(_OPENMP)
+  at::ScalarType st;
+  bool dense = false, uniform = true;
+  int64_t end = 0;
+  if (team_on(xr) && gqa_team_fits(xr, mix_norm, w, groups, q_norm, k_norm, cos2, sin2, rot, cache, slots, pos, sinks,
+                                   heads, kv_heads, st, dense, end, uniform)) {
+    h = with_team_types(x.scalar_type(), st, [&](auto t_tag, auto s_tag) {
+      return gqa_team<decltype(t_tag), decltype(s_tag)>(xr, mix_norm, mix_eps, w, groups, q_norm, k_norm, qk_eps, cos2,
+                                                        sin2, rot, interleaved, cache, slots.data_ptr<int64_t>(),
+                                                        pos.data_ptr<int64_t>(), end, uniform, sinks, scale, heads,
+                                                        kv_heads, dense);
+    });
+    g_team_halves.fetch_add(1, std::memory_order_relaxed);
+  }
+#endif
+  if (!h.defined()) {
+    h = xr + gqa_attend(rms_norm(xr, mix_norm, mix_eps), w, groups, q_norm, k_norm, qk_eps, cos2, sin2, rot,
+                        interleaved, cache, slots, pos, sinks, scale, heads, kv_heads);
+  }
+  return ffn_residual(h.view(x.sizes()), ffn_norm, ffn_eps, gate_w, gate_b, corr, k, softmax_scores,
+                      softmax_after_topk, n_group, topk_group, group_top2, norm, scaling, moe_w, group, inter,
+                      shared_inter);
 }
 
 // ---------------------------------------------------------------- a decoder layer's decode step, MLA + FFN
