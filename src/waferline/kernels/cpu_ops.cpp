@@ -1530,7 +1530,7 @@ inline void int4_dequant_row(const uint8_t* q, const S* sz, int64_t Z, int64_t K
 // The tile copy of an int4 weight (packed [(E,) N, K/2], scales [(E,) N, K/G, Z]) for the integer kernel, made at its
 // first use and kept as bf16_tiles keeps its copies (the scales' storage and version checked too); an undefined tensor
 // where the row kernel runs (no AVX512-VNNI, tiles or integer activations off, groups the integer kernel does not
-// take, not contiguous, an inference tensor). Costs a second copy of the weight (the scales widened to 16 per tile).
+// take, not contiguous, an inference tensor). Costs a second copy of the weight (its scales laid out per tile).
 at::Tensor int4_tiles(const at::Tensor& packed, const at::Tensor& sz, int64_t G) {
 #ifdef WAFERLINE_INT4_TILES
   if (!g_int_tiles.load(std::memory_order_relaxed) || g_portable.load(std::memory_order_relaxed) ||
@@ -2596,14 +2596,6 @@ at::Tensor gqa_attend(const at::Tensor& x, at::TensorList w, at::IntArrayRef gro
                         scale);
   return block_proj(out.reshape({B, 1, H * hd}), w[6], w[7], groups[3]);
 }
-
-std::tuple<at::Tensor, at::Tensor> ffn_residual(const at::Tensor& h, const at::Tensor& ffn_norm, double ffn_eps,
-                                                const at::Tensor& gate_w, const at::Tensor& gate_b,
-                                                const at::Tensor& corr, int64_t k, bool softmax_scores,
-                                                bool softmax_after_topk, int64_t n_group, int64_t topk_group,
-                                                bool group_top2, bool norm, double scaling, at::TensorList moe_w,
-                                                int64_t group, int64_t inter, int64_t shared_inter);  // (below)
-
 
 // ---------------------------------------------------------------- a decoder layer's decode step, one thread team
 // The same layer (mla_moe_layer below) with its operators' work split over one OpenMP team per half (attention, then
