@@ -275,7 +275,7 @@ def test_int4_linear_int16_activations(G, K, Z, tiles):
     must not change a row's result). Against the product with x itself: within the fixed point's bound, the sum over
     groups of max|x_g| / 65534 * sum |w| over the group. Rows that are all zero, and groups with one large x, too.
     ``tiles``: through the weight's tile copy (CPUs with AVX512-VNNI: one is made; elsewhere the row kernel runs),
-    else the row kernel (8 rows per pass through the tiles, 2-4 through the rows)."""
+    else the row kernel (up to 8 rows per pass through the tiles, up to 4 through the rows)."""
     op = torch.ops.waferline
     prev = op.use_int_tiles(tiles)
     try:

@@ -525,7 +525,8 @@ def test_fused_layers_are_the_modules_path(tmp_path, model_type, group, threads,
     mixer's, MLA, GQA or Mamba-2, and the FFN's), with 1 and 2 threads (the stages split between them; 8 heads: at 2
     threads a one-row step's attention and W_UV passes run without a barrier between them). Group 0: bf16 weights, not
     quantized; a MoE block's FFN half and a GQA layer's attention half run on thread teams with the bf16 kernel where
-    the CPU has AVX512-BF16 (up to 8 rows). A forward hook on a part keeps the modules' path (the op would skip it) unless marked label-only."""
+    the CPU has AVX512-BF16 (up to 8 rows). A forward hook on a part keeps the modules' path (the op would skip it)
+    unless marked label-only."""
     from waferline.model.attention import GQA_FUSED_MAX_ROWS, MLA_FUSED_MAX_ROWS, GQAttention, MLAttention
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.model.moe import MoE
