@@ -482,6 +482,18 @@ inline void store16_rounded(T* y, __m512 v, __mmask16 keep) {
       if (keep >> i & 1) y[i] = static_cast<T>(f[i]);
   }
 }
+
+template <typename S>
+inline __m512 load16_f32(const S* p) {  // 16 values of S, widened to fp32 (exactly)
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  } else if constexpr (std::is_same_v<S, c10::Half>) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  } else {
+    return _mm512_loadu_ps(p);
+  }
+}
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -1379,18 +1391,6 @@ inline __m512i dpwssd_bcast(__m512i acc, __m512i w, const int16_t* p) {
   return acc;
 }
 
-template <typename S>
-inline __m512 load16_f32(const S* p) {  // 16 scales of S, widened to fp32 (exactly)
-  if constexpr (std::is_same_v<S, c10::BFloat16>) {
-    return _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-  } else if constexpr (std::is_same_v<S, c10::Half>) {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  } else {
-    return _mm512_loadu_ps(p);
-  }
-}
-
 // MR rows of quantized x (xq [MR, K] in the integer kernels' order, sx / xs [MR, K/G]) through one tile at p ->
 // y[m * ldy + n0 + i] for n0 + i < n1 (n1 - n0 <= 16). A int32 accumulators per row (chains: 4 at 1 row, 2 up to 4
 // rows, 1 above), summed per group (exact).
@@ -2101,8 +2101,14 @@ at::Tensor moe_ffn(const at::Tensor& x, const at::Tensor& weights, const at::Ten
 // the sum and is dropped; a row with every score masked (and no sink) becomes all zeros.
 inline void softmax_masked(float* s, int64_t L, float sink) {
   const float ninf = -std::numeric_limits<float>::infinity();
+  float m16[16];  // the largest score: 16 running maxima (one chain of scalar maxes waits on each; vmaxps's pattern)
+  std::fill(m16, m16 + 16, sink);
+  int64_t l16 = 0;
+  for (; l16 + 16 <= L; l16 += 16)
+    for (int i = 0; i < 16; ++i) m16[i] = s[l16 + i] > m16[i] ? s[l16 + i] : m16[i];
   float mx = sink;
-  for (int64_t l = 0; l < L; ++l) mx = std::max(mx, s[l]);
+  for (; l16 < L; ++l16) mx = std::max(mx, s[l16]);
+  for (int i = 0; i < 16; ++i) mx = std::max(mx, m16[i]);
   if (mx == ninf) {
     std::fill(s, s + L, 0.f);
     return;
@@ -2126,6 +2132,96 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
 // and is dropped: GPT-OSS). Per (b, t, head), in fp32: s_l = scale q . k_l; p = softmax(s [, sink]); o = sum_l p_l v_l
 // -> [B, T, H, D] in q's dtype. Head h reads key / value head h / (H / Hkv). What `attend` computes for Hkv > 1 in one
 // pass over the cache rows (no fp32 copies of the cache, no permuted views, no mask broadcast).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// 16 vectors -> one whose lane i is the sum of v[i]'s 16 lanes, each summed in the same order ((e0 + e2) + (e1 + e3)
+// in each 128-bit quarter, then (q0 + q1) + (q2 + q3)): 45 instructions for 16 sums, where one horizontal sum each
+// takes ~8
+inline __m512 sum16_lanes(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[0], b[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_f32x4(b[2], b[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// o[g] = sum over the unmasked l < L of p[g L16 + l] v_l for gn (<= GN) heads g, the value rows v_l = v + l stride
+// (16 NC of C) widened in registers, the gn x NC sums held in registers (gn a template argument: no branch per row)
+template <int NC, typename C, int GN = 16 / NC>
+void gqa_values16(int gn, const C* v, int64_t stride, const bool* mk, int64_t L, const float* p, int64_t L16,
+                  float* o) {
+  if constexpr (GN > 1) {
+    if (gn < GN) return gqa_values16<NC, C, GN - 1>(gn, v, stride, mk, L, p, L16, o);
+  }
+  __m512 acc[GN][NC];
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < L; ++l) {
+    if (mk && mk[l]) continue;
+    __m512 vl[NC];
+    for (int c = 0; c < NC; ++c) vl[c] = load16_f32<C>(v + l * stride + 16 * c);
+    for (int g = 0; g < GN; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * L16 + l]);
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pg, vl[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < GN; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + g * 16 * NC + 16 * c, acc[g][c]);
+}
+
+// one item of gqa_items with head size D = 16 NC: the G query heads (qf [G, D] fp32) of kv head j over the L key /
+// value rows at bb. Scores 16 keys at a time (the block's keys widened to fp32 once for all G heads, 16 independent
+// sums per head, then sum16_lanes), the values widened in registers and summed into G x NC accumulators held in
+// registers (up to 16: heads GT at a time). A key's score and a value's share do not depend on L or on the key's
+// place in its block: a verify's rows equal one-token steps bitwise, as in the generic path.
+template <int NC, typename C>
+void gqa_item16(const float* qf, const C* bb, int64_t Hkv, int64_t j, const bool* mk, const float* sinks, int64_t G,
+                int64_t L, float scale, float* kb, float* sc, float* o) {
+  constexpr int64_t D = 16 * NC, GT = 16 / NC;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t L16 = (L + 15) / 16 * 16;
+  for (int64_t l0 = 0; l0 < L; l0 += 16) {
+    for (int64_t i = 0; i < 16; ++i) {  // the block's keys in fp32 (past L or masked: zeros)
+      const int64_t l = l0 + i;
+      if (l >= L || (mk && mk[l])) {
+        for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kb + i * D + 16 * c, _mm512_setzero_ps());
+        continue;
+      }
+      const C* kr = bb + (l * 2 * Hkv + j) * D;
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kb + i * D + 16 * c, load16_f32<C>(kr + 16 * c));
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int c = 0; c < NC; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qf + g * D + 16 * c);
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kb + i * D + 16 * c), acc[i]);
+      }
+      _mm512_storeu_ps(sc + g * L16 + l0, sum16_lanes(acc));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = sc + g * L16;
+#pragma omp simd
+    for (int64_t l = 0; l < L; ++l) s[l] *= scale;
+    if (mk)
+      for (int64_t l = 0; l < L; ++l) s[l] = mk[l] ? ninf : s[l];
+    softmax_masked(s, L, sinks ? sinks[j * G + g] : ninf);
+  }
+  for (int64_t g0 = 0; g0 < G; g0 += GT)
+    gqa_values16<NC, C>(static_cast<int>(std::min(GT, G - g0)), bb + (Hkv + j) * D, 2 * Hkv * D, mk, L,
+                        sc + g0 * L16, L16, o + g0 * D);
+}
+#endif
+
 // items i0..i1 of B T Hkv (query row bt = i / Hkv, kv head j = i % Hkv): the G query heads of kv head j over the L
 // key / value rows of row b's cache block, base(b) ([L, 2 Hkv, D]: keys then values)
 template <typename Q, typename C, typename F>
@@ -2134,16 +2230,39 @@ void gqa_items(const Q* q, F&& base, const bool* blocked, const float* sinks, Q*
   const int64_t G = H / Hkv;
   const float ninf = -std::numeric_limits<float>::infinity();
   thread_local std::vector<float> kbuf, vbuf;  // (kept between calls: ~L * D floats each, not zeroed per call)
-  if (static_cast<int64_t>(kbuf.size()) < L * D) kbuf.resize(L * D), vbuf.resize(L * D);
+  const int64_t kn = std::max<int64_t>(L, 16) * D;  // (gqa_item16: 16 keys)
+  if (static_cast<int64_t>(kbuf.size()) < kn) kbuf.resize(kn), vbuf.resize(kn);
   float* kf = kbuf.data();
   float* vf = vbuf.data();
-  std::vector<float> qf(G * D), sc(G * L), o(G * D);
+  std::vector<float> qf(G * D), sc(G * ((L + 15) / 16 * 16)), o(G * D);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  constexpr bool wide = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
+  const int nc = wide && D % 16 == 0 ? static_cast<int>(D / 16) : 0;
+  const bool fast = nc == 2 || nc == 4 || nc == 8;
+#else
+  constexpr bool fast = false;
+#endif
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
     for (int64_t g = 0; g < G; ++g)
       for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
     const bool* mk = blocked ? blocked + bt * L : nullptr;
     const C* bb = base(b);
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (wide) {
+      if (fast) {
+        float *qp = qf.data(), *sp = sc.data(), *op = o.data();
+        switch (nc) {
+          case 2: gqa_item16<2, C>(qp, bb, Hkv, j, mk, sinks, G, L, scale, kf, sp, op); break;
+          case 4: gqa_item16<4, C>(qp, bb, Hkv, j, mk, sinks, G, L, scale, kf, sp, op); break;
+          default: gqa_item16<8, C>(qp, bb, Hkv, j, mk, sinks, G, L, scale, kf, sp, op); break;
+        }
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t d = 0; d < D; ++d) out[(bt * H + j * G + g) * D + d] = static_cast<Q>(o[g * D + d]);
+        continue;
+      }
+    }
+#endif
     // this kv head's key and value rows in fp32, widened once (vectorised) for all G query heads; masked rows zero
     for (int64_t l = 0; l < L; ++l) {
       if (mk && mk[l]) {
