@@ -242,14 +242,16 @@ def test_mla_decode_bf16_matches_eager(tmp_path, eager, one_thread):
 def test_mla_decode_op_against_float64(portable):
     """waferline::mla_decode (absorbed MLA attention: W_UK into the queries, scores, softmax, weighted latents, W_UV)
     against the same formula in float64: one row and many, T > 1 with per-token masks, heads not a multiple of the
-    kernel's block of 4, latent widths with and without a vector tail; masked cache rows holding NaN (a slot's stale
+    kernel's block of 4, latent widths with and without a vector tail (AVX-512: 16 keys at a time where r + p is a
+    multiple of 16, W_UK's sums in registers for r = 64 and 128); masked cache rows holding NaN (a slot's stale
     or unwritten rows) do not reach the output; the vector kernels and the portable loops. bf16 absorbed weights give
     bitwise what their fp32 copies give."""
     g = torch.Generator().manual_seed(5)
     prev = torch.ops.waferline.use_portable(portable)
     try:
         for B, T, H, n, p, r, v, L in [(1, 1, 8, 64, 32, 128, 64, 131), (3, 1, 8, 64, 32, 128, 64, 40),
-                                       (2, 3, 5, 16, 8, 32, 16, 9), (1, 1, 3, 16, 4, 20, 12, 7)]:
+                                       (2, 3, 5, 16, 8, 32, 16, 9), (1, 1, 3, 16, 4, 20, 12, 7),
+                                       (5, 2, 4, 32, 16, 64, 32, 21)]:
             qn, qr = torch.randn(B, T, H, n, generator=g), torch.randn(B, T, H, p, generator=g)
             lat = torch.randn(B, L, r + p, generator=g)
             wuk, wuv = torch.randn(H, n, r, generator=g) * 0.1, torch.randn(H, v, r, generator=g) * 0.1

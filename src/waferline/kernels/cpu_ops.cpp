@@ -2354,6 +2354,30 @@ constexpr int64_t MLA_HEADS = 4;
 
 // s[h * L + l] = scale * (q_h . c_l) for the MLA_HEADS query rows q_h = q + h * R and cache rows c_l = lat + l * R
 inline void mla_scores(const float* q, const float* lat, int64_t L, int64_t R, float scale, float* s) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (R % 16 == 0 && !g_portable.load(std::memory_order_relaxed)) {  // 16 keys at a time, one lane-sum tree each
+    const int64_t nc = R / 16;
+    const __m512 sv = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < L; l0 += 16) {
+      const int64_t n = std::min<int64_t>(16, L - l0);
+      const float* c[16];  // the block's cache rows (past L: the last one again, its sums not stored)
+      for (int i = 0; i < 16; ++i) c[i] = lat + (l0 + std::min<int64_t>(i, n - 1)) * R;
+      for (int k = 0; k < MLA_HEADS; ++k) {
+        __m512 acc[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < nc; ++j) {
+          const __m512 qj = _mm512_loadu_ps(q + k * R + 16 * j);
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(c[i] + 16 * j), acc[i]);
+        }
+        _mm512_mask_storeu_ps(s + k * L + l0, static_cast<__mmask16>((1u << n) - 1),
+                              _mm512_mul_ps(sum16_lanes(acc), sv));
+      }
+    }
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (R % 8 == 0 && !g_portable.load(std::memory_order_relaxed)) {
     for (int64_t l = 0; l < L; ++l) {
@@ -2389,6 +2413,27 @@ inline void mla_scores(const float* q, const float* lat, int64_t L, int64_t R, f
 // cache rows (mk[l]) are skipped: whatever they hold (a slot's stale or unwritten rows) does not reach o
 inline void mla_weighted(const float* p, const float* lat, const bool* mk, int64_t L, int64_t R, int64_t r, float* o) {
   int64_t j0 = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (!g_portable.load(std::memory_order_relaxed)) {
+    for (; j0 + 64 <= r; j0 += 64) {  // 64 columns x 4 heads in 16 registers, over every cache row
+      __m512 a[4][4];
+      for (int k = 0; k < 4; ++k)
+        for (int c = 0; c < 4; ++c) a[k][c] = _mm512_setzero_ps();
+      for (int64_t l = 0; l < L; ++l) {
+        if (mk && mk[l]) continue;
+        const float* cl = lat + l * R + j0;
+        __m512 cv[4];
+        for (int c = 0; c < 4; ++c) cv[c] = _mm512_loadu_ps(cl + 16 * c);
+        for (int k = 0; k < 4; ++k) {
+          const __m512 pk = _mm512_set1_ps(p[k * L + l]);
+          for (int c = 0; c < 4; ++c) a[k][c] = _mm512_fmadd_ps(pk, cv[c], a[k][c]);
+        }
+      }
+      for (int k = 0; k < 4; ++k)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(o + k * r + j0 + 16 * c, a[k][c]);
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (!g_portable.load(std::memory_order_relaxed)) {
     for (; j0 + 16 <= r; j0 += 16) {  // 16 columns x 4 heads in 8 registers, over every cache row
@@ -2481,8 +2526,46 @@ inline const float* rows_f32(const c10::BFloat16* w, int64_t size, float* buf) {
 
 // pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it. Each
 // weight row is read (and widened, if bf16) once for all query rows; every qf element still sums over k in order.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// mla_absorb's sums for head h with r = 16 NC, MB query rows at a time in registers over the head's weight rows (wf,
+// [n, r] fp32): the same sums in the same order as the loop below, without a load and store of qf per product
+template <int NC>
+void mla_absorb16(const MlaDims& d, const float* qn, const float* wf, float* qf, int64_t h) {
+  constexpr int MB = 16 / NC;
+  for (int64_t b0 = 0; b0 < d.BT; b0 += MB) {
+    const int mb = static_cast<int>(std::min<int64_t>(MB, d.BT - b0));
+    __m512 acc[MB][NC];
+    for (int m = 0; m < MB; ++m)
+      for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < d.n; ++k) {
+      const float* row = wf + k * d.r;
+      for (int m = 0; m < MB; ++m) {
+        if (m >= mb) break;
+        const __m512 qk = _mm512_set1_ps(qn[((b0 + m) * d.H + h) * d.n + k]);
+        for (int c = 0; c < NC; ++c) acc[m][c] = _mm512_fmadd_ps(qk, _mm512_loadu_ps(row + 16 * c), acc[m][c]);
+      }
+    }
+    for (int m = 0; m < mb; ++m)
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(qf + ((b0 + m) * d.Hp + h) * d.R + 16 * c, acc[m][c]);
+  }
+}
+#endif
+
 template <typename W>
 void mla_absorb(const MlaDims& d, const float* qn, const float* qr, const W* wuk, float* qf, int64_t h0, int64_t h1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if ((d.r == 64 || d.r == 128) && !g_portable.load(std::memory_order_relaxed)) {
+    std::vector<float> wf(d.n * d.r);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* w = rows_f32(wuk + h * d.n * d.r, d.n * d.r, wf.data());
+      if (d.r == 64) mla_absorb16<4>(d, qn, w, qf, h);
+      else mla_absorb16<8>(d, qn, w, qf, h);
+      for (int64_t bt = 0; bt < d.BT; ++bt)
+        std::copy(qr + (bt * d.H + h) * d.p, qr + (bt * d.H + h + 1) * d.p, qf + (bt * d.Hp + h) * d.R + d.r);
+    }
+    return;
+  }
+#endif
   std::vector<float> buf(d.r);
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t k = 0; k < d.n; ++k) {
@@ -2518,6 +2601,32 @@ void mla_attend_blocks(const MlaDims& d, const float* qf, const float* lat, cons
 // for all query rows
 template <typename W>
 void mla_unabsorb(const MlaDims& d, const float* ol, const W* wuv, float* out, int64_t h0, int64_t h1) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (d.v % 16 == 0 && d.r % 16 == 0 && !g_portable.load(std::memory_order_relaxed)) {
+    // 16 weight rows at a time per query row: 16 dot products, one lane-sum tree (the head's rows widened once)
+    std::vector<float> wf(d.v * d.r);
+    const int64_t nc = d.r / 16;
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* w = rows_f32(wuv + h * d.v * d.r, d.v * d.r, wf.data());
+      for (int64_t bt = 0; bt < d.BT; ++bt) {
+        const float* oh = ol + (bt * d.Hp + h) * d.r;
+        for (int64_t k = 0; k < d.v; k += 16) {
+          __m512 acc[16];
+#pragma GCC unroll 16
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t j = 0; j < nc; ++j) {
+            const __m512 oj = _mm512_loadu_ps(oh + 16 * j);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i)
+              acc[i] = _mm512_fmadd_ps(oj, _mm512_loadu_ps(w + (k + i) * d.r + 16 * j), acc[i]);
+          }
+          _mm512_storeu_ps(out + (bt * d.H + h) * d.v + k, sum16_lanes(acc));
+        }
+      }
+    }
+    return;
+  }
+#endif
   std::vector<float> buf(4 * d.r);
   for (int64_t h = h0; h < h1; ++h) {
     for (int64_t k = 0; k < d.v; k += 4) {
