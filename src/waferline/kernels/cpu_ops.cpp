@@ -2151,6 +2151,20 @@ inline __m512 sum16_lanes(const __m512* v) {
                        _mm512_shuffle_f32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// the 16 dot products q . rows[i] over 16 nc fp32 values, as one vector (lane i: row i's): 16 independent sums in
+// registers, then sum16_lanes
+inline __m512 dot16(const float* q, const float* const* rows, int64_t nc) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nc; ++j) {
+    const __m512 qj = _mm512_loadu_ps(q + 16 * j);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(rows[i] + 16 * j), acc[i]);
+  }
+  return sum16_lanes(acc);
+}
+
 // o[g] = sum over the unmasked l < L of p[g L16 + l] v_l for gn (<= GN) heads g, the value rows v_l = v + l stride
 // (16 NC of C) widened in registers, the gn x NC sums held in registers (gn a template argument: no branch per row)
 template <int NC, typename C, int GN = 16 / NC>
@@ -2196,17 +2210,9 @@ void gqa_item16(const float* qf, const C* bb, int64_t Hkv, int64_t j, const bool
       const C* kr = bb + (l * 2 * Hkv + j) * D;
       for (int c = 0; c < NC; ++c) _mm512_storeu_ps(kb + i * D + 16 * c, load16_f32<C>(kr + 16 * c));
     }
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[16];
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-      for (int c = 0; c < NC; ++c) {
-        const __m512 qc = _mm512_loadu_ps(qf + g * D + 16 * c);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(kb + i * D + 16 * c), acc[i]);
-      }
-      _mm512_storeu_ps(sc + g * L16 + l0, sum16_lanes(acc));
-    }
+    const float* rows[16];
+    for (int i = 0; i < 16; ++i) rows[i] = kb + i * D;
+    for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(sc + g * L16 + l0, dot16(qf + g * D, rows, NC));
   }
   for (int64_t g = 0; g < G; ++g) {
     float* s = sc + g * L16;
@@ -2362,18 +2368,9 @@ inline void mla_scores(const float* q, const float* lat, int64_t L, int64_t R, f
       const int64_t n = std::min<int64_t>(16, L - l0);
       const float* c[16];  // the block's cache rows (past L: the last one again, its sums not stored)
       for (int i = 0; i < 16; ++i) c[i] = lat + (l0 + std::min<int64_t>(i, n - 1)) * R;
-      for (int k = 0; k < MLA_HEADS; ++k) {
-        __m512 acc[16];
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nc; ++j) {
-          const __m512 qj = _mm512_loadu_ps(q + k * R + 16 * j);
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) acc[i] = _mm512_fmadd_ps(qj, _mm512_loadu_ps(c[i] + 16 * j), acc[i]);
-        }
+      for (int k = 0; k < MLA_HEADS; ++k)
         _mm512_mask_storeu_ps(s + k * L + l0, static_cast<__mmask16>((1u << n) - 1),
-                              _mm512_mul_ps(sum16_lanes(acc), sv));
-      }
+                              _mm512_mul_ps(dot16(q + k * R, c, nc), sv));
     }
     return;
   }
@@ -2611,16 +2608,9 @@ void mla_unabsorb(const MlaDims& d, const float* ol, const W* wuv, float* out, i
       for (int64_t bt = 0; bt < d.BT; ++bt) {
         const float* oh = ol + (bt * d.Hp + h) * d.r;
         for (int64_t k = 0; k < d.v; k += 16) {
-          __m512 acc[16];
-#pragma GCC unroll 16
-          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-          for (int64_t j = 0; j < nc; ++j) {
-            const __m512 oj = _mm512_loadu_ps(oh + 16 * j);
-#pragma GCC unroll 16
-            for (int i = 0; i < 16; ++i)
-              acc[i] = _mm512_fmadd_ps(oj, _mm512_loadu_ps(w + (k + i) * d.r + 16 * j), acc[i]);
-          }
-          _mm512_storeu_ps(out + (bt * d.H + h) * d.v + k, sum16_lanes(acc));
+          const float* rows[16];
+          for (int i = 0; i < 16; ++i) rows[i] = w + (k + i) * d.r;
+          _mm512_storeu_ps(out + (bt * d.H + h) * d.v + k, dot16(oh, rows, nc));
         }
       }
     }
