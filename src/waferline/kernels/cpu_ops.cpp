@@ -2244,7 +2244,7 @@ void gqa_items(const Q* q, F&& base, const bool* blocked, const float* sinks, Q*
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
   constexpr bool wide = std::is_same_v<C, float> || std::is_same_v<C, c10::BFloat16> || std::is_same_v<C, c10::Half>;
   const int nc = wide && D % 16 == 0 ? static_cast<int>(D / 16) : 0;
-  const bool fast = nc == 2 || nc == 4 || nc == 8;
+  const bool fast = (nc == 2 || nc == 4 || nc == 8) && !g_portable.load(std::memory_order_relaxed);
 #else
   constexpr bool fast = false;
 #endif
@@ -2521,8 +2521,6 @@ inline const float* rows_f32(const c10::BFloat16* w, int64_t size, float* buf) {
   return buf;
 }
 
-// pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it. Each
-// weight row is read (and widened, if bf16) once for all query rows; every qf element still sums over k in order.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // mla_absorb's sums for head h with r = 16 NC, MB query rows at a time in registers over the head's weight rows (wf,
 // [n, r] fp32): the same sums in the same order as the loop below, without a load and store of qf per product
@@ -2548,6 +2546,8 @@ void mla_absorb16(const MlaDims& d, const float* qn, const float* wf, float* qf,
 }
 #endif
 
+// pass 1, heads h0..h1: W_UK into every row's query (qf zeroed by the caller), the rope part copied beside it. Each
+// weight row is read (and widened, if bf16) once for all query rows; every qf element still sums over k in order.
 template <typename W>
 void mla_absorb(const MlaDims& d, const float* qn, const float* qr, const W* wuk, float* qf, int64_t h0, int64_t h1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
