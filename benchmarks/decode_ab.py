@@ -112,8 +112,19 @@ elif kind == "argmax":  # greedy sampling over V logits
     logits = torch.randn(1, dims[0])
     from waferline.engine.sampling import SamplingParams, sample
     f = lambda: sample(logits[0], SamplingParams(temperature=0.0), None)
+elif kind == "gqa":  # decode attention, bf16: B rows of one token, L cached keys, H heads over Hkv kv heads of size D
+    B, L, H, Hkv, D = dims
+    q, kv = torch.randn(B, 1, H, D).to(torch.bfloat16), torch.randn(B, L, 2 * Hkv, D).to(torch.bfloat16)
+    none, nos = torch.empty(0, dtype=torch.bool), torch.empty(0)
+    f = lambda: torch.ops.waferline.gqa_decode(q, kv, none, nos, D ** -0.5)
+elif kind == "mla":  # absorbed MLA decode attention: B rows, L cached latents, H heads, nope n, rope p, rank r, v; bf16 W
+    B, L, H, n, p, r, v = dims
+    qn, qr, lat = torch.randn(B, 1, H, n), torch.randn(B, 1, H, p), torch.randn(B, L, r + p)
+    wuk, wuv = (torch.randn(H, n, r) * 0.1).to(torch.bfloat16), (torch.randn(H, v, r) * 0.1).to(torch.bfloat16)
+    none = torch.empty(0, dtype=torch.bool)
+    f = lambda: torch.ops.waferline.mla_decode(qn, qr, lat, none, wuk, wuv, 0.1, torch.bfloat16)
 else:
-    raise SystemExit(f"unknown op kind {kind!r} (int4, int8, bf16, argmax)")
+    raise SystemExit(f"unknown op kind {kind!r} (int4, int8, bf16, argmax, gqa, mla)")
 for _ in range(50):
     f()
 n = 200
@@ -153,7 +164,8 @@ def main() -> int:
     ap.add_argument("--model", action="append", default=[], help="checkpoint directory (repeatable)")
     ap.add_argument("--ops", default="", metavar="KIND:SHAPE,...",
                     help="time single operators instead of decode steps, e.g. int4:1024x512,int8:32000x512,argmax:32000 "
-                         "(int4 / int8 / bf16: one row through an N x K weight; argmax: greedy sampling over V logits); "
+                         "(int4 / int8 / bf16: one row through an N x K weight; argmax: greedy sampling over V logits; "
+                         "gqa:BxLxHxHkvxD / mla:BxLxHxNxPxRxV: decode attention of B rows over L cached positions); "
                          "microseconds per call, best of 15 blocks of 200 calls")
     ap.add_argument("--variants", default="bf16:16,bf16:4", help="dtype:weight-bits pairs (default bf16:16,bf16:4)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
