@@ -275,12 +275,13 @@ def test_int4_linear_int16_activations(G, K, Z, tiles):
     must not change a row's result). Against the product with x itself: within the fixed point's bound, the sum over
     groups of max|x_g| / 65534 * sum |w| over the group. Rows that are all zero, and groups with one large x, too.
     ``tiles``: through the weight's tile copy (CPUs with AVX512-VNNI: one is made; elsewhere the row kernel runs),
-    else the row kernel (up to 8 rows per pass through the tiles, up to 4 through the rows)."""
+    else the row kernel (up to 8 rows per pass through the tiles, up to 4 through the rows). Through a tile copy any
+    number of rows takes the kernel (a prefill's: 17, 40, and 140 in passes of 128), each row's result still its own."""
     op = torch.ops.waferline
     prev = op.use_int_tiles(tiles)
     try:
         made = op.int4_tile_copies()[1]
-        _int16_activations(G, K, Z)
+        _int16_activations(G, K, Z, many=tiles and _VNNI)
         assert (op.int4_tile_copies()[1] > made) == (tiles and _VNNI)
     finally:
         op.use_int_tiles(prev)
@@ -289,7 +290,7 @@ def test_int4_linear_int16_activations(G, K, Z, tiles):
 _VNNI = _INT_KERNELS and {"avx512_vnni", "avx512bw", "avx512vl"} <= set(kernels._cpu_flags().split())
 
 
-def _int16_activations(G, K, Z):
+def _int16_activations(G, K, Z, many=False):
     from waferline.model.quant import pack_kernel
 
     g = torch.Generator().manual_seed(5)
@@ -304,18 +305,21 @@ def _int16_activations(G, K, Z):
     w = w.view(N, K)
     packed = pack_kernel(codes)
     for dtype in (torch.bfloat16, torch.float16):
-        x = torch.randn(16, K, generator=g).to(dtype)
+        R = 140 if many else 16
+        x = torch.randn(R, K, generator=g).to(dtype)
         x[3] = 0
         x[5, 7] = 300.0  # one outlier: its group's other inputs lose precision, within the bound
         one = torch.ops.waferline.int4_linear(x[:1], packed, sz, G)
-        for rows in (*range(1, 9), 12, 16):
+        for rows in (*range(1, 9), 12, 16, *((17, 40, 140) if many else ())):
             out = torch.ops.waferline.int4_linear(x[:rows], packed, sz, G).float()
             held = _fixed_point(x[:rows], G).double() @ w.double().T
             tol = (x[:rows].float().abs() @ w.abs().T).double() * 2.0 ** -20 + held.abs() * 2.0 ** -8
             assert bool(((out.double() - held).abs() <= tol).all()), f"{dtype} {rows} rows"
             assert torch.equal(out[:1], one.float())  # a row's result does not depend on the rows beside it
+            last = torch.ops.waferline.int4_linear(x[rows - 1:rows], packed, sz, G)
+            assert torch.equal(out[rows - 1:], last.float()), f"{dtype} row {rows - 1} of {rows}"
         exact = x.double() @ w.double().T
-        xmax = x.float().abs().view(16, K // G, G).amax(-1)  # [R, groups]
+        xmax = x.float().abs().view(R, K // G, G).amax(-1)  # [R, groups]
         wsum = w.abs().view(N, K // G, G).sum(-1)  # [N, groups]
         bound = (xmax @ wsum.T).double() / 65534 + exact.abs() * 2.0 ** -7
         assert bool(((out.double() - exact).abs() <= bound).all())
@@ -468,7 +472,8 @@ def test_bf16_tile_copies_follow_their_weights():
 def test_int4_tile_copies_follow_their_weights():
     """The integer int4 kernel's tile copy of a weight (its codes and scales, made at its first product of up to 16
     16-bit rows) is made once, redone when the codes or the scales are written in place, and goes when the weight is
-    freed; none is made for an inference tensor, groups of 32 (not the integer kernel's), fp32 x or more than 16 rows.
+    freed; none is made for an inference tensor, groups of 32 (not the integer kernel's) or fp32 x; a product of more
+    than 16 rows (a prefill's) makes one too.
     40 outputs (not a multiple of the 16-output tile: the padding's are not stored). Rows through the copy equal the
     row kernel's to float rounding, each row's result not depending on the rows beside it."""
     import gc
@@ -515,10 +520,14 @@ def test_int4_tile_copies_follow_their_weights():
         assert live == base + 1  # the old weight's copy (and its clones') went, this one's came
         with torch.inference_mode():
             frozen = weight(32, 256, 64)
-        for (wq, wsz, wd), G, xt in ((frozen, 64, x), (weight(32, 256, 32), 32, x), ((p, sz, w), 128, x.float()),
-                                     ((p, sz, w), 128, torch.randn(17, 256, generator=g).to(torch.bfloat16))):
+        for (wq, wsz, wd), G, xt in ((frozen, 64, x), (weight(32, 256, 32), 32, x), ((p, sz, w), 128, x.float())):
             y = op.int4_linear(xt, wq, wsz, G)
             assert op.int4_tile_copies()[1] == made and close(y.float(), xt.float(), wd), G
+        p, sz, w = weight(32, 256, 64)
+        many = torch.randn(17, 256, generator=g).to(torch.bfloat16)
+        y = op.int4_linear(many, p, sz, 64)
+        assert op.int4_tile_copies()[1] == made + 1 and close(y, many, w)
+        assert torch.equal(y[16:], op.int4_linear(many[16:], p, sz, 64))  # (the same copy, the same numbers)
     finally:
         op.use_int_tiles(prev)
 

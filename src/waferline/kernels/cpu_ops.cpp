@@ -938,7 +938,8 @@ inline int16_t fixed16(float v, float inv) {
 // bytes. Here (AVX2) a table lookup (vpshufb) turns 32 codes at once into the bf16 bits of code - 8, which widen to
 // fp32 by a shift or a mask (a bf16 is the top half of an fp32), one FMA applies scale and zero, and each weight
 // vector is multiplied into every row while it is in registers. Up to INT4_KERNEL_ROWS rows go through that kernel (8
-// at a time); more rows dequantise the weight to fp32 once and run ATen's fp32 GEMM (prefill: compute-bound there).
+// at a time); more rows (a prefill) go through the integer tile kernel where the weight has a tile copy (int4_tiles),
+// else dequantise the weight to fp32 once and run ATen's fp32 GEMM.
 constexpr int64_t INT4_BLOCK = 64;
 
 // the input (0..31) whose code sits in the low nibble of byte b (0..31) of a block (the high nibble: that + 32). The
@@ -1585,11 +1586,17 @@ void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
   int4_rows_generic<T, S>(xf, M, q, sz, Z, N, K, G, y, ldy);
 }
 
-constexpr int64_t INT4_KERNEL_ROWS = 16;  // more rows: dequantise once, fp32 GEMM (measured: about even at 16 rows)
+// more rows without a tile copy: dequantise once, fp32 GEMM (measured about even with the row kernel at 16 rows)
+constexpr int64_t INT4_KERNEL_ROWS = 16;
+// rows per pass of the tile kernel over a weight in a many-row product: their 16-bit inputs (128 x K int16) stay in
+// L2 while each 16-output tile of the weight passes over them
+constexpr int64_t INT4_CHUNK_ROWS = 128;
 
-// whether X's rows go through the few-row int4 kernels with 16-bit activations (where a tile copy can serve them)
-inline bool few_int4_rows(const at::Tensor& X) {
-  return X.size(0) <= INT4_KERNEL_ROWS && (X.scalar_type() == at::kBFloat16 || X.scalar_type() == at::kHalf);
+// whether X's rows may go through the integer int4 kernel with 16-bit activations, where the weight has a tile copy
+// (any number of rows: a prefill's through the tile kernel ran 2-3x the fp32 GEMM path's multiply-adds per second on
+// a 2-core Zen 4, and each row's result equals that row's alone: a prompt's numbers are its decode steps')
+inline bool int4_int_rows(const at::Tensor& X) {
+  return X.scalar_type() == at::kBFloat16 || X.scalar_type() == at::kHalf;
 }
 
 // X [R, K] (contiguous) through an int4 weight (packed [N, K/2], sz [N, K/G, Z]) -> [R, N] contiguous, X's dtype;
@@ -1603,7 +1610,7 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
   auto run = [&](auto s_tag) {
     using S = decltype(s_tag);
     const S* sp = reinterpret_cast<const S*>(sz.data_ptr());
-    if (R > INT4_KERNEL_ROWS) {
+    if (R > INT4_KERNEL_ROWS && tiles == nullptr) {
       auto W = at::empty({N, K}, X.options().dtype(at::kFloat));
       float* wp = W.data_ptr<float>();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -1618,8 +1625,12 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
       std::vector<float> xf(R * K);
       load_f32<scalar_t>(X.data_ptr<scalar_t>(), xf.data(), R * K);
       scalar_t* yp = y.data_ptr<scalar_t>();
-      if (tiles != nullptr && (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>))
-        return int4_few_rows<scalar_t, S>(xf.data(), R, q, sp, Z, N, K, G, yp, N, tiles);  // (any R: one pass)
+      if (tiles != nullptr && (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>)) {
+        for (int64_t r0 = 0; r0 < R; r0 += INT4_CHUNK_ROWS)  // (up to a chunk: one pass)
+          int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min(INT4_CHUNK_ROWS, R - r0), q, sp, Z, N, K, G,
+                                     yp + r0 * N, N, tiles);
+        return;
+      }
       for (int64_t r0 = 0; r0 < R; r0 += 8)
         int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min<int64_t>(8, R - r0), q, sp, Z, N, K, G, yp + r0 * N, N);
     });
@@ -1647,7 +1658,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
               "of 32 dividing K, all contiguous");
   auto xc = x.contiguous();
   auto X = xc.reshape({-1, K});
-  const auto tiles = few_int4_rows(X) ? int4_tiles(packed, sz, group) : at::Tensor();
+  const auto tiles = int4_int_rows(X) ? int4_tiles(packed, sz, group) : at::Tensor();
   auto y = int4_mm(X, packed, sz, group, int4_tiles_of(tiles, packed, -1));
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
@@ -1978,7 +1989,7 @@ struct Bundle {
 // rows X [R, K] (contiguous) through weight b (expert e, or e < 0: b is not stacked) -> [R, n_out] (row stride >= n_out)
 at::Tensor bundle_linear(const at::Tensor& X, const Bundle& b, int64_t e, int64_t n_out) {
   if (b.int4()) {
-    const auto tiles = few_int4_rows(X) ? int4_tiles(b.w, b.sz, b.group) : at::Tensor();
+    const auto tiles = int4_int_rows(X) ? int4_tiles(b.w, b.sz, b.group) : at::Tensor();
     return int4_mm(X, e >= 0 ? b.w.select(0, e) : b.w, e >= 0 ? b.sz.select(0, e) : b.sz, b.group,
                    int4_tiles_of(tiles, b.w, e));
   }
