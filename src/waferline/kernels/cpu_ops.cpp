@@ -1461,13 +1461,20 @@ void int4_tile_span(const int16_t* xq, const float* sx, const float* xs, int64_t
 }
 #endif
 
+// v at least n long: a buffer kept from call to call grows and never shrinks, so a call after a larger one does not
+// zero-fill what it then overwrites (a decode step's MoE jobs change size from step to step)
+template <typename V>
+inline void at_least(V& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+}
+
 struct I16Rows {  // M rows of a product's input as 16-bit fixed point (i16_quantize) for groups of G
   std::vector<int16_t> xq;
   std::vector<float> sx, xs;
   int64_t M = 0, K = 0, G = 0;
   void resize(int64_t M_, int64_t K_, int64_t G_) {
     M = M_, K = K_, G = G_;
-    xq.resize(M * K), sx.resize(M * (K / G)), xs.resize(M * (K / G));
+    at_least(xq, M * K), at_least(sx, M * (K / G)), at_least(xs, M * (K / G));
   }
   void set(const float* xf, int64_t M_, int64_t K_, int64_t G_) {
     resize(M_, K_, G_);
@@ -2895,14 +2902,12 @@ bool i4_fits(const at::Tensor& packed, const at::Tensor& sz, int64_t G, int64_t 
          sz.size(2) == K / G && (sz.size(3) == 1 || sz.size(3) == 2) && packed.is_contiguous() && sz.is_contiguous();
 }
 
-// a team half's residual: x + o, rounded to T as the composed path's add rounds it -> x's shape
+// a team half's residual, columns n0..n1 of its M rows of width D: h = x + o, rounded to T as the composed path's
+// add rounds it. Each thread adds the columns of o it has just written (in its last split: no pass after the team)
 template <typename T>
-at::Tensor residual_rows(const at::Tensor& x, const T* o) {
-  auto h = at::empty(x.sizes(), x.options());
-  const T* xp = x.data_ptr<T>();
-  T* hp = h.data_ptr<T>();
-  for (int64_t i = 0; i < x.numel(); ++i) hp[i] = static_cast<T>(f32(xp[i]) + f32(o[i]));
-  return h;
+void residual_cols(const T* x, const T* o, T* h, int64_t M, int64_t D, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = m * D + n0; i < m * D + n1; ++i) h[i] = static_cast<T>(f32(x[i]) + f32(o[i]));
 }
 
 // the attention half: x + mla(rms(x)) -> [B, 1, D]
@@ -2918,9 +2923,10 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   const I4W<S> qa = lora ? i4w<S>(w[0], w[1], groups[0]) : I4W<S>(), qb = i4w<S>(w[2], w[3], groups[1]);
   const I4W<S> kva = i4w<S>(w[4], w[5], groups[2]), ow = i4w<S>(w[6], w[7], groups[3]);
   const int64_t Nqa = qa.N, Nq = qb.N, Nkv = kva.N;
-  // buffers kept on this thread from call to call (they keep their largest size: the next step needs about as much):
-  // allocating and zeroing them per call was ~5% of a layer op's perf samples (malloc, free, memset). (Named by
-  // references: inside the parallel region a thread_local's own name would mean each thread's own copy.)
+  // buffers kept on this thread from call to call (at_least: they keep their largest size, the next step needs
+  // about as much): allocating and zeroing them per call was ~5% of a layer op's perf samples (malloc, free,
+  // memset). (Named by references: inside the parallel region a thread_local's own name would mean each thread's own
+  // copy.)
   struct Bufs {
     std::vector<T> xn, qa_out, qa_n, ckv, c_in, c, q, rin, roped, att, o;
     std::vector<float> xf, qn, qr, lat, attf, qf, ol;
@@ -2935,17 +2941,19 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   for (auto [buf, size] : {std::pair{&xn, B * D}, {&qa_out, B * Nqa}, {&qa_n, B * Nqa}, {&ckv, B * Nkv}, {&c_in, B * r},
                            {&c, B * r}, {&q, B * Nq}, {&rin, B * (H + 1) * p}, {&roped, B * (H + 1) * p},
                            {&att, B * Hv}, {&o, B * D}})
-    buf->resize(size);
+    at_least(*buf, size);
   for (auto [buf, size] : {std::pair{&xf, B * std::max({D, Nqa, Hv})}, {&qn, B * H * n}, {&qr, B * H * p},
                            {&lat, B * end * R}, {&attf, B * Hv}, {&qf, md.BT * md.Hp * md.R}, {&ol, md.BT * md.Hp * r}})
-    buf->resize(size);
-  std::fill(qf.begin(), qf.end(), 0.f);  // (the padding heads' queries must be zero)
+    at_least(*buf, size);
+  std::fill(qf.begin(), qf.begin() + md.BT * md.Hp * md.R, 0.f);  // (the padding heads' queries must be zero)
   std::unique_ptr<bool[]> blocked(uniform ? nullptr : new bool[B * end]);
   // the attention's first two products read the same normed x: quantized once when their groups agree
   const bool shared_x = lora && qa.G == kva.G;
   const I16Rows& xq_a = shared_x ? x_kv : x_qa;
   T* cp = cache.data_ptr<T>();
   const T* xp = x.data_ptr<T>();
+  auto h = at::empty(x.sizes(), x.options());  // x + the half's output (residual_cols)
+  T* hp = h.data_ptr<T>();
   const T *n1 = mix_norm.data_ptr<T>(), *nq = lora ? qa_norm.data_ptr<T>() : nullptr, *nkv = kva_norm.data_ptr<T>();
   const float *cs = cos2.data_ptr<float>(), *sn = sin2.data_ptr<float>();
   const bool wbf = w_uk.scalar_type() == at::kBFloat16;  // else fp32 (mla_team_fits)
@@ -3038,9 +3046,12 @@ at::Tensor mla_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
       load_f32<T>(att.data(), xf.data(), B * Hv);
       x_o.set(xf.data(), B, Hv, ow.G);
     }
-    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_o, ow, o.data(), D, n0, n1_); });
+    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) {
+      i4_span<T, S>(x_o, ow, o.data(), D, n0, n1_);
+      residual_cols<T>(xp, o.data(), hp, B, D, n0, n1_);
+    });
   }
-  return residual_rows<T>(x, o.data());
+  return h;
 }
 
 // weight rows n0..n1 of a dense bf16 weight [N, K] for the M rows of x [M, K] (ffn_team's dense products: the kernel
@@ -3105,8 +3116,8 @@ at::Tensor gqa_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   auto &xn = bufs.xn, &qkv = bufs.qkv, &normed = bufs.normed, &roped = bufs.roped, &att = bufs.att, &o = bufs.o;
   auto& xf = bufs.xf;
   auto &x_q = bufs.x_q, &x_k = bufs.x_k, &x_v = bufs.x_v, &x_o = bufs.x_o;
-  xn.resize(B * D), qkv.resize(B * (Nq + 2 * Nkv)), normed.resize(B * Hr * hd), roped.resize(B * Hr * hd);
-  att.resize(B * Nq), o.resize(B * D), xf.resize(B * std::max(D, Nq));
+  at_least(xn, B * D), at_least(qkv, B * (Nq + 2 * Nkv)), at_least(normed, B * Hr * hd), at_least(roped, B * Hr * hd);
+  at_least(att, B * Nq), at_least(o, B * D), at_least(xf, B * std::max(D, Nq));
   T* qp = qkv.data();  // q [B, Nq], then k [B, Nkv], then v [B, Nkv]
   T* kp = qp + B * Nq;
   T* vp = kp + B * Nkv;
@@ -3117,6 +3128,8 @@ at::Tensor gqa_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
   std::unique_ptr<bool[]> blocked(uniform ? nullptr : new bool[B * end]);
   T* cp = cache.data_ptr<T>();
   const T* xp = x.data_ptr<T>();
+  auto h = at::empty(x.sizes(), x.options());  // x + the half's output (residual_cols)
+  T* hp = h.data_ptr<T>();
   const bool qk_norm = q_norm.numel() > 0;
   const T* qwp = qk_norm ? q_norm.data_ptr<T>() : nullptr;
   const T* kwp = qk_norm ? k_norm.data_ptr<T>() : nullptr;
@@ -3192,9 +3205,12 @@ at::Tensor gqa_team(const at::Tensor& x, const at::Tensor& mix_norm, double mix_
         x_o.set(xf.data(), B, Nq, po.w4.G);
       }
     }
-    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { po.span(att.data(), x_o, B, o.data(), D, n0, n1_); });
+    share_tiles({D}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) {
+      po.span(att.data(), x_o, B, o.data(), D, n0, n1_);
+      residual_cols<T>(xp, o.data(), hp, B, D, n0, n1_);
+    });
   }
-  return residual_rows<T>(x, o.data());
+  return h;
 }
 
 // the FFN half: h + ffn(rms(h)) for N = h.numel() / D tokens -> (that, the experts chosen [N, k]). ffn: the routed
@@ -3291,7 +3307,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
   Job* jobs = pool.data();
   const T* hnp = hn.data_ptr<T>();
   if (!dense) {
-    hf.resize(B * D);
+    at_least(hf, B * D);
     load_f32<T>(hnp, hf.data(), B * D);
     xq.set(hf.data(), B, D, group);
   }
@@ -3310,7 +3326,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
     if (in_order) {
       jb.x = &xq, jb.xd = hnp;
     } else if (dense) {  // its tokens' rows of hn, as moe_ffn gathers them
-      jb.xt.resize(M * D);
+      at_least(jb.xt, M * D);
       for (int64_t m = 0; m < M; ++m) std::copy(hnp + jb.tok[m] * D, hnp + (jb.tok[m] + 1) * D, jb.xt.begin() + m * D);
       jb.xd = jb.xt.data();
     } else {  // its tokens' rows of xq (the numbers quantizing those rows alone gives)
@@ -3324,7 +3340,7 @@ std::tuple<at::Tensor, at::Tensor> ffn_team(const at::Tensor& h, const at::Tenso
       jb.x = &jb.xg;
     }
     if (!dense) jb.a.resize(M, jb.I, group);
-    jb.hb.resize(M * 2 * jb.I), jb.ab.resize(M * jb.I), jb.y.resize(M * D);
+    at_least(jb.hb, M * 2 * jb.I), at_least(jb.ab, M * jb.I), at_least(jb.y, M * D);
     gu_rows.push_back(2 * jb.I);
   }
   auto out = at::empty_like(h);
@@ -3969,8 +3985,11 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
   auto &xn = bufs.xn, &zx = bufs.zx, &mixed = bufs.mixed, &o = bufs.o;
   auto& xf = bufs.xf;
   auto &x_in = bufs.x_in, &x_out = bufs.x_out;
-  xn.resize(BT * Dm), zx.resize(BT * F), mixed.resize(BT * Din), o.resize(BT * Dm), xf.resize(BT * std::max(Dm, Din));
+  at_least(xn, BT * Dm), at_least(zx, BT * F), at_least(mixed, BT * Din), at_least(o, BT * Dm);
+  at_least(xf, BT * std::max(Dm, Din));
   const T* xp = x.data_ptr<T>();
+  auto h = at::empty(x.sizes(), x.options());  // x + the half's output (residual_cols)
+  T* hp = h.data_ptr<T>();
   const T* n1 = mix_norm.data_ptr<T>();
   const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
@@ -3994,9 +4013,12 @@ at::Tensor mamba_team(const at::Tensor& x, const at::Tensor& mix_norm, double mi
       load_f32<T>(mixed.data(), xf.data(), BT * Din);
       x_out.set(xf.data(), BT, Din, ow.G);
     }
-    share_tiles({Dm}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) { i4_span<T, S>(x_out, ow, o.data(), Dm, n0, n1_); });
+    share_tiles({Dm}, tid, nth, [&](size_t, int64_t n0, int64_t n1_) {
+      i4_span<T, S>(x_out, ow, o.data(), Dm, n0, n1_);
+      residual_cols<T>(xp, o.data(), hp, BT, Dm, n0, n1_);
+    });
   }
-  return residual_rows<T>(x, o.data());
+  return h;
 }
 
 // whether mamba_team takes this mixer half (else the composed path, which checks and reports bad arguments), and
