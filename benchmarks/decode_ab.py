@@ -196,6 +196,10 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
+    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", args.rev + "^{commit}"],
+                            capture_output=True, text=True)
+    if commit.returncode != 0:
+        ap.error(f"--rev {args.rev!r} is not a commit of {ROOT}")
     with tempfile.TemporaryDirectory() as tmp:
         wt = Path(tmp) / "old"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(wt), args.rev], check=True,
@@ -258,7 +262,7 @@ def main() -> int:
     if args.model:
         Console().print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rev": args.rev, "threads": args.threads, "tokens_per_row": args.tokens,
+        Path(args.json).write_text(json.dumps({"rev": args.rev, "commit": commit.stdout.strip(), "threads": args.threads, "tokens_per_row": args.tokens,
                                                "prefill_tokens": args.prefill,
                                                "load_avg": os.getloadavg(), "rows": rows}, indent=1))
     return 0
