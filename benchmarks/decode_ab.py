@@ -262,8 +262,8 @@ def main() -> int:
     if args.model:
         Console().print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rev": args.rev, "commit": commit.stdout.strip(), "threads": args.threads, "tokens_per_row": args.tokens,
-                                               "prefill_tokens": args.prefill,
+        Path(args.json).write_text(json.dumps({"rev": args.rev, "commit": commit.stdout.strip(), "threads": args.threads,
+                                               "tokens_per_row": args.tokens, "prefill_tokens": args.prefill,
                                                "load_avg": os.getloadavg(), "rows": rows}, indent=1))
     return 0
 

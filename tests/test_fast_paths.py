@@ -470,8 +470,8 @@ def test_bf16_tile_copies_follow_their_weights():
 
 @pytest.mark.skipif(not _VNNI, reason="the int4 tile copies are AVX512-VNNI code")
 def test_int4_tile_copies_follow_their_weights():
-    """The integer int4 kernel's tile copy of a weight (its codes and scales, made at its first product of up to 16
-    16-bit rows) is made once, redone when the codes or the scales are written in place, and goes when the weight is
+    """The integer int4 kernel's tile copy of a weight (its codes and scales, made at its first product of 16-bit
+    rows) is made once, redone when the codes or the scales are written in place, and goes when the weight is
     freed; none is made for an inference tensor, groups of 32 (not the integer kernel's) or fp32 x; a product of more
     than 16 rows (a prefill's) makes one too.
     40 outputs (not a multiple of the 16-output tile: the padding's are not stored). Rows through the copy equal the

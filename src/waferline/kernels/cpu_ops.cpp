@@ -1629,15 +1629,19 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
     }
     y = at::empty({R, N}, X.options());
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, X.scalar_type(), "waferline_int4_rows", [&] {
-      std::vector<float> xf(R * K);
-      load_f32<scalar_t>(X.data_ptr<scalar_t>(), xf.data(), R * K);
+      const scalar_t* xp = X.data_ptr<scalar_t>();
       scalar_t* yp = y.data_ptr<scalar_t>();
       if (tiles != nullptr && (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>)) {
-        for (int64_t r0 = 0; r0 < R; r0 += INT4_CHUNK_ROWS)  // (up to a chunk: one pass)
-          int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min(INT4_CHUNK_ROWS, R - r0), q, sp, Z, N, K, G,
-                                     yp + r0 * N, N, tiles);
+        std::vector<float> xf(std::min(R, INT4_CHUNK_ROWS) * K);  // (a chunk's rows in fp32 at a time)
+        for (int64_t r0 = 0; r0 < R; r0 += INT4_CHUNK_ROWS) {  // (up to a chunk: one pass)
+          const int64_t rows = std::min(INT4_CHUNK_ROWS, R - r0);
+          load_f32<scalar_t>(xp + r0 * K, xf.data(), rows * K);
+          int4_few_rows<scalar_t, S>(xf.data(), rows, q, sp, Z, N, K, G, yp + r0 * N, N, tiles);
+        }
         return;
       }
+      std::vector<float> xf(R * K);
+      load_f32<scalar_t>(xp, xf.data(), R * K);
       for (int64_t r0 = 0; r0 < R; r0 += 8)
         int4_few_rows<scalar_t, S>(xf.data() + r0 * K, std::min<int64_t>(8, R - r0), q, sp, Z, N, K, G, yp + r0 * N, N);
     });
