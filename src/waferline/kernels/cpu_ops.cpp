@@ -1409,6 +1409,9 @@ inline void int4_tile_block(const int16_t* xq, const float* sx, const float* xs,
       for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_si512();
     const int16_t* xg = xq + g * G;
     for (int64_t st = 0; st < steps; st += U) {
+      // the weight stream 1 KB ahead, non-temporal (a hint: no number changes, and one past a tile's end cannot
+      // fault): llama's int4 batch-8 step 1.09-1.18x paired in three same-run A/Bs, batch 1 0.97-1.06x (README)
+      _mm_prefetch(reinterpret_cast<const char*>(p + st * 32 + 1024), _MM_HINT_NTA);
       for (int u = 0; u < U; ++u) {
         const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + (st + u) * 32)));
         const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_srli_epi16(v, 4);
