@@ -290,6 +290,54 @@ def test_int4_linear_int16_activations(G, K, Z, tiles):
 _VNNI = _INT_KERNELS and {"avx512_vnni", "avx512bw", "avx512vl"} <= set(kernels._cpu_flags().split())
 
 
+def _lane_input(j: int) -> int:
+    """cpu_ops.cpp's i16_lane_input: which input (0..63) of a 64-input block lane j of the kernels' order holds."""
+    def lo_k(b: int) -> int:
+        u, p = (b // 8) % 2, b % 8 + 8 * (b // 16)
+        return 8 * (2 * u + p % 2) + p // 2
+    v, i = j // 16, j % 16
+    return (32 if v >= 2 else 0) + lo_k((i if i < 8 else i + 8) + (8 if v % 2 else 0))
+
+
+@pytest.mark.skipif(not _INT_KERNELS, reason="the integer-activation kernels are AVX2 code")
+@pytest.mark.parametrize("G,K", [(64, 192), (128, 768), (256, 512)])
+def test_i16_rows_quantizer(G, K):
+    """waferline::i16_rows, how the integer-activation kernels hold a product's input rows: per row and group of G,
+    xi = round(x * 32767 / max|x|) (to nearest even) clamped to +-32767, in the kernels' lane order per 64 inputs,
+    sx = max|x| / 32767 and xs = sx * sum xi, all in fp32 as the C++ computes them. The vector quantizer (AVX-512) and
+    the scalar loop (use_portable) must both be exactly that: zero rows and groups, an outlier, values that round to
+    .5, infinitely small ones, rows of one sign. Bad shapes are refused."""
+    op = torch.ops.waferline
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(9, K, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    x[1] = 0
+    x[2, :G] = 0  # one zero group
+    x[3, 5] = 1e4  # an outlier: the rest of its group rounds coarsely
+    x[4] = x[4].abs()
+    x[5, :G] = torch.arange(G) * 0.5  # exact halves: round to even
+    x[6, 7] = 1e-30
+    ng = K // G
+    blk = x.view(9, ng, G)
+    mx = blk.abs().amax(-1)
+    inv = torch.where(mx > 0, torch.tensor(32767.0) / mx, torch.zeros_like(mx))
+    xi = torch.round(blk * inv[..., None]).clamp(-32767, 32767).to(torch.int16).view(9, K)
+    order = torch.tensor([k0 + _lane_input(j) for k0 in range(0, K, 64) for j in range(64)])
+    want_sx = torch.where(mx > 0, mx / 32767.0, torch.zeros_like(mx))
+    want_xs = want_sx * xi.view(9, ng, G).sum(-1).float()
+    prev = op.use_portable(False)
+    try:
+        for portable in (False, True):
+            op.use_portable(portable)
+            xq, sx, xs = op.i16_rows(x, G)
+            assert torch.equal(xq, xi[:, order]), f"portable={portable}"
+            assert torch.equal(sx, want_sx) and torch.equal(xs, want_xs), f"portable={portable}"
+    finally:
+        op.use_portable(prev)
+    for bad in ((x, 96), (x, 0), (x, 8192), (x[:, :G + 32], G), (x.double(), G)):
+        with pytest.raises(RuntimeError):
+            op.i16_rows(*bad)
+
+
 def _int16_activations(G, K, Z, many=False):
     from waferline.model.quant import pack_kernel
 

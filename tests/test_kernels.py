@@ -115,14 +115,14 @@ def test_moe_route(tmp_path, model_type, eager):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("H, Hkv", [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("masked, sinks", [(False, False), (True, False), (True, True)])
-@pytest.mark.parametrize("D", [32, 128, 24])
+@pytest.mark.parametrize("D", [32, 64, 128, 24])
 def test_gqa_decode(dtype, H, Hkv, masked, sinks, D):
     """The fused grouped-query attention against attend(): grouped, multi-head and multi-query heads, with a mask
     (a sliding window's or a ragged batch's) and GPT-OSS's sinks, over cache rows laid out [keys | values]; kv also
     as the first L positions of a longer cache's rows (each row's block contiguous, the rows apart: read in place),
     the same numbers; and L - 5 keys against L with the last 5 masked, bitwise (what lets a verify's rows equal
-    one-token steps). Head sizes 32 and 128 take the AVX-512 kernel (16 keys at a time) where the CPU has it, 24 the
-    portable loop."""
+    one-token steps). Head sizes 32, 64 and 128 take the AVX-512 kernel (16 keys at a time; bf16 scores by vdpbf16ps
+    where the CPU has AVX512-BF16) where the CPU has it, 24 the portable loop."""
     from waferline.model.attention import attend
 
     g = torch.Generator().manual_seed(6)
