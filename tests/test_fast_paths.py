@@ -306,7 +306,7 @@ def test_i16_rows_quantizer(G, K):
     xi = round(x * 32767 / max|x|) (to nearest even) clamped to +-32767, in the kernels' lane order per 64 inputs,
     sx = max|x| / 32767 and xs = sx * sum xi, all in fp32 as the C++ computes them. The vector quantizer (AVX-512) and
     the scalar loop (use_portable) must both be exactly that: zero rows and groups, an outlier, values that round to
-    .5, infinitely small ones, rows of one sign. Bad shapes are refused."""
+    .5, tiny ones, rows of one sign. Bad shapes are refused."""
     op = torch.ops.waferline
     g = torch.Generator().manual_seed(11)
     x = torch.randn(9, K, generator=g) * torch.logspace(-3, 3, 9)[:, None]

@@ -2286,18 +2286,14 @@ void gqa_values16(int gn, const C* v, int64_t stride, const bool* mk, int64_t L,
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + g * 16 * NC + 16 * c, acc[g][c]);
 }
 
-// one item of gqa_items with head size D = 16 NC: the G query heads (qf [G, D] fp32) of kv head j over the L key /
-// value rows at bb. Scores 16 keys at a time (the block's keys widened to fp32 once for all G heads, 16 independent
-// sums per head, then sum16_lanes), the values widened in registers and summed into G x NC accumulators held in
-// registers (up to 16: heads GT at a time). A key's score and a value's share do not depend on L or on the key's
-// place in its block: a verify's rows equal one-token steps bitwise, as in the generic path.
 #if defined(__AVX512BF16__)
 // gqa_item16's scores for bf16 queries and a bf16 cache: q . k_l by vdpbf16ps straight from the cache rows, 32 inputs
 // an instruction (bf16 x bf16 products are exact in fp32; each of an input pair's products is added in one rounding,
 // as two fmas would; denormal products flush to zero), 16 keys at a time into 16 independent sums per head, then
-// sum16_lanes. Each 16-key block also asks for its value rows (the value pass reads them next). ~2.5x fewer
-// instructions than widening the keys to fp32 first. A key's score still does not depend on L or on its place in
-// its block.
+// sum16_lanes. Each 16-key block also asks for its value rows (the value pass reads them next) and, given nk / nv,
+// the next item's key and value rows at the same positions (_MM_HINT_T1; T0 measured slower): the cache rows' latency,
+// not their bytes, held llama's attention layer at ~8 GB/s from memory. ~2.5x fewer instructions than widening the
+// keys to fp32 first. A key's score still does not depend on L or on its place in its block.
 template <int NB>
 void gqa_scores_bf16(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb, int64_t stride, int64_t G, int64_t L,
                      int64_t L16, float* sc, const uint16_t* nk, const uint16_t* nv) {
@@ -2333,6 +2329,13 @@ void gqa_scores_bf16(const uint16_t* qb, const uint16_t* kb, const uint16_t* vb,
 }
 #endif
 
+// one item of gqa_items with head size D = 16 NC: the G query heads (qf [G, D] fp32) of kv head j over the L key /
+// value rows at bb. Scores 16 keys at a time (the block's keys widened to fp32 once for all G heads, 16 independent
+// sums per head, then sum16_lanes), the values widened in registers and summed into G x NC accumulators held in
+// registers (up to 16: heads GT at a time). A key's score and a value's share do not depend on L or on the key's
+// place in its block: a verify's rows equal one-token steps bitwise, as in the generic path. With qbits (the G heads'
+// bf16 bits) a bf16 cache's scores are gqa_scores_bf16's instead, which also asks for the next item's rows (next, its
+// kv head next_j) while it scores.
 template <int NC, typename C>
 void gqa_item16(const float* qf, const C* bb, int64_t Hkv, int64_t j, const bool* mk, const float* sinks, int64_t G,
                 int64_t L, float scale, float* kb, float* sc, float* o, const uint16_t* qbits = nullptr,
