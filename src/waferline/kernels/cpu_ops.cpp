@@ -2405,19 +2405,25 @@ void gqa_items(const Q* q, F&& base, const bool* blocked, const float* sinks, Q*
 #else
   constexpr bool fast = false;
 #endif
+#if defined(__AVX512BF16__)
+  // bf16 queries against a bf16 cache: gqa_item16 scores from the queries' own bits (no fp32 copy of them needed)
+  constexpr bool bf16_scores = std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
+#else
+  constexpr bool bf16_scores = false;
+#endif
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t bt = i / Hkv, j = i % Hkv, b = bt / T;
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
+    if (!(bf16_scores && fast))
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = f32(q[(bt * H + j * G + g) * D + d]);
     const bool* mk = blocked ? blocked + bt * L : nullptr;
     const C* bb = base(b);
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     if constexpr (wide) {
       if (fast) {
         float *qp = qf.data(), *sp = sc.data(), *op = o.data();
-        const uint16_t* qb = nullptr;  // bf16 queries against a bf16 cache: their bits, for the vdpbf16ps scores
-        if constexpr (std::is_same_v<Q, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>)
-          qb = reinterpret_cast<const uint16_t*>(q + (bt * H + j * G) * D);
+        const uint16_t* qb = nullptr;  // (bf16_scores: the queries' bits, for the vdpbf16ps scores)
+        if constexpr (bf16_scores) qb = reinterpret_cast<const uint16_t*>(q + (bt * H + j * G) * D);
         const C* nx = i + 1 < i1 ? base((i + 1) / Hkv / T) : nullptr;  // the next item's rows, asked for early
         const int64_t nj = (i + 1) % Hkv;
         switch (nc) {
