@@ -138,8 +138,17 @@ print(json.dumps({"us_per_call": best * 1e6}))
 """
 
 
-def run_op(src: Path, kind: str, shape: str, threads: int) -> float:
+def _env(src: Path, threads: int) -> dict[str, str]:
+    """A run's environment: ``src`` on the path and, for a checkout other than this one, its own kernel build
+    directory (two checkouts of the same cpu_ops.cpp would share one, each rebuilding it over the other's paths)."""
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
+    if src.resolve() != (ROOT / "src").resolve():
+        env["WAFERLINE_KERNELS_DIR"] = str(src.parent / ".kernels")
+    return env
+
+
+def run_op(src: Path, kind: str, shape: str, threads: int) -> float:
+    env = _env(src, threads)
     out = subprocess.run([sys.executable, "-c", OP, kind, shape, str(threads)], env=env, capture_output=True, text=True,
                          timeout=900)
     if out.returncode != 0:
@@ -149,7 +158,7 @@ def run_op(src: Path, kind: str, shape: str, threads: int) -> float:
 
 def run_cell(src: Path, model: str, dtype: str, bits: int, batch: int, steps: int, threads: int = 1,
              tokens: int = 1, prefill: int = 0, group: int = 128, head_bits: int = 16) -> float:
-    env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(threads))
+    env = _env(src, threads)
     out = subprocess.run([sys.executable, "-c", STEP, model, dtype, str(bits), str(batch), str(steps), str(threads),
                           str(tokens), str(prefill), str(group), str(head_bits)], env=env,
                          capture_output=True, text=True, timeout=900)

@@ -160,3 +160,45 @@ def test_bfloat16_close_to_float32(ckpts):
         assert (a.exp() - b.exp()).abs().max() < 0.05, mt  # bf16 rounding, not a different model
     with pytest.raises(ConfigError, match="dtype must be one of"):
         LLM(ckpts["llama"], dtype="int3")
+
+
+_INT4 = {"dtype": "bfloat16", "weight_bits": 4, "head_bits": 8, "group_size": 32}
+
+
+@pytest.mark.parametrize("model_type,overrides,opts", [
+    ("llama", {}, {"dtype": "bfloat16"}),  # (its bf16 head)
+    ("deepseek_v3", {"q_lora_rank": 64}, _INT4),  # (MLA layers are one op with a q LoRA)
+    ("bamba", {}, _INT4),  # (Mamba-2 layers: states updated in place)
+], ids=["llama-bf16", "deepseek_v3-int4", "bamba-int4"])
+def test_greedy_bursts_are_the_step_by_step_tokens(tmp_path, monkeypatch, model_type, overrides, opts):
+    """Greedy decode in bursts of steps run back to back (DecoderModel.greedy_steps, LLM's GREEDY_BURST) streams the
+    same (row, token) events and ends with the same outputs as step by step: 2 rows of different prompt lengths (the
+    caches grow past their first 64 positions inside a burst), 19 tokens (bursts of 8, 8, then the 2 left), and a stop token that ends row 0 inside a burst while row 1 goes on (the
+    burst's later tokens of row 0 are dropped; row 1's do not depend on row 0 being in the step). Bursts run where the
+    fused operators are built."""
+    import waferline.engine.llm as llm_mod
+    from waferline import kernels
+
+    build(model_type, tmp_path, **overrides)
+    llm = LLM(tmp_path, **opts)
+    V = llm.spec.vocab_size
+    prompts = [[(3 + 5 * i) % V for i in range(60)], [(11 + 3 * i) % V for i in range(4)]]  # (row 0 past 64 in a burst)
+    ran, orig = [], type(llm.model).greedy_steps
+    monkeypatch.setattr(type(llm.model), "greedy_steps", lambda self, *a: ran.append(orig(self, *a)) or ran[-1])
+
+    def gen(burst: int, params: SamplingParams) -> list:
+        monkeypatch.setattr(llm_mod, "GREEDY_BURST", burst)
+        return list(llm.stream(prompts, params))
+
+    base = SamplingParams(max_tokens=19, temperature=0, ignore_eos=True)
+    first = gen(1, base)[-1]
+    assert not ran  # (bursts of 1: step by step)
+    row0 = first[0].token_ids
+    stop = next(t for t in row0[3:] if t not in row0[:3] and t not in first[1].token_ids)  # (row 1 never emits it)
+    for params in (base, SamplingParams(max_tokens=19, temperature=0, ignore_eos=True, stop_token_ids=[stop])):
+        a, b = gen(1, params), gen(8, params)
+        assert a[:-1] == b[:-1]
+        assert [(o.token_ids, o.finish_reason) for o in a[-1]] == [(o.token_ids, o.finish_reason) for o in b[-1]]
+    assert b[-1][0].finish_reason == "stop" and 3 < len(b[-1][0].token_ids) < 19 and len(b[-1][1].token_ids) == 19
+    if kernels.available():
+        assert sum(r is not None for r in ran) >= 4  # (two bursts of each generate with bursts of 8, at least)

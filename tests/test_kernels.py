@@ -878,18 +878,20 @@ def test_step_plan_replays_and_follows_the_model(monkeypatch, one_thread, progra
         assert all(p is not None for p in programs)
 
 
-def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread):
+@pytest.mark.parametrize("head", ["int8", "bf16"])
+def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread, head):
     """A step's logits, hidden states and greedy tokens (DecoderModel.step_logits) through one StepProgram (embedding,
-    layers, final norm, int8 head, argmax) are bitwise the modules path's, step after step (decode steps of 2 rows, and 3-token verifies of
-    one row: Mamba-2 records through the program, then a rewind); a forward hook on the final norm runs (that step goes
-    through the modules), and a head quantized again (new tensors) is used at once. sol-mini, int4 groups of 64."""
+    layers, final norm, the int8 head or the bf16 one, argmax) are bitwise the modules path's, step after step (decode
+    steps of 2 rows, and 3-token verifies of one row: Mamba-2 records through the program, then a rewind); a forward
+    hook on the final norm runs (that step goes through the modules), and a head made again (new tensors) is used at
+    once. sol-mini, int4 groups of 64."""
     import waferline.model.decoder as decoder
     from waferline.engine.speculative import VerifyRollback
     from waferline.model.quant import QuantOptions, quantize_model
 
     model = load_model(SOL_MINI, torch.bfloat16)
     quantize_model(model, QuantOptions(group_size=64))
-    model.quantize_head(8)
+    model.quantize_head(8 if head == "int8" else 16)
     g = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, 4000, (2, 9), generator=g)
     toks = torch.randint(3, 4000, (10, 2, 1), generator=g)
@@ -907,12 +909,15 @@ def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread):
                 handle = model.norm.register_forward_hook(lambda m, a, o: seen.append(i))
             if i == 5:
                 handle.remove()
-            if i == 6:
-                head = (model.lm_head_int8.float() * model.lm_head_scale.float()[:, None] * 1.5).to(torch.bfloat16)
-            if i == 7:  # the head again (new int8 tensors, from a 16-bit head made aside)
-                model.lm_head = torch.nn.Parameter(head, requires_grad=False)
-                del model.lm_head_int8, model.lm_head_scale
-                model.quantize_head(8)
+            if i == 6 and head == "int8":
+                w = (model.lm_head_int8.float() * model.lm_head_scale.float()[:, None] * 1.5).to(torch.bfloat16)
+            if i == 6 and head == "bf16":
+                w = model.lm_head * 1.5
+            if i == 7:  # the head again (new tensors: int8 ones from a 16-bit head made aside, or a new bf16 matrix)
+                if head == "int8":
+                    del model.lm_head_int8, model.lm_head_scale
+                model.lm_head = torch.nn.Parameter(w, requires_grad=False)
+                model.quantize_head(8 if head == "int8" else 16)
             verify = i % 3 == 2
             batch = StepBatch.make([0], pos[:1], 3) if verify else StepBatch.make([0, 1], pos, 1)
             tokens = t.view(1, 2).repeat(1, 2)[:, :3] if verify else t

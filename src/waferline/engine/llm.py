@@ -18,6 +18,10 @@ from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model
 
+# greedy decode steps run back to back from one Python call, up to this many (DecoderModel.greedy_steps: the steps'
+# Python runs once, warm; the tokens stream out in bursts); 1: step by step
+GREEDY_BURST = 8
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -229,8 +233,11 @@ class LLM:
         lengths = [len(p) for p in ids]
         rows = list(range(B))  # logits row i belongs to sequence rows[i]
         greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
+        pending: list[list[int]] = []  # a burst's later steps' greedy tokens (rows: the burst's rows)
         while True:
             for i, b in enumerate(rows):
+                if done[b]:  # (a row that stopped earlier in a burst: its later tokens are dropped)
+                    continue
                 tok = greedy[i] if greedy is not None else sample(logits[i], params, gens[b])
                 out[b].append(tok)
                 yield b, tok
@@ -243,7 +250,18 @@ class LLM:
             active = [b for b in range(B) if not done[b]]
             if not active:
                 break
+            if pending:
+                greedy = pending.pop(0)
+                continue
             toks = torch.tensor([[out[b][-1]] for b in active])
+            n = min(GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
+            if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
+                steps = self.model.greedy_steps(toks, caches, [
+                    StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1) for j in range(n)])
+                if steps is not None:
+                    greedy, *pending = (s[:, 0].tolist() for s in steps)
+                    rows = active
+                    continue
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
             logits, _, top = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
             logits, rows = logits[:, 0], active

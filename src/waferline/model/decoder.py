@@ -14,7 +14,7 @@ from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, RMSNorm, Rotary, packed_linear, rope_parameters
+from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear, rope_parameters
 from waferline.model.moe import MoE, DenseFFN
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.weights import WeightSource, copy_into
@@ -224,7 +224,7 @@ class _StepPlan:
         """The layers as a ``waferline.StepProgram`` (cpu_ops.cpp), built at the first replay: it keeps the ops'
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
         once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
-        norm's weight and epsilon, the int8 head's values and scales) the program also embeds the tokens first and
+        norm's weight and epsilon, the head's weight and its int8 scales or None) the program also embeds the tokens first and
         ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is replaced.
         None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot
         take an argument (the replay op by op then runs)."""
@@ -244,7 +244,14 @@ class _StepPlan:
                              [1 + i for i in dyn], 0, 2, False)
                 if tail:
                     prog.add("waferline::rms_norm", [None, tail[1], tail[2]], [], 0, 1, True)  # (h kept)
-                    prog.add("waferline::int8_linear", [None, tail[3], tail[4]], [], 0, 1, False)
+                    if tail[4] is not None:  # the int8 head (project's op)
+                        prog.add("waferline::int8_linear", [None, tail[3], tail[4]], [], 0, 1, False)
+                    elif tail[3].dtype == torch.bfloat16:  # a bf16 head at few rows: linear's op, then .float()
+                        prog.add("waferline::linear_rows", [None, tail[3]], [], 0, 1, False)
+                        prog.add("aten::_to_copy", [None, torch.float32, None, None, None, False, None], [], 0, 1,
+                                 False)
+                    else:  # an fp32 head: F.linear's op (.float() returns its result)
+                        prog.add("aten::linear", [None, tail[3], None], [], 0, 1, False)
                     prog.add("waferline::argmax_rows", [None], [], 0, 1, True)  # (the logits kept)
             except (RuntimeError, TypeError, AttributeError):
                 prog = None
@@ -456,9 +463,10 @@ class DecoderModel(nn.Module):
                     argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """A step of tokens [B, T] -> (fp32 logits [B, T, V], the hidden states [B, T, D] they came from, and with
         ``argmax`` the greedy tokens [B, T] (greedy()'s: torch.argmax's indices)): ``self.logits(self(tokens, caches,
-        batch))``. When the step (a decode step or a verify) replays a plan through its StepProgram and the LM head is
-        int8 on this CPU's operators, the embedding, the layers, the final norm, the head and the argmax run as one
-        program (one call from Python; the same ops on the same tensors). Not with a forward hook on the model, its
+        batch))``. When the step (a decode step or a verify) replays a plan through its StepProgram on this CPU's
+        operators and the LM head is int8, bf16 (up to ``few_rows()`` rows: linear_rows) or fp32, the embedding, the
+        layers, the final norm, the head and the argmax run as one program (one call from Python; the ops project()
+        would call, on the same tensors). Not with a forward hook on the model, its
         embedding or its norm (they need the module calls)."""
         tail = self._step_tail(tokens)
         if tail is not None:
@@ -476,22 +484,55 @@ class DecoderModel(nn.Module):
                else logits.argmax(-1))
         return logits, h, ids
 
+    def greedy_steps(self, tokens: torch.Tensor, caches: list[Any],
+                     batches: list[StepBatch]) -> list[torch.Tensor] | None:
+        """Greedy decode steps back to back, each step's greedy tokens the next one's input: tokens [B, 1] at
+        ``batches[0]``, then ``batches[1:]`` (one-token steps of the same rows) -> each step's greedy tokens [B, 1];
+        None where step_logits would not run the step as one whole-step program (then step by step). Every step's
+        per-step tensors (rotary rows, caches grown to the last step's end first, slots, positions) are made before
+        the first runs, so the Python of the steps runs once, warm, instead of between steps that leave the caches
+        cold (a multi-step decode, as vLLM's multi-step scheduling). The same ops on the same tensors as
+        ``len(batches)`` calls of ``step_logits(..., argmax=True)``: the same tokens."""
+        tail = self._step_tail(tokens)
+        if tail is None or tokens.shape[1] != 1 or any(b.T != 1 for b in batches):
+            return None
+        plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
+        if plan is None or not plan.valid(tokens, caches):
+            return None
+        prog = plan.program(tail[:5])
+        if prog is None:
+            return None
+        dyns: list[list[torch.Tensor]] = [[] for _ in batches]
+        for i in reversed(range(len(batches))):  # (the last first: a cache grown later would leave a stale tensor)
+            for (_, _, _, mix), cache in zip(plan.layers, caches):
+                dyns[i] += mix.step_dynamic(cache, batches[i])
+        out = []
+        for dyn in dyns:
+            tokens = prog.run(tokens, dyn)[0][0]  # (a one-token step returns no Mamba-2 record)
+            out.append(tokens)
+        return out
+
     def _step_tail(self, tokens: torch.Tensor) -> tuple | None:
-        """(embedding weight, norm weight, its epsilon, int8 head values, their scales, hidden size) where step_logits
-        may run a program, else None. (Per step: the modules' dicts, not nn.Module's attribute lookups.)"""
+        """(embedding weight, norm weight, its epsilon, the head's weight: int8 values or the bf16 / fp32 matrix, the
+        int8 scales or None, hidden size) where step_logits may run a program, else None. (Per step: the modules'
+        dicts, not nn.Module's attribute lookups.)"""
         d = self.__dict__
         mods, bufs = d["_modules"], d["_buffers"]
-        e, n, q = mods.get("embed"), mods.get("norm"), bufs.get("lm_head_int8")
-        if (not _USE_PROGRAM or e is None or n is None or q is None or d["_parameters"].get("lm_head") is not None
-                or self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
+        e, n, q, w = mods.get("embed"), mods.get("norm"), bufs.get("lm_head_int8"), d["_parameters"].get("lm_head")
+        if w is not None:  # a bf16 head where project() runs linear_rows (few rows), or an fp32 one
+            if q is not None or not (w.dtype == torch.float32 or (
+                    w.dtype == torch.bfloat16 and tokens.numel() <= few_rows(torch.bfloat16))):
+                return None
+            q = w
+        if (not _USE_PROGRAM or e is None or n is None or q is None or self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
                 or n._forward_hooks or n._forward_pre_hooks or d["embedding_multiplier"] != 1.0
                 or d["logits_scaling"] != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
                 or tokens.numel() > _PLAN_MAX_ROWS or not kernels.available()):
             return None
         ew, nw = e._parameters["weight"], n._parameters["weight"]
-        if nw.dtype != ew.dtype:
+        if nw.dtype != ew.dtype or (w is not None and w.dtype != ew.dtype):
             return None
-        return ew, nw, n.eps, q, bufs["lm_head_scale"], ew.shape[1]
+        return ew, nw, n.eps, q, None if w is not None else bufs["lm_head_scale"], ew.shape[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits for hidden states h [..., D]."""
