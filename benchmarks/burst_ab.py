@@ -24,27 +24,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     a, models, variants, batches, params = got
     import waferline.engine.llm as llm_mod
-    from waferline import LLM
 
     def switch(on: bool) -> None:
         llm_mod.GREEDY_BURST = 8 if on else 1
 
     rows = []
-    for name, path in models:
-        for variant in variants:
-            llm = LLM(str(path), dtype="bfloat16", **inprocess_ab.VARIANTS[variant])
-            V = llm.spec.vocab_size
-            for B in batches:
-                prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
-                r = inprocess_ab.alternate(llm, prompts, params, switch, a.rounds)
-                row = {"model": name, "variant": variant, "batch": B, "steps_best": r["off_best"],
-                       "steps_median": r["off_median"], "bursts_best": r["on_best"], "bursts_median": r["on_median"],
-                       "paired_median": r["paired_median"], "same_tokens": r["same_tokens"],
-                       "rounds_steps": r["rounds_off"], "rounds_bursts": r["rounds_on"]}
-                rows.append(row)
-                print(f"{name} {variant} b={B}: step by step {row['steps_median']:.1f} / bursts "
-                      f"{row['bursts_median']:.1f} tok/s (median), paired {row['paired_median']:.3f}x, same tokens "
-                      f"{row['same_tokens']}", file=sys.stderr, flush=True)
+    for name, variant, B, r in inprocess_ab.cells(models, variants, batches, params, switch, a.rounds):
+        row = {"model": name, "variant": variant, "batch": B, "steps_best": r["off_best"],
+               "steps_median": r["off_median"], "bursts_best": r["on_best"], "bursts_median": r["on_median"],
+               "paired_median": r["paired_median"], "same_tokens": r["same_tokens"],
+               "rounds_steps": r["rounds_off"], "rounds_bursts": r["rounds_on"]}
+        rows.append(row)
+        print(f"{name} {variant} b={B}: step by step {row['steps_median']:.1f} / bursts {row['bursts_median']:.1f} "
+              f"tok/s (median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}", file=sys.stderr,
+              flush=True)
     t = inprocess_ab.table(
         f"greedy decode tok/s (aggregate), {a.threads} threads: step by step / bursts of 8, {a.rounds} alternating rounds",
         ["model", "variant", "batch", "steps best", "steps median", "bursts best", "bursts median", "paired",

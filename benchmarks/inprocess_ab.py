@@ -105,6 +105,22 @@ def alternate(llm: Any, prompts: list[list[int]], params: Any, switch: Callable[
             "rounds_on": [round(x, 1) for x in rates[True]], "rounds_off": [round(x, 1) for x in rates[False]]}
 
 
+def cells(models: list[tuple[str, Path]], variants: list[str], batches: list[int], params: Any,
+          switch: Callable[[bool], None], rounds: int) -> Any:
+    """For each checkpoint, variant (an LLM of it, bf16 compute) and batch size: (name, variant, batch, alternate()'s
+    result) over ``batches`` prompts of 64 tokens each."""
+    from waferline import LLM
+
+    for name, path in models:
+        for variant in variants:
+            llm = LLM(str(path), dtype="bfloat16", **VARIANTS[variant])
+            V = llm.spec.vocab_size
+            for B in batches:
+                prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
+                yield name, variant, B, alternate(llm, prompts, params, switch, rounds)
+            del llm
+
+
 def finish(a: argparse.Namespace, rows: list[dict], table: Any, extra: dict[str, Any] | None = None) -> int:
     """Print the table, write the rows (and the run's settings, with ``extra``) to --json, and return the exit status:
     1 where a setting generated other tokens than the other."""

@@ -49,26 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     if got is None:
         return 1
     a, models, variants, batches, params = got
-    from waferline import LLM
     on, off = _switch()
     rows = []
     try:
-        for name, path in models:
-            for variant in variants:
-                llm = LLM(str(path), dtype="bfloat16", **inprocess_ab.VARIANTS[variant])
-                V = llm.spec.vocab_size
-                for B in batches:
-                    prompts = [[(3 + 7 * b + 13 * i) % V for i in range(64)] for b in range(B)]
-                    r = inprocess_ab.alternate(llm, prompts, params, lambda new: (on if new else off)(), a.rounds)
-                    row = {"model": name, "variant": variant, "batch": B, "before_median": r["off_median"],
-                           "after_median": r["on_median"], "paired_median": r["paired_median"],
-                           "same_tokens": r["same_tokens"], "rounds_before": r["rounds_off"],
-                           "rounds_after": r["rounds_on"]}
-                    rows.append(row)
-                    print(f"{name} {variant} b={B}: before {row['before_median']:.1f} / after {row['after_median']:.1f} "
-                          f"tok/s (median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}",
-                          flush=True)
-                del llm
+        for name, variant, B, r in inprocess_ab.cells(models, variants, batches, params,
+                                                      lambda new: (on if new else off)(), a.rounds):
+            row = {"model": name, "variant": variant, "batch": B, "before_median": r["off_median"],
+                   "after_median": r["on_median"], "paired_median": r["paired_median"],
+                   "same_tokens": r["same_tokens"], "rounds_before": r["rounds_off"], "rounds_after": r["rounds_on"]}
+            rows.append(row)
+            print(f"{name} {variant} b={B}: before {row['before_median']:.1f} / after {row['after_median']:.1f} "
+                  f"tok/s (median), paired {row['paired_median']:.3f}x, same tokens {row['same_tokens']}", flush=True)
     finally:
         on()
     t = inprocess_ab.table(
