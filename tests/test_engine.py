@@ -173,9 +173,9 @@ _INT4 = {"dtype": "bfloat16", "weight_bits": 4, "head_bits": 8, "group_size": 32
 def test_greedy_bursts_are_the_step_by_step_tokens(tmp_path, monkeypatch, model_type, overrides, opts):
     """Greedy decode in bursts of steps run back to back (DecoderModel.greedy_steps, LLM's GREEDY_BURST) streams the
     same (row, token) events and ends with the same outputs as step by step: 2 rows of different prompt lengths (the
-    caches grow past their first 64 positions inside a burst), 19 tokens (bursts of 8, 8, then the 2 left), and a stop token that ends row 0 inside a burst while row 1 goes on (the
-    burst's later tokens of row 0 are dropped; row 1's do not depend on row 0 being in the step). Bursts run where the
-    fused operators are built."""
+    caches grow past their first 64 positions inside a burst), 19 tokens (bursts of 8, 8, then the 2 left), and a
+    stop token that ends row 0 inside a burst while row 1 goes on (the burst's later tokens of row 0 are dropped; row
+    1's do not depend on row 0 being in the step). Bursts run where the fused operators are built."""
     import waferline.engine.llm as llm_mod
     from waferline import kernels
 

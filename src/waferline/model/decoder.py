@@ -224,9 +224,9 @@ class _StepPlan:
         """The layers as a ``waferline.StepProgram`` (cpu_ops.cpp), built at the first replay: it keeps the ops'
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
         once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
-        norm's weight and epsilon, the head's weight and its int8 scales or None) the program also embeds the tokens first and
-        ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is replaced.
-        None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot
+        norm's weight and epsilon, the head's weight and its int8 scales or None) the program also embeds the tokens
+        first and ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is
+        replaced. None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot
         take an argument (the replay op by op then runs)."""
         progs = self.__dict__.setdefault("_programs", {})
         key = tuple(map(id, tail))
@@ -466,8 +466,8 @@ class DecoderModel(nn.Module):
         batch))``. When the step (a decode step or a verify) replays a plan through its StepProgram on this CPU's
         operators and the LM head is int8, bf16 (up to ``few_rows()`` rows: linear_rows) or fp32, the embedding, the
         layers, the final norm, the head and the argmax run as one program (one call from Python; the ops project()
-        would call, on the same tensors). Not with a forward hook on the model, its
-        embedding or its norm (they need the module calls)."""
+        would call, on the same tensors). Not with a forward hook on the model, its embedding or its norm (they need
+        the module calls)."""
         tail = self._step_tail(tokens)
         if tail is not None:
             plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
@@ -524,7 +524,8 @@ class DecoderModel(nn.Module):
                     w.dtype == torch.bfloat16 and tokens.numel() <= few_rows(torch.bfloat16))):
                 return None
             q = w
-        if (not _USE_PROGRAM or e is None or n is None or q is None or self._forward_hooks or self._forward_pre_hooks or e._forward_hooks or e._forward_pre_hooks
+        if (not _USE_PROGRAM or e is None or n is None or q is None or self._forward_hooks or self._forward_pre_hooks
+                or e._forward_hooks or e._forward_pre_hooks
                 or n._forward_hooks or n._forward_pre_hooks or d["embedding_multiplier"] != 1.0
                 or d["logits_scaling"] != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
                 or tokens.numel() > _PLAN_MAX_ROWS or not kernels.available()):
