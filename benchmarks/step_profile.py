@@ -3,10 +3,11 @@ samples sorted into the step's kinds of work, and the same steps on 1 and on N t
 serially).
 
     python benchmarks/step_profile.py --model benchmarks/.cache/dsv3/hf [--variant bf16|int4] [--batch 8]
-                                      [--threads 2] [--seconds 8] [--json PATH]
+                                      [--threads 2] [--seconds 8] [--burst 1] [--json PATH]
 
 The step is decode_ab.py's: one decode forward of B rows (64-token prompts already cached) plus logits and argmax,
-through ``step_logits`` as the engine runs it, positions cycling over 64..191. The profile is Linux `perf record -e
+through ``step_logits``, positions cycling over 64..191; with ``--burst 8`` the steps run as the engine's greedy
+decode runs them, 8 back to back per call (``greedy_steps``). The profile is Linux `perf record -e
 cpu-clock` (a software clock: works in VMs without hardware counters) of this process for --seconds, after warm-up;
 each sample is sorted by the function it was in: the weight products (waferline's bf16 / int4 / int8 kernels), the
 OpenMP runtime (a thread waiting at a barrier or for work: on 2 threads, the worker waits while the main thread runs
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bf16 (16-bit head) or int4 (RTN g128, int8 head, as decode_speed.py's waferline int4)")
     ap.add_argument("--batch", type=int, default=8, help="rows per step (default 8)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for the profile (default 2)")
+    ap.add_argument("--burst", type=int, default=1,
+                    help="greedy steps run back to back per call (DecoderModel.greedy_steps, as LLM's greedy decode "
+                         "runs them: 8); default 1, a step_logits call per step")
     ap.add_argument("--seconds", type=float, default=8.0, help="how long perf records (default 8)")
     ap.add_argument("--rounds", type=int, default=8, help="alternating 1 / N thread rounds for the split (default 8)")
     ap.add_argument("--top", type=int, default=12, help="list this many of the most-sampled functions (default 12)")
@@ -93,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         ap.error(f"--model {a.model}: no config.json there")
-    if a.batch < 1 or a.threads < 1 or a.seconds <= 0:
-        ap.error("--batch, --threads and --seconds must be positive")
+    if a.batch < 1 or a.threads < 1 or a.seconds <= 0 or a.burst < 1:
+        ap.error("--batch, --threads, --seconds and --burst must be positive")
 
     import torch
 
@@ -116,14 +120,17 @@ def main(argv: list[str] | None = None) -> int:
         m.quantize_head(8)
     B, V = a.batch, m.spec.vocab_size
     caches = m.new_caches(B)
-    res: dict = {"model": a.model, "variant": a.variant, "batch": B, "threads": a.threads}
+    res: dict = {"model": a.model, "variant": a.variant, "batch": B, "threads": a.threads, "burst": a.burst}
     with torch.inference_mode():
         for b in range(B):
             m((torch.arange(3, 67)[None] * (b + 1)) % V, caches, StepBatch.make([b], [0], 64))
 
-        def step(i: int) -> None:
-            toks = (torch.arange(B)[:, None] * 997 + 5 + i) % V
-            m.step_logits(toks, caches, StepBatch.make(list(range(B)), [64 + i % 128] * B, 1), argmax=True)
+        def step(i: int) -> None:  # a step, or a burst of --burst steps (the first, with no plan yet: a step)
+            toks, pos = (torch.arange(B)[:, None] * 997 + 5 + i) % V, 64 + i * a.burst % 128
+            if a.burst > 1 and m.greedy_steps(toks, caches, [StepBatch.make(list(range(B)), [pos + j] * B, 1)
+                                                             for j in range(a.burst)]) is not None:
+                return
+            m.step_logits(toks, caches, StepBatch.make(list(range(B)), [pos] * B, 1), argmax=True)
 
         def block(threads: int, n: int = 24) -> float:
             torch.set_num_threads(threads)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             t = time.perf_counter()
             for i in range(n):
                 step(i)
-            return (time.perf_counter() - t) / n
+            return (time.perf_counter() - t) / (n * a.burst)
 
         best = {1: float("inf"), a.threads: float("inf")}
         for r in range(a.rounds):
@@ -167,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
             if not shares:
                 print(f"perf recorded nothing ({(err.strip().splitlines() or ['no samples'])[-1][:200]})")
             else:
-                res["steps_profiled"] = i
+                res["steps_profiled"] = i * a.burst
                 res["threads_profile"] = {tid: {k: round(v, 4) for k, v in s.items()} for tid, s in shares.items()}
                 from rich.console import Console
                 from rich.table import Table
 
                 tids = sorted(shares, key=int)
-                t = Table(title=f"share of each thread's samples, {i} steps ({tids[0]}: the main thread)")
+                t = Table(title=f"share of each thread's samples, {i * a.burst} steps ({tids[0]}: the main thread)")
                 t.add_column("kind")
                 for tid in tids:
                     t.add_column(f"thread {tid}", justify="right")
