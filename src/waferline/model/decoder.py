@@ -468,14 +468,10 @@ class DecoderModel(nn.Module):
         layers, the final norm, the head and the argmax run as one program (one call from Python; the ops project()
         would call, on the same tensors). Not with a forward hook on the model, its embedding or its norm (they need
         the module calls)."""
-        tail = self._step_tail(tokens)
-        if tail is not None:
-            plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
-            if plan is not None and plan.valid(tokens, caches):
-                prog = plan.program(tail[:5])
-                if prog is not None:
-                    ids, h, logits = plan.run(tokens, caches, batch, prog)
-                    return logits, h, ids if argmax else None
+        found = self._tail_program(tokens, caches)
+        if found is not None:
+            ids, h, logits = found[0].run(tokens, caches, batch, found[1])
+            return logits, h, ids if argmax else None
         h = self(tokens, caches, batch)
         logits = self.logits(h)
         if not argmax:
@@ -493,15 +489,10 @@ class DecoderModel(nn.Module):
         the first runs, so the Python of the steps runs once, warm, instead of between steps that leave the caches
         cold (a multi-step decode, as vLLM's multi-step scheduling). The same ops on the same tensors as
         ``len(batches)`` calls of ``step_logits(..., argmax=True)``: the same tokens."""
-        tail = self._step_tail(tokens)
-        if tail is None or tokens.shape[1] != 1 or any(b.T != 1 for b in batches):
+        found = self._tail_program(tokens, caches) if tokens.shape[1] == 1 and all(b.T == 1 for b in batches) else None
+        if found is None:
             return None
-        plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
-        if plan is None or not plan.valid(tokens, caches):
-            return None
-        prog = plan.program(tail[:5])
-        if prog is None:
-            return None
+        plan, prog = found
         dyns: list[list[torch.Tensor]] = [[] for _ in batches]
         for i in reversed(range(len(batches))):  # (the last first: a cache grown later would leave a stale tensor)
             for (_, _, _, mix), cache in zip(plan.layers, caches):
@@ -511,6 +502,18 @@ class DecoderModel(nn.Module):
             tokens = prog.run(tokens, dyn)[0][0]  # (a one-token step returns no Mamba-2 record)
             out.append(tokens)
         return out
+
+    def _tail_program(self, tokens: torch.Tensor, caches: list[Any]) -> tuple["_StepPlan", Any] | None:
+        """(the step's plan, its whole-step program with the embedding, norm, head and argmax) where a step of
+        ``tokens`` on ``caches`` can run as one program, else None."""
+        tail = self._step_tail(tokens)
+        if tail is None:
+            return None
+        plan = self.__dict__.get("_step_plans", {}).get(_StepPlan.key_of(tokens, tail[0].dtype, tail[5]))
+        if plan is None or not plan.valid(tokens, caches):
+            return None
+        prog = plan.program(tail[:5])
+        return None if prog is None else (plan, prog)
 
     def _step_tail(self, tokens: torch.Tensor) -> tuple | None:
         """(embedding weight, norm weight, its epsilon, the head's weight: int8 values or the bf16 / fp32 matrix, the
