@@ -170,6 +170,58 @@ def test_mtp_sol_hybrid_and_drafts_match_full_forward(ckpts):
             assert pred == first
 
 
+class _Every(AdaptiveK):
+    """A scripted adaptive K: k drafts per row at every ``every``-th step, none at the others (0: never)."""
+
+    def __init__(self, k: int, every: int):
+        super().__init__(k)
+        self.every, self.calls = every, 0
+
+    def choose(self, rows):
+        self.calls += 1
+        return [self.k_max if self.every and self.calls % self.every == 0 else 0] * len(rows)
+
+
+@pytest.mark.parametrize("method,every", [("mtp", 0), ("mtp", 3), ("ngram:3:3", 1)],
+                         ids=["mtp-never", "mtp-every-3rd", "ngram-no-match"])
+def test_plain_steps_in_bursts_when_nothing_is_drafted(ckpts, monkeypatch, method, every):
+    """A greedy step in which no row drafts (adaptive K chose k = 0, or the n-gram lookup found no match) runs as plain
+    steps in a burst (DecoderModel.greedy_steps; burst_len: 1, 2, 4, then LLM's GREEDY_BURST after such steps in a
+    row): the same tokens as plain decoding and as step by step, with drafting steps in between (MTP every 3rd step:
+    its next draft commits the burst's hidden states) or none; with MTP never drafting, the hidden states the drafter
+    holds for its next draft are bitwise the ones step by step gives it. Where the fused operators are built (sol
+    int4: whole-step programs), bursts ran."""
+    import waferline.engine.speculative as spm
+    from waferline import kernels
+
+    d, opts = ckpts["sol:mtp"], dict(dtype="bfloat16", weight_bits=4, group_size=32)
+    prompts, sp = _prompts(3, seed=7), SamplingParams(max_tokens=21, ignore_eos=True)
+    prompts[1] = prompts[1][:5]  # (no repeated 3-gram in any prompt)
+    ref = [o.token_ids for o in LLM(d, **opts).generate(prompts, sp)]
+    llm = LLM(d, speculative=method, num_speculative_tokens=2, **opts)
+    if method == "mtp":
+        monkeypatch.setattr(llm._spec, "controller", lambda params: _Every(2, every))
+    ran, orig = [], type(llm.model).greedy_steps
+    monkeypatch.setattr(type(llm.model), "greedy_steps", lambda self, *a: ran.append(orig(self, *a)) or ran[-1])
+    held = {}
+    for name, burst in (("steps", lambda idle: 1), ("bursts", spm.burst_len)):
+        monkeypatch.setattr(spm, "burst_len", burst)
+        ran.clear()
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == ref, name
+        if method == "mtp":
+            held[name] = [p.clone() for p in llm._spec.drafter.pending]
+            assert (outs[0].metrics["spec_drafted"] > 0) == (every > 0)
+        if name == "steps":
+            assert not ran
+    if kernels.available():
+        assert sum(r is not None for r in ran) >= 2
+    if every == 0:
+        # (the prompt's last position's, then one a step: the drafter commits the rest of the prompt at the start)
+        assert [p.shape[0] for p in held["bursts"]] == [1 + sp.max_tokens - 1] * len(prompts)
+        assert all(torch.equal(a, b) for a, b in zip(held["steps"], held["bursts"]))
+
+
 def test_sampled_generation_runs_and_is_seeded(ckpts):
     prompts = _prompts(3)
     sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=5, ignore_eos=True)

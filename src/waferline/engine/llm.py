@@ -259,7 +259,7 @@ class LLM:
                 steps = self.model.greedy_steps(toks, caches, [
                     StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1) for j in range(n)])
                 if steps is not None:
-                    greedy, *pending = (s[:, 0].tolist() for s in steps)
+                    greedy, *pending = (ids[:, 0].tolist() for ids, _ in steps)
                     rows = active
                     continue
             batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)

@@ -35,7 +35,9 @@ cost of a step with B rows in tokens-equivalent: a forward costs t0 + t1·N for 
 time every step (B rows x T tokens) and every drafting pass, and measured costs replace the prior (``AdaptiveK.record``;
 one plain step in 16 keeps the plain cost measured). When even k = 1 does not pay — a large batch, a low acceptance,
 or a verify that costs much more than a plain step — the step is a plain decode step: speculation backs off by
-itself as the batch grows.
+itself as the batch grows. Greedy steps in which no row drafts (k = 0, or no n-gram match) run as plain greedy decode
+does, in bursts of steps from one Python call (``burst_len``: 1, 2, 4, then 8 after such steps in a row), so a
+speculative run whose drafts do not pay costs about what plain decoding does.
 
 Under the pipeline (engine/pipeline.py, engine/stage.py; docs/pipeline.md). Stage 0 (the scheduler) puts each
 ready decode row of a micro-batch into one *verify group*: input [last token] + drafts, padded to T = 1 + the
@@ -689,6 +691,16 @@ class SpecStats:
                 "spec_verify_steps": float(self.steps), "spec_plain_steps": float(self.plain_steps)}
 
 
+def burst_len(idle: int) -> int:
+    """How many plain greedy steps run back to back (``DecoderModel.greedy_steps``) when a step drafts nothing, after
+    ``idle`` steps or bursts in a row that drafted nothing: 1, 2, 4, then LLM's GREEDY_BURST. Where adaptive K has
+    found that speculation does not pay, or the n-gram lookup keeps finding no match, the plain steps cost what plain
+    greedy decode's do; a row whose drafts pay again waits at most one burst for its next draft."""
+    from waferline.engine import llm
+
+    return max(1, min(llm.GREEDY_BURST, 1 << idle))
+
+
 class Speculator:
     """Speculative decoding for ``LLM``: ``LLM(path, speculative="ngram" | "mtp" | "draft:PATH", num_speculative_tokens=K)``."""
 
@@ -765,6 +777,7 @@ class Speculator:
 
             for b in range(B):
                 yield from emit(b, [first[b]])
+            idle = 0  # steps (or bursts) in a row in which no row drafted
             while True:
                 active = [b for b in range(B) if not done[b]]
                 if not active:
@@ -779,6 +792,25 @@ class Speculator:
                 width = max(len(p.tokens) for p in props)
                 t_step = time.perf_counter()
                 ctl.record_draft(len(active), width, t_step - t_draft)
+                n = min(burst_len(idle), min(params.max_tokens - len(out[b]) for b in active))
+                if width == 0 and params.temperature == 0 and n > 1:
+                    steps = model.greedy_steps(torch.tensor([[seqs[b][-1]] for b in active]), caches, [
+                        StepBatch.make(active, [len(seqs[b]) - 1 + j for b in active], 1) for j in range(n)])
+                    if steps is not None:  # nothing drafted: plain steps in a burst, as LLM's greedy decode runs them
+                        ctl.record(len(active), 1, (time.perf_counter() - t_step) / n)
+                        idle += 1
+                        stats.steps += n
+                        stats.plain_steps += n
+                        stats.row_steps += n * len(active)
+                        stats.emitted += n * len(active)
+                        toks = torch.cat([ids for ids, _ in steps], 1).tolist()
+                        for i, b in enumerate(active):
+                            yield from emit(b, toks[i])
+                        self.drafter.accepted(active, seqs, [n - 1] * len(active), [0] * len(active),
+                                              torch.cat([h for _, h in steps], 1)
+                                              if getattr(self.drafter, "uses_hidden", False) else None)
+                        continue
+                idle = idle + 1 if width == 0 else 0
                 rows = [[seqs[b][-1]] + p.tokens + [0] * (width - len(p.tokens)) for b, p in zip(active, props)]
                 batch = StepBatch.make(active, [len(seqs[b]) - 1 for b in active], width + 1)
                 rb = VerifyRollback(caches, batch)

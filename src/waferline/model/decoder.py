@@ -481,10 +481,11 @@ class DecoderModel(nn.Module):
         return logits, h, ids
 
     def greedy_steps(self, tokens: torch.Tensor, caches: list[Any],
-                     batches: list[StepBatch]) -> list[torch.Tensor] | None:
+                     batches: list[StepBatch]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Greedy decode steps back to back, each step's greedy tokens the next one's input: tokens [B, 1] at
-        ``batches[0]``, then ``batches[1:]`` (one-token steps of the same rows) -> each step's greedy tokens [B, 1];
-        None where step_logits would not run the step as one whole-step program (then step by step). Every step's
+        ``batches[0]``, then ``batches[1:]`` (one-token steps of the same rows) -> per step, its greedy tokens [B, 1]
+        and the hidden states [B, 1, D] they came from (step_logits'); None where step_logits would not run the step
+        as one whole-step program (then step by step). Every step's
         per-step tensors (rotary rows, caches grown to the last step's end first, slots, positions) are made before
         the first runs, so the Python of the steps runs once, warm, instead of between steps that leave the caches
         cold (a multi-step decode, as vLLM's multi-step scheduling). The same ops on the same tensors as
@@ -499,8 +500,8 @@ class DecoderModel(nn.Module):
                 dyns[i] += mix.step_dynamic(cache, batches[i])
         out = []
         for dyn in dyns:
-            tokens = prog.run(tokens, dyn)[0][0]  # (a one-token step returns no Mamba-2 record)
-            out.append(tokens)
+            tokens, h = prog.run(tokens, dyn)[0][:2]  # (a one-token step returns no Mamba-2 record)
+            out.append((tokens, h))
         return out
 
     def _tail_program(self, tokens: torch.Tensor, caches: list[Any]) -> tuple["_StepPlan", Any] | None:

@@ -1,0 +1,102 @@
+"""What bursts of plain steps buy speculative decoding: the same speculative engines, the same process, a greedy
+step that drafts nothing run step by step or in bursts, with plain (non-speculative) greedy decode beside them.
+
+    python benchmarks/spec_burst_ab.py [--model models/sol-mini] [--methods mtp,ngram] [--rounds 6] [--tokens 128]
+                                       [--batch 1] [--json PATH]
+
+When adaptive K finds that drafting does not pay (k = 0), or the n-gram lookup finds no match, a speculative step
+drafts nothing and is a plain decode step. ``Speculator.stream`` runs such steps in bursts (``burst_len``: 1, 2, 4,
+then 8 after such steps in a row, through ``DecoderModel.greedy_steps``, as plain greedy decode runs them);
+``burst_len = 1`` runs them one by one, each with the speculative loop's Python around it (the engine before this
+change). Each round runs ``LLM.generate`` of every speculative method (k <= 3, adaptive K, int4 weights with an int8
+head as decode_speed.py's sol-mini rows) both ways, in alternating order, and plain greedy decode once; prompts are
+the checkpoint's held-out text (speculation depends on the text: random ids would be meaningless). A table gives
+the median and best decode tok/s of each, the median of the rounds' paired ratios (bursts over step by step), and
+checks that every engine and setting generates plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import inprocess_ab
+
+SOL = Path(__file__).resolve().parents[1] / "models" / "sol-mini"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = inprocess_ab.parser(__doc__, "default: models/sol-mini", "1", 6, 128)
+    ap.add_argument("--methods", default="mtp,ngram", help="comma-separated speculative methods (default mtp,ngram)")
+    a = ap.parse_args(argv)
+    path = Path(a.model[0]) if a.model else SOL
+    if not (path / "config.json").is_file():
+        ap.error(f"--model {path}: no config.json there")
+    if a.tokens < 2 or a.rounds < 1:
+        ap.error("--tokens must be at least 2 and --rounds at least 1")
+    if not inprocess_ab.ready(a.threads):
+        return 1
+    import waferline.engine.speculative as spm
+    from waferline import LLM, SamplingParams
+
+    opts = dict(dtype="bfloat16", weight_bits=4, head_bits=8)
+    plain = LLM(str(path), **opts)
+    held = path / "heldout.txt"
+    text = held.read_text() if held.is_file() else "To be, or not to be: " * 40
+    if "," in a.batch:
+        ap.error("--batch: one batch size")
+    B = int(a.batch)
+    ids = plain.encode(text[: 400 * B])  # (~2.5 characters a token: 64 tokens a row, under the tokenizer's limit)
+    prompts = [ids[64 * b: 64 * (b + 1)] for b in range(B)]
+    if len(prompts[-1]) < 64:
+        ap.error(f"{held}: too short for {B} prompts of 64 tokens")
+    params = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    engines = {m: LLM(str(path), speculative=m, num_speculative_tokens=3, **opts) for m in a.methods.split(",") if m}
+    bursts = spm.burst_len
+
+    def gen(llm: LLM) -> tuple[float, list[list[int]], dict]:
+        outs = llm.generate(prompts, params)
+        return outs[0].metrics["decode_tokens_per_s"], [o.token_ids for o in outs], outs[0].metrics
+
+    ref = gen(plain)[1]
+    rates: dict[str, list[float]] = {"plain": []}
+    same, spec = True, {}
+    for e in engines.values():  # (a warm-up each way)
+        for burst in (bursts, lambda idle: 1):
+            spm.burst_len = burst
+            gen(e)
+    for r in range(a.rounds):
+        rates["plain"].append(gen(plain)[0])
+        for m, e in engines.items():
+            for on in ((True, False) if r % 2 else (False, True)):
+                spm.burst_len = bursts if on else (lambda idle: 1)
+                rate, toks, met = gen(e)
+                same = same and toks == ref
+                rates.setdefault((m, on), []).append(rate)
+                if on:
+                    spec[m] = {k: round(v, 3) for k, v in met.items() if k.startswith("spec_")}
+    spm.burst_len = bursts
+    med = statistics.median
+    rows = [{"engine": "plain", "median": med(rates["plain"]), "best": max(rates["plain"]),
+             "rounds": [round(x, 1) for x in rates["plain"]], "same_tokens": True}]
+    for m in engines:
+        off, on = rates[(m, False)], rates[(m, True)]
+        rows.append({"engine": f"{m} k<=3", "steps_median": med(off), "steps_best": max(off), "bursts_median": med(on),
+                     "bursts_best": max(on), "paired_median": med([p / q for p, q in zip(on, off)]),
+                     "rounds_steps": [round(x, 1) for x in off], "rounds_bursts": [round(x, 1) for x in on],
+                     "spec_metrics": spec.get(m), "same_tokens": same})
+        print(f"{m}: step by step {med(off):.1f} / bursts {med(on):.1f} tok/s (median), plain {med(rates['plain']):.1f}",
+              file=sys.stderr, flush=True)
+    t = inprocess_ab.table(
+        f"{path.name} int4, batch {B}, greedy decode tok/s: plain steps of speculation one by one / in bursts, "
+        f"{a.rounds} alternating rounds",
+        ["engine", "steps median", "steps best", "bursts median", "bursts best", "paired", "same tokens"],
+        [["plain (no speculation)", "", "", f"{rows[0]['median']:.1f}", f"{rows[0]['best']:.1f}", "", "True"]]
+        + [[r["engine"], f"{r['steps_median']:.1f}", f"{r['steps_best']:.1f}", f"{r['bursts_median']:.1f}",
+            f"{r['bursts_best']:.1f}", f"{r['paired_median']:.3f}x", str(r["same_tokens"])] for r in rows[1:]])
+    return inprocess_ab.finish(a, rows, t, {"model": str(path), "batch": B})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
