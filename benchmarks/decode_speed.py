@@ -31,7 +31,9 @@ Timing, the same for every engine: greedy, random prompt token ids (fixed seed) 
 --new-tokens generated per sequence (EOS ignored). TTFT = start of the request until the first generated token
 of every sequence exists (the prefill). Decode tok/s = tokens generated after the first one, over all sequences,
 divided by the time after TTFT (aggregate; per user = / batch). Each measurement is repeated (--repeats,
-interleaved across engines) and the best is kept: the machine may be shared.
+interleaved across engines and batch sizes: each repeat runs every batch size of every engine in turn, so a batch-8
+row and the batch-1 row it is compared with come from the same minutes) and the best is kept: the machine may be
+shared.
 
 Roofline (tok/s) = batch x measured copy bandwidth / bytes one decode step reads: the active weights (ModelSpec
 accounting, embeddings excluded; of each MoE layer's experts the expected number a step of `batch` tokens touches
@@ -762,18 +764,21 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                 msg += f" -> conversion {'OK' if ok else 'SUSPECT'}"
         print(msg, flush=True)
     results: list[Result] = []
-    for batch in batches:
-        rows = {e: Result(name, LABELS[e], batch, na=na.get(e)) for e in engines}
-        ps = prompts[:batch]
-        live = dict(loaded)
-        for rep in range(1 + a.repeats):  # a warm-up (allocations, lazy init), then interleaved repeats, best of
-            for e, eng in list(live.items()):
+    cells = {batch: {e: Result(name, LABELS[e], batch, na=na.get(e)) for e in engines} for batch in batches}
+    live = {batch: dict(loaded) for batch in batches}
+    # a warm-up (allocations, lazy init), then repeats, best of; each repeat runs every batch size and engine in turn,
+    # so that a batch-8 row and the batch-1 row it is compared with are measured minutes apart at most, not a whole
+    # sweep of engines apart (this machine's speed drifts by 20-50% over minutes)
+    for rep in range(1 + a.repeats):
+        for batch in batches:
+            rows, ps = cells[batch], prompts[:batch]
+            for e, eng in list(live[batch].items()):
                 try:
                     r = eng.run(ps, a.new_tokens if rep else min(4, a.new_tokens))
                 except Exception as ex:  # noqa: BLE001 - one engine failing must not end the run
                     rows[e].na = f"{type(ex).__name__}: {ex}"
                     print(f"  {name} b={batch} {LABELS[e]}: failed ({rows[e].na})", flush=True)
-                    del live[e]
+                    del live[batch][e]
                     continue
                 if not rep:
                     continue
@@ -783,6 +788,8 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                     rows[e].best = Run(min(r.ttft_s, best.ttft_s) if best else r.ttft_s, r.decode_s, r.tokens)
                 elif r.ttft_s < best.ttft_s:
                     best.ttft_s = r.ttft_s
+    for batch in batches:
+        rows = cells[batch]
         for e in engines:
             bits, group, kv_bits = BITS[e]
             sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, HEAD_BITS.get(e, 16))
@@ -1110,7 +1117,8 @@ def main() -> None:
             "Random weights give near-uniform expert routing: at batch > 1 a step touches more distinct experts than a "
             "trained model usually would, and the roofline assumes the uniform-routing expectation E(1-(1-k/E)^B).",
             "decode tok/s = generated tokens after the first of each sequence / time after TTFT, aggregate over the "
-            "batch; TTFT includes the prefill of every prompt of the batch. Best of the repeats; the machine may be shared.",
+            "batch; TTFT includes the prefill of every prompt of the batch. Best of the repeats (each repeat runs "
+            "every batch size of every engine in turn); the machine may be shared.",
             "transformers: generate(), bf16, attn_implementation='sdpa', greedy, min_new_tokens = max_new_tokens.",
             "llama.cpp: llama-cpp-python low-level API, one context with n_seq_max = batch, prompts prefilled in one "
             "llama_decode, greedy argmax in numpy; GGUF f16 from convert_hf_to_gguf.py (pre-tokenizer set to 'gpt-2' "
