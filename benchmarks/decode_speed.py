@@ -788,6 +788,8 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                     rows[e].best = Run(min(r.ttft_s, best.ttft_s) if best else r.ttft_s, r.decode_s, r.tokens)
                 elif r.ttft_s < best.ttft_s:
                     best.ttft_s = r.ttft_s
+        print(f"  {name}: {'warm-up' if not rep else f'repeat {rep}/{a.repeats}'} of batch {', '.join(map(str, batches))} "
+              f"done", flush=True)
     for batch in batches:
         rows = cells[batch]
         for e in engines:
