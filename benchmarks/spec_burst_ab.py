@@ -35,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--model {path}: no config.json there")
     if a.tokens < 2 or a.rounds < 1:
         ap.error("--tokens must be at least 2 and --rounds at least 1")
+    if not a.batch.isdigit() or int(a.batch) < 1:
+        ap.error(f"--batch: one batch size, got {a.batch!r}")
+    B = int(a.batch)
     if not inprocess_ab.ready(a.threads):
         return 1
     import waferline.engine.speculative as spm
@@ -44,9 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     plain = LLM(str(path), **opts)
     held = path / "heldout.txt"
     text = held.read_text() if held.is_file() else "To be, or not to be: " * 40
-    if "," in a.batch:
-        ap.error("--batch: one batch size")
-    B = int(a.batch)
     ids = plain.encode(text[: 400 * B])  # (~2.5 characters a token: 64 tokens a row, under the tokenizer's limit)
     prompts = [ids[64 * b: 64 * (b + 1)] for b in range(B)]
     if len(prompts[-1]) < 64:
