@@ -124,6 +124,42 @@ def test_page_accounting_is_the_modelspec_accounting(sol, tmp_path):
         SchedulerConfig(max_num_seqs=0).validate()
 
 
+def test_incremental_text_is_the_whole_decode(sol):
+    """The scheduler decodes a sequence's text incrementally (Scheduler._text: the tokens since the last piece with
+    that piece's tokens): after every token it is the whole output decoded at once, up to a last character still
+    incomplete (U+FFFD), with the demo's byte-level tokenizer and sol-mini's: random token ids (bytes that do not
+    form characters included), its own text's ids, and a tokenizer whose pieces do not add up (then the whole output
+    again); the step's tokens each add a bounded window, not the whole output."""
+    g = torch.Generator().manual_seed(5)
+    for d in (sol, Path(__file__).resolve().parents[1] / "models" / "sol-mini"):
+        llm = LLM(d)
+        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1, max_model_len=128))
+        V = llm.spec.vocab_size
+        texts = llm.encode("To be, or not to be, that is the question: caf\u00e9 \u2014 \u00fcber ok")
+        for ids in (torch.randint(0, V, (300,), generator=g).tolist(), texts * 3):
+            seq = Sequence("r", [1], SamplingParams(max_tokens=400))
+            lens = []
+            orig = sch._decode
+            sch._decode = lambda x: lens.append(len(x)) or orig(x)
+            for t in ids:
+                seq.output_ids.append(t)
+                text, _ = sch._text(seq)
+                whole = orig(seq.output_ids)
+                assert whole.startswith(text), len(seq.output_ids)
+                if not whole.endswith("\ufffd"):
+                    assert text == whole, len(seq.output_ids)
+            sch._decode = orig
+            assert max(lens) < 40  # (windows of a few tokens, not the 300 of the output)
+    llm = LLM(sol)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1, max_model_len=128))
+    calls = []
+    sch._decode = lambda x: calls.append(x) or "".join("<%d>" % t for t in x[::-1])  # pieces that do not add up
+    seq = Sequence("r", [1], SamplingParams(max_tokens=10))
+    for t in (5, 6, 7):
+        seq.output_ids.append(t)
+        assert sch._text(seq)[0] == "".join("<%d>" % t for t in seq.output_ids[::-1])
+
+
 @pytest.mark.parametrize("arch", ["sol", "gpt_oss"])
 def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, threads):
     """With a budget of ~2 sequences for 6 requests, chunked prefill and recompute preemption still produce
