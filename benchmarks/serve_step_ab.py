@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                    "rounds_off": [round(x, 1) for x in rates[False]], "rounds_on": [round(x, 1) for x in rates[True]]}
             rows.append(row)
             print(f"{name} b={B}: {row['off_median']:.1f} -> {row['on_median']:.1f} tok/s, paired "
-                  f"{row['paired_median']:.3f}x, same tokens and text {row['same_tokens']}", file=sys.stderr, flush=True)
+                  f"{row['paired_median']:.3f}x, same tokens and text {row['same_tokens']}", file=sys.stderr,
+                  flush=True)
     what = {"tail": "step_logits' whole-step program", "detok": "incremental text"}[a.switch]
     t = inprocess_ab.table(
         f"scheduler decode tok/s (aggregate), {a.threads} threads, {a.variant}: without / with {what}, "

@@ -8,11 +8,12 @@ When adaptive K finds that drafting does not pay (k = 0), or the n-gram lookup f
 drafts nothing and is a plain decode step. ``Speculator.stream`` runs such steps in bursts (``burst_len``: 1, 2, 4,
 then 8 after such steps in a row, through ``DecoderModel.greedy_steps``, as plain greedy decode runs them);
 ``burst_len = 1`` runs them one by one, each with the speculative loop's Python around it (the engine before this
-change). Each round runs ``LLM.generate`` of every speculative method (k <= 3, adaptive K, int4 weights with an int8
-head as decode_speed.py's sol-mini rows) both ways, in alternating order, and plain greedy decode once; prompts are
-the checkpoint's held-out text (speculation depends on the text: random ids would be meaningless). A table gives
-the median and best decode tok/s of each, the median of the rounds' paired ratios (bursts over step by step), and
-checks that every engine and setting generates plain decoding's tokens.
+change). Each round runs ``LLM.generate`` of a speculative method (k <= 3, adaptive K, int4 weights with an int8
+head as decode_speed.py's sol-mini rows) both ways, in alternating order (inprocess_ab.alternate); plain greedy
+decode runs --rounds times first. Prompts are the checkpoint's held-out text (speculation depends on the text:
+random ids would be meaningless). A table gives the median and best decode tok/s of each, the median of the
+rounds' paired ratios (bursts over step by step), and checks that every engine and setting generates plain
+decoding's tokens.
 """
 
 from __future__ import annotations
@@ -55,39 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     engines = {m: LLM(str(path), speculative=m, num_speculative_tokens=3, **opts) for m in a.methods.split(",") if m}
     bursts = spm.burst_len
 
-    def gen(llm: LLM) -> tuple[float, list[list[int]], dict]:
-        outs = llm.generate(prompts, params)
-        return outs[0].metrics["decode_tokens_per_s"], [o.token_ids for o in outs], outs[0].metrics
+    def switch(on: bool) -> None:
+        spm.burst_len = bursts if on else (lambda idle: 1)
 
-    ref = gen(plain)[1]
-    rates: dict[str, list[float]] = {"plain": []}
-    same, spec = True, {}
-    for e in engines.values():  # (a warm-up each way)
-        for burst in (bursts, lambda idle: 1):
-            spm.burst_len = burst
-            gen(e)
-    for r in range(a.rounds):
-        rates["plain"].append(gen(plain)[0])
-        for m, e in engines.items():
-            for on in ((True, False) if r % 2 else (False, True)):
-                spm.burst_len = bursts if on else (lambda idle: 1)
-                rate, toks, met = gen(e)
-                same = same and toks == ref
-                rates.setdefault((m, on), []).append(rate)
-                if on:
-                    spec[m] = {k: round(v, 3) for k, v in met.items() if k.startswith("spec_")}
-    spm.burst_len = bursts
-    med = statistics.median
-    rows = [{"engine": "plain", "median": med(rates["plain"]), "best": max(rates["plain"]),
-             "rounds": [round(x, 1) for x in rates["plain"]], "same_tokens": True}]
-    for m in engines:
-        off, on = rates[(m, False)], rates[(m, True)]
-        rows.append({"engine": f"{m} k<=3", "steps_median": med(off), "steps_best": max(off), "bursts_median": med(on),
-                     "bursts_best": max(on), "paired_median": med([p / q for p, q in zip(on, off)]),
-                     "rounds_steps": [round(x, 1) for x in off], "rounds_bursts": [round(x, 1) for x in on],
-                     "spec_metrics": spec.get(m), "same_tokens": same})
-        print(f"{m}: step by step {med(off):.1f} / bursts {med(on):.1f} tok/s (median), plain {med(rates['plain']):.1f}",
-              file=sys.stderr, flush=True)
+    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    plain_rates = [plain.generate(prompts, params)[0].metrics["decode_tokens_per_s"] for _ in range(a.rounds)]
+    rows = [{"engine": "plain", "median": statistics.median(plain_rates), "best": max(plain_rates),
+             "rounds": [round(x, 1) for x in plain_rates], "same_tokens": True}]
+    for m, e in engines.items():
+        r = inprocess_ab.alternate(e, prompts, params, switch, a.rounds)  # (leaves bursts on)
+        outs = e.generate(prompts, params)
+        same = r["same_tokens"] and [o.token_ids for o in outs] == ref
+        rows.append({"engine": f"{m} k<=3", "steps_median": r["off_median"], "steps_best": r["off_best"],
+                     "bursts_median": r["on_median"], "bursts_best": r["on_best"], "paired_median": r["paired_median"],
+                     "rounds_steps": r["rounds_off"], "rounds_bursts": r["rounds_on"], "same_tokens": same,
+                     "spec_metrics": {k: round(v, 3) for k, v in outs[0].metrics.items() if k.startswith("spec_")}})
+        print(f"{m}: step by step {r['off_median']:.1f} / bursts {r['on_median']:.1f} tok/s (median), plain "
+              f"{rows[0]['median']:.1f}", file=sys.stderr, flush=True)
     t = inprocess_ab.table(
         f"{path.name} int4, batch {B}, greedy decode tok/s: plain steps of speculation one by one / in bursts, "
         f"{a.rounds} alternating rounds",

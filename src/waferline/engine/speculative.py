@@ -792,8 +792,8 @@ class Speculator:
                 width = max(len(p.tokens) for p in props)
                 t_step = time.perf_counter()
                 ctl.record_draft(len(active), width, t_step - t_draft)
-                n = min(burst_len(idle), min(params.max_tokens - len(out[b]) for b in active))
-                if width == 0 and params.temperature == 0 and n > 1:
+                n = min(burst_len(idle), min(params.max_tokens - len(out[b]) for b in active)) if width == 0 else 1
+                if n > 1 and params.temperature == 0:
                     steps = model.greedy_steps(torch.tensor([[seqs[b][-1]] for b in active]), caches, [
                         StepBatch.make(active, [len(seqs[b]) - 1 + j for b in active], 1) for j in range(n)])
                     if steps is not None:  # nothing drafted: plain steps in a burst, as LLM's greedy decode runs them
