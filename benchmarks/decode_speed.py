@@ -52,6 +52,14 @@ reads the experts its 8 rows touch, so 4x batch 1 may need batch 8 to be the mor
     python benchmarks/decode_speed.py                      # everything (batch 1 alone: 23 min at load average 6-7)
     python benchmarks/decode_speed.py --quick              # tiny models, a few tokens: a smoke test
     python benchmarks/decode_speed.py --models dsv3 --engines hf,waferline,llamacpp --batch 1
+    python benchmarks/decode_speed.py --device cuda        # on a CUDA GPU (not yet run on one: no GPU lent so far)
+
+On a GPU (--device cuda) the run is the same but for: the checkpoints are llama-gpu (~0.85B parameters) and
+dsv3-gpu (~2B, ~0.5B active), large enough that a decode step streams its weights from HBM rather than from the
+GPU's L2 cache; the engines are transformers bf16 and waferline bf16 / int4 (torch's tinygemm int4 kernel, a 16-bit
+LM head); the rooflines are over the GPU's measured copy and read bandwidths (a torch copy and an amax over 1 GiB on
+the device); and each waferline row at batch 1 has one more target: >= 60% of that copy roofline. waferline's GPU
+path runs eager PyTorch ops step by step (no CUDA graphs yet): what it reaches is what this run measures.
 """
 
 from __future__ import annotations
@@ -102,6 +110,19 @@ MODELS: dict[str, tuple[str, dict[str, Any]]] = {
         COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
         intermediate_size=2048, rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
 }
+# --device cuda: checkpoints large enough to leave a GPU's L2 cache (tens of MB) far behind, so that a decode step
+# streams its weights from HBM (issue 9's GPU roofline): a Llama of ~0.85B parameters (1.7 GB in bf16) and a
+# DeepSeek-V3-type MoE of ~2B (32 routed experts of FFN 768, top-4, 1 shared: ~0.5B active)
+GPU_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-gpu": ("llama", dict(
+        COMMON, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+        intermediate_size=5632, rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
+    "dsv3-gpu": ("deepseek_v3", dict(
+        MODELS["dsv3"][1], hidden_size=2048, num_hidden_layers=12, intermediate_size=5632, q_lora_rank=768,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=32, moe_intermediate_size=768, num_experts_per_tok=4)),
+}
+MODELS.update(GPU_MODELS)
 # --quick: the same architectures, tiny
 QUICK = {
     "dsv3": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, intermediate_size=256, q_lora_rank=64,
@@ -112,6 +133,7 @@ QUICK = {
     "llama": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=256),
 }
+QUICK["llama-gpu"], QUICK["dsv3-gpu"] = QUICK["llama"], QUICK["dsv3"]
 
 
 def model_config(name: str, quick: bool) -> tuple[str, dict[str, Any]]:
@@ -339,7 +361,7 @@ class HFEngine:
 
     name, bits, kv_bits = "transformers bf16", 16, 16
 
-    def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
         import transformers
         from transformers.utils import logging as hf_logging
 
@@ -349,12 +371,13 @@ class HFEngine:
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
         except (ValueError, ImportError):  # an architecture without SDPA support: transformers' eager attention
             self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-        self.model.eval()
+        self.model.to(device).eval()
+        self.device = torch.device(device)
         self.attn_implementation = self.model.config._attn_implementation
 
     @torch.inference_mode()
     def logits(self, seq: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([seq])).logits[0].float()
+        return self.model(torch.tensor([seq], device=self.device)).logits[0].float().cpu()
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], n: int) -> Run:
@@ -371,11 +394,13 @@ class HFEngine:
             def end(self) -> None:
                 pass
 
-        ids = torch.tensor(prompts)
+        ids = torch.tensor(prompts, device=self.device)
         clock = Clock()
+        sync(self.device)
         t0 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                   do_sample=False, streamer=clock, pad_token_id=PAD)
+        sync(self.device)
         t1 = time.perf_counter()
         first = clock.first if clock.first is not None else t1
         return Run(first - t0, t1 - first, out[:, ids.shape[1]:].tolist())
@@ -390,7 +415,9 @@ class WaferlineEngine:
         dtype, bits = {"fp32": ("float32", 16), "bf16": ("bfloat16", 16), "int4": ("bfloat16", 4)}[variant]
         self.name = f"waferline {variant}"
         self.bits, self.kv_bits = {"fp32": 32, "bf16": 16, "int4": 4}[variant], 32 if variant == "fp32" else 16
-        if variant == "int4":  # as llama.cpp's Q4_0 files do (their head is Q6_K), the LM head is not left 16-bit
+        if variant == "int4" and kw.get("device", "cpu") == "cpu":
+            # as llama.cpp's Q4_0 files do (their head is Q6_K), the LM head is not left 16-bit (on a GPU it is:
+            # the int8 head has no GPU kernel of ours, it would be widened every step)
             kw.setdefault("head_bits", 8)
         self.llm = LLM(str(path), dtype=dtype, weight_bits=bits, **kw)
 
@@ -501,6 +528,34 @@ def _best_time(f: Any, reps: int) -> float:
         f()
         best = min(best, time.perf_counter() - t)
     return best
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (a CUDA GPU runs it asynchronously); nothing on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_bandwidths(device: str, mib: int = 1024, reps: int = 10) -> tuple[float, float]:
+    """(copy, read) bytes/s of ``device``'s memory: a torch copy of ``mib`` MiB (read + write bytes) and a torch amax
+    over as many (reads only), best of ``reps`` each, timed to the device's completion. On a GPU, the measured HBM
+    bandwidth its decode roofline is put over (issue 9: bytes a token / measured copy bandwidth)."""
+    src = torch.ones(mib << 20, dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    x = src.view(torch.float32)
+
+    def timed(f: Any) -> float:
+        f()
+        sync(device)
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            sync(device)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    return 2 * (mib << 20) / timed(lambda: dst.copy_(src)), (mib << 20) / timed(lambda: x.amax())
 
 
 def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
@@ -658,10 +713,10 @@ def prompts_for(vocab: int, batch: int, length: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(batch)]
 
 
-def reference(hf_dir: Path, prompt: list[int], n: int) -> dict[str, Any]:
+def reference(hf_dir: Path, prompt: list[int], n: int, device: str = "cpu") -> dict[str, Any]:
     """transformers fp32 on the checkpoint: its greedy continuation of ``prompt`` and its logits over prompt +
     continuation, the yardstick every engine's numerics are compared against."""
-    ref = HFEngine(hf_dir, torch.float32)
+    ref = HFEngine(hf_dir, torch.float32, device)
     toks = ref.run([prompt], n).tokens[0]
     seq = prompt + toks
     logp = ref.logits(seq).log_softmax(-1)
@@ -715,7 +770,7 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
     na: dict[str, str] = {}
     checks: list[dict] = []
     quality: dict[str, dict] = {}
-    ref = reference(hf_dir, prompts[0], a.check_tokens) if a.check_tokens else None
+    ref = reference(hf_dir, prompts[0], a.check_tokens, a.device) if a.check_tokens else None
     ggufs: dict[str, Path] = {}
     if any(e.startswith("lcpp") for e in engines):
         try:
@@ -732,10 +787,10 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
         t = time.perf_counter()
         try:
             if e == "hf":
-                loaded[e] = HFEngine(hf_dir)
+                loaded[e] = HFEngine(hf_dir, device=a.device)
                 info["transformers_attn_implementation"] = loaded[e].attn_implementation
             elif e.startswith("wl_"):
-                loaded[e] = WaferlineEngine(hf_dir, e[3:])
+                loaded[e] = WaferlineEngine(hf_dir, e[3:], **({} if a.device == "cpu" else {"device": a.device}))
             else:
                 q = e[5:]
                 loaded[e] = LlamaCppEngine(ggufs[q], q, a.threads, B, max(ctx, a.prompt_len + a.check_tokens) + 16)
@@ -794,7 +849,8 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
         rows = cells[batch]
         for e in engines:
             bits, group, kv_bits = BITS[e]
-            sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, HEAD_BITS.get(e, 16))
+            head = HEAD_BITS.get(e, 16) if a.device == "cpu" else 16  # (on a GPU waferline int4 keeps a 16-bit head)
+            sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, head)
             rows[e].roofline_tok_s = batch * bw / sb
             rows[e].step_MB = sb / 1e6
             rows[e].macs_per_token = step_macs_per_token(spec, a.prompt_len + a.new_tokens // 2)
@@ -858,7 +914,9 @@ def bench_sol(a: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def targets(rows: list[dict], sol: list[dict]) -> list[dict]:
+def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
+    """Issue 9's targets on this run's rows; ``hbm``: a GPU run, whose waferline rows at batch 1 must also reach 60%
+    of the roofline over the GPU's measured copy bandwidth (``roofline_tok_s``)."""
     def get(model: str, engine: str, batch: int, key: str = "decode_tok_s") -> float | None:
         return next((r[key] for r in rows if r["model"] == model and r["engine"] == engine
                      and r["batch"] == batch and r.get("decode_tok_s") and r.get(key)), None)
@@ -900,6 +958,11 @@ def targets(rows: list[dict], sol: list[dict]) -> list[dict]:
                 out.append({"target": "dsv3: waferline int4 >= llama.cpp Q4_0 (batch 1)", "value": round(w4 / q4, 2),
                             "met": w4 >= q4})
         for e in ("waferline fp32", "waferline bf16", "waferline int4"):
+            b1, roof = get(m, e, 1), get(m, e, 1, "roofline_tok_s")
+            if hbm and b1 and roof:
+                out.append({"target": f"{m}: {e} >= 60% of the HBM roofline (batch 1)", "value": round(b1 / roof, 3),
+                            "met": b1 >= 0.6 * roof})
+        for e in ("waferline fp32", "waferline bf16", "waferline int4"):
             b1, b8 = get(m, e, 1), get(m, e, 8)
             if b1 and b8:
                 out.append(share(ceiling({"target": f"{m}: {e} batch 8 aggregate >= 4x batch 1",
@@ -918,7 +981,7 @@ def print_tables(res: dict) -> None:
     from rich.table import Table
 
     con = Console(width=160)
-    t = Table(title=f"decode speed — {res['threads']} threads, prompt {res['prompt_len']}, {res['new_tokens']} new "
+    t = Table(title=f"decode speed — {res.get('device', 'cpu')}, {res['threads']} threads, prompt {res['prompt_len']}, {res['new_tokens']} new "
                     f"tokens, greedy, best of {res['repeats']}; copy / read bandwidth {res['copy_bandwidth_GBps']} / "
                     f"{res.get('read_bandwidth_GBps', '?')} GB/s; "
                     f"load avg {res['loadavg_start'][0]:.2f} → {res['loadavg_end'][0]:.2f}")
@@ -999,10 +1062,14 @@ def markdown(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="dsv3,qwen3moe,llama", help="comma list of dsv3,qwen3moe,llama (or 'none')")
-    ap.add_argument("--engines", default="hf,waferline,llamacpp,sol",
+    ap.add_argument("--models", default=None, help="comma list of dsv3,qwen3moe,llama,llama-gpu,dsv3-gpu (or 'none'; "
+                    "default dsv3,qwen3moe,llama on CPU, llama-gpu,dsv3-gpu on a GPU)")
+    ap.add_argument("--engines", default=None,
                     help="comma list of hf, waferline (= wl_fp32,wl_bf16,wl_int4), llamacpp (= lcpp_f16,lcpp_q4_0), "
-                         "sol (the sol-mini speculation rows), or single names")
+                         "sol (the sol-mini speculation rows), or single names (default hf,waferline,llamacpp,sol on "
+                         "CPU; hf,wl_bf16,wl_int4 on a GPU)")
+    ap.add_argument("--device", default="cpu", help="cpu (default), or cuda: transformers and waferline on the GPU "
+                    "against its measured HBM bandwidth (llama.cpp and sol-mini rows are CPU-only)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence (default 128; 8 with --quick)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 with --quick)")
@@ -1018,10 +1085,19 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="output (default benchmarks/results/decode_speed.json; "
                     "decode_speed_quick.json with --quick)")
     a = ap.parse_args()
+    gpu = a.device != "cpu"
+    if gpu:
+        try:
+            torch.zeros(1, device=a.device)
+        except (RuntimeError, AssertionError) as ex:
+            ap.error(f"--device {a.device}: {ex}")
+    a.models = a.models or ("llama-gpu,dsv3-gpu" if gpu else "dsv3,qwen3moe,llama")
+    a.engines = a.engines or ("hf,wl_bf16,wl_int4" if gpu else "hf,waferline,llamacpp,sol")
     a.new_tokens = a.new_tokens or (8 if a.quick else 128)
     a.prompt_len = a.prompt_len or (16 if a.quick else 64)
     a.repeats = a.repeats or (1 if a.quick else 2)
-    a.json = a.json or str(ROOT / "results" / ("decode_speed_quick.json" if a.quick else "decode_speed.json"))
+    a.json = a.json or str(ROOT / "results" / (f"decode_speed{'' if not gpu else '_' + a.device.split(':')[0]}"
+                                               f"{'_quick' if a.quick else ''}.json"))
     models = [m for m in a.models.split(",") if m and m != "none"]
     for m in models:
         if m not in MODELS:
@@ -1031,15 +1107,19 @@ def main() -> None:
         if e not in ENGINE_GROUPS:
             ap.error(f"unknown engine {e!r}: choose from {', '.join(ENGINE_GROUPS)}")
         engines += [x for x in ENGINE_GROUPS[e] if x not in engines]
+    if gpu and any(e.startswith("lcpp") or e == "sol" for e in engines):
+        ap.error("llama.cpp (a CPU build here) and the sol-mini rows run on CPU only; drop them with --device "
+                 f"{a.device}")
     batches = [int(b) for b in a.batch.split(",")]
     torch.set_num_threads(a.threads)
     Path(a.cache).mkdir(parents=True, exist_ok=True)
 
     t_start = time.perf_counter()
     load0 = os.getloadavg()
-    bw, rbw = copy_bandwidth(), read_bandwidth()
-    rates = product_rates(batches, a.threads) if any(e in RATE_FORMATS for e in engines) else {}
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {rbw / 1e9:.1f} GB/s, load average {load0[0]:.2f} "
+    bw, rbw = device_bandwidths(a.device) if gpu else (copy_bandwidth(), read_bandwidth())
+    # (the compute ceiling prices waferline's CPU kernels: none on a GPU)
+    rates = product_rates(batches, a.threads) if any(e in RATE_FORMATS for e in engines) and not gpu else {}
+    print(f"{a.device} copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {rbw / 1e9:.1f} GB/s, load average {load0[0]:.2f} "
           f"{load0[1]:.2f} {load0[2]:.2f}", flush=True)
     if rates:
         print("waferline's products with the weight in cache (G multiply-adds/s): "
@@ -1070,8 +1150,8 @@ def main() -> None:
         print("== sol-mini", flush=True)
         sol = bench_sol(a)
     load1 = os.getloadavg()
-    bw = max(bw, copy_bandwidth())  # the better of the two measurements: the machine may be shared
-    rbw = max(rbw, read_bandwidth())
+    bw2, rbw2 = device_bandwidths(a.device) if gpu else (copy_bandwidth(), read_bandwidth())
+    bw, rbw = max(bw, bw2), max(rbw, rbw2)  # the better of the two measurements: the machine may be shared
     if rates:  # the better of the two measurements, as for the bandwidths
         rates = {k: max(v, product_rates([int(k.split("@")[1])], a.threads).get(k, 0.0)) for k, v in rates.items()}
     for r in all_rows:
@@ -1106,6 +1186,7 @@ def main() -> None:
     res = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpu": _cpu_name(), "cpus": os.cpu_count()},
+        "device": f"{a.device}: {torch.cuda.get_device_name(a.device)}" if a.device.startswith("cuda") else a.device,
         "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in load1],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "llama_cpp_python": llama_cpp_version(),
@@ -1138,7 +1219,7 @@ def main() -> None:
             "called as the engine calls it; the int4 engine's head at its int8 rate). A ceiling of these kernels on "
             "this machine, not the CPU's peak. A decode step is bound by the lower of it and the read roofline.",
         ],
-        "rows": rows, "sol_mini": sol, "conversion_checks": checks, "targets": targets(rows, sol),
+        "rows": rows, "sol_mini": sol, "conversion_checks": checks, "targets": targets(rows, sol, hbm=gpu),
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     print_tables(res)

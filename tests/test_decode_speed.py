@@ -73,3 +73,20 @@ def test_targets_say_when_batch8_must_be_the_more_efficient(ds):
     rows[1]["decode_tok_s"] = 1010.0  # met: never flagged
     (met,) = [t for t in ds.targets(rows, []) if t["target"].startswith("moe") and "batch 8" in t["target"]]
     assert met["met"] and "needs_higher_share" not in met
+
+
+def test_gpu_run_adds_the_hbm_roofline_target(ds):
+    rows = [dict(_row("m", "waferline bf16", 1, 130.0, 260.0), roofline_tok_s=200.0),
+            dict(_row("m", "waferline int4", 1, 100.0, 600.0), roofline_tok_s=500.0),
+            dict(_row("m", "transformers bf16", 1, 20.0, 260.0), roofline_tok_s=200.0)]
+    got = {t["target"]: t for t in ds.targets(rows, [], hbm=True)}
+    assert got["m: waferline bf16 >= 60% of the HBM roofline (batch 1)"] == {
+        "target": "m: waferline bf16 >= 60% of the HBM roofline (batch 1)", "value": 0.65, "met": True}
+    int4 = got["m: waferline int4 >= 60% of the HBM roofline (batch 1)"]
+    assert int4["value"] == 0.2 and not int4["met"]
+    assert not any("HBM" in t["target"] for t in ds.targets(rows, []))  # a CPU run has no such target
+
+
+def test_device_bandwidths_measure_real_copies(ds):
+    copy, read = ds.device_bandwidths("cpu", mib=16, reps=2)
+    assert 1e8 < copy < 1e13 and 1e8 < read < 1e13

@@ -202,3 +202,24 @@ def test_greedy_bursts_are_the_step_by_step_tokens(tmp_path, monkeypatch, model_
     assert b[-1][0].finish_reason == "stop" and 3 < len(b[-1][0].token_ids) < 19 and len(b[-1][1].token_ids) == 19
     if kernels.available():
         assert sum(r is not None for r in ran) >= 4  # (two bursts of each generate with bursts of 8, at least)
+
+
+def test_device_option_and_its_errors(ckpts):
+    # device="cpu" given explicitly runs the device-aware path (caches, step batches and prompts made on the device,
+    # logits brought to the host for sampling): the same tokens as the default, greedy and sampled
+    p = SamplingParams(max_tokens=6, temperature=0.0)
+    for mt in ("deepseek_v3", "bamba"):
+        want = LLM(ckpts[mt], dtype="bfloat16").generate([[5, 6, 7], [8, 9]], p)
+        got = LLM(ckpts[mt], dtype="bfloat16", device="cpu").generate([[5, 6, 7], [8, 9]], p)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    s = SamplingParams(max_tokens=6, temperature=0.8, seed=3)
+    llm = LLM(ckpts["llama"], device="cpu")
+    assert llm.generate([[5, 6, 7]], s)[0].token_ids == LLM(ckpts["llama"]).generate([[5, 6, 7]], s)[0].token_ids
+    assert torch.equal(llm.prompt_logprobs([5, 6, 7]), LLM(ckpts["llama"]).prompt_logprobs([5, 6, 7]))
+    with pytest.raises(ConfigError, match="CPU or a CUDA GPU"):
+        LLM(ckpts["llama"], device="meta")
+    with pytest.raises(ConfigError, match="device must be like"):
+        LLM(ckpts["llama"], device="no such device")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA GPU"):
+            LLM(ckpts["llama"], device="cuda")

@@ -363,3 +363,37 @@ def test_quantize_model_keeps_requested_modules_16bit(llama_dir):
     assert m.layers[0].ffn.w_down is not None and not isinstance(m.layers[1].mixer.q_proj, QuantLinear)
     with pytest.raises(ConfigError, match="only 4-bit"):
         quantize_model(m, QuantOptions(bits=3))
+
+
+def test_move_model_repacks_int4_weights_exactly_for_the_device():
+    # a model whose int4 weights were packed for another backend is repacked for the target device's kernel from
+    # the exact codes, scales and zeros (a GPU gets tinygemm's layout this way; here: dequant -> this CPU's kernel)
+    from torch import nn
+
+    from waferline.model.quant import Int4Weight, QuantLinear, choose_backend, move_model
+
+    g = torch.Generator().manual_seed(0)
+    asym = rtn_quantize(torch.randn(48, 256, generator=g), 64, symmetric=False)
+    sym = rtn_quantize(torch.randn(3, 32, 128, generator=g), 64)  # stacked experts
+    root = nn.Module()
+    root.proj = QuantLinear(Int4Weight(asym, "cpu", backend="dequant"))
+    root.experts = Int4Weight(sym, "cpu", backend="dequant")
+    x = torch.randn(5, 256, generator=g).to(torch.bfloat16)
+    before = root.proj(x).float()
+    assert move_model(root, "cpu") is root
+    want = choose_backend(torch.device("cpu"), 256, 64)
+    assert root.proj.int4.backend == want and root.experts.backend == choose_backend(torch.device("cpu"), 128, 64)
+    for mod, t in ((root.proj.int4, asym), (root.experts, sym)):
+        got = mod.int4_tensor() if mod.backend in ("dequant", "cpu_waferline") else None
+        if got is not None:
+            assert torch.equal(got.codes, t.codes) and torch.equal(got.scales, t.scales)
+            assert (got.zeros is None) == (t.zeros is None) and (t.zeros is None or torch.equal(got.zeros, t.zeros))
+        assert torch.equal(mod.dequantize(), t.dequantize())
+    ref = x.float() @ asym.dequantize().t()
+    assert (root.proj(x).float() - ref).abs().max() <= 0.05 * ref.abs().max() + (before - ref).abs().max()
+    # an opaque kernel layout cannot be read back: moving it elsewhere says so
+    opaque = nn.Module()
+    opaque.w = Int4Weight(asym, "cpu", backend="cpu_int4pack")
+    if choose_backend(torch.device("cpu"), 256, 64) != "cpu_int4pack":
+        with pytest.raises(ConfigError, match="cannot be repacked"):
+            move_model(opaque, "cpu")

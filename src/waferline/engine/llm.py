@@ -80,7 +80,7 @@ class LLM:
                  stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
                  weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
-                 **pipeline_options: Any):
+                 device: str | None = None, **pipeline_options: Any):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if weight_bits not in (16, 4):
@@ -91,6 +91,8 @@ class LLM:
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
+        self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
+        dev_kw = {} if device is None else {"device": str(self.device)}
         self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
         self.arena = None  # where the single-process engine's weights went (model/arena.py), if they moved
         if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd.py)
@@ -99,7 +101,7 @@ class LLM:
             if stages is not None or layers_per_stage is not None or speculative or weight_bits != 16:
                 raise ConfigError("afd runs 16-bit weights without stages, layers_per_stage or speculative decoding; "
                                   "drop those options (or drop afd / attention_ranks / ffn_ranks)")
-            self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **pipeline_options)
+            self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
         elif stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
@@ -112,15 +114,21 @@ class LLM:
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
                                       micro_batches=micro_batches, speculative=speculative,
                                       num_speculative_tokens=num_speculative_tokens,
-                                      speculative_adaptive=speculative_adaptive, **pipeline_options)
+                                      speculative_adaptive=speculative_adaptive, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
             self.spec = self._pipeline.spec
         else:
             if micro_batches is not None or pipeline_options:
                 raise ConfigError("micro_batches and pipeline options need stages=S or layers_per_stage=K")
+            if speculative and self.device.type != "cpu":
+                raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or use device='cpu' "
+                                  f"(got device={str(self.device)!r})")
             self.model = load_model(self.path, self.dtype)
             self.spec = self.model.spec
-            from waferline.model.quant import QuantOptions, is_int4, quantize_model
+            from waferline.model.quant import QuantOptions, is_int4, move_model, quantize_model
+
+            if self.device.type != "cpu":  # before quantizing: int4 weights are packed for the device they sit on
+                move_model(self.model, self.device)
 
             if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
@@ -130,7 +138,7 @@ class LLM:
                 quantize_model(self.model.mtp, QuantOptions(group_size=group_size))
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
-            self.arena = move_to_huge_pages(self.model) if huge_pages else None
+            self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
@@ -168,9 +176,9 @@ class LLM:
         self._check_len(len(ids), 0)
         if self._pipeline is not None:
             return self._pipeline.prompt_logprobs(ids)
-        caches = self.model.new_caches(1)
-        h = self.model(torch.tensor([ids]), caches, StepBatch.make([0], [0], len(ids)))
-        return torch.log_softmax(self.model.logits(h[0]), dim=-1)
+        caches = self.model.new_caches(1, self.device)
+        h = self.model(torch.tensor([ids], device=self.device), caches, StepBatch.make([0], [0], len(ids), self.device))
+        return torch.log_softmax(self.model.logits(h[0]), dim=-1).cpu()
 
     def perplexity(self, token_ids: list[int], window: int = 256) -> float:
         """exp(mean NLL) over consecutive windows of ``window`` predicted tokens, each window scored from scratch."""
@@ -217,7 +225,8 @@ class LLM:
     @torch.inference_mode()
     def _stream(self, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
         B = len(ids)
-        caches = self.model.new_caches(B)
+        dev = self.device
+        caches = self.model.new_caches(B, dev)
         gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
@@ -226,10 +235,10 @@ class LLM:
         t0 = time.perf_counter()
         last = []
         for b, p in enumerate(ids):  # prefill one sequence at a time (ragged lengths, no padding)
-            h = self.model(torch.tensor([p]), caches, StepBatch.make([b], [0], len(p)))
+            h = self.model(torch.tensor([p], device=dev), caches, StepBatch.make([b], [0], len(p), dev))
             last.append(self.model.logits(h[0, -1]))
+        logits = torch.stack(last).cpu()  # (sampling runs on the host: its generators are CPU generators)
         ttft = time.perf_counter() - t0
-        logits = torch.stack(last)
         lengths = [len(p) for p in ids]
         rows = list(range(B))  # logits row i belongs to sequence rows[i]
         greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
@@ -253,18 +262,18 @@ class LLM:
             if pending:
                 greedy = pending.pop(0)
                 continue
-            toks = torch.tensor([[out[b][-1]] for b in active])
+            toks = torch.tensor([[out[b][-1]] for b in active], device=dev)
             n = min(GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
             if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
                 steps = self.model.greedy_steps(toks, caches, [
-                    StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1) for j in range(n)])
+                    StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1, dev) for j in range(n)])
                 if steps is not None:
                     greedy, *pending = (ids[:, 0].tolist() for ids, _ in steps)
                     rows = active
                     continue
-            batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1)
+            batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1, dev)
             logits, _, top = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
-            logits, rows = logits[:, 0], active
+            logits, rows = (logits[:, 0] if top is not None else logits[:, 0].cpu()), active
             greedy = top[:, 0].tolist() if top is not None else None
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
@@ -293,6 +302,19 @@ class LLM:
             return False
         tail = self.decode(toks[-16:])
         return any(s in tail for s in stops)
+
+
+def _check_device(device: str | None) -> torch.device:
+    """The engine's device (default CPU), checked: a known device type, and CUDA only where torch sees a GPU."""
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be like 'cpu', 'cuda' or 'cuda:1', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but torch sees no CUDA GPU here; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be a CPU or a CUDA GPU, got {device!r}")
+    return dev
 
 
 def _wants_afd(options: dict[str, Any]) -> bool:

@@ -521,8 +521,10 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                            **load.get("extra", {}))
         if mtp:
             check_mtp(model, load["path"])
-        if device.type != "cpu":
-            model.to(device)
+        if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
+            from waferline.model.quant import move_model
+
+            move_model(model, device)
     except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
         return worker_load_failed(ctl, rank, e)
     worker_ready(ctl, store, load, run_id, rank, state, driver_pid, f"waferline-stage{rank}-publisher")

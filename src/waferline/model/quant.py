@@ -359,6 +359,17 @@ class Int4Weight(nn.Module):
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self._pick("packed", index).device)
         return self._mm(eye, index).float().t().contiguous()
 
+    def int4_tensor(self) -> Int4Tensor:
+        """The stored codes, scales and zeros (exactly) where this backend's layout can be read back (``dequant``,
+        ``cpu_waferline``); the ATen kernels' layouts are opaque (ConfigError)."""
+        if self.backend == "dequant":
+            return Int4Tensor(unpack_nibbles(self.qweight), self.scales, self.zeros)
+        if self.backend == "cpu_waferline":
+            sz = self.scales_zeros
+            return Int4Tensor(unpack_kernel(self.packed), sz[..., 0], sz[..., 1] if sz.shape[-1] == 2 else None)
+        raise ConfigError(f"an int4 weight packed for {self.backend} cannot be repacked (its layout is the kernel's); "
+                          "load the checkpoint again for the other device")
+
     def _kernel_args(self, index: int | None) -> tuple[Tensor, Tensor]:
         """(packed, scales_zeros) of the whole weight or of expert ``index``: views kept in a list, so the decode loop
         does not pay an indexing op per expert matmul (rebuilt if the buffers move, e.g. ``.to(device)``)."""
@@ -537,6 +548,26 @@ def quantize_model(model: nn.Module, opts: QuantOptions | None = None, hessians:
         if progress:
             progress(path)
     return {"quantized": done, "kept_16bit": kept}
+
+
+def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move a loaded (and possibly quantized) model to ``device``: its int4 weights repacked for that device's kernel
+    (``choose_backend``: tinygemm on a CUDA GPU of compute capability 8 or more, waferline's layout on CPU) from their
+    exact codes and scales, everything else ``.to(device)``. Call before the first forward (modules keep per-weight
+    views and tile copies from then on)."""
+    device = torch.device(device)
+    for path, mod in list(model.named_modules()):
+        if not isinstance(mod, Int4Weight):
+            continue
+        backend = choose_backend(device, mod.in_features, mod.group_size)
+        if backend == mod.backend:
+            continue
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        t = mod.int4_tensor()
+        t = Int4Tensor(t.codes.cpu(), t.scales.cpu(), None if t.zeros is None else t.zeros.cpu())
+        setattr(parent, child, Int4Weight(t, device, mod.compute_dtype, backend))
+    return model.to(device)
 
 
 def _compute_dtype(model: nn.Module) -> torch.dtype:
