@@ -137,6 +137,10 @@ def test_cli_generate_json_and_errors(ckpts, tmp_path):
     r = subprocess.run([sys.executable, "-m", "waferline.cli", "generate", "--model", str(tmp_path), "--prompt-ids", "1"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "error:" in r.stderr and "config.json" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(cmd + ["--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == out["token_ids"], r.stderr
+    r = subprocess.run(cmd + ["--device", "tpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "error:" in r.stderr and "device" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_sharded_checkpoint_loads_like_single(ckpts, tmp_path):

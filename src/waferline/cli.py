@@ -34,6 +34,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
     if args.head_bits != 16:
         pipe["head_bits"] = args.head_bits
+    if args.device is not None:
+        pipe["device"] = args.device
     llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=args.group_size, **pipe)
     prompt: str | list[int]
     if args.prompt_ids is not None:
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
                    help="8 = int8 LM head (per-row scales; halves the largest matrix read per token of a small model), "
                         "16 = as loaded (default); single-process engine only")
+    g.add_argument("--device", default=None,
+                   help="cpu (default) or cuda[:N]: where the engine's weights, caches and steps live (a pipeline's "
+                        "stages each take a GPU of their own; eager torch ops off the CPU, not yet run on a GPU)")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
     g.add_argument("--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)")
