@@ -932,6 +932,10 @@ def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
         if not t["met"] and cc and need > cc:
             t["above_compute_ceiling"] = (f"needs {need:.0f} tok/s, above the compute ceiling of waferline's kernels "
                                           f"{cc:.0f}")
+        elif not t["met"] and cc and batch > 1:  # how close to its kernels' multiply-add rate the step would have to run
+            now = get(model, engine, batch)
+            t["needs_compute_share"] = (f"needs batch {batch} at {100 * need / cc:.0f}% of the compute ceiling of "
+                                        f"waferline's kernels ({cc:.0f} tok/s); it ran at {100 * now / cc:.0f}%")
         return t
 
     def share(t: dict, model: str, engine: str, b1: float) -> dict:
@@ -1020,8 +1024,9 @@ def print_tables(res: dict) -> None:
         why = f" ({g['above_roofline']}: not reachable here)" if g.get("above_roofline") else ""
         if g.get("above_compute_ceiling"):
             why += f" ({g['above_compute_ceiling']}: not with these kernels here)"
-        if g.get("needs_higher_share"):
-            why += f" ({g['needs_higher_share']})"
+        for key in ("needs_higher_share", "needs_compute_share"):
+            if g.get(key):
+                why += f" ({g[key]})"
         con.print(f"[{'green' if g['met'] else 'red'}]{'MET ' if g['met'] else 'NOT '}[/] {g['target']}: {g['value']}{why}")
 
 

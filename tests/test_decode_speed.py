@@ -38,8 +38,11 @@ def test_targets_flag_a_batch8_target_above_the_compute_ceiling(ds):
     assert not int4["met"] and int4["value"] == 2.5
     assert "above the compute ceiling of waferline's kernels 700" in int4["above_compute_ceiling"]
     assert "above_roofline" not in int4  # 800 tok/s needed, the read roofline is 3000
+    assert "needs_compute_share" not in int4  # (above the ceiling says more)
     bf16 = got["m: waferline bf16 batch 8 aggregate >= 4x batch 1"]
     assert not bf16["met"] and "above_compute_ceiling" not in bf16 and "above_roofline" not in bf16  # 400 < 900
+    assert bf16["needs_compute_share"] == ("needs batch 8 at 44% of the compute ceiling of waferline's kernels (900 "
+                                           "tok/s); it ran at 39%")
 
 
 def test_targets_never_flag_a_met_target(ds):
