@@ -932,7 +932,9 @@ def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
         if not t["met"] and cc and need > cc:
             t["above_compute_ceiling"] = (f"needs {need:.0f} tok/s, above the compute ceiling of waferline's kernels "
                                           f"{cc:.0f}")
-        elif not t["met"] and cc and batch > 1:  # how close to its kernels' multiply-add rate the step would have to run
+        elif not t["met"] and cc and batch > 1 and (not top or cc < top):
+            # a compute-bound step (its kernels' ceiling below its read roofline): how close to that ceiling it would
+            # have to run, and ran
             now = get(model, engine, batch)
             t["needs_compute_share"] = (f"needs batch {batch} at {100 * need / cc:.0f}% of the compute ceiling of "
                                         f"waferline's kernels ({cc:.0f} tok/s); it ran at {100 * now / cc:.0f}%")

@@ -43,6 +43,9 @@ def test_targets_flag_a_batch8_target_above_the_compute_ceiling(ds):
     assert not bf16["met"] and "above_compute_ceiling" not in bf16 and "above_roofline" not in bf16  # 400 < 900
     assert bf16["needs_compute_share"] == ("needs batch 8 at 44% of the compute ceiling of waferline's kernels (900 "
                                            "tok/s); it ran at 39%")
+    rows[3]["read_roofline_tok_s"] = 600.0  # bytes-bound (read roofline below the compute ceiling): no compute share
+    bf16 = {t["target"]: t for t in ds.targets(rows, [])}["m: waferline bf16 batch 8 aggregate >= 4x batch 1"]
+    assert not bf16["met"] and "needs_compute_share" not in bf16
 
 
 def test_targets_never_flag_a_met_target(ds):
