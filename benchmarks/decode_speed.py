@@ -59,7 +59,8 @@ dsv3-gpu (~2B, ~0.5B active), large enough that a decode step streams its weight
 GPU's L2 cache; the engines are transformers bf16 and waferline bf16 / int4 (torch's tinygemm int4 kernel, a 16-bit
 LM head); the rooflines are over the GPU's measured copy and read bandwidths (a torch copy and an amax over 1 GiB on
 the device); and each waferline row at batch 1 has one more target: >= 60% of that copy roofline. waferline's GPU
-path runs eager PyTorch ops step by step (no CUDA graphs yet): what it reaches is what this run measures.
+path runs PyTorch's ops, greedy decode as a CUDA graph of the step where the model allows one (engine/graphs.py; the
+capture counted in TTFT); not yet run on a GPU: what it reaches is what this run measures.
 """
 
 from __future__ import annotations
@@ -742,10 +743,13 @@ def agreement(ref: dict[str, Any], engine: Any) -> dict[str, Any]:
 
 ENGINE_GROUPS = {"hf": ["hf"], "transformers": ["hf"], "waferline": ["wl_fp32", "wl_bf16", "wl_int4"],
                  "llamacpp": ["lcpp_f16", "lcpp_q4_0"], "wl_fp32": ["wl_fp32"], "wl_bf16": ["wl_bf16"],
-                 "wl_int4": ["wl_int4"], "lcpp_f16": ["lcpp_f16"], "lcpp_q4_0": ["lcpp_q4_0"], "sol": ["sol"]}
+                 "wl_int4": ["wl_int4"], "lcpp_f16": ["lcpp_f16"], "lcpp_q4_0": ["lcpp_q4_0"], "sol": ["sol"],
+                 "wl_bf16_eager": ["wl_bf16_eager"]}
 LABELS = {"hf": "transformers bf16", "wl_fp32": "waferline fp32", "wl_bf16": "waferline bf16",
-          "wl_int4": "waferline int4", "lcpp_f16": "llama.cpp f16", "lcpp_q4_0": "llama.cpp Q4_0"}
+          "wl_int4": "waferline int4", "lcpp_f16": "llama.cpp f16", "lcpp_q4_0": "llama.cpp Q4_0",
+          "wl_bf16_eager": "waferline bf16 eager"}  # (on a GPU: no CUDA graph, what the graphs buy in the same run)
 BITS = {"hf": (16, 128, 16), "wl_fp32": (32, 128, 32), "wl_bf16": (16, 128, 16), "wl_int4": (4, 128, 16),
+        "wl_bf16_eager": (16, 128, 16),
         "lcpp_f16": (16, 128, 16), "lcpp_q4_0": (4, 32, 16)}
 # the LM head's bits where they differ from the embedding's: llama.cpp's Q4_0 files keep output.weight at Q6_K
 # (6.5625 bits; read from the GGUFs this script makes), waferline int4 runs its int8 head (LLM(head_bits=8))
@@ -790,7 +794,12 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                 loaded[e] = HFEngine(hf_dir, device=a.device)
                 info["transformers_attn_implementation"] = loaded[e].attn_implementation
             elif e.startswith("wl_"):
-                loaded[e] = WaferlineEngine(hf_dir, e[3:], **({} if a.device == "cpu" else {"device": a.device}))
+                kw = {} if a.device == "cpu" else {"device": a.device}
+                if e.endswith("_eager"):
+                    kw["cuda_graphs"] = False
+                loaded[e] = WaferlineEngine(hf_dir, e[3:].removesuffix("_eager"), **kw)
+                if e.endswith("_eager"):
+                    loaded[e].name += " eager"
             else:
                 q = e[5:]
                 loaded[e] = LlamaCppEngine(ggufs[q], q, a.threads, B, max(ctx, a.prompt_len + a.check_tokens) + 16)
@@ -845,6 +854,12 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                     best.ttft_s = r.ttft_s
         print(f"  {name}: {'warm-up' if not rep else f'repeat {rep}/{a.repeats}'} of batch {', '.join(map(str, batches))} "
               f"done", flush=True)
+        if not rep and a.device != "cpu":  # whether waferline's greedy decode ran as CUDA graphs (engine/graphs.py)
+            for e, eng in loaded.items():
+                if isinstance(eng, WaferlineEngine):
+                    g = "off" if not eng.llm.cuda_graphs else (eng.llm.graph_note or "captured")
+                    info.setdefault("cuda_graphs", {})[LABELS[e]] = g
+                    print(f"  {name} {LABELS[e]}: CUDA graphs {g}", flush=True)
     for batch in batches:
         rows = cells[batch]
         for e in engines:
@@ -1074,7 +1089,8 @@ def main() -> None:
     ap.add_argument("--engines", default=None,
                     help="comma list of hf, waferline (= wl_fp32,wl_bf16,wl_int4), llamacpp (= lcpp_f16,lcpp_q4_0), "
                          "sol (the sol-mini speculation rows), or single names (default hf,waferline,llamacpp,sol on "
-                         "CPU; hf,wl_bf16,wl_int4 on a GPU)")
+                         "CPU; hf,wl_bf16,wl_bf16_eager,wl_int4 on a GPU: wl_bf16_eager decodes without CUDA "
+                         "graphs)")
     ap.add_argument("--device", default="cpu", help="cpu (default), or cuda: transformers and waferline on the GPU "
                     "against its measured HBM bandwidth (llama.cpp and sol-mini rows are CPU-only)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
@@ -1099,7 +1115,7 @@ def main() -> None:
         except (RuntimeError, AssertionError) as ex:
             ap.error(f"--device {a.device}: {ex}")
     a.models = a.models or ("llama-gpu,dsv3-gpu" if gpu else "dsv3,qwen3moe,llama")
-    a.engines = a.engines or ("hf,wl_bf16,wl_int4" if gpu else "hf,waferline,llamacpp,sol")
+    a.engines = a.engines or ("hf,wl_bf16,wl_bf16_eager,wl_int4" if gpu else "hf,waferline,llamacpp,sol")
     a.new_tokens = a.new_tokens or (8 if a.quick else 128)
     a.prompt_len = a.prompt_len or (16 if a.quick else 64)
     a.repeats = a.repeats or (1 if a.quick else 2)

@@ -80,7 +80,7 @@ class LLM:
                  stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
                  weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
-                 device: str | None = None, **pipeline_options: Any):
+                 device: str | None = None, cuda_graphs: bool = True, **pipeline_options: Any):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if weight_bits not in (16, 4):
@@ -93,6 +93,10 @@ class LLM:
         self.dtype = DTYPES[dtype]
         self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}
+        # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
+        self.cuda_graphs = cuda_graphs
+        self.graph_note: str | None = None  # why the last request decoded without a graph, if it did
+        self._graphs_on_cpu = False  # tests run the static step (uncaptured) on CPU
         self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
         self.arena = None  # where the single-process engine's weights went (model/arena.py), if they moved
         if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd.py)
@@ -233,6 +237,7 @@ class LLM:
         reason = ["length"] * B
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         t0 = time.perf_counter()
+        static = self._static_decode(caches, B, max(len(p) for p in ids) + params.max_tokens, params)
         last = []
         for b, p in enumerate(ids):  # prefill one sequence at a time (ragged lengths, no padding)
             h = self.model(torch.tensor([p], device=dev), caches, StepBatch.make([b], [0], len(p), dev))
@@ -262,6 +267,11 @@ class LLM:
             if pending:
                 greedy = pending.pop(0)
                 continue
+            if static is not None:  # every row steps (a finished one repeats its last position; its tokens dropped)
+                top = static.run([out[b][-1] for b in range(B)], [len(ids[b]) + len(out[b]) - 1 for b in range(B)])[1]
+                everyone = top.tolist()
+                greedy, rows = [everyone[b] for b in active], active
+                continue
             toks = torch.tensor([[out[b][-1]] for b in active], device=dev)
             n = min(GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
             if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
@@ -277,6 +287,25 @@ class LLM:
             greedy = top[:, 0].tolist() if top is not None else None
         metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
         yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
+
+    def _static_decode(self, caches: list[Any], B: int, end: int, params: SamplingParams) -> Any:
+        """The captured decode step for this request's greedy rows on a GPU (engine/graphs.py), or None: not a GPU,
+        graphs off, sampling, or a model whose step cannot be captured (``graph_note`` says why)."""
+        from waferline.engine.graphs import StaticDecode, graphable
+
+        on_gpu = self.device.type == "cuda" and self.cuda_graphs
+        if not (on_gpu or self._graphs_on_cpu) or params.temperature != 0:
+            return None
+        if not graphable(caches):
+            self.graph_note = "caches other than full-attention token caches (Mamba-2 state, sliding window)"
+            return None
+        try:
+            static = StaticDecode(self.model, caches, list(range(B)), end, self.device, capture=on_gpu)
+        except RuntimeError as e:  # (a host read inside the step, found by the warm-up; or the capture failing)
+            self.graph_note = f"not captured: {e}"
+            return None
+        self.graph_note = None
+        return static
 
     def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],
                     params: SamplingParams, metrics: dict[str, float]) -> Output:

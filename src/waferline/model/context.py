@@ -80,6 +80,16 @@ class StepBatch:
         return r
 
     @classmethod
+    def static(cls, slots: torch.Tensor, start: torch.Tensor, end: int) -> "StepBatch":
+        """A one-token step of fixed shape: the rows' slots and positions only as tensors (``start`` may change in
+        place between steps), the caches sized to ``end`` (past every position it will hold): the layers read
+        nothing back from the device and every shape is the same at every position, so the step can be captured
+        (a CUDA graph; engine/graphs.py). Attention then covers all ``end`` cache rows, the later ones masked."""
+        b = cls(slots, start, 1)
+        b.memo.update(end=end, slot0=None, uniform=False)
+        return b
+
+    @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> "StepBatch":
         slots, start = [int(s) for s in slots], [int(s) for s in start]
         return cls(torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(start, dtype=torch.long, device=device), T,

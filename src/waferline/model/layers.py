@@ -227,7 +227,7 @@ class Rotary(nn.Module):
         (grown by doubling): a view when one row's positions are consecutive, else one gather per table. The same
         numbers (the table is computed by the same ops; elementwise, they do not depend on the shape). Computing
         the few rows afresh each step took ~8 small ops (~30-60 us a decode step on a 2-core CPU)."""
-        end = batch.end if batch.host_start is not None else int(positions.max()) + 1
+        end = batch.end  # (from the host's starts, or preset: a static step reads nothing back; StepBatch.static)
         tab = self.__dict__.get("_table")
         if tab is None or tab[0] is not self.inv_freq or tab[1].shape[0] < end:
             size = max(end, 2 * tab[1].shape[0] if tab is not None and tab[0] is self.inv_freq else 256)

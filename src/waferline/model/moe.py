@@ -106,6 +106,16 @@ DENSE_NAMES: dict[str, dict[str, str]] = {
 }
 
 FLAVORS = tuple(MOE_PREFIXES)
+
+
+class Groups:
+    """Rows sorted by expert for one grouped product: ``offs`` int32 [E], one past each expert's last row; ``ids``
+    int64 [M], each row's expert (for the biases)."""
+
+    __slots__ = ("offs", "ids")
+
+    def __init__(self, offs: Tensor, ids: Tensor):
+        self.offs, self.ids = offs, ids
 GATHER_BYTES = 64 << 20  # decode gather path: most bytes of expert weights copied per forward
 MOE_FUSED_MAX_ROWS = 32  # tokens up to which a CPU MoE block runs as one fused op (decode and verify, not prefill)
 
@@ -294,7 +304,8 @@ class MoE(nn.Module):
     renormalised (norm_topk_prob) and multiplied by routed_scaling. GPT-OSS (softmax_after_topk): top-k of the
     logits, softmax over the chosen.
 
-    Execution: for few (token, expert) pairs (``N * top_k <= gather_max``, i.e. decode of small models) the chosen
+    Execution: on an accelerator with bf16 experts, grouped products (``_grouped_forward``: no host read, fixed
+    shapes); otherwise for few (token, expert) pairs (``N * top_k <= gather_max``, i.e. decode of small models) the chosen
     experts' weights are gathered and applied with one ``bmm`` (no host sync); otherwise tokens are sorted by expert
     and each expert that was hit runs once on its contiguous slice (one ``.tolist()`` of the per-expert counts).
     ``gather_max`` defaults to what keeps the gathered copy under ``GATHER_BYTES`` (at most 16 pairs); 0 disables it.
@@ -340,6 +351,7 @@ class MoE(nn.Module):
             gather_max = max(0, min(16, GATHER_BYTES // max(expert_bytes, 1)))
         self.gather_max = gather_max
         self.gather_on_cpu = False  # tests force the gather path on CPU to check it against the reference
+        self.grouped_on_cpu = False  # ... and the grouped one (_grouped_forward)
 
         def p(*shape: int, dt: torch.dtype = dtype) -> nn.Parameter:
             return nn.Parameter(torch.zeros(*shape, dtype=dt), requires_grad=False)
@@ -409,12 +421,16 @@ class MoE(nn.Module):
 
         ``experts`` an int: ``x [n, in]`` all go through that expert -> ``[n, out]``.
         ``experts`` a LongTensor ``[M]``: row m of ``x [M, in]`` goes through expert ``experts[m]`` -> ``[M, out]``.
+        ``experts`` a :class:`Groups`: ``x``'s rows sorted by expert, one grouped product (16-bit weights only).
         """
         b = getattr(self, "b_" + which)
         q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
         if q is not None:
             return q.expert_linear(x, experts, b)
         w = getattr(self, "w_" + which)
+        if isinstance(experts, Groups):  # (each expert's weight read once; the groups' sizes stay on the device)
+            y = torch._grouped_mm(x, w.transpose(1, 2), offs=experts.offs)
+            return y if b is None else y + b.index_select(0, experts.ids)
         if isinstance(experts, int):
             return packed_linear(x, w[experts], None if b is None else b[experts], self.__dict__.setdefault("_packs", {}),
                                  (which, experts))
@@ -437,6 +453,8 @@ class MoE(nn.Module):
     def experts_forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
         """Sum over the chosen experts of weight * expert(x): ``x [N, D]``, ``weights``/``idx [N, k]`` -> ``[N, D]``."""
         N, k = idx.shape
+        if self._grouped(x):
+            return self._grouped_forward(x, weights, idx)
         # the gather path saves a host sync, which only pays on an accelerator: on CPU the sorted path is faster
         # (sol-mini decode, 1 thread: 115 vs 97 tok/s at batch 1, 525 vs 198 at batch 8)
         if N * k <= self.gather_max and (x.device.type != "cpu" or self.gather_on_cpu):
@@ -466,14 +484,37 @@ class MoE(nn.Module):
         y = torch.zeros(N, self.hidden_size, dtype=torch.float32, device=x.device).index_add_(0, token, out)
         return y.to(x.dtype)
 
+    def _grouped(self, x: Tensor) -> bool:
+        """Whether the routed experts run as grouped products (``torch._grouped_mm``): on an accelerator (or on CPU
+        where a test asks, ``grouped_on_cpu``), bf16, experts not int4, no multiply hook (``expert_linear`` patched)."""
+        return ((x.device.type != "cpu" or self.grouped_on_cpu) and x.dtype == torch.bfloat16
+                and hasattr(torch, "_grouped_mm") and "expert_linear" not in self.__dict__
+                and not any(n in self._modules for n in ("q_gate_up", "q_up", "q_down")))
+
+    def _grouped_forward(self, x: Tensor, weights: Tensor, idx: Tensor) -> Tensor:
+        """experts_forward without a host read: the (token, slot) pairs sorted by expert on the device, each
+        expert's rows through its weights in one grouped product per projection (an expert no row chose is not
+        read), the outputs put back in pair order and summed per token in fp32. Fixed shapes for a fixed number of
+        tokens, so a decode step that holds it can be captured (a CUDA graph; engine/graphs.py)."""
+        N, k = idx.shape
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        ids = flat.index_select(0, order)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        y = self._expert_ffn(x.index_select(0, order // k), Groups(counts.cumsum(0, dtype=torch.int32), ids)).float()
+        y.mul_(weights.reshape(-1).index_select(0, order).unsqueeze(-1))
+        out = torch.empty_like(y).index_copy_(0, order, y)
+        return out.view(N, k, -1).sum(dim=1).to(x.dtype)
+
     def _fused_weights(self, x: Tensor, deps: list | None = None) -> tuple | None:
         """The arguments of ``waferline::moe_ffn`` after ``(x, weights, idx)`` when this block can run as that one op
         on ``x`` (CPU, SwiGLU experts without biases, weights of x's dtype or in waferline's CPU int4 layout, no matmul
         hooks installed), else None. ``deps``: where each tensor was looked up is appended to it, ``(dict, key,
         value)``, so that a cached copy can be checked against the module as it is now (:meth:`_fused_args`)."""
         if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
-                and self.shared_gate_weight is None and not self.gather_on_cpu and "expert_linear" not in self.__dict__
-                and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+                and self.shared_gate_weight is None and not (self.gather_on_cpu or self.grouped_on_cpu)
+                and "expert_linear" not in self.__dict__ and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
             return None
         sh = self.shared
         if sh is not None and not (sh.gated and sh.act is F.silu and sh.b_down is None and "linear" not in sh.__dict__):
@@ -520,7 +561,7 @@ class MoE(nn.Module):
     def _fusable(self, x: Tensor, rows: int) -> bool:
         """The per-call conditions of moe_route + moe_ffn for ``rows`` tokens of ``x`` (the rest are checked when the
         arguments are built)."""
-        return (x.device.type == "cpu" and rows <= MOE_FUSED_MAX_ROWS and not self.gather_on_cpu
+        return (x.device.type == "cpu" and rows <= MOE_FUSED_MAX_ROWS and not (self.gather_on_cpu or self.grouped_on_cpu)
                 and "expert_linear" not in self.__dict__ and kernels.available())
 
     def _build_fused_args(self, x: Tensor, deps: list) -> tuple[tuple, tuple] | None:

@@ -1,0 +1,85 @@
+"""A decode step of fixed shape, captured once as a CUDA graph and replayed per token (the single-process engine on a
+GPU; on CPU the same step runs eagerly, which is how the tests check it).
+
+An eager decode step on a GPU launches a few hundred small kernels from Python, each waiting on the host, so a
+small batch is bound by launches rather than by reading the weights from HBM. A captured step replays them all
+from one call. What a step must be for that: the same shapes at every position (``StepBatch.static``: attention
+over the cache up to a fixed end, later rows masked), nothing read back to the host inside it (MoE experts as
+grouped products, ``MoE._grouped_forward``), and caches that stay where they are (grown to that end before the
+capture). Only models whose every cache is a full-attention ``TokenCache`` qualify (a Mamba-2 state or a
+sliding-window ring would be advanced by the warm-up steps); the caller falls back to eager steps otherwise, and
+when the warm-up finds a host read (``torch.cuda`` sync debug mode set to error).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from waferline.model.attention import TokenCache
+from waferline.model.context import StepBatch
+
+
+def graphable(caches: list[Any]) -> bool:
+    """Whether a static step can run on these caches: every one a full-attention TokenCache."""
+    return bool(caches) and all(isinstance(c, TokenCache) and c.window is None for c in caches)
+
+
+class StaticDecode:
+    """One-token decode steps of the rows in cache slots ``slots``, with positions below ``end``: ``run(tokens,
+    starts)`` -> (fp32 logits [B, V], greedy ids [B]) on the model's device. ``capture``: record the step as a CUDA
+    graph (a GPU only) after two warm-up steps; the outputs are then the graph's own buffers, overwritten by the next
+    run. The warm-up and the capture write cache row ``end - 1`` of each slot, which no step sees before the step at
+    that position writes it again (later rows are masked)."""
+
+    def __init__(self, model: Any, caches: list[Any], slots: list[int], end: int, device: torch.device,
+                 capture: bool = False):
+        if not graphable(caches):
+            raise ValueError("a static decode step needs full-attention token caches only")
+        self.model, self.caches, self.end = model, caches, end
+        B = len(slots)
+        self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
+        self.slots = torch.tensor(slots, dtype=torch.long, device=device)
+        self.start = torch.full((B,), end - 1, dtype=torch.long, device=device)
+        for c in caches:  # (the tensors the step holds: they must not move once captured)
+            if c.capacity < end:
+                c._grow(end)
+        self.graph = None
+        self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if capture:
+            self._capture(device)
+
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        batch = StepBatch.static(self.slots, self.start, self.end)  # (a fresh memo: per-step tables are recomputed)
+        logits = self.model.logits(self.model(self.tokens, self.caches, batch))[:, 0]
+        return logits, logits.argmax(-1)
+
+    def _capture(self, device: torch.device) -> None:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        mode = torch.cuda.get_sync_debug_mode()
+        with torch.cuda.stream(side):
+            torch.cuda.set_sync_debug_mode("error")  # a host read in the step cannot be captured: say so here
+            try:
+                for _ in range(2):
+                    self._step()
+            finally:
+                torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._step()
+        self.graph = graph
+
+    def run(self, tokens: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step: row b's token ``tokens[b]`` at position ``starts[b]`` (< end)."""
+        if max(starts) >= self.end:
+            raise ValueError(f"position {max(starts)} is past the static step's end {self.end}")
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long)[:, None])
+        self.start.copy_(torch.tensor(starts, dtype=torch.long))
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        assert self.out is not None
+        return self.out
