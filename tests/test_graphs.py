@@ -55,7 +55,8 @@ def test_static_steps_decode_the_engines_tokens(ckpts, gpu_like, mt, monkeypatch
     assert [o.token_ids for o in llm.generate([prompts[2]], p)] == [want[2]]
     runs.clear()
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.7, seed=1))
-    assert not runs
+    llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0))  # (the prefill's token alone)
+    assert not runs and llm.graph_note is None
 
 
 def test_models_without_token_caches_decode_as_before(ckpts, gpu_like):

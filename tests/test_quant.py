@@ -397,3 +397,29 @@ def test_move_model_repacks_int4_weights_exactly_for_the_device():
     if choose_backend(torch.device("cpu"), 256, 64) != "cpu_int4pack":
         with pytest.raises(ConfigError, match="cannot be repacked"):
             move_model(opaque, "cpu")
+
+
+def test_int4_checkpoint_bound_for_another_device_loads_readable_codes(tmp_path, llama_dir, capsys):
+    # an int4 checkpoint loaded for a GPU keeps plain nibbles (loading_for), which move_model repacks exactly; loaded
+    # for the CPU it is packed for this CPU's kernel, as always
+    from waferline.model.quant import loading_for, move_model
+
+    out = tmp_path / "q4"
+    assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(out), "--group-size", "32", "--json"]) == 0
+    capsys.readouterr()
+    plain = load_model(out)
+    with loading_for("cuda"):  # (only the layout is chosen here: no GPU is touched)
+        bound = load_model(out)
+    with loading_for("cpu"):
+        cpu = load_model(out)
+
+    def weights(m):
+        return {n: w for n, w in m.named_modules() if isinstance(w, Int4Weight)}
+
+    assert len(weights(bound)) == len(weights(plain)) > 0 and {w.backend for w in weights(bound).values()} == {"dequant"}
+    assert {w.backend for w in weights(cpu).values()} == {w.backend for w in weights(plain).values()} != {"dequant"}
+    move_model(bound, "cpu")
+    for name, w in weights(bound).items():
+        ref = weights(plain)[name]
+        assert w.backend == ref.backend
+        assert torch.equal(w.dequantize(), ref.dequantize())

@@ -479,3 +479,11 @@ def test_serve_command(sol):
     bad = subprocess.run([sys.executable, "-m", "waferline.cli", "serve", "--model", str(Path(sol) / "missing")],
                          capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "not a checkpoint directory" in bad.stderr
+
+
+def test_scheduler_refuses_an_engine_off_the_cpu(tmp_path):
+    build("llama", tmp_path)
+    llm = LLM(tmp_path)
+    llm.device = torch.device("cuda")  # (as LLM(device="cuda") sets it; no GPU is needed to be refused)
+    with pytest.raises(ConfigError, match="runs on CPU"):
+        Scheduler(llm)

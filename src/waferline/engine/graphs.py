@@ -56,20 +56,21 @@ class StaticDecode:
         return logits, logits.argmax(-1)
 
     def _capture(self, device: torch.device) -> None:
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        mode = torch.cuda.get_sync_debug_mode()
-        with torch.cuda.stream(side):
-            torch.cuda.set_sync_debug_mode("error")  # a host read in the step cannot be captured: say so here
-            try:
-                for _ in range(2):
-                    self._step()
-            finally:
-                torch.cuda.set_sync_debug_mode(mode)
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.out = self._step()
+        with torch.cuda.device(device):  # (the capture stream must be the model's device's: cuda:N, not the current)
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            mode = torch.cuda.get_sync_debug_mode()
+            with torch.cuda.stream(side):
+                torch.cuda.set_sync_debug_mode("error")  # a host read in the step cannot be captured: say so here
+                try:
+                    for _ in range(2):
+                        self._step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                self.out = self._step()
         self.graph = graph
 
     def run(self, tokens: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,9 +127,11 @@ class LLM:
             if speculative and self.device.type != "cpu":
                 raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or use device='cpu' "
                                   f"(got device={str(self.device)!r})")
-            self.model = load_model(self.path, self.dtype)
+            from waferline.model.quant import QuantOptions, is_int4, loading_for, move_model, quantize_model
+
+            with loading_for(self.device):  # (an int4 checkpoint bound for a GPU keeps codes move_model can read)
+                self.model = load_model(self.path, self.dtype)
             self.spec = self.model.spec
-            from waferline.model.quant import QuantOptions, is_int4, move_model, quantize_model
 
             if self.device.type != "cpu":  # before quantizing: int4 weights are packed for the device they sit on
                 move_model(self.model, self.device)
@@ -293,9 +295,10 @@ class LLM:
         graphs off, sampling, or a model whose step cannot be captured (``graph_note`` says why)."""
         from waferline.engine.graphs import StaticDecode, graphable
 
+        self.graph_note = None
         on_gpu = self.device.type == "cuda" and self.cuda_graphs
-        if not (on_gpu or self._graphs_on_cpu) or params.temperature != 0:
-            return None
+        if not (on_gpu or self._graphs_on_cpu) or params.temperature != 0 or params.max_tokens <= 1:
+            return None  # (one token: the prefill's alone, no step to replay)
         if not graphable(caches):
             self.graph_note = "caches other than full-attention token caches (Mamba-2 state, sliding window)"
             return None
@@ -304,7 +307,6 @@ class LLM:
         except RuntimeError as e:  # (a host read inside the step, found by the warm-up; or the capture failing)
             self.graph_note = f"not captured: {e}"
             return None
-        self.graph_note = None
         return static
 
     def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],

@@ -236,13 +236,14 @@ class Pipeline:
             else:
                 self._start_local(load, start_method)
             self._connect()
+        from waferline.model.quant import loading_for, move_model
+
         a, b = self.ranges[0]
-        model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
+        with loading_for(self.device):
+            model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
         if S == 1 and load.get("mtp"):
             check_mtp(model, self.path)
         if self.device.type != "cpu":  # (int4 weights repacked for the device's kernel)
-            from waferline.model.quant import move_model
-
             move_model(model, self.device)
         self.runner = StageRunner(model, 0, S, self.device)
         if S > 1:

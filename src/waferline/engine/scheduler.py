@@ -412,6 +412,9 @@ class Scheduler:
         config.validate()
         if getattr(llm, "model", None) is None:
             raise ConfigError("serving runs the single-process engine; a pipeline LLM (stages=...) cannot be served yet")
+        if getattr(llm, "device", torch.device("cpu")).type != "cpu":
+            raise ConfigError(f"the server's scheduler runs on CPU so far; load the LLM with device='cpu' "
+                              f"(got {llm.device})")
         self.llm = llm
         self.model = llm.model
         self.spec: ModelSpec = llm.spec

@@ -513,17 +513,17 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
         act = Link(make_group(store, f"waferline/{run_id}/act", rank, num_stages, device, local), device)
         fb = Link(make_group(store, f"waferline/{run_id}/fb", rank, num_stages, device, local), device)
         from waferline.model.load import load_model
+        from waferline.model.quant import loading_for, move_model
 
         a, b = load["layer_range"]
         last = rank == num_stages - 1
         mtp = bool(load.get("mtp")) and last  # MTP drafts on the last stage: it needs the embeddings and the head
-        model = load_model(load["path"], load["dtype"], range(a, b), has_embed=mtp, has_head=last,
-                           **load.get("extra", {}))
+        with loading_for(device):
+            model = load_model(load["path"], load["dtype"], range(a, b), has_embed=mtp, has_head=last,
+                               **load.get("extra", {}))
         if mtp:
             check_mtp(model, load["path"])
         if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
-            from waferline.model.quant import move_model
-
             move_model(model, device)
     except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
         return worker_load_failed(ctl, rank, e)

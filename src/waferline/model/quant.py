@@ -23,7 +23,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +281,21 @@ def choose_backend(device: torch.device, K: int, group_size: int) -> str:
     return "dequant"
 
 
+_LOAD_BACKEND: ContextVar[str | None] = ContextVar("waferline_int4_load_backend", default=None)
+
+
+@contextmanager
+def loading_for(device: torch.device | str) -> Iterator[None]:
+    """Int4 weights made inside (a checkpoint being loaded on CPU) keep a layout that ``move_model`` reads back
+    exactly when they are bound for another device (``dequant``'s plain nibbles; the CPU kernels' own layouts may be
+    ATen's opaque one where waferline's operators are not built); for a CPU, nothing changes."""
+    token = _LOAD_BACKEND.set("dequant" if torch.device(device).type != "cpu" else None)
+    try:
+        yield
+    finally:
+        _LOAD_BACKEND.reset(token)
+
+
 class Int4Weight(nn.Module):
     """An int4 weight ``[*lead, N, K]`` (``lead`` = experts, or nothing) packed for this device's kernel.
 
@@ -296,7 +313,7 @@ class Int4Weight(nn.Module):
         self.group_size = t.group_size
         self.symmetric = t.zeros is None
         self.compute_dtype = compute_dtype if compute_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-        self.backend = backend or choose_backend(device, K, self.group_size)
+        self.backend = backend or _LOAD_BACKEND.get() or choose_backend(device, K, self.group_size)
         if self.backend == "cuda_tinygemm":
             self.compute_dtype = torch.bfloat16  # tinygemm takes bf16 only
         codes = t.codes.to(device).reshape(-1, N, K)
