@@ -22,6 +22,19 @@ def script_module(name: str):
         sys.modules.pop(spec.name, None)
 
 
+def tiny_checkpoints(tmp_path_factory, model_types) -> dict:
+    """model_type -> a directory holding a tiny random checkpoint of it (tests/tiny_models.py), for a module-scoped
+    fixture."""
+    from tiny_models import build
+
+    out = {}
+    for mt in model_types:
+        d = tmp_path_factory.mktemp(mt)
+        build(mt, d)
+        out[mt] = d
+    return out
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Many tiny ops (and several processes) on a 2-core machine: one intra-op thread avoids OpenMP oversubscription."""

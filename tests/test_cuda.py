@@ -5,7 +5,7 @@ own eager steps and against the CPU engine, the int4 weights repacked for torch'
 import pytest
 import torch
 
-from tiny_models import build
+from conftest import tiny_checkpoints
 from waferline import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -13,12 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    out = {}
-    for mt in ("deepseek_v3", "llama", "qwen3_moe", "bamba"):
-        d = tmp_path_factory.mktemp(mt)
-        build(mt, d)
-        out[mt] = d
-    return out
+    return tiny_checkpoints(tmp_path_factory, ("deepseek_v3", "llama", "qwen3_moe", "bamba"))
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import tiny_checkpoints
 from tiny_models import build, configs
 from waferline import LLM, SamplingParams
 from waferline.errors import CheckpointError, ConfigError, RequestError
@@ -19,12 +20,7 @@ from waferline.model.ssm import Mamba2Cache
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    out = {}
-    for mt in ("deepseek_v3", "gpt_oss", "bamba", "llama"):
-        d = tmp_path_factory.mktemp(mt)
-        build(mt, d)
-        out[mt] = d
-    return out
+    return tiny_checkpoints(tmp_path_factory, ("deepseek_v3", "gpt_oss", "bamba", "llama"))
 
 
 def _prefill(llm, n):

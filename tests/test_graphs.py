@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tiny_models import build
+from conftest import tiny_checkpoints
 from waferline import LLM, SamplingParams, kernels
 from waferline.engine.graphs import StaticDecode, graphable
 from waferline.model.context import StepBatch
@@ -15,12 +15,7 @@ from waferline.model.moe import MoE
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    out = {}
-    for mt in ("deepseek_v3", "llama", "qwen3_moe", "bamba"):
-        d = tmp_path_factory.mktemp(mt)
-        build(mt, d)
-        out[mt] = d
-    return out
+    return tiny_checkpoints(tmp_path_factory, ("deepseek_v3", "llama", "qwen3_moe", "bamba"))
 
 
 @pytest.fixture

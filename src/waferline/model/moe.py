@@ -107,6 +107,9 @@ DENSE_NAMES: dict[str, dict[str, str]] = {
 
 FLAVORS = tuple(MOE_PREFIXES)
 
+GATHER_BYTES = 64 << 20  # decode gather path: most bytes of expert weights copied per forward
+MOE_FUSED_MAX_ROWS = 32  # tokens up to which a CPU MoE block runs as one fused op (decode and verify, not prefill)
+
 
 class Groups:
     """Rows sorted by expert for one grouped product: ``offs`` int32 [E], one past each expert's last row; ``ids``
@@ -116,8 +119,6 @@ class Groups:
 
     def __init__(self, offs: Tensor, ids: Tensor):
         self.offs, self.ids = offs, ids
-GATHER_BYTES = 64 << 20  # decode gather path: most bytes of expert weights copied per forward
-MOE_FUSED_MAX_ROWS = 32  # tokens up to which a CPU MoE block runs as one fused op (decode and verify, not prefill)
 
 
 def hf_act(model_type: str, cfg: dict) -> str:
@@ -514,7 +515,8 @@ class MoE(nn.Module):
         value)``, so that a cached copy can be checked against the module as it is now (:meth:`_fused_args`)."""
         if not (self.gated and self.act is F.silu and not self.clamped_swiglu and not self.spec.expert_bias
                 and self.shared_gate_weight is None and not (self.gather_on_cpu or self.grouped_on_cpu)
-                and "expert_linear" not in self.__dict__ and x.device.type == "cpu" and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
+                and "expert_linear" not in self.__dict__ and x.device.type == "cpu"
+                and x.shape[0] <= MOE_FUSED_MAX_ROWS and kernels.available()):
             return None
         sh = self.shared
         if sh is not None and not (sh.gated and sh.act is F.silu and sh.b_down is None and "linear" not in sh.__dict__):
@@ -561,8 +563,9 @@ class MoE(nn.Module):
     def _fusable(self, x: Tensor, rows: int) -> bool:
         """The per-call conditions of moe_route + moe_ffn for ``rows`` tokens of ``x`` (the rest are checked when the
         arguments are built)."""
-        return (x.device.type == "cpu" and rows <= MOE_FUSED_MAX_ROWS and not (self.gather_on_cpu or self.grouped_on_cpu)
-                and "expert_linear" not in self.__dict__ and kernels.available())
+        return (x.device.type == "cpu" and rows <= MOE_FUSED_MAX_ROWS
+                and not (self.gather_on_cpu or self.grouped_on_cpu) and "expert_linear" not in self.__dict__
+                and kernels.available())
 
     def _build_fused_args(self, x: Tensor, deps: list) -> tuple[tuple, tuple] | None:
         deps += [(d, k, d.get(k)) for d, k in ((self._parameters, "gate_weight"), (self._parameters, "gate_bias"),
