@@ -56,8 +56,8 @@ reads the experts its 8 rows touch, so 4x batch 1 may need batch 8 to be the mor
 
 On a GPU (--device cuda) the run is the same but for: the checkpoints are llama-gpu (~0.85B parameters) and
 dsv3-gpu (~2B, ~0.5B active), large enough that a decode step streams its weights from HBM rather than from the
-GPU's L2 cache; the engines are transformers bf16 and waferline bf16 / int4 (torch's tinygemm int4 kernel, a 16-bit
-LM head); the rooflines are over the GPU's measured copy and read bandwidths (a torch copy and an amax over 1 GiB on
+GPU's L2 cache; the engines are transformers bf16 and waferline bf16, bf16 without CUDA graphs (wl_bf16_eager: what
+they buy) and int4 (torch's tinygemm int4 kernel, a 16-bit LM head); the rooflines are over the GPU's measured copy and read bandwidths (a torch copy and an amax over 1 GiB on
 the device); and each waferline row at batch 1 has one more target: >= 60% of that copy roofline. waferline's GPU
 path runs PyTorch's ops, greedy decode as a CUDA graph of the step where the model allows one (engine/graphs.py; the
 capture counted in TTFT); not yet run on a GPU: what it reaches is what this run measures.
@@ -545,16 +545,9 @@ def device_bandwidths(device: str, mib: int = 1024, reps: int = 10) -> tuple[flo
     dst = torch.zeros_like(src)
     x = src.view(torch.float32)
 
-    def timed(f: Any) -> float:
+    def timed(f: Any) -> float:  # (a warm-up, then the best of reps, each to the device's completion)
         f()
-        sync(device)
-        best = float("inf")
-        for _ in range(reps):
-            t = time.perf_counter()
-            f()
-            sync(device)
-            best = min(best, time.perf_counter() - t)
-        return best
+        return _best_time(lambda: (f(), sync(device)), reps)
 
     return 2 * (mib << 20) / timed(lambda: dst.copy_(src)), (mib << 20) / timed(lambda: x.amax())
 
@@ -795,11 +788,9 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                 info["transformers_attn_implementation"] = loaded[e].attn_implementation
             elif e.startswith("wl_"):
                 kw = {} if a.device == "cpu" else {"device": a.device}
-                if e.endswith("_eager"):
+                if e.endswith("_eager"):  # (no CUDA graphs: what they buy, in the same run)
                     kw["cuda_graphs"] = False
                 loaded[e] = WaferlineEngine(hf_dir, e[3:].removesuffix("_eager"), **kw)
-                if e.endswith("_eager"):
-                    loaded[e].name += " eager"
             else:
                 q = e[5:]
                 loaded[e] = LlamaCppEngine(ggufs[q], q, a.threads, B, max(ctx, a.prompt_len + a.check_tokens) + 16)
@@ -979,12 +970,10 @@ def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
                 out.append({"target": "dsv3: waferline int4 >= llama.cpp Q4_0 (batch 1)", "value": round(w4 / q4, 2),
                             "met": w4 >= q4})
         for e in ("waferline fp32", "waferline bf16", "waferline int4"):
-            b1, roof = get(m, e, 1), get(m, e, 1, "roofline_tok_s")
+            b1, b8, roof = get(m, e, 1), get(m, e, 8), get(m, e, 1, "roofline_tok_s")
             if hbm and b1 and roof:
                 out.append({"target": f"{m}: {e} >= 60% of the HBM roofline (batch 1)", "value": round(b1 / roof, 3),
                             "met": b1 >= 0.6 * roof})
-        for e in ("waferline fp32", "waferline bf16", "waferline int4"):
-            b1, b8 = get(m, e, 1), get(m, e, 8)
             if b1 and b8:
                 out.append(share(ceiling({"target": f"{m}: {e} batch 8 aggregate >= 4x batch 1",
                                           "value": round(b8 / b1, 2), "met": b8 / b1 >= 4}, 4 * b1, m, e, 8),
@@ -1002,7 +991,8 @@ def print_tables(res: dict) -> None:
     from rich.table import Table
 
     con = Console(width=160)
-    t = Table(title=f"decode speed — {res.get('device', 'cpu')}, {res['threads']} threads, prompt {res['prompt_len']}, {res['new_tokens']} new "
+    t = Table(title=f"decode speed — {res.get('device', 'cpu')}, {res['threads']} threads, prompt {res['prompt_len']}, "
+                    f"{res['new_tokens']} new "
                     f"tokens, greedy, best of {res['repeats']}; copy / read bandwidth {res['copy_bandwidth_GBps']} / "
                     f"{res.get('read_bandwidth_GBps', '?')} GB/s; "
                     f"load avg {res['loadavg_start'][0]:.2f} → {res['loadavg_end'][0]:.2f}")
