@@ -1,4 +1,4 @@
-# waferline: `make demo` runs the main job, `make test` runs the tests. Both set up .venv when missing.
+# waferline: `make demo` runs the demo (trains, quantizes and serves a small model), `make test` runs the tests. Both set up .venv when missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin

@@ -5,8 +5,8 @@ serially).
     python benchmarks/step_profile.py --model benchmarks/.cache/dsv3/hf [--variant bf16|int4] [--batch 8]
                                       [--threads 2] [--seconds 8] [--burst 1] [--json PATH]
 
-The step is decode_ab.py's: one decode forward of B rows (64-token prompts already cached) plus logits and argmax,
-through ``step_logits``, positions cycling over 64..191; with ``--burst 8`` the steps run as the engine's greedy
+The step is one decode forward of B rows (64-token prompts already cached) plus logits and argmax, through
+``step_logits``, positions cycling over 64..191; with ``--burst 8`` the steps run as the engine's greedy
 decode runs them, 8 back to back per call (``greedy_steps``). The profile is Linux `perf record -e
 cpu-clock` (a software clock: works in VMs without hardware counters) of this process for --seconds, after warm-up;
 each sample is sorted by the function it was in: the weight products (waferline's bf16 / int4 / int8 kernels), the

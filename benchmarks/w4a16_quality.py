@@ -1,11 +1,12 @@
 """Held-out perplexity and weight bytes of bf16 vs int4 (RTN g128, RTN g32, GPTQ g32) for a checkpoint.
 
 Default: the trained sol-mini (`models/sol-mini`, its `heldout.txt`), GPTQ calibrated on the first tokens of the
-training text (`train/work/data/train.txt`, never the held-out plays). Perplexity is `LLM.perplexity`, as sol-mini's
-model card scores it: consecutive non-overlapping windows of 256 tokens, each from scratch. int4 variants run W4A16
-(bf16 activations). Weight bytes are the safetensors tensor bytes of each checkpoint (bf16: the source's tensors
-at 2 bytes), in all and for the decoder layers alone (embeddings, LM head and MTP head stay 16-bit). Prints a table,
-writes benchmarks/results/w4a16_quality.json.
+training text (`train/work/data/train.txt`, never the held-out plays). That file does not ship: the data step of
+`python train/sol_mini.py` writes it (the error message without it shows that step alone), or pass `--calibration
+FILE`. Perplexity is `LLM.perplexity`, as sol-mini's model card scores it: consecutive non-overlapping windows of 256
+tokens, each from scratch. int4 variants run W4A16 (bf16 activations). Weight bytes are the safetensors tensor bytes
+of each checkpoint (bf16: the source's tensors at 2 bytes), in all and for the decoder layers alone (embeddings, LM
+head and MTP head stay 16-bit). Prints a table, writes benchmarks/results/w4a16_quality.json.
 
     python benchmarks/w4a16_quality.py
     python benchmarks/w4a16_quality.py --model DIR --heldout FILE --calibration FILE
@@ -59,7 +60,8 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "models" / "sol-mini"))
     ap.add_argument("--heldout", default=None, help="held-out text or token ids (default: MODEL/heldout.txt)")
     ap.add_argument("--calibration", default=str(ROOT / "train" / "work" / "data" / "train.txt"),
-                    help="GPTQ calibration text or token ids (default: sol-mini's training text)")
+                    help="GPTQ calibration text or token ids (default: sol-mini's training text, which "
+                         "train/sol_mini.py writes; not in a fresh clone)")
     ap.add_argument("--calibration-tokens", type=int, default=4096)
     ap.add_argument("--max-eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "w4a16_quality.json"))
@@ -69,6 +71,11 @@ def main() -> None:
         raise SystemExit(f"{model} is not a checkpoint directory (the trained sol-mini appears at models/sol-mini); "
                          "pass --model DIR --heldout FILE")
     heldout = Path(a.heldout) if a.heldout else model / "heldout.txt"
+    if not Path(a.calibration).is_file():
+        raise SystemExit(f"no GPTQ calibration text at {a.calibration}: pass --calibration FILE, or write sol-mini's "
+                         "training text there (the data step of python train/sol_mini.py, without training: python -c "
+                         "\"import sys, pathlib; sys.path.insert(0, 'train'); import sol_mini; "
+                         "sol_mini.prepare_data(pathlib.Path('train/work'))\")")
     base = LLM(str(model), dtype="bfloat16")
     ids = calibration_tokens(str(heldout), base.tokenizer, a.max_eval_tokens)
     rows = []
