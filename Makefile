@@ -1,11 +1,12 @@
-# waferline: `make demo` runs the demo (trains, quantizes and serves a small model), `make test` runs the tests. Both set up .venv when missing.
+# waferline: `make demo` runs the demo (sol-mini streams text through a pipeline of stages, the planner sizes
+# gpt-5.6-sol, an HTML report is written); `make test` runs the tests; `make lint` runs ruff. All set up .venv when missing.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test venv clean
+.PHONY: demo test lint venv clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks train
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -47,10 +47,19 @@ def afd_point(model: str, hw: str, M: int, N: int, b: int, bits: int = 8, hw_spe
     r = simulate(plan, prompt_len=PROMPT, output_len=OUTPUT, concurrency=M * b, hardware=hw_spec)
     att = next(s for s in r.stages if s.role == "attention")
     ffn = next(s for s in r.stages if s.role == "ffn")
-    return {"layout": f"{M}A{N}F K={K}", "gpus": plan.num_devices, "gpus_per_attention_rank": plan.stages[0].num_devices,
-            "gpus_per_ffn_rank": plan.stages[-1].num_devices, "batch": M * b, "tpot_ms": 1e3 / r.decode_tokens_per_s_per_user,
-            "tok_s": r.aggregate_tokens_per_s, "tok_s_per_gpu": r.aggregate_tokens_per_s / plan.num_devices,
-            "attention_busy": att.total / r.step_latency_s, "ffn_busy": ffn.total / r.step_latency_s, "bound": r.bound}
+    return {
+        "layout": f"{M}A{N}F K={K}",
+        "gpus": plan.num_devices,
+        "gpus_per_attention_rank": plan.stages[0].num_devices,
+        "gpus_per_ffn_rank": plan.stages[-1].num_devices,
+        "batch": M * b,
+        "tpot_ms": 1e3 / r.decode_tokens_per_s_per_user,
+        "tok_s": r.aggregate_tokens_per_s,
+        "tok_s_per_gpu": r.aggregate_tokens_per_s / plan.num_devices,
+        "attention_busy": att.total / r.step_latency_s,
+        "ffn_busy": ffn.total / r.step_latency_s,
+        "bound": r.bound,
+    }
 
 
 def plain_point(model: str, hw: str, D: int, B: int, bits: int = 8) -> dict | None:

@@ -2,8 +2,8 @@
 FFN compute, transfer, idle) for AFD against the plain pipeline at equal process count, with the simulator's
 prediction for the same Plan beside each measurement.
 
-    python benchmarks/afd_speed.py            # a ~55M-parameter DeepSeek-V3-type model (MLA + 16 experts); a few minutes
-    python benchmarks/afd_speed.py --quick    # smaller model, fewer cases (smoke run)
+    python benchmarks/afd_speed.py   # a ~55M-parameter DeepSeek-V3-type model (MLA + 16 experts); a few minutes
+    python benchmarks/afd_speed.py --quick   # smaller model, fewer cases (smoke run)
 
 Every engine is started once; 4 rounds then run each engine once in a rotating order (so all see the machine's load at
 about the same times) and the best round per engine is reported, every round listed. Every process gets one torch
@@ -183,17 +183,27 @@ def main() -> int:
             r.update(name=name, processes=procs, options={k: v for k, v in kw.items()}, sim=pred)
             results["runs"].append(r)
             sp = r["split"]["sides"] if r["split"] else None
-            cols = (" ".join(f"{sp[side][k]:>8.2f}" for k in ("compute", "transfer", "idle") for side in ("attention", "ffn"))
-                    if sp else " ".join(f"{'-':>8}" for _ in range(6)))
-            print(f"{name:<18} {procs:>5} {r['decode_tokens_per_s']:>7.1f} {r['cores_used']:>5.2f} {r['loadavg']:>5.2f} | "
-                  f"{cols} | {pred['aggregate_tokens_per_s'] if pred else float('nan'):>9.1f}"
-                  + ("" if r["same_tokens_as_single_process"] else "   (tokens differ!)"))
+            cols = (
+                " ".join(
+                    f"{sp[side][k]:>8.2f}" for k in ("compute", "transfer", "idle") for side in ("attention", "ffn")
+                )
+                if sp
+                else " ".join(f"{'-':>8}" for _ in range(6))
+            )
+            print(
+                f"{name:<18} {procs:>5} {r['decode_tokens_per_s']:>7.1f} {r['cores_used']:>5.2f} {r['loadavg']:>5.2f} "
+                "| "
+                f"{cols} | {pred['aggregate_tokens_per_s'] if pred else float('nan'):>9.1f}"
+                + ("" if r["same_tokens_as_single_process"] else "   (tokens differ!)")
+            )
     print("\ntok/s of every round (the table shows each case's best round):")
     for r in results["runs"]:
         print(f"  {r['name']:<18} {r['rounds']}")
-    print("\ntime split columns: seconds summed over the ranks of a side during the best run. transfer = issuing sends + "
-          "the part of each wait after the peer had sent (by the sender's timestamp); idle = the part of each wait "
-          "before the peer had sent. cores = CPU seconds of all processes / wall time.")
+    print(
+        "\ntime split columns: seconds summed over the ranks of a side during the best run. transfer = issuing sends + "
+        "the part of each wait after the peer had sent (by the sender's timestamp); idle = the part of each wait "
+        "before the peer had sent. cores = CPU seconds of all processes / wall time."
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))

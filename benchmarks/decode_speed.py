@@ -12,9 +12,9 @@ and cached under benchmarks/.cache/:
   llama     Llama, hidden 768, 12 layers, 12 heads (4 KV), FFN 2048, vocab 32000 (~125M)
 
 plus a tokenizer the GGUF converter accepts: a byte-level BPE (GPT-2 pre-tokenizer) of 32000 tokens built
-deterministically with the `tokenizers` library (see `build_tokenizer`). Every engine is fed the same token ids,
-so the tokenizer only has to exist; the converter cannot know its pre-tokenizer hash, so it is told "gpt-2"
-(which is what the tokenizer uses) — the only change made to the converter's behaviour, done at run time.
+deterministically with the `tokenizers` library (see decode_speed_models.build_tokenizer). Every engine is fed the
+same token ids, so the tokenizer only has to exist; the converter cannot know its pre-tokenizer hash, so it is told
+"gpt-2" (which is what the tokenizer uses) — the only change made to the converter's behaviour, done at run time.
 
 The GGUF files are converted from the same checkpoints with `convert_hf_to_gguf.py` from the llama-cpp-python
 sdist (vendor/llama.cpp, run with its own vendored gguf-py) at f16, then quantized to Q4_0 with
@@ -52,12 +52,13 @@ reads the experts its 8 rows touch, so 4x batch 1 may need batch 8 to be the mor
     python benchmarks/decode_speed.py                      # everything (batch 1 alone: 23 min at load average 6-7)
     python benchmarks/decode_speed.py --quick              # tiny models, a few tokens: a smoke test
     python benchmarks/decode_speed.py --models dsv3 --engines hf,waferline,llamacpp --batch 1
-    python benchmarks/decode_speed.py --device cuda        # on a CUDA GPU (not yet run on one: no GPU lent so far)
+    python benchmarks/decode_speed.py --device cuda        # on a CUDA GPU
 
 On a GPU (--device cuda) the run is the same but for: the checkpoints are llama-gpu (~0.85B parameters) and
 dsv3-gpu (~2B, ~0.5B active), large enough that a decode step streams its weights from HBM rather than from the
 GPU's L2 cache; the engines are transformers bf16 and waferline bf16, bf16 without CUDA graphs (wl_bf16_eager: what
-they buy) and int4 (torch's tinygemm int4 kernel, a 16-bit LM head); the rooflines are over the GPU's measured copy and read bandwidths (a torch copy and an amax over 1 GiB on
+they buy) and int4 (torch's tinygemm int4 kernel, a 16-bit LM head); the rooflines are over the GPU's measured copy and
+read bandwidths (a torch copy and an amax over 1 GiB on
 the device); and each waferline row at batch 1 has one more target: >= 60% of that copy roofline. waferline's GPU
 path runs PyTorch's ops, greedy decode as a CUDA graph of the step where the model allows one (engine/graphs.py; the
 capture counted in TTFT); not yet run on a GPU: what it reaches is what this run measures.
@@ -67,13 +68,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import platform
 import subprocess
 import sys
-import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,607 +80,34 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parent
-REPO = ROOT.parent
-CACHE = ROOT / ".cache"
-SEED = 0
-BOS, EOS, PAD = 1, 2, 0
-
-# ----------------------------------------------------------------------------- checkpoints
-
-COMMON = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False,
-              pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "dsv3": ("deepseek_v3", dict(
-        COMMON, hidden_size=512, num_hidden_layers=8, first_k_dense_replace=1, intermediate_size=1536,
-        q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        num_attention_heads=8, num_key_value_heads=8, n_routed_experts=16, moe_intermediate_size=512,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True,
-        routed_scaling_factor=2.5, num_nextn_predict_layers=0,
-        # not attributes of transformers' DeepseekV3Config (it always routes by sigmoid + correction bias), but the
-        # keys DeepSeek-V3's hub config.json carries; without scoring_func the GGUF converter writes no gating
-        # function and llama.cpp falls back to softmax routing (its DeepSeek-V2 default)
-        scoring_func="sigmoid", topk_method="noaux_tc", rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    "qwen3moe": ("qwen3_moe", dict(
-        COMMON, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
-        intermediate_size=1536, num_experts=16, moe_intermediate_size=512, num_experts_per_tok=2,
-        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-        rope_parameters=dict(rope_type="default", rope_theta=1000000.0))),
-    "llama": ("llama", dict(
-        COMMON, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-        intermediate_size=2048, rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
-}
-# --device cuda: checkpoints large enough to leave a GPU's L2 cache (tens of MB) far behind, so that a decode step
-# streams its weights from HBM (issue 9's GPU roofline): a Llama of ~0.85B parameters (1.7 GB in bf16) and a
-# DeepSeek-V3-type MoE of ~2B (32 routed experts of FFN 768, top-4, 1 shared: ~0.5B active)
-GPU_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama-gpu": ("llama", dict(
-        COMMON, hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-        intermediate_size=5632, rope_parameters=dict(rope_type="default", rope_theta=500000.0))),
-    "dsv3-gpu": ("deepseek_v3", dict(
-        MODELS["dsv3"][1], hidden_size=2048, num_hidden_layers=12, intermediate_size=5632, q_lora_rank=768,
-        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=16,
-        num_key_value_heads=16, n_routed_experts=32, moe_intermediate_size=768, num_experts_per_tok=4)),
-}
-MODELS.update(GPU_MODELS)
-# --quick: the same architectures, tiny
-QUICK = {
-    "dsv3": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, intermediate_size=256, q_lora_rank=64,
-                 kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_attention_heads=4,
-                 num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=64),
-    "qwen3moe": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=32, num_experts=4, moe_intermediate_size=64),
-    "llama": dict(vocab_size=2048, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=256),
-}
-QUICK["llama-gpu"], QUICK["dsv3-gpu"] = QUICK["llama"], QUICK["dsv3"]
-
-
-def model_config(name: str, quick: bool) -> tuple[str, dict[str, Any]]:
-    model_type, kw = MODELS[name]
-    return model_type, dict(kw, **QUICK[name]) if quick else dict(kw)
-
-
-def build_tokenizer(vocab_size: int, directory: Path) -> None:
-    """A byte-level BPE (GPT-2 pre-tokenizer and byte alphabet) of exactly ``vocab_size`` tokens, built without
-    training: <pad> <s> </s>, the 256 byte symbols, then merges spelling every 2-, 3-, ... letter string over
-    [space a-z] in a fixed order. It tokenizes English-ish text sensibly and is accepted by the GGUF converter's
-    `gpt2` vocab path (tokenizer.json + tokenizer_config.json, loaded through transformers' AutoTokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    specials = ["<pad>", "<s>", "</s>"]
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate(specials + alphabet)}
-    letters = ["\u0120"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]  # "Ġ" is the byte-level space
-    merges: list[tuple[str, str]] = []
-    level = list(letters)
-    while len(vocab) < vocab_size:
-        nxt = []
-        for left in level:
-            for ch in letters:
-                if len(vocab) >= vocab_size:
-                    break
-                tok = left + ch
-                if tok in vocab:
-                    continue
-                vocab[tok] = len(vocab)
-                merges.append((left, ch))
-                nxt.append(tok)
-        level = nxt
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials)
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
-        "add_bos_token": False, "add_eos_token": False, "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-    }, indent=2))
-
-
-def build_checkpoint(name: str, quick: bool, cache: Path) -> Path:
-    """Random-weight checkpoint of ``name`` written by transformers' ``save_pretrained`` (bf16 safetensors) with its
-    tokenizer; rebuilt only when the configuration (or this builder) changes."""
-    import transformers
-
-    model_type, kw = model_config(name, quick)
-    stamp = hashlib.sha256(json.dumps([model_type, kw, SEED, "v2"], sort_keys=True).encode()).hexdigest()[:12]
-    d = cache / f"{name}{'-quick' if quick else ''}"
-    hf = d / "hf"
-    if (d / "stamp").is_file() and (d / "stamp").read_text() == stamp and (hf / "model.safetensors").is_file():
-        return d
-    import shutil
-
-    shutil.rmtree(d, ignore_errors=True)
-    t = time.perf_counter()
-    cfg = transformers.AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(SEED)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
-    g = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():  # the same recipe as tests/tiny_models.py: non-trivial values everywhere
-        for pname, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if p.dim() == 1 and "norm" in pname:
-                p.copy_(1.0 + 0.2 * r)
-            elif p.dim() == 1:
-                p.copy_(0.1 * r)
-            else:
-                p.copy_(r * (1.0 / p.shape[-1]) ** 0.5)
-        for bname, b in model.named_buffers():
-            if "e_score_correction_bias" in bname:
-                b.copy_(0.1 * torch.randn(b.shape, generator=g))
-    model.to(torch.bfloat16).save_pretrained(hf)
-    model.generation_config.save_pretrained(hf)
-    build_tokenizer(cfg.vocab_size, hf)
-    n = sum(p.numel() for p in model.parameters())
-    (d / "stamp").write_text(stamp)
-    print(f"built {name}: {model_type}, {n / 1e6:.1f}M parameters in {time.perf_counter() - t:.0f}s -> {hf}", flush=True)
-    del model
-    gc.collect()
-    return d
-
-
-# ----------------------------------------------------------------------------- llama.cpp: converter + quantizer
-
-CONVERTER_RUNNER = r"""
-import sys, runpy
-src, model, out, outtype = sys.argv[1:5]
-sys.path.insert(0, src)
-sys.path.insert(1, src + "/gguf-py")
-import conversion.base as base
-_orig = base.TextModel.get_vocab_base_pre
-def _pre(self, tokenizer):
-    # our synthetic byte-level BPE is not in the converter's table of known pre-tokenizer hashes; it uses the
-    # GPT-2 regex, so it is "gpt-2" (only ever reached for a tokenizer the table does not know)
-    try:
-        return _orig(self, tokenizer)
-    except NotImplementedError:
-        return "gpt-2"
-base.TextModel.get_vocab_base_pre = _pre
-sys.argv = [src + "/convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
-runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
-"""
-
-
-def _llama_cpp() -> Any:
-    """The llama_cpp module with llama.cpp's own log (load / quantize chatter) cut down to errors."""
-    import llama_cpp
-    from llama_cpp import _logger
-
-    _logger.set_verbose(False)
-    return llama_cpp
-
-
-def llama_cpp_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("llama_cpp_python")
-    except Exception:
-        return None
-
-
-def find_converter(src: str | None, sdist: str | None, cache: Path) -> Path:
-    """A directory holding convert_hf_to_gguf.py, conversion/ and gguf-py/ (llama.cpp's, as shipped in the
-    llama-cpp-python sdist). Raises RuntimeError with what to do when there is none."""
-    cands = [Path(p) for p in (src, os.environ.get("LLAMA_CPP_SRC")) if p]
-    ver = llama_cpp_version()
-    extracted = cache / f"llama.cpp-src-{ver}"
-    cands.append(extracted)
-    for c in cands:
-        if (c / "convert_hf_to_gguf.py").is_file():
-            return c
-    if ver is None:
-        raise RuntimeError("llama-cpp-python is not installed")
-    tarball = Path(sdist) if sdist else None
-    if tarball is None:
-        found = sorted(cache.glob(f"llama_cpp_python-{ver}.tar.gz"))
-        if found:
-            tarball = found[0]
-        else:  # the ordinary pip client, only when nothing local exists
-            print(f"fetching the llama-cpp-python {ver} sdist for its GGUF converter (pip download) ...", flush=True)
-            r = subprocess.run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={ver}", "--no-deps",
-                                "--no-binary", ":all:", "-d", str(cache)], capture_output=True, text=True)
-            found = sorted(cache.glob(f"llama_cpp_python-{ver}.tar.gz"))
-            if r.returncode != 0 or not found:
-                raise RuntimeError(f"no GGUF converter: pass --llama-cpp-src DIR (vendor/llama.cpp of the "
-                                   f"llama-cpp-python sdist) or --llama-cpp-sdist PATH ({r.stderr.strip()[-200:]})")
-            tarball = found[0]
-    prefix = None
-    with tarfile.open(tarball) as tf:
-        members = []
-        for m in tf.getmembers():
-            parts = Path(m.name).parts
-            if len(parts) > 3 and parts[1:3] == ("vendor", "llama.cpp") and (
-                    parts[3] in ("convert_hf_to_gguf.py", "conversion", "gguf-py")):
-                prefix = Path(*parts[:3])
-                members.append(m)
-        if prefix is None:
-            raise RuntimeError(f"{tarball} has no vendor/llama.cpp/convert_hf_to_gguf.py")
-        tmp = cache / "llama.cpp-src.tmp"
-        tf.extractall(tmp, members=members, filter="data")
-    import shutil
-
-    shutil.rmtree(extracted, ignore_errors=True)
-    (tmp / prefix).rename(extracted)
-    shutil.rmtree(tmp, ignore_errors=True)
-    return extracted
-
-
-def build_gguf(d: Path, converter: Path, threads: int) -> dict[str, Path]:
-    """f16 GGUF by the converter, Q4_0 by llama.cpp's quantizer; cached next to the checkpoint."""
-    out = {"f16": d / "model-f16.gguf", "q4_0": d / "model-q4_0.gguf"}
-    if not out["f16"].is_file():
-        t = time.perf_counter()
-        tmp = out["f16"].with_suffix(".tmp")
-        r = subprocess.run([sys.executable, "-c", CONVERTER_RUNNER, str(converter), str(d / "hf"), str(tmp), "f16"],
-                           capture_output=True, text=True)
-        (d / "convert.log").write_text(r.stdout + r.stderr)
-        if r.returncode != 0 or not tmp.is_file():
-            tail = [ln for ln in (r.stdout + r.stderr).strip().splitlines() if ln.strip()][-3:]
-            raise RuntimeError(f"convert_hf_to_gguf.py failed (see {d / 'convert.log'}): {' | '.join(tail)}")
-        tmp.replace(out["f16"])
-        print(f"converted {d.name} -> {out['f16'].name} in {time.perf_counter() - t:.0f}s", flush=True)
-    if not out["q4_0"].is_file():
-        llama_cpp = _llama_cpp()
-
-        t = time.perf_counter()
-        tmp = out["q4_0"].with_suffix(".tmp")
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
-        params.nthread = threads
-        rc = llama_cpp.llama_model_quantize(str(out["f16"]).encode(), str(tmp).encode(), params)
-        if rc != 0 or not tmp.is_file():
-            raise RuntimeError(f"llama_model_quantize to Q4_0 failed (rc={rc})")
-        tmp.replace(out["q4_0"])
-        print(f"quantized {d.name} -> {out['q4_0'].name} in {time.perf_counter() - t:.0f}s", flush=True)
-    return out
-
-
-# ----------------------------------------------------------------------------- engines
-
-
-@dataclass
-class Run:
-    ttft_s: float
-    decode_s: float
-    tokens: list[list[int]]  # generated ids per sequence (the first one included)
-
-    @property
-    def decode_tokens(self) -> int:
-        return sum(max(len(t) - 1, 0) for t in self.tokens)
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / max(self.decode_s, 1e-9)
-
-
-class HFEngine:
-    """transformers `generate`, greedy, bf16, SDPA attention (transformers' default), KV cache on."""
-
-    name, bits, kv_bits = "transformers bf16", 16, 16
-
-    def __init__(self, path: Path, dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
-        import transformers
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        try:
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-        except (ValueError, ImportError):  # an architecture without SDPA support: transformers' eager attention
-            self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
-        self.model.to(device).eval()
-        self.device = torch.device(device)
-        self.attn_implementation = self.model.config._attn_implementation
-
-    @torch.inference_mode()
-    def logits(self, seq: list[int]) -> torch.Tensor:
-        return self.model(torch.tensor([seq], device=self.device)).logits[0].float().cpu()
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], n: int) -> Run:
-        from transformers.generation.streamers import BaseStreamer
-
-        class Clock(BaseStreamer):
-            calls, first = 0, None
-
-            def put(self, value: Any) -> None:
-                self.calls += 1
-                if self.calls == 2:  # the first call carries the prompt
-                    self.first = time.perf_counter()
-
-            def end(self) -> None:
-                pass
-
-        ids = torch.tensor(prompts, device=self.device)
-        clock = Clock()
-        sync(self.device)
-        t0 = time.perf_counter()
-        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, streamer=clock, pad_token_id=PAD)
-        sync(self.device)
-        t1 = time.perf_counter()
-        first = clock.first if clock.first is not None else t1
-        return Run(first - t0, t1 - first, out[:, ids.shape[1]:].tolist())
-
-
-class WaferlineEngine:
-    """waferline.LLM, greedy; timed from its token stream (first token = end of the prefill)."""
-
-    def __init__(self, path: Path, variant: str, **kw: Any):
-        from waferline import LLM
-
-        dtype, bits = {"fp32": ("float32", 16), "bf16": ("bfloat16", 16), "int4": ("bfloat16", 4)}[variant]
-        self.name = f"waferline {variant}"
-        self.bits, self.kv_bits = {"fp32": 32, "bf16": 16, "int4": 4}[variant], 32 if variant == "fp32" else 16
-        if variant == "int4" and kw.get("device", "cpu") == "cpu":
-            # as llama.cpp's Q4_0 files do (their head is Q6_K), the LM head is not left 16-bit (on a GPU it is:
-            # the int8 head has no GPU kernel of ours, it would be widened every step)
-            kw.setdefault("head_bits", 8)
-        self.llm = LLM(str(path), dtype=dtype, weight_bits=bits, **kw)
-
-    def logits(self, seq: list[int]) -> torch.Tensor:
-        return self.llm.prompt_logprobs(seq).float()  # log-softmax: the same argmax and KL as the logits
-
-    def run(self, prompts: list[list[int]], n: int) -> Run:
-        from waferline import SamplingParams
-
-        t0 = time.perf_counter()
-        first = None
-        toks: list[list[int]] = [[] for _ in prompts]
-        for ev in self.llm.stream(prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)):
-            if isinstance(ev, tuple):
-                if first is None:
-                    first = time.perf_counter()
-            else:
-                toks = [list(o.token_ids) for o in ev]
-        t1 = time.perf_counter()
-        first = first or t1
-        return Run(first - t0, t1 - first, toks)
-
-
-class LlamaCppEngine:
-    """llama.cpp through llama-cpp-python's low-level API: one context holding `batch` sequences; the prompts are
-    prefilled together in one llama_decode, then each step decodes one token per sequence (greedy argmax on the
-    returned logits). The same path serves batch 1 and batch 8."""
-
-    def __init__(self, gguf: Path, quant: str, threads: int, max_batch: int, ctx_per_seq: int):
-        lc = _llama_cpp()
-        self.lc, self.name = lc, f"llama.cpp {quant}"
-        self.bits, self.group, self.kv_bits = (16, 128, 16) if quant == "f16" else (4, 32, 16)
-        lc.llama_backend_init()
-        mp = lc.llama_model_default_params()
-        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mp)
-        if not self.model:
-            raise RuntimeError(f"llama.cpp could not load {gguf}")
-        cp = lc.llama_context_default_params()
-        cp.n_ctx = max_batch * (-(-ctx_per_seq // 256) * 256)
-        cp.n_batch = cp.n_ubatch = max(512, max_batch * 64)
-        cp.n_seq_max = max_batch
-        cp.n_threads = cp.n_threads_batch = threads
-        cp.no_perf = True
-        self.ctx = lc.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
-        self.batch = lc.llama_batch_init(cp.n_batch, 0, max_batch)
-        self.n_batch = cp.n_batch
-
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
-        b = self.batch
-        for i, (tok, pos, seq, want) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, want
-            b.seq_id[i][0] = seq
-        b.n_tokens = len(items)
-        rc = self.lc.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-
-    def _argmax(self, rows: int) -> list[int]:
-        import numpy as np
-
-        ptr = self.lc.llama_get_logits(self.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab)).argmax(axis=1).tolist()
-
-    def logits(self, seq: list[int]) -> torch.Tensor:
-        import numpy as np
-
-        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
-        self._decode([(t, i, 0, True) for i, t in enumerate(seq)])
-        ptr = self.lc.llama_get_logits(self.ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(len(seq), self.n_vocab)).copy())
-
-    def run(self, prompts: list[list[int]], n: int) -> Run:
-        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
-        B = len(prompts)
-        t0 = time.perf_counter()
-        items = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
-        for c in range(0, len(items), self.n_batch):  # rows of logits come back in batch order
-            self._decode(items[c: c + self.n_batch])
-        last = self._argmax(B) if len(items) <= self.n_batch else None
-        if last is None:
-            raise RuntimeError("prompts larger than one llama.cpp batch")
-        toks = [[t] for t in last]
-        t1 = time.perf_counter()
-        for step in range(1, n):
-            self._decode([(toks[s][-1], len(prompts[s]) + step - 1, s, True) for s in range(B)])
-            for s, t in enumerate(self._argmax(B)):
-                toks[s].append(t)
-        t2 = time.perf_counter()
-        return Run(t1 - t0, t2 - t1, toks)
-
-    def close(self) -> None:
-        lc = self.lc
-        lc.llama_batch_free(self.batch)
-        lc.llama_free(self.ctx)
-        lc.llama_model_free(self.model)
-
-
-# ----------------------------------------------------------------------------- roofline
-
-
-def _best_time(f: Any, reps: int) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def sync(device: torch.device | str) -> None:
-    """Wait for the device's queued work (a CUDA GPU runs it asynchronously); nothing on CPU."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def device_bandwidths(device: str, mib: int = 1024, reps: int = 10) -> tuple[float, float]:
-    """(copy, read) bytes/s of ``device``'s memory: a torch copy of ``mib`` MiB (read + write bytes) and a torch amax
-    over as many (reads only), best of ``reps`` each, timed to the device's completion. On a GPU, the measured HBM
-    bandwidth its decode roofline is put over (issue 9: bytes a token / measured copy bandwidth)."""
-    src = torch.ones(mib << 20, dtype=torch.uint8, device=device)
-    dst = torch.zeros_like(src)
-    x = src.view(torch.float32)
-
-    def timed(f: Any) -> float:  # (a warm-up, then the best of reps, each to the device's completion)
-        f()
-        return _best_time(lambda: (f(), sync(device)), reps)
-
-    return 2 * (mib << 20) / timed(lambda: dst.copy_(src)), (mib << 20) / timed(lambda: x.amax())
-
-
-def copy_bandwidths(mib: int = 256, reps: int = 5) -> tuple[float, float]:
-    """(4 KiB pages, transparent huge pages): bytes/s moved by a torch copy of ``mib`` MiB (read + write), best of
-    ``reps`` each."""
-    from waferline.model.arena import huge_buffer
-
-    out = []
-    for make in (lambda: torch.empty(mib << 20, dtype=torch.uint8), lambda: huge_buffer(mib << 20)):
-        src, dst = make().fill_(1), make().fill_(0)
-        out.append(2 * (mib << 20) / _best_time(lambda: dst.copy_(src), reps))
-    return out[0], out[1]
-
-
-def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
-    """The better of copy_bandwidths(): huge pages are where waferline keeps its weights (model/arena.py)."""
-    return max(copy_bandwidths(mib, reps))
-
-
-def read_bandwidth(mib: int = 256, reps: int = 5) -> float:
-    """Bytes/s read by a reduction over a large fp32 tensor in huge pages (torch amax: reads only), best of ``reps``.
-    A decode step only reads its weights, and this machine reads faster than it copies: the tighter ceiling."""
-    from waferline.model.arena import huge_buffer
-
-    x = huge_buffer(mib << 20).view(torch.float32).fill_(1.0)
-    return (mib << 20) / _best_time(lambda: x.amax(), reps)
-
-
-def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
-    """Expected distinct experts a step of ``batch`` tokens uses when routing is uniform (random weights)."""
-    return n_experts * (1 - (1 - top_k / n_experts) ** batch)
-
-
-def step_bytes(spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int, head_bits: float = 16) -> float:
-    """Bytes one decode step of ``batch`` sequences reads: weights (no embedding table; idle experts not read; the LM
-    head at ``head_bits``: 8 = int8 with a 16-bit scale per row, 6.5625 = llama.cpp's Q6_K) and each sequence's cache
-    at ``context`` tokens."""
-    from waferline.spec.model import MoESpec, quantized_bytes
-
-    embed_bits = 32 if bits == 32 else 16
-    total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
-    if head_bits != embed_bits:  # int8: ModelSpec's accounting with one scale per row; Q6_K: its 6.5625 bits flat
-        n = spec.lm_head_params()
-        head = quantized_bytes(n, 8, group_size=spec.hidden_size) if head_bits == 8 else n * head_bits / 8
-        total += head - quantized_bytes(n, embed_bits)
-    for layer in spec.layers:
-        if isinstance(layer.ffn, MoESpec):
-            f = layer.ffn
-            idle = f.num_experts - experts_touched(f.num_experts, f.top_k, batch)
-            total -= idle * quantized_bytes(f.expert_params(), bits, group)
-    return total + batch * spec.cache_bytes_per_seq(context, kv_bits=kv_bits)
-
-
-def product_rate(fmt: str, rows: int, threads: int, reps: int = 9) -> float | None:
-    """Multiply-adds/s of waferline's own product of ``rows`` rows through one weight of 1024 x 1024 per thread, read
-    over and over (bf16 2 MiB, fp32 4 MiB, int4 0.5 MiB, int8 1 MiB a thread; it must fit in half the last-level
-    cache), called as the engine calls it (fp32 / bf16: its ``packed_linear``; int4: ``Int4Weight``; int8: the int8
-    head's operator), ``threads`` torch threads, best of ``reps`` blocks. With no weight bytes to wait for from
-    memory this is the compute ceiling of waferline's kernels of that format on this machine — not the CPU's peak: a
-    better kernel could raise it. A call's fixed cost is in it (a few % at this size; smaller weights measured
-    lower), so an engine step whose products run inside one fused layer op may come out a little above it. None
-    where the format's kernel does not run here or the weight would not fit."""
-    from waferline.model.layers import packed_linear
-    from waferline.sim.measure import _int4_weight, last_level_cache_bytes
-
-    llc = last_level_cache_bytes()
-    if not llc or 1024 * threads * 1024 * {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.5}[fmt] > llc / 2:
-        return None
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        N, K = 1024 * threads, 1024
-        if fmt == "int8":  # the int8 LM head of the int4 engine (decoder.quantize_head)
-            from waferline import kernels
-
-            if not kernels.available():
-                return None
-            q8, s8 = torch.randint(-127, 128, (N, K), dtype=torch.int8), torch.rand(N).to(torch.bfloat16)
-            x = torch.randn(rows, K, dtype=torch.bfloat16)
-            call: Any = lambda: torch.ops.waferline.int8_linear(x, q8, s8)  # noqa: E731
-        elif fmt == "int4":
-            w4 = _int4_weight(K, N)
-            if w4 is None:
-                return None
-            x = torch.randn(rows, K, dtype=torch.bfloat16)
-            call = lambda: w4.linear(x)  # noqa: E731
-        else:
-            dt = torch.float32 if fmt == "fp32" else torch.bfloat16
-            w, x, packs = torch.randn(N, K).to(dt), torch.randn(rows, K).to(dt), {}
-            call = lambda: packed_linear(x, w, None, packs, 0)  # noqa: E731
-        n = max(4, int(4e8 / (rows * N * K)))  # ~0.4 G multiply-adds a block
-
-        def block() -> None:
-            for _ in range(n):
-                call()
-        block()
-        return n * rows * N * K / _best_time(block, reps)
-    finally:
-        torch.set_num_threads(old)
-
-
-def step_macs_per_token(spec: Any, context: int) -> float:
-    """Multiply-adds one token of a decode step costs: ModelSpec's forward FLOPs / 2 at ``context`` (the active
-    weights' products, the router, the LM head, attention over the cache)."""
-    return spec.flops_per_token(context) / 2
-
-
-RATE_FORMATS = {"wl_fp32": ("fp32", "fp32"), "wl_bf16": ("bf16", "bf16"), "wl_int4": ("int4", "int8")}  # (body, head)
-
-
-def product_rates(batches: list[int], threads: int) -> dict[str, float]:
-    """product_rate() of every format waferline's rows use, at each batch size: {"bf16@8": MAC/s, ...}."""
-    out = {}
-    for fmt in sorted({f for pair in RATE_FORMATS.values() for f in pair}):
-        for b in batches:
-            r = product_rate(fmt, b, threads)
-            if r:
-                out[f"{fmt}@{b}"] = r
-    return out
-
-
-def compute_ceiling(engine: str, batch: int, macs: float, head_macs: float, rates: dict[str, float]) -> float | None:
-    """Aggregate tok/s at which a step's multiply-adds (``macs`` a token, ``head_macs`` of them the LM head's) run at
-    the in-cache rates of waferline's kernels (product_rates): the compute side of the roofline. Waferline rows only
-    (another engine's kernels have other ceilings)."""
-    if engine not in RATE_FORMATS:
-        return None
-    body, head = (rates.get(f"{f}@{batch}") for f in RATE_FORMATS[engine])
-    if not body or not head:
-        return None
-    return 1.0 / ((macs - head_macs) / body + head_macs / head)
-
+# the helper modules beside this script (checkpoints, engines, rooflines), also when it is loaded by path (the tests)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_speed_engines import HFEngine, LlamaCppEngine, Run, WaferlineEngine  # noqa: E402
+from decode_speed_models import (  # noqa: E402
+    CACHE,
+    MODELS,
+    REPO,
+    ROOT,
+    _llama_cpp,
+    build_checkpoint,
+    build_gguf,
+    find_converter,
+    llama_cpp_version,
+)
+from decode_speed_roofline import (  # noqa: E402
+    RATE_FORMATS,
+    compute_ceiling,
+    copy_bandwidth,
+    device_bandwidths,
+    product_rate,
+    product_rates,
+    read_bandwidth,
+    step_bytes,
+    step_macs_per_token,
+)
+
+__all__ = ["compute_ceiling", "device_bandwidths", "product_rate", "targets"]  # what tests/test_decode_speed.py uses
 
 # ----------------------------------------------------------------------------- the run
 
@@ -757,9 +183,13 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
     d = build_checkpoint(name, a.quick, Path(a.cache))
     hf_dir = d / "hf"
     spec = ModelSpec.from_pretrained(hf_dir)
-    info = {"model": name, "model_type": spec.hf_config.get("model_type"), "params_M": round(spec.params_total() / 1e6, 1),
-            "active_params_M": round(spec.params_active() / 1e6, 1), "checkpoint": str(hf_dir.relative_to(REPO))
-            if hf_dir.is_relative_to(REPO) else str(hf_dir)}
+    info = {
+        "model": name,
+        "model_type": spec.hf_config.get("model_type"),
+        "params_M": round(spec.params_total() / 1e6, 1),
+        "active_params_M": round(spec.params_active() / 1e6, 1),
+        "checkpoint": str(hf_dir.relative_to(REPO)) if hf_dir.is_relative_to(REPO) else str(hf_dir),
+    }
     B = max(batches)
     prompts = prompts_for(spec.vocab_size, B, a.prompt_len)
     ctx = a.prompt_len + a.new_tokens
@@ -843,8 +273,12 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
                     rows[e].best = Run(min(r.ttft_s, best.ttft_s) if best else r.ttft_s, r.decode_s, r.tokens)
                 elif r.ttft_s < best.ttft_s:
                     best.ttft_s = r.ttft_s
-        print(f"  {name}: {'warm-up' if not rep else f'repeat {rep}/{a.repeats}'} of batch {', '.join(map(str, batches))} "
-              f"done", flush=True)
+        print(
+            f"  {name}: {'warm-up' if not rep else f'repeat {rep}/{a.repeats}'} of batch "
+            f"{', '.join(map(str, batches))} "
+            f"done",
+            flush=True,
+        )
         if not rep and a.device != "cpu":  # whether waferline's greedy decode ran as CUDA graphs (engine/graphs.py)
             for e, eng in loaded.items():
                 if isinstance(eng, WaferlineEngine):
@@ -880,7 +314,8 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
 
 
 def bench_sol(a: argparse.Namespace) -> list[dict]:
-    """sol-mini, waferline int4 (bf16 compute, int8 LM head), batch 1: speculation (MTP / n-gram, k=3) against none, on a
+    """sol-mini, waferline int4 (bf16 compute, int8 LM head), batch 1: speculation (MTP / n-gram, k=3) against none, on
+    a
     held-out Shakespeare prompt (speculation depends on the text; random ids would be meaningless)."""
     path = REPO / "models" / "sol-mini"
     if not (path / "config.json").is_file():
@@ -921,8 +356,8 @@ def bench_sol(a: argparse.Namespace) -> list[dict]:
 
 
 def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
-    """Issue 9's targets on this run's rows; ``hbm``: a GPU run, whose waferline rows at batch 1 must also reach 60%
-    of the roofline over the GPU's measured copy bandwidth (``roofline_tok_s``)."""
+    """The decode-speed targets (README "Decode speed") on this run's rows; ``hbm``: a GPU run, whose waferline rows
+    at batch 1 must also reach 60% of the roofline over the GPU's measured copy bandwidth (``roofline_tok_s``)."""
     def get(model: str, engine: str, batch: int, key: str = "decode_tok_s") -> float | None:
         return next((r[key] for r in rows if r["model"] == model and r["engine"] == engine
                      and r["batch"] == batch and r.get("decode_tok_s") and r.get(key)), None)
@@ -953,9 +388,11 @@ def targets(rows: list[dict], sol: list[dict], hbm: bool = False) -> list[dict]:
         the more efficient of the two."""
         r1, r8 = get(model, engine, 1, "read_roofline_tok_s"), get(model, engine, 8, "read_roofline_tok_s")
         if not t["met"] and r1 and r8 and 4 * b1 / r8 > b1 / r1:
-            t["needs_higher_share"] = (f"needs batch 8 at {100 * 4 * b1 / r8:.0f}% of its read roofline, batch 1 ran at "
-                                       f"{100 * b1 / r1:.0f}% of its own: a batch-8 step reads {8 * r1 / r8:.2f}x the "
-                                       f"bytes of a batch-1 step")
+            t["needs_higher_share"] = (
+                f"needs batch 8 at {100 * 4 * b1 / r8:.0f}% of its read roofline, batch 1 ran at "
+                f"{100 * b1 / r1:.0f}% of its own: a batch-8 step reads {8 * r1 / r8:.2f}x the "
+                f"bytes of a batch-1 step"
+            )
         return t
 
     out = []
@@ -1023,10 +460,12 @@ def print_tables(res: dict) -> None:
     for why in sorted({f"{r['engine']}: {r['na']}" for r in res["rows"] if r.get("na")}):
         con.print(f"n/a — {why}")
     for c in res["conversion_checks"]:
-        con.print(f"conversion check {c['model']} {c['engine']} vs transformers fp32: top-1 {100 * c['top1_agree']:.0f}% of "
-                  f"{c['positions']} teacher-forced positions, mean KL {c['kl_mean']:.4f}, greedy "
-                  f"{c['greedy_same_prefix']}/{c['greedy_of']} first tokens equal -> "
-                  f"{'OK' if c['conversion_ok'] else 'SUSPECT'}")
+        con.print(
+            f"conversion check {c['model']} {c['engine']} vs transformers fp32: top-1 {100 * c['top1_agree']:.0f}% of "
+            f"{c['positions']} teacher-forced positions, mean KL {c['kl_mean']:.4f}, greedy "
+            f"{c['greedy_same_prefix']}/{c['greedy_of']} first tokens equal -> "
+            f"{'OK' if c['conversion_ok'] else 'SUSPECT'}"
+        )
     for g in res["targets"]:
         why = f" ({g['above_roofline']}: not reachable here)" if g.get("above_roofline") else ""
         if g.get("above_compute_ceiling"):
@@ -1034,7 +473,9 @@ def print_tables(res: dict) -> None:
         for key in ("needs_higher_share", "needs_compute_share"):
             if g.get(key):
                 why += f" ({g[key]})"
-        con.print(f"[{'green' if g['met'] else 'red'}]{'MET ' if g['met'] else 'NOT '}[/] {g['target']}: {g['value']}{why}")
+        con.print(
+            f"[{'green' if g['met'] else 'red'}]{'MET ' if g['met'] else 'NOT '}[/] {g['target']}: {g['value']}{why}"
+        )
 
 
 def _agree(r: dict) -> str:
@@ -1064,11 +505,18 @@ def markdown(res: dict) -> str:
                          f"{r['per_user_tok_s']:.1f} | {r['ttft_ms']:.0f} | {vs} | {r['roofline_tok_s']:.0f} | "
                          f"{100 * r['of_roofline']:.0f}% | {_read_roof(r)} | {_compute(r)} | {_agree(r)} |")
     if res["sol_mini"]:
-        lines += ["", "| sol-mini (trained), waferline int4 + int8 head, batch 1 | decode tok/s per user | TTFT ms | same tokens as int4 |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "| sol-mini (trained), waferline int4 + int8 head, batch 1 | decode tok/s per user | TTFT ms | same "
+            "tokens as int4 |",
+            "|---|---|---|---|",
+        ]
         for r in res["sol_mini"]:
-            lines.append(f"| {r['variant']} | n/a: {r['na']} | | |" if r.get("na") else
-                         f"| {r['variant']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['same_tokens_as_int4']} |")
+            lines.append(
+                f"| {r['variant']} | n/a: {r['na']} | | |"
+                if r.get("na")
+                else f"| {r['variant']} | {r['decode_tok_s']:.1f} | {r['ttft_ms']:.0f} | {r['same_tokens_as_int4']} |"
+            )
     return "\n".join(lines)
 
 
@@ -1084,9 +532,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (default), or cuda: transformers and waferline on the GPU "
                     "against its measured HBM bandwidth (llama.cpp and sol-mini rows are CPU-only)")
     ap.add_argument("--batch", default="1,8", help="batch sizes (default 1,8)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="tokens generated per sequence (default 128; 8 with --quick)")
+    ap.add_argument(
+        "--new-tokens", type=int, default=None, help="tokens generated per sequence (default 128; 8 with --quick)"
+    )
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 64; 16 with --quick)")
-    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats, best kept (default 2; 1 with --quick)")
+    ap.add_argument(
+        "--repeats", type=int, default=None, help="interleaved repeats, best kept (default 2; 1 with --quick)"
+    )
     ap.add_argument("--check-tokens", type=int, default=16, help="greedy tokens of the transformers fp32 reference "
                     "each engine is checked against (teacher-forced top-1 / KL and free-running greedy); 0 = no check")
     ap.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
@@ -1132,8 +584,12 @@ def main() -> None:
     bw, rbw = device_bandwidths(a.device) if gpu else (copy_bandwidth(), read_bandwidth())
     # (the compute ceiling prices waferline's CPU kernels: none on a GPU)
     rates = product_rates(batches, a.threads) if any(e in RATE_FORMATS for e in engines) and not gpu else {}
-    print(f"{a.device} copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {rbw / 1e9:.1f} GB/s, load average {load0[0]:.2f} "
-          f"{load0[1]:.2f} {load0[2]:.2f}", flush=True)
+    print(
+        f"{a.device} copy bandwidth {bw / 1e9:.1f} GB/s, read bandwidth {rbw / 1e9:.1f} GB/s, load average "
+        f"{load0[0]:.2f} "
+        f"{load0[1]:.2f} {load0[2]:.2f}",
+        flush=True,
+    )
     if rates:
         print("waferline's products with the weight in cache (G multiply-adds/s): "
               + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in rates.items()), flush=True)
@@ -1183,9 +639,14 @@ def main() -> None:
         if r.best is None:
             row["na"] = r.na or "not measured"
         else:
-            row.update(decode_tok_s=round(r.best.decode_tok_s, 2), per_user_tok_s=round(r.best.decode_tok_s / r.batch, 2),
-                       ttft_ms=round(1e3 * r.best.ttft_s, 1), of_roofline=round(r.best.decode_tok_s / r.roofline_tok_s, 3),
-                       repeats_tok_s=r.runs, first_tokens=r.first_tokens)
+            row.update(
+                decode_tok_s=round(r.best.decode_tok_s, 2),
+                per_user_tok_s=round(r.best.decode_tok_s / r.batch, 2),
+                ttft_ms=round(1e3 * r.best.ttft_s, 1),
+                of_roofline=round(r.best.decode_tok_s / r.roofline_tok_s, 3),
+                repeats_tok_s=r.runs,
+                first_tokens=r.first_tokens,
+            )
         if r.quality:
             row["vs_fp32_reference"] = r.quality
         rows.append(row)

@@ -2,8 +2,8 @@
 per-token latency vs S, and the gloo send/recv hop (latency, bandwidth) -- with the simulator's prediction for the
 same Plan beside each measurement (a HardwareSpec for "one CPU core per stage" built from numbers measured here).
 
-    python benchmarks/pipeline_speed.py            # ~3-4 minutes on 2 cores; writes benchmarks/results/pipeline_speed.json
-    python benchmarks/pipeline_speed.py --quick    # smaller model and fewer cases (smoke run)
+    python benchmarks/pipeline_speed.py   # ~3-4 minutes on 2 cores; writes benchmarks/results/pipeline_speed.json
+    python benchmarks/pipeline_speed.py --quick   # smaller model and fewer cases (smoke run)
 
 Stage processes get one torch thread each (``threads_per_stage=1``): S stages use S cores. The 1-stage baseline is
 reported with 1 thread (one device, the wafer analogy) and with all cores (intra-op parallelism, for honesty).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from waferline.sim.measure import measure_parallel_ceiling
+from waferline.sim.calibrate.pipeline import measure_parallel_ceiling
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_speed.json"
@@ -35,15 +35,38 @@ def model_config(quick: bool) -> dict:
     """A sol-architecture model big enough that a decode step of a micro-batch is compute-bound on a CPU core."""
     L = 8
     return {
-        "model_type": "sol", "architectures": ["SolForCausalLM"], "vocab_size": 1024,
-        "hidden_size": 512 if quick else 1024, "num_hidden_layers": L,
-        "mixer_types": ["mamba2", "mla"] * (L // 2), "ffn_types": ["dense"] * L,
-        "num_attention_heads": 8, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
-        "v_head_dim": 32, "intermediate_size": 2048 if quick else 4096, "moe_intermediate_size": 64, "n_routed_experts": 8,
-        "n_shared_experts": 1, "num_experts_per_tok": 2, "scoring_func": "softmax", "norm_topk_prob": True,
-        "mamba_n_heads": 16, "mamba_d_head": 64, "mamba_d_state": 16, "mamba_n_groups": 1, "mamba_d_conv": 4,
-        "mamba_chunk_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
-        "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+        "model_type": "sol",
+        "architectures": ["SolForCausalLM"],
+        "vocab_size": 1024,
+        "hidden_size": 512 if quick else 1024,
+        "num_hidden_layers": L,
+        "mixer_types": ["mamba2", "mla"] * (L // 2),
+        "ffn_types": ["dense"] * L,
+        "num_attention_heads": 8,
+        "q_lora_rank": None,
+        "kv_lora_rank": 64,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "v_head_dim": 32,
+        "intermediate_size": 2048 if quick else 4096,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "scoring_func": "softmax",
+        "norm_topk_prob": True,
+        "mamba_n_heads": 16,
+        "mamba_d_head": 64,
+        "mamba_d_state": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_conv": 4,
+        "mamba_chunk_size": 32,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
     }
 
 
@@ -97,7 +120,9 @@ def measure_hop(sizes: list[int]) -> list[dict]:
 
     from waferline.engine.stage import make_group
 
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    store = dist.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30)
+    )
     p = mp.get_context("spawn").Process(target=_hop_peer, args=(store.port,), daemon=True)
     p.start()
     pg = make_group(store, "hop", 0, 2, torch.device("cpu"), True)
@@ -152,7 +177,11 @@ def predict(spec, ranges, M: int, B: int, P: int, O: int, hw):
 def run_case(path: Path, S: int, M: int, B: int, P: int, O: int, threads: int, repeats: int = 2) -> dict:
     from waferline import LLM, SamplingParams
 
-    kw = {} if S == 1 and M == 1 and threads == 0 else {"stages": S, "micro_batches": M, "threads_per_stage": max(threads, 1)}
+    kw = (
+        {}
+        if S == 1 and M == 1 and threads == 0
+        else {"stages": S, "micro_batches": M, "threads_per_stage": max(threads, 1)}
+    )
     V = 1024
     prompts = [[(7 * i + 3 * j + 5) % V for j in range(P)] for i in range(B)]
     params = SamplingParams(max_tokens=O, ignore_eos=True)
@@ -191,7 +220,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer cases")
     ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--batch", type=int, default=None, help="sequences in the throughput runs (default 64; 16 with --quick)")
+    ap.add_argument(
+        "--batch", type=int, default=None, help="sequences in the throughput runs (default 64; 16 with --quick)"
+    )
     ap.add_argument("--cases", default=None,
                     help="throughput cases as S:M:threads,... (threads 0 = all cores in one process); default "
                          "1:1:1,1:1:0,2:1:1,2:2:1,2:4:1,4:4:1,L:L:1")
@@ -207,8 +238,10 @@ def main() -> int:
     flops, bw = measure_core()
     print(f"one core: {flops / 1e9:.1f} GFLOP/s fp32 matmul, {bw / 1e9:.1f} GB/s copy")
     ceiling = measure_parallel_ceiling(1.0 if args.quick else 3.0)
-    print(f"parallel ceiling: {ceiling['processes']} single-thread GEMM processes at once run {ceiling['ceiling']:.2f}x "
-          "the rate of one alone (the most S stages on this machine can gain over 1 stage with 1 thread)")
+    print(
+        f"parallel ceiling: {ceiling['processes']} single-thread GEMM processes at once run {ceiling['ceiling']:.2f}x "
+        "the rate of one alone (the most S stages on this machine can gain over 1 stage with 1 thread)"
+    )
     hops = measure_hop([8, 1024, 65536, 1 << 20, 8 << 20])
     print("\ngloo send/recv between two local processes (one way):")
     print(f"{'bytes':>10} {'latency':>12} {'bandwidth':>12}")
@@ -237,9 +270,11 @@ def main() -> int:
             cases += [(4, 4, 1), (L, L, 1)]
         if args.cases:
             cases = [tuple(L if v == "L" else int(v) for v in c.split(":")) for c in args.cases.split(",")]
-        print(f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each (threads = per stage; 0 = all cores "
-              "in one process; CPU s = CPU time of all stage processes in the run; cores = CPU s / wall: below S means "
-              "the stages were starved by other work on the machine):")
+        print(
+            f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each (threads = per stage; 0 = all cores "
+            "in one process; CPU s = CPU time of all stage processes in the run; cores = CPU s / wall: below S means "
+            "the stages were starved by other work on the machine):"
+        )
         print(f"{'S':>3} {'M':>3} {'thr':>3} {'agg tok/s':>10} {'per user':>9} {'vs S=1':>7} {'TTFT':>8} {'CPU s':>6} "
               f"{'cores':>5}   {'sim agg tok/s':>13} {'sim/user':>9}")
         base = None
@@ -254,10 +289,18 @@ def main() -> int:
                 base = r["aggregate_decode_tokens_per_s"]
             r["speedup_vs_1stage_1thread"] = r["aggregate_decode_tokens_per_s"] / base if base else None
             results["throughput"].append(r)
-            simtxt = (f"{r['sim_aggregate_tokens_per_s']:>13.1f} {r['sim_tokens_per_s_per_user']:>9.2f}" if sim else f"{'-':>13} {'-':>9}")
-            print(f"{S:>3} {M:>3} {thr:>3} {r['aggregate_decode_tokens_per_s']:>10.1f} {r['tokens_per_s_per_user']:>9.2f} "
-                  f"{r['speedup_vs_1stage_1thread'] or 0:>6.2f}x {r['ttft_s'] * 1e3:>6.0f}ms {sum(r['cpu_s_per_process']):>6.1f} "
-                  f"{r['cores_used']:>5.2f}   {simtxt}")
+            simtxt = (
+                f"{r['sim_aggregate_tokens_per_s']:>13.1f} {r['sim_tokens_per_s_per_user']:>9.2f}"
+                if sim
+                else f"{'-':>13} {'-':>9}"
+            )
+            print(
+                f"{S:>3} {M:>3} {thr:>3} {r['aggregate_decode_tokens_per_s']:>10.1f} "
+                f"{r['tokens_per_s_per_user']:>9.2f} "
+                f"{r['speedup_vs_1stage_1thread'] or 0:>6.2f}x {r['ttft_s'] * 1e3:>6.0f}ms "
+                f"{sum(r['cpu_s_per_process']):>6.1f} "
+                f"{r['cores_used']:>5.2f}   {simtxt}"
+            )
 
         # per-token latency vs S: one sequence, nothing to overlap with
         print("\nper-token latency, 1 sequence (M = 1):")
@@ -266,9 +309,16 @@ def main() -> int:
             r = run_case(path, S, 1, 1, P, 2 * O, 1)
             lat = 1.0 / r["tokens_per_s_per_user"] if r["tokens_per_s_per_user"] else float("nan")
             sim = predict(spec, stage_ranges(L, stages=S), 1, 1, P, 2 * O, cpu_hardware(S, flops, bw, hop_lat, hop_bw))
-            row = {"stages": S, "ms_per_token": lat * 1e3, "sim_ms_per_token": (1e3 / sim.decode_tokens_per_s_per_user) if sim else None}
+            row = {
+                "stages": S,
+                "ms_per_token": lat * 1e3,
+                "sim_ms_per_token": (1e3 / sim.decode_tokens_per_s_per_user) if sim else None,
+            }
             results["latency"].append(row)
-            print(f"{S:>3} {row['ms_per_token']:>9.2f} {row['sim_ms_per_token'] if row['sim_ms_per_token'] else float('nan'):>13.2f}")
+            print(
+                f"{S:>3} {row['ms_per_token']:>9.2f} "
+                f"{row['sim_ms_per_token'] if row['sim_ms_per_token'] else float('nan'):>13.2f}"
+            )
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -175,7 +175,9 @@ def main() -> None:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    preempt = next((float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("waferline_preemptions ")), None)
+    preempt = next(
+        (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("waferline_preemptions ")), None
+    )
     ms = lambda x: None if x is None else round(x * 1e3, 2)  # noqa: E731
     summary = {
         "clients": args.clients, "duration_s": args.duration, "wall_s": round(res["wall_s"], 2),
@@ -192,12 +194,19 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"waferline serve: {args.clients} streaming clients for {args.duration:g} s, max_tokens {args.max_tokens}")
+    t = Table(
+        title=f"waferline serve: {args.clients} streaming clients for {args.duration:g} s, max_tokens {args.max_tokens}"
+    )
     for c in ("requests", "tokens/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "errors", "RSS MiB before→after"):
         t.add_column(c, justify="right")
-    t.add_row(str(summary["requests"]), f"{summary['tokens_per_s']:,}", f"{summary['ttft_p50_ms']} / {summary['ttft_p99_ms']}",
-              f"{summary['itl_p50_ms']} / {summary['itl_p99_ms']}", str(summary["errors"]),
-              f"{summary['server_rss_mib_before']} → {summary['server_rss_mib_after']}")
+    t.add_row(
+        str(summary["requests"]),
+        f"{summary['tokens_per_s']:,}",
+        f"{summary['ttft_p50_ms']} / {summary['ttft_p99_ms']}",
+        f"{summary['itl_p50_ms']} / {summary['itl_p99_ms']}",
+        str(summary["errors"]),
+        f"{summary['server_rss_mib_before']} → {summary['server_rss_mib_after']}",
+    )
     Console(width=140).print(t)
     out = Path(args.out or f"benchmarks/results/serve_load_{args.clients}c.json")
     out.parent.mkdir(parents=True, exist_ok=True)

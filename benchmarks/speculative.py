@@ -4,7 +4,8 @@ speculation stops paying as the batch grows. Prints tables; writes benchmarks/re
 
     python benchmarks/speculative.py                       # models/sol-mini, n-gram / MTP / a 2-layer draft model
     python benchmarks/speculative.py --quick               # fewer prompts and tokens
-    python benchmarks/speculative.py --engines pipe8 --batches 1 --backoff-batches '' --out benchmarks/results/speculative_pipe8.json
+    python benchmarks/speculative.py --engines pipe8 --batches 1 --backoff-batches '' --out
+    benchmarks/results/speculative_pipe8.json
 
 Engines: ``single`` (one process, engine/speculative.py's Speculator) and ``pipeN`` (N stage processes over gloo,
 N micro-batches; n-gram and draft model draft on stage 0, MTP on the last stage). Every row has the simulator's
@@ -39,7 +40,9 @@ def make_draft(model_dir: Path, layers: int, out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((model_dir / "config.json").read_text())
-    if (out / "config.json").is_file() and json.loads((out / "config.json").read_text()).get("num_hidden_layers") == layers:
+    if (out / "config.json").is_file() and json.loads((out / "config.json").read_text()).get(
+        "num_hidden_layers"
+    ) == layers:
         return out
     out.mkdir(parents=True, exist_ok=True)
     n = cfg["num_hidden_layers"]
@@ -92,7 +95,7 @@ def forward_cost(llm: LLM, reps: int = 7) -> dict[str, Any]:
             for b in range(B):
                 m(torch.arange(2, 66)[None] % llm.spec.vocab_size, caches, StepBatch.make([b], [0], 64))
             ts = []
-            for r in range(reps):
+            for _ in range(reps):
                 t0 = time.perf_counter()
                 m(torch.full((B, T), 5), caches, StepBatch.make(list(range(B)), [64] * B, T))
                 ts.append(time.perf_counter() - t0)
@@ -168,15 +171,19 @@ def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: 
                      hardware: Any, draft_dir: Path | None, stages: int = 1) -> float | None:
     """The simulator's speedup for this drafter at the measured acceptance: on a catalog device (``hardware`` a name,
     its own placement) or on this machine (``hardware`` a HardwareSpec: one core per stage, gloo hops measured here)."""
-    from waferline.plan.plan import Plan, SpeculativeConfig, Stage
     from waferline.plan.place import place
+    from waferline.plan.plan import Plan, SpeculativeConfig, Stage
     from waferline.sim.pipeline import simulate
     from waferline.spec.model import ModelSpec
 
     sim_method = "draft" if method.startswith("draft:") else method
     try:
-        sc = SpeculativeConfig(sim_method, num_tokens=max(k, 1), accept_rate=min(max(alpha, 0.0), 0.99),
-                               draft_model=str(draft_dir / "config.json") if draft_dir is not None and sim_method == "draft" else None)
+        sc = SpeculativeConfig(
+            sim_method,
+            num_tokens=max(k, 1),
+            accept_rate=min(max(alpha, 0.0), 0.99),
+            draft_model=str(draft_dir / "config.json") if draft_dir is not None and sim_method == "draft" else None,
+        )
         if isinstance(hardware, str):
             plan = place(str(model_dir / "config.json"), hardware, context=prompt + output, batch=batch, speculative=sc)
             r = simulate(plan, prompt_len=prompt, output_len=output, concurrency=batch)
@@ -188,8 +195,19 @@ def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: 
             # fp32 like the engine here; the simulator places a draft model at 4/8/16 bits only, so a draft plan is
             # priced at 16-bit for target and draft alike (the ratio is what is compared)
             wb = 16 if sim_method == "draft" else 32
-            st = [Stage(index=i, role="full", layers=list(range(a, b)), device=hardware.name, device_ids=[i],
-                        weight_bits=wb, has_embedding=i == 0, has_lm_head=i == stages - 1) for i, (a, b) in enumerate(ranges)]
+            st = [
+                Stage(
+                    index=i,
+                    role="full",
+                    layers=list(range(a, b)),
+                    device=hardware.name,
+                    device_ids=[i],
+                    weight_bits=wb,
+                    has_embedding=i == 0,
+                    has_lm_head=i == stages - 1,
+                )
+                for i, (a, b) in enumerate(ranges)
+            ]
             plan = Plan(model=spec.name, hardware=hardware.name, stages=st, weight_bits=wb, kv_bits=wb, embed_bits=wb,
                         batch=batch, micro_batches=min(stages, batch), context_len=prompt + output, speculative=sc)
             r = simulate(plan, prompt_len=prompt, output_len=output, concurrency=batch, spec=spec, hardware=hardware)
@@ -212,7 +230,9 @@ def this_machine(stages: int) -> Any:
         "core_flops": flops, "core_bw": bw, "hop_latency_s": hops[0]["one_way_s"], "hop_bw": hops[-1]["bandwidth_Bps"]}
 
 
-def run_pipe(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int = 1) -> dict[str, Any]:
+def run_pipe(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int = 1
+) -> dict[str, Any]:
     """Like ``run`` for a pipelined LLM: decode time = total − the last row's TTFT; speculative stats summed."""
     outs, decode_s = [], 0.0
     d = {"drafted": 0, "accepted": 0, "emitted": 0, "row_steps": 0, "steps": 0, "plain": 0}
@@ -262,12 +282,18 @@ def main() -> None:
     ap.add_argument("--backoff-engines", default="single,pipe2", help="engines for the back-off measurement")
     ap.add_argument("--sim-hardware", default="wse-3", help="catalog hardware for a side prediction ('' = none); the "
                     "prediction for this machine (measured core + gloo hop) is always made")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    ap.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)"
+    )
     ap.add_argument("--weight-bits", type=int, default=16, choices=[4, 16],
                     help="4: the model (and the draft) quantized to int4 (RTN, group 32) like `waferline demo`")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (and per stage; default 1)")
-    ap.add_argument("--moe-gather-max", type=int, default=None,
-                    help="set MoE.gather_max on target and draft (0 = always the sorted-experts path; default: model's)")
+    ap.add_argument(
+        "--moe-gather-max",
+        type=int,
+        default=None,
+        help="set MoE.gather_max on target and draft (0 = always the sorted-experts path; default: model's)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="best of N per measurement (default 1)")
     ap.add_argument("--no-adaptive", action="store_true", help="main table at a fixed K (the drafters' raw acceptance)")
     ap.add_argument("--quick", action="store_true")
@@ -305,8 +331,11 @@ def main() -> None:
     set_gather(llm.model, a.moe_gather_max)
     prompts = heldout_prompts(llm, heldout, a.num_prompts, a.prompt_tokens)
     cost = forward_cost(llm)
-    print("forward cost on this host (ms per forward, rows x tokens): " +
-          ", ".join(f"{p['B']}x{p['T']}: {p['s'] * 1e3:.1f}" for p in cost["points"]) + "  (single-process adaptive K uses these)")
+    print(
+        "forward cost on this host (ms per forward, rows x tokens): "
+        + ", ".join(f"{p['B']}x{p['T']}: {p['s'] * 1e3:.1f}" for p in cost["points"])
+        + "  (single-process adaptive K uses these)"
+    )
     table = [(p["B"] * p["T"], p["s"]) for p in cost["points"]]
     methods = [m if m != "draft" else f"draft:{draft_dir}" for m in a.methods.split(",")]
     engines = [e for e in a.engines.split(",") if e]
@@ -315,7 +344,9 @@ def main() -> None:
         S = 1 if e == "single" else int(e[4:])
         machines[e] = this_machine(S)
     if engines:
-        print("this machine for the simulator: " + ", ".join(f"{k} {v:.3g}" for k, v in machines[engines[0]][1].items()))
+        print(
+            "this machine for the simulator: " + ", ".join(f"{k} {v:.3g}" for k, v in machines[engines[0]][1].items())
+        )
     hw = [h for h in a.sim_hardware.split(",") if h]
     rows: list[dict[str, Any]] = []
     temps = [float(t) for t in a.temps.split(",")]
@@ -332,7 +363,9 @@ def main() -> None:
                     set_gather(sp.drafter.model, a.moe_gather_max)
                 specs[m] = (sp, Totals(sp))
         for temp in temps:
-            params = SamplingParams(max_tokens=a.max_tokens, temperature=temp, seed=0 if temp > 0 else None, ignore_eos=True)
+            params = SamplingParams(
+                max_tokens=a.max_tokens, temperature=temp, seed=0 if temp > 0 else None, ignore_eos=True
+            )
             for batch in batches:
                 if S == 1:
                     llm._spec = None
@@ -349,8 +382,16 @@ def main() -> None:
                         llm._spec = None
                         s = tot.summary()
                     else:
-                        with LLM(model_dir, dtype=a.dtype, stages=S, micro_batches=S, threads_per_stage=a.threads, speculative=m,
-                                 num_speculative_tokens=a.k, speculative_adaptive=not a.no_adaptive) as pl:
+                        with LLM(
+                            model_dir,
+                            dtype=a.dtype,
+                            stages=S,
+                            micro_batches=S,
+                            threads_per_stage=a.threads,
+                            speculative=m,
+                            num_speculative_tokens=a.k,
+                            speculative_adaptive=not a.no_adaptive,
+                        ) as pl:
                             r = run_pipe(pl, prompts, params, batch, a.repeats)
                         s = _summary(r["stats"])
                     row = {"engine": engine, "stages": S, "method": m.split(":")[0] if m.startswith("draft:") else m,
@@ -359,12 +400,22 @@ def main() -> None:
                            "identical": (r["tokens"] == base["tokens"]) if temp == 0 else None,
                            "loadavg": os.getloadavg()[0], **s}
                     kk = round(s["mean_drafts_per_step"]) or a.k
-                    row["sim_speedup_this_machine"] = simulate_speedup(model_dir, m, kk, s["alpha_fit"], batch,
-                                                                       a.prompt_tokens, a.max_tokens, machines[engine][0],
-                                                                       draft_dir, S)
+                    row["sim_speedup_this_machine"] = simulate_speedup(
+                        model_dir,
+                        m,
+                        kk,
+                        s["alpha_fit"],
+                        batch,
+                        a.prompt_tokens,
+                        a.max_tokens,
+                        machines[engine][0],
+                        draft_dir,
+                        S,
+                    )
                     for h in hw:
-                        row[f"sim_speedup_{h}"] = simulate_speedup(model_dir, m, kk, s["alpha_fit"], batch, a.prompt_tokens,
-                                                                   a.max_tokens, h, draft_dir)
+                        row[f"sim_speedup_{h}"] = simulate_speedup(
+                            model_dir, m, kk, s["alpha_fit"], batch, a.prompt_tokens, a.max_tokens, h, draft_dir
+                        )
                     rows.append(row)
                     print(_fmt(row, hw), flush=True)
     backoff: list[dict[str, Any]] = []
@@ -374,8 +425,12 @@ def main() -> None:
         params = SamplingParams(max_tokens=min(a.max_tokens, 24), ignore_eos=True)
         for engine in [e for e in a.backoff_engines.split(",") if e]:
             S = 1 if engine == "single" else int(engine[4:])
-            print(f"\nback-off with batch size ({engine}, {m.split(':')[0]}, T=0, K <= {a.k}, {params.max_tokens} tokens per "
-                  "row): tok/s of plain decoding, of speculation at a fixed K (no back-off) and with adaptive K (backs off)")
+            print(
+                f"\nback-off with batch size ({engine}, {m.split(':')[0]}, T=0, K <= {a.k}, {params.max_tokens} "
+                "tokens per "
+                "row): tok/s of plain decoding, of speculation at a fixed K (no back-off) and with adaptive K (backs "
+                "off)"
+            )
             print(f"{'batch':>5} {'plain':>9} {'fixed K':>9} {'x':>5} {'adaptive':>9} {'x':>5} {'mean K':>6} "
                   f"{'plain steps':>11} {'load':>5}")
             for B in bb:
@@ -396,8 +451,16 @@ def main() -> None:
                         llm._spec = None
                         s = tot.summary()
                     else:
-                        with LLM(model_dir, dtype=a.dtype, stages=S, micro_batches=S, threads_per_stage=a.threads, speculative=m,
-                                 num_speculative_tokens=a.k, speculative_adaptive=adaptive) as pl:
+                        with LLM(
+                            model_dir,
+                            dtype=a.dtype,
+                            stages=S,
+                            micro_batches=S,
+                            threads_per_stage=a.threads,
+                            speculative=m,
+                            num_speculative_tokens=a.k,
+                            speculative_adaptive=adaptive,
+                        ) as pl:
                             r = run_pipe(pl, ps, params, B, a.repeats)
                         s = _summary(r["stats"])
                     row[f"{label}_tok_s"] = r["tok_s"]
@@ -412,11 +475,27 @@ def main() -> None:
                 print(f"{B:>5} {row['base_tok_s']:>9.1f} {row['fixed_k_tok_s']:>9.1f} {row['fixed_k_speedup']:>5.2f} "
                       f"{row['adaptive_tok_s']:>9.1f} {row['adaptive_speedup']:>5.2f} {row['adaptive_mean_k']:>6.2f} "
                       f"{row['adaptive_plain_steps']:>5}/{row['adaptive_steps']:<5} {row['loadavg']:>5.2f}", flush=True)
-    out = {"model": str(a.model), "random_weights": random_weights, "dtype": a.dtype, "weight_bits": a.weight_bits, "draft_model": str(draft_dir),
-           "draft_layers": a.draft_layers, "k_max": a.k, "adaptive": not a.no_adaptive, "num_prompts": a.num_prompts,
-           "prompt_tokens": a.prompt_tokens, "max_tokens": a.max_tokens, "threads": a.threads,
-           "moe_gather_max": a.moe_gather_max, "loadavg_start": load0, "loadavg_end": os.getloadavg(),
-           "this_machine": {e: v[1] for e, v in machines.items()}, "forward_cost": cost, "rows": rows, "backoff": backoff}
+    out = {
+        "model": str(a.model),
+        "random_weights": random_weights,
+        "dtype": a.dtype,
+        "weight_bits": a.weight_bits,
+        "draft_model": str(draft_dir),
+        "draft_layers": a.draft_layers,
+        "k_max": a.k,
+        "adaptive": not a.no_adaptive,
+        "num_prompts": a.num_prompts,
+        "prompt_tokens": a.prompt_tokens,
+        "max_tokens": a.max_tokens,
+        "threads": a.threads,
+        "moe_gather_max": a.moe_gather_max,
+        "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(),
+        "this_machine": {e: v[1] for e, v in machines.items()},
+        "forward_cost": cost,
+        "rows": rows,
+        "backoff": backoff,
+    }
     Path(a.out).write_text(json.dumps(out, indent=2))
     print(f"\nwrote {a.out}")
 
@@ -425,9 +504,12 @@ def _fmt(r: dict[str, Any], hw: list[str]) -> str:
     sim = " ".join(f"sim[{h}] x{r[f'sim_speedup_{h}']:.2f}" if r.get(f"sim_speedup_{h}") else f"sim[{h}] -"
                    for h in ["this_machine"] + hw)
     ident = "" if r["identical"] is None else (" identical" if r["identical"] else " DIFFERENT")
-    return (f"{r['engine']:6s} {r['method']:6s} T={r['temperature']:.1f} B={r['batch']:2d}: {r['base_tok_s']:7.1f} -> {r['spec_tok_s']:7.1f} tok/s "
-            f"x{r['speedup']:.2f} | accept {r['acceptance_rate']:.2f} len {r['mean_accepted_length']:.2f} "
-            f"K {r['mean_drafts_per_step']:.2f} alpha {r['alpha_fit']:.2f} | {sim}{ident} | load {r['loadavg']:.1f}")
+    return (
+        f"{r['engine']:6s} {r['method']:6s} T={r['temperature']:.1f} B={r['batch']:2d}: {r['base_tok_s']:7.1f} -> "
+        f"{r['spec_tok_s']:7.1f} tok/s "
+        f"x{r['speedup']:.2f} | accept {r['acceptance_rate']:.2f} len {r['mean_accepted_length']:.2f} "
+        f"K {r['mean_drafts_per_step']:.2f} alpha {r['alpha_fit']:.2f} | {sim}{ident} | load {r['loadavg']:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Sweep gpt-5.6-sol over 1-200 WSE-3 wafers x 3 KV variants x speculation on/off; print a table and the time; write JSON."""
+"""Sweep gpt-5.6-sol over 1-200 WSE-3 wafers x 3 KV variants x speculation on/off; print a table and the time; write
+JSON."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def sweep(hardware: str, weight_bits: int, max_devices: int, prompt: int, output
                 plan = place(spec, hardware, devices=n, weight_bits=weight_bits, context=prompt + output,
                              speculative=SpeculativeConfig(method))
                 row = {"model": name, "devices": n, "speculative": method, "fits": plan.fits, "stages": plan.num_stages}
-                r = simulate(plan, prompt_len=prompt, output_len=output, spec=spec)  # predicted even when it does not fit
+                # predicted even when it does not fit
+                r = simulate(plan, prompt_len=prompt, output_len=output, spec=spec)
                 row.update(tok_s_user=r.decode_tokens_per_s_per_user, ttft_s=r.ttft_s, step_ms=r.step_latency_s * 1e3)
                 out.append(row)
     return out
@@ -47,8 +49,19 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"gpt-5.6-sol on {args.hardware}, {args.weight_bits}-bit weights, prompt {args.prompt_len}, output {args.output_len}")
-    for c in ("variant", "fewest that fit", "tok/s/user @fewest", "tok/s/user @80", "tok/s/user @80 +MTP", "best tok/s/user (devices)", "TTFT @80 ms"):
+    t = Table(
+        title=f"gpt-5.6-sol on {args.hardware}, {args.weight_bits}-bit weights, prompt {args.prompt_len}, output "
+              f"{args.output_len}"
+    )
+    for c in (
+        "variant",
+        "fewest that fit",
+        "tok/s/user @fewest",
+        "tok/s/user @80",
+        "tok/s/user @80 +MTP",
+        "best tok/s/user (devices)",
+        "TTFT @80 ms",
+    ):
         t.add_column(c, justify="right" if c != "variant" else "left")
     for name in VARIANTS:
         rs = [r for r in rows if r["model"] == name and r["fits"]]
@@ -59,10 +72,20 @@ def main() -> None:
         at = {(r["devices"], r["speculative"]): r for r in rs}
         best = max((r for r in rs if r["speculative"] == "mtp"), key=lambda r: r["tok_s_user"])
         g = lambda d, m, k="tok_s_user": f"{at[(d, m)][k]:,.0f}" if (d, m) in at else "-"  # noqa: E731
-        t.add_row(name, str(fewest), g(fewest, "none"), g(80, "none"), g(80, "mtp"), f"{best['tok_s_user']:,.0f} ({best['devices']})",
-                  f"{at[(80, 'none')]['ttft_s'] * 1e3:,.1f}" if (80, "none") in at else "-")
+        t.add_row(
+            name,
+            str(fewest),
+            g(fewest, "none"),
+            g(80, "none"),
+            g(80, "mtp"),
+            f"{best['tok_s_user']:,.0f} ({best['devices']})",
+            f"{at[(80, 'none')]['ttft_s'] * 1e3:,.1f}" if (80, "none") in at else "-",
+        )
     Console(width=160).print(t)
-    print(f"{len(rows)} plans placed and simulated ({sum(r['fits'] for r in rows)} fit) in {elapsed:.3f} s wall, {cpu:.3f} s CPU")
+    print(
+        f"{len(rows)} plans placed and simulated ({sum(r['fits'] for r in rows)} fit) in {elapsed:.3f} s wall, "
+        f"{cpu:.3f} s CPU"
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "args": vars(args), "rows": rows}, indent=1))

@@ -1,9 +1,9 @@
 """The twin's measured tables: `waferline twin` on sol-mini and on a ~100M-parameter DeepSeek-V3-type random
 checkpoint, each against this host's calibration; writes benchmarks/results/twin_<model>.json and prints the tables.
 
-    python benchmarks/twin_grid.py                       # calibrate (cached for a day), then both models (~10-15 min on 2 cores)
-    python benchmarks/twin_grid.py --models sol-mini     # one model
-    python benchmarks/twin_grid.py --recalibrate         # re-measure the host first
+    python benchmarks/twin_grid.py                    # calibrate (cached for a day), then both models (~10-15 min)
+    python benchmarks/twin_grid.py --models sol-mini  # one model
+    python benchmarks/twin_grid.py --recalibrate      # re-measure the host first
 
 Run it on a quiet machine: every engine run and every calibration probe counts wall time, and other work on the
 machine slows the engine runs down (the table prints the load average; the JSON records it per run). Never part of the
@@ -50,7 +50,9 @@ def dsv3_checkpoint() -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["sol-mini", "dsv3-100m"], choices=["sol-mini", "dsv3-100m"])
-    ap.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: cached calibration)")
+    ap.add_argument(
+        "--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: cached calibration)"
+    )
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--grid", default="default")
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per Plan and pass; the fastest counts")
@@ -70,7 +72,10 @@ def main() -> int:
     for name in args.models:
         path = ROOT / "models" / "sol-mini" if name == "sol-mini" else dsv3_checkpoint()
         spec = ModelSpec.from_pretrained(path)
-        con.print(f"\n[bold]{name}[/]: {spec.params_total() / 1e6:.0f}M parameters, {spec.params_active() / 1e6:.0f}M active per token")
+        con.print(
+            f"\n[bold]{name}[/]: {spec.params_total() / 1e6:.0f}M parameters, {spec.params_active() / 1e6:.0f}M "
+            "active per token"
+        )
         t = time.perf_counter()
         res = run_twin(path, str(hw), args.grid, repeats=args.repeats, passes=args.passes,
                        progress=lambda what, frac: print(f"  [{frac * 100:3.0f}%] {what}", file=sys.stderr, flush=True))

@@ -3,7 +3,8 @@ single-process engine, timed per layer (forward hooks, wall clock, 1 thread), be
 layer's counted op stream at with a calibrated hardware YAML.
 
     waferline calibrate --out host.yaml
-    python benchmarks/twin_layers.py --model models/sol-mini --hardware host.yaml [--speculative mtp] [--batch 8] [--json F]
+    python benchmarks/twin_layers.py --model models/sol-mini --hardware host.yaml [--speculative mtp] [--batch 8]
+    [--json F]
 
 The step is (generating N + 1 tokens - generating 1) / N steps, the fastest of 3, after a warm-up (one-time weight
 layouts excluded); for a speculative run a step is one verify step (k = 3, fixed). The priced columns are the host
@@ -26,7 +27,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="checkpoint directory")
     ap.add_argument("--hardware", required=True, help="hardware YAML written by `waferline calibrate` on this machine")
-    ap.add_argument("--speculative", default="none", choices=["none", "ngram", "mtp"], help="time a verify step (k = 3)")
+    ap.add_argument(
+        "--speculative", default="none", choices=["none", "ngram", "mtp"], help="time a verify step (k = 3)"
+    )
     ap.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     ap.add_argument("--steps", type=int, default=31, help="decode steps per timed run (default 31)")
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -42,7 +45,7 @@ def main() -> int:
     from waferline.engine.sampling import SamplingParams
     from waferline.errors import ConfigError
     from waferline.sim.host import HostParams, Work, _work_time
-    from waferline.sim.twin import count_ops, make_prompts
+    from waferline.sim.twin_engine import count_ops, make_prompts
 
     try:
         host = HostParams.load(args.hardware)
@@ -99,9 +102,20 @@ def main() -> int:
         + args.batch * host.row_overhead_s.get(comp, 0.0)
     rows.append({"part": "other", "measured_s": step - sum(layers.values()), "priced_s": sum(p) + extra, "ops_s": p[0],
                  "linear_s": p[1], "other_s": p[2] + extra, "ops": ops["decode"]["other"].get("ops", 0.0)})
-    t = Table(title=f"{Path(args.model).name}: one {'verify' if args.speculative != 'none' else 'decode'} step, batch "
-                    f"{args.batch}, measured {step * 1e3:.2f} ms vs priced {sum(r['priced_s'] for r in rows) * 1e3:.2f} ms")
-    for c in ("part", "aten ops", "measured ms", "priced ms", "meas / priced", "per-op ms", "linears ms", "bytes + fused ms"):
+    t = Table(
+        title=f"{Path(args.model).name}: one {'verify' if args.speculative != 'none' else 'decode'} step, batch "
+        f"{args.batch}, measured {step * 1e3:.2f} ms vs priced {sum(r['priced_s'] for r in rows) * 1e3:.2f} ms"
+    )
+    for c in (
+        "part",
+        "aten ops",
+        "measured ms",
+        "priced ms",
+        "meas / priced",
+        "per-op ms",
+        "linears ms",
+        "bytes + fused ms",
+    ):
         t.add_column(c, justify="left" if c == "part" else "right")
     for r in rows:
         t.add_row(r["part"], f"{r['ops']:.0f}", f"{r['measured_s'] * 1e3:.3f}", f"{r['priced_s'] * 1e3:.3f}",
@@ -109,8 +123,19 @@ def main() -> int:
                   f"{r['linear_s'] * 1e3:.3f}", f"{r['other_s'] * 1e3:.3f}")
     Console().print(t)
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "hardware": args.hardware, "speculative": args.speculative,
-                                               "batch": args.batch, "step_s": step, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "hardware": args.hardware,
+                    "speculative": args.speculative,
+                    "batch": args.batch,
+                    "step_s": step,
+                    "rows": rows,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -95,12 +95,24 @@ def main() -> None:
                 llm = LLM(str(path), dtype="bfloat16")
                 nbytes, nlayers, nmtp = tensor_bytes(path, L)
                 acct = llm.spec.weight_bytes(4, group)  # the planner's accounting (no MTP head)
-                print(f"{name:>14}: file bytes without the MTP head {nbytes - nmtp:,} vs ModelSpec.weight_bytes(4, {group}) "
-                      f"{acct:,.0f} ({100 * ((nbytes - nmtp) / acct - 1):+.2f}%)", flush=True)
+                print(
+                    f"{name:>14}: file bytes without the MTP head {nbytes - nmtp:,} vs ModelSpec.weight_bytes(4, "
+                    f"{group}) "
+                    f"{acct:,.0f} ({100 * ((nbytes - nmtp) / acct - 1):+.2f}%)",
+                    flush=True,
+                )
             ppl = llm.perplexity(ids)
-            rows.append({"variant": name, "perplexity": round(ppl, 3), "weight_bytes": nbytes,
-                         "vs_bf16_bytes": round(nbytes / bf16_total, 3), "layer_bytes": nlayers,
-                         "layers_vs_bf16": round(nlayers / bf16_layers, 3), "seconds": round(time.perf_counter() - t, 1)})
+            rows.append(
+                {
+                    "variant": name,
+                    "perplexity": round(ppl, 3),
+                    "weight_bytes": nbytes,
+                    "vs_bf16_bytes": round(nbytes / bf16_total, 3),
+                    "layer_bytes": nlayers,
+                    "layers_vs_bf16": round(nlayers / bf16_layers, 3),
+                    "seconds": round(time.perf_counter() - t, 1),
+                }
+            )
             print(f"{name:>14}: ppl {ppl:8.3f}  {nbytes / 1e6:7.2f} MB  ({time.perf_counter() - t:.0f} s)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -3,7 +3,8 @@
 Models: a ~100M-parameter Llama-type checkpoint with random weights (built once, cached) where reading weights
 dominates, and the demo `sol` checkpoint (or sol-mini when `models/sol-mini` exists). The roofline is the weight
 bytes read per decode step (ModelSpec accounting, embeddings excluded; of an MoE layer's experts only those a step
-can touch) divided by this machine's measured copy bandwidth; at batch 8 one read of the weights serves 8 tokens. Prints a table, writes benchmarks/results/w4a16_speed.json.
+can touch) divided by this machine's measured copy bandwidth; at batch 8 one read of the weights serves 8 tokens. Prints
+a table, writes benchmarks/results/w4a16_speed.json.
 
     python benchmarks/w4a16_speed.py                 # ~3-6 minutes on a 2-core CPU
     python benchmarks/w4a16_speed.py --tokens 16 --models llama100m
@@ -131,11 +132,14 @@ def run(models: list[str], tokens: int, group: int, cache: Path, repeats: int) -
 def print_table(res: dict) -> None:
     print(f"\ncopy bandwidth {res['copy_bandwidth_GBps']} GB/s, {res['threads']} threads, torch {res['torch']}, "
           f"int4 group {res['group_size']}")
-    print(f"| model | variant | batch | decode tok/s | vs fp32 | roofline tok/s | % of roofline | MB read/step |")
+    print("| model | variant | batch | decode tok/s | vs fp32 | roofline tok/s | % of roofline | MB read/step |")
     print("|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
-        print(f"| {r['model']} ({r['params_M']}M) | {r['variant']} | {r['batch']} | {r['decode_tok_s']:.1f} | "
-              f"{r['vs_fp32']:.2f}x | {r['roofline_tok_s']:.0f} | {100 * r['of_roofline']:.0f}% | {r['bytes_per_step_MB']:.1f} |")
+        print(
+            f"| {r['model']} ({r['params_M']}M) | {r['variant']} | {r['batch']} | {r['decode_tok_s']:.1f} | "
+            f"{r['vs_fp32']:.2f}x | {r['roofline_tok_s']:.0f} | {100 * r['of_roofline']:.0f}% | "
+            f"{r['bytes_per_step_MB']:.1f} |"
+        )
 
 
 def main() -> None:

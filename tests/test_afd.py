@@ -185,8 +185,11 @@ def _gone(pids: list[int]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("victim,sig", [("ffn", signal.SIGKILL), ("attention", signal.SIGKILL), ("ffn", signal.SIGSTOP)],
-                         ids=["ffn-killed", "attention-killed", "ffn-hung"])
+@pytest.mark.parametrize(
+    "victim,sig",
+    [("ffn", signal.SIGKILL), ("attention", signal.SIGKILL), ("ffn", signal.SIGSTOP)],
+    ids=["ffn-killed", "attention-killed", "ffn-hung"],
+)
 def test_dead_or_hung_rank_is_named_within_10s(ckpts, victim, sig):
     llm = LLM(ckpts["sol"], afd=True, attention_ranks=2, ffn_ranks=2, threads_per_rank=1, hang_timeout_s=3.0)
     afd = llm._pipeline

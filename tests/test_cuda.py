@@ -1,4 +1,4 @@
-"""The engine on a CUDA GPU: skipped where torch sees none (CI), run by a session that is lent one (README, "Decode
+"""The engine on a CUDA GPU: skipped where torch sees none (CI), run on a machine that has one (README, "Decode
 speed": the prepared device command). Tiny checkpoints, as everywhere: the GPU path's tokens and numbers against its
 own eager steps and against the CPU engine, the int4 weights repacked for torch's tinygemm."""
 

@@ -1,4 +1,5 @@
-"""benchmarks/decode_speed.py's roofline arithmetic: the compute ceiling of waferline's rows and the targets it flags."""
+"""benchmarks/decode_speed.py's roofline arithmetic: the compute ceiling of waferline's rows and the targets it
+flags."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The main job: the bundled sol-mini checkpoint, `waferline demo`, and its HTML report in a real browser."""
+"""The end-to-end demo: the bundled sol-mini checkpoint, `waferline demo`, and its HTML report in a real browser."""
 
 import json
 import os
@@ -66,7 +66,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
     html = report.read_text()
     from waferline.report.twin_section import DEFAULT_RESULT
 
-    twin_figures = 2 if DEFAULT_RESULT.is_file() else 0  # the twin section, from the cached twin result when there is one
+    # the twin section, from the cached twin result when there is one
+    twin_figures = 2 if DEFAULT_RESULT.is_file() else 0
     # timeline, memory, KV vs context, tok/s vs wafers (+ twin: predicted vs measured, one run's timeline)
     assert html.count("data:image/png;base64,") == 4 + twin_figures
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -74,6 +75,7 @@ def test_report_renders_in_headless_chromium(tmp_path):
              f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([browser, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
     assert "gpt-5.6-sol on WSE-3" in dom.stdout and "Per-stage timeline" in dom.stdout
+    assert "Cerebras WSE-3" in dom.stdout and ("Measured on the machine named" in dom.stdout or not twin_figures)
     shot = tmp_path / "shot.png"
     subprocess.run([browser, *flags, "--window-size=1200,2400", f"--screenshot={shot}", report.as_uri()],
                    capture_output=True, text=True, timeout=120)
@@ -82,3 +84,100 @@ def test_report_renders_in_headless_chromium(tmp_path):
     img = mpimg.imread(shot)
     assert img.shape[0] >= 2000 and img.shape[1] >= 1000
     assert img[..., :3].std() > 0.05  # not a blank page: text and plots drew pixels
+
+
+def _report_figures() -> dict:
+    """Every chart of the demo report, from the planner's numbers and, when there is one, the cached twin result."""
+    from waferline.demo import _figures, planner_headline
+    from waferline.report import twin_section
+
+    head = planner_headline()
+    figs = _figures([0.9, 0.8, 1.6, 0.85, 0.8, 1.5], ["mamba2", "mamba2", "mla", "mamba2", "mamba2", "mla"], head)
+    many = _figures([0.1 + 0.05 * (i % 7) for i in range(40)], ["mla", "gqa", "mamba2", "mamba2"] * 10, head)
+    figs["timeline, 40 layers"] = many.pop("timeline")
+    result, _ = twin_section.load_result()
+    if result is not None and twin_section._ok(result):
+        figs["twin"] = twin_section.figure_pred_vs_meas(result)
+        row = twin_section.pick_timeline_row(result)
+        if row is not None:
+            figs["twin timeline"] = twin_section.figure_timeline(result, row)
+    return figs
+
+
+def test_report_charts_have_no_overlapping_text_and_no_legend_over_data():
+    import matplotlib.pyplot as plt
+
+    from waferline.report.layout import layout_problems
+
+    figs = _report_figures()
+    try:
+        problems = {name: layout_problems(fig) for name, fig in figs.items()}
+    finally:
+        for fig in figs.values():
+            plt.close(fig)
+    assert problems == {name: [] for name in figs}
+
+
+def test_layout_check_finds_overlaps_and_legends_on_data():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from waferline.report.layout import layout_problems, place_labels
+
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.plot([0, 1], [0, 1], label="a line")
+    ax.legend(loc="center")
+    ax.annotate("one label", (0.5, 0.2))
+    ax.annotate("one label too", (0.5, 0.2))
+    found = layout_problems(fig)
+    assert any("legend sits on axes 0" in p for p in found) and any("overlaps" in p for p in found)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(4, 3))  # labels of points that coincide are spread apart
+    xs, ys = [1.0, 1.01, 1.02, 2.0, 3.0], [1.0, 1.0, 1.01, 2.0, 3.0]
+    ax.scatter(xs, ys)
+    ax.set_xlim(0, 4)
+    ax.set_ylim(0, 4)
+    place_labels(ax, xs, ys, [f"plan-{i}" for i in range(5)])
+    assert layout_problems(fig) == []
+    plt.close(fig)
+
+
+def test_report_explains_the_750_line_and_names_the_twin_machine():
+    import html
+
+    import matplotlib.pyplot as plt
+
+    from waferline.demo import REFERENCE_CAPTION, REFERENCE_LABEL, _figures, add_prediction_sections, planner_headline
+    from waferline.report.html import Report
+    from waferline.report.twin_section import add_twin_sections, load_result, machine_text
+
+    head = planner_headline()
+    figs = _figures([1.0, 2.0], ["mamba2", "mla"], head)
+    legend = [t.get_text() for lg in figs["sweep"].legends for t in lg.get_texts()]
+    assert REFERENCE_LABEL in legend and "GPT-5.6 Sol" in REFERENCE_LABEL and "Cerebras WSE-3" in REFERENCE_LABEL
+    rep = Report("t")
+    add_prediction_sections(rep, figs, head)
+    for fig in figs.values():
+        plt.close(fig)
+    page = rep.to_html()
+    assert html.escape(REFERENCE_CAPTION) in page and "750 tok/s per user" in page
+
+    # the machine, from what a twin result records; the CPU model only when the file has one
+    minimal = {"machine": "box-7", "cores": 4, "date": "2026-01-02T03:04:05+00:00", "host": {"torch": "2.0"},
+               "load_average": [0.5, 0.4, 0.3]}
+    text = machine_text(minimal)
+    assert '"box-7"' in text and "4 logical cores" in text and "2026-01-02 03:04:05 UTC" in text
+    assert "CPU model not recorded" in text
+    assert "CPU Example 9000" in machine_text(dict(minimal, cpu_model="Example 9000"))
+    result, source = load_result()
+    if result is not None:  # the cached twin result the demo reads: its section names that machine
+        rep = Report("t")
+        add_twin_sections(rep, result, source)
+        for s in rep.sections:
+            if s.figure is not None:
+                plt.close(s.figure)
+        page = rep.to_html()
+        assert html.escape(machine_text(result)) in page
+        assert html.escape(f'Measured on the machine named "{result["machine"]}"') in page

@@ -77,7 +77,10 @@ def test_stop_token(ckpts):
     assert out.token_ids == first[:3] and out.finish_reason == "stop"
     # each Output carries its own prompt (rows finishing at different steps; greedy and sampled)
     prompts = [[1, 5, 9], [7, 7], [2, 4, 6, 8]]
-    for params in (SamplingParams(max_tokens=5, stop_token_ids=[first[2]]), SamplingParams(max_tokens=4, temperature=0.8, seed=1)):
+    for params in (
+        SamplingParams(max_tokens=5, stop_token_ids=[first[2]]),
+        SamplingParams(max_tokens=4, temperature=0.8, seed=1),
+    ):
         outs = llm.generate(prompts, params)
         assert [o.prompt_token_ids for o in outs] == prompts
 
@@ -103,7 +106,11 @@ def test_checkpoint_errors(ckpts, tmp_path):
     for case, mutate, pattern in [
         ("missing", lambda t: t.pop(name), f"missing tensor '{name}'"),
         ("extra", lambda t: t.__setitem__("model.layers.7.foo.weight", torch.zeros(2)), "model.layers.7.foo.weight"),
-        ("shape", lambda t: t.__setitem__(name, torch.zeros(3, 64)), r"has shape \[3, 64\] but the config implies \[32, 64\]"),
+        (
+            "shape",
+            lambda t: t.__setitem__(name, torch.zeros(3, 64)),
+            r"has shape \[3, 64\] but the config implies \[32, 64\]",
+        ),
     ]:
         d = _copy(src, tmp_path / case)
         t = dict(tensors)
@@ -130,8 +137,12 @@ def test_cli_generate_json_and_errors(ckpts, tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert len(out["token_ids"]) == 4 and out["tokens_per_s"] >= 0 and "text" in out
-    r = subprocess.run([sys.executable, "-m", "waferline.cli", "generate", "--model", str(tmp_path), "--prompt-ids", "1"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "waferline.cli", "generate", "--model", str(tmp_path), "--prompt-ids", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and "error:" in r.stderr and "config.json" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(cmd + ["--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and json.loads(r.stdout)["token_ids"] == out["token_ids"], r.stderr

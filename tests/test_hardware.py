@@ -7,7 +7,19 @@ from waferline.errors import ConfigError
 from waferline.spec.catalog import HARDWARE_DIR, list_hardware, load_hardware
 from waferline.spec.hardware import catalog_links, load_hardware_file
 
-EXPECTED = {"wse-2", "wse-3", "h100-sxm", "h200-sxm", "h800", "b200", "gb200-nvl72", "mi300x", "groq-lpu-v1", "sn40l", "tpu-v5p"}
+EXPECTED = {
+    "wse-2",
+    "wse-3",
+    "h100-sxm",
+    "h200-sxm",
+    "h800",
+    "b200",
+    "gb200-nvl72",
+    "mi300x",
+    "groq-lpu-v1",
+    "sn40l",
+    "tpu-v5p",
+}
 
 GOOD = {"name": "jalapeno-guess", "kind": "asic",
         "device": {"memory_bytes": 2.0e11, "memory_bandwidth": 1.0e13, "flops": {"bf16": 2.0e15, "fp8": 4.0e15}},
@@ -70,7 +82,9 @@ def test_user_yaml_with_plain_numbers_loads(tmp_path):
     assert hw.sources["memory_bytes"].status == "user"
 
 
-@pytest.mark.parametrize("drop,needle", [("memory_bandwidth", "memory_bandwidth"), ("flops", "flops"), ("memory_bytes", "memory_bytes")])
+@pytest.mark.parametrize(
+    "drop,needle", [("memory_bandwidth", "memory_bandwidth"), ("flops", "flops"), ("memory_bytes", "memory_bytes")]
+)
 def test_user_yaml_missing_field_is_rejected_clearly(tmp_path, drop, needle):
     bad = yaml.safe_load(yaml.safe_dump(GOOD))
     del bad["device"][drop]
@@ -124,7 +138,7 @@ def test_user_hardware_plans_and_simulates_end_to_end(tmp_path):
 
 def test_measured_host_yaml_loads_and_plans(tmp_path):
     from waferline.plan.place import place
-    from waferline.sim.measure import write_host_yaml
+    from waferline.sim.calibrate.hardware_yaml import write_host_yaml
 
     out = tmp_path / "host.yaml"
     d = write_host_yaml(out, quick=True)

@@ -19,7 +19,7 @@ from safetensors.torch import load_file  # noqa: E402
 from waferline.errors import CheckpointError, ConfigError  # noqa: E402
 from waferline.model.moe import DenseFFN, MoE, dense_names, dense_prefix, hf_act, moe_kwargs, moe_prefix  # noqa: E402
 from waferline.model.weights import WeightSource  # noqa: E402
-from waferline.spec.model import DenseFFNSpec, MoESpec, ModelSpec  # noqa: E402
+from waferline.spec.model import DenseFFNSpec, ModelSpec, MoESpec  # noqa: E402
 
 ATOL = RTOL = 1e-5
 D = 32
@@ -44,7 +44,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("e_score_correction_bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
             elif p.dim() >= 2:
-                fan_in = p.shape[-1] if "gpt_oss" not in type(model).__module__ or "experts" not in name else p.shape[-2]
+                fan_in = (
+                    p.shape[-1] if "gpt_oss" not in type(model).__module__ or "experts" not in name else p.shape[-2]
+                )
                 p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -79,8 +81,17 @@ def _make(flavor: str, variant: str = "") -> Case:
     torch.manual_seed(0)
     if flavor == "qwen3_moe":
         norm = variant != "nonorm"
-        cfg = T.Qwen3MoeConfig(**ATTN, hidden_size=D, num_hidden_layers=1, head_dim=8, intermediate_size=48,
-                               moe_intermediate_size=I_EXPERT, num_experts=E, num_experts_per_tok=K, norm_topk_prob=norm)
+        cfg = T.Qwen3MoeConfig(
+            **ATTN,
+            hidden_size=D,
+            num_hidden_layers=1,
+            head_dim=8,
+            intermediate_size=48,
+            moe_intermediate_size=I_EXPERT,
+            num_experts=E,
+            num_experts_per_tok=K,
+            norm_topk_prob=norm,
+        )
         model = T.Qwen3MoeForCausalLM(cfg)
         mod, layer = model.model.layers[0].mlp, 0
         spec = MoESpec(hidden_size=D, num_experts=E, top_k=K, expert_intermediate=I_EXPERT, norm_topk_prob=norm)
@@ -217,8 +228,11 @@ def test_moe_matches_hf_from_saved_checkpoint(flavor, variant, tmp_path):
         _check(case, moe, n, seed=n)
     # every tensor of the block in the checkpoint was consumed
     prefix = moe_prefix(flavor, case.layer, src)
-    block_names = [k for k in src.names_with_prefix(prefix)
-                   if flavor != "granitemoehybrid" or k.startswith((prefix + "block_sparse_moe.", prefix + "shared_mlp."))]
+    block_names = [
+        k
+        for k in src.names_with_prefix(prefix)
+        if flavor != "granitemoehybrid" or k.startswith((prefix + "block_sparse_moe.", prefix + "shared_mlp."))
+    ]
     assert set(block_names) <= src.used, sorted(set(block_names) - src.used)
 
 

@@ -134,8 +134,14 @@ def test_pipeline_from_plan(ckpts):
     from waferline.plan.plan import Plan, Stage
 
     def plan(layers: list[list[int]], mb: int = 2) -> Plan:
-        return Plan(model="sol", hardware="cpu", micro_batches=mb,
-                    stages=[Stage(index=i, role="full", layers=ls, device="cpu", device_ids=[i]) for i, ls in enumerate(layers)])
+        return Plan(
+            model="sol",
+            hardware="cpu",
+            micro_batches=mb,
+            stages=[
+                Stage(index=i, role="full", layers=ls, device="cpu", device_ids=[i]) for i, ls in enumerate(layers)
+            ],
+        )
 
     assert stage_ranges(4, plan=plan([[0], [1, 2], [3]])) == [(0, 1), (1, 3), (3, 4)]
     with pytest.raises(ConfigError, match="contiguous"):
@@ -168,7 +174,12 @@ def test_decode_ring_spreads_sequences_after_a_drain(ckpts):
             chunks.append([(g.T, g.seqs, g.starts, g.emits) for g in nxt[0].groups])
         # 20 tokens in chunks of 8 launched back to back (pipelined); the 5-token prompt fills the rest of the
         # budget; only a prompt's last chunk samples
-        assert chunks == [[(8, [0], [0], [0])], [(8, [0], [8], [0])], [(4, [0, 1], [16, 0], [1, 0])], [(1, [1], [4], [1])]]
+        assert chunks == [
+            [(8, [0], [0], [0])],
+            [(8, [0], [8], [0])],
+            [(4, [0, 1], [16, 0], [1, 0])],
+            [(1, [1], [4], [1])],
+        ]
 
 
 def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):
@@ -264,7 +275,12 @@ def test_cli_generate_with_stages(ckpts, references, capsys):
                  "--micro-batches", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["token_ids"] == ref["few_out"][0]
-    assert main(["generate", "--model", str(ckpts["sol"]), "--prompt-ids", ids, "--stages", "2", "--layers-per-stage", "1"]) == 2
+    assert (
+        main(
+            ["generate", "--model", str(ckpts["sol"]), "--prompt-ids", ids, "--stages", "2", "--layers-per-stage", "1"]
+        )
+        == 2
+    )
     assert "not both" in capsys.readouterr().err
 
 

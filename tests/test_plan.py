@@ -9,10 +9,29 @@ from waferline.plan.place import context_capacity, place
 from waferline.plan.plan import Plan, SpeculativeConfig
 from waferline.spec.catalog import list_models, load_model, model_config
 
-ISSUE_MODELS = {"gpt-5.6-sol", "gpt-5.6-sol-mla", "gpt-5.6-sol-hybrid", "gpt-5.6-sol-gqa", "kimi-k2.6", "deepseek-v3",
-                "deepseek-r1", "qwen3-235b-a22b", "qwen3-32b", "glm-4.6", "gpt-oss-120b", "llama-4-maverick", "llama-3-8b",
-                "llama-3.1-8b", "llama-3.1-70b", "llama-3.3-70b", "llama-3.1-405b", "llama-2-70b", "mixtral-8x7b",
-                "qwen3-next-80b-a3b", "jamba-1.5-large"}
+ISSUE_MODELS = {
+    "gpt-5.6-sol",
+    "gpt-5.6-sol-mla",
+    "gpt-5.6-sol-hybrid",
+    "gpt-5.6-sol-gqa",
+    "kimi-k2.6",
+    "deepseek-v3",
+    "deepseek-r1",
+    "qwen3-235b-a22b",
+    "qwen3-32b",
+    "glm-4.6",
+    "gpt-oss-120b",
+    "llama-4-maverick",
+    "llama-3-8b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "llama-3.3-70b",
+    "llama-3.1-405b",
+    "llama-2-70b",
+    "mixtral-8x7b",
+    "qwen3-next-80b-a3b",
+    "jamba-1.5-large",
+}
 
 
 def within(x, target, rel=0.02):
@@ -84,7 +103,9 @@ def test_no_fit_explains_device_term_and_bytes():
     plan = place("llama-3.1-70b", "wse-3", devices=2)
     assert not plan.fits and len(plan.problems) == 2
     msg = plan.problems[0]
-    assert "stage 0" in msg and "weights" in msg and "by 29." in msg and "bytes" in msg and "largest term: weights" in msg
+    assert (
+        "stage 0" in msg and "weights" in msg and "by 29." in msg and "bytes" in msg and "largest term: weights" in msg
+    )
     with pytest.raises(FitError, match="stage 0"):
         place("llama-3.1-70b", "wse-3", devices=2, require_fit=True)
 
@@ -162,3 +183,30 @@ def test_gqa_cache_is_not_split_below_one_kv_head_per_device():
     assert p8.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)
     assert p16.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)  # replicated, not /16
     assert p16.stages[0].memory.weights == pytest.approx(p8.stages[0].memory.weights / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "gpt-5.6-sol", "--hardware", "wse-3", "--attention-ranks", "2"], "--attention-ranks needs --afd"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--ffn-ranks", "4"], "--ffn-ranks needs --afd"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--accept-rate", "0.7"], "--accept-rate needs --speculative"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--num-speculative-tokens", "3"],
+     "--num-speculative-tokens needs --speculative"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--speculative", "mtp", "--draft-model", "llama-3.2-1b"],
+     "--draft-model is for --speculative draft"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--num-requests", "10"], "give --arrival-rate too"),
+])
+def test_flags_that_would_be_ignored_are_refused(argv, says, capsys):
+    from waferline.cli import main
+
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_flags_in_their_combination_still_run(capsys):
+    from waferline.cli import main
+
+    assert main(["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80",
+                 "--speculative", "mtp", "--accept-rate", "0.7", "--arrival-rate", "1", "--num-requests", "20",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["serving"]["requests"] == 20

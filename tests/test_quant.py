@@ -17,9 +17,18 @@ from waferline import cli, kernels
 from waferline.errors import CheckpointError, ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model, open_weights
-from waferline.model.quant import (Int4Source, Int4Weight, QuantLinear, QuantOptions, gptq_quantize,
-                                   pack_nibbles, quantize_checkpoint, quantize_model, rtn_quantize,
-                                   unpack_nibbles)
+from waferline.model.quant import (
+    Int4Source,
+    Int4Weight,
+    QuantLinear,
+    QuantOptions,
+    gptq_quantize,
+    pack_nibbles,
+    quantize_checkpoint,
+    quantize_model,
+    rtn_quantize,
+    unpack_nibbles,
+)
 from waferline.spec.model import ModelSpec
 
 torch.manual_seed(0)
@@ -202,7 +211,11 @@ def test_import_compressed_tensors_kimi_experts(tmp_path):
             continue
         N, K = w.shape
         scale = (w.view(N, K // 32, 32).abs().amax(-1) / 7.5).to(torch.bfloat16)
-        q = torch.clamp(torch.round(w.view(N, K // 32, 32) / scale.float().unsqueeze(-1)), -8, 7).to(torch.int8).view(N, K)
+        q = (
+            torch.clamp(torch.round(w.view(N, K // 32, 32) / scale.float().unsqueeze(-1)), -8, 7)
+            .to(torch.int8)
+            .view(N, K)
+        )
         base = name[: -len(".weight")]
         out[base + ".weight_packed"] = _ct_pack(q)
         out[base + ".weight_scale"] = scale
@@ -211,10 +224,17 @@ def test_import_compressed_tensors_kimi_experts(tmp_path):
     assert ref
     save_file(out, str(d / "model.safetensors"))
     cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                                           "strategy": "group", "group_size": 32}}},
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"]}
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+            }
+        },
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+    }
     (d / "config.json").write_text(json.dumps(cfg))
     src = Int4Source(open_weights(d), cfg)
     for name, (deq, orig) in ref.items():
@@ -416,7 +436,9 @@ def test_int4_checkpoint_bound_for_another_device_loads_readable_codes(tmp_path,
     def weights(m):
         return {n: w for n, w in m.named_modules() if isinstance(w, Int4Weight)}
 
-    assert len(weights(bound)) == len(weights(plain)) > 0 and {w.backend for w in weights(bound).values()} == {"dequant"}
+    assert len(weights(bound)) == len(weights(plain)) > 0 and {w.backend for w in weights(bound).values()} == {
+        "dequant"
+    }
     assert {w.backend for w in weights(cpu).values()} == {w.backend for w in weights(plain).values()} != {"dequant"}
     move_model(bound, "cpu")
     for name, w in weights(bound).items():

@@ -99,14 +99,19 @@ def test_parameters_change_predictions_by_class():
     plan = place("llama-3.1-70b", "wse-3", devices=4)
     slow = SimParams(classes={"wafer": ClassParams(layer_latency_s=50e-6), "gpu": ClassParams()})
     fast = SimParams(classes={"wafer": ClassParams(layer_latency_s=5e-6), "gpu": ClassParams()})
-    assert simulate(plan, params=fast).decode_tokens_per_s_per_user > 3 * simulate(plan, params=slow).decode_tokens_per_s_per_user
+    assert (
+        simulate(plan, params=fast).decode_tokens_per_s_per_user
+        > 3 * simulate(plan, params=slow).decode_tokens_per_s_per_user
+    )
 
 
 def test_no_torch_in_planner_and_simulator():
-    code = ("import sys, waferline.plan.commands, waferline.plan.place, waferline.sim.pipeline, waferline.sim.fit, "
-            "waferline.sim.validate, waferline.spec.catalog, waferline.spec.hardware; "
-            "from waferline.plan.place import place; from waferline.sim.pipeline import simulate; "
-            "simulate(place('gpt-5.6-sol', 'wse-3', weight_bits=4)); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, waferline.plan.commands, waferline.plan.place, waferline.sim.pipeline, waferline.sim.fit, "
+        "waferline.sim.validate, waferline.spec.catalog, waferline.spec.hardware; "
+        "from waferline.plan.place import place; from waferline.sim.pipeline import simulate; "
+        "simulate(place('gpt-5.6-sol', 'wse-3', weight_bits=4)); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -75,8 +75,16 @@ def test_hybrid_spellings_agree():
                 head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2)
     a = ModelSpec.from_hf_config(dict(base, hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16))
-    b = ModelSpec.from_hf_config(dict(base, layers_block_type=["mamba", "attention", "mlp", "moe"], n_routed_experts=4,
-                                      num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16))
+    b = ModelSpec.from_hf_config(
+        dict(
+            base,
+            layers_block_type=["mamba", "attention", "mlp", "moe"],
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=16,
+        )
+    )
     assert a.params_total() == b.params_total() and a.num_layers == 4
     g1 = dict(model_type="granitemoehybrid", vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,

@@ -13,8 +13,17 @@ from safetensors.torch import load_file, save_file
 from tiny_models import VOCAB, build
 from waferline import LLM, SamplingParams
 from waferline.engine.sampling import target_probs
-from waferline.engine.speculative import (AdaptiveK, NgramDrafter, Proposal, expected_tokens, residual, verify,
-                                          verify_greedy, verify_rows, verify_sampled)
+from waferline.engine.speculative import (
+    AdaptiveK,
+    NgramDrafter,
+    Proposal,
+    expected_tokens,
+    residual,
+    verify,
+    verify_greedy,
+    verify_rows,
+    verify_sampled,
+)
 from waferline.errors import ConfigError, WaferlineError
 from waferline.model.context import StepBatch
 from waferline.model.init import write_random_checkpoint
@@ -160,12 +169,14 @@ def test_mtp_sol_hybrid_and_drafts_match_full_forward(ckpts):
     assert len(seen) > 10
     model = llm.model
     with torch.inference_mode():
-        for b, seq, first in seen[::3]:
+        for _b, seq, first in seen[::3]:
             n = len(seq)
             toks = torch.tensor([seq])
             h = model(toks, model.new_caches(1), StepBatch.make([0], [0], n))
             head = model.mtp[0]
-            h2 = head(h[:, :-1], model.embed_tokens(toks[:, 1:]), head.layer.new_cache(1), StepBatch.make([0], [0], n - 1))
+            h2 = head(
+                h[:, :-1], model.embed_tokens(toks[:, 1:]), head.layer.new_cache(1), StepBatch.make([0], [0], n - 1)
+            )
             pred = int(torch.nn.functional.linear(head.norm(h2[0, -1]), model.lm_head).argmax())
             assert pred == first
 
@@ -191,7 +202,7 @@ def test_plain_steps_in_bursts_when_nothing_is_drafted(ckpts, monkeypatch, metho
     its next draft commits the burst's hidden states) or none; with MTP never drafting, the hidden states the drafter
     holds for its next draft are bitwise the ones step by step gives it. Where the fused operators are built (sol
     int4: whole-step programs), bursts ran."""
-    import waferline.engine.speculative as spm
+    import waferline.engine.speculative.speculator as spm  # the module whose Speculator.stream looks up burst_len
     from waferline import kernels
 
     d, opts = ckpts["sol:mtp"], dict(dtype="bfloat16", weight_bits=4, group_size=32)
@@ -256,7 +267,9 @@ def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     assert counts[~keep].sum() == 0, "a token of probability 0 was emitted"
     stat = float(((counts[keep].double() - exp[keep]) ** 2 / exp[keep]).sum())
     df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def _run_verifier(fn, p, q, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -375,7 +388,9 @@ def test_adaptive_k_grows_with_acceptance_and_backs_off_with_batch():
     table = [(1, 1.0), (2, 2.0), (8, 2.0), (64, 10.0)]
     assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.5}).choose([0]) == [0]
     assert AdaptiveK(k_max=6, cost_table=table, alpha={0: 0.9}).choose([0])[0] >= 4
-    assert AdaptiveK(k_max=6, cost_table=table).cost(5) == 2.0 and AdaptiveK(6, cost_table=table).cost(120) == pytest.approx(18.0)
+    assert AdaptiveK(k_max=6, cost_table=table).cost(5) == 2.0 and AdaptiveK(6, cost_table=table).cost(
+        120
+    ) == pytest.approx(18.0)
 
 
 def test_adaptive_k_follows_measured_step_costs():

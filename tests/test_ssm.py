@@ -25,26 +25,61 @@ def _hf_mixer(family: str):
         from transformers import BambaConfig
         from transformers.models.bamba.modeling_bamba import BambaMixer as cls
 
-        cfg = BambaConfig(**common, num_hidden_layers=1, attn_layer_indices=[], mamba_n_heads=HEADS, mamba_d_head=HEAD_DIM,
-                          mamba_d_state=STATE, mamba_n_groups=GROUPS, mamba_d_conv=CONV, mamba_expand=2,
-                          mamba_chunk_size=CHUNK, mamba_proj_bias=True, mamba_conv_bias=True, rms_norm_eps=1e-5)
+        cfg = BambaConfig(
+            **common,
+            num_hidden_layers=1,
+            attn_layer_indices=[],
+            mamba_n_heads=HEADS,
+            mamba_d_head=HEAD_DIM,
+            mamba_d_state=STATE,
+            mamba_n_groups=GROUPS,
+            mamba_d_conv=CONV,
+            mamba_expand=2,
+            mamba_chunk_size=CHUNK,
+            mamba_proj_bias=True,
+            mamba_conv_bias=True,
+            rms_norm_eps=1e-5,
+        )
     elif family == "granitemoehybrid":
         from transformers import GraniteMoeHybridConfig
         from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer as cls
 
-        cfg = GraniteMoeHybridConfig(**common, num_hidden_layers=1, layer_types=["mamba"], mamba_n_heads=HEADS,
-                                     mamba_d_head=HEAD_DIM, mamba_d_state=STATE, mamba_n_groups=GROUPS, mamba_d_conv=CONV,
-                                     mamba_expand=2, mamba_chunk_size=CHUNK, mamba_proj_bias=False,
-                                     mamba_conv_bias=True, rms_norm_eps=1e-6)
+        cfg = GraniteMoeHybridConfig(
+            **common,
+            num_hidden_layers=1,
+            layer_types=["mamba"],
+            mamba_n_heads=HEADS,
+            mamba_d_head=HEAD_DIM,
+            mamba_d_state=STATE,
+            mamba_n_groups=GROUPS,
+            mamba_d_conv=CONV,
+            mamba_expand=2,
+            mamba_chunk_size=CHUNK,
+            mamba_proj_bias=False,
+            mamba_conv_bias=True,
+            rms_norm_eps=1e-6,
+        )
     elif family == "nemotron_h":
         from transformers import NemotronHConfig
         from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mixer as cls
 
         # a large time_step_min so that HF's dt clamp (chunked path only) actually bites with the dt_bias below
-        cfg = NemotronHConfig(**common, head_dim=16, layers_block_type=["linear_attention"], mamba_num_heads=HEADS,
-                              mamba_head_dim=HEAD_DIM, ssm_state_size=STATE, n_groups=GROUPS, conv_kernel=CONV, expand=2,
-                              chunk_size=CHUNK, use_bias=False, use_conv_bias=True, time_step_min=0.05,
-                              layer_norm_epsilon=1e-5)
+        cfg = NemotronHConfig(
+            **common,
+            head_dim=16,
+            layers_block_type=["linear_attention"],
+            mamba_num_heads=HEADS,
+            mamba_head_dim=HEAD_DIM,
+            ssm_state_size=STATE,
+            n_groups=GROUPS,
+            conv_kernel=CONV,
+            expand=2,
+            chunk_size=CHUNK,
+            use_bias=False,
+            use_conv_bias=True,
+            time_step_min=0.05,
+            layer_norm_epsilon=1e-5,
+        )
     else:  # pragma: no cover
         raise ValueError(family)
     torch.manual_seed(0)
@@ -124,7 +159,9 @@ def test_chunked_prefill_continues_from_state(family):
     x = torch.randn(1, 21, HIDDEN, generator=torch.Generator().manual_seed(3))
     one, two = ours.new_cache(2), ours.new_cache(2)
     full = ours(x, one, StepBatch.make([1], [0], 21))
-    part = torch.cat([ours(x[:, :13], two, StepBatch.make([1], [0], 13)), ours(x[:, 13:], two, StepBatch.make([1], [13], 8))], 1)
+    part = torch.cat(
+        [ours(x[:, :13], two, StepBatch.make([1], [0], 13)), ours(x[:, 13:], two, StepBatch.make([1], [13], 8))], 1
+    )
     _close(part, full)
     _close(two.ssm, one.ssm)
     _close(two.conv, one.conv)
@@ -143,7 +180,9 @@ def test_short_prompts_and_continuations_below_conv_kernel(family):
     a, b = ours.new_cache(1), ours.new_cache(1)
     full = ours(x, a, StepBatch.make([0], [0], 7))
     # (a T=1 part would take the decode path, which for nemotron_h does not clamp dt, as in HF)
-    parts = [ours(x[:, i:i + 2], b, StepBatch.make([0], [i], 2)) for i in (0, 2)] + [ours(x[:, 4:], b, StepBatch.make([0], [4], 3))]
+    parts = [ours(x[:, i : i + 2], b, StepBatch.make([0], [i], 2)) for i in (0, 2)] + [
+        ours(x[:, 4:], b, StepBatch.make([0], [4], 3))
+    ]
     _close(torch.cat(parts, 1), full)
     _close(b.ssm, a.ssm)
 
@@ -274,7 +313,8 @@ def _tiny_full_model(family: str):
 
 @torch.no_grad()
 def test_loads_from_saved_checkpoint_names(family, tmp_path):
-    """The mixer of layer 1 of a tiny saved HF model loads by ``hf_mixer_prefix`` (nemotron_h files say ``backbone.``)."""
+    """The mixer of layer 1 of a tiny saved HF model loads by ``hf_mixer_prefix`` (nemotron_h files say
+    ``backbone.``)."""
     import json
 
     from safetensors.torch import load_file
@@ -310,6 +350,8 @@ def test_bf16_runs_and_paths_agree():
     full = ours(x, a, StepBatch.make([0, 1], [0, 0], 12))
     steps = torch.cat([ours(x[:, t:t + 1], b, StepBatch.make([0, 1], [t, t], 1)) for t in range(12)], 1)
     assert full.dtype == steps.dtype == torch.bfloat16
-    ref = _ours("granitemoehybrid", hf, cfg)(x.float(), _ours("granitemoehybrid", hf, cfg).new_cache(2), StepBatch.make([0, 1], [0, 0], 12))
+    ref = _ours("granitemoehybrid", hf, cfg)(
+        x.float(), _ours("granitemoehybrid", hf, cfg).new_cache(2), StepBatch.make([0, 1], [0, 0], 12)
+    )
     assert (full.float() - ref).abs().max() < 0.05 * ref.abs().max()
     assert (steps.float() - ref).abs().max() < 0.05 * ref.abs().max()

@@ -6,7 +6,6 @@ import pytest
 
 from conftest import script_module
 
-
 SAMPLES = """\
    101       329d0 (anonymous namespace)::bf16_row_pair<2> (/root/.cache/waferline/kernels/x/waferline_cpu_ops.so)
    101       329d4 (anonymous namespace)::bf16_row_pair<2> (/root/.cache/waferline/kernels/x/waferline_cpu_ops.so)

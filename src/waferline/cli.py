@@ -1,53 +1,122 @@
-"""The `waferline` command line: generate, demo, info, quantize, serve, and the planner's plan / simulate / validate / calibrate / twin."""
+"""The `waferline` command line: generate, demo, info, quantize, serve, and the planner's plan / simulate / validate
+/ calibrate / twin."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import sys
+import threading
+from pathlib import Path
+from typing import Any
 
-from waferline.errors import WaferlineError
+from waferline.errors import UsageError, WaferlineError, counted
+
+GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
+NUM_SPECULATIVE_TOKENS = 4  # most draft tokens per step unless --num-speculative-tokens says otherwise
+DEMO_SPECULATIVE_TOKENS = 3  # the demo's (sol-mini's MTP head accepts about this many)
+
+
+def _has_tokenizer(model: Path) -> bool:
+    return (model / "tokenizer.json").is_file() or (model / "tokenizer_config.json").is_file()
+
+
+def _check_generate_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that the chosen engine or sampling mode would ignore, before anything loads."""
+    if args.prompt is not None and args.prompt_ids is not None:
+        raise UsageError("--prompt and --prompt-ids both give the prompt: give one of them")
+    if args.prompt is None and args.prompt_ids is None:
+        raise UsageError("give --prompt TEXT or --prompt-ids '1 2 3'")
+    if not args.afd:
+        given = [f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
+                 if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --afd")
+    pipeline = args.stages is not None or args.layers_per_stage is not None
+    if args.afd and pipeline:
+        raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
+    if args.stages is not None and args.layers_per_stage is not None:
+        raise UsageError("give --stages S or --layers-per-stage K, not both")
+    if args.micro_batches is not None and not (pipeline or args.afd):
+        raise UsageError("--micro-batches needs --stages S, --layers-per-stage K or --afd")
+    if args.afd and (args.speculative or args.weight_bits != 16):
+        raise UsageError("--afd runs 16-bit weights without speculative decoding: drop "
+                         + " and ".join(f for f, on in (("--speculative", args.speculative),
+                                                        ("--weight-bits 4", args.weight_bits != 16)) if on))
+    if args.head_bits != 16 and (pipeline or args.afd):
+        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
+                         f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
+    if args.num_speculative_tokens is not None and not args.speculative:
+        raise UsageError("--num-speculative-tokens needs --speculative METHOD")
+    model = Path(args.model)
+    if (args.stop or args.prompt is not None) and model.is_dir() and not _has_tokenizer(model):
+        flag = "--stop" if args.stop else "--prompt"
+        raise UsageError(f"{flag} needs the checkpoint's tokenizer and {args.model} has none (no tokenizer.json)"
+                         + ("; drop --stop" if args.stop else ": pass --prompt-ids '1 2 3'"))
+    if args.group_size is not None:
+        from waferline.engine.llm import _is_int4_checkpoint
+
+        if args.weight_bits != 4:
+            raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
+        if model.is_dir() and _is_int4_checkpoint(model):
+            raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
+                             "quantized with; drop --group-size")
+        if pipeline:
+            raise UsageError("--group-size applies to int4 on load in the single-process engine; a pipeline loads an "
+                             "int4 checkpoint as it was quantized (waferline quantize --group-size G)")
+    if args.temperature == 0:
+        sampling = [f for f, v in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
+                    if v is not None]
+        if sampling:
+            raise UsageError(f"{', '.join(sampling)}: {'this applies' if len(sampling) == 1 else 'these apply'} to "
+                             "sampling, and --temperature 0 (the default) decodes greedily; add --temperature T > 0 "
+                             f"or drop {'it' if len(sampling) == 1 else 'them'}")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
 
+    _check_generate_flags(args)
     pipe: dict = {}
-    if args.afd or args.attention_ranks is not None or args.ffn_ranks is not None:  # attention/FFN disaggregation
-        if args.stages is not None or args.layers_per_stage is not None:
-            raise WaferlineError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
+    if args.afd:  # attention/FFN disaggregation
         pipe = {"afd": True, "attention_ranks": args.attention_ranks or 1, "ffn_ranks": args.ffn_ranks or 1,
                 "micro_batches": args.micro_batches}
     elif args.stages is not None or args.layers_per_stage is not None:  # pipeline of stage processes
-        if args.stages is not None and args.layers_per_stage is not None:
-            raise WaferlineError("give --stages S or --layers-per-stage K, not both")
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
             return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
                                   speculative=args.speculative)
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
-    elif args.micro_batches is not None:
-        raise WaferlineError("--micro-batches needs --stages S, --layers-per-stage K or --afd")
     if args.speculative:
-        pipe.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+        k = NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
+        pipe.update(speculative=args.speculative, num_speculative_tokens=k)
     if args.head_bits != 16:
         pipe["head_bits"] = args.head_bits
     if args.device is not None:
         pipe["device"] = args.device
-    llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=args.group_size, **pipe)
     prompt: str | list[int]
     if args.prompt_ids is not None:
-        prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
-    elif args.prompt is not None:
-        prompt = args.prompt
+        try:
+            prompt = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise UsageError(f"--prompt-ids takes integers separated by spaces or commas, got {args.prompt_ids!r}"
+                             ) from None
     else:
-        raise WaferlineError("give --prompt TEXT or --prompt-ids '1 2 3'")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed, stop=args.stop or [])
-    out = llm.generate([prompt], params)[0]
-    llm.close()
+        prompt = args.prompt
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, seed=args.seed,
+                            stop=args.stop or [])
+    group_size = GROUP_SIZE if args.group_size is None else args.group_size
+    llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=group_size, **pipe)
+    try:
+        out = llm.generate([prompt], params)[0]
+    finally:
+        llm.close()
     tps = out.metrics.get("decode_tokens_per_s", 0.0)
     spec = {k: v for k, v in out.metrics.items() if k.startswith("spec_")}  # speculative: acceptance, accepted length
     if args.json:
@@ -58,8 +127,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(prompt + out.text)
         else:
             print(out.text if out.text else " ".join(map(str, out.token_ids)))
-        print(f"\n[{len(out.token_ids)} tokens, {tps:.1f} tok/s decode, TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, "
-              f"finish: {out.finish_reason}]", file=sys.stderr)
+        print(f"\n[{counted(len(out.token_ids), 'token')}, {tps:.1f} tok/s decode, "
+              f"TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, finish: {out.finish_reason}]", file=sys.stderr)
         if spec:
             print(f"[speculative {args.speculative}: acceptance {spec['spec_acceptance_rate']:.2f}, "
                   f"{spec['spec_mean_accepted_length']:.2f} tokens per verify step]", file=sys.stderr)
@@ -68,7 +137,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from waferline.spec.model import ModelSpec
-    from pathlib import Path
 
     p = Path(args.model)
     spec = ModelSpec.from_pretrained(p) if p.is_dir() else ModelSpec.from_config_file(p)
@@ -86,10 +154,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from waferline.demo import run_demo
 
+    if args.num_speculative_tokens is not None and not args.speculative:
+        raise UsageError("--num-speculative-tokens needs --speculative METHOD")
+    k = DEMO_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
                     prompt=args.prompt, model=args.model, weight_bits=args.weight_bits,
-                    layers_per_stage=args.layers_per_stage, speculative=args.speculative,
-                    num_speculative_tokens=args.num_speculative_tokens)
+                    layers_per_stage=args.layers_per_stage, speculative=args.speculative, num_speculative_tokens=k)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,15 +174,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1 2 3' (for checkpoints without a tokenizer)")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="with --temperature > 0: nucleus sampling (default 1.0 = off)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="with --temperature > 0: sample from the k likeliest (0 = off, the default)")
+    g.add_argument("--seed", type=int, default=None,
+                   help="with --temperature > 0: seed for sampling (reproducible output)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    g.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)"
+    )
     g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s} as JSON")
-    g.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
-                   help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint; int4 checkpoints load as int4)")
-    g.add_argument("--group-size", type=int, default=128, help="int4 group size for --weight-bits 4 (default 128)")
+    g.add_argument(
+        "--weight-bits",
+        type=int,
+        default=16,
+        choices=[16, 4],
+        help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint; int4 checkpoints load as int4)",
+    )
+    g.add_argument("--group-size", type=int, default=None,
+                   help=f"int4 group size for --weight-bits 4 on a 16-bit checkpoint (default {GROUP_SIZE})")
     g.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
                    help="8 = int8 LM head (per-row scales; halves the largest matrix read per token of a small model), "
                         "16 = as loaded (default); single-process engine only")
@@ -122,23 +203,34 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine's greedy decode as CUDA graphs; not yet run on a GPU)")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
-    g.add_argument("--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)")
+    g.add_argument(
+        "--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)"
+    )
     g.add_argument("--micro-batches", type=int, default=None,
                    help="micro-batches in flight in the pipeline (default: stages); with --afd, micro-batches "
                         "ping-ponging between attention and FFN ranks (default 2)")
-    g.add_argument("--afd", action="store_true",
-                   help="attention/FFN disaggregation: attention ranks (mixers, caches, sampling) and FFN ranks (experts "
-                        "sharded by expert) as processes, two micro-batches ping-ponging (see docs/afd.md)")
-    g.add_argument("--attention-ranks", type=int, default=None, metavar="M",
-                   help="with --afd: attention ranks, each serving every layer for its share of the sequences (default 1)")
+    g.add_argument(
+        "--afd",
+        action="store_true",
+        help="attention/FFN disaggregation: attention ranks (mixers, caches, sampling) and FFN ranks (experts "
+        "sharded by expert) as processes, two micro-batches ping-ponging (see docs/afd.md)",
+    )
+    g.add_argument(
+        "--attention-ranks",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --afd: attention ranks, each serving every layer for its share of the sequences (default 1)",
+    )
     g.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
                    help="with --afd: FFN ranks; MoE experts are split across them, unevenly when N does not divide "
                         "the expert count (default 1)")
     g.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding (exact): ngram | mtp | draft:PATH (a checkpoint sharing the tokenizer); "
                         "also under --stages / --layers-per-stage (MTP then drafts on the last stage)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="most draft tokens per step (default 4; adapted to the observed acceptance and the measured "
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"with --speculative: most draft tokens per step (default {NUM_SPECULATIVE_TOKENS}; adapted to "
+                        "the observed acceptance and the measured "
                         "cost of a step)")
     g.set_defaults(func=_cmd_generate)
 
@@ -148,25 +240,38 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_info)
 
-    d = sub.add_parser("demo", help="the main job: sol-mini streams Shakespeare, the planner sizes gpt-5.6-sol, a report is written",
-                       description="Loads sol-mini (waferline's own Sol architecture in miniature), streams a continuation with a live "
-                                   "tokens/s, prints what the planner predicts for gpt-5.6-sol on WSE-3 wafers, and writes "
-                                   "demo_out/waferline-report.html.")
-    d.add_argument("--out", default="demo_out", help="where the demo writes its checkpoint and report (default demo_out/)")
+    d = sub.add_parser(
+        "demo",
+        help="the demo: sol-mini streams Shakespeare, the planner sizes gpt-5.6-sol, a report is written",
+        description="Loads sol-mini (waferline's own Sol architecture in miniature), streams a continuation with a "
+                    "live "
+        "tokens/s, prints what the planner predicts for gpt-5.6-sol on WSE-3 wafers, and writes "
+        "demo_out/waferline-report.html.",
+    )
+    d.add_argument(
+        "--out", default="demo_out", help="where the demo writes its checkpoint and report (default demo_out/)"
+    )
     d.add_argument("--max-tokens", type=int, default=160, help="tokens to stream (default 160)")
     d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")
     d.add_argument("--model", default=None, help="checkpoint directory (default: the bundled models/sol-mini)")
     d.add_argument("--no-report", action="store_true", help="skip the HTML report")
     d.add_argument("--layers-per-stage", type=int, default=1,
                    help="layers per pipeline stage process (default 1: one wafer, one layer); 0 = single process")
-    d.add_argument("--weight-bits", type=int, default=4, choices=[4, 16], help="4 = int4 weights, RTN on load (default), 16 = bf16 file as is")
+    d.add_argument(
+        "--weight-bits",
+        type=int,
+        default=4,
+        choices=[4, 16],
+        help="4 = int4 weights, RTN on load (default), 16 = bf16 file as is",
+    )
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.add_argument("--speculative", default=None, metavar="METHOD",
                    help="exact speculative decoding through the pipeline: ngram (prompt lookup, drafted on stage 0) | "
                         "mtp (sol-mini's MTP head, drafted on the last stage) | draft:PATH (a checkpoint sharing the "
                         "tokenizer); the demo then reports acceptance and mean accepted length")
-    d.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
-                   help="most draft tokens per step with --speculative (default 3; adapted to the observed acceptance "
+    d.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help=f"most draft tokens per step with --speculative (default {DEMO_SPECULATIVE_TOKENS}; adapted to "
+                        "the observed acceptance "
                         "and the measured cost of a step)")
     d.set_defaults(func=_cmd_demo)
 
@@ -193,14 +298,46 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    previous = _on_sigterm_stop()
     try:
         return int(args.func(args) or 0)
-    except WaferlineError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except WaferlineError as e:  # one line: a message may quote another library's error, newlines and all
+        print("error: " + " ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
         return 2
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # stdout closed early (e.g. piped into `head`): nothing left to say
+        with contextlib.suppress(OSError):
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the interpreter's exit flush must not fail again
+        return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread: everything that stops cleanly on Ctrl-C (a pipeline shutting its stage
+    processes down, quantize removing its temporary directory) stops the same way."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _on_sigterm_stop() -> Any:
+    """Make SIGTERM raise Terminated while a command runs; returns the handler to restore (None: not installed,
+    outside the main thread or where a handler of someone else's is already in place)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    current = signal.getsignal(signal.SIGTERM)
+    if current not in (signal.SIG_DFL, None):
+        return None
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return current
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""`waferline demo`: the main job. sol-mini (a small model of the Sol architecture, trained on Shakespeare)
-streams a continuation with a live tokens/s; then the planner and simulator say what the full-size
+"""`waferline demo`: the whole project in one command. sol-mini (a small model of the Sol architecture, trained on
+Shakespeare) streams a continuation with a live tokens/s; then the planner and simulator say what the full-size
 gpt-5.6-sol would do on WSE-3 wafers; and an HTML report with the plots is written.
 
 If the bundled checkpoint is missing (e.g. a source tree without models/), the demo builds a small random
@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+from waferline.errors import counted
 
 DEFAULT_PROMPT = "ROMEO.\nWhat light is this that breaks upon the wafer?\n"
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "sol-mini"
@@ -116,7 +118,8 @@ class LayerTimer:
 
 
 def planner_headline() -> dict[str, Any]:
-    """What the planner/simulator say about gpt-5.6-sol on WSE-3 (and GB200 NVL72) — numbers for the terminal and report."""
+    """What the planner/simulator say about gpt-5.6-sol on WSE-3 (and GB200 NVL72) — numbers for the terminal and
+    report."""
     from waferline.plan.place import place
     from waferline.plan.plan import SpeculativeConfig
     from waferline.sim.pipeline import simulate
@@ -148,6 +151,29 @@ def planner_headline() -> dict[str, Any]:
     return out
 
 
+REFERENCE_TOK_S = 750  # GPT-5.6 Sol's reported decode speed per user on Cerebras WSE-3 ("up to 750 tokens per second")
+REFERENCE_LABEL = f"{REFERENCE_TOK_S} tok/s per user: GPT-5.6 Sol's reported speed on Cerebras WSE-3"
+REFERENCE_CAPTION = (f"The dotted line at {REFERENCE_TOK_S} tok/s per user is the speed at which GPT-5.6 Sol is "
+                     f"reported to be served on Cerebras WSE-3 (announced as \"up to {REFERENCE_TOK_S} tokens per "
+                     "second\"); it is a reference, not a prediction. The curves are the simulator's predictions for "
+                     "gpt-5.6-sol, the project's guess at that model's configuration (its size is not published), "
+                     "with 4-bit weights.")
+
+
+def _fit_bar_labels(ax: Any, texts: list[tuple[Any, float, str]]) -> None:
+    """Shorten or drop the labels inside the timeline's bars that are wider than their bar, so none overlap."""
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for t, width_ms, short in texts:
+        x0 = ax.transData.transform((0.0, 0.0))[0]
+        bar_px = ax.transData.transform((width_ms, 0.0))[0] - x0
+        if t.get_window_extent(renderer).width > bar_px - 2:
+            t.set_text(short)
+            if t.get_window_extent(renderer).width > bar_px - 2:
+                t.set_visible(False)
+
+
 def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -> dict[str, Any]:
     import matplotlib
 
@@ -156,32 +182,43 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
 
     from waferline.spec.catalog import load_model
 
+    # legends go below the axes ("outside lower center") so they never cover data or reference lines
     figs: dict[str, Any] = {}
-    fig, ax = plt.subplots(figsize=(9, 2.8))
+    fig, ax = plt.subplots(figsize=(9, 2.8), layout="constrained")
     t = 0.0
     colors = {"mamba2": "#4c9be8", "mla": "#e8774c", "gqa": "#8bc34a"}
+    labels = []
     for i, (ms, kind) in enumerate(zip(timeline_ms, kinds)):
         ax.barh(0, ms, left=t, color=colors.get(kind, "#999"), edgecolor="white")
-        ax.text(t + ms / 2, 0, f"L{i}\n{kind}", ha="center", va="center", fontsize=7)
+        labels.append((ax.text(t + ms / 2, 0, f"L{i}\n{kind}", ha="center", va="center", fontsize=7), ms, f"L{i}"))
         t += ms
     ax.set_yticks([])
+    ax.set_xlim(0, t if t > 0 else 1.0)
     ax.set_xlabel("ms within one decode step (one token through every layer = every stage)")
     ax.set_title("sol-mini: per-layer (per-stage) timeline of one decode step, measured")
+    _fit_bar_labels(ax, labels)
     figs["timeline"] = fig
 
-    fig, ax = plt.subplots(figsize=(9, 3.2))
+    fig, ax = plt.subplots(figsize=(9, 3.6), layout="constrained")
     mem = head["memory_per_wafer_gb"]
     idx = [m[0] for m in mem]
     ax.bar(idx, [m[1] for m in mem], label="weights (4-bit + scales)", color="#4c9be8")
-    ax.bar(idx, [m[2] for m in mem], bottom=[m[1] for m in mem], label="KV cache (16 sequences x 128k tokens)", color="#e8774c")
-    ax.axhline(mem[0][3], color="k", ls="--", lw=1, label="SRAM per wafer")
+    ax.bar(
+        idx,
+        [m[2] for m in mem],
+        bottom=[m[1] for m in mem],
+        label="KV cache (16 sequences x 128k tokens)",
+        color="#e8774c",
+    )
+    ax.axhline(mem[0][3], color="k", ls="--", lw=1, label=f"SRAM per wafer ({mem[0][3]:.0f} GB)")
+    ax.set_ylim(0, max([mem[0][3]] + [m[1] + m[2] for m in mem]) * 1.12)
     ax.set_xlabel("wafer (stage)")
     ax.set_ylabel("GB")
     ax.set_title("gpt-5.6-sol on 80 WSE-3 wafers, one layer per wafer: memory per wafer (predicted)")
-    ax.legend(fontsize=8)
+    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     figs["memory"] = fig
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.0), layout="constrained")
     ctx = [2 ** k for k in range(10, 21)]
     for name, label in (("gpt-5.6-sol-gqa", "GQA (8 KV heads)"), ("gpt-5.6-sol-mla", "MLA latent"),
                         ("gpt-5.6-sol-hybrid", "hybrid 3 Mamba-2 : 1 MLA")):
@@ -191,21 +228,40 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
     ax.set_yscale("log")
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("cache per sequence, GB (bf16)")
-    ax.set_title("KV / state bytes vs context, gpt-5.6-sol variants (ModelSpec accounting)")
-    ax.legend(fontsize=8)
+    ax.set_title("KV / state bytes vs context, gpt-5.6-sol variants (ModelSpec accounting)", fontsize=11)
+    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     figs["kv"] = fig
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(7, 4.2), layout="constrained")
     sw = head["sweep"]
-    ax.plot([s[0] for s in sw], [s[1] for s in sw], marker="o", label="no speculation")
-    ax.plot([s[0] for s in sw], [s[2] for s in sw], marker="s", label="MTP, k=3 (acceptance 0.85 assumed)")
-    ax.axhline(750, color="k", ls=":", lw=1, label="750 tok/s (reported)")
+    ax.plot([s[0] for s in sw], [s[1] for s in sw], marker="o", label="predicted, no speculation")
+    ax.plot([s[0] for s in sw], [s[2] for s in sw], marker="s", label="predicted, MTP k=3 (acceptance 0.85 assumed)")
+    ax.axhline(REFERENCE_TOK_S, color="k", ls=":", lw=1, label=REFERENCE_LABEL)
+    ax.set_ylim(0, max([REFERENCE_TOK_S] + [max(s[1], s[2]) for s in sw]) * 1.12)
     ax.set_xlabel("WSE-3 wafers")
     ax.set_ylabel("decode tok/s per user")
     ax.set_title("gpt-5.6-sol, 4-bit weights: predicted tokens/s vs wafers")
-    ax.legend(fontsize=8)
+    fig.legend(loc="outside lower center", ncol=1, fontsize=8, frameon=False)
     figs["sweep"] = fig
     return figs
+
+
+def add_prediction_sections(rep: Any, figs: dict[str, Any], head: dict[str, Any]) -> None:
+    """The report's gpt-5.6-sol sections: the planner's table, memory per wafer, cache vs context, tokens/s vs
+    wafers."""
+    rep.add("gpt-5.6-sol on WSE-3 — the planner's answer",
+            table=[["question", "answer"], ["wafers needed, 4-bit", head["wafers_4bit"]],
+                   ["wafers needed, 16-bit", head["wafers_16bit"]],
+                   ["tok/s per user, 80 wafers, 4-bit", f"{head['tok_s_per_user']:.0f}"],
+                   ["... with MTP (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}"],
+                   ["TTFT (1,000-token prompt)", f"{head['ttft_s'] * 1e3:.0f} ms"],
+                   ["GB200 NVL72 4-bit: GPUs", head["nvl72_gpus"]],
+                   ["GB200 NVL72: tok/s per user", f"{head['nvl72_tok_s_per_user']:.0f}"]],
+            note="Simulator predictions (fitted on published results; see docs/planner.md). "
+                 "gpt-5.6-sol is a speculative config.")
+    rep.add("Memory per wafer", figure=figs["memory"])
+    rep.add("KV / state bytes vs context", figure=figs["kv"])
+    rep.add("Predicted tokens/s vs number of wafers", figure=figs["sweep"], note=REFERENCE_CAPTION)
 
 
 def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = False, report: bool = True,
@@ -238,6 +294,9 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
             with console.status(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}"):
                 quantize_checkpoint(ckpt, qdir, QuantOptions(group_size=group_size), force=True)
         ckpt = qdir
+    from waferline import kernels
+
+    kernels.prepare()  # a first run builds them here, announced, not inside the timed steps or stage processes
     # per-layer timing in one process (each layer is one stage of the one-layer-per-wafer plan)
     single = LLM(ckpt, dtype="bfloat16")
     timer = LayerTimer(single.model)
@@ -246,7 +305,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     timeline_ms = [t * 1e3 for t in timer.median_s()]
     del single
     spec_kw: dict[str, Any] = {}
-    if speculative:  # exact speculative decoding (engine/speculative.py); under the pipeline when layers_per_stage
+    if speculative:  # exact speculative decoding (engine/speculative/); under the pipeline when layers_per_stage
         spec_kw = {"speculative": speculative, "num_speculative_tokens": num_speculative_tokens}
     if layers_per_stage:
         llm = LLM(ckpt, dtype="bfloat16", layers_per_stage=layers_per_stage, **spec_kw)
@@ -254,14 +313,19 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         llm = LLM(ckpt, dtype="bfloat16", **spec_kw)
     spec = llm.spec
     kinds = [layer.mixer.kind for layer in spec.layers]
-    console.print(f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
-                  f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
-                  f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
-                  f"cache {spec.cache_bytes_per_token(16):.0f} B/token + {spec.cache_bytes_per_seq(0) / 1e3:.1f} kB/sequence (bf16)")
+    console.print(
+        f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
+        f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
+        f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
+        f"cache {spec.cache_bytes_per_token(16):.0f} B/token + {spec.cache_bytes_per_seq(0) / 1e3:.1f} kB/sequence "
+        "(bf16)"
+    )
     n_stages = -(-spec.num_layers // layers_per_stage) if layers_per_stage else 1
-    plan_text = (f"{n_stages} stage processes ({layers_per_stage} layer{'s' if layers_per_stage > 1 else ''} per stage, "
-                 "activations over torch.distributed gloo)" if layers_per_stage else "single process")
-    plan_text += "; " + (f"int4 weights (RTN, group {group_size}), bf16 compute" if weight_bits == 4 else "bf16 weights and compute")
+    plan_text = (f"{counted(n_stages, 'stage process', 'stage processes')} ({counted(layers_per_stage, 'layer')} per "
+                 "stage, activations over torch.distributed gloo)" if layers_per_stage else "single process")
+    plan_text += "; " + (
+        f"int4 weights (RTN, group {group_size}), bf16 compute" if weight_bits == 4 else "bf16 weights and compute"
+    )
     if speculative:
         plan_text += f"; speculative decoding: {speculative}, up to {num_speculative_tokens} drafts per step (adaptive)"
     console.print(f"plan: {plan_text}")
@@ -281,7 +345,9 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
             if t_first is None:
                 t_first = time.perf_counter()
             rate = (n - 1) / max(time.perf_counter() - t_first, 1e-9) if n > 1 else 0.0
-            live.update(Text.assemble((prompt, "cyan"), llm.decode(pieces), (f"\n[{n} tokens, {rate:.0f} tok/s]", "bold green")))
+            live.update(
+                Text.assemble((prompt, "cyan"), llm.decode(pieces), (f"\n[{n} tokens, {rate:.0f} tok/s]", "bold green"))
+            )
     if llm._pipeline is not None:
         llm.close()
     assert result is not None
@@ -290,13 +356,17 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                   f"{len(result.token_ids)} tokens ({'trained sol-mini' if trained else 'RANDOM weights'})")
     spec_stats = {k: v for k, v in m.items() if k.startswith("spec_")}
     if speculative:
-        console.print(f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
-                      f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
-                      f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per verify step, "
-                      f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} "
-                      "steps without drafts (adaptive back-off)")
+        console.print(
+            f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
+            f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
+            f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per verify step, "
+            f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} "
+            "steps without drafts (adaptive back-off)"
+        )
     head = planner_headline()
-    t = Table(title="gpt-5.6-sol (~3T total / ~150B active, 80 layers; speculative config) on Cerebras WSE-3 — predicted")
+    t = Table(
+        title="gpt-5.6-sol (~3T total / ~150B active, 80 layers; speculative config) on Cerebras WSE-3 — predicted"
+    )
     t.add_column("question")
     t.add_column("answer", justify="right")
     t.add_row("wafers needed, 4-bit weights", f"{head['wafers_4bit']}")
@@ -308,39 +378,55 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     console.print(t)
     console.print("commands: waferline plan gpt-5.6-sol --hardware wse-3 --weight-bits 4 ; "
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
-    summary = {"checkpoint": str(ckpt), "trained": trained, "weight_bits": weight_bits, "plan": plan_text, "prompt": prompt, "text": result.text,
-               "token_ids": result.token_ids, "decode_tokens_per_s": m["decode_tokens_per_s"], "ttft_s": m["ttft_s"],
-               "speculative": speculative, **spec_stats,
-               "layer_ms": timeline_ms, "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)}}
+    summary = {
+        "checkpoint": str(ckpt),
+        "trained": trained,
+        "weight_bits": weight_bits,
+        "plan": plan_text,
+        "prompt": prompt,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "decode_tokens_per_s": m["decode_tokens_per_s"],
+        "ttft_s": m["ttft_s"],
+        "speculative": speculative,
+        **spec_stats,
+        "layer_ms": timeline_ms,
+        "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)},
+    }
     if report:
         from waferline.report.html import Report
 
         figs = _figures(timeline_ms, kinds, head)
-        rep = Report("waferline demo report", f"sol-mini run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}")
-        rep.add("The run", text=prompt + result.text,
-                note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms "
-                     f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
-                     "sampled T=0.8 top-p 0.95 seed 0")
-        rep.add("Per-stage timeline", figure=figs["timeline"],
-                note="Median wall time of each layer during decode steps, measured in a short single-process run of the same "
-                     f"checkpoint (each layer is one stage in the one-layer-per-wafer plan). The streamed run used: {plan_text}.")
-        rep.add("gpt-5.6-sol on WSE-3 — the planner's answer",
-                table=[["question", "answer"], ["wafers needed, 4-bit", head["wafers_4bit"]], ["wafers needed, 16-bit", head["wafers_16bit"]],
-                       ["tok/s per user, 80 wafers, 4-bit", f"{head['tok_s_per_user']:.0f}"],
-                       ["... with MTP (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}"],
-                       ["TTFT (1,000-token prompt)", f"{head['ttft_s'] * 1e3:.0f} ms"],
-                       ["GB200 NVL72 4-bit: GPUs", head["nvl72_gpus"]], ["GB200 NVL72: tok/s per user", f"{head['nvl72_tok_s_per_user']:.0f}"]],
-                note="Simulator predictions (fitted on published results; see docs/planner.md). gpt-5.6-sol is a speculative config.")
-        rep.add("Memory per wafer", figure=figs["memory"])
-        rep.add("KV / state bytes vs context", figure=figs["kv"])
-        rep.add("Predicted tokens/s vs number of wafers", figure=figs["sweep"])
+        rep = Report(
+            "waferline demo report", f"sol-mini run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}"
+        )
+        rep.add(
+            "The run",
+            text=prompt + result.text,
+            note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT "
+                 f"{m['ttft_s'] * 1e3:.0f} ms "
+            f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
+            "sampled T=0.8 top-p 0.95 seed 0",
+        )
+        rep.add(
+            "Per-stage timeline",
+            figure=figs["timeline"],
+            note="Median wall time of each layer during decode steps, measured in a short single-process run of the "
+                 "same "
+            "checkpoint (each layer is one stage in the one-layer-per-wafer plan). The streamed run used: "
+            f"{plan_text}.",
+        )
+        add_prediction_sections(rep, figs, head)
         # --- the twin (report/twin_section.py): a cached `waferline twin` result, not a new run (keeps the demo fast)
         try:
             from waferline.report.twin_section import add_twin_sections, load_result
 
             add_twin_sections(rep, *load_result())
         except Exception as e:  # noqa: BLE001 - the twin section must never break the demo
-            rep.add("The twin: simulator vs engine on this machine", text=f"twin section unavailable: {type(e).__name__}: {e}")
+            rep.add(
+                "The twin: simulator vs engine on this machine",
+                text=f"twin section unavailable: {type(e).__name__}: {e}",
+            )
         # --- end of the twin
         path = rep.write(out / "waferline-report.html")
         summary["report"] = str(path)

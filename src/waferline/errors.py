@@ -19,3 +19,12 @@ class FitError(WaferlineError):
 
 class RequestError(WaferlineError):
     """A generation request is invalid (prompt too long, bad sampling parameters, ...)."""
+
+
+class UsageError(WaferlineError):
+    """Command-line flags that contradict each other, or that the chosen mode would silently ignore."""
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``n`` and its noun in the right number, for messages: ``1 stage``, ``2 stages``, ``1 process``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, make_generator, sample, greedy as greedy_tokens
-from waferline.errors import ConfigError, RequestError
+from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.engine.sampling import greedy as greedy_tokens
+from waferline.errors import CheckpointError, ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model
@@ -47,11 +48,11 @@ def _eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
         except json.JSONDecodeError:
             pass
     for src in sources:
-        e = src.get("eos_token_id")
+        e = src.get("eos_token_id") if isinstance(src, dict) else None
         if isinstance(e, int):
             ids.add(e)
         elif isinstance(e, list):
-            ids.update(int(x) for x in e)
+            ids.update(x for x in e if isinstance(x, int))
     return ids
 
 
@@ -65,6 +66,11 @@ def _load_tokenizer(directory: Path) -> Any:
     hf_logging.set_verbosity_error()  # our own model_types (e.g. `sol`) are unknown to transformers' config registry
     try:
         return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # a corrupt or unsupported tokenizer file: tokenizers, json and transformers raise their own
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{directory}: cannot load the tokenizer (tokenizer.json / tokenizer_config.json): "
+                              f"{type(e).__name__}: {first}; re-download or re-save it (or remove it and pass "
+                              "prompts as token ids)") from None
     finally:
         hf_logging.set_verbosity(level)
 
@@ -91,15 +97,16 @@ class LLM:
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
+        self.tokenizer = _load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
         self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
         self.cuda_graphs = cuda_graphs
         self.graph_note: str | None = None  # why the last request decoded without a graph, if it did
         self._graphs_on_cpu = False  # tests run the static step (uncaptured) on CPU
-        self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline.py)
+        self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline/)
         self.arena = None  # where the single-process engine's weights went (model/arena.py), if they moved
-        if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd.py)
+        if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
             from waferline.engine.afd import AFD
 
             if stages is not None or layers_per_stage is not None or speculative or weight_bits != 16:
@@ -145,11 +152,10 @@ class LLM:
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
-        self.tokenizer = _load_tokenizer(self.path)
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
-        self._spec = None  # speculative decoding (engine/speculative.py): "ngram" | "mtp" | "draft:PATH"
-        if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline.py)
+        self._spec = None  # speculative decoding (engine/speculative/): "ngram" | "mtp" | "draft:PATH"
+        if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline/)
             from waferline.engine.speculative import Speculator
 
             self._spec = Speculator(self.model, speculative, num_speculative_tokens, self.dtype, speculative_adaptive)
@@ -202,10 +208,13 @@ class LLM:
 
     def _check_len(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.max_model_len:
-            raise RequestError(f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceeds the model's context of "
-                               f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+            raise RequestError(f"prompt of {counted(prompt_len, 'token')} + max_tokens {max_tokens} exceeds the "
+                               f"model's context of {self.max_model_len} tokens; shorten the prompt or lower "
+                               "max_tokens")
 
-    def generate(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None) -> list[Output]:
+    def generate(
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None
+    ) -> list[Output]:
         """Prefill every prompt, then decode them together as one batch until each stops."""
         results: list[Output] = []
         for event in self.stream(prompts, params):
@@ -277,8 +286,14 @@ class LLM:
             toks = torch.tensor([[out[b][-1]] for b in active], device=dev)
             n = min(GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
             if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
-                steps = self.model.greedy_steps(toks, caches, [
-                    StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1, dev) for j in range(n)])
+                steps = self.model.greedy_steps(
+                    toks,
+                    caches,
+                    [
+                        StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1, dev)
+                        for j in range(n)
+                    ],
+                )
                 if steps is not None:
                     greedy, *pending = (ids[:, 0].tolist() for ids, _ in steps)
                     rows = active
@@ -322,7 +337,7 @@ class LLM:
         if self._pipeline is not None:
             self._pipeline.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: Any) -> None:

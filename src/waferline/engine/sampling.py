@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -9,10 +11,45 @@ import torch
 from waferline import kernels
 from waferline.errors import RequestError
 
+# Below this temperature, logits / T overflows to inf for ordinary logits (and the softmax becomes NaN); sampling that
+# cold is the argmax anyway, so such temperatures are greedy.
+MIN_TEMPERATURE = 1e-5
+MAX_SEED = 2**44  # the per-row generator seed is seed * 1_000_003 + row, which must fit 64 bits
+_TOP_K_OFF = 2**31  # no vocabulary is this large: a top_k at or beyond it keeps every token, as top_k = 0 does
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short (a request can carry a 4000-digit number)."""
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _integer(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise RequestError(f"{name} must be an integer, got {_show(value)}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise RequestError(f"{name} must be an integer, got {_show(value)}") from None
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, (bool, str, bytes)):  # (float() would take "1.5" or True)
+        raise RequestError(f"{name} must be a number, got {_show(value)}")
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int beyond the float range)
+        raise RequestError(f"{name} must be a finite number, got {_show(value)}") from None
+    if not math.isfinite(x):
+        raise RequestError(f"{name} must be a finite number, got {_show(value)}")
+    return x
+
 
 @dataclass
 class SamplingParams:
-    """How to continue a prompt. ``temperature == 0`` is greedy; ``seed`` makes sampling reproducible per request."""
+    """How to continue a prompt. ``temperature == 0`` is greedy (as is any temperature below ``MIN_TEMPERATURE``);
+    ``seed`` makes sampling reproducible per request. Checked when constructed (``RequestError``) and again by
+    ``validate`` when used, since the fields can be changed in between."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -23,17 +60,41 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
+        """Raise RequestError for a value sampling cannot use; normalise the rest (a stop string to a list, a tiny
+        temperature to 0, a top_k beyond any vocabulary to 0)."""
+        self.max_tokens = _integer("max_tokens", self.max_tokens)
         if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise RequestError(f"max_tokens must be >= 1, got {_show(self.max_tokens)}")
+        t = _number("temperature", self.temperature)
+        if t < 0:
+            raise RequestError(f"temperature must be >= 0, got {_show(self.temperature)}")
+        self.temperature = 0.0 if t < MIN_TEMPERATURE else t
+        p = _number("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {_show(self.top_p)}")
+        self.top_p = p
+        self.top_k = _integer("top_k", self.top_k)
         if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+            raise RequestError(f"top_k must be >= 0 (0 = off), got {_show(self.top_k)}")
+        if self.top_k >= _TOP_K_OFF:
+            self.top_k = 0
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+            if not 0 <= self.seed < MAX_SEED:
+                raise RequestError(f"seed must be in [0, 2**44), got {_show(self.seed)}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if not all(isinstance(s, str) for s in self.stop):
+            raise RequestError(f"stop must be a string or a list of strings, got {_show(self.stop)}")
+        self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or []]
+        if any(t < 0 for t in self.stop_token_ids):
+            bad = [t for t in self.stop_token_ids if t < 0]
+            raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

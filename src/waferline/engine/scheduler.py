@@ -59,16 +59,20 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from waferline.engine.sampling import SamplingParams, make_generator, sample
 from waferline.errors import ConfigError, RequestError, WaferlineError
-from waferline.model.context import StepBatch
 from waferline.model.attention import TokenCache
+from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
+
+if TYPE_CHECKING:
+    from waferline.engine.llm import LLM
 
 
 class QueueFullError(WaferlineError):
@@ -132,9 +136,11 @@ class CacheManager:
         self.max_seq_bytes = self.bytes_for(max_model_len)
         self.budget = float(cache_bytes) if cache_bytes is not None else max_num_seqs * self.max_seq_bytes
         if self.budget < self.max_seq_bytes:
-            raise ConfigError(f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
-                              f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB); raise the cache budget "
-                              "or lower --max-model-len")
+            raise ConfigError(
+                f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
+                f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB); raise the cache budget "
+                "or lower --max-model-len"
+            )
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
         self.used_bytes = 0.0  # held by live sequences
@@ -407,11 +413,13 @@ class SchedulerConfig:
 class Scheduler:
     """Continuous batching over one single-process ``LLM``. Not thread-safe: ``EngineLoop`` drives it."""
 
-    def __init__(self, llm: Any, config: SchedulerConfig | None = None):
+    def __init__(self, llm: LLM, config: SchedulerConfig | None = None):
         self.config = config = config or SchedulerConfig()
         config.validate()
         if getattr(llm, "model", None) is None:
-            raise ConfigError("serving runs the single-process engine; a pipeline LLM (stages=...) cannot be served yet")
+            raise ConfigError(
+                "serving runs the single-process engine; a pipeline LLM (stages=...) cannot be served yet"
+            )
         if getattr(llm, "device", torch.device("cpu")).type != "cpu":
             raise ConfigError(f"the server's scheduler runs on CPU so far; load the LLM with device='cpu' "
                               f"(got {llm.device})")
@@ -432,7 +440,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # in admission order (the newest is preempted first)
         self.stop_ids_default = set(llm.eos_token_ids)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
-        self.stats = {"preemptions": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0}
+        self.stats = {"preemptions": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0,
+                      "request_errors": 0}
 
     # -- requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -443,6 +452,9 @@ class Scheduler:
         bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
         if bad:
             raise RequestError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.spec.vocab_size]
+        if bad:
+            raise RequestError(f"stop_token_ids out of range [0, {self.spec.vocab_size}): {str(bad[:5])[:80]}")
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
                                f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
@@ -480,7 +492,7 @@ class Scheduler:
             top = top[:, 0].tolist() if top is not None else None
             for b, s in enumerate(decodes):
                 s.num_computed += 1
-                self._sample(s, logits[b, 0], top[b] if greedy_rows[b] else None)
+                self._sample_or_fail(s, logits[b, 0], top[b] if greedy_rows[b] else None)
             fed += len(decodes)
         groups: dict[int, list[Sequence]] = {}  # chunks of equal length run as one [B, t] call
         for s, t in prefills:
@@ -488,13 +500,15 @@ class Scheduler:
                 groups.setdefault(t, []).append(s)
         for t, seqs in groups.items():
             chunk = torch.tensor([s.tokens(s.num_computed, s.num_computed + t) for s in seqs])
-            h = self.model(chunk, self.caches, StepBatch.make([s.slot for s in seqs], [s.num_computed for s in seqs], t))
+            h = self.model(
+                chunk, self.caches, StepBatch.make([s.slot for s in seqs], [s.num_computed for s in seqs], t)
+            )
             for b, s in enumerate(seqs):
                 s.num_computed += t
                 self.stats["prefill_tokens"] += t
                 fed += t
                 if s.remaining == 0:
-                    self._sample(s, self.model.logits(h[b, -1]))
+                    self._sample_or_fail(s, self.model.logits(h[b, -1]))
         self.stats["steps"] += 1
         return fed
 
@@ -557,6 +571,16 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- tokens and stopping
+    def _sample_or_fail(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """``_sample``, where an error (from this sequence's parameters, its sampler or its text) ends only this
+        sequence, with finish reason "error": the batch's forward pass is shared, but what each row does with its
+        logits is its own."""
+        try:
+            self._sample(seq, logits, greedy)
+        except Exception as e:
+            self.stats["request_errors"] += 1
+            self._finish(seq, "error", f"request failed: {type(e).__name__}: {e}")
+
     def _sample(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
         """Emit seq's next token: ``greedy`` where the step already took the argmax of ``logits``, else sampled."""
         p = seq.params
@@ -662,7 +686,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="waferline-engine", daemon=True)
         self.last_error: str | None = None
 
-    def start(self) -> "EngineLoop":
+    def start(self) -> EngineLoop:
         self._thread.start()
         return self
 
@@ -700,8 +724,9 @@ class EngineLoop:
         seq.generator = request_generator(params)
         with self._lock:
             if self.num_waiting >= self.scheduler.config.max_queue:
-                raise QueueFullError(f"the server's queue is full ({self.scheduler.config.max_queue} waiting requests); "
-                                     "retry later")
+                raise QueueFullError(
+                    f"the server's queue is full ({self.scheduler.config.max_queue} waiting requests); retry later"
+                )
             self._inbox.append(seq)
             self._lock.notify_all()
         return seq.request_id
@@ -729,9 +754,10 @@ class EngineLoop:
             for seq in incoming:
                 try:
                     sch.add(seq)
-                except WaferlineError as e:
+                except Exception as e:  # this request cannot run; the others are untouched
                     seq.status = "finished"
-                    Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, str(e)))
+                    msg = str(e) if isinstance(e, WaferlineError) else f"request failed: {type(e).__name__}: {e}"
+                    Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))
             for rid in aborts:
                 if not sch.abort(rid):  # not queued yet (still in the inbox of a later wakeup) or already done
                     pass

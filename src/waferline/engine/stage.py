@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import os
@@ -94,7 +95,7 @@ class MicroBatch:
         return meta
 
     @classmethod
-    def decode(cls, meta: list[int]) -> "MicroBatch":
+    def decode(cls, meta: list[int]) -> MicroBatch:
         mb_id, n = meta[0], meta[1]
         i, groups = 2, []
         for _ in range(n):
@@ -208,7 +209,9 @@ class Link:
         if self.slot_bytes:
             n = min(body.numel(), self.slot_bytes - _SLOT_HDR)
             first = torch.empty(self.slot_bytes, dtype=torch.uint8)
-            first[:_SLOT_HDR] = torch.tensor([kind, body.numel(), len(meta), time.time_ns()], dtype=torch.int64).view(torch.uint8)
+            first[:_SLOT_HDR] = torch.tensor([kind, body.numel(), len(meta), time.time_ns()], dtype=torch.int64).view(
+                torch.uint8
+            )
             first[_SLOT_HDR:_SLOT_HDR + n] = body[:n]
             self._put(dst, first, _SLOT_TAG)
             if body.numel() > n:
@@ -311,10 +314,17 @@ class StageRunner:
             from waferline.engine.llm import _seeded  # the single-process engine's per-row seeding
 
             p = cfg.get("params") or {}
-            self.params = SamplingParams(max_tokens=1, temperature=float(p.get("temperature", 0.0)),
-                                         top_p=float(p.get("top_p", 1.0)), top_k=int(p.get("top_k", 0)), seed=p.get("seed"))
+            self.params = SamplingParams(
+                max_tokens=1,
+                temperature=float(p.get("temperature", 0.0)),
+                top_p=float(p.get("top_p", 1.0)),
+                top_k=int(p.get("top_k", 0)),
+                seed=p.get("seed"),
+            )
             n = int(cfg["num_slots"])
-            self.gens = [make_generator(self.params) if self.params.seed is None else _seeded(self.params, i) for i in range(n)]
+            self.gens = [
+                make_generator(self.params) if self.params.seed is None else _seeded(self.params, i) for i in range(n)
+            ]
             if cfg.get("spec"):
                 from waferline.engine.speculative import LastStageSpec
 
@@ -483,6 +493,11 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
     """Publish this stage's progress counter; exit the process if the driver is gone or asked for an abort."""
     last = None
     while True:
+        if driver_pid is not None:  # first: a store call to a driver that is gone logs a C++ trace before it fails
+            try:
+                os.kill(driver_pid, 0)
+            except ProcessLookupError:
+                os._exit(EXIT_PEER_LOST)
         n = state["processed"]
         if n != last:
             try:
@@ -495,11 +510,6 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
                 os._exit(EXIT_ABORTED)
         except Exception:
             os._exit(EXIT_PEER_LOST)
-        if driver_pid is not None:
-            try:
-                os.kill(driver_pid, 0)
-            except ProcessLookupError:
-                os._exit(EXIT_PEER_LOST)
         time.sleep(PUBLISH_INTERVAL_S)
 
 
@@ -557,14 +567,24 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
         return worker_failed(ctl, rank, e)
 
 
-def worker_load_failed(ctl: "Control", rank: int, e: Exception) -> int:
+def worker_load_failed(ctl: Control, rank: int, e: Exception) -> int:
     """A worker could not load its part: say why through the store (the driver raises it) and pick the exit code."""
     ctl.set("status", rank, f"{type(e).__name__}: {e}")
-    traceback.print_exc()
+    _print_unexpected(e)
     return EXIT_ERROR
 
 
-def worker_ready(ctl: "Control", store: Any, load: dict[str, Any], run_id: str, rank: int, state: dict[str, Any],
+def _print_unexpected(e: BaseException) -> None:
+    """A worker's traceback, for errors that look like a bug in waferline (a TypeError, a KeyError, ...). The rest
+    (a WaferlineError, an OSError, torch's RuntimeError for memory and the like) the driver reports as one line,
+    naming the worker, from the status the worker set."""
+    from waferline.errors import WaferlineError
+
+    if not isinstance(e, (WaferlineError, OSError, MemoryError, RuntimeError)):
+        traceback.print_exc()
+
+
+def worker_ready(ctl: Control, store: Any, load: dict[str, Any], run_id: str, rank: int, state: dict[str, Any],
                  driver_pid: int | None, thread_name: str) -> None:
     """A worker has loaded: announce it and start the thread that publishes its progress for the driver's watchdog."""
     ctl.set("progress", rank, "0")
@@ -573,13 +593,13 @@ def worker_ready(ctl: "Control", store: Any, load: dict[str, Any], run_id: str, 
                      daemon=True, name=thread_name).start()
 
 
-def worker_failed(ctl: "Control", rank: int, e: Exception) -> int:
+def worker_failed(ctl: Control, rank: int, e: Exception) -> int:
     """Publish why a worker's serve loop ended (a lost neighbour is not the cause of a fault) and pick its exit code."""
     if isinstance(e, PeerLost):
         ctl_safe_set(ctl, "status", rank, f"lost a neighbour: {str(e)[:300]}")
         return EXIT_PEER_LOST
     ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
-    traceback.print_exc()
+    _print_unexpected(e)
     return EXIT_ERROR
 
 
@@ -588,8 +608,10 @@ def check_mtp(model: Any, path: Any) -> None:
     from waferline.errors import ConfigError
 
     if not len(model.mtp):
-        raise ConfigError(f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
-                          f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead")
+        raise ConfigError(
+            f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
+            f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead"
+        )
 
 
 def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:
@@ -597,6 +619,49 @@ def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:
         ctl.set(what, rank, value)
     except Exception:
         pass
+
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_store(world_size: int, timeout: datetime.timedelta, port: int = 0, host: str = LOOPBACK) -> Any:
+    """The rendezvous store of processes on this host, its server listening on ``host`` (an IPv4 loopback address)
+    only, on ``port`` (0: any free port; the store's ``port`` says which).
+
+    A TCPStore server otherwise listens on every interface, and it has no authentication: whoever reaches the port
+    could join the run's process groups or rewrite its keys. So the socket is bound here and handed to the store
+    (``master_listen_fd``). Several hosts rendezvous through the address given to torchrun instead."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except BaseException:
+        sock.close()
+        raise
+    fd = sock.detach()  # the store owns the descriptor from here on
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout,
+                             master_listen_fd=fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        raise
+
+
+def loopback_host(addr: str) -> str | None:
+    """The IPv4 loopback address that ``addr`` names (``localhost`` is 127.0.0.1), or None for any other address."""
+    import ipaddress
+
+    if addr == "localhost":
+        return LOOPBACK
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return None
+    return addr if ip.version == 4 and ip.is_loopback else None
 
 
 def _client_of(store: Any, load: dict[str, Any]) -> Any:
@@ -609,6 +674,9 @@ def worker_main(rank: int, num_stages: int, load: dict[str, Any], run_id: str, t
                 driver_pid: int) -> None:
     """Entry point of a locally spawned stage process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which shuts the stages down
+    # so does a SIGTERM sent to the whole process group (e.g. by `timeout`): the driver stops the workers in order,
+    # and a worker whose driver is gone exits by itself (its publisher thread watches the driver's pid)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)
     if dev.type == "cuda":

@@ -1,28 +1,52 @@
-"""waferline's fused CPU operators (``torch.ops.waferline.*``), built from ``cpu_ops.cpp`` on first use.
+"""waferline's fused CPU operators (``torch.ops.waferline.*``), compiled from ``cpu_ops.cpp`` and its parts ``cpu/*.h``.
 
-The build (torch.utils.cpp_extension with ninja, ~15 s on 2 cores) happens once per machine and source version and
-is cached under ``~/.cache/waferline/kernels/`` (``WAFERLINE_KERNELS_DIR`` overrides); stage processes that start
-together share it (cpp_extension locks the build directory). Where no compiler or ninja is available the build
-fails once, a warning says why, and every caller keeps its eager path. ``WAFERLINE_KERNELS=0`` turns the operators
-off (the eager path everywhere); ``use(False)`` does the same inside a process (tests compare both paths).
+They are built once per machine (torch.utils.cpp_extension with ninja, 1-2 min on 2 cores) into a directory of
+``~/.cache/waferline/kernels/`` (``WAFERLINE_KERNELS_DIR`` overrides) named by a hash of every source file's bytes, the
+compiler flags, torch's and waferline's versions and this CPU's features. A process that finds the library there
+loads it directly (torch.ops.load_library), without cpp_extension, a compiler or ninja: nothing is rebuilt because
+another ``ninja`` is first on PATH. A build runs in a temporary directory beside the cache entry and is renamed into
+place once the library is complete, so a build killed part-way leaves nothing that a later process loads. Processes
+that start together take turns on a lock file (flock: the system releases it when its holder exits, killed or not);
+the first builds, the others then load its library.
+
+``prepare()`` builds or loads them up front and, when it has to build, says so on stderr in one line (``waferline
+serve`` calls it before it listens, so /health is not ok while they build); otherwise the first fused operator builds
+them, silently. Where no compiler or ninja is available the build fails once, a warning says why, and every caller
+keeps its eager path. ``WAFERLINE_KERNELS=0`` turns the operators off (the eager path everywhere); ``use(False)`` does
+the same inside a process (tests compare both paths).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import sys
+import tempfile
 import threading
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
-_SRC = Path(__file__).with_name("cpu_ops.cpp")
+from waferline import __version__
+
+_PKG = Path(__file__).parent
+_SRC = _PKG / "cpu_ops.cpp"
+_NAME = "waferline_cpu_ops"
+_LIB = f"{_NAME}.so"  # what cpp_extension.load names the library it builds (is_python_module=False)
 # -fno-trapping-math: no code relies on floating-point exception flags; it lets the compiler vectorise floor() and
-# float -> int conversions (vexp in cpu_ops.cpp)
+# float -> int conversions (vexp in cpu/common.h)
 _CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-march=native"]
+BUILDING = "building waferline's CPU operators (first run, 1-2 min)..."
 _lock = threading.Lock()
 _state: dict[str, object] = {"loaded": None, "enabled": os.environ.get("WAFERLINE_KERNELS", "1") != "0", "error": None}
+
+
+def sources() -> list[Path]:
+    """Every file the operators are compiled from: cpu_ops.cpp and the parts it includes (cpu/*.h)."""
+    return [_SRC, *sorted((_PKG / "cpu").glob("*.h"))]
 
 
 def _cpu_flags() -> str:
@@ -39,19 +63,87 @@ def _cpu_flags() -> str:
 
 
 def build_dir() -> Path:
+    """The cache entry for these sources, flags, torch and waferline versions and CPU; the library is ``library()``."""
+    import torch
+
     root = os.environ.get("WAFERLINE_KERNELS_DIR") or (Path.home() / ".cache" / "waferline" / "kernels")
+    h = hashlib.sha256()
+    for p in sources():
+        h.update(p.relative_to(_PKG).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    h.update("\0".join([" ".join(_CFLAGS), torch.__version__, __version__, _cpu_flags()]).encode())
+    return Path(root) / f"cpu_ops-{h.hexdigest()[:12]}"
+
+
+def library() -> Path:
+    """Where the built library is (or will be) for this process's key."""
+    return build_dir() / _LIB
+
+
+def _registered() -> bool:
     import torch
 
-    tag = hashlib.sha256(_SRC.read_bytes() + " ".join(_CFLAGS).encode() + torch.__version__.encode()
-                         + _cpu_flags().encode()).hexdigest()[:12]
-    return Path(root) / f"cpu_ops-{tag}"
+    return hasattr(torch.ops, "waferline") and hasattr(torch.ops.waferline, "rms_norm")
 
 
-def _load() -> bool:
+def _load(progress: bool) -> bool:
     import torch
 
-    if hasattr(torch.ops.waferline, "rms_norm") if hasattr(torch.ops, "waferline") else False:
+    if _registered():
         return True
+    lib = _built(progress)
+    if not _registered():  # (the build itself loads the library it made, from where it made it)
+        torch.ops.load_library(str(lib))
+    return True
+
+
+def _built(progress: bool) -> Path:
+    """The library for this key, built first where the cache has none (a line on stderr about it with ``progress``)."""
+    d = build_dir()
+    lib = d / _LIB
+    if lib.is_file():
+        return lib
+    t0 = time.monotonic()
+    if progress:
+        print(BUILDING, end="", file=sys.stderr, flush=True)
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(d.parent / f"{d.name}.lock"):
+            if not lib.is_file():  # (else another process built it while this one waited)
+                _build_into(d)
+    except BaseException as e:
+        if progress:
+            print(f" failed ({_reason(e)})", file=sys.stderr, flush=True)
+        raise
+    if progress:
+        print(f" done ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return lib
+
+
+def _build_into(d: Path) -> None:
+    """Build the library into a fresh temporary directory and rename that to ``d`` once the library is there. Runs
+    under the build lock: temporary directories of this key left by builds killed part-way are removed first."""
+    for stale in d.parent.glob(f".{d.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.tmp-", dir=d.parent))
+    tmp.chmod(0o755)  # (mkdtemp makes it private; the cache entry it becomes is read by every process)
+    try:
+        _compile(tmp)
+        built = sorted(tmp.glob("*.so"))
+        if not built:
+            raise RuntimeError(f"the build in {tmp} made no library")
+        if built[0].name != _LIB:
+            built[0].rename(tmp / _LIB)
+        for obj in tmp.glob("*.o"):  # (the library is all a later process loads)
+            obj.unlink()
+        if d.exists():  # a directory without the library (a build of another layout, stopped part-way): replaced
+            shutil.rmtree(d)
+        tmp.rename(d)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _compile(out: Path) -> None:
+    """Compile the operators into directory ``out`` (torch.utils.cpp_extension + ninja; it also loads the library)."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary sits beside this interpreter, maybe not on PATH
@@ -60,49 +152,25 @@ def _load() -> bool:
             if (cand / "ninja").exists():
                 os.environ["PATH"] = f"{cand}{os.pathsep}{os.environ.get('PATH', '')}"
                 break
-    d = build_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    _drop_stale_lock(d / "lock")
-    with _watching_lock(d / "lock"):  # a build killed while this process waits on its lock must not hang it
-        cpp_extension.load(name="waferline_cpu_ops", sources=[str(_SRC)], build_directory=str(d),
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-    return True
+    cpp_extension.load(name=_NAME, sources=[str(_SRC)], build_directory=str(out), extra_cflags=_CFLAGS,
+                       extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
 
 
-STALE_LOCK_S = 600.0  # a build takes ~15-60 s here; a lock this old was left by a process killed mid-build
-
-
-def _drop_stale_lock(lock: Path) -> None:
-    """Remove a build lock left behind by a process killed while it built: cpp_extension waits on an existing lock
-    for as long as it exists, so every later process would hang at its first fused operator."""
-    import time
-
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``path`` (waiting while another process holds it). flock: the system releases it when
+    its holder exits, so a build killed part-way never leaves a lock that later processes wait on."""
     try:
-        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-
-
-class _watching_lock:
-    """While a build runs (or waits on another process's build), drop ``lock`` once it goes stale: cpp_extension
-    checks nothing but the lock's existence while it waits, so a process that began waiting on a live build whose
-    owner was then killed waited forever (seen: a calibration killed mid-build left a benchmark's process asleep)."""
-
-    def __init__(self, lock: Path, every_s: float = 5.0) -> None:
-        self.lock, self.every_s, self.stop = lock, every_s, threading.Event()
-
-    def __enter__(self) -> "_watching_lock":
-        def watch() -> None:
-            while not self.stop.wait(self.every_s):
-                _drop_stale_lock(self.lock)
-
-        threading.Thread(target=watch, name="waferline-kernel-lock", daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
+        import fcntl
+    except ImportError:  # not a POSIX system (no fcntl), where the build (a .so) does not apply anyway
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _ninja_module() -> object | None:
@@ -114,21 +182,40 @@ def _ninja_module() -> object | None:
         return None
 
 
-def available() -> bool:
-    """True when the fused operators are on and loaded (builds them on the first call; False where that fails)."""
+def _reason(e: BaseException) -> str:
+    """An exception in one line: a failed build's first compiler error (its message ends with ninja's "build stopped"
+    line), else the message's last line."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    first_error = next((ln for ln in lines if "error:" in ln), None)
+    return f"{type(e).__name__}: {first_error or (lines[-1] if lines else '')}"
+
+
+def _ready(progress: bool) -> bool:
     if not _state["enabled"]:
         return False
     if _state["loaded"] is None:
         with _lock:
             if _state["loaded"] is None:
                 try:
-                    _state["loaded"] = _load()
+                    _state["loaded"] = _load(progress)
                 except Exception as e:  # noqa: BLE001 - no compiler, no ninja, ...: the eager path stays
                     _state["loaded"] = False
-                    _state["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-                    warnings.warn(f"waferline: fused CPU operators unavailable ({_state['error']}); using the eager path",
-                                  RuntimeWarning, stacklevel=2)
+                    _state["error"] = _reason(e)
+                    warnings.warn(f"waferline: fused CPU operators unavailable ({_state['error']}); using the eager "
+                                  "path", RuntimeWarning, stacklevel=3)
     return bool(_state["loaded"])
+
+
+def available() -> bool:
+    """True when the fused operators are on and loaded (builds them on the first call; False where that fails)."""
+    return _ready(progress=False)
+
+
+def prepare(progress: bool = True) -> bool:
+    """Build (where this machine's cache has no build of them) and load the fused operators now, instead of at the
+    first operator call; returns ``available()``. With ``progress``, a build is announced on stderr in one line
+    (``BUILDING``, then ``done (N s)`` or ``failed``); loading a cached build prints nothing."""
+    return _ready(progress)
 
 
 def use(on: bool) -> bool:

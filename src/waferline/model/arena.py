@@ -2,9 +2,9 @@
 
 A CPU decode step streams every active weight from DRAM once per token: it is bound by read bandwidth. With 4 KiB
 pages that stream crosses a page every 4 KiB, and each new page can cost a TLB miss and a page walk; with 2 MiB pages
-it crosses one every 2 MiB. Measured on a 2-core AVX-512 EPYC (session 23): a plain read of 256 MiB went from 29-32
-GB/s in 4 KiB pages to 33-36 GB/s in huge pages, and batch-1 decode of decode_speed.py's three checkpoints ran
-1.02-1.11x faster, bf16 and int4 (benchmarks/huge_pages_ab.py, both ways in one process).
+it crosses one every 2 MiB. Measured on a 2-core AVX-512 EPYC: a plain read of 256 MiB runs at 29-32 GB/s in
+4 KiB pages and 33-36 GB/s in huge pages, and batch-1 decode of decode_speed.py's three checkpoints runs 1.02-1.11x
+faster in huge pages, bf16 and int4 (both ways timed in one process).
 
 Linux gives anonymous memory huge pages only where asked (``/sys/kernel/mm/transparent_hugepage/enabled`` set to
 ``madvise``, a common default) or everywhere (``always``). :func:`move_to_huge_pages` maps one private anonymous

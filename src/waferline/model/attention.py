@@ -22,9 +22,9 @@ _NO_MASK = torch.empty(0, dtype=torch.bool)  # mla_decode's "no mask"
 _EMPTY = torch.empty(0, dtype=torch.uint8)  # mla_attend_int4's "no q LoRA" (its q_a weight and scales)
 # Query rows (B x T) up to which MLA runs the fused absorbed decode: it multiplies W_UK and W_UV row by row, which
 # beats the eager chain's batched GEMMs only for a few rows (dsv3-100m attention, 1 thread: 1 row 0.36 vs 0.52 ms,
-# 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0). Raised from 4 to 8 in
-# session 16, after its scores went 4 cache rows at a time and int4 blocks became one op (mla_attend_int4): the
-# 135M dsv3's int4 decode step at batch 8 took 23.5 against 25.0 ms with 4 (1 thread; 18.8 vs 20.1 ms on 2).
+# 1 x 4 0.57 vs 0.67; 8 x 1 0.95 vs 0.87, 8 x 4 3.1 vs 1.8, an 8 x 32 prefill 13.5 vs 11.0). 8 rather than 4 because
+# its scores go 4 cache rows at a time and int4 blocks are one op (mla_attend_int4): the 135M dsv3's int4 decode step
+# at batch 8 takes 23.5 ms against 25.0 ms with a bound of 4 (1 thread; 18.8 vs 20.1 ms on 2).
 MLA_FUSED_MAX_ROWS = 8
 # Query rows up to which grouped-query attention runs as one fused op (decode, a speculative verify); prefill keeps
 # attend()'s batched matmuls.
@@ -46,7 +46,8 @@ def _block_weights(mods: dict, names: tuple, dtype: torch.dtype, look: Any) -> t
     """The projections ``names`` of an attention block as a layer op takes them (mla_attend_int4, gqa_moe_layer):
     (weights, group sizes, whether any is dense): per projection an int4 weight in waferline's CPU layout computing in
     ``dtype`` (its codes and scales, its group size), or a bf16 weight of a bf16 block (the weight and an empty
-    tensor, group 0: multiplied by linear_rows, as waferline's Linear does for few bf16 rows); a None name: two empty tensors,
+    tensor, group 0: multiplied by linear_rows, as waferline's Linear does for few bf16 rows); a None name: two empty
+    tensors,
     group 0 (no q LoRA). None where a projection has a bias or is neither."""
     w: list[torch.Tensor] = []
     groups: list[int] = []
@@ -103,7 +104,9 @@ class TokenCache:
         cap = self.capacity
         while cap < needed:
             cap *= 2
-        extra = torch.zeros(self.data.shape[0], cap - self.capacity, self.data.shape[2], dtype=self.data.dtype, device=self.data.device)
+        extra = torch.zeros(
+            self.data.shape[0], cap - self.capacity, self.data.shape[2], dtype=self.data.dtype, device=self.data.device
+        )
         self.data = torch.cat([self.data, extra], dim=1)
 
     def update(self, new: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -333,8 +336,14 @@ class GQAttention(nn.Module):
 class MLAttention(nn.Module):
     """DeepSeek multi-head latent attention; caches [c_KV (normalised) | k_rope] per token, decodes absorbed."""
 
-    def __init__(self, spec: MLASpec, cfg: dict[str, Any], dtype: torch.dtype = torch.float32, interleaved_rope: bool = True,
-                 norm_eps: float = 1e-6):
+    def __init__(
+        self,
+        spec: MLASpec,
+        cfg: dict[str, Any],
+        dtype: torch.dtype = torch.float32,
+        interleaved_rope: bool = True,
+        norm_eps: float = 1e-6,
+    ):
         super().__init__()
         self.spec = spec
         h, d = spec.num_heads, spec.hidden_size
@@ -380,7 +389,8 @@ class MLAttention(nn.Module):
         return self._absorbed
 
     def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
-        """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights and
+        """``waferline::mla_attend_int4``'s weight arguments (weights and scales, group sizes, the two norms' weights
+        and
         epsilons) when this block can run as that one op for ``x``: at most MLA_FUSED_MAX_ROWS new tokens (a decode
         step, or a verify's few tokens per row, which go in as rows of one token) on CPU, a full-attention cache, every
         projection an int4 weight in waferline's CPU layout computing in x's dtype or a bf16 weight of a bf16 x (for

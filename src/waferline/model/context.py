@@ -65,7 +65,7 @@ class StepBatch:
             self.memo["uniform"] = h is not None and all(x == h[0] for x in h)
         return self.memo["uniform"]
 
-    def rows(self) -> "StepBatch":
+    def rows(self) -> StepBatch:
         """This step's B x T new tokens as B·T rows of one token each (row b·T + t: slot ``slots[b]``, position
         ``start[b] + t``), for operators that take a verify's tokens as decode rows; itself when T == 1. Built once
         per step (the layers share it and its memo)."""
@@ -80,7 +80,7 @@ class StepBatch:
         return r
 
     @classmethod
-    def static(cls, slots: torch.Tensor, start: torch.Tensor, end: int) -> "StepBatch":
+    def static(cls, slots: torch.Tensor, start: torch.Tensor, end: int) -> StepBatch:
         """A one-token step of fixed shape: the rows' slots and positions only as tensors (``start`` may change in
         place between steps), the caches sized to ``end`` (past every position it will hold): the layers read
         nothing back from the device and every shape is the same at every position, so the step can be captured
@@ -90,7 +90,12 @@ class StepBatch:
         return b
 
     @classmethod
-    def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> "StepBatch":
+    def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> StepBatch:
         slots, start = [int(s) for s in slots], [int(s) for s in start]
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), torch.tensor(start, dtype=torch.long, device=device), T,
-                   tuple(slots), tuple(start))
+        return cls(
+            torch.tensor(slots, dtype=torch.long, device=device),
+            torch.tensor(start, dtype=torch.long, device=device),
+            T,
+            tuple(slots),
+            tuple(start),
+        )

@@ -15,10 +15,11 @@ from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear, rope_parameters
-from waferline.model.moe import MoE, DenseFFN
+from waferline.model.moe import DenseFFN, MoE
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.weights import WeightSource, copy_into
-from waferline.spec.model import ENGINE_MODEL_TYPES, AttentionSpec, DenseFFNSpec, LayerSpec, MLASpec, Mamba2Spec, ModelSpec, MoESpec
+from waferline.spec.configs import ENGINE_MODEL_TYPES
+from waferline.spec.model import AttentionSpec, DenseFFNSpec, LayerSpec, Mamba2Spec, MLASpec, ModelSpec, MoESpec
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class DecoderLayer(nn.Module):
         self.spec = spec
         eps = _norm_eps(cfg)
         d = spec.hidden_size
-        self.residual_multiplier = float(cfg.get("residual_multiplier") or 1.0) if model_type == "granitemoehybrid" else 1.0
+        self.residual_multiplier = (
+            float(cfg.get("residual_multiplier") or 1.0) if model_type == "granitemoehybrid" else 1.0
+        )
         self.mixer_norm = RMSNorm(d, eps, dtype) if spec.mixer is not None else None
         self.ffn_norm = RMSNorm(d, eps, dtype) if spec.ffn is not None else None
         self.mixer = _build_mixer(spec, model_type, cfg, dtype, eps)
@@ -105,7 +108,7 @@ class DecoderLayer(nn.Module):
         Mamba-2 mixer that runs as int4 in_proj, ``mamba2_mix`` and int4 out_proj (Mamba2Mixer.step_args:
         recording the verify's trail). Either needs no residual multiplier
         and no forward hook on the parts the op replaces (it does not call them, so a hook there keeps the modules'
-        path; hooks marked LABEL_ONLY excepted). What each bought: README, "What the decode-step work bought"."""
+        path; hooks marked LABEL_ONLY excepted). Their measured effect: docs/results/decode-speed.md."""
         m = self._modules  # (this runs per layer and token: the dicts, not nn.Module's __getattr__)
         mix, ffn, n1, n2 = m.get("mixer"), m.get("ffn"), m.get("mixer_norm"), m.get("ffn_norm")
         if type(ffn) not in (MoE, DenseFFN) or self.residual_multiplier != 1.0 or not x.is_contiguous():
@@ -165,7 +168,7 @@ class _StepPlan:
         return dtype, x.device, (*x.shape, width), kernels.available()
 
     @classmethod
-    def record(cls, model: "DecoderModel", x: torch.Tensor, caches: list[Any], batch: StepBatch):
+    def record(cls, model: DecoderModel, x: torch.Tensor, caches: list[Any], batch: StepBatch):
         """Run the layers as modules (what forward_layers does) and return (output, a plan of this step or None)."""
         plan: _StepPlan | None = None
         ok = (x.is_contiguous() and not (_global_hooks.forward or _global_hooks.pre)
@@ -221,12 +224,14 @@ class _StepPlan:
                 and all(m._consts() is c for m, c in self.consts))
 
     def program(self, tail: tuple = ()) -> Any:
-        """The layers as a ``waferline.StepProgram`` (cpu_ops.cpp), built at the first replay: it keeps the ops'
+        """The layers as a ``waferline.StepProgram`` (kernels/cpu/program.h), built at the first replay: it keeps the
+        ops'
         arguments on the C++ side and runs the ops back to back through the dispatcher, so a step crosses from Python
         once instead of once per layer. With ``tail`` (DecoderModel.step_logits': the embedding's weight, the final
         norm's weight and epsilon, the head's weight and its int8 scales or None) the program also embeds the tokens
         first and ends with the norm, the head and the argmax; one is kept per tail, rebuilt when a tail tensor is
-        replaced. None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program cannot
+        replaced. None where the ops are not torch's own (wrapped in Python: they are called from Python) or the program
+        cannot
         take an argument (the replay op by op then runs)."""
         progs = self.__dict__.setdefault("_programs", {})
         key = tuple(map(id, tail))
@@ -304,7 +309,8 @@ def _hooked(a: nn.Module, b: nn.Module) -> bool:
 
 
 class _global_hooks:  # torch's registries of hooks on every module (dicts, mutated in place by torch)
-    from torch.nn.modules.module import _global_forward_hooks as forward, _global_forward_pre_hooks as pre
+    from torch.nn.modules.module import _global_forward_hooks as forward
+    from torch.nn.modules.module import _global_forward_pre_hooks as pre
 
 
 def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype, eps: float) -> nn.Module | None:
@@ -317,13 +323,17 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
         return MLAttention(mix, cfg, dtype, interleaved_rope=bool(interleaved), norm_eps=eps)
     if isinstance(mix, AttentionSpec):
         rotary = None
-        use_rope = mt != "nemotron_h" and not (mt == "granitemoehybrid" and cfg.get("position_embedding_type") != "rope")
+        use_rope = mt != "nemotron_h" and not (
+            mt == "granitemoehybrid" and cfg.get("position_embedding_type") != "rope"
+        )
         if use_rope:
             partial = rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
             if partial is None:
                 partial = 0.5 if mt == "bamba" else 1.0
             rotary = Rotary(int(mix.head_dim * float(partial)), cfg)
-        scale = float(cfg["attention_multiplier"]) if mt == "granitemoehybrid" and cfg.get("attention_multiplier") else None
+        scale = (
+            float(cfg["attention_multiplier"]) if mt == "granitemoehybrid" and cfg.get("attention_multiplier") else None
+        )
         return GQAttention(mix, cfg, dtype, rotary=rotary, scale=scale, norm_eps=eps)
     if isinstance(mix, Mamba2Spec):
         return Mamba2Mixer(mix, dtype=dtype, **_mamba_flags(mt, cfg))
@@ -361,7 +371,7 @@ class MTPHead(nn.Module):
         self.layer = DecoderLayer(spec, model_type, cfg, dtype)
         self.norm = RMSNorm(d, eps, dtype)
 
-    def load_hf(self, src: WeightSource, prefix: str, naming: "Naming") -> None:
+    def load_hf(self, src: WeightSource, prefix: str, naming: Naming) -> None:
         self.enorm.load_hf(src, prefix + "enorm.weight")
         self.hnorm.load_hf(src, prefix + "hnorm.weight")
         self.eh_proj.load_hf(src, prefix + "eh_proj")
@@ -395,7 +405,9 @@ class DecoderModel(nn.Module):
                  has_embed: bool = True, has_head: bool = True, with_mtp: bool | None = None):
         super().__init__()
         if spec.model_type not in ENGINE_MODEL_TYPES:
-            raise ConfigError(f"model_type {spec.model_type!r} is planner-only; the engine runs: {', '.join(ENGINE_MODEL_TYPES)}")
+            raise ConfigError(
+                f"model_type {spec.model_type!r} is planner-only; the engine runs: {', '.join(ENGINE_MODEL_TYPES)}"
+            )
         self.spec = spec
         self.cfg = spec.hf_config
         self.naming = NAMING.get(spec.model_type, Naming())
@@ -405,9 +417,13 @@ class DecoderModel(nn.Module):
         self.embed = nn.Embedding(spec.vocab_size, d, dtype=dtype) if has_embed else None
         if self.embed is not None:
             self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range]
+        )
         self.norm = RMSNorm(d, _norm_eps(self.cfg), dtype) if has_head else None
-        self.lm_head = nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
+        self.lm_head = (
+            nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
+        )
         # MTP heads: None = load them when the checkpoint has them, True = required, False = never
         self.with_mtp = with_mtp
         self.mtp = nn.ModuleList([MTPHead(l, spec.model_type, self.cfg, dtype) for l in spec.mtp_layers]
@@ -504,7 +520,7 @@ class DecoderModel(nn.Module):
             out.append((tokens, h))
         return out
 
-    def _tail_program(self, tokens: torch.Tensor, caches: list[Any]) -> tuple["_StepPlan", Any] | None:
+    def _tail_program(self, tokens: torch.Tensor, caches: list[Any]) -> tuple[_StepPlan, Any] | None:
         """(the step's plan, its whole-step program with the embedding, norm, head and argmax) where a step of
         ``tokens`` on ``caches`` can run as one program, else None."""
         tail = self._step_tail(tokens)
@@ -545,7 +561,8 @@ class DecoderModel(nn.Module):
         return out / self.logits_scaling if self.logits_scaling != 1.0 else out
 
     def project(self, hn: torch.Tensor) -> torch.Tensor:
-        """fp32 ``hn @ lm_head.T`` for already-normalised states (no logits scaling): the one place the head multiplies."""
+        """fp32 ``hn @ lm_head.T`` for already-normalised states (no logits scaling): the one place the head
+        multiplies."""
         if self.lm_head is not None:
             return packed_linear(hn, self.lm_head, None, self.__dict__.setdefault("_packs", {}), "lm_head").float()
         q, scale = self.lm_head_int8, self.lm_head_scale

@@ -55,14 +55,14 @@ class RMSNorm(nn.Module):
 
 # bf16 products of up to this many rows run waferline's own kernel on CPU (linear_rows), on every CPU: each row of x
 # sums in the same order whatever the number of rows (so a speculative verify's T tokens, and a batch's rows, compute
-# what one-token steps compute, bitwise); oneDNN multiplied 5-8 rows faster on an AVX512-BF16 CPU (session 8), but its
-# sums differ from the kernel's. Session 22 moved the bound from 4 to 8.
+# what one-token steps compute, bitwise); oneDNN multiplies 5-8 rows faster on an AVX512-BF16 CPU, but its sums
+# differ from the kernel's, so the bound is 8 rather than 4 to keep a batch of 8 rows bitwise equal as well.
 FEW_ROWS = 8
 
 
 def few_rows(dtype: torch.dtype = torch.bfloat16) -> int:
-    """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs (``FEW_ROWS`` on every CPU since
-    session 22; before, 4 where oneDNN had bf16 GEMMs). The twin's calibration records it (``engine_few_rows``)."""
+    """The most rows of a ``dtype`` product that ``waferline::linear_rows`` runs (``FEW_ROWS`` on every CPU, whether
+    or not oneDNN has bf16 GEMMs there). The twin's calibration records it (``engine_few_rows``)."""
     return FEW_ROWS
 
 
@@ -72,11 +72,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     A bf16 product of up to ``few_rows()`` rows (``FEW_ROWS``, 8) runs ``waferline::linear_rows``
     (waferline.kernels: each weight row read once, straight through, into every row's fp32 sums; on this project's
     2-core AVX-512 CPU 22-34 GB/s of weights at one row against ATen's GEMV at 16-33, and 2.7-4.3x oneDNN at 4 rows on
-    weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an ad-hoc loop, README "Decode speed", session 8). Otherwise a
-    one-row product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step every
+    weights up to 1 MB, 0.8-1.0x on 4-32 MB ones: an ad-hoc loop, README "Decode speed"). Otherwise a
+    one-row product bypasses oneDNN, which re-packs a weight it has not seen before on every call (in a decode step
+    every
     weight is used once; ~2x slower than ATen's own GEMV for 512 x 1536, ~3x for 512 x 512); for two or more rows
     oneDNN's blocked kernel wins again, except where oneDNN has no 16-bit GEMM (AVX2 only): there 16-bit products of
-    more rows are widened to fp32 (README "Decode speed", session 12).
+    more rows are widened to fp32 (README "Decode speed").
     """
     if (weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.dim() == 2
             and x.numel() <= few_rows(weight.dtype) * x.shape[-1] and kernels.available()):
@@ -181,7 +182,8 @@ def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 class Rotary(nn.Module):
-    """Rotary embedding for ``dim`` rotated channels; ``interleaved`` pairs (x0,x1),(x2,x3) as DeepSeek lays them out."""
+    """Rotary embedding for ``dim`` rotated channels; ``interleaved`` pairs (x0,x1),(x2,x3) as DeepSeek lays them
+    out."""
 
     def __init__(self, dim: int, cfg: dict[str, Any], interleaved: bool = False):
         super().__init__()
@@ -238,7 +240,9 @@ class Rotary(nn.Module):
             s = batch.host_start[0]
             return cos[s: s + batch.T][None], sin[s: s + batch.T][None]
         flat = positions.reshape(-1).to(cos.device)
-        return cos.index_select(0, flat).view(*positions.shape, -1), sin.index_select(0, flat).view(*positions.shape, -1)
+        return cos.index_select(0, flat).view(*positions.shape, -1), sin.index_select(0, flat).view(
+            *positions.shape, -1
+        )
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate the first ``dim`` channels of x [B, T, H, *] (cos/sin from :meth:`cos_sin`); the rest pass through.
@@ -275,7 +279,9 @@ def _yarn_mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
-def _yarn(inv: torch.Tensor, base: float, dim: int, p: dict[str, Any], cfg: dict[str, Any]) -> tuple[torch.Tensor, float]:
+def _yarn(
+    inv: torch.Tensor, base: float, dim: int, p: dict[str, Any], cfg: dict[str, Any]
+) -> tuple[torch.Tensor, float]:
     orig = float(p["original_max_position_embeddings"])
     factor = p.get("factor") or cfg.get("max_position_embeddings", orig) / orig
     factor = float(factor)

@@ -57,9 +57,14 @@ def open_weights(directory: Path) -> WeightSource:
                     shapes[k] = tuple(sl.get_shape())
             end = _data_end(f)
         except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-download or re-save it") from None
+            raise CheckpointError(
+                f"{f} is not a readable safetensors file ({e}); it may be truncated or corrupt: re-download or "
+                "re-save it"
+            ) from None
         if end and size < end:
-            raise CheckpointError(f"{f} is truncated: {size} bytes but its header describes {end}; re-download or re-save it")
+            raise CheckpointError(
+                f"{f} is truncated: {size} bytes but its header describes {end}; re-download or re-save it"
+            )
     handles: dict[Path, object] = {}
 
     def load(name: str) -> torch.Tensor:
@@ -67,11 +72,46 @@ def open_weights(directory: Path) -> WeightSource:
         if f not in handles:
             handles[f] = safe_open(str(f), "pt")
         try:
-            return handles[f].get_tensor(name)
+            t = handles[f].get_tensor(name)
         except (SafetensorError, RuntimeError) as e:
             raise CheckpointError(f"cannot read tensor {name!r} from {f} ({e}); the file may be corrupt") from None
+        check_finite(t, name, f)
+        return t
 
     return WeightSource(where.keys(), load, shapes)
+
+
+FINITE_CHUNK = 1 << 24  # elements widened at a time for a dtype aminmax does not take (float8): a small temporary
+
+
+def check_finite(t: torch.Tensor, name: str, where: Path | str) -> None:
+    """Raise a CheckpointError when a floating-point checkpoint tensor holds NaN or inf: such a model would run and
+    produce nothing useful (a NaN logit row makes greedy decoding pick token 0 at every step) without any error.
+
+    One aminmax pass (NaN propagates to both ends, inf is an end): it reads the tensor at memory speed and makes no
+    tensor of its size, unlike ``isfinite(t).all()``, which costs several times as much."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    if _finite(t):
+        return
+    flat = t.reshape(-1)
+    nan = inf = 0
+    for j in range(0, flat.numel(), FINITE_CHUNK):
+        v = flat[j:j + FINITE_CHUNK].float()
+        nan, inf = nan + int(torch.isnan(v).sum()), inf + int(torch.isinf(v).sum())
+    what = " and ".join(x for x in (f"{nan} NaN" if nan else "", f"{inf} inf" if inf else "") if x)
+    raise CheckpointError(f"tensor {name!r} in {where} holds non-finite values ({what} of {flat.numel()}); "
+                          "the checkpoint is corrupt or was saved from a diverged run: re-download or re-save it")
+
+
+def _finite(t: torch.Tensor) -> bool:
+    try:
+        lo, hi = torch.aminmax(t)
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    except (RuntimeError, NotImplementedError):  # a dtype without aminmax (float8): widen it a chunk at a time
+        flat = t.reshape(-1)
+        return all(bool(torch.isfinite(flat[i:i + FINITE_CHUNK].float()).all())
+                   for i in range(0, flat.numel(), FINITE_CHUNK))
 
 
 def _data_end(f: Path) -> int:
@@ -102,14 +142,16 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
         extra = [k for k in src.unused() if not _IGNORED.search(k) and not _is_mtp(k, spec)]
         if extra:
             more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
-            raise CheckpointError(f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
-                                  f"{', '.join(extra[:10])}{more}; is config.json from the same model?")
+            raise CheckpointError(
+                f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
+                f"{', '.join(extra[:10])}{more}; is config.json from the same model?"
+            )
     model.eval()
     return model
 
 
 def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:
-    """The int4 view of ``src`` when config.json has a ``quantization_config`` (see model/quant.py), else None."""
+    """The int4 view of ``src`` when config.json has a ``quantization_config`` (see model/quant/), else None."""
     from waferline.model.quant import Int4Source, quant_method
 
     cfg = json.loads((directory / "config.json").read_text())

@@ -39,7 +39,8 @@ _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 def gated_act(h: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
-    """``act(gate) * up`` for ``h = [gate | up]`` (the gated FFN's middle); SiLU on CPU runs fused (waferline.kernels)."""
+    """``act(gate) * up`` for ``h = [gate | up]`` (the gated FFN's middle); SiLU on CPU runs fused
+    (waferline.kernels)."""
     if act is F.silu and h.device.type == "cpu" and kernels.available():
         return torch.ops.waferline.silu_mul(h)
     gate, up = h.chunk(2, dim=-1)
@@ -51,7 +52,9 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ConfigError(f"unsupported FFN activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}") from None
+        raise ConfigError(
+            f"unsupported FFN activation {name!r}; supported: {', '.join(sorted(_ACTIVATIONS))}"
+        ) from None
 
 
 # ----------------------------------------------------------------------------- checkpoint naming per model_type
@@ -61,22 +64,31 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 # tried in order by :func:`moe_prefix` / :func:`dense_prefix` (the first one with tensors in the checkpoint wins).
 #
 #   qwen3_moe         model.layers.{i}.mlp.               gate.weight [E,D]; experts.{e}.{gate,up,down}_proj.weight
-#   mixtral           model.layers.{i}.block_sparse_moe.  gate.weight; experts.{e}.w1 (gate) / w3 (up) / w2 (down).weight
+#   mixtral           model.layers.{i}.block_sparse_moe.  gate.weight; experts.{e}.w1 (gate) / w3 (up) / w2
+# (down).weight
 #                     (5.24's in-memory module is ``mlp.``, its loader renames; a fused save has
 #                     ``mlp.experts.gate_up_proj [E,2I,D]`` / ``mlp.experts.down_proj [E,D,I]``)
 #   deepseek_v2/_v3   model.layers.{i}.mlp.               gate.weight, gate.e_score_correction_bias [E] (V3);
-#   sol, glm4_moe                                         experts.{e}.{gate,up,down}_proj.weight; shared_experts.{gate,up,down}_proj.weight
-#   gpt_oss           model.layers.{i}.mlp.               router.weight [E,D], router.bias [E]; FUSED experts.gate_up_proj [E,D,2I]
-#                                                         (transposed, gate/up INTERLEAVED on the last dim), gate_up_proj_bias [E,2I]
-#                                                         (interleaved), down_proj [E,I,D] (transposed), down_proj_bias [E,D]
+#   sol, glm4_moe                                         experts.{e}.{gate,up,down}_proj.weight;
+# shared_experts.{gate,up,down}_proj.weight
+#   gpt_oss           model.layers.{i}.mlp.               router.weight [E,D], router.bias [E]; FUSED
+# experts.gate_up_proj [E,D,2I]
+#                                                         (transposed, gate/up INTERLEAVED on the last dim),
+# gate_up_proj_bias [E,2I]
+#                                                         (interleaved), down_proj [E,I,D] (transposed), down_proj_bias
+# [E,D]
 #   granitemoehybrid  model.layers.{i}.                   (the LAYER prefix: the shared MLP sits beside the MoE block)
 #                                                         block_sparse_moe.router.layer.weight [E,D];
-#                                                         block_sparse_moe.input_linear.weight [E,2I,D] (gate first, then up);
+#                                                         block_sparse_moe.input_linear.weight [E,2I,D] (gate first,
+# then up);
 #                                                         block_sparse_moe.output_linear.weight [E,D,I];
-#                                                         shared_mlp.input_linear.weight [2S,D], shared_mlp.output_linear.weight [D,S]
-#   nemotron_h        backbone.layers.{i}.mixer.          gate.weight, gate.e_score_correction_bias; experts.{e}.{up,down}_proj.weight
+#                                                         shared_mlp.input_linear.weight [2S,D],
+# shared_mlp.output_linear.weight [D,S]
+#   nemotron_h        backbone.layers.{i}.mixer.          gate.weight, gate.e_score_correction_bias;
+# experts.{e}.{up,down}_proj.weight
 #                                                         (non-gated relu2); shared_experts.{up,down}_proj.weight
-#   qwen2_moe,        model.layers.{i}.mlp.               gate.weight; experts.{e}.*; shared_expert.{gate,up,down}_proj.weight;
+#   qwen2_moe,        model.layers.{i}.mlp.               gate.weight; experts.{e}.*;
+# shared_expert.{gate,up,down}_proj.weight;
 #   qwen3_next                                            shared_expert_gate.weight [1,D]
 #
 # Every flavor also accepts the fused in-memory layout of 5.24 (``experts.gate_up_proj [E,2I,D]`` or, non-gated,
@@ -188,7 +200,7 @@ class DenseFFN(nn.Module):
 
     def linear(self, x: Tensor, which: str) -> Tensor:
         """``x @ W_which.T (+ b_which)`` for which in gate_up | up | down: the one place this module multiplies."""
-        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
+        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant/) replaces w_which when quantized
         if q is not None:
             return q.linear(x, getattr(self, "b_" + which))
         return packed_linear(x, getattr(self, "w_" + which), getattr(self, "b_" + which),
@@ -306,7 +318,8 @@ class MoE(nn.Module):
     logits, softmax over the chosen.
 
     Execution: on an accelerator with bf16 experts, grouped products (``_grouped_forward``: no host read, fixed
-    shapes); otherwise for few (token, expert) pairs (``N * top_k <= gather_max``, i.e. decode of small models) the chosen
+    shapes); otherwise for few (token, expert) pairs (``N * top_k <= gather_max``, i.e. decode of small models) the
+    chosen
     experts' weights are gathered and applied with one ``bmm`` (no host sync); otherwise tokens are sorted by expert
     and each expert that was hit runs once on its contiguous slice (one ``.tolist()`` of the per-expert counts).
     ``gather_max`` defaults to what keeps the gathered copy under ``GATHER_BYTES`` (at most 16 pairs); 0 disables it.
@@ -316,8 +329,17 @@ class MoE(nn.Module):
     the clamped SwiGLU ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=l)``.
     """
 
-    def __init__(self, spec: MoESpec, dtype: torch.dtype = torch.float32, act: str | None = None, flavor: str = "deepseek_v3",
-                 *, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, gather_max: int | None = None):
+    def __init__(
+        self,
+        spec: MoESpec,
+        dtype: torch.dtype = torch.float32,
+        act: str | None = None,
+        flavor: str = "deepseek_v3",
+        *,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
+        gather_max: int | None = None,
+    ):
         super().__init__()
         if flavor not in MOE_PREFIXES:
             raise ConfigError(f"no MoE implementation for model_type {flavor!r}; known: {', '.join(FLAVORS)}")
@@ -372,7 +394,9 @@ class MoE(nn.Module):
         self.w_down = p(E, D, I)
         self.b_down = p(E, D) if spec.expert_bias else None
         if spec.shared_intermediate:
-            self.shared = DenseFFN(DenseFFNSpec(D, spec.shared_intermediate, gated=spec.gated, bias=False), dtype, self.act_name)
+            self.shared = DenseFFN(
+                DenseFFNSpec(D, spec.shared_intermediate, gated=spec.gated, bias=False), dtype, self.act_name
+            )
         else:
             self.shared = None
         self.shared_gate_weight = p(1, D) if (spec.shared_gate and self.shared is not None) else None
@@ -390,7 +414,11 @@ class MoE(nn.Module):
                 s.scoring == "softmax", s.softmax_after_topk, s.n_group, s.topk_group, self.group_top2,
                 s.norm_topk_prob, s.routed_scaling)
         g = self.gate_weight if self.gate_weight.dtype == torch.float32 else self.gate_weight.float()
-        b = None if self.gate_bias is None else (self.gate_bias if self.gate_bias.dtype == torch.float32 else self.gate_bias.float())
+        b = (
+            None
+            if self.gate_bias is None
+            else (self.gate_bias if self.gate_bias.dtype == torch.float32 else self.gate_bias.float())
+        )
         logits = F.linear(x if x.dtype == torch.float32 else x.float(), g, b)
         if s.softmax_after_topk:
             top, idx = logits.topk(self.top_k, dim=-1)
@@ -425,7 +453,7 @@ class MoE(nn.Module):
         ``experts`` a :class:`Groups`: ``x``'s rows sorted by expert, one grouped product (16-bit weights only).
         """
         b = getattr(self, "b_" + which)
-        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant.py) replaces w_which when quantized
+        q = getattr(self, "q_" + which, None)  # an int4 weight (model/quant/) replaces w_which when quantized
         if q is not None:
             return q.expert_linear(x, experts, b)
         w = getattr(self, "w_" + which)
@@ -433,8 +461,13 @@ class MoE(nn.Module):
             y = torch._grouped_mm(x, w.transpose(1, 2), offs=experts.offs)
             return y if b is None else y + b.index_select(0, experts.ids)
         if isinstance(experts, int):
-            return packed_linear(x, w[experts], None if b is None else b[experts], self.__dict__.setdefault("_packs", {}),
-                                 (which, experts))
+            return packed_linear(
+                x,
+                w[experts],
+                None if b is None else b[experts],
+                self.__dict__.setdefault("_packs", {}),
+                (which, experts),
+            )
         y = torch.bmm(w.index_select(0, experts), x.unsqueeze(-1)).squeeze(-1)
         return y if b is None else y + b.index_select(0, experts)
 
@@ -622,7 +655,9 @@ class MoE(nn.Module):
             self._load_router(src, moe, ["router.layer.weight", "router.weight"])
             self._load_granite_experts(src, moe)
             if self.shared is not None:
-                self.shared.load_hf(src, prefix + "shared_mlp.", {"gate_up": "input_linear.weight", "down": "output_linear.weight"})
+                self.shared.load_hf(
+                    src, prefix + "shared_mlp.", {"gate_up": "input_linear.weight", "down": "output_linear.weight"}
+                )
             return
         if f == "gpt_oss":
             self._load_router(src, prefix, ["router.weight"])
@@ -640,7 +675,9 @@ class MoE(nn.Module):
             roles = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}
         self._load_experts(src, prefix + "experts.", roles)
         if self.shared is not None:
-            self.shared.load_hf(src, prefix + ("shared_expert." if f in ("qwen2_moe", "qwen3_next") else "shared_experts."))
+            self.shared.load_hf(
+                src, prefix + ("shared_expert." if f in ("qwen2_moe", "qwen3_next") else "shared_experts.")
+            )
         if self.shared_gate_weight is not None:
             copy_into(self.shared_gate_weight, src.get(prefix + "shared_expert_gate.weight", (1, self.hidden_size)))
 
@@ -651,11 +688,14 @@ class MoE(nn.Module):
             copy_into(self.gate_bias, src.get(name.removesuffix(".weight") + ".bias", (self.num_experts,)))
 
     def _load_experts(self, src: WeightSource, ep: str, roles: dict[str, str]) -> None:
-        """Experts under ``ep`` (``...experts.``): per-expert ``{e}.{role}`` keys or fused ``gate_up_proj``/``up_proj``/``down_proj``."""
+        """Experts under ``ep`` (``...experts.``): per-expert ``{e}.{role}`` keys or fused
+        ``gate_up_proj``/``up_proj``/``down_proj``."""
         E, D, I = self.num_experts, self.hidden_size, self.intermediate_size
         bias = self.spec.expert_bias
         first = roles["gate"] if self.gated else roles["up"]
-        if src.has(f"{ep}0.{first}") or not (src.has(ep + "down_proj") or src.has(ep + "gate_up_proj") or src.has(ep + "up_proj")):
+        if src.has(f"{ep}0.{first}") or not (
+            src.has(ep + "down_proj") or src.has(ep + "gate_up_proj") or src.has(ep + "up_proj")
+        ):
             for e in range(E):
                 if self.gated:
                     copy_into(self.w_gate_up[e, :I], src.get(f"{ep}{e}.{roles['gate']}", (I, D)))
@@ -688,10 +728,16 @@ class MoE(nn.Module):
         E, D, I = self.num_experts, self.hidden_size, self.intermediate_size
         if not self.gated:
             raise ConfigError("granitemoehybrid experts are gated; the MoESpec says gated=False")
-        up = moe + "input_linear.weight" if src.has(moe + "input_linear.weight") or not src.has(moe + "experts.gate_up_proj") \
+        up = (
+            moe + "input_linear.weight"
+            if src.has(moe + "input_linear.weight") or not src.has(moe + "experts.gate_up_proj")
             else moe + "experts.gate_up_proj"
-        down = moe + "output_linear.weight" if src.has(moe + "output_linear.weight") or not src.has(moe + "experts.down_proj") \
+        )
+        down = (
+            moe + "output_linear.weight"
+            if src.has(moe + "output_linear.weight") or not src.has(moe + "experts.down_proj")
             else moe + "experts.down_proj"
+        )
         copy_into(self.w_gate_up, src.get(up, (E, 2 * I, D)))
         copy_into(self.w_down, src.get(down, (E, D, I)))
 

@@ -3,14 +3,83 @@
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import sys
 from typing import Any
 
+CALIBRATION_TOKENS = 4096  # GPTQ calibration tokens unless --calibration-tokens says otherwise
+
+
+def _check_paths(model: str, out: str, force: bool) -> None:
+    """Refuse an ``--out`` that would destroy ``--model`` when it is replaced (the same directory, one above it or
+    one inside it), one that names a file, and (with ``--force``) a directory that holds something other than a
+    checkpoint: replacing ``--out`` deletes what it held."""
+    from pathlib import Path
+
+    from waferline.errors import ConfigError
+
+    m, o = Path(model).resolve(), Path(out).resolve()
+    if o == m:
+        raise ConfigError("--out must differ from --model")
+    if o in m.parents:
+        raise ConfigError(f"--out {out} contains --model {model}: writing it would delete the checkpoint being "
+                          "quantized; choose an --out outside it")
+    if m in o.parents:
+        raise ConfigError(f"--out {out} is inside --model {model}; choose an --out outside the checkpoint directory")
+    if o.exists() and not o.is_dir():
+        raise ConfigError(f"--out {out} is a file, not a directory; choose a directory path")
+    if force and o.is_dir() and any(o.iterdir()) and not (o / "config.json").is_file():
+        raise ConfigError(f"--out {out} holds files but no checkpoint (no config.json); --force replaces only a "
+                          "checkpoint directory: choose another --out")
+
+
+def _has_mla(model: str) -> bool:
+    """Whether the checkpoint has an MLA layer (an unreadable one answers True: quantize reports what is wrong)."""
+    from pathlib import Path
+
+    from waferline.errors import WaferlineError
+    from waferline.spec.model import ModelSpec
+
+    try:
+        spec = ModelSpec.from_pretrained(Path(model))
+    except WaferlineError:
+        return True
+    return any(layer.mixer is not None and layer.mixer.kind == "mla" for layer in spec.layers)
+
+
+def _remove_leftovers(out: str) -> None:
+    """Remove what a run that was killed left beside ``--out``: its temporary directory (``.NAME.tmp-*``), and the
+    previous output it had moved aside (``.NAME.old-*``) once ``--out`` itself is in place again. (One writer per
+    ``--out``: a second run started meanwhile would lose its temporary directory.)"""
+    import shutil
+    from pathlib import Path
+
+    o = Path(out)
+    if o.name in ("", ".", "..") or not o.parent.is_dir():
+        return
+    stale = list(o.parent.glob(f".{glob.escape(o.name)}.tmp-*"))
+    if o.is_dir():
+        stale += o.parent.glob(f".{glob.escape(o.name)}.old-*")
+    for d in stale:
+        if d.is_dir() and not d.is_symlink():
+            shutil.rmtree(d, ignore_errors=True)
+
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
+    from waferline.errors import ConfigError
     from waferline.model.quant import DEFAULT_KEEP, QuantOptions, quantize_checkpoint
 
+    _check_paths(args.model, args.out, args.force)
+    if args.method != "gptq" and args.calibration is not None:
+        raise ConfigError("--calibration is for --method gptq (round-to-nearest needs no calibration data)")
+    if args.method != "gptq" and args.calibration_tokens is not None:
+        raise ConfigError("--calibration-tokens is for --method gptq")
+    if args.calibration_tokens is None:
+        args.calibration_tokens = CALIBRATION_TOKENS
+    if args.quantize_kv_b and not _has_mla(args.model):
+        raise ConfigError(f"--quantize-kv-b is for MLA attention's kv_b_proj, and {args.model} has no MLA layer")
+    _remove_leftovers(args.out)
     keep = tuple(args.keep or ()) + (() if args.quantize_kv_b else DEFAULT_KEEP)
     opts = QuantOptions(bits=args.bits, group_size=args.group_size, symmetric=not args.asymmetric, method=args.method,
                         keep=keep)
@@ -37,15 +106,23 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 
 def _print_summary(s: dict[str, Any]) -> None:
     mib = 1 << 20
-    print(f"wrote {s['out']}: {s['tensors_int4']} int4 tensors, {s['tensors_16bit']} kept 16-bit "
+    print(f"wrote {s['out']}: {_count(s['tensors_int4'], 'int4 tensor')}, {s['tensors_16bit']} kept 16-bit "
           f"({s['method']}, group {s['group_size']}, {'symmetric' if s['symmetric'] else 'asymmetric'})")
-    print(f"  weights: {s['bytes_in'] / mib:.2f} MiB -> {s['bytes_out'] / mib:.2f} MiB on disk "
-          f"(ModelSpec: {s['accounting_bytes'] / mib:.2f} MiB int4 vs {s['accounting_bytes_16bit'] / mib:.2f} MiB bf16), "
-          f"{s['seconds']:.1f} s")
+    print(
+        f"  weights: {s['bytes_in'] / mib:.2f} MiB -> {s['bytes_out'] / mib:.2f} MiB on disk "
+        f"(ModelSpec: {s['accounting_bytes'] / mib:.2f} MiB int4 vs {s['accounting_bytes_16bit'] / mib:.2f} MiB bf16), "
+        f"{s['seconds']:.1f} s"
+    )
     if s["modules_not_quantized"]:
         more = len(s["modules_not_quantized"]) - 6
-        print(f"  16-bit matmuls: {', '.join(s['modules_not_quantized'][:6])}" + (f" (+{more} more)" if more > 0 else ""),
-              file=sys.stdout)
+        print(
+            f"  16-bit matmuls: {', '.join(s['modules_not_quantized'][:6])}" + (f" (+{more} more)" if more > 0 else ""),
+            file=sys.stdout,
+        )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def register(sub: Any) -> None:
@@ -58,13 +135,19 @@ def register(sub: Any) -> None:
     q.add_argument("--out", required=True, help="output directory (written to a temporary directory, then renamed)")
     q.add_argument("--bits", type=int, default=4, help="weight bits (4)")
     q.add_argument("--group-size", type=int, default=128, help="weights per scale along the input dim (32, 64, 128)")
-    q.add_argument("--method", default="rtn", choices=["rtn", "gptq"], help="round-to-nearest, or GPTQ (needs --calibration)")
-    q.add_argument("--calibration", help="calibration file for GPTQ: text (uses the checkpoint's tokenizer) or token ids")
-    q.add_argument("--calibration-tokens", type=int, default=4096, help="at most this many calibration tokens (4096)")
+    q.add_argument(
+        "--method", default="rtn", choices=["rtn", "gptq"], help="round-to-nearest, or GPTQ (needs --calibration)"
+    )
+    q.add_argument(
+        "--calibration", help="calibration file for GPTQ: text (uses the checkpoint's tokenizer) or token ids"
+    )
+    q.add_argument("--calibration-tokens", type=int, default=None,
+                   help=f"with --method gptq: at most this many calibration tokens ({CALIBRATION_TOKENS})")
     q.add_argument("--asymmetric", action="store_true", help="per-group zero as well as scale (default: symmetric)")
     q.add_argument("--keep", action="append", metavar="REGEX",
                    help="keep matching weights 16-bit (module path or checkpoint name; repeatable)")
     q.add_argument("--quantize-kv-b", action="store_true", help="also quantize MLA kv_b_proj (kept 16-bit by default)")
-    q.add_argument("--force", action="store_true", help="replace --out if it exists")
+    q.add_argument("--force", action="store_true",
+                   help="replace --out if it exists (a checkpoint directory; never one that holds --model)")
     q.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     q.set_defaults(func=_cmd_quantize)

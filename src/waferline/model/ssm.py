@@ -69,7 +69,8 @@ def causal_depthwise_conv(full: Tensor, weight: Tensor, bias: Tensor | None, T: 
 class Mamba2Cache:
     """Per-layer Mamba-2 state for up to ``num_slots`` sequences; its size does not depend on sequence length.
 
-    conv: the last ``conv_kernel - 1`` inputs of the causal conv, ``[num_slots, conv_dim, conv_kernel - 1]``, model dtype.
+    conv: the last ``conv_kernel - 1`` inputs of the causal conv, ``[num_slots, conv_dim, conv_kernel - 1]``, model
+    dtype.
     ssm:  the SSM state, ``[num_slots, num_heads, head_dim, state_size]``, always float32.
     """
 
@@ -111,7 +112,8 @@ class Mamba2Cache:
         self.ssm.index_copy_(0, slots, state[1].to(self.ssm.dtype))
 
     def rewind(self, slots: Tensor, keep: list[int]) -> None:
-        """After a T-token forward with ``keep_trail``: give row b the state after its first ``keep[b]`` (>= 1) tokens."""
+        """After a T-token forward with ``keep_trail``: give row b the state after its first ``keep[b]`` (>= 1)
+        tokens."""
         for b, k in enumerate(keep):
             s = int(slots[b])
             if s not in self.trail:
@@ -138,7 +140,8 @@ class Mamba2Cache:
 
 @dataclass
 class _Replay:
-    """One slot's verify inputs to the fused state update (``[T, ...]`` each): replayed from ``Mamba2Cache.ssm_prev``."""
+    """One slot's verify inputs to the fused state update (``[T, ...]`` each): replayed from
+    ``Mamba2Cache.ssm_prev``."""
 
     dA: Tensor
     dtx: Tensor
@@ -264,16 +267,34 @@ class Mamba2Mixer(nn.Module):
     def _mixes_fused(self, cache: Mamba2Cache, x: Tensor) -> bool:
         """Whether decode and verify steps run everything between the projections as waferline::mamba2_mix: the fused
         state update applies, a SiLU conv, the conv state and weight in the activations' dtype."""
-        return (self.act_name in ("silu", "swish") and cache.conv.dtype == x.dtype == self._parameters["conv_weight"].dtype
-                and _fused(cache, x))
+        return (
+            self.act_name in ("silu", "swish")
+            and cache.conv.dtype == x.dtype == self._parameters["conv_weight"].dtype
+            and _fused(cache, x)
+        )
 
     def _mix(self, x: Tensor, cache: Mamba2Cache, slots: Tensor, record: bool) -> list[Tensor]:
         A, _, norm, dtb, D = self._consts()
         lo, hi = self.time_step_limit
         return torch.ops.waferline.mamba2_mix(
-            self.in_proj(x), cache.conv, slots, self.conv_weight, _NO_TRAIL if self.conv_bias is None else self.conv_bias,
-            dtb, A, D, norm, cache.ssm, cache.ssm_prev if record else _NO_TRAIL, self.G,
-            self.spec.norm_eps, self.clamp_dt_in_decode and self._clamp, lo, hi, record)
+            self.in_proj(x),
+            cache.conv,
+            slots,
+            self.conv_weight,
+            _NO_TRAIL if self.conv_bias is None else self.conv_bias,
+            dtb,
+            A,
+            D,
+            norm,
+            cache.ssm,
+            cache.ssm_prev if record else _NO_TRAIL,
+            self.G,
+            self.spec.norm_eps,
+            self.clamp_dt_in_decode and self._clamp,
+            lo,
+            hi,
+            record,
+        )
 
     def step_args(self, x: Tensor, cache: Mamba2Cache, batch: StepBatch) -> tuple | None:
         """``waferline::mamba_ffn_layer``'s mixer arguments (after ``x``, its norm and epsilon; up to the FFN norm) for
@@ -427,7 +448,11 @@ class Mamba2Mixer(nn.Module):
 
         # 1. within-chunk (diagonal blocks): y[l] = sum_{s<=l} (C_l . B_s) exp(sum_{s<k<=l} a_k) xdt[s]
         CB = torch.einsum("bclgn,bcsgn->bcgls", Cc, Bc)  # [B, c, g, l, s]
-        M = _segsum(ac).exp_().mul_(CB[:, :, :, None]) if not torch.is_grad_enabled() else _segsum(ac).exp() * CB[:, :, :, None]  # [B, c, g, r, l, s] (in place: the largest tensors here)
+        M = (
+            _segsum(ac).exp_().mul_(CB[:, :, :, None])
+            if not torch.is_grad_enabled()
+            else _segsum(ac).exp() * CB[:, :, :, None]
+        )  # [B, c, g, r, l, s] (in place: the largest tensors here)
         y = torch.einsum("bcgrls,bcsgrp->bclgrp", M, xc)
         del M, CB
 
@@ -435,7 +460,8 @@ class Mamba2Mixer(nn.Module):
         to_end = torch.exp(acum[..., -1:] - acum)  # [B, c, g, r, Q]
         chunk_states = torch.einsum("bcsgn,bcgrs,bcsgrp->bcgrpn", Bc, to_end, xc)  # [B, c, g, r, P, N]
 
-        # 3. states at chunk starts: h_start[c] = sum_{z<=c} exp(sum of chunk decays z..c-1) * (h0 if z == 0 else S[z-1])
+        # 3. states at chunk starts: h_start[c] = sum_{z<=c} exp(sum of chunk decays z..c-1) * (h0 if z == 0 else
+        # S[z-1])
         h0 = cache.ssm.index_select(0, slots).view(Bsz, 1, G, R, P, N)
         S = torch.cat([h0, chunk_states], dim=1)  # [B, nc+1, g, r, P, N]
         tot = F.pad(acum[..., -1].permute(0, 2, 3, 1), (1, 0))  # [B, g, r, nc+1]: per-chunk total log decay
@@ -444,7 +470,9 @@ class Mamba2Mixer(nn.Module):
         cache.ssm.index_copy_(0, slots, starts[:, -1].reshape(Bsz, H, P, N).to(cache.ssm.dtype))
 
         # 4. contribution of each chunk's start state: y[l] += exp(acum[l]) C_l . h_start
-        y_off = torch.einsum("bclgn,bcgrpn->bclgrp", Cc, starts[:, :-1]) * torch.exp(acum).permute(0, 1, 4, 2, 3)[..., None]
+        y_off = (
+            torch.einsum("bclgn,bcgrpn->bclgrp", Cc, starts[:, :-1]) * torch.exp(acum).permute(0, 1, 4, 2, 3)[..., None]
+        )
         y = (y + y_off).reshape(Bsz, nc * Q, H, P)[:, :T] + y_skip
         return self._gated_norm_out(y.reshape(Bsz, T, self.d_inner), z, x.dtype)
 

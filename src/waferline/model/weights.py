@@ -16,14 +16,19 @@ class WeightSource:
     only materialises the tensors it asks for.
     """
 
-    def __init__(self, names: Iterable[str], load: Callable[[str], torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None):
+    def __init__(
+        self,
+        names: Iterable[str],
+        load: Callable[[str], torch.Tensor],
+        shapes: dict[str, tuple[int, ...]] | None = None,
+    ):
         self._names = set(names)
         self._load = load
         self._shapes = shapes or {}
         self.used: set[str] = set()
 
     @classmethod
-    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> "WeightSource":
+    def from_dict(cls, tensors: dict[str, torch.Tensor]) -> WeightSource:
         return cls(tensors.keys(), tensors.__getitem__, {k: tuple(v.shape) for k, v in tensors.items()})
 
     def has(self, name: str) -> bool:
@@ -42,9 +47,13 @@ class WeightSource:
     def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """The tensor called ``name``; if ``shape`` is given it must match exactly (the error names both shapes)."""
         if name not in self._names:
-            raise CheckpointError(f"checkpoint is missing tensor {name!r}" + (f" (expected shape {list(shape)})" if shape else ""))
+            raise CheckpointError(
+                f"checkpoint is missing tensor {name!r}" + (f" (expected shape {list(shape)})" if shape else "")
+            )
         if shape is not None and name in self._shapes and tuple(self._shapes[name]) != tuple(shape):
-            raise CheckpointError(f"tensor {name!r} has shape {list(self._shapes[name])} but the config implies {list(shape)}")
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(self._shapes[name])} but the config implies {list(shape)}"
+            )
         t = self._load(name)
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"tensor {name!r} has shape {list(t.shape)} but the config implies {list(shape)}")

@@ -1,4 +1,5 @@
-"""CLI subcommands of the planner/simulator: plan, simulate, validate, calibrate, twin (register() adds them to argparse)."""
+"""CLI subcommands of the planner/simulator: plan, simulate, validate, calibrate, twin (register() adds them to
+argparse)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ from typing import Any
 
 from waferline.errors import ConfigError, WaferlineError
 
-DEFAULT_DATA = "../shared/data/published_results.csv"
+# the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
+DEFAULT_DATA = "sim/data/published_results.csv, shipped with waferline"
 
 
 def _default_data() -> str:
-    """../shared/data/published_results.csv from the working directory, else next to the repository."""
-    if Path(DEFAULT_DATA).is_file():
-        return DEFAULT_DATA
-    repo = Path(__file__).resolve().parents[3]
-    alt = repo.parent / "shared" / "data" / "published_results.csv"
-    return str(alt) if alt.is_file() else DEFAULT_DATA
+    """The published-results CSV shipped in the package: found wherever waferline is installed or run from."""
+    from waferline.sim.validate import PUBLISHED_PATH
+
+    return str(PUBLISHED_PATH)
 
 
 def _console():
@@ -40,16 +40,30 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--devices", type=int, default=None, help="number of devices (default: the fewest that fit)")
     p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4))
     p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
-    p.add_argument("--context", type=int, default=None, help="context length per sequence for memory sizing (default 4096; simulate: prompt+output)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="context length per sequence for memory sizing (default 4096; simulate: prompt+output)",
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences resident at once (memory sizing)")
     p.add_argument("--layers-per-stage", type=int, default=None, help="K layers per stage (default: as many as fit)")
-    p.add_argument("--afd", action="store_true", help="attention/FFN disaggregation: separate attention and FFN device pools")
-    p.add_argument("--attention-ranks", type=int, default=None, metavar="M",
-                   help="with --afd: M attention ranks, each holding every layer's mixer for its share of the sequences "
-                        "(the layout the engine's `generate --afd` runs)")
+    p.add_argument(
+        "--afd", action="store_true", help="attention/FFN disaggregation: separate attention and FFN device pools"
+    )
+    p.add_argument(
+        "--attention-ranks",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --afd: M attention ranks, each holding every layer's mixer for its share of the sequences "
+        "(the layout the engine's `generate --afd` runs)",
+    )
     p.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
                    help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
-    p.add_argument("--micro-batches", type=int, default=None, help="micro-batches in flight (default min(batch, stages))")
+    p.add_argument(
+        "--micro-batches", type=int, default=None, help="micro-batches in flight (default min(batch, stages))"
+    )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -58,13 +72,40 @@ def _spec_cfg(args: argparse.Namespace):
     from waferline.plan.plan import SpeculativeConfig
 
     method = getattr(args, "speculative", "none") or "none"
-    return SpeculativeConfig(method=method, num_tokens=getattr(args, "num_speculative_tokens", None) or 0,
-                             accept_rate=getattr(args, "accept_rate", None), draft_model=getattr(args, "draft_model", None))
+    return SpeculativeConfig(
+        method=method,
+        num_tokens=getattr(args, "num_speculative_tokens", None) or 0,
+        accept_rate=getattr(args, "accept_rate", None),
+        draft_model=getattr(args, "draft_model", None),
+    )
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flags that would be silently ignored in the combination given."""
+    from waferline.errors import UsageError
+
+    given = [f for f, v in (("--attention-ranks", getattr(args, "attention_ranks", None)),
+                            ("--ffn-ranks", getattr(args, "ffn_ranks", None))) if v is not None]
+    if given and not getattr(args, "afd", False):
+        raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --afd")
+    method = getattr(args, "speculative", "none") or "none"
+    spec_flags = [f for f, v in (("--accept-rate", getattr(args, "accept_rate", None)),
+                                 ("--num-speculative-tokens", getattr(args, "num_speculative_tokens", None)),
+                                 ("--draft-model", getattr(args, "draft_model", None))) if v is not None]
+    if spec_flags and method == "none":
+        raise UsageError(
+            f"{' and '.join(spec_flags)} {'need' if len(spec_flags) > 1 else 'needs'} --speculative METHOD"
+        )
+    if getattr(args, "draft_model", None) is not None and method != "draft":
+        raise UsageError(f"--draft-model is for --speculative draft, not --speculative {method}")
+    if getattr(args, "num_requests", None) is not None and not getattr(args, "arrival_rate", None):
+        raise UsageError("--num-requests sizes the serving simulation: give --arrival-rate too")
 
 
 def _make_plan(args: argparse.Namespace, context: int):
     from waferline.plan.place import place
 
+    _check_flags(args)
     if not args.model or not args.hardware:
         raise ConfigError("give MODEL and --hardware (or --plan PLAN.json for simulate)")
     batch = max(args.batch, getattr(args, "concurrency", None) or 1)  # size memory for every concurrent sequence
@@ -95,9 +136,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"{plan.model} on {plan.hardware}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
-                    f"{plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch {plan.batch}")
-    for c in ("stage", "role", "layers", "devices", "weights GB", "cache GB", "act GB", "reserve GB", "total GB", "capacity GB", "fits"):
+    t = Table(
+        title=f"{plan.model} on {plan.hardware}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
+        f"{plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch {plan.batch}"
+    )
+    for c in (
+        "stage",
+        "role",
+        "layers",
+        "devices",
+        "weights GB",
+        "cache GB",
+        "act GB",
+        "reserve GB",
+        "total GB",
+        "capacity GB",
+        "fits",
+    ):
         t.add_column(c, justify="right" if c not in ("role", "fits") else "left")
     rows = plan.stages
     show = rows if len(rows) <= 24 else rows[:10] + [None] + rows[-10:]  # type: ignore[list-item]
@@ -106,9 +161,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
             t.add_row("...", "", f"({len(rows) - 20} more)", "", "", "", "", "", "", "", "")
             continue
         m = s.memory
-        t.add_row(str(s.index), s.role, f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]), str(s.num_devices),
-                  _gb(m.weights), _gb(m.cache), _gb(m.activations), _gb(m.reserve), _gb(m.total), _gb(m.capacity),
-                  "yes" if m.fits else "[red]NO[/red]")
+        t.add_row(
+            str(s.index),
+            s.role,
+            f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
+            str(s.num_devices),
+            _gb(m.weights),
+            _gb(m.cache),
+            _gb(m.activations),
+            _gb(m.reserve),
+            _gb(m.total),
+            _gb(m.capacity),
+            "yes" if m.fits else "[red]NO[/red]",
+        )
     con.print(t)
     for n in plan.notes:
         con.print(f"note: {n}")
@@ -135,6 +200,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from waferline.plan.plan import Plan
     from waferline.sim.pipeline import simulate
 
+    _check_flags(args)
     params = _load_params(args)
     P = args.prompt_len or params.default_prompt_len
     O = args.output_len or params.default_output_len
@@ -149,26 +215,45 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.arrival_rate:
         from waferline.sim.serving import simulate_serving
 
-        serving = simulate_serving(plan, arrival_rate=args.arrival_rate, num_requests=args.num_requests, prompt_len=P,
-                                   output_len=O, params=params)
+        serving = simulate_serving(
+            plan,
+            arrival_rate=args.arrival_rate,
+            num_requests=args.num_requests or 200,
+            prompt_len=P,
+            output_len=O,
+            params=params,
+        )
     if args.json:
         d = r.to_dict()
         if serving is not None:
             d["serving"] = serving.to_dict()
-        d["plan"] = {"weight_bits": plan.weight_bits, "kv_bits": plan.kv_bits, "afd": plan.afd, "context_len": plan.context_len}
+        d["plan"] = {
+            "weight_bits": plan.weight_bits,
+            "kv_bits": plan.kv_bits,
+            "afd": plan.afd,
+            "context_len": plan.context_len,
+        }
         print(json.dumps(d, indent=1))
         return 0 if r.fits else 2
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"{r.model} on {r.num_devices} x {r.hardware} ({r.num_stages} stages, {plan.weight_bits}-bit weights)")
+    t = Table(
+        title=f"{r.model} on {r.num_devices} x {r.hardware} ({r.num_stages} stages, {plan.weight_bits}-bit weights)"
+    )
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("decode tokens/s per user", f"{r.decode_tokens_per_s_per_user:,.1f}")
-    t.add_row(f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)", f"{r.aggregate_tokens_per_s:,.1f}")
+    t.add_row(
+        f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)",
+        f"{r.aggregate_tokens_per_s:,.1f}",
+    )
     t.add_row("one decode step through all stages (ms)", f"{r.step_latency_s * 1e3:.3f}")
-    t.add_row(f"TTFT, prompt {r.prompt_len:,} (ms)", f"{r.ttft_s * 1e3:.1f} (prefill {r.prefill_s * 1e3:.1f} + request overhead "
-              f"{(r.ttft_s - r.prefill_s) * 1e3:.1f})")
+    t.add_row(
+        f"TTFT, prompt {r.prompt_len:,} (ms)",
+        f"{r.ttft_s * 1e3:.1f} (prefill {r.prefill_s * 1e3:.1f} + request overhead "
+        f"{(r.ttft_s - r.prefill_s) * 1e3:.1f})",
+    )
     t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", f"{r.end_to_end_s:.3f}")
     t.add_row("decode is bound by", r.bound)
     sp = r.speculative
@@ -190,7 +275,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    f"{s.fixed * 1e6:.1f}", f"{s.comm * 1e6:.1f}", f"{s.hop * 1e6:.1f}", f"{s.total * 1e6:.1f}")
     con.print(st)
     if serving is not None:
-        sv = Table(title=f"serving {serving.requests} requests at {serving.arrival_rate:g} req/s (continuous batching, at most {serving.max_batch} in flight)")
+        sv = Table(
+            title=f"serving {serving.requests} requests at {serving.arrival_rate:g} req/s (continuous batching, at "
+                  f"most {serving.max_batch} in flight)"
+        )
         sv.add_column("metric")
         sv.add_column("p50", justify="right")
         sv.add_column("p99", justify="right")
@@ -214,10 +302,29 @@ def cmd_validate(args: argparse.Namespace) -> int:
     data = args.data or _default_data()
     results, summary = validate(data, _load_params(args))
     if args.json:
-        print(json.dumps({"summary": summary, "rows": [
-            {"id": r.row.id, "model": r.row.model, "hardware": r.row.hardware, "metric": r.row.metric, "published": r.row.value,
-             "predicted": r.predicted, "error_factor": r.error_factor, "devices": r.devices, "skipped": r.skipped,
-             "spec_decoding": r.row.spec_decoding} for r in results]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "summary": summary,
+                    "rows": [
+                        {
+                            "id": r.row.id,
+                            "model": r.row.model,
+                            "hardware": r.row.hardware,
+                            "metric": r.row.metric,
+                            "published": r.row.value,
+                            "predicted": r.predicted,
+                            "error_factor": r.error_factor,
+                            "devices": r.devices,
+                            "skipped": r.skipped,
+                            "spec_decoding": r.row.spec_decoding,
+                        }
+                        for r in results
+                    ],
+                },
+                indent=1,
+            )
+        )
         return 0
     from rich.table import Table
 
@@ -227,18 +334,41 @@ def cmd_validate(args: argparse.Namespace) -> int:
         t.add_column(c, justify="right" if c in ("chips", "bits", "published", "predicted", "error x") else "left")
     for r in results:
         if r.predicted is None:
-            t.add_row(r.row.id, r.row.model, r.row.hardware, "", str(r.row.weight_bits), r.row.spec_decoding, r.row.metric,
-                      f"{r.row.value:g}", "skipped", r.skipped[:60])
+            t.add_row(
+                r.row.id,
+                r.row.model,
+                r.row.hardware,
+                "",
+                str(r.row.weight_bits),
+                r.row.spec_decoding,
+                r.row.metric,
+                f"{r.row.value:g}",
+                "skipped",
+                r.skipped[:60],
+            )
             continue
         e = r.error_factor or 0
         col = "green" if e <= 1.25 else "yellow" if e <= 2 else "red"
-        t.add_row(r.row.id, r.row.model, r.row.hardware, str(r.devices), str(r.row.weight_bits), r.row.spec_decoding, r.row.metric,
-                  f"{r.row.value:g}", f"{r.predicted:.4g}", f"[{col}]{e:.2f}[/{col}]")
+        t.add_row(
+            r.row.id,
+            r.row.model,
+            r.row.hardware,
+            str(r.devices),
+            str(r.row.weight_bits),
+            r.row.spec_decoding,
+            r.row.metric,
+            f"{r.row.value:g}",
+            f"{r.predicted:.4g}",
+            f"[{col}]{e:.2f}[/{col}]",
+        )
     con.print(t)
     if summary["median_error_factor"] is not None:
-        con.print(f"median error factor {summary['median_error_factor']:.3f}, max {summary['max_error_factor']:.3f}; "
-                  f"{summary['within_1_25']}/{summary['predicted']} within 1.25x, {summary['within_2']}/{summary['predicted']} within 2x"
-                  + (f"; {summary['skipped']} skipped" if summary["skipped"] else ""))
+        con.print(
+            f"median error factor {summary['median_error_factor']:.3f}, max {summary['max_error_factor']:.3f}; "
+            f"{summary['within_1_25']}/{summary['predicted']} within 1.25x, "
+            f"{summary['within_2']}/{summary['predicted']} within 2x"
+            + (f"; {summary['skipped']} skipped" if summary["skipped"] else "")
+        )
     return 0
 
 
@@ -250,11 +380,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     if args.combine:
         return _combine_calibrations(args)
-    if args.measure or not args.published:  # measure this host (the default)
+    if args.measure or args.published is None:  # measure this host (the default)
         return _calibrate_host(args)
-    params, report = fit(args.published, base=_load_params(args), restarts=args.restarts, iters=args.iters)
+    data = args.published or _default_data()  # --published alone: the shipped published results
+    params, report = fit(data, base=_load_params(args), restarts=args.restarts, iters=args.iters)
     out = Path(args.out) if args.out else FITTED_PATH
-    save_fitted(params, out, str(args.published))
+    save_fitted(params, out, args.published)
     report["written"] = str(out)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
@@ -262,7 +393,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"fitted on {args.published} ({report['rows']} rows, {report['free_parameters']} parameters, {report['seconds']:.1f} s)")
+    t = Table(
+        title=f"fitted on {data} ({report['rows']} rows, {report['free_parameters']} parameters, "
+              f"{report['seconds']:.1f} s)"
+    )
     t.add_column("parameter")
     t.add_column("value", justify="right")
     for k, v in report["params"].items():
@@ -285,8 +419,14 @@ def _progress_bar(quiet: bool):
 
     @contextlib.contextmanager
     def bar():
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                      console=Console(stderr=True), transient=False) as prog:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.percentage:>3.0f}%"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        ) as prog:
             task = prog.add_task("starting", total=1.0)
             yield lambda what, frac: prog.update(task, completed=frac, description=what)
     return bar()
@@ -294,14 +434,20 @@ def _progress_bar(quiet: bool):
 
 def _combine_calibrations(args: argparse.Namespace) -> int:
     """`waferline calibrate --combine A.yaml B.yaml ... --out FILE`: the median of several calibrations."""
+    from waferline.sim.calibrate.hardware_yaml import write_combined_yaml
     from waferline.sim.host import HostParams
-    from waferline.sim.measure import write_combined_yaml
 
     out = Path(args.out or "hardware-host.yaml")
     write_combined_yaml(out, args.combine)
     host = HostParams.load(out)  # the result loads like any calibration
-    summary = {"written": str(out), "combined": list(args.combine), "op_overhead_s": host.op_overhead_s, "canary_s": host.canary_s,
-               "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation}
+    summary = {
+        "written": str(out),
+        "combined": list(args.combine),
+        "op_overhead_s": host.op_overhead_s,
+        "canary_s": host.canary_s,
+        "stage_step_cpu_s": host.stage_step_cpu_s,
+        "stage_cpu_inflation": host.stage_cpu_inflation,
+    }
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
@@ -314,8 +460,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     """`waferline calibrate [--quick] [--out FILE]`: measure this host, write its hardware YAML."""
     import time
 
+    from waferline.sim.calibrate.hardware_yaml import write_host_yaml
     from waferline.sim.host import HostParams
-    from waferline.sim.measure import write_host_yaml
     from waferline.spec.hardware import load_hardware_file
 
     out = Path(args.out or "hardware-host.yaml")
@@ -325,23 +471,44 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     hw = load_hardware_file(out)
     host = HostParams.load(out)
     secs = time.perf_counter() - t0
-    summary = {"written": str(out), "seconds": secs, "phase_seconds": d["host_engine"]["measured"].get("phase_seconds"),
-               "name": d["name"], "cores": host.cores,
-               "memory_bandwidth_1_thread": host.memory_bandwidth, "matmul_flops": hw.flops,
-               "linear": {k: {"bytes_per_s": v.bytes_per_s, "flops_per_s": v.flops_per_s, "t0_s": v.t0_s} for k, v in host.linear.items()},
-               "op_overhead_s": host.op_overhead_s, "step_overhead_s": host.step_overhead_s,
-               "link": {"latency_s": host.link_latency_s, "bytes_per_s": host.link_bytes_per_s, "cpu_per_message_s": host.link_cpu_s},
-               "pipeline_hop_overhead_s": host.hop_overhead_s, "pipeline_hop_latency_s": host.hop_latency_s, "cuda": d["host_engine"].get("cuda") is not None,
-               "load_average_1m": host.measured.get("load_average_1m"),
-               "stage_step_cpu_s": host.stage_step_cpu_s, "stage_cpu_inflation": host.stage_cpu_inflation,
-               "chain_wall_per_cpu": host.chain_wall_per_cpu, "oversubscribed": host.oversubscribed,
-               "canary_s": host.canary_s}
+    summary = {
+        "written": str(out),
+        "seconds": secs,
+        "phase_seconds": d["host_engine"]["measured"].get("phase_seconds"),
+        "name": d["name"],
+        "cores": host.cores,
+        "memory_bandwidth_1_thread": host.memory_bandwidth,
+        "matmul_flops": hw.flops,
+        "linear": {
+            k: {"bytes_per_s": v.bytes_per_s, "flops_per_s": v.flops_per_s, "t0_s": v.t0_s}
+            for k, v in host.linear.items()
+        },
+        "op_overhead_s": host.op_overhead_s,
+        "step_overhead_s": host.step_overhead_s,
+        "link": {
+            "latency_s": host.link_latency_s,
+            "bytes_per_s": host.link_bytes_per_s,
+            "cpu_per_message_s": host.link_cpu_s,
+        },
+        "pipeline_hop_overhead_s": host.hop_overhead_s,
+        "pipeline_hop_latency_s": host.hop_latency_s,
+        "cuda": d["host_engine"].get("cuda") is not None,
+        "load_average_1m": host.measured.get("load_average_1m"),
+        "stage_step_cpu_s": host.stage_step_cpu_s,
+        "stage_cpu_inflation": host.stage_cpu_inflation,
+        "chain_wall_per_cpu": host.chain_wall_per_cpu,
+        "oversubscribed": host.oversubscribed,
+        "canary_s": host.canary_s,
+    }
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0
     from rich.table import Table
 
-    t = Table(title=f"{d['name']}: measured in {secs:.0f} s (load average {summary['load_average_1m']:.2f}; one thread per process)")
+    t = Table(
+        title=f"{d['name']}: measured in {secs:.0f} s (load average {summary['load_average_1m']:.2f}; one thread per "
+              "process)"
+    )
     t.add_column("figure")
     t.add_column("value", justify="right")
     t.add_row("cores", str(host.cores))
@@ -349,25 +516,39 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     for k, v in hw.flops.items():
         t.add_row(f"matmul {k}, 1 thread", f"{v / 1e9:.1f} GFLOP/s")
     for k, v in host.linear.items():
-        t.add_row(f"linear {k}: weights / s, FLOP/s, fixed", f"{v.bytes_per_s / 1e9:.1f} GB/s, {v.flops_per_s / 1e9:.1f} GFLOP/s, {v.t0_s * 1e6:.1f} us")
+        t.add_row(
+            f"linear {k}: weights / s, FLOP/s, fixed",
+            f"{v.bytes_per_s / 1e9:.1f} GB/s, {v.flops_per_s / 1e9:.1f} GFLOP/s, {v.t0_s * 1e6:.1f} us",
+        )
     for k, v in host.op_overhead_s.items():
         t.add_row(f"engine per-op overhead ({k})", f"{v * 1e6:.2f} us/op + {host.step_overhead_s[k] * 1e6:.0f} us/step")
-    t.add_row("gloo link (engine Link): latency, bandwidth", f"{host.link_latency_s * 1e6:.0f} us, {host.link_bytes_per_s / 1e9:.2f} GB/s")
+    t.add_row(
+        "gloo link (engine Link): latency, bandwidth",
+        f"{host.link_latency_s * 1e6:.0f} us, {host.link_bytes_per_s / 1e9:.2f} GB/s",
+    )
     t.add_row("gloo CPU per message", f"{host.link_cpu_s * 1e6:.0f} us")
-    t.add_row("pipeline hop as the engine sees it", "not measured" if host.hop_latency_s is None else f"{host.hop_latency_s * 1e6:.0f} us")
+    t.add_row(
+        "pipeline hop as the engine sees it",
+        "not measured" if host.hop_latency_s is None else f"{host.hop_latency_s * 1e6:.0f} us",
+    )
     t.add_row("stage process CPU per step besides compute; compute inflation",
               "not measured" if host.stage_step_cpu_s is None else
               f"{host.stage_step_cpu_s * 1e6:.0f} us; +{host.stage_cpu_inflation * 100:.0f}%")
     ov = host.oversubscribed
     if "mS_step_cpu_s" in ov:
-        t.add_row(f"the same with {ov.get('stages', 0):.0f} stage processes on {host.cores} cores: 1 / all micro-batches",
-                  f"{ov['m1_step_cpu_s'] * 1e6:.0f} us, +{ov['m1_cpu_inflation'] * 100:.0f}%; "
-                  f"{ov['mS_step_cpu_s'] * 1e6:.0f} us, +{ov['mS_cpu_inflation'] * 100:.0f}%")
+        t.add_row(
+            f"the same with {ov.get('stages', 0):.0f} stage processes on {host.cores} cores: 1 / all micro-batches",
+            f"{ov['m1_step_cpu_s'] * 1e6:.0f} us, +{ov['m1_cpu_inflation'] * 100:.0f}%; "
+            f"{ov['mS_step_cpu_s'] * 1e6:.0f} us, +{ov['mS_cpu_inflation'] * 100:.0f}%",
+        )
     t.add_row(f"parallel ceiling ({host.cores} processes at once)",
               "not measured" if host.parallel_ceiling is None else f"{host.parallel_ceiling:.2f} cores")
     t.add_row("canary: a fixed engine workload, wall per token (twin reruns it per Plan)",
               "not measured" if host.canary_s is None else f"{host.canary_s * 1e3:.2f} ms")
-    t.add_row("last-level cache (weights that fit run from it)", "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB")
+    t.add_row(
+        "last-level cache (weights that fit run from it)",
+        "unknown" if host.llc_bytes is None else f"{host.llc_bytes / 2**20:.0f} MB",
+    )
     t.add_row("CUDA", "measured" if summary["cuda"] else "no device")
     con = _console()
     con.print(t)
@@ -409,68 +590,108 @@ def register(subparsers: Any) -> None:
     s.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default: --batch)")
     s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
     s.add_argument("--accept-rate", type=float, default=None, help="per-token acceptance (default: fitted per method)")
-    s.add_argument("--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)")
+    s.add_argument(
+        "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)"
+    )
     s.add_argument("--draft-model", default=None, help="draft model for --speculative draft (default llama-3.2-1b)")
     s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")
-    s.add_argument("--arrival-rate", type=float, default=None, help="also simulate serving Poisson arrivals at this rate (req/s)")
-    s.add_argument("--num-requests", type=int, default=200, help="requests in the serving simulation")
+    s.add_argument(
+        "--arrival-rate", type=float, default=None, help="also simulate serving Poisson arrivals at this rate (req/s)"
+    )
+    s.add_argument("--num-requests", type=int, default=None,
+                   help="requests in the serving simulation (with --arrival-rate; default 200)")
     s.set_defaults(func=cmd_simulate)
 
     v = subparsers.add_parser("validate", help="compare predictions with a CSV of published results")
-    v.add_argument("--data", default=None, help=f"results CSV (default {DEFAULT_DATA})")
+    v.add_argument("--data", default=None, help=f"results CSV (default: {DEFAULT_DATA})")
     v.add_argument("--params", default=None, help="simulator parameter YAML (default: sim/fitted.yaml)")
     v.add_argument("--json", action="store_true")
     v.set_defaults(func=cmd_validate)
 
-    c = subparsers.add_parser("calibrate", help="measure this host and write its hardware YAML (or --published: re-fit the simulator)",
-                              description="Without --published: measure this machine (~1-2 min) -- copy bandwidth, fp32/bf16/int4 "
-                              "matmul and GEMV speed, the fused operators' rates, the engine's per-op, per-step and per-product decode "
-                              "and prefill overheads, the gloo link between two "
-                              "local processes and the pipeline's per-hop overhead (and CUDA numbers when a GPU is present) -- and "
-                              "write a hardware YAML with every figure marked measured (date, method). With --published CSV: "
-                              "re-fit the simulator's fitted parameters on published results.")
-    c.add_argument("--published", default=None, help="results CSV to fit the simulator's parameters on")
+    c = subparsers.add_parser(
+        "calibrate",
+        help="measure this host and write its hardware YAML (or --published: re-fit the simulator)",
+        description="Without --published: measure this machine (~1-2 min) -- copy bandwidth, fp32/bf16/int4 "
+        "matmul and GEMV speed, the fused operators' rates, the engine's per-op, per-step and per-product decode "
+        "and prefill overheads, the gloo link between two "
+        "local processes and the pipeline's per-hop overhead (and CUDA numbers when a GPU is present) -- and "
+        "write a hardware YAML with every figure marked measured (date, method). With --published [CSV]: "
+        "re-fit the simulator's fitted parameters on published results (default: the ones shipped "
+        "with waferline).",
+    )
+    c.add_argument("--published", nargs="?", const="", default=None, metavar="CSV",
+                   help=f"re-fit the simulator's parameters on a results CSV (alone: {DEFAULT_DATA})")
     c.add_argument("--measure", action="store_true", help="measure this host (the default without --published)")
-    c.add_argument("--quick", action="store_true", help="smaller, noisier probes and no pipeline probe (~20 s; for tests)")
-    c.add_argument("--no-pipeline", action="store_true", help="skip the pipeline per-hop probe (it starts a stage process)")
-    c.add_argument("--combine", nargs="+", default=None, metavar="YAML",
-                   help="measure nothing: write the median of these calibrations of this host (every measured figure and "
-                   "probe point) to --out; steadier than any one run on a machine whose speed drifts")
-    c.add_argument("--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)")
+    c.add_argument(
+        "--quick", action="store_true", help="smaller, noisier probes and no pipeline probe (~20 s; for tests)"
+    )
+    c.add_argument(
+        "--no-pipeline", action="store_true", help="skip the pipeline per-hop probe (it starts a stage process)"
+    )
+    c.add_argument(
+        "--combine",
+        nargs="+",
+        default=None,
+        metavar="YAML",
+        help="measure nothing: write the median of these calibrations of this host (every measured figure and "
+        "probe point) to --out; steadier than any one run on a machine whose speed drifts",
+    )
+    c.add_argument(
+        "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
+    )
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
     c.add_argument("--restarts", type=int, default=2)
     c.add_argument("--iters", type=int, default=1500)
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 
-    tw = subparsers.add_parser("twin", help="run the engine on a grid of Plans and compare with the calibrated simulator",
-                               description="For every Plan of a grid (default: 16 -- stages 1 / 2 / one layer per stage, "
-                               "micro-batches, bf16 vs int4, speculation off / ngram / mtp, batch 1 / 8, AFD) run the engine "
-                               "(a child process per Plan, one thread per process), predict the same Plan with the simulator "
-                               "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
-                               "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
-                               "max. The grid is measured in --passes passes (the second in reverse order) and each Plan's "
-                               "fastest pass counts: this machine's speed moves by up to 1.3-2.4x for seconds to minutes at a time; "
-                               "the spread between a Plan's passes is printed as the machine's own noise (with one pass, the "
-                               "first Plan is run once more at the end instead). Plans the engine cannot run yet are listed as "
-                               "not available.")
+    tw = subparsers.add_parser(
+        "twin",
+        help="run the engine on a grid of Plans and compare with the calibrated simulator",
+        description="For every Plan of a grid (default: 16 -- stages 1 / 2 / one layer per stage, "
+        "micro-batches, bf16 vs int4, speculation off / ngram / mtp, batch 1 / 8, AFD) run the engine "
+        "(a child process per Plan, one thread per process), predict the same Plan with the simulator "
+        "on this host's calibrated hardware YAML, and print measured vs predicted decode tokens/s per "
+        "user and aggregate and TTFT, each with its error factor exp(|ln(pred/meas)|), then median and "
+        "max. The grid is measured in --passes passes (the second in reverse order) and each Plan's "
+        "fastest pass counts: this machine's speed moves by up to 1.3-2.4x for seconds to minutes at a time; "
+        "the spread between a Plan's passes is printed as the machine's own noise (with one pass, the "
+        "first Plan is run once more at the end instead). Plans the engine cannot run yet are listed as "
+        "not available.",
+    )
     tw.add_argument("--model", required=True, help="checkpoint directory (e.g. models/sol-mini)")
-    tw.add_argument("--hardware", default=None, help="hardware YAML from `waferline calibrate` (default: calibrate this host "
-                    "now, cached for a day under ~/.cache/waferline)")
-    tw.add_argument("--grid", default="default", help="'default' or a YAML list of points, e.g. "
-                    "'- {stages: 2, micro_batches: 2, batch: 8, weight_bits: 4}' (fields: stages (int or L), micro_batches, "
-                    "weight_bits 16|4, speculative none|ngram|mtp, k, batch, afd, attention_ranks, ffn_ranks)")
+    tw.add_argument(
+        "--hardware",
+        default=None,
+        help="hardware YAML from `waferline calibrate` (default: calibrate this host "
+        "now, cached for a day under ~/.cache/waferline)",
+    )
+    tw.add_argument(
+        "--grid",
+        default="default",
+        help="'default' or a YAML list of points, e.g. "
+        "'- {stages: 2, micro_batches: 2, batch: 8, weight_bits: 4}' (fields: stages (int or L), micro_batches, "
+        "weight_bits 16|4, speculative none|ngram|mtp, k, batch, afd, attention_ranks, ffn_ranks)",
+    )
     tw.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
     tw.add_argument("--output-len", type=int, default=32, help="new tokens per sequence (default 32)")
     tw.add_argument("--repeats", type=int, default=2, help="timed runs per Plan; the fastest counts (default 2)")
     tw.add_argument("--passes", type=int, default=2, help="measure the whole grid this many times and keep each Plan's "
                     "fastest pass (default 2; 1 halves the time)")
-    tw.add_argument("--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists")
+    tw.add_argument(
+        "--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists"
+    )
     tw.add_argument("--timeout", type=float, default=300.0, help="seconds per Plan before its engine run is killed")
-    tw.add_argument("--no-canary", action="store_true", help="do not run the canary (a fixed engine workload, ~0.2 s) "
-                    "before each Plan; by default, with a calibration that recorded it, each Plan is also compared at the "
-                    "machine's speed of its runs ('machine x')")
-    tw.add_argument("--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)")
+    tw.add_argument(
+        "--no-canary",
+        action="store_true",
+        help="do not run the canary (a fixed engine workload, ~0.2 s) "
+        "before each Plan; by default, with a calibration that recorded it, each Plan is also compared at the "
+        "machine's speed of its runs ('machine x')",
+    )
+    tw.add_argument(
+        "--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)"
+    )
     tw.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     tw.set_defaults(func=cmd_twin)
 

@@ -6,12 +6,15 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError, FitError
 from waferline.plan.plan import MemoryBreakdown, Plan, SpeculativeConfig, Stage
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import quantized_bytes
+
+if TYPE_CHECKING:
+    from waferline.spec.model import ModelSpec
 
 # Activation workspace per stage: tokens in flight x hidden x 2 bytes x this factor (residual, q/k/v, MLP
 # intermediate, attention scores, double buffers). Assumed, not fitted: it is small next to weights and cache.
@@ -44,7 +47,9 @@ class _Part:
 _PARTS_CACHE: dict[tuple, list[_Part]] = {}
 
 
-def _parts(spec: Any, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int) -> list[_Part]:
+def _parts(
+    spec: ModelSpec, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int
+) -> list[_Part]:
     """Per-layer memory of ``role`` parts (cached per model and precision: sweeps reuse it)."""
     key = (id(spec), spec.name, role, weight_bits, kv_bits, context, batch, group)
     hit = _PARTS_CACHE.get(key)
@@ -86,11 +91,13 @@ def cache_per_device(cache: float, n_dev: int, shards: int) -> float:
     return cache / (min(n_dev, shards) if shards else n_dev)
 
 
-def _activation_bytes(spec: Any, batch: int, chunk: int) -> float:
+def _activation_bytes(spec: ModelSpec, batch: int, chunk: int) -> float:
     return max(batch, chunk) * spec.hidden_size * 2 * ACTIVATION_FACTOR
 
 
-def _stage_memory(parts: list[_Part], n_dev: int, hw: HardwareSpec, act: float, extra_weights: float) -> MemoryBreakdown:
+def _stage_memory(
+    parts: list[_Part], n_dev: int, hw: HardwareSpec, act: float, extra_weights: float
+) -> MemoryBreakdown:
     w = (sum(p.weights for p in parts) + extra_weights) / n_dev
     c = sum(cache_per_device(p.cache, n_dev, p.kv_shards) for p in parts)
     return MemoryBreakdown(weights=w, cache=c, activations=act, reserve=hw.memory_bytes * hw.reserve_fraction,
@@ -128,14 +135,18 @@ def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_e
     bounds = starts + [len(parts)]
     groups = [parts[bounds[i]:bounds[i + 1]] for i in range(len(starts))]
     while len(groups) < n:  # use every device: split the largest splittable group
-        gi = max((i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: sum(p.weights + p.cache for p in groups[i]))
+        gi = max(
+            (i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: sum(p.weights + p.cache for p in groups[i])
+        )
         g = groups[gi]
         half = len(g) // 2
         groups[gi:gi + 1] = [g[:half], g[half:]]
     return groups
 
 
-def _greedy_pack(parts: list[_Part], hw: HardwareSpec, act: float, first_extra: float, last_extra: float) -> list[tuple[list[_Part], int]]:
+def _greedy_pack(
+    parts: list[_Part], hw: HardwareSpec, act: float, first_extra: float, last_extra: float
+) -> list[tuple[list[_Part], int]]:
     """Fewest devices: fill one device with consecutive parts; a part too big for one device gets several."""
     avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
     out: list[tuple[list[_Part], int]] = []
@@ -187,7 +198,7 @@ def ffn_owner(layer: int, ranks: int) -> int:
     return layer % ranks
 
 
-def _place_afd_ranks(spec: Any, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
+def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
                      batch: int, group: int, act: float, emb: float, head: float) -> list[Stage]:
     """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding
     and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
@@ -216,9 +227,20 @@ def _place_afd_ranks(spec: Any, hw: HardwareSpec, M: int, N: int, weight_bits: i
     dev = 0
     for m in range(M):
         n_dev = _devices_needed(sum(p.weights + p.cache for p in att) + emb + head, hw, act)
-        stages.append(Stage(index=m, role="attention", layers=[p.layer for p in att], device=hw.name,
-                            device_ids=list(range(dev, dev + n_dev)), weight_bits=weight_bits, kv_bits=kv_bits,
-                            has_embedding=True, has_lm_head=True, memory=_stage_memory(att, n_dev, hw, act, emb + head)))
+        stages.append(
+            Stage(
+                index=m,
+                role="attention",
+                layers=[p.layer for p in att],
+                device=hw.name,
+                device_ids=list(range(dev, dev + n_dev)),
+                weight_bits=weight_bits,
+                kv_bits=kv_bits,
+                has_embedding=True,
+                has_lm_head=True,
+                memory=_stage_memory(att, n_dev, hw, act, emb + head),
+            )
+        )
         dev += n_dev
     for n in range(N):
         parts = []
@@ -284,7 +306,9 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
 
     if afd and (attention_ranks is not None or ffn_ranks is not None):
         if devices is not None or layers_per_stage is not None:
-            raise ConfigError("--attention-ranks/--ffn-ranks size each rank to fit; drop --devices / --layers-per-stage")
+            raise ConfigError(
+                "--attention-ranks/--ffn-ranks size each rank to fit; drop --devices / --layers-per-stage"
+            )
         M, N = attention_ranks or 1, ffn_ranks or 1
         stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, emb, head)
         notes.append(f"attention/FFN disaggregation as the engine runs it: {M} data-parallel attention rank(s) "
@@ -317,7 +341,9 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         stages = mk_stages(ga, "attention", 0, 0, True)
         n_att = sum(n for _, n in ga)
         stages += mk_stages(gf, "ffn", n_att, len(stages), False)
-        notes.append(f"attention/FFN disaggregation: {n_att} attention device(s), {sum(n for _, n in gf)} FFN device(s)")
+        notes.append(
+            f"attention/FFN disaggregation: {n_att} attention device(s), {sum(n for _, n in gf)} FFN device(s)"
+        )
     elif hw.placement == "pipeline":
         parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size)
         if devices is None and layers_per_stage is None:
@@ -332,11 +358,27 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             groups = _split_into(parts, devices, hw, act, layers_per_stage, emb, head)
             used = sum(n for _, n in groups)
             if used < devices:
-                notes.append(f"{devices - used} of {devices} devices left idle: {len(parts)} layers cannot use them evenly")
+                notes.append(
+                    f"{devices - used} of {devices} devices left idle: {len(parts)} layers cannot use them evenly"
+                )
         stages = mk_stages(groups, "full", 0, 0, True)
     else:
-        stages = _place_tensor(spec, hw, devices, layers_per_stage, weight_bits, kv_bits, context, batch, group_size, act, emb,
-                               head, mk_stages, notes)
+        stages = _place_tensor(
+            spec,
+            hw,
+            devices,
+            layers_per_stage,
+            weight_bits,
+            kv_bits,
+            context,
+            batch,
+            group_size,
+            act,
+            emb,
+            head,
+            mk_stages,
+            notes,
+        )
 
     plan = Plan(model=_model_ref(model, spec), hardware=_hardware_ref(hw), stages=stages, notes=notes, **kw)
     plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
@@ -362,7 +404,7 @@ def _hardware_ref_cached(name: str, path: str) -> str:
     return str(p.resolve())
 
 
-def _model_ref(model: Any, spec: Any) -> str:
+def _model_ref(model: Any, spec: ModelSpec) -> str:
     """The catalog id, or the config path / checkpoint dir the model came from."""
     from waferline.spec.catalog import MODELS_DIR
 
@@ -387,7 +429,7 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
     return [(g, per) for g in groups]
 
 
-def _place_tensor(spec: Any, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
+def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
                   context: int, batch: int, group: int, act: float, emb: float, head: float, mk_stages: Any,
                   notes: list[str]) -> list[Stage]:
     """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes."""
@@ -458,20 +500,29 @@ def explain(plan: Plan) -> list[str]:
                 "cache": "use a shorter --context, a smaller --batch, --kv-bits 8, or more devices",
                 "activations": "use a smaller --batch or prefill chunk",
                 "reserve": "the device is too small for this model"}[big]
-        out.append(f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
-                   f" + cache {_gb(m.cache)} + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"
-                   f" = {_gb(m.total)} > capacity {_gb(m.capacity)} by {_gb(m.total - m.capacity)} ({m.total - m.capacity:.0f} bytes);"
-                   f" largest term: {big}; {hint}")
+        out.append(
+            f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
+            f" + cache {_gb(m.cache)} + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"
+            f" = {_gb(m.total)} > capacity {_gb(m.capacity)} by {_gb(m.total - m.capacity)} "
+            f"({m.total - m.capacity:.0f} bytes);"
+            f" largest term: {big}; {hint}"
+        )
     return out
 
 
-def _fits_cache(plan: Plan, spec: Any, hw: HardwareSpec, ctx: int, batch: int) -> bool:
+def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: int) -> bool:
     by_index = {layer.index: layer for layer in spec.layers}
     for s in plan.stages:
         if s.role == "ffn":
             continue
-        cache = sum(cache_per_device(batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS), s.num_devices,
-                                     kv_shard_limit(by_index[i])) for i in s.layers)
+        cache = sum(
+            cache_per_device(
+                batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS),
+                s.num_devices,
+                kv_shard_limit(by_index[i]),
+            )
+            for i in s.layers
+        )
         if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
             return False
     return True

@@ -134,15 +134,19 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         try:
             d = dict(d)
             if d.get("version", PLAN_VERSION) != PLAN_VERSION:
-                raise ConfigError(f"plan version {d.get('version')} is not supported (this waferline reads version {PLAN_VERSION})")
+                raise ConfigError(
+                    f"plan version {d.get('version')} is not supported (this waferline reads version {PLAN_VERSION})"
+                )
             stages = []
             for sd in d.pop("stages"):
                 sd = dict(sd)
-                mem = {k: v for k, v in (sd.pop("memory", None) or {}).items() if k in MemoryBreakdown.__dataclass_fields__}
+                mem = {
+                    k: v for k, v in (sd.pop("memory", None) or {}).items() if k in MemoryBreakdown.__dataclass_fields__
+                }
                 stages.append(Stage(memory=MemoryBreakdown(**mem), **sd))
             spec = SpeculativeConfig(**(d.pop("speculative", None) or {}))
             return cls(stages=stages, speculative=spec, **d)
@@ -152,7 +156,7 @@ class Plan:
             raise ConfigError(f"malformed plan: missing {e.args[0]!r}") from None
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
+    def from_json(cls, text: str) -> Plan:
         try:
             return cls.from_dict(json.loads(text))
         except json.JSONDecodeError as e:
@@ -162,7 +166,7 @@ class Plan:
         Path(path).write_text(self.to_json())
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"no plan file at {p}")

@@ -2,13 +2,21 @@
 
 Every request goes to one ``EngineLoop`` (continuous batching in a background thread); tokens come back through
 a per-request asyncio queue. A client that disconnects has its sequence aborted, which frees its slot and pages.
+
+A bad request fails alone: bodies are read under a deadline (408) and a size limit (413), parsed as strict JSON
+(400), and tokenized in a worker thread, so neither a slow upload nor a huge prompt holds up the event loop that
+streams everyone else's tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
+import ipaddress
 import json
+import logging
+import socket
 import threading
 import time
 import uuid
@@ -20,14 +28,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from waferline.engine.sampling import SamplingParams
 from waferline.engine.scheduler import EngineLoop, Event, QueueFullError
 from waferline.errors import RequestError
-from waferline.server.metrics import Metrics
+from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest, CompletionRequest, error_body, parse
 
-MAX_SEED = 2**44  # seed * 1_000_003 must fit the 64-bit generator seed
+log = logging.getLogger("waferline.server")
+
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (an OpenAI request needs a handful)
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
+LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
 
 # The chat prompt when the tokenizer config has no chat_template: one block per message, then the assistant's.
 FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
@@ -37,23 +50,62 @@ FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
 class Server:
     """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key."""
 
-    def __init__(self, engine: EngineLoop, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20):
+    def __init__(self, engine: EngineLoop, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = ()):
         self.engine = engine
         self.llm = engine.scheduler.llm
         self.model_name = model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout  # seconds for a request's whole body to arrive (408 beyond)
+        # Host names a key-less server answers besides localhost, IP literals and the address the request came in on
+        self.allowed_hosts = {h.lower().rstrip(".") for h in (*allowed_hosts, socket.gethostname()) if h}
         self.metrics = Metrics(engine)
         self.created = int(time.time())
-        self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock
+        self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock  # shared with the engine's decoding
+        # Prompts are encoded by a copy of the tokenizer under a lock of their own: a long encode in a worker thread
+        # must not hold the lock the engine thread takes to detokenize every stream's next token.
+        self.encode_tokenizer, self.encode_lock = self.llm.tokenizer, self.tokenizer_lock
+        if self.llm.tokenizer is not None:
+            try:
+                self.encode_tokenizer, self.encode_lock = copy.deepcopy(self.llm.tokenizer), threading.Lock()
+            except Exception:  # a tokenizer that cannot be copied: share the engine's, under its lock
+                pass
 
     # -- request pieces
+    def check_host(self, request: Request) -> None:
+        """Without an API key, answer only requests addressed to this machine by a local name or an IP address: a web
+        page cannot then reach the server through a DNS name it controls (DNS rebinding)."""
+        if self.api_key is not None:
+            return
+        host = request.headers.get("host")
+        if host is None:
+            return  # (HTTP/1.0 without Host: not a browser)
+        name = _host_name(host)
+        local = request.scope.get("server")
+        if (name in self.allowed_hosts or name in LOCAL_HOST_NAMES or name.endswith(".localhost") or _is_ip(name)
+                or (local and name == str(local[0]).lower())):
+            return
+        raise APIError(f"the Host header '{host[:100]}' is not accepted: without --api-key this server answers only "
+                       "requests addressed to localhost, an IP address or this machine's name", 403,
+                       code="invalid_host")
+
+    def check_json_type(self, request: Request) -> None:
+        """Bodies must be declared JSON: a browser cannot send that cross-origin without a CORS preflight (which this
+        server does not grant), unlike text/plain or form bodies."""
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
+            raise APIError(f"unsupported content type '{ctype[:100] or '(none)'}': send the body as JSON with the "
+                           "header 'Content-Type: application/json'", 415, code="unsupported_media_type")
+
     def check_auth(self, request: Request) -> None:
         if self.api_key is None:
             return
         auth = request.headers.get("authorization", "")
         if not auth:
-            raise APIError("missing API key: send the header 'Authorization: Bearer <key>'", 401, code="invalid_api_key")
+            raise APIError(
+                "missing API key: send the header 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
+            )
         scheme, _, key = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError("invalid API key", 401, code="invalid_api_key")
@@ -65,40 +117,66 @@ class Server:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, n = [], 0
-        async for chunk in request.stream():
-            n += len(chunk)
-            if n > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            log.warning("%s %s: the request body did not arrive within %g s (%d of %s bytes); answered 408",
+                        _client(request), request.url.path, self.body_timeout, n, declared or "?")
+            # (close the connection: the rest of this body may still be on its way)
+            raise APIError(f"the request body did not arrive within {self.body_timeout:g} s", 408,
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.warning("%s %s: the client disconnected during the upload (%d of %s bytes)", _client(request),
+                        request.url.path, n, declared or "?")
+            raise APIError("the client disconnected during the upload", DISCONNECTED,
+                           code="client_disconnected") from None
         raw = b"".join(chunks)
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise APIError(f"request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
             raise APIError(f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise APIError(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+        except ValueError:  # an integer beyond the interpreter's digit limit (sys.get_int_max_str_digits)
+            raise APIError("malformed JSON body: a number with too many digits") from None
         _check_strings(data)
         return data
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
-            raise APIError(f"the model '{name}' does not exist; this server serves '{self.model_name}' (see /v1/models)",
-                           404, param="model", code="model_not_found")
+            raise APIError(
+                f"the model '{name}' does not exist; this server serves '{self.model_name}' (see /v1/models)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
 
     def encode(self, text: str) -> list[int]:
-        if self.llm.tokenizer is None:
+        """Tokenize a prompt (blocking: the handlers call it through ``asyncio.to_thread``)."""
+        if self.encode_tokenizer is None:
             raise APIError("this model has no tokenizer (tokenizer.json): send the prompt as a list of token ids",
                            param="prompt")
-        with self.tokenizer_lock:
-            return list(self.llm.tokenizer.encode(text, add_special_tokens=False))
+        with self.encode_lock:
+            return list(self.encode_tokenizer.encode(text, add_special_tokens=False))
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
+        """Render and tokenize a chat prompt (blocking, like ``encode``)."""
         tok = self.llm.tokenizer
         if tok is None:
-            raise APIError("this model has no tokenizer (tokenizer.json), so chat is not available; use /v1/completions "
-                           "with token ids", param="messages")
+            raise APIError(
+                "this model has no tokenizer (tokenizer.json), so chat is not available; use /v1/completions "
+                "with token ids",
+                param="messages",
+            )
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
         if getattr(tok, "chat_template", None):
             try:
@@ -110,7 +188,9 @@ class Server:
             text = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
         return self.encode(text)
 
-    def sampling(self, req: Any, prompt_len: int, default_max: int | None) -> SamplingParams:
+    @staticmethod
+    def check_options(req: Any) -> None:
+        """Refuse (400) what this server does not do, rather than silently answering something else."""
         if req.n is not None and req.n != 1:
             raise APIError(f"n={req.n} is not supported: this server returns one choice per request (n=1)", param="n")
         if getattr(req, "best_of", None) not in (None, 1):
@@ -121,37 +201,64 @@ class Server:
             raise APIError("suffix is not supported", param="suffix")
         if req.logprobs not in (None, False):
             raise APIError("logprobs are not supported", param="logprobs")
+        if getattr(req, "top_logprobs", None) not in (None, 0):
+            raise APIError("top_logprobs are not supported", param="top_logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
                 raise APIError(f"{name} is not supported (only 0)", param=name)
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if not isinstance(req, ChatRequest):
+            return
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise APIError(f"{name} (function calling) is not supported by this server: send the request without "
+                               f"'{name}'", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise APIError(f"{name} is not supported (function calling is not available)", param=name)
+        fmt = req.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise APIError("response_format is not supported (only {\"type\": \"text\"}): structured output is not "
+                           "available", param="response_format")
+        if req.modalities is not None and list(req.modalities) != ["text"]:
+            raise APIError("modalities: only [\"text\"] is supported", param="modalities")
+        if req.audio is not None:
+            raise APIError("audio output is not supported", param="audio")
+
+    def sampling(self, req: Any, prompt_len: int, default_max: int | None) -> SamplingParams:
         max_tokens = req.max_tokens
         if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
             max_tokens = req.max_completion_tokens
         mml = self.engine.scheduler.max_model_len
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else mml - prompt_len
-        param = "max_completion_tokens" if isinstance(req, ChatRequest) and req.max_completion_tokens is not None else "max_tokens"
+        param = (
+            "max_completion_tokens"
+            if isinstance(req, ChatRequest) and req.max_completion_tokens is not None
+            else "max_tokens"
+        )
         if max_tokens < 1:
             raise APIError(f"{param} must be >= 1, got {max_tokens}", param=param)
         if prompt_len >= mml:
-            raise APIError(f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
-                           "(--max-model-len): shorten the prompt", param="messages" if isinstance(req, ChatRequest) else "prompt")
+            raise APIError(
+                f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
+                "(--max-model-len): shorten the prompt",
+                param="messages" if isinstance(req, ChatRequest) else "prompt",
+            )
         if prompt_len + max_tokens > mml:
             raise APIError(f"prompt of {prompt_len} tokens + {param}={max_tokens} exceeds the context of {mml} tokens; "
                            f"lower {param} to at most {mml - prompt_len}", param=param)
-        if req.seed is not None and not 0 <= req.seed < MAX_SEED:
-            raise APIError(f"seed must be in [0, 2**44), got {req.seed}", param="seed")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError("stop: give at most 16 non-empty strings", param="stop")
-        p = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                           top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed, stop=stop,
-                           stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
         try:
-            p.validate()
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                                  stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
         except RequestError as e:
-            raise APIError(str(e), param=str(e).split(" ", 1)[0]) from None
-        return p
+            raise APIError(str(e), param=_param_of(str(e))) from None
 
     # -- running a request
     def start(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[tuple[Event, float]]:
@@ -170,9 +277,10 @@ class Server:
         try:
             self.engine.submit(ids, params, sink, rid)
         except QueueFullError as e:
-            raise APIError(str(e), 429, type="rate_limit_error", code="queue_full") from None
+            raise APIError(str(e), 429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RequestError as e:
-            raise APIError(str(e)) from None
+            raise APIError(str(e), param=_param_of(str(e))) from None
         events = self._events(queue, rid, arrival)
         # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
         # generator's cleanup: abort when it is collected (a no-op for a request that already finished)
@@ -209,20 +317,63 @@ class Server:
 
 
 def _check_strings(data: Any) -> None:
-    """Reject JSON strings with lone surrogates (\\udXXX escapes): they are not valid Unicode text."""
-    stack = [data]
+    """Reject JSON strings with lone surrogates (\\udXXX escapes): they are not valid Unicode text; and bodies nested
+    deeper than MAX_JSON_DEPTH (what validates them, reports on them or copies them may recurse)."""
+    stack = [(data, 1)]
     while stack:
-        x = stack.pop()
+        x, depth = stack.pop()
         if isinstance(x, str):
             try:
                 x.encode("utf-8")
             except UnicodeEncodeError:
                 raise APIError("a string in the request is not valid Unicode (a lone surrogate escape)") from None
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-            stack.extend(x.keys())
-        elif isinstance(x, list):
-            stack.extend(x)
+        elif isinstance(x, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+            if isinstance(x, dict):
+                stack.extend((k, depth) for k in x.keys())
+                stack.extend((v, depth + 1) for v in x.values())
+            else:
+                stack.extend((v, depth + 1) for v in x)
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(f"malformed JSON body: {name} is not a JSON number")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine-side message is about (its first word, when that names a sampling field)."""
+    word = message.split(" ", 1)[0]
+    return word if word in SamplingParams.__dataclass_fields__ else None
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without port, brackets or a trailing dot, lowercased."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:].split("]", 1)[0]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "client"
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Return when the client goes away (the body has been read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(ev: Event) -> dict[str, int]:
@@ -241,7 +392,7 @@ def create_app(server: Server) -> FastAPI:
 
     def fail(endpoint: str, e: APIError) -> JSONResponse:
         m.requests.labels(endpoint, str(e.status)).inc()
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -250,21 +401,31 @@ def create_app(server: Server) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"), 500)
+        # (the traceback goes to the server log; the client learns only that the server failed)
+        return JSONResponse(error_body("internal server error (details are in the server log)", "server_error"), 500)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
+        try:
+            server.check_host(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         err = server.engine.last_error
         return JSONResponse({"status": "ok", "model": server.model_name, "running": server.engine.num_running,
                              "waiting": server.engine.num_waiting, "last_engine_error": err})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        try:
+            server.check_host(request)
+        except APIError as e:
+            return JSONResponse(e.body(), status_code=e.status)
         return PlainTextResponse(m.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         try:
+            server.check_host(request)
             server.check_auth(request)
         except APIError as e:
             return fail("models", e)
@@ -276,10 +437,13 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
+            server.check_host(request)
             server.check_auth(request)
+            server.check_json_type(request)
             req = parse(CompletionRequest, await server.json_body(request))
             server.check_model(req.model)
-            ids = _completion_prompt(server, req.prompt)
+            server.check_options(req)
+            ids = await _completion_prompt(server, req.prompt)
             params = server.sampling(req, len(ids), 16)
             return await _respond(server, request, "completions", req, ids, params)
         except APIError as e:
@@ -288,10 +452,13 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         try:
+            server.check_host(request)
             server.check_auth(request)
+            server.check_json_type(request)
             req = parse(ChatRequest, await server.json_body(request))
             server.check_model(req.model)
-            ids = server.chat_prompt(req)
+            server.check_options(req)
+            ids = await asyncio.to_thread(server.chat_prompt, req)  # off the event loop: it streams everyone's tokens
             params = server.sampling(req, len(ids), None)
             return await _respond(server, request, "chat", req, ids, params)
         except APIError as e:
@@ -300,12 +467,15 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def _completion_prompt(server: Server, prompt: Any) -> list[int]:
+async def _completion_prompt(server: Server, prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(f"batched prompts ({len(prompt)}) are not supported: send one prompt per request", param="prompt")
+            raise APIError(
+                f"batched prompts ({len(prompt)}) are not supported: send one prompt per request", param="prompt"
+            )
         prompt = prompt[0]
-    ids = server.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    # (tokenizing a long prompt takes a while: off the event loop, which streams everyone's tokens)
+    ids = await asyncio.to_thread(server.encode, prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise APIError("the prompt is empty: give at least one token", param="prompt")
     vocab = server.engine.scheduler.spec.vocab_size
@@ -329,17 +499,37 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, id
         m.requests.labels(endpoint, "200").inc()
         return StreamingResponse(_stream(events, base, chat, include_usage, req.return_token_ids),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    text, toks, last = [], [], None
+    text: list[str] = []
+    toks: list[int] = []
+    last: Event | None = None
+
+    async def collect() -> None:
+        nonlocal last
+        try:
+            async for ev, _ in events:
+                if ev.token_id is not None:
+                    toks.append(ev.token_id)
+                text.append(ev.text)
+                last = ev
+        finally:
+            await events.aclose()
+
+    # wait for the result or the client's disconnect, whichever comes first (a client that gives up while its request
+    # is queued is noticed at once, and its sequence is aborted before it takes a slot)
+    collector = asyncio.ensure_future(collect())
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    done: set[asyncio.Future] = set()
     try:
-        async for ev, _ in events:
-            if ev.token_id is not None:
-                toks.append(ev.token_id)
-            text.append(ev.text)
-            last = ev
-            if await request.is_disconnected():
-                break
+        done, _ = await asyncio.wait({collector, watcher}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await events.aclose()
+        for task in (collector, watcher):
+            task.cancel()  # (a no-op for the one that finished; cancelling the collector aborts the request)
+        await asyncio.gather(collector, watcher, return_exceptions=True)
+    if collector not in done:
+        raise APIError("the client disconnected before the response was ready", DISCONNECTED,
+                       code="client_disconnected")
+    if collector.exception() is not None:
+        raise collector.exception()
     if last is None or not last.finished or last.finish_reason == "error":
         msg = last.error if last is not None and last.error else "the request did not finish"
         raise APIError(msg, 500, type="server_error")

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from waferline.engine.scheduler import EngineLoop
+
+# The status a request is counted under when its client went away before the response (nginx's 499): neither a
+# success nor a server error.
+DISCONNECTED = 499
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
@@ -13,14 +20,17 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 class Metrics:
     """One registry per server (several servers can live in one process, e.g. in tests)."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: EngineLoop):
         self.engine = engine
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("waferline_requests", "HTTP requests to the API, by endpoint and status code",
+        self.requests = Counter("waferline_requests", "HTTP requests to the API, by endpoint and status code (499: "
+                                "the client disconnected first)",
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("waferline_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("waferline_generation_tokens", "tokens generated", registry=r)
-        self.finished = Counter("waferline_request_finished", "finished requests by finish reason", ["reason"], registry=r)
+        self.finished = Counter(
+            "waferline_request_finished", "finished requests by finish reason", ["reason"], registry=r
+        )
         self.ttft = Histogram("waferline_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram("waferline_inter_token_latency_seconds", "time between consecutive tokens of a request",
@@ -34,7 +44,9 @@ class Metrics:
         self.waiting = Gauge("waferline_num_requests_waiting", "requests in the queue, not yet admitted", registry=r)
         self.running = Gauge("waferline_num_requests_running", "requests being prefilled or decoded", registry=r)
         self.preemptions = Gauge("waferline_preemptions", "sequences preempted (recompute) since start", registry=r)
-        self.prefix_pages = Gauge("waferline_prefix_cache_pages", "pages kept by the prefix cache (evictable)", registry=r)
+        self.prefix_pages = Gauge(
+            "waferline_prefix_cache_pages", "pages kept by the prefix cache (evictable)", registry=r
+        )
         self.prefix_hits = Gauge("waferline_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache "
                                  "since start", registry=r)
 

@@ -13,9 +13,10 @@ class APIError(RequestError):
     """A request the server refuses: HTTP ``status`` with an OpenAI-style error object."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type, param, code
+        self.headers = headers  # extra response headers (Retry-After, Connection: close)
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.type, self.param, self.code)
@@ -26,8 +27,12 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+# strict: no coercion; allow_inf_nan=False: a number such as 1e999 (which JSON decoding makes infinite) is refused
+_STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
 
 
 class StreamOptions(_Strict):
@@ -48,6 +53,7 @@ class _Sampling(_Strict):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logprobs: Any = None
+    logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # extensions (as in vLLM): pass with extra_body=
     stop_token_ids: list[int] | None = None
@@ -68,7 +74,7 @@ class TextPart(_Strict):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -84,8 +90,15 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
+    # function calling, structured output and audio are not supported: these are parsed only to be refused (400)
     tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
     response_format: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
 
 
 def parse(cls: type[_Strict], data: Any) -> Any:
@@ -96,10 +109,16 @@ def parse(cls: type[_Strict], data: Any) -> Any:
         return cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "union[")) and x not in
-                       ("str", "int", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "float", "bool"))
+        loc = ".".join(
+            str(x)
+            for x in err["loc"]
+            if not str(x).startswith(("function-", "union["))
+            and x not in ("str", "int", "list[int]", "list[str]", "list[list[int]]", "list[TextPart]", "float", "bool")
+        )
         param = str(err["loc"][0]) if err["loc"] else None
-        raise APIError(f"invalid value for '{loc or param}': {err['msg']} (got {_short(err.get('input'))})", param=param) from None
+        raise APIError(
+            f"invalid value for '{loc or param}': {err['msg']} (got {_short(err.get('input'))})", param=param
+        ) from None
 
 
 def _short(v: Any) -> str:

@@ -1,1 +1,2 @@
-"""The simulator: per-op cost model, pipeline and serving simulation, validation and fitting against published results."""
+"""The simulator: per-op cost model, pipeline and serving simulation, validation and fitting against published
+results."""

@@ -1,16 +1,20 @@
-"""Per-layer and per-stage cost: roofline (bytes, FLOPs) plus explicit fixed latencies, with fitted parameters per device class."""
+"""Per-layer and per-stage cost: roofline (bytes, FLOPs) plus explicit fixed latencies, with fitted parameters per
+device class."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from waferline.errors import ConfigError
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec, quantized_bytes
+
+if TYPE_CHECKING:
+    from waferline.spec.model import ModelSpec
 
 FITTED_PATH = Path(__file__).parent / "fitted.yaml"
 STATE_BITS = 16
@@ -20,10 +24,28 @@ MOE_VECTOR_PASSES = 2  # dispatch and combine each stream the hidden vector once
 CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
     "bw_eff": (0.75, 0.3, 0.05, 1.0, "achieved fraction of peak memory bandwidth in decode"),
     "flops_eff": (0.5, 0.5, 0.02, 1.0, "achieved fraction of peak FLOP/s in prefill"),
-    "layer_latency_s": (10e-6, 1.5, 1e-7, 2e-4, "fixed latency per layer per decode step (launches, syncs; on a wafer the per-layer reduction across the mesh)"),
-    "hidden_latency_s": (1e-9, 3.0, 1e-13, 1e-8, "latency per hidden element per layer (streaming a d-vector through the on-chip fabric)"),
+    "layer_latency_s": (
+        10e-6,
+        1.5,
+        1e-7,
+        2e-4,
+        "fixed latency per layer per decode step (launches, syncs; on a wafer the per-layer reduction across the mesh)",
+    ),
+    "hidden_latency_s": (
+        1e-9,
+        3.0,
+        1e-13,
+        1e-8,
+        "latency per hidden element per layer (streaming a d-vector through the on-chip fabric)",
+    ),
     "moe_latency_s": (5e-6, 2.0, 1e-8, 2e-4, "extra latency per MoE layer (router top-k, token dispatch and combine)"),
-    "hop_latency_s": (5e-6, 1.5, 1e-7, 1e-4, "latency of one hop between devices of different stages (overrides the link's assumed latency)"),
+    "hop_latency_s": (
+        5e-6,
+        1.5,
+        1e-7,
+        1e-4,
+        "latency of one hop between devices of different stages (overrides the link's assumed latency)",
+    ),
 }
 
 
@@ -45,10 +67,21 @@ class SimParams:
     """All parameters that no datasheet gives: per device class, speculative acceptance, request overhead."""
 
     classes: dict[str, ClassParams] = field(default_factory=dict)
-    accept_rate: dict[str, float] = field(default_factory=lambda: {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.6, "ngram": 0.5})
-    num_tokens: dict[str, int] = field(default_factory=lambda: {"draft": 5, "mtp": 3, "eagle": 6, "medusa": 4, "ngram": 4})
-    draft_models: dict[str, str] = field(default_factory=lambda: {"llama": "llama-3.2-1b", "qwen3": "qwen3-0.6b", "qwen3_moe": "qwen3-0.6b",
-                                                                  "qwen3_next": "qwen3-0.6b", "default": "llama-3.2-1b"})
+    accept_rate: dict[str, float] = field(
+        default_factory=lambda: {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.6, "ngram": 0.5}
+    )
+    num_tokens: dict[str, int] = field(
+        default_factory=lambda: {"draft": 5, "mtp": 3, "eagle": 6, "medusa": 4, "ngram": 4}
+    )
+    draft_models: dict[str, str] = field(
+        default_factory=lambda: {
+            "llama": "llama-3.2-1b",
+            "qwen3": "qwen3-0.6b",
+            "qwen3_moe": "qwen3-0.6b",
+            "qwen3_next": "qwen3-0.6b",
+            "default": "llama-3.2-1b",
+        }
+    )
     ttft_overhead_s: float = 0.0
     default_prompt_len: int = 1000
     default_output_len: int = 500
@@ -64,7 +97,7 @@ class SimParams:
             return self.classes["gpu"]
         return ClassParams()
 
-    def copy(self) -> "SimParams":
+    def copy(self) -> SimParams:
         return replace(self, classes={k: replace(v, status=dict(v.status)) for k, v in self.classes.items()},
                        accept_rate=dict(self.accept_rate), num_tokens=dict(self.num_tokens),
                        draft_models=dict(self.draft_models), status=dict(self.status))
@@ -74,7 +107,12 @@ class SimParams:
         def val(v: Any, status: str) -> dict[str, Any]:
             if status == "fitted":
                 return {"value": v, "fitted": True}
-            return {"value": v, "assumed": status[len("assumed: "):] if status.startswith("assumed: ") else "prior, not constrained by the data"}
+            return {
+                "value": v,
+                "assumed": status[len("assumed: ") :]
+                if status.startswith("assumed: ")
+                else "prior, not constrained by the data",
+            }
 
         classes = {}
         for name, cp in self.classes.items():
@@ -88,23 +126,44 @@ class SimParams:
             "fitted_on": self.fitted_on,
             "classes": classes,
             "speculative": {
-                "accept_rate": {m: val(float(a), self.status.get(f"accept_rate.{m}", "assumed")) for m, a in self.accept_rate.items()},
-                "num_tokens": {m: {"value": int(k), "assumed": "default draft length per method"} for m, k in self.num_tokens.items()},
+                "accept_rate": {
+                    m: val(float(a), self.status.get(f"accept_rate.{m}", "assumed"))
+                    for m, a in self.accept_rate.items()
+                },
+                "num_tokens": {
+                    m: {"value": int(k), "assumed": "default draft length per method"}
+                    for m, k in self.num_tokens.items()
+                },
                 "draft_models": dict(self.draft_models),
             },
             "ttft_overhead_s": val(float(self.ttft_overhead_s), self.status.get("ttft_overhead_s", "assumed")),
-            "defaults": {"prompt_len": {"value": self.default_prompt_len, "assumed": "prompt length when a source does not state it"},
-                         "output_len": {"value": self.default_output_len, "assumed": "output length when a source does not state it"}},
+            "defaults": {
+                "prompt_len": {
+                    "value": self.default_prompt_len,
+                    "assumed": "prompt length when a source does not state it",
+                },
+                "output_len": {
+                    "value": self.default_output_len,
+                    "assumed": "output length when a source does not state it",
+                },
+            },
         }
 
     @classmethod
-    def from_yaml_dict(cls, d: dict[str, Any], where: str = "fitted.yaml") -> "SimParams":
+    def from_yaml_dict(cls, d: dict[str, Any], where: str = "fitted.yaml") -> SimParams:
         def num(x: Any, name: str) -> tuple[float, str]:
             if isinstance(x, dict):
                 if "value" not in x:
                     raise ConfigError(f"{where}: {name} has no value")
-                st = "fitted" if x.get("fitted") else ("assumed: " + str(x["assumed"]) if isinstance(x.get("assumed"), str) and
-                                                         not str(x["assumed"]).startswith("prior") else "assumed")
+                st = (
+                    "fitted"
+                    if x.get("fitted")
+                    else (
+                        "assumed: " + str(x["assumed"])
+                        if isinstance(x.get("assumed"), str) and not str(x["assumed"]).startswith("prior")
+                        else "assumed"
+                    )
+                )
                 return float(x["value"]), st
             return float(x), "assumed"
 
@@ -115,7 +174,9 @@ class SimParams:
                 cp = ClassParams(hop_latency_s=None)
                 for p, raw in (cd or {}).items():
                     if p not in CLASS_PARAMS:
-                        raise ConfigError(f"{where}: class {cname!r} has unknown parameter {p!r}; known: {', '.join(CLASS_PARAMS)}")
+                        raise ConfigError(
+                            f"{where}: class {cname!r} has unknown parameter {p!r}; known: {', '.join(CLASS_PARAMS)}"
+                        )
                     v, st = num(raw, f"{cname}.{p}")
                     setattr(cp, p, v)
                     cp.status[p] = st
@@ -189,7 +250,7 @@ class LayerCost:
 _TABLE_CACHE: dict[tuple, list[LayerCost]] = {}
 
 
-def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: int = 128) -> list[LayerCost]:
+def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, group: int = 128) -> list[LayerCost]:
     """Per-layer bytes / FLOPs of ``spec`` (cached: sweeps reuse it)."""
     key = (id(spec), spec.name, weight_bits, kv_bits, context, group)
     hit = _TABLE_CACHE.get(key)
@@ -209,14 +270,22 @@ def layer_table(spec: Any, weight_bits: int, kv_bits: int, context: int, group: 
         fb = layer.ffn_weight_bytes(weight_bits, group)
         total_f = layer.flops_per_token(context)
         mixer_f = layer.mixer_flops_per_token(context)
-        lc = LayerCost(index=layer.index, weight_bytes=layer.weight_bytes(weight_bits, group),
-                       mixer_bytes=layer.mixer_weight_bytes(weight_bits, group), ffn_bytes=fb,
-                       dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0), expert_bytes=eb,
-                       num_experts=ffn.num_experts if moe else 0, top_k=ffn.top_k if moe else 0,
-                       cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
-                       mixer_flops=mixer_f, ffn_flops=max(0.0, total_f - mixer_f), is_moe=moe,
-                       kv_shards=int(layer.mixer.num_kv_heads) if layer.mixer is not None and layer.mixer.kind == "gqa" else 0,
-                       kind_id=len(memo))
+        lc = LayerCost(
+            index=layer.index,
+            weight_bytes=layer.weight_bytes(weight_bits, group),
+            mixer_bytes=layer.mixer_weight_bytes(weight_bits, group),
+            ffn_bytes=fb,
+            dense_ffn_bytes=fb - (ffn.num_experts * eb if moe else 0.0),
+            expert_bytes=eb,
+            num_experts=ffn.num_experts if moe else 0,
+            top_k=ffn.top_k if moe else 0,
+            cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
+            mixer_flops=mixer_f,
+            ffn_flops=max(0.0, total_f - mixer_f),
+            is_moe=moe,
+            kv_shards=int(layer.mixer.num_kv_heads) if layer.mixer is not None and layer.mixer.kind == "gqa" else 0,
+            kind_id=len(memo),
+        )
         memo[sig] = lc
         out.append(lc)
     if len(_TABLE_CACHE) > 256:
@@ -242,7 +311,7 @@ class StepCost:
     def total(self) -> float:
         return self.roofline + self.fixed + self.comm
 
-    def add(self, o: "StepCost") -> None:
+    def add(self, o: StepCost) -> None:
         self.compute += o.compute
         self.memory += o.memory
         self.roofline += o.roofline

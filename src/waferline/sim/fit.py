@@ -1,19 +1,22 @@
-"""Fit the simulator's non-datasheet parameters on a published-results CSV (MAP fit with physical priors) and store them marked fitted."""
+"""Fit the simulator's non-datasheet parameters on a published-results CSV (MAP fit with physical priors) and store
+them marked fitted."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from waferline.errors import FitError
 from waferline.sim.cost import CLASS_PARAMS, FITTED_PATH, ClassParams, SimParams, load_params
 from waferline.sim.validate import Row, RowModel, build_models, read_published
 
 # Priors per device class (value, log-sd). Physically: GPUs pay kernel launches + syncs per layer (~10 us with
-# CUDA graphs); a wafer pays mesh reductions per layer (~us) and a d-vector streamed through the fabric (~1 cycle per element).
+# CUDA graphs); a wafer pays mesh reductions per layer (~us) and a d-vector streamed through the fabric (~1 cycle per
+# element).
 CLASS_PRIORS: dict[str, dict[str, tuple[float, float]]] = {
     "gpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (30e-6, 1.0),
             "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
@@ -92,10 +95,16 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
             for pname in ("layer_latency_s", "hidden_latency_s", "bw_eff"):
                 if pname in pri and pri[pname][1] > 0:
                     _, _, lo, hi, _ = CLASS_PARAMS[pname]
-                    if pname == "bw_eff" and rm.hw.sources.get("memory_bandwidth") and rm.hw.sources["memory_bandwidth"].status == "assumed":
+                    if (
+                        pname == "bw_eff"
+                        and rm.hw.sources.get("memory_bandwidth")
+                        and rm.hw.sources["memory_bandwidth"].status == "assumed"
+                    ):
                         hi = ASSUMED_BW_EFF_MAX
                     add(("class", cname, pname), pri[pname][0], pri[pname][1], lo, hi)
-            if pri.get("moe_latency_s", (0, 0))[1] > 0 and any(lc.ffn is not None and lc.ffn.kind == "moe" for lc in rm.spec.layers):
+            if pri.get("moe_latency_s", (0, 0))[1] > 0 and any(
+                lc.ffn is not None and lc.ffn.kind == "moe" for lc in rm.spec.layers
+            ):
                 _, _, lo, hi, _ = CLASS_PARAMS["moe_latency_s"]
                 add(("class", cname, "moe_latency_s"), *pri["moe_latency_s"], lo, hi)
             if "hop_latency_s" in pri and rm.plan.num_stages > 1:
@@ -109,7 +118,9 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
     return out
 
 
-def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float = 0.7, iters: int = 4000, tol: float = 1e-7) -> list[float]:
+def _nelder_mead(
+    f: Callable[[list[float]], float], x0: list[float], step: float = 0.7, iters: int = 4000, tol: float = 1e-7
+) -> list[float]:
     n = len(x0)
     pts = [list(x0)] + [[x0[j] + (step if j == i else 0.0) for j in range(n)] for i in range(n)]
     vals = [f(p) for p in pts]
@@ -139,7 +150,9 @@ def _nelder_mead(f: Callable[[list[float]], float], x0: list[float], step: float
     return pts[min(range(n + 1), key=lambda i: vals[i])]
 
 
-def fit(csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, iters: int = 3000) -> tuple[SimParams, dict[str, Any]]:
+def fit(
+    csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, iters: int = 3000
+) -> tuple[SimParams, dict[str, Any]]:
     """Fit the free parameters on the CSV; returns the new parameters and a report (before/after errors)."""
     t0 = time.time()
     base = (base or load_params()).copy()
@@ -170,7 +183,9 @@ def fit(csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, 
             _set(work, p, p.to_value(zi))
         e = errors(work)
         loss = sum(x * x for x in e) + 10.0 * sum(max(0.0, abs(x) - OUTLIER_LOG) ** 2 for x in e)
-        loss += PRIOR_WEIGHT * sum(((math.log(p.to_value(zi)) - math.log(p.prior)) / p.sd) ** 2 for p, zi in zip(free, z))
+        loss += PRIOR_WEIGHT * sum(
+            ((math.log(p.to_value(zi)) - math.log(p.prior)) / p.sd) ** 2 for p, zi in zip(free, z)
+        )
         return loss
 
     before = [math.exp(abs(x)) for x in errors(base)]
@@ -205,10 +220,16 @@ def fit(csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, 
             fitted.classes[cname] = cp
     fitted.fitted_on = f"{Path(csv_path).name} ({len(models)} rows)"
     after = [math.exp(abs(x)) for x in errors(fitted)]
-    report = {"rows": len(models), "skipped": skipped, "free_parameters": len(free), "seconds": time.time() - t0,
-              "params": {".".join(str(k) for k in p.key): p.to_value(z) for p, z in zip(free, best)},
-              "before": {"median": _median(before), "max": max(before)}, "after": {"median": _median(after), "max": max(after)},
-              "per_row": {r.id: e for (r, _), e in zip(models, after)}}
+    report = {
+        "rows": len(models),
+        "skipped": skipped,
+        "free_parameters": len(free),
+        "seconds": time.time() - t0,
+        "params": {".".join(str(k) for k in p.key): p.to_value(z) for p, z in zip(free, best)},
+        "before": {"median": _median(before), "max": max(before)},
+        "after": {"median": _median(after), "max": max(after)},
+        "per_row": {r.id: e for (r, _), e in zip(models, after)},
+    }
     return fitted, report
 
 
@@ -228,10 +249,12 @@ def _median(xs: list[float]) -> float:
 
 
 def save_fitted(params: SimParams, path: str | Path = FITTED_PATH, csv_path: str = "") -> None:
-    header = ("# waferline simulator parameters. Values marked `fitted: true` were fitted by\n"
-              f"#   waferline calibrate --published {csv_path or '<csv>'}\n"
-              "# on that file only (MAP fit: log error factors, weak physical priors); values marked `assumed` are priors\n"
-              "# the data could not constrain. Classes without rows: tpu and asic take the gpu values; cpu (a host running\n"
-              "# the torch engine) keeps its priors until engine runs are added to the CSV.\n"
-              "# Meanings: " + "; ".join(f"{k}: {v[4]}" for k, v in CLASS_PARAMS.items()))
+    header = (
+        "# waferline simulator parameters. Values marked `fitted: true` were fitted by\n"
+        f"#   waferline calibrate --published {csv_path or '(the shipped sim/data/published_results.csv)'}\n"
+        "# on that file only (MAP fit: log error factors, weak physical priors); values marked `assumed` are priors\n"
+        "# the data could not constrain. Classes without rows: tpu and asic take the gpu values; cpu (a host running\n"
+        "# the torch engine) keeps its priors until engine runs are added to the CSV.\n"
+        "# Meanings: " + "; ".join(f"{k}: {v[4]}" for k, v in CLASS_PARAMS.items())
+    )
     params.save(path, header=header)

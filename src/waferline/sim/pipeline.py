@@ -4,13 +4,25 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.plan.plan import Plan, Stage
-from waferline.sim.cost import (ClassParams, LayerCost, SimParams, StepCost, expected_tokens_per_step, hop_time,
-                                layer_table, load_params, stage_step)
+from waferline.sim.cost import (
+    ClassParams,
+    LayerCost,
+    SimParams,
+    StepCost,
+    expected_tokens_per_step,
+    hop_time,
+    layer_table,
+    load_params,
+    stage_step,
+)
 from waferline.spec.hardware import HardwareSpec
+
+if TYPE_CHECKING:
+    from waferline.spec.model import ModelSpec
 
 PREFILL_CHUNK = 512
 
@@ -62,7 +74,7 @@ class SimResult:
 @dataclass
 class _Ctx:
     plan: Plan
-    spec: Any
+    spec: ModelSpec
     hw: HardwareSpec
     prm: ClassParams
     params: SimParams
@@ -79,8 +91,10 @@ class _Ctx:
         return t
 
 
-def _lm_head(spec: Any, embed_bits: int) -> tuple[float, float]:
-    return spec.lm_head_bytes(embed_bits) if spec.lm_head_params() else spec.embed_bytes(embed_bits), 2.0 * spec.vocab_size * spec.hidden_size
+def _lm_head(spec: ModelSpec, embed_bits: int) -> tuple[float, float]:
+    return spec.lm_head_bytes(embed_bits) if spec.lm_head_params() else spec.embed_bytes(
+        embed_bits
+    ), 2.0 * spec.vocab_size * spec.hidden_size
 
 
 def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
@@ -113,8 +127,17 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
             hb = head_b if s.has_lm_head else 0.0
             resident = None
             if hw.kind == "wafer":
-                resident = sum((lc.mixer_bytes + lc.cache_bytes * resident_batch) if s.role == "attention" else
-                               lc.ffn_bytes if s.role == "ffn" else lc.weight_bytes + lc.cache_bytes * resident_batch for lc in lcs) + hb
+                resident = (
+                    sum(
+                        (lc.mixer_bytes + lc.cache_bytes * resident_batch)
+                        if s.role == "attention"
+                        else lc.ffn_bytes
+                        if s.role == "ffn"
+                        else lc.weight_bytes + lc.cache_bytes * resident_batch
+                        for lc in lcs
+                    )
+                    + hb
+                )
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
                             lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
             memo[key] = sc
@@ -136,7 +159,8 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
 
 
 def _hops_out(ctx: _Ctx, i: int, act: float) -> float:
-    """Transfers leaving stage i in one step: to the next stage, or (last stage) the sampled tokens back to the first."""
+    """Transfers leaving stage i in one step: to the next stage, or (last stage) the sampled tokens back to the
+    first."""
     plan = ctx.plan
     stages = plan.stages
     s = stages[i]
@@ -186,7 +210,11 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             what = "MTP module"
         else:
             lc = table[0]
-            what = "one-layer draft head (EAGLE-style)" if method == "eagle" else "MTP-like one-layer head (model has no MTP layers)"
+            what = (
+                "one-layer draft head (EAGLE-style)"
+                if method == "eagle"
+                else "MTP-like one-layer head (model has no MTP layers)"
+            )
         one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                          lm_head_bytes=head_b, lm_head_flops=head_f)
         return k * one.total, what
@@ -195,13 +223,22 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
         from waferline.spec.catalog import load_model
 
         fam = spec.model_type
-        name = plan.speculative.draft_model or ctx.params.draft_models.get(fam) or ctx.params.draft_models.get("default")
+        name = (
+            plan.speculative.draft_model or ctx.params.draft_models.get(fam) or ctx.params.draft_models.get("default")
+        )
         if not name:
             raise ConfigError("no draft model: pass --draft-model (a catalog id or config.json)")
         dspec = load_model(name)
         devs = plan.stages[0].num_devices if hw.placement == "tensor" else None
-        dplan = place(dspec, hw, devices=devs, weight_bits=plan.weight_bits, kv_bits=plan.kv_bits, context=plan.context_len,
-                      batch=batch)
+        dplan = place(
+            dspec,
+            hw,
+            devices=devs,
+            weight_bits=plan.weight_bits,
+            kv_bits=plan.kv_bits,
+            context=plan.context_len,
+            batch=batch,
+        )
         dctx = _Ctx(dplan, dspec, hw, prm, ctx.params)
         dtable = layer_table(dspec, plan.weight_bits, plan.kv_bits, context)
         t, _, _ = _step(dctx, dtable, batch, 1, batch)
@@ -209,9 +246,18 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
     raise ConfigError(f"unknown speculative method {method!r}")
 
 
-def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | None = None, concurrency: int | None = None,
-             params: SimParams | None = None, spec: Any = None, hardware: HardwareSpec | None = None,
-             host: Any = None, ops: Any = None) -> SimResult:
+def simulate(
+    plan: Plan,
+    *,
+    prompt_len: int | None = None,
+    output_len: int | None = None,
+    concurrency: int | None = None,
+    params: SimParams | None = None,
+    spec: ModelSpec | None = None,
+    hardware: HardwareSpec | None = None,
+    host: Any = None,
+    ops: Any = None,
+) -> SimResult:
     """Predict decode speed, TTFT and end-to-end latency of ``plan``.
 
     ``host`` (a ``sim.host.HostParams`` from `waferline calibrate`): predict waferline's own CPU engine on this host
@@ -257,8 +303,16 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
         step = max(tv + tdraft, M * slowv)
         spec_rate = E / step
-        spec_info.update(num_tokens=k, accept_rate=a, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
-                         drafter=what, speedup=spec_rate / rate, accept_rate_source="given" if sp.accept_rate is not None else "fitted default")
+        spec_info.update(
+            num_tokens=k,
+            accept_rate=a,
+            expected_tokens_per_step=E,
+            verify_s=tv,
+            draft_s=tdraft,
+            drafter=what,
+            speedup=spec_rate / rate,
+            accept_rate_source="given" if sp.accept_rate is not None else "fitted default",
+        )
         rate = spec_rate
     # TTFT: chunked prefill pipelined through the stages
     C = min(P, PREFILL_CHUNK)
@@ -267,11 +321,27 @@ def simulate(plan: Plan, *, prompt_len: int | None = None, output_len: int | Non
     tp, _, slowp = _step(ctx, ptable, 1, C, B, want_timings=False)
     ttft = params.ttft_overhead_s + tp + (n_chunks - 1) * slowp
     e2e = ttft + (O - 1) / rate
-    return SimResult(model=plan.model, hardware=plan.hardware, num_devices=plan.num_devices, num_stages=S, fits=plan.fits,
-                     concurrency=B, micro_batches=M, prompt_len=P, output_len=O, step_latency_s=t1,
-                     decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft,
-                     prefill_s=ttft - params.ttft_overhead_s, end_to_end_s=e2e,
-                     bound=bound, stages=timings, speculative=spec_info, problems=list(plan.problems))
+    return SimResult(
+        model=plan.model,
+        hardware=plan.hardware,
+        num_devices=plan.num_devices,
+        num_stages=S,
+        fits=plan.fits,
+        concurrency=B,
+        micro_batches=M,
+        prompt_len=P,
+        output_len=O,
+        step_latency_s=t1,
+        decode_tokens_per_s_per_user=rate,
+        aggregate_tokens_per_s=rate * B,
+        ttft_s=ttft,
+        prefill_s=ttft - params.ttft_overhead_s,
+        end_to_end_s=e2e,
+        bound=bound,
+        stages=timings,
+        speculative=spec_info,
+        problems=list(plan.problems),
+    )
 
 
 def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:

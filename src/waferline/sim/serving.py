@@ -1,4 +1,5 @@
-"""Request-level serving simulation: Poisson arrivals, continuous batching within the memory budget, latency distributions."""
+"""Request-level serving simulation: Poisson arrivals, continuous batching within the memory budget, latency
+distributions."""
 
 from __future__ import annotations
 
@@ -63,7 +64,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
     O = output_len or params.default_output_len
     cap = max_batch or batch_capacity(plan, spec, P + O)
     if cap < 1:
-        raise ConfigError(f"not even one sequence of {P + O} tokens fits next to the weights; plan more devices or a shorter context")
+        raise ConfigError(
+            f"not even one sequence of {P + O} tokens fits next to the weights; plan more devices or a shorter context"
+        )
     rates: dict[int, float] = {}
 
     def per_user_rate(b: int) -> float:

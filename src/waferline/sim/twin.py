@@ -1,8 +1,9 @@
 """The twin: run the engine on a grid of Plans, predict the same Plans with the simulator calibrated to this host, and
 report measured vs predicted decode tokens/s (per user and aggregate) and TTFT with error factors exp(|ln(pred/meas)|).
 
-Each engine run happens in a fresh child process (killed with its stage processes on a timeout), one torch thread per
-process. The simulator side uses only: the Plan, the model's ModelSpec accounting, the hardware YAML that
+Each engine run happens in a fresh child process (sim/twin_engine.py; killed with its stage processes on a timeout),
+one torch thread per process. The simulator side uses only: the Plan, the model's ModelSpec accounting, the hardware
+YAML that
 `waferline calibrate` measured, the engine's op counts for the Plan (counted, not timed, in the child) and the measured
 speculative acceptance of the run; never a time measured on the grid.
 """
@@ -16,20 +17,29 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from waferline.errors import ConfigError
 
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams
+    from waferline.spec.hardware import HardwareSpec
+    from waferline.spec.model import ModelSpec
+
 SPEC_METHODS = ("none", "ngram", "mtp")
 POINT_TIMEOUT_S = 300.0
-MEASURED_INPUTS = ("per-op and per-step engine overhead, GEMV/GEMM speed per dtype (fp32/bf16/int4), copy bandwidth, "
-                   "gloo link latency/bandwidth/CPU per message, pipeline per-hop overhead (all from `waferline calibrate`); "
-                   "aten op counts per layer of each Plan (counted from the engine, not timed); speculative acceptance "
-                   "(measured in each run)")
+MEASURED_INPUTS = (
+    "per-op and per-step engine overhead, GEMV/GEMM speed per dtype (fp32/bf16/int4), copy bandwidth, "
+    "gloo link latency/bandwidth/CPU per message, pipeline per-hop overhead (all from `waferline calibrate`); "
+    "aten op counts per layer of each Plan (counted from the engine, not timed); speculative acceptance "
+    "(measured in each run)"
+)
 MODELLED_INPUTS = ("bytes and FLOPs per layer (ModelSpec accounting), experts touched per step, stage sums and hops, "
                    "the ring bound (micro-batches x busiest stage), the cores bound (processes vs cores), prefill "
                    "micro-batching, tokens per verify step from the acceptance")
@@ -53,18 +63,28 @@ class GridPoint:
 
     def __post_init__(self) -> None:
         if self.stages != "L" and (not isinstance(self.stages, int) or self.stages < 1):
-            raise ConfigError(f"grid point {self.name!r}: stages must be a positive integer or 'L' (one layer per stage), got {self.stages!r}")
+            raise ConfigError(
+                f"grid point {self.name!r}: stages must be a positive integer or 'L' (one layer per stage), got "
+                f"{self.stages!r}"
+            )
         if self.weight_bits not in (16, 4):
             raise ConfigError(f"grid point {self.name!r}: weight_bits must be 16 or 4, got {self.weight_bits}")
         if self.speculative not in SPEC_METHODS:
-            raise ConfigError(f"grid point {self.name!r}: speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}")
+            raise ConfigError(
+                f"grid point {self.name!r}: speculative must be one of {', '.join(SPEC_METHODS)}, got "
+                f"{self.speculative!r}"
+            )
         if self.batch < 1 or self.micro_batches < 1 or self.k < 1:
             raise ConfigError(f"grid point {self.name!r}: batch, micro_batches and k must be >= 1")
         if not self.name:
             st = "L" if self.stages == "L" else str(self.stages)
-            self.name = (f"afd{self.attention_ranks}x{self.ffn_ranks}" if self.afd else f"S{st}") + \
-                (f"-M{self.micro_batches}" if self.stages != 1 else "") + f"-{'int4' if self.weight_bits == 4 else 'bf16'}" + \
-                (f"-{self.speculative}{self.k}" if self.speculative != "none" else "") + f"-B{self.batch}"
+            self.name = (
+                (f"afd{self.attention_ranks}x{self.ffn_ranks}" if self.afd else f"S{st}")
+                + (f"-M{self.micro_batches}" if self.stages != 1 else "")
+                + f"-{'int4' if self.weight_bits == 4 else 'bf16'}"
+                + (f"-{self.speculative}{self.k}" if self.speculative != "none" else "")
+                + f"-B{self.batch}"
+            )
 
     @property
     def pipeline(self) -> bool:
@@ -76,12 +96,21 @@ def default_grid() -> list[GridPoint]:
     ngram / mtp (also under the pipeline), batch 1 / 8, AFD (1 attention + 1 FFN rank) on/off."""
     G = GridPoint
     return [
-        G(stages=1, batch=1), G(stages=1, batch=8), G(stages=1, weight_bits=4, batch=1), G(stages=1, weight_bits=4, batch=8),
-        G(stages=2, micro_batches=1, batch=1), G(stages=2, micro_batches=2, batch=8), G(stages=2, micro_batches=4, batch=8),
+        G(stages=1, batch=1),
+        G(stages=1, batch=8),
+        G(stages=1, weight_bits=4, batch=1),
+        G(stages=1, weight_bits=4, batch=8),
+        G(stages=2, micro_batches=1, batch=1),
+        G(stages=2, micro_batches=2, batch=8),
+        G(stages=2, micro_batches=4, batch=8),
         G(stages=2, micro_batches=2, weight_bits=4, batch=8),
-        G(stages="L", micro_batches=1, batch=1), G(stages="L", micro_batches=8, batch=8),
-        G(stages=1, speculative="ngram", batch=1), G(stages=1, speculative="mtp", batch=1), G(stages=1, speculative="mtp", batch=8),
-        G(stages=2, micro_batches=2, speculative="ngram", batch=8), G(stages=2, micro_batches=1, speculative="mtp", batch=1),
+        G(stages="L", micro_batches=1, batch=1),
+        G(stages="L", micro_batches=8, batch=8),
+        G(stages=1, speculative="ngram", batch=1),
+        G(stages=1, speculative="mtp", batch=1),
+        G(stages=1, speculative="mtp", batch=8),
+        G(stages=2, micro_batches=2, speculative="ngram", batch=8),
+        G(stages=2, micro_batches=1, speculative="mtp", batch=1),
         G(afd=True, micro_batches=2, batch=8),
     ]
 
@@ -137,235 +166,6 @@ def accept_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
     return 0.5 * (lo + hi)
 
 
-# ----------------------------------------------------------------------------- the child: run the engine, count ops
-
-
-def make_prompts(vocab: int, rows: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
-    """Deterministic token-id prompts: a random phrase said twice (so prompt-lookup has something to find)."""
-    import random
-
-    out = []
-    for r in range(rows):
-        g = random.Random(seed * 7919 + r)
-        phrase = [g.randrange(2, vocab) for _ in range(max(1, prompt_len // 2))]
-        out.append((phrase * 3)[:prompt_len])
-    return out
-
-
-def _engine_kwargs(point: dict[str, Any], plan_json: str | None) -> dict[str, Any]:
-    kw: dict[str, Any] = {}
-    if point["afd"]:
-        kw.update(afd=True, attention_ranks=point["attention_ranks"], ffn_ranks=point["ffn_ranks"],
-                  micro_batches=point["micro_batches"], threads_per_rank=1)
-    elif point["stages"] != 1:
-        from waferline.plan.plan import Plan
-
-        kw.update(plan=Plan.from_json(plan_json) if plan_json else None, micro_batches=point["micro_batches"],
-                  threads_per_stage=1)
-    if point["speculative"] != "none":
-        kw.update(speculative=point["speculative"], num_speculative_tokens=point["k"], speculative_adaptive=False)
-    return kw
-
-
-def _timed_run(llm: Any, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
-    from waferline.engine.sampling import SamplingParams
-
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    first: dict[int, float] = {}
-    last: dict[int, float] = {}
-    n: dict[int, int] = {}
-    outs: Any = None
-    t0 = time.perf_counter()
-    for ev in llm.stream(prompts, params):
-        if isinstance(ev, list):
-            outs = ev
-            break
-        now = time.perf_counter()
-        row = int(ev[0])
-        first.setdefault(row, now)
-        last[row] = now
-        n[row] = n.get(row, 0) + 1
-    end = time.perf_counter()
-    rows = sorted(n)
-    rates = [(n[r] - 1) / (last[r] - first[r]) for r in rows if n[r] > 1 and last[r] > first[r]]
-    ttft = max(first.values()) - t0 if first else float("nan")
-    window = max(last.values()) - max(first.values()) if first else 0.0
-    dec = sum(n[r] - 1 for r in rows)
-    metrics = dict(outs[0].metrics) if outs else {}
-    return {"ttft_s": ttft, "tokens_per_s_per_user": statistics.mean(rates) if rates else 0.0,
-            "aggregate_tokens_per_s": dec / window if window > 0 else 0.0, "total_s": end - t0,
-            "tokens": [n[r] for r in rows],
-            "engine_metrics": {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}}
-
-
-def _arrivals(llm: Any, prompts: list[list[int]], output_len: int) -> list[float]:
-    """Token arrival times of row 0 (s since the request), for the report's timeline."""
-    from waferline.engine.sampling import SamplingParams
-
-    t0 = time.perf_counter()
-    times = []
-    for ev in llm.stream(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True)):
-        if isinstance(ev, list):
-            break
-        if int(ev[0]) == 0:
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int, prefill_rows: int, prompt_len: int,
-              steps: int = 6) -> dict[str, Any]:
-    """The engine's aten op counts (TorchDispatchMode, untimed) for one decode step of ``decode_rows`` sequences
-    (per layer and outside the layers: embedding, head, sampling, drafting, the loop) and for one prefill forward of
-    ``prefill_rows`` prompts of ``prompt_len`` tokens, on the single-process engine with the same weights."""
-    import torch
-
-    from waferline.engine.llm import LLM
-    from waferline.engine.sampling import SamplingParams
-    from waferline.model.context import StepBatch
-    from waferline.model.decoder import LABEL_ONLY
-    from waferline.sim.measure import OpCounter
-
-    kw: dict[str, Any] = {}
-    if speculative != "none":
-        kw = {"speculative": speculative, "num_speculative_tokens": k, "speculative_adaptive": False}
-    llm = LLM(path, dtype=dtype, **kw)
-    model = llm.model
-    idx = list(model.layer_range)
-    counter = OpCounter()
-    counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part (mla_moe_layer, ffn_residual), as the hooks label it
-    hooks = []
-
-    def label_only(fn: Any) -> Any:  # these hooks only label: the engine still runs a layer as one op (see _hooked)
-        setattr(fn, LABEL_ONLY, True)
-        return fn
-
-    for i, layer in zip(idx, model.layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
-        if getattr(layer, "ffn", None) is not None:  # the FFN part separately (what AFD's FFN ranks run)
-            hooks.append(layer.ffn.register_forward_pre_hook(
-                label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
-            hooks.append(layer.ffn.register_forward_hook(label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
-    prompts = make_prompts(llm.spec.vocab_size, max(decode_rows, prefill_rows), prompt_len)
-
-    def run(rows: int, max_tokens: int) -> tuple[dict[Any, dict[str, float]], dict[str, float]]:
-        counter.counts, counter.work = {}, {}
-        with counter:
-            out = llm.generate(prompts[:rows], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        return _merged(counter), out[0].metrics
-
-    def diff(a: dict[str, float] | None, b: dict[str, float] | None, n: float) -> dict[str, float]:
-        a, b = a or {}, b or {}
-        return {k: (b.get(k, 0.0) - a.get(k, 0.0)) / n for k in set(a) | set(b)}
-
-    run(decode_rows, steps + 1)  # warm-up, not counted: one-time work (weights laid out for oneDNN, absorbed MLA
-    # weights, caches sized) happens in whichever run comes first and must not be subtracted from the decode step
-    c1, _ = run(decode_rows, 1)
-    c2, m2 = run(decode_rows, steps + 1)
-    n_steps = m2.get("spec_verify_steps", steps) if speculative != "none" else steps
-    n_steps = max(float(n_steps), 1.0)
-    def both(c: dict[Any, dict[str, float]], i: int) -> dict[str, float]:
-        a, f = c.get(i, {}), c.get(f"f{i}", {})
-        return {k: a.get(k, 0.0) + f.get(k, 0.0) for k in set(a) | set(f)}
-
-    decode = {"layers": {i: diff(both(c1, i), both(c2, i), n_steps) for i in idx},
-              "ffn": {i: diff(c1.get(f"f{i}"), c2.get(f"f{i}"), n_steps) for i in idx},
-              "other": diff(c1.get(None), c2.get(None), n_steps), "verify_steps": n_steps}
-    # prefill: one forward of prefill_rows x prompt_len tokens, as a pipeline stage runs a prefill micro-batch
-    counter.counts, counter.work = {}, {}
-    with torch.inference_mode(), counter:
-        caches = model.new_caches(prefill_rows)
-        toks = torch.tensor([p[:prompt_len] for p in prompts[:prefill_rows]])
-        h = model(toks, caches, StepBatch.make(list(range(prefill_rows)), [0] * prefill_rows, prompt_len))
-        model.logits(h[:, -1]).argmax(-1)
-    c3 = _merged(counter)
-    pre = {"layers": {i: both(c3, i) for i in idx}, "ffn": {i: c3.get(f"f{i}", {}) for i in idx}, "other": c3.get(None, {})}
-    if speculative == "mtp" and len(getattr(model, "mtp", [])):
-        # under a pipeline the last stage runs the MTP layer over the prompt's hidden states and drafts k tokens
-        # before the first token goes back (engine/speculative.py): counted apart, for the pipeline's TTFT
-        from waferline.engine.speculative import MTPDrafter
-        from waferline.sim.measure import _forward_work
-
-        drafter = MTPDrafter(model)
-        seqs = [list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]]  # the prompt and a first token
-        with torch.inference_mode():
-            drafter.begin(seqs, list(h))
-            pre["first_draft"] = _forward_work(lambda: drafter.propose(
-                list(range(prefill_rows)), seqs, [k] * prefill_rows, SamplingParams(max_tokens=k + 2),
-                [None] * prefill_rows))
-    for h_ in hooks:
-        h_.remove()
-    return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
-            "tokens_per_row": (k + 1) if speculative != "none" else 1}
-
-
-def _merged(counter: Any) -> dict[Any, dict[str, float]]:
-    """label -> {ops, matmul bytes/FLOPs by dtype, small/large bytes} from an OpCounter."""
-    out: dict[Any, dict[str, float]] = {}
-    for lab in set(counter.counts) | set(counter.work):
-        d = dict(counter.work.get(lab, {}))
-        d["ops"] = float(counter.counts.get(lab, 0))
-        out[lab] = d
-    return out
-
-
-TTFT_REPEATS = 3  # short runs per Plan and pass that time only the first token, besides the timed repeats
-
-
-def measure_point(path: str, point: dict[str, Any], plan_json: str | None, prompt_len: int, output_len: int,
-                  repeats: int, decode_rows: int, prefill_rows: int, count: bool = True,
-                  ttft_repeats: int = TTFT_REPEATS) -> dict[str, Any]:
-    """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate), then (``count``) count
-    its ops and record row 0's token arrivals. TTFT is the best of the repeats and of ``ttft_repeats`` short runs of
-    one token each (k + 2 for a speculative Plan: MTP drafts with its first token when that many are asked for, as in
-    the full run): a prefill takes 0.02-1 s and this machine runs it up to 1.5-2x slower now and then, so two samples
-    per pass could both catch a slow phase. The warm-up
-    generates for the whole batch first, so one-time work at the batch's shapes (oneDNN kernels made for the
-    prefill's row count, weight layouts) is not timed."""
-    import torch
-
-    from waferline.engine.llm import LLM
-    from waferline.engine.sampling import SamplingParams
-    from waferline.sim.measure import process_cpu_seconds
-
-    torch.set_num_threads(1)
-    dtype = "bfloat16"
-    load0 = os.getloadavg()[0]
-    t_start = time.perf_counter()
-    with LLM(path, dtype=dtype, **_engine_kwargs(point, plan_json)) as llm:
-        start_s = time.perf_counter() - t_start
-        prompts = make_prompts(llm.spec.vocab_size, point["batch"], prompt_len)
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up at the timed shapes
-        pipe = getattr(llm, "_pipeline", None)
-        pids = [os.getpid()] + list(getattr(pipe, "pids", []) or [])
-        best = None
-        ttfts = []
-        for _ in range(repeats):
-            c0 = [process_cpu_seconds(p) for p in pids]
-            r = _timed_run(llm, prompts, output_len)
-            r["cpu_s_per_process"] = [process_cpu_seconds(p) - c for p, c in zip(pids, c0)]
-            ttfts.append(r["ttft_s"])
-            if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
-                best = r
-        # (MTP drafts k tokens with the first one when at least k + 2 are asked for: as many, so its prefill is the same)
-        short = min(output_len, 1 if point["speculative"] == "none" else point["k"] + 2)
-        for _ in range(ttft_repeats):
-            ttfts.append(_timed_run(llm, prompts, short)["ttft_s"])
-        if count:
-            best["arrivals_row0"] = _arrivals(llm, prompts, output_len)
-    assert best is not None
-    best["ttft_s_runs"], best["ttft_s"] = ttfts, min(ttfts)
-    best["load_average_1m"] = [load0, os.getloadavg()[0]]
-    best["start_s"] = start_s
-    if not count:
-        return best
-    # speculative runs: counted over as many tokens as the timed run, so the mix of drafted and undrafted (n-gram
-    # without a match) verify steps, and the drafts' lengths, are the ones that were timed
-    best["ops"] = count_ops(path, dtype, point["speculative"], point["k"], decode_rows, prefill_rows, prompt_len,
-                            steps=max(6, output_len - 1) if point["speculative"] != "none" else 6)
-    return best
-
-
 # ----------------------------------------------------------------------------- the parent: plans, predictions, table
 
 
@@ -397,6 +197,18 @@ class CountedOps:
         return self._count(self.ops["prefill"])
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), recorded with a twin result so that a
+    report can say which machine measured it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def cache_dir() -> Path:
     d = Path(os.environ.get("WAFERLINE_CACHE", Path.home() / ".cache" / "waferline"))
     d.mkdir(parents=True, exist_ok=True)
@@ -406,7 +218,7 @@ def cache_dir() -> Path:
 def cached_hardware(max_age_h: float = 24.0, recalibrate: bool = False, quick: bool = False,
                     progress: Callable[[str, float], None] | None = None) -> Path:
     """This host's calibrated hardware YAML: the cached one when younger than ``max_age_h``, else measured now."""
-    from waferline.sim.measure import write_host_yaml
+    from waferline.sim.calibrate.hardware_yaml import write_host_yaml
 
     host = (platform.node() or "host").lower().replace(" ", "-")
     p = cache_dir() / f"host-{host}{'-quick' if quick else ''}.yaml"
@@ -433,12 +245,14 @@ def int4_checkpoint(path: Path) -> Path:
     return out
 
 
-def _plan_for(point: GridPoint, spec: Any, hw: Any, prompt_len: int, output_len: int) -> Any:
+def _plan_for(point: GridPoint, spec: ModelSpec, hw: HardwareSpec, prompt_len: int, output_len: int) -> Plan:
     from waferline.plan.place import place
     from waferline.plan.plan import SpeculativeConfig
 
     spc = SpeculativeConfig(method=point.speculative, num_tokens=point.k if point.speculative != "none" else 0)
-    common = dict(weight_bits=point.weight_bits, context=prompt_len + output_len + 8, batch=point.batch, speculative=spc)
+    common = dict(
+        weight_bits=point.weight_bits, context=prompt_len + output_len + 8, batch=point.batch, speculative=spc
+    )
     if point.afd:
         return place(spec, hw, afd=True, attention_ranks=point.attention_ranks, ffn_ranks=point.ffn_ranks,
                      micro_batches=point.micro_batches, **common)
@@ -450,8 +264,17 @@ def _plan_for(point: GridPoint, spec: Any, hw: Any, prompt_len: int, output_len:
     return place(spec, hw, devices=S, micro_batches=point.micro_batches if S > 1 else 1, **common)
 
 
-def predict(plan: Any, spec: Any, hw: Any, host: Any, ops: dict[str, Any] | None, prompt_len: int, output_len: int,
-            batch: int, accept: float | None) -> Any:
+def predict(
+    plan: Plan,
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    host: HostParams,
+    ops: dict[str, Any] | None,
+    prompt_len: int,
+    output_len: int,
+    batch: int,
+    accept: float | None,
+) -> Any:
     """The simulator's prediction of ``plan`` on the calibrated host (sim.pipeline.simulate with host=)."""
     from waferline.sim.pipeline import simulate
 
@@ -473,8 +296,9 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     per Plan.
     ``drift_check`` (one pass only): run the first measured point once more at the end; how far its speed moved over
     the grid (``drift``) is how much of an error factor this machine's own drift accounts for.
-    ``canary_runs`` (calibrations that recorded the canary): run measure.Canary before each Plan's every pass, and
-    compare each Plan also at the machine's speed of its runs (``error_factor_at_canary``, see compare())."""
+    ``canary_runs`` (calibrations that recorded the canary): run the canary (calibrate.engine.Canary) before each
+    Plan's every pass, and compare each Plan also at the machine's speed of its runs (``error_factor_at_canary``, see
+    compare())."""
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
     from waferline.spec.model import ModelSpec
@@ -497,23 +321,52 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     if passes < 1:
         raise ConfigError("--passes must be >= 1")
     canary = None
-    if host.canary_s and canary_runs:  # the machine's speed before each Plan, against the calibration's (measure.Canary)
-        from waferline.sim.measure import Canary
+    if host.canary_s and canary_runs:  # the machine's speed before each Plan, against the calibration's (Canary)
+        from waferline.sim.calibrate.engine import Canary
 
         say("loading the canary workload", 0.0)
         canary = Canary(cache_dir() / "calibration-models")
     try:
-        return _run_grid(points, path, spec, hw, host, hw_path, has_mtp, canary, prompt_len, output_len, repeats, passes,
-                         timeout_s, drift_check, say)
+        return _run_grid(
+            points,
+            path,
+            spec,
+            hw,
+            host,
+            hw_path,
+            has_mtp,
+            canary,
+            prompt_len,
+            output_len,
+            repeats,
+            passes,
+            timeout_s,
+            drift_check,
+            say,
+        )
     finally:
         if canary is not None:
             canary.close()
 
 
-def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any, hw_path: Path, has_mtp: bool,
-              canary: Any, prompt_len: int, output_len: int, repeats: int, passes: int, timeout_s: float,
-              drift_check: bool, say: Callable[[str, float], None]) -> dict[str, Any]:
-    from waferline.sim.measure import run_isolated
+def _run_grid(
+    points: list[GridPoint],
+    path: Path,
+    spec: ModelSpec,
+    hw: HardwareSpec,
+    host: HostParams,
+    hw_path: Path,
+    has_mtp: bool,
+    canary: Any,
+    prompt_len: int,
+    output_len: int,
+    repeats: int,
+    passes: int,
+    timeout_s: float,
+    drift_check: bool,
+    say: Callable[[str, float], None],
+) -> dict[str, Any]:
+    from waferline.sim.calibrate.common import run_isolated
 
     def probe() -> float | None:
         return canary.seconds() if canary is not None else None
@@ -549,12 +402,19 @@ def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any
             M = plan.micro_batches if plan.num_stages > 1 else 1
             b = math.ceil(pt.batch / max(1, min(M, pt.batch)))
             prefill_rows = 1 if plan.num_stages == 1 else min(pt.batch, max(1, 256 // prompt_len))
-        kwargs = {"path": str(ckpt), "point": asdict(pt), "plan_json": plan.to_json(indent=None) if pt.pipeline else None,
-                  "prompt_len": prompt_len, "output_len": output_len, "repeats": repeats,
-                  "decode_rows": b, "prefill_rows": prefill_rows}
+        kwargs = {
+            "path": str(ckpt),
+            "point": asdict(pt),
+            "plan_json": plan.to_json(indent=None) if pt.pipeline else None,
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "repeats": repeats,
+            "decode_rows": b,
+            "prefill_rows": prefill_rows,
+        }
         try:
             canary_s = probe()
-            meas = run_isolated("waferline.sim.twin:measure_point", kwargs, timeout_s)
+            meas = run_isolated("waferline.sim.twin_engine:measure_point", kwargs, timeout_s)
         except RuntimeError as e:
             msg = str(e)
             if "ConfigError" in msg or "does not run" in msg or "unexpected keyword" in msg or "not supported" in msg:
@@ -594,16 +454,23 @@ def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any
         row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
                             "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
         compare(row, host)
-        row["sim"] = {"bound": sim.bound, "stages": [asdict(s) for s in sim.stages], "host": sim.speculative.get("host", {}),
-                      "num_stages": sim.num_stages, "micro_batches": sim.micro_batches}
+        row["sim"] = {
+            "bound": sim.bound,
+            "stages": [asdict(s) for s in sim.stages],
+            "host": sim.speculative.get("host", {}),
+            "num_stages": sim.num_stages,
+            "micro_batches": sim.micro_batches,
+        }
         row["status"] = "ok"
     for p in range(2, passes + 1):
         order = todo[::-1] if p % 2 == 0 else todo
         for j, (row, kwargs) in enumerate(order):
-            say(f"{row['plan']}: engine, pass {p} of {passes}", ((p - 1) * len(points) + j + 0.5) / len(points) / passes)
+            say(
+                f"{row['plan']}: engine, pass {p} of {passes}", ((p - 1) * len(points) + j + 0.5) / len(points) / passes
+            )
             try:
                 canary_s = probe()
-                again = run_isolated("waferline.sim.twin:measure_point", dict(kwargs, count=False), timeout_s)
+                again = run_isolated("waferline.sim.twin_engine:measure_point", dict(kwargs, count=False), timeout_s)
             except RuntimeError as e:
                 row["passes"].append({"error": str(e)[-200:]})
                 continue
@@ -622,19 +489,39 @@ def _run_grid(points: list[GridPoint], path: Path, spec: Any, hw: Any, host: Any
     if drift_check and passes == 1 and first_run is not None and len(points) > 1:
         say(f"{first_run[0]} again (the machine's drift over the grid)", 0.99)
         try:
-            again = run_isolated("waferline.sim.twin:measure_point", first_run[1], timeout_s)["tokens_per_s_per_user"]
-            drift = {"plan": first_run[0], "start_tokens_per_s_per_user": first_run[2], "end_tokens_per_s_per_user": again,
-                     "factor": error_factor(again, first_run[2])}
+            again = run_isolated("waferline.sim.twin_engine:measure_point", first_run[1], timeout_s)[
+                "tokens_per_s_per_user"
+            ]
+            drift = {
+                "plan": first_run[0],
+                "start_tokens_per_s_per_user": first_run[2],
+                "end_tokens_per_s_per_user": again,
+                "factor": error_factor(again, first_run[2]),
+            }
         except RuntimeError as e:
             drift = {"plan": first_run[0], "error": str(e)[-200:]}
     say("done", 1.0)
-    return {"drift": drift, "model": str(path.resolve()), "model_name": spec.name, "hardware": str(hw_path), "host": host.measured,
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-            "cores": os.cpu_count(), "load_average": list(os.getloadavg()), "prompt_len": prompt_len,
-            "output_len": output_len, "repeats": repeats, "passes": passes, "threads_per_process": 1,
-            "inputs": {"measured": MEASURED_INPUTS, "modelled": MODELLED_INPUTS},
-            "canary": {"calibration_s": host.canary_s, "ran": canary is not None},
-            "rows": rows, "summary": summarize(rows)}
+    return {
+        "drift": drift,
+        "model": str(path.resolve()),
+        "model_name": spec.name,
+        "hardware": str(hw_path),
+        "host": host.measured,
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "load_average": list(os.getloadavg()),
+        "prompt_len": prompt_len,
+        "output_len": output_len,
+        "repeats": repeats,
+        "passes": passes,
+        "threads_per_process": 1,
+        "inputs": {"measured": MEASURED_INPUTS, "modelled": MODELLED_INPUTS},
+        "canary": {"calibration_s": host.canary_s, "ran": canary is not None},
+        "rows": rows,
+        "summary": summarize(rows),
+    }
 
 
 def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
@@ -679,8 +566,17 @@ def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
         if row.get("status") != "ok":
             continue
         plan = Plan.from_json(row["plan_json"])
-        sim = predict(plan, spec, hw, host, row["ops"], result["prompt_len"], result["output_len"], row["point"]["batch"],
-                      plan.speculative.accept_rate)
+        sim = predict(
+            plan,
+            spec,
+            hw,
+            host,
+            row["ops"],
+            result["prompt_len"],
+            result["output_len"],
+            row["point"]["batch"],
+            plan.speculative.accept_rate,
+        )
         row["predicted"] = {"tokens_per_s_per_user": sim.decode_tokens_per_s_per_user,
                             "aggregate_tokens_per_s": sim.aggregate_tokens_per_s, "ttft_s": sim.ttft_s}
         compare(row, host)
@@ -696,7 +592,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         fs = [r["error_factor"][m] for r in rows if r.get("status") == "ok" and r["error_factor"].get(m)]
         allf += fs
         out[m] = {"median": statistics.median(fs) if fs else None, "max": max(fs) if fs else None, "n": len(fs)}
-    out["all"] = {"median": statistics.median(allf) if allf else None, "max": max(allf) if allf else None, "n": len(allf)}
+    out["all"] = {
+        "median": statistics.median(allf) if allf else None,
+        "max": max(allf) if allf else None,
+        "n": len(allf),
+    }
     at = [f for r in rows if r.get("status") == "ok" for f in (r.get("error_factor_at_canary") or {}).values() if f]
     mf = [r["machine_factor"] for r in rows if r.get("status") == "ok" and r.get("machine_factor")]
     if at:  # the same comparison with each prediction scaled by the machine's speed at its Plan's runs (compare())
@@ -714,9 +614,11 @@ def render(result: dict[str, Any], console: Any) -> None:
     """The twin table (rich)."""
     from rich.table import Table
 
-    t = Table(title=f"twin: {result['model_name']} on {result['machine']} ({result['cores']} cores, 1 thread per process; "
-                    f"prompt {result['prompt_len']}, {result['output_len']} new tokens; load average "
-                    f"{result['load_average'][0]:.2f})")
+    t = Table(
+        title=f"twin: {result['model_name']} on {result['machine']} ({result['cores']} cores, 1 thread per process; "
+        f"prompt {result['prompt_len']}, {result['output_len']} new tokens; load average "
+        f"{result['load_average'][0]:.2f})"
+    )
     for c in ("plan", "stages", "M", "B", "tok/s/user meas", "pred", "err x", "agg tok/s meas", "pred", "err x",
               "TTFT ms meas", "pred", "err x", "accept", "bound / status"):
         t.add_column(c, justify="left" if c in ("plan", "bound / status") else "right")
@@ -735,12 +637,23 @@ def render(result: dict[str, Any], console: Any) -> None:
             continue
         m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
         acc = r.get("acceptance", {}).get("alpha_fed")
-        t.add_row(r["plan"], st, str(r.get("sim", {}).get("micro_batches", pt["micro_batches"])), str(pt["batch"]),
-                  f"{m['tokens_per_s_per_user']:.1f}", f"{p['tokens_per_s_per_user']:.1f}" if p else "-", col(e.get("tokens_per_s_per_user")),
-                  f"{m['aggregate_tokens_per_s']:.1f}", f"{p['aggregate_tokens_per_s']:.1f}" if p else "-", col(e.get("aggregate_tokens_per_s")),
-                  f"{m['ttft_s'] * 1e3:.1f}", f"{p['ttft_s'] * 1e3:.1f}" if p else "-", col(e.get("ttft_s")),
-                  f"{acc:.2f}" if acc is not None else "",
-                  (r.get("sim", {}).get("bound", "") if r.get("status") == "ok" else r.get("status", ""))[:70])
+        t.add_row(
+            r["plan"],
+            st,
+            str(r.get("sim", {}).get("micro_batches", pt["micro_batches"])),
+            str(pt["batch"]),
+            f"{m['tokens_per_s_per_user']:.1f}",
+            f"{p['tokens_per_s_per_user']:.1f}" if p else "-",
+            col(e.get("tokens_per_s_per_user")),
+            f"{m['aggregate_tokens_per_s']:.1f}",
+            f"{p['aggregate_tokens_per_s']:.1f}" if p else "-",
+            col(e.get("aggregate_tokens_per_s")),
+            f"{m['ttft_s'] * 1e3:.1f}",
+            f"{p['ttft_s'] * 1e3:.1f}" if p else "-",
+            col(e.get("ttft_s")),
+            f"{acc:.2f}" if acc is not None else "",
+            (r.get("sim", {}).get("bound", "") if r.get("status") == "ok" else r.get("status", ""))[:70],
+        )
     console.print(t)
     s = result["summary"]
     for k, label in (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate tokens/s"),
@@ -759,13 +672,20 @@ def render(result: dict[str, Any], console: Any) -> None:
 
 def markdown(result: dict[str, Any]) -> str:
     """The twin table as Markdown (for docs)."""
-    lines = [f"`{result['model_name']}`, {result['date']}, {result['machine']} ({result['cores']} cores), load average "
-             f"{result['load_average'][0]:.2f} at the end; prompt {result['prompt_len']}, {result['output_len']} new tokens, "
-             f"best of {result['repeats']} runs" + (f" in each of {result['passes']} passes" if result.get("passes", 1) > 1 else "")
-             + ". load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
-             "processes / (wall x the cores they could use): well below 1 for a single process means other work took the core.", "",
-             "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | accept α | load | CPU share | tok/s/user per pass | machine x |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"`{result['model_name']}`, {result['date']}, {result['machine']} ({result['cores']} cores), load average "
+        f"{result['load_average'][0]:.2f} at the end; prompt {result['prompt_len']}, {result['output_len']} new "
+        "tokens, "
+        f"best of {result['repeats']} runs"
+        + (f" in each of {result['passes']} passes" if result.get("passes", 1) > 1 else "")
+        + ". load = 1-minute load average at the run; CPU share = CPU seconds of the engine's "
+        "processes / (wall x the cores they could use): well below 1 for a single process means other work took the "
+        "core.",
+        "",
+        "| Plan | tok/s/user meas | pred | err x | aggregate meas | pred | err x | TTFT ms meas | pred | err x | "
+        "accept α | load | CPU share | tok/s/user per pass | machine x |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         if "measured" not in r:
             lines.append(f"| {r['plan']} | {r.get('status', '')} |  |  |  |  |  |  |  |  |  |  |  |  |  |")
@@ -776,13 +696,18 @@ def markdown(result: dict[str, Any]) -> str:
             return "-" if x is None else f"{x:.{d}f}"
         acc = (r.get("acceptance") or {}).get("alpha_fed")
         load = (r.get("run") or {}).get("load_average_1m") or [None]
-        lines.append(f"| {r['plan']} | {f(m['tokens_per_s_per_user'])} | {f(p.get('tokens_per_s_per_user'))} | "
-                     f"{f(e.get('tokens_per_s_per_user'), 2)} | {f(m['aggregate_tokens_per_s'])} | "
-                     f"{f(p.get('aggregate_tokens_per_s'))} | {f(e.get('aggregate_tokens_per_s'), 2)} | "
-                     f"{f(m['ttft_s'] * 1e3)} | {f(p['ttft_s'] * 1e3 if p else None)} | {f(e.get('ttft_s'), 2)} | "
-                     f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | {f((r.get('run') or {}).get('cpu_share'), 2)} | "
-                     + " / ".join(f(q.get("tokens_per_s_per_user")) for q in r.get("passes", [])) + " | "
-                     + f(r.get("machine_factor"), 2) + " |")
+        lines.append(
+            f"| {r['plan']} | {f(m['tokens_per_s_per_user'])} | {f(p.get('tokens_per_s_per_user'))} | "
+            f"{f(e.get('tokens_per_s_per_user'), 2)} | {f(m['aggregate_tokens_per_s'])} | "
+            f"{f(p.get('aggregate_tokens_per_s'))} | {f(e.get('aggregate_tokens_per_s'), 2)} | "
+            f"{f(m['ttft_s'] * 1e3)} | {f(p['ttft_s'] * 1e3 if p else None)} | {f(e.get('ttft_s'), 2)} | "
+            f"{f(acc, 2) if acc is not None else ''} | {f(load[0], 1)} | "
+            f"{f((r.get('run') or {}).get('cpu_share'), 2)} | "
+            + " / ".join(f(q.get("tokens_per_s_per_user")) for q in r.get("passes", []))
+            + " | "
+            + f(r.get("machine_factor"), 2)
+            + " |"
+        )
     s = result["summary"]
     lines.append("")
     lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
@@ -814,12 +739,16 @@ def drift_line(result: dict[str, Any]) -> str | None:
     sp = (result.get("summary") or {}).get("pass_spread")
     if sp:
         worst = max((r for r in result["rows"] if r.get("pass_spread")), key=lambda r: r["pass_spread"])
-        return (f"machine noise: each Plan measured in {result.get('passes')} passes over the grid, the fastest kept; one "
-                f"Plan's passes lay x{sp['median']:.2f} apart in median, x{sp['max']:.2f} at most ({worst['plan']}): "
-                "error factors within that are this machine's own noise")
+        return (
+            f"machine noise: each Plan measured in {result.get('passes')} passes over the grid, the fastest kept; one "
+            f"Plan's passes lay x{sp['median']:.2f} apart in median, x{sp['max']:.2f} at most ({worst['plan']}): "
+            "error factors within that are this machine's own noise"
+        )
     d = result.get("drift") or {}
     if "factor" not in d:
         return None
-    return (f"machine drift: {d['plan']} measured again after the grid ran {d['end_tokens_per_s_per_user']:.1f} tok/s per "
-            f"user against {d['start_tokens_per_s_per_user']:.1f} at the start (x{d['factor']:.2f}): error factors "
-            f"within that are this machine's own noise")
+    return (
+        f"machine drift: {d['plan']} measured again after the grid ran {d['end_tokens_per_s_per_user']:.1f} tok/s per "
+        f"user against {d['start_tokens_per_s_per_user']:.1f} at the start (x{d['factor']:.2f}): error factors "
+        f"within that are this machine's own noise"
+    )

@@ -12,13 +12,16 @@ from typing import Any
 from waferline.errors import ConfigError, WaferlineError
 from waferline.sim.cost import SimParams, load_params
 
+# the published results waferline ships (each row with its sources): `waferline validate` and
+# `waferline calibrate --published` read it unless given another CSV
+PUBLISHED_PATH = Path(__file__).with_name("data") / "published_results.csv"
 METRICS = ("decode_tokens_per_s_per_user", "ttft_s", "end_to_end_latency_s", "aggregate_tokens_per_s")
 REQUIRED_COLUMNS = ("model", "hardware", "metric", "value")
 
 
 @dataclass
 class Row:
-    """One published result (the CSV format of shared/data/published_results.csv)."""
+    """One published result (the CSV format of sim/data/published_results.csv)."""
 
     id: str
     model: str
@@ -45,8 +48,10 @@ def read_published(path: str | Path) -> list[Row]:
     cols = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in cols]
     if missing:
-        raise ConfigError(f"{p}: missing column(s) {', '.join(missing)}; expected a header like "
-                          "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,...")
+        raise ConfigError(
+            f"{p}: missing column(s) {', '.join(missing)}; expected a header like "
+            "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,..."
+        )
     rows = []
 
     def opt_int(v: str | None) -> int | None:
@@ -55,14 +60,27 @@ def read_published(path: str | Path) -> list[Row]:
 
     for i, r in enumerate(reader):
         try:
-            rows.append(Row(id=(r.get("id") or f"row-{i + 1}").strip(), model=r["model"].strip(), hardware=r["hardware"].strip(),
-                            num_chips=opt_int(r.get("num_chips")), weight_bits=opt_int(r.get("weight_bits")) or 16,
-                            spec_decoding=(r.get("spec_decoding") or "none").strip() or "none",
-                            concurrency=opt_int(r.get("concurrency")) or 1, input_len=opt_int(r.get("input_len")),
-                            output_len=opt_int(r.get("output_len")), metric=r["metric"].strip(), value=float(r["value"]),
-                            system=(r.get("system") or "").strip(), source=(r.get("source") or "").strip()))
+            rows.append(
+                Row(
+                    id=(r.get("id") or f"row-{i + 1}").strip(),
+                    model=r["model"].strip(),
+                    hardware=r["hardware"].strip(),
+                    num_chips=opt_int(r.get("num_chips")),
+                    weight_bits=opt_int(r.get("weight_bits")) or 16,
+                    spec_decoding=(r.get("spec_decoding") or "none").strip() or "none",
+                    concurrency=opt_int(r.get("concurrency")) or 1,
+                    input_len=opt_int(r.get("input_len")),
+                    output_len=opt_int(r.get("output_len")),
+                    metric=r["metric"].strip(),
+                    value=float(r["value"]),
+                    system=(r.get("system") or "").strip(),
+                    source=(r.get("source") or "").strip(),
+                )
+            )
         except (ValueError, KeyError) as e:
-            raise ConfigError(f"{p}: row {i + 1} is malformed ({e}); numbers must be plain numbers, blanks allowed") from None
+            raise ConfigError(
+                f"{p}: row {i + 1} is malformed ({e}); numbers must be plain numbers, blanks allowed"
+            ) from None
     return rows
 
 
@@ -92,16 +110,27 @@ class RowModel:
         self.P = row.input_len or params.default_prompt_len
         self.O = row.output_len or params.default_output_len
         method = row.spec_decoding if row.spec_decoding else "none"
-        self.plan = place(self.spec, self.hw, devices=row.num_chips, weight_bits=row.weight_bits, context=self.P + self.O,
-                          batch=row.concurrency, speculative=SpeculativeConfig(method))
+        self.plan = place(
+            self.spec,
+            self.hw,
+            devices=row.num_chips,
+            weight_bits=row.weight_bits,
+            context=self.P + self.O,
+            batch=row.concurrency,
+            speculative=SpeculativeConfig(method),
+        )
 
     def predict(self, params: SimParams) -> tuple[float, Any]:
         from waferline.sim.pipeline import simulate
 
         r = simulate(self.plan, prompt_len=self.P, output_len=self.O, concurrency=self.row.concurrency, params=params,
                      spec=self.spec, hardware=self.hw)
-        value = {"decode_tokens_per_s_per_user": r.decode_tokens_per_s_per_user, "ttft_s": r.ttft_s,
-                 "end_to_end_latency_s": r.end_to_end_s, "aggregate_tokens_per_s": r.aggregate_tokens_per_s}[self.row.metric]
+        value = {
+            "decode_tokens_per_s_per_user": r.decode_tokens_per_s_per_user,
+            "ttft_s": r.ttft_s,
+            "end_to_end_latency_s": r.end_to_end_s,
+            "aggregate_tokens_per_s": r.aggregate_tokens_per_s,
+        }[self.row.metric]
         return value, r
 
 

@@ -29,7 +29,9 @@ class Sourced:
     status: str = "sourced"  # sourced | assumed | fitted | derived | user
 
     def to_yaml(self) -> dict[str, Any]:
-        key = {"sourced": "source", "derived": "derived", "assumed": "assumed", "fitted": "fitted", "user": "source"}[self.status]
+        key = {"sourced": "source", "derived": "derived", "assumed": "assumed", "fitted": "fitted", "user": "source"}[
+            self.status
+        ]
         return {"value": self.value, key: self.source if self.status != "fitted" else (self.source or True)}
 
 
@@ -48,7 +50,8 @@ class LinkSpec:
         return self.latency + nbytes / self.bandwidth
 
     def allreduce_time(self, nbytes: float, n: int) -> float:
-        """Ring all-reduce of ``nbytes`` among ``n`` devices: 2(n-1) latency steps bounded by log2 tree, plus bandwidth term."""
+        """Ring all-reduce of ``nbytes`` among ``n`` devices: 2(n-1) latency steps bounded by log2 tree, plus
+        bandwidth term."""
         if n <= 1:
             return 0.0
         steps = min(2 * (n - 1), 2 * math.ceil(math.log2(n)))
@@ -99,7 +102,9 @@ class HardwareSpec:
             return self.scale_out
         if self.scale_up is not None:
             return self.scale_up
-        raise ConfigError(f"hardware {self.name!r} has no link to go from device {a} to device {b}: add scale_out to its YAML")
+        raise ConfigError(
+            f"hardware {self.name!r} has no link to go from device {a} to device {b}: add scale_out to its YAML"
+        )
 
     def intra_stage_link(self) -> LinkSpec | None:
         return self.scale_up or self.scale_out
@@ -120,11 +125,15 @@ class HardwareSpec:
 # ----------------------------------------------------------------------------- YAML loading
 
 
-def _num(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool, *, positive: bool = True) -> float:
+def _num(
+    raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool, *, positive: bool = True
+) -> float:
     """Parse ``raw`` (a number or {value, source|assumed|fitted|derived}) into a float; record its source."""
     if isinstance(raw, dict):
         if "value" not in raw:
-            raise ConfigError(f"{where}: field {fieldname!r} is a mapping without 'value'; write {{value: 1.0e12, source: \"...\"}}")
+            raise ConfigError(
+                f"{where}: field {fieldname!r} is a mapping without 'value'; write {{value: 1.0e12, source: \"...\"}}"
+            )
         value = raw["value"]
         if "source" in raw:
             src = Sourced(float(value), str(raw["source"]), "sourced")
@@ -136,11 +145,17 @@ def _num(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], requ
             src = Sourced(float(value), str(raw["fitted"]) if raw["fitted"] is not True else "fitted", "fitted")
         else:
             if require_source:
-                raise ConfigError(f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog number needs one")
+                raise ConfigError(
+                    f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog "
+                    "number needs one"
+                )
             src = Sourced(float(value), f"user: {where}", "user")
     elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
         if require_source:
-            raise ConfigError(f"{where}: field {fieldname!r} = {raw} has no source; write {{value: {raw}, source: \"...\"}} or {{value: {raw}, assumed: \"why\"}}")
+            raise ConfigError(
+                f'{where}: field {fieldname!r} = {raw} has no source; write {{value: {raw}, source: "..."}} or '
+                f'{{value: {raw}, assumed: "why"}}'
+            )
         value = raw
         src = Sourced(float(raw), f"user: {where}", "user")
     elif isinstance(raw, str):
@@ -158,7 +173,9 @@ def _num(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], requ
     except (TypeError, ValueError):
         raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {value!r}") from None
     if not math.isfinite(value) or (positive and value <= 0) or (not positive and value < 0):
-        raise ConfigError(f"{where}: field {fieldname!r} must be {'> 0' if positive else '>= 0'} and finite, got {value}")
+        raise ConfigError(
+            f"{where}: field {fieldname!r} must be {'> 0' if positive else '>= 0'} and finite, got {value}"
+        )
     sources[fieldname] = src
     return value
 
@@ -204,8 +221,10 @@ def _link(raw: Any, where: str, require_source: bool, role: str) -> LinkSpec | N
     if isinstance(raw, str):
         links = catalog_links()
         if raw not in links:
-            raise ConfigError(f"{where}: {role} link {raw!r} is not in the catalog; known links: {', '.join(sorted(links))}; "
-                              "or give a mapping {bandwidth: ..., latency: ...}")
+            raise ConfigError(
+                f"{where}: {role} link {raw!r} is not in the catalog; known links: {', '.join(sorted(links))}; "
+                "or give a mapping {bandwidth: ..., latency: ...}"
+            )
         return links[raw]
     return link_from_dict(raw, where, require_source, name=role)
 
@@ -222,8 +241,10 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
                           "(memory_bytes, memory_bandwidth in bytes/s, flops: {bf16: FLOP/s})")
     missing = [f for f in REQUIRED_DEVICE_FIELDS if f not in dev]
     if missing:
-        raise ConfigError(f"{where}: device is missing field(s) {', '.join(missing)}; required: {', '.join(REQUIRED_DEVICE_FIELDS)} "
-                          "(memory_bytes in bytes, memory_bandwidth in bytes/s, flops: {bf16: peak dense FLOP/s})")
+        raise ConfigError(
+            f"{where}: device is missing field(s) {', '.join(missing)}; required: {', '.join(REQUIRED_DEVICE_FIELDS)} "
+            "(memory_bytes in bytes, memory_bandwidth in bytes/s, flops: {bf16: peak dense FLOP/s})"
+        )
     kind = str(data.get("kind", "asic"))
     if kind not in DEVICE_KINDS:
         raise ConfigError(f"{where}: kind {kind!r} unknown; use one of {', '.join(DEVICE_KINDS)}")
@@ -232,17 +253,37 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
     bw = _num(dev["memory_bandwidth"], where, "memory_bandwidth", sources, require_source)
     fl = dev["flops"]
     if not isinstance(fl, dict) or "bf16" not in fl:
-        raise ConfigError(f"{where}: device.flops must be a mapping with at least 'bf16' (peak dense FLOP/s), got {fl!r}")
+        raise ConfigError(
+            f"{where}: device.flops must be a mapping with at least 'bf16' (peak dense FLOP/s), got {fl!r}"
+        )
     flops = {str(k): _num(v, where, f"flops.{k}", sources, require_source) for k, v in fl.items()}
     cores = int(_num(dev["cores"], where, "cores", sources, require_source)) if "cores" in dev else None
     power = _num(dev["power_w"], where, "power_w", sources, require_source) if "power_w" in dev else None
-    reserve = _num(dev.get("reserve_fraction", {"value": 0.1, "assumed": "default 10% for runtime, workspace, fragmentation"}),
-                   where, "reserve_fraction", sources, require_source, positive=False)
+    reserve = _num(
+        dev.get("reserve_fraction", {"value": 0.1, "assumed": "default 10% for runtime, workspace, fragmentation"}),
+        where,
+        "reserve_fraction",
+        sources,
+        require_source,
+        positive=False,
+    )
     if reserve >= 0.9:
         raise ConfigError(f"{where}: reserve_fraction {reserve} leaves no memory; use a fraction such as 0.1")
     sysd = data.get("system") or {}
-    dpn = int(_num(sysd.get("devices_per_node", {"value": 1, "assumed": "single device"}), where, "devices_per_node", sources, require_source))
-    min_dev = int(_num(sysd.get("min_devices", {"value": 1, "assumed": "any count"}), where, "min_devices", sources, require_source))
+    dpn = int(
+        _num(
+            sysd.get("devices_per_node", {"value": 1, "assumed": "single device"}),
+            where,
+            "devices_per_node",
+            sources,
+            require_source,
+        )
+    )
+    min_dev = int(
+        _num(
+            sysd.get("min_devices", {"value": 1, "assumed": "any count"}), where, "min_devices", sources, require_source
+        )
+    )
     placement = str(data.get("placement", "pipeline" if kind in ("wafer", "lpu") else "tensor"))
     if placement not in PLACEMENT_STYLES:
         raise ConfigError(f"{where}: placement {placement!r} unknown; use one of {', '.join(PLACEMENT_STYLES)}")

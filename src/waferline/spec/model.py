@@ -1,8 +1,8 @@
 """ModelSpec: a model architecture as data, and the one accounting of parameters, bytes, FLOPs and cache.
 
-Both the engine and the planner/simulator use this module; nothing else counts parameters or bytes.
-It parses Hugging Face ``config.json`` dicts (hub spellings and transformers-5.x spellings) and
-needs no torch.
+Both the engine and the planner/simulator use this module; nothing else counts parameters or bytes. The parsers
+that turn a Hugging Face ``config.json`` into a ModelSpec, one per ``model_type``, live in spec/configs.py. Needs no
+torch.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from waferline.errors import ConfigError
 BYTES_16 = 2
 
 
-def quantized_bytes(n_params: float, bits: int, group_size: int = 128, scale_bits: int = 16, zeros: bool = False) -> float:
+def quantized_bytes(
+    n_params: float, bits: int, group_size: int = 128, scale_bits: int = 16, zeros: bool = False
+) -> float:
     """Bytes to store ``n_params`` weights at ``bits`` with one scale (and zero) per ``group_size`` weights."""
     if bits not in (4, 8, 16, 32):
         raise ConfigError(f"weight bits must be 4, 8, 16 or 32, got {bits}")
@@ -431,7 +433,10 @@ class LayerSpec:
         """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm."""
         if self.ffn is None:
             return 0.0
-        return quantized_bytes(self.ffn.matmul_params(), bits, group_size) + (self.ffn.small_params() + self.hidden_size) * BYTES_16
+        return (
+            quantized_bytes(self.ffn.matmul_params(), bits, group_size)
+            + (self.ffn.small_params() + self.hidden_size) * BYTES_16
+        )
 
     def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
         return self.mixer.cache_bytes_per_token(kv_bits) if self.mixer else 0.0
@@ -537,22 +542,14 @@ class ModelSpec:
 
     # -- construction
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str | None = None) -> "ModelSpec":
-        cfg = _flatten_text_config(cfg)
-        mt = cfg.get("model_type")
-        if mt is None:
-            raise ConfigError("config has no 'model_type'; is this a Hugging Face config.json?")
-        mt = MODEL_TYPE_ALIASES.get(mt, mt)
-        parser = _PARSERS.get(mt)
-        if parser is None:
-            raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_PARSERS))}")
-        try:
-            return parser(cfg, name or cfg.get("_name_or_path") or mt)
-        except KeyError as e:
-            raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
+    def from_hf_config(cls, cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
+        """The ModelSpec of a Hugging Face ``config.json`` dict (the parser of its ``model_type``, spec/configs.py)."""
+        from waferline.spec.configs import parse_hf_config  # the parsers build ModelSpecs: imported on first use
+
+        return parse_hf_config(cfg, name)
 
     @classmethod
-    def from_config_file(cls, path: str | Path, name: str | None = None) -> "ModelSpec":
+    def from_config_file(cls, path: str | Path, name: str | None = None) -> ModelSpec:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"no config file at {path}")
@@ -563,402 +560,9 @@ class ModelSpec:
         return cls.from_hf_config(cfg, name=name or path.parent.name)
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path) -> "ModelSpec":
+    def from_pretrained(cls, directory: str | Path) -> ModelSpec:
         directory = Path(directory)
         cfg = directory / "config.json"
         if not cfg.is_file():
             raise ConfigError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
         return cls.from_config_file(cfg, name=directory.name)
-
-
-# ----------------------------------------------------------------------------- parsers
-
-MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
-ENGINE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                      "granitemoehybrid", "nemotron_h", "bamba", "sol")
-
-
-def _flatten_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal configs (Llama 4, Kimi K2.5) nest the language model under text_config."""
-    tc = cfg.get("text_config")
-    if isinstance(tc, dict) and "hidden_size" not in cfg:
-        merged = dict(tc)
-        merged.setdefault("model_type", cfg.get("model_type"))
-        if cfg.get("model_type") in ("llama4",):
-            merged["model_type"] = "llama4"
-        for k in ("tie_word_embeddings", "_waferline"):
-            if k in cfg:
-                merged.setdefault(k, cfg[k])
-        return merged
-    return cfg
-
-
-def _get(cfg: dict[str, Any], *names: str, default: Any = KeyError) -> Any:
-    for n in names:
-        if n in cfg and cfg[n] is not None:
-            return cfg[n]
-    if default is KeyError:
-        raise KeyError(names[0])
-    return default
-
-
-def _float(v: Any) -> float:
-    """A float from config.json, where transformers writes inf as {"__float__": "Infinity"}."""
-    if isinstance(v, dict) and "__float__" in v:
-        return float(v["__float__"])
-    return float(v)
-
-
-def _head_dim(cfg: dict[str, Any]) -> int:
-    hd = cfg.get("head_dim")
-    return int(hd) if hd else cfg["hidden_size"] // cfg["num_attention_heads"]
-
-
-def _gqa(cfg: dict[str, Any], window: int | None = None, **kw: Any) -> AttentionSpec:
-    return AttentionSpec(
-        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
-        num_kv_heads=_get(cfg, "num_key_value_heads", default=cfg["num_attention_heads"]),
-        head_dim=_head_dim(cfg), sliding_window=window, **kw)
-
-
-def _mla(cfg: dict[str, Any]) -> MLASpec:
-    return MLASpec(
-        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
-        q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
-        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"])
-
-
-def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
-    d = cfg["hidden_size"]
-    heads = _get(cfg, "mamba_n_heads", "mamba_num_heads")
-    expand = _get(cfg, "mamba_expand", "expand", default=2)
-    hd = _get(cfg, "mamba_d_head", "mamba_head_dim", default="auto")
-    if hd == "auto":
-        hd = expand * d // heads
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
-    return Mamba2Spec(
-        hidden_size=d, num_heads=heads, head_dim=int(hd),
-        state_size=_get(cfg, "mamba_d_state", "ssm_state_size"),
-        n_groups=_get(cfg, "mamba_n_groups", "n_groups", default=1),
-        conv_kernel=_get(cfg, "mamba_d_conv", "conv_kernel", default=4),
-        conv_bias=bool(_get(cfg, "mamba_conv_bias", "use_conv_bias", default=True)),
-        proj_bias=bool(_get(cfg, "mamba_proj_bias", "use_bias", default=False)),
-        chunk_size=_get(cfg, "mamba_chunk_size", "chunk_size", default=256),
-        time_step_limit=(_float(limit[0]), _float(limit[1])),
-        norm_eps=_get(cfg, "rms_norm_eps", "layer_norm_epsilon", default=1e-5))
-
-
-def _dense(cfg: dict[str, Any], inter: int | None = None, gated: bool = True) -> DenseFFNSpec:
-    return DenseFFNSpec(hidden_size=cfg["hidden_size"], intermediate_size=inter or cfg["intermediate_size"],
-                        gated=gated, bias=bool(cfg.get("mlp_bias", False)))
-
-
-def _spec(cfg: dict[str, Any], name: str, mt: str, layers: list[LayerSpec], mtp: list[LayerSpec] | None = None) -> ModelSpec:
-    return ModelSpec(
-        name=name, model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], layers=layers,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), mtp_layers=mtp or [], hf_config=cfg)
-
-
-def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
-    """Per-layer attention kind from `layer_types` (full_attention / sliding_attention / ...)."""
-    lt = cfg.get("layer_types")
-    if lt is None:
-        return ["full_attention"] * n
-    if len(lt) != n:
-        raise ConfigError(f"layer_types has {len(lt)} entries but num_hidden_layers is {n}")
-    return list(lt)
-
-
-def _parse_llama_like(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    qk_norm = mt in ("qwen3", "qwen3_moe")
-    bias = bool(cfg.get("attention_bias", False))
-    types = _layer_types(cfg, n)
-    layers = []
-    sparse_step = cfg.get("decoder_sparse_step", 1) or 1
-    mlp_only = set(cfg.get("mlp_only_layers") or [])
-    for i in range(n):
-        window = None
-        if types[i] == "sliding_attention" or (mt == "mixtral" and cfg.get("sliding_window")):
-            window = cfg.get("sliding_window")
-        mixer = _gqa(cfg, window=window, qk_norm=qk_norm, qkv_bias=bias, o_bias=bias)
-        n_exp = _get(cfg, "num_experts", "num_local_experts", default=0)
-        if mt == "qwen3_moe" and i not in mlp_only and n_exp > 0 and (i + 1) % sparse_step == 0:
-            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=n_exp,
-                                   top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
-                                   norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
-        elif mt == "mixtral":
-            ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "num_local_experts", "num_experts"),
-                          top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["intermediate_size"])
-        else:
-            ffn = _dense(cfg)
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
-    scoring = cfg.get("scoring_func") or ("sigmoid" if mt == "deepseek_v3" else "softmax")
-    topk_method = cfg.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")
-    grouped = topk_method in ("group_limited_greedy", "noaux_tc")
-    n_shared = cfg.get("n_shared_experts") or 0
-    return MoESpec(
-        hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_experts"),
-        top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
-        num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
-        scoring=scoring, correction_bias=topk_method == "noaux_tc",
-        n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
-        routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
-
-
-def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    first_dense = cfg.get("first_k_dense_replace", 0) or 0
-    freq = cfg.get("moe_layer_freq", 1) or 1
-    has_moe = (cfg.get("n_routed_experts") or 0) > 0
-
-    def layer(i: int) -> LayerSpec:
-        moe = has_moe and i >= first_dense and i % freq == 0
-        return LayerSpec(i, _mla(cfg), _deepseek_moe(cfg, mt) if moe else _dense(cfg), cfg["hidden_size"])
-
-    layers = [layer(i) for i in range(n)]
-    mtp = [layer(n + j) for j in range(cfg.get("num_nextn_predict_layers", 0) or 0)]
-    # each MTP module also has enorm, hnorm, a 2d->d projection (embeddings/head shared with the main model)
-    return _spec(cfg, name, mt, layers, mtp)
-
-
-def _parse_gpt_oss(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
-    layers = []
-    for i in range(n):
-        window = cfg.get("sliding_window") if types[i] == "sliding_attention" else None
-        mixer = _gqa(cfg, window=window, sinks=True, qkv_bias=bool(cfg.get("attention_bias", True)),
-                     o_bias=bool(cfg.get("attention_bias", True)))
-        ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "num_local_experts", "num_experts"),
-                      top_k=_get(cfg, "num_experts_per_tok", "experts_per_token"),
-                      expert_intermediate=cfg["intermediate_size"], expert_bias=True, router_bias=True,
-                      softmax_after_topk=True)
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _hybrid_kinds(cfg: dict[str, Any], n: int | None) -> list[str]:
-    """Per-layer block kinds of a Mamba hybrid, normalised to mamba / attention / mlp / moe."""
-    kinds = cfg.get("layers_block_type") or cfg.get("layer_types")
-    if kinds is None and cfg.get("hybrid_override_pattern"):
-        code = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-        try:
-            kinds = [code[c] for c in cfg["hybrid_override_pattern"]]
-        except KeyError as e:
-            raise ConfigError(f"hybrid_override_pattern has unknown layer code {e.args[0]!r} (known: M * - E)") from None
-    if kinds is None and "attn_layer_indices" in cfg and n is not None:
-        attn = set(cfg.get("attn_layer_indices") or [])
-        kinds = ["attention" if i in attn else "mamba" for i in range(n)]
-    if kinds is None:
-        raise KeyError("layers_block_type")
-    norm = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
-            "mlp": "mlp", "moe": "moe"}
-    try:
-        kinds = [norm[k] for k in kinds]
-    except KeyError as e:
-        raise ConfigError(f"unknown hybrid layer kind {e.args[0]!r} (known: {', '.join(norm)})") from None
-    if n is not None and len(kinds) != n:
-        raise ConfigError(f"the hybrid layer pattern has {len(kinds)} entries but num_hidden_layers is {n}")
-    return kinds
-
-
-def _parse_bamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    kinds = _hybrid_kinds(cfg, n)
-    layers = []
-    for i, k in enumerate(kinds):
-        mixer = _mamba2(cfg) if k == "mamba" else _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")))
-        if mt == "granitemoehybrid" and (cfg.get("num_local_experts") or 0) > 0:
-            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_local_experts"],
-                                   top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["intermediate_size"],
-                                   num_shared=1 if cfg.get("shared_intermediate_size") else 0,
-                                   shared_intermediate=cfg.get("shared_intermediate_size") or 0)
-        elif mt == "granitemoehybrid":
-            ffn = _dense(cfg, inter=cfg.get("shared_intermediate_size") or cfg["intermediate_size"])
-        else:
-            ffn = _dense(cfg)
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    kinds = _hybrid_kinds(cfg, cfg.get("num_hidden_layers"))
-    cfg = dict(cfg, num_hidden_layers=len(kinds))
-    layers = []
-    for i, k in enumerate(kinds):
-        mixer: MixerSpec | None = None
-        ffn: FFNSpec | None = None
-        if k == "mamba":
-            mixer = _mamba2(cfg)
-        elif k == "attention":
-            mixer = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")))
-        elif k == "mlp":
-            ffn = _dense(cfg, gated=False)
-        else:
-            if cfg.get("moe_latent_size"):
-                raise ConfigError("nemotron_h MoE layers with moe_latent_size are not supported yet")
-            n_shared = cfg.get("n_shared_experts") or 0
-            ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["n_routed_experts"], top_k=cfg["num_experts_per_tok"],
-                          expert_intermediate=cfg["moe_intermediate_size"], num_shared=n_shared,
-                          shared_intermediate=(cfg.get("moe_shared_expert_intermediate_size") or 0) if n_shared else 0,
-                          gated=False, scoring="sigmoid", correction_bias=True, n_group=cfg.get("n_group") or 1,
-                          topk_group=cfg.get("topk_group") or 1, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                          routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    """waferline's own architecture: per layer a mixer (mla | gqa | mamba2) and an FFN (dense | moe)."""
-    n = cfg["num_hidden_layers"]
-    mixers = cfg.get("mixer_types") or ["mla"] * n
-    ffns = cfg.get("ffn_types") or ["moe"] * n
-    if len(mixers) != n or len(ffns) != n:
-        raise ConfigError(f"sol config: mixer_types ({len(mixers)}) and ffn_types ({len(ffns)}) must both have num_hidden_layers={n} entries")
-
-    def layer(i: int, mixer_kind: str, ffn_kind: str) -> LayerSpec:
-        if mixer_kind == "mla":
-            mixer: MixerSpec = _mla(cfg)
-        elif mixer_kind == "gqa":
-            mixer = _gqa(cfg, window=cfg.get("sliding_window") if cfg.get("sliding_window") else None)
-        elif mixer_kind == "mamba2":
-            mixer = _mamba2(cfg)
-        else:
-            raise ConfigError(f"sol config: layer {i} has mixer {mixer_kind!r}; use mla, gqa or mamba2")
-        if ffn_kind == "dense":
-            ffn: FFNSpec = _dense(cfg)
-        elif ffn_kind == "moe":
-            ffn = _deepseek_moe(cfg, "deepseek_v3" if cfg.get("scoring_func") == "sigmoid" else "deepseek_v2")
-        else:
-            raise ConfigError(f"sol config: layer {i} has ffn {ffn_kind!r}; use dense or moe")
-        return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
-
-    layers = [layer(i, m, f) for i, (m, f) in enumerate(zip(mixers, ffns))]
-    n_mtp = cfg.get("num_nextn_predict_layers", 0) or 0
-    mtp = [layer(n + j, cfg.get("mtp_mixer_type", "mla"), cfg.get("mtp_ffn_type", "dense")) for j in range(n_mtp)]
-    return _spec(cfg, name, mt, layers, mtp)
-
-
-def _parse_glm4_moe(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    first_dense = cfg.get("first_k_dense_replace", 0) or 0
-    bias = bool(cfg.get("attention_bias", False))
-    layers = []
-    for i in range(n):
-        mixer = _gqa(cfg, qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
-        ffn: FFNSpec = _deepseek_moe(dict(cfg, scoring_func="sigmoid", topk_method="noaux_tc"), "deepseek_v3") if i >= first_dense else _dense(cfg)
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    step = cfg.get("interleave_moe_layer_step", 1) or 1
-    moe_layers = cfg.get("moe_layers")
-    moe_set = set(moe_layers) if moe_layers is not None else {i for i in range(n) if (i + 1) % step == 0}
-    layers = []
-    for i in range(n):
-        mixer = _gqa(cfg)
-        if i in moe_set:
-            ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
-                                   expert_intermediate=cfg["intermediate_size"], num_shared=1,
-                                   shared_intermediate=cfg["intermediate_size"], scoring="sigmoid")
-        else:
-            ffn = _dense(cfg, inter=_get(cfg, "intermediate_size_mlp", "intermediate_size"))
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_qwen3_next(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % (cfg.get("full_attention_interval") or 4) == 0 else "linear_attention" for i in range(n)]
-    layers = []
-    for i in range(n):
-        if types[i] == "linear_attention":
-            mixer: MixerSpec = GatedDeltaNetSpec(
-                hidden_size=cfg["hidden_size"], num_k_heads=cfg["linear_num_key_heads"], num_v_heads=cfg["linear_num_value_heads"],
-                head_k_dim=cfg["linear_key_head_dim"], head_v_dim=cfg["linear_value_head_dim"],
-                conv_kernel=cfg.get("linear_conv_kernel_dim", 4))
-        else:
-            # gated attention: the query projection also produces a per-head output gate (2x q width)
-            mixer = _gqa(cfg, qk_norm=True)
-        ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
-                      expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
-                      shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0, shared_gate=True)
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_jamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    n = cfg["num_hidden_layers"]
-    a_period, a_off = cfg.get("attn_layer_period", 8), cfg.get("attn_layer_offset", 4)
-    e_period, e_off = cfg.get("expert_layer_period", 2), cfg.get("expert_layer_offset", 1)
-    d = cfg["hidden_size"]
-    d_inner = cfg.get("mamba_expand", 2) * d
-    layers = []
-    for i in range(n):
-        if i % a_period == a_off:
-            mixer: MixerSpec = _gqa(cfg)
-        else:
-            mixer = Mamba1Spec(hidden_size=d, d_inner=d_inner, state_size=cfg.get("mamba_d_state", 16),
-                               conv_kernel=cfg.get("mamba_d_conv", 4), dt_rank=cfg.get("mamba_dt_rank") or math.ceil(d / 16))
-        if i % e_period == e_off and (cfg.get("num_experts") or 1) > 1:
-            ffn: FFNSpec = MoESpec(hidden_size=d, num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
-                                   expert_intermediate=cfg["intermediate_size"])
-        else:
-            ffn = _dense(cfg)
-        layers.append(LayerSpec(i, mixer, ffn, d))
-    return _spec(cfg, name, mt, layers)
-
-
-def _parse_step3(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    """StepFun Step-3 (text): MFA attention (low-rank query, one shared K/V head of 256), MoE in the layers listed
-    by ``moe_layers_enum`` (routed experts + one shared expert of ``share_expert_dim``), dense elsewhere."""
-    n = cfg["num_hidden_layers"]
-    enum = cfg.get("moe_layers_enum")
-    moe_layers = {int(x) for x in (enum.split(",") if isinstance(enum, str) else enum or []) if str(x).strip()}
-    d = cfg["hidden_size"]
-    mixer = AttentionSpec(hidden_size=d, num_heads=cfg["num_attention_heads"],
-                          num_kv_heads=_get(cfg, "num_attention_groups", "num_key_value_heads", default=1),
-                          head_dim=_head_dim(cfg), q_rank=int(cfg.get("share_q_dim") or 0))
-    moe = MoESpec(hidden_size=d, num_experts=cfg["moe_num_experts"], top_k=cfg["moe_top_k"],
-                  expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
-                  shared_intermediate=int(cfg.get("share_expert_dim") or cfg["moe_intermediate_size"]),
-                  norm_topk_prob=bool(cfg.get("norm_expert_weight", False)))
-    layers = [LayerSpec(i, mixer, moe if i in moe_layers else _dense(cfg), d) for i in range(n)]
-    return _spec(dict(cfg, max_position_embeddings=cfg.get("max_position_embedding") or cfg.get("max_seq_len")),
-                 name, mt, layers)
-
-
-_PARSERS = {
-    "llama": lambda c, n: _parse_llama_like(c, n, "llama"),
-    "mistral": lambda c, n: _parse_llama_like(c, n, "mistral"),
-    "qwen2": lambda c, n: _parse_llama_like(c, n, "qwen2"),
-    "qwen3": lambda c, n: _parse_llama_like(c, n, "qwen3"),
-    "qwen3_moe": lambda c, n: _parse_llama_like(c, n, "qwen3_moe"),
-    "mixtral": lambda c, n: _parse_llama_like(c, n, "mixtral"),
-    "deepseek_v2": lambda c, n: _parse_deepseek(c, n, "deepseek_v2"),
-    "deepseek_v3": lambda c, n: _parse_deepseek(c, n, "deepseek_v3"),
-    "gpt_oss": lambda c, n: _parse_gpt_oss(c, n, "gpt_oss"),
-    "bamba": lambda c, n: _parse_bamba(c, n, "bamba"),
-    "granitemoehybrid": lambda c, n: _parse_bamba(c, n, "granitemoehybrid"),
-    "nemotron_h": lambda c, n: _parse_nemotron_h(c, n, "nemotron_h"),
-    "sol": lambda c, n: _parse_sol(c, n, "sol"),
-    "glm4_moe": lambda c, n: _parse_glm4_moe(c, n, "glm4_moe"),
-    "llama4": lambda c, n: _parse_llama4(c, n, "llama4"),
-    "llama4_text": lambda c, n: _parse_llama4(c, n, "llama4"),
-    "qwen3_next": lambda c, n: _parse_qwen3_next(c, n, "qwen3_next"),
-    "jamba": lambda c, n: _parse_jamba(c, n, "jamba"),
-    "step3_text": lambda c, n: _parse_step3(c, n, "step3_text"),
-}
-SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))

@@ -52,7 +52,10 @@ def load_model(name_or_path: str | Path):
         return ModelSpec.from_pretrained(p)
     if p.is_file():
         return ModelSpec.from_config_file(p, name=p.stem if p.name != "config.json" else p.parent.name)
-    raise ConfigError(f"unknown model {s!r}: use a catalog id ({', '.join(list_models())}), a config.json path or a checkpoint directory")
+    raise ConfigError(
+        f"unknown model {s!r}: use a catalog id ({', '.join(list_models())}), a config.json path or a checkpoint "
+        "directory"
+    )
 
 
 @lru_cache(maxsize=64)
@@ -72,4 +75,6 @@ def load_hardware(name_or_path: str | Path):
     p = Path(s)
     if p.is_file():
         return load_hardware_file(p)
-    raise ConfigError(f"unknown hardware {s!r}: use a catalog id ({', '.join(list_hardware())}) or a path to a YAML file")
+    raise ConfigError(
+        f"unknown hardware {s!r}: use a catalog id ({', '.join(list_hardware())}) or a path to a YAML file"
+    )

@@ -1,0 +1,352 @@
+"""AFD's driver, ``AFD``: this process is attention rank 0 and the scheduler; a ``Pipeline`` whose workers are the
+other attention ranks and the FFN ranks (start-up, watchdog, scheduling per attention rank, time split)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from waferline.engine.afd.layout import DEFAULT_MICRO_BATCHES, STATS, AFDError, make_layout, plan_ranks
+from waferline.engine.afd.link import AFLink, Clock
+from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
+from waferline.engine.afd.sides import _check_checkpoint, load_attention_side
+from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
+from waferline.engine.pipeline.launch import _main_hidden, _reap
+from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, _Seq
+from waferline.engine.pipeline.supervise import WATCH_INTERVAL_S, StageError
+from waferline.engine.sampling import SamplingParams
+from waferline.engine.stage import (
+    BEGIN,
+    EMIT_LOGPROBS,
+    EMIT_NONE,
+    EMIT_TOKEN,
+    FEEDBACK,
+    LOOPBACK,
+    SHUTDOWN,
+    STEP,
+    Control,
+    Group,
+    MicroBatch,
+    decode_feedback,
+    json_meta,
+    loopback_store,
+    make_group,
+)
+from waferline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+
+
+def _proc_state(pid: int) -> str:
+    """The one-letter state of a local process (R, S, T for stopped, Z, ...); '' when unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+# ---------------------------------------------------------------- the driver (attention rank 0 + scheduler)
+
+class AFD(Pipeline):
+    """Attention/FFN disaggregation over M attention ranks and N FFN ranks; this process is attention rank 0 and
+    the scheduler. Same API as ``Pipeline`` (run_generate, run_stream, prompt_logprobs, stream, close).
+
+    >>> with AFD("ckpt", attention_ranks=2, ffn_ranks=2) as afd:
+    ...     toks, reasons, metrics = afd.run_generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
+    """
+
+    def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", *, attention_ranks: int | None = None,
+                 ffn_ranks: int | None = None, micro_batches: int | None = None, plan: Plan | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_rank: int | None = None,
+                 threads_per_stage: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
+                 device: str = "cpu", start_method: str = "forkserver"):
+        from waferline.engine.llm import DTYPES
+        from waferline.spec.model import ModelSpec
+
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ConfigError(f"model directory {self.path} does not exist")
+        _check_checkpoint(self.path, device)
+        self.spec = ModelSpec.from_pretrained(self.path)
+        if plan is not None:
+            if attention_ranks is not None or ffn_ranks is not None:
+                raise ConfigError("give a plan or attention_ranks/ffn_ranks, not both")
+            attention_ranks, ffn_ranks, plan_mb = plan_ranks(plan, self.spec)
+            micro_batches = micro_batches if micro_batches is not None else plan_mb
+        self.layout = make_layout(self.spec, 1 if attention_ranks is None else attention_ranks,
+                                  1 if ffn_ranks is None else ffn_ranks)
+        self.M, self.N = self.layout.attention_ranks, self.layout.ffn_ranks
+        self.num_stages = self.layout.world  # processes (the Pipeline base reports it as "stages")
+        self.micro_batches = int(micro_batches) if micro_batches is not None else DEFAULT_MICRO_BATCHES
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
+        self.hang_timeout_s = float(hang_timeout_s)
+        threads = threads_per_rank or threads_per_stage
+        self.threads = int(threads) if threads else max(1, (os.cpu_count() or 1) // self.layout.world)
+        self.device = torch.device("cpu")
+        self.dtype = dtype
+        self.ranges = [(0, self.spec.num_layers)]
+        self._procs: list[Any] = []
+        self._closed = False
+        self._broken: StageError | None = None
+        self._fault: str | None = None
+        self._lock = threading.Lock()
+        self._env = False
+        self.speculative, self._sr = None, None  # the Pipeline base's speculative path: not under AFD
+        self._busy_since: float | None = None
+        self._stop_watch = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._finalizer = weakref.finalize(self, _reap, self._procs)
+        try:
+            self._start_afd(start_method)
+        except BaseException:
+            self._kill_all()
+            self._closed = True
+            raise
+
+    # ------------------------------------------------------------ start-up
+    def _start_afd(self, start_method: str) -> None:
+        import torch.multiprocessing as mp
+
+        W = self.layout.world
+        self.run_id = uuid.uuid4().hex[:12]
+        self.store = loopback_store(W, datetime.timedelta(seconds=60))
+        self.ctl = Control(self.store, self.run_id)
+        load = {"path": str(self.path), "dtype": self.dtype, "layout": self.layout, "hidden": self.spec.hidden_size,
+                "store_addr": (LOOPBACK, self.store.port)}
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["waferline.engine.afd", "waferline.model.load"])
+        for r in range(1, W):
+            p = ctx.Process(target=worker_main, args=(r, load, self.run_id, self.threads, os.getpid()),
+                            name=f"waferline-afd{r}", daemon=True)
+            with _main_hidden():
+                p.start()
+            self._procs.append(p)
+        self._wait_for("alive", "start")
+        self._connect_afd()
+        model, fronts = load_attention_side(self.path, self.dtype)
+        self.runner = AttentionRunner(model, fronts, self.layout, self.link)
+        self._wait_for("ready", "load its part of the model")
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="waferline-afd-watchdog")
+        self._watcher.start()
+
+    def _connect_afd(self) -> None:
+        box: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                box["pg"] = make_group(self.store, f"waferline/{self.run_id}/afd", 0, self.layout.world,
+                                       torch.device("cpu"), True)
+            except BaseException as e:  # noqa: BLE001 - re-raised by _connect_watching
+                box["error"] = e
+
+        self._connect_watching(build, box)
+        self.link = AFLink(box["pg"], Clock())
+
+    # fault messages name ranks the AFD way (the Pipeline's start-up checks and diagnosis use these)
+    _error_cls = AFDError
+    _peers_name = "ranks"
+    _engine_name = "AFD"
+
+    def _rank_name(self, r: int) -> str:
+        return self.layout.describe(r)
+
+    # ------------------------------------------------------------ watchdog
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: a dead rank or one that reported an error is a fault; so is a step during which no
+        rank progressed for ``hang_timeout_s``. On a fault every rank is stopped, which unblocks the driver."""
+        ctl = Control(dist.TCPStore(LOOPBACK, self.store.port, is_master=False, timeout=datetime.timedelta(seconds=30)),
+                      self.run_id)
+        W = self.layout.world
+        keys = [ctl.key("progress", r) for r in range(1, W)]
+        last = {r: (-1, time.monotonic()) for r in range(1, W)}
+        while not self._stop_watch.wait(WATCH_INTERVAL_S):
+            try:
+                fault = self._diagnose(ctl)
+                if fault is None and self.hang_timeout_s > 0:
+                    now = time.monotonic()
+                    prog = [int(v) for v in ctl.store.multi_get(keys)]
+                    for r in range(1, W):
+                        if prog[r - 1] != last[r][0]:
+                            last[r] = (prog[r - 1], now)
+                    busy = self._busy_since
+                    if busy is not None and now - busy > self.hang_timeout_s:
+                        stalled = [r for r in range(1, W) if now - last[r][1] > self.hang_timeout_s]
+                        if len(stalled) == W - 1:
+                            # a stopped process is the cause; otherwise blame the rank that stalled first
+                            stopped = [q for q in stalled if _proc_state(self._procs[q - 1].pid) in ("T", "t")]
+                            r = stopped[0] if stopped else min(stalled, key=lambda q: last[q][1])
+                            why = "is stopped (state T)" if stopped else "stalled first"
+                            fault = (f"{self.layout.describe(r)} hung: no rank made progress for "
+                                     f"{now - last[r][1]:.1f} s of a step (hang timeout {self.hang_timeout_s:g} s); "
+                                     f"{self.layout.describe(r)} {why}")
+            except Exception as e:  # the store itself went away
+                if self._closed:
+                    return
+                fault = f"lost contact with the AFD ranks ({e})"
+            if fault is not None and not self._closed:
+                self._fault = fault
+                self._kill_all()
+                return
+
+    def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
+        """The Pipeline's guard (lock, fault naming, Ctrl-C shutdown), raising AFDError for every rank failure."""
+        try:
+            yield from super()._guarded(it)
+        except StageError as e:
+            if isinstance(e, AFDError):
+                raise
+            raise AFDError(str(e)) from None
+
+    # ------------------------------------------------------------ scheduling
+    def _rank_of(self, i: int) -> int:
+        return i % self.M
+
+    def _plan_step(self, seqs: list[_Seq], logprobs: bool) -> list[list[tuple[_Seq, list[int], int, int]]] | None:
+        """Per attention rank, the rows of this step: (seq, tokens, start, emit); None when nothing is left."""
+        per: list[list[tuple[_Seq, list[int], int, int]]] = [[] for _ in range(self.M)]
+        for s in seqs:
+            if s.phase == DECODE:
+                per[self._rank_of(s.idx)].append((s, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN))
+        budget = [max(self.prefill_chunk - len(rows), 1) for rows in per]  # prompts always advance
+        for s in seqs:
+            m = self._rank_of(s.idx)
+            if s.phase != PREFILL or s.next_pos >= len(s.prompt) or budget[m] <= 0:
+                continue
+            n = min(len(s.prompt) - s.next_pos, budget[m])
+            last = s.next_pos + n == len(s.prompt)
+            emit = EMIT_LOGPROBS if logprobs else (EMIT_TOKEN if last else EMIT_NONE)
+            per[m].append((s, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit))
+            s.next_pos += n
+            budget[m] -= n
+        return per if any(per) else None
+
+    def _micro_batches(
+        self, rows: list[tuple[_Seq, list[int], int, int]]
+    ) -> tuple[list[MicroBatch], list[list[torch.Tensor]]]:
+        """K micro-batches balanced by tokens (largest rows first), each split into groups of equal T."""
+        K = self.micro_batches
+        bins: list[list[tuple[_Seq, list[int], int, int]]] = [[] for _ in range(K)]
+        load = [0] * K
+        for row in sorted(rows, key=lambda r: -len(r[1])):
+            k = min(range(K), key=lambda j: (load[j], j))
+            bins[k].append(row)
+            load[k] += len(row[1])
+        mbs, toks = [], []
+        for rows_k in bins:
+            groups: dict[int, tuple[Group, list[list[int]]]] = {}
+            for s, t, start, emit in sorted(rows_k, key=lambda r: r[0].idx):
+                g, tl = groups.setdefault(len(t), (Group(len(t)), []))
+                g.seqs.append(s.idx)
+                g.slots.append(s.idx // self.M)
+                g.starts.append(start)
+                g.emits.append(emit)
+                tl.append(t)
+            self._mb_ids += 1
+            mbs.append(MicroBatch(self._mb_ids, [groups[T][0] for T in sorted(groups)]))
+            toks.append([torch.tensor(groups[T][1], dtype=torch.long) for T in sorted(groups)])
+        return mbs, toks
+
+    def _run(
+        self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any
+    ) -> Iterator[list[tuple[int, int]]]:
+        n = len(seqs)
+        cfg = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
+                                          "top_k": params.top_k, "seed": params.seed}}
+        self._mb_ids = 0
+        self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
+        for m in range(1, self.M):
+            self.link.send(m, BEGIN, json_meta(dict(cfg, local_slots=len(range(m, n, self.M)))))
+        while True:
+            per = self._plan_step(seqs, logprobs)
+            if per is None:
+                break
+            self._busy_since = time.monotonic()
+            mine = None
+            for m in range(self.M):
+                mbs, toks = self._micro_batches(per[m])
+                if m == 0:
+                    mine = (mbs, toks)
+                else:
+                    meta, ts = encode_step(mbs, toks)
+                    self.link.send(m, STEP, meta, ts)
+            feedback = self.runner.step(*mine)
+            for m in range(1, self.M):
+                for _ in range(self.micro_batches):
+                    kind, meta, tail = self.link.recv(m)
+                    if kind != FEEDBACK:
+                        raise AFDError(f"protocol error: expected feedback from attention rank {m}, got kind {kind}")
+                    feedback.append((meta, [tail]))
+            self._busy_since = None
+            now = time.perf_counter()
+            events: list[tuple[int, int]] = []
+            for meta, ts in feedback:
+                tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
+                fb = decode_feedback(meta, tail, self.spec.vocab_size)  # (mb_id, tokens, log-probs, ...)
+                tokens, lps = fb[1], fb[2]
+                for i, lp in lps.items():
+                    s = seqs[i]
+                    s.logprobs.append(lp.clone())
+                    if s.next_pos >= len(s.prompt) and sum(x.shape[0] for x in s.logprobs) == len(s.prompt):
+                        s.phase = DONE
+                for i, toks in tokens.items():
+                    events += [(i, t) for t in on_tokens(seqs[i], toks, now)]
+            if events:
+                yield events
+        self.link.flush()
+
+    # ------------------------------------------------------------ measurement
+    def time_split(self, reset: bool = True) -> dict[str, Any]:
+        """Seconds of compute / transfer / idle per rank since the last reset, and the sums per side."""
+        if self._broken is not None or self._closed:
+            raise AFDError(str(self._broken or "this AFD engine is closed"))
+        with self._lock:
+            for r in range(1, self.layout.world):
+                self.ctl.store.delete_key(self.ctl.key("stats", r))
+                self.link.send(r, STATS, [1 if reset else 0])
+            self.link.flush()
+            ranks = {0: self.link.clock.as_dict()}
+            if reset:
+                self.link.clock.__init__()
+            deadline = time.monotonic() + 10
+            for r in range(1, self.layout.world):
+                while (v := self.ctl.get("stats", r)) is None:
+                    if time.monotonic() > deadline:
+                        raise AFDError(f"{self.layout.describe(r)} did not report its time split")
+                    time.sleep(0.005)
+                ranks[r] = json.loads(v)
+        sides: dict[str, dict[str, float]] = {}
+        for r, c in ranks.items():
+            side = sides.setdefault(
+                "attention" if r < self.M else "ffn", {"compute": 0.0, "transfer": 0.0, "idle": 0.0}
+            )
+            for k in side:
+                side[k] += c[k]
+        return {"ranks": {self.layout.describe(r): c for r, c in ranks.items()}, "sides": sides}
+
+    # ------------------------------------------------------------ shutdown
+    def _send_shutdown(self) -> None:
+        """SHUTDOWN to every rank (the Pipeline's close() calls this)."""
+        for r in range(1, self.layout.world):
+            self.link.send(r, SHUTDOWN, [])
+        self.link.flush()

@@ -1,0 +1,186 @@
+"""What each side of AFD holds and loads: the attention side's FFN norms and MoE routers (``FFNFront``) beside a
+DecoderModel without FFNs; an FFN rank's own experts (``ExpertSlice`` renumbers them) and the layers it owns."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from waferline.engine.afd.layout import Layout
+from waferline.errors import ConfigError
+from waferline.model.moe import MoE
+from waferline.plan.place import ffn_owner
+
+if TYPE_CHECKING:
+    from waferline.spec.model import MoESpec
+
+
+class Router(nn.Module):
+    """The routing half of an MoE block (router weight, bias, correction bias), kept on the attention side."""
+
+    route = MoE.route  # the single-process engine's routing and router loading, not copies of them
+    _load_router = MoE._load_router
+
+    def __init__(self, spec: MoESpec):
+        super().__init__()
+        E, D = spec.num_experts, spec.hidden_size
+        self.spec, self.num_experts, self.hidden_size, self.top_k = spec, E, D, spec.top_k
+        self.group_top2 = spec.correction_bias or spec.scoring == "sigmoid"  # as MoE.__init__
+        self.gate_weight = nn.Parameter(torch.zeros(E, D), requires_grad=False)
+        self.gate_bias = nn.Parameter(torch.zeros(E), requires_grad=False) if spec.router_bias else None
+        if spec.correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        else:
+            self.e_score_correction_bias = None
+
+    def load_hf(self, src: Any, prefix: str, flavor: str) -> None:
+        from waferline.model.weights import copy_into
+
+        if flavor == "granitemoehybrid":
+            self._load_router(src, prefix + "block_sparse_moe.", ["router.layer.weight", "router.weight"])
+            return
+        self._load_router(src, prefix, ["router.weight"] if flavor == "gpt_oss" else ["gate.weight"])
+        if self.e_score_correction_bias is not None:
+            name = prefix + "gate.e_score_correction_bias"
+            if not src.has(name) and src.has(prefix + "e_score_correction_bias"):
+                name = prefix + "e_score_correction_bias"
+            copy_into(self.e_score_correction_bias, src.get(name, (self.num_experts,)))
+
+
+class FFNFront(nn.Module):
+    """What the attention side keeps of a layer's FFN: its pre-norm, and the router for an MoE layer."""
+
+    def __init__(self, norm: nn.Module, router: Router | None):
+        super().__init__()
+        self.norm = norm
+        self.router = router
+
+
+class ExpertSlice:
+    """A view of a WeightSource in which MoE layer ``prefix`` has only experts [e0, e1), renumbered from 0:
+    per-expert keys are renamed, [E, ...] tensors under the prefix (fused experts, router rows) are sliced."""
+
+    _EXPERT = re.compile(r"^(.*experts\.)(\d+)\.(.*)$")
+
+    def __init__(self, src: Any, prefix: str, e0: int, e1: int, num_experts: int):
+        self.src, self.prefix, self.e0, self.e1, self.E = src, prefix, e0, e1, num_experts
+
+    def _map(self, name: str) -> tuple[str | None, bool]:
+        if not name.startswith(self.prefix) or "shared" in name[len(self.prefix):]:
+            return name, False
+        m = self._EXPERT.match(name)
+        if m:
+            j = int(m.group(2))
+            return (f"{m.group(1)}{self.e0 + j}.{m.group(3)}" if j < self.e1 - self.e0 else None), False
+        return name, True
+
+    def has(self, name: str) -> bool:
+        base, _ = self._map(name)
+        return base is not None and self.src.has(base)
+
+    def names_with_prefix(self, prefix: str) -> list[str]:
+        return self.src.names_with_prefix(prefix)
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        from waferline.errors import CheckpointError
+
+        base, sliced = self._map(name)
+        if base is None:
+            raise CheckpointError(f"checkpoint is missing tensor {name!r}")
+        if sliced and self.src.shape(base)[:1] == (self.E,):
+            t = self.src.get(base)[self.e0:self.e1].clone()
+        else:
+            t = self.src.get(base)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {base!r} gives shape {list(t.shape)} for experts {self.e0}-{self.e1 - 1} but "
+                f"the config implies {list(shape)}"
+            )
+        return t
+
+
+def _check_checkpoint(path: Path, device: str) -> None:
+    from waferline.model.quant import quant_method
+
+    cfg = json.loads((path / "config.json").read_text())
+    if quant_method(cfg) is not None:
+        raise ConfigError(f"{path} is an int4 checkpoint; the AFD engine runs 16-bit checkpoints so far (load the "
+                          "16-bit original, or run the int4 checkpoint with the pipeline engine)")
+    if device != "cpu":
+        raise ConfigError(f"the AFD engine runs on CPU processes (gloo) so far; got device={device!r}")
+
+
+def load_attention_side(path: str | Path, dtype: torch.dtype, src: Any = None) -> tuple[Any, dict[int, FFNFront]]:
+    """The attention side of a checkpoint: a DecoderModel without FFNs (embedding, mixers, head) and, per FFN layer,
+    its FFNFront. Expert, shared-expert and dense-FFN tensors are never read."""
+    from waferline.model.decoder import NAMING, DecoderModel, Naming, _norm_eps
+    from waferline.model.layers import RMSNorm
+    from waferline.model.load import open_weights
+    from waferline.spec.model import ModelSpec, MoESpec
+
+    path = Path(path)
+    spec = ModelSpec.from_pretrained(path)
+    bare = dataclasses.replace(spec, layers=[dataclasses.replace(layer, ffn=None) for layer in spec.layers])
+    src = src if src is not None else open_weights(path)
+    model = DecoderModel(bare, dtype, with_mtp=False)
+    model.load_hf(src)
+    model.spec = spec  # the full accounting (the engine reads vocab/hidden/layers from it)
+    n: Naming = NAMING.get(spec.model_type, Naming())
+    eps = _norm_eps(spec.hf_config)
+    fronts: dict[int, FFNFront] = {}
+    for i, layer in enumerate(spec.layers):
+        if layer.ffn is None:
+            continue
+        p = f"{n.root}layers.{i}."
+        norm = RMSNorm(spec.hidden_size, eps, dtype)
+        norm.load_hf(src, p + n.norm_ffn + ".weight")
+        router = None
+        if isinstance(layer.ffn, MoESpec):
+            router = Router(layer.ffn)
+            router.load_hf(src, p + n.ffn + "." if n.ffn else p, spec.model_type)
+        fronts[i] = FFNFront(norm, router).eval()
+    model.eval()
+    return model, fronts
+
+
+def load_ffn_side(
+    path: str | Path, dtype: torch.dtype, rank: int, layout: Layout, src: Any = None
+) -> dict[int, nn.Module]:
+    """FFN rank ``rank``'s modules per layer: an MoE holding only its experts (renumbered from 0; plus the shared
+    experts where it is the owner), or the dense FFN of the layers it owns."""
+    from waferline.model.decoder import NAMING, Naming, _build_ffn
+    from waferline.model.load import open_weights
+    from waferline.spec.model import ModelSpec
+
+    path = Path(path)
+    spec = ModelSpec.from_pretrained(path)
+    src = src if src is not None else open_weights(path)
+    n: Naming = NAMING.get(spec.model_type, Naming())
+    N = layout.ffn_ranks
+    mods: dict[int, nn.Module] = {}
+    for i, kind in layout.kinds.items():
+        layer = spec.layers[i]
+        prefix = f"{n.root}layers.{i}." + (n.ffn + "." if n.ffn else "")
+        owner = ffn_owner(i, N) == rank
+        if kind == "dense":
+            if owner:
+                mod = _build_ffn(layer, spec.model_type, spec.hf_config, dtype)
+                mod.load_hf(src, prefix)
+                mods[i] = mod.eval()
+            continue
+        f = layer.ffn
+        e0, e1 = layout.splits[i][rank]
+        local = dataclasses.replace(f, num_experts=e1 - e0, top_k=1, n_group=1, topk_group=1,
+                                    num_shared=f.num_shared if owner else 0,
+                                    shared_intermediate=f.shared_intermediate if owner else 0,
+                                    shared_gate=f.shared_gate and owner)
+        mod = _build_ffn(dataclasses.replace(layer, ffn=local), spec.model_type, spec.hf_config, dtype)
+        mod.load_hf(ExpertSlice(src, prefix, e0, e1, f.num_experts), prefix)
+        mods[i] = mod.eval()
+    return mods

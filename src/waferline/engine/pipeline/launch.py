@@ -1,0 +1,160 @@
+"""Launching the pipeline's processes: the stage split, torchrun ranks and rendezvous, starting workers cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from waferline.engine.stage import loopback_host, loopback_store, serve
+from waferline.errors import ConfigError, counted
+
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+
+
+# ---------------------------------------------------------------- the stage split
+
+def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: int | None = None,
+                 plan: Plan | None = None) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [a, b) per stage: from a Plan, from K layers per stage, or S balanced stages."""
+    given = sum(x is not None for x in (stages, layers_per_stage, plan))
+    if given > 1:
+        raise ConfigError("give only one of stages, layers_per_stage or plan")
+    if plan is not None:
+        if isinstance(plan, (str, Path)):
+            from waferline.plan.plan import Plan
+
+            plan = Plan.load(plan)
+        out = []
+        for st in plan.stages:
+            if st.role != "full":
+                raise ConfigError(f"plan stage {st.index} has role {st.role!r}; the pipeline engine runs 'full' stages "
+                                  "only (attention/FFN disaggregation is a separate engine)")
+            ls = sorted(st.layers)
+            if not ls or ls != list(range(ls[0], ls[-1] + 1)):
+                raise ConfigError(
+                    f"plan stage {st.index} holds layers {st.layers}: a stage needs a non-empty contiguous range"
+                )
+            out.append((ls[0], ls[-1] + 1))
+        if [a for a, _ in out] != [0] + [b for _, b in out[:-1]] or out[-1][1] != num_layers:
+            raise ConfigError(
+                f"plan stages {out} do not cover layers 0..{num_layers - 1} in order; re-plan for this model"
+            )
+        return out
+    if layers_per_stage is not None:
+        if layers_per_stage < 1:
+            raise ConfigError(f"layers_per_stage must be >= 1, got {layers_per_stage}")
+        return [(a, min(a + layers_per_stage, num_layers)) for a in range(0, num_layers, layers_per_stage)]
+    S = 1 if stages is None else int(stages)
+    if S < 1:
+        raise ConfigError(f"stages must be >= 1, got {S}")
+    if S > num_layers:
+        raise ConfigError(f"{S} stages for a model of {counted(num_layers, 'layer')}: each stage needs at least one "
+                          f"layer; use stages <= {num_layers} (or layers_per_stage=1)")
+    base, extra = divmod(num_layers, S)
+    out, a = [], 0
+    for i in range(S):
+        b = a + base + (1 if i < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def torchrun_rank() -> int:
+    """This process's rank when launched by torchrun (env:// with WORLD_SIZE > 1), else 0."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return int(os.environ.get("RANK", "0"))
+    return 0
+
+
+# ---------------------------------------------------------------- local workers
+
+@contextlib.contextmanager
+def _main_hidden() -> Any:
+    """Start a worker without re-running the caller's ``__main__`` in it.
+
+    multiprocessing's spawn/forkserver children re-import the parent's main script (so scripts need an
+    ``if __name__ == "__main__"`` guard). A stage needs nothing from ``__main__`` (its target and arguments live in
+    waferline), so the main module's file/spec are hidden while the child's preparation data is taken.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def _reap(procs: list[Any]) -> None:
+    """Finalizer: never leave stage processes behind."""
+    for p in procs:
+        try:
+            if p.exitcode is None:
+                p.kill()
+                p.join(timeout=2)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------- torchrun (env://)
+
+def _env_run_id() -> str:
+    return os.environ.get("TORCHELASTIC_RUN_ID", "env") + "-" + os.environ.get("MASTER_PORT", "0")
+
+
+def _rendezvous_env() -> tuple[Any, int, int]:
+    """(store, rank, world size) from torchrun's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"env:// launch needs {', '.join(missing)} in the environment (start the command with torchrun)"
+        )
+    timeout = datetime.timedelta(seconds=300)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host = loopback_host(os.environ["MASTER_ADDR"])
+    if rank == 0 and host is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # this rank hosts the store, and the address says one host: listen there only, not on every interface
+        return loopback_store(world, timeout, int(os.environ["MASTER_PORT"]), host), rank, world
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    return store, rank, world
+
+
+def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
+                   layers_per_stage: int | None = None, plan: Plan | None = None, device: str = "cpu",
+                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None,
+                   speculative: str | None = None) -> int:
+    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
+    ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
+    from waferline.engine.llm import DTYPES
+    from waferline.engine.speculative import pipeline_method
+    from waferline.spec.model import ModelSpec
+
+    spec = ModelSpec.from_pretrained(Path(path))
+    ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
+    store, rank, world = _rendezvous_env()
+    if world != len(ranges):
+        raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
+                          f"{counted(len(ranges), 'stage')}")
+    if threads_per_stage:
+        torch.set_num_threads(threads_per_stage)
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    load = {"path": str(path), "dtype": DTYPES[dtype] if isinstance(dtype, str) else dtype, "layer_range": ranges[rank],
+            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+            "mtp": bool(speculative) and pipeline_method(speculative) == "mtp"}
+    return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)

@@ -1,0 +1,285 @@
+"""Supervising the pipeline's worker processes: start-up checks, the watchdog, naming the stage at fault, the guard
+around each run, and shutdown. ``Supervision`` is a part of ``Pipeline`` (driver.py), which AFD specialises."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from waferline import errors
+from waferline.engine.stage import EXIT_ABORTED, EXIT_PEER_LOST, LOOPBACK, SHUTDOWN, Control, PeerLost
+from waferline.errors import WaferlineError
+
+WATCH_INTERVAL_S = 0.2
+START_TIMEOUT_S = 120.0
+
+
+class StageError(WaferlineError):
+    """A pipeline stage died, hung or failed; the message names the stage. The pipeline is unusable afterwards."""
+
+
+class Supervision:
+    """The driver's hold on its worker processes (a part of ``Pipeline``; it uses the attributes Pipeline.__init__
+    sets: ``ctl``, ``store``, ``run_id``, ``_procs``, ``_env``, ``ranges``, ``_broken``, ``_fault``, ``_lock``...)."""
+
+    # the names a fault message uses; AFD (engine/afd/driver.py) overrides these three
+    _error_cls = StageError
+    _peers_name = "stages"
+    _engine_name = "pipeline"
+
+    def _rank_name(self, r: int) -> str:
+        return f"stage {r} ({_layers(self.ranges[r])})"
+
+    def _connect_watching(self, build: Any, box: dict[str, Any]) -> None:
+        """Run ``build`` (which makes the process groups, storing them or an ``"error"`` in ``box``) in a thread while
+        watching the other processes: one that fails or dies meanwhile raises instead of a hang."""
+        t = threading.Thread(target=build, daemon=True, name="waferline-connect")
+        t.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while t.is_alive():
+            t.join(0.05)
+            if t.is_alive():
+                self._check_starting(f"connect to the other {self._peers_name}")
+                if time.monotonic() > deadline:
+                    raise self._error_cls(f"the {self._peers_name} did not connect within {START_TIMEOUT_S:.0f} s")
+        if "error" in box:
+            raise self._error_cls(
+                f"{self._rank_name(0)} could not connect to the other {self._peers_name}: {box['error']}"
+            )
+
+    def _check_starting(self, doing: str, pending: set[int] | None = None) -> None:
+        """Raise if a worker stage reported an error or (local) exited while starting."""
+        for r in range(1, self.num_stages):
+            status = self.ctl.get("status", r)
+            if status is not None:
+                raise _status_error(self._rank_name(r), status, self._error_cls)
+        for r, p in enumerate(self._procs, start=1):
+            if (pending is None or r in pending) and p.exitcode is not None:
+                raise self._error_cls(f"{self._rank_name(r)} exited with {_describe_exit(p.exitcode)} "
+                                      f"before it could {doing}; see its output above")
+
+    def _wait_for(self, what: str, doing: str) -> None:
+        """Wait until every worker stage has set key ``what``; a stage that fails or dies meanwhile raises."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        pending = set(range(1, self.num_stages))
+        while pending:
+            for r in sorted(pending):
+                if self.ctl.get(what, r) is not None:
+                    pending.discard(r)
+            self._check_starting(doing, pending)
+            if pending and time.monotonic() > deadline:
+                raise self._error_cls(f"{', '.join(self._rank_name(r) for r in sorted(pending))} did not {doing} "
+                                      f"within {START_TIMEOUT_S:.0f} s")
+            if pending:
+                time.sleep(0.02)
+
+    # ------------------------------------------------------------ watchdog
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL_S: a dead stage, an error reported by a stage, or a stage that owes work and has not
+        progressed for ``hang_timeout_s`` is a fault; the watchdog then stops every stage, which unblocks the driver."""
+        if self._env:
+            ctl = Control(dist.TCPStore(self._store_addr[0], self._store_addr[1], is_master=False,
+                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
+        else:
+            ctl = Control(dist.TCPStore(LOOPBACK, self.store.port, is_master=False,
+                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
+        S = self.num_stages
+        keys = [ctl.key("progress", r) for r in range(1, S)]
+        last = {r: (0, time.monotonic()) for r in range(1, S)}
+        while not self._stop_watch.wait(WATCH_INTERVAL_S):
+            try:
+                fault = self._diagnose(ctl)
+                if fault is None and self.hang_timeout_s > 0:
+                    now = time.monotonic()
+                    prog = [int(v) for v in ctl.store.multi_get(keys)]
+                    upstream = self._chain_sent
+                    for r in range(1, S):
+                        n = prog[r - 1]
+                        if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
+                            last[r] = (n, now)
+                        elif now - last[r][1] > self.hang_timeout_s:
+                            fault = (
+                                f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
+                                f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)"
+                            )
+                            break
+                        upstream = n
+            except Exception as e:  # the store itself went away
+                if self._closed:
+                    return
+                fault = f"lost contact with the stages ({e})"
+            if fault is not None and not self._closed:
+                self._fault = fault
+                self._kill_all()
+                return
+
+    def _diagnose(self, ctl: Control) -> str | None:
+        """Name the stage that failed first, if any (a stage that only lost its neighbour is not the cause)."""
+        if not self._env:
+            dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            if not dead:
+                return None
+            time.sleep(0.3)  # let the cause's exit be reaped too before choosing
+            dead = [(r, p) for r, p in enumerate(self._procs, start=1) if p.exitcode is not None]
+            cause = [(r, p) for r, p in dead if p.exitcode not in (EXIT_PEER_LOST, EXIT_ABORTED)] or dead
+            r, p = cause[0]
+            status = _safe_status(ctl, r)
+            detail = f": {_first_line(status)}" if status and p.exitcode not in (EXIT_PEER_LOST,) else ""
+            return f"{self._rank_name(r)} (pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
+        for r in range(1, self.num_stages):
+            status = _safe_status(ctl, r)
+            if status is not None and not status.startswith("lost a neighbour"):
+                return f"{self._rank_name(r)} failed: {_first_line(status)}"
+        return None
+
+    def _kill_all(self) -> None:
+        """Stop every worker stage now (local: SIGKILL; torchrun: an abort key their publisher threads obey)."""
+        for p in self._procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        if self._env and self.num_stages > 1:
+            try:
+                self.ctl.set("abort", None, "1")
+            except Exception:
+                pass
+
+    def _failed(self, err: BaseException) -> StageError:
+        """Turn a transport failure in the driver into a StageError naming the stage (asks the watchdog first)."""
+        deadline = time.monotonic() + 3.0
+        while (
+            self._fault is None
+            and time.monotonic() < deadline
+            and self._watcher is not None
+            and self._watcher.is_alive()
+        ):
+            time.sleep(0.05)
+        reason = self._fault
+        if reason is None:
+            try:
+                reason = self._diagnose(self.ctl)
+            except Exception:
+                reason = None
+        one = self._peers_name[:-1]
+        reason = reason or f"a {one} stopped answering ({str(err).splitlines()[0][:200]})"
+        self._broken = self._error_cls(f"{self._engine_name} failed: {reason}. Every {one} was stopped; create a new "
+                                       "LLM to continue.")
+        self._shutdown_now()
+        return self._broken
+
+    # ------------------------------------------------------------ guarding a run
+    def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
+        """Drive ``it`` (one _run) under the pipeline's lock; turn transport failures into a StageError naming the
+        stage, and Ctrl-C into a clean shutdown of every stage."""
+        if self._broken is not None:
+            raise StageError(str(self._broken))
+        if self._closed:
+            raise StageError("this pipeline is closed; create a new LLM")
+        with self._lock:
+            if self._broken is not None:
+                raise StageError(str(self._broken))
+            old = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                yield from it
+            except PeerLost as e:
+                raise self._failed(e) from None
+            except KeyboardInterrupt:
+                self._broken = StageError("pipeline interrupted (Ctrl-C); every stage was stopped; create a new LLM")
+                self._shutdown_now()
+                raise
+            except StageError as e:
+                self._broken = e
+                self._shutdown_now()
+                raise
+            except GeneratorExit:
+                raise
+            except BaseException as e:  # an error in stage 0 itself: micro-batches may be in flight, so stop
+                self._broken = StageError(f"pipeline stopped after an error in stage 0 ({type(e).__name__}: {e}); "
+                                          "create a new LLM")
+                self._shutdown_now()
+                raise
+            finally:
+                torch.set_num_threads(old)
+
+    # ------------------------------------------------------------ shutdown
+    def _shutdown_now(self) -> None:
+        self._closed = True
+        self._stop_watch.set()
+        self._kill_all()
+
+    def _send_shutdown(self) -> None:
+        """Ask the workers to exit (AFD overrides: a SHUTDOWN to every rank)."""
+        self.act.send(1, SHUTDOWN, [])  # it travels the chain
+        self.act.flush()
+
+    def close(self) -> None:
+        """Stop every worker: SHUTDOWN (``_send_shutdown``); workers that do not exit within 5 s are killed."""
+        if self._closed:
+            return
+        idle = self._lock.acquire(timeout=2.0)  # a call still running in another thread: no graceful shutdown
+        try:
+            self._closed = True
+            self._stop_watch.set()
+            if idle and self.num_stages > 1 and self._broken is None:
+                try:
+                    self._send_shutdown()
+                except Exception:
+                    pass
+                for p in self._procs:
+                    p.join(timeout=5)
+            self._kill_all()
+            self._finalizer.detach()
+        finally:
+            if idle:
+                self._lock.release()
+
+
+# ---------------------------------------------------------------- helpers
+
+def _layers(rng: tuple[int, int]) -> str:
+    a, b = rng
+    return f"layer {a}" if b - a == 1 else f"layers {a}-{b - 1}"
+
+
+def _describe_exit(code: int | None) -> str:
+    import signal
+
+    if code is None:
+        return "no exit code"
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return {EXIT_PEER_LOST: "exit code 4 (lost a neighbouring stage)", EXIT_ABORTED: "exit code 5 (aborted)"}.get(
+        code, f"exit code {code}")
+
+
+def _safe_status(ctl: Control, r: int) -> str | None:
+    try:
+        return ctl.get("status", r)
+    except Exception:
+        return None
+
+
+def _status_error(who: str, status: str, fallback: type[WaferlineError] = StageError) -> WaferlineError:
+    """Re-raise a worker's load error with its own class when it is a WaferlineError (e.g. CheckpointError)."""
+    name, _, msg = status.partition(": ")
+    cls = getattr(errors, name, None)
+    if isinstance(cls, type) and issubclass(cls, WaferlineError):
+        return cls(f"{who}: {msg}")
+    return fallback(f"{who} failed: {_first_line(status)}")
+
+
+def _first_line(status: str) -> str:
+    """A worker's error as one line: its first (a torch error goes on with C++ frames and hints)."""
+    return next((line for line in status.splitlines() if line.strip()), status)[:500]
+

@@ -1,0 +1,177 @@
+"""Reading int4 checkpoints: waferline's own format, compressed-tensors ``pack-quantized`` (Kimi K2.6) and GPTQ,
+each into the canonical form without re-quantizing (``Int4Source``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from waferline.errors import CheckpointError
+from waferline.model.quant.tensor import Int4Tensor, unpack_nibbles
+from waferline.model.weights import WeightSource
+
+
+@dataclass
+class _Entry:
+    """A quantized checkpoint weight: its logical name/shape, the raw tensors it is stored in, and a decoder."""
+
+    logical: str
+    shape: tuple[int, ...]
+    raw: list[str]
+    decode: Callable[[WeightSource], Int4Tensor]
+
+
+def _unpack_int32(packed: Tensor, dim: int) -> Tensor:
+    """int32 words holding eight 4-bit values (value j at bits 4j..4j+3) -> uint8 values, expanded along ``dim``."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    p = packed.to(torch.int32)
+    if dim == -1 or dim == p.dim() - 1:
+        vals = (p.unsqueeze(-1) >> shifts) & 0xF
+        return vals.flatten(-2).to(torch.uint8)
+    vals = (p.unsqueeze(dim + 1) >> shifts.view(-1, *([1] * (p.dim() - dim - 1)))) & 0xF
+    return vals.flatten(dim, dim + 1).to(torch.uint8)
+
+
+def _waferline_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
+    out = []
+    for name in src.names_with_prefix(""):
+        if not name.endswith(".qweight"):
+            continue
+        base = name[: -len(".qweight")]
+        shp = src.shape(name)
+        shape = (*shp[:-1], shp[-1] * 2)
+        raw = [name, base + ".scales"] + ([base + ".zeros"] if src.has(base + ".zeros") else [])
+
+        def decode(s: WeightSource, base: str = base, raw: list[str] = raw) -> Int4Tensor:
+            q = s.get(base + ".qweight")
+            if q.dtype != torch.uint8:
+                raise CheckpointError(
+                    f"{base}.qweight has dtype {q.dtype}; the waferline int4 format stores uint8 codes"
+                )
+            return Int4Tensor(
+                unpack_nibbles(q), s.get(base + ".scales"), s.get(base + ".zeros") if len(raw) == 3 else None
+            )
+
+        out.append(_Entry(base + ".weight", shape, raw, decode))
+    return out
+
+
+def _ct_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
+    if qc.get("format") not in ("pack-quantized", None):
+        raise CheckpointError(f"compressed-tensors format {qc.get('format')!r} is not supported; waferline reads "
+                              "'pack-quantized' int4 (re-export with llm-compressor's W4A16 scheme)")
+    for g in (qc.get("config_groups") or {}).values():
+        w = (g or {}).get("weights") or {}
+        if w and (w.get("num_bits") != 4 or w.get("type", "int") != "int" or w.get("strategy", "group") != "group"):
+            raise CheckpointError(
+                f"compressed-tensors weights {w} are not group-wise int4; only W4A16 int4 is supported"
+            )
+    out = []
+    for name in src.names_with_prefix(""):
+        if not name.endswith(".weight_packed"):
+            continue
+        base = name[: -len(".weight_packed")]
+        if src.has(base + ".weight_zero_point"):
+            raise CheckpointError(
+                f"{base} is asymmetric compressed-tensors int4 (weight_zero_point); only the symmetric "
+                "scheme (as Kimi K2.6 ships) is supported"
+            )
+        shape = tuple(int(v) for v in src.get(base + ".weight_shape").tolist())
+        raw = [name, base + ".weight_scale", base + ".weight_shape"]
+
+        def decode(s: WeightSource, base: str = base, shape: tuple[int, ...] = shape) -> Int4Tensor:
+            codes = _unpack_int32(s.get(base + ".weight_packed"), -1)[..., : shape[-1]]  # stored as signed + 8
+            s.get(base + ".weight_shape")
+            return Int4Tensor(codes.contiguous(), s.get(base + ".weight_scale"))
+
+        out.append(_Entry(base + ".weight", shape, raw, decode))
+    return out
+
+
+def _gptq_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
+    if int(qc.get("bits", 4)) != 4:
+        raise CheckpointError(f"GPTQ checkpoint has bits={qc.get('bits')}; only 4-bit is supported")
+    v1 = qc.get("checkpoint_format", "gptq") != "gptq_v2"  # v1 stores zero points minus one
+    out = []
+    for name in src.names_with_prefix(""):
+        if not name.endswith(".qweight"):
+            continue
+        base = name[: -len(".qweight")]
+        k8, N = src.shape(name)
+        raw = [name, base + ".qzeros", base + ".scales"] + ([base + ".g_idx"] if src.has(base + ".g_idx") else [])
+
+        def decode(s: WeightSource, base: str = base, raw: list[str] = raw) -> Int4Tensor:
+            codes = _unpack_int32(s.get(base + ".qweight"), 0).t().contiguous()  # [N, K]
+            N, K = codes.shape
+            scales = s.get(base + ".scales")  # [K/G, N]
+            G = K // scales.shape[0]
+            zp = _unpack_int32(s.get(base + ".qzeros"), -1)[:, :N].float() + (1.0 if v1 else 0.0)  # [K/G, N]
+            if len(raw) == 4:
+                g_idx = s.get(base + ".g_idx").long()
+                if not torch.equal(g_idx, torch.arange(K) // G):
+                    raise CheckpointError(f"{base}: act-order GPTQ (desc_act, permuted g_idx) is not supported; "
+                                          "re-quantize with desc_act=False")
+            if bool((zp == 8).all()):
+                return Int4Tensor(codes, scales.t().contiguous())
+            zeros = ((8.0 - zp) * scales.float()).t().contiguous()  # w = (q - zp) s = (q - 8) s + (8 - zp) s
+            return Int4Tensor(codes, scales.t().contiguous(), zeros)
+
+        out.append(_Entry(base + ".weight", (N, k8 * 8), raw, decode))
+    return out
+
+
+FORMATS: dict[str, Callable[[WeightSource, dict[str, Any]], list[_Entry]]] = {
+    "waferline": _waferline_entries, "compressed-tensors": _ct_entries, "gptq": _gptq_entries,
+}
+
+
+def _qconfig(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    for c in (cfg, cfg.get("text_config") or {}):  # multimodal configs (Kimi K2.6) nest it under text_config
+        qc = c.get("quantization_config") or c.get("compression_config")
+        if qc:
+            return qc
+    return None
+
+
+def quant_method(cfg: dict[str, Any]) -> str | None:
+    """The int4 format named by a config's ``quantization_config``: None when the checkpoint is not int4 (16-bit,
+    or another scheme such as fp8 / MXFP4, which the regular loader reports)."""
+    qc = _qconfig(cfg)
+    m = (qc or {}).get("quant_method")
+    return m if m in FORMATS else None
+
+
+class Int4Source(WeightSource):
+    """A checkpoint's tensors with every int4 weight shown under its logical name (``X.weight``, served
+    dequantized to fp32); :meth:`canonical` gives the codes/scales/zeros themselves."""
+
+    def __init__(self, raw: WeightSource, cfg: dict[str, Any]):
+        method = quant_method(cfg)
+        if method is None:
+            raise CheckpointError("config.json has no int4 quantization_config")
+        qc = _qconfig(cfg)
+        self.raw, self.method = raw, method
+        self.entries = {e.logical: e for e in FORMATS[method](raw, qc)}
+        hidden = {n for e in self.entries.values() for n in e.raw}
+        plain = [n for n in raw.names_with_prefix("") if n not in hidden]
+        shapes = {n: raw.shape(n) for n in plain}
+        shapes.update({k: e.shape for k, e in self.entries.items()})
+        super().__init__(list(shapes), self._load_any, shapes)
+
+    def _load_any(self, name: str) -> Tensor:
+        if name in self.entries:
+            return self.canonical(name).dequantize()
+        return self.raw.get(name)
+
+    def canonical(self, name: str) -> Int4Tensor:
+        e = self.entries[name]
+        t = e.decode(self.raw)
+        if t.shape != e.shape:
+            raise CheckpointError(
+                f"int4 tensor {name!r} decodes to shape {list(t.shape)} but is declared {list(e.shape)}"
+            )
+        return t

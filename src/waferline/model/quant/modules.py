@@ -1,0 +1,150 @@
+"""Which module weights of a model int4 replaces, the options of a quantization, and quantizing or moving a loaded
+model in place."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from waferline.errors import ConfigError
+from waferline.model.quant.quantizers import gptq_quantize, rtn_quantize
+from waferline.model.quant.tensor import DEFAULT_KEEP, Int4Tensor, group_for
+from waferline.model.quant.weight import Int4Weight, QuantLinear, choose_backend
+
+
+def matmul_weights(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
+    """``(param path, owner module, leaf)`` for every matmul weight under ``root`` that int4 can replace:
+    projections (``Linear``/``nn.Linear``: attention, MLA, Mamba-2 in/out) and FFN/expert weights (``w_*`` of
+    DenseFFN and MoE). Embeddings, the LM head, routers, norms, convs and MTP heads are not listed."""
+    from waferline.model.layers import Linear
+    from waferline.model.moe import DenseFFN, MoE
+
+    out = []
+    for name, mod in root.named_modules():
+        if name == "mtp" or name.startswith("mtp."):
+            continue
+        if isinstance(mod, (Linear, nn.Linear)) and isinstance(getattr(mod, "weight", None), Tensor):
+            out.append((f"{name}.weight" if name else "weight", mod, "weight"))
+        elif isinstance(mod, (DenseFFN, MoE)):
+            for leaf in ("w_gate_up", "w_up", "w_down"):
+                if isinstance(getattr(mod, leaf, None), Tensor):
+                    out.append((f"{name}.{leaf}" if name else leaf, mod, leaf))
+    return out
+
+
+def install(root: nn.Module, path: str, weight: Int4Weight) -> None:
+    """Put ``weight`` in place of the fp weight at ``path`` (as returned by :func:`matmul_weights`)."""
+    from waferline.model.moe import MoE
+
+    owner_path, _, leaf = path.rpartition(".")
+    owner = root.get_submodule(owner_path) if owner_path else root
+    if leaf == "weight":
+        parent_path, _, child = owner_path.rpartition(".")
+        parent = root.get_submodule(parent_path) if parent_path else root
+        setattr(parent, child, QuantLinear(weight, owner.bias, owner.weight.dtype))
+        return
+    owner.register_module("q_" + leaf[2:], weight)
+    setattr(owner, leaf, None)
+    if isinstance(owner, MoE):
+        owner.gather_max = 0  # int4 experts run per expert (the gather path would dequantize)
+
+
+def is_int4(model: nn.Module) -> bool:
+    return any(isinstance(m, Int4Weight) for m in model.modules())
+
+
+def _kept(path: str, keep: Iterable[str]) -> bool:
+    return any(re.search(p, path) for p in keep)
+
+
+@dataclass
+class QuantOptions:
+    """How to quantize: bits (4 only), group size, symmetric or not, method, and what to keep 16-bit."""
+
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    method: str = "rtn"
+    keep: tuple[str, ...] = DEFAULT_KEEP
+    scale_dtype: torch.dtype = torch.bfloat16
+
+    def validate(self) -> None:
+        if self.bits != 4:
+            raise ConfigError(f"only 4-bit weights are supported, got --bits {self.bits}")
+        if self.group_size < 16 or self.group_size % 16:
+            raise ConfigError(f"group size must be a multiple of 16 (32, 64 or 128 are usual), got {self.group_size}")
+        if self.method not in ("rtn", "gptq"):
+            raise ConfigError(f"quantization method must be rtn or gptq, got {self.method!r}")
+        for p in self.keep:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ConfigError(f"--keep {p!r} is not a valid regular expression ({e})") from None
+
+
+def _quantize_param(w: Tensor, opts: QuantOptions, H: Tensor | None) -> Int4Tensor | None:
+    G = group_for(w.shape[-1], opts.group_size)
+    if G is None:
+        return None
+    if opts.method == "gptq" and H is not None:
+        if w.dim() == 2:
+            return gptq_quantize(w, H, G, opts.symmetric, scale_dtype=opts.scale_dtype)
+        parts = [gptq_quantize(w[e], H[e], G, opts.symmetric, scale_dtype=opts.scale_dtype) if H[e].any()
+                 else rtn_quantize(w[e], G, opts.symmetric, opts.scale_dtype) for e in range(w.shape[0])]
+        return Int4Tensor(torch.stack([p.codes for p in parts]), torch.stack([p.scales for p in parts]),
+                          None if opts.symmetric else torch.stack([p.zeros for p in parts]))
+    return rtn_quantize(w, G, opts.symmetric, opts.scale_dtype)
+
+
+def quantize_model(model: nn.Module, opts: QuantOptions | None = None, hessians: dict[str, Tensor] | None = None,
+                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Quantize the matmul weights of a loaded model in place (RTN, or GPTQ given ``hessians`` by param path).
+    Returns what was done: counts and the paths kept 16-bit."""
+    opts = opts or QuantOptions()
+    opts.validate()
+    kept, done = [], 0
+    compute = _compute_dtype(model)
+    for path, owner, leaf in matmul_weights(model):
+        if _kept(path, opts.keep):
+            kept.append(path)
+            continue
+        w = getattr(owner, leaf)
+        t = _quantize_param(w.detach(), opts, None if hessians is None else hessians.get(path))
+        if t is None:
+            kept.append(path)
+            continue
+        install(model, path, Int4Weight(t, w.device, compute))
+        done += 1
+        if progress:
+            progress(path)
+    return {"quantized": done, "kept_16bit": kept}
+
+
+def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Move a loaded (and possibly quantized) model to ``device``: its int4 weights repacked for that device's kernel
+    (``choose_backend``: tinygemm on a CUDA GPU of compute capability 8 or more, waferline's layout on CPU) from their
+    exact codes and scales, everything else ``.to(device)``. Call before the first forward (modules keep per-weight
+    views and tile copies from then on)."""
+    device = torch.device(device)
+    for path, mod in list(model.named_modules()):
+        if not isinstance(mod, Int4Weight):
+            continue
+        backend = choose_backend(device, mod.in_features, mod.group_size)
+        if backend == mod.backend:
+            continue
+        parent_path, _, child = path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        t = mod.int4_tensor()
+        t = Int4Tensor(t.codes.cpu(), t.scales.cpu(), None if t.zeros is None else t.zeros.cpu())
+        setattr(parent, child, Int4Weight(t, device, mod.compute_dtype, backend))
+    return model.to(device)
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    dt = getattr(model, "dtype", torch.float32)
+    return dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16

@@ -1,0 +1,201 @@
+"""Writing an int4 checkpoint: a 16-bit checkpoint quantized tensor by tensor in its own names and layout, with the
+``quantization_config`` record config.json carries."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from waferline.errors import CheckpointError, ConfigError
+from waferline.model.quant.calibration import SequentialCalibration, calibration_tokens
+from waferline.model.quant.formats import _qconfig
+from waferline.model.quant.mapping import _group_ids, _groups_line_up, _used_tensors, trace_layer
+from waferline.model.quant.modules import QuantOptions, _kept, _quantize_param, install, matmul_weights
+from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
+from waferline.model.quant.weight import Int4Weight
+
+
+def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``quantization_config`` entry written to config.json."""
+    d = {
+        "quant_method": QUANT_METHOD,
+        "format": "int4-grouped",
+        "bits": opts.bits,
+        "group_size": opts.group_size,
+        "symmetric": opts.symmetric,
+        "method": opts.method,
+        "scale_dtype": str(opts.scale_dtype).removeprefix("torch."),
+        "dequant": "w = (q - 8) * scale + zero",
+        "always_16bit": list(ALWAYS_16BIT),
+        "keep_patterns": list(opts.keep),
+        "modules_not_quantized": kept,
+    }
+    d.update(extra or {})
+    return d
+
+
+def _scatter(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, tuple[int, ...]],
+             outs: dict[str, dict[str, Tensor]], covered: dict[str, int]) -> bool:
+    """Write module-layout ``t`` back into per-checkpoint-tensor codes/scales/zeros (``outs``); False (nothing
+    written) when the module's groups do not map one-to-one onto groups along each checkpoint tensor's last dim."""
+    G = t.group_size
+    used = _used_tensors(ids)
+    shp = [shapes[selected[j]] for j in used]
+    if any(sh[-1] % G for sh in shp):
+        return False
+    elem, gid, _ = _group_ids(ids, used, shp, G)
+    if not _groups_line_up(gid, G):
+        return False
+    numel = [math.prod(sh) for sh in shp]
+    codes = torch.full((sum(numel),), 8, dtype=torch.uint8)
+    codes[elem.flatten()] = t.codes.flatten()
+    heads = gid[..., ::G].flatten()
+    scales = torch.zeros(sum(numel) // G, dtype=t.scales.dtype)
+    scales[heads] = t.scales.flatten()
+    zeros = None
+    if t.zeros is not None:
+        zeros = torch.zeros(sum(numel) // G, dtype=t.zeros.dtype)
+        zeros[heads] = t.zeros.flatten()
+    counts = torch.bincount(ids.flatten() >> 32, minlength=max(used) + 1)
+    e0 = g0 = 0
+    for j, sh, n in zip(used, shp, numel):
+        name = selected[j]
+        if name in outs:
+            raise CheckpointError(f"{name} feeds more than one weight; waferline cannot quantize it")
+        grid = (*sh[:-1], sh[-1] // G)
+        outs[name] = {"codes": codes[e0:e0 + n].view(sh), "scales": scales[g0:g0 + n // G].view(grid)}
+        if zeros is not None:
+            outs[name]["zeros"] = zeros[g0:g0 + n // G].view(grid)
+        covered[name] = int(counts[j])
+        e0, g0 = e0 + n, g0 + n // G
+    return True
+
+
+def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
+                        calibration_max_tokens: int = 4096, force: bool = False,
+                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+    """Quantize a 16-bit checkpoint directory to the canonical int4 format in ``out_dir`` (written to a temporary
+    directory beside it, then renamed into place). Returns a summary (tensors, bytes, the accounting's bytes)."""
+    import os
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from waferline.model.load import checkpoint_files, load_model, open_weights
+    from waferline.spec.model import ModelSpec
+
+    t0 = time.perf_counter()
+    opts.validate()
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory to --model")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    if _qconfig(cfg):
+        raise ConfigError(
+            f"{model_dir} is already quantized ({_qconfig(cfg).get('quant_method')}); quantize a 16-bit checkpoint"
+        )
+    if out_dir.resolve() == model_dir.resolve():
+        raise ConfigError("--out must differ from --model")
+    if out_dir.exists() and any(out_dir.iterdir()) and not force:
+        raise ConfigError(f"{out_dir} exists and is not empty; choose another --out or pass --force to replace it")
+    if opts.method == "gptq" and not calibration:
+        raise ConfigError(
+            "GPTQ needs calibration data: pass --calibration FILE (text, or whitespace-separated token ids)"
+        )
+
+    spec = ModelSpec.from_pretrained(model_dir)
+    model = load_model(model_dir, torch.float32)
+    calib = None
+    n_calib = 0
+    if opts.method == "gptq":
+        from waferline.engine.llm import _load_tokenizer
+
+        tokens = calibration_tokens(calibration, _load_tokenizer(model_dir), calibration_max_tokens)
+        n_calib = len(tokens)
+        calib = SequentialCalibration(model, tokens)
+    raw = open_weights(model_dir)
+    names = raw.names_with_prefix("")
+    shapes = {n: tuple(raw.shape(n)) for n in names}
+    selected = [n for n in names if n.endswith(".weight") and len(shapes[n]) >= 2]
+    outs: dict[str, dict[str, Tensor]] = {}
+    covered: dict[str, int] = {}
+    kept: list[str] = []
+    total = len(model.layers)
+    for pos, (layer, i) in enumerate(zip(model.layers, model.layer_range)):
+        traced = trace_layer(spec, i, shapes, selected)
+        hess = calib.hessians(layer) if calib is not None else {}
+        for path, owner, leaf in matmul_weights(layer):
+            mpath = f"layers.{pos}.{path}"
+            ids = traced.get(path)
+            feeds = [] if ids is None else [selected[j] for j in _used_tensors(ids)]
+            if ids is None or _kept(mpath, opts.keep) or any(_kept(f, opts.keep) for f in feeds):
+                kept.append(", ".join(feeds) if feeds else mpath)
+                continue
+            w = getattr(owner, leaf).detach()
+            t = _quantize_param(w, opts, hess.get(path))
+            if t is None or not _scatter(t, ids, selected, shapes, outs, covered):
+                kept.append(", ".join(feeds))
+            elif calib is not None:  # later layers calibrate on this layer's int4 outputs
+                install(layer, path, Int4Weight(t, w.device, torch.bfloat16))
+        if calib is not None:
+            calib.advance(layer)
+        if progress:
+            progress(pos + 1, total, f"layer {i}")
+    tensors: dict[str, Tensor] = {}
+    n_q = 0
+    int4_bytes = 0
+    for name in names:
+        c = covered.get(name, 0)
+        if c and c != math.prod(shapes[name]):
+            raise CheckpointError(f"{name} would be only partly int4 ({c} of {math.prod(shapes[name])} elements); "
+                                  "keep the weights it feeds all 16-bit or all int4 (--keep)")
+        if c:
+            o = outs[name]
+            t = Int4Tensor(o["codes"], o["scales"], o.get("zeros"))
+            tensors.update(t.to_safetensors(name[: -len(".weight")]))
+            int4_bytes += t.nbytes()
+            n_q += 1
+        else:
+            v = raw.get(name)
+            tensors[name] = (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+    qcfg = quantization_config(opts, sorted(set(kept)), {"calibration_tokens": n_calib} if n_calib else None)
+    cfg["quantization_config"] = qcfg
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the checkpoint should not be
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt", "quantization": QUANT_METHOD})
+        (tmp / "model.safetensors").chmod(0o666 & ~umask)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        skip = {f.name for f in checkpoint_files(model_dir)} | {"config.json", "model.safetensors.index.json"}
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors"):
+                shutil.copy2(f, tmp / f.name)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")
+            out_dir.rename(old)
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    bytes_in = sum(f.stat().st_size for f in checkpoint_files(model_dir))
+    bytes_out = (out_dir / "model.safetensors").stat().st_size
+    return {"out": str(out_dir), "method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
+            "symmetric": opts.symmetric, "tensors_int4": n_q, "tensors_16bit": len(names) - n_q,
+            "modules_not_quantized": qcfg["modules_not_quantized"], "calibration_tokens": n_calib,
+            "bytes_in": bytes_in, "bytes_out": bytes_out,
+            "accounting_bytes": spec.weight_bytes(4, opts.group_size, zeros=not opts.symmetric),
+            "accounting_bytes_16bit": spec.weight_bytes(16), "seconds": round(time.perf_counter() - t0, 2)}

@@ -1,0 +1,195 @@
+"""The host-engine cost model of an AFD Plan (sim.host): attention and FFN ranks ping-ponging per layer."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from waferline.errors import ConfigError
+from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK, HostParams
+from waferline.sim.host_work import OpCount, OpsProfile, Work, _hot, _work_time, compute_dtype
+
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+    from waferline.spec.model import ModelSpec
+
+
+def _simulate_host_afd(
+    plan: Plan, spec: ModelSpec, host: HostParams, profile: OpsProfile | None, P: int, O: int, B: int
+) -> Any:
+    """AFD as engine/afd/ runs it: Ma attention ranks (data parallel over sequences: mixers, head, sampling) and Nf FFN
+    ranks (the FFN work of the Ma ranks' tokens, split over them); per layer and micro-batch one message each way
+    between
+    every attention and FFN rank; K micro-batches ping-pong, so per layer the step is bounded by the busier side x K or
+    by one micro-batch's attention + FFN + two hops; all ranks share the cores."""
+    from waferline.sim.pipeline import SimResult, StageTiming
+
+    if profile is None or not hasattr(profile, "ffn"):
+        raise ConfigError(
+            "the host model of AFD needs the engine's op counts split into FFN and the rest (run it from `waferline "
+            "twin`)"
+        )
+    att = [s for s in plan.stages if s.role == "attention"]
+    ffn = [s for s in plan.stages if s.role == "ffn"]
+    Ma, Nf = max(1, len(att)), max(1, len(ffn))
+    comp = compute_dtype(plan)
+    c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
+    over = host.step_overhead_s.get(comp, 0.0)
+    Ba = math.ceil(B / Ma)
+    K = max(1, min(plan.micro_batches, Ba))
+    b = math.ceil(Ba / K)
+    act = 2.0 if comp == "bf16" else 4.0
+
+    hop = host.hop
+    hot = _hot(host, plan)
+
+    def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool,
+                   prefill_tokens: float = 0.0) -> tuple[list[float], list[float], float]:
+        # prefill with the prefill constants (per op, linear scale, int4 scale), decode with the decode ones
+        pf = host.prefill.get(comp) if prefill else None
+        kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
+        if pf:
+            kw.update(
+                scale=(host.prefill_dram_scale(comp, prefill_tokens) if comp in host.prefill_scale_dram else pf[1])
+                if not hot
+                else pf[1],
+                int4_scale=host.prefill_int4_scale.get(comp),
+            )
+        cop = pf[0] if pf else c_op
+        rs = host.prefill_dram_scale(comp, prefill_tokens, rest=True) if pf and not hot else 1.0
+
+        def secs(w: Work) -> float:  # (other ops' parts at the prefill's measured ratio)
+            ops_s, mm_s, other_s = _work_time(host, w, cop, comp, hot=hot, **kw)
+            return (ops_s + other_s) * rs + mm_s
+
+        a_t, f_t = [], []
+        for i, w in sorted(count.layers.items()):
+            fw = ffn_w.get(i, Work())
+            aw = Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
+                      {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
+                      w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
+                      {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
+                      w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
+                      {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
+            a_t.append(secs(aw))
+            scaled = Work(
+                fw.ops * Ma / Nf,
+                {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
+                {k: v * Ma / Nf for k, v in fw.mm_flops.items()},
+                fw.small_bytes * Ma / Nf,
+                fw.large_bytes * Ma / Nf,
+                {k: v * Ma / Nf for k, v in fw.calls.items()},
+                fw.small_bytes_bf16 * Ma / Nf,
+                fw.large_bytes_bf16 * Ma / Nf,
+                {k: v * Ma / Nf for k, v in fw.fused.items()},
+            )
+            f_t.append(secs(scaled) if fw.ops else 0.0)
+        return a_t, f_t, secs(count.other)
+
+    dc = profile.decode(b, 1)
+    a_t, f_t, other = side_times(dc, profile.ffn("decode"), False)
+    nb = b * spec.hidden_size * act
+    h = hop(nb)
+    # CPU per message besides compute (receive, unpack, send, wake-up): measured on an AFD calibration run; else half a
+    # pipeline stage's step CPU (one receive and one send on the same transport); else the link probe's
+    per_msg = (host.afd_message_cpu_s if host.afd_message_cpu_s is not None else
+               host.stage_step_cpu_s / 2 if host.stage_step_cpu_s is not None else host.link_cpu_s)
+    if K > 1 and host.afd_overlapped_message_cpu_s is not None:  # measured with micro-batches of several rows
+        per_msg = host.afd_overlapped_message_cpu_s
+    msg_a, msg_f = 2 * Nf * per_msg, 2 * Ma * per_msg
+    # With 2+ micro-batches both sides work while a message is under way, and it takes the hop measured so (a message
+    # then waits for a core busy with the other rank's compute); else the idle hop at the receiver's wait
+    busy = host.afd_overlapped_hop_s if K > 1 and host.afd_overlapped_hop_s is not None else None
+
+    def hop_afd(idle: float) -> float:
+        return hop(nb, idle) if busy is None else busy + nb / host.link_bytes_per_s
+
+    # one micro-batch's round trip through a layer is serial: attention, its message out (sent by one side, received
+    # by the other), the FFN, the message back, each end's CPU included
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + msg_a + msg_f + 2 * hop_afd(0.0)) if f > 0 else K * a
+                 for a, f in zip(a_t, f_t)]
+    # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower (idle) hop
+    per_layer = [
+        max(
+            K * (a + msg_a),
+            K * (f + msg_f),
+            a + f + msg_a + msg_f + hop_afd(max(0.0, pl / K - f - msg_f)) + hop_afd(max(0.0, pl / K - a - msg_a)),
+        )
+        if f > 0
+        else K * a
+        for a, f, pl in zip(a_t, f_t, per_layer)
+    ]
+    row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
+    step = sum(per_layer) + K * (other + b * row_over) + over
+    cpu_total = (
+        Ma * (K * (sum(a_t) + other + b * row_over) + over)
+        + Nf * K * sum(f_t)
+        + K * len(a_t) * (Ma * msg_a + Nf * msg_f)
+    )
+    cores_bound = cpu_total / host.parallel(Ma + Nf)
+    bound = (
+        "cores (ranks share them)"
+        if cores_bound > step
+        else "ping-pong per layer (busier side or one micro-batch's round trip)"
+    )
+    step = max(step, cores_bound)
+    rate = 1.0 / step
+    # TTFT: prompts prefilled in steps of the engine's prefill budget (r rows per attention rank); the engine splits a
+    # step's rows into its micro-batches as it does a decode step's, so the prefill ping-pongs between the sides too:
+    # per layer the busier side over all micro-batches, or one micro-batch's round trip (the counted prefill is one
+    # micro-batch's rows, rp)
+    r = min(Ba, max(1, PIPELINE_PREFILL_CHUNK // P))
+    Kp = max(1, min(K, r))
+    rp = math.ceil(r / Kp)
+    n_steps = math.ceil(Ba / r)
+    pc = profile.prefill(rp, P)
+    pa, pf, pother = side_times(pc, profile.ffn("prefill"), True, rp * P)
+    ph = hop(rp * P * spec.hidden_size * act)
+    per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + f + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
+                   for a, f in zip(pa, pf)]
+    ttft = n_steps * (sum(per_layer_p) + Kp * pother) + over
+    timings = [
+        StageTiming(
+            index=s.index,
+            role=s.role,
+            layers=f"{s.layers[0]}-{s.layers[-1]}" if len(s.layers) > 1 else str(s.layers[0]),
+            devices=s.num_devices,
+            compute=0.0,
+            memory=0.0,
+            fixed=K * (sum(a_t) + other) if s.role == "attention" else K * sum(f_t),
+            comm=0.0,
+            hop=h,
+            total=K * (sum(a_t) + other) if s.role == "attention" else K * sum(f_t),
+        )
+        for s in plan.stages
+    ]
+    return SimResult(
+        model=plan.model,
+        hardware=plan.hardware,
+        num_devices=plan.num_devices,
+        num_stages=plan.num_stages,
+        fits=plan.fits,
+        concurrency=B,
+        micro_batches=K,
+        prompt_len=P,
+        output_len=O,
+        step_latency_s=step,
+        decode_tokens_per_s_per_user=rate,
+        aggregate_tokens_per_s=rate * B,
+        ttft_s=ttft,
+        prefill_s=ttft,
+        end_to_end_s=ttft + (O - 1) / rate,
+        bound=bound,
+        stages=timings,
+        speculative={
+            "method": "none",
+            "host": {
+                "attention_ranks": Ma,
+                "ffn_ranks": Nf,
+                "micro_batch_rows": b,
+                "cycle_s": step,
+                "cores": host.cores,
+            },
+        },
+        problems=list(plan.problems),
+    )

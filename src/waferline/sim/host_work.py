@@ -1,0 +1,266 @@
+"""The per-stage pricing of the host-engine cost model (sim.host): the engine's counted work (Work, OpCount, the
+profiles that supply it) and what one stage process's share of a forward costs on a calibrated host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from waferline.sim.host_params import ENGINE_FEW_ROWS, HostParams
+
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+    from waferline.spec.model import ModelSpec
+
+
+@dataclass
+class Work:
+    """What one part of a forward dispatches: aten ops, matmul bytes and FLOPs by dtype (fp32 | bf16 | int4), and the
+    bytes of the other ops (small ones run from cache, large ones from memory)."""
+
+    ops: float = 0.0
+    mm_bytes: dict[str, float] = field(default_factory=dict)
+    mm_flops: dict[str, float] = field(default_factory=dict)
+    small_bytes: float = 0.0
+    large_bytes: float = 0.0
+    calls: dict[str, float] = field(default_factory=dict)  # "dtype|rows|weight bytes" -> linear calls (x W^T)
+    small_bytes_bf16: float = 0.0  # the part of small / large bytes moved by 16-bit ops
+    large_bytes_bf16: float = 0.0
+    fused: dict[str, float] = field(default_factory=dict)  # "op|calls" | "op|units" | "op|bytes" of fused operators
+
+    @classmethod
+    def from_counts(cls, ops: float, w: dict[str, float] | None) -> Work:
+        w = w or {}
+        return cls(
+            ops=float(ops),
+            mm_bytes={k[9:]: float(v) for k, v in w.items() if k.startswith("mm_bytes_")},
+            mm_flops={k[9:]: float(v) for k, v in w.items() if k.startswith("mm_flops_")},
+            small_bytes=float(w.get("small_bytes", 0.0)),
+            large_bytes=float(w.get("large_bytes", 0.0)),
+            calls={k[5:]: float(v) for k, v in w.items() if k.startswith("call|") and v},
+            small_bytes_bf16=float(w.get("small_bytes_bf16", 0.0)),
+            large_bytes_bf16=float(w.get("large_bytes_bf16", 0.0)),
+            fused={k[6:]: float(v) for k, v in w.items() if k.startswith("fused|")},
+        )
+
+    def add(self, o: Work) -> None:
+        self.ops += o.ops
+        for k, v in o.mm_bytes.items():
+            self.mm_bytes[k] = self.mm_bytes.get(k, 0.0) + v
+        for k, v in o.mm_flops.items():
+            self.mm_flops[k] = self.mm_flops.get(k, 0.0) + v
+        self.small_bytes += o.small_bytes
+        self.large_bytes += o.large_bytes
+        for k, v in o.calls.items():
+            self.calls[k] = self.calls.get(k, 0.0) + v
+        self.small_bytes_bf16 += o.small_bytes_bf16
+        self.large_bytes_bf16 += o.large_bytes_bf16
+        for k, v in o.fused.items():
+            self.fused[k] = self.fused.get(k, 0.0) + v
+
+
+@dataclass
+class OpCount:
+    """One forward's work: per layer (index -> Work) and outside the layers (embedding, final norm, LM head, sampling,
+    drafting, the engine loop). ``traced``: counted from the engine (bytes and FLOPs per op); else only op counts, and
+    weights come from the ModelSpec accounting."""
+
+    layers: dict[int, Work]
+    other: Work
+    traced: bool = True
+    # prefill with MTP under a pipeline: the last stage's MTP pass over the prompt and first drafts, which it runs
+    # before the first token goes back to stage 0 (engine/speculative/, the last stage's draft())
+    first_draft: Work | None = None
+
+
+class OpsProfile(Protocol):
+    """Where the host model gets op counts: counted from the engine (the twin) or a per-layer default."""
+
+    def decode(self, rows: int, tokens: int) -> OpCount: ...
+
+    def prefill(self, rows: int, prompt_len: int) -> OpCount: ...
+
+
+@dataclass
+class DefaultOps:
+    """No engine at hand: every layer dispatches the calibration models' mean ops per layer; outside the layers the
+    same again (a stated estimate, not a count)."""
+
+    num_layers: int
+    per_layer: float
+
+    def decode(self, rows: int, tokens: int) -> OpCount:
+        return OpCount({i: Work(self.per_layer) for i in range(self.num_layers)}, Work(self.per_layer), traced=False)
+
+    def prefill(self, rows: int, prompt_len: int) -> OpCount:
+        return OpCount(
+            {i: Work(self.per_layer * 1.5) for i in range(self.num_layers)}, Work(self.per_layer), traced=False
+        )
+
+
+def compute_dtype(plan: Plan) -> str:
+    """The engine's activation dtype for a Plan: 32-bit weights run fp32; 16- and 4-bit weights run bf16 (W4A16)."""
+    return "fp32" if getattr(plan, "weight_bits", 16) >= 32 else "bf16"
+
+
+# ----------------------------------------------------------------------------- per-stage costs
+
+
+@dataclass
+class _StageCost:
+    ops_s: float  # per-op overhead
+    linear_s: float  # weights (and LM head) through the linear kernels
+    cache_s: float  # cache reads
+    extra_s: float  # scheduler step overhead (stage 0)
+
+    @property
+    def total(self) -> float:
+        return self.ops_s + self.linear_s + self.cache_s + self.extra_s
+
+
+def _touched(num_experts: int, top_k: int, tokens: float) -> float:
+    if num_experts <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def multi_row_product(dtype: str, rows: int, few: int = ENGINE_FEW_ROWS) -> bool:
+    """A linear call that carries the fitted in-engine per-call cost: 16-bit (oneDNN / MKL) with 2+ rows, except bf16
+    products of up to ``few`` rows (waferline::linear_rows, no oneDNN). int4 calls run their own kernel, priced by its
+    table."""
+    return dtype != "int4" and rows > 1 and not (dtype == "bf16" and rows <= few)
+
+
+def _work_time(host: HostParams, w: Work, c_op: float, comp: str = "bf16", scale: float | None = None,
+               hot: bool = False, int4_scale: float | None = None, multi_s: float = 0.0) -> tuple[float, float, float]:
+    """(per-op overhead, matmul time, other ops' bytes) seconds of traced work: linear calls (x W^T) from the measured
+    linear table (which includes their call overhead); other matmuls (attention, scans) by roofline from the linear fit;
+    every other op the per-op overhead + its bytes at cache or memory bandwidth. ``int4_scale``: int4 linear calls
+    scaled by it instead of ``scale`` (prefill, where the two were measured apart). ``multi_s``: the fitted in-engine
+    seconds each 16-bit linear call of 2+ rows costs beyond its table price. The fused operators (mla_decode,
+    ssm_update) at their measured t0 + units / rate are added to the third term."""
+    mm = mm4 = mm_multi = 0.0
+    n_calls = n_multi = 0.0
+    # products of 2+ rows (oneDNN) get their own in-engine scale when the weights come from memory and one was measured
+    multi_scale = (host.linear_scale_dram_multi.get(comp)
+                   if scale is None and host.tables_hot and not hot else None)
+    for key, n in w.calls.items():
+        dt, rows, nb = key.split("|")
+        tabs = host.tables_hot if hot and host.tables_hot else host.tables
+        tab = tabs.get(dt) or tabs.get("bf16")
+        if tab is None:  # an old calibration without tables: the fit
+            fit = host.linear.get(dt) or host.linear_for(16, "bf16")
+            mm += n * (fit.t0_s + fit.time(float(nb), 0.0))
+        elif dt == "int4" and int4_scale is not None:
+            mm4 += n * tab.time(int(rows), float(nb))
+        elif multi_scale is not None and int(rows) > 1 and dt != "int4":
+            mm_multi += n * tab.time(int(rows), float(nb))
+        else:
+            mm += n * tab.time(int(rows), float(nb))
+        n_calls += n
+        if multi_row_product(dt, int(rows), host.engine_few_rows):
+            n_multi += n
+    other_mm = 0.0  # matmuls without a weight (attention, scans): their roofline, not scaled (calibrate prices them so)
+    for dt, b in w.mm_bytes.items():
+        fit = host.linear.get(dt) or host.linear_for(16, "bf16")
+        other_mm += fit.time(b, w.mm_flops.get(dt, 0.0))
+    ew = host.elementwise
+    fused_s = 0.0
+    for name in {k.split("|")[0] for k in w.fused}:  # waferline.kernels operators: their own measured rates
+        calls, units, nb = (w.fused.get(f"{name}|{k}", 0.0) for k in ("calls", "units", "bytes"))
+        if name in host.fused:
+            t0, rate = host.fused[name]
+            fused_s += calls * t0 + units / rate
+            if not hot and host.tables_hot:  # measured back to back with its operands in cache; in a Plan whose
+                # weights do not fit in the last-level cache it reads them (MLA's absorbed W_UK / W_UV: ~1.5 MB a layer
+                # on dsv3-100m) from memory: ~2x the probe's time there, by hand)
+                fused_s += nb / host.memory_bandwidth
+            n_calls += calls
+        elif name == "mla_decode":  # an older calibration: an fp32 matmul of its FLOPs and bytes
+            fused_s += (host.linear.get("fp32") or host.linear_for(16, "bf16")).time(nb, units)
+        else:  # elementwise bytes (from memory beyond the small-op size per call)
+            big = calls > 0 and nb / calls > host.small_op_bytes
+            fused_s += nb / (ew.get("fp32_large" if big else "fp32_small") or
+                             (host.memory_bandwidth if big else host.cache_bandwidth))
+
+    def rate(key: str, fallback: float) -> float:
+        return ew.get(key) or fallback
+
+    other = (
+        w.small_bytes / rate("fp32_small", host.cache_bandwidth)
+        + w.large_bytes / rate("fp32_large", host.memory_bandwidth)
+        + w.small_bytes_bf16 / rate("bf16_small", host.cache_bandwidth)
+        + w.large_bytes_bf16 / rate("bf16_large", host.memory_bandwidth)
+    )
+    if scale is None:
+        scale = host.linear_scale.get(comp, 1.0) if hot or not host.tables_hot else \
+            host.linear_scale_dram.get(comp, host.linear_scale.get(comp, 1.0))
+    return (c_op * max(0.0, w.ops - n_calls),
+            mm * scale + mm4 * (int4_scale or 0.0) + mm_multi * (multi_scale or 0.0) + multi_s * n_multi
+            + other_mm * (1.0 if host.other_mm_unscaled else scale), other + fused_s)
+
+
+def _hot(host: HostParams, plan: Plan) -> bool:
+    """Whether the Plan's weights (all its processes on this host together) stay in the last-level cache."""
+    return host.cached(sum(float(getattr(getattr(s, "memory", None), "weights", 0.0) or 0.0) for s in plan.stages))
+
+
+def _stage_cost(
+    host: HostParams,
+    plan: Plan,
+    spec: ModelSpec,
+    table: list[Any],
+    layers: list[int],
+    count: OpCount,
+    rows: int,
+    tokens: int,
+    has_head: bool,
+    head_tokens: int,
+    ops_other: bool,
+    step_extra: float,
+    prefill: bool = False,
+) -> _StageCost:
+    comp = compute_dtype(plan)
+    c_op = host.op_overhead_s.get(comp, next(iter(host.op_overhead_s.values())))
+    scale = int4_scale = None
+    multi_s = host.multi_call_overhead_s.get(comp, 0.0)
+    hot = _hot(host, plan)
+    rest_scale = 1.0
+    if prefill and comp in host.prefill:
+        c_op, scale = host.prefill[comp][0], host.prefill[comp][1]
+        if not hot and comp in host.prefill_scale_dram:  # GEMMs a real model's size, weights from memory
+            scale = host.prefill_dram_scale(comp, rows * tokens)
+            rest_scale = host.prefill_dram_scale(comp, rows * tokens, rest=True)
+        int4_scale = host.prefill_int4_scale.get(comp)  # (multi_s stays: calibrate fits prefill with it)
+    if count.traced:  # a roofline per op of the engine's own op stream, plus the per-op overhead
+        w = Work()
+        for i in layers:
+            if i in count.layers:
+                w.add(count.layers[i])
+        if ops_other:
+            w.add(count.other)
+        ops_s, mm_s, other_s = _work_time(host, w, c_op, comp, scale, hot=hot, int4_scale=int4_scale,
+                                          multi_s=multi_s)
+        return _StageCost(ops_s=ops_s * rest_scale, linear_s=mm_s, cache_s=other_s * rest_scale, extra_s=step_extra)
+    # no trace: op counts per layer, and weights / FLOPs / cache from the ModelSpec accounting
+    lin = host.linear_for(plan.weight_bits, comp)
+    n = rows * tokens
+    ops = sum(count.layers[i].ops for i in layers if i in count.layers) + (count.other.ops if ops_other else 0.0)
+    lin_s = cache_s = 0.0
+    for i in layers:
+        lc = table[i]
+        if lc.is_moe:
+            read = (
+                lc.weight_bytes
+                - lc.num_experts * lc.expert_bytes
+                + _touched(lc.num_experts, lc.top_k, n) * lc.expert_bytes
+            )
+        else:
+            read = lc.weight_bytes
+        lin_s += lin.time(read, (lc.mixer_flops + lc.ffn_flops) * n)
+        cache_s += lc.cache_bytes * rows / host.memory_bandwidth
+    if has_head:
+        hl = host.linear_for(16, comp)  # the LM head stays 16-bit
+        head_b = spec.lm_head_bytes(plan.embed_bits) if spec.lm_head_params() else spec.embed_bytes(plan.embed_bits)
+        lin_s += hl.time(head_b, 2.0 * spec.vocab_size * spec.hidden_size * head_tokens)
+    return _StageCost(ops_s=c_op * ops, linear_s=lin_s, cache_s=cache_s, extra_s=step_extra)

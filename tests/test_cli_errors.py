@@ -1,0 +1,394 @@
+"""The command line's answers to mistakes and signals: one line and a non-zero exit, never a traceback; flags that
+would be ignored are refused; quantize never destroys its input; the rendezvous store listens on loopback only."""
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import tiny_models
+from waferline import LLM
+from waferline.cli import main
+from waferline.errors import CheckpointError, counted
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG = 16384  # tokens a run is asked for when it is to be stopped by a signal: far more than the test waits for
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama")
+    tiny_models.build("llama", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def sol(tmp_path_factory):
+    """A random sol checkpoint (6 layers) that never emits end-of-sequence and has room for long runs: a run lasts
+    max_tokens."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+
+    d = tmp_path_factory.mktemp("sol") / "sol"
+    return write_random_checkpoint(dict(SOL_DEMO_CONFIG, eos_token_id=None, max_position_embeddings=LONG + 8), d)
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _poison(d: Path, value: float, pick=lambda k: True, dtype=None) -> str:
+    """Put ``value`` into one element of the first floating-point tensor that ``pick`` accepts; returns its name."""
+    f = d / "model.safetensors"
+    tensors = load_file(f)
+    name = next(k for k in sorted(tensors) if tensors[k].is_floating_point() and pick(k))
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors[name].view(-1)[3] = value
+    save_file(tensors, f)
+    return name
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- quantize keeps its input safe
+
+def test_quantize_refuses_an_out_that_would_destroy_the_model(tmp_path, llama, capsys):
+    parent = tmp_path / "P"
+    model = _copy(llama, parent / "x")
+    before = sorted(p.name for p in model.iterdir())
+    assert main(["quantize", "--model", str(model), "--out", str(parent), "--force"]) == 2
+    assert "contains --model" in _one_error_line(capsys.readouterr().err)
+    assert main(["quantize", "--model", str(model), "--out", str(model / "int4")]) == 2
+    assert "inside --model" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in model.iterdir()) == before  # nothing deleted, nothing written
+
+    f = tmp_path / "a-file"
+    f.write_text("keep me")
+    assert main(["quantize", "--model", str(model), "--out", str(f), "--force"]) == 2
+    assert "is a file" in _one_error_line(capsys.readouterr().err)
+    assert f.read_text() == "keep me"
+
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep me")
+    assert main(["quantize", "--model", str(model), "--out", str(other), "--force"]) == 2
+    assert "no checkpoint" in _one_error_line(capsys.readouterr().err)
+    assert (other / "todo.txt").read_text() == "keep me"
+
+
+def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, llama, capsys):
+    calib = tmp_path / "calib.txt"
+    calib.write_text("1 2 3 4")
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--calibration", str(calib)]) == 2
+    assert "--calibration is for --method gptq" in _one_error_line(capsys.readouterr().err)
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--calibration-tokens", "64"]) == 2
+    assert "--calibration-tokens is for --method gptq" in _one_error_line(capsys.readouterr().err)
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--quantize-kv-b"]) == 2
+    assert "has no MLA layer" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "q").exists()
+
+
+def test_quantize_removes_what_a_killed_run_left_behind(tmp_path, llama, capsys):
+    out = tmp_path / "q"
+    stale_tmp = tmp_path / ".q.tmp-k1ll3d"  # a run killed while writing
+    stale_tmp.mkdir()
+    (stale_tmp / "model.safetensors").write_bytes(b"partial")
+    unrelated = tmp_path / ".other.tmp-x"  # another output's: not ours to remove
+    unrelated.mkdir()
+    assert main(["quantize", "--model", str(llama), "--out", str(out), "--group-size", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tensors_int4"] > 0
+    assert not stale_tmp.exists() and unrelated.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-x", "q"]
+
+    moved_aside = tmp_path / ".q.old-123"  # a run killed after it had put the new output in place
+    moved_aside.mkdir()
+    assert main(["quantize", "--model", str(llama), "--out", str(out), "--group-size", "32", "--force", "--json"]) == 0
+    capsys.readouterr()
+    assert not moved_aside.exists() and (out / "config.json").is_file()
+
+
+def test_quantize_summary_counts_in_the_right_number(capsys):
+    from waferline.model.quant_commands import _print_summary
+
+    _print_summary({"out": "o", "tensors_int4": 1, "tensors_16bit": 0, "method": "rtn", "group_size": 32,
+                    "symmetric": True, "bytes_in": 1, "bytes_out": 1, "accounting_bytes": 1,
+                    "accounting_bytes_16bit": 1,
+                    "seconds": 0.1, "modules_not_quantized": []})
+    out = capsys.readouterr().out
+    assert "1 int4 tensor," in out and "1 int4 tensors" not in out
+
+
+def test_counted():
+    assert [counted(1, "stage"), counted(2, "stage"), counted(0, "layer")] == ["1 stage", "2 stages", "0 layers"]
+    assert counted(1, "process", "processes") == "1 process" and counted(3, "process", "processes") == "3 processes"
+
+
+# ---------------------------------------------------------------- corrupt files: one line, before any process starts
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, llama, capsys):
+    d = _copy(llama, tmp_path / "nan")
+    name = _poison(d, float("nan"), lambda k: "layers.1.mlp" in k)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ".*1 NaN"):
+        LLM(d)
+    assert main(["generate", "--model", str(d), "--prompt-ids", "1 2 3", "--max-tokens", "2"]) == 2
+    assert name in _one_error_line(capsys.readouterr().err)
+
+    d = _copy(llama, tmp_path / "inf-bf16")
+    name = _poison(d, float("-inf"), lambda k: "norm" in k, dtype=torch.bfloat16)
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.") + ".*1 inf"):
+        LLM(d)
+
+
+def test_corrupt_tokenizer_is_one_line_and_starts_no_stage(tmp_path, llama, capsys, monkeypatch):
+    d = _copy(llama, tmp_path / "tok")
+    (d / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
+        LLM(d)
+    import waferline.engine.pipeline as pipeline
+
+    def no_stages(*a, **k):
+        raise AssertionError("stage processes started before the tokenizer was checked")
+
+    monkeypatch.setattr(pipeline, "Pipeline", no_stages)
+    with pytest.raises(CheckpointError, match="cannot load the tokenizer"):
+        LLM(d, stages=2)
+    assert main(["generate", "--model", str(d), "--prompt", "hello", "--max-tokens", "2"]) == 2
+    assert "tokenizer" in _one_error_line(capsys.readouterr().err)
+
+
+def test_a_worker_prints_a_traceback_only_for_what_looks_like_a_bug(capsys):
+    from waferline.engine.stage import _print_unexpected
+
+    for exc, printed in ((CheckpointError("bad tensor"), False), (RuntimeError("out of memory"), False),
+                         (OSError("disk"), False), (TypeError("bug"), True)):
+        try:
+            raise exc
+        except Exception as e:
+            _print_unexpected(e)
+        assert ("Traceback" in capsys.readouterr().err) == printed, exc
+
+
+def test_odd_generation_config_does_not_stop_the_load(tmp_path, llama):
+    from waferline.engine.llm import _eos_ids
+
+    d = _copy(llama, tmp_path / "gen")
+    (d / "generation_config.json").write_text('[{"eos_token_id": 5}]')  # valid JSON, not an object
+    assert _eos_ids(d, {"eos_token_id": 2}) == {2}
+    (d / "generation_config.json").write_text('{"eos_token_id": [7, "<eos>", null]}')
+    assert _eos_ids(d, {"eos_token_id": 2}) == {2, 7}
+    assert LLM(d).eos_token_ids == {2, 7}
+
+
+def test_a_workers_error_is_reported_as_one_line(monkeypatch, capsys):
+    from waferline.engine.pipeline import StageError, _status_error
+
+    status = "RuntimeError: [enforce fail at alloc.cpp:117] out of memory\nException raised from x\nframe #0: ..."
+    err = _status_error("stage 2 (layer 5)", status)
+    assert isinstance(err, StageError) and "\n" not in str(err) and str(err).endswith("out of memory")
+    err = _status_error("stage 1 (layers 3-5)", "CheckpointError: tensor 'w' is bad")
+    assert isinstance(err, CheckpointError) and str(err) == "stage 1 (layers 3-5): tensor 'w' is bad"
+
+    import waferline.cli as cli
+
+    def fails(args):
+        raise StageError("pipeline failed: stage 1 said\n  something\n\nover lines")
+
+    monkeypatch.setattr(cli, "_cmd_info", fails)
+    assert main(["info", "x"]) == 2
+    assert _one_error_line(capsys.readouterr().err) == "error: pipeline failed: stage 1 said something over lines"
+
+
+# ---------------------------------------------------------------- flags that would be ignored
+
+@pytest.mark.parametrize("flags,message", [
+    (["--prompt", "hi", "--prompt-ids", "1 2"], "--prompt and --prompt-ids"),
+    (["--prompt-ids", "1 2", "--attention-ranks", "2"], "--attention-ranks needs --afd"),
+    (["--prompt-ids", "1 2", "--ffn-ranks", "2"], "--ffn-ranks needs --afd"),
+    (["--prompt-ids", "1 2", "--micro-batches", "2"], "--micro-batches needs"),
+    (["--prompt-ids", "1 2", "--group-size", "32"], "--group-size is the int4 group size"),
+    (["--prompt-ids", "1 2", "--weight-bits", "4", "--group-size", "32", "--stages", "2"], "--group-size applies"),
+    (["--prompt-ids", "1 2", "--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative"),
+    (["--prompt-ids", "1 2", "--top-p", "0.9"], "--top-p: this applies to sampling"),
+    (["--prompt-ids", "1 2", "--top-k", "5", "--seed", "1"], "--top-k, --seed: these apply to sampling"),
+    (["--prompt-ids", "1 2", "--head-bits", "8", "--afd"], "--head-bits 8 is for the single-process engine"),
+    (["--prompt-ids", "1 2", "--afd", "--speculative", "ngram"], "--afd runs 16-bit weights"),
+    (["--prompt-ids", "1 2", "--stop", "x"], "--stop needs the checkpoint's tokenizer"),
+    (["--prompt", "hello"], "--prompt needs the checkpoint's tokenizer"),
+    (["--prompt-ids", "1 two"], "--prompt-ids takes integers"),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x))
+def test_flags_that_would_be_ignored_are_refused(llama, capsys, monkeypatch, flags, message):
+    import waferline.engine.llm as llm_mod
+
+    def no_load(*a, **k):
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(llm_mod, "LLM", no_load)
+    assert main(["generate", "--model", str(llama), *flags]) == 2
+    assert message in _one_error_line(capsys.readouterr().err)
+
+
+def test_demo_refuses_draft_tokens_without_speculation(capsys):
+    assert main(["demo", "--num-speculative-tokens", "2", "--no-report"]) == 2
+    assert "--num-speculative-tokens needs --speculative" in _one_error_line(capsys.readouterr().err)
+
+
+def test_flags_in_their_modes_still_run(llama, capsys):
+    assert main(["generate", "--model", str(llama), "--prompt-ids", "1 2 3", "--max-tokens", "1", "--temperature",
+                 "0.7", "--top-p", "0.9", "--top-k", "5", "--seed", "3", "--weight-bits", "4",
+                 "--group-size", "32"]) == 0
+    assert "[1 token," in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the rendezvous store
+
+def _listening(port: int) -> set[str]:
+    """Local addresses on which some socket of this machine listens on ``port`` (from /proc/net/tcp and tcp6)."""
+    import ipaddress
+
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            addr, p = local.split(":")
+            if state != "0A" or int(p, 16) != port:  # 0A: LISTEN
+                continue
+            raw = bytes.fromhex(addr)
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # each 32-bit word is little-endian
+            out.add(str(ipaddress.ip_address(raw)))
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket table from /proc")
+def test_rendezvous_store_listens_on_loopback_only():
+    from waferline.engine.stage import loopback_store
+
+    store = loopback_store(1, datetime.timedelta(seconds=10))
+    assert _listening(store.port) == {"127.0.0.1"}
+    store.set("k", "v")
+    assert store.get("k") == b"v"
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket table from /proc")
+def test_env_rendezvous_on_one_host_listens_on_loopback_only(monkeypatch):
+    import socket
+
+    from waferline.engine.pipeline import _rendezvous_env
+    from waferline.engine.stage import loopback_host
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = _rendezvous_env()
+    assert (rank, world, store.port) == (0, 1, port)
+    assert _listening(port) == {"127.0.0.1"}
+    assert [loopback_host(a) for a in ("127.0.0.1", "localhost", "127.0.0.2", "10.1.2.3", "node7", "::1")] == \
+        ["127.0.0.1", "127.0.0.1", "127.0.0.2", None, None, None]
+
+
+@pytest.mark.parametrize("engine", ["pipeline", "afd"])
+def test_local_engines_rendezvous_through_the_loopback_store(llama, monkeypatch, engine):
+    # the driver modules, whose start-up code looks loopback_store up
+    import waferline.engine.afd.driver as afd_mod
+    import waferline.engine.pipeline.driver as pipeline_mod
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def record(world, timeout):
+        calls.append(world)
+        raise Stop
+
+    monkeypatch.setattr(afd_mod if engine == "afd" else pipeline_mod, "loopback_store", record)
+    with pytest.raises(Stop):
+        LLM(llama, afd=True) if engine == "afd" else LLM(llama, stages=2)
+    assert calls == [2]
+
+
+# ---------------------------------------------------------------- pipeline runs: stage errors and SIGTERM
+
+def _cli(args: list[str]) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.Popen([sys.executable, "-m", "waferline.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_stage_load_error_is_one_line_naming_the_stage(tmp_path, sol):
+    d = _copy(sol, tmp_path / "broken")
+    name = _poison(d, float("nan"), lambda k: k.startswith("model.layers.5."))  # stage 1 of 2 holds layers 3-5
+    proc = _cli(["generate", "--model", str(d), "--prompt-ids", "1 2 3", "--max-tokens", "2", "--stages", "2"])
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 2
+    line = _one_error_line(err)
+    assert "stage 1 (layers 3-5)" in line and name in line and "non-finite" in line, err
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the stage processes in /proc")
+def test_sigterm_stops_a_pipeline_run_cleanly(sol):
+    proc = _cli(["generate", "--model", str(sol), "--prompt-ids", "1 2 3", "--max-tokens", str(LONG), "--stages", "2"])
+    try:
+        deadline = time.monotonic() + 120
+        stages: list[int] = []
+        while time.monotonic() < deadline and proc.poll() is None:
+            stages = [g for k in _children(proc.pid) for g in _children(k)]  # forked by the forkserver child
+            if stages:
+                break
+            time.sleep(0.2)
+        assert stages, "no stage process started"
+        time.sleep(3.0)  # into the load or the decode loop
+        assert proc.poll() is None, proc.communicate()
+        os.kill(proc.pid, signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip() == "terminated", err  # no traceback, no C++ trace from a stage
+    time.sleep(0.5)
+    assert not [p for p in stages if _alive(p)], "stage processes left behind"
