@@ -80,6 +80,8 @@ from typing import Any
 
 import torch
 
+from waferline.sim.twin import cpu_model
+
 # the helper modules beside this script (checkpoints, engines, rooflines), also when it is loaded by path (the tests)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -659,7 +661,7 @@ def main() -> None:
 
     res = {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu": _cpu_name(), "cpus": os.cpu_count()},
+                    "cpu": cpu_model() or "", "cpus": os.cpu_count()},
         "device": f"{a.device}: {torch.cuda.get_device_name(a.device)}" if a.device.startswith("cuda") else a.device,
         "loadavg_start": [round(x, 2) for x in load0], "loadavg_end": [round(x, 2) for x in load1],
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -703,14 +705,6 @@ def main() -> None:
     print(f"wrote {a.json} ({res['wall_s']:.0f}s)")
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _waferline_version() -> str:
