@@ -3,7 +3,8 @@
 // Why: a batch-1 decode step of a small MoE is ~1,100 eager aten ops of 2-4 us each; the weights' GEMVs are already
 // near one core's memory bandwidth, so the ops around them are what is left to cut. Each operator here replaces a
 // chain of eager ops with one call and computes what that chain computes (same dtypes, fp32 where it is fp32, the
-// same rounding points to 16 bits); tests/test_kernels.py checks each against the eager path.
+// same rounding points to 16 bits); tests/test_kernels.py and tests/test_kernel_layers.py check each against the
+// eager path.
 //
 // Plain C++ loops the compiler vectorises (-O3, `omp simd` reductions), so any CPU with a C++ compiler builds it; the
 // exceptions, the few-row bf16 product (AVX512-BF16 intrinsics where the CPU has them, AVX2 + FMA ones where it has
