@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from waferline import kernels
+from waferline.errors import ConfigError
 
 pytestmark = pytest.mark.skipif(not kernels.available(),
                                 reason=f"fused CPU operators not built: {kernels.status()['error']}")
@@ -182,9 +183,10 @@ def test_the_package_ships_every_source_file():
         assert any(ships(rel, pat) for pat in patterns), rel
 
 
-def test_serve_prepares_the_operators_before_it_listens(monkeypatch):
+def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path):
     """`waferline serve` builds or loads the fused operators before it loads the model and listens: /health answers
-    only once they are ready, and no request waits on their build."""
+    only once they are ready, and no request waits on their build; a --model that is no directory is refused before
+    the build (a first build takes minutes)."""
     import argparse
     import types
 
@@ -201,6 +203,10 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: order.append("listen"))
     parser = argparse.ArgumentParser()
     commands.register(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--model", "x"])
+    args = parser.parse_args(["serve", "--model", str(tmp_path)])
     assert args.func(args) == 0
     assert order == ["prepare", "build_server", "listen", "shutdown"]
+    order.clear()
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        args.func(parser.parse_args(["serve", "--model", str(tmp_path / "missing")]))
+    assert order == []

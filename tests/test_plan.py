@@ -210,3 +210,16 @@ def test_flags_in_their_combination_still_run(capsys):
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["serving"]["requests"] == 20
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["calibrate", "--combine", "a.yaml", "b.yaml", "--published"], "--combine merges host calibrations"),
+    (["calibrate", "--measure", "--published"], "two different jobs"),
+    (["calibrate", "--iters", "10"], "--iters tunes the fit of published results"),
+    (["calibrate", "--published", "--quick"], "--quick applies to measuring this host"),
+])
+def test_calibrate_refuses_flags_of_another_job(argv, says, capsys):
+    from waferline.cli import main
+
+    assert main(argv) == 2
+    assert says in capsys.readouterr().err

@@ -523,9 +523,10 @@ def test_sampling_params_are_checked_when_made(sol, threads):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].token_ids
 
 
-def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads):
+def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads, caplog):
     """A sequence whose sampling raises inside a step ends with finish reason "error"; the batch it ran in goes on
-    and its other sequences get exactly their tokens."""
+    and its other sequences get exactly their tokens; the server log keeps the fault's traceback."""
+    caplog.set_level(logging.WARNING, logger="waferline.engine")
     llm = LLM(sol)
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64))
     good_params = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
@@ -545,6 +546,33 @@ def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads):
     assert events["bad"][-1].finish_reason == "error" and "request failed" in events["bad"][-1].error
     assert sch.stats["request_errors"] == 1
     assert sch.cache.used_bytes == 0 and sch.cache.free_slots == 4
+    logged = [r for r in caplog.records if r.name == "waferline.engine" and "bad" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
+def test_stop_token_ids_are_gathered_once_per_request(sol, threads):
+    """A request's stop ids (a client may list thousands) become a set once, when it is added, not at every token of
+    the step loop that every other request's tokens wait on; the stop still ends the sequence."""
+    llm = LLM(sol)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    reads = []
+
+    class Counted(list):
+        def __iter__(self):
+            reads.append(1)
+            return super().__iter__()
+
+    events: list = []
+    seq = Sequence("s", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[want[5]] * 5000),
+                   events.append)
+    sch.add(seq)
+    seq.params.stop_token_ids = Counted(seq.params.stop_token_ids)  # (what each token would read, if it did)
+    while sch.has_work():
+        sch.step()
+    got = [e.token_id for e in events if e.token_id is not None]
+    assert got == want[:want.index(want[5]) + 1] and events[-1].finish_reason == "stop"
+    assert reads == []
 
 
 def _post(live, body, headers=None, path="/v1/completions", **kw) -> httpx.Response:
@@ -607,6 +635,28 @@ def test_a_slow_upload_gets_408_and_its_connection_is_closed(live):
     assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower()
     err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
     assert err["message"] == "the request body did not arrive within 0.5 s" and err["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("framing", ["declared", "chunked"])
+def test_a_body_over_the_limit_gets_413_and_its_connection_is_closed(live, framing):
+    """A body over --max-body-bytes (declared so, or found so while reading it) is answered 413 and the connection is
+    closed, rather than kept open while the server reads and drops the rest of the upload."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n").encode()
+    limit = live.state.server.max_body_bytes
+    if framing == "declared":
+        head += b"Content-Length: 100000000\r\n\r\n" + b"x" * 1000
+    else:
+        head += b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % (limit + 1) + b"x" * (limit + 1) + b"\r\n"
+    t = time.monotonic()
+    with socket.create_connection(("127.0.0.1", int(live.state.base.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(head)  # (and the rest never comes)
+        reply = b""
+        while chunk := s.recv(65536):  # the server answers, then closes (recv returns b"")
+            reply += chunk
+    assert time.monotonic() - t < 3  # (not after the keep-alive timeout)
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
 
 
 def test_an_aborted_upload_logs_one_line(live):
@@ -683,6 +733,43 @@ def test_tokenizing_runs_off_the_event_loop(live):
         server.encode_tokenizer = real
 
 
+def test_a_chat_template_renders_off_the_engine_lock(live):
+    """A chat prompt is rendered (chat template) and tokenized by the server's own copy of the tokenizer, under its
+    own lock: while one conversation renders, another request streams to the end."""
+    server = live.state.server
+    started, release = threading.Event(), threading.Event()
+    real = server.encode_tokenizer
+
+    class Held:
+        def apply_chat_template(self, msgs, chat_template=None, **kw):
+            assert chat_template == "(the model's)"
+            started.set()
+            release.wait(10)
+            return "".join(m["content"] for m in msgs)
+
+        def encode(self, text, **kw):
+            return real.encode(text, **kw)
+
+    server.encode_tokenizer = Held()
+    server.llm.tokenizer.chat_template = "(the model's)"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_post, live, {"model": "sol-test", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 2}, path="/v1/chat/completions")
+            assert started.wait(10)
+            body = {"model": "sol-test", "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", live.state.base + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=5) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert not held.done() and lines[-1] == "data: [DONE]" and len(lines) == 10
+            release.set()
+            assert held.result(30).status_code == 200
+    finally:
+        release.set()
+        server.encode_tokenizer = real
+        server.llm.tokenizer.chat_template = None
+
+
 def test_json_content_type_and_local_host_names(live):
     url = live.state.base + "/v1/completions"
     ok = {"model": "sol-test", "prompt": "hi", "max_tokens": 2}
@@ -704,6 +791,25 @@ def test_json_content_type_and_local_host_names(live):
         _assert_error(httpx.post(url, headers={"Content-Type": "text/plain"}, content=raw), 415)
     finally:
         server.api_key = KEY
+
+
+def test_allowed_hosts_are_compared_as_host_names(live):
+    """--allowed-hosts names are taken as the Host header's name is: a port, brackets, case and a trailing dot do not
+    matter ("box.lan:8000" allows Host "box.lan:8000")."""
+    from types import SimpleNamespace
+
+    from waferline.server.app import Server
+    from waferline.server.protocol import APIError
+
+    server = Server(live.state.server.engine, "sol-test", allowed_hosts=("Box.Lan:8000", "gpu-1.lan."))
+
+    def request(host):
+        return SimpleNamespace(headers={"host": host}, scope={"server": ("127.0.0.1", 8000)})
+
+    for host in ("box.lan:8000", "box.lan", "BOX.LAN.:80", "gpu-1.lan:8000"):
+        server.check_host(request(host))
+    with pytest.raises(APIError, match="not accepted"):
+        server.check_host(request("box.lan.evil.example"))
 
 
 def test_unsupported_options_are_refused(live, client):

@@ -55,6 +55,7 @@ Mamba-2 or sliding-window layers do not cache prefixes (their state is not a per
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import threading
 import time
@@ -73,6 +74,8 @@ from waferline.spec.model import ModelSpec
 
 if TYPE_CHECKING:
     from waferline.engine.llm import LLM
+
+log = logging.getLogger("waferline.engine")
 
 
 class QueueFullError(WaferlineError):
@@ -364,6 +367,7 @@ class Sequence:
     text: str = ""  # the output's text so far, decoded incrementally (Scheduler._text)
     text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
     text_upto: int = 0
+    stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
 
     @property
     def all_ids(self) -> list[int]:
@@ -463,6 +467,7 @@ class Scheduler:
         self.check_request(seq.prompt_ids, seq.params)
         if seq.generator is None:
             seq.generator = request_generator(seq.params)
+        seq.stop_ids = self._stop_ids(seq.params)
         seq.status = "waiting"
         self.waiting.append(seq)
 
@@ -579,6 +584,8 @@ class Scheduler:
             self._sample(seq, logits, greedy)
         except Exception as e:
             self.stats["request_errors"] += 1
+            # the client gets one line; the log keeps the traceback (a fault here may be a bug, not the request)
+            log.warning("request %s failed while sampling", seq.request_id, exc_info=not isinstance(e, WaferlineError))
             self._finish(seq, "error", f"request failed: {type(e).__name__}: {e}")
 
     def _sample(self, seq: Sequence, logits: torch.Tensor, greedy: int | None = None) -> None:
@@ -592,7 +599,8 @@ class Scheduler:
         seq.last_token_at = now
         seq.output_ids.append(tok)
         self.stats["generated_tokens"] += 1
-        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.stop_ids_default)
+        # (a request can list many stop ids: the set is built once per request, not at every token of every row)
+        stop_ids = seq.stop_ids if seq.stop_ids is not None else self._stop_ids(p)
         reason = None
         text, cut = self._text(seq)
         if tok in stop_ids:
@@ -615,6 +623,9 @@ class Scheduler:
         self._emit(seq, Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids)))
         if reason is not None:
             self._finish(seq, reason)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids_default)
 
     def _decode(self, ids: list[int]) -> str:
         if self.llm.tokenizer is None:
@@ -755,6 +766,8 @@ class EngineLoop:
                 try:
                     sch.add(seq)
                 except Exception as e:  # this request cannot run; the others are untouched
+                    if not isinstance(e, WaferlineError):
+                        log.warning("request %s could not be admitted", seq.request_id, exc_info=True)
                     seq.status = "finished"
                     msg = str(e) if isinstance(e, WaferlineError) else f"request failed: {type(e).__name__}: {e}"
                     Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))

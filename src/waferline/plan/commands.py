@@ -100,6 +100,16 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--draft-model is for --speculative draft, not --speculative {method}")
     if getattr(args, "num_requests", None) is not None and not getattr(args, "arrival_rate", None):
         raise UsageError("--num-requests sizes the serving simulation: give --arrival-rate too")
+    serving_flags = [f for f, v in (("--max-num-batched-tokens", getattr(args, "max_num_batched_tokens", None)),
+                                    ("--pd-disaggregation", getattr(args, "pd_disaggregation", None) or None),
+                                    ("--prefill-devices", getattr(args, "prefill_devices", None)),
+                                    ("--expert-skew", getattr(args, "expert_skew", None))) if v is not None]
+    if serving_flags and not getattr(args, "arrival_rate", None):
+        raise UsageError(f"{' and '.join(serving_flags)} shape{'' if len(serving_flags) > 1 else 's'} the serving "
+                         "simulation: give --arrival-rate too")
+    if getattr(args, "prefill_devices", None) is not None and getattr(args, "plan", None):
+        raise UsageError("--prefill-devices places the prefill pool anew: give MODEL --hardware, not --plan "
+                         "(--pd-disaggregation alone uses a second copy of the plan)")
 
 
 def _make_plan(args: argparse.Namespace, context: int):
@@ -211,10 +221,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     else:
         plan = _make_plan(args, args.context or (P + O))
     r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)
+    if not getattr(args, "no_intervals", False):
+        from waferline.sim.intervals import attach_intervals
+
+        attach_intervals(r, plan, params, prompt_len=P, output_len=O, concurrency=args.concurrency)
     serving = None
     if args.arrival_rate:
         from waferline.sim.serving import simulate_serving
 
+        prefill_plan = None
+        if args.prefill_devices is not None:  # the prefill pool: the same model and flags on its own devices
+            prefill_plan = _make_plan(argparse.Namespace(**{**vars(args), "devices": args.prefill_devices}),
+                                      args.context or (P + O))
         serving = simulate_serving(
             plan,
             arrival_rate=args.arrival_rate,
@@ -222,6 +240,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             prompt_len=P,
             output_len=O,
             params=params,
+            max_num_batched_tokens=2048 if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+            pd_disaggregation=args.pd_disaggregation,
+            prefill_plan=prefill_plan,
+            expert_skew=args.expert_skew or 0.0,
         )
     if args.json:
         d = r.to_dict()
@@ -243,24 +265,31 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     )
     t.add_column("metric")
     t.add_column("value", justify="right")
-    t.add_row("decode tokens/s per user", f"{r.decode_tokens_per_s_per_user:,.1f}")
+    from waferline.sim.intervals import fmt
+
+    iv = r.intervals
+    t.add_row("decode tokens/s per user", fmt(r.decode_tokens_per_s_per_user, iv.get("decode_tokens_per_s_per_user")))
     t.add_row(
         f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)",
-        f"{r.aggregate_tokens_per_s:,.1f}",
+        fmt(r.aggregate_tokens_per_s, iv.get("aggregate_tokens_per_s")),
     )
-    t.add_row("one decode step through all stages (ms)", f"{r.step_latency_s * 1e3:.3f}")
+    t.add_row("one decode step through all stages (ms)", fmt(r.step_latency_s, iv.get("step_latency_s"), ".3f", 1e3))
     t.add_row(
         f"TTFT, prompt {r.prompt_len:,} (ms)",
-        f"{r.ttft_s * 1e3:.1f} (prefill {r.prefill_s * 1e3:.1f} + request overhead "
-        f"{(r.ttft_s - r.prefill_s) * 1e3:.1f})",
+        f"{fmt(r.ttft_s, iv.get('ttft_s'), '.1f', 1e3)} (prefill {fmt(r.prefill_s, iv.get('prefill_s'), '.1f', 1e3)}"
+        f" + request overhead {(r.ttft_s - r.prefill_s) * 1e3:.1f})",
     )
-    t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", f"{r.end_to_end_s:.3f}")
+    t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", fmt(r.end_to_end_s, iv.get("end_to_end_s"), ".3f"))
     t.add_row("decode is bound by", r.bound)
     sp = r.speculative
     if sp.get("method", "none") != "none":
         t.add_row(f"speculative: {sp['method']} ({sp['drafter']})",
-                  f"k={sp['num_tokens']}, accept {sp['accept_rate']:.2f} ({sp['accept_rate_source']}), "
-                  f"{sp['expected_tokens_per_step']:.2f} tok/step, x{sp['speedup']:.2f}")
+                  f"k={sp['num_tokens']}, accept {fmt(sp['accept_rate'], sp.get('accept_rate_interval'), '.2f')} "
+                  f"({sp['accept_rate_source']}), "
+                  f"{fmt(sp['expected_tokens_per_step'], sp.get('expected_tokens_per_step_interval'), '.2f')} "
+                  f"tok/step, x{fmt(sp['speedup'], sp.get('speedup_interval'), '.2f')}")
+    if any(iv.values()):
+        t.caption = "(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)"
     con.print(t)
     st = Table(title="per-stage decode step (us)")
     for c in ("stage", "role", "layers", "devices", "compute", "memory", "fixed", "collective", "hop", "total"):
@@ -275,9 +304,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                    f"{s.fixed * 1e6:.1f}", f"{s.comm * 1e6:.1f}", f"{s.hop * 1e6:.1f}", f"{s.total * 1e6:.1f}")
     con.print(st)
     if serving is not None:
+        how = (f"chunked prefill, {serving.max_num_batched_tokens} tokens a step" if serving.prefill_mode == "chunked"
+               else "stop-the-world prefill")
+        if serving.pd_disaggregation:
+            how += (f"; prefill on its own {serving.prefill_devices} devices, KV handover "
+                    f"{serving.kv_handover_s * 1e3:.2f} ms")
+        if serving.expert_skew:
+            how += f"; expert skew {serving.expert_skew:g}: hottest expert x{serving.expert_load_factor:.2f} load"
         sv = Table(
             title=f"serving {serving.requests} requests at {serving.arrival_rate:g} req/s (continuous batching, at "
-                  f"most {serving.max_batch} in flight)"
+                  f"most {serving.max_batch} in flight; {how})"
         )
         sv.add_column("metric")
         sv.add_column("p50", justify="right")
@@ -297,10 +333,21 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Predict every row of a published-results CSV and print error factors, median and max."""
-    from waferline.sim.validate import validate
+    from waferline.sim.validate import cross_validate, validate
 
     data = args.data or _default_data()
-    results, summary = validate(data, _load_params(args))
+    cv = getattr(args, "cross_validate", None)
+    if cv is not None:
+        say = None
+        if not args.json:
+            con0 = _console()
+
+            def say(g: str, rs: list) -> None:
+                con0.print(f"fold {g}: refit without its {len(rs)} row(s)", style="dim")
+
+        results, summary = cross_validate(data, cv, _load_params(args), progress=say)
+    else:
+        results, summary = validate(data, _load_params(args))
     if args.json:
         print(
             json.dumps(
@@ -318,7 +365,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             "devices": r.devices,
                             "skipped": r.skipped,
                             "spec_decoding": r.row.spec_decoding,
+                            "system": r.row.system,
                         }
+                        | ({"fold": r.detail.get("fold"), "out_of_fold": True} if cv is not None else {})
                         for r in results
                     ],
                 },
@@ -329,7 +378,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     con = _console()
-    t = Table(title=f"validation on {data} (parameters: {summary['params']})")
+    title = f"validation on {data} (parameters: {summary['params']})"
+    if cv is not None:
+        title = (f"cross-validation by {cv} on {data}: {summary['folds']} folds, each refit from the priors without "
+                 f"its rows; predictions are out-of-fold ({summary['seconds']:.0f} s)")
+    t = Table(title=title)
     for c in ("id", "model", "hardware", "chips", "bits", "spec", "metric", "published", "predicted", "error x"):
         t.add_column(c, justify="right" if c in ("chips", "bits", "published", "predicted", "error x") else "left")
     for r in results:
@@ -372,18 +425,44 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_calibrate_flags(args: argparse.Namespace) -> None:
+    """calibrate does one of three things (measure this host, combine calibrations, fit published results): refuse
+    the flags of one given to another, which would be ignored."""
+    from waferline.errors import UsageError
+
+    fitting = args.published is not None
+    if args.combine and (fitting or args.measure):
+        raise UsageError("--combine merges host calibrations: drop " + ("--published" if fitting else "--measure"))
+    if args.measure and fitting:
+        raise UsageError("--measure (this host) and --published (fit the published results) are two different jobs: "
+                         "give one of them")
+    fit_flags = [f for f, v in (("--restarts", args.restarts), ("--iters", args.iters),
+                                ("--bootstrap", args.bootstrap)) if v is not None]
+    if fit_flags and not fitting:
+        raise UsageError(f"{', '.join(fit_flags)} {'tunes' if len(fit_flags) == 1 else 'tune'} the fit of published "
+                         "results: add --published")
+    host_flags = [f for f, v in (("--quick", args.quick), ("--no-pipeline", args.no_pipeline)) if v]
+    if host_flags and (fitting or args.combine):
+        raise UsageError(f"{', '.join(host_flags)} {'applies' if len(host_flags) == 1 else 'apply'} to measuring this "
+                         "host: drop " + ("--published" if fitting else "--combine") + " or "
+                         + ("it" if len(host_flags) == 1 else "them"))
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Measure this host and write a hardware YAML (default), or with --published re-fit the simulator's fitted
     parameters on a published-results CSV and store them marked fitted."""
     from waferline.sim.cost import FITTED_PATH
-    from waferline.sim.fit import fit, save_fitted
+    from waferline.sim.fit import BOOTSTRAP_SETS, fit, save_fitted
 
+    _check_calibrate_flags(args)
     if args.combine:
         return _combine_calibrations(args)
     if args.measure or args.published is None:  # measure this host (the default)
         return _calibrate_host(args)
     data = args.published or _default_data()  # --published alone: the shipped published results
-    params, report = fit(data, base=_load_params(args), restarts=args.restarts, iters=args.iters)
+    params, report = fit(data, base=_load_params(args), restarts=args.restarts or 0,
+                         iters=200 if args.iters is None else args.iters,
+                         bootstrap_sets=BOOTSTRAP_SETS if args.bootstrap is None else args.bootstrap)
     out = Path(args.out) if args.out else FITTED_PATH
     save_fitted(params, out, args.published)
     report["written"] = str(out)
@@ -404,6 +483,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     con.print(t)
     con.print(f"error factor before: median {report['before']['median']:.3f}, max {report['before']['max']:.3f}; "
               f"after: median {report['after']['median']:.3f}, max {report['after']['max']:.3f}")
+    con.print(f"{report['bootstrap_sets']} bootstrap parameter sets stored (fit {report['fit_seconds']:.1f} s, "
+              f"total {report['seconds']:.1f} s)")
     con.print(f"written to {out}")
     return 0
 
@@ -595,17 +676,34 @@ def register(subparsers: Any) -> None:
     )
     s.add_argument("--draft-model", default=None, help="draft model for --speculative draft (default llama-3.2-1b)")
     s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")
+    s.add_argument("--no-intervals", action="store_true",
+                   help="skip the 90%% intervals (one prediction per stored bootstrap parameter set)")
     s.add_argument(
         "--arrival-rate", type=float, default=None, help="also simulate serving Poisson arrivals at this rate (req/s)"
     )
     s.add_argument("--num-requests", type=int, default=None,
                    help="requests in the serving simulation (with --arrival-rate; default 200)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="serving: tokens one step carries, decode tokens first, prompt chunks in the rest (default "
+                        "2048; 0 = stop-the-world prefill, one prompt at a time with decode paused)")
+    s.add_argument("--pd-disaggregation", action="store_true",
+                   help="serving: prefill on a separate pool (a second copy of the plan, or --prefill-devices), the KV "
+                        "cache handed to the decode pool over the scale-out link")
+    s.add_argument("--prefill-devices", type=int, default=None,
+                   help="serving: devices of a separate prefill pool, the model placed with the same flags (implies "
+                        "--pd-disaggregation)")
+    s.add_argument("--expert-skew", type=float, default=None,
+                   help="serving, MoE: Zipf exponent of expert popularity; the hottest expert's load over the mean "
+                        "scales the routed-expert compute (default 0 = uniform routing)")
     s.set_defaults(func=cmd_simulate)
 
     v = subparsers.add_parser("validate", help="compare predictions with a CSV of published results")
     v.add_argument("--data", default=None, help=f"results CSV (default: {DEFAULT_DATA})")
     v.add_argument("--params", default=None, help="simulator parameter YAML (default: sim/fitted.yaml)")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--cross-validate", nargs="?", const="row", default=None, metavar="row|vendor",
+                   help="refit every fitted parameter without each row (row) or each system's rows (vendor: the "
+                   "CSV's system column) and predict the held-out rows with that refit (row: ~1-2 min)")
     v.set_defaults(func=cmd_validate)
 
     c = subparsers.add_parser(
@@ -640,8 +738,13 @@ def register(subparsers: Any) -> None:
         "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
     )
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
-    c.add_argument("--restarts", type=int, default=2)
-    c.add_argument("--iters", type=int, default=1500)
+    c.add_argument("--restarts", type=int, default=None,
+                   help="with --published: Nelder-Mead polishes after the Levenberg-Marquardt fit (default 0)")
+    c.add_argument("--iters", type=int, default=None,
+                   help="with --published: most Levenberg-Marquardt iterations (default 200)")
+    c.add_argument("--bootstrap", type=int, default=None, metavar="N",
+                   help="with --published: refit on N resamples of the rows and store the parameter sets for "
+                   "simulate's 90%% intervals (default 32; 0: none)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_calibrate)
 

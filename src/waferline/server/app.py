@@ -59,7 +59,8 @@ class Server:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout  # seconds for a request's whole body to arrive (408 beyond)
         # Host names a key-less server answers besides localhost, IP literals and the address the request came in on
-        self.allowed_hosts = {h.lower().rstrip(".") for h in (*allowed_hosts, socket.gethostname()) if h}
+        # (as a Host header's name is compared: without a port or brackets, lowercased, no trailing dot)
+        self.allowed_hosts = {_host_name(h) for h in (*allowed_hosts, socket.gethostname()) if h.strip()}
         self.metrics = Metrics(engine)
         self.created = int(time.time())
         self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock  # shared with the engine's decoding
@@ -113,7 +114,9 @@ class Server:
     async def json_body(self, request: Request) -> Any:
         limit = self.max_body_bytes
         declared = request.headers.get("content-length")
-        too_big = APIError(f"request body larger than {limit} bytes", 413, code="request_too_large")
+        # (the connection is closed after the answer: else the server would go on reading the rest of the body)
+        too_big = APIError(f"request body larger than {limit} bytes", 413, code="request_too_large",
+                           headers={"Connection": "close"})
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_big
         chunks, n = [], 0
@@ -169,7 +172,8 @@ class Server:
             return list(self.encode_tokenizer.encode(text, add_special_tokens=False))
 
     def chat_prompt(self, req: ChatRequest) -> list[int]:
-        """Render and tokenize a chat prompt (blocking, like ``encode``)."""
+        """Render and tokenize a chat prompt (blocking, like ``encode``): the model's template (the engine tokenizer's)
+        rendered by the encoding copy, so a long conversation does not hold the lock the engine detokenizes under."""
         tok = self.llm.tokenizer
         if tok is None:
             raise APIError(
@@ -178,10 +182,12 @@ class Server:
                 param="messages",
             )
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        if getattr(tok, "chat_template", None):
+        template = getattr(tok, "chat_template", None)
+        if template:
             try:
-                with self.tokenizer_lock:
-                    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+                with self.encode_lock:
+                    text = self.encode_tokenizer.apply_chat_template(msgs, chat_template=template,
+                                                                     add_generation_prompt=True, tokenize=False)
             except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
                 raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
         else:

@@ -67,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     if args.allowed_hosts and api_key:
         raise UsageError("--allowed-hosts applies to a server without --api-key (with a key, any Host is answered)")
+    if not Path(args.model).is_dir():  # (before a first kernel build makes the user wait for this error)
+        raise ConfigError(f"--model {args.model}: not a checkpoint directory (config.json + *.safetensors)")
     from waferline import kernels
 
     kernels.prepare()  # built (first run) or loaded before the server listens: /health is ok only once they are
@@ -76,7 +78,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        max_queue=args.max_queue, api_key=api_key, served_model_name=args.served_model_name,
                        max_body_bytes=args.max_body_bytes, torch_threads=args.torch_threads,
                        prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
-                       num_speculative_tokens=args.num_speculative_tokens or 4, body_timeout=args.body_timeout,
+                       num_speculative_tokens=4 if args.num_speculative_tokens is None else args.num_speculative_tokens,
+                       body_timeout=args.body_timeout,
                        allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()))
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:

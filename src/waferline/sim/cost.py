@@ -87,6 +87,10 @@ class SimParams:
     default_output_len: int = 500
     fitted_on: str = ""
     status: dict[str, str] = field(default_factory=dict)
+    # parameter sets refit on resampled rows (`calibrate --published`): name -> value of each fitted parameter
+    # (class.param, accept_rate.method, ttft_overhead_s); `simulate` predicts with each for its 90% intervals
+    bootstrap: list[dict[str, float]] = field(default_factory=list)
+    bootstrap_info: str = ""
 
     def for_hardware(self, hw: HardwareSpec) -> ClassParams:
         if hw.name in self.classes:
@@ -100,7 +104,31 @@ class SimParams:
     def copy(self) -> SimParams:
         return replace(self, classes={k: replace(v, status=dict(v.status)) for k, v in self.classes.items()},
                        accept_rate=dict(self.accept_rate), num_tokens=dict(self.num_tokens),
-                       draft_models=dict(self.draft_models), status=dict(self.status))
+                       draft_models=dict(self.draft_models), status=dict(self.status),
+                       bootstrap=list(self.bootstrap))
+
+    def with_values(self, values: dict[str, float]) -> SimParams:
+        """A copy with the named fitted parameters replaced (a bootstrap set); a class that takes the gpu values
+        (no data: tpu, asic) follows the set's gpu values too."""
+        out = replace(self, classes={k: replace(v) for k, v in self.classes.items()},
+                      accept_rate=dict(self.accept_rate), bootstrap=[])
+        for name, v in values.items():
+            if name == "ttft_overhead_s":
+                out.ttft_overhead_s = v
+            elif name.startswith("accept_rate."):
+                out.accept_rate[name.split(".", 1)[1]] = v
+            else:
+                cname, pname = name.split(".", 1)
+                if pname not in CLASS_PARAMS:
+                    raise ConfigError(f"parameter set names unknown parameter {name!r}")
+                for cn, cp in out.classes.items():
+                    if cn == cname or (cname == "gpu" and cp.status.get(pname, "").startswith("assumed: as gpu")):
+                        setattr(cp, pname, v)
+        return out
+
+    def parameter_sets(self) -> list[SimParams]:
+        """One SimParams per stored bootstrap set (empty when the fit stored none)."""
+        return [self.with_values(v) for v in self.bootstrap]
 
     # -- YAML
     def to_yaml_dict(self) -> dict[str, Any]:
@@ -147,7 +175,9 @@ class SimParams:
                     "assumed": "output length when a source does not state it",
                 },
             },
-        }
+        } | ({"bootstrap": {"method": self.bootstrap_info, "names": sorted(self.bootstrap[0]),
+                            "sets": [[float(f"{b[k]:.6g}") for k in sorted(self.bootstrap[0])]
+                                     for b in self.bootstrap]}} if self.bootstrap else {})
 
     @classmethod
     def from_yaml_dict(cls, d: dict[str, Any], where: str = "fitted.yaml") -> SimParams:
@@ -196,12 +226,24 @@ class SimParams:
                 sp.default_prompt_len = int(num(dd["prompt_len"], "prompt_len")[0])
             if "output_len" in dd:
                 sp.default_output_len = int(num(dd["output_len"], "output_len")[0])
+            bs = d.get("bootstrap") or {}
+            if bs:
+                names = [str(n) for n in bs.get("names") or []]
+                for row in bs.get("sets") or []:
+                    if len(row) != len(names):
+                        raise ConfigError(f"{where}: a bootstrap set has {len(row)} values for {len(names)} names")
+                    sp.bootstrap.append({n: float(v) for n, v in zip(names, row)})
+                sp.bootstrap_info = str(bs.get("method", ""))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{where}: malformed simulator parameters: {e}") from None
         return sp
 
     def save(self, path: str | Path = FITTED_PATH, header: str = "") -> None:
-        text = yaml.safe_dump(self.to_yaml_dict(), sort_keys=False)
+        d = self.to_yaml_dict()
+        bs = d.pop("bootstrap", None)
+        text = yaml.safe_dump(d, sort_keys=False)
+        if bs:  # one line per set
+            text += yaml.safe_dump({"bootstrap": bs}, sort_keys=False, default_flow_style=None, width=200)
         Path(path).write_text((header + "\n" if header else "") + text)
 
 

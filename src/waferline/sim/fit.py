@@ -12,7 +12,7 @@ from typing import Any
 
 from waferline.errors import FitError
 from waferline.sim.cost import CLASS_PARAMS, FITTED_PATH, ClassParams, SimParams, load_params
-from waferline.sim.validate import Row, RowModel, build_models, read_published
+from waferline.sim.validate import Row, RowModel, build_models, error_factor, read_published
 
 # Priors per device class (value, log-sd). Physically: GPUs pay kernel launches + syncs per layer (~10 us with
 # CUDA graphs); a wafer pays mesh reductions per layer (~us) and a d-vector streamed through the fabric (~1 cycle per
@@ -41,6 +41,7 @@ ASSUMED_BW_EFF_MAX = 4.0
 ACCEPT_PRIOR = {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.7, "ngram": 0.5}
 ACCEPT_BOUNDS = (0.3, 0.97)
 PRIOR_WEIGHT = 0.05
+TTFT_PRIOR = (0.05, 2.0, 1e-4, 2.0)  # request overhead in a client-measured TTFT (value, log-sd, lo, hi)
 OUTLIER_LOG = math.log(1.9)
 
 
@@ -114,7 +115,7 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
             if m != "none":
                 add(("accept", m), ACCEPT_PRIOR.get(m, 0.7), 0.3, *ACCEPT_BOUNDS)
         else:
-            add(("ttft",), 0.05, 2.0, 1e-4, 2.0)
+            add(("ttft",), *TTFT_PRIOR)
     return out
 
 
@@ -150,57 +151,142 @@ def _nelder_mead(
     return pts[min(range(n + 1), key=lambda i: vals[i])]
 
 
-def fit(
-    csv_path: str | Path, base: SimParams | None = None, restarts: int = 3, iters: int = 3000
-) -> tuple[SimParams, dict[str, Any]]:
-    """Fit the free parameters on the CSV; returns the new parameters and a report (before/after errors)."""
-    t0 = time.time()
-    base = (base or load_params()).copy()
-    base.classes = {}  # every fit starts from the physical priors (reproducible), not from a previous fit
-    base.status = {}
+BOOTSTRAP_SETS = 32  # parameter sets stored for intervals (`calibrate --published --bootstrap N`)
+BOOTSTRAP_SEED = 1
+
+
+@dataclass
+class Problem:
+    """A fit's data, built once: the rows that simulate (placed once), those skipped, the parameters at their priors."""
+
+    models: list[tuple[Row, RowModel]]
+    skipped: list[tuple[str, str]]
+    base: SimParams
+
+    def subset(self, keep: list[int]) -> Problem:
+        return Problem([self.models[i] for i in keep], self.skipped, self.base)
+
+
+def prior_params(base: SimParams | None = None) -> SimParams:
+    """``base`` with every parameter a fit may move put back to its prior: classes, acceptance rates and the TTFT
+    request overhead (a fit must not start from, or fall back to, a previous fit's values)."""
+    out = (base or load_params()).copy()
+    out.classes = {}
+    out.status = {}
+    out.accept_rate = dict(out.accept_rate) | dict(ACCEPT_PRIOR)
+    out.ttft_overhead_s = TTFT_PRIOR[0]
+    out.bootstrap = []
+    return out
+
+
+def problem(csv_path: str | Path, base: SimParams | None = None) -> Problem:
+    """Read and place every row of the CSV once (placement does not depend on the fitted parameters)."""
+    base = prior_params(base)
     rows = read_published(csv_path)
     built = build_models(rows, base)
     models = [(r, m) for r, m, _ in built if m is not None]
     skipped = [(r.id, why) for r, m, why in built if m is None]
     if not models:
         raise FitError(f"no usable rows in {csv_path}: " + "; ".join(f"{i}: {w}" for i, w in skipped[:5]))
-    free = _free_params(models, base)
+    return Problem(models, skipped, base)
+
+
+def _prepare(prob: Problem) -> tuple[SimParams, list[_Param]]:
+    base = prob.base.copy()
+    free = _free_params(prob.models, base)
     for p in free:
         if p.key[0] == "class" and getattr(base.classes[p.key[1]], p.key[2]) is None:
             setattr(base.classes[p.key[1]], p.key[2], p.prior)
+    return base, free
 
-    def errors(params: SimParams) -> list[float]:
-        out = []
-        for row, rm in models:
-            pred, _ = rm.predict(params)
-            out.append(math.log(pred / row.value) if pred > 0 else 50.0)
-        return out
 
-    work = base.copy()
+def _residuals_fn(prob: Problem, free: list[_Param], work: SimParams,
+                  weights: list[float] | None) -> Callable[[Any], Any]:
+    """z -> the residual vector whose sum of squares is the MAP objective (weighted rows; zero weight = row out)."""
+    import numpy as np
 
-    def objective(z: list[float]) -> float:
+    w = weights or [1.0] * len(prob.models)
+    used = [(row, rm, math.sqrt(wi)) for (row, rm), wi in zip(prob.models, w) if wi > 0]
+    sq_out, sq_prior = math.sqrt(10.0), math.sqrt(PRIOR_WEIGHT)
+
+    def residuals(z: Any) -> Any:
         for p, zi in zip(free, z):
-            _set(work, p, p.to_value(zi))
-        e = errors(work)
-        loss = sum(x * x for x in e) + 10.0 * sum(max(0.0, abs(x) - OUTLIER_LOG) ** 2 for x in e)
-        loss += PRIOR_WEIGHT * sum(
-            ((math.log(p.to_value(zi)) - math.log(p.prior)) / p.sd) ** 2 for p, zi in zip(free, z)
-        )
-        return loss
+            _set(work, p, p.to_value(float(zi)))
+        r = []
+        for row, rm, sw in used:
+            pred, _ = rm.predict(work)
+            e = math.log(pred / row.value) if pred > 0 else 50.0
+            r.append(sw * e)
+            r.append(sw * sq_out * math.copysign(max(0.0, abs(e) - OUTLIER_LOG), e))
+        for p, zi in zip(free, z):
+            r.append(sq_prior * (math.log(p.to_value(float(zi))) - math.log(p.prior)) / p.sd)
+        return np.array(r)
 
-    before = [math.exp(abs(x)) for x in errors(base)]
-    start = [p.to_z(_current(base, p)) for p in free]
-    best = start
-    best_val = objective(start)
-    for r in range(restarts):
-        x = _nelder_mead(objective, best, step=0.8 / (r + 1), iters=iters)
-        v = objective(x)
-        if v < best_val:
-            best, best_val = x, v
+    return residuals
+
+
+def _levenberg_marquardt(residuals: Callable[[Any], Any], z0: list[float], iters: int = 200,
+                         rtol: float = 1e-10) -> list[float]:
+    """Minimise |residuals(z)|^2 (forward-difference Jacobian, Marquardt scaling)."""
+    import numpy as np
+
+    z = np.array(z0, dtype=float)
+    r = residuals(z)
+    f = float(r @ r)
+    lam, h = 1e-2, 1e-5
+    for _ in range(iters):
+        J = np.empty((len(r), len(z)))
+        for j in range(len(z)):
+            zz = z.copy()
+            zz[j] += h
+            J[:, j] = (residuals(zz) - r) / h
+        A, g = J.T @ J, J.T @ r
+        while True:
+            dz = np.linalg.solve(A + lam * np.diag(np.diag(A) + 1e-12), -g)
+            rn = residuals(z + dz)
+            fn = float(rn @ rn)
+            if fn < f:
+                break
+            lam *= 4.0
+            if lam > 1e10:
+                return [float(x) for x in z]
+        z, r, lam, gain, f = z + dz, rn, max(lam / 3.0, 1e-12), f - fn, fn
+        if gain < rtol * max(1.0, f):
+            break
+    return [float(x) for x in z]
+
+
+def _solve(
+    prob: Problem, weights: list[float] | None = None, start: SimParams | None = None, iters: int = 200,
+    restarts: int = 0,
+) -> tuple[SimParams, list[_Param], list[float]]:
+    """MAP fit on ``prob`` (optionally weighted rows); Levenberg-Marquardt from ``start`` (default: the priors),
+    then ``restarts`` Nelder-Mead polishes (``iters`` caps both). Returns (parameters with the fitted values set,
+    the free parameters, their unconstrained values)."""
+    base, free = _prepare(prob)
+    work = base.copy()
+    res = _residuals_fn(prob, free, work, weights)
+    z = [p.to_z(_current(start or base, p)) for p in free]
+    if free:
+        z = _levenberg_marquardt(res, z, iters=iters)
+        for r in range(restarts):
+
+            def objective(x: list[float]) -> float:
+                v = res(x)
+                return float(v @ v)
+
+            x = _nelder_mead(objective, z, step=0.8 / (r + 1), iters=iters)
+            if objective(x) < objective(z):
+                z = x
     fitted = base.copy()
-    for p, zi in zip(free, best):
-        v = p.to_value(zi)
-        _set(fitted, p, v)
+    for p, zi in zip(free, z):
+        _set(fitted, p, p.to_value(zi))
+    return fitted, free, z
+
+
+def _finish(fitted: SimParams, free: list[_Param]) -> SimParams:
+    """Mark fitted values, give data-less classes their priors (tpu / asic: the gpu values)."""
+    for p in free:
         if p.key[0] == "class":
             fitted.classes[p.key[1]].status[p.key[2]] = "fitted"
         elif p.key[0] == "accept":
@@ -218,17 +304,82 @@ def fit(
             for pname, (v, _) in pri.items():
                 setattr(cp, pname, v)
             fitted.classes[cname] = cp
-    fitted.fitted_on = f"{Path(csv_path).name} ({len(models)} rows)"
-    after = [math.exp(abs(x)) for x in errors(fitted)]
+    return fitted
+
+
+def param_name(p: _Param) -> str:
+    """A free parameter's name in fitted.yaml's bootstrap sets: class.param, accept_rate.method, ttft_overhead_s."""
+    if p.key[0] == "class":
+        return f"{p.key[1]}.{p.key[2]}"
+    if p.key[0] == "accept":
+        return f"accept_rate.{p.key[1]}"
+    return "ttft_overhead_s"
+
+
+def fit_rows(prob: Problem, iters: int = 200, restarts: int = 0) -> SimParams:
+    """Fit every fitted parameter on the rows of ``prob`` only, from the priors (what cross-validation refits)."""
+    fitted, free, _ = _solve(prob, iters=iters, restarts=restarts)
+    return _finish(fitted, free)
+
+
+def bootstrap(prob: Problem, fitted: SimParams, sets: int = BOOTSTRAP_SETS, seed: int = BOOTSTRAP_SEED,
+              iters: int = 60) -> list[dict[str, float]]:
+    """Resample the rows with replacement ``sets`` times and refit (from the full fit's values: a warm start);
+    returns each set's free parameters by name. A parameter whose rows all fall out of a resample goes back to its
+    prior: that is what the data says without them."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(prob.models)
+    out = []
+    for _ in range(sets):
+        counts = [0.0] * n
+        for _ in range(n):
+            counts[rng.randrange(n)] += 1.0
+        p, free, _ = _solve(prob, weights=counts, start=fitted, iters=iters)
+        out.append({param_name(f): _current(p, f) for f in free})
+    return out
+
+
+def fit(
+    csv_path: str | Path, base: SimParams | None = None, restarts: int = 0, iters: int = 200,
+    bootstrap_sets: int = 0, seed: int = BOOTSTRAP_SEED,
+) -> tuple[SimParams, dict[str, Any]]:
+    """Fit the free parameters on the CSV; returns the new parameters and a report (before/after errors).
+    ``bootstrap_sets`` > 0: also refit on that many resamples of the rows and store the sets (for intervals)."""
+    if bootstrap_sets < 0:
+        raise FitError(f"bootstrap sets must be >= 0, got {bootstrap_sets}")
+    t0 = time.time()
+    prob = problem(csv_path, base)
+    base0, free = _prepare(prob)
+    fitted, free, z = _solve(prob, iters=iters, restarts=restarts)
+    fitted = _finish(fitted, free)
+    fitted.fitted_on = f"{Path(csv_path).name} ({len(prob.models)} rows)"
+    t_fit = time.time() - t0
+    if bootstrap_sets > 0:
+        fitted.bootstrap = bootstrap(prob, fitted, sets=bootstrap_sets, seed=seed)
+        fitted.bootstrap_info = f"{bootstrap_sets} refits on rows resampled with replacement (seed {seed})"
+
+    def errors(params: SimParams) -> list[float]:
+        out = []
+        for row, rm in prob.models:
+            pred, _ = rm.predict(params)
+            out.append(error_factor(pred, row.value) if pred > 0 else math.exp(50.0))
+        return out
+
+    before = errors(base0)
+    after = errors(fitted)
     report = {
-        "rows": len(models),
-        "skipped": skipped,
+        "rows": len(prob.models),
+        "skipped": prob.skipped,
         "free_parameters": len(free),
         "seconds": time.time() - t0,
-        "params": {".".join(str(k) for k in p.key): p.to_value(z) for p, z in zip(free, best)},
+        "fit_seconds": t_fit,
+        "bootstrap_sets": len(fitted.bootstrap),
+        "params": {".".join(str(k) for k in p.key): p.to_value(zi) for p, zi in zip(free, z)},
         "before": {"median": _median(before), "max": max(before)},
         "after": {"median": _median(after), "max": max(after)},
-        "per_row": {r.id: e for (r, _), e in zip(models, after)},
+        "per_row": {r.id: e for (r, _), e in zip(prob.models, after)},
     }
     return fitted, report
 
@@ -252,9 +403,12 @@ def save_fitted(params: SimParams, path: str | Path = FITTED_PATH, csv_path: str
     header = (
         "# waferline simulator parameters. Values marked `fitted: true` were fitted by\n"
         f"#   waferline calibrate --published {csv_path or '(the shipped sim/data/published_results.csv)'}\n"
-        "# on that file only (MAP fit: log error factors, weak physical priors); values marked `assumed` are priors\n"
-        "# the data could not constrain. Classes without rows: tpu and asic take the gpu values; cpu (a host running\n"
-        "# the torch engine) keeps its priors until engine runs are added to the CSV.\n"
+        "# on that file only (MAP fit: log error factors, weak physical priors; Levenberg-Marquardt from the priors);\n"
+        "# values marked `assumed` are priors the data could not constrain. Classes without rows: tpu and asic take\n"
+        "# the gpu values; cpu (a host running the torch engine) keeps its priors until engine runs are added to the\n"
+        "# CSV. `bootstrap`: the fitted parameters refit on resamples of the rows (drawn with replacement; a\n"
+        "# parameter whose rows all fall out goes back to its prior), one set per line: `simulate` predicts with each\n"
+        "# set and reports the 5th-95th percentile as the 90% interval of every figure.\n"
         "# Meanings: " + "; ".join(f"{k}: {v[4]}" for k, v in CLASS_PARAMS.items())
     )
     params.save(path, header=header)

@@ -66,9 +66,15 @@ class SimResult:
     stages: list[StageTiming] = field(default_factory=list)
     speculative: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
+    # asked for: the planner's sweeps skip it)
+    intervals: dict[str, list[float] | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        for k, v in d.pop("intervals").items():
+            d[f"{k}_interval"] = v
+        return d
 
 
 @dataclass

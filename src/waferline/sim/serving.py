@@ -1,16 +1,95 @@
-"""Request-level serving simulation: Poisson arrivals, continuous batching within the memory budget, latency
-distributions."""
+"""Request-level serving simulation: Poisson arrivals, continuous batching within the memory budget, chunked prefill
+mixed into decode steps, optional prefill/decode disaggregation and MoE expert skew, streaming latency quantiles."""
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.plan.plan import Plan
 from waferline.sim.cost import SimParams, load_params
+
+if TYPE_CHECKING:
+    from waferline.sim.cost import LayerCost
+    from waferline.spec.hardware import HardwareSpec
+    from waferline.spec.model import ModelSpec
+
+DEFAULT_TOKEN_BUDGET = 2048  # max_num_batched_tokens: vLLM's and SGLang's default chunk budget for online serving
+SKETCH_REL_ERROR = 0.005  # relative error of every reported percentile (QuantileSketch)
+_INF = math.inf
+
+
+# ----------------------------------------------------------------------------- streaming quantiles
+
+
+class QuantileSketch:
+    """Streaming quantiles in fixed log-spaced bins (DDSketch-style), with weights.
+
+    Bin ``i`` holds the values in (g^(i-1), g^i] with g = (1 + a) / (1 - a); a quantile is answered with
+    2 g^i / (g + 1), which is within relative error ``a`` of every value in that bin, so each reported percentile is
+    within ``a`` (default 0.5 %) of the exact order statistic of the same rank (the smallest x with at least
+    ceil(q n) values <= x). Values at or below ``lo`` (1 ns) count in one bin reported as the smallest value seen;
+    answers are clamped to [min, max] of what was added. Memory: one float per bin (~3,500 bins for 1 ns..1e6 s),
+    whatever the number of values.
+    """
+
+    def __init__(self, rel_error: float = SKETCH_REL_ERROR, lo: float = 1e-9, hi: float = 1e6) -> None:
+        if not 0.0 < rel_error < 0.5:
+            raise ConfigError(f"sketch relative error must be in (0, 0.5), got {rel_error}")
+        self.rel_error = rel_error
+        self._g = (1.0 + rel_error) / (1.0 - rel_error)
+        self._inv_log_g = 1.0 / math.log(self._g)
+        self._lo = lo
+        self._off = math.ceil(math.log(lo) * self._inv_log_g)  # index of the bin holding lo
+        self._bins = [0.0] * (math.ceil(math.log(hi) * self._inv_log_g) - self._off + 2)
+        self.count = 0.0
+        self.total = 0.0
+        self.min = _INF
+        self.max = -_INF
+
+    def add(self, x: float, weight: float = 1.0) -> None:
+        """Record ``weight`` occurrences of value ``x``."""
+        if weight <= 0:
+            return
+        if x <= self._lo:
+            i = 0
+        else:
+            i = min(len(self._bins) - 1, math.ceil(math.log(x) * self._inv_log_g) - self._off)
+        self._bins[i] += weight
+        self.count += weight
+        self.total += x * weight
+        if x < self.min:
+            self.min = x
+        if x > self.max:
+            self.max = x
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else 0.0
+
+    def quantile(self, q: float) -> float:
+        """The value of rank ceil(q n) (as an exact sorted-list percentile), within ``rel_error``; 0 when empty."""
+        if not self.count:
+            return 0.0
+        rank = min(self.count, max(1.0, math.ceil(q * self.count - 1e-9)))
+        acc = 0.0
+        for i, c in enumerate(self._bins):
+            acc += c
+            if acc >= rank:
+                if i == 0:
+                    return self.min
+                est = 2.0 * self._g ** (i + self._off) / (self._g + 1.0)
+                return min(self.max, max(self.min, est))
+        return self.max
+
+
+# ----------------------------------------------------------------------------- result
 
 
 @dataclass
@@ -30,88 +109,418 @@ class ServingResult:
     e2e_p50_s: float
     e2e_p99_s: float
     mean_batch: float
+    # added with the event-driven loop; older readers ignore them
+    prefill_mode: str = "chunked"  # chunked (mixed into decode steps) | stop-the-world (one prompt at a time)
+    max_num_batched_tokens: int = 0  # token budget of one step (0 with stop-the-world prefill)
+    pd_disaggregation: bool = False
+    prefill_devices: int = 0  # devices of the prefill pool (PD), else 0
+    kv_handover_s: float = 0.0  # one request's KV cache from the prefill to the decode pool (PD)
+    expert_skew: float = 0.0  # Zipf exponent of expert popularity (0 = uniform routing)
+    expert_load_factor: float = 1.0  # busiest expert's load over the mean load (MoE compute multiplier)
+    ttft_mean_s: float = 0.0
+    itl_p90_s: float = 0.0
+    itl_mean_s: float = 0.0
+    e2e_p90_s: float = 0.0
+    e2e_mean_s: float = 0.0
+    steps: int = 0  # engine iterations simulated (decode pool)
+    quantile_rel_error: float = SKETCH_REL_ERROR  # bound on each percentile's relative error (streaming sketch)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+# ----------------------------------------------------------------------------- pricing
+
+
+def expert_load_factor(num_experts: int, top_k: int, skew: float) -> float:
+    """Busiest expert's expected load over the mean when expert popularity follows Zipf(``skew``).
+
+    Expert i is picked with probability p_i ~ i^-skew per routing slot; a token uses ``top_k`` distinct experts, so
+    the hottest expert serves min(1, top_k p_1) of the tokens against top_k / E on average. 1 at skew 0 (uniform),
+    at most E / top_k (the hottest expert in every token)."""
+    if skew <= 0 or num_experts <= 0 or top_k <= 0:
+        return 1.0
+    p1 = 1.0 / sum(i ** -skew for i in range(1, num_experts + 1))
+    return max(1.0, min(1.0, top_k * p1) * num_experts / top_k)
+
+
+def _skewed(table: list[LayerCost], skew: float) -> tuple[list[LayerCost], float]:
+    """The layer table with each MoE layer's routed-expert FLOPs multiplied by its expert load factor.
+
+    Expert-parallel devices (or the groups of one grouped GEMM) wait for the one holding the hottest expert, so the
+    routed part of the FFN compute scales with max load / mean load. Weight reads are left as they are: each touched
+    expert is read once however many tokens it serves (skew in fact touches fewer experts at small batch; not
+    credited here), so memory-bound decode barely changes and compute-bound steps (prefill, large batches) slow down.
+    """
+    if skew <= 0:
+        return table, 1.0
+    out, worst = [], 1.0
+    for lc in table:
+        if not lc.is_moe or lc.num_experts <= 0:
+            out.append(lc)
+            continue
+        f = expert_load_factor(lc.num_experts, lc.top_k, skew)
+        worst = max(worst, f)
+        routed = lc.top_k * lc.expert_bytes
+        frac = routed / (routed + lc.dense_ffn_bytes) if routed + lc.dense_ffn_bytes > 0 else 0.0
+        out.append(replace(lc, ffn_flops=lc.ffn_flops * (1.0 + frac * (f - 1.0))))
+    return out, worst
+
+
+class _Pricer:
+    """Step times of one pool's plan, cached per batch size / chunk size (the pipeline model is priced once each)."""
+
+    def __init__(self, plan: Plan, spec: ModelSpec, hw: HardwareSpec, params: SimParams, P: int, O: int,
+                 skew: float) -> None:
+        from waferline.sim.cost import layer_table
+        from waferline.sim.pipeline import _Ctx, is_afd_ranks
+
+        self.plan, self.spec, self.hw, self.params, self.P, self.O = plan, spec, hw, params, P, O
+        self.ctx = _Ctx(plan, spec, hw, params.for_hardware(hw), params)
+        self.afd = is_afd_ranks(plan)
+        self.dtable = layer_table(spec, plan.weight_bits, plan.kv_bits, P + O // 2, plan.group_size)
+        self.ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
+        self.dtable_s, self.load_factor = _skewed(self.dtable, skew)
+        self.ptable_s, _ = _skewed(self.ptable, skew)
+        self.skew = skew
+        self._dec: dict[int, float] = {}
+        self._chunk: dict[int, tuple[float, float]] = {}
+
+    def _price(self, table: list[LayerCost], batch: int, tokens: int, resident: int) -> tuple[float, float]:
+        """(latency of one step through every stage and hop, time the slowest stage is busy with it)."""
+        from waferline.sim.pipeline import _afd_layer_times, _step
+
+        if self.afd:
+            M = sum(1 for s in self.plan.stages if s.role == "attention")
+            b = math.ceil(batch / M)
+            K = max(1, min(self.plan.micro_batches, b))
+            t = _afd_layer_times(self.ctx, table, math.ceil(b / K), tokens, K, max(resident, b))[0]
+            return t, t
+        total, _, slowest = _step(self.ctx, table, batch, tokens, resident, want_timings=False)
+        return total, min(total, slowest)
+
+    def decode_step(self, b: int) -> float:
+        """Seconds per token of every one of ``b`` decoding requests: 1 / the pipeline model's per-user rate
+        (micro-batching and speculative decoding included), times the expert-skew slowdown of one decode step."""
+        t = self._dec.get(b)
+        if t is None:
+            from waferline.sim.pipeline import simulate
+
+            t = 1.0 / simulate(self.plan, prompt_len=self.P, output_len=self.O, concurrency=b, params=self.params,
+                               spec=self.spec, hardware=self.hw).decode_tokens_per_s_per_user
+            if self.skew > 0:
+                S = max(1, self.plan.num_stages)
+                bm = math.ceil(b / max(1, min(b, S)))
+                t *= self._price(self.dtable_s, bm, 1, b)[0] / self._price(self.dtable, bm, 1, b)[0]
+            self._dec[b] = t
+        return t
+
+    def chunk(self, n: int) -> tuple[float, float]:
+        """A forward pass of ``n`` tokens (weights read once; attention priced at half the prompt's context, as the
+        pipeline model prices prefill): (how long it holds the pipeline -- its slowest stage, so that the next step
+        can enter behind it as the pipeline model's chunked prefill does --, the further time until its last stage is
+        done -- the drain, 0 on one stage)."""
+        t = self._chunk.get(n)
+        if t is None:
+            total, slowest = self._price(self.ptable_s, 1, n, 1)
+            t = self._chunk[n] = (slowest, total - slowest)
+        return t
+
+    def whole_prefill(self) -> float:
+        """One prompt prefilled alone, the pipeline model's prefill (chunks of 512 pipelined through the stages)."""
+        from waferline.sim.pipeline import PREFILL_CHUNK, simulate
+
+        t = simulate(self.plan, prompt_len=self.P, output_len=1, concurrency=1, params=self.params, spec=self.spec,
+                     hardware=self.hw).prefill_s
+        if self.skew > 0:
+            C = min(self.P, PREFILL_CHUNK)
+            t *= self._price(self.ptable_s, 1, C, 1)[0] / self._price(self.ptable, 1, C, 1)[0]
+        return t
+
+
+def _arrivals(rng: random.Random, rate: float, n: int) -> Iterator[float]:
+    t = 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        yield t
+
+
+def _take_chunks(queue: deque[list[float]], room: int) -> tuple[int, int]:
+    """Fill ``room`` tokens with prompt chunks from the front of ``queue`` ([arrival, tokens left] each): (tokens
+    taken, requests whose prompt is now complete -- a prefix of the queue)."""
+    c = finished = 0
+    for r in queue:
+        take = min(r[1], room - c)
+        r[1] -= take
+        c += int(take)
+        if r[1] > 0:
+            break
+        finished += 1
+        if c >= room:
+            break
+    return c, finished
+
+
+def _prefill_pool(pr: _Pricer, arrivals: Iterator[float], budget: int, handover: float, ttft: QuantileSketch,
+                  overhead: float) -> Iterator[tuple[float, float, float]]:
+    """PD disaggregation's prefill pool: yields (ready for decode, arrival, first token time) in time order.
+
+    Chunked (``budget`` > 0): each step prefills up to ``budget`` prompt tokens of the queue, first come first
+    served, in one forward pass. Otherwise one prompt at a time. The first token leaves with the prefill; the KV cache
+    then takes ``handover`` seconds to reach the decode pool."""
+    P = pr.P
+    nxt = next(arrivals, _INF)
+    t = 0.0
+    if budget <= 0:
+        whole = pr.whole_prefill()
+        while nxt < _INF:
+            t = max(t, nxt) + whole
+            ttft.add(t - nxt + overhead)
+            yield t + handover, nxt, t
+            nxt = next(arrivals, _INF)
+        return
+    q: deque[list[float]] = deque()  # [arrival, prompt tokens left]
+    out: list[tuple[float, float, float]] = []  # done, not yet yielded (the drain makes them finish out of order)
+    while True:
+        while nxt <= t:
+            q.append([nxt, float(P)])
+            nxt = next(arrivals, _INF)
+        start = t if q else nxt
+        while out and out[0][0] <= start:  # later steps end after ``start``: nothing can come before these
+            yield heapq.heappop(out)
+        if not q:
+            if nxt == _INF:
+                while out:
+                    yield heapq.heappop(out)
+                return
+            t = nxt
+            continue
+        c, done = _take_chunks(q, budget)
+        hold, drain = pr.chunk(c)
+        t += hold
+        for _ in range(done):
+            a = q.popleft()[0]
+            ft = t + drain
+            ttft.add(ft - a + overhead)
+            heapq.heappush(out, (ft + handover, a, ft))
+
+
+# ----------------------------------------------------------------------------- the simulation
 
 
 def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200, prompt_len: int | None = None,
                      output_len: int | None = None, max_batch: int | None = None, seed: int = 0,
-                     params: SimParams | None = None) -> ServingResult:
-    """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching.
+                     params: SimParams | None = None, max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET,
+                     pd_disaggregation: bool = False, prefill_plan: Plan | None = None,
+                     expert_skew: float = 0.0) -> ServingResult:
+    """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching, event by event.
 
-    Prefills run one request at a time and pause decoding (no mixing of prefill chunks into decode steps); each
-    decode step advances every running request by one token at the per-user rate the pipeline model gives for the
-    current batch (speculative decoding included).
+    At most ``max_batch`` requests (default: what fits in the plan's memory) hold a KV cache at once, counting those
+    being prefilled. Every step each decoding request gains one token at the per-user rate the pipeline model gives
+    for the batch (speculative decoding included, cached per batch size); stretches of steps in which nothing arrives
+    or finishes are taken in one jump, so the cost grows with the number of requests, not tokens.
+
+    Prefill, colocated (``max_num_batched_tokens`` > 0, vLLM / SGLang chunked prefill): a step carries one token per
+    decoding request and fills the rest of the token budget with prompt chunks of admitted requests, first come first
+    served. The step is one forward pass: the weights are read once for decode and prefill tokens together and the
+    FLOPs of every token are done, so it costs max(decode step at batch b, one pass of b + c tokens) -- the decode
+    step is memory- or latency-bound, the chunk compute-bound, and the fused pass pays the larger, not the sum (the
+    sum would read the weights and pay the fixed per-layer latency twice). A step with no chunk is the plain decode
+    step, so the decode numbers are the pipeline model's. A chunk goes through all stages before the next step (no
+    pipelining of one prompt's chunks across steps). ``max_num_batched_tokens=0``: stop-the-world prefill -- each
+    admitted prompt is prefilled alone (the pipeline model's prefill time) while decoding pauses.
+
+    ``pd_disaggregation`` (or a ``prefill_plan``): prompts are prefilled on a separate pool (``prefill_plan``, default a
+    second copy of ``plan``) with the same token budget; after the first token the request's KV cache
+    (ModelSpec.cache_bytes_per_seq at the prompt length) moves to the decode pool over the scale-out link, each of
+    min(prefill, decode devices) devices sending its share in parallel; the decode pool only decodes. The prefill
+    pool keeps a finished prompt's cache until the decode pool has room for it (its memory is not capped).
+
+    ``expert_skew`` (MoE): Zipf exponent of expert popularity; the routed-expert FLOPs of every step scale by the
+    busiest expert's load over the mean (``expert_load_factor``, at most E / top_k; 0 = uniform routing, the
+    pipeline model's assumption).
+
+    Latencies go into streaming quantile sketches (relative error ``SKETCH_REL_ERROR``); memory stays bounded by the
+    requests in flight and in the queue.
     """
     from waferline.plan.place import batch_capacity
-    from waferline.sim.pipeline import simulate
     from waferline.spec.catalog import load_hardware, load_model
 
-    if arrival_rate <= 0 or num_requests < 1:
+    if not (arrival_rate > 0 and math.isfinite(arrival_rate)) or num_requests < 1:
         raise ConfigError(f"arrival rate must be > 0 and requests >= 1 (got {arrival_rate}, {num_requests})")
+    if max_num_batched_tokens is None or max_num_batched_tokens < 0:
+        raise ConfigError(f"the step token budget (--max-num-batched-tokens) must be >= 0 (0 = stop-the-world "
+                          f"prefill), got {max_num_batched_tokens}")
+    if not (expert_skew >= 0 and math.isfinite(expert_skew)):
+        raise ConfigError(f"expert skew (--expert-skew, a Zipf exponent) must be >= 0, got {expert_skew}")
+    if max_batch is not None and max_batch < 1:
+        raise ConfigError(f"max batch must be >= 1, got {max_batch}")
     params = params or load_params()
     spec = load_model(plan.model)
     hw = load_hardware(plan.hardware)
-    P = prompt_len or params.default_prompt_len
-    O = output_len or params.default_output_len
+    P = int(prompt_len or params.default_prompt_len)
+    O = int(output_len or params.default_output_len)
+    if P < 1 or O < 1:
+        raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
+    if expert_skew > 0 and not any(getattr(layer.ffn, "num_experts", 0) for layer in spec.layers):
+        raise ConfigError(f"expert skew is for MoE models; {spec.name} has no routed experts")
     cap = max_batch or batch_capacity(plan, spec, P + O)
     if cap < 1:
         raise ConfigError(
             f"not even one sequence of {P + O} tokens fits next to the weights; plan more devices or a shorter context"
         )
-    rates: dict[int, float] = {}
+    budget = int(max_num_batched_tokens)
+    pd = pd_disaggregation or prefill_plan is not None
+    if prefill_plan is not None and prefill_plan.model != plan.model:
+        raise ConfigError(f"the prefill pool serves {prefill_plan.model}, the decode pool {plan.model}: use one model")
+    dec = _Pricer(plan, spec, hw, params, P, O, expert_skew)
+    ovh = params.ttft_overhead_s
+    ttft, itl, e2e = QuantileSketch(), QuantileSketch(), QuantileSketch()
+    arr = _arrivals(random.Random(seed), arrival_rate, num_requests)
 
-    def per_user_rate(b: int) -> float:
-        if b not in rates:
-            rates[b] = simulate(plan, prompt_len=P, output_len=O, concurrency=b, params=params, spec=spec,
-                                hardware=hw).decode_tokens_per_s_per_user
-        return rates[b]
+    handover = 0.0
+    pplan = None
+    source: Iterator[tuple[float, float, float]] | None = None
+    nxt_src: tuple[float, float, float] | None = None
+    if pd:
+        pplan = prefill_plan or plan
+        phw = load_hardware(pplan.hardware)
+        pre_pool = _Pricer(pplan, spec, phw, params, P, O, expert_skew) if pplan is not plan else dec
+        from waferline.sim.cost import hop_time
 
-    prefill = simulate(plan, prompt_len=P, output_len=1, concurrency=1, params=params, spec=spec, hardware=hw).prefill_s
-    rng = random.Random(seed)
-    arrivals, t_arr = [], 0.0
-    for _ in range(num_requests):
-        t_arr += rng.expovariate(arrival_rate)
-        arrivals.append(t_arr)
-    t = 0.0
-    nxt = 0
-    running: list[list[float]] = []  # [arrival, first_token_time, tokens_done, last_token_time]
-    ttft, itl, e2e = [], [], []
-    batch_time = 0.0
-    while nxt < num_requests or running:
-        if not running and nxt < num_requests and arrivals[nxt] > t:
-            t = arrivals[nxt]
-        while nxt < num_requests and arrivals[nxt] <= t and len(running) < cap:
-            t += prefill
-            running.append([arrivals[nxt], t, 1.0, t])
-            ttft.append(t - arrivals[nxt] + params.ttft_overhead_s)
-            nxt += 1
-        if not running:
+        links = max(1, min(pplan.num_devices, plan.num_devices))
+        kv = spec.cache_bytes_per_seq(P, plan.kv_bits)
+        dpn = max(1, hw.devices_per_node)
+        handover = hop_time(hw, dec.ctx.prm, 0, dpn, kv / links)  # device 0 to a device of another node
+        source = _prefill_pool(pre_pool, arr, budget, handover, ttft, ovh)
+        nxt_src = next(source, None)
+        nxt_arr = _INF
+    else:
+        nxt_arr = next(arr, _INF)
+    whole = dec.whole_prefill() if not pd and budget == 0 else 0.0
+
+    waiting: deque[float] = deque()  # colocated: arrived, not admitted yet
+    prefilling: deque[list[float]] = deque()  # chunked: [arrival, prompt tokens left], holding KV memory
+    ready: list[tuple[float, float, float]] = []  # heap: (may start decoding at, arrival, first token time)
+    heap: list[tuple[int, float]] = []  # decoding: (step after which its last token is out, arrival)
+    joiners: list[float] = []  # first-token times of requests whose first decode step is the next one
+    t = t_prev = t_last = 0.0
+    first_arrival = _INF
+    k = 0  # decode steps done; a request joining after step k has its O-th token after step k + O - 1
+    steps = done = 0
+    busy = 0.0  # sum over steps of batch x step time
+
+    def finish(a: float, when: float) -> None:
+        nonlocal done, t_last
+        e2e.add(when - a + ovh)
+        done += 1
+        t_last = max(t_last, when)
+
+    def join(a: float, ft: float) -> None:
+        if O == 1:
+            finish(a, ft)
+        else:
+            heapq.heappush(heap, (k + O - 1, a))
+            joiners.append(ft)
+
+    while done < num_requests:
+        # 1. arrivals (PD: requests handed over by the prefill pool) up to now
+        if pd:
+            while nxt_src is not None and nxt_src[0] <= t:
+                heapq.heappush(ready, nxt_src)
+                first_arrival = min(first_arrival, nxt_src[1])
+                nxt_src = next(source, None)  # type: ignore[arg-type]
+        else:
+            while nxt_arr <= t:
+                waiting.append(nxt_arr)
+                first_arrival = min(first_arrival, nxt_arr)
+                nxt_arr = next(arr, _INF)
+        # 2. requests whose first token is out start decoding (PD: when the decode pool has room for their cache)
+        while ready and ready[0][0] <= t and len(heap) < cap:
+            _, a, ft = heapq.heappop(ready)
+            join(a, ft)
+        # 3. prefill
+        c = finished = room = 0
+        if not pd and budget == 0:  # stop-the-world: prefill every admissible waiting prompt, decode paused
+            while waiting and len(heap) < cap:
+                a = waiting.popleft()
+                t += whole
+                ttft.add(t - a + ovh)
+                join(a, t)
+                while nxt_arr <= t:
+                    waiting.append(nxt_arr)
+                    nxt_arr = next(arr, _INF)
+        elif not pd:  # chunked: admit, then fill what decoding leaves of the token budget with prompt chunks
+            while waiting and len(heap) + len(prefilling) + len(ready) < cap:
+                prefilling.append([waiting.popleft(), float(P)])
+            room = budget - len(heap)
+            if prefilling and room > 0:
+                c, finished = _take_chunks(prefilling, room)
+        b = len(heap)
+        # the next moment something could join the batch
+        if pd:
+            nxt_time = min(ready[0][0] if ready else _INF, nxt_src[0] if nxt_src is not None else _INF) \
+                if b < cap else _INF
+        else:
+            nxt_time = ready[0][0] if ready else _INF
+            if (b < cap and budget == 0) or (room > 0 and b + len(prefilling) + len(ready) < cap):
+                nxt_time = min(nxt_time, nxt_arr)
+        if b == 0 and c == 0:  # idle
+            if done >= num_requests:
+                break
+            if nxt_time == _INF:
+                raise AssertionError("serving simulation stalled with requests outstanding")
+            t = t_prev = max(t, nxt_time)
             continue
-        dt = 1.0 / per_user_rate(len(running))
-        t += dt
-        batch_time += dt * len(running)
-        done = []
-        for r in running:
-            itl.append(t - r[3])
-            r[3] = t
-            r[2] += 1
-            if r[2] >= O:
-                done.append(r)
-        for r in done:
-            e2e.append(t - r[0] + params.ttft_overhead_s)
-            running.remove(r)
-    duration = t - (arrivals[0] if arrivals else 0.0)
-    return ServingResult(requests=num_requests, arrival_rate=arrival_rate, max_batch=cap, duration_s=duration,
-                         output_tokens_per_s=num_requests * O / duration if duration > 0 else 0.0,
-                         ttft_p50_s=_pct(ttft, 0.5), ttft_p90_s=_pct(ttft, 0.9), ttft_p99_s=_pct(ttft, 0.99),
-                         itl_p50_s=_pct(itl, 0.5), itl_p99_s=_pct(itl, 0.99), e2e_p50_s=_pct(e2e, 0.5),
-                         e2e_p99_s=_pct(e2e, 0.99), mean_batch=batch_time / duration if duration > 0 else 0.0)
+        # 4. price the step, or a stretch of identical decode steps up to the next event
+        drain = 0.0
+        if c == 0:
+            T = dec.decode_step(b)
+        else:
+            hold, drain = dec.chunk(b + c)
+            T = max(dec.decode_step(b), hold) if b else hold
+        n = 1
+        if c == 0:
+            n = heap[0][0] - k  # until the next request finishes...
+            if nxt_time < _INF:
+                n = min(n, math.ceil((nxt_time - t) / T))  # ...or the next one could join
+            n = max(1, n)
+        # 5. every decoding request gets a token per step
+        if b:
+            old = b - len(joiners)
+            if old:
+                itl.add(t + T - t_prev, old)
+            for ft in joiners:
+                itl.add(t + T - ft)
+            if n > 1:
+                itl.add(T, b * (n - 1))
+            busy += b * n * T
+        joiners.clear()
+        t += n * T
+        k += n
+        steps += n
+        t_prev = t
+        for _ in range(finished):
+            a = prefilling.popleft()[0]
+            ft = t + drain  # the last stage finishes the chunk after the pipeline drains
+            ttft.add(ft - a + ovh)
+            if drain > 0:
+                heapq.heappush(ready, (ft, a, ft))
+            else:
+                join(a, ft)
+        while heap and heap[0][0] <= k:
+            finish(heapq.heappop(heap)[1], t)
+
+    duration = t_last - first_arrival
+    return ServingResult(
+        requests=num_requests, arrival_rate=arrival_rate, max_batch=cap, duration_s=duration,
+        output_tokens_per_s=num_requests * O / duration if duration > 0 else 0.0,
+        ttft_p50_s=ttft.quantile(0.5), ttft_p90_s=ttft.quantile(0.9), ttft_p99_s=ttft.quantile(0.99),
+        itl_p50_s=itl.quantile(0.5), itl_p99_s=itl.quantile(0.99), e2e_p50_s=e2e.quantile(0.5),
+        e2e_p99_s=e2e.quantile(0.99), mean_batch=busy / duration if duration > 0 else 0.0,
+        prefill_mode="chunked" if budget > 0 else "stop-the-world", max_num_batched_tokens=budget,
+        pd_disaggregation=pd, prefill_devices=pplan.num_devices if pplan is not None else 0, kv_handover_s=handover,
+        expert_skew=expert_skew, expert_load_factor=dec.load_factor, ttft_mean_s=ttft.mean,
+        itl_p90_s=itl.quantile(0.9), itl_mean_s=itl.mean, e2e_p90_s=e2e.quantile(0.9), e2e_mean_s=e2e.mean,
+        steps=steps, quantile_rel_error=ttft.rel_error,
+    )

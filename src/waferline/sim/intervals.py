@@ -1,0 +1,70 @@
+"""90% intervals on the simulator's predictions from the fit's uncertainty.
+
+`calibrate --published` refits the fitted parameters on resamples of the published rows (a bootstrap) and stores
+the parameter sets in sim/fitted.yaml; here a plan is predicted once per set and each figure's interval is the
+5th-95th percentile of those predictions (widened to hold the point estimate where a skewed set of refits leaves
+it outside). It is the uncertainty of the fitted parameters only: it does not include the model's own error
+(`waferline validate --cross-validate vendor` measures that)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from waferline.plan.plan import Plan
+    from waferline.sim.cost import SimParams
+    from waferline.sim.pipeline import SimResult
+
+LEVEL = 0.9
+# SimResult's predicted figures (every float the simulator predicts at the top level) and the speculative ones
+FIGURES = ("step_latency_s", "decode_tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "prefill_s",
+           "end_to_end_s")
+SPEC_FIGURES = ("accept_rate", "expected_tokens_per_step", "verify_s", "draft_s", "speedup")
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 1])."""
+    s = sorted(xs)
+    if not s:
+        raise ValueError("percentile of nothing")
+    pos = q * (len(s) - 1)
+    i = int(pos)
+    j = min(i + 1, len(s) - 1)
+    return s[i] + (s[j] - s[i]) * (pos - i)
+
+
+def interval(point: float, values: list[float], level: float = LEVEL) -> list[float]:
+    """[low, high] holding ``level`` of ``values`` (central), widened to hold ``point``."""
+    tail = (1.0 - level) / 2.0
+    return [min(point, percentile(values, tail)), max(point, percentile(values, 1.0 - tail))]
+
+
+def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: float = LEVEL,
+                     **simulate_kwargs: Any) -> SimResult:
+    """Fill ``result.intervals`` (and the speculative figures' ``X_interval``) by predicting ``plan`` with each
+    stored parameter set; ``simulate_kwargs`` are what produced ``result`` (prompt_len, output_len, concurrency,
+    spec, hardware). Without stored sets the intervals are None (the parameters carry no uncertainty estimate)."""
+    from waferline.sim.pipeline import simulate
+
+    sets = params.parameter_sets()
+    if not sets:
+        result.intervals = {f: None for f in FIGURES}
+        for f in SPEC_FIGURES:
+            if f in result.speculative:
+                result.speculative[f + "_interval"] = None
+        return result
+    preds = [simulate(plan, params=s, **simulate_kwargs) for s in sets]
+    result.intervals = {f: interval(getattr(result, f), [getattr(p, f) for p in preds], level) for f in FIGURES}
+    for f in SPEC_FIGURES:
+        v = result.speculative.get(f)
+        if isinstance(v, (int, float)):
+            result.speculative[f + "_interval"] = interval(float(v), [float(p.speculative[f]) for p in preds], level)
+    return result
+
+
+def fmt(value: float, iv: list[float] | None, f: str = ",.1f", scale: float = 1.0) -> str:
+    """'125.3 (90%: 80.1-190.2)' (just the value when there is no interval or it has no spread)."""
+    s = format(value * scale, f)
+    if not iv or format(iv[0] * scale, f) == format(iv[1] * scale, f):  # none, or no spread at this precision
+        return s
+    return f"{s} (90%: {format(iv[0] * scale, f)}-{format(iv[1] * scale, f)})"

@@ -1,0 +1,132 @@
+"""Cross-validation (every fitted parameter refit without the held-out rows) and the 90% intervals from the fit's
+bootstrap parameter sets."""
+
+import json
+
+import pytest
+
+from waferline.plan import commands
+from waferline.plan.place import place
+from waferline.sim.cost import SimParams, load_params
+from waferline.sim.fit import TTFT_PRIOR, fit, fit_rows, problem
+from waferline.sim.intervals import FIGURES, SPEC_FIGURES, attach_intervals, interval, percentile
+from waferline.sim.pipeline import simulate
+from waferline.sim.validate import cross_validate
+
+HEADER = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,"
+          "unit,date,source,notes\n")
+ROWS = [
+    "a,SysA,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+    "b,SysA,llama-3.1-70b,h100-sxm,4,16,none,1,,,decode_tokens_per_s_per_user,45,tok/s,,,",
+    "c,SysB,llama-3.1-8b,h100-sxm,2,16,none,1,,,decode_tokens_per_s_per_user,260,tok/s,,,",
+]
+
+
+def _csv(tmp_path, rows, name="r.csv"):
+    p = tmp_path / name
+    p.write_text(HEADER + "".join(r + "\n" for r in rows))
+    return p
+
+
+def test_row_fold_refits_without_the_held_out_row(tmp_path):
+    """A fold's prediction of its held-out row does not depend on that row's published value, and the fold's
+    parameters differ from the fit on every row."""
+    p1 = _csv(tmp_path, ROWS, "one.csv")
+    p2 = _csv(tmp_path, ROWS[:2] + [ROWS[2].replace(",260,", ",900,")], "two.csv")
+    r1, s1 = cross_validate(p1, "row", iters=40)
+    r2, _ = cross_validate(p2, "row", iters=40)
+    assert s1["folds"] == 3 and s1["predicted"] == 3
+    assert r1[2].predicted == pytest.approx(r2[2].predicted, rel=1e-12)  # c held out: its value is never seen
+    assert r1[0].predicted != pytest.approx(r2[0].predicted, rel=1e-6)  # a's fold saw c's (changed) value
+    full, _ = fit(p1, iters=40)
+    prob = problem(p1)
+    fold = fit_rows(prob.subset([0, 1]), iters=40)
+    assert fold.classes["gpu"].bw_eff != pytest.approx(full.classes["gpu"].bw_eff, rel=1e-4)
+    assert r1[2].error_factor == pytest.approx(max(r1[2].predicted / 260, 260 / r1[2].predicted))
+
+
+def test_a_parameter_only_the_held_out_rows_inform_goes_back_to_its_prior(tmp_path):
+    """The TTFT request overhead (and acceptance rates) are refit too: held out with their only row, the fold
+    predicts with the prior, never with the shipped fit's value."""
+    rows = ROWS[:2] + ["t,SysT,llama-3.1-8b,h100-sxm,1,16,none,1,1000,,ttft_s,0.5,s,,,"]
+    p = _csv(tmp_path, rows)
+    res, _ = cross_validate(p, "vendor", iters=40)
+    prob = problem(p)
+    assert load_params().ttft_overhead_s != pytest.approx(TTFT_PRIOR[0])
+    fold = fit_rows(prob.subset([0, 1]), iters=40)
+    assert fold.ttft_overhead_s == TTFT_PRIOR[0]
+    assert res[2].predicted == pytest.approx(prob.models[2][1].predict(fold)[0], rel=1e-9)
+
+
+def test_vendor_folds_group_by_the_system_column(tmp_path):
+    res, s = cross_validate(_csv(tmp_path, ROWS), "vendor", iters=40)
+    assert s["folds"] == 2 and [r.detail["fold"] for r in res] == ["SysA", "SysA", "SysB"]
+    assert all(r.detail["trained_on"] == (1 if r.row.system == "SysA" else 2) for r in res)
+
+
+def test_bad_cross_validate_values_are_one_line_errors(capsys):
+    assert commands.main(["validate", "--cross-validate", "bogus"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "row, vendor" in err
+
+
+def test_cli_cross_validate_json_rows_are_out_of_fold(tmp_path, capsys):
+    assert commands.main(["validate", "--data", str(_csv(tmp_path, ROWS)), "--cross-validate", "vendor",
+                          "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["summary"]["cross_validate"] == "vendor" and d["summary"]["median_error_factor"] >= 1.0
+    assert all(r["out_of_fold"] and r["fold"] in ("SysA", "SysB") and r["predicted"] > 0 for r in d["rows"])
+
+
+def test_bootstrap_sets_round_trip_and_intervals_hold_the_point(tmp_path):
+    p = _csv(tmp_path, ROWS)
+    fitted, report = fit(p, iters=40, bootstrap_sets=6)
+    assert report["bootstrap_sets"] == 6 and len(fitted.bootstrap) == 6
+    out = tmp_path / "f.yaml"
+    fitted.save(out)
+    again = load_params(out)
+    assert len(again.bootstrap) == 6 and set(again.bootstrap[0]) == set(fitted.bootstrap[0])
+    sets = again.parameter_sets()
+    assert sets[0].classes["gpu"].bw_eff == pytest.approx(again.bootstrap[0]["gpu.bw_eff"], rel=1e-5)
+    assert sets[0].classes["tpu"].bw_eff == sets[0].classes["gpu"].bw_eff  # tpu takes the gpu values
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, speculative=_spec("eagle"))
+    r = simulate(plan, params=again)
+    assert r.intervals == {}  # only on request: sweeps stay fast
+    attach_intervals(r, plan, again)
+    for f in FIGURES:
+        lo, hi = r.intervals[f]
+        assert lo <= getattr(r, f) <= hi
+    for f in SPEC_FIGURES:
+        lo, hi = r.speculative[f + "_interval"]
+        assert lo <= r.speculative[f] <= hi
+    assert r.intervals["decode_tokens_per_s_per_user"][0] < r.intervals["decode_tokens_per_s_per_user"][1]
+
+
+def _spec(method):
+    from waferline.plan.plan import SpeculativeConfig
+
+    return SpeculativeConfig(method)
+
+
+def test_interval_helpers():
+    assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([1.0, 2.0], 0.25) == 1.25
+    assert interval(10.0, [1.0, 2.0, 3.0]) == [pytest.approx(1.1), 10.0]
+    no_sets = SimParams(classes=dict(load_params().classes))
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1)
+    r = attach_intervals(simulate(plan, params=no_sets), plan, no_sets)
+    assert r.intervals == {f: None for f in FIGURES} and r.to_dict()["ttft_s_interval"] is None
+
+
+def test_simulate_json_has_an_interval_for_every_predicted_figure(capsys):
+    assert commands.main(["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--weight-bits",
+                          "8", "--speculative", "medusa", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for f in FIGURES:
+        iv = d[f + "_interval"]
+        assert iv is not None and iv[0] <= d[f] <= iv[1], f
+    for f in SPEC_FIGURES:
+        assert d["speculative"][f + "_interval"][0] <= d["speculative"][f] <= d["speculative"][f + "_interval"][1]
+    assert commands.main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm"]) == 0
+    assert "(90%: " in capsys.readouterr().out
+    assert commands.main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--json", "--no-intervals"]) == 0
+    assert "ttft_s_interval" not in json.loads(capsys.readouterr().out)
