@@ -256,3 +256,31 @@ def test_cli_serving_flags(capsys):
     assert main(base + ["--arrival-rate", "2", "--expert-skew", "0.5"]) != 0
     err = capsys.readouterr().err
     assert "no routed experts" in err and "Traceback" not in err
+
+
+def test_a_prefill_pool_that_cannot_hold_the_model_is_refused(capsys):
+    """A 70B prefill pool on one 80 GB GPU cannot hold the weights: refused, not simulated as if it fit."""
+    plan = place("llama-3.1-70b", "h100-sxm", devices=8, context=1100)
+    kw = dict(arrival_rate=5.0, num_requests=20, prompt_len=1000, output_len=100)
+    with pytest.raises(ConfigError, match="prefill pool .* cannot hold"):
+        simulate_serving(plan, prefill_plan=place("llama-3.1-70b", "h100-sxm", devices=1, context=1100), **kw)
+    assert simulate_serving(plan, prefill_plan=place("llama-3.1-70b", "h100-sxm", devices=2, context=1100),
+                            **kw).prefill_devices == 2
+    from waferline.cli import main
+
+    base = ["simulate", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--prompt-len", "1000",
+            "--output-len", "100", "--arrival-rate", "5", "--num-requests", "20", "--no-intervals"]
+    assert main(base + ["--prefill-devices", "1"]) != 0
+    assert "cannot hold" in capsys.readouterr().err
+    assert main(base + ["--prefill-devices", "0"]) != 0
+    assert "--prefill-devices must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", ["0", "-2", "nan"])
+def test_cli_a_zero_or_negative_arrival_rate_is_refused_not_ignored(capsys, rate):
+    """--arrival-rate 0 used to skip the serving simulation silently (the flag accepted, then ignored)."""
+    from waferline.cli import main
+
+    assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-intervals", "--json",
+                 "--arrival-rate", rate]) == 2
+    assert "--arrival-rate must be > 0" in capsys.readouterr().err

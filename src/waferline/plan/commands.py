@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,9 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if getattr(args, "draft_model", None) is not None and method != "draft":
         raise UsageError(f"--draft-model is for --speculative draft, not --speculative {method}")
+    rate = getattr(args, "arrival_rate", None)
+    if rate is not None and not (rate > 0 and math.isfinite(rate)):  # 0 would silently skip the serving simulation
+        raise UsageError(f"--arrival-rate must be > 0 requests/s, got {rate}")
     if getattr(args, "num_requests", None) is not None and not getattr(args, "arrival_rate", None):
         raise UsageError("--num-requests sizes the serving simulation: give --arrival-rate too")
     serving_flags = [f for f, v in (("--max-num-batched-tokens", getattr(args, "max_num_batched_tokens", None)),
@@ -107,6 +111,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     if serving_flags and not getattr(args, "arrival_rate", None):
         raise UsageError(f"{' and '.join(serving_flags)} shape{'' if len(serving_flags) > 1 else 's'} the serving "
                          "simulation: give --arrival-rate too")
+    if getattr(args, "prefill_devices", None) is not None and args.prefill_devices < 1:
+        raise UsageError(f"--prefill-devices must be >= 1, got {args.prefill_devices}")
     if getattr(args, "prefill_devices", None) is not None and getattr(args, "plan", None):
         raise UsageError("--prefill-devices places the prefill pool anew: give MODEL --hardware, not --plan "
                          "(--pd-disaggregation alone uses a second copy of the plan)")

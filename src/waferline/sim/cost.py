@@ -287,6 +287,12 @@ class LayerCost:
     is_moe: bool
     kv_shards: int = 0  # most devices the cache splits over (GQA: KV heads), 0 = no limit
     kind_id: int = 0  # layers with equal kind_id (in one table) have identical costs
+    cache_read_bytes: float | None = None  # per sequence per decode token at the context; None = all of cache_bytes
+
+    @property
+    def cache_read(self) -> float:
+        """Cache bytes a decode token of one sequence reads (sparse / compressed attention: less than held)."""
+        return self.cache_bytes if self.cache_read_bytes is None else self.cache_read_bytes
 
 
 _TABLE_CACHE: dict[tuple, list[LayerCost]] = {}
@@ -322,6 +328,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
             num_experts=ffn.num_experts if moe else 0,
             top_k=ffn.top_k if moe else 0,
             cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
+            cache_read_bytes=layer.cache_read_bytes_per_seq(context, kv_bits, STATE_BITS),
             mixer_flops=mixer_f,
             ffn_flops=max(0.0, total_f - mixer_f),
             is_moe=moe,
@@ -400,13 +407,13 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     for lc in layers:
         if role == "attention":
             wbytes, flops, fixed_frac, moe = lc.mixer_bytes, lc.mixer_flops, 0.5, False
-            cache = lc.cache_bytes * batch
+            cache, cache_rd = lc.cache_bytes * batch, lc.cache_read * batch
         elif role == "ffn":
             wbytes, flops, fixed_frac, moe = lc.ffn_bytes, lc.ffn_flops, 0.5, lc.is_moe
-            cache = 0.0
+            cache = cache_rd = 0.0
         else:
             wbytes, flops, fixed_frac, moe = lc.weight_bytes, lc.mixer_flops + lc.ffn_flops, 1.0, lc.is_moe
-            cache = lc.cache_bytes * batch
+            cache, cache_rd = lc.cache_bytes * batch, lc.cache_read * batch
         if moe and role != "attention":
             touched = _touched_experts(lc.num_experts, lc.top_k, n_tok)
             read = wbytes - lc.num_experts * lc.expert_bytes + touched * lc.expert_bytes
@@ -420,7 +427,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             t_cmp = flops_all / n_dev / (fl * share)
         else:
             kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
-            t_mem = (read / n_dev + cache / kv_dev) / bw
+            t_mem = (read / n_dev + cache_rd / kv_dev) / bw
             t_cmp = flops_all / n_dev / fl
         fixed = fixed_frac * (prm.layer_latency_s + prm.hidden_latency_s * hidden)
         if moe:

@@ -384,6 +384,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
     nxt_src: tuple[float, float, float] | None = None
     if pd:
         pplan = prefill_plan or plan
+        if pplan is not plan and batch_capacity(pplan, spec, P) < 1:
+            raise ConfigError(f"the prefill pool ({pplan.num_devices} x {pplan.hardware}) cannot hold the weights and "
+                              f"one {P}-token prompt's cache; give it more devices (--prefill-devices) or fewer bits")
         phw = load_hardware(pplan.hardware)
         pre_pool = _Pricer(pplan, spec, phw, params, P, O, expert_skew) if pplan is not plan else dec
         from waferline.sim.cost import hop_time

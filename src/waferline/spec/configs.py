@@ -9,7 +9,9 @@ from typing import Any
 from waferline.errors import ConfigError
 from waferline.spec.model import (
     AttentionSpec,
+    CompressedAttentionSpec,
     DenseFFNSpec,
+    DSASpec,
     FFNSpec,
     GatedDeltaNetSpec,
     LayerSpec,
@@ -75,6 +77,45 @@ def _mla(cfg: dict[str, Any]) -> MLASpec:
         q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
         v_head_dim=cfg["v_head_dim"])
+
+
+def _dsa(cfg: dict[str, Any]) -> DSASpec:
+    """MLA + lightning indexer (DeepSeek-V3.2 ``index_*`` fields; defaults are transformers' DeepseekV32Config)."""
+    return DSASpec(
+        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
+        q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"], index_n_heads=int(cfg.get("index_n_heads") or 64),
+        index_head_dim=int(cfg.get("index_head_dim") or 128), index_topk=int(cfg.get("index_topk") or 2048),
+        index_bits=int(cfg.get("index_bits") or 8))
+
+
+COMPRESSED_LAYER_TYPES = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention",
+                          "swa": "sliding_attention"}
+DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def _compressed(cfg: dict[str, Any], layer_type: str) -> CompressedAttentionSpec:
+    """DeepSeek-V4-style attention (field names and defaults as transformers' DeepseekV4Config): CSA = compressed
+    4x + top-k indexer, HCA = compressed 128x attended densely, both with a sliding window of recent tokens."""
+    layer_type = COMPRESSED_LAYER_TYPES.get(layer_type, layer_type)
+    rates = dict(DEFAULT_COMPRESS_RATES, **(cfg.get("compress_rates") or {}))
+    if layer_type == "sliding_attention":
+        ratio = 0
+    elif layer_type in rates:
+        ratio = int(rates[layer_type])
+    else:
+        raise ConfigError(f"unknown compressed attention layer type {layer_type!r} "
+                          f"(known: {', '.join(sorted(set(COMPRESSED_LAYER_TYPES.values())))})")
+    sparse = layer_type == "compressed_sparse_attention"
+    return CompressedAttentionSpec(
+        hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"], head_dim=_head_dim(cfg),
+        q_lora_rank=cfg["q_lora_rank"], compress_ratio=ratio, window=int(cfg.get("sliding_window") or 128),
+        index_topk=int(cfg.get("index_topk") or 512) if sparse else 0,
+        index_n_heads=int(cfg.get("index_n_heads") or 64) if sparse else 0,
+        index_head_dim=int(cfg.get("index_head_dim") or 128) if sparse else 0,
+        index_bits=int(cfg.get("index_bits") or 8),
+        o_groups=int(cfg.get("o_groups") or 1), o_lora_rank=int(cfg.get("o_lora_rank") or 0))
 
 
 def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
@@ -171,7 +212,9 @@ def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
 
     def layer(i: int) -> LayerSpec:
         moe = has_moe and i >= first_dense and i % freq == 0
-        return LayerSpec(i, _mla(cfg), _deepseek_moe(cfg, mt) if moe else _dense(cfg), cfg["hidden_size"])
+        mixer: MixerSpec = _dsa(cfg) if mt == "deepseek_v32" else _mla(cfg)
+        ffn = _deepseek_moe(cfg, "deepseek_v3" if mt == "deepseek_v32" else mt) if moe else _dense(cfg)
+        return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
 
     layers = [layer(i) for i in range(n)]
     mtp = [layer(n + j) for j in range(cfg.get("num_nextn_predict_layers", 0) or 0)]
@@ -284,7 +327,8 @@ def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
 
 
 def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    """waferline's own architecture: per layer a mixer (mla | gqa | mamba2) and an FFN (dense | moe)."""
+    """waferline's own architecture: per layer a mixer (mla | gqa | mamba2 | dsa | csa | hca) and an FFN
+    (dense | moe). dsa / csa / hca are planner-only (the engine runs mla, gqa and mamba2)."""
     n = cfg["num_hidden_layers"]
     mixers = cfg.get("mixer_types") or ["mla"] * n
     ffns = cfg.get("ffn_types") or ["moe"] * n
@@ -301,8 +345,12 @@ def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
             mixer = _gqa(cfg, window=cfg.get("sliding_window") if cfg.get("sliding_window") else None)
         elif mixer_kind == "mamba2":
             mixer = _mamba2(cfg)
+        elif mixer_kind == "dsa":
+            mixer = _dsa(cfg)
+        elif mixer_kind in ("csa", "hca"):
+            mixer = _compressed(cfg, mixer_kind)
         else:
-            raise ConfigError(f"sol config: layer {i} has mixer {mixer_kind!r}; use mla, gqa or mamba2")
+            raise ConfigError(f"sol config: layer {i} has mixer {mixer_kind!r}; use mla, gqa, mamba2, dsa, csa or hca")
         if ffn_kind == "dense":
             ffn: FFNSpec = _dense(cfg)
         elif ffn_kind == "moe":
@@ -330,6 +378,53 @@ def _parse_glm4_moe(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
             else _dense(cfg)
         )
         layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
+    return _spec(cfg, name, mt, layers)
+
+
+_COMPRESS_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+
+
+def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    """DeepSeek-V4 (planner-only), as transformers' DeepseekV4Config reads it: per layer CSA / HCA / sliding
+    attention (shared-KV MQA, grouped output projection, sinks) and a MoE (routed + shared experts; the first
+    ``num_hash_layers`` route by a token-id table). Not counted: the mHC hyper-connection mixers (2 per layer,
+    (2 + n) * n * n * d each, about 1.4M per layer at d = 7168, n = 4) and the frozen token -> expert table."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None and cfg.get("compress_ratios") is not None:
+        try:
+            types = [_COMPRESS_RATIO_TYPES[int(r)] for r in cfg["compress_ratios"]]
+        except KeyError as e:
+            raise ConfigError(f"deepseek_v4: compress ratio {e.args[0]} is not 0, 4 or 128") from None
+    if types is None:
+        types = ["heavily_compressed_attention"] * min(n, 2) + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(max(n - 2, 0))]
+    types = list(types[:n])
+    if len(types) != n:
+        raise ConfigError(f"deepseek_v4: {len(types)} layer types for num_hidden_layers={n}")
+    cfg = dict(cfg, head_dim=cfg.get("head_dim") or 512)
+    rates = dict(cfg.get("compress_rates") or {})
+    for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
+                        ("heavily_compressed_attention", "compress_rate_hca")):
+        if cfg.get(legacy):
+            rates[key] = cfg[legacy]
+    cfg["compress_rates"] = rates
+    mlp_types = cfg.get("mlp_layer_types")
+    if mlp_types is None:
+        n_hash = cfg.get("num_hash_layers")
+        n_hash = 3 if n_hash is None else int(n_hash)
+        mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    n_shared = int(cfg.get("n_shared_experts", 1) or 0)
+    layers = []
+    for i in range(n):
+        ffn = MoESpec(
+            hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_local_experts"),
+            top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
+            num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
+            scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp_types[i] != "hash_moe",
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            routed_scaling=float(cfg.get("routed_scaling_factor") or 1.5))
+        layers.append(LayerSpec(i, _compressed(cfg, types[i]), ffn, cfg["hidden_size"]))
     return _spec(cfg, name, mt, layers)
 
 
@@ -439,6 +534,8 @@ _PARSERS = {
     "mixtral": lambda c, n: _parse_llama_like(c, n, "mixtral"),
     "deepseek_v2": lambda c, n: _parse_deepseek(c, n, "deepseek_v2"),
     "deepseek_v3": lambda c, n: _parse_deepseek(c, n, "deepseek_v3"),
+    "deepseek_v32": lambda c, n: _parse_deepseek(c, n, "deepseek_v32"),
+    "deepseek_v4": lambda c, n: _parse_deepseek_v4(c, n, "deepseek_v4"),
     "gpt_oss": lambda c, n: _parse_gpt_oss(c, n, "gpt_oss"),
     "bamba": lambda c, n: _parse_bamba(c, n, "bamba"),
     "granitemoehybrid": lambda c, n: _parse_bamba(c, n, "granitemoehybrid"),

@@ -285,7 +285,207 @@ class GatedDeltaNetSpec(_StateMixer):
         return 4.0 * self.num_v_heads * self.head_k_dim * self.head_v_dim
 
 
-MixerSpec = AttentionSpec | MLASpec | Mamba2Spec | Mamba1Spec | GatedDeltaNetSpec
+# ----------------------------------------------------------------------------- compressed / sparse attention
+#
+# Capacity and speed differ for these schemes: the cache a sequence holds (``cache_bytes_at``) is not what one
+# decode token reads from it (``cache_read_bytes``). For the plain mixers above both are the whole cache.
+
+INDEX_SCALE_BYTES = 4  # one fp32 scale per fp8 indexer key (DeepSeek-V3.2 inference code: fp8 keys, per-token scale)
+
+
+def _index_key_bytes(index_head_dim: int, index_bits: int) -> float:
+    """Bytes of one cached lightning-indexer key: ``index_head_dim`` at ``index_bits`` plus a 4-byte scale below 16."""
+    return index_head_dim * index_bits / 8 + (INDEX_SCALE_BYTES if index_bits < 16 else 0)
+
+
+@dataclass(frozen=True)
+class DSASpec:
+    """DeepSeek sparse attention (V3.2): MLA plus a lightning indexer.
+
+    The indexer keeps one ``index_head_dim`` key per token (fp8 + scale); per decode token it scores every cached
+    token (reads all indexer keys) and the MLA core then attends to the top ``index_topk`` tokens only (reads
+    their latents). Capacity: MLA latent + indexer key per token. Speed: latents of min(context, top-k) tokens +
+    indexer keys of all tokens.
+    """
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 2048
+    index_bits: int = 8
+    kind: str = "dsa"
+    sliding_window: None = None
+
+    def _mla(self) -> MLASpec:
+        return MLASpec(self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank,
+                       self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+
+    def indexer_matmul_params(self) -> int:
+        """wq_b (q_lora -> heads x dim), wk (d -> dim); the fp32 weights_proj (d -> heads) counts as small."""
+        q_in = self.q_lora_rank or self.hidden_size
+        return q_in * self.index_n_heads * self.index_head_dim + self.hidden_size * self.index_head_dim
+
+    def indexer_small_params(self) -> int:
+        return self.hidden_size * self.index_n_heads + 2 * self.index_head_dim  # weights_proj, k_norm (LayerNorm)
+
+    def matmul_params(self) -> int:
+        return self._mla().matmul_params() + self.indexer_matmul_params()
+
+    def small_params(self) -> int:
+        return self._mla().small_params() + self.indexer_small_params()
+
+    def kept_16bit_params(self) -> int:
+        return self._mla().kept_16bit_params()
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def latent_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return self._mla().cache_bytes_per_token(kv_bits)
+
+    def index_bytes_per_token(self) -> float:
+        return _index_key_bytes(self.index_head_dim, self.index_bits)
+
+    def cache_elems_per_token(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.index_head_dim
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        return self.latent_bytes_per_token(kv_bits) + self.index_bytes_per_token()
+
+    def cached_tokens(self, context_len: int) -> int:
+        return context_len
+
+    def attended_tokens(self, context_len: int) -> int:
+        return min(context_len, self.index_topk)
+
+    def cache_bytes_at(self, context_len: int, kv_bits: int = 16) -> float:
+        return self.cache_bytes_per_token(kv_bits) * context_len
+
+    def cache_read_bytes(self, context_len: int, kv_bits: int = 16) -> float:
+        """Cache bytes one decode token reads: top-k latents + every indexer key."""
+        return (self.latent_bytes_per_token(kv_bits) * self.attended_tokens(context_len)
+                + self.index_bytes_per_token() * context_len)
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return 0.0
+
+    def attention_flops(self, context_len: int) -> float:
+        """Indexer scores over all cached tokens + absorbed MLA over the top-k."""
+        index = 2.0 * self.index_n_heads * self.index_head_dim * context_len
+        return index + self._mla().attention_flops(self.attended_tokens(context_len))
+
+
+@dataclass(frozen=True)
+class CompressedAttentionSpec:
+    """Compressed attention in the style of DeepSeek-V4 (CSA / HCA): shared-KV MQA over three sources.
+
+    * a sliding window of the last ``window`` tokens, uncompressed (``kv_dim`` elements each);
+    * compressed entries, one per ``compress_ratio`` tokens (``kv_dim`` elements each);
+    * if ``index_topk`` > 0 (CSA), a lightning indexer with one key per compressed entry that picks the top-k
+      entries; if 0 (HCA), every compressed entry is attended densely.
+
+    Capacity per sequence: window + entries x (kv + indexer key). Read per decode token: window + min(entries,
+    top-k) (or all entries) x kv + entries x indexer key. ``compress_ratio`` 0 means a pure sliding-window layer.
+    """
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int  # query/output head width; also the shared K=V width of the one KV head
+    q_lora_rank: int
+    compress_ratio: int
+    window: int
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_bits: int = 8
+    o_groups: int = 1
+    o_lora_rank: int = 0  # grouped output projection: heads*head_dim -> o_groups*o_lora_rank -> d; 0 = plain o_proj
+    kind: str = "compressed"
+    sliding_window: None = None  # the window is part of the scheme, not a plain sliding-window layer
+
+    @property
+    def kv_dim(self) -> int:
+        return self.head_dim
+
+    def _compressor_params(self, width: int) -> int:
+        """kv_proj and gate_proj (d -> width), a per-position bias; CSA overlaps windows (width doubled)."""
+        return 2 * self.hidden_size * width + self.compress_ratio * width
+
+    def matmul_params(self) -> int:
+        d, h, hd = self.hidden_size, self.num_heads, self.head_dim
+        q = d * self.q_lora_rank + self.q_lora_rank * h * hd
+        kv = d * hd
+        o = (h * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d) if self.o_lora_rank else h * hd * d
+        n = q + kv + o
+        if self.compress_ratio:
+            n += 2 * d * (2 * hd if self.index_topk else hd)
+        if self.index_topk:
+            n += 2 * d * 2 * self.index_head_dim + self.q_lora_rank * self.index_n_heads * self.index_head_dim
+        return n
+
+    def small_params(self) -> int:
+        n = self.q_lora_rank + self.head_dim + self.num_heads  # q norm, kv norm, sinks
+        if self.compress_ratio:
+            n += self.compress_ratio * (2 * self.head_dim if self.index_topk else self.head_dim) + self.head_dim
+        if self.index_topk:
+            n += self.compress_ratio * 2 * self.index_head_dim + self.hidden_size * self.index_n_heads
+        return n
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def entries(self, context_len: int) -> int:
+        return context_len // self.compress_ratio if self.compress_ratio else 0
+
+    def index_bytes_per_entry(self) -> float:
+        return _index_key_bytes(self.index_head_dim, self.index_bits) if self.index_topk else 0.0
+
+    def cache_elems_per_token(self) -> int:
+        """Long-context elements per token (window excluded): kv + indexer key per ``compress_ratio`` tokens."""
+        if not self.compress_ratio:
+            return 0
+        return (self.kv_dim + (self.index_head_dim if self.index_topk else 0)) // self.compress_ratio
+
+    def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
+        """Asymptotic bytes per token of context (window excluded)."""
+        if not self.compress_ratio:
+            return 0.0
+        return (self.kv_dim * kv_bits / 8 + self.index_bytes_per_entry()) / self.compress_ratio
+
+    def cached_tokens(self, context_len: int) -> int:
+        return min(context_len, self.window) + self.entries(context_len)
+
+    def attended_entries(self, context_len: int) -> int:
+        e = self.entries(context_len)
+        return min(e, self.index_topk) if self.index_topk else e
+
+    def cache_bytes_at(self, context_len: int, kv_bits: int = 16) -> float:
+        kv = self.kv_dim * kv_bits / 8
+        e = self.entries(context_len)
+        return kv * (min(context_len, self.window) + e) + self.index_bytes_per_entry() * e
+
+    def cache_read_bytes(self, context_len: int, kv_bits: int = 16) -> float:
+        kv = self.kv_dim * kv_bits / 8
+        return (kv * (min(context_len, self.window) + self.attended_entries(context_len))
+                + self.index_bytes_per_entry() * self.entries(context_len))
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        return 0.0
+
+    def attention_flops(self, context_len: int) -> float:
+        """MQA score + value over window + attended entries, plus indexer scores over all entries."""
+        attended = min(context_len, self.window) + self.attended_entries(context_len)
+        index = 2.0 * self.index_n_heads * self.index_head_dim * self.entries(context_len) if self.index_topk else 0.0
+        return 4.0 * self.num_heads * self.head_dim * attended + index
+
+
+MixerSpec = AttentionSpec | MLASpec | DSASpec | CompressedAttentionSpec | Mamba2Spec | Mamba1Spec | GatedDeltaNetSpec
 
 
 # ----------------------------------------------------------------------------- FFNs
@@ -442,10 +642,23 @@ class LayerSpec:
         return self.mixer.cache_bytes_per_token(kv_bits) if self.mixer else 0.0
 
     def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        """Cache one sequence holds at ``context_len`` (capacity)."""
         if self.mixer is None:
             return 0.0
         m = self.mixer
+        if hasattr(m, "cache_bytes_at"):
+            return m.cache_bytes_at(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
         return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
+
+    def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        """Cache bytes one decode token of one sequence reads at ``context_len`` (speed): the whole cache for
+        GQA / MLA / state mixers, less for sparse and compressed attention (DSA top-k, compressed top-k)."""
+        if self.mixer is None:
+            return 0.0
+        m = self.mixer
+        if hasattr(m, "cache_read_bytes"):
+            return m.cache_read_bytes(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
+        return self.cache_bytes_per_seq(context_len, kv_bits, state_bits)
 
     def mixer_flops_per_token(self, context_len: int = 0) -> float:
         """Forward FLOPs of the mixer (attention side) for one token with ``context_len`` tokens of context."""
@@ -524,6 +737,10 @@ class ModelSpec:
 
     def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
         return sum(layer.cache_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
+
+    def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        """Cache bytes one decode token of one sequence reads at ``context_len`` (all layers)."""
+        return sum(layer.cache_read_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
 
     def flops_per_token(self, context_len: int = 0) -> float:
         head = 2.0 * self.vocab_size * self.hidden_size

@@ -1,0 +1,175 @@
+"""Compressed / sparse attention in the accounting: cache held (capacity) vs cache read per decode token (speed)."""
+
+import pytest
+
+from waferline.plan.place import place
+from waferline.sim.cost import layer_table
+from waferline.sim.pipeline import simulate
+from waferline.spec.catalog import load_model, model_config
+from waferline.spec.configs import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from waferline.spec.model import CompressedAttentionSpec, DSASpec, LayerSpec, MLASpec, ModelSpec
+
+# a small latent: kv_lora 32 + rope 8 = 40 elements = 80 B/token at 16-bit
+MLA = MLASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=8)
+# + an indexer key of 16 elements at fp8 + a 4-byte scale = 20 B/token; top-100 tokens attended
+DSA = DSASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
+              v_head_dim=8, index_n_heads=2, index_head_dim=16, index_topk=100, index_bits=8)
+# shared K=V of 32 elements (64 B at 16-bit) per entry; window 10; 4x compression; top-5 entries; index key 20 B
+CSA = CompressedAttentionSpec(hidden_size=64, num_heads=4, head_dim=32, q_lora_rank=16, compress_ratio=4, window=10,
+                              index_topk=5, index_n_heads=2, index_head_dim=16)
+HCA = CompressedAttentionSpec(hidden_size=64, num_heads=4, head_dim=32, q_lora_rank=16, compress_ratio=8, window=10)
+
+
+def test_mla_reads_its_whole_cache():
+    layer = LayerSpec(0, MLA, None, 64)
+    assert MLA.cache_bytes_per_token(16) == 80
+    for ctx in (1, 100, 1000):
+        assert layer.cache_bytes_per_seq(ctx) == 80 * ctx
+        assert layer.cache_read_bytes_per_seq(ctx) == 80 * ctx
+
+
+def test_dsa_capacity_and_read_by_hand():
+    layer = LayerSpec(0, DSA, None, 64)
+    assert DSA.cache_bytes_per_token(16) == 80 + 20
+    assert DSA.cache_bytes_per_token(8) == 40 + 20  # the indexer keys stay fp8 whatever the KV precision
+    # capacity: every token keeps its latent and its index key
+    assert layer.cache_bytes_per_seq(1000) == 100 * 1000
+    # at or below top-k: everything is read (same latent bytes as MLA, plus the index keys)
+    assert layer.cache_read_bytes_per_seq(60) == 100 * 60
+    assert layer.cache_read_bytes_per_seq(100) == 100 * 100
+    # beyond top-k: 100 latents + all 1000 index keys
+    assert layer.cache_read_bytes_per_seq(1000) == 80 * 100 + 20 * 1000
+    # FLOPs: indexer 2 * 2 heads * 16 per cached token + absorbed MLA (2 * 4 * (2 * 32 + 8) = 576) per attended
+    assert DSA.attention_flops(1000) == 2 * 2 * 16 * 1000 + 576 * 100
+    assert MLA.attention_flops(1000) == 576 * 1000
+
+
+def test_dsa_reads_fewer_latent_bytes_than_mla_only_beyond_top_k():
+    mla, dsa = LayerSpec(0, MLA, None, 64), LayerSpec(0, DSA, None, 64)
+    for ctx in (10, 100):
+        # the latent part read equals MLA's; the rest is the index keys
+        assert dsa.cache_read_bytes_per_seq(ctx) - 20 * ctx == mla.cache_read_bytes_per_seq(ctx)
+    for ctx in (1000, 10_000, 100_000):
+        assert dsa.cache_read_bytes_per_seq(ctx) < mla.cache_read_bytes_per_seq(ctx)
+        assert dsa.cache_bytes_per_seq(ctx) > mla.cache_bytes_per_seq(ctx)  # holds more, reads less
+
+
+def test_dsa_params_add_the_indexer():
+    # wq_b 16 x (2 x 16) + wk 64 x 16 (matmuls); weights_proj 64 x 2 + k_norm 2 x 16 (kept 16-bit)
+    assert DSA.matmul_params() - MLA.matmul_params() == 16 * 32 + 64 * 16
+    assert DSA.small_params() - MLA.small_params() == 64 * 2 + 32
+    assert DSA.kept_16bit_params() == MLA.kept_16bit_params()
+
+
+def test_csa_capacity_and_read_by_hand():
+    layer = LayerSpec(0, CSA, None, 64)
+    # 1000 tokens: window 10 x 64 B + 250 entries x (64 B kv + 20 B index key)
+    assert layer.cache_bytes_per_seq(1000) == 10 * 64 + 250 * (64 + 20)
+    # read: window + top-5 entries + all 250 index keys
+    assert layer.cache_read_bytes_per_seq(1000) == 10 * 64 + 5 * 64 + 250 * 20
+    # short context: 8 tokens -> window 8, 2 entries (fewer than top-5): everything is read
+    assert layer.cache_read_bytes_per_seq(8) == layer.cache_bytes_per_seq(8) == 8 * 64 + 2 * (64 + 20)
+    assert CSA.cache_bytes_per_token(16) == (64 + 20) / 4
+    # FLOPs: 4 * heads * head_dim per attended (window + top-k) + indexer 2 * 2 * 16 per entry
+    assert CSA.attention_flops(1000) == 4 * 4 * 32 * (10 + 5) + 2 * 2 * 16 * 250
+
+
+def test_hca_is_dense_over_compressed_entries():
+    layer = LayerSpec(0, HCA, None, 64)
+    assert HCA.index_bytes_per_entry() == 0
+    assert layer.cache_bytes_per_seq(1000) == layer.cache_read_bytes_per_seq(1000) == (10 + 125) * 64
+    assert HCA.cache_bytes_per_token(16) == 64 / 8
+    assert HCA.attention_flops(1000) == 4 * 4 * 32 * (10 + 125)
+
+
+def test_deepseek_v32_config_parses_as_dsa():
+    spec = load_model("deepseek-v3.2")
+    assert spec.model_type == "deepseek_v32"
+    assert "deepseek_v32" in SUPPORTED_MODEL_TYPES and "deepseek_v32" not in ENGINE_MODEL_TYPES
+    m = spec.layers[5].mixer
+    assert isinstance(m, DSASpec) and (m.index_n_heads, m.index_head_dim, m.index_topk) == (64, 128, 2048)
+    # 70,272 B MLA latent (as DeepSeek-V3) + 61 x 132 B fp8 index keys = 78,324 B/token
+    assert spec.cache_bytes_per_token(16) == 70272 + 61 * 132
+    v3 = load_model("deepseek-v3")
+    assert spec.params_total() - v3.params_total() == 61 * (DSASpec.indexer_matmul_params(m)
+                                                            + DSASpec.indexer_small_params(m))
+    assert abs(spec.params_total() - 671e9) < 0.01 * 671e9
+    # at 128k a decode token reads ~12% of the cache it holds
+    ctx = 131072
+    assert spec.cache_read_bytes_per_seq(ctx) == pytest.approx(61 * (1152 * 2048 + 132 * ctx))
+    assert spec.cache_read_bytes_per_seq(ctx) < 0.15 * spec.cache_bytes_per_seq(ctx)
+
+
+def test_hf_spelling_defaults_follow_transformers():
+    cfg = {k: v for k, v in model_config("deepseek-v3.2").items() if not k.startswith("index_")}
+    m = ModelSpec.from_hf_config(cfg).layers[0].mixer
+    assert (m.index_n_heads, m.index_head_dim, m.index_topk) == (64, 128, 2048)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.2", "gpt-5.6-sol-dsa", "gpt-5.6-sol-v4"])
+def test_catalog_entries_carry_sources(name):
+    w = model_config(name)["_waferline"]
+    assert w["source"] and w["assumed"]
+    if name.startswith("gpt-5.6"):
+        assert "speculative" in w["source"].lower() and w["notes"].startswith("SPECULATIVE")
+
+
+def test_sol_variants_share_the_mla_backbone():
+    mla, dsa, v4 = (load_model(f"gpt-5.6-sol-{v}") for v in ("mla", "dsa", "v4"))
+    assert [lay.ffn for lay in mla.layers] == [lay.ffn for lay in dsa.layers] == [lay.ffn for lay in v4.layers]
+    assert {lay.mixer.kind for lay in dsa.layers} == {"dsa"}
+    kinds = [(lay.mixer.compress_ratio, lay.mixer.index_topk) for lay in v4.layers]
+    assert kinds[:2] == [(128, 0), (128, 0)] and set(kinds) == {(128, 0), (4, 1024)}
+    ctx = 131072
+    assert dsa.cache_read_bytes_per_seq(ctx) < 0.15 * mla.cache_read_bytes_per_seq(ctx)
+    assert v4.cache_bytes_per_seq(ctx) < 0.2 * mla.cache_bytes_per_seq(ctx)
+    assert v4.cache_read_bytes_per_seq(ctx) < dsa.cache_read_bytes_per_seq(ctx)
+
+
+def test_layer_table_uses_bytes_read():
+    spec = load_model("gpt-5.6-sol-dsa")
+    lc = layer_table(spec, 4, 16, 131072)[0]
+    assert lc.cache_bytes == spec.layers[0].cache_bytes_per_seq(131072)
+    assert lc.cache_read == spec.layers[0].cache_read_bytes_per_seq(131072) < 0.15 * lc.cache_bytes
+    mlc = layer_table(load_model("gpt-5.6-sol-mla"), 4, 16, 131072)[0]
+    assert mlc.cache_read == mlc.cache_bytes
+
+
+def test_sparse_attention_decodes_faster_at_128k_on_gpus():
+    ctx, batch = 131072, 16
+    speeds = {}
+    for v in ("mla", "dsa", "v4"):
+        plan = place(f"gpt-5.6-sol-{v}", "gb200-nvl72", weight_bits=4, context=ctx, batch=batch, devices=16)
+        r = simulate(plan, prompt_len=ctx - 500, output_len=500, concurrency=batch)
+        speeds[v] = r.decode_tokens_per_s_per_user
+    # 16 users at 128k on 16 GPUs: MLA reads 12.1 GB of latents per user per step, DSA 1.6 GB
+    assert speeds["dsa"] > 1.05 * speeds["mla"]
+    assert speeds["v4"] > speeds["mla"]
+    one = {v: simulate(place(f"gpt-5.6-sol-{v}", "gb200-nvl72", weight_bits=4, context=ctx, devices=16),
+                       prompt_len=ctx - 500, output_len=500).decode_tokens_per_s_per_user for v in ("mla", "dsa")}
+    assert one["dsa"] > one["mla"]  # one user: latency-bound, still (slightly) faster
+
+
+def test_deepseek_v4_flash_published_facts():
+    spec = load_model("deepseek-v4-flash")
+    assert spec.model_type == "deepseek_v4" and "deepseek_v4" not in ENGINE_MODEL_TYPES
+    assert abs(spec.params_total() - 284e9) < 0.01 * 284e9  # published 284B total
+    assert 12e9 < spec.params_active() < 14e9  # published "13B" active
+    kinds = [(lay.mixer.compress_ratio, lay.mixer.index_topk) for lay in spec.layers]
+    assert kinds.count((4, 512)) == 20 and kinds.count((128, 0)) == 23
+    # published: at 1M context, V4-Flash holds ~7% of V3.2's KV cache and spends ~10% of its per-token FLOPs
+    v32, ctx = load_model("deepseek-v3.2"), 1 << 20
+    assert 0.05 < spec.cache_bytes_per_seq(ctx) / v32.cache_bytes_per_seq(ctx) < 0.09
+    assert 0.08 < spec.flops_per_token(ctx) / v32.flops_per_token(ctx) < 0.15
+
+
+def test_deepseek_v4_legacy_spellings():
+    cfg = model_config("deepseek-v4-flash")
+    modern = ModelSpec.from_hf_config(cfg)
+    ratios = [lay.mixer.compress_ratio for lay in modern.layers]
+    legacy = dict({k: v for k, v in cfg.items() if k != "compress_rates"}, compress_ratios=ratios,
+                  compress_rate_csa=4, compress_rate_hca=128)
+    spec = ModelSpec.from_hf_config(legacy)
+    assert [lay.mixer for lay in spec.layers] == [lay.mixer for lay in modern.layers]
+    assert spec.params_total() == modern.params_total()
