@@ -14,10 +14,10 @@ import torch
 
 from waferline.engine.sampling import SamplingParams, make_generator, sample
 from waferline.engine.sampling import greedy as greedy_tokens
-from waferline.errors import CheckpointError, ConfigError, RequestError, counted
+from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
-from waferline.model.load import load_model
+from waferline.model.load import load_model, load_tokenizer
 
 # greedy decode steps run back to back from one Python call, up to this many (DecoderModel.greedy_steps: the steps'
 # Python runs once, warm; the tokens stream out in bursts); 1: step by step
@@ -56,25 +56,6 @@ def _eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
     return ids
 
 
-def _load_tokenizer(directory: Path) -> Any:
-    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
-        return None
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # our own model_types (e.g. `sol`) are unknown to transformers' config registry
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as e:  # a corrupt or unsupported tokenizer file: tokenizers, json and transformers raise their own
-        first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise CheckpointError(f"{directory}: cannot load the tokenizer (tokenizer.json / tokenizer_config.json): "
-                              f"{type(e).__name__}: {first}; re-download or re-save it (or remove it and pass "
-                              "prompts as token ids)") from None
-    finally:
-        hf_logging.set_verbosity(level)
-
-
 class LLM:
     """Load a checkpoint directory and generate from it in this process.
 
@@ -97,7 +78,7 @@ class LLM:
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
         self.dtype = DTYPES[dtype]
-        self.tokenizer = _load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
+        self.tokenizer = load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
         self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -162,3 +163,23 @@ def _is_mtp(name: str, spec: ModelSpec) -> bool:
     """DeepSeek-style MTP modules are stored as extra layers after the last decoder layer."""
     m = re.match(r"model\.layers\.(\d+)\.", name)
     return bool(m) and spec.num_layers <= int(m.group(1)) < spec.num_layers + len(spec.mtp_layers)
+
+
+def load_tokenizer(directory: Path) -> Any:
+    """The checkpoint's Hugging Face tokenizer, or None when it ships none; a corrupt one is a CheckpointError."""
+    if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # our own model_types (e.g. `sol`) are unknown to transformers' config registry
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as e:  # a corrupt or unsupported tokenizer file: tokenizers, json and transformers raise their own
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise CheckpointError(f"{directory}: cannot load the tokenizer (tokenizer.json / tokenizer_config.json): "
+                              f"{type(e).__name__}: {first}; re-download or re-save it (or remove it and pass "
+                              "prompts as token ids)") from None
+    finally:
+        hf_logging.set_verbosity(level)

@@ -116,9 +116,9 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     calib = None
     n_calib = 0
     if opts.method == "gptq":
-        from waferline.engine.llm import _load_tokenizer
+        from waferline.model.load import load_tokenizer
 
-        tokens = calibration_tokens(calibration, _load_tokenizer(model_dir), calibration_max_tokens)
+        tokens = calibration_tokens(calibration, load_tokenizer(model_dir), calibration_max_tokens)
         n_calib = len(tokens)
         calib = SequentialCalibration(model, tokens)
     raw = open_weights(model_dir)
