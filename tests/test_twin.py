@@ -65,7 +65,7 @@ def test_calibrate_writes_a_valid_measured_yaml(host_yaml):
 
 def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
     """The CLI path, with the probes stubbed to keep it fast: writes the file and prints JSON."""
-    from waferline.plan import commands
+    from waferline.cli import main
     from waferline.sim.calibrate import hardware_yaml
 
     real = hardware_yaml.measure_host
@@ -73,7 +73,7 @@ def test_calibrate_cli_json(tmp_path, capsys, monkeypatch):
         hardware_yaml, "measure_host", lambda quick=False, progress=None, **kw: real(True, progress, link=False)
     )
     out = tmp_path / "h.yaml"
-    assert commands.main(["calibrate", "--quick", "--out", str(out), "--json"]) == 0
+    assert main(["calibrate", "--quick", "--out", str(out), "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["written"] == str(out) and d["op_overhead_s"]["bf16"] > 0 and out.is_file()
     # where the time went: wall seconds per phase, the phases together within the whole run's time
@@ -169,7 +169,7 @@ def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
 
 
 def test_grid_and_cli_errors(tmp_path, capsys):
-    from waferline.plan import commands
+    from waferline.cli import main
     from waferline.sim.twin import GridPoint, accept_from_tokens_per_step, default_grid, error_factor, load_grid
 
     assert len(default_grid()) >= 12
@@ -188,7 +188,7 @@ def test_grid_and_cli_errors(tmp_path, capsys):
     from waferline.sim.cost import expected_tokens_per_step
 
     assert math.isclose(expected_tokens_per_step(a, 3), 2.0, rel_tol=1e-6)
-    assert commands.main(["twin", "--model", str(tmp_path / "nope"), "--hardware", str(g)]) == 1
+    assert main(["twin", "--model", str(tmp_path / "nope"), "--hardware", str(g)]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from waferline.cli import main as cli_main
 from waferline.errors import ConfigError
 from waferline.plan import commands
 from waferline.sim.cost import load_params
@@ -103,7 +104,7 @@ def test_cli_plan_simulate_validate_calibrate(tmp_path, capsys):
     v = json.loads(capsys.readouterr().out)
     assert v["summary"]["predicted"] == 1 and math.isfinite(v["rows"][0]["error_factor"])
     out = tmp_path / "f.yaml"
-    assert commands.main(["calibrate", "--published", str(csv), "--out", str(out), "--iters", "60", "--restarts", "1",
+    assert cli_main(["calibrate", "--published", str(csv), "--out", str(out), "--iters", "60", "--restarts", "1",
                           "--bootstrap", "2", "--json"]) == 0
     assert out.is_file() and json.loads(capsys.readouterr().out)["rows"] == 1
     assert commands.main(["plan", "no-such-model", "--hardware", "wse-3"]) == 1
@@ -124,7 +125,7 @@ def test_validate_and_calibrate_default_to_the_shipped_results_from_any_director
     assert commands.main(["validate"]) == 0
     assert "validation on" in capsys.readouterr().out
     out = tmp_path / "f.yaml"
-    assert commands.main(["calibrate", "--published", "--out", str(out), "--iters", "30", "--restarts", "1",
+    assert cli_main(["calibrate", "--published", "--out", str(out), "--iters", "30", "--restarts", "1",
                           "--bootstrap", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == len(rows)
     assert "published_results.csv" in out.read_text()

@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # modules that contribute subcommands (a module not present yet is skipped)
-COMMAND_MODULES = ("waferline.plan.commands", "waferline.model.quant_commands", "waferline.server.commands")
+COMMAND_MODULES = ("waferline.plan.commands", "waferline.sim.commands", "waferline.model.quant_commands",
+                   "waferline.server.commands")
 
 
 def main(argv: list[str] | None = None) -> int:
