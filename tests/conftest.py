@@ -42,3 +42,55 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------- the server tests' live server
+
+@pytest.fixture(scope="module")
+def threads(one_thread):
+    """The server tests' name for one_thread."""
+
+
+@pytest.fixture(scope="module")
+def sol(tmp_path_factory):
+    """A random sol demo checkpoint with a tokenizer (the server tests')."""
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.model.init import write_random_checkpoint
+
+    d = tmp_path_factory.mktemp("sol-serve")
+    write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    write_tokenizer(d, DEMO_TEXT, SOL_DEMO_CONFIG["vocab_size"])
+    return d
+
+
+@pytest.fixture(scope="module")
+def live(sol, threads):
+    """A live server in this process (uvicorn in a thread) on a free loopback port."""
+    import threading
+
+    import uvicorn
+
+    from server_helpers import KEY, MAX_LEN, _free_port, _wait_until
+    from waferline.server.commands import build_server
+
+    app = build_server(sol, max_num_seqs=16, max_model_len=MAX_LEN, api_key=KEY, served_model_name="sol-test",
+                       max_body_bytes=64 * 1024, chunk_tokens=32)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    assert _wait_until(lambda: server.started, 30), "server did not start"
+    app.state.base = f"http://127.0.0.1:{port}"
+    yield app
+    server.should_exit = True
+    t.join(10)
+    app.state.server.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    import openai
+
+    from server_helpers import KEY
+
+    return openai.OpenAI(base_url=live.state.base + "/v1", api_key=KEY, max_retries=0, timeout=60)

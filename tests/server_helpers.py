@@ -1,0 +1,46 @@
+"""Helpers of the server tests (tests/test_server.py, tests/test_server_hardening.py); their fixtures (sol, live,
+client) are in conftest.py."""
+
+import socket
+import time
+
+import httpx
+
+KEY = "sk-test-key"
+MAX_LEN = 256
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until(cond, limit=30.0, every=0.05):
+    """Poll ``cond`` until it is truthy (returns its value) or ``limit`` seconds pass (returns the last value)."""
+    end = time.monotonic() + limit
+    while True:
+        v = cond()
+        if v or time.monotonic() > end:
+            return v
+        time.sleep(every)
+
+
+def _metrics(live) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(live.state.base + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def _pages_in_use(live) -> float:
+    return sum(v for k, v in _metrics(live).items() if k.startswith("waferline_cache_pages_in_use"))
+
+
+def _assert_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and err["type"]
+    return err

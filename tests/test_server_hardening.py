@@ -1,0 +1,367 @@
+"""A bad request fails alone: sampling values, hostile bodies, slow and aborted uploads, content types, Host
+names, disconnects and unsupported options, each against a live server whose other streams keep going."""
+
+import json
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import KEY, _assert_error, _metrics, _wait_until
+from waferline import LLM, SamplingParams
+from waferline.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from waferline.errors import ConfigError, RequestError
+
+
+def test_sampling_params_are_checked_when_made(sol, threads):
+    """SamplingParams refuses what sampling cannot use when it is made (and again in validate, for fields changed
+    since); a temperature too small to divide logits by is greedy, a top_k beyond any vocabulary is off."""
+    for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
+                      ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+                      ({"temperature": -0.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
+                      ({"top_p": float("nan")}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"),
+                      ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids")]:
+        with pytest.raises(RequestError, match=f"^{field} "):
+            SamplingParams(**kw)
+    assert SamplingParams(temperature=1e-40).temperature == SamplingParams(temperature=9e-6).temperature == 0.0
+    assert SamplingParams(temperature=0.5).temperature == 0.5
+    assert SamplingParams(top_k=2**70).top_k == 0 and SamplingParams(top_k=40).top_k == 40
+    assert SamplingParams(stop="x").stop == ["x"]
+    p = SamplingParams()
+    p.temperature = float("nan")
+    with pytest.raises(RequestError, match="temperature"):
+        p.validate()
+    llm = LLM(sol)  # (what `waferline generate --temperature 1e-40` runs: the greedy tokens)
+    assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1e-40))[0].token_ids == \
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].token_ids
+
+
+def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads, caplog):
+    """A sequence whose sampling raises inside a step ends with finish reason "error"; the batch it ran in goes on
+    and its other sequences get exactly their tokens; the server log keeps the fault's traceback."""
+    caplog.set_level(logging.WARNING, logger="waferline.engine")
+    llm = LLM(sol)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64))
+    good_params = SamplingParams(max_tokens=12, temperature=0.9, seed=3, ignore_eos=True)
+    want = llm.generate([[5, 6, 7]], good_params)[0].token_ids
+    events: dict[str, list] = {"good": [], "bad": []}
+    bad = Sequence("bad", [8, 9], SamplingParams(max_tokens=12, temperature=0.9, seed=4, ignore_eos=True),
+                   events["bad"].append)
+    sch.add(bad)
+    sch.add(Sequence("good", [5, 6, 7], good_params, events["good"].append))
+    bad.params.temperature = float("nan")  # (past validation: the sampler raises for this row alone)
+    steps = 0
+    while sch.has_work() and steps < 200:
+        sch.step()
+        steps += 1
+    assert [e.token_id for e in events["good"] if e.token_id is not None] == want
+    assert events["good"][-1].finish_reason == "length"
+    assert events["bad"][-1].finish_reason == "error" and "request failed" in events["bad"][-1].error
+    assert sch.stats["request_errors"] == 1
+    assert sch.cache.used_bytes == 0 and sch.cache.free_slots == 4
+    logged = [r for r in caplog.records if r.name == "waferline.engine" and "bad" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None
+
+
+def test_stop_token_ids_are_gathered_once_per_request(sol, threads):
+    """A request's stop ids (a client may list thousands) become a set once, when it is added, not at every token of
+    the step loop that every other request's tokens wait on; the stop still ends the sequence."""
+    llm = LLM(sol)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64))
+    want = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    reads = []
+
+    class Counted(list):
+        def __iter__(self):
+            reads.append(1)
+            return super().__iter__()
+
+    events: list = []
+    seq = Sequence("s", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[want[5]] * 5000),
+                   events.append)
+    sch.add(seq)
+    seq.params.stop_token_ids = Counted(seq.params.stop_token_ids)  # (what each token would read, if it did)
+    while sch.has_work():
+        sch.step()
+    got = [e.token_id for e in events if e.token_id is not None]
+    assert got == want[:want.index(want[5]) + 1] and events[-1].finish_reason == "stop"
+    assert reads == []
+
+
+def _post(live, body, headers=None, path="/v1/completions", **kw) -> httpx.Response:
+    """POST to the live server with its key; ``body`` is a dict (JSON) or raw bytes sent as application/json."""
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+    data = {"json": body} if isinstance(body, dict) else {"content": body}
+    return httpx.post(live.state.base + path, headers=h, **{"timeout": 30, **data, **kw})
+
+
+def test_bad_sampling_values_are_400_and_a_running_stream_keeps_going(live, client):
+    err0 = httpx.get(live.state.base + "/health").json()["last_engine_error"]
+    stream = iter(client.completions.create(model="sol-test", prompt="A light cache lets", max_tokens=40,
+                                            temperature=0.9, seed=5, stream=True,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    chunks = [next(stream)]  # it is running
+    ok = b'{"model": "sol-test", "prompt": "hello", "max_tokens": 2, '
+    for raw, param in [(b'"temperature": NaN}', None), (b'"temperature": Infinity}', None),
+                       (b'"top_p": -Infinity}', None), (b'"temperature": 1e999}', "temperature"),
+                       (b'"top_p": 1e999}', "top_p"), (b'"top_k": -1}', "top_k"),
+                       (b'"stop_token_ids": [1000000000]}', "stop_token_ids"),
+                       (b'"stop_token_ids": [1180591620717411303424]}', "stop_token_ids")]:
+        err = _assert_error(_post(live, ok + raw), 400)
+        assert err["param"] == param, (raw, err)
+    greedy = dict(model="sol-test", prompt="hello there", max_tokens=8, extra_body={"ignore_eos": True})
+    want = client.completions.create(temperature=0, **greedy).choices[0].text
+    assert client.completions.create(temperature=1e-40, **greedy).choices[0].text == want  # too cold: greedy
+    assert client.completions.create(model="sol-test", prompt="hi", max_tokens=2,
+                                     extra_body={"top_k": 2**70}).usage.completion_tokens >= 1  # top_k beyond V: off
+    chunks += list(stream)
+    toks = [t for c in chunks if c.choices for t in c.choices[0].model_extra.get("token_ids") or []]
+    assert len(toks) == 40 and chunks[-1].choices[0].finish_reason == "length"
+    assert httpx.get(live.state.base + "/health").json()["last_engine_error"] == err0
+
+
+def test_hostile_json_is_a_clean_400(live):
+    for raw, says in [(b"[" * 30_000 + b"]" * 30_000, "nested too deeply"),  # beyond the parser's recursion limit
+                      (b'{"model": "sol-test", "prompt": "x", "user": ' + b"[" * 100 + b"]" * 100 + b"}",
+                       "nested too deeply"),
+                      (b'{"model": "sol-test", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}", "too many digits")]:
+        msg = _assert_error(_post(live, raw), 400)["message"]
+        assert says in msg and "Error" not in msg and "sys." not in msg, msg
+    assert _post(live, {"model": "sol-test", "prompt": "still here", "max_tokens": 2}).status_code == 200
+
+
+def test_a_slow_upload_gets_408_and_its_connection_is_closed(live):
+    server = live.state.server
+    old, server.body_timeout = server.body_timeout, 0.5
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    try:
+        t = time.monotonic()
+        with socket.create_connection(("127.0.0.1", int(live.state.base.rsplit(":", 1)[1])), timeout=10) as s:
+            s.sendall(head + b'{"model": "sol-')  # ... and the remaining 85 bytes never come
+            reply = b""
+            while chunk := s.recv(65536):  # the server answers, then closes (recv returns b"")
+                reply += chunk
+        assert time.monotonic() - t < 5
+    finally:
+        server.body_timeout = old
+    assert reply.startswith(b"HTTP/1.1 408") and b"connection: close" in reply.lower()
+    err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["message"] == "the request body did not arrive within 0.5 s" and err["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("framing", ["declared", "chunked"])
+def test_a_body_over_the_limit_gets_413_and_its_connection_is_closed(live, framing):
+    """A body over --max-body-bytes (declared so, or found so while reading it) is answered 413 and the connection is
+    closed, rather than kept open while the server reads and drops the rest of the upload."""
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\n").encode()
+    limit = live.state.server.max_body_bytes
+    if framing == "declared":
+        head += b"Content-Length: 100000000\r\n\r\n" + b"x" * 1000
+    else:
+        head += b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % (limit + 1) + b"x" * (limit + 1) + b"\r\n"
+    t = time.monotonic()
+    with socket.create_connection(("127.0.0.1", int(live.state.base.rsplit(":", 1)[1])), timeout=10) as s:
+        s.sendall(head)  # (and the rest never comes)
+        reply = b""
+        while chunk := s.recv(65536):  # the server answers, then closes (recv returns b"")
+            reply += chunk
+    assert time.monotonic() - t < 3  # (not after the keep-alive timeout)
+    assert reply.startswith(b"HTTP/1.1 413") and b"connection: close" in reply.lower()
+    assert json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_too_large"
+
+
+def test_an_aborted_upload_logs_one_line(live):
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("waferline.server")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    key = 'waferline_requests_total{endpoint="completions",status="499"}'
+    before = _metrics(live).get(key, 0.0)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n").encode()
+    try:
+        with socket.create_connection(("127.0.0.1", int(live.state.base.rsplit(":", 1)[1])), timeout=10) as s:
+            s.sendall(head + b'{"model": "sol-')
+            time.sleep(0.2)  # (the handler is reading the body when the client goes)
+        assert _wait_until(lambda: _metrics(live).get(key, 0.0) == before + 1, 10)
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert "disconnected during the upload (15 of 100 bytes)" in records[0].getMessage() and not records[0].exc_info
+
+
+def test_a_client_that_gives_up_is_counted_as_a_disconnect(live):
+    """A non-streaming request whose client leaves (here while it is queued) is counted as 499, not as a server
+    error, and its sequence is dropped before any compute."""
+    engine = live.state.server.engine
+    key = 'waferline_requests_total{endpoint="completions",status="%s"}'
+    m0 = _metrics(live)
+    engine.pause()
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            _post(live, {"model": "sol-test", "prompt": "queued", "max_tokens": 5},
+                  timeout=httpx.Timeout(10, read=0.5))
+        assert _wait_until(lambda: _metrics(live).get(key % "499", 0.0) == m0.get(key % "499", 0.0) + 1, 10)
+    finally:
+        engine.resume()
+    assert _wait_until(lambda: engine.num_waiting == 0 and engine.num_running == 0)
+    m = _metrics(live)
+    assert m.get(key % "500", 0.0) == m0.get(key % "500", 0.0)
+    assert m["waferline_generation_tokens_total"] == m0["waferline_generation_tokens_total"]
+
+
+def test_tokenizing_runs_off_the_event_loop(live):
+    """While one request's prompt is being tokenized (held here until released), another request streams to the
+    end: tokenizing does not block the event loop, nor the tokenizer lock the engine detokenizes under."""
+    server = live.state.server
+    assert server.encode_lock is not server.tokenizer_lock
+    started, release = threading.Event(), threading.Event()
+    real = server.encode_tokenizer
+
+    class Held:
+        def encode(self, text, **kw):
+            started.set()
+            release.wait(10)
+            return real.encode(text, **kw)
+
+    server.encode_tokenizer = Held()
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_post, live, {"model": "sol-test", "prompt": "a long prompt", "max_tokens": 2})
+            assert started.wait(10)
+            body = {"model": "sol-test", "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", live.state.base + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=5) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert not held.done() and lines[-1] == "data: [DONE]" and len(lines) == 10  # 8 tokens, finish, DONE
+            release.set()
+            assert held.result(30).status_code == 200
+    finally:
+        release.set()
+        server.encode_tokenizer = real
+
+
+def test_a_chat_template_renders_off_the_engine_lock(live):
+    """A chat prompt is rendered (chat template) and tokenized by the server's own copy of the tokenizer, under its
+    own lock: while one conversation renders, another request streams to the end."""
+    server = live.state.server
+    started, release = threading.Event(), threading.Event()
+    real = server.encode_tokenizer
+
+    class Held:
+        def apply_chat_template(self, msgs, chat_template=None, **kw):
+            assert chat_template == "(the model's)"
+            started.set()
+            release.wait(10)
+            return "".join(m["content"] for m in msgs)
+
+        def encode(self, text, **kw):
+            return real.encode(text, **kw)
+
+    server.encode_tokenizer = Held()
+    server.llm.tokenizer.chat_template = "(the model's)"
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            held = pool.submit(_post, live, {"model": "sol-test", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 2}, path="/v1/chat/completions")
+            assert started.wait(10)
+            body = {"model": "sol-test", "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", live.state.base + "/v1/completions", json=body,
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=5) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert not held.done() and lines[-1] == "data: [DONE]" and len(lines) == 10
+            release.set()
+            assert held.result(30).status_code == 200
+    finally:
+        release.set()
+        server.encode_tokenizer = real
+        server.llm.tokenizer.chat_template = None
+
+
+def test_json_content_type_and_local_host_names(live):
+    url = live.state.base + "/v1/completions"
+    ok = {"model": "sol-test", "prompt": "hi", "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    raw = json.dumps(ok).encode()
+    for headers in ({"Content-Type": "text/plain"}, {}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        assert _assert_error(httpx.post(url, headers={**auth, **headers}, content=raw), 415)["code"] == \
+            "unsupported_media_type"
+    assert httpx.post(url, headers={**auth, "Content-Type": "application/json; charset=utf-8"}, content=raw).is_success
+    assert httpx.post(url, headers={**auth, "Host": "api.example.com"}, json=ok).is_success  # a key: any Host
+    server = live.state.server
+    server.api_key = None  # without a key: local names and IP addresses only (no DNS rebinding)
+    try:
+        for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil.example"):
+            assert _assert_error(httpx.post(url, headers={"Host": host}, json=ok), 403)["code"] == "invalid_host"
+        _assert_error(httpx.get(live.state.base + "/metrics", headers={"Host": "evil.example"}), 403)
+        for host in ("localhost", "localhost:8000", "LOCALHOST.", "127.0.0.1:8000", "[::1]:8000", socket.gethostname()):
+            assert httpx.post(url, headers={"Host": host}, json=ok).is_success, host
+        _assert_error(httpx.post(url, headers={"Content-Type": "text/plain"}, content=raw), 415)
+    finally:
+        server.api_key = KEY
+
+
+def test_allowed_hosts_are_compared_as_host_names(live):
+    """--allowed-hosts names are taken as the Host header's name is: a port, brackets, case and a trailing dot do not
+    matter ("box.lan:8000" allows Host "box.lan:8000")."""
+    from types import SimpleNamespace
+
+    from waferline.server.app import Server
+    from waferline.server.protocol import APIError
+
+    server = Server(live.state.server.engine, "sol-test", allowed_hosts=("Box.Lan:8000", "gpu-1.lan."))
+
+    def request(host):
+        return SimpleNamespace(headers={"host": host}, scope={"server": ("127.0.0.1", 8000)})
+
+    for host in ("box.lan:8000", "box.lan", "BOX.LAN.:80", "gpu-1.lan:8000"):
+        server.check_host(request(host))
+    with pytest.raises(APIError, match="not accepted"):
+        server.check_host(request("box.lan.evil.example"))
+
+
+def test_unsupported_options_are_refused(live, client):
+    msgs = [{"role": "user", "content": "x"}]
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+    for kw, param in [(dict(tools=[{"type": "function", "function": fn}]), "tools"),
+                      (dict(tool_choice="auto"), "tool_choice"), (dict(functions=[fn]), "functions"),
+                      (dict(function_call="auto"), "function_call"),
+                      (dict(response_format={"type": "json_object"}), "response_format"),
+                      (dict(top_logprobs=2), "top_logprobs"), (dict(logit_bias={"5": 10}), "logit_bias"),
+                      (dict(n=2), "n"), (dict(modalities=["text", "audio"]), "modalities")]:
+        with pytest.raises(openai.BadRequestError, match="not supported|only") as e:
+            client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2, **kw)
+        assert e.value.param == param
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model="sol-test", prompt="x", max_tokens=2, logit_bias={"5": 10})
+    r = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2, tool_choice="none",
+                                       response_format={"type": "text"})  # what these mean without tools: accepted
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative"),
+    (["--api-key", "k", "--allowed-hosts", "box.lan"], "--allowed-hosts applies to a server without --api-key"),
+])
+def test_serve_refuses_flags_that_would_be_ignored(argv, says, tmp_path, capsys):
+    from waferline.cli import main
+
+    assert main(["serve", "--model", str(tmp_path), *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_serve_body_timeout_must_be_positive(tmp_path):
+    from waferline.server.commands import build_server
+
+    with pytest.raises(ConfigError, match="--body-timeout must be > 0"):
+        build_server(tmp_path, body_timeout=0)
