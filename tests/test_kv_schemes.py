@@ -64,12 +64,17 @@ def test_dsa_params_add_the_indexer():
 
 def test_csa_capacity_and_read_by_hand():
     layer = LayerSpec(0, CSA, None, 64)
-    # 1000 tokens: window 10 x 64 B + 250 entries x (64 B kv + 20 B index key)
-    assert layer.cache_bytes_per_seq(1000) == 10 * 64 + 250 * (64 + 20)
+    # compressor state once a window has closed: the last window's first-series values (16-bit) and gates (fp32),
+    # 4 tokens x (32 kv + 16 index) elements each = 1152 B; the open window's tokens: values and gates of two series,
+    # 2 x (2 x 32 + 2 x 16) elements = 384 B each
+    overlap, pending = 4 * (32 + 16) * (2 + 4), 2 * (2 * 32 + 2 * 16) * 2
+    # 1000 tokens: window 10 x 64 B + 250 entries x (64 B kv + 20 B index key), no open window
+    assert layer.cache_bytes_per_seq(1000) == 10 * 64 + 250 * (64 + 20) + overlap
+    assert layer.cache_bytes_per_seq(1003) == 10 * 64 + 250 * (64 + 20) + overlap + 3 * pending
     # read: window + top-5 entries + all 250 index keys
     assert layer.cache_read_bytes_per_seq(1000) == 10 * 64 + 5 * 64 + 250 * 20
-    # short context: 8 tokens -> window 8, 2 entries (fewer than top-5): everything is read
-    assert layer.cache_read_bytes_per_seq(8) == layer.cache_bytes_per_seq(8) == 8 * 64 + 2 * (64 + 20)
+    # short context: 8 tokens -> window 8, 2 entries (fewer than top-5): every entry is read
+    assert layer.cache_read_bytes_per_seq(8) == layer.cache_bytes_per_seq(8) - overlap == 8 * 64 + 2 * (64 + 20)
     assert CSA.cache_bytes_per_token(16) == (64 + 20) / 4
     # FLOPs: 4 * heads * head_dim per attended (window + top-k) + indexer 2 * 2 * 16 per entry
     assert CSA.attention_flops(1000) == 4 * 4 * 32 * (10 + 5) + 2 * 2 * 16 * 250
@@ -86,7 +91,7 @@ def test_hca_is_dense_over_compressed_entries():
 def test_deepseek_v32_config_parses_as_dsa():
     spec = load_model("deepseek-v3.2")
     assert spec.model_type == "deepseek_v32"
-    assert "deepseek_v32" in SUPPORTED_MODEL_TYPES and "deepseek_v32" not in ENGINE_MODEL_TYPES
+    assert "deepseek_v32" in SUPPORTED_MODEL_TYPES and "deepseek_v32" in ENGINE_MODEL_TYPES
     m = spec.layers[5].mixer
     assert isinstance(m, DSASpec) and (m.index_n_heads, m.index_head_dim, m.index_topk) == (64, 128, 2048)
     # 70,272 B MLA latent (as DeepSeek-V3) + 61 x 132 B fp8 index keys = 78,324 B/token
@@ -153,7 +158,7 @@ def test_sparse_attention_decodes_faster_at_128k_on_gpus():
 
 def test_deepseek_v4_flash_published_facts():
     spec = load_model("deepseek-v4-flash")
-    assert spec.model_type == "deepseek_v4" and "deepseek_v4" not in ENGINE_MODEL_TYPES
+    assert spec.model_type == "deepseek_v4" and "deepseek_v4" in ENGINE_MODEL_TYPES
     assert abs(spec.params_total() - 284e9) < 0.01 * 284e9  # published 284B total
     assert 12e9 < spec.params_active() < 14e9  # published "13B" active
     kinds = [(lay.mixer.compress_ratio, lay.mixer.index_topk) for lay in spec.layers]

@@ -88,6 +88,11 @@ def configs() -> dict[str, dict]:
         "mixtral": dict(COMMON, num_hidden_layers=2, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2),
         "deepseek_v2": dsv2,
         "deepseek_v3": dsv3,
+        # MLA + lightning indexer picking 4 tokens per query (fewer than the test prompts: the selection decides);
+        # indexer keys cached in fp32 (index_bits, waferline's own field) so they score as the reference does. 32
+        # heads: a token then scores exactly 0 (every head's ReLU at 0) next to never, so top-k rarely ties, where the
+        # reference's pick among equal scores is torch.topk's arbitrary one
+        "deepseek_v32": dict(dsv3, index_n_heads=32, index_head_dim=16, index_topk=4, index_bits=32),
         "gpt_oss": dict(
             COMMON,
             num_hidden_layers=2,
@@ -135,6 +140,40 @@ def configs() -> dict[str, dict]:
             routed_scaling_factor=1.5,
         ),
         "bamba": dict(COMMON, num_hidden_layers=3, intermediate_size=96, attn_layer_indices=[1], **mamba),
+        # linear attention (2 key heads serving 4 value heads, value width != key width; prefill in chunks of 8,
+        # linear_chunk_size being waferline's own field), gated attention with partial rotary, MoE with a gated
+        # shared expert, and one dense layer
+        "qwen3_next": dict(
+            COMMON, num_hidden_layers=4, intermediate_size=96, head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=12,
+            linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, mlp_only_layers=[2], norm_topk_prob=True, linear_chunk_size=8,
+        ),
+        # KDA layers (chunks of 8) around one NoPE MLA layer, a dense first layer, then grouped sigmoid MoE with a
+        # shared expert
+        "kimi_linear": dict(
+            COMMON, num_hidden_layers=4, intermediate_size=96, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=4, linear_head_dim=16,
+            linear_conv_kernel_dim=4, num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+            n_shared_experts=1, moe_intermediate_size=32, routed_scaling_factor=2.5, linear_chunk_size=8,
+        ),
+        # windows, compression ratios and top-k well below the test prompts (7, 13, 20 tokens) so every path runs
+        "deepseek_v4": dict(
+            COMMON, num_hidden_layers=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+            q_lora_rank=48, o_groups=2, o_lora_rank=24, moe_intermediate_size=32, n_routed_experts=8,
+            n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5, swiglu_limit=1.0, sliding_window=6,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "compressed_sparse_attention"],
+            mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+            # 16 indexer heads: an entry's score is 0 only when every head's ReLU is (a tie top-k breaks arbitrarily)
+            index_n_heads=16, index_head_dim=16, index_topk=2, hc_mult=3,
+            rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, beta_fast=32.0,
+                                 beta_slow=1.0),
+        ),
     }
 
 
@@ -162,6 +201,8 @@ def build(model_type: str, directory: Path, seed: int = 0, **overrides) -> torch
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.1 * torch.randn_like(b))
+            elif name.endswith("tid2eid"):  # hash routing: distinct random experts per token id
+                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[: b.shape[1]] for _ in range(b.shape[0])]))
     model.save_pretrained(directory)
     return model
 

@@ -448,15 +448,26 @@ class MLAttention(nn.Module):
         return cos, sin, cache.data, rows.slots, rows.start
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
-        s = self.spec
         B, T, _ = x.shape
-        H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
         fused = self.step_args(x, cache, batch)
         if fused is not None:  # the chain below as one op (tokens as decode rows, int4 projections)
             return torch.ops.waferline.mla_attend_int4(x.reshape(B * T, 1, -1), *fused).view(B, T, -1)
+        _, q_nope, q_rope, latents, blocked = self.queries_and_latents(x, cache, batch)
+        return self.attend_latents(q_nope, q_rope, latents, blocked, x.dtype)
+
+    def queries_and_latents(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> tuple:
+        """The step's queries and the latents they attend to: (the query's input to q_b_proj — q_a_layernorm's output,
+        or x without q LoRA — which DeepSeek's sparse-attention indexer also reads, q_nope [B, T, H, nope], q_rope
+        [B, T, H, rope] rotated, the cache's latents [B, L, r + rope] with this step's written, the causal mask
+        (TokenCache.update's))."""
+        s = self.spec
+        B, T, _ = x.shape
+        H, n, r = s.num_heads, s.qk_nope_head_dim, s.kv_lora_rank
         if s.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_in = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_in)
         else:
+            q_in = x
             q = self.q_proj(x)
         q = q.view(B, T, H, s.qk_head_dim)
         ckv = self.kv_a_proj_with_mqa(x)
@@ -465,14 +476,22 @@ class MLAttention(nn.Module):
         # the query's rope part and the single rope key rotated together: [B, T, H + 1, rope]
         rope = self.rotary.apply(torch.cat([q[..., n:], ckv[:, :, None, r:]], dim=2), cos, sin)
         latents, blocked = cache.update(torch.cat([c, rope[:, :, H]], dim=-1), batch)  # [B, L, r + rope]
+        return q_in, q[..., :n], rope[:, :, :H], latents, blocked
+
+    def attend_latents(self, q_nope: torch.Tensor, q_rope: torch.Tensor, latents: torch.Tensor,
+                       blocked: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Absorbed attention of queries [B, T, H, *] over ``latents`` [B, L, r + rope] (``blocked`` bool [B, T, L],
+        True = not seen, or None), then o_proj: [B, T, hidden] in ``dtype``."""
+        s = self.spec
+        B, T, H, n = q_nope.shape
+        r = s.kv_lora_rank
         w_uk, w_uv = self.absorbed()
-        q_nope, q_rope = q[..., :n], rope[:, :, :H]
-        if x.device.type == "cpu" and B * T <= MLA_FUSED_MAX_ROWS and kernels.available():
+        if q_nope.device.type == "cpu" and B * T <= MLA_FUSED_MAX_ROWS and kernels.available():
             # the absorbed decode below (W_UK into the query, scores, softmax, latents, W_UV) as one fused op
             out = torch.ops.waferline.mla_decode(q_nope, q_rope, latents, blocked if blocked is not None else _NO_MASK,
-                                                 w_uk, w_uv, self.scale, x.dtype)
+                                                 w_uk, w_uv, self.scale, dtype)
             return self.o_proj(out)
-        if x.device.type == "cpu":  # in fp32 on CPU (see absorbed())
+        if q_nope.device.type == "cpu":  # in fp32 on CPU (see absorbed())
             q_nope, q_rope, w_uk, w_uv = q_nope.float(), q_rope.float(), w_uk.float(), w_uv.float()
         # absorb W_UK into the query: per head [B*T, n] @ [n, r]
         q_lat = torch.bmm(q_nope.reshape(B * T, H, n).transpose(0, 1), w_uk).transpose(0, 1).view(B, T, H, r)
@@ -480,4 +499,4 @@ class MLAttention(nn.Module):
         o_lat = attend(torch.cat([q_lat, q_rope], dim=-1), kv, kv[..., :r], blocked, self.scale)  # [B, T, H, r]
         out = torch.bmm(o_lat.reshape(B * T, H, r).transpose(0, 1), w_uv.transpose(1, 2))  # [H, B*T, v]
         out = out.transpose(0, 1).reshape(B, T, -1)
-        return self.o_proj(out if out.dtype == x.dtype else out.to(x.dtype))
+        return self.o_proj(out if out.dtype == dtype else out.to(dtype))

@@ -14,12 +14,26 @@ from waferline import kernels
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention
 from waferline.model.context import StepBatch
+from waferline.model.hybrids import LINEAR_HYBRIDS, hf_source
+from waferline.model.hybrids import build_mixer as build_hybrid_mixer
 from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear, rope_parameters
+from waferline.model.linear_attention import DeltaRuleMixer
 from waferline.model.moe import DenseFFN, MoE
+from waferline.model.sparse_attention import DSAttention
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
+from waferline.model.v4_blocks import HyperHead, V4Layer, hc_mult
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.configs import ENGINE_MODEL_TYPES
-from waferline.spec.model import AttentionSpec, DenseFFNSpec, LayerSpec, Mamba2Spec, MLASpec, ModelSpec, MoESpec
+from waferline.spec.model import (
+    AttentionSpec,
+    DenseFFNSpec,
+    DSASpec,
+    LayerSpec,
+    Mamba2Spec,
+    MLASpec,
+    ModelSpec,
+    MoESpec,
+)
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,8 @@ NAMING = {
     "granitemoehybrid": Naming(ffn=""),  # the MoE loader finds block_sparse_moe.* and shared_mlp.* itself
     "nemotron_h": Naming(root="backbone.", embed="embeddings", final_norm="norm_f", norm_mixer="norm", norm_ffn="norm",
                          attn="mixer", ssm="mixer", ffn="mixer"),
+    "qwen3_next": Naming(ssm="linear_attn"),
+    "kimi_linear": Naming(ssm="self_attn", ffn="block_sparse_moe"),
 }
 
 
@@ -317,10 +333,14 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
     mix = spec.mixer
     if mix is None:
         return None
-    if isinstance(mix, MLASpec):
-        interleaved = mt == "deepseek_v2" or (mt == "deepseek_v3" and cfg.get("rope_interleave", True)) or (
+    if mt in LINEAR_HYBRIDS:
+        return build_hybrid_mixer(spec, mt, cfg, dtype, eps)
+    if isinstance(mix, (MLASpec, DSASpec)):
+        interleaved = mt in ("deepseek_v2", "deepseek_v32") or (
+            mt == "deepseek_v3" and cfg.get("rope_interleave", True)) or (
             mt == "sol" and cfg.get("rope_interleave", False))
-        return MLAttention(mix, cfg, dtype, interleaved_rope=bool(interleaved), norm_eps=eps)
+        kind = DSAttention if isinstance(mix, DSASpec) else MLAttention
+        return kind(mix, cfg, dtype, interleaved_rope=bool(interleaved), norm_eps=eps)
     if isinstance(mix, AttentionSpec):
         rotary = None
         use_rope = mt != "nemotron_h" and not (
@@ -387,7 +407,7 @@ class MTPHead(nn.Module):
 def _load_layer(layer: DecoderLayer, src: WeightSource, p: str, n: Naming) -> None:
     if layer.mixer is not None:
         layer.mixer_norm.load_hf(src, p + n.norm_mixer + ".weight")
-        sub = n.ssm if isinstance(layer.mixer, Mamba2Mixer) else n.attn
+        sub = n.ssm if isinstance(layer.mixer, (Mamba2Mixer, DeltaRuleMixer)) else n.attn
         layer.mixer.load_hf(src, p + sub + ".")
     if layer.ffn is not None:
         layer.ffn_norm.load_hf(src, p + n.norm_ffn + ".weight")
@@ -417,9 +437,13 @@ class DecoderModel(nn.Module):
         self.embed = nn.Embedding(spec.vocab_size, d, dtype=dtype) if has_embed else None
         if self.embed is not None:
             self.embed.weight.requires_grad_(False)
+        v4 = spec.model_type == "deepseek_v4"  # hyper-connected streams [B, T, hc_mult, D] between the layers
+        layer_cls = V4Layer if v4 else DecoderLayer
         self.layers = nn.ModuleList(
-            [DecoderLayer(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range]
+            [layer_cls(spec.layers[i], spec.model_type, self.cfg, dtype) for i in self.layer_range]
         )
+        self.hc_mult = hc_mult(self.cfg) if v4 else 0
+        self.hc_head = HyperHead(self.cfg) if v4 and has_head else None
         self.norm = RMSNorm(d, _norm_eps(self.cfg), dtype) if has_head else None
         self.lm_head = (
             nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
@@ -434,12 +458,18 @@ class DecoderModel(nn.Module):
 
     # -- weights
     def load_hf(self, src: WeightSource) -> None:
+        src = hf_source(src, self.spec.model_type)
         n = self.naming
         r = n.root
         if self.embed is not None:
             copy_into(self.embed.weight, src.get(r + n.embed + ".weight", tuple(self.embed.weight.shape)))
         for layer, i in zip(self.layers, self.layer_range):
-            _load_layer(layer, src, f"{r}layers.{i}.", n)
+            if isinstance(layer, V4Layer):
+                layer.load_hf(src, f"{r}layers.{i}.")
+            else:
+                _load_layer(layer, src, f"{r}layers.{i}.", n)
+        if self.hc_head is not None:
+            self.hc_head.load_hf(src, r + "hc_head.")
         if len(self.mtp):
             first = f"{r}layers.{self.spec.num_layers}."
             if self.with_mtp or src.has(first + "eh_proj.weight"):
@@ -452,7 +482,8 @@ class DecoderModel(nn.Module):
             if self.spec.tie_word_embeddings and not src.has("lm_head.weight"):
                 copy_into(self.lm_head, src.get(r + n.embed + ".weight", tuple(self.lm_head.shape)))
             else:
-                copy_into(self.lm_head, src.get("lm_head.weight", tuple(self.lm_head.shape)))
+                head = "head.weight" if self.hc_mult and src.has("head.weight") else "lm_head.weight"  # (V4's name)
+                copy_into(self.lm_head, src.get(head, tuple(self.lm_head.shape)))
 
     def new_caches(self, num_slots: int, device: torch.device | str | None = None) -> list[Any]:
         return [layer.new_cache(num_slots, device) for layer in self.layers]
@@ -460,6 +491,8 @@ class DecoderModel(nn.Module):
     # -- compute
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
+        if self.hc_mult:  # every stream starts as the embedding
+            return x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
         return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
 
     def forward_layers(self, x: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
@@ -556,7 +589,9 @@ class DecoderModel(nn.Module):
         return ew, nw, n.eps, q, None if w is not None else bufs["lm_head_scale"], ew.shape[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits for hidden states h [..., D]."""
+        """fp32 logits for hidden states h [..., D] (DeepSeek-V4: its streams [..., hc_mult, D])."""
+        if self.hc_head is not None:
+            h = self.hc_head(h)
         out = self.project(self.norm(h))
         return out / self.logits_scaling if self.logits_scaling != 1.0 else out
 
@@ -594,4 +629,6 @@ class DecoderModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, caches: list[Any], batch: StepBatch) -> torch.Tensor:
         """Tokens [B, T] -> hidden states [B, T, D] after this model's layers (no final norm)."""
+        if self.hc_mult:
+            batch.memo["tokens"] = tokens  # (DeepSeek-V4's hash-routed MoE layers pick experts by token id)
         return self.forward_layers(self.embed_tokens(tokens), caches, batch)

@@ -97,9 +97,11 @@ MOE_PREFIXES: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("model.layers.{i}.mlp.",),
     "qwen2_moe": ("model.layers.{i}.mlp.",),
     "qwen3_next": ("model.layers.{i}.mlp.",),
+    "kimi_linear": ("model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."),
     "mixtral": ("model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."),
     "deepseek_v2": ("model.layers.{i}.mlp.",),
     "deepseek_v3": ("model.layers.{i}.mlp.",),
+    "deepseek_v32": ("model.layers.{i}.mlp.",),
     "sol": ("model.layers.{i}.mlp.",),
     "glm4_moe": ("model.layers.{i}.mlp.",),
     "gpt_oss": ("model.layers.{i}.mlp.",),
@@ -111,6 +113,7 @@ MOE_PREFIXES: dict[str, tuple[str, ...]] = {
 DENSE_PREFIXES: dict[str, tuple[str, ...]] = {
     "granitemoehybrid": ("model.layers.{i}.shared_mlp.",),
     "nemotron_h": ("backbone.layers.{i}.mixer.", "model.layers.{i}.mixer."),
+    "kimi_linear": ("model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."),
 }
 DEFAULT_DENSE_PREFIXES: tuple[str, ...] = ("model.layers.{i}.mlp.",)
 DENSE_NAMES: dict[str, dict[str, str]] = {
@@ -669,7 +672,7 @@ class MoE(nn.Module):
             if not src.has(name) and src.has(prefix + "e_score_correction_bias"):
                 name = prefix + "e_score_correction_bias"
             copy_into(self.e_score_correction_bias, src.get(name, (self.num_experts,)))
-        if f == "mixtral" and src.has(prefix + "experts.0.w1.weight"):
+        if f in ("mixtral", "kimi_linear") and src.has(prefix + "experts.0.w1.weight"):
             roles = {"gate": "w1.weight", "up": "w3.weight", "down": "w2.weight"}
         else:
             roles = {"gate": "gate_proj.weight", "up": "up_proj.weight", "down": "down_proj.weight"}

@@ -14,6 +14,7 @@ from waferline.spec.model import (
     DSASpec,
     FFNSpec,
     GatedDeltaNetSpec,
+    KimiDeltaSpec,
     LayerSpec,
     Mamba1Spec,
     Mamba2Spec,
@@ -24,8 +25,9 @@ from waferline.spec.model import (
 )
 
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3", "kimi_k25": "deepseek_v3"}
-ENGINE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                      "granitemoehybrid", "nemotron_h", "bamba", "sol")
+ENGINE_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "deepseek_v32",
+                      "deepseek_v4", "gpt_oss", "granitemoehybrid", "nemotron_h", "bamba", "sol", "qwen3_next",
+                      "kimi_linear")
 
 
 def _flatten_text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +99,9 @@ DEFAULT_COMPRESS_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_
 
 def _compressed(cfg: dict[str, Any], layer_type: str) -> CompressedAttentionSpec:
     """DeepSeek-V4-style attention (field names and defaults as transformers' DeepseekV4Config): CSA = compressed
-    4x + top-k indexer, HCA = compressed 128x attended densely, both with a sliding window of recent tokens."""
+    4x + top-k indexer, HCA = compressed 128x attended densely, both with a sliding window of recent tokens (the
+    cache holds ``sliding_window - 1`` of them: a query sees those and itself). ``index_bits`` as the config says,
+    8 (fp8 + scale) when it says nothing."""
     layer_type = COMPRESSED_LAYER_TYPES.get(layer_type, layer_type)
     rates = dict(DEFAULT_COMPRESS_RATES, **(cfg.get("compress_rates") or {}))
     if layer_type == "sliding_attention":
@@ -110,11 +114,11 @@ def _compressed(cfg: dict[str, Any], layer_type: str) -> CompressedAttentionSpec
     sparse = layer_type == "compressed_sparse_attention"
     return CompressedAttentionSpec(
         hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"], head_dim=_head_dim(cfg),
-        q_lora_rank=cfg["q_lora_rank"], compress_ratio=ratio, window=int(cfg.get("sliding_window") or 128),
+        q_lora_rank=cfg["q_lora_rank"], compress_ratio=ratio, window=int(cfg.get("sliding_window") or 128) - 1,
         index_topk=int(cfg.get("index_topk") or 512) if sparse else 0,
         index_n_heads=int(cfg.get("index_n_heads") or 64) if sparse else 0,
         index_head_dim=int(cfg.get("index_head_dim") or 128) if sparse else 0,
-        index_bits=int(cfg.get("index_bits") or 8),
+        index_bits=8 if cfg.get("index_bits") is None else int(cfg["index_bits"]),
         o_groups=int(cfg.get("o_groups") or 1), o_lora_rank=int(cfg.get("o_lora_rank") or 0))
 
 
@@ -385,10 +389,11 @@ _COMPRESS_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention
 
 
 def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
-    """DeepSeek-V4 (planner-only), as transformers' DeepseekV4Config reads it: per layer CSA / HCA / sliding
-    attention (shared-KV MQA, grouped output projection, sinks) and a MoE (routed + shared experts; the first
-    ``num_hash_layers`` route by a token-id table). Not counted: the mHC hyper-connection mixers (2 per layer,
-    (2 + n) * n * n * d each, about 1.4M per layer at d = 7168, n = 4) and the frozen token -> expert table."""
+    """DeepSeek-V4, as transformers' DeepseekV4Config reads it: per layer CSA / HCA / sliding attention (shared-KV
+    MQA, grouped output projection, sinks), ``hc_mult`` hyper-connected residual streams, and a MoE (routed experts
+    + one shared expert of ``moe_intermediate_size``, as the reference builds it; the first ``num_hash_layers`` route
+    by a token-id table). The indexer keys are held at the KV's precision (the reference's cache) unless the config
+    gives ``index_bits``. Not counted: the frozen token -> expert table (a buffer, not a weight)."""
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types")
     if types is None and cfg.get("compress_ratios") is not None:
@@ -402,7 +407,7 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     types = list(types[:n])
     if len(types) != n:
         raise ConfigError(f"deepseek_v4: {len(types)} layer types for num_hidden_layers={n}")
-    cfg = dict(cfg, head_dim=cfg.get("head_dim") or 512)
+    cfg = dict(cfg, head_dim=cfg.get("head_dim") or 512, index_bits=cfg.get("index_bits", 0))
     rates = dict(cfg.get("compress_rates") or {})
     for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
                         ("heavily_compressed_attention", "compress_rate_hca")):
@@ -414,17 +419,17 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         n_hash = cfg.get("num_hash_layers")
         n_hash = 3 if n_hash is None else int(n_hash)
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
-    n_shared = int(cfg.get("n_shared_experts", 1) or 0)
+    hc = int(cfg.get("hc_mult") or 4)
     layers = []
     for i in range(n):
         ffn = MoESpec(
             hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_local_experts"),
             top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
-            num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
+            num_shared=1, shared_intermediate=cfg["moe_intermediate_size"],
             scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp_types[i] != "hash_moe",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling=float(cfg.get("routed_scaling_factor") or 1.5))
-        layers.append(LayerSpec(i, _compressed(cfg, types[i]), ffn, cfg["hidden_size"]))
+        layers.append(LayerSpec(i, _compressed(cfg, types[i]), ffn, cfg["hidden_size"], hc_mult=hc))
     return _spec(cfg, name, mt, layers)
 
 
@@ -458,6 +463,9 @@ def _parse_qwen3_next(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         "full_attention" if (i + 1) % (cfg.get("full_attention_interval") or 4) == 0 else "linear_attention"
         for i in range(n)
     ]
+    bias = bool(cfg.get("attention_bias", False))
+    sparse_step = cfg.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(cfg.get("mlp_only_layers") or [])
     layers = []
     for i in range(n):
         if types[i] == "linear_attention":
@@ -468,15 +476,79 @@ def _parse_qwen3_next(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
                 head_k_dim=cfg["linear_key_head_dim"],
                 head_v_dim=cfg["linear_value_head_dim"],
                 conv_kernel=cfg.get("linear_conv_kernel_dim", 4),
+                chunk_size=int(cfg.get("linear_chunk_size") or 64),
             )
         else:
             # gated attention: the query projection also produces a per-head output gate (2x q width)
-            mixer = _gqa(cfg, qk_norm=True)
-        ffn = MoESpec(hidden_size=cfg["hidden_size"], num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
-                      expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
-                      shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0, shared_gate=True)
+            mixer = _gqa(cfg, qk_norm=True, output_gate=True, qkv_bias=bias, o_bias=bias)
+        n_exp = cfg.get("num_experts") or 0
+        if i not in mlp_only and n_exp > 0 and (i + 1) % sparse_step == 0:
+            ffn: FFNSpec = MoESpec(
+                hidden_size=cfg["hidden_size"], num_experts=n_exp, top_k=cfg["num_experts_per_tok"],
+                expert_intermediate=cfg["moe_intermediate_size"], num_shared=1,
+                shared_intermediate=cfg.get("shared_expert_intermediate_size") or 0, shared_gate=True,
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
+        else:
+            ffn = _dense(cfg)
         layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
     return _spec(cfg, name, mt, layers)
+
+
+def _kimi_layer_types(cfg: dict[str, Any], n: int) -> list[str]:
+    """Per-layer mixer kind of Kimi Linear: ``layer_types`` (transformers), else the hub's ``linear_attn_config``
+    (1-based ``full_attn_layers`` / ``kda_layers``), else transformers' default (MLA every 4th layer from layer 4)."""
+    types = cfg.get("layer_types")
+    lac = cfg.get("linear_attn_config") or {}
+    if types is None and "full_attn_layers" in lac and "kda_layers" in lac:
+        types = [""] * n
+        for j in lac["full_attn_layers"]:
+            types[j - 1] = "full_attention"
+        for j in lac["kda_layers"]:
+            types[j - 1] = "linear_attention"
+    if types is None:
+        types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n:
+        raise ConfigError(f"kimi_linear: {len(types)} layer types for num_hidden_layers={n}")
+    bad = sorted({t for t in types if t not in ("full_attention", "linear_attention")})
+    if bad:
+        raise ConfigError(f"kimi_linear: unknown layer type(s) {bad} (known: full_attention, linear_attention)")
+    return list(types)
+
+
+def _parse_kimi_linear(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    """Kimi Linear: KDA linear attention in most layers, MLA without rotary (NoPE) in the others, and a DeepSeek-V3
+    style MoE (sigmoid router, correction bias, grouped top-k, shared experts) after the first dense layers. Reads
+    transformers' field names and the hub's (``num_experts``, ``num_experts_per_token``, ``moe_renormalize``,
+    ``num_expert_group``, ``model_max_length``, ``linear_attn_config``)."""
+    n = cfg["num_hidden_layers"]
+    d = cfg["hidden_size"]
+    lac = cfg.get("linear_attn_config") or {}
+    types = _kimi_layer_types(cfg, n)
+    mlp_types = cfg.get("mlp_layer_types") or [
+        "dense" if i < int(cfg.get("first_k_dense_replace", 1) or 0) else "sparse" for i in range(n)]
+    if len(mlp_types) != n:
+        raise ConfigError(f"kimi_linear: {len(mlp_types)} mlp_layer_types for num_hidden_layers={n}")
+    kda = KimiDeltaSpec(
+        hidden_size=d, num_heads=int(_get(cfg, "linear_num_heads", default=lac.get("num_heads", 32))),
+        head_dim=int(_get(cfg, "linear_head_dim", default=lac.get("head_dim", 128))),
+        conv_kernel=int(_get(cfg, "linear_conv_kernel_dim", default=lac.get("short_conv_kernel_size", 4))),
+        chunk_size=int(cfg.get("linear_chunk_size") or 64))
+    n_shared = int(_get(cfg, "num_shared_experts", "n_shared_experts", default=1))
+    moe = MoESpec(
+        hidden_size=d, num_experts=_get(cfg, "num_experts", "num_local_experts"),
+        top_k=_get(cfg, "num_experts_per_token", "num_experts_per_tok"),
+        expert_intermediate=cfg["moe_intermediate_size"], num_shared=n_shared,
+        shared_intermediate=n_shared * cfg["moe_intermediate_size"], scoring="sigmoid", correction_bias=True,
+        n_group=int(_get(cfg, "num_expert_group", "n_group", default=1)), topk_group=int(cfg.get("topk_group") or 1),
+        norm_topk_prob=bool(_get(cfg, "moe_renormalize", "norm_topk_prob", default=True)),
+        routed_scaling=float(cfg.get("routed_scaling_factor") or 2.446))
+    layers = []
+    for i in range(n):
+        mixer: MixerSpec = kda if types[i] == "linear_attention" else _mla(cfg)
+        ffn: FFNSpec = moe if mlp_types[i] == "sparse" else _dense(cfg)
+        layers.append(LayerSpec(i, mixer, ffn, d))
+    ctx = _get(cfg, "max_position_embeddings", "model_max_length", default=4096)
+    return _spec(dict(cfg, max_position_embeddings=ctx), name, mt, layers)
 
 
 def _parse_jamba(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
@@ -545,6 +617,7 @@ _PARSERS = {
     "llama4": lambda c, n: _parse_llama4(c, n, "llama4"),
     "llama4_text": lambda c, n: _parse_llama4(c, n, "llama4"),
     "qwen3_next": lambda c, n: _parse_qwen3_next(c, n, "qwen3_next"),
+    "kimi_linear": lambda c, n: _parse_kimi_linear(c, n, "kimi_linear"),
     "jamba": lambda c, n: _parse_jamba(c, n, "jamba"),
     "step3_text": lambda c, n: _parse_step3(c, n, "step3_text"),
 }

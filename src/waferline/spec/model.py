@@ -16,6 +16,7 @@ from typing import Any
 from waferline.errors import ConfigError
 
 BYTES_16 = 2
+STATE_BYTES = 4  # the recurrent state of a linear-attention layer is float32 whatever the model dtype
 
 
 def quantized_bytes(
@@ -48,11 +49,15 @@ class AttentionSpec:
     qk_norm: bool = False
     kind: str = "gqa"
     q_rank: int = 0  # low-rank query D -> q_rank (normed) -> heads x head_dim (Step-3's MFA); 0 = a plain q_proj
+    output_gate: bool = False  # the query projection also yields a per-channel sigmoid gate on the output (Qwen3-Next)
+
+    def _q_width(self) -> int:
+        return self.num_heads * self.head_dim * (2 if self.output_gate else 1)
 
     def _q_matmul(self) -> int:
         if self.q_rank:
-            return self.hidden_size * self.q_rank + self.q_rank * self.num_heads * self.head_dim
-        return self.hidden_size * self.num_heads * self.head_dim
+            return self.hidden_size * self.q_rank + self.q_rank * self._q_width()
+        return self.hidden_size * self._q_width()
 
     def params(self) -> int:
         q = self._q_matmul() + self.q_rank  # (+ the norm of the low-rank query)
@@ -60,7 +65,7 @@ class AttentionSpec:
         o = self.num_heads * self.head_dim * self.hidden_size
         n = q + kv + o
         if self.qkv_bias:
-            n += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+            n += self._q_width() + 2 * self.num_kv_heads * self.head_dim
         if self.o_bias:
             n += self.hidden_size
         if self.qk_norm:
@@ -255,6 +260,7 @@ class GatedDeltaNetSpec(_StateMixer):
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int
+    chunk_size: int = 64  # tokens per chunk of the chunked prefill (engine only; any size gives the same numbers)
     kind: str = "gdn"
     sliding_window: None = None
 
@@ -278,11 +284,52 @@ class GatedDeltaNetSpec(_StateMixer):
         return self.matmul_params() + self.small_params()
 
     def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        """The conv window at ``state_bits`` (the model's dtype) and the recurrent state, float32 whatever the model
+        dtype (as the engine's LinearAttentionCache holds them)."""
         conv = (2 * self.key_dim + self.value_dim) * (self.conv_kernel - 1)
-        return (conv + self.num_v_heads * self.head_k_dim * self.head_v_dim) * state_bits / 8
+        return conv * state_bits / 8 + self.num_v_heads * self.head_k_dim * self.head_v_dim * STATE_BYTES
 
     def attention_flops(self, context_len: int) -> float:
         return 4.0 * self.num_v_heads * self.head_k_dim * self.head_v_dim
+
+
+@dataclass(frozen=True)
+class KimiDeltaSpec(_StateMixer):
+    """Kimi Delta Attention (Kimi Linear): a gated delta rule with a per-channel decay, q/k/v short convolutions, a
+    low-rank forget gate and a low-rank sigmoid output gate; constant-size conv + recurrent state per sequence."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    chunk_size: int = 64  # tokens per chunk of the chunked prefill (engine only; any size gives the same numbers)
+    kind: str = "kda"
+    sliding_window: None = None
+
+    @property
+    def qkv_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    def matmul_params(self) -> int:
+        d, c, hd = self.hidden_size, self.qkv_dim, self.head_dim
+        qkvo = 4 * d * c
+        gates = 2 * (d * hd + hd * c)  # forget gate and output gate, each d -> head_dim -> heads x head_dim
+        return qkvo + gates + d * self.num_heads  # + b_proj (beta)
+
+    def small_params(self) -> int:
+        # the three convs, dt_bias (per channel), A_log (per head), the gated output norm
+        return 3 * self.qkv_dim * self.conv_kernel + self.qkv_dim + self.num_heads + self.head_dim
+
+    def params(self) -> int:
+        return self.matmul_params() + self.small_params()
+
+    def state_bytes_per_seq(self, state_bits: int = 16) -> float:
+        """The conv window at ``state_bits`` (the model's dtype) and the float32 recurrent state."""
+        return (3 * self.qkv_dim * (self.conv_kernel - 1) * state_bits / 8
+                + self.num_heads * self.head_dim * self.head_dim * STATE_BYTES)
+
+    def attention_flops(self, context_len: int) -> float:
+        return 4.0 * self.num_heads * self.head_dim * self.head_dim
 
 
 # ----------------------------------------------------------------------------- compressed / sparse attention
@@ -390,8 +437,11 @@ class CompressedAttentionSpec:
     * if ``index_topk`` > 0 (CSA), a lightning indexer with one key per compressed entry that picks the top-k
       entries; if 0 (HCA), every compressed entry is attended densely.
 
-    Capacity per sequence: window + entries x (kv + indexer key). Read per decode token: window + min(entries,
-    top-k) (or all entries) x kv + entries x indexer key. ``compress_ratio`` 0 means a pure sliding-window layer.
+    Capacity per sequence: window + entries x (kv + indexer key), plus the compressor state: the projected values
+    and gates of the tokens of the window still open (CSA: two series per token, also for the indexer) and, for
+    CSA's overlapping windows, the last closed window's first-series values and gates (as DeepSeek-V4's reference
+    caches them). Read per decode token: window + min(entries, top-k) (or all entries) x kv + entries x indexer
+    key. ``compress_ratio`` 0 means a pure sliding-window layer.
     """
 
     hidden_size: int
@@ -403,7 +453,7 @@ class CompressedAttentionSpec:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
-    index_bits: int = 8
+    index_bits: int = 8  # 0: the indexer keys are held at the KV's precision
     o_groups: int = 1
     o_lora_rank: int = 0  # grouped output projection: heads*head_dim -> o_groups*o_lora_rank -> d; 0 = plain o_proj
     kind: str = "compressed"
@@ -433,8 +483,9 @@ class CompressedAttentionSpec:
         n = self.q_lora_rank + self.head_dim + self.num_heads  # q norm, kv norm, sinks
         if self.compress_ratio:
             n += self.compress_ratio * (2 * self.head_dim if self.index_topk else self.head_dim) + self.head_dim
-        if self.index_topk:
+        if self.index_topk:  # position bias, weights_proj, the indexer compressor's norm
             n += self.compress_ratio * 2 * self.index_head_dim + self.hidden_size * self.index_n_heads
+            n += self.index_head_dim
         return n
 
     def params(self) -> int:
@@ -443,8 +494,25 @@ class CompressedAttentionSpec:
     def entries(self, context_len: int) -> int:
         return context_len // self.compress_ratio if self.compress_ratio else 0
 
-    def index_bytes_per_entry(self) -> float:
-        return _index_key_bytes(self.index_head_dim, self.index_bits) if self.index_topk else 0.0
+    def index_bytes_per_entry(self, kv_bits: int = 16) -> float:
+        if not self.index_topk:
+            return 0.0
+        return _index_key_bytes(self.index_head_dim, self.index_bits or kv_bits)
+
+    def compressor_state_bytes(self, context_len: int, kv_bits: int = 16) -> float:
+        """The compressor's per-sequence state at ``context_len``: values and gates of the ``context_len %
+        compress_ratio`` tokens of the open window (CSA: ``2 x head_dim`` + the indexer's ``2 x index_head_dim`` per
+        token), and once a window has closed, CSA's overlap: the last window's first-series values and its gates,
+        which carry the fp32 position bias (fp32 whatever the KV's precision)."""
+        if not self.compress_ratio:
+            return 0.0
+        sparse = bool(self.index_topk)
+        width = (2 if sparse else 1) * self.head_dim + (2 * self.index_head_dim if sparse else 0)
+        pending = 2 * width * (context_len % self.compress_ratio) * kv_bits / 8
+        if not sparse or context_len < self.compress_ratio:
+            return pending
+        overlap = self.compress_ratio * (self.head_dim + self.index_head_dim)
+        return pending + overlap * (kv_bits / 8 + 4)
 
     def cache_elems_per_token(self) -> int:
         """Long-context elements per token (window excluded): kv + indexer key per ``compress_ratio`` tokens."""
@@ -456,7 +524,7 @@ class CompressedAttentionSpec:
         """Asymptotic bytes per token of context (window excluded)."""
         if not self.compress_ratio:
             return 0.0
-        return (self.kv_dim * kv_bits / 8 + self.index_bytes_per_entry()) / self.compress_ratio
+        return (self.kv_dim * kv_bits / 8 + self.index_bytes_per_entry(kv_bits)) / self.compress_ratio
 
     def cached_tokens(self, context_len: int) -> int:
         return min(context_len, self.window) + self.entries(context_len)
@@ -468,12 +536,13 @@ class CompressedAttentionSpec:
     def cache_bytes_at(self, context_len: int, kv_bits: int = 16) -> float:
         kv = self.kv_dim * kv_bits / 8
         e = self.entries(context_len)
-        return kv * (min(context_len, self.window) + e) + self.index_bytes_per_entry() * e
+        return (kv * (min(context_len, self.window) + e) + self.index_bytes_per_entry(kv_bits) * e
+                + self.compressor_state_bytes(context_len, kv_bits))
 
     def cache_read_bytes(self, context_len: int, kv_bits: int = 16) -> float:
         kv = self.kv_dim * kv_bits / 8
         return (kv * (min(context_len, self.window) + self.attended_entries(context_len))
-                + self.index_bytes_per_entry() * self.entries(context_len))
+                + self.index_bytes_per_entry(kv_bits) * self.entries(context_len))
 
     def state_bytes_per_seq(self, state_bits: int = 16) -> float:
         return 0.0
@@ -485,7 +554,8 @@ class CompressedAttentionSpec:
         return 4.0 * self.num_heads * self.head_dim * attended + index
 
 
-MixerSpec = AttentionSpec | MLASpec | DSASpec | CompressedAttentionSpec | Mamba2Spec | Mamba1Spec | GatedDeltaNetSpec
+MixerSpec = (AttentionSpec | MLASpec | DSASpec | CompressedAttentionSpec | Mamba2Spec | Mamba1Spec | GatedDeltaNetSpec
+             | KimiDeltaSpec)
 
 
 # ----------------------------------------------------------------------------- FFNs
@@ -600,6 +670,7 @@ class LayerSpec:
     mixer: MixerSpec | None
     ffn: FFNSpec | None
     hidden_size: int
+    hc_mult: int = 0  # hyper-connections (DeepSeek-V4): the residual stream as this many copies; 0 = a plain residual
 
     def _parts(self) -> list[Any]:
         return [p for p in (self.mixer, self.ffn) if p is not None]
@@ -607,35 +678,42 @@ class LayerSpec:
     def norm_params(self) -> int:
         return self.hidden_size * len(self._parts())
 
+    def hc_params(self) -> int:
+        """The hyper-connection weights around each part: a (2 + n) x n by n x d map, its bias and 3 scales."""
+        n = self.hc_mult
+        return len(self._parts()) * ((2 + n) * n * (n * self.hidden_size + 1) + 3) if n else 0
+
     def params(self) -> int:
-        return sum(p.params() for p in self._parts()) + self.norm_params()
+        return sum(p.params() for p in self._parts()) + self.norm_params() + self.hc_params()
 
     def active_params(self) -> int:
-        n = self.norm_params() + (self.mixer.params() if self.mixer else 0)
+        n = self.norm_params() + self.hc_params() + (self.mixer.params() if self.mixer else 0)
         return n + (self.ffn.active_params() if self.ffn else 0)
 
     def weight_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
         """Stored bytes: matmul weights at ``bits`` (+ scales); norms, routers, biases stay 16-bit."""
         kept = sum(_kept_16bit(p, bits) for p in self._parts())
         mm = sum(p.matmul_params() for p in self._parts()) - kept
-        small = sum(p.small_params() for p in self._parts()) + self.norm_params() + kept
+        small = sum(p.small_params() for p in self._parts()) + self.norm_params() + self.hc_params() + kept
         return quantized_bytes(mm, bits, group_size, zeros=zeros) + small * BYTES_16
 
     def mixer_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
-        """Bytes of the mixer part (attention side of an attention/FFN split), with its norm."""
+        """Bytes of the mixer part (attention side of an attention/FFN split), with its norm (and hyper-connection)."""
         if self.mixer is None:
             return 0.0
         kept = _kept_16bit(self.mixer, bits)
+        hc = self.hc_params() // len(self._parts())
         return (quantized_bytes(self.mixer.matmul_params() - kept, bits, group_size)
-                + (self.mixer.small_params() + kept + self.hidden_size) * BYTES_16)
+                + (self.mixer.small_params() + kept + self.hidden_size + hc) * BYTES_16)
 
     def ffn_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
-        """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm."""
+        """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm (and hyper-connection)."""
         if self.ffn is None:
             return 0.0
+        hc = self.hc_params() // len(self._parts())
         return (
             quantized_bytes(self.ffn.matmul_params(), bits, group_size)
-            + (self.ffn.small_params() + self.hidden_size) * BYTES_16
+            + (self.ffn.small_params() + self.hidden_size + hc) * BYTES_16
         )
 
     def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
@@ -705,14 +783,19 @@ class ModelSpec:
     def lm_head_params(self) -> int:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
+    def hc_head_params(self) -> int:
+        """With hyper-connections, the final collapse of the n streams: an n by n x d map, n biases, one scale."""
+        n = self.layers[-1].hc_mult if self.layers else 0
+        return n * (n * self.hidden_size + 1) + 1 if n else 0
+
     def params_total(self) -> int:
         """All parameters, excluding MTP layers (as DeepSeek reports 671B without its 14B MTP module)."""
-        return (self.embedding_params() + self.lm_head_params() + self.hidden_size
+        return (self.embedding_params() + self.lm_head_params() + self.hidden_size + self.hc_head_params()
                 + sum(layer.params() for layer in self.layers))
 
     def params_active(self) -> int:
         """Parameters touched per token (routed experts: top-k only), embeddings and head included."""
-        return (self.embedding_params() + self.lm_head_params() + self.hidden_size
+        return (self.embedding_params() + self.lm_head_params() + self.hidden_size + self.hc_head_params()
                 + sum(layer.active_params() for layer in self.layers))
 
     def mtp_params(self) -> int:
@@ -726,7 +809,8 @@ class ModelSpec:
         return quantized_bytes(self.embedding_params(), embed_bits)
 
     def lm_head_bytes(self, embed_bits: int = 16) -> float:
-        return quantized_bytes(self.lm_head_params(), embed_bits) + self.hidden_size * BYTES_16
+        small = self.hidden_size + self.hc_head_params()  # the final norm (and the hyper-connection's collapse)
+        return quantized_bytes(self.lm_head_params(), embed_bits) + small * BYTES_16
 
     def weight_bytes(self, bits: int = 16, group_size: int = 128, embed_bits: int = 16, zeros: bool = False) -> float:
         return (self.embed_bytes(embed_bits) + self.lm_head_bytes(embed_bits)

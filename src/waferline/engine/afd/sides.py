@@ -120,6 +120,7 @@ def load_attention_side(path: str | Path, dtype: torch.dtype, src: Any = None) -
     """The attention side of a checkpoint: a DecoderModel without FFNs (embedding, mixers, head) and, per FFN layer,
     its FFNFront. Expert, shared-expert and dense-FFN tensors are never read."""
     from waferline.model.decoder import NAMING, DecoderModel, Naming, _norm_eps
+    from waferline.model.hybrids import hf_source
     from waferline.model.layers import RMSNorm
     from waferline.model.load import open_weights
     from waferline.spec.model import ModelSpec, MoESpec
@@ -139,7 +140,7 @@ def load_attention_side(path: str | Path, dtype: torch.dtype, src: Any = None) -
             continue
         p = f"{n.root}layers.{i}."
         norm = RMSNorm(spec.hidden_size, eps, dtype)
-        norm.load_hf(src, p + n.norm_ffn + ".weight")
+        norm.load_hf(hf_source(src, spec.model_type), p + n.norm_ffn + ".weight")  # (as the model's own norms)
         router = None
         if isinstance(layer.ffn, MoESpec):
             router = Router(layer.ffn)
