@@ -143,7 +143,9 @@ def test_chunked_prefill_lowers_ttft_and_itl_tails_under_load():
     assert chunked.prefill_mode == "chunked" and chunked.max_num_batched_tokens == 512
     assert chunked.ttft_p99_s < 0.7 * stw.ttft_p99_s
     assert chunked.itl_p99_s < 0.2 * stw.itl_p99_s
-    assert chunked.output_tokens_per_s == pytest.approx(stw.output_tokens_per_s, rel=0.05)
+    # chunked keeps up with the offered load (20 req/s x 200 tokens); pausing decode for every prompt costs throughput
+    assert chunked.output_tokens_per_s == pytest.approx(20.0 * 200, rel=0.05)
+    assert chunked.output_tokens_per_s >= stw.output_tokens_per_s
     # a GPU with short prompts: a 64-token prefill alone reads all the weights like a decode step; batched into one
     # step's budget many prompts share one read
     gpu = place("llama-3.1-8b", "h100-sxm", devices=1, context=1024)

@@ -68,6 +68,24 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def accept_rate_arg(text: str) -> tuple[float, float]:
+    """``--accept-rate``: one rate (``0.8``) or a range (``0.6:0.9``), each in [0, 1); returns (low, high)."""
+    parts = text.replace("-", ":", 1).split(":") if ":" in text or text.count("-") == 1 else [text]
+    try:
+        lo, hi = (float(parts[0]), float(parts[-1])) if len(parts) <= 2 else (math.nan, math.nan)
+    except ValueError:
+        lo = hi = math.nan
+    if not (0.0 <= lo <= hi < 1.0):
+        raise argparse.ArgumentTypeError(f"expected a rate in [0, 1) or a range LOW:HIGH within it, got {text!r}")
+    return lo, hi
+
+
+def _accept(args: argparse.Namespace) -> float | None:
+    """The point acceptance of ``--accept-rate`` (a range's midpoint)."""
+    r = getattr(args, "accept_rate", None)
+    return None if r is None else (r[0] + r[1]) / 2 if isinstance(r, tuple) else float(r)
+
+
 def _spec_cfg(args: argparse.Namespace):
     from waferline.plan.plan import SpeculativeConfig
 
@@ -75,7 +93,7 @@ def _spec_cfg(args: argparse.Namespace):
     return SpeculativeConfig(
         method=method,
         num_tokens=getattr(args, "num_speculative_tokens", None) or 0,
-        accept_rate=getattr(args, "accept_rate", None),
+        accept_rate=_accept(args),
         draft_model=getattr(args, "draft_model", None),
     )
 
@@ -110,6 +128,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     if serving_flags and not getattr(args, "arrival_rate", None):
         raise UsageError(f"{' and '.join(serving_flags)} shape{'' if len(serving_flags) > 1 else 's'} the serving "
                          "simulation: give --arrival-rate too")
+    target = getattr(args, "target_tokens_per_s", None)
+    if target is not None and not getattr(args, "explain", False):
+        raise UsageError("--target-tokens-per-s is what --explain works towards: give --explain too")
+    if target is not None and not (target > 0 and math.isfinite(target)):
+        raise UsageError(f"--target-tokens-per-s must be > 0, got {target}")
     if getattr(args, "prefill_devices", None) is not None and args.prefill_devices < 1:
         raise UsageError(f"--prefill-devices must be >= 1, got {args.prefill_devices}")
     if getattr(args, "prefill_devices", None) is not None and getattr(args, "plan", None):
@@ -229,7 +252,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not getattr(args, "no_intervals", False):
         from waferline.sim.intervals import attach_intervals
 
-        attach_intervals(r, plan, params, prompt_len=P, output_len=O, concurrency=args.concurrency)
+        rng = args.accept_rate if isinstance(args.accept_rate, tuple) and args.accept_rate[0] < args.accept_rate[1] \
+            else None
+        attach_intervals(r, plan, params, accept_range=rng, prompt_len=P, output_len=O, concurrency=args.concurrency)
+    ex = None
+    if args.explain:
+        from waferline.sim.explain import explain
+
+        ex = explain(r, args.target_tokens_per_s)
     serving = None
     if args.arrival_rate:
         from waferline.sim.serving import simulate_serving
@@ -254,6 +284,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         d = r.to_dict()
         if serving is not None:
             d["serving"] = serving.to_dict()
+        if ex is not None:
+            d["explain"] = ex
         d["plan"] = {
             "weight_bits": plan.weight_bits,
             "kv_bits": plan.kv_bits,
@@ -297,17 +329,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         t.caption = "(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)"
     con.print(t)
     st = Table(title="per-stage decode step (us)")
-    for c in ("stage", "role", "layers", "devices", "compute", "memory", "fixed", "collective", "hop", "total"):
+    wafer = any(s.fabric for s in r.stages)
+    cols = ("stage", "role", "layers", "devices", "compute", "memory", "fixed") + (("fabric",) if wafer else ()) + (
+        "collective", "hop", "total")
+    for c in cols:
         st.add_column(c, justify="right" if c != "role" else "left")
     rows = r.stages
     show = rows if len(rows) <= 16 else rows[:6] + [None] + rows[-6:]  # type: ignore[list-item]
     for s in show:
         if s is None:
-            st.add_row("...", "", f"({len(rows) - 12} more)", "", "", "", "", "", "", "")
+            st.add_row("...", "", f"({len(rows) - 12} more)", *[""] * (len(cols) - 3))
             continue
-        st.add_row(str(s.index), s.role, s.layers, str(s.devices), f"{s.compute * 1e6:.1f}", f"{s.memory * 1e6:.1f}",
-                   f"{s.fixed * 1e6:.1f}", f"{s.comm * 1e6:.1f}", f"{s.hop * 1e6:.1f}", f"{s.total * 1e6:.1f}")
+        us = [s.compute, s.memory, s.fixed] + ([s.fabric] if wafer else []) + [s.comm, s.hop, s.total]
+        st.add_row(str(s.index), s.role, s.layers, str(s.devices), *(f"{v * 1e6:.1f}" for v in us))
     con.print(st)
+    if ex is not None:
+        from waferline.sim.explain import render
+
+        render(con, ex)
     if serving is not None:
         how = (f"chunked prefill, {serving.max_num_batched_tokens} tokens a step" if serving.prefill_mode == "chunked"
                else "stop-the-world prefill")
@@ -443,7 +482,14 @@ def register(subparsers: Any) -> None:
     s.add_argument("--output-len", type=int, default=None)
     s.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default: --batch)")
     s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
-    s.add_argument("--accept-rate", type=float, default=None, help="per-token acceptance (default: fitted per method)")
+    s.add_argument("--accept-rate", type=accept_rate_arg, default=None, metavar="RATE|LOW:HIGH",
+                   help="per-token acceptance, one rate or a range (the prediction uses its midpoint; the 90%% "
+                        "intervals span the range; default: fitted per method, its range from the fit)")
+    s.add_argument("--explain", action="store_true",
+                   help="say what one decode step is spent on (per term, with its basis) and, with "
+                        "--target-tokens-per-s, what would have to change to reach that rate")
+    s.add_argument("--target-tokens-per-s", type=float, default=None, metavar="RATE",
+                   help="with --explain: the per-user decode rate to reach (e.g. 750)")
     s.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)"
     )

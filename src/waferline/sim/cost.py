@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.sim.wafer import Fabric, fabric_work
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec, quantized_bytes
 
@@ -18,7 +19,6 @@ if TYPE_CHECKING:
 
 FITTED_PATH = Path(__file__).parent / "fitted.yaml"
 STATE_BITS = 16
-MOE_VECTOR_PASSES = 2  # dispatch and combine each stream the hidden vector once more (assumed, physical)
 
 # parameter name -> (prior value, prior log-sd, lower bound, upper bound, meaning)
 CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
@@ -31,12 +31,12 @@ CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
         2e-4,
         "fixed latency per layer per decode step (launches, syncs; on a wafer the per-layer reduction across the mesh)",
     ),
-    "hidden_latency_s": (
-        1e-9,
-        3.0,
-        1e-13,
-        1e-8,
-        "latency per hidden element per layer (streaming a d-vector through the on-chip fabric)",
+    "fabric_links": (
+        4.0,
+        2.0,
+        1.0,
+        1e3,
+        "links of the on-wafer mesh a streamed activation vector is spread over (1 = one link; sim/wafer.py)",
     ),
     "moe_latency_s": (5e-6, 2.0, 1e-8, 2e-4, "extra latency per MoE layer (router top-k, token dispatch and combine)"),
     "hop_latency_s": (
@@ -56,7 +56,7 @@ class ClassParams:
     bw_eff: float = 0.75
     flops_eff: float = 0.5
     layer_latency_s: float = 10e-6
-    hidden_latency_s: float = 0.0
+    fabric_links: float = 4.0
     moe_latency_s: float = 5e-6
     hop_latency_s: float | None = None
     status: dict[str, str] = field(default_factory=dict)
@@ -208,6 +208,10 @@ class SimParams:
                             f"{where}: class {cname!r} has unknown parameter {p!r}; known: {', '.join(CLASS_PARAMS)}"
                         )
                     v, st = num(raw, f"{cname}.{p}")
+                    lo, hi = CLASS_PARAMS[p][2], CLASS_PARAMS[p][3]
+                    if not lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9):  # (a fit may land on a bound)
+                        raise ConfigError(f"{where}: {cname}.{p} = {v:g} is outside its physical range "
+                                          f"[{lo:g}, {hi:g}]")
                     setattr(cp, p, v)
                     cp.status[p] = st
                 sp.classes[cname] = cp
@@ -288,6 +292,11 @@ class LayerCost:
     kv_shards: int = 0  # most devices the cache splits over (GQA: KV heads), 0 = no limit
     kind_id: int = 0  # layers with equal kind_id (in one table) have identical costs
     cache_read_bytes: float | None = None  # per sequence per decode token at the context; None = all of cache_bytes
+    # elements / phases of the activation vectors a decode token streams through a wafer's mesh (sim/wafer.py)
+    fabric_mixer_elems: float = 0.0
+    fabric_mixer_phases: int = 0
+    fabric_ffn_elems: float = 0.0
+    fabric_ffn_phases: int = 0
 
     @property
     def cache_read(self) -> float:
@@ -318,6 +327,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
         fb = layer.ffn_weight_bytes(weight_bits, group)
         total_f = layer.flops_per_token(context)
         mixer_f = layer.mixer_flops_per_token(context)
+        fw = fabric_work(layer)
         lc = LayerCost(
             index=layer.index,
             weight_bytes=layer.weight_bytes(weight_bits, group),
@@ -334,6 +344,10 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
             is_moe=moe,
             kv_shards=int(layer.mixer.num_kv_heads) if layer.mixer is not None and layer.mixer.kind == "gqa" else 0,
             kind_id=len(memo),
+            fabric_mixer_elems=fw.mixer_elems,
+            fabric_mixer_phases=fw.mixer_phases,
+            fabric_ffn_elems=fw.ffn_elems,
+            fabric_ffn_phases=fw.ffn_phases,
         )
         memo[sig] = lc
         out.append(lc)
@@ -355,10 +369,11 @@ class StepCost:
     roofline: float = 0.0  # sum over ops of max(compute, memory)
     fixed: float = 0.0
     comm: float = 0.0  # collective communication inside the stage (tensor / expert parallel)
+    fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (sim/wafer.py)
 
     @property
     def total(self) -> float:
-        return self.roofline + self.fixed + self.comm
+        return self.roofline + self.fixed + self.comm + self.fabric
 
     def add(self, o: StepCost) -> None:
         self.compute += o.compute
@@ -366,6 +381,7 @@ class StepCost:
         self.roofline += o.roofline
         self.fixed += o.fixed
         self.comm += o.comm
+        self.fabric += o.fabric
 
 
 def compute_bits(weight_bits: int, hw: HardwareSpec) -> int:
@@ -395,6 +411,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     bw = hw.memory_bandwidth * prm.bw_eff
     fl = hw.peak_flops(compute_bits(weight_bits, hw)) * prm.flops_eff
     spatial = hw.kind == "wafer"
+    fabric = Fabric.of(hw) if spatial else None
     n_tok = batch * tokens
     out = StepCost()
     link = hw.intra_stage_link() if n_dev > 1 else None
@@ -429,11 +446,19 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
             t_mem = (read / n_dev + cache_rd / kv_dev) / bw
             t_cmp = flops_all / n_dev / fl
-        fixed = fixed_frac * (prm.layer_latency_s + prm.hidden_latency_s * hidden)
+        fixed = fixed_frac * prm.layer_latency_s
         if moe:
-            # router + dispatch to the chosen experts + combine: a constant, plus (where the fabric streams
-            # vectors element by element, as on a wafer) two more passes of the d-vector
-            fixed += prm.moe_latency_s + MOE_VECTOR_PASSES * prm.hidden_latency_s * hidden
+            fixed += prm.moe_latency_s  # router top-k, dispatch to the chosen experts and combine
+        fab = 0.0
+        if fabric is not None:  # weight-stationary on a wafer: the activations travel (sim/wafer.py)
+            elems = phases = 0.0
+            if role != "ffn":
+                elems, phases = lc.fabric_mixer_elems, lc.fabric_mixer_phases
+            if role != "attention":
+                elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
+            region_share = (wbytes + cache) / resident * n_dev if resident else 1.0
+            stream, dist = fabric.time(elems, int(phases), n_tok, region_share, prm.fabric_links)
+            fab = stream + dist
         comm = 0.0
         if link is not None:
             if spatial:
@@ -441,7 +466,8 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 comm = 2 * (lat + act_bytes / link.bandwidth)  # a layer split over wafers: exchange halves twice
             else:
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
-        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm))
+        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm,
+                         fabric=fab))
     if lm_head_bytes:
         t_mem = (resident / n_dev / bw) if spatial else lm_head_bytes / n_dev / bw
         t_cmp = lm_head_flops * n_tok / n_dev / fl

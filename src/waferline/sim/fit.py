@@ -15,29 +15,24 @@ from waferline.sim.cost import CLASS_PARAMS, FITTED_PATH, ClassParams, SimParams
 from waferline.sim.validate import Row, RowModel, build_models, error_factor, read_published
 
 # Priors per device class (value, log-sd). Physically: GPUs pay kernel launches + syncs per layer (~10 us with
-# CUDA graphs); a wafer pays mesh reductions per layer (~us) and a d-vector streamed through the fabric (~1 cycle per
-# element).
+# CUDA graphs); a wafer pays a synchronisation per layer (~us) and streams its activation vectors through the mesh
+# (sim/wafer.py: the fitted term is how many links a vector is spread over).
+_GPU_LIKE = {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "flops_eff": (0.5, 0.5)}
 CLASS_PRIORS: dict[str, dict[str, tuple[float, float]]] = {
-    "gpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (30e-6, 1.0),
-            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
-    "tpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (30e-6, 1.0),
-            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
-    "rdu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.0), "moe_latency_s": (10e-6, 1.0),
-            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
-    "lpu": {"bw_eff": (0.75, 0.3), "layer_latency_s": (10e-6, 1.5), "moe_latency_s": (10e-6, 1.0),
-            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.5, 0.5)},
-    "wafer": {"bw_eff": (0.75, 0.3), "layer_latency_s": (5e-6, 1.5), "hidden_latency_s": (1e-9, 1.5),
+    "gpu": _GPU_LIKE | {"moe_latency_s": (30e-6, 1.0)},
+    "tpu": _GPU_LIKE | {"moe_latency_s": (30e-6, 1.0)},
+    "rdu": _GPU_LIKE | {"moe_latency_s": (10e-6, 1.0)},
+    "lpu": _GPU_LIKE | {"layer_latency_s": (10e-6, 1.5), "moe_latency_s": (10e-6, 1.0)},
+    "wafer": {"bw_eff": (0.75, 0.3), "layer_latency_s": (5e-6, 1.5), "fabric_links": (4.0, 2.0),
               "moe_latency_s": (1e-6, 0.0), "hop_latency_s": (5e-6, 1.0), "flops_eff": (0.5, 0.5)},
     # a host CPU running the torch engine eagerly: ~15-20 ops per layer at ~10 us of dispatch each
     "cpu": {"bw_eff": (0.6, 0.5), "layer_latency_s": (150e-6, 1.5), "moe_latency_s": (100e-6, 1.0),
-            "hidden_latency_s": (0.0, 0.0), "flops_eff": (0.3, 0.5), "hop_latency_s": (50e-6, 1.5)},
+            "flops_eff": (0.3, 0.5), "hop_latency_s": (50e-6, 1.5)},
 }
 # Classes with no rows in the data: these take the fitted gpu values (their own priors otherwise).
 LIKE_GPU = ("tpu", "asic")
 # Which priors the data may move (sd 0 = held at the prior: physically motivated, not fitted).
-FITTABLE = ("layer_latency_s", "hidden_latency_s", "bw_eff", "moe_latency_s", "hop_latency_s")
-# A device whose peak bandwidth is only assumed (no datasheet) may show an effective bandwidth above it.
-ASSUMED_BW_EFF_MAX = 4.0
+FITTABLE = ("layer_latency_s", "fabric_links", "bw_eff", "moe_latency_s", "hop_latency_s")
 ACCEPT_PRIOR = {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.7, "ngram": 0.5}
 ACCEPT_BOUNDS = (0.3, 0.97)
 PRIOR_WEIGHT = 0.05
@@ -93,15 +88,9 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
             for pname, (v, _) in pri.items():
                 setattr(base.classes[cname], pname, v)
         if row.metric != "ttft_s":
-            for pname in ("layer_latency_s", "hidden_latency_s", "bw_eff"):
+            for pname in ("layer_latency_s", "fabric_links", "bw_eff"):
                 if pname in pri and pri[pname][1] > 0:
-                    _, _, lo, hi, _ = CLASS_PARAMS[pname]
-                    if (
-                        pname == "bw_eff"
-                        and rm.hw.sources.get("memory_bandwidth")
-                        and rm.hw.sources["memory_bandwidth"].status == "assumed"
-                    ):
-                        hi = ASSUMED_BW_EFF_MAX
+                    _, _, lo, hi, _ = CLASS_PARAMS[pname]  # efficiencies stay <= 1, assumed peaks included
                     add(("class", cname, pname), pri[pname][0], pri[pname][1], lo, hi)
             if pri.get("moe_latency_s", (0, 0))[1] > 0 and any(
                 lc.ffn is not None and lc.ffn.kind == "moe" for lc in rm.spec.layers

@@ -40,20 +40,27 @@ def interval(point: float, values: list[float], level: float = LEVEL) -> list[fl
 
 
 def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: float = LEVEL,
-                     **simulate_kwargs: Any) -> SimResult:
+                     accept_range: tuple[float, float] | None = None, **simulate_kwargs: Any) -> SimResult:
     """Fill ``result.intervals`` (and the speculative figures' ``X_interval``) by predicting ``plan`` with each
     stored parameter set; ``simulate_kwargs`` are what produced ``result`` (prompt_len, output_len, concurrency,
-    spec, hardware). Without stored sets the intervals are None (the parameters carry no uncertainty estimate)."""
+    spec, hardware). ``accept_range``: a given range of speculative acceptance, each set predicted at both ends (the
+    intervals then hold the acceptance's range and the parameters' uncertainty). Without stored sets and without a
+    range the intervals are None (the parameters carry no uncertainty estimate)."""
+    from dataclasses import replace
+
     from waferline.sim.pipeline import simulate
 
     sets = params.parameter_sets()
-    if not sets:
+    if not sets and accept_range is None:
         result.intervals = {f: None for f in FIGURES}
         for f in SPEC_FIGURES:
             if f in result.speculative:
                 result.speculative[f + "_interval"] = None
         return result
-    preds = [simulate(plan, params=s, **simulate_kwargs) for s in sets]
+    plans = [plan]
+    if accept_range is not None and plan.speculative.method != "none":
+        plans = [replace(plan, speculative=replace(plan.speculative, accept_rate=a)) for a in accept_range]
+    preds = [simulate(p, params=s, **simulate_kwargs) for s in (sets or [params]) for p in plans]
     result.intervals = {f: interval(getattr(result, f), [getattr(p, f) for p in preds], level) for f in FIGURES}
     for f in SPEC_FIGURES:
         v = result.speculative.get(f)

@@ -41,6 +41,7 @@ class StageTiming:
     comm: float
     hop: float
     total: float
+    fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
 
 
 @dataclass
@@ -157,7 +158,7 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
         st = sc.total
         if want_timings:
             timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed,
-                                       sc.comm, hop, st + hop))
+                                       sc.comm, hop, st + hop, fabric=sc.fabric))
         total += st + hop
         if st > slowest:
             slowest = st
@@ -195,6 +196,23 @@ def _layer_range(s: Stage) -> str:
     return str(s.layers[0]) if len(s.layers) == 1 else f"{s.layers[0]}-{s.layers[-1]}"
 
 
+def draft_spec(spec: ModelSpec, name: str | None, params: SimParams) -> ModelSpec | None:
+    """The draft model for ``spec``: ``name`` if given (ConfigError when its vocabulary differs from the target's: a
+    draft proposes token ids the target verifies, so both must share one tokenizer), else the default for the model
+    family when it shares the vocabulary, else None (the caller models a draft head of the target's own shape)."""
+    from waferline.spec.catalog import load_model
+
+    if name:
+        dspec = load_model(name)
+        if dspec.vocab_size != spec.vocab_size:
+            raise ConfigError(f"draft model {dspec.name} has a {dspec.vocab_size}-token vocabulary, {spec.name} a "
+                              f"{spec.vocab_size}-token one: a draft must share the target's tokenizer")
+        return dspec
+    name = params.draft_models.get(spec.model_type) or params.draft_models.get("default")
+    dspec = load_model(name) if name else None
+    return dspec if dspec is not None and dspec.vocab_size == spec.vocab_size else None
+
+
 def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
     """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
@@ -226,15 +244,13 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
         return k * one.total, what
     if method == "draft":
         from waferline.plan.place import place
-        from waferline.spec.catalog import load_model
 
-        fam = spec.model_type
-        name = (
-            plan.speculative.draft_model or ctx.params.draft_models.get(fam) or ctx.params.draft_models.get("default")
-        )
-        if not name:
-            raise ConfigError("no draft model: pass --draft-model (a catalog id or config.json)")
-        dspec = load_model(name)
+        dspec = draft_spec(spec, plan.speculative.draft_model, ctx.params)
+        if dspec is None:  # no small catalog model shares the target's tokenizer: a draft head of its own shape
+            one = stage_step([table[0]], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
+                             lm_head_bytes=head_b, lm_head_flops=head_f)
+            return k * one.total, (f"one-layer draft head of {spec.name}'s shape (no small catalog model shares its "
+                                   f"{spec.vocab_size}-token vocabulary)")
         devs = plan.stages[0].num_devices if hw.placement == "tensor" else None
         dplan = place(
             dspec,
@@ -353,10 +369,11 @@ def simulate(
 def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:
     if pipe > token:
         return "pipeline (slowest stage x micro-batches)"
-    fixed = sum(t.fixed + t.comm + t.hop for t in timings)
+    fixed = sum(t.fixed + t.comm + t.hop + t.fabric for t in timings)
     mem = sum(t.memory for t in timings)
     cmp_ = sum(t.compute for t in timings)
-    best = max((fixed, "latency (fixed per-layer, collectives, hops)"), (mem, "memory bandwidth"), (cmp_, "compute"))
+    best = max((fixed, "latency (fixed per-layer, fabric, collectives, hops)"), (mem, "memory bandwidth"),
+               (cmp_, "compute"))
     return best[1]
 
 

@@ -1,0 +1,143 @@
+"""``simulate --explain``: what one user's decode token is spent on, and what would have to change to reach a target
+rate. Arithmetic on a SimResult only: the same terms the simulator added up, regrouped."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from waferline.sim.cost import expected_tokens_per_step
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from waferline.sim.pipeline import SimResult
+
+# term -> what it is and where its numbers come from
+TERMS: dict[str, str] = {
+    "weights and cache read": "bytes / (peak bandwidth x fitted bw_eff <= 1): datasheet bandwidth",
+    "compute": "FLOPs / (peak FLOP/s x flops_eff <= 1), where it exceeds the read time",
+    "fixed per layer": "fitted per-layer latency (launches, synchronisation) + MoE routing constant",
+    "on-wafer fabric": "activation vectors through the mesh: shapes, link bandwidth, hops x cycle (sim/wafer.py)",
+    "collectives": "all-reduce / exchange inside a stage (link bandwidth and latency)",
+    "device hops": "activations between stages (link latency, fitted where the class has data)",
+}
+
+
+def _solve_accept(need: float, k: int) -> float | None:
+    """The per-token acceptance at which k drafts yield ``need`` tokens per step (None: not reachable with k)."""
+    if need <= 1.0:
+        return 0.0
+    if need >= k + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if expected_tokens_per_step(mid, k) < need:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str, Any]:
+    """The per-token breakdown of ``r`` (one user; the step at concurrency 1 of the plan) and, for a target rate, what
+    each term (alone) or speculative decoding would have to reach."""
+    st = r.stages
+    parts = {
+        "weights and cache read": sum(s.memory for s in st),
+        "compute": sum(max(0.0, s.compute - s.memory) for s in st),
+        "fixed per layer": sum(s.fixed for s in st),
+        "on-wafer fabric": sum(s.fabric for s in st),
+        "collectives": sum(s.comm for s in st),
+        "device hops": sum(s.hop for s in st),
+    }
+    step = sum(parts.values())  # the stages' totals, regrouped (a layer's roofline split into read + extra compute)
+    rate = r.decode_tokens_per_s_per_user
+    sp = r.speculative or {}
+    tokens_per_step = float(sp.get("expected_tokens_per_step", 1.0))
+    spec_step = float(sp.get("verify_s", 0.0)) + float(sp.get("draft_s", 0.0)) if sp.get("method", "none") != "none" \
+        else step
+    out: dict[str, Any] = {
+        "step_s": step,
+        "tokens_per_step": tokens_per_step,
+        "decode_tokens_per_s_per_user": rate,
+        "terms": [{"term": k, "seconds_per_step": v, "share": v / step if step else 0.0, "basis": TERMS[k]}
+                  for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0],
+        "dominant": max(parts, key=lambda k: parts[k]) if step else None,
+    }
+    if target_tokens_per_s is None:
+        return out
+    if target_tokens_per_s <= 0:
+        raise ValueError("the target rate must be > 0")
+    tgt: dict[str, Any] = {"tokens_per_s": target_tokens_per_s, "met": rate >= target_tokens_per_s}
+    # without changing speculation: the one-token step has to shrink to tokens_per_step / target (per-step overhead
+    # of drafting scaled with it)
+    need_step = step * rate / target_tokens_per_s
+    cut = step - need_step
+    tgt["step_needed_s"] = need_step
+    levers = []
+    if cut > 0:
+        for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+            if v <= 0:
+                continue
+            if v > cut:
+                levers.append({"term": k, "from_s": v, "to_s": v - cut, "factor": v / (v - cut)})
+            else:
+                levers.append({"term": k, "from_s": v, "to_s": None, "factor": None})
+    tgt["levers"] = levers
+    # when no term alone suffices: the fewest largest terms that together hold the cut
+    together, acc = [], 0.0
+    if cut > 0 and not any(lv["to_s"] is not None for lv in levers):
+        for lv in levers:
+            together.append(lv["term"])
+            acc += lv["from_s"]
+            if acc > cut:
+                break
+    tgt["together"] = {"terms": together, "cut_s": cut, "fraction": cut / acc} if together and acc > cut else None
+    # speculative decoding: tokens each step must yield at the current step cost
+    k = int(sp.get("num_tokens") or 3)
+    need_tokens = target_tokens_per_s * spec_step
+    tgt["speculative"] = {"method": sp.get("method", "none") if sp.get("method", "none") != "none" else "mtp",
+                          "num_tokens": k, "tokens_per_step_needed": need_tokens,
+                          "accept_rate_needed": _solve_accept(need_tokens, k),
+                          "assumes": "the current speculative step cost" if sp.get("method", "none") != "none"
+                          else "a free drafter (MTP-like) and a verify step as cheap as a one-token step"}
+    out["target"] = tgt
+    return out
+
+
+def render(con: Console, ex: dict[str, Any]) -> None:
+    """The explanation as text (what ``--explain`` prints after the tables)."""
+    from rich.table import Table
+
+    per = f"; {ex['tokens_per_step']:.2f} tokens per verify step with speculation" if ex["tokens_per_step"] > 1 else ""
+    t = Table(title=f"where one decode step goes ({ex['step_s'] * 1e6:.0f} us without speculation{per})")
+    for c in ("term", "us per step", "share", "basis"):
+        t.add_column(c, justify="right" if c in ("us per step", "share") else "left")
+    for row in ex["terms"]:
+        t.add_row(row["term"], f"{row['seconds_per_step'] * 1e6:.1f}", f"{row['share']:.0%}", row["basis"])
+    con.print(t)
+    tgt = ex.get("target")
+    if not tgt:
+        return
+    if tgt["met"]:
+        con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: met ({ex['decode_tokens_per_s_per_user']:.0f})")
+        return
+    con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the step must fall to "
+              f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). Any one of:")
+    tog = tgt.get("together")
+    if tog:
+        con.print(f"  - no one term is enough alone; {' + '.join(tog['terms'])} together cut by "
+                  f"{tog['fraction']:.0%} ({tog['cut_s'] * 1e6:.0f} us)")
+    for lv in tgt["levers"]:
+        if lv["to_s"] is None:
+            con.print(f"  - {lv['term']}: removing it entirely is not enough ({lv['from_s'] * 1e6:.0f} us)")
+        else:
+            con.print(f"  - {lv['term']}: {lv['from_s'] * 1e6:.0f} -> {lv['to_s'] * 1e6:.0f} us "
+                      f"({lv['factor']:.2f}x less)")
+    s = tgt["speculative"]
+    a = s["accept_rate_needed"]
+    how = (f"acceptance >= {a:.2f}" if a is not None else f"more than {s['num_tokens']} drafts (k+1 tokens a step "
+           f"is the most k drafts give)")
+    con.print(f"  - or speculation ({s['method']}, k={s['num_tokens']}): {s['tokens_per_step_needed']:.2f} tokens per "
+              f"step, i.e. {how} ({s['assumes']})")

@@ -1,0 +1,145 @@
+"""The mechanistic wafer term (activations streamed through the mesh), efficiencies bounded by physics, `simulate
+--explain`, acceptance given as a range, and drafts that must share the target's tokenizer."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from waferline.cli import main
+from waferline.plan.commands import accept_rate_arg
+from waferline.plan.place import place
+from waferline.sim.cost import CLASS_PARAMS, expected_tokens_per_step, layer_table, load_params, stage_step
+from waferline.sim.explain import _solve_accept, explain
+from waferline.sim.pipeline import simulate
+from waferline.sim.wafer import Fabric, fabric_work
+from waferline.spec.catalog import load_hardware, load_model
+
+
+def test_fabric_work_of_a_gqa_layer_is_its_vectors():
+    """Llama-3.1-8B: the layer input, q, k, v, the attention output and the projection back cross the mesh."""
+    spec = load_model("llama-3.1-8b")
+    layer = spec.layers[0]
+    d, H, kv, hd = 4096, 32, 8, 128
+    fw = fabric_work(layer)
+    assert fw.mixer_elems == d + H * hd + 2 * kv * hd + H * hd  # in, q + k + v out, attention out -> o_proj
+    assert fw.ffn_elems == d + 2 * 14336 + d  # in, gate and up outputs, down output
+
+
+def test_fabric_constants_come_from_the_catalog():
+    hw = load_hardware("wse-3")
+    f = Fabric.of(hw)
+    assert f.pes == hw.cores == 900000
+    assert f.link_bytes_per_s == pytest.approx(hw.on_chip.bandwidth / (hw.cores * 8))
+    assert f.hop_s == pytest.approx(1 / 1.1e9, rel=1e-3)  # one cycle at 1.1 GHz
+    assert f.side(1.0) == pytest.approx(math.sqrt(900000))
+    assert Fabric.of(load_hardware("h100-sxm")) is None
+
+
+def test_a_layer_alone_on_a_wafer_travels_further_than_one_of_many():
+    """One layer per wafer spreads it over every PE: its vectors cross ~950 hops; 32 layers sharing a wafer give each
+    a region ~5.7x narrower."""
+    hw, prm = load_hardware("wse-3"), load_params().for_hardware(load_hardware("wse-3"))
+    spec = load_model("llama-3.1-8b")
+    table = layer_table(spec, 16, 16, 2048)
+    alone = stage_step(table[:1], "full", 1, hw, prm, spec.hidden_size, 1, 1, 16)
+    shared = stage_step(table, "full", 1, hw, prm, spec.hidden_size, 1, 1, 16)
+    f, lc = Fabric.of(hw), table[0]
+    phases = lc.fabric_mixer_phases + lc.fabric_ffn_phases
+    # the same vectors stream in both cases; only the distance differs (the region: the whole wafer vs 1/32 of it)
+    extra = phases * (f.side(1.0) - f.side(1 / 32)) * f.hop_s
+    assert alone.fabric - shared.fabric / len(table) == pytest.approx(extra, rel=0.02)
+    assert extra > 4e-6  # ~950 vs ~168 hops, 7 phases
+    gpu = stage_step(table, "full", 1, load_hardware("h100-sxm"), prm, spec.hidden_size, 1, 1, 16)
+    assert gpu.fabric == 0.0
+
+
+def test_prefill_streams_tokens_side_by_side():
+    """A prompt's vectors share the region's bisection: 1000 tokens cost far less than 1000 single-token steps."""
+    f = Fabric.of(load_hardware("wse-3"))
+    one, _ = f.time(10000, 4, 1, 1.0, 4.0)
+    many, _ = f.time(10000, 4, 1000, 1.0, 4.0)
+    assert many < 1000 * one / 50
+
+
+def test_every_efficiency_is_at_most_one():
+    """Fitted efficiencies stay physical (no bandwidth above the peak), in the fit and in every bootstrap set."""
+    p = load_params()
+    for name, cp in p.classes.items():
+        assert 0 < cp.bw_eff <= 1.0 and 0 < cp.flops_eff <= 1.0, name
+        assert cp.fabric_links >= CLASS_PARAMS["fabric_links"][2], name
+    for s in p.parameter_sets():
+        for name, cp in s.classes.items():
+            assert cp.bw_eff <= 1.0, name
+    assert CLASS_PARAMS["bw_eff"][3] == 1.0 and CLASS_PARAMS["flops_eff"][3] == 1.0
+
+
+def test_explain_regroups_the_step_and_sizes_the_levers():
+    plan = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4)
+    r = simulate(plan)
+    ex = explain(r, 750.0)
+    assert sum(t["seconds_per_step"] for t in ex["terms"]) == pytest.approx(ex["step_s"])
+    assert ex["step_s"] == pytest.approx(sum(s.total for s in r.stages), rel=1e-9)
+    tgt = ex["target"]
+    assert not tgt["met"] and tgt["step_needed_s"] == pytest.approx(1 / 750.0, rel=1e-6)
+    for lv in tgt["levers"]:
+        if lv["to_s"] is not None:
+            assert lv["from_s"] - lv["to_s"] == pytest.approx(ex["step_s"] - tgt["step_needed_s"])
+    a = tgt["speculative"]["accept_rate_needed"]
+    assert expected_tokens_per_step(a, 3) == pytest.approx(tgt["speculative"]["tokens_per_step_needed"], rel=1e-6)
+    assert explain(r, 1.0)["target"]["met"]
+
+
+def test_solve_accept_bounds():
+    assert _solve_accept(1.0, 3) == 0.0
+    assert _solve_accept(4.0, 3) is None
+    assert expected_tokens_per_step(_solve_accept(2.5, 4), 4) == pytest.approx(2.5, rel=1e-9)
+
+
+def test_accept_rate_arg():
+    assert accept_rate_arg("0.8") == (0.8, 0.8)
+    assert accept_rate_arg("0.6:0.9") == (0.6, 0.9)
+    assert accept_rate_arg("0.6-0.9") == (0.6, 0.9)
+    for bad in ("0.9:0.6", "1.2", "-0.5", "abc", "0.1:0.2:0.3", "nan"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            accept_rate_arg(bad)
+
+
+def _sim_json(capsys, *argv):
+    assert main(["simulate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_acceptance_range_spans_the_interval(capsys):
+    base = ["llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "mtp"]
+    lo = _sim_json(capsys, *base, "--accept-rate", "0.5", "--no-intervals")
+    hi = _sim_json(capsys, *base, "--accept-rate", "0.9", "--no-intervals")
+    mid = _sim_json(capsys, *base, "--accept-rate", "0.5:0.9")
+    assert mid["speculative"]["accept_rate"] == pytest.approx(0.7)
+    low, high = mid["decode_tokens_per_s_per_user_interval"]
+    assert low <= lo["decode_tokens_per_s_per_user"] * 1.0001 and high >= hi["decode_tokens_per_s_per_user"] * 0.9999
+    assert mid["speculative"]["accept_rate_interval"][0] <= 0.5 + 1e-9
+
+
+def test_explain_flag_prints_and_json_carries_it(capsys):
+    d = _sim_json(capsys, "gpt-5.6-sol", "--hardware", "wse-3", "--devices", "80", "--weight-bits", "4",
+                  "--no-intervals", "--explain", "--target-tokens-per-s", "750")
+    assert d["explain"]["target"]["tokens_per_s"] == 750 and d["explain"]["terms"]
+    assert main(["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--devices", "80", "--weight-bits", "4",
+                 "--no-intervals", "--explain"]) == 0
+    assert "where one decode step goes" in capsys.readouterr().out
+    assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--target-tokens-per-s", "750"]) == 2
+    assert "--explain" in capsys.readouterr().err
+
+
+def test_a_draft_with_another_tokenizer_is_refused(capsys):
+    assert main(["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "draft",
+                 "--draft-model", "qwen3-0.6b", "--no-intervals"]) != 0
+    assert "tokenizer" in capsys.readouterr().err
+    d = _sim_json(capsys, "kimi-k2.6", "--hardware", "wse-3", "--weight-bits", "4", "--speculative", "draft",
+                  "--no-intervals")
+    assert "draft head" in d["speculative"]["drafter"]  # llama-3.2-1b's vocabulary is not Kimi's
+    d = _sim_json(capsys, "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "draft",
+                  "--no-intervals")
+    assert "llama-3.2-1b" in d["speculative"]["drafter"]
