@@ -82,14 +82,15 @@ def test_incremental_text_is_the_whole_decode(sol):
         assert sch._text(seq)[0] == "".join(f"<{t}>" for t in seq.output_ids[::-1])
 
 
-@pytest.mark.parametrize("arch", ["sol", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["sol", "gpt_oss", "deepseek_v32", "deepseek_v4", "qwen3_next", "kimi_linear"])
 def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, threads):
     """With a budget of ~2 sequences for 6 requests, chunked prefill and recompute preemption still produce
-    exactly the tokens of LLM.generate for each prompt alone (greedy and seeded sampling)."""
+    exactly the tokens of LLM.generate for each prompt alone (greedy and seeded sampling): every cache scheme served
+    (sparse and compressed attention, linear-attention state)."""
     d = sol
-    if arch == "gpt_oss":
-        d = tmp_path / "gpt_oss"
-        build("gpt_oss", d)
+    if arch != "sol":
+        d = tmp_path / arch
+        build(arch, d)
     llm = LLM(d)
     prompts = [[(7 * i + 3 * j) % 100 + 3 for j in range(5 + 9 * i)] for i in range(6)]
     params = [

@@ -1,9 +1,12 @@
-"""`waferline serve`: the OpenAI-compatible server on a checkpoint, with continuous batching."""
+"""`waferline serve`: the OpenAI-compatible server on a checkpoint, with continuous batching — in this process, or
+over a pipeline of stage processes (--stages / --layers-per-stage)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +19,22 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  api_key: str | None = None, served_model_name: str | None = None, max_body_bytes: int = 1 << 20,
                  torch_threads: int | None = None, prefix_caching: bool = True, speculative: str | None = None,
                  num_speculative_tokens: int = 4, body_timeout: float = 30.0,
-                 allowed_hosts: tuple[str, ...] = ()) -> Any:
-    """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest)."""
+                 allowed_hosts: tuple[str, ...] = (), stages: int | None = None,
+                 layers_per_stage: int | None = None, micro_batches: int | None = None,
+                 hang_timeout_s: float | None = None, threads_per_stage: int | None = None,
+                 group_size: int | None = None, head_bits: int = 16, afd: bool = False,
+                 attention_ranks: int | None = None, ffn_ranks: int | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> Any:
+    """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
+
+    With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
+    and the scheduler), with ``afd`` as attention and FFN ranks (this process is attention rank 0); a process that
+    dies or hangs fails the requests in flight, and the processes are started again. ``on_fatal`` is called (from
+    the engine thread, with the reason) when they cannot be."""
     from waferline.engine.llm import LLM
-    from waferline.engine.scheduler import EngineLoop, Scheduler, SchedulerConfig
+    from waferline.engine.loop import EngineLoop
+    from waferline.engine.runner import runner_for
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
     from waferline.server.app import Server, create_app
 
     path = Path(model)
@@ -30,12 +45,48 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if speculative:
         check_serve_speculative(speculative, num_speculative_tokens)
     kw: dict[str, Any] = {"weight_bits": weight_bits} if weight_bits != 16 else {}
+    if group_size is not None:
+        kw["group_size"] = group_size
+    if head_bits != 16:
+        kw["head_bits"] = head_bits
+    pipeline = stages is not None or layers_per_stage is not None
+    if afd or attention_ranks is not None or ffn_ranks is not None:
+        if pipeline:
+            raise ConfigError("afd and stages / layers_per_stage are two different engines: give one of them")
+        pipeline = True
+        kw.update(afd=True, attention_ranks=attention_ranks or 1, ffn_ranks=ffn_ranks or 1,
+                  micro_batches=micro_batches)
+    elif pipeline:
+        kw.update(stages=stages, layers_per_stage=layers_per_stage, micro_batches=micro_batches)
+    elif micro_batches is not None or hang_timeout_s is not None or threads_per_stage is not None:
+        raise ConfigError("micro_batches, hang_timeout_s and threads_per_stage need stages, layers_per_stage or afd")
+    if hang_timeout_s is not None:
+        kw["hang_timeout_s"] = hang_timeout_s
+    if threads_per_stage is not None:
+        kw["threads_per_stage"] = threads_per_stage
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
+
+    def rebuild() -> Any:
+        """A new pipeline / AFD engine (new processes) with the same options, after one died or hung."""
+        fresh = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
+        llm._pipeline = fresh._pipeline
+        return fresh._pipeline
+
+    try:
+        runner = runner_for(llm, max_num_seqs, rebuild if pipeline else None)
+    except BaseException:
+        llm.close()
+        raise
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=llm.max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, chunk_tokens=chunk_tokens,
                           page_tokens=page_tokens, cache_bytes=None if cache_mb is None else cache_mb * 2**20,
                           max_queue=max_queue, prefix_caching=prefix_caching)
-    engine = EngineLoop(Scheduler(llm, cfg), torch_threads=torch_threads).start()
+    try:
+        scheduler = Scheduler(llm, cfg, runner)
+    except BaseException:
+        runner.close()
+        raise
+    engine = EngineLoop(scheduler, torch_threads=torch_threads, on_fatal=on_fatal).start()
     server = Server(engine, served_model_name or path.name, api_key, max_body_bytes, body_timeout=body_timeout,
                     allowed_hosts=allowed_hosts)
     return create_app(server)
@@ -56,7 +107,50 @@ def check_serve_speculative(method: str, k: int) -> None:
                       "waferline.LLM(path, speculative=...)")
 
 
+def check_serve_flags(args: argparse.Namespace) -> None:
+    """Refuse engine flags that serve would ignore or cannot honour yet, with the reason, before anything loads."""
+    pipeline = args.stages is not None or args.layers_per_stage is not None
+    if not args.afd:
+        given = [f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
+                 if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --afd")
+    elif pipeline:
+        raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
+    elif args.weight_bits != 16 or args.head_bits != 16 or args.group_size is not None:
+        raise UsageError("--afd runs 16-bit weights and head: drop --weight-bits / --head-bits / --group-size")
+    if args.device not in (None, "cpu"):
+        raise UsageError(f"--device {args.device}: the server's scheduler runs on CPU so far; drop --device (AFD, "
+                         "pipelines and the single-process engine run on a GPU through `waferline generate`)")
+    if args.stages is not None and args.layers_per_stage is not None:
+        raise UsageError("give --stages S or --layers-per-stage K, not both")
+    if not (pipeline or args.afd):
+        given = [f for f, v in (("--micro-batches", args.micro_batches), ("--hang-timeout", args.hang_timeout))
+                 if v is not None]
+        if given:
+            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --stages S, "
+                             "--layers-per-stage K or --afd")
+    if args.head_bits != 16 and pipeline:
+        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
+                         "--stages/--layers-per-stage")
+    if args.hang_timeout is not None and args.hang_timeout <= 0:
+        raise UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
+    if args.group_size is not None:
+        from waferline.engine.llm import _is_int4_checkpoint
+
+        if args.weight_bits != 4:
+            raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
+        if Path(args.model).is_dir() and _is_int4_checkpoint(Path(args.model)):
+            raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
+                             "quantized with; drop --group-size")
+        if pipeline:
+            raise UsageError("--group-size applies to int4 on load in the single-process engine; a pipeline loads an "
+                             "int4 checkpoint as it was quantized (waferline quantize --group-size G)")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    import signal
+
     import uvicorn
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
@@ -67,11 +161,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     if args.allowed_hosts and api_key:
         raise UsageError("--allowed-hosts applies to a server without --api-key (with a key, any Host is answered)")
+    check_serve_flags(args)
+    if args.stages is not None or args.layers_per_stage is not None:
+        from waferline.engine.pipeline import serve_from_env, torchrun_rank
+
+        if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 (the server) stops
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
     if not Path(args.model).is_dir():  # (before a first kernel build makes the user wait for this error)
         raise ConfigError(f"--model {args.model}: not a checkpoint directory (config.json + *.safetensors)")
     from waferline import kernels
 
     kernels.prepare()  # built (first run) or loaded before the server listens: /health is ok only once they are
+    stopped: list[str] = []
+
+    def fatal(reason: str) -> None:
+        """The engine could not recover from a fault: stop serving (uvicorn shuts down on SIGTERM), exit non-zero."""
+        stopped.append(reason)
+        print(f"waferline: the engine stopped: {reason}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
     app = build_server(args.model, dtype=args.dtype, weight_bits=args.weight_bits, max_num_seqs=args.max_num_seqs,
                        max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                        chunk_tokens=args.chunk_tokens, page_tokens=args.page_tokens, cache_mb=args.cache_mb,
@@ -80,13 +188,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        prefix_caching=not args.no_prefix_caching, speculative=args.speculative,
                        num_speculative_tokens=4 if args.num_speculative_tokens is None else args.num_speculative_tokens,
                        body_timeout=args.body_timeout,
-                       allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()))
+                       allowed_hosts=tuple(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip()),
+                       stages=args.stages, layers_per_stage=args.layers_per_stage, micro_batches=args.micro_batches,
+                       hang_timeout_s=args.hang_timeout, group_size=args.group_size, head_bits=args.head_bits,
+                       afd=args.afd, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
+                       on_fatal=fatal)
+    engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
     finally:
-        app.state.server.engine.shutdown()
-    return 0
+        engine.shutdown()
+    return 1 if stopped else 0
 
 
 def register(sub: Any) -> None:
@@ -128,7 +241,34 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4], help="4: int4 weights (W4A16)")
+    s.add_argument("--group-size", type=int, default=None,
+                   help="int4 group size for --weight-bits 4 on a 16-bit checkpoint (default 128)")
+    s.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
+                   help="8 = int8 LM head, 16 = as loaded (default); single-process engine only")
+    s.add_argument("--device", default=None,
+                   help="cpu only: the server's scheduler runs on CPU so far (any other device is refused)")
     s.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads of the engine")
+    s.add_argument("--stages", type=int, default=None,
+                   help="serve a pipeline of S stage processes (layers split evenly; this process is stage 0 and the "
+                        "scheduler). A stage that dies or hangs ends every running and queued request with an error "
+                        "(SSE error event / 503), /health answers 503 while new stage processes are started, then "
+                        "the server serves again; if they cannot be started the server exits non-zero")
+    s.add_argument("--layers-per-stage", type=int, default=None,
+                   help="pipeline with K layers per stage (1 = one wafer, one layer); faults as for --stages")
+    s.add_argument("--micro-batches", type=int, default=None,
+                   help="with a pipeline: split each engine step's sequences into M micro-batches kept in flight "
+                        "together, so the stages overlap (default: stages); with --afd, micro-batches ping-ponging "
+                        "between attention and FFN ranks (default 2)")
+    s.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+                   help="with a pipeline or --afd: a process that owes work and makes no progress for S seconds is a "
+                        "fault (default 8)")
+    s.add_argument("--afd", action="store_true",
+                   help="attention/FFN disaggregation: attention ranks (mixers, caches; this process is rank 0 and "
+                        "the scheduler) and FFN ranks as processes (see docs/afd.md); faults as for --stages")
+    s.add_argument("--attention-ranks", type=int, default=None, metavar="M",
+                   help="with --afd: attention ranks, each holding the caches of its share of the slots (default 1)")
+    s.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+                   help="with --afd: FFN ranks; MoE experts are split across them (default 1)")
     s.add_argument("--speculative", default=None, metavar="METHOD",
                    help="ngram | mtp | draft:PATH. NOT SUPPORTED by the server yet: the continuous-batching scheduler "
                         "has no verify step, so serve refuses it with an error (speculation works in `waferline "

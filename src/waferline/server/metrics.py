@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 if TYPE_CHECKING:
-    from waferline.engine.scheduler import EngineLoop
+    from waferline.engine.loop import EngineLoop
 
 # The status a request is counted under when its client went away before the response (nginx's 499): neither a
 # success nor a server error.

@@ -33,6 +33,7 @@ from waferline.engine.stage import (
     EMIT_TOKEN,
     FEEDBACK,
     LOOPBACK,
+    RESET,
     SHUTDOWN,
     STEP,
     Control,
@@ -222,12 +223,12 @@ class AFD(Pipeline):
     def _rank_of(self, i: int) -> int:
         return i % self.M
 
-    def _plan_step(self, seqs: list[_Seq], logprobs: bool) -> list[list[tuple[_Seq, list[int], int, int]]] | None:
-        """Per attention rank, the rows of this step: (seq, tokens, start, emit); None when nothing is left."""
-        per: list[list[tuple[_Seq, list[int], int, int]]] = [[] for _ in range(self.M)]
+    def _plan_step(self, seqs: list[_Seq], logprobs: bool) -> list[list[tuple[int, list[int], int, int]]] | None:
+        """Per attention rank, the rows of this step: (row, tokens, start, emit); None when nothing is left."""
+        per: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(self.M)]
         for s in seqs:
             if s.phase == DECODE:
-                per[self._rank_of(s.idx)].append((s, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN))
+                per[self._rank_of(s.idx)].append((s.idx, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN))
         budget = [max(self.prefill_chunk - len(rows), 1) for rows in per]  # prompts always advance
         for s in seqs:
             m = self._rank_of(s.idx)
@@ -236,17 +237,18 @@ class AFD(Pipeline):
             n = min(len(s.prompt) - s.next_pos, budget[m])
             last = s.next_pos + n == len(s.prompt)
             emit = EMIT_LOGPROBS if logprobs else (EMIT_TOKEN if last else EMIT_NONE)
-            per[m].append((s, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit))
+            per[m].append((s.idx, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit))
             s.next_pos += n
             budget[m] -= n
         return per if any(per) else None
 
     def _micro_batches(
-        self, rows: list[tuple[_Seq, list[int], int, int]]
+        self, rows: list[tuple[int, list[int], int, int]]
     ) -> tuple[list[MicroBatch], list[list[torch.Tensor]]]:
-        """K micro-batches balanced by tokens (largest rows first), each split into groups of equal T."""
+        """K micro-batches balanced by tokens (largest rows first), each split into groups of equal T. A row is
+        (global row, tokens, start, emit); row i lives in slot i // M of attention rank i % M."""
         K = self.micro_batches
-        bins: list[list[tuple[_Seq, list[int], int, int]]] = [[] for _ in range(K)]
+        bins: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(K)]
         load = [0] * K
         for row in sorted(rows, key=lambda r: -len(r[1])):
             k = min(range(K), key=lambda j: (load[j], j))
@@ -255,10 +257,10 @@ class AFD(Pipeline):
         mbs, toks = [], []
         for rows_k in bins:
             groups: dict[int, tuple[Group, list[list[int]]]] = {}
-            for s, t, start, emit in sorted(rows_k, key=lambda r: r[0].idx):
+            for i, t, start, emit in sorted(rows_k, key=lambda r: r[0]):
                 g, tl = groups.setdefault(len(t), (Group(len(t)), []))
-                g.seqs.append(s.idx)
-                g.slots.append(s.idx // self.M)
+                g.seqs.append(i)
+                g.slots.append(i // self.M)
                 g.starts.append(start)
                 g.emits.append(emit)
                 tl.append(t)
@@ -267,42 +269,65 @@ class AFD(Pipeline):
             toks.append([torch.tensor(groups[T][1], dtype=torch.long) for T in sorted(groups)])
         return mbs, toks
 
-    def _run(
-        self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any
-    ) -> Iterator[list[tuple[int, int]]]:
-        n = len(seqs)
+    def _begin_ranks(self, n: int, params: SamplingParams) -> None:
+        """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``."""
         cfg = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
                                           "top_k": params.top_k, "seed": params.seed}}
         self._mb_ids = 0
         self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
         for m in range(1, self.M):
             self.link.send(m, BEGIN, json_meta(dict(cfg, local_slots=len(range(m, n, self.M)))))
+
+    def _step_ranks(self, per: list[list[tuple[int, list[int], int, int]]]
+                    ) -> list[tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]]:
+        """One step: per attention rank, its rows (global row, tokens, start, emit) in K micro-batches; the decoded
+        feedback of every micro-batch (mb_id, tokens, log-probs, drafts per global row)."""
+        self._busy_since = time.monotonic()
+        mine = None
+        for m in range(self.M):
+            mbs, toks = self._micro_batches(per[m])
+            if m == 0:
+                mine = (mbs, toks)
+            else:
+                meta, ts = encode_step(mbs, toks)
+                self.link.send(m, STEP, meta, ts)
+        feedback = self.runner.step(*mine)
+        for m in range(1, self.M):
+            for _ in range(self.micro_batches):
+                kind, meta, tail = self.link.recv(m)
+                if kind != FEEDBACK:
+                    raise AFDError(f"protocol error: expected feedback from attention rank {m}, got kind {kind}")
+                feedback.append((meta, [tail]))
+        self._busy_since = None
+        out = []
+        for meta, ts in feedback:
+            tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
+            out.append(decode_feedback(meta, tail, self.spec.vocab_size))
+        return out
+
+    def _reset_rows(self, rows: list[int]) -> None:
+        """New sequences start in global ``rows``: each attention rank clears its slots of them."""
+        for m in range(self.M):
+            local = [i // self.M for i in rows if i % self.M == m]
+            if not local:
+                continue
+            if m == 0:
+                self.runner.rt.reset_slots(local)
+            else:
+                self.link.send(m, RESET, local)
+
+    def _run(
+        self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any
+    ) -> Iterator[list[tuple[int, int]]]:
+        self._begin_ranks(len(seqs), params)
         while True:
             per = self._plan_step(seqs, logprobs)
             if per is None:
                 break
-            self._busy_since = time.monotonic()
-            mine = None
-            for m in range(self.M):
-                mbs, toks = self._micro_batches(per[m])
-                if m == 0:
-                    mine = (mbs, toks)
-                else:
-                    meta, ts = encode_step(mbs, toks)
-                    self.link.send(m, STEP, meta, ts)
-            feedback = self.runner.step(*mine)
-            for m in range(1, self.M):
-                for _ in range(self.micro_batches):
-                    kind, meta, tail = self.link.recv(m)
-                    if kind != FEEDBACK:
-                        raise AFDError(f"protocol error: expected feedback from attention rank {m}, got kind {kind}")
-                    feedback.append((meta, [tail]))
-            self._busy_since = None
+            feedback = self._step_ranks(per)
             now = time.perf_counter()
             events: list[tuple[int, int]] = []
-            for meta, ts in feedback:
-                tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
-                fb = decode_feedback(meta, tail, self.spec.vocab_size)  # (mb_id, tokens, log-probs, ...)
+            for fb in feedback:  # (mb_id, tokens, log-probs, drafts)
                 tokens, lps = fb[1], fb[2]
                 for i, lp in lps.items():
                     s = seqs[i]

@@ -24,6 +24,7 @@ from waferline.engine.sampling import make_generator
 from waferline.engine.stage import (
     BEGIN,
     FEEDBACK,
+    RESET,
     SHUTDOWN,
     STEP,
     Control,
@@ -321,6 +322,8 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
                 runner.round((kind, meta, tail))
             elif kind == BEGIN:
                 runner.begin(meta_json(meta))
+            elif kind == RESET:
+                runner.rt.reset_slots(meta)
             elif kind == STEP:
                 mbs, toks = decode_step(meta, tail)
                 for fmeta, ft in runner.step(mbs, toks):

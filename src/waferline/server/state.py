@@ -1,0 +1,370 @@
+"""The server's state and request handling pieces: ``Server`` (the engine loop, the tokenizer, the served model
+name, the API key) with its checks of a request's host, key, content type and body, prompt encoding and sampling
+parameters. The routes that use them are in app.py."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from starlette.requests import ClientDisconnect
+
+from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullError
+from waferline.engine.sampling import SamplingParams
+from waferline.engine.scheduler import Event
+from waferline.errors import RequestError
+from waferline.server.metrics import DISCONNECTED, Metrics
+from waferline.server.protocol import APIError, ChatRequest
+
+log = logging.getLogger("waferline.server")
+
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (an OpenAI request needs a handful)
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
+LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
+
+# The chat prompt when the tokenizer config has no chat_template: one block per message, then the assistant's.
+FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
+
+
+class Server:
+    """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key."""
+
+    def __init__(self, engine: EngineLoop, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
+                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = ()):
+        self.engine = engine
+        self.llm = engine.scheduler.llm
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout  # seconds for a request's whole body to arrive (408 beyond)
+        # Host names a key-less server answers besides localhost, IP literals and the address the request came in on
+        # (as a Host header's name is compared: without a port or brackets, lowercased, no trailing dot)
+        self.allowed_hosts = {_host_name(h) for h in (*allowed_hosts, socket.gethostname()) if h.strip()}
+        self.metrics = Metrics(engine)
+        self.created = int(time.time())
+        self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock  # shared with the engine's decoding
+        # Prompts are encoded by a copy of the tokenizer under a lock of their own: a long encode in a worker thread
+        # must not hold the lock the engine thread takes to detokenize every stream's next token.
+        self.encode_tokenizer, self.encode_lock = self.llm.tokenizer, self.tokenizer_lock
+        if self.llm.tokenizer is not None:
+            try:
+                self.encode_tokenizer, self.encode_lock = copy.deepcopy(self.llm.tokenizer), threading.Lock()
+            except Exception:  # a tokenizer that cannot be copied: share the engine's, under its lock
+                pass
+
+    # -- request pieces
+    def check_host(self, request: Request) -> None:
+        """Without an API key, answer only requests addressed to this machine by a local name or an IP address: a web
+        page cannot then reach the server through a DNS name it controls (DNS rebinding)."""
+        if self.api_key is not None:
+            return
+        host = request.headers.get("host")
+        if host is None:
+            return  # (HTTP/1.0 without Host: not a browser)
+        name = _host_name(host)
+        local = request.scope.get("server")
+        if (name in self.allowed_hosts or name in LOCAL_HOST_NAMES or name.endswith(".localhost") or _is_ip(name)
+                or (local and name == str(local[0]).lower())):
+            return
+        raise APIError(f"the Host header '{host[:100]}' is not accepted: without --api-key this server answers only "
+                       "requests addressed to localhost, an IP address or this machine's name", 403,
+                       code="invalid_host")
+
+    def check_json_type(self, request: Request) -> None:
+        """Bodies must be declared JSON: a browser cannot send that cross-origin without a CORS preflight (which this
+        server does not grant), unlike text/plain or form bodies."""
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json" and not (ctype.startswith("application/") and ctype.endswith("+json")):
+            raise APIError(f"unsupported content type '{ctype[:100] or '(none)'}': send the body as JSON with the "
+                           "header 'Content-Type: application/json'", 415, code="unsupported_media_type")
+
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        if not auth:
+            raise APIError(
+                "missing API key: send the header 'Authorization: Bearer <key>'", 401, code="invalid_api_key"
+            )
+        scheme, _, key = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise APIError("invalid API key", 401, code="invalid_api_key")
+
+    async def json_body(self, request: Request) -> Any:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        # (the connection is closed after the answer: else the server would go on reading the rest of the body)
+        too_big = APIError(f"request body larger than {limit} bytes", 413, code="request_too_large",
+                           headers={"Connection": "close"})
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, n = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    n += len(chunk)
+                    if n > limit:
+                        raise too_big
+                    chunks.append(chunk)
+        except TimeoutError:
+            log.warning("%s %s: the request body did not arrive within %g s (%d of %s bytes); answered 408",
+                        _client(request), request.url.path, self.body_timeout, n, declared or "?")
+            # (close the connection: the rest of this body may still be on its way)
+            raise APIError(f"the request body did not arrive within {self.body_timeout:g} s", 408,
+                           code="request_timeout", headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            log.warning("%s %s: the client disconnected during the upload (%d of %s bytes)", _client(request),
+                        request.url.path, n, declared or "?")
+            raise APIError("the client disconnected during the upload", DISCONNECTED,
+                           code="client_disconnected") from None
+        raw = b"".join(chunks)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise APIError(f"request body is not valid UTF-8 (byte {e.start}); send UTF-8 encoded JSON") from None
+        try:
+            data = json.loads(text, parse_constant=_no_constant)
+        except json.JSONDecodeError as e:
+            raise APIError(f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except RecursionError:
+            raise APIError(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)") from None
+        except ValueError:  # an integer beyond the interpreter's digit limit (sys.get_int_max_str_digits)
+            raise APIError("malformed JSON body: a number with too many digits") from None
+        _check_strings(data)
+        return data
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                f"the model '{name}' does not exist; this server serves '{self.model_name}' (see /v1/models)",
+                404,
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt (blocking: the handlers call it through ``asyncio.to_thread``)."""
+        if self.encode_tokenizer is None:
+            raise APIError("this model has no tokenizer (tokenizer.json): send the prompt as a list of token ids",
+                           param="prompt")
+        with self.encode_lock:
+            return list(self.encode_tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_prompt(self, req: ChatRequest) -> list[int]:
+        """Render and tokenize a chat prompt (blocking, like ``encode``): the model's template (the engine tokenizer's)
+        rendered by the encoding copy, so a long conversation does not hold the lock the engine detokenizes under."""
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise APIError(
+                "this model has no tokenizer (tokenizer.json), so chat is not available; use /v1/completions "
+                "with token ids",
+                param="messages",
+            )
+        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        template = getattr(tok, "chat_template", None)
+        if template:
+            try:
+                with self.encode_lock:
+                    text = self.encode_tokenizer.apply_chat_template(msgs, chat_template=template,
+                                                                     add_generation_prompt=True, tokenize=False)
+            except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
+                raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
+        else:
+            text = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
+        return self.encode(text)
+
+    @staticmethod
+    def check_options(req: Any) -> None:
+        """Refuse (400) what this server does not do, rather than silently answering something else."""
+        if req.n is not None and req.n != 1:
+            raise APIError(f"n={req.n} is not supported: this server returns one choice per request (n=1)", param="n")
+        if getattr(req, "best_of", None) not in (None, 1):
+            raise APIError("best_of is not supported", param="best_of")
+        if getattr(req, "echo", False):
+            raise APIError("echo is not supported", param="echo")
+        if getattr(req, "suffix", None):
+            raise APIError("suffix is not supported", param="suffix")
+        if req.logprobs not in (None, False):
+            raise APIError("logprobs are not supported", param="logprobs")
+        if getattr(req, "top_logprobs", None) not in (None, 0):
+            raise APIError("top_logprobs are not supported", param="top_logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name) not in (None, 0, 0.0):
+                raise APIError(f"{name} is not supported (only 0)", param=name)
+        if req.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if not isinstance(req, ChatRequest):
+            return
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise APIError(f"{name} (function calling) is not supported by this server: send the request without "
+                               f"'{name}'", param=name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(req, name) not in (None, "none"):
+                raise APIError(f"{name} is not supported (function calling is not available)", param=name)
+        fmt = req.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise APIError("response_format is not supported (only {\"type\": \"text\"}): structured output is not "
+                           "available", param="response_format")
+        if req.modalities is not None and list(req.modalities) != ["text"]:
+            raise APIError("modalities: only [\"text\"] is supported", param="modalities")
+        if req.audio is not None:
+            raise APIError("audio output is not supported", param="audio")
+
+    def sampling(self, req: Any, prompt_len: int, default_max: int | None) -> SamplingParams:
+        max_tokens = req.max_tokens
+        if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+            max_tokens = req.max_completion_tokens
+        mml = self.engine.scheduler.max_model_len
+        if max_tokens is None:
+            max_tokens = default_max if default_max is not None else mml - prompt_len
+        param = (
+            "max_completion_tokens"
+            if isinstance(req, ChatRequest) and req.max_completion_tokens is not None
+            else "max_tokens"
+        )
+        if max_tokens < 1:
+            raise APIError(f"{param} must be >= 1, got {max_tokens}", param=param)
+        if prompt_len >= mml:
+            raise APIError(
+                f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
+                "(--max-model-len): shorten the prompt",
+                param="messages" if isinstance(req, ChatRequest) else "prompt",
+            )
+        if prompt_len + max_tokens > mml:
+            raise APIError(f"prompt of {prompt_len} tokens + {param}={max_tokens} exceeds the context of {mml} tokens; "
+                           f"lower {param} to at most {mml - prompt_len}", param=param)
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > 16 or any(not s for s in stop):
+            raise APIError("stop: give at most 16 non-empty strings", param="stop")
+        try:
+            return SamplingParams(max_tokens=max_tokens,
+                                  temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
+                                  stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        except RequestError as e:
+            raise APIError(str(e), param=_param_of(str(e))) from None
+
+    # -- running a request
+    def start(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[tuple[Event, float]]:
+        """Submit now (a full queue or a bad request raises here, before any response is sent) and return the
+        stream of (event, engine time) until the request finishes; closing it early aborts the request."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[Event, float]] = asyncio.Queue()
+
+        def sink(ev: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (ev, time.perf_counter()))
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        arrival = time.perf_counter()
+        try:
+            self.engine.submit(ids, params, sink, rid)
+        except QueueFullError as e:
+            raise APIError(str(e), 429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineUnavailableError as e:
+            raise APIError(str(e), 503, type="server_error", code="engine_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RequestError as e:
+            raise APIError(str(e), param=_param_of(str(e))) from None
+        events = self._events(queue, rid, arrival)
+        # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
+        # generator's cleanup: abort when it is collected (a no-op for a request that already finished)
+        weakref.finalize(events, self.engine.abort, rid)
+        return events
+
+    async def _events(self, queue: asyncio.Queue, rid: str, arrival: float) -> AsyncIterator[tuple[Event, float]]:
+        finished = False
+        last: float | None = None
+        m = self.metrics
+        try:
+            while True:
+                ev, t = await queue.get()
+                if ev.token_id is not None:
+                    m.generation_tokens.inc()
+                    if last is None:
+                        m.ttft.observe(t - arrival)
+                    else:
+                        m.itl.observe(t - last)
+                    last = t
+                if ev.finished:
+                    finished = True
+                    m.finished.labels(ev.finish_reason or "unknown").inc()
+                    if ev.finish_reason in ("stop", "length"):
+                        m.prompt_tokens.inc(ev.prompt_tokens)
+                        m.e2e.observe(t - arrival)
+                yield ev, t
+                if finished:
+                    return
+        finally:
+            if not finished:  # the client went away (or the handler failed): stop the sequence, free its pages
+                self.engine.abort(rid)
+                m.finished.labels("abort").inc()
+
+
+def _check_strings(data: Any) -> None:
+    """Reject JSON strings with lone surrogates (\\udXXX escapes): they are not valid Unicode text; and bodies nested
+    deeper than MAX_JSON_DEPTH (what validates them, reports on them or copies them may recurse)."""
+    stack = [(data, 1)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError("a string in the request is not valid Unicode (a lone surrogate escape)") from None
+        elif isinstance(x, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise APIError(f"the JSON body is nested too deeply (at most {MAX_JSON_DEPTH} levels)")
+            if isinstance(x, dict):
+                stack.extend((k, depth) for k in x.keys())
+                stack.extend((v, depth + 1) for v in x.values())
+            else:
+                stack.extend((v, depth + 1) for v in x)
+
+
+def _no_constant(name: str) -> Any:
+    raise APIError(f"malformed JSON body: {name} is not a JSON number")
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine-side message is about (its first word, when that names a sampling field)."""
+    word = message.split(" ", 1)[0]
+    return word if word in SamplingParams.__dataclass_fields__ else None
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without port, brackets or a trailing dot, lowercased."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        h = h[1:].split("]", 1)[0]
+    elif h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _client(request: Request) -> str:
+    c = request.client
+    return f"{c.host}:{c.port}" if c else "client"

@@ -1,0 +1,345 @@
+"""`waferline serve` over worker processes: the server's continuous-batching scheduler drives two int4 pipeline stages
+of one layer each (engine/pipeline/serving.py), or two attention ranks and an FFN rank (engine/afd/serving.py).
+Concurrent requests give what each gives alone and what LLM.generate gives with the same flags; a process that dies
+fails every request in flight or queued, and the processes are started again."""
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import KEY, _free_port, _wait_until
+from waferline import LLM, SamplingParams
+from waferline.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_LEN = 128
+HANG_TIMEOUT_S = 4.0
+PROMPTS = ["To be, or not to be", "Once more unto the breach", "A horse! a horse!", "Now is the winter",
+           "Friends, Romans, countrymen", "What light through yonder", "All the world", "If music be the food"]
+ENGINES = {  # (hang_timeout_s: the watchdog's, for the tests of a hung process)
+    "pipeline": {"layers_per_stage": 1, "micro_batches": 2, "weight_bits": 4, "hang_timeout_s": HANG_TIMEOUT_S},
+    "afd": {"afd": True, "attention_ranks": 2, "ffn_ranks": 1, "hang_timeout_s": HANG_TIMEOUT_S},  # 16-bit weights
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    """A 2-layer sol checkpoint (Mamba-2 + dense FFN, MLA + MoE) with a tokenizer: fp32 for AFD, int4 for the
+    pipeline."""
+    import shutil
+
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.model.init import write_random_checkpoint
+    from waferline.model.quant import QuantOptions
+    from waferline.model.quant.write import quantize_checkpoint
+
+    tmp = tmp_path_factory.mktemp("serve-pipeline")
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mamba2", "mla"], ffn_types=["dense", "moe"])
+    write_random_checkpoint(cfg, tmp / "fp32")
+    write_tokenizer(tmp / "fp32", DEMO_TEXT, cfg["vocab_size"])
+    quantize_checkpoint(tmp / "fp32", tmp / "int4", QuantOptions(group_size=32))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if not (tmp / "int4" / f).exists():
+            shutil.copy(tmp / "fp32" / f, tmp / "int4" / f)
+    return {"pipeline": tmp / "int4", "afd": tmp / "fp32"}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def engine(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def ckpt(ckpts, engine) -> Path:
+    return ckpts[engine]
+
+
+class LiveServer:
+    """A server in this process (uvicorn in a thread) on a free loopback port, with the engine ``flags``."""
+
+    def __init__(self, ckpt: Path, flags: dict, **kw):
+        import uvicorn
+
+        from waferline.server.commands import build_server
+
+        self.app = build_server(ckpt, max_model_len=MAX_LEN, api_key=KEY, served_model_name="sol-pipe",
+                                chunk_tokens=16, **flags, **kw)
+        self.engine = self.app.state.server.engine
+        port = _free_port()
+        self.base = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        assert _wait_until(lambda: self.server.started, 30), "server did not start"
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.engine.shutdown()
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.base + "/health", timeout=5)
+
+    def stream(self, prompt: str, **kw) -> tuple[str, list[int], str | None]:
+        """One streamed completion: (text, token ids, finish reason)."""
+        text, toks, reason = [], [], None
+        for c in self.client.completions.create(model="sol-pipe", prompt=prompt, stream=True,
+                                                extra_body={"ignore_eos": True, "return_token_ids": True, **kw.pop(
+                                                    "extra_body", {})}, **kw):
+            if c.choices:
+                text.append(c.choices[0].text)
+                toks += c.choices[0].model_extra.get("token_ids") or []
+                reason = c.choices[0].finish_reason or reason
+        return "".join(text), toks, reason
+
+
+@pytest.fixture(scope="module")
+def live(ckpt, engine):
+    s = LiveServer(ckpt, ENGINES[engine], max_num_seqs=8)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, engine):
+    """LLM.generate with the server's flags (the pipeline / AFD), and the single-process engine, per prompt."""
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    with LLM(ckpt, **ENGINES[engine]) as llm:
+        pipe = [o.text for o in llm.generate(PROMPTS, greedy)]
+        pipe_sampled = llm.generate([PROMPTS[2]], sampled)[0].token_ids
+    single = LLM(ckpt)  # (an int4 checkpoint loads as int4)
+    return {"greedy": greedy, "sampled": sampled, "pipe": pipe, "pipe_sampled": pipe_sampled,
+            "single": [o.text for o in single.generate(PROMPTS, greedy)],
+            "single_sampled": single.generate([PROMPTS[2]], sampled)[0].token_ids}
+
+
+def test_concurrent_streams_match_alone_and_generate(live, reference, engine):
+    pipe, sch = live.engine.scheduler.runner.pipe, live.engine.scheduler
+    assert pipe.num_stages == (2 if engine == "pipeline" else 3)  # (AFD: processes)
+    mbs, steps = pipe._mb_ids, sch.stats["steps"]
+    with ThreadPoolExecutor(len(PROMPTS)) as ex:
+        together = list(ex.map(lambda p: live.stream(p, max_tokens=12, temperature=0), PROMPTS))
+    assert pipe._mb_ids - mbs > sch.stats["steps"] - steps  # steps of several rows went as 2 micro-batches
+    alone = [live.stream(p, max_tokens=12, temperature=0) for p in PROMPTS]
+    assert [t[2] for t in together] == ["length"] * len(PROMPTS)
+    assert [len(t[1]) for t in together] == [12] * len(PROMPTS)
+    assert [t[0] for t in together] == [a[0] for a in alone]
+    assert [t[1] for t in together] == [a[1] for a in alone]
+    assert [t[0] for t in together] == reference["pipe"]
+    assert reference["pipe"] == reference["single"]  # (the engine's own check: its processes are the model)
+
+
+def test_seeded_sampled_request_repeats(live, reference):
+    kw = dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=11)
+    alone = live.stream(PROMPTS[2], **kw)[1]
+    with ThreadPoolExecutor(4) as ex:  # alongside other requests (greedy and sampled with other seeds)
+        futs = [ex.submit(live.stream, PROMPTS[0], max_tokens=20, temperature=0.7, seed=3),
+                ex.submit(live.stream, PROMPTS[1], max_tokens=20, temperature=0),
+                ex.submit(live.stream, PROMPTS[2], **kw)]
+        busy = futs[2].result()[1]
+        [f.result() for f in futs]
+    assert alone == busy == reference["pipe_sampled"] == reference["single_sampled"]
+    assert len(alone) == 12
+
+
+def test_a_bad_request_is_400_while_the_others_finish(live, reference):
+    with ThreadPoolExecutor(3) as ex:
+        futs = [ex.submit(live.stream, p, max_tokens=12, temperature=0) for p in PROMPTS[:3]]
+        time.sleep(0.05)
+        for bad in ({"max_tokens": MAX_LEN + 1}, {"top_p": -1.0}, {"max_tokens": 4, "extra_body": {"top_k": -2}}):
+            with pytest.raises(openai.BadRequestError):
+                live.client.completions.create(model="sol-pipe", prompt="hello", **bad)
+        got = [f.result() for f in futs]
+    assert [g[0] for g in got] == reference["pipe"][:3]
+    assert live.health().json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt, engine, reference, sig):
+    """A worker process killed (or stopped: a hang) while requests stream: every running and queued request ends with
+    an error within the hang timeout (a dead one is noticed at once), /health and new requests answer 503 while new
+    processes start, then the server answers as before."""
+    s = LiveServer(ckpt, ENGINES[engine], max_num_seqs=2)
+    try:
+        runner = s.engine.scheduler.runner
+        rebuilding, checked = threading.Event(), threading.Event()
+        rebuild = runner.rebuild
+
+        def held_rebuild():  # (the new processes start once the test has looked at the server meanwhile)
+            rebuilding.set()
+            assert checked.wait(60)
+            return rebuild()
+
+        runner.rebuild = held_rebuild
+
+        def doomed_stream(prompt: str) -> BaseException | None:
+            try:
+                s.stream(prompt, max_tokens=MAX_LEN - 16, temperature=0)
+            except openai.APIError as e:
+                return e
+            return None
+
+        def doomed_call(prompt: str) -> BaseException | None:
+            try:
+                s.client.completions.create(model="sol-pipe", prompt=prompt, max_tokens=MAX_LEN - 16,
+                                            extra_body={"ignore_eos": True})
+            except openai.APIError as e:
+                return e
+            return None
+
+        pids = s.engine.scheduler.runner.pipe.pids
+        with ThreadPoolExecutor(4) as ex:
+            streams = [ex.submit(doomed_stream, p) for p in PROMPTS[:3]]  # 2 running, 1 queued (2 slots)
+            queued = ex.submit(doomed_call, PROMPTS[3])
+            assert _wait_until(lambda: s.engine.scheduler.stats["generated_tokens"] >= 8, 30)
+            assert len(s.engine.scheduler.waiting) + len(s.engine._inbox) >= 1
+            t0 = time.monotonic()
+            os.kill(pids[0], sig)
+            errors = [f.result(timeout=60) for f in streams] + [queued.result(timeout=60)]
+            took = time.monotonic() - t0
+        assert all(isinstance(e, openai.APIError) for e in errors), errors
+        victim = "stage 1" if engine == "pipeline" else "attention rank 1"
+        assert victim in str(errors[0]) and ("died" if sig == signal.SIGKILL else "hung") in str(errors[0]), errors[0]
+        assert isinstance(errors[-1], openai.InternalServerError) and errors[-1].status_code == 503
+        limit = HANG_TIMEOUT_S if sig == signal.SIGKILL else HANG_TIMEOUT_S + 2.0  # (+ the watchdog's polling)
+        assert took < limit, f"the requests took {took:.1f} s to fail"
+        assert rebuilding.wait(30)
+        health = s.health()
+        assert health.status_code == 503 and health.json()["status"] == "unhealthy", health.text
+        with pytest.raises(openai.InternalServerError) as refused:  # a request while the processes restart
+            s.client.completions.create(model="sol-pipe", prompt="hello", max_tokens=2)
+        assert refused.value.status_code == 503 and "recovering" in str(refused.value)
+        checked.set()
+        assert _wait_until(lambda: s.health().status_code == 200, 60, 0.1), s.health().json()
+        assert s.health().json()["recoveries"] == 1
+        assert s.engine.scheduler.runner.pipe.pids != pids
+        out = s.client.completions.create(model="sol-pipe", prompt=PROMPTS[5], max_tokens=12, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert out.choices[0].text == reference["pipe"][5]
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--attention-ranks", "2"], "needs --afd"),
+    (["--afd", "--stages", "2"], "two different engines"),
+    (["--afd", "--weight-bits", "4"], "16-bit weights"),
+    (["--device", "cuda"], "runs on CPU"),
+    (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
+    (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
+    (["--stages", "2", "--layers-per-stage", "1"], "not both"),
+    (["--stages", "2", "--head-bits", "8"], "single-process engine"),
+    (["--group-size", "64"], "needs --weight-bits 4"),
+    (["--stages", "2", "--speculative", "ngram"], "does not speculate"),
+])
+def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):
+    assert main(["serve", "--model", str(ckpts["afd"]), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_when_the_processes_cannot_be_restarted_the_engine_stops(ckpts):
+    """The other outcome of a fault: new stages cannot be started, so the engine stops for good, /health and new
+    requests answer 503, and the server is told (``on_fatal``: the CLI exits non-zero)."""
+    told: list[str] = []
+    s = LiveServer(ckpts["pipeline"], ENGINES["pipeline"], max_num_seqs=2, on_fatal=told.append)
+    try:
+        def no_rebuild():
+            raise OSError("no room for new stage processes")
+
+        s.engine.scheduler.runner.rebuild = no_rebuild
+        os.kill(s.engine.scheduler.runner.pipe.pids[0], signal.SIGKILL)  # while idle: the watchdog notices
+        assert _wait_until(lambda: told, 30), "the engine did not stop"
+        assert "stage 1" in told[0] and "no room for new stage processes" in told[0]
+        health = s.health()
+        assert health.status_code == 503 and "could not recover" in health.json()["reason"]
+        with pytest.raises(openai.InternalServerError) as refused:
+            s.client.completions.create(model="sol-pipe", prompt="hello", max_tokens=2)
+        assert refused.value.status_code == 503
+    finally:
+        s.close()
+
+
+def test_engine_flags_reach_the_single_process_engine(ckpts):
+    """serve's int4-on-load and int8-head flags mean what they mean to LLM (and `waferline generate`): the served
+    model is quantized the same way and answers the same text."""
+    from waferline.model.quant import is_int4
+
+    flags = {"weight_bits": 4, "group_size": 32, "head_bits": 8}
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.text for o in LLM(ckpts["afd"], **flags).generate(PROMPTS[:3], greedy)]
+    s = LiveServer(ckpts["afd"], flags)
+    try:
+        model = s.engine.scheduler.runner.model
+        assert is_int4(model) and model.lm_head is None and model.lm_head_int8 is not None
+        assert [s.stream(p, max_tokens=12, temperature=0)[0] for p in PROMPTS[:3]] == want
+        assert want != [o.text for o in LLM(ckpts["afd"]).generate(PROMPTS[:3], greedy)]  # (the flags matter)
+    finally:
+        s.close()
+
+
+def _descendants(pid: int) -> set[int]:
+    """Process ids below ``pid`` (from /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    out, pending = set(), [pid]
+    while pending:
+        p = pending.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out.update(kids)
+        pending += kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_serve_command_with_stages(ckpts):
+    """`waferline serve --layers-per-stage 1 --micro-batches 2 --weight-bits 4` in its own process: it answers as
+    the single-process engine does, and stopping it stops its stage processes."""
+    import subprocess
+    import sys
+
+    want = LLM(ckpts["pipeline"]).generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(ckpts["pipeline"]),
+                          "--port", str(port), "--max-model-len", str(MAX_LEN), "--weight-bits", "4",
+                          "--layers-per-stage", "1", "--micro-batches", "2"],
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return p.poll() is not None
+        assert _wait_until(healthy, 90, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
+        workers = _descendants(p.pid)
+        assert workers
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)
+        r = c.completions.create(model="int4", prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.choices[0].text == want
+    finally:
+        p.terminate()
+        p.wait(30)
+    assert _wait_until(lambda: not any(_alive(w) for w in workers), 15), [w for w in workers if _alive(w)]
