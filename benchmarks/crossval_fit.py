@@ -8,7 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
-from waferline.sim.validate import CROSS_VALIDATE, PUBLISHED_PATH, cross_validate
+from waferline.sim.crossval import CROSS_VALIDATE, cross_validate
+from waferline.sim.validate import PUBLISHED_PATH
 
 
 def main() -> None:

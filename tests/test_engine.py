@@ -187,7 +187,7 @@ def test_greedy_bursts_are_the_step_by_step_tokens(tmp_path, monkeypatch, model_
     caches grow past their first 64 positions inside a burst), 19 tokens (bursts of 8, 8, then the 2 left), and a
     stop token that ends row 0 inside a burst while row 1 goes on (the burst's later tokens of row 0 are dropped; row
     1's do not depend on row 0 being in the step). Bursts run where the fused operators are built."""
-    import waferline.engine.llm as llm_mod
+    import waferline.engine.sampling as sampling_mod
     from waferline import kernels
 
     build(model_type, tmp_path, **overrides)
@@ -198,7 +198,7 @@ def test_greedy_bursts_are_the_step_by_step_tokens(tmp_path, monkeypatch, model_
     monkeypatch.setattr(type(llm.model), "greedy_steps", lambda self, *a: ran.append(orig(self, *a)) or ran[-1])
 
     def gen(burst: int, params: SamplingParams) -> list:
-        monkeypatch.setattr(llm_mod, "GREEDY_BURST", burst)
+        monkeypatch.setattr(sampling_mod, "GREEDY_BURST", burst)
         return list(llm.stream(prompts, params))
 
     base = SamplingParams(max_tokens=19, temperature=0, ignore_eos=True)

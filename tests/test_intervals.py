@@ -8,10 +8,10 @@ import pytest
 from waferline.plan import commands
 from waferline.plan.place import place
 from waferline.sim.cost import SimParams, load_params
+from waferline.sim.crossval import cross_validate
 from waferline.sim.fit import TTFT_PRIOR, fit, fit_rows, problem
 from waferline.sim.intervals import FIGURES, SPEC_FIGURES, attach_intervals, interval, percentile
 from waferline.sim.pipeline import simulate
-from waferline.sim.validate import cross_validate
 
 HEADER = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,"
           "unit,date,source,notes\n")

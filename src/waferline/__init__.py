@@ -1,8 +1,8 @@
 """waferline: serve huge MoE models the way wafer-scale deployments do, and predict how fast they run."""
 
+from waferline._version import __version__
 from waferline.errors import WaferlineError
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "Output", "WaferlineError", "__version__"]
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.engine import sampling
+from waferline.engine.sampling import DTYPES, SamplingParams, decode_metrics, make_generator, sample, seeded_generator
 from waferline.engine.sampling import greedy as greedy_tokens
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
@@ -21,10 +22,6 @@ from waferline.model.load import load_model, load_tokenizer
 
 # greedy decode steps run back to back from one Python call, up to this many (DecoderModel.greedy_steps: the steps'
 # Python runs once, warm; the tokens stream out in bursts); 1: step by step
-GREEDY_BURST = 8
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -226,7 +223,7 @@ class LLM:
         B = len(ids)
         dev = self.device
         caches = self.model.new_caches(B, dev)
-        gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
+        gens = [make_generator(params) if params.seed is None else seeded_generator(params, i) for i in range(B)]
         out: list[list[int]] = [[] for _ in range(B)]
         done = [False] * B
         reason = ["length"] * B
@@ -268,7 +265,7 @@ class LLM:
                 greedy, rows = [everyone[b] for b in active], active
                 continue
             toks = torch.tensor([[out[b][-1]] for b in active], device=dev)
-            n = min(GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
+            n = min(sampling.GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
             if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
                 steps = self.model.greedy_steps(
                     toks,
@@ -363,22 +360,6 @@ def _is_int4_checkpoint(directory: Path) -> bool:
 
     cfg = directory / "config.json"
     return cfg.is_file() and quant_method(json.loads(cfg.read_text())) is not None
-
-
-def _seeded(params: SamplingParams, row: int) -> torch.Generator | None:
-    if params.temperature == 0:
-        return None
-    g = torch.Generator()
-    g.manual_seed(int(params.seed) * 1_000_003 + row)
-    return g
-
-
-def decode_metrics(t0: float, ttft: float, n_generated: int, rows: int) -> dict[str, float]:
-    """TTFT, total time and decode tokens/s (the first token of each row belongs to the prefill)."""
-    total = time.perf_counter() - t0
-    decode_time = max(total - ttft, 1e-9)
-    rate = (n_generated - rows) / decode_time if n_generated > rows else 0.0
-    return {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": rate}
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> str:

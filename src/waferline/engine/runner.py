@@ -147,25 +147,3 @@ class LocalRunner:
 
     def close(self) -> None:
         """Nothing to release: the model lives as long as its LLM."""
-
-
-def runner_for(llm: Any, num_slots: int, rebuild: Any = None) -> Runner:
-    """The runner of an ``LLM``: its model in this process, its pipeline's stages or its AFD ranks (``rebuild``: a
-    callable that returns a fresh Pipeline / AFD, used to recover from a dead process; without one, such a fault
-    stops the engine)."""
-    from waferline.errors import ConfigError
-
-    if getattr(llm, "model", None) is not None:
-        return LocalRunner(llm.model, num_slots)
-    pipe = getattr(llm, "_pipeline", None)
-    if pipe is None:
-        raise ConfigError("this LLM has neither a model in this process nor a pipeline to serve")
-    from waferline.engine.afd import AFD
-
-    if isinstance(pipe, AFD):
-        from waferline.engine.afd.serving import AFDRunner
-
-        return AFDRunner(pipe, num_slots, rebuild)
-    from waferline.engine.pipeline.serving import PipelineRunner
-
-    return PipelineRunner(pipe, num_slots, rebuild)

@@ -4,12 +4,36 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from waferline import kernels
 from waferline.errors import RequestError
+
+# greedy decode runs this many steps back to back (one program) when nothing else needs the host in between
+GREEDY_BURST = 8
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def seeded_generator(params: SamplingParams, row: int) -> torch.Generator | None:
+    """Row ``row``'s generator of a seeded sampled batch (None when greedy): every engine seeds rows this way, so a
+    seeded request gives the same tokens whichever engine runs it."""
+    if params.temperature == 0:
+        return None
+    g = torch.Generator()
+    g.manual_seed(int(params.seed) * 1_000_003 + row)
+    return g
+
+
+def decode_metrics(t0: float, ttft: float, n_generated: int, rows: int) -> dict[str, float]:
+    """TTFT, total time and decode tokens/s (the first token of each row belongs to the prefill)."""
+    total = time.perf_counter() - t0
+    decode_time = max(total - ttft, 1e-9)
+    rate = (n_generated - rows) / decode_time if n_generated > rows else 0.0
+    return {"ttft_s": ttft, "total_s": total, "decode_tokens_per_s": rate}
 
 # Below this temperature, logits / T overflows to inf for ordinary logits (and the softmax becomes NaN); sampling that
 # cold is the argmax anyway, so such temperatures are greedy.

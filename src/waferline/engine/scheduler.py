@@ -36,7 +36,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from waferline.engine.paging import CacheManager, PrefixCache
-from waferline.engine.runner import WANT_ARGMAX, WANT_LOGITS, WANT_NONE, DecodeRow, PrefillChunk, RowOutput, Runner
+from waferline.engine.runner import (
+    WANT_ARGMAX,
+    WANT_LOGITS,
+    WANT_NONE,
+    DecodeRow,
+    LocalRunner,
+    PrefillChunk,
+    RowOutput,
+    Runner,
+)
 from waferline.engine.sampling import SamplingParams, make_generator, sample
 from waferline.errors import ConfigError, RequestError, WaferlineError
 from waferline.spec.model import ModelSpec
@@ -114,7 +123,7 @@ def request_generator(params: SamplingParams) -> torch.Generator | None:
     if params.seed is None:
         return make_generator(params)
     g = torch.Generator()
-    g.manual_seed(int(params.seed) * 1_000_003)  # LLM._seeded(params, row=0)
+    g.manual_seed(int(params.seed) * 1_000_003)  # sampling.seeded_generator(params, row=0)
     return g
 
 
@@ -140,7 +149,6 @@ class Scheduler:
     engine's model in this process, or a pipeline's stage processes). Not thread-safe: ``EngineLoop`` drives it."""
 
     def __init__(self, llm: LLM, config: SchedulerConfig | None = None, runner: Runner | None = None):
-        from waferline.engine.runner import runner_for
 
         self.config = config = config or SchedulerConfig()
         config.validate()
@@ -398,3 +406,23 @@ class Scheduler:
     def _emit(seq: Sequence, ev: Event) -> None:
         if seq.sink is not None:
             seq.sink(ev)
+
+
+def runner_for(llm: LLM, num_slots: int, rebuild: Callable[[], object] | None = None) -> Runner:
+    """The runner of an ``LLM``: its model in this process, its pipeline's stages or its AFD ranks (``rebuild``: a
+    callable that returns a fresh Pipeline / AFD, used to recover from a dead process; without one, such a fault
+    stops the engine)."""
+    if getattr(llm, "model", None) is not None:
+        return LocalRunner(llm.model, num_slots)
+    pipe = getattr(llm, "_pipeline", None)
+    if pipe is None:
+        raise ConfigError("this LLM has neither a model in this process nor a pipeline to serve")
+    from waferline.engine.afd import AFD
+
+    if isinstance(pipe, AFD):
+        from waferline.engine.afd.serving import AFDRunner
+
+        return AFDRunner(pipe, num_slots, rebuild)
+    from waferline.engine.pipeline.serving import PipelineRunner
+
+    return PipelineRunner(pipe, num_slots, rebuild)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.engine.sampling import SamplingParams, make_generator, sample, seeded_generator
 from waferline.engine.transport import (
     LOOPBACK,
     MAX_PENDING_SENDS,
@@ -174,7 +174,6 @@ class StageRunner:
         self.rollback.reset()
         self.spec = None
         if self.is_last:
-            from waferline.engine.llm import _seeded  # the single-process engine's per-row seeding
 
             p = cfg.get("params") or {}
             self.params = SamplingParams(
@@ -185,9 +184,8 @@ class StageRunner:
                 seed=p.get("seed"),
             )
             n = int(cfg["num_slots"])
-            self.gens = [
-                make_generator(self.params) if self.params.seed is None else _seeded(self.params, i) for i in range(n)
-            ]
+            p = self.params
+            self.gens = [make_generator(p) if p.seed is None else seeded_generator(p, i) for i in range(n)]
             if cfg.get("spec"):
                 from waferline.engine.speculative import LastStageSpec
 

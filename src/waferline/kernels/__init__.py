@@ -30,7 +30,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from waferline import __version__
+from waferline._version import __version__
 
 _PKG = Path(__file__).parent
 _SRC = _PKG / "cpu_ops.cpp"

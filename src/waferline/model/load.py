@@ -136,7 +136,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
     int4 = _int4_source(directory, src)
     model.load_hf(int4 or src)
     if int4 is not None:  # int4 checkpoint (waferline, compressed-tensors or GPTQ): keep the stored codes
-        from waferline.model.quant import attach_int4
+        from waferline.model.quant.mapping import attach_int4
 
         attach_int4(model, int4)
     if layer_range is None and has_embed and has_head:
@@ -153,7 +153,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
 
 def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:
     """The int4 view of ``src`` when config.json has a ``quantization_config`` (see model/quant/), else None."""
-    from waferline.model.quant import Int4Source, quant_method
+    from waferline.model.quant.formats import Int4Source, quant_method
 
     cfg = json.loads((directory / "config.json").read_text())
     return Int4Source(src, cfg) if quant_method(cfg) is not None else None

@@ -377,7 +377,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     """Predict every row of a published-results CSV and print error factors, median and max."""
-    from waferline.sim.validate import cross_validate, validate
+    from waferline.sim.crossval import cross_validate
+    from waferline.sim.validate import validate
 
     data = args.data or _default_data()
     cv = getattr(args, "cross_validate", None)

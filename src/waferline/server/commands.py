@@ -33,8 +33,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     the engine thread, with the reason) when they cannot be."""
     from waferline.engine.llm import LLM
     from waferline.engine.loop import EngineLoop
-    from waferline.engine.runner import runner_for
-    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
     from waferline.server.app import Server, create_app
 
     path = Path(model)

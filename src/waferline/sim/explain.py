@@ -10,7 +10,7 @@ from waferline.sim.cost import expected_tokens_per_step
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from waferline.sim.pipeline import SimResult
+    from waferline.sim.result import SimResult
 
 # term -> what it is and where its numbers come from
 TERMS: dict[str, str] = {

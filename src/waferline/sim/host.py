@@ -73,7 +73,7 @@ def simulate_host(
 ) -> Any:
     """SimResult of ``plan`` run by waferline's own engine on the calibrated host (see the module docstring)."""
     from waferline.sim.cost import expected_tokens_per_step, layer_table
-    from waferline.sim.pipeline import SimResult, StageTiming
+    from waferline.sim.result import SimResult, StageTiming
 
     P, O, B = int(prompt_len), int(output_len), int(concurrency)
     if P < 1 or O < 1 or B < 1:

@@ -22,7 +22,7 @@ def _simulate_host_afd(
     between
     every attention and FFN rank; K micro-batches ping-pong, so per layer the step is bounded by the busier side x K or
     by one micro-batch's attention + FFN + two hops; all ranks share the cores."""
-    from waferline.sim.pipeline import SimResult, StageTiming
+    from waferline.sim.result import SimResult, StageTiming
 
     if profile is None or not hasattr(profile, "ffn"):
         raise ConfigError(

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
     from waferline.sim.cost import SimParams
-    from waferline.sim.pipeline import SimResult
+    from waferline.sim.result import SimResult
 
 LEVEL = 0.9
 # SimResult's predicted figures (every float the simulator predicts at the top level) and the speculative ones

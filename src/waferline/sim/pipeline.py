@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
@@ -19,6 +19,7 @@ from waferline.sim.cost import (
     load_params,
     stage_step,
 )
+from waferline.sim.result import SimResult, StageTiming
 from waferline.spec.hardware import HardwareSpec
 
 if TYPE_CHECKING:
@@ -26,56 +27,6 @@ if TYPE_CHECKING:
 
 PREFILL_CHUNK = 512
 
-
-@dataclass
-class StageTiming:
-    """One stage's share of a decode step (seconds)."""
-
-    index: int
-    role: str
-    layers: str
-    devices: int
-    compute: float
-    memory: float
-    fixed: float
-    comm: float
-    hop: float
-    total: float
-    fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
-
-
-@dataclass
-class SimResult:
-    """What the simulator predicts for a plan and a workload."""
-
-    model: str
-    hardware: str
-    num_devices: int
-    num_stages: int
-    fits: bool
-    concurrency: int
-    micro_batches: int
-    prompt_len: int
-    output_len: int
-    step_latency_s: float  # one decode step of one micro-batch through every stage, hops included
-    decode_tokens_per_s_per_user: float
-    aggregate_tokens_per_s: float
-    ttft_s: float
-    prefill_s: float  # TTFT without the fitted request overhead
-    end_to_end_s: float
-    bound: str  # what limits decode: latency | bandwidth | compute | pipeline
-    stages: list[StageTiming] = field(default_factory=list)
-    speculative: dict[str, Any] = field(default_factory=dict)
-    problems: list[str] = field(default_factory=list)
-    # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
-    # asked for: the planner's sweeps skip it)
-    intervals: dict[str, list[float] | None] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k, v in d.pop("intervals").items():
-            d[f"{k}_interval"] = v
-        return d
 
 
 @dataclass

@@ -25,7 +25,7 @@ from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PRE
 from waferline.engine.pipeline.launch import _main_hidden, _reap
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, _Seq
 from waferline.engine.pipeline.supervise import WATCH_INTERVAL_S, StageError
-from waferline.engine.sampling import SamplingParams
+from waferline.engine.sampling import DTYPES, SamplingParams
 from waferline.engine.stage import (
     BEGIN,
     EMIT_LOGPROBS,
@@ -73,7 +73,6 @@ class AFD(Pipeline):
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_rank: int | None = None,
                  threads_per_stage: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  device: str = "cpu", start_method: str = "forkserver"):
-        from waferline.engine.llm import DTYPES
         from waferline.spec.model import ModelSpec
 
         if isinstance(dtype, str):

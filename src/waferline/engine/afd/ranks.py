@@ -20,7 +20,7 @@ from torch import nn
 from waferline.engine.afd.layout import DISPATCH, STATS, Layout
 from waferline.engine.afd.link import AFLink, Clock, _split_tail
 from waferline.engine.afd.sides import FFNFront, load_attention_side, load_ffn_side
-from waferline.engine.sampling import make_generator
+from waferline.engine.sampling import make_generator, seeded_generator
 from waferline.engine.stage import (
     BEGIN,
     FEEDBACK,
@@ -67,11 +67,10 @@ class AttentionRunner:
 
     def begin(self, cfg: dict[str, Any]) -> None:
         """Caches for this rank's ``local_slots`` sequences; per-row generators indexed by the global row."""
-        from waferline.engine.llm import _seeded
 
         self.rt.begin(dict(cfg, num_slots=int(cfg["local_slots"])))
         p, n = self.rt.params, int(cfg["num_slots"])
-        self.rt.gens = [make_generator(p) if p.seed is None else _seeded(p, i) for i in range(n)]
+        self.rt.gens = [make_generator(p) if p.seed is None else seeded_generator(p, i) for i in range(n)]
 
     def _tick(self) -> None:
         if self.progress is not None:

@@ -21,7 +21,7 @@ import torch
 from waferline.engine.pipeline.launch import _env_run_id, _main_hidden, _reap, _rendezvous_env, stage_ranges
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, DecodeRing, _Seq, _SpecRun
 from waferline.engine.pipeline.supervise import StageError, Supervision
-from waferline.engine.sampling import SamplingParams
+from waferline.engine.sampling import DTYPES, SamplingParams
 from waferline.engine.stage import (
     LOOPBACK,
     Control,
@@ -55,7 +55,6 @@ class Pipeline(DecodeRing, Supervision):
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
                  launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
-        from waferline.engine.llm import DTYPES
         from waferline.spec.model import ModelSpec
 
         if isinstance(dtype, str):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from waferline.engine.sampling import DTYPES
 from waferline.engine.stage import loopback_host, loopback_store, serve
 from waferline.errors import ConfigError, counted
 
@@ -138,7 +139,6 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
                    speculative: str | None = None) -> int:
     """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
     ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
-    from waferline.engine.llm import DTYPES
     from waferline.engine.speculative import pipeline_method
     from waferline.spec.model import ModelSpec
 

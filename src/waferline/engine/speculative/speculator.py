@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from waferline.engine.sampling import SamplingParams
+from waferline.engine import sampling
+from waferline.engine.sampling import SamplingParams, decode_metrics, seeded_generator
 from waferline.engine.speculative.adaptive import AdaptiveK, reproducible_k
 from waferline.engine.speculative.drafters import DraftModelDrafter, MTPDrafter, Proposal, make_drafter
 from waferline.engine.speculative.rollback import VerifyRollback, _window
@@ -42,9 +43,7 @@ def burst_len(idle: int) -> int:
     ``idle`` steps or bursts in a row that drafted nothing: 1, 2, 4, then LLM's GREEDY_BURST. Where adaptive K has
     found that speculation does not pay, or the n-gram lookup keeps finding no match, the plain steps cost what plain
     greedy decode's do; a row whose drafts pay again waits at most one burst for its next draft."""
-    from waferline.engine import llm
-
-    return max(1, min(llm.GREEDY_BURST, 1 << idle))
+    return max(1, min(sampling.GREEDY_BURST, 1 << idle))
 
 
 class Speculator:
@@ -86,7 +85,6 @@ class Speculator:
         return self.ctl
 
     def stream(self, llm: LLM, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
-        from waferline.engine.llm import _seeded, decode_metrics
         from waferline.engine.sampling import make_generator, sample
 
         model = self.model
@@ -95,7 +93,7 @@ class Speculator:
         stats = SpecStats()
         with torch.inference_mode():
             caches = model.new_caches(B)
-            gens = [make_generator(params) if params.seed is None else _seeded(params, i) for i in range(B)]
+            gens = [make_generator(params) if params.seed is None else seeded_generator(params, i) for i in range(B)]
             seqs = [list(p) for p in ids]
             out: list[list[int]] = [[] for _ in range(B)]
             done = [False] * B

@@ -1,0 +1,57 @@
+"""What the simulator predicts: ``SimResult`` (a plan under a workload) and its per-stage ``StageTiming``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class StageTiming:
+    """One stage's share of a decode step (seconds)."""
+
+    index: int
+    role: str
+    layers: str
+    devices: int
+    compute: float
+    memory: float
+    fixed: float
+    comm: float
+    hop: float
+    total: float
+    fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
+
+
+@dataclass
+class SimResult:
+    """What the simulator predicts for a plan and a workload."""
+
+    model: str
+    hardware: str
+    num_devices: int
+    num_stages: int
+    fits: bool
+    concurrency: int
+    micro_batches: int
+    prompt_len: int
+    output_len: int
+    step_latency_s: float  # one decode step of one micro-batch through every stage, hops included
+    decode_tokens_per_s_per_user: float
+    aggregate_tokens_per_s: float
+    ttft_s: float
+    prefill_s: float  # TTFT without the fitted request overhead
+    end_to_end_s: float
+    bound: str  # what limits decode: latency | bandwidth | compute | pipeline
+    stages: list[StageTiming] = field(default_factory=list)
+    speculative: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
+    # asked for: the planner's sweeps skip it)
+    intervals: dict[str, list[float] | None] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k, v in d.pop("intervals").items():
+            d[f"{k}_interval"] = v
+        return d
