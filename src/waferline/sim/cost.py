@@ -370,6 +370,7 @@ class StepCost:
     fixed: float = 0.0
     comm: float = 0.0  # collective communication inside the stage (tensor / expert parallel)
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (sim/wafer.py)
+    fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the region (hops), not streaming
 
     @property
     def total(self) -> float:
@@ -382,6 +383,7 @@ class StepCost:
         self.fixed += o.fixed
         self.comm += o.comm
         self.fabric += o.fabric
+        self.fabric_distance += o.fabric_distance
 
 
 def compute_bits(weight_bits: int, hw: HardwareSpec) -> int:
@@ -449,7 +451,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         fixed = fixed_frac * prm.layer_latency_s
         if moe:
             fixed += prm.moe_latency_s  # router top-k, dispatch to the chosen experts and combine
-        fab = 0.0
+        fab = dist = 0.0
         if fabric is not None:  # weight-stationary on a wafer: the activations travel (sim/wafer.py)
             elems = phases = 0.0
             if role != "ffn":
@@ -467,7 +469,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             else:
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm,
-                         fabric=fab))
+                         fabric=fab, fabric_distance=dist))
     if lm_head_bytes:
         t_mem = (resident / n_dev / bw) if spatial else lm_head_bytes / n_dev / bw
         t_cmp = lm_head_flops * n_tok / n_dev / fl

@@ -17,7 +17,8 @@ TERMS: dict[str, str] = {
     "weights and cache read": "bytes / (peak bandwidth x fitted bw_eff <= 1): datasheet bandwidth",
     "compute": "FLOPs / (peak FLOP/s x flops_eff <= 1), where it exceeds the read time",
     "fixed per layer": "fitted per-layer latency (launches, synchronisation) + MoE routing constant",
-    "on-wafer fabric": "activation vectors through the mesh: shapes, link bandwidth, hops x cycle (sim/wafer.py)",
+    "mesh streaming": "activation vectors (from the layer's shapes) at the mesh's per-link bandwidth x fitted links",
+    "mesh distance": "the layer's region crossed per phase, one clock cycle a hop (smaller regions: fewer hops)",
     "collectives": "all-reduce / exchange inside a stage (link bandwidth and latency)",
     "device hops": "activations between stages (link latency, fitted where the class has data)",
 }
@@ -47,7 +48,8 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
         "weights and cache read": sum(s.memory for s in st),
         "compute": sum(max(0.0, s.compute - s.memory) for s in st),
         "fixed per layer": sum(s.fixed for s in st),
-        "on-wafer fabric": sum(s.fabric for s in st),
+        "mesh streaming": sum(s.fabric - s.fabric_distance for s in st),
+        "mesh distance": sum(s.fabric_distance for s in st),
         "collectives": sum(s.comm for s in st),
         "device hops": sum(s.hop for s in st),
     }
@@ -85,15 +87,9 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
             else:
                 levers.append({"term": k, "from_s": v, "to_s": None, "factor": None})
     tgt["levers"] = levers
-    # when no term alone suffices: the fewest largest terms that together hold the cut
-    together, acc = [], 0.0
-    if cut > 0 and not any(lv["to_s"] is not None for lv in levers):
-        for lv in levers:
-            together.append(lv["term"])
-            acc += lv["from_s"]
-            if acc > cut:
-                break
-    tgt["together"] = {"terms": together, "cut_s": cut, "fraction": cut / acc} if together and acc > cut else None
+    # when no term alone suffices: the cut shared by every term in proportion
+    alone = any(lv["to_s"] is not None for lv in levers)
+    tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone else None
     # speculative decoding: tokens each step must yield at the current step cost
     k = int(sp.get("num_tokens") or 3)
     need_tokens = target_tokens_per_s * spec_step
@@ -127,8 +123,8 @@ def render(con: Console, ex: dict[str, Any]) -> None:
               f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). Any one of:")
     tog = tgt.get("together")
     if tog:
-        con.print(f"  - no one term is enough alone; {' + '.join(tog['terms'])} together cut by "
-                  f"{tog['fraction']:.0%} ({tog['cut_s'] * 1e6:.0f} us)")
+        con.print(f"  - no one term is enough alone: every term {tog['fraction']:.0%} shorter "
+                  f"({tog['cut_s'] * 1e6:.0f} us in all)")
     for lv in tgt["levers"]:
         if lv["to_s"] is None:
             con.print(f"  - {lv['term']}: removing it entirely is not enough ({lv['from_s'] * 1e6:.0f} us)")

@@ -21,6 +21,7 @@ class StageTiming:
     hop: float
     total: float
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
+    fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the layers' regions (hops)
 
 
 @dataclass
