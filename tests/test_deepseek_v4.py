@@ -8,7 +8,6 @@ import torch
 
 from tiny_models import build, configs, decode_logits
 from waferline import LLM
-from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 
 LONG = [1] + [(7 * i * i + 3 * i + 5) % 125 + 3 for i in range(69)]  # 70 tokens: 17 CSA entries, 8 HCA entries
@@ -134,9 +133,3 @@ def test_the_indexer_choice_matters(tmp_path):
     sparse = _ref_logprobs(build("deepseek_v4", tmp_path / "a"), LONG)
     dense = _ref_logprobs(build("deepseek_v4", tmp_path / "b", index_topk=64), LONG)
     assert (sparse - dense).abs().max().item() > 1e-3
-
-
-def test_speculative_decoding_is_refused(checkpoint):
-    """Rejected draft tokens would stay in the compressor's state: the engine says so instead of decoding wrongly."""
-    with pytest.raises(ConfigError, match="speculatively"):
-        LLM(checkpoint[0], speculative="ngram")

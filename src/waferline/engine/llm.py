@@ -132,9 +132,6 @@ class LLM:
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
-        if speculative and self.spec.model_type == "deepseek_v4":
-            raise ConfigError("deepseek_v4 cannot decode speculatively: its compressor state cannot be rolled back "
-                              "past rejected draft tokens; drop speculative")
         self._spec = None  # speculative decoding (engine/speculative/): "ngram" | "mtp" | "draft:PATH"
         if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline/)
             from waferline.engine.speculative import Speculator

@@ -21,11 +21,13 @@ from waferline.model.linear_attention import DeltaRuleMixer
 from waferline.model.moe import DenseFFN, MoE
 from waferline.model.sparse_attention import DSAttention
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
+from waferline.model.v4_attention import V4Attention
 from waferline.model.v4_blocks import HyperHead, V4Layer, hc_mult
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.configs import ENGINE_MODEL_TYPES
 from waferline.spec.model import (
     AttentionSpec,
+    CompressedAttentionSpec,
     DenseFFNSpec,
     DSASpec,
     LayerSpec,
@@ -357,6 +359,8 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
         return GQAttention(mix, cfg, dtype, rotary=rotary, scale=scale, norm_eps=eps)
     if isinstance(mix, Mamba2Spec):
         return Mamba2Mixer(mix, dtype=dtype, **_mamba_flags(mt, cfg))
+    if isinstance(mix, CompressedAttentionSpec):  # a sol csa / hca layer: V4 attention on a plain residual
+        return V4Attention(mix, cfg, dtype, eps, position_ties=True)  # (no reference to match tie for tie)
     raise ConfigError(f"layer {spec.index}: the engine cannot run a {mix.kind!r} mixer (planner-only architecture)")
 
 

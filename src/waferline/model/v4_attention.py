@@ -5,11 +5,13 @@ HCA: one entry per ``m'`` tokens, all attended), per-head sinks and a grouped lo
 The per-sequence cache (:class:`V4Cache`) holds only what later tokens need: the last ``sliding_window - 1`` tokens'
 K=V rows, the compressed entries (and the indexer's compressed keys), the tokens of the window still being filled
 (their projected values and gates) and, for the overlapping CSA windows, the previous window's first-series half.
+The indexer's compressed keys are held at the spec's ``index_bits``: 0 the model's precision (DeepSeek-V4's reference
+cache), 8 fp8 with one fp32 scale per key, 16 / 32 bf16 / fp32.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +21,7 @@ from waferline.errors import ConfigError
 from waferline.model.attention import attend
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear, RMSNorm, Rotary
+from waferline.model.sparse_attention import FP8_MAX, INDEX_DTYPES, top_k
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import CompressedAttentionSpec
 
@@ -91,10 +94,22 @@ class Series:
     pending_gate: Tensor
     overlap_kv: Tensor | None = None
     overlap_gate: Tensor | None = None
+    scales: Tensor | None = None  # fp8 entries: one fp32 scale per entry [n, 1]
 
     def nbytes(self) -> int:
-        parts = (self.entries, self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate)
+        parts = (self.entries, self.pending_kv, self.pending_gate, self.overlap_kv, self.overlap_gate, self.scales)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def values(self) -> Tensor:
+        """The entries' values: fp8 ones times their scales (fp32), others as stored."""
+        if self.scales is not None:
+            return self.entries.float() * self.scales
+        return self.entries
+
+
+def _copy(s: Series | None) -> Series | None:
+    """A new Series holding the same tensors (a forward rebinds a Series' fields; it never writes their tensors)."""
+    return None if s is None else replace(s)
 
 
 class Compressor(nn.Module):
@@ -103,10 +118,15 @@ class Compressor(nn.Module):
     the window's first position. With ``overlap`` (CSA) each token projects two series of ``dim`` channels and entry
     ``w`` pools the second series of window ``w`` with the first series of window ``w - 1`` (2 x ratio slots)."""
 
-    def __init__(self, d: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype, rope: TailRope):
+    def __init__(self, d: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype, rope: TailRope,
+                 entry_bits: int = 0):
         super().__init__()
         width = 2 * dim if overlap else dim
+        if entry_bits and entry_bits not in INDEX_DTYPES:
+            raise ConfigError(f"index_bits {entry_bits}: the engine stores indexer keys at 0 (the model's precision) "
+                              f"or {sorted(INDEX_DTYPES)} bits")
         self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.entry_dtype = INDEX_DTYPES.get(entry_bits)  # None: the entries stay at the model's precision
         self.kv_proj = Linear(d, width, dtype=dtype)
         self.gate_proj = Linear(d, width, dtype=dtype)
         self.position_bias = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32), requires_grad=False)
@@ -123,8 +143,22 @@ class Compressor(nn.Module):
     def empty(self, device: torch.device | str | None) -> Series:
         dt = self.kv_proj.weight.dtype
         width = self.kv_proj.out_features
-        return Series(torch.zeros(0, self.dim, dtype=dt, device=device), torch.zeros(0, width, dtype=dt, device=device),
-                      torch.zeros(0, width, dtype=dt, device=device))
+        fp8 = self.entry_dtype == torch.float8_e4m3fn
+        return Series(torch.zeros(0, self.dim, dtype=self.entry_dtype or dt, device=device),
+                      torch.zeros(0, width, dtype=dt, device=device), torch.zeros(0, width, dtype=dt, device=device),
+                      scales=torch.zeros(0, 1, dtype=torch.float32, device=device) if fp8 else None)
+
+    def _store(self, s: Series, new: Tensor) -> None:
+        """Append new entries [n, dim] to ``s`` at the storage precision: as computed, bf16 / fp32, or fp8 (e4m3)
+        with one fp32 scale per entry mapping its largest element to fp8's largest (as DSACache keeps its keys)."""
+        if self.entry_dtype is None:
+            s.entries = torch.cat([s.entries, new])
+        elif s.scales is None:
+            s.entries = torch.cat([s.entries, new.to(self.entry_dtype)])
+        else:
+            scale = (new.float().abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+            s.entries = torch.cat([s.entries, (new.float() / scale).to(self.entry_dtype)])
+            s.scales = torch.cat([s.scales, scale])
 
     def absorb(self, s: Series, kv: Tensor, gate: Tensor) -> None:
         """Add one sequence's new tokens' projections (kv, gate [T, width]) to ``s``: every window they close
@@ -151,18 +185,20 @@ class Compressor(nn.Module):
         pooled = self.kv_norm((ckv * cg.softmax(dim=1, dtype=torch.float32).to(ckv.dtype)).sum(dim=1))
         first = s.entries.shape[0] * m
         cos, sin = self.rope.cos_sin(torch.arange(n, device=kv.device) * m + first)
-        s.entries = torch.cat([s.entries, TailRope.rotate(pooled, cos, sin)])
+        self._store(s, TailRope.rotate(pooled, cos, sin))
 
 
 class Indexer(nn.Module):
     """Lightning indexer: its own overlapping compressor of ``index_head_dim`` keys, and per query
     ``sum_h w_h relu(q_h . k)`` over the entries the query may see; keeps the ``index_topk`` best."""
 
-    def __init__(self, spec: CompressedAttentionSpec, eps: float, dtype: torch.dtype, rope: TailRope):
+    def __init__(self, spec: CompressedAttentionSpec, eps: float, dtype: torch.dtype, rope: TailRope,
+                 position_ties: bool = False):
         super().__init__()
+        self.position_ties = position_ties
         d, hi, di = spec.hidden_size, spec.index_n_heads, spec.index_head_dim
         self.heads, self.dim, self.topk, self.ratio = hi, di, spec.index_topk, spec.compress_ratio
-        self.compressor = Compressor(d, di, spec.compress_ratio, True, eps, dtype, rope)
+        self.compressor = Compressor(d, di, spec.compress_ratio, True, eps, dtype, rope, spec.index_bits)
         self.q_b_proj = Linear(spec.q_lora_rank, hi * di, dtype=dtype)
         self.weights_proj = Linear(d, hi, dtype=dtype)
 
@@ -177,37 +213,98 @@ class Indexer(nn.Module):
         weights w [T, heads], positions [T]) over its indexer keys [n, dim]; entry e is eligible for the query at
         position t once its window has closed (e < (t + 1) / ratio), and the top-k eligible ones by score are kept
         (scored and picked by the same tensor operations as the reference: equal scores, rare unless few heads, are
-        broken as ``torch.topk`` breaks them)."""
+        broken as ``torch.topk`` breaks them, which can differ between a prefill's rows and a decode step's; with
+        ``position_ties`` the earliest entries win, as DSA's ``top_k`` picks, the same in every row shape)."""
         n = keys.shape[0]
         scores = torch.matmul(q.float()[None], keys.t().float()[None, None])  # [1, T, heads, n]
         scores = scores.relu() * self.dim ** -0.5
         total = (scores * (w.float() * self.heads ** -0.5)[None, :, :, None]).sum(dim=2)  # [1, T, n]
         ready = (positions + 1) // self.ratio
         eligible = torch.arange(n, device=q.device)[None, :] < ready[:, None]
+        if self.position_ties:
+            if n == 0:
+                return eligible
+            return top_k(total.masked_fill(~eligible[None], float("-inf")), min(self.topk, n))[0] & eligible
         top = total.masked_fill(~eligible[None], float("-inf")).topk(min(self.topk, n), dim=-1).indices[0]
         keep = torch.zeros(q.shape[0], n + 1, dtype=torch.bool, device=q.device)
         keep.scatter_(1, torch.where(top < ready[:, None], top, n), True)
         return keep[:, :n]
 
 
+SlotState = tuple[Tensor, Series | None, Series | None]  # one slot's (window rows, compressor, indexer series)
+
+
+def _slot_list(slots: Tensor | list[int] | range | int) -> list[int]:
+    return torch.as_tensor(list(slots) if isinstance(slots, range) else slots).reshape(-1).tolist()
+
+
 class V4Cache:
     """Per-sequence state of one V4 attention layer for ``num_slots`` sequences (each slot's tensors sized to what
-    it holds): the K=V rows of the last ``window - 1`` tokens, and the compressor's and indexer's :class:`Series`."""
+    it holds): the K=V rows of the last ``window - 1`` tokens, and the compressor's and indexer's :class:`Series`.
+
+    A forward replaces a slot's tensors and never writes into them, so references capture a slot's state
+    (:meth:`snapshot`, :meth:`restore`). Speculative verify: with ``keep_trail`` set, a T > 1 forward records per
+    slot the state it started from and its T tokens' K=V rows and compressor / indexer projections; :meth:`rewind`
+    rebuilds from those the state after the first k tokens: the window rows of the kept tokens, and the series fed
+    only the kept tokens' projections, so the windows that rejected tokens closed are open again (their kept tokens
+    pending) and CSA's overlap is that of the last window the kept tokens closed. A closed window's entry depends
+    only on its own tokens' projections (and, overlapping, the previous window's), so the rebuilt state is the one a
+    cache that saw only the kept tokens holds. The trail is keyed by slot: verifies of other slots (another
+    micro-batch in a pipeline) in between do not disturb it."""
 
     def __init__(self, num_slots: int, attn: V4Attention, device: torch.device | str | None):
         self.attn, self.device = attn, device
         self.window: list[Tensor] = [torch.zeros(0)] * num_slots
         self.kv: list[Series | None] = [None] * num_slots
         self.index: list[Series | None] = [None] * num_slots
+        self.keep_trail = False
+        # slot -> (state before the verify, its tokens' K=V rows [T, hd], compressor (kv, gate), indexer (kv, gate))
+        self.trail: dict[int, tuple[SlotState, Tensor, tuple | None, tuple | None]] = {}
         self.reset(range(num_slots))
 
     def reset(self, slots: Tensor | list[int] | range | int) -> None:
         """Empty these slots (new sequences start there)."""
         a = self.attn
-        for slot in torch.as_tensor(list(slots) if isinstance(slots, range) else slots).reshape(-1).tolist():
+        for slot in _slot_list(slots):
             self.window[slot] = torch.zeros(0, a.head_dim, dtype=a.kv_proj.weight.dtype, device=self.device)
             self.kv[slot] = a.compressor.empty(self.device) if a.compressor is not None else None
             self.index[slot] = a.indexer.compressor.empty(self.device) if a.indexer is not None else None
+            self.trail.pop(slot, None)
+
+    def snapshot(self, slots: Tensor | list[int] | int) -> list[SlotState]:
+        """The state of ``slots``: (window rows, compressor series, indexer series) per slot."""
+        return [(self.window[s], _copy(self.kv[s]), _copy(self.index[s])) for s in _slot_list(slots)]
+
+    def restore(self, slots: Tensor | list[int] | int, state: list[SlotState]) -> None:
+        """Put back a :meth:`snapshot` of ``slots``."""
+        for s, (window, kv, index) in zip(_slot_list(slots), state):
+            self.window[s], self.kv[s], self.index[s] = window, _copy(kv), _copy(index)
+
+    def append(self, slot: int, kv: Tensor, comp: tuple[Tensor, Tensor] | None,
+               idx: tuple[Tensor, Tensor] | None) -> None:
+        """Add tokens to ``slot``: their K=V rows ``kv`` [T, hd], the compressor's (values, gates) ``comp`` and the
+        indexer compressor's ``idx`` (None in a layer without one). With ``keep_trail`` and T > 1, records what
+        :meth:`rewind` needs first."""
+        if self.keep_trail and kv.shape[0] > 1:
+            self.trail[slot] = (self.snapshot(slot)[0], kv, comp, idx)
+        rows = torch.cat([self.window[slot], kv])
+        self.window[slot] = rows[rows.shape[0] - min(rows.shape[0], self.attn.window - 1):].clone()
+        if comp is not None:
+            self.attn.compressor.absorb(self.kv[slot], *comp)
+        if idx is not None:
+            self.attn.indexer.compressor.absorb(self.index[slot], *idx)
+
+    def rewind(self, slots: Tensor | list[int], keep: list[int]) -> None:
+        """After a T-token forward with ``keep_trail``: give row b the state after its first ``keep[b]`` (>= 1)
+        tokens."""
+        for s, k in zip(_slot_list(slots), keep):
+            if s not in self.trail:
+                raise RuntimeError(f"V4Cache.rewind: no trail for slot {s} (run the verify with keep_trail=True)")
+            before, kv, comp, idx = self.trail.pop(s)
+            if k < kv.shape[0]:
+                self.restore(s, [before])
+                self.append(s, kv[:k], None if comp is None else (comp[0][:k], comp[1][:k]),
+                            None if idx is None else (idx[0][:k], idx[1][:k]))
 
     def bytes_held(self, slot: int) -> int:
         """Bytes of tensors this slot holds (what the ModelSpec's cache accounting counts)."""
@@ -216,9 +313,12 @@ class V4Cache:
 
 
 class V4Attention(nn.Module):
-    """One V4 attention layer (sliding-window only, CSA or HCA, as its spec's compress ratio and top-k say)."""
+    """One V4 attention layer (sliding-window only, CSA or HCA, as its spec's compress ratio and top-k say): in a
+    DeepSeek-V4 layer between hyper-connections (V4Layer), or the mixer of a sol ``csa`` / ``hca`` layer on a plain
+    residual (DecoderLayer; ``position_ties``: its indexer's ties broken by position, see Indexer.visible)."""
 
-    def __init__(self, spec: CompressedAttentionSpec, cfg: dict[str, Any], dtype: torch.dtype, eps: float):
+    def __init__(self, spec: CompressedAttentionSpec, cfg: dict[str, Any], dtype: torch.dtype, eps: float,
+                 position_ties: bool = False):
         super().__init__()
         d, h, hd = spec.hidden_size, spec.num_heads, spec.head_dim
         if not spec.o_lora_rank or (h * hd) % spec.o_groups:
@@ -239,7 +339,8 @@ class V4Attention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(h, dtype=torch.float32), requires_grad=False)
         self.compressor = (Compressor(d, hd, spec.compress_ratio, spec.index_topk > 0, eps, dtype, self.rope)
                            if spec.compress_ratio else None)
-        self.indexer = Indexer(spec, eps, dtype, self.rope) if spec.compress_ratio and spec.index_topk else None
+        self.indexer = (Indexer(spec, eps, dtype, self.rope, position_ties)
+                        if spec.compress_ratio and spec.index_topk else None)
 
     def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> V4Cache:
         return V4Cache(num_slots, self, device)
@@ -301,16 +402,12 @@ class V4Attention(nn.Module):
         rows = torch.cat([old, kv])
         kpos = torch.arange(start - old.shape[0], start + kv.shape[0], device=kv.device)
         blocked = (kpos[None, :] > pos[:, None]) | (kpos[None, :] <= pos[:, None] - self.window)
-        cache.window[slot] = rows[rows.shape[0] - min(rows.shape[0], self.window - 1):].clone()
+        cache.append(slot, kv, comp, None if idx is None else idx[:2])
         if comp is None:
             return rows, blocked
-        series = cache.kv[slot]
-        self.compressor.absorb(series, *comp)
-        entries = series.entries
+        entries = cache.kv[slot].entries
         if idx is not None:
-            iseries = cache.index[slot]
-            self.indexer.compressor.absorb(iseries, idx[0], idx[1])
-            seen = self.indexer.visible(idx[2], idx[3], iseries.entries, pos)
+            seen = self.indexer.visible(idx[2], idx[3], cache.index[slot].values(), pos)
         else:  # HCA: every closed window
             ready = (pos + 1) // self.compressor.ratio
             seen = torch.arange(entries.shape[0], device=kv.device)[None, :] < ready[:, None]

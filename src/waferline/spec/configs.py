@@ -332,7 +332,10 @@ def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
 
 def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     """waferline's own architecture: per layer a mixer (mla | gqa | mamba2 | dsa | csa | hca) and an FFN
-    (dense | moe). dsa / csa / hca are planner-only (the engine runs mla, gqa and mamba2)."""
+    (dense | moe); the engine runs every combination. dsa is DeepSeek-V3.2's MLA + lightning indexer (``index_*``
+    fields); csa / hca are DeepSeek-V4's compressed attention (``sliding_window``, ``compress_rates``, ``o_groups``,
+    ``o_lora_rank`` > 0, ``index_*``) on a plain residual, without V4's hyper-connections. Index keys are fp8 + scale
+    unless ``index_bits`` says 16 / 32 (or 0 for csa: the KV's precision)."""
     n = cfg["num_hidden_layers"]
     mixers = cfg.get("mixer_types") or ["mla"] * n
     ffns = cfg.get("ffn_types") or ["moe"] * n

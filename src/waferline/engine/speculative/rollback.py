@@ -6,7 +6,10 @@
   rejected tokens are put back (``TokenCache.ring_snapshot`` / ``ring_rewind``); K is capped at window − 1;
 * Mamba-2: an SSM state cannot be un-updated, and re-running the accepted prefix would cost a second forward of
   the whole model, so the verify forward records the (conv, ssm) state after each of its T tokens
-  (``Mamba2Cache.keep_trail``) and ``rewind`` selects the one after the accepted prefix.
+  (``Mamba2Cache.keep_trail``) and ``rewind`` selects the one after the accepted prefix;
+* DeepSeek-V4 (``V4Cache``: window rows, compressed entries, open compression windows, CSA overlap): a verify
+  records the state it started from and its tokens' rows and compressor projections (``V4Cache.keep_trail``), and
+  ``rewind`` rebuilds the state after the accepted prefix from them, reopening windows that rejected tokens closed.
 
 Draft models and MTP heads with non-positional caches snapshot their state after each drafted token instead
 (``_save`` / ``_load``, used by the drafters).
@@ -21,10 +24,13 @@ import torch
 from waferline.model.attention import TokenCache
 from waferline.model.context import StepBatch
 from waferline.model.ssm import Mamba2Cache
+from waferline.model.v4_attention import V4Cache
+
+_TRAILED = (Mamba2Cache, V4Cache)  # caches that record a verify's trail (keep_trail) and rewind to a prefix
 
 
 def _stateful(caches: list[Any]) -> bool:
-    return any(isinstance(c, Mamba2Cache) or (isinstance(c, TokenCache) and c.window is not None) for c in caches)
+    return any(isinstance(c, _TRAILED) or (isinstance(c, TokenCache) and c.window is not None) for c in caches)
 
 
 def _window(caches: list[Any]) -> int | None:
@@ -41,7 +47,7 @@ class VerifyRollback:
             c.ring_snapshot(batch.slots) if isinstance(c, TokenCache) and batch.T > 1 else None for c in caches
         ]
         for c in caches:
-            if isinstance(c, Mamba2Cache):
+            if isinstance(c, _TRAILED):
                 c.keep_trail = batch.T > 1
 
     def done(self, keep: list[int]) -> None:
@@ -49,7 +55,7 @@ class VerifyRollback:
         for c, snap in zip(self.caches, self.rings):
             if isinstance(c, TokenCache):
                 c.ring_rewind(self.batch, keep, snap)
-            elif isinstance(c, Mamba2Cache):
+            elif isinstance(c, _TRAILED):
                 c.keep_trail = False
                 if self.batch.T > 1:
                     c.rewind(self.batch.slots, keep)
@@ -78,13 +84,13 @@ class SlotRollback:
             self.rows[slot] = (int(batch.start[b]), batch.T,
                                [None if sn is None else (sn[0][b:b + 1], sn[1][b:b + 1]) for sn in snaps])
         for c in caches:
-            if isinstance(c, Mamba2Cache):
+            if isinstance(c, _TRAILED):
                 c.keep_trail = True
 
     @staticmethod
     def after(caches: list[Any]) -> None:
         for c in caches:
-            if isinstance(c, Mamba2Cache):
+            if isinstance(c, _TRAILED):
                 c.keep_trail = False
 
     def apply(self, caches: list[Any], rewinds: list[tuple[int, int]], device: Any = "cpu") -> None:
@@ -99,16 +105,16 @@ class SlotRollback:
             for c, sn in zip(caches, snaps):
                 if isinstance(c, TokenCache):
                     c.ring_rewind(one, [keep], sn)
-                elif isinstance(c, Mamba2Cache):
+                elif isinstance(c, _TRAILED):
                     c.rewind(one.slots, [keep])
 
 
 def _save(caches: list[Any], slot: int) -> list[Any]:
-    """A copy of one slot's non-positional state (rings, Mamba-2) in ``caches``."""
+    """A copy of one slot's non-positional state (rings, Mamba-2, V4) in ``caches``."""
     s = torch.tensor([slot])
     out: list[Any] = []
     for c in caches:
-        if isinstance(c, Mamba2Cache):
+        if isinstance(c, _TRAILED):
             out.append(c.snapshot(s))
         elif isinstance(c, TokenCache) and c.window is not None:
             out.append(c.ring_snapshot(s))
@@ -122,7 +128,7 @@ def _load(caches: list[Any], slot: int, saved: list[Any]) -> None:
     for c, st in zip(caches, saved):
         if st is None:
             continue
-        if isinstance(c, Mamba2Cache):
+        if isinstance(c, _TRAILED):
             c.restore(s, st)
         else:
             c.data[slot], c.pos[slot] = st[0][0], st[1][0]
