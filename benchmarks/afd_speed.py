@@ -31,6 +31,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "afd_speed.json"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from pipeline_speed import cpu_hardware, cpu_seconds, measure_core, measure_hop, predict  # noqa: E402
+from waferline.spec.configs import spec_from_pretrained  # noqa: E402
 
 
 def model_config(quick: bool) -> dict:
@@ -53,9 +54,8 @@ def sim_afd(path: Path, M: int, N: int, K: int, B: int, P: int, O: int, hw) -> d
     try:
         from waferline.plan.place import place
         from waferline.sim.pipeline import simulate
-        from waferline.spec.model import ModelSpec
 
-        spec = ModelSpec.from_pretrained(path)
+        spec = spec_from_pretrained(path)
         plan = place(spec, hw, afd=True, attention_ranks=M, ffn_ranks=N, batch=B, context=P + O, micro_batches=K)
         plan.weight_bits = plan.kv_bits = plan.embed_bits = 32  # the engine runs fp32 here
         r = simulate(plan, prompt_len=P, output_len=O, concurrency=B, spec=spec, hardware=hw)
@@ -122,7 +122,6 @@ def main() -> int:
     args = ap.parse_args()
     from waferline.engine.pipeline import stage_ranges
     from waferline.model.init import write_random_checkpoint
-    from waferline.spec.model import ModelSpec
 
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -143,7 +142,7 @@ def main() -> int:
         path = Path(tmp) / "dsv3-bench"
         cfg = model_config(args.quick)
         write_random_checkpoint(cfg, path)
-        spec = ModelSpec.from_pretrained(path)
+        spec = spec_from_pretrained(path)
         n_params = sum(layer.params() for layer in spec.layers) + 2 * spec.vocab_size * spec.hidden_size
         results["model"] = {"config": cfg, "params": n_params}
         print(f"model: DeepSeek-V3 type, {spec.num_layers} layers, hidden {cfg['hidden_size']}, "

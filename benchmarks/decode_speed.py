@@ -81,6 +81,7 @@ from typing import Any
 import torch
 
 from waferline.sim.twin import cpu_model
+from waferline.spec.configs import spec_from_pretrained
 
 # the helper modules beside this script (checkpoints, engines, rooflines), also when it is loaded by path (the tests)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -180,11 +181,10 @@ ENGINE_KEYS = {v: k for k, v in LABELS.items()}
 
 def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.Namespace, bw: float,
                 converter: Path | str) -> tuple[list[Result], list[dict], dict]:
-    from waferline.spec.model import ModelSpec
 
     d = build_checkpoint(name, a.quick, Path(a.cache))
     hf_dir = d / "hf"
-    spec = ModelSpec.from_pretrained(hf_dir)
+    spec = spec_from_pretrained(hf_dir)
     info = {
         "model": name,
         "model_type": spec.hf_config.get("model_type"),

@@ -39,6 +39,7 @@ from waferline.model.load import load_model
 from waferline.model.sparse_attention import DSACache
 from waferline.model.ssm import Mamba2Cache
 from waferline.model.v4_attention import V4Cache
+from waferline.spec.configs import parse_hf_config
 from waferline.spec.model import ModelSpec
 
 LAYERS = 4
@@ -167,7 +168,7 @@ def predict(spec: ModelSpec, context: int, steps: int, host: str | None, hardwar
 
 def bench_variant(name: str, a: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cfg = config(name)
-    spec = ModelSpec.from_hf_config(dict(cfg))
+    spec = parse_hf_config(dict(cfg))
     model = load_model(write_random_checkpoint(cfg, workdir / name.split()[0].lower(), seed=0), a.dtype)
     kv_bits = torch.finfo(a.dtype).bits
     # bytes per token: growth of what the engine holds between two real prefills (whole compression windows apart)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from waferline.sim.calibrate.pipeline import measure_parallel_ceiling
+from waferline.spec.configs import spec_from_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "pipeline_speed.json"
@@ -230,7 +231,6 @@ def main() -> int:
     args = ap.parse_args()
     from waferline.engine.pipeline import stage_ranges
     from waferline.model.init import write_random_checkpoint
-    from waferline.spec.model import ModelSpec
 
     cores = os.cpu_count() or 1
     print(f"machine: {platform.processor() or platform.machine()}, {cores} cores, torch {torch.__version__}, "
@@ -256,7 +256,7 @@ def main() -> int:
         path = Path(tmp) / "sol-bench"
         cfg = model_config(args.quick)
         write_random_checkpoint(cfg, path)
-        spec = ModelSpec.from_pretrained(path)
+        spec = spec_from_pretrained(path)
         L = spec.num_layers
         print(f"\nmodel: sol architecture, {L} layers (Mamba-2 / MLA, dense FFN), hidden {cfg['hidden_size']}, "
               f"{spec.total_params() / 1e6:.0f}M parameters, fp32" if hasattr(spec, "total_params") else

@@ -33,6 +33,7 @@ import torch
 from waferline import LLM, SamplingParams
 from waferline.engine.speculative import Speculator
 from waferline.model.context import StepBatch
+from waferline.spec.configs import spec_from_pretrained
 
 
 def make_draft(model_dir: Path, layers: int, out: Path) -> Path:
@@ -174,7 +175,6 @@ def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: 
     from waferline.plan.place import place
     from waferline.plan.plan import Plan, SpeculativeConfig, Stage
     from waferline.sim.pipeline import simulate
-    from waferline.spec.model import ModelSpec
 
     sim_method = "draft" if method.startswith("draft:") else method
     try:
@@ -190,7 +190,7 @@ def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: 
         else:
             from waferline.engine.pipeline import stage_ranges
 
-            spec = ModelSpec.from_pretrained(model_dir)
+            spec = spec_from_pretrained(model_dir)
             ranges = stage_ranges(spec.num_layers, stages=stages)
             # fp32 like the engine here; the simulator places a draft model at 4/8/16 bits only, so a draft plan is
             # priced at 16-bit for target and draft alike (the ratio is what is compared)

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from waferline.spec.configs import spec_from_pretrained
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -61,7 +63,6 @@ def main() -> int:
     from rich.console import Console
 
     from waferline.sim.twin import cached_hardware, render, run_twin
-    from waferline.spec.model import ModelSpec
 
     con = Console(width=200)
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -71,7 +72,7 @@ def main() -> int:
         shutil.copyfile(src, hw)
     for name in args.models:
         path = ROOT / "models" / "sol-mini" if name == "sol-mini" else dsv3_checkpoint()
-        spec = ModelSpec.from_pretrained(path)
+        spec = spec_from_pretrained(path)
         con.print(
             f"\n[bold]{name}[/]: {spec.params_total() / 1e6:.0f}M parameters, {spec.params_active() / 1e6:.0f}M "
             "active per token"

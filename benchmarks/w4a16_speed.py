@@ -24,6 +24,7 @@ import torch
 
 from waferline import LLM, SamplingParams
 from waferline.model.quant import Int4Weight
+from waferline.spec.configs import spec_from_pretrained
 from waferline.spec.model import ModelSpec, MoESpec, quantized_bytes
 
 ROOT = Path(__file__).resolve().parent
@@ -94,7 +95,7 @@ def run(models: list[str], tokens: int, group: int, cache: Path, repeats: int) -
     rows = []
     for name in models:
         path = checkpoint(name, cache)
-        spec = ModelSpec.from_pretrained(path)
+        spec = spec_from_pretrained(path)
         name = path.name if name == "sol" else name  # sol-mini, or sol-demo (random weights) until it exists
         llms, info = {}, {}
         for variant, dtype, bits in VARIANTS:

@@ -15,6 +15,7 @@ import tiny_models
 from waferline import LLM, SamplingParams
 from waferline.engine.afd import AFD, AFDError, load_attention_side, load_ffn_side, make_layout
 from waferline.errors import ConfigError, WaferlineError
+from waferline.spec.configs import spec_from_pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,10 +102,9 @@ def test_afd_matches_single_process(model, M, N, ckpts, references):
 
 def test_each_rank_loads_only_its_part(ckpts):
     from waferline.model.load import open_weights
-    from waferline.spec.model import ModelSpec
 
     d = ckpts["nemotron_h"]
-    spec = ModelSpec.from_pretrained(d)
+    spec = spec_from_pretrained(d)
     layout = make_layout(spec, 1, 4)
     moe = next(i for i, k in layout.kinds.items() if k == "moe")
     assert layout.splits[moe] == [(0, 2), (2, 4), (4, 5), (5, 6)]  # uneven: 6 experts over 4 ranks

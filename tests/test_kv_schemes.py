@@ -6,8 +6,8 @@ from waferline.plan.place import place
 from waferline.sim.cost import layer_table
 from waferline.sim.pipeline import simulate
 from waferline.spec.catalog import load_model, model_config
-from waferline.spec.configs import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES
-from waferline.spec.model import CompressedAttentionSpec, DSASpec, LayerSpec, MLASpec, ModelSpec
+from waferline.spec.configs import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, parse_hf_config
+from waferline.spec.model import CompressedAttentionSpec, DSASpec, LayerSpec, MLASpec
 
 # a small latent: kv_lora 32 + rope 8 = 40 elements = 80 B/token at 16-bit
 MLA = MLASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -108,7 +108,7 @@ def test_deepseek_v32_config_parses_as_dsa():
 
 def test_hf_spelling_defaults_follow_transformers():
     cfg = {k: v for k, v in model_config("deepseek-v3.2").items() if not k.startswith("index_")}
-    m = ModelSpec.from_hf_config(cfg).layers[0].mixer
+    m = parse_hf_config(cfg).layers[0].mixer
     assert (m.index_n_heads, m.index_head_dim, m.index_topk) == (64, 128, 2048)
 
 
@@ -171,10 +171,10 @@ def test_deepseek_v4_flash_published_facts():
 
 def test_deepseek_v4_legacy_spellings():
     cfg = model_config("deepseek-v4-flash")
-    modern = ModelSpec.from_hf_config(cfg)
+    modern = parse_hf_config(cfg)
     ratios = [lay.mixer.compress_ratio for lay in modern.layers]
     legacy = dict({k: v for k, v in cfg.items() if k != "compress_rates"}, compress_ratios=ratios,
                   compress_rate_csa=4, compress_rate_hca=128)
-    spec = ModelSpec.from_hf_config(legacy)
+    spec = parse_hf_config(legacy)
     assert [lay.mixer for lay in spec.layers] == [lay.mixer for lay in modern.layers]
     assert spec.params_total() == modern.params_total()

@@ -10,7 +10,7 @@ import torch
 from conftest import script_module
 from waferline.model.init import write_random_checkpoint
 from waferline.model.load import load_model
-from waferline.spec.model import ModelSpec
+from waferline.spec.configs import parse_hf_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,7 +21,7 @@ def ks():
 
 
 def test_variants_differ_only_in_their_mixers(ks):
-    specs = {v: ModelSpec.from_hf_config(ks.config(v)) for v in ks.VARIANTS}
+    specs = {v: parse_hf_config(ks.config(v)) for v in ks.VARIANTS}
     kinds = {v: [lay.mixer.kind for lay in s.layers] for v, s in specs.items()}
     assert kinds["GQA"] == ["gqa"] * 4 and kinds["MLA"] == ["mla"] * 4 and kinds["DSA"] == ["dsa"] * 4
     assert kinds["V4 (hca/csa)"] == ["compressed"] * 4 and kinds["Mamba-2 hybrid"] == ["mamba2"] * 3 + ["mla"]

@@ -81,3 +81,81 @@ def test_relative_imports_are_resolved(tmp_path, module, source, want):
     p = tmp_path / "m.py"
     p.write_text(source)
     assert want in imported(p, module)
+
+
+def runtime_imports(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
+    """The waferline modules ``path`` imports at run time (lazy imports included, ``if TYPE_CHECKING:`` blocks not);
+    ``from pkg import sub`` of a submodule depends on the submodule, not on the package's own code."""
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names}
+            out.update(subs & modules.keys())
+            if not subs <= modules.keys():
+                out.add(base)
+    return {m for m in out if m in modules and m != module}
+
+
+def import_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """Every set of modules that import each other, directly or through others (strongly connected components)."""
+    graph = {m: runtime_imports(p, m, modules) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    assert import_cycles(_modules()) == []
+
+
+def test_the_cycle_check_sees_a_lazy_circle(tmp_path):
+    """The negative control: two modules that import each other, one of them inside a function, are a cycle; an
+    import under ``if TYPE_CHECKING:`` is not."""
+    a, b, c = tmp_path / "a.py", tmp_path / "b.py", tmp_path / "c.py"
+    a.write_text("from waferline.x.b import f\n")
+    b.write_text("def f():\n    from waferline.x.a import g\n    return g\n")
+    c.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from waferline.x.a import g\n")
+    mods = {"waferline.x.a": a, "waferline.x.b": b, "waferline.x.c": c}
+    assert import_cycles(mods) == [["waferline.x.a", "waferline.x.b"]]
+    c.write_text("from waferline.x.a import g\n")
+    assert import_cycles(mods) == [["waferline.x.a", "waferline.x.b"]]  # c imports into the circle, not part of it

@@ -15,7 +15,7 @@ from waferline.model.context import StepBatch
 from waferline.model.decoder import DecoderModel
 from waferline.model.delta_rule import delta_rule_chunked, delta_rule_steps
 from waferline.model.linear_attention import DeltaRuleMixer, LinearAttentionCache
-from waferline.spec.model import ModelSpec
+from waferline.spec.configs import parse_hf_config, spec_from_pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,8 +89,8 @@ def test_kimi_hub_config_parses_as_transformers_reads_it():
            "model_max_length": 1024, "linear_attn_config": {"full_attn_layers": [2, 4], "kda_layers": [1, 3],
                                                             "head_dim": 16, "num_heads": 4,
                                                             "short_conv_kernel_size": 4}}
-    ours = ModelSpec.from_hf_config(hub)
-    theirs = ModelSpec.from_hf_config(transformers.AutoConfig.for_model(**hub).to_dict())
+    ours = parse_hf_config(hub)
+    theirs = parse_hf_config(transformers.AutoConfig.for_model(**hub).to_dict())
     assert [layer.mixer.kind for layer in ours.layers] == ["kda", "mla", "kda", "mla"]
     assert [layer.ffn.kind for layer in ours.layers] == ["dense", "moe", "moe", "moe"]
     assert ours.layers == theirs.layers and ours.max_position_embeddings == theirs.max_position_embeddings == 1024
@@ -102,7 +102,7 @@ def test_kimi_hub_config_parses_as_transformers_reads_it():
 def test_spec_cache_accounting_equals_the_caches(ckpts, mt, dtype, bits):
     """Per layer: a linear layer's cache holds exactly ``state_bytes_per_seq`` per slot (whatever the prompt length),
     an attention layer's cache ``cache_bytes_per_token`` per cached token and no state."""
-    spec = ModelSpec.from_pretrained(ckpts[mt][0])
+    spec = spec_from_pretrained(ckpts[mt][0])
     model = DecoderModel(spec, dtype)
     slots = 3
     caches = model.new_caches(slots)

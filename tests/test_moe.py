@@ -19,7 +19,8 @@ from safetensors.torch import load_file  # noqa: E402
 from waferline.errors import CheckpointError, ConfigError  # noqa: E402
 from waferline.model.moe import DenseFFN, MoE, dense_names, dense_prefix, hf_act, moe_kwargs, moe_prefix  # noqa: E402
 from waferline.model.weights import WeightSource  # noqa: E402
-from waferline.spec.model import DenseFFNSpec, ModelSpec, MoESpec  # noqa: E402
+from waferline.spec.configs import parse_hf_config  # noqa: E402
+from waferline.spec.model import DenseFFNSpec, MoESpec  # noqa: E402
 
 ATOL = RTOL = 1e-5
 D = 32
@@ -404,11 +405,11 @@ PARSER_CASES = [f for f in FLAVORS if f != "sol"]  # qwen3_moe: 5.24 writes the 
 
 @pytest.mark.parametrize("flavor", PARSER_CASES)
 def test_spec_parser_gives_the_spec_these_tests_use(flavor):
-    """ModelSpec.from_hf_config on the saved config.json yields the MoESpec used above (so the engine, which builds
+    """parse_hf_config on the saved config.json yields the MoESpec used above (so the engine, which builds
     MoE from the parsed spec, gets the behaviour these tests check)."""
     case = _make(flavor)
     cfg = case.hf_config.to_dict()
-    spec = ModelSpec.from_hf_config(cfg)
+    spec = parse_hf_config(cfg)
     got = spec.layers[case.layer].ffn
     assert got == case.spec, f"parser: {got}\n tests: {case.spec}"
 

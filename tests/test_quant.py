@@ -29,7 +29,7 @@ from waferline.model.quant import (
     rtn_quantize,
     unpack_nibbles,
 )
-from waferline.spec.model import ModelSpec
+from waferline.spec.configs import spec_from_pretrained
 
 torch.manual_seed(0)
 
@@ -359,7 +359,7 @@ def test_int4_file_bytes_match_modelspec_accounting(tmp_path, G, sym):
     s = quantize_checkpoint(src, tmp_path / "sol4", QuantOptions(group_size=G, symmetric=sym))
     tensors = load_file(str(tmp_path / "sol4" / "model.safetensors"))
     data = sum(t.numel() * t.element_size() for t in tensors.values())
-    spec = ModelSpec.from_pretrained(src)
+    spec = spec_from_pretrained(src)
     assert abs(data / spec.weight_bytes(4, G, zeros=not sym) - 1) < 0.01
     assert data < 0.4 * spec.weight_bytes(16)
     assert s["modules_not_quantized"] == ["model.layers.2.self_attn.kv_b_proj.weight",

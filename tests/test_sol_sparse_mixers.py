@@ -15,7 +15,7 @@ from waferline.model.load import load_model
 from waferline.model.sparse_attention import DSACache, DSAttention
 from waferline.model.ssm import Mamba2Cache, Mamba2Mixer
 from waferline.model.v4_attention import V4Attention, V4Cache
-from waferline.spec.model import ModelSpec
+from waferline.spec.configs import parse_hf_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -176,7 +176,7 @@ def test_dsa_top_k_below_the_prompt_differs_from_dense_mla(tmp_path_factory):
     (every token is selected there), different past it."""
     m = load_model(_checkpoint(tmp_path_factory, "dsa"))
     cfg = dict(m.spec.hf_config, mixer_types=["mla", "mla"])
-    mla = DecoderModel(ModelSpec.from_hf_config(cfg), torch.float32)
+    mla = DecoderModel(parse_hf_config(cfg), torch.float32)
     missing, unexpected = mla.load_state_dict(m.state_dict(), strict=False)
     assert not missing and unexpected and all(".indexer." in k for k in unexpected)
     sparse, dense = _logprobs(m, LONG, [len(LONG)]), _logprobs(mla, LONG, [len(LONG)])

@@ -3,7 +3,8 @@
 import pytest
 
 from waferline.errors import ConfigError
-from waferline.spec.model import ModelSpec, quantized_bytes
+from waferline.spec.configs import parse_hf_config
+from waferline.spec.model import quantized_bytes
 
 DSV3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
@@ -22,7 +23,7 @@ def within(x, target, rel=0.02):
 
 
 def test_deepseek_v3_published_facts():
-    s = ModelSpec.from_hf_config(DSV3)
+    s = parse_hf_config(DSV3)
     assert s.cache_bytes_per_token(16) == 70272
     assert within(s.params_total(), 671e9)
     assert within(s.params_active(), 37e9)
@@ -30,7 +31,7 @@ def test_deepseek_v3_published_facts():
 
 
 def test_kimi_k2_published_facts():
-    s = ModelSpec.from_hf_config(KIMI_K2)
+    s = parse_hf_config(KIMI_K2)
     assert s.model_type == "deepseek_v3"
     assert within(s.params_total(), 1.04e12)
     assert within(s.params_active(), 32e9, rel=0.05)  # Moonshot rounds to "32B activated"
@@ -38,7 +39,7 @@ def test_kimi_k2_published_facts():
 
 
 def test_llama_405b_cache():
-    s = ModelSpec.from_hf_config(LLAMA_405B)
+    s = parse_hf_config(LLAMA_405B)
     assert s.cache_bytes_per_token(16) == 516096
     assert within(s.params_total(), 405e9)
 
@@ -47,7 +48,7 @@ def test_quantized_bytes_overhead():
     assert quantized_bytes(1024, 16) == 2048
     assert quantized_bytes(1024, 4, group_size=32) == 512 + 32 * 2
     assert quantized_bytes(1024, 4, group_size=128, zeros=True) == 512 + 8 * 4
-    s = ModelSpec.from_hf_config(DSV3)
+    s = parse_hf_config(DSV3)
     w4, w16 = s.weight_bytes(4, group_size=32), s.weight_bytes(16)
     assert 0.25 < w4 / w16 < 0.32
 
@@ -56,14 +57,14 @@ def test_sliding_window_and_ssm_cache_bounds():
     oss = dict(model_type="gpt_oss", vocab_size=1000, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
                sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 2)
-    s = ModelSpec.from_hf_config(oss)
+    s = parse_hf_config(oss)
     per_tok = 2 * 2 * 16 * 2
     assert s.cache_bytes_per_seq(100) == 4 * 100 * per_tok
     assert s.cache_bytes_per_seq(10_000) == 2 * 10_000 * per_tok + 2 * 128 * per_tok
     hyb = dict(model_type="nemotron_h", vocab_size=1000, hidden_size=64, hybrid_override_pattern="M-M*-",
                num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, mamba_num_heads=8,
                mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4)
-    h = ModelSpec.from_hf_config(hyb)
+    h = parse_hf_config(hyb)
     assert [(l.mixer.kind if l.mixer else None, l.ffn.kind if l.ffn else None) for l in h.layers] == [
         ("mamba2", None), (None, "dense"), ("mamba2", None), ("gqa", None), (None, "dense")]
     growth = h.cache_bytes_per_seq(2000) - h.cache_bytes_per_seq(1000)
@@ -73,9 +74,9 @@ def test_sliding_window_and_ssm_cache_bounds():
 def test_hybrid_spellings_agree():
     base = dict(model_type="nemotron_h", vocab_size=1000, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, intermediate_size=96, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2)
-    a = ModelSpec.from_hf_config(dict(base, hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
+    a = parse_hf_config(dict(base, hybrid_override_pattern="M*-E", n_routed_experts=4, num_experts_per_tok=2,
                                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16))
-    b = ModelSpec.from_hf_config(
+    b = parse_hf_config(
         dict(
             base,
             layers_block_type=["mamba", "attention", "mlp", "moe"],
@@ -89,22 +90,22 @@ def test_hybrid_spellings_agree():
     g1 = dict(model_type="granitemoehybrid", vocab_size=100, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
               intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=8, mamba_d_head=16,
               mamba_d_state=16)
-    x = ModelSpec.from_hf_config(dict(g1, layer_types=["mamba", "attention"]))
-    y = ModelSpec.from_hf_config(dict(g1, layers_block_type=["mamba", "attention"]))
+    x = parse_hf_config(dict(g1, layer_types=["mamba", "attention"]))
+    y = parse_hf_config(dict(g1, layers_block_type=["mamba", "attention"]))
     assert x.params_total() == y.params_total()
     q = dict(model_type="mixtral", vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
              intermediate_size=32, num_experts_per_tok=2)
-    assert (ModelSpec.from_hf_config(dict(q, num_local_experts=4)).params_total()
-            == ModelSpec.from_hf_config(dict(q, num_experts=4)).params_total())
+    assert (parse_hf_config(dict(q, num_local_experts=4)).params_total()
+            == parse_hf_config(dict(q, num_experts=4)).params_total())
 
 
 def test_unsupported_and_missing_fields():
     with pytest.raises(ConfigError, match="unsupported model_type 'bert'.*deepseek_v3"):
-        ModelSpec.from_hf_config({"model_type": "bert"})
+        parse_hf_config({"model_type": "bert"})
     with pytest.raises(ConfigError, match="missing the field 'kv_lora_rank'"):
-        ModelSpec.from_hf_config({k: v for k, v in DSV3.items() if k != "kv_lora_rank"})
+        parse_hf_config({k: v for k, v in DSV3.items() if k != "kv_lora_rank"})
     with pytest.raises(ConfigError, match="no 'model_type'"):
-        ModelSpec.from_hf_config({"hidden_size": 4})
+        parse_hf_config({"hidden_size": 4})
 
 
 def test_sol_layers():
@@ -114,9 +115,9 @@ def test_sol_layers():
                v_head_dim=16, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1,
                mixer_types=["mamba2", "mamba2", "mamba2", "mla"], ffn_types=["dense", "moe", "moe", "moe"],
                num_nextn_predict_layers=1)
-    s = ModelSpec.from_hf_config(cfg)
+    s = parse_hf_config(cfg)
     assert [l.mixer.kind for l in s.layers] == ["mamba2", "mamba2", "mamba2", "mla"]
     assert s.cache_bytes_per_token(16) == (32 + 8) * 2
     assert len(s.mtp_layers) == 1
     with pytest.raises(ConfigError, match="mixer 'xyz'"):
-        ModelSpec.from_hf_config(dict(cfg, mixer_types=["xyz"] * 4))
+        parse_hf_config(dict(cfg, mixer_types=["xyz"] * 4))

@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.spec.configs import spec_from_pretrained
 
 
 @pytest.fixture(scope="module")
@@ -335,14 +336,13 @@ def test_more_stage_processes_than_cores_take_the_oversubscribed_stage_cpu():
     from waferline.sim.host import HostParams
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     x = np.array([1.4e-3, 5.3e-3])
     assert _fixed_inflation_fit(x, 64 * 7e-4 + 1.0 * x, 64.0) == pytest.approx((7e-4, 1.0), rel=1e-6)
     res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     d = json.loads((res / "twin_sol-mini.json").read_text())
     rows = {r["plan"]: r for r in d["rows"] if r.get("status") == "ok"}
-    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    spec = spec_from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
     hw = load_hardware_file(res / "twin_host.yaml")
     base = replace(HostParams.load(res / "twin_host.yaml"), oversubscribed={})
     ov = {"stages": 8, "m1_step_cpu_s": 7e-4, "m1_cpu_inflation": 0.3, "m1_wall_per_cpu": 0.9,
@@ -385,7 +385,6 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     from waferline.sim.host import HostParams, Work, _work_time
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     root = Path(__file__).resolve().parents[1]
     res = root / "benchmarks" / "results"
@@ -414,7 +413,7 @@ def test_prefill_from_memory_is_scaled_by_its_size_and_other_matmuls_run_at_thei
     assert sized.prefill_dram_scale("bf16", 256) == sized.prefill_dram_scale("bf16", 4096) == 1.0
     assert sized.prefill_dram_scale("bf16", 128) == pytest.approx(2.0 ** (1 / 3), rel=1e-9)
     d = json.loads((res / "twin_sol-mini.json").read_text())
-    spec = ModelSpec.from_pretrained(root / "models" / "sol-mini")
+    spec = spec_from_pretrained(root / "models" / "sol-mini")
 
     def ttft(h, name):
         r = next(r for r in d["rows"] if r["plan"] == name)
@@ -467,12 +466,11 @@ def test_an_mtp_pipeline_drafts_before_its_first_token_returns():
     from waferline.sim.host import HostParams
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     root = Path(__file__).resolve().parents[1]
     res = root / "benchmarks" / "results"
     d = json.loads((res / "twin_sol-mini.json").read_text())
-    spec = ModelSpec.from_pretrained(root / "models" / "sol-mini")
+    spec = spec_from_pretrained(root / "models" / "sol-mini")
     hw = load_hardware_file(res / "twin_host.yaml")
     host = HostParams.load(res / "twin_host.yaml")
     rows = {r["plan"]: r for r in d["rows"]}
@@ -503,12 +501,11 @@ def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     from waferline.sim.host import HostParams
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     d = json.loads((res / "twin_sol-mini.json").read_text())
     row = next(r for r in d["rows"] if r["point"]["afd"])
-    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    spec = spec_from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
     hw = load_hardware_file(res / "twin_host.yaml")
     host = replace(
         HostParams.load(res / "twin_host.yaml"), afd_overlapped_hop_s=None, afd_overlapped_message_cpu_s=None
@@ -539,13 +536,12 @@ def test_afd_prefill_ping_pongs_its_micro_batches():
     from waferline.sim.host import HostParams
     from waferline.sim.twin import predict
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
     d = json.loads((res / "twin_sol-mini.json").read_text())
     row = next(r for r in d["rows"] if r["point"]["afd"])
     assert row["ops"]["prefill_rows"] == 4  # batch 8 on one attention rank, in 2 micro-batches
-    spec = ModelSpec.from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    spec = spec_from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
     hw = load_hardware_file(res / "twin_host.yaml")
     host = HostParams.load(res / "twin_host.yaml")
 

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
 from waferline.model.init import _RecordingSource, export_hf_state_dict  # noqa: E402
-from waferline.spec.model import ModelSpec  # noqa: E402
+from waferline.spec.configs import parse_hf_config  # noqa: E402
 
 # 2 of the 37 plays (~5%) are held out; poems and sonnets stay in training.
 HELDOUT_WORKS = ("julius_caesar", "twelfth_night")
@@ -172,7 +172,7 @@ def encode(tok, text: str, cache: Path) -> torch.Tensor:
 
 
 def build_model(seed: int) -> DecoderModel:
-    spec = ModelSpec.from_hf_config(dict(SOL_MINI_CONFIG), name="sol-mini")
+    spec = parse_hf_config(dict(SOL_MINI_CONFIG), name="sol-mini")
     model = DecoderModel(spec, torch.float32, with_mtp=True)
     src = _RecordingSource(seed)
     model.load_hf(src)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import UsageError, WaferlineError, counted
+from waferline.spec.configs import spec_from_config_file, spec_from_pretrained
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
 NUM_SPECULATIVE_TOKENS = 4  # most draft tokens per step unless --num-speculative-tokens says otherwise
@@ -136,10 +137,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from waferline.spec.model import ModelSpec
 
     p = Path(args.model)
-    spec = ModelSpec.from_pretrained(p) if p.is_dir() else ModelSpec.from_config_file(p)
+    spec = spec_from_pretrained(p) if p.is_dir() else spec_from_config_file(p)
     s = spec.summary()
     s["weight_bytes"] = {str(b): spec.weight_bytes(b) for b in (16, 8, 4)}
     s["cache_bytes_per_token"] = {str(b): spec.cache_bytes_per_token(b) for b in (16, 8)}

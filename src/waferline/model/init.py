@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from waferline.model.weights import WeightSource
-from waferline.spec.model import ModelSpec
+from waferline.spec.configs import parse_hf_config
 
 
 class _RecordingSource(WeightSource):
@@ -54,7 +54,7 @@ def write_random_checkpoint(cfg: dict[str, Any], directory: str | Path, seed: in
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    spec = ModelSpec.from_hf_config(dict(cfg))
+    spec = parse_hf_config(dict(cfg))
     src = _RecordingSource(seed)
     DecoderModel(spec, torch.float32, with_mtp=True).load_hf(src)
     tmp = directory / "model.safetensors.tmp"

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 from waferline.errors import CheckpointError, ConfigError
 from waferline.model.decoder import DecoderModel
 from waferline.model.weights import WeightSource
+from waferline.spec.configs import spec_from_pretrained
 from waferline.spec.model import ModelSpec
 
 # tensors some checkpoints carry that no module needs
@@ -130,7 +131,7 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"model directory {directory} does not exist")
-    spec = ModelSpec.from_pretrained(directory)
+    spec = spec_from_pretrained(directory)
     src = open_weights(directory)
     model = DecoderModel(spec, dtype, layer_range, has_embed, has_head)
     int4 = _int4_source(directory, src)

@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from waferline.spec.configs import spec_from_pretrained
+
 CALIBRATION_TOKENS = 4096  # GPTQ calibration tokens unless --calibration-tokens says otherwise
 
 
@@ -39,10 +41,9 @@ def _has_mla(model: str) -> bool:
     from pathlib import Path
 
     from waferline.errors import WaferlineError
-    from waferline.spec.model import ModelSpec
 
     try:
-        spec = ModelSpec.from_pretrained(Path(model))
+        spec = spec_from_pretrained(Path(model))
     except WaferlineError:
         return True
     return any(layer.mixer is not None and layer.mixer.kind == "mla" for layer in spec.layers)

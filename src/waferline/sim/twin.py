@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
@@ -301,7 +302,6 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     compare())."""
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     say = progress or (lambda what, frac: None)
     path = Path(model)
@@ -316,7 +316,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     hw_path = Path(hardware)
     hw = load_hardware_file(hw_path)
     host = host_override or HostParams.load(hw_path)
-    spec = ModelSpec.from_pretrained(path)
+    spec = spec_from_pretrained(path)
     has_mtp = bool(getattr(spec, "mtp_layers", None))
     if passes < 1:
         raise ConfigError("--passes must be >= 1")
@@ -557,10 +557,9 @@ def repredict(result: dict[str, Any], host: Any) -> dict[str, Any]:
 
     from waferline.plan.plan import Plan
     from waferline.spec.hardware import load_hardware_file
-    from waferline.spec.model import ModelSpec
 
     out = copy.deepcopy(result)
-    spec = ModelSpec.from_pretrained(Path(result["model"]))
+    spec = spec_from_pretrained(Path(result["model"]))
     hw = load_hardware_file(result["hardware"])
     for row in out["rows"]:
         if row.get("status") != "ok":

@@ -3,7 +3,9 @@ spellings), multimodal configs flattened to their language model. Needs no torch
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError
@@ -641,3 +643,24 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         return parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
         raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
+
+
+def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpec:
+    """The ModelSpec of a ``config.json`` file (named after its directory unless ``name`` is given)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"no config file at {path}")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    return parse_hf_config(cfg, name=name or path.parent.name)
+
+
+def spec_from_pretrained(directory: str | Path) -> ModelSpec:
+    """The ModelSpec of a Hugging Face checkpoint directory (its ``config.json``)."""
+    directory = Path(directory)
+    cfg = directory / "config.json"
+    if not cfg.is_file():
+        raise ConfigError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
+    return spec_from_config_file(cfg, name=directory.name)

@@ -7,10 +7,8 @@ torch.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError
@@ -840,30 +838,3 @@ class ModelSpec:
             "params_total": self.params_total(), "params_active": self.params_active(),
             "kv_bytes_per_token_bf16": self.cache_bytes_per_token(16),
         }
-
-    # -- construction
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
-        """The ModelSpec of a Hugging Face ``config.json`` dict (the parser of its ``model_type``, spec/configs.py)."""
-        from waferline.spec.configs import parse_hf_config  # the parsers build ModelSpecs: imported on first use
-
-        return parse_hf_config(cfg, name)
-
-    @classmethod
-    def from_config_file(cls, path: str | Path, name: str | None = None) -> ModelSpec:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"no config file at {path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_config(cfg, name=name or path.parent.name)
-
-    @classmethod
-    def from_pretrained(cls, directory: str | Path) -> ModelSpec:
-        directory = Path(directory)
-        cfg = directory / "config.json"
-        if not cfg.is_file():
-            raise ConfigError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
-        return cls.from_config_file(cfg, name=directory.name)

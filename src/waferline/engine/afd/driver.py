@@ -45,6 +45,7 @@ from waferline.engine.stage import (
     make_group,
 )
 from waferline.errors import ConfigError
+from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
@@ -73,7 +74,6 @@ class AFD(Pipeline):
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_rank: int | None = None,
                  threads_per_stage: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  device: str = "cpu", start_method: str = "forkserver"):
-        from waferline.spec.model import ModelSpec
 
         if isinstance(dtype, str):
             if dtype not in DTYPES:
@@ -83,7 +83,7 @@ class AFD(Pipeline):
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")
         _check_checkpoint(self.path, device)
-        self.spec = ModelSpec.from_pretrained(self.path)
+        self.spec = spec_from_pretrained(self.path)
         if plan is not None:
             if attention_ranks is not None or ffn_ranks is not None:
                 raise ConfigError("give a plan or attention_ranks/ffn_ranks, not both")

@@ -16,6 +16,7 @@ from waferline.engine.afd.layout import Layout
 from waferline.errors import ConfigError
 from waferline.model.moe import MoE
 from waferline.plan.place import ffn_owner
+from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.spec.model import MoESpec
@@ -123,10 +124,10 @@ def load_attention_side(path: str | Path, dtype: torch.dtype, src: Any = None) -
     from waferline.model.hybrids import hf_source
     from waferline.model.layers import RMSNorm
     from waferline.model.load import open_weights
-    from waferline.spec.model import ModelSpec, MoESpec
+    from waferline.spec.model import MoESpec
 
     path = Path(path)
-    spec = ModelSpec.from_pretrained(path)
+    spec = spec_from_pretrained(path)
     bare = dataclasses.replace(spec, layers=[dataclasses.replace(layer, ffn=None) for layer in spec.layers])
     src = src if src is not None else open_weights(path)
     model = DecoderModel(bare, dtype, with_mtp=False)
@@ -157,10 +158,9 @@ def load_ffn_side(
     experts where it is the owner), or the dense FFN of the layers it owns."""
     from waferline.model.decoder import NAMING, Naming, _build_ffn
     from waferline.model.load import open_weights
-    from waferline.spec.model import ModelSpec
 
     path = Path(path)
-    spec = ModelSpec.from_pretrained(path)
+    spec = spec_from_pretrained(path)
     src = src if src is not None else open_weights(path)
     n: Naming = NAMING.get(spec.model_type, Naming())
     N = layout.ffn_ranks

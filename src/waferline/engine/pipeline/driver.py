@@ -33,6 +33,7 @@ from waferline.engine.stage import (
     worker_main,
 )
 from waferline.errors import ConfigError, counted
+from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.engine.llm import LLM
@@ -55,8 +56,6 @@ class Pipeline(DecodeRing, Supervision):
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
                  launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
-        from waferline.spec.model import ModelSpec
-
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -64,7 +63,7 @@ class Pipeline(DecodeRing, Supervision):
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")
-        self.spec = ModelSpec.from_pretrained(self.path)
+        self.spec = spec_from_pretrained(self.path)
         self.ranges = stage_ranges(self.spec.num_layers, stages, layers_per_stage, plan)
         self.num_stages = S = len(self.ranges)
         if micro_batches is None and plan is not None and not isinstance(plan, (str, Path)):

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from waferline.engine.sampling import DTYPES
 from waferline.engine.stage import loopback_host, loopback_store, serve
 from waferline.errors import ConfigError, counted
+from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
@@ -140,9 +141,7 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
     """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
     ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
     from waferline.engine.speculative import pipeline_method
-    from waferline.spec.model import ModelSpec
-
-    spec = ModelSpec.from_pretrained(Path(path))
+    spec = spec_from_pretrained(Path(path))
     ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
     store, rank, world = _rendezvous_env()
     if world != len(ranges):

@@ -18,6 +18,7 @@ from waferline.model.quant.mapping import _group_ids, _groups_line_up, _used_ten
 from waferline.model.quant.modules import QuantOptions, _kept, _quantize_param, install, matmul_weights
 from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
 from waferline.model.quant.weight import Int4Weight
+from waferline.spec.configs import spec_from_pretrained
 
 
 def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -90,7 +91,6 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     from safetensors.torch import save_file
 
     from waferline.model.load import checkpoint_files, load_model, open_weights
-    from waferline.spec.model import ModelSpec
 
     t0 = time.perf_counter()
     opts.validate()
@@ -111,7 +111,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             "GPTQ needs calibration data: pass --calibration FILE (text, or whitespace-separated token ids)"
         )
 
-    spec = ModelSpec.from_pretrained(model_dir)
+    spec = spec_from_pretrained(model_dir)
     model = load_model(model_dir, torch.float32)
     calib = None
     n_calib = 0

@@ -7,6 +7,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from waferline.errors import ConfigError
+from waferline.spec.configs import parse_hf_config, spec_from_config_file, spec_from_pretrained
+from waferline.spec.model import ModelSpec
 
 CATALOG_DIR = Path(__file__).parent
 MODELS_DIR = CATALOG_DIR / "models"
@@ -34,24 +36,20 @@ def model_config(name: str) -> dict:
 
 
 @lru_cache(maxsize=64)
-def _load_model_cached(name: str):
-    from waferline.spec.model import ModelSpec
-
-    return ModelSpec.from_hf_config(model_config(name), name=name)
+def _load_model_cached(name: str) -> ModelSpec:
+    return parse_hf_config(model_config(name), name=name)
 
 
-def load_model(name_or_path: str | Path):
+def load_model(name_or_path: str | Path) -> ModelSpec:
     """A ModelSpec from a catalog id, a config.json path, or a checkpoint directory."""
-    from waferline.spec.model import ModelSpec
-
     s = str(name_or_path)
     p = Path(s)
     if (MODELS_DIR / f"{s}.json").is_file():
         return _load_model_cached(s)
     if p.is_dir():
-        return ModelSpec.from_pretrained(p)
+        return spec_from_pretrained(p)
     if p.is_file():
-        return ModelSpec.from_config_file(p, name=p.stem if p.name != "config.json" else p.parent.name)
+        return spec_from_config_file(p, name=p.stem if p.name != "config.json" else p.parent.name)
     raise ConfigError(
         f"unknown model {s!r}: use a catalog id ({', '.join(list_models())}), a config.json path or a checkpoint "
         "directory"
