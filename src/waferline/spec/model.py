@@ -250,7 +250,8 @@ class Mamba1Spec(_StateMixer):
 
 @dataclass(frozen=True)
 class GatedDeltaNetSpec(_StateMixer):
-    """Gated DeltaNet linear attention (Qwen3-Next): accounting only, the engine does not run it."""
+    """Gated DeltaNet linear attention (Qwen3-Next): a gated delta rule over q/k/v short convolutions, a gated RMSNorm
+    on the output; constant-size conv + recurrent state per sequence."""
 
     hidden_size: int
     num_k_heads: int
