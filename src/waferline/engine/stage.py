@@ -59,8 +59,9 @@ class Group:
     Speculative decoding: a verify group's rows (EMIT_VERIFY) carry ``drafts`` (row b's input is its last token,
     its drafts, then padding up to T); ``has_q`` says the drafter's probabilities [sum of draft lengths, V] (fp32)
     follow the hidden states in the message; ``tokens`` (B*T input ids) travel with prefill groups when the last
-    stage drafts with MTP and needs the token history; ``ks`` (MTP) is how many tokens the last stage drafts for each
-    row after it emits (stage 0's adaptive K chose them)."""
+    stage drafts with MTP and needs the token history, and with every group when a stage after the first holds a
+    hash-routed layer (DeepSeek-V4 picks those experts by token id: engine.pipeline's ``ids_downstream``); ``ks``
+    (MTP) is how many tokens the last stage drafts for each row after it emits (stage 0's adaptive K chose them)."""
 
     T: int
     seqs: list[int] = field(default_factory=list)
@@ -200,8 +201,10 @@ class StageRunner:
 
     @torch.inference_mode()
     def forward(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """inputs per group: token ids [B, T] on the first stage, hidden states [B, T, D] elsewhere. Rows named in
-        ``mb.rewinds`` are rolled back first; verify groups record what a later rollback needs."""
+        """inputs per group: token ids [B, T] on the first stage, hidden states [B, T, D] elsewhere (DeepSeek-V4: its
+        streams [B, T, hc_mult, D]). Rows named in ``mb.rewinds`` are rolled back first; verify groups record what a
+        later rollback needs. DeepSeek-V4's hash-routed layers read the step's token ids from ``batch.memo`` (the
+        first stage's inputs, or the ids the group carries)."""
         from waferline.model.context import StepBatch
 
         if mb.rewinds:
@@ -209,6 +212,10 @@ class StageRunner:
         out = []
         for g, x in zip(mb.groups, inputs):
             batch = StepBatch.make(g.slots, g.starts, g.T, self.device)
+            if self.model.hc_mult:
+                ids = x if self.is_first else g.tokens
+                if ids is not None:
+                    batch.memo["tokens"] = torch.as_tensor(ids, dtype=torch.long, device=self.device).view(g.B, g.T)
             if self.is_first:
                 x = self.model.embed_tokens(x.to(self.device))
             if g.verify and g.T > 1:
@@ -292,16 +299,18 @@ class StageRunner:
         return out
 
     def split(self, mb: MicroBatch, tail: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Hidden states per group from the raw bytes of a STEP message, and the bytes after them (draft
-        probabilities, passed on unchanged to the last stage)."""
-        D, dt = self.model.spec.hidden_size, self.model.dtype
+        """Hidden states per group ([B, T, D], DeepSeek-V4's streams [B, T, hc_mult, D]) from the raw bytes of a STEP
+        message, and the bytes after them (draft probabilities, passed on unchanged to the last stage)."""
+        d, n_hc = self.model.spec.hidden_size, self.model.hc_mult
+        row = (n_hc, d) if n_hc else (d,)
+        D, dt = d * max(n_hc, 1), self.model.dtype
         n_h = sum(g.B * g.T for g in mb.groups) * D
         nbytes = n_h * torch.empty(0, dtype=dt).element_size()
         flat = tail[:nbytes].view(dt)
         out, i = [], 0
         for g in mb.groups:
             n = g.B * g.T * D
-            out.append(flat[i:i + n].view(g.B, g.T, D))
+            out.append(flat[i:i + n].view(g.B, g.T, *row))
             i += n
         return out, tail[nbytes:]
 

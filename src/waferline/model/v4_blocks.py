@@ -154,14 +154,20 @@ class V4MoE(nn.Module):
         w = scores.gather(1, idx)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.spec.routed_scaling, idx
 
+    def expert_linear(self, x: Tensor, which: str, e: int) -> Tensor:
+        """Expert ``e``'s weight ``which`` (gate_up | down) applied to x [n, in]: the one place the experts multiply
+        (int4 weights, model/quant/, replace ``w_which`` by ``q_which``; GPTQ's calibration watches this call)."""
+        q = getattr(self, "q_" + which, None)
+        return q.expert_linear(x, e) if q is not None else F.linear(x, getattr(self, "w_" + which)[e])
+
     def forward(self, x: Tensor, tokens: Tensor | None) -> Tensor:
         """x [N, D], token ids [N] (hash routing only) -> [N, D]."""
         weights, idx = self.route(x, tokens)
         out = torch.zeros_like(x)
         for e in torch.unique(idx).tolist():  # (ascending: each token sums its experts in expert order)
             rows, which = torch.where(idx == e)
-            gate, up = F.linear(x[rows], self.w_gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(self._swiglu(gate, up), self.w_down[e]) * weights[rows, which, None]
+            gate, up = self.expert_linear(x[rows], "gate_up", e).chunk(2, dim=-1)
+            y = self.expert_linear(self._swiglu(gate, up), "down", e) * weights[rows, which, None]
             out.index_add_(0, rows, y.to(x.dtype))
         if self.shared is not None:
             s = self.shared
@@ -172,7 +178,7 @@ class V4MoE(nn.Module):
 class V4Layer(nn.Module):
     """A DeepSeek-V4 decoder layer on the streams x [B, T, hc_mult, D]: attention and then the MoE, each fed by
     its hyper-connection's collapse of the streams (after an RMSNorm) and merged back into them. The step's token
-    ids (hash routing) come from ``batch.memo["tokens"]``."""
+    ids (hash routing) come from ``batch.memo["tokens"]`` (DecoderModel.forward, or a pipeline stage's runner)."""
 
     def __init__(self, spec: LayerSpec, model_type: str, cfg: dict[str, Any], dtype: torch.dtype):
         super().__init__()
@@ -205,8 +211,8 @@ class V4Layer(nn.Module):
         x = HyperConnection.merge(x, self.mixer(self.mixer_norm(h), cache, batch), post, comb)
         tokens = batch.memo.get("tokens")
         if tokens is None and self.ffn.hashed:
-            raise ConfigError("a hash-routed deepseek_v4 layer needs the step's token ids: run it through "
-                              "DecoderModel.forward, which puts them in batch.memo")
+            raise ConfigError("a hash-routed deepseek_v4 layer needs the step's token ids in batch.memo['tokens'] "
+                              "(DecoderModel.forward and the pipeline's stages put them there)")
         post, comb, h = self.ffn_hc(x)
         B, T, D = h.shape
         f = self.ffn(self.ffn_norm(h).reshape(B * T, D), None if tokens is None else tokens.reshape(B * T))

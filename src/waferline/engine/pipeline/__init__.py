@@ -12,11 +12,18 @@ speculative path's verify groups), ``supervise`` (start-up checks, the watchdog,
 """
 
 from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
-from waferline.engine.pipeline.launch import _rendezvous_env, serve_from_env, stage_ranges, torchrun_rank
+from waferline.engine.pipeline.launch import (
+    _rendezvous_env,
+    ids_downstream,
+    serve_from_env,
+    stage_ranges,
+    torchrun_rank,
+)
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, _Seq
 from waferline.engine.pipeline.supervise import START_TIMEOUT_S, WATCH_INTERVAL_S, StageError, _status_error
 
-__all__ = ["Pipeline", "StageError", "stage_ranges", "torchrun_rank", "serve_from_env", "DEFAULT_HANG_TIMEOUT_S",
-           "DEFAULT_PREFILL_CHUNK", "START_TIMEOUT_S", "WATCH_INTERVAL_S", "PREFILL", "DECODE", "DONE",
+__all__ = ["Pipeline", "StageError", "stage_ranges", "ids_downstream", "torchrun_rank", "serve_from_env",
+           "DEFAULT_HANG_TIMEOUT_S", "DEFAULT_PREFILL_CHUNK", "START_TIMEOUT_S", "WATCH_INTERVAL_S", "PREFILL",
+           "DECODE", "DONE",
            # scheduler internals that tests reach for
            "_Seq", "_status_error", "_rendezvous_env"]

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from waferline.engine.pipeline.launch import _env_run_id, _main_hidden, _reap, _rendezvous_env, stage_ranges
+from waferline.engine.pipeline.launch import (
+    _env_run_id,
+    _main_hidden,
+    _reap,
+    _rendezvous_env,
+    ids_downstream,
+    stage_ranges,
+)
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, DecodeRing, _Seq, _SpecRun
 from waferline.engine.pipeline.supervise import StageError, Supervision
 from waferline.engine.sampling import DTYPES, SamplingParams
@@ -56,6 +63,7 @@ class Pipeline(DecodeRing, Supervision):
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
                  launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
+
         if isinstance(dtype, str):
             if dtype not in DTYPES:
                 raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -66,6 +74,7 @@ class Pipeline(DecodeRing, Supervision):
         self.spec = spec_from_pretrained(self.path)
         self.ranges = stage_ranges(self.spec.num_layers, stages, layers_per_stage, plan)
         self.num_stages = S = len(self.ranges)
+        self.ids_downstream = ids_downstream(self.spec, self.ranges)  # (DeepSeek-V4's hash-routed layers)
         if micro_batches is None and plan is not None and not isinstance(plan, (str, Path)):
             micro_batches = plan.micro_batches
         self.micro_batches = int(micro_batches) if micro_batches is not None else S

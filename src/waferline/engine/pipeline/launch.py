@@ -19,9 +19,18 @@ from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
+    from waferline.spec.model import ModelSpec
 
 
 # ---------------------------------------------------------------- the stage split
+
+def ids_downstream(spec: ModelSpec, ranges: list[tuple[int, int]]) -> bool:
+    """Whether a stage holding layers ``ranges[1:]`` needs the step's token ids: it holds a hash-routed DeepSeek-V4
+    MoE layer (one without a correction bias, as V4MoE reads its spec). Only then do the groups carry them."""
+    if spec.model_type != "deepseek_v4":
+        return False
+    return any(not getattr(spec.layers[i].ffn, "correction_bias", True) for a, b in ranges[1:] for i in range(a, b))
+
 
 def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: int | None = None,
                  plan: Plan | None = None) -> list[tuple[int, int]]:
@@ -141,6 +150,7 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
     """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
     ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
     from waferline.engine.speculative import pipeline_method
+
     spec = spec_from_pretrained(Path(path))
     ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
     store, rank, world = _rendezvous_env()

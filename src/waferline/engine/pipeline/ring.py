@@ -155,6 +155,13 @@ class DecodeRing:
         if self.num_stages > 1:
             self._send_chain(BEGIN, json_meta(cfg))
 
+    def _carry_ids(self, groups: list[Group], toks: list[torch.Tensor]) -> None:
+        """Give each group its input ids [B*T] when a later stage holds a hash-routed layer (``ids_downstream``)."""
+        if self.ids_downstream:
+            for g, t in zip(groups, toks):
+                if g.tokens is None:
+                    g.tokens = t.reshape(-1).tolist()
+
     # ------------------------------------------------------------ scheduling
     def _schedule(
         self, seqs: list[_Seq], logprobs: bool
@@ -215,6 +222,7 @@ class DecodeRing:
             groups.append(verify[0])
             toks.append(torch.tensor(verify[1], dtype=torch.long))
             extra = verify[2]
+        self._carry_ids(groups, toks)
         if self._sr is not None:
             rewinds, self._sr.rewinds = self._sr.rewinds, []
             # a verify-only micro-batch's round trip is the step's cost — a clean measurement when the micro-batches

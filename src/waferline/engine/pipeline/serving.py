@@ -146,6 +146,7 @@ class PipelineRunner:
                     g.emits.append(_EMITS[want])
                 groups.append(g)
                 toks.append(torch.tensor([r[2] for r in by_T[T]], dtype=torch.long))
+            pipe._carry_ids(groups, toks)
             pipe._mb_ids += 1
             mb = MicroBatch(pipe._mb_ids, groups)
             where[mb.mb_id] = {r[0]: r[4] for r in rows if r[3] != WANT_NONE}

@@ -56,6 +56,7 @@ def hessians(root: nn.Module, run: Callable[[], None]) -> dict[str, Tensor]:
     """``H = sum x x^T`` of the inputs of every matmul weight under ``root`` (per expert for MoE) while ``run()``
     drives data through it. Keys are the paths of :func:`matmul_weights` relative to ``root``."""
     from waferline.model.moe import DenseFFN, MoE
+    from waferline.model.v4_blocks import V4MoE
 
     H: dict[str, Tensor] = {}
 
@@ -73,11 +74,11 @@ def hessians(root: nn.Module, run: Callable[[], None]) -> dict[str, Tensor]:
                 lambda m, args, key=path, K=K: acc(key, args[0], K)))
     for name, mod in root.named_modules():
         pre = name + "." if name else ""
-        if isinstance(mod, MoE) and isinstance(getattr(mod, "w_down", None), Tensor):
-            orig, E = mod.expert_linear, mod.num_experts
+        if isinstance(mod, (MoE, V4MoE)) and isinstance(getattr(mod, "w_down", None), Tensor):
+            orig, E = mod.expert_linear, mod.w_down.shape[0]
 
             def ex(
-                x: Tensor, which: str, experts: Any, orig: Any = orig, pre: str = pre, mod: MoE = mod, E: int = E
+                x: Tensor, which: str, experts: Any, orig: Any = orig, pre: str = pre, mod: nn.Module = mod, E: int = E
             ) -> Tensor:
                 K = getattr(mod, "w_" + which).shape[-1]
                 if isinstance(experts, int):
@@ -88,8 +89,9 @@ def hessians(root: nn.Module, run: Callable[[], None]) -> dict[str, Tensor]:
                 return orig(x, which, experts)
 
             mod.expert_linear = ex
-            patched.append((mod, mod.gather_max))
-            mod.gather_max = 0
+            patched.append((mod, getattr(mod, "gather_max", None)))
+            if isinstance(mod, MoE):
+                mod.gather_max = 0
         elif isinstance(mod, DenseFFN) and isinstance(getattr(mod, "w_down", None), Tensor):
             orig = mod.linear
 
@@ -122,6 +124,9 @@ class SequentialCalibration:
 
         self.chunks = _chunks(tokens, seq_len)
         self.batches = [StepBatch.make([0], [0], len(c)) for c in self.chunks]
+        if getattr(model, "hc_mult", 0):  # DeepSeek-V4's hash-routed layers pick experts by token id
+            for c, b in zip(self.chunks, self.batches):
+                b.memo["tokens"] = torch.tensor([c])
         with torch.inference_mode():
             self.xs = [model.embed_tokens(torch.tensor([c])) for c in self.chunks]
 

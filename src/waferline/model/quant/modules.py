@@ -20,9 +20,11 @@ from waferline.model.quant.weight import Int4Weight, QuantLinear, choose_backend
 def matmul_weights(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
     """``(param path, owner module, leaf)`` for every matmul weight under ``root`` that int4 can replace:
     projections (``Linear``/``nn.Linear``: attention, MLA, Mamba-2 in/out) and FFN/expert weights (``w_*`` of
-    DenseFFN and MoE). Embeddings, the LM head, routers, norms, convs and MTP heads are not listed."""
+    DenseFFN, MoE and DeepSeek-V4's V4MoE). Embeddings, the LM head, routers, norms, convs and MTP heads are not
+    listed."""
     from waferline.model.layers import Linear
     from waferline.model.moe import DenseFFN, MoE
+    from waferline.model.v4_blocks import V4MoE
 
     out = []
     for name, mod in root.named_modules():
@@ -30,7 +32,7 @@ def matmul_weights(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
             continue
         if isinstance(mod, (Linear, nn.Linear)) and isinstance(getattr(mod, "weight", None), Tensor):
             out.append((f"{name}.weight" if name else "weight", mod, "weight"))
-        elif isinstance(mod, (DenseFFN, MoE)):
+        elif isinstance(mod, (DenseFFN, MoE, V4MoE)):
             for leaf in ("w_gate_up", "w_up", "w_down"):
                 if isinstance(getattr(mod, leaf, None), Tensor):
                     out.append((f"{name}.{leaf}" if name else leaf, mod, leaf))
