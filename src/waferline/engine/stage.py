@@ -1,5 +1,5 @@
-"""One pipeline stage: its slice of layers and caches, the message kinds and micro-batch wire format between stages,
-and the worker process loop (the transport underneath is engine/transport.py)."""
+"""One pipeline stage: its slice of layers and caches and the worker process loop (the messages between stages are
+engine/messages.py, the transport underneath engine/transport.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,28 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from waferline.engine.messages import (
+    BEGIN,
+    EMIT_LOGITS,
+    EMIT_LOGPROBS,
+    EMIT_NONE,
+    EMIT_TOKEN,
+    EMIT_VERIFY,
+    FEEDBACK,
+    RESET,
+    SHUTDOWN,
+    STEP,
+    Emit,
+    Group,
+    Kind,
+    MicroBatch,
+    decode_feedback,
+)
 from waferline.engine.sampling import SamplingParams, make_generator, sample, seeded_generator
 from waferline.engine.transport import (
     LOOPBACK,
@@ -34,120 +50,17 @@ from waferline.engine.transport import (
 from waferline.model.arena import move_to_huge_pages
 
 # (the transport's names are re-exported: the pipeline, AFD and their tests import them from here)
-__all__ = ["BEGIN", "STEP", "SHUTDOWN", "FEEDBACK", "RESET", "EMIT_NONE", "EMIT_TOKEN", "EMIT_LOGPROBS",
+__all__ = ["Kind", "Emit", "BEGIN", "STEP", "SHUTDOWN", "FEEDBACK", "RESET", "EMIT_NONE", "EMIT_TOKEN", "EMIT_LOGPROBS",
            "EMIT_VERIFY", "EMIT_LOGITS", "EXIT_ERROR", "EXIT_PEER_LOST", "EXIT_ABORTED", "PUBLISH_INTERVAL_S",
            "LOOPBACK", "MAX_PENDING_SENDS", "SLOT_BYTES", "Control", "Link",
            "PeerLost", "json_meta", "loopback_host", "loopback_store", "make_group", "meta_json", "Group",
            "MicroBatch", "StageRunner", "decode_feedback", "serve", "worker_main", "worker_ready", "worker_failed",
            "worker_load_failed", "check_mtp", "ctl_safe_set"]
 
-# message kinds on the activation chain (rank r -> r+1) and on the feedback channel (last -> first); RESET (the
-# server's scheduler) clears the cache slots named in its metadata, for the new sequences they are given to
-BEGIN, STEP, SHUTDOWN, FEEDBACK, RESET = 1, 2, 3, 4, 5
-# what the last stage returns for a row (EMIT_VERIFY: a speculative verify of [last token] + drafts; EMIT_LOGITS: the
-# fp32 logits of the row's last position, for the server's scheduler to sample with the request's own generator)
-EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS, EMIT_VERIFY, EMIT_LOGITS = 0, 1, 2, 3, 4
 # worker exit codes the driver interprets
 EXIT_ERROR, EXIT_PEER_LOST, EXIT_ABORTED = 3, 4, 5
 PUBLISH_INTERVAL_S = 0.1
 
-
-@dataclass
-class Group:
-    """Rows of a micro-batch that append the same number of tokens T (one forward call per stage).
-
-    Speculative decoding: a verify group's rows (EMIT_VERIFY) carry ``drafts`` (row b's input is its last token,
-    its drafts, then padding up to T); ``has_q`` says the drafter's probabilities [sum of draft lengths, V] (fp32)
-    follow the hidden states in the message; ``tokens`` (B*T input ids) travel with prefill groups when the last
-    stage drafts with MTP and needs the token history, and with every group when a stage after the first holds a
-    hash-routed layer (DeepSeek-V4 picks those experts by token id: engine.pipeline's ``ids_downstream``); ``ks``
-    (MTP) is how many tokens the last stage drafts for each row after it emits (stage 0's adaptive K chose them)."""
-
-    T: int
-    seqs: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    emits: list[int] = field(default_factory=list)
-    drafts: list[list[int]] | None = None
-    tokens: list[int] | None = None
-    has_q: bool = False
-    ks: list[int] | None = None
-
-    @property
-    def B(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def verify(self) -> bool:
-        return self.drafts is not None
-
-
-@dataclass
-class MicroBatch:
-    """A set of disjoint sequences travelling the pipeline together; ``groups`` split it by tokens per row.
-
-    ``rewinds``: (slot, keep) pairs — rows whose earlier verify kept only its first ``keep`` tokens; every stage
-    rolls those rows' caches back before running this micro-batch."""
-
-    mb_id: int
-    groups: list[Group]
-    rewinds: list[tuple[int, int]] = field(default_factory=list)
-
-    def encode(self) -> list[int]:
-        meta = [self.mb_id, len(self.groups)]
-        for g in self.groups:
-            meta += [g.B, g.T]
-            meta += g.seqs + g.slots + g.starts + g.emits
-            flags = (g.drafts is not None) | (g.tokens is not None) << 1 | g.has_q << 2 | (g.ks is not None) << 3
-            meta.append(flags)
-            if g.drafts is not None:
-                meta += [len(d) for d in g.drafts] + [t for d in g.drafts for t in d]
-            if g.tokens is not None:
-                meta += g.tokens
-            if g.ks is not None:
-                meta += g.ks
-        meta.append(len(self.rewinds))
-        for slot, keep in self.rewinds:
-            meta += [slot, keep]
-        return meta
-
-    @classmethod
-    def decode(cls, meta: list[int]) -> MicroBatch:
-        mb_id, n = meta[0], meta[1]
-        i, groups = 2, []
-        for _ in range(n):
-            B, T = meta[i], meta[i + 1]
-            i += 2
-            cols = [meta[i + k * B: i + (k + 1) * B] for k in range(4)]
-            i += 4 * B
-            g = Group(T, *cols)
-            flags = meta[i]
-            i += 1
-            if flags & 1:
-                lens = meta[i:i + B]
-                i += B
-                g.drafts = []
-                for n_d in lens:
-                    g.drafts.append(meta[i:i + n_d])
-                    i += n_d
-            if flags & 2:
-                g.tokens = meta[i:i + B * T]
-                i += B * T
-            g.has_q = bool(flags & 4)
-            if flags & 8:
-                g.ks = meta[i:i + B]
-                i += B
-            groups.append(g)
-        n_rw = meta[i]
-        rewinds = [(meta[i + 1 + 2 * k], meta[i + 2 + 2 * k]) for k in range(n_rw)]
-        return cls(mb_id, groups, rewinds)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(g.B * g.T for g in self.groups)
-
-
-# ---------------------------------------------------------------- compute
 
 class StageRunner:
     """The compute of one stage: embed (first), its layers, and logits + sampling (last)."""
@@ -317,35 +230,6 @@ class StageRunner:
     def split_hidden(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
         """Hidden states per group from the raw bytes of a STEP message."""
         return self.split(mb, tail)[0]
-
-
-def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int
-                    ) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
-    """(mb_id, tokens per sequence, log-probs per sequence, next drafts per sequence) from a FEEDBACK message
-    (see StageRunner.feedback)."""
-    mb_id, R, n_tok, n_lp, n_dr = meta[:5]
-    i = 5
-    seqs, counts, dcounts = meta[i:i + R], meta[i + R:i + 2 * R], meta[i + 2 * R:i + 3 * R]
-    i += 3 * R
-    flat = meta[i:i + n_tok]
-    i += n_tok
-    dflat = meta[i:i + n_dr]
-    i += n_dr
-    lp_seqs, lp_T = meta[i:i + n_lp], meta[i + n_lp:i + 2 * n_lp]
-    tokens, drafts, j, k = {}, {}, 0, 0
-    for s, c, dc in zip(seqs, counts, dcounts):
-        tokens[s] = flat[j:j + c]
-        j += c
-        if dc:
-            drafts[s] = dflat[k:k + dc]
-            k += dc
-    lps, k = {}, 0
-    if n_lp:
-        allp = tail.view(torch.float32).view(-1, vocab)
-        for s, T in zip(lp_seqs, lp_T):
-            lps[s] = allp[k:k + T]
-            k += T
-    return mb_id, tokens, lps, drafts
 
 
 # ---------------------------------------------------------------- worker process
