@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from waferline.engine.speculative.rollback import VerifyRollback
 from waferline.model.attention import TokenCache
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
@@ -44,12 +45,27 @@ class PrefillChunk:
 
 
 @dataclass
+class VerifyRow:
+    """A speculative verify of one decoding sequence: ``tokens`` (its last token, then its drafts) at absolute
+    positions ``position``, ``position + 1``, ... in cache slot ``slot``; the answer has every position's logits."""
+
+    slot: int
+    position: int
+    tokens: list[int]
+    want: int = WANT_LOGITS  # WANT_ARGMAX (greedy: the argmaxes are enough) or WANT_LOGITS
+
+
+@dataclass
 class RowOutput:
     """The answer for a row that wanted its next token: ``argmax`` (greedy) or ``logits`` [V] (fp32, on the CPU).
-    A runner may return logits where argmax was asked (the scheduler then takes the argmax itself)."""
+    A runner may return logits where argmax was asked (the scheduler then takes the argmax itself). A verify row's
+    answer has ``logits`` [T, V] and, for greedy rows, ``argmaxes`` (T ints); ``hidden`` holds the row's hidden states
+    [T, D] where the runner was asked to keep them (an MTP drafter consumes them)."""
 
     logits: torch.Tensor | None = None
     argmax: int | None = None
+    argmaxes: list[int] | None = None
+    hidden: torch.Tensor | None = None
 
 
 class Runner(Protocol):
@@ -64,6 +80,10 @@ class Runner(Protocol):
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
         """Run one step; the outputs line up with ``decodes`` and ``prefills`` (None where nothing was wanted)."""
         ...
+
+    # A runner that speculates also has ``keep_hidden`` (give prefill chunks' and decode rows' hidden states back),
+    # ``verify(rows) -> list[RowOutput]`` and ``keep(counts)`` (after a verify: each row keeps its first counts[b]
+    # tokens in the caches); LocalRunner has them.
 
     def reset_slots(self, slots: list[int]) -> None:
         """A fresh sequence starts in each of ``slots``: clear their ring positions and recurrent state."""
@@ -104,6 +124,8 @@ class LocalRunner:
         self.num_slots = num_slots
         self.cache_bits = torch.finfo(model.dtype).bits
         self.caches = model.new_caches(num_slots)
+        self.keep_hidden = False  # return the hidden states of every row (speculation with an MTP head)
+        self._rollback: VerifyRollback | None = None
 
     @torch.inference_mode()
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
@@ -113,10 +135,13 @@ class LocalRunner:
             toks = torch.tensor([[r.token] for r in decodes])
             batch = StepBatch.make([r.slot for r in decodes], [r.position for r in decodes], 1)
             greedy = [r.want == WANT_ARGMAX for r in decodes]
-            logits, _, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
+            logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
             tops = top[:, 0].tolist() if top is not None else None
             dec_out = [RowOutput(argmax=tops[b]) if greedy[b] and tops is not None else RowOutput(logits=logits[b, 0])
                        for b in range(len(decodes))]
+            if self.keep_hidden:
+                for b, o in enumerate(dec_out):
+                    o.hidden = hidden[b]
         pre_out: list[RowOutput | None] = [None] * len(prefills)
         groups: dict[int, list[int]] = {}  # chunks of equal length run as one [B, t] call
         for i, c in enumerate(prefills):
@@ -128,7 +153,30 @@ class LocalRunner:
             for b, i in enumerate(idx):
                 if prefills[i].want != WANT_NONE:
                     pre_out[i] = RowOutput(logits=self.model.logits(h[b, -1]))
+                if self.keep_hidden:
+                    pre_out[i] = pre_out[i] or RowOutput()
+                    pre_out[i].hidden = h[b]
         return dec_out, pre_out
+
+    @torch.inference_mode()
+    def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
+        """One forward over every row's tokens (shorter rows padded at the end) with the caches prepared for a
+        rollback; ``keep`` must follow before the next step."""
+        width = max(len(r.tokens) for r in rows)
+        toks = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows])
+        batch = StepBatch.make([r.slot for r in rows], [r.position for r in rows], width)
+        self._rollback = VerifyRollback(self.caches, batch)
+        greedy = [r.want == WANT_ARGMAX for r in rows]
+        logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
+        tops = top.tolist() if top is not None else None
+        return [RowOutput(logits=logits[b], argmaxes=tops[b] if greedy[b] and tops is not None else None,
+                          hidden=hidden[b] if self.keep_hidden else None) for b in range(len(rows))]
+
+    def keep(self, counts: list[int]) -> None:
+        """After ``verify``: row b keeps its first ``counts[b]`` tokens (the last token and its accepted drafts)."""
+        rb, self._rollback = self._rollback, None
+        if rb is not None:
+            rb.done(counts)
 
     def reset_slots(self, slots: list[int]) -> None:
         index = torch.tensor(slots)
@@ -144,6 +192,7 @@ class LocalRunner:
 
     def recover(self) -> None:
         self.caches = self.model.new_caches(self.num_slots)
+        self._rollback = None
 
     def close(self) -> None:
         """Nothing to release: the model lives as long as its LLM."""

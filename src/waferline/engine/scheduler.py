@@ -20,7 +20,8 @@ Scheduling, one step
 A step hands its decode rows and prefill chunks to the runner at once (the single-process runner runs all decodes as
 one batched call [B, 1] and prefill chunks of equal length together [B, t]; a pipeline splits them into
 micro-batches). A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else
-is in the batch (up to floating-point reassociation in batched matmuls).
+is in the batch (up to floating-point reassociation in batched matmuls). With ``speculative``, decoding sequences
+may draft and verify several tokens a step instead (engine/speculative/serving.py).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from waferline.engine.runner import (
     Runner,
 )
 from waferline.engine.sampling import SamplingParams, make_generator, sample
+from waferline.engine.speculative.drafters import Proposal
+from waferline.engine.speculative.serving import ServeSpeculation
 from waferline.errors import ConfigError, RequestError, WaferlineError
 from waferline.spec.model import ModelSpec
 
@@ -137,6 +140,9 @@ class SchedulerConfig:
     cache_bytes: float | None = None  # None: max_num_seqs sequences of max_model_len
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
     prefix_caching: bool = True  # where the model allows it (attention-only, no sliding window)
+    speculative: str | None = None  # "ngram" | "mtp": speculative decoding (engine/speculative/serving.py)
+    num_speculative_tokens: int = 4  # most drafts per sequence and step
+    speculative_adaptive: bool = True  # adaptive K (engine/speculative/adaptive.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_tokens", "page_tokens", "max_queue"):
@@ -170,13 +176,26 @@ class Scheduler:
         self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
                                   kv_bits=bits, state_bits=bits)
         prefixable = self.runner.prefix_caches() is not None
+        self.spec_dec: ServeSpeculation | None = None
+        if config.speculative:
+            if not isinstance(self.runner, LocalRunner):
+                raise ConfigError(f"speculative={config.speculative!r}: the server speculates on the single-process "
+                                  "engine only (not across pipeline stages or AFD ranks yet)")
+            self.spec_dec = ServeSpeculation(self.runner.model, self.runner.caches, self.runner.num_slots,
+                                             config.speculative, config.num_speculative_tokens,
+                                             config.speculative_adaptive, config.max_num_batched_tokens)
+            self.runner.keep_hidden = self.spec_dec.uses_hidden
+            prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states
         self.prefix = PrefixCache(self.cache) if config.prefix_caching and prefixable else None
+        self._ks: dict[int, int] = {}  # slot -> drafts this step (speculation)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (the newest is preempted first)
         self.stop_ids_default = set(llm.eos_token_ids)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.stats = {"preemptions": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0,
                       "request_errors": 0}
+        if self.spec_dec is not None:
+            self.stats.update(self.spec_dec.metrics())
 
     # -- requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -218,12 +237,30 @@ class Scheduler:
         """Schedule and run one step through the runner; returns the number of tokens fed through the model."""
         decodes, prefills = self._schedule()
         prefills = [(s, t) for s, t in prefills if s.status == "running"]
+        fed = 0
+        if self.spec_dec is not None and decodes:
+            props = self.spec_dec.propose(decodes, [self._ks.get(s.slot, 0) for s in decodes])
+            verifies = [(s, p) for s, p in zip(decodes, props) if p.tokens]
+            decodes = [s for s, p in zip(decodes, props) if not p.tokens]
+            if verifies:
+                fed += self._verify(verifies)
         dec_rows = [DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
                               WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in decodes]
         chunks = [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
                                WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in prefills]
+        if not (dec_rows or chunks):
+            self.stats["steps"] += 1
+            return fed
+        t0 = time.perf_counter()
         dec_out, pre_out = self.runner.step(dec_rows, chunks)
-        fed = 0
+        if self.spec_dec is not None:
+            if dec_rows and not chunks:  # a plain step's cost, for adaptive K
+                self.spec_dec.record(len(dec_rows), 1, time.perf_counter() - t0)
+            hidden = [o.hidden for o in dec_out] if self.spec_dec.uses_hidden else []
+            self.spec_dec.consumed([s.slot for s in decodes], [0] * len(decodes),
+                                   torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
+            for (s, _), out in zip(prefills, pre_out):
+                self.spec_dec.prefilled(s, None if out is None else out.hidden)
         for s, out in zip(decodes, dec_out):
             s.num_computed += 1
             self._take(s, out)
@@ -235,6 +272,26 @@ class Scheduler:
             if s.remaining == 0:
                 self._take(s, out)
         self.stats["steps"] += 1
+        return fed
+
+    def _verify(self, items: list[tuple[Sequence, Proposal]]) -> int:
+        """Verify rows of the sequences with drafts: one forward, each row's tokens verified with its own parameters
+        and generator, the caches rolled back to the accepted prefixes, the tokens emitted until one ends the
+        sequence. Returns the tokens fed through the model."""
+        assert self.spec_dec is not None and isinstance(self.runner, LocalRunner)
+        emitted, fed = self.spec_dec.verify_step(self.runner, items)
+        self.stats.update(self.spec_dec.metrics())
+        for (s, _), toks in zip(items, emitted):
+            if isinstance(toks, Exception):
+                self.stats["request_errors"] += 1
+                self._finish(s, "error", f"request failed: {type(toks).__name__}: {toks}")
+                continue
+            base = s.num_computed
+            for i, tok in enumerate(toks):  # one at a time: a stop inside the burst ends it there
+                s.num_computed = base + i + 1
+                self._sample_or_fail(s, None, tok)
+                if s.status != "running":
+                    break
         return fed
 
     def _take(self, seq: Sequence, out: RowOutput | None) -> None:
@@ -250,12 +307,24 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
-        # decodes first (one token each, oldest first), then prefill chunks
+        # decodes first (one token each, or one plus drafts; oldest first), then prefill chunks
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
+        self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
+            [s for s in order if s.remaining == 1], self.max_model_len)
         for s in order:
             if s.status != "running" or budget <= 0:
                 continue
             t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
+            k = self._ks.get(s.slot, 0) if s.remaining == 1 else 0
+            # a seeded sampled row's tokens depend on its K: it waits for a step with room for all of it, else K is
+            # cut to the step's budget, and to a plain decode row where no page is free for the drafts
+            exact = k > 0 and self.spec_dec is not None and self.spec_dec.exact(s)
+            if k > budget - 1 and exact:
+                continue
+            k = min(k, budget - 1)
+            if k > 0 and not exact and not self.cache.grow(s.request_id, s.num_computed + 1 + k):
+                k = 0
+            self._ks[s.slot], t = k, t + k
             while not self.cache.grow(s.request_id, s.num_computed + t):
                 victim = next((v for v in reversed(self.running) if v is not s), None)
                 if victim is None:  # cannot happen: the budget holds one max_model_len sequence
@@ -277,6 +346,8 @@ class Scheduler:
             self.waiting.popleft()
             s.slot = self.cache.admit(s.request_id)
             self.runner.reset_slots([s.slot])  # a fresh sequence in this slot: clear ring positions / SSM state
+            if self.spec_dec is not None:
+                self.spec_dec.reset(s.slot)
             s.status, s.num_computed = "running", 0
             self.running.append(s)
             if self.prefix is not None:

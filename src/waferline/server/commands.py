@@ -18,7 +18,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  page_tokens: int = 16, cache_mb: float | None = None, max_queue: int = 256,
                  api_key: str | None = None, served_model_name: str | None = None, max_body_bytes: int = 1 << 20,
                  torch_threads: int | None = None, prefix_caching: bool = True, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, body_timeout: float = 30.0,
+                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True, body_timeout: float = 30.0,
                  allowed_hosts: tuple[str, ...] = (), stages: int | None = None,
                  layers_per_stage: int | None = None, micro_batches: int | None = None,
                  hang_timeout_s: float | None = None, threads_per_stage: int | None = None,
@@ -42,7 +42,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if body_timeout <= 0:
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
     if speculative:
-        check_serve_speculative(speculative, num_speculative_tokens)
+        check_serve_speculative(speculative, num_speculative_tokens, stages is not None or layers_per_stage is not None
+                                or afd or attention_ranks is not None or ffn_ranks is not None)
     kw: dict[str, Any] = {"weight_bits": weight_bits} if weight_bits != 16 else {}
     if group_size is not None:
         kw["group_size"] = group_size
@@ -79,7 +80,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=llm.max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens, chunk_tokens=chunk_tokens,
                           page_tokens=page_tokens, cache_bytes=None if cache_mb is None else cache_mb * 2**20,
-                          max_queue=max_queue, prefix_caching=prefix_caching)
+                          max_queue=max_queue, prefix_caching=prefix_caching, speculative=speculative,
+                          num_speculative_tokens=num_speculative_tokens, speculative_adaptive=speculative_adaptive)
     try:
         scheduler = Scheduler(llm, cfg, runner)
     except BaseException:
@@ -91,19 +93,15 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     return create_app(server)
 
 
-def check_serve_speculative(method: str, k: int) -> None:
-    """``serve --speculative``: the method is checked, then refused with the reason — the server's continuous-batching
-    scheduler (engine/scheduler.py: paged slots, preemption, prefix cache) has no verify step or cache rollback yet.
-    Speculation runs in ``LLM`` (single process and pipeline), ``waferline generate`` and ``waferline demo``."""
-    from waferline.engine.speculative import pipeline_method
+def check_serve_speculative(method: str, k: int, distributed: bool = False) -> None:
+    """``serve --speculative``: the server speculates with 'ngram' or 'mtp' on the single-process engine; anything
+    else is refused with the reason before the checkpoint loads."""
+    from waferline.engine.speculative.serving import check_serve_method
 
-    pipeline_method(method)  # an unknown method gets that error first
-    if k < 1:
-        raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
-    raise ConfigError(f"--speculative {method}: the server's continuous-batching scheduler does not speculate yet (it "
-                      "has no verify step or cache rollback); serve without --speculative, or use speculative decoding "
-                      "through `waferline generate --speculative ...`, `waferline demo --speculative ...` or "
-                      "waferline.LLM(path, speculative=...)")
+    check_serve_method(method, k)
+    if distributed:
+        raise ConfigError(f"--speculative {method} is not supported with --stages / --layers-per-stage / --afd yet: "
+                          "serve it on the single-process engine (drop those flags)")
 
 
 def check_serve_flags(args: argparse.Namespace) -> None:
@@ -123,6 +121,9 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                          "pipelines and the single-process engine run on a GPU through `waferline generate`)")
     if args.stages is not None and args.layers_per_stage is not None:
         raise UsageError("give --stages S or --layers-per-stage K, not both")
+    if args.speculative and (pipeline or args.afd):
+        raise UsageError(f"--speculative {args.speculative} is not supported with --stages / --layers-per-stage / "
+                         "--afd yet: serve it on the single-process engine (drop those flags)")
     if not (pipeline or args.afd):
         given = [f for f, v in (("--micro-batches", args.micro_batches), ("--hang-timeout", args.hang_timeout))
                  if v is not None]
@@ -269,9 +270,9 @@ def register(sub: Any) -> None:
     s.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
                    help="with --afd: FFN ranks; MoE experts are split across them (default 1)")
     s.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="ngram | mtp | draft:PATH. NOT SUPPORTED by the server yet: the continuous-batching scheduler "
-                        "has no verify step, so serve refuses it with an error (speculation works in `waferline "
-                        "generate`, `waferline demo` and waferline.LLM, single process and pipelined)")
+                   help="ngram | mtp: speculative decoding in the scheduler (n-gram prompt lookup over each "
+                        "request's prompt and output, or the checkpoint's MTP head), exact: the tokens are those of "
+                        "plain decoding. Single-process engine only (refused with --stages / --afd)")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="most drafts per step (with --speculative; default 4)")
     s.add_argument(

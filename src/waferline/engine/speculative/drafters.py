@@ -54,6 +54,12 @@ class NgramDrafter:
         self.index = {b: {n: {} for n in range(self.min_n, self.max_n + 1)} for b in range(len(seqs))}
         self.indexed = {b: 0 for b in range(len(seqs))}
 
+    def reset(self, rows: list[int]) -> None:
+        """Rows that start a new sequence: an empty index."""
+        for b in rows:
+            self.index[b] = {n: {} for n in range(self.min_n, self.max_n + 1)}
+            self.indexed[b] = 0
+
     def _update(self, b: int, seq: list[int], upto: int) -> None:
         idx = self.index[b]
         for end in range(max(self.indexed[b], 1), upto):  # n-grams seq[end-n:end] with end < upto
@@ -230,6 +236,14 @@ class MTPDrafter(_ModelDrafter):
                       [0] * len(rows))
             for b, k in zip(rows, n):
                 self.committed[b], self.pending[b] = k, self.pending[b][k:]
+
+    def reset(self, rows: list[int]) -> None:
+        """Rows that start a new sequence: nothing committed or pending, an empty MTP cache row."""
+        for b in rows:
+            self.committed[b] = 0
+            self.pending[b] = self.pending[b][:0]
+            self._saved.pop(b, None)
+        self.caches[0].reset(torch.tensor(rows))
 
     def _run(
         self, rows: list[int], h: list[torch.Tensor], toks: list[list[int]], start: list[int]

@@ -1,0 +1,179 @@
+"""Speculative decoding inside the server's continuous-batching scheduler (engine/scheduler.py).
+
+Rows are cache slots. Each step, every decoding sequence gets a number of drafts K (adaptive K over the greedy and
+unseeded rows, the largest K for seeded sampled rows, whose tokens must not depend on timing or on the batch), capped
+by what is left of its ``max_tokens`` and context. The drafter (n-gram lookup over the sequence's own prompt +
+output, or the model's MTP head) proposes; sequences with drafts run one verify row of ``[last token] + drafts``
+(``LocalRunner.verify``), the others a plain decode row. The verifier (verify.py) keeps each row's accepted prefix
+with the request's own generator, the runner rolls the caches back to it (rollback.py's ``VerifyRollback``), and the
+scheduler emits the tokens one by one, so a stop token, a stop string or ``max_tokens`` inside a burst ends it there.
+
+A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
+is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
+hidden states again — so the prefix cache is off with an MTP drafter (a prefix hit skips those hidden states).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from waferline.engine.runner import WANT_ARGMAX, WANT_LOGITS, VerifyRow
+from waferline.engine.speculative.adaptive import AdaptiveK, reproducible_k
+from waferline.engine.speculative.drafters import MTPDrafter, NgramDrafter, Proposal, make_drafter
+from waferline.engine.speculative.rollback import _window
+from waferline.engine.speculative.verify import verify, verify_greedy
+from waferline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from waferline.engine.runner import LocalRunner, RowOutput
+    from waferline.engine.scheduler import Sequence
+
+SERVE_METHODS = ("ngram", "mtp")
+
+
+def check_serve_method(method: str, k: int) -> None:
+    """Refuse a method or K the server cannot speculate with, with the reason."""
+    if not (method in SERVE_METHODS or method.startswith("ngram:")):
+        raise ConfigError(f"--speculative {method}: the server speculates with 'ngram' (or 'ngram:MIN_N:MAX_N') or "
+                          "'mtp'; a draft model runs through `waferline generate --speculative draft:PATH`")
+    if k < 1:
+        raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
+
+
+@dataclass
+class ServeSpecStats:
+    """What speculation did since the scheduler started (the scheduler's stats and /metrics report it)."""
+
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of them, accepted
+    verify_rows: int = 0  # verify rows run (a sequence's verify in a step counts once)
+    verify_steps: int = 0  # steps that ran a verify forward
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+class ServeSpeculation:
+    """The scheduler's drafter, K controller and statistics over the runner's ``num_slots`` slots."""
+
+    def __init__(self, model: Any, caches: list[Any], num_slots: int, method: str, num_tokens: int,
+                 adaptive: bool = True, step_tokens: int | None = None):
+        check_serve_method(method, num_tokens)
+        w = _window(caches)
+        self.k_max = min(num_tokens, w - 1) if w is not None else num_tokens  # a verify must not wrap a ring
+        if step_tokens is not None:  # a verify row fits in one step's token budget
+            self.k_max = max(0, min(self.k_max, step_tokens - 1))
+        self.drafter: Any = make_drafter(method, model, model.dtype)
+        self.uses_hidden = isinstance(self.drafter, MTPDrafter)
+        draft_cost = 1.0 / max(model.spec.num_layers, 1) if self.uses_hidden else 0.0
+        self.ctl = AdaptiveK(self.k_max, adaptive, 24.0, None, draft_cost, measure=True)
+        empty = torch.zeros(0, model.spec.hidden_size, dtype=model.dtype)
+        self.drafter.begin([[] for _ in range(num_slots)], [empty] * num_slots)
+        self.stats = ServeSpecStats()
+
+    def reset(self, slot: int) -> None:
+        """A new sequence in ``slot``: forget the drafter's state and the acceptance estimate of the previous one."""
+        self.drafter.reset([slot])
+        self.ctl.alpha.pop(slot, None)
+
+    def prefilled(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
+        """Target hidden states [t, D] of a prefill chunk of ``seq`` (the MTP head consumes them)."""
+        if self.uses_hidden and hidden is not None:
+            self.drafter.pending[seq.slot] = torch.cat([self.drafter.pending[seq.slot], hidden])
+
+    def choose(self, decodes: list[Sequence], max_model_len: int) -> dict[int, int]:
+        """Drafts per decoding sequence (by slot) for this step, before the cache budget and the step's token budget
+        cut them."""
+        free = [s for s in decodes if not reproducible_k(s.params)]
+        ks = dict(zip([s.slot for s in free], self.ctl.choose([s.slot for s in free]))) if free else {}
+        out: dict[int, int] = {}
+        for s in decodes:
+            room = min(s.params.max_tokens - len(s.output_ids) - 1, max_model_len - len(s.prompt_ids)
+                       - len(s.output_ids))
+            out[s.slot] = max(0, min(ks.get(s.slot, self.k_max), room, self.k_max))
+        return out
+
+    def exact(self, seq: Sequence) -> bool:
+        """``seq``'s tokens depend on the K of each of its steps (seeded sampling, which must repeat exactly)."""
+        return reproducible_k(seq.params)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """The drafter's proposals for ``seqs`` (a sequence with K = 0 gets none; an MTP drafter still consumes the
+        hidden states of its latest tokens)."""
+        if not seqs:
+            return []
+        if isinstance(self.drafter, NgramDrafter) and not any(ks):
+            return [Proposal([]) for _ in seqs]
+        t0 = time.perf_counter()
+        # one call for the greedy rows, one per sampled row (a model drafter samples with the row's own parameters)
+        groups: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            groups.setdefault(0 if s.params.temperature == 0 else id(s), []).append(i)
+        props: list[Proposal] = [Proposal([]) for _ in seqs]
+        for idx in groups.values():
+            got = self.drafter.propose([seqs[i].slot for i in idx], {seqs[i].slot: seqs[i].all_ids for i in idx},
+                                       [ks[i] for i in idx], seqs[idx[0]].params,
+                                       {seqs[i].slot: seqs[i].generator for i in idx})
+            for i, p in zip(idx, got):
+                props[i] = p
+        self.ctl.record_draft(len(seqs), max(len(p.tokens) for p in props), time.perf_counter() - t0)
+        return props
+
+    def judge(self, seq: Sequence, prop: Proposal, out: RowOutput) -> list[int]:
+        """The tokens a verify row emits (accepted drafts, then the target's own token) under ``seq``'s parameters
+        and generator; records the acceptance."""
+        if seq.params.temperature == 0:
+            toks = verify_greedy(out.logits, prop.tokens, out.argmaxes)
+        else:
+            toks = verify(out.logits, prop.tokens, prop.probs, seq.params, seq.generator)
+        n = len(prop.tokens)
+        self.ctl.observe(seq.slot, n, len(toks) - 1)
+        self.stats.drafted += n
+        self.stats.accepted += len(toks) - 1
+        self.stats.verify_rows += 1
+        return toks
+
+    def verify_step(self, runner: LocalRunner, items: list[tuple[Sequence, Proposal]]
+                    ) -> tuple[list[list[int] | Exception], int]:
+        """One verify forward of the sequences with drafts: each row's tokens verified with its own parameters and
+        generator (an error there is that row's alone: the scheduler fails it), the caches rolled back to the
+        accepted prefixes, the drafter told what was kept. Returns per row the tokens to emit (or the error) and the
+        tokens fed through the model."""
+        rows = [VerifyRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1) + p.tokens,
+                          WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s, p in items]
+        t0 = time.perf_counter()
+        outs = runner.verify(rows)
+        self.record(len(rows), max(len(r.tokens) for r in rows), time.perf_counter() - t0)
+        emitted: list[list[int] | Exception] = []
+        for (s, p), out in zip(items, outs):
+            try:
+                emitted.append(self.judge(s, p, out))
+            except Exception as e:
+                emitted.append(e)
+        keep = [len(t) if isinstance(t, list) else 1 for t in emitted]
+        runner.keep(keep)
+        self.consumed([s.slot for s, _ in items], [k - 1 for k in keep],
+                      torch.stack([o.hidden for o in outs]) if self.uses_hidden else None)
+        self.stats.verify_steps += 1
+        return emitted, sum(len(r.tokens) for r in rows)
+
+    def consumed(self, slots: list[int], n_accepted: list[int], hidden: torch.Tensor | None) -> None:
+        """After a verify (or plain decode) forward of ``slots``: hand the drafter the target's hidden states at the
+        tokens it kept ([B, T, D]; a plain decode row: T = 1, nothing accepted)."""
+        if slots:
+            self.drafter.accepted(slots, None, n_accepted, n_accepted, hidden if self.uses_hidden else None)
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        """A measured forward of ``rows`` rows x ``width`` tokens (adaptive K learns what a verify costs)."""
+        self.ctl.record(rows, width, seconds)
+
+    def metrics(self) -> dict[str, float]:
+        st = self.stats
+        return {"spec_drafted": float(st.drafted), "spec_accepted": float(st.accepted),
+                "spec_acceptance_rate": st.acceptance, "spec_verify_rows": float(st.verify_rows),
+                "spec_verify_steps": float(st.verify_steps)}

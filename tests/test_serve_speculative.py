@@ -1,0 +1,297 @@
+"""Speculative decoding inside the server's scheduler (engine/speculative/serving.py): greedy requests served with
+speculation give exactly the tokens of plain ``LLM.generate`` for every cache kind (GQA, MLA with an MTP head, sliding
+window, Mamba-2), with chunked prefill and preemption alongside; stops inside a burst; the live server through the
+official ``openai`` client; the refusals."""
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from server_helpers import _free_port, _metrics, _wait_until
+from tiny_models import VOCAB, build
+from waferline import LLM, SamplingParams
+from waferline.engine.scheduler import CacheManager, Scheduler, SchedulerConfig, Sequence
+from waferline.engine.speculative import Proposal
+from waferline.errors import ConfigError
+from waferline.model.init import write_random_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(max_tokens=18, ignore_eos=True)
+PROMPTS = [[7, 8, 9, 10] * 3, [5, 6, 5, 6, 5, 6, 11], [20, 21, 22, 23, 24, 20, 21, 22, 23], [3, 4], [9] * 6 + [4, 9]]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = {}
+    for mt in ("llama", "deepseek_v3", "gpt_oss", "bamba"):
+        out[mt] = tmp_path_factory.mktemp(mt)
+        build(mt, out[mt])
+    cfg = json.loads((out["deepseek_v3"] / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1  # MLA with an MTP head (random weights: transformers drops MTP ones)
+    out["deepseek_v3:mtp"] = write_random_checkpoint(cfg, tmp_path_factory.mktemp("dsv3_mtp"), seed=3)
+    return out
+
+
+class Oracle:
+    """A drafter that knows each prompt's reference continuation and corrupts one draft per proposal at a position
+    cycling over 0..k (k: none corrupted), so rows see every accepted length and every rollback depth. Rows are
+    slots: a row's reference is found from its tokens."""
+
+    name = "oracle"
+    uses_hidden = False
+
+    def __init__(self, refs: list[list[int]]):
+        self.refs, self.calls = refs, 0
+
+    def begin(self, seqs, hidden):
+        pass
+
+    def reset(self, rows):
+        pass
+
+    def propose(self, rows, seqs, ks, params, gens):
+        props = []
+        for b, k in zip(rows, ks):
+            self.calls += 1
+            seq = seqs[b]
+            ref = next((r for r in self.refs if r[:len(seq)] == seq), None)
+            assert ref is not None, "the served output left every reference"
+            d = ref[len(seq):len(seq) + k]
+            bad = self.calls % (k + 1)
+            if bad < len(d):
+                d[bad] = (d[bad] + 1) % VOCAB
+            props.append(Proposal(d))
+        return props
+
+    def accepted(self, rows, seqs, n_accepted, n_drafted, hidden):
+        pass
+
+
+def _serve(sch: Scheduler, prompts, params, max_steps: int = 3000):
+    """Run requests to the end through ``sch``; returns (tokens per request, finish reason per request)."""
+    got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    ends: dict[int, str] = {}
+    for i, p in enumerate(prompts):
+        def sink(ev, i=i):
+            if ev.token_id is not None:
+                got[i].append(ev.token_id)
+            if ev.finished:
+                ends[i] = ev.finish_reason
+        sch.add(Sequence(f"r{i}", p, params[i] if isinstance(params, list) else params, sink))
+    steps = 0
+    while sch.has_work() and steps < max_steps:
+        sch.step()
+        steps += 1
+    return [got[i] for i in range(len(prompts))], [ends.get(i) for i in range(len(prompts))]
+
+
+def _config(method="ngram", k=4, adaptive=False, **kw) -> SchedulerConfig:
+    kw = {"max_num_seqs": 4, "max_model_len": 96, "chunk_tokens": 5, "max_num_batched_tokens": 24, **kw}
+    return SchedulerConfig(speculative=method, num_speculative_tokens=k, speculative_adaptive=adaptive, **kw)
+
+
+@pytest.mark.parametrize("mt", ["llama", "deepseek_v3", "gpt_oss", "bamba"])
+def test_greedy_served_with_speculation_equals_plain_generate(ckpts, mt):
+    """GQA, MLA, a sliding window of 8 (K capped at 7) and a Mamba-2 hybrid: five requests on four slots with chunked
+    prefill alongside the verifies give LLM.generate's tokens, with partial acceptance at every depth (the oracle
+    drafter: rings and SSM states rolled back) and with the n-gram drafter under adaptive K."""
+    llm = LLM(ckpts[mt])
+    want = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    sch = Scheduler(llm, _config(k=7 if mt == "gpt_oss" else 5))
+    sch.spec_dec.drafter = Oracle([p + w for p, w in zip(PROMPTS, want)])
+    got, ends = _serve(sch, PROMPTS, GREEDY)
+    assert got == want and ends == ["length"] * len(PROMPTS)
+    st = sch.stats
+    assert 0 < st["spec_accepted"] < st["spec_drafted"] and st["generated_tokens"] == sum(map(len, want))
+    assert st["steps"] < sum(map(len, want))  # bursts: fewer steps than tokens
+    assert sch.cache.used_bytes == 0 and sch.cache.free_slots == 4
+    sch = Scheduler(llm, _config(adaptive=True))
+    got, _ = _serve(sch, PROMPTS, GREEDY)
+    assert got == want and sch.stats["spec_drafted"] > 0
+
+
+@pytest.mark.parametrize("mt", ["deepseek_v32", "deepseek_v4", "qwen3_next", "kimi_linear"])
+def test_every_other_cache_kind_rolls_back(mt, tmp_path):
+    """Sparse attention (DSA), DeepSeek-V4's compressed caches and linear-attention states: verifies with every
+    accepted length give plain greedy's tokens."""
+    build(mt, tmp_path)
+    llm = LLM(tmp_path)
+    want = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    sch = Scheduler(llm, _config(k=4))
+    sch.spec_dec.drafter = Oracle([p + w for p, w in zip(PROMPTS, want)])
+    got, _ = _serve(sch, PROMPTS, GREEDY)
+    assert got == want and 0 < sch.stats["spec_accepted"] < sch.stats["spec_drafted"]
+
+
+def test_mtp_served_equals_plain_and_drafts_as_generate(ckpts):
+    """MLA with an MTP head: the served tokens are plain greedy's, and the MTP head's drafts for a lone request are
+    those ``LLM(speculative='mtp')`` proposes (the head is given the same hidden states: prefill chunks, plain decode
+    rows and verify rows, in order)."""
+    d = ckpts["deepseek_v3:mtp"]
+    llm = LLM(d)
+    want = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    sch = Scheduler(llm, _config("mtp", 3))
+    assert sch.prefix is None and sch.runner.keep_hidden
+    got, _ = _serve(sch, PROMPTS, GREEDY)
+    assert got == want and sch.stats["spec_drafted"] > 0
+
+    def logged(drafter, log):
+        inner = drafter.propose
+
+        def propose(rows, seqs, ks, params, gens):
+            props = inner(rows, seqs, ks, params, gens)
+            log.extend((len(seqs[b]), p.tokens) for b, p in zip(rows, props) if p.tokens)
+            return props
+        drafter.propose = propose
+
+    ref_log: list = []
+    spec_llm = LLM(d, speculative="mtp", num_speculative_tokens=3, speculative_adaptive=False)
+    logged(spec_llm._spec.drafter, ref_log)
+    assert spec_llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == want[0]
+    served_log: list = []
+    sch = Scheduler(llm, _config("mtp", 3, chunk_tokens=64))
+    logged(sch.spec_dec.drafter, served_log)
+    assert _serve(sch, [PROMPTS[0]], GREEDY)[0] == [want[0]]
+    assert served_log and served_log == ref_log
+
+
+@pytest.mark.parametrize("mt", ["gpt_oss", "bamba"])
+def test_preemption_with_speculation_keeps_every_token(ckpts, mt):
+    """A cache budget of ~2 sequences for 6 requests: recompute preemption, chunked prefill and verifies together
+    still give every greedy request LLM.generate's tokens, and every seeded sampled request the tokens it gets from
+    a scheduler with room for all (its drafts and K depend on its own tokens only)."""
+    llm = LLM(ckpts[mt])
+    prompts = [[(7 * i + 3 * j) % 9 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+              for i in range(6)]
+    probe = CacheManager(llm.spec, 4, 80, page_tokens=4, kv_bits=32, state_bits=32)
+    small = _config(max_model_len=80, page_tokens=4, chunk_tokens=7, max_num_batched_tokens=14,
+                    cache_bytes=probe.bytes_for(80) * 1.6)
+    sch = Scheduler(llm, small)
+    got, ends = _serve(sch, prompts, params)
+    assert ends == ["length"] * 6
+    assert sch.stats["preemptions"] > 0 and sch.stats["spec_drafted"] > 0
+    for i in range(1, 6, 2):
+        assert got[i] == llm.generate([prompts[i]], params[i])[0].token_ids
+    roomy, _ = _serve(Scheduler(llm, _config(max_num_seqs=6, max_model_len=80)), prompts, params)
+    assert got == roomy
+    assert sch.cache.used_bytes == 0 and sum(sch.cache.pages_in_use().values()) == 0 and sch.cache.free_slots == 4
+
+
+def test_stop_and_max_tokens_inside_a_burst(ckpts):
+    """A stop token or max_tokens reached inside an accepted burst ends the request there: no token past it."""
+    llm = LLM(ckpts["llama"])
+    p = PROMPTS[2]
+    ref = llm.generate([p], GREEDY)[0].token_ids
+
+    class Whole(Oracle):  # proposes the reference itself: every draft accepted
+        def propose(self, rows, seqs, ks, params, gens):
+            return [Proposal(self.refs[0][len(seqs[b]):len(seqs[b]) + k]) for b, k in zip(rows, ks)]
+
+    # bursts of 6 tokens (all 5 drafts accepted) after the prefill's: tokens 1-6, 7-12, ...; stop inside one
+    stop_at = next(i for i in range(2, len(ref)) if i % 6 in (2, 3, 4) and ref[i] not in ref[:i])
+    for params, n, reason in ((SamplingParams(max_tokens=18, stop_token_ids=[ref[stop_at]], ignore_eos=True),
+                               stop_at + 1, "stop"), (SamplingParams(max_tokens=6, ignore_eos=True), 6, "length")):
+        sch = Scheduler(llm, _config(k=5))
+        sch.spec_dec.drafter = Whole([p + ref])
+        got, ends = _serve(sch, [p], params)
+        assert got == [ref[:n]] and ends == [reason]
+        assert sch.stats["spec_accepted"] == sch.stats["spec_drafted"] > 0
+
+
+def test_mtp_on_a_trained_hybrid(one_thread):
+    """sol-mini (Mamba-2 + MLA, a trained MTP head): drafts are accepted, the Mamba-2 states are rolled back after
+    every partial acceptance, and the tokens are plain greedy's."""
+    llm = LLM(SOL_MINI)
+    prompts = [llm.encode(t) for t in ("To be, or not to be", "Once upon a time", "The king said", "My lord")]
+    sp = SamplingParams(max_tokens=32, ignore_eos=True)
+    want = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    sch = Scheduler(llm, _config("mtp", 3, max_model_len=128, chunk_tokens=4))
+    got, _ = _serve(sch, prompts, sp)
+    assert got == want
+    assert 0 < sch.stats["spec_accepted"] < sch.stats["spec_drafted"]
+
+
+def test_refusals(ckpts, sol):
+    from waferline.server.commands import build_server
+
+    for kw, says in (({"speculative": "ngram", "stages": 2}, "not supported with --stages"),
+                     ({"speculative": "ngram", "afd": True}, "not supported with --stages"),
+                     ({"speculative": "draft:/x"}, "speculates with 'ngram'"),
+                     ({"speculative": "ngram", "num_speculative_tokens": 0}, "num-speculative-tokens must be >= 1")):
+        with pytest.raises(ConfigError, match=says):
+            build_server(sol, **kw)
+    with pytest.raises(ConfigError, match="MTP"):
+        Scheduler(LLM(ckpts["llama"]), _config("mtp"))
+
+
+# ----------------------------------------------------------------------------- the live server
+
+
+SOL_MINI = Path(__file__).resolve().parents[1] / "models" / "sol-mini"  # trained: its drafts are often accepted
+
+
+@pytest.fixture(scope="module")
+def spec_live(one_thread):
+    import threading
+
+    import uvicorn
+
+    from waferline.server.commands import build_server
+
+    app = build_server(SOL_MINI, max_num_seqs=8, max_model_len=256, speculative="ngram", num_speculative_tokens=4,
+                       speculative_adaptive=False, chunk_tokens=32)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    assert _wait_until(lambda: server.started, 30), "server did not start"
+    app.state.base = f"http://127.0.0.1:{port}"
+    yield app
+    server.should_exit = True
+    t.join(10)
+    app.state.server.engine.shutdown()
+
+
+def test_live_server_concurrent_streams_equal_lone_requests(spec_live):
+    """Through the official openai client: 8 concurrent streams equal the same requests sent alone, which are
+    plain LLM.generate's tokens; a seeded sampled request repeats exactly; /metrics counts drafts and acceptances."""
+    import openai
+
+    client = openai.OpenAI(base_url=spec_live.state.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    name = spec_live.state.server.model_name
+    llm = spec_live.state.server.llm
+    prompts = ["To be, or not to be", "Once upon a time", "The king said", "[Enter CAESAR.]\n\nCAESAR.",
+               "I'll tell thee what", "My lord, my lord", "Exeunt.", "What say you, sir?"]
+    sp = SamplingParams(max_tokens=24, ignore_eos=True)
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    for p in prompts[:3]:
+        r = client.completions.create(model=name, prompt=p, max_tokens=24, temperature=0.0, extra_body=extra)
+        want = llm.generate([p], sp)[0]
+        assert r.choices[0].model_extra["token_ids"] == want.token_ids and r.choices[0].text == want.text
+
+    def stream(prompt: str) -> str:
+        out = client.completions.create(model=name, prompt=prompt, max_tokens=24, temperature=0.0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in out if c.choices)
+
+    lone = [stream(p) for p in prompts]
+    with ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(stream, prompts))
+    assert together == lone and all(lone)
+    assert lone == [llm.generate([p], sp)[0].text for p in prompts]
+    for stop in (["\n"], ["thee"]):  # a stop string: the text ends before it, wherever it falls in a burst
+        r = client.completions.create(model=name, prompt=prompts[0], max_tokens=24, temperature=0.0, stop=stop)
+        want = llm.generate([prompts[0]], SamplingParams(max_tokens=24, stop=stop))[0]
+        assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop" and stop[0] not in want.text
+    seeded = [client.completions.create(model=name, prompt=prompts[0], max_tokens=24, temperature=0.9, seed=7,
+                                        extra_body=extra).choices[0].model_extra["token_ids"] for _ in range(2)]
+    assert seeded[0] == seeded[1] and len(seeded[0]) == 24
+    m = _metrics(spec_live)
+    assert m["waferline_spec_draft_tokens"] > 0 and m["waferline_spec_accepted_tokens"] > 0
+    assert 0 < m["waferline_spec_acceptance_rate"] <= 1
+    assert httpx.get(spec_live.state.base + "/health").status_code == 200
