@@ -494,7 +494,10 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)"
     )
-    s.add_argument("--draft-model", default=None, help="draft model for --speculative draft (default llama-3.2-1b)")
+    s.add_argument("--draft-model", default=None,
+                   help="draft model for --speculative draft; it must share the target's vocabulary (default: the "
+                        "family's small catalog model when it does, e.g. llama-3.2-1b, else a one-layer draft head "
+                        "of the target's shape)")
     s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")
     s.add_argument("--no-intervals", action="store_true",
                    help="skip the 90%% intervals (one prediction per stored bootstrap parameter set)")
