@@ -98,6 +98,37 @@ async def _load(args: argparse.Namespace, base: str, model: str) -> dict[str, An
     return res
 
 
+def summarize(res: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The load's numbers: request and token counts, aggregate tokens/s over the wall time, TTFT and inter-token
+    latency p50/p99 in ms, end-to-end p50 in s, and the errors (count and a few samples)."""
+    ms = lambda x: None if x is None else round(x * 1e3, 2)  # noqa: E731
+    return {
+        "clients": args.clients, "duration_s": args.duration, "wall_s": round(res["wall_s"], 2),
+        "max_tokens": args.max_tokens, "requests": res["requests"], "tokens": res["tokens"],
+        "tokens_per_s": round(res["tokens"] / res["wall_s"], 1),
+        "ttft_p50_ms": ms(_pct(res["ttft"], 50)), "ttft_p99_ms": ms(_pct(res["ttft"], 99)),
+        "itl_p50_ms": ms(_pct(res["itl"], 50)), "itl_p99_ms": ms(_pct(res["itl"], 99)),
+        "e2e_p50_s": None if not res["e2e"] else round(_pct(res["e2e"], 50), 3),
+        "errors": len(res["errors"]), "error_samples": res["errors"][:5],
+    }
+
+
+def wait_ready(base: str, proc: subprocess.Popen[str] | None, path: str = "/health", timeout: float = 120) -> None:
+    """Poll ``base + path`` until it answers 200; exit with the server's stderr tail if ``proc`` dies first."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(base + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            sys.exit(f"server exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+        if time.monotonic() > end:
+            sys.exit(f"server did not become healthy within {timeout:g} s")
+        time.sleep(0.3)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -148,18 +179,7 @@ def main() -> None:
         if not base.startswith(("http://127.0.0.1", "http://localhost", "http://[::1]")):
             ap.error("--url must be a loopback address")
     try:
-        end = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc is not None and proc.poll() is not None:
-                sys.exit(f"server exited: {proc.stderr.read()[-2000:]}")
-            if time.monotonic() > end:
-                sys.exit("server did not become healthy within 120 s")
-            time.sleep(0.3)
+        wait_ready(base, proc)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.model_name or httpx.get(base + "/v1/models", headers=headers).json()["data"][0]["id"]
         httpx.post(base + "/v1/completions", headers=headers, timeout=120,  # warm-up, outside the measurement
@@ -178,15 +198,8 @@ def main() -> None:
     preempt = next(
         (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("waferline_preemptions ")), None
     )
-    ms = lambda x: None if x is None else round(x * 1e3, 2)  # noqa: E731
     summary = {
-        "clients": args.clients, "duration_s": args.duration, "wall_s": round(res["wall_s"], 2),
-        "max_tokens": args.max_tokens, "requests": res["requests"], "tokens": res["tokens"],
-        "tokens_per_s": round(res["tokens"] / res["wall_s"], 1),
-        "ttft_p50_ms": ms(_pct(res["ttft"], 50)), "ttft_p99_ms": ms(_pct(res["ttft"], 99)),
-        "itl_p50_ms": ms(_pct(res["itl"], 50)), "itl_p99_ms": ms(_pct(res["itl"], 99)),
-        "e2e_p50_s": None if not res["e2e"] else round(_pct(res["e2e"], 50), 3),
-        "errors": len(res["errors"]), "error_samples": res["errors"][:5],
+        **summarize(res, args),
         "server_rss_mib_before": None if rss_before is None else round(rss_before, 1),
         "server_rss_mib_after": None if rss_after is None else round(rss_after, 1),
         "preemptions": preempt,
