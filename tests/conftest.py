@@ -66,25 +66,14 @@ def sol(tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(sol, threads):
     """A live server in this process (uvicorn in a thread) on a free loopback port."""
-    import threading
-
-    import uvicorn
-
-    from server_helpers import KEY, MAX_LEN, _free_port, _wait_until
+    from server_helpers import KEY, MAX_LEN, serve_in_thread
     from waferline.server.commands import build_server
 
     app = build_server(sol, max_num_seqs=16, max_model_len=MAX_LEN, api_key=KEY, served_model_name="sol-test",
                        max_body_bytes=64 * 1024, chunk_tokens=32)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    assert _wait_until(lambda: server.started, 30), "server did not start"
-    app.state.base = f"http://127.0.0.1:{port}"
-    yield app
-    server.should_exit = True
-    t.join(10)
-    app.state.server.engine.shutdown()
+    with serve_in_thread(app) as base:
+        app.state.base = base
+        yield app
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,11 @@
 """Helpers of the server tests (tests/test_server.py, tests/test_server_hardening.py); their fixtures (sol, live,
 client) are in conftest.py."""
 
+import contextlib
 import socket
+import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -24,6 +27,25 @@ def _wait_until(cond, limit=30.0, every=0.05):
         if v or time.monotonic() > end:
             return v
         time.sleep(every)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """Run ``app`` (build_server's) under uvicorn in a thread on a free loopback port; yields its base URL, then stops
+    the server and its engine."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    t = threading.Thread(target=server.run, daemon=True)
+    t.start()
+    try:
+        assert _wait_until(lambda: server.started, 30), "server did not start"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        t.join(10)
+        app.state.server.engine.shutdown()
 
 
 def _metrics(live) -> dict[str, float]:

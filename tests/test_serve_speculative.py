@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server_helpers import _free_port, _metrics, _wait_until
+from server_helpers import _metrics, serve_in_thread
 from tiny_models import VOCAB, build
 from waferline import LLM, SamplingParams
 from waferline.engine.scheduler import CacheManager, Scheduler, SchedulerConfig, Sequence
@@ -237,24 +237,15 @@ SOL_MINI = Path(__file__).resolve().parents[1] / "models" / "sol-mini"  # traine
 
 @pytest.fixture(scope="module")
 def spec_live(one_thread):
-    import threading
 
-    import uvicorn
 
     from waferline.server.commands import build_server
 
     app = build_server(SOL_MINI, max_num_seqs=8, max_model_len=256, speculative="ngram", num_speculative_tokens=4,
                        speculative_adaptive=False, chunk_tokens=32)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    t = threading.Thread(target=server.run, daemon=True)
-    t.start()
-    assert _wait_until(lambda: server.started, 30), "server did not start"
-    app.state.base = f"http://127.0.0.1:{port}"
-    yield app
-    server.should_exit = True
-    t.join(10)
-    app.state.server.engine.shutdown()
+    with serve_in_thread(app) as base:
+        app.state.base = base
+        yield app
 
 
 def test_live_server_concurrent_streams_equal_lone_requests(spec_live):
