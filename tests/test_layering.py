@@ -33,20 +33,34 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def imported(path: Path, module: str) -> set[str]:
-    """Every waferline module name ``path`` imports, at any depth (relative imports resolved)."""
+def _imports(path: Path, module: str, typing_too: bool = True) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every import statement in ``path`` at any depth, relative imports resolved (a plain
+    ``import x`` gives (x, [])); ``typing_too=False`` leaves out those under ``if TYPE_CHECKING:``."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skip = set() if typing_too else {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                                     and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    out = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
+            out += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            names.add(base)
-            names.update(f"{base}.{a.name}" for a in node.names)
+            out.append((base, [a.name for a in node.names]))
+    return out
+
+
+def imported(path: Path, module: str) -> set[str]:
+    """Every waferline module name ``path`` imports, at any depth (relative imports resolved)."""
+    names = set()
+    for base, items in _imports(path, module):
+        names.add(base)
+        names.update(f"{base}.{n}" for n in items)
     return {n for n in names if n.startswith("waferline")}
 
 
@@ -86,25 +100,12 @@ def test_relative_imports_are_resolved(tmp_path, module, source, want):
 def runtime_imports(path: Path, module: str, modules: dict[str, Path]) -> set[str]:
     """The waferline modules ``path`` imports at run time (lazy imports included, ``if TYPE_CHECKING:`` blocks not);
     ``from pkg import sub`` of a submodule depends on the submodule, not on the package's own code."""
-    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    tree = ast.parse(path.read_text())
-    typing_only = {id(n) for node in ast.walk(tree)
-                   if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     out = set()
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            subs = {f"{base}.{a.name}" for a in node.names}
-            out.update(subs & modules.keys())
-            if not subs <= modules.keys():
-                out.add(base)
+    for base, items in _imports(path, module, typing_too=False):
+        subs = {f"{base}.{n}" for n in items}
+        out.update(subs & modules.keys())
+        if not subs or not subs <= modules.keys():
+            out.add(base)
     return {m for m in out if m in modules and m != module}
 
 
