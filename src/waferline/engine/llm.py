@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 from waferline.engine import sampling
-from waferline.engine.sampling import DTYPES, SamplingParams, decode_metrics, make_generator, sample, seeded_generator
+from waferline.engine.sampling import (
+    SamplingParams,
+    decode_metrics,
+    make_generator,
+    resolve_dtype,
+    sample,
+    seeded_generator,
+)
 from waferline.engine.sampling import greedy as greedy_tokens
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
@@ -65,8 +72,7 @@ class LLM:
                  weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
                  device: str | None = None, cuda_graphs: bool = True, **pipeline_options: Any):
-        if dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        torch_dtype = resolve_dtype(dtype)
         if weight_bits not in (16, 4):
             raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")
         if head_bits not in (16, 8):
@@ -74,7 +80,7 @@ class LLM:
         if head_bits != 16 and (stages is not None or layers_per_stage is not None or pipeline_options):
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
-        self.dtype = DTYPES[dtype]
+        self.dtype = torch_dtype
         self.tokenizer = load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
         self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}

@@ -10,12 +10,21 @@ from dataclasses import dataclass, field
 import torch
 
 from waferline import kernels
-from waferline.errors import RequestError
+from waferline.errors import ConfigError, RequestError
 
 # greedy decode runs this many steps back to back (one program) when nothing else needs the host in between
 GREEDY_BURST = 8
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from its name in DTYPES (ConfigError naming the choices otherwise) or as given."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 def seeded_generator(params: SamplingParams, row: int) -> torch.Generator | None:

@@ -25,7 +25,7 @@ from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PRE
 from waferline.engine.pipeline.launch import _main_hidden, _reap
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, _Seq
 from waferline.engine.pipeline.supervise import WATCH_INTERVAL_S, StageError
-from waferline.engine.sampling import DTYPES, SamplingParams
+from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
     BEGIN,
     EMIT_LOGPROBS,
@@ -75,10 +75,7 @@ class AFD(Pipeline):
                  threads_per_stage: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
                  device: str = "cpu", start_method: str = "forkserver"):
 
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            dtype = DTYPES[dtype]
+        dtype = resolve_dtype(dtype)
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")

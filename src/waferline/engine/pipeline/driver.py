@@ -28,7 +28,7 @@ from waferline.engine.pipeline.launch import (
 )
 from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, DecodeRing, _Seq, _SpecRun
 from waferline.engine.pipeline.supervise import StageError, Supervision
-from waferline.engine.sampling import DTYPES, SamplingParams
+from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
     LOOPBACK,
     Control,
@@ -64,10 +64,7 @@ class Pipeline(DecodeRing, Supervision):
                  launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
 
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-            dtype = DTYPES[dtype]
+        dtype = resolve_dtype(dtype)
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from waferline.engine.sampling import DTYPES
+from waferline.engine.sampling import resolve_dtype
 from waferline.engine.stage import loopback_host, loopback_store, serve
 from waferline.errors import ConfigError, counted
 from waferline.spec.configs import spec_from_pretrained
@@ -163,7 +163,7 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
     if dev.type == "cuda":
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
-    load = {"path": str(path), "dtype": DTYPES[dtype] if isinstance(dtype, str) else dtype, "layer_range": ranges[rank],
+    load = {"path": str(path), "dtype": resolve_dtype(dtype), "layer_range": ranges[rank],
             "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
             "mtp": bool(speculative) and pipeline_method(speculative) == "mtp"}
     return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)
