@@ -58,6 +58,19 @@ def test_a_parameter_only_the_held_out_rows_inform_goes_back_to_its_prior(tmp_pa
     assert res[2].predicted == pytest.approx(prob.models[2][1].predict(fold)[0], rel=1e-9)
 
 
+def test_memory_efficiency_is_one_parameter_per_memory_kind(tmp_path):
+    """GPUs and RDUs (HBM) share one fitted bandwidth efficiency: it is fitted once from both classes' rows, and a
+    fit whose rows hold only GPUs gives the RDU the GPUs' value, not its prior; per-layer latency stays per class."""
+    rows = ROWS[:2] + ["s,SysS,llama-3.1-8b,sn40l,8,16,none,1,,,decode_tokens_per_s_per_user,900,tok/s,,,"]
+    both, _ = fit(_csv(tmp_path, rows, "both.csv"), iters=40)
+    assert both.classes["rdu"].bw_eff == both.classes["gpu"].bw_eff
+    assert both.classes["rdu"].status["bw_eff"] == "fitted, shared by gpu, rdu"
+    assert both.classes["rdu"].layer_latency_s != both.classes["gpu"].layer_latency_s
+    gpu_only = fit_rows(problem(_csv(tmp_path, rows, "both.csv")).subset([0, 1]), iters=40)
+    assert gpu_only.classes["rdu"].bw_eff == gpu_only.classes["gpu"].bw_eff != pytest.approx(0.75)
+    assert gpu_only.classes["rdu"].layer_latency_s == pytest.approx(10e-6)  # its prior: no RDU rows
+
+
 def test_vendor_folds_group_by_the_system_column(tmp_path):
     res, s = cross_validate(_csv(tmp_path, ROWS), "vendor", iters=40)
     assert s["folds"] == 2 and [r.detail["fold"] for r in res] == ["SysA", "SysA", "SysB"]

@@ -133,8 +133,9 @@ class SimParams:
     # -- YAML
     def to_yaml_dict(self) -> dict[str, Any]:
         def val(v: Any, status: str) -> dict[str, Any]:
-            if status == "fitted":
-                return {"value": v, "fitted": True}
+            if status.startswith("fitted"):  # "fitted" or "fitted, shared by gpu, rdu" (sim/fit.py SHARED)
+                shared = status.partition("shared by ")[2]
+                return {"value": v, "fitted": True} | ({"shared_by": shared} if shared else {})
             return {
                 "value": v,
                 "assumed": status[len("assumed: ") :]
@@ -186,7 +187,7 @@ class SimParams:
                 if "value" not in x:
                     raise ConfigError(f"{where}: {name} has no value")
                 st = (
-                    "fitted"
+                    "fitted" + (f", shared by {x['shared_by']}" if x.get("shared_by") else "")
                     if x.get("fitted")
                     else (
                         "assumed: " + str(x["assumed"])

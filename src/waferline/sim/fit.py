@@ -31,6 +31,10 @@ CLASS_PRIORS: dict[str, dict[str, tuple[float, float]]] = {
 }
 # Classes with no rows in the data: these take the fitted gpu values (their own priors otherwise).
 LIKE_GPU = ("tpu", "asic")
+# Parameters one physical mechanism sets for several classes, fitted once per group: the fraction of peak memory
+# bandwidth decode achieves is a property of the memory (HBM stacks behind a memory controller; SRAM next to the
+# compute), not of the vendor, so GPUs, TPUs and RDUs share one and wafers and LPUs another.
+SHARED: dict[str, tuple[tuple[str, ...], ...]] = {"bw_eff": (("gpu", "tpu", "rdu"), ("wafer", "lpu"))}
 # Which priors the data may move (sd 0 = held at the prior: physically motivated, not fitted).
 FITTABLE = ("layer_latency_s", "fabric_links", "bw_eff", "moe_latency_s", "hop_latency_s")
 ACCEPT_PRIOR = {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.7, "ngram": 0.5}
@@ -47,6 +51,7 @@ class _Param:
     sd: float
     lo: float
     hi: float
+    classes: tuple[str, ...] = ()  # a class parameter: every class it sets (more than one where SHARED groups them)
 
     def to_value(self, z: float) -> float:
         """Unconstrained z -> value in [lo, hi] (logistic in log space)."""
@@ -62,7 +67,8 @@ class _Param:
 
 def _set(params: SimParams, p: _Param, v: float) -> None:
     if p.key[0] == "class":
-        setattr(params.classes[p.key[1]], p.key[2], v)
+        for c in p.classes:
+            setattr(params.classes[c], p.key[2], v)
     elif p.key[0] == "accept":
         params.accept_rate[p.key[1]] = v
     else:
@@ -75,7 +81,17 @@ def _free_params(models: list[tuple[Row, RowModel]], base: SimParams) -> list[_P
     seen: set[tuple] = set()
 
     def add(key: tuple, prior: float, sd: float, lo: float, hi: float) -> None:
-        if key not in seen:
+        if key[0] == "class":  # one parameter per SHARED group: the first class of its group names it
+            cname, pname = key[1], key[2]
+            group = next((g for g in SHARED.get(pname, ()) if cname in g), (cname,))
+            key = ("class", group[0], pname)
+            joined = next((q for q in out if q.key == key), None)
+            if joined is not None:  # (in the group's order, whatever the rows' order)
+                joined.classes = tuple(c for c in group if c in joined.classes or c == cname)
+                return
+            seen.add(key)
+            out.append(_Param(key, prior, sd, lo, hi, (cname,)))
+        elif key not in seen:
             seen.add(key)
             out.append(_Param(key, prior, sd, lo, hi))
 
@@ -184,8 +200,9 @@ def _prepare(prob: Problem) -> tuple[SimParams, list[_Param]]:
     base = prob.base.copy()
     free = _free_params(prob.models, base)
     for p in free:
-        if p.key[0] == "class" and getattr(base.classes[p.key[1]], p.key[2]) is None:
-            setattr(base.classes[p.key[1]], p.key[2], p.prior)
+        for c in p.classes:
+            if getattr(base.classes[c], p.key[2]) is None:
+                setattr(base.classes[c], p.key[2], p.prior)
     return base, free
 
 
@@ -277,7 +294,9 @@ def _finish(fitted: SimParams, free: list[_Param]) -> SimParams:
     """Mark fitted values, give data-less classes their priors (tpu / asic: the gpu values)."""
     for p in free:
         if p.key[0] == "class":
-            fitted.classes[p.key[1]].status[p.key[2]] = "fitted"
+            for c in p.classes:
+                fitted.classes[c].status[p.key[2]] = "fitted" if len(p.classes) == 1 else (
+                    "fitted, shared by " + ", ".join(p.classes))
         elif p.key[0] == "accept":
             fitted.status[f"accept_rate.{p.key[1]}"] = "fitted"
         else:
@@ -292,8 +311,19 @@ def _finish(fitted: SimParams, free: list[_Param]) -> SimParams:
             cp = ClassParams(hop_latency_s=None)
             for pname, (v, _) in pri.items():
                 setattr(cp, pname, v)
+            for p in free:  # a class without rows takes what its SHARED group's rows say
+                if p.key[0] == "class" and cname in next((g for g in SHARED.get(p.key[2], ()) if p.key[1] in g), ()):
+                    setattr(cp, p.key[2], getattr(fitted.classes[p.classes[0]], p.key[2]))
+                    cp.status[p.key[2]] = "fitted, shared by " + ", ".join(p.classes)
             fitted.classes[cname] = cp
     return fitted
+
+
+def param_names(p: _Param) -> list[str]:
+    """The names a free parameter's value goes by in fitted.yaml's bootstrap sets (one per class it sets)."""
+    if p.key[0] == "class":
+        return [f"{c}.{p.key[2]}" for c in p.classes]
+    return [param_name(p)]
 
 
 def param_name(p: _Param) -> str:
@@ -326,7 +356,7 @@ def bootstrap(prob: Problem, fitted: SimParams, sets: int = BOOTSTRAP_SETS, seed
         for _ in range(n):
             counts[rng.randrange(n)] += 1.0
         p, free, _ = _solve(prob, weights=counts, start=fitted, iters=iters)
-        out.append({param_name(f): _current(p, f) for f in free})
+        out.append({name: _current(p, f) for f in free for name in param_names(f)})
     return out
 
 
@@ -375,7 +405,7 @@ def fit(
 
 def _current(params: SimParams, p: _Param) -> float:
     if p.key[0] == "class":
-        v = getattr(params.classes[p.key[1]], p.key[2])
+        v = getattr(params.classes[p.classes[0]], p.key[2])
         return p.prior if v is None else v
     if p.key[0] == "accept":
         return params.accept_rate.get(p.key[1], p.prior)
