@@ -46,6 +46,8 @@ from waferline.sim.host_work import (
     _work_time,
     compute_dtype,
     multi_row_product,
+    prefill_chunk_count,
+    prefill_micro_batches,
 )
 
 if TYPE_CHECKING:
@@ -57,7 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["ENGINE_FEW_ROWS", "OVERSUB_KEYS", "PIPELINE_PREFILL_CHUNK", "PREFILL_PROBE_TOKENS", "DefaultOps",
            "HostParams", "LinearFit", "LinearTable", "OpCount", "OpsProfile", "Work", "_StageCost", "_hot",
            "_simulate_host_afd", "_stage_cost", "_touched", "_work_time", "compute_dtype", "multi_row_product",
-           "simulate_host"]
+           "prefill_chunk_count", "prefill_micro_batches", "simulate_host"]
 
 
 def simulate_host(
@@ -160,42 +162,9 @@ def simulate_host(
             host, plan, spec, table, list(plan.stages[0].layers), pc, 1, P, True, 1, True, 0.0, prefill=True
         )
         ttft = B * (one.total + host.prefill.get(comp, (0, 0, 0.0))[2]) + plain_over
+        prefill_cpu = [ttft]
     else:
-        rows_per_mb = max(1, PIPELINE_PREFILL_CHUNK // P) if P <= PIPELINE_PREFILL_CHUNK else 1
-        chunks_per_row = math.ceil(P / PIPELINE_PREFILL_CHUNK)
-        r = min(B, rows_per_mb)
-        n_mb = math.ceil(B / rows_per_mb) * chunks_per_row
-        tok = min(P, PIPELINE_PREFILL_CHUNK)
-        pc = profile.prefill(r, tok)
-        # a stage process's prefill chunk costs the per-step CPU its decode steps do (receive, send, wake; cpu above);
-        # not the inflation of its compute, measured with every stage busy at once: one chunk runs one stage at a time
-        pst = [
-            _stage_cost(
-                host,
-                plan,
-                spec,
-                table,
-                list(s.layers),
-                pc,
-                r,
-                tok,
-                s.has_lm_head,
-                r,
-                s.has_lm_head,
-                plain_over if i == 0 else 0.0,
-                prefill=True,
-            ).total
-            + per_step
-            for i, s in enumerate(plan.stages)
-        ]
-        if sp.method == "mtp" and pc.first_draft is not None:  # the last stage drafts before the first token returns
-            pst[-1] += _stage_cost(
-                host, plan, spec, table, [], OpCount({}, pc.first_draft), r, tok, False, 0, True, 0.0, prefill=True
-            ).total
-        # each hop's receiver waited for the stages ahead of it (and, before the first chunk, since the last request)
-        phop = [hop(r * tok * spec.hidden_size * act_bytes if i + 1 < S else 8.0 * r, sum(pst[:i + 1]))
-                for i in range(S)]
-        ttft = sum(pst) + sum(phop) + (n_mb - 1) * max(pst)
+        ttft, prefill_cpu = _pipeline_prefill(plan, spec, host, profile, table, P, B, plain_over, per_step, act_bytes)
     timings = [
         StageTiming(
             index=s.index,
@@ -218,6 +187,7 @@ def simulate_host(
         "round_trip_s": round_trip,
         "ops_per_step": sum(w.ops for w in count.layers.values()) + count.other.ops,
         "cpu_per_stage_s": cpu,
+        "prefill_cpu_per_stage_s": prefill_cpu,  # each process's CPU seconds until the first tokens (TTFT's work)
         "cores": host.cores,
     }
     return SimResult(
@@ -241,3 +211,54 @@ def simulate_host(
         speculative=spec_info,
         problems=list(plan.problems),
     )
+
+
+def _pipeline_prefill(plan: Plan, spec: ModelSpec, host: HostParams, profile: OpsProfile, table: list[Any], P: int,
+                      B: int, plain_over: float, per_step: float, act_bytes: float) -> tuple[float, list[float]]:
+    """(seconds, each stage process's CPU seconds) until every one of ``B`` prompts of ``P`` tokens has its first token
+    through the pipeline: the prompts packed into micro-batches of PIPELINE_PREFILL_CHUNK tokens as the engine packs
+    them (prefill_micro_batches), each chunk priced at its own position (a later chunk's attention layers also score
+    the keys before it: prefill_chunk_count), the chunks flowing through the stages with at most M of them in flight
+    (stage 0, in the driver, launches the next one when an earlier one's token comes back)."""
+    S = plan.num_stages
+    M = max(1, plan.micro_batches)
+    sp = plan.speculative
+    mbs = prefill_micro_batches(B, P, PIPELINE_PREFILL_CHUNK)
+    memo: dict[tuple[int, int, int], list[float]] = {}
+
+    def group_cost(r: int, tok: int, start: int) -> list[float]:  # per stage: one [r, tok] forward at ``start``
+        if (r, tok, start) not in memo:
+            pc = prefill_chunk_count(profile, spec, r, tok, start, host.small_op_bytes)
+            costs = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r,
+                                 s.has_lm_head, 0.0, prefill=True).total for s in plan.stages]
+            if sp.method == "mtp" and pc.first_draft is not None and start + tok >= P:
+                # the last stage drafts before a prompt's first token returns
+                costs[-1] += _stage_cost(host, plan, spec, table, [], OpCount({}, pc.first_draft), r, tok, False, 0,
+                                         True, 0.0, prefill=True).total
+            memo[(r, tok, start)] = costs
+        return memo[(r, tok, start)]
+
+    # a stage process's prefill chunk costs the per-step CPU its decode steps do (receive, send, wake); not the
+    # inflation of its compute, measured with every stage busy at once; stage 0 adds the scheduler's step
+    cost = []
+    for mb in mbs:
+        c = [per_step + (plain_over if i == 0 else 0.0) for i in range(S)]
+        for g in mb:
+            c = [a + b for a, b in zip(c, group_cost(*g))]
+        cost.append(c)
+    nbytes = [[sum(r * tok for r, tok, _ in mb) * spec.hidden_size * act_bytes if i + 1 < S
+               else 8.0 * sum(r for r, _, _ in mb) for i in range(S)] for mb in mbs]
+    end: list[list[float]] = []  # [micro-batch][stage] finish times
+    back: list[float] = []  # its first tokens back at stage 0
+    for j, c in enumerate(cost):
+        t0 = max(end[j - 1][0] if j else 0.0, back[j - M] if j >= M else 0.0)
+        row = [t0 + c[0]]
+        for i in range(1, S):
+            # the hop's receiver waited since its previous chunk (before the first: for the stages ahead of it)
+            free = end[j - 1][i] if j else 0.0
+            arrive = row[i - 1] + host.hop(nbytes[j][i - 1], max(0.0, row[i - 1] - free))
+            row.append(max(arrive, free) + c[i])
+        end.append(row)
+        # stage 0 waits for it since it launched it (approximately: it may launch others meanwhile)
+        back.append(row[-1] + host.hop(nbytes[j][-1], max(0.0, row[-1] - row[0])))
+    return back[-1], [sum(c[i] for c in cost) for i in range(S)]

@@ -98,6 +98,106 @@ class DefaultOps:
         )
 
 
+# What attend() (model/attention.py, fp32 on CPU) moves per score element (query x head x key), as the op counter
+# (sim/calibrate/opcount.py) records it and the calibrated rates price it: the scores matmul writes the scores and
+# the values matmul reads them back (4 B each); scaling them in place (mul_) and the softmax each read and write them
+# (8 B each); the causal mask's masked_fill_ is recorded as its bool mask (2 B per query and key, shared by the heads)
+SCORE_MATMUL_BYTES = 2 * 4.0
+SCORE_PASS_BYTES = 2 * 8.0
+MASK_BYTES = 2.0
+
+
+def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[tuple[int, int, int]]]:
+    """The pipeline's prefill micro-batches for ``rows`` prompts of ``prompt_len`` tokens (engine/pipeline/ring.py
+    ``_schedule`` with nothing decoding yet): prompts in order, up to ``chunk`` tokens a micro-batch, a prompt split
+    where the budget ends. Each micro-batch is a list of groups (rows, tokens, start): the engine runs one [rows,
+    tokens] forward per chunk length, its keys up to the group's furthest row (start: the latest row's first
+    position)."""
+    out: list[list[tuple[int, int, int]]] = []
+    pos = [0] * rows
+    while pos[-1] < prompt_len:
+        budget, groups = chunk, {}  # tokens -> [rows, latest start]
+        for r in range(rows):
+            if budget <= 0:
+                break
+            if pos[r] >= prompt_len:
+                continue
+            n = min(prompt_len - pos[r], budget)
+            g = groups.setdefault(n, [0, 0])
+            g[0] += 1
+            g[1] = max(g[1], pos[r])
+            pos[r] += n
+            budget -= n
+        out.append([(g[0], n, g[1]) for n, g in sorted(groups.items())])
+    return out
+
+
+def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens: int, start: int,
+                           small_op_bytes: float) -> Work:
+    """What a prefill chunk of ``rows`` x ``tokens`` queries at position ``start`` does beyond the same chunk at
+    position 0 (the counted forward): every attention layer's queries also score the ``start`` earlier keys (fewer
+    under a sliding window), in fp32 on CPU (attend()): 2 FLOPs per score element and key width in each of the two
+    matmuls (the spec's attention FLOPs per key), the scores written and read back by them, and scale, mask and softmax
+    passes over them. Recurrent mixers (Mamba, linear attention) carry a fixed-size state: nothing grows."""
+    from waferline.spec.model import AttentionSpec, MLASpec
+
+    w = Work()
+    if start <= 0:
+        return w
+    for i in layers:
+        m = spec.layers[i].mixer if 0 <= i < len(spec.layers) else None
+        if not isinstance(m, (AttentionSpec, MLASpec)):
+            continue
+        keys = m.cached_tokens(start + tokens) - m.cached_tokens(tokens)
+        if keys <= 0:
+            continue
+        flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
+        qk = float(rows * tokens * keys)
+        elems = qk * m.num_heads
+        # the matmuls also read the keys (and values) the queries score, cast to fp32: 2 x the cached width, 4 B each
+        width = m.cache_elems_per_token()
+        w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + flops
+        w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + elems * SCORE_MATMUL_BYTES + rows * keys * width * 8.0
+        # each pass is one op over the whole [rows, tokens, heads, start + tokens] scores: from memory past the
+        # small-op size; the mask's op likewise over [rows, tokens, start + tokens]
+        whole = rows * tokens * m.num_heads * m.cached_tokens(start + tokens) * 4.0
+        if whole > small_op_bytes:
+            w.large_bytes += elems * SCORE_PASS_BYTES
+        else:
+            w.small_bytes += elems * SCORE_PASS_BYTES
+        if whole / m.num_heads / 2.0 > small_op_bytes:
+            w.large_bytes += qk * MASK_BYTES
+        else:
+            w.small_bytes += qk * MASK_BYTES
+    return w
+
+
+def prefill_chunk_count(profile: OpsProfile, spec: ModelSpec, rows: int, tokens: int, start: int,
+                        small_op_bytes: float) -> OpCount:
+    """The work of one prefill forward of ``rows`` x ``tokens`` at position ``start``: counted there where the profile
+    can (``prefill_chunk``), else its forward at position 0 plus each attention layer's extra keys
+    (attention_context_work)."""
+    exact = getattr(profile, "prefill_chunk", None)
+    if exact is not None:
+        c = exact(rows, tokens, start)
+        if c is not None:
+            return c
+    c = profile.prefill(rows, tokens)
+    if start <= 0 or not c.traced:
+        return c
+    layers = {}
+    for i, w in c.layers.items():
+        extra = attention_context_work(spec, [i], rows, tokens, start, small_op_bytes)
+        if extra.mm_flops:
+            w2 = Work()
+            w2.add(w)
+            w2.add(extra)
+            layers[i] = w2
+        else:
+            layers[i] = w
+    return OpCount(layers, c.other, c.traced, c.first_draft)
+
+
 def compute_dtype(plan: Plan) -> str:
     """The engine's activation dtype for a Plan: 32-bit weights run fp32; 16- and 4-bit weights run bf16 (W4A16)."""
     return "fp32" if getattr(plan, "weight_bits", 16) >= 32 else "bf16"
