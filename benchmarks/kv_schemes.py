@@ -96,6 +96,8 @@ def extend(cache: Any, slot: int, have: int, want: int, room: int) -> None:
     if isinstance(cache, DSACache):
         for p in cache.parts():
             extend(p, slot, have, want, room)
+    elif isinstance(cache, TokenCache) and cache.paged:  # (written as a step would: through its block table)
+        cache.write(slot, have, _repeat_rows(cache.read(slot, have), have, want)[have:])
     elif isinstance(cache, TokenCache) and cache.window is None:
         if cache.capacity < room:
             cache._grow(room)

@@ -24,17 +24,23 @@ The bytes of a page and of a state slot, and the tokens a layer keeps (``cached_
 (``cache_bytes``, default: ``max_num_seqs`` sequences of ``max_model_len`` tokens, so nothing is ever
 preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq``.
 
-The pages are an accounting of capacity, enforced by admission and preemption; the tensors themselves stay
-slot-contiguous (``TokenCache`` rows), so physical memory is ``max_num_seqs`` x the longest live sequence.
-A block-table layout of the tensors (and with it a copy-free prefix cache) is future work.
+Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages
+where the runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes
+pages from that table, ``free`` releases them, and the bytes these pools hold are the pages held (by live sequences
+or the prefix store) x the page's bytes. Each paged layer's pool is made once with the pages the budget can pay for
+(plus the table's sink page); a page is zeroed, and its memory first touched, when it is first handed out. Other
+pools (sliding-window rings, Mamba-2 states, and every cache in stage processes, whose paged caches take their own
+pages) are an accounting of capacity, enforced by admission and preemption, over tensors indexed by slot.
 
-Prefix caching (attention-only models whose layers all keep every token: GQA and MLA without a sliding
+Prefix caching (attention-only models whose layers all keep every token in pages: GQA and MLA without a sliding
 window) keeps full pages of finished sequences in a store keyed by the exact token chain (a page is reused
-only when it *and every page before it* match). A new sequence whose prompt starts with stored pages gets them
-copied into its slot and prefills only the rest; at least one prompt token is always computed (for the
-logits). Stored pages count against the same byte budget and are evicted least-recently-used (with the pages
-that extend them) whenever a live sequence needs the room — they never cause a preemption. Models with
-Mamba-2 or sliding-window layers do not cache prefixes (their state is not a per-token prefix).
+only when it *and every page before it* match). A new sequence whose prompt starts with stored pages gets those
+very pages in its block table (a second holder; nothing is copied) and prefills only the rest, its first page of
+its own included; at least one prompt token is always computed (for the logits). A page goes back to the free list
+when no sequence and not the store holds it. Pages held only by the store count against the same byte budget
+(``prefix_bytes``) and are evicted least-recently-used (with the pages that extend them) whenever a live sequence
+needs the room — they never cause a preemption. Models with Mamba-2 or sliding-window layers do not cache
+prefixes (their state is not a per-token prefix).
 """
 
 from __future__ import annotations
@@ -44,10 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from waferline.errors import ConfigError
-from waferline.model.context import StepBatch
+from waferline.model.block_table import BlockTable
 from waferline.spec.model import ModelSpec
 
 
@@ -112,9 +116,22 @@ class CacheManager:
             )
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
-        self.used_bytes = 0.0  # held by live sequences
-        self.prefix_bytes = 0.0  # held by the prefix store (evictable)
+        self.table: BlockTable | None = None  # the pages of the paged pools (attach)
+        self._paged = [False] * len(self.pools)
+        self._counted = 0.0  # bytes live sequences hold in pools without pages (counted per sequence)
         self.reclaim: Callable[[float], None] | None = None  # evict prefix pages until this many bytes are free
+
+    def attach(self, runner: Any) -> None:
+        """Take the runner's page table (``runner.block_table(page_tokens)``, where it has one): the full-attention
+        pools of the layers it covers become its pages. Before any sequence is admitted."""
+        make = getattr(runner, "block_table", None)
+        table = make(self.page_tokens) if make is not None else None
+        if table is None:
+            return
+        self.table = table
+        self._paged = [not p.per_seq and p.window is None and set(p.layers) <= table.layers for p in self.pools]
+        if any(self._paged):  # the pools hold the pages the budget can pay for (and the sink)
+            table.max_pages = 1 + int(self.budget // self.paged_page_bytes)
 
     # -- accounting (pure)
     def pages_for(self, n_tokens: int) -> list[int]:
@@ -130,6 +147,9 @@ class CacheManager:
 
     def _bytes(self, pages: list[int]) -> float:
         return sum(n * p.page_bytes for n, p in zip(pages, self.pools))
+
+    def _counted_bytes(self, pages: list[int]) -> float:
+        return sum(n * p.page_bytes for n, p, paged in zip(pages, self.pools, self._paged) if not paged)
 
     def bytes_for(self, n_tokens: int) -> float:
         return self._bytes(self.pages_for(n_tokens))
@@ -147,6 +167,22 @@ class CacheManager:
         """One page of every token pool together (what a prefix-store page costs)."""
         return sum(p.page_bytes for p in self.pools if not p.per_seq)
 
+    @property
+    def paged_page_bytes(self) -> float:
+        """One page of the pools backed by the page table (one page id in every layer it covers)."""
+        return sum(p.page_bytes for p, paged in zip(self.pools, self._paged) if paged)
+
+    @property
+    def used_bytes(self) -> float:
+        """Bytes held by live sequences (a page shared with the prefix store or another sequence counted once)."""
+        live = self.table.live * self.paged_page_bytes if self.table is not None else 0.0
+        return self._counted + live
+
+    @property
+    def prefix_bytes(self) -> float:
+        """Bytes of pages only the prefix store holds (evictable)."""
+        return self.table.store_only * self.paged_page_bytes if self.table is not None else 0.0
+
     def _room(self, extra: float) -> bool:
         if self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6:
             return True
@@ -162,34 +198,45 @@ class CacheManager:
         slot = self._free_slots.pop()
         pages = [1 if p.per_seq else 0 for p in self.pools]
         self._held[rid] = (slot, pages)
-        self.used_bytes += self._bytes(pages)
+        self._counted += self._counted_bytes(pages)
         return slot
 
     def grow(self, rid: str, n_tokens: int) -> bool:
         """Hold enough pages for ``n_tokens``; False (holding what it held) when the budget does not allow it."""
         slot, held = self._held[rid]
         want = [max(a, b) for a, b in zip(held, self.pages_for(n_tokens))]
-        extra = self._bytes(want) - self._bytes(held)
+        counted = self._counted_bytes(want) - self._counted_bytes(held)
+        new_pages = 0
+        if self.table is not None and any(self._paged):
+            new_pages = max(0, self.table.pages_for(n_tokens) - len(self.table.slots[slot]))
+        extra = counted + new_pages * self.paged_page_bytes
         if extra > 0 and not self._room(extra):
             return False
+        if new_pages:
+            self.table.grow(slot, n_tokens)
         self._held[rid] = (slot, want)
-        self.used_bytes += extra
+        self._counted += counted
         return True
 
     def free(self, rid: str) -> None:
         slot, held = self._held.pop(rid)
-        self.used_bytes -= self._bytes(held)
+        self._counted -= self._counted_bytes(held)
         if not self._held:
-            self.used_bytes = 0.0  # no drift from float sums
+            self._counted = 0.0  # no drift from float sums
+        if self.table is not None:
+            self.table.release(slot)
         self._free_slots.append(slot)
 
     def pages_in_use(self) -> dict[str, int]:
-        """Pages held per pool kind (state slots for Mamba-2)."""
+        """Pages held by live sequences per pool kind (state slots for Mamba-2; a shared page counted once)."""
         out: dict[str, int] = {}
         for _, held in list(self._held.values()):
-            for n, p in zip(held, self.pools):
-                out[p.kind] = out.get(p.kind, 0) + n
-        for p in self.pools:
+            for n, p, paged in zip(held, self.pools, self._paged):
+                if not paged:
+                    out[p.kind] = out.get(p.kind, 0) + n
+        for p, paged in zip(self.pools, self._paged):
+            if paged:
+                out[p.kind] = self.table.live
             out.setdefault(p.kind, 0)
         return out
 
@@ -198,14 +245,15 @@ class PrefixCache:
     """Full pages of finished sequences, reusable by any later sequence whose tokens start the same way.
 
     A page is keyed by (the page before it, its tokens), so a hit is always an exact match of the whole prefix.
-    Its rows (one [page_tokens, width] tensor per layer) are copies; their bytes are ``CacheManager.prefix_bytes``.
+    Each stored page is a page of the runner's paged caches, held by the store (``BlockTable.store``); the bytes of
+    those no sequence holds are ``CacheManager.prefix_bytes``.
     """
 
     def __init__(self, manager: CacheManager):
         self.cm = manager
         self.P = manager.page_tokens
         self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._blocks: dict[int, tuple[tuple[int, tuple[int, ...]], list[torch.Tensor | None], set[int]]] = {}
+        self._blocks: dict[int, tuple[tuple[int, tuple[int, ...]], int, set[int]]] = {}  # key, page id, children
         self._used: dict[int, int] = {}  # block id -> last use (a tick; larger is more recent)
         self._tick = 0
         self._next = 0
@@ -216,6 +264,10 @@ class PrefixCache:
     @property
     def num_pages(self) -> int:
         return len(self._blocks)
+
+    def page_of(self, block: int) -> int:
+        """The page id a stored block is."""
+        return self._blocks[block][1]
 
     def match(self, ids: list[int]) -> list[int]:
         """Stored pages that start ``ids``, leaving at least one token to compute."""
@@ -230,33 +282,39 @@ class PrefixCache:
         self._touch(out)
         return out
 
-    def load(self, blocks: list[int], slot: int, caches: list[Any]) -> None:
-        """Copy stored pages into ``slot`` at positions [0, len(blocks) * page_tokens)."""
-        batch = StepBatch.make([slot], [0], len(blocks) * self.P)
-        for layer, c in enumerate(caches):
-            if c is not None:
-                c.update(torch.cat([self._blocks[b][1][layer] for b in blocks])[None], batch)
+    def load(self, blocks: list[int], slot: int, caches: list[Any] | None = None) -> None:
+        """Put stored pages at ``slot``'s positions [0, len(blocks) * page_tokens): its block table points at them
+        (pages it was given there, unwritten, go back). ``caches``: unused (the pages are shared by every layer)."""
+        table = self.cm.table
+        if table is None:
+            raise RuntimeError("prefix pages need the runner's page table (CacheManager.attach)")
+        table.share(slot, [self._blocks[b][1] for b in blocks])
         self.hit_tokens += len(blocks) * self.P
 
-    def store(self, ids: list[int], n_computed: int, slot: int, caches: list[Any]) -> None:
-        """Keep the full pages of a sequence's first ``n_computed`` tokens (its rows in ``slot``)."""
+    def store(self, ids: list[int], n_computed: int, slot: int, caches: list[Any] | None = None) -> None:
+        """Keep the full pages of a sequence's first ``n_computed`` tokens (the pages ``slot`` held: right after
+        the sequence is freed, before the slot is used again)."""
+        table = self.cm.table
+        if table is None:
+            return
+        pages = table.pages_of(slot)
         parent, chain = -1, []
-        for i in range(n_computed // self.P):
+        for i in range(min(n_computed // self.P, len(pages))):
             key = (parent, tuple(ids[i * self.P:(i + 1) * self.P]))
             b = self._by_key.get(key)
             if b is None:
                 self._touch(chain)
-                if not self.cm._room(self.cm.page_bytes) or (chain and chain[-1] not in self._blocks):
+                page = pages[i]
+                cost = 0.0 if table.refs[page] > 0 else self.cm.paged_page_bytes
+                if (cost and not self.cm._room(cost)) or (chain and chain[-1] not in self._blocks):
                     return
-                lo, hi = i * self.P, (i + 1) * self.P
-                rows = [None if c is None else c.data[slot, lo:hi].clone() for c in caches]
+                table.store(page)
                 b = self._next
                 self._next += 1
-                self._blocks[b] = (key, rows, set())
+                self._blocks[b] = (key, page, set())
                 self._by_key[key] = b
                 if parent >= 0:
                     self._blocks[parent][2].add(b)
-                self.cm.prefix_bytes += self.cm.page_bytes
             chain.append(b)
             parent = b
         self._touch(chain)
@@ -274,16 +332,14 @@ class PrefixCache:
                 break
             if b in self._blocks:
                 freed += self._drop(b)
-        if not self._blocks:
-            self.cm.prefix_bytes = 0.0
 
     def _drop(self, b: int) -> float:
-        key, _, children = self._blocks.pop(b)
+        key, page, children = self._blocks.pop(b)
         self._by_key.pop(key, None)
         self._used.pop(b, None)
         parent = key[0]
         if parent in self._blocks:
             self._blocks[parent][2].discard(b)
-        self.cm.prefix_bytes -= self.cm.page_bytes
         self.evicted_pages += 1
-        return self.cm.page_bytes + sum(self._drop(c) for c in list(children) if c in self._blocks)
+        freed = self.cm.paged_page_bytes if self.cm.table.unstore(page) else 0.0
+        return freed + sum(self._drop(c) for c in list(children) if c in self._blocks)

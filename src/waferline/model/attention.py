@@ -7,12 +7,14 @@ kv_lora_rank + rope_dim), so both mixers share one attention kernel and one cach
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from waferline import kernels
+from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale, few_rows, kept_args
 from waferline.model.weights import WeightSource, copy_into
@@ -31,6 +33,7 @@ MLA_FUSED_MAX_ROWS = 8
 GQA_FUSED_MAX_ROWS = 8
 _NO_SINKS = torch.empty(0)  # gqa_decode's "no sinks"
 _NO_ROT = torch.empty(0)  # gqa_moe_layer's rotary rows without rotary
+PAGE_TOKENS = 16  # tokens per page of a paged cache that allocates its own pages (the scheduler sets its own)
 
 
 def _looker(deps: list) -> Any:
@@ -79,28 +82,108 @@ def _block_weights(mods: dict, names: tuple, dtype: torch.dtype, look: Any) -> t
 
 
 class TokenCache:
-    """Per-token cache rows for ``num_slots`` sequences: one tensor [slots, capacity, width].
+    """Per-token cache rows for ``num_slots`` sequences.
 
-    Full attention keeps every position (capacity grows on demand). A sliding-window cache is a ring of
-    ``window`` entries with the absolute position of each entry (-1 = empty), so it never exceeds the window.
+    Full attention keeps every position. Paged (``page_tokens`` given; GQA without a window and MLA's latents): the rows
+    live in a pool ``data`` [pages, page_tokens, width] and a ``BlockTable`` (model/block_table.py, shared by a
+    model's paged caches and, in the scheduler's runner, by its ``CacheManager``) says which pages hold each slot's
+    positions (a page is written once per position; a prefix-cache hit's pages are shared, never written); a slot's
+    keys are a view of the pool where its pages are consecutive and it is the step's only row, else a gather of its
+    pages. Unpaged (DeepSeek's sparse-attention parts): one tensor [slots, capacity, width]
+    whose capacity doubles on demand. A sliding-window cache is a ring of ``window`` entries per slot with the
+    absolute position of each entry (-1 = empty), so it never exceeds the window.
+
+    The fused CPU layer ops write and read a [slots, capacity, width] tensor (``step_rows``): a paged cache hands them
+    a view of the pool (one row, consecutive pages) or a staging copy of the step's rows, whose new entries are
+    written to their pages before anything else reads or writes those rows or their pages change hands (``flush``);
+    the next decode step of the same rows reuses it while it has room (eager decode steps too), so a decode batch
+    gathers its rows about once per page of tokens.
     """
 
     def __init__(self, num_slots: int, width: int, dtype: torch.dtype, device: torch.device | str | None = None,
-                 window: int | None = None, capacity: int = 64):
+                 window: int | None = None, capacity: int = 64, page_tokens: int | None = None,
+                 table: BlockTable | None = None):
         self.window = window
+        self.table: BlockTable | None = None
+        self._stage: _Stage | None = None
+        self._rows_at: dict[tuple[int, int], torch.Tensor] = {}
+        if window is None and (page_tokens is not None or table is not None):
+            self.table = table if table is not None else BlockTable(num_slots, page_tokens or 16)
+            with torch.inference_mode(False):  # (the sink page; the rest come with _fit)
+                self.data = torch.zeros(1, self.table.page_tokens, width, dtype=dtype, device=device)
+            self._zeroed = 1  # pages made finite so far (every page a slot was given: a masked read of one is finite)
+            self.pos = None
+            return
         cap = window if window is not None else capacity
         self.data = torch.zeros(num_slots, cap, width, dtype=dtype, device=device)
         self.pos = torch.full((num_slots, cap), -1, dtype=torch.long, device=device) if window is not None else None
 
     @property
+    def paged(self) -> bool:
+        return self.table is not None
+
+    @property
     def capacity(self) -> int:
+        """Positions every slot can hold without growing (paged: the most pages any slot holds, in tokens)."""
+        if self.table is not None:
+            return max(map(len, self.table.slots)) * self.table.page_tokens
         return int(self.data.shape[1])
+
+    def bind(self, table: BlockTable, like: TokenCache | None = None) -> None:
+        """Take ``table``'s pages (a fresh cache; ``like``: keep that cache's pool, e.g. after a failed step)."""
+        self.flush()
+        if like is not None:  # (its entries not yet in pages are a failed step's: dropped)
+            like._stage = None
+            if like in table.dirty:
+                table.dirty.remove(like)
+        self.table = table
+        if like is not None and like.table is not None and like.data.shape[1] == table.page_tokens:
+            self.data, self._zeroed = like.data, like._zeroed
+        elif self.data.shape[1] != table.page_tokens:
+            with torch.inference_mode(False):
+                self.data = torch.zeros(1, table.page_tokens, self.data.shape[2], dtype=self.data.dtype,
+                                        device=self.data.device)
+            self._zeroed = 1
+        self._fit()
+
+    def page_bytes(self) -> int:
+        """Bytes of one page of this cache (page_tokens entries)."""
+        return int(self.data.shape[1] * self.data.shape[2] * self.data.element_size())
+
+    def _fit(self) -> None:
+        """Make the pool hold the table's pages: all ``max_pages`` at once where the table has that bound (an
+        allocator's budget: the pool never moves again, and its memory stays untouched until a page is first used,
+        when it is zeroed), else doubling (zeroed)."""
+        n = self.table.num_pages
+        have = self.data.shape[0]
+        if n > have:
+            mp = self.table.max_pages
+            cap = mp if mp is not None and mp >= n else max(n, 2 * have)
+            with torch.inference_mode(False):
+                make = torch.empty if mp is not None and mp >= n else torch.zeros
+                pool = make(cap, *self.data.shape[1:], dtype=self.data.dtype, device=self.data.device)
+                pool[: self._zeroed].copy_(self.data[: self._zeroed])
+            self.data = pool
+        if n > self._zeroed:
+            with torch.inference_mode():
+                self.data[self._zeroed: n].zero_()
+            self._zeroed = n
 
     def reset(self, slots: torch.Tensor) -> None:
         if self.pos is not None:
             self.pos[slots] = -1
+        elif self.table is not None and not self.table.managed:  # (a managed table's slots are its allocator's)
+            for s in slots.tolist():
+                self.table.release(s)
 
     def _grow(self, needed: int) -> None:
+        if self.table is not None:  # pages to ``needed`` for every slot (a static decode step's end; a managed
+            t = self.table      # table: every slot that holds pages, beyond what its allocator gave them)
+            for s in range(t.num_slots):
+                if t.slots[s] or not t.managed:
+                    t.grow(s, needed)
+            self._fit()
+            return
         cap = self.capacity
         while cap < needed:
             cap *= 2
@@ -109,10 +192,166 @@ class TokenCache:
         )
         self.data = torch.cat([self.data, extra], dim=1)
 
+    # -- paged rows
+    def _span(self, batch: StepBatch) -> int:
+        """Pages to the step's end (the rows' pages taken first, for an unmanaged table); once per step for every
+        cache on the same table."""
+        t = self.table
+        key = ("pages", id(t))
+        n = batch.memo.get(key)
+        if n is None:
+            if batch.host_slots is not None:
+                for s, st in zip(batch.host_slots, batch.host_start):
+                    t.ensure(s, st + batch.T)
+            n = batch.memo[key] = t.pages_for(batch.end)
+            t.columns(n)  # (a ragged row reads past its pages: the sink, masked)
+        return n
+
+    def _ids(self, batch: StepBatch, n: int) -> torch.Tensor:
+        """The rows' first ``n`` page ids [B, n] (memo per step)."""
+        key = ("page_ids", id(self.table), n)
+        ids = batch.memo.get(key)
+        if ids is None:
+            self.table.columns(n)
+            ids = batch.memo[key] = self.table.ids_on(batch.slots.device).index_select(0, batch.slots)[:, :n]
+        return ids
+
+    def _where(self, batch: StepBatch, n: int) -> torch.Tensor:
+        """The flat pool row of each new token [B * T] (memo per step)."""
+        key = ("page_rows", id(self.table))
+        where = batch.memo.get(key)
+        if where is None:
+            P, pos = self.table.page_tokens, batch.positions()
+            page = self._ids(batch, n).gather(1, torch.div(pos, P, rounding_mode="floor"))
+            where = batch.memo[key] = (page * P + pos % P).reshape(-1)
+        return where
+
+    def _gather(self, ids: torch.Tensor, B: int) -> torch.Tensor:
+        """The pages ``ids`` [B, n] as rows [B, n * page_tokens, width] (one copy; the pool as [pages, page bytes]:
+        index_select over a 3-d bf16 tensor took ~500x longer)."""
+        pages = self.data.view(self.data.shape[0], -1).index_select(0, ids.reshape(-1))
+        return pages.view(B, -1, self.data.shape[2])
+
+    def _run_start(self, batch: StepBatch, n: int) -> int | None:
+        """The first page of the single row's pages when they are n consecutive pages (its rows are then a view)."""
+        s = batch.host_slots
+        if s is None or len(s) != 1 or self.table.run[s[0]] < n:
+            return None
+        return self.table.slots[s[0]][0]
+
+    def stages(self, slot: int | None) -> bool:
+        """Whether a staging copy with entries not yet in their pages holds ``slot``'s rows (None: any rows)."""
+        st = self._stage
+        return st is not None and st.lo != st.hi and (slot is None or slot in st.slots)
+
+    def flush(self, keep: bool = False) -> None:
+        """Write a staging copy's new entries (see ``step_rows``) to their pages; ``keep``: go on using the copy (no
+        write to its rows' pages follows but through it)."""
+        st, self._stage = self._stage, None
+        if st is None:
+            return
+        if keep:
+            self._stage = _Stage(st.slots, st.data, list(st.hi), list(st.hi))
+        counts = [max(0, h - lo) for lo, h in zip(st.lo, st.hi)]
+        if not sum(counts):
+            return
+        t, P, W, cap = self.table, self.table.page_tokens, self.data.shape[2], st.data.shape[1]
+        t.columns(t.pages_for(max(st.hi)))
+        with torch.inference_mode():  # (also when the allocator releases a slot, outside the model's steps)
+            pos = torch.cat([torch.arange(lo, lo + c) for lo, c in zip(st.lo, counts)])
+            row = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
+            page = t.ids[torch.tensor(st.slots)[row], torch.div(pos, P, rounding_mode="floor")]
+            dev = self.data.device  # (a position its slot has no page for goes to the sink)
+            rows = st.data.view(-1, W).index_select(0, (row * cap + pos).to(dev))
+            self.data.view(-1, W).index_copy_(0, (page * P + pos % P).to(dev), rows)
+
+    def _staged(self, batch: StepBatch, n: int, make: bool) -> _Stage | None:
+        """The staging copy of the step's rows: the current one where it holds these rows with room for the step
+        (its pending range extended), else (``make``) a new gather of their pages with room for more steps, the
+        previous one written back first; None where it is not reused and not ``make``."""
+        hs, T = batch.host_slots, batch.T
+        st = self._stage
+        if st is not None and st.slots == hs and st.data.shape[1] >= batch.end and st.data.device == self.data.device:
+            st.lo = [min(a, b) for a, b in zip(st.lo, batch.host_start)]
+            st.hi = [max(a, b + T) for a, b in zip(st.hi, batch.host_start)]
+            if self not in self.table.dirty:  # (a copy kept clean left the list)
+                self.table.dirty.append(self)
+            return st
+        if not make:
+            return None
+        self.flush()
+        m = n + 2  # (room for a page or more of tokens: the next steps of these rows reuse the copy)
+        st = self._stage = _Stage(hs, self._gather(self._ids(batch, m), len(hs)), list(batch.host_start),
+                                  [s + T for s in batch.host_start])
+        if self not in self.table.dirty:
+            self.table.dirty.append(self)
+        return st
+
+    def step_rows(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a [slots, capacity, width] tensor, the slot of each of ``batch.rows()``) for a fused op that writes the
+        step's entries and reads each row's positions below its end: the cache itself (unpaged), a view of the pool
+        (paged, one row whose pages are consecutive), or a staging copy of the rows (paged, otherwise; written back
+        by ``flush``)."""
+        rows = batch.rows()
+        if self.table is None:
+            if rows.end > self.capacity:
+                self._grow(rows.end)
+            return self.data, rows.slots
+        hs, T = batch.host_slots, batch.T
+        if hs is None:
+            raise RuntimeError("a fused step over paged caches needs the rows' slots on the host")
+        n = self._span(batch)
+        self._fit()
+        # a copy of these rows with room for this step goes on being used (the steps of a burst are prepared last
+        # first: the earlier ones must see what the later ones will read, the same tensor)
+        st = self._staged(batch, n, make=False)
+        if st is None:
+            p0 = self._run_start(batch, n)
+            if p0 is not None:
+                old = self._stage
+                self.flush(keep=old is not None and not set(hs) & set(old.slots))
+                return self.data[p0: p0 + n].view(1, n * self.table.page_tokens, -1), self._row_index(1, T)
+            st = self._staged(batch, n, make=True)
+        return st.data, self._row_index(len(hs), T)
+
+    def _row_index(self, B: int, T: int) -> torch.Tensor:
+        """Row b of a view or staging copy for each of a step's B x T token rows (kept per shape)."""
+        idx = self._rows_at.get((B, T))
+        if idx is None:
+            idx = self._rows_at[B, T] = torch.arange(B, device=self.data.device).repeat_interleave(T)
+        return idx
+
     def update(self, new: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Store ``new`` [B, T, width] at the batch's positions; return the keys to attend to [B, L, width] and the
-        mask of keys each query must NOT see (bool, broadcastable to [B, T, L]; None when every key is visible)."""
+        mask of keys each query must NOT see (bool, broadcastable to [B, T, L]; None when every key is visible).
+        Paged: in place for one row in consecutive pages; through the rows' staging copy for decode rows (kept for
+        their next steps); else written to the pages and gathered."""
         B, T = new.shape[0], new.shape[1]
+        if self.table is not None:
+            end, W, P = batch.end, self.data.shape[2], self.table.page_tokens
+            n = self._span(batch)
+            self._fit()
+            hs = batch.host_slots
+            st = self._staged(batch, n, make=False) if hs is not None else None
+            if st is None:
+                old = self._stage
+                self.flush(keep=old is not None and hs is not None and not set(hs) & set(old.slots))
+                p0 = self._run_start(batch, n)
+                if p0 is not None:  # one row in consecutive pages: a slice of the pool, written and read in place
+                    keys = self.data[p0: p0 + n].view(1, n * P, W)
+                    s0 = batch.host_start[0]
+                    keys[0, s0: s0 + T] = new[0]
+                    return keys[:, :end], causal_mask(batch, end)
+                if hs is None or T > 1:  # (a prompt chunk, or a static step: straight to the pages)
+                    self.data.view(-1, W).index_copy_(0, self._where(batch, n), new.reshape(-1, W).to(self.data.dtype))
+                    return self._gather(self._ids(batch, n), B)[:, :end], causal_mask(batch, end)
+                st = self._staged(batch, n, make=True)
+            if batch.uniform:
+                s0 = batch.host_start[0]
+                st.data[:, s0: s0 + T] = new
+            else:
+                st.data[self._row_index(B, 1)[:, None], batch.positions()] = new
+            return st.data[:, :end], causal_mask(batch, end)
         if self.window is None:
             end = batch.end
             if end > self.capacity:
@@ -156,10 +395,46 @@ class TokenCache:
                 self.pos[s, ring] = snap[1][b, ring]
 
     def tokens_held(self, slot: int) -> int:
-        """How many token entries this slot's row actually holds (for tests and accounting checks)."""
+        """How many token entries this slot's row actually holds (for tests and accounting checks; paged: its pages'
+        positions)."""
         if self.pos is not None:
             return int((self.pos[slot] >= 0).sum())
+        if self.table is not None:
+            return len(self.table.slots[slot]) * self.table.page_tokens
         return self.capacity
+
+    def read(self, slot: int, end: int) -> torch.Tensor:
+        """A copy of ``slot``'s entries at positions 0 .. end-1 [end, width] (full attention)."""
+        if self.table is None:
+            return self.data[slot, :end].clone()
+        self.flush()
+        self._fit()
+        n = self.table.pages_for(end)
+        return self.data[self.table.slots[slot][:n]].reshape(-1, self.data.shape[2])[:end].clone()
+
+    def write(self, slot: int, start: int, rows: torch.Tensor) -> None:
+        """Put ``rows`` [n, width] at ``slot``'s positions start .. start+n-1 (full attention; as a step would)."""
+        self.update(rows[None], StepBatch.make([slot], [start], rows.shape[0], self.data.device))
+
+
+@dataclass
+class _Stage:
+    """A paged cache's staging copy of some rows for the fused ops: row b is slot ``slots[b]``; positions
+    ``lo[b]`` .. ``hi[b]`` - 1 may hold entries its pages do not have yet."""
+
+    slots: tuple[int, ...]
+    data: torch.Tensor
+    lo: list[int]
+    hi: list[int]
+
+
+def share_pages(caches: list[Any]) -> list[Any]:
+    """Give the paged caches among ``caches`` (fresh: one model's layers) one block table, the first one's, so a
+    page id names the same positions in every layer and a step looks the rows' pages up once; returns ``caches``."""
+    paged = [c for c in caches if isinstance(c, TokenCache) and c.paged]
+    for c in paged[1:]:
+        c.bind(paged[0].table)
+    return caches
 
 
 def causal_mask(batch: StepBatch, L: int) -> torch.Tensor | None:
@@ -238,7 +513,8 @@ class GQAttention(nn.Module):
 
     def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
         s = self.spec
-        return TokenCache(num_slots, s.cache_elems_per_token(), self.dtype, device, window=s.sliding_window)
+        return TokenCache(num_slots, s.cache_elems_per_token(), self.dtype, device, window=s.sliding_window,
+                          page_tokens=PAGE_TOKENS)
 
     def _block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
         """The weight arguments ``waferline::gqa_moe_layer`` takes for this block when it can run as part of that op
@@ -292,13 +568,12 @@ class GQAttention(nn.Module):
 
     def step_dynamic(self, cache: TokenCache, batch: StepBatch) -> tuple:
         """The arguments of :meth:`step_args` that change from step to step: the rotary rows (empty without rotary),
-        the cache tensor (grown to the step's end first) and the rows' slots and positions."""
+        the cache tensor (``TokenCache.step_rows``': grown to the step's end, or a paged cache's view or staging copy),
+        the rows' slots in it and their positions."""
         rows = batch.rows()
-        end = rows.end
-        if end > cache.capacity:
-            cache._grow(end)
+        data, slots = cache.step_rows(batch)
         cos, sin = self.rotary.cos_sin(rows.positions(), rows) if self.rotary is not None else (_NO_ROT, _NO_ROT)
-        return cos, sin, cache.data, rows.slots, rows.start
+        return cos, sin, data, slots, rows.start
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -364,7 +639,8 @@ class MLAttention(nn.Module):
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def new_cache(self, num_slots: int, device: torch.device | str | None = None) -> TokenCache:
-        return TokenCache(num_slots, self.spec.cache_elems_per_token(), self.dtype, device)  # [c_KV | k_rope]
+        return TokenCache(num_slots, self.spec.cache_elems_per_token(), self.dtype, device,  # [c_KV | k_rope]
+                          page_tokens=PAGE_TOKENS)
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -439,13 +715,12 @@ class MLAttention(nn.Module):
 
     def step_dynamic(self, cache: TokenCache, batch: StepBatch) -> tuple:
         """The arguments of :meth:`step_args` that change from step to step (the rest are the weights): the rotary
-        rows, the cache tensor (grown to the step's end first) and the rows' slots and positions."""
+        rows, the cache tensor (``TokenCache.step_rows``': grown to the step's end, or a paged cache's view or staging
+        copy), the rows' slots in it and their positions."""
         rows = batch.rows()
-        end = rows.end
-        if end > cache.capacity:
-            cache._grow(end)
+        data, slots = cache.step_rows(batch)
         cos, sin = self.rotary.cos_sin(rows.positions(), rows)
-        return cos, sin, cache.data, rows.slots, rows.start
+        return cos, sin, data, slots, rows.start
 
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         B, T, _ = x.shape

@@ -12,7 +12,7 @@ from torch import nn
 
 from waferline import kernels
 from waferline.errors import ConfigError
-from waferline.model.attention import GQAttention, MLAttention
+from waferline.model.attention import GQAttention, MLAttention, share_pages
 from waferline.model.context import StepBatch
 from waferline.model.hybrids import LINEAR_HYBRIDS, hf_source
 from waferline.model.hybrids import build_mixer as build_hybrid_mixer
@@ -490,7 +490,7 @@ class DecoderModel(nn.Module):
                 copy_into(self.lm_head, src.get(head, tuple(self.lm_head.shape)))
 
     def new_caches(self, num_slots: int, device: torch.device | str | None = None) -> list[Any]:
-        return [layer.new_cache(num_slots, device) for layer in self.layers]
+        return share_pages([layer.new_cache(num_slots, device) for layer in self.layers])
 
     # -- compute
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

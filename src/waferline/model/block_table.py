@@ -1,0 +1,234 @@
+"""BlockTable: which physical pages of the paged token caches hold each slot's positions, and who holds each page.
+
+The full-attention token caches of a model (GQA without a window, MLA's latents; ``TokenCache`` with a table) keep
+their rows in a pool of pages per layer ([pages, page_tokens, width]); position p of slot s lives in page
+``pages(s)[p // page_tokens]`` at offset ``p % page_tokens``. Every paged cache of a model shares one table, so a page
+id names the same positions in every layer.
+
+A page is held by the slots whose tables list it (a reference count) and, separately, by the prefix store
+(``stored``); it goes back to the free list when neither holds it. A table either allocates its own pages when a
+cache writes past a slot's pages (``managed`` False: ``LLM.generate``, pipeline stages, tests that call
+``model.new_caches``), or gets them only from an allocator (``managed`` True: the scheduler's ``CacheManager``, which
+holds the byte budget).
+
+Page 0 is the sink: no slot holds it, and a slot's ids past its own pages point at it, so a write to a position the
+allocator gave no page (a speculative verify's padding) is dropped there and a ragged row's read of it is masked.
+
+A released slot's pages stay parked (not free, not held) until the slot is used again or free pages run out, so what
+a finished sequence computed can still be handed to the prefix store right after it is released.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Any
+
+import torch
+
+SINK = 0  # a page no slot holds: ``ids`` past a slot's pages point at it (writes there are dropped, reads masked)
+
+
+class BlockTable:
+    """Page ids per slot, reference counts per page, and the free pages (lowest id first, so a sequence that grows
+    alone gets consecutive pages and its rows are one view of the pool)."""
+
+    def __init__(self, num_slots: int, page_tokens: int = 16, managed: bool = False, max_pages: int | None = None):
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+        self.num_slots = num_slots
+        self.page_tokens = page_tokens
+        self.managed = managed
+        self.max_pages = max_pages  # a bound on the pages that may exist (None: none)
+        self.slots: list[list[int]] = [[] for _ in range(num_slots)]
+        self.run = [0] * num_slots  # pages at the start of each slot's list that are consecutive ids
+        self.refs: list[int] = [0]  # per page: the slots that hold it
+        self.stored: list[bool] = [False]  # per page: held by the prefix store
+        self.live = 0  # pages held by at least one slot
+        self.store_only = 0  # pages held by the prefix store alone
+        self._free: list[int] = []  # a heap
+        self._is_free: list[bool] = [False]  # per page: in ``_free`` (page SINK never is)
+        self._parked: dict[int, list[int]] = {}  # slot -> its released pages, until it is used again
+        with torch.inference_mode(False):
+            self.ids = torch.zeros(num_slots, 1, dtype=torch.long)  # slots x pages (SINK past a slot's pages)
+        self.version = 0  # bumped whenever ``ids`` changes
+        self._on_device: dict[Any, tuple[int, torch.Tensor]] = {}
+        self.dirty: list[Any] = []  # caches holding entries not yet written to their pages (flushed first)
+        self.layers: frozenset[int] = frozenset()  # the model's layers whose caches use these pages
+
+    # -- pages
+    @property
+    def num_pages(self) -> int:
+        """Pages that exist (ids 0 .. num_pages - 1, the sink included): the size of every pool in pages."""
+        return len(self.refs)
+
+    @property
+    def held(self) -> int:
+        """Pages held by a slot or by the prefix store."""
+        return self.live + self.store_only
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.page_tokens)
+
+    def _to_free(self, p: int) -> None:
+        if self.refs[p] == 0 and not self.stored[p] and not self._is_free[p]:
+            self._is_free[p] = True
+            heapq.heappush(self._free, p)
+
+    def _take(self) -> int:
+        if not self._free and self._parked:
+            for pages in self._parked.values():
+                for p in pages:
+                    self._to_free(p)
+            self._parked.clear()
+        if self._free:
+            p = heapq.heappop(self._free)
+            self._is_free[p] = False
+            return p
+        if self.max_pages is not None and len(self.refs) >= self.max_pages:
+            raise RuntimeError(f"no free cache page (all {self.max_pages} held)")
+        self.refs.append(0)
+        self.stored.append(False)
+        self._is_free.append(False)
+        return len(self.refs) - 1
+
+    def _hold(self, p: int) -> None:
+        self.refs[p] += 1
+        if self.refs[p] == 1:
+            self.live += 1
+            if self.stored[p]:
+                self.store_only -= 1
+
+    def _drop(self, p: int, park: list[int] | None = None) -> None:
+        self.refs[p] -= 1
+        if self.refs[p] == 0:
+            self.live -= 1
+            if self.stored[p]:
+                self.store_only += 1
+            elif park is not None:
+                park.append(p)
+            else:
+                self._to_free(p)
+
+    def _unpark(self, slot: int) -> None:
+        for p in self._parked.pop(slot, ()):
+            self._to_free(p)
+
+    def columns(self, n: int) -> None:
+        """Widen ``ids`` to at least ``n`` pages per slot (SINK past a slot's pages)."""
+        if n > self.ids.shape[1]:
+            with torch.inference_mode(False):  # (a normal tensor: the allocator updates it outside inference mode)
+                wider = torch.zeros(self.num_slots, max(n, 2 * self.ids.shape[1]), dtype=torch.long)
+                wider[:, : self.ids.shape[1]] = self.ids
+            self.ids = wider
+            self.version += 1
+
+    def _set(self, slot: int, i: int, p: int) -> None:
+        self.columns(i + 1)
+        self.ids[slot, i] = p
+        self.version += 1
+
+    def _run_of(self, pages: list[int]) -> int:
+        n = 1 if pages else 0
+        while n < len(pages) and pages[n] == pages[0] + n:
+            n += 1
+        return n
+
+    # -- slots
+    def grow(self, slot: int, n_tokens: int) -> int:
+        """Give ``slot`` pages for positions below ``n_tokens``; returns how many pages it took."""
+        pages = self.slots[slot]
+        need = self.pages_for(n_tokens) - len(pages)
+        if need <= 0:
+            return 0
+        self._unpark(slot)
+        for _ in range(need):
+            p = self._take()
+            self._hold(p)
+            if self.run[slot] == len(pages) and (not pages or p == pages[-1] + 1):
+                self.run[slot] += 1
+            self._set(slot, len(pages), p)
+            pages.append(p)
+        return need
+
+    def ensure(self, slot: int, n_tokens: int) -> None:
+        """A cache is about to write ``slot`` below ``n_tokens``: an unmanaged table takes the pages now; a managed
+        one's come from its allocator, and a position it gave no page (a speculative verify's padding) is written to
+        the sink page, i.e. not kept."""
+        if not self.managed and len(self.slots[slot]) * self.page_tokens < n_tokens:
+            self.grow(slot, n_tokens)
+
+    def share(self, slot: int, pages: list[int]) -> None:
+        """Make ``slot``'s first pages ``pages`` (a prefix cache hit): pages it held there go back (they must not
+        have been written), the shared pages gain a holder. Nothing is copied."""
+        self.flush(slot)
+        self._unpark(slot)
+        own = self.slots[slot]
+        for i, p in enumerate(pages):
+            if i < len(own):
+                if own[i] == p:
+                    continue
+                old = own[i]
+                self._hold(p)
+                self._drop(old)
+                own[i] = p
+            else:
+                self._hold(p)
+                own.append(p)
+            self._set(slot, i, p)
+        self.run[slot] = self._run_of(own)
+
+    def release(self, slot: int) -> None:
+        """``slot``'s sequence ended: drop its holds (its pages stay parked until the slot is used again)."""
+        self.flush(slot)
+        park = self._parked.setdefault(slot, [])
+        for p in self.slots[slot]:
+            self._drop(p, park)
+        if self.slots[slot]:
+            self.ids[slot].zero_()
+            self.version += 1
+        self.slots[slot] = []
+        self.run[slot] = 0
+
+    def pages_of(self, slot: int) -> list[int]:
+        """The slot's pages, or, once released, the pages it held (until it is used again)."""
+        return self.slots[slot] or self._parked.get(slot, [])
+
+    # -- the prefix store's hold
+    def store(self, p: int) -> None:
+        if self.stored[p]:
+            return
+        self.stored[p] = True
+        if self.refs[p] == 0:
+            self.store_only += 1
+
+    def unstore(self, p: int) -> bool:
+        """The prefix store lets go of page ``p``; True when that frees it."""
+        if not self.stored[p]:
+            return False
+        self.stored[p] = False
+        if self.refs[p] > 0:
+            return False
+        self.store_only -= 1
+        self._to_free(p)
+        return True
+
+    # -- for the caches
+    def flush(self, slot: int | None = None) -> None:
+        """Write the caches' pending entries to their pages (those of copies holding ``slot``'s rows, or all):
+        before pages change hands."""
+        left = []
+        for c in self.dirty:
+            if slot is None or c.stages(slot):
+                c.flush()
+            elif c.stages(None):
+                left.append(c)
+        self.dirty = left
+
+    def ids_on(self, device: torch.device) -> torch.Tensor:
+        """``ids`` on ``device`` (a copy kept until the table changes)."""
+        if device.type == "cpu":
+            return self.ids
+        hit = self._on_device.get(device)
+        if hit is None or hit[0] != self.version:
+            hit = self._on_device[device] = (self.version, self.ids.to(device))
+        return hit[1]

@@ -1,0 +1,280 @@
+"""Paged full-attention caches (model/block_table.py, TokenCache with a table): the same numbers as slot-contiguous
+caches, pages allocated by the scheduler's CacheManager, prefix hits that share pages instead of copying them, pages
+that go back to the free list, and pool bytes that equal the ModelSpec accounting."""
+
+import itertools
+
+import pytest
+import torch
+
+import waferline.model.attention as attention
+from conftest import tiny_checkpoints
+from tiny_models import build
+from waferline import LLM, SamplingParams
+from waferline.engine.scheduler import Scheduler, SchedulerConfig, Sequence
+from waferline.model.attention import TokenCache
+from waferline.model.block_table import BlockTable
+from waferline.model.context import StepBatch
+
+_INT4 = {"dtype": "bfloat16", "weight_bits": 4, "head_bits": 8, "group_size": 32}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    out = tiny_checkpoints(tmp_path_factory, ("llama", "deepseek_v3"))
+    out["deepseek_v3:q"] = d = tmp_path_factory.mktemp("deepseek_v3_q")
+    build("deepseek_v3", d, q_lora_rank=64)  # (int4 MLA layers with a q LoRA run as one op: staging copies)
+    return out
+
+
+def _caches(model, slots: int, page_tokens: int | None, monkeypatch) -> list:
+    monkeypatch.setattr(attention, "PAGE_TOKENS", page_tokens)  # None: slot-contiguous full-attention caches
+    caches = model.new_caches(slots)
+    assert all(isinstance(c, TokenCache) and c.paged == (page_tokens is not None) for c in caches)
+    return caches
+
+
+@torch.inference_mode()
+def _ragged_run(model, caches) -> list[torch.Tensor]:
+    """Chunked prefill of three rows of different lengths (alone and two at once at different starts), then decode
+    steps of the three rows together at ragged positions, a fourth row's prompt between two of them: every step's
+    logits."""
+    out = []
+    V = model.spec.vocab_size
+    prompts = [[(7 * i + 3) % V for i in range(n)] for n in (11, 3, 21)]
+    for slot, (chunks, p) in enumerate(zip(([5, 5], [3], [8, 8]), prompts)):
+        start = 0
+        for n in chunks:
+            h = model(torch.tensor([p[start:start + n]]), caches, StepBatch.make([slot], [start], n))
+            out.append(model.logits(h[0, -1]))
+            start += n
+    # rows 0 and 2 go on together: 1 token of row 0 at 10, row 2's last 5 tokens at 16 (padded to one [2, 5] call)
+    h = model(torch.tensor([p[10:11] * 5 for p in prompts[:1]] + [prompts[2][16:21]]), caches,
+              StepBatch.make([0, 2], [10, 16], 5))
+    out.append(model.logits(h[:, -1]))
+    pos = [11 + 4, 3, 21]  # (row 0's 4 padding tokens are in its cache too: it goes on after them)
+    tok = [[1], [2], [3]]
+    for i in range(12):
+        if i == 6:  # another sequence's prompt between two decode steps (the decode rows' staging copy stays)
+            h = model(torch.tensor([prompts[2][:9]]), caches, StepBatch.make([3], [0], 9))
+            out.append(model.logits(h[0, -1]))
+        logits = model.step_logits(torch.tensor(tok), caches, StepBatch.make([0, 1, 2], pos, 1))[0][:, 0]
+        out.append(logits)
+        tok = logits.argmax(-1)[:, None].tolist()
+        pos = [p + 1 for p in pos]
+    return out
+
+
+@pytest.mark.parametrize("arch,opts", [("llama", {}), ("deepseek_v3", {}), ("llama", _INT4), ("deepseek_v3:q", _INT4)],
+                         ids=["gqa-fp32", "mla-fp32", "gqa-int4", "mla-int4"])
+def test_paged_caches_give_the_contiguous_logits(ckpts, monkeypatch, arch, opts):
+    model = LLM(ckpts[arch], **opts).model
+    want = _ragged_run(model, _caches(model, 4, None, monkeypatch))
+    for page in (4, 16):  # (4: the rows' pages interleave; decode reads them through the block table)
+        caches = _caches(model, 4, page, monkeypatch)
+        got = _ragged_run(model, caches)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        table = caches[0].table
+        assert all(c.table is table for c in caches)  # one table for the model's layers
+        if page == 4:
+            assert table.run[0] < len(table.slots[0])  # (pages not consecutive: not a view)
+        if arch == "deepseek_v3:q":  # the decode steps ran as layer ops over a staging copy of the rows
+            assert all(c._stage is not None and c._stage.slots == (0, 1, 2) for c in caches)
+
+
+def test_a_lone_sequence_reads_its_pages_in_place(ckpts, monkeypatch):
+    model = LLM(ckpts["llama"]).model
+    caches = _caches(model, 2, 4, monkeypatch)
+    with torch.inference_mode():
+        model(torch.tensor([[5, 6, 7, 8, 9, 10]]), caches, StepBatch.make([1], [0], 6))
+        c = caches[0]
+        keys, _ = c.update(torch.ones(1, 1, c.data.shape[2]), StepBatch.make([1], [6], 1))
+    assert c.table.slots[1] == [1, 2]  # (lowest free pages first: consecutive; page 0 is the sink)
+    assert keys.data_ptr() == c.data[1].data_ptr() and keys.shape[1] == 7  # a view of the pool, no gather
+    data, rows = c.step_rows(StepBatch.make([1], [7], 1))
+    assert data.data_ptr() == c.data[1].data_ptr() and rows.tolist() == [0]
+
+
+def test_unmanaged_tables_free_pages_when_a_slot_is_reset(ckpts, monkeypatch):
+    model = LLM(ckpts["deepseek_v3"]).model
+    caches = _caches(model, 2, 4, monkeypatch)
+    with torch.inference_mode():
+        model(torch.arange(3, 13)[None], caches, StepBatch.make([0], [0], 10))
+        model(torch.arange(3, 8)[None], caches, StepBatch.make([1], [0], 5))
+    table = caches[0].table
+    assert table.live == 3 + 2 and table.num_pages == 1 + 5
+    for c in caches:
+        c.reset(torch.tensor([0]))
+    assert table.live == 2 and table.slots[0] == []
+    with torch.inference_mode():  # the slot's old pages come back first
+        model(torch.arange(3, 7)[None], caches, StepBatch.make([0], [0], 4))
+    assert table.slots[0] == [1] and table.num_pages == 1 + 5
+
+
+def test_block_table_counts_holders_and_never_hands_a_page_out_twice():
+    t = BlockTable(3, page_tokens=2, managed=True)
+    t.grow(0, 5)
+    t.grow(1, 3)
+    assert t.slots[0] == [1, 2, 3] and t.slots[1] == [4, 5] and t.live == 5  # (page 0: the sink)
+    t.ensure(2, 1)  # a managed table's pages come from its allocator alone
+    assert t.slots[2] == [] and t.ids[2].tolist() == [0] * t.ids.shape[1]
+    t.release(0)
+    assert t.pages_of(0) == [1, 2, 3] and t.live == 2  # parked until slot 0 is used again
+    t.store(1)
+    t.store(2)
+    assert t.store_only == 2
+    t.share(2, [1, 2])
+    assert t.slots[2] == [1, 2] and t.refs[1] == 1 and t.stored[1] and t.store_only == 0
+    assert not t.unstore(1)  # still held by slot 2
+    t.release(2)
+    assert t.store_only == 1  # page 2 (stored); page 1 parked
+    assert t.unstore(2)
+    t.grow(0, 2 * 6)  # slot 0 used again: its parked pages are free again
+    held = t.slots[0] + t.slots[1]
+    assert len(held) == len(set(held)) == 8 and 0 not in held and t.live == 8
+    t.release(0)
+    t.release(1)
+    t.grow(2, 2 * 8)
+    assert len(set(t.slots[2])) == 8 and t.live == 8 and t.num_pages == 1 + 8
+
+
+def test_a_write_past_the_allocated_pages_lands_in_the_sink(ckpts, monkeypatch):
+    model = LLM(ckpts["llama"]).model
+    caches = _caches(model, 2, 4, monkeypatch)
+    table = BlockTable(2, 4, managed=True)
+    for c in caches:
+        c.bind(table)
+    table.grow(0, 4)
+    table.grow(1, 8)
+    with torch.inference_mode():
+        before = [(c.read(0, 4), c.read(1, 8)) for c in caches]
+        # slot 0 has one page (positions 0-3): a 6-token write (a verify padded past its drafts) keeps 0-3 only
+        model(torch.arange(3, 9)[None], caches, StepBatch.make([0], [0], 6))
+    for c, (mine, other) in zip(caches, before):
+        assert not torch.equal(c.read(0, 4), mine)  # slot 0's page was written
+        assert torch.equal(c.read(1, 8), other)  # slot 1's pages were not
+        assert c.data.shape[0] == table.num_pages == 1 + 3
+
+
+_ids = itertools.count()
+
+
+def _serve(sch, prompts, params):
+    got = {}
+    seqs = []
+    for p, sp in zip(prompts, params):
+        s = Sequence(f"r{next(_ids)}", p, sp)
+        got[s.request_id] = []
+        s.sink = lambda ev, rid=s.request_id: got[rid].append(ev.token_id) if ev.token_id is not None else None
+        sch.add(s)
+        seqs.append(s)
+    steps = 0
+    while sch.has_work() and steps < 1000:
+        sch.step()
+        steps += 1
+    return [got[s.request_id] for s in seqs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_prefix_hit_shares_the_stored_pages(ckpts, arch):
+    llm = LLM(ckpts[arch])
+    shared = [(5 * j) % 90 + 3 for j in range(20)]
+    a, b = shared + [40, 41], shared[:16] + [50, 51, 52]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    miss = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, prefix_caching=False))
+    want = _serve(miss, [a, b], [sp, sp])
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, chunk_tokens=16))
+    runner, table = sch.runner, sch.cache.table
+    assert table is not None and all(c.table is table for c in runner.caches)
+    assert _serve(sch, [a], [sp]) == want[:1]
+    stored = [sch.prefix.page_of(x) for x in sch.prefix.match(b)]
+    assert len(stored) == 2
+    before = [c.data[stored].clone() for c in runner.caches]
+    seen = []
+    real = runner.step
+
+    def step(decodes, prefills):  # the new sequence's table while it runs
+        for ch in prefills:
+            pages = table.slots[ch.slot]
+            seen.append((pages[:2], [table.refs[p] + table.stored[p] for p in pages[:2]], ch.start))
+        return real(decodes, prefills)
+
+    runner.step = step
+    assert _serve(sch, [b], [sp]) == want[1:]  # the hit gives the miss's tokens
+    assert seen[0] == (stored, [2, 2], 16)  # the stored pages themselves (held by the slot and the store), 16 skipped
+    assert sch.prefix.hit_tokens == 16
+    for c, x in zip(runner.caches, before):  # the stored pages were not written
+        assert torch.equal(c.data[stored], x)
+    # everything finished: no page held by a sequence; the store's pages are the prefix bytes
+    assert table.live == 0 and sch.cache.used_bytes == 0
+    assert table.store_only == sch.prefix.num_pages
+    assert sch.cache.prefix_bytes == table.store_only * sch.cache.page_bytes
+    sch.prefix.evict(float("inf"))
+    assert table.held == 0 and sch.cache.prefix_bytes == 0
+    n = table.num_pages
+    table.grow(0, (n - 1) * 8)  # every page is free again: a slot can take them all, no new page made
+    assert sorted(table.slots[0]) == list(range(1, n)) and table.num_pages == n
+
+
+def test_pool_bytes_are_the_page_accounting(ckpts):
+    llm = LLM(ckpts["deepseek_v3"])
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8, prefix_caching=False))
+    caches, table, cm = sch.runner.caches, sch.cache.table, sch.cache
+    # one page of every paged layer's pool is the ModelSpec's bytes of page_tokens tokens of those layers
+    assert sum(c.page_bytes() for c in caches) == cm.paged_page_bytes == cm.page_bytes
+    assert cm.paged_page_bytes == 8 * llm.spec.cache_bytes_per_token(32)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    peak = []
+    real = sch.runner.step
+
+    def step(decodes, prefills):
+        out = real(decodes, prefills)
+        peak.append((table.live, cm.used_bytes, [c.data.shape[0] for c in caches]))
+        return out
+
+    sch.runner.step = step
+    _serve(sch, [[3 + i] * n for i, n in enumerate((9, 17, 30))], [sp] * 3)
+    for live, used, pool_pages in peak:
+        assert used == live * cm.paged_page_bytes  # the bytes held by sequences are the pages they hold
+        assert pool_pages == [table.max_pages] * len(caches)  # the pools: the pages the budget pays for, made once
+    assert (table.max_pages - 1) * cm.paged_page_bytes <= cm.budget < table.max_pages * cm.paged_page_bytes
+    assert sum(c.data.nbytes for c in caches) == table.max_pages * cm.paged_page_bytes
+    assert max(p[0] for p in peak) == 2 + 3 + 5  # ceil((prompt + 5) / 8) pages each, all running at once
+    assert table.num_pages == 1 + 10  # pages that exist: the most held at once (and the sink)
+    assert table.live == 0 and cm.used_bytes == 0 and sum(cm.pages_in_use().values()) == 0
+
+
+def test_recovered_runner_keeps_the_pages_the_prefix_store_holds(ckpts):
+    llm = LLM(ckpts["llama"])
+    shared = [(3 * j) % 90 + 5 for j in range(20)]
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8))
+    first = _serve(sch, [shared + [7]], [sp])
+    old = sch.runner.caches
+    sch.runner.recover()  # (after a failed step: fresh caches on the same table and pools)
+    assert all(c is not o and c.table is sch.cache.table and c.data is o.data for c, o in zip(sch.runner.caches, old))
+    assert _serve(sch, [shared + [7]], [sp]) == first and sch.prefix.hit_tokens == 16
+
+
+@torch.inference_mode()
+def test_staged_decode_entries_reach_their_pages_before_the_slot_is_released():
+    t = BlockTable(3, page_tokens=4)
+    c = TokenCache(3, 2, torch.float32, table=t)
+
+    def rows(slot, start, n):  # entry (slot, position)
+        return torch.tensor([[float(slot), float(p)] for p in range(start, start + n)])[None]
+
+    for s in (0, 1):
+        c.update(rows(s, 0, 6), StepBatch.make([s], [0], 6))
+    for pos in (6, 7, 8):  # decode steps of rows 0 and 1: through one staging copy of their rows
+        keys, _ = c.update(torch.cat([rows(0, pos, 1), rows(1, pos, 1)]), StepBatch.make([0, 1], [pos, pos], 1))
+        assert torch.equal(keys[0], rows(0, 0, pos + 1)[0]) and torch.equal(keys[1], rows(1, 0, pos + 1)[0])
+        if pos == 6:  # another slot's prompt in between: the copy stays (its entries written back first)
+            c.update(rows(2, 0, 5), StepBatch.make([2], [0], 5))
+            assert c._stage is not None and not c.stages(None)
+    assert c.stages(0) and c in t.dirty
+    t.release(0)  # the copy's entries of slot 0 are in its pages before they change hands
+    assert torch.equal(c.data[t.pages_of(0)].reshape(-1, 2)[:9], rows(0, 0, 9)[0])
+    assert torch.equal(c.read(1, 9), rows(1, 0, 9)[0]) and torch.equal(c.read(2, 5), rows(2, 0, 5)[0])
