@@ -240,8 +240,6 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
     (["--stages", "2", "--head-bits", "8"], "single-process engine"),
     (["--group-size", "64"], "needs --weight-bits 4"),
-    (["--stages", "2", "--speculative", "ngram"], "not supported with --stages"),
-    (["--afd", "--speculative", "ngram"], "not supported with --stages / --layers-per-stage / --afd"),
 ])
 def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):
     assert main(["serve", "--model", str(ckpts["afd"]), *flags]) == 2

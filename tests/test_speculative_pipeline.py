@@ -204,8 +204,8 @@ def test_serve_refuses_speculative_with_the_reason(models):
     from waferline.server.commands import build_server
 
     ck = models["sol"][0]
-    with pytest.raises(ConfigError, match="not supported with --stages"):
-        build_server(ck, speculative="ngram", stages=2)
+    with pytest.raises(ConfigError, match="speculates with 'ngram'"):
+        build_server(ck, speculative="draft:/x", stages=2)
     with pytest.raises(ConfigError, match="speculates with 'ngram'"):
         build_server(ck, speculative="medusa")
 

@@ -23,7 +23,8 @@ class Kind(IntEnum):
 class Emit(IntEnum):
     """What the last stage returns for a row: nothing, a sampled token, prompt log-probs, a speculative verify of
     [last token] + drafts, or the fp32 logits of the row's last position (for the server's scheduler to sample with
-    the request's own generator)."""
+    the request's own generator). In a verify group TOKEN and LOGITS answer every position up to the row's last draft
+    (the server's scheduler verifies them itself)."""
 
     NONE = 0
     TOKEN = 1
@@ -158,7 +159,7 @@ def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int
             k += dc
     lps, k = {}, 0
     if n_lp:
-        allp = tail.view(torch.float32).view(-1, vocab)
+        allp = tail[:sum(lp_T) * vocab * 4].view(torch.float32).view(-1, vocab)  # (hidden states may follow)
         for s, T in zip(lp_seqs, lp_T):
             lps[s] = allp[k:k + T]
             k += T

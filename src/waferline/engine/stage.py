@@ -32,7 +32,7 @@ from waferline.engine.messages import (
     MicroBatch,
     decode_feedback,
 )
-from waferline.engine.sampling import SamplingParams, make_generator, sample, seeded_generator
+from waferline.engine.sampling import SamplingParams, greedy, make_generator, sample, seeded_generator
 from waferline.engine.transport import (
     LOOPBACK,
     MAX_PENDING_SENDS,
@@ -80,13 +80,16 @@ class StageRunner:
 
         self.rollback = SlotRollback()  # speculative verifies of this stage's layers, until their keep arrives
         self.spec: Any = None  # the last stage's LastStageSpec when the run speculates
+        self.send_hidden = False  # the last stage returns every row's final hidden states (the server's MTP drafter)
 
     def begin(self, cfg: dict[str, Any]) -> None:
         """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (and, when
-        ``cfg["spec"]`` is set, speculative verification / MTP drafting)."""
+        ``cfg["spec"]`` is set, speculative verification / MTP drafting; with ``cfg["hidden"]`` its feedback carries
+        the final hidden states of every row)."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
         self.rollback.reset()
         self.spec = None
+        self.send_hidden = bool(cfg.get("hidden")) and self.is_last
         if self.is_last:
 
             p = cfg.get("params") or {}
@@ -105,8 +108,12 @@ class StageRunner:
 
                 self.spec = LastStageSpec(self.model, cfg, self.params, self.gens)
 
+    @torch.inference_mode()  # (a rollback may have left inference tensors in the caches)
     def reset_slots(self, slots: list[int]) -> None:
-        """New sequences start in ``slots``: clear their ring positions and recurrent state in this stage's caches."""
+        """New sequences start in ``slots``: clear their ring positions and recurrent state in this stage's caches
+        (and forget a verify of the slots' previous sequences whose rollback had not arrived)."""
+        for s in slots:
+            self.rollback.rows.pop(s, None)
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
         for c in self.caches:
             if c is not None:
@@ -149,7 +156,12 @@ class StageRunner:
 
         meta = [mb_id, R, n_tok, n_lp, n_dr] + seq[R] + count[R] + dcount[R] + tokens[n_tok] + drafts[n_dr]
                + lp_seq[n_lp] + lp_T[n_lp];
-        tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0.
+        tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0. With ``send_hidden`` one byte tensor instead: the
+        log-probs, then every group's final hidden states [B, T, ...] in the model's dtype, group after group.
+
+        A verify group's rows that ask for EMIT_TOKEN or EMIT_LOGITS (the server's scheduler verifies them itself)
+        get every position's answer up to their last draft: the greedy tokens (len(draft) + 1 of them) or the fp32
+        logits [len(draft) + 1, V].
         """
         seqs, counts, toks, lp_seqs, lp_T, lps, ks = [], [], [], [], [], [], []
         qs = self.split_probs(mb, extra)
@@ -167,6 +179,7 @@ class StageRunner:
                         counts.append(len(t))
                         toks += t
                         ks.append(g.ks[r] if g.ks is not None else 0)
+                self._positions(g, h, seqs, counts, toks, ks, lp_seqs, lp_T, lps)
                 continue
             if self.spec is not None and g.tokens is not None:
                 for r in range(g.B):
@@ -194,7 +207,31 @@ class StageRunner:
         flat = [t for d in drafts for t in d]
         meta = ([mb.mb_id, len(seqs), len(toks), len(lp_seqs), len(flat)] + seqs + counts + [len(d) for d in drafts]
                 + toks + flat + lp_seqs + lp_T)
-        return meta, ([torch.cat(lps)] if lps else [])
+        tail = [torch.cat(lps)] if lps else []
+        if self.send_hidden:
+            parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tail + list(hs)]
+            tail = [torch.cat(parts)] if parts else []
+        return meta, tail
+
+    def _positions(self, g: Group, h: torch.Tensor, seqs: list[int], counts: list[int], toks: list[int],
+                   ks: list[int], lp_seqs: list[int], lp_T: list[int], lps: list[torch.Tensor]) -> None:
+        """A verify group's EMIT_TOKEN / EMIT_LOGITS rows: every position's greedy token or fp32 logits, up to the
+        row's last draft (padding excluded)."""
+        want = [r for r in range(g.B) if g.emits[r] in (EMIT_TOKEN, EMIT_LOGITS)]
+        if not want:
+            return
+        logits = self.model.logits(h[want]).float().cpu()
+        for k, r in enumerate(want):
+            n = len(g.drafts[r]) + 1
+            if g.emits[r] == EMIT_TOKEN:
+                seqs.append(g.seqs[r])
+                counts.append(n)
+                toks += greedy(logits[k, :n])
+                ks.append(0)
+            else:
+                lp_seqs.append(g.seqs[r])
+                lp_T.append(n)
+                lps.append(logits[k, :n])
 
     def split_probs(self, mb: MicroBatch, extra: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
         """Per group and row, the drafter's probabilities [len(draft), V] that ride behind the hidden states."""

@@ -42,8 +42,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if body_timeout <= 0:
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
     if speculative:
-        check_serve_speculative(speculative, num_speculative_tokens, stages is not None or layers_per_stage is not None
-                                or afd or attention_ranks is not None or ffn_ranks is not None)
+        check_serve_speculative(speculative, num_speculative_tokens)
     kw: dict[str, Any] = {"weight_bits": weight_bits} if weight_bits != 16 else {}
     if group_size is not None:
         kw["group_size"] = group_size
@@ -93,15 +92,12 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     return create_app(server)
 
 
-def check_serve_speculative(method: str, k: int, distributed: bool = False) -> None:
-    """``serve --speculative``: the server speculates with 'ngram' or 'mtp' on the single-process engine; anything
-    else is refused with the reason before the checkpoint loads."""
+def check_serve_speculative(method: str, k: int) -> None:
+    """``serve --speculative``: the server speculates with 'ngram' or 'mtp' (in this process, over pipeline stages or
+    over AFD ranks); anything else is refused with the reason before the checkpoint loads."""
     from waferline.engine.speculative.serving import check_serve_method
 
     check_serve_method(method, k)
-    if distributed:
-        raise ConfigError(f"--speculative {method} is not supported with --stages / --layers-per-stage / --afd yet: "
-                          "serve it on the single-process engine (drop those flags)")
 
 
 def check_serve_flags(args: argparse.Namespace) -> None:
@@ -121,9 +117,6 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                          "pipelines and the single-process engine run on a GPU through `waferline generate`)")
     if args.stages is not None and args.layers_per_stage is not None:
         raise UsageError("give --stages S or --layers-per-stage K, not both")
-    if args.speculative and (pipeline or args.afd):
-        raise UsageError(f"--speculative {args.speculative} is not supported with --stages / --layers-per-stage / "
-                         "--afd yet: serve it on the single-process engine (drop those flags)")
     if not (pipeline or args.afd):
         given = [f for f, v in (("--micro-batches", args.micro_batches), ("--hang-timeout", args.hang_timeout))
                  if v is not None]
@@ -272,7 +265,7 @@ def register(sub: Any) -> None:
     s.add_argument("--speculative", default=None, metavar="METHOD",
                    help="ngram | mtp: speculative decoding in the scheduler (n-gram prompt lookup over each "
                         "request's prompt and output, or the checkpoint's MTP head), exact: the tokens are those of "
-                        "plain decoding. Single-process engine only (refused with --stages / --afd)")
+                        "plain decoding; in this process, over --stages or over --afd ranks alike")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="most drafts per step (with --speculative; default 4)")
     s.add_argument(

@@ -239,10 +239,11 @@ class AFD(Pipeline):
         return per if any(per) else None
 
     def _micro_batches(
-        self, rows: list[tuple[int, list[int], int, int]]
+        self, rows: list[tuple[int, list[int], int, int]], verify: bool = False
     ) -> tuple[list[MicroBatch], list[list[torch.Tensor]]]:
         """K micro-batches balanced by tokens (largest rows first), each split into groups of equal T. A row is
-        (global row, tokens, start, emit); row i lives in slot i // M of attention rank i % M."""
+        (global row, tokens, start, emit); row i lives in slot i // M of attention rank i % M. ``verify``: every group
+        is a verify group (a row's tokens are its last token, then its drafts)."""
         K = self.micro_batches
         bins: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(K)]
         load = [0] * K
@@ -254,7 +255,9 @@ class AFD(Pipeline):
         for rows_k in bins:
             groups: dict[int, tuple[Group, list[list[int]]]] = {}
             for i, t, start, emit in sorted(rows_k, key=lambda r: r[0]):
-                g, tl = groups.setdefault(len(t), (Group(len(t)), []))
+                g, tl = groups.setdefault(len(t), (Group(len(t), drafts=[] if verify else None), []))
+                if g.drafts is not None:
+                    g.drafts.append(list(t[1:]))
                 g.seqs.append(i)
                 g.slots.append(i // self.M)
                 g.starts.append(start)
@@ -265,10 +268,13 @@ class AFD(Pipeline):
             toks.append([torch.tensor(groups[T][1], dtype=torch.long) for T in sorted(groups)])
         return mbs, toks
 
-    def _begin_ranks(self, n: int, params: SamplingParams) -> None:
-        """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``."""
-        cfg = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
-                                          "top_k": params.top_k, "seed": params.seed}}
+    def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False) -> None:
+        """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``; with
+        ``hidden`` the feedback carries every row's final hidden states."""
+        cfg: dict[str, Any] = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
+                                                          "top_k": params.top_k, "seed": params.seed}}
+        if hidden:
+            cfg["hidden"] = True
         self._mb_ids = 0
         self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
         for m in range(1, self.M):
@@ -278,10 +284,21 @@ class AFD(Pipeline):
                     ) -> list[tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]]:
         """One step: per attention rank, its rows (global row, tokens, start, emit) in K micro-batches; the decoded
         feedback of every micro-batch (mb_id, tokens, log-probs, drafts per global row)."""
+        return [decode_feedback(meta, tail, self.spec.vocab_size) for meta, tail in self._step_raw(per)[0]]
+
+    def _step_raw(self, per: list[list[tuple[int, list[int], int, int]]], verify: bool = False,
+                  rewinds: list[tuple[int, int]] = ()) -> tuple[list[tuple[list[int], torch.Tensor]],
+                                                                 dict[int, list[Group]]]:
+        """``_step_ranks`` with the feedback as (meta, raw bytes) per micro-batch, and each micro-batch's groups by
+        id. ``verify``: the rows are verify rows; ``rewinds``: (global row, keep) of earlier verifies, which ride on
+        the first micro-batch of each row's attention rank."""
         self._busy_since = time.monotonic()
         mine = None
+        groups: dict[int, list[Group]] = {}
         for m in range(self.M):
-            mbs, toks = self._micro_batches(per[m])
+            mbs, toks = self._micro_batches(per[m], verify)
+            mbs[0].rewinds = [(i // self.M, k) for i, k in rewinds if i % self.M == m]
+            groups.update({mb.mb_id: mb.groups for mb in mbs})
             if m == 0:
                 mine = (mbs, toks)
             else:
@@ -297,9 +314,8 @@ class AFD(Pipeline):
         self._busy_since = None
         out = []
         for meta, ts in feedback:
-            tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
-            out.append(decode_feedback(meta, tail, self.spec.vocab_size))
-        return out
+            out.append((meta, ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)))
+        return out, groups
 
     def _reset_rows(self, rows: list[int]) -> None:
         """New sequences start in global ``rows``: each attention rank clears its slots of them."""

@@ -167,29 +167,41 @@ class AttentionRunner:
     def step(
         self, mbs: list[MicroBatch], tokens: list[list[torch.Tensor]]
     ) -> list[tuple[list[int], list[torch.Tensor]]]:
-        """Run K micro-batches through every layer, ping-ponging them with the FFN ranks; the feedback of each."""
+        """Run K micro-batches through every layer, ping-ponging them with the FFN ranks; the feedback of each. Rows
+        named in a micro-batch's ``rewinds`` are rolled back first (earlier verifies: the caches live on this side);
+        verify groups record what a later rollback needs (the pipeline stages' ``SlotRollback``)."""
         from waferline.model.context import StepBatch
 
         self._t = time.perf_counter()
-        model = self.model
+        model, rt = self.model, self.rt
+        for mb in mbs:
+            if mb.rewinds:
+                rt.rollback.apply(rt.caches, mb.rewinds)
         xs = [[model.embed_tokens(t) for t in toks] for toks in tokens]
         batches = [[StepBatch.make(g.slots, g.starts, g.T) for g in mb.groups] for mb in mbs]
+        verifies = [b for mb, bs in zip(mbs, batches) for g, b in zip(mb.groups, bs) if g.verify and g.T > 1]
+        for b in verifies:
+            rt.rollback.before(rt.caches, b)
         K = len(mbs)
         pending: list[_Pending | None] = [None] * K
-        for li, layer in enumerate(model.layers):
-            cache = self.rt.caches[li]
+        try:
+            for li, layer in enumerate(model.layers):
+                cache = rt.caches[li]
+                for k in range(K):
+                    if pending[k] is not None:
+                        xs[k] = self._combine(pending[k])
+                        pending[k] = None
+                    if layer.mixer is not None and xs[k]:
+                        xs[k] = self._mixer(layer, xs[k], cache, batches[k])
+                    if li in self.fronts:
+                        pending[k] = self._dispatch(li, xs[k])
             for k in range(K):
                 if pending[k] is not None:
                     xs[k] = self._combine(pending[k])
-                    pending[k] = None
-                if layer.mixer is not None and xs[k]:
-                    xs[k] = self._mixer(layer, xs[k], cache, batches[k])
-                if li in self.fronts:
-                    pending[k] = self._dispatch(li, xs[k])
-        for k in range(K):
-            if pending[k] is not None:
-                xs[k] = self._combine(pending[k])
-        out = [self.rt.feedback(mb, x) for mb, x in zip(mbs, xs)]
+        finally:
+            if verifies:
+                rt.rollback.after(rt.caches)
+        out = [rt.feedback(mb, x) for mb, x in zip(mbs, xs)]
         self.clock.compute += time.perf_counter() - self._t
         return out
 

@@ -3,19 +3,24 @@
 
 Scheduler slot i is global row i of the AFD engine: it lives in slot i // M of attention rank i % M, as in
 ``AFD.generate``. A step gives every attention rank its rows, split into the engine's K micro-batches that ping-pong
-with the FFN ranks; the answers come back as in the pipeline (``PipelineRunner``, whose fault handling and
-recovery this runner shares): the argmax of greedy rows, the fp32 logits of sampled ones.
+with the FFN ranks; the answers come back as in the pipeline (``PipelineRunner``, whose fault handling, recovery and
+speculation this runner shares): the argmax of greedy rows, the fp32 logits of sampled ones. A speculative verify
+runs its rows as verify groups; the attention ranks, which hold every per-sequence cache, roll them back when the
+rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequence state).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner
-from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutput
+from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded
+from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutput, VerifyRow
 
 if TYPE_CHECKING:
     from waferline.engine.afd.driver import AFD
+
+# a row as AFD schedules it: (global row, tokens, start, emit)
+_AFDRow = tuple[int, list[int], int, int]
 
 
 class AFDRunner(PipelineRunner):
@@ -24,34 +29,46 @@ class AFDRunner(PipelineRunner):
     pipe: AFD
 
     def _begin(self) -> None:
-        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY))
+        self._rewinds, self._verified = [], []
+        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY, self._keep_hidden))
 
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        afd = self.pipe
-        per: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(afd.M)]
-        wanted: dict[int, int] = {}  # slot -> output index
         rows: list[tuple[int, int, list[int], int]] = [(r.slot, r.position, [r.token], r.want) for r in decodes]
         rows += [(c.slot, c.start, c.tokens, c.want) for c in prefills]
+        outs = self._rows(rows, False)
+        return outs[:len(decodes)], outs[len(decodes):]
+
+    def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
+        """As ``PipelineRunner.verify``, through the attention and FFN ranks."""
+        self._verified = [r.slot for r in rows]
+        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows], True)
+        return _padded(outs, max(len(r.tokens) for r in rows)) if self._keep_hidden else outs  # type: ignore[return-value]
+
+    def _rows(self, rows: list[tuple[int, int, list[int], int]], verify: bool) -> list[RowOutput | None]:
+        """Run ``rows`` (slot, start, tokens, want) as one AFD step; their outputs in order."""
+        afd = self.pipe
+        per: list[list[_AFDRow]] = [[] for _ in range(afd.M)]
+        wanted: dict[int, int] = {}  # slot -> output index
         for i, (slot, start, tokens, want) in enumerate(rows):
             per[afd._rank_of(slot)].append((slot, tokens, start, _EMITS[want]))
-            if want != WANT_NONE:
+            if want != WANT_NONE or self._keep_hidden:
                 wanted[slot] = i
         outs: list[RowOutput | None] = [None] * len(rows)
         if rows:
-            for _, tokens, logits, _ in self._guard(lambda: self._step(per)):
-                for slot, t in tokens.items():
-                    if slot in wanted and t:
-                        outs[wanted[slot]] = RowOutput(argmax=t[0])
-                for slot, lg in logits.items():
-                    if slot in wanted:
-                        outs[wanted[slot]] = RowOutput(logits=lg[0].clone())
-        return outs[:len(decodes)], outs[len(decodes):]
+            rewinds, self._rewinds = self._rewinds, []
+            feedback, groups = self._guard(lambda: self._step(per, verify, rewinds))
+            for meta, tail in feedback:
+                gs = groups[meta[0]]
+                self._answers(meta, tail, gs, {s: wanted[s] for g in gs for s in g.seqs if s in wanted}, outs, verify)
+        return outs
 
-    def _step(self, per: list[list[tuple[int, list[int], int, int]]]) -> list[Any]:
-        out = self.pipe._step_ranks(per)
+    def _step(self, per: list[list[_AFDRow]], verify: bool, rewinds: list[tuple[int, int]]) -> tuple:
+        out = self.pipe._step_raw(per, verify, rewinds)
         self.pipe.link.flush()
         return out
 
     def reset_slots(self, slots: list[int]) -> None:
+        fresh = set(slots)
+        self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]
         self._guard(lambda: self.pipe._reset_rows(slots))

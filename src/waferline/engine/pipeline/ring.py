@@ -127,6 +127,11 @@ class DecodeRing:
             self._send_chain(STEP, mb.encode(), list(hs) + list(extra))
 
     def _next_feedback(self) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
+        meta, tail = self._recv_feedback()
+        return decode_feedback(meta, tail, self.spec.vocab_size)
+
+    def _recv_feedback(self) -> tuple[list[int], torch.Tensor]:
+        """The next FEEDBACK message from the last stage: its meta and its raw bytes (on the host)."""
         if self.num_stages == 1:
             meta, ts = self._local_fb.popleft()
             tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
@@ -134,9 +139,11 @@ class DecodeRing:
             kind, meta, tail = self.fb.recv(self.num_stages - 1)
             if kind != FEEDBACK:
                 raise StageError(f"protocol error: expected feedback from stage {self.num_stages - 1}, got kind {kind}")
-        return decode_feedback(meta, tail.cpu(), self.spec.vocab_size)
+        return meta, tail.cpu()
 
-    def _begin(self, num_slots: int, params: SamplingParams) -> None:
+    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False) -> None:
+        """Fresh caches of ``num_slots`` rows on every stage; the last stage samples with ``params`` (and with
+        ``hidden`` sends back every row's final hidden states)."""
         cfg: dict[str, Any] = {
             "num_slots": num_slots,
             "params": {
@@ -146,6 +153,8 @@ class DecodeRing:
                 "seed": params.seed,
             },
         }
+        if hidden:
+            cfg["hidden"] = True
         if self._sr is not None:
             cfg["spec"] = {"method": self.spec_method, "k_max": self.k_max, "adaptive": self.spec_adaptive,
                            "max_tokens": params.max_tokens}

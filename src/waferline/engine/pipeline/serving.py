@@ -8,21 +8,40 @@ r works on micro-batch k while stage r-1 works on k+1. The last stage answers gr
 (EMIT_TOKEN, sampled at temperature 0) and sampled rows with their fp32 logits (EMIT_LOGITS): the scheduler samples
 those with each request's own generator, so per-request parameters and seeds hold as in the single-process engine.
 
+Speculation (the scheduler's, engine/speculative/serving.py): ``verify`` sends each row's [last token] + drafts as
+a verify group (EMIT_VERIFY's machinery: every stage snapshots what the group overwrites, ``SlotRollback``) and the
+last stage answers every position: the greedy tokens of greedy rows, the fp32 logits of sampled ones. ``keep`` queues
+each row's accepted length; the (slot, keep) pairs ride on the next micro-batch launched, and every stage rolls those
+rows back before that micro-batch's forward (stages process micro-batches in order, so before the rows' next forward);
+a slot given to a new sequence first drops its pair. An MTP drafter runs here in the scheduler's process, on the
+checkpoint's embedding, MTP head, final norm and LM head (``prepare_speculation`` loads them): with ``keep_hidden`` the
+last stage sends every row's final hidden states back with its answers. The drafter thus samples with each request's
+own generator, as in the single-process engine.
+
 Faults are the pipeline's own (supervise.py): a stage that dies or hangs makes the step raise ``StageError``; the
 runner then reports the fault and ``recover`` builds a new pipeline (new stage processes) when it was given a way to.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from waferline.engine.pipeline.supervise import StageError
-from waferline.engine.runner import WANT_ARGMAX, WANT_LOGITS, WANT_NONE, DecodeRow, PrefillChunk, RowOutput
+from waferline.engine.runner import (
+    WANT_ARGMAX,
+    WANT_LOGITS,
+    WANT_NONE,
+    DecodeRow,
+    PrefillChunk,
+    RowOutput,
+    VerifyRow,
+)
 from waferline.engine.sampling import SamplingParams
-from waferline.engine.stage import EMIT_LOGITS, EMIT_NONE, EMIT_TOKEN, RESET, Group, MicroBatch
+from waferline.engine.stage import EMIT_LOGITS, EMIT_NONE, EMIT_TOKEN, RESET, Group, MicroBatch, decode_feedback
 from waferline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -46,11 +65,15 @@ class PipelineRunner:
     def __init__(self, pipe: Pipeline, num_slots: int, rebuild: Callable[[], Pipeline] | None = None):
         self.rebuild = rebuild
         self.num_slots = num_slots
+        self._keep_hidden = False
+        self._rewinds: list[tuple[int, int]] = []  # (slot, keep) of verified rows, sent with the next micro-batch
+        self._verified: list[int] = []  # slots of the verify whose keep() has not come yet
+        self._mtp_model: Any = None  # the MTP drafter's modules (embedding, MTP head, norm, LM head), once loaded
         self._attach(pipe)
 
     def _attach(self, pipe: Pipeline) -> None:
         if pipe.speculative:
-            raise ConfigError("the server's scheduler does not speculate: build the pipeline without speculative")
+            raise ConfigError("the server's scheduler speculates itself: build the pipeline without speculative")
         self.pipe = pipe
         self.spec = pipe.spec
         self.cache_bits = torch.finfo(pipe.dtype).bits
@@ -58,7 +81,19 @@ class PipelineRunner:
 
     def _begin(self) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows greedily."""
-        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY))
+        self._rewinds, self._verified = [], []
+        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden))
+
+    @property
+    def keep_hidden(self) -> bool:
+        """Give every row's final hidden states back (``RowOutput.hidden``: an MTP drafter consumes them)."""
+        return self._keep_hidden
+
+    @keep_hidden.setter
+    def keep_hidden(self, on: bool) -> None:
+        if bool(on) != self._keep_hidden:
+            self._keep_hidden = bool(on)
+            self._begin()  # (the last stage learns it at BEGIN; the scheduler sets it before its first step)
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` under the pipeline's guard; a fault raises StageError with the fault's own words."""
@@ -77,7 +112,41 @@ class PipelineRunner:
             self._guard(lambda: self._run(self._split(rows, len(decodes)), outs))
         return outs[:len(decodes)], outs[len(decodes):]
 
+    def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
+        """One pass of every row's tokens (its last token, then its drafts) through the stages, each stage ready to
+        roll its layers' caches back; ``keep`` must follow before the next step. A greedy row's answer is every
+        position's argmax (``argmaxes``), a sampled row's the fp32 logits [len(tokens), V]; with ``keep_hidden`` each
+        has its hidden states [W, ...] (W: the longest row's length, shorter rows zero-padded)."""
+        items: list[_Row] = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(rows)]
+        outs: list[RowOutput | None] = [None] * len(rows)
+        self._verified = [r.slot for r in rows]
+        self._guard(lambda: self._run(self._split(items, len(items)), outs, verify=True))
+        return _padded(outs, max(len(r.tokens) for r in rows)) if self._keep_hidden else outs  # type: ignore[return-value]
+
+    def keep(self, counts: list[int]) -> None:
+        """After ``verify``: row b keeps its first ``counts[b]`` tokens on every stage (sent with the next
+        micro-batch)."""
+        self._rewinds += list(zip(self._verified, counts))
+        self._verified = []
+
+    def prepare_speculation(self, method: str) -> tuple[Any, list[Any]]:
+        """What the scheduler's speculation needs: a model for its drafter (stage 0's slice for n-grams, which need
+        only the ModelSpec; for 'mtp' the checkpoint's embedding, MTP head, final norm and LM head, loaded here once)
+        and caches that carry the model's sliding windows (zero-slot stand-ins: a verify must not wrap a ring)."""
+        from waferline.model.attention import TokenCache
+
+        windows = {w for w in (getattr(layer.mixer, "sliding_window", None) for layer in self.spec.layers) if w}
+        standins = [TokenCache(0, 1, self.pipe.dtype, window=w) for w in sorted(windows)]
+        if method != "mtp":
+            return self.pipe.runner.model, standins
+        if self._mtp_model is None:
+            self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype)
+        return self._mtp_model, standins
+
     def reset_slots(self, slots: list[int]) -> None:
+        fresh = set(slots)
+        self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]  # (a new sequence: nothing to roll back)
+
         def reset() -> None:
             self.pipe.runner.reset_slots(slots)
             if self.pipe.num_stages > 1:
@@ -127,39 +196,93 @@ class PipelineRunner:
             load[i] += len(row[2])
         return [mb for mb in mbs if mb]
 
-    def _run(self, mbs: list[list[_Row]], outs: list[RowOutput | None]) -> None:
+    def _run(self, mbs: list[list[_Row]], outs: list[RowOutput | None], verify: bool = False) -> None:
         """Launch every micro-batch (stage 0 computes its layers on each, then sends it on), then read the last
-        stage's answers and put them where their rows' outputs go."""
+        stage's answers and put them where their rows' outputs go. A verify's micro-batch is one verify group (rows
+        padded at the end to its longest); the rollbacks queued by ``keep`` ride on the first micro-batch."""
         pipe = self.pipe
-        where: dict[int, dict[int, int]] = {}  # mb id -> slot -> output index
+        where: dict[int, tuple[dict[int, int], list[Group]]] = {}  # mb id -> (slot -> output index, its groups)
         for rows in mbs:
             by_T: dict[int, list[_Row]] = {}
             for row in rows:
-                by_T.setdefault(len(row[2]), []).append(row)
+                by_T.setdefault(max(len(r[2]) for r in rows) if verify else len(row[2]), []).append(row)
             groups, toks = [], []
             for T in sorted(by_T):
-                g = Group(T)
-                for slot, start, _, want, _ in by_T[T]:
+                g = Group(T, drafts=[] if verify else None)
+                for slot, start, tokens, want, _ in by_T[T]:
                     g.seqs.append(slot)
                     g.slots.append(slot)
                     g.starts.append(start)
                     g.emits.append(_EMITS[want])
+                    if g.drafts is not None:
+                        g.drafts.append(tokens[1:])
                 groups.append(g)
-                toks.append(torch.tensor([r[2] for r in by_T[T]], dtype=torch.long))
+                toks.append(torch.tensor([r[2] + [0] * (T - len(r[2])) for r in by_T[T]], dtype=torch.long))
             pipe._carry_ids(groups, toks)
             pipe._mb_ids += 1
-            mb = MicroBatch(pipe._mb_ids, groups)
-            where[mb.mb_id] = {r[0]: r[4] for r in rows if r[3] != WANT_NONE}
+            mb = MicroBatch(pipe._mb_ids, groups, self._rewinds)
+            self._rewinds = []
+            where[mb.mb_id] = ({r[0]: r[4] for r in rows if r[3] != WANT_NONE or self._keep_hidden}, groups)
             pipe._launch(mb, toks)
         while where:
-            mb_id, tokens, logits, _ = pipe._next_feedback()
-            slots = where.pop(mb_id, None)
-            if slots is None:
-                raise StageError(f"protocol error: an answer for micro-batch {mb_id}, which is not in flight")
-            for slot, i in slots.items():
-                if slot in logits:
-                    outs[i] = RowOutput(logits=logits[slot][0].clone())
-                elif tokens.get(slot):
-                    outs[i] = RowOutput(argmax=tokens[slot][0])
+            meta, tail = pipe._recv_feedback()
+            got = where.pop(meta[0], None)
+            if got is None:
+                raise StageError(f"protocol error: an answer for micro-batch {meta[0]}, which is not in flight")
+            self._answers(meta, tail, got[1], got[0], outs, verify)
         if pipe.num_stages > 1:
             pipe.act.flush()
+
+    def _answers(self, meta: list[int], tail: torch.Tensor, groups: list[Group], slots: dict[int, int],
+                 outs: list[RowOutput | None], verify: bool) -> None:
+        """One micro-batch's feedback into the outputs of its rows (``slots``: row -> output index; a group's rows
+        are named by ``Group.seqs``)."""
+        _, tokens, logits, _ = decode_feedback(meta, tail, self.spec.vocab_size)
+        hidden = self._hidden(tail, logits, groups) if self._keep_hidden else {}
+        for slot, i in slots.items():
+            out = None
+            if slot in logits:
+                out = RowOutput(logits=(logits[slot] if verify else logits[slot][0]).clone())
+            elif tokens.get(slot):
+                out = RowOutput(argmaxes=tokens[slot]) if verify else RowOutput(argmax=tokens[slot][0])
+            if slot in hidden:
+                out = out or RowOutput()
+                out.hidden = hidden[slot]
+            outs[i] = out
+
+    def _hidden(self, tail: torch.Tensor, logits: dict[int, torch.Tensor], groups: list[Group]
+                ) -> dict[int, torch.Tensor]:
+        """Every row's final hidden states [T, ...] from the bytes behind the fp32 logits of a feedback message."""
+        model = self.pipe.runner.model
+        row = (model.hc_mult, self.spec.hidden_size) if model.hc_mult else (self.spec.hidden_size,)
+        dt = self.pipe.dtype
+        esz = torch.empty(0, dtype=dt).element_size()
+        off = sum(x.shape[0] for x in logits.values()) * self.spec.vocab_size * 4
+        out: dict[int, torch.Tensor] = {}
+        for g in groups:
+            n = g.B * g.T * math.prod(row) * esz
+            h = tail[off:off + n].clone().view(dt).view(g.B, g.T, *row)
+            off += n
+            for b, s in enumerate(g.seqs):
+                out[s] = h[b]
+        return out
+
+
+def _padded(outs: list[RowOutput | None], width: int) -> list[RowOutput | None]:
+    """Verify outputs whose hidden states are zero-padded (or cut) to ``width`` positions, so they stack."""
+    for o in outs:
+        if o is not None and o.hidden is not None and o.hidden.shape[0] != width:
+            h = o.hidden[:width]
+            o.hidden = torch.cat([h, h.new_zeros(width - h.shape[0], *h.shape[1:])])
+    return outs
+
+
+def load_mtp_drafter(path: Any, dtype: torch.dtype) -> Any:
+    """The parts of a checkpoint an MTP drafter runs on, for a process that holds no layer's weights: the embedding,
+    the MTP head(s), the final norm and the LM head (a DecoderModel without decoder layers)."""
+    from waferline.engine.stage import check_mtp
+    from waferline.model.load import load_model
+
+    model = load_model(path, dtype, range(0), has_embed=True, has_head=True)
+    check_mtp(model, path)
+    return model

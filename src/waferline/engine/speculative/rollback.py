@@ -62,7 +62,7 @@ class VerifyRollback:
 
 
 class SlotRollback:
-    """A pipeline stage's rollback of verify forwards, one row at a time.
+    """A pipeline stage's (or an AFD attention rank's) rollback of verify forwards, one row at a time.
 
     ``before`` (just ahead of a verify group's forward on this stage) snapshots the sliding-window rings the group
     will touch and switches Mamba-2 caches to recording a per-token trail; ``after`` switches that off. The accepted

@@ -17,6 +17,9 @@ drafts are outstanding at once). Adaptive K runs on stage 0 for every drafter, w
 batch; a step's measured cost is S x stage 0's own compute for it plus the hop overhead (a step's round trip minus that
 compute, learnt from micro-batches that waited behind no other kind of step); for MTP it picks each row's next K,
 which travels to the last stage in the micro-batch meta.
+
+The server's scheduler speculates over the same stage machinery differently (engine/pipeline/serving.py): it drafts
+and verifies in its own process, the last stage only answering every position of a verify group's rows.
 """
 
 from __future__ import annotations
