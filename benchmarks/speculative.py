@@ -7,11 +7,11 @@ speculation stops paying as the batch grows. Prints tables; writes benchmarks/re
     python benchmarks/speculative.py --engines pipe8 --batches 1 --backoff-batches '' --out
     benchmarks/results/speculative_pipe8.json
 
-Engines: ``single`` (one process, engine/speculative.py's Speculator) and ``pipeN`` (N stage processes over gloo,
-N micro-batches; n-gram and draft model draft on stage 0, MTP on the last stage). Every row has the simulator's
-prediction for the measured acceptance on this machine (one core per stage and the gloo hop, measured here) and on
-``--sim-hardware``. The back-off table compares plain decoding, a fixed K (no back-off) and adaptive K at growing
-batch sizes.
+Engines: ``single`` (one process: the scheduler's speculation, engine/speculative/serving.py) and ``pipeN`` (N stage
+processes over gloo, N micro-batches; n-gram and draft model draft on stage 0, MTP on the last stage). Every row has
+the simulator's prediction for the measured acceptance on this machine (one core per stage and the gloo hop, measured
+here) and on ``--sim-hardware``. The back-off table compares plain decoding, a fixed K (no back-off) and adaptive K
+at growing batch sizes.
 
 The draft model is sol-mini cut to its first ``--draft-layers`` layers (same embeddings, final norm and LM head:
 a real checkpoint sharing the tokenizer, written under $TMPDIR/waferline-spec/), since no smaller sol was trained.
@@ -25,13 +25,14 @@ import json
 import statistics
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from waferline import LLM, SamplingParams
-from waferline.engine.speculative import Speculator
+from waferline.engine.speculative.serving import ServeSpeculation
 from waferline.model.context import StepBatch
 from waferline.spec.configs import spec_from_pretrained
 
@@ -109,6 +110,11 @@ def forward_cost(llm: LLM, reps: int = 7) -> dict[str, Any]:
             "overhead_tokens": max(t0 / t1, 1.0) if t1 > 0 else 64.0}
 
 
+def use(llm: LLM, spec: ServeSpeculation | None) -> None:
+    """Make ``llm`` speculate with ``spec`` (None: plain decoding) from its next request on."""
+    llm._spec, llm._scheduler = spec, None
+
+
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams, batch: int, repeats: int = 1) -> dict[str, Any]:
     """Generate for every prompt, ``batch`` at a time; decode time = total − prefill (best of ``repeats`` per batch:
     the host is shared, and the best run is the least disturbed one)."""
@@ -140,27 +146,19 @@ def fit_alpha(E: float, k: float) -> float:
 
 
 class Totals:
-    """Accumulates the speculator's per-call stats across the generate calls of one measurement."""
+    """The speculation's stats across the generate calls of one measurement (since ``reset``)."""
 
-    def __init__(self, spec: Speculator):
-        self.spec, self.d = spec, {"drafted": 0, "accepted": 0, "emitted": 0, "row_steps": 0, "steps": 0, "plain": 0}
-        orig = spec.stream
-
-        def stream(*a: Any, **k: Any) -> Any:
-            yield from orig(*a, **k)
-            s = spec.last_stats
-            for key, v in (("drafted", s.drafted), ("accepted", s.accepted), ("emitted", s.emitted),
-                           ("row_steps", s.row_steps), ("steps", s.steps), ("plain", s.plain_steps)):
-                self.d[key] += v
-
-        spec.stream = stream  # type: ignore[method-assign]
+    def __init__(self, spec: ServeSpeculation):
+        self.spec = spec
+        self.reset()
 
     def reset(self) -> None:
-        for k in self.d:
-            self.d[k] = 0
+        self.start = replace(self.spec.stats)
 
     def summary(self) -> dict[str, float]:
-        d = self.d
+        st = self.spec.stats.since(self.start)
+        d = {"drafted": st.drafted, "accepted": st.accepted, "emitted": st.emitted, "row_steps": st.row_steps,
+             "steps": st.steps, "plain": st.plain_steps}
         E = d["emitted"] / max(d["row_steps"], 1)
         kbar = d["drafted"] / max(d["row_steps"], 1)
         return {"acceptance_rate": d["accepted"] / max(d["drafted"], 1), "mean_accepted_length": E,
@@ -358,7 +356,8 @@ def main() -> None:
         if S == 1:
             specs = {}
             for m in methods:
-                sp = Speculator(llm.model, m, a.k, llm.dtype, adaptive=not a.no_adaptive, cost_table=table)
+                sp = ServeSpeculation(llm.model, llm.model.new_caches(1), 1, m, a.k, not a.no_adaptive,
+                                      allow_draft_model=True, cost_table=table)
                 if hasattr(sp.drafter, "model") and sp.drafter.model is not llm.model:
                     set_gather(sp.drafter.model, a.moe_gather_max)
                 specs[m] = (sp, Totals(sp))
@@ -368,7 +367,7 @@ def main() -> None:
             )
             for batch in batches:
                 if S == 1:
-                    llm._spec = None
+                    use(llm, None)
                     base = run(llm, prompts, params, batch, a.repeats)
                 else:
                     with LLM(model_dir, dtype=a.dtype, stages=S, micro_batches=S, threads_per_stage=a.threads) as pl:
@@ -377,9 +376,9 @@ def main() -> None:
                     if S == 1:
                         sp, tot = specs[m]
                         tot.reset()
-                        llm._spec = sp
+                        use(llm, sp)
                         r = run(llm, prompts, params, batch, a.repeats)
-                        llm._spec = None
+                        use(llm, None)
                         s = tot.summary()
                     else:
                         with LLM(
@@ -436,7 +435,7 @@ def main() -> None:
             for B in bb:
                 ps = (prompts * (B // len(prompts) + 1))[:B]
                 if S == 1:
-                    llm._spec = None
+                    use(llm, None)
                     base = run(llm, ps, params, B, a.repeats)
                 else:
                     with LLM(model_dir, dtype=a.dtype, stages=S, micro_batches=S, threads_per_stage=a.threads) as pl:
@@ -444,11 +443,12 @@ def main() -> None:
                 row = {"engine": engine, "batch": B, "base_tok_s": base["tok_s"]}
                 for label, adaptive in (("fixed_k", False), ("adaptive", True)):
                     if S == 1:
-                        sp = Speculator(llm.model, m, a.k, llm.dtype, adaptive=adaptive, cost_table=table)
+                        sp = ServeSpeculation(llm.model, llm.model.new_caches(1), 1, m, a.k, adaptive,
+                                              allow_draft_model=True, cost_table=table)
                         tot = Totals(sp)
-                        llm._spec = sp
+                        use(llm, sp)
                         r = run(llm, ps, params, B, a.repeats)
-                        llm._spec = None
+                        use(llm, None)
                         s = tot.summary()
                     else:
                         with LLM(

@@ -219,9 +219,7 @@ def test_mtp_on_a_trained_hybrid(one_thread):
 def test_refusals(ckpts, sol):
     from waferline.server.commands import build_server
 
-    for kw, says in (({"speculative": "ngram", "stages": 2}, "not supported with --stages"),
-                     ({"speculative": "ngram", "afd": True}, "not supported with --stages"),
-                     ({"speculative": "draft:/x"}, "speculates with 'ngram'"),
+    for kw, says in (({"speculative": "draft:/x"}, "speculates with 'ngram'"),
                      ({"speculative": "ngram", "num_speculative_tokens": 0}, "num-speculative-tokens must be >= 1")):
         with pytest.raises(ConfigError, match=says):
             build_server(sol, **kw)

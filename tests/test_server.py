@@ -404,12 +404,19 @@ def test_serve_command(sol):
     assert bad.returncode == 2 and "not a checkpoint directory" in bad.stderr
 
 
-def test_scheduler_refuses_an_engine_off_the_cpu(tmp_path):
+def test_scheduler_runs_on_the_engines_device(tmp_path):
+    """The single-process runner is made on the LLM's device (its caches there; logits come back to the host)."""
     build("llama", tmp_path)
-    llm = LLM(tmp_path)
-    llm.device = torch.device("cuda")  # (as LLM(device="cuda") sets it; no GPU is needed to be refused)
-    with pytest.raises(ConfigError, match="runs on CPU"):
-        Scheduler(llm)
+    llm = LLM(tmp_path, device="cpu")
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2))
+    assert sch.runner.device == llm.device
+    cached = [c.data for c in sch.runner.caches if hasattr(c, "data")]
+    assert cached and all(t.device == llm.device for t in cached)
+    seq = Sequence("d", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.5, seed=2))
+    sch.add(seq)
+    while sch.has_work():
+        sch.step()
+    assert seq.output_ids == LLM(tmp_path).generate([[5, 6, 7]], seq.params)[0].token_ids
 
 
 # ----------------------------------------------------------------------------- a bad request fails alone

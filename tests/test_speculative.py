@@ -202,7 +202,7 @@ def test_plain_steps_in_bursts_when_nothing_is_drafted(ckpts, monkeypatch, metho
     its next draft commits the burst's hidden states) or none; with MTP never drafting, the hidden states the drafter
     holds for its next draft are bitwise the ones step by step gives it. Where the fused operators are built (sol
     int4: whole-step programs), bursts ran."""
-    import waferline.engine.speculative.speculator as spm  # the module whose Speculator.stream looks up burst_len
+    import waferline.engine.speculative.serving as spm  # the module whose ServeSpeculation looks up burst_len
     from waferline import kernels
 
     d, opts = ckpts["sol:mtp"], dict(dtype="bfloat16", weight_bits=4, group_size=32)
@@ -211,7 +211,7 @@ def test_plain_steps_in_bursts_when_nothing_is_drafted(ckpts, monkeypatch, metho
     ref = [o.token_ids for o in LLM(d, **opts).generate(prompts, sp)]
     llm = LLM(d, speculative=method, num_speculative_tokens=2, **opts)
     if method == "mtp":
-        monkeypatch.setattr(llm._spec, "controller", lambda params: _Every(2, every))
+        monkeypatch.setattr(llm._spec, "ctl", _Every(2, every))
     ran, orig = [], type(llm.model).greedy_steps
     monkeypatch.setattr(type(llm.model), "greedy_steps", lambda self, *a: ran.append(orig(self, *a)) or ran[-1])
     held = {}

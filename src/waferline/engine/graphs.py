@@ -38,6 +38,7 @@ class StaticDecode:
         if not graphable(caches):
             raise ValueError("a static decode step needs full-attention token caches only")
         self.model, self.caches, self.end = model, caches, end
+        self.slot_list = list(slots)
         B = len(slots)
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)

@@ -1,7 +1,16 @@
-"""The single-process engine and the stable Python API: LLM, SamplingParams, Output."""
+"""The single-process engine and the stable Python API: LLM, SamplingParams, Output.
+
+``LLM.generate`` / ``LLM.stream`` of the single-process engine run the scheduler's step (engine/scheduler.py) over a
+``LocalRunner`` (engine/runner.py) the LLM makes at its first request and keeps (a larger one when a request brings more
+prompts than it has slots): one ``Sequence`` per prompt, all admitted and prefilled (each prompt whole, alone) in the
+first step, then decoded together until each stops — the server's loop, with greedy bursts on, no prefix cache, and
+on a GPU the captured decode step (engine/graphs.py) as the runner's decode path. ``speculative=`` speculates through
+the scheduler's ``ServeSpeculation`` (engine/speculative/serving.py), which the LLM keeps across requests (what steps
+cost is learnt once). A pipeline or AFD runs its own loop (engine/pipeline/, engine/afd/)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -12,23 +21,11 @@ from typing import Any
 
 import torch
 
-from waferline.engine import sampling
-from waferline.engine.sampling import (
-    SamplingParams,
-    decode_metrics,
-    make_generator,
-    resolve_dtype,
-    sample,
-    seeded_generator,
-)
-from waferline.engine.sampling import greedy as greedy_tokens
+from waferline.engine.sampling import SamplingParams, decode_metrics, make_generator, resolve_dtype, seeded_generator
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model, load_tokenizer
-
-# greedy decode steps run back to back from one Python call, up to this many (DecoderModel.greedy_steps: the steps'
-# Python runs once, warm; the tokens stream out in bursts); 1: step by step
 
 
 @dataclass
@@ -138,11 +135,13 @@ class LLM:
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
-        self._spec = None  # speculative decoding (engine/speculative/): "ngram" | "mtp" | "draft:PATH"
+        self._spec: Any = None  # speculative decoding (engine/speculative/serving.py): "ngram" | "mtp" | "draft:PATH"
         if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline/)
-            from waferline.engine.speculative import Speculator
+            from waferline.engine.speculative.serving import ServeSpeculation
 
-            self._spec = Speculator(self.model, speculative, num_speculative_tokens, self.dtype, speculative_adaptive)
+            self._spec = ServeSpeculation(self.model, self.model.new_caches(1), 1, speculative, num_speculative_tokens,
+                                          speculative_adaptive, allow_draft_model=True)
+        self._scheduler: Any = None  # the single-process engine's Scheduler (made at the first request)
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
@@ -217,92 +216,84 @@ class LLM:
             self._check_len(len(p), params.max_tokens)
         if self._pipeline is not None:
             return self._pipeline.stream(self, ids, params)
-        if self._spec is not None:
-            return self._spec.stream(self, ids, params)
         return self._stream(ids, params)
+
+    def _engine(self, rows: int) -> Any:
+        """The Scheduler + LocalRunner requests run through: kept, and made again only for more rows than it has
+        slots. Each prompt is prefilled whole and alone in the first step (the step's token budget holds every row at
+        its longest), so a row's numbers do not depend on the others' prompts."""
+        from waferline.engine.runner import LocalRunner
+        from waferline.engine.scheduler import Scheduler, SchedulerConfig
+
+        sch = self._scheduler
+        if sch is None or sch.config.max_num_seqs < rows:
+            runner = LocalRunner(self.model, rows, self.device)
+            runner.batch_prefills = False
+            k = self._spec.k_max if self._spec is not None else 0
+            cfg = SchedulerConfig(max_num_seqs=rows, max_model_len=self.max_model_len, chunk_tokens=self.max_model_len,
+                                  max_num_batched_tokens=rows * (self.max_model_len + k + 1), max_queue=rows,
+                                  prefix_caching=False, greedy_bursts=True)
+            sch = self._scheduler = Scheduler(self, cfg, runner, speculation=self._spec)
+        sch.cache._free_slots.sort(reverse=True)  # (idle: row b is admitted to slot b, as on a fresh scheduler)
+        return sch
 
     @torch.inference_mode()
     def _stream(self, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
-        B = len(ids)
-        dev = self.device
-        caches = self.model.new_caches(B, dev)
-        gens = [make_generator(params) if params.seed is None else seeded_generator(params, i) for i in range(B)]
-        out: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        reason = ["length"] * B
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        t0 = time.perf_counter()
-        static = self._static_decode(caches, B, max(len(p) for p in ids) + params.max_tokens, params)
-        last = []
-        for b, p in enumerate(ids):  # prefill one sequence at a time (ragged lengths, no padding)
-            h = self.model(torch.tensor([p], device=dev), caches, StepBatch.make([b], [0], len(p), dev))
-            last.append(self.model.logits(h[0, -1]))
-        logits = torch.stack(last).cpu()  # (sampling runs on the host: its generators are CPU generators)
-        ttft = time.perf_counter() - t0
-        lengths = [len(p) for p in ids]
-        rows = list(range(B))  # logits row i belongs to sequence rows[i]
-        greedy = greedy_tokens(logits) if params.temperature == 0 else None  # one op for the whole batch
-        pending: list[list[int]] = []  # a burst's later steps' greedy tokens (rows: the burst's rows)
-        while True:
-            for i, b in enumerate(rows):
-                if done[b]:  # (a row that stopped earlier in a burst: its later tokens are dropped)
-                    continue
-                tok = greedy[i] if greedy is not None else sample(logits[i], params, gens[b])
-                out[b].append(tok)
-                yield b, tok
-                if tok in stop_ids:
-                    done[b], reason[b] = True, "stop"
-                elif params.stop and self._hit_stop(out[b], params.stop):
-                    done[b], reason[b] = True, "stop"
-                elif len(out[b]) >= params.max_tokens:
-                    done[b] = True
-            active = [b for b in range(B) if not done[b]]
-            if not active:
-                break
-            if pending:
-                greedy = pending.pop(0)
-                continue
-            if static is not None:  # every row steps (a finished one repeats its last position; its tokens dropped)
-                top = static.run([out[b][-1] for b in range(B)], [len(ids[b]) + len(out[b]) - 1 for b in range(B)])[1]
-                everyone = top.tolist()
-                greedy, rows = [everyone[b] for b in active], active
-                continue
-            toks = torch.tensor([[out[b][-1]] for b in active], device=dev)
-            n = min(sampling.GREEDY_BURST, params.max_tokens - max(len(out[b]) for b in active))
-            if params.temperature == 0 and n > 1:  # (rows of a batch step together: they have the same counts)
-                steps = self.model.greedy_steps(
-                    toks,
-                    caches,
-                    [
-                        StepBatch.make(active, [lengths[b] + len(out[b]) - 1 + j for b in active], 1, dev)
-                        for j in range(n)
-                    ],
-                )
-                if steps is not None:
-                    greedy, *pending = (ids[:, 0].tolist() for ids, _ in steps)
-                    rows = active
-                    continue
-            batch = StepBatch.make(active, [lengths[b] + len(out[b]) - 1 for b in active], 1, dev)
-            logits, _, top = self.model.step_logits(toks, caches, batch, argmax=params.temperature == 0)
-            logits, rows = (logits[:, 0] if top is not None else logits[:, 0].cpu()), active
-            greedy = top[:, 0].tolist() if top is not None else None
-        metrics = decode_metrics(t0, ttft, sum(len(o) for o in out), B)
-        yield [self.make_output(ids[b], out[b], reason[b], stop_ids, params, metrics) for b in range(B)]
+        from waferline.engine.sequence import Sequence
 
-    def _static_decode(self, caches: list[Any], B: int, end: int, params: SamplingParams) -> Any:
-        """The captured decode step for this request's greedy rows on a GPU (engine/graphs.py), or None: not a GPU,
-        graphs off, sampling, or a model whose step cannot be captured (``graph_note`` says why)."""
+        sch = self._engine(len(ids))
+        runner = sch.runner
+        self.graph_note = None
+        runner.static, runner.static_factory = None, None
+        end = max(len(p) for p in ids) + params.max_tokens
+        if ((self.device.type == "cuda" and self.cuda_graphs) or self._graphs_on_cpu) and params.temperature == 0 \
+                and params.max_tokens > 1:  # (one token: the prefill's alone, no step to replay)
+            runner.static_factory = lambda slots: self._static_decode(runner.caches, slots, end)
+        spec_before = dataclasses.replace(self._spec.stats) if self._spec is not None else None
+        events: list[tuple[int, Any]] = []
+        seqs = []
+        t0 = time.perf_counter()
+        done = False
+        try:
+            for b, p in enumerate(ids):
+                seq = Sequence(str(b), p, params, lambda ev, b=b: events.append((b, ev)), stream_text=False)
+                seq.generator = make_generator(params) if params.seed is None else seeded_generator(params, b)
+                seqs.append(seq)
+                sch.add(seq)
+            while sch.has_work():
+                sch.step()
+                for b, ev in events:
+                    if ev.error is not None:
+                        raise RequestError(ev.error)
+                    if ev.token_id is not None:
+                        yield b, ev.token_id
+                events.clear()
+            done = True
+        finally:  # (an error, or a caller that stopped reading: what is left ends here)
+            if not done:
+                for s in seqs:
+                    sch.abort(s.request_id)
+                runner.recover()
+            runner.static, runner.static_factory = None, None
+        ttft = max(s.first_token_at or t0 for s in seqs) - t0
+        metrics = decode_metrics(t0, ttft, sum(len(s.output_ids) for s in seqs), len(seqs))
+        if self._spec is not None:
+            metrics.update(self._spec.stats.since(spec_before).generate_metrics())
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        yield [self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, metrics)
+               for b, s in enumerate(seqs)]
+
+    def _static_decode(self, caches: list[Any], slots: list[int], end: int) -> Any:
+        """The captured decode step of greedy rows in ``slots`` on a GPU (engine/graphs.py), or None: a model whose
+        step cannot be captured (``graph_note`` says why)."""
         from waferline.engine.graphs import StaticDecode, graphable
 
-        self.graph_note = None
-        on_gpu = self.device.type == "cuda" and self.cuda_graphs
-        if not (on_gpu or self._graphs_on_cpu) or params.temperature != 0 or params.max_tokens <= 1:
-            return None  # (one token: the prefill's alone, no step to replay)
         if not graphable(caches):
             self.graph_note = "caches other than full-attention token caches (Mamba-2 state, sliding window)"
             return None
         try:
-            static = StaticDecode(self.model, caches, list(range(B)), end, self.device, capture=on_gpu)
+            static = StaticDecode(self.model, caches, slots, end, self.device,
+                                  capture=self.device.type == "cuda" and self.cuda_graphs)
         except RuntimeError as e:  # (a host read inside the step, found by the warm-up; or the capture failing)
             self.graph_note = f"not captured: {e}"
             return None

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from waferline.engine.sampling import SamplingParams
-from waferline.engine.scheduler import Event, Scheduler, Sequence, request_generator
+from waferline.engine.scheduler import Scheduler
+from waferline.engine.sequence import Event, Sequence, request_generator
 from waferline.errors import WaferlineError
 
 log = logging.getLogger("waferline.engine")

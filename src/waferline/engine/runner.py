@@ -10,6 +10,7 @@ request's own generator, so a seeded request gives the same tokens whichever run
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -17,6 +18,7 @@ import torch
 
 from waferline.engine.speculative.rollback import VerifyRollback
 from waferline.model.attention import TokenCache
+from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
 
@@ -90,9 +92,12 @@ class Runner(Protocol):
         ...
 
     def prefix_caches(self) -> list[Any] | None:
-        """The per-layer caches the prefix cache copies pages from and into, or None where prefixes cannot be kept
-        (caches in other processes, or layers whose state is not a per-token prefix)."""
+        """The per-layer caches whose pages the prefix cache shares, or None where prefixes cannot be kept (caches in
+        other processes, or layers whose state is not a per-token prefix)."""
         ...
+
+    # A runner whose paged caches live in this process also has ``block_table(page_tokens) -> BlockTable | None``:
+    # one table for all of them, whose pages the scheduler's CacheManager then allocates (LocalRunner has it).
 
     def fault(self) -> str | None:
         """Why the runner cannot run a step now (a pipeline stage died and it is not rebuilt yet), or None."""
@@ -108,55 +113,109 @@ class Runner(Protocol):
 
 
 def prefix_eligible(caches: list[Any]) -> bool:
-    """Every cache keeps every token (no sliding window, no recurrent state), and there is at least one."""
-    return all(c is None or (isinstance(c, TokenCache) and c.window is None) for c in caches) and any(
+    """Every cache keeps every token in pages (no sliding window, no recurrent state), and there is at least one."""
+    return all(c is None or (isinstance(c, TokenCache) and c.paged) for c in caches) and any(
         c is not None for c in caches)
 
 
 class LocalRunner:
-    """The single-process engine's model and caches, in this process. Decode rows run as one [B, 1] call through
-    ``model.step_logits`` (embedding, layers, head and argmax as one program where the CPU's operators allow it);
-    prefill chunks of equal length run together as one [B, t] call."""
+    """The single-process engine's model and caches, in this process, on the model's ``device`` (logits come back to
+    the host: sampling runs there). Decode rows run as one [B, 1] call through ``model.step_logits`` (embedding,
+    layers, head and argmax as one program where the CPU's operators allow it); prefill chunks of equal length run
+    together as one [B, t] call (``batch_prefills`` off: each chunk alone).
 
-    def __init__(self, model: Any, num_slots: int):
+    Two decode paths beyond the step, both for greedy rows: ``burst`` runs several greedy steps back to back
+    (``model.greedy_steps``: one program, the steps' Python once) where the CPU's operators allow it; and where
+    ``static_factory`` is set (a GPU: engine/graphs.py) a decode-only greedy step replays a fixed-shape step over the
+    slots it was made for (rows of those slots that are not in the step repeat their last token and position; their
+    answers are dropped)."""
+
+    def __init__(self, model: Any, num_slots: int, device: torch.device | str | None = None):
         self.model = model
         self.spec: ModelSpec = model.spec
         self.num_slots = num_slots
+        self.device = torch.device(device or "cpu")
         self.cache_bits = torch.finfo(model.dtype).bits
-        self.caches = model.new_caches(num_slots)
+        self.caches = model.new_caches(num_slots, self.device)
         self.keep_hidden = False  # return the hidden states of every row (speculation with an MTP head)
+        self.batch_prefills = True
+        # slots -> a StaticDecode (or None where none can run); called once, at the first decode-only greedy step
+        self.static_factory: Callable[[list[int]], Any] | None = None
+        self.static: Any = None
+        self._static_rows: dict[int, tuple[int, int]] = {}  # slot -> (token, position) of its last static step
         self._rollback: VerifyRollback | None = None
 
     @torch.inference_mode()
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
+        dev = self.device
         dec_out: list[RowOutput | None] = []
+        greedy = [r.want == WANT_ARGMAX for r in decodes]
+        if decodes and not prefills and all(greedy) and not self.keep_hidden:
+            static = self._static_for([r.slot for r in decodes])
+            if static is not None:
+                return self._static_step(static, decodes), []
         if decodes:
-            toks = torch.tensor([[r.token] for r in decodes])
-            batch = StepBatch.make([r.slot for r in decodes], [r.position for r in decodes], 1)
-            greedy = [r.want == WANT_ARGMAX for r in decodes]
+            toks = torch.tensor([[r.token] for r in decodes], device=dev)
+            batch = StepBatch.make([r.slot for r in decodes], [r.position for r in decodes], 1, dev)
             logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
             tops = top[:, 0].tolist() if top is not None else None
-            dec_out = [RowOutput(argmax=tops[b]) if greedy[b] and tops is not None else RowOutput(logits=logits[b, 0])
+            host = logits[:, 0].cpu() if not all(greedy) or tops is None else None
+            dec_out = [RowOutput(argmax=tops[b]) if greedy[b] and tops is not None else RowOutput(logits=host[b])
                        for b in range(len(decodes))]
             if self.keep_hidden:
                 for b, o in enumerate(dec_out):
                     o.hidden = hidden[b]
         pre_out: list[RowOutput | None] = [None] * len(prefills)
-        groups: dict[int, list[int]] = {}  # chunks of equal length run as one [B, t] call
+        groups: dict[Any, list[int]] = {}  # chunks of equal length run as one [B, t] call
         for i, c in enumerate(prefills):
-            groups.setdefault(len(c.tokens), []).append(i)
-        for t, idx in groups.items():
+            groups.setdefault(len(c.tokens) if self.batch_prefills else i, []).append(i)
+        for idx in groups.values():
             rows = [prefills[i] for i in idx]
-            h = self.model(torch.tensor([r.tokens for r in rows]), self.caches,
-                           StepBatch.make([r.slot for r in rows], [r.start for r in rows], t))
+            h = self.model(torch.tensor([r.tokens for r in rows], device=dev), self.caches,
+                           StepBatch.make([r.slot for r in rows], [r.start for r in rows], len(rows[0].tokens), dev))
             for b, i in enumerate(idx):
                 if prefills[i].want != WANT_NONE:
-                    pre_out[i] = RowOutput(logits=self.model.logits(h[b, -1]))
+                    pre_out[i] = RowOutput(logits=self.model.logits(h[b, -1]).cpu())
                 if self.keep_hidden:
                     pre_out[i] = pre_out[i] or RowOutput()
                     pre_out[i].hidden = h[b]
         return dec_out, pre_out
+
+    def _static_for(self, slots: list[int]) -> Any:
+        """The static step for these slots: made at the first such step (``static_factory``), then reused while the
+        slots are among its own."""
+        if self.static is None and self.static_factory is not None:
+            factory, self.static_factory = self.static_factory, None
+            self.static = factory(sorted(slots))
+            self._static_rows = {}
+        if self.static is None or not set(slots) <= set(self.static.slot_list):
+            return None
+        return self.static
+
+    def _static_step(self, static: Any, decodes: list[DecodeRow]) -> list[RowOutput | None]:
+        for r in decodes:
+            self._static_rows[r.slot] = (r.token, r.position)
+        rows = [self._static_rows[s] for s in static.slot_list]
+        top = static.run([t for t, _ in rows], [p for _, p in rows])[1].tolist()
+        where = {s: i for i, s in enumerate(static.slot_list)}
+        return [RowOutput(argmax=top[where[r.slot]]) for r in decodes]
+
+    @torch.inference_mode()
+    def burst(self, decodes: list[DecodeRow], n: int) -> tuple[list[list[int]], torch.Tensor | None] | None:
+        """``n`` greedy one-token steps of the rows ``decodes`` back to back, each step's argmax the next one's token
+        (``model.greedy_steps``): per row its n tokens, and (``keep_hidden``) the hidden states [B, n, D]. None where
+        the model cannot run them as one program, or a static step is in use: nothing ran, step instead."""
+        if self.static is not None or self.static_factory is not None:
+            return None
+        dev = self.device
+        slots = [r.slot for r in decodes]
+        batches = [StepBatch.make(slots, [r.position + j for r in decodes], 1, dev) for j in range(n)]
+        steps = self.model.greedy_steps(torch.tensor([[r.token] for r in decodes], device=dev), self.caches, batches)
+        if steps is None:
+            return None
+        toks = torch.cat([ids for ids, _ in steps], 1).tolist()
+        return toks, (torch.cat([h for _, h in steps], 1) if self.keep_hidden else None)
 
     @torch.inference_mode()
     def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
@@ -179,7 +238,7 @@ class LocalRunner:
             rb.done(counts)
 
     def reset_slots(self, slots: list[int]) -> None:
-        index = torch.tensor(slots)
+        index = torch.tensor(slots, device=self.device)
         for c in self.caches:
             if c is not None:
                 c.reset(index)
@@ -187,12 +246,30 @@ class LocalRunner:
     def prefix_caches(self) -> list[Any] | None:
         return self.caches if prefix_eligible(self.caches) else None
 
+    def block_table(self, page_tokens: int) -> BlockTable | None:
+        """One page table of ``page_tokens``-token pages for every paged cache (each given the table's pages from
+        now on: before any sequence runs), managed by its caller (CacheManager); None without paged caches."""
+        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
+        if not paged:
+            return None
+        table = BlockTable(self.num_slots, page_tokens, managed=True)
+        table.layers = frozenset(paged)
+        for i in paged:
+            self.caches[i].bind(table)
+        self._table = table
+        return table
+
     def fault(self) -> str | None:
         return None
 
     def recover(self) -> None:
-        self.caches = self.model.new_caches(self.num_slots)
+        old, self.caches = self.caches, self.model.new_caches(self.num_slots, self.device)
+        table = self.__dict__.get("_table")
+        if table is not None:  # the same pages (the allocator's, and what the prefix store holds) in fresh caches
+            for i in table.layers:
+                self.caches[i].bind(table, like=old[i])
         self._rollback = None
+        self.static, self.static_factory = None, None
 
     def close(self) -> None:
         """Nothing to release: the model lives as long as its LLM."""

@@ -3,7 +3,7 @@ preemption (recompute), sampling and stop handling per request.
 
 The cache accounting (slots, pages, the prefix cache) is engine/paging.py; the background loop that drives a
 Scheduler is engine/loop.py; what a step asks of the model (the single-process engine or a pipeline) is the
-Runner of engine/runner.py.
+Runner of engine/runner.py; a request (``Sequence``, ``Event``) and a step's plan and result are engine/sequence.py.
 
 Scheduling, one step
 --------------------
@@ -22,6 +22,13 @@ one batched call [B, 1] and prefill chunks of equal length together [B, t]; a pi
 micro-batches). A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else
 is in the batch (up to floating-point reassociation in batched matmuls). With ``speculative``, decoding sequences
 may draft and verify several tokens a step instead (engine/speculative/serving.py).
+
+``step`` runs in three phases: ``schedule`` (the plan: decode rows, prefill chunks, verify rows with their drafts,
+and whether the decodes run as a burst), ``execute`` (the runner runs it) and ``postprocess`` (each row's tokens
+sampled and emitted; the stop rules end sequences here and nowhere else). With ``greedy_bursts``, a step in which
+every running sequence is a greedy decode and nothing waits runs up to ``GREEDY_BURST`` greedy steps back to back
+through the runner's ``burst`` (tokens after a stop inside a burst are dropped). ``LLM.generate`` and ``LLM.stream``
+of the single-process engine run this loop over their own scheduler (engine/llm.py).
 """
 
 from __future__ import annotations
@@ -31,11 +38,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from waferline.engine import sampling
 from waferline.engine.paging import CacheManager, PrefixCache
 from waferline.engine.runner import (
     WANT_ARGMAX,
@@ -47,8 +55,8 @@ from waferline.engine.runner import (
     RowOutput,
     Runner,
 )
-from waferline.engine.sampling import SamplingParams, make_generator, sample
-from waferline.engine.speculative.drafters import Proposal
+from waferline.engine.sampling import SamplingParams, sample
+from waferline.engine.sequence import Event, Sequence, StepPlan, StepResult, request_generator
 from waferline.engine.speculative.serving import ServeSpeculation
 from waferline.errors import ConfigError, RequestError, WaferlineError
 from waferline.spec.model import ModelSpec
@@ -56,78 +64,10 @@ from waferline.spec.model import ModelSpec
 if TYPE_CHECKING:
     from waferline.engine.llm import LLM
 
-__all__ = ["CacheManager", "PrefixCache", "Event", "Sequence", "SchedulerConfig", "Scheduler", "request_generator"]
+__all__ = ["CacheManager", "PrefixCache", "Event", "Sequence", "SchedulerConfig", "Scheduler", "StepPlan",
+           "request_generator"]
 
 log = logging.getLogger("waferline.engine")
-
-
-# ----------------------------------------------------------------------------- requests
-
-
-@dataclass
-class Event:
-    """What a request's stream receives: one per generated token, then (possibly with the last token) the end."""
-
-    token_id: int | None
-    text: str  # new text since the previous event (held back while it may be part of a stop string)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    unavailable: bool = False  # the error was the engine's (a fault or a shutdown), not this request's (HTTP 503)
-
-
-@dataclass
-class Sequence:
-    """One request inside the scheduler."""
-
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Callable[[Event], None] | None = None
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens of prompt + output already in the cache
-    slot: int = -1
-    status: str = "waiting"  # waiting | running | finished
-    finish_reason: str | None = None
-    generator: torch.Generator | None = None
-    arrival: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    preemptions: int = 0
-    sent_chars: int = 0
-    text: str = ""  # the output's text so far, decoded incrementally (Scheduler._text)
-    text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
-    text_upto: int = 0
-    stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    def tokens(self, lo: int, hi: int) -> list[int]:
-        """Tokens [lo, hi) of prompt + output, without building the whole list."""
-        n = len(self.prompt_ids)
-        if hi <= n:
-            return self.prompt_ids[lo:hi]
-        return self.prompt_ids[lo:] + self.output_ids[max(lo - n, 0):hi - n]
-
-    @property
-    def remaining(self) -> int:
-        """Tokens still to feed through the model before the next token can be sampled."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
-
-
-def request_generator(params: SamplingParams) -> torch.Generator | None:
-    """The sampler of one request: with a seed, the same stream ``LLM.generate([prompt], params)`` uses."""
-    if params.temperature == 0:
-        return None
-    if params.seed is None:
-        return make_generator(params)
-    g = torch.Generator()
-    g.manual_seed(int(params.seed) * 1_000_003)  # sampling.seeded_generator(params, row=0)
-    return g
 
 
 @dataclass
@@ -143,6 +83,7 @@ class SchedulerConfig:
     speculative: str | None = None  # "ngram" | "mtp": speculative decoding (engine/speculative/serving.py)
     num_speculative_tokens: int = 4  # most drafts per sequence and step
     speculative_adaptive: bool = True  # adaptive K (engine/speculative/adaptive.py)
+    greedy_bursts: bool = False  # greedy decodes in bursts when nothing waits (a request arriving meanwhile waits)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "chunk_tokens", "page_tokens", "max_queue"):
@@ -154,13 +95,11 @@ class Scheduler:
     """Continuous batching over an ``LLM``'s model, through a ``Runner`` (engine/runner.py: the single-process
     engine's model in this process, or a pipeline's stage processes). Not thread-safe: ``EngineLoop`` drives it."""
 
-    def __init__(self, llm: LLM, config: SchedulerConfig | None = None, runner: Runner | None = None):
+    def __init__(self, llm: LLM, config: SchedulerConfig | None = None, runner: Runner | None = None,
+                 speculation: ServeSpeculation | None = None):
 
         self.config = config = config or SchedulerConfig()
         config.validate()
-        if getattr(llm, "device", torch.device("cpu")).type != "cpu":
-            raise ConfigError(f"the server's scheduler runs on CPU so far; load the LLM with device='cpu' "
-                              f"(got {llm.device})")
         self.llm = llm
         self.runner: Runner = runner if runner is not None else runner_for(llm, config.max_num_seqs)
         self.spec: ModelSpec = llm.spec
@@ -175,15 +114,21 @@ class Scheduler:
         bits = self.runner.cache_bits
         self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
                                   kv_bits=bits, state_bits=bits)
+        self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
         prefixable = self.runner.prefix_caches() is not None
         self.spec_dec: ServeSpeculation | None = None
-        if config.speculative:
-            if not isinstance(self.runner, LocalRunner):
-                raise ConfigError(f"speculative={config.speculative!r}: the server speculates on the single-process "
-                                  "engine only (not across pipeline stages or AFD ranks yet)")
-            self.spec_dec = ServeSpeculation(self.runner.model, self.runner.caches, self.runner.num_slots,
+        if speculation is not None:  # (the LLM's own: it lives across the schedulers the LLM makes)
+            self.spec_dec = speculation
+            speculation.bind(self.runner.num_slots)
+        elif config.speculative:
+            prepare = getattr(self.runner, "prepare_speculation", None)  # (a runner over processes: its own parts)
+            if prepare is None and not isinstance(self.runner, LocalRunner):
+                raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts")
+            model, caches = prepare(config.speculative) if prepare else (self.runner.model, self.runner.caches)
+            self.spec_dec = ServeSpeculation(model, caches, self.runner.num_slots,
                                              config.speculative, config.num_speculative_tokens,
                                              config.speculative_adaptive, config.max_num_batched_tokens)
+        if self.spec_dec is not None:
             self.runner.keep_hidden = self.spec_dec.uses_hidden
             prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states
         self.prefix = PrefixCache(self.cache) if config.prefix_caching and prefixable else None
@@ -234,64 +179,114 @@ class Scheduler:
     # -- one step
     @torch.inference_mode()
     def step(self) -> int:
-        """Schedule and run one step through the runner; returns the number of tokens fed through the model."""
+        """Schedule, execute and postprocess one step; returns the number of tokens fed through the model."""
+        plan = self.schedule()
+        result = self.execute(plan)
+        return self.postprocess(plan, result)
+
+    def schedule(self) -> StepPlan:
+        """Which sequences run this step and how: decode rows (oldest first), prefill chunks, verify rows with the
+        drafts proposed for them, and a burst length for the decodes."""
         decodes, prefills = self._schedule()
-        prefills = [(s, t) for s, t in prefills if s.status == "running"]
-        fed = 0
+        plan = StepPlan(decodes, [(s, t) for s, t in prefills if s.status == "running"])
         if self.spec_dec is not None and decodes:
             props = self.spec_dec.propose(decodes, [self._ks.get(s.slot, 0) for s in decodes])
-            verifies = [(s, p) for s, p in zip(decodes, props) if p.tokens]
-            decodes = [s for s, p in zip(decodes, props) if not p.tokens]
-            if verifies:
-                fed += self._verify(verifies)
-        dec_rows = [DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
-                              WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in decodes]
-        chunks = [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
-                               WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in prefills]
-        if not (dec_rows or chunks):
-            self.stats["steps"] += 1
-            return fed
-        t0 = time.perf_counter()
-        dec_out, pre_out = self.runner.step(dec_rows, chunks)
-        if self.spec_dec is not None:
-            if dec_rows and not chunks:  # a plain step's cost, for adaptive K
-                self.spec_dec.record(len(dec_rows), 1, time.perf_counter() - t0)
-            hidden = [o.hidden for o in dec_out] if self.spec_dec.uses_hidden else []
-            self.spec_dec.consumed([s.slot for s in decodes], [0] * len(decodes),
-                                   torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
-            for (s, _), out in zip(prefills, pre_out):
-                self.spec_dec.prefilled(s, None if out is None else out.hidden)
-        for s, out in zip(decodes, dec_out):
-            s.num_computed += 1
-            self._take(s, out)
-        fed += len(decodes)
-        for (s, t), out in zip(prefills, pre_out):
-            s.num_computed += t
-            self.stats["prefill_tokens"] += t
-            fed += t
-            if s.remaining == 0:
-                self._take(s, out)
-        self.stats["steps"] += 1
-        return fed
+            # a verify row writes the step's widest row's positions (rows are padded): it needs their pages; a row the
+            # budget cannot give them runs as a plain decode (possible only with a cache_bytes below max_num_seqs
+            # sequences of max_model_len)
+            width = max(len(p.tokens) for p in props)
+            fits = [bool(p.tokens) and self.cache.grow(s.request_id, s.num_computed + 1 + width)
+                    for s, p in zip(decodes, props)]
+            plan.verifies = [(s, p) for s, p, f in zip(decodes, props, fits) if f]
+            plan.decodes = [s for s, f in zip(decodes, fits) if not f]
+        plan.burst = self._burst_len(plan)
+        return plan
 
-    def _verify(self, items: list[tuple[Sequence, Proposal]]) -> int:
-        """Verify rows of the sequences with drafts: one forward, each row's tokens verified with its own parameters
-        and generator, the caches rolled back to the accepted prefixes, the tokens emitted until one ends the
-        sequence. Returns the tokens fed through the model."""
-        assert self.spec_dec is not None and isinstance(self.runner, LocalRunner)
-        emitted, fed = self.spec_dec.verify_step(self.runner, items)
-        self.stats.update(self.spec_dec.metrics())
-        for (s, _), toks in zip(items, emitted):
+    def _burst_len(self, plan: StepPlan) -> int:
+        """Greedy steps the decodes run back to back: > 1 only where bursts are on, the runner has them, every running
+        sequence is a greedy decode of this step, nothing waits, and each has the pages for them."""
+        seqs = plan.decodes
+        if not (self.config.greedy_bursts and seqs and len(seqs) == len(self.running)) or plan.prefills \
+                or plan.verifies or self.waiting or not hasattr(self.runner, "burst") \
+                or any(s.params.temperature != 0 for s in seqs):
+            return 1
+        cap = self.spec_dec.burst_steps() if self.spec_dec is not None else sampling.GREEDY_BURST
+        n = min([cap] + [s.params.max_tokens - len(s.output_ids) for s in seqs])
+        return n if n > 1 and all(self.cache.grow(s.request_id, s.num_computed + n) for s in seqs) else 1
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the plan through the runner: the verify forward (its tokens judged with each row's generator), then the
+        decodes (as a burst where planned and the runner can) and prefill chunks in one step."""
+        res = StepResult()
+        spec = self.spec_dec
+        if plan.verifies:
+            assert spec is not None and hasattr(self.runner, "verify")
+            res.verified, res.fed = spec.verify_step(self.runner, plan.verifies)
+        dec_rows = [DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
+                              WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in plan.decodes]
+        chunks = [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
+                               WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in plan.prefills]
+        t0 = time.perf_counter()
+        if plan.burst > 1:
+            got = self.runner.burst(dec_rows, plan.burst)  # type: ignore[attr-defined]
+            if got is not None:
+                res.burst, hidden = got
+                if spec is not None:
+                    spec.record(len(dec_rows), 1, (time.perf_counter() - t0) / plan.burst)
+                    spec.consumed([r.slot for r in dec_rows], [plan.burst - 1] * len(dec_rows), hidden)
+                return res
+            plan.burst = 1
+        if not (dec_rows or chunks):
+            return res
+        res.decoded, res.prefilled = self.runner.step(dec_rows, chunks)
+        if spec is not None:
+            if dec_rows and not chunks:  # a plain step's cost, for adaptive K
+                spec.record(len(dec_rows), 1, time.perf_counter() - t0)
+            hidden = [o.hidden for o in res.decoded] if spec.uses_hidden else []
+            spec.consumed([s.slot for s in plan.decodes], [0] * len(plan.decodes),
+                          torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
+            for (s, _), out in zip(plan.prefills, res.prefilled):
+                spec.prefilled(s, None if out is None else out.hidden)
+        return res
+
+    def postprocess(self, plan: StepPlan, res: StepResult) -> int:
+        """Emit the step's tokens (verify rows', then the decodes', then the tokens that end prefills), each through
+        the stop rules; returns the tokens fed through the model."""
+        fed, emitted = res.fed, 0
+        for (s, _), toks in zip(plan.verifies, res.verified):
             if isinstance(toks, Exception):
                 self.stats["request_errors"] += 1
                 self._finish(s, "error", f"request failed: {type(toks).__name__}: {toks}")
                 continue
             base = s.num_computed
+            emitted += len(toks)
             for i, tok in enumerate(toks):  # one at a time: a stop inside the burst ends it there
                 s.num_computed = base + i + 1
                 self._sample_or_fail(s, None, tok)
                 if s.status != "running":
                     break
+        if res.burst is not None:  # step after step; a sequence that stops drops its later tokens
+            for j in range(plan.burst):
+                for s, toks in zip(plan.decodes, res.burst):
+                    if s.status == "running":
+                        s.num_computed += 1
+                        self._sample_or_fail(s, None, toks[j])
+        else:
+            for s, out in zip(plan.decodes, res.decoded):
+                s.num_computed += 1
+                self._take(s, out)
+        fed += plan.burst * len(plan.decodes)
+        emitted += plan.burst * len(plan.decodes)
+        for (s, t), out in zip(plan.prefills, res.prefilled):
+            s.num_computed += t
+            self.stats["prefill_tokens"] += t
+            fed += t
+            if s.remaining == 0:
+                self._take(s, out)
+        if self.spec_dec is not None and (plan.decodes or plan.verifies):
+            self.spec_dec.counted(len(plan.decodes) + len(plan.verifies), plan.burst, emitted, bool(plan.verifies))
+            self.stats.update(self.spec_dec.metrics())
+        self.stats["steps"] += 1
         return fed
 
     def _take(self, seq: Sequence, out: RowOutput | None) -> None:
@@ -400,6 +395,12 @@ class Scheduler:
         # (a request can list many stop ids: the set is built once per request, not at every token of every row)
         stop_ids = seq.stop_ids if seq.stop_ids is not None else self._stop_ids(p)
         reason = None
+        if not (seq.stream_text or p.stop):  # (no text while it runs: the caller decodes the output at the end)
+            reason = "stop" if tok in stop_ids else "length" if len(seq.output_ids) >= p.max_tokens else None
+            self._emit(seq, Event(tok, "", completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids)))
+            if reason is not None:
+                self._finish(seq, reason)
+            return
         text, cut = self._text(seq)
         if tok in stop_ids:
             reason = "stop"
@@ -432,26 +433,7 @@ class Scheduler:
             return self.llm.decode(ids)
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
-        """seq's output text (as far as it decodes to whole characters) and where a stop string starts in it, if one
-        does. Incremental, as serving engines detokenize: the tokens since the last piece are decoded together with
-        that piece's tokens (so a tokenizer that treats a sequence's first token apart, or merges bytes across tokens,
-        sees their context) and the text past that piece's is appended, once it does not end inside a character
-        (U+FFFD). Decoding the whole output every token cost ~0.7 ms a token at 2000 tokens (sol-mini's tokenizer),
-        more than a decode step of sol-mini; this costs the same at any length. A finished sequence's text is the whole
-        output decoded at once (_sample), as LLM.generate's is."""
-        ids = seq.output_ids
-        if self.llm.tokenizer is not None and len(ids) > seq.text_upto:
-            done = self._decode(ids[seq.text_from:seq.text_upto]) if seq.text_upto > seq.text_from else ""
-            now = self._decode(ids[seq.text_from:])
-            if len(now) > len(done) and not now.endswith("\ufffd"):
-                # (a tokenizer whose pieces do not add up: the whole output, decoded again)
-                seq.text = seq.text + now[len(done):] if now.startswith(done) else self._decode(ids)
-                seq.text_from, seq.text_upto = seq.text_upto, len(ids)
-        text = seq.text
-        if not seq.params.stop:
-            return text, None
-        hits = [text.find(s) for s in seq.params.stop if s and s in text]
-        return text, (min(hits) if hits else None)
+        return seq.update_text(self._decode if self.llm.tokenizer is not None else None)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         if seq.status == "finished":
@@ -484,7 +466,7 @@ def runner_for(llm: LLM, num_slots: int, rebuild: Callable[[], object] | None = 
     callable that returns a fresh Pipeline / AFD, used to recover from a dead process; without one, such a fault
     stops the engine)."""
     if getattr(llm, "model", None) is not None:
-        return LocalRunner(llm.model, num_slots)
+        return LocalRunner(llm.model, num_slots, getattr(llm, "device", None))
     pipe = getattr(llm, "_pipeline", None)
     if pipe is None:
         raise ConfigError("this LLM has neither a model in this process nor a pipeline to serve")

@@ -1,6 +1,6 @@
 """Exact speculative decoding: drafters (prompt-lookup n-grams, a draft model, MTP heads), the verifier, cache
-rollback and adaptive K — for the single-process engine (``Speculator``) and the pipeline's stages
-(``LastStageSpec``, ``SlotRollback``).
+rollback and adaptive K — for the scheduler (``serving.ServeSpeculation``: the server's and the single-process
+engine's ``LLM(speculative=...)``) and the pipeline's stages (``LastStageSpec``, ``SlotRollback``).
 
 One decode step, for the rows still running: the drafter proposes up to K tokens per row; the target model
 verifies ``[last token] + drafts`` in ONE forward (``StepBatch`` with T = K_max + 1 from each row's position); the
@@ -8,9 +8,9 @@ verifier accepts a prefix of the drafts and adds one token of its own (a correct
 emits between 1 and K + 1 tokens per row; the caches are rolled back to the accepted prefix.
 
 Modules: ``verify`` (the verifier and why it is exact), ``rollback`` (the target's caches back to the accepted
-prefix), ``drafters`` (n-gram, draft model, MTP; ``make_drafter``), ``adaptive`` (adaptive K), ``speculator`` (the
-single-process loop), ``stages`` (the pipeline stages' part). The names below are the public ones; import them from
-here.
+prefix), ``drafters`` (n-gram, draft model, MTP; ``make_drafter``), ``adaptive`` (adaptive K), ``serving`` (the
+scheduler's part), ``speculator`` (statistics, burst length), ``stages`` (the pipeline stages' part). The names below
+are the public ones; import them from here.
 """
 
 from waferline.engine.speculative.adaptive import AdaptiveK, expected_tokens, reproducible_k
@@ -23,11 +23,11 @@ from waferline.engine.speculative.drafters import (
     make_drafter,
 )
 from waferline.engine.speculative.rollback import SlotRollback, VerifyRollback
-from waferline.engine.speculative.speculator import SpecStats, Speculator, burst_len
+from waferline.engine.speculative.speculator import SpecStats, burst_len
 from waferline.engine.speculative.stages import LastStageSpec, pipeline_method
 from waferline.engine.speculative.verify import residual, verify, verify_greedy, verify_rows, verify_sampled
 
-__all__ = ["Speculator", "SpecStats", "burst_len", "AdaptiveK", "expected_tokens", "reproducible_k", "Drafter",
+__all__ = ["SpecStats", "burst_len", "AdaptiveK", "expected_tokens", "reproducible_k", "Drafter",
            "Proposal", "NgramDrafter", "DraftModelDrafter", "MTPDrafter", "make_drafter", "VerifyRollback",
            "SlotRollback", "LastStageSpec", "pipeline_method", "verify", "verify_greedy", "verify_sampled",
            "verify_rows", "residual"]

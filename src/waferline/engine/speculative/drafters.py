@@ -163,6 +163,17 @@ class DraftModelDrafter(_ModelDrafter):
         self.cached = [0] * len(seqs)
         self._saved, self._base = {}, {}
 
+    def reset(self, rows: list[int]) -> None:
+        """Rows that start a new sequence: nothing of them in the draft caches."""
+        index = torch.tensor(rows)
+        for c in self.caches:
+            if c is not None:
+                c.reset(index)
+        for b in rows:
+            self.cached[b] = 0
+            self._saved.pop(b, None)
+            self._base.pop(b, None)
+
     def _forward(self, rows: list[int], chunks: list[list[int]]) -> torch.Tensor:
         """Feed each row its chunk (ragged lengths padded at the end where caches are positional, else grouped);
         return the logits after each row's last real token, [len(rows), V]."""
@@ -236,6 +247,16 @@ class MTPDrafter(_ModelDrafter):
                       [0] * len(rows))
             for b, k in zip(rows, n):
                 self.committed[b], self.pending[b] = k, self.pending[b][k:]
+
+    def commit_known(self, b: int, seq: list[int]) -> None:
+        """Row b's pending pairs (h_t, token t+1) whose next token ``seq`` (its prompt + output) already holds go
+        through the MTP layer now, the last hidden state staying pending: run with a prefill (as ``begin`` does), a
+        draft then commits only the pairs of the tokens emitted since."""
+        c = self.committed[b]
+        n = min(self.pending[b].shape[0], len(seq) - 1 - c)
+        if n > 0:
+            self._run([b], [self.pending[b][:n]], [seq[c + 1:c + 1 + n]], [c])
+            self.committed[b], self.pending[b] = c + n, self.pending[b][n:]
 
     def reset(self, rows: list[int]) -> None:
         """Rows that start a new sequence: nothing committed or pending, an empty MTP cache row."""

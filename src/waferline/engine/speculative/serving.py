@@ -8,6 +8,14 @@ output, or the model's MTP head) proposes; sequences with drafts run one verify 
 with the request's own generator, the runner rolls the caches back to it (rollback.py's ``VerifyRollback``), and the
 scheduler emits the tokens one by one, so a stop token, a stop string or ``max_tokens`` inside a burst ends it there.
 
+A step in which no greedy sequence drafts (adaptive K chose k = 0, or no n-gram match) may run as plain steps in a
+burst where the scheduler allows (``burst_steps``: 1, 2, 4, then ``GREEDY_BURST`` after such steps in a row), the
+steps' hidden states handed to an MTP drafter: speculation that does not pay costs about what plain decoding does.
+
+The single-process engine's ``LLM(speculative=...)`` speculates through the same class over its own scheduler, which
+also takes a draft model (``draft:PATH``, a checkpoint sharing the target's tokenizer, drafting over its own caches);
+the server refuses that method (``check_serve_method``).
+
 A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
 is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
 hidden states again — so the prefix cache is off with an MTP drafter (a prefix hit skips those hidden states).
@@ -16,15 +24,16 @@ hidden states again — so the prefix cache is off with an MTP drafter (a prefix
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from waferline.engine.runner import WANT_ARGMAX, WANT_LOGITS, VerifyRow
 from waferline.engine.speculative.adaptive import AdaptiveK, reproducible_k
-from waferline.engine.speculative.drafters import MTPDrafter, NgramDrafter, Proposal, make_drafter
+from waferline.engine.speculative.drafters import DraftModelDrafter, MTPDrafter, Proposal, make_drafter
 from waferline.engine.speculative.rollback import _window
+from waferline.engine.speculative.speculator import burst_len
 from waferline.engine.speculative.verify import verify, verify_greedy
 from waferline.errors import ConfigError
 
@@ -52,18 +61,42 @@ class ServeSpecStats:
     accepted: int = 0  # of them, accepted
     verify_rows: int = 0  # verify rows run (a sequence's verify in a step counts once)
     verify_steps: int = 0  # steps that ran a verify forward
+    steps: int = 0  # decode steps (verify or plain forwards; a burst's steps each)
+    plain_steps: int = 0  # of them, steps in which no sequence drafted
+    row_steps: int = 0  # sequences' decode steps (a sequence in a step counts once)
+    emitted: int = 0  # tokens those steps gave
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    def since(self, before: ServeSpecStats) -> ServeSpecStats:
+        """What was counted after ``before`` (a copy taken earlier: ``dataclasses.replace(stats)``)."""
+        return ServeSpecStats(**{f.name: getattr(self, f.name) - getattr(before, f.name) for f in fields(self)})
+
+    def generate_metrics(self) -> dict[str, float]:
+        """What ``LLM.generate``'s outputs report (``spec_verify_steps`` there counts every decode step)."""
+        return {"spec_acceptance_rate": self.acceptance,
+                "spec_mean_accepted_length": self.emitted / self.row_steps if self.row_steps else 0.0,
+                "spec_drafted": float(self.drafted), "spec_accepted": float(self.accepted),
+                "spec_verify_steps": float(self.steps), "spec_plain_steps": float(self.plain_steps)}
 
 
 class ServeSpeculation:
     """The scheduler's drafter, K controller and statistics over the runner's ``num_slots`` slots."""
 
     def __init__(self, model: Any, caches: list[Any], num_slots: int, method: str, num_tokens: int,
-                 adaptive: bool = True, step_tokens: int | None = None):
-        check_serve_method(method, num_tokens)
+                 adaptive: bool = True, step_tokens: int | None = None, allow_draft_model: bool = False,
+                 cost_table: list[tuple[int, float]] | None = None):
+        if allow_draft_model:  # (the single-process engine's LLM: "draft:PATH" too)
+            if num_tokens < 1:
+                raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        else:
+            check_serve_method(method, num_tokens)
+        device = next(iter(model.parameters()), torch.zeros(0)).device
+        if device.type != "cpu":
+            raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or load the model on the CPU "
+                              f"(got {device})")
         w = _window(caches)
         self.k_max = min(num_tokens, w - 1) if w is not None else num_tokens  # a verify must not wrap a ring
         if step_tokens is not None:  # a verify row fits in one step's token budget
@@ -71,20 +104,48 @@ class ServeSpeculation:
         self.drafter: Any = make_drafter(method, model, model.dtype)
         self.uses_hidden = isinstance(self.drafter, MTPDrafter)
         draft_cost = 1.0 / max(model.spec.num_layers, 1) if self.uses_hidden else 0.0
-        self.ctl = AdaptiveK(self.k_max, adaptive, 24.0, None, draft_cost, measure=True)
-        empty = torch.zeros(0, model.spec.hidden_size, dtype=model.dtype)
-        self.drafter.begin([[] for _ in range(num_slots)], [empty] * num_slots)
+        if isinstance(self.drafter, DraftModelDrafter):
+            draft_cost = self.drafter.model.spec.num_layers / max(model.spec.num_layers, 1)
+        # (cost_table: measured (tokens, seconds) of one forward, see AdaptiveK; None: learnt as steps run)
+        self.ctl = AdaptiveK(self.k_max, adaptive, 24.0, cost_table, draft_cost, measure=True)
+        self.model = model
+        self.bind(num_slots)
         self.stats = ServeSpecStats()
+        self.idle = 0  # steps (or bursts) in a row in which no sequence drafted
+
+    def bind(self, num_slots: int) -> None:
+        """Drafter state for ``num_slots`` empty slots (a scheduler with that many slots starts using it)."""
+        empty = torch.zeros(0, self.model.spec.hidden_size, dtype=self.model.dtype)
+        self.drafter.begin([[] for _ in range(num_slots)], [empty] * num_slots)
 
     def reset(self, slot: int) -> None:
         """A new sequence in ``slot``: forget the drafter's state and the acceptance estimate of the previous one."""
-        self.drafter.reset([slot])
+        reset = getattr(self.drafter, "reset", None)
+        if reset is not None:
+            reset([slot])
         self.ctl.alpha.pop(slot, None)
 
+    def burst_steps(self) -> int:
+        """How many plain greedy steps to run back to back when a step drafts nothing: 1, 2, 4, then GREEDY_BURST
+        after such steps in a row; a sequence whose drafts pay again waits at most one burst for its next draft."""
+        return burst_len(self.idle)
+
+    def counted(self, rows: int, steps: int, emitted: int, verified: bool) -> None:
+        """``steps`` decode steps of ``rows`` sequences that gave ``emitted`` tokens (``verified``: one ran a
+        verify)."""
+        st = self.stats
+        st.steps += steps
+        st.plain_steps += 0 if verified else steps
+        st.row_steps += rows * steps
+        st.emitted += emitted
+        self.idle = 0 if verified else self.idle + 1
+
     def prefilled(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
-        """Target hidden states [t, D] of a prefill chunk of ``seq`` (the MTP head consumes them)."""
+        """Target hidden states [t, D] of a prefill chunk of ``seq``: the MTP head runs the pairs whose next token is
+        known now, with the prefill (MTPDrafter.commit_known)."""
         if self.uses_hidden and hidden is not None:
             self.drafter.pending[seq.slot] = torch.cat([self.drafter.pending[seq.slot], hidden])
+            self.drafter.commit_known(seq.slot, seq.all_ids)
 
     def choose(self, decodes: list[Sequence], max_model_len: int) -> dict[int, int]:
         """Drafts per decoding sequence (by slot) for this step, before the cache budget and the step's token budget
@@ -103,11 +164,12 @@ class ServeSpeculation:
         return reproducible_k(seq.params)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """The drafter's proposals for ``seqs`` (a sequence with K = 0 gets none; an MTP drafter still consumes the
-        hidden states of its latest tokens)."""
+        """The drafter's proposals for ``seqs`` (a sequence with K = 0 gets none; in a step where some sequence
+        drafts, an MTP drafter consumes the hidden states of every sequence's latest tokens, and a draft model its
+        tokens; in a step where none drafts, the drafter is not called and they wait for the next draft)."""
         if not seqs:
             return []
-        if isinstance(self.drafter, NgramDrafter) and not any(ks):
+        if not any(ks):
             return [Proposal([]) for _ in seqs]
         t0 = time.perf_counter()
         # one call for the greedy rows, one per sampled row (a model drafter samples with the row's own parameters)

@@ -1,0 +1,131 @@
+"""One request inside the scheduler (``Sequence``), what its stream receives (``Event``), its sampler
+(``request_generator``), and what one scheduler step runs (``StepPlan``) and gets back (``StepResult``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from waferline.engine.sampling import SamplingParams, make_generator
+
+if TYPE_CHECKING:
+    from waferline.engine.runner import RowOutput
+    from waferline.engine.speculative.drafters import Proposal
+
+
+@dataclass
+class Event:
+    """What a request's stream receives: one per generated token, then (possibly with the last token) the end."""
+
+    token_id: int | None
+    text: str  # new text since the previous event (held back while it may be part of a stop string)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    unavailable: bool = False  # the error was the engine's (a fault or a shutdown), not this request's (HTTP 503)
+
+
+@dataclass
+class Sequence:
+    """One request inside the scheduler. ``generator``: its sampler (None: ``request_generator`` gives one when the
+    scheduler adds it); ``stream_text``: events carry the new text (off: no text is decoded while it runs, unless it
+    has stop strings; the caller decodes the output at the end, as ``LLM.generate`` does)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens of prompt + output already in the cache
+    slot: int = -1
+    status: str = "waiting"  # waiting | running | finished
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    preemptions: int = 0
+    sent_chars: int = 0
+    text: str = ""  # the output's text so far, decoded incrementally (Scheduler._text)
+    text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
+    text_upto: int = 0
+    stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
+    stream_text: bool = True
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def tokens(self, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi) of prompt + output, without building the whole list."""
+        n = len(self.prompt_ids)
+        if hi <= n:
+            return self.prompt_ids[lo:hi]
+        return self.prompt_ids[lo:] + self.output_ids[max(lo - n, 0):hi - n]
+
+    def update_text(self, decode: Callable[[list[int]], str] | None) -> tuple[str, int | None]:
+        """The output's text (as far as it decodes to whole characters; ``decode``: token ids to text, None without a
+        tokenizer) and where a stop string starts in it, if one does. Incremental, as serving engines detokenize: the
+        tokens since the last piece are decoded together with that piece's tokens (so a tokenizer that treats a
+        sequence's first token apart, or merges bytes across tokens, sees their context) and the text past that
+        piece's is appended, once it does not end inside a character (U+FFFD). Decoding the whole output every token
+        cost ~0.7 ms a token at 2000 tokens (sol-mini's tokenizer), more than a decode step of sol-mini; this costs
+        the same at any length. A finished sequence's text is the whole output decoded at once (Scheduler._sample),
+        as LLM.generate's is."""
+        ids = self.output_ids
+        if decode is not None and len(ids) > self.text_upto:
+            done = decode(ids[self.text_from:self.text_upto]) if self.text_upto > self.text_from else ""
+            now = decode(ids[self.text_from:])
+            if len(now) > len(done) and not now.endswith("\ufffd"):
+                # (a tokenizer whose pieces do not add up: the whole output, decoded again)
+                self.text = self.text + now[len(done):] if now.startswith(done) else decode(ids)
+                self.text_from, self.text_upto = self.text_upto, len(ids)
+        if not self.params.stop:
+            return self.text, None
+        hits = [self.text.find(s) for s in self.params.stop if s and s in self.text]
+        return self.text, (min(hits) if hits else None)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed through the model before the next token can be sampled."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The sampler of one request: with a seed, the same stream ``LLM.generate([prompt], params)`` uses."""
+    if params.temperature == 0:
+        return None
+    if params.seed is None:
+        return make_generator(params)
+    g = torch.Generator()
+    g.manual_seed(int(params.seed) * 1_000_003)  # sampling.seeded_generator(params, row=0)
+    return g
+
+
+@dataclass
+class StepPlan:
+    """What one step runs (``Scheduler.schedule``): plain decode rows, prefill chunks (sequence, tokens), verify rows
+    (sequence, its drafts), and how many greedy steps the decodes run back to back (1: one step)."""
+
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int]]
+    verifies: list[tuple[Sequence, Proposal]] = field(default_factory=list)
+    burst: int = 1
+
+
+@dataclass
+class StepResult:
+    """What the runner gave for a plan (``Scheduler.execute``): per verify row its tokens (or its error); per decode
+    row and prefill chunk its output; for a burst, per decode row its tokens."""
+
+    verified: list[list[int] | Exception] = field(default_factory=list)
+    decoded: list[RowOutput | None] = field(default_factory=list)
+    prefilled: list[RowOutput | None] = field(default_factory=list)
+    burst: list[list[int]] | None = None
+    fed: int = 0  # tokens the verify forward fed
