@@ -66,3 +66,16 @@ def _assert_error(resp: httpx.Response, status: int) -> dict:
     err = resp.json()["error"]
     assert isinstance(err["message"], str) and err["message"] and err["type"]
     return err
+
+
+def run_to_end(sch, seqs, max_steps=2000) -> list[list[int]]:
+    """Add ``seqs`` to the scheduler ``sch`` and step it until nothing is left: each sequence's token ids."""
+    got = {s.request_id: [] for s in seqs}
+    for s in seqs:
+        s.sink = lambda ev, rid=s.request_id: got[rid].append(ev.token_id) if ev.token_id is not None else None
+        sch.add(s)
+    steps = 0
+    while sch.has_work() and steps < max_steps:
+        sch.step()
+        steps += 1
+    return [got[s.request_id] for s in seqs]

@@ -9,6 +9,7 @@ import torch
 
 import waferline.model.attention as attention
 from conftest import tiny_checkpoints
+from server_helpers import run_to_end
 from tiny_models import build
 from waferline import LLM, SamplingParams
 from waferline.engine.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -162,19 +163,7 @@ _ids = itertools.count()
 
 
 def _serve(sch, prompts, params):
-    got = {}
-    seqs = []
-    for p, sp in zip(prompts, params):
-        s = Sequence(f"r{next(_ids)}", p, sp)
-        got[s.request_id] = []
-        s.sink = lambda ev, rid=s.request_id: got[rid].append(ev.token_id) if ev.token_id is not None else None
-        sch.add(s)
-        seqs.append(s)
-    steps = 0
-    while sch.has_work() and steps < 1000:
-        sch.step()
-        steps += 1
-    return [got[s.request_id] for s in seqs]
+    return run_to_end(sch, [Sequence(f"r{next(_ids)}", p, sp) for p, sp in zip(prompts, params)], max_steps=1000)
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])

@@ -13,7 +13,16 @@ import openai
 import pytest
 import torch
 
-from server_helpers import KEY, MAX_LEN, _assert_error, _free_port, _metrics, _pages_in_use, _wait_until
+from server_helpers import (
+    KEY,
+    MAX_LEN,
+    _assert_error,
+    _free_port,
+    _metrics,
+    _pages_in_use,
+    _wait_until,
+    run_to_end,
+)
 from tiny_models import build
 from waferline import LLM, SamplingParams
 from waferline.demo import DEMO_TEXT
@@ -119,18 +128,6 @@ def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, th
     assert sch.cache.used_bytes == 0 and sum(sch.cache.pages_in_use().values()) == 0 and sch.cache.free_slots == 4
 
 
-def _run_all(sch, seqs):
-    got = {s.request_id: [] for s in seqs}
-    for s in seqs:
-        s.sink = lambda ev, rid=s.request_id: got[rid].append(ev.token_id) if ev.token_id is not None else None
-        sch.add(s)
-    steps = 0
-    while sch.has_work() and steps < 2000:
-        sch.step()
-        steps += 1
-    return [got[s.request_id] for s in seqs]
-
-
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
 def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol):
     d = tmp_path / arch
@@ -143,9 +140,9 @@ def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol
     want = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, chunk_tokens=16))
     assert sch.prefix is not None
-    first = _run_all(sch, [Sequence("a", prompts[0], params[0])])
+    first = run_to_end(sch, [Sequence("a", prompts[0], params[0])])
     assert first == want[:1] and sch.prefix.hit_tokens == 0 and sch.prefix.num_pages == (40 + 11) // 8
-    rest = _run_all(sch, [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i])
+    rest = run_to_end(sch, [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i])
     assert rest == want[1:]
     # prompts 1-3 reuse the 4 full pages of the shared 37 tokens; 9 tokens reuse 1 page; [8 shared + 2] reuse 1
     assert sch.prefix.hit_tokens == 8 * (3 * 4 + 1 + 1)
@@ -153,7 +150,7 @@ def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol
     # a budget of one sequence: stored pages are evicted for live ones, never the reverse
     tight = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, chunk_tokens=16,
                                            cache_bytes=CacheManager(llm.spec, 1, 64, 8, kv_bits=32).budget))
-    assert _run_all(tight, [Sequence(f"t{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]) == want
+    assert run_to_end(tight, [Sequence(f"t{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]) == want
     assert tight.prefix.evicted_pages > 0 and tight.cache.prefix_bytes + tight.cache.used_bytes <= tight.cache.budget
     assert Scheduler(LLM(sol), SchedulerConfig(max_model_len=64)).prefix is None  # Mamba-2 state is not a prefix
 

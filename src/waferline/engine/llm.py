@@ -234,7 +234,7 @@ class LLM:
                                   max_num_batched_tokens=rows * (self.max_model_len + k + 1), max_queue=rows,
                                   prefix_caching=False, greedy_bursts=True)
             sch = self._scheduler = Scheduler(self, cfg, runner, speculation=self._spec)
-        sch.cache._free_slots.sort(reverse=True)  # (idle: row b is admitted to slot b, as on a fresh scheduler)
+        sch.cache.lowest_slots_first()  # (idle: row b is admitted to slot b, as on a fresh scheduler)
         return sch
 
     @torch.inference_mode()

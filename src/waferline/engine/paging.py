@@ -193,6 +193,10 @@ class CacheManager:
     def can_admit(self, n_tokens: int) -> bool:
         return bool(self._free_slots) and self._room(self.bytes_for(n_tokens))
 
+    def lowest_slots_first(self) -> None:
+        """The next admissions take the free slots in increasing order (``admit`` pops from the end)."""
+        self._free_slots.sort(reverse=True)
+
     def admit(self, rid: str) -> int:
         """Give ``rid`` a slot (and its state slots); token pages come with ``grow``."""
         slot = self._free_slots.pop()
