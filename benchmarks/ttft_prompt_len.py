@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from waferline.sim.host_work import ChunkOps, chunk_sweeps
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "ttft_prompt_len.json"
 DEFAULT_LENGTHS = (32, 128, 512, 1024, 2032)
@@ -80,49 +82,6 @@ def measure(path: str, stages: int, plan_json: str | None, cases: list[list[int]
                         "cpu_s_per_process": cpu[best], "cpu_s_min": [min(c[i] for c in cpu) for i in range(len(pids))],
                         "load_average_1m": os.getloadavg()[0]})
     return {"cases": out, "start_s": start_s}
-
-
-def count_prefills(path: str, sweeps: list[list[int]]) -> dict[str, Any]:
-    """Child process: the engine's op stream (sim/calibrate/opcount.py OpCounter, per layer and outside the layers;
-    counted, not timed) of every prefill forward of each sweep (rows, prompt length, chunk): the prompts fed in chunks
-    of ``chunk`` tokens into the same caches, as the pipeline feeds them (chunk = prompt length: the single process's
-    one forward). Returns "rows|tokens|start" -> {"layers": {i: work}, "other": work}."""
-    import torch
-
-    from waferline.engine.llm import LLM
-    from waferline.model.context import StepBatch
-    from waferline.sim.calibrate.opcount import OpCounter
-    from waferline.sim.twin_engine import _merged, make_prompts
-
-    torch.set_num_threads(1)
-    llm = LLM(path, dtype="bfloat16")
-    model = llm.model
-    counter = OpCounter()
-    hooks = []
-    for i, layer in zip(model.layer_range, model.layers):  # layer labels only (the fused layer path stays on)
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
-    out: dict[str, Any] = {}
-    with torch.inference_mode():
-        for rows, P, chunk in sweeps:
-            prompts = torch.tensor(make_prompts(llm.spec.vocab_size, rows, P))
-            caches = model.new_caches(rows)
-            for s in range(0, P, chunk):
-                t = min(chunk, P - s)
-                counter.counts, counter.work, counter.label = {}, {}, None
-                with counter:
-                    h = model(prompts[:, s:s + t], caches, StepBatch.make(list(range(rows)), [s] * rows, t))
-                    if s + t >= P:
-                        model.logits(h[:, -1]).argmax(-1)
-                c = _merged(counter)
-                key = f"{rows}|{t}|{s}"
-                if key not in out:
-                    out[key] = {"layers": {str(i): c.get(i, {"ops": 0.0}) for i in model.layer_range},
-                                "other": c.get(None, {"ops": 0.0}), "logits": s + t >= P}
-    for h_ in hooks:
-        h_.remove()
-    llm.close()
-    return out
 
 
 def attend_probe(path: str, hardware: str, lengths: list[int], repeats: int = 3) -> list[dict[str, Any]]:
@@ -189,67 +148,12 @@ def attend_probe(path: str, hardware: str, lengths: list[int], repeats: int = 3)
 # ----------------------------------------------------------------------------- the parent: predictions, table
 
 
-class ChunkOps:
-    """An ops profile for sim.host from counted prefill forwards at their positions (count_prefills). ``at_position``
-    False: every chunk as its forward at position 0 (the host model then adds the attention term for the keys before
-    it). Decode: the ModelSpec default (only TTFT is compared here)."""
-
-    def __init__(self, counts: dict[str, Any], spec: Any, host: Any, at_position: bool = True):
-        from waferline.sim.host import DefaultOps
-
-        self.counts, self.at_position, self.host = counts, at_position, host
-        self.default = DefaultOps(spec.num_layers, host.ops_per_layer.get("bf16", 150.0))
-
-    def _count(self, rows: int, tokens: int, start: int) -> Any:
-        from waferline.sim.host import OpCount, Work
-
-        d = self.counts.get(f"{rows}|{tokens}|{start}")
-        if d is None:
-            return None
-        other = d["other"]  # (a chunk that does not end its prompt ran no LM head, as in the pipeline)
-        return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
-                       Work.from_counts(other.get("ops", 0.0), other))
-
-    def decode(self, rows: int, tokens: int) -> Any:
-        return self.default.decode(rows, tokens)
-
-    def prefill(self, rows: int, prompt_len: int) -> Any:
-        c = self._count(rows, prompt_len, 0)
-        if c is None:
-            raise KeyError(f"no counted prefill forward of {rows} x {prompt_len} tokens at position 0")
-        return c
-
-    def prefill_chunk(self, rows: int, tokens: int, start: int) -> Any:
-        return self._count(rows, tokens, start) if self.at_position else None
-
-
 class FirstChunkOps(ChunkOps):
     """Every chunk priced as its forward at position 0 and nothing added: the host model before it priced a chunk at
     its position (every pipeline chunk as the first)."""
 
     def prefill_chunk(self, rows: int, tokens: int, start: int) -> Any:
         return self.prefill(rows, tokens)
-
-
-def chunk_sweeps(cases: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int]]:
-    """The counted sweeps (rows, prompt length, chunk) that reach every pipeline micro-batch group (rows, tokens,
-    start) of ``cases`` at its position (where chunks of equal size lead up to it), and at position 0."""
-    from waferline.sim.host import prefill_micro_batches
-
-    out: set[tuple[int, int, int]] = set()
-    for B, P in cases:
-        for mb in prefill_micro_batches(B, P, chunk):
-            for r, t, s in mb:
-                out.add((r, t, t))
-                if s % t == 0:
-                    out.add((r, s + t, t))
-                elif s % chunk == 0:
-                    out.add((r, s + t, chunk))
-    longest: dict[tuple[int, int], int] = {}  # a sweep's chunks of its own size are the longer sweep's too
-    for r, P, c in out:
-        if P % c == 0:
-            longest[(r, c)] = max(longest.get((r, c), 0), P)
-    return sorted(x for x in out if x[1] % x[2] or x[1] == longest[(x[0], x[2])])
 
 
 def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
@@ -301,8 +205,8 @@ def run(model: Path, hardware: Path, lengths: list[int], batch: int, batch_lengt
     say("counting the engine's prefill forwards (untimed)")
     sweeps = sorted({(1, p, p) for p in lengths} | {(b, p, p) for b, p in cases if b > 1}
                     | (set(chunk_sweeps(cases, PIPELINE_PREFILL_CHUNK)) if stages > 1 else set()))
-    counts = run_isolated("ttft_prompt_len:count_prefills", {"path": str(model), "sweeps": [list(s) for s in sweeps]},
-                          900.0)
+    counts = run_isolated("waferline.sim.twin:count_prefill_chunks",
+                          {"path": str(model), "sweeps": [list(s) for s in sweeps]}, 900.0)
     can = None
     if canary and host.canary_s:
         from waferline.sim.calibrate.engine import Canary

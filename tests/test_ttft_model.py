@@ -30,10 +30,12 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def counted(bench, tiny, one_thread):
+def counted(tiny, one_thread):
     """The engine's op stream of a 1024-token prompt fed in 256-token chunks (as the pipeline feeds it), of the whole
     prompt in one forward, and of two prompts of 128 tokens packed together."""
-    return bench.count_prefills(str(tiny), [[1, 1024, CHUNK], [1, 1024, 1024], [1, 512, 512], [2, 128, 128]])
+    from waferline.sim.twin import count_prefill_chunks
+
+    return count_prefill_chunks(str(tiny), [[1, 1024, CHUNK], [1, 1024, 1024], [1, 512, 512], [2, 128, 128]])
 
 
 def test_prefill_micro_batches_pack_prompts_as_the_pipeline_does():
@@ -140,3 +142,41 @@ def test_batched_pipeline_prompts_share_a_micro_batch(bench, counted, tiny):
     plan2, _ = _plan(tiny, 2, batch=2, prompt_len=128)
     four, two = _ttft(plan, spec, prof, 128, B=4), _ttft(plan2, spec, prof, 128, B=2)
     assert two < four < 2 * two
+
+
+def test_twin_profile_prices_a_long_pipeline_prompt_chunk_by_chunk(counted, tiny):
+    """The twin's ops profile of a 1024-token pipeline prompt (its one counted forward of the whole prompt, and each
+    256-token chunk counted at its position as the twin counts them): every chunk answered by its own forward, a later
+    chunk with more attention work (its queries also score the keys before it) than the first, each the same work as
+    the TTFT benchmark's profile gives it, and none priced as the whole prompt."""
+    from waferline.sim.host_params import HostParams
+    from waferline.sim.host_work import ChunkOps, chunk_sweeps, prefill_chunk_count, prefill_micro_batches
+    from waferline.sim.twin import CountedOps
+    from waferline.spec.configs import spec_from_pretrained
+
+    spec = spec_from_pretrained(tiny)
+    host = HostParams.load(HOST_YAML)
+    assert chunk_sweeps([(1, 1024)], CHUNK) == [(1, 1024, CHUNK)]  # what the twin counts: the fixture's first sweep
+    chunks = {k: v for k, v in counted.items() if k.startswith(f"1|{CHUNK}|")}
+    twin = CountedOps({"decode": counted["1|512|0"], "prefill": counted["1|1024|0"], "prefill_chunks": chunks})
+    bench = ChunkOps(counted, spec, host)
+
+    def attention_flops(c):
+        return sum(w.mm_flops.get("fp32", 0.0) for w in c.layers.values())
+
+    def total(c):
+        return sum(w.ops for w in c.layers.values()) + c.other.ops
+
+    groups = [g for mb in prefill_micro_batches(1, 1024, CHUNK) for g in mb]
+    assert groups == [(1, CHUNK, s) for s in (0, 256, 512, 768)]
+    tw = [prefill_chunk_count(twin, spec, *g, host.small_op_bytes) for g in groups]
+    bw = [prefill_chunk_count(bench, spec, *g, host.small_op_bytes) for g in groups]
+    flops = [attention_flops(c) for c in tw]
+    assert flops[0] < flops[1] < flops[2] < flops[3]
+    assert flops == pytest.approx([attention_flops(c) for c in bw], rel=1e-12)
+    assert [total(c) for c in tw] == pytest.approx([total(c) for c in bw], rel=1e-12)
+    assert sum(flops) == pytest.approx(sum(attention_flops(c) for c in bw), rel=1e-12)
+    whole = CountedOps({"decode": counted["1|512|0"], "prefill": counted["1|1024|0"]})  # the profile before
+    assert flops[-1] < attention_flops(prefill_chunk_count(whole, spec, *groups[0], host.small_op_bytes))
+    # only the prompt's last chunk runs the LM head, as in the pipeline
+    assert [c.other.ops for c in tw[:-1]] == [tw[0].other.ops] * 3 and tw[-1].other.ops > tw[0].other.ops

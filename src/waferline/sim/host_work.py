@@ -364,3 +364,68 @@ def _stage_cost(
         head_b = spec.lm_head_bytes(plan.embed_bits) if spec.lm_head_params() else spec.embed_bytes(plan.embed_bits)
         lin_s += hl.time(head_b, 2.0 * spec.vocab_size * spec.hidden_size * head_tokens)
     return _StageCost(ops_s=c_op * ops, linear_s=lin_s, cache_s=cache_s, extra_s=step_extra)
+
+
+def counted_op_count(d: dict[str, Any]) -> OpCount:
+    """An OpCount from one counted forward as the op counter records it ({"layers": {i: counts}, "other": counts,
+    optionally "first_draft": counts}; each counts dict: ops, matmul bytes/FLOPs by dtype, small/large bytes)."""
+    fd = d.get("first_draft")
+    return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
+                   Work.from_counts(d["other"].get("ops", 0.0), d["other"]),
+                   first_draft=Work.from_counts(fd.get("ops", 0.0), fd) if fd else None)
+
+
+def chunk_key(rows: int, tokens: int, start: int) -> str:
+    """How counted prefill forwards are keyed: ``rows x tokens`` queries at position ``start``."""
+    return f"{rows}|{tokens}|{start}"
+
+
+class ChunkOps:
+    """An ops profile's prefill from counted forwards at their positions in the prompt (``counts``: chunk_key ->
+    counted forward): a pipeline chunk answered by its own count (``prefill_chunk``), so a later chunk's attention
+    layers carry the keys before it as counted. ``at_position`` False: every chunk as its forward at position 0 (the
+    host model then adds attention_context_work for the keys before it). Decode: ``decode`` (a profile), else the
+    ModelSpec default."""
+
+    def __init__(self, counts: dict[str, Any], spec: ModelSpec, host: HostParams, at_position: bool = True,
+                 decode: OpsProfile | None = None):
+        self.counts, self.at_position, self.host = counts, at_position, host
+        self.default = decode or DefaultOps(spec.num_layers, host.ops_per_layer.get("bf16", 150.0))
+
+    def count(self, rows: int, tokens: int, start: int) -> OpCount | None:
+        """The counted forward of ``rows`` x ``tokens`` at ``start``, None where none was counted. (A chunk that does
+        not end its prompt ran no LM head, as in the pipeline.)"""
+        d = self.counts.get(chunk_key(rows, tokens, start))
+        return counted_op_count(d) if d is not None else None
+
+    def decode(self, rows: int, tokens: int) -> OpCount:
+        return self.default.decode(rows, tokens)
+
+    def prefill(self, rows: int, prompt_len: int) -> OpCount:
+        c = self.count(rows, prompt_len, 0)
+        if c is None:
+            raise KeyError(f"no counted prefill forward of {rows} x {prompt_len} tokens at position 0")
+        return c
+
+    def prefill_chunk(self, rows: int, tokens: int, start: int) -> OpCount | None:
+        return self.count(rows, tokens, start) if self.at_position else None
+
+
+def chunk_sweeps(cases: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int]]:
+    """The counted sweeps (rows, prompt length, chunk) that reach every pipeline micro-batch group (rows, tokens,
+    start) of ``cases`` (rows, prompt length) at its position (where chunks of equal size lead up to it), and at
+    position 0: what a counter feeding ``rows`` prompts in chunks of ``chunk`` tokens into the same caches sees."""
+    out: set[tuple[int, int, int]] = set()
+    for B, P in cases:
+        for mb in prefill_micro_batches(B, P, chunk):
+            for r, t, s in mb:
+                out.add((r, t, t))
+                if s % t == 0:
+                    out.add((r, s + t, t))
+                elif s % chunk == 0:
+                    out.add((r, s + t, chunk))
+    longest: dict[tuple[int, int], int] = {}  # a sweep's chunks of its own size are the longer sweep's too
+    for r, P, c in out:
+        if P % c == 0:
+            longest[(r, c)] = max(longest.get((r, c), 0), P)
+    return sorted(x for x in out if x[1] % x[2] or x[1] == longest[(x[0], x[2])])

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.sim.host_work import ChunkOps, Work, chunk_key, counted_op_count
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
@@ -170,32 +171,81 @@ def accept_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
 # ----------------------------------------------------------------------------- the parent: plans, predictions, table
 
 
-class CountedOps:
-    """An ops profile for sim.host from the counts of one grid point (decode at its micro-batch rows, prefill)."""
+class CountedOps(ChunkOps):
+    """An ops profile for sim.host from the counts of one grid point (decode at its micro-batch rows, prefill). A
+    pipeline prompt longer than one chunk is priced chunk by chunk from each chunk's own forward counted at its position
+    (``ops["prefill_chunks"]``: count_prefill_chunks), as the TTFT benchmark prices it (host_work.ChunkOps); a chunk
+    not counted there falls back to the position-0 forward plus the attention term (host_work.prefill_chunk_count)."""
 
     def __init__(self, ops: dict[str, Any]):
-        self.ops = ops
+        self.ops, self.counts, self.at_position, self.host = ops, ops.get("prefill_chunks") or {}, True, None
 
     @staticmethod
     def _count(d: dict[str, Any]) -> Any:
-        from waferline.sim.host import OpCount, Work
+        return counted_op_count(d)
 
-        fd = d.get("first_draft")
-        return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
-                       Work.from_counts(d["other"].get("ops", 0.0), d["other"]),
-                       first_draft=Work.from_counts(fd.get("ops", 0.0), fd) if fd else None)
+    def count(self, rows: int, tokens: int, start: int) -> Any:
+        c = super().count(rows, tokens, start)
+        fd = self.ops["prefill"].get("first_draft")
+        if c is not None and fd and self.counts[chunk_key(rows, tokens, start)].get("logits"):
+            c.first_draft = Work.from_counts(fd.get("ops", 0.0), fd)  # MTP drafts after the prompt's last chunk
+        return c
 
     def decode(self, rows: int, tokens: int) -> Any:
         return self._count(self.ops["decode"])
 
     def ffn(self, phase: str) -> dict[int, Any]:
         """The FFN part of each layer (what AFD's FFN ranks run), for ``decode`` or ``prefill``."""
-        from waferline.sim.host import Work
-
         return {int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in (self.ops[phase].get("ffn") or {}).items()}
 
     def prefill(self, rows: int, prompt_len: int) -> Any:
-        return self._count(self.ops["prefill"])
+        """The forward of ``rows`` x ``prompt_len`` at position 0 where counted, else the grid point's one counted
+        prefill forward (its prompt, at its prefill rows)."""
+        return self.count(rows, prompt_len, 0) or self._count(self.ops["prefill"])
+
+
+def count_prefill_chunks(path: str, sweeps: list[list[int]], dtype: str = "bfloat16") -> dict[str, Any]:
+    """Child process: the engine's op stream (sim/calibrate/opcount.py OpCounter, per layer and outside the layers;
+    counted, not timed) of every prefill forward of each sweep (rows, prompt length, chunk): the prompts fed in chunks
+    of ``chunk`` tokens into the same caches, as the pipeline feeds them (chunk = prompt length: the single process's
+    one forward). Returns host_work.chunk_key(rows, tokens, start) -> {"layers": {i: work}, "other": work, "logits":
+    whether the forward ends its prompts}."""
+    import torch
+
+    from waferline.engine.llm import LLM
+    from waferline.model.context import StepBatch
+    from waferline.sim.calibrate.opcount import OpCounter
+    from waferline.sim.twin_engine import _merged, make_prompts
+
+    torch.set_num_threads(1)
+    llm = LLM(path, dtype=dtype)
+    model = llm.model
+    counter = OpCounter()
+    hooks = []
+    for i, layer in zip(model.layer_range, model.layers):  # layer labels only (the fused layer path stays on)
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
+    out: dict[str, Any] = {}
+    with torch.inference_mode():
+        for rows, P, chunk in sweeps:
+            prompts = torch.tensor(make_prompts(llm.spec.vocab_size, rows, P))
+            caches = model.new_caches(rows)
+            for s in range(0, P, chunk):
+                t = min(chunk, P - s)
+                counter.counts, counter.work, counter.label = {}, {}, None
+                with counter:
+                    h = model(prompts[:, s:s + t], caches, StepBatch.make(list(range(rows)), [s] * rows, t))
+                    if s + t >= P:
+                        model.logits(h[:, -1]).argmax(-1)
+                c = _merged(counter)
+                key = chunk_key(rows, t, s)
+                if key not in out:
+                    out[key] = {"layers": {str(i): c.get(i, {"ops": 0.0}) for i in model.layer_range},
+                                "other": c.get(None, {"ops": 0.0}), "logits": s + t >= P}
+    for h_ in hooks:
+        h_.remove()
+    llm.close()
+    return out
 
 
 def cpu_model() -> str | None:
@@ -367,6 +417,8 @@ def _run_grid(
     say: Callable[[str, float], None],
 ) -> dict[str, Any]:
     from waferline.sim.calibrate.common import run_isolated
+    from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK
+    from waferline.sim.host_work import chunk_sweeps
 
     def probe() -> float | None:
         return canary.seconds() if canary is not None else None
@@ -432,6 +484,15 @@ def _run_grid(
         cpu = [c for c in (meas.get("cpu_s_per_process") or []) if c == c]
         if cpu and meas.get("total_s"):  # the share of the cores the engine's processes got (low: a busy machine)
             row["run"]["cpu_share"] = sum(cpu) / (meas["total_s"] * min(len(cpu), os.cpu_count() or 1))
+        if plan.num_stages > 1 and not pt.afd and prompt_len > PIPELINE_PREFILL_CHUNK:
+            # a pipeline prompt longer than one chunk: each chunk's own forward at its position, counted (untimed)
+            try:
+                meas["ops"]["prefill_chunks"] = run_isolated("waferline.sim.twin:count_prefill_chunks", {
+                    "path": str(ckpt), "sweeps": [list(x) for x in chunk_sweeps([(pt.batch, prompt_len)],
+                                                                                 PIPELINE_PREFILL_CHUNK)]}, timeout_s)
+            except RuntimeError as e:
+                row["status"] = "engine failed: counting the prefill chunks: " + str(e)[-300:]
+                continue
         row["ops"] = meas["ops"]
         accept = None
         if pt.speculative != "none":
