@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from waferline.engine.overlap import OverlapStepper, can_overlap
 from waferline.engine.sampling import SamplingParams
 from waferline.engine.scheduler import Scheduler
 from waferline.engine.sequence import Event, Sequence, request_generator
@@ -49,6 +50,7 @@ class EngineLoop:
         self._aborts: collections.deque[str] = collections.deque()
         self._stop = False
         self._paused = False
+        self.stepper = OverlapStepper(scheduler) if can_overlap(scheduler) else None  # steps in flight
         self._thread = threading.Thread(target=self._run, name="waferline-engine", daemon=True)
         self.last_error: str | None = None
 
@@ -120,7 +122,7 @@ class EngineLoop:
         sch = self.scheduler
         while True:
             with self._lock:
-                while not self._stop and (self._paused or not (self._inbox or self._aborts or sch.has_work())):
+                while not self._stop and (self._paused or not (self._inbox or self._aborts or self._has_work())):
                     self._lock.wait(0.5)
                     if sch.runner.fault() is not None:  # (a stage died while the engine was idle)
                         break
@@ -139,9 +141,11 @@ class EngineLoop:
                     seq.status = "finished"
                     msg = str(e) if isinstance(e, WaferlineError) else f"request failed: {type(e).__name__}: {e}"
                     Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))
-            for rid in aborts:
-                if not sch.abort(rid):  # not queued yet (still in the inbox of a later wakeup) or already done
-                    pass
+            for rid in aborts:  # (an id not queued yet, still in the inbox of a later wakeup, or already done: no-op)
+                if self.stepper is not None:
+                    self.stepper.abort(rid)
+                else:
+                    sch.abort(rid)
             fault = sch.runner.fault()
             if fault is not None:
                 self.last_error = fault
@@ -149,10 +153,13 @@ class EngineLoop:
                 if not self._recover():
                     break
                 continue
-            if not sch.has_work():
+            if not self._has_work():
                 continue
             try:
-                sch.step()
+                if self.stepper is not None:
+                    self.stepper.step()
+                else:
+                    sch.step()
             except Exception as e:  # a bug, an out-of-memory, a stage that died: fail everything, recover
                 self.last_error = f"{type(e).__name__}: {e}"
                 log.error("engine step failed: %s", self.last_error, exc_info=not isinstance(e, WaferlineError))
@@ -163,7 +170,12 @@ class EngineLoop:
             self._inbox.clear()
         for seq in queued:
             Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, "server shutting down", True))
+        if self.stepper is not None:
+            self.stepper.drop()
         sch.fail_all(self.fatal or "server shutting down")
+
+    def _has_work(self) -> bool:
+        return self.stepper.has_work() if self.stepper is not None else self.scheduler.has_work()
 
     def unavailable_reason(self) -> str:
         """Why the loop is not ``healthy`` (what /health and a refused request say)."""
@@ -185,6 +197,8 @@ class EngineLoop:
             self._inbox.clear()
             stopping = self._stop
         msg = f"engine error: {self.last_error}"
+        if self.stepper is not None:
+            self.stepper.drop()
         sch.fail_all(msg)
         for seq in queued:
             Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg, True))

@@ -133,6 +133,8 @@ class Scheduler:
             prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states
         self.prefix = PrefixCache(self.cache) if config.prefix_caching and prefixable else None
         self._ks: dict[int, int] = {}  # slot -> drafts this step (speculation)
+        self.busy: set[str] = set()  # request ids in a plan not yet postprocessed (engine/overlap.py): not scheduled
+        self.plan_cap = config.max_num_seqs  # most sequences one plan takes
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []  # in admission order (the newest is preempted first)
         self.stop_ids_default = set(llm.eos_token_ids)
@@ -222,10 +224,7 @@ class Scheduler:
         if plan.verifies:
             assert spec is not None and hasattr(self.runner, "verify")
             res.verified, res.fed = spec.verify_step(self.runner, plan.verifies)
-        dec_rows = [DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
-                              WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in plan.decodes]
-        chunks = [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
-                               WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in plan.prefills]
+        dec_rows, chunks = self.rows(plan)
         t0 = time.perf_counter()
         if plan.burst > 1:
             got = self.runner.burst(dec_rows, plan.burst)  # type: ignore[attr-defined]
@@ -248,6 +247,14 @@ class Scheduler:
             for (s, _), out in zip(plan.prefills, res.prefilled):
                 spec.prefilled(s, None if out is None else out.hidden)
         return res
+
+    @staticmethod
+    def rows(plan: StepPlan) -> tuple[list[DecodeRow], list[PrefillChunk]]:
+        """What the runner is asked for ``plan``'s decodes and prefill chunks."""
+        return ([DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
+                           WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in plan.decodes],
+                [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
+                              WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in plan.prefills])
 
     def postprocess(self, plan: StepPlan, res: StepResult) -> int:
         """Emit the step's tokens (verify rows', then the decodes', then the tokens that end prefills), each through
@@ -307,7 +314,8 @@ class Scheduler:
         self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
             [s for s in order if s.remaining == 1], self.max_model_len)
         for s in order:
-            if s.status != "running" or budget <= 0:
+            if s.status != "running" or budget <= 0 or s.request_id in self.busy \
+                    or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
             t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
             k = self._ks.get(s.slot, 0) if s.remaining == 1 else 0
@@ -321,7 +329,9 @@ class Scheduler:
                 k = 0
             self._ks[s.slot], t = k, t + k
             while not self.cache.grow(s.request_id, s.num_computed + t):
-                victim = next((v for v in reversed(self.running) if v is not s), None)
+                victim = next((v for v in reversed(self.running) if v is not s and v.request_id not in self.busy), None)
+                if victim is None and self.busy:  # the others are in flight: s waits for their pages
+                    break
                 if victim is None:  # cannot happen: the budget holds one max_model_len sequence
                     raise RuntimeError("cache budget exhausted by a single sequence")
                 self._preempt(victim)
@@ -329,12 +339,13 @@ class Scheduler:
                 if victim in decodes:
                     decodes.remove(victim)
                 prefills = [(v, n) for v, n in prefills if v is not victim]
-            if s.remaining == 1:
-                decodes.append(s)
             else:
-                prefills.append((s, t))
-            budget -= t
-        while self.waiting and budget > 0 and not preempted:
+                if s.remaining == 1:
+                    decodes.append(s)
+                else:
+                    prefills.append((s, t))
+                budget -= t
+        while self.waiting and budget > 0 and not preempted and len(decodes) + len(prefills) < self.plan_cap:
             s = self.waiting[0]
             if not self.cache.can_admit(len(s.all_ids) + 1):
                 break

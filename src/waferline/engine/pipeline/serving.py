@@ -7,6 +7,9 @@ A step's rows are split into up to M micro-batches that are all launched before 
 r works on micro-batch k while stage r-1 works on k+1. The last stage answers greedy rows with their argmax
 (EMIT_TOKEN, sampled at temperature 0) and sampled rows with their fp32 logits (EMIT_LOGITS): the scheduler samples
 those with each request's own generator, so per-request parameters and seeds hold as in the single-process engine.
+The server's engine loop keeps up to M steps in flight over disjoint sequences (``submit`` launches a step,
+``collect`` reads its answers: engine/overlap.py), so the stages stay busy while a step is postprocessed; a step
+submitted while others are in flight goes as fewer micro-batches (about M in flight in all).
 
 Speculation (the scheduler's, engine/speculative/serving.py): ``verify`` sends each row's [last token] + drafts as
 a verify group (EMIT_VERIFY's machinery: every stage snapshots what the group overwrites, ``SlotRollback``) and the
@@ -52,6 +55,8 @@ _EMITS = {WANT_NONE: EMIT_NONE, WANT_ARGMAX: EMIT_TOKEN, WANT_LOGITS: EMIT_LOGIT
 
 # a row of a step as it travels: (slot, start, tokens, want, index into the step's outputs)
 _Row = tuple[int, int, list[int], int, int]
+# a submitted step: (mb id -> (slot -> output index, its groups), its outputs, how many of them are decode rows')
+_Submitted = tuple[dict[int, tuple[dict[int, int], list[Group]]], list[RowOutput | None], int]
 
 
 def _once(fn: Callable[[], Any]) -> Iterator[Any]:
@@ -62,6 +67,8 @@ def _once(fn: Callable[[], Any]) -> Iterator[Any]:
 class PipelineRunner:
     """A ``Runner`` over the stage processes of ``pipe``; ``rebuild`` returns a new Pipeline after a fault."""
 
+    overlap = True  # the engine loop may keep several steps in flight (submit / collect: engine/overlap.py)
+
     def __init__(self, pipe: Pipeline, num_slots: int, rebuild: Callable[[], Pipeline] | None = None):
         self.rebuild = rebuild
         self.num_slots = num_slots
@@ -69,6 +76,9 @@ class PipelineRunner:
         self._rewinds: list[tuple[int, int]] = []  # (slot, keep) of verified rows, sent with the next micro-batch
         self._verified: list[int] = []  # slots of the verify whose keep() has not come yet
         self._mtp_model: Any = None  # the MTP drafter's modules (embedding, MTP head, norm, LM head), once loaded
+        self.max_in_flight = 0  # the most steps submitted and not collected at once so far
+        self._submitted: list[_Submitted] = []
+        self._early: dict[int, tuple[list[int], torch.Tensor]] = {}  # answers read before their step's collect
         self._attach(pipe)
 
     def _attach(self, pipe: Pipeline) -> None:
@@ -81,7 +91,7 @@ class PipelineRunner:
 
     def _begin(self) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows greedily."""
-        self._rewinds, self._verified = [], []
+        self._rewinds, self._verified, self._submitted, self._early = [], [], [], {}
         self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden))
 
     @property
@@ -169,7 +179,13 @@ class PipelineRunner:
         return None
 
     def recover(self) -> None:
-        """A healthy pipeline gets fresh caches (a BEGIN); a broken one is replaced by a new one (new processes)."""
+        """A healthy pipeline gets fresh caches (a BEGIN); a broken one is replaced by a new one (new processes).
+        The answers of steps still in flight are read (and dropped) first."""
+        try:
+            for h in list(self._submitted):
+                self.collect(h)
+        except StageError:
+            pass
         if self.fault() is None:
             self._begin()
             return
@@ -182,10 +198,10 @@ class PipelineRunner:
         self.pipe.close()
 
     # -- micro-batches
-    def _split(self, rows: list[_Row], n_decodes: int) -> list[list[_Row]]:
-        """Up to M micro-batches: the decode rows in M contiguous runs of near-equal size, then each prefill chunk
-        into the micro-batch with the fewest tokens so far."""
-        M = max(1, min(self.pipe.micro_batches, len(rows)))
+    def _split(self, rows: list[_Row], n_decodes: int, parts: int | None = None) -> list[list[_Row]]:
+        """Up to M (or ``parts``) micro-batches: the decode rows in M contiguous runs of near-equal size, then each
+        prefill chunk into the micro-batch with the fewest tokens so far."""
+        M = max(1, min(parts or self.pipe.micro_batches, len(rows)))
         mbs: list[list[_Row]] = [[] for _ in range(M)]
         for k, row in enumerate(rows[:n_decodes]):
             mbs[k * M // max(n_decodes, 1)].append(row)
@@ -200,8 +216,14 @@ class PipelineRunner:
         """Launch every micro-batch (stage 0 computes its layers on each, then sends it on), then read the last
         stage's answers and put them where their rows' outputs go. A verify's micro-batch is one verify group (rows
         padded at the end to its longest); the rollbacks queued by ``keep`` ride on the first micro-batch."""
+        where = self._launch_all(mbs, verify)
+        self._gather(where, outs, verify)
+
+    def _launch_all(self, mbs: list[list[_Row]], verify: bool = False) -> dict[int, tuple[dict[int, int], list[Group]]]:
+        """Launch the micro-batches ``mbs``; returns where their answers go: mb id -> (slot -> output index, its
+        groups)."""
         pipe = self.pipe
-        where: dict[int, tuple[dict[int, int], list[Group]]] = {}  # mb id -> (slot -> output index, its groups)
+        where: dict[int, tuple[dict[int, int], list[Group]]] = {}
         for rows in mbs:
             by_T: dict[int, list[_Row]] = {}
             for row in rows:
@@ -224,14 +246,44 @@ class PipelineRunner:
             self._rewinds = []
             where[mb.mb_id] = ({r[0]: r[4] for r in rows if r[3] != WANT_NONE or self._keep_hidden}, groups)
             pipe._launch(mb, toks)
+        return where
+
+    def _gather(self, where: dict[int, tuple[dict[int, int], list[Group]]], outs: list[RowOutput | None],
+                verify: bool) -> None:
+        """Read the answers of the micro-batches in ``where`` into ``outs``; answers of other submitted steps that
+        come first are kept for their ``collect``."""
+        pipe = self.pipe
         while where:
-            meta, tail = pipe._recv_feedback()
+            mine = next((i for i in where if i in self._early), None)
+            meta, tail = self._early.pop(mine) if mine is not None else pipe._recv_feedback()
             got = where.pop(meta[0], None)
             if got is None:
-                raise StageError(f"protocol error: an answer for micro-batch {meta[0]}, which is not in flight")
+                if not any(meta[0] in h[0] for h in self._submitted):
+                    raise StageError(f"protocol error: an answer for micro-batch {meta[0]}, which is not in flight")
+                self._early[meta[0]] = (meta, tail)
+                continue
             self._answers(meta, tail, got[1], got[0], outs, verify)
-        if pipe.num_stages > 1:
+        if pipe.num_stages > 1 and not self._submitted:
             pipe.act.flush()
+
+    # -- steps in flight (engine/overlap.py): launched now, their answers read later
+    def submit(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]) -> _Submitted:
+        """Launch a step's micro-batches without waiting for their answers; ``collect`` reads them."""
+        rows: list[_Row] = [(r.slot, r.position, [r.token], r.want, i) for i, r in enumerate(decodes)]
+        rows += [(c.slot, c.start, c.tokens, c.want, len(decodes) + i) for i, c in enumerate(prefills)]
+        parts = max(1, self.pipe.micro_batches - len(self._submitted))  # (about M micro-batches in flight in all)
+        where = self._guard(lambda: self._launch_all(self._split(rows, len(decodes), parts))) if rows else {}
+        h: _Submitted = (where, [None] * len(rows), len(decodes))
+        self._submitted.append(h)
+        self.max_in_flight = max(self.max_in_flight, len(self._submitted))
+        return h
+
+    def collect(self, h: _Submitted) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
+        """The outputs of a submitted step (its decode rows', then its prefill chunks')."""
+        where, outs, n = h
+        self._submitted.remove(h)
+        self._guard(lambda: self._gather(where, outs, False))
+        return outs[:n], outs[n:]
 
     def _answers(self, meta: list[int], tail: torch.Tensor, groups: list[Group], slots: dict[int, int],
                  outs: list[RowOutput | None], verify: bool) -> None:
