@@ -123,7 +123,8 @@ class Scheduler:
         elif config.speculative:
             prepare = getattr(self.runner, "prepare_speculation", None)  # (a runner over processes: its own parts)
             if prepare is None and not isinstance(self.runner, LocalRunner):
-                raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts")
+                raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
+                                  "serve without speculative")
             model, caches = prepare(config.speculative) if prepare else (self.runner.model, self.runner.caches)
             self.spec_dec = ServeSpeculation(model, caches, self.runner.num_slots,
                                              config.speculative, config.num_speculative_tokens,
