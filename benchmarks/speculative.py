@@ -8,7 +8,7 @@ speculation stops paying as the batch grows. Prints tables; writes benchmarks/re
     benchmarks/results/speculative_pipe8.json
 
 Engines: ``single`` (one process: the scheduler's speculation, engine/speculative/serving.py) and ``pipeN`` (N stage
-processes over gloo, N micro-batches; n-gram and draft model draft on stage 0, MTP on the last stage). Every row has
+processes over gloo, N micro-batches; every drafter runs in the scheduler's process, stage 0). Every row has
 the simulator's prediction for the measured acceptance on this machine (one core per stage and the gloo hop, measured
 here) and on ``--sim-hardware``. The back-off table compares plain decoding, a fixed K (no back-off) and adaptive K
 at growing batch sizes.
@@ -237,9 +237,11 @@ def run_pipe(
     for i in range(0, len(prompts), batch):
         best = None
         for _ in range(repeats):
+            sp = llm._spec  # (the scheduler's speculation: its counters, before and after this run)
+            before = replace(sp.stats) if sp is not None else None
             o = llm.generate(prompts[i:i + batch], params)
             t = o[0].metrics["total_s"] - max(x.metrics["ttft_s"] for x in o)
-            st = getattr(llm._pipeline, "last_stats", None) if llm._pipeline.speculative else None
+            st = sp.stats.since(before) if sp is not None else None
             best = (t, o, st) if best is None or t < best[0] else best
         decode_s += best[0]
         outs += best[1]

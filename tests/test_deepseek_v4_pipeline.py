@@ -85,7 +85,7 @@ def test_speculative_two_stages_match_plain_greedy(ckpt, reference):
     with LLM(ckpt, layers_per_stage=1, prefill_chunk=CHUNK, threads_per_stage=1, speculative="ngram",
              num_speculative_tokens=4, speculative_adaptive=False) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
-        llm._pipeline.drafter = Scripted([p + r for p, r in zip(prompts, want)], VOCAB)
+        llm._spec.drafter = Scripted([p + r for p, r in zip(prompts, want)], VOCAB)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == want
         m = outs[0].metrics

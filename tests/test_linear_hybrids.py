@@ -228,7 +228,7 @@ def test_two_stage_pipeline_matches_single_process(tmp_path, mt):
 
     with LLM(tmp_path, layers_per_stage=1, prefill_chunk=16, threads_per_stage=1, speculative="ngram",
              num_speculative_tokens=4, speculative_adaptive=False) as llm:
-        llm._pipeline.drafter = Scripted([p + r for p, r in zip(prompts, want)], VOCAB)
+        llm._spec.drafter = Scripted([p + r for p, r in zip(prompts, want)], VOCAB)
         outs = llm.generate(prompts, GREEDY)
         assert [o.token_ids for o in outs] == want
         m = outs[0].metrics

@@ -148,38 +148,44 @@ def test_pipeline_from_plan(ckpts):
         stage_ranges(4, plan=plan([[0, 2], [1, 3]]))
     with pytest.raises(ConfigError, match="do not cover"):
         stage_ranges(4, plan=plan([[0], [1]]))
-    with Pipeline(ckpts["nemotron_h"], plan=plan([[0, 1, 2], [3]], mb=3), threads_per_stage=1) as pipe:
-        assert pipe.ranges == [(0, 3), (3, 4)] and pipe.micro_batches == 3
-        toks, reasons, _ = pipe.run_generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))
-        assert len(toks[0]) == 3 and reasons == ["length"]
+    with LLM(ckpts["nemotron_h"], plan=plan([[0, 1, 2], [3]], mb=3), threads_per_stage=1) as llm:
+        assert llm._pipeline.ranges == [(0, 3), (3, 4)] and llm._pipeline.micro_batches == 3
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+        assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
-def test_decode_ring_spreads_sequences_after_a_drain(ckpts):
-    """All 5 sequences ready at once (after a drain) fill min(M, n) micro-batches, not one; 1 sequence on a ring of
-    4 is launched alone (nothing waits for the ring to fill); prefill chunks keep to the token budget."""
-    from waferline.engine.pipeline import DECODE, _Seq
+def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):
+    """A step's decode rows go to min(M, n) micro-batches; prefill chunks fill what is left of each micro-batch's
+    prefill chunk, in order, a long prompt split into pieces sent back to back (pipelined), only its last piece asking
+    for the next token; the twin's host model prices the very same micro-batches (sim prefill_micro_batches)."""
+    from waferline.engine.pipeline.serving import PipelineRunner
+    from waferline.engine.runner import WANT_ARGMAX, WANT_NONE
+    from waferline.sim.host_work import prefill_micro_batches
 
     with Pipeline(ckpts["sol"], stages=1, micro_batches=2, prefill_chunk=8) as pipe:
-        seqs = [_Seq(i, [1, 2, 3], out=[4], next_pos=3, phase=DECODE) for i in range(5)]
-        sizes = []
-        while (nxt := pipe._schedule(seqs, False)) is not None:
-            sizes.append(sum(g.B for g in nxt[0].groups))
-        assert sizes == [3, 2]
-        lone = [_Seq(0, [1, 2, 3], out=[4], next_pos=3, phase=DECODE)]
-        mb = pipe._schedule(lone, False)[0]
-        assert mb.groups[0].seqs == [0] and pipe._schedule(lone, False) is None  # in flight: not scheduled twice
-        prompts = [_Seq(0, list(range(20))), _Seq(1, list(range(5)))]
-        chunks = []
-        while (nxt := pipe._schedule(prompts, False)) is not None:
-            chunks.append([(g.T, g.seqs, g.starts, g.emits) for g in nxt[0].groups])
-        # 20 tokens in chunks of 8 launched back to back (pipelined); the 5-token prompt fills the rest of the
-        # budget; only a prompt's last chunk samples
-        assert chunks == [
-            [(8, [0], [0], [0])],
-            [(8, [0], [8], [0])],
-            [(4, [0, 1], [16, 0], [1, 0])],
-            [(1, [1], [4], [1])],
+        r = PipelineRunner(pipe, 8)
+        dec = [(i, 3, [4], WANT_ARGMAX, i) for i in range(5)]
+        assert [[row[0] for row in mb] for mb in r._split(dec, 5)] == [[0, 1, 2], [3, 4]]
+        assert len(r._split(dec[:1], 1)) == 1  # one sequence: one micro-batch, nothing waits for others
+        pre = [(0, 0, list(range(20)), WANT_ARGMAX, 0), (1, 0, list(range(5)), WANT_ARGMAX, 1)]
+        assert [[(s, st, len(t), w) for s, st, t, w, _ in mb] for mb in r._split(pre, 0)] == [
+            [(0, 0, 8, WANT_NONE)],
+            [(0, 8, 8, WANT_NONE)],
+            [(0, 16, 4, WANT_ARGMAX), (1, 0, 4, WANT_NONE)],
+            [(1, 4, 1, WANT_ARGMAX)],
         ]
+        mixed = r._split(dec[:2] + [(2, 0, list(range(20)), WANT_ARGMAX, 2)], 2)
+        assert [[(s, len(t)) for s, _, t, _, _ in mb] for mb in mixed] == [[(0, 1), (2, 7)], [(1, 1), (2, 7)], [(2, 6)]]
+        for B, P in ((3, 20), (1, 5), (4, 9), (2, 16)):
+            got = []
+            for mb in r._split([(b, 0, list(range(P)), WANT_ARGMAX, b) for b in range(B)], 0):
+                groups: dict[int, list[int]] = {}
+                for _, start, toks, _, _ in mb:
+                    g = groups.setdefault(len(toks), [0, 0])
+                    g[0] += 1
+                    g[1] = max(g[1], start)
+                got.append([(g[0], n, g[1]) for n, g in sorted(groups.items())])
+            assert got == prefill_micro_batches(B, P, 8), (B, P)
 
 
 def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):

@@ -1,6 +1,6 @@
 """Speculative decoding under the pipeline engine: at T = 0 the pipelined speculative output equals the
-non-speculative output token for token, for every drafter (n-gram and draft model drafting on stage 0, MTP on the
-last stage), with 2 stages and with one layer per stage, on mixed-length batches; rejected tokens are rolled back in
+non-speculative output token for token, for every drafter (n-gram, draft model and MTP, drafting in the scheduler's
+process), with 2 stages and with one layer per stage, on mixed-length batches; rejected tokens are rolled back in
 every stage's caches (MLA / GQA positions, sliding-window rings, Mamba-2 states); seeded T > 0 runs complete and
 repeat."""
 
@@ -94,7 +94,7 @@ def models(tmp_path_factory):
 
 
 class Scripted:
-    """A stage-0 drafter that knows the reference continuation and corrupts one draft per step at a position that
+    """A drafter that knows the reference continuation and corrupts one draft per step at a position that
     cycles over 0..k (k: none corrupted): every accepted length and rollback depth occurs in every stage."""
 
     name = "scripted"
@@ -153,7 +153,7 @@ def test_every_rollback_depth_in_every_stage(models, name):
         with LLM(ck, speculative="ngram", num_speculative_tokens=4, speculative_adaptive=False, prefill_chunk=CHUNK,
                  threads_per_stage=1, **layout) as llm:
             pipe = llm._pipeline
-            pipe.drafter = Scripted([p + r for p, r in zip(prompts, ref)], llm.spec.vocab_size)
+            llm._spec.drafter = Scripted([p + r for p, r in zip(prompts, ref)], llm.spec.vocab_size)
             outs = llm.generate(prompts, GREEDY)
             assert [o.token_ids for o in outs] == ref, f"{name} S={pipe.num_stages}"
             m = outs[0].metrics
@@ -163,8 +163,8 @@ def test_every_rollback_depth_in_every_stage(models, name):
 
 
 def test_sampled_runs_complete_and_repeat(models):
-    """T > 0: the verifier's ratio test runs on the last stage (q one-hot for n-grams, the draft model's q shipped
-    behind the hidden states, MTP's q kept on the last stage); a seed gives the same tokens on every run."""
+    """T > 0: the scheduler verifies the last stage's logits with each request's generator (q one-hot for n-grams,
+    the draft model's and MTP's q from their drafters); a seed gives the same tokens on every run."""
     ck, draft, _, _, prompts = models["sol"]
     for method in ("ngram", f"draft:{draft}", "mtp"):
         with LLM(ck, speculative=method, num_speculative_tokens=3, stages=2, prefill_chunk=CHUNK,
@@ -234,15 +234,15 @@ def test_demo_reports_acceptance(tmp_path, monkeypatch, capsys):
 
 
 def test_wire_format_round_trips():
-    """A micro-batch with a verify group (drafts, q flag, next Ks), a prefill group carrying tokens, and rewinds
-    survives encode/decode; the feedback carries a variable number of tokens and drafts per row."""
-    from waferline.engine.stage import EMIT_NONE, EMIT_VERIFY, Group, MicroBatch, decode_feedback
+    """A micro-batch with a verify group (drafts), a group carrying its token ids, and rewinds survives
+    encode/decode; the feedback carries a variable number of tokens per row."""
+    from waferline.engine.stage import EMIT_NONE, EMIT_TOKEN, Group, MicroBatch, decode_feedback
 
-    pre = Group(3, [4], [4], [0], [EMIT_NONE], tokens=[7, 8, 9], ks=[2])
-    ver = Group(4, [0, 2], [0, 2], [10, 5], [EMIT_VERIFY] * 2, drafts=[[5, 6, 7], []], has_q=True, ks=[3, 0])
+    pre = Group(3, [4], [4], [0], [EMIT_NONE], tokens=[7, 8, 9])
+    ver = Group(4, [0, 2], [0, 2], [10, 5], [EMIT_TOKEN] * 2, drafts=[[5, 6, 7], []])
     mb = MicroBatch(9, [pre, ver], rewinds=[(0, 2), (3, 1)])
     back = MicroBatch.decode(mb.encode())
     assert back == mb and back.groups[1].verify and not back.groups[0].verify
-    meta = [9, 2, 4, 0, 3] + [0, 2] + [3, 1] + [3, 0] + [5, 6, 1, 4] + [11, 12, 13]
-    mb_id, toks, lps, drafts = decode_feedback(meta, torch.empty(0, dtype=torch.uint8), 16)
-    assert (mb_id, toks, lps, drafts) == (9, {0: [5, 6, 1], 2: [4]}, {}, {0: [11, 12, 13]})
+    meta = [9, 2, 4, 0] + [0, 2] + [3, 1] + [5, 6, 1, 4]
+    mb_id, toks, lps = decode_feedback(meta, torch.empty(0, dtype=torch.uint8), 16)
+    assert (mb_id, toks, lps) == (9, {0: [5, 6, 1], 2: [4]}, {})

@@ -455,42 +455,6 @@ def test_fused_operators_read_their_operands_from_memory_when_the_weights_do_not
     assert _work_time(replace(host, tables_hot={}), w, 0.0, "bf16", hot=False)[2] == pytest.approx(hot, rel=1e-12)
 
 
-def test_an_mtp_pipeline_drafts_before_its_first_token_returns():
-    """Under a pipeline the last stage runs the MTP layer over the prompt and drafts before the first token goes back
-    to stage 0: the twin counts that pass apart (first_draft) and the host model adds it to the pipeline's TTFT, not to
-    one process's (which emits the first token first)."""
-    import copy
-    from pathlib import Path
-
-    from waferline.plan.plan import Plan
-    from waferline.sim.host import HostParams
-    from waferline.sim.twin import predict
-    from waferline.spec.hardware import load_hardware_file
-
-    root = Path(__file__).resolve().parents[1]
-    res = root / "benchmarks" / "results"
-    d = json.loads((res / "twin_sol-mini.json").read_text())
-    spec = spec_from_pretrained(root / "models" / "sol-mini")
-    hw = load_hardware_file(res / "twin_host.yaml")
-    host = HostParams.load(res / "twin_host.yaml")
-    rows = {r["plan"]: r for r in d["rows"]}
-
-    def ttft(r, ops):
-        return predict(Plan.from_json(r["plan_json"]), spec, hw, host, ops, 32, 32, r["point"]["batch"], 0.5).ttft_s
-
-    pipe = rows["S2-M1-bf16-mtp3-B1"]
-    fd = pipe["ops"]["prefill"]["first_draft"]
-    assert fd["ops"] > 0 and any(k.startswith("call|") for k in fd)
-    without = copy.deepcopy(pipe["ops"])
-    del without["prefill"]["first_draft"]
-    assert ttft(pipe, pipe["ops"]) > ttft(pipe, without) + 1e-3
-    one = rows["S1-bf16-mtp3-B1"]
-    assert "first_draft" in one["ops"]["prefill"]
-    plain = copy.deepcopy(one["ops"])
-    del plain["prefill"]["first_draft"]
-    assert ttft(one, one["ops"]) == ttft(one, plain)
-
-
 def test_afd_with_micro_batches_prices_the_overlapped_hop_and_message_cpu():
     """AFD with 2+ micro-batches takes the hop and the CPU per message end that calibrate measured with both sides
     working; with one micro-batch the idle-link figures stand. (A stored twin row of sol-mini's AFD Plan: its ops.)"""

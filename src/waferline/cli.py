@@ -90,8 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
-            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
-                                  speculative=args.speculative)
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
     if args.speculative:
         k = NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
@@ -227,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "the expert count (default 1)")
     g.add_argument("--speculative", default=None, metavar="METHOD",
                    help="speculative decoding (exact): ngram | mtp | draft:PATH (a checkpoint sharing the tokenizer); "
-                        "also under --stages / --layers-per-stage (MTP then drafts on the last stage)")
+                        "also under --stages / --layers-per-stage and --afd (drafting in this process)")
     g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"with --speculative: most draft tokens per step (default {NUM_SPECULATIVE_TOKENS}; adapted to "
                         "the observed acceptance and the measured "
@@ -267,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.add_argument("--speculative", default=None, metavar="METHOD",
                    help="exact speculative decoding through the pipeline: ngram (prompt lookup, drafted on stage 0) | "
-                        "mtp (sol-mini's MTP head, drafted on the last stage) | draft:PATH (a checkpoint sharing the "
+                        "mtp (sol-mini's MTP head) | draft:PATH (a checkpoint sharing the "
                         "tokenizer); the demo then reports acceptance and mean accepted length")
     d.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help=f"most draft tokens per step with --speculative (default {DEMO_SPECULATIVE_TOKENS}; adapted to "

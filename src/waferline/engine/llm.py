@@ -1,15 +1,20 @@
 """The single-process engine and the stable Python API: LLM, SamplingParams, Output.
 
-``LLM.generate`` / ``LLM.stream`` of the single-process engine run the scheduler's step (engine/scheduler.py) over a
-``LocalRunner`` (engine/runner.py) the LLM makes at its first request and keeps (a larger one when a request brings more
-prompts than it has slots): one ``Sequence`` per prompt, all admitted and prefilled (each prompt whole, alone) in the
-first step, then decoded together until each stops — the server's loop, with greedy bursts on, no prefix cache, and
-on a GPU the captured decode step (engine/graphs.py) as the runner's decode path. ``speculative=`` speculates through
-the scheduler's ``ServeSpeculation`` (engine/speculative/serving.py), which the LLM keeps across requests (what steps
-cost is learnt once). A pipeline or AFD runs its own loop (engine/pipeline/, engine/afd/)."""
+``LLM.generate`` / ``LLM.stream`` run the scheduler's step (engine/scheduler.py) over the runner the options choose
+(``runner_for``): a ``LocalRunner`` (engine/runner.py) over the model in this process, a ``PipelineRunner`` over
+stage processes (``stages=`` / ``layers_per_stage=`` / ``plan=``: engine/pipeline/) or an ``AFDRunner`` over attention
+and FFN ranks (``afd=True``: engine/afd/). The LLM makes the scheduler at its first request and keeps it (a larger
+one when a request brings more prompts than it has slots): one ``Sequence`` per prompt, all admitted and prefilled
+(each prompt whole; a pipeline streams it through its stages in pieces) in the first step, then decoded together
+until each stops — the server's loop, with no prefix cache; in one process with greedy bursts and, on a GPU, the
+captured decode step (engine/graphs.py) as the runner's decode path; over a pipeline with up to M steps in flight
+(engine/overlap.py). ``speculative=`` speculates through the scheduler's ``ServeSpeculation``
+(engine/speculative/serving.py) under every runner, which the LLM keeps across requests (what steps cost is learnt
+once)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -90,9 +95,9 @@ class LLM:
         if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
             from waferline.engine.afd import AFD
 
-            if stages is not None or layers_per_stage is not None or speculative or weight_bits != 16:
-                raise ConfigError("afd runs 16-bit weights without stages, layers_per_stage or speculative decoding; "
-                                  "drop those options (or drop afd / attention_ranks / ffn_ranks)")
+            if stages is not None or layers_per_stage is not None or weight_bits != 16:
+                raise ConfigError("afd runs 16-bit weights without stages or layers_per_stage; drop those options "
+                                  "(or drop afd / attention_ranks / ffn_ranks)")
             self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
@@ -104,9 +109,7 @@ class LLM:
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
 
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
-                                      micro_batches=micro_batches, speculative=speculative,
-                                      num_speculative_tokens=num_speculative_tokens,
-                                      speculative_adaptive=speculative_adaptive, **dev_kw, **pipeline_options)
+                                      micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
             self.spec = self._pipeline.spec
         else:
@@ -135,13 +138,20 @@ class LLM:
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+        self._speculative = (speculative, num_speculative_tokens, speculative_adaptive) if speculative else None
         self._spec: Any = None  # speculative decoding (engine/speculative/serving.py): "ngram" | "mtp" | "draft:PATH"
-        if speculative and self._pipeline is None:  # under the pipeline, the stages speculate (engine/pipeline/)
+        self._scheduler: Any = None  # the Scheduler requests run through (made at the first request)
+        if speculative and self._pipeline is None:
             from waferline.engine.speculative.serving import ServeSpeculation
 
             self._spec = ServeSpeculation(self.model, self.model.new_caches(1), 1, speculative, num_speculative_tokens,
                                           speculative_adaptive, allow_draft_model=True)
-        self._scheduler: Any = None  # the single-process engine's Scheduler (made at the first request)
+        if self._pipeline is not None:
+            try:
+                self._engine(1)  # the runner over the processes, and its speculation: a bad option fails here
+            except BaseException:
+                self._pipeline.close()
+                raise
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
@@ -170,7 +180,7 @@ class LLM:
         ids = self._prompt_ids(token_ids)
         self._check_len(len(ids), 0)
         if self._pipeline is not None:
-            return self._pipeline.prompt_logprobs(ids)
+            return self._engine(1).runner.prompt_logprobs(ids)
         caches = self.model.new_caches(1, self.device)
         h = self.model(torch.tensor([ids], device=self.device), caches, StepBatch.make([0], [0], len(ids), self.device))
         return torch.log_softmax(self.model.logits(h[0]), dim=-1).cpu()
@@ -214,74 +224,98 @@ class LLM:
         ids = [self._prompt_ids(p) for p in prompts]
         for p in ids:
             self._check_len(len(p), params.max_tokens)
-        if self._pipeline is not None:
-            return self._pipeline.stream(self, ids, params)
-        return self._stream(ids, params)
+        return self._stream(ids, params) if ids else iter([[]])
 
     def _engine(self, rows: int) -> Any:
-        """The Scheduler + LocalRunner requests run through: kept, and made again only for more rows than it has
-        slots. Each prompt is prefilled whole and alone in the first step (the step's token budget holds every row at
-        its longest), so a row's numbers do not depend on the others' prompts."""
+        """The Scheduler and runner requests run through (the model in this process, a pipeline's stages or AFD's
+        ranks: ``runner_for``): kept, and made again only for more rows than it has slots. Each prompt is prefilled
+        whole in the first step (the step's token budget holds every row at its longest; a pipeline streams a long
+        prompt through its stages in pieces of its prefill chunk), so a row's numbers do not depend on the others'
+        prompts."""
         from waferline.engine.runner import LocalRunner
-        from waferline.engine.scheduler import Scheduler, SchedulerConfig
+        from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
 
         sch = self._scheduler
         if sch is None or sch.config.max_num_seqs < rows:
-            runner = LocalRunner(self.model, rows, self.device)
-            runner.batch_prefills = False
+            local = self._pipeline is None
+            runner = runner_for(self, rows)
+            if isinstance(runner, LocalRunner):
+                runner.batch_prefills = False
+            if self._speculative is not None and self._spec is None:  # (a pipeline's: its runner has the parts)
+                from waferline.engine.speculative.serving import ServeSpeculation
+
+                model, caches = runner.prepare_speculation(self._speculative[0])
+                self._spec = ServeSpeculation(model, caches, rows, *self._speculative, allow_draft_model=True)
             k = self._spec.k_max if self._spec is not None else 0
             cfg = SchedulerConfig(max_num_seqs=rows, max_model_len=self.max_model_len, chunk_tokens=self.max_model_len,
                                   max_num_batched_tokens=rows * (self.max_model_len + k + 1), max_queue=rows,
-                                  prefix_caching=False, greedy_bursts=True)
+                                  prefix_caching=False, greedy_bursts=local)
             sch = self._scheduler = Scheduler(self, cfg, runner, speculation=self._spec)
         sch.cache.lowest_slots_first()  # (idle: row b is admitted to slot b, as on a fresh scheduler)
         return sch
 
     @torch.inference_mode()
     def _stream(self, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
+        from waferline.engine.overlap import OverlapStepper, can_overlap
         from waferline.engine.sequence import Sequence
 
         sch = self._engine(len(ids))
         runner = sch.runner
+        stepper = OverlapStepper(sch) if can_overlap(sch) else None  # a pipeline: up to M steps in flight
         self.graph_note = None
-        runner.static, runner.static_factory = None, None
-        end = max(len(p) for p in ids) + params.max_tokens
-        if ((self.device.type == "cuda" and self.cuda_graphs) or self._graphs_on_cpu) and params.temperature == 0 \
-                and params.max_tokens > 1:  # (one token: the prefill's alone, no step to replay)
-            runner.static_factory = lambda slots: self._static_decode(runner.caches, slots, end)
+        if self._pipeline is None:
+            runner.static, runner.static_factory = None, None
+            end = max(len(p) for p in ids) + params.max_tokens
+            if ((self.device.type == "cuda" and self.cuda_graphs) or self._graphs_on_cpu) \
+                    and params.temperature == 0 and params.max_tokens > 1:  # (one token: no step to replay)
+                runner.static_factory = lambda slots: self._static_decode(runner.caches, slots, end)
         spec_before = dataclasses.replace(self._spec.stats) if self._spec is not None else None
         events: list[tuple[int, Any]] = []
         seqs = []
+        last_at: list[float] = [0.0] * len(ids)
         t0 = time.perf_counter()
-        done = False
         try:
             for b, p in enumerate(ids):
                 seq = Sequence(str(b), p, params, lambda ev, b=b: events.append((b, ev)), stream_text=False)
                 seq.generator = make_generator(params) if params.seed is None else seeded_generator(params, b)
                 seqs.append(seq)
                 sch.add(seq)
-            while sch.has_work():
-                sch.step()
+            drive = stepper or sch
+            while drive.has_work():
+                drive.step()
+                now = time.perf_counter()
                 for b, ev in events:
                     if ev.error is not None:
                         raise RequestError(ev.error)
                     if ev.token_id is not None:
+                        last_at[b] = now
                         yield b, ev.token_id
                 events.clear()
-            done = True
-        finally:  # (an error, or a caller that stopped reading: what is left ends here)
-            if not done:
+        except BaseException:  # (an error, or a caller that stopped reading: what is left ends here)
+            with contextlib.suppress(Exception):  # (the error that got here is the one to see)
+                if stepper is not None:
+                    stepper.drop()
                 for s in seqs:
                     sch.abort(s.request_id)
-                runner.recover()
-            runner.static, runner.static_factory = None, None
+                if runner.fault() is None:
+                    runner.recover()
+            raise
+        finally:
+            if self._pipeline is None:
+                runner.static, runner.static_factory = None, None
         ttft = max(s.first_token_at or t0 for s in seqs) - t0
         metrics = decode_metrics(t0, ttft, sum(len(s.output_ids) for s in seqs), len(seqs))
+        if self._pipeline is not None:
+            metrics.update(stages=float(self._pipeline.num_stages), micro_batches=float(self._pipeline.micro_batches))
         if self._spec is not None:
             metrics.update(self._spec.stats.since(spec_before).generate_metrics())
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        yield [self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, metrics)
-               for b, s in enumerate(seqs)]
+        outs = []
+        for b, s in enumerate(seqs):
+            span = last_at[b] - (s.first_token_at or t0)
+            m = dict(metrics, tokens_per_s_per_user=(len(s.output_ids) - 1) / span if span > 0 else 0.0)
+            outs.append(self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, m))
+        yield outs
 
     def _static_decode(self, caches: list[Any], slots: list[int], end: int) -> Any:
         """The captured decode step of greedy rows in ``slots`` on a GPU (engine/graphs.py), or None: a model whose
@@ -311,6 +345,7 @@ class LLM:
         """Stop the pipeline's stage processes (no-op for the single-process engine)."""
         if self._pipeline is not None:
             self._pipeline.close()
+        self._scheduler = None
 
     def __enter__(self) -> LLM:
         return self

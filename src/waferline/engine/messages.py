@@ -21,34 +21,29 @@ class Kind(IntEnum):
 
 
 class Emit(IntEnum):
-    """What the last stage returns for a row: nothing, a sampled token, prompt log-probs, a speculative verify of
-    [last token] + drafts, or the fp32 logits of the row's last position (for the server's scheduler to sample with
-    the request's own generator). In a verify group TOKEN and LOGITS answer every position up to the row's last draft
-    (the server's scheduler verifies them itself)."""
+    """What the last stage returns for a row: nothing, a sampled token, prompt log-probs, or the fp32 logits of the
+    row's last position (for the scheduler to sample with the request's own generator). In a verify group TOKEN and
+    LOGITS answer every position up to the row's last draft (the scheduler verifies them itself)."""
 
     NONE = 0
     TOKEN = 1
     LOGPROBS = 2
-    VERIFY = 3
     LOGITS = 4
 
 
 # (the short names the pipeline, AFD and their tests use)
 BEGIN, STEP, SHUTDOWN, FEEDBACK, RESET = Kind.BEGIN, Kind.STEP, Kind.SHUTDOWN, Kind.FEEDBACK, Kind.RESET
-EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS, EMIT_VERIFY, EMIT_LOGITS = Emit.NONE, Emit.TOKEN, Emit.LOGPROBS, Emit.VERIFY, \
-    Emit.LOGITS
+EMIT_NONE, EMIT_TOKEN, EMIT_LOGPROBS, EMIT_LOGITS = Emit.NONE, Emit.TOKEN, Emit.LOGPROBS, Emit.LOGITS
 
 
 @dataclass
 class Group:
     """Rows of a micro-batch that append the same number of tokens T (one forward call per stage).
 
-    Speculative decoding: a verify group's rows (EMIT_VERIFY) carry ``drafts`` (row b's input is its last token,
-    its drafts, then padding up to T); ``has_q`` says the drafter's probabilities [sum of draft lengths, V] (fp32)
-    follow the hidden states in the message; ``tokens`` (B*T input ids) travel with prefill groups when the last
-    stage drafts with MTP and needs the token history, and with every group when a stage after the first holds a
-    hash-routed layer (DeepSeek-V4 picks those experts by token id: engine.pipeline's ``ids_downstream``); ``ks``
-    (MTP) is how many tokens the last stage drafts for each row after it emits (stage 0's adaptive K chose them)."""
+    Speculative decoding: a verify group's rows carry ``drafts`` (row b's input is its last token, its drafts, then
+    padding up to T; every stage keeps what the group overwrites until the rows' accepted lengths arrive);
+    ``tokens`` (B*T input ids) travel with every group when a stage after the first holds a hash-routed layer
+    (DeepSeek-V4 picks those experts by token id: engine.pipeline's ``ids_downstream``)."""
 
     T: int
     seqs: list[int] = field(default_factory=list)
@@ -57,8 +52,6 @@ class Group:
     emits: list[int] = field(default_factory=list)
     drafts: list[list[int]] | None = None
     tokens: list[int] | None = None
-    has_q: bool = False
-    ks: list[int] | None = None
 
     @property
     def B(self) -> int:
@@ -85,14 +78,11 @@ class MicroBatch:
         for g in self.groups:
             meta += [g.B, g.T]
             meta += g.seqs + g.slots + g.starts + g.emits
-            flags = (g.drafts is not None) | (g.tokens is not None) << 1 | g.has_q << 2 | (g.ks is not None) << 3
-            meta.append(flags)
+            meta.append((g.drafts is not None) | (g.tokens is not None) << 1)
             if g.drafts is not None:
                 meta += [len(d) for d in g.drafts] + [t for d in g.drafts for t in d]
             if g.tokens is not None:
                 meta += g.tokens
-            if g.ks is not None:
-                meta += g.ks
         meta.append(len(self.rewinds))
         for slot, keep in self.rewinds:
             meta += [slot, keep]
@@ -120,10 +110,6 @@ class MicroBatch:
             if flags & 2:
                 g.tokens = meta[i:i + B * T]
                 i += B * T
-            g.has_q = bool(flags & 4)
-            if flags & 8:
-                g.ks = meta[i:i + B]
-                i += B
             groups.append(g)
         n_rw = meta[i]
         rewinds = [(meta[i + 1 + 2 * k], meta[i + 2 + 2 * k]) for k in range(n_rw)]
@@ -138,29 +124,24 @@ class MicroBatch:
 
 
 def decode_feedback(meta: list[int], tail: torch.Tensor, vocab: int
-                    ) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]:
-    """(mb_id, tokens per sequence, log-probs per sequence, next drafts per sequence) from a FEEDBACK message
-    (see StageRunner.feedback)."""
-    mb_id, R, n_tok, n_lp, n_dr = meta[:5]
-    i = 5
-    seqs, counts, dcounts = meta[i:i + R], meta[i + R:i + 2 * R], meta[i + 2 * R:i + 3 * R]
-    i += 3 * R
+                    ) -> tuple[int, dict[int, list[int]], dict[int, torch.Tensor]]:
+    """(mb_id, tokens per sequence, log-probs / logits per sequence) from a FEEDBACK message (see
+    StageRunner.feedback)."""
+    mb_id, R, n_tok, n_lp = meta[:4]
+    i = 4
+    seqs, counts = meta[i:i + R], meta[i + R:i + 2 * R]
+    i += 2 * R
     flat = meta[i:i + n_tok]
     i += n_tok
-    dflat = meta[i:i + n_dr]
-    i += n_dr
     lp_seqs, lp_T = meta[i:i + n_lp], meta[i + n_lp:i + 2 * n_lp]
-    tokens, drafts, j, k = {}, {}, 0, 0
-    for s, c, dc in zip(seqs, counts, dcounts):
+    tokens, j = {}, 0
+    for s, c in zip(seqs, counts):
         tokens[s] = flat[j:j + c]
         j += c
-        if dc:
-            drafts[s] = dflat[k:k + dc]
-            k += dc
     lps, k = {}, 0
     if n_lp:
         allp = tail[:sum(lp_T) * vocab * 4].view(torch.float32).view(-1, vocab)  # (hidden states may follow)
         for s, T in zip(lp_seqs, lp_T):
             lps[s] = allp[k:k + T]
             k += T
-    return mb_id, tokens, lps, drafts
+    return mb_id, tokens, lps

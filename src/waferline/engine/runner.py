@@ -22,8 +22,8 @@ from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
 
-# what a row of a step asks for
-WANT_NONE, WANT_ARGMAX, WANT_LOGITS = 0, 1, 2
+# what a row of a step asks for (WANT_LOGPROBS: a prefill chunk's log-softmax at every position, for scoring)
+WANT_NONE, WANT_ARGMAX, WANT_LOGITS, WANT_LOGPROBS = 0, 1, 2, 3
 
 
 @dataclass
@@ -62,7 +62,8 @@ class RowOutput:
     """The answer for a row that wanted its next token: ``argmax`` (greedy) or ``logits`` [V] (fp32, on the CPU).
     A runner may return logits where argmax was asked (the scheduler then takes the argmax itself). A verify row's
     answer has ``logits`` [T, V] and, for greedy rows, ``argmaxes`` (T ints); ``hidden`` holds the row's hidden states
-    [T, D] where the runner was asked to keep them (an MTP drafter consumes them)."""
+    [T, D] where the runner was asked to keep them (an MTP drafter consumes them). A WANT_LOGPROBS chunk's answer has
+    ``logits`` [T, V]: the fp32 log-softmax at each of its positions."""
 
     logits: torch.Tensor | None = None
     argmax: int | None = None

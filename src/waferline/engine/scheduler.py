@@ -28,7 +28,7 @@ and whether the decodes run as a burst), ``execute`` (the runner runs it) and ``
 sampled and emitted; the stop rules end sequences here and nowhere else). With ``greedy_bursts``, a step in which
 every running sequence is a greedy decode and nothing waits runs up to ``GREEDY_BURST`` greedy steps back to back
 through the runner's ``burst`` (tokens after a stop inside a burst are dropped). ``LLM.generate`` and ``LLM.stream``
-of the single-process engine run this loop over their own scheduler (engine/llm.py).
+run this loop over their own scheduler, under every runner (engine/llm.py).
 """
 
 from __future__ import annotations
@@ -222,10 +222,16 @@ class Scheduler:
         decodes (as a burst where planned and the runner can) and prefill chunks in one step."""
         res = StepResult()
         spec = self.spec_dec
+        dec_rows, chunks = self.rows(plan)
         if plan.verifies:
             assert spec is not None and hasattr(self.runner, "verify")
-            res.verified, res.fed = spec.verify_step(self.runner, plan.verifies)
-        dec_rows, chunks = self.rows(plan)
+            together = getattr(self.runner, "verify_with_step", False) and plan.burst <= 1
+            res.verified, res.fed, rest = spec.verify_step(self.runner, plan.verifies, *(
+                (dec_rows, chunks) if together else ()))
+            if rest is not None:  # (the decode rows and prefill chunks went through in the verify's trip)
+                res.decoded, res.prefilled = rest
+                spec.after_step(plan.decodes, plan.prefills, res.decoded, res.prefilled)
+                return res
         t0 = time.perf_counter()
         if plan.burst > 1:
             got = self.runner.burst(dec_rows, plan.burst)  # type: ignore[attr-defined]
@@ -242,11 +248,7 @@ class Scheduler:
         if spec is not None:
             if dec_rows and not chunks:  # a plain step's cost, for adaptive K
                 spec.record(len(dec_rows), 1, time.perf_counter() - t0)
-            hidden = [o.hidden for o in res.decoded] if spec.uses_hidden else []
-            spec.consumed([s.slot for s in plan.decodes], [0] * len(plan.decodes),
-                          torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
-            for (s, _), out in zip(plan.prefills, res.prefilled):
-                spec.prefilled(s, None if out is None else out.hidden)
+            spec.after_step(plan.decodes, plan.prefills, res.decoded, res.prefilled)
         return res
 
     @staticmethod

@@ -21,7 +21,6 @@ from waferline.engine.messages import (
     EMIT_LOGPROBS,
     EMIT_NONE,
     EMIT_TOKEN,
-    EMIT_VERIFY,
     FEEDBACK,
     RESET,
     SHUTDOWN,
@@ -51,7 +50,7 @@ from waferline.model.arena import move_to_huge_pages
 
 # (the transport's names are re-exported: the pipeline, AFD and their tests import them from here)
 __all__ = ["Kind", "Emit", "BEGIN", "STEP", "SHUTDOWN", "FEEDBACK", "RESET", "EMIT_NONE", "EMIT_TOKEN", "EMIT_LOGPROBS",
-           "EMIT_VERIFY", "EMIT_LOGITS", "EXIT_ERROR", "EXIT_PEER_LOST", "EXIT_ABORTED", "PUBLISH_INTERVAL_S",
+           "EMIT_LOGITS", "EXIT_ERROR", "EXIT_PEER_LOST", "EXIT_ABORTED", "PUBLISH_INTERVAL_S",
            "LOOPBACK", "MAX_PENDING_SENDS", "SLOT_BYTES", "Control", "Link",
            "PeerLost", "json_meta", "loopback_host", "loopback_store", "make_group", "meta_json", "Group",
            "MicroBatch", "StageRunner", "decode_feedback", "serve", "worker_main", "worker_ready", "worker_failed",
@@ -79,16 +78,13 @@ class StageRunner:
         from waferline.engine.speculative import SlotRollback
 
         self.rollback = SlotRollback()  # speculative verifies of this stage's layers, until their keep arrives
-        self.spec: Any = None  # the last stage's LastStageSpec when the run speculates
         self.send_hidden = False  # the last stage returns every row's final hidden states (the server's MTP drafter)
 
     def begin(self, cfg: dict[str, Any]) -> None:
-        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (and, when
-        ``cfg["spec"]`` is set, speculative verification / MTP drafting; with ``cfg["hidden"]`` its feedback carries
-        the final hidden states of every row)."""
+        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (with
+        ``cfg["hidden"]`` its feedback carries the final hidden states of every row)."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
         self.rollback.reset()
-        self.spec = None
         self.send_hidden = bool(cfg.get("hidden")) and self.is_last
         if self.is_last:
 
@@ -103,10 +99,6 @@ class StageRunner:
             n = int(cfg["num_slots"])
             p = self.params
             self.gens = [make_generator(p) if p.seed is None else seeded_generator(p, i) for i in range(n)]
-            if cfg.get("spec"):
-                from waferline.engine.speculative import LastStageSpec
-
-                self.spec = LastStageSpec(self.model, cfg, self.params, self.gens)
 
     @torch.inference_mode()  # (a rollback may have left inference tensors in the caches)
     def reset_slots(self, slots: list[int]) -> None:
@@ -149,41 +141,23 @@ class StageRunner:
         return out
 
     @torch.inference_mode()
-    def feedback(self, mb: MicroBatch, hs: list[torch.Tensor], extra: torch.Tensor | None = None
-                 ) -> tuple[list[int], list[torch.Tensor]]:
-        """The last stage's answer for a micro-batch: emitted tokens (a variable number per row: speculative verifies
-        emit 1..K+1), the next drafts per row (MTP drafting here), and log-probs.
+    def feedback(self, mb: MicroBatch, hs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+        """The last stage's answer for a micro-batch: emitted tokens (a variable number per row: a verify group's
+        greedy rows get one per position) and fp32 logits / log-probs.
 
-        meta = [mb_id, R, n_tok, n_lp, n_dr] + seq[R] + count[R] + dcount[R] + tokens[n_tok] + drafts[n_dr]
-               + lp_seq[n_lp] + lp_T[n_lp];
+        meta = [mb_id, R, n_tok, n_lp] + seq[R] + count[R] + tokens[n_tok] + lp_seq[n_lp] + lp_T[n_lp];
         tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0. With ``send_hidden`` one byte tensor instead: the
         log-probs, then every group's final hidden states [B, T, ...] in the model's dtype, group after group.
 
-        A verify group's rows that ask for EMIT_TOKEN or EMIT_LOGITS (the server's scheduler verifies them itself)
-        get every position's answer up to their last draft: the greedy tokens (len(draft) + 1 of them) or the fp32
-        logits [len(draft) + 1, V].
+        A verify group's rows (the scheduler verifies them itself) get every position's answer up to their last draft:
+        the greedy tokens (len(draft) + 1 of them) of EMIT_TOKEN rows, the fp32 logits [len(draft) + 1, V] of
+        EMIT_LOGITS rows.
         """
-        seqs, counts, toks, lp_seqs, lp_T, lps, ks = [], [], [], [], [], [], []
-        qs = self.split_probs(mb, extra)
-        for g, h, gq in zip(mb.groups, hs, qs):
+        seqs, counts, toks, lp_seqs, lp_T, lps = [], [], [], [], [], []
+        for g, h in zip(mb.groups, hs):
             if g.verify:
-                rows = [r for r in range(g.B) if g.emits[r] == EMIT_VERIFY]
-                if rows:
-                    if self.spec is None:
-                        raise RuntimeError("a verify micro-batch arrived but this run does not speculate")
-                    logits = self.model.logits(h[rows]).float().cpu()
-                    em = self.spec.verify([g.seqs[r] for r in rows], [g.drafts[r] for r in rows], [gq[r] for r in rows],
-                                          logits, h[rows])
-                    for r, t in zip(rows, em):
-                        seqs.append(g.seqs[r])
-                        counts.append(len(t))
-                        toks += t
-                        ks.append(g.ks[r] if g.ks is not None else 0)
-                self._positions(g, h, seqs, counts, toks, ks, lp_seqs, lp_T, lps)
+                self._positions(g, h, seqs, counts, toks, lp_seqs, lp_T, lps)
                 continue
-            if self.spec is not None and g.tokens is not None:
-                for r in range(g.B):
-                    self.spec.prefill(g.seqs[r], g.tokens[r * g.T:(r + 1) * g.T], h[r])
             rows = [r for r in range(g.B) if g.emits[r] == EMIT_TOKEN]
             if rows:
                 logits = self.model.logits(h[rows, -1]).float().cpu()
@@ -191,9 +165,6 @@ class StageRunner:
                     seqs.append(g.seqs[r])
                     counts.append(1)
                     toks.append(sample(logits[k], self.params, self.gens[g.seqs[r]]))
-                    ks.append(g.ks[r] if g.ks is not None else 0)
-                    if self.spec is not None:
-                        self.spec.first(g.seqs[r], toks[-1])
             for r in range(g.B):
                 if g.emits[r] == EMIT_LOGPROBS:
                     lp_seqs.append(g.seqs[r])
@@ -203,10 +174,7 @@ class StageRunner:
                     lp_seqs.append(g.seqs[r])
                     lp_T.append(1)
                     lps.append(self.model.logits(h[r, -1:]).float())
-        drafts = self.spec.draft(seqs, ks) if self.spec is not None else [[] for _ in seqs]
-        flat = [t for d in drafts for t in d]
-        meta = ([mb.mb_id, len(seqs), len(toks), len(lp_seqs), len(flat)] + seqs + counts + [len(d) for d in drafts]
-                + toks + flat + lp_seqs + lp_T)
+        meta = [mb.mb_id, len(seqs), len(toks), len(lp_seqs)] + seqs + counts + toks + lp_seqs + lp_T
         tail = [torch.cat(lps)] if lps else []
         if self.send_hidden:
             parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tail + list(hs)]
@@ -214,7 +182,7 @@ class StageRunner:
         return meta, tail
 
     def _positions(self, g: Group, h: torch.Tensor, seqs: list[int], counts: list[int], toks: list[int],
-                   ks: list[int], lp_seqs: list[int], lp_T: list[int], lps: list[torch.Tensor]) -> None:
+                   lp_seqs: list[int], lp_T: list[int], lps: list[torch.Tensor]) -> None:
         """A verify group's EMIT_TOKEN / EMIT_LOGITS rows: every position's greedy token or fp32 logits, up to the
         row's last draft (padding excluded)."""
         want = [r for r in range(g.B) if g.emits[r] in (EMIT_TOKEN, EMIT_LOGITS)]
@@ -227,30 +195,14 @@ class StageRunner:
                 seqs.append(g.seqs[r])
                 counts.append(n)
                 toks += greedy(logits[k, :n])
-                ks.append(0)
             else:
                 lp_seqs.append(g.seqs[r])
                 lp_T.append(n)
                 lps.append(logits[k, :n])
 
-    def split_probs(self, mb: MicroBatch, extra: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
-        """Per group and row, the drafter's probabilities [len(draft), V] that ride behind the hidden states."""
-        V = self.model.spec.vocab_size
-        flat = extra.clone().view(torch.float32) if extra is not None and extra.numel() else None
-        out, off = [], 0
-        for g in mb.groups:
-            row: list[torch.Tensor | None] = [None] * g.B
-            if g.has_q and g.drafts is not None and flat is not None:
-                for r, d in enumerate(g.drafts):
-                    if d:
-                        row[r] = flat[off: off + len(d) * V].view(len(d), V)
-                        off += len(d) * V
-            out.append(row)
-        return out
-
-    def split(self, mb: MicroBatch, tail: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def split(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
         """Hidden states per group ([B, T, D], DeepSeek-V4's streams [B, T, hc_mult, D]) from the raw bytes of a STEP
-        message, and the bytes after them (draft probabilities, passed on unchanged to the last stage)."""
+        message."""
         d, n_hc = self.model.spec.hidden_size, self.model.hc_mult
         row = (n_hc, d) if n_hc else (d,)
         D, dt = d * max(n_hc, 1), self.model.dtype
@@ -262,11 +214,7 @@ class StageRunner:
             n = g.B * g.T * D
             out.append(flat[i:i + n].view(g.B, g.T, *row))
             i += n
-        return out, tail[nbytes:]
-
-    def split_hidden(self, mb: MicroBatch, tail: torch.Tensor) -> list[torch.Tensor]:
-        """Hidden states per group from the raw bytes of a STEP message."""
-        return self.split(mb, tail)[0]
+        return out
 
 
 # ---------------------------------------------------------------- worker process
@@ -309,12 +257,9 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
 
         a, b = load["layer_range"]
         last = rank == num_stages - 1
-        mtp = bool(load.get("mtp")) and last  # MTP drafts on the last stage: it needs the embeddings and the head
         with loading_for(device):
-            model = load_model(load["path"], load["dtype"], range(a, b), has_embed=mtp, has_head=last,
+            model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=last,
                                **load.get("extra", {}))
-        if mtp:
-            check_mtp(model, load["path"])
         if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
             move_model(model, device)
     except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
@@ -341,13 +286,12 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                     act.send(rank + 1, RESET, meta)
             elif kind == STEP:
                 mb = MicroBatch.decode(meta)
-                h_in, extra = runner.split(mb, tail)
-                hs = runner.forward(mb, h_in)
+                hs = runner.forward(mb, runner.split(mb, tail))
                 if last:
-                    fmeta, ft = runner.feedback(mb, hs, extra)
+                    fmeta, ft = runner.feedback(mb, hs)
                     fb.send(0, FEEDBACK, fmeta, ft)
                 else:
-                    act.send(rank + 1, STEP, meta, hs + ([extra] if extra.numel() else []))
+                    act.send(rank + 1, STEP, meta, hs)
             state["processed"] += 1
     except Exception as e:
         return worker_failed(ctl, rank, e)
@@ -390,7 +334,7 @@ def worker_failed(ctl: Control, rank: int, e: Exception) -> int:
 
 
 def check_mtp(model: Any, path: Any) -> None:
-    """Speculative 'mtp' needs MTP weights in the checkpoint (they are loaded on the last stage)."""
+    """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them)."""
     from waferline.errors import ConfigError
 
     if not len(model.mtp):

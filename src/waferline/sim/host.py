@@ -222,7 +222,6 @@ def _pipeline_prefill(plan: Plan, spec: ModelSpec, host: HostParams, profile: Op
     (stage 0, in the driver, launches the next one when an earlier one's token comes back)."""
     S = plan.num_stages
     M = max(1, plan.micro_batches)
-    sp = plan.speculative
     mbs = prefill_micro_batches(B, P, PIPELINE_PREFILL_CHUNK)
     memo: dict[tuple[int, int, int], list[float]] = {}
 
@@ -231,10 +230,6 @@ def _pipeline_prefill(plan: Plan, spec: ModelSpec, host: HostParams, profile: Op
             pc = prefill_chunk_count(profile, spec, r, tok, start, host.small_op_bytes)
             costs = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r,
                                  s.has_lm_head, 0.0, prefill=True).total for s in plan.stages]
-            if sp.method == "mtp" and pc.first_draft is not None and start + tok >= P:
-                # the last stage drafts before a prompt's first token returns
-                costs[-1] += _stage_cost(host, plan, spec, table, [], OpCount({}, pc.first_draft), r, tok, False, 0,
-                                         True, 0.0, prefill=True).total
             memo[(r, tok, start)] = costs
         return memo[(r, tok, start)]
 

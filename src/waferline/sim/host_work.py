@@ -68,9 +68,6 @@ class OpCount:
     layers: dict[int, Work]
     other: Work
     traced: bool = True
-    # prefill with MTP under a pipeline: the last stage's MTP pass over the prompt and first drafts, which it runs
-    # before the first token goes back to stage 0 (engine/speculative/, the last stage's draft())
-    first_draft: Work | None = None
 
 
 class OpsProfile(Protocol):
@@ -108,9 +105,9 @@ MASK_BYTES = 2.0
 
 
 def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[tuple[int, int, int]]]:
-    """The pipeline's prefill micro-batches for ``rows`` prompts of ``prompt_len`` tokens (engine/pipeline/ring.py
-    ``_schedule`` with nothing decoding yet): prompts in order, up to ``chunk`` tokens a micro-batch, a prompt split
-    where the budget ends. Each micro-batch is a list of groups (rows, tokens, start): the engine runs one [rows,
+    """The pipeline's prefill micro-batches for ``rows`` prompts of ``prompt_len`` tokens (engine/pipeline/serving.py
+    ``PipelineRunner._split`` with nothing decoding): prompts in order, up to ``chunk`` tokens a micro-batch, a prompt
+    split where the budget ends. Each micro-batch is a list of groups (rows, tokens, start): the engine runs one [rows,
     tokens] forward per chunk length, its keys up to the group's furthest row (start: the latest row's first
     position)."""
     out: list[list[tuple[int, int, int]]] = []
@@ -195,7 +192,7 @@ def prefill_chunk_count(profile: OpsProfile, spec: ModelSpec, rows: int, tokens:
             layers[i] = w2
         else:
             layers[i] = w
-    return OpCount(layers, c.other, c.traced, c.first_draft)
+    return OpCount(layers, c.other, c.traced)
 
 
 def compute_dtype(plan: Plan) -> str:
@@ -367,12 +364,10 @@ def _stage_cost(
 
 
 def counted_op_count(d: dict[str, Any]) -> OpCount:
-    """An OpCount from one counted forward as the op counter records it ({"layers": {i: counts}, "other": counts,
-    optionally "first_draft": counts}; each counts dict: ops, matmul bytes/FLOPs by dtype, small/large bytes)."""
-    fd = d.get("first_draft")
+    """An OpCount from one counted forward as the op counter records it ({"layers": {i: counts}, "other": counts};
+    each counts dict: ops, matmul bytes/FLOPs by dtype, small/large bytes)."""
     return OpCount({int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["layers"].items()},
-                   Work.from_counts(d["other"].get("ops", 0.0), d["other"]),
-                   first_draft=Work.from_counts(fd.get("ops", 0.0), fd) if fd else None)
+                   Work.from_counts(d["other"].get("ops", 0.0), d["other"]))
 
 
 def chunk_key(rows: int, tokens: int, start: int) -> str:

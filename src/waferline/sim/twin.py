@@ -184,13 +184,6 @@ class CountedOps(ChunkOps):
     def _count(d: dict[str, Any]) -> Any:
         return counted_op_count(d)
 
-    def count(self, rows: int, tokens: int, start: int) -> Any:
-        c = super().count(rows, tokens, start)
-        fd = self.ops["prefill"].get("first_draft")
-        if c is not None and fd and self.counts[chunk_key(rows, tokens, start)].get("logits"):
-            c.first_draft = Work.from_counts(fd.get("ops", 0.0), fd)  # MTP drafts after the prompt's last chunk
-        return c
-
     def decode(self, rows: int, tokens: int) -> Any:
         return self._count(self.ops["decode"])
 

@@ -156,19 +156,6 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         "ffn": {i: c3.get(f"f{i}", {}) for i in idx},
         "other": c3.get(None, {}),
     }
-    if speculative == "mtp" and len(getattr(model, "mtp", [])):
-        # under a pipeline the last stage runs the MTP layer over the prompt's hidden states and drafts k tokens
-        # before the first token goes back (engine/speculative/): counted apart, for the pipeline's TTFT
-        from waferline.engine.speculative import MTPDrafter
-        from waferline.sim.calibrate.opcount import _forward_work
-
-        drafter = MTPDrafter(model)
-        seqs = [list(p[:prompt_len]) + [p[0]] for p in prompts[:prefill_rows]]  # the prompt and a first token
-        with torch.inference_mode():
-            drafter.begin(seqs, list(h))
-            pre["first_draft"] = _forward_work(lambda: drafter.propose(
-                list(range(prefill_rows)), seqs, [k] * prefill_rows, SamplingParams(max_tokens=k + 2),
-                [None] * prefill_rows))
     for h_ in hooks:
         h_.remove()
     return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
@@ -193,8 +180,8 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
                   ttft_repeats: int = TTFT_REPEATS) -> dict[str, Any]:
     """Child process: run the engine for one grid point (best of ``repeats`` by per-user rate), then (``count``) count
     its ops and record row 0's token arrivals. TTFT is the best of the repeats and of ``ttft_repeats`` short runs of
-    one token each (k + 2 for a speculative Plan: MTP drafts with its first token when that many are asked for, as in
-    the full run): a prefill takes 0.02-1 s and this machine runs it up to 1.5-2x slower now and then, so two samples
+    one token each (k + 2 for a speculative Plan: room for a full draft after the first token, as in the full run): a
+    prefill takes 0.02-1 s and this machine runs it up to 1.5-2x slower now and then, so two samples
     per pass could both catch a slow phase. The warm-up
     generates for the whole batch first, so one-time work at the batch's shapes (oneDNN kernels made for the
     prefill's row count, weight layouts) is not timed."""
@@ -223,8 +210,7 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
             ttfts.append(r["ttft_s"])
             if best is None or r["tokens_per_s_per_user"] > best["tokens_per_s_per_user"]:
                 best = r
-        # (MTP drafts k tokens with the first one when at least k + 2 are asked for: as many, so its prefill is the
-        # same)
+        # (a speculative run: room for a full draft after the first token, as in the full run)
         short = min(output_len, 1 if point["speculative"] == "none" else point["k"] + 2)
         for _ in range(ttft_repeats):
             ttfts.append(_timed_run(llm, prompts, short)["ttft_s"])

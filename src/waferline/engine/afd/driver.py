@@ -23,14 +23,10 @@ from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
 from waferline.engine.afd.sides import _check_checkpoint, load_attention_side
 from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
 from waferline.engine.pipeline.launch import _main_hidden, _reap
-from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, _Seq
 from waferline.engine.pipeline.supervise import WATCH_INTERVAL_S, StageError
 from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
     BEGIN,
-    EMIT_LOGPROBS,
-    EMIT_NONE,
-    EMIT_TOKEN,
     FEEDBACK,
     LOOPBACK,
     RESET,
@@ -39,7 +35,6 @@ from waferline.engine.stage import (
     Control,
     Group,
     MicroBatch,
-    decode_feedback,
     json_meta,
     loopback_store,
     make_group,
@@ -63,11 +58,8 @@ def _proc_state(pid: int) -> str:
 
 class AFD(Pipeline):
     """Attention/FFN disaggregation over M attention ranks and N FFN ranks; this process is attention rank 0 and
-    the scheduler. Same API as ``Pipeline`` (run_generate, run_stream, prompt_logprobs, stream, close).
-
-    >>> with AFD("ckpt", attention_ranks=2, ffn_ranks=2) as afd:
-    ...     toks, reasons, metrics = afd.run_generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
-    """
+    the scheduler's. ``LLM(path, afd=True, attention_ranks=M, ffn_ranks=N)`` makes one and runs its requests through
+    the scheduler (``serving.AFDRunner``)."""
 
     def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", *, attention_ranks: int | None = None,
                  ffn_ranks: int | None = None, micro_batches: int | None = None, plan: Plan | None = None,
@@ -108,7 +100,6 @@ class AFD(Pipeline):
         self._fault: str | None = None
         self._lock = threading.Lock()
         self._env = False
-        self.speculative, self._sr = None, None  # the Pipeline base's speculative path: not under AFD
         self._busy_since: float | None = None
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -219,25 +210,6 @@ class AFD(Pipeline):
     def _rank_of(self, i: int) -> int:
         return i % self.M
 
-    def _plan_step(self, seqs: list[_Seq], logprobs: bool) -> list[list[tuple[int, list[int], int, int]]] | None:
-        """Per attention rank, the rows of this step: (row, tokens, start, emit); None when nothing is left."""
-        per: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(self.M)]
-        for s in seqs:
-            if s.phase == DECODE:
-                per[self._rank_of(s.idx)].append((s.idx, [s.out[-1]], len(s.prompt) + len(s.out) - 1, EMIT_TOKEN))
-        budget = [max(self.prefill_chunk - len(rows), 1) for rows in per]  # prompts always advance
-        for s in seqs:
-            m = self._rank_of(s.idx)
-            if s.phase != PREFILL or s.next_pos >= len(s.prompt) or budget[m] <= 0:
-                continue
-            n = min(len(s.prompt) - s.next_pos, budget[m])
-            last = s.next_pos + n == len(s.prompt)
-            emit = EMIT_LOGPROBS if logprobs else (EMIT_TOKEN if last else EMIT_NONE)
-            per[m].append((s.idx, s.prompt[s.next_pos:s.next_pos + n], s.next_pos, emit))
-            s.next_pos += n
-            budget[m] -= n
-        return per if any(per) else None
-
     def _micro_batches(
         self, rows: list[tuple[int, list[int], int, int]], verify: bool = False
     ) -> tuple[list[MicroBatch], list[list[torch.Tensor]]]:
@@ -280,12 +252,6 @@ class AFD(Pipeline):
         for m in range(1, self.M):
             self.link.send(m, BEGIN, json_meta(dict(cfg, local_slots=len(range(m, n, self.M)))))
 
-    def _step_ranks(self, per: list[list[tuple[int, list[int], int, int]]]
-                    ) -> list[tuple[int, dict[int, list[int]], dict[int, torch.Tensor], dict[int, list[int]]]]:
-        """One step: per attention rank, its rows (global row, tokens, start, emit) in K micro-batches; the decoded
-        feedback of every micro-batch (mb_id, tokens, log-probs, drafts per global row)."""
-        return [decode_feedback(meta, tail, self.spec.vocab_size) for meta, tail in self._step_raw(per)[0]]
-
     def _step_raw(self, per: list[list[tuple[int, list[int], int, int]]], verify: bool = False,
                   rewinds: list[tuple[int, int]] = ()) -> tuple[list[tuple[list[int], torch.Tensor]],
                                                                  dict[int, list[Group]]]:
@@ -327,30 +293,6 @@ class AFD(Pipeline):
                 self.runner.rt.reset_slots(local)
             else:
                 self.link.send(m, RESET, local)
-
-    def _run(
-        self, seqs: list[_Seq], params: SamplingParams, logprobs: bool, on_tokens: Any
-    ) -> Iterator[list[tuple[int, int]]]:
-        self._begin_ranks(len(seqs), params)
-        while True:
-            per = self._plan_step(seqs, logprobs)
-            if per is None:
-                break
-            feedback = self._step_ranks(per)
-            now = time.perf_counter()
-            events: list[tuple[int, int]] = []
-            for fb in feedback:  # (mb_id, tokens, log-probs, drafts)
-                tokens, lps = fb[1], fb[2]
-                for i, lp in lps.items():
-                    s = seqs[i]
-                    s.logprobs.append(lp.clone())
-                    if s.next_pos >= len(s.prompt) and sum(x.shape[0] for x in s.logprobs) == len(s.prompt):
-                        s.phase = DONE
-                for i, toks in tokens.items():
-                    events += [(i, t) for t in on_tokens(seqs[i], toks, now)]
-            if events:
-                yield events
-        self.link.flush()
 
     # ------------------------------------------------------------ measurement
     def time_split(self, reset: bool = True) -> dict[str, Any]:

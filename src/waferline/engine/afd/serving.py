@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded
+from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded, pack_prefills
 from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutput, VerifyRow
 
 if TYPE_CHECKING:
@@ -28,6 +28,7 @@ class AFDRunner(PipelineRunner):
 
     pipe: AFD
     overlap = False  # (an AFD step runs through the ranks at once: steps go one at a time)
+    verify_with_step = False  # (a verify and the step's other rows: two AFD steps)
 
     def _begin(self) -> None:
         self._rewinds, self._verified = [], []
@@ -37,31 +38,48 @@ class AFDRunner(PipelineRunner):
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
         rows: list[tuple[int, int, list[int], int]] = [(r.slot, r.position, [r.token], r.want) for r in decodes]
         rows += [(c.slot, c.start, c.tokens, c.want) for c in prefills]
-        outs = self._rows(rows, False)
+        outs = self._rows(rows, len(decodes), False)
         return outs[:len(decodes)], outs[len(decodes):]
 
     def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
         """As ``PipelineRunner.verify``, through the attention and FFN ranks."""
         self._verified = [r.slot for r in rows]
-        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows], True)
+        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows], len(rows), True)
         return _padded(outs, max(len(r.tokens) for r in rows)) if self._keep_hidden else outs  # type: ignore[return-value]
 
-    def _rows(self, rows: list[tuple[int, int, list[int], int]], verify: bool) -> list[RowOutput | None]:
-        """Run ``rows`` (slot, start, tokens, want) as one AFD step; their outputs in order."""
+    def _rows(self, rows: list[tuple[int, int, list[int], int]], n_decodes: int, verify: bool
+              ) -> list[RowOutput | None]:
+        """Run ``rows`` (slot, start, tokens, want; the first ``n_decodes`` of them decode or verify rows, the rest
+        prefill chunks) as AFD steps; their outputs in order. Each attention rank's prefill
+        chunks are packed in order within the engine's prefill chunk per step (beside its decode rows: what is left of
+        it), so a long prompt runs as several steps, piece after piece (``pack_prefills``)."""
         afd = self.pipe
-        per: list[list[_AFDRow]] = [[] for _ in range(afd.M)]
-        wanted: dict[int, int] = {}  # slot -> output index
-        for i, (slot, start, tokens, want) in enumerate(rows):
-            per[afd._rank_of(slot)].append((slot, tokens, start, _EMITS[want]))
-            if want != WANT_NONE or self._keep_hidden:
-                wanted[slot] = i
         outs: list[RowOutput | None] = [None] * len(rows)
-        if rows:
+        rounds: list[list[list[_AFDRow]]] = []  # step -> attention rank -> rows
+        wanted: list[dict[int, int]] = []  # step -> slot -> output index
+        for m in range(afd.M):
+            mine = [(slot, start, tokens, want, i) for i, (slot, start, tokens, want) in enumerate(rows)
+                    if afd._rank_of(slot) == m]
+            dec = [r for r in mine if r[4] < n_decodes]
+            chunks = [r for r in mine if r[4] >= n_decodes]
+            bins = pack_prefills(chunks, [max(afd.prefill_chunk - len(dec), 1)], afd.prefill_chunk)
+            bins[0] = dec + bins[0]
+            for k, b in enumerate(bins):
+                if k == len(rounds):
+                    rounds.append([[] for _ in range(afd.M)])
+                    wanted.append({})
+                for slot, start, tokens, want, i in b:
+                    rounds[k][m].append((slot, tokens, start, _EMITS[want]))
+                    if want != WANT_NONE or self._keep_hidden:
+                        wanted[k][slot] = i
+        for per, want_k in zip(rounds, wanted):
+            if not any(per):
+                continue
             rewinds, self._rewinds = self._rewinds, []
             feedback, groups = self._guard(lambda: self._step(per, verify, rewinds))
             for meta, tail in feedback:
                 gs = groups[meta[0]]
-                self._answers(meta, tail, gs, {s: wanted[s] for g in gs for s in g.seqs if s in wanted}, outs, verify)
+                self._answers(meta, tail, gs, {s: want_k[s] for g in gs for s in g.seqs if s in want_k}, outs, verify)
         return outs
 
     def _step(self, per: list[list[_AFDRow]], verify: bool, rewinds: list[tuple[int, int]]) -> tuple:

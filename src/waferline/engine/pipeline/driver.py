@@ -1,6 +1,7 @@
 """The pipeline engine's driver, ``Pipeline``: this process is stage 0 and the scheduler, stages 1..S-1 are worker
-processes; start-up (local or torchrun) and the public API (run_generate, run_stream, prompt_logprobs, stream).
-The decode ring is ``ring.DecodeRing``, the hold on the workers ``supervise.Supervision``.
+processes; start-up (local or torchrun) and the chain stage 0 launches micro-batches into and reads the last stage's
+answers from. The scheduler drives it through ``serving.PipelineRunner``; the hold on the workers is
+``supervise.Supervision``.
 """
 
 from __future__ import annotations
@@ -8,11 +9,9 @@ from __future__ import annotations
 import datetime
 import os
 import threading
-import time
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,15 +25,19 @@ from waferline.engine.pipeline.launch import (
     ids_downstream,
     stage_ranges,
 )
-from waferline.engine.pipeline.ring import DECODE, DONE, PREFILL, DecodeRing, _Seq, _SpecRun
 from waferline.engine.pipeline.supervise import StageError, Supervision
 from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
+    BEGIN,
+    FEEDBACK,
     LOOPBACK,
+    STEP,
     Control,
+    Group,
     Link,
+    MicroBatch,
     StageRunner,
-    check_mtp,
+    json_meta,
     loopback_store,
     make_group,
     worker_main,
@@ -43,26 +46,21 @@ from waferline.errors import ConfigError, counted
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
-    from waferline.engine.llm import LLM
     from waferline.plan.plan import Plan
 
 DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_HANG_TIMEOUT_S = 8.0
 
 
-class Pipeline(DecodeRing, Supervision):
-    """S stages over ``torch.distributed`` point-to-point; this process is stage 0 and the scheduler.
-
-    >>> with Pipeline("ckpt", stages=2, micro_batches=2) as pipe:
-    ...     toks, reasons, metrics = pipe.run_generate([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=8))
-    """
+class Pipeline(Supervision):
+    """S stages over ``torch.distributed`` point-to-point; this process is stage 0 and the scheduler's. ``LLM(path,
+    stages=S)`` makes one and runs its requests through the scheduler (``serving.PipelineRunner``)."""
 
     def __init__(self, path: str | Path, dtype: str | torch.dtype = "float32", *, stages: int | None = None,
                  layers_per_stage: int | None = None, micro_batches: int | None = None, plan: Plan | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_stage: int | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
-                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True):
+                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None):
 
         dtype = resolve_dtype(dtype)
         self.path = Path(path)
@@ -103,7 +101,6 @@ class Pipeline(DecodeRing, Supervision):
             )
         self._env = launch == "env" or (launch == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
-        self._setup_speculative(speculative, num_speculative_tokens, speculative_adaptive, load)
         self._finalizer = weakref.finalize(self, _reap, self._procs)
         try:
             self._start(load, start_method)
@@ -128,8 +125,6 @@ class Pipeline(DecodeRing, Supervision):
         a, b = self.ranges[0]
         with loading_for(self.device):
             model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
-        if S == 1 and load.get("mtp"):
-            check_mtp(model, self.path)
         if self.device.type != "cpu":  # (int4 weights repacked for the device's kernel)
             move_model(model, self.device)
         self.runner = StageRunner(model, 0, S, self.device)
@@ -195,107 +190,50 @@ class Pipeline(DecodeRing, Supervision):
         self._connect_watching(build, box)
         self.act, self.fb = Link(box["act"], self.device), Link(box["fb"], self.device)
 
-    # ------------------------------------------------------------ public API
-    def run_generate(self, prompts: list[list[int]], params: SamplingParams, stop_ids: set[int] | None = None,
-                     hit_stop: Any = None) -> tuple[list[list[int]], list[str], list[dict[str, float]]]:
-        """Generate for token-id prompts: (tokens per prompt, finish reason per prompt, metrics per prompt)."""
-        result: Any = None
-        for ev in self.run_stream(prompts, params, stop_ids, hit_stop):
-            if isinstance(ev, tuple) and len(ev) == 3:
-                result = ev
-        return result
+    # ------------------------------------------------------------ the chain
+    def _send_chain(self, kind: int, meta: list[int], tensors: list[torch.Tensor] = ()) -> None:
+        self.act.send(1, kind, meta, list(tensors))
+        self._chain_sent += 1
 
-    def run_stream(self, prompts: list[list[int]], params: SamplingParams, stop_ids: set[int] | None = None,
-                   hit_stop: Any = None) -> Iterator[Any]:
-        """Yield (row, token) as tokens arrive from the last stage, then (tokens, reasons, metrics)."""
-        stop_ids = set(stop_ids or ())
-        seqs = [_Seq(i, list(p)) for i, p in enumerate(prompts)]
-        t0 = time.perf_counter()
-        if self.speculative:
-            from waferline.engine.speculative import AdaptiveK, SpecStats, reproducible_k
+    def _launch(self, mb: MicroBatch, tokens: list[torch.Tensor]) -> None:
+        """Run stage 0's layers on ``mb`` and send it down the chain (one stage: answer it here)."""
+        hs = self.runner.forward(mb, tokens)
+        if self.num_stages == 1:
+            self._local_fb.append(self.runner.feedback(mb, hs))
+        else:
+            self._send_chain(STEP, mb.encode(), list(hs))
 
-            gens = []
-            for i in range(len(prompts)):  # drafting streams of their own, apart from the last stage's verify streams
-                g = None
-                if params.temperature > 0:
-                    g = torch.Generator()
-                    g.manual_seed((int(params.seed) * 1_000_003 + i) ^ 0x5EED if params.seed is not None
-                                  else int(torch.randint(0, 2**62, (1,))))
-                gens.append(g)
-            # MTP drafts inside the measured round trip (on the last stage): no separate drafting cost. The measured
-            # step costs carry over from earlier runs; a seeded sampled run (which must repeat) uses the prior only
-            draft_cost = 0.0 if self.spec_method == "mtp" else self.draft_cost
-            if reproducible_k(params):
-                ctl = AdaptiveK(self.k_max, self.spec_adaptive, 24.0, None, draft_cost)
-            else:
-                if self._costs is None:
-                    self._costs = AdaptiveK(self.k_max, self.spec_adaptive, 24.0, None, draft_cost, measure=True,
-                                            explore_run=self.micro_batches)
-                ctl = self._costs
-                ctl.alpha = {}
-            self._sr = _SpecRun(params, ctl, SpecStats(), gens)
+    def _recv_feedback(self) -> tuple[list[int], torch.Tensor]:
+        """The next FEEDBACK message from the last stage: its meta and its raw bytes (on the host)."""
+        if self.num_stages == 1:
+            meta, ts = self._local_fb.popleft()
+            tail = ts[0].reshape(-1).view(torch.uint8) if ts else torch.empty(0, dtype=torch.uint8)
+        else:
+            kind, meta, tail = self.fb.recv(self.num_stages - 1)
+            if kind != FEEDBACK:
+                raise StageError(f"protocol error: expected feedback from stage {self.num_stages - 1}, got kind {kind}")
+        return meta, tail.cpu()
 
-        def on_tokens(s: _Seq, toks: list[int], now: float) -> list[int]:
-            if s.phase == PREFILL:
-                s.phase, s.ttft = DECODE, now - t0
-            s.inflight = False
-            kept = []
-            for tok in toks:  # a variable number of tokens per row (speculative decoding sends several)
-                kept.append(tok)
-                s.out.append(tok)
-                s.token_times.append(now)
-                if tok in stop_ids:
-                    s.phase, s.reason = DONE, "stop"
-                elif params.stop and hit_stop is not None and hit_stop(s.out, params.stop):
-                    s.phase, s.reason = DONE, "stop"
-                elif len(s.out) >= params.max_tokens:
-                    s.phase = DONE
-                if s.phase == DONE:
-                    break
-            return kept
+    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False) -> None:
+        """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows with ``params``
+        (and with ``hidden`` sends back every row's final hidden states)."""
+        cfg: dict[str, Any] = {
+            "num_slots": num_slots,
+            "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+                       "seed": params.seed},
+        }
+        if hidden:
+            cfg["hidden"] = True
+        self.runner.begin(cfg)
+        if self.num_stages > 1:
+            self._send_chain(BEGIN, json_meta(cfg))
 
-        try:
-            for events in self._guarded(self._run(seqs, params, False, on_tokens)):
-                yield from events
-        finally:
-            sr, self._sr = self._sr, None
-        total = time.perf_counter() - t0
-        last_prefill = max((s.ttft for s in seqs), default=0.0) + t0
-        late = sum(1 for s in seqs for t in s.token_times if t > last_prefill)
-        window = t0 + total - last_prefill
-        agg = late / window if late and window > 0 else 0.0
-        metrics = []
-        for s in seqs:
-            span = s.token_times[-1] - s.token_times[0] if len(s.token_times) > 1 else 0.0
-            metrics.append({"ttft_s": s.ttft, "total_s": total, "decode_tokens_per_s": agg,
-                            "tokens_per_s_per_user": (len(s.out) - 1) / span if span > 0 else 0.0,
-                            "stages": float(self.num_stages), "micro_batches": float(self.micro_batches),
-                            **(sr.stats.metrics() if sr is not None else {})})
-        if sr is not None:
-            self.last_stats = sr.stats
-        yield [s.out for s in seqs], [s.reason for s in seqs], metrics
-
-    def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
-        """log_softmax of the logits at every prompt position, [len, vocab] fp32 (prefill chunked and pipelined)."""
-        seqs = [_Seq(0, list(token_ids))]
-        for _ in self._guarded(self._run(seqs, SamplingParams(max_tokens=1), True, lambda *a: [])):
-            pass
-        return torch.cat(seqs[0].logprobs)
-
-    def stream(self, llm: LLM, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
-        """The LLM.stream contract for already-validated prompts: (row, token) events, then the list of Outputs."""
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(llm.eos_token_ids))
-        final: Any = None
-        for ev in self.run_stream(ids, params, stop_ids, lambda toks, stops: llm._hit_stop(toks, stops)):
-            if len(ev) == 3:
-                final = ev
-            else:
-                yield ev
-        outs, reasons, metrics = final
-        yield [
-            llm.make_output(p, toks, reason, stop_ids, params, m)
-            for p, toks, reason, m in zip(ids, outs, reasons, metrics)
-        ]
+    def _carry_ids(self, groups: list[Group], toks: list[torch.Tensor]) -> None:
+        """Give each group its input ids [B*T] when a later stage holds a hash-routed layer (``ids_downstream``)."""
+        if self.ids_downstream:
+            for g, t in zip(groups, toks):
+                if g.tokens is None:
+                    g.tokens = t.reshape(-1).tolist()
 
     def __enter__(self) -> Pipeline:
         return self

@@ -145,12 +145,8 @@ def _rendezvous_env() -> tuple[Any, int, int]:
 
 def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
                    layers_per_stage: int | None = None, plan: Plan | None = None, device: str = "cpu",
-                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None,
-                   speculative: str | None = None) -> int:
-    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down.
-    ``speculative``: the driver's method ('mtp' makes the last stage load the embeddings and the MTP head)."""
-    from waferline.engine.speculative import pipeline_method
-
+                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None) -> int:
+    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
     spec = spec_from_pretrained(Path(path))
     ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
     store, rank, world = _rendezvous_env()
@@ -164,6 +160,5 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
     load = {"path": str(path), "dtype": resolve_dtype(dtype), "layer_range": ranges[rank],
-            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-            "mtp": bool(speculative) and pipeline_method(speculative) == "mtp"}
+            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))}
     return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)

@@ -12,7 +12,7 @@ The server's engine loop keeps up to M steps in flight over disjoint sequences (
 submitted while others are in flight goes as fewer micro-batches (about M in flight in all).
 
 Speculation (the scheduler's, engine/speculative/serving.py): ``verify`` sends each row's [last token] + drafts as
-a verify group (EMIT_VERIFY's machinery: every stage snapshots what the group overwrites, ``SlotRollback``) and the
+a verify group (every stage snapshots what the group overwrites, ``SlotRollback``) and the
 last stage answers every position: the greedy tokens of greedy rows, the fp32 logits of sampled ones. ``keep`` queues
 each row's accepted length; the (slot, keep) pairs ride on the next micro-batch launched, and every stage rolls those
 rows back before that micro-batch's forward (stages process micro-batches in order, so before the rows' next forward);
@@ -27,6 +27,7 @@ runner then reports the fault and ``recover`` builds a new pipeline (new stage p
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,7 @@ from waferline.engine.pipeline.supervise import StageError
 from waferline.engine.runner import (
     WANT_ARGMAX,
     WANT_LOGITS,
+    WANT_LOGPROBS,
     WANT_NONE,
     DecodeRow,
     PrefillChunk,
@@ -44,19 +46,29 @@ from waferline.engine.runner import (
     VerifyRow,
 )
 from waferline.engine.sampling import SamplingParams
-from waferline.engine.stage import EMIT_LOGITS, EMIT_NONE, EMIT_TOKEN, RESET, Group, MicroBatch, decode_feedback
-from waferline.errors import ConfigError
+from waferline.engine.stage import (
+    EMIT_LOGITS,
+    EMIT_LOGPROBS,
+    EMIT_NONE,
+    EMIT_TOKEN,
+    RESET,
+    Group,
+    MicroBatch,
+    decode_feedback,
+)
 
 if TYPE_CHECKING:
     from waferline.engine.pipeline.driver import Pipeline
 
 _GREEDY = SamplingParams(max_tokens=1, temperature=0.0)  # how the last stage samples EMIT_TOKEN rows
-_EMITS = {WANT_NONE: EMIT_NONE, WANT_ARGMAX: EMIT_TOKEN, WANT_LOGITS: EMIT_LOGITS}
+_EMITS = {WANT_NONE: EMIT_NONE, WANT_ARGMAX: EMIT_TOKEN, WANT_LOGITS: EMIT_LOGITS, WANT_LOGPROBS: EMIT_LOGPROBS}
 
 # a row of a step as it travels: (slot, start, tokens, want, index into the step's outputs)
 _Row = tuple[int, int, list[int], int, int]
-# a submitted step: (mb id -> (slot -> output index, its groups), its outputs, how many of them are decode rows')
-_Submitted = tuple[dict[int, tuple[dict[int, int], list[Group]]], list[RowOutput | None], int]
+# where a launched micro-batch's answers go: mb id -> (slot -> output index, its groups, whether it is a verify's)
+_Where = dict[int, tuple[dict[int, int], list[Group], bool]]
+# a submitted step: (where its answers go, its outputs, how many of them are decode rows')
+_Submitted = tuple[_Where, list[RowOutput | None], int]
 
 
 def _once(fn: Callable[[], Any]) -> Iterator[Any]:
@@ -68,6 +80,7 @@ class PipelineRunner:
     """A ``Runner`` over the stage processes of ``pipe``; ``rebuild`` returns a new Pipeline after a fault."""
 
     overlap = True  # the engine loop may keep several steps in flight (submit / collect: engine/overlap.py)
+    verify_with_step = True  # ``verify`` also takes the step's decode rows and prefill chunks: one trip for all
 
     def __init__(self, pipe: Pipeline, num_slots: int, rebuild: Callable[[], Pipeline] | None = None):
         self.rebuild = rebuild
@@ -79,11 +92,10 @@ class PipelineRunner:
         self.max_in_flight = 0  # the most steps submitted and not collected at once so far
         self._submitted: list[_Submitted] = []
         self._early: dict[int, tuple[list[int], torch.Tensor]] = {}  # answers read before their step's collect
+        self._in_chain: set[int] = set()  # micro-batches launched and not answered yet
         self._attach(pipe)
 
     def _attach(self, pipe: Pipeline) -> None:
-        if pipe.speculative:
-            raise ConfigError("the server's scheduler speculates itself: build the pipeline without speculative")
         self.pipe = pipe
         self.spec = pipe.spec
         self.cache_bits = torch.finfo(pipe.dtype).bits
@@ -91,7 +103,7 @@ class PipelineRunner:
 
     def _begin(self) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows greedily."""
-        self._rewinds, self._verified, self._submitted, self._early = [], [], [], {}
+        self._rewinds, self._verified, self._submitted, self._early, self._in_chain = [], [], [], {}, set()
         self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden))
 
     @property
@@ -122,16 +134,34 @@ class PipelineRunner:
             self._guard(lambda: self._run(self._split(rows, len(decodes)), outs))
         return outs[:len(decodes)], outs[len(decodes):]
 
-    def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
+    def verify(self, rows: list[VerifyRow], decodes: list[DecodeRow] = (), prefills: list[PrefillChunk] = ()
+               ) -> Any:
         """One pass of every row's tokens (its last token, then its drafts) through the stages, each stage ready to
         roll its layers' caches back; ``keep`` must follow before the next step. A greedy row's answer is every
         position's argmax (``argmaxes``), a sampled row's the fp32 logits [len(tokens), V]; with ``keep_hidden`` each
-        has its hidden states [W, ...] (W: the longest row's length, shorter rows zero-padded)."""
+        has its hidden states [W, ...] (W: the longest row's length, shorter rows zero-padded).
+
+        With ``decodes`` / ``prefills`` (the rest of the scheduler's step) those travel in the same trip through the
+        stages, launched behind the verify's micro-batches: returns (verify outputs, decode outputs, prefill
+        outputs)."""
+        n, nd = len(rows), len(decodes)
         items: list[_Row] = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(rows)]
-        outs: list[RowOutput | None] = [None] * len(rows)
+        plain: list[_Row] = [(r.slot, r.position, [r.token], r.want, n + i) for i, r in enumerate(decodes)]
+        plain += [(c.slot, c.start, c.tokens, c.want, n + nd + i) for i, c in enumerate(prefills)]
+        outs: list[RowOutput | None] = [None] * (n + len(plain))
         self._verified = [r.slot for r in rows]
-        self._guard(lambda: self._run(self._split(items, len(items)), outs, verify=True))
-        return _padded(outs, max(len(r.tokens) for r in rows)) if self._keep_hidden else outs  # type: ignore[return-value]
+
+        def run() -> None:
+            where = self._launch_all(self._split(items, n), verify=True)
+            if plain:
+                where.update(self._launch_all(self._split(plain, nd)))
+            self._gather(where, outs)
+
+        self._guard(run)
+        mine = _padded(outs[:n], max(len(r.tokens) for r in rows)) if self._keep_hidden else outs[:n]
+        if not plain and not decodes and not prefills:
+            return mine
+        return mine, outs[n:n + nd], outs[n + nd:]
 
     def keep(self, counts: list[int]) -> None:
         """After ``verify``: row b keeps its first ``counts[b]`` tokens on every stage (sent with the next
@@ -152,6 +182,14 @@ class PipelineRunner:
         if self._mtp_model is None:
             self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype)
         return self._mtp_model, standins
+
+    def prompt_logprobs(self, token_ids: list[int], slot: int = 0) -> torch.Tensor:
+        """The fp32 log-softmax at every position of ``token_ids``, [len, V], prefilled into the free cache ``slot``
+        (in pieces of the pipeline's prefill chunk, streamed through the stages)."""
+        self.reset_slots([slot])
+        _, outs = self.step([], [PrefillChunk(slot, 0, list(token_ids), WANT_LOGPROBS)])
+        assert outs[0] is not None and outs[0].logits is not None
+        return outs[0].logits
 
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)
@@ -184,6 +222,8 @@ class PipelineRunner:
         try:
             for h in list(self._submitted):
                 self.collect(h)
+            if self.fault() is None:  # (a step that failed while launching: its answers still come)
+                self._guard(lambda: [self._recv() for _ in list(self._in_chain)])
         except StageError:
             pass
         if self.fault() is None:
@@ -199,31 +239,28 @@ class PipelineRunner:
 
     # -- micro-batches
     def _split(self, rows: list[_Row], n_decodes: int, parts: int | None = None) -> list[list[_Row]]:
-        """Up to M (or ``parts``) micro-batches: the decode rows in M contiguous runs of near-equal size, then each
-        prefill chunk into the micro-batch with the fewest tokens so far."""
-        M = max(1, min(parts or self.pipe.micro_batches, len(rows)))
-        mbs: list[list[_Row]] = [[] for _ in range(M)]
+        """Micro-batches: the decode rows in up to M (or ``parts``) contiguous runs of near-equal size, then the prefill
+        chunks in order, each micro-batch taking up to the pipeline's ``prefill_chunk`` tokens (beside its decode rows:
+        what is left of it, at least one) and a chunk split where that room ends (``pack_prefills``), so a long prompt
+        streams through the stages piece after piece."""
+        M = max(1, min(parts or self.pipe.micro_batches, n_decodes))
+        mbs: list[list[_Row]] = [[] for _ in range(M if n_decodes else 0)]
         for k, row in enumerate(rows[:n_decodes]):
-            mbs[k * M // max(n_decodes, 1)].append(row)
-        load = [len(mb) for mb in mbs]
-        for row in rows[n_decodes:]:
-            i = load.index(min(load))
-            mbs[i].append(row)
-            load[i] += len(row[2])
-        return [mb for mb in mbs if mb]
+            mbs[k * M // n_decodes].append(row)
+        chunk = self.pipe.prefill_chunk
+        bins = pack_prefills(rows[n_decodes:], [max(chunk - len(mb), 1) for mb in mbs], chunk)
+        return [mb + b for mb, b in itertools.zip_longest(mbs, bins, fillvalue=[]) if mb or b]
 
-    def _run(self, mbs: list[list[_Row]], outs: list[RowOutput | None], verify: bool = False) -> None:
+    def _run(self, mbs: list[list[_Row]], outs: list[RowOutput | None]) -> None:
         """Launch every micro-batch (stage 0 computes its layers on each, then sends it on), then read the last
-        stage's answers and put them where their rows' outputs go. A verify's micro-batch is one verify group (rows
-        padded at the end to its longest); the rollbacks queued by ``keep`` ride on the first micro-batch."""
-        where = self._launch_all(mbs, verify)
-        self._gather(where, outs, verify)
+        stage's answers and put them where their rows' outputs go; the rollbacks queued by ``keep`` ride on the first
+        micro-batch."""
+        self._gather(self._launch_all(mbs), outs)
 
-    def _launch_all(self, mbs: list[list[_Row]], verify: bool = False) -> dict[int, tuple[dict[int, int], list[Group]]]:
-        """Launch the micro-batches ``mbs``; returns where their answers go: mb id -> (slot -> output index, its
-        groups)."""
+    def _launch_all(self, mbs: list[list[_Row]], verify: bool = False) -> _Where:
+        """Launch the micro-batches ``mbs`` (``verify``: each one verify group); returns where their answers go."""
         pipe = self.pipe
-        where: dict[int, tuple[dict[int, int], list[Group]]] = {}
+        where: _Where = {}
         for rows in mbs:
             by_T: dict[int, list[_Row]] = {}
             for row in rows:
@@ -244,25 +281,33 @@ class PipelineRunner:
             pipe._mb_ids += 1
             mb = MicroBatch(pipe._mb_ids, groups, self._rewinds)
             self._rewinds = []
-            where[mb.mb_id] = ({r[0]: r[4] for r in rows if r[3] != WANT_NONE or self._keep_hidden}, groups)
+            where[mb.mb_id] = ({r[0]: r[4] for r in rows if r[3] != WANT_NONE or self._keep_hidden}, groups, verify)
+            while len(self._in_chain) >= max(1, pipe.micro_batches):  # (at most M micro-batches in the chain)
+                meta, tail = self._recv()
+                self._early[meta[0]] = (meta, tail)
             pipe._launch(mb, toks)
+            self._in_chain.add(mb.mb_id)
         return where
 
-    def _gather(self, where: dict[int, tuple[dict[int, int], list[Group]]], outs: list[RowOutput | None],
-                verify: bool) -> None:
+    def _recv(self) -> tuple[list[int], torch.Tensor]:
+        meta, tail = self.pipe._recv_feedback()
+        self._in_chain.discard(meta[0])
+        return meta, tail
+
+    def _gather(self, where: _Where, outs: list[RowOutput | None]) -> None:
         """Read the answers of the micro-batches in ``where`` into ``outs``; answers of other submitted steps that
         come first are kept for their ``collect``."""
         pipe = self.pipe
         while where:
             mine = next((i for i in where if i in self._early), None)
-            meta, tail = self._early.pop(mine) if mine is not None else pipe._recv_feedback()
+            meta, tail = self._early.pop(mine) if mine is not None else self._recv()
             got = where.pop(meta[0], None)
             if got is None:
                 if not any(meta[0] in h[0] for h in self._submitted):
                     raise StageError(f"protocol error: an answer for micro-batch {meta[0]}, which is not in flight")
                 self._early[meta[0]] = (meta, tail)
                 continue
-            self._answers(meta, tail, got[1], got[0], outs, verify)
+            self._answers(meta, tail, got[1], got[0], outs, got[2])
         if pipe.num_stages > 1 and not self._submitted:
             pipe.act.flush()
 
@@ -282,25 +327,26 @@ class PipelineRunner:
         """The outputs of a submitted step (its decode rows', then its prefill chunks')."""
         where, outs, n = h
         self._submitted.remove(h)
-        self._guard(lambda: self._gather(where, outs, False))
+        self._guard(lambda: self._gather(where, outs))
         return outs[:n], outs[n:]
 
     def _answers(self, meta: list[int], tail: torch.Tensor, groups: list[Group], slots: dict[int, int],
                  outs: list[RowOutput | None], verify: bool) -> None:
         """One micro-batch's feedback into the outputs of its rows (``slots``: row -> output index; a group's rows
         are named by ``Group.seqs``)."""
-        _, tokens, logits, _ = decode_feedback(meta, tail, self.spec.vocab_size)
+        _, tokens, logits = decode_feedback(meta, tail, self.spec.vocab_size)
         hidden = self._hidden(tail, logits, groups) if self._keep_hidden else {}
+        whole = {s for g in groups for s, e in zip(g.seqs, g.emits) if e == EMIT_LOGPROBS}
         for slot, i in slots.items():
             out = None
             if slot in logits:
-                out = RowOutput(logits=(logits[slot] if verify else logits[slot][0]).clone())
+                out = RowOutput(logits=(logits[slot] if verify or slot in whole else logits[slot][0]).clone())
             elif tokens.get(slot):
                 out = RowOutput(argmaxes=tokens[slot]) if verify else RowOutput(argmax=tokens[slot][0])
             if slot in hidden:
                 out = out or RowOutput()
                 out.hidden = hidden[slot]
-            outs[i] = out
+            outs[i] = _joined(outs[i], out)
 
     def _hidden(self, tail: torch.Tensor, logits: dict[int, torch.Tensor], groups: list[Group]
                 ) -> dict[int, torch.Tensor]:
@@ -318,6 +364,45 @@ class PipelineRunner:
             for b, s in enumerate(g.seqs):
                 out[s] = h[b]
         return out
+
+
+def _joined(before: RowOutput | None, out: RowOutput | None) -> RowOutput | None:
+    """The answer of a prefill chunk that ran as pieces (``pack_prefills``), one piece's answer after another's: hidden
+    states and prompt log-probs are concatenated; the next token is the last piece's."""
+    if before is None or out is None:
+        return out or before
+    if before.hidden is not None and out.hidden is not None:
+        out.hidden = torch.cat([before.hidden, out.hidden])
+    if before.logits is not None and out.logits is not None and before.logits.dim() == 2:
+        out.logits = torch.cat([before.logits, out.logits])
+    return out
+
+
+def pack_prefills(chunks: list[_Row], room: list[int], chunk: int) -> list[list[_Row]]:
+    """Prefill chunks packed in order into bins: bin i takes up to ``room[i]`` tokens (bins after those: ``chunk``), a
+    chunk is split where a bin's room ends. A piece before a chunk's last wants nothing, except log-prob rows (every
+    piece answers its positions) and the hidden states a runner keeps (``_joined`` puts the pieces back together)."""
+    bins: list[list[_Row]] = [[] for _ in room]
+    room = list(room)
+    i = 0
+    for slot, start, tokens, want, idx in chunks:
+        pos = 0
+        while pos < len(tokens):
+            if i == len(bins):
+                bins.append([])
+                room.append(chunk)
+            n = min(len(tokens) - pos, room[i])
+            if n <= 0:
+                i += 1
+                continue
+            end = pos + n == len(tokens)
+            bins[i].append((slot, start + pos, tokens[pos:pos + n], want if end or want == WANT_LOGPROBS else WANT_NONE,
+                            idx))
+            room[i] -= n
+            pos += n
+            if room[i] <= 0:
+                i += 1
+    return bins
 
 
 def _padded(outs: list[RowOutput | None], width: int) -> list[RowOutput | None]:

@@ -1,6 +1,6 @@
 """Exact speculative decoding: drafters (prompt-lookup n-grams, a draft model, MTP heads), the verifier, cache
-rollback and adaptive K — for the scheduler (``serving.ServeSpeculation``: the server's and the single-process
-engine's ``LLM(speculative=...)``) and the pipeline's stages (``LastStageSpec``, ``SlotRollback``).
+rollback and adaptive K — for the scheduler (``serving.ServeSpeculation``: the server's and ``LLM(speculative=...)``
+under every runner) and the caches of pipeline stages and AFD attention ranks (``SlotRollback``).
 
 One decode step, for the rows still running: the drafter proposes up to K tokens per row; the target model
 verifies ``[last token] + drafts`` in ONE forward (``StepBatch`` with T = K_max + 1 from each row's position); the
@@ -9,7 +9,7 @@ emits between 1 and K + 1 tokens per row; the caches are rolled back to the acce
 
 Modules: ``verify`` (the verifier and why it is exact), ``rollback`` (the target's caches back to the accepted
 prefix), ``drafters`` (n-gram, draft model, MTP; ``make_drafter``), ``adaptive`` (adaptive K), ``serving`` (the
-scheduler's part), ``speculator`` (statistics, burst length), ``stages`` (the pipeline stages' part). The names below
+scheduler's part), ``speculator`` (statistics, burst length). The names below
 are the public ones; import them from here.
 """
 
@@ -24,10 +24,9 @@ from waferline.engine.speculative.drafters import (
 )
 from waferline.engine.speculative.rollback import SlotRollback, VerifyRollback
 from waferline.engine.speculative.speculator import SpecStats, burst_len
-from waferline.engine.speculative.stages import LastStageSpec, pipeline_method
 from waferline.engine.speculative.verify import residual, verify, verify_greedy, verify_rows, verify_sampled
 
 __all__ = ["SpecStats", "burst_len", "AdaptiveK", "expected_tokens", "reproducible_k", "Drafter",
            "Proposal", "NgramDrafter", "DraftModelDrafter", "MTPDrafter", "make_drafter", "VerifyRollback",
-           "SlotRollback", "LastStageSpec", "pipeline_method", "verify", "verify_greedy", "verify_sampled",
+           "SlotRollback", "verify", "verify_greedy", "verify_sampled",
            "verify_rows", "residual"]

@@ -200,17 +200,22 @@ class ServeSpeculation:
         self.stats.verify_rows += 1
         return toks
 
-    def verify_step(self, runner: LocalRunner, items: list[tuple[Sequence, Proposal]]
-                    ) -> tuple[list[list[int] | Exception], int]:
+    def verify_step(self, runner: LocalRunner, items: list[tuple[Sequence, Proposal]], decodes: list[Any] = (),
+                    prefills: list[Any] = ()) -> tuple[list[list[int] | Exception], int, Any]:
         """One verify forward of the sequences with drafts: each row's tokens verified with its own parameters and
         generator (an error there is that row's alone: the scheduler fails it), the caches rolled back to the
-        accepted prefixes, the drafter told what was kept. Returns per row the tokens to emit (or the error) and the
-        tokens fed through the model."""
+        accepted prefixes, the drafter told what was kept. Returns per row the tokens to emit (or the error), the
+        tokens fed through the model, and — where the step's ``decodes`` / ``prefills`` were given (a runner that
+        takes them with the verify: ``verify_with_step``) — their (decode outputs, prefill outputs), else None."""
         rows = [VerifyRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1) + p.tokens,
                           WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s, p in items]
         t0 = time.perf_counter()
-        outs = runner.verify(rows)
-        self.record(len(rows), max(len(r.tokens) for r in rows), time.perf_counter() - t0)
+        rest = None
+        if decodes or prefills:
+            outs, *rest = runner.verify(rows, decodes, prefills)  # type: ignore[call-arg]
+        else:
+            outs = runner.verify(rows)
+            self.record(len(rows), max(len(r.tokens) for r in rows), time.perf_counter() - t0)
         emitted: list[list[int] | Exception] = []
         for (s, p), out in zip(items, outs):
             try:
@@ -222,7 +227,16 @@ class ServeSpeculation:
         self.consumed([s.slot for s, _ in items], [k - 1 for k in keep],
                       torch.stack([o.hidden for o in outs]) if self.uses_hidden else None)
         self.stats.verify_steps += 1
-        return emitted, sum(len(r.tokens) for r in rows)
+        return emitted, sum(len(r.tokens) for r in rows), rest
+
+    def after_step(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], decoded: list[Any],
+                   prefilled: list[Any]) -> None:
+        """After a step's plain decode rows and prefill chunks: the drafter sees their hidden states."""
+        hidden = [o.hidden for o in decoded] if self.uses_hidden else []
+        self.consumed([s.slot for s in decodes], [0] * len(decodes),
+                      torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
+        for (s, _), out in zip(prefills, prefilled):
+            self.prefilled(s, None if out is None else out.hidden)
 
     def consumed(self, slots: list[int], n_accepted: list[int], hidden: torch.Tensor | None) -> None:
         """After a verify (or plain decode) forward of ``slots``: hand the drafter the target's hidden states at the
