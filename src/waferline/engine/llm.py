@@ -179,8 +179,15 @@ class LLM:
         """log_softmax of the logits at every prompt position: a [len, vocab] fp32 tensor."""
         ids = self._prompt_ids(token_ids)
         self._check_len(len(ids), 0)
-        if self._pipeline is not None:
-            return self._engine(1).runner.prompt_logprobs(ids)
+        if self._pipeline is not None:  # (a slot and pages from the scheduler's cache, for as long as it runs)
+            sch = self._engine(1)
+            slot = sch.cache.admit("prompt_logprobs")
+            try:
+                if not sch.cache.grow("prompt_logprobs", len(ids)):
+                    raise RequestError(f"a prompt of {counted(len(ids), 'token')} does not fit the cache")
+                return sch.runner.prompt_logprobs(ids, slot)
+            finally:
+                sch.cache.free("prompt_logprobs")
         caches = self.model.new_caches(1, self.device)
         h = self.model(torch.tensor([ids], device=self.device), caches, StepBatch.make([0], [0], len(ids), self.device))
         return torch.log_softmax(self.model.logits(h[0]), dim=-1).cpu()

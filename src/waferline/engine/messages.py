@@ -67,11 +67,14 @@ class MicroBatch:
     """A set of disjoint sequences travelling the pipeline together; ``groups`` split it by tokens per row.
 
     ``rewinds``: (slot, keep) pairs — rows whose earlier verify kept only its first ``keep`` tokens; every stage
-    rolls those rows' caches back before running this micro-batch."""
+    rolls those rows' caches back before running this micro-batch. ``pages``: (slot, page ids) — slots whose pages
+    in the scheduler's page table changed since the stages last heard (an empty list: released); every stage's paged
+    caches follow it before running this micro-batch (``BlockTable.mirror``)."""
 
     mb_id: int
     groups: list[Group]
     rewinds: list[tuple[int, int]] = field(default_factory=list)
+    pages: list[tuple[int, list[int]]] = field(default_factory=list)
 
     def encode(self) -> list[int]:
         meta = [self.mb_id, len(self.groups)]
@@ -86,6 +89,9 @@ class MicroBatch:
         meta.append(len(self.rewinds))
         for slot, keep in self.rewinds:
             meta += [slot, keep]
+        meta.append(len(self.pages))
+        for slot, ids in self.pages:
+            meta += [slot, len(ids)] + ids
         return meta
 
     @classmethod
@@ -113,7 +119,14 @@ class MicroBatch:
             groups.append(g)
         n_rw = meta[i]
         rewinds = [(meta[i + 1 + 2 * k], meta[i + 2 + 2 * k]) for k in range(n_rw)]
-        return cls(mb_id, groups, rewinds)
+        i += 1 + 2 * n_rw
+        n_pg, i = meta[i], i + 1
+        pages = []
+        for _ in range(n_pg):
+            slot, n = meta[i], meta[i + 1]
+            pages.append((slot, meta[i + 2:i + 2 + n]))
+            i += 2 + n
+        return cls(mb_id, groups, rewinds, pages)
 
     @property
     def num_tokens(self) -> int:

@@ -79,12 +79,26 @@ class StageRunner:
 
         self.rollback = SlotRollback()  # speculative verifies of this stage's layers, until their keep arrives
         self.send_hidden = False  # the last stage returns every row's final hidden states (the server's MTP drafter)
+        self.table: Any = None  # the page table its paged caches share, following the scheduler's (begin())
 
     def begin(self, cfg: dict[str, Any]) -> None:
         """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (with
-        ``cfg["hidden"]`` its feedback carries the final hidden states of every row)."""
+        ``cfg["hidden"]`` its feedback carries the final hidden states of every row). With ``cfg["page_tokens"]`` the
+        paged caches follow the scheduler's page table (micro-batches carry its changes: ``MicroBatch.pages``), so a
+        page id names the same tokens in every stage and a prefix the scheduler shares is shared here too."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
         self.rollback.reset()
+        if cfg.get("page_tokens"):
+            from waferline.model.attention import TokenCache
+            from waferline.model.block_table import BlockTable
+
+            table = BlockTable(int(cfg["num_slots"]), int(cfg["page_tokens"]), managed=True)
+            for c in self.caches:
+                if isinstance(c, TokenCache) and c.paged:
+                    c.bind(table)
+            self.table = table
+        else:
+            self.table = None
         self.send_hidden = bool(cfg.get("hidden")) and self.is_last
         if self.is_last:
 
@@ -119,6 +133,9 @@ class StageRunner:
         first stage's inputs, or the ids the group carries)."""
         from waferline.model.context import StepBatch
 
+        if mb.pages:
+            for slot, pages in mb.pages:
+                self.table.mirror(slot, pages)
         if mb.rewinds:
             self.rollback.apply(self.caches, mb.rewinds, self.device)
         out = []

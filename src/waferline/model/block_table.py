@@ -189,6 +189,29 @@ class BlockTable:
         self.slots[slot] = []
         self.run[slot] = 0
 
+    def mirror(self, slot: int, pages: list[int]) -> None:
+        """Make ``slot``'s pages exactly ``pages``, as another process's allocator gave them (a pipeline stage
+        follows the scheduler's table: engine/pipeline/serving.py). A list that extends the slot's current one only
+        adds pages (as ``grow``); any other change (a new sequence, a prefix hit, a release: ``[]``) first writes every
+        pending entry to the pages it was meant for. Holds are not counted: the allocator counts them."""
+        own = self.slots[slot]
+        if pages[:len(own)] != own or not pages:
+            self.flush()
+            own = []
+        for p in pages[len(own):]:
+            while p >= len(self.refs):
+                self.refs.append(0)
+                self.stored.append(False)
+                self._is_free.append(False)
+        self.columns(len(pages))
+        if not own:
+            self.ids[slot].zero_()
+        if len(pages) > len(own):
+            self.ids[slot, len(own):len(pages)] = torch.tensor(pages[len(own):], dtype=torch.long)
+        self.slots[slot] = list(pages)
+        self.run[slot] = self._run_of(self.slots[slot])
+        self.version += 1
+
     def pages_of(self, slot: int) -> list[int]:
         """The slot's pages, or, once released, the pages it held (until it is used again)."""
         return self.slots[slot] or self._parked.get(slot, [])

@@ -87,6 +87,10 @@ class AFDRunner(PipelineRunner):
         self.pipe.link.flush()
         return out
 
+    def block_table(self, page_tokens: int) -> None:
+        """None: the attention ranks' caches keep their own pages (a scheduler slot lives on one of M ranks)."""
+        return None
+
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]

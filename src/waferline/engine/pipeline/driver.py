@@ -214,9 +214,11 @@ class Pipeline(Supervision):
                 raise StageError(f"protocol error: expected feedback from stage {self.num_stages - 1}, got kind {kind}")
         return meta, tail.cpu()
 
-    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False) -> None:
+    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None
+               ) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows with ``params``
-        (and with ``hidden`` sends back every row's final hidden states)."""
+        (and with ``hidden`` sends back every row's final hidden states); with ``page_tokens`` the paged caches
+        follow the pages the micro-batches name (the scheduler's page table)."""
         cfg: dict[str, Any] = {
             "num_slots": num_slots,
             "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -224,6 +226,8 @@ class Pipeline(Supervision):
         }
         if hidden:
             cfg["hidden"] = True
+        if page_tokens:
+            cfg["page_tokens"] = page_tokens
         self.runner.begin(cfg)
         if self.num_stages > 1:
             self._send_chain(BEGIN, json_meta(cfg))

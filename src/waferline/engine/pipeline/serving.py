@@ -56,6 +56,7 @@ from waferline.engine.stage import (
     MicroBatch,
     decode_feedback,
 )
+from waferline.model.block_table import BlockTable
 
 if TYPE_CHECKING:
     from waferline.engine.pipeline.driver import Pipeline
@@ -93,6 +94,8 @@ class PipelineRunner:
         self._submitted: list[_Submitted] = []
         self._early: dict[int, tuple[list[int], torch.Tensor]] = {}  # answers read before their step's collect
         self._in_chain: set[int] = set()  # micro-batches launched and not answered yet
+        self._table: BlockTable | None = None  # the scheduler's page table, which the stages' paged caches follow
+        self._sent: dict[int, list[int]] = {}  # slot -> its pages as the stages last heard them
         self._attach(pipe)
 
     def _attach(self, pipe: Pipeline) -> None:
@@ -104,7 +107,9 @@ class PipelineRunner:
     def _begin(self) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows greedily."""
         self._rewinds, self._verified, self._submitted, self._early, self._in_chain = [], [], [], {}, set()
-        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden))
+        self._sent = {}
+        pt = self._table.page_tokens if self._table is not None else None
+        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden, pt))
 
     @property
     def keep_hidden(self) -> bool:
@@ -202,8 +207,23 @@ class PipelineRunner:
 
         self._guard(reset)
 
+    def block_table(self, page_tokens: int) -> BlockTable | None:
+        """The page table the scheduler's CacheManager allocates from; every stage's paged caches (full attention,
+        MLA latents) follow it, the changes riding on the micro-batches (``MicroBatch.pages``)."""
+        layers = frozenset(i for i, layer in enumerate(self.spec.layers) if _paged_mixer(layer.mixer))
+        if not layers:
+            return None
+        self._table = BlockTable(self.num_slots, page_tokens, managed=True)
+        self._table.layers = layers
+        self._begin()  # (the stages learn the page size at BEGIN)
+        return self._table
+
     def prefix_caches(self) -> list[Any] | None:
-        return None  # the caches live in the stage processes
+        """Every layer's cache is a paged token cache following the scheduler's pages: prefixes are shared by page
+        (an empty list: the stages hold the caches); else None."""
+        if self._table is None or len(self._table.layers) != len(self.spec.layers) or self.pipe.ids_downstream:
+            return None
+        return []
 
     def fault(self) -> str | None:
         """Why the pipeline cannot run a step (a stage died, hung or failed), or None."""
@@ -279,7 +299,7 @@ class PipelineRunner:
                 toks.append(torch.tensor([r[2] + [0] * (T - len(r[2])) for r in by_T[T]], dtype=torch.long))
             pipe._carry_ids(groups, toks)
             pipe._mb_ids += 1
-            mb = MicroBatch(pipe._mb_ids, groups, self._rewinds)
+            mb = MicroBatch(pipe._mb_ids, groups, self._rewinds, self._page_changes(rows))
             self._rewinds = []
             where[mb.mb_id] = ({r[0]: r[4] for r in rows if r[3] != WANT_NONE or self._keep_hidden}, groups, verify)
             while len(self._in_chain) >= max(1, pipe.micro_batches):  # (at most M micro-batches in the chain)
@@ -288,6 +308,22 @@ class PipelineRunner:
             pipe._launch(mb, toks)
             self._in_chain.add(mb.mb_id)
         return where
+
+    def _page_changes(self, rows: list[_Row]) -> list[tuple[int, list[int]]]:
+        """The pages the stages must follow before running ``rows``: slots released since they last heard (first),
+        then the rows' slots whose pages changed."""
+        t = self._table
+        if t is None:
+            return []
+        out: list[tuple[int, list[int]]] = [(s, []) for s in list(self._sent) if not t.slots[s]]
+        for s, _ in out:
+            del self._sent[s]
+        for row in rows:
+            pages = t.slots[row[0]]
+            if pages and self._sent.get(row[0]) != pages:
+                self._sent[row[0]] = list(pages)
+                out.append((row[0], list(pages)))
+        return out
 
     def _recv(self) -> tuple[list[int], torch.Tensor]:
         meta, tail = self.pipe._recv_feedback()
@@ -364,6 +400,13 @@ class PipelineRunner:
             for b, s in enumerate(g.seqs):
                 out[s] = h[b]
         return out
+
+
+def _paged_mixer(mixer: Any) -> bool:
+    """A layer whose cache is a paged token cache (full attention without a window, or MLA latents)."""
+    from waferline.spec.model import AttentionSpec, MLASpec
+
+    return type(mixer) is MLASpec or (type(mixer) is AttentionSpec and mixer.sliding_window is None)
 
 
 def _joined(before: RowOutput | None, out: RowOutput | None) -> RowOutput | None:

@@ -1,0 +1,109 @@
+"""The scheduler over a pipeline: the stages' paged caches follow the scheduler's page table (so a prefix the scheduler
+shares is shared in every stage process, copy-free), and a speculative step's plain rows ride the verify's trip."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny_models
+from server_helpers import run_to_end
+from waferline import LLM, SamplingParams
+from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
+from waferline.engine.sequence import Sequence
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("pipeline-pages")
+    out = {}
+    for mt in ("deepseek_v3", "llama", "nemotron_h"):  # MLA latents, GQA: every layer paged; a Mamba-2 hybrid
+        tiny_models.build(mt, tmp / mt)
+        out[mt] = tmp / mt
+    return out
+
+
+def _seq(rid: str, prompt: list[int]) -> Sequence:
+    return Sequence(rid, prompt, GREEDY)
+
+
+@pytest.mark.parametrize("mt", ["deepseek_v3", "llama"])
+def test_a_prefix_shared_by_page_in_every_stage(ckpts, mt):
+    """B starts with A's first 24 tokens: after A finishes, B's first pages are A's stored pages (no copy, in the
+    scheduler's table, which every stage follows) and only B's rest is computed; B's tokens are the single-process
+    engine's. O runs in between, in A's slot: a stage that allocated pages of its own would hand A's pages to O, and
+    B would read O's keys (checked: such a stage gives B other tokens)."""
+    base = [(7 * j + 3) % tiny_models.VOCAB for j in range(26)]
+    a, b, o = base + [5, 9], base[:24] + [11, 12, 13], [(5 * j + 2) % tiny_models.VOCAB for j in range(30)]
+    want = [o.token_ids for o in LLM(ckpts[mt]).generate([a, o, b], GREEDY)]
+    with LLM(ckpts[mt], stages=2, threads_per_stage=1) as llm:
+        cfg = SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8, prefix_caching=True)
+        sch = Scheduler(llm, cfg, runner_for(llm, 4))
+        assert sch.prefix is not None and sch.runner.prefix_caches() == []
+        got = run_to_end(sch, [_seq("a", a)]) + run_to_end(sch, [_seq("o", o)])
+        stored = [sch.prefix.page_of(blk) for blk in sch.prefix.match(b)]
+        assert len(stored) == 3 and sch.prefix.hit_tokens == 0  # 24 tokens of 8-token pages; O shares nothing
+        sb = _seq("b", b)
+        sch.add(sb)
+        sch.step()  # admitted with the prefix hit: only B's last 3 tokens are prefilled
+        assert sch.prefix.hit_tokens == 24 and sch.cache.table.slots[sb.slot][:3] == stored
+        assert all(sch.cache.table.refs[p] == 1 and sch.cache.table.stored[p] for p in stored)
+        while sch.has_work():
+            sch.step()
+        assert got + [sb.output_ids] == want
+
+
+def test_caches_not_made_of_pages_keep_prefixes_off(ckpts):
+    """A Mamba-2 hybrid: its recurrent state is not a per-token prefix, so the pipeline's runner offers no prefix
+    caches (the attention layers' pages still follow the scheduler's table) and outputs are the single process's."""
+    prompts = [[(3 * j + i) % tiny_models.VOCAB for j in range(10 + i)] for i in range(3)]
+    want = [o.token_ids for o in LLM(ckpts["nemotron_h"]).generate(prompts, GREEDY)]
+    with LLM(ckpts["nemotron_h"], layers_per_stage=2, threads_per_stage=1) as llm:
+        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8), runner_for(llm, 4))
+        assert sch.prefix is None and sch.runner.prefix_caches() is None and sch.cache.table is not None
+        assert run_to_end(sch, [_seq(str(i), p) for i, p in enumerate(prompts)]) == want
+
+
+def test_the_scheduler_pages_match_every_model_kind(tmp_path):
+    """The layers the pipeline's runner counts as paged are exactly those whose caches the model makes in pages, for
+    every supported model type (the scheduler's page accounting and prefix sharing rely on it)."""
+    from waferline.engine.pipeline.serving import _paged_mixer
+    from waferline.model.attention import TokenCache
+    from waferline.model.load import load_model
+
+    for mt in tiny_models.configs():
+        tiny_models.build(mt, tmp_path / mt)
+        model = load_model(tmp_path / mt, torch.float32)
+        real = [isinstance(c, TokenCache) and c.paged for c in model.new_caches(1)]
+        assert real == [_paged_mixer(layer.mixer) for layer in model.spec.layers], mt
+
+
+def test_plain_rows_ride_the_verify_trip(ckpts):
+    """n-gram speculation over 2 stages with one prompt that repeats itself (it drafts) beside others that do not:
+    steps that verify some sequences and decode others send both in one trip (the runner's verify is given the
+    step's decode rows), and the tokens are the single-process engine's."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    prompts = [[7, 8, 9, 10, 11, 12] * 4, [(5 * j + 1) % tiny_models.VOCAB for j in range(9)],
+               [(3 * j + 2) % tiny_models.VOCAB for j in range(13)]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [o.token_ids for o in LLM(ckpts["llama"]).generate(prompts, params)]
+    with LLM(ckpts["llama"], stages=2, threads_per_stage=1, speculative="ngram", num_speculative_tokens=3,
+             speculative_adaptive=False) as llm:
+        runner = llm._engine(len(prompts)).runner
+        seen = []
+        verify = runner.verify
+
+        def counting(rows, decodes=(), prefills=()):
+            seen.append((len(rows), len(decodes) + len(prefills)))
+            return verify(rows, decodes, prefills)
+
+        runner.verify = counting
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want
+        assert any(v > 0 and p > 0 for v, p in seen), seen
+        assert outs[0].metrics["spec_accepted"] > 0
