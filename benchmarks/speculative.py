@@ -359,7 +359,7 @@ def main() -> None:
             specs = {}
             for m in methods:
                 sp = ServeSpeculation(llm.model, llm.model.new_caches(1), 1, m, a.k, not a.no_adaptive,
-                                      allow_draft_model=True, cost_table=table)
+                                      cost_table=table)
                 if hasattr(sp.drafter, "model") and sp.drafter.model is not llm.model:
                     set_gather(sp.drafter.model, a.moe_gather_max)
                 specs[m] = (sp, Totals(sp))
@@ -446,7 +446,7 @@ def main() -> None:
                 for label, adaptive in (("fixed_k", False), ("adaptive", True)):
                     if S == 1:
                         sp = ServeSpeculation(llm.model, llm.model.new_caches(1), 1, m, a.k, adaptive,
-                                              allow_draft_model=True, cost_table=table)
+                                              cost_table=table)
                         tot = Totals(sp)
                         use(llm, sp)
                         r = run(llm, ps, params, B, a.repeats)

@@ -216,10 +216,24 @@ def test_mtp_on_a_trained_hybrid(one_thread):
     assert 0 < sch.stats["spec_accepted"] < sch.stats["spec_drafted"]
 
 
+def test_a_draft_model_served_equals_plain_generate(ckpts, tmp_path):
+    """``--speculative draft:PATH``: another checkpoint with the target's vocabulary drafts over its own caches in the
+    scheduler's process (five requests on four slots, chunked prefill alongside); the tokens are plain greedy's."""
+    draft = tmp_path / "draft"
+    build("llama", draft, seed=1)  # (a different random llama: drafts accepted sometimes, not always)
+    llm = LLM(ckpts["llama"])
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    sch = Scheduler(llm, _config(f"draft:{draft}", 3))
+    got, _ = _serve(sch, PROMPTS, GREEDY)
+    assert got == want
+    assert sch.stats["spec_drafted"] > 0
+
+
 def test_refusals(ckpts, sol):
     from waferline.server.commands import build_server
 
-    for kw, says in (({"speculative": "draft:/x"}, "speculates with 'ngram'"),
+    for kw, says in (({"speculative": "draft:/x"}, "not a checkpoint directory"),
+                     ({"speculative": "medusa"}, "unknown method"),
                      ({"speculative": "ngram", "num_speculative_tokens": 0}, "num-speculative-tokens must be >= 1")):
         with pytest.raises(ConfigError, match=says):
             build_server(sol, **kw)

@@ -145,7 +145,7 @@ class LLM:
             from waferline.engine.speculative.serving import ServeSpeculation
 
             self._spec = ServeSpeculation(self.model, self.model.new_caches(1), 1, speculative, num_speculative_tokens,
-                                          speculative_adaptive, allow_draft_model=True)
+                                          speculative_adaptive)
         if self._pipeline is not None:
             try:
                 self._engine(1)  # the runner over the processes, and its speculation: a bad option fails here
@@ -252,7 +252,7 @@ class LLM:
                 from waferline.engine.speculative.serving import ServeSpeculation
 
                 model, caches = runner.prepare_speculation(self._speculative[0])
-                self._spec = ServeSpeculation(model, caches, rows, *self._speculative, allow_draft_model=True)
+                self._spec = ServeSpeculation(model, caches, rows, *self._speculative)
             k = self._spec.k_max if self._spec is not None else 0
             cfg = SchedulerConfig(max_num_seqs=rows, max_model_len=self.max_model_len, chunk_tokens=self.max_model_len,
                                   max_num_batched_tokens=rows * (self.max_model_len + k + 1), max_queue=rows,

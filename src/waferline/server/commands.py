@@ -93,8 +93,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
 
 
 def check_serve_speculative(method: str, k: int) -> None:
-    """``serve --speculative``: the server speculates with 'ngram' or 'mtp' (in this process, over pipeline stages or
-    over AFD ranks); anything else is refused with the reason before the checkpoint loads."""
+    """``serve --speculative``: 'ngram', 'mtp' or 'draft:PATH' (in this process, over pipeline stages or over AFD
+    ranks); anything else is refused with the reason before the checkpoint loads."""
     from waferline.engine.speculative.serving import check_serve_method
 
     check_serve_method(method, k)
@@ -263,9 +263,10 @@ def register(sub: Any) -> None:
     s.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
                    help="with --afd: FFN ranks; MoE experts are split across them (default 1)")
     s.add_argument("--speculative", default=None, metavar="METHOD",
-                   help="ngram | mtp: speculative decoding in the scheduler (n-gram prompt lookup over each "
-                        "request's prompt and output, or the checkpoint's MTP head), exact: the tokens are those of "
-                        "plain decoding; in this process, over --stages or over --afd ranks alike")
+                   help="ngram | mtp | draft:PATH: speculative decoding in the scheduler (n-gram prompt lookup over "
+                        "each request's prompt and output, the checkpoint's MTP head, or a draft checkpoint sharing "
+                        "the tokenizer), exact: the tokens are those of plain decoding; in this process, over "
+                        "--stages or over --afd ranks alike")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="most drafts per step (with --speculative; default 4)")
     s.add_argument(

@@ -12,9 +12,9 @@ A step in which no greedy sequence drafts (adaptive K chose k = 0, or no n-gram 
 burst where the scheduler allows (``burst_steps``: 1, 2, 4, then ``GREEDY_BURST`` after such steps in a row), the
 steps' hidden states handed to an MTP drafter: speculation that does not pay costs about what plain decoding does.
 
-The single-process engine's ``LLM(speculative=...)`` speculates through the same class over its own scheduler, which
-also takes a draft model (``draft:PATH``, a checkpoint sharing the target's tokenizer, drafting over its own caches);
-the server refuses that method (``check_serve_method``).
+``LLM(speculative=...)`` speculates through the same class over its own scheduler. A draft model (``draft:PATH``, a
+checkpoint sharing the target's tokenizer) drafts over its own caches in the scheduler's process, catching up on each
+sequence's tokens as it proposes (so a prefix-cache hit or a preemption needs nothing of it).
 
 A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
 is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
@@ -41,14 +41,18 @@ if TYPE_CHECKING:
     from waferline.engine.runner import LocalRunner, RowOutput
     from waferline.engine.scheduler import Sequence
 
-SERVE_METHODS = ("ngram", "mtp")
-
-
 def check_serve_method(method: str, k: int) -> None:
-    """Refuse a method or K the server cannot speculate with, with the reason."""
-    if not (method in SERVE_METHODS or method.startswith("ngram:")):
-        raise ConfigError(f"--speculative {method}: the server speculates with 'ngram' (or 'ngram:MIN_N:MAX_N') or "
-                          "'mtp'; a draft model runs through `waferline generate --speculative draft:PATH`")
+    """Refuse a method or K the scheduler cannot speculate with, with the reason (before any checkpoint loads)."""
+    from pathlib import Path
+
+    if method.startswith("draft:"):
+        path = Path(method[len("draft:"):])
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--speculative {method}: {path} is not a checkpoint directory (config.json + "
+                              "*.safetensors of a model sharing the target's tokenizer)")
+    elif not (method in ("ngram", "mtp") or method.startswith("ngram:")):
+        raise ConfigError(f"--speculative {method}: unknown method; use 'ngram' (or 'ngram:MIN_N:MAX_N'), 'mtp' or "
+                          "'draft:PATH' (a checkpoint sharing the target's tokenizer)")
     if k < 1:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
 
@@ -86,13 +90,10 @@ class ServeSpeculation:
     """The scheduler's drafter, K controller and statistics over the runner's ``num_slots`` slots."""
 
     def __init__(self, model: Any, caches: list[Any], num_slots: int, method: str, num_tokens: int,
-                 adaptive: bool = True, step_tokens: int | None = None, allow_draft_model: bool = False,
+                 adaptive: bool = True, step_tokens: int | None = None,
                  cost_table: list[tuple[int, float]] | None = None):
-        if allow_draft_model:  # (the single-process engine's LLM: "draft:PATH" too)
-            if num_tokens < 1:
-                raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
-        else:
-            check_serve_method(method, num_tokens)
+        if num_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
         device = next(iter(model.parameters()), torch.zeros(0)).device
         if device.type != "cpu":
             raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or load the model on the CPU "
