@@ -337,6 +337,25 @@ def test_verify_respects_temperature_top_k_top_p():
     assert _chi2_pvalue(counts, p[0]) > 1e-3
 
 
+def test_sample_draws_from_the_tempered_truncated_distribution():
+    """sample() (one uniform per token, inverse CDF in fp64) follows target_probs: temperature, top-k and top-p
+    applied; the same counts are far from the untempered softmax (the check can fail)."""
+    from waferline.engine.sampling import sample
+
+    logits = torch.tensor([2.0, 1.5, 0.3, -1.0, 0.9, 1.1, -0.2, 0.0])
+    params = SamplingParams(temperature=0.7, top_k=6, top_p=0.95)
+    g = torch.Generator().manual_seed(3)
+    counts = torch.zeros(8)
+    for _ in range(20_000):
+        counts[sample(logits, params, g)] += 1
+    p = target_probs(logits[None], params)[0]
+    assert counts[p == 0].sum() == 0
+    keep = p > 0
+    assert _chi2_pvalue(counts[keep], p[keep]) > 1e-3
+    plain = torch.softmax(logits, -1)[keep]
+    assert _chi2_pvalue(counts[keep], plain / plain.sum()) < 1e-6
+
+
 def test_greedy_verify_and_residual():
     logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
     assert verify_greedy(logits, [1, 0]) == [1, 0, 2]  # all accepted + bonus

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, greedy, target_probs
+from waferline.engine.sampling import SamplingParams, draw, greedy, target_probs
 from waferline.engine.speculative.rollback import _load, _save, _stateful
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
@@ -90,7 +90,7 @@ def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | N
     if params.temperature == 0:
         return greedy(logits.reshape(-1)), None
     q = target_probs(logits, params)
-    return int(torch.multinomial(q, 1, generator=gen)), q
+    return draw(q, gen), q
 
 
 class _ModelDrafter:

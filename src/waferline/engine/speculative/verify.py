@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, greedy, target_probs
+from waferline.engine.sampling import SamplingParams, draw, greedy, target_probs
 
 
 def verify_greedy(target_logits: torch.Tensor, draft: list[int], best: list[int] | None = None) -> list[int]:
@@ -56,9 +56,9 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor | None, draft: list[int], ge
                 out.append(x)
                 continue
             r = residual(p[i], None if q is None else q[i], x)
-            out.append(int(torch.multinomial(r, 1, generator=gen)))
+            out.append(draw(r, gen))
             return out
-    out.append(int(torch.multinomial(p[len(draft)], 1, generator=gen)))
+    out.append(draw(p[len(draft)], gen))
     return out
 
 
