@@ -5,9 +5,10 @@
 
 Each case runs in a fresh process per tree (``PYTHONPATH=<tree>/src``), the trees alternating, ``--rounds`` times;
 the table shows each tree's best and median. Cases: ``batch`` (``--batch`` prompts of 32 tokens decoding
-``--max-tokens`` greedy tokens together: aggregate decode tokens/s), ``single`` (one prompt: tokens/s per user) and
-``ttft`` (one prompt of ``--long`` tokens, one token out: time to first token). Greedy outputs of the two trees are
-compared (``same`` column). Writes ``benchmarks/results/engine_ab.json`` (``--out``).
+``--max-tokens`` tokens together, greedy unless ``--temperature``: aggregate decode tokens/s), ``single`` (one
+prompt: tokens/s per user) and ``ttft`` (one prompt of ``--long`` tokens, one token out: time to first token). The
+outputs of the two trees are compared (``same`` column; with ``--temperature`` they differ where the trees sample
+differently). Writes ``benchmarks/results/engine_ab.json`` (``--out``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ with LLM(a["model"], dtype=a["dtype"], **kw) as llm:
         prompts, n = [[(5 * j + 1) % V for j in range(32)]], a["max_tokens"]
     else:
         prompts, n = [[(i * 11 + 5 * j + 1) % V for j in range(32)] for i in range(a["batch"])], a["max_tokens"]
-    p = SamplingParams(max_tokens=n, ignore_eos=True)
+    t = a["temperature"]
+    p = SamplingParams(max_tokens=n, ignore_eos=True, temperature=t, seed=0 if t else None)
     llm.generate(prompts, SamplingParams(max_tokens=min(n, 4), ignore_eos=True))  # warm-up
     t0 = time.perf_counter()
     outs = llm.generate(prompts, p)
@@ -78,6 +80,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--long", type=int, default=1024, help="prompt tokens of the ttft case")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature (seeded per request, so both trees draw the same way; default greedy)")
     ap.add_argument("--cases", default="batch,single,ttft")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_ab.json"))
@@ -96,13 +100,14 @@ def main() -> int:
             for name in (("baseline", "tree") if r % 2 == 0 else ("tree", "baseline")):
                 args = {"case": c, "model": a.model, "dtype": a.dtype, "stages": a.stages,
                         "micro_batches": a.micro_batches, "threads": a.threads, "batch": a.batch,
-                        "max_tokens": a.max_tokens, "long": a.long}
+                        "max_tokens": a.max_tokens, "long": a.long, "temperature": a.temperature}
                 res = run_case(trees[name], args)
                 runs[c][name].append(res)
                 print(f"round {r + 1}/{a.rounds} {c:6s} {name:8s} {res[CASES[c][0]]:.4g}", file=sys.stderr, flush=True)
     rows = []
-    print(f"\n{a.model}, stages {a.stages} x micro-batches {a.micro_batches}, {a.threads} thread(s) per process, "
-          f"{a.rounds} rounds, load average {os.getloadavg()[0]:.1f}")
+    layout = f"stages {a.stages} x micro-batches {a.micro_batches}" if a.stages > 1 else "one process"
+    print(f"\n{a.model}, {layout}, {a.threads} thread(s) per process, temperature {a.temperature}, {a.rounds} rounds, "
+          f"load average {os.getloadavg()[0]:.1f}")
     print(f"{'case':8s} {'figure':24s} {'baseline best / median':>24s} {'tree best / median':>22s} {'ratio':>6s} same")
     for c in cases:
         key, label, higher = CASES[c]
