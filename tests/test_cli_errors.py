@@ -230,7 +230,7 @@ def test_a_workers_error_is_reported_as_one_line(monkeypatch, capsys):
     (["--prompt-ids", "1 2", "--top-p", "0.9"], "--top-p: this applies to sampling"),
     (["--prompt-ids", "1 2", "--top-k", "5", "--seed", "1"], "--top-k, --seed: these apply to sampling"),
     (["--prompt-ids", "1 2", "--head-bits", "8", "--afd"], "--head-bits 8 is for the single-process engine"),
-    (["--prompt-ids", "1 2", "--afd", "--speculative", "ngram"], "--afd runs 16-bit weights"),
+    (["--prompt-ids", "1 2", "--afd", "--weight-bits", "4"], "--afd runs 16-bit weights"),
     (["--prompt-ids", "1 2", "--stop", "x"], "--stop needs the checkpoint's tokenizer"),
     (["--prompt", "hello"], "--prompt needs the checkpoint's tokenizer"),
     (["--prompt-ids", "1 two"], "--prompt-ids takes integers"),

@@ -83,6 +83,18 @@ def test_the_scheduler_pages_match_every_model_kind(tmp_path):
         assert real == [_paged_mixer(layer.mixer) for layer in model.spec.layers], mt
 
 
+def test_afd_speculates_through_the_scheduler(ckpts):
+    """``LLM(afd=True, speculative=...)``: the scheduler drafts and verifies through the attention and FFN ranks (a
+    verify, then the step's plain rows); greedy tokens are the single-process engine's."""
+    prompts = [[7, 8, 9, 10, 11, 12] * 3, [(5 * j + 1) % tiny_models.VOCAB for j in range(9)]]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    want = [o.token_ids for o in LLM(ckpts["deepseek_v3"]).generate(prompts, params)]
+    with LLM(ckpts["deepseek_v3"], afd=True, attention_ranks=1, ffn_ranks=2, threads_per_rank=1,
+             speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False) as llm:
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want and outs[0].metrics["spec_drafted"] > 0
+
+
 def test_plain_rows_ride_the_verify_trip(ckpts):
     """n-gram speculation over 2 stages with one prompt that repeats itself (it drafts) beside others that do not:
     steps that verify some sequences and decode others send both in one trip (the runner's verify is given the

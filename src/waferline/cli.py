@@ -43,10 +43,8 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
         raise UsageError("give --stages S or --layers-per-stage K, not both")
     if args.micro_batches is not None and not (pipeline or args.afd):
         raise UsageError("--micro-batches needs --stages S, --layers-per-stage K or --afd")
-    if args.afd and (args.speculative or args.weight_bits != 16):
-        raise UsageError("--afd runs 16-bit weights without speculative decoding: drop "
-                         + " and ".join(f for f, on in (("--speculative", args.speculative),
-                                                        ("--weight-bits 4", args.weight_bits != 16)) if on))
+    if args.afd and args.weight_bits != 16:
+        raise UsageError("--afd runs 16-bit weights: drop --weight-bits 4")
     if args.head_bits != 16 and (pipeline or args.afd):
         raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
                          f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
