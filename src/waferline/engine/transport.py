@@ -48,7 +48,7 @@ SLOTS_AHEAD = 4  # slots kept posted per peer (messages that can arrive while th
 # sends kept in flight before the oldest is waited on: gloo's send work reports completion only once waited on
 # (is_completed() stays False), so without a bound every message's buffer was kept for the process's life (a stage of
 # a one-layer-per-stage pipeline grew ~12 MB per 8 x 32-token generation, and pruning the list cost more each send).
-# The ring has at most a few micro-batches in flight, so a send this old has been received: the wait returns at once
+# A pipeline has at most M micro-batches in the chain, so a send this old has been received: the wait returns at once
 MAX_PENDING_SENDS = 64
 _SLOT_HDR = 32  # int64 kind, body bytes, metadata values, send time (ns)
 _SLOT_TAG, _REST_TAG = 1, 2  # gloo tags of slots and of the remainders of larger messages (raw messages use tag 0)

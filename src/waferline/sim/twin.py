@@ -43,7 +43,7 @@ MEASURED_INPUTS = (
     "(measured in each run)"
 )
 MODELLED_INPUTS = ("bytes and FLOPs per layer (ModelSpec accounting), experts touched per step, stage sums and hops, "
-                   "the ring bound (micro-batches x busiest stage), the cores bound (processes vs cores), prefill "
+                   "the pipeline bound (micro-batches x busiest stage), the cores bound (processes vs cores), prefill "
                    "micro-batching, tokens per verify step from the acceptance")
 
 

@@ -9,7 +9,7 @@ emits between 1 and K + 1 tokens per row; the caches are rolled back to the acce
 
 Modules: ``verify`` (the verifier and why it is exact), ``rollback`` (the target's caches back to the accepted
 prefix), ``drafters`` (n-gram, draft model, MTP; ``make_drafter``), ``adaptive`` (adaptive K), ``serving`` (the
-scheduler's part), ``speculator`` (statistics, burst length). The names below
+scheduler's part), ``speculator`` (burst length). The names below
 are the public ones; import them from here.
 """
 
@@ -23,10 +23,10 @@ from waferline.engine.speculative.drafters import (
     make_drafter,
 )
 from waferline.engine.speculative.rollback import SlotRollback, VerifyRollback
-from waferline.engine.speculative.speculator import SpecStats, burst_len
+from waferline.engine.speculative.speculator import burst_len
 from waferline.engine.speculative.verify import residual, verify, verify_greedy, verify_rows, verify_sampled
 
-__all__ = ["SpecStats", "burst_len", "AdaptiveK", "expected_tokens", "reproducible_k", "Drafter",
+__all__ = ["burst_len", "AdaptiveK", "expected_tokens", "reproducible_k", "Drafter",
            "Proposal", "NgramDrafter", "DraftModelDrafter", "MTPDrafter", "make_drafter", "VerifyRollback",
            "SlotRollback", "verify", "verify_greedy", "verify_sampled",
            "verify_rows", "residual"]
