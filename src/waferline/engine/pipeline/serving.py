@@ -132,8 +132,7 @@ class PipelineRunner:
     # -- the Runner interface
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        rows: list[_Row] = [(r.slot, r.position, [r.token], r.want, i) for i, r in enumerate(decodes)]
-        rows += [(c.slot, c.start, c.tokens, c.want, len(decodes) + i) for i, c in enumerate(prefills)]
+        rows = _plain_rows(decodes, prefills)
         outs: list[RowOutput | None] = [None] * len(rows)
         if rows:
             self._guard(lambda: self._run(self._split(rows, len(decodes)), outs))
@@ -151,8 +150,7 @@ class PipelineRunner:
         outputs)."""
         n, nd = len(rows), len(decodes)
         items: list[_Row] = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(rows)]
-        plain: list[_Row] = [(r.slot, r.position, [r.token], r.want, n + i) for i, r in enumerate(decodes)]
-        plain += [(c.slot, c.start, c.tokens, c.want, n + nd + i) for i, c in enumerate(prefills)]
+        plain = _plain_rows(decodes, prefills, n)
         outs: list[RowOutput | None] = [None] * (n + len(plain))
         self._verified = [r.slot for r in rows]
 
@@ -164,7 +162,7 @@ class PipelineRunner:
 
         self._guard(run)
         mine = _padded(outs[:n], max(len(r.tokens) for r in rows)) if self._keep_hidden else outs[:n]
-        if not plain and not decodes and not prefills:
+        if not plain:
             return mine
         return mine, outs[n:n + nd], outs[n + nd:]
 
@@ -350,8 +348,7 @@ class PipelineRunner:
     # -- steps in flight (engine/overlap.py): launched now, their answers read later
     def submit(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]) -> _Submitted:
         """Launch a step's micro-batches without waiting for their answers; ``collect`` reads them."""
-        rows: list[_Row] = [(r.slot, r.position, [r.token], r.want, i) for i, r in enumerate(decodes)]
-        rows += [(c.slot, c.start, c.tokens, c.want, len(decodes) + i) for i, c in enumerate(prefills)]
+        rows = _plain_rows(decodes, prefills)
         parts = max(1, self.pipe.micro_batches - len(self._submitted))  # (about M micro-batches in flight in all)
         where = self._guard(lambda: self._launch_all(self._split(rows, len(decodes), parts))) if rows else {}
         h: _Submitted = (where, [None] * len(rows), len(decodes))
@@ -400,6 +397,12 @@ class PipelineRunner:
             for b, s in enumerate(g.seqs):
                 out[s] = h[b]
         return out
+
+
+def _plain_rows(decodes: list[DecodeRow], prefills: list[PrefillChunk], first: int = 0) -> list[_Row]:
+    """A step's decode rows, then its prefill chunks, as rows whose outputs go to indices ``first``, ``first + 1``..."""
+    rows: list[_Row] = [(r.slot, r.position, [r.token], r.want, first + i) for i, r in enumerate(decodes)]
+    return rows + [(c.slot, c.start, c.tokens, c.want, first + len(decodes) + i) for i, c in enumerate(prefills)]
 
 
 def _paged_mixer(mixer: Any) -> bool:
