@@ -115,6 +115,8 @@ def _ours(family: str, hf, cfg: dict, layer: int = 3, **overrides) -> Mamba2Mixe
     """Our mixer loaded from the HF mixer's weights, as they would sit in a full checkpoint at ``layer``."""
     prefix = hf_mixer_prefix(family, layer)
     src = WeightSource.from_dict({prefix + k: v.detach().clone() for k, v in hf.state_dict().items()})
+    # (the dt clamp of the installed transformers' mixer: nemotron_h's changed in 5.25)
+    overrides.setdefault("time_step_limit", tuple(float(v) for v in hf.time_step_limit))
     mixer = Mamba2Mixer(_spec(family, cfg), **(hf_mixer_kwargs(family, cfg) | overrides))
     mixer.load_hf(src, prefix)
     assert src.unused() == []
@@ -251,19 +253,22 @@ def test_decode_path_equals_scan_path(clamp):
 
 @torch.no_grad()
 def test_nemotron_h_decode_clamp_differs_from_hf_when_forced():
-    """The nemotron_h dt clamp really is exercised by these weights (else the tests above could not tell)."""
+    """A dt clamp at (time_step_min, inf) really is exercised by these weights (else the tests above could not tell a
+    clamp from none): in decode when forced, and in the chunked prefill."""
     hf, cfg = _hf_mixer("nemotron_h")
     x = torch.randn(1, 9, HIDDEN, generator=torch.Generator().manual_seed(8))
+    limit = (float(cfg["time_step_min"]), float("inf"))
     outs = []
     for clamp in (False, True):
-        ours = _ours("nemotron_h", hf, cfg, clamp_dt_in_decode=clamp)
+        ours = _ours("nemotron_h", hf, cfg, time_step_limit=limit, clamp_dt_in_decode=clamp)
         c = ours.new_cache(1)
         ours(x[:, :8], c, StepBatch.make([0], [0], 8))
         outs.append(ours(x[:, 8:], c, StepBatch.make([0], [8], 1)))
     assert (outs[0] - outs[1]).abs().max() > 1e-4
-    # and without the nemotron_h limit the chunked prefill would not match HF
-    ours = _ours("nemotron_h", hf, cfg, time_step_limit=(0.0, float("inf")))
-    assert (ours(x, ours.new_cache(1), StepBatch.make([0], [0], 9)) - hf(x)).abs().max() > 1e-4
+    clamped = _ours("nemotron_h", hf, cfg, time_step_limit=limit)
+    free = _ours("nemotron_h", hf, cfg, time_step_limit=(0.0, float("inf")))
+    run = [m(x, m.new_cache(1), StepBatch.make([0], [0], 9)) for m in (clamped, free)]
+    assert (run[0] - run[1]).abs().max() > 1e-4
 
 
 @torch.no_grad()
@@ -331,7 +336,7 @@ def test_loads_from_saved_checkpoint_names(family, tmp_path):
     cfg = json.loads((tmp_path / "config.json").read_text())
     prefix = hf_mixer_prefix(family, 1, src)
     assert prefix == ("backbone.layers.1.mixer." if family == "nemotron_h" else "model.layers.1.mamba.")
-    kw = hf_mixer_kwargs(family, cfg)
+    kw = hf_mixer_kwargs(family, cfg) | {"time_step_limit": tuple(float(v) for v in hf.time_step_limit)}
     # (config.json spells inf as {"__float__": "Infinity"}; the spec parser is not what is under test here)
     spec = _spec(family, cfg | {"time_step_limit": (0.0, float("inf"))})
     ours = Mamba2Mixer(spec, **kw)

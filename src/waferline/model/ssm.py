@@ -8,12 +8,14 @@ family                HF mixer weight prefix          conv activation         dt
 ====================  ==============================  ======================  =======================================
 bamba                 ``model.layers.{i}.mamba.``     ``config.hidden_act``   ``config.time_step_limit``
 granitemoehybrid      ``model.layers.{i}.mamba.``     ``config.hidden_act``   ``config.time_step_limit``
-nemotron_h            ``backbone.layers.{i}.mixer.``  ``mamba_hidden_act``    ``(config.time_step_min, inf)`` (!)
+nemotron_h            ``backbone.layers.{i}.mixer.``  ``mamba_hidden_act``    ``config.time_step_limit`` (*)
                       (in memory: ``model.layers.``)
 ====================  ==============================  ======================  =======================================
 
+(*) or ``mamba_dt_limit``; transformers before 5.25 clamped nemotron_h at ``(config.time_step_min, inf)`` instead.
+
 HF clamps dt to the limit only in its chunked path; its single-token (decode) path never clamps. With the default
-limit ``(0, inf)`` that is a no-op, but nemotron_h's ``(time_step_min, inf)`` makes the two paths differ. By default
+limit ``(0, inf)`` that is a no-op, but a limit such as ``(time_step_min, inf)`` makes the two paths differ. By default
 this module does the same as HF (``clamp_dt_in_decode=False``); pass ``True`` to clamp in both paths (then chunked
 prefill, speculative verify and plain decode are mutually consistent, at the cost of differing from HF's decode).
 
@@ -570,6 +572,5 @@ def hf_mixer_kwargs(model_type: str, hf_config: dict) -> dict:
     if model_type in ("bamba", "granitemoehybrid"):
         return {"act": hf_config.get("hidden_act", "silu")}
     if model_type == "nemotron_h":
-        tmin = hf_config.get("time_step_min", hf_config.get("mamba_dt_min", 0.001))
-        return {"act": hf_config.get("mamba_hidden_act", "silu"), "time_step_limit": (float(tmin), float("inf"))}
+        return {"act": hf_config.get("mamba_hidden_act", "silu")}
     raise ConfigError(f"mamba2: no known HF mixer for model_type {model_type!r}")

@@ -131,7 +131,7 @@ def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
     hd = _get(cfg, "mamba_d_head", "mamba_head_dim", default="auto")
     if hd == "auto":
         hd = expand * d // heads
-    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    limit = cfg.get("time_step_limit") or cfg.get("mamba_dt_limit") or (0.0, float("inf"))
     return Mamba2Spec(
         hidden_size=d, num_heads=heads, head_dim=int(hd),
         state_size=_get(cfg, "mamba_d_state", "ssm_state_size"),
