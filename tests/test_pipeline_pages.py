@@ -95,17 +95,21 @@ def test_afd_speculates_through_the_scheduler(ckpts):
         assert [o.token_ids for o in outs] == want and outs[0].metrics["spec_drafted"] > 0
 
 
-def test_plain_rows_ride_the_verify_trip(ckpts):
-    """n-gram speculation over 2 stages with one prompt that repeats itself (it drafts) beside others that do not:
-    steps that verify some sequences and decode others send both in one trip (the runner's verify is given the
-    step's decode rows), and the tokens are the single-process engine's."""
+@pytest.mark.parametrize("engine", [dict(stages=2, threads_per_stage=1),
+                                    dict(afd=True, attention_ranks=2, ffn_ranks=1, threads_per_rank=1)],
+                         ids=["pipeline", "afd"])
+def test_plain_rows_ride_the_verify_trip(ckpts, engine):
+    """n-gram speculation over 2 stages (or 2 attention ranks and an FFN rank) with one prompt that repeats itself (it
+    drafts) beside others that do not: steps that verify some sequences and decode others send both in one trip (the
+    runner's verify is given the step's decode rows; AFD: verify groups and plain groups in the same micro-batches),
+    and the tokens are the single-process engine's."""
     sys.path.insert(0, str(Path(__file__).parent))
     prompts = [[7, 8, 9, 10, 11, 12] * 4, [(5 * j + 1) % tiny_models.VOCAB for j in range(9)],
                [(3 * j + 2) % tiny_models.VOCAB for j in range(13)]]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = [o.token_ids for o in LLM(ckpts["llama"]).generate(prompts, params)]
-    with LLM(ckpts["llama"], stages=2, threads_per_stage=1, speculative="ngram", num_speculative_tokens=3,
-             speculative_adaptive=False) as llm:
+    with LLM(ckpts["llama"], speculative="ngram", num_speculative_tokens=3, speculative_adaptive=False,
+             **engine) as llm:
         runner = llm._engine(len(prompts)).runner
         seen = []
         verify = runner.verify

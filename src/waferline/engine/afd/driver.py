@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -211,11 +211,11 @@ class AFD(Pipeline):
         return i % self.M
 
     def _micro_batches(
-        self, rows: list[tuple[int, list[int], int, int]], verify: bool = False
+        self, rows: list[tuple[int, list[int], int, int]], verify: Container[int] = ()
     ) -> tuple[list[MicroBatch], list[list[torch.Tensor]]]:
         """K micro-batches balanced by tokens (largest rows first), each split into groups of equal T. A row is
-        (global row, tokens, start, emit); row i lives in slot i // M of attention rank i % M. ``verify``: every group
-        is a verify group (a row's tokens are its last token, then its drafts)."""
+        (global row, tokens, start, emit); row i lives in slot i // M of attention rank i % M. The rows in ``verify``
+        go in verify groups (a row's tokens are its last token, then its drafts), the others in plain ones."""
         K = self.micro_batches
         bins: list[list[tuple[int, list[int], int, int]]] = [[] for _ in range(K)]
         load = [0] * K
@@ -225,9 +225,10 @@ class AFD(Pipeline):
             load[k] += len(row[1])
         mbs, toks = [], []
         for rows_k in bins:
-            groups: dict[int, tuple[Group, list[list[int]]]] = {}
+            groups: dict[tuple[int, bool], tuple[Group, list[list[int]]]] = {}
             for i, t, start, emit in sorted(rows_k, key=lambda r: r[0]):
-                g, tl = groups.setdefault(len(t), (Group(len(t), drafts=[] if verify else None), []))
+                v = i in verify
+                g, tl = groups.setdefault((len(t), v), (Group(len(t), drafts=[] if v else None), []))
                 if g.drafts is not None:
                     g.drafts.append(list(t[1:]))
                 g.seqs.append(i)
@@ -236,8 +237,8 @@ class AFD(Pipeline):
                 g.emits.append(emit)
                 tl.append(t)
             self._mb_ids += 1
-            mbs.append(MicroBatch(self._mb_ids, [groups[T][0] for T in sorted(groups)]))
-            toks.append([torch.tensor(groups[T][1], dtype=torch.long) for T in sorted(groups)])
+            mbs.append(MicroBatch(self._mb_ids, [groups[key][0] for key in sorted(groups)]))
+            toks.append([torch.tensor(groups[key][1], dtype=torch.long) for key in sorted(groups)])
         return mbs, toks
 
     def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False) -> None:
@@ -252,12 +253,13 @@ class AFD(Pipeline):
         for m in range(1, self.M):
             self.link.send(m, BEGIN, json_meta(dict(cfg, local_slots=len(range(m, n, self.M)))))
 
-    def _step_raw(self, per: list[list[tuple[int, list[int], int, int]]], verify: bool = False,
+    def _step_raw(self, per: list[list[tuple[int, list[int], int, int]]], verify: Container[int] = (),
                   rewinds: list[tuple[int, int]] = ()) -> tuple[list[tuple[list[int], torch.Tensor]],
                                                                  dict[int, list[Group]]]:
-        """``_step_ranks`` with the feedback as (meta, raw bytes) per micro-batch, and each micro-batch's groups by
-        id. ``verify``: the rows are verify rows; ``rewinds``: (global row, keep) of earlier verifies, which ride on
-        the first micro-batch of each row's attention rank."""
+        """One step of every attention rank's rows (``per[m]``) through the ranks: the feedback as (meta, raw bytes)
+        per micro-batch, and each micro-batch's groups by id. ``verify``: the global rows that are verify rows;
+        ``rewinds``: (global row, keep) of earlier verifies, which ride on the first micro-batch of each row's
+        attention rank."""
         self._busy_since = time.monotonic()
         mine = None
         groups: dict[int, list[Group]] = {}

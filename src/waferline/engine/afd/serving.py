@@ -11,7 +11,7 @@ rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequ
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded, pack_prefills
 from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutput, VerifyRow
@@ -28,7 +28,6 @@ class AFDRunner(PipelineRunner):
 
     pipe: AFD
     overlap = False  # (an AFD step runs through the ranks at once: steps go one at a time)
-    verify_with_step = False  # (a verify and the step's other rows: two AFD steps)
 
     def _begin(self) -> None:
         self._rewinds, self._verified = [], []
@@ -36,23 +35,30 @@ class AFDRunner(PipelineRunner):
 
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        rows: list[tuple[int, int, list[int], int]] = [(r.slot, r.position, [r.token], r.want) for r in decodes]
-        rows += [(c.slot, c.start, c.tokens, c.want) for c in prefills]
-        outs = self._rows(rows, len(decodes), False)
+        rows = _plain(decodes, prefills)
+        outs = self._rows(rows, len(decodes), ())
         return outs[:len(decodes)], outs[len(decodes):]
 
-    def verify(self, rows: list[VerifyRow]) -> list[RowOutput]:
-        """As ``PipelineRunner.verify``, through the attention and FFN ranks."""
+    def verify(self, rows: list[VerifyRow], decodes: list[DecodeRow] = (), prefills: list[PrefillChunk] = ()
+               ) -> Any:
+        """As ``PipelineRunner.verify``, through the attention and FFN ranks: the verify rows and the step's
+        ``decodes`` / ``prefills`` in one AFD step (verify groups and plain groups side by side in the micro-batches;
+        a long prompt's later pieces in the steps after it)."""
+        n, nd = len(rows), len(decodes)
         self._verified = [r.slot for r in rows]
-        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows], len(rows), True)
-        return _padded(outs, max(len(r.tokens) for r in rows)) if self._keep_hidden else outs  # type: ignore[return-value]
+        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows] + _plain(decodes, prefills),
+                          n + nd, set(self._verified))
+        mine = _padded(outs[:n], max(len(r.tokens) for r in rows)) if self._keep_hidden else outs[:n]
+        if not (decodes or prefills):
+            return mine
+        return mine, outs[n:n + nd], outs[n + nd:]
 
-    def _rows(self, rows: list[tuple[int, int, list[int], int]], n_decodes: int, verify: bool
+    def _rows(self, rows: list[tuple[int, int, list[int], int]], n_decodes: int, verify: set[int] | tuple
               ) -> list[RowOutput | None]:
-        """Run ``rows`` (slot, start, tokens, want; the first ``n_decodes`` of them decode or verify rows, the rest
-        prefill chunks) as AFD steps; their outputs in order. Each attention rank's prefill
-        chunks are packed in order within the engine's prefill chunk per step (beside its decode rows: what is left of
-        it), so a long prompt runs as several steps, piece after piece (``pack_prefills``)."""
+        """Run ``rows`` (slot, start, tokens, want; the first ``n_decodes`` of them verify or decode rows, the rest
+        prefill chunks; the slots in ``verify`` are verify rows) as AFD steps; their outputs in order. Each attention
+        rank's prefill chunks are packed in order within the engine's prefill chunk per step (beside its decode rows:
+        what is left of it), so a long prompt runs as several steps, piece after piece (``pack_prefills``)."""
         afd = self.pipe
         outs: list[RowOutput | None] = [None] * len(rows)
         rounds: list[list[list[_AFDRow]]] = []  # step -> attention rank -> rows
@@ -82,7 +88,7 @@ class AFDRunner(PipelineRunner):
                 self._answers(meta, tail, gs, {s: want_k[s] for g in gs for s in g.seqs if s in want_k}, outs, verify)
         return outs
 
-    def _step(self, per: list[list[_AFDRow]], verify: bool, rewinds: list[tuple[int, int]]) -> tuple:
+    def _step(self, per: list[list[_AFDRow]], verify: set[int] | tuple, rewinds: list[tuple[int, int]]) -> tuple:
         out = self.pipe._step_raw(per, verify, rewinds)
         self.pipe.link.flush()
         return out
@@ -95,3 +101,9 @@ class AFDRunner(PipelineRunner):
         fresh = set(slots)
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]
         self._guard(lambda: self.pipe._reset_rows(slots))
+
+
+def _plain(decodes: list[DecodeRow], prefills: list[PrefillChunk]) -> list[tuple[int, int, list[int], int]]:
+    """A step's decode rows and prefill chunks as AFD rows (slot, start, tokens, want)."""
+    return [(r.slot, r.position, [r.token], r.want) for r in decodes] + [(c.slot, c.start, c.tokens, c.want)
+                                                                          for c in prefills]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -341,7 +341,7 @@ class PipelineRunner:
                     raise StageError(f"protocol error: an answer for micro-batch {meta[0]}, which is not in flight")
                 self._early[meta[0]] = (meta, tail)
                 continue
-            self._answers(meta, tail, got[1], got[0], outs, got[2])
+            self._answers(meta, tail, got[1], got[0], outs, got[0] if got[2] else ())
         if pipe.num_stages > 1 and not self._submitted:
             pipe.act.flush()
 
@@ -364,18 +364,19 @@ class PipelineRunner:
         return outs[:n], outs[n:]
 
     def _answers(self, meta: list[int], tail: torch.Tensor, groups: list[Group], slots: dict[int, int],
-                 outs: list[RowOutput | None], verify: bool) -> None:
+                 outs: list[RowOutput | None], verify: Container[int]) -> None:
         """One micro-batch's feedback into the outputs of its rows (``slots``: row -> output index; a group's rows
-        are named by ``Group.seqs``)."""
+        are named by ``Group.seqs``; the rows in ``verify`` were verify rows: every position's answer)."""
         _, tokens, logits = decode_feedback(meta, tail, self.spec.vocab_size)
         hidden = self._hidden(tail, logits, groups) if self._keep_hidden else {}
         whole = {s for g in groups for s, e in zip(g.seqs, g.emits) if e == EMIT_LOGPROBS}
         for slot, i in slots.items():
             out = None
+            v = slot in verify
             if slot in logits:
-                out = RowOutput(logits=(logits[slot] if verify or slot in whole else logits[slot][0]).clone())
+                out = RowOutput(logits=(logits[slot] if v or slot in whole else logits[slot][0]).clone())
             elif tokens.get(slot):
-                out = RowOutput(argmaxes=tokens[slot]) if verify else RowOutput(argmax=tokens[slot][0])
+                out = RowOutput(argmaxes=tokens[slot]) if v else RowOutput(argmax=tokens[slot][0])
             if slot in hidden:
                 out = out or RowOutput()
                 out.hidden = hidden[slot]
