@@ -7,6 +7,7 @@ import itertools
 import pytest
 import torch
 
+import tiny_models
 from conftest import tiny_checkpoints
 from server_helpers import run_to_end
 from waferline import LLM, SamplingParams
@@ -86,3 +87,24 @@ def test_served_prompts_of_different_lengths_equal_generate(ckpts, arch):
     assert got == want
     assert any(len(set(c)) > 1 for step in calls for c in step)  # (padded calls ran)
     assert sch.cache.table.live == 0
+
+
+def test_pipeline_stages_merge_prefill_groups_of_different_lengths(ckpts):
+    # stage 0 runs in this process: its merged calls are seen here; stage 1 merges the same groups in its own
+    prompts = [_prompt(n, s, tiny_models.VOCAB) for s, n in enumerate((13, 10, 12, 9))]
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in LLM(ckpts["llama"]).generate(prompts, sp)]
+    with LLM(ckpts["llama"], stages=2, threads_per_stage=1, micro_batches=1) as llm:
+        stage0 = llm._pipeline.runner
+        merged = []
+        real = stage0._merged
+
+        def seen(mb, inputs):
+            out = real(mb, inputs)
+            merged.append(out is not None)
+            return out
+
+        stage0._merged = seen
+        got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert got == want
+    assert any(merged)

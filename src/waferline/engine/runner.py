@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from waferline.engine.padding import padded_calls, pads_safely
 from waferline.engine.speculative.rollback import VerifyRollback
 from waferline.model.attention import TokenCache
 from waferline.model.block_table import BlockTable
@@ -24,9 +25,6 @@ from waferline.spec.model import ModelSpec
 
 # what a row of a step asks for (WANT_LOGPROBS: a prefill chunk's log-softmax at every position, for scoring)
 WANT_NONE, WANT_ARGMAX, WANT_LOGITS, WANT_LOGPROBS = 0, 1, 2, 3
-# prefill chunks of different lengths share one padded model call while its tokens stay within this factor of the
-# chunks' own (a separate call of a ~65-token chunk cost ~40% more than its share of a joint one: 124M Llama, int4, CPU)
-PREFILL_PAD_SLACK = 1.25
 
 
 @dataclass
@@ -190,33 +188,13 @@ class LocalRunner:
         return dec_out, pre_out
 
     def _prefill_calls(self, prefills: list[PrefillChunk]) -> list[tuple[list[int], int]]:
-        """The model calls a step's prefill chunks run as: (chunk indices, T) each. Chunks of equal length run as one
-        [B, T] call; where every cache is a full-attention token cache, chunks of different lengths share a call too,
-        the shorter ones padded at the end to T (longest first, while the padding stays within PREFILL_PAD_SLACK of
-        the call's tokens): a padded position writes past its row's tokens, where the row's next tokens overwrite it
-        before any query of the row reads that far (a managed page table sends it to the sink page), and causal
-        attention keeps the row's own queries from seeing it. Sliding windows, recurrent states and compressed caches
-        keep one call per length. ``batch_prefills`` off: each chunk alone."""
+        """The model calls a step's prefill chunks run as: (chunk indices, T) each; chunks of different lengths share
+        a padded call where every cache allows it (engine/padding.py). ``batch_prefills`` off: each chunk alone."""
         if not self.batch_prefills:
             return [([i], len(c.tokens)) for i, c in enumerate(prefills)]
-        by_len: dict[int, list[int]] = {}
-        for i, c in enumerate(prefills):
-            by_len.setdefault(len(c.tokens), []).append(i)
         if self._pad_ok is None:
-            self._pad_ok = all(c is None or (isinstance(c, TokenCache) and c.window is None) for c in self.caches)
-        if not self._pad_ok:
-            return [(idx, T) for T, idx in by_len.items()]
-        calls: list[tuple[list[int], int]] = []
-        real = 0
-        for T in sorted(by_len, reverse=True):
-            n = len(by_len[T])
-            if calls and len(calls[-1][0]) + n <= PREFILL_PAD_SLACK * (real + n * T) / calls[-1][1]:
-                calls[-1][0].extend(by_len[T])
-                real += n * T
-            else:
-                calls.append((list(by_len[T]), T))
-                real = n * T
-        return calls
+            self._pad_ok = pads_safely(self.caches)
+        return padded_calls([(1, len(c.tokens)) for c in prefills], self._pad_ok)
 
     def _static_for(self, slots: list[int]) -> Any:
         """The static step for these slots: made at the first such step (``static_factory``), then reused while the

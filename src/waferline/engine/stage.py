@@ -31,6 +31,7 @@ from waferline.engine.messages import (
     MicroBatch,
     decode_feedback,
 )
+from waferline.engine.padding import padded_calls, pads_safely
 from waferline.engine.sampling import SamplingParams, greedy, make_generator, sample, seeded_generator
 from waferline.engine.transport import (
     LOOPBACK,
@@ -80,6 +81,7 @@ class StageRunner:
         self.rollback = SlotRollback()  # speculative verifies of this stage's layers, until their keep arrives
         self.send_hidden = False  # the last stage returns every row's final hidden states (the server's MTP drafter)
         self.table: Any = None  # the page table its paged caches share, following the scheduler's (begin())
+        self._pad_ok: bool | None = None  # plain groups of different T may share a padded call (_merged)
 
     def begin(self, cfg: dict[str, Any]) -> None:
         """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (with
@@ -87,6 +89,7 @@ class StageRunner:
         paged caches follow the scheduler's page table (micro-batches carry its changes: ``MicroBatch.pages``), so a
         page id names the same tokens in every stage and a prefix the scheduler shares is shared here too."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
+        self._pad_ok = None
         self.rollback.reset()
         if cfg.get("page_tokens"):
             from waferline.model.attention import TokenCache
@@ -138,6 +141,9 @@ class StageRunner:
                 self.table.mirror(slot, pages)
         if mb.rewinds:
             self.rollback.apply(self.caches, mb.rewinds, self.device)
+        merged = self._merged(mb, inputs)
+        if merged is not None:
+            return merged
         out = []
         for g, x in zip(mb.groups, inputs):
             batch = StepBatch.make(g.slots, g.starts, g.T, self.device)
@@ -197,6 +203,39 @@ class StageRunner:
             parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).cpu() for t in tail + list(hs)]
             tail = [torch.cat(parts)] if parts else []
         return meta, tail
+
+    def _merged(self, mb: MicroBatch, inputs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Plain groups of different T as fewer padded calls where this stage's caches allow it
+        (engine/padding.py): each group's output cut back to its own [B, T, ...], so the next stage and the answers
+        see the groups as sent. None where no groups merge (run them one by one)."""
+        if self._pad_ok is None:
+            self._pad_ok = pads_safely(self.caches) and not self.model.hc_mult
+        if not self._pad_ok or len(mb.groups) < 2 or any(g.verify for g in mb.groups):
+            return None
+        calls = padded_calls([(g.B, g.T) for g in mb.groups], True)
+        if len(calls) == len(mb.groups):
+            return None
+        from waferline.model.context import StepBatch
+
+        out: list[torch.Tensor | None] = [None] * len(mb.groups)
+        for idx, T in calls:
+            gs = [mb.groups[i] for i in idx]
+            xs = []
+            for i in idx:
+                x = inputs[i].to(self.device)
+                if x.shape[1] < T:  # (token ids, or hidden states, padded at the end)
+                    x = torch.nn.functional.pad(x, (0, 0) * (x.dim() - 2) + (0, T - x.shape[1]))
+                xs.append(x)
+            x = torch.cat(xs) if len(xs) > 1 else xs[0]
+            batch = StepBatch.make([s for g in gs for s in g.slots], [s for g in gs for s in g.starts], T, self.device)
+            if self.is_first:
+                x = self.model.embed_tokens(x)
+            h = self.model.forward_layers(x, self.caches, batch)
+            r = 0
+            for i, g in zip(idx, gs):
+                out[i] = h[r:r + g.B, :g.T]
+                r += g.B
+        return out  # type: ignore[return-value]
 
     def _positions(self, g: Group, h: torch.Tensor, seqs: list[int], counts: list[int], toks: list[int],
                    lp_seqs: list[int], lp_T: list[int], lps: list[torch.Tensor]) -> None:
