@@ -32,16 +32,21 @@ def _seq(rid: str, prompt: list[int]) -> Sequence:
     return Sequence(rid, prompt, GREEDY)
 
 
-@pytest.mark.parametrize("mt", ["deepseek_v3", "llama"])
-def test_a_prefix_shared_by_page_in_every_stage(ckpts, mt):
+_AFD1 = dict(afd=True, attention_ranks=1, ffn_ranks=2, threads_per_rank=1)
+
+
+@pytest.mark.parametrize("mt,engine", [("deepseek_v3", dict(stages=2, threads_per_stage=1)),
+                                       ("llama", dict(stages=2, threads_per_stage=1)),
+                                       ("deepseek_v3", _AFD1)], ids=["mla-pipeline", "gqa-pipeline", "mla-afd"])
+def test_a_prefix_shared_by_page_in_every_stage(ckpts, mt, engine):
     """B starts with A's first 24 tokens: after A finishes, B's first pages are A's stored pages (no copy, in the
-    scheduler's table, which every stage follows) and only B's rest is computed; B's tokens are the single-process
-    engine's. O runs in between, in A's slot: a stage that allocated pages of its own would hand A's pages to O, and
-    B would read O's keys (checked: such a stage gives B other tokens)."""
+    scheduler's table, which every stage follows, or AFD's one attention rank) and only B's rest is computed; B's
+    tokens are the single-process engine's. O runs in between, in A's slot: a stage that allocated pages of its own
+    would hand A's pages to O, and B would read O's keys (checked: such a stage gives B other tokens)."""
     base = [(7 * j + 3) % tiny_models.VOCAB for j in range(26)]
     a, b, o = base + [5, 9], base[:24] + [11, 12, 13], [(5 * j + 2) % tiny_models.VOCAB for j in range(30)]
     want = [o.token_ids for o in LLM(ckpts[mt]).generate([a, o, b], GREEDY)]
-    with LLM(ckpts[mt], stages=2, threads_per_stage=1) as llm:
+    with LLM(ckpts[mt], **engine) as llm:
         cfg = SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8, prefix_caching=True)
         sch = Scheduler(llm, cfg, runner_for(llm, 4))
         assert sch.prefix is not None and sch.runner.prefix_caches() == []
@@ -56,6 +61,17 @@ def test_a_prefix_shared_by_page_in_every_stage(ckpts, mt):
         while sch.has_work():
             sch.step()
         assert got + [sb.output_ids] == want
+
+
+def test_afd_over_several_attention_ranks_keeps_prefixes_off(ckpts):
+    """Two attention ranks: a scheduler slot lives on one of them, so the ranks' caches keep their own pages and the
+    runner offers no page table (and no prefix caches); outputs are the single process's."""
+    prompts = [[(3 * j + i) % tiny_models.VOCAB for j in range(10 + i)] for i in range(3)]
+    want = [o.token_ids for o in LLM(ckpts["deepseek_v3"]).generate(prompts, GREEDY)]
+    with LLM(ckpts["deepseek_v3"], **dict(_AFD1, attention_ranks=2, ffn_ranks=1)) as llm:
+        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8), runner_for(llm, 4))
+        assert sch.prefix is None and sch.cache.table is None
+        assert run_to_end(sch, [_seq(str(i), p) for i, p in enumerate(prompts)]) == want
 
 
 def test_caches_not_made_of_pages_keep_prefixes_off(ckpts):

@@ -241,31 +241,39 @@ class AFD(Pipeline):
             toks.append([torch.tensor(groups[key][1], dtype=torch.long) for key in sorted(groups)])
         return mbs, toks
 
-    def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False) -> None:
+    def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None
+                     ) -> None:
         """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``; with
-        ``hidden`` the feedback carries every row's final hidden states."""
+        ``hidden`` the feedback carries every row's final hidden states; with ``page_tokens`` (one attention rank) its
+        paged caches follow the scheduler's page table (the changes ride on the steps' first micro-batch)."""
         cfg: dict[str, Any] = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
                                                           "top_k": params.top_k, "seed": params.seed}}
         if hidden:
             cfg["hidden"] = True
+        if page_tokens:
+            if self.M != 1:
+                raise AFDError("the scheduler's page table is followed by one attention rank only")
+            cfg["page_tokens"] = page_tokens
         self._mb_ids = 0
         self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
         for m in range(1, self.M):
             self.link.send(m, BEGIN, json_meta(dict(cfg, local_slots=len(range(m, n, self.M)))))
 
     def _step_raw(self, per: list[list[tuple[int, list[int], int, int]]], verify: Container[int] = (),
-                  rewinds: list[tuple[int, int]] = ()) -> tuple[list[tuple[list[int], torch.Tensor]],
-                                                                 dict[int, list[Group]]]:
+                  rewinds: list[tuple[int, int]] = (), pages: list[tuple[int, list[int]]] = ()
+                  ) -> tuple[list[tuple[list[int], torch.Tensor]], dict[int, list[Group]]]:
         """One step of every attention rank's rows (``per[m]``) through the ranks: the feedback as (meta, raw bytes)
         per micro-batch, and each micro-batch's groups by id. ``verify``: the global rows that are verify rows;
         ``rewinds``: (global row, keep) of earlier verifies, which ride on the first micro-batch of each row's
-        attention rank."""
+        attention rank; ``pages``: the page-table changes attention rank 0 follows first (one attention rank)."""
         self._busy_since = time.monotonic()
         mine = None
         groups: dict[int, list[Group]] = {}
         for m in range(self.M):
             mbs, toks = self._micro_batches(per[m], verify)
             mbs[0].rewinds = [(i // self.M, k) for i, k in rewinds if i % self.M == m]
+            if m == 0:
+                mbs[0].pages = list(pages)
             groups.update({mb.mb_id: mb.groups for mb in mbs})
             if m == 0:
                 mine = (mbs, toks)

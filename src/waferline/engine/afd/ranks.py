@@ -175,6 +175,8 @@ class AttentionRunner:
         self._t = time.perf_counter()
         model, rt = self.model, self.rt
         for mb in mbs:
+            for slot, pages in mb.pages:  # (one attention rank: its slots are the scheduler's)
+                rt.table.mirror(slot, pages)
             if mb.rewinds:
                 rt.rollback.apply(rt.caches, mb.rewinds)
         xs = [[model.embed_tokens(t) for t in toks] for toks in tokens]

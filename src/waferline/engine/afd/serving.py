@@ -6,7 +6,8 @@ Scheduler slot i is global row i of the AFD engine: it lives in slot i // M of a
 with the FFN ranks; the answers come back as in the pipeline (``PipelineRunner``, whose fault handling, recovery and
 speculation this runner shares): the argmax of greedy rows, the fp32 logits of sampled ones. A speculative verify
 runs its rows as verify groups; the attention ranks, which hold every per-sequence cache, roll them back when the
-rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequence state).
+rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequence state). With one attention rank
+its paged caches follow the scheduler's page table (``block_table``), so cached prefixes are shared by page.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutpu
 
 if TYPE_CHECKING:
     from waferline.engine.afd.driver import AFD
+    from waferline.model.block_table import BlockTable
 
 # a row as AFD schedules it: (global row, tokens, start, emit)
 _AFDRow = tuple[int, list[int], int, int]
@@ -30,8 +32,9 @@ class AFDRunner(PipelineRunner):
     overlap = False  # (an AFD step runs through the ranks at once: steps go one at a time)
 
     def _begin(self) -> None:
-        self._rewinds, self._verified = [], []
-        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY, self._keep_hidden))
+        self._rewinds, self._verified, self._sent = [], [], {}
+        pt = self._table.page_tokens if self._table is not None else None
+        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY, self._keep_hidden, pt))
 
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
@@ -82,20 +85,32 @@ class AFDRunner(PipelineRunner):
             if not any(per):
                 continue
             rewinds, self._rewinds = self._rewinds, []
-            feedback, groups = self._guard(lambda: self._step(per, verify, rewinds))
+            pages = self._page_changes([r for rows_m in per for r in rows_m])
+            feedback, groups = self._guard(lambda: self._step(per, verify, rewinds, pages))
             for meta, tail in feedback:
                 gs = groups[meta[0]]
                 self._answers(meta, tail, gs, {s: want_k[s] for g in gs for s in g.seqs if s in want_k}, outs, verify)
         return outs
 
-    def _step(self, per: list[list[_AFDRow]], verify: set[int] | tuple, rewinds: list[tuple[int, int]]) -> tuple:
-        out = self.pipe._step_raw(per, verify, rewinds)
+    def _step(self, per: list[list[_AFDRow]], verify: set[int] | tuple, rewinds: list[tuple[int, int]],
+              pages: list[tuple[int, list[int]]]) -> tuple:
+        out = self.pipe._step_raw(per, verify, rewinds, pages)
         self.pipe.link.flush()
         return out
 
-    def block_table(self, page_tokens: int) -> None:
-        """None: the attention ranks' caches keep their own pages (a scheduler slot lives on one of M ranks)."""
-        return None
+    def block_table(self, page_tokens: int) -> BlockTable | None:
+        """With one attention rank (this process), the page table the scheduler allocates from, which that rank's
+        paged caches follow (as a pipeline's stages do): cached prefixes are shared copy-free. None with several
+        attention ranks: a scheduler slot lives on one of M ranks, whose caches keep their own pages."""
+        if self.pipe.M != 1:
+            return None
+        return super().block_table(page_tokens)
+
+    def prefix_caches(self) -> list[Any] | None:
+        """[] where every layer's cache follows the scheduler's pages (prefixes shared by page), else None."""
+        if self._table is None or len(self._table.layers) != len(self.spec.layers):
+            return None
+        return []
 
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)
