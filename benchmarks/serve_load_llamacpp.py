@@ -7,9 +7,12 @@ checkpoint, each at 1 / 4 / 16 / 64 streaming clients. Prints one table (engine 
 The checkpoint is decode_speed.py's "llama" (124.7M parameters: hidden 768, 12 layers, 12 heads / 4 KV heads,
 FFN 2048, vocab 32000 with a synthetic byte-level BPE; random weights: speed only, the text is noise), built and
 cached under benchmarks/.cache/llama, converted to GGUF f16 by llama.cpp's convert_hf_to_gguf.py and to Q4_0 by
-llama.cpp's quantizer (both from llama-cpp-python). Every server gets the same thread count, runs alone on a free
-127.0.0.1 port, takes one warm-up request, then each client count in turn for --duration seconds (clients start
-new requests until then; requests in flight finish, so a queueing server runs longer than --duration).
+llama.cpp's quantizer (both from llama-cpp-python; the Q4_0 file keeps its output projection as Q6_K, so waferline's
+int4 server runs an int8 LM head, --head-bits). Every server gets the same thread count, runs on its own free
+127.0.0.1 port and takes one warm-up request; then, for each client count, each server in turn (the others idle; the
+order reversed at every other count, so a host whose speed drifts shifts all engines alike) gets the load for
+--duration seconds (clients start new requests until then; requests in flight finish, so a queueing server runs longer
+than --duration).
 
 llama-cpp-python with its server extra is an optional benchmark dependency; it builds llama.cpp from source (the
 `bench` extra adds sentencepiece, which the GGUF converter imports):
@@ -102,8 +105,10 @@ def engines(args: argparse.Namespace, hf: Path, gguf: dict[str, Path] | None) ->
     wl = [sys.executable, "-m", "waferline.cli", "serve", "--model", str(hf), "--port", "{port}",
           "--torch-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
           "--max-model-len", str(args.context), "--dtype", args.dtype]
-    out = [Engine("waferline", f"int4 g{args.group_size}", wl + ["--weight-bits", "4", "--group-size",
-                                                                    str(args.group_size)], "/health"),
+    head = f", int{args.head_bits} head" if args.head_bits != 16 else ""
+    out = [Engine("waferline", f"int4 g{args.group_size}{head}", wl + [
+               "--weight-bits", "4", "--group-size", str(args.group_size), "--head-bits", str(args.head_bits)],
+               "/health"),
            Engine("waferline", {"float32": "fp32", "bfloat16": "bf16"}[args.dtype], list(wl), "/health")]
     if gguf is not None:
         for fmt, label in (("q4_0", "Q4_0"), ("f16", "f16")):
@@ -117,49 +122,83 @@ def engines(args: argparse.Namespace, hf: Path, gguf: dict[str, Path] | None) ->
         for sel in args.engines)]
 
 
-def run_engine(e: Engine, args: argparse.Namespace, logdir: Path) -> None:
-    """Start ``e`` on a free loopback port, warm it up, run every client count, stop it; fills ``e.points``."""
+@dataclass
+class Live:
+    """A started server: its process, base URL and model id."""
+
+    proc: subprocess.Popen
+    base: str
+    model: str
+
+
+def start_engine(e: Engine, logdir: Path) -> Live | None:
+    """Start ``e`` on a free loopback port and warm it up (one request); None (``e.error`` says why) if it failed."""
     port = _free_port()
     cmd = [c.replace("{port}", str(port)) for c in e.cmd]
     base = f"http://127.0.0.1:{port}"
-    log = logdir / f"{e.name}-{e.weights.replace(' ', '_')}.log"
+    log = logdir / f"{e.name}-{e.weights.replace(' ', '_').replace(',', '')}.log"
     print(f"== {e.name} {e.weights}: {' '.join(cmd)}", flush=True)
     t0 = time.perf_counter()
     with log.open("w") as lf:
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, text=True)
     try:
-        try:
-            wait_ready(base, proc, e.ready_path, timeout=180)
-        except SystemExit as ex:
-            e.error = f"{ex}; log tail: {log.read_text()[-600:]}"
-            print(f"   failed to start: {e.error}", flush=True)
-            return
-        e.startup_s = round(time.perf_counter() - t0, 1)
-        print(f"   ready in {e.startup_s} s", flush=True)
-        model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-        httpx.post(base + "/v1/completions", timeout=120,  # warm-up, outside the measurement
-                   json={"model": model, "prompt": "Hello", "max_tokens": 4})
-        for clients in args.clients:
-            la = argparse.Namespace(clients=clients, duration=args.duration, max_tokens=args.max_tokens,
-                                    prompt_chars=args.prompt_chars, temperature=args.temperature, api_key=None)
-            rss_before = _rss_mib(proc.pid)
-            res = asyncio.run(_load(la, base, model))
-            point = summarize(res, la)
-            rss_after = _rss_mib(proc.pid)
-            point["server_rss_mib_before"] = None if rss_before is None else round(rss_before, 1)
-            point["server_rss_mib_after"] = None if rss_after is None else round(rss_after, 1)
-            e.points.append(point)
-            print(f"   {clients:>3} clients: {point['tokens_per_s']:>7} tok/s  TTFT p50 {point['ttft_p50_ms']} ms  "
-                  f"ITL p50 {point['itl_p50_ms']} ms  errors {point['errors']}", flush=True)
+        wait_ready(base, proc, e.ready_path, timeout=180)
+    except SystemExit as ex:
+        e.error = f"{ex}; log tail: {log.read_text()[-600:]}"
+        print(f"   failed to start: {e.error}", flush=True)
+        stop_engine(e, proc)
+        return None
+    e.startup_s = round(time.perf_counter() - t0, 1)
+    print(f"   ready in {e.startup_s} s", flush=True)
+    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+    httpx.post(base + "/v1/completions", timeout=120,  # warm-up, outside the measurement
+               json={"model": model, "prompt": "Hello", "max_tokens": 4})
+    return Live(proc, base, model)
+
+
+def measure(e: Engine, live: Live, clients: int, args: argparse.Namespace) -> None:
+    """One client count against ``live`` (the other servers idle meanwhile); appends the point to ``e.points``."""
+    la = argparse.Namespace(clients=clients, duration=args.duration, max_tokens=args.max_tokens,
+                            prompt_chars=args.prompt_chars, temperature=args.temperature, api_key=None)
+    rss_before = _rss_mib(live.proc.pid)
+    res = asyncio.run(_load(la, live.base, live.model))
+    point = summarize(res, la)
+    rss_after = _rss_mib(live.proc.pid)
+    point["server_rss_mib_before"] = None if rss_before is None else round(rss_before, 1)
+    point["server_rss_mib_after"] = None if rss_after is None else round(rss_after, 1)
+    point["load_avg_before"] = round(os.getloadavg()[0], 2)
+    e.points.append(point)
+    print(f"   {e.name} {e.weights}, {clients:>3} clients: {point['tokens_per_s']:>7} tok/s  "
+          f"TTFT p50 {point['ttft_p50_ms']} ms  ITL p50 {point['itl_p50_ms']} ms  errors {point['errors']}", flush=True)
+
+
+def stop_engine(e: Engine, proc: subprocess.Popen) -> None:
+    t1 = time.perf_counter()
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    e.stop_s = round(time.perf_counter() - t1, 1)
+
+
+def run_all(runs: list[Engine], args: argparse.Namespace, logdir: Path) -> None:
+    """Start every server, then for each client count load each server in turn (the order reversed at every other
+    count), so a host whose speed drifts during the run shifts every engine alike; stop them all."""
+    live: dict[int, Live] = {}
+    try:
+        for i, e in enumerate(runs):
+            got = start_engine(e, logdir)
+            if got is not None:
+                live[i] = got
+        for n, clients in enumerate(args.clients):
+            order = sorted(live) if n % 2 == 0 else sorted(live, reverse=True)
+            for i in order:
+                measure(runs[i], live[i], clients, args)
     finally:
-        t1 = time.perf_counter()
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        e.stop_s = round(time.perf_counter() - t1, 1)
+        for i, got in live.items():
+            stop_engine(runs[i], got.proc)
 
 
 def print_table(runs: list[Engine], args: argparse.Namespace) -> None:
@@ -199,6 +238,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="waferline activation / 16-bit weight dtype (bfloat16 is fast only with AVX-512 BF16)")
     ap.add_argument("--group-size", type=int, default=128, help="waferline int4 group size (Q4_0 uses 32)")
+    ap.add_argument("--head-bits", type=int, default=8, choices=[8, 16],
+                    help="waferline int4's LM head bits (default 8: llama.cpp's Q4_0 file stores its output "
+                         "projection as Q6_K)")
     ap.add_argument("--engines", type=lambda s: s.split(","), default=None,
                     help="subset: engine or engine:weights prefix, e.g. 'waferline:int4,llama.cpp' (default: all)")
     ap.add_argument("--llama-cpp-src", default=None, help="vendor/llama.cpp of the llama-cpp-python sdist "
@@ -221,8 +263,7 @@ def main() -> None:
     runs = engines(args, d / "hf", gguf)
     mach = machine()
     with tempfile.TemporaryDirectory(prefix="serve_load_") as logdir:
-        for e in runs:
-            run_engine(e, args, Path(logdir))
+        run_all(runs, args, Path(logdir))
     print_table(runs, args)
     if missing:
         print(missing)
