@@ -193,10 +193,13 @@ class StageRunner:
                     lp_seqs.append(g.seqs[r])
                     lp_T.append(g.T)
                     lps.append(torch.log_softmax(self.model.logits(h[r]).float(), dim=-1))
-                elif g.emits[r] == EMIT_LOGITS:  # (travels as a one-position "log-prob" row: raw logits)
+            rows = [r for r in range(g.B) if g.emits[r] == EMIT_LOGITS]
+            if rows:  # (each travels as a one-position "log-prob" row: raw logits; the head once for all of them)
+                logits = self.model.logits(h[rows, -1]).float()
+                for k, r in enumerate(rows):
                     lp_seqs.append(g.seqs[r])
                     lp_T.append(1)
-                    lps.append(self.model.logits(h[r, -1:]).float())
+                    lps.append(logits[k:k + 1])
         meta = [mb.mb_id, len(seqs), len(toks), len(lp_seqs)] + seqs + counts + toks + lp_seqs + lp_T
         tail = [torch.cat(lps)] if lps else []
         if self.send_hidden:
