@@ -27,11 +27,11 @@ def _prompt(n: int, salt: int, V: int) -> list[int]:
 
 
 def _run(model, batch: bool, calls: list) -> list[torch.Tensor]:
-    """Two steps of prefill chunks (three prompts of 7, 5 and 3 tokens; then row 0's next 4 tokens beside a fourth
-    prompt of 6, a chunk that does not end its prompt among them), then four decode steps of all rows: every row's
-    logits."""
+    """Three steps of prefill chunks (three prompts of 7, 5 and 3 tokens; then row 0's next 4 tokens beside a fourth
+    prompt of 6, a chunk that does not end its prompt among them; then prompts of 3 and 2 tokens, few enough rows for
+    the fused CPU attention ops), then four decode steps of all rows: every row's logits."""
     V = model.spec.vocab_size
-    r = LocalRunner(model, 4)
+    r = LocalRunner(model, 6)
     r.batch_prefills = batch
     real = r._prefill_calls
     r._prefill_calls = lambda pre: calls.append([[len(pre[i].tokens) for i in idx] for idx, _ in real(pre)]) or \
@@ -44,10 +44,12 @@ def _run(model, batch: bool, calls: list) -> list[torch.Tensor]:
     assert pre[0] is None
     _, pre = r.step([], [PrefillChunk(3, 0, p[3], WANT_LOGITS), PrefillChunk(0, 7, p[0][7:], WANT_LOGITS)])
     out += [o.logits for o in pre]
-    pos = [11, 5, 3, 6]
-    tok = [int(x.argmax()) for x in (out[2], out[0], out[1], out[3])]
+    _, pre = r.step([], [PrefillChunk(4, 0, p[2][:3], WANT_LOGITS), PrefillChunk(5, 0, p[1][:2], WANT_LOGITS)])
+    out += [o.logits for o in pre]
+    pos = [11, 5, 3, 6, 3, 2]
+    tok = [int(x.argmax()) for x in (out[3], out[0], out[1], out[2], out[4], out[5])]
     for _ in range(4):
-        dec, _ = r.step([DecodeRow(s, pos[s], tok[s], WANT_LOGITS) for s in range(4)], [])
+        dec, _ = r.step([DecodeRow(s, pos[s], tok[s], WANT_LOGITS) for s in range(6)], [])
         out += [o.logits for o in dec]
         tok = [int(o.logits.argmax()) for o in dec]
         pos = [x + 1 for x in pos]
@@ -65,6 +67,7 @@ def test_padded_prefill_calls_give_each_chunks_own_logits(ckpts, arch):
     assert mixed == (arch in ("llama", "deepseek_v3"))  # a window or a recurrent state: one call per length
     if mixed:
         assert joint[0] == [[7, 5], [3]]  # (3 with them: past the padding slack)
+        assert joint[2] == [[3, 2]]
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
