@@ -18,10 +18,11 @@ Scheduling, one step
    length + 1 token (no skipping ahead: FIFO fairness).
 
 A step hands its decode rows and prefill chunks to the runner at once (the single-process runner runs all decodes as
-one batched call [B, 1] and prefill chunks together as [B, t] calls, padded to a common length where the caches
-allow it: engine/padding.py; a pipeline splits them into micro-batches). A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on what else
-is in the batch (up to floating-point reassociation in batched matmuls). With ``speculative``, decoding sequences
-may draft and verify several tokens a step instead (engine/speculative/serving.py).
+one batched call [B, 1] and prefill chunks together as [B, t] calls, padded to a common length where the caches allow
+it: engine/padding.py; a pipeline splits them into micro-batches). A sequence's tokens depend only on its own prompt,
+parameters and seeded sampler, never on what else is in the batch (up to floating-point reassociation in batched
+matmuls). With ``speculative``, decoding sequences may draft and verify several tokens a step instead
+(engine/speculative/serving.py).
 
 ``step`` runs in three phases: ``schedule`` (the plan: decode rows, prefill chunks, verify rows with their drafts,
 and whether the decodes run as a burst), ``execute`` (the runner runs it) and ``postprocess`` (each row's tokens

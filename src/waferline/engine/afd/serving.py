@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded, pack_prefills
+from waferline.engine.pipeline.serving import _EMITS, _GREEDY, PipelineRunner, _padded, _plain_rows, _Row, pack_prefills
 from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutput, VerifyRow
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class AFDRunner(PipelineRunner):
 
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        rows = _plain(decodes, prefills)
+        rows = _plain_rows(decodes, prefills)
         outs = self._rows(rows, len(decodes), ())
         return outs[:len(decodes)], outs[len(decodes):]
 
@@ -49,17 +49,17 @@ class AFDRunner(PipelineRunner):
         a long prompt's later pieces in the steps after it)."""
         n, nd = len(rows), len(decodes)
         self._verified = [r.slot for r in rows]
-        outs = self._rows([(r.slot, r.position, list(r.tokens), r.want) for r in rows] + _plain(decodes, prefills),
-                          n + nd, set(self._verified))
+        items = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(rows)]
+        outs = self._rows(items + _plain_rows(decodes, prefills, n), n + nd, set(self._verified))
         mine = _padded(outs[:n], max(len(r.tokens) for r in rows)) if self._keep_hidden else outs[:n]
         if not (decodes or prefills):
             return mine
         return mine, outs[n:n + nd], outs[n + nd:]
 
-    def _rows(self, rows: list[tuple[int, int, list[int], int]], n_decodes: int, verify: set[int] | tuple
-              ) -> list[RowOutput | None]:
-        """Run ``rows`` (slot, start, tokens, want; the first ``n_decodes`` of them verify or decode rows, the rest
-        prefill chunks; the slots in ``verify`` are verify rows) as AFD steps; their outputs in order. Each attention
+    def _rows(self, rows: list[_Row], n_decodes: int, verify: set[int] | tuple) -> list[RowOutput | None]:
+        """Run ``rows`` (slot, start, tokens, want, output index i = 0, 1, ...; the first ``n_decodes`` of them verify
+        or decode rows, the rest prefill chunks; the slots in ``verify`` are verify rows) as AFD steps; their outputs in
+        order. Each attention
         rank's prefill chunks are packed in order within the engine's prefill chunk per step (beside its decode rows:
         what is left of it), so a long prompt runs as several steps, piece after piece (``pack_prefills``)."""
         afd = self.pipe
@@ -67,8 +67,7 @@ class AFDRunner(PipelineRunner):
         rounds: list[list[list[_AFDRow]]] = []  # step -> attention rank -> rows
         wanted: list[dict[int, int]] = []  # step -> slot -> output index
         for m in range(afd.M):
-            mine = [(slot, start, tokens, want, i) for i, (slot, start, tokens, want) in enumerate(rows)
-                    if afd._rank_of(slot) == m]
+            mine = [r for r in rows if afd._rank_of(r[0]) == m]
             dec = [r for r in mine if r[4] < n_decodes]
             chunks = [r for r in mine if r[4] >= n_decodes]
             bins = pack_prefills(chunks, [max(afd.prefill_chunk - len(dec), 1)], afd.prefill_chunk)
@@ -117,8 +116,3 @@ class AFDRunner(PipelineRunner):
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]
         self._guard(lambda: self.pipe._reset_rows(slots))
 
-
-def _plain(decodes: list[DecodeRow], prefills: list[PrefillChunk]) -> list[tuple[int, int, list[int], int]]:
-    """A step's decode rows and prefill chunks as AFD rows (slot, start, tokens, want)."""
-    return [(r.slot, r.position, [r.token], r.want) for r in decodes] + [(c.slot, c.start, c.tokens, c.want)
-                                                                          for c in prefills]
