@@ -12,7 +12,8 @@ int4 server runs an int8 LM head, --head-bits). Every server gets the same threa
 127.0.0.1 port and takes one warm-up request; then, for each client count, each server in turn (the others idle; the
 order reversed at every other count, so a host whose speed drifts shifts all engines alike) gets the load for
 --duration seconds (clients start new requests until then; requests in flight finish, so a queueing server runs longer
-than --duration).
+than --duration). Each point also records the host's CPU split over its window (busy / idle / stolen by the
+hypervisor, from /proc/stat): on a shared VM the figure to read a window's speed against.
 
 llama-cpp-python with its server extra is an optional benchmark dependency; it builds llama.cpp from source (the
 `bench` extra adds sentencepiece, which the GGUF converter imports):
@@ -161,15 +162,41 @@ def measure(e: Engine, live: Live, clients: int, args: argparse.Namespace) -> No
     la = argparse.Namespace(clients=clients, duration=args.duration, max_tokens=args.max_tokens,
                             prompt_chars=args.prompt_chars, temperature=args.temperature, api_key=None)
     rss_before = _rss_mib(live.proc.pid)
+    load_before = round(os.getloadavg()[0], 2)
+    cpu_before = _cpu_times()
     res = asyncio.run(_load(la, live.base, live.model))
     point = summarize(res, la)
     rss_after = _rss_mib(live.proc.pid)
     point["server_rss_mib_before"] = None if rss_before is None else round(rss_before, 1)
     point["server_rss_mib_after"] = None if rss_after is None else round(rss_after, 1)
-    point["load_avg_before"] = round(os.getloadavg()[0], 2)
+    point["load_avg_before"] = load_before
+    point["host_cpu_pct"] = _cpu_split(cpu_before, _cpu_times())  # busy / idle / steal over the window
     e.points.append(point)
+    host = point["host_cpu_pct"]
+    where = f"  host busy {host['busy']}% steal {host['steal']}%" if host else ""
     print(f"   {e.name} {e.weights}, {clients:>3} clients: {point['tokens_per_s']:>7} tok/s  "
-          f"TTFT p50 {point['ttft_p50_ms']} ms  ITL p50 {point['itl_p50_ms']} ms  errors {point['errors']}", flush=True)
+          f"TTFT p50 {point['ttft_p50_ms']} ms  ITL p50 {point['itl_p50_ms']} ms  errors {point['errors']}{where}",
+          flush=True)
+
+
+def _cpu_times() -> list[int] | None:
+    """The host's aggregate CPU jiffies from /proc/stat (user nice system idle iowait irq softirq steal), or None."""
+    try:
+        return [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_split(a: list[int] | None, b: list[int] | None) -> dict[str, float] | None:
+    """Percent of the host's CPU time between two ``_cpu_times`` readings that was busy, idle and stolen by the
+    hypervisor (a drifting shared host: the numbers to read a window's speed against)."""
+    if a is None or b is None:
+        return None
+    d = [y - x for x, y in zip(a, b)]
+    total = sum(d) or 1
+    idle, steal = d[3] + d[4], d[7]
+    return {"busy": round(100 * (total - idle - steal) / total, 1), "idle": round(100 * idle / total, 1),
+            "steal": round(100 * steal / total, 1)}
 
 
 def stop_engine(e: Engine, proc: subprocess.Popen) -> None:
