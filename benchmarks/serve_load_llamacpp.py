@@ -4,16 +4,16 @@ checkpoint, each at 1 / 4 / 16 / 64 streaming clients. Prints one table (engine 
 
     python benchmarks/serve_load_llamacpp.py --threads 2 --duration 10 --max-tokens 32
 
-The checkpoint is decode_speed.py's "llama" (124.7M parameters: hidden 768, 12 layers, 12 heads / 4 KV heads,
-FFN 2048, vocab 32000 with a synthetic byte-level BPE; random weights: speed only, the text is noise), built and
-cached under benchmarks/.cache/llama, converted to GGUF f16 by llama.cpp's convert_hf_to_gguf.py and to Q4_0 by
-llama.cpp's quantizer (both from llama-cpp-python; the Q4_0 file keeps its output projection as Q6_K, so waferline's
-int4 server runs an int8 LM head, --head-bits). Every server gets the same thread count, runs on its own free
-127.0.0.1 port and takes one warm-up request; then, for each client count, each server in turn (the others idle; the
-order reversed at every other count, so a host whose speed drifts shifts all engines alike) gets the load for
---duration seconds (clients start new requests until then; requests in flight finish, so a queueing server runs longer
-than --duration). Each point also records the host's CPU split over its window (busy / idle / stolen by the
-hypervisor, from /proc/stat): on a shared VM the figure to read a window's speed against.
+The checkpoint is decode_speed.py's "llama" (124.7M parameters: hidden 768, 12 layers, 12 heads / 4 KV heads, FFN
+2048, vocab 32000 with a synthetic byte-level BPE; random weights: speed only, the text is noise), built and cached
+under benchmarks/.cache/llama, converted to GGUF f16 by llama.cpp's convert_hf_to_gguf.py and to Q4_0 by llama.cpp's
+quantizer (both from llama-cpp-python). waferline's int4 server runs an int8 LM head (--head-bits; the Q4_0 file keeps
+its output projection as Q6_K) and bf16 activations (--int4-dtype: W4A16). Every server gets the same thread count,
+runs on its own free 127.0.0.1 port and takes one warm-up request; then, for each client count, each server in turn
+(the others idle; the order reversed at every other count, so a host whose speed drifts shifts all engines alike) gets
+the load for --duration seconds (clients start new requests until then; requests in flight finish, so a queueing
+server runs longer than --duration). Each point also records the host's CPU split over its window (busy / idle /
+stolen by the hypervisor, from /proc/stat): on a shared VM the figure to read a window's speed against.
 
 llama-cpp-python with its server extra is an optional benchmark dependency; it builds llama.cpp from source (the
 `bench` extra adds sentencepiece, which the GGUF converter imports):
@@ -105,12 +105,13 @@ def engines(args: argparse.Namespace, hf: Path, gguf: dict[str, Path] | None) ->
     """The four servers (two without llama.cpp), all with ``args.threads`` threads and one context length."""
     wl = [sys.executable, "-m", "waferline.cli", "serve", "--model", str(hf), "--port", "{port}",
           "--torch-threads", str(args.threads), "--max-num-seqs", str(args.max_num_seqs),
-          "--max-model-len", str(args.context), "--dtype", args.dtype]
+          "--max-model-len", str(args.context)]
     head = f", int{args.head_bits} head" if args.head_bits != 16 else ""
-    out = [Engine("waferline", f"int4 g{args.group_size}{head}", wl + [
-               "--weight-bits", "4", "--group-size", str(args.group_size), "--head-bits", str(args.head_bits)],
-               "/health"),
-           Engine("waferline", {"float32": "fp32", "bfloat16": "bf16"}[args.dtype], list(wl), "/health")]
+    short = {"float32": "fp32", "bfloat16": "bf16"}
+    out = [Engine("waferline", f"int4 g{args.group_size}{head}, {short[args.int4_dtype]} act.", wl + [
+               "--dtype", args.int4_dtype, "--weight-bits", "4", "--group-size", str(args.group_size),
+               "--head-bits", str(args.head_bits)], "/health"),
+           Engine("waferline", short[args.dtype], wl + ["--dtype", args.dtype], "/health")]
     if gguf is not None:
         for fmt, label in (("q4_0", "Q4_0"), ("f16", "f16")):
             out.append(Engine("llama.cpp", label, [
@@ -262,8 +263,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256,
                     help="context per sequence (waferline --max-model-len, llama.cpp --n_ctx)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="waferline sequences decoded together")
+    ap.add_argument("--int4-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                    help="waferline int4's activation dtype (default bfloat16: W4A16, with the fused layer "
+                         "operators; under float32 the int4 products still take bf16 inputs, converted around each, "
+                         "and the fused layer operators are off)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                    help="waferline activation / 16-bit weight dtype (bfloat16 is fast only with AVX-512 BF16)")
+                    help="the dtype of waferline's 16/32-bit row (bfloat16 weights are fast only with AVX-512 BF16)")
     ap.add_argument("--group-size", type=int, default=128, help="waferline int4 group size (Q4_0 uses 32)")
     ap.add_argument("--head-bits", type=int, default=8, choices=[8, 16],
                     help="waferline int4's LM head bits (default 8: llama.cpp's Q4_0 file stores its output "
