@@ -179,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --temperature > 0: seed for sampling (reproducible output)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="compute dtype (default float32)"
+        "--dtype", default="float32", choices=["float32", "bfloat16"],
+        help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
+             "layer operators: one stream decoded 2x faster on an AVX2 CPU)",
     )
     g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s} as JSON")
     g.add_argument(

@@ -232,7 +232,9 @@ def register(sub: Any) -> None:
     s.add_argument(
         "--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)"
     )
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
+                        "layer operators: one stream decoded 2x faster on an AVX2 CPU)")
     s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4], help="4: int4 weights (W4A16)")
     s.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for --weight-bits 4 on a 16-bit checkpoint (default 128)")
