@@ -105,12 +105,6 @@ class AFDRunner(PipelineRunner):
             return None
         return super().block_table(page_tokens)
 
-    def prefix_caches(self) -> list[Any] | None:
-        """[] where every layer's cache follows the scheduler's pages (prefixes shared by page), else None."""
-        if self._table is None or len(self._table.layers) != len(self.spec.layers):
-            return None
-        return []
-
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]

@@ -219,7 +219,8 @@ class PipelineRunner:
     def prefix_caches(self) -> list[Any] | None:
         """Every layer's cache is a paged token cache following the scheduler's pages: prefixes are shared by page
         (an empty list: the stages hold the caches); else None."""
-        if self._table is None or len(self._table.layers) != len(self.spec.layers) or self.pipe.ids_downstream:
+        if self._table is None or len(self._table.layers) != len(self.spec.layers) or \
+                getattr(self.pipe, "ids_downstream", False):  # (AFD has no stages after the first)
             return None
         return []
 
