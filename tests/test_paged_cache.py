@@ -141,6 +141,29 @@ def test_block_table_counts_holders_and_never_hands_a_page_out_twice():
     assert len(set(t.slots[2])) == 8 and t.live == 8 and t.num_pages == 1 + 8
 
 
+def test_a_split_block_table_gives_each_slot_pages_of_its_part():
+    """Two parts (two attention ranks): slot s takes pages of part s % 2 only (part 0: 1, 3, 5, ...; part 1: 2, 4,
+    ...), which its rank knows as 1, 2, 3, ...; each part holds at most its share of ``max_pages``, and a part's
+    free, parked and unmade pages are its ``available`` ones."""
+    t = BlockTable(4, page_tokens=2, managed=True, max_pages=1 + 8, parts=2)
+    t.grow(0, 5)
+    t.grow(1, 3)
+    t.grow(2, 2)
+    assert t.slots[0] == [1, 3, 5] and t.slots[2] == [7] and t.slots[1] == [2, 4]
+    assert [t.local(p) for p in [0, 1, 3, 5, 7, 2, 4]] == [0, 1, 2, 3, 4, 1, 2]
+    assert t.part_pages == 4 and t.available(0) == 0 and t.available(1) == 2
+    with pytest.raises(RuntimeError, match="part 0"):
+        t.grow(2, 4)  # part 0 is full, whatever part 1 has
+    t.release(0)
+    t.store(3)
+    assert t.available(0) == 2 and t.store_only_in == [1, 0]  # pages 1 and 5 parked; 3 held by the store alone
+    t.grow(2, 2 * 3)
+    assert t.slots[2] == [7, 1, 5] and t.available(0) == 0
+    assert t.unstore(3) and t.available(0) == 1 and t.store_only_in == [0, 0]
+    t.grow(3, 2 * 2)
+    assert t.slots[3] == [6, 8] and t.available(1) == 0
+
+
 def test_a_write_past_the_allocated_pages_lands_in_the_sink(ckpts, monkeypatch):
     model = LLM(ckpts["llama"]).model
     caches = _caches(model, 2, 4, monkeypatch)

@@ -1,6 +1,7 @@
 """The scheduler over a pipeline: the stages' paged caches follow the scheduler's page table (so a prefix the scheduler
 shares is shared in every stage process, copy-free), and a speculative step's plain rows ride the verify's trip."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -63,15 +64,58 @@ def test_a_prefix_shared_by_page_in_every_stage(ckpts, mt, engine):
         assert got + [sb.output_ids] == want
 
 
-def test_afd_over_several_attention_ranks_keeps_prefixes_off(ckpts):
-    """Two attention ranks: a scheduler slot lives on one of them, so the ranks' caches keep their own pages and the
-    runner offers no page table (and no prefix caches); outputs are the single process's."""
-    prompts = [[(3 * j + i) % tiny_models.VOCAB for j in range(10 + i)] for i in range(3)]
-    want = [o.token_ids for o in LLM(ckpts["deepseek_v3"]).generate(prompts, GREEDY)]
+def test_afd_over_two_attention_ranks_shares_prefixes_on_the_rank_that_holds_them(ckpts):
+    """Two attention ranks: slot i lives on rank i % 2 and takes pages from that rank's part of the scheduler's table
+    (odd ids rank 0, even ids rank 1; each rank knows them as its own 1, 2, ...). A and C run side by side (A on rank
+    0, C on rank 1); O and P then run on both ranks in their slots. B starts with C's first 24 tokens: it goes to rank
+    1, which holds them (by free slots alone it would go to rank 0), gets those very pages, and computes only its
+    rest; every output is the single process's (checked: placing B by free slots alone fails this test)."""
+    base = [(7 * j + 3) % tiny_models.VOCAB for j in range(26)]
+    a, c = [(3 * j + 1) % tiny_models.VOCAB for j in range(27)], base + [5, 9]
+    o, p = [(5 * j + 2) % tiny_models.VOCAB for j in range(30)], [(11 * j + 4) % tiny_models.VOCAB for j in range(25)]
+    b = base[:24] + [11, 12, 13]
+    want = [x.token_ids for x in LLM(ckpts["deepseek_v3"]).generate([a, c, o, p, b], GREEDY)]
     with LLM(ckpts["deepseek_v3"], **dict(_AFD1, attention_ranks=2, ffn_ranks=1)) as llm:
-        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8), runner_for(llm, 4))
-        assert sch.prefix is None and sch.cache.table is None
-        assert run_to_end(sch, [_seq(str(i), p) for i, p in enumerate(prompts)]) == want
+        cfg = SchedulerConfig(max_num_seqs=4, max_model_len=128, page_tokens=8, prefix_caching=True)
+        sch = Scheduler(llm, cfg, runner_for(llm, 4))
+        t = sch.cache.table
+        assert sch.prefix is not None and t.parts == 2
+        sa, sc = _seq("a", a), _seq("c", c)
+        got = run_to_end(sch, [sa, sc]) + run_to_end(sch, [_seq("o", o), _seq("p", p)])
+        assert (sa.slot % 2, sc.slot % 2) == (0, 1)
+        stored = [sch.prefix.page_of(blk) for blk in sch.prefix.match(b, 1)]
+        assert len(stored) == 3 and all(t.owner(q) == 1 for q in stored) and not sch.prefix.match(b, 0)
+        sb = _seq("b", b)
+        sch.add(sb)
+        sch.step()
+        assert sb.slot % 2 == 1 and sch.prefix.hit_tokens == 24 and t.slots[sb.slot][:3] == stored
+        while sch.has_work():
+            sch.step()
+        assert got + [sb.output_ids] == want
+        rank0 = sch.runner.pipe.runner.rt.table  # attention rank 0's own table: local ids of its part's pages
+        assert 1 < rank0.num_pages <= 1 + t._made[0]
+
+
+def test_afd_over_two_attention_ranks_preempts_within_a_rank(ckpts):
+    """A cache budget split over two attention ranks, 9 pages of 8 tokens each: six prompts with four slots finish
+    with the single process's tokens. Rank 0's two sequences (28 and 27 prompt tokens) outgrow its pages first: the
+    scheduler preempts one of them (the one admitted first), not rank 1's sequences admitted later, whose pages would
+    not help (checked: without that preference three sequences are preempted). A budget whose per-rank share cannot
+    hold one sequence is refused with a clear error."""
+    from waferline.errors import ConfigError
+
+    prompts = [[(3 * j + i) % tiny_models.VOCAB for j in range(n)] for i, n in enumerate([28, 25, 27, 26, 24, 23])]
+    want = [x.token_ids for x in LLM(ckpts["deepseek_v3"]).generate(prompts, GREEDY)]
+    with LLM(ckpts["deepseek_v3"], **dict(_AFD1, attention_ranks=2, ffn_ranks=1)) as llm:
+        probe = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8), runner_for(llm, 4))
+        page = probe.cache.paged_page_bytes
+        cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8, cache_bytes=2 * 9 * page)
+        sch = Scheduler(llm, cfg, runner_for(llm, 4))
+        assert sch.cache.table.part_pages == 9
+        assert run_to_end(sch, [_seq(str(i), q) for i, q in enumerate(prompts)]) == want
+        assert sch.stats["preemptions"] == 1
+        with pytest.raises(ConfigError, match="attention ranks"):
+            Scheduler(llm, dataclasses.replace(cfg, cache_bytes=12 * page), runner_for(llm, 4))
 
 
 def test_caches_not_made_of_pages_keep_prefixes_off(ckpts):

@@ -106,7 +106,9 @@ class CacheManager:
         self.max_num_seqs = max_num_seqs
         self.kv_bits, self.state_bits = kv_bits, state_bits
         self.pools = _pools(spec, page_tokens, kv_bits, state_bits)
+        self.max_model_len = max_model_len
         self.max_seq_bytes = self.bytes_for(max_model_len)
+        self._default_budget = cache_bytes is None
         self.budget = float(cache_bytes) if cache_bytes is not None else max_num_seqs * self.max_seq_bytes
         if self.budget < self.max_seq_bytes:
             raise ConfigError(
@@ -119,7 +121,8 @@ class CacheManager:
         self.table: BlockTable | None = None  # the pages of the paged pools (attach)
         self._paged = [False] * len(self.pools)
         self._counted = 0.0  # bytes live sequences hold in pools without pages (counted per sequence)
-        self.reclaim: Callable[[float], None] | None = None  # evict prefix pages until this many bytes are free
+        # evict prefix pages until this many bytes are free (in one part of a split page table, where given)
+        self.reclaim: Callable[..., None] | None = None
 
     def attach(self, runner: Any) -> None:
         """Take the runner's page table (``runner.block_table(page_tokens)``, where it has one): the full-attention
@@ -130,8 +133,17 @@ class CacheManager:
             return
         self.table = table
         self._paged = [not p.per_seq and p.window is None and set(p.layers) <= table.layers for p in self.pools]
+        if table.parts > 1 and self._default_budget:  # (each part holds its slots' sequences at full length)
+            self.budget = table.parts * -(-self.max_num_seqs // table.parts) * self.max_seq_bytes
         if any(self._paged):  # the pools hold the pages the budget can pay for (and the sink)
             table.max_pages = 1 + int(self.budget // self.paged_page_bytes)
+            need = sum(n for n, paged in zip(self.pages_for(self.max_model_len), self._paged) if paged)
+            if table.part_pages < need:
+                raise ConfigError(
+                    f"the cache budget of {self.budget / 2**20:.2f} MiB is split over {table.parts} attention ranks, "
+                    f"and one rank's share ({table.part_pages} pages) cannot hold one sequence of max_model_len="
+                    f"{self.max_model_len} tokens ({need} pages); raise the cache budget or lower --max-model-len"
+                )
 
     # -- accounting (pure)
     def pages_for(self, n_tokens: int) -> list[int]:
@@ -190,16 +202,63 @@ class CacheManager:
             self.reclaim(self.used_bytes + self.prefix_bytes + extra - self.budget)
         return self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6
 
-    def can_admit(self, n_tokens: int) -> bool:
-        return bool(self._free_slots) and self._room(self.bytes_for(n_tokens))
+    @property
+    def parts(self) -> int:
+        """The parts of a split page table (one per attention rank under AFD; 1: not split)."""
+        return self.table.parts if self.table is not None else 1
+
+    def part_of(self, slot: int) -> int:
+        return slot % self.parts
+
+    def _part_room(self, part: int, pages: int) -> bool:
+        """A split page table: ``part`` can hand out ``pages`` more pages (evicting its prefix pages if need be)."""
+        if self.parts == 1 or pages <= 0:
+            return True
+        short = pages - self.table.available(part)
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short * self.paged_page_bytes, part)
+        return self.table.available(part) >= pages
+
+    def can_admit(self, n_tokens: int, part: int = 0) -> bool:
+        """A free slot (in ``part``, where the page table is split) and room for ``n_tokens`` (evicting prefix pages
+        if need be)."""
+        if self.parts == 1:
+            return bool(self._free_slots) and self._room(self.bytes_for(n_tokens))
+        if not any(self.part_of(s) == part for s in self._free_slots):
+            return False
+        pages = self.table.pages_for(n_tokens) if any(self._paged) else 0
+        return self._room(self.bytes_for(n_tokens)) and self._part_room(part, pages)
+
+    def place(self, n_tokens: int, match: Callable[..., list[int]] | None = None) -> int:
+        """The part a new sequence of ``n_tokens`` goes to (0 when the table is not split): of the parts with a free
+        slot and room (counting their evictable prefix pages), the one where ``match(part, touch=False)`` (the
+        prefix store's pages of the sequence there) is longest, then the one with the most free slots. Admit it
+        only if ``can_admit`` says so."""
+        if self.parts == 1:
+            return 0
+        t = self.table
+        pages = t.pages_for(n_tokens) if any(self._paged) else 0
+        free = [sum(1 for s in self._free_slots if self.part_of(s) == q) for q in range(self.parts)]
+        ok = [q for q in range(self.parts) if free[q] and t.available(q) + t.store_only_in[q] >= pages]
+
+        def rank(q: int) -> tuple[int, int, int]:
+            hit = len(match(q, touch=False)) if match is not None and q in ok else 0
+            return (q in ok, hit, free[q])
+
+        return max(range(self.parts), key=lambda q: (*rank(q), -q))
 
     def lowest_slots_first(self) -> None:
         """The next admissions take the free slots in increasing order (``admit`` pops from the end)."""
         self._free_slots.sort(reverse=True)
 
-    def admit(self, rid: str) -> int:
-        """Give ``rid`` a slot (and its state slots); token pages come with ``grow``."""
-        slot = self._free_slots.pop()
+    def admit(self, rid: str, part: int = 0) -> int:
+        """Give ``rid`` a slot (in ``part`` of a split page table) and its state slots; token pages come with
+        ``grow``."""
+        if self.parts == 1:
+            slot = self._free_slots.pop()
+        else:
+            i = max(i for i, s in enumerate(self._free_slots) if self.part_of(s) == part)
+            slot = self._free_slots.pop(i)
         pages = [1 if p.per_seq else 0 for p in self.pools]
         self._held[rid] = (slot, pages)
         self._counted += self._counted_bytes(pages)
@@ -214,7 +273,7 @@ class CacheManager:
         if self.table is not None and any(self._paged):
             new_pages = max(0, self.table.pages_for(n_tokens) - len(self.table.slots[slot]))
         extra = counted + new_pages * self.paged_page_bytes
-        if extra > 0 and not self._room(extra):
+        if extra > 0 and not (self._room(extra) and self._part_room(self.part_of(slot), new_pages)):
             return False
         if new_pages:
             self.table.grow(slot, n_tokens)
@@ -273,17 +332,20 @@ class PrefixCache:
         """The page id a stored block is."""
         return self._blocks[block][1]
 
-    def match(self, ids: list[int]) -> list[int]:
-        """Stored pages that start ``ids``, leaving at least one token to compute."""
+    def match(self, ids: list[int], part: int = 0, touch: bool = True) -> list[int]:
+        """Stored pages that start ``ids``, leaving at least one token to compute (pages of ``part``, where the page
+        table is split: a chain's first key names its part, so every page of a chain lives in one part). ``touch``:
+        count it as a use (least-recently-used eviction)."""
         out: list[int] = []
-        parent = -1
+        parent = -1 - part
         for i in range((len(ids) - 1) // self.P):
             b = self._by_key.get((parent, tuple(ids[i * self.P:(i + 1) * self.P])))
             if b is None:
                 break
             out.append(b)
             parent = b
-        self._touch(out)
+        if touch:
+            self._touch(out)
         return out
 
     def load(self, blocks: list[int], slot: int, caches: list[Any] | None = None) -> None:
@@ -302,7 +364,7 @@ class PrefixCache:
         if table is None:
             return
         pages = table.pages_of(slot)
-        parent, chain = -1, []
+        parent, chain = -1 - table.part_of(slot), []
         for i in range(min(n_computed // self.P, len(pages))):
             key = (parent, tuple(ids[i * self.P:(i + 1) * self.P]))
             b = self._by_key.get(key)
@@ -328,13 +390,15 @@ class PrefixCache:
         for b in blocks:
             self._used[b] = self._tick
 
-    def evict(self, need: float) -> None:
-        """Drop least-recently-used pages (and the pages that extend them) until ``need`` bytes are freed."""
+    def evict(self, need: float, part: int | None = None) -> None:
+        """Drop least-recently-used pages (and the pages that extend them) until ``need`` bytes are freed (pages of
+        ``part`` only, where given)."""
         freed = 0.0
+        table = self.cm.table
         for b in sorted(self._used, key=self._used.__getitem__):
             if freed >= need:
                 break
-            if b in self._blocks:
+            if b in self._blocks and (part is None or table.owner(self._blocks[b][1]) == part):
                 freed += self._drop(b)
 
     def _drop(self, b: int) -> float:

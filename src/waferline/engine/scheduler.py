@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -333,7 +334,9 @@ class Scheduler:
                 k = 0
             self._ks[s.slot], t = k, t + k
             while not self.cache.grow(s.request_id, s.num_computed + t):
-                victim = next((v for v in reversed(self.running) if v is not s and v.request_id not in self.busy), None)
+                # the latest admitted not in flight; in s's part of a split page table first (its pages come from it)
+                others = [v for v in reversed(self.running) if v is not s and v.request_id not in self.busy]
+                victim = min(others, key=lambda v: (v.slot - s.slot) % self.cache.parts != 0, default=None)
                 if victim is None and self.busy:  # the others are in flight: s waits for their pages
                     break
                 if victim is None:  # cannot happen: the budget holds one max_model_len sequence
@@ -351,17 +354,18 @@ class Scheduler:
                 budget -= t
         while self.waiting and budget > 0 and not preempted and len(decodes) + len(prefills) < self.plan_cap:
             s = self.waiting[0]
-            if not self.cache.can_admit(len(s.all_ids) + 1):
+            part = self.cache.place(len(s.all_ids) + 1, self.prefix and partial(self.prefix.match, s.all_ids))
+            if not self.cache.can_admit(len(s.all_ids) + 1, part):
                 break
             self.waiting.popleft()
-            s.slot = self.cache.admit(s.request_id)
+            s.slot = self.cache.admit(s.request_id, part)
             self.runner.reset_slots([s.slot])  # a fresh sequence in this slot: clear ring positions / SSM state
             if self.spec_dec is not None:
                 self.spec_dec.reset(s.slot)
             s.status, s.num_computed = "running", 0
             self.running.append(s)
             if self.prefix is not None:
-                hit = self.prefix.match(s.all_ids)
+                hit = self.prefix.match(s.all_ids, part)
                 caches = self.runner.prefix_caches()
                 if hit and caches is not None and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
                     self.prefix.load(hit, s.slot, caches)

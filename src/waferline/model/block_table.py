@@ -11,6 +11,11 @@ cache writes past a slot's pages (``managed`` False: ``LLM.generate``, pipeline 
 ``model.new_caches``), or gets them only from an allocator (``managed`` True: the scheduler's ``CacheManager``, which
 holds the byte budget).
 
+A table may be split into ``parts`` (attention/FFN disaggregation with M attention ranks: a slot lives on rank
+``slot % parts``, whose caches hold only its own pages): page p >= 1 belongs to part ``(p - 1) % parts``, a slot takes
+pages only from its part, each part holds at most its share of ``max_pages``, and rank m knows page p as its own
+page ``1 + (p - 1) // parts`` (``local``). One part (the default) is a plain table.
+
 Page 0 is the sink: no slot holds it, and a slot's ids past its own pages point at it, so a write to a position the
 allocator gave no page (a speculative verify's padding) is dropped there and a ragged row's read of it is masked.
 
@@ -32,20 +37,26 @@ class BlockTable:
     """Page ids per slot, reference counts per page, and the free pages (lowest id first, so a sequence that grows
     alone gets consecutive pages and its rows are one view of the pool)."""
 
-    def __init__(self, num_slots: int, page_tokens: int = 16, managed: bool = False, max_pages: int | None = None):
+    def __init__(self, num_slots: int, page_tokens: int = 16, managed: bool = False, max_pages: int | None = None,
+                 parts: int = 1):
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+        if parts < 1:
+            raise ValueError(f"parts must be >= 1, got {parts}")
         self.num_slots = num_slots
         self.page_tokens = page_tokens
         self.managed = managed
-        self.max_pages = max_pages  # a bound on the pages that may exist (None: none)
+        self.max_pages = max_pages  # a bound on the pages that may exist, the sink included (None: none)
+        self.parts = parts
+        self._made = [0] * parts  # pages made so far per part
         self.slots: list[list[int]] = [[] for _ in range(num_slots)]
         self.run = [0] * num_slots  # pages at the start of each slot's list that are consecutive ids
         self.refs: list[int] = [0]  # per page: the slots that hold it
         self.stored: list[bool] = [False]  # per page: held by the prefix store
         self.live = 0  # pages held by at least one slot
         self.store_only = 0  # pages held by the prefix store alone
-        self._free: list[int] = []  # a heap
+        self.store_only_in = [0] * parts  # ... per part
+        self._free: list[list[int]] = [[] for _ in range(parts)]  # a heap per part
         self._is_free: list[bool] = [False]  # per page: in ``_free`` (page SINK never is)
         self._parked: dict[int, list[int]] = {}  # slot -> its released pages, until it is used again
         with torch.inference_mode(False):
@@ -69,41 +80,77 @@ class BlockTable:
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_tokens)
 
+    # -- parts
+    def part_of(self, slot: int) -> int:
+        """The part whose pages ``slot`` takes."""
+        return slot % self.parts
+
+    def owner(self, page: int) -> int:
+        """The part page ``page`` (not the sink) belongs to."""
+        return (page - 1) % self.parts
+
+    def local(self, page: int) -> int:
+        """Page ``page``'s id among its part's pages (the sink stays 0)."""
+        return 0 if page == SINK else 1 + (page - 1) // self.parts
+
+    @property
+    def part_pages(self) -> int | None:
+        """The most pages one part may hold (the sink not counted), or None without a bound."""
+        return None if self.max_pages is None else (self.max_pages - 1) // self.parts
+
+    def available(self, part: int = 0) -> int | None:
+        """Pages ``part`` could still hand out (free, parked or not yet made), or None without a bound."""
+        cap = self.part_pages
+        if cap is None:
+            return None
+        parked = sum(1 for pages in self._parked.values() for p in pages
+                     if self.owner(p) == part and not self.stored[p] and self.refs[p] == 0)
+        return cap - self._made[part] + len(self._free[part]) + parked
+
+    def _store_only(self, p: int, d: int) -> None:
+        self.store_only += d
+        self.store_only_in[self.owner(p)] += d
+
     def _to_free(self, p: int) -> None:
         if self.refs[p] == 0 and not self.stored[p] and not self._is_free[p]:
             self._is_free[p] = True
-            heapq.heappush(self._free, p)
+            heapq.heappush(self._free[self.owner(p)], p)
 
-    def _take(self) -> int:
-        if not self._free and self._parked:
+    def _take(self, part: int = 0) -> int:
+        free = self._free[part]
+        if not free and self._parked:
             for pages in self._parked.values():
                 for p in pages:
                     self._to_free(p)
             self._parked.clear()
-        if self._free:
-            p = heapq.heappop(self._free)
+        if free:
+            p = heapq.heappop(free)
             self._is_free[p] = False
             return p
-        if self.max_pages is not None and len(self.refs) >= self.max_pages:
-            raise RuntimeError(f"no free cache page (all {self.max_pages} held)")
-        self.refs.append(0)
-        self.stored.append(False)
-        self._is_free.append(False)
-        return len(self.refs) - 1
+        if self.part_pages is not None and self._made[part] >= self.part_pages:
+            raise RuntimeError(f"no free cache page (all {self.max_pages} held)" if self.parts == 1 else
+                               f"no free cache page in part {part} (all {self.part_pages} held)")
+        p = 1 + part + self.parts * self._made[part]
+        self._made[part] += 1
+        while len(self.refs) <= p:
+            self.refs.append(0)
+            self.stored.append(False)
+            self._is_free.append(False)
+        return p
 
     def _hold(self, p: int) -> None:
         self.refs[p] += 1
         if self.refs[p] == 1:
             self.live += 1
             if self.stored[p]:
-                self.store_only -= 1
+                self._store_only(p, -1)
 
     def _drop(self, p: int, park: list[int] | None = None) -> None:
         self.refs[p] -= 1
         if self.refs[p] == 0:
             self.live -= 1
             if self.stored[p]:
-                self.store_only += 1
+                self._store_only(p, 1)
             elif park is not None:
                 park.append(p)
             else:
@@ -142,7 +189,7 @@ class BlockTable:
             return 0
         self._unpark(slot)
         for _ in range(need):
-            p = self._take()
+            p = self._take(self.part_of(slot))
             self._hold(p)
             if self.run[slot] == len(pages) and (not pages or p == pages[-1] + 1):
                 self.run[slot] += 1
@@ -222,7 +269,7 @@ class BlockTable:
             return
         self.stored[p] = True
         if self.refs[p] == 0:
-            self.store_only += 1
+            self._store_only(p, 1)
 
     def unstore(self, p: int) -> bool:
         """The prefix store lets go of page ``p``; True when that frees it."""
@@ -231,7 +278,7 @@ class BlockTable:
         self.stored[p] = False
         if self.refs[p] > 0:
             return False
-        self.store_only -= 1
+        self._store_only(p, -1)
         self._to_free(p)
         return True
 

@@ -244,15 +244,13 @@ class AFD(Pipeline):
     def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None
                      ) -> None:
         """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``; with
-        ``hidden`` the feedback carries every row's final hidden states; with ``page_tokens`` (one attention rank) its
-        paged caches follow the scheduler's page table (the changes ride on the steps' first micro-batch)."""
+        ``hidden`` the feedback carries every row's final hidden states; with ``page_tokens`` their paged caches follow
+        the scheduler's page table, split in one part per rank (the changes ride on each rank's first micro-batch)."""
         cfg: dict[str, Any] = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
                                                           "top_k": params.top_k, "seed": params.seed}}
         if hidden:
             cfg["hidden"] = True
         if page_tokens:
-            if self.M != 1:
-                raise AFDError("the scheduler's page table is followed by one attention rank only")
             cfg["page_tokens"] = page_tokens
         self._mb_ids = 0
         self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
@@ -265,15 +263,15 @@ class AFD(Pipeline):
         """One step of every attention rank's rows (``per[m]``) through the ranks: the feedback as (meta, raw bytes)
         per micro-batch, and each micro-batch's groups by id. ``verify``: the global rows that are verify rows;
         ``rewinds``: (global row, keep) of earlier verifies, which ride on the first micro-batch of each row's
-        attention rank; ``pages``: the page-table changes attention rank 0 follows first (one attention rank)."""
+        attention rank; ``pages``: the page-table changes (global row, page ids of the table split in M parts) the
+        attention ranks follow first (as their own slots and pages: ``BlockTable.local``)."""
         self._busy_since = time.monotonic()
         mine = None
         groups: dict[int, list[Group]] = {}
         for m in range(self.M):
             mbs, toks = self._micro_batches(per[m], verify)
             mbs[0].rewinds = [(i // self.M, k) for i, k in rewinds if i % self.M == m]
-            if m == 0:
-                mbs[0].pages = list(pages)
+            mbs[0].pages = [(i // self.M, [1 + (p - 1) // self.M for p in ids]) for i, ids in pages if i % self.M == m]
             groups.update({mb.mb_id: mb.groups for mb in mbs})
             if m == 0:
                 mine = (mbs, toks)

@@ -175,7 +175,7 @@ class AttentionRunner:
         self._t = time.perf_counter()
         model, rt = self.model, self.rt
         for mb in mbs:
-            for slot, pages in mb.pages:  # (one attention rank: its slots are the scheduler's)
+            for slot, pages in mb.pages:  # (this rank's slots and its part's pages: AFD._step_raw)
                 rt.table.mirror(slot, pages)
             if mb.rewinds:
                 rt.rollback.apply(rt.caches, mb.rewinds)

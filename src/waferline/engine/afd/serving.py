@@ -6,8 +6,10 @@ Scheduler slot i is global row i of the AFD engine: it lives in slot i // M of a
 with the FFN ranks; the answers come back as in the pipeline (``PipelineRunner``, whose fault handling, recovery and
 speculation this runner shares): the argmax of greedy rows, the fp32 logits of sampled ones. A speculative verify
 runs its rows as verify groups; the attention ranks, which hold every per-sequence cache, roll them back when the
-rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequence state). With one attention rank
-its paged caches follow the scheduler's page table (``block_table``), so cached prefixes are shared by page.
+rows' accepted lengths arrive with the next step (the FFN ranks keep no per-sequence state). The attention ranks'
+paged caches follow the scheduler's page table (``block_table``), split in one part per rank (a slot takes pages
+from its rank's part; a new sequence goes to the rank that holds the longest cached prefix of its prompt:
+``CacheManager.place``), so cached prefixes are shared by page.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from waferline.engine.runner import WANT_NONE, DecodeRow, PrefillChunk, RowOutpu
 
 if TYPE_CHECKING:
     from waferline.engine.afd.driver import AFD
-    from waferline.model.block_table import BlockTable
 
 # a row as AFD schedules it: (global row, tokens, start, emit)
 _AFDRow = tuple[int, list[int], int, int]
@@ -97,13 +98,10 @@ class AFDRunner(PipelineRunner):
         self.pipe.link.flush()
         return out
 
-    def block_table(self, page_tokens: int) -> BlockTable | None:
-        """With one attention rank (this process), the page table the scheduler allocates from, which that rank's
-        paged caches follow (as a pipeline's stages do): cached prefixes are shared copy-free. None with several
-        attention ranks: a scheduler slot lives on one of M ranks, whose caches keep their own pages."""
-        if self.pipe.M != 1:
-            return None
-        return super().block_table(page_tokens)
+    def _page_parts(self) -> int:
+        """The scheduler's page table is split in one part per attention rank: slot i lives on rank i % M, whose
+        paged caches hold its part's pages (``BlockTable.local`` ids), so each rank shares the prefixes it holds."""
+        return self.pipe.M
 
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)

@@ -211,10 +211,13 @@ class PipelineRunner:
         layers = frozenset(i for i, layer in enumerate(self.spec.layers) if _paged_mixer(layer.mixer))
         if not layers:
             return None
-        self._table = BlockTable(self.num_slots, page_tokens, managed=True)
+        self._table = BlockTable(self.num_slots, page_tokens, managed=True, parts=self._page_parts())
         self._table.layers = layers
         self._begin()  # (the stages learn the page size at BEGIN)
         return self._table
+
+    def _page_parts(self) -> int:
+        return 1  # (the stages hold every slot)
 
     def prefix_caches(self) -> list[Any] | None:
         """Every layer's cache is a paged token cache following the scheduler's pages: prefixes are shared by page
