@@ -3,6 +3,7 @@ shares is shared in every stage process, copy-free), and a speculative step's pl
 
 import dataclasses
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,39 @@ def test_afd_over_two_attention_ranks_preempts_within_a_rank(ckpts):
         assert sch.stats["preemptions"] == 1
         with pytest.raises(ConfigError, match="attention ranks"):
             Scheduler(llm, dataclasses.replace(cfg, cache_bytes=12 * page), runner_for(llm, 4))
+
+
+def test_serve_afd_over_two_attention_ranks_shares_a_prefix(ckpts):
+    """`serve --afd --attention-ranks 2` through the openai client: A and C run together (on the two ranks), then B,
+    which starts with C's first 24 tokens, is served partly from C's cached pages (the hit-token metric counts them)
+    with the single process's tokens."""
+    import httpx
+    import openai
+
+    from server_helpers import serve_in_thread
+    from waferline.server.commands import build_server
+
+    base = [(7 * j + 3) % tiny_models.VOCAB for j in range(26)]
+    a, c, b = [(3 * j + 1) % tiny_models.VOCAB for j in range(27)], base + [5, 9], base[:24] + [11, 12, 13]
+    want = [x.token_ids for x in LLM(ckpts["deepseek_v3"]).generate([a, c, b], GREEDY)]
+    app = build_server(ckpts["deepseek_v3"], max_num_seqs=4, max_model_len=128, page_tokens=8,
+                       afd=True, attention_ranks=2, ffn_ranks=1)
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+
+        def ids(prompt: list[int]) -> list[int]:
+            out = client.completions.create(model=name, prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            return out.choices[0].model_extra["token_ids"]
+
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(ids, [a, c]))
+        got.append(ids(b))
+        hits = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
+                if ln.startswith("waferline_prefix_cache_hit_tokens ")]
+    assert got == want
+    assert float(hits[0].split()[1]) == 24
 
 
 def test_caches_not_made_of_pages_keep_prefixes_off(ckpts):
