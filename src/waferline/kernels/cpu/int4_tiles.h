@@ -304,6 +304,8 @@ void int4_few_rows(const float* xf, int64_t M, const uint8_t* q, const S* sz, in
 
 // more rows without a tile copy: dequantise once, fp32 GEMM (measured about even with the row kernel at 16 rows)
 constexpr int64_t INT4_KERNEL_ROWS = 16;
+// bytes of one fp32 slice of a weight dequantised for a many-row product (about half a core's L2 here)
+constexpr int64_t INT4_SLICE_BYTES = 256 * 1024;
 // rows per pass of the tile kernel over a weight in a many-row product: their 16-bit inputs (128 x K int16) stay in
 // L2 while each 16-output tile of the weight passes over them
 constexpr int64_t INT4_CHUNK_ROWS = 128;
@@ -327,13 +329,25 @@ at::Tensor int4_mm(const at::Tensor& X, const at::Tensor& packed, const at::Tens
     using S = decltype(s_tag);
     const S* sp = reinterpret_cast<const S*>(sz.data_ptr());
     if (R > INT4_KERNEL_ROWS && tiles == nullptr) {
-      auto W = at::empty({N, K}, X.options().dtype(at::kFloat));
-      float* wp = W.data_ptr<float>();
-      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for (int64_t n = n0; n < n1; ++n) int4_dequant_row<S>(q + n * (K / 2), sp + n * (K / G) * Z, Z, K, G, wp + n * K);
-      });
+      // fp32 GEMMs over slices of the weight, each dequantised into a buffer that stays in the core's L2 right
+      // before its product (a whole dequantised weight is written to memory, then read and packed again by the GEMM)
       auto Xf = X.scalar_type() == at::kFloat ? X : widen(X);
-      y = narrow_to(at::mm(Xf, W.t()), X.scalar_type());
+      auto Y = at::empty({R, N}, X.options().dtype(at::kFloat));
+      const int64_t NT = std::clamp<int64_t>((INT4_SLICE_BYTES / (4 * K)) / 16 * 16, 16, 512);
+      const bool inference = c10::InferenceMode::is_enabled();
+      at::parallel_for(0, (N + NT - 1) / NT, 1, [&](int64_t t0, int64_t t1) {
+        c10::InferenceMode mode(inference);  // (the pool's threads do not inherit it; Y is an inference tensor)
+        auto buf = at::empty({NT, K}, X.options().dtype(at::kFloat));
+        float* wp = buf.data_ptr<float>();
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t n0 = t * NT, n = std::min(N, n0 + NT) - n0;
+          for (int64_t i = 0; i < n; ++i)
+            int4_dequant_row<S>(q + (n0 + i) * (K / 2), sp + (n0 + i) * (K / G) * Z, Z, K, G, wp + i * K);
+          auto out = Y.narrow(1, n0, n);
+          at::mm_out(out, Xf, buf.narrow(0, 0, n).t());
+        }
+      });
+      y = narrow_to(Y, X.scalar_type());
       return;
     }
     y = at::empty({R, N}, X.options());
