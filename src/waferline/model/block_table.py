@@ -33,6 +33,11 @@ import torch
 SINK = 0  # a page no slot holds: ``ids`` past a slot's pages point at it (writes there are dropped, reads masked)
 
 
+def local_page(page: int, parts: int) -> int:
+    """Page ``page`` of a table split in ``parts``, as the rank holding its part knows it (the sink stays 0)."""
+    return SINK if page == SINK else 1 + (page - 1) // parts
+
+
 class BlockTable:
     """Page ids per slot, reference counts per page, and the free pages (lowest id first, so a sequence that grows
     alone gets consecutive pages and its rows are one view of the pool)."""
@@ -91,7 +96,7 @@ class BlockTable:
 
     def local(self, page: int) -> int:
         """Page ``page``'s id among its part's pages (the sink stays 0)."""
-        return 0 if page == SINK else 1 + (page - 1) // self.parts
+        return local_page(page, self.parts)
 
     @property
     def part_pages(self) -> int | None:

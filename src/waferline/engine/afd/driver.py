@@ -40,6 +40,7 @@ from waferline.engine.stage import (
     make_group,
 )
 from waferline.errors import ConfigError
+from waferline.model.block_table import local_page
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
@@ -271,7 +272,7 @@ class AFD(Pipeline):
         for m in range(self.M):
             mbs, toks = self._micro_batches(per[m], verify)
             mbs[0].rewinds = [(i // self.M, k) for i, k in rewinds if i % self.M == m]
-            mbs[0].pages = [(i // self.M, [1 + (p - 1) // self.M for p in ids]) for i, ids in pages if i % self.M == m]
+            mbs[0].pages = [(i // self.M, [local_page(p, self.M) for p in ids]) for i, ids in pages if i % self.M == m]
             groups.update({mb.mb_id: mb.groups for mb in mbs})
             if m == 0:
                 mine = (mbs, toks)
