@@ -239,7 +239,7 @@ class CacheManager:
         t = self.table
         pages = t.pages_for(n_tokens) if any(self._paged) else 0
         free = [sum(1 for s in self._free_slots if self.part_of(s) == q) for q in range(self.parts)]
-        ok = [q for q in range(self.parts) if free[q] and t.available(q) + t.store_only_in[q] >= pages]
+        ok = [q for q in range(self.parts) if free[q] and (pages == 0 or t.available(q) + t.store_only_in[q] >= pages)]
 
         def rank(q: int) -> tuple[int, int, int]:
             hit = len(match(q, touch=False)) if match is not None and q in ok else 0
