@@ -164,6 +164,33 @@ def test_a_split_block_table_gives_each_slot_pages_of_its_part():
     assert t.slots[3] == [6, 8] and t.available(1) == 0
 
 
+def test_cache_manager_places_sequences_on_the_parts_of_a_split_table(sol):
+    """A page table split in two parts: a new sequence goes to the part with free slots and room, then (no prefix hit)
+    the one with more free slots, and its slot is of that part; with no paged pool (no page bound) free slots alone
+    decide."""
+    from types import SimpleNamespace
+
+    from waferline.engine.paging import CacheManager
+
+    spec = LLM(sol).spec
+    mla = frozenset(i for i, layer in enumerate(spec.layers) if layer.mixer is not None and layer.mixer.kind == "mla")
+    for layers in (mla, frozenset()):
+        table = BlockTable(4, page_tokens=8, managed=True, parts=2)
+        table.layers = layers
+        cm = CacheManager(spec, 4, 64, page_tokens=8)
+        cm.attach(SimpleNamespace(block_table=lambda pt, t=table: t))
+        assert cm.parts == 2 and (cm.table.part_pages is None) == (not layers)
+        slots = []
+        for i in range(4):
+            part = cm.place(20)
+            assert cm.can_admit(20, part)
+            slots.append(cm.admit(str(i), part))
+            assert slots[-1] % 2 == part
+        assert sorted(slots) == [0, 1, 2, 3] and not cm.can_admit(20, cm.place(20))
+        cm.free("0")
+        assert cm.place(20) == slots[0] % 2
+
+
 def test_a_write_past_the_allocated_pages_lands_in_the_sink(ckpts, monkeypatch):
     model = LLM(ckpts["llama"]).model
     caches = _caches(model, 2, 4, monkeypatch)
