@@ -25,6 +25,13 @@ def test_prompt_logprobs_match(pair):
     got = llm.prompt_logprobs(ids)
     assert got.shape == want.shape == (len(ids), configs()[mt]["vocab_size"])
     assert (got - want).abs().max().item() < 1e-4, mt
+    # through the scheduler (as the server scores an echoed prompt): each prompt token's and the top 2
+    o = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=2))[0]
+    assert [lp.token for lp in o.prompt_logprobs] == ids[1:]
+    rows = torch.arange(len(ids) - 1)
+    assert (torch.tensor([lp.logprob for lp in o.prompt_logprobs]) - want[rows, ids[1:]]).abs().max() < 1e-4, mt
+    top = torch.tensor([[v for _, v in lp.top] for lp in o.prompt_logprobs])
+    assert (top - want[:-1].topk(2, dim=-1).values).abs().max() < 1e-4, mt
 
 
 def test_greedy_batch_matches_generate(pair):
@@ -39,6 +46,29 @@ def test_greedy_batch_matches_generate(pair):
     got = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
     assert [o.token_ids for o in got] == want, mt
     assert all(o.finish_reason == "length" for o in got)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_generated_logprobs_match(pair, temperature):
+    """Each generated token's log-probability (and the top 3) is the reference's log-softmax at its position, greedy
+    and sampled (log-probabilities of the raw logits, before temperature and top-p)."""
+    mt, ref, llm = pair
+    params = SamplingParams(max_tokens=6, temperature=temperature, top_p=0.9, seed=3, ignore_eos=True, logprobs=3)
+    outs = llm.generate(PROMPTS, params)
+    for p, o in zip(PROMPTS, outs):
+        assert [lp.token for lp in o.logprobs] == o.token_ids and len(o.token_ids) == 6
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([p + o.token_ids[:-1]])).logits[0, len(p) - 1:].float(), -1)
+        got = torch.tensor([lp.logprob for lp in o.logprobs])
+        assert (got - want[torch.arange(6), o.token_ids]).abs().max().item() < 1e-4, mt
+        for i, lp in enumerate(o.logprobs):
+            ids, vals = zip(*lp.top)
+            assert len(ids) == 3 and list(vals) == sorted(vals, reverse=True)
+            assert (torch.tensor(vals) - want[i, list(ids)]).abs().max().item() < 1e-4, mt
+            assert (want[i].topk(3).values - torch.tensor(vals)).abs().max().item() < 1e-4, mt
+            if temperature == 0:
+                assert ids[0] == o.token_ids[i]
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].logprobs is None
 
 
 def test_sampling_is_seeded_and_valid(pair):

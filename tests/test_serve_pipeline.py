@@ -170,6 +170,28 @@ def test_seeded_sampled_request_repeats(live, reference):
     assert len(alone) == 12
 
 
+def test_logprobs_over_processes_are_the_single_process_engines(live, ckpt):
+    """A request with logprobs over the pipeline's stages (AFD's ranks), beside greedy requests without: its tokens and
+    log-probabilities (the last stage's logits, sampled in the scheduler's process) are the single-process engine's."""
+    want = LLM(ckpt).generate([PROMPTS[3]], SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2))[0]
+    with ThreadPoolExecutor(3) as ex:
+        others = [ex.submit(live.stream, p, max_tokens=10, temperature=0) for p in PROMPTS[:2]]
+        r = live.client.completions.create(model="sol-pipe", prompt=PROMPTS[3], max_tokens=10, temperature=0,
+                                           logprobs=2, extra_body={"ignore_eos": True, "return_token_ids": True})
+        [f.result() for f in others]
+    c = r.choices[0]
+    assert c.model_extra["token_ids"] == want.token_ids
+    assert c.logprobs.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert [max(t, key=t.get) for t in c.logprobs.top_logprobs] == c.logprobs.tokens  # greedy: the top token
+    # an echoed prompt scored over the processes, in prefill chunks of 16 tokens
+    single = LLM(ckpt)
+    ids = single.encode(" ".join(PROMPTS))[:40]
+    scored = live.client.completions.create(model="sol-pipe", prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    got = scored.choices[0].logprobs.token_logprobs
+    assert len(ids) == 40 and got[0] is None
+    assert got[1:] == pytest.approx(single.prompt_logprobs(ids)[range(39), ids[1:]].tolist(), abs=1e-4)
+
+
 def test_a_bad_request_is_400_while_the_others_finish(live, reference):
     with ThreadPoolExecutor(3) as ex:
         futs = [ex.submit(live.stream, p, max_tokens=12, temperature=0) for p in PROMPTS[:3]]

@@ -114,6 +114,46 @@ def test_greedy_served_with_speculation_equals_plain_generate(ckpts, mt):
     assert got == want and sch.stats["spec_drafted"] > 0
 
 
+@pytest.mark.parametrize("mt", ["llama", "deepseek_v3:mtp"])
+def test_requests_with_logprobs_decode_plainly_beside_verifies(ckpts, mt):
+    """A request that asks for log-probabilities is never drafted for (its rows need the logits), while the others in
+    the same steps verify drafts: every request's tokens are plain greedy's, and the log-probabilities are
+    LLM.generate's."""
+    llm = LLM(ckpts[mt])
+    with_lp = SamplingParams(max_tokens=18, ignore_eos=True, logprobs=2)
+    want = [llm.generate([p], with_lp)[0] for p in PROMPTS]
+    sch = Scheduler(llm, _config("mtp" if mt.endswith(":mtp") else "ngram", 3))
+    drafted: set[int] = set()
+    if not mt.endswith(":mtp"):
+        oracle = Oracle([p + w.token_ids for p, w in zip(PROMPTS, want)])
+        propose = oracle.propose
+
+        def recording(rows, seqs, ks, params, gens):
+            drafted.update(PROMPTS.index(next(p for p in PROMPTS if seqs[b][:len(p)] == p))
+                           for b, k in zip(rows, ks) if k)
+            return propose(rows, seqs, ks, params, gens)
+
+        oracle.propose = recording
+        sch.spec_dec.drafter = oracle
+    params = [with_lp if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
+    got: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
+    for i, p in enumerate(PROMPTS):
+        sch.add(Sequence(f"r{i}", p, params[i], lambda ev, i=i: ev.token_id is not None and got[i].append(ev)))
+    while sch.has_work():
+        sch.step()
+    assert [[e.token_id for e in got[i]] for i in got] == [w.token_ids for w in want]
+    assert sch.stats["spec_drafted"] > 0
+    for i, w in enumerate(want):
+        lps = [e.logprobs for e in got[i]]
+        if i % 2:
+            assert lps == [None] * 18
+        else:
+            assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
+            assert [x.top[0][0] for x in lps] == w.token_ids
+    if not mt.endswith(":mtp"):  # (the oracle drafter tells which requests it drafted for)
+        assert drafted == {i for i in range(len(PROMPTS)) if i % 2}
+
+
 @pytest.mark.parametrize("mt", ["deepseek_v32", "deepseek_v4", "qwen3_next", "kimi_linear"])
 def test_every_other_cache_kind_rolls_back(mt, tmp_path):
     """Sparse attention (DSA), DeepSeek-V4's compressed caches and linear-attention states: verifies with every

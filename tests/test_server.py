@@ -102,22 +102,28 @@ def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, th
         build(arch, d)
     llm = LLM(d)
     prompts = [[(7 * i + 3 * j) % 100 + 3 for j in range(5 + 9 * i)] for i in range(6)]
-    params = [
-        SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True) for i in range(6)
-    ]
-    want = [llm.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
+    # (the last two also score their prompts: a sequence preempted while its prompt is scored keeps each score once)
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True,
+                             prompt_logprobs=1 if i >= 4 else None) for i in range(6)]
+    outs = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    want = [o.token_ids for o in outs]
     probe = CacheManager(llm.spec, 4, 80, page_tokens=4, kv_bits=32, state_bits=32)
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=80, page_tokens=4, chunk_tokens=7,
                                          max_num_batched_tokens=12, cache_bytes=probe.bytes_for(80) * 1.6))
     got: dict[int, list[int]] = {i: [] for i in range(6)}
     ends: dict[int, str] = {}
+    scores: dict[int, list] = {}
+    seqs = []
     for i, (p, sp) in enumerate(zip(prompts, params)):
         def sink(ev, i=i):
             if ev.token_id is not None:
                 got[i].append(ev.token_id)
+            if ev.prompt_logprobs is not None:
+                scores[i] = ev.prompt_logprobs
             if ev.finished:
                 ends[i] = ev.finish_reason
-        sch.add(Sequence(f"r{i}", p, sp, sink))
+        seqs.append(Sequence(f"r{i}", p, sp, sink))
+        sch.add(seqs[-1])
     steps = 0
     while sch.has_work() and steps < 2000:
         sch.step()
@@ -125,7 +131,28 @@ def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, th
     assert ends == {i: "length" for i in range(6)}
     assert [got[i] for i in range(6)] == want
     assert sch.stats["preemptions"] > 0  # the budget really was too small for all of them at once
+    assert sorted(scores) == [4, 5]
+    for i in (4, 5):
+        lp = llm.prompt_logprobs(prompts[i])
+        assert [x.token for x in scores[i]] == prompts[i][1:] == [x.token for x in outs[i].prompt_logprobs]
+        assert [x.logprob for x in scores[i]] == pytest.approx(
+            lp[torch.arange(len(prompts[i]) - 1), prompts[i][1:]].tolist(), abs=1e-4)
     assert sch.cache.used_bytes == 0 and sum(sch.cache.pages_in_use().values()) == 0 and sch.cache.free_slots == 4
+
+
+def test_a_recomputed_prompt_is_scored_once():
+    """Sequence.take_prompt_logprobs: row j of a scored chunk from position s scores prompt token s + j + 1; a chunk
+    computed again after a preemption adds nothing known already, and the scores stop at the prompt's last token."""
+    prompt = list(range(3, 23))  # 20 tokens: 19 scores
+    seq = Sequence("r", prompt, SamplingParams(max_tokens=4, prompt_logprobs=0))
+    rows = torch.log_softmax(torch.randn(40, 64), -1)  # the "model": row p scores position p + 1
+    from waferline.engine.runner import RowOutput
+
+    for start, end in ((0, 7), (7, 14), (0, 7), (7, 14), (14, 21)):  # preempted after 14, then the prompt + 1 token
+        assert seq.scores_prompt == (len(seq.prompt_lps) < 19)
+        seq.take_prompt_logprobs(start, RowOutput(logits=rows[start:end]))
+    assert [lp.token for lp in seq.prompt_lps] == prompt[1:] and not seq.scores_prompt
+    assert [lp.logprob for lp in seq.prompt_lps] == pytest.approx(rows[torch.arange(19), prompt[1:]].tolist())
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
@@ -147,6 +174,15 @@ def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol
     # prompts 1-3 reuse the 4 full pages of the shared 37 tokens; 9 tokens reuse 1 page; [8 shared + 2] reuse 1
     assert sch.prefix.hit_tokens == 8 * (3 * 4 + 1 + 1)
     assert sch.cache.used_bytes == 0 and sch.cache.prefix_bytes == sch.prefix.num_pages * sch.cache.page_bytes
+    # a prompt whose log-probabilities are asked for is computed whole, cached prefix or not
+    hits, scored = sch.prefix.hit_tokens, []
+    sch.add(Sequence("s", prompts[1], SamplingParams(max_tokens=2, prompt_logprobs=0),
+                     lambda ev: ev.prompt_logprobs is not None and scored.extend(ev.prompt_logprobs)))
+    while sch.has_work():
+        sch.step()
+    assert sch.prefix.hit_tokens == hits and len(scored) == len(prompts[1]) - 1
+    assert [x.logprob for x in scored] == pytest.approx(
+        llm.prompt_logprobs(prompts[1])[torch.arange(len(scored)), prompts[1][1:]].tolist(), abs=1e-4)
     # a budget of one sequence: stored pages are evicted for live ones, never the reverse
     tight = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, chunk_tokens=16,
                                            cache_bytes=CacheManager(llm.spec, 1, 64, 8, kv_bits=32).budget))
@@ -234,6 +270,118 @@ def test_stop_strings_cut_the_text(live, client):
     assert "".join(c.choices[0].text for c in s) == free[:free.find(stop)]  # the stop string is never streamed
 
 
+def test_logprobs_are_the_engines_streamed_or_not(live, client):
+    """completions `logprobs=N` and chat `logprobs` + `top_logprobs`: each generated token's log-probability and the N
+    most likely tokens', equal to LLM.generate's (greedy and seeded sampling), the same streamed, and the tokens are the
+    ones a request without logprobs gets."""
+    llm = live.state.server.llm
+    ids = llm.encode("Speculative decoding drafts tokens")
+    for temp in (0.0, 0.8):
+        sp = SamplingParams(max_tokens=8, temperature=temp, seed=5, ignore_eos=True, logprobs=2)
+        want = llm.generate([ids], sp)[0]
+        kw = dict(model="sol-test", prompt=ids, max_tokens=8, temperature=temp, seed=5,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        plain = client.completions.create(**kw).choices[0]
+        c = client.completions.create(logprobs=2, **kw).choices[0]
+        assert c.model_extra["token_ids"] == plain.model_extra["token_ids"] == want.token_ids
+        texts = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
+        assert c.logprobs.tokens == texts and "".join(texts) == c.text
+        assert c.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
+        assert c.logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(8)]
+        for top, lp, t in zip(c.logprobs.top_logprobs, want.logprobs, texts):
+            alts = {llm.tokenizer.decode([i], skip_special_tokens=False): v for i, v in lp.top}
+            assert len(lp.top) == 2 and top == pytest.approx(alts | {t: lp.logprob}, abs=1e-5)
+        streamed = [ch.choices[0].logprobs for ch in client.completions.create(logprobs=2, stream=True, **kw)
+                    if ch.choices and ch.choices[0].logprobs is not None]
+        assert [x.tokens[0] for x in streamed] == texts
+        assert [x.text_offset[0] for x in streamed] == c.logprobs.text_offset
+        assert [x.token_logprobs[0] for x in streamed] == pytest.approx(c.logprobs.token_logprobs, abs=1e-6)
+        assert plain.logprobs is None
+
+    msgs = [{"role": "user", "content": "What is a wafer?"}]
+    kw = dict(model="sol-test", messages=msgs, max_tokens=12, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw).choices[0]
+    content, toks = r.logprobs.content, r.model_extra["token_ids"]
+    assert [e.token for e in content] == [llm.tokenizer.decode([t], skip_special_tokens=False) for t in toks]
+    # byte-level BPE: each token's own bytes, which add up to the output's even where a token splits a character
+    # (a random model's output need not be valid UTF-8: the text has U+FFFD where its bytes do not decode)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == llm.tokenizer.decode(
+        toks, skip_special_tokens=False)
+    assert any(e.bytes != list(e.token.encode()) for e in content)  # (the case the exact bytes are for)
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the most likely token
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob) and e.logprob <= 0
+        assert [t.logprob for t in e.top_logprobs] == sorted([t.logprob for t in e.top_logprobs], reverse=True)
+    only = client.chat.completions.create(logprobs=True, **kw).choices[0].logprobs.content
+    assert [e.logprob for e in only] == pytest.approx([e.logprob for e in content], abs=1e-6)
+    assert all(e.top_logprobs == [] for e in only)
+    streamed = [e for ch in client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+    url, auth = live.state.base + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    for bad, param in (({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                       ({"logprobs": "yes"}, "logprobs")):
+        err = _assert_error(httpx.post(url, headers=auth, json=dict(kw, **bad)), 400)
+        assert err["param"] == param
+    err = _assert_error(httpx.post(live.state.base + "/v1/completions", headers=auth,
+                                   json={"model": "sol-test", "prompt": "hi", "logprobs": 21}), 400)
+    assert err["param"] == "logprobs" and "[0, 20]" in err["message"]
+
+
+def test_echo_scores_the_prompt(live, client):
+    """completions `echo` with `logprobs`, as evaluation harnesses score a continuation: the prompt's tokens come first
+    (the first without a log-probability), each scored as the engine scores the prompt, over several prefill chunks;
+    `max_tokens` 0 scores the prompt alone. Streamed: the prompt in the first chunk."""
+    llm = live.state.server.llm
+    ids = llm.encode(DEMO_TEXT[:1000])[:70]  # longer than the server's prefill chunk (32 tokens)
+    assert len(ids) == 70
+    want = llm.prompt_logprobs(ids)
+    kw = dict(model="sol-test", prompt=ids, echo=True, logprobs=1, temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(max_tokens=0, **kw)
+    c = r.choices[0]
+    texts = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert c.text == llm.tokenizer.decode(ids, skip_special_tokens=False) and c.finish_reason == "length"
+    assert c.logprobs.tokens == texts and c.logprobs.token_logprobs[0] is None and c.logprobs.top_logprobs[0] is None
+    assert c.logprobs.token_logprobs[1:] == pytest.approx(want[torch.arange(69), ids[1:]].tolist(), abs=1e-5)
+    best = want.argmax(-1).tolist()
+    for i, top in enumerate(c.logprobs.top_logprobs[1:]):  # the most likely token and the prompt's own
+        assert top == pytest.approx({texts[i + 1]: want[i, ids[i + 1]].item(),
+                                     llm.tokenizer.decode([best[i]], skip_special_tokens=False): want[i].max().item()},
+                                    abs=1e-5)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (70, 0)
+    streamed = [ch.choices[0] for ch in client.completions.create(max_tokens=0, stream=True, **kw) if ch.choices]
+    assert streamed[0].text == c.text and streamed[0].logprobs.token_logprobs == pytest.approx(
+        c.logprobs.token_logprobs, abs=1e-6) and [s.finish_reason for s in streamed[1:]] == ["length"]
+
+    more = client.completions.create(max_tokens=4, **kw).choices[0]  # the prompt, then 4 generated tokens
+    gen = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1))[0]
+    assert more.text == c.text + gen.text and more.logprobs.tokens[:70] == texts
+    assert more.logprobs.token_logprobs[70:] == pytest.approx([lp.logprob for lp in gen.logprobs], abs=1e-5)
+    assert more.logprobs.text_offset == [sum(map(len, more.logprobs.tokens[:i])) for i in range(74)]
+    streamed = [ch.choices[0] for ch in client.completions.create(max_tokens=4, stream=True, **kw) if ch.choices]
+    assert "".join(s.text for s in streamed) == more.text
+    assert [t for s in streamed if s.logprobs for t in s.logprobs.text_offset] == more.logprobs.text_offset
+    # as an evaluation harness asks for a continuation's log-likelihood (one prompt of context + continuation ids,
+    # one generated token): the sum over the continuation's positions and whether each was the most likely token
+    ctx, cont = ids[:50], ids[50:]
+    body = {"model": "sol-test", "prompt": [ctx + cont], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    lp = httpx.post(live.state.base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                    timeout=60).json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == 71 and lp["token_logprobs"][0] is None
+    scored = lp["token_logprobs"][50:70]
+    assert sum(scored) == pytest.approx(want[torch.arange(49, 69), cont].sum().item(), abs=1e-3)
+    greedy = [v == max(top.values()) for v, top in zip(scored, lp["top_logprobs"][50:70])]
+    assert greedy == [best[i] == ids[i + 1] for i in range(49, 69)]
+    plain = client.completions.create(model="sol-test", prompt="To be, or not", echo=True, max_tokens=2).choices[0]
+    assert plain.text.startswith("To be, or not") and plain.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model="sol-test", prompt="x", max_tokens=0)
+
+
 def test_16_concurrent_streams_get_the_tokens_of_a_lone_request(live, client):
     def run(i):
         toks = []
@@ -281,7 +429,8 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
         ({**ok, "prompt": 5}, 400, "prompt"),
         ({**ok, "seed": -1}, 400, "seed"),
         ({"prompt": "hi"}, 400, "model"),
-        ({**ok, "logprobs": 3}, 400, "logprobs"),
+        ({**ok, "logprobs": 21}, 400, "logprobs"),
+        ({**ok, "logprobs": True}, 400, "logprobs"),  # (completions: an integer; no coercion)
         ([1, 2], 400, None),
     ]
     for body, status, param in cases:

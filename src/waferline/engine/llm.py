@@ -26,7 +26,14 @@ from typing import Any
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, decode_metrics, make_generator, resolve_dtype, seeded_generator
+from waferline.engine.sampling import (
+    SamplingParams,
+    TokenLogprobs,
+    decode_metrics,
+    make_generator,
+    resolve_dtype,
+    seeded_generator,
+)
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -42,6 +49,8 @@ class Output:
     text: str
     finish_reason: str  # "stop" (eos/stop string) or "length"
     metrics: dict[str, float] = field(default_factory=dict)
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, where SamplingParams.logprobs asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first (.prompt_logprobs)
 
 
 def _eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
@@ -278,6 +287,8 @@ class LLM:
                 runner.static_factory = lambda slots: self._static_decode(runner.caches, slots, end)
         spec_before = dataclasses.replace(self._spec.stats) if self._spec is not None else None
         events: list[tuple[int, Any]] = []
+        lps: list[list[TokenLogprobs]] = [[] for _ in ids]
+        prompt_lps: list[list[TokenLogprobs] | None] = [None] * len(ids)
         seqs = []
         last_at: list[float] = [0.0] * len(ids)
         t0 = time.perf_counter()
@@ -294,6 +305,10 @@ class LLM:
                 for b, ev in events:
                     if ev.error is not None:
                         raise RequestError(ev.error)
+                    if ev.logprobs is not None:
+                        lps[b].append(ev.logprobs)
+                    if ev.prompt_logprobs is not None:
+                        prompt_lps[b] = ev.prompt_logprobs
                     if ev.token_id is not None:
                         last_at[b] = now
                         yield b, ev.token_id
@@ -321,7 +336,10 @@ class LLM:
         for b, s in enumerate(seqs):
             span = last_at[b] - (s.first_token_at or t0)
             m = dict(metrics, tokens_per_s_per_user=(len(s.output_ids) - 1) / span if span > 0 else 0.0)
-            outs.append(self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, m))
+            out = self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, m)
+            out.logprobs = lps[b] if params.logprobs is not None else None
+            out.prompt_logprobs = prompt_lps[b]
+            outs.append(out)
         yield outs
 
     def _static_decode(self, caches: list[Any], slots: list[int], end: int) -> Any:

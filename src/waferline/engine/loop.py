@@ -140,7 +140,7 @@ class EngineLoop:
                         log.warning("request %s could not be admitted", seq.request_id, exc_info=True)
                     seq.status = "finished"
                     msg = str(e) if isinstance(e, WaferlineError) else f"request failed: {type(e).__name__}: {e}"
-                    Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))
+                    seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))
             for rid in aborts:  # (an id not queued yet, still in the inbox of a later wakeup, or already done: no-op)
                 if self.stepper is not None:
                     self.stepper.abort(rid)
@@ -169,7 +169,7 @@ class EngineLoop:
             queued = list(self._inbox)
             self._inbox.clear()
         for seq in queued:
-            Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, "server shutting down", True))
+            seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, "server shutting down", True))
         if self.stepper is not None:
             self.stepper.drop()
         sch.fail_all(self.fatal or "server shutting down")
@@ -201,7 +201,7 @@ class EngineLoop:
             self.stepper.drop()
         sch.fail_all(msg)
         for seq in queued:
-            Scheduler._emit(seq, Event(None, "", True, "error", len(seq.prompt_ids), 0, msg, True))
+            seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg, True))
         if sch.prefix is not None:
             sch.prefix.evict(float("inf"))
         if stopping:

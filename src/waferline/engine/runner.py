@@ -44,7 +44,7 @@ class PrefillChunk:
     slot: int
     start: int
     tokens: list[int]
-    want: int = WANT_NONE  # WANT_NONE unless this chunk ends the prompt
+    want: int = WANT_NONE  # WANT_LOGITS where it ends the prompt; WANT_LOGPROBS: every position's (a scored prompt)
 
 
 @dataclass
@@ -175,7 +175,11 @@ class LocalRunner:
             rows = [prefills[i] for i in idx]
             toks = torch.tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], device=dev)
             h = self.model(toks, self.caches, StepBatch.make([r.slot for r in rows], [r.start for r in rows], T, dev))
-            want = [b for b, r in enumerate(rows) if r.want != WANT_NONE]
+            for b, r in enumerate(rows):  # (scored chunks: the head at every position)
+                if r.want == WANT_LOGPROBS:
+                    lp = torch.log_softmax(self.model.logits(h[b, :len(r.tokens)]).float(), dim=-1).cpu()
+                    pre_out[idx[b]] = RowOutput(logits=lp)
+            want = [b for b, r in enumerate(rows) if r.want in (WANT_ARGMAX, WANT_LOGITS)]
             if want:  # (the head once for the call's rows, at each row's last token)
                 last = torch.tensor([len(rows[b].tokens) - 1 for b in want], device=dev)
                 logits = self.model.logits(h[torch.tensor(want, device=dev), last]).cpu()

@@ -49,6 +49,7 @@ def decode_metrics(t0: float, ttft: float, n_generated: int, rows: int) -> dict[
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**44  # the per-row generator seed is seed * 1_000_003 + row, which must fit 64 bits
 _TOP_K_OFF = 2**31  # no vocabulary is this large: a top_k at or beyond it keeps every token, as top_k = 0 does
+MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
 
 
 def _show(value: object) -> str:
@@ -81,8 +82,11 @@ def _number(name: str, value: object) -> float:
 @dataclass
 class SamplingParams:
     """How to continue a prompt. ``temperature == 0`` is greedy (as is any temperature below ``MIN_TEMPERATURE``);
-    ``seed`` makes sampling reproducible per request. Checked when constructed (``RequestError``) and again by
-    ``validate`` when used, since the fields can be changed in between."""
+    ``seed`` makes sampling reproducible per request. ``logprobs``: None (off) or N in 0..20: every generated token
+    comes with its log-probability under the model (log-softmax of the raw logits, before temperature, top-k and
+    top-p) and the N most likely tokens' (``token_logprobs``); ``prompt_logprobs`` likewise for every prompt token
+    after the first (the prompt is then computed whole: no cached prefix). Checked when constructed
+    (``RequestError``) and again by ``validate`` when used, since the fields can be changed in between."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -92,6 +96,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -128,6 +134,37 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                n = _integer(name, getattr(self, name))
+                if not 0 <= n <= MAX_LOGPROBS:
+                    raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {_show(n)}")
+                setattr(self, name, n)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability under the model and the ``top`` most likely tokens' (id, log-probability),
+    most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> TokenLogprobs:
+    """The log-softmax of ``logits`` [V] (fp32) at ``token``, and its ``n`` largest entries."""
+    return rows_logprobs(logits.reshape(1, -1), [token], n)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[TokenLogprobs]:
+    """``token_logprobs`` of each row of ``logits`` [T, V] at ``tokens[t]`` (log-softmax rows stay as they are)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).reshape(-1, 1))[:, 0].tolist()
+    if n <= 0:
+        return [TokenLogprobs(t, c) for t, c in zip(tokens, chosen)]
+    vals, idx = torch.topk(lp, min(n, lp.shape[-1]), dim=-1)
+    return [TokenLogprobs(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:

@@ -50,6 +50,7 @@ from waferline.engine.paging import CacheManager, PrefixCache
 from waferline.engine.runner import (
     WANT_ARGMAX,
     WANT_LOGITS,
+    WANT_LOGPROBS,
     WANT_NONE,
     DecodeRow,
     LocalRunner,
@@ -57,10 +58,10 @@ from waferline.engine.runner import (
     RowOutput,
     Runner,
 )
-from waferline.engine.sampling import SamplingParams, sample
-from waferline.engine.sequence import Event, Sequence, StepPlan, StepResult, request_generator
+from waferline.engine.sampling import SamplingParams, sample, token_logprobs
+from waferline.engine.sequence import Event, Sequence, StepPlan, StepResult, check_request, request_generator
 from waferline.engine.speculative.serving import ServeSpeculation
-from waferline.errors import ConfigError, RequestError, WaferlineError
+from waferline.errors import ConfigError, WaferlineError
 from waferline.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -150,18 +151,7 @@ class Scheduler:
     # -- requests
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError for a request that can never run (the server turns it into HTTP 400)."""
-        params.validate()
-        if not prompt_ids:
-            raise RequestError("empty prompt: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestError(f"prompt token ids out of range [0, {self.spec.vocab_size}): {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.spec.vocab_size]
-        if bad:
-            raise RequestError(f"stop_token_ids out of range [0, {self.spec.vocab_size}): {str(bad[:5])[:80]}")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
-                               f"context of {self.max_model_len} tokens; shorten the prompt or lower max_tokens")
+        check_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
 
     def add(self, seq: Sequence) -> None:
         self.check_request(seq.prompt_ids, seq.params)
@@ -213,7 +203,7 @@ class Scheduler:
         seqs = plan.decodes
         if not (self.config.greedy_bursts and seqs and len(seqs) == len(self.running)) or plan.prefills \
                 or plan.verifies or self.waiting or not hasattr(self.runner, "burst") \
-                or any(s.params.temperature != 0 for s in seqs):
+                or any(s.params.temperature != 0 or s.params.logprobs is not None for s in seqs):
             return 1
         cap = self.spec_dec.burst_steps() if self.spec_dec is not None else sampling.GREEDY_BURST
         n = min([cap] + [s.params.max_tokens - len(s.output_ids) for s in seqs])
@@ -257,9 +247,11 @@ class Scheduler:
     def rows(plan: StepPlan) -> tuple[list[DecodeRow], list[PrefillChunk]]:
         """What the runner is asked for ``plan``'s decodes and prefill chunks."""
         return ([DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
-                           WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s in plan.decodes],
-                [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t),
-                              WANT_NONE if s.remaining > t else WANT_LOGITS) for s, t in plan.prefills])
+                           WANT_ARGMAX if s.params.temperature == 0 and s.params.logprobs is None else WANT_LOGITS)
+                 for s in plan.decodes],
+                [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t), WANT_LOGPROBS
+                              if s.scores_prompt else WANT_NONE if s.remaining > t else WANT_LOGITS)
+                 for s, t in plan.prefills])
 
     def postprocess(self, plan: StepPlan, res: StepResult) -> int:
         """Emit the step's tokens (verify rows', then the decodes', then the tokens that end prefills), each through
@@ -290,6 +282,7 @@ class Scheduler:
         fed += plan.burst * len(plan.decodes)
         emitted += plan.burst * len(plan.decodes)
         for (s, t), out in zip(plan.prefills, res.prefilled):
+            s.take_prompt_logprobs(s.num_computed, out)
             s.num_computed += t
             self.stats["prefill_tokens"] += t
             fed += t
@@ -306,7 +299,8 @@ class Scheduler:
         if out is None:  # (a runner that answered nothing for a row that wanted a token: a bug, this row's alone)
             self._finish(seq, "error", "request failed: the engine returned no logits for this sequence")
             return
-        self._sample_or_fail(seq, out.logits, out.argmax)
+        logits = out.logits if out.logits is None or out.logits.dim() == 1 else out.logits[-1]  # (a scored chunk's)
+        self._sample_or_fail(seq, logits, out.argmax)
 
     def _schedule(self) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         cfg = self.config
@@ -323,7 +317,8 @@ class Scheduler:
                     or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
             t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
-            k = self._ks.get(s.slot, 0) if s.remaining == 1 else 0
+            # (a request that wants log-probabilities decodes plainly: its rows need the logits)
+            k = self._ks.get(s.slot, 0) if s.remaining == 1 and s.params.logprobs is None else 0
             # a seeded sampled row's tokens depend on its K: it waits for a step with room for all of it, else K is
             # cut to the step's budget, and to a plain decode row where no page is free for the drafts
             exact = k > 0 and self.spec_dec is not None and self.spec_dec.exact(s)
@@ -364,7 +359,7 @@ class Scheduler:
                 self.spec_dec.reset(s.slot)
             s.status, s.num_computed = "running", 0
             self.running.append(s)
-            if self.prefix is not None:
+            if self.prefix is not None and s.params.prompt_logprobs is None:  # (a scored prompt is computed whole)
                 hit = self.prefix.match(s.all_ids, part)
                 caches = self.runner.prefix_caches()
                 if hit and caches is not None and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
@@ -404,7 +399,13 @@ class Scheduler:
         if greedy is None and logits is None:
             raise RuntimeError("the engine returned neither logits nor a token")
         tok = sample(logits, p, seq.generator) if greedy is None else greedy
+        lps = None
+        if p.logprobs is not None:
+            if logits is None:
+                raise RuntimeError("the engine returned a token without the logits its log-probabilities need")
+            lps = token_logprobs(logits, tok, p.logprobs)
         now = time.perf_counter()
+        prompt_lps = seq.prompt_lps if seq.first_token_at is None and p.prompt_logprobs is not None else None
         if seq.first_token_at is None:
             seq.first_token_at = now
             self.stats["prompt_tokens"] += len(seq.prompt_ids)
@@ -416,7 +417,8 @@ class Scheduler:
         reason = None
         if not (seq.stream_text or p.stop):  # (no text while it runs: the caller decodes the output at the end)
             reason = "stop" if tok in stop_ids else "length" if len(seq.output_ids) >= p.max_tokens else None
-            self._emit(seq, Event(tok, "", completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids)))
+            seq.emit(Event(tok, "", completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
+                           logprobs=lps, prompt_logprobs=prompt_lps))
             if reason is not None:
                 self._finish(seq, reason)
             return
@@ -438,7 +440,8 @@ class Scheduler:
                 text = self._decode(seq.output_ids[:-1])
             delta = text[seq.sent_chars:]
         seq.sent_chars += len(delta)
-        self._emit(seq, Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids)))
+        seq.emit(Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
+                       logprobs=lps, prompt_logprobs=prompt_lps))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -467,17 +470,12 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = "finished", reason
-        self._emit(seq, Event(None, "", True, reason, len(seq.prompt_ids), len(seq.output_ids), error, unavailable))
+        seq.emit(Event(None, "", True, reason, len(seq.prompt_ids), len(seq.output_ids), error, unavailable))
 
     def fail_all(self, error: str) -> None:
         """End every running and waiting sequence with ``error``: the engine failed or stops (HTTP 503)."""
         for seq in list(self.running) + list(self.waiting):
             self._finish(seq, "error", error, unavailable=True)
-
-    @staticmethod
-    def _emit(seq: Sequence, ev: Event) -> None:
-        if seq.sink is not None:
-            seq.sink(ev)
 
 
 def runner_for(llm: LLM, num_slots: int, rebuild: Callable[[], object] | None = None) -> Runner:

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from waferline.engine.sampling import SamplingParams, make_generator
+from waferline.engine.sampling import SamplingParams, TokenLogprobs, make_generator, rows_logprobs
+from waferline.errors import RequestError
 
 if TYPE_CHECKING:
     from waferline.engine.runner import RowOutput
@@ -29,6 +30,8 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     unavailable: bool = False  # the error was the engine's (a fault or a shutdown), not this request's (HTTP 503)
+    logprobs: TokenLogprobs | None = None  # the token's log-probabilities, where the request asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # (the first token's event) the prompt's, where asked for
 
 
 @dataclass
@@ -57,6 +60,27 @@ class Sequence:
     text_upto: int = 0
     stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
     stream_text: bool = True
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
+
+    def emit(self, ev: Event) -> None:
+        if self.sink is not None:
+            self.sink(ev)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all known yet: its prefill chunks want them all."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_lps) < len(self.prompt_ids) - 1
+
+    def take_prompt_logprobs(self, start: int, out: RowOutput | None) -> None:
+        """Keep the prompt log-probabilities a WANT_LOGPROBS chunk from position ``start`` gave (``out.logits`` [T, V]:
+        row j scores the token at start + j + 1); positions known already (a recomputed chunk) are skipped."""
+        if out is None or out.logits is None or out.logits.dim() != 2 or not self.scores_prompt:
+            return
+        lo = len(self.prompt_lps) - start  # the first row not known yet (token len(prompt_lps) + 1)
+        hi = min(out.logits.shape[0], len(self.prompt_ids) - 1 - start)
+        if 0 <= lo < hi:
+            self.prompt_lps += rows_logprobs(out.logits[lo:hi], self.prompt_ids[start + lo + 1:start + hi + 1],
+                                             self.params.prompt_logprobs or 0)
 
     @property
     def all_ids(self) -> list[int]:
@@ -95,6 +119,22 @@ class Sequence:
     def remaining(self) -> int:
         """Tokens still to feed through the model before the next token can be sampled."""
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
+    """Raise RequestError for a request that can never run (the server turns it into HTTP 400)."""
+    params.validate()
+    if not prompt_ids:
+        raise RequestError("empty prompt: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"prompt token ids out of range [0, {vocab_size}): {bad[:5]}")
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise RequestError(f"stop_token_ids out of range [0, {vocab_size}): {str(bad[:5])[:80]}")
+    if len(prompt_ids) + params.max_tokens > max_model_len:
+        raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
+                           f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens")
 
 
 def request_generator(params: SamplingParams) -> torch.Generator | None:

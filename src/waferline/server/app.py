@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,8 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from waferline.engine.sampling import SamplingParams
+from waferline.engine.sampling import SamplingParams, TokenLogprobs
 from waferline.engine.scheduler import Event
+from waferline.server.logprobs import TokenTexts, chat_entry, completion_logprobs, echoed
 from waferline.server.metrics import DISCONNECTED
 from waferline.server.protocol import APIError, ChatRequest, CompletionRequest, error_body, parse
 from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
@@ -159,22 +161,30 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, id
     m = server.metrics
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": server.model_name}
+    echo = None if chat or not req.echo else _Echo(_echo_text(server, req.prompt, ids), ids, req.max_tokens == 0)
     events = server.start(ids, params, rid)  # a full queue or a bad request is an HTTP error, not a broken stream
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         m.requests.labels(endpoint, "200").inc()
-        return StreamingResponse(_stream(events, base, chat, include_usage, req.return_token_ids),
+        lp = server.token_texts if params.logprobs is not None else None
+        return StreamingResponse(_stream(events, base, chat, include_usage, req.return_token_ids, lp, echo),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     text: list[str] = []
     toks: list[int] = []
+    lps: list[TokenLogprobs] = []
+    prompt_lps: list[TokenLogprobs] | None = None
     last: Event | None = None
 
     async def collect() -> None:
-        nonlocal last
+        nonlocal last, prompt_lps
         try:
             async for ev, _ in events:
                 if ev.token_id is not None:
                     toks.append(ev.token_id)
+                if ev.logprobs is not None:
+                    lps.append(ev.logprobs)
+                if ev.prompt_logprobs is not None:
+                    prompt_lps = ev.prompt_logprobs
                 text.append(ev.text)
                 last = ev
         finally:
@@ -200,22 +210,59 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, id
         msg = last.error if last is not None and last.error else "the request did not finish"
         raise APIError(msg, 503 if last is not None and last.unavailable else 500, type="server_error")
     m.requests.labels(endpoint, "200").inc()
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+    usage, reason = _usage(last), last.finish_reason
+    if echo is not None and echo.score_only:  # (the prompt scored alone: the one generated token is left out)
+        text, toks, lps, reason = [], [], [], "length"
+        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
     if chat:
         choice["message"] = {"role": "assistant", "content": "".join(text)}
     else:
-        choice["text"] = "".join(text)
+        choice["text"] = (echo.text if echo is not None else "") + "".join(text)
+    if params.logprobs is not None:
+        texts = server.token_texts
+        choice["logprobs"] = ({"content": [chat_entry(lp, texts) for lp in lps]} if chat else completion_logprobs(
+            (echoed(ids, prompt_lps) if echo is not None else []) + [(lp.token, lp) for lp in lps], texts))
     if req.return_token_ids:
         choice["token_ids"] = toks
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": server.model_name, "choices": [choice], "usage": _usage(last)}
+            "model": server.model_name, "choices": [choice], "usage": usage}
     return JSONResponse(body)
 
 
+@dataclass
+class _Echo:
+    """A completion that echoes its prompt: the prompt's text and tokens, and whether only the prompt is wanted
+    (``max_tokens`` 0: scored, nothing generated)."""
+
+    text: str
+    ids: list[int]
+    score_only: bool
+
+
+def _echo_text(server: Server, prompt: Any, ids: list[int]) -> str:
+    """The text an echoed prompt shows: as sent, or its token ids decoded."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    return prompt if isinstance(prompt, str) else server.token_texts.text(ids)
+
+
 async def _stream(events: AsyncIterator[tuple[Event, float]], base: dict[str, Any], chat: bool,
-                  include_usage: bool, token_ids: bool) -> AsyncIterator[str]:
-    def chunk(text: str | None, finish: str | None, tok: int | None = None, role: bool = False) -> dict[str, Any]:
+                  include_usage: bool, token_ids: bool, texts: TokenTexts | None,
+                  echo: _Echo | None = None) -> AsyncIterator[str]:
+    offset = 0  # (completions' text_offset of the next token)
+    echo_sent = False
+
+    def chunk(text: str | None, finish: str | None, tok: int | None = None, role: bool = False,
+              lp: TokenLogprobs | None = None) -> dict[str, Any]:
+        nonlocal offset
         c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        if lp is not None and texts is not None:
+            if chat:
+                c["logprobs"] = {"content": [chat_entry(lp, texts)]}
+            else:
+                c["logprobs"] = completion_logprobs([(lp.token, lp)], texts, offset)
+                offset += len(c["logprobs"]["tokens"][0])
         if chat:
             delta: dict[str, Any] = {}
             if role:
@@ -236,15 +283,26 @@ async def _stream(events: AsyncIterator[tuple[Event, float]], base: dict[str, An
         if chat:
             yield _sse(chunk("", None, role=True))
         async for ev, _ in events:
-            if ev.token_id is not None:
-                yield _sse(chunk(ev.text, None, ev.token_id))
+            if ev.token_id is not None and echo is not None and not echo_sent:  # the prompt first, with the 1st token
+                c = chunk(echo.text, None)
+                if texts is not None:
+                    c["choices"][0]["logprobs"] = completion_logprobs(echoed(echo.ids, ev.prompt_logprobs), texts)
+                    offset = sum(len(t) for t in c["choices"][0]["logprobs"]["tokens"])
+                yield _sse(c)
+                echo_sent = True
+            if ev.token_id is not None and not (echo is not None and echo.score_only):
+                yield _sse(chunk(ev.text, None, ev.token_id, lp=ev.logprobs))
             if ev.finished:
                 if ev.finish_reason == "error":
                     yield _sse(error_body(ev.error or "engine error", "server_error"))
                 else:
-                    yield _sse(chunk(None if chat else "", ev.finish_reason))
+                    usage, reason = _usage(ev), ev.finish_reason
+                    if echo is not None and echo.score_only:
+                        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
+                        reason = "length"
+                    yield _sse(chunk(None if chat else "", reason))
                     if include_usage:
-                        yield _sse(dict(base, choices=[], usage=_usage(ev)))
+                        yield _sse(dict(base, choices=[], usage=usage))
                 yield "data: [DONE]\n\n"
                 return
     finally:

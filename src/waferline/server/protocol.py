@@ -52,7 +52,6 @@ class _Sampling(_Strict):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logprobs: Any = None
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # extensions (as in vLLM): pass with extra_body=
@@ -63,6 +62,7 @@ class _Sampling(_Strict):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # the N most likely tokens' log-probabilities with each generated token's (0-20)
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
@@ -90,7 +90,8 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None  # each generated token's log-probability ...
+    top_logprobs: int | None = None  # ... and the N most likely tokens' (0-20; needs logprobs: true)
     # function calling, structured output and audio are not supported: these are parsed only to be refused (400)
     tools: Any = None
     tool_choice: Any = None

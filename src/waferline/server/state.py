@@ -21,9 +21,10 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullError
-from waferline.engine.sampling import SamplingParams
+from waferline.engine.sampling import MAX_LOGPROBS, SamplingParams
 from waferline.engine.scheduler import Event
 from waferline.errors import RequestError
+from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest
 
@@ -54,6 +55,7 @@ class Server:
         self.allowed_hosts = {_host_name(h) for h in (*allowed_hosts, socket.gethostname()) if h.strip()}
         self.metrics = Metrics(engine)
         self.created = int(time.time())
+        self.token_texts = TokenTexts(self.llm.tokenizer)  # (logprobs entries' token texts)
         self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock  # shared with the engine's decoding
         # Prompts are encoded by a copy of the tokenizer under a lock of their own: a long encode in a worker thread
         # must not hold the lock the engine thread takes to detokenize every stream's next token.
@@ -192,14 +194,8 @@ class Server:
             raise APIError(f"n={req.n} is not supported: this server returns one choice per request (n=1)", param="n")
         if getattr(req, "best_of", None) not in (None, 1):
             raise APIError("best_of is not supported", param="best_of")
-        if getattr(req, "echo", False):
-            raise APIError("echo is not supported", param="echo")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
-        if req.logprobs not in (None, False):
-            raise APIError("logprobs are not supported", param="logprobs")
-        if getattr(req, "top_logprobs", None) not in (None, 0):
-            raise APIError("top_logprobs are not supported", param="top_logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name) not in (None, 0, 0.0):
                 raise APIError(f"{name} is not supported (only 0)", param=name)
@@ -230,13 +226,17 @@ class Server:
         mml = self.engine.scheduler.max_model_len
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else mml - prompt_len
+        echo = bool(getattr(req, "echo", False))
+        if echo and max_tokens == 0:  # (the prompt scored alone: one token is generated and left out of the answer)
+            max_tokens = 1
         param = (
             "max_completion_tokens"
             if isinstance(req, ChatRequest) and req.max_completion_tokens is not None
             else "max_tokens"
         )
         if max_tokens < 1:
-            raise APIError(f"{param} must be >= 1, got {max_tokens}", param=param)
+            hint = "" if isinstance(req, ChatRequest) else " (0 only with echo)"
+            raise APIError(f"{param} must be >= 1{hint}, got {max_tokens}", param=param)
         if prompt_len >= mml:
             raise APIError(
                 f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
@@ -246,6 +246,14 @@ class Server:
         if prompt_len + max_tokens > mml:
             raise APIError(f"prompt of {prompt_len} tokens + {param}={max_tokens} exceeds the context of {mml} tokens; "
                            f"lower {param} to at most {mml - prompt_len}", param=param)
+        logprobs = req.logprobs
+        if isinstance(req, ChatRequest):
+            if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                               param="top_logprobs")
+            if req.top_logprobs and not req.logprobs:
+                raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError("stop: give at most 16 non-empty strings", param="stop")
@@ -253,7 +261,8 @@ class Server:
             return SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
-                                  stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+                                  stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
+                                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
 
