@@ -382,6 +382,49 @@ def test_echo_scores_the_prompt(live, client):
         client.completions.create(model="sol-test", prompt="x", max_tokens=0)
 
 
+def test_several_choices_per_request(live, client):
+    """A completion with a batch of prompts and n choices each, and a chat completion with n: choice p * n + j is
+    prompt p's j-th, sampled with seed + j (so each repeats and they differ), as LLM.generate gives; streamed, each
+    choice's chunks carry its index; usage counts each prompt once."""
+    llm = live.state.server.llm
+    prompts = ["The wafer holds", "Experts route tokens"]
+    kw = dict(model="sol-test", max_tokens=6, temperature=0.9, seed=40, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=prompts, n=2, **kw)
+    want = [llm.generate([p], SamplingParams(max_tokens=6, temperature=0.9, seed=40 + j, ignore_eos=True))[0].text
+            for p in prompts for j in range(2)]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3] and [c.text for c in r.choices] == want
+    assert want[0] != want[1] and r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == sum(len(llm.encode(p)) for p in prompts)
+    ids = [llm.encode(p) for p in prompts]
+    assert [c.text for c in client.completions.create(prompt=ids, n=2, **kw).choices] == want  # token-id prompts
+    texts: dict[int, str] = {}
+    ends: dict[int, str] = {}
+    chunks = list(client.completions.create(prompt=prompts, n=2, stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    for ch in chunks[:-1]:
+        c = ch.choices[0]
+        texts[c.index] = texts.get(c.index, "") + c.text
+        if c.finish_reason:
+            ends[c.index] = c.finish_reason
+    assert [texts[i] for i in range(4)] == want and ends == dict.fromkeys(range(4), "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    echo = client.completions.create(prompt=prompts, echo=True, **kw).choices
+    assert [c.text for c in echo] == [prompts[0] + want[0], prompts[1] + want[2]]
+    echo = client.completions.create(prompt=ids, echo=True, **kw).choices  # (token ids: echoed decoded)
+    assert [c.text for c in echo] == [llm.decode(ids[0]) + want[0], llm.decode(ids[1]) + want[2]]
+
+    msgs = [{"role": "user", "content": "What is a wafer?"}]
+    chat = client.chat.completions.create(model="sol-test", messages=msgs, n=3, max_tokens=5, temperature=0.9, seed=7,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 15
+    again = client.chat.completions.create(model="sol-test", messages=msgs, n=3, max_tokens=5, temperature=0.9,
+                                           seed=7, stream=True, extra_body={"ignore_eos": True})
+    got = ["", "", ""]
+    for ch in again:
+        got[ch.choices[0].index] += ch.choices[0].delta.content or ""
+    assert got == [c.message.content for c in chat.choices] and len(set(got)) == 3
+
+
 def test_16_concurrent_streams_get_the_tokens_of_a_lone_request(live, client):
     def run(i):
         toks = []
@@ -420,11 +463,13 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
         ({**ok, "temperature": "hot"}, 400, "temperature"),
         ({**ok, "temperature": -1}, 400, "temperature"),
         ({**ok, "stream": "yes"}, 400, "stream"),
-        ({**ok, "n": 2}, 400, "n"),
+        ({**ok, "n": 0}, 400, "n"),
+        ({**ok, "n": 65}, 400, "n"),
+        ({**ok, "prompt": ["a"] * 9, "n": 8}, 400, "n"),  # 72 choices: more than one request may ask for
         ({**ok, "prompt": ""}, 400, "prompt"),
         ({**ok, "prompt": []}, 400, "prompt"),
         ({**ok, "prompt": [1, 99999]}, 400, "prompt"),
-        ({**ok, "prompt": ["a", "b"]}, 400, "prompt"),
+        ({**ok, "prompt": ["a", ""]}, 400, "prompt"),  # (one empty prompt of a batch fails it all)
         ({**ok, "prompt": "wafer " * 400}, 400, "prompt"),  # longer than the context
         ({**ok, "prompt": 5}, 400, "prompt"),
         ({**ok, "seed": -1}, 400, "seed"),
@@ -455,8 +500,8 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
         openai.OpenAI(base_url=live.state.base + "/v1", api_key="nope", max_retries=0).models.list()
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="not supported"):
-        client.completions.create(model="sol-test", prompt="x", max_tokens=2, n=3)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model="sol-test", prompt="x", max_tokens=2, best_of=3)
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
 
@@ -501,24 +546,37 @@ def test_client_disconnect_frees_its_pages(live):
     assert _wait_until(lambda: engine.num_waiting == 0 and engine.num_running == 0)
     assert _metrics(live)["waferline_generation_tokens_total"] == generated and _pages_in_use(live) == 0
 
+    with httpx.stream("POST", live.state.base + "/v1/completions", json=dict(body, n=3),  # every choice is aborted
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        assert r.status_code == 200 and next(line for line in r.iter_lines() if line.startswith("data: "))
+        assert _wait_until(lambda: engine.num_running == 3)
+    assert _wait_until(lambda: _metrics(live)['waferline_request_finished_total{reason="abort"}'] == aborted + 5)
+    assert _wait_until(lambda: engine.num_running == 0 and _pages_in_use(live) == 0)
+
 
 def test_overload_queues_then_429(live, client):
     engine = live.state.server.engine
     cfg = engine.scheduler.config
     old = cfg.max_queue
-    cfg.max_queue = 2
+    cfg.max_queue = 3
     engine.pause()  # nothing is admitted while paused: requests wait in the queue
     try:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             waiting = [pool.submit(client.completions.create, model="sol-test", prompt="queued", max_tokens=3,
                                    extra_body={"ignore_eos": True}) for _ in range(2)]
             assert _wait_until(lambda: engine.num_waiting == 2)
             assert _metrics(live)["waferline_num_requests_waiting"] == 2
+            with pytest.raises(openai.RateLimitError, match="queue is full"):  # 2 choices: all of them or none
+                client.completions.create(model="sol-test", prompt="two too many", max_tokens=3, n=2)
+            assert engine.num_waiting == 2
+            waiting.append(pool.submit(client.completions.create, model="sol-test", prompt="queued", max_tokens=3,
+                                       extra_body={"ignore_eos": True}))
+            assert _wait_until(lambda: engine.num_waiting == 3)
             with pytest.raises(openai.RateLimitError, match="queue is full") as e:
                 client.completions.create(model="sol-test", prompt="one too many", max_tokens=3)
             assert e.value.response.headers["retry-after"] == "1"  # when to try again
             engine.resume()
-            assert [f.result(timeout=60).usage.completion_tokens for f in waiting] == [3, 3]
+            assert [f.result(timeout=60).usage.completion_tokens for f in waiting] == [3, 3, 3]
     finally:
         engine.resume()
         cfg.max_queue = old

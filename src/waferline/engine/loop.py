@@ -96,19 +96,28 @@ class EngineLoop:
                request_id: str | None = None) -> str:
         """Queue a request; raises RequestError (never runnable), QueueFullError (try again later) or
         EngineUnavailableError (the engine is recovering from a fault, or stopped)."""
-        seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink)
-        self.scheduler.check_request(seq.prompt_ids, params)
-        seq.generator = request_generator(params)
+        return self.submit_many([(prompt_ids, params, sink, request_id)])[0]
+
+    def submit_many(self, requests: list[tuple[list[int], SamplingParams, Callable[[Event], None], str | None]]
+                    ) -> list[str]:
+        """Queue several requests (prompt ids, params, sink, id) all or none: as ``submit``, where any that cannot
+        run, or a queue without room for all of them, queues none."""
+        seqs = []
+        for prompt_ids, params, sink, request_id in requests:
+            seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink)
+            self.scheduler.check_request(seq.prompt_ids, params)
+            seq.generator = request_generator(params)
+            seqs.append(seq)
         with self._lock:
             if not self.healthy:
                 raise EngineUnavailableError(self.unavailable_reason())
-            if self.num_waiting >= self.scheduler.config.max_queue:
+            if self.num_waiting + len(seqs) > self.scheduler.config.max_queue:
                 raise QueueFullError(
                     f"the server's queue is full ({self.scheduler.config.max_queue} waiting requests); retry later"
                 )
-            self._inbox.append(seq)
+            self._inbox.extend(seqs)
             self._lock.notify_all()
-        return seq.request_id
+        return [s.request_id for s in seqs]
 
     def abort(self, request_id: str) -> None:
         with self._lock:

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, SSE streaming, models, health, metrics.
 
-Every request goes to one ``EngineLoop`` (continuous batching in a background thread); tokens come back through
-a per-request asyncio queue. A client that disconnects has its sequence aborted, which frees its slot and pages.
+Every request goes to one ``EngineLoop`` (continuous batching in a background thread) as one sequence per choice (``n``
+per prompt; a completion may send a batch of prompts); tokens come back through a per-request asyncio queue and are
+gathered per choice (choices.py). A client that disconnects has its sequences aborted, which frees their slots and
+pages.
 
 A bad request fails alone: bodies are read under a deadline (408) and a size limit (413), parsed as strict JSON
 (400), and tokenized in a worker thread, so neither a slow upload nor a huge prompt holds up the event loop that
@@ -15,7 +17,6 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,9 +24,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from waferline.engine.sampling import SamplingParams, TokenLogprobs
 from waferline.engine.scheduler import Event
-from waferline.server.logprobs import TokenTexts, chat_entry, completion_logprobs, echoed
+from waferline.server.choices import Choices
 from waferline.server.metrics import DISCONNECTED
 from waferline.server.protocol import APIError, ChatRequest, CompletionRequest, error_body, parse
 from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
@@ -37,11 +37,6 @@ async def _until_disconnected(request: Request) -> None:
     """Return when the client goes away (the body has been read, so the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _usage(ev: Event) -> dict[str, int]:
-    return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
-            "total_tokens": ev.prompt_tokens + ev.completion_tokens}
 
 
 def _sse(obj: Any) -> str:
@@ -111,9 +106,8 @@ def create_app(server: Server) -> FastAPI:
             req = parse(CompletionRequest, await server.json_body(request))
             server.check_model(req.model)
             server.check_options(req)
-            ids = await _completion_prompt(server, req.prompt)
-            params = server.sampling(req, len(ids), 16)
-            return await _respond(server, request, "completions", req, ids, params)
+            prompts, sent = await _completion_prompts(server, req.prompt)
+            return await _respond(server, request, "completions", req, prompts, 16, sent)
         except APIError as e:
             return fail("completions", e)
 
@@ -127,71 +121,64 @@ def create_app(server: Server) -> FastAPI:
             server.check_model(req.model)
             server.check_options(req)
             ids = await asyncio.to_thread(server.chat_prompt, req)  # off the event loop: it streams everyone's tokens
-            params = server.sampling(req, len(ids), None)
-            return await _respond(server, request, "chat", req, ids, params)
+            return await _respond(server, request, "chat", req, [ids], None)
         except APIError as e:
             return fail("chat", e)
 
     return app
 
 
-async def _completion_prompt(server: Server, prompt: Any) -> list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(
-                f"batched prompts ({len(prompt)}) are not supported: send one prompt per request", param="prompt"
-            )
-        prompt = prompt[0]
-    # (tokenizing a long prompt takes a while: off the event loop, which streams everyone's tokens)
-    ids = await asyncio.to_thread(server.encode, prompt) if isinstance(prompt, str) else list(prompt)
-    if not ids:
-        raise APIError("the prompt is empty: give at least one token", param="prompt")
-    vocab = server.engine.scheduler.spec.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise APIError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
-    return ids
+async def _completion_prompts(server: Server, prompt: Any) -> tuple[list[list[int]], list[str]]:
+    """The prompts of a completion request (one, or a batch: a list of strings or of token-id lists) as token ids,
+    and each one's text as an echo shows it (as sent, or its token ids decoded)."""
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for p in batch:
+        # (tokenizing a long prompt takes a while: off the event loop, which streams everyone's tokens)
+        ids = await asyncio.to_thread(server.encode, p) if isinstance(p, str) else list(p)
+        if not ids:
+            raise APIError("the prompt is empty: give at least one token", param="prompt")
+        vocab = server.engine.scheduler.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+        out.append(ids)
+    return out, [p if isinstance(p, str) else "" for p in batch]
 
 
-async def _respond(server: Server, request: Request, endpoint: str, req: Any, ids: list[int],
-                   params: SamplingParams) -> Response:
+async def _respond(server: Server, request: Request, endpoint: str, req: Any, prompts: list[list[int]],
+                   default_max: int | None, sent: list[str] | None = None) -> Response:
+    """Run the request's choices (each prompt ``n`` times) and answer: one JSON body, or an SSE stream."""
     chat = endpoint == "chat"
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     m = server.metrics
+    runs = server.choices(req, prompts, default_max)
+    n = req.n or 1
+    echo = None
+    if not chat and req.echo:  # (what each choice echoes: its prompt as sent, or decoded from its token ids)
+        echo = [(sent or [""] * len(prompts))[i // n] or server.token_texts.text(ids) for i, (ids, _) in
+                enumerate(runs)]
+    choices = Choices(chat, [ids for ids, _ in runs], n, echo, bool(echo) and req.max_tokens == 0,
+                      server.token_texts if runs[0][1].logprobs is not None else None, req.return_token_ids)
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": server.model_name}
-    echo = None if chat or not req.echo else _Echo(_echo_text(server, req.prompt, ids), ids, req.max_tokens == 0)
-    events = server.start(ids, params, rid)  # a full queue or a bad request is an HTTP error, not a broken stream
+    events = server.start(runs, rid)  # a full queue or a bad request is an HTTP error, not a broken stream
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         m.requests.labels(endpoint, "200").inc()
-        lp = server.token_texts if params.logprobs is not None else None
-        return StreamingResponse(_stream(events, base, chat, include_usage, req.return_token_ids, lp, echo),
+        return StreamingResponse(_stream(events, base, choices, include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    text: list[str] = []
-    toks: list[int] = []
-    lps: list[TokenLogprobs] = []
-    prompt_lps: list[TokenLogprobs] | None = None
-    last: Event | None = None
 
     async def collect() -> None:
-        nonlocal last, prompt_lps
         try:
-            async for ev, _ in events:
-                if ev.token_id is not None:
-                    toks.append(ev.token_id)
-                if ev.logprobs is not None:
-                    lps.append(ev.logprobs)
-                if ev.prompt_logprobs is not None:
-                    prompt_lps = ev.prompt_logprobs
-                text.append(ev.text)
-                last = ev
+            async for i, ev, _ in events:
+                choices.add(i, ev)
         finally:
             await events.aclose()
 
     # wait for the result or the client's disconnect, whichever comes first (a client that gives up while its request
-    # is queued is noticed at once, and its sequence is aborted before it takes a slot)
+    # is queued is noticed at once, and its sequences are aborted before they take a slot)
     collector = asyncio.ensure_future(collect())
     watcher = asyncio.ensure_future(_until_disconnected(request))
     done: set[asyncio.Future] = set()
@@ -206,104 +193,36 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, id
                        code="client_disconnected")
     if collector.exception() is not None:
         raise collector.exception()
-    if last is None or not last.finished or last.finish_reason == "error":
-        msg = last.error if last is not None and last.error else "the request did not finish"
-        raise APIError(msg, 503 if last is not None and last.unavailable else 500, type="server_error")
+    bad = choices.failure()
+    if bad is not None:
+        raise APIError(bad.error or "the request did not finish", 503 if bad.unavailable else 500,
+                       type="server_error")
     m.requests.labels(endpoint, "200").inc()
-    usage, reason = _usage(last), last.finish_reason
-    if echo is not None and echo.score_only:  # (the prompt scored alone: the one generated token is left out)
-        text, toks, lps, reason = [], [], [], "length"
-        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
-    if chat:
-        choice["message"] = {"role": "assistant", "content": "".join(text)}
-    else:
-        choice["text"] = (echo.text if echo is not None else "") + "".join(text)
-    if params.logprobs is not None:
-        texts = server.token_texts
-        choice["logprobs"] = ({"content": [chat_entry(lp, texts) for lp in lps]} if chat else completion_logprobs(
-            (echoed(ids, prompt_lps) if echo is not None else []) + [(lp.token, lp) for lp in lps], texts))
-    if req.return_token_ids:
-        choice["token_ids"] = toks
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": server.model_name, "choices": [choice], "usage": usage}
-    return JSONResponse(body)
+    body, usage = choices.body()
+    return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                         "model": server.model_name, "choices": body, "usage": usage})
 
 
-@dataclass
-class _Echo:
-    """A completion that echoes its prompt: the prompt's text and tokens, and whether only the prompt is wanted
-    (``max_tokens`` 0: scored, nothing generated)."""
+async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[str, Any], choices: Choices,
+                  include_usage: bool) -> AsyncIterator[str]:
+    """SSE: a chunk per token of each choice (chat: the role first), each choice's finish, then (``include_usage``) the
+    usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted)."""
 
-    text: str
-    ids: list[int]
-    score_only: bool
-
-
-def _echo_text(server: Server, prompt: Any, ids: list[int]) -> str:
-    """The text an echoed prompt shows: as sent, or its token ids decoded."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    return prompt if isinstance(prompt, str) else server.token_texts.text(ids)
-
-
-async def _stream(events: AsyncIterator[tuple[Event, float]], base: dict[str, Any], chat: bool,
-                  include_usage: bool, token_ids: bool, texts: TokenTexts | None,
-                  echo: _Echo | None = None) -> AsyncIterator[str]:
-    offset = 0  # (completions' text_offset of the next token)
-    echo_sent = False
-
-    def chunk(text: str | None, finish: str | None, tok: int | None = None, role: bool = False,
-              lp: TokenLogprobs | None = None) -> dict[str, Any]:
-        nonlocal offset
-        c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if lp is not None and texts is not None:
-            if chat:
-                c["logprobs"] = {"content": [chat_entry(lp, texts)]}
-            else:
-                c["logprobs"] = completion_logprobs([(lp.token, lp)], texts, offset)
-                offset += len(c["logprobs"]["tokens"][0])
-        if chat:
-            delta: dict[str, Any] = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            c["delta"] = delta
-        else:
-            c["text"] = text or ""
-        if token_ids and tok is not None:
-            c["token_ids"] = [tok]
-        out = dict(base, choices=[c])
-        if include_usage:
-            out["usage"] = None
-        return out
+    def sse(c: dict[str, Any]) -> str:
+        return _sse(dict(base, choices=[c]) | ({"usage": None} if include_usage else {}))
 
     try:
-        if chat:
-            yield _sse(chunk("", None, role=True))
-        async for ev, _ in events:
-            if ev.token_id is not None and echo is not None and not echo_sent:  # the prompt first, with the 1st token
-                c = chunk(echo.text, None)
-                if texts is not None:
-                    c["choices"][0]["logprobs"] = completion_logprobs(echoed(echo.ids, ev.prompt_logprobs), texts)
-                    offset = sum(len(t) for t in c["choices"][0]["logprobs"]["tokens"])
-                yield _sse(c)
-                echo_sent = True
-            if ev.token_id is not None and not (echo is not None and echo.score_only):
-                yield _sse(chunk(ev.text, None, ev.token_id, lp=ev.logprobs))
-            if ev.finished:
-                if ev.finish_reason == "error":
-                    yield _sse(error_body(ev.error or "engine error", "server_error"))
-                else:
-                    usage, reason = _usage(ev), ev.finish_reason
-                    if echo is not None and echo.score_only:
-                        usage.update(completion_tokens=0, total_tokens=usage["prompt_tokens"])
-                        reason = "length"
-                    yield _sse(chunk(None if chat else "", reason))
-                    if include_usage:
-                        yield _sse(dict(base, choices=[], usage=usage))
+        for c in choices.opening():
+            yield sse(c)
+        async for i, ev, _ in events:
+            if ev.finished and ev.finish_reason == "error":
+                yield _sse(error_body(ev.error or "engine error", "server_error"))
                 yield "data: [DONE]\n\n"
                 return
+            for c in choices.chunks(i, ev):
+                yield sse(c)
+        if include_usage:
+            yield _sse(dict(base, choices=[], usage=choices.usage()))
+        yield "data: [DONE]\n\n"
     finally:
-        await events.aclose()  # a disconnect cancels us here: closing the generator aborts the request
+        await events.aclose()  # a disconnect cancels us here: closing the generator aborts what still runs

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -14,14 +15,14 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullError
-from waferline.engine.sampling import MAX_LOGPROBS, SamplingParams
+from waferline.engine.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from waferline.engine.scheduler import Event
 from waferline.errors import RequestError
 from waferline.server.logprobs import TokenTexts
@@ -31,6 +32,7 @@ from waferline.server.protocol import APIError, ChatRequest
 log = logging.getLogger("waferline.server")
 
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (an OpenAI request needs a handful)
+MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is a sequence of its own
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
 
@@ -190,8 +192,8 @@ class Server:
     @staticmethod
     def check_options(req: Any) -> None:
         """Refuse (400) what this server does not do, rather than silently answering something else."""
-        if req.n is not None and req.n != 1:
-            raise APIError(f"n={req.n} is not supported: this server returns one choice per request (n=1)", param="n")
+        if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+            raise APIError(f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
         if getattr(req, "best_of", None) not in (None, 1):
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
@@ -218,6 +220,24 @@ class Server:
             raise APIError("modalities: only [\"text\"] is supported", param="modalities")
         if req.audio is not None:
             raise APIError("audio output is not supported", param="audio")
+
+    def choices(self, req: Any, prompts: list[list[int]], default_max: int | None
+                ) -> list[tuple[list[int], SamplingParams]]:
+        """One (prompt ids, params) per choice: each prompt ``n`` times, choice ``p * n + j`` being prompt p's j-th (the
+        OpenAI order); with a seed, choice j samples with seed + j (so the n choices differ, and each repeats)."""
+        n = req.n or 1
+        total = len(prompts) * n
+        most = min(MAX_CHOICES, self.engine.scheduler.config.max_queue)
+        if total > most:
+            raise APIError(f"{len(prompts)} prompt(s) x n={n} = {total} choices; at most {most} per request",
+                           param="n" if n > 1 else "prompt")
+        out = []
+        for ids in prompts:
+            params = self.sampling(req, len(ids), default_max)
+            for j in range(n):
+                out.append((ids, params if j == 0 or params.seed is None else
+                            dataclasses.replace(params, seed=(params.seed + j) % MAX_SEED)))
+        return out
 
     def sampling(self, req: Any, prompt_len: int, default_max: int | None) -> SamplingParams:
         max_tokens = req.max_tokens
@@ -267,21 +287,27 @@ class Server:
             raise APIError(str(e), param=_param_of(str(e))) from None
 
     # -- running a request
-    def start(self, ids: list[int], params: SamplingParams, rid: str) -> AsyncIterator[tuple[Event, float]]:
-        """Submit now (a full queue or a bad request raises here, before any response is sent) and return the
-        stream of (event, engine time) until the request finishes; closing it early aborts the request."""
+    def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str
+              ) -> AsyncIterator[tuple[int, Event, float]]:
+        """Submit one sequence per choice (prompt ids, params), all or none: a full queue or a bad request raises
+        here, before any response is sent. Returns the stream of (choice index, event, engine time) until every
+        choice has finished; closing it early aborts those still running."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[Event, float]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Event, float]] = asyncio.Queue()
 
-        def sink(ev: Event) -> None:
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, (ev, time.perf_counter()))
-            except RuntimeError:  # the event loop is gone (shutdown)
-                pass
+        def sink_of(i: int) -> Callable[[Event], None]:
+            def sink(ev: Event) -> None:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, (i, ev, time.perf_counter()))
+                except RuntimeError:  # the event loop is gone (shutdown)
+                    pass
+            return sink
 
+        rids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         arrival = time.perf_counter()
         try:
-            self.engine.submit(ids, params, sink, rid)
+            self.engine.submit_many([(ids, params, sink_of(i), r) for i, ((ids, params), r) in
+                                     enumerate(zip(prompts, rids))])
         except QueueFullError as e:
             raise APIError(str(e), 429, type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -290,39 +316,43 @@ class Server:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
-        events = self._events(queue, rid, arrival)
+        events = self._events(queue, rids, arrival)
         # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
-        # generator's cleanup: abort when it is collected (a no-op for a request that already finished)
-        weakref.finalize(events, self.engine.abort, rid)
+        # generator's cleanup: abort when it is collected (a no-op for requests that already finished)
+        weakref.finalize(events, _abort_all, self.engine, rids)
         return events
 
-    async def _events(self, queue: asyncio.Queue, rid: str, arrival: float) -> AsyncIterator[tuple[Event, float]]:
-        finished = False
-        last: float | None = None
+    async def _events(self, queue: asyncio.Queue, rids: list[str], arrival: float
+                      ) -> AsyncIterator[tuple[int, Event, float]]:
+        running = set(range(len(rids)))
+        last: dict[int, float] = {}
         m = self.metrics
         try:
-            while True:
-                ev, t = await queue.get()
+            while running:
+                i, ev, t = await queue.get()
                 if ev.token_id is not None:
                     m.generation_tokens.inc()
-                    if last is None:
+                    if i not in last:
                         m.ttft.observe(t - arrival)
                     else:
-                        m.itl.observe(t - last)
-                    last = t
+                        m.itl.observe(t - last[i])
+                    last[i] = t
                 if ev.finished:
-                    finished = True
+                    running.discard(i)
                     m.finished.labels(ev.finish_reason or "unknown").inc()
                     if ev.finish_reason in ("stop", "length"):
                         m.prompt_tokens.inc(ev.prompt_tokens)
                         m.e2e.observe(t - arrival)
-                yield ev, t
-                if finished:
-                    return
+                yield i, ev, t
         finally:
-            if not finished:  # the client went away (or the handler failed): stop the sequence, free its pages
-                self.engine.abort(rid)
+            for i in running:  # the client went away (or the handler failed): stop the sequence, free its pages
+                self.engine.abort(rids[i])
                 m.finished.labels("abort").inc()
+
+
+def _abort_all(engine: EngineLoop, rids: list[str]) -> None:
+    for r in rids:
+        engine.abort(r)
 
 
 def _check_strings(data: Any) -> None:
