@@ -13,7 +13,8 @@ continuation's log-probabilities; "max |d loglik|" compares every choice's serve
 
 lm-evaluation-harness is not a waferline dependency (it brings its own torch): install it in an environment of its own
 (`pip install torch` first, for a CPU build where one is local, then `pip install "lm_eval[api]" transformers`) and
-pass its `lm_eval` executable. The harness loads the checkpoint's tokenizer (`tokenizer_backend=huggingface`).
+pass its `lm_eval` executable. The harness tokenizes through the server (`tokenizer_backend=remote`: `/tokenize`,
+`/detokenize`, `/tokenizer_info`).
 """
 
 from __future__ import annotations
@@ -88,10 +89,10 @@ def direct_logliks(model: Path, docs: list[dict[str, Any]]) -> list[list[float]]
     return out
 
 
-def run_harness(lm_eval: str, base: str, model: Path, name: str, tasks: Path, batch: int, out: Path) -> dict:
+def run_harness(lm_eval: str, base: str, name: str, tasks: Path, batch: int, out: Path) -> dict:
     """One harness run at ``batch`` prompts per request: its acc, each document's served log-likelihoods, its time."""
-    args = f"model={name},base_url={base}/v1/completions,tokenizer_backend=huggingface,tokenizer={model}," \
-           "tokenized_requests=True,num_concurrent=1,max_retries=1"
+    args = f"model={name},base_url={base}/v1/completions,tokenizer_backend=remote,tokenized_requests=True," \
+           "num_concurrent=1,max_retries=1"
     t0 = time.perf_counter()
     res = subprocess.run([lm_eval, "--model", "local-completions", "--model_args", args, "--batch_size", str(batch),
                           "--tasks", "waferline_next_line", "--include_path", str(tasks), "--output_path", str(out),
@@ -135,8 +136,7 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         try:
             wait_ready(base, server)
-            runs = [run_harness(a.lm_eval, base, a.model.resolve(), a.model.name, tmp_path, b, tmp_path / f"out{b}")
-                    for b in batches]
+            runs = [run_harness(a.lm_eval, base, a.model.name, tmp_path, b, tmp_path / f"out{b}") for b in batches]
         finally:
             server.terminate()
             server.wait(30)

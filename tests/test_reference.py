@@ -71,6 +71,31 @@ def test_generated_logprobs_match(pair, temperature):
     assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].logprobs is None
 
 
+def test_penalties_and_logit_bias_match(pair):
+    """repetition_penalty as transformers' generate applies it; OpenAI's frequency / presence penalties as a greedy loop
+    over the reference's logits applies them (logit - f x count - p x [count > 0], generated tokens only); a
+    logit_bias of +100 forces its token."""
+    mt, ref, llm = pair
+    ref.generation_config.eos_token_id = None
+    ref.generation_config.pad_token_id = 0
+    p = PROMPTS[0]
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, repetition_penalty=1.3)
+    got = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True, repetition_penalty=1.3))[0].token_ids
+    assert got == out[0, len(p):].tolist(), mt
+    want: list[int] = []
+    for _ in range(8):
+        with torch.no_grad():
+            x = ref(torch.tensor([p + want])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(want, dtype=torch.long), minlength=x.numel())[:x.numel()].float()
+        want.append(int((x - 0.7 * counts - 0.4 * (counts > 0).float()).argmax()))
+    got = llm.generate([p], SamplingParams(max_tokens=8, ignore_eos=True, frequency_penalty=0.7,
+                                           presence_penalty=0.4))[0].token_ids
+    assert got == want, mt
+    biased = SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={7: 100.0})
+    assert llm.generate([p], biased)[0].token_ids == [7] * 4
+
+
 def test_sampling_is_seeded_and_valid(pair):
     mt, _, llm = pair
     p = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, top_k=20, seed=7, ignore_eos=True)

@@ -114,14 +114,16 @@ def test_greedy_served_with_speculation_equals_plain_generate(ckpts, mt):
     assert got == want and sch.stats["spec_drafted"] > 0
 
 
-@pytest.mark.parametrize("mt", ["llama", "deepseek_v3:mtp"])
-def test_requests_with_logprobs_decode_plainly_beside_verifies(ckpts, mt):
-    """A request that asks for log-probabilities is never drafted for (its rows need the logits), while the others in
-    the same steps verify drafts: every request's tokens are plain greedy's, and the log-probabilities are
-    LLM.generate's."""
+@pytest.mark.parametrize("mt, kind", [("llama", "logprobs"), ("deepseek_v3:mtp", "logprobs"), ("llama", "penalty")])
+def test_requests_with_logprobs_decode_plainly_beside_verifies(ckpts, mt, kind):
+    """A request that asks for log-probabilities (or whose logits a penalty changes) is never drafted for (its rows
+    need the logits), while the others in the same steps verify drafts: every request's tokens are LLM.generate's,
+    and so are the log-probabilities."""
     llm = LLM(ckpts[mt])
-    with_lp = SamplingParams(max_tokens=18, ignore_eos=True, logprobs=2)
-    want = [llm.generate([p], with_lp)[0] for p in PROMPTS]
+    with_lp = SamplingParams(max_tokens=18, ignore_eos=True, logprobs=2, frequency_penalty=0.8 if kind == "penalty"
+                             else 0.0)
+    params = [with_lp if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
+    want = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS, params)]
     sch = Scheduler(llm, _config("mtp" if mt.endswith(":mtp") else "ngram", 3))
     drafted: set[int] = set()
     if not mt.endswith(":mtp"):
@@ -135,7 +137,6 @@ def test_requests_with_logprobs_decode_plainly_beside_verifies(ckpts, mt):
 
         oracle.propose = recording
         sch.spec_dec.drafter = oracle
-    params = [with_lp if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
     got: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
     for i, p in enumerate(PROMPTS):
         sch.add(Sequence(f"r{i}", p, params[i], lambda ev, i=i: ev.token_id is not None and got[i].append(ev)))
@@ -149,7 +150,8 @@ def test_requests_with_logprobs_decode_plainly_beside_verifies(ckpts, mt):
             assert lps == [None] * 18
         else:
             assert [x.logprob for x in lps] == pytest.approx([x.logprob for x in w.logprobs], abs=1e-5)
-            assert [x.top[0][0] for x in lps] == w.token_ids
+            if kind == "logprobs":  # (greedy: the most likely token; a penalty may pick another)
+                assert [x.top[0][0] for x in lps] == w.token_ids
     if not mt.endswith(":mtp"):  # (the oracle drafter tells which requests it drafted for)
         assert drafted == {i for i in range(len(PROMPTS)) if i % 2}
 

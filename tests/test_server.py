@@ -382,6 +382,65 @@ def test_echo_scores_the_prompt(live, client):
         client.completions.create(model="sol-test", prompt="x", max_tokens=0)
 
 
+def test_penalties_and_logit_bias_are_the_engines(live, client):
+    """frequency / presence penalties, logit_bias and (an extension) repetition_penalty, served: the tokens
+    LLM.generate gives with the same parameters, greedy and seeded; bad values are a 400 naming the field."""
+    llm = live.state.server.llm
+    ids = llm.encode("Friends, Romans, countrymen")
+    greedy = []
+    for extra, sp in (({"frequency_penalty": 1.1, "presence_penalty": 0.5},
+                       dict(frequency_penalty=1.1, presence_penalty=0.5)),
+                      ({"logit_bias": {"7": 100, "12": -100}}, dict(logit_bias={7: 100.0, 12: -100.0})),
+                      ({"extra_body": {"repetition_penalty": 1.4, "ignore_eos": True, "return_token_ids": True}},
+                       dict(repetition_penalty=1.4))):
+        for temp in (0.0, 0.9):
+            want = llm.generate([ids], SamplingParams(max_tokens=10, temperature=temp, seed=2, ignore_eos=True,
+                                                      **sp))[0].token_ids
+            kw = {"extra_body": {"ignore_eos": True, "return_token_ids": True}} | extra
+            r = client.completions.create(model="sol-test", prompt=ids, max_tokens=10, temperature=temp, seed=2, **kw)
+            assert r.choices[0].model_extra["token_ids"] == want, (extra, temp)
+            if temp == 0:
+                greedy.append(want)
+    assert greedy[1] == [7] * 10  # (the bias took effect; the penalties' effect: tests/test_reference.py)
+    url, auth = live.state.base + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    for bad, param in (({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"frequency_penalty": -3}, "frequency_penalty"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                       ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
+                       ({"logit_bias": {"9" * 40: 1}}, "logit_bias")):
+        err = _assert_error(httpx.post(url, headers=auth, json={"model": "sol-test", "prompt": "hi", **bad}), 400)
+        assert err["param"] == param, bad
+
+
+def test_tokenize_detokenize_and_tokenizer_info(live):
+    """vLLM's tokenizer endpoints (evaluation harnesses use them as a remote tokenizer): /tokenize encodes a prompt as
+    the completion endpoints do (or, with add_special_tokens, with the special tokens) and chat messages as chat does;
+    /detokenize decodes; /tokenizer_info names the special tokens."""
+    llm = live.state.server.llm
+    base, auth = live.state.base, {"Authorization": f"Bearer {KEY}"}
+    text = "Friends, Romans, countrymen"
+    r = httpx.post(base + "/tokenize", headers=auth, json={"model": "sol-test", "prompt": text}).json()
+    assert r["tokens"] == llm.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
+    special = httpx.post(base + "/tokenize", headers=auth, json={"prompt": text, "add_special_tokens": True}).json()
+    assert special["tokens"] == llm.tokenizer.encode(text, add_special_tokens=True)
+    msgs = [{"role": "user", "content": "What is a wafer?"}]
+    chat = httpx.post(base + "/tokenize", headers=auth, json={"messages": msgs}).json()
+    from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
+
+    rendered = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
+    assert chat["tokens"] == llm.encode(rendered)
+    ids = r["tokens"] + [llm.tokenizer.eos_token_id]
+    back = httpx.post(base + "/detokenize", headers=auth, json={"tokens": ids}).json()
+    assert back["prompt"] == text + "</s>"
+    info = httpx.get(base + "/tokenizer_info", headers=auth).json()
+    assert (info["eos_token"], info["bos_token"], info["model_max_length"]) == ("</s>", "<s>", MAX_LEN)
+    for path, body, status in (("/tokenize", {"prompt": "x", "messages": msgs}, 400), ("/tokenize", {}, 400),
+                               ("/tokenize", {"model": "other", "prompt": "x"}, 404),
+                               ("/detokenize", {"tokens": [10**6]}, 400), ("/detokenize", {"tokens": "x"}, 400)):
+        _assert_error(httpx.post(base + path, headers=auth, json=body), status)
+    _assert_error(httpx.post(base + "/tokenize", json={"prompt": "x"}), 401)
+
+
 def test_several_choices_per_request(live, client):
     """A completion with a batch of prompts and n choices each, and a chat completion with n: choice p * n + j is
     prompt p's j-th, sampled with seed + j (so each repeats and they differ), as LLM.generate gives; streamed, each

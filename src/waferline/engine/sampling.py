@@ -50,6 +50,7 @@ MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**44  # the per-row generator seed is seed * 1_000_003 + row, which must fit 64 bits
 _TOP_K_OFF = 2**31  # no vocabulary is this large: a top_k at or beyond it keeps every token, as top_k = 0 does
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 300  # most entries of a logit_bias (OpenAI's bound)
 
 
 def _show(value: object) -> str:
@@ -85,8 +86,11 @@ class SamplingParams:
     ``seed`` makes sampling reproducible per request. ``logprobs``: None (off) or N in 0..20: every generated token
     comes with its log-probability under the model (log-softmax of the raw logits, before temperature, top-k and
     top-p) and the N most likely tokens' (``token_logprobs``); ``prompt_logprobs`` likewise for every prompt token
-    after the first (the prompt is then computed whole: no cached prefix). Checked when constructed
-    (``RequestError``) and again by ``validate`` when used, since the fields can be changed in between."""
+    after the first (the prompt is then computed whole: no cached prefix). ``presence_penalty`` /
+    ``frequency_penalty`` (OpenAI's, on the generated tokens), ``repetition_penalty`` (on prompt and generated tokens)
+    and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``). Checked
+    when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
+    between."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -98,9 +102,25 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties or a logit_bias change the logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @property
+    def needs_logits(self) -> bool:
+        """Its rows need the logits, not an argmax alone (log-probabilities, or logits changed before sampling): they
+        decode plainly, without drafts or greedy bursts."""
+        return self.logprobs is not None or self.adjusts_logits
 
     def validate(self) -> None:
         """Raise RequestError for a value sampling cannot use; normalise the rest (a stop string to a list, a tiny
@@ -134,6 +154,24 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _number(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise RequestError(f"{name} must be in [-2, 2], got {_show(v)}")
+            setattr(self, name, v)
+        self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < self.repetition_penalty <= 100.0:
+            raise RequestError(f"repetition_penalty must be in (0, 100], got {_show(self.repetition_penalty)}")
+        if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers, got "
+                               f"{_show(self.logit_bias)}")
+        bias = {}
+        for t, v in self.logit_bias.items():
+            t, v = _integer("logit_bias", t), _number("logit_bias", v)
+            if t < 0 or not -100.0 <= v <= 100.0:
+                raise RequestError(f"logit_bias maps token ids >= 0 to values in [-100, 100], got {t}: {_show(v)}")
+            bias[t] = v
+        self.logit_bias = bias
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 n = _integer(name, getattr(self, name))
@@ -167,6 +205,25 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Token
     return [TokenLogprobs(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
 
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                  output_ids: list[int]) -> torch.Tensor:
+    """The logits sampling draws from, fp32 [V]: the repetition penalty on every token of the prompt and the output
+    (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's penalties
+    on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added."""
+    x = logits.reshape(-1).float().clone()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=x.device)
+        v = x[seen]
+        x[seen] = torch.where(v > 0, v / params.repetition_penalty, v * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids, device=x.device), minlength=x.numel())[:x.numel()].float()
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if params.logit_bias:
+        x[torch.tensor(list(params.logit_bias), device=x.device)] += torch.tensor(
+            list(params.logit_bias.values()), device=x.device)
+    return x
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.temperature == 0:
         return None
@@ -184,8 +241,11 @@ def greedy(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> int:
-    """Pick one token from fp32 logits [V]."""
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
+           history: tuple[list[int], list[int]] = ([], [])) -> int:
+    """Pick one token from fp32 logits [V]; ``history``: the sequence's (prompt, output) tokens, for the penalties."""
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, *history)
     if params.temperature == 0:
         return greedy(logits.reshape(-1))
     return draw(target_probs(logits, params), gen)

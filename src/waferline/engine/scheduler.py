@@ -203,7 +203,7 @@ class Scheduler:
         seqs = plan.decodes
         if not (self.config.greedy_bursts and seqs and len(seqs) == len(self.running)) or plan.prefills \
                 or plan.verifies or self.waiting or not hasattr(self.runner, "burst") \
-                or any(s.params.temperature != 0 or s.params.logprobs is not None for s in seqs):
+                or any(s.params.temperature != 0 or s.params.needs_logits for s in seqs):
             return 1
         cap = self.spec_dec.burst_steps() if self.spec_dec is not None else sampling.GREEDY_BURST
         n = min([cap] + [s.params.max_tokens - len(s.output_ids) for s in seqs])
@@ -247,7 +247,7 @@ class Scheduler:
     def rows(plan: StepPlan) -> tuple[list[DecodeRow], list[PrefillChunk]]:
         """What the runner is asked for ``plan``'s decodes and prefill chunks."""
         return ([DecodeRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1)[0],
-                           WANT_ARGMAX if s.params.temperature == 0 and s.params.logprobs is None else WANT_LOGITS)
+                           WANT_ARGMAX if s.params.temperature == 0 and not s.params.needs_logits else WANT_LOGITS)
                  for s in plan.decodes],
                 [PrefillChunk(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + t), WANT_LOGPROBS
                               if s.scores_prompt else WANT_NONE if s.remaining > t else WANT_LOGITS)
@@ -317,8 +317,8 @@ class Scheduler:
                     or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
             t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
-            # (a request that wants log-probabilities decodes plainly: its rows need the logits)
-            k = self._ks.get(s.slot, 0) if s.remaining == 1 and s.params.logprobs is None else 0
+            # (a request whose rows need the logits decodes plainly: log-probabilities, penalties, logit_bias)
+            k = self._ks.get(s.slot, 0) if s.remaining == 1 and not s.params.needs_logits else 0
             # a seeded sampled row's tokens depend on its K: it waits for a step with room for all of it, else K is
             # cut to the step's budget, and to a plain decode row where no page is free for the drafts
             exact = k > 0 and self.spec_dec is not None and self.spec_dec.exact(s)
@@ -398,7 +398,7 @@ class Scheduler:
         p = seq.params
         if greedy is None and logits is None:
             raise RuntimeError("the engine returned neither logits nor a token")
-        tok = sample(logits, p, seq.generator) if greedy is None else greedy
+        tok = sample(logits, p, seq.generator, (seq.prompt_ids, seq.output_ids)) if greedy is None else greedy
         lps = None
         if p.logprobs is not None:
             if logits is None:

@@ -132,6 +132,9 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(f"stop_token_ids out of range [0, {vocab_size}): {str(bad[:5])[:80]}")
+    bad = [t for t in params.logit_bias if t >= vocab_size]
+    if bad:
+        raise RequestError(f"logit_bias token ids out of range [0, {vocab_size}): {str(bad[:5])[:80]}")
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
                            f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens")

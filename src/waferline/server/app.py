@@ -27,7 +27,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from waferline.engine.scheduler import Event
 from waferline.server.choices import Choices
 from waferline.server.metrics import DISCONNECTED
-from waferline.server.protocol import APIError, ChatRequest, CompletionRequest, error_body, parse
+from waferline.server.protocol import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+    parse,
+)
 from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
 
 __all__ = ["Server", "create_app", "FALLBACK_CHAT_TEMPLATE", "FALLBACK_GENERATION_PROMPT"]
@@ -96,6 +104,51 @@ def create_app(server: Server) -> FastAPI:
         return JSONResponse({"object": "list", "data": [{
             "id": server.model_name, "object": "model", "created": server.created, "owned_by": "waferline",
             "max_model_len": server.engine.scheduler.max_model_len}]})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        try:
+            server.check_host(request)
+            server.check_auth(request)
+            server.check_json_type(request)
+            req = parse(TokenizeRequest, await server.json_body(request))
+            if req.model is not None:
+                server.check_model(req.model)
+            if (req.prompt is None) == (req.messages is None):
+                raise APIError("give a prompt or messages (one of them)", param="prompt")
+            ids = await asyncio.to_thread(server.encode, req.prompt, req.add_special_tokens) if req.prompt \
+                is not None else await asyncio.to_thread(server.chat_prompt, req)
+        except APIError as e:
+            return fail("tokenize", e)
+        m.requests.labels("tokenize", "200").inc()
+        return JSONResponse({"count": len(ids), "max_model_len": server.engine.scheduler.max_model_len,
+                             "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        try:
+            server.check_host(request)
+            server.check_auth(request)
+            server.check_json_type(request)
+            req = parse(DetokenizeRequest, await server.json_body(request))
+            if req.model is not None:
+                server.check_model(req.model)
+            text = await asyncio.to_thread(server.decode, req.tokens)
+        except APIError as e:
+            return fail("detokenize", e)
+        m.requests.labels("detokenize", "200").inc()
+        return JSONResponse({"prompt": text})
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        try:
+            server.check_host(request)
+            server.check_auth(request)
+            info = server.tokenizer_info()
+        except APIError as e:
+            return fail("tokenizer_info", e)
+        m.requests.labels("tokenizer_info", "200").inc()
+        return JSONResponse(info)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

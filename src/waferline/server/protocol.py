@@ -52,12 +52,13 @@ class _Sampling(_Strict):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (as in vLLM): pass with extra_body=
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    repetition_penalty: float | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -100,6 +101,20 @@ class ChatRequest(_Sampling):
     response_format: Any = None
     modalities: list[str] | None = None
     audio: Any = None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (as vLLM's): a prompt, or chat messages rendered as a chat completion would render them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
 
 
 def parse(cls: type[_Strict], data: Any) -> Any:

@@ -27,7 +27,7 @@ from waferline.engine.scheduler import Event
 from waferline.errors import RequestError
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
-from waferline.server.protocol import APIError, ChatRequest
+from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest
 
 log = logging.getLogger("waferline.server")
 
@@ -158,15 +158,41 @@ class Server:
                 code="model_not_found",
             )
 
-    def encode(self, text: str) -> list[int]:
-        """Tokenize a prompt (blocking: the handlers call it through ``asyncio.to_thread``)."""
+    def encode(self, text: str, special: bool = False) -> list[int]:
+        """Tokenize a prompt (blocking: the handlers call it through ``asyncio.to_thread``); ``special``: with the
+        tokenizer's special tokens (BOS, ...), which prompts of the completion endpoints do not get."""
         if self.encode_tokenizer is None:
             raise APIError("this model has no tokenizer (tokenizer.json): send the prompt as a list of token ids",
                            param="prompt")
         with self.encode_lock:
-            return list(self.encode_tokenizer.encode(text, add_special_tokens=False))
+            return list(self.encode_tokenizer.encode(text, add_special_tokens=special))
 
-    def chat_prompt(self, req: ChatRequest) -> list[int]:
+    def decode(self, ids: list[int]) -> str:
+        """Token ids to text, special tokens included (blocking, like ``encode``)."""
+        if self.encode_tokenizer is None:
+            raise APIError("this model has no tokenizer (tokenizer.json)", param="tokens")
+        vocab = self.engine.scheduler.spec.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        with self.encode_lock:
+            return self.encode_tokenizer.decode(ids, skip_special_tokens=False)
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """What a client needs to tokenize as this server does (``GET /tokenizer_info``, as vLLM's)."""
+        tok = self.llm.tokenizer
+        if tok is None:
+            raise APIError("this model has no tokenizer (tokenizer.json)", 404, code="no_tokenizer")
+        info: dict[str, Any] = {"tokenizer_class": type(tok).__name__,
+                                "model_max_length": self.engine.scheduler.max_model_len,
+                                "vocab_size": self.engine.scheduler.spec.vocab_size,
+                                "chat_template": getattr(tok, "chat_template", None) or None}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            v = getattr(tok, name, None)
+            info[name] = v if isinstance(v, str) else None
+        return info
+
+    def chat_prompt(self, req: ChatRequest | TokenizeRequest) -> list[int]:
         """Render and tokenize a chat prompt (blocking, like ``encode``): the model's template (the engine tokenizer's)
         rendered by the encoding copy, so a long conversation does not hold the lock the engine detokenizes under."""
         tok = self.llm.tokenizer
@@ -198,11 +224,6 @@ class Server:
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise APIError(f"{name} is not supported (only 0)", param=name)
-        if req.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
         if not isinstance(req, ChatRequest):
             return
         for name in ("tools", "functions"):
@@ -282,7 +303,11 @@ class Server:
                                   temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
                                   stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-                                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None)
+                                  logprobs=logprobs, prompt_logprobs=logprobs if echo else None,
+                                  presence_penalty=req.presence_penalty or 0.0,
+                                  frequency_penalty=req.frequency_penalty or 0.0,
+                                  repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                                  logit_bias=_token_keys(req.logit_bias or {}))
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
 
@@ -378,6 +403,16 @@ def _check_strings(data: Any) -> None:
 
 def _no_constant(name: str) -> Any:
     raise APIError(f"malformed JSON body: {name} is not a JSON number")
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """logit_bias as JSON sends it (token ids as strings) -> token id: bias."""
+    out = {}
+    for k, v in bias.items():
+        if not k.strip().isdecimal() or len(k.strip()) > 12:
+            raise APIError(f"logit_bias keys are token ids, got {k[:40]!r}", param="logit_bias")
+        out[int(k)] = v
+    return out
 
 
 def _param_of(message: str) -> str | None:
