@@ -120,6 +120,21 @@ def test_several_devices_per_layer_when_a_layer_does_not_fit():
     assert plan.fits and plan.num_stages == 80 and all(s.num_devices == 2 for s in plan.stages)
 
 
+def test_given_devices_go_where_the_end_stages_need_them():
+    """--devices N with more devices than layers: an end stage whose embedding or LM head does not fit the even share
+    gets what it needs (before: an even split that did not fit, and devices left idle), the rest go to the stage with
+    the most bytes per device; a count the even split fits stays even."""
+    fewest = place("llama-3.1-8b", "groq-lpu-v1", weight_bits=8)
+    assert fewest.fits and fewest.num_devices == 74
+    same = place("llama-3.1-8b", "groq-lpu-v1", weight_bits=8, devices=74)
+    assert same.fits and [s.num_devices for s in same.stages] == [s.num_devices for s in fewest.stages]
+    more = place("llama-3.1-8b", "groq-lpu-v1", weight_bits=8, devices=80)
+    assert more.fits and more.num_devices == 80 and [more.stages[i].num_devices for i in (0, 1, -1)] == [10, 2, 10]
+    assert not place("llama-3.1-8b", "groq-lpu-v1", weight_bits=8, devices=73).fits  # fewer than the fewest
+    even = place("llama-3.1-8b", "wse-3", devices=64)  # a wafer holds a layer and the embedding: even shares
+    assert even.fits and {s.num_devices for s in even.stages} == {2}
+
+
 def test_one_layer_per_wafer_at_4_bits():
     plan = place("gpt-5.6-sol", "wse-3", weight_bits=4, devices=80)
     assert plan.fits and plan.num_stages == 80 and all(len(s.layers) == 1 for s in plan.stages)

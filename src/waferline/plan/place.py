@@ -426,7 +426,19 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
     if devices < len(groups):
         raise ConfigError(f"{devices} devices cannot hold {len(groups)} stages of at most {k} layers; "
                           f"use --devices >= {len(groups)} or a larger --layers-per-stage")
-    return [(g, per) for g in groups]
+    sizes = [sum(p.weights + p.cache for p in g) for g in groups]
+    sizes[0] += first_extra
+    sizes[-1] += last_extra
+    need = [_devices_needed(x, hw, act) for x in sizes]
+    if all(n <= per for n in need) or sum(need) > devices:  # the even split fits (or no split of these stages does)
+        return [(g, per) for g in groups]
+    # an end stage's embedding or LM head does not fit the even share: every stage gets the devices it needs, then
+    # the rest go one at a time to the stage with the most bytes per device
+    alloc = list(need)
+    for _ in range(devices - sum(need)):
+        i = max(range(len(alloc)), key=lambda j: sizes[j] / alloc[j])
+        alloc[i] += 1
+    return list(zip(groups, alloc))
 
 
 def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
