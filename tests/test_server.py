@@ -484,6 +484,31 @@ def test_several_choices_per_request(live, client):
     assert got == [c.message.content for c in chat.choices] and len(set(got)) == 3
 
 
+def test_a_failing_choice_fails_its_request_and_frees_the_others(live, monkeypatch):
+    """One choice of a request fails while sampling: the answer is a 500 (streamed: an error object, then [DONE]), the
+    request's other choices are aborted and every page comes back; the next request is served."""
+    sch = live.state.server.engine.scheduler
+    sample = sch._sample
+
+    def failing(seq, logits, greedy=None):
+        if seq.request_id.endswith("-1") and len(seq.output_ids) == 2:
+            raise ValueError("injected")
+        return sample(seq, logits, greedy)
+
+    monkeypatch.setattr(sch, "_sample", failing)
+    body = {"model": "sol-test", "prompt": "The wafer", "max_tokens": 40, "n": 3, "ignore_eos": True}
+    url, auth = live.state.base + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    err = _assert_error(httpx.post(url, headers=auth, json=body, timeout=60), 500)
+    assert "injected" in err["message"]
+    with httpx.stream("POST", url, headers=auth, json=dict(body, stream=True), timeout=60) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert "injected" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert _wait_until(lambda: live.state.server.engine.num_running == 0 and _pages_in_use(live) == 0)
+    monkeypatch.setattr(sch, "_sample", sample)
+    ok = httpx.post(url, headers=auth, json=dict(body, max_tokens=3), timeout=60).json()
+    assert [c["finish_reason"] for c in ok["choices"]] == ["length"] * 3
+
+
 def test_16_concurrent_streams_get_the_tokens_of_a_lone_request(live, client):
     def run(i):
         toks = []
