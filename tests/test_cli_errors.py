@@ -258,6 +258,26 @@ def test_flags_in_their_modes_still_run(llama, capsys):
     assert "[1 token," in capsys.readouterr().err
 
 
+def test_generate_logprobs_and_penalties(llama, capsys):
+    """`generate --logprobs N --json` gives LLM.generate's log-probabilities; the penalties reach the sampler; a value
+    out of range is one line and exit 2."""
+    import json
+
+    from waferline import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=6, logprobs=2, repetition_penalty=1.3, frequency_penalty=0.5)
+    want = LLM(llama).generate([[1, 2, 3]], sp)[0]
+    assert main(["generate", "--model", str(llama), "--prompt-ids", "1 2 3", "--max-tokens", "6", "--logprobs", "2",
+                 "--repetition-penalty", "1.3", "--frequency-penalty", "0.5", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == want.token_ids and [e["token_id"] for e in got["logprobs"]] == want.token_ids
+    assert [e["logprob"] for e in got["logprobs"]] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert all(len(e["top"]) == 2 for e in got["logprobs"])
+    assert main(["generate", "--model", str(llama), "--prompt-ids", "1 2 3", "--presence-penalty", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "presence_penalty must be in [-2, 2]" in err and len(err.strip().splitlines()) == 1
+
+
 # ---------------------------------------------------------------- the rendezvous store
 
 def _listening(port: int) -> set[str]:

@@ -108,7 +108,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         prompt = args.prompt
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, seed=args.seed,
-                            stop=args.stop or [])
+                            stop=args.stop or [], logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     group_size = GROUP_SIZE if args.group_size is None else args.group_size
     llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=group_size, **pipe)
     try:
@@ -117,9 +118,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         llm.close()
     tps = out.metrics.get("decode_tokens_per_s", 0.0)
     spec = {k: v for k, v in out.metrics.items() if k.startswith("spec_")}  # speculative: acceptance, accepted length
+    lps = [{"token_id": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+           for lp in out.logprobs or []]
     if args.json:
         print(json.dumps({"token_ids": out.token_ids, "text": out.text, "tokens_per_s": tps,
-                          "ttft_s": out.metrics.get("ttft_s"), "finish_reason": out.finish_reason, **spec}))
+                          "ttft_s": out.metrics.get("ttft_s"), "finish_reason": out.finish_reason, **spec}
+                         | ({"logprobs": lps} if out.logprobs is not None else {})))
     else:
         if isinstance(prompt, str):
             print(prompt + out.text)
@@ -130,6 +134,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if spec:
             print(f"[speculative {args.speculative}: acceptance {spec['spec_acceptance_rate']:.2f}, "
                   f"{spec['spec_mean_accepted_length']:.2f} tokens per verify step]", file=sys.stderr)
+        for e in lps:  # (--logprobs: one line per generated token)
+            print(f"  {e['token_id']:>7} {e['logprob']:9.4f}  " + "  ".join(f"{i}:{v:.4f}" for i, v in e["top"]),
+                  file=sys.stderr)
     return 0
 
 
@@ -178,6 +185,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None,
                    help="with --temperature > 0: seed for sampling (reproducible output)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each generated token's log-probability and the N (0-20) likeliest tokens' (with --json: "
+                        "a 'logprobs' list; else one line per token on stderr)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="OpenAI's presence penalty on generated tokens (-2 to 2; default 0)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="OpenAI's frequency penalty on generated tokens (-2 to 2; default 0)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="repetition penalty on prompt and generated tokens, as transformers applies it "
+                        "(default 1 = off)")
     g.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"],
         help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
