@@ -392,7 +392,9 @@ def test_penalties_and_logit_bias_are_the_engines(live, client):
                        dict(frequency_penalty=1.1, presence_penalty=0.5)),
                       ({"logit_bias": {"7": 100, "12": -100}}, dict(logit_bias={7: 100.0, 12: -100.0})),
                       ({"extra_body": {"repetition_penalty": 1.4, "ignore_eos": True, "return_token_ids": True}},
-                       dict(repetition_penalty=1.4))):
+                       dict(repetition_penalty=1.4)),
+                      ({"extra_body": {"min_p": 0.3, "min_tokens": 4, "ignore_eos": True, "return_token_ids": True}},
+                       dict(min_p=0.3, min_tokens=4))):
         for temp in (0.0, 0.9):
             want = llm.generate([ids], SamplingParams(max_tokens=10, temperature=temp, seed=2, ignore_eos=True,
                                                       **sp))[0].token_ids
@@ -407,7 +409,8 @@ def test_penalties_and_logit_bias_are_the_engines(live, client):
                        ({"frequency_penalty": -3}, "frequency_penalty"),
                        ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
                        ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
-                       ({"logit_bias": {"9" * 40: 1}}, "logit_bias")):
+                       ({"logit_bias": {"9" * 40: 1}}, "logit_bias"), ({"min_p": 1.5}, "min_p"),
+                       ({"min_tokens": 20, "max_tokens": 10}, "min_tokens")):
         err = _assert_error(httpx.post(url, headers=auth, json={"model": "sol-test", "prompt": "hi", **bad}), 400)
         assert err["param"] == param, bad
 

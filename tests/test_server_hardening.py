@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 
 from server_helpers import KEY, _assert_error, _metrics, _wait_until
 from waferline import LLM, SamplingParams
@@ -39,6 +40,31 @@ def test_sampling_params_are_checked_when_made(sol, threads):
     llm = LLM(sol)  # (what `waferline generate --temperature 1e-40` runs: the greedy tokens)
     assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1e-40))[0].token_ids == \
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=6))[0].token_ids
+
+
+def test_min_p_and_min_tokens(sol):
+    """min_p keeps the tokens at least min_p times as likely as the likeliest (renormalised); min_tokens holds the stop
+    token ids back until that many tokens are out."""
+    from waferline.engine.sampling import target_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -3.0], [0.0, 0.0, 0.0, 0.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    soft = torch.softmax(logits, -1)
+    keep = soft >= 0.3 * soft.amax(-1, keepdim=True)
+    assert torch.equal(p > 0, keep) and torch.allclose(p.sum(-1), torch.ones(2))
+    assert torch.allclose(p[0, :2], soft[0, :2] / soft[0, :2].sum())
+    llm = LLM(sol)
+    first = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids[0]
+    stop = SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[first])
+    assert llm.generate([[5, 6, 7]], stop)[0].token_ids == [first]
+    held = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=[first],
+                                                    min_tokens=3))[0]
+    assert len(held.token_ids) >= 3 and first not in held.token_ids[:2]
+    assert held.finish_reason == ("stop" if first in held.token_ids else "length")
+    with pytest.raises(RequestError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    with pytest.raises(RequestError, match="min_p"):
+        SamplingParams(min_p=1.5)
 
 
 def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads, caplog):

@@ -88,7 +88,9 @@ class SamplingParams:
     top-p) and the N most likely tokens' (``token_logprobs``); ``prompt_logprobs`` likewise for every prompt token
     after the first (the prompt is then computed whole: no cached prefix). ``presence_penalty`` /
     ``frequency_penalty`` (OpenAI's, on the generated tokens), ``repetition_penalty`` (on prompt and generated tokens)
-    and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``). Checked
+    and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``), as does
+    ``min_tokens`` (the stop token ids cannot be drawn before that many tokens); ``min_p`` (0-1) drops the tokens less
+    likely than min_p times the likeliest (``target_probs``). Checked
     when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
     between."""
 
@@ -106,6 +108,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    min_p: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,7 +118,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties or a logit_bias change the logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def needs_logits(self) -> bool:
@@ -154,6 +158,12 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
+        self.min_p = _number("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
+        self.min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {_show(self.min_tokens)}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = _number(name, getattr(self, name))
             if not -2.0 <= v <= 2.0:
@@ -205,12 +215,16 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Token
     return [TokenLogprobs(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                  output_ids: list[int]) -> torch.Tensor:
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                  stop_ids: frozenset[int] | None = None) -> torch.Tensor:
     """The logits sampling draws from, fp32 [V]: the repetition penalty on every token of the prompt and the output
     (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's penalties
-    on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added."""
+    on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added; before
+    ``min_tokens`` output tokens, the ``stop_ids`` at -inf."""
     x = logits.reshape(-1).float().clone()
+    if len(output_ids) < params.min_tokens and stop_ids:
+        x[torch.tensor(sorted(t for t in stop_ids if t < x.numel()), device=x.device, dtype=torch.long)] = \
+            float("-inf")
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=x.device)
         v = x[seen]
@@ -242,8 +256,9 @@ def greedy(logits: torch.Tensor) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
-           history: tuple[list[int], list[int]] = ([], [])) -> int:
-    """Pick one token from fp32 logits [V]; ``history``: the sequence's (prompt, output) tokens, for the penalties."""
+           history: tuple[list[int], list[int], frozenset[int] | None] = ([], [], None)) -> int:
+    """Pick one token from fp32 logits [V]; ``history``: the sequence's prompt and output tokens and its stop token
+    ids, for the penalties and ``min_tokens``."""
     if params.adjusts_logits:
         logits = adjust_logits(logits, params, *history)
     if params.temperature == 0:
@@ -264,12 +279,16 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution sampling draws from: softmax(logits / T) restricted by top-k and top-p, renormalised."""
+    """The distribution sampling draws from: softmax(logits / T) restricted by top-k, then min-p (tokens below min_p
+    times the likeliest's probability dropped), then top-p, renormalised."""
     x = logits.float() / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         sp, idx = torch.sort(probs, descending=True)
         cum = sp.cumsum(-1)

@@ -398,7 +398,8 @@ class Scheduler:
         p = seq.params
         if greedy is None and logits is None:
             raise RuntimeError("the engine returned neither logits nor a token")
-        tok = sample(logits, p, seq.generator, (seq.prompt_ids, seq.output_ids)) if greedy is None else greedy
+        tok = sample(logits, p, seq.generator, (seq.prompt_ids, seq.output_ids, seq.stop_ids)) if greedy is None \
+            else greedy
         lps = None
         if p.logprobs is not None:
             if logits is None:

@@ -59,6 +59,8 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     repetition_penalty: float | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 class CompletionRequest(_Sampling):

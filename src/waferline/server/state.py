@@ -307,7 +307,8 @@ class Server:
                                   presence_penalty=req.presence_penalty or 0.0,
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                                  logit_bias=_token_keys(req.logit_bias or {}))
+                                  logit_bias=_token_keys(req.logit_bias or {}), min_p=req.min_p or 0.0,
+                                  min_tokens=req.min_tokens or 0)
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
 
