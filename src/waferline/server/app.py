@@ -34,7 +34,6 @@ from waferline.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
-    parse,
 )
 from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
 
@@ -108,12 +107,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         try:
-            server.check_host(request)
-            server.check_auth(request)
-            server.check_json_type(request)
-            req = parse(TokenizeRequest, await server.json_body(request))
-            if req.model is not None:
-                server.check_model(req.model)
+            req = await server.request(request, TokenizeRequest, model_optional=True)
             if (req.prompt is None) == (req.messages is None):
                 raise APIError("give a prompt or messages (one of them)", param="prompt")
             ids = await asyncio.to_thread(server.encode, req.prompt, req.add_special_tokens) if req.prompt \
@@ -127,12 +121,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         try:
-            server.check_host(request)
-            server.check_auth(request)
-            server.check_json_type(request)
-            req = parse(DetokenizeRequest, await server.json_body(request))
-            if req.model is not None:
-                server.check_model(req.model)
+            req = await server.request(request, DetokenizeRequest, model_optional=True)
             text = await asyncio.to_thread(server.decode, req.tokens)
         except APIError as e:
             return fail("detokenize", e)
@@ -153,11 +142,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         try:
-            server.check_host(request)
-            server.check_auth(request)
-            server.check_json_type(request)
-            req = parse(CompletionRequest, await server.json_body(request))
-            server.check_model(req.model)
+            req = await server.request(request, CompletionRequest)
             server.check_options(req)
             prompts, sent = await _completion_prompts(server, req.prompt)
             return await _respond(server, request, "completions", req, prompts, 16, sent)
@@ -167,11 +152,7 @@ def create_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         try:
-            server.check_host(request)
-            server.check_auth(request)
-            server.check_json_type(request)
-            req = parse(ChatRequest, await server.json_body(request))
-            server.check_model(req.model)
+            req = await server.request(request, ChatRequest)
             server.check_options(req)
             ids = await asyncio.to_thread(server.chat_prompt, req)  # off the event loop: it streams everyone's tokens
             return await _respond(server, request, "chat", req, [ids], None)

@@ -27,7 +27,7 @@ from waferline.engine.scheduler import Event
 from waferline.errors import RequestError
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
-from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest
+from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest, parse
 
 log = logging.getLogger("waferline.server")
 
@@ -148,6 +148,18 @@ class Server:
             raise APIError("malformed JSON body: a number with too many digits") from None
         _check_strings(data)
         return data
+
+    async def request(self, request: Request, cls: type, model_optional: bool = False) -> Any:
+        """The checks every POST route makes, in order (each failure an ``APIError``): the Host header, the API key,
+        the content type, the body (read under the deadline and size limit, strict JSON, parsed as ``cls``) and the
+        model name (``model_optional``: only where one is given)."""
+        self.check_host(request)
+        self.check_auth(request)
+        self.check_json_type(request)
+        req = parse(cls, await self.json_body(request))
+        if req.model is not None or not model_optional:
+            self.check_model(req.model)
+        return req
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
