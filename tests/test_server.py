@@ -444,6 +444,39 @@ def test_tokenize_detokenize_and_tokenizer_info(live):
     _assert_error(httpx.post(base + "/tokenize", json={"prompt": "x"}), 401)
 
 
+def test_json_mode(live, client):
+    """response_format json_object: every answer is a prefix of one JSON object (a whole one where it stopped), in
+    chat and completions, streamed or not, sampled and greedy; the tokens' bytes are the text's; JSON mode gives what
+    LLM.generate gives with json_object."""
+    from waferline.engine.json_mode import DONE, START, walk
+    from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
+
+    llm = live.state.server.llm
+    msgs = [{"role": "user", "content": "Describe a wafer as JSON."}]
+    kw = dict(model="sol-test", messages=msgs, max_tokens=40, response_format={"type": "json_object"},
+              extra_body={"return_token_ids": True})
+    stopped = 0
+    for seed in range(6):
+        c = client.chat.completions.create(temperature=1.0, seed=seed, **kw).choices[0]
+        toks = c.model_extra["token_ids"]
+        text = llm.tokenizer.decode(toks, skip_special_tokens=True)
+        end = walk(START, text.encode())
+        assert end is not None and c.message.content == text, (seed, text)
+        if c.finish_reason == "stop":
+            stopped += 1
+            assert end[1] == DONE and isinstance(json.loads(text), dict)
+        ids = llm.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT)
+        want = llm.generate([ids], SamplingParams(max_tokens=40, temperature=1.0, seed=seed, json_object=True))[0]
+        assert toks == want.token_ids
+    assert stopped >= 2  # (whole objects, not only prefixes)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        temperature=1.0, seed=0, stream=True, **kw) if ch.choices)
+    assert streamed == client.chat.completions.create(temperature=1.0, seed=0, **kw).choices[0].message.content
+    r = client.completions.create(model="sol-test", prompt="{", max_tokens=30, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert walk(START, r.choices[0].text.encode()) is not None
+
+
 def test_several_choices_per_request(live, client):
     """A completion with a batch of prompts and n choices each, and a chat completion with n: choice p * n + j is
     prompt p's j-th, sampled with seed + j (so each repeats and they differ), as LLM.generate gives; streamed, each

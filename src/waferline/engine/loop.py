@@ -14,7 +14,7 @@ import torch
 from waferline.engine.overlap import OverlapStepper, can_overlap
 from waferline.engine.sampling import SamplingParams
 from waferline.engine.scheduler import Scheduler
-from waferline.engine.sequence import Event, Sequence, request_generator
+from waferline.engine.sequence import Event, Sequence, check_request, request_generator
 from waferline.errors import WaferlineError
 
 log = logging.getLogger("waferline.engine")
@@ -105,7 +105,8 @@ class EngineLoop:
         seqs = []
         for prompt_ids, params, sink, request_id in requests:
             seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink)
-            self.scheduler.check_request(seq.prompt_ids, params)
+            sch = self.scheduler
+            check_request(seq.prompt_ids, params, sch.spec.vocab_size, sch.max_model_len)
             seq.generator = request_generator(params)
             seqs.append(seq)
         with self._lock:

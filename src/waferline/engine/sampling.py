@@ -6,6 +6,7 @@ import math
 import operator
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -90,7 +91,8 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI's, on the generated tokens), ``repetition_penalty`` (on prompt and generated tokens)
     and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``), as does
     ``min_tokens`` (the stop token ids cannot be drawn before that many tokens); ``min_p`` (0-1) drops the tokens less
-    likely than min_p times the likeliest (``target_probs``). Checked
+    likely than min_p times the likeliest (``target_probs``); ``json_object`` (JSON mode, engine/json_mode.py) draws
+    only tokens that keep the output a prefix of one JSON object, and ends it only once the object is closed. Checked
     when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
     between."""
 
@@ -110,6 +112,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_p: float = 0.0
     min_tokens: int = 0
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -118,7 +121,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties or a logit_bias change the logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.json_object)
 
     @property
     def needs_logits(self) -> bool:
@@ -158,6 +161,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
+        if not isinstance(self.json_object, bool):
+            raise RequestError(f"json_object must be true or false, got {_show(self.json_object)}")
         self.min_p = _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
@@ -215,12 +220,13 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Token
     return [TokenLogprobs(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, idx.tolist(), vals.tolist())]
 
 
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                  stop_ids: frozenset[int] | None = None) -> torch.Tensor:
-    """The logits sampling draws from, fp32 [V]: the repetition penalty on every token of the prompt and the output
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> torch.Tensor:
+    """The logits sampling draws from, fp32 [V], for the request ``seq`` (its ``prompt_ids``, ``output_ids``,
+    ``stop_ids`` and JSON-mode ``constraint``): the repetition penalty on every token of the prompt and the output
     (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's penalties
     on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added; before
-    ``min_tokens`` output tokens, the ``stop_ids`` at -inf."""
+    ``min_tokens`` output tokens, the stop ids at -inf; in JSON mode, every token that would not continue the JSON."""
+    prompt_ids, output_ids, stop_ids = seq.prompt_ids, seq.output_ids, seq.stop_ids
     x = logits.reshape(-1).float().clone()
     if len(output_ids) < params.min_tokens and stop_ids:
         x[torch.tensor(sorted(t for t in stop_ids if t < x.numel()), device=x.device, dtype=torch.long)] = \
@@ -235,6 +241,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list
     if params.logit_bias:
         x[torch.tensor(list(params.logit_bias), device=x.device)] += torch.tensor(
             list(params.logit_bias.values()), device=x.device)
+    constraint = getattr(seq, "constraint", None)
+    if constraint is not None:
+        x = x.masked_fill(~constraint.allowed().to(x.device), float("-inf"))
     return x
 
 
@@ -255,15 +264,16 @@ def greedy(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None,
-           history: tuple[list[int], list[int], frozenset[int] | None] = ([], [], None)) -> int:
-    """Pick one token from fp32 logits [V]; ``history``: the sequence's prompt and output tokens and its stop token
-    ids, for the penalties and ``min_tokens``."""
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, seq: Any = None) -> int:
+    """Pick one token from fp32 logits [V] for the request ``seq`` (what ``adjust_logits`` reads of it, where the
+    params change the logits; its JSON-mode constraint then takes the token)."""
     if params.adjusts_logits:
-        logits = adjust_logits(logits, params, *history)
-    if params.temperature == 0:
-        return greedy(logits.reshape(-1))
-    return draw(target_probs(logits, params), gen)
+        logits = adjust_logits(logits, params, seq)
+    tok = greedy(logits.reshape(-1)) if params.temperature == 0 else draw(target_probs(logits, params), gen)
+    constraint = getattr(seq, "constraint", None)
+    if constraint is not None:
+        constraint.advance(tok)
+    return tok
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from waferline.engine import sampling
+from waferline.engine.json_mode import json_constraint
 from waferline.engine.paging import CacheManager, PrefixCache
 from waferline.engine.runner import (
     WANT_ARGMAX,
@@ -149,15 +150,13 @@ class Scheduler:
             self.stats.update(self.spec_dec.metrics())
 
     # -- requests
-    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raise RequestError for a request that can never run (the server turns it into HTTP 400)."""
-        check_request(prompt_ids, params, self.spec.vocab_size, self.max_model_len)
-
     def add(self, seq: Sequence) -> None:
-        self.check_request(seq.prompt_ids, seq.params)
+        check_request(seq.prompt_ids, seq.params, self.spec.vocab_size, self.max_model_len)
         if seq.generator is None:
             seq.generator = request_generator(seq.params)
         seq.stop_ids = self._stop_ids(seq.params)
+        if seq.params.json_object:
+            seq.constraint = json_constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids)
         seq.status = "waiting"
         self.waiting.append(seq)
 
@@ -398,8 +397,7 @@ class Scheduler:
         p = seq.params
         if greedy is None and logits is None:
             raise RuntimeError("the engine returned neither logits nor a token")
-        tok = sample(logits, p, seq.generator, (seq.prompt_ids, seq.output_ids, seq.stop_ids)) if greedy is None \
-            else greedy
+        tok = sample(logits, p, seq.generator, seq) if greedy is None else greedy
         lps = None
         if p.logprobs is not None:
             if logits is None:

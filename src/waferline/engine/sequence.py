@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -61,6 +61,7 @@ class Sequence:
     stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
     stream_text: bool = True
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
+    constraint: Any = None  # JSON mode's state (engine/json_mode.py), where params.json_object
 
     def emit(self, ev: Event) -> None:
         if self.sink is not None:

@@ -15,22 +15,9 @@ import copy
 from typing import Any
 
 from waferline.engine.sampling import TokenLogprobs
+from waferline.engine.token_bytes import byte_level_alphabet, token_bytes_of
 
 FLOOR = -9999.0
-
-
-def byte_level_alphabet() -> dict[str, int]:
-    """The character a byte-level BPE vocabulary writes for each byte -> that byte: printable Latin-1 bytes stand for
-    themselves, the other 68 (controls, space, NBSP, soft hyphen) for U+0100 onwards, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
 
 
 class TokenTexts:
@@ -72,17 +59,10 @@ class TokenTexts:
             return text, list(text.encode())
         tok = self._tokenizer()
         text = tok.decode([token], skip_special_tokens=False)
-        if token not in self._special:
-            piece = tok.convert_ids_to_tokens(token)
-            if isinstance(piece, str) and self._byte_level is not None and piece \
-                    and all(c in self._byte_level for c in piece):
-                return text, [self._byte_level[c] for c in piece]
-            if isinstance(piece, str) and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                try:
-                    return text, [int(piece[3:5], 16)]
-                except ValueError:
-                    pass
-        return text, None if "\ufffd" in text else list(text.encode("utf-8"))
+        if token in self._special:  # (its text: "</s>")
+            return text, list(text.encode("utf-8"))
+        data = token_bytes_of(tok, token, self._byte_level, self._special)
+        return text, None if data is None else list(data)
 
 
 def _lp(x: float) -> float:

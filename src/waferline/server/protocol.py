@@ -59,6 +59,7 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     repetition_penalty: float | None = None
+    response_format: Any = None  # {"type": "text"} or {"type": "json_object"} (JSON mode)
     min_p: float | None = None
     min_tokens: int | None = None
 
@@ -100,7 +101,6 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: list[str] | None = None
     audio: Any = None
 

@@ -236,6 +236,10 @@ class Server:
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
+        fmt = req.response_format
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
+            raise APIError("response_format: only {\"type\": \"text\"} and {\"type\": \"json_object\"} (JSON mode) "
+                           "are supported; a json_schema is not", param="response_format")
         if not isinstance(req, ChatRequest):
             return
         for name in ("tools", "functions"):
@@ -245,10 +249,6 @@ class Server:
         for name in ("tool_choice", "function_call"):
             if getattr(req, name) not in (None, "none"):
                 raise APIError(f"{name} is not supported (function calling is not available)", param=name)
-        fmt = req.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise APIError("response_format is not supported (only {\"type\": \"text\"}): structured output is not "
-                           "available", param="response_format")
         if req.modalities is not None and list(req.modalities) != ["text"]:
             raise APIError("modalities: only [\"text\"] is supported", param="modalities")
         if req.audio is not None:
@@ -307,6 +307,9 @@ class Server:
             if req.top_logprobs and not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        json_mode = isinstance(req.response_format, dict) and req.response_format.get("type") == "json_object"
+        if json_mode and self.llm.tokenizer is None:
+            raise APIError("JSON mode needs the model's tokenizer (tokenizer.json)", param="response_format")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError("stop: give at most 16 non-empty strings", param="stop")
@@ -320,7 +323,7 @@ class Server:
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                                   logit_bias=_token_keys(req.logit_bias or {}), min_p=req.min_p or 0.0,
-                                  min_tokens=req.min_tokens or 0)
+                                  min_tokens=req.min_tokens or 0, json_object=json_mode)
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
 
