@@ -102,3 +102,44 @@ def test_vocabulary_masks_and_a_constraint():
     with pytest.raises(RuntimeError, match="JSON mode"):
         c.advance(3)
     assert torch.equal(vocab.mask(START), vocab.mask(START))  # (cached)
+
+
+def test_a_stop_token_with_text_ends_only_a_closed_object():
+    """A stop token whose bytes would continue the JSON (a client's stop_token_ids may name any token) is held back
+    until the object is closed, and then ends the output without being walked."""
+    toks = [b"{", b"}", b'"', b"a", b":", b"1"]
+    vocab = JsonVocab(toks, len(toks))
+    c = JsonConstraint(vocab, toks, frozenset({3}))  # "a" stops
+    for t in (0, 2):  # {"
+        c.advance(t)
+    assert not c.allowed()[3] and c.allowed()[2]  # inside a string "a" would fit, but it would end the output
+    for t in (2, 4, 5, 1):  # ":1}
+        c.advance(t)
+    assert c.complete and c.allowed()[3]
+    c.advance(3)  # (the stop token: nothing to walk)
+    assert c.complete
+
+
+def test_sentencepiece_pieces_keep_their_space():
+    """A SentencePiece vocabulary (Llama / Mistral style: "▁" marks a space, byte-fallback pieces, a decoder that strips
+    the first space): a piece's bytes keep its space, so JSON mode does not take "1", "▁2" for one number."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from waferline.engine.json_mode import json_constraint
+    from waferline.engine.token_bytes import vocabulary_bytes
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3, "{": 4, "}": 5, '"': 6, "a": 7, ":": 8, "1": 9,
+             "\u25812": 10, "2": 11}
+    vocab |= {f"<0x{i:02X}>": len(vocab) + i for i in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    data = vocabulary_bytes(hf, len(hf))
+    assert (data[10], data[3], data[11], data[2], data[len(vocab) - 256 + 0xE2]) == (b" 2", b" ", b"2", None, b"\xe2")
+    c = json_constraint(hf, len(hf), frozenset({2}))
+    for t in (4, 6, 7, 6, 8, 9):  # {"a":1
+        c.advance(t)
+    assert c.allowed()[11] and not c.allowed()[10]  # "2" continues the number; " 2" would be a second value

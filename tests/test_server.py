@@ -534,8 +534,10 @@ def test_a_failing_choice_fails_its_request_and_frees_the_others(live, monkeypat
     monkeypatch.setattr(sch, "_sample", failing)
     body = {"model": "sol-test", "prompt": "The wafer", "max_tokens": 40, "n": 3, "ignore_eos": True}
     url, auth = live.state.base + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    aborted = _metrics(live).get('waferline_request_finished_total{reason="abort"}', 0.0)
     err = _assert_error(httpx.post(url, headers=auth, json=body, timeout=60), 500)
-    assert "injected" in err["message"]
+    assert "injected" in err["message"]  # ... and the other two choices stop then, not after their 40 tokens
+    assert _wait_until(lambda: _metrics(live)['waferline_request_finished_total{reason="abort"}'] == aborted + 2)
     with httpx.stream("POST", url, headers=auth, json=dict(body, stream=True), timeout=60) as r:
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert "injected" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"

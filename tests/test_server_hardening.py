@@ -61,10 +61,42 @@ def test_min_p_and_min_tokens(sol):
                                                     min_tokens=3))[0]
     assert len(held.token_ids) >= 3 and first not in held.token_ids[:2]
     assert held.finish_reason == ("stop" if first in held.token_ids else "length")
+    text = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))[0].text
+    cut = SamplingParams(max_tokens=8, ignore_eos=True, stop=[text[:2]])  # a stop string at once
+    assert llm.generate([[5, 6, 7]], cut)[0].text == ""
+    cut.min_tokens = 5  # stop strings wait for min_tokens too (as vLLM's)
+    assert len(llm.generate([[5, 6, 7]], cut)[0].token_ids) >= 5
     with pytest.raises(RequestError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
     with pytest.raises(RequestError, match="min_p"):
         SamplingParams(min_p=1.5)
+
+
+def test_a_scored_prompt_samples_its_first_token_from_the_raw_logits(sol):
+    """A prompt scored for its log-probabilities (echo) gets the same first token as without: the scored chunk's rows
+    are raw logits, not log-softmax values, on which the repetition penalty (sign-dependent) would act otherwise. The
+    logit bias is set between the two thresholds, so that the two readings pick different tokens."""
+    from waferline.model.context import StepBatch
+
+    llm = LLM(sol)
+    ids = [5, 6, 7, 8, 9]
+    with torch.no_grad():
+        h = llm.model(torch.tensor([ids]), llm.model.new_caches(1, llm.device), StepBatch.make([0], [0], 5, llm.device))
+        x = llm.model.logits(h[0, -1:]).float()[0]
+    lp = torch.log_softmax(x, -1)
+    tp = ids[0]  # a prompt token (penalised) and one that is not
+    to = next(t for t in torch.argsort(x, descending=True).tolist() if t not in ids)
+
+    def gap(v):  # how far the penalised prompt token is behind the other one, before the bias
+        pen = v[tp] / 3.0 if v[tp] > 0 else v[tp] * 3.0
+        return float(v[to] - pen)
+
+    mid = (gap(x) + gap(lp)) / 2
+    assert abs(gap(x) - gap(lp)) > 0.1  # (the two readings differ)
+    sp = dict(max_tokens=1, repetition_penalty=3.0, logit_bias={tp: 50.0 + mid, to: 50.0})
+    want = tp if mid > gap(x) else to
+    assert llm.generate([ids], SamplingParams(**sp))[0].token_ids == [want]
+    assert llm.generate([ids], SamplingParams(**sp, prompt_logprobs=0))[0].token_ids == [want]
 
 
 def test_an_error_in_one_sequence_fails_only_that_sequence(sol, threads, caplog):

@@ -4,8 +4,8 @@ one JSON object, and its end-of-sequence comes only once the object is closed.
 ``step`` is a byte-level JSON automaton (RFC 8259: objects, arrays, strings with escapes, numbers, true / false /
 null, whitespace); its state is a small hashable tuple ``(stack, mode, aux)``. ``JsonVocab`` holds the vocabulary's
 token bytes in a trie and gives, per automaton state, the tokens whose bytes all step from it (walking the trie once
-per state, then cached: inside a string the state repeats token after token). ``JsonConstraint`` is one request's
-state: ``allowed()`` before a token is drawn, ``advance(token)`` after.
+per state, then cached; inside a string only the tokens that can end or escape it are walked). ``JsonConstraint``
+is one request's state: ``allowed()`` before a token is drawn, ``advance(token)`` after.
 
 Bytes at or above 0x80 are accepted inside strings only (UTF-8 is not checked further: a model that writes broken
 UTF-8 gets U+FFFD in its text, still valid JSON). Special tokens never enter the output, except the stop tokens once
@@ -14,6 +14,7 @@ the object is closed (then whitespace too).
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -133,43 +134,62 @@ def walk(state: State | None, data: bytes) -> State | None:
 
 
 class JsonVocab:
-    """The vocabulary's token bytes in a trie, and per automaton state the tokens allowed from it (cached)."""
+    """The vocabulary's token bytes in a trie, and per automaton state the tokens allowed from it (cached, LRU).
 
-    CACHE = 4096  # states whose masks are kept
+    Inside a string (the state that repeats most, and whose walk would reach almost every token) a token without a
+    quote, a backslash or a control byte keeps the string going whatever the state: those are one precomputed mask,
+    and only the others are walked (a trie of their own)."""
+
+    CACHE = 256  # states whose masks are kept (each a bool per token)
 
     def __init__(self, token_bytes: list[bytes | None], vocab_size: int):
         self.vocab_size = vocab_size
         self.trie: dict = {}
+        self.string_trie: dict = {}  # tokens that can end or escape a string
+        plain: list[int] = []
         for tok, data in enumerate(token_bytes):
             if not data:  # (special tokens and those without bytes never enter the output)
                 continue
-            node = self.trie
-            for b in data:
-                node = node.setdefault(b, {})
-            node.setdefault(None, []).append(tok)
-        self._masks: dict[State, torch.Tensor] = {}
+            _insert(self.trie, data, tok)
+            if any(b in b'"\\' or b < 0x20 for b in data):
+                _insert(self.string_trie, data, tok)
+            else:
+                plain.append(tok)
+        self.plain_in_string = torch.zeros(vocab_size, dtype=torch.bool)
+        self.plain_in_string[torch.tensor(plain, dtype=torch.long)] = True
+        self._masks: collections.OrderedDict[State, torch.Tensor] = collections.OrderedDict()
 
     def mask(self, state: State) -> torch.Tensor:
         """Bool [vocab_size]: the tokens whose bytes all step from ``state``."""
         hit = self._masks.get(state)
-        if hit is None:
-            ok: list[int] = []
-            todo = [(self.trie, state)]
-            while todo:
-                node, st = todo.pop()
-                for b, child in node.items():
-                    if b is None:
-                        ok.extend(child)
-                        continue
-                    nxt = step(st, b)
-                    if nxt is not None:
-                        todo.append((child, nxt))
-            hit = torch.zeros(self.vocab_size, dtype=torch.bool)
-            hit[torch.tensor(ok, dtype=torch.long)] = True
-            if len(self._masks) >= self.CACHE:
-                self._masks.clear()
-            self._masks[state] = hit
+        if hit is not None:
+            self._masks.move_to_end(state)
+            return hit
+        in_string = state[1] in (STR, KSTR)
+        hit = self.plain_in_string.clone() if in_string else torch.zeros(self.vocab_size, dtype=torch.bool)
+        ok: list[int] = []
+        todo = [(self.string_trie if in_string else self.trie, state)]
+        while todo:
+            node, st = todo.pop()
+            for b, child in node.items():
+                if b is None:
+                    ok.extend(child)
+                    continue
+                nxt = step(st, b)
+                if nxt is not None:
+                    todo.append((child, nxt))
+        hit[torch.tensor(ok, dtype=torch.long)] = True
+        self._masks[state] = hit
+        if len(self._masks) > self.CACHE:
+            self._masks.popitem(last=False)
         return hit
+
+
+def _insert(trie: dict, data: bytes, tok: int) -> None:
+    node = trie
+    for b in data:
+        node = node.setdefault(b, {})
+    node.setdefault(None, []).append(tok)
 
 
 class JsonConstraint:
@@ -180,15 +200,18 @@ class JsonConstraint:
         self.state: State = START
 
     def allowed(self) -> torch.Tensor:
+        """The tokens that may come next: those that continue the JSON; the stop tokens (whatever their text) only
+        once the object is closed, and then only they and whitespace."""
         m = self.vocab.mask(self.state)
-        if self.state[1] == DONE and self.stop_ids:
+        stops = [t for t in self.stop_ids if t < m.numel()]
+        if stops:
             m = m.clone()
-            m[torch.tensor(sorted(t for t in self.stop_ids if t < m.numel()), dtype=torch.long)] = True
+            m[torch.tensor(stops, dtype=torch.long)] = self.state[1] == DONE
         return m
 
     def advance(self, token: int) -> None:
         data = self.token_bytes[token] if token < len(self.token_bytes) else None
-        if data:  # (a stop token adds nothing)
+        if data and token not in self.stop_ids:  # (a stop token ends the output: it adds nothing)
             nxt = walk(self.state, data)
             if nxt is None:
                 raise RuntimeError(f"JSON mode: token {token} does not continue the output as JSON")

@@ -21,9 +21,10 @@ class Kind(IntEnum):
 
 
 class Emit(IntEnum):
-    """What the last stage returns for a row: nothing, a sampled token, prompt log-probs, or the fp32 logits of the
-    row's last position (for the scheduler to sample with the request's own generator). In a verify group TOKEN and
-    LOGITS answer every position up to the row's last draft (the scheduler verifies them itself)."""
+    """What the last stage returns for a row: nothing, a sampled token, the fp32 logits of every position (LOGPROBS:
+    a scored prompt, whose log-probs the consumer takes), or the fp32 logits of the row's last position (for the
+    scheduler to sample with the request's own generator). In a verify group TOKEN and LOGITS answer every position up
+    to the row's last draft (the scheduler verifies them itself)."""
 
     NONE = 0
     TOKEN = 1

@@ -23,7 +23,7 @@ from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
 
-# what a row of a step asks for (WANT_LOGPROBS: a prefill chunk's log-softmax at every position, for scoring)
+# what a row of a step asks for (WANT_LOGPROBS: a prefill chunk's logits at every position, for scoring)
 WANT_NONE, WANT_ARGMAX, WANT_LOGITS, WANT_LOGPROBS = 0, 1, 2, 3
 
 
@@ -64,7 +64,7 @@ class RowOutput:
     A runner may return logits where argmax was asked (the scheduler then takes the argmax itself). A verify row's
     answer has ``logits`` [T, V] and, for greedy rows, ``argmaxes`` (T ints); ``hidden`` holds the row's hidden states
     [T, D] where the runner was asked to keep them (an MTP drafter consumes them). A WANT_LOGPROBS chunk's answer has
-    ``logits`` [T, V]: the fp32 log-softmax at each of its positions."""
+    ``logits`` [T, V]: the fp32 logits at each of its positions (raw: the last one is sampled from as any row's)."""
 
     logits: torch.Tensor | None = None
     argmax: int | None = None
@@ -177,8 +177,7 @@ class LocalRunner:
             h = self.model(toks, self.caches, StepBatch.make([r.slot for r in rows], [r.start for r in rows], T, dev))
             for b, r in enumerate(rows):  # (scored chunks: the head at every position)
                 if r.want == WANT_LOGPROBS:
-                    lp = torch.log_softmax(self.model.logits(h[b, :len(r.tokens)]).float(), dim=-1).cpu()
-                    pre_out[idx[b]] = RowOutput(logits=lp)
+                    pre_out[idx[b]] = RowOutput(logits=self.model.logits(h[b, :len(r.tokens)]).float().cpu())
             want = [b for b, r in enumerate(rows) if r.want in (WANT_ARGMAX, WANT_LOGITS)]
             if want:  # (the head once for the call's rows, at each row's last token)
                 last = torch.tensor([len(rows[b].tokens) - 1 for b in want], device=dev)

@@ -424,7 +424,7 @@ class Scheduler:
         text, cut = self._text(seq)
         if tok in stop_ids:
             reason = "stop"
-        elif cut is not None:
+        elif cut is not None and len(seq.output_ids) >= p.min_tokens:  # (min_tokens: stop strings wait too)
             reason, text = "stop", text[:cut]
         elif len(seq.output_ids) >= p.max_tokens:
             reason, text = "length", self._decode(seq.output_ids)  # (all of it: an incomplete last character too)

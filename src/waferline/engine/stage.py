@@ -166,11 +166,11 @@ class StageRunner:
     @torch.inference_mode()
     def feedback(self, mb: MicroBatch, hs: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
         """The last stage's answer for a micro-batch: emitted tokens (a variable number per row: a verify group's
-        greedy rows get one per position) and fp32 logits / log-probs.
+        greedy rows get one per position) and fp32 logits (EMIT_LOGPROBS rows: every position's).
 
         meta = [mb_id, R, n_tok, n_lp] + seq[R] + count[R] + tokens[n_tok] + lp_seq[n_lp] + lp_T[n_lp];
-        tensors = [fp32 log-probs, [sum lp_T, V]] when n_lp > 0. With ``send_hidden`` one byte tensor instead: the
-        log-probs, then every group's final hidden states [B, T, ...] in the model's dtype, group after group.
+        tensors = [fp32 logits, [sum lp_T, V]] when n_lp > 0. With ``send_hidden`` one byte tensor instead: the
+        logits, then every group's final hidden states [B, T, ...] in the model's dtype, group after group.
 
         A verify group's rows (the scheduler verifies them itself) get every position's answer up to their last draft:
         the greedy tokens (len(draft) + 1 of them) of EMIT_TOKEN rows, the fp32 logits [len(draft) + 1, V] of
@@ -192,7 +192,7 @@ class StageRunner:
                 if g.emits[r] == EMIT_LOGPROBS:
                     lp_seqs.append(g.seqs[r])
                     lp_T.append(g.T)
-                    lps.append(torch.log_softmax(self.model.logits(h[r]).float(), dim=-1))
+                    lps.append(self.model.logits(h[r]).float())  # (raw: the consumer takes the log-softmax)
             rows = [r for r in range(g.B) if g.emits[r] == EMIT_LOGITS]
             if rows:  # (each travels as a one-position "log-prob" row: raw logits; the head once for all of them)
                 logits = self.model.logits(h[rows, -1]).float()

@@ -1,10 +1,13 @@
 """A token's own bytes: what a token adds to the output, byte for byte (JSON mode's automaton reads them; the server's
 log-probabilities show them). Exact for byte-level BPE vocabularies (GPT-2 style) and byte-fallback pieces
-(``<0xE2>``); for other vocabularies the UTF-8 of the token's text where that is whole characters."""
+(``<0xE2>``), and SentencePiece pieces (``▁2`` is b" 2", which decoding the token alone would strip); for other
+vocabularies the UTF-8 of the token's text where that is whole characters."""
 
 from __future__ import annotations
 
 from typing import Any
+
+SPACE_MARK = "\u2581"  # SentencePiece's "▁": a space in the piece
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -22,8 +25,9 @@ def byte_level_alphabet() -> dict[str, int]:
 
 
 def token_bytes_of(tokenizer: Any, token: int, byte_level: dict[str, int] | None, special: set[int]) -> bytes | None:
-    """A token's own bytes: exact for byte-level BPE pieces and byte-fallback pieces (``<0xE2>``), else the UTF-8 of
-    its text where that is whole characters; None for special tokens and pieces that are part of a character."""
+    """A token's own bytes: exact for byte-level BPE pieces, byte-fallback pieces (``<0xE2>``) and SentencePiece pieces
+    (``▁`` a space), else the UTF-8 of its text where that is whole characters; None for special tokens and pieces that
+    are part of a character."""
     if token in special:
         return None
     piece = tokenizer.convert_ids_to_tokens(token)
@@ -34,6 +38,8 @@ def token_bytes_of(tokenizer: Any, token: int, byte_level: dict[str, int] | None
             return bytes([int(piece[3:5], 16)])
         except ValueError:
             pass
+    if isinstance(piece, str) and SPACE_MARK in piece:  # a SentencePiece piece: decoded alone it loses its space
+        return piece.replace(SPACE_MARK, " ").encode("utf-8")
     text = tokenizer.decode([token], skip_special_tokens=False)
     return None if "\ufffd" in text else text.encode("utf-8")
 

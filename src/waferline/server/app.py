@@ -208,6 +208,8 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
         try:
             async for i, ev, _ in events:
                 choices.add(i, ev)
+                if ev.finished and ev.finish_reason == "error":
+                    break  # (the answer is an error: closing the stream aborts the other choices now)
         finally:
             await events.aclose()
 

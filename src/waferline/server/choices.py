@@ -54,7 +54,10 @@ class Choices:
         c.last = ev
 
     def failure(self) -> Event | None:
-        """The event of a choice that did not finish well (an error, or no end at all), if any."""
+        """The event of a choice that did not finish well (an error first, else one without an end), if any."""
+        for c in self.items:
+            if c.last is not None and c.last.finish_reason == "error":
+                return c.last
         for c in self.items:
             if c.last is None or not c.last.finished or c.last.finish_reason == "error":
                 return c.last or Event(None, "", True, "error", error="the request did not finish")

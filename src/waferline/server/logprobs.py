@@ -62,7 +62,9 @@ class TokenTexts:
         if token in self._special:  # (its text: "</s>")
             return text, list(text.encode("utf-8"))
         data = token_bytes_of(tok, token, self._byte_level, self._special)
-        return text, None if data is None else list(data)
+        if data is None:
+            return text, None
+        return data.decode("utf-8", errors="replace"), list(data)  # (a SentencePiece piece keeps its space)
 
 
 def _lp(x: float) -> float:

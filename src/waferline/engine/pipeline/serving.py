@@ -192,7 +192,7 @@ class PipelineRunner:
         self.reset_slots([slot])
         _, outs = self.step([], [PrefillChunk(slot, 0, list(token_ids), WANT_LOGPROBS)])
         assert outs[0] is not None and outs[0].logits is not None
-        return outs[0].logits
+        return torch.log_softmax(outs[0].logits.float(), dim=-1)
 
     def reset_slots(self, slots: list[int]) -> None:
         fresh = set(slots)
