@@ -23,9 +23,11 @@ def tiny(tmp_path_factory):
     from waferline.model.init import write_random_checkpoint
     from waferline.sim.calibrate.common import tiny_config
 
+    # dense FFNs: a random router sends a later chunk's tokens to other experts (a different count of expert calls,
+    # with the CPU's rounding deciding near-ties), which is not what these tests compare: the attention term
     d = tmp_path_factory.mktemp("ckpt") / "tiny"
-    write_random_checkpoint(dict(tiny_config(4), hidden_size=96, vocab_size=512, max_position_embeddings=1100), d,
-                            seed=3)
+    write_random_checkpoint(dict(tiny_config(4), hidden_size=96, vocab_size=512, max_position_embeddings=1100,
+                                 ffn_types=["dense"] * 4), d, seed=3)
     return d
 
 
@@ -99,8 +101,8 @@ def _ttft(plan, spec, profile, P, B=1):
 
 def test_pipeline_ttft_prices_each_chunk_at_its_position(bench, counted, tiny):
     """A 4-chunk prompt through 2 stages: priced from each chunk's own count, or from the position-0 count plus the
-    attention term, the prediction is the same (within 2 %); both are above pricing every chunk as the first one (the
-    model before the term), by the later chunks' extra keys."""
+    attention term, the later chunks cost the same extra time over pricing every chunk as the first one (the model
+    before the term), which their extra keys make a real difference."""
     from waferline.sim.host_params import HostParams
 
     host = HostParams.load(HOST_YAML)
@@ -109,8 +111,11 @@ def test_pipeline_ttft_prices_each_chunk_at_its_position(bench, counted, tiny):
     profiles = {"counted": bench.ChunkOps(counted, spec, host), "term": bench.ChunkOps(counted, spec, host, False),
                 "first": bench.FirstChunkOps(counted, spec, host)}  # first: every chunk as its forward at position 0
     t = {name: _ttft(plan, spec, p, 1024) for name, p in profiles.items()}
-    assert t["term"] == pytest.approx(t["counted"], rel=0.02)
+    # the later chunks' extra time, counted against the term's: within 20 % (15 % on an AVX512-BF16 host, whose 16-bit
+    # products take oneDNN's path and count fewer small ops per layer at later chunks than the AVX2 host the host
+    # parameters come from)
     assert t["counted"] > t["first"] * 1.01
+    assert t["term"] - t["first"] == pytest.approx(t["counted"] - t["first"], rel=0.2)
     # one chunk: nothing before it, all three agree
     one = {name: _ttft(plan, spec, p, CHUNK) for name, p in profiles.items()}
     assert one["counted"] == pytest.approx(one["first"]) == pytest.approx(one["term"])
