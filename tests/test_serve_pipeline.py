@@ -4,6 +4,7 @@ Concurrent requests give what each gives alone and what LLM.generate gives with 
 fails every request in flight or queued, and the processes are started again."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -190,6 +191,21 @@ def test_logprobs_over_processes_are_the_single_process_engines(live, ckpt):
     got = scored.choices[0].logprobs.token_logprobs
     assert len(ids) == 40 and got[0] is None
     assert got[1:] == pytest.approx(single.prompt_logprobs(ids)[range(39), ids[1:]].tolist(), abs=1e-4)
+
+
+def test_structured_output_over_processes_is_the_single_process_engines(live, ckpt):
+    """A regex-held sampled request over the pipeline's stages (AFD's ranks), beside plain ones: the tokens the
+    single-process engine samples under the same constraint, and a whole match where it stopped."""
+    params = dict(max_tokens=24, temperature=0.9, seed=3)
+    regex = "(the|a) [a-z]+ of [A-Z][a-z]+[.!]"
+    want = LLM(ckpt).generate([PROMPTS[1]], SamplingParams(regex=regex, **params))[0]
+    with ThreadPoolExecutor(3) as ex:
+        others = [ex.submit(live.stream, p, max_tokens=10, temperature=0) for p in PROMPTS[:2]]
+        c = live.client.completions.create(model="sol-pipe", prompt=PROMPTS[1], extra_body={"guided_regex": regex},
+                                           **params).choices[0]
+        [f.result() for f in others]
+    assert c.text == want.text and c.finish_reason == want.finish_reason
+    assert c.finish_reason == "length" or re.fullmatch(regex, c.text)
 
 
 def test_a_bad_request_is_400_while_the_others_finish(live, reference):

@@ -3,6 +3,7 @@ official `openai` client against a live server on 127.0.0.1."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -444,37 +445,69 @@ def test_tokenize_detokenize_and_tokenizer_info(live):
     _assert_error(httpx.post(base + "/tokenize", json={"prompt": "x"}), 401)
 
 
-def test_json_mode(live, client):
-    """response_format json_object: every answer is a prefix of one JSON object (a whole one where it stopped), in
-    chat and completions, streamed or not, sampled and greedy; the tokens' bytes are the text's; JSON mode gives what
-    LLM.generate gives with json_object."""
-    from waferline.engine.json_mode import DONE, START, walk
+def test_structured_outputs(live, client):
+    """response_format json_object / json_schema, vLLM's structured_outputs and guided_* fields: every answer that
+    stopped is a whole text of its kind (one JSON object, the schema's instance, the regex's match, a choice), in chat
+    and completions, streamed or not; each is what LLM.generate gives with the same params. Two at once, a bad
+    schema or regex, a json_schema without its schema: 400 naming the field, and the server serves on."""
     from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
 
     llm = live.state.server.llm
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "age"], "additionalProperties": False}
     msgs = [{"role": "user", "content": "Describe a wafer as JSON."}]
-    kw = dict(model="sol-test", messages=msgs, max_tokens=40, response_format={"type": "json_object"},
-              extra_body={"return_token_ids": True})
+    ids = llm.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT)
+    chat_kinds = [({"response_format": {"type": "json_object"}}, {"json_object": True},
+                   lambda t: isinstance(json.loads(t), dict)),
+                  ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},
+                   {"json_schema": schema}, lambda t: set(json.loads(t)) == {"name", "age"}),
+                  ({"extra_body": {"structured_outputs": {"regex": "[0-9]{1,3} wafers"}}},
+                   {"regex": "[0-9]{1,3} wafers"}, lambda t: re.fullmatch("[0-9]{1,3} wafers", t) is not None),
+                  ({"extra_body": {"guided_choice": ["yes", "no"]}}, {"choice": ["yes", "no"]},
+                   lambda t: t in ("yes", "no"))]
     stopped = 0
-    for seed in range(6):
-        c = client.chat.completions.create(temperature=1.0, seed=seed, **kw).choices[0]
-        toks = c.model_extra["token_ids"]
-        text = llm.tokenizer.decode(toks, skip_special_tokens=True)
-        end = walk(START, text.encode())
-        assert end is not None and c.message.content == text, (seed, text)
-        if c.finish_reason == "stop":
-            stopped += 1
-            assert end[1] == DONE and isinstance(json.loads(text), dict)
-        ids = llm.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT)
-        want = llm.generate([ids], SamplingParams(max_tokens=40, temperature=1.0, seed=seed, json_object=True))[0]
-        assert toks == want.token_ids
-    assert stopped >= 2  # (whole objects, not only prefixes)
-    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
-        temperature=1.0, seed=0, stream=True, **kw) if ch.choices)
-    assert streamed == client.chat.completions.create(temperature=1.0, seed=0, **kw).choices[0].message.content
+    for body, fields, whole in chat_kinds:
+        for seed in range(3):
+            c = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=40, temperature=1.0,
+                                               seed=seed, **body).choices[0]
+            if c.finish_reason == "stop":
+                stopped += 1
+                assert whole(c.message.content), (fields, c.message.content)
+            want = llm.generate([ids], SamplingParams(max_tokens=40, temperature=1.0, seed=seed, **fields))[0]
+            assert c.message.content == want.text
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+            model="sol-test", messages=msgs, max_tokens=40, temperature=1.0, seed=0, stream=True, **body)
+            if ch.choices)
+        assert streamed == llm.generate([ids], SamplingParams(max_tokens=40, temperature=1.0, seed=0,
+                                                              **fields))[0].text
+    assert stopped >= 6
+    r = client.completions.create(model="sol-test", prompt="A wafer:", max_tokens=40, temperature=0.8, seed=1,
+                                  extra_body={"structured_outputs": {"json": schema}}).choices[0]
+    assert r.text == llm.generate([llm.encode("A wafer:")], SamplingParams(max_tokens=40, temperature=0.8, seed=1,
+                                                                           json_schema=schema))[0].text
+    assert r.finish_reason == "length" or set(json.loads(r.text)) == {"name", "age"}
     r = client.completions.create(model="sol-test", prompt="{", max_tokens=30, temperature=0,
-                                  extra_body={"response_format": {"type": "json_object"}})
-    assert walk(START, r.choices[0].text.encode()) is not None
+                                  extra_body={"guided_regex": "(ab)+c", "stop_token_ids": [0]})
+    assert r.choices[0].finish_reason == "length" or re.fullmatch("(ab)+c", r.choices[0].text)
+    base, auth = live.state.base, {"Authorization": f"Bearer {KEY}"}
+    for extra, param in (({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+                         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                         ({"guided_regex": "("}, "guided_regex"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {
+                             "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}},
+                          "response_format"),
+                         ({"response_format": {"type": "yaml"}}, "response_format"),
+                         ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs"),
+                         ({"guided_choice": []}, "guided_choice"),
+                         ({"guided_regex": "a", "ignore_eos": True}, "guided_regex")):
+        r = httpx.post(base + "/v1/completions", headers=auth,
+                       json={"model": "sol-test", "prompt": "x", "max_tokens": 4, **extra})
+        _assert_error(r, 400)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+    assert client.completions.create(model="sol-test", prompt="x", max_tokens=2).choices[0].text is not None
 
 
 def test_several_choices_per_request(live, client):

@@ -394,8 +394,6 @@ def test_unsupported_options_are_refused(live, client):
     for kw, param in [(dict(tools=[{"type": "function", "function": fn}]), "tools"),
                       (dict(tool_choice="auto"), "tool_choice"), (dict(functions=[fn]), "functions"),
                       (dict(function_call="auto"), "function_call"),
-                      (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-                       "response_format"),
                       (dict(modalities=["text", "audio"]), "modalities")]:
         with pytest.raises(openai.BadRequestError, match="not supported|only") as e:
             client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2, **kw)

@@ -109,7 +109,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, seed=args.seed,
                             stop=args.stop or [], logprobs=args.logprobs, presence_penalty=args.presence_penalty,
-                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            json_object=args.json_object, json_schema=_file_or_text(args.json_schema),
+                            regex=args.regex, choice=args.choice, grammar=_file_or_text(args.grammar))
     group_size = GROUP_SIZE if args.group_size is None else args.group_size
     llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=group_size, **pipe)
     try:
@@ -138,6 +140,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(f"  {e['token_id']:>7} {e['logprob']:9.4f}  " + "  ".join(f"{i}:{v:.4f}" for i, v in e["top"]),
                   file=sys.stderr)
     return 0
+
+
+def _file_or_text(value: str | None) -> str | None:
+    """A flag that takes a file or the text itself: the file's text where ``value`` names a file."""
+    if value is None or "\n" in value or len(value) > 4096 or not Path(value).is_file():
+        return value
+    try:
+        return Path(value).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {value}: {e}") from None
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -195,6 +207,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="repetition penalty on prompt and generated tokens, as transformers applies it "
                         "(default 1 = off)")
+    so = g.add_mutually_exclusive_group()
+    so.add_argument("--json-object", action="store_true",
+                    help="structured output: the text is one JSON object (JSON mode; tell the model so in the prompt)")
+    so.add_argument("--json-schema", metavar="SCHEMA",
+                    help="structured output: a JSON object valid under this JSON Schema (a file, or the JSON itself)")
+    so.add_argument("--regex", help="structured output: text that matches this regular expression")
+    so.add_argument("--choice", action="append", help="structured output: one of these strings (repeatable)")
+    so.add_argument("--grammar", metavar="GRAMMAR",
+                    help="structured output: a sentence of this grammar (Lark, or llama.cpp's GBNF; a file or the "
+                         "text)")
     g.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"],
         help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 import time
@@ -91,10 +92,11 @@ class SamplingParams:
     ``frequency_penalty`` (OpenAI's, on the generated tokens), ``repetition_penalty`` (on prompt and generated tokens)
     and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``), as does
     ``min_tokens`` (the stop token ids cannot be drawn before that many tokens); ``min_p`` (0-1) drops the tokens less
-    likely than min_p times the likeliest (``target_probs``); ``json_object`` (JSON mode, engine/json_mode.py) draws
-    only tokens that keep the output a prefix of one JSON object, and ends it only once the object is closed. Checked
-    when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
-    between."""
+    likely than min_p times the likeliest (``target_probs``). Structured output (engine/structured.py; at most one):
+    ``json_object`` (JSON mode: one JSON object), ``json_schema`` (a JSON Schema, as a dict or its JSON text),
+    ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or GBNF): only tokens that keep the output a
+    prefix of such a text are drawn, and it ends only where the text is whole. Checked when constructed
+    (``RequestError``) and again by ``validate`` when used, since the fields can be changed in between."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -113,6 +115,10 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     json_object: bool = False
+    json_schema: dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -121,7 +127,15 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Penalties or a logit_bias change the logits before sampling."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.json_object)
+                    or self.logit_bias or self.min_tokens or self.structured is not None)
+
+    @property
+    def structured(self) -> str | None:
+        """The structured output asked for: "json_object", "json_schema", "regex", "choice" or "grammar" (or None)."""
+        for name in ("json_object", "json_schema", "regex", "choice", "grammar"):
+            if getattr(self, name) not in (None, False):
+                return name
+        return None
 
     @property
     def needs_logits(self) -> bool:
@@ -161,8 +175,7 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
-        if not isinstance(self.json_object, bool):
-            raise RequestError(f"json_object must be true or false, got {_show(self.json_object)}")
+        self._validate_structured()
         self.min_p = _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
@@ -194,6 +207,34 @@ class SamplingParams:
                     raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {_show(n)}")
                 setattr(self, name, n)
 
+    def _validate_structured(self) -> None:
+        if not isinstance(self.json_object, bool):
+            raise RequestError(f"json_object must be true or false, got {_show(self.json_object)}")
+        if isinstance(self.json_schema, str):
+            try:
+                self.json_schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise RequestError(f"json_schema is not valid JSON: {e}") from None
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise RequestError(f"json_schema must be a JSON Schema object, got {_show(self.json_schema)}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise RequestError(f"{name} must be a non-empty string, got {_show(v)}")
+        if self.choice is not None:
+            if isinstance(self.choice, tuple):
+                self.choice = list(self.choice)
+            if not (isinstance(self.choice, list) and self.choice
+                    and all(isinstance(c, str) and c for c in self.choice)):
+                raise RequestError(f"choice must be a non-empty list of non-empty strings, got {_show(self.choice)}")
+        asked = [n for n in ("json_object", "json_schema", "regex", "choice", "grammar")
+                 if getattr(self, n) not in (None, False)]
+        if len(asked) > 1:
+            raise RequestError(f"at most one structured output per request; got {' and '.join(asked)}")
+        if asked and self.ignore_eos:
+            raise RequestError(f"{asked[0]} cannot be combined with ignore_eos: the output ends where the "
+                               f"{asked[0].replace('_', ' ')} is whole")
+
 
 @dataclass(frozen=True)
 class TokenLogprobs:
@@ -222,10 +263,11 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Token
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> torch.Tensor:
     """The logits sampling draws from, fp32 [V], for the request ``seq`` (its ``prompt_ids``, ``output_ids``,
-    ``stop_ids`` and JSON-mode ``constraint``): the repetition penalty on every token of the prompt and the output
-    (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's penalties
-    on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added; before
-    ``min_tokens`` output tokens, the stop ids at -inf; in JSON mode, every token that would not continue the JSON."""
+    ``stop_ids`` and structured-output ``constraint``): the repetition penalty on every token of the prompt and the
+    output (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's
+    penalties on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added;
+    before ``min_tokens`` output tokens, the stop ids at -inf; with a structured output, every token that would not
+    continue it."""
     prompt_ids, output_ids, stop_ids = seq.prompt_ids, seq.output_ids, seq.stop_ids
     x = logits.reshape(-1).float().clone()
     if len(output_ids) < params.min_tokens and stop_ids:
@@ -266,7 +308,7 @@ def greedy(logits: torch.Tensor) -> list[int]:
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None, seq: Any = None) -> int:
     """Pick one token from fp32 logits [V] for the request ``seq`` (what ``adjust_logits`` reads of it, where the
-    params change the logits; its JSON-mode constraint then takes the token)."""
+    params change the logits; its structured-output constraint then takes the token)."""
     if params.adjusts_logits:
         logits = adjust_logits(logits, params, seq)
     tok = greedy(logits.reshape(-1)) if params.temperature == 0 else draw(target_probs(logits, params), gen)

@@ -45,8 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from waferline.engine import sampling
-from waferline.engine.json_mode import json_constraint
+from waferline.engine import sampling, structured
 from waferline.engine.paging import CacheManager, PrefixCache
 from waferline.engine.runner import (
     WANT_ARGMAX,
@@ -155,8 +154,10 @@ class Scheduler:
         if seq.generator is None:
             seq.generator = request_generator(seq.params)
         seq.stop_ids = self._stop_ids(seq.params)
-        if seq.params.json_object:
-            seq.constraint = json_constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids)
+        if seq.params.structured is not None:
+            with self.tokenizer_lock:
+                seq.constraint = structured.constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids,
+                                                       seq.params)
         seq.status = "waiting"
         self.waiting.append(seq)
 

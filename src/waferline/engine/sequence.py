@@ -61,7 +61,7 @@ class Sequence:
     stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
     stream_text: bool = True
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
-    constraint: Any = None  # JSON mode's state (engine/json_mode.py), where params.json_object
+    constraint: Any = None  # its structured output's state (engine/structured.py), where the params ask
 
     def emit(self, ev: Event) -> None:
         if self.sink is not None:
@@ -139,6 +139,10 @@ def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int
     if len(prompt_ids) + params.max_tokens > max_model_len:
         raise RequestError(f"prompt of {len(prompt_ids)} tokens + max_tokens {params.max_tokens} exceeds the "
                            f"context of {max_model_len} tokens; shorten the prompt or lower max_tokens")
+    if params.structured is not None:
+        from waferline.engine.structured import grammar_of
+
+        grammar_of(params)  # (a schema, expression or grammar llguidance cannot use)
 
 
 def request_generator(params: SamplingParams) -> torch.Generator | None:

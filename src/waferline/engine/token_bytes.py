@@ -1,7 +1,7 @@
-"""A token's own bytes: what a token adds to the output, byte for byte (JSON mode's automaton reads them; the server's
-log-probabilities show them). Exact for byte-level BPE vocabularies (GPT-2 style) and byte-fallback pieces
-(``<0xE2>``), and SentencePiece pieces (``▁2`` is b" 2", which decoding the token alone would strip); for other
-vocabularies the UTF-8 of the token's text where that is whole characters."""
+"""A token's own bytes: what a token adds to the output, byte for byte (the server's log-probabilities show them).
+Exact for byte-level BPE vocabularies (GPT-2 style), byte-fallback pieces (``<0xE2>``) and SentencePiece pieces
+(``▁2`` is b" 2", which decoding the token alone would strip); for other vocabularies the UTF-8 of the token's text
+where that is whole characters."""
 
 from __future__ import annotations
 
@@ -43,11 +43,3 @@ def token_bytes_of(tokenizer: Any, token: int, byte_level: dict[str, int] | None
     text = tokenizer.decode([token], skip_special_tokens=False)
     return None if "\ufffd" in text else text.encode("utf-8")
 
-
-def vocabulary_bytes(tokenizer: Any, vocab_size: int) -> list[bytes | None]:
-    """Every token's bytes (``token_bytes_of``), ids past the tokenizer's vocabulary None."""
-    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-    byte_level = byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else None
-    special = set(getattr(tokenizer, "all_special_ids", ()))
-    n = min(vocab_size, len(tokenizer))
-    return [token_bytes_of(tokenizer, t, byte_level, special) for t in range(n)] + [None] * (vocab_size - n)

@@ -39,6 +39,17 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (one of): a JSON Schema, a regular expression, a choice of strings, a grammar
+    (Lark or GBNF), or any JSON object."""
+
+    json_: Any = Field(None, alias="json")  # (pydantic's BaseModel has a "json" method)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _Sampling(_Strict):
     model: str
     max_tokens: int | None = None
@@ -59,7 +70,13 @@ class _Sampling(_Strict):
     ignore_eos: bool = False
     return_token_ids: bool = False
     repetition_penalty: float | None = None
-    response_format: Any = None  # {"type": "text"} or {"type": "json_object"} (JSON mode)
+    # {"type": "text"}, {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": {"schema": ...}}
+    response_format: Any = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: Any = None  # (vLLM's older spelling of structured_outputs: one of these four)
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     min_p: float | None = None
     min_tokens: int | None = None
 

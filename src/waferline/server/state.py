@@ -24,6 +24,7 @@ from starlette.requests import ClientDisconnect
 from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullError
 from waferline.engine.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from waferline.engine.scheduler import Event
+from waferline.engine.structured import grammar_of
 from waferline.errors import RequestError
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
@@ -236,10 +237,6 @@ class Server:
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
-        fmt = req.response_format
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in ("text", "json_object")):
-            raise APIError("response_format: only {\"type\": \"text\"} and {\"type\": \"json_object\"} (JSON mode) "
-                           "are supported; a json_schema is not", param="response_format")
         if not isinstance(req, ChatRequest):
             return
         for name in ("tools", "functions"):
@@ -307,14 +304,14 @@ class Server:
             if req.top_logprobs and not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        json_mode = isinstance(req.response_format, dict) and req.response_format.get("type") == "json_object"
-        if json_mode and self.llm.tokenizer is None:
-            raise APIError("JSON mode needs the model's tokenizer (tokenizer.json)", param="response_format")
+        structured, source = structured_of(req)
+        if structured and self.llm.tokenizer is None:
+            raise APIError("structured output needs the model's tokenizer (tokenizer.json)", param=source)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > 16 or any(not s for s in stop):
             raise APIError("stop: give at most 16 non-empty strings", param="stop")
         try:
-            return SamplingParams(max_tokens=max_tokens,
+            params = SamplingParams(max_tokens=max_tokens,
                                   temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0, seed=req.seed,
                                   stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
@@ -323,9 +320,12 @@ class Server:
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                                   logit_bias=_token_keys(req.logit_bias or {}), min_p=req.min_p or 0.0,
-                                  min_tokens=req.min_tokens or 0, json_object=json_mode)
+                                  min_tokens=req.min_tokens or 0, **structured)
+            grammar_of(params)  # (a schema, expression or grammar that cannot be used: 400 before it queues)
         except RequestError as e:
-            raise APIError(str(e), param=_param_of(str(e))) from None
+            raise APIError(str(e), param=source if structured and str(e).startswith(tuple(structured)) else
+                           _param_of(str(e))) from None
+        return params
 
     # -- running a request
     def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str
@@ -429,6 +429,41 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
             raise APIError(f"logit_bias keys are token ids, got {k[:40]!r}", param="logit_bias")
         out[int(k)] = v
     return out
+
+
+def structured_of(req: Any) -> tuple[dict[str, Any], str | None]:
+    """The structured output a request asks for, as SamplingParams fields, and the request field it came from:
+    ``response_format`` (OpenAI's: json_object, or json_schema with its ``schema``), vLLM's ``structured_outputs``,
+    or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one."""
+    asked: list[tuple[dict[str, Any], str]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            asked.append(({"json_object": True}, "response_format"))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):
+                raise APIError("response_format json_schema: give {\"type\": \"json_schema\", \"json_schema\": "
+                               "{\"name\": ..., \"schema\": {...}}}", param="response_format")
+            asked.append(({"json_schema": spec["schema"]}, "response_format"))
+        elif kind != "text":
+            raise APIError("response_format: the type is \"text\", \"json_object\" or \"json_schema\", got "
+                           f"{str(fmt)[:80]}", param="response_format")
+    so = req.structured_outputs
+    if so is not None:
+        for field, name in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"),
+                            ("json_object", "json_object")):
+            if getattr(so, field) not in (None, False):
+                asked.append(({name: getattr(so, field)}, "structured_outputs"))
+    for field, name in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                        ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            asked.append(({name: getattr(req, field)}, field))
+    if len(asked) > 1:
+        raise APIError("at most one structured output per request, got " + " and ".join(
+            f"{s} ({next(iter(k))})" for k, s in asked), param=asked[1][1])
+    return asked[0] if asked else ({}, None)
 
 
 def _param_of(message: str) -> str | None:

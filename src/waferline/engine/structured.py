@@ -1,0 +1,136 @@
+"""Structured outputs: a request's output held to a JSON object (JSON mode), a JSON Schema, a regular expression, one
+of a list of strings, or a context-free grammar (Lark, or GBNF as llama.cpp writes it).
+
+The grammar engine is llguidance (the library vLLM's and llama.cpp's structured outputs use): ``grammar_of`` turns a
+request's ``SamplingParams`` into an llguidance grammar and checks it (``RequestError`` with the library's reason:
+the server answers 400 before the request queues); ``constraint`` makes one request's ``GrammarConstraint`` over the
+model's tokenizer: ``allowed()`` (bool [V]) before a token is drawn, ``advance(token)`` after. The tokenizer's
+vocabulary is read into llguidance once per tokenizer (~20 ms for 4k tokens, ~1 s for 128k) and kept.
+
+The output's end: the stop tokens (end-of-sequence and ``stop_token_ids``) may be drawn only where the grammar is
+complete, and once nothing else can follow they are all that may be; special tokens never enter the output. JSON
+allows any whitespace between tokens (RFC 8259), as vLLM's default does.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+import torch
+
+from waferline.errors import RequestError
+
+# between JSON tokens: at most a space, then at most a line break and 48 spaces or tabs of indentation (compact and
+# pretty-printed JSON; not the unbounded runs of whitespace that models which have seen little JSON fall into). A
+# schema's own "x-guidance" options override these (llguidance's JSON options).
+JSON_OPTIONS = {"whitespace_pattern": r"[ ]?(\r?\n[ \t]{0,48})?"}
+_LOCK = threading.Lock()
+_TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llguidance LLTokenizer)
+_BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+
+
+def _grammar_text(params: Any, kind: str) -> str:
+    from llguidance import LLMatcher
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)  # (a Lark string literal is JSON's)
+        return LLMatcher.grammar_from_lark(lark)
+    try:  # (GBNF, llama.cpp's grammar format, is translated to Lark; a Lark grammar is kept as it is)
+        text = any_to_lark(params.grammar)
+    except Exception as e:
+        raise RequestError(f"grammar cannot be used: neither Lark nor a GBNF grammar llguidance reads "
+                           f"({str(e)[:300]})") from None
+    return LLMatcher.grammar_from_lark(text)
+
+
+def grammar_of(params: Any) -> str | None:
+    """The llguidance grammar of the structured output ``params`` asks for (None where none); RequestError where the
+    schema, expression or grammar cannot be used."""
+    kind = params.structured
+    if kind is None:
+        return None
+    from llguidance import LLMatcher
+
+    try:
+        grammar = _grammar_text(params, kind)
+    except (ValueError, TypeError) as e:
+        raise RequestError(f"{kind} cannot be used: {str(e)[:300]}") from None
+    err = LLMatcher.validate_grammar(grammar)
+    if err and not err.startswith("WARNING"):
+        raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
+    return grammar
+
+
+def _ll_tokenizer(tokenizer: Any) -> Any:
+    with _LOCK:
+        hit = _TOKENIZERS.get(id(tokenizer))
+        if hit is None or hit[0] is not tokenizer:
+            import llguidance.hf
+
+            try:
+                ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+            except ValueError as e:  # (a slow, Python-only tokenizer)
+                raise RequestError(f"structured output needs a fast (tokenizer.json) tokenizer: {e}") from None
+            if len(_TOKENIZERS) >= 4:
+                _TOKENIZERS.clear()
+            hit = _TOKENIZERS[id(tokenizer)] = (tokenizer, ll)
+        return hit[1]
+
+
+class GrammarConstraint:
+    """One request's structured output: ``allowed()`` (bool [V]) before a token is drawn, ``advance(token)`` after;
+    ``complete`` once the output is a whole sentence of the grammar."""
+
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], grammar_eos: list[int]):
+        self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
+        self._grammar_eos = [t for t in grammar_eos if t not in stop_ids and t < vocab_size]
+        self._stops = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.long)
+
+    def allowed(self) -> torch.Tensor:
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        bits = (packed.unsqueeze(1) & _BIT).ne(0).reshape(-1)
+        m = torch.zeros(self.vocab_size, dtype=torch.bool)
+        n = min(self.vocab_size, bits.numel())
+        m[:n] = bits[:n]
+        if self._grammar_eos:  # (the tokenizer's end-of-sequence where it is not a stop token of this request)
+            m[torch.tensor(self._grammar_eos, dtype=torch.long)] = False
+        if self._stops.numel():
+            m[self._stops] = self.matcher.is_accepting()
+        return m
+
+    def advance(self, token: int) -> None:
+        if token in self.stop_ids:  # (a stop token ends the output: it adds nothing)
+            return
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"structured output: token {token} does not continue the output "
+                               f"({self.matcher.get_error()[:200]})")
+
+    @property
+    def complete(self) -> bool:
+        return self.matcher.is_accepting()
+
+
+def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None, params: Any
+               ) -> GrammarConstraint | None:
+    """A fresh constraint for one request over ``tokenizer``'s vocabulary (None where ``params`` asks for none)."""
+    grammar = grammar_of(params)
+    if grammar is None:
+        return None
+    if tokenizer is None:
+        raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
+    from llguidance import LLMatcher
+
+    ll = _ll_tokenizer(tokenizer)
+    matcher = LLMatcher(ll, grammar, log_level=0)
+    if matcher.is_error():
+        raise RequestError(f"{params.structured} cannot be used with this tokenizer: {matcher.get_error()[:400]}")
+    return GrammarConstraint(matcher, vocab_size, frozenset(stop_ids or ()), list(ll.eos_tokens))

@@ -1,0 +1,195 @@
+"""Structured outputs (engine/structured.py over llguidance): random walks through the masks of a real tokenizer end
+only in texts of the language (JSON objects, a schema's instances, a regex's matches, one of the choices, a grammar's
+sentences), the choice masks allow only prefixes, SentencePiece pieces keep their space, and LLM.generate holds its
+output to them (a batch as lone requests, sampled and greedy); bad requests fail with the library's reason."""
+
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from waferline.engine import structured
+from waferline.engine.sampling import SamplingParams
+from waferline.errors import RequestError
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+          "required": ["name", "age"], "additionalProperties": False}
+CHOICES = ["Denmark", "Norway", "England", "Den"]
+REGEX = r"(Yes|No), my lord[.!]"
+LARK = 'start: "To " WORD " or not"\nWORD: /[a-z]{1,8}/'
+GBNF = 'root ::= "wafer " num\nnum ::= [0-9] | [0-9] [0-9]'
+
+
+def _schema_ok(obj) -> bool:
+    return (isinstance(obj, dict) and set(obj) <= {"name", "age", "tags"} and {"name", "age"} <= set(obj)
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 6
+            and type(obj["age"]) is int and 0 <= obj["age"] <= 120
+            and all(t in ("a", "b") for t in obj.get("tags", [])) and len(obj.get("tags", [])) <= 3)
+
+
+# whole texts: each kind's check of a finished output
+WHOLE = {
+    "json_object": lambda s: isinstance(json.loads(s), dict),
+    "json_schema": lambda s: _schema_ok(json.loads(s)),
+    "regex": lambda s: re.fullmatch(REGEX, s) is not None,
+    "choice": lambda s: s in CHOICES,
+    "grammar": lambda s: re.fullmatch(r"To [a-z]{1,8} or not", s) is not None,
+}
+KINDS = {"json_object": True, "json_schema": SCHEMA, "regex": REGEX, "choice": CHOICES, "grammar": LARK}
+
+
+@pytest.fixture(scope="module")
+def tok(sol):
+    from waferline.model.load import load_tokenizer
+
+    return load_tokenizer(sol)
+
+
+def _walk(c, tok, rng: random.Random, limit: int, prefer_stop: float) -> tuple[str, bool]:
+    """A random walk through the masks: (the text, whether it ended on a stop token)."""
+    out: list[int] = []
+    eos = tok.eos_token_id
+    for _ in range(limit):
+        allowed = c.allowed()
+        ids = allowed.nonzero().flatten().tolist()
+        assert ids, "a mask with no token"
+        assert allowed[eos].item() == c.complete  # the end only where the text is whole
+        t = eos if eos in ids and rng.random() < prefer_stop else rng.choice(ids)
+        c.advance(t)
+        if t == eos:
+            return tok.decode(out), True
+        out.append(t)
+    return tok.decode(out), False
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_random_walks_end_only_in_the_language(kind, tok):
+    rng = random.Random(7)
+    ended = 0
+    for _ in range(25):
+        c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(**{kind: KINDS[kind]}))
+        text, stopped = _walk(c, tok, rng, 120, prefer_stop=0.5)
+        if stopped:
+            ended += 1
+            assert WHOLE[kind](text), (kind, text)
+    assert ended >= 10, f"only {ended} of 25 walks ended"
+
+
+def test_choice_masks_keep_a_prefix_of_a_choice(tok):
+    """Every token the mask allows keeps the text a prefix of a choice, the end comes exactly where the text is one,
+    and no walk is stuck. (llguidance may allow fewer: where the bytes ahead are forced, only the tokens that spell
+    them as the tokenizer would, "D" "en" rather than "D" "e" "n".)"""
+    vocab = [tok.decode([t]) for t in range(len(tok))]
+    special = set(tok.all_special_ids)
+    rng = random.Random(3)
+    for _ in range(10):
+        c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(choice=CHOICES))
+        text = ""
+        while True:
+            allowed = c.allowed()
+            want = torch.tensor([t not in special and any(ch.startswith(text + vocab[t]) for ch in CHOICES)
+                                 for t in range(len(tok))])
+            want[tok.eos_token_id] = text in CHOICES
+            assert not (allowed & ~want).any() and allowed[tok.eos_token_id] == want[tok.eos_token_id], text
+            assert allowed.any()
+            t = rng.choice(allowed.nonzero().flatten().tolist())
+            c.advance(t)
+            if t == tok.eos_token_id:
+                break
+            text += vocab[t]
+        assert text in CHOICES
+
+
+def test_gbnf_grammars_are_read(tok):
+    rng = random.Random(1)
+    for _ in range(10):
+        c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(grammar=GBNF))
+        text, stopped = _walk(c, tok, rng, 20, prefer_stop=0.7)
+        assert stopped and re.fullmatch(r"wafer [0-9]{1,2}", text), text
+
+
+def test_stop_token_ids_wait_for_a_whole_text_and_ids_past_the_tokenizer_are_masked(tok):
+    stop = tok.encode("x", add_special_tokens=False)[0]
+    c = structured.constraint(tok, len(tok) + 64, frozenset({tok.eos_token_id, stop}), SamplingParams(regex="Na"))
+    m = c.allowed()
+    assert m.shape == (len(tok) + 64,) and not m[len(tok):].any()
+    assert m.any() and not m[stop] and not m[tok.eos_token_id]
+    for t in tok.encode("Na", add_special_tokens=False):
+        c.advance(t)
+    m = c.allowed()
+    assert c.complete and m[stop] and m[tok.eos_token_id] and m.sum() == 2
+
+
+def test_sentencepiece_pieces_keep_their_space():
+    """A SentencePiece vocabulary (Llama / Mistral style: "▁" marks a space, byte-fallback pieces, a decoder that strips
+    the first space): "1" then "▁2" is not one number, and byte pieces spell characters."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from waferline.engine.token_bytes import byte_level_alphabet, token_bytes_of
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3, "{": 4, "}": 5, '"': 6, "a": 7, ":": 8, "1": 9,
+             "\u25812": 10, "2": 11}
+    vocab |= {f"<0x{i:02X}>": len(vocab) + i for i in range(256)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    assert token_bytes_of(hf, 10, None, {0, 1, 2}) == b" 2" and token_bytes_of(hf, 2, None, {0, 1, 2}) is None
+    assert token_bytes_of(hf, 12 + 0xE2, None, {0, 1, 2}) == b"\xe2" and byte_level_alphabet()["\u0120"] == 0x20
+    c = structured.constraint(hf, len(hf), frozenset({2}), SamplingParams(json_object=True))
+    for t in (4, 6, 7, 6, 8, 9):  # {"a":1
+        c.advance(t)
+    m = c.allowed()
+    assert m[11] and not m[10] and not m[2]  # "2" continues the number; " 2" would be a second value; not whole yet
+    c.advance(5)
+    assert c.complete and c.allowed()[2]
+    c = structured.constraint(hf, len(hf), frozenset({2}), SamplingParams(regex="é"))
+    m = c.allowed()
+    assert m[12 + 0xC3] and not m[12 + 0xC4]  # é is C3 A9
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    (dict(regex="("), "regex cannot be used"),
+    (dict(json_schema={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json_schema cannot be used"),
+    (dict(json_schema="{not json"), "json_schema is not valid JSON"),
+    (dict(grammar="start: undefined_rule"), "grammar cannot be used"),
+    (dict(grammar="root ::= ("), "grammar cannot be used"),
+    (dict(choice=[]), "choice must be a non-empty list"),
+    (dict(choice=["a", 3]), "choice must be a non-empty list"),
+    (dict(regex="a", choice=["a"]), "at most one structured output"),
+    (dict(regex="a", ignore_eos=True), "cannot be combined with ignore_eos"),
+])
+def test_bad_structured_outputs_are_refused(kw, words):
+    from waferline.engine.sequence import check_request
+
+    with pytest.raises(RequestError, match=words):  # (when made, or when checked for the engine)
+        check_request([1, 2], SamplingParams(**kw), 100, 64)
+
+
+def test_generate_holds_every_kind(sol):
+    """LLM.generate: sampled rows that stopped are whole texts of their kind, greedy ones too, and a row's tokens are
+    the ones it gets alone (each row its own constraint)."""
+    from waferline.engine.llm import LLM
+
+    llm = LLM(sol)
+    try:
+        prompts = [llm.encode(p) for p in ("The wafer holds", "Experts route tokens", "KING. Speak")]
+        stopped = 0
+        for kind, value in KINDS.items():
+            for temperature in (1.0, 0.0):
+                params = SamplingParams(max_tokens=48, temperature=temperature, seed=5, **{kind: value})
+                outs = llm.generate(prompts, params)
+                for out in outs:
+                    if out.finish_reason == "stop":
+                        stopped += 1
+                        assert WHOLE[kind](out.text), (kind, out.text)
+                assert outs[0].token_ids == llm.generate(prompts[:1], params)[0].token_ids
+        assert stopped >= 15
+    finally:
+        llm.close()
