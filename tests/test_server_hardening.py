@@ -391,9 +391,7 @@ def test_allowed_hosts_are_compared_as_host_names(live):
 def test_unsupported_options_are_refused(live, client):
     msgs = [{"role": "user", "content": "x"}]
     fn = {"name": "f", "parameters": {"type": "object", "properties": {}}}
-    for kw, param in [(dict(tools=[{"type": "function", "function": fn}]), "tools"),
-                      (dict(tool_choice="auto"), "tool_choice"), (dict(functions=[fn]), "functions"),
-                      (dict(function_call="auto"), "function_call"),
+    for kw, param in [(dict(functions=[fn]), "functions"), (dict(function_call="auto"), "function_call"),
                       (dict(modalities=["text", "audio"]), "modalities")]:
         with pytest.raises(openai.BadRequestError, match="not supported|only") as e:
             client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2, **kw)

@@ -36,6 +36,7 @@ from waferline.server.protocol import (
     error_body,
 )
 from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
+from waferline.server.tools import plan_of
 
 __all__ = ["Server", "create_app", "FALLBACK_CHAT_TEMPLATE", "FALLBACK_GENERATION_PROMPT"]
 
@@ -194,7 +195,8 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
         echo = [(sent or [""] * len(prompts))[i // n] or server.token_texts.text(ids) for i, (ids, _) in
                 enumerate(runs)]
     choices = Choices(chat, [ids for ids, _ in runs], n, echo, bool(echo) and req.max_tokens == 0,
-                      server.token_texts if runs[0][1].logprobs is not None else None, req.return_token_ids)
+                      server.token_texts if runs[0][1].logprobs is not None else None, req.return_token_ids,
+                      plan_of(req, server.tool_call_parser) if chat else None)
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": server.model_name}
     events = server.start(runs, rid)  # a full queue or a bad request is an HTTP error, not a broken stream

@@ -10,6 +10,7 @@ from typing import Any
 from waferline.engine.sampling import TokenLogprobs
 from waferline.engine.sequence import Event
 from waferline.server.logprobs import TokenTexts, chat_entry, completion_logprobs, echoed
+from waferline.server.tools import ToolPlan, ToolStream
 
 
 @dataclass
@@ -28,18 +29,22 @@ class Choice:
     last: Event | None = None
     offset: int = 0  # (streamed completions: the next token's text_offset)
     echoed: bool = False  # (streamed: the prompt was sent)
+    tool_stream: ToolStream | None = None  # (streamed chat with tools: the content held back, the calls)
 
 
 class Choices:
     """The choices of one request. ``score_only``: completions ``echo`` with ``max_tokens`` 0 (the prompt scored
     alone: each choice's one generated token is left out of the answer); ``texts``: token texts for log-probabilities
-    (None: none were asked for)."""
+    (None: none were asked for); ``tools``: a chat request's tool plan (server/tools.py), whose calls are read from
+    each choice's text."""
 
     def __init__(self, chat: bool, prompts: list[list[int]], n: int, echo: list[str] | None, score_only: bool,
-                 texts: TokenTexts | None, token_ids: bool):
+                 texts: TokenTexts | None, token_ids: bool, tools: ToolPlan | None = None):
         """``prompts``: each choice's (each prompt ``n`` times in a row); ``echo``: each choice's echoed text."""
         self.chat, self.score_only, self.texts, self.token_ids = chat, score_only, texts, token_ids
-        self.items = [Choice(i, ids, i % n == 0, None if echo is None else echo[i]) for i, ids in enumerate(prompts)]
+        self.tools = tools
+        self.items = [Choice(i, ids, i % n == 0, None if echo is None else echo[i],
+                             tool_stream=None if tools is None else ToolStream(tools)) for i, ids in enumerate(prompts)]
 
     # -- the whole answer
     def add(self, i: int, ev: Event) -> None:
@@ -70,7 +75,11 @@ class Choices:
             assert c.last is not None
             text, toks, lps = ("", [], []) if self.score_only else ("".join(c.text), c.toks, c.lps)
             choice: dict[str, Any] = {"index": c.index, "logprobs": None, "finish_reason": self._reason(c.last)}
-            if self.chat:
+            if self.chat and self.tools is not None:
+                content, calls = self.tools.calls(text)
+                choice["message"] = {"role": "assistant", "content": content} | ({"tool_calls": calls} if calls else {})
+                choice["finish_reason"] = self.tools.finish_reason(calls, choice["finish_reason"])
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = (c.echo or "") + text
@@ -107,7 +116,7 @@ class Choices:
                 ch["logprobs"], c.offset = lp, sum(len(t) for t in lp["tokens"])
             out.append(ch)
         if ev.token_id is not None and not self.score_only:
-            ch = self._chunk(c, ev.text)
+            ch = self._chunk(c, ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text))
             if self.texts is not None and ev.logprobs is not None:
                 if self.chat:
                     ch["logprobs"] = {"content": [chat_entry(ev.logprobs, self.texts)]}
@@ -118,8 +127,18 @@ class Choices:
                 ch["token_ids"] = [ev.token_id]
             out.append(ch)
         if ev.finished and ev.finish_reason != "error":
+            reason = self._reason(ev)
+            if c.tool_stream is not None and self.tools is not None:
+                rest = c.tool_stream.finish()
+                if rest:
+                    out.append(self._chunk(c, rest))
+                if c.tool_stream.calls:
+                    ch = self._chunk(c, None)
+                    ch["delta"]["tool_calls"] = [{"index": k} | call for k, call in enumerate(c.tool_stream.calls)]
+                    out.append(ch)
+                reason = self.tools.finish_reason(c.tool_stream.calls, reason)
             ch = self._chunk(c, None if self.chat else "")
-            ch["finish_reason"] = self._reason(ev)
+            ch["finish_reason"] = reason
             out.append(ch)
         return out
 

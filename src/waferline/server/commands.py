@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError, UsageError
+from waferline.server.tools import PARSERS
 
 
 def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int = 16, max_num_seqs: int = 16,
@@ -24,7 +25,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  hang_timeout_s: float | None = None, threads_per_stage: int | None = None,
                  group_size: int | None = None, head_bits: int = 16, afd: bool = False,
                  attention_ranks: int | None = None, ffn_ranks: int | None = None,
-                 on_fatal: Callable[[str], None] | None = None) -> Any:
+                 tool_call_parser: str | None = None, on_fatal: Callable[[str], None] | None = None) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
@@ -37,6 +38,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     from waferline.server.app import Server, create_app
 
     path = Path(model)
+    if tool_call_parser not in (None, *PARSERS):
+        raise ConfigError(f"--tool-call-parser {tool_call_parser}: not one of {', '.join(PARSERS)}")
     if not path.is_dir():
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
     if body_timeout <= 0:
@@ -88,7 +91,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise
     engine = EngineLoop(scheduler, torch_threads=torch_threads, on_fatal=on_fatal).start()
     server = Server(engine, served_model_name or path.name, api_key, max_body_bytes, body_timeout=body_timeout,
-                    allowed_hosts=allowed_hosts)
+                    allowed_hosts=allowed_hosts, tool_call_parser=tool_call_parser)
     return create_app(server)
 
 
@@ -185,7 +188,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        stages=args.stages, layers_per_stage=args.layers_per_stage, micro_batches=args.micro_batches,
                        hang_timeout_s=args.hang_timeout, group_size=args.group_size, head_bits=args.head_bits,
                        afd=args.afd, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
-                       on_fatal=fatal)
+                       tool_call_parser=args.tool_call_parser, on_fatal=fatal)
     engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -281,5 +284,9 @@ def register(sub: Any) -> None:
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="without --api-key the server answers only requests whose Host is localhost, an IP address or "
                         "this machine's name; add comma-separated host names here (e.g. a name in /etc/hosts)")
+    s.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
+                   help="read the model's own tool calls (tool_choice \"auto\"): hermes = "
+                        "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them. Without it, chat with "
+                        "tools takes tool_choice \"required\", a named function or \"none\"")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     s.set_defaults(func=_cmd_serve)

@@ -94,11 +94,38 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # (JSON text, as OpenAI sends it)
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (sent back in the conversation's history)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # (assistant)
+    tool_call_id: str | None = None  # (tool: the call this answers)
 
     def text(self) -> str:
         if self.content is None:
@@ -113,9 +140,10 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None  # each generated token's log-probability ...
     top_logprobs: int | None = None  # ... and the N most likely tokens' (0-20; needs logprobs: true)
-    # function calling, structured output and audio are not supported: these are parsed only to be refused (400)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None  # function calling (server/tools.py)
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
+    # the deprecated function-calling fields and audio are not supported: parsed only to be refused (400)
     functions: Any = None
     function_call: Any = None
     modalities: list[str] | None = None
@@ -128,6 +156,7 @@ class TokenizeRequest(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # (with messages: as the chat template renders them)
     add_special_tokens: bool = False
 
 

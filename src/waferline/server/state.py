@@ -29,6 +29,7 @@ from waferline.errors import RequestError
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest, parse
+from waferline.server.tools import plan_of, template_messages
 
 log = logging.getLogger("waferline.server")
 
@@ -46,8 +47,9 @@ class Server:
     """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key."""
 
     def __init__(self, engine: EngineLoop, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = ()):
+                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = (), tool_call_parser: str | None = None):
         self.engine = engine
+        self.tool_call_parser = tool_call_parser  # (reads the model's own tool calls: tool_choice "auto")
         self.llm = engine.scheduler.llm
         self.model_name = model_name
         self.api_key = api_key
@@ -215,17 +217,19 @@ class Server:
                 "with token ids",
                 param="messages",
             )
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+        msgs = template_messages(req)
         template = getattr(tok, "chat_template", None)
         if template:
+            tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or []] or None
             try:
                 with self.encode_lock:
-                    text = self.encode_tokenizer.apply_chat_template(msgs, chat_template=template,
+                    text = self.encode_tokenizer.apply_chat_template(msgs, chat_template=template, tools=tools,
                                                                      add_generation_prompt=True, tokenize=False)
             except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
                 raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
         else:
-            text = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
+            text = "".join(FALLBACK_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in msgs) \
+                + FALLBACK_GENERATION_PROMPT
         return self.encode(text)
 
     @staticmethod
@@ -239,13 +243,12 @@ class Server:
             raise APIError("suffix is not supported", param="suffix")
         if not isinstance(req, ChatRequest):
             return
-        for name in ("tools", "functions"):
-            if getattr(req, name):
-                raise APIError(f"{name} (function calling) is not supported by this server: send the request without "
-                               f"'{name}'", param=name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none"):
-                raise APIError(f"{name} is not supported (function calling is not available)", param=name)
+        if req.functions:
+            raise APIError("functions (the deprecated function calling) is not supported: send them as tools",
+                           param="functions")
+        if req.function_call not in (None, "none"):
+            raise APIError("function_call (the deprecated function calling) is not supported: use tool_choice",
+                           param="function_call")
         if req.modalities is not None and list(req.modalities) != ["text"]:
             raise APIError("modalities: only [\"text\"] is supported", param="modalities")
         if req.audio is not None:
@@ -304,7 +307,7 @@ class Server:
             if req.top_logprobs and not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        structured, source = structured_of(req)
+        structured, source = structured_of(req, self.tool_call_parser)
         if structured and self.llm.tokenizer is None:
             raise APIError("structured output needs the model's tokenizer (tokenizer.json)", param=source)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -431,11 +434,16 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def structured_of(req: Any) -> tuple[dict[str, Any], str | None]:
+def structured_of(req: Any, tool_call_parser: str | None = None) -> tuple[dict[str, Any], str | None]:
     """The structured output a request asks for, as SamplingParams fields, and the request field it came from:
     ``response_format`` (OpenAI's: json_object, or json_schema with its ``schema``), vLLM's ``structured_outputs``,
-    or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at most one."""
+    or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or a chat request's
+    named or required ``tool_choice`` (server/tools.py); at most one."""
     asked: list[tuple[dict[str, Any], str]] = []
+    if isinstance(req, ChatRequest):
+        plan = plan_of(req, tool_call_parser)
+        if plan is not None and plan.structured():
+            asked.append((plan.structured(), "tool_choice"))
     fmt = req.response_format
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None

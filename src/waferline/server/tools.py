@@ -1,0 +1,185 @@
+"""Function calling in chat completions: ``tools`` and ``tool_choice``, as OpenAI's API and vLLM's server take them.
+
+``tool_choice`` (default ``"auto"`` where tools are given, as OpenAI's):
+
+- ``{"type": "function", "function": {"name": N}}``: the answer is a call of N; its arguments are held to N's
+  ``parameters`` schema by a structured output (engine/structured.py), whatever the model;
+- ``"required"``: one or more calls (one with ``parallel_tool_calls: false``), held to a JSON array of
+  ``{"name": ..., "parameters": ...}`` objects, one of the tools each;
+- ``"auto"``: the model decides, in its own tool-call format, which a parser reads from the text. Only with
+  ``waferline serve --tool-call-parser hermes`` (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, as
+  Hermes, Qwen 2.5/3 and others write them); text before the first call is the message's content;
+- ``"none"``: no call; the tools still reach the chat template.
+
+The model sees the tools only through its chat template (``apply_chat_template(tools=...)``); a template that does not
+render them leaves named and required calls to the structured output alone. Answers carry ``message.tool_calls``
+(``finish_reason`` ``"tool_calls"``, or ``"stop"`` for a named call, as OpenAI's); streamed, content goes out as it
+comes, and the calls in one chunk when the choice ends (a text cut by ``max_tokens`` stays content).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from waferline.server.protocol import APIError
+
+PARSERS = ("hermes",)
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_HERMES = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.DOTALL)
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools ask of its answer: ``mode`` "named", "required" or "auto"."""
+
+    mode: str
+    tools: dict[str, dict[str, Any]]  # name -> its parameters schema
+    name: str | None = None  # (named)
+    parallel: bool = True
+
+    def structured(self) -> dict[str, Any]:
+        """The SamplingParams fields that hold the answer to this plan's calls (none for "auto")."""
+        if self.mode == "named":
+            return {"json_schema": self.tools[self.name or ""]}
+        if self.mode == "required":
+            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
+                                "required": ["name", "parameters"], "additionalProperties": False}
+                               for n, schema in self.tools.items()]}
+            return {"json_schema": {"type": "array", "items": calls, "minItems": 1}
+                    | ({} if self.parallel else {"maxItems": 1})}
+        return {}
+
+    def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+        """A finished answer's (content, tool calls): no calls where the text holds none this plan can read (then the
+        whole text is the content)."""
+        found: list[tuple[str, Any]] = []
+        content: str | None = None
+        try:
+            if self.mode == "named":
+                found = [(self.name or "", json.loads(text))]
+            elif self.mode == "required":
+                found = [(c["name"], c["parameters"]) for c in json.loads(text)]
+            else:
+                first = text.find(OPEN)
+                if first < 0:
+                    return text, []
+                for m in _HERMES.finditer(text, first):
+                    call = json.loads(m.group(1))
+                    args = call.get("arguments", call.get("parameters", {}))
+                    found.append((call["name"], json.loads(args) if isinstance(args, str) else args))
+                content = text[:first].strip() or None
+        except (ValueError, TypeError, KeyError, AttributeError):  # (cut by max_tokens, or not a call at all)
+            return text, []
+        if not found or any(name not in self.tools or not isinstance(args, dict) for name, args in found):
+            return text, []
+        if not self.parallel:
+            found = found[:1]
+        return content, [call_object(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
+
+    def finish_reason(self, calls: list[dict[str, Any]], reason: str | None) -> str | None:
+        return "tool_calls" if calls and self.mode != "named" else reason
+
+
+def call_object(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def plan_of(req: Any, parser: str | None) -> ToolPlan | None:
+    """The tool plan of a chat request (None: no calls will be read), or a 400 naming the field that is wrong."""
+    tools = getattr(req, "tools", None) or []
+    choice = req.tool_choice
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise APIError("tools: each function needs a name of its own", param="tools")
+    schemas = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if choice.get("type") == "function" and isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise APIError('tool_choice: give "none", "auto", "required" or {"type": "function", "function": '
+                           '{"name": ...}}', param="tool_choice")
+        if name not in schemas:
+            raise APIError(f"tool_choice names {name[:64]!r}, which is not among the tools", param="tool_choice")
+        return ToolPlan("named", schemas, name)
+    if choice not in (None, "none", "auto", "required"):
+        raise APIError(f'tool_choice must be "none", "auto", "required" or a named function, got {str(choice)[:40]!r}',
+                       param="tool_choice")
+    if choice in ("auto", "required") and not tools:
+        raise APIError(f'tool_choice "{choice}" needs tools', param="tool_choice")
+    if not tools or choice == "none":
+        return None
+    parallel = req.parallel_tool_calls is not False
+    if choice == "required":
+        return ToolPlan("required", schemas, parallel=parallel)
+    if parser is None:
+        raise APIError('tool_choice "auto" (the default where tools are given) needs the model\'s tool-call format: '
+                       "start the server with --tool-call-parser hermes, or send tool_choice \"required\" or a named "
+                       "function", param="tool_choice")
+    return ToolPlan("auto", schemas, parallel=parallel)
+
+
+def template_messages(req: Any) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it: assistant calls with their arguments as objects (as Hugging Face
+    templates read ``tool_call.function.arguments``), a tool's answer with the id of the call it answers."""
+    out = []
+    for m in req.messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if getattr(m, "tool_calls", None):
+            d["tool_calls"] = [{"id": c.id, "type": "function",
+                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                               for c in m.tool_calls]
+        if getattr(m, "tool_call_id", None):
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+@dataclass
+class ToolStream:
+    """One streamed choice under a tool plan: ``feed`` gives the text that may go out as content now (under "auto",
+    all before a call's opening tag, holding back a tail that may begin one; under named and required, nothing),
+    ``finish`` the content still held and the calls."""
+
+    plan: ToolPlan
+    text: str = ""
+    sent: int = 0
+    held: bool = False
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.plan.mode != "auto" or self.held:
+            return ""
+        at = self.text.find(OPEN, self.sent)
+        if at >= 0:
+            self.held = True
+            end = at
+        else:
+            keep = next((k for k in range(min(len(OPEN) - 1, len(self.text)), 0, -1)
+                         if OPEN.startswith(self.text[-k:])), 0)
+            end = len(self.text) - keep
+        out, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return out
+
+    def finish(self) -> str:
+        """The content still to send at the choice's end (the calls are then in ``calls``)."""
+        content, self.calls = self.plan.calls(self.text)
+        if not self.calls:
+            return self.text[self.sent:]
+        if self.plan.mode == "auto":  # (content before the first call went out already)
+            return ""
+        return content or ""

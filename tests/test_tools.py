@@ -1,0 +1,192 @@
+"""Function calling (server/tools.py): tool plans from requests (and their 400s), calls read from finished texts
+(named, required, Hermes tags for "auto"), the streamed hold-back of a call's tags, and through the official openai
+client: named and required calls held to their schemas, "auto" read from the model's text, streamed as not, a
+conversation's calls and tool answers reaching the chat template."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_helpers import KEY
+from waferline.server.protocol import APIError, ChatRequest, parse
+from waferline.server.tools import ToolPlan, ToolStream, plan_of
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+MSGS = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def _req(**kw) -> ChatRequest:
+    return parse(ChatRequest, {"model": "m", "messages": MSGS, **kw})
+
+
+def test_plans_and_their_refusals():
+    assert plan_of(_req(), None) is None and plan_of(_req(tools=[WEATHER], tool_choice="none"), None) is None
+    named = plan_of(_req(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
+                    None)
+    assert named.mode == "named" and named.structured() == {"json_schema": TIME["function"]["parameters"]}
+    req = plan_of(_req(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), None)
+    schema = req.structured()["json_schema"]
+    assert req.mode == "required" and schema["maxItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    assert plan_of(_req(tools=[WEATHER]), "hermes").mode == "auto"
+    for kw, parser, says in [(dict(tools=[WEATHER]), None, "--tool-call-parser"),
+                             (dict(tool_choice="required"), None, "needs tools"),
+                             (dict(tool_choice="auto"), "hermes", "needs tools"),
+                             (dict(tools=[WEATHER], tool_choice="sometimes"), None, "must be"),
+                             (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+                              None, "not among the tools"),
+                             (dict(tools=[WEATHER, WEATHER], tool_choice="required"), None, "name of its own")]:
+        with pytest.raises(APIError, match=says) as e:
+            plan_of(_req(**kw), parser)
+        assert e.value.param in ("tool_choice", "tools")
+    with pytest.raises(APIError, match="tools"):  # a malformed tool: the request's shape is refused
+        _req(tools=[{"type": "function", "function": {"name": "has space"}}])
+
+
+def test_calls_read_from_finished_texts():
+    tools = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
+    content, calls = ToolPlan("named", tools, "get_weather").calls('{"city": "Oslo"}')
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Oslo"})] and calls[0]["id"].startswith("call_")
+    _, calls = ToolPlan("required", tools).calls('[{"name": "get_time", "parameters": {"zone": "UTC"}}, '
+                                                 '{"name": "get_weather", "parameters": {"city": "Rome"}}]')
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_weather"]
+    auto = ToolPlan("auto", tools)
+    text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}')  # (the last one unclosed)
+    content, calls = auto.calls(text)
+    assert content == "Let me look." and [json.loads(c["function"]["arguments"]) for c in calls] == \
+        [{"city": "Oslo"}, {"zone": "CET"}]
+    assert len(ToolPlan("auto", tools, parallel=False).calls(text)[1]) == 1
+    for bad in ('{"city": "Os', "no call here", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
+                "<tool_call>not json</tool_call>"):
+        plan = ToolPlan("named", tools, "get_weather") if bad.startswith("{") else auto
+        assert plan.calls(bad) == (bad, [])  # (cut by max_tokens, or no call it can read: the text is the content)
+    assert auto.finish_reason(calls, "stop") == "tool_calls" and auto.finish_reason([], "length") == "length"
+    assert ToolPlan("named", tools, "get_time").finish_reason(calls, "stop") == "stop"  # (as OpenAI's)
+
+
+def test_streamed_content_holds_back_a_call():
+    tools = {"get_weather": WEATHER["function"]["parameters"]}
+    s = ToolStream(ToolPlan("auto", tools))
+    sent = [s.feed(p) for p in ("Sure", ", <", "tool", "_call>", '{"name": "get_weather", ', '"arguments": {}}',
+                                "</tool_call>")]
+    assert "".join(sent) == "Sure, " and sent[1] == ", "  # ("<" might open a call: held until it does not)
+    assert s.finish() == "" and s.calls[0]["function"]["name"] == "get_weather"
+    s = ToolStream(ToolPlan("auto", tools))
+    assert s.feed("a < b") == "a < b" and s.feed(" <t") == " " and s.finish() == "<t" and not s.calls
+    s = ToolStream(ToolPlan("named", tools, "get_weather"))
+    assert s.feed('{"city": "Oslo"}') == "" and s.finish() == "" and len(s.calls) == 1
+
+
+@pytest.fixture
+def parser(live):
+    live.state.server.tool_call_parser = "hermes"
+    yield
+    live.state.server.tool_call_parser = None
+
+
+def _prompt_ids(llm, msgs):
+    from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
+
+    return llm.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT)
+
+
+def test_named_and_required_calls(live, client):
+    """A named call's arguments are an instance of its schema (where the answer stopped), the tokens LLM.generate
+    samples under that schema; required calls name the tools; streamed, the calls come in the last chunks."""
+    from waferline.engine.sampling import SamplingParams
+
+    llm = live.state.server.llm
+    kw = dict(model="sol-test", messages=MSGS, max_tokens=40, temperature=1.0, tools=[WEATHER, TIME])
+    called = 0
+    for seed in range(4):
+        r = client.chat.completions.create(seed=seed, tool_choice={"type": "function",
+                                                                   "function": {"name": "get_weather"}}, **kw)
+        c = r.choices[0]
+        want = llm.generate([_prompt_ids(llm, MSGS)], SamplingParams(
+            max_tokens=40, temperature=1.0, seed=seed, json_schema=WEATHER["function"]["parameters"]))[0]
+        if c.message.tool_calls:
+            called += 1
+            call = c.message.tool_calls[0]
+            args = json.loads(call.function.arguments)
+            assert call.function.name == "get_weather" and c.finish_reason == "stop" and c.message.content is None
+            assert args == json.loads(want.text) and set(args) <= {"city", "days"} and len(args["city"]) <= 10
+        else:
+            assert c.finish_reason == "length" and c.message.content == want.text
+    assert called >= 2
+    required = 0
+    for seed in range(4):
+        c = client.chat.completions.create(seed=seed, tool_choice="required", **(kw | {"max_tokens": 120})).choices[0]
+        if c.message.tool_calls:
+            required += 1
+            assert c.finish_reason == "tool_calls"
+            assert {t.function.name for t in c.message.tool_calls} <= {"get_weather", "get_time"}
+    assert required >= 1
+    named = dict(kw, seed=0, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**named).choices[0]
+    chunks = [ch for ch in client.chat.completions.create(stream=True, **named) if ch.choices]
+    streamed = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == (whole.message.content or "")
+    assert [(t.function.name, t.function.arguments) for t in streamed] == \
+        [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_auto_reads_the_models_own_calls(live, client, parser):
+    """tool_choice "auto" with the Hermes parser: a text holding <tool_call> tags (here forced by a regex, as a model
+    trained to call would write it) is read into tool_calls, the text before it the content; streamed the same."""
+    regex = r'I will check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}"\}\}</tool_call>'
+    kw = dict(model="sol-test", messages=MSGS, max_tokens=150, temperature=0.7, seed=1, tools=[WEATHER],
+              extra_body={"guided_regex": regex})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "I will check."
+    call = c.message.tool_calls[0]
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+    chunks = [ch for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "I will check. "
+    streamed = [tc for ch in chunks for tc in ch.choices[0].delta.tool_calls or []]
+    assert [t.function.arguments for t in streamed] == [call.function.arguments]
+    plain = client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=8, tools=[WEATHER]).choices[0]
+    assert not plain.message.tool_calls and plain.finish_reason in ("stop", "length")  # (no tags: content)
+
+
+def test_tools_and_calls_reach_the_chat_template(live, client):
+    """The tools, an assistant's calls (arguments as objects) and a tool's answer render through the model's chat
+    template; without --tool-call-parser, tools with the default tool_choice are a 400; functions stay refused."""
+    tok = live.state.server.llm.tokenizer
+    template = ("{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                "<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}[call {{ c.function.name }} "
+                "{{ c.function.arguments.city }}]{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]"
+                "{% endif %}{% endfor %}<assistant>")
+    msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    base, auth = live.state.base, {"Authorization": f"Bearer {KEY}"}
+    saved = tok.chat_template, live.state.server.encode_tokenizer.chat_template
+    tok.chat_template = live.state.server.encode_tokenizer.chat_template = template
+    try:
+        r = httpx.post(base + "/tokenize", headers=auth, json={"messages": msgs, "tools": [WEATHER]}).json()
+        want = "[tool get_weather]<user>Weather in Oslo?<assistant>[call get_weather Oslo]<tool>rain[for call_1]" \
+               "<assistant>"
+        assert r["tokens"] == live.state.server.llm.encode(want)
+        c = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=4, tools=[WEATHER],
+                                           tool_choice="none").choices[0]
+        assert c.message.tool_calls is None and c.finish_reason in ("stop", "length")
+    finally:
+        tok.chat_template, live.state.server.encode_tokenizer.chat_template = saved
+    with pytest.raises(openai.BadRequestError, match="--tool-call-parser") as e:
+        client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=4, tools=[WEATHER])
+    assert e.value.param == "tool_choice"
+    with pytest.raises(openai.BadRequestError, match="deprecated") as e:
+        client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=4,
+                                       functions=[WEATHER["function"]])
+    assert e.value.param == "functions"
