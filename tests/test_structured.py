@@ -193,3 +193,25 @@ def test_generate_holds_every_kind(sol):
         assert stopped >= 15
     finally:
         llm.close()
+
+
+def test_a_batch_with_params_per_prompt_gives_each_row_its_lone_tokens(sol):
+    """LLM.generate with one SamplingParams per prompt (every structured kind, greedy, sampled with logprobs): each row
+    is what it gives alone; a list of the wrong length is refused."""
+    from waferline.engine.llm import LLM
+
+    llm = LLM(sol)
+    try:
+        ids = llm.encode("The wafer holds")
+        params = [SamplingParams(max_tokens=24, temperature=1.0, seed=s, **{k: v})
+                  for s, (k, v) in enumerate(KINDS.items())]
+        params += [SamplingParams(max_tokens=12), SamplingParams(max_tokens=20, temperature=0.8, seed=9, logprobs=1)]
+        batch = llm.generate([ids] * len(params), params)
+        for p, out in zip(params, batch):
+            alone = llm.generate([ids], p)[0]
+            assert out.token_ids == alone.token_ids and out.text == alone.text
+        assert batch[-1].logprobs is not None and batch[-2].logprobs is None and len(batch[-2].token_ids) <= 12
+        with pytest.raises(RequestError, match="one per prompt"):
+            llm.generate([ids, ids], params[:1])
+    finally:
+        llm.close()

@@ -222,25 +222,34 @@ class LLM:
                                "max_tokens")
 
     def generate(
-        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None
+        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Output]:
-        """Prefill every prompt, then decode them together as one batch until each stops."""
+        """Prefill every prompt, then decode them together as one batch until each stops. ``params``: one for every
+        prompt (seeded: row b samples with its own stream, seed and row), or a list, one per prompt (each seeded row
+        samples as it would alone)."""
         results: list[Output] = []
         for event in self.stream(prompts, params):
             if isinstance(event, list):
                 results = event
         return results
 
-    def stream(self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | None = None) -> Iterator[Any]:
+    def stream(self, prompts: list[str] | list[list[int]] | str,
+               params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[Any]:
         """Like ``generate`` but yields ``(row, token_id)`` as each token is sampled, then the list of Outputs."""
-        params = params or SamplingParams()
-        params.validate()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         ids = [self._prompt_ids(p) for p in prompts]
-        for p in ids:
-            self._check_len(len(p), params.max_tokens)
-        return self._stream(ids, params) if ids else iter([[]])
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(ids):
+                raise RequestError(f"{len(params)} SamplingParams for {counted(len(ids), 'prompt')}: give one, or one "
+                                   "per prompt")
+            per, alone = list(params), True
+        else:
+            per, alone = [params or SamplingParams()] * len(ids), False
+        for p, prm in zip(ids, per):
+            prm.validate()
+            self._check_len(len(p), prm.max_tokens)
+        return self._stream(ids, per, alone) if ids else iter([[]])
 
     def _engine(self, rows: int) -> Any:
         """The Scheduler and runner requests run through (the model in this process, a pipeline's stages or AFD's
@@ -271,7 +280,7 @@ class LLM:
         return sch
 
     @torch.inference_mode()
-    def _stream(self, ids: list[list[int]], params: SamplingParams) -> Iterator[Any]:
+    def _stream(self, ids: list[list[int]], per: list[SamplingParams], alone: bool) -> Iterator[Any]:
         from waferline.engine.overlap import OverlapStepper, can_overlap
         from waferline.engine.sequence import Sequence
 
@@ -281,9 +290,10 @@ class LLM:
         self.graph_note = None
         if self._pipeline is None:
             runner.static, runner.static_factory = None, None
-            end = max(len(p) for p in ids) + params.max_tokens
+            end = max(len(p) + prm.max_tokens for p, prm in zip(ids, per))
             if ((self.device.type == "cuda" and self.cuda_graphs) or self._graphs_on_cpu) \
-                    and params.temperature == 0 and params.max_tokens > 1:  # (one token: no step to replay)
+                    and all(prm.temperature == 0 for prm in per) and max(prm.max_tokens for prm in per) > 1:
+                # (greedy rows; one token each: no step to replay)
                 runner.static_factory = lambda slots: self._static_decode(runner.caches, slots, end)
         spec_before = dataclasses.replace(self._spec.stats) if self._spec is not None else None
         events: list[tuple[int, Any]] = []
@@ -293,9 +303,10 @@ class LLM:
         last_at: list[float] = [0.0] * len(ids)
         t0 = time.perf_counter()
         try:
-            for b, p in enumerate(ids):
+            for b, (p, params) in enumerate(zip(ids, per)):
                 seq = Sequence(str(b), p, params, lambda ev, b=b: events.append((b, ev)), stream_text=False)
-                seq.generator = make_generator(params) if params.seed is None else seeded_generator(params, b)
+                seq.generator = make_generator(params) if params.seed is None else \
+                    seeded_generator(params, 0 if alone else b)
                 seqs.append(seq)
                 sch.add(seq)
             drive = stepper or sch
@@ -331,9 +342,10 @@ class LLM:
             metrics.update(stages=float(self._pipeline.num_stages), micro_batches=float(self._pipeline.micro_batches))
         if self._spec is not None:
             metrics.update(self._spec.stats.since(spec_before).generate_metrics())
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
         outs = []
         for b, s in enumerate(seqs):
+            params = per[b]
+            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
             span = last_at[b] - (s.first_token_at or t0)
             m = dict(metrics, tokens_per_s_per_user=(len(s.output_ids) - 1) / span if span > 0 else 0.0)
             out = self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, m)
