@@ -170,10 +170,12 @@ def test_prefix_cache_reuses_pages_and_keeps_tokens(arch, tmp_path, threads, sol
     assert sch.prefix is not None
     first = run_to_end(sch, [Sequence("a", prompts[0], params[0])])
     assert first == want[:1] and sch.prefix.hit_tokens == 0 and sch.prefix.num_pages == (40 + 11) // 8
-    rest = run_to_end(sch, [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i])
+    seqs = [Sequence(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params)) if i]
+    rest = run_to_end(sch, seqs)
     assert rest == want[1:]
     # prompts 1-3 reuse the 4 full pages of the shared 37 tokens; 9 tokens reuse 1 page; [8 shared + 2] reuse 1
     assert sch.prefix.hit_tokens == 8 * (3 * 4 + 1 + 1)
+    assert [s.cached_tokens for s in seqs] == [32, 32, 32, 8, 8]  # (the server's usage.prompt_tokens_details)
     assert sch.cache.used_bytes == 0 and sch.cache.prefix_bytes == sch.prefix.num_pages * sch.cache.page_bytes
     # a prompt whose log-probabilities are asked for is computed whole, cached prefix or not
     hits, scored = sch.prefix.hit_tokens, []

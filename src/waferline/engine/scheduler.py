@@ -365,6 +365,7 @@ class Scheduler:
                 if hit and caches is not None and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
                     self.prefix.load(hit, s.slot, caches)
                     s.num_computed = len(hit) * self.cache.page_tokens
+                    s.cached_tokens = s.cached_tokens or min(s.num_computed, len(s.prompt_ids))
             t = min(s.remaining, cfg.chunk_tokens, budget)
             self.cache.grow(s.request_id, s.num_computed + t)
             prefills.append((s, t))

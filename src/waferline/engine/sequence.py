@@ -32,6 +32,7 @@ class Event:
     unavailable: bool = False  # the error was the engine's (a fault or a shutdown), not this request's (HTTP 503)
     logprobs: TokenLogprobs | None = None  # the token's log-probabilities, where the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # (the first token's event) the prompt's, where asked for
+    cached_tokens: int = 0  # prompt tokens read from cached prefix pages at its admission (not computed)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Sequence:
     first_token_at: float | None = None
     last_token_at: float | None = None
     preemptions: int = 0
+    cached_tokens: int = 0  # (its first admission's prefix hit, in prompt tokens)
     sent_chars: int = 0
     text: str = ""  # the output's text so far, decoded incrementally (Scheduler._text)
     text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
@@ -65,6 +67,7 @@ class Sequence:
 
     def emit(self, ev: Event) -> None:
         if self.sink is not None:
+            ev.cached_tokens = self.cached_tokens
             self.sink(ev)
 
     @property

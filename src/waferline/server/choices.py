@@ -93,10 +93,13 @@ class Choices:
             out.append(choice)
         return out, self.usage()
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens read from cached prefix pages."""
         prompt = sum(len(c.ids) for c in self.items if c.first_of_prompt)
         done = 0 if self.score_only else sum(c.last.completion_tokens for c in self.items if c.last is not None)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        cached = sum(c.last.cached_tokens for c in self.items if c.first_of_prompt and c.last is not None)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- streamed
     def opening(self) -> list[dict[str, Any]]:
