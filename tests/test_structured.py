@@ -215,3 +215,37 @@ def test_a_batch_with_params_per_prompt_gives_each_row_its_lone_tokens(sol):
             llm.generate([ids, ids], params[:1])
     finally:
         llm.close()
+
+
+def test_a_stop_token_the_grammar_needs_and_min_tokens_give_way(sol):
+    """A stop token id that is also text the grammar allows may be drawn there (and ends the output); min_tokens gives
+    way where the text is whole and can only end; special tokens stay in the text with skip_special_tokens False."""
+    from waferline.engine.llm import LLM
+
+    llm = LLM(sol)
+    try:
+        tok = llm.tokenizer
+        dot = tok.encode(".", add_special_tokens=False)
+        ids = llm.encode("The wafer holds")
+        out = llm.generate([ids], SamplingParams(max_tokens=30, regex=r"N\.a", stop_token_ids=dot))[0]
+        assert out.finish_reason == "stop" and out.text == "N"  # (the stop token ended it; no request error)
+        for seed in range(3):
+            out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, choice=["yes", "no"],
+                                                     min_tokens=8))[0]
+            assert out.finish_reason == "stop" and out.text in ("yes", "no")
+        bos = tok.bos_token_id
+        kw = dict(max_tokens=3, logit_bias={bos: 100.0})
+        assert "<s>" not in llm.generate([ids], SamplingParams(**kw))[0].text
+        assert llm.generate([ids], SamplingParams(skip_special_tokens=False, **kw))[0].text == "<s><s><s>"
+    finally:
+        llm.close()
+
+
+def test_generate_flags_take_a_file_or_the_text(tmp_path):
+    from waferline.cli import _file_or_text
+
+    long = json.dumps({"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(40)}})
+    assert len(long) > 300 and _file_or_text(long) == long  # (longer than a file name may be: the text itself)
+    f = tmp_path / "schema.json"
+    f.write_text(long)
+    assert _file_or_text(str(f)) == long and _file_or_text("[a-z]+") == "[a-z]+" and _file_or_text(None) is None

@@ -63,15 +63,33 @@ def test_calls_read_from_finished_texts():
     text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
             '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}')  # (the last one unclosed)
     content, calls = auto.calls(text)
-    assert content == "Let me look." and [json.loads(c["function"]["arguments"]) for c in calls] == \
+    assert content == "Let me look. " and [json.loads(c["function"]["arguments"]) for c in calls] == \
         [{"city": "Oslo"}, {"zone": "CET"}]
     assert len(ToolPlan("auto", tools, parallel=False).calls(text)[1]) == 1
     for bad in ('{"city": "Os', "no call here", '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
-                "<tool_call>not json</tool_call>"):
+                "<tool_call>not json</tool_call>", '<tool_call>{"name": ["get"], "arguments": {}}</tool_call>',
+                "<tool_call>[1]</tool_call>", '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>'):
         plan = ToolPlan("named", tools, "get_weather") if bad.startswith("{") else auto
         assert plan.calls(bad) == (bad, [])  # (cut by max_tokens, or no call it can read: the text is the content)
     assert auto.finish_reason(calls, "stop") == "tool_calls" and auto.finish_reason([], "length") == "length"
     assert ToolPlan("named", tools, "get_time").finish_reason(calls, "stop") == "stop"  # (as OpenAI's)
+
+
+def test_required_calls_keep_each_tools_definitions():
+    """A tool whose parameters use "$defs" (as pydantic writes nested models): under "required" its definitions move
+    to the array schema's root, where its references point; two tools defining one name differently are a 400."""
+    from waferline.engine.sampling import SamplingParams
+    from waferline.engine.structured import grammar_of
+
+    loc = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+           "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"]}
+    plan = ToolPlan("required", {"where": loc, "get_time": TIME["function"]["parameters"]})
+    schema = plan.structured()["json_schema"]
+    assert schema["$defs"] == loc["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert grammar_of(SamplingParams(json_schema=schema))
+    other = dict(loc, **{"$defs": {"Loc": {"type": "integer"}}})
+    with pytest.raises(APIError, match="differently"):
+        ToolPlan("required", {"where": loc, "other": other}).structured()
 
 
 def test_streamed_content_holds_back_a_call():
@@ -148,7 +166,7 @@ def test_auto_reads_the_models_own_calls(live, client, parser):
     kw = dict(model="sol-test", messages=MSGS, max_tokens=150, temperature=0.7, seed=1, tools=[WEATHER],
               extra_body={"guided_regex": regex})
     c = client.chat.completions.create(**kw).choices[0]
-    assert c.finish_reason == "tool_calls" and c.message.content == "I will check."
+    assert c.finish_reason == "tool_calls" and c.message.content == "I will check. "
     call = c.message.tool_calls[0]
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
     chunks = [ch for ch in client.chat.completions.create(stream=True, **kw) if ch.choices]

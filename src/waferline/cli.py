@@ -144,7 +144,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _file_or_text(value: str | None) -> str | None:
     """A flag that takes a file or the text itself: the file's text where ``value`` names a file."""
-    if value is None or "\n" in value or len(value) > 4096 or not Path(value).is_file():
+    try:
+        if value is None or "\n" in value or not Path(value).is_file():
+            return value
+    except OSError:  # (text longer than a file name may be)
         return value
     try:
         return Path(value).read_text()

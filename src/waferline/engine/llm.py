@@ -168,10 +168,10 @@ class LLM:
             raise RequestError(f"{self.path} has no tokenizer (tokenizer.json); pass prompts as lists of token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
@@ -373,7 +373,8 @@ class LLM:
     def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],
                     params: SamplingParams, metrics: dict[str, float]) -> Output:
         """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
-        text = self.decode(toks)
+        text = self.decode(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
+                           params.skip_special_tokens)
         if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:
             text = _cut_at_stop(text, params.stop)
         return Output(prompt_ids, toks, text, reason, dict(metrics))

@@ -95,8 +95,10 @@ class SamplingParams:
     likely than min_p times the likeliest (``target_probs``). Structured output (engine/structured.py; at most one):
     ``json_object`` (JSON mode: one JSON object), ``json_schema`` (a JSON Schema, as a dict or its JSON text),
     ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or GBNF): only tokens that keep the output a
-    prefix of such a text are drawn, and it ends only where the text is whole. Checked when constructed
-    (``RequestError``) and again by ``validate`` when used, since the fields can be changed in between."""
+    prefix of such a text are drawn, and it ends only where the text is whole. ``skip_special_tokens`` False: the
+    output's text keeps special tokens other than its stop token (a tool-call parser reads tags that are special).
+    Checked when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
+    between."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -119,6 +121,7 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -176,6 +179,8 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
         self._validate_structured()
+        if not isinstance(self.skip_special_tokens, bool):
+            raise RequestError(f"skip_special_tokens must be true or false, got {_show(self.skip_special_tokens)}")
         self.min_p = _number("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise RequestError(f"min_p must be in [0, 1], got {_show(self.min_p)}")
@@ -270,9 +275,12 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> tor
     continue it."""
     prompt_ids, output_ids, stop_ids = seq.prompt_ids, seq.output_ids, seq.stop_ids
     x = logits.reshape(-1).float().clone()
+    constraint = getattr(seq, "constraint", None)
+    allowed = constraint.allowed().to(x.device) if constraint is not None else None
     if len(output_ids) < params.min_tokens and stop_ids:
-        x[torch.tensor(sorted(t for t in stop_ids if t < x.numel()), device=x.device, dtype=torch.long)] = \
-            float("-inf")
+        stops = torch.tensor(sorted(t for t in stop_ids if t < x.numel()), device=x.device, dtype=torch.long)
+        if allowed is None or allowed.index_fill(0, stops, False).any():  # (a whole text that can only end: it ends)
+            x[stops] = float("-inf")
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=x.device)
         v = x[seen]
@@ -283,9 +291,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> tor
     if params.logit_bias:
         x[torch.tensor(list(params.logit_bias), device=x.device)] += torch.tensor(
             list(params.logit_bias.values()), device=x.device)
-    constraint = getattr(seq, "constraint", None)
-    if constraint is not None:
-        x = x.masked_fill(~constraint.allowed().to(x.device), float("-inf"))
+    if allowed is not None:
+        x = x.masked_fill(~allowed, float("-inf"))
     return x
 
 

@@ -155,9 +155,8 @@ class Scheduler:
             seq.generator = request_generator(seq.params)
         seq.stop_ids = self._stop_ids(seq.params)
         if seq.params.structured is not None:
-            with self.tokenizer_lock:
-                seq.constraint = structured.constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids,
-                                                       seq.params)
+            seq.constraint = structured.constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids,
+                                                   seq.params, self.tokenizer_lock)
         seq.status = "waiting"
         self.waiting.append(seq)
 
@@ -429,7 +428,7 @@ class Scheduler:
         elif cut is not None and len(seq.output_ids) >= p.min_tokens:  # (min_tokens: stop strings wait too)
             reason, text = "stop", text[:cut]
         elif len(seq.output_ids) >= p.max_tokens:
-            reason, text = "length", self._decode(seq.output_ids)  # (all of it: an incomplete last character too)
+            reason, text = "length", self._decode(seq.output_ids, p)  # (all of it: an incomplete last character too)
         if reason is None:
             hold = max((len(s) for s in p.stop), default=1) - 1
             end = len(text) - hold
@@ -438,7 +437,7 @@ class Scheduler:
             delta = text[seq.sent_chars:end] if end > seq.sent_chars else ""
         else:
             if tok in stop_ids:  # the stop token's own text (e.g. "</s>") is not part of the output
-                text = self._decode(seq.output_ids[:-1])
+                text = self._decode(seq.output_ids[:-1], p)
             delta = text[seq.sent_chars:]
         seq.sent_chars += len(delta)
         seq.emit(Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
@@ -449,14 +448,14 @@ class Scheduler:
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids_default)
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int], params: SamplingParams | None = None) -> str:
         if self.llm.tokenizer is None:
             return ""
         with self.tokenizer_lock:
-            return self.llm.decode(ids)
+            return self.llm.decode(ids, params is None or params.skip_special_tokens)
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
-        return seq.update_text(self._decode if self.llm.tokenizer is not None else None)
+        return seq.update_text(partial(self._decode, params=seq.params) if self.llm.tokenizer is not None else None)
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None, unavailable: bool = False) -> None:
         if seq.status == "finished":

@@ -8,13 +8,16 @@ model's tokenizer: ``allowed()`` (bool [V]) before a token is drawn, ``advance(t
 vocabulary is read into llguidance once per tokenizer (22 ms for sol-mini's 4,096 tokens; ~1 s for a large
 vocabulary, by llguidance's own estimate) and kept.
 
-The output's end: the stop tokens (end-of-sequence and ``stop_token_ids``) may be drawn only where the grammar is
-complete, and once nothing else can follow they are all that may be; special tokens never enter the output. JSON
+The output's end: the stop tokens (end-of-sequence and ``stop_token_ids``) may be drawn where the grammar is complete
+(or where one is text the grammar allows), and once nothing else can follow they are all that may be; special tokens
+never enter the output. ``min_tokens`` gives way where the text is whole and nothing else can follow. JSON
 allows any whitespace between tokens (RFC 8259), as vLLM's default does.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import threading
 from typing import Any
@@ -32,21 +35,22 @@ _TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llg
 _BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 
 
-def _grammar_text(params: Any, kind: str) -> str:
+def _grammar_text(kind: str, value: str) -> str:
+    """``value``: the regex or grammar text, or the JSON of the schema or choices."""
     from llguidance import LLMatcher
     from llguidance.gbnf_to_lark import any_to_lark
 
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(params.json_schema, defaults=JSON_OPTIONS)
+        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(params.regex)
+        return LLMatcher.grammar_from_regex(value)
     if kind == "choice":
-        lark = "start: " + " | ".join(json.dumps(c) for c in params.choice)  # (a Lark string literal is JSON's)
+        lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(value))  # (a Lark string literal is JSON's)
         return LLMatcher.grammar_from_lark(lark)
     try:  # (GBNF, llama.cpp's grammar format, is translated to Lark; a Lark grammar is kept as it is)
-        text = any_to_lark(params.grammar)
+        text = any_to_lark(value)
     except Exception as e:
         raise RequestError(f"grammar cannot be used: neither Lark nor a GBNF grammar llguidance reads "
                            f"({str(e)[:300]})") from None
@@ -55,14 +59,21 @@ def _grammar_text(params: Any, kind: str) -> str:
 
 def grammar_of(params: Any) -> str | None:
     """The llguidance grammar of the structured output ``params`` asks for (None where none); RequestError where the
-    schema, expression or grammar cannot be used."""
+    schema, expression or grammar cannot be used. Kept for the last 64 asked (a request's is checked when it arrives
+    and again when the engine takes it)."""
     kind = params.structured
     if kind is None:
         return None
+    value = getattr(params, kind)  # (as JSON text in key order: a schema's properties come in its order)
+    return _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_grammar(kind: str, value: str) -> str:
     from llguidance import LLMatcher
 
     try:
-        grammar = _grammar_text(params, kind)
+        grammar = _grammar_text(kind, value)
     except (ValueError, TypeError) as e:
         raise RequestError(f"{kind} cannot be used: {str(e)[:300]}") from None
     err = LLMatcher.validate_grammar(grammar)
@@ -71,8 +82,8 @@ def grammar_of(params: Any) -> str | None:
     return grammar
 
 
-def _ll_tokenizer(tokenizer: Any) -> Any:
-    with _LOCK:
+def _ll_tokenizer(tokenizer: Any, lock: Any) -> Any:
+    with _LOCK, lock or contextlib.nullcontext():
         hit = _TOKENIZERS.get(id(tokenizer))
         if hit is None or hit[0] is not tokenizer:
             import llguidance.hf
@@ -104,8 +115,8 @@ class GrammarConstraint:
         m[:n] = bits[:n]
         if self._grammar_eos:  # (the tokenizer's end-of-sequence where it is not a stop token of this request)
             m[torch.tensor(self._grammar_eos, dtype=torch.long)] = False
-        if self._stops.numel():
-            m[self._stops] = self.matcher.is_accepting()
+        if self._stops.numel():  # (a stop token that is also text the grammar allows here: drawing it ends the output)
+            m[self._stops] |= self.matcher.is_accepting()
         return m
 
     def advance(self, token: int) -> None:
@@ -120,9 +131,10 @@ class GrammarConstraint:
         return self.matcher.is_accepting()
 
 
-def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None, params: Any
-               ) -> GrammarConstraint | None:
-    """A fresh constraint for one request over ``tokenizer``'s vocabulary (None where ``params`` asks for none)."""
+def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None, params: Any,
+               lock: Any = None) -> GrammarConstraint | None:
+    """A fresh constraint for one request over ``tokenizer``'s vocabulary (None where ``params`` asks for none);
+    ``lock``: held while the tokenizer is read (the first time), not while the grammar is built."""
     grammar = grammar_of(params)
     if grammar is None:
         return None
@@ -130,7 +142,7 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
         raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
     from llguidance import LLMatcher
 
-    ll = _ll_tokenizer(tokenizer)
+    ll = _ll_tokenizer(tokenizer, lock)
     matcher = LLMatcher(ll, grammar, log_level=0)
     if matcher.is_error():
         raise RequestError(f"{params.structured} cannot be used with this tokenizer: {matcher.get_error()[:400]}")

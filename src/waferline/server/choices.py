@@ -119,7 +119,7 @@ class Choices:
                 ch["logprobs"], c.offset = lp, sum(len(t) for t in lp["tokens"])
             out.append(ch)
         if ev.token_id is not None and not self.score_only:
-            ch = self._chunk(c, ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text))
+            ch = self._chunk(c, ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text) or None)
             if self.texts is not None and ev.logprobs is not None:
                 if self.chat:
                     ch["logprobs"] = {"content": [chat_entry(ev.logprobs, self.texts)]}

@@ -69,6 +69,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
+    skip_special_tokens: bool = True
     repetition_penalty: float | None = None
     # {"type": "text"}, {"type": "json_object"} (JSON mode) or {"type": "json_schema", "json_schema": {"schema": ...}}
     response_format: Any = None

@@ -323,12 +323,18 @@ class Server:
                                   frequency_penalty=req.frequency_penalty or 0.0,
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                                   logit_bias=_token_keys(req.logit_bias or {}), min_p=req.min_p or 0.0,
-                                  min_tokens=req.min_tokens or 0, **structured)
+                                  min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens
+                                  and not (isinstance(req, ChatRequest) and self._reads_tags(req)), **structured)
             grammar_of(params)  # (a schema, expression or grammar that cannot be used: 400 before it queues)
         except RequestError as e:
             raise APIError(str(e), param=source if structured and str(e).startswith(tuple(structured)) else
                            _param_of(str(e))) from None
         return params
+
+    def _reads_tags(self, req: ChatRequest) -> bool:
+        """A tool-call parser reads this answer's tags, which some tokenizers mark special: keep them in the text."""
+        plan = plan_of(req, self.tool_call_parser)
+        return plan is not None and plan.mode == "auto"
 
     # -- running a request
     def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str

@@ -46,11 +46,19 @@ class ToolPlan:
         if self.mode == "named":
             return {"json_schema": self.tools[self.name or ""]}
         if self.mode == "required":
-            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": schema},
-                                "required": ["name", "parameters"], "additionalProperties": False}
-                               for n, schema in self.tools.items()]}
-            return {"json_schema": {"type": "array", "items": calls, "minItems": 1}
-                    | ({} if self.parallel else {"maxItems": 1})}
+            defs: dict[str, Any] = {}  # (each tool's "$defs": at the root, where its "#/$defs/..." references point)
+            items = []
+            for n, schema in self.tools.items():
+                own = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+                for key in ("$defs", "definitions"):
+                    for name, d in (schema.get(key) or {}).items():
+                        if defs.setdefault(key, {}).setdefault(name, d) != d:
+                            raise APIError(f'tool_choice "required": tools {n!r} and another define {key} {name!r} '
+                                           "differently; rename one", param="tools")
+                items.append({"type": "object", "properties": {"name": {"const": n}, "parameters": own},
+                              "required": ["name", "parameters"], "additionalProperties": False})
+            return {"json_schema": {"type": "array", "items": {"anyOf": items}, "minItems": 1}
+                    | ({} if self.parallel else {"maxItems": 1}) | defs}
         return {}
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -71,10 +79,11 @@ class ToolPlan:
                     call = json.loads(m.group(1))
                     args = call.get("arguments", call.get("parameters", {}))
                     found.append((call["name"], json.loads(args) if isinstance(args, str) else args))
-                content = text[:first].strip() or None
+                content = text[:first] or None  # (as it was streamed)
+            if not found or any(not isinstance(name, str) or name not in self.tools or not isinstance(args, dict)
+                                for name, args in found):
+                return text, []
         except (ValueError, TypeError, KeyError, AttributeError):  # (cut by max_tokens, or not a call at all)
-            return text, []
-        if not found or any(name not in self.tools or not isinstance(args, dict) for name, args in found):
             return text, []
         if not self.parallel:
             found = found[:1]
