@@ -249,3 +249,15 @@ def test_generate_flags_take_a_file_or_the_text(tmp_path):
     f = tmp_path / "schema.json"
     f.write_text(long)
     assert _file_or_text(str(f)) == long and _file_or_text("[a-z]+") == "[a-z]+" and _file_or_text(None) is None
+
+
+def test_json_is_compact_unless_the_schema_says_otherwise(tok):
+    """Between JSON tokens at most one space by default; a schema's x-guidance whitespace options are its own."""
+    nl, sp = tok.encode("\n", add_special_tokens=False)[-1], tok.encode(" ", add_special_tokens=False)[-1]
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    for schema, newline in (({"type": "object"}, False),
+                            ({"type": "object", "x-guidance": {"whitespace_flexible": True}}, True)):
+        for kw in ({"json_schema": schema},) + (({"json_object": True},) if not newline else ()):
+            c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(**kw))
+            c.advance(brace)
+            assert bool(c.allowed()[nl]) == newline and c.allowed()[sp]

@@ -348,9 +348,21 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
             live.update(
                 Text.assemble((prompt, "cyan"), llm.decode(pieces), (f"\n[{n} tokens, {rate:.0f} tok/s]", "bold green"))
             )
+    # the same plan held to a JSON Schema (structured output, engine/structured.py): the served feature, here in-process
+    schema = {"type": "object", "properties": {"speaker": {"enum": ["HAMLET", "OPHELIA", "HORATIO", "KING"]},
+                                               "line": {"type": "string", "maxLength": 48}},
+              "required": ["speaker", "line"], "additionalProperties": False}
+    shaped = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=0.8, seed=0, json_schema=schema))[0]
     if llm._pipeline is not None:
         llm.close()
     assert result is not None
+    try:
+        valid = shaped.finish_reason == "stop" and json.loads(shaped.text)["speaker"] in schema["properties"][
+            "speaker"]["enum"]
+    except ValueError:
+        valid = False
+    console.print(f"\nstructured output (a JSON Schema: speaker + line, same plan): [cyan]{shaped.text}[/cyan] "
+                  f"({'valid JSON of the schema' if valid else 'cut at 96 tokens'})")
     m = result.metrics
     console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
                   f"{len(result.token_ids)} tokens ({'trained sol-mini' if trained else 'RANDOM weights'})")
@@ -390,6 +402,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         "ttft_s": m["ttft_s"],
         "speculative": speculative,
         **spec_stats,
+        "structured_output": {"schema": schema, "text": shaped.text, "valid": valid},
         "layer_ms": timeline_ms,
         "planner": {k: v for k, v in head.items() if k not in ("memory_per_wafer_gb",)},
     }

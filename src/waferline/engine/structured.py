@@ -10,8 +10,8 @@ vocabulary, by llguidance's own estimate) and kept.
 
 The output's end: the stop tokens (end-of-sequence and ``stop_token_ids``) may be drawn where the grammar is complete
 (or where one is text the grammar allows), and once nothing else can follow they are all that may be; special tokens
-never enter the output. ``min_tokens`` gives way where the text is whole and nothing else can follow. JSON
-allows any whitespace between tokens (RFC 8259), as vLLM's default does.
+never enter the output. ``min_tokens`` gives way where the text is whole and nothing else can follow. JSON is compact
+(``JSON_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ import torch
 
 from waferline.errors import RequestError
 
-# between JSON tokens: at most a space, then at most a line break and 48 spaces or tabs of indentation (compact and
-# pretty-printed JSON; not the unbounded runs of whitespace that models which have seen little JSON fall into). A
-# schema's own "x-guidance" options override these (llguidance's JSON options).
-JSON_OPTIONS = {"whitespace_pattern": r"[ ]?(\r?\n[ \t]{0,48})?"}
+# between JSON tokens at most one space: compact JSON, not the runs of whitespace and line breaks that models which
+# have seen little JSON fall into when any whitespace is allowed. A schema whose "x-guidance" (llguidance's JSON
+# options) says how it wants whitespace keeps its own way: {"whitespace_flexible": true} allows any, as RFC 8259 does.
+JSON_OPTIONS = {"whitespace_pattern": r"[ ]?"}
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llguidance LLTokenizer)
 _BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
@@ -43,7 +43,9 @@ def _grammar_text(kind: str, value: str) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(value, defaults=JSON_OPTIONS)
+        own = json.loads(value).get("x-guidance")  # (a schema that says how it wants whitespace keeps its own way)
+        spaced = isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own)
+        return LLMatcher.grammar_from_json_schema(value, defaults=None if spaced else JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":
