@@ -325,8 +325,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   f"({sp['accept_rate_source']}), "
                   f"{fmt(sp['expected_tokens_per_step'], sp.get('expected_tokens_per_step_interval'), '.2f')} "
                   f"tok/step, x{fmt(sp['speedup'], sp.get('speedup_interval'), '.2f')}")
+    notes = []
     if any(iv.values()):
-        t.caption = "(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)"
+        notes.append("(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)")
+    if r.concurrency > 1:
+        notes.append(f"steady decode of {r.concurrency} users: the other users' prefills between their tokens are not "
+                     "counted (" + ("the serving table below counts them)" if getattr(args, "arrival_rate", None)
+                                    else "--arrival-rate R simulates serving with them)"))
+    t.caption = "\n".join(notes) or None
     con.print(t)
     st = Table(title="per-stage decode step (us)")
     wafer = any(s.fabric for s in r.stages)
