@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from waferline.engine.scheduler import Event
+from waferline.server.chat import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
 from waferline.server.choices import Choices
 from waferline.server.metrics import DISCONNECTED
 from waferline.server.protocol import (
@@ -35,7 +36,7 @@ from waferline.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from waferline.server.state import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT, Server
+from waferline.server.state import Server
 from waferline.server.tools import plan_of
 
 __all__ = ["Server", "create_app", "FALLBACK_CHAT_TEMPLATE", "FALLBACK_GENERATION_PROMPT"]

@@ -25,7 +25,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  hang_timeout_s: float | None = None, threads_per_stage: int | None = None,
                  group_size: int | None = None, head_bits: int = 16, afd: bool = False,
                  attention_ranks: int | None = None, ffn_ranks: int | None = None,
-                 tool_call_parser: str | None = None, on_fatal: Callable[[str], None] | None = None) -> Any:
+                 tool_call_parser: str | None = None, chat_template: str | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
@@ -46,6 +47,11 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
     if speculative:
         check_serve_speculative(speculative, num_speculative_tokens)
+    if chat_template is not None:  # (checked before the weights load: a bad template fails fast)
+        from waferline.model.load import load_tokenizer
+        from waferline.server.chat import load_template
+
+        chat_template = load_template(chat_template, load_tokenizer(path))
     kw: dict[str, Any] = {"weight_bits": weight_bits} if weight_bits != 16 else {}
     if group_size is not None:
         kw["group_size"] = group_size
@@ -67,6 +73,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if threads_per_stage is not None:
         kw["threads_per_stage"] = threads_per_stage
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
+    if chat_template is not None:
+        llm.tokenizer.chat_template = chat_template  # (before the server copies the tokenizer)
 
     def rebuild() -> Any:
         """A new pipeline / AFD engine (new processes) with the same options, after one died or hung."""
@@ -188,7 +196,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        stages=args.stages, layers_per_stage=args.layers_per_stage, micro_batches=args.micro_batches,
                        hang_timeout_s=args.hang_timeout, group_size=args.group_size, head_bits=args.head_bits,
                        afd=args.afd, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
-                       tool_call_parser=args.tool_call_parser, on_fatal=fatal)
+                       tool_call_parser=args.tool_call_parser, chat_template=args.chat_template, on_fatal=fatal)
     engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -284,6 +292,9 @@ def register(sub: Any) -> None:
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="without --api-key the server answers only requests whose Host is localhost, an IP address or "
                         "this machine's name; add comma-separated host names here (e.g. a name in /etc/hosts)")
+    s.add_argument("--chat-template", default=None, metavar="TEMPLATE",
+                   help="the chat template (a Jinja file, or the template itself) instead of the tokenizer's; without "
+                        "either, chat renders each message as <|role|>\\ncontent\\n")
     s.add_argument("--tool-call-parser", default=None, choices=list(PARSERS),
                    help="read the model's own tool calls (tool_choice \"auto\"): hermes = "
                         "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them. Without it, chat with "

@@ -144,6 +144,10 @@ class ChatRequest(_Sampling):
     tools: list[Tool] | None = None  # function calling (server/tools.py)
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
+    # (vLLM's) how the chat template renders the conversation (server/chat.py)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # the deprecated function-calling fields and audio are not supported: parsed only to be refused (400)
     functions: Any = None
     function_call: Any = None
@@ -158,6 +162,9 @@ class TokenizeRequest(_Strict):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # (with messages: as the chat template renders them)
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     add_special_tokens: bool = False
 
 

@@ -26,10 +26,11 @@ from waferline.engine.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from waferline.engine.scheduler import Event
 from waferline.engine.structured import grammar_of
 from waferline.errors import RequestError
+from waferline.server.chat import render
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest, parse
-from waferline.server.tools import plan_of, template_messages
+from waferline.server.tools import plan_of
 
 log = logging.getLogger("waferline.server")
 
@@ -37,10 +38,6 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (an OpenAI request needs
 MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is a sequence of its own
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
-
-# The chat prompt when the tokenizer config has no chat_template: one block per message, then the assistant's.
-FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
-FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
 
 
 class Server:
@@ -217,19 +214,8 @@ class Server:
                 "with token ids",
                 param="messages",
             )
-        msgs = template_messages(req)
-        template = getattr(tok, "chat_template", None)
-        if template:
-            tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or []] or None
-            try:
-                with self.encode_lock:
-                    text = self.encode_tokenizer.apply_chat_template(msgs, chat_template=template, tools=tools,
-                                                                     add_generation_prompt=True, tokenize=False)
-            except Exception as e:  # a template that rejects this conversation (e.g. roles out of order)
-                raise APIError(f"the model's chat template rejected the messages: {e}", param="messages") from None
-        else:
-            text = "".join(FALLBACK_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in msgs) \
-                + FALLBACK_GENERATION_PROMPT
+        with self.encode_lock:
+            text = render(self.encode_tokenizer, getattr(tok, "chat_template", None), req)
         return self.encode(text)
 
     @staticmethod

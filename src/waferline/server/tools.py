@@ -132,31 +132,6 @@ def plan_of(req: Any, parser: str | None) -> ToolPlan | None:
     return ToolPlan("auto", schemas, parallel=parallel)
 
 
-def template_messages(req: Any) -> list[dict[str, Any]]:
-    """The conversation as chat templates take it: assistant calls with their arguments as objects (as Hugging Face
-    templates read ``tool_call.function.arguments``), a tool's answer with the id of the call it answers."""
-    out = []
-    for m in req.messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
-        if getattr(m, "tool_calls", None):
-            d["tool_calls"] = [{"id": c.id, "type": "function",
-                                "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                               for c in m.tool_calls]
-        if getattr(m, "tool_call_id", None):
-            d["tool_call_id"] = m.tool_call_id
-        if m.name:
-            d["name"] = m.name
-        out.append(d)
-    return out
-
-
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
-
-
 @dataclass
 class ToolStream:
     """One streamed choice under a tool plan: ``feed`` gives the text that may go out as content now (under "auto",

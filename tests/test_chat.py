@@ -1,0 +1,78 @@
+"""Chat rendering (server/chat.py): the plain template of a model without one, add_generation_prompt and
+continue_final_message, chat_template_kwargs reaching the model's template, and `serve --chat-template` (a file or
+the text, checked before the weights load)."""
+
+import httpx
+import pytest
+
+from server_helpers import KEY
+from waferline.errors import ConfigError
+from waferline.server.chat import load_template, render
+from waferline.server.protocol import APIError, ChatRequest, parse
+
+MSGS = [{"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me"}]
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if not loop.last or not continue_final_message %}"
+            "[/]{% endif %}{% endfor %}{% if add_generation_prompt %}[assistant]{% if think %}<think>{% endif %}"
+            "{% endif %}")
+
+
+def _req(**kw) -> ChatRequest:
+    return parse(ChatRequest, {"model": "m", "messages": MSGS, **kw})
+
+
+def test_the_plain_template_and_its_options():
+    assert render(None, None, _req()) == "<|user|>\nWho is there?\n<|assistant|>\nNay, answer me\n<|assistant|>\n"
+    assert render(None, None, _req(add_generation_prompt=False)).endswith("Nay, answer me\n")
+    assert render(None, None, _req(add_generation_prompt=False, continue_final_message=True)).endswith(
+        "<|assistant|>\nNay, answer me")
+    for kw, says in [(dict(continue_final_message=True), "add_generation_prompt: false"),
+                     (dict(chat_template_kwargs={"tools": []}), "may not set tools")]:
+        with pytest.raises(APIError, match=says):
+            render(None, None, _req(**kw))
+    with pytest.raises(APIError, match="the assistant's"):
+        render(None, None, parse(ChatRequest, {"model": "m", "messages": MSGS[:1], "add_generation_prompt": False,
+                                               "continue_final_message": True}))
+
+
+def test_the_models_template_takes_the_options(sol):
+    from waferline.model.load import load_tokenizer
+
+    tok = load_tokenizer(sol)
+    assert render(tok, TEMPLATE, _req()) == "[user]Who is there?[/][assistant]Nay, answer me[/][assistant]"
+    assert render(tok, TEMPLATE, _req(chat_template_kwargs={"think": True})).endswith("[assistant]<think>")
+    assert render(tok, TEMPLATE, _req(add_generation_prompt=False, continue_final_message=True)) == \
+        "[user]Who is there?[/][assistant]Nay, answer me"
+    with pytest.raises(APIError, match="rejected"):
+        render(tok, "{{ raise_exception('no') }}", _req())
+
+
+def test_serve_chat_template_from_a_file_or_text(sol, tmp_path, live):
+    from waferline.model.load import load_tokenizer
+    from waferline.server.commands import build_server
+
+    tok = load_tokenizer(sol)
+    f = tmp_path / "chat.jinja"
+    f.write_text(TEMPLATE)
+    assert load_template(str(f), tok) == TEMPLATE == load_template(TEMPLATE, tok)
+    for bad, says in [("no/such/file.jinja", "no such file"), ("{% for %}", "does not render")]:
+        with pytest.raises(ConfigError, match=says):
+            load_template(bad, tok)
+    with pytest.raises(ConfigError, match="does not render"):  # (before the model loads)
+        build_server(sol, chat_template="{{ messages[0].content | nosuchfilter }}")
+    server = live.state.server  # the live server's tokenizer given the template, as build_server gives it
+    saved = server.llm.tokenizer.chat_template, server.encode_tokenizer.chat_template
+    server.llm.tokenizer.chat_template = server.encode_tokenizer.chat_template = TEMPLATE
+    try:
+        r = httpx.post(live.state.base + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": MSGS, "chat_template_kwargs": {"think": True}}).json()
+        assert r["tokens"] == server.llm.encode("[user]Who is there?[/][assistant]Nay, answer me[/][assistant]<think>")
+        r = httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "sol-test", "messages": MSGS, "max_tokens": 2, "add_generation_prompt": False,
+                             "continue_final_message": True})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
+            server.llm.encode("[user]Who is there?[/][assistant]Nay, answer me"))
+        r = httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "sol-test", "messages": MSGS, "max_tokens": 2, "continue_final_message": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+    finally:
+        server.llm.tokenizer.chat_template, server.encode_tokenizer.chat_template = saved
