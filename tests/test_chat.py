@@ -74,5 +74,8 @@ def test_serve_chat_template_from_a_file_or_text(sol, tmp_path, live):
         r = httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "sol-test", "messages": MSGS, "max_tokens": 2, "continue_final_message": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+        r = httpx.post(live.state.base + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"messages": [], "continue_final_message": True, "add_generation_prompt": False})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     finally:
         server.llm.tokenizer.chat_template, server.encode_tokenizer.chat_template = saved

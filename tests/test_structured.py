@@ -261,3 +261,24 @@ def test_json_is_compact_unless_the_schema_says_otherwise(tok):
             c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(**kw))
             c.advance(brace)
             assert bool(c.allowed()[nl]) == newline and c.allowed()[sp]
+
+
+def test_a_model_without_an_end_token_ends_a_whole_text_at_the_tokenizers(tmp_path):
+    """A config that names no end-of-sequence token (random demo models do that to run to max_tokens): a structured
+    output still ends where its text is whole, at the tokenizer's end token, instead of finding no token to draw."""
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.engine.llm import LLM
+    from waferline.model.init import write_random_checkpoint
+
+    ck = write_random_checkpoint(dict(SOL_DEMO_CONFIG, eos_token_id=None), tmp_path / "no_eos")
+    write_tokenizer(ck, DEMO_TEXT, SOL_DEMO_CONFIG["vocab_size"])
+    llm = LLM(ck)
+    try:
+        assert not llm.eos_token_ids
+        ids = llm.encode("The wafer")
+        for seed in range(3):
+            out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, choice=CHOICES))[0]
+            assert out.finish_reason == "stop" and out.text in CHOICES
+        assert len(llm.generate([ids], SamplingParams(max_tokens=6))[0].token_ids) == 6  # (plain: to max_tokens)
+    finally:
+        llm.close()

@@ -76,20 +76,24 @@ def test_calls_read_from_finished_texts():
 
 
 def test_required_calls_keep_each_tools_definitions():
-    """A tool whose parameters use "$defs" (as pydantic writes nested models): under "required" its definitions move
-    to the array schema's root, where its references point; two tools defining one name differently are a 400."""
+    """Tools whose parameters use "$defs" (as pydantic writes nested models): under "required" the definitions move to
+    the array schema's root, named after their tool (two tools may both define "Loc"), the references renamed with
+    them; a "$defs" that is not an object is a 400."""
     from waferline.engine.sampling import SamplingParams
     from waferline.engine.structured import grammar_of
 
     loc = {"$defs": {"Loc": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
            "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"]}
-    plan = ToolPlan("required", {"where": loc, "get_time": TIME["function"]["parameters"]})
-    schema = plan.structured()["json_schema"]
-    assert schema["$defs"] == loc["$defs"] and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    other = {"definitions": {"Loc": {"type": "integer"}}, "type": "object",
+             "properties": {"n": {"$ref": "#/definitions/Loc"}}, "required": ["n"]}
+    schema = ToolPlan("required", {"where": loc, "count": other}).structured()["json_schema"]
+    assert schema["$defs"] == {"where.Loc": loc["$defs"]["Loc"], "count.Loc": {"type": "integer"}}
+    params = [a["properties"]["parameters"] for a in schema["items"]["anyOf"]]
+    assert params[0]["properties"]["at"] == {"$ref": "#/$defs/where.Loc"} and "$defs" not in params[0]
+    assert params[1]["properties"]["n"] == {"$ref": "#/$defs/count.Loc"}
     assert grammar_of(SamplingParams(json_schema=schema))
-    other = dict(loc, **{"$defs": {"Loc": {"type": "integer"}}})
-    with pytest.raises(APIError, match="differently"):
-        ToolPlan("required", {"where": loc, "other": other}).structured()
+    with pytest.raises(APIError, match="not an object"):
+        ToolPlan("required", {"bad": {"type": "object", "$defs": [1]}}).structured()
 
 
 def test_streamed_content_holds_back_a_call():

@@ -95,7 +95,9 @@ class SamplingParams:
     likely than min_p times the likeliest (``target_probs``). Structured output (engine/structured.py; at most one):
     ``json_object`` (JSON mode: one JSON object), ``json_schema`` (a JSON Schema, as a dict or its JSON text),
     ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or GBNF): only tokens that keep the output a
-    prefix of such a text are drawn, and it ends only where the text is whole. ``skip_special_tokens`` False: the
+    prefix of such a text are drawn, and the end-of-sequence token only where the text is whole (a stop token id
+    that is also text the grammar allows may end it sooner, as any stop token does; ``min_tokens`` gives way where
+    only stop tokens may follow). ``skip_special_tokens`` False: the
     output's text keeps special tokens other than its stop token (a tool-call parser reads tags that are special).
     Checked when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
     between."""

@@ -157,6 +157,7 @@ class Scheduler:
         if seq.params.structured is not None:
             seq.constraint = structured.constraint(self.llm.tokenizer, self.spec.vocab_size, seq.stop_ids,
                                                    seq.params, self.tokenizer_lock)
+            seq.stop_ids = seq.constraint.stop_ids  # (the tokenizer's end-of-sequence where the model names none)
         seq.status = "waiting"
         self.waiting.append(seq)
 
@@ -364,7 +365,7 @@ class Scheduler:
                 if hit and caches is not None and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
                     self.prefix.load(hit, s.slot, caches)
                     s.num_computed = len(hit) * self.cache.page_tokens
-                    s.cached_tokens = s.cached_tokens or min(s.num_computed, len(s.prompt_ids))
+                    s.cached_tokens = s.cached_tokens if s.preemptions else min(s.num_computed, len(s.prompt_ids))
             t = min(s.remaining, cfg.chunk_tokens, budget)
             self.cache.grow(s.request_id, s.num_computed + t)
             prefills.append((s, t))

@@ -105,6 +105,8 @@ class GrammarConstraint:
     ``complete`` once the output is a whole sentence of the grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], grammar_eos: list[int]):
+        # (a model whose config names no end-of-sequence token: the tokenizer's ends a whole text)
+        stop_ids = stop_ids or frozenset(t for t in grammar_eos if t < vocab_size)
         self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
         self._grammar_eos = [t for t in grammar_eos if t not in stop_ids and t < vocab_size]
         self._stops = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.long)

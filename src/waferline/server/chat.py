@@ -51,6 +51,8 @@ def render(tokenizer: Any, template: str | None, req: Any) -> str:
     (the caller holds the tokenizer's lock). A 400 where the request's options do not fit or the template rejects the
     conversation."""
     msgs = template_messages(req)
+    if not msgs:
+        raise APIError("messages: give at least one", param="messages")
     add_prompt = getattr(req, "add_generation_prompt", True)
     cont = getattr(req, "continue_final_message", False)
     if cont and add_prompt:

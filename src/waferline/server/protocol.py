@@ -160,7 +160,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = None  # (with messages: as the chat template renders them)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True

@@ -46,15 +46,23 @@ class ToolPlan:
         if self.mode == "named":
             return {"json_schema": self.tools[self.name or ""]}
         if self.mode == "required":
-            defs: dict[str, Any] = {}  # (each tool's "$defs": at the root, where its "#/$defs/..." references point)
+            # each tool's "$defs" / "definitions" move to the array schema's root, where "#/$defs/..." references
+            # point, named after their tool ("get_weather.Loc") so that two tools' definitions never collide
+            defs: dict[str, dict[str, Any]] = {}
             items = []
             for n, schema in self.tools.items():
-                own = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+                renames = {}
+                for key in ("$defs", "definitions"):
+                    table = schema.get(key)
+                    if table is None:
+                        continue
+                    if not isinstance(table, dict):
+                        raise APIError(f"tools: {n!r} has {key} that is not an object", param="tools")
+                    renames.update({f"#/{key}/{name}": f"#/$defs/{n}.{name}" for name in table})
+                own = _renamed({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}, renames)
                 for key in ("$defs", "definitions"):
                     for name, d in (schema.get(key) or {}).items():
-                        if defs.setdefault(key, {}).setdefault(name, d) != d:
-                            raise APIError(f'tool_choice "required": tools {n!r} and another define {key} {name!r} '
-                                           "differently; rename one", param="tools")
+                        defs.setdefault("$defs", {})[f"{n}.{name}"] = _renamed(d, renames)
                 items.append({"type": "object", "properties": {"name": {"const": n}, "parameters": own},
                               "required": ["name", "parameters"], "additionalProperties": False})
             return {"json_schema": {"type": "array", "items": {"anyOf": items}, "minItems": 1}
@@ -91,6 +99,22 @@ class ToolPlan:
 
     def finish_reason(self, calls: list[dict[str, Any]], reason: str | None) -> str | None:
         return "tool_calls" if calls and self.mode != "named" else reason
+
+
+def _renamed(node: Any, renames: dict[str, str]) -> Any:
+    """``node`` with its "$ref" values renamed (a reference into a definition: "#/$defs/Loc/properties/x" too)."""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str):
+                v = next((new + v[len(old):] for old, new in renames.items() if v == old or v.startswith(old + "/")), v)
+                out[k] = v
+            else:
+                out[k] = _renamed(v, renames)
+        return out
+    if isinstance(node, list):
+        return [_renamed(v, renames) for v in node]
+    return node
 
 
 def call_object(name: str, arguments: str) -> dict[str, Any]:
