@@ -259,7 +259,8 @@ def test_cli_serving_flags(capsys):
     assert main(base + ["--arrival-rate", "20", "--num-requests", "50", "--pd-disaggregation"]) == 0
     assert "KV handover" in capsys.readouterr().out
     assert main(base + ["--pd-disaggregation"]) == 2
-    assert "--pd-disaggregation shapes the serving simulation: give --arrival-rate too" in capsys.readouterr().err
+    assert "--pd-disaggregation shapes the serving simulation: give --arrival-rate or --closed-loop too" in \
+        capsys.readouterr().err
     assert main(base + ["--arrival-rate", "2", "--expert-skew", "0.5"]) != 0
     err = capsys.readouterr().err
     assert "no routed experts" in err and "Traceback" not in err
@@ -291,3 +292,37 @@ def test_cli_a_zero_or_negative_arrival_rate_is_refused_not_ignored(capsys, rate
     assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-intervals", "--json",
                  "--arrival-rate", rate]) == 2
     assert "--arrival-rate must be > 0" in capsys.readouterr().err
+
+
+def test_a_closed_loop_of_clients():
+    """Clients that each send their next request when the last ends (a benchmark at fixed concurrency): one client
+    runs its requests back to back at the lone request's latencies; more clients share steps, so ITL grows, throughput
+    grows, and at most that many requests are in flight; their first wave, sent all at once, is not in TTFT."""
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=2048)
+    kw = dict(prompt_len=1024, output_len=64, num_requests=120)
+    one = simulate_serving(plan, users=1, **kw)
+    assert one.users == 1 and one.arrival_rate == pytest.approx(120 / one.duration_s)
+    assert one.e2e_p50_s == pytest.approx(one.duration_s / 120 + load_params().ttft_overhead_s, rel=0.02)
+    assert one.mean_batch <= 1.0 + 1e-9
+    eight = simulate_serving(plan, users=8, **kw)
+    assert eight.users == 8 and eight.mean_batch <= 8.0 + 1e-9
+    assert eight.output_tokens_per_s > 3 * one.output_tokens_per_s and eight.itl_p50_s > one.itl_p50_s
+    assert eight.ttft_p99_s < 4 * one.ttft_p99_s  # (not the first wave's 8 prompts queued behind one another)
+    for bad, says in [(dict(users=0), "users >= 1"), (dict(users=2, arrival_rate=1.0), "without an arrival rate"),
+                      (dict(users=2, pd_disaggregation=True), "prefill pool")]:
+        with pytest.raises(ConfigError, match=says):
+            simulate_serving(plan, **kw, **bad)
+
+
+def test_cli_closed_loop(capsys):
+    from waferline.cli import main
+
+    base = ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--prompt-len", "256", "--output-len", "32",
+            "--no-intervals"]
+    assert main(base + ["--concurrency", "4", "--batch", "4", "--closed-loop", "--json"]) == 0
+    sv = json.loads(capsys.readouterr().out)["serving"]
+    assert sv["users"] == 4 and sv["requests"] == 200
+    assert main(base + ["--concurrency", "4", "--batch", "4", "--closed-loop"]) == 0
+    assert "from 4 clients in a closed loop" in " ".join(capsys.readouterr().out.split())  # (a wrapped title)
+    assert main(base + ["--closed-loop", "--arrival-rate", "2"]) == 2
+    assert "drop --arrival-rate" in capsys.readouterr().err

@@ -119,15 +119,21 @@ def _check_flags(args: argparse.Namespace) -> None:
     rate = getattr(args, "arrival_rate", None)
     if rate is not None and not (rate > 0 and math.isfinite(rate)):  # 0 would silently skip the serving simulation
         raise UsageError(f"--arrival-rate must be > 0 requests/s, got {rate}")
-    if getattr(args, "num_requests", None) is not None and not getattr(args, "arrival_rate", None):
-        raise UsageError("--num-requests sizes the serving simulation: give --arrival-rate too")
+    closed = getattr(args, "closed_loop", False)
+    if closed and rate is not None:
+        raise UsageError("--closed-loop sends each client's next request when its last ends: drop --arrival-rate")
+    if closed and (getattr(args, "pd_disaggregation", False) or getattr(args, "prefill_devices", None) is not None):
+        raise UsageError("--closed-loop serves colocated prefill only: drop --pd-disaggregation / --prefill-devices")
+    serves = bool(rate) or closed
+    if getattr(args, "num_requests", None) is not None and not serves:
+        raise UsageError("--num-requests sizes the serving simulation: give --arrival-rate or --closed-loop too")
     serving_flags = [f for f, v in (("--max-num-batched-tokens", getattr(args, "max_num_batched_tokens", None)),
                                     ("--pd-disaggregation", getattr(args, "pd_disaggregation", None) or None),
                                     ("--prefill-devices", getattr(args, "prefill_devices", None)),
                                     ("--expert-skew", getattr(args, "expert_skew", None))) if v is not None]
-    if serving_flags and not getattr(args, "arrival_rate", None):
+    if serving_flags and not serves:
         raise UsageError(f"{' and '.join(serving_flags)} shape{'' if len(serving_flags) > 1 else 's'} the serving "
-                         "simulation: give --arrival-rate too")
+                         "simulation: give --arrival-rate or --closed-loop too")
     target = getattr(args, "target_tokens_per_s", None)
     if target is not None and not getattr(args, "explain", False):
         raise UsageError("--target-tokens-per-s is what --explain works towards: give --explain too")
@@ -261,7 +267,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         ex = explain(r, args.target_tokens_per_s)
     serving = None
-    if args.arrival_rate:
+    if args.arrival_rate or args.closed_loop:
         from waferline.sim.serving import simulate_serving
 
         prefill_plan = None
@@ -271,7 +277,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         serving = simulate_serving(
             plan,
             arrival_rate=args.arrival_rate,
-            num_requests=args.num_requests or 200,
+            users=r.concurrency if args.closed_loop else None,
+            num_requests=args.num_requests or (max(200, 10 * r.concurrency) if args.closed_loop else 200),
             prompt_len=P,
             output_len=O,
             params=params,
@@ -330,8 +337,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         notes.append("(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)")
     if r.concurrency > 1:
         notes.append(f"steady decode of {r.concurrency} users: the other users' prefills between their tokens are not "
-                     "counted (" + ("the serving table below counts them)" if getattr(args, "arrival_rate", None)
-                                    else "--arrival-rate R simulates serving with them)"))
+                     "counted (" + ("the serving table below counts them)"
+                                    if getattr(args, "arrival_rate", None) or getattr(args, "closed_loop", False)
+                                    else "--closed-loop simulates serving with them)"))
     t.caption = "\n".join(notes) or None
     con.print(t)
     st = Table(title="per-stage decode step (us)")
@@ -361,9 +369,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                     f"{serving.kv_handover_s * 1e3:.2f} ms")
         if serving.expert_skew:
             how += f"; expert skew {serving.expert_skew:g}: hottest expert x{serving.expert_load_factor:.2f} load"
+        load = (f"from {serving.users} clients in a closed loop ({serving.arrival_rate:.3g} req/s)" if serving.users
+                else f"at {serving.arrival_rate:g} req/s")
         sv = Table(
-            title=f"serving {serving.requests} requests at {serving.arrival_rate:g} req/s (continuous batching, at "
-                  f"most {serving.max_batch} in flight; {how})"
+            title=f"serving {serving.requests} requests {load} (continuous batching, at most {serving.max_batch} in "
+                  f"flight; {how})"
         )
         sv.add_column("metric")
         sv.add_column("p50", justify="right")
@@ -510,8 +520,12 @@ def register(subparsers: Any) -> None:
     s.add_argument(
         "--arrival-rate", type=float, default=None, help="also simulate serving Poisson arrivals at this rate (req/s)"
     )
+    s.add_argument("--closed-loop", action="store_true",
+                   help="also simulate serving --concurrency clients in a closed loop (each sends its next request "
+                        "when its last ends, as a benchmark at fixed concurrency does): TTFT and ITL with the other "
+                        "clients' prefills mixed into the steps")
     s.add_argument("--num-requests", type=int, default=None,
-                   help="requests in the serving simulation (with --arrival-rate; default 200)")
+                   help="requests in the serving simulation (default 200; closed loop: at least 10 per client)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="serving: tokens one step carries, decode tokens first, prompt chunks in the rest (default "
                         "2048; 0 = stop-the-world prefill, one prompt at a time with decode paused)")

@@ -124,6 +124,7 @@ class ServingResult:
     e2e_mean_s: float = 0.0
     steps: int = 0  # engine iterations simulated (decode pool)
     quantile_rel_error: float = SKETCH_REL_ERROR  # bound on each percentile's relative error (streaming sketch)
+    users: int = 0  # closed loop: this many clients, each sending its next request when the last one ends (else 0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -308,12 +309,16 @@ def _prefill_pool(pr: _Pricer, arrivals: Iterator[float], budget: int, handover:
 # ----------------------------------------------------------------------------- the simulation
 
 
-def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200, prompt_len: int | None = None,
-                     output_len: int | None = None, max_batch: int | None = None, seed: int = 0,
-                     params: SimParams | None = None, max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET,
+def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_requests: int = 200,
+                     prompt_len: int | None = None, output_len: int | None = None, max_batch: int | None = None,
+                     seed: int = 0, params: SimParams | None = None, max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET,
                      pd_disaggregation: bool = False, prefill_plan: Plan | None = None,
-                     expert_skew: float = 0.0) -> ServingResult:
-    """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching, event by event.
+                     expert_skew: float = 0.0, users: int | None = None) -> ServingResult:
+    """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching, event by event; or,
+    with ``users`` (a closed loop, as load generators such as genai-perf or vLLM's benchmark at a fixed concurrency
+    drive a server), that many clients that start together and each send their next request the moment the last one
+    ends, until ``num_requests`` have been sent (the reported ``arrival_rate`` is then the achieved one; the first
+    wave, sent all at once, is a warm-up left out of TTFT and end-to-end).
 
     At most ``max_batch`` requests (default: what fits in the plan's memory) hold a KV cache at once, counting those
     being prefilled. Every step each decoding request gains one token at the per-user rate the pipeline model gives
@@ -346,8 +351,14 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
     from waferline.plan.place import batch_capacity
     from waferline.spec.catalog import load_hardware, load_model
 
-    if not (arrival_rate > 0 and math.isfinite(arrival_rate)) or num_requests < 1:
-        raise ConfigError(f"arrival rate must be > 0 and requests >= 1 (got {arrival_rate}, {num_requests})")
+    if users is not None:
+        if arrival_rate is not None or users < 1 or pd_disaggregation or prefill_plan is not None:
+            raise ConfigError(f"a closed loop takes users >= 1 (got {users}), without an arrival rate or a separate "
+                              "prefill pool")
+    elif arrival_rate is None or not (arrival_rate > 0 and math.isfinite(arrival_rate)):
+        raise ConfigError(f"arrival rate must be > 0 (got {arrival_rate})")
+    if num_requests < 1:
+        raise ConfigError(f"the simulation needs requests >= 1 (got {num_requests})")
     if max_num_batched_tokens is None or max_num_batched_tokens < 0:
         raise ConfigError(f"the step token budget (--max-num-batched-tokens) must be >= 0 (0 = stop-the-world "
                           f"prefill), got {max_num_batched_tokens}")
@@ -376,7 +387,22 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
     dec = _Pricer(plan, spec, hw, params, P, O, expert_skew)
     ovh = params.ttft_overhead_s
     ttft, itl, e2e = QuantileSketch(), QuantileSketch(), QuantileSketch()
-    arr = _arrivals(random.Random(seed), arrival_rate, num_requests)
+    # arrivals: Poisson, or (closed loop) a heap of the clients' next sends, refilled as requests end
+    pending = [0.0] * min(users, num_requests) if users else []
+    issued = len(pending)
+    arr = _arrivals(random.Random(seed), arrival_rate, num_requests) if not users else iter(())
+
+    def first_wave(a: float) -> bool:
+        """Closed loop with several clients: their first requests, all sent at once, are a warm-up (their queueing
+        behind one another is the start, not the steady state): left out of TTFT and end-to-end."""
+        return users is not None and users > 1 and a == 0.0
+
+    def advance() -> float:
+        """The arrival after the one just taken (``nxt_arr``)."""
+        if users:
+            heapq.heappop(pending)
+            return pending[0] if pending else _INF
+        return next(arr, _INF)
 
     handover = 0.0
     pplan = None
@@ -399,7 +425,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
         nxt_src = next(source, None)
         nxt_arr = _INF
     else:
-        nxt_arr = next(arr, _INF)
+        nxt_arr = pending[0] if users else next(arr, _INF)
     whole = dec.whole_prefill() if not pd and budget == 0 else 0.0
 
     waiting: deque[float] = deque()  # colocated: arrived, not admitted yet
@@ -414,10 +440,15 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
     busy = 0.0  # sum over steps of batch x step time
 
     def finish(a: float, when: float) -> None:
-        nonlocal done, t_last
-        e2e.add(when - a + ovh)
+        nonlocal done, t_last, issued, nxt_arr
+        if not first_wave(a):
+            e2e.add(when - a + ovh)
         done += 1
         t_last = max(t_last, when)
+        if users and issued < num_requests:  # (closed loop: this client sends its next request now)
+            heapq.heappush(pending, when)
+            issued += 1
+            nxt_arr = pending[0]
 
     def join(a: float, ft: float) -> None:
         if O == 1:
@@ -437,7 +468,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
             while nxt_arr <= t:
                 waiting.append(nxt_arr)
                 first_arrival = min(first_arrival, nxt_arr)
-                nxt_arr = next(arr, _INF)
+                nxt_arr = advance()
         # 2. requests whose first token is out start decoding (PD: when the decode pool has room for their cache)
         while ready and ready[0][0] <= t and len(heap) < cap:
             _, a, ft = heapq.heappop(ready)
@@ -448,11 +479,12 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
             while waiting and len(heap) < cap:
                 a = waiting.popleft()
                 t += whole
-                ttft.add(t - a + ovh)
+                if not first_wave(a):
+                    ttft.add(t - a + ovh)
                 join(a, t)
                 while nxt_arr <= t:
                     waiting.append(nxt_arr)
-                    nxt_arr = next(arr, _INF)
+                    nxt_arr = advance()
         elif not pd:  # chunked: admit, then fill what decoding leaves of the token budget with prompt chunks
             while waiting and len(heap) + len(prefilling) + len(ready) < cap:
                 prefilling.append([waiting.popleft(), float(P)])
@@ -506,7 +538,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
         for _ in range(finished):
             a = prefilling.popleft()[0]
             ft = t + drain  # the last stage finishes the chunk after the pipeline drains
-            ttft.add(ft - a + ovh)
+            if not first_wave(a):
+                ttft.add(ft - a + ovh)
             if drain > 0:
                 heapq.heappush(ready, (ft, a, ft))
             else:
@@ -515,8 +548,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
             finish(heapq.heappop(heap)[1], t)
 
     duration = t_last - first_arrival
+    rate = arrival_rate if arrival_rate is not None else (num_requests / duration if duration > 0 else 0.0)
     return ServingResult(
-        requests=num_requests, arrival_rate=arrival_rate, max_batch=cap, duration_s=duration,
+        requests=num_requests, arrival_rate=rate, max_batch=cap, duration_s=duration,
         output_tokens_per_s=num_requests * O / duration if duration > 0 else 0.0,
         ttft_p50_s=ttft.quantile(0.5), ttft_p90_s=ttft.quantile(0.9), ttft_p99_s=ttft.quantile(0.99),
         itl_p50_s=itl.quantile(0.5), itl_p99_s=itl.quantile(0.99), e2e_p50_s=e2e.quantile(0.5),
@@ -525,5 +559,5 @@ def simulate_serving(plan: Plan, *, arrival_rate: float, num_requests: int = 200
         pd_disaggregation=pd, prefill_devices=pplan.num_devices if pplan is not None else 0, kv_handover_s=handover,
         expert_skew=expert_skew, expert_load_factor=dec.load_factor, ttft_mean_s=ttft.mean,
         itl_p90_s=itl.quantile(0.9), itl_mean_s=itl.mean, e2e_p90_s=e2e.quantile(0.9), e2e_mean_s=e2e.mean,
-        steps=steps, quantile_rel_error=ttft.rel_error,
+        steps=steps, quantile_rel_error=ttft.rel_error, users=users or 0,
     )
