@@ -208,7 +208,8 @@ def test_gqa_cache_is_not_split_below_one_kv_head_per_device():
      "--num-speculative-tokens needs --speculative"),
     (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--speculative", "mtp", "--draft-model", "llama-3.2-1b"],
      "--draft-model is for --speculative draft"),
-    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--num-requests", "10"], "give --arrival-rate too"),
+    (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--num-requests", "10"],
+     "give --arrival-rate or --closed-loop too"),
 ])
 def test_flags_that_would_be_ignored_are_refused(argv, says, capsys):
     from waferline.cli import main
