@@ -82,6 +82,9 @@ def _number(name: str, value: object) -> float:
     return x
 
 
+STRUCTURED = ("json_object", "json_schema", "regex", "choice", "grammar")  # SamplingParams' structured outputs
+
+
 @dataclass
 class SamplingParams:
     """How to continue a prompt. ``temperature == 0`` is greedy (as is any temperature below ``MIN_TEMPERATURE``);
@@ -97,8 +100,8 @@ class SamplingParams:
     ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or GBNF): only tokens that keep the output a
     prefix of such a text are drawn, and the end-of-sequence token only where the text is whole (a stop token id
     that is also text the grammar allows may end it sooner, as any stop token does; ``min_tokens`` gives way where
-    only stop tokens may follow). ``skip_special_tokens`` False: the
-    output's text keeps special tokens other than its stop token (a tool-call parser reads tags that are special).
+    only stop tokens may follow). ``skip_special_tokens`` False: the output's text keeps special tokens other than
+    its stop token (a tool-call parser reads tags that are special).
     Checked when constructed (``RequestError``) and again by ``validate`` when used, since the fields can be changed in
     between."""
 
@@ -137,10 +140,7 @@ class SamplingParams:
     @property
     def structured(self) -> str | None:
         """The structured output asked for: "json_object", "json_schema", "regex", "choice" or "grammar" (or None)."""
-        for name in ("json_object", "json_schema", "regex", "choice", "grammar"):
-            if getattr(self, name) not in (None, False):
-                return name
-        return None
+        return next((name for name in STRUCTURED if getattr(self, name) not in (None, False)), None)
 
     @property
     def needs_logits(self) -> bool:
@@ -234,8 +234,7 @@ class SamplingParams:
             if not (isinstance(self.choice, list) and self.choice
                     and all(isinstance(c, str) and c for c in self.choice)):
                 raise RequestError(f"choice must be a non-empty list of non-empty strings, got {_show(self.choice)}")
-        asked = [n for n in ("json_object", "json_schema", "regex", "choice", "grammar")
-                 if getattr(self, n) not in (None, False)]
+        asked = [n for n in STRUCTURED if getattr(self, n) not in (None, False)]
         if len(asked) > 1:
             raise RequestError(f"at most one structured output per request; got {' and '.join(asked)}")
         if asked and self.ignore_eos:

@@ -131,7 +131,7 @@ class Choices:
             out.append(ch)
         if ev.finished and ev.finish_reason != "error":
             reason = self._reason(ev)
-            if c.tool_stream is not None and self.tools is not None:
+            if c.tool_stream is not None:
                 rest = c.tool_stream.finish()
                 if rest:
                     out.append(self._chunk(c, rest))
@@ -139,7 +139,7 @@ class Choices:
                     ch = self._chunk(c, None)
                     ch["delta"]["tool_calls"] = [{"index": k} | call for k, call in enumerate(c.tool_stream.calls)]
                     out.append(ch)
-                reason = self.tools.finish_reason(c.tool_stream.calls, reason)
+                reason = c.tool_stream.plan.finish_reason(c.tool_stream.calls, reason)
             ch = self._chunk(c, None if self.chat else "")
             ch["finish_reason"] = reason
             out.append(ch)

@@ -30,7 +30,7 @@ from waferline.server.chat import render
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest, parse
-from waferline.server.tools import plan_of
+from waferline.server.tools import ToolPlan, plan_of
 
 log = logging.getLogger("waferline.server")
 
@@ -293,7 +293,8 @@ class Server:
             if req.top_logprobs and not req.logprobs:
                 raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
             logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        structured, source = structured_of(req, self.tool_call_parser)
+        plan = plan_of(req, self.tool_call_parser) if isinstance(req, ChatRequest) else None
+        structured, source = structured_of(req, plan)
         if structured and self.llm.tokenizer is None:
             raise APIError("structured output needs the model's tokenizer (tokenizer.json)", param=source)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -310,17 +311,13 @@ class Server:
                                   repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                                   logit_bias=_token_keys(req.logit_bias or {}), min_p=req.min_p or 0.0,
                                   min_tokens=req.min_tokens or 0, skip_special_tokens=req.skip_special_tokens
-                                  and not (isinstance(req, ChatRequest) and self._reads_tags(req)), **structured)
+                                  # (a tool-call parser reads tags that some tokenizers mark special: kept)
+                                  and not (plan is not None and plan.mode == "auto"), **structured)
             grammar_of(params)  # (a schema, expression or grammar that cannot be used: 400 before it queues)
         except RequestError as e:
             raise APIError(str(e), param=source if structured and str(e).startswith(tuple(structured)) else
                            _param_of(str(e))) from None
         return params
-
-    def _reads_tags(self, req: ChatRequest) -> bool:
-        """A tool-call parser reads this answer's tags, which some tokenizers mark special: keep them in the text."""
-        plan = plan_of(req, self.tool_call_parser)
-        return plan is not None and plan.mode == "auto"
 
     # -- running a request
     def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str
@@ -426,16 +423,14 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def structured_of(req: Any, tool_call_parser: str | None = None) -> tuple[dict[str, Any], str | None]:
+def structured_of(req: Any, plan: ToolPlan | None = None) -> tuple[dict[str, Any], str | None]:
     """The structured output a request asks for, as SamplingParams fields, and the request field it came from:
     ``response_format`` (OpenAI's: json_object, or json_schema with its ``schema``), vLLM's ``structured_outputs``,
     or its older ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``, or a chat request's
     named or required ``tool_choice`` (server/tools.py); at most one."""
     asked: list[tuple[dict[str, Any], str]] = []
-    if isinstance(req, ChatRequest):
-        plan = plan_of(req, tool_call_parser)
-        if plan is not None and plan.structured():
-            asked.append((plan.structured(), "tool_choice"))
+    if plan is not None and plan.structured():
+        asked.append((plan.structured(), "tool_choice"))
     fmt = req.response_format
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
