@@ -41,6 +41,39 @@ def test_published_calibration_set_meets_the_target():
     assert over <= {"cal-11"} and summary["max_error_factor"] <= 3.0
 
 
+def test_rows_beyond_the_physical_ceiling_are_named(tmp_path, capsys):
+    """A published figure faster than the model allows with every fitted term at its most favourable bound is named,
+    with that bound: a row no fit can reach (here 8B at 5,000 tok/s on one H100, and a 405B TTFT of 0.1 ms)."""
+    p = _csv(tmp_path, ["ok,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                        "fast,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,5000,tok/s,,,",
+                        "ttft,x,llama-3.1-405b,h200-sxm,8,8,none,1,1000,,ttft_s,0.0001,s,,,"])
+    results, summary = validate(p)
+    assert set(summary["beyond_ceiling"]) == {"fast", "ttft"}
+    h100 = 3.35e12 / ((8.03e9 - 128256 * 4096) * 2)  # the 8B's 16-bit weights (but the embedding table) read once
+    assert h100 / 1.05 < summary["beyond_ceiling"]["fast"] <= h100  # per token at the datasheet bandwidth
+    assert results[0].detail["ceiling"] is None and results[0].predicted < h100
+    assert commands.main(["validate", "--data", str(p)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "beyond the model's physical ceiling" in out and "fast (published 5000" in out and "ok (" not in out
+    assert commands.main(["validate", "--data", str(p), "--json"]) == 0
+    rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["ok"]["beyond_ceiling"] is None and rows["fast"]["beyond_ceiling"] > 0
+
+
+def test_the_ceiling_is_never_slower_than_the_fit():
+    """SimParams.ceiling bounds every fitted prediction of the shipped rows: faster (or, for TTFT, sooner) than or
+    equal to it; the SambaNova rows lie beyond it (the catalog's SN40L bandwidth and link latency are assumed)."""
+    results, summary = validate(PUBLISHED)
+    from waferline.sim.validate import build_models
+
+    ceiling = load_params().ceiling()
+    for row, rm, _ in build_models(read_published(PUBLISHED), load_params()):
+        best = rm.predict(ceiling)[0]
+        fitted = next(r.predicted for r in results if r.row.id == row.id)
+        assert (best <= fitted * 1.0001) if row.metric == "ttft_s" else (best >= fitted * 0.9999), row.id
+    assert set(summary["beyond_ceiling"]) == {"cal-10", "cal-11"}
+
+
 def test_any_csv_unknown_rows_are_skipped_not_fatal(tmp_path):
     p = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
                         "b,x,no-such-model,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",

@@ -427,6 +427,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             "skipped": r.skipped,
                             "spec_decoding": r.row.spec_decoding,
                             "system": r.row.system,
+                            "beyond_ceiling": r.detail.get("ceiling"),
                         }
                         | ({"fold": r.detail.get("fold"), "out_of_fold": True} if cv is not None else {})
                         for r in results
@@ -483,6 +484,14 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{summary['within_2']}/{summary['predicted']} within 2x"
             + (f"; {summary['skipped']} skipped" if summary["skipped"] else "")
         )
+    if summary["beyond_ceiling"]:
+        rows = {r.row.id: r.row for r in results}
+        far = ", ".join(f"{i} (published {rows[i].value:g}, the model's best {v:.4g})"
+                        for i, v in summary["beyond_ceiling"].items())
+        con.print(f"[yellow]beyond the model's physical ceiling[/yellow] (every fitted term at the most favourable end "
+                  f"of its bounds, the catalog's numbers as they are): {far}. No fit reaches these rows: they need a "
+                  "mechanism or a hardware number that neither the row nor the catalog states (undisclosed "
+                  "speculation or precision, an assumed bandwidth or latency that is off).")
     return 0
 
 

@@ -49,6 +49,15 @@ CLASS_PARAMS: dict[str, tuple[float, float, float, float, str]] = {
 }
 
 
+# the range a fit may move the per-token acceptance of speculative decoding in, and the per-request overhead of a
+# client-measured TTFT in (seconds)
+ACCEPT_BOUNDS = (0.3, 0.97)
+TTFT_OVERHEAD_BOUNDS = (1e-4, 2.0)
+# the most favourable end of each class parameter's bounds: the fastest a device can be under this model
+_FAVOURABLE = {"bw_eff": 3, "flops_eff": 3, "fabric_links": 3, "layer_latency_s": 2, "moe_latency_s": 2,
+               "hop_latency_s": 2}
+
+
 @dataclass
 class ClassParams:
     """Fitted/assumed cost parameters of one device class (gpu, wafer, lpu, rdu, ...)."""
@@ -124,6 +133,20 @@ class SimParams:
                 for cn, cp in out.classes.items():
                     if cn == cname or (cname == "gpu" and cp.status.get(pname, "").startswith("assumed: as gpu")):
                         setattr(cp, pname, v)
+        return out
+
+    def ceiling(self) -> SimParams:
+        """A copy with every fitted or assumed term at the most favourable end of its physical bounds (efficiencies
+        1, latencies at their floor, acceptance at its cap, no request overhead): what the model predicts for a
+        deployment then is the fastest it allows with the catalog's numbers as they are (datasheet and assumed)."""
+        out = self.copy()
+        out.bootstrap = []
+        for cp in out.classes.values():
+            for name, end in _FAVOURABLE.items():
+                if getattr(cp, name) is not None:  # (no hop latency of its own: the link's, as the catalog has it)
+                    setattr(cp, name, CLASS_PARAMS[name][end])
+        out.accept_rate = {m: ACCEPT_BOUNDS[1] for m in out.accept_rate}
+        out.ttft_overhead_s = TTFT_OVERHEAD_BOUNDS[0]
         return out
 
     def parameter_sets(self) -> list[SimParams]:

@@ -4,15 +4,14 @@ rows (one row, or every row of one vendor), the held-out rows predicted with tha
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError
-from waferline.sim.cost import SimParams
+from waferline.sim.cost import SimParams, load_params
 from waferline.sim.fit import fit_rows, problem
-from waferline.sim.validate import Row, RowResult, error_factor, read_published
+from waferline.sim.validate import Row, RowResult, beyond_ceiling, error_factor, read_published, summarize
 
 CROSS_VALIDATE = ("row", "vendor")
 
@@ -36,6 +35,7 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
         raise ConfigError(f"--cross-validate {by!r} unknown; use one of {', '.join(CROSS_VALIDATE)}")
     t0 = time.time()
     prob = problem(path, params)
+    ceiling = (params or load_params()).ceiling()
     groups: dict[str, list[int]] = {}
     for i, (row, _) in enumerate(prob.models):
         groups.setdefault(fold_key(row, by), []).append(i)
@@ -50,18 +50,14 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
             pred, r = rm.predict(refit)
             out[i] = RowResult(row, pred, error_factor(pred, row.value) if pred > 0 else None,
                                devices=rm.plan.num_devices,
-                               detail={"fold": g, "trained_on": len(train), "bound": r.bound})
+                               detail={"fold": g, "trained_on": len(train), "bound": r.bound,
+                                       "ceiling": beyond_ceiling(rm, ceiling)})
         if progress:
             progress(g, [out[i] for i in held])
     results = [out[i] for i in range(len(prob.models))]
     results += [RowResult(next(r for r in read_published(path) if r.id == rid), None, None, skipped=why)
                 for rid, why in prob.skipped]
-    errs = [r.error_factor for r in results if r.error_factor is not None]
-    summary = {"rows": len(results), "predicted": len(errs), "skipped": len(results) - len(errs),
-               "cross_validate": by, "folds": len(groups),
-               "median_error_factor": statistics.median(errs) if errs else None,
-               "max_error_factor": max(errs) if errs else None,
-               "within_1_25": sum(e <= 1.25 for e in errs), "within_2": sum(e <= 2.0 for e in errs),
-               "params": f"refit per fold from the priors on the other rows of {Path(path).name}",
-               "seconds": round(time.time() - t0, 1)}
-    return results, summary
+    return results, summarize(results) | {
+        "cross_validate": by, "folds": len(groups),
+        "params": f"refit per fold from the priors on the other rows of {Path(path).name}",
+        "seconds": round(time.time() - t0, 1)}

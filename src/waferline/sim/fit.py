@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import FitError
-from waferline.sim.cost import CLASS_PARAMS, FITTED_PATH, ClassParams, SimParams, load_params
+from waferline.sim.cost import (
+    ACCEPT_BOUNDS,
+    CLASS_PARAMS,
+    FITTED_PATH,
+    TTFT_OVERHEAD_BOUNDS,
+    ClassParams,
+    SimParams,
+    load_params,
+)
 from waferline.sim.validate import Row, RowModel, build_models, error_factor, read_published
 
 # Priors per device class (value, log-sd). Physically: GPUs pay kernel launches + syncs per layer (~10 us with
@@ -38,9 +46,8 @@ SHARED: dict[str, tuple[tuple[str, ...], ...]] = {"bw_eff": (("gpu", "tpu", "rdu
 # Which priors the data may move (sd 0 = held at the prior: physically motivated, not fitted).
 FITTABLE = ("layer_latency_s", "fabric_links", "bw_eff", "moe_latency_s", "hop_latency_s")
 ACCEPT_PRIOR = {"draft": 0.8, "mtp": 0.85, "eagle": 0.8, "medusa": 0.7, "ngram": 0.5}
-ACCEPT_BOUNDS = (0.3, 0.97)
 PRIOR_WEIGHT = 0.05
-TTFT_PRIOR = (0.05, 2.0, 1e-4, 2.0)  # request overhead in a client-measured TTFT (value, log-sd, lo, hi)
+TTFT_PRIOR = (0.05, 2.0, *TTFT_OVERHEAD_BOUNDS)  # request overhead in a client-measured TTFT (value, log-sd, lo, hi)
 OUTLIER_LOG = math.log(1.9)
 
 
