@@ -44,7 +44,11 @@ def test_demo_cli_runs_without_report(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert len(out["token_ids"]) == 32 and out["decode_tokens_per_s"] > 0
-    assert out["planner"]["wafers_4bit"] > 0 and out["planner"]["tok_s_per_user"] > 0
+    head = out["planner"]
+    assert head["wafers_4bit"] > 0 and head["tok_s_per_user"] > 0
+    for key in ("tok_s_per_user", "tok_s_per_user_mtp", "ttft_s", "nvl72_tok_s_per_user"):  # every prediction
+        low, high = head[key + "_interval"]  # carries its 90% interval, which holds the point and has a spread
+        assert low <= head[key] <= high and low < high, key
     assert not (tmp_path / "waferline-report.html").exists()
 
 
@@ -181,3 +185,13 @@ def test_report_explains_the_750_line_and_names_the_twin_machine():
         page = rep.to_html()
         assert html.escape(machine_text(result)) in page
         assert html.escape(f'Measured on the machine named "{result["machine"]}"') in page
+
+
+def test_headline_cells_print_the_interval():
+    from waferline.demo import headline_cell
+
+    head = {"tok_s_per_user": 313.2, "tok_s_per_user_interval": [131.0, 398.4], "ttft_s": 0.186,
+            "ttft_s_interval": [0.063, 0.189], "nvl72_tok_s_per_user": 118.0}
+    assert headline_cell(head, "tok_s_per_user") == "313 (90%: 131-398)"
+    assert headline_cell(head, "ttft_s", 1e3, " ms") == "186 (90%: 63-189) ms"
+    assert headline_cell(head, "nvl72_tok_s_per_user") == "118"  # (no interval stored: the value alone)

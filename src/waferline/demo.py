@@ -122,19 +122,29 @@ def planner_headline() -> dict[str, Any]:
     report."""
     from waferline.plan.place import place
     from waferline.plan.plan import SpeculativeConfig
+    from waferline.sim.cost import load_params
+    from waferline.sim.intervals import attach_intervals
     from waferline.sim.pipeline import simulate
+
+    params = load_params()
+
+    def predicted(plan: Any) -> Any:  # (with its 90% intervals over the fit's bootstrap parameter sets)
+        return attach_intervals(simulate(plan, params=params), plan, params)
 
     out: dict[str, Any] = {}
     for bits in (4, 16):
         p = place("gpt-5.6-sol", "wse-3", weight_bits=bits)
         out[f"wafers_{bits}bit"] = p.num_devices
     p80 = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4)
-    r = simulate(p80)
+    r = predicted(p80)
     p80_long = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, context=131072, batch=16)
     out.update(one_layer_per_wafer_devices=80, tok_s_per_user=r.decode_tokens_per_s_per_user, ttft_s=r.ttft_s,
-               stage_ms=[s.total * 1e3 for s in r.stages])
+               tok_s_per_user_interval=r.intervals.get("decode_tokens_per_s_per_user"),
+               ttft_s_interval=r.intervals.get("ttft_s"), stage_ms=[s.total * 1e3 for s in r.stages])
     ps = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, speculative=SpeculativeConfig("mtp", 3))
-    out["tok_s_per_user_mtp"] = simulate(ps).decode_tokens_per_s_per_user
+    rs = predicted(ps)
+    out["tok_s_per_user_mtp"] = rs.decode_tokens_per_s_per_user
+    out["tok_s_per_user_mtp_interval"] = rs.intervals.get("decode_tokens_per_s_per_user")
     out["memory_per_wafer_gb"] = [(s.index, s.memory.weights / 1e9, s.memory.cache / 1e9, s.memory.capacity / 1e9)
                                   for s in p80_long.stages]
     sweep = []
@@ -147,8 +157,17 @@ def planner_headline() -> dict[str, Any]:
     out["sweep"] = sweep
     nvl = place("gpt-5.6-sol", "gb200-nvl72", weight_bits=4)
     out["nvl72_gpus"] = nvl.num_devices
-    out["nvl72_tok_s_per_user"] = simulate(nvl).decode_tokens_per_s_per_user
+    rn = predicted(nvl)
+    out["nvl72_tok_s_per_user"] = rn.decode_tokens_per_s_per_user
+    out["nvl72_tok_s_per_user_interval"] = rn.intervals.get("decode_tokens_per_s_per_user")
     return out
+
+
+def headline_cell(head: dict[str, Any], key: str, scale: float = 1.0, unit: str = "") -> str:
+    """A headline figure with its 90% interval: '313 (90%: 131-398)' (the value alone where it has none)."""
+    from waferline.sim.intervals import fmt
+
+    return fmt(head[key], head.get(key + "_interval"), ",.0f", scale) + unit
 
 
 REFERENCE_TOK_S = 750  # GPT-5.6 Sol's reported decode speed per user on Cerebras WSE-3 ("up to 750 tokens per second")
@@ -252,13 +271,14 @@ def add_prediction_sections(rep: Any, figs: dict[str, Any], head: dict[str, Any]
     rep.add("gpt-5.6-sol on WSE-3 — the planner's answer",
             table=[["question", "answer"], ["wafers needed, 4-bit", head["wafers_4bit"]],
                    ["wafers needed, 16-bit", head["wafers_16bit"]],
-                   ["tok/s per user, 80 wafers, 4-bit", f"{head['tok_s_per_user']:.0f}"],
-                   ["... with MTP (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}"],
-                   ["TTFT (1,000-token prompt)", f"{head['ttft_s'] * 1e3:.0f} ms"],
+                   ["tok/s per user, 80 wafers, 4-bit", headline_cell(head, "tok_s_per_user")],
+                   ["... with MTP (k=3, acceptance 0.85 assumed)", headline_cell(head, "tok_s_per_user_mtp")],
+                   ["TTFT (1,000-token prompt)", headline_cell(head, "ttft_s", 1e3, " ms")],
                    ["GB200 NVL72 4-bit: GPUs", head["nvl72_gpus"]],
-                   ["GB200 NVL72: tok/s per user", f"{head['nvl72_tok_s_per_user']:.0f}"]],
-            note="Simulator predictions (fitted on published results; see docs/planner.md). "
-                 "gpt-5.6-sol is a speculative config.")
+                   ["GB200 NVL72: tok/s per user", headline_cell(head, "nvl72_tok_s_per_user")]],
+            note="Simulator predictions (fitted on published results; see docs/planner.md); 90% intervals over the "
+                 "fit's bootstrap parameter sets (parameter uncertainty only; the MTP row's acceptance is assumed, "
+                 "not in its interval). gpt-5.6-sol is a speculative config.")
     rep.add("Memory per wafer", figure=figs["memory"])
     rep.add("KV / state bytes vs context", figure=figs["kv"])
     rep.add("Predicted tokens/s vs number of wafers", figure=figs["sweep"], note=REFERENCE_CAPTION)
@@ -383,10 +403,13 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     t.add_column("answer", justify="right")
     t.add_row("wafers needed, 4-bit weights", f"{head['wafers_4bit']}")
     t.add_row("wafers needed, 16-bit weights", f"{head['wafers_16bit']}")
-    t.add_row("tok/s per user, one layer per wafer (80), 4-bit", f"{head['tok_s_per_user']:.0f}")
-    t.add_row("  ... with MTP speculation (k=3, acceptance 0.85 assumed)", f"{head['tok_s_per_user_mtp']:.0f}")
-    t.add_row("TTFT, 1,000-token prompt", f"{head['ttft_s'] * 1e3:.0f} ms")
-    t.add_row("GB200 NVL72, 4-bit: GPUs / tok/s per user", f"{head['nvl72_gpus']} / {head['nvl72_tok_s_per_user']:.0f}")
+    t.add_row("tok/s per user, one layer per wafer (80), 4-bit", headline_cell(head, "tok_s_per_user"))
+    t.add_row("  ... with MTP speculation (k=3, acceptance 0.85 assumed)", headline_cell(head, "tok_s_per_user_mtp"))
+    t.add_row("TTFT, 1,000-token prompt", headline_cell(head, "ttft_s", 1e3, " ms"))
+    t.add_row("GB200 NVL72, 4-bit: GPUs / tok/s per user",
+              f"{head['nvl72_gpus']} / {headline_cell(head, 'nvl72_tok_s_per_user')}")
+    t.caption = ("(90%: low-high): over the fit's bootstrap parameter sets, parameter uncertainty only; the MTP "
+                 "acceptance is assumed, its range not included")
     console.print(t)
     console.print("commands: waferline plan gpt-5.6-sol --hardware wse-3 --weight-bits 4 ; "
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
