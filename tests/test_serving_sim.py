@@ -280,8 +280,9 @@ def test_a_prefill_pool_that_cannot_hold_the_model_is_refused(capsys):
             "--output-len", "100", "--arrival-rate", "5", "--num-requests", "20", "--no-intervals"]
     assert main(base + ["--prefill-devices", "1"]) != 0
     assert "cannot hold" in capsys.readouterr().err
-    assert main(base + ["--prefill-devices", "0"]) != 0
-    assert "--prefill-devices must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # (refused by the argument's type, before anything runs)
+        main(base + ["--prefill-devices", "0"])
+    assert e.value.code == 2 and "--prefill-devices: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("rate", ["0", "-2", "nan"])

@@ -37,35 +37,62 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="catalog model id (e.g. gpt-5.6-sol, deepseek-v3), a config.json path, or a checkpoint dir")
     p.add_argument("--hardware", "-H", required=not optional,
                    help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
-    p.add_argument("--devices", type=int, default=None, help="number of devices (default: the fewest that fit)")
-    p.add_argument("--weight-bits", type=int, default=16, choices=(16, 8, 4))
-    p.add_argument("--kv-bits", type=int, default=16, choices=(16, 8, 4))
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="number of devices (default: the fewest that fit; a count the layout cannot use whole is "
+                        "rounded down, and the plan says so)")
+    p.add_argument("--weight-bits", type=int, default=None, choices=(16, 8, 4), help="stored weights (default 16)")
+    p.add_argument("--kv-bits", type=int, default=None, choices=(16, 8, 4), help="KV cache (default 16)")
     p.add_argument(
         "--context",
-        type=int,
+        type=positive_int,
         default=None,
         help="context length per sequence for memory sizing (default 4096; simulate: prompt+output)",
     )
-    p.add_argument("--batch", type=int, default=1, help="sequences resident at once (memory sizing)")
-    p.add_argument("--layers-per-stage", type=int, default=None, help="K layers per stage (default: as many as fit)")
+    p.add_argument("--batch", type=positive_int, default=None,
+                   help="sequences resident at once (memory sizing; default 1)")
+    p.add_argument("--layers-per-stage", type=positive_int, default=None,
+                   help="K layers per stage (default: as many as fit)")
     p.add_argument(
         "--afd", action="store_true", help="attention/FFN disaggregation: separate attention and FFN device pools"
     )
     p.add_argument(
         "--attention-ranks",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="M",
         help="with --afd: M attention ranks, each holding every layer's mixer for its share of the sequences "
         "(the layout the engine's `generate --afd` runs)",
     )
-    p.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+    p.add_argument("--ffn-ranks", type=positive_int, default=None, metavar="N",
                    help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
     p.add_argument(
-        "--micro-batches", type=int, default=None, help="micro-batches in flight (default min(batch, stages))"
+        "--micro-batches", type=positive_int, default=None,
+        help="micro-batches in flight (default min(batch, stages); at most batch)"
     )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (0 or less is refused, not quietly replaced by a default)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
 
 
 def accept_rate_arg(text: str) -> tuple[float, float]:
@@ -152,8 +179,9 @@ def _make_plan(args: argparse.Namespace, context: int):
     _check_flags(args)
     if not args.model or not args.hardware:
         raise ConfigError("give MODEL and --hardware (or --plan PLAN.json for simulate)")
-    batch = max(args.batch, getattr(args, "concurrency", None) or 1)  # size memory for every concurrent sequence
-    return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits, kv_bits=args.kv_bits,
+    batch = max(args.batch or 1, getattr(args, "concurrency", None) or 1)  # memory for every concurrent sequence
+    return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits or 16,
+                 kv_bits=args.kv_bits or 16,
                  context=context, batch=batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
                  micro_batches=args.micro_batches, speculative=_spec_cfg(args),
                  attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks)
@@ -164,8 +192,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from waferline.plan.place import batch_capacity, context_capacity
     from waferline.spec.catalog import load_model
 
-    ctx = args.context or 4096
-    plan = _make_plan(args, ctx)
+    plan = _make_plan(args, args.context or 4096)
     if args.out:
         plan.save(args.out)
     spec = load_model(args.model)
@@ -241,6 +268,7 @@ def _load_params(args: argparse.Namespace):
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Plan (or read --plan) and predict tokens/s, TTFT and a per-stage breakdown."""
+    from waferline.errors import UsageError
     from waferline.plan.plan import Plan
     from waferline.sim.pipeline import simulate
 
@@ -249,11 +277,36 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     P = args.prompt_len or params.default_prompt_len
     O = args.output_len or params.default_output_len
     if args.plan:
+        placing = [f for f, v in (("--devices", args.devices),
+                                  ("--weight-bits", args.weight_bits), ("--kv-bits", args.kv_bits),
+                                  ("--context", args.context), ("--batch", args.batch),
+                                  ("--layers-per-stage", args.layers_per_stage), ("--afd", args.afd or None),
+                                  ("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks),
+                                  ("--micro-batches", args.micro_batches)) if v is not None]
+        if placing:
+            raise UsageError(f"--plan simulates the plan as placed: drop {', '.join(placing)} (or drop --plan and "
+                             "place MODEL anew)")
+        from waferline.spec.catalog import load_hardware, load_model
+
         plan = Plan.load(args.plan)
+        for given, placed, what in ((args.model, plan.model, "MODEL"), (args.hardware, plan.hardware, "--hardware")):
+            if given is not None and given != placed:
+                raise UsageError(f"the plan places {plan.model} on {plan.hardware}; {what} {given} says otherwise "
+                                 "(drop it, or drop --plan and place MODEL anew)")
+        plan.check(load_model(plan.model), load_hardware(plan.hardware))
         if args.speculative != "none":
             plan.speculative = _spec_cfg(args)
+        if P + O > plan.context_len or (args.concurrency or plan.batch) > plan.batch:
+            raise ConfigError(f"the plan holds {plan.batch} sequence(s) of {plan.context_len:,} tokens; this workload "
+                              f"is {args.concurrency or plan.batch} of {P + O:,} (prompt + output): place it anew "
+                              "(MODEL --hardware ... --concurrency / --prompt-len) or with a larger --context/--batch")
     else:
+        if args.context is not None and args.context < P + O:
+            raise UsageError(f"--context {args.context:,} is shorter than prompt + output ({P + O:,}): the memory "
+                             "would be sized for less than the workload holds (leave --context out to size it so)")
         plan = _make_plan(args, args.context or (P + O))
+    if args.out:
+        plan.save(args.out)
     r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)
     if not getattr(args, "no_intervals", False):
         from waferline.sim.intervals import attach_intervals
@@ -504,9 +557,9 @@ def register(subparsers: Any) -> None:
     s = subparsers.add_parser("simulate", help="predict tokens/s, TTFT and per-stage latency of a deployment")
     _add_plan_args(s, optional=True)
     s.add_argument("--plan", default=None, help="simulate this plan JSON instead of placing MODEL")
-    s.add_argument("--prompt-len", type=int, default=None)
-    s.add_argument("--output-len", type=int, default=None)
-    s.add_argument("--concurrency", type=int, default=None, help="concurrent requests (default: --batch)")
+    s.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 1000)")
+    s.add_argument("--output-len", type=positive_int, default=None, help="output tokens per request (default 500)")
+    s.add_argument("--concurrency", type=positive_int, default=None, help="concurrent requests (default: --batch)")
     s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
     s.add_argument("--accept-rate", type=accept_rate_arg, default=None, metavar="RATE|LOW:HIGH",
                    help="per-token acceptance, one rate or a range (the prediction uses its midpoint; the 90%% "
@@ -514,10 +567,10 @@ def register(subparsers: Any) -> None:
     s.add_argument("--explain", action="store_true",
                    help="say what one decode step is spent on (per term, with its basis) and, with "
                         "--target-tokens-per-s, what would have to change to reach that rate")
-    s.add_argument("--target-tokens-per-s", type=float, default=None, metavar="RATE",
+    s.add_argument("--target-tokens-per-s", type=positive_float, default=None, metavar="RATE",
                    help="with --explain: the per-user decode rate to reach (e.g. 750)")
     s.add_argument(
-        "--num-speculative-tokens", type=int, default=None, help="draft tokens per step (default per method)"
+        "--num-speculative-tokens", type=positive_int, default=None, help="draft tokens per step (default per method)"
     )
     s.add_argument("--draft-model", default=None,
                    help="draft model for --speculative draft; it must share the target's vocabulary (default: the "
@@ -533,15 +586,16 @@ def register(subparsers: Any) -> None:
                    help="also simulate serving --concurrency clients in a closed loop (each sends its next request "
                         "when its last ends, as a benchmark at fixed concurrency does): TTFT and ITL with the other "
                         "clients' prefills mixed into the steps")
-    s.add_argument("--num-requests", type=int, default=None,
-                   help="requests in the serving simulation (default 200; closed loop: at least 10 per client)")
+    s.add_argument("--num-requests", type=positive_int, default=None,
+                   help="requests in the serving simulation (default 200; closed loop: 10 per client, at least 200, "
+                        "and more than one per client: the first wave is warm-up)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="serving: tokens one step carries, decode tokens first, prompt chunks in the rest (default "
                         "2048; 0 = stop-the-world prefill, one prompt at a time with decode paused)")
     s.add_argument("--pd-disaggregation", action="store_true",
                    help="serving: prefill on a separate pool (a second copy of the plan, or --prefill-devices), the KV "
                         "cache handed to the decode pool over the scale-out link")
-    s.add_argument("--prefill-devices", type=int, default=None,
+    s.add_argument("--prefill-devices", type=positive_int, default=None,
                    help="serving: devices of a separate prefill pool, the model placed with the same flags (implies "
                         "--pd-disaggregation)")
     s.add_argument("--expert-skew", type=float, default=None,

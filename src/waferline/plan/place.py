@@ -284,6 +284,12 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     if layers_per_stage is not None and layers_per_stage < 1:
         raise ConfigError(f"--layers-per-stage must be >= 1, got {layers_per_stage}")
+    if micro_batches is not None and not 1 <= micro_batches <= batch:
+        raise ConfigError(f"--micro-batches must be between 1 and the batch ({batch}): each micro-batch holds at least "
+                          f"one sequence, got {micro_batches}")
+    for flag, v in (("--attention-ranks", attention_ranks), ("--ffn-ranks", ffn_ranks)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {v}")
     act = _activation_bytes(spec, batch, prefill_chunk)
     emb = spec.embed_bytes(embed_bits)
     head = spec.lm_head_bytes(embed_bits)
@@ -381,6 +387,9 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         )
 
     plan = Plan(model=_model_ref(model, spec), hardware=_hardware_ref(hw), stages=stages, notes=notes, **kw)
+    if devices is not None and plan.num_devices < devices and not any("left idle" in n for n in notes):
+        notes.append(f"{devices - plan.num_devices} of {devices} devices left idle: the layout uses "
+                     f"{plan.num_devices} (stages of whole tensor-parallel groups)")
     plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
     plan.problems = explain(plan)
     plan.fits = not plan.problems

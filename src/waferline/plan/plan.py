@@ -14,6 +14,10 @@ SPEC_METHODS = ("none", "draft", "mtp", "ngram", "eagle", "medusa")
 PLAN_VERSION = 1
 
 
+def _count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 @dataclass
 class MemoryBreakdown:
     """Bytes per device of one stage, by term."""
@@ -61,13 +65,21 @@ class Stage:
             raise ConfigError(f"stage {self.index}: role {self.role!r} unknown; use one of {', '.join(ROLES)}")
         if not self.device_ids:
             raise ConfigError(f"stage {self.index}: needs at least one device")
+        for name in ("layers", "device_ids"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not v or not all(_count(x) for x in v):
+                raise ConfigError(f"stage {self.index}: {name} must be a non-empty list of integers >= 0, got {v!r}")
         if isinstance(self.memory, dict):
             self.memory = MemoryBreakdown(**self.memory)
+        for k, v in asdict(self.memory).items():
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v >= 0:
+                raise ConfigError(f"stage {self.index}: memory {k} must be a number >= 0, got {v!r}")
 
 
 @dataclass
 class SpeculativeConfig:
-    """Speculative decoding: method, draft tokens per step, acceptance rate (None = fitted default)."""
+    """Speculative decoding: method, draft tokens per step, acceptance rate (None = the simulator parameters' rate
+    for the method)."""
 
     method: str = "none"
     num_tokens: int = 0
@@ -108,6 +120,16 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     version: int = PLAN_VERSION
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, list) or not self.stages:
+            raise ConfigError("a plan needs at least one stage")
+        for name in ("context_len", "batch", "micro_batches", "group_size"):
+            if not _count(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"plan {name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("weight_bits", "kv_bits", "embed_bits"):
+            if getattr(self, name) not in (4, 8, 16):
+                raise ConfigError(f"plan {name} must be 4, 8 or 16, got {getattr(self, name)!r}")
+
     @property
     def num_stages(self) -> int:
         return len(self.stages)
@@ -142,7 +164,12 @@ class Plan:
                     f"plan version {d.get('version')} is not supported (this waferline reads version {PLAN_VERSION})"
                 )
             stages = []
-            for sd in d.pop("stages"):
+            raw = d.pop("stages")
+            if not isinstance(raw, list):
+                raise ConfigError(f"malformed plan: stages must be a list, got {type(raw).__name__}")
+            for sd in raw:
+                if not isinstance(sd, dict):
+                    raise ConfigError(f"malformed plan: a stage must be an object, got {sd!r}"[:200])
                 sd = dict(sd)
                 mem = {
                     k: v for k, v in (sd.pop("memory", None) or {}).items() if k in MemoryBreakdown.__dataclass_fields__
@@ -150,7 +177,7 @@ class Plan:
                 stages.append(Stage(memory=MemoryBreakdown(**mem), **sd))
             spec = SpeculativeConfig(**(d.pop("speculative", None) or {}))
             return cls(stages=stages, speculative=spec, **d)
-        except TypeError as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"malformed plan: {e}") from None
         except KeyError as e:
             raise ConfigError(f"malformed plan: missing {e.args[0]!r}") from None
@@ -162,8 +189,47 @@ class Plan:
         except json.JSONDecodeError as e:
             raise ConfigError(f"plan is not valid JSON: {e}") from None
 
+    def check(self, spec: Any, hw: Any) -> None:
+        """ConfigError unless this plan places ``spec`` (a ModelSpec) on ``hw`` (a HardwareSpec): every layer's mixer
+        in exactly one full or attention stage and every FFN in exactly one full or ffn stage, on that hardware; and
+        ``fits`` false (with the reason) where a stage's memory exceeds its capacity, whatever the file says."""
+        n = len(spec.layers)
+        for side, roles in (("mixer", ("full", "attention")), ("ffn", ("full", "ffn"))):
+            seen: dict[int, int] = {}
+            for st in self.stages:
+                if st.role in roles:
+                    for layer in st.layers:
+                        if layer >= n:
+                            raise ConfigError(f"plan stage {st.index}: layer {layer} does not exist "
+                                              f"({spec.name} has {n})")
+                        seen[layer] = seen.get(layer, 0) + 1
+            needed = [i for i, lc in enumerate(spec.layers) if side == "mixer" or lc.ffn is not None]
+            twice = sorted(i for i, c in seen.items() if c > 1)
+            missing = [i for i in needed if i not in seen]
+            if twice or missing:
+                raise ConfigError(f"plan does not place {spec.name}'s layers once each ({side}): "
+                                  + ", ".join(x for x in (f"missing {missing[:8]}" if missing else "",
+                                                          f"twice {twice[:8]}" if twice else "") if x))
+        wrong = sorted({st.device for st in self.stages if st.device != hw.name})
+        if wrong:
+            raise ConfigError(f"plan stages are on {', '.join(map(str, wrong))}, not on {hw.name} ({self.hardware})")
+        over = [st for st in self.stages if not st.memory.fits]
+        if over and self.fits:
+            self.fits = False
+            self.problems = [*self.problems, *(f"stage {st.index}: {st.memory.total / 1e9:,.2f} GB needed, "
+                                               f"{st.memory.capacity / 1e9:,.2f} GB per device" for st in over)]
+
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the plan as JSON: whole or not at all (a temporary file renamed into place)."""
+        p = Path(path)
+        tmp = p.with_name(f".{p.name}.tmp")
+        try:
+            tmp.write_text(self.to_json())
+            tmp.replace(p)
+        except OSError as e:
+            if tmp.parent.is_dir():
+                tmp.unlink(missing_ok=True)
+            raise ConfigError(f"cannot write the plan to {p}: {e.strerror or e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params
+from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params, positive_float, positive_int
 
 
 def _check_calibrate_flags(args: argparse.Namespace) -> None:
@@ -315,15 +315,18 @@ def register(subparsers: Any) -> None:
         "'- {stages: 2, micro_batches: 2, batch: 8, weight_bits: 4}' (fields: stages (int or L), micro_batches, "
         "weight_bits 16|4, speculative none|ngram|mtp, k, batch, afd, attention_ranks, ffn_ranks)",
     )
-    tw.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
-    tw.add_argument("--output-len", type=int, default=32, help="new tokens per sequence (default 32)")
-    tw.add_argument("--repeats", type=int, default=2, help="timed runs per Plan; the fastest counts (default 2)")
-    tw.add_argument("--passes", type=int, default=2, help="measure the whole grid this many times and keep each Plan's "
-                    "fastest pass (default 2; 1 halves the time)")
+    tw.add_argument("--prompt-len", type=positive_int, default=32, help="prompt tokens per sequence (default 32)")
+    tw.add_argument("--output-len", type=positive_int, default=32, help="new tokens per sequence (default 32)")
+    tw.add_argument("--repeats", type=positive_int, default=2,
+                    help="timed runs per Plan; the fastest counts (default 2)")
+    tw.add_argument("--passes", type=positive_int, default=2,
+                    help="measure the whole grid this many times and keep each Plan's fastest pass (default 2; 1 "
+                         "halves the time)")
     tw.add_argument(
         "--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists"
     )
-    tw.add_argument("--timeout", type=float, default=300.0, help="seconds per Plan before its engine run is killed")
+    tw.add_argument("--timeout", type=positive_float, default=300.0,
+                    help="seconds per Plan before its engine run is killed")
     tw.add_argument(
         "--no-canary",
         action="store_true",

@@ -242,6 +242,8 @@ class SimParams:
             spd = d.get("speculative") or {}
             for m, raw in (spd.get("accept_rate") or {}).items():
                 v, st = num(raw, f"accept_rate.{m}")
+                if not 0.0 <= v < 1.0:
+                    raise ConfigError(f"{where}: accept_rate.{m} = {v:g} is not a probability in [0, 1)")
                 sp.accept_rate[m] = v
                 sp.status[f"accept_rate.{m}"] = st
             for m, raw in (spd.get("num_tokens") or {}).items():
@@ -249,6 +251,9 @@ class SimParams:
             sp.draft_models.update(spd.get("draft_models") or {})
             if "ttft_overhead_s" in d:
                 sp.ttft_overhead_s, sp.status["ttft_overhead_s"] = num(d["ttft_overhead_s"], "ttft_overhead_s")
+                if not 0.0 <= sp.ttft_overhead_s <= TTFT_OVERHEAD_BOUNDS[1]:
+                    raise ConfigError(f"{where}: ttft_overhead_s = {sp.ttft_overhead_s:g} is outside [0, "
+                                      f"{TTFT_OVERHEAD_BOUNDS[1]:g}] s")
             dd = d.get("defaults") or {}
             if "prompt_len" in dd:
                 sp.default_prompt_len = int(num(dd["prompt_len"], "prompt_len")[0])
@@ -262,7 +267,7 @@ class SimParams:
                         raise ConfigError(f"{where}: a bootstrap set has {len(row)} values for {len(names)} names")
                     sp.bootstrap.append({n: float(v) for n, v in zip(names, row)})
                 sp.bootstrap_info = str(bs.get("method", ""))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, AttributeError) as e:
             raise ConfigError(f"{where}: malformed simulator parameters: {e}") from None
         return sp
 
@@ -289,7 +294,14 @@ def load_params(path: str | Path | None = None) -> SimParams:
             raise ConfigError(f"no simulator parameter file at {p}")
         sp = SimParams(classes={"gpu": ClassParams()})
     else:
-        sp = SimParams.from_yaml_dict(yaml.safe_load(p.read_text()) or {}, str(p))
+        try:
+            d = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(d, dict) or not (d.keys() & {"classes", "speculative", "ttft_overhead_s"}):
+            raise ConfigError(f"{p}: not simulator parameters (a mapping with classes, speculative and/or "
+                              "ttft_overhead_s, as sim/fitted.yaml has)")
+        sp = SimParams.from_yaml_dict(d, str(p))
     _PARAMS_CACHE[key] = sp
     return sp
 

@@ -285,7 +285,9 @@ def simulate(
             draft_s=tdraft,
             drafter=what,
             speedup=spec_rate / rate,
-            accept_rate_source="given" if sp.accept_rate is not None else "fitted default",
+            accept_rate_source="given" if sp.accept_rate is not None else (
+                "fitted" if ctx.params.status.get(f"accept_rate.{sp.method}", "").startswith("fitted")
+                else "assumed default"),
         )
         rate = spec_rate
     # TTFT: chunked prefill pipelined through the stages

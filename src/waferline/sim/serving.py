@@ -359,6 +359,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         raise ConfigError(f"arrival rate must be > 0 (got {arrival_rate})")
     if num_requests < 1:
         raise ConfigError(f"the simulation needs requests >= 1 (got {num_requests})")
+    if users is not None and num_requests <= users:
+        raise ConfigError(f"a closed loop of {users} clients needs more than {users} requests (got {num_requests}): "
+                          "the first wave, one request per client, is warm-up and not reported")
     if max_num_batched_tokens is None or max_num_batched_tokens < 0:
         raise ConfigError(f"the step token budget (--max-num-batched-tokens) must be >= 0 (0 = stop-the-world "
                           f"prefill), got {max_num_batched_tokens}")

@@ -59,6 +59,15 @@ def read_published(path: str | Path) -> list[Row]:
         return int(float(v)) if v else None
 
     for i, r in enumerate(reader):
+        blank = [c for c in REQUIRED_COLUMNS if not (r.get(c) or "").strip()]
+        if blank:
+            raise ConfigError(f"{p}: row {i + 1} has no {', '.join(blank)}")
+        try:
+            value = float(r["value"])
+        except ValueError:
+            raise ConfigError(f"{p}: row {i + 1}: value {r['value']!r} is not a number") from None
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"{p}: row {i + 1}: value must be a finite number > 0 (a speed or a time), got {value}")
         try:
             rows.append(
                 Row(
@@ -72,7 +81,7 @@ def read_published(path: str | Path) -> list[Row]:
                     input_len=opt_int(r.get("input_len")),
                     output_len=opt_int(r.get("output_len")),
                     metric=r["metric"].strip(),
-                    value=float(r["value"]),
+                    value=value,
                     system=(r.get("system") or "").strip(),
                     source=(r.get("source") or "").strip(),
                 )
@@ -163,9 +172,15 @@ def build_models(rows: list[Row], params: SimParams) -> list[tuple[Row, RowModel
     out = []
     for row in rows:
         try:
-            out.append((row, RowModel(row, params), ""))
+            rm = RowModel(row, params)
         except WaferlineError as e:
             out.append((row, None, str(e)))
+            continue
+        if not rm.plan.fits:  # (a deployment that cannot hold the model says nothing about the fitted terms)
+            out.append((row, None, f"does not fit on {rm.plan.num_devices} x {row.hardware}: "
+                                   + "; ".join(rm.plan.problems)[:200]))
+            continue
+        out.append((row, rm, ""))
     return out
 
 

@@ -630,7 +630,10 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
 
 
 def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
-    """The ModelSpec of a config.json dict; ConfigError for an unknown model_type or a missing field."""
+    """The ModelSpec of a config.json dict; ConfigError for an unknown model_type, a missing field or sizes that
+    make no model (a non-positive or non-integer dimension, no layers)."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"a config.json holds one JSON object, got a {type(cfg).__name__}")
     cfg = _flatten_text_config(cfg)
     mt = cfg.get("model_type")
     if mt is None:
@@ -639,10 +642,21 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     parser = _PARSERS.get(mt)
     if parser is None:
         raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_PARSERS))}")
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
+              "num_key_value_heads", "head_dim"):
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"config {k} must be an integer >= 1, got {v!r}")
     try:
-        return parser(cfg, name or cfg.get("_name_or_path") or mt)
+        spec = parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
         raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
+        raise ConfigError(f"config for model_type {mt!r} cannot be read: {e}") from None
+    if not spec.layers or spec.hidden_size < 1 or spec.vocab_size < 1 or spec.params_total() < 1:
+        raise ConfigError(f"config for model_type {mt!r} describes no model ({len(spec.layers)} layers, hidden size "
+                          f"{spec.hidden_size}, vocabulary {spec.vocab_size})")
+    return spec
 
 
 def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpec:

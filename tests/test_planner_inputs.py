@@ -1,0 +1,171 @@
+"""The planner/simulator CLI on bad or inconsistent input: one-line errors, never a traceback, a silent default or a
+plan reported as fitting a workload it cannot hold."""
+
+import json
+
+import pytest
+
+from waferline.cli import main as cli_main
+from waferline.errors import ConfigError
+from waferline.plan import commands
+from waferline.plan.place import place
+from waferline.sim.serving import simulate_serving
+from waferline.spec.configs import parse_hf_config
+
+HEADER = "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value\n"
+
+
+@pytest.fixture
+def plan_file(tmp_path, capsys):
+    p = tmp_path / "p8b.json"
+    assert commands.main(["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(p), "--json"]) == 0
+    capsys.readouterr()
+    return p
+
+
+def _run(capsys, argv):
+    rc = cli_main(argv)
+    out = capsys.readouterr()
+    return rc, out.out + out.err
+
+
+def test_simulate_refuses_a_workload_the_memory_was_not_sized_for(plan_file, capsys):
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "100",
+                            "--prompt-len", "100000"])
+    assert rc == 2 and "--context 100 is shorter than prompt + output (100,500)" in out
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--concurrency", "1000", "--prompt-len", "100000"])
+    assert rc == 2 and "the plan holds 1 sequence(s) of 4,096 tokens" in out and "1000 of 100,500" in out
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--devices", "2", "--batch", "4"])
+    assert rc == 2 and "drop --devices, --batch" in out
+    rc, out = _run(capsys, ["simulate", "llama-3.1-70b", "--plan", str(plan_file)])
+    assert rc == 2 and "the plan places llama-3.1-8b on h100-sxm; MODEL llama-3.1-70b" in out
+    # the plan's own model and hardware named again, and a workload it holds: simulated
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--plan", str(plan_file),
+                            "--prompt-len", "3000", "--json", "--no-intervals"])
+    assert rc == 0 and json.loads(out)["decode_tokens_per_s_per_user"] > 0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d["stages"][0].update(layers=[]), "layers must be a non-empty list"),
+    (lambda d: d["stages"][0].update(layers=[500]), "layer 500 does not exist"),
+    (lambda d: d["stages"][0].update(layers=["x"]), "layers must be a non-empty list of integers"),
+    (lambda d: d.update(stages=[]), "a plan needs at least one stage"),
+    (lambda d: d.update(stages=["a"]), "a stage must be an object"),
+    (lambda d: d.update(kv_bits="x"), "kv_bits must be 4, 8 or 16"),
+    (lambda d: d.update(context_len=-1), "context_len must be an integer >= 1"),
+    (lambda d: d["stages"][0].update(layers=[0, 1, 2]), "missing [3, 4"),
+    (lambda d: d["stages"][0].update(layers=[0, 0, *range(2, 32)]), "missing [1], twice [0]"),
+    (lambda d: d["stages"][0].update(device="nosuch"), "plan stages are on nosuch, not on h100-sxm"),
+    (lambda d: d["stages"][0]["memory"].update(capacity="big"), "memory capacity must be a number >= 0"),
+])
+def test_a_plan_file_that_does_not_place_the_model_is_refused(plan_file, capsys, edit, message):
+    d = json.loads(plan_file.read_text())
+    edit(d)
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file)])
+    assert rc == 2 and out.startswith("error: ") and message in out and "Traceback" not in out
+
+
+def test_a_plan_file_that_says_it_fits_is_checked(plan_file, capsys):
+    d = json.loads(plan_file.read_text())
+    d["stages"][0]["memory"]["capacity"] = 1.0  # (fits: true left as written)
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--no-intervals"])
+    assert rc == 2 and "does not fit" in out and "stage 0: 24.63 GB needed" in out
+
+
+def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
+    out = tmp_path / "sim.json"
+    rc, _ = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(out), "--no-intervals"])
+    assert rc == 0 and json.loads(out.read_text())["model"] == "llama-3.1-8b"
+    for bad in (tmp_path / "no" / "such" / "p.json", tmp_path):
+        rc, text = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(bad)])
+        assert rc == 2 and text.strip().splitlines()[-1].startswith(f"error: cannot write the plan to {bad}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.json"]  # (no temporary file left behind)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "llama-3.1-8b", "-H", "h100-sxm", "--batch", "0"], "--batch: expected an integer >= 1, got 0"),
+    (["plan", "llama-3.1-8b", "-H", "h100-sxm", "--context", "0"], "--context: expected an integer >= 1, got 0"),
+    (["plan", "llama-3.1-8b", "-H", "h100-sxm", "--micro-batches", "-2"], "expected an integer >= 1, got -2"),
+    (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "0"], "--prompt-len: expected an integer >= 1"),
+    (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--speculative", "eagle", "--num-speculative-tokens", "0"],
+     "--num-speculative-tokens: expected an integer >= 1"),
+])
+def test_zero_or_negative_counts_are_refused_not_replaced_by_defaults(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli_main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_micro_batches_beyond_the_batch_and_idle_devices():
+    with pytest.raises(ConfigError, match="between 1 and the batch"):
+        place("llama-3.1-8b", "h100-sxm", batch=4, micro_batches=100)
+    plan = place("llama-3.1-8b", "wse-3", devices=5, layers_per_stage=8)
+    assert plan.num_devices == 4 and any("1 of 5 devices left idle" in n for n in plan.notes)
+
+
+def test_validate_refuses_values_that_are_not_results_and_skips_rows_that_do_not_fit(tmp_path):
+    from waferline.sim.validate import read_published, validate
+
+    p = tmp_path / "r.csv"
+    for value, message in (("0", "finite number > 0"), ("-5", "finite number > 0"), ("nan", "finite number > 0"),
+                           ("abc", "is not a number")):
+        p.write_text(HEADER + f"a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,{value}\n")
+        with pytest.raises(ConfigError, match=message):
+            read_published(p)
+    p.write_text(HEADER + "a,x,llama-3.1-8b,h100-sxm,1\n")
+    with pytest.raises(ConfigError, match="row 1 has no metric, value"):
+        read_published(p)
+    p.write_text(HEADER + "a,x,llama-3.1-405b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,5\n"
+                 "b,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150\n")
+    results, summary = validate(p)
+    assert results[0].predicted is None and results[0].skipped.startswith("does not fit on 1 x h100-sxm")
+    assert summary["predicted"] == 1 and summary["beyond_ceiling"] == {}
+
+
+def test_a_closed_loop_needs_more_requests_than_clients():
+    plan = place("llama-3.1-8b", "h100-sxm", batch=4)
+    with pytest.raises(ConfigError, match="needs more than 4 requests"):
+        simulate_serving(plan, users=4, num_requests=3)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: [1\n", "not valid YAML"),
+    ("- 1\n", "not simulator parameters"),
+    ("x: 1\n", "not simulator parameters"),
+    ("ttft_overhead_s: -5\n", "outside [0, 2] s"),
+    ("speculative:\n  accept_rate:\n    eagle: 1.5\n", "not a probability"),
+])
+def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, message):
+    from waferline.sim.cost import load_params
+
+    p = tmp_path / "params.yaml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
+        load_params(p)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1"),
+    ({"hidden_size": "big"}, "hidden_size must be an integer >= 1"),
+    ({"hidden_size": -4096}, "hidden_size must be an integer >= 1"),
+])
+def test_a_config_that_describes_no_model_is_refused(change, message):
+    base = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "intermediate_size": 1024, "vocab_size": 1000}
+    assert parse_hf_config(base).params_total() > 0
+    with pytest.raises(ConfigError, match=message):
+        parse_hf_config({**base, **change})
+    with pytest.raises(ConfigError, match="one JSON object, got a list"):
+        parse_hf_config([1, 2])
+
+
+def test_an_unfitted_acceptance_is_labelled_assumed(capsys):
+    rc, out = _run(capsys, ["simulate", "deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8",
+                            "--speculative", "mtp", "--json", "--no-intervals"])
+    assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "assumed default"
+    rc, out = _run(capsys, ["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8",
+                            "--weight-bits", "8", "--speculative", "medusa", "--json", "--no-intervals"])
+    assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "fitted"
