@@ -98,9 +98,9 @@ def test_zero_or_negative_counts_are_refused_not_replaced_by_defaults(capsys, ar
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_micro_batches_beyond_the_batch_and_idle_devices():
-    with pytest.raises(ConfigError, match="between 1 and the batch"):
-        place("llama-3.1-8b", "h100-sxm", batch=4, micro_batches=100)
+def test_micro_batches_and_idle_devices():
+    with pytest.raises(ConfigError, match="--micro-batches must be >= 1"):
+        place("llama-3.1-8b", "h100-sxm", batch=4, micro_batches=0)
     plan = place("llama-3.1-8b", "wse-3", devices=5, layers_per_stage=8)
     assert plan.num_devices == 4 and any("1 of 5 devices left idle" in n for n in plan.notes)
 

@@ -216,7 +216,13 @@ def test_completion_matches_the_engine(live, client):
 
 
 def test_models_and_chat(live, client):
+    import openai
+
     assert [m.id for m in client.models.list().data] == ["sol-test"]
+    one = client.models.retrieve("sol-test")  # (GET /v1/models/{id}, as the openai client asks)
+    assert one.id == "sol-test" and one.model_extra["max_model_len"] == live.state.server.engine.scheduler.max_model_len
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a wafer?"}]
     r = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=6, temperature=0,
                                        extra_body={"ignore_eos": True})
@@ -505,6 +511,7 @@ def test_structured_outputs(live, client):
                          ({"response_format": {"type": "yaml"}}, "response_format"),
                          ({"structured_outputs": {"grammar": "start: missing"}}, "structured_outputs"),
                          ({"guided_choice": []}, "guided_choice"),
+                         ({"structured_outputs": {"json": False}}, "structured_outputs"),  # (no text holds to it)
                          ({"guided_regex": "a", "ignore_eos": True}, "guided_regex")):
         r = httpx.post(base + "/v1/completions", headers=auth,
                        json={"model": "sol-test", "prompt": "x", "max_tokens": 4, **extra})

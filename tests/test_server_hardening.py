@@ -26,7 +26,8 @@ def test_sampling_params_are_checked_when_made(sol, threads):
                       ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
                       ({"temperature": -0.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
                       ({"top_p": float("nan")}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"),
-                      ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids")]:
+                      ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                      ({"stop": [""]}, "stop"), ({"stop": ["x", ""]}, "stop")]:  # ("" would match everywhere)
         with pytest.raises(RequestError, match=f"^{field} "):
             SamplingParams(**kw)
     assert SamplingParams(temperature=1e-40).temperature == SamplingParams(temperature=9e-6).temperature == 0.0
@@ -417,3 +418,30 @@ def test_serve_body_timeout_must_be_positive(tmp_path):
 
     with pytest.raises(ConfigError, match="--body-timeout must be > 0"):
         build_server(tmp_path, body_timeout=0)
+
+
+def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol, tmp_path, capsys):
+    """`waferline serve MODEL` (or --model); a taken port, a context past the model's positions, or a body limit of
+    0 are refused in one line before the server says it serves."""
+    import socket
+
+    from waferline.cli import main
+    from waferline.engine.llm import LLM
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert main(["serve", str(sol), "--port", str(port)]) == 2
+        out = capsys.readouterr()
+        assert f"cannot listen on 127.0.0.1:{port}" in out.err and "serving" not in out.out
+    assert main(["serve", str(sol), "--model", str(tmp_path)]) == 2
+    assert "two checkpoints" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "give the checkpoint directory" in capsys.readouterr().err
+    for flag in ("--max-model-len", "--max-body-bytes", "--max-num-seqs"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", str(sol), flag, "0"])
+        assert e.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"max_model_len 100000 is outside 1\.\.\d+"):
+        LLM(sol, max_model_len=100000)

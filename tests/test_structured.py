@@ -104,6 +104,36 @@ def test_choice_masks_keep_a_prefix_of_a_choice(tok):
         assert text in CHOICES
 
 
+def test_thousands_of_choices_and_choices_with_regex_characters(tok):
+    """Choices are one regular expression (not a parser row per choice, which llguidance caps at 2,000): 2,500
+    choices, and choices spelled with the expression syntax's own characters, each walk to exactly itself."""
+    many = [f"o{i}" for i in range(2500)] + ["a b", "x-y", "c++", "a\nb", "[x]", "#1", "&~", "back\\slash", "(q)"]
+    stop = frozenset({tok.eos_token_id})
+    for want in ("o2499", "c++", "a\nb", "back\\slash", "(q)", "[x]"):
+        c = structured.constraint(tok, len(tok), stop, SamplingParams(choice=many))
+        for t in tok.encode(want, add_special_tokens=False):
+            assert c.allowed()[t], (want, t)
+            c.advance(t)
+        assert c.complete and c.allowed()[tok.eos_token_id]
+    c = structured.constraint(tok, len(tok), stop, SamplingParams(choice=many))
+    for t in tok.encode("c+", add_special_tokens=False):
+        c.advance(t)
+    assert not c.complete  # ("c+" is a prefix of a choice, not one)
+
+
+def test_a_grammar_engine_limit_mid_output_ends_the_request_in_one_line(tok):
+    """A right-recursive grammar grows the parser's rows by one per token; past llguidance's 2,000 items the engine
+    cannot go on: the request ends with a short reason, not the parser's state dump."""
+    c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}),
+                              SamplingParams(grammar='start: x\nx: "a" x | "b" x | "a"'))
+    a = tok.encode("a", add_special_tokens=False)[0]
+    with pytest.raises(RequestError, match=r"^structured output: the grammar engine cannot go on") as e:
+        for _ in range(2100):
+            assert c.allowed()[a]
+            c.advance(a)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 320
+
+
 def test_gbnf_grammars_are_read(tok):
     rng = random.Random(1)
     for _ in range(10):

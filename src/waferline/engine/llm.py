@@ -93,6 +93,13 @@ class LLM:
         self.path = Path(path)
         self.dtype = torch_dtype
         self.tokenizer = load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
+        if max_model_len is not None:  # (and a context the model cannot take)
+            from waferline.spec.configs import spec_from_pretrained
+
+            mpe = spec_from_pretrained(self.path).max_position_embeddings
+            if not 1 <= max_model_len <= mpe:
+                raise ConfigError(f"max_model_len {max_model_len} is outside 1..{mpe} (the model's "
+                                  "max_position_embeddings: positions past it were never trained)")
         self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
@@ -146,7 +153,7 @@ class LLM:
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
-        self.max_model_len = min(max_model_len or self.spec.max_position_embeddings, self.spec.max_position_embeddings)
+        self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self._speculative = (speculative, num_speculative_tokens, speculative_adaptive) if speculative else None
         self._spec: Any = None  # speculative decoding (engine/speculative/serving.py): "ngram" | "mtp" | "draft:PATH"
         self._scheduler: Any = None  # the Scheduler requests run through (made at the first request)

@@ -176,6 +176,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) for s in self.stop):
             raise RequestError(f"stop must be a string or a list of strings, got {_show(self.stop)}")
+        if any(not s for s in self.stop):  # (an empty string would match before every character)
+            raise RequestError("stop strings must not be empty")
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or []]
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]

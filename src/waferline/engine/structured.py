@@ -33,6 +33,17 @@ JSON_OPTIONS = {"whitespace_pattern": r"[ ]?"}
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llguidance LLTokenizer)
 _BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
+def _literal(text: str) -> str:
+    """``text`` as a regular expression that matches it alone (llguidance reads Rust's regex syntax)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+def _engine_error(matcher: Any) -> str:
+    """The grammar engine's reason, its first line (not the parser state it dumps after it)."""
+    return (matcher.get_error() or "unknown error").strip().splitlines()[0][:200]
 
 
 def _grammar_text(kind: str, value: str) -> str:
@@ -48,9 +59,8 @@ def _grammar_text(kind: str, value: str) -> str:
         return LLMatcher.grammar_from_json_schema(value, defaults=None if spaced else JSON_OPTIONS)
     if kind == "regex":
         return LLMatcher.grammar_from_regex(value)
-    if kind == "choice":
-        lark = "start: " + " | ".join(json.dumps(c) for c in json.loads(value))  # (a Lark string literal is JSON's)
-        return LLMatcher.grammar_from_lark(lark)
+    if kind == "choice":  # (one regular expression: a lexer, not a parser, so thousands of choices cost no more)
+        return LLMatcher.grammar_from_regex("(" + "|".join(_literal(c) for c in json.loads(value)) + ")")
     try:  # (GBNF, llama.cpp's grammar format, is translated to Lark; a Lark grammar is kept as it is)
         text = any_to_lark(value)
     except Exception as e:
@@ -113,6 +123,8 @@ class GrammarConstraint:
 
     def allowed(self) -> torch.Tensor:
         packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        if self.matcher.is_error():  # (a limit of the parser reached mid-output, e.g. a row of over 2,000 items)
+            raise RequestError(f"structured output: the grammar engine cannot go on ({_engine_error(self.matcher)})")
         bits = (packed.unsqueeze(1) & _BIT).ne(0).reshape(-1)
         m = torch.zeros(self.vocab_size, dtype=torch.bool)
         n = min(self.vocab_size, bits.numel())
@@ -127,8 +139,8 @@ class GrammarConstraint:
         if token in self.stop_ids:  # (a stop token ends the output: it adds nothing)
             return
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"structured output: token {token} does not continue the output "
-                               f"({self.matcher.get_error()[:200]})")
+            raise RequestError(f"structured output: the grammar engine cannot go on after token {token} "
+                               f"({_engine_error(self.matcher)})")
 
     @property
     def complete(self) -> bool:

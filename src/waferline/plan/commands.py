@@ -67,7 +67,8 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
     p.add_argument(
         "--micro-batches", type=positive_int, default=None,
-        help="micro-batches in flight (default min(batch, stages); at most batch)"
+        help="micro-batches in flight (default min(batch, stages); decode fills at most batch of them, a prompt's "
+             "chunks the rest)"
     )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")

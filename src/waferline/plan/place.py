@@ -284,9 +284,8 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     if layers_per_stage is not None and layers_per_stage < 1:
         raise ConfigError(f"--layers-per-stage must be >= 1, got {layers_per_stage}")
-    if micro_batches is not None and not 1 <= micro_batches <= batch:
-        raise ConfigError(f"--micro-batches must be between 1 and the batch ({batch}): each micro-batch holds at least "
-                          f"one sequence, got {micro_batches}")
+    if micro_batches is not None and micro_batches < 1:  # (more than the batch: a prompt's chunks fill the rest)
+        raise ConfigError(f"--micro-batches must be >= 1, got {micro_batches}")
     for flag, v in (("--attention-ranks", attention_ranks), ("--ffn-ranks", ffn_ranks)):
         if v is not None and v < 1:
             raise ConfigError(f"{flag} must be >= 1, got {v}")

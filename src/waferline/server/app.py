@@ -102,9 +102,22 @@ def create_app(server: Server) -> FastAPI:
         except APIError as e:
             return fail("models", e)
         m.requests.labels("models", "200").inc()
-        return JSONResponse({"object": "list", "data": [{
-            "id": server.model_name, "object": "model", "created": server.created, "owned_by": "waferline",
-            "max_model_len": server.engine.scheduler.max_model_len}]})
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    def model_card() -> dict[str, Any]:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "waferline",
+                "max_model_len": server.engine.scheduler.max_model_len}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> JSONResponse:
+        try:
+            server.check_host(request)
+            server.check_auth(request)
+            server.check_model(model_id)
+        except APIError as e:
+            return fail("models", e)
+        m.requests.labels("models", "200").inc()
+        return JSONResponse(model_card())
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

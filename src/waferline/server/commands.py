@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError, UsageError
+from waferline.plan.commands import positive_int
 from waferline.server.tools import PARSERS
 
 
@@ -152,10 +153,45 @@ def check_serve_flags(args: argparse.Namespace) -> None:
                              "int4 checkpoint as it was quantized (waferline quantize --group-size G)")
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 1-65535."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in 1-65535, got {v}")
+    return v
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """ConfigError where ``host:port`` cannot be listened on (taken, or not this machine's), before the weights load
+    and the server says it serves there."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as e:
+        raise ConfigError(f"--host {host}: {e.strerror or e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     import uvicorn
+
+    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+        raise UsageError(f"two checkpoints: MODEL {args.model_dir} and --model {args.model}; give one")
+    args.model = args.model or args.model_dir
+    if args.model is None:
+        raise UsageError("give the checkpoint directory: waferline serve MODEL (or --model MODEL)")
 
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the API is reachable from other machines"
@@ -172,7 +208,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 (the server) stops
             return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
     if not Path(args.model).is_dir():  # (before a first kernel build makes the user wait for this error)
-        raise ConfigError(f"--model {args.model}: not a checkpoint directory (config.json + *.safetensors)")
+        raise ConfigError(f"{args.model}: not a checkpoint directory (config.json + *.safetensors)")
+    _check_port_free(args.host, args.port)
     from waferline import kernels
 
     kernels.prepare()  # built (first run) or loaded before the server listens: /health is ok only once they are
@@ -211,18 +248,19 @@ def register(sub: Any) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
                        description="Serve a checkpoint over /v1/completions and /v1/chat/completions (SSE streaming), "
                                    "/v1/models, /health and /metrics. See docs/server.md.")
-    s.add_argument(
-        "--model", required=True, help="checkpoint directory (config.json + *.safetensors [+ tokenizer.json])"
-    )
+    s.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory (config.json + *.safetensors [+ tokenizer.json]); or --model")
+    s.add_argument("--model", default=None, help="the checkpoint directory, as MODEL")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     s.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set WAFERLINE_API_KEY)"
     )
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
-    s.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (cache slots, default 16)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context per sequence: prompt + max_tokens "
-                   "(default: the model's max_position_embeddings)")
+    s.add_argument("--max-num-seqs", type=positive_int, default=16,
+                   help="sequences decoded together (cache slots, default 16)")
+    s.add_argument("--max-model-len", type=positive_int, default=None, help="context per sequence: prompt + "
+                   "max_tokens (default, and at most: the model's max_position_embeddings)")
     s.add_argument(
         "--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (decodes + prefill chunks)"
     )
@@ -239,9 +277,9 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes (they are "
                    "reused only on attention-only models without sliding windows)")
-    s.add_argument("--max-queue", type=int, default=256, help="waiting requests before the server answers 429")
+    s.add_argument("--max-queue", type=positive_int, default=256, help="waiting requests before the server answers 429")
     s.add_argument(
-        "--max-body-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)"
+        "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)"
     )
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "

@@ -449,8 +449,9 @@ def structured_of(req: Any, plan: ToolPlan | None = None) -> tuple[dict[str, Any
     if so is not None:
         for field, name in (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"),
                             ("json_object", "json_object")):
-            if getattr(so, field) not in (None, False):
-                asked.append(({name: getattr(so, field)}, "structured_outputs"))
+            v = getattr(so, field)  # (json_object false asks for nothing; a json of false is a schema: refused)
+            if v is not None and not (field == "json_object" and v is False):
+                asked.append(({name: v}, "structured_outputs"))
     for field, name in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                         ("guided_grammar", "grammar")):
         if getattr(req, field) is not None:
