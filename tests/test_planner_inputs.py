@@ -169,3 +169,13 @@ def test_an_unfitted_acceptance_is_labelled_assumed(capsys):
     rc, out = _run(capsys, ["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8",
                             "--weight-bits", "8", "--speculative", "medusa", "--json", "--no-intervals"])
     assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "fitted"
+
+
+def test_a_context_past_the_models_positions_is_noted(capsys):
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--prompt-len", "200000",
+                            "--no-intervals", "--json"])
+    assert rc == 0 and "past the model's 131,072 positions" in json.loads(out)["notes"][0]
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["notes"] == []
+    rc, out = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm"])
+    assert rc == 0 and "the model itself takes at most 131,072 positions" in " ".join(out.split())

@@ -203,6 +203,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d = plan.to_dict()
         d["max_context_per_sequence"] = max_ctx
         d["max_sequences_at_context"] = max_batch
+        d["max_position_embeddings"] = spec.max_position_embeddings
         print(json.dumps(d, indent=1))
         return 0 if plan.fits else 2
     from rich.table import Table
@@ -252,6 +253,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if plan.fits:
         con.print(f"fits. Longest context per sequence at batch {plan.batch}: {max_ctx:,} tokens; "
                   f"sequences of {plan.context_len:,} tokens that fit: {max_batch:,}")
+        if max_ctx > spec.max_position_embeddings:
+            con.print(f"note: that is what the memory holds; the model itself takes at most "
+                      f"{spec.max_position_embeddings:,} positions (max_position_embeddings)")
     else:
         con.print("[red]does not fit:[/red]")
         for p in plan.problems:
@@ -341,8 +345,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             prefill_plan=prefill_plan,
             expert_skew=args.expert_skew or 0.0,
         )
+    from waferline.spec.catalog import load_model
+
+    mpe = load_model(plan.model).max_position_embeddings
+    beyond = (f"prompt + output ({P + O:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
+              "prediction is of the hardware, not of a context the model was trained for") if P + O > mpe else None
     if args.json:
         d = r.to_dict()
+        d["notes"] = [beyond] if beyond else []
         if serving is not None:
             d["serving"] = serving.to_dict()
         if ex is not None:
@@ -394,6 +404,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      "counted (" + ("the serving table below counts them)"
                                     if getattr(args, "arrival_rate", None) or getattr(args, "closed_loop", False)
                                     else "--closed-loop simulates serving with them)"))
+    if beyond:
+        notes.append(f"note: {beyond}")
     t.caption = "\n".join(notes) or None
     con.print(t)
     st = Table(title="per-stage decode step (us)")
