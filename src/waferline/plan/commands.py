@@ -381,7 +381,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"aggregate tokens/s (concurrency {r.concurrency}, {r.micro_batches} micro-batches)",
         fmt(r.aggregate_tokens_per_s, iv.get("aggregate_tokens_per_s")),
     )
-    t.add_row("one decode step through all stages (ms)", fmt(r.step_latency_s, iv.get("step_latency_s"), ".3f", 1e3))
+    t.add_row("one decode step through all stages (ms)" + (", without speculation" if r.speculative.get("speedup")
+                                                           else ""),
+              fmt(r.step_latency_s, iv.get("step_latency_s"), ".3f", 1e3))
     t.add_row(
         f"TTFT, prompt {r.prompt_len:,} (ms)",
         f"{fmt(r.ttft_s, iv.get('ttft_s'), '.1f', 1e3)} (prefill {fmt(r.prefill_s, iv.get('prefill_s'), '.1f', 1e3)}"
@@ -442,12 +444,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   f"flight; {how})"
         )
         sv.add_column("metric")
-        sv.add_column("p50", justify="right")
-        sv.add_column("p99", justify="right")
-        sv.add_row("TTFT (s)", f"{serving.ttft_p50_s:.3f}", f"{serving.ttft_p99_s:.3f}")
-        sv.add_row("inter-token latency (ms)", f"{serving.itl_p50_s * 1e3:.2f}", f"{serving.itl_p99_s * 1e3:.2f}")
-        sv.add_row("end-to-end (s)", f"{serving.e2e_p50_s:.2f}", f"{serving.e2e_p99_s:.2f}")
-        sv.add_row("output tokens/s, mean batch", f"{serving.output_tokens_per_s:,.0f}", f"{serving.mean_batch:.1f}")
+        for c in ("mean", "p50", "p99"):
+            sv.add_column(c, justify="right")
+        sv.add_row("TTFT (s)", f"{serving.ttft_mean_s:.3f}", f"{serving.ttft_p50_s:.3f}", f"{serving.ttft_p99_s:.3f}")
+        sv.add_row("inter-token latency (ms)", f"{serving.itl_mean_s * 1e3:.2f}", f"{serving.itl_p50_s * 1e3:.2f}",
+                   f"{serving.itl_p99_s * 1e3:.2f}")
+        sv.add_row("end-to-end (s)", f"{serving.e2e_mean_s:.2f}", f"{serving.e2e_p50_s:.2f}",
+                   f"{serving.e2e_p99_s:.2f}")
+        sv.caption = (f"output {serving.output_tokens_per_s:,.0f} tokens/s in all; {serving.mean_batch:.1f} requests "
+                      "decoding per step on average")
         con.print(sv)
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")
