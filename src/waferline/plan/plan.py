@@ -191,7 +191,8 @@ class Plan:
 
     def check(self, spec: Any, hw: Any) -> None:
         """ConfigError unless this plan places ``spec`` (a ModelSpec) on ``hw`` (a HardwareSpec): every layer's mixer
-        in exactly one full or attention stage and every FFN in exactly one full or ffn stage, on that hardware; and
+        in one full or attention stage and every FFN in one full or ffn stage (or in one per data-parallel attention
+        rank / expert-sharded FFN rank: every layer as many times), on that hardware; and
         ``fits`` false (with the reason) where a stage's memory exceeds its capacity, whatever the file says."""
         n = len(spec.layers)
         for side, roles in (("mixer", ("full", "attention")), ("ffn", ("full", "ffn"))):
@@ -203,13 +204,16 @@ class Plan:
                             raise ConfigError(f"plan stage {st.index}: layer {layer} does not exist "
                                               f"({spec.name} has {n})")
                         seen[layer] = seen.get(layer, 0) + 1
-            needed = [i for i, lc in enumerate(spec.layers) if side == "mixer" or lc.ffn is not None]
-            twice = sorted(i for i, c in seen.items() if c > 1)
+            needed = [i for i, lc in enumerate(spec.layers) if (lc.mixer if side == "mixer" else lc.ffn) is not None]
             missing = [i for i in needed if i not in seen]
-            if twice or missing:
-                raise ConfigError(f"plan does not place {spec.name}'s layers once each ({side}): "
+            # (once each; with data-parallel attention ranks or expert-sharded FFN ranks, once per rank: evenly)
+            usual = max(set(seen.values()), key=list(seen.values()).count) if seen else 1
+            uneven = sorted(i for i, c in seen.items() if c != usual)
+            if missing or uneven:
+                raise ConfigError(f"plan does not place {spec.name}'s layers evenly ({side}): "
                                   + ", ".join(x for x in (f"missing {missing[:8]}" if missing else "",
-                                                          f"twice {twice[:8]}" if twice else "") if x))
+                                                          f"{uneven[:8]} placed other than {usual}x" if uneven else "")
+                                              if x))
         wrong = sorted({st.device for st in self.stages if st.device != hw.name})
         if wrong:
             raise ConfigError(f"plan stages are on {', '.join(map(str, wrong))}, not on {hw.name} ({self.hardware})")
