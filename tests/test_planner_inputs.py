@@ -198,3 +198,20 @@ def test_every_placement_passes_its_own_plan_check(model, kw):
         back = Plan.from_json(plan.to_json())
         back.check(load_model(back.model), load_hardware(back.hardware))
         assert back.fits == plan.fits
+
+
+def test_catalog_lists_the_ids_plan_takes_and_info_reads_them(capsys):
+    from waferline.spec.catalog import list_hardware, list_models
+
+    rc, out = _run(capsys, ["catalog", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and [m["id"] for m in d["models"]] == list_models() and len(d["models"]) >= 30
+    assert [h["id"] for h in d["hardware"]] == list_hardware()
+    sol = next(m for m in d["models"] if m["id"] == "gpt-5.6-sol")
+    assert 2.8e12 < sol["params_total"] < 3.1e12 and 1.4e11 < sol["params_active"] < 1.6e11
+    sn40l = next(h for h in d["hardware"] if h["id"] == "sn40l")
+    assert "memory_bandwidth" in sn40l["assumed"]  # (not published: the catalog says so)
+    rc, out = _run(capsys, ["catalog", "hardware"])
+    assert rc == 0 and "wse-3" in out and "gpt-5.6-sol" not in out
+    rc, out = _run(capsys, ["info", "kimi-k2.6", "--json"])
+    assert rc == 0 and json.loads(out)["layers"] == 61

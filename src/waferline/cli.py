@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import UsageError, WaferlineError, counted
-from waferline.spec.configs import spec_from_config_file, spec_from_pretrained
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
 NUM_SPECULATIVE_TOKENS = 4  # most draft tokens per step unless --num-speculative-tokens says otherwise
@@ -157,8 +156,9 @@ def _file_or_text(value: str | None) -> str | None:
 
 def _cmd_info(args: argparse.Namespace) -> int:
 
-    p = Path(args.model)
-    spec = spec_from_pretrained(p) if p.is_dir() else spec_from_config_file(p)
+    from waferline.spec.catalog import load_model
+
+    spec = load_model(args.model)
     s = spec.summary()
     s["weight_bytes"] = {str(b): spec.weight_bytes(b) for b in (16, 8, 4)}
     s["cache_bytes_per_token"] = {str(b): spec.cache_bytes_per_token(b) for b in (16, 8)}
@@ -275,9 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "cost of a step)")
     g.set_defaults(func=_cmd_generate)
 
-    i = sub.add_parser("info", help="architecture and accounting of a checkpoint dir or config.json",
+    i = sub.add_parser("info", help="architecture and accounting of a model: catalog id, checkpoint dir or "
+                                    "config.json",
                        description="Parameters, bytes at 16/8/4 bits and cache bytes per token, from the ModelSpec.")
-    i.add_argument("model", help="checkpoint directory or config.json path")
+    i.add_argument("model", help="catalog model id (`waferline catalog models`), checkpoint directory or config.json")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_info)
 

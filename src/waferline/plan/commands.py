@@ -566,8 +566,61 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_catalog(args: argparse.Namespace) -> int:
+    """The catalog's models and devices: the ids plan and simulate take, with their main numbers."""
+    from waferline.spec.catalog import list_hardware, list_models, load_hardware, load_model
+
+    models, devices = [], []
+    if args.what in ("all", "models"):
+        for name in list_models():
+            spec = load_model(name)
+            models.append({"id": name, "model_type": spec.model_type, "layers": spec.num_layers,
+                           "params_total": spec.params_total(), "params_active": spec.params_active(),
+                           "cache_bytes_per_token_bf16": spec.cache_bytes_per_token(16),
+                           "max_position_embeddings": spec.max_position_embeddings})
+    if args.what in ("all", "hardware"):
+        for name in list_hardware():
+            hw = load_hardware(name)
+            devices.append({"id": name, "kind": hw.kind, "memory_bytes": hw.memory_bytes,
+                            "memory_bandwidth": hw.memory_bandwidth, "bf16_flops": hw.flops.get("bf16"),
+                            "devices_per_node": hw.devices_per_node,
+                            "assumed": sorted(k for k, v in hw.sources.items() if v.status == "assumed"),
+                            "description": hw.description})
+    if args.json:
+        print(json.dumps({"models": models, "hardware": devices}, indent=1))
+        return 0
+    from rich.table import Table
+
+    con = _console()
+    if models:
+        t = Table(title=f"catalog models ({len(models)}): `waferline info ID` for the layer-by-layer accounting")
+        for c in ("id", "type", "layers", "params", "active", "cache/token (16-bit)", "positions"):
+            t.add_column(c, justify="left" if c in ("id", "type") else "right")
+        for m in models:
+            t.add_row(m["id"], m["model_type"], str(m["layers"]), f"{m['params_total'] / 1e9:,.1f}B",
+                      f"{m['params_active'] / 1e9:,.1f}B", f"{m['cache_bytes_per_token_bf16'] / 1e3:,.1f} kB",
+                      f"{m['max_position_embeddings']:,}")
+        con.print(t)
+    if devices:
+        t = Table(title=f"catalog hardware ({len(devices)}): every number sourced in its YAML, or marked assumed")
+        for c in ("id", "kind", "memory GB", "bandwidth TB/s", "bf16 TFLOP/s", "per node", "assumed numbers"):
+            t.add_column(c, justify="left" if c in ("id", "kind", "assumed numbers") else "right")
+        for d in devices:
+            t.add_row(d["id"], d["kind"], f"{d['memory_bytes'] / 1e9:,.1f}", f"{d['memory_bandwidth'] / 1e12:,.2f}",
+                      f"{d['bf16_flops'] / 1e12:,.0f}" if d["bf16_flops"] else "-", str(d["devices_per_node"]),
+                      ", ".join(d["assumed"]) or "-")
+        con.print(t)
+    return 0
+
+
 def register(subparsers: Any) -> None:
     """Add plan / simulate / validate to an argparse subparsers object (calibrate and twin: sim/commands.py)."""
+    c = subparsers.add_parser("catalog", help="list the catalog's models and hardware (the ids plan and simulate "
+                                              "take) with their main numbers")
+    c.add_argument("what", nargs="?", default="all", choices=("all", "models", "hardware"))
+    c.add_argument("--json", action="store_true", help="machine-readable output")
+    c.set_defaults(func=cmd_catalog)
+
     p = subparsers.add_parser("plan", help="place a model on hardware and check that it fits")
     _add_plan_args(p)
     p.set_defaults(func=cmd_plan)
