@@ -22,6 +22,7 @@ import json
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from waferline.errors import RequestError
@@ -32,7 +33,6 @@ from waferline.errors import RequestError
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]?"}
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llguidance LLTokenizer)
-_BIT = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
@@ -122,13 +122,13 @@ class GrammarConstraint:
         self._stops = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.long)
 
     def allowed(self) -> torch.Tensor:
-        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():  # (a limit of the parser reached mid-output, e.g. a row of over 2,000 items)
             raise RequestError(f"structured output: the grammar engine cannot go on ({_engine_error(self.matcher)})")
-        bits = (packed.unsqueeze(1) & _BIT).ne(0).reshape(-1)
-        m = torch.zeros(self.vocab_size, dtype=torch.bool)
-        n = min(self.vocab_size, bits.numel())
-        m[:n] = bits[:n]
+        bits = np.unpackbits(packed, count=min(self.vocab_size, packed.size * 8), bitorder="little")
+        if bits.size < self.vocab_size:  # (ids past the tokenizer's vocabulary: never allowed)
+            bits = np.concatenate([bits, np.zeros(self.vocab_size - bits.size, dtype=np.uint8)])
+        m = torch.from_numpy(bits.view(np.bool_))  # (a fresh array: the mask may be changed in place)
         if self._grammar_eos:  # (the tokenizer's end-of-sequence where it is not a stop token of this request)
             m[torch.tensor(self._grammar_eos, dtype=torch.long)] = False
         if self._stops.numel():  # (a stop token that is also text the grammar allows here: drawing it ends the output)
