@@ -675,6 +675,7 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
     assert httpx.get(live.state.base + "/health").json()["status"] == "ok"
     m = _metrics(live)
     assert m['waferline_requests_total{endpoint="completions",status="400"}'] >= 17
+    assert not any(k.startswith("waferline_spec_") for k in m)  # (no --speculative: no speculation series at all)
 
 
 def test_client_disconnect_frees_its_pages(live):

@@ -49,12 +49,14 @@ class Metrics:
         )
         self.prefix_hits = Gauge("waferline_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache "
                                  "since start", registry=r)
-        self.spec_drafted = Gauge("waferline_spec_draft_tokens", "speculative draft tokens verified since start",
-                                  registry=r)
-        self.spec_accepted = Gauge("waferline_spec_accepted_tokens", "speculative draft tokens accepted since start",
-                                   registry=r)
-        self.spec_rate = Gauge("waferline_spec_acceptance_rate", "accepted / drafted speculative tokens since start",
-                               registry=r)
+        self.speculates = "spec_drafted" in engine.scheduler.stats  # (--speculative: the spec_* series exist only then)
+        if self.speculates:
+            self.spec_drafted = Gauge("waferline_spec_draft_tokens", "speculative draft tokens verified since start",
+                                      registry=r)
+            self.spec_accepted = Gauge("waferline_spec_accepted_tokens",
+                                       "speculative draft tokens accepted since start", registry=r)
+            self.spec_rate = Gauge("waferline_spec_acceptance_rate",
+                                   "accepted / drafted speculative tokens since start", registry=r)
 
     def render(self) -> bytes:
         sch = self.engine.scheduler
@@ -68,7 +70,7 @@ class Metrics:
         if sch.prefix is not None:
             self.prefix_pages.set(sch.prefix.num_pages)
             self.prefix_hits.set(sch.prefix.hit_tokens)
-        if "spec_drafted" in sch.stats:  # a scheduler that speculates (--speculative)
+        if self.speculates:
             self.spec_drafted.set(sch.stats["spec_drafted"])
             self.spec_accepted.set(sch.stats["spec_accepted"])
             self.spec_rate.set(sch.stats["spec_acceptance_rate"])
