@@ -28,6 +28,17 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=160)
 
 
+def _hw_label(ref: str) -> str:
+    """A hardware reference as a title shows it: a catalog id as it is, a YAML file by the name it gives."""
+    from pathlib import Path
+
+    if not str(ref).endswith((".yaml", ".yml")):
+        return ref
+    from waferline.spec.catalog import load_hardware
+
+    return f"{load_hardware(ref).name} ({Path(ref).name})"
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f}"
 
@@ -210,7 +221,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     con = _console()
     t = Table(
-        title=f"{plan.model} on {plan.hardware}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
+        title=f"{plan.model} on {_hw_label(plan.hardware)}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
         f"{plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch {plan.batch}"
     )
     for c in (
@@ -369,7 +380,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     con = _console()
     t = Table(
-        title=f"{r.model} on {r.num_devices} x {r.hardware} ({r.num_stages} stages, {plan.weight_bits}-bit weights)"
+        title=f"{r.model} on {r.num_devices} x {_hw_label(r.hardware)} ({r.num_stages} stages, "
+              f"{plan.weight_bits}-bit weights)"
     )
     t.add_column("metric")
     t.add_column("value", justify="right")
