@@ -39,6 +39,8 @@ def test_simulate_refuses_a_workload_the_memory_was_not_sized_for(plan_file, cap
     assert rc == 2 and "drop --devices, --batch" in out
     rc, out = _run(capsys, ["simulate", "llama-3.1-70b", "--plan", str(plan_file)])
     assert rc == 2 and "the plan places llama-3.1-8b on h100-sxm; MODEL llama-3.1-70b" in out
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h200-sxm", "--plan", str(plan_file)])
+    assert rc == 2 and "--hardware h200-sxm says otherwise" in out
     # the plan's own model and hardware named again, and a workload it holds: simulated
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--plan", str(plan_file),
                             "--prompt-len", "3000", "--json", "--no-intervals"])

@@ -427,6 +427,7 @@ def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol,
 
     from waferline.cli import main
     from waferline.engine.llm import LLM
+    from waferline.server.commands import _check_port_free
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -434,9 +435,20 @@ def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol,
         port = taken.getsockname()[1]
         assert main(["serve", str(sol), "--port", str(port)]) == 2
         out = capsys.readouterr()
-        assert f"cannot listen on 127.0.0.1:{port}" in out.err and "serving" not in out.out
+        assert f"cannot listen on 127.0.0.1 port {port}" in out.err and "serving" not in out.out
+        _check_port_free("", 0)  # ("" is every interface, as uvicorn takes it)
+        if socket.has_ipv6:  # an IPv6 listener, as asyncio opens one (IPV6_V6ONLY), leaves the IPv4 port alone
+            try:
+                _check_port_free("::1", port)
+            except ConfigError as e:
+                assert "Cannot assign requested address" in str(e)  # (a host without IPv6 loopback)
     assert main(["serve", str(sol), "--model", str(tmp_path)]) == 2
     assert "two checkpoints" in capsys.readouterr().err
+    with socket.socket() as taken:  # (the same directory spelled twice is one checkpoint: on to the port check)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        assert main(["serve", str(sol), "--model", f"{sol}/", "--port", str(taken.getsockname()[1])]) == 2
+        assert "cannot listen" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "give the checkpoint directory" in capsys.readouterr().err
     for flag in ("--max-model-len", "--max-body-bytes", "--max-num-seqs"):

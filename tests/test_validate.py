@@ -74,6 +74,16 @@ def test_the_ceiling_is_never_slower_than_the_fit():
     assert set(summary["beyond_ceiling"]) == {"cal-10", "cal-11"}
 
 
+def test_the_ceiling_keeps_values_past_the_fits_bounds(tmp_path):
+    """A parameter file may hold no request overhead or an acceptance above the fit's cap: the ceiling then keeps
+    those (it is never slower than the parameters it starts from)."""
+    p = tmp_path / "p.yaml"
+    p.write_text("ttft_overhead_s: 0\nspeculative:\n  accept_rate:\n    eagle: 0.99\n")
+    params = load_params(p)
+    c = params.ceiling()
+    assert c.ttft_overhead_s == 0 and c.accept_rate["eagle"] == 0.99 and c.accept_rate["mtp"] == 0.97
+
+
 def test_any_csv_unknown_rows_are_skipped_not_fatal(tmp_path):
     p = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
                         "b,x,no-such-model,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",

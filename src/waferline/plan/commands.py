@@ -305,11 +305,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         from waferline.spec.catalog import load_hardware, load_model
 
         plan = Plan.load(args.plan)
-        for given, placed, what in ((args.model, plan.model, "MODEL"), (args.hardware, plan.hardware, "--hardware")):
-            if given is not None and given != placed:
-                raise UsageError(f"the plan places {plan.model} on {plan.hardware}; {what} {given} says otherwise "
+        spec, hw = load_model(plan.model), load_hardware(plan.hardware)
+        for given, placed, what in ((args.model and load_model(args.model).name, spec.name, "MODEL"),
+                                    (args.hardware and load_hardware(args.hardware).name, hw.name, "--hardware")):
+            if given and given != placed:  # (by what the files name, however their paths are spelled)
+                raise UsageError(f"the plan places {spec.name} on {hw.name}; {what} {given} says otherwise "
                                  "(drop it, or drop --plan and place MODEL anew)")
-        plan.check(load_model(plan.model), load_hardware(plan.hardware))
+        plan.check(spec, hw)
         if args.speculative != "none":
             plan.speculative = _spec_cfg(args)
         if P + O > plan.context_len or (args.concurrency or plan.batch) > plan.batch:

@@ -169,17 +169,19 @@ def _check_port_free(host: str, port: int) -> None:
     and the server says it serves there."""
     import socket
 
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    try:  # (every address the name gives, as asyncio binds them all; "" is every interface)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except OSError as e:
         raise ConfigError(f"--host {host}: {e.strerror or e}") from None
-    family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    for family, kind, proto, _, addr in dict.fromkeys(infos):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+            if family == socket.AF_INET6:  # (an IPv6 listener leaves the IPv4 port alone, as asyncio's does)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise ConfigError(f"cannot listen on {addr[0]} port {port}: {e.strerror or e}") from None
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -187,7 +189,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    if args.model_dir is not None and args.model is not None and args.model_dir != args.model:
+    if args.model_dir is not None and args.model is not None and \
+            Path(args.model_dir).resolve() != Path(args.model).resolve():
         raise UsageError(f"two checkpoints: MODEL {args.model_dir} and --model {args.model}; give one")
     args.model = args.model or args.model_dir
     if args.model is None:

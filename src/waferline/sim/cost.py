@@ -145,8 +145,8 @@ class SimParams:
             for name, end in _FAVOURABLE.items():
                 if getattr(cp, name) is not None:  # (no hop latency of its own: the link's, as the catalog has it)
                     setattr(cp, name, CLASS_PARAMS[name][end])
-        out.accept_rate = {m: ACCEPT_BOUNDS[1] for m in out.accept_rate}
-        out.ttft_overhead_s = TTFT_OVERHEAD_BOUNDS[0]
+        out.accept_rate = {m: max(a, ACCEPT_BOUNDS[1]) for m, a in out.accept_rate.items()}  # (a given file may
+        out.ttft_overhead_s = min(out.ttft_overhead_s, TTFT_OVERHEAD_BOUNDS[0])  # hold values past the fit's bounds)
         return out
 
     def parameter_sets(self) -> list[SimParams]:
