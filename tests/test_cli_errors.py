@@ -412,3 +412,13 @@ def test_sigterm_stops_a_pipeline_run_cleanly(sol):
     assert err.strip() == "terminated", err  # no traceback, no C++ trace from a stage
     time.sleep(0.5)
     assert not [p for p in stages if _alive(p)], "stage processes left behind"
+
+
+@pytest.mark.parametrize("flag", ["--attention-ranks", "--ffn-ranks"])
+def test_generate_refuses_zero_ranks(flag, capsys):
+    """--afd with 0 ranks used to run as 1 (while -1 was refused)."""
+    from waferline.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", "models/sol-mini", "--prompt", "x", "--afd", flag, "0"])
+    assert e.value.code == 2 and f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err

@@ -195,3 +195,21 @@ def test_headline_cells_print_the_interval():
     assert headline_cell(head, "tok_s_per_user") == "313 (90%: 131-398)"
     assert headline_cell(head, "ttft_s", 1e3, " ms") == "186 (90%: 63-189) ms"
     assert headline_cell(head, "nvl72_tok_s_per_user") == "118"  # (no interval stored: the value alone)
+
+
+def test_demo_refuses_a_missing_model_and_requantizes_a_stale_int4_copy(tmp_path):
+    """--model that is not a checkpoint is an error (it used to fall back to random weights); an int4 copy in the
+    output folder is reused only while it is the copy of these weights (a stale or foreign one is rebuilt)."""
+    from waferline.demo import run_demo
+    from waferline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a checkpoint directory"):
+        run_demo(out_dir=str(tmp_path / "o"), model=str(tmp_path / "missing"), report=False)
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    stale = out / "ckpt-int4-g32"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"not the int4 copy of these weights")
+    assert run_demo(out_dir=str(out), max_tokens=2, model=str(model), report=False, layers_per_stage=0) == 0
+    assert (stale / ".waferline-source.json").is_file()
+    assert json.loads((stale / "config.json").read_text())["quantization_config"]["group_size"] == 32

@@ -217,3 +217,20 @@ def test_catalog_lists_the_ids_plan_takes_and_info_reads_them(capsys):
     assert rc == 0 and "wse-3" in out and "gpt-5.6-sol" not in out
     rc, out = _run(capsys, ["info", "kimi-k2.6", "--json"])
     assert rc == 0 and json.loads(out)["layers"] == 61
+
+
+def test_a_checkpoint_path_is_never_read_as_a_catalog_id(tmp_path, capsys):
+    """An absolute checkpoint path with a <path>.json beside it (say, a saved --json output) is the checkpoint, not
+    the catalog model of that name: pathlib's join used to drop the catalog directory and read the neighbour."""
+    from waferline.spec.catalog import MODELS_DIR, load_model
+
+    ckpt = tmp_path / "mine"
+    ckpt.mkdir()
+    base = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 8, "intermediate_size": 1024, "vocab_size": 1000}
+    (ckpt / "config.json").write_text(json.dumps(base))
+    (tmp_path / "mine.json").write_text((MODELS_DIR / "deepseek-v3.json").read_text())
+    assert load_model(str(ckpt)).num_layers == 2 and load_model(ckpt).model_type == "llama"
+    rc, out = _run(capsys, ["info", str(ckpt), "--json"])
+    assert rc == 0 and json.loads(out)["layers"] == 2
+    assert load_model("deepseek-v3").num_layers == 61  # (a bare id still reads the catalog)

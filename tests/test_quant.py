@@ -445,3 +445,29 @@ def test_int4_checkpoint_bound_for_another_device_loads_readable_codes(tmp_path,
         ref = weights(plain)[name]
         assert w.backend == ref.backend
         assert torch.equal(w.dequantize(), ref.dequantize())
+
+
+def test_quantize_refuses_what_it_cannot_do_before_the_work(tmp_path, llama_dir, capsys):
+    """A group size outside the supported ones, an --out that cannot be written, calibration ids past the vocabulary,
+    a --keep that keeps every weight, and a negative token budget: one-line errors, nothing written."""
+    with pytest.raises(ConfigError, match="group size must be one of 16, 32, 64, 128, 256"):
+        QuantOptions(group_size=48).validate()
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "q"), "--group-size", "48"])
+    assert "invalid choice: 48" in capsys.readouterr().err
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(blocker / "q")]) == 2
+    assert "cannot write" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no weight was quantized"):
+        quantize_checkpoint(llama_dir, tmp_path / "kept", QuantOptions(keep=(".*",)))
+    calib = tmp_path / "ids.txt"
+    calib.write_text(" ".join(["99999"] * 64))
+    assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), "--method", "gptq",
+                     "--calibration", str(calib)]) == 2
+    assert "token ids past the vocabulary" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), "--method", "gptq",
+                  "--calibration", str(calib), "--calibration-tokens", "-5"])
+    assert "expected an integer >= 1, got -5" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "ids.txt"]  # (nothing half-written)

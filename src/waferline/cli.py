@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from waferline.argtypes import positive_int
 from waferline.errors import UsageError, WaferlineError, counted
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
@@ -134,7 +135,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
               f"TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, finish: {out.finish_reason}]", file=sys.stderr)
         if spec:
             print(f"[speculative {args.speculative}: acceptance {spec['spec_acceptance_rate']:.2f}, "
-                  f"{spec['spec_mean_accepted_length']:.2f} tokens per verify step]", file=sys.stderr)
+                  f"{spec['spec_mean_accepted_length']:.2f} tokens per decode step]", file=sys.stderr)
         for e in lps:  # (--logprobs: one line per generated token)
             print(f"  {e['token_id']:>7} {e['logprob']:9.4f}  " + "  ".join(f"{i}:{v:.4f}" for i, v in e["top"]),
                   file=sys.stderr)
@@ -258,12 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--attention-ranks",
-        type=int,
+        type=positive_int,
         default=None,
         metavar="M",
         help="with --afd: attention ranks, each serving every layer for its share of the sequences (default 1)",
     )
-    g.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+    g.add_argument("--ffn-ranks", type=positive_int, default=None, metavar="N",
                    help="with --afd: FFN ranks; MoE experts are split across them, unevenly when N does not divide "
                         "the expert count (default 1)")
     g.add_argument("--speculative", default=None, metavar="METHOD",

@@ -300,7 +300,11 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(model) if model else BUNDLED
-    trained = (ckpt / "model.safetensors").is_file()
+    if model and not (ckpt / "config.json").is_file():
+        from waferline.errors import ConfigError
+
+        raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
+    trained = model is not None or (ckpt / "model.safetensors").is_file()
     if not trained:
         ckpt = out / "sol-demo-random"
         console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
@@ -310,9 +314,15 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         from waferline.model.quant import QuantOptions, quantize_checkpoint
 
         qdir = out / f"{ckpt.name}-int4-g{group_size}"
-        if not (qdir / "model.safetensors").is_file():
+        # reused only while it is the int4 copy of these very weights (the source's path, sizes and times)
+        source = json.dumps({"source": str(ckpt.resolve()), "group_size": group_size, "method": "rtn",
+                             "files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
+                                             for f in ckpt.glob("*.safetensors"))})
+        stamp = qdir / ".waferline-source.json"
+        if not (qdir / "model.safetensors").is_file() or not stamp.is_file() or stamp.read_text() != source:
             with console.status(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}"):
                 quantize_checkpoint(ckpt, qdir, QuantOptions(group_size=group_size), force=True)
+            stamp.write_text(source)
         ckpt = qdir
     from waferline import kernels
 
@@ -391,8 +401,8 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         console.print(
             f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
             f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
-            f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per verify step, "
-            f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} "
+            f"{spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step, "
+            f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} decode "
             "steps without drafts (adaptive back-off)"
         )
     head = planner_headline()

@@ -8,7 +8,9 @@ import json
 import sys
 from typing import Any
 
+from waferline.argtypes import positive_int
 from waferline.spec.configs import spec_from_pretrained
+from waferline.spec.model import INT4_GROUP_SIZES
 
 CALIBRATION_TOKENS = 4096  # GPTQ calibration tokens unless --calibration-tokens says otherwise
 
@@ -135,14 +137,15 @@ def register(sub: Any) -> None:
     q.add_argument("--model", required=True, help="16-bit checkpoint directory (config.json + *.safetensors)")
     q.add_argument("--out", required=True, help="output directory (written to a temporary directory, then renamed)")
     q.add_argument("--bits", type=int, default=4, help="weight bits (4)")
-    q.add_argument("--group-size", type=int, default=128, help="weights per scale along the input dim (32, 64, 128)")
+    q.add_argument("--group-size", type=int, default=128, choices=INT4_GROUP_SIZES,
+                   help="weights per scale along the input dim (32, 64 or 128 are usual; default 128)")
     q.add_argument(
         "--method", default="rtn", choices=["rtn", "gptq"], help="round-to-nearest, or GPTQ (needs --calibration)"
     )
     q.add_argument(
         "--calibration", help="calibration file for GPTQ: text (uses the checkpoint's tokenizer) or token ids"
     )
-    q.add_argument("--calibration-tokens", type=int, default=None,
+    q.add_argument("--calibration-tokens", type=positive_int, default=None,
                    help=f"with --method gptq: at most this many calibration tokens ({CALIBRATION_TOKENS})")
     q.add_argument("--asymmetric", action="store_true", help="per-group zero as well as scale (default: symmetric)")
     q.add_argument("--keep", action="append", metavar="REGEX",

@@ -9,6 +9,7 @@ import math
 import sys
 from typing import Any
 
+from waferline.argtypes import positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
@@ -83,28 +84,6 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer >= 1 (0 or less is refused, not quietly replaced by a default)."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def positive_float(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (v > 0 and math.isfinite(v)):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
 
 
 def accept_rate_arg(text: str) -> tuple[float, float]:

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from waferline.argtypes import positive_int
 from waferline.errors import ConfigError, UsageError
-from waferline.plan.commands import positive_int
 from waferline.server.tools import PARSERS
 
 
@@ -312,9 +312,9 @@ def register(sub: Any) -> None:
     s.add_argument("--afd", action="store_true",
                    help="attention/FFN disaggregation: attention ranks (mixers, caches; this process is rank 0 and "
                         "the scheduler) and FFN ranks as processes (see docs/afd.md); faults as for --stages")
-    s.add_argument("--attention-ranks", type=int, default=None, metavar="M",
+    s.add_argument("--attention-ranks", type=positive_int, default=None, metavar="M",
                    help="with --afd: attention ranks, each holding the caches of its share of the slots (default 1)")
-    s.add_argument("--ffn-ranks", type=int, default=None, metavar="N",
+    s.add_argument("--ffn-ranks", type=positive_int, default=None, metavar="N",
                    help="with --afd: FFN ranks; MoE experts are split across them (default 1)")
     s.add_argument("--speculative", default=None, metavar="METHOD",
                    help="ngram | mtp | draft:PATH: speculative decoding in the scheduler (n-gram prompt lookup over "

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params, positive_float, positive_int
+from waferline.argtypes import positive_float, positive_int
+from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params
 
 
 def _check_calibrate_flags(args: argparse.Namespace) -> None:

@@ -713,7 +713,8 @@ def render(result: dict[str, Any], console: Any) -> None:
                      ("ttft_s", "TTFT"), ("all", "all metrics")):
         v = s[k]
         if v["n"]:
-            console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} plans")
+            what = "figures (plans x metrics)" if k == "all" else "plans"
+            console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} {what}")
     for line in (drift_line(result), canary_line(result)):
         if line:
             console.print(line)

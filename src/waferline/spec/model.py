@@ -17,6 +17,11 @@ BYTES_16 = 2
 STATE_BYTES = 4  # the recurrent state of a linear-attention layer is float32 whatever the model dtype
 
 
+# int4 group sizes (weights per scale along a matmul's input dimension): a weight's groups are this size, or its
+# largest halving (>= 16) that divides the weight's width
+INT4_GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
 def quantized_bytes(
     n_params: float, bits: int, group_size: int = 128, scale_bits: int = 16, zeros: bool = False
 ) -> float:

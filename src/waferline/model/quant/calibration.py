@@ -30,6 +30,8 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
         )
     else:
         ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if max_tokens < 1:
+        raise ConfigError(f"calibration tokens must be >= 1, got {max_tokens}")
     if len(ids) < 16:
         raise ConfigError(f"calibration file {p} gives only {len(ids)} tokens; GPTQ needs at least a few hundred")
     return ids[:max_tokens]

@@ -15,6 +15,7 @@ from waferline.errors import ConfigError
 from waferline.model.quant.quantizers import gptq_quantize, rtn_quantize
 from waferline.model.quant.tensor import DEFAULT_KEEP, Int4Tensor, group_for
 from waferline.model.quant.weight import Int4Weight, QuantLinear, choose_backend
+from waferline.spec.model import INT4_GROUP_SIZES
 
 
 def matmul_weights(root: nn.Module) -> list[tuple[str, nn.Module, str]]:
@@ -78,8 +79,9 @@ class QuantOptions:
     def validate(self) -> None:
         if self.bits != 4:
             raise ConfigError(f"only 4-bit weights are supported, got --bits {self.bits}")
-        if self.group_size < 16 or self.group_size % 16:
-            raise ConfigError(f"group size must be a multiple of 16 (32, 64 or 128 are usual), got {self.group_size}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))} (32, 64 or 128 are "
+                              f"usual), got {self.group_size}")
         if self.method not in ("rtn", "gptq"):
             raise ConfigError(f"quantization method must be rtn or gptq, got {self.method!r}")
         for p in self.keep:

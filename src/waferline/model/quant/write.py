@@ -110,6 +110,11 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         raise ConfigError(
             "GPTQ needs calibration data: pass --calibration FILE (text, or whitespace-separated token ids)"
         )
+    parent = out_dir.resolve().parent  # (where the checkpoint will be written: checked before the work, not after)
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {out_dir}: {parent} is not a writable directory")
 
     spec = spec_from_pretrained(model_dir)
     model = load_model(model_dir, torch.float32)
@@ -119,6 +124,9 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         from waferline.model.load import load_tokenizer
 
         tokens = calibration_tokens(calibration, load_tokenizer(model_dir), calibration_max_tokens)
+        if max(tokens) >= spec.vocab_size:
+            raise ConfigError(f"calibration file {calibration} has token ids past the vocabulary ({spec.vocab_size}): "
+                              f"e.g. {max(tokens)}")
         n_calib = len(tokens)
         calib = SequentialCalibration(model, tokens)
     raw = open_weights(model_dir)
@@ -166,10 +174,16 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         else:
             v = raw.get(name)
             tensors[name] = (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+    if n_q == 0:
+        raise ConfigError(f"no weight was quantized: group size {opts.group_size} fits none of {spec.name}'s matmul "
+                          "widths, or --keep kept them all; nothing written")
     qcfg = quantization_config(opts, sorted(set(kept)), {"calibration_tokens": n_calib} if n_calib else None)
     cfg["quantization_config"] = qcfg
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as e:
+        raise ConfigError(f"cannot write {out_dir}: {e.strerror or e}") from None
     umask = os.umask(0)
     os.umask(umask)
     try:

@@ -16,6 +16,11 @@ HARDWARE_DIR = CATALOG_DIR / "hardware"
 _NOT_DEVICES = {"links"}
 
 
+def _is_id(s: str) -> bool:
+    """A catalog id is a bare name: a path (absolute, or with a directory part) is never looked up as one."""
+    return bool(s) and Path(s).name == s and not s.startswith(".")
+
+
 def list_models() -> list[str]:
     """Catalog model ids."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
@@ -29,7 +34,7 @@ def list_hardware() -> list[str]:
 def model_config(name: str) -> dict:
     """The raw config.json dict of a catalog model id."""
     path = MODELS_DIR / f"{name}.json"
-    if not path.is_file():
+    if not _is_id(name) or not path.is_file():
         raise ConfigError(f"unknown model {name!r}: not a catalog id ({', '.join(list_models())}), "
                           "nor a config.json path or checkpoint directory")
     return json.loads(path.read_text())
@@ -44,7 +49,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A ModelSpec from a catalog id, a config.json path, or a checkpoint directory."""
     s = str(name_or_path)
     p = Path(s)
-    if (MODELS_DIR / f"{s}.json").is_file():
+    if _is_id(s) and (MODELS_DIR / f"{s}.json").is_file():
         return _load_model_cached(s)
     if p.is_dir():
         return spec_from_pretrained(p)
@@ -68,7 +73,7 @@ def load_hardware(name_or_path: str | Path):
     from waferline.spec.hardware import load_hardware_file
 
     s = str(name_or_path)
-    if s not in _NOT_DEVICES and (HARDWARE_DIR / f"{s}.yaml").is_file():
+    if _is_id(s) and s not in _NOT_DEVICES and (HARDWARE_DIR / f"{s}.yaml").is_file():
         return _load_hw_cached(s)
     p = Path(s)
     if p.is_file():
