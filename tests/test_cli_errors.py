@@ -422,3 +422,17 @@ def test_generate_refuses_zero_ranks(flag, capsys):
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", "models/sol-mini", "--prompt", "x", "--afd", flag, "0"])
     assert e.value.code == 2 and f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_generate_names_what_is_wrong_with_the_model_and_flag_files(tmp_path, capsys):
+    """A --model that is not a checkpoint says so (not that it lacks a tokenizer; a file in it: pass the directory);
+    --json-schema naming a missing file says the file is missing (not that the name is bad JSON)."""
+    from waferline.cli import main
+
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    assert "not a checkpoint directory" in capsys.readouterr().err
+    assert main(["generate", "--model", "models/sol-mini/config.json", "--prompt", "x"]) == 2
+    assert "pass the directory that holds it" in capsys.readouterr().err
+    assert main(["generate", "--model", "models/sol-mini", "--prompt", "x", "--json-schema",
+                 str(tmp_path / "nope.json")]) == 2
+    assert f"no file at {tmp_path / 'nope.json'}" in capsys.readouterr().err

@@ -51,6 +51,9 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
     if args.num_speculative_tokens is not None and not args.speculative:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     model = Path(args.model)
+    if not (model / "config.json").is_file():  # (first: what is wrong with the checkpoint before what it lacks)
+        raise UsageError(f"--model {args.model}: not a checkpoint directory (config.json + *.safetensors)"
+                         + ("; pass the directory that holds it" if model.is_file() else ""))
     if (args.stop or args.prompt is not None) and model.is_dir() and not _has_tokenizer(model):
         flag = "--stop" if args.stop else "--prompt"
         raise UsageError(f"{flag} needs the checkpoint's tokenizer and {args.model} has none (no tokenizer.json)"
@@ -146,6 +149,8 @@ def _file_or_text(value: str | None) -> str | None:
     """A flag that takes a file or the text itself: the file's text where ``value`` names a file."""
     try:
         if value is None or "\n" in value or not Path(value).is_file():
+            if value is not None and value.endswith((".json", ".lark", ".gbnf", ".txt", ".jinja")):
+                raise UsageError(f"no file at {value}")  # (a file name that names no file, not a text to parse)
             return value
     except OSError:  # (text longer than a file name may be)
         return value
