@@ -401,7 +401,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         console.print(
             f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
             f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
-            f"{spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step, "
+            f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step, "
             f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} decode "
             "steps without drafts (adaptive back-off)"
         )
