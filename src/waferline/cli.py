@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
              "layer operators: one stream decoded 2x faster on an AVX2 CPU)",
     )
-    g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s} as JSON")
+    g.add_argument("--json", action="store_true", help="print {token_ids, text, tokens_per_s, ttft_s, finish_reason} "
+                   "as JSON (+ logprobs and spec_* when asked for)")
     g.add_argument(
         "--weight-bits",
         type=int,
@@ -310,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=4,
         choices=[4, 16],
-        help="4 = int4 weights, RTN on load (default), 16 = bf16 file as is",
+        help="4 = int4 weights (default): an RTN int4 copy written once into --out and reused while it is the copy of "
+             "these weights; 16 = the 16-bit file as is",
     )
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.add_argument("--speculative", default=None, metavar="METHOD",

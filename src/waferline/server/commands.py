@@ -257,7 +257,8 @@ def register(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=_port, default=8000)
     s.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* (or set WAFERLINE_API_KEY)"
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
+        "/tokenizer_info (or set WAFERLINE_API_KEY); /health and /metrics stay open"
     )
     s.add_argument("--served-model-name", default=None, help="the model id clients send (default: the directory name)")
     s.add_argument("--max-num-seqs", type=positive_int, default=16,
