@@ -266,6 +266,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from waferline.errors import UsageError
     from waferline.plan.plan import Plan
     from waferline.sim.pipeline import simulate
+    from waferline.spec.catalog import load_hardware, load_model
 
     _check_flags(args)
     params = _load_params(args)
@@ -281,8 +282,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if placing:
             raise UsageError(f"--plan simulates the plan as placed: drop {', '.join(placing)} (or drop --plan and "
                              "place MODEL anew)")
-        from waferline.spec.catalog import load_hardware, load_model
-
         plan = Plan.load(args.plan)
         spec, hw = load_model(plan.model), load_hardware(plan.hardware)
         for given, placed, what in ((args.model and load_model(args.model).name, spec.name, "MODEL"),
@@ -337,8 +336,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             prefill_plan=prefill_plan,
             expert_skew=args.expert_skew or 0.0,
         )
-    from waferline.spec.catalog import load_model
-
     mpe = load_model(plan.model).max_position_embeddings
     beyond = (f"prompt + output ({P + O:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
               "prediction is of the hardware, not of a context the model was trained for") if P + O > mpe else None

@@ -414,10 +414,9 @@ def _hardware_ref_cached(name: str, path: str) -> str:
 
 def _model_ref(model: Any, spec: ModelSpec) -> str:
     """The catalog id, or the config path / checkpoint dir the model came from."""
-    from waferline.spec.catalog import MODELS_DIR, _is_id
+    from waferline.spec.catalog import is_catalog_model
 
-    if isinstance(model, (str, Path)) and not (_is_id(str(model)) and (MODELS_DIR / f"{model}.json").is_file()) \
-            and Path(model).exists():
+    if isinstance(model, (str, Path)) and not is_catalog_model(str(model)) and Path(model).exists():
         return str(Path(model).resolve())
     return spec.name
 

@@ -21,6 +21,11 @@ def _is_id(s: str) -> bool:
     return bool(s) and Path(s).name == s and not s.startswith(".")
 
 
+def is_catalog_model(s: str) -> bool:
+    """Whether ``s`` names a catalog model (a bare id with a catalog config; never a path)."""
+    return _is_id(s) and (MODELS_DIR / f"{s}.json").is_file()
+
+
 def list_models() -> list[str]:
     """Catalog model ids."""
     return sorted(p.stem for p in MODELS_DIR.glob("*.json"))
@@ -49,7 +54,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A ModelSpec from a catalog id, a config.json path, or a checkpoint directory."""
     s = str(name_or_path)
     p = Path(s)
-    if _is_id(s) and (MODELS_DIR / f"{s}.json").is_file():
+    if is_catalog_model(s):
         return _load_model_cached(s)
     if p.is_dir():
         return spec_from_pretrained(p)
