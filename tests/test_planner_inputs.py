@@ -10,6 +10,7 @@ from waferline.errors import ConfigError
 from waferline.plan import commands
 from waferline.plan.place import place
 from waferline.sim.serving import simulate_serving
+from waferline.spec.catalog import load_hardware, load_model
 from waferline.spec.configs import parse_hf_config
 
 HEADER = "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value\n"
@@ -93,6 +94,8 @@ def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "0"], "--prompt-len: expected an integer >= 1"),
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--speculative", "eagle", "--num-speculative-tokens", "0"],
      "--num-speculative-tokens: expected an integer >= 1"),
+    (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--reasoning-tokens", "-1"],
+     "--reasoning-tokens: expected an integer >= 0, got -1"),
 ])
 def test_zero_or_negative_counts_are_refused_not_replaced_by_defaults(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -234,3 +237,30 @@ def test_a_checkpoint_path_is_never_read_as_a_catalog_id(tmp_path, capsys):
     rc, out = _run(capsys, ["info", str(ckpt), "--json"])
     assert rc == 0 and json.loads(out)["layers"] == 2
     assert load_model("deepseek-v3").num_layers == 61  # (a bare id still reads the catalog)
+
+
+def test_reasoning_tokens_are_decoded_before_the_answer(capsys):
+    """--reasoning-tokens: hidden tokens decoded like any output before the answer; the end-to-end time is that of
+    reasoning + answer tokens generated, the first answer token comes that many decode steps after TTFT, and the
+    memory is sized for prompt + reasoning + output."""
+    from waferline.sim.pipeline import simulate
+
+    plan = place(load_model("llama-3.1-8b"), load_hardware("h100-sxm"), context=1000 + 3000 + 500)
+    r = simulate(plan, prompt_len=1000, output_len=500, reasoning_tokens=3000)
+    whole = simulate(plan, prompt_len=1000, output_len=3500)
+    assert r.output_len == 500 and r.reasoning_tokens == 3000
+    assert r.end_to_end_s == pytest.approx(whole.end_to_end_s) and r.ttft_s == pytest.approx(whole.ttft_s)
+    assert r.first_answer_s == pytest.approx(r.ttft_s + 3000 / r.decode_tokens_per_s_per_user)
+    assert simulate(plan, prompt_len=1000, output_len=500).first_answer_s == pytest.approx(r.ttft_s)
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "1000", "--output-len", "500",
+                            "--reasoning-tokens", "3000", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["plan"]["context_len"] == 4500 and d["reasoning_tokens"] == 3000
+    lo, hi = d["first_answer_s_interval"]
+    assert lo <= d["first_answer_s"] <= hi and d["first_answer_s"] < d["end_to_end_s"]
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--reasoning-tokens", "3000",
+                            "--no-intervals"])
+    assert rc == 0 and "first answer token, after 3,000 reasoning tokens" in " ".join(out.split())
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "1000", "--output-len",
+                            "500", "--reasoning-tokens", "3000", "--context", "2000"])
+    assert rc == 2 and "shorter than prompt + reasoning + output (4,500)" in out

@@ -9,7 +9,7 @@ import math
 import sys
 from typing import Any
 
-from waferline.argtypes import positive_float, positive_int
+from waferline.argtypes import nonnegative_int, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
@@ -272,6 +272,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     params = _load_params(args)
     P = args.prompt_len or params.default_prompt_len
     O = args.output_len or params.default_output_len
+    R = args.reasoning_tokens or 0
+    held = P + R + O  # what a sequence's cache holds at its end
+    what = "prompt + reasoning + output" if R else "prompt + output"
     if args.plan:
         placing = [f for f, v in (("--devices", args.devices),
                                   ("--weight-bits", args.weight_bits), ("--kv-bits", args.kv_bits),
@@ -292,24 +295,25 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan.check(spec, hw)
         if args.speculative != "none":
             plan.speculative = _spec_cfg(args)
-        if P + O > plan.context_len or (args.concurrency or plan.batch) > plan.batch:
+        if held > plan.context_len or (args.concurrency or plan.batch) > plan.batch:
             raise ConfigError(f"the plan holds {plan.batch} sequence(s) of {plan.context_len:,} tokens; this workload "
-                              f"is {args.concurrency or plan.batch} of {P + O:,} (prompt + output): place it anew "
+                              f"is {args.concurrency or plan.batch} of {held:,} ({what}): place it anew "
                               "(MODEL --hardware ... --concurrency / --prompt-len) or with a larger --context/--batch")
     else:
-        if args.context is not None and args.context < P + O:
-            raise UsageError(f"--context {args.context:,} is shorter than prompt + output ({P + O:,}): the memory "
+        if args.context is not None and args.context < held:
+            raise UsageError(f"--context {args.context:,} is shorter than {what} ({held:,}): the memory "
                              "would be sized for less than the workload holds (leave --context out to size it so)")
-        plan = _make_plan(args, args.context or (P + O))
+        plan = _make_plan(args, args.context or held)
     if args.out:
         plan.save(args.out)
-    r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params)
+    r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params, reasoning_tokens=R)
     if not getattr(args, "no_intervals", False):
         from waferline.sim.intervals import attach_intervals
 
         rng = args.accept_rate if isinstance(args.accept_rate, tuple) and args.accept_rate[0] < args.accept_rate[1] \
             else None
-        attach_intervals(r, plan, params, accept_range=rng, prompt_len=P, output_len=O, concurrency=args.concurrency)
+        attach_intervals(r, plan, params, accept_range=rng, prompt_len=P, output_len=O, concurrency=args.concurrency,
+                         reasoning_tokens=R)
     ex = None
     if args.explain:
         from waferline.sim.explain import explain
@@ -322,14 +326,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         prefill_plan = None
         if args.prefill_devices is not None:  # the prefill pool: the same model and flags on its own devices
             prefill_plan = _make_plan(argparse.Namespace(**{**vars(args), "devices": args.prefill_devices}),
-                                      args.context or (P + O))
+                                      args.context or held)
         serving = simulate_serving(
             plan,
             arrival_rate=args.arrival_rate,
             users=r.concurrency if args.closed_loop else None,
             num_requests=args.num_requests or (max(200, 10 * r.concurrency) if args.closed_loop else 200),
             prompt_len=P,
-            output_len=O,
+            output_len=R + O,  # (the server decodes hidden reasoning tokens like any other)
             params=params,
             max_num_batched_tokens=2048 if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
             pd_disaggregation=args.pd_disaggregation,
@@ -337,8 +341,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             expert_skew=args.expert_skew or 0.0,
         )
     mpe = load_model(plan.model).max_position_embeddings
-    beyond = (f"prompt + output ({P + O:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
-              "prediction is of the hardware, not of a context the model was trained for") if P + O > mpe else None
+    beyond = (f"{what} ({held:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
+              "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
     if args.json:
         d = r.to_dict()
         d["notes"] = [beyond] if beyond else []
@@ -379,7 +383,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         f"{fmt(r.ttft_s, iv.get('ttft_s'), '.1f', 1e3)} (prefill {fmt(r.prefill_s, iv.get('prefill_s'), '.1f', 1e3)}"
         f" + request overhead {(r.ttft_s - r.prefill_s) * 1e3:.1f})",
     )
-    t.add_row(f"end-to-end, {r.output_len:,} output tokens (s)", fmt(r.end_to_end_s, iv.get("end_to_end_s"), ".3f"))
+    if r.reasoning_tokens:
+        t.add_row(f"first answer token, after {r.reasoning_tokens:,} reasoning tokens (s)",
+                  fmt(r.first_answer_s, iv.get("first_answer_s"), ".3f"))
+    t.add_row(f"end-to-end, {r.output_len:,} output tokens" + (f" after {r.reasoning_tokens:,} reasoning"
+                                                               if r.reasoning_tokens else "") + " (s)",
+              fmt(r.end_to_end_s, iv.get("end_to_end_s"), ".3f"))
     t.add_row("decode is bound by", r.bound)
     sp = r.speculative
     if sp.get("method", "none") != "none":
@@ -489,6 +498,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                             "spec_decoding": r.row.spec_decoding,
                             "system": r.row.system,
                             "beyond_ceiling": r.detail.get("ceiling"),
+                            "reasoning_tokens": r.row.reasoning_tokens,
+                            "not_comparable": r.detail.get("unstated_reasoning"),
                         }
                         | ({"fold": r.detail.get("fold"), "out_of_fold": True} if cv is not None else {})
                         for r in results
@@ -519,8 +530,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 r.row.spec_decoding,
                 r.row.metric,
                 f"{r.row.value:g}",
-                "skipped",
-                r.skipped[:60],
+                "not comparable" if r.detail.get("unstated_reasoning") else "skipped",
+                "" if r.detail.get("unstated_reasoning") else r.skipped[:60],
             )
             continue
         e = r.error_factor or 0
@@ -544,6 +555,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             f"{summary['within_1_25']}/{summary['predicted']} within 1.25x, "
             f"{summary['within_2']}/{summary['predicted']} within 2x"
             + (f"; {summary['skipped']} skipped" if summary["skipped"] else "")
+            + (f"; {len(summary['not_comparable'])} not comparable" if summary["not_comparable"] else "")
         )
     if summary["beyond_ceiling"]:
         rows = {r.row.id: r.row for r in results}
@@ -553,6 +565,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   f"of its bounds, the catalog's numbers as they are): {far}. No fit reaches these rows: they need a "
                   "mechanism or a hardware number that neither the row nor the catalog states (undisclosed "
                   "speculation or precision, an assumed bandwidth or latency that is off).")
+    rows = {r.row.id: r.row for r in results}
+    for i, u in summary["not_comparable"].items():
+        row = rows[i]
+        at_pub = (f", {u['implied_reasoning_tokens_at_published_rate']:,.0f} at the published "
+                  f"{u['published_decode_tokens_per_s']:g} tok/s of {u['published_rate_row']}"
+                  if "published_rate_row" in u else "")
+        con.print(f"[yellow]not comparable[/yellow]: {i} is the end-to-end time of a reasoning model whose hidden "
+                  f"reasoning length the source does not state. With no reasoning the model predicts "
+                  f"{u['no_reasoning_s']:.3g} s; the published {row.value:g} s is "
+                  f"{row.value / u['no_reasoning_s']:.1f}x that ("
+                  + ("consistent: no reasoning is the fastest the row can be" if u["consistent"]
+                     else "[red]inconsistent: faster than no reasoning at all[/red]")
+                  + f"). The difference is {u['implied_reasoning_tokens']:,.0f} hidden tokens at the predicted "
+                  f"{u['decode_tokens_per_s']:,.0f} tok/s{at_pub}.")
     return 0
 
 
@@ -620,6 +646,9 @@ def register(subparsers: Any) -> None:
     s.add_argument("--plan", default=None, help="simulate this plan JSON instead of placing MODEL")
     s.add_argument("--prompt-len", type=positive_int, default=None, help="prompt tokens per request (default 1000)")
     s.add_argument("--output-len", type=positive_int, default=None, help="output tokens per request (default 500)")
+    s.add_argument("--reasoning-tokens", type=nonnegative_int, default=None, metavar="N",
+                   help="hidden tokens a reasoning model generates before its --output-len answer tokens (decoded like "
+                        "any output: they delay the first answer token and the end; default 0)")
     s.add_argument("--concurrency", type=positive_int, default=None, help="concurrent requests (default: --batch)")
     s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
     s.add_argument("--accept-rate", type=accept_rate_arg, default=None, metavar="RATE|LOW:HIGH",
@@ -664,10 +693,16 @@ def register(subparsers: Any) -> None:
                         "scales the routed-expert compute (default 0 = uniform routing)")
     s.set_defaults(func=cmd_simulate)
 
-    v = subparsers.add_parser("validate", help="compare predictions with a CSV of published results")
+    v = subparsers.add_parser(
+        "validate", help="compare predictions with a CSV of published results",
+        description="Plan and simulate every row of a published-results CSV and print the error factor of each "
+                    "prediction (exp |ln(predicted / published)|), their median and max. Rows faster than the model's "
+                    "physical ceiling (every fitted term at its most favourable bound) are named. A reasoning model's "
+                    "end-to-end time whose reasoning length is 'unstated' (the reasoning_tokens column) is not "
+                    "comparable: it is checked against the time with no reasoning and the hidden tokens it implies.")
     v.add_argument("--data", default=None, help=f"results CSV (default: {DEFAULT_DATA})")
     v.add_argument("--params", default=None, help="simulator parameter YAML (default: sim/fitted.yaml)")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="machine-readable output (rows and summary)")
     v.add_argument("--cross-validate", nargs="?", const="row", default=None, metavar="row|vendor",
                    help="refit every fitted parameter without each row (row) or each system's rows (vendor: the "
                    "CSV's system column) and predict the held-out rows with that refit (row: ~1-2 min)")

@@ -11,7 +11,15 @@ from typing import Any
 from waferline.errors import ConfigError
 from waferline.sim.cost import SimParams, load_params
 from waferline.sim.fit import fit_rows, problem
-from waferline.sim.validate import Row, RowResult, beyond_ceiling, error_factor, read_published, summarize
+from waferline.sim.validate import (
+    Row,
+    RowResult,
+    beyond_ceiling,
+    error_factor,
+    read_published,
+    skipped_result,
+    summarize,
+)
 
 CROSS_VALIDATE = ("row", "vendor")
 
@@ -40,11 +48,12 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
     for i, (row, _) in enumerate(prob.models):
         groups.setdefault(fold_key(row, by), []).append(i)
     out: dict[int, RowResult] = {}
+    refits: dict[str, SimParams] = {}
     for g, held in groups.items():
         train = [i for i in range(len(prob.models)) if i not in held]
         if not train:
             raise ConfigError(f"cross-validation by {by}: every row is in group {g!r}; nothing left to fit on")
-        refit = fit_rows(prob.subset(train), iters=iters)
+        refit = refits[g] = fit_rows(prob.subset(train), iters=iters)
         for i in held:
             row, rm = prob.models[i]
             pred, r = rm.predict(refit)
@@ -55,8 +64,12 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
         if progress:
             progress(g, [out[i] for i in held])
     results = [out[i] for i in range(len(prob.models))]
-    results += [RowResult(next(r for r in read_published(path) if r.id == rid), None, None, skipped=why)
-                for rid, why in prob.skipped]
+    rows = read_published(path)
+    published = {r.id: r for r in rows}
+    # a row left out of every fit is checked with its group's refit (where the group has fitted rows), else the fit on
+    # every row (which never saw it either)
+    results += [skipped_result(published[rid], why, refits.get(fold_key(published[rid], by), params or load_params()),
+                               rows) for rid, why in prob.skipped]
     return results, summarize(results) | {
         "cross_validate": by, "folds": len(groups),
         "params": f"refit per fold from the priors on the other rows of {Path(path).name}",

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 LEVEL = 0.9
 # SimResult's predicted figures (every float the simulator predicts at the top level) and the speculative ones
 FIGURES = ("step_latency_s", "decode_tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "prefill_s",
-           "end_to_end_s")
+           "end_to_end_s", "first_answer_s")
 SPEC_FIGURES = ("accept_rate", "expected_tokens_per_step", "verify_s", "draft_s", "speedup")
 
 

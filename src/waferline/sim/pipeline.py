@@ -231,9 +231,13 @@ def simulate(
     hardware: HardwareSpec | None = None,
     host: Any = None,
     ops: Any = None,
+    reasoning_tokens: int = 0,
 ) -> SimResult:
     """Predict decode speed, TTFT and end-to-end latency of ``plan``.
 
+    ``reasoning_tokens``: hidden tokens a reasoning model generates before its ``output_len`` answer tokens (decoded
+    like any output, so they lengthen the end-to-end time and the cache read per step; ``first_answer_s`` is when the
+    answer starts).
     ``host`` (a ``sim.host.HostParams`` from `waferline calibrate`): predict waferline's own CPU engine on this host
     instead (per-op overheads, measured GEMV speed, gloo hops, processes vs cores; ``ops``: the engine's op counts)."""
     from waferline.spec.catalog import load_hardware, load_model
@@ -246,13 +250,17 @@ def simulate(
     O = int(output_len if output_len is not None else params.default_output_len)
     if P < 1 or O < 1:
         raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
+    R = int(reasoning_tokens)
+    if R < 0:
+        raise ConfigError(f"reasoning tokens must be >= 0, got {R}")
+    O += R  # every generated token, hidden or not, is decoded alike (_answered reports the answer's share)
     B = int(concurrency if concurrency is not None else plan.batch)
     if B < 1:
         raise ConfigError(f"concurrency must be >= 1, got {B}")
     if host is not None:  # waferline's own engine on a calibrated host (sim/host.py)
         from waferline.sim.host import simulate_host
 
-        return simulate_host(plan, spec, hw, host, ops, prompt_len=P, output_len=O, concurrency=B)
+        return _answered(simulate_host(plan, spec, hw, host, ops, prompt_len=P, output_len=O, concurrency=B), R)
     S = plan.num_stages
     M = plan.micro_batches if concurrency is None or concurrency == plan.batch else max(1, min(B, S))
     M = max(1, min(M, B))
@@ -262,7 +270,7 @@ def simulate(
     table = layer_table(spec, plan.weight_bits, plan.kv_bits, dec_ctx, plan.group_size)
 
     if is_afd_ranks(plan):  # the engine's AFD layout: data-parallel attention ranks, expert-sharded FFN ranks
-        return _simulate_afd_ranks(ctx, table, B, P, O, dec_ctx)
+        return _answered(_simulate_afd_ranks(ctx, table, B, P, O, dec_ctx), R)
     t1, timings, slow1 = _step(ctx, table, b, 1, B)
     interval = max(t1, M * slow1)
     bound = _bound(timings, t1, M * slow1)
@@ -297,7 +305,7 @@ def simulate(
     tp, _, slowp = _step(ctx, ptable, 1, C, B, want_timings=False)
     ttft = params.ttft_overhead_s + tp + (n_chunks - 1) * slowp
     e2e = ttft + (O - 1) / rate
-    return SimResult(
+    return _answered(SimResult(
         model=plan.model,
         hardware=plan.hardware,
         num_devices=plan.num_devices,
@@ -317,7 +325,16 @@ def simulate(
         stages=timings,
         speculative=spec_info,
         problems=list(plan.problems),
-    )
+    ), R)
+
+
+def _answered(r: SimResult, reasoning_tokens: int) -> SimResult:
+    """``r`` (simulated over every generated token) as the answer sees it: ``output_len`` the answer's tokens, the
+    first of them ``reasoning_tokens`` decode steps after the first token."""
+    r.reasoning_tokens = reasoning_tokens
+    r.output_len -= reasoning_tokens
+    r.first_answer_s = r.ttft_s + reasoning_tokens / r.decode_tokens_per_s_per_user
+    return r
 
 
 def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:

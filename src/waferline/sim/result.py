@@ -42,14 +42,20 @@ class SimResult:
     aggregate_tokens_per_s: float
     ttft_s: float
     prefill_s: float  # TTFT without the fitted request overhead
-    end_to_end_s: float
+    end_to_end_s: float  # the last answer token (after the hidden reasoning tokens, if any)
     bound: str  # what limits decode: latency | bandwidth | compute | pipeline
+    reasoning_tokens: int = 0  # hidden tokens a reasoning model generates before its output_len answer tokens
+    first_answer_s: float | None = None  # the first answer token: TTFT plus the reasoning tokens' decode
     stages: list[StageTiming] = field(default_factory=list)
     speculative: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
     # asked for: the planner's sweeps skip it)
     intervals: dict[str, list[float] | None] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.first_answer_s is None:
+            self.first_answer_s = self.ttft_s + self.reasoning_tokens / self.decode_tokens_per_s_per_user
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,8 @@ from waferline.sim.cost import SimParams, load_params
 PUBLISHED_PATH = Path(__file__).with_name("data") / "published_results.csv"
 METRICS = ("decode_tokens_per_s_per_user", "ttft_s", "end_to_end_latency_s", "aggregate_tokens_per_s")
 REQUIRED_COLUMNS = ("model", "hardware", "metric", "value")
+# the reasoning_tokens cell of a reasoning model whose hidden reasoning length the source does not state
+UNSTATED = "unstated"
 
 
 @dataclass
@@ -36,6 +38,10 @@ class Row:
     value: float
     system: str = ""
     source: str = ""
+    date: str = ""
+    # hidden tokens generated before the output_len answer tokens (a reasoning model's thinking); None: the model
+    # reasons but the source does not say how long (an end-to-end time is then not comparable)
+    reasoning_tokens: int | None = 0
 
 
 def read_published(path: str | Path) -> list[Row]:
@@ -57,6 +63,15 @@ def read_published(path: str | Path) -> list[Row]:
     def opt_int(v: str | None) -> int | None:
         v = (v or "").strip()
         return int(float(v)) if v else None
+
+    def reasoning(v: str | None) -> int | None:
+        v = (v or "").strip()
+        if v.lower() == UNSTATED:
+            return None
+        n = opt_int(v) or 0
+        if n < 0:
+            raise ValueError(f"reasoning_tokens {n} < 0")
+        return n
 
     for i, r in enumerate(reader):
         blank = [c for c in REQUIRED_COLUMNS if not (r.get(c) or "").strip()]
@@ -84,11 +99,14 @@ def read_published(path: str | Path) -> list[Row]:
                     value=value,
                     system=(r.get("system") or "").strip(),
                     source=(r.get("source") or "").strip(),
+                    date=(r.get("date") or "").strip(),
+                    reasoning_tokens=reasoning(r.get("reasoning_tokens")),
                 )
             )
         except (ValueError, KeyError) as e:
             raise ConfigError(
-                f"{p}: row {i + 1} is malformed ({e}); numbers must be plain numbers, blanks allowed"
+                f"{p}: row {i + 1} is malformed ({e}); numbers must be plain numbers, blanks allowed "
+                f"(reasoning_tokens: a count >= 0 or {UNSTATED!r})"
             ) from None
     return rows
 
@@ -118,13 +136,14 @@ class RowModel:
         self.hw = load_hardware(row.hardware)
         self.P = row.input_len or params.default_prompt_len
         self.O = row.output_len or params.default_output_len
+        self.R = row.reasoning_tokens or 0
         method = row.spec_decoding if row.spec_decoding else "none"
         self.plan = place(
             self.spec,
             self.hw,
             devices=row.num_chips,
             weight_bits=row.weight_bits,
-            context=self.P + self.O,
+            context=self.P + self.R + self.O,
             batch=row.concurrency,
             speculative=SpeculativeConfig(method),
         )
@@ -133,7 +152,7 @@ class RowModel:
         from waferline.sim.pipeline import simulate
 
         r = simulate(self.plan, prompt_len=self.P, output_len=self.O, concurrency=self.row.concurrency, params=params,
-                     spec=self.spec, hardware=self.hw)
+                     spec=self.spec, hardware=self.hw, reasoning_tokens=self.R)
         value = {
             "decode_tokens_per_s_per_user": r.decode_tokens_per_s_per_user,
             "ttft_s": r.ttft_s,
@@ -153,10 +172,43 @@ def beyond_ceiling(rm: RowModel, ceiling: SimParams) -> float | None:
     return best if (rm.row.value < best if lower_is_faster else rm.row.value > best) else None
 
 
+def not_comparable(row: Row) -> bool:
+    """An end-to-end time of a reasoning model whose hidden reasoning length is not stated: the time covers tokens
+    the row does not count, so no prediction can be compared with it."""
+    return row.metric == "end_to_end_latency_s" and row.reasoning_tokens is None
+
+
+NOT_COMPARABLE = "not comparable: a reasoning model's end-to-end time, its hidden reasoning length not stated"
+
+
+def unstated_reasoning(row: Row, params: SimParams, rows: list[Row]) -> dict[str, Any]:
+    """What a ``not_comparable`` row can still be checked against: the model's end-to-end time with no reasoning at
+    all (a floor: the published time may not be below it), and the hidden tokens the difference implies at the
+    predicted decode rate; where ``rows`` hold the same measurement's published decode rate (same system, model,
+    hardware, date and lengths), also at that rate."""
+    rm = RowModel(replace(row, reasoning_tokens=0), params)
+    floor, r = rm.predict(params)
+    rate = r.decode_tokens_per_s_per_user
+    out = {"no_reasoning_s": floor, "decode_tokens_per_s": rate, "consistent": row.value >= floor,
+           "implied_reasoning_tokens": max(0.0, (row.value - floor) * rate)}
+    same = [c for c in rows if c.metric == "decode_tokens_per_s_per_user"
+            and (c.system, c.model, c.hardware, c.date, c.input_len, c.output_len)
+            == (row.system, row.model, row.hardware, row.date, row.input_len, row.output_len)]
+    if same:  # the answer's own decode at the published rate, the predicted TTFT before it
+        c = same[0]
+        out |= {"published_rate_row": c.id, "published_decode_tokens_per_s": c.value,
+                "implied_reasoning_tokens_at_published_rate":
+                    max(0.0, (row.value - r.ttft_s) * c.value - (rm.O - 1))}
+    return out
+
+
 def summarize(results: list[RowResult]) -> dict[str, Any]:
-    """Median / max error factor and counts over the predicted rows, and the rows beyond the physical ceiling."""
+    """Median / max error factor and counts over the predicted rows, the rows beyond the physical ceiling, and the
+    rows not comparable (with what they imply)."""
     errs = [r.error_factor for r in results if r.error_factor is not None]
-    return {"rows": len(results), "predicted": len(errs), "skipped": len(results) - len(errs),
+    nc = {r.row.id: r.detail["unstated_reasoning"] for r in results if r.detail.get("unstated_reasoning")}
+    return {"rows": len(results), "predicted": len(errs), "skipped": len(results) - len(errs) - len(nc),
+            "not_comparable": nc,
             "median_error_factor": statistics.median(errs) if errs else None,
             "max_error_factor": max(errs) if errs else None,
             "within_1_25": sum(e <= 1.25 for e in errs), "within_2": sum(e <= 2.0 for e in errs),
@@ -180,8 +232,15 @@ def build_models(rows: list[Row], params: SimParams) -> list[tuple[Row, RowModel
             out.append((row, None, f"does not fit on {rm.plan.num_devices} x {row.hardware}: "
                                    + "; ".join(rm.plan.problems)[:200]))
             continue
-        out.append((row, rm, ""))
+        out.append((row, None, NOT_COMPARABLE) if not_comparable(row) else (row, rm, ""))
     return out
+
+
+def skipped_result(row: Row, why: str, params: SimParams, rows: list[Row]) -> RowResult:
+    """A row not predicted (``why``); a not-comparable one carries what it can still be checked against (``rows``:
+    the CSV's rows, where the same measurement's decode rate may be)."""
+    detail = {"unstated_reasoning": unstated_reasoning(row, params, rows)} if why == NOT_COMPARABLE else {}
+    return RowResult(row, None, None, skipped=why, detail=detail)
 
 
 def validate(path: str | Path, params: SimParams | None = None) -> tuple[list[RowResult], dict[str, Any]]:
@@ -189,9 +248,10 @@ def validate(path: str | Path, params: SimParams | None = None) -> tuple[list[Ro
     params = params or load_params()
     ceiling = params.ceiling()
     results = []
-    for row, rm, why in build_models(read_published(path), params):
+    rows = read_published(path)
+    for row, rm, why in build_models(rows, params):
         if rm is None:
-            results.append(RowResult(row, None, None, skipped=why))
+            results.append(skipped_result(row, why, params, rows))
             continue
         pred, r = rm.predict(params)
         results.append(RowResult(row, pred, error_factor(pred, row.value), devices=rm.plan.num_devices,
