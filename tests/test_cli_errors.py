@@ -188,13 +188,13 @@ def test_a_worker_prints_a_traceback_only_for_what_looks_like_a_bug(capsys):
 
 
 def test_odd_generation_config_does_not_stop_the_load(tmp_path, llama):
-    from waferline.engine.llm import _eos_ids
+    from waferline.engine.inputs import eos_ids
 
     d = _copy(llama, tmp_path / "gen")
     (d / "generation_config.json").write_text('[{"eos_token_id": 5}]')  # valid JSON, not an object
-    assert _eos_ids(d, {"eos_token_id": 2}) == {2}
+    assert eos_ids(d, {"eos_token_id": 2}) == {2}
     (d / "generation_config.json").write_text('{"eos_token_id": [7, "<eos>", null]}')
-    assert _eos_ids(d, {"eos_token_id": 2}) == {2, 7}
+    assert eos_ids(d, {"eos_token_id": 2}) == {2, 7}
     assert LLM(d).eos_token_ids == {2, 7}
 
 
@@ -225,7 +225,8 @@ def test_a_workers_error_is_reported_as_one_line(monkeypatch, capsys):
     (["--prompt-ids", "1 2", "--ffn-ranks", "2"], "--ffn-ranks needs --afd"),
     (["--prompt-ids", "1 2", "--micro-batches", "2"], "--micro-batches needs"),
     (["--prompt-ids", "1 2", "--group-size", "32"], "--group-size is the int4 group size"),
-    (["--prompt-ids", "1 2", "--weight-bits", "4", "--group-size", "32", "--stages", "2"], "--group-size applies"),
+    (["--prompt-ids", "1 2", "--weight-bits", "4", "--group-size", "32", "--stages", "2"], "needs an int4 checkpoint"),
+    (["--prompt-ids", "1 2", "--weight-bits", "4", "--layers-per-stage", "1"], "needs an int4 checkpoint"),
     (["--prompt-ids", "1 2", "--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative"),
     (["--prompt-ids", "1 2", "--top-p", "0.9"], "--top-p: this applies to sampling"),
     (["--prompt-ids", "1 2", "--top-k", "5", "--seed", "1"], "--top-k, --seed: these apply to sampling"),

@@ -113,17 +113,15 @@ def test_draft_model_through_the_scheduler(ckpts):
         assert m["spec_mean_accepted_length"] > 2 and m["spec_verify_steps"] >= 1 and "spec_plain_steps" in m
 
 
-def test_sampled_rows_use_their_seeded_generators(ckpts):
-    """Row i of a seeded batch samples with seeded_generator(params, i): as a lone request seeded that way."""
-    from waferline.engine.sampling import seeded_generator
-
+def test_seeded_rows_sample_as_lone_requests_of_the_scheduler(ckpts):
+    """Each row of a seeded batch samples its request's own stream (request_generator): the tokens a lone request with
+    the same params gets from the scheduler (the server's), whatever the row's place in the batch."""
     llm = LLM(ckpts["llama"])
     sp = SamplingParams(max_tokens=7, temperature=0.9, top_k=20, seed=9, ignore_eos=True)
     outs = llm.generate(PROMPTS, sp)
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1))
     for i, p in enumerate(PROMPTS):
-        seq = Sequence(f"s{i}", list(p), sp)
-        seq.generator = seeded_generator(sp, i)
+        seq = Sequence(f"s{i}", list(p), sp)  # (no generator: add gives it the request's)
         sch.add(seq)
         while sch.has_work():
             sch.step()

@@ -369,3 +369,35 @@ def test_link_keeps_a_bounded_number_of_sends_in_flight():
         assert kind == 7 and meta == [i, k]
         assert torch.equal(body.view(torch.float32), torch.arange(k, dtype=torch.float32) + i)
     assert 0 < most[0] <= MAX_PENDING_SENDS
+
+
+def test_a_worker_whose_driver_is_gone_exits_while_it_still_connects():
+    """A Ctrl-C that ends the driver while a stage is still connecting (its store's timeout is 30 s) or loading leaves
+    nothing behind: the worker watches the driver's pid from its first moment."""
+    import socket
+    import time
+
+    from waferline.engine.stage import EXIT_PEER_LOST
+
+    with socket.socket() as s:  # a loopback port nothing listens on: the connect retries until its timeout
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    code = ("import datetime, sys\nimport torch.distributed as dist\nfrom waferline.engine.stage import worker_start\n"
+            "worker_start(int(sys.argv[1]))\nprint('connecting', flush=True)\n"
+            f"dist.TCPStore('127.0.0.1', {port}, is_master=False, timeout=datetime.timedelta(seconds=30))\n")
+    worker = subprocess.Popen([sys.executable, "-c", code, str(driver.pid)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "connecting"
+        time.sleep(0.5)
+        assert worker.poll() is None  # (still connecting while its driver lives)
+        driver.kill()
+        driver.wait()
+        t0 = time.monotonic()
+        assert worker.wait(timeout=10) == EXIT_PEER_LOST
+        assert time.monotonic() - t0 < 5
+    finally:
+        for p in (driver, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,9 +1,9 @@
 """waferline: serve huge MoE models the way wafer-scale deployments do, and predict how fast they run."""
 
 from waferline._version import __version__
-from waferline.errors import WaferlineError
+from waferline.errors import ConfigError, RequestError, WaferlineError
 
-__all__ = ["LLM", "SamplingParams", "Output", "WaferlineError", "__version__"]
+__all__ = ["LLM", "SamplingParams", "Output", "WaferlineError", "ConfigError", "RequestError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -58,17 +58,17 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
         flag = "--stop" if args.stop else "--prompt"
         raise UsageError(f"{flag} needs the checkpoint's tokenizer and {args.model} has none (no tokenizer.json)"
                          + ("; drop --stop" if args.stop else ": pass --prompt-ids '1 2 3'"))
-    if args.group_size is not None:
-        from waferline.engine.llm import _is_int4_checkpoint
+    from waferline.engine.inputs import is_int4_checkpoint
 
+    if pipeline and args.weight_bits == 4 and not is_int4_checkpoint(model):
+        raise UsageError(f"--weight-bits 4 with a pipeline needs an int4 checkpoint: run `waferline quantize --model "
+                         f"{args.model} --out DIR` (--group-size G there) and pass --model DIR")
+    if args.group_size is not None:
         if args.weight_bits != 4:
             raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
-        if model.is_dir() and _is_int4_checkpoint(model):
+        if model.is_dir() and is_int4_checkpoint(model):
             raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
                              "quantized with; drop --group-size")
-        if pipeline:
-            raise UsageError("--group-size applies to int4 on load in the single-process engine; a pipeline loads an "
-                             "int4 checkpoint as it was quantized (waferline quantize --group-size G)")
     if args.temperature == 0:
         sampling = [f for f, v in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
                     if v is not None]
@@ -238,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         choices=[16, 4],
-        help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint; int4 checkpoints load as int4)",
+        help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint in one process; a pipeline needs "
+             "an int4 checkpoint: waferline quantize; int4 checkpoints load as int4)",
     )
     g.add_argument("--group-size", type=int, default=None,
                    help=f"int4 group size for --weight-bits 4 on a 16-bit checkpoint (default {GROUP_SIZE})")

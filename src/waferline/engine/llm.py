@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import itertools
 import math
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,14 +27,22 @@ from typing import Any
 
 import torch
 
+from waferline.engine.inputs import (
+    PROCESS_OPTIONS,
+    check_device,
+    eos_ids,
+    is_int4_checkpoint,
+    is_token_id,
+    shown,
+    wants_afd,
+)
 from waferline.engine.sampling import (
     SamplingParams,
     TokenLogprobs,
     decode_metrics,
-    make_generator,
     resolve_dtype,
-    seeded_generator,
 )
+from waferline.engine.sequence import Sequence, request_generator, stop_cut
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -53,29 +62,21 @@ class Output:
     prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt token after the first (.prompt_logprobs)
 
 
-def _eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
-    ids: set[int] = set()
-    sources = [cfg]
-    gen = directory / "generation_config.json"
-    if gen.is_file():
-        try:
-            sources.append(json.loads(gen.read_text()))
-        except json.JSONDecodeError:
-            pass
-    for src in sources:
-        e = src.get("eos_token_id") if isinstance(src, dict) else None
-        if isinstance(e, int):
-            ids.add(e)
-        elif isinstance(e, list):
-            ids.update(x for x in e if isinstance(x, int))
-    return ids
-
-
 class LLM:
-    """Load a checkpoint directory and generate from it in this process.
+    """Load a checkpoint directory and generate from it: in this process, over a pipeline of stage processes
+    (``stages=`` / ``layers_per_stage=``) or over attention and FFN ranks (``afd=True``).
 
     >>> llm = LLM("path/to/checkpoint", dtype="bfloat16")
     >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))[0].text
+
+    Options: ``dtype`` (float32 | bfloat16 | float16), ``max_model_len`` (the context; default the model's),
+    ``weight_bits`` 4 (int4 weights: RTN on load in one process; a pipeline needs an int4 checkpoint) with
+    ``group_size``, ``head_bits`` 8 (int8 LM head), ``speculative`` ("ngram" | "mtp" | "draft:PATH") with
+    ``num_speculative_tokens`` and ``speculative_adaptive``, ``device`` ("cpu" | "cuda[:i]"), ``cuda_graphs``,
+    ``huge_pages``. A pipeline: ``stages`` or ``layers_per_stage``, ``micro_batches``, ``plan``, ``prefill_chunk``,
+    ``threads_per_stage``, ``hang_timeout_s``, ``start_method``, ``launch``. AFD: ``afd``, ``attention_ranks``,
+    ``ffn_ranks``, ``micro_batches``, ``threads_per_rank``, ``hang_timeout_s``. Calls from several threads run one
+    at a time; ``close()`` (or ``with LLM(...)``) stops a pipeline's processes, as collecting a dropped LLM does.
     """
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
@@ -83,6 +84,10 @@ class LLM:
                  weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
                  device: str | None = None, cuda_graphs: bool = True, **pipeline_options: Any):
+        unknown = sorted(set(pipeline_options) - PROCESS_OPTIONS)
+        if unknown:
+            raise ConfigError(f"unknown LLM option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                              "(help(waferline.LLM) lists them)")
         torch_dtype = resolve_dtype(dtype)
         if weight_bits not in (16, 4):
             raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")
@@ -91,6 +96,9 @@ class LLM:
         if head_bits != 16 and (stages is not None or layers_per_stage is not None or pipeline_options):
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
+        if self.path.is_file():
+            raise ConfigError(f"{path} is a file, not a checkpoint directory (config.json + *.safetensors); pass the "
+                              "directory that holds it")
         self.dtype = torch_dtype
         self.tokenizer = load_tokenizer(self.path)  # before any process starts: a bad tokenizer fails fast
         if max_model_len is not None:  # (and a context the model cannot take)
@@ -100,7 +108,7 @@ class LLM:
             if not 1 <= max_model_len <= mpe:
                 raise ConfigError(f"max_model_len {max_model_len} is outside 1..{mpe} (the model's "
                                   "max_position_embeddings: positions past it were never trained)")
-        self.device = _check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
+        self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
         self.cuda_graphs = cuda_graphs
@@ -108,7 +116,7 @@ class LLM:
         self._graphs_on_cpu = False  # tests run the static step (uncaptured) on CPU
         self._pipeline = None  # stages / layers_per_stage: run as a pipeline of processes (engine/pipeline/)
         self.arena = None  # where the single-process engine's weights went (model/arena.py), if they moved
-        if _wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
+        if wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
             from waferline.engine.afd import AFD
 
             if stages is not None or layers_per_stage is not None or weight_bits != 16:
@@ -120,7 +128,7 @@ class LLM:
         elif stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
             from waferline.engine.pipeline import Pipeline
 
-            if weight_bits == 4 and not _is_int4_checkpoint(self.path):
+            if weight_bits == 4 and not is_int4_checkpoint(self.path):
                 raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
 
@@ -152,11 +160,14 @@ class LLM:
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
-        self.eos_token_ids = _eos_ids(self.path, self.spec.hf_config)
+        self.eos_token_ids = eos_ids(self.path, self.spec.hf_config)
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self._speculative = (speculative, num_speculative_tokens, speculative_adaptive) if speculative else None
         self._spec: Any = None  # speculative decoding (engine/speculative/serving.py): "ngram" | "mtp" | "draft:PATH"
         self._scheduler: Any = None  # the Scheduler requests run through (made at the first request)
+        self._calls = threading.Lock()  # one call at a time: calls from other threads wait their turn (_one_call)
+        self._caller: int | None = None  # the thread whose call holds it
+        self._request_ids = itertools.count()  # (a request id is never reused while its pages may be held)
         if speculative and self._pipeline is None:
             from waferline.engine.speculative.serving import ServeSpeculation
 
@@ -171,17 +182,24 @@ class LLM:
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
+        """The token ids of ``text`` (no special tokens added)."""
         if self.tokenizer is None:
             raise RequestError(f"{self.path} has no tokenizer (tokenizer.json); pass prompts as lists of token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids ("" for a checkpoint without a tokenizer)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if isinstance(prompt, str):
+            ids = self.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(is_token_id(t) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise RequestError(f"a prompt is a string or a list of integer token ids, got {shown(prompt)}")
         if not ids:
             raise RequestError("empty prompt: give at least one token")
         bad = [t for t in ids if not 0 <= t < self.spec.vocab_size]
@@ -190,11 +208,31 @@ class LLM:
         return ids
 
     # -- engine
-    @torch.inference_mode()
+    @contextlib.contextmanager
+    def _one_call(self) -> Iterator[None]:
+        """Hold the LLM for one call. A call from another thread waits for it; a call from the thread that holds it
+        (a ``stream`` still open there) is refused: it would wait for itself."""
+        me = threading.get_ident()
+        if self._caller == me:
+            raise RequestError("this LLM is already running a call in this thread (a stream() not read to the end?): "
+                               "finish or close() that stream first; for requests that interleave, use `waferline "
+                               "serve`")
+        with self._calls:
+            self._caller = me
+            try:
+                yield
+            finally:
+                self._caller = None
+
     def prompt_logprobs(self, token_ids: list[int]) -> torch.Tensor:
         """log_softmax of the logits at every prompt position: a [len, vocab] fp32 tensor."""
         ids = self._prompt_ids(token_ids)
         self._check_len(len(ids), 0)
+        with self._one_call():
+            return self._prompt_logprobs(ids)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
         if self._pipeline is not None:  # (a slot and pages from the scheduler's cache, for as long as it runs)
             sch = self._engine(1)
             slot = sch.cache.admit("prompt_logprobs")
@@ -210,6 +248,8 @@ class LLM:
 
     def perplexity(self, token_ids: list[int], window: int = 256) -> float:
         """exp(mean NLL) over consecutive windows of ``window`` predicted tokens, each window scored from scratch."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise RequestError(f"perplexity window must be an integer >= 1, got {window!r}")
         nll, n = 0.0, 0
         for s in range(0, len(token_ids) - 1, window):
             chunk = token_ids[s: s + window + 1]
@@ -232,8 +272,8 @@ class LLM:
         self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[Output]:
         """Prefill every prompt, then decode them together as one batch until each stops. ``params``: one for every
-        prompt (seeded: row b samples with its own stream, seed and row), or a list, one per prompt (each seeded row
-        samples as it would alone)."""
+        prompt, or a list, one per prompt. A seeded request samples its own stream: its tokens do not depend on the
+        other prompts in the batch or on its place among them (as ``waferline serve`` samples it)."""
         results: list[Output] = []
         for event in self.stream(prompts, params):
             if isinstance(event, list):
@@ -243,20 +283,25 @@ class LLM:
     def stream(self, prompts: list[str] | list[list[int]] | str,
                params: SamplingParams | list[SamplingParams] | None = None) -> Iterator[Any]:
         """Like ``generate`` but yields ``(row, token_id)`` as each token is sampled, then the list of Outputs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]  # type: ignore[list-item]
+        if not isinstance(prompts, (list, tuple)):
+            raise RequestError("prompts must be a string, a list of token ids, or a list of those; got "
+                               f"{shown(prompts)}")
         ids = [self._prompt_ids(p) for p in prompts]
         if isinstance(params, (list, tuple)):
             if len(params) != len(ids):
                 raise RequestError(f"{len(params)} SamplingParams for {counted(len(ids), 'prompt')}: give one, or one "
                                    "per prompt")
-            per, alone = list(params), True
+            per = list(params)
         else:
-            per, alone = [params or SamplingParams()] * len(ids), False
+            per = [params or SamplingParams()] * len(ids)
+        if not all(isinstance(p, SamplingParams) for p in per):
+            raise RequestError(f"params must be a SamplingParams or a list of them, got {shown(params)}")
         for p, prm in zip(ids, per):
             prm.validate()
             self._check_len(len(p), prm.max_tokens)
-        return self._stream(ids, per, alone) if ids else iter([[]])
+        return self._stream(ids, per) if ids else iter([[]])
 
     def _engine(self, rows: int) -> Any:
         """The Scheduler and runner requests run through (the model in this process, a pipeline's stages or AFD's
@@ -286,10 +331,13 @@ class LLM:
         sch.cache.lowest_slots_first()  # (idle: row b is admitted to slot b, as on a fresh scheduler)
         return sch
 
+    def _stream(self, ids: list[list[int]], per: list[SamplingParams]) -> Iterator[Any]:
+        with self._one_call():
+            yield from self._run(ids, per)
+
     @torch.inference_mode()
-    def _stream(self, ids: list[list[int]], per: list[SamplingParams], alone: bool) -> Iterator[Any]:
+    def _run(self, ids: list[list[int]], per: list[SamplingParams]) -> Iterator[Any]:
         from waferline.engine.overlap import OverlapStepper, can_overlap
-        from waferline.engine.sequence import Sequence
 
         sch = self._engine(len(ids))
         runner = sch.runner
@@ -311,9 +359,9 @@ class LLM:
         t0 = time.perf_counter()
         try:
             for b, (p, params) in enumerate(zip(ids, per)):
-                seq = Sequence(str(b), p, params, lambda ev, b=b: events.append((b, ev)), stream_text=False)
-                seq.generator = make_generator(params) if params.seed is None else \
-                    seeded_generator(params, 0 if alone else b)
+                seq = Sequence(str(next(self._request_ids)), p, params, lambda ev, b=b: events.append((b, ev)),
+                               stream_text=False)
+                seq.generator = request_generator(params)
                 seqs.append(seq)
                 sch.add(seq)
             drive = stepper or sch
@@ -382,8 +430,11 @@ class LLM:
         """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
         text = self.decode(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
                            params.skip_special_tokens)
-        if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:
-            text = _cut_at_stop(text, params.stop)
+        if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:  # (as the scheduler cut it)
+            after = len(self.decode(toks[:params.min_tokens - 1], params.skip_special_tokens)) \
+                if params.min_tokens > 1 else 0
+            cut = stop_cut(text, params.stop, after)
+            text = text if cut is None else text[:cut]
         return Output(prompt_ids, toks, text, reason, dict(metrics))
 
     def close(self) -> None:
@@ -397,45 +448,3 @@ class LLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _hit_stop(self, toks: list[int], stops: list[str]) -> bool:
-        if self.tokenizer is None:
-            return False
-        tail = self.decode(toks[-16:])
-        return any(s in tail for s in stops)
-
-
-def _check_device(device: str | None) -> torch.device:
-    """The engine's device (default CPU), checked: a known device type, and CUDA only where torch sees a GPU."""
-    try:
-        dev = torch.device(device or "cpu")
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"device must be like 'cpu', 'cuda' or 'cuda:1', got {device!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' requested but torch sees no CUDA GPU here; use device='cpu'")
-    if dev.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device must be a CPU or a CUDA GPU, got {device!r}")
-    return dev
-
-
-def _wants_afd(options: dict[str, Any]) -> bool:
-    """afd=True, attention_ranks / ffn_ranks, or a Plan with attention and FFN stages (removes the ``afd`` flag)."""
-    if options.pop("afd", False) or options.get("attention_ranks") is not None or options.get("ffn_ranks") is not None:
-        return True
-    if options.get("plan") is None:
-        return False
-    from waferline.engine.afd import is_afd_plan
-
-    return is_afd_plan(options["plan"])
-
-
-def _is_int4_checkpoint(directory: Path) -> bool:
-    from waferline.model.quant import quant_method
-
-    cfg = directory / "config.json"
-    return cfg.is_file() and quant_method(json.loads(cfg.read_text())) is not None
-
-
-def _cut_at_stop(text: str, stops: list[str]) -> str:
-    cut = min((text.find(s) for s in stops if s in text), default=-1)
-    return text[:cut] if cut >= 0 else text

@@ -106,7 +106,7 @@ class EngineLoop:
         for prompt_ids, params, sink, request_id in requests:
             seq = Sequence(request_id or uuid.uuid4().hex, list(prompt_ids), params, sink)
             sch = self.scheduler
-            check_request(seq.prompt_ids, params, sch.spec.vocab_size, sch.max_model_len)
+            check_request(seq.prompt_ids, params, sch.spec.vocab_size, sch.max_model_len, sch.llm.tokenizer)
             seq.generator = request_generator(params)
             seqs.append(seq)
         with self._lock:

@@ -94,8 +94,9 @@ class SamplingParams:
     after the first (the prompt is then computed whole: no cached prefix). ``presence_penalty`` /
     ``frequency_penalty`` (OpenAI's, on the generated tokens), ``repetition_penalty`` (on prompt and generated tokens)
     and ``logit_bias`` (token id -> added to its logit) change the logits before sampling (``adjust_logits``), as does
-    ``min_tokens`` (the stop token ids cannot be drawn before that many tokens); ``min_p`` (0-1) drops the tokens less
-    likely than min_p times the likeliest (``target_probs``). Structured output (engine/structured.py; at most one):
+    ``min_tokens`` (the stop token ids cannot be drawn before that many tokens, and a stop string in their text
+    does not end it); ``min_p`` (0-1) drops the tokens less likely than min_p times the likeliest
+    (``target_probs``). Structured output (engine/structured.py; at most one):
     ``json_object`` (JSON mode: one JSON object), ``json_schema`` (a JSON Schema, as a dict or its JSON text),
     ``regex``, ``choice`` (one of these strings), ``grammar`` (Lark, or GBNF): only tokens that keep the output a
     prefix of such a text are drawn, and the end-of-sequence token only where the text is whole (a stop token id

@@ -150,7 +150,7 @@ class Scheduler:
 
     # -- requests
     def add(self, seq: Sequence) -> None:
-        check_request(seq.prompt_ids, seq.params, self.spec.vocab_size, self.max_model_len)
+        check_request(seq.prompt_ids, seq.params, self.spec.vocab_size, self.max_model_len, self.llm.tokenizer)
         if seq.generator is None:
             seq.generator = request_generator(seq.params)
         seq.stop_ids = self._stop_ids(seq.params)
@@ -426,7 +426,7 @@ class Scheduler:
         text, cut = self._text(seq)
         if tok in stop_ids:
             reason = "stop"
-        elif cut is not None and len(seq.output_ids) >= p.min_tokens:  # (min_tokens: stop strings wait too)
+        elif cut is not None:
             reason, text = "stop", text[:cut]
         elif len(seq.output_ids) >= p.max_tokens:
             reason, text = "length", self._decode(seq.output_ids, p)  # (all of it: an incomplete last character too)

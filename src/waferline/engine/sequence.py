@@ -61,6 +61,7 @@ class Sequence:
     text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
     text_upto: int = 0
     stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
+    stop_after: int = 0  # a stop string ends it only where it ends past this many characters (min_tokens' text)
     stream_text: bool = True
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # prompt tokens 1.. (params.prompt_logprobs)
     constraint: Any = None  # its structured output's state (engine/structured.py), where the params ask
@@ -114,10 +115,10 @@ class Sequence:
                 # (a tokenizer whose pieces do not add up: the whole output, decoded again)
                 self.text = self.text + now[len(done):] if now.startswith(done) else decode(ids)
                 self.text_from, self.text_upto = self.text_upto, len(ids)
-        if not self.params.stop:
+        if len(ids) < self.params.min_tokens:  # (a stop string in the text so far never ends it, as in vLLM)
+            self.stop_after = len(self.text)
             return self.text, None
-        hits = [self.text.find(s) for s in self.params.stop if s and s in self.text]
-        return self.text, (min(hits) if hits else None)
+        return self.text, stop_cut(self.text, self.params.stop, self.stop_after)
 
     @property
     def remaining(self) -> int:
@@ -125,9 +126,21 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
 
 
-def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """Raise RequestError for a request that can never run (the server turns it into HTTP 400)."""
+def stop_cut(text: str, stops: list[str], after: int = 0) -> int | None:
+    """Where the first stop string starts in ``text``, counting only those that end past ``after`` characters (the
+    text of the first min_tokens - 1 tokens, where a stop string does not end the output), or None."""
+    hits = [i for s in stops if s and (i := text.find(s, max(0, after - len(s) + 1))) >= 0]
+    return min(hits) if hits else None
+
+
+def check_request(prompt_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                  tokenizer: Any = True) -> None:
+    """Raise RequestError for a request that can never run (the server turns it into HTTP 400); ``tokenizer``: the
+    model's (None: it has none)."""
     params.validate()
+    if params.stop and tokenizer is None:  # (no text to find them in)
+        raise RequestError("stop strings need the model's tokenizer (tokenizer.json); stop on token ids with "
+                           "stop_token_ids")
     if not prompt_ids:
         raise RequestError("empty prompt: give at least one token")
     bad = [t for t in prompt_ids if not 0 <= t < vocab_size]

@@ -410,13 +410,29 @@ def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:
         pass
 
 
+def worker_start(driver_pid: int) -> None:
+    """The first thing a locally spawned worker does. Ctrl-C goes to the driver, which shuts the workers down; so
+    does a SIGTERM sent to the whole process group (e.g. by `timeout`): the driver stops the workers in order. A
+    worker whose driver is gone exits by itself, from its first moment (a Ctrl-C that ends the driver while this
+    worker still connects or loads leaves nothing behind): a thread watches the driver's pid."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_exit_without, args=(driver_pid,), daemon=True, name="waferline-driver-watch").start()
+
+
+def _exit_without(driver_pid: int) -> None:
+    while True:
+        try:
+            os.kill(driver_pid, 0)
+        except ProcessLookupError:
+            os._exit(EXIT_PEER_LOST)
+        time.sleep(PUBLISH_INTERVAL_S)
+
+
 def worker_main(rank: int, num_stages: int, load: dict[str, Any], run_id: str, threads: int, device: str,
                 driver_pid: int) -> None:
     """Entry point of a locally spawned stage process."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which shuts the stages down
-    # so does a SIGTERM sent to the whole process group (e.g. by `timeout`): the driver stops the workers in order,
-    # and a worker whose driver is gone exits by itself (its publisher thread watches the driver's pid)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker_start(driver_pid)
     torch.set_num_threads(max(1, threads))
     dev = torch.device(device)
     if dev.type == "cuda":

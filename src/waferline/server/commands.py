@@ -141,11 +141,11 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     if args.hang_timeout is not None and args.hang_timeout <= 0:
         raise UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
     if args.group_size is not None:
-        from waferline.engine.llm import _is_int4_checkpoint
+        from waferline.engine.inputs import is_int4_checkpoint
 
         if args.weight_bits != 4:
             raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
-        if Path(args.model).is_dir() and _is_int4_checkpoint(Path(args.model)):
+        if Path(args.model).is_dir() and is_int4_checkpoint(Path(args.model)):
             raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
                              "quantized with; drop --group-size")
         if pipeline:

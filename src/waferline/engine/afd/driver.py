@@ -23,7 +23,7 @@ from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
 from waferline.engine.afd.sides import _check_checkpoint, load_attention_side
 from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
 from waferline.engine.pipeline.launch import _main_hidden, _reap
-from waferline.engine.pipeline.supervise import WATCH_INTERVAL_S, StageError
+from waferline.engine.pipeline.supervise import StageError
 from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
     BEGIN,
@@ -136,8 +136,7 @@ class AFD(Pipeline):
         model, fronts = load_attention_side(self.path, self.dtype)
         self.runner = AttentionRunner(model, fronts, self.layout, self.link)
         self._wait_for("ready", "load its part of the model")
-        self._watcher = threading.Thread(target=self._watch, daemon=True, name="waferline-afd-watchdog")
-        self._watcher.start()
+        self._start_watchdog("waferline-afd-watchdog")
 
     def _connect_afd(self) -> None:
         box: dict[str, Any] = {}
@@ -161,42 +160,41 @@ class AFD(Pipeline):
         return self.layout.describe(r)
 
     # ------------------------------------------------------------ watchdog
-    def _watch(self) -> None:
-        """Every WATCH_INTERVAL_S: a dead rank or one that reported an error is a fault; so is a step during which no
-        rank progressed for ``hang_timeout_s``. On a fault every rank is stopped, which unblocks the driver."""
+    def _watch_setup(self) -> Any:
         ctl = Control(dist.TCPStore(LOOPBACK, self.store.port, is_master=False, timeout=datetime.timedelta(seconds=30)),
                       self.run_id)
         W = self.layout.world
-        keys = [ctl.key("progress", r) for r in range(1, W)]
-        last = {r: (-1, time.monotonic()) for r in range(1, W)}
-        while not self._stop_watch.wait(WATCH_INTERVAL_S):
-            try:
-                fault = self._diagnose(ctl)
-                if fault is None and self.hang_timeout_s > 0:
-                    now = time.monotonic()
-                    prog = [int(v) for v in ctl.store.multi_get(keys)]
-                    for r in range(1, W):
-                        if prog[r - 1] != last[r][0]:
-                            last[r] = (prog[r - 1], now)
-                    busy = self._busy_since
-                    if busy is not None and now - busy > self.hang_timeout_s:
-                        stalled = [r for r in range(1, W) if now - last[r][1] > self.hang_timeout_s]
-                        if len(stalled) == W - 1:
-                            # a stopped process is the cause; otherwise blame the rank that stalled first
-                            stopped = [q for q in stalled if _proc_state(self._procs[q - 1].pid) in ("T", "t")]
-                            r = stopped[0] if stopped else min(stalled, key=lambda q: last[q][1])
-                            why = "is stopped (state T)" if stopped else "stalled first"
-                            fault = (f"{self.layout.describe(r)} hung: no rank made progress for "
-                                     f"{now - last[r][1]:.1f} s of a step (hang timeout {self.hang_timeout_s:g} s); "
-                                     f"{self.layout.describe(r)} {why}")
-            except Exception as e:  # the store itself went away
-                if self._closed:
-                    return
-                fault = f"lost contact with the AFD ranks ({e})"
-            if fault is not None and not self._closed:
-                self._fault = fault
-                self._kill_all()
-                return
+        return ctl, [ctl.key("progress", r) for r in range(1, W)], {r: (-1, time.monotonic()) for r in range(1, W)}
+
+    def _watch_tick(self, state: Any) -> bool:
+        """A dead rank or one that reported an error is a fault; so is a step during which no rank progressed for
+        ``hang_timeout_s``. On a fault every rank is stopped, which unblocks the driver. False: the watch is over."""
+        ctl, keys, last = state
+        W = self.layout.world
+        try:
+            fault = self._diagnose(ctl)
+            if fault is None and self.hang_timeout_s > 0:
+                now = time.monotonic()
+                prog = [int(v) for v in ctl.store.multi_get(keys)]
+                for r in range(1, W):
+                    if prog[r - 1] != last[r][0]:
+                        last[r] = (prog[r - 1], now)
+                busy = self._busy_since
+                if busy is not None and now - busy > self.hang_timeout_s:
+                    stalled = [r for r in range(1, W) if now - last[r][1] > self.hang_timeout_s]
+                    if len(stalled) == W - 1:
+                        # a stopped process is the cause; otherwise blame the rank that stalled first
+                        stopped = [q for q in stalled if _proc_state(self._procs[q - 1].pid) in ("T", "t")]
+                        r = stopped[0] if stopped else min(stalled, key=lambda q: last[q][1])
+                        why = "is stopped (state T)" if stopped else "stalled first"
+                        fault = (f"{self.layout.describe(r)} hung: no rank made progress for "
+                                 f"{now - last[r][1]:.1f} s of a step (hang timeout {self.hang_timeout_s:g} s); "
+                                 f"{self.layout.describe(r)} {why}")
+        except Exception as e:  # the store itself went away
+            if self._closed:
+                return False
+            fault = f"lost contact with the AFD ranks ({e})"
+        return self._watch_fault(fault)
 
     def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
         """The Pipeline's guard (lock, fault naming, Ctrl-C shutdown), raising AFDError for every rank failure."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from waferline.engine.stage import (
     worker_failed,
     worker_load_failed,
     worker_ready,
+    worker_start,
 )
 from waferline.plan.place import ffn_owner
 
@@ -350,10 +350,7 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
 
 def worker_main(rank: int, load: dict[str, Any], run_id: str, threads: int, driver_pid: int) -> None:
     """Entry point of a locally spawned AFD rank."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which stops every rank
-    # so does a SIGTERM sent to the whole process group (e.g. by `timeout`): the driver stops the workers in order,
-    # and a worker whose driver is gone exits by itself (its publisher thread watches the driver's pid)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    worker_start(driver_pid)  # (Ctrl-C and SIGTERM go to the driver, which stops every rank)
     torch.set_num_threads(max(1, threads))
     host, port = load["store_addr"]
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))

@@ -130,8 +130,7 @@ class Pipeline(Supervision):
         self.runner = StageRunner(model, 0, S, self.device)
         if S > 1:
             self._wait_for("ready", "load its layers")
-            self._watcher = threading.Thread(target=self._watch, daemon=True, name="waferline-pipeline-watchdog")
-            self._watcher.start()
+            self._start_watchdog("waferline-pipeline-watchdog")
 
     def _start_local(self, load: dict[str, Any], start_method: str) -> None:
         import torch.multiprocessing as mp

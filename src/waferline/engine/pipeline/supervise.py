@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,20 @@ from waferline.errors import WaferlineError
 
 WATCH_INTERVAL_S = 0.2
 START_TIMEOUT_S = 120.0
+
+
+def _watchdog(ref: weakref.ref[Any], stop: threading.Event) -> None:
+    """The watchdog thread's loop over a weakly held driver (``Supervision._start_watchdog``)."""
+    sup = ref()
+    if sup is None:
+        return
+    state = sup._watch_setup()
+    del sup
+    while not stop.wait(WATCH_INTERVAL_S):
+        sup = ref()
+        if sup is None or not sup._watch_tick(state):
+            return
+        del sup
 
 
 class StageError(WaferlineError):
@@ -80,9 +95,14 @@ class Supervision:
                 time.sleep(0.02)
 
     # ------------------------------------------------------------ watchdog
-    def _watch(self) -> None:
-        """Every WATCH_INTERVAL_S: a dead stage, an error reported by a stage, or a stage that owes work and has not
-        progressed for ``hang_timeout_s`` is a fault; the watchdog then stops every stage, which unblocks the driver."""
+    def _start_watchdog(self, name: str) -> None:
+        """The watchdog thread (``_watch_setup`` once, then ``_watch_tick`` every WATCH_INTERVAL_S until it says stop).
+        It holds the driver weakly: a dropped LLM's pipeline is collected, and its finalizer stops the workers."""
+        self._watcher = threading.Thread(target=_watchdog, args=(weakref.ref(self), self._stop_watch), daemon=True,
+                                         name=name)
+        self._watcher.start()
+
+    def _watch_setup(self) -> Any:
         if self._env:
             ctl = Control(dist.TCPStore(self._store_addr[0], self._store_addr[1], is_master=False,
                                         timeout=datetime.timedelta(seconds=30)), self.run_id)
@@ -90,34 +110,42 @@ class Supervision:
             ctl = Control(dist.TCPStore(LOOPBACK, self.store.port, is_master=False,
                                         timeout=datetime.timedelta(seconds=30)), self.run_id)
         S = self.num_stages
-        keys = [ctl.key("progress", r) for r in range(1, S)]
-        last = {r: (0, time.monotonic()) for r in range(1, S)}
-        while not self._stop_watch.wait(WATCH_INTERVAL_S):
-            try:
-                fault = self._diagnose(ctl)
-                if fault is None and self.hang_timeout_s > 0:
-                    now = time.monotonic()
-                    prog = [int(v) for v in ctl.store.multi_get(keys)]
-                    upstream = self._chain_sent
-                    for r in range(1, S):
-                        n = prog[r - 1]
-                        if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
-                            last[r] = (n, now)
-                        elif now - last[r][1] > self.hang_timeout_s:
-                            fault = (
-                                f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
-                                f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)"
-                            )
-                            break
-                        upstream = n
-            except Exception as e:  # the store itself went away
-                if self._closed:
-                    return
-                fault = f"lost contact with the stages ({e})"
-            if fault is not None and not self._closed:
-                self._fault = fault
-                self._kill_all()
-                return
+        return ctl, [ctl.key("progress", r) for r in range(1, S)], {r: (0, time.monotonic()) for r in range(1, S)}
+
+    def _watch_tick(self, state: Any) -> bool:
+        """A dead stage, an error reported by a stage, or a stage that owes work and has not progressed for
+        ``hang_timeout_s`` is a fault: every stage is stopped, which unblocks the driver. False: the watch is over."""
+        ctl, keys, last = state
+        S = self.num_stages
+        try:
+            fault = self._diagnose(ctl)
+            if fault is None and self.hang_timeout_s > 0:
+                now = time.monotonic()
+                prog = [int(v) for v in ctl.store.multi_get(keys)]
+                upstream = self._chain_sent
+                for r in range(1, S):
+                    n = prog[r - 1]
+                    if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
+                        last[r] = (n, now)
+                    elif now - last[r][1] > self.hang_timeout_s:
+                        fault = (
+                            f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
+                            f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)"
+                        )
+                        break
+                    upstream = n
+        except Exception as e:  # the store itself went away
+            if self._closed:
+                return False
+            fault = f"lost contact with the stages ({e})"
+        return self._watch_fault(fault)
+
+    def _watch_fault(self, fault: str | None) -> bool:
+        if fault is not None and not self._closed:
+            self._fault = fault
+            self._kill_all()
+            return False
+        return True
 
     def _diagnose(self, ctl: Control) -> str | None:
         """Name the stage that failed first, if any (a stage that only lost its neighbour is not the cause)."""

@@ -1,0 +1,78 @@
+"""What ``LLM`` accepts, checked: its process options, its device, token-id prompts; and what it reads from a
+checkpoint directory before loading (its end-of-sequence ids, whether it holds int4 weights)."""
+
+from __future__ import annotations
+
+import json
+import numbers
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from waferline.errors import ConfigError
+
+
+def eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
+    """The checkpoint's end-of-sequence token ids (config.json, then generation_config.json)."""
+    ids: set[int] = set()
+    sources = [cfg]
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        try:
+            sources.append(json.loads(gen.read_text()))
+        except json.JSONDecodeError:
+            pass
+    for src in sources:
+        e = src.get("eos_token_id") if isinstance(src, dict) else None
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, list):
+            ids.update(x for x in e if isinstance(x, int))
+    return ids
+
+
+def is_token_id(t: Any) -> bool:
+    """An integer (a Python or numpy integer; not a bool, a float or a string of digits)."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def shown(x: Any) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+# the options LLM passes to a Pipeline (engine/pipeline/) or to AFD (engine/afd/)
+PROCESS_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method", "launch",
+                              "load_kwargs", "afd", "attention_ranks", "ffn_ranks", "threads_per_rank"})
+
+
+def check_device(device: str | None) -> torch.device:
+    """The engine's device (default CPU), checked: a known device type, and CUDA only where torch sees a GPU."""
+    try:
+        dev = torch.device(device or "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"device must be like 'cpu', 'cuda' or 'cuda:1', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' requested but torch sees no CUDA GPU here; use device='cpu'")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device must be a CPU or a CUDA GPU, got {device!r}")
+    return dev
+
+
+def wants_afd(options: dict[str, Any]) -> bool:
+    """afd=True, attention_ranks / ffn_ranks, or a Plan with attention and FFN stages (removes the ``afd`` flag)."""
+    if options.pop("afd", False) or options.get("attention_ranks") is not None or options.get("ffn_ranks") is not None:
+        return True
+    if options.get("plan") is None:
+        return False
+    from waferline.engine.afd import is_afd_plan
+
+    return is_afd_plan(options["plan"])
+
+
+def is_int4_checkpoint(directory: Path) -> bool:
+    from waferline.model.quant import quant_method
+
+    cfg = directory / "config.json"
+    return cfg.is_file() and quant_method(json.loads(cfg.read_text())) is not None

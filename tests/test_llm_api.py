@@ -1,0 +1,138 @@
+"""The Python API as a vLLM user drives it: calls from threads, a stream left open, seeds that do not depend on the
+batch, min_tokens against stop strings, bad arguments and options named in the error, a dropped pipeline LLM."""
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import waferline
+from conftest import tiny_checkpoints
+from waferline import LLM, SamplingParams
+from waferline.errors import ConfigError, RequestError
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    return tiny_checkpoints(tmp_path_factory, ("llama",))
+
+
+@pytest.fixture(scope="module")
+def llm(sol, one_thread):
+    return LLM(sol)
+
+
+def test_calls_from_two_threads_run_one_at_a_time(llm):
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = ("ROMEO.", "The king")
+    alone = {p: llm.generate(p, sp)[0].token_ids for p in prompts}
+    got: dict[str, list[int]] = {}
+    ts = [threading.Thread(target=lambda p=p: got.__setitem__(p, llm.generate(p, sp)[0].token_ids), daemon=True)
+          for p in prompts]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not any(t.is_alive() for t in ts), "two threads calling generate on one LLM hung"
+    assert got == alone
+
+
+def test_a_call_while_a_stream_is_open_in_the_same_thread_is_refused(llm):
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = llm.generate("ROMEO.", sp)[0].token_ids
+    llm.generate(["a", "b"], sp)  # (a scheduler of 2 slots: the request ids of two calls must not collide)
+    stream = llm.stream("The king", sp)
+    next(stream)
+    with pytest.raises(RequestError, match="already running a call in this thread"):
+        llm.generate("ROMEO.", sp)
+    with pytest.raises(RequestError, match="already running"):
+        llm.prompt_logprobs([1, 2, 3])
+    outs = list(stream)[-1]
+    assert len(outs[0].token_ids) == 8
+    assert llm.generate("ROMEO.", sp)[0].token_ids == ref  # usable again once the stream ended
+
+
+def test_a_seeded_request_samples_the_same_whatever_its_batch(llm):
+    sp = SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True)
+    alone = llm.generate("ROMEO.", sp)[0].token_ids
+    assert [o.token_ids for o in llm.generate(["ROMEO.", "ROMEO."], sp)] == [alone, alone]
+    assert llm.generate(["The king", "ROMEO."], sp)[1].token_ids == alone
+    assert llm.generate(["The king", "ROMEO."], [sp, sp])[1].token_ids == alone
+    other = llm.generate("ROMEO.", SamplingParams(max_tokens=10, temperature=0.9, seed=4, ignore_eos=True))
+    assert other[0].token_ids != alone  # (the seed does choose the stream)
+
+
+def test_min_tokens_holds_back_stop_strings_in_its_text(llm):
+    free = llm.generate("ROMEO.", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = llm.decode(free.token_ids[:1]).strip() or llm.decode(free.token_ids[:1])
+    assert stop, "the first token decodes to no text"
+    first = llm.generate("ROMEO.", SamplingParams(max_tokens=8, ignore_eos=True, stop=stop))[0]
+    assert len(first.token_ids) == 1 and first.finish_reason == "stop"  # the stop string is in token 1's text
+    held = llm.generate("ROMEO.", SamplingParams(max_tokens=8, min_tokens=3, ignore_eos=True, stop=stop))[0]
+    assert len(held.token_ids) >= 3
+    assert held.token_ids == free.token_ids[:len(held.token_ids)]
+    assert stop in held.text  # the occurrence before min_tokens is not a stop: its text stays
+    before = len(llm.decode(free.token_ids[:2]))  # the text of the first min_tokens - 1 tokens
+    if held.finish_reason == "stop":  # cut where an occurrence ends past that text
+        whole = llm.decode(held.token_ids)
+        assert whole.startswith(held.text) and whole[len(held.text):].startswith(stop)
+        assert len(held.text) + len(stop) > before
+    else:
+        assert held.finish_reason == "length" and len(held.token_ids) == 8
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(ckpts):
+    llm = LLM(ckpts["llama"])
+    with pytest.raises(RequestError, match="stop strings need the model's tokenizer"):
+        llm.generate([[1, 17, 42]], SamplingParams(max_tokens=4, stop="x"))
+    assert len(llm.generate([[1, 17, 42]], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids) == 4
+
+
+def test_bad_arguments_are_request_errors_that_say_what_was_wrong(ckpts):
+    llm = LLM(ckpts["llama"])
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    for prompts, params, says in [(None, sp, "prompts must be"), ([[1, 2]], {"max_tokens": 3}, "SamplingParams"),
+                                  ([[1.7, 2.2]], sp, "integer token ids"), ([["12"]], sp, "integer token ids"),
+                                  ([[True, 2]], sp, "integer token ids"),
+                                  ({"prompt_token_ids": [1, 2]}, sp, "prompts must be")]:
+        with pytest.raises(RequestError, match=says):
+            llm.generate(prompts, params)
+    # numpy integers are token ids: a 1-D array's ids are one prompt
+    assert llm.generate(list(np.array([1, 17, 42])), sp)[0].token_ids == llm.generate([1, 17, 42], sp)[0].token_ids
+    with pytest.raises(RequestError, match="window must be an integer >= 1"):
+        llm.perplexity([1, 2, 3], window=0)
+
+
+def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):
+    with pytest.raises(ConfigError, match="unknown LLM option: max_model_length"):
+        LLM(ckpts["llama"], max_model_length=64)
+    with pytest.raises(ConfigError, match="unknown LLM options: seed, tensor_parallel_size"):
+        LLM(ckpts["llama"], seed=0, tensor_parallel_size=1)
+    with pytest.raises(ConfigError, match="pass the directory that holds it"):
+        LLM(ckpts["llama"] / "config.json")
+    assert waferline.RequestError is RequestError and waferline.ConfigError is ConfigError
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dropped_pipeline_llm_stops_its_stages(ckpts, one_thread):
+    llm = LLM(ckpts["llama"], stages=2)
+    llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
+    pids = llm._pipeline.pids
+    assert pids and not any(_gone(p) for p in pids)
+    del llm
+    gc.collect()
+    deadline = time.monotonic() + 15
+    while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(p) for p in pids), f"stage processes {pids} outlived their LLM"
+    assert os.getpid() not in pids
