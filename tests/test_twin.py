@@ -669,3 +669,195 @@ def test_per_token_clocks_take_each_clocks_fastest_runs_around_the_same_generati
     assert wall == pytest.approx((5.0 - 0.5) / n) and cpu == pytest.approx((11.0 - 1.0) / n)
     costs = iter([(1.0, 0.0), (3.0, 0.0)])
     assert _per_token(FakeLLM(), [[1]], 2, lambda: now["wall"], 1) == pytest.approx(1.0)
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+SOL_MINI = ROOT / "models" / "sol-mini"
+TWIN_HOST = ROOT / "benchmarks" / "results" / "twin_host.yaml"
+
+
+def _nothing_runs(monkeypatch):
+    """Make anything that runs (calibrating, the canary, the grid, an engine child) fail the test."""
+    from waferline.sim import twin
+    from waferline.sim.calibrate import common, engine
+
+    def ran(*a, **k):
+        raise AssertionError("ran although the arguments were bad")
+
+    for mod, name in ((twin, "_run_grid"), (twin, "cached_hardware"), (common, "run_isolated"), (engine, "Canary")):
+        monkeypatch.setattr(mod, name, ran)
+
+
+def test_twin_out_is_checked_before_the_grid_runs(tmp_path, capsys, monkeypatch):
+    """`twin --out` under a file, naming a directory, where no file can be made (/proc), or (not as root) in a
+    directory this user cannot write in: a one-line error and rc 2 before anything runs (they were found after the
+    whole grid, a traceback and the results lost)."""
+    import os
+
+    from waferline.cli import main
+
+    _nothing_runs(monkeypatch)
+    base = tmp_path / "base.json"
+    base.write_text("{}")
+    args = ["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--passes", "1", "--out"]
+    bad = [str(base / "x.json"), str(tmp_path), str(tmp_path / "new") + "/"]
+    if os.path.isdir("/proc/self"):  # (no file can be made there, whatever the permission bits say to root)
+        bad.append("/proc/waferline-test/x.json")
+    if os.geteuid() != 0:  # (root writes anywhere)
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        bad.append(str(locked / "deeper" / "x.json"))
+    for out in bad:
+        assert main([*args, out]) == 2, out
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert base.read_text() == "{}" and not (tmp_path / "new").exists()
+
+
+def test_twin_out_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
+    """`twin --out` goes through a temporary file renamed into place: into a directory it makes, and a write that
+    fails leaves the file that was there (and no temporary file), with a one-line error after the result is shown."""
+    import os
+
+    from waferline.cli import main
+    from waferline.sim import twin
+
+    result = {"summary": {"plans_compared": 1}, "rows": []}
+    monkeypatch.setattr(twin, "run_twin", lambda *a, **k: result)
+    args = ["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--json", "--out"]
+    out = tmp_path / "new" / "twin.json"
+    assert main([*args, str(out)]) == 0
+    assert json.loads(out.read_text()) == result and json.loads(capsys.readouterr().out) == result
+    out.write_text("previous result")
+
+    def no_rename(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    assert main([*args, str(out)]) == 2
+    cap = capsys.readouterr()
+    assert json.loads(cap.out) == result  # shown before the write
+    assert cap.err.startswith("error: --out ") and "No space left" in cap.err and cap.err.count("\n") == 1
+    assert out.read_text() == "previous result" and sorted(p.name for p in out.parent.iterdir()) == ["twin.json"]
+
+
+def test_write_host_yaml_is_atomic(tmp_path, monkeypatch):
+    """calibrate's YAML (also twin's cached calibration) is written whole or not at all: a failed write leaves the
+    previous calibration and no temporary file; a good one replaces it."""
+    import os
+
+    from waferline.sim.calibrate import hardware_yaml
+
+    monkeypatch.setattr(hardware_yaml, "measure_host", lambda quick=False, progress=None, **kw: {"name": "stub"})
+    p = tmp_path / "host.yaml"
+    p.write_text("name: previous\n")
+    real = os.replace
+
+    def no_rename(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_rename)
+    with pytest.raises(OSError):
+        hardware_yaml.write_host_yaml(p)
+    assert p.read_text() == "name: previous\n" and [q.name for q in tmp_path.iterdir()] == ["host.yaml"]
+    monkeypatch.setattr(os, "replace", real)
+    hardware_yaml.write_host_yaml(p)
+    assert yaml.safe_load(p.read_text()) == {"name": "stub"} and [q.name for q in tmp_path.iterdir()] == ["host.yaml"]
+
+
+@pytest.mark.parametrize("point, field", [
+    ({"stages": 2, "micro_batches": "x"}, "micro_batches"),
+    ({"batch": 2.5}, "batch"),
+    ({"stages": True}, "stages"),
+    ({"stages": "2"}, "stages"),
+    ({"weight_bits": 16.0}, "weight_bits"),
+    ({"k": False, "speculative": "ngram"}, "k"),
+    ({"afd": 1}, "afd"),
+    ({"afd": "yes"}, "afd"),
+    ({"attention_ranks": 0, "afd": True}, "attention_ranks"),
+    ({"speculative": 3}, "speculative"),
+    ({"name": 7}, "name"),
+])
+def test_grid_fields_are_type_checked(tmp_path, capsys, monkeypatch, point, field):
+    """Every grid field has its type (integers that are integers, not bools, floats or strings; afd a bool): a wrong
+    one is a one-line error and rc 2 like any other bad grid (it was a TypeError traceback, or accepted)."""
+    from waferline.cli import main
+    from waferline.sim.twin import load_grid
+
+    with pytest.raises(ConfigError, match=f"grid point 1 .*{field}"):
+        load_grid([point])
+    _nothing_runs(monkeypatch)
+    g = tmp_path / "g.yaml"
+    g.write_text(yaml.safe_dump([point]))
+    assert main(["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--grid", str(g), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: grid point 1") and field in err and err.count("\n") == 1, err
+
+
+def test_twin_refuses_a_prompt_past_the_models_context(capsys, monkeypatch):
+    """--prompt-len + --output-len over the model's max_position_embeddings (sol-mini: 2048): one line before anything
+    runs, not a failed engine run per Plan."""
+    from waferline.cli import main
+
+    _nothing_runs(monkeypatch)
+    assert spec_from_pretrained(SOL_MINI).max_position_embeddings == 2048
+    args = ["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--passes", "1", "--grid", "default",
+            "--json"]  # (--json: no progress bar on stderr)
+    for prompt, output in (("100000", "32"), ("2017", "32")):
+        assert main([*args, "--prompt-len", prompt, "--output-len", output]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --prompt-len") and "2048" in err and err.count("\n") == 1, err
+
+
+def test_a_failed_engine_run_reports_the_childs_exception(monkeypatch):
+    """A Plan whose engine run fails reports the child's exception (the last line of its traceback, without the
+    module path), not a cut-off fragment of the traceback."""
+    from waferline.sim.calibrate import common
+    from waferline.sim.calibrate.common import ChildFailed, child_reason
+    from waferline.sim.twin import failure_reason, run_twin
+
+    tb = ('Traceback (most recent call last):\n  File "<string>", line 1, in <module>\n'
+          '  File "/x/src/waferline/engine/llm.py", line 227, in _check_len\n    raise RequestError(f"prompt of ...")\n'
+          "waferline.errors.RequestError: prompt of 100,000 tokens + max_tokens 32 exceeds the model's context of 2048 "
+          "tokens; shorten the prompt or lower max_tokens\n")
+    assert child_reason(tb) == ("RequestError: prompt of 100,000 tokens + max_tokens 32 exceeds the model's context of "
+                                "2048 tokens; shorten the prompt or lower max_tokens")
+    assert child_reason(tb + "a stage process said goodbye\n").startswith("RequestError: prompt of 100,000")
+    assert child_reason("Traceback (most recent call last):\n  ...\nAssertionError\n") == "AssertionError"
+    assert child_reason("Killed\n") == "Killed"
+    timeout = "x did not finish within 5 s (killed)"
+    assert failure_reason(RuntimeError(timeout)) == timeout
+    real = common.run_isolated
+    with pytest.raises(ChildFailed) as e:  # a real child that fails
+        real("json:loads", {"s": "not json"}, 60)
+    reason = "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+    assert e.value.reason == reason and failure_reason(e.value) == reason
+    monkeypatch.setattr(common, "run_isolated", lambda target, kwargs, timeout: real("json:loads", {"s": "x"}, 60))
+    res = run_twin(SOL_MINI, TWIN_HOST, [{"stages": 1, "batch": 2}], prompt_len=8, output_len=8, repeats=1, passes=1,
+                   drift_check=False, canary_runs=False)
+    assert res["rows"][0]["status"] == "engine failed: " + reason
+
+
+def test_afd_grid_points_take_no_stages_and_are_named_with_their_micro_batches():
+    """An AFD point with stages is refused (as `generate --afd --stages` is); AFD points of 1 and 2 micro-batches have
+    different names (with -M), and docs/twin.md's default-grid table names the default grid's Plans as the code does."""
+    from waferline.sim.twin import GridPoint, default_grid, load_grid
+
+    for stages in (2, "L"):
+        with pytest.raises(ConfigError, match="afd and stages"):
+            load_grid([{"afd": True, "stages": stages}])
+    assert GridPoint(afd=True, stages=1).name == "afd1x1-M1-bf16-B1"  # (stages 1 is the default, not a choice)
+    names = [p.name for p in load_grid([{"afd": True, "micro_batches": m, "batch": 2} for m in (1, 2)])]
+    assert names == ["afd1x1-M1-bf16-B2", "afd1x1-M2-bf16-B2"]
+    with pytest.raises(ConfigError, match="both afd1x1-M1-bf16-B2"):
+        load_grid([{"afd": True, "batch": 2}, {"afd": True, "micro_batches": 1, "batch": 2}])
+    with pytest.raises(ConfigError, match="need afd"):
+        load_grid([{"ffn_ranks": 2}])
+    with pytest.raises(ConfigError, match="micro_batches needs"):
+        load_grid([{"stages": 1, "micro_batches": 2}])
+    grid = default_grid()
+    assert [p.name for p in grid if p.afd] == ["afd1x1-M2-bf16-B8"]
+    docs = (ROOT / "docs" / "twin.md").read_text()
+    table = docs.split("## `waferline twin`: the default grid", 1)[1].split("\n\n", 2)[1]
+    documented = {n.strip() for line in table.splitlines()[2:] for n in line.split("|")[1].split(",")}
+    assert documented == {p.name for p in grid}

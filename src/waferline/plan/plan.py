@@ -225,14 +225,12 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON: whole or not at all (a temporary file renamed into place)."""
+        from waferline.files import write_text_atomic
+
         p = Path(path)
-        tmp = p.with_name(f".{p.name}.tmp")
         try:
-            tmp.write_text(self.to_json())
-            tmp.replace(p)
+            write_text_atomic(p, self.to_json())
         except OSError as e:
-            if tmp.parent.is_dir():
-                tmp.unlink(missing_ok=True)
             raise ConfigError(f"cannot write the plan to {p}: {e.strerror or e}") from None
 
     @classmethod

@@ -57,11 +57,9 @@ class Report:
         return "\n".join(parts)
 
     def write(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_html(), encoding="utf-8")
-        tmp.replace(path)
-        return path
+        from waferline.files import write_text_atomic
+
+        return write_text_atomic(path, self.to_html())
 
 
 def _png(fig: Any) -> str:

@@ -128,11 +128,12 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     """`waferline calibrate [--quick] [--out FILE]`: measure this host, write its hardware YAML."""
     import time
 
+    from waferline.files import check_writable
     from waferline.sim.calibrate.hardware_yaml import write_host_yaml
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
 
-    out = Path(args.out or "hardware-host.yaml")
+    out = check_writable(args.out or "hardware-host.yaml")  # before the ~2 min of probes
     t0 = time.perf_counter()
     with _progress_bar(args.json) as say:
         d = write_host_yaml(out, quick=args.quick, progress=say, pipeline=False if args.no_pipeline else None)
@@ -226,20 +227,27 @@ def _calibrate_host(args: argparse.Namespace) -> int:
 
 def cmd_twin(args: argparse.Namespace) -> int:
     """Run the engine on a grid of Plans and predict each with the simulator calibrated to this host."""
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
     from waferline.sim.twin import render, run_twin
 
+    if args.out:  # before the grid's tens of minutes, not after them
+        check_writable(args.out)
     with _progress_bar(args.json) as say:
         result = run_twin(args.model, args.hardware, args.grid, prompt_len=args.prompt_len, output_len=args.output_len,
                           repeats=args.repeats, passes=args.passes, recalibrate=args.recalibrate, progress=say,
                           timeout_s=args.timeout, canary_runs=not args.no_canary)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1))
+    text = json.dumps(result, indent=1)
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(text)
     else:
         render(result, _console())
-        if args.out:
+    if args.out:  # (the result is on the screen first: a write that fails now loses nothing)
+        try:
+            write_text_atomic(args.out, text, make_parents=True)
+        except OSError as e:
+            raise ConfigError(f"--out {args.out}: cannot write the result ({e.strerror or e})") from None
+        if not args.json:
             _console().print(f"written to {args.out}")
     return 0 if result["summary"]["plans_compared"] else 1
 

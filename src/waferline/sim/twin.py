@@ -47,6 +47,14 @@ MODELLED_INPUTS = ("bytes and FLOPs per layer (ModelSpec accounting), experts to
                    "micro-batching, tokens per verify step from the acceptance")
 
 
+class GridPointError(ConfigError):
+    """A grid point with a wrong field; ``problem`` says which, without the point."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem
+
+
 @dataclass
 class GridPoint:
     """One engine configuration = one Plan: stages (1, 2, ... or "L" = one layer per stage), micro-batches, weight
@@ -64,33 +72,55 @@ class GridPoint:
     ffn_ranks: int = 1
 
     def __post_init__(self) -> None:
-        if self.stages != "L" and (not isinstance(self.stages, int) or self.stages < 1):
-            raise ConfigError(
-                f"grid point {self.name!r}: stages must be a positive integer or 'L' (one layer per stage), got "
-                f"{self.stages!r}"
-            )
-        if self.weight_bits not in (16, 4):
-            raise ConfigError(f"grid point {self.name!r}: weight_bits must be 16 or 4, got {self.weight_bits}")
-        if self.speculative not in SPEC_METHODS:
-            raise ConfigError(
-                f"grid point {self.name!r}: speculative must be one of {', '.join(SPEC_METHODS)}, got "
-                f"{self.speculative!r}"
-            )
-        if self.batch < 1 or self.micro_batches < 1 or self.k < 1:
-            raise ConfigError(f"grid point {self.name!r}: batch, micro_batches and k must be >= 1")
+        where = f"grid point {self.name!r}" if isinstance(self.name, str) and self.name else "grid point"
+        problem = self.problem()
+        if problem:
+            raise GridPointError(f"{where}: {problem}", problem)
         if not self.name:
             st = "L" if self.stages == "L" else str(self.stages)
             self.name = (
                 (f"afd{self.attention_ranks}x{self.ffn_ranks}" if self.afd else f"S{st}")
-                + (f"-M{self.micro_batches}" if self.stages != 1 else "")
+                + (f"-M{self.micro_batches}" if self.stages != 1 or self.afd else "")
                 + f"-{'int4' if self.weight_bits == 4 else 'bf16'}"
                 + (f"-{self.speculative}{self.k}" if self.speculative != "none" else "")
                 + f"-B{self.batch}"
             )
 
+    def problem(self) -> str | None:
+        """What is wrong with the point (a wrong type or value, or a field its engine would ignore), or None."""
+        if not isinstance(self.name, str):
+            return f"name must be a string, got {self.name!r}"
+        if self.stages != "L" and (not _is_int(self.stages) or self.stages < 1):
+            return f"stages must be a positive integer or 'L' (one layer per stage), got {self.stages!r}"
+        for f in ("micro_batches", "weight_bits", "k", "batch", "attention_ranks", "ffn_ranks"):
+            v = getattr(self, f)
+            if not _is_int(v):
+                return f"{f} must be an integer, got {v!r}"
+            if v < 1:
+                return f"{f} must be >= 1, got {v}"
+        if self.weight_bits not in (16, 4):
+            return f"weight_bits must be 16 or 4, got {self.weight_bits}"
+        if not isinstance(self.speculative, str) or self.speculative not in SPEC_METHODS:
+            return f"speculative must be one of {', '.join(SPEC_METHODS)}, got {self.speculative!r}"
+        if not isinstance(self.afd, bool):
+            return f"afd must be true or false, got {self.afd!r}"
+        if self.afd and self.stages != 1:  # (as `generate` refuses --afd with --stages)
+            return (f"afd and stages are two different engines: drop stages ({self.stages!r}) from an AFD point "
+                    "(its processes are attention_ranks + ffn_ranks)")
+        if not self.afd and (self.attention_ranks != 1 or self.ffn_ranks != 1):
+            return "attention_ranks and ffn_ranks need afd: true"
+        if not self.afd and self.stages == 1 and self.micro_batches != 1:
+            return "micro_batches needs stages 2+, stages L or afd: true (one process runs one batch)"
+        return None
+
     @property
     def pipeline(self) -> bool:
         return self.stages != 1 and not self.afd
+
+
+def _is_int(x: Any) -> bool:
+    """An integer proper: not a bool (YAML's true), not a float, not a string of digits."""
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def default_grid() -> list[GridPoint]:
@@ -134,15 +164,22 @@ def load_grid(grid: str | list[dict[str, Any]] | None) -> list[GridPoint]:
             grid = grid.get("points")
     if not isinstance(grid, list) or not grid:
         raise ConfigError("a grid is a non-empty list of points such as {stages: 2, micro_batches: 2, batch: 8}")
-    out = []
-    for i, d in enumerate(grid):
+    out: list[GridPoint] = []
+    for i, d in enumerate(grid, 1):
         if not isinstance(d, dict):
             raise ConfigError(f"grid point {i}: expected a mapping, got {d!r}")
         unknown = set(d) - set(GridPoint.__dataclass_fields__)
         if unknown:
-            raise ConfigError(f"grid point {i}: unknown field(s) {', '.join(sorted(unknown))}; known: "
+            raise ConfigError(f"grid point {i}: unknown field(s) {', '.join(sorted(map(str, unknown)))}; known: "
                               f"{', '.join(GridPoint.__dataclass_fields__)}")
-        out.append(GridPoint(**d))
+        try:
+            pt = GridPoint(**d)
+        except GridPointError as e:
+            raise ConfigError(f"grid point {i} ({d}): {e.problem}") from None
+        same = next((j for j, q in enumerate(out, 1) if q.name == pt.name), None)
+        if same is not None:
+            raise ConfigError(f"grid points {same} and {i} are both {pt.name}: give each Plan once (or a name)")
+        out.append(pt)
     return out
 
 
@@ -352,6 +389,10 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         raise ConfigError(f"--model {path}: not a checkpoint directory (no config.json); e.g. models/sol-mini")
     if prompt_len < 2 or output_len < 3:
         raise ConfigError("--prompt-len must be >= 2 and --output-len >= 3")
+    if passes < 1:
+        raise ConfigError("--passes must be >= 1")
+    spec = spec_from_pretrained(path)
+    check_context(spec, path, prompt_len, output_len)
     points = load_grid(grid)
     if hardware is None:
         say("calibrating this host (cached for a day)", 0.0)
@@ -359,10 +400,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     hw_path = Path(hardware)
     hw = load_hardware_file(hw_path)
     host = host_override or HostParams.load(hw_path)
-    spec = spec_from_pretrained(path)
     has_mtp = bool(getattr(spec, "mtp_layers", None))
-    if passes < 1:
-        raise ConfigError("--passes must be >= 1")
     canary = None
     if host.canary_s and canary_runs:  # the machine's speed before each Plan, against the calibration's (Canary)
         from waferline.sim.calibrate.engine import Canary
@@ -390,6 +428,23 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     finally:
         if canary is not None:
             canary.close()
+
+
+def check_context(spec: ModelSpec, path: Path, prompt_len: int, output_len: int) -> None:
+    """Refuse a prompt and output longer than the model's context (max_position_embeddings), which the engine refuses
+    (LLM._check_len) in every Plan: said once, before anything runs."""
+    ctx = spec.max_position_embeddings
+    if prompt_len + output_len > ctx:
+        raise ConfigError(
+            f"--prompt-len {prompt_len} + --output-len {output_len} = {prompt_len + output_len} tokens exceeds the "
+            f"context of {path} ({ctx} tokens, max_position_embeddings): lower --prompt-len or --output-len"
+        )
+
+
+def failure_reason(e: BaseException) -> str:
+    """Why an isolated run failed, in one line: the child's exception (run_isolated's ``reason``: its last exception
+    line, e.g. ``RequestError: prompt of ...``), else the error's own message (a timeout)."""
+    return getattr(e, "reason", None) or " ".join(str(e).split())
 
 
 def _run_grid(
@@ -461,11 +516,11 @@ def _run_grid(
             canary_s = probe()
             meas = run_isolated("waferline.sim.twin_engine:measure_point", kwargs, timeout_s)
         except RuntimeError as e:
-            msg = str(e)
-            if "ConfigError" in msg or "does not run" in msg or "unexpected keyword" in msg or "not supported" in msg:
-                row["status"] = "not available: " + msg.split(": ", 1)[-1][-240:]
+            why = failure_reason(e)
+            if "ConfigError" in why or "does not run" in why or "unexpected keyword" in why or "not supported" in why:
+                row["status"] = "not available: " + why.split(": ", 1)[-1]
             else:
-                row["status"] = "engine failed: " + msg[-300:]
+                row["status"] = "engine failed: " + why
             continue
         row["measured"] = {k: meas[k] for k in ("tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s")}
         row["passes"] = [dict(_pass_record(meas), canary_s=canary_s)]
@@ -484,7 +539,7 @@ def _run_grid(
                     "path": str(ckpt), "sweeps": [list(x) for x in chunk_sweeps([(pt.batch, prompt_len)],
                                                                                  PIPELINE_PREFILL_CHUNK)]}, timeout_s)
             except RuntimeError as e:
-                row["status"] = "engine failed: counting the prefill chunks: " + str(e)[-300:]
+                row["status"] = "engine failed: counting the prefill chunks: " + failure_reason(e)
                 continue
         row["ops"] = meas["ops"]
         accept = None
@@ -526,7 +581,7 @@ def _run_grid(
                 canary_s = probe()
                 again = run_isolated("waferline.sim.twin_engine:measure_point", dict(kwargs, count=False), timeout_s)
             except RuntimeError as e:
-                row["passes"].append({"error": str(e)[-200:]})
+                row["passes"].append({"error": failure_reason(e)})
                 continue
             row["passes"].append(dict(_pass_record(again), canary_s=canary_s))
             if again["tokens_per_s_per_user"] > row["measured"]["tokens_per_s_per_user"]:  # rates of the same run
@@ -553,7 +608,7 @@ def _run_grid(
                 "factor": error_factor(again, first_run[2]),
             }
         except RuntimeError as e:
-            drift = {"plan": first_run[0], "error": str(e)[-200:]}
+            drift = {"plan": first_run[0], "error": failure_reason(e)}
     say("done", 1.0)
     return {
         "drift": drift,
@@ -686,7 +741,7 @@ def render(result: dict[str, Any], console: Any) -> None:
         pt = r["point"]
         st = "afd" if pt["afd"] else str(pt["stages"])
         if r.get("status") != "ok" and "measured" not in r:
-            t.add_row(r["plan"], st, str(pt["micro_batches"]), str(pt["batch"]), *["-"] * 10, r.get("status", "")[:70])
+            t.add_row(r["plan"], st, str(pt["micro_batches"]), str(pt["batch"]), *["-"] * 10, r.get("status", ""))
             continue
         m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
         acc = r.get("acceptance", {}).get("alpha_fed")
@@ -705,7 +760,7 @@ def render(result: dict[str, Any], console: Any) -> None:
             f"{p['ttft_s'] * 1e3:.1f}" if p else "-",
             col(e.get("ttft_s")),
             f"{acc:.2f}" if acc is not None else "",
-            (r.get("sim", {}).get("bound", "") if r.get("status") == "ok" else r.get("status", ""))[:70],
+            r.get("sim", {}).get("bound", "")[:70] if r.get("status") == "ok" else r.get("status", ""),
         )
     console.print(t)
     s = result["summary"]

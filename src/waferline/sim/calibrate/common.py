@@ -5,6 +5,7 @@ non-negative least squares the fits use, a measured figure's YAML form, and runn
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,10 +171,37 @@ def process_cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Iteration|Warning))(?::\s*(.*))?$"
+)
+
+
+class ChildFailed(RuntimeError):
+    """run_isolated's child failed. The message: its exit status and last output lines; ``reason``: its exception in
+    one line (``RequestError: prompt of ...``, the module path dropped), or its last output line where it printed
+    none."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def child_reason(output: str) -> str:
+    """The last exception line of a child's output (a traceback's last line: the exception and its message), without
+    the exception's module path; else the last non-empty line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for line in reversed(lines):
+        m = _EXCEPTION_LINE.match(line)
+        if m:
+            return m.group(1) + (f": {m.group(2)}" if m.group(2) else "")
+    return lines[-1] if lines else "no output"
+
+
 def run_isolated(target: str, kwargs: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Call ``module:function(**kwargs)`` in a fresh Python process (its own session, killed with its stage processes
     after ``timeout`` s) and return its JSON result; a hang or crash in an engine run cannot take the caller with it.
-    Raises RuntimeError with the child's last output lines when it fails."""
+    Raises RuntimeError with the child's last output lines when it fails (ChildFailed, whose ``reason`` is the child's
+    exception in one line; a plain RuntimeError on a timeout)."""
     import json
     import signal
     import subprocess
@@ -204,5 +232,5 @@ def run_isolated(target: str, kwargs: dict[str, Any], timeout: float) -> dict[st
             pass
     if p.returncode != 0 or "@@RESULT@@" not in out:
         tail = " | ".join(out.strip().splitlines()[-3:])
-        raise RuntimeError(f"{target} failed (exit {p.returncode}): {tail}")
+        raise ChildFailed(f"{target} failed (exit {p.returncode}): {tail}", child_reason(out))
     return json.loads(out.rsplit("@@RESULT@@", 1)[1])

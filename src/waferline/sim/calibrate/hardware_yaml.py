@@ -24,6 +24,7 @@ import numpy as np
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.files import write_text_atomic
 from waferline.sim.calibrate.common import (
     BIG_CALIBRATION_MODEL,
     PREFILL_CALIBRATION_MODEL,
@@ -622,17 +623,16 @@ def _refit_pairs(pipe: dict[str, Any], n: int) -> None:
 def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, Any]:
     """``combine_host_yamls(paths)`` written to ``path`` (via a temporary file: nothing half-written on failure)."""
     d = combine_host_yamls(paths)
-    tmp = Path(str(path) + ".tmp")
-    tmp.write_text("# written by `waferline calibrate --combine`: the median of several calibrations of this host.\n"
-                   + yaml.safe_dump(d, sort_keys=False, width=140))
-    tmp.replace(path)
+    write_text_atomic(path, "# written by `waferline calibrate --combine`: the median of several calibrations of this "
+                      "host.\n" + yaml.safe_dump(d, sort_keys=False, width=140))
     return d
 
 
 def write_host_yaml(
     path: str | Path, quick: bool = False, progress: Progress | None = None, **kw: Any
 ) -> dict[str, Any]:
-    """Measure this host and write the hardware YAML to ``path``; returns the mapping."""
+    """Measure this host and write the hardware YAML to ``path`` (whole or not at all: a run that fails or is killed
+    leaves the file that was there, e.g. twin's cached calibration); returns the mapping."""
     import json
 
     d = json.loads(
@@ -640,8 +640,10 @@ def write_host_yaml(
             measure_host(quick, progress, **kw), default=lambda o: float(o) if hasattr(o, "__float__") else str(o)
         )
     )
-    Path(path).write_text(
+    write_text_atomic(
+        path,
         "# written by `waferline calibrate`; re-run to refresh. Every figure is measured (see source).\n"
-        + yaml.safe_dump(d, sort_keys=False, width=140)
+        + yaml.safe_dump(d, sort_keys=False, width=140),
+        make_parents=True,
     )
     return d

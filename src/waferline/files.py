@@ -1,0 +1,58 @@
+"""Output files: checked before the work that produces them, and written whole or not at all."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+
+from waferline.errors import ConfigError
+
+
+def check_writable(path: str | Path, what: str = "--out") -> Path:
+    """Raise ConfigError unless a file can be written at ``path``: it is not a directory, and the nearest of its
+    parents that exists is a directory this process can make a file in (tried: a file made and removed; missing
+    directories below it are made by ``write_text_atomic(..., make_parents=True)``). Meant to run before a long job,
+    not after it."""
+    p = Path(path)
+    if str(path).endswith(("/", os.sep)) or p.name in ("", ".", ".."):
+        raise ConfigError(f"{what} {path}: names a directory; give a file name (e.g. {Path(path) / 'result.json'})")
+    if p.is_dir():
+        raise ConfigError(f"{what} {path}: is a directory; give a file name (e.g. {p / 'result.json'})")
+    parent = p.absolute().parent
+    while not parent.exists() and not parent.is_symlink():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{what} {path}: {parent} is not a directory")
+    try:  # a file made and removed there: what permissions, a read-only file system or /proc allow (root included)
+        fd, probe = tempfile.mkstemp(prefix=".waferline-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: cannot write in {parent} ({e.strerror or e})") from None
+    return p
+
+
+def write_text_atomic(path: str | Path, text: str, *, make_parents: bool = False, encoding: str = "utf-8") -> Path:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it (same directory, so the same
+    file system), flushed to disk, then renamed over ``path`` (os.replace). A failure leaves ``path`` as it was and
+    removes the temporary file; a kill mid-write can leave that file (``.NAME.PID-THREAD.tmp``), never a half-written
+    ``path``. ``make_parents``: create missing parent directories first."""
+    p = Path(path)
+    if make_parents:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}-{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding=encoding) as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return p
