@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from server_helpers import KEY, _assert_error, _metrics, _wait_until
+from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _wait_until
 from waferline import LLM, SamplingParams
 from waferline.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from waferline.errors import ConfigError, RequestError
@@ -457,3 +457,67 @@ def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol,
         assert e.value.code == 2 and "expected an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"max_model_len 100000 is outside 1\.\.\d+"):
         LLM(sol, max_model_len=100000)
+
+
+def test_a_grammar_that_fails_as_it_runs_is_the_requests_400(live):
+    """A regex llguidance accepts but cannot follow (its lexer's limit, reached at the first token) is the request's
+    error: 400 invalid_request_error (streamed: an SSE error of that type), not a 500; other requests go on."""
+    body = {"model": "sol-test", "prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "a{99999999}"}}
+    err = _assert_error(_post(live, body), 400)
+    assert err["type"] == "invalid_request_error" and "grammar engine" in err["message"], err
+    r = _post(live, dict(body, stream=True))
+    assert r.status_code == 200
+    errors = [json.loads(line[6:])["error"] for line in r.text.splitlines()
+              if line.startswith("data: {") and '"error"' in line]
+    assert len(errors) == 1 and errors[0]["type"] == "invalid_request_error", r.text
+    assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_misspelt_structured_output_key_is_refused(live):
+    for so, key in [({"regexp": "[0-9]+"}, "regexp"), ({"json_schema": {"type": "object"}}, "json_schema")]:
+        err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3,
+                                         "structured_outputs": so}), 400)
+        assert key in err["message"], err
+    ok = _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "[0-9]+"}})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"].isdigit()
+
+
+def test_a_chat_prompt_past_the_context_without_max_tokens_names_the_prompt(live):
+    long = " ".join(["light"] * (MAX_LEN + 40))
+    err = _assert_error(_post(live, {"model": "sol-test", "messages": [{"role": "user", "content": long}]},
+                              path="/v1/chat/completions"), 400)
+    assert err["param"] == "messages" and "the prompt has" in err["message"], err
+
+
+def test_a_stream_whose_client_leaves_is_counted_as_a_disconnect(live):
+    """A stream is counted when it ends: 200 when it ran to [DONE] (an error event included), 499 when its client left
+    mid-stream (it was counted 200 as it started)."""
+    key = 'waferline_requests_total{endpoint="completions",status="%s"}'
+    m0 = _metrics(live)
+    body = {"model": "sol-test", "prompt": "leaving", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.state.base + "/v1/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        assert r.status_code == 200
+        next(r.iter_lines())  # one chunk, then the client goes
+    assert _wait_until(lambda: _metrics(live).get(key % "499", 0.0) == m0.get(key % "499", 0.0) + 1, 10)
+    assert _metrics(live).get(key % "200", 0.0) == m0.get(key % "200", 0.0)
+    done = _post(live, dict(body, max_tokens=3))
+    assert done.text.rstrip().endswith("data: [DONE]")
+    assert _wait_until(lambda: _metrics(live).get(key % "200", 0.0) == m0.get(key % "200", 0.0) + 1, 10)
+
+
+def test_chat_messages_need_their_content_and_text_parts_are_lines(live):
+    url = "/v1/chat/completions"
+    for msg in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system"}, {"role": "assistant"}):
+        err = _assert_error(_post(live, {"model": "sol-test", "messages": [msg], "max_tokens": 2}, path=url), 400)
+        assert "needs its content" in err["message"], err
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    ok = {"model": "sol-test", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"},
+                                                            {"role": "assistant", "tool_calls": calls},
+                                                            {"role": "tool", "tool_call_id": "c1", "content": "1"}]}
+    assert _post(live, ok, path=url).status_code == 200  # (an assistant message that calls tools may have none)
+    parts = [{"type": "text", "text": "Line one."}, {"type": "text", "text": "Line two."}]
+    as_parts = _post(live, {"model": "sol-test", "messages": [{"role": "user", "content": parts}]}, path="/tokenize")
+    as_lines = _post(live, {"model": "sol-test", "messages": [{"role": "user", "content": "Line one.\nLine two."}]},
+                     path="/tokenize")
+    assert as_parts.status_code == 200 and as_parts.json()["tokens"] == as_lines.json()["tokens"]

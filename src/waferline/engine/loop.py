@@ -15,7 +15,7 @@ from waferline.engine.overlap import OverlapStepper, can_overlap
 from waferline.engine.sampling import SamplingParams
 from waferline.engine.scheduler import Scheduler
 from waferline.engine.sequence import Event, Sequence, check_request, request_generator
-from waferline.errors import WaferlineError
+from waferline.errors import RequestError, WaferlineError
 
 log = logging.getLogger("waferline.engine")
 
@@ -150,7 +150,8 @@ class EngineLoop:
                         log.warning("request %s could not be admitted", seq.request_id, exc_info=True)
                     seq.status = "finished"
                     msg = str(e) if isinstance(e, WaferlineError) else f"request failed: {type(e).__name__}: {e}"
-                    seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg))
+                    seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg,
+                                   invalid=isinstance(e, RequestError)))
             for rid in aborts:  # (an id not queued yet, still in the inbox of a later wakeup, or already done: no-op)
                 if self.stepper is not None:
                     self.stepper.abort(rid)

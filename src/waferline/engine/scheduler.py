@@ -61,7 +61,7 @@ from waferline.engine.runner import (
 from waferline.engine.sampling import SamplingParams, sample, token_logprobs
 from waferline.engine.sequence import Event, Sequence, StepPlan, StepResult, check_request, request_generator
 from waferline.engine.speculative.serving import ServeSpeculation
-from waferline.errors import ConfigError, WaferlineError
+from waferline.errors import ConfigError, RequestError, WaferlineError
 from waferline.spec.model import ModelSpec
 
 if TYPE_CHECKING:
@@ -392,7 +392,7 @@ class Scheduler:
             self.stats["request_errors"] += 1
             # the client gets one line; the log keeps the traceback (a fault here may be a bug, not the request)
             log.warning("request %s failed while sampling", seq.request_id, exc_info=not isinstance(e, WaferlineError))
-            self._finish(seq, "error", f"request failed: {type(e).__name__}: {e}")
+            self._finish(seq, "error", f"request failed: {type(e).__name__}: {e}", invalid=isinstance(e, RequestError))
 
     def _sample(self, seq: Sequence, logits: torch.Tensor | None, greedy: int | None = None) -> None:
         """Emit seq's next token: ``greedy`` where the step already took the argmax of ``logits``, else sampled."""
@@ -458,7 +458,8 @@ class Scheduler:
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
         return seq.update_text(partial(self._decode, params=seq.params) if self.llm.tokenizer is not None else None)
 
-    def _finish(self, seq: Sequence, reason: str, error: str | None = None, unavailable: bool = False) -> None:
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None, unavailable: bool = False,
+                invalid: bool = False) -> None:
         if seq.status == "finished":
             return
         if self.cache.holds(seq.request_id):
@@ -471,7 +472,7 @@ class Scheduler:
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.status, seq.finish_reason = "finished", reason
-        seq.emit(Event(None, "", True, reason, len(seq.prompt_ids), len(seq.output_ids), error, unavailable))
+        seq.emit(Event(None, "", True, reason, len(seq.prompt_ids), len(seq.output_ids), error, unavailable, invalid))
 
     def fail_all(self, error: str) -> None:
         """End every running and waiting sequence with ``error``: the engine failed or stops (HTTP 503)."""

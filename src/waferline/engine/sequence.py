@@ -30,6 +30,7 @@ class Event:
     completion_tokens: int = 0
     error: str | None = None
     unavailable: bool = False  # the error was the engine's (a fault or a shutdown), not this request's (HTTP 503)
+    invalid: bool = False  # the error was this request's own, found as it ran (e.g. its grammar's limit: HTTP 400)
     logprobs: TokenLogprobs | None = None  # the token's log-probabilities, where the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # (the first token's event) the prompt's, where asked for
     cached_tokens: int = 0  # prompt tokens read from cached prefix pages at its admission (not computed)

@@ -176,7 +176,7 @@ def load_tokenizer(directory: Path) -> Any:
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # our own model_types (e.g. `sol`) are unknown to transformers' config registry
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        tok = AutoTokenizer.from_pretrained(str(directory))
     except Exception as e:  # a corrupt or unsupported tokenizer file: tokenizers, json and transformers raise their own
         first = (str(e).strip().splitlines() or [""])[0][:300]
         raise CheckpointError(f"{directory}: cannot load the tokenizer (tokenizer.json / tokenizer_config.json): "
@@ -184,3 +184,7 @@ def load_tokenizer(directory: Path) -> Any:
                               "prompts as token ids)") from None
     finally:
         hf_logging.set_verbosity(level)
+    # the engine checks lengths against its context itself: no "sequence length is longer than the specified maximum"
+    # warning from transformers for a prompt it will refuse anyway (or that a longer --max-model-len allows)
+    tok.model_max_length = int(1e30)
+    return tok

@@ -216,8 +216,9 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
     events = server.start(runs, rid)  # a full queue or a bad request is an HTTP error, not a broken stream
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        m.requests.labels(endpoint, "200").inc()
-        return StreamingResponse(_stream(events, base, choices, include_usage),
+        counted = m.requests.labels  # (at the stream's end: 200, or 499 for a client gone mid-stream)
+        return StreamingResponse(_stream(events, base, choices, include_usage,
+                                         lambda status: counted(endpoint, str(status)).inc()),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect() -> None:
@@ -247,6 +248,8 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
         raise collector.exception()
     bad = choices.failure()
     if bad is not None:
+        if bad.invalid:  # (this request's own: e.g. a grammar past the engine's limits, found as it ran)
+            raise APIError(bad.error or "the request cannot run", 400)
         raise APIError(bad.error or "the request did not finish", 503 if bad.unavailable else 500,
                        type="server_error")
     m.requests.labels(endpoint, "200").inc()
@@ -256,9 +259,11 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
 
 
 async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[str, Any], choices: Choices,
-                  include_usage: bool) -> AsyncIterator[str]:
+                  include_usage: bool, count: Any) -> AsyncIterator[str]:
     """SSE: a chunk per token of each choice (chat: the role first), each choice's finish, then (``include_usage``) the
-    usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted)."""
+    usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted).
+    ``count(status)`` at the end: 200 (its HTTP status, an error event included), or 499 where the client left first."""
+    ended = False
 
     def sse(c: dict[str, Any]) -> str:
         return _sse(dict(base, choices=[c]) | ({"usage": None} if include_usage else {}))
@@ -268,13 +273,16 @@ async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[st
             yield sse(c)
         async for i, ev, _ in events:
             if ev.finished and ev.finish_reason == "error":
-                yield _sse(error_body(ev.error or "engine error", "server_error"))
-                yield "data: [DONE]\n\n"
-                return
+                yield _sse(error_body(ev.error or "engine error",
+                                      "invalid_request_error" if ev.invalid else "server_error"))
+                break
             for c in choices.chunks(i, ev):
                 yield sse(c)
-        if include_usage:
-            yield _sse(dict(base, choices=[], usage=choices.usage()))
+        else:
+            if include_usage:
+                yield _sse(dict(base, choices=[], usage=choices.usage()))
         yield "data: [DONE]\n\n"
+        ended = True
     finally:
+        count(200 if ended else DISCONNECTED)
         await events.aclose()  # a disconnect cancels us here: closing the generator aborts what still runs

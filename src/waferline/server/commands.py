@@ -320,8 +320,8 @@ def register(sub: Any) -> None:
     s.add_argument("--speculative", default=None, metavar="METHOD",
                    help="ngram | mtp | draft:PATH: speculative decoding in the scheduler (n-gram prompt lookup over "
                         "each request's prompt and output, the checkpoint's MTP head, or a draft checkpoint sharing "
-                        "the tokenizer), exact: the tokens are those of plain decoding; in this process, over "
-                        "--stages or over --afd ranks alike")
+                        "the tokenizer), exact: greedy requests get plain decoding's tokens, sampled ones its "
+                        "distribution; in this process, over --stages or over --afd ranks alike")
     s.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="most drafts per step (with --speculative; default 4)")
     s.add_argument(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from waferline.errors import RequestError
 
@@ -41,8 +41,10 @@ class StreamOptions(_Strict):
 
 class StructuredOutputs(_Strict):
     """vLLM's ``structured_outputs`` (one of): a JSON Schema, a regular expression, a choice of strings, a grammar
-    (Lark or GBNF), or any JSON object."""
+    (Lark or GBNF), or any JSON object. An unknown key is refused: a misspelt constraint would otherwise run
+    unconstrained."""
 
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     json_: Any = Field(None, alias="json")  # (pydantic's BaseModel has a "json" method)
     regex: str | None = None
     choice: list[str] | None = None
@@ -128,12 +130,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = None  # (assistant)
     tool_call_id: str | None = None  # (tool: the call this answers)
 
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # (as OpenAI's API: only an assistant message that calls tools may leave its content out)
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs its content"
+                             + (" (or tool_calls)" if self.role == "assistant" else ""))
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)  # (parts are lines, as vLLM joins them)
 
 
 class ChatRequest(_Sampling):

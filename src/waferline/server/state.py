@@ -263,6 +263,12 @@ class Server:
         if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
             max_tokens = req.max_completion_tokens
         mml = self.engine.scheduler.max_model_len
+        if prompt_len >= mml:  # (first: the default max_tokens below would be 0 or less)
+            raise APIError(
+                f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
+                "(--max-model-len): shorten the prompt",
+                param="messages" if isinstance(req, ChatRequest) else "prompt",
+            )
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else mml - prompt_len
         echo = bool(getattr(req, "echo", False))
@@ -276,12 +282,6 @@ class Server:
         if max_tokens < 1:
             hint = "" if isinstance(req, ChatRequest) else " (0 only with echo)"
             raise APIError(f"{param} must be >= 1{hint}, got {max_tokens}", param=param)
-        if prompt_len >= mml:
-            raise APIError(
-                f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
-                "(--max-model-len): shorten the prompt",
-                param="messages" if isinstance(req, ChatRequest) else "prompt",
-            )
         if prompt_len + max_tokens > mml:
             raise APIError(f"prompt of {prompt_len} tokens + {param}={max_tokens} exceeds the context of {mml} tokens; "
                            f"lower {param} to at most {mml - prompt_len}", param=param)
