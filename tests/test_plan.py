@@ -200,6 +200,23 @@ def test_gqa_cache_is_not_split_below_one_kv_head_per_device():
     assert p16.stages[0].memory.weights == pytest.approx(p8.stages[0].memory.weights / 2, rel=1e-6)
 
 
+def test_an_mla_latent_is_held_whole_by_every_tensor_parallel_rank():
+    """One latent every query head reads cannot be split by heads: each of 8 H200s holds (and a decode step reads)
+    every sequence's whole latent, so the longest context is what one device's free memory holds (it said 8x that)."""
+    from waferline.sim.cost import layer_table
+
+    spec = load_model("deepseek-v3")
+    plan = place(spec, "h200-sxm", weight_bits=8, context=8192)
+    st = plan.stages[0]
+    assert st.num_devices == 8 and st.memory.cache == pytest.approx(spec.cache_bytes_per_seq(8192), rel=1e-6)
+    free = st.memory.capacity - st.memory.weights - st.memory.activations - st.memory.reserve
+    assert context_capacity(plan, spec) == pytest.approx(free / spec.cache_bytes_per_token(16), rel=1e-3)
+    assert {lc.kv_shards for lc in layer_table(spec, 8, 16, 8192)} == {1}  # (the decode step's read, per device)
+    for name, want in (("gpt-5.6-sol-dsa", {"dsa": 1}), ("gpt-5.6-sol-v4", {"compressed": 1}),
+                       ("qwen3-next-80b-a3b", {"gdn": 0, "gqa": 2})):  # (recurrent state: split by its heads)
+        assert {layer.mixer.kind: layer.cache_shard_limit() for layer in load_model(name).layers} == want
+
+
 @pytest.mark.parametrize("argv, says", [
     (["plan", "gpt-5.6-sol", "--hardware", "wse-3", "--attention-ranks", "2"], "--attention-ranks needs --afd"),
     (["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--ffn-ranks", "4"], "--ffn-ranks needs --afd"),
@@ -239,3 +256,95 @@ def test_calibrate_refuses_flags_of_another_job(argv, says, capsys):
 
     assert main(argv) == 2
     assert says in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- plan files and drafters, as simulate reads them
+
+def _simulate_json(argv, capsys):
+    from waferline.cli import main
+
+    rc = main(["simulate", *argv, "--json", "--no-intervals"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_a_plan_file_is_judged_on_its_layers_and_devices_not_its_stored_memory(tmp_path, capsys):
+    """A saved plan edited to 4 of its 8 H200s (684 GB of 8-bit weights: 171 GB a device) said 'fits'."""
+    from waferline.cli import main
+
+    f = tmp_path / "p.json"
+    assert main(["plan", "deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8", "--out", str(f)]) == 0
+    capsys.readouterr()
+    rc, d = _simulate_json(["--plan", str(f)], capsys)
+    assert rc == 0 and d["fits"] and d["notes"] == []  # (as placed: nothing recomputed differs)
+    edited = json.loads(f.read_text())
+    edited["stages"][0]["device_ids"] = [0, 1, 2, 3]
+    f.write_text(json.dumps(edited))
+    rc, d = _simulate_json(["--plan", str(f)], capsys)
+    assert rc == 2 and not d["fits"] and "GB needed" in d["problems"][0]
+    assert any("the file said" in n for n in d["notes"])
+    placed = place("deepseek-v3", "h200-sxm", weight_bits=8, devices=4)
+    assert not placed.fits and within(float(d["problems"][0].split(": ")[1].split(" GB")[0]) * 1e9,
+                                      placed.stages[0].memory.total, rel=1e-3)
+
+
+def test_the_drafter_is_placed_beside_the_lm_head(capsys):
+    from waferline.sim.cost import load_params
+    from waferline.sim.pipeline import drafter_memory
+
+    spec, params = load_model("deepseek-v3"), load_params(None)
+    plain = place(spec, "h200-sxm", weight_bits=8)
+    b, what = drafter_memory(spec, SpeculativeConfig("mtp"), params, weight_bits=8, kv_bits=16, embed_bits=16,
+                             group_size=128, context=4096, batch=1)
+    mtp_cache = 4096 * spec.layers[-1].cache_bytes_per_token(16)  # (8-bit weights: a byte a parameter)
+    assert what.startswith("MTP module") and within(b, spec.mtp_params() + mtp_cache, rel=0.05)
+    mtp = place(spec, "h200-sxm", weight_bits=8, speculative=SpeculativeConfig("mtp"), drafter=(b, what))
+    per_dev = [s.memory.weights for s in mtp.stages if s.has_lm_head][0]
+    assert within(per_dev - plain.stages[-1].memory.weights, b / mtp.stages[-1].num_devices, rel=1e-6)
+    assert any("MTP module" in n for n in mtp.notes)
+    assert drafter_memory(spec, SpeculativeConfig("ngram"), params, weight_bits=8, kv_bits=16, embed_bits=16,
+                          group_size=128, context=4096, batch=1) == (0.0, "")
+    # llama-3.1-70b on 2 H100s at the longest context that fits: with its draft model (llama-3.2-1b) it no longer does
+    base = ["llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "2", "--prompt-len", "38240", "--output-len", "500"]
+    rc, d = _simulate_json(base, capsys)
+    assert rc == 0 and d["fits"]
+    rc, d = _simulate_json([*base, "--speculative", "draft"], capsys)
+    assert rc == 2 and not d["fits"]
+
+
+def test_simulate_plan_speculative_none_turns_the_plans_speculation_off(tmp_path, capsys):
+    f = tmp_path / "spec.json"
+    rc, with_mtp = _simulate_json(["deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8",
+                                   "--speculative", "mtp", "--out", str(f)], capsys)
+    assert rc == 0 and with_mtp["speculative"]["method"] == "mtp"
+    rc, kept = _simulate_json(["--plan", str(f)], capsys)
+    assert kept["speculative"]["method"] == "mtp"
+    rc, off = _simulate_json(["--plan", str(f), "--speculative", "none"], capsys)
+    assert off["speculative"]["method"] == "none"
+    assert off["decode_tokens_per_s_per_user"] < kept["decode_tokens_per_s_per_user"] / 1.5
+
+
+def test_a_capacity_at_the_search_limit_is_said_to_be_at_least_it(capsys, monkeypatch):
+    """The capacity searches stop at a limit (2^34 tokens); a plan that holds more is said to hold at least that, not
+    exactly it (a limit made small here: one H100 holds far more than 8,192 tokens of llama-3.1-8b)."""
+    import waferline.plan.place as place_mod
+    from waferline.cli import main
+
+    monkeypatch.setattr(place_mod, "CONTEXT_SEARCH_LIMIT", 8192)
+    assert main(["plan", "llama-3.1-8b", "--hardware", "h100-sxm"]) == 0
+    assert "at least 8,192 (the search limit) tokens" in capsys.readouterr().out
+    assert main(["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["capacity_at_search_limit"] == ["max_context_per_sequence"] and d["max_context_per_sequence"] == 8192
+    monkeypatch.undo()
+    assert main(["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["capacity_at_search_limit"] == []
+
+
+def test_a_plan_too_short_for_the_workload_names_the_workload(tmp_path, capsys):
+    from waferline.cli import main
+
+    f = tmp_path / "p.json"
+    assert main(["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "4096", "--out", str(f)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(f), "--prompt-len", "5000"]) == 2
+    assert "(prompt + output)" in capsys.readouterr().err

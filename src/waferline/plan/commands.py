@@ -171,16 +171,27 @@ def _make_plan(args: argparse.Namespace, context: int):
     if not args.model or not args.hardware:
         raise ConfigError("give MODEL and --hardware (or --plan PLAN.json for simulate)")
     batch = max(args.batch or 1, getattr(args, "concurrency", None) or 1)  # memory for every concurrent sequence
-    return place(args.model, args.hardware, devices=args.devices, weight_bits=args.weight_bits or 16,
-                 kv_bits=args.kv_bits or 16,
+    sp, wb, kb = _spec_cfg(args), args.weight_bits or 16, args.kv_bits or 16
+    return place(args.model, args.hardware, devices=args.devices, weight_bits=wb, kv_bits=kb,
                  context=context, batch=batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
-                 micro_batches=args.micro_batches, speculative=_spec_cfg(args),
-                 attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks)
+                 micro_batches=args.micro_batches, speculative=sp, attention_ranks=args.attention_ranks,
+                 ffn_ranks=args.ffn_ranks, drafter=_drafter(args.model, sp, _load_params(args), wb, kb, 16, 128,
+                                                            context, batch))
+
+
+def _drafter(model: Any, sp: Any, params: Any, weight_bits: int, kv_bits: int, embed_bits: int, group_size: int,
+             context: int, batch: int) -> tuple[float, str]:
+    """What the drafter of ``sp`` adds beside the LM head (sim.pipeline.drafter_memory) for ``model``."""
+    from waferline.sim.pipeline import drafter_memory
+    from waferline.spec.catalog import load_model
+
+    return drafter_memory(load_model(model), sp, params, weight_bits=weight_bits, kv_bits=kv_bits,
+                          embed_bits=embed_bits, group_size=group_size, context=context, batch=batch)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Place a model on hardware; print per-stage memory; exit 2 if it does not fit."""
-    from waferline.plan.place import batch_capacity, context_capacity
+    from waferline.plan.place import BATCH_SEARCH_LIMIT, CONTEXT_SEARCH_LIMIT, batch_capacity, context_capacity
     from waferline.spec.catalog import load_model
 
     plan = _make_plan(args, args.context or 4096)
@@ -193,6 +204,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         d = plan.to_dict()
         d["max_context_per_sequence"] = max_ctx
         d["max_sequences_at_context"] = max_batch
+        limits = (("max_context_per_sequence", max_ctx, CONTEXT_SEARCH_LIMIT),
+                  ("max_sequences_at_context", max_batch, BATCH_SEARCH_LIMIT))
+        d["capacity_at_search_limit"] = [k for k, v, cap in limits if v >= cap]  # (at least that: the search's end)
         d["max_position_embeddings"] = spec.max_position_embeddings
         print(json.dumps(d, indent=1))
         return 0 if plan.fits else 2
@@ -241,8 +255,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for n in plan.notes:
         con.print(f"note: {n}")
     if plan.fits:
-        con.print(f"fits. Longest context per sequence at batch {plan.batch}: {max_ctx:,} tokens; "
-                  f"sequences of {plan.context_len:,} tokens that fit: {max_batch:,}")
+        def at_least(v: int, cap: int) -> str:
+            return f"at least {v:,} (the search limit)" if v >= cap else f"{v:,}"
+
+        con.print(f"fits. Longest context per sequence at batch {plan.batch}: "
+                  f"{at_least(max_ctx, CONTEXT_SEARCH_LIMIT)} tokens; sequences of {plan.context_len:,} tokens that "
+                  f"fit: {at_least(max_batch, BATCH_SEARCH_LIMIT)}")
         if max_ctx > spec.max_position_embeddings:
             con.print(f"note: that is what the memory holds; the model itself takes at most "
                       f"{spec.max_position_embeddings:,} positions (max_position_embeddings)")
@@ -264,11 +282,13 @@ def _load_params(args: argparse.Namespace):
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Plan (or read --plan) and predict tokens/s, TTFT and a per-stage breakdown."""
     from waferline.errors import UsageError
+    from waferline.plan.place import restage_memory
     from waferline.plan.plan import Plan
     from waferline.sim.pipeline import simulate
     from waferline.spec.catalog import load_hardware, load_model
 
     _check_flags(args)
+    restaged: list[str] = []
     params = _load_params(args)
     P = args.prompt_len or params.default_prompt_len
     O = args.output_len or params.default_output_len
@@ -287,14 +307,18 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              "place MODEL anew)")
         plan = Plan.load(args.plan)
         spec, hw = load_model(plan.model), load_hardware(plan.hardware)
-        for given, placed, what in ((args.model and load_model(args.model).name, spec.name, "MODEL"),
+        for given, placed, flag in ((args.model and load_model(args.model).name, spec.name, "MODEL"),
                                     (args.hardware and load_hardware(args.hardware).name, hw.name, "--hardware")):
             if given and given != placed:  # (by what the files name, however their paths are spelled)
-                raise UsageError(f"the plan places {spec.name} on {hw.name}; {what} {given} says otherwise "
+                raise UsageError(f"the plan places {spec.name} on {hw.name}; {flag} {given} says otherwise "
                                  "(drop it, or drop --plan and place MODEL anew)")
-        plan.check(spec, hw)
-        if args.speculative != "none":
+        if args.speculative is not None:  # (given: it replaces the plan's, `none` included)
             plan.speculative = _spec_cfg(args)
+        plan.check(spec, hw)  # (layers, hardware) before the memory of its stages is recomputed from them
+        restaged = restage_memory(plan, spec, _drafter(plan.model, plan.speculative, params, plan.weight_bits,
+                                                       plan.kv_bits, plan.embed_bits, plan.group_size,
+                                                       plan.context_len, plan.batch)[0])
+        plan.check(spec, hw)  # (a stage over its capacity now: fits false, with the reason)
         if held > plan.context_len or (args.concurrency or plan.batch) > plan.batch:
             raise ConfigError(f"the plan holds {plan.batch} sequence(s) of {plan.context_len:,} tokens; this workload "
                               f"is {args.concurrency or plan.batch} of {held:,} ({what}): place it anew "
@@ -343,9 +367,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     mpe = load_model(plan.model).max_position_embeddings
     beyond = (f"{what} ({held:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
+    restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     if args.json:
         d = r.to_dict()
-        d["notes"] = [beyond] if beyond else []
+        d["notes"] = restaged + ([beyond] if beyond else [])
         if serving is not None:
             d["serving"] = serving.to_dict()
         if ex is not None:
@@ -405,6 +430,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      "counted (" + ("the serving table below counts them)"
                                     if getattr(args, "arrival_rate", None) or getattr(args, "closed_loop", False)
                                     else "--closed-loop simulates serving with them)"))
+    notes += [f"note: {line}" for line in restaged]
     if beyond:
         notes.append(f"note: {beyond}")
     t.caption = "\n".join(notes) or None
@@ -650,7 +676,9 @@ def register(subparsers: Any) -> None:
                    help="hidden tokens a reasoning model generates before its --output-len answer tokens (decoded like "
                         "any output: they delay the first answer token and the end; default 0)")
     s.add_argument("--concurrency", type=positive_int, default=None, help="concurrent requests (default: --batch)")
-    s.add_argument("--speculative", default="none", choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"))
+    s.add_argument("--speculative", default=None, choices=("none", "draft", "mtp", "ngram", "eagle", "medusa"),
+                   help="speculative decoding to predict (default none; with --plan: the plan's, which a given METHOD, "
+                        "none included, replaces)")
     s.add_argument("--accept-rate", type=accept_rate_arg, default=None, metavar="RATE|LOW:HIGH",
                    help="per-token acceptance, one rate or a range (the prediction uses its midpoint; the 90%% "
                         "intervals span the range; default: fitted per method, its range from the fit)")

@@ -78,12 +78,8 @@ def _parts(
 
 
 def kv_shard_limit(layer: Any) -> int:
-    """How many devices a layer's cache can be split over: GQA K/V heads cannot be split below one head per device
-    (with more tensor-parallel ranks than KV heads the heads are replicated); other caches split freely (0)."""
-    m = layer.mixer
-    if m is not None and getattr(m, "kind", "") == "gqa":
-        return int(m.num_kv_heads)
-    return 0
+    """How many devices a layer's cache can be split over (LayerSpec.cache_shard_limit; 0: freely)."""
+    return layer.cache_shard_limit()
 
 
 def cache_per_device(cache: float, n_dev: int, shards: int) -> float:
@@ -265,12 +261,14 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
           embed_bits: int = 16, group_size: int = 128, context: int = 4096, batch: int = 1,
           layers_per_stage: int | None = None, afd: bool = False, micro_batches: int | None = None,
           speculative: SpeculativeConfig | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-          require_fit: bool = False, attention_ranks: int | None = None, ffn_ranks: int | None = None) -> Plan:
+          require_fit: bool = False, attention_ranks: int | None = None, ffn_ranks: int | None = None,
+          drafter: tuple[float, str] | None = None) -> Plan:
     """Place ``model`` on ``hardware``: the fewest devices that fit when ``devices`` is None, else exactly ``devices``.
 
     ``afd=True`` with ``attention_ranks`` / ``ffn_ranks``: the layout the AFD engine runs (data-parallel attention
     ranks, expert-sharded FFN ranks, each rank sized to fit); ``afd=True`` alone: attention and FFN device pools
-    with layers packed onto them (planner/simulator only)."""
+    with layers packed onto them (planner/simulator only). ``drafter``: the bytes speculative decoding's drafter adds
+    to the stage that holds the LM head, and what it is (sim.pipeline.drafter_memory)."""
     spec, hw = _resolve(model, hardware)
     if (attention_ranks is not None or ffn_ranks is not None) and not afd:
         raise ConfigError("--attention-ranks / --ffn-ranks need --afd")
@@ -292,9 +290,12 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     act = _activation_bytes(spec, batch, prefill_chunk)
     emb = spec.embed_bytes(embed_bits)
     head = spec.lm_head_bytes(embed_bits)
+    notes: list[str] = []
+    if drafter and drafter[0] > 0:  # (the drafts are made where the target's last hidden state and LM head are)
+        head += drafter[0]
+        notes.append(f"the {drafter[1]} ({drafter[0] / 1e9:,.2f} GB) sits with the LM head")
     kw = dict(weight_bits=weight_bits, kv_bits=kv_bits, embed_bits=embed_bits, group_size=group_size,
               context_len=context, batch=batch, afd=afd, speculative=speculative or SpeculativeConfig())
-    notes: list[str] = []
 
     def mk_stages(groups: list[tuple[list[_Part], int]], role: str, start_dev: int, start_idx: int,
                   with_ends: bool) -> list[Stage]:
@@ -560,13 +561,44 @@ def _max_int(ok: Any, hi: int) -> int:
     return lo
 
 
-def context_capacity(plan: Plan, model: Any) -> int:
-    """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights."""
+def restage_memory(plan: Plan, model: Any, drafter: float = 0.0) -> list[str]:
+    """Recompute the memory of every stage of ``plan`` that holds whole layers (role ``full``: pipeline and
+    tensor-parallel stages) from its layers, devices, bits, context and batch as ``place`` computes it (``drafter``:
+    the bytes its drafter adds beside the LM head), replacing what the plan says: a plan file edited, or placed by an
+    older planner, is judged on the model and hardware as they are. Returns one line per stage whose stored memory
+    differed by more than 0.5%. Attention and FFN ranks (AFD) keep theirs."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch), 1 << 34)
+    act = _activation_bytes(spec, plan.batch, DEFAULT_PREFILL_CHUNK)
+    emb, head = spec.embed_bytes(plan.embed_bits), spec.lm_head_bytes(plan.embed_bits) + drafter
+    parts = {p.layer: p for p in _parts(spec, "full", plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch,
+                                        plan.group_size)}
+    changed = []
+    for st in plan.stages:
+        if st.role != "full":
+            continue
+        extra = (emb if st.has_embedding else 0.0) + (head if st.has_lm_head else 0.0)
+        mem = _stage_memory([parts[i] for i in st.layers], st.num_devices, hw, act, extra)
+        if abs(mem.total - st.memory.total) > 0.005 * mem.total:
+            changed.append(f"stage {st.index}'s memory is {mem.total / 1e9:,.2f} GB per device placed as the plan "
+                           f"says ({st.num_devices} devices, layers {st.layers[0]}-{st.layers[-1]}); the file said "
+                           f"{st.memory.total / 1e9:,.2f} GB")
+        st.memory = mem
+    return changed
+
+
+CONTEXT_SEARCH_LIMIT = 1 << 34  # context_capacity searches up to this many tokens: at it, the memory holds at least it
+BATCH_SEARCH_LIMIT = 1 << 24  # batch_capacity's, in sequences
+
+
+def context_capacity(plan: Plan, model: Any) -> int:
+    """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights (CONTEXT_SEARCH_LIMIT:
+    at least that)."""
+    spec, hw = _resolve(model, plan.hardware)
+    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch), CONTEXT_SEARCH_LIMIT)
 
 
 def batch_capacity(plan: Plan, model: Any, context: int) -> int:
-    """Most sequences of ``context`` tokens whose cache every stage of ``plan`` can hold next to its weights."""
+    """Most sequences of ``context`` tokens whose cache every stage of ``plan`` can hold next to its weights
+    (BATCH_SEARCH_LIMIT: at least that)."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b), 1 << 24)
+    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b), BATCH_SEARCH_LIMIT)

@@ -378,7 +378,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
             mixer_flops=mixer_f,
             ffn_flops=max(0.0, total_f - mixer_f),
             is_moe=moe,
-            kv_shards=int(layer.mixer.num_kv_heads) if layer.mixer is not None and layer.mixer.kind == "gqa" else 0,
+            kv_shards=layer.cache_shard_limit(),
             kind_id=len(memo),
             fabric_mixer_elems=fw.mixer_elems,
             fabric_mixer_phases=fw.mixer_phases,

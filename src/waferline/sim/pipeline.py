@@ -165,6 +165,35 @@ def draft_spec(spec: ModelSpec, name: str | None, params: SimParams) -> ModelSpe
     return dspec if dspec is not None and dspec.vocab_size == spec.vocab_size else None
 
 
+def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: int, kv_bits: int, embed_bits: int,
+                   group_size: int, context: int, batch: int) -> tuple[float, str]:
+    """Bytes the drafter of ``sp`` (a SpeculativeConfig) adds to the stage that holds the LM head: its weights, and
+    its cache for ``batch`` sequences of ``context`` tokens (an MTP module or a draft layer keeps a cache of its own;
+    a draft model its whole cache) — and what it is. N-gram lookup runs on the host: nothing."""
+    from waferline.spec.model import quantized_bytes
+
+    method = sp.method
+    if method in ("none", "ngram"):
+        return 0.0, ""
+    d = spec.hidden_size
+    if method == "medusa":  # k heads, each a residual block [d -> d] and an LM head of its own
+        k = sp.num_tokens or params.num_tokens.get(method, 4)
+        return k * (spec.lm_head_bytes(embed_bits) + quantized_bytes(d * d, weight_bits, group_size)), \
+            f"{k} Medusa heads"
+    dspec = draft_spec(spec, sp.draft_model, params) if method == "draft" else None
+    if dspec is not None:
+        return (dspec.weight_bytes(weight_bits, group_size, embed_bits)
+                + batch * dspec.cache_bytes_per_seq(context, kv_bits)), f"draft model {dspec.name} and its cache"
+    if method == "mtp" and spec.mtp_layers:  # each module: a decoder layer, its input projection [2d -> d], norms
+        layers, what = spec.mtp_layers, "MTP module"
+        extra = len(layers) * quantized_bytes(2 * d * d, weight_bits, group_size)
+    else:  # a one-layer draft head of the target's shape (EAGLE-style, or what stands in for a missing drafter)
+        layers, what, extra = spec.layers[:1], "one-layer draft head", quantized_bytes(2 * d * d, weight_bits,
+                                                                                       group_size)
+    return (sum(lc.weight_bytes(weight_bits, group_size) + batch * lc.cache_bytes_per_seq(context, kv_bits)
+                for lc in layers) + extra), f"{what} and its cache"
+
+
 def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
     """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm

@@ -694,6 +694,17 @@ class LayerSpec:
         n = self.norm_params() + self.hc_params() + (self.mixer.params() if self.mixer else 0)
         return n + (self.ffn.active_params() if self.ffn else 0)
 
+    def cache_shard_limit(self) -> int:
+        """How many tensor-parallel devices this layer's cache can be split over (0: as many as there are). GQA's K/V
+        go down to one KV head a device (more ranks hold copies); a latent or KV head every query head reads (MLA,
+        DSA, DeepSeek-V4's compressed cache) is held whole by every rank, as vLLM's and SGLang's tensor-parallel MLA
+        hold it (data-parallel attention, which splits the batch instead, is not modelled); recurrent state splits
+        by its heads."""
+        kind = getattr(self.mixer, "kind", "")
+        if kind == "gqa":
+            return int(self.mixer.num_kv_heads)
+        return 1 if kind in ("mla", "dsa", "compressed") else 0
+
     def weight_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
         """Stored bytes: matmul weights at ``bits`` (+ scales); norms, routers, biases stay 16-bit."""
         kept = sum(_kept_16bit(p, bits) for p in self._parts())
