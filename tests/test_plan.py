@@ -348,3 +348,19 @@ def test_a_plan_too_short_for_the_workload_names_the_workload(tmp_path, capsys):
     capsys.readouterr()
     assert main(["simulate", "--plan", str(f), "--prompt-len", "5000"]) == 2
     assert "(prompt + output)" in capsys.readouterr().err
+
+
+def test_a_draft_that_falls_back_to_a_head_takes_the_heads_acceptance():
+    """gpt-oss-120b has no small catalog model of its vocabulary: `draft` runs a one-layer head of its shape, and such
+    a head accepts as an EAGLE-style head does (it took the fitted draft-model rate, 0.97 at its bound: 658 tok/s)."""
+    from waferline.sim.cost import load_params
+    from waferline.sim.pipeline import simulate
+
+    params = load_params(None)
+    got = {m: simulate(place("gpt-oss-120b", "h200-sxm", weight_bits=8, speculative=SpeculativeConfig(m)),
+                       params=params).speculative for m in ("draft", "eagle")}
+    assert got["draft"]["accept_rate"] == got["eagle"]["accept_rate"] == params.accept_rate["eagle"]
+    assert "EAGLE-style head's acceptance" in got["draft"]["drafter"]
+    llama = simulate(place("llama-3.1-70b", "h200-sxm", weight_bits=8, speculative=SpeculativeConfig("draft")),
+                     params=params).speculative  # (a real draft model: its own rate)
+    assert llama["accept_rate"] == params.accept_rate["draft"] and "llama-3.2-1b" in llama["drafter"]

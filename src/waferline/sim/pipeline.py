@@ -194,6 +194,15 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
                 for lc in layers) + extra), f"{what} and its cache"
 
 
+def _rate_method(ctx: _Ctx) -> str:
+    """Whose acceptance rate the plan's drafter takes: its method's, but a draft model that falls back to a one-layer
+    head of the target's shape (no small model shares the vocabulary) drafts as an EAGLE-style head does."""
+    sp = ctx.plan.speculative
+    if sp.method == "draft" and draft_spec(ctx.spec, sp.draft_model, ctx.params) is None:
+        return "eagle"
+    return sp.method
+
+
 def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
     """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
@@ -231,7 +240,7 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             one = stage_step([table[0]], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                              lm_head_bytes=head_b, lm_head_flops=head_f)
             return k * one.total, (f"one-layer draft head of {spec.name}'s shape (no small catalog model shares its "
-                                   f"{spec.vocab_size}-token vocabulary)")
+                                   f"{spec.vocab_size}-token vocabulary), with an EAGLE-style head's acceptance")
         devs = plan.stages[0].num_devices if hw.placement == "tensor" else None
         dplan = place(
             dspec,
@@ -308,7 +317,7 @@ def simulate(
     sp = plan.speculative
     if sp.method != "none":
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
-        a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(sp.method, 0.6)
+        a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
         E = expected_tokens_per_step(a, k)
         tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False)
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
@@ -323,7 +332,7 @@ def simulate(
             drafter=what,
             speedup=spec_rate / rate,
             accept_rate_source="given" if sp.accept_rate is not None else (
-                "fitted" if ctx.params.status.get(f"accept_rate.{sp.method}", "").startswith("fitted")
+                "fitted" if ctx.params.status.get(f"accept_rate.{_rate_method(ctx)}", "").startswith("fitted")
                 else "assumed default"),
         )
         rate = spec_rate
@@ -464,7 +473,7 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
     sp = plan.speculative
     if sp.method != "none":
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
-        acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(sp.method, 0.6)
+        acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
         E = expected_tokens_per_step(acc, k)
         tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b)
         tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx)
