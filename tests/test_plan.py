@@ -364,3 +364,20 @@ def test_a_draft_that_falls_back_to_a_head_takes_the_heads_acceptance():
     llama = simulate(place("llama-3.1-70b", "h200-sxm", weight_bits=8, speculative=SpeculativeConfig("draft")),
                      params=params).speculative  # (a real draft model: its own rate)
     assert llama["accept_rate"] == params.accept_rate["draft"] and "llama-3.2-1b" in llama["drafter"]
+
+
+def test_tensor_parallel_groups_split_the_attention_heads_evenly():
+    """kimi-k2's 64 heads cannot be split over 7 GPUs (it said 1 stage of 7 fit): 7 stages of 1 use them all; 72 GPUs
+    for gpt-5.6-sol's 96 heads are 3 stages of 24; the default search takes only groups that split the heads."""
+    plan = place("kimi-k2", "b200", weight_bits=8, devices=7)
+    assert [s.num_devices for s in plan.stages] == [1] * 7 and any("groups of 1, not 7" in n for n in plan.notes)
+    plan = place("kimi-k2", "b200", weight_bits=8, devices=7, layers_per_stage=61)  # (one stage: the widest group)
+    assert [s.num_devices for s in plan.stages] == [4] and any("groups of 4, not 7" in n for n in plan.notes)
+    plan = place("gpt-5.6-sol", "gb200-nvl72", weight_bits=4, devices=72)
+    assert [s.num_devices for s in plan.stages] == [24, 24, 24] and any("groups of 24, not 72" in n for n in plan.notes)
+    for name in ("gpt-5.6-sol", "llama-3.1-70b", "qwen3-235b-a22b", "deepseek-v3"):
+        spec = load_model(name)
+        heads = {layer.mixer.num_heads for layer in spec.layers if layer.mixer is not None}
+        for bits in (4, 16):
+            for st in place(spec, "gb200-nvl72", weight_bits=bits).stages:
+                assert all(h % st.num_devices == 0 for h in heads), (name, bits, st.num_devices, heads)

@@ -50,8 +50,9 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("--hardware", "-H", required=not optional,
                    help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
     p.add_argument("--devices", type=positive_int, default=None,
-                   help="number of devices (default: the fewest that fit; a count the layout cannot use whole is "
-                        "rounded down, and the plan says so)")
+                   help="number of devices (default: the fewest that fit, in tensor-parallel groups of a power of two "
+                        "on GPUs; a count the layout cannot use whole, or a group that would not split the attention "
+                        "heads evenly, is rounded down, and the plan says so)")
     p.add_argument("--weight-bits", type=int, default=None, choices=(16, 8, 4), help="stored weights (default 16)")
     p.add_argument("--kv-bits", type=int, default=None, choices=(16, 8, 4), help="KV cache (default 16)")
     p.add_argument(

@@ -471,6 +471,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
                 return False
         return True
 
+    heads = _head_split(spec)
     if devices is not None:
         tp = min(devices, hw.devices_per_node)
         if k is not None:
@@ -479,21 +480,31 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             pp = n_st
         else:
             pp = max(1, devices // tp)
+        if heads % tp:  # (a tensor-parallel group splits every layer's attention heads evenly, as vLLM requires)
+            ok = [t for t in range(1, tp + 1) if heads % t == 0]
+            if k is None:  # the group that uses the most devices (then the widest): stages of it fill the rest
+                was, (tp, pp) = tp, max(((t, min(devices // t, len(parts))) for t in ok),
+                                        key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0]))
+            else:
+                was, tp = tp, max(ok)
+            notes.append(f"tensor-parallel groups of {tp}, not {was}: {spec.name}'s {heads} heads split evenly over "
+                         f"{tp} devices" + (f" ({pp} pipeline stages)" if k is None and pp > 1 else ""))
         if tp * pp < devices:
             notes.append(f"{devices - tp * pp} of {devices} devices left idle (stages use {tp} device(s) each)")
         return mk_stages(build(tp, pp), "full", 0, 0, True)
+    sizes = [t for t in _tp_sizes(hw) if heads % t == 0] or [1]  # (groups that split the heads evenly)
     if k is not None:
         n_st = math.ceil(len(parts) / k)
-        for tp in _tp_sizes(hw):
+        for tp in sizes:
             g = build(tp, n_st)
             if fits(g):
                 return mk_stages(g, "full", 0, 0, True)
-        return mk_stages(build(hw.devices_per_node, n_st), "full", 0, 0, True)
-    for tp in _tp_sizes(hw):
+        return mk_stages(build(sizes[-1], n_st), "full", 0, 0, True)
+    for tp in sizes:
         g = build(tp, 1)
         if fits(g):
             return mk_stages(g, "full", 0, 0, True)
-    tp = hw.devices_per_node
+    tp = sizes[-1]
     pp = max(2, math.ceil(total / (tp * (hw.memory_bytes * (1 - hw.reserve_fraction) - act))))
     while pp <= len(parts):
         g = build(tp, pp)
@@ -501,6 +512,11 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             return mk_stages(g, "full", 0, 0, True)
         pp += 1
     return mk_stages(build(tp, len(parts)), "full", 0, 0, True)
+
+
+def _head_split(spec: ModelSpec) -> int:
+    """The most devices every layer's attention (or SSM) heads split over evenly: their greatest common divisor."""
+    return math.gcd(*(int(lc.mixer.num_heads) for lc in spec.layers if getattr(lc.mixer, "num_heads", 0))) or 1
 
 
 def _gb(x: float) -> str:
