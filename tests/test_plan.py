@@ -381,3 +381,11 @@ def test_tensor_parallel_groups_split_the_attention_heads_evenly():
         for bits in (4, 16):
             for st in place(spec, "gb200-nvl72", weight_bits=bits).stages:
                 assert all(h % st.num_devices == 0 for h in heads), (name, bits, st.num_devices, heads)
+
+
+def test_the_latency_bound_names_only_the_terms_the_hardware_has():
+    from waferline.sim.pipeline import simulate
+
+    gpu = simulate(place("deepseek-v3", "h200-sxm", weight_bits=8)).bound
+    wafer = simulate(place("gpt-5.6-sol", "wse-3", weight_bits=4, devices=80)).bound
+    assert gpu == "latency (fixed per-layer, collectives)" and "fabric" in wafer

@@ -381,8 +381,10 @@ def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:
     fixed = sum(t.fixed + t.comm + t.hop + t.fabric for t in timings)
     mem = sum(t.memory for t in timings)
     cmp_ = sum(t.compute for t in timings)
-    best = max((fixed, "latency (fixed per-layer, fabric, collectives, hops)"), (mem, "memory bandwidth"),
-               (cmp_, "compute"))
+    terms = [("fixed per-layer", sum(t.fixed for t in timings)), ("fabric", sum(t.fabric for t in timings)),
+             ("collectives", sum(t.comm for t in timings)), ("hops", sum(t.hop for t in timings))]
+    what = ", ".join(name for name, v in terms if v > 0)  # (the terms this hardware has: no fabric on a GPU)
+    best = max((fixed, f"latency ({what})"), (mem, "memory bandwidth"), (cmp_, "compute"))
     return best[1]
 
 
