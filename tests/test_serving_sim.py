@@ -1,6 +1,8 @@
 """Request-level serving simulation: streaming quantiles, the event-driven loop against a per-token reference, speed
 and memory at 100k requests, chunked prefill, prefill/decode disaggregation, MoE expert skew, input errors."""
 
+import bisect
+import itertools
 import json
 import math
 import random
@@ -13,7 +15,15 @@ from waferline.errors import ConfigError
 from waferline.plan.place import batch_capacity, place
 from waferline.sim.cost import load_params
 from waferline.sim.pipeline import simulate
-from waferline.sim.serving import SKETCH_REL_ERROR, QuantileSketch, expert_load_factor, simulate_serving
+from waferline.sim.serving import (
+    DEFAULT_TOKEN_BUDGET,
+    SKETCH_REL_ERROR,
+    QuantileSketch,
+    _Pricer,
+    expert_load_factor,
+    expert_ranks,
+    simulate_serving,
+)
 from waferline.spec.catalog import load_hardware, load_model
 
 QS = (0.01, 0.1, 0.5, 0.9, 0.99, 0.999)
@@ -191,20 +201,125 @@ def test_pd_disaggregation_removes_prefill_from_decode_steps():
 
 
 def test_expert_skew_slows_compute_bound_steps():
-    assert expert_load_factor(128, 8, 0.0) == 1.0
-    fs = [expert_load_factor(128, 8, s) for s in (0.1, 0.3, 0.6, 1.0, 3.0)]
-    assert fs == sorted(fs) and fs[0] > 1.0 and fs[-1] == pytest.approx(128 / 8)  # bounded by E / top_k
-    moe = place("qwen3-30b-a3b", "h100-sxm", devices=1, context=2048)
-    kw = dict(arrival_rate=10.0, num_requests=200, prompt_len=1024, output_len=128, seed=2)
+    assert expert_load_factor(128, 8, 0.0) == 1.0 and expert_load_factor(128, 8, 0.0, ranks=4) == 1.0
+    fs = [expert_load_factor(128, 8, s) for s in (0.1, 0.3, 0.6, 1.0, 3.0)]  # one rank per expert: the hottest
+    assert fs == sorted(fs) and fs[0] > 1.0 and fs[-1] == pytest.approx(128 / 8, rel=1e-3)  # bounded by E / top_k
+    moe = place("qwen3-30b-a3b", "h100-sxm", devices=4, context=4200)  # one stage, experts over 4 GPUs
+    kw = dict(arrival_rate=5.0, num_requests=200, prompt_len=4000, output_len=128, seed=2)
     base = simulate_serving(moe, **kw)
-    assert base.expert_load_factor == 1.0 and base.expert_skew == 0.0
+    assert base.expert_load_factor == 1.0 and base.expert_skew == 0.0 and base.expert_placement == ""
     assert simulate_serving(moe, expert_skew=0.0, **kw).to_dict() == base.to_dict()
     mild = simulate_serving(moe, expert_skew=0.3, **kw)
     hot = simulate_serving(moe, expert_skew=0.6, **kw)
-    assert 1.0 < mild.expert_load_factor < hot.expert_load_factor
+    assert 1.0 < mild.expert_load_factor < hot.expert_load_factor <= 4.0  # the busiest of 4 ranks
+    assert hot.expert_load_factor == pytest.approx(expert_load_factor(128, 8, 0.6, ranks=4), rel=1e-12)
+    assert "contiguous expert blocks over each stage's 4 devices" in hot.expert_placement
     assert base.ttft_p50_s < mild.ttft_p50_s < hot.ttft_p50_s  # prefill is compute-bound
     assert base.ttft_p99_s < mild.ttft_p99_s < hot.ttft_p99_s
     assert base.e2e_p50_s < hot.e2e_p50_s and base.itl_p99_s < hot.itl_p99_s
+    # one GPU holds every expert and does their total work, however it is spread over them
+    one = place("qwen3-30b-a3b", "h100-sxm", devices=1, context=4200)
+    on_one = simulate_serving(one, expert_skew=0.6, **kw)
+    assert on_one.expert_load_factor == 1.0 and "one device" in on_one.expert_placement
+    assert on_one.ttft_p50_s == simulate_serving(one, **kw).ttft_p50_s
+
+
+def _zipf_top_k_counts(E: int, K: int, s: float, tokens: int, seed: int) -> list[int]:
+    """Monte-Carlo of Zipf(s) routing: each token draws K distinct experts, each draw by popularity i^-s."""
+    cum = list(itertools.accumulate((i + 1) ** -s for i in range(E)))
+    rng = random.Random(seed)
+    cnt = [0] * E
+    for _ in range(tokens):
+        chosen: set[int] = set()
+        while len(chosen) < K:
+            chosen.add(min(E - 1, bisect.bisect_right(cum, rng.random() * cum[-1])))
+        for e in chosen:
+            cnt[e] += 1
+    return cnt
+
+
+def test_expert_load_factor_is_the_busiest_rank_not_the_hottest_expert():
+    """deepseek-v3 (256 routed experts, top 8) expert-parallel over 8 GPUs at Zipf 1.0: a step waits for the GPU whose
+    32 experts (contiguous, the most popular first) get the most tokens, ~4.9x the mean GPU's, not for the hottest
+    expert's 25x applied to every expert's work (the factor was 32 = E / top_k)."""
+    E, K, R, N = 256, 8, 8, 4000
+    for s in (0.5, 1.0):
+        cnt = _zipf_top_k_counts(E, K, s, N, seed=0)
+        busiest_rank = max(sum(cnt[r * E // R:(r + 1) * E // R]) for r in range(R)) / (N * K / R)
+        f = expert_load_factor(E, K, s, ranks=R)
+        assert f == pytest.approx(busiest_rank, rel=0.15), (s, f, busiest_rank)
+        assert expert_load_factor(E, K, s) == pytest.approx(max(cnt) / (N * K / E), rel=0.15)  # one rank per expert
+    assert expert_load_factor(E, K, 1.0, ranks=R) < 0.25 * E / K
+    for s in (0.3, 1.0, 2.0, 8.0):  # physics: no rank takes more than every token's experts, nor more than all
+        fs = [expert_load_factor(E, K, s, ranks=r) for r in (1, 2, 4, 8, 16, 64, 256)]
+        assert fs[0] == 1.0 and fs == sorted(fs)
+        assert all(f <= min(r, E / K) * (1 + 1e-9) for f, r in zip(fs, (1, 2, 4, 8, 16, 64, 256)))
+    # the ranks come from the plan: deepseek-v3 8-bit on one stage of 8 H200s
+    ds = place("deepseek-v3", "h200-sxm", weight_bits=8, context=1100)
+    assert ds.num_stages == 1 and ds.stages[0].num_devices == 8
+    r = simulate_serving(ds, arrival_rate=2.0, num_requests=5, prompt_len=1000, output_len=8, expert_skew=1.0)
+    assert r.expert_load_factor == pytest.approx(expert_load_factor(E, K, 1.0, ranks=8), rel=1e-12)
+    assert "8 devices" in r.expert_placement and "contiguous" in r.expert_placement
+    # on a wafer each expert's weights (and work) stay on their own cores: one rank per expert
+    wafer = place("qwen3-30b-a3b", "wse-3", devices=1)
+    assert expert_ranks(wafer, load_hardware("wse-3"))[0] is None
+
+
+@pytest.mark.parametrize("model, hardware, bits, devices", [("gpt-5.6-sol", "wse-3", 4, 80),
+                                                             ("llama-3.1-70b", "groq-lpu-v1", 8, 800)])
+def test_serving_ttft_never_falls_as_the_prompt_grows_on_a_pipeline(model, hardware, bits, devices):
+    """One client on a multi-stage plan: a prompt past one step's 2,048 tokens is prefilled in several chunks, and
+    its first token cannot come before its first (larger) chunk has left the last stage. 2,049 tokens used to take
+    the 1-token chunk's drain only (gpt-5.6-sol on 80 wafers: 176 ms against 219 ms at 2,048)."""
+    plan = place(model, hardware, weight_bits=bits, devices=devices, context=64_100)
+    assert plan.num_stages > 1
+    params, spec, hw = load_params(), load_model(model), load_hardware(hardware)
+    ttft: dict[int, float] = {}
+    for P in (500, 2048, 2049, 4096, 64_000):
+        r = simulate_serving(plan, users=1, num_requests=2, prompt_len=P, output_len=2)
+        ttft[P] = r.ttft_mean_s - params.ttft_overhead_s
+        # the flow shop by hand: chunk j leaves at max(its step's end + its drain, chunk j-1's exit + its hold)
+        pr = _Pricer(plan, spec, hw, params, P, 2, 0.0)
+        t = ex = 0.0
+        for c in [DEFAULT_TOKEN_BUDGET] * (P // DEFAULT_TOKEN_BUDGET) + [P % DEFAULT_TOKEN_BUDGET] * bool(
+                P % DEFAULT_TOKEN_BUDGET):
+            hold, drain = pr.chunk(c)
+            t += hold
+            ex = max(ex + hold, t + drain)
+        assert ttft[P] == pytest.approx(ex, rel=1e-9), P
+    assert list(ttft.values()) == sorted(ttft.values()), ttft
+    pr = _Pricer(plan, spec, hw, params, 2049, 2, 0.0)
+    (h, d), (h1, d1) = pr.chunk(2048), pr.chunk(1)
+    assert d > 0 and h + d > h + h1 + d1  # (why it mattered: the big chunk's drain dwarfs the small one's)
+    assert ttft[2048] == pytest.approx(h + d, rel=1e-9)  # one chunk: hold + drain
+    assert ttft[2049] == pytest.approx(h + d + h1, rel=1e-9)  # the 1-token chunk leaves right behind it
+    h4, d4 = _Pricer(plan, spec, hw, params, 4096, 2, 0.0).chunk(2048)  # (attention at half the prompt)
+    assert ttft[4096] == pytest.approx(2 * h4 + d4, rel=1e-9)  # Σ stages + (chunks - 1) x slowest
+    # a separate prefill pool (a second copy of the plan) times its chunks the same way
+    for P in (2048, 2049):
+        one = dict(arrival_rate=1.0, num_requests=1, prompt_len=P, output_len=2)
+        assert simulate_serving(plan, pd_disaggregation=True, **one).ttft_mean_s == pytest.approx(
+            ttft[P] + params.ttft_overhead_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("model, hardware, bits, devices", [("llama-3.1-70b", "h100-sxm", 16, 4),
+                                                             ("gpt-5.6-sol", "wse-3", 4, 80),
+                                                             ("llama-3.1-70b", "groq-lpu-v1", 8, 800)])
+def test_one_chunk_rule_for_the_steady_state_and_the_serving_ttft(model, hardware, bits, devices):
+    """The steady-state TTFT prices a prompt in 512-token chunks, the last at its real size (a 513-token prompt used
+    to cost as much as 1,024 tokens), by the serving simulation's rule: one client with 512-token steps gets exactly
+    the steady-state TTFT, on one stage or 80; the two modes differ only by the chunk (the step budget, default
+    2,048)."""
+    plan = place(model, hardware, weight_bits=bits, devices=devices, context=4200)
+    pre = {}
+    for P in (300, 512, 513, 1000, 1024, 1025, 2049, 4000):
+        steady = simulate(plan, prompt_len=P, output_len=2, concurrency=1)
+        pre[P] = steady.prefill_s
+        one = simulate_serving(plan, users=1, num_requests=2, prompt_len=P, output_len=2, max_num_batched_tokens=512)
+        assert one.ttft_mean_s == pytest.approx(steady.ttft_s, rel=1e-12), P
+    assert list(pre.values()) == sorted(pre.values()), pre
+    if plan.num_stages == 1:  # one stage: chunk after chunk, 513 tokens = one 512-token pass + one 1-token pass
+        assert pre[512] < pre[513] < 0.8 * pre[1024] and pre[1024] < pre[1025] < 1.2 * pre[1024]
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 0}, {"pd_disaggregation": True}])

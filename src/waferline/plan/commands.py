@@ -462,7 +462,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             how += (f"; prefill on its own {serving.prefill_devices} devices, KV handover "
                     f"{serving.kv_handover_s * 1e3:.2f} ms")
         if serving.expert_skew:
-            how += f"; expert skew {serving.expert_skew:g}: hottest expert x{serving.expert_load_factor:.2f} load"
+            how += (f"; expert skew {serving.expert_skew:g}: busiest expert-parallel rank x"
+                    f"{serving.expert_load_factor:.2f} the mean load ({serving.expert_placement})")
         load = (f"from {serving.users} clients in a closed loop ({serving.arrival_rate:.3g} req/s)" if serving.users
                 else f"at {serving.arrival_rate:g} req/s")
         sv = Table(
@@ -718,8 +719,9 @@ def register(subparsers: Any) -> None:
                    help="serving: devices of a separate prefill pool, the model placed with the same flags (implies "
                         "--pd-disaggregation)")
     s.add_argument("--expert-skew", type=float, default=None,
-                   help="serving, MoE: Zipf exponent of expert popularity; the hottest expert's load over the mean "
-                        "scales the routed-expert compute (default 0 = uniform routing)")
+                   help="serving, MoE: Zipf exponent of expert popularity; the busiest expert-parallel rank's load "
+                        "over the mean rank's scales the routed-expert compute (contiguous expert blocks, the most "
+                        "popular first; default 0 = uniform routing)")
     s.set_defaults(func=cmd_simulate)
 
     v = subparsers.add_parser(

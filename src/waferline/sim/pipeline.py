@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.plan.plan import Plan, Stage
+from waferline.sim.chunking import pipelined_prefill
 from waferline.sim.cost import (
     ClassParams,
     LayerCost,
@@ -336,12 +337,14 @@ def simulate(
                 else "assumed default"),
         )
         rate = spec_rate
-    # TTFT: chunked prefill pipelined through the stages
-    C = min(P, PREFILL_CHUNK)
-    n_chunks = math.ceil(P / C)
+    # TTFT: chunked prefill pipelined through the stages, the last chunk at its real size (sim/chunking.py)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-    tp, _, slowp = _step(ctx, ptable, 1, C, B, want_timings=False)
-    ttft = params.ttft_overhead_s + tp + (n_chunks - 1) * slowp
+
+    def chunk(n: int) -> tuple[float, float]:
+        tp, _, slowp = _step(ctx, ptable, 1, n, B, want_timings=False)
+        return tp, slowp
+
+    ttft = params.ttft_overhead_s + pipelined_prefill(P, min(P, PREFILL_CHUNK), chunk)
     e2e = ttft + (O - 1) / rate
     return _answered(SimResult(
         model=plan.model,
@@ -484,8 +487,9 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
         rate = E / (tv + K * tdraft)
     C = min(P, PREFILL_CHUNK)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-    tp, _ = _afd_layer_times(ctx, ptable, 1, C, 1, b)
-    ttft = params.ttft_overhead_s + math.ceil(P / C) * tp
+    n_full, rest = divmod(P, C)  # chunks one after another, the last at its real size
+    ttft = params.ttft_overhead_s + n_full * _afd_layer_times(ctx, ptable, 1, C, 1, b)[0] + (
+        _afd_layer_times(ctx, ptable, 1, rest, 1, b)[0] if rest else 0.0)
     timings = []
     for s in plan.stages:
         side = "att" if s.role == "attention" else "ffn"

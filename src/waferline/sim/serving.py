@@ -3,6 +3,7 @@ mixed into decode steps, optional prefill/decode disaggregation and MoE expert s
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import random
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.plan.plan import Plan
+from waferline.sim.chunking import ChunkExit
 from waferline.sim.cost import SimParams, load_params
 
 if TYPE_CHECKING:
@@ -116,7 +118,7 @@ class ServingResult:
     prefill_devices: int = 0  # devices of the prefill pool (PD), else 0
     kv_handover_s: float = 0.0  # one request's KV cache from the prefill to the decode pool (PD)
     expert_skew: float = 0.0  # Zipf exponent of expert popularity (0 = uniform routing)
-    expert_load_factor: float = 1.0  # busiest expert's load over the mean load (MoE compute multiplier)
+    expert_load_factor: float = 1.0  # busiest expert-parallel rank's load over the mean rank's (MoE compute x)
     ttft_mean_s: float = 0.0
     itl_p90_s: float = 0.0
     itl_mean_s: float = 0.0
@@ -125,6 +127,7 @@ class ServingResult:
     steps: int = 0  # engine iterations simulated (decode pool)
     quantile_rel_error: float = SKETCH_REL_ERROR  # bound on each percentile's relative error (streaming sketch)
     users: int = 0  # closed loop: this many clients, each sending its next request when the last one ends (else 0)
+    expert_placement: str = ""  # expert skew: the expert placement ``expert_load_factor`` assumes (else "")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -133,25 +136,106 @@ class ServingResult:
 # ----------------------------------------------------------------------------- pricing
 
 
-def expert_load_factor(num_experts: int, top_k: int, skew: float) -> float:
-    """Busiest expert's expected load over the mean when expert popularity follows Zipf(``skew``).
+def _inclusion(num_experts: int, top_k: int, skew: float) -> list[float]:
+    """Probability that expert i (i = 0 the most popular) is among a token's ``top_k`` distinct experts when a
+    routing slot picks expert i with probability p_i ~ (i + 1)^-skew, drawn without replacement: Rosén's
+    approximation of successive sampling, q_i = 1 - exp(-p_i tau) with tau such that sum q_i = top_k (within a few %
+    of a Monte-Carlo for E = 64..384, top_k 6..8)."""
+    w = [(i + 1) ** -skew for i in range(num_experts)]
+    tot = sum(w)
+    p = [x / tot for x in w]
+    k = min(top_k, num_experts)
+    if k >= num_experts:
+        return [1.0] * num_experts
 
-    Expert i is picked with probability p_i ~ i^-skew per routing slot; a token uses ``top_k`` distinct experts, so
-    the hottest expert serves min(1, top_k p_1) of the tokens against top_k / E on average. 1 at skew 0 (uniform),
-    at most E / top_k (the hottest expert in every token)."""
+    def mass(tau: float) -> float:
+        return sum(-math.expm1(-x * tau) for x in p)
+
+    lo, hi = 0.0, float(k)
+    while mass(hi) < k * (1 - 1e-12):
+        hi *= 2.0
+        if hi > 1e300:
+            break
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mass(mid) < k:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    q = [-math.expm1(-x * hi) for x in p]
+    f = k / sum(q)  # (the bisection's last rounding)
+    return [min(1.0, x * f) for x in q]
+
+
+@functools.lru_cache(maxsize=256)
+def expert_load_factor(num_experts: int, top_k: int, skew: float, ranks: int | None = None) -> float:
+    """The busiest expert-parallel rank's expected load over the mean rank's when expert popularity follows
+    Zipf(``skew``): the compute multiplier of the routed experts in a step that waits for its slowest rank.
+
+    ``ranks``: how many devices (or, on a wafer, core regions) the layer's experts are spread over, in contiguous
+    blocks -- the first ``num_experts mod ranks`` ranks one expert more, as ``plan.place.expert_split`` splits them
+    and as vLLM's and SGLang's default (linear) expert placement does -- with the most popular experts numbered first,
+    so the hottest experts share rank 0 (the worst case of that placement). A rank's load is the sum over its experts
+    of the chance a token picks that expert (``_inclusion``), against top_k / ranks for the mean rank. Default
+    (``ranks`` None): one rank per expert, the hottest expert's load over the mean. 1 at skew 0 (uniform routing) or on
+    one rank (a device holding every expert does their total work whatever the split); at most
+    min(ranks, E / top_k): a rank cannot take more than every token's top_k experts."""
     if skew <= 0 or num_experts <= 0 or top_k <= 0:
         return 1.0
-    p1 = 1.0 / sum(i ** -skew for i in range(1, num_experts + 1))
-    return max(1.0, min(1.0, top_k * p1) * num_experts / top_k)
+    R = num_experts if ranks is None else max(1, min(int(ranks), num_experts))
+    if R == 1:
+        return 1.0
+    q = _inclusion(num_experts, top_k, skew)
+    base, extra = divmod(num_experts, R)
+    busiest, a = 0.0, 0
+    for r in range(R):
+        b = a + base + (1 if r < extra else 0)
+        busiest = max(busiest, sum(q[a:b]))
+        a = b
+    return max(1.0, busiest / (sum(q) / R))
 
 
-def _skewed(table: list[LayerCost], skew: float) -> tuple[list[LayerCost], float]:
+def expert_ranks(plan: Plan, hw: HardwareSpec) -> tuple[dict[int, int] | None, str]:
+    """Per MoE layer index: over how many ranks its routed experts are spread in ``plan`` (``expert_load_factor``'s
+    ``ranks``; None: one rank per expert for every layer), and the assumption in words.
+
+    GPU-style stage: expert parallel over the stage's devices (contiguous blocks). The engine's AFD layout: over the
+    FFN ranks (``expert_split``), each rank's devices splitting its share evenly. A wafer: weight-stationary, each
+    expert's weights sit on their own cores, which do that expert's work: one rank per expert."""
+    from waferline.sim.pipeline import is_afd_ranks
+
+    if hw.kind == "wafer":
+        return None, "wafer: each expert's weights stay on their own cores (one rank per expert)"
+    out: dict[int, int] = {}
+    if is_afd_ranks(plan):
+        ffn = [s for s in plan.stages if s.role == "ffn"]
+        for s in ffn:
+            for j in s.layers:
+                out[j] = len(ffn)
+        return out, f"contiguous expert blocks over the {len(ffn)} FFN rank(s), most popular experts first"
+    for s in plan.stages:
+        if s.role in ("full", "ffn"):
+            for j in s.layers:
+                out[j] = max(out.get(j, 1), s.num_devices)
+    n = sorted(set(out.values()))
+    if n == [1] or not n:
+        return out, ("every expert on one device: it does their total work whatever the skew (factor 1; one hot "
+                     "expert's GEMM is not priced apart)")
+    return out, (f"contiguous expert blocks over each stage's {'/'.join(str(x) for x in n)} devices (expert "
+                 "parallel), most popular experts first")
+
+
+def _skewed(table: list[LayerCost], skew: float, ranks: dict[int, int] | None = None
+            ) -> tuple[list[LayerCost], float]:
     """The layer table with each MoE layer's routed-expert FLOPs multiplied by its expert load factor.
 
-    Expert-parallel devices (or the groups of one grouped GEMM) wait for the one holding the hottest expert, so the
-    routed part of the FFN compute scales with max load / mean load. Weight reads are left as they are: each touched
-    expert is read once however many tokens it serves (skew in fact touches fewer experts at small batch; not
-    credited here), so memory-bound decode barely changes and compute-bound steps (prefill, large batches) slow down.
+    The devices a layer's experts are spread over (``ranks``: layer index -> count; a layer not in it, or ``ranks``
+    None, has one rank per expert) wait for the busiest, so the routed part of the FFN compute scales with the
+    busiest rank's load over the mean rank's. Weight reads are left as they are: each touched expert is read once
+    however many tokens it serves (skew in fact touches fewer experts at small batch; not credited here), so
+    memory-bound decode barely changes and compute-bound steps (prefill, large batches) slow down.
     """
     if skew <= 0:
         return table, 1.0
@@ -160,7 +244,7 @@ def _skewed(table: list[LayerCost], skew: float) -> tuple[list[LayerCost], float
         if not lc.is_moe or lc.num_experts <= 0:
             out.append(lc)
             continue
-        f = expert_load_factor(lc.num_experts, lc.top_k, skew)
+        f = expert_load_factor(lc.num_experts, lc.top_k, skew, None if ranks is None else ranks.get(lc.index))
         worst = max(worst, f)
         routed = lc.top_k * lc.expert_bytes
         frac = routed / (routed + lc.dense_ffn_bytes) if routed + lc.dense_ffn_bytes > 0 else 0.0
@@ -181,8 +265,9 @@ class _Pricer:
         self.afd = is_afd_ranks(plan)
         self.dtable = layer_table(spec, plan.weight_bits, plan.kv_bits, P + O // 2, plan.group_size)
         self.ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-        self.dtable_s, self.load_factor = _skewed(self.dtable, skew)
-        self.ptable_s, _ = _skewed(self.ptable, skew)
+        ranks, self.expert_placement = expert_ranks(plan, hw)
+        self.dtable_s, self.load_factor = _skewed(self.dtable, skew, ranks)
+        self.ptable_s, _ = _skewed(self.ptable, skew, ranks)
         self.skew = skew
         self._dec: dict[int, float] = {}
         self._chunk: dict[int, tuple[float, float]] = {}
@@ -282,6 +367,7 @@ def _prefill_pool(pr: _Pricer, arrivals: Iterator[float], budget: int, handover:
         return
     q: deque[list[float]] = deque()  # [arrival, prompt tokens left]
     out: list[tuple[float, float, float]] = []  # done, not yet yielded (the drain makes them finish out of order)
+    ex = ChunkExit()
     while True:
         while nxt <= t:
             q.append([nxt, float(P)])
@@ -299,9 +385,9 @@ def _prefill_pool(pr: _Pricer, arrivals: Iterator[float], budget: int, handover:
         c, done = _take_chunks(q, budget)
         hold, drain = pr.chunk(c)
         t += hold
+        ft = ex.after(t, hold, drain)  # the chunk leaves the last stage (not before the chunk ahead of it)
         for _ in range(done):
             a = q.popleft()[0]
-            ft = t + drain
             ttft.add(ft - a + overhead)
             heapq.heappush(out, (ft + handover, a, ft))
 
@@ -331,9 +417,13 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     FLOPs of every token are done, so it costs max(decode step at batch b, one pass of b + c tokens) -- the decode
     step is memory- or latency-bound, the chunk compute-bound, and the fused pass pays the larger, not the sum (the
     sum would read the weights and pay the fixed per-layer latency twice). A step with no chunk is the plain decode
-    step, so the decode numbers are the pipeline model's. A chunk goes through all stages before the next step (no
-    pipelining of one prompt's chunks across steps). ``max_num_batched_tokens=0``: stop-the-world prefill -- each
-    admitted prompt is prefilled alone (the pipeline model's prefill time) while decoding pauses.
+    step, so the decode numbers are the pipeline model's. On several stages a step holds the pipeline for its
+    slowest stage, then the next step enters behind it; the stages take chunks in order, so a chunk leaves the last
+    stage at max(its step's end + its drain, the chunk ahead's exit + its own slowest stage) -- the steady-state
+    TTFT's rule too (``sim.chunking``) --, and a prompt's first token comes when its last chunk leaves, never before
+    an earlier, larger chunk of it has.
+    ``max_num_batched_tokens=0``: stop-the-world prefill -- each admitted prompt is prefilled alone (the pipeline
+    model's prefill time) while decoding pauses.
 
     ``pd_disaggregation`` (or a ``prefill_plan``): prompts are prefilled on a separate pool (``prefill_plan``, default a
     second copy of ``plan``) with the same token budget; after the first token the request's KV cache
@@ -342,8 +432,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     pool keeps a finished prompt's cache until the decode pool has room for it (its memory is not capped).
 
     ``expert_skew`` (MoE): Zipf exponent of expert popularity; the routed-expert FLOPs of every step scale by the
-    busiest expert's load over the mean (``expert_load_factor``, at most E / top_k; 0 = uniform routing, the
-    pipeline model's assumption).
+    busiest expert-parallel rank's expected load over the mean rank's (``expert_load_factor`` over the ranks
+    ``expert_ranks`` finds in the plan: contiguous expert blocks, most popular experts first; 1 on one device; on a
+    wafer one rank per expert; 0 = uniform routing, the pipeline model's assumption).
 
     Latencies go into streaming quantile sketches (relative error ``SKETCH_REL_ERROR``); memory stays bounded by the
     requests in flight and in the queue.
@@ -437,6 +528,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     heap: list[tuple[int, float]] = []  # decoding: (step after which its last token is out, arrival)
     joiners: list[float] = []  # first-token times of requests whose first decode step is the next one
     t = t_prev = t_last = 0.0
+    ex = ChunkExit()
     first_arrival = _INF
     k = 0  # decode steps done; a request joining after step k has its O-th token after step k + O - 1
     steps = done = 0
@@ -511,7 +603,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
             t = t_prev = max(t, nxt_time)
             continue
         # 4. price the step, or a stretch of identical decode steps up to the next event
-        drain = 0.0
+        hold = drain = 0.0
         if c == 0:
             T = dec.decode_step(b)
         else:
@@ -538,12 +630,13 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         k += n
         steps += n
         t_prev = t
+        # a chunk leaves the last stage after the pipeline drains, and not before the chunk ahead of it
+        ft = ex.after(t, hold, drain) if c else t
         for _ in range(finished):
             a = prefilling.popleft()[0]
-            ft = t + drain  # the last stage finishes the chunk after the pipeline drains
             if not first_wave(a):
                 ttft.add(ft - a + ovh)
-            if drain > 0:
+            if ft > t:
                 heapq.heappush(ready, (ft, a, ft))
             else:
                 join(a, ft)
@@ -563,4 +656,5 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         expert_skew=expert_skew, expert_load_factor=dec.load_factor, ttft_mean_s=ttft.mean,
         itl_p90_s=itl.quantile(0.9), itl_mean_s=itl.mean, e2e_p90_s=e2e.quantile(0.9), e2e_mean_s=e2e.mean,
         steps=steps, quantile_rel_error=ttft.rel_error, users=users or 0,
+        expert_placement=dec.expert_placement if expert_skew > 0 else "",
     )
