@@ -389,3 +389,14 @@ def test_the_latency_bound_names_only_the_terms_the_hardware_has():
     gpu = simulate(place("deepseek-v3", "h200-sxm", weight_bits=8)).bound
     wafer = simulate(place("gpt-5.6-sol", "wse-3", weight_bits=4, devices=80)).bound
     assert gpu == "latency (fixed per-layer, collectives)" and "fabric" in wafer
+
+
+def test_a_layer_split_over_devices_gets_enough_for_a_cache_it_cannot_split():
+    """Groq LPUs (230 MB each) hold a llama-3.1-70b layer over ~20 chips, but its 8 KV heads split the cache at most 8
+    ways: the count from bytes alone came up short (it fit at 16,100 tokens, not at 8,300 or 32,100)."""
+    counts = []
+    for context in (4096, 8300, 16100, 32100, 64100):
+        plan = place("llama-3.1-70b", "groq-lpu-v1", weight_bits=8, context=context)
+        assert plan.fits, (context, plan.problems[:1])
+        counts.append(plan.num_devices)
+    assert counts == sorted(counts)

@@ -107,6 +107,24 @@ def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
     return max(1, math.ceil(total / avail - 1e-12))
 
 
+def _devices_for(parts: list[_Part], hw: HardwareSpec, act: float, extra: float = 0.0) -> int:
+    """The fewest devices whose memory holds ``parts`` (plus ``extra`` weights) as ``_stage_memory`` counts it: past
+    a cache's shard limit (GQA: its KV heads) more devices do not split it further, so the bytes-over-capacity
+    estimate alone can come up short."""
+    n = _devices_needed(sum(p.weights + p.cache for p in parts) + extra, hw, act)
+    if n >= MAX_DEVICES or _stage_memory(parts, n, hw, act, extra).fits:
+        return n
+    lo, hi = n, n * 2  # (fitting is monotone in the devices: an exponential search, then bisection)
+    while hi < MAX_DEVICES and not _stage_memory(parts, hi, hw, act, extra).fits:
+        lo, hi = hi, hi * 2
+    if hi >= MAX_DEVICES:
+        return MAX_DEVICES
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if _stage_memory(parts, mid, hw, act, extra).fits else (mid, hi)
+    return hi
+
+
 def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[list[_Part]]:
     """Split parts into n contiguous non-empty groups minimising the largest group's memory (extras on the ends)."""
     n = max(1, min(n, len(parts)))
@@ -159,7 +177,7 @@ def _greedy_pack(
             cur, used = [], 0.0
         extra = first_extra if not out and not cur else 0.0
         if size + extra > avail:
-            out.append(([p], _devices_needed(size + extra, hw, act)))
+            out.append(([p], _devices_for([p], hw, act, size + extra - p.weights - p.cache)))
             used = 0.0
         else:
             cur, used = [p], size + extra
@@ -222,7 +240,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
     stages: list[Stage] = []
     dev = 0
     for m in range(M):
-        n_dev = _devices_needed(sum(p.weights + p.cache for p in att) + emb + head, hw, act)
+        n_dev = _devices_for(att, hw, act, emb + head)
         stages.append(
             Stage(
                 index=m,
@@ -249,7 +267,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
             elif ffn_owner(i, N) != n:
                 w = 0.0
             parts.append(_Part(i, w, 0.0))
-        n_dev = _devices_needed(sum(p.weights for p in parts), hw, act)
+        n_dev = _devices_for(parts, hw, act)
         stages.append(Stage(index=M + n, role="ffn", layers=sorted(ffn), device=hw.name,
                             device_ids=list(range(dev, dev + n_dev)), weight_bits=weight_bits, kv_bits=kv_bits,
                             memory=_stage_memory(parts, n_dev, hw, act, 0.0)))
@@ -359,7 +377,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             groups = []
             for ci, c in enumerate(chunks):
                 extra = (emb if ci == 0 else 0.0) + (head if ci == len(chunks) - 1 else 0.0)
-                groups.append((c, _devices_needed(sum(p.weights + p.cache for p in c) + extra, hw, act)))
+                groups.append((c, _devices_for(c, hw, act, extra)))
         else:
             groups = _split_into(parts, devices, hw, act, layers_per_stage, emb, head)
             used = sum(n for _, n in groups)
@@ -438,7 +456,8 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
     sizes = [sum(p.weights + p.cache for p in g) for g in groups]
     sizes[0] += first_extra
     sizes[-1] += last_extra
-    need = [_devices_needed(x, hw, act) for x in sizes]
+    need = [_devices_for(g, hw, act, (first_extra if i == 0 else 0.0) + (last_extra if i == len(groups) - 1 else 0.0))
+            for i, g in enumerate(groups)]
     if all(n <= per for n in need) or sum(need) > devices:  # the even split fits (or no split of these stages does)
         return [(g, per) for g in groups]
     # an end stage's embedding or LM head does not fit the even share: every stage gets the devices it needs, then
