@@ -146,3 +146,78 @@ def test_measured_host_yaml_loads_and_plans(tmp_path):
     assert hw.kind == "cpu" and hw.memory_bandwidth > 1e8 and hw.flops["bf16"] > 1e8 and 0 < hw.scale_up.latency < 1e-2
     assert all("measured on" in s.source or s.status == "assumed" for s in hw.sources.values())
     assert place("llama-3.2-1b", str(out), devices=2).num_stages == 2 and d["kind"] == "cpu"
+
+
+@pytest.mark.parametrize("mutate, message", [
+    # a fraction where a count is meant: refused, never truncated (0.5 devices per node was int()'d to 0 and divided by)
+    (lambda d: d["system"].update(devices_per_node=0.5), "'devices_per_node' must be a whole number >= 1, got 0.5"),
+    (lambda d: d["system"].update(devices_per_node=2.7), "'devices_per_node' must be a whole number >= 1, got 2.7"),
+    (lambda d: d["system"].update(min_devices=0.5), "'min_devices' must be a whole number >= 1, got 0.5"),
+    (lambda d: d["device"].update(cores=0.5), "'cores' must be a whole number >= 1, got 0.5"),
+    (lambda d: d.update(system=8), "system must be a mapping like {devices_per_node: 8}, got 8"),
+    (lambda d: d.update(links=["nvlink4"]), "links must be a mapping"),
+    # unknown keys at every level: named, with the known ones (a typo used to fall back to the default silently)
+    (lambda d: d["system"].update(devices_per_nodes=8),
+     "unknown field 'devices_per_nodes' in system (did you mean 'devices_per_node'?); known: devices_per_node"),
+    (lambda d: d.update(reserve_fraction=0.5),
+     "unknown field 'reserve_fraction' in the top level ('reserve_fraction' belongs under device:); known: name"),
+    (lambda d: d["device"]["flops"].update(bogus=1.0), "unknown field 'bogus' in device.flops; known: bf16, fp8"),
+    (lambda d: d["device"].update(memory_bandwith=1e13), "unknown field 'memory_bandwith' in device (did you mean"),
+    (lambda d: d["links"].update(scale_sideways="ib-400g"), "unknown field 'scale_sideways' in links"),
+    (lambda d: d["links"]["scale_up"].update(latncy=1e-6), "unknown field 'latncy' in link 'scale_up'"),
+    (lambda d: d["device"].update(memory_bytes={"value": 2e11, "sorce": "x"}),
+     "unknown field 'sorce' in memory_bytes (did you mean 'source'?)"),
+    # a wafer without its mesh would silently drop the fabric term
+    (lambda d: d.update(kind="wafer"), "kind wafer needs device.cores and links.on_chip"),
+    (lambda d: (d.update(kind="wafer"), d["device"].update(cores=1000)), "kind wafer needs links.on_chip ("),
+])
+def test_user_yaml_mistakes_are_refused_with_file_and_field(tmp_path, mutate, message):
+    d = yaml.safe_load(yaml.safe_dump(GOOD))
+    mutate(d)
+    p = tmp_path / "mine.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError) as e:
+        load_hardware_file(p)
+    assert str(e.value).startswith(f"{p}: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_user_yaml_whole_counts_and_a_complete_wafer_load(tmp_path):
+    d = yaml.safe_load(yaml.safe_dump(GOOD))
+    d["system"].update(devices_per_node=8.0, min_devices={"value": 2, "assumed": "pairs"})
+    d.update(kind="wafer")
+    d["device"].update(cores=1000)
+    d["links"].update(on_chip="wse3-mesh")
+    p = tmp_path / "w.yaml"
+    p.write_text(yaml.safe_dump(d))
+    hw = load_hardware_file(p)
+    assert (hw.devices_per_node, hw.min_devices, hw.cores) == (8, 2, 1000) and hw.on_chip.name == "wse3-mesh"
+    assert isinstance(hw.devices_per_node, int) and isinstance(hw.cores, int)
+
+
+def test_user_yaml_mistakes_fail_on_the_command_line_in_one_line(tmp_path, capsys):
+    from waferline.cli import main as cli_main
+
+    d = yaml.safe_load(yaml.safe_dump(GOOD))
+    d["system"] = {"devices_per_node": 0.5}  # (was int()'d to 0: ZeroDivisionError in plan/place.py)
+    p = tmp_path / "half.yaml"
+    p.write_text(yaml.safe_dump(d))
+    assert cli_main(["plan", "llama-3.1-8b", "--hardware", str(p)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "half.yaml" in err and "devices_per_node" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("path", sorted(HARDWARE_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_catalog_file_loads_under_the_strict_loader(path):
+    if path.stem == "links":
+        assert catalog_links()
+    else:
+        hw = load_hardware_file(path, require_source=True)
+        assert hw.kind != "wafer" or (hw.on_chip is not None and hw.cores)
+
+
+def test_h800_counts_its_hbm_as_h100_sxm_does():
+    """Same 80 GB HBM3 part: the same bytes (NVML's 81,559 MiB), not 6.9% less (80.0e9 gave H800 less room for
+    weights and cache than the identical memory on H100 SXM)."""
+    h800, h100 = load_hardware("h800"), load_hardware("h100-sxm")
+    assert h800.memory_bytes == h100.memory_bytes == 85.52e9 and h800.usable_bytes() == h100.usable_bytes()
+    assert "81,559 MiB" in h800.sources["memory_bytes"].source

@@ -1,5 +1,8 @@
 """ModelSpec accounting against published facts, and config parsing across spellings."""
 
+import json
+import re
+
 import pytest
 
 from waferline.errors import ConfigError
@@ -121,3 +124,65 @@ def test_sol_layers():
     assert len(s.mtp_layers) == 1
     with pytest.raises(ConfigError, match="mixer 'xyz'"):
         parse_hf_config(dict(cfg, mixer_types=["xyz"] * 4))
+
+
+QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                 moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960)
+
+
+@pytest.mark.parametrize("change, message", [
+    # top-k outside 1..E: more active than total parameters (256 of 128), or no expert at all
+    (dict(num_experts_per_tok=256), "num_experts_per_tok (experts per token, top-k) must be an integer from 1 to "
+                                    "num_experts = 128, got 256"),
+    (dict(num_experts_per_tok=0), "from 1 to num_experts = 128, got 0"),
+    (dict(num_experts_per_tok=2.5), "num_experts_per_tok must be an integer >= 0, got 2.5"),
+    # a MoE model_type without its expert count was read as a dense model (3.3B instead of 30.5B)
+    (dict(num_experts=None), "model_type 'qwen3_moe' has no 'num_experts'"),
+    (dict(max_position_embeddings=-1), "max_position_embeddings must be an integer >= 1, got -1"),
+    (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1, got 0"),
+    (dict(num_key_value_heads=64), "num_key_value_heads must be an integer from 1 to num_attention_heads = 32"),
+    (dict(num_attention_heads=30), "num_key_value_heads must be an integer from 1 to num_attention_heads = 30 that "
+                                   "divides it"),
+    (dict(num_key_value_heads=0), "num_key_value_heads must be an integer >= 1, got 0"),
+])
+def test_config_values_the_accounting_cannot_take_are_refused(tmp_path, change, message):
+    cfg = {k: v for k, v in dict(QWEN3_MOE, **change).items() if v is not None}
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_hf_config(cfg)
+    from waferline.spec.configs import spec_from_config_file
+
+    p = tmp_path / "m" / "config.json"
+    p.parent.mkdir()
+    p.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as e:  # from a file: the file is named
+        spec_from_config_file(p)
+    assert str(e.value).startswith(f"{p}: ") and message in str(e.value)
+
+
+@pytest.mark.parametrize("mt, field", [("qwen3_next", "num_experts"), ("deepseek_v3", "n_routed_experts"),
+                                       ("kimi_k2", "n_routed_experts"), ("granitemoehybrid", "num_local_experts"),
+                                       ("jamba", "num_experts")])
+def test_moe_types_never_turn_dense_for_want_of_an_expert_count(mt, field):
+    base = {"kimi_k2": KIMI_K2, "deepseek_v3": DSV3}.get(mt, dict(QWEN3_MOE, model_type=mt))
+    with pytest.raises(ConfigError, match=f"has no '{field}'"):
+        parse_hf_config({k: v for k, v in base.items() if k not in ("num_experts", "n_routed_experts")})
+
+
+def test_sound_configs_still_load_and_zero_experts_is_a_dense_model():
+    s = parse_hf_config(QWEN3_MOE)
+    assert within(s.params_total(), 30.5e9) and s.params_active() < s.params_total()
+    dense = parse_hf_config(dict(QWEN3_MOE, num_experts=0))  # (as transformers reads num_experts 0: no MoE layer)
+    assert dense.params_active() == dense.params_total()
+    assert parse_hf_config(dict(QWEN3_MOE, num_experts_per_tok=128)).params_active() == pytest.approx(
+        s.params_total(), rel=0.01)  # every expert active: active equals total (but never exceeds it)
+    mqa = parse_hf_config(dict(QWEN3_MOE, num_key_value_heads=1))
+    assert mqa.cache_bytes_per_token(16) * 4 == s.cache_bytes_per_token(16)
+
+
+def test_every_catalog_model_loads_under_the_checks():
+    from waferline.spec.catalog import list_models, load_model
+
+    for m in list_models():
+        s = load_model(m)
+        assert 0 < s.params_active() <= s.params_total() and s.max_position_embeddings >= 1, m

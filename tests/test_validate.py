@@ -225,3 +225,85 @@ def test_validate_and_calibrate_default_to_the_shipped_results_from_any_director
                           "--bootstrap", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["rows"] == comparable
     assert "published_results.csv" in out.read_text()
+
+
+def test_the_unit_column_is_read_and_a_unit_that_does_not_fit_the_metric_skips_the_row(tmp_path):
+    """`ttft_s,240,ms` is 0.24 s (it was read as 240 s: an error factor of ~1,000); a rate given in seconds, or a time
+    in minutes, is skipped with the units the metric takes; a blank unit is the metric's own."""
+    row = "x,llama-3.1-8b,h100-sxm,1,16,none,1,1000,,{metric},{value},{unit},,,"
+    p = _csv(tmp_path, [f"{i}," + row.format(metric=m, value=v, unit=u) for i, (m, v, u) in enumerate([
+        ("ttft_s", "240", "ms"), ("ttft_s", "0.24", "s"), ("ttft_s", "240000", "us"), ("ttft_s", "240000", "μs"),
+        ("ttft_s", "0.24", ""), ("decode_tokens_per_s_per_user", "150", "tokens/s"), ("ttft_s", "4", "min"),
+        ("decode_tokens_per_s_per_user", "150", "s")])])
+    rows = read_published(p)
+    assert [r.value for r in rows[:5]] == pytest.approx([0.24] * 5) and rows[0].unit == "ms"
+    results, summary = validate(p)
+    assert results[0].error_factor == pytest.approx(results[1].error_factor) and results[0].error_factor < 2
+    assert summary["predicted"] == 6 and summary["skipped"] == 2
+    assert results[6].skipped == "unit 'min' does not fit metric ttft_s; use s, ms, us, µs (blank: s)"
+    assert results[7].skipped.startswith("unit 's' does not fit metric decode_tokens_per_s_per_user; use tok/s")
+
+
+@pytest.mark.parametrize("column, cell, message", [
+    ("concurrency", "0", "concurrency must be a whole number >= 1 (or blank), got '0'"),  # (was replaced by 1)
+    ("num_chips", "1.5", "num_chips must be a whole number >= 1 (or blank), got '1.5'"),  # (was truncated to 1)
+    ("input_len", "-5", "input_len must be a whole number >= 1 (or blank), got '-5'"),  # (aborted the whole run)
+    ("output_len", "0", "output_len must be a whole number >= 1 (or blank), got '0'"),  # (was the default 500)
+    ("weight_bits", "0", "weight_bits must be a whole number >= 1 (or blank), got '0'"),  # (was 16)
+    ("concurrency", "many", "concurrency must be a whole number >= 1 (or blank), got 'many'"),
+])
+def test_counts_that_are_not_whole_numbers_in_range_skip_their_row(tmp_path, column, cell, message):
+    cells = dict(num_chips="1", weight_bits="16", concurrency="1", input_len="", output_len="")
+    cells[column] = cell
+    bad = ("bad,x,llama-3.1-8b,h100-sxm,{num_chips},{weight_bits},none,{concurrency},{input_len},{output_len},"
+           "decode_tokens_per_s_per_user,150,tok/s,,,").format(**cells)
+    p = _csv(tmp_path, ["ok,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,", bad])
+    results, summary = validate(p)
+    assert results[0].predicted > 0 and results[1].predicted is None and results[1].skipped == message
+    assert (summary["predicted"], summary["skipped"]) == (1, 1)
+
+
+def test_duplicate_ids_are_refused(tmp_path):
+    p = _csv(tmp_path, ["x-01,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                        "x-01,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,160,tok/s,,,"])
+    with pytest.raises(ConfigError, match=r"r\.csv: row 2: id 'x-01' repeats row 1's"):
+        read_published(p)
+
+
+def test_a_csv_with_nothing_to_compare_fails_with_its_summary(tmp_path, capsys):
+    """Every row skipped (or no row at all): rc 2 and one line naming the file, the counts and each row's reason
+    (it was rc 0 with no summary line)."""
+    p = _csv(tmp_path, ["a,x,llama-9,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                        "b,x,llama-3.1-8b,h100-sxm,1,16,none,0,,,decode_tokens_per_s_per_user,150,tok/s,,,"])
+    for argv in (["validate", "--data", str(p)], ["validate", "--data", str(p), "--json"]):
+        assert cli_main(argv) == 2
+        captured = capsys.readouterr()
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1 and captured.out == ""
+        assert f"{p}: no row could be compared (2 rows: 2 skipped, 0 not comparable): a: unknown model 'llama-9'" in err
+        assert "b: concurrency must be a whole number >= 1" in err
+    empty = _csv(tmp_path, [], name="empty.csv")
+    assert cli_main(["validate", "--data", str(empty)]) == 2
+    assert "empty.csv: no row could be compared (0 rows" in capsys.readouterr().err
+
+
+def test_every_row_is_counted_once_predicted_skipped_or_not_comparable(tmp_path, capsys):
+    """A not-comparable row carries its detail under not_comparable and no skip reason; `skipped` counts the rows
+    with a reason, so rows = predicted + skipped + not comparable (`--json` used to show cal-16 with a skip reason
+    while the summary said 0 skipped)."""
+    head = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
+            "reasoning_tokens,metric,value,unit,date\n")
+    p = tmp_path / "r.csv"
+    p.write_text(head + "\n".join([
+        "rate,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,decode_tokens_per_s_per_user,150,tok/s,2026-05",
+        "e2e,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,end_to_end_latency_s,30,s,2026-05",
+        "gone,S,llama-9,h100-sxm,1,16,none,1,2000,500,,decode_tokens_per_s_per_user,150,tok/s,2026-05"]) + "\n")
+    assert cli_main(["validate", "--data", str(p), "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)
+    s, rows = v["summary"], {r["id"]: r for r in v["rows"]}
+    assert (s["rows"], s["predicted"], s["skipped"], list(s["not_comparable"])) == (3, 1, 1, ["e2e"])
+    assert s["rows"] == s["predicted"] + s["skipped"] + len(s["not_comparable"])
+    assert rows["e2e"]["skipped"] == "" and rows["e2e"]["not_comparable"]["consistent"]
+    assert rows["gone"]["skipped"].startswith("unknown model 'llama-9'") and rows["gone"]["not_comparable"] is None
+    shipped = validate(PUBLISHED)[1]
+    assert shipped["rows"] == shipped["predicted"] + shipped["skipped"] + len(shipped["not_comparable"])

@@ -19,6 +19,14 @@ METRICS = ("decode_tokens_per_s_per_user", "ttft_s", "end_to_end_latency_s", "ag
 REQUIRED_COLUMNS = ("model", "hardware", "metric", "value")
 # the reasoning_tokens cell of a reasoning model whose hidden reasoning length the source does not state
 UNSTATED = "unstated"
+# the `unit` column: each metric's units and their factor to the metric's own unit (seconds, tokens per second); a
+# blank unit is the metric's own
+TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}  # (the Greek mu reads as the micro sign)
+RATE_UNITS = {"tok/s": 1.0, "tokens/s": 1.0, "tok/s/user": 1.0, "tokens/s/user": 1.0}
+METRIC_UNITS = {"decode_tokens_per_s_per_user": RATE_UNITS, "ttft_s": TIME_UNITS, "end_to_end_latency_s": TIME_UNITS,
+                "aggregate_tokens_per_s": RATE_UNITS}
+# the count columns: the least each may be (a blank cell takes its documented default)
+COUNT_COLUMNS = {"num_chips": 1, "weight_bits": 1, "concurrency": 1, "input_len": 1, "output_len": 1}
 
 
 @dataclass
@@ -42,6 +50,10 @@ class Row:
     # hidden tokens generated before the output_len answer tokens (a reasoning model's thinking); None: the model
     # reasons but the source does not say how long (an end-to-end time is then not comparable)
     reasoning_tokens: int | None = 0
+    unit: str = ""  # as the CSV gives it; ``value`` is in the metric's own unit (s, tok/s)
+    # why the row cannot be predicted (a count that is not a whole number in range, a unit that does not fit the
+    # metric): the row is skipped with this reason, as rows of an unknown model or hardware are
+    problem: str = ""
 
 
 def read_published(path: str | Path) -> list[Row]:
@@ -58,21 +70,18 @@ def read_published(path: str | Path) -> list[Row]:
             f"{p}: missing column(s) {', '.join(missing)}; expected a header like "
             "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,unit,..."
         )
-    rows = []
-
-    def opt_int(v: str | None) -> int | None:
-        v = (v or "").strip()
-        return int(float(v)) if v else None
+    rows: list[Row] = []
 
     def reasoning(v: str | None) -> int | None:
         v = (v or "").strip()
         if v.lower() == UNSTATED:
             return None
-        n = opt_int(v) or 0
-        if n < 0:
-            raise ValueError(f"reasoning_tokens {n} < 0")
-        return n
+        x = float(v) if v else 0.0
+        if not (x >= 0 and x == math.floor(x) and math.isfinite(x)):
+            raise ValueError(f"reasoning_tokens {v} is not a whole number >= 0")
+        return int(x)
 
+    seen: dict[str, int] = {}
     for i, r in enumerate(reader):
         blank = [c for c in REQUIRED_COLUMNS if not (r.get(c) or "").strip()]
         if blank:
@@ -83,24 +92,40 @@ def read_published(path: str | Path) -> list[Row]:
             raise ConfigError(f"{p}: row {i + 1}: value {r['value']!r} is not a number") from None
         if not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"{p}: row {i + 1}: value must be a finite number > 0 (a speed or a time), got {value}")
+        rid = (r.get("id") or f"row-{i + 1}").strip()
+        if rid in seen:
+            raise ConfigError(f"{p}: row {i + 1}: id {rid!r} repeats row {seen[rid]}'s; every row needs its own id")
+        seen[rid] = i + 1
+        problems: list[str] = []
+        counts = {c: _count(r.get(c), c, least, problems) for c, least in COUNT_COLUMNS.items()}
+        metric, unit = r["metric"].strip(), (r.get("unit") or "").strip().replace("\u03bc", "\u00b5")
+        units = METRIC_UNITS.get(metric)
+        if units is not None:  # (an unknown metric is skipped with its own reason)
+            if unit and unit not in units:
+                problems.append(f"unit {unit!r} does not fit metric {metric}; use {', '.join(units)} "
+                                f"(blank: {next(iter(units))})")
+            else:
+                value *= units.get(unit, 1.0)
         try:
             rows.append(
                 Row(
-                    id=(r.get("id") or f"row-{i + 1}").strip(),
+                    id=rid,
                     model=r["model"].strip(),
                     hardware=r["hardware"].strip(),
-                    num_chips=opt_int(r.get("num_chips")),
-                    weight_bits=opt_int(r.get("weight_bits")) or 16,
+                    num_chips=counts["num_chips"],
+                    weight_bits=counts["weight_bits"] or 16,
                     spec_decoding=(r.get("spec_decoding") or "none").strip() or "none",
-                    concurrency=opt_int(r.get("concurrency")) or 1,
-                    input_len=opt_int(r.get("input_len")),
-                    output_len=opt_int(r.get("output_len")),
-                    metric=r["metric"].strip(),
+                    concurrency=counts["concurrency"] or 1,
+                    input_len=counts["input_len"],
+                    output_len=counts["output_len"],
+                    metric=metric,
                     value=value,
                     system=(r.get("system") or "").strip(),
                     source=(r.get("source") or "").strip(),
                     date=(r.get("date") or "").strip(),
                     reasoning_tokens=reasoning(r.get("reasoning_tokens")),
+                    unit=unit,
+                    problem="; ".join(problems),
                 )
             )
         except (ValueError, KeyError) as e:
@@ -109,6 +134,23 @@ def read_published(path: str | Path) -> list[Row]:
                 f"(reasoning_tokens: a count >= 0 or {UNSTATED!r})"
             ) from None
     return rows
+
+
+def _count(cell: str | None, column: str, least: int, problems: list[str]) -> int | None:
+    """A count cell: blank -> None (the documented default); a whole number >= ``least``; anything else (0
+    concurrency, 1.5 chips, a negative length, text) is added to ``problems`` (the row is skipped with that reason),
+    never rounded or replaced by the default."""
+    v = (cell or "").strip()
+    if not v:
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x) or x != math.floor(x) or x < least:
+        problems.append(f"{column} must be a whole number >= {least} (or blank), got {v!r}")
+        return None
+    return int(x)
 
 
 @dataclass
@@ -131,6 +173,8 @@ class RowModel:
 
         if row.metric not in METRICS:
             raise ConfigError(f"metric {row.metric!r} unknown; use one of {', '.join(METRICS)}")
+        if row.problem:
+            raise ConfigError(row.problem)
         self.row = row
         self.spec = load_model(row.model)
         self.hw = load_hardware(row.hardware)
@@ -207,7 +251,8 @@ def summarize(results: list[RowResult]) -> dict[str, Any]:
     rows not comparable (with what they imply)."""
     errs = [r.error_factor for r in results if r.error_factor is not None]
     nc = {r.row.id: r.detail["unstated_reasoning"] for r in results if r.detail.get("unstated_reasoning")}
-    return {"rows": len(results), "predicted": len(errs), "skipped": len(results) - len(errs) - len(nc),
+    # every row is exactly one of: predicted, skipped (its reason in RowResult.skipped), not comparable
+    return {"rows": len(results), "predicted": len(errs), "skipped": sum(bool(r.skipped) for r in results),
             "not_comparable": nc,
             "median_error_factor": statistics.median(errs) if errs else None,
             "max_error_factor": max(errs) if errs else None,
@@ -237,14 +282,17 @@ def build_models(rows: list[Row], params: SimParams) -> list[tuple[Row, RowModel
 
 
 def skipped_result(row: Row, why: str, params: SimParams, rows: list[Row]) -> RowResult:
-    """A row not predicted (``why``); a not-comparable one carries what it can still be checked against (``rows``:
-    the CSV's rows, where the same measurement's decode rate may be)."""
-    detail = {"unstated_reasoning": unstated_reasoning(row, params, rows)} if why == NOT_COMPARABLE else {}
-    return RowResult(row, None, None, skipped=why, detail=detail)
+    """A row not predicted: skipped (``why`` in ``skipped``), or not comparable (``why`` is NOT_COMPARABLE:
+    ``skipped`` stays empty and ``detail`` carries what the row can still be checked against; ``rows``: the CSV's
+    rows, where the same measurement's decode rate may be)."""
+    if why == NOT_COMPARABLE:
+        return RowResult(row, None, None, detail={"unstated_reasoning": unstated_reasoning(row, params, rows)})
+    return RowResult(row, None, None, skipped=why or "not predicted")
 
 
 def validate(path: str | Path, params: SimParams | None = None) -> tuple[list[RowResult], dict[str, Any]]:
-    """Predict every row of the CSV; return per-row results and a summary (median / max error factor)."""
+    """Predict every row of the CSV; return per-row results and a summary (median / max error factor). A ConfigError
+    (naming the file and what each row lacked) when no row could be compared: there is no error factor to report."""
     params = params or load_params()
     ceiling = params.ceiling()
     results = []
@@ -253,9 +301,21 @@ def validate(path: str | Path, params: SimParams | None = None) -> tuple[list[Ro
         if rm is None:
             results.append(skipped_result(row, why, params, rows))
             continue
-        pred, r = rm.predict(params)
+        try:
+            pred, r = rm.predict(params)
+            top = beyond_ceiling(rm, ceiling)
+        except WaferlineError as e:  # (a row the simulator refuses is skipped like one the planner refuses)
+            results.append(skipped_result(row, str(e), params, rows))
+            continue
         results.append(RowResult(row, pred, error_factor(pred, row.value), devices=rm.plan.num_devices,
                                  detail={"fits": rm.plan.fits, "stages": rm.plan.num_stages, "bound": r.bound,
-                                         "speculative": r.speculative.get("speedup"),
-                                         "ceiling": beyond_ceiling(rm, ceiling)}))
-    return results, summarize(results) | {"params": params.fitted_on or "defaults"}
+                                         "speculative": r.speculative.get("speedup"), "ceiling": top}))
+    summary = summarize(results)
+    if not summary["predicted"]:
+        skipped = [f"{r.row.id}: {r.skipped[:120]}" for r in results if r.skipped]
+        why = "; ".join(skipped[:5]) + (f"; and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+        raise ConfigError(
+            f"{path}: no row could be compared ({summary['rows']} rows: {summary['skipped']} skipped, "
+            f"{len(summary['not_comparable'])} not comparable)" + (f": {why}" if why else "")
+        )
+    return results, summary | {"params": params.fitted_on or "defaults"}

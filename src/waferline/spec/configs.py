@@ -63,6 +63,63 @@ def _float(v: Any) -> float:
     return float(v)
 
 
+# MoE model types whose parser would fall back to a dense FFN when the expert count is absent: the count is
+# required (refused when absent, never guessed). The field and transformers' config-class default, for the message.
+_EXPERT_COUNT = {"qwen3_moe": ("num_experts", "Qwen3MoeConfig", 128),
+                 "qwen3_next": ("num_experts", "Qwen3NextConfig", 512),
+                 "deepseek_v2": ("n_routed_experts", "DeepseekV2Config", 64),
+                 "deepseek_v3": ("n_routed_experts", "DeepseekV3Config", 256),
+                 "deepseek_v32": ("n_routed_experts", "DeepseekV32Config", 256),
+                 "granitemoehybrid": ("num_local_experts", "GraniteMoeHybridConfig", 8),
+                 "jamba": ("num_experts", "JambaConfig", 16)}
+# config fields of a routed-expert count and of top-k, by spelling (the first present is the one named in errors)
+_EXPERT_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
+_TOPK_FIELDS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_top_k")
+
+
+def _require_expert_count(cfg: dict[str, Any], mt: str) -> None:
+    """A MoE model_type without its expert count would be read as a dense model (wrong parameters, wrong speed):
+    refuse it, naming the field (transformers would take its config class's default, which a hand-written config
+    rarely means)."""
+    if mt not in _EXPERT_COUNT:
+        return
+    field, cls, default = _EXPERT_COUNT[mt]
+    names = (field, "num_local_experts") if mt == "qwen3_moe" else (field,)
+    if all(cfg.get(n) is None for n in names):
+        raise ConfigError(
+            f"config for model_type {mt!r} has no {field!r} (its number of routed experts; transformers' {cls} "
+            f"default is {default}): give it (0 for a model without experts)"
+        )
+
+
+def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str) -> None:
+    """Values the accounting cannot take: top-k outside 1..num_experts (more active than total parameters), key/value
+    heads that are not a divisor of the query heads, no positions."""
+    def named(fields: tuple[str, ...], fallback: str) -> str:
+        return next((f for f in fields if cfg.get(f) is not None), fallback)
+
+    if not isinstance(spec.max_position_embeddings, int) or spec.max_position_embeddings < 1:
+        raise ConfigError(f"config max_position_embeddings must be an integer >= 1, got "
+                          f"{spec.max_position_embeddings!r}")
+    for layer in [*spec.layers, *spec.mtp_layers]:
+        ffn, mixer = layer.ffn, layer.mixer
+        if isinstance(ffn, MoESpec):
+            e_name, k_name = named(_EXPERT_FIELDS, "num_experts"), named(_TOPK_FIELDS, "num_experts_per_tok")
+            E, k = ffn.num_experts, ffn.top_k
+            if not isinstance(E, int) or isinstance(E, bool) or E < 1:
+                raise ConfigError(f"config {e_name} (routed experts) must be an integer >= 1 in a {mt} MoE layer, "
+                                  f"got {E!r}")
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
+                raise ConfigError(f"config {k_name} (experts per token, top-k) must be an integer from 1 to "
+                                  f"{e_name} = {E}, got {k!r}")
+        if isinstance(mixer, AttentionSpec):
+            h, kv = mixer.num_heads, mixer.num_kv_heads
+            kv_name = named(("num_key_value_heads", "num_attention_groups"), "num_key_value_heads")
+            if not isinstance(kv, int) or isinstance(kv, bool) or not 1 <= kv <= h or h % kv:
+                raise ConfigError(f"config {kv_name} must be an integer from 1 to num_attention_heads = {h} that "
+                                  f"divides it (each key/value head serves a whole group of query heads), got {kv!r}")
+
+
 def _head_dim(cfg: dict[str, Any]) -> int:
     hd = cfg.get("head_dim")
     return int(hd) if hd else cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -643,10 +700,15 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if parser is None:
         raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_PARSERS))}")
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
-              "num_key_value_heads", "head_dim"):
+              "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ConfigError(f"config {k} must be an integer >= 1, got {v!r}")
+    for k in (*_EXPERT_FIELDS, *_TOPK_FIELDS):  # (0 experts: a dense model where the model_type allows it)
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"config {k} must be an integer >= 0, got {v!r}")
+    _require_expert_count(cfg, mt)
     try:
         spec = parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
@@ -656,6 +718,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if not spec.layers or spec.hidden_size < 1 or spec.vocab_size < 1 or spec.params_total() < 1:
         raise ConfigError(f"config for model_type {mt!r} describes no model ({len(spec.layers)} layers, hidden size "
                           f"{spec.hidden_size}, vocabulary {spec.vocab_size})")
+    _check_accounting(spec, cfg, mt)
     return spec
 
 
@@ -668,7 +731,10 @@ def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpe
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
-    return parse_hf_config(cfg, name=name or path.parent.name)
+    try:
+        return parse_hf_config(cfg, name=name or path.parent.name)
+    except ConfigError as e:  # (the file named: parse_hf_config sees a dict)
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def spec_from_pretrained(directory: str | Path) -> ModelSpec:

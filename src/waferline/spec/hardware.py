@@ -18,6 +18,17 @@ PLACEMENT_STYLES = ("tensor", "pipeline")
 
 REQUIRED_DEVICE_FIELDS = ("memory_bytes", "memory_bandwidth", "flops")
 REQUIRED_LINK_FIELDS = ("bandwidth", "latency")
+# Every key a hardware YAML may hold, by level: any other key is refused (a typo such as `devices_per_nodes` would
+# otherwise fall back to a default without a word). host_engine and memory_bandwidth_all_cores are written by
+# `waferline calibrate` (read by sim/host_params.py; informational).
+TOP_LEVEL_FIELDS = ("name", "kind", "placement", "description", "device", "system", "links", "host_engine")
+DEVICE_FIELDS = (*REQUIRED_DEVICE_FIELDS, "cores", "power_w", "reserve_fraction", "memory_bandwidth_all_cores")
+FLOPS_PRECISIONS = ("bf16", "fp8", "fp4", "int8", "fp32")
+SYSTEM_FIELDS = ("devices_per_node", "min_devices")
+LINK_ROLES = ("scale_up", "scale_out", "on_chip")
+LINK_FIELDS = ("name", "description", *REQUIRED_LINK_FIELDS)
+# a number given as a mapping: its value and where it came from (measured: what `waferline calibrate` adds)
+FIGURE_FIELDS = ("value", "source", "derived", "assumed", "fitted", "measured")
 
 
 @dataclass(frozen=True)
@@ -124,12 +135,50 @@ class HardwareSpec:
 
 # ----------------------------------------------------------------------------- YAML loading
 
+# where a key belongs when it is written at the wrong level (e.g. reserve_fraction at the top level)
+_HOME = {**{k: "device" for k in DEVICE_FIELDS}, **{k: "system" for k in SYSTEM_FIELDS},
+         **{k: "links" for k in LINK_ROLES}, **{k: "device.flops" for k in FLOPS_PRECISIONS}}
+
+
+def _check_keys(d: dict[str, Any], known: tuple[str, ...], where: str, what: str) -> None:
+    """Refuse a key of mapping ``d`` (the part ``what`` of the file ``where``) that is not in ``known``: a misspelt
+    or misplaced key would otherwise be ignored and its default used."""
+    import difflib
+
+    for k in d:
+        if k in known:
+            continue
+        close = difflib.get_close_matches(str(k), known, n=1)
+        home = _HOME.get(str(k))
+        hint = (f" (did you mean {close[0]!r}?)" if close
+                else f" ({k!r} belongs under {home}:)" if home and not what.endswith(home) else "")
+        raise ConfigError(f"{where}: unknown field {k!r} in {what}{hint}; known: {', '.join(known)}")
+
+
+def _mapping(raw: Any, where: str, what: str, example: str) -> dict[str, Any]:
+    """``raw`` as a mapping (absent or empty: {}), else a ConfigError naming ``what``."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {what} must be a mapping like {example}, got {raw!r}")
+    return raw
+
+
+def _count(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool) -> int:
+    """A whole number >= 1 (devices per node, minimum devices, cores): a fraction is refused, never truncated."""
+    value = _num(raw, where, fieldname, sources, require_source)
+    if value != math.floor(value):
+        raise ConfigError(f"{where}: field {fieldname!r} must be a whole number >= 1, got {value:g}")
+    return int(value)
+
+
 
 def _num(
     raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool, *, positive: bool = True
 ) -> float:
     """Parse ``raw`` (a number or {value, source|assumed|fitted|derived}) into a float; record its source."""
     if isinstance(raw, dict):
+        _check_keys(raw, FIGURE_FIELDS, where, fieldname)
         if "value" not in raw:
             raise ConfigError(
                 f"{where}: field {fieldname!r} is a mapping without 'value'; write {{value: 1.0e12, source: \"...\"}}"
@@ -184,6 +233,7 @@ def link_from_dict(d: dict[str, Any], where: str, require_source: bool = False, 
     """Build a LinkSpec from a YAML mapping, with clear errors for missing fields."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where}: a link must be a mapping with bandwidth and latency, got {d!r}")
+    _check_keys(d, LINK_FIELDS, where, f"link {name or d.get('name', '?')!r}")
     missing = [f for f in REQUIRED_LINK_FIELDS if f not in d]
     if missing:
         raise ConfigError(f"{where}: link {name or d.get('name', '?')!r} is missing field(s) {', '.join(missing)} "
@@ -230,15 +280,18 @@ def _link(raw: Any, where: str, require_source: bool, role: str) -> LinkSpec | N
 
 
 def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_source: bool = False) -> HardwareSpec:
-    """Validate a hardware mapping (catalog or user YAML) and build a HardwareSpec."""
+    """Validate a hardware mapping (catalog or user YAML) and build a HardwareSpec. Unknown keys are refused at every
+    level; counts (devices_per_node, min_devices, cores) must be whole numbers."""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: a hardware file must be a YAML mapping, got {type(data).__name__}")
-    if "name" not in data:
+    if data.get("name") is None or str(data["name"]).strip() == "":
         raise ConfigError(f"{where}: missing field 'name' (the hardware id, e.g. name: my-asic)")
+    _check_keys(data, TOP_LEVEL_FIELDS, where, "the top level")
     dev = data.get("device")
     if not isinstance(dev, dict):
         raise ConfigError(f"{where}: missing mapping 'device' with fields {', '.join(REQUIRED_DEVICE_FIELDS)} "
                           "(memory_bytes, memory_bandwidth in bytes/s, flops: {bf16: FLOP/s})")
+    _check_keys(dev, DEVICE_FIELDS, where, "device")
     missing = [f for f in REQUIRED_DEVICE_FIELDS if f not in dev]
     if missing:
         raise ConfigError(
@@ -256,8 +309,9 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
         raise ConfigError(
             f"{where}: device.flops must be a mapping with at least 'bf16' (peak dense FLOP/s), got {fl!r}"
         )
+    _check_keys(fl, FLOPS_PRECISIONS, where, "device.flops")
     flops = {str(k): _num(v, where, f"flops.{k}", sources, require_source) for k, v in fl.items()}
-    cores = int(_num(dev["cores"], where, "cores", sources, require_source)) if "cores" in dev else None
+    cores = _count(dev["cores"], where, "cores", sources, require_source) if "cores" in dev else None
     power = _num(dev["power_w"], where, "power_w", sources, require_source) if "power_w" in dev else None
     reserve = _num(
         dev.get("reserve_fraction", {"value": 0.1, "assumed": "default 10% for runtime, workspace, fragmentation"}),
@@ -269,33 +323,29 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
     )
     if reserve >= 0.9:
         raise ConfigError(f"{where}: reserve_fraction {reserve} leaves no memory; use a fraction such as 0.1")
-    sysd = data.get("system") or {}
-    dpn = int(
-        _num(
-            sysd.get("devices_per_node", {"value": 1, "assumed": "single device"}),
-            where,
-            "devices_per_node",
-            sources,
-            require_source,
-        )
-    )
-    min_dev = int(
-        _num(
-            sysd.get("min_devices", {"value": 1, "assumed": "any count"}), where, "min_devices", sources, require_source
-        )
-    )
+    sysd = _mapping(data.get("system"), where, "system", "{devices_per_node: 8}")
+    _check_keys(sysd, SYSTEM_FIELDS, where, "system")
+    dpn = _count(sysd.get("devices_per_node", {"value": 1, "assumed": "single device"}), where, "devices_per_node",
+                 sources, require_source)
+    min_dev = _count(sysd.get("min_devices", {"value": 1, "assumed": "any count"}), where, "min_devices", sources,
+                     require_source)
     placement = str(data.get("placement", "pipeline" if kind in ("wafer", "lpu") else "tensor"))
     if placement not in PLACEMENT_STYLES:
         raise ConfigError(f"{where}: placement {placement!r} unknown; use one of {', '.join(PLACEMENT_STYLES)}")
-    links = data.get("links") or {}
-    if not isinstance(links, dict):
-        raise ConfigError(f"{where}: links must be a mapping like {{scale_up: nvlink4, scale_out: ib-400g}}")
+    links = _mapping(data.get("links"), where, "links", "{scale_up: nvlink4, scale_out: ib-400g}")
+    _check_keys(links, LINK_ROLES, where, "links")
     scale_up = _link(links.get("scale_up"), where, require_source, "scale_up")
     scale_out = _link(links.get("scale_out"), where, require_source, "scale_out")
     on_chip = _link(links.get("on_chip"), where, require_source, "on_chip")
-    if scale_up is None and scale_out is None:
-        # a single device needs no link; multi-device plans will say so if they need one
-        pass
+    if kind == "wafer":
+        # the wafer's mesh term (sim/wafer.py Fabric) needs both: without them it would be dropped without a word
+        lacking = [f for f, v in (("device.cores", cores), ("links.on_chip", on_chip)) if v is None]
+        if lacking:
+            raise ConfigError(
+                f"{where}: kind wafer needs {' and '.join(lacking)} (the processing elements and the on-wafer mesh "
+                "link, e.g. on_chip: wse3-mesh or {bandwidth: ..., latency: ...}) for its fabric term; use kind asic "
+                "for a device without an on-chip mesh"
+            )
     return HardwareSpec(name=str(data["name"]), kind=kind, memory_bytes=mem, memory_bandwidth=bw, flops=flops,
                         devices_per_node=dpn, min_devices=min_dev, placement=placement, reserve_fraction=reserve,
                         cores=cores, power_w=power, scale_up=scale_up, scale_out=scale_out, on_chip=on_chip,
