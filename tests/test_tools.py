@@ -161,6 +161,10 @@ def test_named_and_required_calls(live, client):
     assert [(t.function.name, t.function.arguments) for t in streamed] == \
         [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    # the call's text is held back until it parses: no chunk for a token that adds nothing (it sent one per token)
+    empty = [ch for ch in chunks if ch.choices[0].delta.content is None and not ch.choices[0].delta.tool_calls
+             and ch.choices[0].finish_reason is None and ch.choices[0].delta.role is None]
+    assert empty == []
 
 
 def test_auto_reads_the_models_own_calls(live, client, parser):

@@ -119,7 +119,11 @@ class Choices:
                 ch["logprobs"], c.offset = lp, sum(len(t) for t in lp["tokens"])
             out.append(ch)
         if ev.token_id is not None and not self.score_only:
-            ch = self._chunk(c, ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text) or None)
+            text = ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text) or None
+            ch = self._chunk(c, text)
+            # (a tool call's text is held back until it parses: a token that adds nothing else sends no chunk)
+            held = c.tool_stream is not None and text is None and not self.token_ids and (
+                self.texts is None or ev.logprobs is None)
             if self.texts is not None and ev.logprobs is not None:
                 if self.chat:
                     ch["logprobs"] = {"content": [chat_entry(ev.logprobs, self.texts)]}
@@ -128,7 +132,8 @@ class Choices:
                     c.offset += len(ch["logprobs"]["tokens"][0])
             if self.token_ids:
                 ch["token_ids"] = [ev.token_id]
-            out.append(ch)
+            if not held:
+                out.append(ch)
         if ev.finished and ev.finish_reason != "error":
             reason = self._reason(ev)
             if c.tool_stream is not None:
