@@ -307,3 +307,16 @@ def test_every_row_is_counted_once_predicted_skipped_or_not_comparable(tmp_path,
     assert rows["gone"]["skipped"].startswith("unknown model 'llama-9'") and rows["gone"]["not_comparable"] is None
     shipped = validate(PUBLISHED)[1]
     assert shipped["rows"] == shipped["predicted"] + shipped["skipped"] + len(shipped["not_comparable"])
+
+
+def test_the_text_table_gives_each_skipped_rows_reason_whole(tmp_path, capsys):
+    from waferline.cli import main
+
+    f = tmp_path / "mine.csv"
+    f.write_text("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,"
+                 "value,unit,source,date,notes\n"
+                 "x-1,s,llama-3.1-8b,h100-sxm,1,16,none,1,1000,100,decode_tokens_per_s_per_user,150,tok/s,me,,\n"
+                 "x-2,s,nosuch-model,h100-sxm,1,16,none,1,1000,100,decode_tokens_per_s_per_user,150,tok/s,me,,\n")
+    assert main(["validate", "--data", str(f)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped: x-2: unknown model 'nosuch-model'" in out and "a config.json path or a checkpoint directory" in out

@@ -553,13 +553,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
                 r.row.id,
                 r.row.model,
                 r.row.hardware,
-                "",
+                str(r.row.num_chips or ""),
                 str(r.row.weight_bits),
                 r.row.spec_decoding,
                 r.row.metric,
                 f"{r.row.value:g}",
                 "not comparable" if r.detail.get("unstated_reasoning") else "skipped",
-                "" if r.detail.get("unstated_reasoning") else r.skipped[:60],
+                "(below)",
             )
             continue
         e = r.error_factor or 0
@@ -593,6 +593,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   f"of its bounds, the catalog's numbers as they are): {far}. No fit reaches these rows: they need a "
                   "mechanism or a hardware number that neither the row nor the catalog states (undisclosed "
                   "speculation or precision, an assumed bandwidth or latency that is off).")
+    for r in results:  # (each reason whole: the table's column would cut it)
+        if r.predicted is None and r.skipped:
+            con.print(f"skipped: {r.row.id}: {r.skipped}")
     rows = {r.row.id: r.row for r in results}
     for i, u in summary["not_comparable"].items():
         row = rows[i]
