@@ -19,6 +19,11 @@ HEADER = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurre
           "unit,date,source,notes\n")
 
 
+
+REASONING_HEAD = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
+                  "reasoning_tokens,metric,value,unit,date\n")
+RATE_ROW = "rate,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,decode_tokens_per_s_per_user,150,tok/s,2026-05"
+
 def _csv(tmp_path, rows, name="r.csv"):
     p = tmp_path / name
     p.write_text("# comment line\n" + HEADER + "".join(r + "\n" for r in rows))
@@ -86,11 +91,9 @@ def test_a_reasoning_models_end_to_end_time_of_unstated_length_is_not_comparable
     from waferline.sim.pipeline import simulate
     from waferline.spec.catalog import load_hardware, load_model
 
-    head = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
-            "reasoning_tokens,metric,value,unit,date\n")
     p = tmp_path / "r.csv"
-    p.write_text(head + "\n".join([
-        "rate,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,decode_tokens_per_s_per_user,150,tok/s,2026-05",
+    p.write_text(REASONING_HEAD + "\n".join([
+        RATE_ROW,
         "e2e,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,end_to_end_latency_s,30,s,2026-05",
         "fast,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,end_to_end_latency_s,0.5,s,2026-04",
         "stated,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,1500,end_to_end_latency_s,14,s,2026-05"]) + "\n")
@@ -118,7 +121,7 @@ def test_a_reasoning_models_end_to_end_time_of_unstated_length_is_not_comparable
     assert commands.main(["validate", "--data", str(p), "--json"]) == 0
     rows = {r["id"]: r for r in json.loads(capsys.readouterr().out)["rows"]}
     assert rows["e2e"]["not_comparable"]["consistent"] and rows["stated"]["reasoning_tokens"] == 1500
-    p.write_text(head + "x,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,-3,end_to_end_latency_s,30,s,\n")
+    p.write_text(REASONING_HEAD + "x,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,-3,end_to_end_latency_s,30,s,\n")
     with pytest.raises(ConfigError, match="reasoning_tokens"):
         read_published(p)
 
@@ -291,11 +294,9 @@ def test_every_row_is_counted_once_predicted_skipped_or_not_comparable(tmp_path,
     """A not-comparable row carries its detail under not_comparable and no skip reason; `skipped` counts the rows
     with a reason, so rows = predicted + skipped + not comparable (`--json` used to show cal-16 with a skip reason
     while the summary said 0 skipped)."""
-    head = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
-            "reasoning_tokens,metric,value,unit,date\n")
     p = tmp_path / "r.csv"
-    p.write_text(head + "\n".join([
-        "rate,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,decode_tokens_per_s_per_user,150,tok/s,2026-05",
+    p.write_text(REASONING_HEAD + "\n".join([
+        RATE_ROW,
         "e2e,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,unstated,end_to_end_latency_s,30,s,2026-05",
         "gone,S,llama-9,h100-sxm,1,16,none,1,2000,500,,decode_tokens_per_s_per_user,150,tok/s,2026-05"]) + "\n")
     assert cli_main(["validate", "--data", str(p), "--json"]) == 0
