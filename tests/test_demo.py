@@ -79,7 +79,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
              f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([browser, *flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120)
     assert "gpt-5.6-sol on WSE-3" in dom.stdout and "Per-stage timeline" in dom.stdout
-    assert "Cerebras WSE-3" in dom.stdout and ("Measured on the machine named" in dom.stdout or not twin_figures)
+    assert "Cerebras WSE-3" in dom.stdout and ("Measured by `waferline twin` on the machine named" in dom.stdout
+                                               or not twin_figures)
     shot = tmp_path / "shot.png"
     subprocess.run([browser, *flags, "--window-size=1200,2400", f"--screenshot={shot}", report.as_uri()],
                    capture_output=True, text=True, timeout=120)
@@ -175,6 +176,8 @@ def test_report_explains_the_750_line_and_names_the_twin_machine():
     assert '"box-7"' in text and "4 logical cores" in text and "2026-01-02 03:04:05 UTC" in text
     assert "CPU model not recorded" in text
     assert "CPU Example 9000" in machine_text(dict(minimal, cpu_model="Example 9000"))
+    from waferline.report.twin_section import RESULTS
+
     result, source = load_result()
     if result is not None:  # the cached twin result the demo reads: its section names that machine
         rep = Report("t")
@@ -184,7 +187,9 @@ def test_report_explains_the_750_line_and_names_the_twin_machine():
                 plt.close(s.figure)
         page = rep.to_html()
         assert html.escape(machine_text(result)) in page
-        assert html.escape(f'Measured on the machine named "{result["machine"]}"') in page
+        assert html.escape(f'Measured by `waferline twin` on the machine named "{result["machine"]}"') in page
+        assert "not in this run" in page and result["date"] == max(  # (the newest shipped run, said to be one)
+            json.loads(f.read_text())["date"] for f in RESULTS.glob("twin*_sol-mini.json"))
 
 
 def test_headline_cells_print_the_interval():
@@ -213,3 +218,27 @@ def test_demo_refuses_a_missing_model_and_requantizes_a_stale_int4_copy(tmp_path
     assert run_demo(out_dir=str(out), max_tokens=2, model=str(model), report=False, layers_per_stage=0) == 0
     assert (stale / ".waferline-source.json").is_file()
     assert json.loads((stale / "config.json").read_text())["quantization_config"]["group_size"] == 32
+
+
+def test_demo_runs_a_given_int4_checkpoint_and_names_it(tmp_path, capsys):
+    """A checkpoint given with --model is named as itself (it was called "trained sol-mini", random weights
+    included); an int4 checkpoint runs as it is stored (it failed with quantize's "already quantized")."""
+    from waferline.cli import main
+    from waferline.model.quant import QuantOptions, quantize_checkpoint
+
+    model = build_demo_checkpoint(tmp_path / "mine")
+    int4 = tmp_path / "mine-int4"
+    quantize_checkpoint(model, int4, QuantOptions(group_size=32))
+    out = tmp_path / "out"
+    assert main(["demo", "--model", str(int4), "--out", str(out), "--max-tokens", "2", "--no-report",
+                 "--layers-per-stage", "0", "--weight-bits", "16", "--json"]) == 0
+    printed = capsys.readouterr()
+    d = json.loads((out / "demo.json").read_text())
+    assert d["trained"] is False and d["weight_bits"] == 4 and "as the checkpoint stores them" in d["plan"]
+    assert "(checkpoint mine-int4)" in printed.err and "trained sol-mini" not in printed.err
+    # mistakes found before any work: no int4 copy, no processes
+    assert main(["demo", "--out", str(tmp_path / "o2"), "--max-tokens", "0", "--no-report"]) == 2
+    assert not (tmp_path / "o2").exists()
+    (tmp_path / "afile").write_text("x")
+    assert main(["demo", "--out", str(tmp_path / "afile"), "--no-report"]) == 2
+    assert "is a file" in capsys.readouterr().err

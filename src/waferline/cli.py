@@ -182,6 +182,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.num_speculative_tokens is not None and not args.speculative:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     k = DEMO_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
+    if args.max_tokens < 1:  # (before the int4 copy and the stage processes, not after them)
+        raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        raise UsageError(f"--out {args.out} is a file: give a directory for the demo's files")
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
                     prompt=args.prompt, model=args.model, weight_bits=args.weight_bits,
                     layers_per_stage=args.layers_per_stage, speculative=args.speculative, num_speculative_tokens=k)

@@ -304,13 +304,20 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         from waferline.errors import ConfigError
 
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
-    trained = model is not None or (ckpt / "model.safetensors").is_file()
+    bundled = model is None and (ckpt / "model.safetensors").is_file()
+    trained = model is not None or bundled  # (a checkpoint given: whatever its weights are, the demo runs them)
+    what = "trained sol-mini" if bundled else f"checkpoint {ckpt.name}" if model else "RANDOM weights"
     if not trained:
         ckpt = out / "sol-demo-random"
         console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
                       "(the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
         build_demo_checkpoint(ckpt)
-    if weight_bits == 4:  # the canonical int4 file (RTN), made once and reused: what a wafer would hold
+    from waferline.engine.inputs import is_int4_checkpoint
+
+    stored_int4 = is_int4_checkpoint(ckpt)  # (an int4 checkpoint runs as it is: int4 whatever --weight-bits says)
+    if stored_int4:
+        weight_bits = 4
+    elif weight_bits == 4:  # the canonical int4 file (RTN), made once and reused: what a wafer would hold
         from waferline.model.quant import QuantOptions, quantize_checkpoint
 
         qdir = out / f"{ckpt.name}-int4-g{group_size}"
@@ -354,6 +361,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     plan_text = (f"{counted(n_stages, 'stage process', 'stage processes')} ({counted(layers_per_stage, 'layer')} per "
                  "stage, activations over torch.distributed gloo)" if layers_per_stage else "single process")
     plan_text += "; " + (
+        "int4 weights (as the checkpoint stores them), bf16 compute" if stored_int4 else
         f"int4 weights (RTN, group {group_size}), bf16 compute" if weight_bits == 4 else "bf16 weights and compute"
     )
     if speculative:
@@ -395,7 +403,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                   f"({'valid JSON of the schema' if valid else 'cut at 96 tokens'})")
     m = result.metrics
     console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
-                  f"{len(result.token_ids)} tokens ({'trained sol-mini' if trained else 'RANDOM weights'})")
+                  f"{len(result.token_ids)} tokens ({what})")
     spec_stats = {k: v for k, v in m.items() if k.startswith("spec_")}
     if speculative:
         console.print(
@@ -425,7 +433,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                   "waferline simulate gpt-5.6-sol --hardware wse-3 --weight-bits 4 --devices 80 [--speculative mtp]")
     summary = {
         "checkpoint": str(ckpt),
-        "trained": trained,
+        "trained": bundled,  # (the bundled sol-mini; a checkpoint given: "checkpoint" names it)
         "weight_bits": weight_bits,
         "plan": plan_text,
         "prompt": prompt,
@@ -451,7 +459,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
             text=prompt + result.text,
             note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT "
                  f"{m['ttft_s'] * 1e3:.0f} ms "
-            f"({'trained sol-mini' if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
+            f"({what if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
             "sampled T=0.8 top-p 0.95 seed 0",
         )
         rep.add(

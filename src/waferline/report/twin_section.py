@@ -8,20 +8,39 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[3]
-DEFAULT_RESULT = REPO / "benchmarks" / "results" / "twin_sol-mini.json"
+RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_RESULT = RESULTS / "twin_sol-mini.json"
+
+
+def latest_result() -> Path:
+    """The newest sol-mini twin result shipped in benchmarks/results/ (by the date each file records)."""
+    def date(p: Path) -> str:
+        try:
+            return str(json.loads(p.read_text()).get("date") or "")
+        except (OSError, json.JSONDecodeError):
+            return ""
+
+    found = sorted(RESULTS.glob("twin*_sol-mini.json"), key=date)
+    return found[-1] if found else DEFAULT_RESULT
 
 
 def load_result(path: str | Path | None = None) -> tuple[dict[str, Any] | None, str]:
-    """A twin result and where it came from: ``path``, else benchmarks/results/twin_sol-mini.json; (None, why) if
-    none."""
-    p = Path(path) if path else DEFAULT_RESULT
+    """A twin result and where it came from: ``path``, else the newest sol-mini result shipped in
+    benchmarks/results/ (``latest_result``: a run made before, on the machine it names, not in this run); (None, why)
+    if none."""
+    p = Path(path) if path else latest_result()
     if not p.is_file():
         return None, (f"no twin result at {p}: run `waferline twin --model models/sol-mini --out {p}` "
                       "(or `python benchmarks/twin_grid.py`) to add this section")
     try:
-        return json.loads(p.read_text()), f"cached twin result {p}"
+        d = json.loads(p.read_text())
     except json.JSONDecodeError as e:
         return None, f"{p} is not valid JSON ({e}); re-run `waferline twin ... --out {p}`"
+    where = (f"twin result {p}" if path else
+             f"the newest twin result shipped with waferline ({p.relative_to(REPO)}): measured by an earlier "
+             "`waferline twin` run on the machine it names, not in this run; `waferline twin --model models/sol-mini "
+             "--out FILE` measures this machine")
+    return d, where
 
 
 def _ok(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -234,13 +253,13 @@ def machine_text(result: dict[str, Any]) -> str:
     when = when.replace("T", " ").replace("+00:00", " UTC")
     load = result.get("load_average") or []
     tail = f", load average {load[0]:.2f} at the end of the run" if load else ""
-    return f"Measured on the machine named \"{name}\" ({', '.join(parts)}) on {when}{tail}."
+    return f"Measured by `waferline twin` on the machine named \"{name}\" ({', '.join(parts)}) on {when}{tail}."
 
 
 def add_twin_sections(report: Any, result: dict[str, Any] | None, source: str) -> None:
     """Append the twin sections to ``report`` (a report.html.Report); with no result, one section that says why."""
     if result is None:
-        report.add("The twin: simulator vs engine on this machine", text=source)
+        report.add("The twin: simulator vs engine", text=source)
         return
     s = result["summary"]
     summ = "; ".join(f"{label} median x{s[k]['median']:.2f}, max x{s[k]['max']:.2f}" for k, label in
@@ -252,7 +271,7 @@ def add_twin_sections(report: Any, result: dict[str, Any] | None, source: str) -
             f"Measured inputs: {result['inputs']['measured']}. "
             f"Modelled: {result['inputs']['modelled']}.")
     report.add("The twin: predicted vs measured per Plan",
-               text=f"{where} {s['plans_compared']} Plans compared: {summ}.",
+               text=f"{where} {s['plans_compared']} Plans compared: {summ}. From {source}.",
                figure=figure_pred_vs_meas(result), table=table_rows(result), note=note)
     row = pick_timeline_row(result)
     if row is not None:
