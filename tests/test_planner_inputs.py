@@ -264,3 +264,16 @@ def test_reasoning_tokens_are_decoded_before_the_answer(capsys):
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "1000", "--output-len",
                             "500", "--reasoning-tokens", "3000", "--context", "2000"])
     assert rc == 2 and "shorter than prompt + reasoning + output (4,500)" in out
+
+
+def test_a_path_that_is_not_there_is_said_to_be_missing(capsys):
+    """A path given for a model or hardware that does not exist is named as missing (it got the catalog's ids)."""
+    from waferline.cli import main
+
+    assert main(["plan", "gpt-5.6-sol", "--hardware", "nosuch.yaml"]) == 2
+    assert "no such hardware YAML file: nosuch.yaml" in capsys.readouterr().err
+    assert main(["info", "models/sol-mni"]) == 2
+    err = capsys.readouterr().err
+    assert "no such checkpoint directory or config.json: models/sol-mni" in err and "deepseek-v3" not in err
+    assert main(["plan", "no-such-model", "--hardware", "wse-3"]) == 2
+    assert "unknown model 'no-such-model': use a catalog id" in capsys.readouterr().err

@@ -45,6 +45,11 @@ def model_config(name: str) -> dict:
     return json.loads(path.read_text())
 
 
+def _looks_like_path(s: str) -> bool:
+    """A name with a directory part or a file suffix: meant as a path, not a catalog id."""
+    return "/" in s or s.endswith((".yaml", ".yml", ".json")) or s.startswith((".", "~"))
+
+
 @lru_cache(maxsize=64)
 def _load_model_cached(name: str) -> ModelSpec:
     return parse_hf_config(model_config(name), name=name)
@@ -60,6 +65,8 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
         return spec_from_pretrained(p)
     if p.is_file():
         return spec_from_config_file(p, name=p.stem if p.name != "config.json" else p.parent.name)
+    if _looks_like_path(s):  # (a path that is not there: say so, not which catalog ids exist)
+        raise ConfigError(f"no such checkpoint directory or config.json: {s}")
     raise ConfigError(
         f"unknown model {s!r}: use a catalog id ({', '.join(list_models())}), a config.json path or a checkpoint "
         "directory"
@@ -83,6 +90,8 @@ def load_hardware(name_or_path: str | Path):
     p = Path(s)
     if p.is_file():
         return load_hardware_file(p)
+    if _looks_like_path(s):
+        raise ConfigError(f"no such hardware YAML file: {s}")
     raise ConfigError(
         f"unknown hardware {s!r}: use a catalog id ({', '.join(list_hardware())}) or a path to a YAML file"
     )
