@@ -62,7 +62,7 @@ def _parts(
         wc = memo.get(sig)
         if wc is None:
             cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
-            shards = kv_shard_limit(layer)
+            shards = layer.cache_shard_limit()
             if role == "full":
                 wc = (layer.weight_bytes(weight_bits, group), cache, shards)
             elif role == "attention":
@@ -75,11 +75,6 @@ def _parts(
         _PARTS_CACHE.clear()
     _PARTS_CACHE[key] = out
     return out
-
-
-def kv_shard_limit(layer: Any) -> int:
-    """How many devices a layer's cache can be split over (LayerSpec.cache_shard_limit; 0: freely)."""
-    return layer.cache_shard_limit()
 
 
 def cache_per_device(cache: float, n_dev: int, shards: int) -> float:
@@ -575,7 +570,7 @@ def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: 
             cache_per_device(
                 batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS),
                 s.num_devices,
-                kv_shard_limit(by_index[i]),
+                by_index[i].cache_shard_limit(),
             )
             for i in s.layers
         )

@@ -185,14 +185,11 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     if dspec is not None:
         return (dspec.weight_bytes(weight_bits, group_size, embed_bits)
                 + batch * dspec.cache_bytes_per_seq(context, kv_bits)), f"draft model {dspec.name} and its cache"
-    if method == "mtp" and spec.mtp_layers:  # each module: a decoder layer, its input projection [2d -> d], norms
-        layers, what = spec.mtp_layers, "MTP module"
-        extra = len(layers) * quantized_bytes(2 * d * d, weight_bits, group_size)
-    else:  # a one-layer draft head of the target's shape (EAGLE-style, or what stands in for a missing drafter)
-        layers, what, extra = spec.layers[:1], "one-layer draft head", quantized_bytes(2 * d * d, weight_bits,
-                                                                                       group_size)
-    return (sum(lc.weight_bytes(weight_bits, group_size) + batch * lc.cache_bytes_per_seq(context, kv_bits)
-                for lc in layers) + extra), f"{what} and its cache"
+    # an MTP module, else a one-layer draft head of the target's shape (EAGLE-style, or a missing drafter's stand-in)
+    layers, what = (spec.mtp_layers, "MTP module") if method == "mtp" and spec.mtp_layers else \
+        (spec.layers[:1], "one-layer draft head")
+    return (spec.mtp_weight_bytes(weight_bits, group_size, layers)
+            + batch * sum(lc.cache_bytes_per_seq(context, kv_bits) for lc in layers)), f"{what} and its cache"
 
 
 def _rate_method(ctx: _Ctx) -> str:
@@ -318,7 +315,8 @@ def simulate(
     sp = plan.speculative
     if sp.method != "none":
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
-        a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
+        rated = _rate_method(ctx)
+        a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(a, k)
         tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False)
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
@@ -333,7 +331,7 @@ def simulate(
             drafter=what,
             speedup=spec_rate / rate,
             accept_rate_source="given" if sp.accept_rate is not None else (
-                "fitted" if ctx.params.status.get(f"accept_rate.{_rate_method(ctx)}", "").startswith("fitted")
+                "fitted" if ctx.params.status.get(f"accept_rate.{rated}", "").startswith("fitted")
                 else "assumed default"),
         )
         rate = spec_rate

@@ -819,6 +819,13 @@ class ModelSpec:
         d = self.hidden_size
         return sum(layer.params() + 2 * d * d + 3 * d for layer in self.mtp_layers)
 
+    def mtp_weight_bytes(self, bits: int = 16, group_size: int = 128, layers: list[Any] | None = None) -> float:
+        """Stored bytes of the MTP modules (``mtp_params``' parts: the layer and its [2d -> d] projection at ``bits``,
+        the norms 16-bit); ``layers``: modules of other layers' shape (an EAGLE-style head: the first layer's)."""
+        d = self.hidden_size
+        return sum(layer.weight_bytes(bits, group_size) + quantized_bytes(2 * d * d, bits, group_size)
+                   + 3 * d * BYTES_16 for layer in (self.mtp_layers if layers is None else layers))
+
     # -- bytes
     def embed_bytes(self, embed_bits: int = 16) -> float:
         return quantized_bytes(self.embedding_params(), embed_bits)
