@@ -3,6 +3,10 @@ OpenAI-compatible server (`python -m llama_cpp.server`, Q4_0 and f16 GGUF) on th
 checkpoint, each at 1 / 4 / 16 / 64 streaming clients. Prints one table (engine x clients) and writes JSON.
 
     python benchmarks/serve_load_llamacpp.py --threads 2 --duration 10 --max-tokens 32
+    python benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 --threads 1 --clients 16
+
+(the second: one process with one thread, two stage processes with two micro-batches in flight and one thread each,
+and one process with two threads, on a host with the cores to spare)
 
 The checkpoint is decode_speed.py's "llama" (124.7M parameters: hidden 768, 12 layers, 12 heads / 4 KV heads, FFN
 2048, vocab 32000 with a synthetic byte-level BPE; random weights: speed only, the text is noise), built and cached
@@ -112,6 +116,14 @@ def engines(args: argparse.Namespace, hf: Path, gguf: dict[str, Path] | None) ->
                "--dtype", args.int4_dtype, "--weight-bits", "4", "--group-size", str(args.group_size),
                "--head-bits", str(args.head_bits)], "/health"),
            Engine("waferline", short[args.dtype], wl + ["--dtype", args.dtype], "/health")]
+    for S, M in args.pipelines:  # the same 16/32-bit server as S stage processes, M micro-batches in flight ...
+        out.append(Engine("waferline", f"{short[args.dtype]}, {S} stages x {M} micro-batches, {args.threads} "
+                          f"thread{'s' if args.threads > 1 else ''} each", wl + [
+                              "--dtype", args.dtype, "--stages", str(S), "--micro-batches", str(M)], "/health"))
+        # ... and as one process given the same cores as threads
+        one = wl[:wl.index("--torch-threads") + 1] + [str(S * args.threads)] + wl[wl.index("--torch-threads") + 2:]
+        out.append(Engine("waferline", f"{short[args.dtype]}, one process, {S * args.threads} threads",
+                          one + ["--dtype", args.dtype], "/health"))
     if gguf is not None:
         for fmt, label in (("q4_0", "Q4_0"), ("f16", "f16")):
             out.append(Engine("llama.cpp", label, [
@@ -249,6 +261,20 @@ def print_table(runs: list[Engine], args: argparse.Namespace) -> None:
     Console(width=160).print(t)
 
 
+def _pipelines(text: str) -> list[tuple[int, int]]:
+    """'2x2,4x4' -> [(2, 2), (4, 4)] (an argparse type)."""
+    out = []
+    for part in text.split(","):
+        try:
+            S, M = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected SxM like 2x2, got {part!r}") from None
+        if S < 2 or M < 1:
+            raise argparse.ArgumentTypeError(f"{part}: S >= 2 stages and M >= 1 micro-batches")
+        out.append((S, M))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64],
@@ -273,6 +299,10 @@ def main() -> None:
     ap.add_argument("--head-bits", type=int, default=8, choices=[8, 16],
                     help="waferline int4's LM head bits (default 8: llama.cpp's Q4_0 file stores its output "
                          "projection as Q6_K)")
+    ap.add_argument("--pipelines", type=_pipelines, default=[], metavar="SxM[,SxM...]",
+                    help="also serve the 16/32-bit row as a pipeline of S stage processes with M micro-batches, "
+                         "--threads threads in each (e.g. 2x2: beside the one-process row, what a second core "
+                         "buys as a stage)")
     ap.add_argument("--engines", type=lambda s: s.split(","), default=None,
                     help="subset: engine or engine:weights prefix, e.g. 'waferline:int4,llama.cpp' (default: all)")
     ap.add_argument("--llama-cpp-src", default=None, help="vendor/llama.cpp of the llama-cpp-python sdist "

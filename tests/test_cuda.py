@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU: skipped where torch sees none (CI), run on a machine that has one (README, "Decode
 speed": the prepared device command). Tiny checkpoints, as everywhere: the GPU path's tokens and numbers against its
-own eager steps and against the CPU engine, the int4 weights repacked for torch's tinygemm."""
+own eager steps and against the CPU engine, the int4 weights repacked for torch's tinygemm, speculative decoding
+(n-gram, MTP, a draft model) against plain decoding on the GPU, and `serve --device cuda` through the openai client."""
 
 import pytest
 import torch
@@ -13,7 +14,18 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
-    return tiny_checkpoints(tmp_path_factory, ("deepseek_v3", "llama", "qwen3_moe", "bamba"))
+    import json
+
+    from test_speculative import SOL, _perturbed_copy
+    from waferline.model.init import write_random_checkpoint
+
+    out = tiny_checkpoints(tmp_path_factory, ("deepseek_v3", "llama", "qwen3_moe", "bamba"))
+    cfg = json.loads((out["deepseek_v3"] / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1  # MLA with an MTP head
+    out["deepseek_v3:mtp"] = write_random_checkpoint(cfg, tmp_path_factory.mktemp("dsv3_mtp"), seed=3)
+    out["sol:mtp"] = write_random_checkpoint(SOL, tmp_path_factory.mktemp("sol_mtp"), seed=4)  # Mamba-2 + MLA + GQA
+    out["bamba:draft"] = _perturbed_copy(out["bamba"], tmp_path_factory.mktemp("bamba_draft"), 0.05)
+    return out
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
@@ -87,3 +99,56 @@ def test_int4_on_the_gpu_is_the_cpu_int4(ckpts):
     torch.testing.assert_close(gpu.prompt_logprobs(ids), cpu.prompt_logprobs(ids), atol=0.1, rtol=0.05)
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert len(gpu.generate(PROMPTS, p)[0].token_ids) == 8
+
+
+SPEC_PROMPTS = [[7, 8, 9, 10] * 3, [5, 6, 5, 6, 5, 6, 11], [20, 21, 22, 23, 24, 20, 21, 22, 23]]
+
+
+@pytest.mark.parametrize("mt, method", [("deepseek_v3:mtp", "mtp"), ("deepseek_v3:mtp", "ngram"), ("sol:mtp", "mtp"),
+                                        ("bamba", "draft")])
+def test_speculation_on_the_gpu_is_plain_decoding(ckpts, mt, method):
+    # greedy, fp32: the verify forward's tokens are the one-token steps'; the caches (MLA, GQA, Mamba-2 state), the
+    # MTP head and the draft model's caches on the GPU, rolled back there
+    method = f"draft:{ckpts['bamba:draft']}" if method == "draft" else method
+    p = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    ref = [o.token_ids for o in LLM(ckpts[mt], device="cuda", cuda_graphs=False).generate(SPEC_PROMPTS, p)]
+    spec = LLM(ckpts[mt], device="cuda", speculative=method, num_speculative_tokens=3, speculative_adaptive=False)
+    outs = spec.generate(SPEC_PROMPTS, p)
+    assert [o.token_ids for o in outs] == ref
+    assert outs[0].metrics["spec_drafted"] > 0
+    # sampled: drafts verified on the host with each request's own generator (seeded: repeatable)
+    q = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
+    a, b = spec.generate(SPEC_PROMPTS, q), spec.generate(SPEC_PROMPTS, q)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] and all(len(o.token_ids) == 16 for o in a)
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"])
+def test_serve_on_the_gpu_is_generate_on_the_gpu(sol, speculative):
+    """`waferline serve --device cuda`: 6 concurrent streams through the official client equal `LLM.generate` on the
+    GPU with the same options (greedy: the same text)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from server_helpers import serve_in_thread
+    from waferline.server.commands import build_server
+
+    prompts = ["To be, or not to be", "Friends, Romans, countrymen", "the the the the", "O Romeo, Romeo!",
+               "All the world's a stage", "Now is the winter"]
+    opts = {"speculative": speculative} if speculative else {}
+    llm = LLM(sol, device="cuda", max_model_len=256, **opts)
+    want = [o.text for o in llm.generate(prompts, SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True))]
+    llm.close()
+    app = build_server(sol, max_num_seqs=4, max_model_len=256, served_model_name="sol-gpu", device="cuda", **opts)
+    with serve_in_thread(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+
+        def one(prompt: str) -> str:
+            stream = client.completions.create(model="sol-gpu", prompt=prompt, max_tokens=14, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in stream if c.choices)
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(one, prompts))
+        assert app.state.server.engine.scheduler.runner.device.type == "cuda"
+    assert got == want

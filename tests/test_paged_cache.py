@@ -114,6 +114,23 @@ def test_unmanaged_tables_free_pages_when_a_slot_is_reset(ckpts, monkeypatch):
     assert table.slots[0] == [1] and table.num_pages == 1 + 5
 
 
+def test_the_page_tables_device_copy_is_refreshed_in_place():
+    """A CUDA graph captured over a paged cache reads the page table's device copy: pages given later must show in
+    that same tensor, and only a wider table makes a new one (the static step then runs eagerly). ("meta" stands in
+    for a GPU here: the copy's identity and shape are what is checked; tests/test_cuda.py runs the graph.)"""
+    t = BlockTable(3, page_tokens=2, managed=True)
+    t.grow(0, 4)
+    dev = torch.device("meta")
+    first = t.ids_on(dev)
+    assert first.shape == t.ids.shape and t.ids_on(dev) is first
+    t.grow(1, 2)  # a page for another slot: the table changed, not its width
+    assert t.ids_on(dev) is first
+    t.grow(0, 2 * (t.ids.shape[1] + 3))  # wider than the copy
+    wider = t.ids_on(dev)
+    assert wider is not first and wider.shape == t.ids.shape
+    assert t.ids_on(torch.device("cpu")) is t.ids
+
+
 def test_block_table_counts_holders_and_never_hands_a_page_out_twice():
     t = BlockTable(3, page_tokens=2, managed=True)
     t.grow(0, 5)

@@ -130,6 +130,16 @@ def test_stage_split_and_errors(ckpts):
         LLM(ckpts["sol"], micro_batches=2)
 
 
+def test_a_pipeline_with_more_stages_than_gpus_is_refused_before_it_starts(ckpts, monkeypatch):
+    # NCCL cannot put two ranks on one GPU (a 2-stage pipeline on one GPU failed inside the stages' start-up)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="one stage per GPU: 2 stages need 2 GPUs, torch sees 1"):
+        LLM(ckpts["sol"], stages=2, device="cuda")
+
+
 def test_pipeline_from_plan(ckpts):
     from waferline.plan.plan import Plan, Stage
 

@@ -290,7 +290,7 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--attention-ranks", "2"], "needs --afd"),
     (["--afd", "--stages", "2"], "two different engines"),
     (["--afd", "--weight-bits", "4"], "16-bit weights"),
-    (["--device", "cuda"], "runs on CPU"),
+    (["--afd", "--device", "cuda"], "AFD's ranks run on CPU"),
     (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
@@ -301,6 +301,34 @@ def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):
     assert main(["serve", "--model", str(ckpts["afd"]), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--stages", "2", "--torch-threads", "3"], {"threads_per_stage": 3, "stages": 2}),
+    (["--afd", "--torch-threads", "2"], {"threads_per_stage": 2, "afd": True}),
+    (["--torch-threads", "2"], {}),  # (one process: the engine loop's own threads, no stage processes)
+    (["--device", "cuda"], {"device": "cuda"}),
+])
+def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, flags, want):
+    """`--torch-threads` is every stage / rank process's thread count (only stage 0's was set; the others took the
+    cores divided among them), and `--device` reaches the engine (it was refused)."""
+    import waferline.engine.llm as llm_module
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake(path, **kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(llm_module, "LLM", fake)
+    with pytest.raises(Stop):
+        main(["serve", "--model", str(ckpts["afd"]), "--port", str(_free_port()), *flags])
+    assert {k: seen.get(k) for k in want} == want
+    if not want:
+        assert "threads_per_stage" not in seen and "device" not in seen
 
 
 def test_when_the_processes_cannot_be_restarted_the_engine_stops(ckpts):

@@ -252,8 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "16 = as loaded (default); single-process engine only")
     g.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the engine's weights, caches and steps live (a pipeline's "
-                        "stages each take a GPU of their own; off the CPU: torch ops, and the single-process "
-                        "engine's greedy decode as CUDA graphs; not yet run on a GPU)")
+                        "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "
+                        "single-process engine's greedy decode as CUDA graphs)")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
     g.add_argument(

@@ -48,6 +48,10 @@ class StaticDecode:
                 c._grow(end)
         self.graph = None
         self.out: tuple[torch.Tensor, torch.Tensor] | None = None
+        # paged caches: the page tables' copies on the device, which a captured step reads (refreshed in place as
+        # pages are given; a table grown wider makes a new copy, and the step then runs eagerly)
+        self._tables = list({id(c.table): c.table for c in caches if c.table is not None}.values())
+        self._table_ids: list[torch.Tensor] = []
         if capture:
             self._capture(device)
 
@@ -62,6 +66,8 @@ class StaticDecode:
             side.wait_stream(torch.cuda.current_stream(device))
             mode = torch.cuda.get_sync_debug_mode()
             with torch.cuda.stream(side):
+                self._step()  # (first: the page tables widened to the end and copied to the device, host to GPU)
+                self._table_ids = [t.ids_on(device) for t in self._tables]
                 torch.cuda.set_sync_debug_mode("error")  # a host read in the step cannot be captured: say so here
                 try:
                     for _ in range(2):
@@ -80,6 +86,9 @@ class StaticDecode:
             raise ValueError(f"position {max(starts)} is past the static step's end {self.end}")
         self.tokens.copy_(torch.tensor(tokens, dtype=torch.long)[:, None])
         self.start.copy_(torch.tensor(starts, dtype=torch.long))
+        if self.graph is not None and any(t.ids_on(ids.device) is not ids for t, ids in zip(self._tables,
+                                                                                         self._table_ids)):
+            self.graph = None  # a page table grew wider than the captured step's copy of it: eager from here on
         if self.graph is None:
             return self._step()
         self.graph.replay()

@@ -139,9 +139,6 @@ class LLM:
         else:
             if micro_batches is not None or pipeline_options:
                 raise ConfigError("micro_batches and pipeline options need stages=S or layers_per_stage=K")
-            if speculative and self.device.type != "cpu":
-                raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or use device='cpu' "
-                                  f"(got device={str(self.device)!r})")
             from waferline.model.quant import QuantOptions, is_int4, loading_for, move_model, quantize_model
 
             with loading_for(self.device):  # (an int4 checkpoint bound for a GPU keeps codes move_model can read)
@@ -171,8 +168,8 @@ class LLM:
         if speculative and self._pipeline is None:
             from waferline.engine.speculative.serving import ServeSpeculation
 
-            self._spec = ServeSpeculation(self.model, self.model.new_caches(1), 1, speculative, num_speculative_tokens,
-                                          speculative_adaptive)
+            self._spec = ServeSpeculation(self.model, self.model.new_caches(1, self.device), 1, speculative,
+                                          num_speculative_tokens, speculative_adaptive)
         if self._pipeline is not None:
             try:
                 self._engine(1)  # the runner over the processes, and its speculation: a bad option fails here

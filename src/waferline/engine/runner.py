@@ -239,11 +239,13 @@ class LocalRunner:
         """One forward over every row's tokens (shorter rows padded at the end) with the caches prepared for a
         rollback; ``keep`` must follow before the next step."""
         width = max(len(r.tokens) for r in rows)
-        toks = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows])
-        batch = StepBatch.make([r.slot for r in rows], [r.position for r in rows], width)
+        dev = self.device
+        toks = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
+        batch = StepBatch.make([r.slot for r in rows], [r.position for r in rows], width, dev)
         self._rollback = VerifyRollback(self.caches, batch)
         greedy = [r.want == WANT_ARGMAX for r in rows]
         logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
+        logits = logits.cpu()  # (verified on the host, with each request's CPU generator)
         tops = top.tolist() if top is not None else None
         return [RowOutput(logits=logits[b], argmaxes=tops[b] if greedy[b] and tops is not None else None,
                           hidden=hidden[b] if self.keep_hidden else None) for b in range(len(rows))]

@@ -300,10 +300,14 @@ class BlockTable:
         self.dirty = left
 
     def ids_on(self, device: torch.device) -> torch.Tensor:
-        """``ids`` on ``device`` (a copy kept until the table changes)."""
+        """``ids`` on ``device``: a copy kept until the table changes, then refreshed in place while its shape holds
+        (so a captured CUDA graph that reads it reads the current pages; a wider table is a new tensor)."""
         if device.type == "cpu":
             return self.ids
         hit = self._on_device.get(device)
-        if hit is None or hit[0] != self.version:
+        if hit is None or hit[1].shape != self.ids.shape:
             hit = self._on_device[device] = (self.version, self.ids.to(device))
+        elif hit[0] != self.version:
+            hit[1].copy_(self.ids)
+            hit = self._on_device[device] = (self.version, hit[1])
         return hit[1]

@@ -27,7 +27,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  group_size: int | None = None, head_bits: int = 16, afd: bool = False,
                  attention_ranks: int | None = None, ffn_ranks: int | None = None,
                  tool_call_parser: str | None = None, chat_template: str | None = None,
-                 on_fatal: Callable[[str], None] | None = None) -> Any:
+                 device: str | None = None, on_fatal: Callable[[str], None] | None = None) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
@@ -71,8 +71,12 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise ConfigError("micro_batches, hang_timeout_s and threads_per_stage need stages, layers_per_stage or afd")
     if hang_timeout_s is not None:
         kw["hang_timeout_s"] = hang_timeout_s
+    if threads_per_stage is None and pipeline and torch_threads:
+        threads_per_stage = torch_threads  # (every stage / rank process, as stage 0's engine loop takes)
     if threads_per_stage is not None:
         kw["threads_per_stage"] = threads_per_stage
+    if device not in (None, "cpu"):
+        kw["device"] = device
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
     if chat_template is not None:
         llm.tokenizer.chat_template = chat_template  # (before the server copies the tokenizer)
@@ -124,9 +128,8 @@ def check_serve_flags(args: argparse.Namespace) -> None:
         raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
     elif args.weight_bits != 16 or args.head_bits != 16 or args.group_size is not None:
         raise UsageError("--afd runs 16-bit weights and head: drop --weight-bits / --head-bits / --group-size")
-    if args.device not in (None, "cpu"):
-        raise UsageError(f"--device {args.device}: the server's scheduler runs on CPU so far; drop --device (AFD, "
-                         "pipelines and the single-process engine run on a GPU through `waferline generate`)")
+    if args.afd and args.device not in (None, "cpu"):
+        raise UsageError(f"--device {args.device}: AFD's ranks run on CPU processes (gloo) so far; drop --device")
     if args.stages is not None and args.layers_per_stage is not None:
         raise UsageError("give --stages S or --layers-per-stage K, not both")
     if not (pipeline or args.afd):
@@ -236,7 +239,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        stages=args.stages, layers_per_stage=args.layers_per_stage, micro_batches=args.micro_batches,
                        hang_timeout_s=args.hang_timeout, group_size=args.group_size, head_bits=args.head_bits,
                        afd=args.afd, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
-                       tool_call_parser=args.tool_call_parser, chat_template=args.chat_template, on_fatal=fatal)
+                       tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
+                       device=args.device, on_fatal=fatal)
     engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -294,8 +298,11 @@ def register(sub: Any) -> None:
     s.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
                    help="8 = int8 LM head, 16 = as loaded (default); single-process engine only")
     s.add_argument("--device", default=None,
-                   help="cpu only: the server's scheduler runs on CPU so far (any other device is refused)")
-    s.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads of the engine")
+                   help="cpu (default) or cuda[:N]: where the weights, caches and steps live (a pipeline's stages "
+                        "each take a GPU of their own; AFD runs on CPU)")
+    s.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads of the engine (with --stages / --afd: of every stage or rank process; "
+                        "default: the cores divided among them)")
     s.add_argument("--stages", type=int, default=None,
                    help="serve a pipeline of S stage processes (layers split evenly; this process is stage 0 and the "
                         "scheduler). A stage that dies or hangs ends every running and queued request with an error "

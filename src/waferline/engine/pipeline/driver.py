@@ -84,6 +84,10 @@ class Pipeline(Supervision):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but CUDA is not available; use device='cpu'")
+        if self.device.type == "cuda" and S > torch.cuda.device_count() and launch != "env" \
+                and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (NCCL refuses two ranks on one GPU)
+            raise ConfigError(f"a pipeline on CUDA runs one stage per GPU: {S} stages need {S} GPUs, torch sees "
+                              f"{torch.cuda.device_count()}; use fewer stages, more GPUs or device='cpu'")
         self.dtype = dtype
         self._procs: list[Any] = []  # local worker processes (index r-1 for stage r)
         self._closed = False

@@ -89,7 +89,7 @@ def _pick(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | N
     """The drafter's token from its logits [V] and, when sampling, the distribution it came from."""
     if params.temperature == 0:
         return greedy(logits.reshape(-1)), None
-    q = target_probs(logits, params)
+    q = target_probs(logits.cpu(), params)  # (sampled on the host, with the request's CPU generator)
     return draw(q, gen), q
 
 
@@ -135,23 +135,29 @@ class _ModelDrafter:
                 _load(caches, b, saved[min(a, len(saved) - 1)])
 
 
-def _ragged(seqs: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, list[int]]:
+def _ragged(seqs: list[list[int]], device: torch.device, pad: int = 0) -> tuple[torch.Tensor, list[int]]:
     T = max(len(s) for s in seqs)
-    return torch.tensor([s + [pad] * (T - len(s)) for s in seqs]), [len(s) - 1 for s in seqs]
+    return torch.tensor([s + [pad] * (T - len(s)) for s in seqs], device=device), [len(s) - 1 for s in seqs]
 
 
 class DraftModelDrafter(_ModelDrafter):
     """A smaller checkpoint sharing the target's vocabulary drafts autoregressively over its own caches."""
 
-    def __init__(self, path: str | Path, dtype: torch.dtype, vocab_size: int):
+    def __init__(self, path: str | Path, dtype: torch.dtype, vocab_size: int, device: torch.device | None = None):
         from waferline.model.arena import move_to_huge_pages
         from waferline.model.load import load_model
+        from waferline.model.quant import loading_for, move_model
 
-        self.model = load_model(Path(path), dtype)
+        self.device = torch.device(device or "cpu")
+        with loading_for(self.device):
+            self.model = load_model(Path(path), dtype)
         if self.model.spec.vocab_size != vocab_size:
             raise ConfigError(f"draft model {path} has vocab_size {self.model.spec.vocab_size} but the target has "
                               f"{vocab_size}; a draft model must share the target's tokenizer")
-        move_to_huge_pages(self.model)  # as the target's (model/arena.py)
+        if self.device.type == "cpu":
+            move_to_huge_pages(self.model)  # as the target's (model/arena.py)
+        else:
+            move_model(self.model, self.device)  # on the target's device (int4 weights repacked for its kernel)
         self.name = f"draft:{path}"
         self.caches: list[Any] = []
         self.cached: list[int] = []  # tokens of each row held in the draft caches
@@ -159,13 +165,13 @@ class DraftModelDrafter(_ModelDrafter):
         self._base: dict[int, int] = {}
 
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
-        self.caches = self.model.new_caches(len(seqs))
+        self.caches = self.model.new_caches(len(seqs), self.device)
         self.cached = [0] * len(seqs)
         self._saved, self._base = {}, {}
 
     def reset(self, rows: list[int]) -> None:
         """Rows that start a new sequence: nothing of them in the draft caches."""
-        index = torch.tensor(rows)
+        index = torch.tensor(rows, device=self.device)
         for c in self.caches:
             if c is not None:
                 c.reset(index)
@@ -185,10 +191,12 @@ class DraftModelDrafter(_ModelDrafter):
         else:
             groups[0] = list(range(len(rows)))
         for idx in groups.values():
-            toks, last = _ragged([chunks[i] for i in idx])
-            batch = StepBatch.make([rows[i] for i in idx], [self.cached[rows[i]] for i in idx], toks.shape[1])
+            toks, last = _ragged([chunks[i] for i in idx], self.device)
+            batch = StepBatch.make([rows[i] for i in idx], [self.cached[rows[i]] for i in idx], toks.shape[1],
+                                   self.device)
             h = self.model(toks, self.caches, batch)
-            lg = self.model.logits(h[torch.arange(len(idx)), torch.tensor(last)])
+            at = torch.tensor(last, device=self.device)
+            lg = self.model.logits(h[torch.arange(len(idx), device=self.device), at])
             for n, i in enumerate(idx):
                 out[i] = lg[n]
                 self.cached[rows[i]] += len(chunks[i])
@@ -227,13 +235,14 @@ class MTPDrafter(_ModelDrafter):
                               "and model.layers.{N}.eh_proj.weight ...); use 'ngram' or 'draft:PATH' instead")
         self.model = model
         self.head = model.mtp[0]
+        self.device = model.norm.weight.device
         self.caches: list[Any] = []
         self.committed: list[int] = []  # MTP positions holding true (h_t, token t+1) pairs
         self.pending: list[torch.Tensor] = []  # target hidden states from position committed[b] on
         self._saved: dict[int, list[Any]] = {}
 
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
-        self.caches = [self.head.layer.new_cache(len(seqs), self.model.norm.weight.device)]
+        self.caches = [self.head.layer.new_cache(len(seqs), self.device)]
         self.committed = [0] * len(seqs)
         self.pending = list(prompt_hidden)
         self._saved = {}
@@ -264,7 +273,7 @@ class MTPDrafter(_ModelDrafter):
             self.committed[b] = 0
             self.pending[b] = self.pending[b][:0]
             self._saved.pop(b, None)
-        self.caches[0].reset(torch.tensor(rows))
+        self.caches[0].reset(torch.tensor(rows, device=self.device))
 
     def _run(
         self, rows: list[int], h: list[torch.Tensor], toks: list[list[int]], start: list[int]
@@ -278,10 +287,10 @@ class MTPDrafter(_ModelDrafter):
         else:
             groups[0] = list(range(len(rows)))
         for idx in groups.values():
-            tt, last = _ragged([toks[i] for i in idx])
+            tt, last = _ragged([toks[i] for i in idx], self.device)
             T = tt.shape[1]
             hh = torch.stack([torch.nn.functional.pad(h[i], (0, 0, 0, T - h[i].shape[0])) for i in idx])
-            batch = StepBatch.make([rows[i] for i in idx], [start[i] for i in idx], T)
+            batch = StepBatch.make([rows[i] for i in idx], [start[i] for i in idx], T, self.device)
             out = self.head(hh, self.model.embed_tokens(tt), self.caches[0], batch)
             for n, i in enumerate(idx):
                 outs_h[i] = out[n, last[n]]
@@ -318,7 +327,8 @@ class MTPDrafter(_ModelDrafter):
 
 
 def make_drafter(spec: str, model: Any, dtype: torch.dtype) -> Any:
-    """'ngram' | 'ngram:MIN:MAX' | 'mtp' | 'draft:PATH' -> a drafter for the target ``model``."""
+    """'ngram' | 'ngram:MIN:MAX' | 'mtp' | 'draft:PATH' -> a drafter for the target ``model`` (a draft model on the
+    target's device)."""
     if spec == "ngram" or spec.startswith("ngram:"):
         parts = spec.split(":")[1:]
         try:
@@ -329,6 +339,7 @@ def make_drafter(spec: str, model: Any, dtype: torch.dtype) -> Any:
     if spec == "mtp":
         return MTPDrafter(model)
     if spec.startswith("draft:") and len(spec) > len("draft:"):
-        return DraftModelDrafter(spec[len("draft:"):], dtype, model.spec.vocab_size)
+        device = next(iter(model.parameters()), torch.zeros(0)).device
+        return DraftModelDrafter(spec[len("draft:"):], dtype, model.spec.vocab_size, device)
     raise ConfigError(f"unknown speculative method {spec!r}: use 'ngram', 'mtp' or 'draft:PATH' (a checkpoint sharing "
                       "the target's tokenizer)")

@@ -94,10 +94,6 @@ class ServeSpeculation:
                  cost_table: list[tuple[int, float]] | None = None):
         if num_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
-        device = next(iter(model.parameters()), torch.zeros(0)).device
-        if device.type != "cpu":
-            raise ConfigError(f"speculative decoding runs on CPU so far; drop speculative or load the model on the CPU "
-                              f"(got {device})")
         w = _window(caches)
         self.k_max = min(num_tokens, w - 1) if w is not None else num_tokens  # a verify must not wrap a ring
         if step_tokens is not None:  # a verify row fits in one step's token budget
@@ -116,7 +112,8 @@ class ServeSpeculation:
 
     def bind(self, num_slots: int) -> None:
         """Drafter state for ``num_slots`` empty slots (a scheduler with that many slots starts using it)."""
-        empty = torch.zeros(0, self.model.spec.hidden_size, dtype=self.model.dtype)
+        device = next(iter(self.model.parameters()), torch.zeros(0)).device
+        empty = torch.zeros(0, self.model.spec.hidden_size, dtype=self.model.dtype, device=device)
         self.drafter.begin([[] for _ in range(num_slots)], [empty] * num_slots)
 
     def reset(self, slot: int) -> None:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA machine, as one script (a lent GPU machine runs it from the repository root; nothing is
+# installed there but torch and transformers, so waferline runs from src/ and the server's packages come as wheels in
+# .whl/ when present). Each part has its own time limit, so a slow one cannot starve the others; outputs go to
+# $OUT (default: gpu_check_out/).
+#
+#   1. tests/test_cuda.py: graph decode = eager decode, GPU log-probs = the CPU engine's, int4 through tinygemm,
+#      speculative decoding (n-gram, MTP, a draft model) = plain decoding on the GPU, `serve --device cuda` through
+#      the openai client = `LLM.generate` on the GPU;
+#   2. the serve load on the machine's CPU cores: one process against 2 stage processes x 2 micro-batches (1 thread
+#      each) and one process with 2 threads (benchmarks/serve_load_llamacpp.py --pipelines 2x2);
+#   3. decode speed on the GPU against its HBM roofline (benchmarks/decode_speed.py --device cuda, llama-gpu).
+set -u
+OUT=${OUT:-gpu_check_out}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 WAFERLINE_KERNELS=0 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${NO_WHEELS:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || exit 1
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi -L 2>&1 | tee "$OUT/machine.txt"
+"$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
+"transformers", transformers.__version__)' 2>&1 | tee -a "$OUT/machine.txt"
+nproc | tee -a "$OUT/machine.txt"
+
+t0=$(date +%s)
+timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+echo "== tests: $(( $(date +%s) - t0 )) s"
+
+t0=$(date +%s)
+timeout "${SERVE_S:-170}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
+    --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_16c.json" 2>&1 \
+    | grep -v "Writing model shards" | tee "$OUT/serve_pipeline.log"
+echo "== serve load: $(( $(date +%s) - t0 )) s"
+
+t0=$(date +%s)
+timeout "${DECODE_S:-170}" "$PY" benchmarks/decode_speed.py --device cuda --models llama-gpu --repeats 1 \
+    --threads "$(nproc)" --json "$OUT/decode_speed_h200.json" 2>&1 | tee "$OUT/decode_speed.log"
+echo "== decode speed: $(( $(date +%s) - t0 )) s"
