@@ -297,7 +297,7 @@ def test_logprobs_are_the_engines_streamed_or_not(live, client):
         texts = [llm.tokenizer.decode([t], skip_special_tokens=False) for t in want.token_ids]
         assert c.logprobs.tokens == texts and "".join(texts) == c.text
         assert c.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-5)
-        assert c.logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(8)]
+        _assert_offsets_fit(c.text, c.logprobs.tokens, c.logprobs.text_offset)
         for top, lp, t in zip(c.logprobs.top_logprobs, want.logprobs, texts):
             alts = {llm.tokenizer.decode([i], skip_special_tokens=False): v for i, v in lp.top}
             assert len(lp.top) == 2 and top == pytest.approx(alts | {t: lp.logprob}, abs=1e-5)
@@ -370,7 +370,8 @@ def test_echo_scores_the_prompt(live, client):
     gen = llm.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True, logprobs=1))[0]
     assert more.text == c.text + gen.text and more.logprobs.tokens[:70] == texts
     assert more.logprobs.token_logprobs[70:] == pytest.approx([lp.logprob for lp in gen.logprobs], abs=1e-5)
-    assert more.logprobs.text_offset == [sum(map(len, more.logprobs.tokens[:i])) for i in range(74)]
+    _assert_offsets_fit(more.text, more.logprobs.tokens, more.logprobs.text_offset)
+    assert more.logprobs.text_offset[:70] == [sum(map(len, texts[:i])) for i in range(70)]  # (an ASCII prompt)
     streamed = [ch.choices[0] for ch in client.completions.create(max_tokens=4, stream=True, **kw) if ch.choices]
     assert "".join(s.text for s in streamed) == more.text
     assert [t for s in streamed if s.logprobs for t in s.logprobs.text_offset] == more.logprobs.text_offset
@@ -390,6 +391,35 @@ def test_echo_scores_the_prompt(live, client):
     assert plain.text.startswith("To be, or not") and plain.logprobs is None
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model="sol-test", prompt="x", max_tokens=0)
+
+
+def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> None:
+    """Each offset lies within ``text``, in order, and a token that is a whole text (no part of a split character, nor
+    after one) is found there."""
+    assert len(offsets) == len(tokens) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for off, tok, before in zip(offsets, tokens, [""] + tokens):
+        if "\ufffd" not in tok + before:  # (a replacement character is shown by the token that completes it)
+            assert text[off:off + len(tok)] == tok, (off, tok)
+
+
+def test_text_offsets_stay_in_the_text_when_tokens_split_a_character(live, client):
+    """A character whose UTF-8 bytes are split over tokens (each shown as a replacement character) counts once in
+    `text_offset`: every offset lies within the text, and a whole token's text is found at its offset (the offsets
+    counted one character per part, and ran past the text)."""
+    llm = live.state.server.llm
+    prompt = "Café naïve — ☃ Ω and 猫: ROMEO é"
+    ids = llm.encode(prompt)
+    parts = [llm.tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in p for p in parts)  # (the tokenizer splits some of these characters: the case checked)
+    kw = dict(model="sol-test", prompt=prompt, echo=True, logprobs=1, max_tokens=3, temperature=0,
+              extra_body={"ignore_eos": True})
+    c = client.completions.create(**kw).choices[0]
+    offs = c.logprobs.text_offset
+    assert c.text.startswith(prompt)
+    _assert_offsets_fit(c.text, c.logprobs.tokens, offs)
+    streamed = [ch.choices[0].logprobs for ch in client.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs is not None]
+    assert [o for s in streamed for o in s.text_offset] == offs
 
 
 def test_penalties_and_logit_bias_are_the_engines(live, client):

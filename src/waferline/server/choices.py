@@ -9,7 +9,7 @@ from typing import Any
 
 from waferline.engine.sampling import TokenLogprobs
 from waferline.engine.sequence import Event
-from waferline.server.logprobs import TokenTexts, chat_entry, completion_logprobs, echoed
+from waferline.server.logprobs import TokenTexts, chat_entry, completion_logprobs, echoed, text_offsets
 from waferline.server.tools import ToolPlan, ToolStream
 
 
@@ -27,7 +27,8 @@ class Choice:
     lps: list[TokenLogprobs] = field(default_factory=list)
     prompt_lps: list[TokenLogprobs] | None = None
     last: Event | None = None
-    offset: int = 0  # (streamed completions: the next token's text_offset)
+    emitted: int = 0  # characters of generated text so far (each token's text_offset: those before it)
+    starts: list[int] = field(default_factory=list)  # (each generated token's: its text_offset past the echo)
     echoed: bool = False  # (streamed: the prompt was sent)
     tool_stream: ToolStream | None = None  # (streamed chat with tools: the content held back, the calls)
 
@@ -51,6 +52,8 @@ class Choices:
         c = self.items[i]
         if ev.token_id is not None:
             c.toks.append(ev.token_id)
+            c.starts.append(c.emitted)
+        c.emitted += len(ev.text)
         if ev.logprobs is not None:
             c.lps.append(ev.logprobs)
         if ev.prompt_logprobs is not None:
@@ -87,7 +90,8 @@ class Choices:
                 choice["logprobs"] = {"content": [chat_entry(lp, self.texts) for lp in lps]}
             elif self.texts is not None:
                 items = self._echoed(c, c.prompt_lps) + [(lp.token, lp) for lp in lps]
-                choice["logprobs"] = completion_logprobs(items, self.texts)
+                offsets = self._echo_offsets(c) + [len(c.echo or "") + s for s in c.starts[:len(lps)]]
+                choice["logprobs"] = completion_logprobs(items, self.texts, offsets)
             if self.token_ids:
                 choice["token_ids"] = toks
             out.append(choice)
@@ -115,8 +119,8 @@ class Choices:
             c.echoed = True
             ch = self._chunk(c, c.echo)
             if self.texts is not None:
-                lp = completion_logprobs(self._echoed(c, ev.prompt_logprobs), self.texts)
-                ch["logprobs"], c.offset = lp, sum(len(t) for t in lp["tokens"])
+                ch["logprobs"] = completion_logprobs(self._echoed(c, ev.prompt_logprobs), self.texts,
+                                                     self._echo_offsets(c))
             out.append(ch)
         if ev.token_id is not None and not self.score_only:
             text = ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text) or None
@@ -128,12 +132,13 @@ class Choices:
                 if self.chat:
                     ch["logprobs"] = {"content": [chat_entry(ev.logprobs, self.texts)]}
                 else:
-                    ch["logprobs"] = completion_logprobs([(ev.logprobs.token, ev.logprobs)], self.texts, c.offset)
-                    c.offset += len(ch["logprobs"]["tokens"][0])
+                    ch["logprobs"] = completion_logprobs([(ev.logprobs.token, ev.logprobs)], self.texts,
+                                                         [len(c.echo or "") + c.emitted])
             if self.token_ids:
                 ch["token_ids"] = [ev.token_id]
             if not held:
                 out.append(ch)
+        c.emitted += len(ev.text)
         if ev.finished and ev.finish_reason != "error":
             reason = self._reason(ev)
             if c.tool_stream is not None:
@@ -168,3 +173,7 @@ class Choices:
     @staticmethod
     def _echoed(c: Choice, prompt_lps: list[TokenLogprobs] | None) -> list[tuple[int, TokenLogprobs | None]]:
         return echoed(c.ids, prompt_lps) if c.echo is not None else []
+
+    def _echo_offsets(self, c: Choice) -> list[int]:
+        assert self.texts is not None
+        return text_offsets(c.ids, self.texts) if c.echo is not None else []

@@ -11,6 +11,7 @@ log-probability below -9999 (a logit of -inf) is shown as -9999.0: JSON has no i
 
 from __future__ import annotations
 
+import codecs
 import copy
 from typing import Any
 
@@ -78,20 +79,29 @@ def chat_entry(lp: TokenLogprobs, texts: TokenTexts) -> dict[str, Any]:
     return {"token": t, "logprob": _lp(lp.logprob), "bytes": b, "top_logprobs": top}
 
 
+def text_offsets(ids: list[int], texts: TokenTexts) -> list[int]:
+    """The ``text_offset`` of each token of a whole text (an echoed prompt): the characters of the text before the
+    token. A character whose UTF-8 bytes are split over tokens (each token's own text shows a replacement character)
+    counts once, with the token that completes it, so the offsets stay within the text."""
+    utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+    out, chars = [], 0
+    for tok in ids:
+        out.append(chars)
+        text, data = texts(tok)
+        chars += len(text) if data is None else len(utf8.decode(bytes(data)))
+    return out
+
+
 def completion_logprobs(items: list[tuple[int, TokenLogprobs | None]], texts: TokenTexts,
-                        offset: int = 0) -> dict[str, Any]:
+                        offsets: list[int]) -> dict[str, Any]:
     """``choices[].logprobs`` of a completion for ``items`` (token, its log-probabilities; None for an echoed prompt's
-    first token, which has none), the first token's text starting at character ``offset``. Each ``top_logprobs`` dict
-    holds the N most likely tokens and the chosen one (as vLLM's do)."""
-    tokens, offsets = [], []
-    for tok, _ in items:
-        tokens.append(texts(tok)[0])
-        offsets.append(offset)
-        offset += len(tokens[-1])
+    first token, which has none) whose texts start at ``offsets`` (characters of the choice's text before each).
+    Each ``top_logprobs`` dict holds the N most likely tokens and the chosen one (as vLLM's do)."""
+    tokens = [texts(tok)[0] for tok, _ in items]
     tops = [None if lp is None else {texts(i)[0]: _lp(v) for i, v in lp.top} | {t: _lp(lp.logprob)}
             for (_, lp), t in zip(items, tokens)]
     return {"tokens": tokens, "token_logprobs": [None if lp is None else _lp(lp.logprob) for _, lp in items],
-            "top_logprobs": tops, "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": list(offsets)}
 
 
 def echoed(ids: list[int], prompt_lps: list[TokenLogprobs] | None) -> list[tuple[int, TokenLogprobs | None]]:
