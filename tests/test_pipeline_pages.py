@@ -147,7 +147,7 @@ def test_serve_afd_over_two_attention_ranks_shares_a_prefix(ckpts):
             got = list(pool.map(ids, [a, c]))
         got.append(ids(b))
         hits = [ln for ln in httpx.get(url + "/metrics").text.splitlines()
-                if ln.startswith("waferline_prefix_cache_hit_tokens ")]
+                if ln.startswith("waferline_prefix_cache_hit_tokens_total ")]
     assert got == want
     assert float(hits[0].split()[1]) == 24
 

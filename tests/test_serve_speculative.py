@@ -337,6 +337,6 @@ def test_live_server_concurrent_streams_equal_lone_requests(spec_live):
                                         extra_body=extra).choices[0].model_extra["token_ids"] for _ in range(2)]
     assert seeded[0] == seeded[1] and len(seeded[0]) == 24
     m = _metrics(spec_live)
-    assert m["waferline_spec_draft_tokens"] > 0 and m["waferline_spec_accepted_tokens"] > 0
+    assert m["waferline_spec_draft_tokens_total"] > 0 and m["waferline_spec_accepted_tokens_total"] > 0
     assert 0 < m["waferline_spec_acceptance_rate"] <= 1
     assert httpx.get(spec_live.state.base + "/health").status_code == 200

@@ -158,7 +158,8 @@ def test_concurrent_streams_equal_alone_generate_and_single_process(served, ckpt
     with LLM(ckpts[engine], **ENGINES[engine], **extra) as llm:
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
     m = _metrics(app)
-    assert 0 < m["waferline_spec_accepted_tokens"] < m["waferline_spec_draft_tokens"]  # every rollback depth
+    # (every rollback depth)
+    assert 0 < m["waferline_spec_accepted_tokens_total"] < m["waferline_spec_draft_tokens_total"]
 
 
 def test_acceptance_and_drafts_equal_the_single_process_engine(served, singles):
@@ -177,8 +178,8 @@ def test_acceptance_and_drafts_equal_the_single_process_engine(served, singles):
     got.append(_stream(client, prompts[0], temperature=SAMPLED.temperature, seed=SAMPLED.seed))
     after = _metrics(app)
     assert got == want
-    for name, key in (("waferline_spec_draft_tokens", "spec_drafted"),
-                      ("waferline_spec_accepted_tokens", "spec_accepted")):
+    for name, key in (("waferline_spec_draft_tokens_total", "spec_drafted"),
+                      ("waferline_spec_accepted_tokens_total", "spec_accepted")):
         assert after[name] - before[name] == stats[key], name
     assert sorted(log) == sorted(want_log)
 

@@ -706,6 +706,13 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
     m = _metrics(live)
     assert m['waferline_requests_total{endpoint="completions",status="400"}'] >= 17
     assert not any(k.startswith("waferline_spec_") for k in m)  # (no --speculative: no speculation series at all)
+    # totals since start are counters (rate() works on them; they were gauges), levels are gauges
+    types = dict(ln.split()[2:4] for ln in httpx.get(live.state.base + "/metrics").text.splitlines()
+                 if ln.startswith("# TYPE"))
+    assert types["waferline_preemptions_total"] == "counter" and m["waferline_preemptions_total"] >= 0
+    # (this model's Mamba-2 state cannot be shared by prefix: test_pipeline_pages.py reads the prefix-hit counter)
+    assert "waferline_prefix_cache_hit_tokens_total" not in types
+    assert types["waferline_num_requests_waiting"] == types["waferline_cache_pages_in_use"] == "gauge"
 
 
 def test_client_disconnect_frees_its_pages(live):

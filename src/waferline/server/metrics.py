@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 if TYPE_CHECKING:
     from waferline.engine.loop import EngineLoop
@@ -43,20 +45,14 @@ class Metrics:
         self.cache_budget = Gauge("waferline_cache_bytes_budget", "cache byte budget", registry=r)
         self.waiting = Gauge("waferline_num_requests_waiting", "requests in the queue, not yet admitted", registry=r)
         self.running = Gauge("waferline_num_requests_running", "requests being prefilled or decoded", registry=r)
-        self.preemptions = Gauge("waferline_preemptions", "sequences preempted (recompute) since start", registry=r)
         self.prefix_pages = Gauge(
             "waferline_prefix_cache_pages", "pages kept by the prefix cache (evictable)", registry=r
         )
-        self.prefix_hits = Gauge("waferline_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache "
-                                 "since start", registry=r)
         self.speculates = "spec_drafted" in engine.scheduler.stats  # (--speculative: the spec_* series exist only then)
         if self.speculates:
-            self.spec_drafted = Gauge("waferline_spec_draft_tokens", "speculative draft tokens verified since start",
-                                      registry=r)
-            self.spec_accepted = Gauge("waferline_spec_accepted_tokens",
-                                       "speculative draft tokens accepted since start", registry=r)
             self.spec_rate = Gauge("waferline_spec_acceptance_rate",
                                    "accepted / drafted speculative tokens since start", registry=r)
+        r.register(_Totals(engine))  # (the scheduler's running totals, as counters: rate() works on them)
 
     def render(self) -> bytes:
         sch = self.engine.scheduler
@@ -66,12 +62,30 @@ class Metrics:
         self.cache_budget.set(sch.cache.budget)
         self.waiting.set(self.engine.num_waiting)
         self.running.set(self.engine.num_running)
-        self.preemptions.set(sch.stats["preemptions"])
         if sch.prefix is not None:
             self.prefix_pages.set(sch.prefix.num_pages)
-            self.prefix_hits.set(sch.prefix.hit_tokens)
         if self.speculates:
-            self.spec_drafted.set(sch.stats["spec_drafted"])
-            self.spec_accepted.set(sch.stats["spec_accepted"])
             self.spec_rate.set(sch.stats["spec_acceptance_rate"])
         return generate_latest(self.registry)
+
+
+class _Totals:
+    """Counts the scheduler keeps since the server started, read at each scrape: ``waferline_preemptions_total``,
+    ``waferline_prefix_cache_hit_tokens_total`` and, with speculation, ``waferline_spec_draft_tokens_total`` and
+    ``waferline_spec_accepted_tokens_total``."""
+
+    def __init__(self, engine: EngineLoop):
+        self.engine = engine
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        sch = self.engine.scheduler
+        rows = [("waferline_preemptions", "sequences preempted (recompute)", sch.stats["preemptions"])]
+        if sch.prefix is not None:
+            rows.append(("waferline_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
+                         sch.prefix.hit_tokens))
+        if "spec_drafted" in sch.stats:
+            rows += [("waferline_spec_draft_tokens", "speculative draft tokens verified", sch.stats["spec_drafted"]),
+                     ("waferline_spec_accepted_tokens", "speculative draft tokens accepted",
+                      sch.stats["spec_accepted"])]
+        for name, doc, value in rows:
+            yield CounterMetricFamily(name, doc, value=float(value))
