@@ -437,3 +437,18 @@ def test_generate_names_what_is_wrong_with_the_model_and_flag_files(tmp_path, ca
     assert main(["generate", "--model", "models/sol-mini", "--prompt", "x", "--json-schema",
                  str(tmp_path / "nope.json")]) == 2
     assert f"no file at {tmp_path / 'nope.json'}" in capsys.readouterr().err
+
+
+def test_version_and_the_top_level_help_name_every_command(capsys):
+    from waferline import __version__
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"waferline {__version__}"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for cmd in ("generate", "info", "demo", "catalog", "plan", "simulate", "validate", "calibrate", "twin",
+                "quantize", "serve"):
+        assert f"    {cmd}" in out, cmd
+    assert "catalog / plan" in out  # (the description names the planner's commands, catalog among them)

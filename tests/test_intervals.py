@@ -93,8 +93,12 @@ def test_cli_cross_validate_json_rows_are_out_of_fold(tmp_path, capsys):
 
 def test_bootstrap_sets_round_trip_and_intervals_hold_the_point(tmp_path):
     p = _csv(tmp_path, ROWS)
-    fitted, report = fit(p, iters=40, bootstrap_sets=6)
+    told: list[tuple[str, float]] = []
+    fitted, report = fit(p, iters=40, bootstrap_sets=6, progress=lambda what, frac: told.append((what, frac)))
     assert report["bootstrap_sets"] == 6 and len(fitted.bootstrap) == 6
+    # the refits (most of `calibrate --published`'s time) are reported one by one, the bar ending full
+    fracs = [f for _, f in told]
+    assert fracs == sorted(fracs) and fracs[-1] == pytest.approx(1.0) and told[-1][0] == "bootstrap refit 6/6"
     out = tmp_path / "f.yaml"
     fitted.save(out)
     again = load_params(out)

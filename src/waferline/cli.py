@@ -1,5 +1,5 @@
-"""The `waferline` command line: generate, demo, info, quantize, serve, and the planner's plan / simulate / validate
-/ calibrate / twin."""
+"""The `waferline` command line: generate, demo, info, quantize, serve, and the planner's catalog / plan / simulate /
+validate / calibrate / twin."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from waferline._version import __version__
 from waferline.argtypes import positive_int
 from waferline.errors import UsageError, WaferlineError, counted
 
@@ -194,6 +195,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="waferline", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"waferline {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="generate text from a Hugging Face checkpoint directory",

@@ -259,7 +259,7 @@ def register(sub: Any) -> None:
                    help="checkpoint directory (config.json + *.safetensors [+ tokenizer.json]); or --model")
     s.add_argument("--model", default=None, help="the checkpoint directory, as MODEL")
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=_port, default=8000)
+    s.add_argument("--port", type=_port, default=8000, help="TCP port to listen on (default 8000)")
     s.add_argument(
         "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and "
         "/tokenizer_info (or set WAFERLINE_API_KEY); /health and /metrics stay open"
@@ -348,5 +348,6 @@ def register(sub: Any) -> None:
                    help="read the model's own tool calls (tool_choice \"auto\"): hermes = "
                         "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them. Without it, chat with "
                         "tools takes tool_choice \"required\", a named function or \"none\"")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning; debug also logs each request)")
     s.set_defaults(func=_cmd_serve)

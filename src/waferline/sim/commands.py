@@ -47,9 +47,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.measure or args.published is None:  # measure this host (the default)
         return _calibrate_host(args)
     data = args.published or _default_data()  # --published alone: the shipped published results
-    params, report = fit(data, base=_load_params(args), restarts=args.restarts or 0,
-                         iters=200 if args.iters is None else args.iters,
-                         bootstrap_sets=BOOTSTRAP_SETS if args.bootstrap is None else args.bootstrap)
+    with _progress_bar(args.json) as say:
+        params, report = fit(data, base=_load_params(args), restarts=args.restarts or 0,
+                             iters=200 if args.iters is None else args.iters,
+                             bootstrap_sets=BOOTSTRAP_SETS if args.bootstrap is None else args.bootstrap,
+                             progress=say)
+        say("done", 1.0)
     out = Path(args.out) if args.out else FITTED_PATH
     save_fitted(params, out, args.published)
     report["written"] = str(out)
@@ -293,7 +296,7 @@ def register(subparsers: Any) -> None:
     c.add_argument("--bootstrap", type=int, default=None, metavar="N",
                    help="with --published: refit on N resamples of the rows and store the parameter sets for "
                    "simulate's 90%% intervals (default 32; 0: none)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--json", action="store_true", help="print the result as JSON (the fit, or the measured host)")
     c.set_defaults(func=cmd_calibrate)
 
     tw = subparsers.add_parser(

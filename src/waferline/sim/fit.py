@@ -349,10 +349,10 @@ def fit_rows(prob: Problem, iters: int = 200, restarts: int = 0) -> SimParams:
 
 
 def bootstrap(prob: Problem, fitted: SimParams, sets: int = BOOTSTRAP_SETS, seed: int = BOOTSTRAP_SEED,
-              iters: int = 60) -> list[dict[str, float]]:
+              iters: int = 60, progress: Callable[[int], None] | None = None) -> list[dict[str, float]]:
     """Resample the rows with replacement ``sets`` times and refit (from the full fit's values: a warm start);
     returns each set's free parameters by name. A parameter whose rows all fall out of a resample goes back to its
-    prior: that is what the data says without them."""
+    prior: that is what the data says without them. ``progress(k)``: called after the k-th refit."""
     import random
 
     rng = random.Random(seed)
@@ -364,26 +364,34 @@ def bootstrap(prob: Problem, fitted: SimParams, sets: int = BOOTSTRAP_SETS, seed
             counts[rng.randrange(n)] += 1.0
         p, free, _ = _solve(prob, weights=counts, start=fitted, iters=iters)
         out.append({name: _current(p, f) for f in free for name in param_names(f)})
+        if progress is not None:
+            progress(len(out))
     return out
 
 
 def fit(
     csv_path: str | Path, base: SimParams | None = None, restarts: int = 0, iters: int = 200,
-    bootstrap_sets: int = 0, seed: int = BOOTSTRAP_SEED,
+    bootstrap_sets: int = 0, seed: int = BOOTSTRAP_SEED, progress: Callable[[str, float], None] | None = None,
 ) -> tuple[SimParams, dict[str, Any]]:
     """Fit the free parameters on the CSV; returns the new parameters and a report (before/after errors).
-    ``bootstrap_sets`` > 0: also refit on that many resamples of the rows and store the sets (for intervals)."""
+    ``bootstrap_sets`` > 0: also refit on that many resamples of the rows and store the sets (for intervals).
+    ``progress(what, fraction)``: told as the fit and each bootstrap refit finish (most of the time is the refits)."""
+    say = progress or (lambda what, frac: None)
     if bootstrap_sets < 0:
         raise FitError(f"bootstrap sets must be >= 0, got {bootstrap_sets}")
     t0 = time.time()
     prob = problem(csv_path, base)
     base0, free = _prepare(prob)
+    say("fitting", 0.0)
     fitted, free, z = _solve(prob, iters=iters, restarts=restarts)
     fitted = _finish(fitted, free)
     fitted.fitted_on = f"{Path(csv_path).name} ({len(prob.models)} rows)"
     t_fit = time.time() - t0
     if bootstrap_sets > 0:
-        fitted.bootstrap = bootstrap(prob, fitted, sets=bootstrap_sets, seed=seed)
+        share = 0.1  # (of the bar: the fit; the refits take the rest)
+        say(f"bootstrap refit 0/{bootstrap_sets}", share)
+        fitted.bootstrap = bootstrap(prob, fitted, sets=bootstrap_sets, seed=seed, progress=lambda k: say(
+            f"bootstrap refit {k}/{bootstrap_sets}", share + (1 - share) * k / bootstrap_sets))
         fitted.bootstrap_info = f"{bootstrap_sets} refits on rows resampled with replacement (seed {seed})"
 
     def errors(params: SimParams) -> list[float]:
