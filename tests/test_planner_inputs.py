@@ -93,11 +93,16 @@ def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
     (["plan", "llama-3.1-8b", "-H", "h100-sxm", "--micro-batches", "-2"], "expected an integer >= 1, got -2"),
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--prompt-len", "0"], "--prompt-len: expected an integer >= 1"),
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--speculative", "eagle", "--num-speculative-tokens", "0"],
-     "--num-speculative-tokens: expected an integer >= 1"),
+     "--num-speculative-tokens: expected an integer from 1 to 32, got 0"),
+    # bounded above: k = 100,000 predicted 0.6 tok/s; 10^8 requests ran for minutes
+    (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--speculative", "ngram", "--num-speculative-tokens", "100000"],
+     "--num-speculative-tokens: expected an integer from 1 to 32, got 100,000"),
+    (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--closed-loop", "--num-requests", "100000000"],
+     "--num-requests: expected an integer from 1 to 10,000,000, got 100,000,000: the serving simulation's time"),
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--reasoning-tokens", "-1"],
      "--reasoning-tokens: expected an integer >= 0, got -1"),
 ])
-def test_zero_or_negative_counts_are_refused_not_replaced_by_defaults(capsys, argv, message):
+def test_counts_out_of_range_are_refused_not_replaced_by_defaults(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
         cli_main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err

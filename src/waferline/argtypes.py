@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 
-def _int_at_least(text: str, low: int) -> int:
+def _int_at_least(text: str, low: int, high: int | None = None, why: str = "") -> int:
+    want = f"an integer >= {low}" if high is None else f"an integer from {low} to {high:,}"
     try:
         v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-    if v < low:
-        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {v}")
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}{why}") from None
+    if v < low or (high is not None and v > high):
+        raise argparse.ArgumentTypeError(f"expected {want}, got {v:,}{why}")
     return v
+
+
+def int_range(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (``why``: the reason for the bound, shown when refused)."""
+    return lambda text: _int_at_least(text, low, high, why)
 
 
 def positive_int(text: str) -> int:

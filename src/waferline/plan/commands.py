@@ -9,11 +9,13 @@ import math
 import sys
 from typing import Any
 
-from waferline.argtypes import nonnegative_int, positive_float, positive_int
+from waferline.argtypes import int_range, nonnegative_int, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
 DEFAULT_DATA = "sim/data/published_results.csv, shipped with waferline"
+MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
+MAX_SERVING_REQUESTS = 10_000_000  # (the serving simulation runs ~4 s per million requests)
 
 
 def _default_data() -> str:
@@ -693,7 +695,8 @@ def register(subparsers: Any) -> None:
     s.add_argument("--target-tokens-per-s", type=positive_float, default=None, metavar="RATE",
                    help="with --explain: the per-user decode rate to reach (e.g. 750)")
     s.add_argument(
-        "--num-speculative-tokens", type=positive_int, default=None, help="draft tokens per step (default per method)"
+        "--num-speculative-tokens", type=int_range(1, MAX_DRAFT_TOKENS, " (draft tokens verified per step)"),
+        default=None, help=f"draft tokens per step, 1-{MAX_DRAFT_TOKENS} (default per method)"
     )
     s.add_argument("--draft-model", default=None,
                    help="draft model for --speculative draft; it must share the target's vocabulary (default: the "
@@ -709,9 +712,10 @@ def register(subparsers: Any) -> None:
                    help="also simulate serving --concurrency clients in a closed loop (each sends its next request "
                         "when its last ends, as a benchmark at fixed concurrency does): TTFT and ITL with the other "
                         "clients' prefills mixed into the steps")
-    s.add_argument("--num-requests", type=positive_int, default=None,
+    s.add_argument("--num-requests", type=int_range(1, MAX_SERVING_REQUESTS, ": the serving simulation's time grows "
+                                                    "with it, about 4 s per million"), default=None,
                    help="requests in the serving simulation (default 200; closed loop: 10 per client, at least 200, "
-                        "and more than one per client: the first wave is warm-up)")
+                        f"and more than one per client: the first wave is warm-up; at most {MAX_SERVING_REQUESTS:,})")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="serving: tokens one step carries, decode tokens first, prompt chunks in the rest (default "
                         "2048; 0 = stop-the-world prefill, one prompt at a time with decode paused)")
