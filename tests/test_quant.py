@@ -471,3 +471,14 @@ def test_quantize_refuses_what_it_cannot_do_before_the_work(tmp_path, llama_dir,
                   "--calibration", str(calib), "--calibration-tokens", "-5"])
     assert "expected an integer >= 1, got -5" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "ids.txt"]  # (nothing half-written)
+    # a source that cannot load is said before any progress bar is drawn (an empty bar came first)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama"}')
+    assert cli.main(["quantize", "--model", str(bad), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "num_hidden_layers" in err and len(err.strip().splitlines()) == 1
+    (bad / "config.json").write_text((llama_dir / "config.json").read_text())  # (a config, no weight files)
+    assert cli.main(["quantize", "--model", str(bad), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "quantize rtn" not in err and len(err.strip().splitlines()) == 1

@@ -191,6 +191,12 @@ def test_grid_and_cli_errors(tmp_path, capsys):
     assert math.isclose(expected_tokens_per_step(a, 3), 2.0, rel_tol=1e-6)
     assert main(["twin", "--model", str(tmp_path / "nope"), "--hardware", str(g)]) == 2
     assert "not a checkpoint directory" in capsys.readouterr().err
+    bad = tmp_path / "bad"  # a config that describes no model: its error alone, no empty progress bar before it
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama"}')
+    assert main(["twin", "--model", str(bad), "--hardware", str(g)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "num_hidden_layers" in err and len(err.strip().splitlines()) == 1
 
 
 def test_host_model_prices_int4_prefill_and_multi_row_products_apart(host_yaml):

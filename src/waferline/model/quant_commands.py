@@ -71,7 +71,7 @@ def _remove_leftovers(out: str) -> None:
 
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from waferline.errors import ConfigError
-    from waferline.model.quant import DEFAULT_KEEP, QuantOptions, quantize_checkpoint
+    from waferline.model.quant import DEFAULT_KEEP, QuantOptions, check_quantize, quantize_checkpoint
 
     _check_paths(args.model, args.out, args.force)
     if args.method != "gptq" and args.calibration is not None:
@@ -86,6 +86,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     keep = tuple(args.keep or ()) + (() if args.quantize_kv_b else DEFAULT_KEEP)
     opts = QuantOptions(bits=args.bits, group_size=args.group_size, symmetric=not args.asymmetric, method=args.method,
                         keep=keep)
+    check_quantize(args.model, args.out, opts, args.calibration, args.force)  # (before a progress bar is drawn)
     if args.json:
         summary = quantize_checkpoint(args.model, args.out, opts, args.calibration, args.calibration_tokens, args.force)
         print(json.dumps(summary, indent=2))

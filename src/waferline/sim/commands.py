@@ -90,16 +90,22 @@ def _progress_bar(quiet: bool):
 
     @contextlib.contextmanager
     def bar():
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.percentage:>3.0f}%"),
-            TimeElapsedColumn(),
-            console=Console(stderr=True),
-            transient=False,
-        ) as prog:
-            task = prog.add_task("starting", total=1.0)
-            yield lambda what, frac: prog.update(task, completed=frac, description=what)
+        prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                        TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+        task = None
+
+        def say(what: str, frac: float) -> None:
+            nonlocal task
+            if task is None:  # (drawn at the first report: an error found before any work shows no empty bar)
+                prog.start()
+                task = prog.add_task(what, total=1.0)
+            prog.update(task, completed=frac, description=what)
+
+        try:
+            yield say
+        finally:
+            if task is not None:
+                prog.stop()
     return bar()
 
 

@@ -48,11 +48,12 @@ from waferline.model.quant.weight import (
     pack_kernel,
     unpack_kernel,
 )
-from waferline.model.quant.write import quantization_config, quantize_checkpoint
+from waferline.model.quant.write import check_quantize, quantization_config, quantize_checkpoint
 
 __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Source", "rtn_quantize", "gptq_quantize",
            "quantize_model", "move_model", "loading_for", "attach_int4", "trace_layer", "gather_int4",
            "collect_hessians", "hessians", "SequentialCalibration", "calibration_tokens",
            "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel",
            "group_for", "choose_backend", "quant_method", "quantization_config", "quantize_checkpoint",
+           "check_quantize",
            "FORMATS", "KERNEL_BLOCK", "KERNEL_GROUPS", "QUANT_METHOD", "ALWAYS_16BIT", "DEFAULT_KEEP"]

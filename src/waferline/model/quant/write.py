@@ -77,22 +77,15 @@ def _scatter(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, 
     return True
 
 
-def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
-                        calibration_max_tokens: int = 4096, force: bool = False,
-                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
-    """Quantize a 16-bit checkpoint directory to the canonical int4 format in ``out_dir`` (written to a temporary
-    directory beside it, then renamed into place). Returns a summary (tensors, bytes, the accounting's bytes)."""
+def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
+                   force: bool = False) -> Any:
+    """What ``quantize_checkpoint`` checks before any work (the source's config and weight files, the options, where
+    it will write): a ConfigError naming the first problem, else the source's ModelSpec."""
     import os
-    import shutil
-    import tempfile
-    import time
     from pathlib import Path
 
-    from safetensors.torch import save_file
+    from waferline.model.load import checkpoint_files
 
-    from waferline.model.load import checkpoint_files, load_model, open_weights
-
-    t0 = time.perf_counter()
     opts.validate()
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").is_file():
@@ -115,8 +108,30 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot write {out_dir}: {parent} is not a writable directory")
-
     spec = spec_from_pretrained(model_dir)
+    checkpoint_files(model_dir)  # (no weight files: said here, not after loading starts)
+    return spec
+
+
+def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
+                        calibration_max_tokens: int = 4096, force: bool = False,
+                        progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+    """Quantize a 16-bit checkpoint directory to the canonical int4 format in ``out_dir`` (written to a temporary
+    directory beside it, then renamed into place). Returns a summary (tensors, bytes, the accounting's bytes)."""
+    import os
+    import shutil
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from waferline.model.load import checkpoint_files, load_model, open_weights
+
+    t0 = time.perf_counter()
+    spec = check_quantize(model_dir, out_dir, opts, calibration, force)
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
     model = load_model(model_dir, torch.float32)
     calib = None
     n_calib = 0
