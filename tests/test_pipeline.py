@@ -130,6 +130,40 @@ def test_stage_split_and_errors(ckpts):
         LLM(ckpts["sol"], micro_batches=2)
 
 
+def test_stages_are_balanced_by_work_with_the_lm_head_on_the_last():
+    """`stages=S` cuts where the largest stage's work (active weights, the LM head's product on the last stage) is
+    least: a small model's head is worth several layers (on the 124.7M Llama an even 6 + 6 left the last stage the
+    slowest; benchmarks/pipeline_split.py)."""
+    import itertools
+    import random
+
+    from waferline.engine.pipeline.launch import balanced_ranges
+    from waferline.spec.configs import parse_hf_config
+
+    assert stage_ranges(4, stages=2, costs=[1.0] * 4, last_extra=2.0) == [(0, 3), (3, 4)]
+    assert stage_ranges(4, stages=2, costs=[1.0] * 4) == [(0, 2), (2, 4)]
+    assert stage_ranges(3, stages=3, costs=[5.0, 1.0, 1.0], last_extra=9.0) == [(0, 1), (1, 2), (2, 3)]
+    rng = random.Random(0)
+    for _ in range(200):  # the least largest stage, against every way to cut
+        L, S = rng.randint(1, 9), rng.randint(1, 4)
+        if S > L:
+            continue
+        costs, extra = [rng.uniform(0.1, 3.0) for _ in range(L)], rng.uniform(0.0, 5.0)
+        got = stage_ranges(L, stages=S, costs=costs, last_extra=extra)
+        assert [a for a, _ in got] == [0] + [b for _, b in got[:-1]] and got[-1][1] == L and all(b > a for a, b in got)
+
+        def worst(bounds: list[int]) -> float:
+            edges = [0, *bounds, L]
+            return max(sum(costs[edges[i]:edges[i + 1]]) + (extra if i == S - 1 else 0.0) for i in range(S))
+
+        best = min(worst(list(c)) for c in itertools.combinations(range(1, L), S - 1))
+        assert worst([a for a, _ in got[1:]]) == pytest.approx(best)
+    llama = parse_hf_config({"model_type": "llama", "vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 12,
+                            "num_attention_heads": 12, "num_key_value_heads": 4, "intermediate_size": 2048})
+    assert balanced_ranges(llama, 2) == [(0, 8), (8, 12)]
+    assert balanced_ranges(llama, layers_per_stage=1) == stage_ranges(12, layers_per_stage=1)  # (K per stage: as asked)
+
+
 def test_a_pipeline_with_more_stages_than_gpus_is_refused_before_it_starts(ckpts, monkeypatch):
     # NCCL cannot put two ranks on one GPU (a 2-stage pipeline on one GPU failed inside the stages' start-up)
     import torch

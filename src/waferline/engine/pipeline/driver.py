@@ -22,8 +22,8 @@ from waferline.engine.pipeline.launch import (
     _main_hidden,
     _reap,
     _rendezvous_env,
+    balanced_ranges,
     ids_downstream,
-    stage_ranges,
 )
 from waferline.engine.pipeline.supervise import StageError, Supervision
 from waferline.engine.sampling import SamplingParams, resolve_dtype
@@ -67,7 +67,7 @@ class Pipeline(Supervision):
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")
         self.spec = spec_from_pretrained(self.path)
-        self.ranges = stage_ranges(self.spec.num_layers, stages, layers_per_stage, plan)
+        self.ranges = balanced_ranges(self.spec, stages, layers_per_stage, plan)
         self.num_stages = S = len(self.ranges)
         self.ids_downstream = ids_downstream(self.spec, self.ranges)  # (DeepSeek-V4's hash-routed layers)
         if micro_batches is None and plan is not None and not isinstance(plan, (str, Path)):

@@ -33,8 +33,11 @@ def ids_downstream(spec: ModelSpec, ranges: list[tuple[int, int]]) -> bool:
 
 
 def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: int | None = None,
-                 plan: Plan | None = None) -> list[tuple[int, int]]:
-    """Contiguous layer ranges [a, b) per stage: from a Plan, from K layers per stage, or S balanced stages."""
+                 plan: Plan | None = None, costs: list[float] | None = None,
+                 last_extra: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [a, b) per stage: from a Plan, from K layers per stage, or S balanced stages (``costs``:
+    each layer's work, ``last_extra`` the last stage's own, e.g. the LM head: the split whose largest stage costs
+    least; without costs, layer counts as even as they go)."""
     given = sum(x is not None for x in (stages, layers_per_stage, plan))
     if given > 1:
         raise ConfigError("give only one of stages, layers_per_stage or plan")
@@ -69,6 +72,8 @@ def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: i
     if S > num_layers:
         raise ConfigError(f"{S} stages for a model of {counted(num_layers, 'layer')}: each stage needs at least one "
                           f"layer; use stages <= {num_layers} (or layers_per_stage=1)")
+    if costs is not None and S > 1:
+        return _min_max_split(costs, S, last_extra)
     base, extra = divmod(num_layers, S)
     out, a = [], 0
     for i in range(S):
@@ -76,6 +81,42 @@ def stage_ranges(num_layers: int, stages: int | None = None, layers_per_stage: i
         out.append((a, b))
         a = b
     return out
+
+
+def _min_max_split(costs: list[float], S: int, last_extra: float) -> list[tuple[int, int]]:
+    """S contiguous non-empty ranges of the layers minimising the largest range's cost (the last range also pays
+    ``last_extra``); among equal ones, the first found scanning cut points from the front."""
+    L = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    inf = float("inf")
+    # best[s][i]: the least largest cost of the first i layers in s ranges; cut[s][i]: where the last range starts
+    best = [[inf] * (L + 1) for _ in range(S + 1)]
+    cut = [[0] * (L + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for i in range(s, L - (S - s) + 1):
+            tail = last_extra if i == L else 0.0
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], pre[i] - pre[j] + tail)
+                if v < best[s][i] - 1e-9 * abs(v):
+                    best[s][i], cut[s][i] = v, j
+    out, i = [], L
+    for s in range(S, 0, -1):
+        j = cut[s][i]
+        out.append((j, i))
+        i = j
+    return out[::-1]
+
+
+def balanced_ranges(spec: Any, stages: int | None = None, layers_per_stage: int | None = None,
+                    plan: Plan | None = None) -> list[tuple[int, int]]:
+    """``stage_ranges`` for a model: S stages balanced by each layer's active weights, the LM head's product on the
+    last stage (on a small model the head is a large share: an even split left the last stage the slowest)."""
+    costs = [float(layer.active_params()) for layer in spec.layers]
+    return stage_ranges(spec.num_layers, stages, layers_per_stage, plan, costs=costs,
+                        last_extra=float(spec.vocab_size * spec.hidden_size))
 
 
 def torchrun_rank() -> int:
@@ -148,7 +189,7 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
                    threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None) -> int:
     """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
     spec = spec_from_pretrained(Path(path))
-    ranges = stage_ranges(spec.num_layers, stages, layers_per_stage, plan)
+    ranges = balanced_ranges(spec, stages, layers_per_stage, plan)
     store, rank, world = _rendezvous_env()
     if world != len(ranges):
         raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
