@@ -257,7 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "
                         "single-process engine's greedy decode as CUDA graphs)")
     g.add_argument("--stages", type=int, default=None,
-                   help="run as a pipeline of S stage processes (layers split evenly; see docs/pipeline.md)")
+                   help="run as a pipeline of S stage processes (layers split by work, the LM head counted on the "
+                        "last stage; see docs/pipeline.md)")
     g.add_argument(
         "--layers-per-stage", type=int, default=None, help="pipeline with K layers per stage (1 = one wafer, one layer)"
     )

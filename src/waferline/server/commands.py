@@ -304,7 +304,8 @@ def register(sub: Any) -> None:
                    help="torch intra-op threads of the engine (with --stages / --afd: of every stage or rank process; "
                         "default: the cores divided among them)")
     s.add_argument("--stages", type=int, default=None,
-                   help="serve a pipeline of S stage processes (layers split evenly; this process is stage 0 and the "
+                   help="serve a pipeline of S stage processes (layers split by work, the LM head on the last; this "
+                        "process is stage 0 and the "
                         "scheduler). A stage that dies or hangs ends every running and queued request with an error "
                         "(SSE error event / 503), /health answers 503 while new stage processes are started, then "
                         "the server serves again; if they cannot be started the server exits non-zero")
