@@ -229,7 +229,7 @@ def main() -> int:
                          "1:1:1,1:1:0,2:1:1,2:2:1,2:4:1,4:4:1,L:L:1")
     ap.add_argument("--no-latency", action="store_true", help="skip the per-token latency runs")
     args = ap.parse_args()
-    from waferline.engine.pipeline import stage_ranges
+    from waferline.engine.pipeline.launch import balanced_ranges
     from waferline.model.init import write_random_checkpoint
 
     cores = os.cpu_count() or 1
@@ -280,7 +280,7 @@ def main() -> int:
         base = None
         for S, M, thr in cases:
             r = run_case(path, S, M, B, P, O, thr)
-            ranges = stage_ranges(L, stages=S)
+            ranges = balanced_ranges(spec, S)  # (the engine's own split)
             sim = predict(spec, ranges, M, B, P, O, cpu_hardware(S, flops, bw, hop_lat, hop_bw))
             if sim is not None:
                 r["sim_aggregate_tokens_per_s"] = sim.aggregate_tokens_per_s
@@ -308,7 +308,7 @@ def main() -> int:
         for S in ([] if args.no_latency else [1, 2, 4, L] if not args.quick else [1, 2, L]):
             r = run_case(path, S, 1, 1, P, 2 * O, 1)
             lat = 1.0 / r["tokens_per_s_per_user"] if r["tokens_per_s_per_user"] else float("nan")
-            sim = predict(spec, stage_ranges(L, stages=S), 1, 1, P, 2 * O, cpu_hardware(S, flops, bw, hop_lat, hop_bw))
+            sim = predict(spec, balanced_ranges(spec, S), 1, 1, P, 2 * O, cpu_hardware(S, flops, bw, hop_lat, hop_bw))
             row = {
                 "stages": S,
                 "ms_per_token": lat * 1e3,

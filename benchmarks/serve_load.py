@@ -195,9 +195,8 @@ def main() -> None:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    preempt = next(
-        (float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("waferline_preemptions ")), None
-    )
+    preempt = next((float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("waferline_preemptions_total ")), None)
     summary = {
         **summarize(res, args),
         "server_rss_mib_before": None if rss_before is None else round(rss_before, 1),

@@ -186,10 +186,10 @@ def simulate_speedup(model_dir: Path, method: str, k: int, alpha: float, batch: 
             plan = place(str(model_dir / "config.json"), hardware, context=prompt + output, batch=batch, speculative=sc)
             r = simulate(plan, prompt_len=prompt, output_len=output, concurrency=batch)
         else:
-            from waferline.engine.pipeline import stage_ranges
+            from waferline.engine.pipeline.launch import balanced_ranges
 
             spec = spec_from_pretrained(model_dir)
-            ranges = stage_ranges(spec.num_layers, stages=stages)
+            ranges = balanced_ranges(spec, stages)  # (the engine's own split)
             # fp32 like the engine here; the simulator places a draft model at 4/8/16 bits only, so a draft plan is
             # priced at 16-bit for target and draft alike (the ratio is what is compared)
             wb = 16 if sim_method == "draft" else 32

@@ -31,15 +31,31 @@ def ckpts(tmp_path_factory):
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
 
 
+def _count_replays(monkeypatch) -> list[int]:
+    """Counts CUDA graph replays from now on (in the returned list's one element)."""
+    n = [0]
+    real = torch.cuda.CUDAGraph.replay
+
+    def replay(self):
+        n[0] += 1
+        return real(self)
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", replay)
+    return n
+
+
 @pytest.mark.parametrize("mt", ["deepseek_v3", "llama", "qwen3_moe"])
-def test_cuda_graph_decode_is_the_eager_decode(ckpts, mt):
+def test_cuda_graph_decode_is_the_eager_decode(ckpts, mt, monkeypatch):
     # fp32 (TF32 off, torch's default for matmuls): the graph's step attends over its fixed end, the eager one over
     # the positions so far; the masked rows add exact zeros, so the tokens agree (bf16 GEMMs of other shapes might
     # round otherwise: checked by log-probs below)
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     graphed = LLM(ckpts[mt], device="cuda")
+    replays = _count_replays(monkeypatch)
     got = [o.token_ids for o in graphed.generate(PROMPTS, p)]
-    assert graphed.graph_note is None  # the step was captured
+    assert graphed.graph_note is None  # the step was captured ...
+    assert replays[0] >= 10  # ... and replayed at each step (the page table's copy under "cuda" vs "cuda:0" had
+    # dropped the graph at its first replay, with no note)
     eager = LLM(ckpts[mt], device="cuda", cuda_graphs=False)
     assert got == [o.token_ids for o in eager.generate(PROMPTS, p)]
     # again on the same engine (a new request captures its own step)
@@ -47,7 +63,7 @@ def test_cuda_graph_decode_is_the_eager_decode(ckpts, mt):
 
 
 @pytest.mark.parametrize("mt", ["deepseek_v3", "llama", "qwen3_moe"])
-def test_captured_bf16_step_logits_are_the_eager_steps(ckpts, mt):
+def test_captured_bf16_step_logits_are_the_eager_steps(ckpts, mt, monkeypatch):
     # bf16, MoE experts as grouped products: the captured step's logits against an eager step at the same positions
     from waferline.engine.graphs import StaticDecode
     from waferline.model.context import StepBatch
@@ -58,6 +74,7 @@ def test_captured_bf16_step_logits_are_the_eager_steps(ckpts, mt):
         caches = llm.model.new_caches(2, dev)
         step = StaticDecode(llm.model, caches, [0, 1], 40, dev, capture=True)
         assert step.graph is not None
+        replays = _count_replays(monkeypatch)
         for b, n in enumerate((7, 4)):
             llm.model(torch.arange(3, 3 + n, device=dev)[None], caches, StepBatch.make([b], [0], n, dev))
         for tokens, starts in (([5, 9], [7, 4]), ([6, 2], [8, 5])):
@@ -66,6 +83,7 @@ def test_captured_bf16_step_logits_are_the_eager_steps(ckpts, mt):
             ref = llm.model.step_logits(torch.tensor(tokens, device=dev)[:, None], caches,
                                         StepBatch.make([0, 1], starts, 1, dev))[0][:, 0]
             torch.testing.assert_close(logits.log_softmax(-1), ref.log_softmax(-1), atol=0.05, rtol=0.02)
+        assert replays[0] == 2 and step.graph is not None and step.dropped is None  # (replayed, not run eagerly)
 
 
 @pytest.mark.parametrize("mt", ["deepseek_v3", "llama", "qwen3_moe", "bamba"])

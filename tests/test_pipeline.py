@@ -172,6 +172,13 @@ def test_a_pipeline_with_more_stages_than_gpus_is_refused_before_it_starts(ckpts
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="one stage per GPU: 2 stages need 2 GPUs, torch sees 1"):
         LLM(ckpts["sol"], stages=2, device="cuda")
+    # each stage on its own GPU, counted from stage 0's (cuda:1 put stage 1 on cuda:1 too: it took rank % GPUs)
+    from waferline.engine.stage import stage_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    assert [str(stage_device("cuda:1", r)) for r in range(3)] == ["cuda:1", "cuda:2", "cuda:0"]
+    assert [str(stage_device("cuda", r)) for r in range(2)] == ["cuda:0", "cuda:1"]
+    assert stage_device("cpu", 1) == torch.device("cpu")
 
 
 def test_pipeline_from_plan(ckpts):

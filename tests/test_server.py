@@ -402,6 +402,25 @@ def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> Non
             assert text[off:off + len(tok)] == tok, (off, tok)
 
 
+def test_echoed_offsets_skip_what_the_prompt_does_not_show():
+    """A BOS the tokenizer added and a SentencePiece piece's leading space at the start take no characters of the
+    echoed prompt as sent: the offsets stay in order up to the first generated token's (it starts at the echo's end;
+    with the token texts summed, a BOS put the prompt's offsets 3 past the text and the first generated token's
+    offset went backwards)."""
+    from waferline.server.logprobs import text_offsets
+
+    table = {0: "<s>", 1: "Hi", 2: " there", 3: " Hi", 4: "\ufffd", 5: "\ufffd"}
+    data = {0: b"<s>", 1: b"Hi", 2: b" there", 3: b" Hi", 4: b"\xc3", 5: b"\xa9"}
+
+    def texts(tok: int) -> tuple[str, list[int]]:
+        return table[tok], list(data[tok])
+
+    assert text_offsets([0, 1, 2], texts, "Hi there") == [0, 0, 2]  # (BOS: nothing of the text)
+    assert text_offsets([3, 2], texts, "Hi there") == [0, 2]  # (a leading space the sent text does not have)
+    assert text_offsets([1, 4, 5, 2], texts, "Hi\u00e9 there") == [0, 2, 2, 3]  # (é split over two tokens)
+    assert text_offsets([0, 1, 2], texts, "<s>Hi there") == [0, 3, 5]  # (a BOS the echo shows: it counts)
+
+
 def test_text_offsets_stay_in_the_text_when_tokens_split_a_character(live, client):
     """A character whose UTF-8 bytes are split over tokens (each shown as a replacement character) counts once in
     `text_offset`: every offset lies within the text, and a whole token's text is found at its offset (the offsets

@@ -52,6 +52,7 @@ class StaticDecode:
         # pages are given; a table grown wider makes a new copy, and the step then runs eagerly)
         self._tables = list({id(c.table): c.table for c in caches if c.table is not None}.values())
         self._table_ids: list[torch.Tensor] = []
+        self.dropped: str | None = None  # (why a captured graph was given up for eager steps, if it was)
         if capture:
             self._capture(device)
 
@@ -67,7 +68,9 @@ class StaticDecode:
             mode = torch.cuda.get_sync_debug_mode()
             with torch.cuda.stream(side):
                 self._step()  # (first: the page tables widened to the end and copied to the device, host to GPU)
-                self._table_ids = [t.ids_on(device) for t in self._tables]
+                # (the key the step's own reads use: its tensors' device, cuda:N; a bare "cuda" was a second copy,
+                # and the graph was dropped at its first replay)
+                self._table_ids = [t.ids_on(self.slots.device) for t in self._tables]
                 torch.cuda.set_sync_debug_mode("error")  # a host read in the step cannot be captured: say so here
                 try:
                     for _ in range(2):
@@ -89,6 +92,7 @@ class StaticDecode:
         if self.graph is not None and any(t.ids_on(ids.device) is not ids for t, ids in zip(self._tables,
                                                                                          self._table_ids)):
             self.graph = None  # a page table grew wider than the captured step's copy of it: eager from here on
+            self.dropped = "a page table grew wider than the captured step's copy"
         if self.graph is None:
             return self._step()
         self.graph.replay()

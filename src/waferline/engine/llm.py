@@ -387,6 +387,8 @@ class LLM:
             raise
         finally:
             if self._pipeline is None:
+                if getattr(runner.static, "dropped", None):
+                    self.graph_note = f"captured, then run eagerly: {runner.static.dropped}"
                 runner.static, runner.static_factory = None, None
         ttft = max(s.first_token_at or t0 for s in seqs) - t0
         metrics = decode_metrics(t0, ttft, sum(len(s.output_ids) for s in seqs), len(seqs))

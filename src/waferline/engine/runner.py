@@ -245,7 +245,8 @@ class LocalRunner:
         self._rollback = VerifyRollback(self.caches, batch)
         greedy = [r.want == WANT_ARGMAX for r in rows]
         logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
-        logits = logits.cpu()  # (verified on the host, with each request's CPU generator)
+        if top is None or not all(greedy):  # (sampled rows are verified on the host, with their CPU generators;
+            logits = logits.cpu()           # greedy rows need only the argmaxes, already computed on the device)
         tops = top.tolist() if top is not None else None
         return [RowOutput(logits=logits[b], argmaxes=tops[b] if greedy[b] and tops is not None else None,
                           hidden=hidden[b] if self.keep_hidden else None) for b in range(len(rows))]

@@ -429,14 +429,22 @@ def _exit_without(driver_pid: int) -> None:
         time.sleep(PUBLISH_INTERVAL_S)
 
 
+def stage_device(device: str, rank: int) -> torch.device:
+    """Where stage ``rank`` of a pipeline on ``device`` (stage 0's) runs: on CUDA the rank-th GPU counted from stage
+    0's (``cuda:1`` with 2 stages on 3 GPUs: cuda:1, cuda:2; never two stages on one GPU while there are enough)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return dev
+    return torch.device("cuda", ((dev.index or 0) + rank) % max(1, torch.cuda.device_count()))
+
+
 def worker_main(rank: int, num_stages: int, load: dict[str, Any], run_id: str, threads: int, device: str,
                 driver_pid: int) -> None:
     """Entry point of a locally spawned stage process."""
     worker_start(driver_pid)
     torch.set_num_threads(max(1, threads))
-    dev = torch.device(device)
+    dev = stage_device(device, rank)
     if dev.type == "cuda":
-        dev = torch.device("cuda", rank % max(1, torch.cuda.device_count()))
         torch.cuda.set_device(dev)
     host, port = load["store_addr"]
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))

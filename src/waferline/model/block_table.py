@@ -304,10 +304,11 @@ class BlockTable:
         (so a captured CUDA graph that reads it reads the current pages; a wider table is a new tensor)."""
         if device.type == "cpu":
             return self.ids
-        hit = self._on_device.get(device)
-        if hit is None or hit[1].shape != self.ids.shape:
-            hit = self._on_device[device] = (self.version, self.ids.to(device))
-        elif hit[0] != self.version:
-            hit[1].copy_(self.ids)
-            hit = self._on_device[device] = (self.version, hit[1])
+        hit = self._on_device.get(device)  # (keyed as given: callers pass a tensor's device, cuda:N, never bare cuda)
+        with torch.inference_mode(False):  # (a normal tensor, as ids is: refreshed in place in or out of inference)
+            if hit is None or hit[1].shape != self.ids.shape:
+                hit = self._on_device[device] = (self.version, self.ids.to(device))
+            elif hit[0] != self.version:
+                hit[1].copy_(self.ids)
+                hit = self._on_device[device] = (self.version, hit[1])
         return hit[1]

@@ -176,4 +176,4 @@ class Choices:
 
     def _echo_offsets(self, c: Choice) -> list[int]:
         assert self.texts is not None
-        return text_offsets(c.ids, self.texts) if c.echo is not None else []
+        return text_offsets(c.ids, self.texts, c.echo) if c.echo is not None else []

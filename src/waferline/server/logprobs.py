@@ -79,16 +79,22 @@ def chat_entry(lp: TokenLogprobs, texts: TokenTexts) -> dict[str, Any]:
     return {"token": t, "logprob": _lp(lp.logprob), "bytes": b, "top_logprobs": top}
 
 
-def text_offsets(ids: list[int], texts: TokenTexts) -> list[int]:
-    """The ``text_offset`` of each token of a whole text (an echoed prompt): the characters of the text before the
-    token. A character whose UTF-8 bytes are split over tokens (each token's own text shows a replacement character)
-    counts once, with the token that completes it, so the offsets stay within the text."""
+def text_offsets(ids: list[int], texts: TokenTexts, text: str) -> list[int]:
+    """The ``text_offset`` of each token of ``text`` (an echoed prompt, as sent or decoded): where in it the token's
+    text starts. A character whose UTF-8 bytes are split over tokens (each token's own text shows a replacement
+    character) counts once, with the token that completes it; a token whose text the prompt does not show (a BOS the
+    tokenizer added, a SentencePiece piece's leading space at the start) takes no characters. The offsets never pass
+    the text's end, so a generated token's (from ``len(text)``) come after them."""
     utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-    out, chars = [], 0
+    out, at = [], 0
     for tok in ids:
-        out.append(chars)
-        text, data = texts(tok)
-        chars += len(text) if data is None else len(utf8.decode(bytes(data)))
+        out.append(at)
+        shown, data = texts(tok)
+        piece = shown if data is None else utf8.decode(bytes(data))
+        if text.startswith(piece, at):
+            at += len(piece)
+        elif piece[:1].isspace() and text.startswith(piece[1:], at):
+            at += len(piece) - 1
     return out
 
 

@@ -151,7 +151,7 @@ class Pipeline(Supervision):
             stage_load = dict(load, layer_range=self.ranges[r])
             p = ctx.Process(
                 target=worker_main,
-                args=(r, S, stage_load, self.run_id, self.threads, self.device.type, os.getpid()),
+                args=(r, S, stage_load, self.run_id, self.threads, str(self.device), os.getpid()),
                 name=f"waferline-stage{r}",
                 daemon=True,
             )
