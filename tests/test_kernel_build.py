@@ -117,6 +117,18 @@ def test_a_failed_build_leaves_nothing_and_says_so(tmp_path, monkeypatch, capsys
     assert "no compiler here" in str(kernels.status()["error"])
 
 
+def test_an_interrupted_build_says_it_stopped_not_failed(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the first build: the line ends "stopped" (it read "failed (KeyboardInterrupt: )"), the interrupt
+    goes on to the caller, and no half-built entry is left."""
+    monkeypatch.setattr(kernels, "_compile", lambda out: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setenv("WAFERLINE_KERNELS_DIR", str(tmp_path / "cache"))
+    with pytest.raises(KeyboardInterrupt):
+        kernels._built(True)
+    err = capsys.readouterr().err
+    assert err.startswith(kernels.BUILDING) and "stopped (interrupted" in err and "failed" not in err
+    assert not kernels.build_dir().exists() and not list((tmp_path / "cache").glob(".*.tmp-*"))
+
+
 def test_a_build_waits_for_another_process_and_loads_its_library(tmp_path, monkeypatch):
     """Processes that start together take turns on the key's lock: one that finds another building waits, then loads
     the library that one made instead of building again; a lock whose holder was killed does not hold anyone up."""

@@ -111,8 +111,10 @@ def _built(progress: bool) -> Path:
             if not lib.is_file():  # (else another process built it while this one waited)
                 _build_into(d)
     except BaseException as e:
-        if progress:
-            print(f" failed ({_reason(e)})", file=sys.stderr, flush=True)
+        if progress:  # (Ctrl-C: the build stopped, nothing failed; the next run builds again)
+            said = " stopped (interrupted; the next run builds again)" if isinstance(e, KeyboardInterrupt) \
+                else f" failed ({_reason(e)})"
+            print(said, file=sys.stderr, flush=True)
         raise
     if progress:
         print(f" done ({time.monotonic() - t0:.0f} s)", file=sys.stderr, flush=True)
