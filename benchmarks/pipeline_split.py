@@ -1,5 +1,5 @@
 """Where the pipeline cuts the layers: one process against 2 stage processes x 2 micro-batches with the layers split
-evenly by count and with the default split (balanced by each layer's active weights, the LM head counted on the last
+evenly by count and with the default split (balanced by each layer's decode FLOPs, the LM head counted on the last
 stage), one torch thread per process, in one run. Greedy decode of N sequences through `LLM.generate`; prints a table,
 writes JSON.
 

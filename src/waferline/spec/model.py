@@ -848,9 +848,12 @@ class ModelSpec:
         """Cache bytes one decode token of one sequence reads at ``context_len`` (all layers)."""
         return sum(layer.cache_read_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
 
+    def lm_head_flops_per_token(self) -> float:
+        """The LM head's product for one token (computed whether or not its weights are tied to the embedding)."""
+        return 2.0 * self.vocab_size * self.hidden_size
+
     def flops_per_token(self, context_len: int = 0) -> float:
-        head = 2.0 * self.vocab_size * self.hidden_size
-        return head + sum(layer.flops_per_token(context_len) for layer in self.layers)
+        return self.lm_head_flops_per_token() + sum(layer.flops_per_token(context_len) for layer in self.layers)
 
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, int] = {}

@@ -112,11 +112,12 @@ def _min_max_split(costs: list[float], S: int, last_extra: float) -> list[tuple[
 
 def balanced_ranges(spec: Any, stages: int | None = None, layers_per_stage: int | None = None,
                     plan: Plan | None = None) -> list[tuple[int, int]]:
-    """``stage_ranges`` for a model: S stages balanced by each layer's active weights, the LM head's product on the
-    last stage (on a small model the head is a large share: an even split left the last stage the slowest)."""
-    costs = [float(layer.active_params()) for layer in spec.layers]
+    """``stage_ranges`` for a model: S stages balanced by each layer's decode FLOPs per token (ModelSpec's), the LM
+    head's product on the last stage (on a small model the head is a large share: an even split left the last stage
+    the slowest)."""
+    costs = [layer.flops_per_token() for layer in spec.layers]
     return stage_ranges(spec.num_layers, stages, layers_per_stage, plan, costs=costs,
-                        last_extra=float(spec.vocab_size * spec.hidden_size))
+                        last_extra=spec.lm_head_flops_per_token())
 
 
 def torchrun_rank() -> int:
