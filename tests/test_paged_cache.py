@@ -129,6 +129,15 @@ def test_the_page_tables_device_copy_is_refreshed_in_place():
     wider = t.ids_on(dev)
     assert wider is not first and wider.shape == t.ids.shape
     assert t.ids_on(torch.device("cpu")) is t.ids
+    # a copy made inside a step (inference mode) is refreshed outside one, and the other way round
+    t2 = BlockTable(2, page_tokens=2, managed=True)
+    with torch.inference_mode():
+        made = t2.ids_on(dev)
+    t2.grow(1, 2)
+    assert t2.ids_on(dev) is made and not made.is_inference()
+    with torch.inference_mode():
+        t2.grow(0, 2)
+        assert t2.ids_on(dev) is made
 
 
 def test_block_table_counts_holders_and_never_hands_a_page_out_twice():
