@@ -43,6 +43,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--weight-bits", type=int, choices=(16, 4), default=16,
+                    help="4: every engine of the run loads an int4 checkpoint (RTN, group 128, quantized once "
+                    "next to the model)")
     ap.add_argument("--out", default="benchmarks/results/pipeline_split.json")
     args = ap.parse_args()
     if args.model is None:
@@ -51,6 +54,13 @@ def main() -> None:
         path = build_checkpoint("llama", False, CACHE) / "hf"
     else:
         path = Path(args.model)
+    if args.weight_bits == 4:  # an int4 checkpoint (RTN, group 128) next to the bf16 one, built once
+        from waferline.model.quant import QuantOptions, quantize_checkpoint
+
+        qdir = path.parent / "int4-g128"
+        if not (qdir / "model.safetensors").is_file():
+            quantize_checkpoint(path, qdir, QuantOptions(group_size=128), force=True)
+        path = qdir
     spec = spec_from_pretrained(path)
     even, balanced = stage_ranges(spec.num_layers, 2), balanced_ranges(spec, 2)
     torch.set_num_threads(1)

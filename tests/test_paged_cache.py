@@ -82,7 +82,7 @@ def test_paged_caches_give_the_contiguous_logits(ckpts, monkeypatch, arch, opts)
         if page == 4:
             assert table.run[0] < len(table.slots[0])  # (pages not consecutive: not a view)
         if arch == "deepseek_v3:q":  # the decode steps ran as layer ops over a staging copy of the rows
-            assert all(c._stage is not None and c._stage.slots == (0, 1, 2) for c in caches)
+            assert all([st.slots for st in c._stages] == [(0, 1, 2)] for c in caches)
 
 
 def test_a_lone_sequence_reads_its_pages_in_place(ckpts, monkeypatch):
@@ -324,6 +324,37 @@ def test_recovered_runner_keeps_the_pages_the_prefix_store_holds(ckpts):
 
 
 @torch.inference_mode()
+def test_micro_batches_of_disjoint_rows_keep_their_own_staging_copies(monkeypatch):
+    """A pipeline stage's micro-batches alternate between disjoint rows: each keeps its staging copy (one gather of
+    its pages, not one per step), their entries reach the pages when a slot is released, and the other rows' copy
+    stays in use."""
+    t = BlockTable(4, page_tokens=4)
+    c = TokenCache(4, 2, torch.float32, table=t)
+    gathers = []
+    real = c._gather
+    monkeypatch.setattr(c, "_gather", lambda ids, B: gathers.append(B) or real(ids, B))
+
+    def rows(slot, start, n):  # entry (slot, position)
+        return torch.tensor([[float(slot), float(p)] for p in range(start, start + n)])[None]
+
+    for s in range(4):
+        c.update(rows(s, 0, 5), StepBatch.make([s], [0], 5))
+    gathers.clear()
+    for pos in (5, 6, 7, 8):
+        for a, b in ((0, 1), (2, 3)):  # micro-batch A, then micro-batch B, at each step
+            keys, _ = c.update(torch.cat([rows(a, pos, 1), rows(b, pos, 1)]), StepBatch.make([a, b], [pos, pos], 1))
+            assert torch.equal(keys[0], rows(a, 0, pos + 1)[0]) and torch.equal(keys[1], rows(b, 0, pos + 1)[0])
+    assert gathers == [2, 2]  # (one copy per micro-batch's rows, gathered once)
+    assert sorted(st.slots for st in c._stages) == [(0, 1), (2, 3)] and c.stages(0) and c.stages(3)
+    t.release(0)  # every copy's entries are in their pages; the copy of rows 2 and 3 goes on being used
+    assert torch.equal(c.data[t.pages_of(0)].reshape(-1, 2)[:9], rows(0, 0, 9)[0])
+    assert [st.slots for st in c._stages] == [(2, 3)] and not c.stages(None)
+    keys, _ = c.update(torch.cat([rows(2, 9, 1), rows(3, 9, 1)]), StepBatch.make([2, 3], [9, 9], 1))
+    assert torch.equal(keys[1], rows(3, 0, 10)[0]) and gathers == [2, 2]
+    assert torch.equal(c.read(2, 10), rows(2, 0, 10)[0]) and torch.equal(c.read(1, 9), rows(1, 0, 9)[0])
+
+
+@torch.inference_mode()
 def test_staged_decode_entries_reach_their_pages_before_the_slot_is_released():
     t = BlockTable(3, page_tokens=4)
     c = TokenCache(3, 2, torch.float32, table=t)
@@ -338,7 +369,7 @@ def test_staged_decode_entries_reach_their_pages_before_the_slot_is_released():
         assert torch.equal(keys[0], rows(0, 0, pos + 1)[0]) and torch.equal(keys[1], rows(1, 0, pos + 1)[0])
         if pos == 6:  # another slot's prompt in between: the copy stays (its entries written back first)
             c.update(rows(2, 0, 5), StepBatch.make([2], [0], 5))
-            assert c._stage is not None and not c.stages(None)
+            assert len(c._stages) == 1 and not c.stages(None)
     assert c.stages(0) and c in t.dirty
     t.release(0)  # the copy's entries of slot 0 are in its pages before they change hands
     assert torch.equal(c.data[t.pages_of(0)].reshape(-1, 2)[:9], rows(0, 0, 9)[0])

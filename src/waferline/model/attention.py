@@ -7,6 +7,7 @@ kv_lora_rank + rope_dim), so both mixers share one attention kernel and one cach
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ MLA_FUSED_MAX_ROWS = 8
 GQA_FUSED_MAX_ROWS = 8
 _NO_SINKS = torch.empty(0)  # gqa_decode's "no sinks"
 _NO_ROT = torch.empty(0)  # gqa_moe_layer's rotary rows without rotary
+MAX_STAGING_COPIES = 4  # staging copies a paged cache keeps (a pipeline stage's micro-batches hold disjoint rows)
 PAGE_TOKENS = 16  # tokens per page of a paged cache that allocates its own pages (the scheduler sets its own)
 
 
@@ -105,7 +107,7 @@ class TokenCache:
                  table: BlockTable | None = None):
         self.window = window
         self.table: BlockTable | None = None
-        self._stage: _Stage | None = None
+        self._stages: list[_Stage] = []  # staging copies of decode rows (most recently used last)
         self._rows_at: dict[tuple[int, int], torch.Tensor] = {}
         if window is None and (page_tokens is not None or table is not None):
             self.table = table if table is not None else BlockTable(num_slots, page_tokens or 16)
@@ -133,7 +135,7 @@ class TokenCache:
         """Take ``table``'s pages (a fresh cache; ``like``: keep that cache's pool, e.g. after a failed step)."""
         self.flush()
         if like is not None:  # (its entries not yet in pages are a failed step's: dropped)
-            like._stage = None
+            like._stages = []
             if like in table.dirty:
                 table.dirty.remove(like)
         self.table = table
@@ -241,17 +243,21 @@ class TokenCache:
 
     def stages(self, slot: int | None) -> bool:
         """Whether a staging copy with entries not yet in their pages holds ``slot``'s rows (None: any rows)."""
-        st = self._stage
-        return st is not None and st.lo != st.hi and (slot is None or slot in st.slots)
+        return any(st.lo != st.hi and (slot is None or slot in st.slots) for st in self._stages)
 
-    def flush(self, keep: bool = False) -> None:
-        """Write a staging copy's new entries (see ``step_rows``) to their pages; ``keep``: go on using the copy (no
-        write to its rows' pages follows but through it)."""
-        st, self._stage = self._stage, None
-        if st is None:
-            return
-        if keep:
-            self._stage = _Stage(st.slots, st.data, list(st.hi), list(st.hi))
+    def flush(self, keep_apart_from: Iterable[int] | None = None) -> None:
+        """Write the staging copies' new entries (see ``step_rows``) to their pages. The copies are dropped, except,
+        with ``keep_apart_from``, those holding none of these slots: they go on being used (no write to their rows'
+        pages follows but through them)."""
+        copies, self._stages = self._stages, []
+        apart = None if keep_apart_from is None else set(keep_apart_from)
+        for st in copies:
+            if apart is not None and apart.isdisjoint(st.slots):
+                self._stages.append(_Stage(st.slots, st.data, list(st.hi), list(st.hi)))
+            self._write_back(st)
+
+    def _write_back(self, st: _Stage) -> None:
+        """A staging copy's entries at positions lo .. hi - 1 of each row into their pages."""
         counts = [max(0, h - lo) for lo, h in zip(st.lo, st.hi)]
         if not sum(counts):
             return
@@ -266,12 +272,13 @@ class TokenCache:
             self.data.view(-1, W).index_copy_(0, (page * P + pos % P).to(dev), rows)
 
     def _staged(self, batch: StepBatch, n: int, make: bool) -> _Stage | None:
-        """The staging copy of the step's rows: the current one where it holds these rows with room for the step
-        (its pending range extended), else (``make``) a new gather of their pages with room for more steps, the
-        previous one written back first; None where it is not reused and not ``make``."""
+        """The staging copy of the step's rows: one that holds these rows with room for the step (its pending range
+        extended), else (``make``) a new gather of their pages with room for more steps, every copy written back
+        first (copies of other rows are kept, up to ``MAX_STAGING_COPIES``: micro-batches in flight alternate
+        between disjoint rows); None where none is reused and not ``make``."""
         hs, T = batch.host_slots, batch.T
-        st = self._stage
-        if st is not None and st.slots == hs and st.data.shape[1] >= batch.end and st.data.device == self.data.device:
+        st = next((c for c in self._stages if c.slots == hs), None)
+        if st is not None and st.data.shape[1] >= batch.end and st.data.device == self.data.device:
             st.lo = [min(a, b) for a, b in zip(st.lo, batch.host_start)]
             st.hi = [max(a, b + T) for a, b in zip(st.hi, batch.host_start)]
             if self not in self.table.dirty:  # (a copy kept clean left the list)
@@ -279,10 +286,13 @@ class TokenCache:
             return st
         if not make:
             return None
-        self.flush()
+        self.flush(keep_apart_from=hs)
+        if len(self._stages) >= MAX_STAGING_COPIES:  # (written back: dropping the oldest loses nothing)
+            del self._stages[:len(self._stages) - MAX_STAGING_COPIES + 1]
         m = n + 2  # (room for a page or more of tokens: the next steps of these rows reuse the copy)
-        st = self._stage = _Stage(hs, self._gather(self._ids(batch, m), len(hs)), list(batch.host_start),
-                                  [s + T for s in batch.host_start])
+        st = _Stage(hs, self._gather(self._ids(batch, m), len(hs)), list(batch.host_start),
+                    [s + T for s in batch.host_start])
+        self._stages.append(st)
         if self not in self.table.dirty:
             self.table.dirty.append(self)
         return st
@@ -308,8 +318,7 @@ class TokenCache:
         if st is None:
             p0 = self._run_start(batch, n)
             if p0 is not None:
-                old = self._stage
-                self.flush(keep=old is not None and not set(hs) & set(old.slots))
+                self.flush(keep_apart_from=hs)
                 return self.data[p0: p0 + n].view(1, n * self.table.page_tokens, -1), self._row_index(1, T)
             st = self._staged(batch, n, make=True)
         return st.data, self._row_index(len(hs), T)
@@ -334,8 +343,7 @@ class TokenCache:
             hs = batch.host_slots
             st = self._staged(batch, n, make=False) if hs is not None else None
             if st is None:
-                old = self._stage
-                self.flush(keep=old is not None and hs is not None and not set(hs) & set(old.slots))
+                self.flush(keep_apart_from=hs)
                 p0 = self._run_start(batch, n)
                 if p0 is not None:  # one row in consecutive pages: a slice of the pool, written and read in place
                     keys = self.data[p0: p0 + n].view(1, n * P, W)

@@ -294,7 +294,7 @@ class BlockTable:
         left = []
         for c in self.dirty:
             if slot is None or c.stages(slot):
-                c.flush()
+                c.flush(None if slot is None else (slot,))  # (copies of other rows stay in use)
             elif c.stages(None):
                 left.append(c)
         self.dirty = left
