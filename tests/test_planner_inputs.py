@@ -178,6 +178,9 @@ def test_an_unfitted_acceptance_is_labelled_assumed(capsys):
     assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "assumed default"
     rc, out = _run(capsys, ["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8",
                             "--weight-bits", "8", "--speculative", "medusa", "--json", "--no-intervals"])
+    assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "assumed default"  # (rows: stated)
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--speculative", "eagle", "--json",
+                            "--no-intervals"])
     assert rc == 0 and json.loads(out)["speculative"]["accept_rate_source"] == "fitted"
 
 

@@ -321,3 +321,33 @@ def test_the_text_table_gives_each_skipped_rows_reason_whole(tmp_path, capsys):
     assert main(["validate", "--data", str(f)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "skipped: x-2: unknown model 'nosuch-model'" in out and "a config.json path or a checkpoint directory" in out
+
+
+def test_a_stated_speculation_speedup_is_applied_to_the_system_without_speculation(tmp_path):
+    """A row whose source states its speculation's speedup is predicted as the system without speculation times it,
+    and no acceptance rate is fitted on it; a malformed or misplaced speedup skips its row with the reason."""
+    head = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
+            "spec_speedup,metric,value,unit\n")
+    body = ["plain,S,llama-3.1-70b,h200-sxm,8,8,none,1,,,,decode_tokens_per_s_per_user,150,tok/s",
+            "stated,S,llama-3.1-70b,h200-sxm,8,8,medusa,1,,,1.9,decode_tokens_per_s_per_user,285,tok/s",
+            "fitted,S,llama-3.1-70b,h200-sxm,8,8,medusa,1,,,,decode_tokens_per_s_per_user,285,tok/s",
+            "none,S,llama-3.1-70b,h200-sxm,8,8,none,1,,,1.9,decode_tokens_per_s_per_user,285,tok/s",
+            "ttft,S,llama-3.1-70b,h200-sxm,8,8,medusa,1,,,1.9,ttft_s,0.2,s",
+            "zero,S,llama-3.1-70b,h200-sxm,8,8,medusa,1,,,0,decode_tokens_per_s_per_user,285,tok/s"]
+    p = tmp_path / "s.csv"
+    p.write_text(head + "".join(r + "\n" for r in body))
+    rows = read_published(p)
+    assert rows[1].spec_speedup == 1.9 and rows[2].spec_speedup is None
+    results, _ = validate(p)
+    assert results[1].predicted == pytest.approx(1.9 * results[0].predicted)
+    assert results[2].predicted != pytest.approx(results[1].predicted)  # (the fitted acceptance's prediction)
+    assert results[3].skipped == "spec_speedup 1.9 on a row without speculation (spec_decoding none)"
+    assert results[4].skipped == "spec_speedup is a decode-rate ratio; metric ttft_s does not take it"
+    assert results[5].skipped == "spec_speedup must be a number > 0 (or blank), got '0'"
+    from waferline.sim.fit import fit
+
+    for keep, accept_fitted in (([0, 1], False), ([0, 2], True)):
+        q = tmp_path / f"k{keep[1]}.csv"
+        q.write_text(head + "".join(body[i] + "\n" for i in keep))
+        params, _ = fit(q)
+        assert (params.status.get("accept_rate.medusa") == "fitted") is accept_fitted

@@ -51,6 +51,9 @@ class Row:
     # reasons but the source does not say how long (an end-to-end time is then not comparable)
     reasoning_tokens: int | None = 0
     unit: str = ""  # as the CSV gives it; ``value`` is in the metric's own unit (s, tok/s)
+    # the speedup of the row's speculation over the same system without it, where the source states it: the row is
+    # then predicted as the system without speculation times this speedup (no acceptance rate is fitted on it)
+    spec_speedup: float | None = None
     # why the row cannot be predicted (a count that is not a whole number in range, a unit that does not fit the
     # metric): the row is skipped with this reason, as rows of an unknown model or hardware are
     problem: str = ""
@@ -98,6 +101,8 @@ def read_published(path: str | Path) -> list[Row]:
         seen[rid] = i + 1
         problems: list[str] = []
         counts = {c: _count(r.get(c), c, least, problems) for c, least in COUNT_COLUMNS.items()}
+        method = (r.get("spec_decoding") or "none").strip() or "none"
+        speedup = _speedup(r.get("spec_speedup"), method, (r.get("metric") or "").strip(), problems)
         metric, unit = r["metric"].strip(), (r.get("unit") or "").strip().replace("\u03bc", "\u00b5")
         units = METRIC_UNITS.get(metric)
         if units is not None:  # (an unknown metric is skipped with its own reason)
@@ -114,7 +119,7 @@ def read_published(path: str | Path) -> list[Row]:
                     hardware=r["hardware"].strip(),
                     num_chips=counts["num_chips"],
                     weight_bits=counts["weight_bits"] or 16,
-                    spec_decoding=(r.get("spec_decoding") or "none").strip() or "none",
+                    spec_decoding=method,
                     concurrency=counts["concurrency"] or 1,
                     input_len=counts["input_len"],
                     output_len=counts["output_len"],
@@ -125,6 +130,7 @@ def read_published(path: str | Path) -> list[Row]:
                     date=(r.get("date") or "").strip(),
                     reasoning_tokens=reasoning(r.get("reasoning_tokens")),
                     unit=unit,
+                    spec_speedup=speedup,
                     problem="; ".join(problems),
                 )
             )
@@ -134,6 +140,27 @@ def read_published(path: str | Path) -> list[Row]:
                 f"(reasoning_tokens: a count >= 0 or {UNSTATED!r})"
             ) from None
     return rows
+
+
+def _speedup(cell: str | None, method: str, metric: str, problems: list[str]) -> float | None:
+    """A spec_speedup cell: blank -> None; a finite number > 0 on a decode-rate row with speculation; anything else is
+    added to ``problems`` (the row is skipped with that reason)."""
+    v = (cell or "").strip()
+    if not v:
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        problems.append(f"spec_speedup must be a number > 0 (or blank), got {v!r}")
+    elif method == "none":
+        problems.append(f"spec_speedup {v} on a row without speculation (spec_decoding none)")
+    elif metric != "decode_tokens_per_s_per_user":
+        problems.append(f"spec_speedup is a decode-rate ratio; metric {metric} does not take it")
+    else:
+        return x
+    return None
 
 
 def _count(cell: str | None, column: str, least: int, problems: list[str]) -> int | None:
@@ -182,6 +209,8 @@ class RowModel:
         self.O = row.output_len or params.default_output_len
         self.R = row.reasoning_tokens or 0
         method = row.spec_decoding if row.spec_decoding else "none"
+        if row.spec_speedup is not None:  # (the system without speculation; its stated speedup applied in predict)
+            method = "none"
         self.plan = place(
             self.spec,
             self.hw,
@@ -203,6 +232,8 @@ class RowModel:
             "end_to_end_latency_s": r.end_to_end_s,
             "aggregate_tokens_per_s": r.aggregate_tokens_per_s,
         }[self.row.metric]
+        if self.row.spec_speedup is not None:
+            value *= self.row.spec_speedup
         return value, r
 
 
