@@ -127,3 +127,24 @@ def test_serving_queues_and_batches_under_load():
     assert light.ttft_p50_s >= load_params().ttft_overhead_s
     capped = simulate_serving(plan, arrival_rate=50.0, num_requests=100, prompt_len=512, output_len=128, max_batch=4)
     assert capped.max_batch == 4 and capped.mean_batch <= 4.0001
+
+
+def test_an_eagle_head_drafts_over_its_32k_draft_vocabulary(monkeypatch):
+    """An EAGLE-3 head projects onto a 32,000-token draft vocabulary (the released heads' draft_vocab_size): a draft
+    token of Llama-3.1-8B (128,256 tokens) reads a quarter of the LM head, not all of it (it was charged in full)."""
+    from waferline.sim import pipeline as sim_pipeline
+
+    spec, hw = load_model("llama-3.1-8b"), load_hardware("h100-sxm")
+    plan = place(spec, hw, devices=1, speculative=SpeculativeConfig("eagle"))
+
+    def draft_s(vocab):
+        monkeypatch.setattr(sim_pipeline, "EAGLE_DRAFT_VOCAB", vocab)
+        r = simulate(plan, prompt_len=100, output_len=100, spec=spec, hardware=hw)
+        return r.speculative["draft_s"], r.speculative
+
+    reduced, info = draft_s(32000)
+    full, _ = draft_s(spec.vocab_size)
+    k = info["num_tokens"]
+    head = spec.lm_head_bytes(16) / (hw.memory_bandwidth * load_params().classes["gpu"].bw_eff)
+    assert full - reduced == pytest.approx(k * head * (1 - 32000 / spec.vocab_size), rel=0.02)
+    assert "32,000-token draft vocabulary" in info["drafter"]

@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
 
 PREFILL_CHUNK = 512
+# An EAGLE-3 draft head projects onto a reduced ("hot") vocabulary: draft_vocab_size 32000 in the released heads'
+# configs (EAGLE3-LLaMA3.1-Instruct-8B and its Qwen3 / GPT-OSS counterparts, whose targets have 128k-201k tokens);
+# the target's LM head still verifies every token
+EAGLE_DRAFT_VOCAB = 32000
 
 
 
@@ -223,10 +227,14 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
         else:
             lc = table[0]
             what = (
-                "one-layer draft head (EAGLE-style)"
+                f"one-layer draft head (EAGLE-style, over a {min(spec.vocab_size, EAGLE_DRAFT_VOCAB):,}-token draft "
+                "vocabulary)"
                 if method == "eagle"
                 else "MTP-like one-layer head (model has no MTP layers)"
             )
+            if method == "eagle":
+                share = min(spec.vocab_size, EAGLE_DRAFT_VOCAB) / spec.vocab_size
+                head_b, head_f = head_b * share, head_f * share
         one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                          lm_head_bytes=head_b, lm_head_flops=head_f)
         return k * one.total, what
