@@ -142,16 +142,21 @@ def read_published(path: str | Path) -> list[Row]:
     return rows
 
 
+def _number(cell: str | None) -> tuple[str, float]:
+    """A cell's text, stripped, and its value (NaN where it is not a number; the text is empty for a blank cell)."""
+    v = (cell or "").strip()
+    try:
+        return v, float(v)
+    except ValueError:
+        return v, math.nan
+
+
 def _speedup(cell: str | None, method: str, metric: str, problems: list[str]) -> float | None:
     """A spec_speedup cell: blank -> None; a finite number > 0 on a decode-rate row with speculation; anything else is
     added to ``problems`` (the row is skipped with that reason)."""
-    v = (cell or "").strip()
+    v, x = _number(cell)
     if not v:
         return None
-    try:
-        x = float(v)
-    except ValueError:
-        x = math.nan
     if not (math.isfinite(x) and x > 0):
         problems.append(f"spec_speedup must be a number > 0 (or blank), got {v!r}")
     elif method == "none":
@@ -167,13 +172,9 @@ def _count(cell: str | None, column: str, least: int, problems: list[str]) -> in
     """A count cell: blank -> None (the documented default); a whole number >= ``least``; anything else (0
     concurrency, 1.5 chips, a negative length, text) is added to ``problems`` (the row is skipped with that reason),
     never rounded or replaced by the default."""
-    v = (cell or "").strip()
+    v, x = _number(cell)
     if not v:
         return None
-    try:
-        x = float(v)
-    except ValueError:
-        x = math.nan
     if not math.isfinite(x) or x != math.floor(x) or x < least:
         problems.append(f"{column} must be a whole number >= {least} (or blank), got {v!r}")
         return None
