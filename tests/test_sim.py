@@ -148,3 +148,15 @@ def test_an_eagle_head_drafts_over_its_32k_draft_vocabulary(monkeypatch):
     head = spec.lm_head_bytes(16) / (hw.memory_bandwidth * load_params().classes["gpu"].bw_eff)
     assert full - reduced == pytest.approx(k * head * (1 - 32000 / spec.vocab_size), rel=0.02)
     assert "32,000-token draft vocabulary" in info["drafter"]
+
+
+def test_an_eagle_heads_memory_holds_its_draft_vocabulary_projection():
+    """The memory an EAGLE head adds holds its own output projection over the 32,000-token draft vocabulary (16-bit);
+    an MTP module uses the target's LM head."""
+    from waferline.sim.pipeline import drafter_memory
+
+    spec = load_model("llama-3.1-8b")
+    kw = dict(weight_bits=16, kv_bits=16, embed_bits=16, group_size=128, context=1000, batch=1)
+    eagle, _ = drafter_memory(spec, SpeculativeConfig("eagle"), load_params(), **kw)
+    mtp_like, _ = drafter_memory(spec, SpeculativeConfig("mtp"), load_params(), **kw)  # (no MTP layers: the same head)
+    assert eagle - mtp_like == pytest.approx(32000 * spec.hidden_size * 2)

@@ -192,7 +192,9 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     # an MTP module, else a one-layer draft head of the target's shape (EAGLE-style, or a missing drafter's stand-in)
     layers, what = (spec.mtp_layers, "MTP module") if method == "mtp" and spec.mtp_layers else \
         (spec.layers[:1], "one-layer draft head")
-    return (spec.mtp_weight_bytes(weight_bits, group_size, layers)
+    # an EAGLE head's own output projection over its draft vocabulary (an MTP module uses the target's LM head)
+    head = quantized_bytes(min(spec.vocab_size, EAGLE_DRAFT_VOCAB) * d, embed_bits) if method == "eagle" else 0.0
+    return (spec.mtp_weight_bytes(weight_bits, group_size, layers) + head
             + batch * sum(lc.cache_bytes_per_seq(context, kv_bits) for lc in layers)), f"{what} and its cache"
 
 
