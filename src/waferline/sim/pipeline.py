@@ -60,6 +60,14 @@ def _lm_head(spec: ModelSpec, embed_bits: int) -> tuple[float, float]:
     ), 2.0 * spec.vocab_size * spec.hidden_size
 
 
+def _eagle_head(spec: ModelSpec, embed_bits: int) -> tuple[int, float, float]:
+    """An EAGLE head's own output projection: its draft vocabulary, bytes and FLOPs per token."""
+    from waferline.spec.model import quantized_bytes
+
+    v = min(spec.vocab_size, EAGLE_DRAFT_VOCAB)
+    return v, quantized_bytes(v * spec.hidden_size, embed_bits), 2.0 * v * spec.hidden_size
+
+
 def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
     """Per stage: a key that is equal for stages with identical layers, role and device count (computed once)."""
     if ctx.keys is None:
@@ -193,7 +201,7 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     layers, what = (spec.mtp_layers, "MTP module") if method == "mtp" and spec.mtp_layers else \
         (spec.layers[:1], "one-layer draft head")
     # an EAGLE head's own output projection over its draft vocabulary (an MTP module uses the target's LM head)
-    head = quantized_bytes(min(spec.vocab_size, EAGLE_DRAFT_VOCAB) * d, embed_bits) if method == "eagle" else 0.0
+    head = _eagle_head(spec, embed_bits)[1] if method == "eagle" else 0.0
     return (spec.mtp_weight_bytes(weight_bits, group_size, layers) + head
             + batch * sum(lc.cache_bytes_per_seq(context, kv_bits) for lc in layers)), f"{what} and its cache"
 
@@ -228,15 +236,10 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             what = "MTP module"
         else:
             lc = table[0]
-            what = (
-                f"one-layer draft head (EAGLE-style, over a {min(spec.vocab_size, EAGLE_DRAFT_VOCAB):,}-token draft "
-                "vocabulary)"
-                if method == "eagle"
-                else "MTP-like one-layer head (model has no MTP layers)"
-            )
+            what = "MTP-like one-layer head (model has no MTP layers)"
             if method == "eagle":
-                share = min(spec.vocab_size, EAGLE_DRAFT_VOCAB) / spec.vocab_size
-                head_b, head_f = head_b * share, head_f * share
+                v, head_b, head_f = _eagle_head(spec, plan.embed_bits)
+                what = f"one-layer draft head (EAGLE-style, over a {v:,}-token draft vocabulary)"
         one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                          lm_head_bytes=head_b, lm_head_flops=head_f)
         return k * one.total, what
