@@ -9,7 +9,8 @@
 #      the openai client = `LLM.generate` on the GPU;
 #   2. the serve load on the machine's CPU cores: one process against 2 stage processes x 2 micro-batches (1 thread
 #      each) and one process with 2 threads (benchmarks/serve_load_llamacpp.py --pipelines 2x2);
-#   3. decode speed on the GPU against its HBM roofline (benchmarks/decode_speed.py --device cuda, llama-gpu).
+#   3. decode speed on the GPU against its HBM roofline (benchmarks/decode_speed.py --device cuda, llama-gpu);
+#   4. operations and eager time per decode step on the GPU (benchmarks/step_launches.py --device cuda).
 set -u
 OUT=${OUT:-gpu_check_out}
 PY=${PY:-python3}
@@ -30,7 +31,7 @@ timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda
 echo "== tests: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
-timeout "${SERVE_S:-170}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
+timeout "${SERVE_S:-150}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
     --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_16c.json" 2>&1 \
     | grep -v "Writing model shards" | tee "$OUT/serve_pipeline.log"
 echo "== serve load: $(( $(date +%s) - t0 )) s"
@@ -39,3 +40,8 @@ t0=$(date +%s)
 timeout "${DECODE_S:-170}" "$PY" benchmarks/decode_speed.py --device cuda --models llama-gpu --repeats 1 \
     --threads "$(nproc)" --json "$OUT/decode_speed_h200.json" 2>&1 | tee "$OUT/decode_speed.log"
 echo "== decode speed: $(( $(date +%s) - t0 )) s"
+
+t0=$(date +%s)
+timeout "${LAUNCH_S:-60}" "$PY" benchmarks/step_launches.py --device cuda --models llama-gpu dsv3-gpu \
+    --out "$OUT/step_launches_h200.json" 2>&1 | tee "$OUT/step_launches.log"
+echo "== step launches: $(( $(date +%s) - t0 )) s"

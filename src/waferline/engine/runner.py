@@ -160,8 +160,8 @@ class LocalRunner:
             if static is not None:
                 return self._static_step(static, decodes), []
         if decodes:
-            toks = torch.tensor([[r.token] for r in decodes], device=dev)
-            batch = StepBatch.make([r.slot for r in decodes], [r.position for r in decodes], 1, dev)
+            toks, batch = StepBatch.decode([r.token for r in decodes], [r.slot for r in decodes],
+                                           [r.position for r in decodes], dev)
             logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))
             tops = top[:, 0].tolist() if top is not None else None
             host = logits[:, 0].cpu() if not all(greedy) or tops is None else None
@@ -223,9 +223,9 @@ class LocalRunner:
         """``n`` greedy one-token steps of the rows ``decodes`` back to back, each step's argmax the next one's token
         (``model.greedy_steps``): per row its n tokens, and (``keep_hidden``) the hidden states [B, n, D]. None where
         the model cannot run them as one program, or a static step is in use: nothing ran, step instead."""
-        if self.static is not None or self.static_factory is not None:
-            return None
         dev = self.device
+        if self.static is not None or self.static_factory is not None or not self.model.runs_step_programs(dev):
+            return None  # (before any per-step tensor is made: on a GPU each is a synchronous host-to-device copy)
         slots = [r.slot for r in decodes]
         batches = [StepBatch.make(slots, [r.position + j for r in decodes], 1, dev) for j in range(n)]
         steps = self.model.greedy_steps(torch.tensor([[r.token] for r in decodes], device=dev), self.caches, batches)

@@ -470,6 +470,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     L, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     out_dtype = q.dtype
+    if (sinks is None and Hkv > 1 and Dk == Dv and q.dtype == k.dtype == v.dtype
+            and (q.device.type != "cpu" or not kernels.available())):
+        return attend_sdpa(q, k, v, blocked, scale)
     if q.device.type == "cpu" and (q.dtype != torch.float32 or k.dtype != torch.float32):
         # 16-bit attention matmuls on CPU go through oneDNN, which builds a new kernel for every new key length
         # (measured ~0.7 ms per call in decode against ~16 us for fp32 with the casts): compute them in fp32
@@ -501,6 +504,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
         out = torch.matmul(probs.reshape(B, Hkv, T * G, L), v.permute(0, 2, 1, 3))  # [B, Hkv, T*G, Dv]
         out = out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
     return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                scale: float) -> torch.Tensor:
+    """:func:`attend` (without sinks, Dk == Dv) as torch's fused attention: one kernel on a GPU (flash or
+    memory-efficient attention) where attend's chain is ~7, reading the keys in place where attend copies them
+    head-major first. Each kv head's G query heads become rows of its queries (as attend folds them), so no key or
+    value is repeated per query head. The device path (a GPU, or a CPU without waferline's fused operators); its
+    scores and softmax are fp32 in those kernels, its probabilities rounded to q's dtype for the value product."""
+    B, T, H, Dk = q.shape
+    L, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    G = H // Hkv
+    qg = q.view(B, T, Hkv, G, Dk).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, Dk)
+    keep = None
+    if blocked is not None:  # bool [B, T, L], True = hidden; SDPA's boolean mask is True = attend
+        keep = (~blocked)[:, None, :, None, :].expand(B, 1, T, G, L).reshape(B, 1, T * G, L)
+    out = nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
+                                                     scale=scale)  # [B, Hkv, T*G, Dv]
+    return out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
 
 
 class GQAttention(nn.Module):

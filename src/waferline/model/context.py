@@ -90,6 +90,15 @@ class StepBatch:
         return b
 
     @classmethod
+    def decode(cls, tokens: list[int], slots: list[int], start: list[int],
+               device: torch.device | str = "cpu") -> tuple[torch.Tensor, StepBatch]:
+        """A one-token step's input tokens [B, 1] and its batch, from one tensor made on ``device`` (on a GPU, one
+        host-to-device copy instead of three: each is synchronous)."""
+        slots, start = [int(s) for s in slots], [int(s) for s in start]
+        packed = torch.tensor([[int(t) for t in tokens], slots, start], dtype=torch.long, device=device)
+        return packed[0].view(-1, 1), cls(packed[1], packed[2], 1, tuple(slots), tuple(start))
+
+    @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> StepBatch:
         slots, start = [int(s) for s in slots], [int(s) for s in start]
         return cls(

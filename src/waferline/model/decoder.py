@@ -533,6 +533,12 @@ class DecoderModel(nn.Module):
                else logits.argmax(-1))
         return logits, h, ids
 
+    @staticmethod
+    def runs_step_programs(device: torch.device) -> bool:
+        """Whether steps on ``device`` can run as whole-step programs (step_logits' and greedy_steps'): on CPU, with
+        waferline's fused operators loaded. Elsewhere every step runs op by op."""
+        return _USE_PROGRAM and device.type == "cpu" and kernels.available()
+
     def greedy_steps(self, tokens: torch.Tensor, caches: list[Any],
                      batches: list[StepBatch]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Greedy decode steps back to back, each step's greedy tokens the next one's input: tokens [B, 1] at
@@ -581,11 +587,11 @@ class DecoderModel(nn.Module):
                     w.dtype == torch.bfloat16 and tokens.numel() <= few_rows(torch.bfloat16))):
                 return None
             q = w
-        if (not _USE_PROGRAM or e is None or n is None or q is None or self._forward_hooks or self._forward_pre_hooks
+        if (not self.runs_step_programs(tokens.device) or e is None or n is None or q is None or self._forward_hooks
+                or self._forward_pre_hooks
                 or e._forward_hooks or e._forward_pre_hooks
                 or n._forward_hooks or n._forward_pre_hooks or d["embedding_multiplier"] != 1.0
-                or d["logits_scaling"] != 1.0 or tokens.device.type != "cpu" or tokens.dim() != 2
-                or tokens.numel() > _PLAN_MAX_ROWS or not kernels.available()):
+                or d["logits_scaling"] != 1.0 or tokens.dim() != 2 or tokens.numel() > _PLAN_MAX_ROWS):
             return None
         ew, nw = e._parameters["weight"], n._parameters["weight"]
         if nw.dtype != ew.dtype or (w is not None and w.dtype != ew.dtype):

@@ -1,0 +1,233 @@
+"""How many device operations one decode step issues on the engine's device path: the count that bounds an
+eager GPU step on a slow host (each operation is a kernel launch from Python) and the kernels a captured CUDA graph
+replays (each at least a few microseconds on the GPU, however small).
+
+    python benchmarks/step_launches.py [--baseline /tmp/base] [--models llama-gpu dsv3-gpu qwen3moe] [--device cuda]
+
+For each model (decode_speed_models' architectures and layer counts, narrowed to hidden 256: an operation count does
+not depend on the widths) one request of a 64-token prompt decodes; every ATen operation of its decode steps is
+recorded under a TorchDispatchMode and sorted into: **launches** (an operation that writes a new or an existing
+tensor: a kernel on a GPU), **views** (every output shares an input's storage: metadata only, no kernel; a no-op
+``.to()`` or ``.contiguous()`` among them) and **host tensors** (``torch.tensor(...)`` of Python values inside the
+step: on a GPU each is a host-to-device copy). On CPU the engine runs its fused C++ operators; this script turns
+them off (``WAFERLINE_KERNELS=0``) so the CPU runs the same operations a GPU runs. With ``--device cuda`` the steps
+run on the GPU and the table adds the eager step's time (no CUDA graph: ``cuda_graphs=False``). With
+``--baseline TREE`` each model is counted under that source tree as well (a checkout of waferline; each tree in its
+own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and repeatable; times are not.
+Writes ``benchmarks/results/step_launches.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+NARROW = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, vocab_size=4096)
+HEADS = {"llama": dict(num_attention_heads=8, num_key_value_heads=2),
+         "qwen3_moe": dict(num_attention_heads=8, num_key_value_heads=4, head_dim=32),
+         "deepseek_v3": dict(num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=64,
+                             qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32)}
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+from step_launches import count_decode
+from waferline import LLM
+
+a = json.loads(sys.argv[1])
+torch.set_num_threads(1)
+llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], cuda_graphs=False)
+print("RESULT " + json.dumps(count_decode(llm, a["steps"], timed=a["device"] == "cuda")))
+"""
+
+
+def _storages(ts: list) -> set:
+    out = set()
+    for t in ts:
+        try:
+            out.add(t.untyped_storage().data_ptr())
+        except (NotImplementedError, RuntimeError):  # an opaque tensor (a oneDNN-packed weight): its own
+            out.add(id(t))
+    return out
+
+
+def _tensors(x: Any) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for y in x for t in _tensors(y)]
+    if isinstance(x, dict):
+        return [t for y in x.values() for t in _tensors(y)]
+    return []
+
+
+def counter() -> Any:
+    """A TorchDispatchMode that sorts every ATen operation run under it into launches (by operation name), views
+    and host tensors (see the module's docstring)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.launches: dict[str, int] = {}
+            self.views = self.host = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = func.__name__.split(".")[0]
+            writes = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
+            outs = _tensors(out)
+            if name == "lift_fresh":
+                self.host += 1
+            elif name in ("empty", "empty_strided", "empty_like", "detach_", "detach"):
+                pass  # an allocation or autograd bookkeeping: no kernel
+            elif not writes and outs and _storages(outs) <= _storages(_tensors(args) + _tensors(kwargs)):
+                self.views += 1
+            else:
+                self.launches[name] = self.launches.get(name, 0) + 1
+            return out
+
+    return Count()
+
+
+def count_decode(llm: Any, steps: int, timed: bool = False) -> dict:
+    """Operations per decode step of ``llm`` (an LLM): one greedy request of a 64-token prompt, counted for 1 + steps
+    tokens and for 1 token, the difference divided by ``steps``. With ``timed`` (a GPU), also the best of 3 of the
+    eager step's time in ms."""
+    import time
+
+    import torch
+
+    from waferline import SamplingParams
+
+    prompt = list(range(10, 74))
+
+    def run(n: int, mode: Any = None) -> None:
+        p = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        if mode is None:
+            llm.generate([prompt], p)
+        else:
+            with mode:
+                llm.generate([prompt], p)
+
+    run(4)
+    short, long = counter(), counter()
+    run(1, short)
+    run(1 + steps, long)
+    names = set(short.launches) | set(long.launches)
+    per = {k: (long.launches.get(k, 0) - short.launches.get(k, 0)) / steps for k in names}
+    res = {"launches": sum(per.values()), "views": (long.views - short.views) / steps,
+           "host_tensors": (long.host - short.host) / steps, "by_op": {k: v for k, v in sorted(per.items()) if v}}
+    if timed:
+        best = None
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            run(1 + steps)
+            t1 = time.perf_counter()
+            run(1)
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            ms = ((t1 - t0) - (t2 - t1)) / steps * 1e3
+            best = ms if best is None else min(best, ms)
+        res["eager_step_ms"] = best
+    return res
+
+
+def checkpoint(name: str, cache: Path) -> tuple[Path, int]:
+    """A random checkpoint of ``name``'s architecture and depth at hidden 256 (cached); returns it and its layers."""
+    from decode_speed_models import MODELS
+    from waferline.model.init import write_random_checkpoint
+
+    model_type, kw = MODELS[name]
+    cfg = dict(kw, **NARROW, **HEADS.get(model_type, {}), model_type=model_type)
+    d = cache / name
+    if not (d / "model.safetensors").exists():
+        write_random_checkpoint(cfg, d, seed=0)
+    return d, int(cfg["num_hidden_layers"])
+
+
+def count(tree: Path, model: Path, dtype: str, device: str, steps: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"), WAFERLINE_KERNELS="0")
+    arg = json.dumps({"model": str(model), "dtype": dtype, "device": device, "steps": steps})
+    p = subprocess.run([sys.executable, "-c", CHILD, arg, str(ROOT / "benchmarks")], env=env, capture_output=True,
+                       text=True, cwd=tree)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise SystemExit(f"counting under {tree} failed (rc {p.returncode}):\n{p.stderr[-3000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["llama-gpu", "dsv3-gpu", "qwen3moe"],
+                    help="decode_speed_models architectures (default: llama-gpu dsv3-gpu qwen3moe)")
+    ap.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
+    ap.add_argument("--device", default="cpu", help="cpu (counts only) or cuda (counts and eager step time)")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps counted (default 8)")
+    ap.add_argument("--baseline", type=Path, help="a waferline source tree counted beside this one")
+    ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "waferline_step_launches",
+                    help="where the narrowed checkpoints are kept")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_launches.json")
+    a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error("--steps must be at least 1")
+    if a.baseline is not None and not (a.baseline / "src" / "waferline").is_dir():
+        ap.error(f"--baseline {a.baseline} has no src/waferline: give a checkout of waferline")
+    trees = ([("baseline", a.baseline.resolve())] if a.baseline else []) + [("tree", ROOT)]
+    rows = []
+    for name in a.models:
+        model, layers = checkpoint(name, a.cache)
+        row = {"model": name, "layers": layers}
+        for label, tree in trees:
+            row[label] = count(tree, model, a.dtype, a.device, a.steps)
+            print(f"  {name} under {label}: {row[label]['launches']:.1f} launches per step", file=sys.stderr)
+        rows.append(row)
+    head = f"{'model':10s} {'layers':>6s}"
+    for label, _ in trees:
+        head += f" {label + ' launches/step':>24s} {'per layer':>9s} {'host tensors':>12s}"
+        if a.device == "cuda":
+            head += f" {'eager ms':>8s}"
+    print(head)
+    for row in rows:
+        line = f"{row['model']:10s} {row['layers']:6d}"
+        for label, _ in trees:
+            r = row[label]
+            line += f" {r['launches']:24.1f} {r['launches'] / row['layers']:9.1f} {r['host_tensors']:12.1f}"
+            if a.device == "cuda":
+                line += f" {r['eager_step_ms']:8.2f}"
+        print(line)
+    if a.baseline:
+        for row in rows:
+            print(f"{row['model']}: {row['tree']['launches'] / row['baseline']['launches']:.2f}x the baseline's "
+                  "launches per step")
+    import torch
+
+    def commit(tree: Path) -> str | None:
+        r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return r.stdout.strip() or None if r.returncode == 0 else None
+
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = a.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"dtype": a.dtype, "device": a.device, "steps": a.steps, "torch": torch.__version__,
+                               "commits": {label: commit(tree) for label, tree in trees}, "rows": rows}, indent=2))
+    tmp.replace(a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""The engine's device path (what a GPU runs; on CPU, what runs without waferline's fused operators): torch's fused
+attention and RMSNorm in place of the matmul/softmax and pow/mean/rsqrt chains, the same numbers as the Hugging Face
+reference, and the operation count of a decode step that a GPU launches one kernel per operation for
+(benchmarks/step_launches.py)."""
+
+import pytest
+import torch
+
+from conftest import script_module
+from tiny_models import build, configs
+from waferline import LLM, SamplingParams, kernels
+from waferline.model.attention import attend, attend_sdpa
+from waferline.model.layers import RMSNorm
+
+
+@pytest.fixture
+def device_path(monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda: False)
+
+
+@pytest.mark.parametrize("T, masked", [(1, False), (1, True), (5, True), (5, False)])
+def test_fused_attention_is_attends_chain(T, masked):
+    g = torch.Generator().manual_seed(T)
+    B, H, Hkv, D, L = 2, 8, 2, 16, 13
+    q = torch.randn(B, T, H, D, generator=g)
+    kv = torch.randn(B, L, 2 * Hkv, D, generator=g)  # a cache's rows: keys then values, token-major
+    k, v = kv[:, :, :Hkv], kv[:, :, Hkv:]
+    blocked = None
+    if masked:  # causal at each row's own offset, row 1 also blind to its first 3 keys (a padded row)
+        pos = torch.tensor([[L - T + t for t in range(T)], [L - T - 2 + t for t in range(T)]])
+        blocked = torch.arange(L)[None, None, :] > pos[:, :, None]
+        blocked[1, :, :3] = True
+    want = attend(q, k, v, blocked, 0.25)  # fp32 on CPU with the fused operators loaded: the matmul chain
+    got = attend_sdpa(q, k, v, blocked, 0.25)
+    assert got.shape == want.shape == (B, T, H, D)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_the_device_path_is_the_references(device_path, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ours, ref = RMSNorm(64, 1e-5, dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    w = torch.rand(64, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
+    ours.weight.copy_(w)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        assert torch.equal(ours(x), ref(x))  # bitwise: fp32 sums, one rounding to bf16, then the weight
+
+
+@pytest.mark.parametrize("mt", ["llama", "qwen3", "mixtral"])
+def test_the_device_path_matches_the_reference(device_path, mt, tmp_path):
+    ref = build(mt, tmp_path)
+    llm = LLM(tmp_path)
+    ids = [1, 17, 42, 99, 5, 23, 64, 11, 87, 3, 45, 120, 7, 66, 8]
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = llm.prompt_logprobs(ids)  # one prefill: the fused attention with a causal mask
+    assert got.shape == want.shape == (len(ids), configs()[mt]["vocab_size"])
+    assert (got - want).abs().max().item() < 1e-4, mt
+    # decode steps (one query per row, no mask), two rows at different positions, against the reference's logits
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    for o, prompt in zip(llm.generate([ids, ids[:7]], p), [ids, ids[:7]]):
+        full = prompt + o.token_ids
+        with torch.no_grad():
+            lp = torch.log_softmax(ref(torch.tensor([full])).logits[0].float(), dim=-1)
+        for i, tok in enumerate(o.token_ids):
+            row = lp[len(prompt) - 1 + i]
+            assert tok == int(row.argmax())
+            assert abs(o.logprobs[i].logprob - float(row[tok])) < 1e-4, (mt, i)
+
+
+def test_a_decode_step_on_the_device_path_issues_few_operations(device_path, tmp_path):
+    # tiny llama (2 layers) in bf16: ~44 operations a layer before the fused attention and RMSNorm (the attention
+    # chain's 7 and each norm's 6 are one each); each is a kernel launch on a GPU
+    gen = script_module("step_launches")
+    sl = next(gen)
+    try:
+        build("llama", tmp_path)
+        layers = configs()["llama"]["num_hidden_layers"]
+        got = sl.count_decode(LLM(tmp_path, dtype="bfloat16"), steps=4)
+    finally:
+        gen.close()
+    ops = got["by_op"]
+    assert ops.get("scaled_dot_product_attention") == layers
+    assert ops.get("rms_norm") == 2 * layers + 1 and "rsqrt" not in ops and "softmax" not in ops
+    assert got["launches"] <= 24 * layers + 6, ops
+    # tensors made from host values per step (on a GPU each is a synchronous copy): the step's tokens, slots and
+    # positions in one, and a page table's entry every 16 tokens; a greedy burst, which only a CPU program runs,
+    # made its steps' batches (~13 copies a step) before finding it could not run
+    assert got["host_tensors"] <= 1.25
