@@ -49,7 +49,7 @@ def test_rms_norm_on_the_device_path_is_the_references(device_path, dtype):
         assert torch.equal(ours(x), ref(x))  # bitwise: fp32 sums, one rounding to bf16, then the weight
 
 
-@pytest.mark.parametrize("mt", ["llama", "qwen3", "mixtral"])
+@pytest.mark.parametrize("mt", ["llama", "qwen3", "mixtral", "gpt_oss"])
 def test_the_device_path_matches_the_reference(device_path, mt, tmp_path):
     ref = build(mt, tmp_path)
     llm = LLM(tmp_path)
@@ -73,7 +73,8 @@ def test_the_device_path_matches_the_reference(device_path, mt, tmp_path):
 
 def test_a_decode_step_on_the_device_path_issues_few_operations(device_path, tmp_path):
     # tiny llama (2 layers) in bf16: ~44 operations a layer before the fused attention and RMSNorm (the attention
-    # chain's 7 and each norm's 6 are one each); each is a kernel launch on a GPU
+    # chain's 7 and each norm's 6 are one each) and the one q/k/v product (3 products and a q/k concatenation were 4);
+    # each is a kernel launch on a GPU
     gen = script_module("step_launches")
     sl = next(gen)
     try:
@@ -85,8 +86,37 @@ def test_a_decode_step_on_the_device_path_issues_few_operations(device_path, tmp
     ops = got["by_op"]
     assert ops.get("scaled_dot_product_attention") == layers
     assert ops.get("rms_norm") == 2 * layers + 1 and "rsqrt" not in ops and "softmax" not in ops
-    assert got["launches"] <= 24 * layers + 6, ops
+    assert got["launches"] <= 21 * layers + 6, ops
+    assert ops.get("linear") == 4 * layers + 1  # q/k/v, o, gate/up, down; the head
     # tensors made from host values per step (on a GPU each is a synchronous copy): the step's tokens, slots and
     # positions in one, and a page table's entry every 16 tokens; a greedy burst, which only a CPU program runs,
     # made its steps' batches (~13 copies a step) before finding it could not run
     assert got["host_tensors"] <= 1.25
+
+
+def test_q_k_v_weights_lie_side_by_side_on_the_device_path_only(tmp_path, monkeypatch):
+    from waferline.model.layers import side_by_side
+    from waferline.model.quant import move_model
+
+    build("llama", tmp_path)
+
+    def qkv(llm):
+        return [(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) for a in
+                (m for m in llm.model.modules() if type(m).__name__ == "GQAttention")]
+
+    # with the fused CPU operators: left apart (they take them one by one; the huge-page arena moves whole tensors)
+    assert all(side_by_side(list(w)) is None for w in qkv(LLM(tmp_path)))
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    llm = LLM(tmp_path, huge_pages=False)
+    ref = [[t.clone() for t in w] for w in qkv(llm)]
+    for w in qkv(llm):
+        whole = side_by_side(list(w))
+        assert whole is not None and whole.shape[0] == sum(t.shape[0] for t in w)
+    # a move copies each weight on its own; move_model puts them together again, values unchanged
+    for a in (m for m in llm.model.modules() if type(m).__name__ == "GQAttention"):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(a, name).weight.data = getattr(a, name).weight.data.clone()
+    assert all(side_by_side(list(w)) is None for w in qkv(llm))
+    move_model(llm.model, "cpu")
+    for w, r in zip(qkv(llm), ref):
+        assert side_by_side(list(w)) is not None and all(torch.equal(a, b) for a, b in zip(w, r))

@@ -17,7 +17,16 @@ from torch import nn
 from waferline import kernels
 from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, RMSNorm, Rotary, attention_softmax_scale, few_rows, kept_args
+from waferline.model.layers import (
+    Linear,
+    RMSNorm,
+    Rotary,
+    attention_softmax_scale,
+    few_rows,
+    kept_args,
+    place_side_by_side,
+    side_by_side,
+)
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import AttentionSpec, MLASpec
 
@@ -611,24 +620,56 @@ class GQAttention(nn.Module):
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             getattr(self, name).load_hf(src, prefix + name)
+        self.colocate()
         if self.q_norm is not None:
             self.q_norm.load_hf(src, prefix + "q_norm.weight")
             self.k_norm.load_hf(src, prefix + "k_norm.weight")
         if self.sinks is not None:
             copy_into(self.sinks, src.get(prefix + "sinks", tuple(self.sinks.shape)))
 
+    def colocate(self) -> None:
+        """The q, k and v projections' weights side by side in one tensor (layers.place_side_by_side), for
+        :meth:`_qkv`; after loading, and after a move to another device (which copies each weight on its own). Not
+        on a CPU with waferline's fused operators: they take the projections one by one, and the huge-page arena
+        (model/arena.py) moves whole tensors only, not views."""
+        w = self.q_proj.weight if type(self.q_proj) is Linear else None
+        if w is not None and not (w.device.type == "cpu" and kernels.available()):
+            place_side_by_side([self.q_proj, self.k_proj, self.v_proj])
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor | None:
+        """q, k and v of x as one product [B, T, (H + 2 Hkv) head_dim] on the device path (a GPU, or a CPU without
+        waferline's fused operators, whose decode takes the projections apart), where their weights lie side by
+        side (:meth:`colocate`): one kernel instead of three. None otherwise."""
+        if x.device.type == "cpu" and kernels.available():
+            return None
+        mods = self._modules
+        q, k, v = mods["q_proj"], mods["k_proj"], mods["v_proj"]
+        if not (type(q) is Linear and type(k) is Linear and type(v) is Linear):
+            return None
+        w = side_by_side([q.weight, k.weight, v.weight])
+        b = None if q.bias is None else side_by_side([q.bias, k.bias, v.bias])
+        if w is None or w.dtype != x.dtype or (q.bias is not None and b is None):
+            return None
+        return nn.functional.linear(x, w, b)
+
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
-        h, kvh = s.num_heads, s.num_kv_heads
-        q = self.q_proj(x).view(B, T, h, s.head_dim)
-        k = self.k_proj(x).view(B, T, kvh, s.head_dim)
-        v = self.v_proj(x).view(B, T, kvh, s.head_dim)
+        h, kvh, hd = s.num_heads, s.num_kv_heads, s.head_dim
+        qkv = self._qkv(x)
+        if qkv is None:
+            q = self.q_proj(x).view(B, T, h, hd)
+            k = self.k_proj(x).view(B, T, kvh, hd)
+            v = self.v_proj(x).view(B, T, kvh, hd)
+        else:
+            q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:  # q and k rotated together: one pass over [B, T, H + Hkv, head_dim]
             cos, sin = self.rotary.cos_sin(batch.positions(), batch)
-            q, k = self.rotary.apply(torch.cat([q, k], dim=2), cos, sin).split([h, kvh], dim=2)
+            qk = (qkv[..., :(h + kvh) * hd].view(B, T, h + kvh, hd) if qkv is not None and self.q_norm is None
+                  else torch.cat([q, k], dim=2))  # (the fused product's q and k already lie side by side)
+            q, k = self.rotary.apply(qk, cos, sin).split([h, kvh], dim=2)
         kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
         kv = kv.view(B, kv.shape[1], 2 * kvh, s.head_dim)
         if x.device.type == "cpu" and B * T <= GQA_FUSED_MAX_ROWS and kernels.available():

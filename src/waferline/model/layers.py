@@ -141,6 +141,44 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return linear(x, weight, bias)
 
 
+def side_by_side(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The tensors ``ts`` as one (their rows stacked, a view) where they already lie one after another in one
+    storage (contiguous, same dtype and trailing shape), else None (so None when any is None)."""
+    first = ts[0]
+    if first is None:
+        return None
+    try:
+        ptr = first.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):  # an opaque tensor
+        return None
+    off = first.storage_offset()
+    for t in ts:
+        if (t is None or not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != ptr or t.storage_offset() != off):
+            return None
+        off += t.numel()
+    return first.as_strided((sum(t.shape[0] for t in ts), *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def place_side_by_side(linears: list[nn.Module]) -> None:
+    """Re-home the weights (and biases) of 16-bit ``Linear`` modules of one dtype and device into one tensor, each
+    module's a view of its rows, so that a caller can multiply them as one product (``side_by_side``); memory stays
+    the same. A no-op where any is not a plain Linear (an int4 one) or they already lie so."""
+    if not all(type(m) is Linear for m in linears):
+        return
+    for name in ("weight", "bias"):
+        ts = [getattr(m, name) for m in linears]
+        if all(t is None for t in ts) or side_by_side(ts) is not None:
+            continue
+        if any(t is None for t in ts) or len({(t.dtype, t.device, t.shape[1:]) for t in ts}) != 1:
+            return
+        whole = torch.cat([t.detach() for t in ts])
+        off = 0
+        for t in ts:
+            t.data = whole[off: off + t.shape[0]]
+            off += t.shape[0]
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). One place for every projection, so weight formats (int4, ...) can be swapped in later."""
 

@@ -146,7 +146,12 @@ def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
         t = mod.int4_tensor()
         t = Int4Tensor(t.codes.cpu(), t.scales.cpu(), None if t.zeros is None else t.zeros.cpu())
         setattr(parent, child, Int4Weight(t, device, mod.compute_dtype, backend))
-    return model.to(device)
+    model.to(device)
+    for mod in model.modules():  # .to() copied each weight on its own: weights multiplied as one lie together again
+        colocate = getattr(mod, "colocate", None)
+        if callable(colocate):
+            colocate()
+    return model
 
 
 def _compute_dtype(model: nn.Module) -> torch.dtype:
