@@ -10,7 +10,10 @@ recorded under a TorchDispatchMode and sorted into: **launches** (an operation t
 tensor: a kernel on a GPU), **views** (every output shares an input's storage: metadata only, no kernel; a no-op
 ``.to()`` or ``.contiguous()`` among them) and **host tensors** (``torch.tensor(...)`` of Python values inside the
 step: on a GPU each is a host-to-device copy). On CPU the engine runs its fused C++ operators; this script turns
-them off (``WAFERLINE_KERNELS=0``) so the CPU runs the same operations a GPU runs. With ``--device cuda`` the steps
+them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as grouped products (``grouped_on_cpu``, as
+on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's absorbed products, which a CPU computes
+in fp32 (casts a GPU does not run). A composite operation (``rms_norm``, ``scaled_dot_product_attention``) counts
+once: one fused kernel on a GPU, several on CPU. With ``--device cuda`` the steps
 run on the GPU and the table adds the eager step's time (no CUDA graph: ``cuda_graphs=False``). With
 ``--baseline TREE`` each model is counted under that source tree as well (a checkout of waferline; each tree in its
 own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and repeatable; times are not.
@@ -47,6 +50,9 @@ from waferline import LLM
 a = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], cuda_graphs=False)
+for m in llm.model.modules():  # on CPU, MoE blocks choose their experts as a GPU does (grouped products)
+    if hasattr(m, "grouped_on_cpu"):
+        m.grouped_on_cpu = True
 print("RESULT " + json.dumps(count_decode(llm, a["steps"], timed=a["device"] == "cuda")))
 """
 
