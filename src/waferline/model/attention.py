@@ -652,24 +652,45 @@ class GQAttention(nn.Module):
             return None
         return nn.functional.linear(x, w, b)
 
+    def _qk_norm_weight(self) -> torch.Tensor | None:
+        """The q and k norms' weights as one [H + Hkv, head_dim] (q's for each query head, then k's for each kv
+        head), where the norms are RMSNorms of one epsilon and weight dtype; kept between calls (kept_args)."""
+        def build(deps: list) -> torch.Tensor | None:
+            look = _looker(deps)
+            qn, kn = look(self._modules, "q_norm"), look(self._modules, "k_norm")
+            if type(qn) is not RMSNorm or type(kn) is not RMSNorm or qn.eps != kn.eps:
+                return None
+            qw, kw = look(qn._parameters, "weight"), look(kn._parameters, "weight")
+            if qw.dtype != kw.dtype or qw.device != kw.device:
+                return None
+            s = self.spec
+            return torch.cat([qw.expand(s.num_heads, -1), kw.expand(s.num_kv_heads, -1)])
+
+        return kept_args(self, "_qk_norm", torch.float32, build)
+
     def forward(self, x: torch.Tensor, cache: TokenCache, batch: StepBatch) -> torch.Tensor:
         s = self.spec
         B, T, _ = x.shape
         h, kvh, hd = s.num_heads, s.num_kv_heads, s.head_dim
         qkv = self._qkv(x)
+        qk = None  # q and k side by side, [B, T, H + Hkv, head_dim], where they are
         if qkv is None:
             q = self.q_proj(x).view(B, T, h, hd)
             k = self.k_proj(x).view(B, T, kvh, hd)
             v = self.v_proj(x).view(B, T, kvh, hd)
         else:
             q, k, v = (t.view(B, T, -1, hd) for t in qkv.split([h * hd, kvh * hd, kvh * hd], dim=-1))
+            qk = qkv[..., :(h + kvh) * hd].view(B, T, h + kvh, hd)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            w = None if qk is None else self._qk_norm_weight()
+            if w is not None:  # both norms as one over q and k together, each head times its own norm's weight
+                qk = w * nn.functional.rms_norm(qk, (hd,), eps=self.q_norm.eps)
+                q, k = qk.split([h, kvh], dim=2)
+            else:
+                q, k, qk = self.q_norm(q), self.k_norm(k), None
         if self.rotary is not None:  # q and k rotated together: one pass over [B, T, H + Hkv, head_dim]
             cos, sin = self.rotary.cos_sin(batch.positions(), batch)
-            qk = (qkv[..., :(h + kvh) * hd].view(B, T, h + kvh, hd) if qkv is not None and self.q_norm is None
-                  else torch.cat([q, k], dim=2))  # (the fused product's q and k already lie side by side)
-            q, k = self.rotary.apply(qk, cos, sin).split([h, kvh], dim=2)
+            q, k = self.rotary.apply(torch.cat([q, k], dim=2) if qk is None else qk, cos, sin).split([h, kvh], dim=2)
         kv, blocked = cache.update(torch.cat([k, v], dim=2).view(B, T, -1), batch)
         kv = kv.view(B, kv.shape[1], 2 * kvh, s.head_dim)
         if x.device.type == "cpu" and B * T <= GQA_FUSED_MAX_ROWS and kernels.available():
