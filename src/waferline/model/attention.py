@@ -479,9 +479,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     L, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     out_dtype = q.dtype
-    if (sinks is None and Hkv > 1 and Dk == Dv and q.dtype == k.dtype == v.dtype
-            and (q.device.type != "cpu" or not kernels.available())):
-        return attend_sdpa(q, k, v, blocked, scale)
+    if sinks is None and q.dtype == k.dtype == v.dtype and (q.device.type != "cpu" or not kernels.available()):
+        if Dk == Dv:
+            return attend_sdpa(q, k, v, blocked, scale)
+        if Dv < Dk and v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
+            # the values are the keys' first Dv channels (MLA's latents): attend over the keys as values, keep Dv
+            return attend_sdpa(q, k, k, blocked, scale)[..., :Dv]
     if q.device.type == "cpu" and (q.dtype != torch.float32 or k.dtype != torch.float32):
         # 16-bit attention matmuls on CPU go through oneDNN, which builds a new kernel for every new key length
         # (measured ~0.7 ms per call in decode against ~16 us for fp32 with the casts): compute them in fp32
