@@ -13,8 +13,9 @@ step: on a GPU each is a host-to-device copy). On CPU the engine runs its fused 
 them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as grouped products (``grouped_on_cpu``, as
 on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's absorbed products, which a CPU computes
 in fp32 (casts a GPU does not run). A composite operation (``rms_norm``, ``scaled_dot_product_attention``) counts
-once: one fused kernel on a GPU, several on CPU. With ``--device cuda`` the steps
-run on the GPU and the table adds the eager step's time (no CUDA graph: ``cuda_graphs=False``). With
+once: one fused kernel on a GPU, several on CPU. The table adds the eager step's time (no CUDA graph:
+``cuda_graphs=False``; best of 5 runs of ``--time-steps`` steps, one torch thread): on CPU, at hidden 256, mostly
+the host's work per operation; with ``--device cuda`` the steps run on the GPU. With
 ``--baseline TREE`` each model is counted under that source tree as well (a checkout of waferline; each tree in its
 own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and repeatable; times are not.
 Writes ``benchmarks/results/step_launches.json`` (``--out``).
@@ -53,7 +54,7 @@ llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], cuda_graphs=False)
 for m in llm.model.modules():  # on CPU, MoE blocks choose their experts as a GPU does (grouped products)
     if hasattr(m, "grouped_on_cpu"):
         m.grouped_on_cpu = True
-print("RESULT " + json.dumps(count_decode(llm, a["steps"], timed=a["device"] == "cuda")))
+print("RESULT " + json.dumps(count_decode(llm, a["steps"], timed_steps=a["time_steps"])))
 """
 
 
@@ -109,9 +110,9 @@ def counter() -> Any:
     return Count()
 
 
-def count_decode(llm: Any, steps: int, timed: bool = False) -> dict:
+def count_decode(llm: Any, steps: int, timed_steps: int = 0) -> dict:
     """Operations per decode step of ``llm`` (an LLM): one greedy request of a 64-token prompt, counted for 1 + steps
-    tokens and for 1 token, the difference divided by ``steps``. With ``timed`` (a GPU), also the best of 3 of the
+    tokens and for 1 token, the difference divided by ``steps``. With ``timed_steps``, also the best of 5 of the
     eager step's time in ms."""
     import time
 
@@ -137,17 +138,19 @@ def count_decode(llm: Any, steps: int, timed: bool = False) -> dict:
     per = {k: (long.launches.get(k, 0) - short.launches.get(k, 0)) / steps for k in names}
     res = {"launches": sum(per.values()), "views": (long.views - short.views) / steps,
            "host_tensors": (long.host - short.host) / steps, "by_op": {k: v for k, v in sorted(per.items()) if v}}
-    if timed:
+    if timed_steps:
+        sync = torch.cuda.synchronize if next(iter(llm.model.parameters())).is_cuda else (lambda: None)
         best = None
-        for _ in range(3):
-            torch.cuda.synchronize()
+        for _ in range(5):
+            sync()
             t0 = time.perf_counter()
-            run(1 + steps)
+            run(1 + timed_steps)
+            sync()
             t1 = time.perf_counter()
             run(1)
-            torch.cuda.synchronize()
+            sync()
             t2 = time.perf_counter()
-            ms = ((t1 - t0) - (t2 - t1)) / steps * 1e3
+            ms = ((t1 - t0) - (t2 - t1)) / timed_steps * 1e3
             best = ms if best is None else min(best, ms)
         res["eager_step_ms"] = best
     return res
@@ -166,9 +169,10 @@ def checkpoint(name: str, cache: Path) -> tuple[Path, int]:
     return d, int(cfg["num_hidden_layers"])
 
 
-def count(tree: Path, model: Path, dtype: str, device: str, steps: int) -> dict:
+def count(tree: Path, model: Path, dtype: str, device: str, steps: int, time_steps: int) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), WAFERLINE_KERNELS="0")
-    arg = json.dumps({"model": str(model), "dtype": dtype, "device": device, "steps": steps})
+    arg = json.dumps({"model": str(model), "dtype": dtype, "device": device, "steps": steps,
+                      "time_steps": time_steps})
     p = subprocess.run([sys.executable, "-c", CHILD, arg, str(ROOT / "benchmarks")], env=env, capture_output=True,
                        text=True, cwd=tree)
     for line in p.stdout.splitlines():
@@ -184,13 +188,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
     ap.add_argument("--device", default="cpu", help="cpu (counts only) or cuda (counts and eager step time)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps counted (default 8)")
+    ap.add_argument("--time-steps", type=int, default=32, help="decode steps timed (default 32; 0: no timing)")
     ap.add_argument("--baseline", type=Path, help="a waferline source tree counted beside this one")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "waferline_step_launches",
                     help="where the narrowed checkpoints are kept")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_launches.json")
     a = ap.parse_args(argv)
-    if a.steps < 1:
-        ap.error("--steps must be at least 1")
+    if a.steps < 1 or a.time_steps < 0:
+        ap.error("--steps must be at least 1 and --time-steps at least 0")
     if a.baseline is not None and not (a.baseline / "src" / "waferline").is_dir():
         ap.error(f"--baseline {a.baseline} has no src/waferline: give a checkout of waferline")
     trees = ([("baseline", a.baseline.resolve())] if a.baseline else []) + [("tree", ROOT)]
@@ -199,21 +204,21 @@ def main(argv: list[str] | None = None) -> int:
         model, layers = checkpoint(name, a.cache)
         row = {"model": name, "layers": layers}
         for label, tree in trees:
-            row[label] = count(tree, model, a.dtype, a.device, a.steps)
+            row[label] = count(tree, model, a.dtype, a.device, a.steps, a.time_steps)
             print(f"  {name} under {label}: {row[label]['launches']:.1f} launches per step", file=sys.stderr)
         rows.append(row)
     head = f"{'model':10s} {'layers':>6s}"
     for label, _ in trees:
         head += f" {label + ' launches/step':>24s} {'per layer':>9s} {'host tensors':>12s}"
-        if a.device == "cuda":
-            head += f" {'eager ms':>8s}"
+        if a.time_steps:
+            head += f" {'step ms':>8s}"
     print(head)
     for row in rows:
         line = f"{row['model']:10s} {row['layers']:6d}"
         for label, _ in trees:
             r = row[label]
             line += f" {r['launches']:24.1f} {r['launches'] / row['layers']:9.1f} {r['host_tensors']:12.1f}"
-            if a.device == "cuda":
+            if a.time_steps:
                 line += f" {r['eager_step_ms']:8.2f}"
         print(line)
     if a.baseline:

@@ -24,6 +24,7 @@ from waferline.model.layers import (
     attention_softmax_scale,
     few_rows,
     kept_args,
+    linear,
     place_side_by_side,
     side_by_side,
 )
@@ -653,7 +654,7 @@ class GQAttention(nn.Module):
         b = None if q.bias is None else side_by_side([q.bias, k.bias, v.bias])
         if w is None or w.dtype != x.dtype or (q.bias is not None and b is None):
             return None
-        return nn.functional.linear(x, w, b)
+        return linear(x, w, b)  # (on CPU: the one-row path that bypasses oneDNN, as Linear takes)
 
     def _qk_norm_weight(self) -> torch.Tensor | None:
         """The q and k norms' weights as one [H + Hkv, head_dim] (q's for each query head, then k's for each kv
