@@ -2,7 +2,7 @@
 # The checks that need a CUDA machine, as one script (a lent GPU machine runs it from the repository root; nothing is
 # installed there but torch and transformers, so waferline runs from src/ and the server's packages come as wheels in
 # .whl/ when present). Each part has its own time limit, so a slow one cannot starve the others; outputs go to
-# $OUT (default: gpu_check_out/).
+# $OUT (default: gpu_check_out/); the four limits sum to 580 s, under a lent machine's 600 s per command.
 #
 #   1. tests/test_cuda.py: graph decode = eager decode, GPU log-probs = the CPU engine's, int4 through tinygemm,
 #      speculative decoding (n-gram, MTP, a draft model) = plain decoding on the GPU, `serve --device cuda` through
@@ -27,17 +27,17 @@ nvidia-smi -L 2>&1 | tee "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"
 
 t0=$(date +%s)
-timeout "${TESTS_S:-240}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
+timeout "${TESTS_S:-230}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
 echo "== tests: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
-timeout "${SERVE_S:-150}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
+timeout "${SERVE_S:-140}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
     --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_16c.json" 2>&1 \
     | grep -v "Writing model shards" | tee "$OUT/serve_pipeline.log"
 echo "== serve load: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
-timeout "${DECODE_S:-170}" "$PY" benchmarks/decode_speed.py --device cuda --models llama-gpu --repeats 1 \
+timeout "${DECODE_S:-150}" "$PY" benchmarks/decode_speed.py --device cuda --models llama-gpu --repeats 1 \
     --threads "$(nproc)" --json "$OUT/decode_speed_h200.json" 2>&1 | tee "$OUT/decode_speed.log"
 echo "== decode speed: $(( $(date +%s) - t0 )) s"
 
