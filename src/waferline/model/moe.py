@@ -438,8 +438,8 @@ class MoE(nn.Module):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(s.topk_group, dim=-1).indices, True)
             choice = choice.masked_fill(~keep.repeat_interleave(self.num_experts // s.n_group, dim=1), float("-inf"))
-        idx = choice.topk(self.top_k, dim=-1).indices
-        w = scores.gather(1, idx)
+        top, idx = choice.topk(self.top_k, dim=-1)
+        w = top if choice is scores else scores.gather(1, idx)  # (chosen by the scores themselves: their top values)
         if s.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         if s.routed_scaling != 1.0:
