@@ -122,6 +122,7 @@ def test_q_k_v_weights_lie_side_by_side_on_the_device_path_only(tmp_path, device
     kernels.use(False)
     llm = LLM(tmp_path, huge_pages=False)
     ref = [[t.clone() for t in w] for w in qkv(llm)]
+    lp = llm.prompt_logprobs([5, 6, 7, 8])
     for w in qkv(llm):
         whole = side_by_side(list(w))
         assert whole is not None and whole.shape[0] == sum(t.shape[0] for t in w)
@@ -133,6 +134,10 @@ def test_q_k_v_weights_lie_side_by_side_on_the_device_path_only(tmp_path, device
     move_model(llm.model, "cpu")
     for w, r in zip(qkv(llm), ref):
         assert side_by_side(list(w)) is not None and all(torch.equal(a, b) for a, b in zip(w, r))
+    # the product kept from before the move is not used: the step reads the weights where they are now
+    assert torch.equal(llm.prompt_logprobs([5, 6, 7, 8]), lp)
+    for a in (m for m in llm.model.modules() if type(m).__name__ == "GQAttention"):
+        assert a.__dict__["_qkv_kept"][1][0].data_ptr() == a.q_proj.weight.data_ptr()
 
 
 @pytest.mark.parametrize("mt", ["qwen3_moe", "deepseek_v3"])
