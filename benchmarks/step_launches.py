@@ -14,8 +14,9 @@ them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as group
 on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's absorbed products, which a CPU computes
 in fp32 (casts a GPU does not run). A composite operation (``rms_norm``, ``scaled_dot_product_attention``) counts
 once: one fused kernel on a GPU, several on CPU. The table adds the eager step's time (no CUDA graph:
-``cuda_graphs=False``; best of 5 runs of ``--time-steps`` steps, one torch thread): on CPU, at hidden 256, mostly
-the host's work per operation; with ``--device cuda`` the steps run on the GPU. With
+``cuda_graphs=False``; best of 5 runs of ``--time-steps`` steps, one torch thread); with ``--device cuda`` the steps
+run on the GPU. ``--static`` counts the fixed-shape step that a CUDA graph captures instead (engine/graphs.py, run
+uncaptured: the kernels a replay runs; attention over the step's fixed end, later keys masked). With
 ``--baseline TREE`` each model is counted under that source tree as well (a checkout of waferline; each tree in its
 own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and repeatable; times are not.
 Writes ``benchmarks/results/step_launches.json`` (``--out``).
@@ -51,6 +52,7 @@ from waferline import LLM
 a = json.loads(sys.argv[1])
 torch.set_num_threads(1)
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], cuda_graphs=False)
+llm._graphs_on_cpu = a["static"]  # the fixed-shape step a CUDA graph captures, run uncaptured
 for m in llm.model.modules():  # on CPU, MoE blocks choose their experts as a GPU does (grouped products)
     if hasattr(m, "grouped_on_cpu"):
         m.grouped_on_cpu = True
@@ -169,10 +171,10 @@ def checkpoint(name: str, cache: Path) -> tuple[Path, int]:
     return d, int(cfg["num_hidden_layers"])
 
 
-def count(tree: Path, model: Path, dtype: str, device: str, steps: int, time_steps: int) -> dict:
+def count(tree: Path, model: Path, dtype: str, device: str, steps: int, time_steps: int, static: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), WAFERLINE_KERNELS="0")
     arg = json.dumps({"model": str(model), "dtype": dtype, "device": device, "steps": steps,
-                      "time_steps": time_steps})
+                      "time_steps": time_steps, "static": static})
     p = subprocess.run([sys.executable, "-c", CHILD, arg, str(ROOT / "benchmarks")], env=env, capture_output=True,
                        text=True, cwd=tree)
     for line in p.stdout.splitlines():
@@ -188,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
     ap.add_argument("--device", default="cpu", help="cpu (counts only) or cuda (counts and eager step time)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps counted (default 8)")
+    ap.add_argument("--static", action="store_true",
+                    help="count the fixed-shape step a CUDA graph captures (run uncaptured: the kernels a replay runs)")
     ap.add_argument("--time-steps", type=int, default=32, help="decode steps timed (default 32; 0: no timing)")
     ap.add_argument("--baseline", type=Path, help="a waferline source tree counted beside this one")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "waferline_step_launches",
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         model, layers = checkpoint(name, a.cache)
         row = {"model": name, "layers": layers}
         for label, tree in trees:
-            row[label] = count(tree, model, a.dtype, a.device, a.steps, a.time_steps)
+            row[label] = count(tree, model, a.dtype, a.device, a.steps, a.time_steps, a.static)
             print(f"  {name} under {label}: {row[label]['launches']:.1f} launches per step", file=sys.stderr)
         rows.append(row)
     head = f"{'model':10s} {'layers':>6s}"
@@ -234,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = a.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"dtype": a.dtype, "device": a.device, "steps": a.steps, "torch": torch.__version__,
+                               "static": a.static,
                                "commits": {label: commit(tree) for label, tree in trees}, "rows": rows}, indent=2))
     tmp.replace(a.out)
     print(f"wrote {a.out}")

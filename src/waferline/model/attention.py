@@ -519,6 +519,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
+# attend_sdpa's last mask as SDPA takes it, with the step's mask it came from (a step's layers share one mask,
+# causal_mask's, which nothing writes to; the entry holds it, so no later mask can be that object)
+_KEEP: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None]
+
+
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                 scale: float) -> torch.Tensor:
     """:func:`attend` (without sinks, Dk == Dv) as torch's fused attention: one kernel on a GPU (flash or
@@ -532,7 +537,12 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torc
     qg = q.view(B, T, Hkv, G, Dk).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * G, Dk)
     keep = None
     if blocked is not None:  # bool [B, T, L], True = hidden; SDPA's boolean mask is True = attend
-        keep = (~blocked)[:, None, :, None, :].expand(B, 1, T, G, L).reshape(B, 1, T * G, L)
+        last = _KEEP[0]
+        if last is not None and last[0] is blocked and last[1] == G:  # (the step's other layers: the same mask)
+            keep = last[2]
+        else:
+            keep = (~blocked)[:, None, :, None, :].expand(B, 1, T, G, L).reshape(B, 1, T * G, L)
+            _KEEP[0] = (blocked, G, keep)
     out = nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
                                                      scale=scale)  # [B, Hkv, T*G, Dv]
     return out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
