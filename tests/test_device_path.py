@@ -60,7 +60,7 @@ def test_rms_norm_on_the_device_path_is_the_references(device_path, dtype):
         assert torch.equal(ours(x), ref(x))  # bitwise: fp32 sums, one rounding to bf16, then the weight
 
 
-@pytest.mark.parametrize("mt", ["llama", "qwen3", "mixtral", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("mt", ["llama", "qwen3", "mixtral", "gpt_oss", "deepseek_v3", "bamba"])
 def test_the_device_path_matches_the_reference(device_path, mt, tmp_path):
     ref = build(mt, tmp_path)
     llm = LLM(tmp_path)
