@@ -519,8 +519,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-# attend_sdpa's last mask as SDPA takes it, with the step's mask it came from (a step's layers share one mask,
-# causal_mask's, which nothing writes to; the entry holds it, so no later mask can be that object)
+# attend_sdpa's last one-token mask as SDPA takes it, with the step's mask it came from (a step's layers share one
+# mask, causal_mask's, which nothing writes to; the entry holds it, so no later mask can be that object). Only for
+# one query per row (a decode step, the step a CUDA graph captures): small; a prefill's [B, 1, T*G, L] is not kept.
 _KEEP: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None]
 
 
@@ -542,7 +543,7 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torc
             keep = last[2]
         else:
             keep = (~blocked)[:, None, :, None, :].expand(B, 1, T, G, L).reshape(B, 1, T * G, L)
-            _KEEP[0] = (blocked, G, keep)
+            _KEEP[0] = (blocked, G, keep) if T == 1 else None
     out = nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
                                                      scale=scale)  # [B, Hkv, T*G, Dv]
     return out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
         if dt == w.dtype and x.device.type == "cpu" and kernels.available():
             return torch.ops.waferline.rms_norm(x, w, self.eps)  # the same arithmetic, one fused op
         # torch's rms_norm: in fp32 for 16-bit x, rounded once to x's dtype (what the reference computes); one fused
-        # kernel on a GPU (_fused_rms_norm) where the chain it replaces was ~6 (README "Decode speed": launches)
+        # kernel on a GPU (_fused_rms_norm) where the chain it replaced was ~6 (docs/results/decode-speed.md)
         return w * nn.functional.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
     def load_hf(self, src: WeightSource, name: str) -> None:
