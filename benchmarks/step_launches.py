@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", nargs="+", default=["llama-gpu", "dsv3-gpu", "qwen3moe"],
                     help="decode_speed_models architectures (default: llama-gpu dsv3-gpu qwen3moe)")
     ap.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
-    ap.add_argument("--device", default="cpu", help="cpu (counts only) or cuda (counts and eager step time)")
+    ap.add_argument("--device", default="cpu", help="where the steps run: cpu (default) or cuda[:N]")
     ap.add_argument("--steps", type=int, default=8, help="decode steps counted (default 8)")
     ap.add_argument("--static", action="store_true",
                     help="count the fixed-shape step a CUDA graph captures (run uncaptured: the kernels a replay runs)")
@@ -200,6 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.steps < 1 or a.time_steps < 0:
         ap.error("--steps must be at least 1 and --time-steps at least 0")
+    from decode_speed_models import MODELS
+
+    unknown = [m for m in a.models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(sorted(MODELS))}")
+    if not (a.device == "cpu" or a.device == "cuda" or a.device.startswith("cuda:")):
+        ap.error(f"--device {a.device}: give cpu or cuda[:N]")
     if a.baseline is not None and not (a.baseline / "src" / "waferline").is_dir():
         ap.error(f"--baseline {a.baseline} has no src/waferline: give a checkout of waferline")
     trees = ([("baseline", a.baseline.resolve())] if a.baseline else []) + [("tree", ROOT)]
