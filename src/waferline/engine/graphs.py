@@ -40,9 +40,12 @@ class StaticDecode:
         self.model, self.caches, self.end = model, caches, end
         self.slot_list = list(slots)
         B = len(slots)
-        self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
+        # the step's inputs, tokens then positions, in one tensor: one host-to-device copy a step (each synchronous)
+        self._inputs = torch.full((2, B), end - 1, dtype=torch.long, device=device)
+        self._inputs[0] = 0
+        self.tokens = self._inputs[0].view(B, 1)
         self.slots = torch.tensor(slots, dtype=torch.long, device=device)
-        self.start = torch.full((B,), end - 1, dtype=torch.long, device=device)
+        self.start = self._inputs[1]
         for c in caches:  # (the tensors the step holds: they must not move once captured)
             if c.capacity < end:
                 c._grow(end)
@@ -87,8 +90,7 @@ class StaticDecode:
         """One step: row b's token ``tokens[b]`` at position ``starts[b]`` (< end)."""
         if max(starts) >= self.end:
             raise ValueError(f"position {max(starts)} is past the static step's end {self.end}")
-        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long)[:, None])
-        self.start.copy_(torch.tensor(starts, dtype=torch.long))
+        self._inputs.copy_(torch.tensor([tokens, starts], dtype=torch.long))
         if self.graph is not None and any(t.ids_on(ids.device) is not ids for t, ids in zip(self._tables,
                                                                                          self._table_ids)):
             self.graph = None  # a page table grew wider than the captured step's copy of it: eager from here on
