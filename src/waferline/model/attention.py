@@ -527,7 +527,8 @@ _KEEP: list[tuple[torch.Tensor, int, torch.Tensor] | None] = [None]
 
 def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                 scale: float) -> torch.Tensor:
-    """:func:`attend` (without sinks, Dk == Dv) as torch's fused attention: one kernel on a GPU (flash or
+    """:func:`attend` (without sinks, Dk == Dv: MLA passes its latents as keys and values) as torch's fused
+    attention: one kernel on a GPU (flash or
     memory-efficient attention) where attend's chain is ~7, reading the keys in place where attend copies them
     head-major first. Each kv head's G query heads become rows of its queries (as attend folds them), so no key or
     value is repeated per query head. The device path (a GPU, or a CPU without waferline's fused operators); its
