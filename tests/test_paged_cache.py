@@ -283,6 +283,43 @@ def test_a_prefix_hit_shares_the_stored_pages(ckpts, arch):
     assert sorted(table.slots[0]) == list(range(1, n)) and table.num_pages == n
 
 
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_a_sequence_that_hit_stores_its_later_pages_under_their_own_tokens(ckpts, arch):
+    # b reuses a's first page and computes three more of its own; once b is done, each of its pages must be filed
+    # under the tokens it holds (its released page list keeps the shared first page in front), so b again (a hit on
+    # four pages) gives the tokens of b computed without a store
+    llm = LLM(ckpts[arch])
+    toks = [(5 * j) % 90 + 3 for j in range(40)]
+    a, b = toks[:10], toks[:34]
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    miss = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8, prefix_caching=False))
+    want = _serve(miss, [b], [sp])
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=8))
+    _serve(sch, [a], [sp])
+    assert _serve(sch, [b], [sp]) == want
+    assert sch.prefix.hit_tokens == 8
+    stored = sch.prefix.match(b)
+    assert len(stored) == 4  # b's first four pages, each keyed by its own tokens
+    assert _serve(sch, [b], [sp]) == want
+    assert sch.prefix.hit_tokens == 8 + 32
+
+
+def test_released_pages_keep_their_order_after_a_shared_first_page():
+    t = BlockTable(2, 16, managed=True)
+    t.grow(0, 48)
+    first = t.pages_of(0)[0]
+    t.store(first)
+    t.release(0)
+    t.grow(1, 80)
+    t.share(1, [first])
+    held = list(t.pages_of(1))
+    assert held[0] == first
+    t.release(1)
+    assert t.pages_of(1) == held  # (the shared page is not parked: it must still lead the list)
+    t.grow(1, 16)  # the slot is used again: its old list is gone
+    assert len(t.pages_of(1)) == 1
+
+
 def test_pool_bytes_are_the_page_accounting(ckpts):
     llm = LLM(ckpts["deepseek_v3"])
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8, prefix_caching=False))

@@ -64,6 +64,9 @@ class BlockTable:
         self._free: list[list[int]] = [[] for _ in range(parts)]  # a heap per part
         self._is_free: list[bool] = [False]  # per page: in ``_free`` (page SINK never is)
         self._parked: dict[int, list[int]] = {}  # slot -> its released pages, until it is used again
+        # slot -> every page it held, in order, at its release (pages_of: the prefix store keys page i by its tokens);
+        # parked pages and shared ones alike, kept while the parked pages are
+        self._released: dict[int, list[int]] = {}
         with torch.inference_mode(False):
             self.ids = torch.zeros(num_slots, 1, dtype=torch.long)  # slots x pages (SINK past a slot's pages)
         self.version = 0  # bumped whenever ``ids`` changes
@@ -128,6 +131,7 @@ class BlockTable:
                 for p in pages:
                     self._to_free(p)
             self._parked.clear()
+            self._released.clear()
         if free:
             p = heapq.heappop(free)
             self._is_free[p] = False
@@ -162,6 +166,7 @@ class BlockTable:
                 self._to_free(p)
 
     def _unpark(self, slot: int) -> None:
+        self._released.pop(slot, None)
         for p in self._parked.pop(slot, ()):
             self._to_free(p)
 
@@ -233,6 +238,8 @@ class BlockTable:
         """``slot``'s sequence ended: drop its holds (its pages stay parked until the slot is used again)."""
         self.flush(slot)
         park = self._parked.setdefault(slot, [])
+        if self.slots[slot]:
+            self._released[slot] = list(self.slots[slot])
         for p in self.slots[slot]:
             self._drop(p, park)
         if self.slots[slot]:
@@ -265,8 +272,9 @@ class BlockTable:
         self.version += 1
 
     def pages_of(self, slot: int) -> list[int]:
-        """The slot's pages, or, once released, the pages it held (until it is used again)."""
-        return self.slots[slot] or self._parked.get(slot, [])
+        """The slot's pages, or, once released, the pages it held in order (until it is used again or its parked pages
+        are taken back)."""
+        return self.slots[slot] or self._released.get(slot, [])
 
     # -- the prefix store's hold
     def store(self, p: int) -> None:
