@@ -280,6 +280,26 @@ def test_stop_strings_cut_the_text(live, client):
     assert "".join(c.choices[0].text for c in s) == free[:free.find(stop)]  # the stop string is never streamed
 
 
+def test_offsets_do_not_lag_behind_text_held_for_a_stop_string(live, client):
+    """A stop string longer than one character holds back the text that may start it; each token's text_offset is
+    still where its text starts (it was taken from the text sent so far: [0, 0, 0, 0, 4, ...] with an 8-character
+    stop), streamed and not, after an echoed prompt too."""
+    kw = dict(model="sol-test", prompt="Experts hold most parameters", max_tokens=10, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    free = client.completions.create(**kw).choices[0]
+    stop = "~" * 8
+    assert stop not in free.text and len(set(free.logprobs.text_offset)) > 3
+    held = client.completions.create(stop=stop, **kw).choices[0]
+    assert held.text == free.text and held.logprobs.text_offset == free.logprobs.text_offset
+    streamed = [ch.choices[0].logprobs.text_offset[0] for ch in client.completions.create(stop=stop, stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs is not None]
+    assert streamed == free.logprobs.text_offset
+    echo = client.completions.create(stop=stop, echo=True, **kw).choices[0]
+    _assert_offsets_fit(echo.text, echo.logprobs.tokens, echo.logprobs.text_offset)
+    n = len(free.logprobs.text_offset)
+    assert echo.logprobs.text_offset[-n:] == [len(echo.text) - len(free.text) + o for o in free.logprobs.text_offset]
+
+
 def test_logprobs_are_the_engines_streamed_or_not(live, client):
     """completions `logprobs=N` and chat `logprobs` + `top_logprobs`: each generated token's log-probability and the N
     most likely tokens', equal to LLM.generate's (greedy and seeded sampling), the same streamed, and the tokens are the

@@ -423,7 +423,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
             return
-        text, cut = self._text(seq)
+        offset, (text, cut) = len(seq.text), self._text(seq)  # (the token's text starts where the text was)
         if tok in stop_ids:
             reason = "stop"
         elif cut is not None:
@@ -442,7 +442,7 @@ class Scheduler:
             delta = text[seq.sent_chars:]
         seq.sent_chars += len(delta)
         seq.emit(Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
-                       logprobs=lps, prompt_logprobs=prompt_lps))
+                       logprobs=lps, prompt_logprobs=prompt_lps, text_offset=offset))
         if reason is not None:
             self._finish(seq, reason)
 

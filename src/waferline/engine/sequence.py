@@ -34,6 +34,9 @@ class Event:
     logprobs: TokenLogprobs | None = None  # the token's log-probabilities, where the request asked for them
     prompt_logprobs: list[TokenLogprobs] | None = None  # (the first token's event) the prompt's, where asked for
     cached_tokens: int = 0  # prompt tokens read from cached prefix pages at its admission (not computed)
+    # where the token's text starts in the output's text: the characters decoded before it, whether or not they were
+    # sent yet (``text`` holds back what may start a stop string); None where no text is decoded while it runs
+    text_offset: int | None = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ class Choice:
     lps: list[TokenLogprobs] = field(default_factory=list)
     prompt_lps: list[TokenLogprobs] | None = None
     last: Event | None = None
-    emitted: int = 0  # characters of generated text so far (each token's text_offset: those before it)
+    emitted: int = 0  # characters of generated text sent so far
     starts: list[int] = field(default_factory=list)  # (each generated token's: its text_offset past the echo)
     echoed: bool = False  # (streamed: the prompt was sent)
     tool_stream: ToolStream | None = None  # (streamed chat with tools: the content held back, the calls)
@@ -52,7 +52,7 @@ class Choices:
         c = self.items[i]
         if ev.token_id is not None:
             c.toks.append(ev.token_id)
-            c.starts.append(c.emitted)
+            c.starts.append(self._offset(c, ev))
         c.emitted += len(ev.text)
         if ev.logprobs is not None:
             c.lps.append(ev.logprobs)
@@ -133,7 +133,7 @@ class Choices:
                     ch["logprobs"] = {"content": [chat_entry(ev.logprobs, self.texts)]}
                 else:
                     ch["logprobs"] = completion_logprobs([(ev.logprobs.token, ev.logprobs)], self.texts,
-                                                         [len(c.echo or "") + c.emitted])
+                                                         [len(c.echo or "") + self._offset(c, ev)])
             if self.token_ids:
                 ch["token_ids"] = [ev.token_id]
             if not held:
@@ -166,6 +166,12 @@ class Choices:
         else:
             ch["text"] = text or ""
         return ch
+
+    @staticmethod
+    def _offset(c: Choice, ev: Event) -> int:
+        """Where ``ev``'s token's text starts in the choice's generated text (the engine's count: the text sent so far
+        lags it while characters that may start a stop string are held back)."""
+        return c.emitted if ev.text_offset is None else ev.text_offset
 
     def _reason(self, ev: Event) -> str | None:
         return "length" if self.score_only else ev.finish_reason
