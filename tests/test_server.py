@@ -825,6 +825,32 @@ def test_overload_queues_then_429(live, client):
     assert client.completions.create(model="sol-test", prompt="after", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_a_burst_that_free_slots_take_is_not_refused_as_a_full_queue(live):
+    """Requests that arrive together while slots are free do not all count as waiting: the queue refuses only what
+    would wait beyond ``max_queue`` once the free slots take theirs (a burst of 20 on 4 free slots and a queue of 4
+    got 16 refusals). All or none, as before."""
+    from waferline.engine.loop import QueueFullError
+
+    engine = live.state.server.engine
+    cfg = engine.scheduler.config
+    old = cfg.max_queue
+    cfg.max_queue = 2
+    assert _wait_until(lambda: engine.num_running == 0 and engine.num_waiting == 0)
+    ended = []
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    burst = [([3 + i, 5, 7], sp, lambda ev: ev.finished and ended.append(ev.finish_reason), None)
+             for i in range(cfg.max_num_seqs + 3)]
+    try:
+        with pytest.raises(QueueFullError, match="queue is full"):
+            engine.submit_many(burst)  # 16 slots + 2 waiting: one too many
+        assert engine.num_waiting == 0
+        engine.submit_many(burst[:-1])
+        assert _wait_until(lambda: len(ended) == cfg.max_num_seqs + 2)
+        assert ended == ["length"] * (cfg.max_num_seqs + 2)
+    finally:
+        cfg.max_queue = old
+
+
 def test_serve_command(sol):
     """`waferline serve` in its own process, on loopback: one request, then a clean error for a bad --model."""
     port = _free_port()

@@ -112,9 +112,11 @@ class EngineLoop:
         with self._lock:
             if not self.healthy:
                 raise EngineUnavailableError(self.unavailable_reason())
-            if self.num_waiting + len(seqs) > self.scheduler.config.max_queue:
+            cfg = self.scheduler.config  # (those free slots take at the next step do not wait; none while paused)
+            free = 0 if self._paused else max(0, cfg.max_num_seqs - len(self.scheduler.running))
+            if self.num_waiting + len(seqs) > cfg.max_queue + free:
                 raise QueueFullError(
-                    f"the server's queue is full ({self.scheduler.config.max_queue} waiting requests); retry later"
+                    f"the server's queue is full ({cfg.max_queue} waiting requests); retry later"
                 )
             self._inbox.extend(seqs)
             self._lock.notify_all()
