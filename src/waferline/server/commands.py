@@ -285,7 +285,8 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes (they are "
                    "reused only on attention-only models without sliding windows)")
-    s.add_argument("--max-queue", type=positive_int, default=256, help="requests that may wait for a slot (beyond those free slots take) before the server answers 429")
+    s.add_argument("--max-queue", type=positive_int, default=256,
+                   help="requests that may wait for a slot (beyond what free slots take) before the server answers 429")
     s.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)"
     )
