@@ -170,6 +170,10 @@ def test_measured_host_yaml_loads_and_plans(tmp_path):
     # a wafer without its mesh would silently drop the fabric term
     (lambda d: d.update(kind="wafer"), "kind wafer needs device.cores and links.on_chip"),
     (lambda d: (d.update(kind="wafer"), d["device"].update(cores=1000)), "kind wafer needs links.on_chip ("),
+    # one mesh link's bandwidth where the mesh's aggregate is meant: 0 tok/s and an 11-hour TTFT without a word
+    (lambda d: (d.update(kind="wafer"), d["device"].update(cores=900000),
+                d["links"].update(on_chip={"bandwidth": 3.7e9, "latency": 0.91e-9})),
+     "links.on_chip.bandwidth is the whole mesh's, summed over its links"),
 ])
 def test_user_yaml_mistakes_are_refused_with_file_and_field(tmp_path, mutate, message):
     d = yaml.safe_load(yaml.safe_dump(GOOD))

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from waferline.spec.hardware import MESH_LINKS_PER_CORE
 from waferline.spec.model import DenseFFNSpec, MoESpec
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     from waferline.spec.model import LayerSpec
 
 ACT_BYTES = 2.0  # activations cross the fabric in 16-bit (the deployments compute in 16-bit)
-LINKS_PER_PE = 8  # each PE is linked to its 4 neighbours, one link each way (Argonne SC24 tutorial: a 2-D mesh)
 # vector phases a block's activations cross the region in (each one travels the region's side once)
 MIXER_PHASES = 4  # input broadcast, q/k/v (or latent) to the attention, its output to the projection, output
 DENSE_FFN_PHASES = 3  # input broadcast, gate/up outputs to the down projection, output
@@ -90,8 +90,8 @@ class Fabric:
         key = (hw.cores, mesh.bandwidth, mesh.latency)
         hit = _FABRICS.get(key)  # (the sweeps ask once per stage)
         if hit is None:
-            hit = _FABRICS[key] = cls(pes=int(hw.cores), link_bytes_per_s=mesh.bandwidth / (hw.cores * LINKS_PER_PE),
-                                      hop_s=mesh.latency)
+            hit = _FABRICS[key] = cls(pes=int(hw.cores), hop_s=mesh.latency,
+                                      link_bytes_per_s=mesh.bandwidth / (hw.cores * MESH_LINKS_PER_CORE))
         return hit
 
     def side(self, share: float) -> float:

@@ -26,6 +26,11 @@ DEVICE_FIELDS = (*REQUIRED_DEVICE_FIELDS, "cores", "power_w", "reserve_fraction"
 FLOPS_PRECISIONS = ("bf16", "fp8", "fp4", "int8", "fp32")
 SYSTEM_FIELDS = ("devices_per_node", "min_devices")
 LINK_ROLES = ("scale_up", "scale_out", "on_chip")
+# a wafer's on-chip mesh: each core linked to its 4 neighbours, one link each way (Argonne SC24 tutorial: a 2-D mesh);
+# links.on_chip.bandwidth is the mesh's aggregate over these links (sim/wafer.py Fabric divides it back)
+MESH_LINKS_PER_CORE = 8
+# below this a mesh link would be slower than any on-chip link (WSE-3's: 3.7e9 B/s): the figure given is one link's
+MIN_MESH_LINK_BYTES_PER_S = 1e8
 LINK_FIELDS = ("name", "description", *REQUIRED_LINK_FIELDS)
 # a number given as a mapping: its value and where it came from (measured: what `waferline calibrate` adds)
 FIGURE_FIELDS = ("value", "source", "derived", "assumed", "fitted", "measured")
@@ -345,6 +350,14 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
                 f"{where}: kind wafer needs {' and '.join(lacking)} (the processing elements and the on-wafer mesh "
                 "link, e.g. on_chip: wse3-mesh or {bandwidth: ..., latency: ...}) for its fabric term; use kind asic "
                 "for a device without an on-chip mesh"
+            )
+        per_link = on_chip.bandwidth / (cores * MESH_LINKS_PER_CORE)
+        if per_link < MIN_MESH_LINK_BYTES_PER_S:
+            raise ConfigError(
+                f"{where}: links.on_chip.bandwidth is the whole mesh's, summed over its links (wse3-mesh: 26.75e15 "
+                f"B/s, 214 Pb/s); {on_chip.bandwidth:g} B/s over {cores:,} cores x {MESH_LINKS_PER_CORE} links is "
+                f"{per_link:.3g} B/s a link: give the aggregate (one link's bandwidth x cores x "
+                f"{MESH_LINKS_PER_CORE})"
             )
     return HardwareSpec(name=str(data["name"]), kind=kind, memory_bytes=mem, memory_bandwidth=bw, flops=flops,
                         devices_per_node=dpn, min_devices=min_dev, placement=placement, reserve_fraction=reserve,
