@@ -147,3 +147,19 @@ def test_simulate_json_has_an_interval_for_every_predicted_figure(capsys):
     assert "(90%: " in capsys.readouterr().out
     assert commands.main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--json", "--no-intervals"]) == 0
     assert "ttft_s_interval" not in json.loads(capsys.readouterr().out)
+
+
+def test_an_acceptance_range_widens_only_the_figures_acceptance_moves():
+    """Each parameter set is predicted at both ends of an acceptance range; a figure that does not depend on the
+    acceptance (a step without speculation, the prefill) is taken from one end's predictions (both ends' identical
+    copies shifted its interpolated percentiles: the step's interval widened from 4.58 to 5.21 ms)."""
+    params = load_params()
+    plan = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, speculative=_spec("mtp"))
+    alone = attach_intervals(simulate(plan, params=params), plan, params)
+    ranged = attach_intervals(simulate(plan, params=params), plan, params, accept_range=(0.7, 0.9))
+    for f in ("step_latency_s", "prefill_s", "ttft_s"):
+        assert ranged.intervals[f] == alone.intervals[f], f
+    for f in ("decode_tokens_per_s_per_user", "end_to_end_s"):
+        (lo, hi), (lo1, hi1) = ranged.intervals[f], alone.intervals[f]
+        assert lo <= lo1 and hi >= hi1 and (lo, hi) != (lo1, hi1), f
+    assert ranged.speculative["accept_rate_interval"] == [0.7, 0.9]

@@ -60,12 +60,20 @@ def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: fl
     plans = [plan]
     if accept_range is not None and plan.speculative.method != "none":
         plans = [replace(plan, speculative=replace(plan.speculative, accept_rate=a)) for a in accept_range]
-    preds = [simulate(p, params=s, **simulate_kwargs) for s in (sets or [params]) for p in plans]
-    result.intervals = {f: interval(getattr(result, f), [getattr(p, f) for p in preds], level) for f in FIGURES}
+    by_end = [[simulate(p, params=s, **simulate_kwargs) for s in (sets or [params])] for p in plans]
+
+    def values(get: Any) -> list[float]:
+        # a figure the acceptance does not move (a step without speculation, the prefill) from one end's predictions:
+        # the two ends' identical copies of the sets would shift the interpolated percentiles
+        ends = [[float(get(r)) for r in preds] for preds in by_end]
+        return ends[0] if all(e == ends[0] for e in ends) else [v for e in ends for v in e]
+
+    result.intervals = {f: interval(getattr(result, f), values(lambda r, f=f: getattr(r, f)), level)
+                        for f in FIGURES}
     for f in SPEC_FIGURES:
         v = result.speculative.get(f)
         if isinstance(v, (int, float)):
-            result.speculative[f + "_interval"] = interval(float(v), [float(p.speculative[f]) for p in preds], level)
+            result.speculative[f + "_interval"] = interval(float(v), values(lambda r, f=f: r.speculative[f]), level)
     return result
 
 
