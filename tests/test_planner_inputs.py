@@ -146,6 +146,10 @@ def test_a_closed_loop_needs_more_requests_than_clients():
     ("x: 1\n", "not simulator parameters"),
     ("ttft_overhead_s: -5\n", "outside [0, 2] s"),
     ("speculative:\n  accept_rate:\n    eagle: 1.5\n", "not a probability"),
+    # (a negative or zero draft length was taken: k=-3 predicted 1 token a step at a negative drafting cost)
+    ("speculative:\n  num_tokens:\n    mtp: -3\n", "not a whole number of drafted tokens in [1, 32]"),
+    ("speculative:\n  num_tokens:\n    mtp: 0\n", "not a whole number of drafted tokens in [1, 32]"),
+    ("speculative:\n  num_tokens:\n    mtp: 2.5\n", "not a whole number of drafted tokens in [1, 32]"),
 ])
 def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, message):
     from waferline.sim.cost import load_params
@@ -192,6 +196,28 @@ def test_a_context_past_the_models_positions_is_noted(capsys):
     assert rc == 0 and json.loads(out)["notes"] == []
     rc, out = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm"])
     assert rc == 0 and "the model itself takes at most 131,072 positions" in " ".join(out.split())
+
+
+def test_simulate_reports_the_plans_notes_and_a_link_latency_the_fit_replaces(capsys, tmp_path):
+    # the plan's notes (devices left idle) were dropped by simulate, text and --json
+    rc, out = _run(capsys, ["simulate", "gpt-5.6-sol", "-H", "wse-3", "--weight-bits", "4", "--devices", "200",
+                            "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["notes"] == ["40 of 200 devices left idle: 80 layers cannot use them evenly"]
+    rc, out = _run(capsys, ["simulate", "gpt-5.6-sol", "-H", "wse-3", "--weight-bits", "4", "--devices", "200",
+                            "--no-intervals"])
+    assert rc == 0 and "note: 40 of 200 devices left idle" in out
+    # a user's wafer: its scale_out latency is not what a hop costs (the class's fitted hop latency is): said so
+    hw = tmp_path / "mine.yaml"
+    hw.write_text("name: mine\nkind: wafer\ndevice: {memory_bytes: 44e9, memory_bandwidth: 21e15, flops: {bf16: "
+                  "125e15}, cores: 900000}\nlinks: {scale_out: {bandwidth: 150e9, latency: 5e-6}, on_chip: "
+                  "wse3-mesh}\n")
+    rc, out = _run(capsys, ["simulate", "gpt-5.6-sol", "-H", str(hw), "--weight-bits", "4", "--devices", "80",
+                            "--no-intervals", "--json"])
+    notes = json.loads(out)["notes"]
+    assert rc == 0 and len(notes) == 1 and "not mine.yaml's scale_out latency of 5 us" in notes[0]
+    assert "classes.wafer.hop_latency_s" in notes[0]
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", str(hw), "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["notes"] == []  # (one wafer: no hop)
 
 
 @pytest.mark.parametrize("model, kw", [

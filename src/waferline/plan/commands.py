@@ -11,10 +11,10 @@ from typing import Any
 
 from waferline.argtypes import int_range, nonnegative_int, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
+from waferline.sim.cost import MAX_DRAFT_TOKENS
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
 DEFAULT_DATA = "sim/data/published_results.csv, shipped with waferline"
-MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
 MAX_SERVING_REQUESTS = 10_000_000  # (the serving simulation runs ~4 s per million requests)
 
 
@@ -276,6 +276,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 2
 
 
+def _fitted_links(plan: Any, params: Any) -> list[str]:
+    """Where a hardware file of the user's states a wafer-to-wafer link latency that the device class's fitted hop
+    latency replaces (sim/cost.py hop_time: the fit prices a whole hop, link and the stages' hand-off together)."""
+    from pathlib import Path
+
+    from waferline.spec.catalog import load_hardware
+    from waferline.spec.hardware import catalog_dir
+
+    path = Path(str(plan.hardware))
+    if plan.num_stages <= 1 or not path.is_file() or catalog_dir() in path.resolve().parents:
+        return []
+    hw = load_hardware(path)
+    lat, link = params.for_hardware(hw).hop_latency_s, hw.scale_out
+    if lat is None or link is None or link.latency == lat:
+        return []
+    return [f"a hop between devices takes the {hw.kind} class's fitted {lat * 1e6:.3g} us (fitted on the published "
+            f"{hw.kind} rows), not {path.name}'s scale_out latency of {link.latency * 1e6:.3g} us (--params sets "
+            f"classes.{hw.kind}.hop_latency_s)"]
+
+
 def _load_params(args: argparse.Namespace):
     from waferline.sim.cost import load_params
 
@@ -371,9 +391,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     beyond = (f"{what} ({held:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
+    placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
     if args.json:
         d = r.to_dict()
-        d["notes"] = restaged + ([beyond] if beyond else [])
+        d["notes"] = placed + restaged + ([beyond] if beyond else [])
         if serving is not None:
             d["serving"] = serving.to_dict()
         if ex is not None:
@@ -433,7 +454,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                      "counted (" + ("the serving table below counts them)"
                                     if getattr(args, "arrival_rate", None) or getattr(args, "closed_loop", False)
                                     else "--closed-loop simulates serving with them)"))
-    notes += [f"note: {line}" for line in restaged]
+    notes += [f"note: {line}" for line in placed + restaged]
     if beyond:
         notes.append(f"note: {beyond}")
     t.caption = "\n".join(notes) or None

@@ -14,6 +14,8 @@ from waferline.sim.wafer import Fabric, fabric_work
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec, quantized_bytes
 
+MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
+
 if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
 
@@ -247,7 +249,11 @@ class SimParams:
                 sp.accept_rate[m] = v
                 sp.status[f"accept_rate.{m}"] = st
             for m, raw in (spd.get("num_tokens") or {}).items():
-                sp.num_tokens[m] = int(num(raw, f"num_tokens.{m}")[0])
+                k = num(raw, f"num_tokens.{m}")[0]
+                if k != int(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
+                    raise ConfigError(f"{where}: num_tokens.{m} = {k:g} is not a whole number of drafted tokens in "
+                                      f"[1, {MAX_DRAFT_TOKENS}]")
+                sp.num_tokens[m] = int(k)
             sp.draft_models.update(spd.get("draft_models") or {})
             if "ttft_overhead_s" in d:
                 sp.ttft_overhead_s, sp.status["ttft_overhead_s"] = num(d["ttft_overhead_s"], "ttft_overhead_s")
