@@ -165,6 +165,7 @@ def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, m
     ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1"),
     ({"hidden_size": "big"}, "hidden_size must be an integer >= 1"),
     ({"hidden_size": -4096}, "hidden_size must be an integer >= 1"),
+    ({"num_hidden_layers": None}, "num_hidden_layers must be an integer >= 1, got null"),
 ])
 def test_a_config_that_describes_no_model_is_refused(change, message):
     base = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,

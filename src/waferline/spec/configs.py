@@ -686,6 +686,9 @@ _PARSERS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
 
 
+_NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+
+
 def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     """The ModelSpec of a config.json dict; ConfigError for an unknown model_type, a missing field or sizes that
     make no model (a non-positive or non-integer dimension, no layers)."""
@@ -702,8 +705,9 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
               "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = cfg.get(k)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ConfigError(f"config {k} must be an integer >= 1, got {v!r}")
+        null = v is None and k in cfg and k in _NEVER_NULL  # (head_dim, num_key_value_heads: null = the default)
+        if null or (v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)):
+            raise ConfigError(f"config {k} must be an integer >= 1, got {'null' if v is None else repr(v)}")
     for k in (*_EXPERT_FIELDS, *_TOPK_FIELDS):  # (0 experts: a dense model where the model_type allows it)
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
