@@ -296,6 +296,47 @@ def _fitted_links(plan: Any, params: Any) -> list[str]:
             f"classes.{hw.kind}.hop_latency_s)"]
 
 
+def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool) -> list[str]:
+    """What a ``--params`` file leaves out that the shipped fit has, for this plan's hardware: a class it has no
+    parameters for, fitted parameters it leaves at their priors, class names nothing matches, the parameter sets the
+    intervals come from."""
+    if not path:
+        return []
+    from pathlib import Path
+
+    from waferline.sim.cost import load_params
+    from waferline.spec.catalog import load_hardware
+    from waferline.spec.hardware import DEVICE_KINDS
+
+    name, hw, shipped = Path(path).name, load_hardware(plan.hardware), load_params(None)
+
+    def resolved(p: Any) -> str | None:  # (SimParams.for_hardware's order)
+        return next((c for c in (hw.name, hw.kind, "gpu") if c in p.classes), None)
+
+    out, mine, theirs = [], resolved(params), resolved(shipped)
+    if mine != theirs:
+        out.append(f"{name} has no parameters for {hw.kind} devices: {hw.name} is simulated with "
+                   + (f"the {mine} class's parameters" if mine else "the priors"))
+    fitted = {f"{theirs}.{k}" for k, st in (shipped.classes[theirs].status if theirs else {}).items()
+              if st.startswith("fitted")}
+    if shipped.status.get("ttft_overhead_s", "").startswith("fitted"):
+        fitted.add("ttft_overhead_s")
+    given = {f"{mine}.{k}" for k in (params.classes[mine].status if mine else {})} | \
+        {k for k in params.status if k == "ttft_overhead_s"}
+    left = sorted(f for f in fitted if f.replace(f"{theirs}.", f"{mine}.", 1) not in given)
+    if left:
+        out.append(f"{name} leaves {len(left)} of the shipped fit's fitted parameters for this hardware at their "
+                   f"priors: {', '.join(left)}")
+    unused = [c for c in params.classes if c not in DEVICE_KINDS and c != hw.name]
+    if unused:
+        out.append(f"{name}: class(es) {', '.join(unused)} name no device kind ({', '.join(DEVICE_KINDS)}) and not "
+                   "this hardware: not used")
+    if intervals and not params.parameter_sets():
+        out.append(f"no intervals: {name} holds no bootstrap parameter sets (`waferline calibrate --published --out "
+                   "FILE` writes them)")
+    return out
+
+
 def _load_params(args: argparse.Namespace):
     from waferline.sim.cost import load_params
 
@@ -392,6 +433,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
+    placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals)
     if args.json:
         d = r.to_dict()
         d["notes"] = placed + restaged + ([beyond] if beyond else [])
