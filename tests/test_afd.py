@@ -95,7 +95,7 @@ def test_afd_matches_single_process(model, M, N, ckpts, references):
             it.close()
             assert [o.token_ids for o in llm.generate(ref["many"], ref["greedy"])] == ref["many_out"], where
             assert llm.generate([], ref["greedy"]) == []
-        split = llm._pipeline.time_split()
+        split = llm.time_split()  # (the LLM's own: the docs' example)
         assert set(split["sides"]) == {"attention", "ffn"} and len(split["ranks"]) == M + N
         assert split["sides"]["ffn"]["compute"] > 0 and split["sides"]["attention"]["transfer"] > 0
 

@@ -114,6 +114,8 @@ def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):
     with pytest.raises(ConfigError, match="pass the directory that holds it"):
         LLM(ckpts["llama"] / "config.json")
     assert waferline.RequestError is RequestError and waferline.ConfigError is ConfigError
+    with pytest.raises(ConfigError, match="time_split measures attention/FFN disaggregation"):
+        LLM(ckpts["llama"]).time_split()
 
 
 def _gone(pid: int) -> bool:

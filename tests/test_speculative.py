@@ -471,6 +471,13 @@ def test_cli_generate_speculative(ckpts):
     assert spec["token_ids"] == plain["token_ids"] and "spec_acceptance_rate" in spec
     bad = subprocess.run(base + ["--speculative", "nope"], capture_output=True, text=True)
     assert bad.returncode != 0 and "unknown speculative method" in bad.stderr and "Traceback" not in bad.stderr
+    # nothing to draft from (no earlier n-gram): said so, not "acceptance 0.00" as if every draft had been rejected
+    none = [sys.executable, "-m", "waferline.cli", "generate", "--model", str(ckpts["llama"]), "--prompt-ids",
+            "40 41 42 43", "--max-tokens", "2", "--speculative", "ngram"]
+    got = json.loads(subprocess.run(none + ["--json"], capture_output=True, text=True, check=True).stdout)
+    assert got["spec_drafted"] == 0
+    err = subprocess.run(none, capture_output=True, text=True, check=True).stderr
+    assert "[speculative ngram: nothing drafted" in err and "acceptance" not in err
 
 
 @pytest.mark.parametrize("mt", ["bamba", "gpt_oss"])

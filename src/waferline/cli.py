@@ -137,7 +137,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             print(out.text if out.text else " ".join(map(str, out.token_ids)))
         print(f"\n[{counted(len(out.token_ids), 'token')}, {tps:.1f} tok/s decode, "
               f"TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, finish: {out.finish_reason}]", file=sys.stderr)
-        if spec:
+        if spec and not spec.get("spec_drafted", 1.0):  # (not "acceptance 0.00": no draft was rejected)
+            print(f"[speculative {args.speculative}: nothing drafted (no draft found, or adaptive k chose plain "
+                  f"steps), {spec['spec_mean_accepted_length']:.2f} tokens per decode step]", file=sys.stderr)
+        elif spec:
             print(f"[speculative {args.speculative}: acceptance {spec['spec_acceptance_rate']:.2f}, "
                   f"{spec['spec_mean_accepted_length']:.2f} tokens per decode step]", file=sys.stderr)
         for e in lps:  # (--logprobs: one line per generated token)

@@ -436,6 +436,13 @@ class LLM:
             text = text if cut is None else text[:cut]
         return Output(prompt_ids, toks, text, reason, dict(metrics))
 
+    def time_split(self, reset: bool = True) -> dict[str, Any]:
+        """AFD (``afd=True``): seconds of compute / transfer / idle per rank since the last reset, and per side."""
+        split = getattr(self._pipeline, "time_split", None)
+        if split is None:
+            raise ConfigError("time_split measures attention/FFN disaggregation: build the LLM with afd=True")
+        return split(reset)
+
     def close(self) -> None:
         """Stop the pipeline's stage processes (no-op for the single-process engine)."""
         if self._pipeline is not None:

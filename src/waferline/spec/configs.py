@@ -701,7 +701,8 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     mt = MODEL_TYPE_ALIASES.get(mt, mt)
     parser = _PARSERS.get(mt)
     if parser is None:
-        raise ConfigError(f"unsupported model_type {mt!r}; supported: {', '.join(sorted(_PARSERS))}")
+        raise ConfigError(f"unsupported model_type {mt!r}; the engine runs {', '.join(sorted(ENGINE_MODEL_TYPES))}; "
+                          f"the planner also places {', '.join(sorted(set(_PARSERS) - set(ENGINE_MODEL_TYPES)))}")
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
               "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = cfg.get(k)
