@@ -151,6 +151,19 @@ def test_cli_generate_json_and_errors(ckpts, tmp_path):
     assert r.returncode != 0 and "error:" in r.stderr and "device" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args", [["generate", "--prompt-ids", "1", "--afd"], ["generate", "--prompt-ids", "1"],
+                                  ["quantize", "--out", "OUT"]])
+def test_a_malformed_config_is_a_one_line_error_on_every_path(ckpts, tmp_path, args):
+    # (--afd and quantize read config.json themselves and raised a JSONDecodeError traceback, exit 1)
+    bad = _copy(ckpts["llama"], tmp_path / "bad")
+    (bad / "config.json").write_text('{"model_type": "llama", ')
+    args = [str(tmp_path / "q") if a == "OUT" else a for a in args]
+    r = subprocess.run([sys.executable, "-m", "waferline.cli", args[0], "--model", str(bad), *args[1:]],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"{bad / 'config.json'} is not valid JSON" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
 def test_sharded_checkpoint_loads_like_single(ckpts, tmp_path):
     from tiny_models import build as build_ref
 

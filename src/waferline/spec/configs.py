@@ -727,15 +727,21 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     return spec
 
 
-def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpec:
-    """The ModelSpec of a ``config.json`` file (named after its directory unless ``name`` is given)."""
+def read_config_json(path: str | Path) -> Any:
+    """A ``config.json`` file's JSON; ConfigError (the file named) where it is missing or not valid JSON."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no config file at {path}")
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpec:
+    """The ModelSpec of a ``config.json`` file (named after its directory unless ``name`` is given)."""
+    path = Path(path)
+    cfg = read_config_json(path)
     try:
         return parse_hf_config(cfg, name=name or path.parent.name)
     except ConfigError as e:  # (the file named: parse_hf_config sees a dict)

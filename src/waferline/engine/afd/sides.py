@@ -4,7 +4,6 @@ DecoderModel without FFNs; an FFN rank's own experts (``ExpertSlice`` renumbers 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,8 +107,9 @@ class ExpertSlice:
 
 def _check_checkpoint(path: Path, device: str) -> None:
     from waferline.model.quant import quant_method
+    from waferline.spec.configs import read_config_json
 
-    cfg = json.loads((path / "config.json").read_text())
+    cfg = read_config_json(path / "config.json")
     if quant_method(cfg) is not None:
         raise ConfigError(f"{path} is an int4 checkpoint; the AFD engine runs 16-bit checkpoints so far (load the "
                           "16-bit original, or run the int4 checkpoint with the pipeline engine)")

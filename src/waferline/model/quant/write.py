@@ -18,7 +18,7 @@ from waferline.model.quant.mapping import _group_ids, _groups_line_up, _used_ten
 from waferline.model.quant.modules import QuantOptions, _kept, _quantize_param, install, matmul_weights
 from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
 from waferline.model.quant.weight import Int4Weight
-from waferline.spec.configs import spec_from_pretrained
+from waferline.spec.configs import read_config_json, spec_from_pretrained
 
 
 def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"{model_dir} has no config.json: pass a Hugging Face checkpoint directory to --model")
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = read_config_json(model_dir / "config.json")
     if _qconfig(cfg):
         raise ConfigError(
             f"{model_dir} is already quantized ({_qconfig(cfg).get('quant_method')}); quantize a 16-bit checkpoint"
@@ -131,7 +131,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     t0 = time.perf_counter()
     spec = check_quantize(model_dir, out_dir, opts, calibration, force)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = read_config_json(model_dir / "config.json")
     model = load_model(model_dir, torch.float32)
     calib = None
     n_calib = 0
