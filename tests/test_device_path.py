@@ -9,7 +9,7 @@ import torch
 from conftest import script_module
 from tiny_models import build, configs
 from waferline import LLM, SamplingParams, kernels
-from waferline.model.attention import attend, attend_sdpa
+from waferline.model.attention import attend, attend_chain, attend_prefill_cpu, attend_sdpa
 from waferline.model.layers import RMSNorm
 
 
@@ -32,16 +32,24 @@ def test_fused_attention_is_attends_chain(T, masked):
         pos = torch.tensor([[L - T + t for t in range(T)], [L - T - 2 + t for t in range(T)]])
         blocked = torch.arange(L)[None, None, :] > pos[:, :, None]
         blocked[1, :, :3] = True
-    want = attend(q, k, v, blocked, 0.25)  # fp32 on CPU with the fused operators loaded: the matmul chain
-    got = attend_sdpa(q, k, v, blocked, 0.25)
-    assert got.shape == want.shape == (B, T, H, D)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # multi-query over latents whose first channels are the values (MLA): the device path attends over the keys
+    want = attend_chain(q, k, v, blocked, 0.25)  # matmuls, masked softmax, matmuls in fp32
+    for got in (attend_sdpa(q, k, v, blocked, 0.25), attend_prefill_cpu(q, k, v, blocked, 0.25)):
+        assert got.shape == want.shape == (B, T, H, D)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if T > 1:  # a prefill chunk on a CPU with the fused operators: torch's fused attention in fp32 (a 16-bit cache too)
+        torch.testing.assert_close(attend(q, k, v, blocked, 0.25), want, atol=1e-5, rtol=1e-5)
+        half = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), blocked, 0.25)
+        ref = attend_chain(q.bfloat16(), k.bfloat16(), v.bfloat16(), blocked, 0.25)
+        assert half.dtype == torch.bfloat16
+        torch.testing.assert_close(half.float(), ref.float(), atol=1e-2, rtol=1e-2)
+    # multi-query over latents whose first channels are the values (MLA): attended over the keys, the values kept
     lat = kv[:, :, :1]
-    want = attend(q, lat, lat[..., : D // 2], blocked, 0.25)
+    want = attend_chain(q, lat, lat[..., : D // 2], blocked, 0.25)
+    got = attend(q, lat, lat[..., : D // 2], blocked, 0.25)  # (T > 1: attend_prefill_cpu; T = 1: the chain)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     prev = kernels.use(False)
     try:
-        got = attend(q, lat, lat[..., : D // 2], blocked, 0.25)
+        got = attend(q, lat, lat[..., : D // 2], blocked, 0.25)  # the device path: attend_sdpa
     finally:
         kernels.use(prev)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

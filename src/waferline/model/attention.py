@@ -476,16 +476,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Ten
     Scores and softmax in fp32. ``sinks`` [H]: a per-head logit that joins the softmax and is then dropped
     (GPT-OSS). Returns [B, T, H, Dv].
     """
+    T, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    latents = Dv < Dk and v.data_ptr() == k.data_ptr() and v.stride() == k.stride()  # (MLA's: the keys' first Dv)
+    if sinks is None and q.dtype == k.dtype == v.dtype and (q.device.type != "cpu" or not kernels.available()):
+        if Dk == Dv:
+            return attend_sdpa(q, k, v, blocked, scale)
+        if latents:  # attend over the keys as values, keep Dv
+            return attend_sdpa(q, k, k, blocked, scale)[..., :Dv]
+    if sinks is None and T > 1 and q.device.type == "cpu" and (Dk == Dv or latents):
+        return attend_prefill_cpu(q, k, k if latents else v, blocked, scale)[..., :Dv]
+    return attend_chain(q, k, v, blocked, scale, sinks)
+
+
+def attend_chain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None, scale: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`attend` as matmuls, a masked softmax and matmuls (what a CPU with the fused operators runs for a decode
+    step's rows beyond the fused operator's, and with attention sinks)."""
     B, T, H, Dk = q.shape
     L, Hkv, Dv = k.shape[1], k.shape[2], v.shape[-1]
     G = H // Hkv
     out_dtype = q.dtype
-    if sinks is None and q.dtype == k.dtype == v.dtype and (q.device.type != "cpu" or not kernels.available()):
-        if Dk == Dv:
-            return attend_sdpa(q, k, v, blocked, scale)
-        if Dv < Dk and v.data_ptr() == k.data_ptr() and v.stride() == k.stride():
-            # the values are the keys' first Dv channels (MLA's latents): attend over the keys as values, keep Dv
-            return attend_sdpa(q, k, k, blocked, scale)[..., :Dv]
     if q.device.type == "cpu" and (q.dtype != torch.float32 or k.dtype != torch.float32):
         # 16-bit attention matmuls on CPU go through oneDNN, which builds a new kernel for every new key length
         # (measured ~0.7 ms per call in decode against ~16 us for fp32 with the casts): compute them in fp32
@@ -548,6 +558,24 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torc
     out = nn.functional.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep,
                                                      scale=scale)  # [B, Hkv, T*G, Dv]
     return out.view(B, Hkv, T, G, Dv).permute(0, 2, 1, 3, 4).reshape(B, T, H, Dv)
+
+
+def attend_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
+                       scale: float) -> torch.Tensor:
+    """:func:`attend` of a prefill chunk (T > 1, Dk == Dv, no sinks) on a CPU with waferline's fused operators: torch's
+    fused attention (its CPU flash kernel: blocks of keys at a time, the scores never written out) in fp32, as attend
+    computes them, the kv heads shared by their query heads without a copy (``enable_gqa``). ~2x faster than attend's
+    chain over a long prompt, whose score passes (scale, mask, softmax) each read and write every score: measured in
+    docs/results/decode-speed.md. Decode steps (T = 1) keep the chain or the fused operators the host model was
+    calibrated on."""
+    out_dtype = q.dtype
+    qh, kh = q.float().transpose(1, 2), k.float().transpose(1, 2)  # [B, heads, tokens, D]
+    vh = kh if v is k else v.float().transpose(1, 2)  # (MLA: the latents are keys and values, cast once)
+    keep = None if blocked is None else ~blocked[:, None]  # [B, 1, T, L]: True = attend
+    out = nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=scale,
+                                                     enable_gqa=kh.shape[1] != qh.shape[1])
+    out = out.transpose(1, 2)  # [B, T, H, D]
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
 class GQAttention(nn.Module):

@@ -95,13 +95,22 @@ class DefaultOps:
         )
 
 
-# What attend() (model/attention.py, fp32 on CPU) moves per score element (query x head x key), as the op counter
-# (sim/calibrate/opcount.py) records it and the calibrated rates price it: the scores matmul writes the scores and
-# the values matmul reads them back (4 B each); scaling them in place (mul_) and the softmax each read and write them
-# (8 B each); the causal mask's masked_fill_ is recorded as its bool mask (2 B per query and key, shared by the heads)
+# What attend()'s chain (model/attention.py, fp32 on CPU; a prefill with attention sinks still runs it) moves per
+# score element (query x head x key), as the op counter (sim/calibrate/opcount.py) records it and the calibrated rates
+# price it: the scores matmul writes the scores and the values matmul reads them back (4 B each); scaling them in
+# place (mul_) and the softmax each read and write them (8 B each); the causal mask's masked_fill_ is recorded as its
+# bool mask (2 B per query and key, shared by the heads)
 SCORE_MATMUL_BYTES = 2 * 4.0
 SCORE_PASS_BYTES = 2 * 8.0
 MASK_BYTES = 2.0
+# attend_prefill_cpu (every other prefill chunk on a CPU: torch's fused attention, the scores never written out): per
+# query and key, its mask inverted (1 B read, 1 B written), then read by the fused op (one of its inputs)
+FUSED_MASK_BYTES = 2.0
+FUSED_MASK_READ_BYTES = 1.0
+# the step's causal mask (model/attention.py causal_mask, made once a step by the first attention layer, shared by the
+# rest): per query and key 1 B written, per key its position read (8 B)
+CAUSAL_MASK_BYTES = 1.0
+CAUSAL_MASK_KEY_BYTES = 8.0
 
 
 def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[tuple[int, int, int]]]:
@@ -130,17 +139,34 @@ def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[t
 
 
 def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens: int, start: int,
-                           small_op_bytes: float) -> Work:
+                           small_op_bytes: float, kv_elem_bytes: float = 2.0) -> Work:
     """What a prefill chunk of ``rows`` x ``tokens`` queries at position ``start`` does beyond the same chunk at
     position 0 (the counted forward): every attention layer's queries also score the ``start`` earlier keys (fewer
-    under a sliding window), in fp32 on CPU (attend()): 2 FLOPs per score element and key width in each of the two
-    matmuls (the spec's attention FLOPs per key), the scores written and read back by them, and scale, mask and softmax
-    passes over them. Recurrent mixers (Mamba, linear attention) carry a fixed-size state: nothing grows."""
+    under a sliding window). On a CPU (model/attention.py attend_prefill_cpu) that is torch's fused attention in fp32:
+    2 FLOPs per query head, key and channel in each of its two products (MLA's latents serve as keys and values whole,
+    the values' extra rope channels dropped after), the keys and values read in fp32, a 16-bit cache's keys cast to
+    fp32 first (``kv_elem_bytes``: the cache's bytes per element; 4: no cast), and the mask inverted and made
+    additive. A layer with attention sinks runs attend()'s chain: its two matmuls (the spec's attention FLOPs per key)
+    write and read back the scores, and scale, mask and softmax passes go over them. Recurrent mixers (Mamba, linear
+    attention) carry a fixed-size state: nothing grows."""
     from waferline.spec.model import AttentionSpec, MLASpec
 
     w = Work()
     if start <= 0:
         return w
+    first = next((j for j, la in enumerate(spec.layers) if isinstance(la.mixer, (AttentionSpec, MLASpec))), -1)
+
+    def ew(nbytes: float, whole: float, half: bool = False) -> None:  # one op's bytes, from memory past the small size
+        if whole > small_op_bytes:
+            if half:
+                w.large_bytes_bf16 += nbytes
+            else:
+                w.large_bytes += nbytes
+        elif half:
+            w.small_bytes_bf16 += nbytes
+        else:
+            w.small_bytes += nbytes
+
     for i in layers:
         m = spec.layers[i].mixer if 0 <= i < len(spec.layers) else None
         if not isinstance(m, (AttentionSpec, MLASpec)):
@@ -148,24 +174,36 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
         keys = m.cached_tokens(start + tokens) - m.cached_tokens(tokens)
         if keys <= 0:
             continue
-        flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
+        seen = m.cached_tokens(start + tokens)
         qk = float(rows * tokens * keys)
         elems = qk * m.num_heads
-        # the matmuls also read the keys (and values) the queries score, cast to fp32: 2 x the cached width, 4 B each
         width = m.cache_elems_per_token()
-        w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + flops
-        w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + elems * SCORE_MATMUL_BYTES + rows * keys * width * 8.0
-        # each pass is one op over the whole [rows, tokens, heads, start + tokens] scores: from memory past the
-        # small-op size; the mask's op likewise over [rows, tokens, start + tokens]
-        whole = rows * tokens * m.num_heads * m.cached_tokens(start + tokens) * 4.0
-        if whole > small_op_bytes:
-            w.large_bytes += elems * SCORE_PASS_BYTES
+        if isinstance(m, AttentionSpec) and m.sinks:
+            flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
+            # the matmuls also read the keys (and values) the queries score, cast to fp32: 2 x the cached width, 4 B
+            w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + flops
+            w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + elems * SCORE_MATMUL_BYTES + rows * keys * width * 8.0
+            # each pass: one op over all [rows, tokens, heads, seen] scores; the mask's over [rows, tokens, seen]
+            whole = rows * tokens * m.num_heads * seen * 4.0
+            ew(elems * SCORE_PASS_BYTES, whole)
+            ew(qk * MASK_BYTES, whole / m.num_heads / 2.0)
+            continue
+        # per key: the channels each head's two products run over (q.k over dk, p.v over dv) and the kv heads read
+        if isinstance(m, MLASpec):
+            dk = dv = m.kv_lora_rank + m.qk_rope_head_dim
+            kv_heads = 1
         else:
-            w.small_bytes += elems * SCORE_PASS_BYTES
-        if whole / m.num_heads / 2.0 > small_op_bytes:
-            w.large_bytes += qk * MASK_BYTES
-        else:
-            w.small_bytes += qk * MASK_BYTES
+            dk = dv = m.head_dim
+            kv_heads = m.num_kv_heads
+        w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + 2.0 * elems * (dk + dv)
+        w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + rows * keys * kv_heads * (dk + dv) * 4.0 \
+            + qk * FUSED_MASK_READ_BYTES
+        if kv_elem_bytes < 4.0:  # the cache's keys (and values) cast to fp32, one op over all it holds
+            ew(rows * keys * width * (kv_elem_bytes + 4.0), rows * seen * width * (kv_elem_bytes + 4.0),
+               half=kv_elem_bytes == 2.0)
+        ew(qk * FUSED_MASK_BYTES, rows * tokens * seen * FUSED_MASK_BYTES)
+        if i == first:
+            ew(qk * CAUSAL_MASK_BYTES + keys * CAUSAL_MASK_KEY_BYTES, rows * tokens * seen * CAUSAL_MASK_BYTES)
     return w
 
 

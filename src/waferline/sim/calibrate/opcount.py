@@ -33,6 +33,11 @@ _MATMUL_OPS = {
 }
 
 
+# torch's fused attention on a CPU (model/attention.py attend_prefill_cpu): priced as a matmul without a weight. Under
+# inference mode (the engine's) the counter sees the composite op, its mask among the inputs; outside it, its parts
+_FUSED_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu"}
+
+
 def _tensors(x: Any) -> list[Any]:
     import torch
 
@@ -375,6 +380,12 @@ class OpCounter:
             units = fused_units(name, ins, outs)
             for key, val in (("calls", 1.0), ("units", units), ("bytes", nbytes)):
                 w[f"fused|{name}|{key}"] = w.get(f"fused|{name}|{key}", 0.0) + val
+        elif name in _FUSED_ATTENTION and outs:  # torch's fused attention: its two products, the scores never stored
+            q, k, v = ins[0], ins[1], ins[2]  # [B, heads, T, dk], [B, kv heads, L, dk], [B, kv heads, L, dv]
+            dt = "fp32" if q.dtype == torch.float32 else "bf16"
+            flops = 2.0 * q.numel() // max(1, q.shape[-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            w[f"mm_bytes_{dt}"] = w.get(f"mm_bytes_{dt}", 0.0) + nbytes
+            w[f"mm_flops_{dt}"] = w.get(f"mm_flops_{dt}", 0.0) + flops
         elif name in _MATMUL_OPS and outs:
             if name == "einsum":
                 flops = _einsum_flops(str(args[0]), _tensors(args[1]))
@@ -497,7 +508,8 @@ def _bytes_seconds(work: dict[str, float], ew: dict[str, float]) -> float:
 # prefill rest scale, 1.37 -> 2.0-2.05, and priced sol-mini's single-process TTFT x1.3-1.4 slow)
 _LINEAR_EVENTS = ("linear", "aten::mm", "aten::addmm", "int4pack_mm", "int4_linear", "waferline::moe_ffn",
                   "waferline::ffn_residual")
-_OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum")  # matmuls without one
+_OTHER_MM_EVENTS = ("aten::bmm", "aten::baddbmm", "aten::matmul", "aten::einsum",  # matmuls without one
+                    "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
 def _profiled_shares(fn: Callable[[], Any]) -> tuple[float, float, float]:
