@@ -150,6 +150,7 @@ def test_a_closed_loop_needs_more_requests_than_clients():
     ("speculative:\n  num_tokens:\n    mtp: -3\n", "not a whole number of drafted tokens in [1, 32]"),
     ("speculative:\n  num_tokens:\n    mtp: 0\n", "not a whole number of drafted tokens in [1, 32]"),
     ("speculative:\n  num_tokens:\n    mtp: 2.5\n", "not a whole number of drafted tokens in [1, 32]"),
+    ("speculative:\n  num_tokens:\n    mtp: .inf\n", "not a whole number of drafted tokens in [1, 32]"),
 ])
 def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, message):
     from waferline.sim.cost import load_params

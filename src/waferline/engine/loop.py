@@ -112,8 +112,10 @@ class EngineLoop:
         with self._lock:
             if not self.healthy:
                 raise EngineUnavailableError(self.unavailable_reason())
-            cfg = self.scheduler.config  # (those free slots take at the next step do not wait; none while paused)
-            free = 0 if self._paused else max(0, cfg.max_num_seqs - len(self.scheduler.running))
+            # those free slots take at the next step do not wait: none while paused, or while the queue's head waits
+            # (the cache budget, not the slots, holds it back)
+            cfg, sch = self.scheduler.config, self.scheduler
+            free = 0 if self._paused or sch.waiting else max(0, cfg.max_num_seqs - len(sch.running))
             if self.num_waiting + len(seqs) > cfg.max_queue + free:
                 raise QueueFullError(
                     f"the server's queue is full ({cfg.max_queue} waiting requests); retry later"

@@ -281,14 +281,15 @@ class CacheManager:
         self._counted += counted
         return True
 
-    def free(self, rid: str) -> None:
+    def free(self, rid: str) -> list[int]:
+        """``rid``'s slot and pages go back; returns the pages its slot held, in order (for the prefix store)."""
         slot, held = self._held.pop(rid)
         self._counted -= self._counted_bytes(held)
         if not self._held:
             self._counted = 0.0  # no drift from float sums
-        if self.table is not None:
-            self.table.release(slot)
+        pages = self.table.release(slot) if self.table is not None else []
         self._free_slots.append(slot)
+        return pages
 
     def pages_in_use(self) -> dict[str, int]:
         """Pages held by live sequences per pool kind (state slots for Mamba-2; a shared page counted once)."""
@@ -357,13 +358,13 @@ class PrefixCache:
         table.share(slot, [self._blocks[b][1] for b in blocks])
         self.hit_tokens += len(blocks) * self.P
 
-    def store(self, ids: list[int], n_computed: int, slot: int, caches: list[Any] | None = None) -> None:
-        """Keep the full pages of a sequence's first ``n_computed`` tokens (the pages ``slot`` held: right after
-        the sequence is freed, before the slot is used again)."""
+    def store(self, ids: list[int], n_computed: int, slot: int, pages: list[int],
+              caches: list[Any] | None = None) -> None:
+        """Keep the full pages of a sequence's first ``n_computed`` tokens: ``pages``, what ``slot`` held in order
+        (``CacheManager.free``'s answer), right after the sequence is freed, before anything takes a page."""
         table = self.cm.table
         if table is None:
             return
-        pages = table.pages_of(slot)
         parent, chain = -1 - table.part_of(slot), []
         for i in range(min(n_computed // self.P, len(pages))):
             key = (parent, tuple(ids[i * self.P:(i + 1) * self.P]))

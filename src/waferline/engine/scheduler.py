@@ -463,10 +463,10 @@ class Scheduler:
         if seq.status == "finished":
             return
         if self.cache.holds(seq.request_id):
-            self.cache.free(seq.request_id)
+            pages = self.cache.free(seq.request_id)
             caches = self.runner.prefix_caches() if self.prefix is not None and reason != "error" else None
             if self.prefix is not None and caches is not None:  # the slot's rows stay valid until it is reused
-                self.prefix.store(seq.all_ids, seq.num_computed, seq.slot, caches)
+                self.prefix.store(seq.all_ids, seq.num_computed, seq.slot, pages, caches)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:

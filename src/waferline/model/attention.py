@@ -562,15 +562,20 @@ def attend_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torc
 
 def attend_prefill_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocked: torch.Tensor | None,
                        scale: float) -> torch.Tensor:
-    """:func:`attend` of a prefill chunk (T > 1, Dk == Dv, no sinks) on a CPU with waferline's fused operators: torch's
-    fused attention (its CPU flash kernel: blocks of keys at a time, the scores never written out) in fp32, as attend
+    """:func:`attend` of a prefill chunk (T > 1, Dk == Dv, no sinks) on a CPU (one with waferline's fused operators, or
+    one without them where q and the cache differ in dtype: MLA's fp32 queries over 16-bit latents): torch's fused
+    attention (its CPU flash kernel: blocks of keys at a time, the scores never written out) in fp32, as attend
     computes them, the kv heads shared by their query heads without a copy (``enable_gqa``). ~2x faster than attend's
     chain over a long prompt, whose score passes (scale, mask, softmax) each read and write every score: measured in
-    docs/results/decode-speed.md. Decode steps (T = 1) keep the chain or the fused operators the host model was
-    calibrated on."""
+    docs/results/ttft.md. Decode steps (T = 1) keep the chain or the fused operators the host model was calibrated on.
+    A row whose every key is masked gives zeros (the chain: NaN); the engine never asks for one."""
     out_dtype = q.dtype
-    qh, kh = q.float().transpose(1, 2), k.float().transpose(1, 2)  # [B, heads, tokens, D]
-    vh = kh if v is k else v.float().transpose(1, 2)  # (MLA: the latents are keys and values, cast once)
+
+    def f32(t: torch.Tensor) -> torch.Tensor:  # (no op where it is fp32 already: none the twin's counter would price)
+        return t if t.dtype == torch.float32 else t.float()
+
+    qh, kh = f32(q).transpose(1, 2), f32(k).transpose(1, 2)  # [B, heads, tokens, D]
+    vh = kh if v is k else f32(v).transpose(1, 2)  # (MLA: the latents are keys and values, cast once)
     keep = None if blocked is None else ~blocked[:, None]  # [B, 1, T, L]: True = attend
     out = nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=keep, scale=scale,
                                                      enable_gqa=kh.shape[1] != qh.shape[1])

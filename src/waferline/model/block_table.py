@@ -64,9 +64,6 @@ class BlockTable:
         self._free: list[list[int]] = [[] for _ in range(parts)]  # a heap per part
         self._is_free: list[bool] = [False]  # per page: in ``_free`` (page SINK never is)
         self._parked: dict[int, list[int]] = {}  # slot -> its released pages, until it is used again
-        # slot -> every page it held, in order, at its release (pages_of: the prefix store keys page i by its tokens);
-        # parked pages and shared ones alike, kept while the parked pages are
-        self._released: dict[int, list[int]] = {}
         with torch.inference_mode(False):
             self.ids = torch.zeros(num_slots, 1, dtype=torch.long)  # slots x pages (SINK past a slot's pages)
         self.version = 0  # bumped whenever ``ids`` changes
@@ -131,7 +128,6 @@ class BlockTable:
                 for p in pages:
                     self._to_free(p)
             self._parked.clear()
-            self._released.clear()
         if free:
             p = heapq.heappop(free)
             self._is_free[p] = False
@@ -166,7 +162,6 @@ class BlockTable:
                 self._to_free(p)
 
     def _unpark(self, slot: int) -> None:
-        self._released.pop(slot, None)
         for p in self._parked.pop(slot, ()):
             self._to_free(p)
 
@@ -234,19 +229,21 @@ class BlockTable:
             self._set(slot, i, p)
         self.run[slot] = self._run_of(own)
 
-    def release(self, slot: int) -> None:
-        """``slot``'s sequence ended: drop its holds (its pages stay parked until the slot is used again)."""
+    def release(self, slot: int) -> list[int]:
+        """``slot``'s sequence ended: drop its holds (its pages stay parked until the slot is used again). Returns every
+        page it held, in order (shared ones too; the parked ones are only those no one else holds): the prefix store
+        keys page i by the tokens at i, right away, before anything else takes a page."""
         self.flush(slot)
+        held = self.slots[slot]
         park = self._parked.setdefault(slot, [])
-        if self.slots[slot]:
-            self._released[slot] = list(self.slots[slot])
-        for p in self.slots[slot]:
+        for p in held:
             self._drop(p, park)
-        if self.slots[slot]:
+        if held:
             self.ids[slot].zero_()
             self.version += 1
         self.slots[slot] = []
         self.run[slot] = 0
+        return held
 
     def mirror(self, slot: int, pages: list[int]) -> None:
         """Make ``slot``'s pages exactly ``pages``, as another process's allocator gave them (a pipeline stage
@@ -272,9 +269,8 @@ class BlockTable:
         self.version += 1
 
     def pages_of(self, slot: int) -> list[int]:
-        """The slot's pages, or, once released, the pages it held in order (until it is used again or its parked pages
-        are taken back)."""
-        return self.slots[slot] or self._released.get(slot, [])
+        """The slot's pages, or, once released, its parked pages (until it is used again)."""
+        return self.slots[slot] or self._parked.get(slot, [])
 
     # -- the prefix store's hold
     def store(self, p: int) -> None:

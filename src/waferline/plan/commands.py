@@ -288,12 +288,15 @@ def _fitted_links(plan: Any, params: Any) -> list[str]:
     if plan.num_stages <= 1 or not path.is_file() or catalog_dir() in path.resolve().parents:
         return []
     hw = load_hardware(path)
-    lat, link = params.for_hardware(hw).hop_latency_s, hw.scale_out
-    if lat is None or link is None or link.latency == lat:
+    prm = params.for_hardware(hw)
+    lat, link = prm.hop_latency_s, hw.scale_out
+    within = hw.scale_up is not None and plan.num_devices <= hw.devices_per_node  # (every hop on scale_up: its own)
+    if lat is None or link is None or within or link.latency == lat:
         return []
-    return [f"a hop between devices takes the {hw.kind} class's fitted {lat * 1e6:.3g} us (fitted on the published "
-            f"{hw.kind} rows), not {path.name}'s scale_out latency of {link.latency * 1e6:.3g} us (--params sets "
-            f"classes.{hw.kind}.hop_latency_s)"]
+    how = ("fitted on the published " + hw.kind + " rows" if prm.status.get("hop_latency_s", "").startswith("fitted")
+           else "assumed")
+    return [f"a hop between nodes takes the {hw.kind} class's {lat * 1e6:.3g} us ({how}), not {path.name}'s "
+            f"scale_out latency of {link.latency * 1e6:.3g} us (--params sets classes.{hw.kind}.hop_latency_s)"]
 
 
 def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool) -> list[str]:

@@ -3,6 +3,7 @@ device class."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -250,7 +251,7 @@ class SimParams:
                 sp.status[f"accept_rate.{m}"] = st
             for m, raw in (spd.get("num_tokens") or {}).items():
                 k = num(raw, f"num_tokens.{m}")[0]
-                if k != int(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
+                if not math.isfinite(k) or k != int(k) or not 1 <= k <= MAX_DRAFT_TOKENS:
                     raise ConfigError(f"{where}: num_tokens.{m} = {k:g} is not a whole number of drafted tokens in "
                                       f"[1, {MAX_DRAFT_TOKENS}]")
                 sp.num_tokens[m] = int(k)

@@ -208,10 +208,10 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
 
 
 def prefill_chunk_count(profile: OpsProfile, spec: ModelSpec, rows: int, tokens: int, start: int,
-                        small_op_bytes: float) -> OpCount:
+                        small_op_bytes: float, kv_elem_bytes: float = 2.0) -> OpCount:
     """The work of one prefill forward of ``rows`` x ``tokens`` at position ``start``: counted there where the profile
     can (``prefill_chunk``), else its forward at position 0 plus each attention layer's extra keys
-    (attention_context_work)."""
+    (attention_context_work; ``kv_elem_bytes``: the cache's bytes per element, 4 for an fp32 Plan)."""
     exact = getattr(profile, "prefill_chunk", None)
     if exact is not None:
         c = exact(rows, tokens, start)
@@ -222,7 +222,7 @@ def prefill_chunk_count(profile: OpsProfile, spec: ModelSpec, rows: int, tokens:
         return c
     layers = {}
     for i, w in c.layers.items():
-        extra = attention_context_work(spec, [i], rows, tokens, start, small_op_bytes)
+        extra = attention_context_work(spec, [i], rows, tokens, start, small_op_bytes, kv_elem_bytes)
         if extra.mm_flops:
             w2 = Work()
             w2.add(w)
