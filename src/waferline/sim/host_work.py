@@ -188,16 +188,17 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
             ew(elems * SCORE_PASS_BYTES, whole)
             ew(qk * MASK_BYTES, whole / m.num_heads / 2.0)
             continue
-        # per key: the channels each head's two products run over (q.k over dk, p.v over dv) and the kv heads read
+        # the spec's attention FLOPs per key; MLA's latents also serve as values whole (their rope channels too, the
+        # output's dropped after): 2 FLOPs per score and rope channel more. The op reads its keys and values in fp32
+        # (MLA's one latent tensor passed as both) and the mask
+        flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
         if isinstance(m, MLASpec):
-            dk = dv = m.kv_lora_rank + m.qk_rope_head_dim
-            kv_heads = 1
+            flops += 2.0 * elems * m.qk_rope_head_dim
+            read = 2 * width
         else:
-            dk = dv = m.head_dim
-            kv_heads = m.num_kv_heads
-        w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + 2.0 * elems * (dk + dv)
-        w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + rows * keys * kv_heads * (dk + dv) * 4.0 \
-            + qk * FUSED_MASK_READ_BYTES
+            read = width
+        w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + flops
+        w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + rows * keys * read * 4.0 + qk * FUSED_MASK_READ_BYTES
         if kv_elem_bytes < 4.0:  # the cache's keys (and values) cast to fp32, one op over all it holds
             ew(rows * keys * width * (kv_elem_bytes + 4.0), rows * seen * width * (kv_elem_bytes + 4.0),
                half=kv_elem_bytes == 2.0)
