@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 
+from waferline.argtypes import positive_int
+from waferline.errors import WaferlineError
+from waferline.files import write_text_atomic
 from waferline.spec.configs import spec_from_pretrained
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,19 +59,31 @@ def main() -> int:
     )
     ap.add_argument("--recalibrate", action="store_true")
     ap.add_argument("--grid", default="default")
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per Plan and pass; the fastest counts")
-    ap.add_argument("--passes", type=int, default=2, help="passes over the grid; each Plan's fastest pass counts")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="timed runs per Plan and pass; the fastest counts")
+    ap.add_argument("--passes", type=positive_int, default=2,
+                    help="passes over the grid; each Plan's fastest pass counts")
     args = ap.parse_args()
+    try:
+        return _run(args)
+    except WaferlineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from waferline.sim.twin import cached_hardware, render, run_twin
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import cached_hardware, load_grid, render, run_twin
 
     con = Console(width=200)
-    RESULTS.mkdir(parents=True, exist_ok=True)
     src = Path(args.hardware or cached_hardware(recalibrate=args.recalibrate))
+    HostParams.load(src)  # a calibration, and the grid, before anything is run or replaced
+    load_grid(args.grid)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     hw = RESULTS / "twin_host.yaml"  # the calibration these tables were predicted with, kept beside them
     if src.resolve() != hw.resolve():
-        shutil.copyfile(src, hw)
+        write_text_atomic(hw, src.read_text())
     for name in args.models:
         path = ROOT / "models" / "sol-mini" if name == "sol-mini" else dsv3_checkpoint()
         spec = spec_from_pretrained(path)
@@ -82,7 +96,7 @@ def main() -> int:
                        progress=lambda what, frac: print(f"  [{frac * 100:3.0f}%] {what}", file=sys.stderr, flush=True))
         res["wall_s"] = time.perf_counter() - t
         out = RESULTS / f"twin_{name}.json"
-        out.write_text(json.dumps(res, indent=1))
+        write_text_atomic(out, json.dumps(res, indent=1))
         render(res, con)
         con.print(f"wrote {out} ({res['wall_s']:.0f} s)")
     return 0

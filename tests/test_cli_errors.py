@@ -252,6 +252,31 @@ def test_demo_refuses_draft_tokens_without_speculation(capsys):
     assert "--num-speculative-tokens needs --speculative" in _one_error_line(capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("argv, message", [
+    # (these ran their work first, then failed with a traceback: a minute's fit, a combine; the demo's folder)
+    (["calibrate", "--published", "--out", "/proc/fit.yaml"], "--out /proc/fit.yaml: cannot write in /proc"),
+    (["calibrate", "--combine", "A.yaml", "B.yaml", "--out", "/proc/c.yaml"], "--out /proc/c.yaml: cannot write"),
+    (["demo", "--out", "/proc/demo", "--no-report"], "cannot write in /proc"),
+    # (a given calibration is used as it is: --recalibrate did nothing, without a word)
+    (["twin", "--model", "models/sol-mini", "--hardware", "h.yaml", "--recalibrate"], "--recalibrate re-measures"),
+], ids=lambda x: x if isinstance(x, str) else " ".join(x[:2]))
+def test_work_that_could_not_be_written_is_refused_before_it_runs(capsys, monkeypatch, argv, message):
+    import waferline.sim.fit as fit_mod
+
+    def no_fit(*a, **k):
+        raise AssertionError("the fit ran before --out was checked")
+
+    monkeypatch.setattr(fit_mod, "fit", no_fit)
+    assert main(argv) == 2
+    assert message in _one_error_line(capsys.readouterr().err)
+
+
+def test_fit_counts_below_their_range_are_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--published", "--iters", "-5", "--out", "/tmp/never.yaml"])
+    assert e.value.code == 2 and "--iters: expected an integer >= 1, got -5" in capsys.readouterr().err
+
+
 def test_flags_in_their_modes_still_run(llama, capsys):
     assert main(["generate", "--model", str(llama), "--prompt-ids", "1 2 3", "--max-tokens", "1", "--temperature",
                  "0.7", "--top-p", "0.9", "--top-k", "5", "--seed", "3", "--weight-bits", "4",

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import counted
+from waferline.files import write_text_atomic
 
 DEFAULT_PROMPT = "ROMEO.\nWhat light is this that breaks upon the wafer?\n"
 BUNDLED = Path(__file__).resolve().parents[2] / "models" / "sol-mini"
@@ -298,12 +299,15 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     console = Console(stderr=json_out)
     prompt = prompt or DEFAULT_PROMPT
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     ckpt = Path(model) if model else BUNDLED
     if model and not (ckpt / "config.json").is_file():
         from waferline.errors import ConfigError
 
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
+    from waferline.files import check_writable
+
+    check_writable(out / "demo.json", "--out")  # (before the work: a directory that cannot be made fails here)
+    out.mkdir(parents=True, exist_ok=True)
     bundled = model is None and (ckpt / "model.safetensors").is_file()
     trained = model is not None or bundled  # (a checkpoint given: whatever its weights are, the demo runs them)
     what = "trained sol-mini" if bundled else f"checkpoint {ckpt.name}" if model else "RANDOM weights"
@@ -485,7 +489,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         path = rep.write(out / "waferline-report.html")
         summary["report"] = str(path)
         console.print(f"report: {path}")
-    (out / "demo.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(out / "demo.json", json.dumps(summary, indent=2))
     if json_out:
         print(json.dumps(summary))
     return 0

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from waferline.argtypes import positive_float, positive_int
+from waferline.argtypes import nonnegative_int, positive_float, positive_int
+from waferline.files import check_writable
 from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params
 
 
@@ -47,6 +48,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.measure or args.published is None:  # measure this host (the default)
         return _calibrate_host(args)
     data = args.published or _default_data()  # --published alone: the shipped published results
+    check_writable(args.out or FITTED_PATH)  # (before the fit's minute, not after it)
     with _progress_bar(args.json) as say:
         params, report = fit(data, base=_load_params(args), restarts=args.restarts or 0,
                              iters=200 if args.iters is None else args.iters,
@@ -114,7 +116,7 @@ def _combine_calibrations(args: argparse.Namespace) -> int:
     from waferline.sim.calibrate.hardware_yaml import write_combined_yaml
     from waferline.sim.host import HostParams
 
-    out = Path(args.out or "hardware-host.yaml")
+    out = check_writable(args.out or "hardware-host.yaml")
     write_combined_yaml(out, args.combine)
     host = HostParams.load(out)  # the result loads like any calibration
     summary = {
@@ -137,7 +139,6 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     """`waferline calibrate [--quick] [--out FILE]`: measure this host, write its hardware YAML."""
     import time
 
-    from waferline.files import check_writable
     from waferline.sim.calibrate.hardware_yaml import write_host_yaml
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
@@ -237,9 +238,13 @@ def _calibrate_host(args: argparse.Namespace) -> int:
 def cmd_twin(args: argparse.Namespace) -> int:
     """Run the engine on a grid of Plans and predict each with the simulator calibrated to this host."""
     from waferline.errors import ConfigError
-    from waferline.files import check_writable, write_text_atomic
+    from waferline.files import write_text_atomic
     from waferline.sim.twin import render, run_twin
 
+    if args.recalibrate and args.hardware:  # (a given calibration is used as it is: nothing would be re-measured)
+        from waferline.errors import UsageError
+
+        raise UsageError("--recalibrate re-measures this host for a twin without --hardware; drop one of them")
     if args.out:  # before the grid's tens of minutes, not after them
         check_writable(args.out)
     with _progress_bar(args.json) as say:
@@ -295,9 +300,9 @@ def register(subparsers: Any) -> None:
         "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
     )
     c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
-    c.add_argument("--restarts", type=int, default=None,
+    c.add_argument("--restarts", type=nonnegative_int, default=None,
                    help="with --published: Nelder-Mead polishes after the Levenberg-Marquardt fit (default 0)")
-    c.add_argument("--iters", type=int, default=None,
+    c.add_argument("--iters", type=positive_int, default=None,
                    help="with --published: most Levenberg-Marquardt iterations (default 200)")
     c.add_argument("--bootstrap", type=int, default=None, metavar="N",
                    help="with --published: refit on N resamples of the rows and store the parameter sets for "

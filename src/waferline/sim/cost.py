@@ -284,7 +284,9 @@ class SimParams:
         text = yaml.safe_dump(d, sort_keys=False)
         if bs:  # one line per set
             text += yaml.safe_dump({"bootstrap": bs}, sort_keys=False, default_flow_style=None, width=200)
-        Path(path).write_text((header + "\n" if header else "") + text)
+        from waferline.files import write_text_atomic
+
+        write_text_atomic(path, (header + "\n" if header else "") + text, make_parents=True)  # (whole or not at all)
 
 
 _PARAMS_CACHE: dict[str, SimParams] = {}
