@@ -109,6 +109,14 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     hw = args.hardware
+    from waferline.errors import WaferlineError
+    from waferline.spec.catalog import load_hardware
+
+    try:  # (an unknown id is said here: below, a placement's ConfigError reads as "does not fit")
+        load_hardware(hw)
+    except WaferlineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out: dict = {"hardware": hw, "sla_ms": SLA_S * 1e3, "context": CONTEXT, "weight_bits": 8, "kv_bits": 8,
                  "reported_tok_s_per_gpu": REPORTED, "models": {}, "afd_loses": {}}
     print(f"Decode tokens/s per GPU on {hw}, FP8 weights and KV, 4K context, TPOT <= {SLA_S * 1e3:.0f} ms "

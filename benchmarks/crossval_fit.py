@@ -16,7 +16,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--data", default=str(PUBLISHED_PATH))
     ap.add_argument("--by", default="both", choices=(*CROSS_VALIDATE, "both"))
-    ap.add_argument("--out", default="benchmarks/results/crossval_fit.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "crossval_fit.json"))
     args = ap.parse_args()
     out = {}
     for by in CROSS_VALIDATE if args.by == "both" else (args.by,):
@@ -35,4 +35,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from waferline.errors import WaferlineError
+
+    try:
+        main()
+    except WaferlineError as e:  # (a bad --hardware, --data or --weight-bits: one line, as the CLI says it)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

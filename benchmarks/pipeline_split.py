@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--weight-bits", type=int, choices=(16, 4), default=16,
                     help="4: every engine of the run loads an int4 checkpoint (RTN, group 128, quantized once "
                     "next to the model)")
-    ap.add_argument("--out", default="benchmarks/results/pipeline_split.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline_split.json"))
     args = ap.parse_args()
     if args.model is None:
         from decode_speed_models import CACHE, build_checkpoint

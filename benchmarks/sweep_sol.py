@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--max-devices", type=int, default=200)
     ap.add_argument("--prompt-len", type=int, default=1000)
     ap.add_argument("--output-len", type=int, default=500)
-    ap.add_argument("--out", default="benchmarks/results/sweep_sol.json")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sweep_sol.json"))
     args = ap.parse_args()
     for name in VARIANTS:  # parse configs outside the timed region (catalog cache)
         load_model(name)
@@ -93,4 +93,12 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from waferline.errors import WaferlineError
+
+    try:
+        main()
+    except WaferlineError as e:  # (a bad --hardware, --data or --weight-bits: one line, as the CLI says it)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from waferline.errors import CheckpointError, ConfigError
+from waferline.files import check_writable
 from waferline.model.quant.calibration import SequentialCalibration, calibration_tokens
 from waferline.model.quant.formats import _qconfig
 from waferline.model.quant.mapping import _group_ids, _groups_line_up, _used_tensors, trace_layer
@@ -81,7 +82,6 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
                    force: bool = False) -> Any:
     """What ``quantize_checkpoint`` checks before any work (the source's config and weight files, the options, where
     it will write): a ConfigError naming the first problem, else the source's ModelSpec."""
-    import os
     from pathlib import Path
 
     from waferline.model.load import checkpoint_files
@@ -103,11 +103,15 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
         raise ConfigError(
             "GPTQ needs calibration data: pass --calibration FILE (text, or whitespace-separated token ids)"
         )
+    if calibration and not Path(calibration).is_file():  # (said before the model loads, not after)
+        raise ConfigError(f"--calibration {calibration}: no such file")
     parent = out_dir.resolve().parent  # (where the checkpoint will be written: checked before the work, not after)
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"cannot write {out_dir}: {parent} is not a writable directory")
+    try:  # (a file made and removed there: what permissions, a read-only file system or /proc allow, root included)
+        check_writable(out_dir.resolve().parent / f".{out_dir.name}.new")
+    except ConfigError:
+        raise ConfigError(f"cannot write {out_dir}: {parent} is not a writable directory") from None
     spec = spec_from_pretrained(model_dir)
     checkpoint_files(model_dir)  # (no weight files: said here, not after loading starts)
     return spec
