@@ -400,3 +400,25 @@ def test_a_layer_split_over_devices_gets_enough_for_a_cache_it_cannot_split():
         assert plan.fits, (context, plan.problems[:1])
         counts.append(plan.num_devices)
     assert counts == sorted(counts)
+
+
+def test_the_fewest_stages_that_fit_are_found_in_few_splits(monkeypatch):
+    # a model whose memory bound is far below the stage count it needs: stage counts tried one after another (each a
+    # split of every layer) made a 20,000-layer config take minutes; doubling then halving finds the same count
+    import waferline.plan.place as pl
+    from waferline.spec.configs import parse_hf_config
+
+    calls = [0]
+    split = pl._balanced_split
+
+    def counted(*a, **k):
+        calls[0] += 1
+        return split(*a, **k)
+
+    monkeypatch.setattr(pl, "_balanced_split", counted)
+    spec = parse_hf_config({"model_type": "llama", "hidden_size": 65536, "num_hidden_layers": 3000,
+                            "num_attention_heads": 64, "num_key_value_heads": 8, "intermediate_size": 131072,
+                            "vocab_size": 32000, "max_position_embeddings": 4096}, "huge")
+    p = pl.place(spec, "h100-sxm")
+    assert p.fits and p.num_stages == 375  # (the count the one-by-one scan found: 31 splits, now 14)
+    assert calls[0] <= 16

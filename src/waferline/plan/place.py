@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -142,15 +143,24 @@ def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_e
         lo, hi = (lo, mid) if cuts(mid) else (mid, hi)
     starts = cuts(hi) or [0]
     bounds = starts + [len(parts)]
-    groups = [parts[bounds[i]:bounds[i + 1]] for i in range(len(starts))]
-    while len(groups) < n:  # use every device: split the largest splittable group
-        gi = max(
-            (i for i, g in enumerate(groups) if len(g) > 1), key=lambda i: sum(p.weights + p.cache for p in groups[i])
-        )
-        g = groups[gi]
-        half = len(g) // 2
-        groups[gi:gi + 1] = [g[:half], g[half:]]
-    return groups
+    # use every device: split the largest splittable group (the first of equals) in halves until there are n; a heap
+    # of (-memory, start, end) (a scan of every group per split made this O(parts^2))
+    def entry(a: int, b: int) -> tuple[float, int, int]:
+        return -sum(p.weights + p.cache for p in parts[a:b]), a, b
+
+    heap = [entry(bounds[i], bounds[i + 1]) for i in range(len(starts))]
+    done = [h for h in heap if h[2] - h[1] <= 1]
+    heap = [h for h in heap if h[2] - h[1] > 1]
+    heapq.heapify(heap)
+    while len(heap) + len(done) < n:
+        _, a, b = heapq.heappop(heap)
+        half = a + (b - a) // 2
+        for h in (entry(a, half), entry(half, b)):
+            if h[2] - h[1] > 1:
+                heapq.heappush(heap, h)
+            else:
+                done.append(h)
+    return [parts[a:b] for _, a, b in sorted(heap + done, key=lambda h: h[1])]
 
 
 def _greedy_pack(
@@ -519,13 +529,29 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
         if fits(g):
             return mk_stages(g, "full", 0, 0, True)
     tp = sizes[-1]
-    pp = max(2, math.ceil(total / (tp * (hw.memory_bytes * (1 - hw.reserve_fraction) - act))))
-    while pp <= len(parts):
-        g = build(tp, pp)
+    last = build(tp, len(parts))
+    if not fits(last):  # one part a stage does not fit either: no stage count does (a scan of them all was O(parts^2))
+        return mk_stages(last, "full", 0, 0, True)
+    # the fewest stages that fit, from the memory's lower bound: more stages never hold more a stage (each split
+    # minimises its largest group), so steps doubling to the first count that fits, then halving back between it and
+    # the last that did not (one count after another was O(parts^2) where the bound is far off)
+    lo = min(max(2, math.ceil(total / (tp * (hw.memory_bytes * (1 - hw.reserve_fraction) - act)))), len(parts)) - 1
+    step, hi = 1, None
+    while hi is None:
+        cand = min(lo + step, len(parts))
+        g = build(tp, cand)
         if fits(g):
-            return mk_stages(g, "full", 0, 0, True)
-        pp += 1
-    return mk_stages(build(tp, len(parts)), "full", 0, 0, True)
+            hi, best = cand, g
+        else:
+            lo, step = cand, 2 * step
+    while hi - lo > 1:  # lo does not fit, hi does
+        mid = (lo + hi) // 2
+        g = build(tp, mid)
+        if fits(g):
+            hi, best = mid, g
+        else:
+            lo = mid
+    return mk_stages(best, "full", 0, 0, True)
 
 
 def _head_split(spec: ModelSpec) -> int:
