@@ -892,3 +892,12 @@ def test_a_per_token_time_is_measured_again_while_the_difference_is_not_positive
     assert got == pytest.approx((0.006 - 0.002) / 4) and llm.calls == 8  # (4 rounds: 2 more than asked)
     llm = Clocked()
     assert _per_token(llm, [[1, 2]], 4, lambda: llm.t, 1) <= 0 and llm.calls == 2 * PER_TOKEN_MAX_ROUNDS  # (gives up)
+
+
+def test_a_hardware_yaml_without_a_calibration_says_so():
+    # (a catalog device's YAML read as a host calibration: "host_engine is missing 'engine'", of a section it lacks)
+    from waferline.sim.host_params import HostParams
+    from waferline.spec.hardware import catalog_dir
+
+    with pytest.raises(ConfigError, match="wse-3.yaml: no host_engine section; run `waferline calibrate`"):
+        HostParams.load(catalog_dir() / "wse-3.yaml")

@@ -177,7 +177,7 @@ class HostParams:
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "<host_engine>") -> HostParams:
         he = d.get("host_engine") if "host_engine" in d else d
-        if not isinstance(he, dict):
+        if not isinstance(he, dict) or ("host_engine" not in d and "engine" not in d):  # (e.g. a catalog device's YAML)
             raise ConfigError(
                 f"{where}: no host_engine section; run `waferline calibrate` on this machine to write one"
             )
