@@ -143,7 +143,7 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
 
-    out = check_writable(args.out or "hardware-host.yaml")  # before the ~2 min of probes
+    out = check_writable(args.out or "hardware-host.yaml")  # before the ~2-3 min of probes
     t0 = time.perf_counter()
     with _progress_bar(args.json) as say:
         d = write_host_yaml(out, quick=args.quick, progress=say, pipeline=False if args.no_pipeline else None)
@@ -271,7 +271,7 @@ def register(subparsers: Any) -> None:
     c = subparsers.add_parser(
         "calibrate",
         help="measure this host and write its hardware YAML (or --published: re-fit the simulator)",
-        description="Without --published: measure this machine (~1-2 min) -- copy bandwidth, fp32/bf16/int4 "
+        description="Without --published: measure this machine (~2-3 min) -- copy bandwidth, fp32/bf16/int4 "
         "matmul and GEMV speed, the fused operators' rates, the engine's per-op, per-step and per-product decode "
         "and prefill overheads, the gloo link between two "
         "local processes and the pipeline's per-hop overhead (and CUDA numbers when a GPU is present) -- and "
@@ -349,7 +349,7 @@ def register(subparsers: Any) -> None:
         "--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists"
     )
     tw.add_argument("--timeout", type=positive_float, default=300.0,
-                    help="seconds per Plan before its engine run is killed")
+                    help="seconds per Plan before its engine run is killed (default 300)")
     tw.add_argument(
         "--no-canary",
         action="store_true",
