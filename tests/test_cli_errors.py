@@ -95,6 +95,15 @@ def test_quantize_refuses_an_out_that_would_destroy_the_model(tmp_path, llama, c
     assert (other / "todo.txt").read_text() == "keep me"
 
 
+def test_quantize_checks_where_it_writes_and_its_calibration_before_loading(tmp_path, llama, capsys):
+    # (as root a permission check passed for /proc: the whole model was quantized, then the write failed)
+    assert main(["quantize", "--model", str(llama), "--out", "/proc/q4"]) == 2
+    assert "cannot write /proc/q4: /proc is not a writable directory" in _one_error_line(capsys.readouterr().err)
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--method", "gptq",
+                 "--calibration", str(tmp_path / "nosuch.txt")]) == 2
+    assert "--calibration" in _one_error_line(capsys.readouterr().err) and not (tmp_path / "q").exists()
+
+
 def test_quantize_flags_that_would_do_nothing_are_refused(tmp_path, llama, capsys):
     calib = tmp_path / "calib.txt"
     calib.write_text("1 2 3 4")

@@ -145,10 +145,10 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
     under a sliding window). On a CPU (model/attention.py attend_prefill_cpu) that is torch's fused attention in fp32:
     2 FLOPs per query head, key and channel in each of its two products (MLA's latents serve as keys and values whole,
     the values' extra rope channels dropped after), the keys and values read in fp32, a 16-bit cache's keys cast to
-    fp32 first (``kv_elem_bytes``: the cache's bytes per element; 4: no cast), and the mask inverted and made
-    additive. A layer with attention sinks runs attend()'s chain: its two matmuls (the spec's attention FLOPs per key)
-    write and read back the scores, and scale, mask and softmax passes go over them. Recurrent mixers (Mamba, linear
-    attention) carry a fixed-size state: nothing grows."""
+    fp32 first (``kv_elem_bytes``: the cache's bytes per element; 4: no cast), and the mask inverted and read (torch
+    makes it additive inside the op the counter sees). A layer with attention sinks runs attend()'s chain: its two
+    matmuls (the spec's attention FLOPs per key) write and read back the scores, and scale, mask and softmax passes go
+    over them. Recurrent mixers (Mamba, linear attention) carry a fixed-size state: nothing grows."""
     from waferline.spec.model import AttentionSpec, MLASpec
 
     w = Work()
@@ -178,8 +178,8 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
         qk = float(rows * tokens * keys)
         elems = qk * m.num_heads
         width = m.cache_elems_per_token()
+        flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))  # (the spec's)
         if isinstance(m, AttentionSpec) and m.sinks:
-            flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
             # the matmuls also read the keys (and values) the queries score, cast to fp32: 2 x the cached width, 4 B
             w.mm_flops["fp32"] = w.mm_flops.get("fp32", 0.0) + flops
             w.mm_bytes["fp32"] = w.mm_bytes.get("fp32", 0.0) + elems * SCORE_MATMUL_BYTES + rows * keys * width * 8.0
@@ -188,10 +188,9 @@ def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens
             ew(elems * SCORE_PASS_BYTES, whole)
             ew(qk * MASK_BYTES, whole / m.num_heads / 2.0)
             continue
-        # the spec's attention FLOPs per key; MLA's latents also serve as values whole (their rope channels too, the
-        # output's dropped after): 2 FLOPs per score and rope channel more. The op reads its keys and values in fp32
-        # (MLA's one latent tensor passed as both) and the mask
-        flops = rows * tokens * (m.attention_flops(start + tokens) - m.attention_flops(tokens))
+        # MLA's latents also serve as values whole (their rope channels too, the output's dropped after): 2 FLOPs per
+        # score and rope channel more than the spec's. The op reads its keys and values in fp32 (MLA's one latent
+        # tensor passed as both) and the mask
         if isinstance(m, MLASpec):
             flops += 2.0 * elems * m.qk_rope_head_dim
             read = 2 * width

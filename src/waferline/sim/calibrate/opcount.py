@@ -383,7 +383,7 @@ class OpCounter:
         elif name in _FUSED_ATTENTION and outs:  # torch's fused attention: its two products, the scores never stored
             q, k, v = ins[0], ins[1], ins[2]  # [B, heads, T, dk], [B, kv heads, L, dk], [B, kv heads, L, dv]
             dt = "fp32" if q.dtype == torch.float32 else "bf16"
-            flops = 2.0 * q.numel() // max(1, q.shape[-1]) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+            flops = 2.0 * (q.numel() // max(1, q.shape[-1])) * k.shape[-2] * (q.shape[-1] + v.shape[-1])
             w[f"mm_bytes_{dt}"] = w.get(f"mm_bytes_{dt}", 0.0) + nbytes
             w[f"mm_flops_{dt}"] = w.get(f"mm_flops_{dt}", 0.0) + flops
         elif name in _MATMUL_OPS and outs:
