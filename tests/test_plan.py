@@ -149,6 +149,41 @@ def test_context_capacity_orders_kv_variants():
     assert caps["mla"] > 1_000_000
 
 
+def test_the_capacities_reported_fit_when_placed():
+    """The batch and context capacities count the tested batch's activations and the drafter's cache at the tested
+    context and batch: placing what they report fits, one more does not."""
+    from waferline.plan.place import batch_capacity
+    from waferline.sim.cost import load_params
+    from waferline.sim.pipeline import drafter_memory, plan_drafter
+
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=256)
+    n = batch_capacity(plan, "llama-3.1-8b", 256)
+    assert n > 512  # (past the prefill chunk: the workspace grows with the batch)
+    assert place("llama-3.1-8b", "h100-sxm", devices=1, context=256, batch=n).fits
+    assert not place("llama-3.1-8b", "h100-sxm", devices=1, context=256, batch=n + 1).fits
+
+    params, sp, spec = load_params(), SpeculativeConfig(method="eagle"), load_model("llama-3.1-70b")
+
+    def placed(context):
+        d = drafter_memory(spec, sp, params, weight_bits=8, kv_bits=16, embed_bits=16, group_size=128,
+                           context=context, batch=1)
+        return place("llama-3.1-70b", "h200-sxm", devices=2, weight_bits=8, context=context, speculative=sp,
+                     drafter=d)
+
+    plan = placed(32768)
+    mc = context_capacity(plan, spec, plan_drafter(plan, params))
+    assert placed(mc).fits and not placed(mc + 1).fits
+    assert context_capacity(plan, spec) > mc  # (without the drafter's cache: more than fits)
+
+
+def test_a_tensor_parallel_stage_stays_inside_a_node():
+    """--layers-per-stage with more devices than a node: the tensor-parallel group is capped at the node (its
+    all-reduces priced on the node's links), the rest said to be idle."""
+    plan = place("llama-3.1-70b", "h100-sxm", devices=64, layers_per_stage=80)
+    assert plan.num_stages == 1 and plan.stages[0].num_devices == 8
+    assert any("56 of 64 devices left idle" in n for n in plan.notes)
+
+
 def test_afd_splits_attention_and_ffn():
     plan = place("deepseek-v3", "wse-3", weight_bits=4, afd=True)
     roles = {s.role for s in plan.stages}
@@ -192,8 +227,8 @@ def test_config_json_path_is_accepted(tmp_path):
 def test_gqa_cache_is_not_split_below_one_kv_head_per_device():
     spec = load_model("llama-3.1-70b")  # 8 KV heads
     per_seq = spec.cache_bytes_per_seq(8192)
-    p8 = place(spec, "b200", devices=8, context=8192)
-    p16 = place(spec, "b200", devices=16, layers_per_stage=80, context=8192)
+    p8 = place(spec, "gb200-nvl72", devices=8, context=8192)
+    p16 = place(spec, "gb200-nvl72", devices=16, layers_per_stage=80, context=8192)  # (one NVLink domain of 72)
     assert p16.num_stages == 1 and p16.stages[0].num_devices == 16
     assert p8.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)
     assert p16.stages[0].memory.cache == pytest.approx(per_seq / 8, rel=1e-6)  # replicated, not /16

@@ -200,9 +200,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = _make_plan(args, args.context or 4096)
     if args.out:
         plan.save(args.out)
+    from waferline.sim.pipeline import plan_drafter
+
     spec = load_model(args.model)
-    max_ctx = context_capacity(plan, spec) if plan.fits else 0
-    max_batch = batch_capacity(plan, spec, plan.context_len) if plan.fits else 0
+    drafter = plan_drafter(plan, _load_params(args))  # (its cache grows with the context and batch searched)
+    max_ctx = context_capacity(plan, spec, drafter) if plan.fits else 0
+    max_batch = batch_capacity(plan, spec, plan.context_len, drafter) if plan.fits else 0
     if args.json:
         d = plan.to_dict()
         d["max_context_per_sequence"] = max_ctx

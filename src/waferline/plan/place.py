@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -500,7 +501,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
         tp = min(devices, hw.devices_per_node)
         if k is not None:
             n_st = math.ceil(len(parts) / k)
-            tp = max(1, devices // n_st)
+            tp = max(1, min(devices // n_st, hw.devices_per_node))  # (a group's all-reduces run on the node's links)
             pp = n_st
         else:
             pp = max(1, devices // tp)
@@ -587,8 +588,14 @@ def explain(plan: Plan) -> list[str]:
     return out
 
 
-def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: int) -> bool:
+def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: int,
+                drafter: Callable[[int, int], float] | None = None) -> bool:
+    """Whether every stage of ``plan`` holds ``batch`` sequences of ``ctx`` tokens: its weights, their cache, the
+    activation workspace of that batch, and (``drafter``: bytes at (context, batch), sim.pipeline.drafter_memory) its
+    drafter's cache beside the LM head, which the plan sized for its own context and batch."""
     by_index = {layer.index: layer for layer in spec.layers}
+    act = _activation_bytes(spec, batch, DEFAULT_PREFILL_CHUNK)
+    grow = drafter(ctx, batch) - drafter(plan.context_len, plan.batch) if drafter else 0.0
     for s in plan.stages:
         if s.role == "ffn":
             continue
@@ -600,7 +607,8 @@ def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: 
             )
             for i in s.layers
         )
-        if s.memory.weights + cache + s.memory.activations + s.memory.reserve > hw.memory_bytes:
+        weights = s.memory.weights + (grow / s.num_devices if s.has_lm_head else 0.0)
+        if weights + cache + act + s.memory.reserve > hw.memory_bytes:
             return False
     return True
 
@@ -646,15 +654,15 @@ CONTEXT_SEARCH_LIMIT = 1 << 34  # context_capacity searches up to this many toke
 BATCH_SEARCH_LIMIT = 1 << 24  # batch_capacity's, in sequences
 
 
-def context_capacity(plan: Plan, model: Any) -> int:
+def context_capacity(plan: Plan, model: Any, drafter: Callable[[int, int], float] | None = None) -> int:
     """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights (CONTEXT_SEARCH_LIMIT:
-    at least that)."""
+    at least that); ``drafter``: its drafter's bytes at (context, batch), as ``_fits_cache`` takes them."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch), CONTEXT_SEARCH_LIMIT)
+    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch, drafter), CONTEXT_SEARCH_LIMIT)
 
 
-def batch_capacity(plan: Plan, model: Any, context: int) -> int:
-    """Most sequences of ``context`` tokens whose cache every stage of ``plan`` can hold next to its weights
-    (BATCH_SEARCH_LIMIT: at least that)."""
+def batch_capacity(plan: Plan, model: Any, context: int, drafter: Callable[[int, int], float] | None = None) -> int:
+    """Most sequences of ``context`` tokens whose cache and activations every stage of ``plan`` can hold next to its
+    weights (BATCH_SEARCH_LIMIT: at least that); ``drafter`` as for ``context_capacity``."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b), BATCH_SEARCH_LIMIT)
+    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b, drafter), BATCH_SEARCH_LIMIT)

@@ -24,6 +24,8 @@ from waferline.sim.result import SimResult, StageTiming
 from waferline.spec.hardware import HardwareSpec
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from waferline.spec.model import ModelSpec
 
 PREFILL_CHUNK = 512
@@ -204,6 +206,19 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     head = _eagle_head(spec, embed_bits)[1] if method == "eagle" else 0.0
     return (spec.mtp_weight_bytes(weight_bits, group_size, layers) + head
             + batch * sum(lc.cache_bytes_per_seq(context, kv_bits) for lc in layers)), f"{what} and its cache"
+
+
+def plan_drafter(plan: Plan, params: SimParams) -> Callable[[int, int], float] | None:
+    """The bytes ``plan``'s drafter adds beside the LM head at (context, batch), for the capacity searches
+    (plan.place.batch_capacity / context_capacity); None when it drafts on the host (n-grams) or does not draft."""
+    if plan.speculative.method in ("none", "ngram"):
+        return None
+    from waferline.spec.catalog import load_model
+
+    spec = load_model(plan.model)
+    return lambda context, batch: drafter_memory(
+        spec, plan.speculative, params, weight_bits=plan.weight_bits, kv_bits=plan.kv_bits,
+        embed_bits=plan.embed_bits, group_size=plan.group_size, context=context, batch=batch)[0]
 
 
 def _rate_method(ctx: _Ctx) -> str:

@@ -440,6 +440,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     requests in flight and in the queue.
     """
     from waferline.plan.place import batch_capacity
+    from waferline.sim.pipeline import plan_drafter
     from waferline.spec.catalog import load_hardware, load_model
 
     if users is not None:
@@ -469,7 +470,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
     if expert_skew > 0 and not any(getattr(layer.ffn, "num_experts", 0) for layer in spec.layers):
         raise ConfigError(f"expert skew is for MoE models; {spec.name} has no routed experts")
-    cap = max_batch or batch_capacity(plan, spec, P + O)
+    cap = max_batch or batch_capacity(plan, spec, P + O, plan_drafter(plan, params))
     if cap < 1:
         raise ConfigError(
             f"not even one sequence of {P + O} tokens fits next to the weights; plan more devices or a shorter context"
