@@ -167,6 +167,16 @@ def test_measured_host_yaml_loads_and_plans(tmp_path):
     (lambda d: d["links"]["scale_up"].update(latncy=1e-6), "unknown field 'latncy' in link 'scale_up'"),
     (lambda d: d["device"].update(memory_bytes={"value": 2e11, "sorce": "x"}),
      "unknown field 'sorce' in memory_bytes (did you mean 'source'?)"),
+    # a non-number inside {value, source}: one line, not a traceback
+    (lambda d: d["device"].update(memory_bytes={"value": "80GB", "source": "x"}),
+     "field 'memory_bytes' must be a number, got '80GB'"),
+    (lambda d: d["device"].update(memory_bytes={"value": None, "assumed": "x"}), "must be a number, got None"),
+    # a unit slip: TB/s where bytes/s is meant predicted 2e-10 tok/s; 1e-300 crashed with ZeroDivisionError
+    (lambda d: d["device"].update(memory_bandwidth=3.35),
+     "field 'memory_bandwidth' is in bytes/s; 3.35 is under 1e+09 (a unit slip?)"),
+    (lambda d: d["device"].update(memory_bandwidth=1e-300), "'memory_bandwidth' is in bytes/s; 1e-300 is under"),
+    (lambda d: d["device"]["flops"].update(bf16=989), "field 'flops.bf16' is in FLOP/s; 989 is under"),
+    (lambda d: d["links"]["scale_up"].update(latency=2), "is in seconds; 2 is over 1 (a unit slip?)"),
     # a wafer without its mesh would silently drop the fabric term
     (lambda d: d.update(kind="wafer"), "kind wafer needs device.cores and links.on_chip"),
     (lambda d: (d.update(kind="wafer"), d["device"].update(cores=1000)), "kind wafer needs links.on_chip ("),

@@ -60,6 +60,10 @@ def test_simulate_refuses_a_workload_the_memory_was_not_sized_for(plan_file, cap
     (lambda d: d["stages"][0].update(layers=[0, 0, *range(2, 32)]), "[0] placed other than 1x"),
     (lambda d: d["stages"][0].update(device="nosuch"), "plan stages are on nosuch, not on h100-sxm"),
     (lambda d: d["stages"][0]["memory"].update(capacity="big"), "memory capacity must be a number >= 0"),
+    # two stages on one device: each fitted alone (both halves of a model on one GPU were said to fit)
+    (lambda d: d["stages"].append({**d["stages"][0], "index": 1, "layers": d["stages"][0]["layers"][16:]})
+     or d["stages"][0].update(layers=d["stages"][0]["layers"][:16]), "plan stages 0 and 1 both use device 0"),
+    (lambda d: d.update(speculative={"method": "mtp", "num_tokens": 1000}), "num speculative tokens must be 0-32"),
 ])
 def test_a_plan_file_that_does_not_place_the_model_is_refused(plan_file, capsys, edit, message):
     d = json.loads(plan_file.read_text())

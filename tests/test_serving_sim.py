@@ -254,6 +254,10 @@ def test_expert_load_factor_is_the_busiest_rank_not_the_hottest_expert():
         fs = [expert_load_factor(E, K, s, ranks=r) for r in (1, 2, 4, 8, 16, 64, 256)]
         assert fs[0] == 1.0 and fs == sorted(fs)
         assert all(f <= min(r, E / K) * (1 + 1e-9) for f, r in zip(fs, (1, 2, 4, 8, 16, 64, 256)))
+    # experts that do not split evenly (8 over 3 ranks: 3/3/2): continuous at skew 0, within the bound at any skew
+    assert expert_load_factor(8, 2, 1e-6, ranks=3) == pytest.approx(1.0, abs=1e-5)
+    assert all(expert_load_factor(8, 2, s, ranks=r) <= min(r, 4) * (1 + 1e-9) for s in (0.5, 5.0, 50.0)
+               for r in (3, 5, 7))
     # the ranks come from the plan: deepseek-v3 8-bit on one stage of 8 H200s
     ds = place("deepseek-v3", "h200-sxm", weight_bits=8, context=1100)
     assert ds.num_stages == 1 and ds.stages[0].num_devices == 8

@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from typing import Any
 
 from waferline.argtypes import int_range, nonnegative_int, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
-from waferline.sim.cost import MAX_DRAFT_TOKENS
+from waferline.plan.plan import MAX_DRAFT_TOKENS
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
 DEFAULT_DATA = "sim/data/published_results.csv, shipped with waferline"
@@ -91,11 +92,14 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 def accept_rate_arg(text: str) -> tuple[float, float]:
     """``--accept-rate``: one rate (``0.8``) or a range (``0.6:0.9``), each in [0, 1); returns (low, high)."""
-    parts = text.replace("-", ":", 1).split(":") if ":" in text or text.count("-") == 1 else [text]
     try:
-        lo, hi = (float(parts[0]), float(parts[-1])) if len(parts) <= 2 else (math.nan, math.nan)
+        lo = hi = float(text)  # (one rate, an exponent's '-' included: 5e-1)
     except ValueError:
-        lo = hi = math.nan
+        parts = re.split(r":|(?<=[0-9.])-", text)  # (a '-' right after a digit separates: 0.6-0.9, 5e-1-9e-1)
+        try:
+            lo, hi = (float(parts[0]), float(parts[-1])) if len(parts) == 2 else (math.nan, math.nan)
+        except ValueError:
+            lo = hi = math.nan
     if not (0.0 <= lo <= hi < 1.0):
         raise argparse.ArgumentTypeError(f"expected a rate in [0, 1) or a range LOW:HIGH within it, got {text!r}")
     return lo, hi

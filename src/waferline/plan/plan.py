@@ -11,6 +11,7 @@ from waferline.errors import ConfigError
 
 ROLES = ("full", "attention", "ffn")
 SPEC_METHODS = ("none", "draft", "mtp", "ngram", "eagle", "medusa")
+MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
 PLAN_VERSION = 1
 
 
@@ -91,8 +92,8 @@ class SpeculativeConfig:
             raise ConfigError(f"speculative method {self.method!r} unknown; use one of {', '.join(SPEC_METHODS)}")
         if self.accept_rate is not None and not 0.0 <= self.accept_rate < 1.0:
             raise ConfigError(f"accept rate must be in [0, 1), got {self.accept_rate}")
-        if self.num_tokens < 0:
-            raise ConfigError(f"num speculative tokens must be >= 0, got {self.num_tokens}")
+        if not 0 <= self.num_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"num speculative tokens must be 0-{MAX_DRAFT_TOKENS}, got {self.num_tokens}")
 
     @property
     def enabled(self) -> bool:
@@ -214,6 +215,12 @@ class Plan:
                                   + ", ".join(x for x in (f"missing {missing[:8]}" if missing else "",
                                                           f"{uneven[:8]} placed other than {usual}x" if uneven else "")
                                               if x))
+        owner: dict[int, int] = {}
+        for st in self.stages:  # (memory is checked per stage: two stages on one device would each seem to fit)
+            for d in st.device_ids:
+                if owner.setdefault(d, st.index) != st.index:
+                    raise ConfigError(f"plan stages {owner[d]} and {st.index} both use device {d}; give each stage "
+                                      "devices of its own")
         wrong = sorted({st.device for st in self.stages if st.device != hw.name})
         if wrong:
             raise ConfigError(f"plan stages are on {', '.join(map(str, wrong))}, not on {hw.name} ({self.hardware})")

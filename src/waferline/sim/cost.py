@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.plan.plan import MAX_DRAFT_TOKENS
 from waferline.sim.wafer import Fabric, fabric_work
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec, quantized_bytes
-
-MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
 
 if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
@@ -449,11 +448,13 @@ def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
 
 def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
                batch: int, tokens: int, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
-               spatial_resident: float | None = None) -> StepCost:
+               spatial_resident: float | None = None, resident_batch: int | None = None) -> StepCost:
     """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
 
     On a spatial (wafer) device each layer runs on its own region of cores, so a layer's bytes are read at
-    the region's share of the bandwidth: every layer costs resident-bytes-of-the-stage / bandwidth.
+    the region's share of the bandwidth: every layer costs resident-bytes-of-the-stage / bandwidth. A layer's region
+    holds its weights and the cache of every resident sequence (``resident_batch``, default ``batch``), as
+    ``spatial_resident`` counts them.
     """
     bw = hw.memory_bandwidth * prm.bw_eff
     fl = hw.peak_flops(compute_bits(weight_bits, hw)) * prm.flops_eff
@@ -484,8 +485,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         else:
             read = wbytes
         flops_all = flops * n_tok
+        held = cache * (resident_batch / batch) if resident_batch and batch else cache  # (its region's cache)
         if spatial:
-            res_layer = wbytes + cache
+            res_layer = wbytes + held
             share = max(res_layer / resident, 1e-12) if resident else 1.0
             t_mem = resident / n_dev / bw if (read + cache) > 0 else 0.0
             t_cmp = flops_all / n_dev / (fl * share)
@@ -503,7 +505,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 elems, phases = lc.fabric_mixer_elems, lc.fabric_mixer_phases
             if role != "attention":
                 elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
-            region_share = (wbytes + cache) / resident * n_dev if resident else 1.0
+            region_share = (wbytes + held) / resident * n_dev if resident else 1.0
             stream, dist = fabric.time(elems, int(phases), n_tok, region_share, prm.fabric_links)
             fab = stream + dist
         comm = 0.0

@@ -21,7 +21,24 @@ TERMS: dict[str, str] = {
     "mesh distance": "the layer's region crossed per phase, one clock cycle a hop (smaller regions: fewer hops)",
     "collectives": "all-reduce / exchange inside a stage (link bandwidth and latency)",
     "device hops": "activations between stages (link latency, fitted where the class has data)",
+    # attention/FFN disaggregation: the two sides run at once, each side's ranks in parallel
+    "attention side": "an attention rank's busy time: its layers' reads, compute and fixed latency, and the LM head",
+    "FFN side": "an FFN rank's busy time: its experts' reads, compute and fixed latency",
+    "attention-FFN transfers": "hidden states to the FFN ranks and back (link bandwidth and latency)",
 }
+
+
+def _afd_sides(r: SimResult) -> dict[str, float] | None:
+    """An attention/FFN-disaggregated result's sides, each counted once (every rank of a side carries its side's
+    totals); None for any other result."""
+    if not r.sides_overlap:
+        return None
+    first: dict[str, Any] = {}
+    for s in r.stages:
+        first.setdefault(s.role, s)
+    a = first.get("attention")
+    return {"attention side": a.total if a else 0.0, "FFN side": first["ffn"].total if "ffn" in first else 0.0,
+            "attention-FFN transfers": a.hop if a else 0.0}
 
 
 def _solve_accept(need: float, k: int) -> float | None:
@@ -44,7 +61,8 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
     """The per-token breakdown of ``r`` (one user; the step at concurrency 1 of the plan) and, for a target rate, what
     each term (alone) or speculative decoding would have to reach."""
     st = r.stages
-    parts = {
+    sides = _afd_sides(r)
+    parts = sides if sides is not None else {
         "weights and cache read": sum(s.memory for s in st),
         "compute": sum(max(0.0, s.compute - s.memory) for s in st),
         "fixed per layer": sum(s.fixed for s in st),
@@ -53,14 +71,16 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
         "collectives": sum(s.comm for s in st),
         "device hops": sum(s.hop for s in st),
     }
-    step = sum(parts.values())  # the stages' totals, regrouped (a layer's roofline split into read + extra compute)
+    # the stages' totals, regrouped (a layer's roofline split into read + extra compute); under AFD the sides overlap
+    # (per layer the slower side or the round trip), so the step is the simulated one and the sides add to more
+    step = r.step_latency_s if sides is not None else sum(parts.values())
     rate = r.decode_tokens_per_s_per_user
     sp = r.speculative or {}
     tokens_per_step = float(sp.get("expected_tokens_per_step", 1.0))
-    spec_step = float(sp.get("verify_s", 0.0)) + float(sp.get("draft_s", 0.0)) if sp.get("method", "none") != "none" \
-        else step
+    spec_step = tokens_per_step / rate if sp.get("method", "none") != "none" and rate > 0 else step
     out: dict[str, Any] = {
         "step_s": step,
+        "overlapped": sides is not None,
         "tokens_per_step": tokens_per_step,
         "decode_tokens_per_s_per_user": rate,
         "terms": [{"term": k, "seconds_per_step": v, "share": v / step if step else 0.0, "basis": TERMS[k]}
@@ -78,7 +98,10 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
     cut = step - need_step
     tgt["step_needed_s"] = need_step
     levers = []
-    if cut > 0:
+    if cut > 0 and sides is not None:  # overlapped sides: each one has to fit in the step
+        levers = [{"term": k, "from_s": v, "to_s": need_step, "factor": v / need_step}
+                  for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > need_step]
+    elif cut > 0:
         for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
             if v <= 0:
                 continue
@@ -89,7 +112,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
     tgt["levers"] = levers
     # when no term alone suffices: the cut shared by every term in proportion
     alone = any(lv["to_s"] is not None for lv in levers)
-    tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone else None
+    tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone and sides is None else None
     # speculative decoding: tokens each step must yield at the current step cost
     k = int(sp.get("num_tokens") or 3)
     need_tokens = target_tokens_per_s * spec_step
@@ -107,7 +130,9 @@ def render(con: Console, ex: dict[str, Any]) -> None:
     from rich.table import Table
 
     per = f"; {ex['tokens_per_step']:.2f} tokens per verify step with speculation" if ex["tokens_per_step"] > 1 else ""
-    t = Table(title=f"where one decode step goes ({ex['step_s'] * 1e6:.0f} us without speculation{per})")
+    over = "; the attention and FFN sides overlap, so their shares add to more than 100%" if ex.get("overlapped") \
+        else ""
+    t = Table(title=f"where one decode step goes ({ex['step_s'] * 1e6:.0f} us without speculation{per}{over})")
     for c in ("term", "us per step", "share", "basis"):
         t.add_column(c, justify="right" if c in ("us per step", "share") else "left")
     for row in ex["terms"]:
@@ -119,8 +144,12 @@ def render(con: Console, ex: dict[str, Any]) -> None:
     if tgt["met"]:
         con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: met ({ex['decode_tokens_per_s_per_user']:.0f})")
         return
+    which = "Each side's busy time within it:" if ex.get("overlapped") else "Any one of:"
     con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the step must fall to "
-              f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). Any one of:")
+              f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). {which}")
+    if ex.get("overlapped") and not tgt["levers"]:
+        con.print("  - neither side is busy that long: the round trips between them bound the step (more "
+                  "micro-batches in flight hide them)")
     tog = tgt.get("together")
     if tog:
         con.print(f"  - no one term is enough alone: every term {tog['fraction']:.0%} shorter "

@@ -112,7 +112,8 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
                     + hb
                 )
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
-                            lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident)
+                            lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident,
+                            resident_batch=resident_batch)
             memo[key] = sc
         if plan.afd:
             hop = _hops_out(ctx, i, act)
@@ -460,7 +461,8 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
            "ffn_compute": 0.0, "ffn_memory": 0.0, "ffn_fixed": 0.0}
     step = 0.0
     for lc, loc in zip(table, locs):
-        ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a)
+        ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a,
+                        resident_batch=resident_batch)
         T_a = ta.total
         T_f = T_c = 0.0
         if lc.index in ffn_layers:
@@ -531,4 +533,5 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
                      fits=plan.fits, concurrency=B, micro_batches=K, prompt_len=P, output_len=O, step_latency_s=step,
                      decode_tokens_per_s_per_user=rate, aggregate_tokens_per_s=rate * B, ttft_s=ttft,
                      prefill_s=ttft - params.ttft_overhead_s, end_to_end_s=ttft + (O - 1) / rate, bound=bound,
-                     stages=timings, speculative=spec_info, problems=list(plan.problems))
+                     stages=timings, speculative=spec_info, problems=list(plan.problems),
+                     sides_overlap=True)

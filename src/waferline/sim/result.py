@@ -49,6 +49,9 @@ class SimResult:
     stages: list[StageTiming] = field(default_factory=list)
     speculative: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    # attention/FFN ranks: the stages are the ranks of two sides that run at once (each rank carries its side's
+    # totals), so the step is not the sum of the stages
+    sides_overlap: bool = False
     # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
     # asked for: the planner's sweeps skip it)
     intervals: dict[str, list[float] | None] = field(default_factory=dict)

@@ -178,10 +178,12 @@ def expert_load_factor(num_experts: int, top_k: int, skew: float, ranks: int | N
     blocks -- the first ``num_experts mod ranks`` ranks one expert more, as ``plan.place.expert_split`` splits them
     and as vLLM's and SGLang's default (linear) expert placement does -- with the most popular experts numbered first,
     so the hottest experts share rank 0 (the worst case of that placement). A rank's load is the sum over its experts
-    of the chance a token picks that expert (``_inclusion``), against top_k / ranks for the mean rank. Default
-    (``ranks`` None): one rank per expert, the hottest expert's load over the mean. 1 at skew 0 (uniform routing) or on
-    one rank (a device holding every expert does their total work whatever the split); at most
-    min(ranks, E / top_k): a rank cannot take more than every token's top_k experts."""
+    of the chance a token picks that expert (``_inclusion``), against that rank's load under uniform routing (the
+    pipeline model's assumption, which prices a layer's experts as spread evenly: a rank holding one expert more than
+    another is not counted at any skew, so the factor is continuous at skew 0). Default (``ranks`` None): one rank
+    per expert, the hottest expert's load over the mean. 1 at skew 0 (uniform routing) or on one rank (a device
+    holding every expert does their total work whatever the split); at most min(ranks, E / top_k): a rank's experts
+    take at most every token's top_k picks."""
     if skew <= 0 or num_experts <= 0 or top_k <= 0:
         return 1.0
     R = num_experts if ranks is None else max(1, min(int(ranks), num_experts))
@@ -192,9 +194,9 @@ def expert_load_factor(num_experts: int, top_k: int, skew: float, ranks: int | N
     busiest, a = 0.0, 0
     for r in range(R):
         b = a + base + (1 if r < extra else 0)
-        busiest = max(busiest, sum(q[a:b]))
+        busiest = max(busiest, sum(q[a:b]) / (b - a))  # (over its uniform load: its experts x top_k / E)
         a = b
-    return max(1.0, busiest / (sum(q) / R))
+    return max(1.0, busiest * num_experts / sum(q))
 
 
 def expert_ranks(plan: Plan, hw: HardwareSpec) -> tuple[dict[int, int] | None, str]:

@@ -178,10 +178,23 @@ def _count(raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], re
 
 
 
+# Plausibility bounds of a figure in the units the files use: a value beyond one is a unit slip (TB/s written where
+# bytes/s is meant, microseconds where seconds are), refused instead of predicting 1e-10 tok/s or a day-long TTFT.
+# field suffix -> (least, most, unit)
+UNIT_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "memory_bytes": (1e6, math.inf, "bytes"),
+    "memory_bandwidth": (1e9, math.inf, "bytes/s"),
+    "flops": (1e9, math.inf, "FLOP/s"),
+    "bandwidth": (1e6, math.inf, "bytes/s per direction"),
+    "latency": (0.0, 1.0, "seconds"),
+}
+
+
 def _num(
     raw: Any, where: str, fieldname: str, sources: dict[str, Sourced], require_source: bool, *, positive: bool = True
 ) -> float:
-    """Parse ``raw`` (a number or {value, source|assumed|fitted|derived}) into a float; record its source."""
+    """Parse ``raw`` (a number or {value, source|assumed|fitted|derived}) into a float; record its source. A figure
+    named in UNIT_BOUNDS must lie within its bounds."""
     if isinstance(raw, dict):
         _check_keys(raw, FIGURE_FIELDS, where, fieldname)
         if "value" not in raw:
@@ -189,47 +202,43 @@ def _num(
                 f"{where}: field {fieldname!r} is a mapping without 'value'; write {{value: 1.0e12, source: \"...\"}}"
             )
         value = raw["value"]
-        if "source" in raw:
-            src = Sourced(float(value), str(raw["source"]), "sourced")
-        elif "derived" in raw:
-            src = Sourced(float(value), str(raw["derived"]), "derived")
-        elif "assumed" in raw:
-            src = Sourced(float(value), str(raw["assumed"]), "assumed")
-        elif "fitted" in raw:
-            src = Sourced(float(value), str(raw["fitted"]) if raw["fitted"] is not True else "fitted", "fitted")
+        kinds = [(key, kind) for key, kind in (("source", "sourced"), ("derived", "derived"), ("assumed", "assumed"),
+                                               ("fitted", "fitted")) if key in raw]
+        if kinds:
+            key, kind = kinds[0]
+            note = "fitted" if key == "fitted" and raw[key] is True else str(raw[key])
+        elif require_source:
+            raise ConfigError(
+                f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog "
+                "number needs one"
+            )
         else:
-            if require_source:
-                raise ConfigError(
-                    f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog "
-                    "number needs one"
-                )
-            src = Sourced(float(value), f"user: {where}", "user")
-    elif isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            note, kind = f"user: {where}", "user"
+    elif isinstance(raw, (int, float, str)) and not isinstance(raw, bool):
         if require_source:
             raise ConfigError(
                 f'{where}: field {fieldname!r} = {raw} has no source; write {{value: {raw}, source: "..."}} or '
                 f'{{value: {raw}, assumed: "why"}}'
             )
-        value = raw
-        src = Sourced(float(raw), f"user: {where}", "user")
-    elif isinstance(raw, str):
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {raw!r}") from None
-        if require_source:
-            raise ConfigError(f"{where}: field {fieldname!r} has no source")
-        src = Sourced(float(value), f"user: {where}", "user")
+        value, note, kind = raw, f"user: {where}", "user"
     else:
         raise ConfigError(f"{where}: field {fieldname!r} must be a number or {{value, source}}, got {raw!r}")
+    given = value
     try:
-        value = float(value)
+        value = float(value) if not isinstance(value, bool) else None
     except (TypeError, ValueError):
-        raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {value!r}") from None
+        value = None
+    if value is None:
+        raise ConfigError(f"{where}: field {fieldname!r} must be a number, got {given!r}")
     if not math.isfinite(value) or (positive and value <= 0) or (not positive and value < 0):
         raise ConfigError(
             f"{where}: field {fieldname!r} must be {'> 0' if positive else '>= 0'} and finite, got {value}"
         )
+    bound = UNIT_BOUNDS.get(fieldname.rsplit(".", 1)[-1]) or UNIT_BOUNDS.get(fieldname.split(".", 1)[0])
+    if bound and not bound[0] <= value <= bound[1]:
+        side = f"under {bound[0]:g}" if value < bound[0] else f"over {bound[1]:g}"
+        raise ConfigError(f"{where}: field {fieldname!r} is in {bound[2]}; {value:g} is {side} (a unit slip?)")
+    src = Sourced(value, note, kind)
     sources[fieldname] = src
     return value
 
