@@ -304,6 +304,53 @@ def test_a_sequence_that_hit_stores_its_later_pages_under_their_own_tokens(ckpts
     assert sch.prefix.hit_tokens == 8 + 32
 
 
+def _serve_arriving(sch, prompts, params, arrive):
+    """Each request added at its step of ``arrive``; every request's token ids when nothing is left."""
+    got = [[] for _ in prompts]
+    order, step = sorted(range(len(prompts)), key=arrive.__getitem__), 0
+    while (order or sch.has_work()) and step < 1000:
+        while order and arrive[order[0]] <= step:
+            i = order.pop(0)
+            sch.add(Sequence(f"r{next(_ids)}", list(prompts[i]), params[i],
+                             lambda ev, i=i: got[i].append(ev.token_id) if ev.token_id is not None else None))
+        if sch.has_work():
+            sch.step()
+        step += 1
+    return got
+
+
+def test_a_slot_reused_with_a_prefix_hit_reads_the_shared_pages_not_an_old_staging_copy(ckpts):
+    # d decodes in slot 0 through a staging copy of its rows, kept clean while b prefills in slot 1; d ends and c,
+    # a prefix hit, takes slot 0: its first chunk must read the shared pages, not the copy of d's rows (it did, and
+    # wrote d's stale rows back over the shared pages, so a later request with the prefix was wrong too)
+    llm = LLM(ckpts["llama"])
+    shared = list(range(40, 56))  # 16 tokens: 4 pages of 4
+    a, d, b = shared + [7, 9, 11], [3, 5, 8, 13, 21, 34, 55, 89], [60 + (i * 7) % 60 for i in range(24)]
+    c, e = shared + [99, 98, 97, 96], shared + [17, 19, 23]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (1, 3, 16, 6, 6)]
+    want = [llm.generate([p], sp)[0].token_ids for p, sp in zip([a, d, b, c, e], params)]
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=64, page_tokens=4, chunk_tokens=4,
+                                         max_num_batched_tokens=64))
+    assert _serve_arriving(sch, [a, d, b, c], params[:4], [0, 6, 6, 14]) == want[:4]
+    assert sch.prefix.hit_tokens == 16
+    assert _serve_arriving(sch, [e], params[4:], [0]) == want[4:]  # (the shared pages as a computed them)
+    assert sch.prefix.hit_tokens == 32
+
+
+def test_mla_and_gqa_layers_share_one_page_per_position(tmp_path):
+    """A hybrid with MLA and GQA layers: one page id covers a position in both pools, so one sequence of
+    max_model_len needs that many pages, not twice as many (the default budget was refused as too small)."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=3, mixer_types=["mamba2", "mla", "gqa"],
+               ffn_types=["dense", "moe", "moe"])
+    llm = LLM(write_random_checkpoint(cfg, tmp_path, seed=4))
+    prompts, sp = [[5, 6, 7, 8], [9, 10, 11]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    lone = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == lone and all(len(t) == 4 for t in lone)
+
+
 def test_release_gives_every_page_in_order_after_a_shared_first_page():
     t = BlockTable(2, 16, managed=True)
     t.grow(0, 48)

@@ -201,6 +201,57 @@ def test_mtp_served_equals_plain_and_drafts_as_generate(ckpts):
     assert served_log and served_log == ref_log
 
 
+def test_a_prompt_token_left_alone_by_a_cut_chunk_decodes_plainly(ckpts):
+    """Chunked prefill that leaves one prompt token: that token decodes without drafts. With an MTP drafter the step
+    raised (no hidden state for the token yet: every request in flight failed); a seeded sampled request's first
+    token came from a verify, so its tokens changed with where the other requests' share of the budget cut it."""
+    llm = LLM(ckpts["deepseek_v3:mtp"])
+    prompt, sp = [5, 9, 17, 33], SamplingParams(max_tokens=6, ignore_eos=True)
+    sch = Scheduler(llm, _config("mtp", k=2, max_num_seqs=2, max_model_len=64, chunk_tokens=3))
+    assert _serve(sch, [prompt], sp) == ([llm.generate([prompt], sp)[0].token_ids], ["length"])
+
+    llm = LLM(ckpts["llama"])
+    s_prompt, seeded = [7, 8, 9, 10] * 2, SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=5)
+    cfg = _config("ngram", k=3, max_num_seqs=2, max_model_len=64, chunk_tokens=8, max_num_batched_tokens=8,
+                  prefix_caching=False)
+    alone, _ = _serve(Scheduler(llm, cfg), [s_prompt], seeded)
+    sch = Scheduler(llm, cfg)  # beside a request that decodes plainly (log-probabilities): S's first chunk is 7
+    got: list[int] = []
+    sch.add(Sequence("g", [30, 31, 32], SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1), lambda ev: None))
+    sch.step(), sch.step()
+    sch.add(Sequence("s", s_prompt, seeded, lambda ev: got.append(ev.token_id) if ev.token_id is not None else None))
+    while sch.has_work():
+        sch.step()
+    assert got == alone[0]
+
+
+def test_a_seeded_request_preempted_mid_speculation_streams_the_same_tokens(ckpts):
+    """Recompute preemption re-prefills all but the last token, which then verifies drafts as it would have: the
+    re-prefill sampled it from the prefill's logits with one plain draw where the run without preemption verified k
+    drafts, so a seeded request's stream changed after the preemption."""
+    llm = LLM(ckpts["llama"])
+    g, s_prompt = list(range(30, 45)), [7, 8, 9, 10] * 3
+    params = [SamplingParams(max_tokens=29, ignore_eos=True, logprobs=1),  # (older, decodes plainly)
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3)]
+    cfg = dict(max_num_seqs=2, max_model_len=48, page_tokens=4, speculative=f"draft:{ckpts['llama']}",
+               num_speculative_tokens=3, speculative_adaptive=False, prefix_caching=False)
+
+    def run(sch):
+        got: list[list[int]] = [[], []]
+        for i, p in enumerate([g, s_prompt]):
+            sch.add(Sequence(f"r{i}", p, params[i], lambda ev, i=i: got[i].append(ev.token_id)
+                             if ev.token_id is not None else None))
+            sch.step()  # (s arrives a step after g)
+        while sch.has_work():
+            sch.step()
+        return got
+
+    roomy = Scheduler(llm, SchedulerConfig(**cfg))
+    want = run(roomy)
+    small = Scheduler(llm, SchedulerConfig(**cfg, cache_bytes=roomy.cache.bytes_for(48)))
+    assert run(small) == want and small.stats["preemptions"] > 0 and small.stats["spec_drafted"] > 0
+
+
 @pytest.mark.parametrize("mt", ["gpt_oss", "bamba"])
 def test_preemption_with_speculation_keeps_every_token(ckpts, mt):
     """A cache budget of ~2 sequences for 6 requests: recompute preemption, chunked prefill and verifies together

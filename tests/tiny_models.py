@@ -183,7 +183,7 @@ def build(model_type: str, directory: Path, seed: int = 0, **overrides) -> torch
     import transformers
 
     cfg_cls = transformers.AutoConfig.for_model(model_type).__class__
-    cfg = cfg_cls(**dict(configs()[model_type], **overrides))
+    cfg = cfg_cls(**dict(configs().get(model_type, {}), **overrides))  # (a type not listed: overrides alone)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()

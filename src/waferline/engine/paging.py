@@ -137,7 +137,8 @@ class CacheManager:
             self.budget = table.parts * -(-self.max_num_seqs // table.parts) * self.max_seq_bytes
         if any(self._paged):  # the pools hold the pages the budget can pay for (and the sink)
             table.max_pages = 1 + int(self.budget // self.paged_page_bytes)
-            need = sum(n for n, paged in zip(self.pages_for(self.max_model_len), self._paged) if paged)
+            # (one page id covers a position in every paged layer: the pools' counts for a sequence are one count)
+            need = max((n for n, paged in zip(self.pages_for(self.max_model_len), self._paged) if paged), default=0)
             if table.part_pages < need:
                 raise ConfigError(
                     f"the cache budget of {self.budget / 2**20:.2f} MiB is split over {table.parts} attention ranks, "

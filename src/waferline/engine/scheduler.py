@@ -186,9 +186,8 @@ class Scheduler:
         plan = StepPlan(decodes, [(s, t) for s, t in prefills if s.status == "running"])
         if self.spec_dec is not None and decodes:
             props = self.spec_dec.propose(decodes, [self._ks.get(s.slot, 0) for s in decodes])
-            # a verify row writes the step's widest row's positions (rows are padded): it needs their pages; a row the
-            # budget cannot give them runs as a plain decode (possible only with a cache_bytes below max_num_seqs
-            # sequences of max_model_len)
+            # a verify row writes the step's widest row's positions (rows are padded) and needs their pages; a row the
+            # cache cannot give them (a cache_bytes below max_num_seqs x max_model_len) runs as a plain decode
             width = max(len(p.tokens) for p in props)
             fits = [bool(p.tokens) and self.cache.grow(s.request_id, s.num_computed + 1 + width)
                     for s, p in zip(decodes, props)]
@@ -308,15 +307,15 @@ class Scheduler:
         decodes: list[Sequence] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted = False
-        # decodes first (one token each, or one plus drafts; oldest first), then prefill chunks
+        # decodes first (one token, or one plus drafts after an output token: never a prompt's), then prefill chunks
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
         self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
-            [s for s in order if s.remaining == 1], self.max_model_len)
+            [s for s in order if s.remaining == 1 and s.num_computed >= len(s.prompt_ids)], self.max_model_len)
         for s in order:
             if s.status != "running" or budget <= 0 or s.request_id in self.busy \
                     or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
-            t = 1 if s.remaining == 1 else min(s.remaining, cfg.chunk_tokens, budget)
+            t = 1 if s.remaining == 1 else min(s.redo_left, cfg.chunk_tokens, budget)
             # (a request whose rows need the logits decodes plainly: log-probabilities, penalties, logit_bias)
             k = self._ks.get(s.slot, 0) if s.remaining == 1 and not s.params.needs_logits else 0
             # a seeded sampled row's tokens depend on its K: it waits for a step with room for all of it, else K is
@@ -366,10 +365,11 @@ class Scheduler:
                     self.prefix.load(hit, s.slot, caches)
                     s.num_computed = len(hit) * self.cache.page_tokens
                     s.cached_tokens = s.cached_tokens if s.preemptions else min(s.num_computed, len(s.prompt_ids))
-            t = min(s.remaining, cfg.chunk_tokens, budget)
-            self.cache.grow(s.request_id, s.num_computed + t)
-            prefills.append((s, t))
-            budget -= t
+            t = min(s.redo_left, cfg.chunk_tokens, budget)
+            if t:  # (else a recomputed sequence's last token, which decodes next step)
+                self.cache.grow(s.request_id, s.num_computed + t)
+                prefills.append((s, t))
+                budget -= t
         return decodes, prefills
 
     def _preempt(self, seq: Sequence) -> None:

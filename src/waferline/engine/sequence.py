@@ -129,6 +129,15 @@ class Sequence:
         """Tokens still to feed through the model before the next token can be sampled."""
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
 
+    @property
+    def redo_left(self) -> int:
+        """Of ``remaining``, those to prefill: all of a prompt, all but the last token of a sequence recomputed after
+        a preemption (that token then decodes, with drafts, as it would have without the preemption: a seeded
+        sampled request's generator is consumed the same way). A prompt's last token left alone by a chunk the step's
+        budget cut decodes plainly: the scheduler drafts only after an output token, so where the other requests
+        make the cut changes nothing."""
+        return max(0, self.remaining - (1 if self.output_ids else 0))
+
 
 def stop_cut(text: str, stops: list[str], after: int = 0) -> int | None:
     """Where the first stop string starts in ``text``, counting only those that end past ``after`` characters (the

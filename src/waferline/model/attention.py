@@ -252,8 +252,11 @@ class TokenCache:
         return self.table.slots[s[0]][0]
 
     def stages(self, slot: int | None) -> bool:
-        """Whether a staging copy with entries not yet in their pages holds ``slot``'s rows (None: any rows)."""
-        return any(st.lo != st.hi and (slot is None or slot in st.slots) for st in self._stages)
+        """Whether a staging copy holds ``slot``'s rows, clean or not (its pages are about to change hands: the copy
+        must go); None: whether any copy has entries not yet in their pages."""
+        if slot is None:
+            return any(st.lo != st.hi for st in self._stages)
+        return any(slot in st.slots for st in self._stages)
 
     def flush(self, keep_apart_from: Iterable[int] | None = None) -> None:
         """Write the staging copies' new entries (see ``step_rows``) to their pages. The copies are dropped, except,

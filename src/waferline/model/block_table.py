@@ -68,7 +68,7 @@ class BlockTable:
             self.ids = torch.zeros(num_slots, 1, dtype=torch.long)  # slots x pages (SINK past a slot's pages)
         self.version = 0  # bumped whenever ``ids`` changes
         self._on_device: dict[Any, tuple[int, torch.Tensor]] = {}
-        self.dirty: list[Any] = []  # caches holding entries not yet written to their pages (flushed first)
+        self.dirty: list[Any] = []  # caches holding staging copies of slots' rows (flushed before pages change)
         self.layers: frozenset[int] = frozenset()  # the model's layers whose caches use these pages
 
     # -- pages
@@ -297,9 +297,9 @@ class BlockTable:
         before pages change hands."""
         left = []
         for c in self.dirty:
-            if slot is None or c.stages(slot):
+            if slot is None or c.stages(slot):  # (a clean copy of the slot too: it would outlive the slot's pages)
                 c.flush(None if slot is None else (slot,))  # (copies of other rows stay in use)
-            elif c.stages(None):
+            if c._stages:  # (kept copies, clean or not: a later change of their slots must drop them)
                 left.append(c)
         self.dirty = left
 

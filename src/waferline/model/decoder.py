@@ -18,7 +18,7 @@ from waferline.model.hybrids import LINEAR_HYBRIDS, hf_source
 from waferline.model.hybrids import build_mixer as build_hybrid_mixer
 from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear, rope_parameters
 from waferline.model.linear_attention import DeltaRuleMixer
-from waferline.model.moe import DenseFFN, MoE
+from waferline.model.moe import DenseFFN, MoE, dense_names, hf_act, moe_kwargs
 from waferline.model.sparse_attention import DSAttention
 from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.v4_attention import V4Attention
@@ -50,12 +50,14 @@ class Naming:
     attn: str = "self_attn"
     ssm: str = "mamba"
     ffn: str = "mlp"
+    dense: str | None = None  # a dense FFN's sub-prefix where it is not ``ffn``'s (its tensor names: moe.dense_names)
 
 
 NAMING = {
     "mixtral": Naming(ffn="block_sparse_moe"),
     "bamba": Naming(final_norm="final_layernorm", norm_ffn="pre_ff_layernorm", ffn="feed_forward"),
-    "granitemoehybrid": Naming(ffn=""),  # the MoE loader finds block_sparse_moe.* and shared_mlp.* itself
+    # the MoE loader finds block_sparse_moe.* and shared_mlp.* itself; a dense layer (no experts) is shared_mlp alone
+    "granitemoehybrid": Naming(ffn="", dense="shared_mlp"),
     "nemotron_h": Naming(root="backbone.", embed="embeddings", final_norm="norm_f", norm_mixer="norm", norm_ffn="norm",
                          attn="mixer", ssm="mixer", ffn="mixer"),
     "qwen3_next": Naming(ssm="linear_attn"),
@@ -75,7 +77,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, spec: LayerSpec, model_type: str, cfg: dict[str, Any], dtype: torch.dtype):
         super().__init__()
-        self.spec = spec
+        self.spec, self.flavor = spec, model_type
         eps = _norm_eps(cfg)
         d = spec.hidden_size
         self.residual_multiplier = (
@@ -374,11 +376,10 @@ def _build_ffn(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtype
     ffn = spec.ffn
     if ffn is None:
         return None
-    act = cfg.get("mlp_hidden_act") if mt == "nemotron_h" else (cfg.get("hidden_act") or "silu")
     if isinstance(ffn, DenseFFNSpec):
-        return DenseFFN(ffn, dtype=dtype, act=act or "silu")
-    if isinstance(ffn, MoESpec):
-        return MoE(ffn, dtype=dtype, act=act or "silu", flavor=mt)
+        return DenseFFN(ffn, dtype=dtype, act=hf_act(mt, cfg))
+    if isinstance(ffn, MoESpec):  # (gpt_oss: its swiglu_alpha / swiglu_limit from the config)
+        return MoE(ffn, dtype=dtype, **moe_kwargs(mt, cfg))
     raise ConfigError(f"layer {spec.index}: unknown FFN kind {ffn.kind!r}")
 
 
@@ -415,7 +416,15 @@ def _load_layer(layer: DecoderLayer, src: WeightSource, p: str, n: Naming) -> No
         layer.mixer.load_hf(src, p + sub + ".")
     if layer.ffn is not None:
         layer.ffn_norm.load_hf(src, p + n.norm_ffn + ".weight")
-        layer.ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
+        load_ffn(layer.ffn, src, p, n, layer.flavor)
+
+
+def load_ffn(ffn: nn.Module, src: WeightSource, p: str, n: Naming, flavor: str) -> None:
+    """Load a layer's FFN (an MoE block or a dense FFN) from under the layer's prefix ``p``."""
+    if isinstance(ffn, DenseFFN) and n.dense is not None:
+        ffn.load_hf(src, p + n.dense + ".", dense_names(flavor))
+    else:
+        ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
 
 
 class DecoderModel(nn.Module):

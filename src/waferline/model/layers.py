@@ -235,7 +235,7 @@ class Rotary(nn.Module):
         elif kind == "linear":
             inv = inv / float(p["factor"])
         elif kind == "llama3":
-            inv = _llama3(inv, p)
+            inv = _llama3(inv, p, cfg)
         elif kind == "yarn":
             inv, self.attention_scaling = _yarn(inv, base, dim, p, cfg)
         else:
@@ -300,9 +300,21 @@ class Rotary(nn.Module):
         return torch.cat([out, x[..., d:]], dim=-1) if x.shape[-1] != d else out
 
 
-def _llama3(inv: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
+def _original_len(p: dict[str, Any], cfg: dict[str, Any]) -> float:
+    """The pretraining context a llama3 / yarn scaling starts from, as transformers reads it: a top-level
+    ``original_max_position_embeddings`` first (Phi-3 keeps it there), then the rope parameters', else
+    ``max_position_embeddings``."""
+    n = cfg.get("original_max_position_embeddings") or p.get("original_max_position_embeddings") \
+        or cfg.get("max_position_embeddings")
+    if not n:
+        raise ConfigError(f"rope_type {p.get('rope_type') or p.get('type')!r} needs original_max_position_embeddings "
+                          "or max_position_embeddings in the config")
+    return float(n)
+
+
+def _llama3(inv: torch.Tensor, p: dict[str, Any], cfg: dict[str, Any]) -> torch.Tensor:
     factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
-    old = float(p["original_max_position_embeddings"])
+    old = _original_len(p, cfg)
     wavelen = 2 * math.pi / inv
     out = torch.where(wavelen > old / lo, inv / factor, inv)
     smooth = (old / wavelen - lo) / (hi - lo)
@@ -318,7 +330,7 @@ def _yarn_mscale(scale: float, m: float = 1.0) -> float:
 def _yarn(
     inv: torch.Tensor, base: float, dim: int, p: dict[str, Any], cfg: dict[str, Any]
 ) -> tuple[torch.Tensor, float]:
-    orig = float(p["original_max_position_embeddings"])
+    orig = _original_len(p, cfg)
     factor = p.get("factor") or cfg.get("max_position_embeddings", orig) / orig
     factor = float(factor)
     att = p.get("attention_factor")

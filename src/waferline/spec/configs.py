@@ -225,19 +225,31 @@ def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
     return list(lt)
 
 
+def _llama_like_windows(cfg: dict[str, Any], n: int, mt: str) -> list[int | None]:
+    """Each layer's sliding window as transformers reads the config: Mistral, Mixtral and Qwen3-MoE apply
+    ``sliding_window`` to every layer; Qwen2/Qwen3 only with ``use_sliding_window`` (default false), to the layers
+    ``layer_types`` marks, or where it is absent to those from ``max_window_layers`` (default 28) on; others as
+    ``layer_types`` marks them."""
+    w = cfg.get("sliding_window")
+    if mt in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        w = None
+    if mt in ("mistral", "mixtral", "qwen3_moe"):
+        return [w] * n
+    if cfg.get("layer_types") is None and mt in ("qwen2", "qwen3"):
+        return [w if i >= int(cfg.get("max_window_layers", 28)) else None for i in range(n)]
+    return [w if t == "sliding_attention" else None for t in _layer_types(cfg, n)]
+
+
 def _parse_llama_like(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     n = cfg["num_hidden_layers"]
     qk_norm = mt in ("qwen3", "qwen3_moe")
     bias = bool(cfg.get("attention_bias", False))
-    types = _layer_types(cfg, n)
+    windows = _llama_like_windows(cfg, n, mt)
     layers = []
     sparse_step = cfg.get("decoder_sparse_step", 1) or 1
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     for i in range(n):
-        window = None
-        if types[i] == "sliding_attention" or (mt == "mixtral" and cfg.get("sliding_window")):
-            window = cfg.get("sliding_window")
-        mixer = _gqa(cfg, window=window, qk_norm=qk_norm, qkv_bias=bias, o_bias=bias)
+        mixer = _gqa(cfg, window=windows[i], qk_norm=qk_norm, qkv_bias=bias, o_bias=bias)
         n_exp = _get(cfg, "num_experts", "num_local_experts", default=0)
         if mt == "qwen3_moe" and i not in mlp_only and n_exp > 0 and (i + 1) % sparse_step == 0:
             ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=n_exp,
@@ -263,7 +275,8 @@ def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
         num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
         scoring=scoring, correction_bias=topk_method == "noaux_tc",
         n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
+        # (transformers' DeepSeek-V2 router never renormalises the top-k weights, whatever norm_topk_prob says)
+        norm_topk_prob=mt != "deepseek_v2" and bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
         routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
 
 

@@ -156,7 +156,7 @@ def load_ffn_side(
 ) -> dict[int, nn.Module]:
     """FFN rank ``rank``'s modules per layer: an MoE holding only its experts (renumbered from 0; plus the shared
     experts where it is the owner), or the dense FFN of the layers it owns."""
-    from waferline.model.decoder import NAMING, Naming, _build_ffn
+    from waferline.model.decoder import NAMING, Naming, _build_ffn, load_ffn
     from waferline.model.load import open_weights
 
     path = Path(path)
@@ -172,7 +172,7 @@ def load_ffn_side(
         if kind == "dense":
             if owner:
                 mod = _build_ffn(layer, spec.model_type, spec.hf_config, dtype)
-                mod.load_hf(src, prefix)
+                load_ffn(mod, src, f"{n.root}layers.{i}.", n, spec.model_type)
                 mods[i] = mod.eval()
             continue
         f = layer.ffn

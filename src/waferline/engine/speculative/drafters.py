@@ -262,7 +262,7 @@ class MTPDrafter(_ModelDrafter):
         through the MTP layer now, the last hidden state staying pending: run with a prefill (as ``begin`` does), a
         draft then commits only the pairs of the tokens emitted since."""
         c = self.committed[b]
-        n = min(self.pending[b].shape[0], len(seq) - 1 - c)
+        n = min(self.pending[b].shape[0] - 1, len(seq) - 1 - c)  # (the last stays: a draft starts from it)
         if n > 0:
             self._run([b], [self.pending[b][:n]], [seq[c + 1:c + 1 + n]], [c])
             self.committed[b], self.pending[b] = c + n, self.pending[b][n:]
