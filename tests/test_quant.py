@@ -364,6 +364,7 @@ def test_int4_file_bytes_match_modelspec_accounting(tmp_path, G, sym):
     assert data < 0.4 * spec.weight_bytes(16)
     assert s["modules_not_quantized"] == ["model.layers.2.self_attn.kv_b_proj.weight",
                                           "model.layers.5.self_attn.kv_b_proj.weight"]
+    assert s["not_in_file_layout"] == []  # (kept by the default --keep, not by the layout)
     assert tensors["model.layers.2.self_attn.kv_b_proj.weight"].dtype == torch.bfloat16
     if G != 32:
         return
@@ -374,6 +375,21 @@ def test_int4_file_bytes_match_modelspec_accounting(tmp_path, G, sym):
     twin = _dequantize_in_place(load_model(tmp_path / "sol4"))
     ids = list(range(3, 40))
     assert (_logprobs(model, ids) - _logprobs(twin, ids)).abs().mean() < 1e-2
+
+
+def test_an_int4_file_names_the_weights_its_layout_cannot_hold(tmp_path, capsys):
+    """gpt-oss's fused experts keep the input dimension off the last axis, along which the int4 file groups: they
+    stay 16-bit in the file, and quantize says so (quantized at load they are int4)."""
+    from waferline.model.quant_commands import _print_summary
+
+    build("gpt_oss", tmp_path / "g")
+    s = quantize_checkpoint(tmp_path / "g", tmp_path / "g4", QuantOptions(group_size=32))
+    assert sorted(s["not_in_file_layout"]) == [f"layers.{i}.ffn.{w}" for i in (0, 1) for w in ("w_down", "w_gate_up")]
+    _print_summary(s)
+    assert "4 matmuls the int4 file cannot hold" in capsys.readouterr().out
+    m = load_model(tmp_path / "g")
+    quantize_model(m, QuantOptions(group_size=32))
+    assert {"w_down", "w_gate_up"} <= {name.rsplit(".", 1)[-1] for name, _, _ in _int4_weights(m)}
 
 
 def test_quantize_model_keeps_requested_modules_16bit(llama_dir):

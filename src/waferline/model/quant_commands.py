@@ -123,6 +123,10 @@ def _print_summary(s: dict[str, Any]) -> None:
             f"  16-bit matmuls: {', '.join(s['modules_not_quantized'][:6])}" + (f" (+{more} more)" if more > 0 else ""),
             file=sys.stdout,
         )
+    if s.get("not_in_file_layout"):
+        print(f"  of them, {_count(len(s['not_in_file_layout']), 'matmul')} the int4 file cannot hold: their checkpoint "
+              "tensors keep the input dimension off the last axis, along which the file groups (gpt-oss's fused "
+              "experts); loading the 16-bit checkpoint with --weight-bits 4 quantizes them too")
 
 
 def _count(n: int, noun: str) -> str:

@@ -155,6 +155,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     outs: dict[str, dict[str, Tensor]] = {}
     covered: dict[str, int] = {}
     kept: list[str] = []
+    off_layout: list[str] = []  # kept because the file's layout cannot hold them (not asked for with --keep)
     total = len(model.layers)
     for pos, (layer, i) in enumerate(zip(model.layers, model.layer_range)):
         traced = trace_layer(spec, i, shapes, selected)
@@ -165,11 +166,15 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             feeds = [] if ids is None else [selected[j] for j in _used_tensors(ids)]
             if ids is None or _kept(mpath, opts.keep) or any(_kept(f, opts.keep) for f in feeds):
                 kept.append(", ".join(feeds) if feeds else mpath)
+                if ids is None:
+                    off_layout.append(mpath)
                 continue
             w = getattr(owner, leaf).detach()
             t = _quantize_param(w, opts, hess.get(path))
             if t is None or not _scatter(t, ids, selected, shapes, outs, covered):
                 kept.append(", ".join(feeds))
+                if t is not None:
+                    off_layout.append(mpath)
             elif calib is not None:  # later layers calibrate on this layer's int4 outputs
                 install(layer, path, Int4Weight(t, w.device, torch.bfloat16))
         if calib is not None:
@@ -228,7 +233,8 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     bytes_out = (out_dir / "model.safetensors").stat().st_size
     return {"out": str(out_dir), "method": opts.method, "bits": opts.bits, "group_size": opts.group_size,
             "symmetric": opts.symmetric, "tensors_int4": n_q, "tensors_16bit": len(names) - n_q,
-            "modules_not_quantized": qcfg["modules_not_quantized"], "calibration_tokens": n_calib,
+            "modules_not_quantized": qcfg["modules_not_quantized"], "not_in_file_layout": off_layout,
+            "calibration_tokens": n_calib,
             "bytes_in": bytes_in, "bytes_out": bytes_out,
             "accounting_bytes": spec.weight_bytes(4, opts.group_size, zeros=not opts.symmetric),
             "accounting_bytes_16bit": spec.weight_bytes(16), "seconds": round(time.perf_counter() - t0, 2)}
