@@ -124,9 +124,10 @@ def _print_summary(s: dict[str, Any]) -> None:
             file=sys.stdout,
         )
     if s.get("not_in_file_layout"):
-        print(f"  of them, {_count(len(s['not_in_file_layout']), 'matmul')} the int4 file cannot hold: their checkpoint "
-              "tensors keep the input dimension off the last axis, along which the file groups (gpt-oss's fused "
-              "experts); loading the 16-bit checkpoint with --weight-bits 4 quantizes them too")
+        n = _count(len(s["not_in_file_layout"]), "matmul")
+        print(f"  of them, {n} the int4 file cannot hold: their checkpoint tensors keep the input dimension off the "
+              "last axis, along which the file groups (gpt-oss's fused experts); loading the 16-bit checkpoint with "
+              "--weight-bits 4 quantizes them too")
 
 
 def _count(n: int, noun: str) -> str:
