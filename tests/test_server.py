@@ -133,6 +133,7 @@ def test_chunked_prefill_and_preemption_keep_every_token(arch, sol, tmp_path, th
     assert ends == {i: "length" for i in range(6)}
     assert [got[i] for i in range(6)] == want
     assert sch.stats["preemptions"] > 0  # the budget really was too small for all of them at once
+    assert seqs[0].preemptions == 0  # the newest running sequence gives way, never the oldest
     assert sorted(scores) == [4, 5]
     for i in (4, 5):
         lp = llm.prompt_logprobs(prompts[i])

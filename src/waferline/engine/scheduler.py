@@ -100,7 +100,6 @@ class Scheduler:
 
     def __init__(self, llm: LLM, config: SchedulerConfig | None = None, runner: Runner | None = None,
                  speculation: ServeSpeculation | None = None):
-
         self.config = config = config or SchedulerConfig()
         config.validate()
         self.llm = llm
@@ -129,9 +128,9 @@ class Scheduler:
                 raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
                                   "serve without speculative")
             model, caches = prepare(config.speculative) if prepare else (self.runner.model, self.runner.caches)
-            self.spec_dec = ServeSpeculation(model, caches, self.runner.num_slots,
-                                             config.speculative, config.num_speculative_tokens,
-                                             config.speculative_adaptive, config.max_num_batched_tokens)
+            self.spec_dec = ServeSpeculation(model, caches, self.runner.num_slots, config.speculative,
+                                             config.num_speculative_tokens, config.speculative_adaptive,
+                                             config.max_num_batched_tokens)
         if self.spec_dec is not None:
             self.runner.keep_hidden = self.spec_dec.uses_hidden
             prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states
@@ -176,8 +175,7 @@ class Scheduler:
     def step(self) -> int:
         """Schedule, execute and postprocess one step; returns the number of tokens fed through the model."""
         plan = self.schedule()
-        result = self.execute(plan)
-        return self.postprocess(plan, result)
+        return self.postprocess(plan, self.execute(plan))
 
     def schedule(self) -> StepPlan:
         """Which sequences run this step and how: decode rows (oldest first), prefill chunks, verify rows with the
@@ -211,8 +209,7 @@ class Scheduler:
     def execute(self, plan: StepPlan) -> StepResult:
         """Run the plan through the runner: the verify forward (its tokens judged with each row's generator), then the
         decodes (as a burst where planned and the runner can) and prefill chunks in one step."""
-        res = StepResult()
-        spec = self.spec_dec
+        res, spec = StepResult(), self.spec_dec
         dec_rows, chunks = self.rows(plan)
         if plan.verifies:
             assert spec is not None and hasattr(self.runner, "verify")
@@ -335,8 +332,11 @@ class Scheduler:
                     break
                 if victim is None:  # cannot happen: the budget holds one max_model_len sequence
                     raise RuntimeError("cache budget exhausted by a single sequence")
+                victim = s if self.running.index(victim) < self.running.index(s) else victim  # (the newest gives way)
                 self._preempt(victim)
                 preempted = True
+                if victim is s:
+                    break
                 if victim in decodes:
                     decodes.remove(victim)
                 prefills = [(v, n) for v, n in prefills if v is not victim]
