@@ -176,6 +176,12 @@ def test_the_capacities_reported_fit_when_placed():
     assert context_capacity(plan, spec) > mc  # (without the drafter's cache: more than fits)
 
 
+def test_fewer_devices_than_a_system_ships_with_are_noted():
+    plan = place("llama-3.1-8b", "sn40l", devices=4)
+    assert any("sn40l is deployed from 8 devices up (min_devices); 4 is below" in n for n in plan.notes)
+    assert not any("min_devices" in n for n in place("llama-3.1-8b", "sn40l", devices=8).notes)
+
+
 def test_a_tensor_parallel_stage_stays_inside_a_node():
     """--layers-per-stage with more devices than a node: the tensor-parallel group is capped at the node (its
     all-reduces priced on the node's links), the rest said to be idle."""

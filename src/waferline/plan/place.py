@@ -315,6 +315,9 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     emb = spec.embed_bytes(embed_bits)
     head = spec.lm_head_bytes(embed_bits)
     notes: list[str] = []
+    if devices is not None and devices < hw.min_devices:
+        notes.append(f"{hw.name} is deployed from {hw.min_devices} devices up (min_devices); {devices} is below "
+                     "that: a configuration its vendor does not ship")
     if drafter and drafter[0] > 0:  # (the drafts are made where the target's last hidden state and LM head are)
         head += drafter[0]
         notes.append(f"the {drafter[1]} ({drafter[0] / 1e9:,.2f} GB) sits with the LM head")
