@@ -252,6 +252,24 @@ def test_a_seeded_request_preempted_mid_speculation_streams_the_same_tokens(ckpt
     assert run(small) == want and small.stats["preemptions"] > 0 and small.stats["spec_drafted"] > 0
 
 
+def test_a_seeded_row_beside_wider_drafts_keeps_its_own_on_a_tight_cache(ckpts):
+    """A verify row asks for the pages of its own drafts, not the step's widest row's (the padding goes to the sink
+    page): on a cache of one max_model_len sequence a seeded row lost its drafts beside a row drafting more, and its
+    tokens changed, without any preemption."""
+    llm = LLM(ckpts["llama"])
+    pa, pb = [4, 9, 9, 8, 17, 5], [19, 12, 18, 16, 13, 15, 4, 6, 4, 13]
+    ga = SamplingParams(max_tokens=8, ignore_eos=True)
+    gb = SamplingParams(max_tokens=7, temperature=0.9, seed=78, ignore_eos=True)
+    cfg = dict(max_num_seqs=2, max_model_len=32, page_tokens=4, prefix_caching=False, speculative="ngram",
+               num_speculative_tokens=3, speculative_adaptive=False)
+    alone, _ = _serve(Scheduler(llm, SchedulerConfig(**cfg)), [pb], gb)
+    probe = CacheManager(llm.spec, 2, 32, page_tokens=4, kv_bits=32, state_bits=32)
+    sch = Scheduler(llm, SchedulerConfig(**cfg, cache_bytes=probe.bytes_for(32)))
+    got, _ = _serve(sch, [pa, pb], [ga, gb])
+    assert got[1] == alone[0] and sch.stats["preemptions"] == 0
+    assert got[0] == llm.generate([pa], ga)[0].token_ids
+
+
 @pytest.mark.parametrize("mt", ["gpt_oss", "bamba"])
 def test_preemption_with_speculation_keeps_every_token(ckpts, mt):
     """A cache budget of ~2 sequences for 6 requests: recompute preemption, chunked prefill and verifies together

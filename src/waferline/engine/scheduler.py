@@ -184,10 +184,9 @@ class Scheduler:
         plan = StepPlan(decodes, [(s, t) for s, t in prefills if s.status == "running"])
         if self.spec_dec is not None and decodes:
             props = self.spec_dec.propose(decodes, [self._ks.get(s.slot, 0) for s in decodes])
-            # a verify row writes the step's widest row's positions (rows are padded) and needs their pages; a row the
-            # cache cannot give them (a cache_bytes below max_num_seqs x max_model_len) runs as a plain decode
-            width = max(len(p.tokens) for p in props)
-            fits = [bool(p.tokens) and self.cache.grow(s.request_id, s.num_computed + 1 + width)
+            # a verify row needs its drafts' pages (its padding to the step's widest row goes to the sink page); a row
+            # the cache cannot give them (a cache_bytes below max_num_seqs x max_model_len) runs as a plain decode
+            fits = [bool(p.tokens) and self.cache.grow(s.request_id, s.num_computed + 1 + len(p.tokens))
                     for s, p in zip(decodes, props)]
             plan.verifies = [(s, p) for s, p, f in zip(decodes, props, fits) if f]
             plan.decodes = [s for s, f in zip(decodes, fits) if not f]
