@@ -521,3 +521,52 @@ def test_chat_messages_need_their_content_and_text_parts_are_lines(live):
     as_lines = _post(live, {"model": "sol-test", "messages": [{"role": "user", "content": "Line one.\nLine two."}]},
                      path="/tokenize")
     assert as_parts.status_code == 200 and as_parts.json()["tokens"] == as_lines.json()["tokens"]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,
+                              "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "hi", "stop": ["gh"], "include_stop_str_in_output": True}),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [5]}),
+    ("/v1/completions", {"prompt": "hi", "bad_words": ["x"]}),
+])
+def test_what_the_server_does_not_do_is_refused_not_ignored(live, path, body):
+    """stream_options without stream (400, as OpenAI's), and vLLM's sampling extensions this server does not do:
+    each was answered 200 as if it had not been asked for."""
+    err = _assert_error(_post(live, {"model": "sol-test", "max_tokens": 2, **body}, path=path), 400)
+    assert err["param"] == next(k for k in body if k not in ("prompt", "messages", "stop", "stream"))
+    # their defaults, as a vLLM client may send them, are accepted
+    ok = _post(live, {"model": "sol-test", "prompt": "hi", "max_tokens": 1, "include_stop_str_in_output": False,
+                      "spaces_between_special_tokens": True, "priority": 0})
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_text_prompt_gets_the_tokenizers_special_tokens(tmp_path, threads):
+    """A Llama-style tokenizer prepends <s>: a completion's text prompt, /tokenize and LLM.generate encode it as
+    transformers does (vLLM's default; add_special_tokens: false turns it off), a chat prompt as its template writes
+    it."""
+    from server_helpers import serve_in_thread
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.model.init import write_random_checkpoint
+    from waferline.server.commands import build_server
+
+    d = tmp_path / "bos"
+    write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    write_tokenizer(d, DEMO_TEXT, SOL_DEMO_CONFIG["vocab_size"])
+    t = json.loads((d / "tokenizer.json").read_text())
+    seq, bos = {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    t["post_processor"] = {"type": "TemplateProcessing", "single": [bos, seq], "pair": [bos, seq, seq],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}}
+    (d / "tokenizer.json").write_text(json.dumps(t))
+    from transformers import AutoTokenizer
+
+    want = AutoTokenizer.from_pretrained(d)("Hello there").input_ids
+    assert want[0] == 0 and LLM(d).encode("Hello there") == want
+    with serve_in_thread(build_server(d, max_num_seqs=2, max_model_len=128, served_model_name="m")) as base:
+        def prompt_tokens(**extra):
+            return httpx.post(base + "/v1/completions", json={"model": "m", "prompt": "Hello there", "max_tokens": 1,
+                                                              **extra}).json()["usage"]["prompt_tokens"]
+        assert prompt_tokens() == len(want) and prompt_tokens(add_special_tokens=False) == len(want) - 1
+        assert httpx.post(base + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"] == want

@@ -179,10 +179,11 @@ class LLM:
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
-        """The token ids of ``text`` (no special tokens added)."""
+        """The token ids of ``text``, with the tokenizer's special tokens (a BOS where it adds one), as transformers
+        and the server's completions encode a text prompt."""
         if self.tokenizer is None:
             raise RequestError(f"{self.path} has no tokenizer (tokenizer.json); pass prompts as lists of token ids")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of token ids ("" for a checkpoint without a tokenizer)."""

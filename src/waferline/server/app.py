@@ -125,7 +125,8 @@ def create_app(server: Server) -> FastAPI:
             req = await server.request(request, TokenizeRequest, model_optional=True)
             if (req.prompt is None) == (req.messages is None):
                 raise APIError("give a prompt or messages (one of them)", param="prompt")
-            ids = await asyncio.to_thread(server.encode, req.prompt, req.add_special_tokens) if req.prompt \
+            special = req.add_special_tokens is not False  # (a prompt: as the completions encode it; chat: off)
+            ids = await asyncio.to_thread(server.encode, req.prompt, special) if req.prompt \
                 is not None else await asyncio.to_thread(server.chat_prompt, req)
         except APIError as e:
             return fail("tokenize", e)
@@ -159,7 +160,7 @@ def create_app(server: Server) -> FastAPI:
         try:
             req = await server.request(request, CompletionRequest)
             server.check_options(req)
-            prompts, sent = await _completion_prompts(server, req.prompt)
+            prompts, sent = await _completion_prompts(server, req.prompt, req.add_special_tokens)
             return await _respond(server, request, "completions", req, prompts, 16, sent)
         except APIError as e:
             return fail("completions", e)
@@ -177,14 +178,14 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-async def _completion_prompts(server: Server, prompt: Any) -> tuple[list[list[int]], list[str]]:
+async def _completion_prompts(server: Server, prompt: Any, special: bool = True) -> tuple[list[list[int]], list[str]]:
     """The prompts of a completion request (one, or a batch: a list of strings or of token-id lists) as token ids,
     and each one's text as an echo shows it (as sent, or its token ids decoded)."""
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     out = []
     for p in batch:
         # (tokenizing a long prompt takes a while: off the event loop, which streams everyone's tokens)
-        ids = await asyncio.to_thread(server.encode, p) if isinstance(p, str) else list(p)
+        ids = await asyncio.to_thread(server.encode, p, special) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError("the prompt is empty: give at least one token", param="prompt")
         vocab = server.engine.scheduler.spec.vocab_size

@@ -82,6 +82,16 @@ class _Sampling(_Strict):
     guided_grammar: str | None = None
     min_p: float | None = None
     min_tokens: int | None = None
+    # vLLM's sampling extensions this server does not do: named so that a request asking for one is refused (400),
+    # not answered as if it had not (their defaults, as vLLM's, are accepted)
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    use_beam_search: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -90,6 +100,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # (a text prompt with the tokenizer's BOS etc., as vLLM and transformers encode it)
 
 
 class TextPart(_Strict):
@@ -149,6 +160,7 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    add_special_tokens: bool = False  # (on the rendered chat text: its template writes the special tokens it wants)
     logprobs: bool | None = None  # each generated token's log-probability ...
     top_logprobs: int | None = None  # ... and the N most likely tokens' (0-20; needs logprobs: true)
     tools: list[Tool] | None = None  # function calling (server/tools.py)
@@ -175,7 +187,7 @@ class TokenizeRequest(_Strict):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None  # (default: a prompt with them, as the completions encode it; chat without)
 
 
 class DetokenizeRequest(_Strict):

@@ -40,6 +40,15 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
 
 
+# vLLM sampling extensions this server does not do -> the value that asks for nothing (accepted)
+UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
+    "include_stop_str_in_output": False, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
+    "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "priority": 0, "use_beam_search": False,
+}
+UNSUPPORTED_HINTS = {"prompt_logprobs": " (completions: echo with logprobs scores the prompt)",
+                     "allowed_token_ids": " (logit_bias can restrict the tokens)"}
+
+
 class Server:
     """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key."""
 
@@ -170,9 +179,10 @@ class Server:
                 code="model_not_found",
             )
 
-    def encode(self, text: str, special: bool = False) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
         """Tokenize a prompt (blocking: the handlers call it through ``asyncio.to_thread``); ``special``: with the
-        tokenizer's special tokens (BOS, ...), which prompts of the completion endpoints do not get."""
+        tokenizer's special tokens (BOS, ...), as a completion's text prompt gets them by default (a rendered chat
+        prompt does not: its template writes them)."""
         if self.encode_tokenizer is None:
             raise APIError("this model has no tokenizer (tokenizer.json): send the prompt as a list of token ids",
                            param="prompt")
@@ -216,7 +226,7 @@ class Server:
             )
         with self.encode_lock:
             text = render(self.encode_tokenizer, getattr(tok, "chat_template", None), req)
-        return self.encode(text)
+        return self.encode(text, bool(req.add_special_tokens))
 
     @staticmethod
     def check_options(req: Any) -> None:
@@ -227,6 +237,11 @@ class Server:
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
+        if req.stream_options is not None and not req.stream:
+            raise APIError("stream_options can only be given with stream: true", param="stream_options")
+        for name, default in UNSUPPORTED_EXTENSIONS.items():
+            if getattr(req, name) != default:
+                raise APIError(f"{name} is not supported by this server" + UNSUPPORTED_HINTS.get(name, ""), param=name)
         if not isinstance(req, ChatRequest):
             return
         if req.functions:
