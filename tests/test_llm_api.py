@@ -138,3 +138,24 @@ def test_a_dropped_pipeline_llm_stops_its_stages(ckpts, one_thread):
         time.sleep(0.1)
     assert all(_gone(p) for p in pids), f"stage processes {pids} outlived their LLM"
     assert os.getpid() not in pids
+
+
+def test_a_config_without_eos_takes_the_tokenizers(tmp_path):
+    """Neither config.json nor generation_config.json names an end-of-sequence token: the tokenizer's stops a
+    request (as vLLM does), instead of none."""
+    import json
+
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.model.init import write_random_checkpoint
+
+    cfg = {k: v for k, v in SOL_DEMO_CONFIG.items() if k != "eos_token_id"}
+    write_random_checkpoint(cfg, tmp_path)
+    write_tokenizer(tmp_path, DEMO_TEXT, cfg["vocab_size"])
+    for name in ("config.json", "generation_config.json"):
+        f = tmp_path / name
+        if f.is_file():
+            d = json.loads(f.read_text())
+            d.pop("eos_token_id", None)
+            f.write_text(json.dumps(d))
+    llm = LLM(tmp_path)
+    assert llm.eos_token_ids == {llm.tokenizer.eos_token_id} and llm.tokenizer.eos_token_id is not None
