@@ -448,16 +448,19 @@ def _parse_glm4_moe(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     n = cfg["num_hidden_layers"]
     first_dense = cfg.get("first_k_dense_replace", 0) or 0
     bias = bool(cfg.get("attention_bias", False))
-    layers = []
-    for i in range(n):
+
+    def layer(i: int) -> LayerSpec:
         mixer = _gqa(cfg, qkv_bias=bias, qk_norm=bool(cfg.get("use_qk_norm", False)))
         ffn: FFNSpec = (
             _deepseek_moe(dict(cfg, scoring_func="sigmoid", topk_method="noaux_tc"), "deepseek_v3")
             if i >= first_dense
             else _dense(cfg)
         )
-        layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
-    return _spec(cfg, name, mt, layers)
+        return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
+
+    # the MTP layers (as DeepSeek's: a MoE decoder layer after the last) count for --speculative mtp
+    mtp = [layer(n + j) for j in range(cfg.get("num_nextn_predict_layers", 0) or 0)]
+    return _spec(cfg, name, mt, [layer(i) for i in range(n)], mtp)
 
 
 _COMPRESS_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -513,9 +516,13 @@ def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     step = cfg.get("interleave_moe_layer_step", 1) or 1
     moe_layers = cfg.get("moe_layers")
     moe_set = set(moe_layers) if moe_layers is not None else {i for i in range(n) if (i + 1) % step == 0}
+    # (transformers' Llama 4: a RoPE layer, no_rope_layers[i] == 1, attends within its attention_chunk_size-token
+    # chunk; its cache is counted as a window of that size, an upper bound on what a token reads: half on average)
+    rope = cfg.get("no_rope_layers") or [1] * n
+    chunk = cfg.get("attention_chunk_size")
     layers = []
     for i in range(n):
-        mixer = _gqa(cfg)
+        mixer = _gqa(cfg, window=chunk if chunk and rope[i] else None)
         if i in moe_set:
             ffn: FFNSpec = MoESpec(
                 hidden_size=cfg["hidden_size"],
