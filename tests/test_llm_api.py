@@ -141,8 +141,8 @@ def test_a_dropped_pipeline_llm_stops_its_stages(ckpts, one_thread):
 
 
 def test_a_config_without_eos_takes_the_tokenizers(tmp_path):
-    """Neither config.json nor generation_config.json names an end-of-sequence token: the tokenizer's stops a
-    request (as vLLM does), instead of none."""
+    """Neither config.json nor generation_config.json has an end-of-sequence field: the tokenizer's stops a request
+    (as vLLM does), instead of none (a field set to null still names none: random demo models run to max_tokens)."""
     import json
 
     from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer

@@ -13,8 +13,9 @@ import torch
 from waferline.errors import ConfigError
 
 
-def eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
-    """The checkpoint's end-of-sequence token ids (config.json, then generation_config.json)."""
+def eos_ids(directory: Path, cfg: dict[str, Any], tokenizer: Any = None) -> set[int]:
+    """The checkpoint's end-of-sequence token ids (config.json, then generation_config.json); where neither file has
+    the field, the tokenizer's (as vLLM takes it). A field set to null names none: the request runs to max_tokens."""
     ids: set[int] = set()
     sources = [cfg]
     gen = directory / "generation_config.json"
@@ -29,6 +30,9 @@ def eos_ids(directory: Path, cfg: dict[str, Any]) -> set[int]:
             ids.add(e)
         elif isinstance(e, list):
             ids.update(x for x in e if isinstance(x, int))
+    named = any(isinstance(src, dict) and "eos_token_id" in src for src in sources)
+    if not named and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
     return ids
 
 

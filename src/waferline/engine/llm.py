@@ -157,9 +157,7 @@ class LLM:
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
-        self.eos_token_ids = eos_ids(self.path, self.spec.hf_config)
-        if not self.eos_token_ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
-            self.eos_token_ids = {int(self.tokenizer.eos_token_id)}  # (the config names none: the tokenizer's, as vLLM)
+        self.eos_token_ids = eos_ids(self.path, self.spec.hf_config, self.tokenizer)
         self.max_model_len = max_model_len or self.spec.max_position_embeddings
         self._speculative = (speculative, num_speculative_tokens, speculative_adaptive) if speculative else None
         self._spec: Any = None  # speculative decoding (engine/speculative/serving.py): "ngram" | "mtp" | "draft:PATH"
