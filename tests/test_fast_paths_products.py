@@ -423,13 +423,15 @@ def test_int4_tile_copies_follow_their_weights():
 @pytest.mark.parametrize("portable", [False, True])
 @pytest.mark.parametrize("G,K,Z,sdtype", [(32, 224, 1, torch.bfloat16), (32, 224, 2, torch.float16),
                                           (64, 256, 2, torch.float32), (128, 384, 1, torch.bfloat16),
-                                          (128, 4096, 2, torch.bfloat16)])
+                                          (128, 4096, 2, torch.bfloat16), (96, 480, 2, torch.bfloat16),
+                                          (160, 480, 1, torch.float32)])
 def test_int4_linear_is_the_dequantized_product(portable, G, K, Z, sdtype):
     """waferline::int4_linear (waferline's CPU int4 layout) computes x @ W^T with W = (code - 8) * scale + zero in
     fp32: against the fp32 product with the dequantized weight, rounded once to bf16, at every row count the few-row
     kernel takes (1-8, one register blocking each), in blocks of 8 (12, 16) and through the dequantise-and-GEMM path
     (20, 40; it takes the weight in slices of 256 KiB in fp32: with K = 4096, three slices of 16, 16 and 8
-    outputs); K with a 32-input tail; groups of 32 (two per 64-input block) and of 64 / 128 (several blocks per group),
+    outputs); K with a 32-input tail; groups of 32 (two per 64-input block), of 64 / 128 (several blocks per group)
+    and of an odd number of 32s (96, 160: a group starting mid-block, which the operator accepts),
     symmetric and with zeros, 16- and 32-bit scales, and
     ``portable``: the loop CPUs without AVX2 run. Its layout is ``quant.pack_kernel``'s (a wrong byte order fails);
     ``unpack_kernel`` inverts it; bad shapes are refused. The 16-bit-integer activation kernel is off here (it has

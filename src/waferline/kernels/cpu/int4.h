@@ -149,7 +149,9 @@ void int4_block_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, 
       for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
     __m256 sl, zl, sh, zh;
     for (int64_t k0 = 0; k0 < K64; k0 += INT4_BLOCK) {
+      // (a group of an odd number of 32s, 96 or 160, starts mid-block: the next block's low half is its group)
       if (k0 % G == 0) int4_scale(sr, Z, k0 / G, sl, zl);
+      else if (k0 % G == 32) sl = sh, zl = zh;
       if ((k0 + 32) % G == 0) int4_scale(sr, Z, (k0 + 32) / G, sh, zh);
       else if (k0 % G == 0) sh = sl, zh = zl;
       // one nibble half at a time (4 weight vectors live, not 8: with 8 rows' accumulators that spilled)
