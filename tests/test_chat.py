@@ -20,6 +20,11 @@ def _req(**kw) -> ChatRequest:
     return parse(ChatRequest, {"model": "m", "messages": MSGS, **kw})
 
 
+def _chat_ids(server, text):
+    """A rendered chat prompt's ids: as its template writes it, no special tokens added."""
+    return server.llm.tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_the_plain_template_and_its_options():
     assert render(None, None, _req()) == "<|user|>\nWho is there?\n<|assistant|>\nNay, answer me\n<|assistant|>\n"
     assert render(None, None, _req(add_generation_prompt=False)).endswith("Nay, answer me\n")
@@ -65,12 +70,12 @@ def test_serve_chat_template_from_a_file_or_text(sol, tmp_path, live):
     try:
         r = httpx.post(live.state.base + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
                        json={"messages": MSGS, "chat_template_kwargs": {"think": True}}).json()
-        assert r["tokens"] == server.llm.encode("[user]Who is there?[/][assistant]Nay, answer me[/][assistant]<think>")
+        assert r["tokens"] == _chat_ids(server, "[user]Who is there?[/][assistant]Nay, answer me[/][assistant]<think>")
         r = httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "sol-test", "messages": MSGS, "max_tokens": 2, "add_generation_prompt": False,
                              "continue_final_message": True})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(
-            server.llm.encode("[user]Who is there?[/][assistant]Nay, answer me"))
+            _chat_ids(server, "[user]Who is there?[/][assistant]Nay, answer me"))
         r = httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": "sol-test", "messages": MSGS, "max_tokens": 2, "continue_final_message": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

@@ -64,6 +64,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         return [layer.mixer.sliding_window for layer in parse_hf_config(cfg).layers]
 
     assert windows(model_type="mistral", sliding_window=6) == [6] * 4
+    assert windows(model_type="mistral") == [4096] * 4  # (MistralConfig's default where the key is absent)
+    assert windows(model_type="mistral", sliding_window=None) == [None] * 4
     assert windows(model_type="qwen3", sliding_window=6, max_window_layers=2) == [None] * 4
     assert windows(model_type="qwen3", sliding_window=6, max_window_layers=2, use_sliding_window=True) == \
         [None, None, 6, 6]

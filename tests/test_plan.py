@@ -8,6 +8,7 @@ from waferline.errors import ConfigError, FitError
 from waferline.plan.place import context_capacity, place
 from waferline.plan.plan import Plan, SpeculativeConfig
 from waferline.spec.catalog import list_models, load_model, model_config
+from waferline.spec.configs import parse_hf_config
 
 ISSUE_MODELS = {
     "gpt-5.6-sol",
@@ -180,6 +181,20 @@ def test_fewer_devices_than_a_system_ships_with_are_noted():
     plan = place("llama-3.1-8b", "sn40l", devices=4)
     assert any("sn40l is deployed from 8 devices up (min_devices); 4 is below" in n for n in plan.notes)
     assert not any("min_devices" in n for n in place("llama-3.1-8b", "sn40l", devices=8).notes)
+
+
+def test_capacities_under_attention_ranks_count_a_ranks_share():
+    """Each of M attention ranks holds the caches of ceil(batch / M) sequences: what the plan placed fits within the
+    capacities it reports (they counted the whole batch on every rank: 414 sequences for a plan of 1,024)."""
+    from waferline.plan.place import batch_capacity
+
+    plan = place("deepseek-v3", "h200-sxm", weight_bits=8, afd=True, attention_ranks=4, ffn_ranks=4, batch=1024,
+                 context=4096)
+    assert plan.fits and plan.attention_ranks == 4
+    assert batch_capacity(plan, "deepseek-v3", 4096) >= 1024 and context_capacity(plan, "deepseek-v3") >= 4096
+    # a Llama 4 config without no_rope_layers: transformers' default, every 4th layer global
+    cfg = {k: v for k, v in model_config("llama-4-scout").items() if k != "no_rope_layers"}
+    assert [layer.mixer.sliding_window for layer in parse_hf_config(cfg).layers[:4]] == [8192, 8192, 8192, None]
 
 
 def test_a_tensor_parallel_stage_stays_inside_a_node():

@@ -246,7 +246,8 @@ def test_models_and_chat(live, client):
         r = client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=2)
     finally:
         tok.chat_template = None
-    assert r.usage.prompt_tokens == len(llm.encode("[system] Be brief.\n[user] What is a wafer?\n[assistant] "))
+    assert r.usage.prompt_tokens == len(  # (a chat prompt: as its template writes it, no special tokens added)
+        llm.tokenizer.encode("[system] Be brief.\n[user] What is a wafer?\n[assistant] ", add_special_tokens=False))
 
 
 def test_streaming_with_usage(live, client):
@@ -497,21 +498,21 @@ def test_penalties_and_logit_bias_are_the_engines(live, client):
 
 def test_tokenize_detokenize_and_tokenizer_info(live):
     """vLLM's tokenizer endpoints (evaluation harnesses use them as a remote tokenizer): /tokenize encodes a prompt as
-    the completion endpoints do (or, with add_special_tokens, with the special tokens) and chat messages as chat does;
-    /detokenize decodes; /tokenizer_info names the special tokens."""
+    the completion endpoints do (with the special tokens unless add_special_tokens is false) and chat messages as chat
+    does; /detokenize decodes; /tokenizer_info names the special tokens."""
     llm = live.state.server.llm
     base, auth = live.state.base, {"Authorization": f"Bearer {KEY}"}
     text = "Friends, Romans, countrymen"
     r = httpx.post(base + "/tokenize", headers=auth, json={"model": "sol-test", "prompt": text}).json()
     assert r["tokens"] == llm.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_LEN
-    special = httpx.post(base + "/tokenize", headers=auth, json={"prompt": text, "add_special_tokens": True}).json()
-    assert special["tokens"] == llm.tokenizer.encode(text, add_special_tokens=True)
+    plain = httpx.post(base + "/tokenize", headers=auth, json={"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == llm.tokenizer.encode(text, add_special_tokens=False)
     msgs = [{"role": "user", "content": "What is a wafer?"}]
     chat = httpx.post(base + "/tokenize", headers=auth, json={"messages": msgs}).json()
     from waferline.server.app import FALLBACK_CHAT_TEMPLATE, FALLBACK_GENERATION_PROMPT
 
     rendered = "".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT
-    assert chat["tokens"] == llm.encode(rendered)
+    assert chat["tokens"] == llm.tokenizer.encode(rendered, add_special_tokens=False)
     ids = r["tokens"] + [llm.tokenizer.eos_token_id]
     back = httpx.post(base + "/detokenize", headers=auth, json={"tokens": ids}).json()
     assert back["prompt"] == text + "</s>"
@@ -536,7 +537,8 @@ def test_structured_outputs(live, client):
                                                "age": {"type": "integer", "minimum": 0, "maximum": 99}},
               "required": ["name", "age"], "additionalProperties": False}
     msgs = [{"role": "user", "content": "Describe a wafer as JSON."}]
-    ids = llm.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT)
+    ids = llm.tokenizer.encode("".join(FALLBACK_CHAT_TEMPLATE.format(**m) for m in msgs) + FALLBACK_GENERATION_PROMPT,
+                               add_special_tokens=False)
     chat_kinds = [({"response_format": {"type": "json_object"}}, {"json_object": True},
                    lambda t: isinstance(json.loads(t), dict)),
                   ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}},

@@ -539,7 +539,8 @@ def test_what_the_server_does_not_do_is_refused_not_ignored(live, path, body):
     assert err["param"] == next(k for k in body if k not in ("prompt", "messages", "stop", "stream"))
     # their defaults, as a vLLM client may send them, are accepted
     ok = _post(live, {"model": "sol-test", "prompt": "hi", "max_tokens": 1, "include_stop_str_in_output": False,
-                      "spaces_between_special_tokens": True, "priority": 0})
+                      "spaces_between_special_tokens": True, "priority": 0, "bad_words": [], "allowed_token_ids": [],
+                      "stream_options": {}})
     assert ok.status_code == 200, ok.text
 
 

@@ -15,7 +15,8 @@ from waferline.errors import ConfigError
 
 def eos_ids(directory: Path, cfg: dict[str, Any], tokenizer: Any = None) -> set[int]:
     """The checkpoint's end-of-sequence token ids (config.json, then generation_config.json); where neither file has
-    the field, the tokenizer's (as vLLM takes it). A field set to null names none: the request runs to max_tokens."""
+    the field, the tokenizer's (vLLM adds the tokenizer's always). A field set to null names none: a request runs to
+    max_tokens (random demo checkpoints do that)."""
     ids: set[int] = set()
     sources = [cfg]
     gen = directory / "generation_config.json"

@@ -178,8 +178,7 @@ class Scheduler:
         return self.postprocess(plan, self.execute(plan))
 
     def schedule(self) -> StepPlan:
-        """Which sequences run this step and how: decode rows (oldest first), prefill chunks, verify rows with the
-        drafts proposed for them, and a burst length for the decodes."""
+        """This step's decode rows (oldest first), prefill chunks, verify rows with their drafts, and burst length."""
         decodes, prefills = self._schedule()
         plan = StepPlan(decodes, [(s, t) for s, t in prefills if s.status == "running"])
         if self.spec_dec is not None and decodes:
@@ -327,11 +326,13 @@ class Scheduler:
                 # the latest admitted not in flight; in s's part of a split page table first (its pages come from it)
                 others = [v for v in reversed(self.running) if v is not s and v.request_id not in self.busy]
                 victim = min(others, key=lambda v: (v.slot - s.slot) % self.cache.parts != 0, default=None)
-                if victim is None and self.busy:  # the others are in flight: s waits for their pages
-                    break
-                if victim is None:  # cannot happen: the budget holds one max_model_len sequence
+                if victim is None and not self.busy:  # cannot happen: the budget holds one max_model_len sequence
                     raise RuntimeError("cache budget exhausted by a single sequence")
-                victim = s if self.running.index(victim) < self.running.index(s) else victim  # (the newest gives way)
+                i = self.running.index(s)
+                if victim is None or self.running.index(victim) < i:  # s is the newest not in flight: it gives way,
+                    if any(v.request_id in self.busy for v in self.running[i + 1:]):  # or waits for a newer one's
+                        break
+                    victim = s
                 self._preempt(victim)
                 preempted = True
                 if victim is s:

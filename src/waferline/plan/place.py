@@ -599,12 +599,13 @@ def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: 
     by_index = {layer.index: layer for layer in spec.layers}
     act = _activation_bytes(spec, batch, DEFAULT_PREFILL_CHUNK)
     grow = drafter(ctx, batch) - drafter(plan.context_len, plan.batch) if drafter else 0.0
+    held = math.ceil(batch / plan.attention_ranks) if plan.attention_ranks else batch  # (AFD: a rank's share)
     for s in plan.stages:
         if s.role == "ffn":
             continue
         cache = sum(
             cache_per_device(
-                batch * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS),
+                held * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS),
                 s.num_devices,
                 by_index[i].cache_shard_limit(),
             )

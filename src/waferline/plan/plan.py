@@ -139,6 +139,18 @@ class Plan:
     def num_devices(self) -> int:
         return len({d for s in self.stages for d in s.device_ids})
 
+    @property
+    def attention_ranks(self) -> int:
+        """The attention ranks of the AFD engine's layout (every attention stage a data-parallel replica of every
+        layer, with the LM head; every FFN stage an expert shard of the same FFN layers), as
+        ``place(..., afd=True, attention_ranks=M, ffn_ranks=N)`` makes it; 0 for any other plan."""
+        att = [s for s in self.stages if s.role == "attention"]
+        ffn = [s for s in self.stages if s.role == "ffn"]
+        if not self.afd or not att or not ffn or len(att) + len(ffn) != len(self.stages):
+            return 0
+        same = len({tuple(s.layers) for s in att}) == 1 and len({tuple(s.layers) for s in ffn}) == 1
+        return len(att) if same and all(s.has_lm_head for s in att) else 0
+
     def layer_stage(self, layer: int, role: str = "full") -> Stage:
         for s in self.stages:
             if layer in s.layers and (s.role == role or s.role == "full"):

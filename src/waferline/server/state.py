@@ -237,10 +237,10 @@ class Server:
             raise APIError("best_of is not supported", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
-        if req.stream_options is not None and not req.stream:
+        if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
             raise APIError("stream_options can only be given with stream: true", param="stream_options")
         for name, default in UNSUPPORTED_EXTENSIONS.items():
-            if getattr(req, name) != default:
+            if getattr(req, name) not in (default, []):  # (an empty list asks for nothing either: vLLM's default)
                 raise APIError(f"{name} is not supported by this server" + UNSUPPORTED_HINTS.get(name, ""), param=name)
         if not isinstance(req, ChatRequest):
             return

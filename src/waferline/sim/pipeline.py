@@ -421,16 +421,8 @@ def _bound(timings: list[StageTiming], token: float, pipe: float) -> str:
 # ---------------------------------------------------------------- AFD as the engine runs it
 
 def is_afd_ranks(plan: Plan) -> bool:
-    """A plan in the AFD engine's layout: every attention stage holds every layer (data-parallel replicas) and every
-    FFN stage holds the same FFN layers (expert shards), as ``place(..., afd=True, attention_ranks=M, ffn_ranks=N)``."""
-    if not plan.afd:
-        return False
-    att = [s for s in plan.stages if s.role == "attention"]
-    ffn = [s for s in plan.stages if s.role == "ffn"]
-    if not att or not ffn or len(att) + len(ffn) != len(plan.stages):
-        return False
-    return len({tuple(s.layers) for s in att}) == 1 and len({tuple(s.layers) for s in ffn}) == 1 and \
-        all(s.has_lm_head for s in att)
+    """A plan in the AFD engine's layout (``Plan.attention_ranks``)."""
+    return plan.attention_ranks > 0
 
 
 def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K: int, resident_batch: int

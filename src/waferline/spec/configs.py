@@ -230,7 +230,7 @@ def _llama_like_windows(cfg: dict[str, Any], n: int, mt: str) -> list[int | None
     ``sliding_window`` to every layer; Qwen2/Qwen3 only with ``use_sliding_window`` (default false), to the layers
     ``layer_types`` marks, or where it is absent to those from ``max_window_layers`` (default 28) on; others as
     ``layer_types`` marks them."""
-    w = cfg.get("sliding_window")
+    w = cfg.get("sliding_window", 4096 if mt == "mistral" else None)  # (MistralConfig's default: key absent)
     if mt in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         w = None
     if mt in ("mistral", "mixtral", "qwen3_moe"):
@@ -518,8 +518,9 @@ def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     moe_set = set(moe_layers) if moe_layers is not None else {i for i in range(n) if (i + 1) % step == 0}
     # (transformers' Llama 4: a RoPE layer, no_rope_layers[i] == 1, attends within its attention_chunk_size-token
     # chunk; its cache is counted as a window of that size, an upper bound on what a token reads: half on average)
-    rope = cfg.get("no_rope_layers") or [1] * n
-    chunk = cfg.get("attention_chunk_size")
+    every = int(cfg.get("no_rope_layer_interval") or 4)  # (transformers' default: every 4th layer global, NoPE)
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % every != 0) for i in range(n)]
+    chunk = cfg.get("attention_chunk_size", 8192)
     layers = []
     for i in range(n):
         mixer = _gqa(cfg, window=chunk if chunk and rope[i] else None)
