@@ -377,19 +377,62 @@ def test_int4_file_bytes_match_modelspec_accounting(tmp_path, G, sym):
     assert (_logprobs(model, ids) - _logprobs(twin, ids)).abs().mean() < 1e-2
 
 
+def test_gpt_oss_fused_experts_are_int4_in_the_file_stored_transposed(tmp_path):
+    """gpt-oss's fused experts keep the input dimension on axis -2 (``gate_up_proj [E, D, 2I]``): the file stores
+    them with their last two axes swapped (listed in quantization_config's "transposed"), they load back as the codes
+    quantize_model makes from the same 16-bit checkpoint, and the dequantized view keeps the checkpoint's layout."""
+    build("gpt_oss", tmp_path / "g")
+    f = str(tmp_path / "g" / "model.safetensors")  # a bf16 checkpoint: both sides start from the same values
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    s = quantize_checkpoint(tmp_path / "g", tmp_path / "g4", QuantOptions(group_size=32))
+    assert s["not_in_file_layout"] == [] and s["modules_not_quantized"] == []
+    experts = [f"model.layers.{i}.mlp.experts.{w}" for i in (0, 1) for w in ("down_proj", "gate_up_proj")]
+    cfg = json.loads((tmp_path / "g4" / "config.json").read_text())
+    assert cfg["quantization_config"]["transposed"] == experts
+    tensors = load_file(str(tmp_path / "g4" / "model.safetensors"))
+    assert not set(experts) & set(tensors)
+    assert tensors[experts[1] + ".qweight"].shape == (4, 64, 32) and tensors[experts[1] + ".scales"].shape == (4, 64, 2)
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert abs(data / spec_from_pretrained(tmp_path / "g").weight_bytes(4, 32) - 1) < 0.05  # (+1.9%: expert biases)
+    src = Int4Source(open_weights(tmp_path / "g4"), cfg)
+    w16 = load_file(f)[experts[1]].float()
+    assert src.get(experts[1]).shape == w16.shape == (4, 64, 64)
+    assert (src.get(experts[1]) - w16).abs().max() < w16.abs().max() / 8  # its own layout: int4 error (<= 1/15)
+    m4 = load_model(tmp_path / "g4")
+    ref = load_model(tmp_path / "g")
+    quantize_model(ref, QuantOptions(group_size=32))
+    assert len(_int4_weights(m4)) == len(_int4_weights(ref)) == 2 * 6
+    for i in (0, 1):
+        for leaf in ("q_gate_up", "q_down"):
+            a, b = getattr(m4.layers[i].ffn, leaf), getattr(ref.layers[i].ffn, leaf)
+            if a.backend in ("dequant", "cpu_waferline"):  # (the ATen kernels' layouts are opaque)
+                ta, tb = a.int4_tensor(), b.int4_tensor()
+                assert torch.equal(ta.codes, tb.codes) and torch.equal(ta.scales, tb.scales)
+            assert torch.equal(a.dequantize(), b.dequantize())
+    ids = list(range(3, 40))
+    assert (_logprobs(m4, ids) - _logprobs(ref, ids)).abs().max() < 1e-5
+
+
 def test_an_int4_file_names_the_weights_its_layout_cannot_hold(tmp_path, capsys):
-    """gpt-oss's fused experts keep the input dimension off the last axis, along which the int4 file groups: they
-    stay 16-bit in the file, and quantize says so (quantized at load they are int4)."""
+    """A tensor not named ``X.weight`` is stored only transposed: transformers' fused expert save
+    (``experts.gate_up_proj [E, 2I, D]``, the input dimension last) stays 16-bit in the file, and quantize says so."""
     from waferline.model.quant_commands import _print_summary
 
-    build("gpt_oss", tmp_path / "g")
-    s = quantize_checkpoint(tmp_path / "g", tmp_path / "g4", QuantOptions(group_size=32))
+    build("qwen3_moe", tmp_path / "q")
+    f = str(tmp_path / "q" / "model.safetensors")
+    t = load_file(f)
+    for i in (0, 1):
+        p = f"model.layers.{i}.mlp.experts."
+        n = sorted({int(k[len(p):].split(".")[0]) for k in t if k.startswith(p)})
+        t[p + "gate_up_proj"] = torch.stack([torch.cat([t.pop(f"{p}{e}.gate_proj.weight"),
+                                                        t.pop(f"{p}{e}.up_proj.weight")]) for e in n])
+        t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in n])
+    save_file(t, f, metadata={"format": "pt"})
+    s = quantize_checkpoint(tmp_path / "q", tmp_path / "q4", QuantOptions(group_size=32))
     assert sorted(s["not_in_file_layout"]) == [f"layers.{i}.ffn.{w}" for i in (0, 1) for w in ("w_down", "w_gate_up")]
     _print_summary(s)
     assert "4 matmuls the int4 file cannot hold" in capsys.readouterr().out
-    m = load_model(tmp_path / "g")
-    quantize_model(m, QuantOptions(group_size=32))
-    assert {"w_down", "w_gate_up"} <= {name.rsplit(".", 1)[-1] for name, _, _ in _int4_weights(m)}
+    assert len(_int4_weights(load_model(tmp_path / "q4"))) == 2 * 4  # the attention projections
 
 
 def test_quantize_model_keeps_requested_modules_16bit(llama_dir):

@@ -125,9 +125,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         )
     if s.get("not_in_file_layout"):
         n = _count(len(s["not_in_file_layout"]), "matmul")
-        print(f"  of them, {n} the int4 file cannot hold: their checkpoint tensors keep the input dimension off the "
-              "last axis, along which the file groups (gpt-oss's fused experts); loading the 16-bit checkpoint with "
-              "--weight-bits 4 quantizes them too")
+        print(f"  of them, {n} the int4 file cannot hold: their checkpoint tensors keep the input dimension on "
+              "neither of their last two axes, or last in a tensor not named *.weight (a fused expert save); loading "
+              "the 16-bit checkpoint with --weight-bits 4 quantizes them too")
 
 
 def _count(n: int, noun: str) -> str:

@@ -9,6 +9,9 @@ On disk (safetensors, one set per quantized ``X.weight`` of shape ``[..., N, K]`
 
 ``config.json`` records it as ``quantization_config = {"quant_method": "waferline", "bits": 4, "group_size": G,
 ...}``. The group size of one tensor is ``K / scales.shape[-1]`` (a tensor with ``K < G`` uses one group per row).
+A checkpoint tensor whose input dimension is its axis -2 (gpt-oss's fused experts, ``gate_up_proj [E, D, 2I]``) is
+stored as the above of it with its last two axes swapped, under its own name less any ``.weight``, and listed by
+name in ``quantization_config["transposed"]``.
 At load the codes are repacked for the device: waferline's own CPU kernel (``waferline::int4_linear``,
 kernels/cpu_ops.cpp; ATen's CPU int4pack ops where that is not built), torch's CUDA tinygemm op, or (other devices,
 group sizes the kernels do not take) dequantise-then-matmul. Activations and accumulation stay 16/32-bit.

@@ -23,6 +23,12 @@ class _Entry:
     shape: tuple[int, ...]
     raw: list[str]
     decode: Callable[[WeightSource], Int4Tensor]
+    transposed: bool = False  # stored as the int4 of ``logical.transpose(-1, -2)`` (groups along its axis -2)
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """The shape of the decoded codes: ``shape``, its last two axes swapped when ``transposed``."""
+        return (*self.shape[:-2], self.shape[-1], self.shape[-2]) if self.transposed else self.shape
 
 
 def _unpack_int32(packed: Tensor, dim: int) -> Tensor:
@@ -37,6 +43,13 @@ def _unpack_int32(packed: Tensor, dim: int) -> Tensor:
 
 
 def _waferline_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
+    # a tensor listed in "transposed" (its full checkpoint name X, or X.weight) is stored as X.qweight / X.scales /
+    # X.zeros of its last two axes swapped: its groups run along the checkpoint tensor's axis -2 (gpt-oss's experts)
+    flipped = {n.removesuffix(".weight"): n for n in qc.get("transposed") or []}
+    missing = [n for b, n in flipped.items() if not src.has(b + ".qweight")]
+    if missing:
+        raise CheckpointError(f"quantization_config lists {missing[0]} as transposed but the checkpoint has no "
+                              f"{missing[0].removesuffix('.weight')}.qweight")
     out = []
     for name in src.names_with_prefix(""):
         if not name.endswith(".qweight"):
@@ -44,6 +57,8 @@ def _waferline_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
         base = name[: -len(".qweight")]
         shp = src.shape(name)
         shape = (*shp[:-1], shp[-1] * 2)
+        if base in flipped:
+            shape = (*shape[:-2], shape[-1], shape[-2])
         raw = [name, base + ".scales"] + ([base + ".zeros"] if src.has(base + ".zeros") else [])
 
         def decode(s: WeightSource, base: str = base, raw: list[str] = raw) -> Int4Tensor:
@@ -56,7 +71,7 @@ def _waferline_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
                 unpack_nibbles(q), s.get(base + ".scales"), s.get(base + ".zeros") if len(raw) == 3 else None
             )
 
-        out.append(_Entry(base + ".weight", shape, raw, decode))
+        out.append(_Entry(flipped.get(base, base + ".weight"), shape, raw, decode, base in flipped))
     return out
 
 
@@ -147,7 +162,8 @@ def quant_method(cfg: dict[str, Any]) -> str | None:
 
 class Int4Source(WeightSource):
     """A checkpoint's tensors with every int4 weight shown under its logical name (``X.weight``, served
-    dequantized to fp32); :meth:`canonical` gives the codes/scales/zeros themselves."""
+    dequantized to fp32 in the checkpoint's own layout); :meth:`canonical` gives the codes/scales/zeros themselves
+    (of the stored layout: last two axes swapped for an entry that is ``transposed``)."""
 
     def __init__(self, raw: WeightSource, cfg: dict[str, Any]):
         method = quant_method(cfg)
@@ -164,14 +180,15 @@ class Int4Source(WeightSource):
 
     def _load_any(self, name: str) -> Tensor:
         if name in self.entries:
-            return self.canonical(name).dequantize()
+            w = self.canonical(name).dequantize()
+            return w.transpose(-1, -2).contiguous() if self.entries[name].transposed else w
         return self.raw.get(name)
 
     def canonical(self, name: str) -> Int4Tensor:
         e = self.entries[name]
         t = e.decode(self.raw)
-        if t.shape != e.shape:
+        if t.shape != e.stored_shape:
             raise CheckpointError(
-                f"int4 tensor {name!r} decodes to shape {list(t.shape)} but is declared {list(e.shape)}"
+                f"int4 tensor {name!r} decodes to shape {list(t.shape)} but is declared {list(e.stored_shape)}"
             )
         return t

@@ -4,7 +4,7 @@ own ``load_hf`` on element ids, and the module-layout int4 weights assembled fro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -59,6 +59,25 @@ def _used_tensors(ids: Tensor) -> list[int]:
     return torch.bincount((ids >> 32).flatten()).nonzero().flatten().tolist()
 
 
+def _stored_ids(ids: Tensor, flips: dict[int, tuple[int, ...]]) -> Tensor:
+    """``ids`` with the elements of each tensor number in ``flips`` (mapped to its checkpoint shape ``[..., A, B]``)
+    renumbered as in that tensor with its last two axes swapped (``[..., B, A]``), the layout it is stored in."""
+    if not flips:
+        return ids
+    out = ids.clone()
+    num = ids >> 32
+    for j, (*_, A, B) in flips.items():
+        sel = num == j
+        f = ids[sel] & 0xFFFFFFFF
+        lead, a, b = f // (A * B), f // B % A, f % B
+        out[sel] = (j << 32) + (lead * B + b) * A + a
+    return out
+
+
+def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*shape[:-2], shape[-1], shape[-2])
+
+
 def _group_ids(ids: Tensor, tensors: list[int], shapes: list[tuple[int, ...]], G: int) -> tuple[Tensor, Tensor, Tensor]:
     """For every element of ``ids``: its index in the concatenation of ``tensors`` (flattened, in that order) and
     its group's index in the concatenation of their ``[..., N_t, K_t/G]`` scale grids. Also each tensor's K_t."""
@@ -91,18 +110,21 @@ def _groups_line_up(gid: Tensor, G: int) -> bool:
     return int(torch.bincount(heads[..., 0].flatten()).max()) <= 1
 
 
-def gather_int4(ids: Tensor, selected: list[str], get: Callable[[str], Int4Tensor]) -> Int4Tensor:
-    """Assemble the module-layout int4 weight for ``ids`` (from :func:`trace_layer`) out of checkpoint tensors."""
+def gather_int4(ids: Tensor, selected: list[str], get: Callable[[str], Int4Tensor],
+                transposed: Collection[str] = ()) -> Int4Tensor:
+    """Assemble the module-layout int4 weight for ``ids`` (from :func:`trace_layer`) out of checkpoint tensors
+    (``get`` gives each in its stored layout: the names in ``transposed`` with their last two axes swapped)."""
     used = _used_tensors(ids)
     parts = [get(selected[j]) for j in used]
+    ids = _stored_ids(ids, {j: _swapped(p.shape) for j, p in zip(used, parts) if selected[j] in transposed})
     G = parts[0].group_size
     if any(p.group_size != G for p in parts) or any((p.zeros is None) != (parts[0].zeros is None) for p in parts):
         raise CheckpointError(f"{', '.join(selected[j] for j in used)} feed one weight but differ in group size or "
                               "symmetry; waferline needs them alike")
     elem, gid, _ = _group_ids(ids, used, [p.shape for p in parts], G)
     if not _groups_line_up(gid, G):
-        raise CheckpointError(f"the int4 groups of {selected[used[0]]} do not run along the module's input dimension "
-                              "(a transposed layout, e.g. gpt_oss experts); keep those weights 16-bit")
+        raise CheckpointError(f"the int4 groups of {selected[used[0]]} do not run along the module's input dimension; "
+                              "keep those weights 16-bit")
     codes = torch.cat([p.codes.flatten() for p in parts])[elem]
     heads = gid[..., ::G]
     scales = torch.cat([p.scales.flatten() for p in parts])[heads]
@@ -117,6 +139,7 @@ def attach_int4(model: nn.Module, src: Int4Source) -> int:
     selected = sorted(src.entries)
     shapes = dict(src._shapes)
     compute = _compute_dtype(model)
+    transposed = {name for name, e in src.entries.items() if e.transposed}
     cache: dict[str, Int4Tensor] = {}
 
     def get(name: str) -> Int4Tensor:
@@ -127,7 +150,7 @@ def attach_int4(model: nn.Module, src: Int4Source) -> int:
     n = 0
     for layer, i in zip(model.layers, model.layer_range):
         for path, ids in trace_layer(spec, i, shapes, selected).items():
-            t = gather_int4(ids, selected, get)
+            t = gather_int4(ids, selected, get, transposed)
             w = layer.get_parameter(path)
             install(layer, path, Int4Weight(t, w.device, compute))
             n += 1

@@ -15,7 +15,14 @@ from waferline.errors import CheckpointError, ConfigError
 from waferline.files import check_writable
 from waferline.model.quant.calibration import SequentialCalibration, calibration_tokens
 from waferline.model.quant.formats import _qconfig
-from waferline.model.quant.mapping import _group_ids, _groups_line_up, _used_tensors, trace_layer
+from waferline.model.quant.mapping import (
+    _group_ids,
+    _groups_line_up,
+    _stored_ids,
+    _swapped,
+    _used_tensors,
+    trace_layer,
+)
 from waferline.model.quant.modules import QuantOptions, _kept, _quantize_param, install, matmul_weights
 from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
 from waferline.model.quant.weight import Int4Weight
@@ -76,6 +83,23 @@ def _scatter(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, 
         covered[name] = int(counts[j])
         e0, g0 = e0 + n, g0 + n // G
     return True
+
+
+def _place(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, tuple[int, ...]],
+           outs: dict[str, dict[str, Tensor]], covered: dict[str, int]) -> list[str] | None:
+    """:func:`_scatter` ``t`` into the checkpoint tensors feeding it as they are (``X.weight`` names only: the file
+    names those ``X.qweight``), else with their last two axes swapped (their groups along the tensor's axis -2, as
+    gpt-oss's fused experts keep the input dimension). The names stored swapped ([] for none); None when neither
+    lines up."""
+    used = _used_tensors(ids)
+    names = [selected[j] for j in used]
+    if all(n.endswith(".weight") for n in names) and _scatter(t, ids, selected, shapes, outs, covered):
+        return []
+    flips = {j: shapes[selected[j]] for j in used}
+    stored = {n: _swapped(shapes[n]) for n in names}
+    if _scatter(t, _stored_ids(ids, flips), selected, stored, outs, covered):
+        return names
+    return None
 
 
 def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
@@ -151,11 +175,12 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     raw = open_weights(model_dir)
     names = raw.names_with_prefix("")
     shapes = {n: tuple(raw.shape(n)) for n in names}
-    selected = [n for n in names if n.endswith(".weight") and len(shapes[n]) >= 2]
+    selected = [n for n in names if len(shapes[n]) >= 2]
     outs: dict[str, dict[str, Tensor]] = {}
     covered: dict[str, int] = {}
     kept: list[str] = []
     off_layout: list[str] = []  # kept because the file's layout cannot hold them (not asked for with --keep)
+    transposed: list[str] = []  # stored with their last two axes swapped
     total = len(model.layers)
     for pos, (layer, i) in enumerate(zip(model.layers, model.layer_range)):
         traced = trace_layer(spec, i, shapes, selected)
@@ -171,11 +196,14 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
                 continue
             w = getattr(owner, leaf).detach()
             t = _quantize_param(w, opts, hess.get(path))
-            if t is None or not _scatter(t, ids, selected, shapes, outs, covered):
+            swapped = None if t is None else _place(t, ids, selected, shapes, outs, covered)
+            if swapped is None:
                 kept.append(", ".join(feeds))
                 if t is not None:
                     off_layout.append(mpath)
-            elif calib is not None:  # later layers calibrate on this layer's int4 outputs
+                continue
+            transposed += swapped
+            if calib is not None:  # later layers calibrate on this layer's int4 outputs
                 install(layer, path, Int4Weight(t, w.device, torch.bfloat16))
         if calib is not None:
             calib.advance(layer)
@@ -192,7 +220,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         if c:
             o = outs[name]
             t = Int4Tensor(o["codes"], o["scales"], o.get("zeros"))
-            tensors.update(t.to_safetensors(name[: -len(".weight")]))
+            tensors.update(t.to_safetensors(name.removesuffix(".weight")))
             int4_bytes += t.nbytes()
             n_q += 1
         else:
@@ -201,7 +229,10 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     if n_q == 0:
         raise ConfigError(f"no weight was quantized: group size {opts.group_size} fits none of {spec.name}'s matmul "
                           "widths, or --keep kept them all; nothing written")
-    qcfg = quantization_config(opts, sorted(set(kept)), {"calibration_tokens": n_calib} if n_calib else None)
+    extra: dict[str, Any] = {"transposed": sorted(transposed)} if transposed else {}
+    if n_calib:
+        extra["calibration_tokens"] = n_calib
+    qcfg = quantization_config(opts, sorted(set(kept)), extra)
     cfg["quantization_config"] = qcfg
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
