@@ -25,14 +25,19 @@ def test_sampling_params_are_checked_when_made(sol, threads):
     for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.5}, "max_tokens"),
                       ({"temperature": float("nan")}, "temperature"), ({"temperature": float("inf")}, "temperature"),
                       ({"temperature": -0.5}, "temperature"), ({"temperature": "hot"}, "temperature"),
-                      ({"top_p": float("nan")}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_k": -1}, "top_k"),
-                      ({"seed": 2**70}, "seed"), ({"seed": -1}, "seed"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                      ({"top_p": float("nan")}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_k": -2}, "top_k"),
+                      ({"seed": 2**70}, "seed"), ({"seed": -2**63 - 1}, "seed"),
+                      ({"stop_token_ids": [-1]}, "stop_token_ids"),
                       ({"stop": [""]}, "stop"), ({"stop": ["x", ""]}, "stop")]:  # ("" would match everywhere)
         with pytest.raises(RequestError, match=f"^{field} "):
             SamplingParams(**kw)
     assert SamplingParams(temperature=1e-40).temperature == SamplingParams(temperature=9e-6).temperature == 0.0
     assert SamplingParams(temperature=0.5).temperature == 0.5
     assert SamplingParams(top_k=2**70).top_k == 0 and SamplingParams(top_k=40).top_k == 40
+    assert SamplingParams(top_k=-1).top_k == 0  # (vLLM's "off")
+    # any 64-bit seed (as OpenAI and vLLM take them), reduced below 2**44; smaller seeds as given
+    assert SamplingParams(seed=123).seed == 123 and SamplingParams(seed=-1).seed == 2**44 - 1
+    assert SamplingParams(seed=2**63 - 1).seed == (2**63 - 1) % 2**44
     assert SamplingParams(stop="x").stop == ["x"]
     p = SamplingParams()
     p.temperature = float("nan")
@@ -571,3 +576,26 @@ def test_a_text_prompt_gets_the_tokenizers_special_tokens(tmp_path, threads):
                                                               **extra}).json()["usage"]["prompt_tokens"]
         assert prompt_tokens() == len(want) and prompt_tokens(add_special_tokens=False) == len(want) - 1
         assert httpx.post(base + "/tokenize", json={"prompt": "Hello there"}).json()["tokens"] == want
+
+
+def test_top_p_and_the_order_of_bias_and_penalties_are_vllms():
+    """top_p keeps the smallest prefix whose mass reaches it, not a token more (transformers' TopPLogitsWarper), and
+    logit_bias is added before the repetition penalty scales the logits (vLLM's and transformers' order)."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, TopPLogitsWarper
+
+    from waferline.engine.sampling import adjust_logits, target_probs
+
+    for probs, p in (([0.25] * 4, 0.5), ([0.5, 0.25, 0.25], 0.5), ([0.25] * 4, 0.75), ([0.4, 0.3, 0.2, 0.1], 0.6)):
+        logits = torch.tensor(probs).log()
+        got = int((target_probs(logits, SamplingParams(temperature=1.0, top_p=p)) > 0).sum())
+        want = int((TopPLogitsWarper(p)(None, logits[None].clone())[0] > float("-inf")).sum())
+        assert got == want, (probs, p, got, want)  # (how many are kept: which of equal ones is a tie's order)
+
+    class Seq:
+        prompt_ids, output_ids, stop_ids = [0, 2], [], set()
+
+    logits = torch.tensor([1.0, 0.5, -0.5, 0.0])
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0, logit_bias={0: 3.0, 2: 1.0})
+    biased = logits + torch.tensor([3.0, 0.0, 1.0, 0.0])
+    want = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 2]]), biased[None])[0]
+    assert torch.allclose(adjust_logits(logits, params, Seq()), want)  # [2.0, 0.5, 0.25, 0.0]

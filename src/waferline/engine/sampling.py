@@ -164,14 +164,15 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {_show(self.top_p)}")
         self.top_p = p
         self.top_k = _integer("top_k", self.top_k)
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 = off), got {_show(self.top_k)}")
-        if self.top_k >= _TOP_K_OFF:
+        if self.top_k < -1:
+            raise RequestError(f"top_k must be >= 0 (0 or -1 = off), got {_show(self.top_k)}")
+        if self.top_k >= _TOP_K_OFF or self.top_k == -1:  # (-1: vLLM's and transformers' "off")
             self.top_k = 0
         if self.seed is not None:
             self.seed = _integer("seed", self.seed)
-            if not 0 <= self.seed < MAX_SEED:
-                raise RequestError(f"seed must be in [0, 2**44), got {_show(self.seed)}")
+            if not -2**63 <= self.seed < 2**64:
+                raise RequestError(f"seed must be a 64-bit integer, got {_show(self.seed)}")
+            self.seed %= MAX_SEED  # (the per-row generator seed must fit 64 bits; seeds below 2**44 are kept)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -285,6 +286,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> tor
         stops = torch.tensor(sorted(t for t in stop_ids if t < x.numel()), device=x.device, dtype=torch.long)
         if allowed is None or allowed.index_fill(0, stops, False).any():  # (a whole text that can only end: it ends)
             x[stops] = float("-inf")
+    if params.logit_bias:  # (first, as vLLM and transformers add it: the repetition penalty then scales the sum)
+        x[torch.tensor(list(params.logit_bias), device=x.device)] += torch.tensor(
+            list(params.logit_bias.values()), device=x.device)
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=x.device)
         v = x[seen]
@@ -292,9 +296,6 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> tor
     if (params.presence_penalty or params.frequency_penalty) and output_ids:
         counts = torch.bincount(torch.tensor(output_ids, device=x.device), minlength=x.numel())[:x.numel()].float()
         x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
-    if params.logit_bias:
-        x[torch.tensor(list(params.logit_bias), device=x.device)] += torch.tensor(
-            list(params.logit_bias.values()), device=x.device)
     if allowed is not None:
         x = x.masked_fill(~allowed, float("-inf"))
     return x
@@ -355,7 +356,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sp, idx = torch.sort(probs, descending=True)
         cum = sp.cumsum(-1)
-        drop = cum - sp > params.top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = cum - sp >= params.top_p  # keep the smallest prefix whose mass reaches top_p (not a token more)
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sp)
         probs = probs / probs.sum(-1, keepdim=True)
