@@ -709,7 +709,7 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
         ({**ok, "prompt": ["a", ""]}, 400, "prompt"),  # (one empty prompt of a batch fails it all)
         ({**ok, "prompt": "wafer " * 400}, 400, "prompt"),  # longer than the context
         ({**ok, "prompt": 5}, 400, "prompt"),
-        ({**ok, "seed": -1}, 400, "seed"),
+        ({**ok, "seed": 2**64}, 400, "seed"),
         ({"prompt": "hi"}, 400, "model"),
         ({**ok, "logprobs": 21}, 400, "logprobs"),
         ({**ok, "logprobs": True}, 400, "logprobs"),  # (completions: an integer; no coercion)

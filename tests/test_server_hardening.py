@@ -93,14 +93,13 @@ def test_a_scored_prompt_samples_its_first_token_from_the_raw_logits(sol):
     tp = ids[0]  # a prompt token (penalised) and one that is not
     to = next(t for t in torch.argsort(x, descending=True).tolist() if t not in ids)
 
-    def gap(v):  # how far the penalised prompt token is behind the other one, before the bias
-        pen = v[tp] / 3.0 if v[tp] > 0 else v[tp] * 3.0
-        return float(v[to] - pen)
+    def tie(v):  # the bias on the prompt token at which it ties with the other one: (v + bias) / 3 == v_to + 20
+        return float(3.0 * (v[to] + 20.0) - v[tp])  # (the bias is added first, then the penalty divides: as vLLM)
 
-    mid = (gap(x) + gap(lp)) / 2
-    assert abs(gap(x) - gap(lp)) > 0.1  # (the two readings differ)
-    sp = dict(max_tokens=1, repetition_penalty=3.0, logit_bias={tp: 50.0 + mid, to: 50.0})
-    want = tp if mid > gap(x) else to
+    mid = (tie(x) + tie(lp)) / 2
+    assert abs(tie(x) - tie(lp)) > 0.1  # (the two readings differ)
+    sp = dict(max_tokens=1, repetition_penalty=3.0, logit_bias={tp: mid, to: 20.0})
+    want = tp if mid > tie(x) else to
     assert llm.generate([ids], SamplingParams(**sp))[0].token_ids == [want]
     assert llm.generate([ids], SamplingParams(**sp, prompt_logprobs=0))[0].token_ids == [want]
 
@@ -173,7 +172,7 @@ def test_bad_sampling_values_are_400_and_a_running_stream_keeps_going(live, clie
     ok = b'{"model": "sol-test", "prompt": "hello", "max_tokens": 2, '
     for raw, param in [(b'"temperature": NaN}', None), (b'"temperature": Infinity}', None),
                        (b'"top_p": -Infinity}', None), (b'"temperature": 1e999}', "temperature"),
-                       (b'"top_p": 1e999}', "top_p"), (b'"top_k": -1}', "top_k"),
+                       (b'"top_p": 1e999}', "top_p"), (b'"top_k": -2}', "top_k"),
                        (b'"stop_token_ids": [1000000000]}', "stop_token_ids"),
                        (b'"stop_token_ids": [1180591620717411303424]}', "stop_token_ids")]:
         err = _assert_error(_post(live, ok + raw), 400)
