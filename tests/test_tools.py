@@ -76,9 +76,14 @@ def test_calls_read_from_finished_texts():
 
 
 def test_required_calls_keep_each_tools_definitions():
-    """Tools whose parameters use "$defs" (as pydantic writes nested models): under "required" the definitions move to
-    the array schema's root, named after their tool (two tools may both define "Loc"), the references renamed with
-    them; a "$defs" that is not an object is a 400."""
+    """Tools whose parameters use "$defs" (as pydantic writes nested models), refer to their own root ("#": a tree)
+    or to a part of themselves ("#/properties/a"): under "required" each tool's schema sits under the array schema's
+    "$defs", named after the tool, its local references re-rooted there, so two tools' definitions never collide
+    (tool "a" defining "b.c" and tool "a.b" defining "c" did) and "#" still means the tool's own parameters."""
+    import json as _json
+
+    import jsonschema
+
     from waferline.engine.sampling import SamplingParams
     from waferline.engine.structured import grammar_of
 
@@ -86,14 +91,45 @@ def test_required_calls_keep_each_tools_definitions():
            "type": "object", "properties": {"at": {"$ref": "#/$defs/Loc"}}, "required": ["at"]}
     other = {"definitions": {"Loc": {"type": "integer"}}, "type": "object",
              "properties": {"n": {"$ref": "#/definitions/Loc"}}, "required": ["n"]}
-    schema = ToolPlan("required", {"where": loc, "count": other}).structured()["json_schema"]
-    assert schema["$defs"] == {"where.Loc": loc["$defs"]["Loc"], "count.Loc": {"type": "integer"}}
-    params = [a["properties"]["parameters"] for a in schema["items"]["anyOf"]]
-    assert params[0]["properties"]["at"] == {"$ref": "#/$defs/where.Loc"} and "$defs" not in params[0]
-    assert params[1]["properties"]["n"] == {"$ref": "#/$defs/count.Loc"}
+    tree = {"type": "object", "properties": {"label": {"type": "string"}, "kids": {"type": "array",
+                                                                                  "items": {"$ref": "#"}}},
+            "required": ["label"]}
+    alias = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"$ref": "#/properties/a"}}}
+    schema = ToolPlan("required", {"where": loc, "count": other, "tree": tree, "alias": alias}).structured()[
+        "json_schema"]
+    assert set(schema["$defs"]) == {"where", "count", "tree", "alias"}
+    assert schema["$defs"]["where"]["properties"]["at"] == {"$ref": "#/$defs/where/$defs/Loc"}
+    assert schema["$defs"]["count"]["properties"]["n"] == {"$ref": "#/$defs/count/definitions/Loc"}
+    assert schema["$defs"]["tree"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/tree"}
+    assert [a["properties"]["parameters"] for a in schema["items"]["anyOf"]] == [
+        {"$ref": f"#/$defs/{n}"} for n in ("where", "count", "tree", "alias")]
     assert grammar_of(SamplingParams(json_schema=schema))
-    with pytest.raises(APIError, match="not an object"):
-        ToolPlan("required", {"bad": {"type": "object", "$defs": [1]}}).structured()
+    # the re-rooted schema holds what each tool's own schema holds, and nothing else
+    calls = [{"name": "tree", "parameters": {"label": "x", "kids": [{"label": "y", "kids": []}]}},
+             {"name": "alias", "parameters": {"a": 1, "b": 2}}, {"name": "count", "parameters": {"n": 3}}]
+    jsonschema.validate(calls, schema)
+    for bad in ({"name": "tree", "parameters": {"label": "x", "kids": [[{"name": "tree"}]]}},
+                {"name": "count", "parameters": {"n": "3"}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+    assert _json.loads(_json.dumps(schema)) == schema
+    collide = ToolPlan("required", {"a": {"$defs": {"b.c": {"type": "integer"}}, "type": "object",
+                                          "properties": {"x": {"$ref": "#/$defs/b.c"}}},
+                                    "a.b": {"$defs": {"c": {"type": "string"}}, "type": "object",
+                                            "properties": {"y": {"$ref": "#/$defs/c"}}}}).structured()["json_schema"]
+    jsonschema.validate([{"name": "a", "parameters": {"x": 8}}, {"name": "a.b", "parameters": {"y": "z"}}], collide)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "a", "parameters": {"x": "8et"}}], collide)
+
+
+def test_call_arguments_keep_the_numbers_as_written():
+    """A call's arguments go back out as the model wrote its numbers: 1e999 stays 1e999 (it came back as Infinity,
+    which is not JSON) and no digit of 0.1000000000000000000001 is lost."""
+    plan = ToolPlan("named", {"f": {"type": "object", "properties": {"x": {"type": "number"}}}}, "f")
+    for text in ('{"x":1e999}', '{"x": 0.1000000000000000000001}', '{"x": -2.5E-3}'):
+        content, calls = plan.calls(text)
+        assert json.loads(calls[0]["function"]["arguments"], parse_float=str) == json.loads(text, parse_float=str)
+        assert "Infinity" not in calls[0]["function"]["arguments"]
 
 
 def test_streamed_content_holds_back_a_call():

@@ -49,7 +49,7 @@ def _engine_error(matcher: Any) -> str:
 def _grammar_text(kind: str, value: str) -> str:
     """``value``: the regex or grammar text, or the JSON of the schema or choices."""
     from llguidance import LLMatcher
-    from llguidance.gbnf_to_lark import any_to_lark
+    from llguidance.gbnf_to_lark import gbnf_to_lark
 
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
@@ -61,8 +61,9 @@ def _grammar_text(kind: str, value: str) -> str:
         return LLMatcher.grammar_from_regex(value)
     if kind == "choice":  # (one regular expression: a lexer, not a parser, so thousands of choices cost no more)
         return LLMatcher.grammar_from_regex("(" + "|".join(_literal(c) for c in json.loads(value)) + ")")
-    try:  # (GBNF, llama.cpp's grammar format, is translated to Lark; a Lark grammar is kept as it is)
-        text = any_to_lark(value)
+    try:  # (GBNF, llama.cpp's grammar format, its rules written "::=", is translated to Lark; Lark is kept as it is,
+        # whatever its start rule's modifier: "?start:" and "!start:" are Lark too)
+        text = gbnf_to_lark(value) if "::=" in value else value
     except Exception as e:
         raise RequestError(f"grammar cannot be used: neither Lark nor a GBNF grammar llguidance reads "
                            f"({str(e)[:300]})") from None

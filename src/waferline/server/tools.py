@@ -46,27 +46,14 @@ class ToolPlan:
         if self.mode == "named":
             return {"json_schema": self.tools[self.name or ""]}
         if self.mode == "required":
-            # each tool's "$defs" / "definitions" move to the array schema's root, where "#/$defs/..." references
-            # point, named after their tool ("get_weather.Loc") so that two tools' definitions never collide
-            defs: dict[str, dict[str, Any]] = {}
-            items = []
-            for n, schema in self.tools.items():
-                renames = {}
-                for key in ("$defs", "definitions"):
-                    table = schema.get(key)
-                    if table is None:
-                        continue
-                    if not isinstance(table, dict):
-                        raise APIError(f"tools: {n!r} has {key} that is not an object", param="tools")
-                    renames.update({f"#/{key}/{name}": f"#/$defs/{n}.{name}" for name in table})
-                own = _renamed({k: v for k, v in schema.items() if k not in ("$defs", "definitions")}, renames)
-                for key in ("$defs", "definitions"):
-                    for name, d in (schema.get(key) or {}).items():
-                        defs.setdefault("$defs", {})[f"{n}.{name}"] = _renamed(d, renames)
-                items.append({"type": "object", "properties": {"name": {"const": n}, "parameters": own},
-                              "required": ["name", "parameters"], "additionalProperties": False})
-            return {"json_schema": {"type": "array", "items": {"anyOf": items}, "minItems": 1}
-                    | ({} if self.parallel else {"maxItems": 1}) | defs}
+            # each tool's whole schema sits under the array schema's "$defs", named after the tool, and its local
+            # references ("#", "#/$defs/Loc", "#/properties/a") are re-rooted there: they keep pointing into it
+            refs = {n: "#/$defs/" + n.replace("~", "~0").replace("/", "~1") for n in self.tools}  # (JSON pointers)
+            defs = {n: _rooted(schema, refs[n]) for n, schema in self.tools.items()}
+            items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": {"$ref": ref}},
+                      "required": ["name", "parameters"], "additionalProperties": False} for n, ref in refs.items()]
+            return {"json_schema": {"type": "array", "items": {"anyOf": items}, "minItems": 1, "$defs": defs}
+                    | ({} if self.parallel else {"maxItems": 1})}
         return {}
 
     def calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -76,17 +63,17 @@ class ToolPlan:
         content: str | None = None
         try:
             if self.mode == "named":
-                found = [(self.name or "", json.loads(text))]
+                found = [(self.name or "", _loads(text))]
             elif self.mode == "required":
-                found = [(c["name"], c["parameters"]) for c in json.loads(text)]
+                found = [(c["name"], c["parameters"]) for c in _loads(text)]
             else:
                 first = text.find(OPEN)
                 if first < 0:
                     return text, []
                 for m in _HERMES.finditer(text, first):
-                    call = json.loads(m.group(1))
+                    call = _loads(m.group(1))
                     args = call.get("arguments", call.get("parameters", {}))
-                    found.append((call["name"], json.loads(args) if isinstance(args, str) else args))
+                    found.append((call["name"], _loads(args) if isinstance(args, str) else args))
                 content = text[:first] or None  # (as it was streamed)
             if not found or any(not isinstance(name, str) or name not in self.tools or not isinstance(args, dict)
                                 for name, args in found):
@@ -95,26 +82,38 @@ class ToolPlan:
             return text, []
         if not self.parallel:
             found = found[:1]
-        return content, [call_object(name, json.dumps(args, ensure_ascii=False)) for name, args in found]
+        return content, [call_object(name, _dumps(args)) for name, args in found]
 
     def finish_reason(self, calls: list[dict[str, Any]], reason: str | None) -> str | None:
         return "tool_calls" if calls and self.mode != "named" else reason
 
 
-def _renamed(node: Any, renames: dict[str, str]) -> Any:
-    """``node`` with its "$ref" values renamed (a reference into a definition: "#/$defs/Loc/properties/x" too)."""
+def _rooted(node: Any, root: str) -> Any:
+    """``node`` (a tool's parameters schema) with its local "$ref" values ("#", "#/...") re-rooted at ``root``."""
     if isinstance(node, dict):
-        out = {}
-        for k, v in node.items():
-            if k == "$ref" and isinstance(v, str):
-                v = next((new + v[len(old):] for old, new in renames.items() if v == old or v.startswith(old + "/")), v)
-                out[k] = v
-            else:
-                out[k] = _renamed(v, renames)
-        return out
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root)
+                for k, v in node.items()}
     if isinstance(node, list):
-        return [_renamed(v, renames) for v in node]
+        return [_rooted(v, root) for v in node]
     return node
+
+
+class _Number(str):
+    """A JSON number with a fraction or exponent, as the model wrote it (1e999 is not Infinity; no digit is lost)."""
+
+
+def _loads(text: str) -> Any:
+    """JSON whose numbers with a fraction or exponent stay as written: a call's arguments go back out as they came."""
+    return json.loads(text, parse_float=_Number)
+
+
+def _dumps(v: Any) -> str:
+    """``v`` (from ``_loads``) as JSON text, ", " and ": " between items, numbers as written."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_dumps(x) for x in v) + "]"
+    return str.__str__(v) if isinstance(v, _Number) else json.dumps(v, ensure_ascii=False)
 
 
 def call_object(name: str, arguments: str) -> dict[str, Any]:
