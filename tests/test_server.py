@@ -739,6 +739,8 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(live, client):
         client.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
         client.completions.create(model="sol-test", prompt="x", max_tokens=2, best_of=3)
+    # best_of equal to n returns every choice it draws: n's answer (OpenAI and vLLM take it)
+    assert len(client.completions.create(model="sol-test", prompt="x", max_tokens=2, n=2, best_of=2).choices) == 2
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": "x"}], max_tokens=10**6)
 

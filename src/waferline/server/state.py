@@ -233,8 +233,8 @@ class Server:
         """Refuse (400) what this server does not do, rather than silently answering something else."""
         if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
             raise APIError(f"n must be in [1, {MAX_CHOICES}], got {req.n}", param="n")
-        if getattr(req, "best_of", None) not in (None, 1):
-            raise APIError("best_of is not supported", param="best_of")
+        if getattr(req, "best_of", None) not in (None, 1, req.n or 1):  # (best_of == n returns every choice: n's)
+            raise APIError("best_of is not supported (other than equal to n)", param="best_of")
         if getattr(req, "suffix", None):
             raise APIError("suffix is not supported", param="suffix")
         if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
