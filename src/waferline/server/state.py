@@ -40,11 +40,9 @@ RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
 
 
-# vLLM sampling extensions this server does not do -> the value that asks for nothing (accepted)
-UNSUPPORTED_EXTENSIONS: dict[str, Any] = {
-    "include_stop_str_in_output": False, "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
-    "truncate_prompt_tokens": None, "spaces_between_special_tokens": True, "priority": 0, "use_beam_search": False,
-}
+# vLLM sampling extensions this server does not do (protocol._Sampling declares them; their defaults are accepted)
+UNSUPPORTED_EXTENSIONS = ("include_stop_str_in_output", "prompt_logprobs", "allowed_token_ids", "bad_words",
+                          "truncate_prompt_tokens", "spaces_between_special_tokens", "priority", "use_beam_search")
 UNSUPPORTED_HINTS = {"prompt_logprobs": " (completions: echo with logprobs scores the prompt)",
                      "allowed_token_ids": " (logit_bias can restrict the tokens)"}
 
@@ -239,8 +237,8 @@ class Server:
             raise APIError("suffix is not supported", param="suffix")
         if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
             raise APIError("stream_options can only be given with stream: true", param="stream_options")
-        for name, default in UNSUPPORTED_EXTENSIONS.items():
-            if getattr(req, name) not in (default, []):  # (an empty list asks for nothing either: vLLM's default)
+        for name in UNSUPPORTED_EXTENSIONS:  # (a default, or an empty list, vLLM's default, asks for nothing)
+            if getattr(req, name) not in (type(req).model_fields[name].default, []):
                 raise APIError(f"{name} is not supported by this server" + UNSUPPORTED_HINTS.get(name, ""), param=name)
         if not isinstance(req, ChatRequest):
             return
