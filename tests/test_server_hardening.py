@@ -477,6 +477,17 @@ def test_a_grammar_that_fails_as_it_runs_is_the_requests_400(live):
     assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_structured_output_no_text_holds_to_is_a_400_before_the_stream_starts(live):
+    """A regex or grammar that is valid but matches nothing is found before the request queues: 400, streamed too
+    (not a 200 and then an SSE error), and the other requests go on."""
+    for so in ({"regex": "[a&&b]"}, {"grammar": 'start: /[0-9&&a-z]/ "x"'}):
+        for stream in (False, True):
+            err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3, "stream": stream,
+                                             "structured_outputs": so}), 400)
+            assert "no text holds to it" in err["message"] and err["param"] == "structured_outputs", err
+    assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_a_misspelt_structured_output_key_is_refused(live):
     for so, key in [({"regexp": "[0-9]+"}, "regexp"), ({"json_schema": {"type": "object"}}, "json_schema")]:
         err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3,

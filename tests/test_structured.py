@@ -190,6 +190,8 @@ def test_sentencepiece_pieces_keep_their_space():
     (dict(json_schema="{not json"), "json_schema is not valid JSON"),
     (dict(grammar="start: undefined_rule"), "grammar cannot be used"),
     (dict(grammar="root ::= ("), "grammar cannot be used"),
+    (dict(regex="[a&&b]"), "regex cannot be used: no text holds to it"),
+    (dict(grammar='start: /[0-9&&a-z]/ "x"'), "grammar cannot be used: no text holds to it"),
     (dict(choice=[]), "choice must be a non-empty list"),
     (dict(choice=["a", 3]), "choice must be a non-empty list"),
     (dict(regex="a", choice=["a"]), "at most one structured output"),

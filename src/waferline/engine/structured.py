@@ -92,7 +92,27 @@ def _checked_grammar(kind: str, value: str) -> str:
     err = LLMatcher.validate_grammar(grammar)
     if err and not err.startswith("WARNING"):
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
+    # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
+    # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer (a dead end further on, as
+    # in 'start: "x" /[a&&b]/', still ends the request when its output reaches it)
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    if matcher.is_error() or not (mask.any() or matcher.is_accepting()):
+        raise RequestError(f"{kind} cannot be used: no text holds to it (the grammar engine finds no first byte)")
     return grammar
+
+
+@functools.cache
+def _byte_tokenizer() -> Any:
+    """An llguidance tokenizer of the 256 bytes and an end token: every text is a sequence of its tokens."""
+    from llguidance import LLTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+                               merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(["<end>"])
+    return LLTokenizer(tok.to_str(), eos_token=256)
 
 
 def _ll_tokenizer(tokenizer: Any, lock: Any) -> Any:
