@@ -26,7 +26,9 @@ def checkpoint_files(directory: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise TypeError("its weight_map is not an object of tensor name -> file name")
+        except (ValueError, KeyError, TypeError) as e:  # (ValueError: invalid JSON, or bytes that are not UTF-8)
             raise CheckpointError(f"{index} is not a valid safetensors index ({e}); re-save the checkpoint") from None
         files = sorted({directory / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
@@ -142,12 +144,14 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
         attach_int4(model, int4)
     if layer_range is None and has_embed and has_head:
         extra = [k for k in src.unused() if not _IGNORED.search(k) and not _is_mtp(k, spec)]
-        if extra:
-            more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
-            raise CheckpointError(
-                f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
-                f"{', '.join(extra[:10])}{more}; is config.json from the same model?"
-            )
+    else:  # a pipeline stage: the tensors of its own layers, and (the stage with the embedding) layers past the config
+        extra = [k for k in src.unused() if not _IGNORED.search(k) and _stage_extra(k, spec, model, has_embed)]
+    if extra:
+        more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
+        raise CheckpointError(
+            f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
+            f"{', '.join(extra[:10])}{more}; is config.json from the same model?"
+        )
     model.eval()
     return model
 
@@ -158,6 +162,16 @@ def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:
 
     cfg = json.loads((directory / "config.json").read_text())
     return Int4Source(src, cfg) if quant_method(cfg) is not None else None
+
+
+def _stage_extra(name: str, spec: ModelSpec, model: DecoderModel, first: bool) -> bool:
+    """Whether an unused tensor is one a pipeline stage answers for: of a decoder layer it loaded, or (``first``: the
+    stage with the embedding) of a layer past the config's ``num_hidden_layers`` that is no MTP module."""
+    m = re.match(rf"{re.escape(model.naming.root)}layers\.(\d+)\.", name)
+    if m is None:
+        return False
+    i = int(m.group(1))
+    return i in model.layer_range or (first and i >= spec.num_layers and not _is_mtp(name, spec))
 
 
 def _is_mtp(name: str, spec: ModelSpec) -> bool:

@@ -28,6 +28,10 @@ from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
 from waferline.model.quant.weight import Int4Weight
 from waferline.spec.configs import read_config_json, spec_from_pretrained
 
+# the 16-bit model's weights in other formats (PyTorch pickles, Flax, TensorFlow, GGUF), with their shard indexes:
+# not copied into the int4 checkpoint (they would hold the whole 16-bit model again)
+OTHER_WEIGHT_FILES = (".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf")
+
 
 def quantization_config(opts: QuantOptions, kept: list[str], extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """The ``quantization_config`` entry written to config.json."""
@@ -248,7 +252,8 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         skip = {f.name for f in checkpoint_files(model_dir)} | {"config.json", "model.safetensors.index.json"}
         for f in model_dir.iterdir():
-            if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors"):
+            if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors") \
+                    and not f.name.removesuffix(".index.json").endswith(OTHER_WEIGHT_FILES):
                 shutil.copy2(f, tmp / f.name)
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")

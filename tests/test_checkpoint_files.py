@@ -1,0 +1,116 @@
+"""Checkpoint files as the hub has them: tied word embeddings, 16-bit stored weights, shard indexes, a config that
+does not account for every tensor (in a pipeline stage too), and int4 checkpoints written from them."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tiny_models import build
+from waferline import LLM
+from waferline.errors import CheckpointError
+from waferline.model.load import load_model
+from waferline.model.quant import QuantOptions
+from waferline.model.quant.write import quantize_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+IDS = [1] + [(7 * j + 3) % 120 + 3 for j in range(11)]
+
+
+def _reference_logprobs(ref) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(ref(torch.tensor([IDS]), use_cache=False).logits[0].float(), dim=-1)
+
+
+def _names(directory: Path) -> set[str]:
+    out = set()
+    for f in directory.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as h:
+            out |= set(h.keys())
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "deepseek_v3", "gpt_oss", "granitemoehybrid", "bamba"])
+def test_tied_word_embeddings_match_the_reference(model_type, tmp_path):
+    ref = build(model_type, tmp_path, tie_word_embeddings=True)
+    assert "lm_head.weight" not in _names(tmp_path)  # (the head is the embedding: transformers saves it once)
+    assert (LLM(tmp_path).prompt_logprobs(IDS) - _reference_logprobs(ref)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("model_type,dtype", [("deepseek_v3", torch.bfloat16), ("nemotron_h", torch.float16)])
+def test_16bit_files_load_as_transformers_reads_them(model_type, dtype, tmp_path):
+    build(model_type, tmp_path / "fp32").to(dtype).save_pretrained(tmp_path / "half", max_shard_size="40KB")
+    assert (tmp_path / "half" / "model.safetensors.index.json").is_file()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "half", attn_implementation="eager",
+                                                            dtype=torch.float32).float().eval()
+    want = _reference_logprobs(ref)
+    assert (LLM(tmp_path / "half").prompt_logprobs(IDS) - want).abs().max().item() < 1e-4
+    b = LLM(tmp_path / "half", dtype="bfloat16").prompt_logprobs(IDS)
+    assert (b.exp() - want.exp()).abs().max() < 0.05  # bf16 activations, not a different model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("llama")
+    build("llama", d)
+    return d
+
+
+@pytest.mark.parametrize("text", [b"[1, 2]", b'{"weight_map": null}', b'{"weight_map": {"a": 3}}', b"\xff\xfe{"])
+def test_a_malformed_shard_index_is_a_checkpoint_error(llama, tmp_path, text):
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    (d / "model.safetensors.index.json").write_bytes(text)
+    with pytest.raises(CheckpointError, match="is not a valid safetensors index"):
+        LLM(d)
+
+
+def test_a_pipeline_stage_refuses_tensors_the_config_does_not_account_for(llama, tmp_path):
+    """A config.json with fewer layers than the checkpoint holds: refused in a pipeline as in one process (the
+    stages ran the first layers alone, without a word)."""
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=1)))
+    for kwargs in ({}, {"stages": 1}):
+        with pytest.raises(CheckpointError, match=r"does not account for: model\.layers\.1\."):
+            LLM(d, **kwargs)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\."):  # (the stage with the embedding says it)
+        load_model(d, torch.float32, range(0, 1), has_embed=True, has_head=False)
+    load_model(d, torch.float32, range(0, 1), has_embed=False, has_head=True)  # (the other stages: not theirs)
+    # a stray tensor in a stage's own layer
+    tensors = load_file(str(llama / "model.safetensors"))
+    tensors["model.layers.1.mlp.extra.weight"] = torch.zeros(2)
+    d = shutil.copytree(llama, tmp_path / "stray")
+    save_file(tensors, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.extra\.weight"):
+        load_model(d, torch.float32, range(1, 2), has_embed=False, has_head=True)
+    load_model(d, torch.float32, range(0, 1), has_embed=True, has_head=False)
+
+
+def test_int4_of_a_sharded_tied_checkpoint_with_pickles_beside_it(tmp_path):
+    """`waferline quantize` of a sharded checkpoint with tied embeddings that also ships its weights as a PyTorch
+    pickle: the int4 directory holds none of the 16-bit weight files, and loads as int4 in one process and in two
+    stages alike."""
+    ref = build("llama", tmp_path / "single", tie_word_embeddings=True)
+    src = tmp_path / "src"
+    ref.save_pretrained(src, max_shard_size="40KB")
+    state = load_file(str(tmp_path / "single" / "model.safetensors"))
+    torch.save(state, src / "pytorch_model.bin")
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": {k: "pytorch_model.bin"
+                                                                                 for k in state}}))
+    out = tmp_path / "int4"
+    quantize_checkpoint(src, out, QuantOptions(group_size=32))
+    assert sorted(f.name for f in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert "lm_head.weight" not in _names(out)
+    single = LLM(out)
+    assert single.model.layers[0].mixer.q_proj.int4.group_size == 32
+    a = single.prompt_logprobs(IDS)
+    with LLM(out, layers_per_stage=1, threads_per_stage=1) as two:
+        assert torch.equal(two.prompt_logprobs(IDS), a)
+    f = LLM(src).prompt_logprobs(IDS)
+    assert (f.exp() * (f - a)).sum(-1).mean() < 0.1  # KL(fp32 || int4): g32 RTN, not another model
