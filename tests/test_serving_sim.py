@@ -60,6 +60,16 @@ def test_quantile_sketch_is_within_its_relative_error_of_exact_percentiles():
     assert tight.quantile(0.5) == pytest.approx(2.0, rel=0.001)
 
 
+def test_quantile_sketch_holds_its_error_past_a_million_seconds():
+    # an overloaded queue's TTFT passes the sketch's initial range (1e6 s): its percentiles keep their relative error
+    xs = [1e4 * i for i in range(1, 1001)]  # 10^4 .. 10^7 s
+    sk = QuantileSketch()
+    for x in xs:
+        sk.add(x)
+    for q in QS:
+        assert sk.quantile(q) == pytest.approx(_pct(xs, q), rel=SKETCH_REL_ERROR * 1.0001), q
+
+
 def _per_token_reference(plan, rate: float, n: int, P: int, O: int, seed: int) -> dict[str, list[float]]:
     """The straightforward loop: stop-the-world prefill, every running request visited every decode step."""
     params, spec, hw = load_params(), load_model(plan.model), load_hardware(plan.hardware)
@@ -258,6 +268,10 @@ def test_expert_load_factor_is_the_busiest_rank_not_the_hottest_expert():
     assert expert_load_factor(8, 2, 1e-6, ranks=3) == pytest.approx(1.0, abs=1e-5)
     assert all(expert_load_factor(8, 2, s, ranks=r) <= min(r, 4) * (1 + 1e-9) for s in (0.5, 5.0, 50.0)
                for r in (3, 5, 7))
+    # a very large skew (the rarest experts' popularity underflows): the top_k most popular take every pick
+    for s in (400.0, 1000.0, 1e308):
+        assert expert_load_factor(128, 8, s) == pytest.approx(128 / 8, rel=1e-9), s
+        assert expert_load_factor(E, K, s, ranks=R) == pytest.approx(R, rel=1e-9), s
     # the ranks come from the plan: deepseek-v3 8-bit on one stage of 8 H200s
     ds = place("deepseek-v3", "h200-sxm", weight_bits=8, context=1100)
     assert ds.num_stages == 1 and ds.stages[0].num_devices == 8
@@ -402,6 +416,23 @@ def test_a_prefill_pool_that_cannot_hold_the_model_is_refused(capsys):
     with pytest.raises(SystemExit) as e:  # (refused by the argument's type, before anything runs)
         main(base + ["--prefill-devices", "0"])
     assert e.value.code == 2 and "--prefill-devices: expected an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_cli_prefill_pool_notes_and_rank_flags(capsys):
+    """The prefill pool's own placement notes (devices left idle) are printed with the plan's; --prefill-devices
+    beside --attention-ranks is refused for what it is (it used to say "drop --devices", which was not given)."""
+    from waferline.cli import main
+
+    base = ["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80",
+            "--arrival-rate", "10", "--num-requests", "20", "--no-intervals", "--json"]
+    assert main(base + ["--prefill-devices", "163"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["serving"]["prefill_devices"] == 160
+    assert "prefill pool: 3 of 163 devices left idle: 80 layers cannot use them evenly" in d["notes"]
+    assert main(["simulate", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--afd", "--attention-ranks", "2",
+                 "--arrival-rate", "2", "--prefill-devices", "2", "--no-intervals"]) == 2
+    err = capsys.readouterr().err
+    assert "--prefill-devices" in err and "--attention-ranks" in err and "drop --devices" not in err
 
 
 @pytest.mark.parametrize("rate", ["0", "-2", "nan"])

@@ -169,6 +169,10 @@ def _check_flags(args: argparse.Namespace) -> None:
     if getattr(args, "prefill_devices", None) is not None and getattr(args, "plan", None):
         raise UsageError("--prefill-devices places the prefill pool anew: give MODEL --hardware, not --plan "
                          "(--pd-disaggregation alone uses a second copy of the plan)")
+    if getattr(args, "prefill_devices", None) is not None and given:
+        raise UsageError(f"--prefill-devices places the prefill pool on that many devices; {' and '.join(given)} "
+                         f"{'size' if len(given) > 1 else 'sizes'} each rank to fit instead: drop one of them "
+                         "(--pd-disaggregation alone uses a second copy of the plan)")
 
 
 def _make_plan(args: argparse.Namespace, context: int):
@@ -443,6 +447,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
+    if serving is not None and prefill_plan is not None:
+        placed += [f"prefill pool: {line}" for line in prefill_plan.notes]
     placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals)
     if args.json:
         d = r.to_dict()

@@ -37,8 +37,8 @@ class QuantileSketch:
     2 g^i / (g + 1), which is within relative error ``a`` of every value in that bin, so each reported percentile is
     within ``a`` (default 0.5 %) of the exact order statistic of the same rank (the smallest x with at least
     ceil(q n) values <= x). Values at or below ``lo`` (1 ns) count in one bin reported as the smallest value seen;
-    answers are clamped to [min, max] of what was added. Memory: one float per bin (~3,500 bins for 1 ns..1e6 s),
-    whatever the number of values.
+    answers are clamped to [min, max] of what was added. Memory: one float per bin (~3,500 bins for 1 ns..1e6 s, ``hi``;
+    more are added as larger values come, as an overloaded queue's do), whatever the number of values.
     """
 
     def __init__(self, rel_error: float = SKETCH_REL_ERROR, lo: float = 1e-9, hi: float = 1e6) -> None:
@@ -62,7 +62,9 @@ class QuantileSketch:
         if x <= self._lo:
             i = 0
         else:
-            i = min(len(self._bins) - 1, math.ceil(math.log(x) * self._inv_log_g) - self._off)
+            i = math.ceil(math.log(x) * self._inv_log_g) - self._off
+            if i >= len(self._bins):  # (past ``hi``: the bins grow, each keeping its relative error)
+                self._bins.extend([0.0] * (i + 1 - len(self._bins)))
         self._bins[i] += weight
         self.count += weight
         self.total += x * weight
@@ -140,20 +142,23 @@ def _inclusion(num_experts: int, top_k: int, skew: float) -> list[float]:
     """Probability that expert i (i = 0 the most popular) is among a token's ``top_k`` distinct experts when a
     routing slot picks expert i with probability p_i ~ (i + 1)^-skew, drawn without replacement: Rosén's
     approximation of successive sampling, q_i = 1 - exp(-p_i tau) with tau such that sum q_i = top_k (within a few %
-    of a Monte-Carlo for E = 64..384, top_k 6..8)."""
-    w = [(i + 1) ** -skew for i in range(num_experts)]
-    tot = sum(w)
-    p = [x / tot for x in w]
+    of a Monte-Carlo for E = 64..384, top_k 6..8). Solved in logarithms (log p_i, log tau): at a large skew the
+    rarest experts' p_i underflow and tau passes the largest float, where the top_k most popular are picked."""
     k = min(top_k, num_experts)
     if k >= num_experts:
         return [1.0] * num_experts
+    skew = min(skew, 1e6)  # (past this the top_k most popular take every pick, to rounding, for any E up to 10^5)
+    lw = [-skew * math.log(i + 1) for i in range(num_experts)]  # (the most popular first: lw[0] = 0 is the largest)
+    lse = math.log(sum(math.exp(x) for x in lw))
+    lp = [x - lse for x in lw]
 
-    def mass(tau: float) -> float:
-        return sum(-math.expm1(-x * tau) for x in p)
+    def mass(lt: float) -> float:
+        return sum(-math.expm1(-math.exp(min(x + lt, 700.0))) for x in lp)
 
-    lo, hi = 0.0, float(k)
+    lo = math.log(k)  # (mass(tau) < tau: tau > k)
+    hi = lo + 1.0
     while mass(hi) < k * (1 - 1e-12):
-        hi *= 2.0
+        hi = lo + 2.0 * (hi - lo)
         if hi > 1e300:
             break
     for _ in range(200):
@@ -162,9 +167,9 @@ def _inclusion(num_experts: int, top_k: int, skew: float) -> list[float]:
             lo = mid
         else:
             hi = mid
-        if hi - lo <= 1e-12 * hi:
+        if hi - lo <= 1e-12:
             break
-    q = [-math.expm1(-x * hi) for x in p]
+    q = [-math.expm1(-math.exp(min(x + hi, 700.0))) for x in lp]
     f = k / sum(q)  # (the bisection's last rounding)
     return [min(1.0, x * f) for x in q]
 
