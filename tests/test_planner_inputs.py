@@ -117,6 +117,9 @@ def test_micro_batches_and_idle_devices():
         place("llama-3.1-8b", "h100-sxm", batch=4, micro_batches=0)
     plan = place("llama-3.1-8b", "wse-3", devices=5, layers_per_stage=8)
     assert plan.num_devices == 4 and any("1 of 5 devices left idle" in n for n in plan.notes)
+    for hw in ("wse-3", "h100-sxm"):  # (fewer devices than stages: refused on both layouts, not a plan of more)
+        with pytest.raises(ConfigError, match="1 devices cannot hold 2 stages of at most 24 layers"):
+            place("llama-3.1-8b", hw, devices=1, layers_per_stage=24)
 
 
 def test_validate_refuses_values_that_are_not_results_and_skips_rows_that_do_not_fit(tmp_path):

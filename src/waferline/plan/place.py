@@ -504,6 +504,9 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
         tp = min(devices, hw.devices_per_node)
         if k is not None:
             n_st = math.ceil(len(parts) / k)
+            if devices < n_st:
+                raise ConfigError(f"{devices} devices cannot hold {n_st} stages of at most {k} layers; "
+                                  f"use --devices >= {n_st} or a larger --layers-per-stage")
             tp = max(1, min(devices // n_st, hw.devices_per_node))  # (a group's all-reduces run on the node's links)
             pp = n_st
         else:
