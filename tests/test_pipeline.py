@@ -341,6 +341,20 @@ def test_cli_generate_with_stages(ckpts, references, capsys):
     assert "not both" in capsys.readouterr().err
 
 
+def test_torchrun_on_one_host_gives_the_same_tokens_and_exits_cleanly(ckpts, references):
+    """docs/pipeline.md's one-host torchrun check: rank 0 prints the single-process engine's tokens, and every rank
+    exits 0 (the driver's abort key once ended a worker that the SHUTDOWN had not reached yet: exit 5, and torchrun
+    failed the run)."""
+    ref = references["sol"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
+           "waferline.cli", "generate", "--model", str(ckpts["sol"]), "--prompt-ids", " ".join(map(str, ref["few"][0])),
+           "--max-tokens", "10", "--stages", "3", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == ref["few_out"][0]
+
+
 CTRL_C_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)

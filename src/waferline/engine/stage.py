@@ -282,6 +282,8 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
     """Publish this stage's progress counter; exit the process if the driver is gone or asked for an abort."""
     last = None
     while True:
+        if state.get("stopping"):  # a SHUTDOWN arrived: the process exits on its own (exit code 0), whatever follows
+            return
         if driver_pid is not None:  # first: a store call to a driver that is gone logs a C++ trace before it fails
             try:
                 os.kill(driver_pid, 0)
@@ -292,12 +294,16 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
             try:
                 ctl.set("progress", rank, str(n))
             except Exception:
+                if state.get("stopping"):
+                    return
                 os._exit(EXIT_PEER_LOST)
             last = n
         try:
-            if ctl.get("abort") is not None:
+            if ctl.get("abort") is not None and not state.get("stopping"):
                 os._exit(EXIT_ABORTED)
         except Exception:
+            if state.get("stopping"):
+                return
             os._exit(EXIT_PEER_LOST)
         time.sleep(PUBLISH_INTERVAL_S)
 
@@ -334,6 +340,8 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                     act.send(rank + 1, SHUTDOWN, [])
                     act.flush()
                 state["processed"] += 1
+                state["stopping"] = True  # the publisher neither obeys the abort key nor minds a gone store now
+                ctl_safe_set(ctl, "stopped", rank, "1")  # (the driver under torchrun waits for it before the abort)
                 return 0
             if kind == BEGIN:
                 runner.begin(meta_json(meta))

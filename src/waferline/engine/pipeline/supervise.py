@@ -238,6 +238,18 @@ class Supervision:
                 torch.set_num_threads(old)
 
     # ------------------------------------------------------------ shutdown
+    def _wait_stopped(self, timeout: float) -> None:
+        """Under torchrun: wait until every worker has taken the SHUTDOWN (its ``stopped`` key), at most ``timeout``."""
+        deadline = time.monotonic() + timeout
+        pending = set(range(1, self.num_stages))
+        while pending and time.monotonic() < deadline:
+            try:
+                pending = {r for r in pending if self.ctl.get("stopped", r) is None}
+            except Exception:
+                return
+            if pending:
+                time.sleep(0.02)
+
     def _shutdown_now(self) -> None:
         self._closed = True
         self._stop_watch.set()
@@ -263,6 +275,8 @@ class Supervision:
                     pass
                 for p in self._procs:
                     p.join(timeout=5)
+                if self._env:  # torchrun: no process to join; each worker says it stopped (else the abort key
+                    self._wait_stopped(5.0)  # below would end a worker the SHUTDOWN has not reached yet: exit 5)
             self._kill_all()
             self._finalizer.detach()
         finally:
