@@ -306,6 +306,7 @@ def test_flags_in_their_combination_still_run(capsys):
     (["calibrate", "--measure", "--published"], "two different jobs"),
     (["calibrate", "--iters", "10"], "--iters tunes the fit of published results"),
     (["calibrate", "--published", "--quick"], "--quick applies to measuring this host"),
+    (["calibrate", "--combine", "a.yaml", "b.yaml", "--params", "p.yaml"], "--params tunes the fit"),
 ])
 def test_calibrate_refuses_flags_of_another_job(argv, says, capsys):
     from waferline.cli import main

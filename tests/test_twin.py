@@ -771,6 +771,71 @@ def test_write_host_yaml_is_atomic(tmp_path, monkeypatch):
     assert yaml.safe_load(p.read_text()) == {"name": "stub"} and [q.name for q in tmp_path.iterdir()] == ["host.yaml"]
 
 
+def test_calibrate_combine_makes_the_out_directory(tmp_path, capsys):
+    """`calibrate --combine ... --out NEW/DIR/FILE` makes the directories, as `calibrate --out` does (check_writable
+    passed it, then the write raised FileNotFoundError)."""
+    from pathlib import Path
+
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    out = tmp_path / "new" / "dir" / "combined.yaml"
+    assert main(["calibrate", "--combine", str(src), str(src), "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["written"] == str(out) and out.is_file()
+
+
+def test_files_that_are_not_text_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """A grid, hardware YAML, calibration to combine or published CSV that is not UTF-8 text (e.g. saved as UTF-16)
+    is a one-line error, not a UnicodeDecodeError traceback."""
+    from waferline.cli import main
+
+    bad = tmp_path / "utf16.yaml"
+    bad.write_bytes("- {stages: 2}\n".encode("utf-16"))
+    _nothing_runs(monkeypatch)
+    for argv in (["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--grid", str(bad)],
+                 ["twin", "--model", str(SOL_MINI), "--hardware", str(bad)],
+                 ["calibrate", "--combine", str(bad), str(TWIN_HOST), "--out", str(tmp_path / "c.yaml")],
+                 ["calibrate", "--published", str(bad), "--out", str(tmp_path / "f.yaml")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(bad) in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "c.yaml").exists() and not (tmp_path / "f.yaml").exists()
+
+
+def test_a_16_bit_plan_on_an_int4_checkpoint_is_not_available(tmp_path, monkeypatch):
+    """On an int4 checkpoint (`waferline quantize`) the engine runs its int4 weights whatever the Plan says: a 16-bit
+    Plan is listed as not available (it was measured on int4 weights and predicted as 16-bit), an int4 one runs."""
+    from waferline.sim import twin
+    from waferline.sim.calibrate import common
+
+    ckpt = tmp_path / "sol-mini-int4"
+    ckpt.mkdir()
+    cfg = json.loads((SOL_MINI / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "waferline", "bits": 4, "group_size": 128}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    ran = []
+
+    def engine(target, kwargs, timeout):  # the int4 Plan reaches the engine, on the checkpoint as it is
+        ran.append((kwargs["point"]["weight_bits"], kwargs["path"]))
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(common, "run_isolated", engine)
+    res = twin.run_twin(ckpt, TWIN_HOST, [{"stages": 1}, {"stages": 1, "weight_bits": 4}], prompt_len=8,
+                        output_len=8, repeats=1, passes=1, canary_runs=False)
+    s16, s4 = (r["status"] for r in res["rows"])
+    assert s16.startswith("not available:") and "int4 checkpoint" in s16, s16
+    assert ran == [(4, str(ckpt))] and s4.startswith("engine failed")
+
+
+def test_twin_grid_help_says_it_takes_a_file(capsys):
+    from waferline.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["twin", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a YAML file with a list of points" in out
+
+
 @pytest.mark.parametrize("point, field", [
     ({"stages": 2, "micro_batches": "x"}, "micro_batches"),
     ({"batch": 2.5}, "batch"),

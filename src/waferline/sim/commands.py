@@ -24,7 +24,7 @@ def _check_calibrate_flags(args: argparse.Namespace) -> None:
     if args.measure and fitting:
         raise UsageError("--measure (this host) and --published (fit the published results) are two different jobs: "
                          "give one of them")
-    fit_flags = [f for f, v in (("--restarts", args.restarts), ("--iters", args.iters),
+    fit_flags = [f for f, v in (("--params", args.params), ("--restarts", args.restarts), ("--iters", args.iters),
                                 ("--bootstrap", args.bootstrap)) if v is not None]
     if fit_flags and not fitting:
         raise UsageError(f"{', '.join(fit_flags)} {'tunes' if len(fit_flags) == 1 else 'tune'} the fit of published "
@@ -299,7 +299,8 @@ def register(subparsers: Any) -> None:
     c.add_argument(
         "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
     )
-    c.add_argument("--params", default=None, help="starting parameters (default: sim/fitted.yaml)")
+    c.add_argument("--params", default=None,
+                   help="with --published: starting parameters (default: sim/fitted.yaml)")
     c.add_argument("--restarts", type=nonnegative_int, default=None,
                    help="with --published: Nelder-Mead polishes after the Levenberg-Marquardt fit (default 0)")
     c.add_argument("--iters", type=positive_int, default=None,
@@ -334,7 +335,7 @@ def register(subparsers: Any) -> None:
     tw.add_argument(
         "--grid",
         default="default",
-        help="'default' or a YAML list of points, e.g. "
+        help="'default' or a YAML file with a list of points, e.g. a line "
         "'- {stages: 2, micro_batches: 2, batch: 8, weight_bits: 4}' (fields: stages (int or L), micro_batches, "
         "weight_bits 16|4, speculative none|ngram|mtp, k, batch, afd, attention_ranks, ffn_ranks)",
     )

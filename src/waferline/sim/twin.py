@@ -154,11 +154,11 @@ def load_grid(grid: str | list[dict[str, Any]] | None) -> list[GridPoint]:
     if isinstance(grid, str):
         p = Path(grid)
         if not p.is_file():
-            raise ConfigError(f"no grid file at {p}; use --grid default or a YAML list of points "
-                              "(e.g. - {stages: 2, micro_batches: 2, batch: 8})")
+            raise ConfigError(f"no grid file at {p}; use --grid default or a YAML file with a list of points "
+                              "(e.g. a line - {stages: 2, micro_batches: 2, batch: 8})")
         try:
             grid = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as e:
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{p} is not valid YAML: {e}") from None
         if isinstance(grid, dict):
             grid = grid.get("points")
@@ -464,6 +464,7 @@ def _run_grid(
     drift_check: bool,
     say: Callable[[str, float], None],
 ) -> dict[str, Any]:
+    from waferline.engine.inputs import is_int4_checkpoint
     from waferline.sim.calibrate.common import run_isolated
     from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK
     from waferline.sim.host_work import chunk_sweeps
@@ -474,6 +475,7 @@ def _run_grid(
     rows = []
     todo: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (row, measure_point kwargs) of the Plans that ran
     int4_path: Path | None = None
+    int4_model = is_int4_checkpoint(path)  # (the engine runs its int4 weights whatever the Plan's weight bits)
     first_run: tuple[str, dict[str, Any], float] | None = None  # (plan, measure_point kwargs, tokens/s per user)
     for i, pt in enumerate(points):
         say(f"{pt.name}: engine" + (f", pass 1 of {passes}" if passes > 1 else ""), (i + 0.1) / len(points) / passes)
@@ -481,6 +483,9 @@ def _run_grid(
         rows.append(row)
         if pt.speculative == "mtp" and not has_mtp:
             row["status"] = "not available: the model has no MTP layers"
+            continue
+        if pt.weight_bits == 16 and int4_model:
+            row["status"] = f"not available: {path} is an int4 checkpoint; a 16-bit Plan needs the 16-bit one"
             continue
         try:
             plan = _plan_for(pt, spec, hw, prompt_len, output_len)

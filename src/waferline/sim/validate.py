@@ -64,7 +64,11 @@ def read_published(path: str | Path) -> list[Row]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"no CSV at {p}")
-    lines = [ln for ln in p.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p} is not a text CSV ({e})") from None
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     reader = csv.DictReader(lines)
     cols = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in cols]

@@ -381,7 +381,7 @@ def load_hardware_file(path: str | Path, require_source: bool | None = None) -> 
         raise ConfigError(f"no hardware file at {path}")
     try:
         data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid YAML: {e}") from None
     if require_source is None:
         require_source = catalog_dir() in path.resolve().parents

@@ -561,7 +561,7 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
     for p in paths:
         try:
             d = yaml.safe_load(Path(p).read_text())
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ConfigError(f"{p}: cannot read ({e})") from None
         if not isinstance(d, dict) or not isinstance(d.get("host_engine"), dict):
             raise ConfigError(f"{p}: no host_engine section (not written by `waferline calibrate`)")
@@ -624,7 +624,7 @@ def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, 
     """``combine_host_yamls(paths)`` written to ``path`` (via a temporary file: nothing half-written on failure)."""
     d = combine_host_yamls(paths)
     write_text_atomic(path, "# written by `waferline calibrate --combine`: the median of several calibrations of this "
-                      "host.\n" + yaml.safe_dump(d, sort_keys=False, width=140))
+                      "host.\n" + yaml.safe_dump(d, sort_keys=False, width=140), make_parents=True)
     return d
 
 
