@@ -135,6 +135,25 @@ def test_quantize_removes_what_a_killed_run_left_behind(tmp_path, llama, capsys)
     assert not moved_aside.exists() and (out / "config.json").is_file()
 
 
+def test_quantize_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, llama, capsys, monkeypatch):
+    """A full disk while the int4 file is written: one line and exit 2 (it was safetensors' traceback); neither --out
+    nor the temporary directory is left behind, and a checkpoint already at --out is kept."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def full_disk(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--json"]) == 2
+    assert f"cannot write {tmp_path / 'q'}" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    old = _copy(llama, tmp_path / "old")
+    assert main(["quantize", "--model", str(llama), "--out", str(old), "--force", "--json"]) == 2
+    assert "No space left on device" in _one_error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and (old / "model.safetensors").is_file()
+
+
 def test_quantize_summary_counts_in_the_right_number(capsys):
     from waferline.model.quant_commands import _print_summary
 
@@ -486,3 +505,22 @@ def test_version_and_the_top_level_help_name_every_command(capsys):
                 "quantize", "serve"):
         assert f"    {cmd}" in out, cmd
     assert "catalog / plan" in out  # (the description names the planner's commands, catalog among them)
+
+
+def test_sol_mini_training_refuses_bad_numbers_and_an_out_it_would_delete(tmp_path):
+    """train/sol_mini.py replaced --out whatever it held (a directory of other files was deleted), and took --steps -1
+    (an untrained model written over the checkpoint), --batch 0 or --threads 0 (a traceback after the data was
+    prepared): all refused before any work."""
+    work, notes = tmp_path / "work", tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("keep me")
+    script = [sys.executable, str(ROOT / "train" / "sol_mini.py"), "--work", str(work)]
+    for args, message in (([], "holds files but no checkpoint"),
+                          (["--steps", "-1"], "--steps: expected an integer >= 0"),
+                          (["--batch", "0"], "--batch: expected an integer >= 1"),
+                          (["--threads", "0"], "--threads: expected an integer >= 1")):
+        out = str(notes) if not args else str(tmp_path / "sol-mini")
+        r = subprocess.run(script + ["--out", out, "--steps", "1", *args], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (notes / "todo.txt").read_text() == "keep me" and not work.exists()

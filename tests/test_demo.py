@@ -242,3 +242,51 @@ def test_demo_runs_a_given_int4_checkpoint_and_names_it(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
     assert main(["demo", "--out", str(tmp_path / "afile"), "--no-report"]) == 2
     assert "is a file" in capsys.readouterr().err
+
+
+def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, monkeypatch):
+    """A negative --layers-per-stage, --num-speculative-tokens 0, an unknown --speculative method and a --model without
+    a tokenizer are refused before the int4 copy and the timing run (they failed only after them, or not at all)."""
+    import waferline.demo as demo
+    from waferline.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("the demo ran before its flags were checked")
+
+    monkeypatch.setattr(demo, "run_demo", no_run)
+    out = tmp_path / "out"
+    for flags, message in ((["--layers-per-stage", "-1"], "--layers-per-stage: expected an integer >= 0, got -1"),
+                           (["--speculative", "ngram", "--num-speculative-tokens", "0"],
+                            "--num-speculative-tokens: expected an integer >= 1, got 0")):
+        with pytest.raises(SystemExit) as e:
+            main(["demo", "--out", str(out), "--no-report", *flags])
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert main(["demo", "--out", str(out), "--no-report", "--speculative", "bogus"]) == 2
+    assert "--speculative bogus: unknown method" in capsys.readouterr().err
+    no_tok = tmp_path / "no-tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text("{}")
+    assert main(["demo", "--out", str(out), "--no-report", "--model", str(no_tok)]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_demo_a_write_that_fails_is_one_line(tmp_path, capsys, monkeypatch):
+    """A full disk when the demo writes its summary: one line and exit 2, not a traceback."""
+    import errno
+
+    import waferline.demo as demo
+    from waferline.cli import main
+
+    def full_disk(path, text, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    head = {"wafers_4bit": 1, "wafers_16bit": 2, "tok_s_per_user": 1.0, "tok_s_per_user_mtp": 1.0, "ttft_s": 1.0,
+            "nvl72_gpus": 1, "nvl72_tok_s_per_user": 1.0}
+    monkeypatch.setattr(demo, "planner_headline", lambda: head)
+    monkeypatch.setattr(demo, "write_text_atomic", full_disk)
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    assert main(["demo", "--model", str(model), "--out", str(tmp_path / "out"), "--max-tokens", "2", "--no-report",
+                 "--layers-per-stage", "0", "--weight-bits", "16"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert err == [f"error: --out {tmp_path / 'out'}: cannot write demo.json (No space left on device)"]

@@ -480,6 +480,20 @@ def test_cli_generate_speculative(ckpts):
     assert "[speculative ngram: nothing drafted" in err and "acceptance" not in err
 
 
+def test_ngram_bounds_are_two_numbers_or_none():
+    """'ngram:5' or 'ngram:a' ran as ngram:1:3 without a word; now refused like 'ngram:x:y'."""
+    from waferline.engine.speculative.drafters import NgramDrafter, make_drafter
+    from waferline.errors import ConfigError
+
+    for spec in ("ngram:5", "ngram:a", "ngram:", "ngram:1:2:3", "ngram:x:y"):
+        with pytest.raises(ConfigError, match="use 'ngram' or 'ngram:MIN_N:MAX_N'"):
+            make_drafter(spec, None, torch.float32)
+    d = make_drafter("ngram:2:4", None, torch.float32)
+    assert isinstance(d, NgramDrafter) and (d.min_n, d.max_n) == (2, 4)
+    d = make_drafter("ngram", None, torch.float32)
+    assert (d.min_n, d.max_n) == (1, 3)
+
+
 @pytest.mark.parametrize("mt", ["bamba", "gpt_oss"])
 def test_verify_rollback_equals_running_only_the_accepted_prefix(ckpts, mt):
     """After a 6-token verify and a rollback to the first k tokens, the caches give the same next-token logits as

@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from waferline.argtypes import nonnegative_int, positive_float, positive_int  # noqa: E402
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
 from waferline.model.init import _RecordingSource, export_hf_state_dict  # noqa: E402
@@ -313,13 +314,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", default=str(ROOT / "train" / "work"), help="scratch directory (data, checkpoints)")
     ap.add_argument("--out", default=str(ROOT / "models" / "sol-mini"))
-    ap.add_argument("--minutes", type=float, default=60.0, help="training wall-clock budget")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--minutes", type=positive_float, default=60.0, help="training wall-clock budget")
+    ap.add_argument("--batch", type=positive_int, default=16)
+    ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2)))
-    ap.add_argument("--steps", type=int, default=0, help="fixed number of steps (0 = fit the time budget)")
+    ap.add_argument("--threads", type=positive_int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--steps", type=nonnegative_int, default=0, help="fixed number of steps (0 = fit the time budget)")
     args = ap.parse_args()
+    o = Path(args.out)  # (export replaces --out: never a file, nor a directory that holds something else)
+    if o.exists() and not o.is_dir():
+        ap.error(f"--out {args.out} is a file; give a directory for the checkpoint")
+    if o.is_dir() and any(o.iterdir()) and not (o / "config.json").is_file():
+        ap.error(f"--out {args.out} holds files but no checkpoint (no config.json), and export replaces it: "
+                 "choose another --out")
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     torch.set_num_threads(args.threads)

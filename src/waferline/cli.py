@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline._version import __version__
-from waferline.argtypes import positive_int
+from waferline.argtypes import nonnegative_int, positive_int
 from waferline.errors import UsageError, WaferlineError, counted
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
@@ -190,6 +190,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a file: give a directory for the demo's files")
+    if args.speculative:
+        from waferline.engine.speculative.serving import check_serve_method
+
+        check_serve_method(args.speculative, k)
+    if args.model is not None and (Path(args.model) / "config.json").is_file() and not _has_tokenizer(Path(args.model)):
+        raise UsageError(f"--model {args.model} has no tokenizer (no tokenizer.json), and the demo streams text")
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
                     prompt=args.prompt, model=args.model, weight_bits=args.weight_bits,
                     layers_per_stage=args.layers_per_stage, speculative=args.speculative, num_speculative_tokens=k)
@@ -315,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")
     d.add_argument("--model", default=None, help="checkpoint directory (default: the bundled models/sol-mini)")
     d.add_argument("--no-report", action="store_true", help="skip the HTML report")
-    d.add_argument("--layers-per-stage", type=int, default=1,
+    d.add_argument("--layers-per-stage", type=nonnegative_int, default=1,
                    help="layers per pipeline stage process (default 1: one wafer, one layer); 0 = single process")
     d.add_argument(
         "--weight-bits",
@@ -330,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exact speculative decoding through the pipeline: ngram (prompt lookup, drafted on stage 0) | "
                         "mtp (sol-mini's MTP head) | draft:PATH (a checkpoint sharing the "
                         "tokenizer); the demo then reports acceptance and mean accepted length")
-    d.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+    d.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help=f"most draft tokens per step with --speculative (default {DEMO_SPECULATIVE_TOKENS}; adapted to "
                         "the observed acceptance "
                         "and the measured cost of a step)")

@@ -77,6 +77,16 @@ def write_tokenizer(directory: Path, text: str, vocab_size: int) -> None:
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>"}, indent=2))
 
 
+def _write(path: Path, text: str) -> Path:
+    """Write one of the demo's files whole or not at all; a failure (a full disk) is one line, not a traceback."""
+    from waferline.errors import ConfigError
+
+    try:
+        return write_text_atomic(path, text)
+    except OSError as e:
+        raise ConfigError(f"--out {path.parent}: cannot write {path.name} ({e.strerror or e})") from None
+
+
 def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
     """A small random `sol` checkpoint with a tokenizer (used when sol-mini is not bundled, and by tests)."""
     from waferline.model.init import write_random_checkpoint
@@ -333,7 +343,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         if not (qdir / "model.safetensors").is_file() or not stamp.is_file() or stamp.read_text() != source:
             with console.status(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}"):
                 quantize_checkpoint(ckpt, qdir, QuantOptions(group_size=group_size), force=True)
-            stamp.write_text(source)
+            _write(stamp, source)
         ckpt = qdir
     from waferline import kernels
 
@@ -486,10 +496,10 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                 text=f"twin section unavailable: {type(e).__name__}: {e}",
             )
         # --- end of the twin
-        path = rep.write(out / "waferline-report.html")
+        path = _write(out / "waferline-report.html", rep.to_html())
         summary["report"] = str(path)
         console.print(f"report: {path}")
-    write_text_atomic(out / "demo.json", json.dumps(summary, indent=2))
+    _write(out / "demo.json", json.dumps(summary, indent=2))
     if json_out:
         print(json.dumps(summary))
     return 0

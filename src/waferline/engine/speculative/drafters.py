@@ -332,7 +332,7 @@ def make_drafter(spec: str, model: Any, dtype: torch.dtype) -> Any:
     if spec == "ngram" or spec.startswith("ngram:"):
         parts = spec.split(":")[1:]
         try:
-            mn, mx = (int(parts[0]), int(parts[1])) if len(parts) == 2 else (1, 3)
+            mn, mx = map(int, parts) if parts else (1, 3)  # (one number or three: refused, not read as 1:3)
         except ValueError:
             raise ConfigError(f"speculative={spec!r}: use 'ngram' or 'ngram:MIN_N:MAX_N' (e.g. ngram:1:3)") from None
         return NgramDrafter(mn, mx)

@@ -156,6 +156,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     import time
     from pathlib import Path
 
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     from waferline.model.load import checkpoint_files, load_model, open_weights
@@ -262,6 +263,9 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out_dir)
+    except (OSError, SafetensorError) as e:  # (a full disk, a quota: one line, not a traceback)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"cannot write {out_dir}: {getattr(e, 'strerror', None) or e}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
