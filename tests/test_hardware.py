@@ -117,6 +117,18 @@ def test_catalog_files_must_cite(tmp_path):
         load_hardware_file(p, require_source=True)
 
 
+@pytest.mark.parametrize("blank", [{"source": ""}, {"source": None}, {"assumed": "  "}, {"derived": None}])
+def test_catalog_numbers_need_a_nonempty_source(tmp_path, blank):
+    """{value, source: ""} (or null, or blanks) names no source: refused where every number must cite one."""
+    d = yaml.safe_load(yaml.safe_dump(GOOD))
+    d["device"]["memory_bytes"] = {"value": 80e9, **blank}
+    p = tmp_path / "blank.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match="memory_bytes.*empty"):
+        load_hardware_file(p, require_source=True)
+    assert load_hardware_file(p).memory_bytes == 80e9  # (a user file may leave it out)
+
+
 def test_unknown_hardware_names_the_catalog():
     with pytest.raises(ConfigError, match="wse-3"):
         load_hardware("no-such-chip")

@@ -75,6 +75,32 @@ def test_every_efficiency_is_at_most_one():
     assert CLASS_PARAMS["bw_eff"][3] == 1.0 and CLASS_PARAMS["flops_eff"][3] == 1.0
 
 
+@pytest.mark.parametrize("name,value", [("gpu.bw_eff", 3.0), ("wafer.fabric_links", 0.2),
+                                        ("accept_rate.draft", 1.2), ("gpu.warp_factor", 0.5)])
+def test_bootstrap_sets_stay_in_the_physical_ranges(tmp_path, name, value):
+    """A parameter file's bootstrap sets are held to the bounds its values are (bw_eff 3 in every set once widened
+    llama-3.1-70b on h200-sxm's 90% interval to 59.8-158.6 tok/s, past the peak bandwidth)."""
+    import yaml
+
+    from waferline.errors import ConfigError
+    from waferline.sim.cost import FITTED_PATH
+
+    d = yaml.safe_load(FITTED_PATH.read_text())
+    bs = d["bootstrap"]
+    if name not in bs["names"]:
+        bs["names"].append(name)
+        for row in bs["sets"]:
+            row.append(value)
+    else:
+        i = bs["names"].index(name)
+        for row in bs["sets"]:
+            row[i] = value
+    p = tmp_path / "params.yaml"
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=name.replace(".", r"\.")):
+        load_params(p)
+
+
 def test_explain_regroups_the_step_and_sizes_the_levers():
     plan = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4)
     r = simulate(plan)
@@ -93,6 +119,25 @@ def test_explain_regroups_the_step_and_sizes_the_levers():
     a = tgt["speculative"]["accept_rate_needed"]
     assert expected_tokens_per_step(a, 3) == pytest.approx(tgt["speculative"]["tokens_per_step_needed"], rel=1e-6)
     assert explain(r, 1.0)["target"]["met"]
+
+
+def test_explain_read_lever_stops_at_the_compute_it_hides():
+    """Faster reads shorten a layer only down to its compute (the roofline): the read lever, applied to the hardware,
+    reaches the target, and where the compute would bound the step first it is not offered (it once said 206 -> 23
+    us for 551 tok/s; with that bandwidth the rate stayed 543)."""
+    import dataclasses
+
+    plan = place("llama-3.1-70b", "wse-3")
+    r = simulate(plan)
+    lever = next(lv for lv in explain(r, 540.0)["target"]["levers"] if lv["term"] == "weights and cache read")
+    assert lever["to_s"] is not None and lever["from_s"] / lever["to_s"] == pytest.approx(lever["factor"])
+    hw = load_hardware("wse-3")
+    faster = dataclasses.replace(hw, memory_bandwidth=hw.memory_bandwidth * lever["factor"])
+    assert simulate(plan, hardware=faster).decode_tokens_per_s_per_user == pytest.approx(540.0, rel=1e-3)
+    lever = next(lv for lv in explain(r, 551.0)["target"]["levers"] if lv["term"] == "weights and cache read")
+    assert lever["to_s"] is None and 0 < lever["floor_s"] < lever["from_s"]
+    much = dataclasses.replace(hw, memory_bandwidth=hw.memory_bandwidth * 1000)
+    assert simulate(plan, hardware=much).decode_tokens_per_s_per_user < 551.0
 
 
 def test_explain_under_afd_ranks_explains_the_simulated_step():

@@ -271,6 +271,20 @@ class SimParams:
                 for row in bs.get("sets") or []:
                     if len(row) != len(names):
                         raise ConfigError(f"{where}: a bootstrap set has {len(row)} values for {len(names)} names")
+                    for n, v in zip(names, row):  # (the same physical ranges as the values above)
+                        pname = n.split(".", 1)[-1]
+                        if n.startswith("accept_rate."):
+                            ok, rng = 0.0 <= float(v) < 1.0, "[0, 1)"
+                        elif n == "ttft_overhead_s":
+                            ok, rng = 0.0 <= float(v) <= TTFT_OVERHEAD_BOUNDS[1], f"[0, {TTFT_OVERHEAD_BOUNDS[1]:g}]"
+                        elif "." in n and pname in CLASS_PARAMS:
+                            lo, hi = CLASS_PARAMS[pname][2], CLASS_PARAMS[pname][3]
+                            ok, rng = lo * (1 - 1e-9) <= float(v) <= hi * (1 + 1e-9), f"[{lo:g}, {hi:g}]"
+                        else:
+                            raise ConfigError(f"{where}: bootstrap names unknown parameter {n!r}")
+                        if not ok:
+                            raise ConfigError(f"{where}: bootstrap set value {n} = {float(v):g} is outside its "
+                                              f"physical range {rng}")
                     sp.bootstrap.append({n: float(v) for n, v in zip(names, row)})
                 sp.bootstrap_info = str(bs.get("method", ""))
         except (TypeError, ValueError, AttributeError) as e:

@@ -207,6 +207,11 @@ def _num(
         if kinds:
             key, kind = kinds[0]
             note = "fitted" if key == "fitted" and raw[key] is True else str(raw[key])
+            if require_source and (raw[key] is None or raw[key] is False or not note.strip()):
+                raise ConfigError(
+                    f"{where}: field {fieldname!r} has an empty {key!r}: every catalog number needs its source, or "
+                    "why it is assumed"
+                )
         elif require_source:
             raise ConfigError(
                 f"{where}: field {fieldname!r} has no 'source', 'derived', 'assumed' or 'fitted': every catalog "
