@@ -108,6 +108,13 @@ def main() -> int:
     ap.add_argument("--hardware", default="h800")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     hw = args.hardware
     from waferline.errors import WaferlineError
     from waferline.spec.catalog import load_hardware
@@ -170,8 +177,7 @@ def main() -> int:
         out["afd_loses"]["slow_link"].append({"link_GBps": gbps, "link_latency_s": 20e-6, "afd": sa})
         print(_row(f"{gbps:g} GB/s, 20 us", sa))
     path = Path(args.out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=1))
+    write_text_atomic(path, json.dumps(out, indent=1), make_parents=True)
     print(f"\nwrote {path}")
     return 0
 

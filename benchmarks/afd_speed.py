@@ -120,6 +120,13 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--batch", type=int, default=None)
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     from waferline.engine.pipeline import stage_ranges
     from waferline.model.init import write_random_checkpoint
 
@@ -204,8 +211,7 @@ def main() -> int:
         "before the peer had sent. cores = CPU seconds of all processes / wall time."
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    write_text_atomic(out, json.dumps(results, indent=1), make_parents=True)
     print(f"wrote {out}")
     return 0
 

@@ -18,6 +18,13 @@ def main() -> None:
     ap.add_argument("--by", default="both", choices=(*CROSS_VALIDATE, "both"))
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "crossval_fit.json"))
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     out = {}
     for by in CROSS_VALIDATE if args.by == "both" else (args.by,):
         results, summary = cross_validate(args.data, by)
@@ -30,8 +37,7 @@ def main() -> None:
         out[by] = {"summary": summary, "rows": {r.row.id: {"published": r.row.value, "predicted": r.predicted,
                                                            "error_factor": r.error_factor,
                                                            "fold": r.detail.get("fold")} for r in results}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    write_text_atomic(args.out, json.dumps(out, indent=1), make_parents=True)
 
 
 if __name__ == "__main__":

@@ -565,6 +565,13 @@ def main() -> None:
     a.repeats = a.repeats or (1 if a.quick else 2)
     a.json = a.json or str(ROOT / "results" / (f"decode_speed{'' if not gpu else '_' + a.device.split(':')[0]}"
                                                f"{'_quick' if a.quick else ''}.json"))
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.json, "--json")
+    except ConfigError as e:
+        ap.error(str(e))
     models = [m for m in a.models.split(",") if m and m != "none"]
     for m in models:
         if m not in MODELS:
@@ -700,8 +707,7 @@ def main() -> None:
     }
     print_tables(res)
     print("\n" + markdown(res))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=2))
+    write_text_atomic(a.json, json.dumps(res, indent=2), make_parents=True)
     print(f"wrote {a.json} ({res['wall_s']:.0f}s)")
 
 

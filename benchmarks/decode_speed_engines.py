@@ -200,3 +200,11 @@ class LlamaCppEngine:
         lc.llama_free(self.ctx)
         lc.llama_model_free(self.model)
 
+
+
+if __name__ == "__main__":  # a part of decode_speed.py, with nothing to run on its own
+    import sys
+
+    print("decode_speed_engines.py: decode_speed.py's helpers, not a benchmark of its own; run "
+          "python benchmarks/decode_speed.py (--help says what it does)", file=sys.stderr)
+    raise SystemExit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)

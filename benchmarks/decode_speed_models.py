@@ -301,3 +301,11 @@ def build_gguf(d: Path, converter: Path, threads: int) -> dict[str, Path]:
         tmp.replace(out["q4_0"])
         print(f"quantized {d.name} -> {out['q4_0'].name} in {time.perf_counter() - t:.0f}s", flush=True)
     return out
+
+
+if __name__ == "__main__":  # a part of decode_speed.py, with nothing to run on its own
+    import sys
+
+    print("decode_speed_models.py: decode_speed.py's helpers, not a benchmark of its own; run "
+          "python benchmarks/decode_speed.py (--help says what it does)", file=sys.stderr)
+    raise SystemExit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)

@@ -168,3 +168,11 @@ def compute_ceiling(engine: str, batch: int, macs: float, head_macs: float, rate
         return None
     return 1.0 / ((macs - head_macs) / body + head_macs / head)
 
+
+
+if __name__ == "__main__":  # a part of decode_speed.py, with nothing to run on its own
+    import sys
+
+    print("decode_speed_roofline.py: decode_speed.py's helpers, not a benchmark of its own; run "
+          "python benchmarks/decode_speed.py (--help says what it does)", file=sys.stderr)
+    raise SystemExit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)

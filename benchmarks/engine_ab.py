@@ -86,6 +86,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_ab.json"))
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     trees = {"baseline": Path(a.baseline).resolve(), "tree": Path(a.tree).resolve()}
     for name, t in trees.items():
         if not (t / "src" / "waferline").is_dir():
@@ -121,10 +128,10 @@ def main() -> int:
         print(f"{c:8s} {label:24s} {pick(b):11.4g} / {statistics.median(b):<10.4g} {pick(t):10.4g} / "
               f"{statistics.median(t):<10.4g} {ratio:6.2f} {same}")
     print("(ratio > 1: the tree is faster)")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
-                                       or platform.machine(), "cpus": os.cpu_count(), "args": vars(a),
-                                       "trees": {k: str(v) for k, v in trees.items()}, "rows": rows}, indent=1))
+    write_text_atomic(a.out, json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor()
+                                         or platform.machine(), "cpus": os.cpu_count(), "args": vars(a),
+                                         "trees": {k: str(v) for k, v in trees.items()}, "rows": rows}, indent=1),
+                      make_parents=True)
     return 0
 
 

@@ -263,6 +263,13 @@ def main() -> None:
     ap.add_argument("--hardware", default="h100-sxm", help="without --host: the hardware of the relative prediction")
     ap.add_argument("--json", default="benchmarks/results/kv_schemes.json")
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.json, "--json")
+    except ConfigError as e:
+        ap.error(str(e))
     a.contexts = [int(x) for x in a.contexts.split(",")]
     names = [v.strip() for v in a.variants.split(",")]
     if any(c % ALIGN or c < 2 * ALIGN for c in a.contexts) or a.real_prefill % ALIGN or a.real_prefill < ALIGN:
@@ -294,8 +301,7 @@ def main() -> None:
         "seconds": round(time.time() - t0, 1), "rows": rows,
     }
     print_tables(res)
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=2) + "\n")
+    write_text_atomic(a.json, json.dumps(res, indent=2) + "\n", make_parents=True)
     print(f"wrote {a.json} ({res['seconds']} s)")
 
 

@@ -146,6 +146,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads of the server (default: torch's)")
     ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "lm_eval_check.json")
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.json, "--json")
+    except ConfigError as e:
+        ap.error(str(e))
     if not a.lm_eval or not Path(a.lm_eval).exists():
         sys.exit("lm_eval not found: install lm-evaluation-harness in an environment of its own and pass "
                  "--lm-eval /path/to/bin/lm_eval (see this script's --help)")
@@ -188,9 +195,9 @@ def main() -> None:
                       f"{r['metric']:.4f}", f"{metric:.4f}", f"{diff:.1e}", f"{r['wall_s']:.1f}")
     Console(width=max(110, Console().width)).print(table)
     print("wall: the whole harness run (its start, tokenizer and task load included)")
-    a.json.parent.mkdir(parents=True, exist_ok=True)
-    a.json.write_text(json.dumps({"model": a.model.name, "docs": a.docs, "paragraphs": a.paragraphs, "runs": rows,
-                                  "note": "wall includes the harness's start (tokenizer and task load)"}, indent=2))
+    write_text_atomic(a.json, json.dumps({"model": a.model.name, "docs": a.docs, "paragraphs": a.paragraphs,
+                                          "runs": rows, "note": "wall includes the harness's start (tokenizer and "
+                                          "task load)"}, indent=2), make_parents=True)
     print(f"wrote {a.json}")
 
 

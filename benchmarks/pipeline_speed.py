@@ -229,6 +229,13 @@ def main() -> int:
                          "1:1:1,1:1:0,2:1:1,2:2:1,2:4:1,4:4:1,L:L:1")
     ap.add_argument("--no-latency", action="store_true", help="skip the per-token latency runs")
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     from waferline.engine.pipeline.launch import balanced_ranges
     from waferline.model.init import write_random_checkpoint
 
@@ -321,8 +328,7 @@ def main() -> int:
             )
 
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    write_text_atomic(out, json.dumps(results, indent=1), make_parents=True)
     print(f"\nwrote {out}")
     return 0
 

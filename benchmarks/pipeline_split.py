@@ -48,6 +48,13 @@ def main() -> None:
                     "next to the model)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline_split.json"))
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     if args.model is None:
         from decode_speed_models import CACHE, build_checkpoint
 
@@ -96,8 +103,7 @@ def main() -> None:
     result = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
               "torch": torch.__version__, "model": str(path), "settings": vars(args), "ranges": {
                   "even": even, "balanced": balanced}, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    write_text_atomic(args.out, json.dumps(result, indent=1), make_parents=True)
     print(f"wrote {args.out}")
 
 

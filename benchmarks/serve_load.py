@@ -156,6 +156,14 @@ def main() -> None:
     args = ap.parse_args()
     if not (args.model or args.url):
         ap.error("give --model DIR (start a server) or --url URL (use a running one)")
+    args.out = args.out or f"benchmarks/results/serve_load_{args.clients}c.json"
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     proc = None
     pid = args.server_pid
     if args.model and args.build_demo and not Path(args.model).exists():
@@ -220,11 +228,10 @@ def main() -> None:
         f"{summary['server_rss_mib_before']} → {summary['server_rss_mib_after']}",
     )
     Console(width=140).print(t)
-    out = Path(args.out or f"benchmarks/results/serve_load_{args.clients}c.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out)
     summary["args"] = vars(args)
     summary["machine"] = {"cpus": os.cpu_count(), "load_avg": os.getloadavg()}
-    out.write_text(json.dumps(summary, indent=1))
+    write_text_atomic(out, json.dumps(summary, indent=1), make_parents=True)
     print(f"wrote {out}")
 
 

@@ -310,6 +310,13 @@ def main() -> None:
     ap.add_argument("--llama-cpp-sdist", default=None, help="llama_cpp_python-<version>.tar.gz")
     ap.add_argument("--out", default="benchmarks/results/serve_load_vs_llamacpp.json")
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
 
     t_start = time.perf_counter()
     d = build_checkpoint("llama", False, CACHE)
@@ -347,8 +354,7 @@ def main() -> None:
                  for e in runs],
     }
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    write_text_atomic(out, json.dumps(result, indent=1), make_parents=True)
     print(f"wrote {out} ({result['total_s']:.0f} s)")
 
 

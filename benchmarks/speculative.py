@@ -299,6 +299,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/speculative.json")
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     torch.set_num_threads(a.threads)
     if a.quick:
         a.num_prompts, a.max_tokens, a.prompt_tokens = 4, 24, 48
@@ -311,7 +318,6 @@ def main() -> None:
         model_dir = Path(tempfile.mkdtemp()) / "sol-random"
         write_random_checkpoint(dict(SOL_DEMO_CONFIG, num_nextn_predict_layers=1), model_dir)
         print(f"!! {a.model} not found: RANDOM-weight sol checkpoint with an MTP head ({model_dir})")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     heldout = Path(a.prompts) if a.prompts else model_dir / "heldout.txt"
     if a.weight_bits == 4:  # what `waferline demo` runs: int4 weights (a build product, kept out of the repository)
         from waferline.model.quant import QuantOptions, quantize_checkpoint
@@ -498,7 +504,7 @@ def main() -> None:
         "rows": rows,
         "backoff": backoff,
     }
-    Path(a.out).write_text(json.dumps(out, indent=2))
+    write_text_atomic(a.out, json.dumps(out, indent=2), make_parents=True)
     print(f"\nwrote {a.out}")
 
 

@@ -41,6 +41,13 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=500)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "sweep_sol.json"))
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     for name in VARIANTS:  # parse configs outside the timed region (catalog cache)
         load_model(name)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -87,8 +94,8 @@ def main() -> None:
         f"{cpu:.3f} s CPU"
     )
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "args": vars(args), "rows": rows}, indent=1))
+    write_text_atomic(out, json.dumps({"seconds": elapsed, "cpu_seconds": cpu, "args": vars(args), "rows": rows},
+                                      indent=1), make_parents=True)
     print(f"wrote {out}")
 
 

@@ -376,6 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help=f"write the JSON here (e.g. {RESULTS.relative_to(ROOT)})")
     ap.add_argument("--json", action="store_true", help="print the result as JSON instead of the tables")
     a = ap.parse_args(argv)
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    if a.out:
+        try:  # (before the run: a path that cannot be written fails here, not after the run)
+            check_writable(a.out, "--out")
+        except ConfigError as e:
+            ap.error(str(e))
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -396,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
               lambda what: err.print(f"[dim]{time.perf_counter() - t0:6.1f} s[/dim] {what}"), not a.no_attend_probe)
     res["wall_s"] = time.perf_counter() - t0
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
+        write_text_atomic(a.out, json.dumps(res, indent=1) + "\n", make_parents=True)
     if a.json:
         print(json.dumps(res, indent=1))
     else:

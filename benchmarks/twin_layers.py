@@ -37,13 +37,21 @@ def main() -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"error: {args.model} is not a checkpoint directory (no config.json)", file=sys.stderr)
         return 2
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    if args.json:
+        try:  # (before the run: a path that cannot be written fails here, not after the run)
+            check_writable(args.json, "--json")
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     import torch
     from rich.console import Console
     from rich.table import Table
 
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
-    from waferline.errors import ConfigError
     from waferline.sim.host import HostParams, Work, _work_time
     from waferline.sim.twin_engine import count_ops, make_prompts
 
@@ -123,7 +131,8 @@ def main() -> int:
                   f"{r['linear_s'] * 1e3:.3f}", f"{r['other_s'] * 1e3:.3f}")
     Console().print(t)
     if args.json:
-        Path(args.json).write_text(
+        write_text_atomic(
+            args.json,
             json.dumps(
                 {
                     "model": args.model,
@@ -134,7 +143,8 @@ def main() -> int:
                     "rows": rows,
                 },
                 indent=1,
-            )
+            ),
+            make_parents=True,
         )
     return 0
 

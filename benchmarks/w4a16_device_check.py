@@ -49,6 +49,14 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     device = torch.device(a.device)
+    out = Path(a.out or Path(__file__).resolve().parent / "results" / f"w4a16_device_check_{device.type}.json")
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     g = torch.Generator().manual_seed(0)
     rows, ok = [], True
     for N, K, G, sym in SHAPES:
@@ -75,9 +83,7 @@ def main() -> None:
                   f"bf16 {r['bf16_us']:9.1f} us  ({r['speedup']:.2f}x)", flush=True)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     res = {"device": name, "torch": torch.__version__, "all_correct": ok, "rows": rows}
-    out = Path(a.out or Path(__file__).resolve().parent / "results" / f"w4a16_device_check_{device.type}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2))
+    write_text_atomic(out, json.dumps(res, indent=2), make_parents=True)
     print(f"{'all correct' if ok else 'MISMATCH'} on {name}; wrote {out}")
     raise SystemExit(0 if ok else 1)
 

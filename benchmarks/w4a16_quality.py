@@ -66,6 +66,13 @@ def main() -> None:
     ap.add_argument("--max-eval-tokens", type=int, default=8192)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "w4a16_quality.json"))
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     model = Path(a.model)
     if not (model / "config.json").is_file():
         raise SystemExit(f"{model} is not a checkpoint directory (the trained sol-mini appears at models/sol-mini); "
@@ -129,8 +136,7 @@ def main() -> None:
         print(f"| {r['variant']} | {r['perplexity']:.2f} | {100 * r['ppl_vs_bf16']:+.1f}% | "
               f"{r['weight_bytes'] / 1e6:.2f} MB | {r['vs_bf16_bytes']:.2f}x | {r['layer_bytes'] / 1e6:.2f} MB | "
               f"{r['layers_vs_bf16']:.2f}x |")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
+    write_text_atomic(a.out, json.dumps(res, indent=2), make_parents=True)
     print(f"wrote {a.out}")
 
 

@@ -154,12 +154,18 @@ def main() -> None:
                     help="where the random checkpoints are kept (outside the repository)")
     ap.add_argument("--out", default=str(ROOT / "results" / "w4a16_speed.json"))
     a = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     if a.threads:
         torch.set_num_threads(a.threads)
     res = run(a.models, a.tokens, a.group_size, Path(a.cache), a.repeats)
     print_table(res)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(res, indent=2))
+    write_text_atomic(a.out, json.dumps(res, indent=2), make_parents=True)
     print(f"wrote {a.out}")
 
 

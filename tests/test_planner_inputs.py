@@ -54,7 +54,7 @@ def test_simulate_refuses_a_workload_the_memory_was_not_sized_for(plan_file, cap
     (lambda d: d["stages"][0].update(layers=["x"]), "layers must be a non-empty list of integers"),
     (lambda d: d.update(stages=[]), "a plan needs at least one stage"),
     (lambda d: d.update(stages=["a"]), "a stage must be an object"),
-    (lambda d: d.update(kv_bits="x"), "kv_bits must be 4, 8 or 16"),
+    (lambda d: d.update(kv_bits="x"), "kv_bits must be 4, 8, 16 or 32"),
     (lambda d: d.update(context_len=-1), "context_len must be an integer >= 1"),
     (lambda d: d["stages"][0].update(layers=[0, 1, 2]), "missing [3, 4"),
     (lambda d: d["stages"][0].update(layers=[0, 0, *range(2, 32)]), "[0] placed other than 1x"),

@@ -127,9 +127,9 @@ class Plan:
         for name in ("context_len", "batch", "micro_batches", "group_size"):
             if not _count(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"plan {name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("weight_bits", "kv_bits", "embed_bits"):
-            if getattr(self, name) not in (4, 8, 16):
-                raise ConfigError(f"plan {name} must be 4, 8 or 16, got {getattr(self, name)!r}")
+        for name in ("weight_bits", "kv_bits", "embed_bits"):  # (32: fp32, as the engine runs on a CPU)
+            if getattr(self, name) not in (4, 8, 16, 32):
+                raise ConfigError(f"plan {name} must be 4, 8, 16 or 32, got {getattr(self, name)!r}")
 
     @property
     def num_stages(self) -> int:

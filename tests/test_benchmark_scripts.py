@@ -1,0 +1,88 @@
+"""The benchmark scripts as a user runs them: an output path that cannot be written is one line before the run (not a
+traceback after it), a result file is replaced whole or left as it was, and every script answers --help."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# script -> (output flag, the other arguments it needs to get past its argument checks)
+WRITERS = {
+    "afd_sim": ("--out", []),
+    "afd_speed": ("--out", []),
+    "crossval_fit": ("--out", []),
+    "decode_speed": ("--json", []),
+    "engine_ab": ("--out", ["--baseline", str(BENCH.parent)]),
+    "kv_schemes": ("--json", []),
+    "lm_eval_check": ("--json", []),
+    "pipeline_speed": ("--out", []),
+    "pipeline_split": ("--out", []),
+    "serve_load": ("--out", ["--url", "http://127.0.0.1:9"]),
+    "serve_load_llamacpp": ("--out", []),
+    "speculative": ("--out", []),
+    "sweep_sol": ("--out", []),
+    "ttft_prompt_len": ("--out", []),
+    "twin_layers": ("--json", ["--model", str(BENCH.parent / "models" / "sol-mini"), "--hardware", "x.yaml"]),
+    "w4a16_device_check": ("--out", ["--device", "cpu"]),
+    "w4a16_quality": ("--out", []),
+    "w4a16_speed": ("--out", []),
+}
+
+
+def _run(args: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=BENCH.parent, **kw)
+
+
+@pytest.mark.parametrize("script", sorted(WRITERS))
+def test_an_output_path_that_is_a_directory_fails_before_the_run(script, tmp_path):
+    flag, extra = WRITERS[script]
+    r = _run([str(BENCH / f"{script}.py"), *extra, flag, str(tmp_path)])
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert f"{flag} {tmp_path}: is a directory" in r.stderr.strip().splitlines()[-1]
+    assert r.stdout == ""  # nothing of the run
+
+
+def test_a_result_write_that_fails_leaves_the_previous_result(tmp_path):
+    out = tmp_path / "afd_sim.json"
+    before = json.dumps({"previous": "result", "pad": "x" * 3000})
+    out.write_text(before)
+
+    def small_files() -> None:  # a write that stops part way (a full disk, a quota): files stop at 2 KiB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+
+    r = _run([str(BENCH / "afd_sim.py"), "--out", str(out)], preexec_fn=small_files)
+    assert r.returncode != 0
+    assert out.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["afd_sim.json"]  # no temporary file left either
+
+
+@pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py")))
+def test_every_script_answers_help(script):
+    r = _run([str(BENCH / f"{script}.py"), "--help"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    assert (r.stdout + r.stderr).strip()
+
+
+def test_the_fp32_pipeline_benchmarks_get_the_simulator_column():
+    """pipeline_speed.py (and afd_speed.py through it) price the fp32 engine they run as a 32-bit Plan."""
+    from conftest import script_module
+    from waferline.spec.configs import parse_hf_config
+
+    for ps in script_module("pipeline_speed"):
+        spec = parse_hf_config(ps.model_config(quick=True))
+        hw = ps.cpu_hardware(2, 1e11, 3e10, 1e-4, 1e9)
+        r = ps.predict(spec, [(0, 4), (4, 8)], 2, 4, 16, 8, hw)
+        assert r is not None and r.aggregate_tokens_per_s > 0
