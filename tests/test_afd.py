@@ -130,6 +130,10 @@ def test_bad_configurations_are_explained(ckpts, tmp_path):
     tiny_models.build("llama", dense)  # dense: 2 FFN layers go to FFN ranks whole
     with pytest.raises(ConfigError, match="dense"):
         AFD(dense, attention_ranks=1, ffn_ranks=3)
+    v4 = tmp_path / "deepseek_v4"  # hyper-connection layers: refused as such, not as a layer without a MoE
+    tiny_models.build("deepseek_v4", v4)
+    with pytest.raises(ConfigError, match="deepseek_v4 checkpoint; the AFD engine does not run it"):
+        LLM(v4, afd=True, attention_ranks=1, ffn_ranks=1)
 
 
 def test_plan_from_the_planner_runs(ckpts, references):

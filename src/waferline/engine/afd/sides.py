@@ -115,6 +115,10 @@ def _check_checkpoint(path: Path, device: str) -> None:
                           "16-bit original, or run the int4 checkpoint with the pipeline engine)")
     if device != "cpu":
         raise ConfigError(f"the AFD engine runs on CPU processes (gloo) so far; got device={device!r}")
+    if cfg.get("model_type") == "deepseek_v4":
+        raise ConfigError(f"{path} is a deepseek_v4 checkpoint; the AFD engine does not run it so far (its layers "
+                          "mix hyper-connection streams around attention and MoE): run it in one process or with the "
+                          "pipeline engine")
 
 
 def load_attention_side(path: str | Path, dtype: torch.dtype, src: Any = None) -> tuple[Any, dict[int, FFNFront]]:
