@@ -268,6 +268,8 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, monkeypatch):
     (no_tok / "config.json").write_text("{}")
     assert main(["demo", "--out", str(out), "--no-report", "--model", str(no_tok)]) == 2
     assert "has no tokenizer" in capsys.readouterr().err
+    assert main(["demo", "--out", str(out), "--no-report", "--prompt", " "]) == 2  # (was the default line, silently)
+    assert "--prompt is empty" in capsys.readouterr().err
     assert not out.exists()
 
 

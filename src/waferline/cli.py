@@ -190,6 +190,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise UsageError(f"--out {args.out} is a file: give a directory for the demo's files")
+    if args.prompt is not None and not args.prompt.strip():
+        raise UsageError("--prompt is empty: give some text to continue (or leave it out for the default line)")
     if args.speculative:
         from waferline.engine.speculative.serving import check_serve_method
 

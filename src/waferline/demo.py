@@ -307,7 +307,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     from waferline.engine.sampling import SamplingParams
 
     console = Console(stderr=json_out)
-    prompt = prompt or DEFAULT_PROMPT
+    prompt = DEFAULT_PROMPT if prompt is None else prompt
     out = Path(out_dir)
     ckpt = Path(model) if model else BUNDLED
     if model and not (ckpt / "config.json").is_file():
