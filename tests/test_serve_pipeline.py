@@ -293,6 +293,7 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--afd", "--device", "cuda"], "AFD's ranks run on CPU"),
     (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
+    (["--stages", "2", "--hang-timeout", "nan"], "--hang-timeout must be > 0"),
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
     (["--stages", "2", "--head-bits", "8"], "single-process engine"),
     (["--group-size", "64"], "needs --weight-bits 4"),

@@ -417,11 +417,17 @@ def test_serve_refuses_flags_that_would_be_ignored(argv, says, tmp_path, capsys)
     assert says in capsys.readouterr().err
 
 
-def test_serve_body_timeout_must_be_positive(tmp_path):
+def test_serve_body_timeout_must_be_positive(tmp_path, capsys):
+    from waferline.cli import main
     from waferline.server.commands import build_server
 
-    with pytest.raises(ConfigError, match="--body-timeout must be > 0"):
-        build_server(tmp_path, body_timeout=0)
+    for bad in (0, float("nan")):
+        with pytest.raises(ConfigError, match="--body-timeout must be > 0"):
+            build_server(tmp_path, body_timeout=bad)
+    for flag in ("--body-timeout", "--cache-mb"):  # (NaN: the server started without a body limit / a traceback)
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", str(tmp_path), flag, "nan"])
+        assert e.value.code == 2 and "expected a finite number > 0, got nan" in capsys.readouterr().err
 
 
 def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol, tmp_path, capsys):

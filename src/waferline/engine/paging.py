@@ -110,7 +110,7 @@ class CacheManager:
         self.max_seq_bytes = self.bytes_for(max_model_len)
         self._default_budget = cache_bytes is None
         self.budget = float(cache_bytes) if cache_bytes is not None else max_num_seqs * self.max_seq_bytes
-        if self.budget < self.max_seq_bytes:
+        if not self.budget >= self.max_seq_bytes:  # (NaN too)
             raise ConfigError(
                 f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
                 f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB); raise the cache budget "

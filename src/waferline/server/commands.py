@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from waferline.argtypes import positive_int
+from waferline.argtypes import positive_float, positive_int
 from waferline.errors import ConfigError, UsageError
 from waferline.server.tools import PARSERS
 
@@ -44,7 +44,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise ConfigError(f"--tool-call-parser {tool_call_parser}: not one of {', '.join(PARSERS)}")
     if not path.is_dir():
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
-    if body_timeout <= 0:
+    if not body_timeout > 0:
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
     if speculative:
         check_serve_speculative(speculative, num_speculative_tokens)
@@ -141,7 +141,7 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     if args.head_bits != 16 and pipeline:
         raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
                          "--stages/--layers-per-stage")
-    if args.hang_timeout is not None and args.hang_timeout <= 0:
+    if args.hang_timeout is not None and not args.hang_timeout > 0:  # (NaN too: it would turn the watchdog off)
         raise UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
     if args.group_size is not None:
         from waferline.engine.inputs import is_int4_checkpoint
@@ -278,7 +278,7 @@ def register(sub: Any) -> None:
     s.add_argument("--page-tokens", type=int, default=16, help="tokens per cache page")
     s.add_argument(
         "--cache-mb",
-        type=float,
+        type=positive_float,
         default=None,
         help="cache budget in MiB (default: max-num-seqs sequences of "
         "max-model-len tokens, by the ModelSpec accounting); smaller budgets preempt",
@@ -335,7 +335,7 @@ def register(sub: Any) -> None:
                    help="most drafts per step (with --speculative; default 4)")
     s.add_argument(
         "--body-timeout",
-        type=float,
+        type=positive_float,
         default=30.0,
         metavar="S",
         help="seconds for a request's whole body to arrive (default 30; 408 and the connection closed beyond)",
