@@ -415,6 +415,31 @@ def test_echo_scores_the_prompt(live, client):
         client.completions.create(model="sol-test", prompt="x", max_tokens=0)
 
 
+
+def test_scoring_a_prompt_counts_no_generated_token(live):
+    """echo with max_tokens 0 generates one token the answer leaves out: /metrics does not count it either (no
+    generation token, no time to first token) and counts the finish the answer shows ("length"), streamed or not,
+    even where that token is the end of sequence."""
+    eos = min(live.state.server.llm.eos_token_ids)
+    assert _wait_until(lambda: live.state.server.engine.num_running == 0)
+    before = _metrics(live)
+    body = {"model": "sol-test", "prompt": "To be scored", "max_tokens": 0, "echo": True, "logprobs": 1,
+            "logit_bias": {str(eos): 100}}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(live.state.base + "/v1/completions", json=body, headers=headers, timeout=60).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 0
+    with httpx.stream("POST", live.state.base + "/v1/completions", json=dict(body, stream=True), headers=headers,
+                      timeout=60) as s:
+        assert s.status_code == 200 and "data: [DONE]" in list(s.iter_lines())
+    m = _metrics(live)
+    for name in ("waferline_generation_tokens_total", "waferline_time_to_first_token_seconds_count",
+                 'waferline_request_finished_total{reason="stop"}'):
+        assert m.get(name, 0.0) == before.get(name, 0.0), name
+    assert m['waferline_request_finished_total{reason="length"}'] == \
+        before.get('waferline_request_finished_total{reason="length"}', 0.0) + 2
+    assert m["waferline_e2e_request_latency_seconds_count"] == before["waferline_e2e_request_latency_seconds_count"] + 2
+
+
 def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> None:
     """Each offset lies within ``text``, in order, and a token that is a whole text (no part of a split character, nor
     after one) is found there."""

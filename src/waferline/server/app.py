@@ -209,12 +209,13 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
     if not chat and req.echo:  # (what each choice echoes: its prompt as sent, or decoded from its token ids)
         echo = [(sent or [""] * len(prompts))[i // n] or server.token_texts.text(ids) for i, (ids, _) in
                 enumerate(runs)]
-    choices = Choices(chat, [ids for ids, _ in runs], n, echo, bool(echo) and req.max_tokens == 0,
+    score_only = bool(echo) and req.max_tokens == 0
+    choices = Choices(chat, [ids for ids, _ in runs], n, echo, score_only,
                       server.token_texts if runs[0][1].logprobs is not None else None, req.return_token_ids,
                       plan_of(req, server.tool_call_parser) if chat else None)
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": server.model_name}
-    events = server.start(runs, rid)  # a full queue or a bad request is an HTTP error, not a broken stream
+    events = server.start(runs, rid, score_only)  # a full queue or a bad request is an HTTP error, not a broken stream
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         counted = m.requests.labels  # (at the stream's end: 200, or 499 for a client gone mid-stream)
