@@ -492,6 +492,34 @@ def test_generate_names_what_is_wrong_with_the_model_and_flag_files(tmp_path, ca
     assert f"no file at {tmp_path / 'nope.json'}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("edit,message", [
+    ({"rms_norm_eps": -1}, "config rms_norm_eps must be a number > 0, got -1"),
+    ({"rope_scaling": {"rope_type": "bogus"}}, "config rope_scaling has rope_type 'bogus'"),
+])
+def test_a_config_that_makes_no_model_is_the_same_one_line_everywhere(tmp_path, llama, capsys, edit, message):
+    """info, plan (with the config path) and generate refuse it alike: generate used to decode NaN (`0 0 0`) from a
+    negative epsilon, and to run a bogus rope_scaling beside rope_parameters as if it were not there."""
+    d = _copy(llama, tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, **edit)))
+    for argv in (["info", str(d)], ["plan", str(d / "config.json"), "-H", "h200-sxm"],
+                 ["generate", "--model", str(d), "--prompt-ids", "1 2 3", "--max-tokens", "3"]):
+        assert main(argv) == 2, argv
+        out, err = capsys.readouterr()
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err and not out, (argv, err)
+
+
+def test_the_catalog_promises_what_info_prints(capsys):
+    """The catalog table's title points at `waferline info ID` for what info prints (it promised a layer-by-layer
+    accounting, and info prints per-kind layer counts)."""
+    assert main(["catalog", "models"]) == 0
+    title = " ".join(capsys.readouterr().out.split())
+    assert "`waferline info ID` for layer kinds, weight bytes and cache bytes per token" in title
+    assert main(["info", "llama-3.1-8b"]) == 0
+    out = capsys.readouterr().out
+    assert all(k in out for k in ("layer_kinds: {'gqa+dense': 32}", "weight_bytes:", "cache_bytes_per_token:"))
+
+
 def test_version_and_the_top_level_help_name_every_command(capsys):
     from waferline import __version__
 

@@ -8,11 +8,12 @@ import pytest
 import torch
 import transformers
 
-from tiny_models import COMMON, build
+from tiny_models import COMMON, build, configs
 from waferline import LLM
+from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.load import load_model
-from waferline.spec.configs import parse_hf_config
+from waferline.spec.configs import ENGINE_MODEL_TYPES, parse_hf_config
 
 IDS = [1] + [(7 * j + 3) % 120 + 3 for j in range(23)]  # 24 tokens: past every window below
 
@@ -31,6 +32,9 @@ VARIANTS = {
     # a hub-style yarn scaling without original_max_position_embeddings: max_position_embeddings stands in
     "yarn_no_original": ("qwen3", {}, lambda c: (c.pop("rope_parameters", None), c.update(
         rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0}))),
+    # rope_scaling beside transformers-5 rope_parameters: transformers takes rope_scaling
+    "rope_scaling_beside_rope_parameters": ("llama", {}, lambda c: c.update(
+        rope_scaling={"rope_type": "linear", "factor": 2.0})),
 }
 
 
@@ -71,3 +75,101 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         [None, None, 6, 6]
     assert windows(model_type="qwen3", sliding_window=6, use_sliding_window=False,
                    layer_types=["sliding_attention"] * 4) == [None] * 4
+
+
+def _hf_config(mt):
+    """The config.json transformers writes for the tiny ``mt`` model (sol: the demo's)."""
+    if mt == "sol":
+        from waferline.demo import SOL_DEMO_CONFIG
+
+        return json.loads(json.dumps(SOL_DEMO_CONFIG))
+    return json.loads(json.dumps(transformers.AutoConfig.for_model(mt, **configs()[mt]).to_dict()))
+
+
+def _eps(c):
+    c["layer_norm_epsilon" if "layer_norm_epsilon" in c else "rms_norm_eps"] = -1e-6
+
+
+# value -> the field the one-line error names; each applied to every model_type that reads it
+BAD_SETTINGS = {
+    "negative eps": (_eps, "eps(ilon)? must be a number > 0"),
+    "zero eps": (lambda c: c.update(rms_norm_eps=0.0), "rms_norm_eps must be a number > 0"),
+    "eps a string": (lambda c: c.update(rms_norm_eps="1e-6"), "rms_norm_eps must be a number > 0"),
+    "unknown rope type": (lambda c: c.update(rope_scaling={"rope_type": "bogus"}), "rope_type 'bogus'"),
+    "old rope type spelling": (lambda c: c.update(rope_scaling={"type": "bogus", "factor": 2.0}), "rope_type 'bogus'"),
+    "rope settings a string": (lambda c: c.update(rope_scaling="yarn"), "rope_scaling must be an object"),
+    "rope_theta <= 0": (lambda c: (c.pop("rope_parameters", None), c.update(rope_theta=0)), "rope_theta must be"),
+    "rope_theta inside <= 0": (lambda c: c.update(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+                               "rope_parameters.rope_theta must be"),
+    "linear rope without factor": (lambda c: c.update(rope_scaling={"rope_type": "linear"}), "has no 'factor'"),
+    "llama3 rope without its fields": (lambda c: c.update(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+                                       "has no 'low_freq_factor'"),
+    "rope factor <= 0": (lambda c: c.update(rope_scaling={"rope_type": "linear", "factor": 0}), "factor must be"),
+    "partial rotary > 1": (lambda c: c.update(partial_rotary_factor=2.0), "partial_rotary_factor must be"),
+}
+NO_ROPE = ("nemotron_h",)  # (no rotary embedding: its settings are never read)
+
+
+@pytest.mark.parametrize("mt", sorted(ENGINE_MODEL_TYPES))
+@pytest.mark.parametrize("bad", sorted(BAD_SETTINGS))
+def test_settings_that_make_no_model_are_one_config_error(mt, bad):
+    """A norm epsilon or rotary setting that makes no model is refused when the config is read (info, plan and the
+    engine alike), naming the field: it used to decode NaN (eps -1 printed `0 0 0`), or fail at load with a
+    traceback (a linear rope without its factor), or be ignored (a bogus rope_scaling beside rope_parameters)."""
+    edit, message = BAD_SETTINGS[bad]
+    if mt in NO_ROPE and "eps" not in bad:
+        pytest.skip("no rotary embedding")
+    cfg = _hf_config(mt)
+    parse_hf_config(cfg)
+    edit(cfg)
+    with pytest.raises(ConfigError, match=message):
+        parse_hf_config(cfg)
+
+
+@pytest.mark.parametrize("mt,edit", [
+    ("mixtral", dict(sliding_window=0)), ("mixtral", dict(sliding_window=-4)), ("mistral", dict(sliding_window=0)),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=-1)),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=0, layer_types=["sliding_attention"] * 2)),
+    ("llama", dict(sliding_window=0, layer_types=["sliding_attention"] * 2)), ("gpt_oss", dict(sliding_window=0)),
+    ("gpt_oss", dict(sliding_window=8.5)), ("deepseek_v4", dict(sliding_window=0)),
+])
+def test_sliding_windows_below_one_token_are_refused(mt, edit):
+    cfg = _hf_config(mt) if mt in configs() else dict(COMMON, model_type=mt, num_hidden_layers=2, intermediate_size=96)
+    with pytest.raises(ConfigError, match="sliding_window must be an integer >= 1"):
+        parse_hf_config(dict(cfg, **edit))
+
+
+@pytest.mark.parametrize("mt,types,message", [
+    ("llama", ["full_attention", "sliding_attnetion"], "layer_types has 'sliding_attnetion'"),
+    ("qwen3", "full_attention", "layer_types must be a list"),
+    ("gpt_oss", ["full_attention", "linear_attention"], "layer_types has 'linear_attention'"),
+    ("qwen3_next", ["linear_attention", "full_attention"], "layer_types has 2 entries but num_hidden_layers is 4"),
+    ("qwen3_next", ["linear_attention", "full_attention", "linear_attention", "bogus"], "layer_types has 'bogus'"),
+])
+def test_layer_types_that_name_no_layer_are_refused(mt, types, message):
+    """transformers refuses unknown layer_types entries and a list of the wrong length; they were read as full
+    attention (or an IndexError)."""
+    with pytest.raises(ConfigError, match=message):
+        parse_hf_config(dict(_hf_config(mt), layer_types=types))
+
+
+def test_real_config_conventions_still_read():
+    """What released checkpoints write stays accepted: null rope_scaling and sliding_window, the hub's ``type``
+    spelling, a Qwen sliding window that use_sliding_window switches off, DeepSeek-V4's nested rope settings."""
+    base = dict(COMMON, num_hidden_layers=2, intermediate_size=96)
+    parse_hf_config(dict(base, model_type="llama", rope_scaling=None, rope_theta=500000.0))
+    parse_hf_config(dict(base, model_type="qwen3", sliding_window=None, use_sliding_window=False))
+    parse_hf_config(dict(base, model_type="qwen2", sliding_window=0, use_sliding_window=False))
+    parse_hf_config(dict(base, model_type="llama", rope_scaling={"type": "dynamic", "factor": 2.0}))
+    parse_hf_config(dict(base, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    parse_hf_config(_hf_config("deepseek_v4"))
+    parse_hf_config(dict(_hf_config("nemotron_h"), rope_scaling={"rope_type": "bogus"}))  # (never read)
+
+
+@pytest.mark.parametrize("mt,head_dim", [("gpt_oss", 7), ("llama", 9), ("bamba", 6), ("qwen3_next", 4),
+                                         ("deepseek_v4", 7)])
+def test_an_odd_number_of_rotated_channels_is_refused(mt, head_dim):
+    """Rotary embeddings turn channel pairs (transformers refuses an odd head_dim it rotates whole); the engine
+    failed at load with a traceback (gpt_oss, deepseek_v4) and the planner counted the model."""
+    with pytest.raises(ConfigError, match="rotary embeddings turn channel pairs"):
+        parse_hf_config(dict(_hf_config(mt), head_dim=head_dim))

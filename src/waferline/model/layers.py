@@ -206,12 +206,10 @@ class Linear(nn.Module):
 
 
 def rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Rotary settings from either transformers-5 ``rope_parameters`` or hub ``rope_theta`` + ``rope_scaling``."""
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and rp:
-        params = dict(rp)
-    else:
-        params = dict(cfg.get("rope_scaling") or {})
+    """Rotary settings from either hub ``rope_theta`` + ``rope_scaling`` or transformers-5 ``rope_parameters``; where
+    a config has both, ``rope_scaling``, as transformers takes it."""
+    rs = cfg.get("rope_scaling")
+    params = dict(rs) if isinstance(rs, dict) and rs else dict(cfg.get("rope_parameters") or {})
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params

@@ -722,7 +722,8 @@ def cmd_catalog(args: argparse.Namespace) -> int:
 
     con = _console()
     if models:
-        t = Table(title=f"catalog models ({len(models)}): `waferline info ID` for the layer-by-layer accounting")
+        t = Table(title=f"catalog models ({len(models)}): `waferline info ID` for layer kinds, weight bytes and "
+                  "cache bytes per token")
         for c in ("id", "type", "layers", "params", "active", "cache/token (16-bit)", "positions"):
             t.add_column(c, justify="left" if c in ("id", "type") else "right")
         for m in models:

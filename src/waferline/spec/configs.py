@@ -112,12 +112,102 @@ def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str) -> None:
             if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= E:
                 raise ConfigError(f"config {k_name} (experts per token, top-k) must be an integer from 1 to "
                                   f"{e_name} = {E}, got {k!r}")
+        window = getattr(mixer, "sliding_window", None)
+        if isinstance(mixer, CompressedAttentionSpec):  # (the window it keeps: sliding_window - 1 tokens)
+            window = mixer.window + 1
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            w_name = "attention_chunk_size" if mt == "llama4" else "sliding_window"
+            raise ConfigError(f"config {w_name} must be an integer >= 1 (tokens a layer attends to), got {window!r}")
+        rotated = None
+        if isinstance(mixer, AttentionSpec) and _uses_rope(cfg, mt):
+            rotated = int(mixer.head_dim * _partial_rotary(cfg, mt))
+        elif isinstance(mixer, CompressedAttentionSpec):  # (as DeepSeek-V4 reads it: model/v4_attention.py rope_dim)
+            partial, qk = cfg.get("partial_rotary_factor"), cfg.get("qk_rope_head_dim") or 64
+            rotated = (int(qk) if _positive(qk) else 0) if partial is None else int(mixer.head_dim * partial)
+        if rotated is not None and (rotated < 2 or rotated % 2 or rotated > mixer.head_dim):
+            raise ConfigError(f"config head_dim {mixer.head_dim} rotates {rotated} channels of each head (its "
+                              "partial_rotary_factor share): rotary embeddings turn channel pairs, so that must be an "
+                              "even number from 2 to head_dim")
         if isinstance(mixer, AttentionSpec):
             h, kv = mixer.num_heads, mixer.num_kv_heads
             kv_name = named(("num_key_value_heads", "num_attention_groups"), "num_key_value_heads")
             if not isinstance(kv, int) or isinstance(kv, bool) or not 1 <= kv <= h or h % kv:
                 raise ConfigError(f"config {kv_name} must be an integer from 1 to num_attention_heads = {h} that "
                                   f"divides it (each key/value head serves a whole group of query heads), got {kv!r}")
+
+
+# rotary embeddings transformers builds (its ROPE_INIT_FUNCTIONS, and "default"), and the fields each needs
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
+_ROPE_NEEDS = {"linear": ("factor",), "dynamic": ("factor",), "longrope": ("short_factor", "long_factor"),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+# positive numbers (partial_rotary_factor: at most 1), in the rope settings or beside them
+_ROPE_NUMBERS = ("rope_theta", "compress_rope_theta", "factor", "low_freq_factor", "high_freq_factor",
+                 "original_max_position_embeddings", "partial_rotary_factor")
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _check_rope_numbers(where: str, p: dict[str, Any], fields: tuple[str, ...] = _ROPE_NUMBERS) -> None:
+    for f in fields:
+        v = p.get(f)
+        if v is None:
+            continue
+        if f == "partial_rotary_factor" and not (_positive(v) and v <= 1):
+            raise ConfigError(f"config {where}{f} must be a number > 0 and <= 1 (the share of a head rotated), "
+                              f"got {v!r}")
+        if not _positive(v):
+            raise ConfigError(f"config {where}{f} must be a number > 0, got {v!r}")
+
+
+def _uses_rope(cfg: dict[str, Any], mt: str) -> bool:
+    """Whether the model reads rotary settings (Nemotron-H and Jamba have none; Granite 4.0 hybrids only with
+    position_embedding_type rope)."""
+    if mt in ("nemotron_h", "jamba"):
+        return False
+    return mt != "granitemoehybrid" or cfg.get("position_embedding_type") == "rope"
+
+
+def _partial_rotary(cfg: dict[str, Any], mt: str) -> float:
+    """The share of an attention head that is rotated, as the engine reads it (Bamba's default: half)."""
+    rp = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    return float(0.5 if partial is None and mt == "bamba" else 1.0 if partial is None else partial)
+
+
+def _check_rope(name: str, p: dict[str, Any]) -> None:
+    kind = p.get("rope_type") or p.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise ConfigError(f"config {name} has rope_type {kind!r}, which is no rotary embedding transformers builds "
+                          f"(known: {', '.join(ROPE_TYPES)})")
+    for f in _ROPE_NEEDS.get(kind, ()):
+        if p.get(f) is None:
+            raise ConfigError(f"config {name} of rope_type {kind!r} has no {f!r}")
+    _check_rope_numbers(f"{name}.", p)
+
+
+def _check_settings(cfg: dict[str, Any], mt: str) -> None:
+    """Settings the engine reads besides the sizes: the norm epsilon and the rotary embedding. A value that makes no
+    model (an epsilon <= 0, a base <= 0, a rope type transformers does not build) is one ConfigError naming the field,
+    for the planner as for the engine, not NaN logits or a traceback at load."""
+    for k in ("rms_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        v = cfg.get(k)
+        if v is not None and not _positive(v):
+            raise ConfigError(f"config {k} must be a number > 0, got {v!r}")
+    if not _uses_rope(cfg, mt):
+        return
+    _check_rope_numbers("", cfg, ("rope_theta", "compress_rope_theta", "original_max_position_embeddings",
+                                  "partial_rotary_factor"))
+    for k in ("rope_scaling", "rope_parameters"):
+        rp = cfg.get(k)
+        if rp is None:
+            continue
+        if not isinstance(rp, dict):
+            raise ConfigError(f"config {k} must be an object (rope_type, rope_theta, factor, ...) or null, got {rp!r}")
+        nested = {n: v for n, v in rp.items() if isinstance(v, dict)}  # (DeepSeek-V4: one per rope kind)
+        for n, p in nested.items() or [(None, rp)]:
+            _check_rope(k if n is None else f"{k}.{n}", p)
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -171,9 +261,10 @@ def _compressed(cfg: dict[str, Any], layer_type: str) -> CompressedAttentionSpec
         raise ConfigError(f"unknown compressed attention layer type {layer_type!r} "
                           f"(known: {', '.join(sorted(set(COMPRESSED_LAYER_TYPES.values())))})")
     sparse = layer_type == "compressed_sparse_attention"
+    window = int(128 if cfg.get("sliding_window") is None else cfg["sliding_window"]) - 1
     return CompressedAttentionSpec(
         hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"], head_dim=_head_dim(cfg),
-        q_lora_rank=cfg["q_lora_rank"], compress_ratio=ratio, window=int(cfg.get("sliding_window") or 128) - 1,
+        q_lora_rank=cfg["q_lora_rank"], compress_ratio=ratio, window=window,
         index_topk=int(cfg.get("index_topk") or 512) if sparse else 0,
         index_n_heads=int(cfg.get("index_n_heads") or 64) if sparse else 0,
         index_head_dim=int(cfg.get("index_head_dim") or 128) if sparse else 0,
@@ -215,13 +306,19 @@ def _spec(
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), mtp_layers=mtp or [], hf_config=cfg)
 
 
-def _layer_types(cfg: dict[str, Any], n: int) -> list[str]:
-    """Per-layer attention kind from `layer_types` (full_attention / sliding_attention / ...)."""
+def _layer_types(cfg: dict[str, Any], n: int, default: list[str] | None = None,
+                 known: tuple[str, ...] = ("full_attention", "sliding_attention")) -> list[str]:
+    """Per-layer attention kind from `layer_types` (one of ``known`` per layer), else ``default`` (full attention)."""
     lt = cfg.get("layer_types")
     if lt is None:
-        return ["full_attention"] * n
+        return default or ["full_attention"] * n
+    if not isinstance(lt, list):
+        raise ConfigError(f"layer_types must be a list of {n} layer kinds, got {lt!r}")
     if len(lt) != n:
         raise ConfigError(f"layer_types has {len(lt)} entries but num_hidden_layers is {n}")
+    bad = [t for t in lt if t not in known]
+    if bad:
+        raise ConfigError(f"layer_types has {bad[0]!r} for a {cfg.get('model_type')} layer (known: {', '.join(known)})")
     return list(lt)
 
 
@@ -300,9 +397,7 @@ def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
 
 def _parse_gpt_oss(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    if len(types) != n:
-        raise ConfigError(f"layer_types has {len(types)} entries but num_hidden_layers is {n}")
+    types = _layer_types(cfg, n, ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])
     layers = []
     for i in range(n):
         window = cfg.get("sliding_window") if types[i] == "sliding_attention" else None
@@ -542,10 +637,10 @@ def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
 
 def _parse_qwen3_next(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types") or [
+    types = _layer_types(cfg, n, [
         "full_attention" if (i + 1) % (cfg.get("full_attention_interval") or 4) == 0 else "linear_attention"
         for i in range(n)
-    ]
+    ], known=("full_attention", "linear_attention"))
     bias = bool(cfg.get("attention_bias", False))
     sparse_step = cfg.get("decoder_sparse_step", 1) or 1
     mlp_only = set(cfg.get("mlp_only_layers") or [])
@@ -735,6 +830,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"config {k} must be an integer >= 0, got {v!r}")
     _require_expert_count(cfg, mt)
+    _check_settings(cfg, mt)
     try:
         spec = parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
