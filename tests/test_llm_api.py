@@ -159,3 +159,46 @@ def test_a_config_without_eos_takes_the_tokenizers(tmp_path):
             f.write_text(json.dumps(d))
     llm = LLM(tmp_path)
     assert llm.eos_token_ids == {llm.tokenizer.eos_token_id} and llm.tokenizer.eos_token_id is not None
+
+
+def test_an_outputs_first_space_stays_with_a_sentencepiece_tokenizer(tmp_path):
+    """A SentencePiece tokenizer (Llama-2 / Mistral style) strips the space of a text's first "▁" piece: an output's
+    text is decoded after the prompt's last token, so it keeps its first space (as vLLM's does, and as the prompt and
+    output read together), in LLM.generate and in a stream, whole or cut by max_tokens or a stop token."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import build
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3}
+    vocab |= {f"<0x{i:02X}>": len(vocab) + i for i in range(256)}
+    for w in ("\u2581Hello", "\u2581the", "\u2581x"):
+        vocab[w] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    build("llama", tmp_path, vocab_size=len(vocab))
+    hf.save_pretrained(tmp_path)
+    llm = LLM(tmp_path)
+    hello, prompt = vocab["\u2581Hello"], hf.encode("the x")
+    assert hf.decode([hello, hello]) == "Hello Hello"  # (alone, the first space goes)
+    want = hf.decode(prompt + [hello, hello])[len(hf.decode(prompt)):]
+    assert want == " Hello Hello"
+    for params in (SamplingParams(max_tokens=2, logit_bias={hello: 100}, ignore_eos=True),
+                   SamplingParams(max_tokens=5, logit_bias={hello: 100}, ignore_eos=True, stop=[" Hello Hello"])):
+        assert llm.generate(["the x"], params)[0].text == (want if params.max_tokens == 2 else ""), params
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.sequence import Sequence
+
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2))
+    for n in (1, 2, 3):  # (streamed as the server streams: the pieces, and the whole at the max_tokens cut)
+        events: list = []
+        sch.add(Sequence(f"s{n}", list(prompt), SamplingParams(max_tokens=n, logit_bias={hello: 100}, ignore_eos=True),
+                         events.append))
+        while sch.has_work():
+            sch.step()
+        assert "".join(e.text for e in events) == " Hello" * n, (n, events)
+    stopped = SamplingParams(max_tokens=4, logit_bias={hello: 50, 2: 100}, min_tokens=2, stop_token_ids=[2])
+    assert llm.generate(["the x"], stopped)[0].text == want

@@ -185,11 +185,19 @@ class LLM:
             raise RequestError(f"{self.path} has no tokenizer (tokenizer.json); pass prompts as lists of token ids")
         return list(self.tokenizer.encode(text, add_special_tokens=True))
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of token ids ("" for a checkpoint without a tokenizer)."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True, after: list[int] | tuple = ()) -> str:
+        """The text of token ids ("" for a checkpoint without a tokenizer); ``after``: the tokens they follow (an
+        output's: the prompt's last), whose text is decoded with them and taken off, so a tokenizer that strips the
+        space of a text's first token (SentencePiece's "▁Hello") keeps an output's first space, as vLLM does."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        if after and ids:
+            pre = self.tokenizer.decode(list(after), skip_special_tokens=skip_special_tokens)
+            full = self.tokenizer.decode(list(after) + list(ids), skip_special_tokens=skip_special_tokens)
+            if pre and not pre.endswith("\ufffd") and full.startswith(pre):  # (else: a character split across them)
+                return full[len(pre):]
+        return text
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -429,9 +437,9 @@ class LLM:
                     params: SamplingParams, metrics: dict[str, float]) -> Output:
         """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
         text = self.decode(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
-                           params.skip_special_tokens)
+                           params.skip_special_tokens, prompt_ids[-1:])
         if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:  # (as the scheduler cut it)
-            after = len(self.decode(toks[:params.min_tokens - 1], params.skip_special_tokens)) \
+            after = len(self.decode(toks[:params.min_tokens - 1], params.skip_special_tokens, prompt_ids[-1:])) \
                 if params.min_tokens > 1 else 0
             cut = stop_cut(text, params.stop, after)
             text = text if cut is None else text[:cut]

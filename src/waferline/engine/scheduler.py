@@ -429,7 +429,7 @@ class Scheduler:
         elif cut is not None:
             reason, text = "stop", text[:cut]
         elif len(seq.output_ids) >= p.max_tokens:
-            reason, text = "length", self._decode(seq.output_ids, p)  # (all of it: an incomplete last character too)
+            reason, text = "length", self._decode(seq.output_ids, p, seq.prompt_ids[-1:])  # (all: a cut character too)
         if reason is None:
             hold = max((len(s) for s in p.stop), default=1) - 1
             end = len(text) - hold
@@ -438,7 +438,7 @@ class Scheduler:
             delta = text[seq.sent_chars:end] if end > seq.sent_chars else ""
         else:
             if tok in stop_ids:  # the stop token's own text (e.g. "</s>") is not part of the output
-                text = self._decode(seq.output_ids[:-1], p)
+                text = self._decode(seq.output_ids[:-1], p, seq.prompt_ids[-1:])
             delta = text[seq.sent_chars:]
         seq.sent_chars += len(delta)
         seq.emit(Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
@@ -449,11 +449,11 @@ class Scheduler:
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids_default)
 
-    def _decode(self, ids: list[int], params: SamplingParams | None = None) -> str:
+    def _decode(self, ids: list[int], params: SamplingParams | None = None, after: list[int] | tuple = ()) -> str:
         if self.llm.tokenizer is None:
             return ""
-        with self.tokenizer_lock:
-            return self.llm.decode(ids, params is None or params.skip_special_tokens)
+        with self.tokenizer_lock:  # (after: the prompt's last token, for an output's text; LLM.decode)
+            return self.llm.decode(ids, params is None or params.skip_special_tokens, after)
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
         return seq.update_text(partial(self._decode, params=seq.params) if self.llm.tokenizer is not None else None)

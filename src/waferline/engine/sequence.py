@@ -111,13 +111,14 @@ class Sequence:
         cost ~0.7 ms a token at 2000 tokens (sol-mini's tokenizer), more than a decode step of sol-mini; this costs
         the same at any length. A finished sequence's text is the whole output decoded at once (Scheduler._sample),
         as LLM.generate's is."""
-        ids = self.output_ids
+        ids, first = self.output_ids, self.prompt_ids[-1:]  # (the output's first piece reads after the prompt's end)
         if decode is not None and len(ids) > self.text_upto:
-            done = decode(ids[self.text_from:self.text_upto]) if self.text_upto > self.text_from else ""
-            now = decode(ids[self.text_from:])
+            after = first if self.text_from == 0 else ()
+            done = decode(ids[self.text_from:self.text_upto], after=after) if self.text_upto > self.text_from else ""
+            now = decode(ids[self.text_from:], after=after)
             if len(now) > len(done) and not now.endswith("\ufffd"):
                 # (a tokenizer whose pieces do not add up: the whole output, decoded again)
-                self.text = self.text + now[len(done):] if now.startswith(done) else decode(ids)
+                self.text = self.text + now[len(done):] if now.startswith(done) else decode(ids, after=first)
                 self.text_from, self.text_upto = self.text_upto, len(ids)
         if len(ids) < self.params.min_tokens:  # (a stop string in the text so far never ends it, as in vLLM)
             self.stop_after = len(self.text)
