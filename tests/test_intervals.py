@@ -12,6 +12,7 @@ from waferline.sim.crossval import cross_validate
 from waferline.sim.fit import TTFT_PRIOR, fit, fit_rows, problem
 from waferline.sim.intervals import FIGURES, SPEC_FIGURES, attach_intervals, interval, percentile
 from waferline.sim.pipeline import simulate
+from waferline.sim.validate import unstated_reasoning
 
 HEADER = ("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value,"
           "unit,date,source,notes\n")
@@ -56,6 +57,24 @@ def test_a_parameter_only_the_held_out_rows_inform_goes_back_to_its_prior(tmp_pa
     fold = fit_rows(prob.subset([0, 1]), iters=40)
     assert fold.ttft_overhead_s == TTFT_PRIOR[0]
     assert res[2].predicted == pytest.approx(prob.models[2][1].predict(fold)[0], rel=1e-9)
+
+
+def test_a_row_no_fold_holds_is_checked_with_the_fit_on_this_csv_not_the_shipped_one(tmp_path):
+    """A not comparable row (left out of every fit) in its own fold is checked with the fit on the CSV's other rows,
+    never with the shipped fit (made on other data)."""
+    p = tmp_path / "nc.csv"
+    p.write_text("id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,"
+                 "reasoning_tokens,metric,value\n"
+                 "a,SysA,llama-3.1-8b,h100-sxm,1,16,none,1,,,,decode_tokens_per_s_per_user,150\n"
+                 "b,SysA,llama-3.1-70b,h100-sxm,4,16,none,1,,,,decode_tokens_per_s_per_user,45\n"
+                 "n,SysN,llama-3.1-8b,h100-sxm,1,16,none,1,1000,500,unstated,end_to_end_latency_s,20\n")
+    res, s = cross_validate(p, "row", iters=40)
+    assert s["folds"] == 2 and list(s["not_comparable"]) == ["n"]
+    got = res[2].detail["unstated_reasoning"]["decode_tokens_per_s"]
+    prob = problem(p)
+    own = fit_rows(prob, iters=40)
+    assert got == pytest.approx(unstated_reasoning(res[2].row, own, [])["decode_tokens_per_s"], rel=1e-9)
+    assert got != pytest.approx(unstated_reasoning(res[2].row, load_params(), [])["decode_tokens_per_s"], rel=1e-3)
 
 
 def test_memory_efficiency_is_one_parameter_per_memory_kind(tmp_path):

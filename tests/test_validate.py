@@ -10,7 +10,7 @@ import yaml
 from waferline.cli import main as cli_main
 from waferline.errors import ConfigError
 from waferline.plan import commands
-from waferline.sim.cost import load_params
+from waferline.sim.cost import FITTED_PATH, load_params
 from waferline.sim.fit import fit, save_fitted
 from waferline.sim.validate import PUBLISHED_PATH, error_factor, read_published, validate
 
@@ -207,6 +207,31 @@ def test_cli_plan_simulate_validate_calibrate(tmp_path, capsys):
     assert out.is_file() and json.loads(capsys.readouterr().out)["rows"] == 1
     assert commands.main(["plan", "no-such-model", "--hardware", "wse-3"]) == 1
     assert "unknown model" in capsys.readouterr().err
+
+
+def test_calibrate_params_sets_what_the_fit_keeps_not_where_it_starts(tmp_path, capsys):
+    """`calibrate --published --params FILE`: the fitted values come from the priors whatever FILE holds (its help says
+    so); FILE's draft lengths are what the fit keeps."""
+    csv = _csv(tmp_path, ["a,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,",
+                          "b,x,llama-3.1-70b,h100-sxm,4,16,none,1,,,decode_tokens_per_s_per_user,45,tok/s,,,"])
+    start = yaml.safe_load(FITTED_PATH.read_text())
+    start["classes"]["gpu"]["layer_latency_s"]["value"] = 1.9e-4
+    start["classes"]["gpu"]["bw_eff"]["value"] = 0.1
+    start["speculative"]["num_tokens"]["draft"]["value"] = 7
+    other = tmp_path / "start.yaml"
+    other.write_text(yaml.safe_dump(start))
+    fits = []
+    for extra in ([], ["--params", str(other)]):
+        out = tmp_path / f"fit{len(fits)}.yaml"
+        assert cli_main(["calibrate", "--published", str(csv), "--out", str(out), "--iters", "40", "--bootstrap", "0",
+                         "--json"] + extra) == 0
+        fits.append((json.loads(capsys.readouterr().out)["params"], load_params(out)))
+    assert fits[0][0] == fits[1][0]
+    assert fits[0][1].num_tokens["draft"] == 5 and fits[1][1].num_tokens["draft"] == 7
+    with pytest.raises(SystemExit):
+        cli_main(["calibrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "starting parameters" not in text and "starts from its prior" in text
 
 
 def test_validate_and_calibrate_default_to_the_shipped_results_from_any_directory(tmp_path, capsys, monkeypatch):

@@ -300,7 +300,9 @@ def register(subparsers: Any) -> None:
         "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
     )
     c.add_argument("--params", default=None,
-                   help="with --published: starting parameters (default: sim/fitted.yaml)")
+                   help="with --published: the settings the fit keeps (draft lengths and models, default prompt and "
+                   "output lengths; default: sim/fitted.yaml); every fitted parameter starts from its prior, never "
+                   "from this file's value")
     c.add_argument("--restarts", type=nonnegative_int, default=None,
                    help="with --published: Nelder-Mead polishes after the Levenberg-Marquardt fit (default 0)")
     c.add_argument("--iters", type=positive_int, default=None,

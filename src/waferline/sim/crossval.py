@@ -12,6 +12,7 @@ from waferline.errors import ConfigError
 from waferline.sim.cost import SimParams, load_params
 from waferline.sim.fit import fit_rows, problem
 from waferline.sim.validate import (
+    NOT_COMPARABLE,
     Row,
     RowResult,
     beyond_ceiling,
@@ -67,9 +68,18 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
     rows = read_published(path)
     published = {r.id: r for r in rows}
     # a row left out of every fit is checked with its group's refit (where the group has fitted rows), else the fit on
-    # every row (which never saw it either)
-    results += [skipped_result(published[rid], why, refits.get(fold_key(published[rid], by), params or load_params()),
-                               rows) for rid, why in prob.skipped]
+    # every predicted row of this CSV (which never saw it either; not the shipped fit, made on other rows)
+    full: list[SimParams] = []
+
+    def without(row: Row) -> SimParams:
+        if fold_key(row, by) in refits:
+            return refits[fold_key(row, by)]
+        if not full:
+            full.append(fit_rows(prob, iters=iters))
+        return full[0]
+
+    results += [skipped_result(published[rid], why, without(published[rid]) if why == NOT_COMPARABLE else prob.base,
+                               rows) for rid, why in prob.skipped]  # (only a row not comparable is simulated)
     return results, summarize(results) | {
         "cross_validate": by, "folds": len(groups),
         "params": f"refit per fold from the priors on the other rows of {Path(path).name}",
