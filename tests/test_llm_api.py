@@ -3,6 +3,8 @@ batch, min_tokens against stop strings, bad arguments and options named in the e
 
 import gc
 import os
+import signal
+import socket
 import threading
 import time
 
@@ -12,6 +14,7 @@ import pytest
 import waferline
 from conftest import tiny_checkpoints
 from waferline import LLM, SamplingParams
+from waferline.engine.pipeline import StageError
 from waferline.errors import ConfigError, RequestError
 
 
@@ -138,6 +141,52 @@ def test_a_dropped_pipeline_llm_stops_its_stages(ckpts, one_thread):
         time.sleep(0.1)
     assert all(_gone(p) for p in pids), f"stage processes {pids} outlived their LLM"
     assert os.getpid() not in pids
+
+
+def test_close_lets_go_of_the_store_port_and_the_groups_threads(ckpts, one_thread):
+    """A closed pipeline LLM still referenced (the name a ``with`` block binds) held its store's listening port and
+    its process groups' threads and sockets until it was collected."""
+    threads = len(os.listdir("/proc/self/task"))
+    with LLM(ckpts["llama"], stages=2) as llm:
+        llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
+        port = llm._pipeline.store.port
+    assert len(os.listdir("/proc/self/task")) <= threads
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))  # (no listener left on it)
+    llm.close()  # (again: a no-op)
+    with pytest.raises(StageError, match="closed"):
+        llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
+
+
+def _raised_in_thread(fn) -> BaseException | None:
+    """Run fn in a thread (a hang must not block the test run) and return what it raised."""
+    box: dict = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["e"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the call hung instead of raising"
+    return box.get("e")
+
+
+def test_every_call_after_a_stage_died_raises_instead_of_hanging(ckpts, one_thread):
+    """A call on a failed pipeline fails while its sequence is admitted; that sequence kept its slot, so with one slot
+    the second call found none and stepped forever."""
+    llm = LLM(ckpts["llama"], stages=2, hang_timeout_s=2.0)
+    llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))  # (a scheduler of one slot)
+    os.kill(llm._pipeline.pids[0], signal.SIGKILL)
+    for _ in range(3):
+        e = _raised_in_thread(lambda: llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2)))
+        assert isinstance(e, StageError) and "stage 1" in str(e), e
+    assert llm._scheduler.cache.free_slots == 1
+    llm.close()
 
 
 def test_a_config_without_eos_takes_the_tokenizers(tmp_path):

@@ -353,11 +353,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             s.slot = self.cache.admit(s.request_id, part)
+            s.status, s.num_computed = "running", 0
+            self.running.append(s)  # (before the reset: a runner that fails there leaves s for abort to free)
             self.runner.reset_slots([s.slot])  # a fresh sequence in this slot: clear ring positions / SSM state
             if self.spec_dec is not None:
                 self.spec_dec.reset(s.slot)
-            s.status, s.num_computed = "running", 0
-            self.running.append(s)
             if self.prefix is not None and s.params.prompt_logprobs is None:  # (a scored prompt is computed whole)
                 hit = self.prefix.match(s.all_ids, part)
                 caches = self.runner.prefix_caches()

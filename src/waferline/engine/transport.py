@@ -157,6 +157,13 @@ class Link:
         except RuntimeError as e:
             raise PeerLost(str(e)) from None
 
+    def close(self) -> None:
+        """Drop the process group and the work posted on it (the group's threads and sockets go with the last
+        reference)."""
+        self._pending.clear()
+        self._slots.clear()
+        self.pg = None
+
     def flush(self) -> None:
         try:
             for w, _ in self._pending:

@@ -220,7 +220,8 @@ class Supervision:
             except PeerLost as e:
                 raise self._failed(e) from None
             except KeyboardInterrupt:
-                self._broken = StageError("pipeline interrupted (Ctrl-C); every stage was stopped; create a new LLM")
+                self._broken = self._error_cls(f"{self._engine_name} interrupted (Ctrl-C); every "
+                                               f"{self._peers_name[:-1]} was stopped; create a new LLM")
                 self._shutdown_now()
                 raise
             except StageError as e:
@@ -261,8 +262,14 @@ class Supervision:
         self.act.flush()
 
     def close(self) -> None:
-        """Stop every worker: SHUTDOWN (``_send_shutdown``); workers that do not exit within 5 s are killed."""
+        """Stop every worker: SHUTDOWN (``_send_shutdown``); workers that do not exit within 5 s are killed. Then let
+        go of the transport (``_release``)."""
         if self._closed:
+            if self._lock.acquire(blocking=False):  # (stopped by a fault: the transport is still held)
+                try:
+                    self._release()
+                finally:
+                    self._lock.release()
             return
         idle = self._lock.acquire(timeout=2.0)  # a call still running in another thread: no graceful shutdown
         try:
@@ -279,9 +286,20 @@ class Supervision:
                     self._wait_stopped(5.0)  # below would end a worker the SHUTDOWN has not reached yet: exit 5)
             self._kill_all()
             self._finalizer.detach()
+            if idle:
+                self._release()
         finally:
             if idle:
                 self._lock.release()
+
+    def _release(self) -> None:
+        """Drop the process groups (their threads and sockets) and the store (its listening port), which a closed
+        pipeline otherwise held for as long as it was referenced."""
+        for name in ("act", "fb", "link"):
+            link = getattr(self, name, None)
+            if link is not None:
+                link.close()
+        self.ctl = self.store = None
 
 
 # ---------------------------------------------------------------- helpers
