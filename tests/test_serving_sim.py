@@ -445,6 +445,18 @@ def test_cli_a_zero_or_negative_arrival_rate_is_refused_not_ignored(capsys, rate
     assert "--arrival-rate must be > 0" in capsys.readouterr().err
 
 
+def test_cli_an_arrival_rate_the_clock_cannot_resolve_is_refused(capsys):
+    """Below 1e-6 requests/s the simulated clock (seconds) loses a step's milliseconds (near 1e-306: a traceback)."""
+    from waferline.cli import main
+
+    for rate in ("1e-7", "1e-307"):
+        assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-intervals", "--json",
+                     "--arrival-rate", rate]) == 2
+        assert "cannot resolve a step" in capsys.readouterr().err
+    assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--no-intervals", "--json",
+                 "--arrival-rate", "1e-6", "--num-requests", "20"]) == 0
+
+
 def test_a_closed_loop_of_clients():
     """Clients that each send their next request when the last ends (a benchmark at fixed concurrency): one client
     runs its requests back to back at the lone request's latencies; more clients share steps, so ITL grows, throughput

@@ -123,6 +123,9 @@ def _spec_cfg(args: argparse.Namespace):
     )
 
 
+MIN_ARRIVAL_RATE = 1e-6  # requests/s
+
+
 def _check_flags(args: argparse.Namespace) -> None:
     """Refuse flags that would be silently ignored in the combination given."""
     from waferline.errors import UsageError
@@ -144,6 +147,9 @@ def _check_flags(args: argparse.Namespace) -> None:
     rate = getattr(args, "arrival_rate", None)
     if rate is not None and not (rate > 0 and math.isfinite(rate)):  # 0 would silently skip the serving simulation
         raise UsageError(f"--arrival-rate must be > 0 requests/s, got {rate}")
+    if rate is not None and rate < MIN_ARRIVAL_RATE:  # (the clock, in seconds, would lose a step's milliseconds)
+        raise UsageError(f"--arrival-rate {rate:g} is below {MIN_ARRIVAL_RATE:g} requests/s (one request in ~12 days), "
+                         "where the simulation's clock cannot resolve a step")
     closed = getattr(args, "closed_loop", False)
     if closed and rate is not None:
         raise UsageError("--closed-loop sends each client's next request when its last ends: drop --arrival-rate")
