@@ -72,7 +72,7 @@ def test_incremental_text_is_the_whole_decode(sol):
             seq = Sequence("r", [1], SamplingParams(max_tokens=400))
             lens = []
             orig = sch._decode
-            sch._decode = lambda x, params=None: lens.append(len(x)) or orig(x, params)
+            sch._decode = lambda x, params=None, after=(): lens.append(len(x)) or orig(x, params, after)
             for t in ids:
                 seq.output_ids.append(t)
                 text, _ = sch._text(seq)
@@ -86,7 +86,7 @@ def test_incremental_text_is_the_whole_decode(sol):
     sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1, max_model_len=128))
     calls = []
     # pieces that do not add up
-    sch._decode = lambda x, params=None: calls.append(x) or "".join(f"<{t}>" for t in x[::-1])
+    sch._decode = lambda x, params=None, after=(): calls.append(x) or "".join(f"<{t}>" for t in x[::-1])
     seq = Sequence("r", [1], SamplingParams(max_tokens=10))
     for t in (5, 6, 7):
         seq.output_ids.append(t)

@@ -42,7 +42,7 @@ from waferline.engine.sampling import (
     decode_metrics,
     resolve_dtype,
 )
-from waferline.engine.sequence import Sequence, request_generator, stop_cut
+from waferline.engine.sequence import CONTEXT_TOKENS, Sequence, request_generator, stop_cut
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -187,16 +187,37 @@ class LLM:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True, after: list[int] | tuple = ()) -> str:
         """The text of token ids ("" for a checkpoint without a tokenizer); ``after``: the tokens they follow (an
-        output's: the prompt's last), whose text is decoded with them and taken off, so a tokenizer that strips the
-        space of a text's first token (SentencePiece's "▁Hello") keeps an output's first space, as vLLM does."""
+        output's: its prompt), whose text is decoded with them and taken off, so a tokenizer that strips the space of a
+        text's first token (SentencePiece's "▁Hello") keeps an output's first space, as vLLM does. Of the last
+        ``CONTEXT_TOKENS`` of ``after``, the shortest tail whose text is not empty (a special token skipped, a lone
+        "▁") and does not end inside a character (the prompt's last character in byte-fallback pieces) is taken."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        after = after[-CONTEXT_TOKENS:]
         if after and ids:
-            pre = self.tokenizer.decode(list(after), skip_special_tokens=skip_special_tokens)
-            full = self.tokenizer.decode(list(after) + list(ids), skip_special_tokens=skip_special_tokens)
-            if pre and not pre.endswith("\ufffd") and full.startswith(pre):  # (else: a character split across them)
-                return full[len(pre):]
+            for k in range(1, len(after) + 1):
+                pre = self.tokenizer.decode(list(after[-k:]), skip_special_tokens=skip_special_tokens)
+                if pre and not pre.endswith("\ufffd"):
+                    full = self.tokenizer.decode(list(after[-k:]) + list(ids), skip_special_tokens=skip_special_tokens)
+                    if full.startswith(pre):  # (else: a character split across them)
+                        return full[len(pre):]
+                    break
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def output_text(self, ids: list[int], skip_special_tokens: bool = True, context: list[int] | tuple = ()) -> str:
+        """A finished output's text: ``ids`` decoded after the prompt's last tokens ``context`` (``decode``'s
+        ``after``). Where it ends inside a character (cut by max_tokens), the characters before that one are decoded
+        apart from its bytes: a byte-fallback decoder (SentencePiece's "<0xE4>" pieces) turns every byte of a run of
+        such pieces that is not whole UTF-8 into U+FFFD, so decoded together the whole characters before it would read
+        U+FFFD too, unlike the text streamed as it came."""
+        text = self.decode(ids, skip_special_tokens, context)
+        if not text.endswith("\ufffd"):
+            return text
+        for j in range(len(ids) - 1, max(len(ids) - 4, 1) - 1, -1):  # (a character's bytes: at most 4 tokens)
+            head = self.decode(ids[:j], skip_special_tokens, context)
+            if not head.endswith("\ufffd"):
+                split = head + self.decode(ids[j:], skip_special_tokens)
+                return split if split.count("\ufffd") < text.count("\ufffd") else text
         return text
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
@@ -436,11 +457,14 @@ class LLM:
     def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],
                     params: SamplingParams, metrics: dict[str, float]) -> Output:
         """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
-        text = self.decode(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
-                           params.skip_special_tokens, prompt_ids[-1:])
+        context = prompt_ids
+        text = self.output_text(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
+                                params.skip_special_tokens, context)
         if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:  # (as the scheduler cut it)
-            after = len(self.decode(toks[:params.min_tokens - 1], params.skip_special_tokens, prompt_ids[-1:])) \
-                if params.min_tokens > 1 else 0
+            # (the text of the first min_tokens - 1 tokens as the scheduler had it: a character they leave incomplete,
+            # U+FFFD in this decode, was held back there)
+            head = toks[:params.min_tokens - 1]
+            after = len(self.output_text(head, params.skip_special_tokens, context).rstrip("\ufffd")) if head else 0
             cut = stop_cut(text, params.stop, after)
             text = text if cut is None else text[:cut]
         return Output(prompt_ids, toks, text, reason, dict(metrics))

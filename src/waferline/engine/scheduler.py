@@ -100,9 +100,8 @@ class Scheduler:
 
     def __init__(self, llm: LLM, config: SchedulerConfig | None = None, runner: Runner | None = None,
                  speculation: ServeSpeculation | None = None):
-        self.config = config = config or SchedulerConfig()
-        config.validate()
-        self.llm = llm
+        (config := config or SchedulerConfig()).validate()
+        self.config, self.llm = config, llm
         self.runner: Runner = runner if runner is not None else runner_for(llm, config.max_num_seqs)
         self.spec: ModelSpec = llm.spec
         mml = config.max_model_len or llm.max_model_len
@@ -118,9 +117,8 @@ class Scheduler:
                                   kv_bits=bits, state_bits=bits)
         self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
         prefixable = self.runner.prefix_caches() is not None
-        self.spec_dec: ServeSpeculation | None = None
-        if speculation is not None:  # (the LLM's own: it lives across the schedulers the LLM makes)
-            self.spec_dec = speculation
+        self.spec_dec: ServeSpeculation | None = speculation  # (given: the LLM's own, across its schedulers)
+        if speculation is not None:
             speculation.bind(self.runner.num_slots)
         elif config.speculative:
             prepare = getattr(self.runner, "prepare_speculation", None)  # (a runner over processes: its own parts)
@@ -429,7 +427,7 @@ class Scheduler:
         elif cut is not None:
             reason, text = "stop", text[:cut]
         elif len(seq.output_ids) >= p.max_tokens:
-            reason, text = "length", self._decode(seq.output_ids, p, seq.prompt_ids[-1:])  # (all: a cut character too)
+            reason, text = "length", self._decode(seq.output_ids, p, seq.prompt_ids, True)  # (a cut character too)
         if reason is None:
             hold = max((len(s) for s in p.stop), default=1) - 1
             end = len(text) - hold
@@ -438,7 +436,7 @@ class Scheduler:
             delta = text[seq.sent_chars:end] if end > seq.sent_chars else ""
         else:
             if tok in stop_ids:  # the stop token's own text (e.g. "</s>") is not part of the output
-                text = self._decode(seq.output_ids[:-1], p, seq.prompt_ids[-1:])
+                text = self._decode(seq.output_ids[:-1], p, seq.prompt_ids, True)
             delta = text[seq.sent_chars:]
         seq.sent_chars += len(delta)
         seq.emit(Event(tok, delta, completion_tokens=len(seq.output_ids), prompt_tokens=len(seq.prompt_ids),
@@ -449,11 +447,13 @@ class Scheduler:
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.stop_ids_default)
 
-    def _decode(self, ids: list[int], params: SamplingParams | None = None, after: list[int] | tuple = ()) -> str:
+    def _decode(self, ids: list[int], params: SamplingParams | None = None, after: list[int] | tuple = (),
+                whole: bool = False) -> str:  # (after: the prompt; whole: a finished output's text, LLM.output_text)
         if self.llm.tokenizer is None:
             return ""
-        with self.tokenizer_lock:  # (after: the prompt's last token, for an output's text; LLM.decode)
-            return self.llm.decode(ids, params is None or params.skip_special_tokens, after)
+        with self.tokenizer_lock:
+            skip = params is None or params.skip_special_tokens
+            return self.llm.output_text(ids, skip, after) if whole else self.llm.decode(ids, skip, after)
 
     def _text(self, seq: Sequence) -> tuple[str, int | None]:
         return seq.update_text(partial(self._decode, params=seq.params) if self.llm.tokenizer is not None else None)

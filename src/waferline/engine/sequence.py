@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from waferline.engine.runner import RowOutput
     from waferline.engine.speculative.drafters import Proposal
 
+# an output's text is decoded after (at most) this many of the prompt's last tokens (LLM.decode's ``after``): enough
+# to reach past a character in byte-fallback pieces or a run of special tokens, as vLLM's detokenizer does
+CONTEXT_TOKENS = 24
+
 
 @dataclass
 class Event:
@@ -111,7 +115,7 @@ class Sequence:
         cost ~0.7 ms a token at 2000 tokens (sol-mini's tokenizer), more than a decode step of sol-mini; this costs
         the same at any length. A finished sequence's text is the whole output decoded at once (Scheduler._sample),
         as LLM.generate's is."""
-        ids, first = self.output_ids, self.prompt_ids[-1:]  # (the output's first piece reads after the prompt's end)
+        ids, first = self.output_ids, self.prompt_ids[-CONTEXT_TOKENS:]  # (the first piece reads after the prompt)
         if decode is not None and len(ids) > self.text_upto:
             after = first if self.text_from == 0 else ()
             done = decode(ids[self.text_from:self.text_upto], after=after) if self.text_upto > self.text_from else ""
