@@ -438,6 +438,8 @@ def test_scoring_a_prompt_counts_no_generated_token(live):
     assert m['waferline_request_finished_total{reason="length"}'] == \
         before.get('waferline_request_finished_total{reason="length"}', 0.0) + 2
     assert m["waferline_e2e_request_latency_seconds_count"] == before["waferline_e2e_request_latency_seconds_count"] + 2
+    bad = httpx.post(live.state.base + "/v1/completions", json=dict(body, min_tokens=7), headers=headers, timeout=60)
+    assert bad.status_code == 400 and "min_tokens must be 0 with max_tokens 0, got 7" in bad.json()["error"]["message"]
 
 
 def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> None:

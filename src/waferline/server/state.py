@@ -286,6 +286,8 @@ class Server:
             max_tokens = default_max if default_max is not None else mml - prompt_len
         echo = bool(getattr(req, "echo", False))
         if echo and max_tokens == 0:  # (the prompt scored alone: one token is generated and left out of the answer)
+            if req.min_tokens:
+                raise APIError(f"min_tokens must be 0 with max_tokens 0, got {req.min_tokens}", param="min_tokens")
             max_tokens = 1
         param = (
             "max_completion_tokens"
