@@ -2,6 +2,7 @@
 
 import importlib.util
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,21 @@ def client(live):
     from server_helpers import KEY
 
     return openai.OpenAI(base_url=live.state.base + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def raised_in_thread(fn) -> BaseException | None:
+    """Run fn in a thread (a hang must not block the test run: it fails the test after 60 s) and return what it
+    raised."""
+    box: dict = {}
+
+    def target():
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box["e"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "the call hung instead of raising"
+    return box.get("e")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import waferline
-from conftest import tiny_checkpoints
+from conftest import raised_in_thread, tiny_checkpoints
 from waferline import LLM, SamplingParams
 from waferline.engine.pipeline import StageError
 from waferline.errors import ConfigError, RequestError
@@ -159,23 +159,6 @@ def test_close_lets_go_of_the_store_port_and_the_groups_threads(ckpts, one_threa
         llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
 
 
-def _raised_in_thread(fn) -> BaseException | None:
-    """Run fn in a thread (a hang must not block the test run) and return what it raised."""
-    box: dict = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["e"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(60)
-    assert not t.is_alive(), "the call hung instead of raising"
-    return box.get("e")
-
-
 def test_every_call_after_a_stage_died_raises_instead_of_hanging(ckpts, one_thread):
     """A call on a failed pipeline fails while its sequence is admitted; that sequence kept its slot, so with one slot
     the second call found none and stepped forever."""
@@ -183,7 +166,7 @@ def test_every_call_after_a_stage_died_raises_instead_of_hanging(ckpts, one_thre
     llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))  # (a scheduler of one slot)
     os.kill(llm._pipeline.pids[0], signal.SIGKILL)
     for _ in range(3):
-        e = _raised_in_thread(lambda: llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2)))
+        e = raised_in_thread(lambda: llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2)))
         assert isinstance(e, StageError) and "stage 1" in str(e), e
     assert llm._scheduler.cache.free_slots == 1
     llm.close()

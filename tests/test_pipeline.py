@@ -12,6 +12,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 import tiny_models
+from conftest import raised_in_thread
 from waferline import LLM, SamplingParams
 from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
 from waferline.errors import CheckpointError, ConfigError
@@ -259,20 +260,9 @@ def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):
 
 def _expect_stage_error(fn) -> StageError:
     """Run fn in a thread (so a hang cannot block the test run) and return the StageError it raised."""
-    box: dict = {}
-
-    def target():
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the test
-            box["e"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(60)
-    assert not t.is_alive(), "the caller hung instead of getting an error"
-    assert isinstance(box.get("e"), StageError), box.get("e")
-    return box["e"]
+    e = raised_in_thread(fn)
+    assert isinstance(e, StageError), e
+    return e
 
 
 def _gone(pids: list[int]) -> bool:
