@@ -138,6 +138,11 @@ def test_explain_read_lever_stops_at_the_compute_it_hides():
     assert lever["to_s"] is None and 0 < lever["floor_s"] < lever["from_s"]
     much = dataclasses.replace(hw, memory_bandwidth=hw.memory_bandwidth * 1000)
     assert simulate(plan, hardware=much).decode_tokens_per_s_per_user < 551.0
+    assert explain(r, 551.0)["target"]["levers_note"] is None  # (without speculation the levers are exact)
+    from waferline.plan.plan import SpeculativeConfig
+
+    spec_r = simulate(place("llama-3.1-70b", "wse-3", speculative=SpeculativeConfig("draft", 5, 0.8)))
+    assert "approximate" in explain(spec_r, 4000.0)["target"]["levers_note"]
 
 
 def test_explain_under_afd_ranks_explains_the_simulated_step():

@@ -141,6 +141,9 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
             else:
                 levers.append({"term": k, "from_s": v, "to_s": None, "factor": None})
     tgt["levers"] = levers
+    tgt["levers_note"] = ("with speculation these are approximate: they assume drafting costs shrink with the step, "
+                          "which a drafter's own cost does not; re-simulate the changed hardware to check"
+                          if sp.get("method", "none") != "none" and levers else None)
     # when no term alone suffices: the cut shared by every term in proportion
     alone = any(lv["to_s"] is not None for lv in levers)
     tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone and sides is None else None
@@ -187,13 +190,15 @@ def render(con: Console, ex: dict[str, Any]) -> None:
                   f"({tog['cut_s'] * 1e6:.0f} us in all)")
     for lv in tgt["levers"]:
         if lv["to_s"] is None and "floor_s" in lv:
-            con.print(f"  - {lv['term']}: not enough alone ({lv['from_s'] * 1e6:.0f} us; however fast the reads, "
-                      f"the compute they hide, {lv['floor_s'] * 1e6:.0f} us, stays)")
+            con.print(f"  - {lv['term']}: not enough alone ({lv['from_s'] * 1e6:.0f} us; faster reads save at most "
+                      f"{(lv['from_s'] - lv['floor_s']) * 1e6:.0f} us: the compute they overlap stays)")
         elif lv["to_s"] is None:
             con.print(f"  - {lv['term']}: removing it entirely is not enough ({lv['from_s'] * 1e6:.0f} us)")
         else:
             con.print(f"  - {lv['term']}: {lv['from_s'] * 1e6:.0f} -> {lv['to_s'] * 1e6:.0f} us "
                       f"({lv['factor']:.2f}x less)")
+    if tgt.get("levers_note"):
+        con.print(f"  note: {tgt['levers_note']}")
     s = tgt["speculative"]
     a = s["accept_rate_needed"]
     how = (f"acceptance >= {a:.2f}" if a is not None else f"more than {s['num_tokens']} drafts (k+1 tokens a step "
