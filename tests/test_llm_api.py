@@ -159,6 +159,38 @@ def test_close_lets_go_of_the_store_port_and_the_groups_threads(ckpts, one_threa
         llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
 
 
+def test_a_call_waiting_while_close_runs_is_told_the_pipeline_is_closed(ckpts, one_thread):
+    """A call that passed the closed check and waited for the pipeline's lock while close() took it ran on the
+    transport close() let go: an AttributeError ('NoneType' object has no attribute 'send') instead of a StageError."""
+    llm = LLM(ckpts["llama"], stages=2)
+    llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
+    pipe, gate = llm._pipeline, threading.Event()
+
+    class Gated:  # (a ``with`` waits for the gate: the call is held at the lock while close() runs)
+        def __init__(self, lock):
+            self.lock = lock
+
+        def acquire(self, *a, **kw):
+            return self.lock.acquire(*a, **kw)
+
+        def release(self):
+            self.lock.release()
+
+        def __enter__(self):
+            gate.wait()
+            self.lock.acquire()
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    pipe._lock = Gated(pipe._lock)
+    closer = threading.Timer(0.5, lambda: (llm.close(), gate.set()))
+    closer.start()
+    e = raised_in_thread(lambda: llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2)))
+    closer.join()
+    assert isinstance(e, StageError) and "closed" in str(e), e
+
+
 def test_every_call_after_a_stage_died_raises_instead_of_hanging(ckpts, one_thread):
     """A call on a failed pipeline fails while its sequence is admitted; that sequence kept its slot, so with one slot
     the second call found none and stepped forever."""

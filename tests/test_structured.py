@@ -191,6 +191,7 @@ def test_sentencepiece_pieces_keep_their_space():
     (dict(grammar="start: undefined_rule"), "grammar cannot be used"),
     (dict(grammar="root ::= ("), "grammar cannot be used"),
     (dict(regex="[a&&b]"), "regex cannot be used: no text holds to it"),
+    (dict(json_schema="false"), "json_schema must be a JSON Schema object"),
     (dict(grammar='start: /[0-9&&a-z]/ "x"'), "grammar cannot be used: no text holds to it"),
     (dict(choice=[]), "choice must be a non-empty list"),
     (dict(choice=["a", 3]), "choice must be a non-empty list"),
@@ -202,6 +203,8 @@ def test_bad_structured_outputs_are_refused(kw, words):
 
     with pytest.raises(RequestError, match=words):  # (when made, or when checked for the engine)
         check_request([1, 2], SamplingParams(**kw), 100, 64)
+    with pytest.raises(RequestError, match="json_schema cannot be used"):  # (the grammar step alone: no AttributeError)
+        structured._checked_grammar("json_schema", "false")
 
 
 def test_generate_holds_every_kind(sol):
@@ -314,3 +317,16 @@ def test_a_model_without_an_end_token_ends_a_whole_text_at_the_tokenizers(tmp_pa
         assert len(llm.generate([ids], SamplingParams(max_tokens=6))[0].token_ids) == 6  # (plain: to max_tokens)
     finally:
         llm.close()
+
+
+def test_a_grammar_naming_token_ids_is_checked_with_the_models_tokenizer(tok):
+    """A Lark grammar may name tokens by id ("<[300]>"): the check that some text starts a grammar, made over single
+    bytes, has no such token and refused these grammars (400 "no text holds to it") that the model's tokenizer holds."""
+    from waferline.engine.sequence import check_request
+
+    tid = len(tok) - 1
+    assert tid > 256
+    for g in (f'start: <[{tid}]> "x"', f'start: "a" | <[{tid}]>'):
+        check_request([1, 2], SamplingParams(grammar=g), len(tok), 64)  # (no RequestError)
+    c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(grammar=f"start: <[{tid}]>"))
+    assert c.allowed().nonzero().flatten().tolist() == [tid]

@@ -54,7 +54,8 @@ def _grammar_text(kind: str, value: str) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "json_schema":
-        own = json.loads(value).get("x-guidance")  # (a schema that says how it wants whitespace keeps its own way)
+        schema = json.loads(value)  # (a schema that says how it wants whitespace keeps its own way)
+        own = schema.get("x-guidance") if isinstance(schema, dict) else None
         spaced = isinstance(own, dict) and ("whitespace_flexible" in own or "whitespace_pattern" in own)
         return LLMatcher.grammar_from_json_schema(value, defaults=None if spaced else JSON_OPTIONS)
     if kind == "regex":
@@ -94,8 +95,11 @@ def _checked_grammar(kind: str, value: str) -> str:
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
     # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer (a dead end further on, as
-    # in 'start: "x" /[a&&b]/', still ends the request when its output reaches it)
+    # in 'start: "x" /[a&&b]/', still ends the request when its output reaches it). A grammar that names tokens
+    # ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's tokenizer (``constraint``)
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    if matcher.is_error():
+        return grammar
     mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     if matcher.is_error() or not (mask.any() or matcher.is_accepting()):
         raise RequestError(f"{kind} cannot be used: no text holds to it (the grammar engine finds no first byte)")

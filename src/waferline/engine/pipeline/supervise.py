@@ -213,6 +213,8 @@ class Supervision:
         with self._lock:
             if self._broken is not None:
                 raise StageError(str(self._broken))
+            if self._closed:  # (closed while this call waited for the lock: its transport is let go)
+                raise StageError("this pipeline is closed; create a new LLM")
             old = torch.get_num_threads()
             torch.set_num_threads(self.threads)
             try:
