@@ -152,6 +152,19 @@ def test_quantize_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, ll
     assert main(["quantize", "--model", str(llama), "--out", str(old), "--force", "--json"]) == 2
     assert "No space left on device" in _one_error_line(capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and (old / "model.safetensors").is_file()
+    monkeypatch.undo()  # (the final rename fails: the checkpoint already at --out goes back, not left at .old-*)
+    from pathlib import Path
+
+    real_rename = Path.rename
+
+    def rename(self, target):
+        if self.name.startswith(".old.tmp-") and Path(target) == old:
+            raise OSError(28, "No space left on device")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    assert main(["quantize", "--model", str(llama), "--out", str(old), "--force", "--json"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"] and (old / "model.safetensors").is_file()
 
 
 def test_quantize_summary_counts_in_the_right_number(capsys):

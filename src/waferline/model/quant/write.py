@@ -259,7 +259,11 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{int(time.time())}")
             out_dir.rename(old)
-            tmp.rename(out_dir)
+            try:
+                tmp.rename(out_dir)
+            except BaseException:  # (the old output goes back where it was)
+                old.rename(out_dir)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out_dir)
