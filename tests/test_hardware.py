@@ -247,3 +247,21 @@ def test_h800_counts_its_hbm_as_h100_sxm_does():
     h800, h100 = load_hardware("h800"), load_hardware("h100-sxm")
     assert h800.memory_bytes == h100.memory_bytes == 85.52e9 and h800.usable_bytes() == h100.usable_bytes()
     assert "81,559 MiB" in h800.sources["memory_bytes"].source
+
+
+def test_a_stage_over_devices_without_a_link_is_refused_not_free(tmp_path):
+    """Devices in one tensor-parallel stage with no scale_up or scale_out: the all-reduces cost nothing and the plan
+    was predicted faster than with any real link (collective 0.0); now the missing link is named in one line."""
+    from waferline.plan.place import place
+    from waferline.sim.pipeline import simulate
+
+    d = yaml.safe_load(yaml.safe_dump(GOOD))
+    del d["links"]
+    p = tmp_path / "nolinks.yaml"
+    p.write_text(yaml.safe_dump(d))
+    plan = place("llama-3.2-1b", str(p), devices=8)
+    assert plan.num_stages == 1 and plan.stages[0].num_devices == 8
+    with pytest.raises(ConfigError, match="no link between the 8 devices of a stage: add scale_up") as e:
+        simulate(plan, prompt_len=16, output_len=4)
+    assert "\n" not in str(e.value)
+    assert simulate(place("llama-3.2-1b", str(p), devices=1), prompt_len=16, output_len=4).step_latency_s > 0

@@ -479,3 +479,17 @@ def test_the_fewest_stages_that_fit_are_found_in_few_splits(monkeypatch):
     p = pl.place(spec, "h100-sxm")
     assert p.fits and p.num_stages == 375  # (the count the one-by-one scan found: 31 splits, now 14)
     assert calls[0] <= 16
+
+
+@pytest.mark.parametrize("model, context", [("deepseek-v3", 21_000), ("llama-3.1-70b", 131_072)])
+def test_a_cache_no_device_count_holds_is_not_answered_with_more_devices(model, context):
+    """On 230 MB LPUs a layer's MLA latent (held whole by every device) or its 8 KV heads' share of 8 x 21k / 128k
+    tokens fills a device alone: the planner placed 100,000 devices a stage (6.1M / 8M in all) and advised 'or more
+    devices'. Now the stage gets the bytes estimate and the line says more devices in it do not help."""
+    plan = place(model, "groq-lpu-v1", weight_bits=8, batch=8, context=context)
+    assert not plan.fits and plan.num_devices < 10_000
+    assert all("more devices in the stage do not help" in p and "or more devices" not in p for p in plan.problems)
+    assert len(plan.problems) == plan.num_stages
+    # a stage that more devices do help keeps the hint (llama-3.1-70b's 16-bit weights on one H100)
+    tight = place("llama-3.1-70b", "h100-sxm", devices=1)
+    assert not tight.fits and "more devices" in tight.problems[0] and "do not help" not in tight.problems[0]

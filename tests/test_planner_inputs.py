@@ -223,10 +223,10 @@ def test_simulate_reports_the_plans_notes_and_a_link_latency_the_fit_replaces(ca
     rc, out = _run(capsys, ["simulate", "gpt-5.6-sol", "-H", str(hw), "--weight-bits", "4", "--devices", "80",
                             "--no-intervals", "--json"])
     notes = json.loads(out)["notes"]
-    assert rc == 0 and len(notes) == 1 and "not mine.yaml's scale_out latency of 5 us" in notes[0]
-    assert "classes.wafer.hop_latency_s" in notes[0]
+    assert rc == 0 and len(notes) == 2 and "not mine.yaml's scale_out latency of 5 us" in notes[0]
+    assert "classes.wafer.hop_latency_s" in notes[0] and notes[1].startswith("mine is extrapolated")
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", str(hw), "--no-intervals", "--json"])
-    assert rc == 0 and json.loads(out)["notes"] == []  # (one wafer: no hop)
+    assert rc == 0 and json.loads(out)["notes"] == [notes[1]]  # (one wafer: no hop)
 
 
 def test_a_partial_parameter_file_says_what_it_leaves_to_the_priors(capsys, tmp_path):
@@ -342,3 +342,21 @@ def test_a_path_that_is_not_there_is_said_to_be_missing(capsys):
     assert "no such checkpoint directory or config.json: models/sol-mni" in err and "deepseek-v3" not in err
     assert main(["plan", "no-such-model", "--hardware", "wse-3"]) == 2
     assert "unknown model 'no-such-model': use a catalog id" in capsys.readouterr().err
+
+
+def test_hardware_without_rows_of_its_own_is_said_to_be_extrapolated(capsys, tmp_path):
+    """A user's ASIC (kind asic: the gpu class's values, no rows of its own) was printed with a narrow 90% range
+    and a 'fitted' basis as if it were calibrated; the range is the gpu fit's, not how far it carries over."""
+    hw = tmp_path / "my_asic.yaml"
+    hw.write_text("name: jalapeno\nkind: asic\ndevice: {memory_bytes: 2.0e+11, memory_bandwidth: 1.0e+13, flops: "
+                  "{bf16: 2.0e+15}}\nsystem: {devices_per_node: 8}\nlinks: {scale_up: nvlink4, scale_out: ib-400g}\n")
+    for hardware, whose in ((str(hw), "the gpu class's fitted parameters (no published rows for asic devices)"),
+                            ("tpu-v5p", "the gpu class's fitted parameters (no published rows for tpu devices)")):
+        rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", hardware, "--no-intervals", "--json"])
+        notes = json.loads(out)["notes"]
+        assert rc == 0 and len(notes) == 1 and "is extrapolated: simulated with " + whose in notes[0]
+        assert "the 90% ranges are their uncertainty only" in notes[0]
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", str(hw)])
+    assert rc == 0 and "note: jalapeno is extrapolated" in " ".join(out.split())
+    rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["notes"] == []  # (a device with rows in the fit)

@@ -316,6 +316,30 @@ def _fitted_links(plan: Any, params: Any) -> list[str]:
             f"scale_out latency of {link.latency * 1e6:.3g} us (--params sets classes.{hw.kind}.hop_latency_s)"]
 
 
+def _class_notes(plan: Any, params: Any) -> list[str]:
+    """Where the hardware has no rows of its own in the fit: a kind without data (tpu, asic) takes the gpu class's
+    values, and a user's file takes its kind's values, fitted on other hardware. The 90% ranges are those parameters'
+    uncertainty, not how far they carry over to this device."""
+    from pathlib import Path
+
+    from waferline.spec.catalog import load_hardware
+    from waferline.spec.hardware import catalog_dir
+
+    hw = load_hardware(plan.hardware)
+    cname = next((c for c in (hw.name, hw.kind, "gpu") if c in params.classes), None)
+    if cname is None:
+        return []
+    borrowed = any(s.startswith("assumed: as gpu") for s in params.classes[cname].status.values())
+    path = Path(str(plan.hardware))
+    user = path.is_file() and catalog_dir() not in path.resolve().parents
+    if not (borrowed or (user and any(s.startswith("fitted") for s in params.classes[cname].status.values()))):
+        return []
+    whose = ("the gpu class's fitted parameters (no published rows for " + hw.kind + " devices)" if borrowed
+             else f"the {cname} class's parameters, fitted on the published rows of other hardware")
+    return [f"{hw.name} is extrapolated: simulated with {whose}; the 90% ranges are their uncertainty only: expect "
+            "errors of ~1.5x, 2-3x at worst, on hardware with no rows (docs/planner.md, Validation)"]
+
+
 def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool) -> list[str]:
     """What a ``--params`` file leaves out that the shipped fit has, for this plan's hardware: a class it has no
     parameters for, fitted parameters it leaves at their priors, class names nothing matches, the parameter sets the
@@ -453,6 +477,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
+    placed += _class_notes(plan, params)
     if serving is not None and prefill_plan is not None:
         placed += [f"prefill pool: {line}" for line in prefill_plan.notes]
     placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals)

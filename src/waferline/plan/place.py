@@ -104,12 +104,21 @@ def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
     return max(1, math.ceil(total / avail - 1e-12))
 
 
+def _cache_floor(parts: list[_Part]) -> float:
+    """The cache bytes each device of a stage holding ``parts`` keeps however many devices it has: a cache past its
+    shard limit (GQA: its KV heads; an MLA latent: 1) is held whole by every device."""
+    return sum(p.cache / p.kv_shards for p in parts if p.kv_shards)
+
+
 def _devices_for(parts: list[_Part], hw: HardwareSpec, act: float, extra: float = 0.0) -> int:
     """The fewest devices whose memory holds ``parts`` (plus ``extra`` weights) as ``_stage_memory`` counts it: past
     a cache's shard limit (GQA: its KV heads) more devices do not split it further, so the bytes-over-capacity
-    estimate alone can come up short."""
+    estimate alone can come up short. Where no count holds it (that cache alone fills a device), the estimate (the
+    plan then says why it does not fit), not the search's cap."""
     n = _devices_needed(sum(p.weights + p.cache for p in parts) + extra, hw, act)
     if n >= MAX_DEVICES or _stage_memory(parts, n, hw, act, extra).fits:
+        return n
+    if _cache_floor(parts) >= hw.memory_bytes * (1 - hw.reserve_fraction) - act:
         return n
     lo, hi = n, n * 2  # (fitting is monotone in the devices: an exponential search, then bisection)
     while hi < MAX_DEVICES and not _stage_memory(parts, hi, hw, act, extra).fits:
@@ -418,7 +427,14 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         notes.append(f"{devices - plan.num_devices} of {devices} devices left idle: the layout uses "
                      f"{plan.num_devices} (stages of whole tensor-parallel groups)")
     plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
-    plan.problems = explain(plan)
+    floors = None
+    if not (afd and (attention_ranks is not None or ffn_ranks is not None)):  # (ranks hold a share of the batch)
+        floors = {}
+        for s in stages:
+            if not s.memory.fits:
+                by_layer = {p.layer: p for p in _parts(spec, s.role, weight_bits, kv_bits, context, batch, group_size)}
+                floors[s.index] = _cache_floor([by_layer[i] for i in s.layers])
+    plan.problems = explain(plan, floors)
     plan.fits = not plan.problems
     if not plan.fits and require_fit:
         raise FitError("; ".join(plan.problems))
@@ -570,8 +586,10 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
-def explain(plan: Plan) -> list[str]:
-    """One line per stage that does not fit: which devices, which term dominates, by how many bytes."""
+def explain(plan: Plan, cache_floors: dict[int, float] | None = None) -> list[str]:
+    """One line per stage that does not fit: which devices, which term dominates, by how many bytes.
+    ``cache_floors``: per stage index, the cache each device holds however many devices the stage has
+    (``_cache_floor``); where that alone overflows, more devices are not suggested."""
     out = []
     for s in plan.stages:
         m = s.memory
@@ -584,6 +602,12 @@ def explain(plan: Plan) -> list[str]:
                 "cache": "use a shorter --context, a smaller --batch, --kv-bits 8, or more devices",
                 "activations": "use a smaller --batch or prefill chunk",
                 "reserve": "the device is too small for this model"}[big]
+        floor = (cache_floors or {}).get(s.index)
+        if big in ("weights", "cache") and floor is not None and floor + m.activations + m.reserve > m.capacity:
+            hint = (f"more devices in the stage do not help: each holds {_gb(floor)} of cache however many share "
+                    "it (a layer's cache splits over at most its KV heads; an MLA latent over none); use a shorter "
+                    "--context, a smaller --batch" + (", --kv-bits 8 or fewer layers per stage" if len(s.layers) > 1
+                                                     else " or --kv-bits 8"))
         out.append(
             f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
             f" + cache {_gb(m.cache)} + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"

@@ -479,6 +479,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     link = hw.intra_stage_link() if n_dev > 1 else None
     if spatial and n_dev > 1:
         link = hw.scale_out
+    if n_dev > 1 and link is None:  # (else the stage's all-reduces or exchanges would cost nothing)
+        raise ConfigError(f"hardware {hw.name!r} has no link between the {n_dev} devices of a stage: add "
+                          f"{'scale_out' if spatial else 'scale_up'} to its YAML")
     act_bytes = n_tok * hidden * 2.0
     resident = spatial_resident
     if spatial and resident is None:
