@@ -270,6 +270,7 @@ def _int8_rows(g, K, N, q, scale, w, tiles):
         torch.ops.waferline.int8_linear(x3, q.float(), scale)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
 @pytest.mark.parametrize("K", [64, 96, 200])
 @pytest.mark.parametrize("kernel", ["tiles", "rows", "portable"])
 def test_few_row_bf16_linear(K, kernel):

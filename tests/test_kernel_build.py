@@ -117,6 +117,17 @@ def test_a_failed_build_leaves_nothing_and_says_so(tmp_path, monkeypatch, capsys
     assert "no compiler here" in str(kernels.status()["error"])
 
 
+def test_a_missing_compiler_is_named_in_the_one_line_reason(tmp_path, monkeypatch):
+    """No C++ compiler on PATH: the build fails with a reason that says so (it read "ninja: build stopped: subcommand
+    failed.", after torch's many-line banner calling the missing compiler "not compatible")."""
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    monkeypatch.delenv("CXX", raising=False)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(Exception) as e:
+        kernels._compile(tmp_path / "out")
+    assert "no C++ compiler" in kernels._reason(e.value) and "c++" in kernels._reason(e.value)
+
+
 def test_an_interrupted_build_says_it_stopped_not_failed(tmp_path, monkeypatch, capsys):
     """Ctrl-C during the first build: the line ends "stopped" (it read "failed (KeyboardInterrupt: )"), the interrupt
     goes on to the caller, and no half-built entry is left."""

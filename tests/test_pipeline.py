@@ -345,6 +345,30 @@ def test_torchrun_on_one_host_gives_the_same_tokens_and_exits_cleanly(ckpts, ref
     assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == ref["few_out"][0]
 
 
+@pytest.mark.parametrize("mode", [["--stages", "2"], ["--afd"]])
+def test_the_fused_operators_are_built_once_by_the_driver_not_by_each_stage(ckpts, tmp_path, mode):
+    """Where the fused CPU operators' build fails (here: a compiler that fails at once), the driver tries it once,
+    before it starts the stage processes, and says so once; the stages keep the eager path without trying it again.
+    (Each stage built them itself inside its first step: where a build takes longer than the hang timeout, a first
+    run on a fresh machine failed as "stage 1 hung", and a build that failed was tried and warned about by every
+    stage.)"""
+    log = tmp_path / "cxx.log"
+    cxx = tmp_path / "cxx"
+    cxx.write_text(f"#!/bin/sh\necho $PPID >> {log}\nexit 1\n")
+    cxx.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CXX=str(cxx), WAFERLINE_KERNELS="1",
+               WAFERLINE_KERNELS_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "waferline.cli", "generate", "--model", str(ckpts["deepseek_v3"]), "--prompt-ids",
+           "1 5 9 13", "--max-tokens", "8", "--json", *mode]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-2000:]
+    assert set(log.read_text().split()) == {str(proc.pid)}  # the driver's build only
+    assert err.count("fused CPU operators unavailable") == 1, err
+    want = LLM(ckpts["deepseek_v3"]).generate([[1, 5, 9, 13]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == want[0].token_ids
+
+
 CTRL_C_SCRIPT = """
 import sys, torch
 torch.set_num_threads(1)

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from waferline import kernels
 from waferline.engine.messages import (
     BEGIN,
     EMIT_LOGITS,
@@ -418,11 +419,15 @@ def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:
         pass
 
 
-def worker_start(driver_pid: int) -> None:
+def worker_start(driver_pid: int, kernels_on: bool | None = None) -> None:
     """The first thing a locally spawned worker does. Ctrl-C goes to the driver, which shuts the workers down; so
     does a SIGTERM sent to the whole process group (e.g. by `timeout`): the driver stops the workers in order. A
     worker whose driver is gone exits by itself, from its first moment (a Ctrl-C that ends the driver while this
-    worker still connects or loads leaves nothing behind): a thread watches the driver's pid."""
+    worker still connects or loads leaves nothing behind): a thread watches the driver's pid. ``kernels_on``: what
+    the driver's ``kernels.prepare()`` returned; False keeps the fused operators off here too (their build failed
+    there, or they are turned off), so the worker neither builds them again inside a step nor warns again."""
+    if kernels_on is False:
+        kernels.use(False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_without, args=(driver_pid,), daemon=True, name="waferline-driver-watch").start()
@@ -449,7 +454,7 @@ def stage_device(device: str, rank: int) -> torch.device:
 def worker_main(rank: int, num_stages: int, load: dict[str, Any], run_id: str, threads: int, device: str,
                 driver_pid: int) -> None:
     """Entry point of a locally spawned stage process."""
-    worker_start(driver_pid)
+    worker_start(driver_pid, load.get("kernels"))
     torch.set_num_threads(max(1, threads))
     dev = stage_device(device, rank)
     if dev.type == "cuda":

@@ -10,7 +10,8 @@ that start together take turns on a lock file (flock: the system releases it whe
 the first builds, the others then load its library.
 
 ``prepare()`` builds or loads them up front and, when it has to build, says so on stderr in one line (``waferline
-serve`` calls it before it listens, so /health is not ok while they build); otherwise the first fused operator builds
+serve`` calls it before it listens, so /health is not ok while they build; a local pipeline's or AFD's driver before
+it starts its stage processes, which keep the eager path where it failed); otherwise the first fused operator builds
 them, silently. Where no compiler or ninja is available the build fails once, a warning says why, and every caller
 keeps its eager path. ``WAFERLINE_KERNELS=0`` turns the operators off (the eager path everywhere); ``use(False)`` does
 the same inside a process (tests compare both paths).
@@ -148,6 +149,9 @@ def _compile(out: Path) -> None:
     """Compile the operators into directory ``out`` (torch.utils.cpp_extension + ninja; it also loads the library)."""
     from torch.utils import cpp_extension
 
+    cxx = os.environ.get("CXX", "c++")  # the compiler cpp_extension runs
+    if shutil.which(cxx.split()[0] if cxx.split() else cxx) is None:
+        raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH (install g++, or name one in CXX)")
     if shutil.which("ninja") is None:  # the `ninja` wheel's binary sits beside this interpreter, maybe not on PATH
         bin_dir = getattr(_ninja_module(), "BIN_DIR", None)
         for cand in [Path(sys.executable).parent] + ([Path(bin_dir)] if bin_dir else []):

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from waferline import kernels
 from waferline.engine.afd.layout import DEFAULT_MICRO_BATCHES, STATS, AFDError, make_layout, plan_ranks
 from waferline.engine.afd.link import AFLink, Clock
 from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
@@ -117,11 +118,14 @@ class AFD(Pipeline):
         import torch.multiprocessing as mp
 
         W = self.layout.world
+        # built (first run) or loaded once, here: not by a rank inside its first step, where the hang timeout stops it,
+        # nor by each rank after a failure
+        kernels_on = kernels.prepare()
         self.run_id = uuid.uuid4().hex[:12]
         self.store = loopback_store(W, datetime.timedelta(seconds=60))
         self.ctl = Control(self.store, self.run_id)
         load = {"path": str(self.path), "dtype": self.dtype, "layout": self.layout, "hidden": self.spec.hidden_size,
-                "store_addr": (LOOPBACK, self.store.port)}
+                "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on}
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["waferline.engine.afd", "waferline.model.load"])

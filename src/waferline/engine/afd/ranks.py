@@ -350,7 +350,7 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
 
 def worker_main(rank: int, load: dict[str, Any], run_id: str, threads: int, driver_pid: int) -> None:
     """Entry point of a locally spawned AFD rank."""
-    worker_start(driver_pid)  # (Ctrl-C and SIGTERM go to the driver, which stops every rank)
+    worker_start(driver_pid, load.get("kernels"))  # (Ctrl-C and SIGTERM go to the driver, which stops every rank)
     torch.set_num_threads(max(1, threads))
     host, port = load["store_addr"]
     store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))

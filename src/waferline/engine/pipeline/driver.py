@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from waferline import kernels
 from waferline.engine.pipeline.launch import (
     _env_run_id,
     _main_hidden,
@@ -140,6 +141,8 @@ class Pipeline(Supervision):
         import torch.multiprocessing as mp
 
         S = self.num_stages
+        if self.device.type == "cpu":  # built (first run) or loaded once, here: not by a stage inside its first step,
+            load["kernels"] = kernels.prepare()  # where the hang timeout stops it, nor by each stage after a failure
         self.run_id = uuid.uuid4().hex[:12]
         self.store = loopback_store(S, datetime.timedelta(seconds=60))
         load["store_addr"] = (LOOPBACK, self.store.port)
