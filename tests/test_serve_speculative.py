@@ -314,6 +314,48 @@ def test_stop_and_max_tokens_inside_a_burst(ckpts):
         assert sch.stats["spec_accepted"] == sch.stats["spec_drafted"] > 0
 
 
+def test_a_sequence_that_backed_off_drafts_again_when_its_drafts_pay(ckpts):
+    """Adaptive K stops drafting for a sequence whose drafts are rejected; when they would be accepted later in the
+    same sequence (the oracle turns right after 20 tokens), a one-token probe finds that out and it drafts again."""
+    llm = LLM(ckpts["llama"])
+    p, params = PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True)
+    ref = llm.generate([p], params)[0].token_ids
+
+    class Late(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            out = []
+            for b, k in zip(rows, ks):
+                d = self.refs[0][len(seqs[b]):len(seqs[b]) + k]
+                out.append(Proposal(d if len(seqs[b]) - len(p) >= 20 else [(t + 1) % VOCAB for t in d]))
+            return out
+
+    sch = Scheduler(llm, _config(k=4, adaptive=True, max_model_len=128))
+    sch.spec_dec.drafter = Late([p + ref])
+    sch.spec_dec.ctl.measure = False  # (K from the acceptance and the prior cost model: no timings)
+    got, _ = _serve(sch, [p], params)
+    assert got == [ref] and sch.stats["spec_accepted"] > 0
+    assert sch.stats["steps"] < len(ref) - 10
+
+
+def test_drafts_leave_every_decode_its_token_in_a_tight_step_budget(ckpts):
+    """Four decoding sequences, K = 4 and 10 tokens a step: the first rows' drafts are cut so that every later decode
+    still gets its next token (none waits while others verify drafts, here all rejected)."""
+    llm = LLM(ckpts["llama"])
+    prompts, params = [[3, 4], [5, 6], [7, 8], [9, 10]], SamplingParams(max_tokens=12, ignore_eos=True)
+    want = [llm.generate([p], params)[0].token_ids for p in prompts]
+
+    class Wrong(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            return [Proposal([(t + 1) % VOCAB for t in next(r for r in self.refs if r[:len(seqs[b])] == seqs[b])[
+                len(seqs[b]):len(seqs[b]) + k]]) for b, k in zip(rows, ks)]
+
+    sch = Scheduler(llm, _config(k=4, max_num_batched_tokens=10))
+    sch.spec_dec.drafter = Wrong([p + w for p, w in zip(prompts, want)])
+    got, _ = _serve(sch, prompts, params)
+    assert got == want and sch.stats["spec_drafted"] > 0
+    assert sch.stats["steps"] == 12  # the prefill's step, then one token for each sequence a step
+
+
 def test_mtp_on_a_trained_hybrid(one_thread):
     """sol-mini (Mamba-2 + MLA, a trained MTP head): drafts are accepted, the Mamba-2 states are rolled back after
     every partial acceptance, and the tokens are plain greedy's."""

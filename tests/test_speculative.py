@@ -442,11 +442,47 @@ def test_adaptive_k_follows_measured_step_costs():
     slow_draft.record_draft(1, 2, 0.040)
     slow_draft.record_draft(1, 2, 0.040)  # 20 ms per drafted token
     assert slow_draft.gain(0.5, 2, 1) < 1.0
-    # noise only slows steps down: a faster step replaces the estimate, a slower one moves it a quarter of the way
+    # noise only slows steps down: a faster step replaces the estimate, slower ones move it a quarter of the way
+    # (a lone slow step not at all: the next one must be slow too)
+    fast.record(1, 1, 0.030)
+    assert fast.step_cost(1, 1) == pytest.approx(0.010)
     fast.record(1, 1, 0.030)
     assert fast.step_cost(1, 1) == pytest.approx(0.015)
     fast.record(1, 1, 0.012)
     assert fast.step_cost(1, 1) == pytest.approx(0.012)
+
+
+def test_one_slow_step_does_not_stop_speculation():
+    """A GC pause in one verify step must not price its width out: the controller would never choose (and so never
+    measure) it again, and with it priced out every unmeasured width too (the prior is scaled by the measurements)."""
+    ctl = AdaptiveK(k_max=4, measure=True, alpha={0: 0.95})
+    for _ in range(3):
+        ctl.record(1, 1, 0.00105)
+        ctl.record(1, 5, 0.00125)
+    assert ctl.choose([0]) == [4]
+    ctl.record(1, 5, 0.5)  # one 0.5 s pause
+    assert ctl.step_cost(1, 5) == pytest.approx(0.00125) and ctl.choose([0]) == [4]
+    ctl.record(1, 5, 0.00125)
+    ctl.record(1, 5, 0.004)  # steps that really got slower move the estimate
+    ctl.record(1, 5, 0.004)
+    assert 0.00125 < ctl.step_cost(1, 5) < 0.004
+
+
+def test_a_row_that_backed_off_drafts_again_when_its_drafts_pay():
+    """A row whose drafts failed stops drafting (k = 0), so its acceptance is not observed again; it drafts one token
+    after ``probe_every`` steps without drafts, and K climbs back when those are accepted. In a step where other rows
+    draft only the due row probes; in one where none does, every row does."""
+    ctl = AdaptiveK(k_max=4, alpha={0: 0.01, 1: 0.01}, probe_every=8)
+    ks = [ctl.choose([0, 1]) for _ in range(9)]
+    assert ks[:8] == [[0, 0]] * 8 and ks[8] == [1, 1]
+    for _ in range(20):
+        k = ctl.choose([0])[0]
+        ctl.observe(0, k, k)
+    assert ctl.choose([0]) == [4]
+    ctl.alpha.update({0: 0.99, 1: 0.01})
+    ctl.since_draft.update({0: 0, 1: 8})
+    assert ctl.choose([0, 1]) == [4, 1] and ctl.choose([0, 1]) == [4, 0]
+    assert AdaptiveK(k_max=0, alpha={0: 0.0}, probe_every=1, since_draft={0: 5}).choose([0]) == [0]
 
 
 def test_user_errors(ckpts, tmp_path):

@@ -7,29 +7,27 @@ Runner of engine/runner.py; a request (``Sequence``, ``Event``) and a step's pla
 
 Scheduling, one step
 --------------------
-1. Every running sequence that is decoding gets its next token's page (oldest first). When the budget is
-   exhausted, the newest running sequence is **preempted by recompute**: its pages and slot are freed and it
-   goes back to the front of the waiting queue with its prompt *and the tokens generated so far*; when it is
-   re-admitted, those are prefilled again (chunked) and decoding continues where it stopped — same sampler
-   state, so the tokens it streams are unchanged and no token is sent twice.
+1. Every running sequence that is decoding gets its next token's page (oldest first; drafts leave each later decode
+   its token). When the budget is exhausted, the newest running sequence is **preempted by recompute**: its pages and
+   slot are freed and it goes back to the front of the waiting queue with its prompt *and the tokens generated so
+   far*; re-admitted, those are prefilled again (chunked) and decoding goes on with the same sampler state, so the
+   tokens it streams are unchanged and no token is sent twice.
 2. Sequences still prefilling get chunks of up to ``chunk_tokens`` within the step's token budget
    (``max_num_batched_tokens``), so a long prompt never stalls the decodes of others for more than one chunk.
 3. Waiting sequences are admitted in arrival order while a slot is free and the budget holds their current
    length + 1 token (no skipping ahead: FIFO fairness).
 
-A step hands its decode rows and prefill chunks to the runner at once (the single-process runner runs all decodes as
-one batched call [B, 1] and prefill chunks together as [B, t] calls, padded to a common length where the caches allow
-it: engine/padding.py; a pipeline splits them into micro-batches). A sequence's tokens depend only on its own prompt,
-parameters and seeded sampler, never on what else is in the batch (up to floating-point reassociation in batched
-matmuls). With ``speculative``, decoding sequences may draft and verify several tokens a step instead
-(engine/speculative/serving.py).
+A step hands its decode rows and prefill chunks to the runner at once (the single-process runner: all decodes as one
+[B, 1] call and prefill chunks as [B, t] calls, padded where the caches allow it, engine/padding.py; a pipeline splits
+them into micro-batches). A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on
+the batch (up to floating-point reassociation). With ``speculative``, decoding sequences may draft and verify several
+tokens a step instead (engine/speculative/serving.py).
 
 ``step`` runs in three phases: ``schedule`` (the plan: decode rows, prefill chunks, verify rows with their drafts,
 and whether the decodes run as a burst), ``execute`` (the runner runs it) and ``postprocess`` (each row's tokens
-sampled and emitted; the stop rules end sequences here and nowhere else). With ``greedy_bursts``, a step in which
-every running sequence is a greedy decode and nothing waits runs up to ``GREEDY_BURST`` greedy steps back to back
-through the runner's ``burst`` (tokens after a stop inside a burst are dropped). ``LLM.generate`` and ``LLM.stream``
-run this loop over their own scheduler, under every runner (engine/llm.py).
+sampled and emitted; the stop rules end sequences here and nowhere else). With ``greedy_bursts``, a step where every
+running sequence is a greedy decode and nothing waits runs up to ``GREEDY_BURST`` greedy steps at once through the
+runner's ``burst`` (tokens after a stop are dropped). ``LLM.generate``/``stream`` run this loop too (engine/llm.py).
 """
 
 from __future__ import annotations
@@ -304,19 +302,21 @@ class Scheduler:
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
         self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
             [s for s in order if s.remaining == 1 and s.num_computed >= len(s.prompt_ids)], self.max_model_len)
+        later = sum(s.remaining == 1 and s.request_id not in self.busy for s in order)  # (each keeps its next token)
         for s in order:
+            later -= s.remaining == 1 and s.request_id not in self.busy
             if s.status != "running" or budget <= 0 or s.request_id in self.busy \
                     or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
             t = 1 if s.remaining == 1 else min(s.redo_left, cfg.chunk_tokens, budget)
             # (a request whose rows need the logits decodes plainly: log-probabilities, penalties, logit_bias)
             k = self._ks.get(s.slot, 0) if s.remaining == 1 and not s.params.needs_logits else 0
-            # a seeded sampled row's tokens depend on its K: it waits for a step with room for all of it, else K is
-            # cut to the step's budget, and to a plain decode row where no page is free for the drafts
+            # a seeded sampled row's tokens depend on its K: it waits for room for all of it, else K is cut to the
+            # budget less a token per later decode, and to a plain decode row where no page is free for the drafts
             exact = k > 0 and self.spec_dec is not None and self.spec_dec.exact(s)
             if k > budget - 1 and exact:
                 continue
-            k = min(k, budget - 1)
+            k = max(0, min(k, budget - 1 - (0 if exact else min(later, self.plan_cap - len(decodes) - 1))))
             if k > 0 and not exact and not self.cache.grow(s.request_id, s.num_computed + 1 + k):
                 k = 0
             self._ks[s.slot], t = k, t + k

@@ -7,11 +7,14 @@ cost of a step with B rows in tokens-equivalent: a forward costs t0 + t1·N for 
 (measured by ``benchmarks/speculative.py``), and a drafted token costs ``draft_cost`` of a one-token target step
 (0 for n-grams, about 1 / layers for an MTP head, the layer ratio for a draft model). That is the prior: the engines
 time every step (B rows x T tokens) and every drafting pass, and measured costs replace the prior (``AdaptiveK.record``;
-one plain step in 16 keeps the plain cost measured). When even k = 1 does not pay — a large batch, a low acceptance,
-or a verify that costs much more than a plain step — the step is a plain decode step: speculation backs off by
-itself as the batch grows. Greedy steps in which no row drafts (k = 0, or no n-gram match) run as plain greedy decode
-does, in bursts of steps from one Python call (``speculator.burst_len``: 1, 2, 4, then 8 after such steps in a row),
-so a speculative run whose drafts do not pay costs about what plain decoding does.
+one plain step in 16 keeps the plain cost measured; a lone slow step, a GC pause, moves no estimate). When even k = 1
+does not pay — a large batch, a low acceptance, or a verify that costs much more than a plain step — the step is a
+plain decode step: speculation backs off by itself as the batch grows. A row that has not drafted for 64 steps
+drafts one token (in a step that drafts nothing else, every row does), so its acceptance and a verify's cost are
+measured again: a sequence whose drafts pay again drafts again. Greedy steps in which no row drafts (k = 0, or no
+n-gram match) run as plain greedy decode does, in bursts of steps from one Python call (``speculator.burst_len``: 1,
+2, 4, then 8 after such steps in a row), so a speculative run whose drafts do not pay costs about what plain decoding
+does.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class AdaptiveK:
     (the line or table above, scaled to the measured seconds). A verify of T tokens may cost far more than T/1 of a
     plain step (different kernels, a Mamba-2 trail) — or hardly more (a pipeline's hops): either way K follows the
     measurement. So that a plain step's cost is known too, a row set that has not taken one for
-    ``explore_every`` steps takes one. (Off for seeded sampling: see ``reproducible_k``.)"""
+    ``explore_every`` steps takes one, and a row that has not drafted for ``probe_every`` steps drafts one token.
+    (Off for seeded sampling: see ``reproducible_k``.)"""
 
     k_max: int
     enabled: bool = True
@@ -60,6 +64,9 @@ class AdaptiveK:
     draft_s: dict[int, float] = field(default_factory=dict)  # B -> seconds per drafted token step (EMA)
     since_plain: dict[int, int] = field(default_factory=dict)  # B -> steps since the last plain step
     warm: set[tuple[int, Any]] = field(default_factory=set)  # (table, key) measured at least once
+    last: dict[tuple[int, Any], float] = field(default_factory=dict)  # (table, key) -> its latest measurement
+    probe_every: int = 64
+    since_draft: dict[int, int] = field(default_factory=dict)  # row -> steps since it last drafted
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
         if drafted > 0:
@@ -69,9 +76,9 @@ class AdaptiveK:
     def record(self, B: int, T: int, seconds: float) -> None:
         """A measured step of B rows x T tokens (T = 1: a plain step); ignored unless ``measure``. The first step of a
         shape is not kept (it pays one-time costs: buffers, caches growing); then a faster step replaces the estimate
-        and a slower one moves it a quarter of the way: on a shared machine noise only slows steps down, and one slow
-        step must not price a verify width out for good (a width the controller stops choosing is not measured
-        again)."""
+        and a slower one moves it a quarter of the way towards the faster of it and the shape's previous step: on a
+        shared machine noise only slows steps down, and one slow step (a GC pause) must not price a verify width out
+        (a width the controller stops choosing is measured again only when a row probes)."""
         if self.measure:
             self._estimate(self.observed, (B, T), seconds)
 
@@ -85,8 +92,12 @@ class AdaptiveK:
         if (id(table), key) not in self.warm:
             self.warm.add((id(table), key))
             return
-        old = table.get(key)
-        table[key] = seconds if old is None or seconds < old else old + 0.25 * (seconds - old)
+        old, prev = table.get(key), self.last.get((id(table), key), seconds)
+        self.last[(id(table), key)] = seconds
+        if old is None or seconds < old:
+            table[key] = seconds
+        else:  # (a lone slow step moves nothing: the next one must be slow too)
+            table[key] = old + 0.25 * max(min(seconds, prev) - old, 0.0)
 
     def cost(self, n: int) -> float:
         """Prior cost of one forward over n tokens (tokens-equivalent, or seconds with a cost table)."""
@@ -134,6 +145,14 @@ class AdaptiveK:
             a = min(self.alpha.get(b, self.prior), 0.99)
             gains = [self.gain(a, k, B) for k in range(self.k_max + 1)]
             ks.append(max(range(self.k_max + 1), key=lambda k: gains[k]))
+        # a row that has not drafted for probe_every steps drafts one token, so that its acceptance (and the cost of a
+        # verify, which the controller no longer measures once it stops choosing one) is measured again; in a step
+        # that drafts nothing else every row does (one probe step for the batch)
+        due = [k == 0 and self.since_draft.get(b, 0) >= self.probe_every for b, k in zip(rows, ks)]
+        if any(due) and self.k_max > 0:
+            ks = [1 if k == 0 and (d or max(ks) == 0) else k for k, d in zip(ks, due)]
+        for b, k in zip(rows, ks):
+            self.since_draft[b] = 0 if k > 0 else self.since_draft.get(b, 0) + 1
         # the step's cost is set by the largest k: rows with a smaller k still pay for the padded width
         if self.measure:
             self.since_plain[B] = 0 if max(ks) == 0 else max(self.since_plain.get(B, self.explore_every - 4), 0) + 1

@@ -122,6 +122,7 @@ class ServeSpeculation:
         if reset is not None:
             reset([slot])
         self.ctl.alpha.pop(slot, None)
+        self.ctl.since_draft.pop(slot, None)
 
     def burst_steps(self) -> int:
         """How many plain greedy steps to run back to back when a step drafts nothing: 1, 2, 4, then GREEDY_BURST
