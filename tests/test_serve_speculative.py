@@ -356,6 +356,29 @@ def test_drafts_leave_every_decode_its_token_in_a_tight_step_budget(ckpts):
     assert sch.stats["steps"] == 12  # the prefill's step, then one token for each sequence a step
 
 
+def test_a_greedy_rows_drafts_leave_a_later_seeded_row_its_whole_k(ckpts):
+    """A seeded sampled row waits for a step with room for its whole K; a greedy row before it took all but one token
+    of a tight step budget for its drafts (here all rejected), so the seeded one waited until the greedy one ended
+    (27 of 30 steps). Now the greedy row's drafts leave it its K: both stream a token every step."""
+    llm = LLM(ckpts["llama"])
+    prompts = [[3, 4], [5, 6]]
+    params = [SamplingParams(max_tokens=30, ignore_eos=True),
+              SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.9, seed=1)]
+
+    class Wrong(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            return [Proposal([(seqs[b][-1] + 1 + i) % VOCAB for i in range(k)]) for b, k in zip(rows, ks)]
+
+    alone = Scheduler(llm, _config(k=4, max_num_batched_tokens=8))
+    alone.spec_dec.drafter = Wrong([])
+    seeded, _ = _serve(alone, prompts[1:], params[1])
+    sch = Scheduler(llm, _config(k=4, max_num_batched_tokens=8))
+    sch.spec_dec.drafter = Wrong([])
+    got, _ = _serve(sch, prompts, params)
+    assert got == [llm.generate([prompts[0]], params[0])[0].token_ids, seeded[0]] and sch.stats["spec_drafted"] > 0
+    assert sch.stats["steps"] == 30  # (the prefill's step gives each its first token; then a token each a step)
+
+
 def test_mtp_on_a_trained_hybrid(one_thread):
     """sol-mini (Mamba-2 + MLA, a trained MTP head): drafts are accepted, the Mamba-2 states are rolled back after
     every partial acceptance, and the tokens are plain greedy's."""

@@ -494,6 +494,20 @@ def test_a_structured_output_no_text_holds_to_is_a_400_before_the_stream_starts(
     assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_a_grammar_naming_tokens_the_model_lacks_is_a_400_before_the_stream_starts(live):
+    """A grammar that names a token by id or name is checked with the model's tokenizer: one it lacks is a 400 before
+    the request queues, streamed too (it was a 200 and then an SSE error), and one it has still runs."""
+    for g in ('start: <[999999]> "x"', "start: <|nosuchtoken|>"):
+        for stream in (False, True):
+            err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3, "stream": stream,
+                                             "structured_outputs": {"grammar": g}}), 400)
+            assert "cannot be used with this tokenizer" in err["message"], err
+            assert err["param"] == "structured_outputs", err
+    r = _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3, "structured_outputs":
+                     {"grammar": "start: <[5]>"}})
+    assert r.status_code == 200, r.text
+
+
 def test_a_misspelt_structured_output_key_is_refused(live):
     for so, key in [({"regexp": "[0-9]+"}, "regexp"), ({"json_schema": {"type": "object"}}, "json_schema")]:
         err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3,

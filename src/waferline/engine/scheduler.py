@@ -8,10 +8,10 @@ Runner of engine/runner.py; a request (``Sequence``, ``Event``) and a step's pla
 Scheduling, one step
 --------------------
 1. Every running sequence that is decoding gets its next token's page (oldest first; drafts leave each later decode
-   its token). When the budget is exhausted, the newest running sequence is **preempted by recompute**: its pages and
-   slot are freed and it goes back to the front of the waiting queue with its prompt *and the tokens generated so
-   far*; re-admitted, those are prefilled again (chunked) and decoding goes on with the same sampler state, so the
-   tokens it streams are unchanged and no token is sent twice.
+   its token, a seeded sampled one its drafts too). When the budget is exhausted, the newest running sequence is
+   **preempted by recompute**: its pages and slot are freed and it goes back to the front of the waiting queue with
+   its prompt *and the tokens generated so far*; re-admitted, those are prefilled again (chunked) and decoding goes
+   on with the same sampler state, so the tokens it streams are unchanged and no token is sent twice.
 2. Sequences still prefilling get chunks of up to ``chunk_tokens`` within the step's token budget
    (``max_num_batched_tokens``), so a long prompt never stalls the decodes of others for more than one chunk.
 3. Waiting sequences are admitted in arrival order while a slot is free and the budget holds their current
@@ -139,9 +139,7 @@ class Scheduler:
         self.stop_ids_default = set(llm.eos_token_ids)
         self.tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to share across threads
         self.stats = {"preemptions": 0, "steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefill_tokens": 0,
-                      "request_errors": 0}
-        if self.spec_dec is not None:
-            self.stats.update(self.spec_dec.metrics())
+                      "request_errors": 0} | (self.spec_dec.metrics() if self.spec_dec is not None else {})
 
     # -- requests
     def add(self, seq: Sequence) -> None:
@@ -157,11 +155,10 @@ class Scheduler:
         self.waiting.append(seq)
 
     def abort(self, request_id: str) -> bool:
-        for seq in list(self.running) + list(self.waiting):
-            if seq.request_id == request_id:
-                self._finish(seq, "abort")
-                return True
-        return False
+        seq = next((q for q in list(self.running) + list(self.waiting) if q.request_id == request_id), None)
+        if seq is not None:
+            self._finish(seq, "abort")
+        return seq is not None
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
@@ -302,23 +299,25 @@ class Scheduler:
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
         self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
             [s for s in order if s.remaining == 1 and s.num_computed >= len(s.prompt_ids)], self.max_model_len)
-        later = sum(s.remaining == 1 and s.request_id not in self.busy for s in order)  # (each keeps its next token)
+        dec = [s for s in order if s.remaining == 1 and s.request_id not in self.busy]  # (what each keeps: below)
+        keep = [1 + (0 if s.params.needs_logits or not (self.spec_dec and self.spec_dec.exact(s)) else
+                     self._ks.get(s.slot, 0)) for s in dec]
         for s in order:
-            later -= s.remaining == 1 and s.request_id not in self.busy
             if s.status != "running" or budget <= 0 or s.request_id in self.busy \
                     or len(decodes) + len(prefills) >= self.plan_cap:
                 continue
             t = 1 if s.remaining == 1 else min(s.redo_left, cfg.chunk_tokens, budget)
-            # (a request whose rows need the logits decodes plainly: log-probabilities, penalties, logit_bias)
+            # (a request whose rows need the logits decodes plainly). A seeded sampled row's tokens depend on its K: it
+            # waits for room for all of it; else K is cut to the budget less what the decodes after it keep (a token
+            # each, a seeded one its K too), and to 0 where no page is free
             k = self._ks.get(s.slot, 0) if s.remaining == 1 and not s.params.needs_logits else 0
-            # a seeded sampled row's tokens depend on its K: it waits for room for all of it, else K is cut to the
-            # budget less a token per later decode, and to a plain decode row where no page is free for the drafts
             exact = k > 0 and self.spec_dec is not None and self.spec_dec.exact(s)
             if k > budget - 1 and exact:
                 continue
-            k = max(0, min(k, budget - 1 - (0 if exact else min(later, self.plan_cap - len(decodes) - 1))))
-            if k > 0 and not exact and not self.cache.grow(s.request_id, s.num_computed + 1 + k):
-                k = 0
+            if k > 0 and not exact:
+                i = dec.index(s) + 1
+                k = max(0, min(k, budget - 1 - sum(keep[i:i + self.plan_cap - len(decodes) - 1])))
+                k = k if k == 0 or self.cache.grow(s.request_id, s.num_computed + 1 + k) else 0
             self._ks[s.slot], t = k, t + k
             while not self.cache.grow(s.request_id, s.num_computed + t):
                 # the latest admitted not in flight; in s's part of a split page table first (its pages come from it)

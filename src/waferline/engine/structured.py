@@ -79,11 +79,32 @@ def grammar_of(params: Any) -> str | None:
     if kind is None:
         return None
     value = getattr(params, kind)  # (as JSON text in key order: a schema's properties come in its order)
-    return _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))
+    return _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))[0]
+
+
+def check_tokens(tokenizer: Any, params: Any, lock: Any = None) -> None:
+    """RequestError where ``params``' grammar names tokens (which ``grammar_of`` leaves to the model's tokenizer) that
+    ``tokenizer`` lacks: the server asks before the request queues, so that a stream starts with a 400, not an
+    error event. Other grammars cost nothing here."""
+    kind = params.structured
+    if kind is None or tokenizer is None:
+        return
+    value = getattr(params, kind)
+    grammar, names_tokens = _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))
+    if names_tokens:
+        from llguidance import LLMatcher
+
+        _matcher_or_error(kind, LLMatcher(_ll_tokenizer(tokenizer, lock), grammar, log_level=0))
+
+
+def _matcher_or_error(kind: str, matcher: Any) -> Any:
+    if matcher.is_error():
+        raise RequestError(f"{kind} cannot be used with this tokenizer: {matcher.get_error()[:400]}")
+    return matcher
 
 
 @functools.lru_cache(maxsize=64)
-def _checked_grammar(kind: str, value: str) -> str:
+def _checked_grammar(kind: str, value: str) -> tuple[str, bool]:
     from llguidance import LLMatcher
 
     try:
@@ -96,14 +117,14 @@ def _checked_grammar(kind: str, value: str) -> str:
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
     # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer (a dead end further on, as
     # in 'start: "x" /[a&&b]/', still ends the request when its output reaches it). A grammar that names tokens
-    # ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's tokenizer (``constraint``)
+    # ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's tokenizer (``check_tokens``)
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     if matcher.is_error():
-        return grammar
+        return grammar, True
     mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     if matcher.is_error() or not (mask.any() or matcher.is_accepting()):
         raise RequestError(f"{kind} cannot be used: no text holds to it (the grammar engine finds no first byte)")
-    return grammar
+    return grammar, False
 
 
 @functools.cache
@@ -184,7 +205,5 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
     from llguidance import LLMatcher
 
     ll = _ll_tokenizer(tokenizer, lock)
-    matcher = LLMatcher(ll, grammar, log_level=0)
-    if matcher.is_error():
-        raise RequestError(f"{params.structured} cannot be used with this tokenizer: {matcher.get_error()[:400]}")
+    matcher = _matcher_or_error(params.structured, LLMatcher(ll, grammar, log_level=0))
     return GrammarConstraint(matcher, vocab_size, frozenset(stop_ids or ()), list(ll.eos_tokens))

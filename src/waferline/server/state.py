@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect
 from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullError
 from waferline.engine.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from waferline.engine.scheduler import Event
-from waferline.engine.structured import grammar_of
+from waferline.engine.structured import check_tokens, grammar_of
 from waferline.errors import RequestError
 from waferline.server.chat import render
 from waferline.server.logprobs import TokenTexts
@@ -329,6 +329,7 @@ class Server:
                                   # (a tool-call parser reads tags that some tokenizers mark special: kept)
                                   and not (plan is not None and plan.mode == "auto"), **structured)
             grammar_of(params)  # (a schema, expression or grammar that cannot be used: 400 before it queues)
+            check_tokens(self.llm.tokenizer, params, self.tokenizer_lock)  # (one naming tokens the model lacks too)
         except RequestError as e:
             raise APIError(str(e), param=source if structured and str(e).startswith(tuple(structured)) else
                            _param_of(str(e))) from None
