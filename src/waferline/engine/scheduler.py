@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -167,8 +168,7 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> int:
         """Schedule, execute and postprocess one step; returns the number of tokens fed through the model."""
-        plan = self.schedule()
-        return self.postprocess(plan, self.execute(plan))
+        return self.postprocess(plan := self.schedule(), self.execute(plan))
 
     def schedule(self) -> StepPlan:
         """This step's decode rows (oldest first), prefill chunks, verify rows with their drafts, and burst length."""
@@ -300,8 +300,9 @@ class Scheduler:
         self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
             [s for s in order if s.remaining == 1 and s.num_computed >= len(s.prompt_ids)], self.max_model_len)
         dec = [s for s in order if s.remaining == 1 and s.request_id not in self.busy]  # (what each keeps: below)
-        keep = [1 + (0 if s.params.needs_logits or not (self.spec_dec and self.spec_dec.exact(s)) else
-                     self._ks.get(s.slot, 0)) for s in dec]
+        at = {s.request_id: j + 1 for j, s in enumerate(dec)}  # (cum: running sums, one pass a step)
+        cum = list(accumulate((1 + (0 if s.params.needs_logits or not (self.spec_dec and self.spec_dec.exact(s)) else
+                                    self._ks.get(s.slot, 0)) for s in dec), initial=0))
         for s in order:
             if s.status != "running" or budget <= 0 or s.request_id in self.busy \
                     or len(decodes) + len(prefills) >= self.plan_cap:
@@ -315,8 +316,8 @@ class Scheduler:
             if k > budget - 1 and exact:
                 continue
             if k > 0 and not exact:
-                i = dec.index(s) + 1
-                k = max(0, min(k, budget - 1 - sum(keep[i:i + self.plan_cap - len(decodes) - 1])))
+                i = at[s.request_id]
+                k = max(0, min(k, budget - 1 - (cum[min(i + self.plan_cap - len(decodes) - 1, len(dec))] - cum[i])))
                 k = k if k == 0 or self.cache.grow(s.request_id, s.num_computed + 1 + k) else 0
             self._ks[s.slot], t = k, t + k
             while not self.cache.grow(s.request_id, s.num_computed + t):
