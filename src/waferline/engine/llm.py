@@ -457,14 +457,13 @@ class LLM:
     def make_output(self, prompt_ids: list[int], toks: list[int], reason: str, stop_ids: set[int],
                     params: SamplingParams, metrics: dict[str, float]) -> Output:
         """The Output of one finished row: decoded text, cut at a stop string when one ended it."""
-        context = prompt_ids
         text = self.output_text(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
-                                params.skip_special_tokens, context)
+                                params.skip_special_tokens, prompt_ids)
         if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:  # (as the scheduler cut it)
             # (the text of the first min_tokens - 1 tokens as the scheduler had it: a character they leave incomplete,
             # U+FFFD in this decode, was held back there)
             head = toks[:params.min_tokens - 1]
-            after = len(self.output_text(head, params.skip_special_tokens, context).rstrip("\ufffd")) if head else 0
+            after = len(self.output_text(head, params.skip_special_tokens, prompt_ids).rstrip("\ufffd")) if head else 0
             cut = stop_cut(text, params.stop, after)
             text = text if cut is None else text[:cut]
         return Output(prompt_ids, toks, text, reason, dict(metrics))

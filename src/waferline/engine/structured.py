@@ -75,26 +75,27 @@ def grammar_of(params: Any) -> str | None:
     """The llguidance grammar of the structured output ``params`` asks for (None where none); RequestError where the
     schema, expression or grammar cannot be used. Kept for the last 64 asked (a request's is checked when it arrives
     and again when the engine takes it)."""
-    kind = params.structured
-    if kind is None:
-        return None
-    value = getattr(params, kind)  # (as JSON text in key order: a schema's properties come in its order)
-    return _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))[0]
+    return None if params.structured is None else _checked(params)[0]
+
+
+def _checked(params: Any) -> tuple[str, bool]:
+    """``_checked_grammar`` of what ``params`` asks for (a value as JSON text in key order: a schema's properties come
+    in its order)."""
+    value = getattr(params, params.structured)
+    return _checked_grammar(params.structured, value if isinstance(value, str) else json.dumps(value))
 
 
 def check_tokens(tokenizer: Any, params: Any, lock: Any = None) -> None:
     """RequestError where ``params``' grammar names tokens (which ``grammar_of`` leaves to the model's tokenizer) that
     ``tokenizer`` lacks: the server asks before the request queues, so that a stream starts with a 400, not an
     error event. Other grammars cost nothing here."""
-    kind = params.structured
-    if kind is None or tokenizer is None:
+    if params.structured is None or tokenizer is None:
         return
-    value = getattr(params, kind)
-    grammar, names_tokens = _checked_grammar(kind, value if isinstance(value, str) else json.dumps(value))
+    grammar, names_tokens = _checked(params)
     if names_tokens:
         from llguidance import LLMatcher
 
-        _matcher_or_error(kind, LLMatcher(_ll_tokenizer(tokenizer, lock), grammar, log_level=0))
+        _matcher_or_error(params.structured, LLMatcher(_ll_tokenizer(tokenizer, lock), grammar, log_level=0))
 
 
 def _matcher_or_error(kind: str, matcher: Any) -> Any:
