@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import tiny_models
 from conftest import raised_in_thread
-from waferline import LLM, SamplingParams
+from waferline import LLM, SamplingParams, kernels
 from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
 from waferline.errors import CheckpointError, ConfigError
 
@@ -343,6 +343,25 @@ def test_torchrun_on_one_host_gives_the_same_tokens_and_exits_cleanly(ckpts, ref
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == ref["few_out"][0]
+
+
+def test_under_torchrun_each_rank_prepares_the_fused_operators_before_its_first_step(ckpts, tmp_path):
+    """Under torchrun every rank builds (or loads) the fused CPU operators up front, announced, before the stages
+    connect: none builds them inside its first step, where a build longer than the hang timeout failed a first run
+    on a fresh machine as a hung stage. (Here the compiler fails at once, so each rank says so and runs eagerly.)"""
+    cxx = tmp_path / "cxx"
+    cxx.write_text("#!/bin/sh\nexit 1\n")
+    cxx.chmod(0o755)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), CXX=str(cxx), WAFERLINE_KERNELS="1",
+               WAFERLINE_KERNELS_DIR=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "waferline.cli", "generate", "--model", str(ckpts["deepseek_v3"]), "--prompt-ids", "1 5 9 13",
+           "--max-tokens", "8", "--stages", "2", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count(kernels.BUILDING) == 2 and proc.stderr.count("failed") >= 2, proc.stderr[-2000:]
+    want = LLM(ckpts["deepseek_v3"]).generate([[1, 5, 9, 13]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == want[0].token_ids
 
 
 @pytest.mark.parametrize("mode", [["--stages", "2"], ["--afd"]])

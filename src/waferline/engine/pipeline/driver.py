@@ -119,7 +119,9 @@ class Pipeline(Supervision):
         from waferline.model.load import load_model
 
         S = self.num_stages
-        if S > 1:
+        if S > 1 and self.device.type == "cpu":  # built (first run) or loaded once, here: not by a stage inside its
+            load["kernels"] = kernels.prepare()  # first step, where the hang timeout stops it, nor by each stage
+        if S > 1:  # after a failure (under torchrun each rank prepares its own before the rendezvous)
             if self._env:
                 self._start_env(load)
             else:
@@ -141,8 +143,6 @@ class Pipeline(Supervision):
         import torch.multiprocessing as mp
 
         S = self.num_stages
-        if self.device.type == "cpu":  # built (first run) or loaded once, here: not by a stage inside its first step,
-            load["kernels"] = kernels.prepare()  # where the hang timeout stops it, nor by each stage after a failure
         self.run_id = uuid.uuid4().hex[:12]
         self.store = loopback_store(S, datetime.timedelta(seconds=60))
         load["store_addr"] = (LOOPBACK, self.store.port)

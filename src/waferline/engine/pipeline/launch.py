@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from waferline import kernels
 from waferline.engine.sampling import resolve_dtype
 from waferline.engine.stage import loopback_host, loopback_store, serve
 from waferline.errors import ConfigError, counted
@@ -191,6 +192,8 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
     """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
     spec = spec_from_pretrained(Path(path))
     ranges = balanced_ranges(spec, stages, layers_per_stage, plan)
+    if torch.device(device).type == "cpu":  # built (first run) or loaded now, not inside this stage's first step
+        kernels.prepare()  # (where the pipeline's hang timeout would stop a build)
     store, rank, world = _rendezvous_env()
     if world != len(ranges):
         raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
