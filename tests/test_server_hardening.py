@@ -629,3 +629,26 @@ def test_top_p_and_the_order_of_bias_and_penalties_are_vllms():
     biased = logits + torch.tensor([3.0, 0.0, 1.0, 0.0])
     want = RepetitionPenaltyLogitsProcessor(2.0)(torch.tensor([[0, 2]]), biased[None])[0]
     assert torch.allclose(adjust_logits(logits, params, Seq()), want)  # [2.0, 0.5, 0.25, 0.0]
+
+
+def test_a_top_p_too_small_for_fp32_keeps_the_likeliest_token():
+    """A top_p in (0, 1] below fp32's least positive value (1e-50: it compares as 0 against the fp32 sums) keeps the
+    likeliest token, as any tiny top_p does, rather than dropping every one (a NaN distribution: a 500)."""
+    from waferline.engine.sampling import target_probs
+
+    logits = torch.tensor([[0.5, 2.0, -1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    for p in (1e-50, 5e-324, 1e-30):
+        probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=p))
+        assert not probs.isnan().any() and torch.equal((probs > 0).sum(-1), torch.tensor([1, 1])), (p, probs)
+        assert probs[0, 1] == 1.0
+
+
+def test_a_temperature_beyond_fp32_samples_uniformly_among_the_tokens_left():
+    """A temperature beyond fp32's range (1e39) with tokens masked to -inf (min_tokens' stop ids, a structured output)
+    is a uniform draw among the others, not a NaN distribution (a 500)."""
+    from waferline.engine.sampling import target_probs
+
+    logits = torch.tensor([0.5, float("-inf"), 2.0, -1.0])
+    for t in (1e39, 1e308):
+        probs = target_probs(logits, SamplingParams(temperature=t))
+        assert torch.allclose(probs, torch.tensor([1 / 3, 0.0, 1 / 3, 1 / 3])), (t, probs)

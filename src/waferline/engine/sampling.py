@@ -345,7 +345,8 @@ def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution sampling draws from: softmax(logits / T) restricted by top-k, then min-p (tokens below min_p
     times the likeliest's probability dropped), then top-p, renormalised."""
-    x = logits.float() / params.temperature
+    # (a temperature beyond fp32's range would make it inf, and a masked -inf logit over it NaN)
+    x = logits.float() / min(params.temperature, torch.finfo(torch.float32).max)
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -357,6 +358,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sp, idx = torch.sort(probs, descending=True)
         cum = sp.cumsum(-1)
         drop = cum - sp >= params.top_p  # keep the smallest prefix whose mass reaches top_p (not a token more)
+        drop[..., 0] = False  # (the likeliest always: a top_p below fp32's least positive value compares as 0)
         sp = sp.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sp)
         probs = probs / probs.sum(-1, keepdim=True)
