@@ -7,7 +7,7 @@ import pytest
 
 from server_helpers import KEY
 from waferline.errors import ConfigError
-from waferline.server.chat import load_template, render
+from waferline.server.chat import load_template, render, template_messages
 from waferline.server.protocol import APIError, ChatRequest, parse
 
 MSGS = [{"role": "user", "content": "Who is there?"}, {"role": "assistant", "content": "Nay, answer me"}]
@@ -59,7 +59,9 @@ def test_serve_chat_template_from_a_file_or_text(sol, tmp_path, live):
     f = tmp_path / "chat.jinja"
     f.write_text(TEMPLATE)
     assert load_template(str(f), tok) == TEMPLATE == load_template(TEMPLATE, tok)
-    for bad, says in [("no/such/file.jinja", "no such file"), ("{% for %}", "does not render")]:
+    (tmp_path / "utf16.jinja").write_text(TEMPLATE, encoding="utf-16")  # (a traceback: UnicodeDecodeError)
+    for bad, says in [("no/such/file.jinja", "no such file"), ("{% for %}", "does not render"),
+                      (str(tmp_path / "utf16.jinja"), "cannot read it as UTF-8")]:
         with pytest.raises(ConfigError, match=says):
             load_template(bad, tok)
     with pytest.raises(ConfigError, match="does not render"):  # (before the model loads)
@@ -84,3 +86,37 @@ def test_serve_chat_template_from_a_file_or_text(sol, tmp_path, live):
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     finally:
         server.llm.tokenizer.chat_template, server.encode_tokenizer.chat_template = saved
+
+
+def test_named_templates_of_tokenizer_config(sol, tmp_path):
+    """A tokenizer_config.json that lists named chat templates (as Hermes 2 Pro's and Command R's do): "tool_use"
+    renders a request with tools, "default" one without (they were refused: the template came as a dict)."""
+    import json
+    import shutil
+
+    from waferline.model.load import load_tokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(sol / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [{"name": "default", "template": TEMPLATE},
+                               {"name": "tool_use", "template": "[tools {{ tools | length }}]" + TEMPLATE}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok.chat_template, dict)
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert render(tok, tok.chat_template, _req()) == "[user]Who is there?[/][assistant]Nay, answer me[/][assistant]"
+    assert render(tok, tok.chat_template, _req(tools=[tool])).startswith("[tools 1][user]Who is there?")
+    with pytest.raises(APIError, match="default"):
+        render(tok, {"tool_use": TEMPLATE}, _req())
+
+
+def test_call_arguments_nested_too_deeply_reach_the_template_as_text():
+    """An earlier call's arguments that nest deeper than Python decodes reach the template as the text sent, as ones
+    that are not JSON do (they raised RecursionError: a 500)."""
+    for args in ("[" * 100000, "[" * 5000 + "]" * 5000, "not json"):
+        msgs = MSGS[:1] + [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": args}}]}]
+        assert template_messages(_req(messages=msgs))[1]["tool_calls"][0]["function"]["arguments"] == args
+    msgs[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Oslo"}'
+    assert template_messages(_req(messages=msgs))[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}

@@ -132,6 +132,22 @@ def test_call_arguments_keep_the_numbers_as_written():
         assert "Infinity" not in calls[0]["function"]["arguments"]
 
 
+def test_calls_nested_too_deeply_stay_content():
+    """A call whose JSON nests deeper than Python decodes (or writes back) is no call it can read: its text is the
+    content, as a malformed one's (it raised RecursionError: a 500, or a stream cut off)."""
+    tools = {"f": {"type": "object"}}
+    deep = '{"a": ' + "[" * 600 + "1" + "]" * 600 + "}"  # (decodes; writing it back recursed too deep)
+    for plan, text in [(ToolPlan("auto", tools), "<tool_call>" + "[" * 5000),
+                       (ToolPlan("auto", tools), '<tool_call>{"name": "f", "arguments": ' + deep + "}</tool_call>"),
+                       (ToolPlan("named", tools, "f"), deep), (ToolPlan("named", tools, "f"), "{" * 5000),
+                       (ToolPlan("required", tools), '[{"name": "f", "parameters": ' + deep + "}]")]:
+        assert plan.calls(text) == (text, [])
+        s = ToolStream(plan)
+        sent = s.feed(text)
+        assert sent + s.finish() == text and not s.calls
+    assert ToolPlan("named", tools, "f").calls('{"a": [[1]]}')[1]  # (nested, not too deeply: a call)
+
+
 def test_streamed_content_holds_back_a_call():
     tools = {"get_weather": WEATHER["function"]["parameters"]}
     s = ToolStream(ToolPlan("auto", tools))

@@ -42,14 +42,14 @@ def template_messages(req: Any) -> list[dict[str, Any]]:
 def _arguments(text: str) -> Any:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # (not JSON, or nested deeper than Python decodes: the text as sent)
         return text
 
 
-def render(tokenizer: Any, template: str | None, req: Any) -> str:
+def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> str:
     """The prompt text of a chat request (or a /tokenize request with messages); ``tokenizer`` renders ``template``
-    (the caller holds the tokenizer's lock). A 400 where the request's options do not fit or the template rejects the
-    conversation."""
+    (the caller holds the tokenizer's lock; of named templates, "tool_use" where tools are given, else "default"). A
+    400 where the request's options do not fit or the template rejects the conversation."""
     msgs = template_messages(req)
     if not msgs:
         raise APIError("messages: give at least one", param="messages")
@@ -72,6 +72,12 @@ def render(tokenizer: Any, template: str | None, req: Any) -> str:
             return body[:-1]
         return body + (FALLBACK_GENERATION_PROMPT if add_prompt else "")
     tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or []] or None
+    if isinstance(template, dict):  # (named templates, as tokenizer_config.json may list them: transformers' choice)
+        name = "tool_use" if tools and "tool_use" in template else "default"
+        if name not in template:
+            raise APIError(f"the model has chat templates {', '.join(sorted(template))} but none named \"default\": "
+                           "start the server with --chat-template", param="messages")
+        template = template[name]
     try:
         return tokenizer.apply_chat_template(msgs, chat_template=template, tools=tools, tokenize=False,
                                              add_generation_prompt=add_prompt, continue_final_message=cont, **extra)
@@ -87,7 +93,11 @@ def load_template(value: str, tokenizer: Any) -> str:
         is_file = "\n" not in value and path.is_file()
     except OSError:  # (a template longer than a file name may be)
         is_file = False
-    text = path.read_text() if is_file else value
+    try:
+        text = path.read_text(encoding="utf-8") if is_file else value
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--chat-template {value}: cannot read it as UTF-8 text "
+                          f"({e.reason if isinstance(e, UnicodeDecodeError) else e.strerror or e})") from None
     if not is_file and "{" not in text:
         raise ConfigError(f"--chat-template {value[:80]}: no such file, and not a Jinja template")
     if tokenizer is None:

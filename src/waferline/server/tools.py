@@ -78,11 +78,12 @@ class ToolPlan:
             if not found or any(not isinstance(name, str) or name not in self.tools or not isinstance(args, dict)
                                 for name, args in found):
                 return text, []
-        except (ValueError, TypeError, KeyError, AttributeError):  # (cut by max_tokens, or not a call at all)
+            if not self.parallel:
+                found = found[:1]
+            return content, [call_object(name, _dumps(args)) for name, args in found]
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # (cut by max_tokens, not a call
+            # at all, or nested deeper than Python decodes or writes back)
             return text, []
-        if not self.parallel:
-            found = found[:1]
-        return content, [call_object(name, _dumps(args)) for name, args in found]
 
     def finish_reason(self, calls: list[dict[str, Any]], reason: str | None) -> str | None:
         return "tool_calls" if calls and self.mode != "named" else reason
