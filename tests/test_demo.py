@@ -292,3 +292,50 @@ def test_demo_a_write_that_fails_is_one_line(tmp_path, capsys, monkeypatch):
                  "--layers-per-stage", "0", "--weight-bits", "16"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert err == [f"error: --out {tmp_path / 'out'}: cannot write demo.json (No space left on device)"]
+
+
+def test_report_names_the_checkpoint_that_ran(tmp_path, monkeypatch):
+    """A checkpoint given with --model is what the report's subtitle and timeline name (both said sol-mini)."""
+    import waferline.report.html as report_html
+    from waferline.demo import run_demo
+
+    titles = []
+
+    def png(fig):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return ""
+
+    monkeypatch.setattr(report_html, "_png", png)
+    model = build_demo_checkpoint(tmp_path / "my-ckpt")
+    assert run_demo(out_dir=str(tmp_path / "out"), max_tokens=2, model=str(model), weight_bits=16,
+                    layers_per_stage=0) == 0
+    page = (tmp_path / "out" / "waferline-report.html").read_text()
+    assert "my-ckpt run and gpt-5.6-sol predictions" in page and "sol-mini run" not in page
+    timeline = [t for t in titles if "timeline of one decode step" in t]
+    assert timeline == ["my-ckpt: per-layer (per-stage) timeline of one decode step, measured"]
+
+
+def test_memory_chart_bars_are_the_planned_memory_per_wafer():
+    """Each wafer's bar reaches the planner's total memory for it (weights, cache, activations and reserve), the sum
+    that is held against the SRAM line (it left the activations and the reserve out)."""
+    import matplotlib.pyplot as plt
+
+    from waferline.demo import _figures, planner_headline
+    from waferline.plan.place import place
+
+    head = planner_headline()
+    figs = _figures([1.0, 2.0], ["mamba2", "mla"], head)
+    ax = figs["memory"].axes[0]
+    tops: dict[int, float] = {}
+    for bar in ax.patches:
+        i = round(bar.get_x() + bar.get_width() / 2)
+        tops[i] = max(tops.get(i, 0.0), bar.get_y() + bar.get_height())
+    for fig in figs.values():
+        plt.close(fig)
+    plan = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4, context=131072, batch=16)
+    assert sorted(tops) == [s.index for s in plan.stages]
+    for s in plan.stages:
+        assert abs(tops[s.index] - s.memory.total / 1e9) < 1e-6, s.index

@@ -156,8 +156,8 @@ def planner_headline() -> dict[str, Any]:
     rs = predicted(ps)
     out["tok_s_per_user_mtp"] = rs.decode_tokens_per_s_per_user
     out["tok_s_per_user_mtp_interval"] = rs.intervals.get("decode_tokens_per_s_per_user")
-    out["memory_per_wafer_gb"] = [(s.index, s.memory.weights / 1e9, s.memory.cache / 1e9, s.memory.capacity / 1e9)
-                                  for s in p80_long.stages]
+    out["memory_per_wafer_gb"] = [(s.index, s.memory.weights / 1e9, s.memory.cache / 1e9, s.memory.capacity / 1e9,
+                                   (s.memory.activations + s.memory.reserve) / 1e9) for s in p80_long.stages]
     sweep = []
     for n in (40, 41, 48, 60, 80, 100, 120, 160, 200):
         pn = place("gpt-5.6-sol", "wse-3", devices=n, weight_bits=4)
@@ -204,7 +204,8 @@ def _fit_bar_labels(ax: Any, texts: list[tuple[Any, float, str]]) -> None:
                 t.set_visible(False)
 
 
-def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -> dict[str, Any]:
+def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any],
+             name: str = "sol-mini") -> dict[str, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,7 +226,8 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
     ax.set_yticks([])
     ax.set_xlim(0, t if t > 0 else 1.0)
     ax.set_xlabel("ms within one decode step (one token through every layer = every stage)")
-    ax.set_title("sol-mini: per-layer (per-stage) timeline of one decode step, measured")
+    shown = name.replace("$", r"\$")  # (a directory name, shown as written: no mathtext)
+    ax.set_title(f"{shown}: per-layer (per-stage) timeline of one decode step, measured")
     _fit_bar_labels(ax, labels)
     figs["timeline"] = fig
 
@@ -240,12 +242,13 @@ def _figures(timeline_ms: list[float], kinds: list[str], head: dict[str, Any]) -
         label="KV cache (16 sequences x 128k tokens)",
         color="#e8774c",
     )
+    ax.bar(idx, [m[4] for m in mem], bottom=[m[1] + m[2] for m in mem], label="activations + reserve", color="#bbbbbb")
     ax.axhline(mem[0][3], color="k", ls="--", lw=1, label=f"SRAM per wafer ({mem[0][3]:.0f} GB)")
-    ax.set_ylim(0, max([mem[0][3]] + [m[1] + m[2] for m in mem]) * 1.12)
+    ax.set_ylim(0, max([mem[0][3]] + [m[1] + m[2] + m[4] for m in mem]) * 1.12)
     ax.set_xlabel("wafer (stage)")
     ax.set_ylabel("GB")
     ax.set_title("gpt-5.6-sol on 80 WSE-3 wafers, one layer per wafer: memory per wafer (predicted)")
-    fig.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(loc="outside lower center", ncol=4, fontsize=8, frameon=False)
     figs["memory"] = fig
 
     fig, ax = plt.subplots(figsize=(7, 4.0), layout="constrained")
@@ -310,6 +313,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     out = Path(out_dir)
     ckpt = Path(model) if model else BUNDLED
+    name = ckpt.resolve().name  # (what the report calls the checkpoint: sol-mini unless --model names another)
     if model and not (ckpt / "config.json").is_file():
         from waferline.errors import ConfigError
 
@@ -320,9 +324,10 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     out.mkdir(parents=True, exist_ok=True)
     bundled = model is None and (ckpt / "model.safetensors").is_file()
     trained = model is not None or bundled  # (a checkpoint given: whatever its weights are, the demo runs them)
-    what = "trained sol-mini" if bundled else f"checkpoint {ckpt.name}" if model else "RANDOM weights"
+    what = "trained sol-mini" if bundled else f"checkpoint {name}" if model else "RANDOM weights"
     if not trained:
         ckpt = out / "sol-demo-random"
+        name = ckpt.name
         console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
                       "(the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
         build_demo_checkpoint(ckpt)
@@ -464,9 +469,9 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     if report:
         from waferline.report.html import Report
 
-        figs = _figures(timeline_ms, kinds, head)
+        figs = _figures(timeline_ms, kinds, head, name)
         rep = Report(
-            "waferline demo report", f"sol-mini run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}"
+            "waferline demo report", f"{name} run and gpt-5.6-sol predictions — {time.strftime('%Y-%m-%d %H:%M')}"
         )
         rep.add(
             "The run",
