@@ -469,28 +469,42 @@ def test_serve_takes_the_model_as_vllm_does_and_checks_what_it_cannot_serve(sol,
         LLM(sol, max_model_len=100000)
 
 
-def test_a_grammar_that_fails_as_it_runs_is_the_requests_400(live):
-    """A regex llguidance accepts but cannot follow (its lexer's limit, reached at the first token) is the request's
-    error: 400 invalid_request_error (streamed: an SSE error of that type), not a 500; other requests go on."""
-    body = {"model": "sol-test", "prompt": "x", "max_tokens": 3, "structured_outputs": {"regex": "a{99999999}"}}
-    err = _assert_error(_post(live, body), 400)
-    assert err["type"] == "invalid_request_error" and "grammar engine" in err["message"], err
-    r = _post(live, dict(body, stream=True))
-    assert r.status_code == 200
-    errors = [json.loads(line[6:])["error"] for line in r.text.splitlines()
+def test_a_grammar_that_fails_as_it_runs_is_the_requests_400(live, sol):
+    """A grammar whose dead end the check before the request queues does not find (a branch past a whole text's,
+    taken here through a logit_bias) is the request's error as its output reaches it: 400 invalid_request_error that
+    names the dead end (streamed: an SSE error of that type), not a 500; requests running beside it go on."""
+    from waferline.model.load import load_tokenizer
+
+    x = load_tokenizer(sol).encode("x", add_special_tokens=False)[0]
+    body = {"model": "sol-test", "prompt": "x", "max_tokens": 3, "logit_bias": {str(x): 100},
+            "structured_outputs": {"grammar": 'start: "x" /[a&&b]/ | "y"'}}
+    with ThreadPoolExecutor(4) as pool:
+        others = [pool.submit(_post, live, {"model": "sol-test", "prompt": "x", "max_tokens": 24, "temperature": 0})
+                  for _ in range(2)]
+        bad, streamed = pool.map(lambda b: _post(live, b), [body, dict(body, stream=True)])
+        assert all(f.result().status_code == 200 and f.result().json()["choices"][0]["finish_reason"] != "error"
+                   for f in others)
+    err = _assert_error(bad, 400)
+    assert err["type"] == "invalid_request_error" and "a dead end after 1 output token" in err["message"], err
+    assert streamed.status_code == 200
+    errors = [json.loads(line[6:])["error"] for line in streamed.text.splitlines()
               if line.startswith("data: {") and '"error"' in line]
-    assert len(errors) == 1 and errors[0]["type"] == "invalid_request_error", r.text
-    assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
+    assert len(errors) == 1 and errors[0]["type"] == "invalid_request_error", streamed.text
+    assert "a dead end after 1 output token" in errors[0]["message"], errors
 
 
 def test_a_structured_output_no_text_holds_to_is_a_400_before_the_stream_starts(live):
-    """A regex or grammar that is valid but matches nothing is found before the request queues: 400, streamed too
-    (not a 200 and then an SSE error), and the other requests go on."""
-    for so in ({"regex": "[a&&b]"}, {"grammar": 'start: /[0-9&&a-z]/ "x"'}):
+    """A regex or grammar that is valid but matches nothing (or that the grammar engine cannot follow past its first
+    bytes) is found before the request queues: 400, streamed too (not a 200 and then an SSE error), and the other
+    requests go on."""
+    for so, words in (({"regex": "[a&&b]"}, "no text holds to it"),
+                      ({"grammar": 'start: /[0-9&&a-z]/ "x"'}, "no text holds to it"),
+                      ({"grammar": 'start: "x" /[a&&b]/'}, "no text holds to it"),  # (a dead end past the first byte)
+                      ({"regex": "a{99999999}"}, "the grammar engine cannot go on after 'a'")):  # (its lexer's limit)
         for stream in (False, True):
             err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3, "stream": stream,
                                              "structured_outputs": so}), 400)
-            assert "no text holds to it" in err["message"] and err["param"] == "structured_outputs", err
+            assert words in err["message"] and err["param"] == "structured_outputs", err
     assert _post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}).status_code == 200
 
 

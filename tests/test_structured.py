@@ -193,6 +193,11 @@ def test_sentencepiece_pieces_keep_their_space():
     (dict(regex="[a&&b]"), "regex cannot be used: no text holds to it"),
     (dict(json_schema="false"), "json_schema must be a JSON Schema object"),
     (dict(grammar='start: /[0-9&&a-z]/ "x"'), "grammar cannot be used: no text holds to it"),
+    (dict(grammar='start: "x" /[a&&b]/'), r"no text holds to it \(every text it starts comes to a dead end, as 'x'"),
+    (dict(grammar='start: "x" y\ny: "a" y'), "grammar cannot be used: the grammar engine cannot go on after 'x'"),
+    (dict(regex="a{99999999}"), r"regex cannot be used: the grammar engine cannot go on after 'a' \(lexer error"),
+    (dict(json_schema={"type": "object", "patternProperties": {"^x[a&&b]$": {}}, "minProperties": 1,
+                       "additionalProperties": False}), "json_schema cannot be used: no text holds to it"),
     (dict(choice=[]), "choice must be a non-empty list"),
     (dict(choice=["a", 3]), "choice must be a non-empty list"),
     (dict(regex="a", choice=["a"]), "at most one structured output"),
@@ -205,6 +210,41 @@ def test_bad_structured_outputs_are_refused(kw, words):
         check_request([1, 2], SamplingParams(**kw), 100, 64)
     with pytest.raises(RequestError, match="json_schema cannot be used"):  # (the grammar step alone: no AttributeError)
         structured._checked_grammar("json_schema", "false")
+
+
+def test_a_dead_end_past_the_first_bytes_ends_the_request_with_its_reason(sol, tok):
+    """A grammar with texts whose dead end the check before the request queues does not find (a branch past a whole
+    text's, a tokenizer that cannot write what comes next) ends the request, where its output reaches it, with a reason
+    that says so: not the grammar engine's internal name for it (NoExtensionBias)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from waferline.engine.llm import LLM
+    from waferline.engine.sequence import check_request
+
+    dead = r"structured output: a dead end after 1 output token: no token of the model's vocabulary continues"
+    params = SamplingParams(max_tokens=8, grammar='start: "x" /[a&&b]/ | "y"')
+    check_request([1, 2], params, len(tok), 64)  # ("y" is whole: no RequestError before it queues)
+    c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), params)
+    x = tok.encode("x", add_special_tokens=False)[0]
+    assert c.allowed()[x]
+    c.advance(x)
+    with pytest.raises(RequestError, match=re.escape(dead)):
+        c.allowed()
+    tk = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "x": 2}, merges=[]))  # (no "y": the text "xy" cannot be written)
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>")
+    c = structured.constraint(hf, len(hf), frozenset({hf.eos_token_id}), SamplingParams(regex="xy|b"))
+    c.advance(2)
+    with pytest.raises(RequestError, match=re.escape(dead)):
+        c.allowed()
+    llm = LLM(sol)
+    try:
+        with pytest.raises(RequestError, match=re.escape(dead)):
+            llm.generate([llm.encode("The wafer")], SamplingParams(max_tokens=8, logit_bias={x: 100.0},
+                                                                  grammar='start: "x" /[a&&b]/ | "y"'))
+    finally:
+        llm.close()
 
 
 def test_generate_holds_every_kind(sol):

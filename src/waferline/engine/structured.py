@@ -16,16 +16,18 @@ never enter the output. ``min_tokens`` gives way where the text is whole and not
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import json
 import threading
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from waferline.errors import RequestError
+from waferline.errors import RequestError, counted
 
 # between JSON tokens at most one space: compact JSON, not the runs of whitespace and line breaks that models which
 # have seen little JSON fall into when any whitespace is allowed. A schema whose "x-guidance" (llguidance's JSON
@@ -116,16 +118,54 @@ def _checked_grammar(kind: str, value: str) -> tuple[str, bool]:
     if err and not err.startswith("WARNING"):
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
-    # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer (a dead end further on, as
-    # in 'start: "x" /[a&&b]/', still ends the request when its output reaches it). A grammar that names tokens
-    # ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's tokenizer (``check_tokens``)
+    # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer; and one whose every text comes
+    # to a dead end within a few bytes (as in 'start: "x" /[a&&b]/', or a rule that never ends), by ``_dead_end``. A
+    # grammar that names tokens ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's
+    # tokenizer (``check_tokens``)
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     if matcher.is_error():
         return grammar, True
     mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
     if matcher.is_error() or not (mask.any() or matcher.is_accepting()):
         raise RequestError(f"{kind} cannot be used: no text holds to it (the grammar engine finds no first byte)")
+    dead = _dead_end(matcher, mask)
+    if dead is not None:
+        text, why = dead
+        raise RequestError(f"{kind} cannot be used: " + (
+            f"the grammar engine cannot go on after {text!r} ({why})" if why else
+            f"no text holds to it (every text it starts comes to a dead end, as {text!r} does)"))
     return grammar, False
+
+
+def _dead_end(matcher: Any, mask: np.ndarray, budget: int = 256, seconds: float = 0.05
+              ) -> tuple[str, str | None] | None:
+    """Where every text that ``matcher`` (over single bytes; ``mask``: its bitmask) starts comes to a dead end within
+    ``budget`` bytes tried (~1 ms), shortest first: the longest of them, and the grammar engine's reason where it failed
+    there (a limit, as in the regex "a{99999999}") rather than finding that nothing can follow; else (a whole text
+    found, or the budget or ``seconds`` spent: most grammars, whose texts branch widely) None. The grammar engine has
+    no check of its own that a grammar's rules end (Lark's 'y: "a" y') or that its patterns match something
+    (/[a&&b]/) past the first byte."""
+    frontier, dead = collections.deque([(matcher, ())]), ((), None)  # (texts as the byte vocabulary's token ids)
+    until = time.perf_counter() + seconds
+    while frontier:
+        m, text = frontier.popleft()
+        if m.is_accepting():
+            return None
+        if m is not matcher:
+            mask = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+        bits = np.unpackbits(mask, count=256, bitorder="little")
+        why = _engine_error(m) if m.is_error() else ""
+        dead = max(dead, (text, None if why.startswith("NoExtension") else why), key=lambda d: len(d[0]))
+        for b in [] if m.is_error() else np.flatnonzero(bits).tolist():
+            budget -= 1
+            if budget < 0 or time.perf_counter() > until:
+                return None
+            c = m.deep_copy()
+            if c.consume_token(b):
+                frontier.append((c, text + (b,)))
+            else:  # (the grammar engine fails as it takes the byte)
+                dead = max(dead, (text + (b,), _engine_error(c)), key=lambda d: len(d[0]))
+    return _byte_tokenizer().decode_bytes(list(dead[0])).decode("utf-8", "replace"), dead[1]
 
 
 @functools.cache
@@ -165,12 +205,18 @@ class GrammarConstraint:
         # (a model whose config names no end-of-sequence token: the tokenizer's ends a whole text)
         stop_ids = stop_ids or frozenset(t for t in grammar_eos if t < vocab_size)
         self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
+        self.consumed = 0  # output tokens taken
         self._grammar_eos = [t for t in grammar_eos if t not in stop_ids and t < vocab_size]
         self._stops = torch.tensor(sorted(t for t in stop_ids if t < vocab_size), dtype=torch.long)
 
     def allowed(self) -> torch.Tensor:
         packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        if self.matcher.is_error():  # (a limit of the parser reached mid-output, e.g. a row of over 2,000 items)
+        if self.matcher.is_error():
+            if _engine_error(self.matcher) in ("NoExtension", "NoExtensionBias"):  # (not whole; no token can follow)
+                raise RequestError(f"structured output: a dead end after {counted(self.consumed, 'output token')}: "
+                                   "no token of the model's vocabulary continues the text there (the grammar asks for "
+                                   "what no text matches, or what this tokenizer cannot write)")
+            # (a limit of the parser reached mid-output, e.g. a row of over 2,000 items)
             raise RequestError(f"structured output: the grammar engine cannot go on ({_engine_error(self.matcher)})")
         bits = np.unpackbits(packed, count=min(self.vocab_size, packed.size * 8), bitorder="little")
         if bits.size < self.vocab_size:  # (ids past the tokenizer's vocabulary: never allowed)
@@ -185,6 +231,7 @@ class GrammarConstraint:
     def advance(self, token: int) -> None:
         if token in self.stop_ids:  # (a stop token ends the output: it adds nothing)
             return
+        self.consumed += 1
         if not self.matcher.consume_token(token):
             raise RequestError(f"structured output: the grammar engine cannot go on after token {token} "
                                f"({_engine_error(self.matcher)})")
