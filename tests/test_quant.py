@@ -413,6 +413,25 @@ def test_gpt_oss_fused_experts_are_int4_in_the_file_stored_transposed(tmp_path):
     assert (_logprobs(m4, ids) - _logprobs(ref, ids)).abs().max() < 1e-5
 
 
+def test_a_group_that_does_not_divide_k_halves_and_the_file_holds_its_extra_scales(tmp_path):
+    """docs/w4a16.md: a weight whose K the group size does not divide takes the largest halving of G that does (the
+    config records the G asked for, the loader reads each tensor's own), and the ModelSpec accounting, which assumes G
+    throughout, counts fewer scale bytes than the file holds (gpt-oss's K = 2880 at the default 128)."""
+    build("mixtral", tmp_path / "m")  # experts' w2: K = intermediate_size = 48, not a multiple of 32
+    s = quantize_checkpoint(tmp_path / "m", tmp_path / "m4", QuantOptions(group_size=32))
+    assert s["modules_not_quantized"] == []
+    cfg = json.loads((tmp_path / "m4" / "config.json").read_text())
+    assert cfg["quantization_config"]["group_size"] == 32
+    tensors = load_file(str(tmp_path / "m4" / "model.safetensors"))
+    w2 = "model.layers.0.block_sparse_moe.experts.0.w2"
+    assert tensors[w2 + ".scales"].shape == (64, 3)  # groups of 16
+    assert load_model(tmp_path / "m4").layers[0].ffn.q_down.group_size == 16
+    data = sum(t.numel() * t.element_size() for t in tensors.values())
+    w2_params = 2 * 4 * 64 * 48  # layers x experts x [D, I]
+    extra = 2 * (w2_params // 16 - w2_params // 32)  # bf16 scales at groups of 16 instead of 32
+    assert data == spec_from_pretrained(tmp_path / "m").weight_bytes(4, 32) + extra
+
+
 def test_an_int4_file_names_the_weights_its_layout_cannot_hold(tmp_path, capsys):
     """A tensor not named ``X.weight`` is stored only transposed: transformers' fused expert save
     (``experts.gate_up_proj [E, 2I, D]``, the input dimension last) stays 16-bit in the file, and quantize says so."""
