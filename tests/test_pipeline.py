@@ -206,6 +206,19 @@ def test_pipeline_from_plan(ckpts):
         assert len(out.token_ids) == 3 and out.finish_reason == "length"
 
 
+
+def test_pipeline_from_plan_file_takes_its_micro_batches(ckpts, tmp_path):
+    """A plan given as a file path runs as the same Plan given as an object: its ranges and its micro_batches."""
+    from waferline.plan.plan import Plan, Stage
+    from waferline.spec.configs import spec_from_pretrained
+
+    n = spec_from_pretrained(ckpts["sol"]).num_layers
+    plan = Plan(model="sol", hardware="cpu", micro_batches=3,
+                stages=[Stage(index=0, role="full", layers=list(range(n)), device="cpu", device_ids=[0])])
+    plan.save(tmp_path / "plan.json")
+    with Pipeline(ckpts["sol"], plan=str(tmp_path / "plan.json"), threads_per_stage=1) as pipe:
+        assert pipe.ranges == [(0, n)] and pipe.micro_batches == 3
+
 def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):
     """A step's decode rows go to min(M, n) micro-batches; prefill chunks fill what is left of each micro-batch's
     prefill chunk, in order, a long prompt split into pieces sent back to back (pipelined), only its last piece asking

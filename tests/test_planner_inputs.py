@@ -64,11 +64,39 @@ def test_simulate_refuses_a_workload_the_memory_was_not_sized_for(plan_file, cap
     (lambda d: d["stages"].append({**d["stages"][0], "index": 1, "layers": d["stages"][0]["layers"][16:]})
      or d["stages"][0].update(layers=d["stages"][0]["layers"][:16]), "plan stages 0 and 1 both use device 0"),
     (lambda d: d.update(speculative={"method": "mtp", "num_tokens": 1000}), "num speculative tokens must be 0-32"),
+    # a hand-edited value of the wrong type: refused, not read as something else (a traceback, "no" as true, a
+    # fractional draft count simulated, the sequential plan timed as attention/FFN ranks without their hops)
+    (lambda d: d.update(notes=5), "plan notes must be a list of strings, got 5"),
+    (lambda d: d.update(problems="none"), "plan problems must be a list of strings"),
+    (lambda d: d.update(afd="no"), "plan afd must be true or false, got 'no'"),
+    (lambda d: d.update(fits="yes"), "plan fits must be true or false"),
+    (lambda d: d["stages"][0].update(has_lm_head="no"), "stage 0: has_lm_head must be true or false"),
+    (lambda d: d["stages"][0].update(index="first"), "stage index must be an integer >= 0, got 'first'"),
+    (lambda d: d["stages"][0].update(weight_bits=3), "stage 0: weight_bits must be 4, 8, 16 or 32, got 3"),
+    (lambda d: d.update(weight_bits=8.0), "weight_bits must be 4, 8, 16 or 32, got 8.0"),
+    (lambda d: d.update(speculative={"method": "mtp", "num_tokens": 2.5}),
+     "num speculative tokens must be 0-32, got 2.5"),
+    (lambda d: d.update(speculative={"method": "mtp", "num_tokens": 3, "accept_rate": "0.8"}),
+     "accept rate must be in [0, 1), got '0.8'"),
+    (lambda d: d.update(afd=True), "plan afd is true but stage(s) [0] are 'full' stages"),
+    (lambda d: d["stages"][0].update(role="attention"), "plan afd is false but it has attention/FFN stages"),
+    (lambda d: d.update(version="1"), "plan version '1' is not supported"),
 ])
 def test_a_plan_file_that_does_not_place_the_model_is_refused(plan_file, capsys, edit, message):
     d = json.loads(plan_file.read_text())
     edit(d)
     plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file)])
+    assert rc == 2 and out.startswith("error: ") and message in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"null", "malformed plan: expected a JSON object, got NoneType"),
+    (b'"plan"', "malformed plan: expected a JSON object, got str"),
+    (b"\xff\xfe\x00{}", "is not a JSON text file (not UTF-8)"),
+])
+def test_a_plan_file_that_is_no_plan_object_is_refused_in_one_line(plan_file, capsys, data, message):
+    plan_file.write_bytes(data)
     rc, out = _run(capsys, ["simulate", "--plan", str(plan_file)])
     assert rc == 2 and out.startswith("error: ") and message in out and "Traceback" not in out
 
@@ -89,6 +117,19 @@ def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
         rc, text = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(bad)])
         assert rc == 2 and text.strip().splitlines()[-1].startswith(f"error: cannot write the plan to {bad}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.json"]  # (no temporary file left behind)
+
+
+def test_simulate_that_fails_leaves_its_out_file_as_it_was(tmp_path, capsys):
+    hw = tmp_path / "nolink.yaml"  # (no link between devices: the simulation of a 2-device plan fails, not placing it)
+    hw.write_text("name: nolink\nkind: asic\ndevice:\n  memory_bytes: 2.0e10\n  memory_bandwidth: 1.0e13\n"
+                  "  flops: {bf16: 2.0e15}\n")
+    out = tmp_path / "p.json"
+    out.write_text("kept")
+    rc, text = _run(capsys, ["simulate", "llama-3.1-70b", "--hardware", str(hw), "--out", str(out), "--no-intervals"])
+    assert rc == 2 and "has no link" in text and out.read_text() == "kept"
+    rc, text = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(tmp_path),
+                             "--arrival-rate", "1", "--num-requests", "5"])  # (refused before the simulation runs)
+    assert rc == 2 and text.startswith(f"error: --out {tmp_path}: is a directory")
 
 
 @pytest.mark.parametrize("argv, message", [

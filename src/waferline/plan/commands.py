@@ -396,6 +396,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from waferline.spec.catalog import load_hardware, load_model
 
     _check_flags(args)
+    if args.out:  # (before the work; the plan is written once every prediction below is made)
+        from waferline.files import check_writable
+
+        check_writable(args.out)
     restaged: list[str] = []
     params = _load_params(args)
     P = args.prompt_len or params.default_prompt_len
@@ -436,8 +440,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             raise UsageError(f"--context {args.context:,} is shorter than {what} ({held:,}): the memory "
                              "would be sized for less than the workload holds (leave --context out to size it so)")
         plan = _make_plan(args, args.context or held)
-    if args.out:
-        plan.save(args.out)
     r = simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency, params=params, reasoning_tokens=R)
     if not getattr(args, "no_intervals", False):
         from waferline.sim.intervals import attach_intervals
@@ -472,6 +474,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             prefill_plan=prefill_plan,
             expert_skew=args.expert_skew or 0.0,
         )
+    if args.out:  # (a run that fails above leaves an existing file as it was)
+        plan.save(args.out)
     mpe = load_model(plan.model).max_position_embeddings
     beyond = (f"{what} ({held:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,13 @@ PLAN_VERSION = 1
 
 def _count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_flags(where: str, obj: Any, names: tuple[str, ...]) -> None:
+    """ConfigError unless each of ``names`` on ``obj`` is true or false (a plan file's "no" would read as true)."""
+    for name in names:
+        if not isinstance(getattr(obj, name), bool):
+            raise ConfigError(f"{where} {name} must be true or false, got {getattr(obj, name)!r}")
 
 
 @dataclass
@@ -62,6 +70,8 @@ class Stage:
         return len(self.device_ids)
 
     def __post_init__(self) -> None:
+        if not _count(self.index):
+            raise ConfigError(f"stage index must be an integer >= 0, got {self.index!r}")
         if self.role not in ROLES:
             raise ConfigError(f"stage {self.index}: role {self.role!r} unknown; use one of {', '.join(ROLES)}")
         if not self.device_ids:
@@ -70,6 +80,10 @@ class Stage:
             v = getattr(self, name)
             if not isinstance(v, list) or not v or not all(_count(x) for x in v):
                 raise ConfigError(f"stage {self.index}: {name} must be a non-empty list of integers >= 0, got {v!r}")
+        for name in ("weight_bits", "kv_bits"):
+            if not _count(getattr(self, name)) or getattr(self, name) not in (4, 8, 16, 32):
+                raise ConfigError(f"stage {self.index}: {name} must be 4, 8, 16 or 32, got {getattr(self, name)!r}")
+        _check_flags(f"stage {self.index}:", self, ("has_embedding", "has_lm_head"))
         if isinstance(self.memory, dict):
             self.memory = MemoryBreakdown(**self.memory)
         for k, v in asdict(self.memory).items():
@@ -90,10 +104,14 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"speculative method {self.method!r} unknown; use one of {', '.join(SPEC_METHODS)}")
-        if self.accept_rate is not None and not 0.0 <= self.accept_rate < 1.0:
-            raise ConfigError(f"accept rate must be in [0, 1), got {self.accept_rate}")
-        if not 0 <= self.num_tokens <= MAX_DRAFT_TOKENS:
-            raise ConfigError(f"num speculative tokens must be 0-{MAX_DRAFT_TOKENS}, got {self.num_tokens}")
+        if self.accept_rate is not None and not (isinstance(self.accept_rate, numbers.Real)
+                                                 and not isinstance(self.accept_rate, bool)
+                                                 and 0.0 <= self.accept_rate < 1.0):
+            raise ConfigError(f"accept rate must be in [0, 1), got {self.accept_rate!r}")
+        if not (_count(self.num_tokens) and self.num_tokens <= MAX_DRAFT_TOKENS):
+            raise ConfigError(f"num speculative tokens must be 0-{MAX_DRAFT_TOKENS}, got {self.num_tokens!r}")
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise ConfigError(f"draft model must be a model id or path, got {self.draft_model!r}")
 
     @property
     def enabled(self) -> bool:
@@ -128,8 +146,13 @@ class Plan:
             if not _count(getattr(self, name)) or getattr(self, name) < 1:
                 raise ConfigError(f"plan {name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("weight_bits", "kv_bits", "embed_bits"):  # (32: fp32, as the engine runs on a CPU)
-            if getattr(self, name) not in (4, 8, 16, 32):
+            if not _count(getattr(self, name)) or getattr(self, name) not in (4, 8, 16, 32):
                 raise ConfigError(f"plan {name} must be 4, 8, 16 or 32, got {getattr(self, name)!r}")
+        _check_flags("plan", self, ("afd", "fits"))
+        for name in ("problems", "notes"):  # (each printed as a line)
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"plan {name} must be a list of strings, got {v!r}"[:200])
 
     @property
     def num_stages(self) -> int:
@@ -170,12 +193,13 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict):
+            raise ConfigError(f"malformed plan: expected a JSON object, got {type(d).__name__}")
         try:
             d = dict(d)
-            if d.get("version", PLAN_VERSION) != PLAN_VERSION:
-                raise ConfigError(
-                    f"plan version {d.get('version')} is not supported (this waferline reads version {PLAN_VERSION})"
-                )
+            if not _count(d.get("version", PLAN_VERSION)) or d.get("version", PLAN_VERSION) != PLAN_VERSION:
+                raise ConfigError(f"plan version {d.get('version')!r} is not supported (this waferline reads version "
+                                  f"{PLAN_VERSION})")
             stages = []
             raw = d.pop("stages")
             if not isinstance(raw, list):
@@ -208,6 +232,10 @@ class Plan:
         rank / expert-sharded FFN rank: every layer as many times), on that hardware; and
         ``fits`` false (with the reason) where a stage's memory exceeds its capacity, whatever the file says."""
         n = len(spec.layers)
+        full = [st.index for st in self.stages if st.role == "full"]
+        if self.afd and full or not self.afd and len(full) < len(self.stages):  # (the simulator times the two apart)
+            raise ConfigError(f"plan afd is true but stage(s) {full[:8]} are 'full' stages" if self.afd else
+                              "plan afd is false but it has attention/FFN stages: an AFD plan says afd: true")
         for side, roles in (("mixer", ("full", "attention")), ("ffn", ("full", "ffn"))):
             seen: dict[int, int] = {}
             for st in self.stages:
@@ -257,4 +285,10 @@ class Plan:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"no plan file at {p}")
-        return cls.from_json(p.read_text())
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read the plan {p}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"plan {p} is not a JSON text file (not UTF-8)") from None
+        return cls.from_json(text)

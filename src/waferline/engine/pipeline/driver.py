@@ -68,10 +68,14 @@ class Pipeline(Supervision):
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")
         self.spec = spec_from_pretrained(self.path)
+        if isinstance(plan, (str, Path)):  # (a plan file: its micro-batches too, as the Plan it holds)
+            from waferline.plan.plan import Plan
+
+            plan = Plan.load(plan)
         self.ranges = balanced_ranges(self.spec, stages, layers_per_stage, plan)
         self.num_stages = S = len(self.ranges)
         self.ids_downstream = ids_downstream(self.spec, self.ranges)  # (DeepSeek-V4's hash-routed layers)
-        if micro_batches is None and plan is not None and not isinstance(plan, (str, Path)):
+        if micro_batches is None and plan is not None:
             micro_batches = plan.micro_batches
         self.micro_batches = int(micro_batches) if micro_batches is not None else S
         if self.micro_batches < 1:
