@@ -174,3 +174,43 @@ def test_an_odd_number_of_rotated_channels_is_refused(mt, head_dim):
     failed at load with a traceback (gpt_oss, deepseek_v4) and the planner counted the model."""
     with pytest.raises(ConfigError, match="rotary embeddings turn channel pairs"):
         parse_hf_config(dict(_hf_config(mt), head_dim=head_dim))
+
+
+ACCOUNTING_ONLY = {  # model types the planner places but tiny_models does not build: small configs, every part on
+    "qwen2": dict(COMMON, num_hidden_layers=2, intermediate_size=96),
+    "jamba": dict(COMMON, num_hidden_layers=2, intermediate_size=48, attn_layer_period=2, attn_layer_offset=1,
+                  expert_layer_period=2, expert_layer_offset=1, num_experts=4, num_experts_per_tok=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=6),
+}
+
+
+@pytest.mark.parametrize("mt", sorted(set(configs()) | set(ACCOUNTING_ONLY)))
+def test_parameter_count_is_what_transformers_builds(mt):
+    """params_total and every layer's params() equal the parameters of the transformers model of the same config
+    (built on the meta device), the router's correction bias (a buffer there, a tensor of the checkpoint) added."""
+    cfg = transformers.AutoConfig.for_model(mt, **{**configs(), **ACCOUNTING_ONLY}[mt])
+    spec = parse_hf_config(cfg.to_dict())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+
+    def count(module):
+        return (sum(p.numel() for p in module.parameters())
+                + sum(b.numel() for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")))
+
+    assert [layer.params() for layer in spec.layers] == [count(layer) for layer in model.model.layers]
+    assert spec.params_total() == count(model)
+
+
+def test_mamba2_state_accounting_is_what_the_caches_hold():
+    """A bf16 Mamba-2 layer's cache holds its conv window in bf16 and its SSM state in fp32: the bytes per sequence
+    the scheduler's budget and the planner count (state_bytes_per_seq at 16 bits) are those."""
+    from waferline.model.decoder import DecoderModel
+    from waferline.model.ssm import Mamba2Cache
+
+    for mt in ("bamba", "granitemoehybrid", "nemotron_h"):
+        spec = parse_hf_config(transformers.AutoConfig.for_model(mt, **configs()[mt]).to_dict())
+        caches = DecoderModel(spec, torch.bfloat16).new_caches(3)
+        layers = [(layer, c) for layer, c in zip(spec.layers, caches) if isinstance(c, Mamba2Cache)]
+        assert layers and all(c.ssm.dtype == torch.float32 and c.conv.dtype == torch.bfloat16 for _, c in layers)
+        for layer, cache in layers:
+            assert cache.nbytes() == 3 * layer.mixer.state_bytes_per_seq(16) == 3 * layer.cache_bytes_per_seq(99)

@@ -346,7 +346,9 @@ def _parse_llama_like(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     sparse_step = cfg.get("decoder_sparse_step", 1) or 1
     mlp_only = set(cfg.get("mlp_only_layers") or [])
     for i in range(n):
-        mixer = _gqa(cfg, window=windows[i], qk_norm=qk_norm, qkv_bias=bias, o_bias=bias)
+        # (Qwen2's q/k/v projections always carry a bias, its o_proj never: it reads no attention_bias)
+        mixer = _gqa(cfg, window=windows[i], qk_norm=qk_norm, qkv_bias=bias or mt == "qwen2",
+                     o_bias=bias and mt != "qwen2")
         n_exp = _get(cfg, "num_experts", "num_local_experts", default=0)
         if mt == "qwen3_moe" and i not in mlp_only and n_exp > 0 and (i + 1) % sparse_step == 0:
             ffn: FFNSpec = MoESpec(hidden_size=cfg["hidden_size"], num_experts=n_exp,

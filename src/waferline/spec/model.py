@@ -14,7 +14,7 @@ from typing import Any
 from waferline.errors import ConfigError
 
 BYTES_16 = 2
-STATE_BYTES = 4  # the recurrent state of a linear-attention layer is float32 whatever the model dtype
+STATE_BYTES = 4  # the recurrent state of a Mamba-2 or linear-attention layer is float32 whatever the model dtype
 
 
 # int4 group sizes (weights per scale along a matmul's input dimension): a weight's groups are this size, or its
@@ -217,7 +217,10 @@ class Mamba2Spec(_StateMixer):
         return self.conv_dim * (self.conv_kernel - 1) + self.num_heads * self.head_dim * self.state_size
 
     def state_bytes_per_seq(self, state_bits: int = 16) -> float:
-        return self.state_elems() * state_bits / 8
+        """The conv window at ``state_bits`` (the model's dtype) and the SSM state, float32 whatever the model dtype
+        (as the engine's Mamba2Cache holds them)."""
+        conv = self.conv_dim * (self.conv_kernel - 1)
+        return conv * state_bits / 8 + self.num_heads * self.head_dim * self.state_size * STATE_BYTES
 
     def attention_flops(self, context_len: int) -> float:
         # state update + readout: ~ 2 FLOPs per state element each, per token
@@ -241,7 +244,9 @@ class Mamba1Spec(_StateMixer):
                 + self.dt_rank * self.d_inner + self.d_inner * self.hidden_size)
 
     def small_params(self) -> int:
-        return self.d_inner * (self.conv_kernel + 1) + self.d_inner * self.state_size + 2 * self.d_inner
+        # conv (+ bias), A_log, D, dt_proj's bias, and the RMSNorms of the time step, B and C
+        return (self.d_inner * (self.conv_kernel + 1) + self.d_inner * self.state_size + 2 * self.d_inner
+                + self.dt_rank + 2 * self.state_size)
 
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
