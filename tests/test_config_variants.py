@@ -32,6 +32,11 @@ VARIANTS = {
     # a hub-style yarn scaling without original_max_position_embeddings: max_position_embeddings stands in
     "yarn_no_original": ("qwen3", {}, lambda c: (c.pop("rope_parameters", None), c.update(
         rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 4.0}))),
+    # MLA's latent norms (q_a_layernorm, kv_a_layernorm) use the reference's constant epsilon 1e-6, not rms_norm_eps
+    # (Kimi K2's is 1e-5): they took rms_norm_eps
+    "deepseek_v3_rms_norm_eps": ("deepseek_v3", dict(rms_norm_eps=1e-2), None),
+    "deepseek_v2_rms_norm_eps": ("deepseek_v2", dict(rms_norm_eps=1e-2), None),
+    "kimi_linear_rms_norm_eps": ("kimi_linear", dict(rms_norm_eps=1e-2), None),
     # rope_scaling beside transformers-5 rope_parameters: transformers takes rope_scaling
     "rope_scaling_beside_rope_parameters": ("llama", {}, lambda c: c.update(
         rope_scaling={"rope_type": "linear", "factor": 2.0})),

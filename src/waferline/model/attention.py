@@ -763,7 +763,9 @@ class GQAttention(nn.Module):
 
 
 class MLAttention(nn.Module):
-    """DeepSeek multi-head latent attention; caches [c_KV (normalised) | k_rope] per token, decodes absorbed."""
+    """DeepSeek multi-head latent attention; caches [c_KV (normalised) | k_rope] per token, decodes absorbed.
+    ``norm_eps``: the epsilon of the latent norms (q_a_layernorm, kv_a_layernorm), a constant 1e-6 in the reference
+    implementations, whatever the model's rms_norm_eps (Kimi K2's is 1e-5)."""
 
     def __init__(
         self,

@@ -344,7 +344,7 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
             mt == "deepseek_v3" and cfg.get("rope_interleave", True)) or (
             mt == "sol" and cfg.get("rope_interleave", False))
         kind = DSAttention if isinstance(mix, DSASpec) else MLAttention
-        return kind(mix, cfg, dtype, interleaved_rope=bool(interleaved), norm_eps=eps)
+        return kind(mix, cfg, dtype, interleaved_rope=bool(interleaved))  # (latent norms: the reference's 1e-6)
     if isinstance(mix, AttentionSpec):
         rotary = None
         use_rope = mt != "nemotron_h" and not (

@@ -69,7 +69,7 @@ def build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtyp
         partial = float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         return GatedAttention(mix, cfg, dtype, rotary=Rotary(int(mix.head_dim * partial), cfg), norm_eps=eps)
     if isinstance(mix, MLASpec) and mt == "kimi_linear":
-        mla = MLAttention(mix, cfg, dtype, interleaved_rope=False, norm_eps=eps)
+        mla = MLAttention(mix, cfg, dtype, interleaved_rope=False)  # (latent norms: the reference's 1e-6)
         mla.rotary = NoRotary(mix.qk_rope_head_dim)
         return mla
     kind = mix.kind if mix is not None else None
