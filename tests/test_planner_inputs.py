@@ -401,3 +401,30 @@ def test_hardware_without_rows_of_its_own_is_said_to_be_extrapolated(capsys, tmp
     assert rc == 0 and "note: jalapeno is extrapolated" in " ".join(out.split())
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--no-intervals", "--json"])
     assert rc == 0 and json.loads(out)["notes"] == []  # (a device with rows in the fit)
+
+
+def test_info_and_catalog_give_a_long_sequences_cache_growth_past_the_sliding_windows(capsys):
+    """gpt-oss alternates full layers with 128-token sliding windows: a long sequence grows by the full layers' bytes
+    per token only, and holds the windows besides. info and catalog said 73,728 B per token (every layer's), twice
+    what a sequence of 100k tokens grows by."""
+    from waferline.spec.catalog import load_model
+
+    spec = load_model("gpt-oss-120b")
+    full = [la for la in spec.layers if la.mixer.sliding_window is None]
+    windowed = [la for la in spec.layers if la.mixer.sliding_window is not None]
+    assert full and windowed
+    per_token = sum(la.cache_bytes_per_token(16) for la in full)
+    fixed = sum(la.cache_bytes_per_token(16) * la.mixer.sliding_window for la in windowed)
+    assert spec.cache_growth(16) == (per_token, fixed)
+    grows = spec.cache_bytes_per_seq(100_001) - spec.cache_bytes_per_seq(100_000)
+    assert grows == per_token < spec.cache_bytes_per_token(16)
+    rc, out = _run(capsys, ["info", "gpt-oss-120b", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["cache_bytes_per_context_token"]["16"] == per_token
+    assert d["cache_bytes_fixed_per_seq"]["16"] == fixed
+    rc, out = _run(capsys, ["catalog", "models", "--json"])
+    row = next(m for m in json.loads(out)["models"] if m["id"] == "gpt-oss-120b")
+    assert row["cache_bytes_per_context_token_bf16"] == per_token
+    hybrid = load_model("gpt-5.6-sol-hybrid")  # (the Mamba layers' states: held, not grown)
+    assert hybrid.cache_growth(16)[1] == sum(la.mixer.state_bytes_per_seq(16) for la in hybrid.layers
+                                             if la.mixer.kind == "mamba2")

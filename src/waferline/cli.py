@@ -172,6 +172,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     s = spec.summary()
     s["weight_bytes"] = {str(b): spec.weight_bytes(b) for b in (16, 8, 4)}
     s["cache_bytes_per_token"] = {str(b): spec.cache_bytes_per_token(b) for b in (16, 8)}
+    # (a long sequence: what each further token adds, past the sliding windows, and what it holds beyond that)
+    growth = {str(b): spec.cache_growth(b) for b in (16, 8)}
+    s["cache_bytes_per_context_token"] = {b: g[0] for b, g in growth.items()}
+    s["cache_bytes_fixed_per_seq"] = {b: g[1] for b, g in growth.items()}
     if args.json:
         print(json.dumps(s, indent=2))
     else:

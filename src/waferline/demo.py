@@ -369,11 +369,12 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         llm = LLM(ckpt, dtype="bfloat16", **spec_kw)
     spec = llm.spec
     kinds = [layer.mixer.kind for layer in spec.layers]
+    growth = spec.cache_growth(16)  # (a long sequence's: past the sliding windows, with the recurrent states)
     console.print(
         f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
         f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
         f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
-        f"cache {spec.cache_bytes_per_token(16):.0f} B/token + {spec.cache_bytes_per_seq(0) / 1e3:.1f} kB/sequence "
+        f"cache {growth[0]:.0f} B/token + {growth[1] / 1e3:.1f} kB/sequence "
         "(bf16)"
     )
     n_stages = -(-spec.num_layers // layers_per_stage) if layers_per_stage else 1

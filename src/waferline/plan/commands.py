@@ -741,6 +741,7 @@ def cmd_catalog(args: argparse.Namespace) -> int:
             models.append({"id": name, "model_type": spec.model_type, "layers": spec.num_layers,
                            "params_total": spec.params_total(), "params_active": spec.params_active(),
                            "cache_bytes_per_token_bf16": spec.cache_bytes_per_token(16),
+                           "cache_bytes_per_context_token_bf16": spec.cache_growth(16)[0],
                            "max_position_embeddings": spec.max_position_embeddings})
     if args.what in ("all", "hardware"):
         for name in list_hardware():
@@ -759,11 +760,11 @@ def cmd_catalog(args: argparse.Namespace) -> int:
     if models:
         t = Table(title=f"catalog models ({len(models)}): `waferline info ID` for layer kinds, weight bytes and "
                   "cache bytes per token")
-        for c in ("id", "type", "layers", "params", "active", "cache/token (16-bit)", "positions"):
+        for c in ("id", "type", "layers", "params", "active", "cache/context token (16-bit)", "positions"):
             t.add_column(c, justify="left" if c in ("id", "type") else "right")
         for m in models:
             t.add_row(m["id"], m["model_type"], str(m["layers"]), f"{m['params_total'] / 1e9:,.1f}B",
-                      f"{m['params_active'] / 1e9:,.1f}B", f"{m['cache_bytes_per_token_bf16'] / 1e3:,.1f} kB",
+                      f"{m['params_active'] / 1e9:,.1f}B", f"{m['cache_bytes_per_context_token_bf16'] / 1e3:,.1f} kB",
                       f"{m['max_position_embeddings']:,}")
         con.print(t)
     if devices:

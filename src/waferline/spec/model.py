@@ -849,6 +849,17 @@ class ModelSpec:
     def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
         return sum(layer.cache_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
 
+    def cache_growth(self, kv_bits: int = 16, state_bits: int = 16) -> tuple[float, float]:
+        """(bytes per token, fixed bytes) of one long sequence's cache: what each further token of context adds
+        (sliding-window layers past their window add nothing; a compressed cache adds its average), and what a
+        sequence holds beyond that (the windows, the recurrent states, open compression windows). The
+        ``cache_bytes_per_token`` sum counts every layer's cached token, windowed or not (the paging unit)."""
+        c = 1 << 24  # (past every window and compression period)
+        at_c, at_2c = self.cache_bytes_per_seq(c, kv_bits, state_bits), self.cache_bytes_per_seq(2 * c, kv_bits,
+                                                                                                   state_bits)
+        per_token = (at_2c - at_c) / c
+        return per_token, max(0.0, at_c - per_token * c)
+
     def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
         """Cache bytes one decode token of one sequence reads at ``context_len`` (all layers)."""
         return sum(layer.cache_read_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
