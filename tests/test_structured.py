@@ -370,3 +370,101 @@ def test_a_grammar_naming_token_ids_is_checked_with_the_models_tokenizer(tok):
         check_request([1, 2], SamplingParams(grammar=g), len(tok), 64)  # (no RequestError)
     c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(grammar=f"start: <[{tid}]>"))
     assert c.allowed().nonzero().flatten().tolist() == [tid]
+
+
+def _byte_level(vocab_extra: dict[str, int] | None = None, merges=(), special=(), added=(), eos="</s>"):
+    """A byte-level BPE tokenizer (GPT-2 / Llama-3 / Qwen style): the 256 byte characters, ``vocab_extra`` pieces,
+    ``special`` added tokens that are special and ``added`` ones that are text (Qwen's "<tool_call>")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))} | (vocab_extra or {})
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=list(merges)))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tk.add_special_tokens(list(special))
+    tk.add_tokens(list(added))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos)
+
+
+def _spell(c, tok, text: str) -> None:
+    for t in tok.encode(text, add_special_tokens=False):
+        assert c.allowed()[t], (text, tok.convert_ids_to_tokens(t))
+        c.advance(t)
+
+
+def test_added_tokens_that_are_not_special_are_text(tmp_path):
+    """Qwen 2.5 / 3: "<tool_call>", "</tool_call>", "<think>" are added tokens, not special ones. llguidance alone took
+    every added "<...>" token for a special one, while its tokenizer spells the text "<tool_call>" as that token: a
+    grammar that forces the text allowed only the token, then refused it. They are text: written as the token or its
+    bytes, allowed only where their text is, still named as tokens by a Lark grammar, and in the output's text."""
+    from tiny_models import build
+    from waferline.engine.llm import LLM
+
+    hf = _byte_level(special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                     added=["<tool_call>", "</tool_call>", "<think>", "</think>"], eos="<|im_end|>")
+    tc, end_tc, think = hf.convert_tokens_to_ids(["<tool_call>", "</tool_call>", "<think>"])
+    build("qwen3", tmp_path, vocab_size=len(hf) + 37)  # (padded embedding rows: never allowed)
+    hf.save_pretrained(tmp_path)
+    llm = LLM(tmp_path)
+    try:
+        tok = llm.tokenizer
+        stop = frozenset({tok.eos_token_id})
+        regex = SamplingParams(regex="<tool_call>[a-z]{1,3}</tool_call>")
+        c = structured.constraint(tok, len(tok) + 37, stop, regex)
+        assert c.allowed().nonzero().flatten().tolist() == [tc]  # (the bytes ahead are forced: the token spells them)
+        c.advance(tc)
+        _spell(c, tok, "ab")
+        c.advance(end_tc)
+        assert c.complete
+        c = structured.constraint(tok, len(tok), stop, regex)  # (the text in its bytes holds to it too)
+        for ch in "<tool_call>ab</tool_call>":
+            c.advance(tok.convert_tokens_to_ids(ch))
+        assert c.complete
+        for rx, allowed in (("[a-z<>_]+", {tc, think}), ("<[a-z]+>", {think}), ("[a-z]+", set())):
+            m = structured.constraint(tok, len(tok) + 37, stop, SamplingParams(regex=rx)).allowed()
+            assert {t for t in (tc, end_tc, think) if m[t]} == allowed, rx
+            assert not m[len(tok):].any()
+        g = SamplingParams(grammar='start: <tool_call> "x" | "<think>" // <think>')
+        c = structured.constraint(tok, len(tok), stop, g)  # (the token by name; the quoted text stays text)
+        assert set(c.allowed().nonzero().flatten().tolist()) == {tc, think, tok.convert_tokens_to_ids("<")}
+        c.advance(tc)
+        _spell(c, tok, "x")
+        assert c.complete
+        out = llm.generate([llm.encode("The wafer")], SamplingParams(max_tokens=12, logit_bias={tc: 100.0},
+                                                                     regex="<tool_call>[a-z]{1,3}</tool_call>"))[0]
+        assert out.finish_reason == "stop" and re.fullmatch("<tool_call>[a-z]{1,3}</tool_call>", out.text), out.text
+        assert out.token_ids[0] == tc
+    finally:
+        llm.close()
+
+
+def test_the_name_of_a_special_token_is_text_where_a_grammar_spells_it():
+    """Llama-3 style specials ("<|eot_id|>", "<|python_tag|>"): a grammar that forces their names as text gets the text,
+    spelled in other tokens. The tokenizer spells it as the special token, which the mask then allowed: an end
+    token there ended the output at once with nothing of the text ("stop"), another one the grammar refused."""
+    hf = _byte_level(special=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|python_tag|>"], eos="<|eot_id|>")
+    specials = set(hf.all_special_ids)
+    eot = hf.eos_token_id
+    for rx in (r"<\|eot_id\|>", r"x<\|python_tag\|>y"):
+        c = structured.constraint(hf, len(hf), frozenset({eot}), SamplingParams(regex=rx))
+        text = ""
+        while not c.complete:
+            ids = c.allowed().nonzero().flatten().tolist()
+            assert ids and not specials & set(ids), (rx, text)
+            c.advance(ids[0])
+            text += hf.decode([ids[0]])
+        assert re.fullmatch(rx, text) and c.allowed().nonzero().flatten().tolist() == [eot]
+
+
+def test_a_vocabulary_with_holes_keeps_the_tokens_past_its_count():
+    """A vocabulary whose ids skip some (258 tokens, the last id 300): llguidance read only the ids below the count,
+    and its tokenizer's "ab" (id 300) then failed the request (a panic of the grammar engine). Past the last id
+    nothing is allowed."""
+    hf = _byte_level({"ab": 300}, merges=[("a", "b")], special=["</s>"])
+    assert len(hf) == 258 and hf.encode("ab") == [300]
+    c = structured.constraint(hf, 320, frozenset({hf.eos_token_id}), SamplingParams(regex="[ab]+c"))
+    m = c.allowed()
+    assert m[300] and m[hf.convert_tokens_to_ids("a")] and not m[301:].any()
+    c.advance(300)
+    _spell(c, hf, "abc")
+    assert c.complete and c.allowed()[hf.eos_token_id]

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import functools
 import json
+import re
 import threading
 import time
 from typing import Any
@@ -34,8 +35,10 @@ from waferline.errors import RequestError, counted
 # options) says how it wants whitespace keeps its own way: {"whitespace_flexible": true} allows any, as RFC 8259 does.
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]?"}
 _LOCK = threading.Lock()
-_TOKENIZERS: dict[int, tuple[Any, Any]] = {}  # id(HF tokenizer) -> (it, its llguidance LLTokenizer)
+_TOKENIZERS: dict[int, tuple[Any, Any, dict[str, int]]] = {}  # id(HF tokenizer) -> (it, ``_ll_tokenizer``'s)
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+# a Lark grammar's comments, strings and regular expressions (llguidance's lexer's), and the tokens it names ("<x>")
+_LARK_NAMES = re.compile(r'(?:#|//)[^\n]*|"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\])+/|(?P<name><[^<>\s]+>)')
 
 
 def _literal(text: str) -> str:
@@ -97,7 +100,17 @@ def check_tokens(tokenizer: Any, params: Any, lock: Any = None) -> None:
     if names_tokens:
         from llguidance import LLMatcher
 
-        _matcher_or_error(params.structured, LLMatcher(_ll_tokenizer(tokenizer, lock), grammar, log_level=0))
+        ll, names = _ll_tokenizer(tokenizer, lock)
+        _matcher_or_error(params.structured, LLMatcher(ll, _named_by_id(grammar, names), log_level=0))
+
+
+def _named_by_id(grammar: str, names: dict[str, int]) -> str:
+    """A Lark ``grammar`` with the tokens it names that are text in this tokenizer (``names``: Qwen's "<tool_call>")
+    named by id ("<[151657]>"): llguidance finds a token by its name among special tokens alone. Strings, regular
+    expressions and comments stay as they are."""
+    if not names:
+        return grammar
+    return _LARK_NAMES.sub(lambda m: f"<[{names[m[0]]}]>" if m["name"] in names else m[0], grammar)
 
 
 def _matcher_or_error(kind: str, matcher: Any) -> Any:
@@ -181,20 +194,63 @@ def _byte_tokenizer() -> Any:
     return LLTokenizer(tok.to_str(), eos_token=256)
 
 
-def _ll_tokenizer(tokenizer: Any, lock: Any) -> Any:
+class _Vocabulary:
+    """``tokenizer``'s vocabulary as llguidance takes one from Python (its TokenizerWrapper protocol): each token's
+    bytes as llguidance reads them from tokenizer.json (``read``), but only the tokenizer's special tokens special.
+    llguidance alone takes every added token written "<...>" for a special one (not text), while its tokenizer splits
+    the text "<tool_call>" into the added token: Qwen's non-special "<tool_call>" and "<think>" were allowed where the
+    grammar forces that text, then refused. Here they are text (a grammar names them by id: ``names``), and the name
+    of a special token ("<|eot_id|>") is text spelled in other tokens where a grammar forces it. Ids past the count
+    of tokens (a vocabulary with holes), which llguidance does not read, keep their bytes."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, tokenizer: Any, read: Any):
+        from waferline.engine.token_bytes import byte_level_alphabet, token_bytes_of
+
+        added = tokenizer.added_tokens_decoder
+        special = set(tokenizer.all_special_ids) | {t for t, a in added.items() if a.special}
+        ids = tokenizer.get_vocab().values()
+        self.tokens = [read.decode_bytes([t]) for t in range(read.vocab_size)]
+        self.tokens += [b""] * (max(ids, default=-1) + 1 - len(self.tokens))
+        decoder = type(tokenizer.backend_tokenizer.decoder).__name__
+        byte_level = byte_level_alphabet() if decoder == "ByteLevel" else None
+        for t in [*added, *(t for t in ids if t >= read.vocab_size)]:  # (added text, and ids past the count of tokens)
+            if t in special:
+                self.tokens[t] = tokenizer.convert_ids_to_tokens(t).encode()
+            elif t >= read.vocab_size or read.is_special_token(t):  # (as the output's text has it: "▁<x>" is " <x>")
+                self.tokens[t] = token_bytes_of(tokenizer, t, byte_level, special) or b""
+        self.special_token_ids = sorted(t for t in special if t < len(self.tokens))
+        self.names = {a.content: t for t, a in added.items() if t not in special}
+        self.eos_token_id, self.bos_token_id = read.eos_token, tokenizer.bos_token_id
+        self._read, self._special = read, frozenset(self.special_token_ids)
+
+    def __call__(self, text: str) -> list[int]:
+        """``text``'s tokens, for the stretches a grammar forces: a special token's name is text there."""
+        out: list[int] = []
+        for t in self._read.tokenize_str(text):
+            out += self._read.greedy_tokenize(self._read.decode_str([t])) if t in self._special else [t]
+        return out
+
+
+def _ll_tokenizer(tokenizer: Any, lock: Any) -> tuple[Any, dict[str, int]]:
+    """``tokenizer``'s llguidance LLTokenizer, and its added tokens that are text by name (``_Vocabulary``)."""
     with _LOCK, lock or contextlib.nullcontext():
         hit = _TOKENIZERS.get(id(tokenizer))
         if hit is None or hit[0] is not tokenizer:
             import llguidance.hf
+            from llguidance import LLTokenizer
 
             try:
-                ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+                read = llguidance.hf.from_tokenizer(tokenizer)
             except ValueError as e:  # (a slow, Python-only tokenizer)
                 raise RequestError(f"structured output needs a fast (tokenizer.json) tokenizer: {e}") from None
+            vocabulary = _Vocabulary(tokenizer, read)
+            ll = LLTokenizer(vocabulary, eos_token=list(read.eos_tokens))
             if len(_TOKENIZERS) >= 4:
                 _TOKENIZERS.clear()
-            hit = _TOKENIZERS[id(tokenizer)] = (tokenizer, ll)
-        return hit[1]
+            hit = _TOKENIZERS[id(tokenizer)] = (tokenizer, ll, vocabulary.names)
+        return hit[1], hit[2]
 
 
 class GrammarConstraint:
@@ -245,13 +301,14 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
                lock: Any = None) -> GrammarConstraint | None:
     """A fresh constraint for one request over ``tokenizer``'s vocabulary (None where ``params`` asks for none);
     ``lock``: held while the tokenizer is read (the first time), not while the grammar is built."""
-    grammar = grammar_of(params)
-    if grammar is None:
+    if params.structured is None:
         return None
+    grammar, names_tokens = _checked(params)
     if tokenizer is None:
         raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
     from llguidance import LLMatcher
 
-    ll = _ll_tokenizer(tokenizer, lock)
-    matcher = _matcher_or_error(params.structured, LLMatcher(ll, grammar, log_level=0))
+    ll, names = _ll_tokenizer(tokenizer, lock)
+    matcher = _matcher_or_error(params.structured,
+                                LLMatcher(ll, _named_by_id(grammar, names) if names_tokens else grammar, log_level=0))
     return GrammarConstraint(matcher, vocab_size, frozenset(stop_ids or ()), list(ll.eos_tokens))
