@@ -339,3 +339,18 @@ def test_memory_chart_bars_are_the_planned_memory_per_wafer():
     assert sorted(tops) == [s.index for s in plan.stages]
     for s in plan.stages:
         assert abs(tops[s.index] - s.memory.total / 1e9) < 1e-6, s.index
+
+
+def test_demo_runs_a_checkpoint_whose_layers_are_a_mixer_or_an_ffn(tmp_path, capsys):
+    """--model a Nemotron-H checkpoint (a layer is a Mamba-2 or attention mixer, or an MLP or MoE, not both): the
+    demo names each layer's kind and the experts (it failed with a traceback on the first FFN-only layer)."""
+    import tiny_models
+    from waferline.demo import DEMO_TEXT, run_demo, write_tokenizer
+
+    ckpt = tmp_path / "nemotron"
+    tiny_models.build("nemotron_h", ckpt, vocab_size=512)
+    write_tokenizer(ckpt, DEMO_TEXT, 512)
+    assert run_demo(out_dir=str(tmp_path / "out"), max_tokens=2, model=str(ckpt), weight_bits=16,
+                    layers_per_stage=0, report=False) == 0
+    out = capsys.readouterr().out
+    assert "(mamba2 moe gqa dense)" in out and "MoE 8" in out

@@ -368,12 +368,13 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     else:
         llm = LLM(ckpt, dtype="bfloat16", **spec_kw)
     spec = llm.spec
-    kinds = [layer.mixer.kind for layer in spec.layers]
+    kinds = [(layer.mixer or layer.ffn).kind for layer in spec.layers]  # (Nemotron-H: a layer is a mixer or an FFN)
+    moe = next((layer.ffn for layer in spec.layers if layer.ffn is not None and layer.ffn.kind == "moe"), None)
     growth = spec.cache_growth(16)  # (a long sequence's: past the sliding windows, with the recurrent states)
     console.print(
         f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
         f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
-        f"MoE {spec.layers[-1].ffn.num_experts if spec.layers[-1].ffn.kind == 'moe' else 0} experts; "
+        f"MoE {moe.num_experts if moe else 0} experts; "
         f"cache {growth[0]:.0f} B/token + {growth[1] / 1e3:.1f} kB/sequence "
         "(bf16)"
     )
