@@ -40,6 +40,33 @@ VARIANTS = {
     # rope_scaling beside transformers-5 rope_parameters: transformers takes rope_scaling
     "rope_scaling_beside_rope_parameters": ("llama", {}, lambda c: c.update(
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    # the linear-attention convs apply hidden_act (they always applied SiLU), V4's experts too
+    "qwen3_next_hidden_act": ("qwen3_next", dict(hidden_act="gelu"), None),
+    "kimi_linear_hidden_act": ("kimi_linear", dict(hidden_act="gelu"), None),
+    "deepseek_v4_hidden_act": ("deepseek_v4", dict(hidden_act="gelu"), None),
+    # no shared expert: transformers saves one of width 0 (its empty tensors were "tensors the config does not account
+    # for"); Nemotron-H reads no n_shared_experts at all (its shared expert was dropped)
+    "deepseek_v2_no_shared_expert": ("deepseek_v2", dict(n_shared_experts=0), None),
+    "deepseek_v3_no_shared_expert": ("deepseek_v3", dict(n_shared_experts=0), None),
+    "kimi_linear_no_shared_expert": ("kimi_linear", dict(n_shared_experts=0), None),
+    "nemotron_h_n_shared_experts_0": ("nemotron_h", dict(n_shared_experts=0), None),
+    "granite_shared_mlp_width_0": ("granitemoehybrid", dict(shared_intermediate_size=0), None),
+    "qwen3_next_shared_expert_width_0": ("qwen3_next", dict(shared_expert_intermediate_size=0), None),
+    # mlp_bias where transformers reads it: the shared experts' biases too (they were left over) ...
+    "deepseek_v2_mlp_bias": ("deepseek_v2", dict(mlp_bias=True), None),
+    "nemotron_h_mlp_bias": ("nemotron_h", dict(mlp_bias=True), None),
+    "deepseek_v4_mlp_bias": ("deepseek_v4", dict(mlp_bias=True), None),
+    # ... and not where it does not (waferline asked for biases the checkpoint has not)
+    "qwen3_mlp_bias_not_read": ("qwen3", dict(mlp_bias=True), None),
+    "deepseek_v3_mlp_bias_not_read": ("deepseek_v3", dict(mlp_bias=True), None),
+    # Nemotron-H: Mamba projection biases from use_bias (mamba_proj_bias was read); its attention has no biases
+    "nemotron_h_use_bias": ("nemotron_h", dict(use_bias=True), None),
+    "nemotron_h_attention_bias_not_read": ("nemotron_h", dict(attention_bias=True), None),
+    # the DeepSeek routers transformers builds whatever scoring_func / topk_method say (they were read: other scores)
+    "deepseek_v2_scoring_func_not_read": ("deepseek_v2", dict(scoring_func="sigmoid"), None),
+    "deepseek_v3_router_fields_not_read": ("deepseek_v3", dict(scoring_func="softmax", topk_method="greedy"), None),
+    # DeepSeek-V3.2's dense layers are where mlp_layer_types says (first_k_dense_replace was read)
+    "deepseek_v32_mlp_layer_types": ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]), None),
 }
 
 
@@ -204,6 +231,21 @@ def test_parameter_count_is_what_transformers_builds(mt):
 
     assert [layer.params() for layer in spec.layers] == [count(layer) for layer in model.model.layers]
     assert spec.params_total() == count(model)
+
+
+@pytest.mark.parametrize("mt,edit", [("deepseek_v2", dict(mlp_bias=True)), ("nemotron_h", dict(mlp_bias=True)),
+                                     ("deepseek_v4", dict(mlp_bias=True)), ("nemotron_h", dict(n_shared_experts=0)),
+                                     ("nemotron_h", dict(use_bias=True, attention_bias=True)),
+                                     ("qwen3", dict(mlp_bias=True)), ("deepseek_v3", dict(mlp_bias=True)),
+                                     ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]))])
+def test_parameter_count_of_config_variants(mt, edit):
+    """The biases and layers the variants above switch on or off are counted as transformers builds them."""
+    cfg = transformers.AutoConfig.for_model(mt, **dict(configs()[mt], **edit))
+    spec = parse_hf_config(cfg.to_dict())
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert spec.params_total() == sum(p.numel() for p in model.parameters()) + buffers
 
 
 def test_mamba2_state_accounting_is_what_the_caches_hold():

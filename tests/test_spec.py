@@ -111,6 +111,23 @@ def test_unsupported_and_missing_fields():
         parse_hf_config({"hidden_size": 4})
 
 
+def test_deepseek_router_and_layer_fields_transformers_cannot_build_are_refused():
+    """A DeepSeek-V2 topk_method other than greedy / group_limited_greedy (transformers' router fails on one with an
+    UnboundLocalError; waferline read noaux_tc and asked for a correction bias the checkpoint has not), and a
+    DeepSeek-V3.2 mlp_layer_types that names no layer kind, are one error naming the field."""
+    v2 = dict(DSV3, model_type="deepseek_v2", q_lora_rank=None, n_group=1, topk_group=1)
+    for method in ("greedy", "group_limited_greedy", None):
+        parse_hf_config(dict(v2, topk_method=method))
+    with pytest.raises(ConfigError, match="config topk_method 'noaux_tc': a deepseek_v2 router selects"):
+        parse_hf_config(dict(v2, topk_method="noaux_tc"))
+    v32 = dict(DSV3, model_type="deepseek_v32", num_hidden_layers=3)
+    assert [l.ffn.kind for l in parse_hf_config(dict(v32, mlp_layer_types=["sparse", "dense", "dense"])).layers] \
+        == ["moe", "dense", "dense"]
+    for bad in (["dense", "moe", "dense"], ["dense"] * 2, "dense"):
+        with pytest.raises(ConfigError, match="config mlp_layer_types must be a list of 3 entries"):
+            parse_hf_config(dict(v32, mlp_layer_types=bad))
+
+
 def test_sol_layers():
     cfg = dict(model_type="sol", vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,

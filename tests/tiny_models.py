@@ -197,7 +197,7 @@ def build(model_type: str, directory: Path, seed: int = 0, **overrides) -> torch
             elif p.dim() == 1:
                 p.copy_(0.1 * torch.randn_like(p))
             else:
-                p.copy_(torch.randn_like(p) * (1.0 / p.shape[-1]) ** 0.5)
+                p.copy_(torch.randn_like(p) * (1.0 / max(p.shape[-1], 1)) ** 0.5)
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.copy_(0.1 * torch.randn_like(b))

@@ -62,9 +62,9 @@ def build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtyp
     """The mixer of a ``qwen3_next`` or ``kimi_linear`` layer."""
     mix = spec.mixer
     if isinstance(mix, GatedDeltaNetSpec):
-        return GatedDeltaNet(mix, dtype, norm_eps=eps)
-    if isinstance(mix, KimiDeltaSpec):
-        return KimiDeltaAttention(mix, dtype, norm_eps=eps)
+        return GatedDeltaNet(mix, dtype, norm_eps=eps, act=cfg.get("hidden_act") or "silu")
+    if isinstance(mix, KimiDeltaSpec):  # (both convs: the config's hidden_act, as transformers applies it)
+        return KimiDeltaAttention(mix, dtype, norm_eps=eps, act=cfg.get("hidden_act") or "silu")
     if isinstance(mix, AttentionSpec) and mix.output_gate:
         partial = float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
         return GatedAttention(mix, cfg, dtype, rotary=Rotary(int(mix.head_dim * partial), cfg), norm_eps=eps)

@@ -1,7 +1,8 @@
 """Linear-attention mixers over a constant-size per-sequence state: Gated DeltaNet (``qwen3_next``) and Kimi Delta
 Attention (``kimi_linear``), with their state cache.
 
-Both mixers project the layer input to q, k, v, run them through a causal depthwise convolution (SiLU) whose last
+Both mixers project the layer input to q, k, v, run them through a causal depthwise convolution (then the config's
+``hidden_act``, SiLU by default, as transformers applies it) whose last
 ``conv_kernel - 1`` inputs are cached per sequence, L2-normalise q and k and run the gated delta rule
 (model/delta_rule.py) from the sequence's cached recurrent state; a gated RMSNorm and an output projection follow.
 Prefill runs the chunked form (``chunk_size`` tokens at a time: the spec's, from the config's ``linear_chunk_size``,
@@ -32,7 +33,7 @@ from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.delta_rule import delta_rule_chunked, delta_rule_steps, l2_normalize
 from waferline.model.layers import Linear
-from waferline.model.ssm import Mamba2Cache, causal_depthwise_conv
+from waferline.model.ssm import _ACTS, Mamba2Cache, causal_depthwise_conv
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import GatedDeltaNetSpec, KimiDeltaSpec
 
@@ -54,10 +55,14 @@ class DeltaRuleMixer(nn.Module):
     cached state, and the cache. Subclasses project the input and finish the output."""
 
     def __init__(self, conv_dim: int, conv_kernel: int, heads: int, key_dim: int, value_dim: int, chunk_size: int,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, act: str = "silu"):
         super().__init__()
         if conv_kernel < 2:
             raise ConfigError(f"linear attention: the conv kernel must be >= 2, got {conv_kernel}")
+        if act not in _ACTS:
+            raise ConfigError(f"linear attention: unsupported conv activation (hidden_act) {act!r}; use one of "
+                              f"{sorted(_ACTS)}")
+        self.act = _ACTS[act]
         self.conv_dim, self.K = conv_dim, conv_kernel
         self.heads, self.key_dim, self.value_dim = heads, key_dim, value_dim
         self.conv_weight = nn.Parameter(torch.zeros(conv_dim, conv_kernel, dtype=dtype), requires_grad=False)
@@ -71,14 +76,14 @@ class DeltaRuleMixer(nn.Module):
         )
 
     def _conv(self, mixed: Tensor, cache: LinearAttentionCache, slots: Tensor, record: bool) -> tuple[Tensor, Tensor]:
-        """SiLU(causal depthwise conv) of ``mixed`` [B, T, C] continuing each row's cached window, which is advanced.
+        """act(causal depthwise conv) of ``mixed`` [B, T, C] continuing each row's cached window, which is advanced.
         Returns the output [B, T, C] and, with ``record``, the window after each token [B, T, C, K - 1] (else an
         empty tensor). One arithmetic for every T (causal_depthwise_conv), so a verify's tokens see what decode steps
         would."""
         T = mixed.shape[1]
         full = torch.cat([cache.conv.index_select(0, slots), mixed.transpose(1, 2).to(cache.conv.dtype)], dim=-1)
         cache.conv.index_copy_(0, slots, full[:, :, -(self.K - 1):])
-        out = F.silu(causal_depthwise_conv(full, self.conv_weight, None, T)).transpose(1, 2)
+        out = self.act(causal_depthwise_conv(full, self.conv_weight, None, T)).transpose(1, 2)
         trail = full.unfold(-1, self.K - 1, 1)[:, :, 1:].transpose(1, 2) if record else full.new_empty(0)
         return out, trail
 
@@ -116,11 +121,12 @@ class GatedDeltaNet(DeltaRuleMixer):
     """Qwen3-Next's linear attention: grouped-value delta rule (each key head serves ``num_v_heads / num_k_heads``
     value heads), one decay per value head, output normalised and gated by SiLU(z)."""
 
-    def __init__(self, spec: GatedDeltaNetSpec, dtype: torch.dtype = torch.float32, norm_eps: float = 1e-6):
+    def __init__(self, spec: GatedDeltaNetSpec, dtype: torch.dtype = torch.float32, norm_eps: float = 1e-6,
+                 act: str = "silu"):
         nk, nv, dk, dv = spec.num_k_heads, spec.num_v_heads, spec.head_k_dim, spec.head_v_dim
         if nv % nk:
             raise ConfigError(f"gated deltanet: {nv} value heads are not a multiple of {nk} key heads")
-        super().__init__(2 * spec.key_dim + spec.value_dim, spec.conv_kernel, nv, dk, dv, spec.chunk_size, dtype)
+        super().__init__(2 * spec.key_dim + spec.value_dim, spec.conv_kernel, nv, dk, dv, spec.chunk_size, dtype, act)
         self.spec, self.eps = spec, norm_eps
         self.ratio = nv // nk
         d = spec.hidden_size
@@ -166,9 +172,10 @@ class KimiDeltaAttention(DeltaRuleMixer):
     """Kimi Linear's KDA: the delta rule with one decay per key channel from a low-rank forget gate, q/k/v convs,
     output normalised and gated by the sigmoid of a low-rank gate."""
 
-    def __init__(self, spec: KimiDeltaSpec, dtype: torch.dtype = torch.float32, norm_eps: float = 1e-5):
+    def __init__(self, spec: KimiDeltaSpec, dtype: torch.dtype = torch.float32, norm_eps: float = 1e-5,
+                 act: str = "silu"):
         H, hd, C = spec.num_heads, spec.head_dim, spec.qkv_dim
-        super().__init__(3 * C, spec.conv_kernel, H, hd, hd, spec.chunk_size, dtype)
+        super().__init__(3 * C, spec.conv_kernel, H, hd, hd, spec.chunk_size, dtype, act)
         self.spec, self.eps = spec, norm_eps
         d = spec.hidden_size
         self.q_proj, self.k_proj, self.v_proj = (Linear(d, C, False, dtype) for _ in range(3))

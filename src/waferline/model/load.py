@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -142,10 +143,12 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
         from waferline.model.quant.mapping import attach_int4
 
         attach_int4(model, int4)
+    # (an empty tensor holds nothing to use: transformers saves a shared expert of width 0, n_shared_experts 0, so)
+    unused = [k for k in src.unused() if not _IGNORED.search(k) and math.prod(src.shape(k))]
     if layer_range is None and has_embed and has_head:
-        extra = [k for k in src.unused() if not _IGNORED.search(k) and not _is_mtp(k, spec)]
+        extra = [k for k in unused if not _is_mtp(k, spec)]
     else:  # a pipeline stage: the tensors of its own layers, and (the stage with the embedding) layers past the config
-        extra = [k for k in src.unused() if not _IGNORED.search(k) and _stage_extra(k, spec, model, has_embed)]
+        extra = [k for k in unused if _stage_extra(k, spec, model, has_embed)]
     if extra:
         more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
         raise CheckpointError(

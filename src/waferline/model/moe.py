@@ -398,7 +398,7 @@ class MoE(nn.Module):
         self.b_down = p(E, D) if spec.expert_bias else None
         if spec.shared_intermediate:
             self.shared = DenseFFN(
-                DenseFFNSpec(D, spec.shared_intermediate, gated=spec.gated, bias=False), dtype, self.act_name
+                DenseFFNSpec(D, spec.shared_intermediate, gated=spec.gated, bias=spec.shared_bias), dtype, self.act_name
             )
         else:
             self.shared = None
@@ -685,6 +685,8 @@ class MoE(nn.Module):
             )
         if self.shared_gate_weight is not None:
             copy_into(self.shared_gate_weight, src.get(prefix + "shared_expert_gate.weight", (1, self.hidden_size)))
+        elif self.spec.shared_gate and src.has(prefix + "shared_expert_gate.weight"):  # (it gates a shared expert of
+            src.get(prefix + "shared_expert_gate.weight", (1, self.hidden_size))  # width 0: a sum of nothing)
 
     def _load_router(self, src: WeightSource, prefix: str, candidates: list[str]) -> None:
         name = next((prefix + c for c in candidates if src.has(prefix + c)), prefix + candidates[0])

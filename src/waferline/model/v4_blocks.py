@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from waferline.errors import ConfigError
 from waferline.model.context import StepBatch
 from waferline.model.layers import Linear, RMSNorm
+from waferline.model.moe import activation
 from waferline.model.v4_attention import V4Attention, V4Cache, unit_rms
 from waferline.model.weights import WeightSource, copy_into
 from waferline.spec.model import CompressedAttentionSpec, LayerSpec, MoESpec
@@ -118,9 +119,10 @@ class V4MoE(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.w_gate_up = nn.Parameter(torch.zeros(E, 2 * I, D, dtype=dtype), requires_grad=False)
         self.w_down = nn.Parameter(torch.zeros(E, D, I, dtype=dtype), requires_grad=False)
-        S = spec.shared_intermediate
-        self.shared = nn.ModuleDict({"gate_proj": Linear(D, S, dtype=dtype), "up_proj": Linear(D, S, dtype=dtype),
-                                     "down_proj": Linear(S, D, dtype=dtype)}) if S else None
+        S, b = spec.shared_intermediate, spec.shared_bias
+        self.shared = nn.ModuleDict({"gate_proj": Linear(D, S, b, dtype), "up_proj": Linear(D, S, b, dtype),
+                                     "down_proj": Linear(S, D, b, dtype)}) if S else None
+        self.act = activation(cfg.get("hidden_act") or "silu")
 
     def load_hf(self, src: WeightSource, prefix: str) -> None:
         """Weights under ``prefix`` (``model.layers.{i}.ffn.``) in DeepSeek's names: gate.weight, gate.bias (the
@@ -142,7 +144,7 @@ class V4MoE(nn.Module):
                 self.shared[name].load_hf(src, prefix + "shared_experts." + stored)
 
     def _swiglu(self, gate: Tensor, up: Tensor) -> Tensor:
-        return F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        return self.act(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
 
     def route(self, x: Tensor, tokens: Tensor | None) -> tuple[Tensor, Tensor]:
         """(weights fp32, expert ids) [N, k] for tokens x [N, D] with ids ``tokens`` [N] (hash routing only)."""

@@ -273,6 +273,8 @@ def _compressed(cfg: dict[str, Any], layer_type: str) -> CompressedAttentionSpec
 
 
 def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
+    """(Nemotron-H's in/out projections take their bias from ``use_bias``: transformers reads no mamba_proj_bias
+    there, though its config writes one.)"""
     d = cfg["hidden_size"]
     heads = _get(cfg, "mamba_n_heads", "mamba_num_heads")
     expand = _get(cfg, "mamba_expand", "expand", default=2)
@@ -286,15 +288,26 @@ def _mamba2(cfg: dict[str, Any]) -> Mamba2Spec:
         n_groups=_get(cfg, "mamba_n_groups", "n_groups", default=1),
         conv_kernel=_get(cfg, "mamba_d_conv", "conv_kernel", default=4),
         conv_bias=bool(_get(cfg, "mamba_conv_bias", "use_conv_bias", default=True)),
-        proj_bias=bool(_get(cfg, "mamba_proj_bias", "use_bias", default=False)),
+        proj_bias=bool(cfg.get("use_bias") if cfg.get("model_type") == "nemotron_h"
+                       else _get(cfg, "mamba_proj_bias", "use_bias", default=False)),
         chunk_size=_get(cfg, "mamba_chunk_size", "chunk_size", default=256),
         time_step_limit=(_float(limit[0]), _float(limit[1])),
         norm_eps=_get(cfg, "rms_norm_eps", "layer_norm_epsilon", default=1e-5))
 
 
+# model types whose transformers MLPs (dense, and shared experts) read ``mlp_bias``; the others have no MLP biases,
+# whatever the config says (sol: waferline's own, which reads it)
+_MLP_BIAS_TYPES = ("llama", "bamba", "deepseek_v2", "deepseek_v4", "nemotron_h", "sol")
+
+
+def _mlp_bias(cfg: dict[str, Any]) -> bool:
+    mt = cfg.get("model_type")
+    return bool(cfg.get("mlp_bias", False)) and MODEL_TYPE_ALIASES.get(mt, mt) in _MLP_BIAS_TYPES
+
+
 def _dense(cfg: dict[str, Any], inter: int | None = None, gated: bool = True) -> DenseFFNSpec:
     return DenseFFNSpec(hidden_size=cfg["hidden_size"], intermediate_size=inter or cfg["intermediate_size"],
-                        gated=gated, bias=bool(cfg.get("mlp_bias", False)))
+                        gated=gated, bias=_mlp_bias(cfg))
 
 
 def _spec(
@@ -372,7 +385,7 @@ def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
         hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_experts"),
         top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
         num_shared=n_shared, shared_intermediate=n_shared * cfg["moe_intermediate_size"],
-        scoring=scoring, correction_bias=topk_method == "noaux_tc",
+        shared_bias=bool(n_shared) and _mlp_bias(cfg), scoring=scoring, correction_bias=topk_method == "noaux_tc",
         n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
         # (transformers' DeepSeek-V2 router never renormalises the top-k weights, whatever norm_topk_prob says)
         norm_topk_prob=mt != "deepseek_v2" and bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
@@ -380,15 +393,35 @@ def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
 
 
 def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
+    """(The router as transformers builds it: DeepSeek-V3 / V3.2 always sigmoid scores with the correction bias and
+    grouped top-k, DeepSeek-V2 always softmax scores, top-k greedy or group_limited_greedy; the scoring_func and
+    topk_method a config writes beside those are not read. DeepSeek-V3.2 takes its dense layers from
+    mlp_layer_types where the config has it.)"""
     n = cfg["num_hidden_layers"]
     first_dense = cfg.get("first_k_dense_replace", 0) or 0
     freq = cfg.get("moe_layer_freq", 1) or 1
     has_moe = (cfg.get("n_routed_experts") or 0) > 0
+    if mt == "deepseek_v2":
+        method = cfg.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ConfigError(f"config topk_method {method!r}: a deepseek_v2 router selects experts 'greedy' or "
+                              "'group_limited_greedy' (transformers' DeepSeek-V2 builds no other)")
+        router = dict(cfg, scoring_func="softmax", topk_method=method)
+    else:
+        router = dict(cfg, scoring_func="sigmoid", topk_method="noaux_tc")
+    mlp_types = cfg.get("mlp_layer_types") if mt == "deepseek_v32" else None
+    if mlp_types is not None and (not isinstance(mlp_types, list) or len(mlp_types) != n
+                                  or any(t not in ("dense", "sparse") for t in mlp_types)):
+        raise ConfigError(f"config mlp_layer_types must be a list of {n} entries 'dense' or 'sparse' (one per layer), "
+                          f"got {mlp_types!r}")
 
     def layer(i: int) -> LayerSpec:
-        moe = has_moe and i >= first_dense and i % freq == 0
+        if mlp_types is not None and i < n:
+            moe = has_moe and mlp_types[i] == "sparse"
+        else:
+            moe = has_moe and i >= first_dense and i % freq == 0
         mixer: MixerSpec = _dsa(cfg) if mt == "deepseek_v32" else _mla(cfg)
-        ffn = _deepseek_moe(cfg, "deepseek_v3" if mt == "deepseek_v32" else mt) if moe else _dense(cfg)
+        ffn = _deepseek_moe(router, "deepseek_v3" if mt == "deepseek_v32" else mt) if moe else _dense(cfg)
         return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
 
     layers = [layer(i) for i in range(n)]
@@ -473,20 +506,23 @@ def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         if k == "mamba":
             mixer = _mamba2(cfg)
         elif k == "attention":
-            mixer = _gqa(cfg, qkv_bias=bool(cfg.get("attention_bias")), o_bias=bool(cfg.get("attention_bias")))
+            mixer = _gqa(cfg)  # (transformers' Nemotron-H attention has no biases, whatever attention_bias says)
         elif k == "mlp":
             ffn = _dense(cfg, gated=False)
         else:
             if cfg.get("moe_latent_size"):
                 raise ConfigError("nemotron_h MoE layers with moe_latent_size are not supported yet")
-            n_shared = cfg.get("n_shared_experts") or 0
+            # (transformers builds one shared expert of moe_shared_expert_intermediate_size in every MoE layer: it
+            # reads no n_shared_experts)
+            shared = cfg.get("moe_shared_expert_intermediate_size") or 0
             ffn = MoESpec(
                 hidden_size=cfg["hidden_size"],
                 num_experts=cfg["n_routed_experts"],
                 top_k=cfg["num_experts_per_tok"],
                 expert_intermediate=cfg["moe_intermediate_size"],
-                num_shared=n_shared,
-                shared_intermediate=(cfg.get("moe_shared_expert_intermediate_size") or 0) if n_shared else 0,
+                num_shared=1 if shared else 0,
+                shared_intermediate=shared,
+                shared_bias=bool(shared) and _mlp_bias(cfg),
                 gated=False,
                 scoring="sigmoid",
                 correction_bias=True,
@@ -600,7 +636,7 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         ffn = MoESpec(
             hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_local_experts"),
             top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
-            num_shared=1, shared_intermediate=cfg["moe_intermediate_size"],
+            num_shared=1, shared_intermediate=cfg["moe_intermediate_size"], shared_bias=_mlp_bias(cfg),
             scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp_types[i] != "hash_moe",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling=float(cfg.get("routed_scaling_factor") or 1.5))

@@ -608,6 +608,7 @@ class MoESpec:
     expert_intermediate: int
     num_shared: int = 0
     shared_intermediate: int = 0  # total width of all shared experts together
+    shared_bias: bool = False  # biases on the shared experts' projections (mlp_bias: DeepSeek-V2, Nemotron-H)
     gated: bool = True
     expert_bias: bool = False
     router_bias: bool = False  # a learned bias in the router linear (GPT-OSS)
@@ -632,6 +633,8 @@ class MoESpec:
         if not self.shared_intermediate:
             return 0
         n = (3 if self.gated else 2) * self.hidden_size * self.shared_intermediate
+        if self.shared_bias:
+            n += (2 if self.gated else 1) * self.shared_intermediate + self.hidden_size
         if self.shared_gate:
             n += self.hidden_size
         return n
