@@ -146,6 +146,15 @@ def test_simulate_that_fails_leaves_its_out_file_as_it_was(tmp_path, capsys):
      "--num-requests: expected an integer from 1 to 10,000,000, got 100,000,000: the serving simulation's time"),
     (["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--reasoning-tokens", "-1"],
      "--reasoning-tokens: expected an integer >= 0, got -1"),
+    # device counts bounded above: 10^12 wafers listed their ids until MemoryError; 10^12 attention ranks never ended
+    (["plan", "qwen3-30b-a3b", "-H", "wse-3", "--devices", "1000000000000"],
+     "--devices: expected an integer from 1 to 100,000, got 1,000,000,000,000"),
+    (["simulate", "gpt-oss-120b", "-H", "h200-sxm", "--afd", "--attention-ranks", "1000000000000"],
+     "--attention-ranks: expected an integer from 1 to 100,000"),
+    (["simulate", "gpt-oss-120b", "-H", "h200-sxm", "--afd", "--ffn-ranks", "100001"],
+     "--ffn-ranks: expected an integer from 1 to 100,000"),
+    (["simulate", "qwen3-30b-a3b", "-H", "wse-3", "--arrival-rate", "5", "--prefill-devices", "1000000000000"],
+     "--prefill-devices: expected an integer from 1 to 100,000"),
 ])
 def test_counts_out_of_range_are_refused_not_replaced_by_defaults(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -161,6 +170,54 @@ def test_micro_batches_and_idle_devices():
     for hw in ("wse-3", "h100-sxm"):  # (fewer devices than stages: refused on both layouts, not a plan of more)
         with pytest.raises(ConfigError, match="1 devices cannot hold 2 stages of at most 24 layers"):
             place("llama-3.1-8b", hw, devices=1, layers_per_stage=24)
+
+
+def test_device_counts_past_the_planners_limit(tmp_path):
+    from waferline.plan.place import MAX_DEVICES
+    from waferline.sim.validate import validate
+
+    for kw in ({"devices": 10**12}, {"afd": True, "attention_ranks": 10**12}, {"afd": True, "ffn_ranks": 10**12}):
+        with pytest.raises(ConfigError, match="must be from 1 to 100,000, got 1,000,000,000,000"):
+            place("qwen3-30b-a3b", "wse-3", **kw)
+    p = tmp_path / "r.csv"  # (a CSV row's chip count: skipped with the reason, not a MemoryError)
+    p.write_text(HEADER + "a,x,llama-3.1-8b,wse-3,1000000000000,16,none,1,,,decode_tokens_per_s_per_user,1800\n"
+                 "b,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150\n")
+    results, _ = validate(p)
+    assert results[0].predicted is None and "--devices must be from 1 to 100,000" in results[0].skipped
+    # a cache no device count holds: each stage is given at most the limit, not its bytes over a device's (10^12
+    # tokens of context on 0.23 GB chips listed ~10^9 device ids and ran out of memory)
+    plan = place("llama-3.2-1b", "groq-lpu-v1", context=3 * 10**10)
+    assert not plan.fits and max(s.num_devices for s in plan.stages) == MAX_DEVICES
+
+
+def test_a_speculative_method_given_with_a_plan_replaces_the_plans_drafter_note(tmp_path, capsys):
+    eagle, plain = tmp_path / "eagle.json", tmp_path / "plain.json"
+    for p, extra in ((eagle, ["--speculative", "eagle"]), (plain, [])):
+        rc, _ = _run(capsys, ["simulate", "llama-3.1-70b", "-H", "h100-sxm", *extra, "--out", str(p), "--json",
+                              "--no-intervals"])
+        assert rc == 0
+
+    def drafter_notes(argv):
+        rc, out = _run(capsys, ["simulate", *argv, "--json", "--no-intervals"])
+        assert rc == 0
+        return [n for n in json.loads(out)["notes"] if "sits with the LM head" in n]
+
+    assert drafter_notes(["--plan", str(eagle)]) == ["the one-layer draft head and its cache (2.51 GB) sits with the "
+                                                     "LM head"]
+    assert drafter_notes(["--plan", str(eagle), "--speculative", "none"]) == []  # (no drafter simulated, none noted)
+    assert drafter_notes(["--plan", str(eagle), "--speculative", "mtp"]) == ["the one-layer draft head and its cache "
+                                                                             "(1.99 GB) sits with the LM head"]
+    assert len(drafter_notes(["--plan", str(plain), "--speculative", "eagle"])) == 1
+
+
+def test_the_micro_batches_default_is_the_one_help_states():
+    from waferline.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices["plan"]
+    text = next(a.help for a in sub._actions if a.dest == "micro_batches")
+    assert "default min(batch, stages); with --attention-ranks/--ffn-ranks: 2" in text
+    assert place("llama-3.1-8b", "h100-sxm", batch=8, devices=16, layers_per_stage=8).micro_batches == 4
+    assert place("qwen3-30b-a3b", "h100-sxm", batch=8, afd=True, attention_ranks=4, ffn_ranks=4).micro_batches == 2
 
 
 def test_validate_refuses_values_that_are_not_results_and_skips_rows_that_do_not_fit(tmp_path):

@@ -12,11 +12,12 @@ from typing import Any
 
 from waferline.argtypes import int_range, nonnegative_int, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
-from waferline.plan.plan import MAX_DRAFT_TOKENS
+from waferline.plan.plan import MAX_DEVICES, MAX_DRAFT_TOKENS
 
 # the published results shipped in the package (sim.validate.PUBLISHED_PATH), as --help names them
 DEFAULT_DATA = "sim/data/published_results.csv, shipped with waferline"
 MAX_SERVING_REQUESTS = 10_000_000  # (the serving simulation runs ~4 s per million requests)
+device_count = int_range(1, MAX_DEVICES)  # (--devices, --prefill-devices, and the AFD ranks: a device each at least)
 
 
 def _default_data() -> str:
@@ -52,7 +53,7 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="catalog model id (e.g. gpt-5.6-sol, deepseek-v3), a config.json path, or a checkpoint dir")
     p.add_argument("--hardware", "-H", required=not optional,
                    help="catalog hardware id (e.g. wse-3, h200-sxm, gb200-nvl72) or a YAML file")
-    p.add_argument("--devices", type=positive_int, default=None,
+    p.add_argument("--devices", type=device_count, default=None,
                    help="number of devices (default: the fewest that fit, in tensor-parallel groups of a power of two "
                         "on GPUs; a count the layout cannot use whole, or a group that would not split the attention "
                         "heads evenly, is rounded down, and the plan says so)")
@@ -73,18 +74,18 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
     )
     p.add_argument(
         "--attention-ranks",
-        type=positive_int,
+        type=device_count,
         default=None,
         metavar="M",
         help="with --afd: M attention ranks, each holding every layer's mixer for its share of the sequences "
         "(the layout the engine's `generate --afd` runs)",
     )
-    p.add_argument("--ffn-ranks", type=positive_int, default=None, metavar="N",
+    p.add_argument("--ffn-ranks", type=device_count, default=None, metavar="N",
                    help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
     p.add_argument(
         "--micro-batches", type=positive_int, default=None,
-        help="micro-batches in flight (default min(batch, stages); decode fills at most batch of them, a prompt's "
-             "chunks the rest)"
+        help="micro-batches in flight (default min(batch, stages); with --attention-ranks/--ffn-ranks: 2, as the AFD "
+             "engine runs them; decode fills at most batch of them, a prompt's chunks the rest)"
     )
     p.add_argument("--out", default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -390,7 +391,7 @@ def _load_params(args: argparse.Namespace):
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Plan (or read --plan) and predict tokens/s, TTFT and a per-stage breakdown."""
     from waferline.errors import UsageError
-    from waferline.plan.place import restage_memory
+    from waferline.plan.place import DRAFTER_NOTE_END, drafter_note, restage_memory
     from waferline.plan.plan import Plan
     from waferline.sim.pipeline import simulate
     from waferline.spec.catalog import load_hardware, load_model
@@ -427,9 +428,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if args.speculative is not None:  # (given: it replaces the plan's, `none` included)
             plan.speculative = _spec_cfg(args)
         plan.check(spec, hw)  # (layers, hardware) before the memory of its stages is recomputed from them
-        restaged = restage_memory(plan, spec, _drafter(plan.model, plan.speculative, params, plan.weight_bits,
-                                                       plan.kv_bits, plan.embed_bits, plan.group_size,
-                                                       plan.context_len, plan.batch)[0])
+        drafter = _drafter(plan.model, plan.speculative, params, plan.weight_bits, plan.kv_bits, plan.embed_bits,
+                           plan.group_size, plan.context_len, plan.batch)
+        restaged = restage_memory(plan, spec, drafter[0])
+        if args.speculative is not None:  # (the plan's note on its own drafter: this one's instead)
+            plan.notes = [n for n in plan.notes if not n.endswith(DRAFTER_NOTE_END)]
+            plan.notes += [drafter_note(*drafter)] if drafter[0] > 0 else []
         plan.check(spec, hw)  # (a stage over its capacity now: fits false, with the reason)
         if held > plan.context_len or (args.concurrency or plan.batch) > plan.batch:
             raise ConfigError(f"the plan holds {plan.batch} sequence(s) of {plan.context_len:,} tokens; this workload "
@@ -839,7 +843,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--pd-disaggregation", action="store_true",
                    help="serving: prefill on a separate pool (a second copy of the plan, or --prefill-devices), the KV "
                         "cache handed to the decode pool over the scale-out link")
-    s.add_argument("--prefill-devices", type=positive_int, default=None,
+    s.add_argument("--prefill-devices", type=device_count, default=None,
                    help="serving: devices of a separate prefill pool, the model placed with the same flags (implies "
                         "--pd-disaggregation)")
     s.add_argument("--expert-skew", type=float, default=None,

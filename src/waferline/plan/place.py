@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError, FitError
-from waferline.plan.plan import MemoryBreakdown, Plan, SpeculativeConfig, Stage
+from waferline.plan.plan import MAX_DEVICES, MemoryBreakdown, Plan, SpeculativeConfig, Stage
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import quantized_bytes
 
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
 ACTIVATION_FACTOR = 8
 DEFAULT_PREFILL_CHUNK = 512
 STATE_BITS = 16
-MAX_DEVICES = 100_000
 
 
 def _resolve(model: Any, hardware: Any) -> tuple[Any, HardwareSpec]:
@@ -101,7 +100,7 @@ def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
     avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
     if avail <= 0:
         return MAX_DEVICES
-    return max(1, math.ceil(total / avail - 1e-12))
+    return min(MAX_DEVICES, max(1, math.ceil(total / avail - 1e-12)))  # (a stage's device ids are listed)
 
 
 def _cache_floor(parts: list[_Part]) -> float:
@@ -290,6 +289,14 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
     return stages
 
 
+DRAFTER_NOTE_END = " sits with the LM head"
+
+
+def drafter_note(size: float, what: str) -> str:
+    """The plan's note on the drafter that speculative decoding adds beside the LM head (``size`` bytes)."""
+    return f"the {what} ({size / 1e9:,.2f} GB){DRAFTER_NOTE_END}"
+
+
 def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits: int = 16, kv_bits: int = 16,
           embed_bits: int = 16, group_size: int = 128, context: int = 4096, batch: int = 1,
           layers_per_stage: int | None = None, afd: bool = False, micro_batches: int | None = None,
@@ -311,15 +318,15 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         raise ConfigError(f"--kv-bits must be 4, 8 or 16, got {kv_bits}")
     if batch < 1 or context < 1:
         raise ConfigError(f"batch and context must be >= 1 (got batch={batch}, context={context})")
-    if devices is not None and devices < 1:
-        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    if devices is not None and not 1 <= devices <= MAX_DEVICES:
+        raise ConfigError(f"--devices must be from 1 to {MAX_DEVICES:,}, got {devices:,}")
     if layers_per_stage is not None and layers_per_stage < 1:
         raise ConfigError(f"--layers-per-stage must be >= 1, got {layers_per_stage}")
     if micro_batches is not None and micro_batches < 1:  # (more than the batch: a prompt's chunks fill the rest)
         raise ConfigError(f"--micro-batches must be >= 1, got {micro_batches}")
     for flag, v in (("--attention-ranks", attention_ranks), ("--ffn-ranks", ffn_ranks)):
-        if v is not None and v < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {v}")
+        if v is not None and not 1 <= v <= MAX_DEVICES:  # (a rank takes a device at least)
+            raise ConfigError(f"{flag} must be from 1 to {MAX_DEVICES:,}, got {v:,}")
     act = _activation_bytes(spec, batch, prefill_chunk)
     emb = spec.embed_bytes(embed_bits)
     head = spec.lm_head_bytes(embed_bits)
@@ -329,7 +336,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                      "that: a configuration its vendor does not ship")
     if drafter and drafter[0] > 0:  # (the drafts are made where the target's last hidden state and LM head are)
         head += drafter[0]
-        notes.append(f"the {drafter[1]} ({drafter[0] / 1e9:,.2f} GB) sits with the LM head")
+        notes.append(drafter_note(*drafter))
     kw = dict(weight_bits=weight_bits, kv_bits=kv_bits, embed_bits=embed_bits, group_size=group_size,
               context_len=context, batch=batch, afd=afd, speculative=speculative or SpeculativeConfig())
 

@@ -13,6 +13,7 @@ from waferline.errors import ConfigError
 ROLES = ("full", "attention", "ffn")
 SPEC_METHODS = ("none", "draft", "mtp", "ngram", "eagle", "medusa")
 MAX_DRAFT_TOKENS = 32  # (speculative methods verify a few to ~10 tokens a step; beyond 32 a step is all verify)
+MAX_DEVICES = 100_000  # most devices --devices gives a plan, and one stage takes (a stage lists its device ids)
 PLAN_VERSION = 1
 
 
