@@ -225,3 +225,26 @@ def test_a_draft_with_another_tokenizer_is_refused(capsys):
     d = _sim_json(capsys, "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "draft",
                   "--no-intervals")
     assert "llama-3.2-1b" in d["speculative"]["drafter"]
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(capsys):
+    """Mixtral's and Llama 2's vocabularies both hold 32,000 tokens, not the same ones: the catalog names each one's
+    tokenizer, and a draft of the other is refused (it was predicted at the draft-model acceptance, 0.97)."""
+    assert main(["simulate", "mixtral-8x7b", "--hardware", "h200-sxm", "--devices", "2", "--speculative", "draft",
+                 "--draft-model", "llama-2-70b", "--no-intervals"]) != 0
+    err = capsys.readouterr().err
+    assert "tokenizer" in err and len(err.strip().splitlines()) == 1
+    d = _sim_json(capsys, "mixtral-8x7b", "--hardware", "h200-sxm", "--devices", "2", "--speculative", "draft",
+                  "--draft-model", "mixtral-8x7b", "--no-intervals")
+    assert "mixtral-8x7b" in d["speculative"]["drafter"]
+
+
+def test_a_draft_model_with_fewer_positions_than_the_sequence_is_noted(capsys):
+    """qwen3-next's default draft (qwen3-0.6b) has 40,960 positions, the target 262,144: a 60,500-token sequence is
+    past the draft's, and the prediction says so (as it does past the target's own)."""
+    d = _sim_json(capsys, "qwen3-next-80b-a3b", "--hardware", "h200-sxm", "--devices", "4", "--prompt-len", "60000",
+                  "--speculative", "draft", "--no-intervals")
+    assert any("past the draft model qwen3-0.6b's 40,960 positions" in n for n in d["notes"])
+    d = _sim_json(capsys, "qwen3-next-80b-a3b", "--hardware", "h200-sxm", "--devices", "4", "--speculative", "draft",
+                  "--no-intervals")
+    assert not any("past the draft model" in n for n in d["notes"])

@@ -51,6 +51,11 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
                          f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
     if args.num_speculative_tokens is not None and not args.speculative:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
+    if args.speculative:  # (an unknown method, a draft path that is no checkpoint: before the target loads)
+        from waferline.engine.speculative.serving import check_serve_method
+
+        check_serve_method(args.speculative, NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None
+                           else args.num_speculative_tokens)
     model = Path(args.model)
     if not (model / "config.json").is_file():  # (first: what is wrong with the checkpoint before what it lacks)
         raise UsageError(f"--model {args.model}: not a checkpoint directory (config.json + *.safetensors)"

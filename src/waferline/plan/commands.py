@@ -483,6 +483,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     mpe = load_model(plan.model).max_position_embeddings
     beyond = (f"{what} ({held:,}) is past the model's {mpe:,} positions (max_position_embeddings): the "
               "prediction is of the hardware, not of a context the model was trained for") if held > mpe else None
+    if plan.speculative.method == "draft":  # (a draft model with fewer positions drafts past them untrained)
+        from waferline.sim.pipeline import draft_spec
+
+        dspec = draft_spec(load_model(plan.model), plan.speculative.draft_model, params)
+        if dspec is not None and held > dspec.max_position_embeddings:
+            past = (f"{what} ({held:,}) is past the draft model {dspec.name}'s {dspec.max_position_embeddings:,} "
+                    "positions (max_position_embeddings): its acceptance there is assumed, not trained for")
+            beyond = f"{beyond}; {past}" if beyond else past
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
     placed += _class_notes(plan, params)

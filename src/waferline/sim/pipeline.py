@@ -164,10 +164,17 @@ def _layer_range(s: Stage) -> str:
     return str(s.layers[0]) if len(s.layers) == 1 else f"{s.layers[0]}-{s.layers[-1]}"
 
 
+def _tokenizer(spec: ModelSpec) -> str | None:
+    """The tokenizer a catalog model names (``_waferline.tokenizer``, where vocabularies of one size differ)."""
+    w = spec.hf_config.get("_waferline")
+    return w.get("tokenizer") if isinstance(w, dict) else None
+
+
 def draft_spec(spec: ModelSpec, name: str | None, params: SimParams) -> ModelSpec | None:
-    """The draft model for ``spec``: ``name`` if given (ConfigError when its vocabulary differs from the target's: a
-    draft proposes token ids the target verifies, so both must share one tokenizer), else the default for the model
-    family when it shares the vocabulary, else None (the caller models a draft head of the target's own shape)."""
+    """The draft model for ``spec``: ``name`` if given (ConfigError when its vocabulary or its named tokenizer differs
+    from the target's: a draft proposes token ids the target verifies, so both must share one tokenizer), else the
+    default for the model family when it shares the tokenizer, else None (the caller models a draft head of the
+    target's own shape)."""
     from waferline.spec.catalog import load_model
 
     if name:
@@ -175,10 +182,17 @@ def draft_spec(spec: ModelSpec, name: str | None, params: SimParams) -> ModelSpe
         if dspec.vocab_size != spec.vocab_size:
             raise ConfigError(f"draft model {dspec.name} has a {dspec.vocab_size}-token vocabulary, {spec.name} a "
                               f"{spec.vocab_size}-token one: a draft must share the target's tokenizer")
+        dt, tt = _tokenizer(dspec), _tokenizer(spec)
+        if dt and tt and dt != tt:
+            raise ConfigError(f"draft model {dspec.name} uses the {dt} tokenizer, {spec.name} the {tt} one (the same "
+                              "vocabulary size, other tokens): a draft must share the target's tokenizer")
         return dspec
     name = params.draft_models.get(spec.model_type) or params.draft_models.get("default")
     dspec = load_model(name) if name else None
-    return dspec if dspec is not None and dspec.vocab_size == spec.vocab_size else None
+    if dspec is None or dspec.vocab_size != spec.vocab_size:
+        return None
+    dt, tt = _tokenizer(dspec), _tokenizer(spec)
+    return None if dt and tt and dt != tt else dspec
 
 
 def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: int, kv_bits: int, embed_bits: int,
