@@ -569,3 +569,27 @@ def test_sol_mini_training_refuses_bad_numbers_and_an_out_it_would_delete(tmp_pa
                            timeout=120)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert (notes / "todo.txt").read_text() == "keep me" and not work.exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["plan", "llama-3.1-8b", "-H", "h100-sxm", "--out", ""],
+    ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--out", " "],
+    ["calibrate", "--published", "--out", ""],
+    ["demo", "--out", ""],
+    ["quantize", "--model", "x", "--out", ""],
+])
+def test_an_empty_out_is_refused(argv, capsys, tmp_path, monkeypatch):
+    """An empty --out is refused in one line before any work (plan and simulate wrote nothing and said nothing; the
+    demo wrote into the current directory)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and "expected a path to write, got an empty one" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_calibrate_bootstrap_sets_are_bounded(capsys):
+    """--bootstrap 10^12 was accepted and never finished (each set is a whole refit)."""
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--published", "--bootstrap", "1000000000000"])
+    assert e.value.code == 2 and "expected an integer from 0 to 1,000" in capsys.readouterr().err

@@ -43,3 +43,10 @@ def positive_float(text: str) -> float:
     if not (v > 0 and math.isfinite(v)):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
     return v
+
+
+def out_path(text: str) -> str:
+    """A file or directory to write: not empty (an empty --out wrote nothing, silently)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path to write, got an empty one")
+    return text

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline._version import __version__
-from waferline.argtypes import nonnegative_int, positive_int
+from waferline.argtypes import nonnegative_int, out_path, positive_int
 from waferline.errors import UsageError, WaferlineError, counted
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
@@ -326,7 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "demo_out/waferline-report.html.",
     )
     d.add_argument(
-        "--out", default="demo_out", help="where the demo writes its checkpoint and report (default demo_out/)"
+        "--out", type=out_path, default="demo_out",
+        help="where the demo writes its checkpoint and report (default demo_out/)"
     )
     d.add_argument("--max-tokens", type=int, default=160, help="tokens to stream (default 160)")
     d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from waferline.argtypes import positive_int
+from waferline.argtypes import out_path, positive_int
 from waferline.spec.configs import spec_from_pretrained
 from waferline.spec.model import INT4_GROUP_SIZES
 
@@ -141,7 +141,8 @@ def register(sub: Any) -> None:
                                    "LM head, routers, norms and MLA's kv_b_proj stay 16-bit; the choice is recorded in "
                                    "config.json's quantization_config.")
     q.add_argument("--model", required=True, help="16-bit checkpoint directory (config.json + *.safetensors)")
-    q.add_argument("--out", required=True, help="output directory (written to a temporary directory, then renamed)")
+    q.add_argument("--out", type=out_path, required=True,
+                   help="output directory (written to a temporary directory, then renamed)")
     q.add_argument("--bits", type=int, default=4, help="weight bits (4)")
     q.add_argument("--group-size", type=int, default=128, choices=INT4_GROUP_SIZES,
                    help="weights per scale along the input dim (32, 64 or 128 are usual; default 128)")

@@ -10,7 +10,7 @@ import re
 import sys
 from typing import Any
 
-from waferline.argtypes import int_range, nonnegative_int, positive_float, positive_int
+from waferline.argtypes import int_range, nonnegative_int, out_path, positive_float, positive_int
 from waferline.errors import ConfigError, WaferlineError
 from waferline.plan.plan import MAX_DEVICES, MAX_DRAFT_TOKENS
 
@@ -87,7 +87,7 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
         help="micro-batches in flight (default min(batch, stages); with --attention-ranks/--ffn-ranks: 2, as the AFD "
              "engine runs them; decode fills at most batch of them, a prompt's chunks the rest)"
     )
-    p.add_argument("--out", default=None, help="write the plan as JSON to this file")
+    p.add_argument("--out", type=out_path, default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 

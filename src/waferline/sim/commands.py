@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from waferline.argtypes import nonnegative_int, positive_float, positive_int
+from waferline.argtypes import int_range, nonnegative_int, out_path, positive_float, positive_int
 from waferline.files import check_writable
 from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params
+
+MAX_BOOTSTRAP = 1_000  # bootstrap sets calibrate --published refits (each a whole fit; 32 by default)
 
 
 def _check_calibrate_flags(args: argparse.Namespace) -> None:
@@ -297,7 +299,8 @@ def register(subparsers: Any) -> None:
         "probe point) to --out; steadier than any one run on a machine whose speed drifts",
     )
     c.add_argument(
-        "--out", default=None, help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
+        "--out", type=out_path, default=None,
+        help="where to write (default: hardware-host.yaml; with --published: sim/fitted.yaml)"
     )
     c.add_argument("--params", default=None,
                    help="with --published: the settings the fit keeps (draft lengths and models, default prompt and "
@@ -307,7 +310,8 @@ def register(subparsers: Any) -> None:
                    help="with --published: Nelder-Mead polishes after the Levenberg-Marquardt fit (default 0)")
     c.add_argument("--iters", type=positive_int, default=None,
                    help="with --published: most Levenberg-Marquardt iterations (default 200)")
-    c.add_argument("--bootstrap", type=int, default=None, metavar="N",
+    c.add_argument("--bootstrap", type=int_range(0, MAX_BOOTSTRAP, " (a set is a whole refit)"), default=None,
+                   metavar="N",
                    help="with --published: refit on N resamples of the rows and store the parameter sets for "
                    "simulate's 90%% intervals (default 32; 0: none)")
     c.add_argument("--json", action="store_true", help="print the result as JSON (the fit, or the measured host)")
@@ -361,7 +365,8 @@ def register(subparsers: Any) -> None:
         "machine's speed of its runs ('machine x')",
     )
     tw.add_argument(
-        "--out", default=None, help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)"
+        "--out", type=out_path, default=None,
+        help="also write the JSON result here (e.g. benchmarks/results/twin_sol-mini.json)"
     )
     tw.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     tw.set_defaults(func=cmd_twin)

@@ -465,7 +465,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         raise ConfigError(f"the step token budget (--max-num-batched-tokens) must be >= 0 (0 = stop-the-world "
                           f"prefill), got {max_num_batched_tokens}")
     if not (expert_skew >= 0 and math.isfinite(expert_skew)):
-        raise ConfigError(f"expert skew (--expert-skew, a Zipf exponent) must be >= 0, got {expert_skew}")
+        raise ConfigError(f"expert skew (--expert-skew, a Zipf exponent) must be a finite number >= 0, "
+                          f"got {expert_skew}")
     if max_batch is not None and max_batch < 1:
         raise ConfigError(f"max batch must be >= 1, got {max_batch}")
     params = params or load_params()
