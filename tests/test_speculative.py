@@ -506,7 +506,7 @@ def test_cli_generate_speculative(ckpts):
                                      capture_output=True, text=True, check=True).stdout)
     assert spec["token_ids"] == plain["token_ids"] and "spec_acceptance_rate" in spec
     bad = subprocess.run(base + ["--speculative", "nope"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "unknown speculative method" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode != 0 and "--speculative nope: unknown method" in bad.stderr and "Traceback" not in bad.stderr
     # nothing to draft from (no earlier n-gram): said so, not "acceptance 0.00" as if every draft had been rejected
     none = [sys.executable, "-m", "waferline.cli", "generate", "--model", str(ckpts["llama"]), "--prompt-ids",
             "40 41 42 43", "--max-tokens", "2", "--speculative", "ngram"]
