@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from server_helpers import _metrics, serve_in_thread
 from tiny_models import VOCAB, build
@@ -16,6 +17,7 @@ from waferline import LLM, SamplingParams
 from waferline.engine.scheduler import CacheManager, Scheduler, SchedulerConfig, Sequence
 from waferline.engine.speculative import Proposal
 from waferline.errors import ConfigError
+from waferline.model.attention import TokenCache
 from waferline.model.init import write_random_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -250,6 +252,97 @@ def test_a_seeded_request_preempted_mid_speculation_streams_the_same_tokens(ckpt
     want = run(roomy)
     small = Scheduler(llm, SchedulerConfig(**cfg, cache_bytes=roomy.cache.bytes_for(48)))
     assert run(small) == want and small.stats["preemptions"] > 0 and small.stats["spec_drafted"] > 0
+
+
+def _draft_config(ckpts, **kw) -> SchedulerConfig:
+    return SchedulerConfig(**{"max_num_seqs": 2, "max_model_len": 48, "page_tokens": 4, "prefix_caching": False,
+                              "speculative": f"draft:{ckpts['llama']}", "num_speculative_tokens": 3,
+                              "speculative_adaptive": False, **kw})
+
+
+def _draft_bytes(sch) -> int:
+    """Bytes of every tensor of the draft model's caches."""
+    return sum(t.untyped_storage().nbytes() for c in sch.spec_dec.drafter.caches if c is not None
+               for t in vars(c).values() if isinstance(t, torch.Tensor))
+
+
+def _draft_paged(sch) -> list[TokenCache]:
+    return [c for c in sch.spec_dec.drafter.caches if isinstance(c, TokenCache) and c.paged]
+
+
+def test_a_draft_models_caches_count_in_the_budget_check(ckpts):
+    """A sequence holds the target's cache bytes and the draft model's: a budget for one target sequence alone is
+    refused, naming the draft; one for both is taken."""
+    llm = LLM(ckpts["llama"])
+    target = Scheduler(llm, _draft_config(ckpts, speculative=None)).cache.max_seq_bytes
+    both = Scheduler(llm, _draft_config(ckpts)).cache.max_seq_bytes
+    assert both > target
+    with pytest.raises(ConfigError, match="draft model's caches"):
+        Scheduler(llm, _draft_config(ckpts, cache_bytes=target))
+    assert Scheduler(llm, _draft_config(ckpts, cache_bytes=both)).cache.budget == both
+
+
+def test_a_draft_model_preempts_at_the_budget_with_its_caches(ckpts):
+    """A budget of two target sequences is one of target + draft (as large as the target here): two long requests
+    preempt, the bytes held never pass the budget, and every request streams the tokens of a roomy scheduler."""
+    llm = LLM(ckpts["llama"])
+    prompts = [[(5 * i + 3 * j) % 11 + 3 for j in range(14 + 3 * i)] for i in range(3)]
+    params = [SamplingParams(max_tokens=26 - 3 * i, temperature=0.9 if i == 1 else 0.0, seed=i, ignore_eos=True)
+              for i in range(3)]
+    want, _ = _serve(Scheduler(llm, _draft_config(ckpts, max_num_seqs=3)), prompts, params)
+    budget = 2 * Scheduler(llm, _draft_config(ckpts, speculative=None)).cache.max_seq_bytes
+    sch = Scheduler(llm, _draft_config(ckpts, cache_bytes=budget))
+    held = []
+    sch_step = sch.step
+
+    def step():
+        n = sch_step()
+        held.append(sch.cache.used_bytes)
+        return n
+
+    sch.step = step
+    got, ends = _serve(sch, prompts, params)
+    assert got == want and ends == ["length"] * 3
+    assert sch.stats["preemptions"] > 0 and sch.stats["spec_drafted"] > 0
+    assert max(held) <= budget and sch.cache.used_bytes == 0 and _draft_paged(sch)[0].table.live == 0
+
+
+def test_a_draft_models_caches_do_not_grow_with_requests(ckpts):
+    """The draft model's pages come from the scheduler and go back when a request ends: none held after, and its
+    caches' storage after 50 requests is what it was after 5."""
+    llm = LLM(ckpts["llama"])
+    sch = Scheduler(llm, _draft_config(ckpts))
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    _serve(sch, [[7, 8, 9, 10, 3 + i] for i in range(5)], params)
+    after5 = _draft_bytes(sch)
+    table = _draft_paged(sch)[0].table
+    assert table.live == 0 and sch.cache.used_bytes == 0
+    for n in range(9):
+        _serve(sch, [[7, 8, 9, 10, 3 + i, n] for i in range(5)], params)
+    assert _draft_bytes(sch) == after5 and table.live == 0 and sch.cache.used_bytes == 0
+
+
+def test_the_cache_metrics_count_a_draft_models_pages(ckpts):
+    """``waferline_cache_bytes_in_use`` is the target's pages and the draft model's (the bytes of its caches' pages);
+    the draft's are their own kind."""
+    from types import SimpleNamespace
+
+    from waferline.server.metrics import Metrics
+
+    llm = LLM(ckpts["llama"])
+    sch = Scheduler(llm, _draft_config(ckpts))
+    sch.add(Sequence("r", [7, 8, 9, 10] * 3, SamplingParams(max_tokens=20, ignore_eos=True), lambda ev: None))
+    for _ in range(4):
+        sch.step()
+    metrics = Metrics(SimpleNamespace(scheduler=sch, num_waiting=0, num_running=1))
+    m = dict(line.rsplit(" ", 1) for line in metrics.render().decode().splitlines() if not line.startswith("#"))
+    cm, paged = sch.cache, _draft_paged(sch)
+    target, draft = cm.table.live, paged[0].table.live
+    assert target > 0 and draft > 0
+    assert float(m["waferline_cache_bytes_in_use"]) == (target * cm.paged_page_bytes
+                                                         + draft * sum(c.page_bytes() for c in paged))
+    assert float(m['waferline_cache_pages_in_use{kind="draft_gqa"}']) == draft
+    assert float(m['waferline_cache_pages_in_use{kind="gqa"}']) == target
 
 
 def test_a_seeded_row_beside_wider_drafts_keeps_its_own_on_a_tight_cache(ckpts):

@@ -32,6 +32,10 @@ or the prefix store) x the page's bytes. Each paged layer's pool is made once wi
 pools (sliding-window rings, Mamba-2 states, and every cache in stage processes, whose paged caches take their own
 pages) are an accounting of capacity, enforced by admission and preemption, over tensors indexed by slot.
 
+A draft model (speculative ``draft:PATH``) caches every sequence too: its pools (kinds ``draft_gqa`` ...) join the
+target's in the same budget, so a sequence's bytes are the target's and the draft's, and its full-attention pools
+are pages of a second table (the drafter's, ``attach(drafter, draft=True)``), held by one sequence each.
+
 Prefix caching (attention-only models whose layers all keep every token in pages: GQA and MLA without a sliding
 window) keeps full pages of finished sequences in a store keyed by the exact token chain (a page is reused
 only when it *and every page before it* match). A new sequence whose prompt starts with stored pages gets those
@@ -64,9 +68,10 @@ class CachePool:
     window: int | None
     page_bytes: float  # one page (page_tokens tokens) across all layers of the pool; mamba2: one sequence's state
     per_seq: bool  # True: a constant-size state per sequence (Mamba-2), not token pages
+    draft: bool = False  # layers of the draft model (speculative 'draft:PATH'), not the target's
 
 
-def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int) -> list[CachePool]:
+def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, draft: bool = False) -> list[CachePool]:
     groups: dict[tuple[str, int | None], list[int]] = {}
     for layer in spec.layers:
         m = layer.mixer
@@ -83,56 +88,77 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int) -> 
     pools = []
     for (kind, window), idx in groups.items():
         layers = [spec.layers[i] for i in idx]
+        kind = "draft_" + kind if draft else kind  # (its own pages_in_use kind: another model's page size)
         if any(l.mixer.cache_bytes_per_token(kv_bits) > 0 for l in layers):
             page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), window, page, False))
+            pools.append(CachePool(kind, tuple(idx), window, page, False, draft))
         else:
             state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), None, state, True))
+            pools.append(CachePool(kind, tuple(idx), None, state, True, draft))
     return pools
 
 
 class CacheManager:
-    """Slots and pages: who holds how much of the cache budget. Touched only by the engine thread."""
+    """Slots and pages: who holds how much of the cache budget. Touched only by the engine thread.
+
+    ``draft``: the ModelSpec of a draft model (speculative 'draft:PATH', in the target's dtype) whose caches hold every
+    sequence too: its pools join the target's (kinds ``draft_gqa`` ...), a sequence's bytes are the target's and the
+    draft's, and its paged caches take their pages from a second table (``attach(drafter, draft=True)``), never shared
+    (the prefix store keeps the target's pages only; the draft model catches up on a prefix hit's tokens)."""
 
     def __init__(self, spec: ModelSpec, max_num_seqs: int, max_model_len: int, page_tokens: int = 16,
-                 cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16):
+                 cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16,
+                 draft: ModelSpec | None = None):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if page_tokens < 1:
             raise ConfigError(f"page size must be >= 1 token, got {page_tokens}")
-        self.spec = spec
+        self.spec, self.draft = spec, draft
         self.page_tokens = page_tokens
         self.max_num_seqs = max_num_seqs
         self.kv_bits, self.state_bits = kv_bits, state_bits
         self.pools = _pools(spec, page_tokens, kv_bits, state_bits)
+        if draft is not None:
+            self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=True)
         self.max_model_len = max_model_len
         self.max_seq_bytes = self.bytes_for(max_model_len)
         self._default_budget = cache_bytes is None
         self.budget = float(cache_bytes) if cache_bytes is not None else max_num_seqs * self.max_seq_bytes
         if not self.budget >= self.max_seq_bytes:  # (NaN too)
+            drafts = self._bytes([n if p.draft else 0 for n, p in zip(self.pages_for(max_model_len), self.pools)])
             raise ConfigError(
                 f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
-                f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB); raise the cache budget "
-                "or lower --max-model-len"
+                f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB"
+                + (f", of which {drafts / 2**20:.2f} MiB the draft model's caches" if draft is not None else "")
+                + "); raise the cache budget or lower --max-model-len"
             )
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
         self.table: BlockTable | None = None  # the pages of the paged pools (attach)
+        self.draft_table: BlockTable | None = None  # the pages of the draft model's paged pools (attach)
         self._paged = [False] * len(self.pools)
         self._counted = 0.0  # bytes live sequences hold in pools without pages (counted per sequence)
         # evict prefix pages until this many bytes are free (in one part of a split page table, where given)
         self.reclaim: Callable[..., None] | None = None
 
-    def attach(self, runner: Any) -> None:
+    def attach(self, runner: Any, draft: bool = False) -> None:
         """Take the runner's page table (``runner.block_table(page_tokens)``, where it has one): the full-attention
-        pools of the layers it covers become its pages. Before any sequence is admitted."""
+        pools of the layers it covers become its pages. Before any sequence is admitted. ``draft``: the draft model's
+        drafter's table, for the draft's pools (after the runner's)."""
         make = getattr(runner, "block_table", None)
         table = make(self.page_tokens) if make is not None else None
         if table is None:
             return
+        paged = [p.draft == draft and not p.per_seq and p.window is None and set(p.layers) <= table.layers
+                 for p in self.pools]
+        self._paged = [a or b for a, b in zip(self._paged, paged)]
+        if draft:  # (its pages are never shared: its pools hold what the budget pays for, at most every slot full)
+            self.draft_table = table
+            if any(paged):
+                most = self.max_num_seqs * table.pages_for(self.max_model_len)
+                table.max_pages = 1 + min(int(self.budget // self.draft_page_bytes), most)
+            return
         self.table = table
-        self._paged = [not p.per_seq and p.window is None and set(p.layers) <= table.layers for p in self.pools]
         if table.parts > 1 and self._default_budget:  # (each part holds its slots' sequences at full length)
             self.budget = table.parts * -(-self.max_num_seqs // table.parts) * self.max_seq_bytes
         if any(self._paged):  # the pools hold the pages the budget can pay for (and the sink)
@@ -177,18 +203,25 @@ class CacheManager:
 
     @property
     def page_bytes(self) -> float:
-        """One page of every token pool together (what a prefix-store page costs)."""
-        return sum(p.page_bytes for p in self.pools if not p.per_seq)
+        """One page of every token pool of the target together (what a prefix-store page costs)."""
+        return sum(p.page_bytes for p in self.pools if not p.per_seq and not p.draft)
 
     @property
     def paged_page_bytes(self) -> float:
         """One page of the pools backed by the page table (one page id in every layer it covers)."""
-        return sum(p.page_bytes for p, paged in zip(self.pools, self._paged) if paged)
+        return sum(p.page_bytes for p, paged in zip(self.pools, self._paged) if paged and not p.draft)
+
+    @property
+    def draft_page_bytes(self) -> float:
+        """One page of the draft model's pools backed by its page table."""
+        return sum(p.page_bytes for p, paged in zip(self.pools, self._paged) if paged and p.draft)
 
     @property
     def used_bytes(self) -> float:
         """Bytes held by live sequences (a page shared with the prefix store or another sequence counted once)."""
         live = self.table.live * self.paged_page_bytes if self.table is not None else 0.0
+        if self.draft_table is not None:
+            live += self.draft_table.live * self.draft_page_bytes
         return self._counted + live
 
     @property
@@ -274,10 +307,15 @@ class CacheManager:
         if self.table is not None and any(self._paged):
             new_pages = max(0, self.table.pages_for(n_tokens) - len(self.table.slots[slot]))
         extra = counted + new_pages * self.paged_page_bytes
+        dt = self.draft_table
+        new_drafts = max(0, dt.pages_for(n_tokens) - len(dt.slots[slot])) if dt is not None else 0
+        extra += new_drafts * self.draft_page_bytes
         if extra > 0 and not (self._room(extra) and self._part_room(self.part_of(slot), new_pages)):
             return False
         if new_pages:
             self.table.grow(slot, n_tokens)
+        if new_drafts:
+            dt.grow(slot, n_tokens)
         self._held[rid] = (slot, want)
         self._counted += counted
         return True
@@ -289,6 +327,8 @@ class CacheManager:
         if not self._held:
             self._counted = 0.0  # no drift from float sums
         pages = self.table.release(slot) if self.table is not None else []
+        if self.draft_table is not None:
+            self.draft_table.release(slot)
         self._free_slots.append(slot)
         return pages
 
@@ -301,7 +341,7 @@ class CacheManager:
                     out[p.kind] = out.get(p.kind, 0) + n
         for p, paged in zip(self.pools, self._paged):
             if paged:
-                out[p.kind] = self.table.live
+                out[p.kind] = (self.draft_table if p.draft else self.table).live
             out.setdefault(p.kind, 0)
         return out
 

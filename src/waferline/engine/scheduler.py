@@ -111,23 +111,19 @@ class Scheduler:
         if self.runner.num_slots < config.max_num_seqs:
             raise ConfigError(f"the runner has {self.runner.num_slots} cache slots, fewer than max_num_seqs="
                               f"{config.max_num_seqs}")
-        bits = self.runner.cache_bits
-        self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
-                                  kv_bits=bits, state_bits=bits)
-        self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
-        prefixable = self.runner.prefix_caches() is not None
         self.spec_dec: ServeSpeculation | None = speculation  # (given: the LLM's own, across its schedulers)
         if speculation is not None:
             speculation.bind(self.runner.num_slots)
         elif config.speculative:
-            prepare = getattr(self.runner, "prepare_speculation", None)  # (a runner over processes: its own parts)
-            if prepare is None and not isinstance(self.runner, LocalRunner):
-                raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
-                                  "serve without speculative")
-            model, caches = prepare(config.speculative) if prepare else (self.runner.model, self.runner.caches)
-            self.spec_dec = ServeSpeculation(model, caches, self.runner.num_slots, config.speculative,
-                                             config.num_speculative_tokens, config.speculative_adaptive,
-                                             config.max_num_batched_tokens)
+            self.spec_dec = ServeSpeculation.for_runner(self.runner, config)
+        draft = self.spec_dec.draft if self.spec_dec is not None else None  # (a draft model: its caches count too)
+        bits = self.runner.cache_bits
+        self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
+                                  kv_bits=bits, state_bits=bits, draft=draft.model.spec if draft is not None else None)
+        self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
+        if draft is not None:
+            self.cache.attach(draft, draft=True)
+        prefixable = self.runner.prefix_caches() is not None
         if self.spec_dec is not None:
             self.runner.keep_hidden = self.spec_dec.uses_hidden
             prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states

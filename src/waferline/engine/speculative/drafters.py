@@ -11,6 +11,8 @@ import torch
 from waferline.engine.sampling import SamplingParams, draw, greedy, target_probs
 from waferline.engine.speculative.rollback import _load, _save, _stateful
 from waferline.errors import ConfigError
+from waferline.model.attention import TokenCache
+from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 
 
@@ -169,8 +171,21 @@ class DraftModelDrafter(_ModelDrafter):
         self.cached = [0] * len(seqs)
         self._saved, self._base = {}, {}
 
+    def block_table(self, page_tokens: int) -> BlockTable | None:
+        """One page table for the draft's paged caches (as ``LocalRunner.block_table``; after ``begin``), managed by
+        the scheduler's CacheManager, which counts the draft's caches in its budget; None without paged caches."""
+        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
+        if not paged:
+            return None
+        table = BlockTable(len(self.cached), page_tokens, managed=True)
+        table.layers = frozenset(paged)
+        for i in paged:
+            self.caches[i].bind(table)
+        return table
+
     def reset(self, rows: list[int]) -> None:
-        """Rows that start a new sequence: nothing of them in the draft caches."""
+        """Rows that start a new sequence: nothing of them in the draft caches (a managed table's pages are its
+        allocator's)."""
         index = torch.tensor(rows, device=self.device)
         for c in self.caches:
             if c is not None:

@@ -14,7 +14,8 @@ steps' hidden states handed to an MTP drafter: speculation that does not pay cos
 
 ``LLM(speculative=...)`` speculates through the same class over its own scheduler. A draft model (``draft:PATH``, a
 checkpoint sharing the target's tokenizer) drafts over its own caches in the scheduler's process, catching up on each
-sequence's tokens as it proposes (so a prefix-cache hit or a preemption needs nothing of it).
+sequence's tokens as it proposes (so a prefix-cache hit or a preemption needs nothing of it); the scheduler's
+CacheManager hands out their pages and counts them in the cache budget (``ServeSpeculation.draft``).
 
 A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
 is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
@@ -39,7 +40,7 @@ from waferline.errors import ConfigError
 
 if TYPE_CHECKING:
     from waferline.engine.runner import LocalRunner, RowOutput
-    from waferline.engine.scheduler import Sequence
+    from waferline.engine.scheduler import SchedulerConfig, Sequence
 
 def check_serve_method(method: str, k: int) -> None:
     """Refuse a method or K the scheduler cannot speculate with, with the reason (before any checkpoint loads)."""
@@ -109,6 +110,25 @@ class ServeSpeculation:
         self.bind(num_slots)
         self.stats = ServeSpecStats()
         self.idle = 0  # steps (or bursts) in a row in which no sequence drafted
+
+    @classmethod
+    def for_runner(cls, runner: Any, config: SchedulerConfig) -> ServeSpeculation:
+        """The speculation a scheduler's ``config`` (SchedulerConfig) asks for over ``runner``."""
+        from waferline.engine.runner import LocalRunner
+
+        prepare = getattr(runner, "prepare_speculation", None)  # (a runner over processes: its own parts)
+        if prepare is None and not isinstance(runner, LocalRunner):
+            raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
+                              "serve without speculative")
+        model, caches = prepare(config.speculative) if prepare else (runner.model, runner.caches)
+        return cls(model, caches, runner.num_slots, config.speculative, config.num_speculative_tokens,
+                   config.speculative_adaptive, config.max_num_batched_tokens)
+
+    @property
+    def draft(self) -> DraftModelDrafter | None:
+        """The drafter when it is a draft model (``draft:PATH``): its caches hold every sequence too, and the
+        scheduler's CacheManager counts them in its budget."""
+        return self.drafter if isinstance(self.drafter, DraftModelDrafter) else None
 
     def bind(self, num_slots: int) -> None:
         """Drafter state for ``num_slots`` empty slots (a scheduler with that many slots starts using it)."""
