@@ -360,7 +360,7 @@ def test_int4_file_bytes_match_modelspec_accounting(tmp_path, G, sym):
     tensors = load_file(str(tmp_path / "sol4" / "model.safetensors"))
     data = sum(t.numel() * t.element_size() for t in tensors.values())
     spec = spec_from_pretrained(src)
-    assert abs(data / spec.weight_bytes(4, G, zeros=not sym) - 1) < 0.01
+    assert data == spec.weight_bytes(4, G, zeros=not sym)
     assert data < 0.4 * spec.weight_bytes(16)
     assert s["modules_not_quantized"] == ["model.layers.2.self_attn.kv_b_proj.weight",
                                           "model.layers.5.self_attn.kv_b_proj.weight"]
@@ -393,7 +393,11 @@ def test_gpt_oss_fused_experts_are_int4_in_the_file_stored_transposed(tmp_path):
     assert not set(experts) & set(tensors)
     assert tensors[experts[1] + ".qweight"].shape == (4, 64, 32) and tensors[experts[1] + ".scales"].shape == (4, 64, 2)
     data = sum(t.numel() * t.element_size() for t in tensors.values())
-    assert abs(data / spec_from_pretrained(tmp_path / "g").weight_bytes(4, 32) - 1) < 0.05  # (+1.9%: expert biases)
+    spec = spec_from_pretrained(tmp_path / "g")
+    assert data == spec.weight_bytes(4, 32)  # (the expert biases 16-bit)
+    layer0 = sum(t.numel() * t.element_size() for k, t in tensors.items()
+                 if k.startswith("model.layers.0.mlp.experts."))
+    assert layer0 == 4 * spec.layers[0].ffn.expert_bytes(4, 32)  # (what the planner places per expert)
     src = Int4Source(open_weights(tmp_path / "g4"), cfg)
     w16 = load_file(f)[experts[1]].float()
     assert src.get(experts[1]).shape == w16.shape == (4, 64, 64)
@@ -413,10 +417,10 @@ def test_gpt_oss_fused_experts_are_int4_in_the_file_stored_transposed(tmp_path):
     assert (_logprobs(m4, ids) - _logprobs(ref, ids)).abs().max() < 1e-5
 
 
-def test_a_group_that_does_not_divide_k_halves_and_the_file_holds_its_extra_scales(tmp_path):
+def test_a_group_that_does_not_divide_k_halves_and_the_accounting_counts_its_scales(tmp_path):
     """docs/w4a16.md: a weight whose K the group size does not divide takes the largest halving of G that does (the
-    config records the G asked for, the loader reads each tensor's own), and the ModelSpec accounting, which assumes G
-    throughout, counts fewer scale bytes than the file holds (gpt-oss's K = 2880 at the default 128)."""
+    config records the G asked for, the loader reads each tensor's own), and the ModelSpec accounting counts the
+    scales the file holds (gpt-oss's K = 2880 at the default 128: groups of 64)."""
     build("mixtral", tmp_path / "m")  # experts' w2: K = intermediate_size = 48, not a multiple of 32
     s = quantize_checkpoint(tmp_path / "m", tmp_path / "m4", QuantOptions(group_size=32))
     assert s["modules_not_quantized"] == []
@@ -427,9 +431,34 @@ def test_a_group_that_does_not_divide_k_halves_and_the_file_holds_its_extra_scal
     assert tensors[w2 + ".scales"].shape == (64, 3)  # groups of 16
     assert load_model(tmp_path / "m4").layers[0].ffn.q_down.group_size == 16
     data = sum(t.numel() * t.element_size() for t in tensors.values())
-    w2_params = 2 * 4 * 64 * 48  # layers x experts x [D, I]
-    extra = 2 * (w2_params // 16 - w2_params // 32)  # bf16 scales at groups of 16 instead of 32
-    assert data == spec_from_pretrained(tmp_path / "m").weight_bytes(4, 32) + extra
+    spec = spec_from_pretrained(tmp_path / "m")
+    assert data == spec.weight_bytes(4, 32)
+    expert = sum(t.numel() * t.element_size() for k, t in tensors.items()
+                 if k.startswith("model.layers.0.block_sparse_moe.experts.0."))
+    # w1, w3 [48, 64] in groups of 32 and w2 [64, 48] in groups of 16: codes, then bf16 scales
+    assert expert == spec.layers[0].ffn.expert_bytes(4, 32) == 3 * 48 * 64 // 2 + 2 * 48 * 2 * 2 + 64 * 3 * 2
+
+
+@pytest.mark.parametrize("model_type,G,sym,overrides", [
+    ("llama", 32, False, {"intermediate_size": 72}),  # down_proj: no group of 32 or 16 divides K = 72: 16-bit
+    ("gpt_oss", 128, True, {}),  # every K < 128: one group per row; the experts' biases 16-bit
+    ("deepseek_v3", 32, True, {}),  # MLA (q_b_proj: K = 48, groups of 16; kv_b_proj kept 16-bit), a shared expert
+    ("deepseek_v32", 32, False, {}),  # + the lightning indexer
+    ("granitemoehybrid", 32, True, {}),  # Mamba-2, a shared expert of width 48
+    ("qwen3_next", 32, True, {}),  # gated DeltaNet (value width 48), gated attention, a gated shared expert
+    ("kimi_linear", 32, True, {}),  # KDA, NoPE MLA
+    ("deepseek_v4", 32, False, {}),  # compressed attention, its indexer, a grouped output (K = 48), hyper-connections
+])
+def test_int4_file_bytes_equal_the_accounting(tmp_path, model_type, G, sym, overrides):
+    """The planner's int4 bytes are the file's, each matrix's groups as ``waferline quantize`` sizes them (DeepSeek-V4's
+    token -> expert tables are buffers, not weights: not counted)."""
+    build(model_type, tmp_path / "m", **overrides)
+    s = quantize_checkpoint(tmp_path / "m", tmp_path / "m4", QuantOptions(group_size=G, symmetric=sym))
+    tensors = load_file(str(tmp_path / "m4" / "model.safetensors"))
+    data = sum(t.numel() * t.element_size() for k, t in tensors.items() if not k.endswith(".tid2eid"))
+    assert data == spec_from_pretrained(tmp_path / "m").weight_bytes(4, G, zeros=not sym)
+    if overrides:
+        assert s["modules_not_quantized"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
 
 
 def test_an_int4_file_names_the_weights_its_layout_cannot_hold(tmp_path, capsys):

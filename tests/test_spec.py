@@ -7,7 +7,7 @@ import pytest
 
 from waferline.errors import ConfigError
 from waferline.spec.configs import parse_hf_config
-from waferline.spec.model import quantized_bytes
+from waferline.spec.model import MoESpec, group_for, matmul_bytes, quantized_bytes
 
 DSV3 = dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
             moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
@@ -54,6 +54,45 @@ def test_quantized_bytes_overhead():
     s = parse_hf_config(DSV3)
     w4, w16 = s.weight_bytes(4, group_size=32), s.weight_bytes(16)
     assert 0.25 < w4 / w16 < 0.32
+
+
+def test_each_matrix_takes_the_group_waferline_quantize_gives_it():
+    """int4 scales per matrix: G where it divides K, else its largest halving >= 16 that does (gpt-oss's K = 2880 at
+    128: groups of 64), one group per row where K < G, and 16-bit where none divides K (as the files hold them)."""
+    assert [group_for(k, 128) for k in (4096, 2880, 48, 7, 200)] == [128, 64, 48, None, None]
+    assert matmul_bytes([(4096, 64, 2)], 4) == quantized_bytes(4096 * 64 * 2, 4)
+    assert matmul_bytes([(2880, 64, 1)], 4) == 2880 * 64 / 2 + 64 * 45 * 2
+    assert matmul_bytes([(2880, 64, 1)], 4, zeros=True) == 2880 * 64 / 2 + 64 * 45 * 4
+    assert matmul_bytes([(48, 10, 3)], 4, 128) == 48 * 30 / 2 + 30 * 2
+    assert matmul_bytes([(72, 10, 1), (64, 10, 1)], 4, 32) == 72 * 10 * 2 + 64 * 10 / 2 + 20 * 2
+    assert matmul_bytes([(72, 10, 1)], 16, 32) == matmul_bytes([(72, 10, 1)], 4, 32) == 1440
+    oss = parse_hf_config(dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                               num_local_experts=32, num_experts_per_tok=4))
+    # one expert: gate, up and down [2880 x 2880] in groups of 64 (45 scales a row), its biases 16-bit
+    assert oss.layers[0].ffn.expert_bytes(4) == 3 * 2880 * 2880 / 2 + 3 * 2880 * 45 * 2 + 3 * 2880 * 2
+
+
+def test_every_catalog_matmul_list_adds_up_to_its_parameters():
+    """Each mixer's and FFN's (K, N, count) list, which the byte accounting groups, holds its matmul parameters, and
+    matmuls and small parameters make up all of them; the attention and FFN sides of a layer add up to the layer."""
+    from waferline.spec.catalog import list_models, load_model
+
+    for m in list_models():
+        s = load_model(m)
+        for layer in s.layers + s.mtp_layers:
+            for p in (layer.mixer, layer.ffn):
+                if p is None:
+                    continue
+                assert sum(k * n * c for k, n, c in p.matmuls()) == p.matmul_params(), (m, layer.index, p.kind)
+                assert p.matmul_params() + p.small_params() == p.params(), (m, layer.index, p.kind)
+                if isinstance(p, MoESpec):
+                    one = sum(k * n * c for k, n, c in p.expert_matmuls())
+                    assert one * p.num_experts + sum(k * n * c for k, n, c in p._shared_matmuls()) == p.matmul_params()
+                    assert p.expert_bytes(16) == 2 * p.expert_params()
+            for bits in (4, 16):
+                parts = layer.mixer_weight_bytes(bits, 64) + layer.ffn_weight_bytes(bits, 64)
+                assert parts == layer.weight_bytes(bits, 64), (m, layer.index, bits)
 
 
 def test_sliding_window_and_ssm_cache_bounds():

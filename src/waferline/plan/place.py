@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 from waferline.errors import ConfigError, FitError
 from waferline.plan.plan import MAX_DEVICES, MemoryBreakdown, Plan, SpeculativeConfig, Stage
 from waferline.spec.hardware import HardwareSpec
-from waferline.spec.model import quantized_bytes
 
 if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
@@ -246,7 +245,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
         if isinstance(f, MoESpec) and layer.index in ffn:
             if f.num_experts < N:
                 raise ConfigError(f"layer {layer.index} has {f.num_experts} experts: at most {f.num_experts} FFN ranks")
-            routed[layer.index] = (quantized_bytes(f.expert_params(), weight_bits, group), f.num_experts)
+            routed[layer.index] = (f.expert_bytes(weight_bits, group), f.num_experts)
     if not ffn:
         raise ConfigError(f"{spec.name}: no layer has an FFN; attention/FFN disaggregation has nothing to split")
     if not routed and N > len(ffn):

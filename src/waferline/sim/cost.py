@@ -14,7 +14,7 @@ from waferline.errors import ConfigError
 from waferline.plan.plan import MAX_DRAFT_TOKENS
 from waferline.sim.wafer import Fabric, fabric_work
 from waferline.spec.hardware import HardwareSpec
-from waferline.spec.model import MoESpec, quantized_bytes
+from waferline.spec.model import MoESpec
 
 if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
@@ -381,7 +381,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
             continue
         ffn = layer.ffn
         moe = isinstance(ffn, MoESpec)
-        eb = quantized_bytes(ffn.expert_params(), weight_bits, group) if moe else 0.0
+        eb = ffn.expert_bytes(weight_bits, group) if moe else 0.0
         fb = layer.ffn_weight_bytes(weight_bits, group)
         total_f = layer.flops_per_token(context)
         mixer_f = layer.mixer_flops_per_token(context)

@@ -64,10 +64,10 @@ def _lm_head(spec: ModelSpec, embed_bits: int) -> tuple[float, float]:
 
 def _eagle_head(spec: ModelSpec, embed_bits: int) -> tuple[int, float, float]:
     """An EAGLE head's own output projection: its draft vocabulary, bytes and FLOPs per token."""
-    from waferline.spec.model import quantized_bytes
+    from waferline.spec.model import matmul_bytes
 
     v = min(spec.vocab_size, EAGLE_DRAFT_VOCAB)
-    return v, quantized_bytes(v * spec.hidden_size, embed_bits), 2.0 * v * spec.hidden_size
+    return v, matmul_bytes([(spec.hidden_size, v, 1)], embed_bits), 2.0 * v * spec.hidden_size
 
 
 def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
@@ -200,7 +200,7 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     """Bytes the drafter of ``sp`` (a SpeculativeConfig) adds to the stage that holds the LM head: its weights, and
     its cache for ``batch`` sequences of ``context`` tokens (an MTP module or a draft layer keeps a cache of its own;
     a draft model its whole cache) — and what it is. N-gram lookup runs on the host: nothing."""
-    from waferline.spec.model import quantized_bytes
+    from waferline.spec.model import matmul_bytes
 
     method = sp.method
     if method in ("none", "ngram"):
@@ -208,7 +208,7 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     d = spec.hidden_size
     if method == "medusa":  # k heads, each a residual block [d -> d] and an LM head of its own
         k = sp.num_tokens or params.num_tokens.get(method, 4)
-        return k * (spec.lm_head_bytes(embed_bits) + quantized_bytes(d * d, weight_bits, group_size)), \
+        return k * (spec.lm_head_bytes(embed_bits) + matmul_bytes([(d, d, 1)], weight_bits, group_size)), \
             f"{k} Medusa heads"
     dspec = draft_spec(spec, sp.draft_model, params) if method == "draft" else None
     if dspec is not None:

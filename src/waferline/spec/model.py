@@ -8,6 +8,7 @@ torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,17 +22,56 @@ STATE_BYTES = 4  # the recurrent state of a Mamba-2 or linear-attention layer is
 # largest halving (>= 16) that divides the weight's width
 INT4_GROUP_SIZES = (16, 32, 64, 128, 256)
 
+# a matmul weight as the byte accounting sees it: (K inputs, N outputs, how many such matrices)
+Matmul = tuple[int, int, int]
+
+
+def group_for(K: int, group_size: int) -> int | None:
+    """The group size used for a tensor with ``K`` inputs: ``group_size`` if it divides K, else ``K`` when
+    ``K < group_size``, else the largest halving of it (>= 16) that divides K; None when none does."""
+    if K % group_size == 0:
+        return group_size
+    if K < group_size and K % 2 == 0:
+        return K
+    g = group_size // 2
+    while g >= 16:
+        if K % g == 0:
+            return g
+        g //= 2
+    return None
+
 
 def quantized_bytes(
     n_params: float, bits: int, group_size: int = 128, scale_bits: int = 16, zeros: bool = False
 ) -> float:
-    """Bytes to store ``n_params`` weights at ``bits`` with one scale (and zero) per ``group_size`` weights."""
+    """Bytes to store ``n_params`` weights at ``bits`` with one scale (and zero) per ``group_size`` weights (a flat
+    count: matmul weights are counted by :func:`matmul_bytes`, each matrix in the groups its width allows)."""
     if bits not in (4, 8, 16, 32):
         raise ConfigError(f"weight bits must be 4, 8, 16 or 32, got {bits}")
     if bits >= 16:
         return n_params * bits / 8
     per_group = (scale_bits / 8) * (2 if zeros else 1)
     return n_params * bits / 8 + math.ceil(n_params / group_size) * per_group
+
+
+def matmul_bytes(matmuls: Iterable[Matmul], bits: int, group_size: int = 128, scale_bits: int = 16,
+                 zeros: bool = False) -> float:
+    """Bytes to store the matmul weights ``(K, N, count)`` at ``bits``, as ``waferline quantize`` stores them: below
+    16 bits each matrix has one scale (and zero) per group of its K inputs, of the size :func:`group_for` gives
+    (``group_size``, else its largest halving that divides K, one group per row where K < ``group_size``), and a
+    matrix none divides stays 16-bit."""
+    if bits not in (4, 8, 16, 32):
+        raise ConfigError(f"weight bits must be 4, 8, 16 or 32, got {bits}")
+    per_group = (scale_bits / 8) * (2 if zeros else 1)
+    total = 0.0
+    for K, N, count in matmuls:
+        n = K * N * count
+        if bits >= 16:
+            total += n * bits / 8
+            continue
+        g = group_for(K, group_size)
+        total += n * BYTES_16 if g is None else n * bits / 8 + n // g * per_group
+    return total
 
 
 # ----------------------------------------------------------------------------- mixers
@@ -84,6 +124,12 @@ class AttentionSpec:
     def matmul_params(self) -> int:
         return self._q_matmul() + self.hidden_size * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count) of each matmul weight: q (or its low-rank pair), k and v, o."""
+        d, hd = self.hidden_size, self.head_dim
+        q = [(d, self.q_rank, 1), (self.q_rank, self._q_width(), 1)] if self.q_rank else [(d, self._q_width(), 1)]
+        return q + [(d, self.num_kv_heads * hd, 2), (self.num_heads * hd, d, 1)]
+
     def cache_elems_per_token(self) -> int:
         return 2 * self.num_kv_heads * self.head_dim
 
@@ -130,12 +176,22 @@ class MLASpec:
         o = h * self.v_head_dim * d
         return q + kv_a + kv_b + o
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count) of each matmul weight: q_a / q_b (or q), kv_a, kv_b, o."""
+        h, d, qk = self.num_heads, self.hidden_size, self.qk_head_dim
+        q = [(d, self.q_lora_rank, 1), (self.q_lora_rank, h * qk, 1)] if self.q_lora_rank else [(d, h * qk, 1)]
+        return q + [(d, self.kv_lora_rank + self.qk_rope_head_dim, 1), *self.kept_16bit_matmuls(),
+                    (h * self.v_head_dim, d, 1)]
+
     def small_params(self) -> int:
         return (self.q_lora_rank or 0) + self.kv_lora_rank  # the two latent RMSNorms
 
+    def kept_16bit_matmuls(self) -> list[Matmul]:
+        """Matmuls that stay 16-bit in int4 checkpoints: kv_b_proj, whose halves W_UK / W_UV are absorbed."""
+        return [(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), 1)]
+
     def kept_16bit_params(self) -> int:
-        """Matmul parameters that stay 16-bit in int4 checkpoints: kv_b_proj, whose halves W_UK / W_UV are absorbed."""
-        return self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return sum(k * n * c for k, n, c in self.kept_16bit_matmuls())
 
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
@@ -202,6 +258,11 @@ class Mamba2Spec(_StateMixer):
         out_proj = self.d_inner * self.hidden_size
         return in_proj + out_proj
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): in_proj (z, x, B, C, dt) and out_proj."""
+        d = self.hidden_size
+        return [(d, 2 * self.d_inner + 2 * self.n_groups * self.state_size + self.num_heads, 1), (self.d_inner, d, 1)]
+
     def small_params(self) -> int:
         n = self.conv_dim * self.conv_kernel + 3 * self.num_heads + self.d_inner  # conv, dt_bias/A_log/D, norm
         if self.conv_bias:
@@ -242,6 +303,11 @@ class Mamba1Spec(_StateMixer):
     def matmul_params(self) -> int:
         return (self.hidden_size * 2 * self.d_inner + self.d_inner * (self.dt_rank + 2 * self.state_size)
                 + self.dt_rank * self.d_inner + self.d_inner * self.hidden_size)
+
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): in_proj, x_proj, dt_proj, out_proj."""
+        d, di = self.hidden_size, self.d_inner
+        return [(d, 2 * di, 1), (di, self.dt_rank + 2 * self.state_size, 1), (self.dt_rank, di, 1), (di, d, 1)]
 
     def small_params(self) -> int:
         # conv (+ bias), A_log, D, dt_proj's bias, and the RMSNorms of the time step, B and C
@@ -286,6 +352,11 @@ class GatedDeltaNetSpec(_StateMixer):
         ba = self.hidden_size * 2 * self.num_v_heads
         return qkvz + ba + self.value_dim * self.hidden_size
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): in_proj_qkvz, in_proj_ba, out_proj."""
+        d = self.hidden_size
+        return [(d, 2 * self.key_dim + 2 * self.value_dim, 1), (d, 2 * self.num_v_heads, 1), (self.value_dim, d, 1)]
+
     def small_params(self) -> int:
         return (2 * self.key_dim + self.value_dim) * self.conv_kernel + 2 * self.num_v_heads + self.head_v_dim
 
@@ -324,6 +395,11 @@ class KimiDeltaSpec(_StateMixer):
         qkvo = 4 * d * c
         gates = 2 * (d * hd + hd * c)  # forget gate and output gate, each d -> head_dim -> heads x head_dim
         return qkvo + gates + d * self.num_heads  # + b_proj (beta)
+
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): q, k, v; the forget and output gates' two low-rank halves; b_proj; o."""
+        d, c, hd = self.hidden_size, self.qkv_dim, self.head_dim
+        return [(d, c, 3), (d, hd, 2), (hd, c, 2), (d, self.num_heads, 1), (c, d, 1)]
 
     def small_params(self) -> int:
         # the three convs, dt_bias (per channel), A_log (per head), the gated output norm
@@ -392,6 +468,15 @@ class DSASpec:
 
     def matmul_params(self) -> int:
         return self._mla().matmul_params() + self.indexer_matmul_params()
+
+    def matmuls(self) -> list[Matmul]:
+        """MLA's, and the indexer's wq_b and wk."""
+        q_in = self.q_lora_rank or self.hidden_size
+        return self._mla().matmuls() + [(q_in, self.index_n_heads * self.index_head_dim, 1),
+                                        (self.hidden_size, self.index_head_dim, 1)]
+
+    def kept_16bit_matmuls(self) -> list[Matmul]:
+        return self._mla().kept_16bit_matmuls()
 
     def small_params(self) -> int:
         return self._mla().small_params() + self.indexer_small_params()
@@ -484,17 +569,31 @@ class CompressedAttentionSpec:
         n = q + kv + o
         if self.compress_ratio:
             n += 2 * d * (2 * hd if self.index_topk else hd)
-        if self.index_topk:
+        if self.index_topk:  # the indexer's compressor, wq_b and weights_proj
             n += 2 * d * 2 * self.index_head_dim + self.q_lora_rank * self.index_n_heads * self.index_head_dim
+            n += d * self.index_n_heads
         return n
+
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): wq_a, wq_b, wkv, wo_a (one [heads x head_dim / o_groups -> o_groups x o_lora_rank] matrix)
+        and wo_b (or o), the compressor's kv and gate, the indexer's compressor kv and gate, wq_b and weights_proj."""
+        d, h, hd, g = self.hidden_size, self.num_heads, self.head_dim, self.o_groups
+        out = [(d, self.q_lora_rank, 1), (self.q_lora_rank, h * hd, 1), (d, hd, 1)]
+        out += [(h * hd // g, g * self.o_lora_rank, 1), (g * self.o_lora_rank, d, 1)] if self.o_lora_rank \
+            else [(h * hd, d, 1)]
+        if self.compress_ratio:
+            out.append((d, 2 * hd if self.index_topk else hd, 2))
+        if self.index_topk:
+            out += [(d, 2 * self.index_head_dim, 2), (self.q_lora_rank, self.index_n_heads * self.index_head_dim, 1),
+                    (d, self.index_n_heads, 1)]
+        return out
 
     def small_params(self) -> int:
         n = self.q_lora_rank + self.head_dim + self.num_heads  # q norm, kv norm, sinks
         if self.compress_ratio:
             n += self.compress_ratio * (2 * self.head_dim if self.index_topk else self.head_dim) + self.head_dim
-        if self.index_topk:  # position bias, weights_proj, the indexer compressor's norm
-            n += self.compress_ratio * 2 * self.index_head_dim + self.hidden_size * self.index_n_heads
-            n += self.index_head_dim
+        if self.index_topk:  # position bias, the indexer compressor's norm
+            n += self.compress_ratio * 2 * self.index_head_dim + self.index_head_dim
         return n
 
     def params(self) -> int:
@@ -583,6 +682,11 @@ class DenseFFNSpec:
     def matmul_params(self) -> int:
         return (3 if self.gated else 2) * self.hidden_size * self.intermediate_size
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): gate and up (or up), down."""
+        d, i = self.hidden_size, self.intermediate_size
+        return [(d, i, 2 if self.gated else 1), (i, d, 1)]
+
     def small_params(self) -> int:
         if not self.bias:
             return 0
@@ -622,22 +726,42 @@ class MoESpec:
     shared_gate: bool = False  # Qwen2-MoE style sigmoid gate on the shared expert
     kind: str = "moe"
 
+    def _expert_matmul_params(self) -> int:
+        return (3 if self.gated else 2) * self.hidden_size * self.expert_intermediate
+
+    def _expert_bias_params(self) -> int:
+        return (2 if self.gated else 1) * self.expert_intermediate + self.hidden_size if self.expert_bias else 0
+
+    def expert_matmuls(self) -> list[Matmul]:
+        """(K, N, count) of one routed expert's weights: gate and up (or up), down."""
+        d, i = self.hidden_size, self.expert_intermediate
+        return [(d, i, 2 if self.gated else 1), (i, d, 1)]
+
     def expert_params(self) -> int:
         """Parameters of one routed expert."""
-        n = (3 if self.gated else 2) * self.hidden_size * self.expert_intermediate
-        if self.expert_bias:
-            n += (2 if self.gated else 1) * self.expert_intermediate + self.hidden_size
-        return n
+        return self._expert_matmul_params() + self._expert_bias_params()
 
-    def shared_params(self) -> int:
+    def expert_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
+        """Stored bytes of one routed expert: its weights at ``bits`` (+ scales), its biases 16-bit."""
+        return (matmul_bytes(self.expert_matmuls(), bits, group_size, zeros=zeros)
+                + self._expert_bias_params() * BYTES_16)
+
+    def _shared_matmuls(self) -> list[Matmul]:
+        d, s = self.hidden_size, self.shared_intermediate
+        return [(d, s, 2 if self.gated else 1), (s, d, 1)] if s else []
+
+    def _shared_matmul_params(self) -> int:
+        return (3 if self.gated else 2) * self.hidden_size * self.shared_intermediate
+
+    def _shared_small_params(self) -> int:
+        """The shared experts' biases and sigmoid gate (a [d -> 1] weight, 16-bit as routers are)."""
         if not self.shared_intermediate:
             return 0
-        n = (3 if self.gated else 2) * self.hidden_size * self.shared_intermediate
-        if self.shared_bias:
-            n += (2 if self.gated else 1) * self.shared_intermediate + self.hidden_size
-        if self.shared_gate:
-            n += self.hidden_size
-        return n
+        n = (2 if self.gated else 1) * self.shared_intermediate + self.hidden_size if self.shared_bias else 0
+        return n + (self.hidden_size if self.shared_gate else 0)
+
+    def shared_params(self) -> int:
+        return self._shared_matmul_params() + self._shared_small_params()
 
     def router_params(self) -> int:
         n = self.hidden_size * self.num_experts
@@ -653,22 +777,38 @@ class MoESpec:
     def active_params(self) -> int:
         return self.router_params() + self.top_k * self.expert_params() + self.shared_params()
 
+    def matmuls(self) -> list[Matmul]:
+        """(K, N, count): every routed expert's weights, and the shared experts' (biases and gates are small)."""
+        return [(k, n, c * self.num_experts) for k, n, c in self.expert_matmuls()] + self._shared_matmuls()
+
     def matmul_params(self) -> int:
-        return self.num_experts * self.expert_params() + self.shared_params()
+        return self.num_experts * self._expert_matmul_params() + self._shared_matmul_params()
 
     def small_params(self) -> int:
-        return self.router_params()
+        """The router, and the experts' biases and shared gate (16-bit when the matmuls are quantized)."""
+        return self.router_params() + self.num_experts * self._expert_bias_params() + self._shared_small_params()
 
     def active_matmul_params(self) -> int:
-        return self.top_k * self.expert_params() + self.shared_params()
+        return self.top_k * self._expert_matmul_params() + self._shared_matmul_params()
 
 
 FFNSpec = DenseFFNSpec | MoESpec
 
 
-def _kept_16bit(part: Any, bits: int) -> int:
-    """Matmul parameters of ``part`` that int4/int8 checkpoints keep at 16 bits (MLA's kv_b_proj)."""
-    return part.kept_16bit_params() if bits < 16 and hasattr(part, "kept_16bit_params") else 0
+def _kept_16bit(part: Any, bits: int) -> list[Matmul]:
+    """Matmuls of ``part`` that int4/int8 checkpoints keep at 16 bits (MLA's kv_b_proj)."""
+    return part.kept_16bit_matmuls() if bits < 16 and hasattr(part, "kept_16bit_matmuls") else []
+
+
+def _part_bytes(part: Any, bits: int, group_size: int, zeros: bool = False) -> float:
+    """Stored bytes of a mixer or an FFN: its matmuls at ``bits`` (+ scales; those kept 16-bit at 16), its small
+    parameters (norms, routers, biases) 16-bit."""
+    kept = _kept_16bit(part, bits)
+    mm = list(part.matmuls())
+    for m in kept:
+        mm.remove(m)
+    return (matmul_bytes(mm, bits, group_size, zeros=zeros) + matmul_bytes(kept, 16)
+            + part.small_params() * BYTES_16)
 
 
 # ----------------------------------------------------------------------------- layers and model
@@ -714,30 +854,24 @@ class LayerSpec:
         return 1 if kind in ("mla", "dsa", "compressed") else 0
 
     def weight_bytes(self, bits: int = 16, group_size: int = 128, zeros: bool = False) -> float:
-        """Stored bytes: matmul weights at ``bits`` (+ scales); norms, routers, biases stay 16-bit."""
-        kept = sum(_kept_16bit(p, bits) for p in self._parts())
-        mm = sum(p.matmul_params() for p in self._parts()) - kept
-        small = sum(p.small_params() for p in self._parts()) + self.norm_params() + self.hc_params() + kept
-        return quantized_bytes(mm, bits, group_size, zeros=zeros) + small * BYTES_16
+        """Stored bytes: matmul weights at ``bits`` (+ scales, each matrix's groups as ``matmul_bytes`` sizes them);
+        norms, routers, biases stay 16-bit."""
+        return (sum(_part_bytes(p, bits, group_size, zeros) for p in self._parts())
+                + (self.norm_params() + self.hc_params()) * BYTES_16)
 
     def mixer_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
         """Bytes of the mixer part (attention side of an attention/FFN split), with its norm (and hyper-connection)."""
         if self.mixer is None:
             return 0.0
-        kept = _kept_16bit(self.mixer, bits)
         hc = self.hc_params() // len(self._parts())
-        return (quantized_bytes(self.mixer.matmul_params() - kept, bits, group_size)
-                + (self.mixer.small_params() + kept + self.hidden_size + hc) * BYTES_16)
+        return _part_bytes(self.mixer, bits, group_size) + (self.hidden_size + hc) * BYTES_16
 
     def ffn_weight_bytes(self, bits: int = 16, group_size: int = 128) -> float:
         """Bytes of the FFN part (FFN side of an attention/FFN split), with its norm (and hyper-connection)."""
         if self.ffn is None:
             return 0.0
         hc = self.hc_params() // len(self._parts())
-        return (
-            quantized_bytes(self.ffn.matmul_params(), bits, group_size)
-            + (self.ffn.small_params() + self.hidden_size + hc) * BYTES_16
-        )
+        return _part_bytes(self.ffn, bits, group_size) + (self.hidden_size + hc) * BYTES_16
 
     def cache_bytes_per_token(self, kv_bits: int = 16) -> float:
         return self.mixer.cache_bytes_per_token(kv_bits) if self.mixer else 0.0
@@ -831,16 +965,18 @@ class ModelSpec:
         """Stored bytes of the MTP modules (``mtp_params``' parts: the layer and its [2d -> d] projection at ``bits``,
         the norms 16-bit); ``layers``: modules of other layers' shape (an EAGLE-style head: the first layer's)."""
         d = self.hidden_size
-        return sum(layer.weight_bytes(bits, group_size) + quantized_bytes(2 * d * d, bits, group_size)
+        return sum(layer.weight_bytes(bits, group_size) + matmul_bytes([(2 * d, d, 1)], bits, group_size)
                    + 3 * d * BYTES_16 for layer in (self.mtp_layers if layers is None else layers))
 
     # -- bytes
     def embed_bytes(self, embed_bits: int = 16) -> float:
-        return quantized_bytes(self.embedding_params(), embed_bits)
+        """The embedding table [vocab, d] at ``embed_bits`` (below 16: groups of 128 along d, as ``matmul_bytes``)."""
+        return matmul_bytes([(self.hidden_size, self.vocab_size, 1)], embed_bits)
 
     def lm_head_bytes(self, embed_bits: int = 16) -> float:
         small = self.hidden_size + self.hc_head_params()  # the final norm (and the hyper-connection's collapse)
-        return quantized_bytes(self.lm_head_params(), embed_bits) + small * BYTES_16
+        head = [(self.hidden_size, self.vocab_size, 1)] if self.lm_head_params() else []
+        return matmul_bytes(head, embed_bits) + small * BYTES_16
 
     def weight_bytes(self, bits: int = 16, group_size: int = 128, embed_bits: int = 16, zeros: bool = False) -> float:
         return (self.embed_bytes(embed_bits) + self.lm_head_bytes(embed_bits)
