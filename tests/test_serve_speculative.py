@@ -254,14 +254,19 @@ def test_a_seeded_request_preempted_mid_speculation_streams_the_same_tokens(ckpt
     assert run(small) == want and small.stats["preemptions"] > 0 and small.stats["spec_drafted"] > 0
 
 
-def _draft_config(ckpts, **kw) -> SchedulerConfig:
+# a drafter with caches of its own: (target checkpoint, method, its part of the budget message, its pages' kind)
+DRAFTERS = {"draft": ("llama", "draft:{llama}", "draft model's caches", "draft_gqa"),
+            "mtp": ("deepseek_v3:mtp", "mtp", "MTP head's cache", "mtp_mla")}
+
+
+def _draft_config(ckpts, drafter="draft", **kw) -> SchedulerConfig:
+    method = DRAFTERS[drafter][1].format(llama=ckpts["llama"])
     return SchedulerConfig(**{"max_num_seqs": 2, "max_model_len": 48, "page_tokens": 4, "prefix_caching": False,
-                              "speculative": f"draft:{ckpts['llama']}", "num_speculative_tokens": 3,
-                              "speculative_adaptive": False, **kw})
+                              "speculative": method, "num_speculative_tokens": 3, "speculative_adaptive": False, **kw})
 
 
 def _draft_bytes(sch) -> int:
-    """Bytes of every tensor of the draft model's caches."""
+    """Bytes of every tensor of the drafter's caches."""
     return sum(t.untyped_storage().nbytes() for c in sch.spec_dec.drafter.caches if c is not None
                for t in vars(c).values() if isinstance(t, torch.Tensor))
 
@@ -270,28 +275,45 @@ def _draft_paged(sch) -> list[TokenCache]:
     return [c for c in sch.spec_dec.drafter.caches if isinstance(c, TokenCache) and c.paged]
 
 
-def test_a_draft_models_caches_count_in_the_budget_check(ckpts):
-    """A sequence holds the target's cache bytes and the draft model's: a budget for one target sequence alone is
-    refused, naming the draft; one for both is taken."""
-    llm = LLM(ckpts["llama"])
-    target = Scheduler(llm, _draft_config(ckpts, speculative=None)).cache.max_seq_bytes
-    both = Scheduler(llm, _draft_config(ckpts)).cache.max_seq_bytes
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_a_draft_models_caches_count_in_the_budget_check(ckpts, drafter):
+    """A sequence holds the target's cache bytes and the drafter's (a draft model's caches, an MTP head's): a budget
+    for one target sequence alone is refused, naming the drafter's; one for both is taken."""
+    llm = LLM(ckpts[DRAFTERS[drafter][0]])
+    target = Scheduler(llm, _draft_config(ckpts, drafter, speculative=None)).cache.max_seq_bytes
+    both = Scheduler(llm, _draft_config(ckpts, drafter)).cache.max_seq_bytes
     assert both > target
-    with pytest.raises(ConfigError, match="draft model's caches"):
-        Scheduler(llm, _draft_config(ckpts, cache_bytes=target))
-    assert Scheduler(llm, _draft_config(ckpts, cache_bytes=both)).cache.budget == both
+    with pytest.raises(ConfigError, match=DRAFTERS[drafter][2]):
+        Scheduler(llm, _draft_config(ckpts, drafter, cache_bytes=target))
+    assert Scheduler(llm, _draft_config(ckpts, drafter, cache_bytes=both)).cache.budget == both
 
 
-def test_a_draft_model_preempts_at_the_budget_with_its_caches(ckpts):
-    """A budget of two target sequences is one of target + draft (as large as the target here): two long requests
-    preempt, the bytes held never pass the budget, and every request streams the tokens of a roomy scheduler."""
-    llm = LLM(ckpts["llama"])
+def test_a_draft_models_pages_are_counted_by_its_own_layers(ckpts):
+    """The draft model's pools count the tokens its own layers keep: a full-attention draft beside a target whose first
+    layer has a sliding window of 8 was counted 8 tokens, so a budget the check took could not hold one sequence and
+    the scheduler stopped with 'cache budget exhausted by a single sequence'."""
+    llm = LLM(ckpts["gpt_oss"])
+    one = Scheduler(llm, _draft_config(ckpts)).cache
+    bits = one.kv_bits
+    alone = [CacheManager(s, 2, 48, 4, kv_bits=bits, state_bits=bits).max_seq_bytes
+             for s in (llm.spec, LLM(ckpts["llama"]).spec)]
+    assert one.max_seq_bytes == sum(alone)
+    sch = Scheduler(llm, _draft_config(ckpts, cache_bytes=one.max_seq_bytes))
+    _, ends = _serve(sch, [[7, 8, 9, 10] * 3], SamplingParams(max_tokens=36, ignore_eos=True))
+    assert ends == ["length"] and sch.cache.used_bytes == 0
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_a_draft_model_preempts_at_the_budget_with_its_caches(ckpts, drafter):
+    """A budget of two target sequences is less than two of target + drafter: two long requests preempt, the bytes
+    held never pass the budget, and every request streams the tokens of a roomy scheduler."""
+    llm = LLM(ckpts[DRAFTERS[drafter][0]])
     prompts = [[(5 * i + 3 * j) % 11 + 3 for j in range(14 + 3 * i)] for i in range(3)]
     params = [SamplingParams(max_tokens=26 - 3 * i, temperature=0.9 if i == 1 else 0.0, seed=i, ignore_eos=True)
               for i in range(3)]
-    want, _ = _serve(Scheduler(llm, _draft_config(ckpts, max_num_seqs=3)), prompts, params)
-    budget = 2 * Scheduler(llm, _draft_config(ckpts, speculative=None)).cache.max_seq_bytes
-    sch = Scheduler(llm, _draft_config(ckpts, cache_bytes=budget))
+    want, _ = _serve(Scheduler(llm, _draft_config(ckpts, drafter, max_num_seqs=3)), prompts, params)
+    budget = 2 * Scheduler(llm, _draft_config(ckpts, drafter, speculative=None)).cache.max_seq_bytes
+    sch = Scheduler(llm, _draft_config(ckpts, drafter, cache_bytes=budget))
     held = []
     sch_step = sch.step
 
@@ -307,30 +329,33 @@ def test_a_draft_model_preempts_at_the_budget_with_its_caches(ckpts):
     assert max(held) <= budget and sch.cache.used_bytes == 0 and _draft_paged(sch)[0].table.live == 0
 
 
-def test_a_draft_models_caches_do_not_grow_with_requests(ckpts):
-    """The draft model's pages come from the scheduler and go back when a request ends: none held after, and its
-    caches' storage after 50 requests is what it was after 5."""
-    llm = LLM(ckpts["llama"])
-    sch = Scheduler(llm, _draft_config(ckpts))
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_a_draft_models_caches_do_not_grow_with_requests(ckpts, drafter):
+    """The drafter's pages come from the scheduler and go back when a request ends: none held after, and its caches'
+    storage after 50 requests is what it was after 5."""
+    llm = LLM(ckpts[DRAFTERS[drafter][0]])
+    sch = Scheduler(llm, _draft_config(ckpts, drafter))
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     _serve(sch, [[7, 8, 9, 10, 3 + i] for i in range(5)], params)
     after5 = _draft_bytes(sch)
     table = _draft_paged(sch)[0].table
-    assert table.live == 0 and sch.cache.used_bytes == 0
+    assert table is sch.cache.draft_table and table.live == 0 and sch.cache.used_bytes == 0
     for n in range(9):
         _serve(sch, [[7, 8, 9, 10, 3 + i, n] for i in range(5)], params)
     assert _draft_bytes(sch) == after5 and table.live == 0 and sch.cache.used_bytes == 0
+    assert sch.stats["spec_drafted"] > 0
 
 
-def test_the_cache_metrics_count_a_draft_models_pages(ckpts):
-    """``waferline_cache_bytes_in_use`` is the target's pages and the draft model's (the bytes of its caches' pages);
-    the draft's are their own kind."""
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_the_cache_metrics_count_a_draft_models_pages(ckpts, drafter):
+    """``waferline_cache_bytes_in_use`` is the target's pages and the drafter's (the bytes of its caches' pages); the
+    drafter's are their own kind."""
     from types import SimpleNamespace
 
     from waferline.server.metrics import Metrics
 
-    llm = LLM(ckpts["llama"])
-    sch = Scheduler(llm, _draft_config(ckpts))
+    llm = LLM(ckpts[DRAFTERS[drafter][0]])
+    sch = Scheduler(llm, _draft_config(ckpts, drafter))
     sch.add(Sequence("r", [7, 8, 9, 10] * 3, SamplingParams(max_tokens=20, ignore_eos=True), lambda ev: None))
     for _ in range(4):
         sch.step()
@@ -341,8 +366,9 @@ def test_the_cache_metrics_count_a_draft_models_pages(ckpts):
     assert target > 0 and draft > 0
     assert float(m["waferline_cache_bytes_in_use"]) == (target * cm.paged_page_bytes
                                                          + draft * sum(c.page_bytes() for c in paged))
-    assert float(m['waferline_cache_pages_in_use{kind="draft_gqa"}']) == draft
-    assert float(m['waferline_cache_pages_in_use{kind="gqa"}']) == target
+    kind = DRAFTERS[drafter][3]
+    assert float(m[f'waferline_cache_pages_in_use{{kind="{kind}"}}']) == draft
+    assert float(m[f'waferline_cache_pages_in_use{{kind="{kind.split("_")[1]}"}}']) == target
 
 
 def test_a_seeded_row_beside_wider_drafts_keeps_its_own_on_a_tight_cache(ckpts):

@@ -160,6 +160,10 @@ def test_concurrent_streams_equal_alone_generate_and_single_process(served, ckpt
     m = _metrics(app)
     # (every rollback depth)
     assert 0 < m["waferline_spec_accepted_tokens_total"] < m["waferline_spec_draft_tokens_total"]
+    if method == "mtp":  # (the MTP head runs in the scheduler's process: its cache's pages are the scheduler's)
+        table = sch.spec_dec.drafter.caches[0].table
+        assert table is sch.cache.draft_table and table.max_pages > 1 and table.live == 0
+        assert m['waferline_cache_pages_in_use{kind="mtp_mla"}'] == 0
 
 
 def test_acceptance_and_drafts_equal_the_single_process_engine(served, singles):

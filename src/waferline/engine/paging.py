@@ -32,9 +32,10 @@ or the prefix store) x the page's bytes. Each paged layer's pool is made once wi
 pools (sliding-window rings, Mamba-2 states, and every cache in stage processes, whose paged caches take their own
 pages) are an accounting of capacity, enforced by admission and preemption, over tensors indexed by slot.
 
-A draft model (speculative ``draft:PATH``) caches every sequence too: its pools (kinds ``draft_gqa`` ...) join the
-target's in the same budget, so a sequence's bytes are the target's and the draft's, and its full-attention pools
-are pages of a second table (the drafter's, ``attach(drafter, draft=True)``), held by one sequence each.
+A draft model (speculative ``draft:PATH``) caches every sequence too, and so does an MTP head (``mtp``, its layer's
+cache): their pools (kinds ``draft_gqa`` ..., ``mtp_mla`` ...) join the target's in the same budget, so a sequence's
+bytes are the target's and the drafter's, and their full-attention pools are pages of a second table (the
+drafter's, ``attach(drafter, draft=True)``), held by one sequence each.
 
 Prefix caching (attention-only models whose layers all keep every token in pages: GQA and MLA without a sliding
 window) keeps full pages of finished sequences in a store keyed by the exact token chain (a page is reused
@@ -68,10 +69,13 @@ class CachePool:
     window: int | None
     page_bytes: float  # one page (page_tokens tokens) across all layers of the pool; mamba2: one sequence's state
     per_seq: bool  # True: a constant-size state per sequence (Mamba-2), not token pages
-    draft: bool = False  # layers of the draft model (speculative 'draft:PATH'), not the target's
+    draft: bool = False  # layers of the drafter (a draft model or an MTP head: CacheManager's draft), not the target's
 
 
-def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, draft: bool = False) -> list[CachePool]:
+_DRAFTS = {"draft": "the draft model's caches", "mtp": "the MTP head's cache"}  # a drafter's pools: kind prefix
+
+
+def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, draft: str = "") -> list[CachePool]:
     groups: dict[tuple[str, int | None], list[int]] = {}
     for layer in spec.layers:
         m = layer.mixer
@@ -88,27 +92,29 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, dra
     pools = []
     for (kind, window), idx in groups.items():
         layers = [spec.layers[i] for i in idx]
-        kind = "draft_" + kind if draft else kind  # (its own pages_in_use kind: another model's page size)
+        kind = f"{draft}_{kind}" if draft else kind  # (its own pages_in_use kind: another model's page size)
         if any(l.mixer.cache_bytes_per_token(kv_bits) > 0 for l in layers):
             page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), window, page, False, draft))
+            pools.append(CachePool(kind, tuple(idx), window, page, False, bool(draft)))
         else:
             state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), None, state, True, draft))
+            pools.append(CachePool(kind, tuple(idx), None, state, True, bool(draft)))
     return pools
 
 
 class CacheManager:
     """Slots and pages: who holds how much of the cache budget. Touched only by the engine thread.
 
-    ``draft``: the ModelSpec of a draft model (speculative 'draft:PATH', in the target's dtype) whose caches hold every
-    sequence too: its pools join the target's (kinds ``draft_gqa`` ...), a sequence's bytes are the target's and the
-    draft's, and its paged caches take their pages from a second table (``attach(drafter, draft=True)``), never shared
-    (the prefix store keeps the target's pages only; the draft model catches up on a prefix hit's tokens)."""
+    ``draft``: the ModelSpec of a drafter's cached layers (in the target's dtype) that hold every sequence too: a draft
+    model's (speculative 'draft:PATH', ``draft_kind`` "draft") or an MTP head's layer (``mtp``, "mtp"). Its pools join
+    the target's (kinds ``draft_gqa`` ..., ``mtp_mla`` ...), a sequence's bytes are the target's and the drafter's, and
+    its paged caches take their pages from a second table (``attach(drafter, draft=True)``), never shared (the prefix
+    store keeps the target's pages only; the draft model catches up on a prefix hit's tokens, and speculation with an
+    MTP head caches no prefixes)."""
 
     def __init__(self, spec: ModelSpec, max_num_seqs: int, max_model_len: int, page_tokens: int = 16,
                  cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16,
-                 draft: ModelSpec | None = None):
+                 draft: ModelSpec | None = None, draft_kind: str = "draft"):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if page_tokens < 1:
@@ -119,7 +125,7 @@ class CacheManager:
         self.kv_bits, self.state_bits = kv_bits, state_bits
         self.pools = _pools(spec, page_tokens, kv_bits, state_bits)
         if draft is not None:
-            self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=True)
+            self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=draft_kind)
         self.max_model_len = max_model_len
         self.max_seq_bytes = self.bytes_for(max_model_len)
         self._default_budget = cache_bytes is None
@@ -129,13 +135,13 @@ class CacheManager:
             raise ConfigError(
                 f"cache budget of {self.budget / 2**20:.2f} MiB cannot hold one sequence of max_model_len="
                 f"{max_model_len} tokens ({self.max_seq_bytes / 2**20:.2f} MiB"
-                + (f", of which {drafts / 2**20:.2f} MiB the draft model's caches" if draft is not None else "")
+                + (f", of which {drafts / 2**20:.2f} MiB {_DRAFTS[draft_kind]}" if draft is not None else "")
                 + "); raise the cache budget or lower --max-model-len"
             )
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._held: dict[str, tuple[int, list[int]]] = {}  # request id -> (slot, pages per pool)
         self.table: BlockTable | None = None  # the pages of the paged pools (attach)
-        self.draft_table: BlockTable | None = None  # the pages of the draft model's paged pools (attach)
+        self.draft_table: BlockTable | None = None  # the pages of the drafter's paged pools (attach)
         self._paged = [False] * len(self.pools)
         self._counted = 0.0  # bytes live sequences hold in pools without pages (counted per sequence)
         # evict prefix pages until this many bytes are free (in one part of a split page table, where given)
@@ -143,8 +149,8 @@ class CacheManager:
 
     def attach(self, runner: Any, draft: bool = False) -> None:
         """Take the runner's page table (``runner.block_table(page_tokens)``, where it has one): the full-attention
-        pools of the layers it covers become its pages. Before any sequence is admitted. ``draft``: the draft model's
-        drafter's table, for the draft's pools (after the runner's)."""
+        pools of the layers it covers become its pages. Before any sequence is admitted. ``draft``: the drafter's
+        table (a draft model's or an MTP head's), for the drafter's pools (after the runner's)."""
         make = getattr(runner, "block_table", None)
         table = make(self.page_tokens) if make is not None else None
         if table is None:
@@ -180,7 +186,8 @@ class CacheManager:
             if p.per_seq:
                 out.append(1)
             else:
-                cached = self.spec.layers[p.layers[0]].mixer.cached_tokens(n_tokens)
+                spec = self.draft if p.draft else self.spec  # (the pool's layers are its model's)
+                cached = spec.layers[p.layers[0]].mixer.cached_tokens(n_tokens)
                 out.append(math.ceil(cached / self.page_tokens))
         return out
 
@@ -213,7 +220,7 @@ class CacheManager:
 
     @property
     def draft_page_bytes(self) -> float:
-        """One page of the draft model's pools backed by its page table."""
+        """One page of the drafter's pools backed by its page table."""
         return sum(p.page_bytes for p, paged in zip(self.pools, self._paged) if paged and p.draft)
 
     @property

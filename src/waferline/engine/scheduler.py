@@ -116,10 +116,11 @@ class Scheduler:
             speculation.bind(self.runner.num_slots)
         elif config.speculative:
             self.spec_dec = ServeSpeculation.for_runner(self.runner, config)
-        draft = self.spec_dec.draft if self.spec_dec is not None else None  # (a draft model: its caches count too)
+        draft = self.spec_dec.draft if self.spec_dec is not None else None  # (a draft model, an MTP head: they count)
         bits = self.runner.cache_bits
         self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
-                                  kv_bits=bits, state_bits=bits, draft=draft.model.spec if draft is not None else None)
+                                  kv_bits=bits, state_bits=bits, draft=draft.cache_spec if draft else None,
+                                  draft_kind=draft.cache_kind if draft else "draft")
         self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
         if draft is not None:
             self.cache.attach(draft, draft=True)

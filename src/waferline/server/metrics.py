@@ -40,7 +40,8 @@ class Metrics:
         self.e2e = Histogram("waferline_e2e_request_latency_seconds", "arrival to last token", buckets=_TTFT_BUCKETS,
                              registry=r)
         self.pages = Gauge("waferline_cache_pages_in_use", "cache pages held by live sequences, per cache kind "
-                           "(mamba2: state slots; draft_*: a draft model's)", ["kind"], registry=r)
+                           "(mamba2: state slots; draft_*: a draft model's; mtp_*: the MTP head's)", ["kind"],
+                           registry=r)
         self.cache_bytes = Gauge("waferline_cache_bytes_in_use", "cache bytes held (ModelSpec accounting)", registry=r)
         self.cache_budget = Gauge("waferline_cache_bytes_budget", "cache byte budget", registry=r)
         self.waiting = Gauge("waferline_num_requests_waiting", "requests in the queue, not yet admitted", registry=r)

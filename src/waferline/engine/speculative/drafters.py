@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -14,6 +14,7 @@ from waferline.errors import ConfigError
 from waferline.model.attention import TokenCache
 from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
+from waferline.spec.model import ModelSpec
 
 
 @dataclass
@@ -99,6 +100,21 @@ class _ModelDrafter:
     """Shared machinery of the drafters that run a network autoregressively over their own cache."""
 
     name = "model"
+    caches: list[Any]
+    num_slots: int
+
+    def block_table(self, page_tokens: int) -> BlockTable | None:
+        """One page table for the drafter's paged caches (as ``LocalRunner.block_table``; after ``begin``), managed by
+        the scheduler's CacheManager, which counts the drafter's caches in its budget (``cache_spec``, kinds
+        ``{cache_kind}_...``); None without paged caches."""
+        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
+        if not paged:
+            return None
+        table = BlockTable(self.num_slots, page_tokens, managed=True)
+        table.layers = frozenset(paged)
+        for i in paged:
+            self.caches[i].bind(table)
+        return table
 
     def _drafts(self, rows: list[int], ks: list[int], first: list[torch.Tensor], step: Any, params: SamplingParams,
                 gens: list[torch.Generator | None], caches: list[Any]) -> list[Proposal]:
@@ -145,6 +161,8 @@ def _ragged(seqs: list[list[int]], device: torch.device, pad: int = 0) -> tuple[
 class DraftModelDrafter(_ModelDrafter):
     """A smaller checkpoint sharing the target's vocabulary drafts autoregressively over its own caches."""
 
+    cache_kind = "draft"
+
     def __init__(self, path: str | Path, dtype: torch.dtype, vocab_size: int, device: torch.device | None = None):
         from waferline.model.arena import move_to_huge_pages
         from waferline.model.load import load_model
@@ -162,26 +180,20 @@ class DraftModelDrafter(_ModelDrafter):
             move_model(self.model, self.device)  # on the target's device (int4 weights repacked for its kernel)
         self.name = f"draft:{path}"
         self.caches: list[Any] = []
+        self.num_slots = 0
         self.cached: list[int] = []  # tokens of each row held in the draft caches
         self._saved: dict[int, list[Any]] = {}
         self._base: dict[int, int] = {}
 
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
         self.caches = self.model.new_caches(len(seqs), self.device)
-        self.cached = [0] * len(seqs)
+        self.num_slots, self.cached = len(seqs), [0] * len(seqs)
         self._saved, self._base = {}, {}
 
-    def block_table(self, page_tokens: int) -> BlockTable | None:
-        """One page table for the draft's paged caches (as ``LocalRunner.block_table``; after ``begin``), managed by
-        the scheduler's CacheManager, which counts the draft's caches in its budget; None without paged caches."""
-        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
-        if not paged:
-            return None
-        table = BlockTable(len(self.cached), page_tokens, managed=True)
-        table.layers = frozenset(paged)
-        for i in paged:
-            self.caches[i].bind(table)
-        return table
+    @property
+    def cache_spec(self) -> ModelSpec:
+        """What the draft model's caches hold per sequence (the scheduler's CacheManager counts them)."""
+        return self.model.spec
 
     def reset(self, rows: list[int]) -> None:
         """Rows that start a new sequence: nothing of them in the draft caches (a managed table's pages are its
@@ -243,6 +255,7 @@ class MTPDrafter(_ModelDrafter):
 
     name = "mtp"
     uses_hidden = True
+    cache_kind = "mtp"
 
     def __init__(self, model: Any):
         if not len(model.mtp):
@@ -252,13 +265,14 @@ class MTPDrafter(_ModelDrafter):
         self.head = model.mtp[0]
         self.device = model.norm.weight.device
         self.caches: list[Any] = []
+        self.num_slots = 0
         self.committed: list[int] = []  # MTP positions holding true (h_t, token t+1) pairs
         self.pending: list[torch.Tensor] = []  # target hidden states from position committed[b] on
         self._saved: dict[int, list[Any]] = {}
 
     def begin(self, seqs: list[list[int]], prompt_hidden: list[torch.Tensor]) -> None:
         self.caches = [self.head.layer.new_cache(len(seqs), self.device)]
-        self.committed = [0] * len(seqs)
+        self.num_slots, self.committed = len(seqs), [0] * len(seqs)
         self.pending = list(prompt_hidden)
         self._saved = {}
         # the prompt's pairs (h_t, x_t+1) but the last go through the MTP layer now, with the prefill (its prefill, as
@@ -272,6 +286,13 @@ class MTPDrafter(_ModelDrafter):
             for b, k in zip(rows, n):
                 self.committed[b], self.pending[b] = k, self.pending[b][k:]
 
+    @property
+    def cache_spec(self) -> ModelSpec:
+        """What the MTP head's cache holds per sequence: its layer (the checkpoint's first MTP layer, as layer 0 of
+        its one cache) as a model of one layer, which the scheduler's CacheManager counts."""
+        spec = self.model.spec
+        return replace(spec, layers=[replace(spec.mtp_layers[0], index=0)], mtp_layers=[])
+
     def commit_known(self, b: int, seq: list[int]) -> None:
         """Row b's pending pairs (h_t, token t+1) whose next token ``seq`` (its prompt + output) already holds go
         through the MTP layer now, the last hidden state staying pending: run with a prefill (as ``begin`` does), a
@@ -283,7 +304,8 @@ class MTPDrafter(_ModelDrafter):
             self.committed[b], self.pending[b] = c + n, self.pending[b][n:]
 
     def reset(self, rows: list[int]) -> None:
-        """Rows that start a new sequence: nothing committed or pending, an empty MTP cache row."""
+        """Rows that start a new sequence: nothing committed or pending, an empty MTP cache row (a managed table's
+        pages are its allocator's)."""
         for b in rows:
             self.committed[b] = 0
             self.pending[b] = self.pending[b][:0]

@@ -15,7 +15,8 @@ steps' hidden states handed to an MTP drafter: speculation that does not pay cos
 ``LLM(speculative=...)`` speculates through the same class over its own scheduler. A draft model (``draft:PATH``, a
 checkpoint sharing the target's tokenizer) drafts over its own caches in the scheduler's process, catching up on each
 sequence's tokens as it proposes (so a prefix-cache hit or a preemption needs nothing of it); the scheduler's
-CacheManager hands out their pages and counts them in the cache budget (``ServeSpeculation.draft``).
+CacheManager hands out their pages and counts them in the cache budget (``ServeSpeculation.draft``), as it does the
+MTP head's cache.
 
 A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
 is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
@@ -125,10 +126,10 @@ class ServeSpeculation:
                    config.speculative_adaptive, config.max_num_batched_tokens)
 
     @property
-    def draft(self) -> DraftModelDrafter | None:
-        """The drafter when it is a draft model (``draft:PATH``): its caches hold every sequence too, and the
-        scheduler's CacheManager counts them in its budget."""
-        return self.drafter if isinstance(self.drafter, DraftModelDrafter) else None
+    def draft(self) -> DraftModelDrafter | MTPDrafter | None:
+        """The drafter when it has caches of its own (a draft model, ``draft:PATH``, or an MTP head, ``mtp``): they
+        hold every sequence too, and the scheduler's CacheManager counts them in its budget (``cache_spec``)."""
+        return self.drafter if isinstance(self.drafter, (DraftModelDrafter, MTPDrafter)) else None
 
     def bind(self, num_slots: int) -> None:
         """Drafter state for ``num_slots`` empty slots (a scheduler with that many slots starts using it)."""
