@@ -416,7 +416,8 @@ def test_a_prefill_pool_that_cannot_hold_the_model_is_refused(capsys):
     assert "cannot hold" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # (refused by the argument's type, before anything runs)
         main(base + ["--prefill-devices", "0"])
-    assert e.value.code == 2 and "--prefill-devices: expected an integer >= 1, got 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--prefill-devices: expected an integer from 1 to 100,000, got 0" in err
 
 
 def test_cli_prefill_pool_notes_and_rank_flags(capsys):
