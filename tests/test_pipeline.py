@@ -131,6 +131,42 @@ def test_stage_split_and_errors(ckpts):
         LLM(ckpts["sol"], micro_batches=2)
 
 
+@pytest.mark.parametrize("options", [dict(stages=2), dict(layers_per_stage=1), dict(afd=True)],
+                         ids=["stages", "layers_per_stage", "afd"])
+def test_a_speculative_option_the_engine_refuses_is_refused_before_its_processes_start(ckpts, monkeypatch, options):
+    """A pipeline's or AFD's speculation was made over the runner, after every stage / rank process had started: `mtp`
+    on a checkpoint without MTP weights (a transformers DeepSeek-V3: its config says 1 MTP layer, its file has none),
+    an unknown method, K = 0 or a draft model of another vocabulary started the processes, then stopped them. A good
+    option still gets as far as starting them."""
+    import waferline.engine.afd as afd_mod
+    import waferline.engine.pipeline as pipeline_mod
+
+    def started(*a, **k):
+        raise AssertionError("processes started")
+
+    monkeypatch.setattr(pipeline_mod, "Pipeline", started)
+    monkeypatch.setattr(afd_mod, "AFD", started)
+    target, sol = ckpts["deepseek_v3"], ckpts["sol"]  # (vocabularies of 128 and 4096 tokens)
+    for method, k, match in [("mtp", 4, "needs a checkpoint with MTP weights"), ("bogus", 4, "unknown speculative"),
+                             ("ngram:2", 4, "ngram:MIN_N:MAX_N"), ("ngram", 0, "num_speculative_tokens must be >= 1"),
+                             (f"draft:{sol}", 4, "must share the target's tokenizer"),
+                             (f"draft:{target / 'missing'}", 4, "does not exist")]:
+        with pytest.raises(ConfigError, match=match):
+            LLM(target, speculative=method, num_speculative_tokens=k, **options)
+    for path, method in [(target, "ngram"), (target, f"draft:{target}"), (sol, "mtp")]:
+        with pytest.raises(AssertionError, match="processes started"):
+            LLM(path, speculative=method, **options)
+
+
+def test_the_other_engines_options_are_refused_by_name(ckpts):
+    """LLM takes the pipeline's and AFD's options together; one that only the other engine takes was passed on and
+    failed as a TypeError (`Pipeline.__init__() got an unexpected keyword argument 'threads_per_rank'`)."""
+    with pytest.raises(ConfigError, match="a pipeline does not take threads_per_rank"):
+        LLM(ckpts["sol"], stages=2, threads_per_rank=1)
+    with pytest.raises(ConfigError, match="the AFD engine does not take launch, load_kwargs"):
+        LLM(ckpts["sol"], afd=True, launch="local", load_kwargs={})
+
+
 def test_stages_are_balanced_by_work_with_the_lm_head_on_the_last():
     """`stages=S` cuts where the largest stage's work (active weights, the LM head's product on the last stage) is
     least: a small model's head is worth several layers (on the 124.7M Llama an even 6 + 6 left the last stage the

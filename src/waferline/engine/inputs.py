@@ -48,8 +48,19 @@ def shown(x: Any) -> str:
 
 
 # the options LLM passes to a Pipeline (engine/pipeline/) or to AFD (engine/afd/)
-PROCESS_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method", "launch",
-                              "load_kwargs", "afd", "attention_ranks", "ffn_ranks", "threads_per_rank"})
+PIPELINE_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method", "launch",
+                              "load_kwargs"})
+AFD_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method",
+                         "attention_ranks", "ffn_ranks", "threads_per_rank"})
+PROCESS_OPTIONS = PIPELINE_OPTIONS | AFD_OPTIONS | {"afd"}
+
+
+def check_engine_options(options: dict[str, Any], allowed: frozenset[str], engine: str) -> None:
+    """Refuse (ConfigError) the options in ``options`` that only the other engine over processes takes."""
+    other = sorted(set(options) - allowed)
+    if other:
+        raise ConfigError(f"{engine} does not take {', '.join(other)} (the other engine's option"
+                          f"{'s' if len(other) > 1 else ''}; help(waferline.LLM) lists each engine's)")
 
 
 def check_device(device: str | None) -> torch.device:

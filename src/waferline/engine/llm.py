@@ -28,8 +28,11 @@ from typing import Any
 import torch
 
 from waferline.engine.inputs import (
+    AFD_OPTIONS,
+    PIPELINE_OPTIONS,
     PROCESS_OPTIONS,
     check_device,
+    check_engine_options,
     eos_ids,
     is_int4_checkpoint,
     is_token_id,
@@ -75,8 +78,9 @@ class LLM:
     ``num_speculative_tokens`` and ``speculative_adaptive``, ``device`` ("cpu" | "cuda[:i]"), ``cuda_graphs``,
     ``huge_pages``. A pipeline: ``stages`` or ``layers_per_stage``, ``micro_batches``, ``plan``, ``prefill_chunk``,
     ``threads_per_stage``, ``hang_timeout_s``, ``start_method``, ``launch``. AFD: ``afd``, ``attention_ranks``,
-    ``ffn_ranks``, ``micro_batches``, ``threads_per_rank``, ``hang_timeout_s``. Calls from several threads run one
-    at a time; ``close()`` (or ``with LLM(...)``) stops a pipeline's processes, as collecting a dropped LLM does.
+    ``ffn_ranks``, ``micro_batches``, ``plan``, ``prefill_chunk``, ``threads_per_rank``, ``hang_timeout_s``,
+    ``start_method``. Calls from several threads run one at a time; ``close()`` (or ``with LLM(...)``) stops a
+    pipeline's processes, as collecting a dropped LLM does.
     """
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
@@ -122,15 +126,19 @@ class LLM:
             if stages is not None or layers_per_stage is not None or weight_bits != 16:
                 raise ConfigError("afd runs 16-bit weights without stages or layers_per_stage; drop those options "
                                   "(or drop afd / attention_ranks / ffn_ranks)")
+            check_engine_options(pipeline_options, AFD_OPTIONS, "the AFD engine")
+            self._check_speculative(speculative, num_speculative_tokens)
             self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
         elif stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
             from waferline.engine.pipeline import Pipeline
 
+            check_engine_options(pipeline_options, PIPELINE_OPTIONS, "a pipeline")
             if weight_bits == 4 and not is_int4_checkpoint(self.path):
                 raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
+            self._check_speculative(speculative, num_speculative_tokens)
 
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
                                       micro_batches=micro_batches, **dev_kw, **pipeline_options)
@@ -176,6 +184,15 @@ class LLM:
             except BaseException:
                 self._pipeline.close()
                 raise
+
+    def _check_speculative(self, method: str | None, num_tokens: int) -> None:
+        """A speculative option the runner over processes would refuse, refused before they start."""
+        if method:
+            from waferline.engine.speculative.serving import check_speculative
+            from waferline.spec.configs import spec_from_pretrained
+
+            if (self.path / "config.json").is_file():  # (else the engine names the missing checkpoint)
+                check_speculative(self.path, method, num_tokens, spec_from_pretrained(self.path).vocab_size)
 
     # -- tokens
     def encode(self, text: str) -> list[int]:

@@ -401,11 +401,12 @@ def worker_failed(ctl: Control, rank: int, e: Exception) -> int:
     return EXIT_ERROR
 
 
-def check_mtp(model: Any, path: Any) -> None:
-    """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them)."""
+def check_mtp(layers: int, path: Any) -> None:
+    """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them): ``layers`` MTP
+    layers, the model's or its config's."""
     from waferline.errors import ConfigError
 
-    if not len(model.mtp):
+    if not layers:
         raise ConfigError(
             f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
             f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead"

@@ -59,6 +59,36 @@ def check_serve_method(method: str, k: int) -> None:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
 
 
+def check_speculative(path: Any, method: str, num_tokens: int, vocab_size: int) -> None:
+    """What ``ServeSpeculation`` would refuse for the checkpoint at ``path`` (of ``vocab_size`` tokens), read from
+    config files only, so that a pipeline or AFD engine refuses it before its processes start: K, the method, MTP
+    layers for 'mtp', a draft model's directory and vocabulary."""
+    from pathlib import Path
+
+    from waferline.engine.stage import check_mtp
+    from waferline.model.decoder import NAMING, Naming
+    from waferline.model.hybrids import hf_source
+    from waferline.model.load import open_weights
+    from waferline.spec.configs import spec_from_pretrained
+
+    if num_tokens < 1:
+        raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+    if method == "mtp":  # (MTP layers in the config whose weights the checkpoint lacks load as none: DecoderModel)
+        spec = spec_from_pretrained(path)
+        first = f"{NAMING.get(spec.model_type, Naming()).root}layers.{spec.num_layers}.eh_proj.weight"
+        check_mtp(len(spec.mtp_layers) if hf_source(open_weights(Path(path)), spec.model_type).has(first) else 0, path)
+    elif method.startswith("draft:") and len(method) > len("draft:"):
+        draft = Path(method[len("draft:"):])
+        if not draft.is_dir():
+            raise ConfigError(f"model directory {draft} does not exist")
+        n = spec_from_pretrained(draft).vocab_size
+        if n != vocab_size:
+            raise ConfigError(f"draft model {draft} has vocab_size {n} but the target has {vocab_size}; a draft model "
+                              "must share the target's tokenizer")
+    else:
+        make_drafter(method, None, torch.float32)  # (an n-gram drafter needs no model; anything else is refused)
+
+
 @dataclass
 class ServeSpecStats:
     """What speculation did since the scheduler started (the scheduler's stats and /metrics report it)."""
