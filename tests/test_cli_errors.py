@@ -593,3 +593,15 @@ def test_calibrate_bootstrap_sets_are_bounded(capsys):
     with pytest.raises(SystemExit) as e:
         main(["calibrate", "--published", "--bootstrap", "1000000000000"])
     assert e.value.code == 2 and "expected an integer from 0 to 1,000" in capsys.readouterr().err
+
+
+def test_python_dash_m_waferline_is_the_command():
+    """`python -m waferline` runs the `waferline` command (it said the package cannot be executed)."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1] / "src"))
+    r = subprocess.run([sys.executable, "-m", "waferline", "info", "llama-3.1-8b", "--json"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["layers"] == 32
+    r = subprocess.run([sys.executable, "-m", "waferline", "plan"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert r.returncode == 2 and "usage: waferline plan" in r.stderr
