@@ -468,3 +468,42 @@ def test_a_vocabulary_with_holes_keeps_the_tokens_past_its_count():
     c.advance(300)
     _spell(c, hf, "abc")
     assert c.complete and c.allowed()[hf.eos_token_id]
+
+
+def test_the_byte_vocabularys_end_token_is_neither_text_nor_a_grammars_token(tok):
+    """The check over single bytes before a request queues has an end token, "<end>" (id 256): the text "<end>" was
+    spelled as it (regex "<start>[a-z]+<end>", the choice "<end>", a schema's "<end>" refused: 400 "no text holds to
+    it", whatever the model), and a grammar naming the model's "<end>" or its token 256 meant it. Both are held to."""
+    from waferline.engine.sequence import check_request
+
+    stop = frozenset({tok.eos_token_id})
+    schema = {"type": "object", "properties": {"<end>": {"const": 1}}, "required": ["<end>"]}
+    for kw, text in ((dict(regex="<start>[a-z]{1,3}<end>"), "<start>ab<end>"), (dict(choice=["<end>", "x"]), "<end>"),
+                     (dict(json_schema=schema), '{"<end>":1}')):
+        check_request([1, 2], SamplingParams(**kw), len(tok), 64)  # (no RequestError)
+        c = structured.constraint(tok, len(tok), stop, SamplingParams(**kw))
+        _spell(c, tok, text)
+        assert c.complete, kw
+    hf = _byte_level({"ab": 256}, merges=[("a", "b")], special=["</s>", "<end>"])
+    end = hf.convert_tokens_to_ids("<end>")
+    assert hf.encode("ab") == [256] and end == 258
+    for g, ids in (('start: "x" <end>', [hf.convert_tokens_to_ids("x"), end]), ("start: <[256]>", [256])):
+        check_request([1, 2], SamplingParams(grammar=g), len(hf), 64)  # (no RequestError)
+        c = structured.constraint(hf, len(hf), frozenset({hf.eos_token_id}), SamplingParams(grammar=g))
+        for t in ids:
+            assert c.allowed().nonzero().flatten().tolist() == [t], g
+            c.advance(t)
+        assert c.complete
+
+
+def test_a_token_past_the_models_vocabulary_that_the_grammar_needs_is_a_dead_end():
+    """A tokenizer larger than the model's vocabulary (an added "<tool_call>" past its embedding rows) and a grammar
+    whose text ahead is that token: the mask allowed nothing, and sampling failed on NaN probabilities ("cannot
+    sample"), greedy drew token 0 and the grammar engine refused it. The request ends with the dead end's reason."""
+    hf = _byte_level(special=["</s>"], added=["<tool_call>"])
+    tc = hf.convert_tokens_to_ids("<tool_call>")
+    c = structured.constraint(hf, tc, frozenset({hf.eos_token_id}), SamplingParams(regex="<tool_call>x"))
+    with pytest.raises(RequestError, match=r"^structured output: a dead end after 0 output tokens: no token"):
+        c.allowed()
+    c = structured.constraint(hf, tc + 1, frozenset({hf.eos_token_id}), SamplingParams(regex="<tool_call>x"))
+    assert c.allowed().nonzero().flatten().tolist() == [tc]

@@ -133,8 +133,10 @@ def _checked_grammar(kind: str, value: str) -> tuple[str, bool]:
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
     # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer; and one whose every text comes
     # to a dead end within a few bytes (as in 'start: "x" /[a&&b]/', or a rule that never ends), by ``_dead_end``. A
-    # grammar that names tokens ("<[300]>", "<|python_tag|>") the byte vocabulary lacks is left to the model's
-    # tokenizer (``check_tokens``)
+    # grammar that names tokens ("<[300]>", "<|python_tag|>") is left to the model's tokenizer (``check_tokens``):
+    # they are its tokens, not the byte vocabulary's (whose "<[256]>" and "<end>" are its end token, no text)
+    if kind == "grammar" and any(m["name"] for m in _LARK_NAMES.finditer(grammar)):
+        return grammar, True
     matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
     if matcher.is_error():
         return grammar, True
@@ -183,15 +185,23 @@ def _dead_end(matcher: Any, mask: np.ndarray, budget: int = 256, seconds: float 
 
 @functools.cache
 def _byte_tokenizer() -> Any:
-    """An llguidance tokenizer of the 256 bytes and an end token: every text is a sequence of its tokens."""
+    """An llguidance tokenizer of the 256 bytes (token b is the byte b) and an end token (256): every text is a
+    sequence of its tokens, the text "<end>" too (not the end token, as a tokenizer that finds its added tokens in
+    text would spell it)."""
     from llguidance import LLTokenizer
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
-                               merges=[]))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.add_special_tokens(["<end>"])
-    return LLTokenizer(tok.to_str(), eos_token=256)
+    return LLTokenizer(_Bytes(), eos_token=256)
+
+
+class _Bytes:
+    """The byte vocabulary (llguidance's TokenizerWrapper protocol): a text's tokens are its bytes."""
+
+    is_tokenizer_wrapper = True
+    tokens = [bytes([b]) for b in range(256)] + [b"<end>"]
+    special_token_ids, eos_token_id, bos_token_id = [256], 256, None
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text.encode() if isinstance(text, str) else text)
 
 
 class _Vocabulary:
@@ -269,9 +279,7 @@ class GrammarConstraint:
         packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():
             if _engine_error(self.matcher) in ("NoExtension", "NoExtensionBias"):  # (not whole; no token can follow)
-                raise RequestError(f"structured output: a dead end after {counted(self.consumed, 'output token')}: "
-                                   "no token of the model's vocabulary continues the text there (the grammar asks for "
-                                   "what no text matches, or what this tokenizer cannot write)")
+                raise self._dead_end()
             # (a limit of the parser reached mid-output, e.g. a row of over 2,000 items)
             raise RequestError(f"structured output: the grammar engine cannot go on ({_engine_error(self.matcher)})")
         bits = np.unpackbits(packed, count=min(self.vocab_size, packed.size * 8), bitorder="little")
@@ -282,7 +290,14 @@ class GrammarConstraint:
             m[torch.tensor(self._grammar_eos, dtype=torch.long)] = False
         if self._stops.numel():  # (a stop token that is also text the grammar allows here: drawing it ends the output)
             m[self._stops] |= self.matcher.is_accepting()
+        if not m.any():  # (the tokens that continue it all past the model's vocabulary: a tokenizer larger than it)
+            raise self._dead_end()
         return m
+
+    def _dead_end(self) -> RequestError:
+        return RequestError(f"structured output: a dead end after {counted(self.consumed, 'output token')}: no token "
+                            "of the model's vocabulary continues the text there (the grammar asks for what no text "
+                            "matches, or what this tokenizer cannot write)")
 
     def advance(self, token: int) -> None:
         if token in self.stop_ids:  # (a stop token ends the output: it adds nothing)
