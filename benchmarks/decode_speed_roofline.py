@@ -85,7 +85,7 @@ def step_bytes(
         if isinstance(layer.ffn, MoESpec):
             f = layer.ffn
             idle = f.num_experts - experts_touched(f.num_experts, f.top_k, batch)
-            total -= idle * quantized_bytes(f.expert_params(), bits, group)
+            total -= idle * f.expert_bytes(bits, group)  # (as weight_bytes counts it: its groups, 16-bit biases)
     return total + batch * spec.cache_bytes_per_seq(context, kv_bits=kv_bits)
 
 

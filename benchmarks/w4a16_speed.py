@@ -25,7 +25,7 @@ import torch
 from waferline import LLM, SamplingParams
 from waferline.model.quant import Int4Weight
 from waferline.spec.configs import spec_from_pretrained
-from waferline.spec.model import ModelSpec, MoESpec, quantized_bytes
+from waferline.spec.model import ModelSpec, MoESpec
 
 ROOT = Path(__file__).resolve().parent
 LLAMA_100M = {
@@ -78,7 +78,7 @@ def bytes_per_step(spec: ModelSpec, variant: str, group: int, batch: int) -> flo
         ffn = layer.ffn
         if isinstance(ffn, MoESpec):
             idle = ffn.num_experts - min(ffn.num_experts, batch * ffn.top_k)
-            total -= idle * quantized_bytes(ffn.expert_params(), bits, group)
+            total -= idle * ffn.expert_bytes(bits, group)  # (as weight_bytes counts it)
     return total
 
 

@@ -97,3 +97,19 @@ def test_gpu_run_adds_the_hbm_roofline_target(ds):
 def test_device_bandwidths_measure_real_copies(ds):
     copy, read = ds.device_bandwidths("cpu", mib=16, reps=2)
     assert 1e8 < copy < 1e13 and 1e8 < read < 1e13
+
+
+def test_a_step_reads_no_idle_expert_bytes_as_weight_bytes_counts_them(ds):
+    """The roofline's step bytes take an idle expert's bytes off as the ModelSpec counts them in weight_bytes (each
+    matrix's own int4 groups, its biases 16-bit): with no expert touched, what is left is every layer's other weights
+    and the LM head. gpt-oss (K = 2880) at group 128 stores its experts in groups of 64: a flat count of one scale per
+    128 weights counted a batch-1 step 9.8% too large."""
+    from waferline.spec.catalog import load_model
+
+    spec = load_model("gpt-oss-20b")
+    rest = spec.lm_head_bytes(16) + sum(lay.weight_bytes(4, 128) - lay.ffn.num_experts * lay.ffn.expert_bytes(4, 128)
+                                        for lay in spec.layers)
+    assert ds.step_bytes(spec, 4, 128, 16, 0, 0) == pytest.approx(rest, rel=1e-12)
+    touched = 4  # (one token: its top-4 of 32 experts)
+    expected = rest + sum(touched * lay.ffn.expert_bytes(4, 128) for lay in spec.layers)
+    assert ds.step_bytes(spec, 4, 128, 16, 1, 0) == pytest.approx(expected, rel=1e-12)

@@ -448,6 +448,8 @@ def test_a_group_that_does_not_divide_k_halves_and_the_accounting_counts_its_sca
     ("qwen3_next", 32, True, {}),  # gated DeltaNet (value width 48), gated attention, a gated shared expert
     ("kimi_linear", 32, True, {}),  # KDA, NoPE MLA
     ("deepseek_v4", 32, False, {}),  # compressed attention, its indexer, a grouped output (K = 48), hyper-connections
+    ("deepseek_v2", 32, True, {"mlp_bias": True}),  # biases on the dense FFN and the shared experts (16-bit)
+    ("nemotron_h", 32, True, {"mlp_bias": True, "use_bias": True}),  # + Mamba-2 projection biases; relu² experts
 ])
 def test_int4_file_bytes_equal_the_accounting(tmp_path, model_type, G, sym, overrides):
     """The planner's int4 bytes are the file's, each matrix's groups as ``waferline quantize`` sizes them (DeepSeek-V4's
@@ -457,7 +459,7 @@ def test_int4_file_bytes_equal_the_accounting(tmp_path, model_type, G, sym, over
     tensors = load_file(str(tmp_path / "m4" / "model.safetensors"))
     data = sum(t.numel() * t.element_size() for k, t in tensors.items() if not k.endswith(".tid2eid"))
     assert data == spec_from_pretrained(tmp_path / "m").weight_bytes(4, G, zeros=not sym)
-    if overrides:
+    if model_type == "llama":
         assert s["modules_not_quantized"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in (0, 1)]
 
 

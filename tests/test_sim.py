@@ -160,3 +160,31 @@ def test_an_eagle_heads_memory_holds_its_draft_vocabulary_projection():
     eagle, _ = drafter_memory(spec, SpeculativeConfig("eagle"), load_params(), **kw)
     mtp_like, _ = drafter_memory(spec, SpeculativeConfig("mtp"), load_params(), **kw)  # (no MTP layers: the same head)
     assert eagle - mtp_like == pytest.approx(32000 * spec.hidden_size * 2)
+
+
+def test_medusa_heads_of_a_tied_target_hold_their_vocabulary_projections():
+    """Each Medusa head has a vocabulary projection of its own, as large for a target whose LM head is its embedding
+    table (Llama-3.2-1B) as for one with a separate head (it was counted as the tied head's 0 bytes)."""
+    from waferline.sim.pipeline import drafter_memory
+
+    kw = dict(weight_bits=16, kv_bits=16, embed_bits=16, group_size=128, context=1000, batch=1)
+    for name in ("llama-3.2-1b", "llama-3.1-8b"):
+        spec = load_model(name)
+        b, what = drafter_memory(spec, SpeculativeConfig("medusa", 4), load_params(), **kw)
+        d = spec.hidden_size
+        assert what == "4 Medusa heads"
+        assert b == pytest.approx(4 * (spec.vocab_size * d + d * d) * 2, rel=1e-4), name
+
+
+@pytest.mark.parametrize("method,model,draft", [("mtp", "deepseek-v3", None),
+                                                 ("draft", "llama-3.1-70b", "llama-3.2-1b")])
+def test_the_drafter_reads_its_int4_scales_at_the_plans_group_size(method, model, draft):
+    """An MTP module's or a draft model's step reads its int4 weights with the scales of the plan's group size, as its
+    memory and the target's step count them (it was timed at groups of 128 whatever the plan said)."""
+    spec, hw = load_model(model), load_hardware("h200-sxm")
+    drafted = {}
+    for g in (128, 32):
+        plan = place(spec, hw, devices=8, weight_bits=4, group_size=g,
+                     speculative=SpeculativeConfig(method, 3, 0.7, draft))
+        drafted[g] = simulate(plan, prompt_len=100, output_len=100, spec=spec, hardware=hw).speculative["draft_s"]
+    assert drafted[32] > drafted[128]

@@ -828,7 +828,8 @@ def register(subparsers: Any) -> None:
         default=None, help=f"draft tokens per step, 1-{MAX_DRAFT_TOKENS} (default per method)"
     )
     s.add_argument("--draft-model", default=None,
-                   help="draft model for --speculative draft; it must share the target's vocabulary (default: the "
+                   help="draft model for --speculative draft; it must share the target's tokenizer (its vocabulary "
+                        "size, and the tokenizer the catalog names where two of one size differ; default: the "
                         "family's small catalog model when it does, e.g. llama-3.2-1b, else a one-layer draft head "
                         "of the target's shape)")
     s.add_argument("--params", default=None, help="simulator parameter YAML (default: the fitted sim/fitted.yaml)")

@@ -208,7 +208,8 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
     d = spec.hidden_size
     if method == "medusa":  # k heads, each a residual block [d -> d] and an LM head of its own
         k = sp.num_tokens or params.num_tokens.get(method, 4)
-        return k * (spec.lm_head_bytes(embed_bits) + matmul_bytes([(d, d, 1)], weight_bits, group_size)), \
+        # (each head's vocabulary projection the size of the target's: its embedding table where it ties the two)
+        return k * (_lm_head(spec, embed_bits)[0] + matmul_bytes([(d, d, 1)], weight_bits, group_size)), \
             f"{k} Medusa heads"
     dspec = draft_spec(spec, sp.draft_model, params) if method == "draft" else None
     if dspec is not None:
@@ -262,7 +263,7 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             from types import SimpleNamespace
 
             mspec = SimpleNamespace(layers=spec.mtp_layers[:1], name=spec.name + ":mtp")
-            lc = layer_table(mspec, plan.weight_bits, plan.kv_bits, context)[0]
+            lc = layer_table(mspec, plan.weight_bits, plan.kv_bits, context, plan.group_size)[0]
             what = "MTP module"
         else:
             lc = table[0]
@@ -289,11 +290,12 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             devices=devs,
             weight_bits=plan.weight_bits,
             kv_bits=plan.kv_bits,
+            group_size=plan.group_size,
             context=plan.context_len,
             batch=batch,
         )
         dctx = _Ctx(dplan, dspec, hw, prm, ctx.params)
-        dtable = layer_table(dspec, plan.weight_bits, plan.kv_bits, context)
+        dtable = layer_table(dspec, plan.weight_bits, plan.kv_bits, context, plan.group_size)
         t, _, _ = _step(dctx, dtable, batch, 1, batch)
         return k * t, f"draft model {dspec.name} on {dplan.num_devices} x {hw.name}"
     raise ConfigError(f"unknown speculative method {method!r}")
