@@ -96,7 +96,7 @@ def _nnls_rel(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-PER_TOKEN_MAX_ROUNDS = 3  # _per_token runs up to this many times its repeats while a difference is not positive
+PER_TOKEN_MAX_ROUNDS = 10  # _per_token runs up to this many times its repeats while a difference is not positive
 
 
 def _per_token(llm: LLM, prompts: list[list[int]], n: int, clock: Callable[[], float], repeats: int) -> float:
@@ -123,6 +123,13 @@ def _per_token_clocks(llm: LLM, prompts: list[list[int]], n: int, clocks: list[C
         long = [min(g, b - a) for g, a, b in zip(long, t1, t2)]
         if i + 1 >= repeats and all(g > s for g, s in zip(long, short)):
             break  # (more rounds only while a busy machine leaves a difference at or below zero)
+    else:  # (no measurement: a time per token at or below zero would be written as the machine's)
+        from waferline.errors import WaferlineError
+
+        raise WaferlineError(
+            f"could not measure a time per decode token: over {PER_TOKEN_MAX_ROUNDS * repeats} rounds the fastest "
+            f"{n + 1}-token run never took longer than the fastest 1-token run (load average "
+            f"{os.getloadavg()[0]:.1f}: other work on this machine); measure again when it is idle")
     return [(g - s) / n for g, s in zip(long, short)]
 
 
