@@ -1,9 +1,11 @@
 """A bad request fails alone: sampling values, hostile bodies, slow and aborted uploads, content types, Host
 names, disconnects and unsupported options, each against a live server whose other streams keep going."""
 
+import asyncio
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -553,6 +555,47 @@ def test_a_stream_whose_client_leaves_is_counted_as_a_disconnect(live):
     done = _post(live, dict(body, max_tokens=3))
     assert done.text.rstrip().endswith("data: [DONE]")
     assert _wait_until(lambda: _metrics(live).get(key % "200", 0.0) == m0.get(key % "200", 0.0) + 1, 10)
+
+
+def test_a_stream_whose_client_left_is_not_written_on(live, monkeypatch, caplog):
+    """A client leaves mid-stream while its next tokens are queued already (the event loop was busy as they came): the
+    stream stops there rather than writing them to the closed connection, each write past the fifth an asyncio warning
+    'socket.send() raised exception.' in the server's log."""
+    server = live.state.server
+    loops: list[asyncio.AbstractEventLoop] = []
+    start = server.start
+
+    def start_here(*args, **kw):
+        loops.append(asyncio.get_running_loop())
+        return start(*args, **kw)
+
+    monkeypatch.setattr(server, "start", start_here)
+    key = 'waferline_requests_total{endpoint="completions",status="499"}'
+    before = _metrics(live).get(key, 0.0)
+    body = json.dumps({"model": "sol-test", "prompt": "leaving", "max_tokens": 200, "stream": True,
+                       "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    blocked = threading.Event()
+
+    def busy() -> None:
+        blocked.set()
+        time.sleep(0.5)  # (the engine's next tokens queue up meanwhile)
+
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        with socket.create_connection(("127.0.0.1", int(live.state.base.rsplit(":", 1)[1])), timeout=10) as s:
+            s.sendall(head + body)
+            got = b""
+            while got.count(b"data: ") < 2:
+                chunk = s.recv(65536)
+                assert chunk, got
+                got += chunk
+            loops[0].call_soon_threadsafe(busy)
+            assert blocked.wait(10)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # (closed with a reset)
+        assert _wait_until(lambda: _metrics(live).get(key, 0.0) == before + 1, 10)
+        assert _wait_until(lambda: live.state.server.engine.num_running == 0, 10)
+    assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
 def test_chat_messages_need_their_content_and_text_parts_are_lines(live):

@@ -280,6 +280,9 @@ async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[st
                 break
             for c in choices.chunks(i, ev):
                 yield sse(c)
+            # (with the next events queued already nothing above waits: a turn of the event loop lets it see a client
+            # that went away, which stops the stream, rather than writing the rest to the closed connection)
+            await asyncio.sleep(0)
         else:
             if include_usage:
                 yield _sse(dict(base, choices=[], usage=choices.usage()))
