@@ -552,6 +552,96 @@ def test_version_and_the_top_level_help_name_every_command(capsys):
     assert "catalog / plan" in out  # (the description names the planner's commands, catalog among them)
 
 
+def _help(cmd: str, dest: str) -> tuple[str, object]:
+    """The help text (whitespace collapsed) and argparse default of ``waferline CMD``'s flag ``dest``."""
+    from waferline.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices[cmd]
+    action = next(a for a in sub._actions if a.dest == dest)
+    return " ".join(action.help.split()), action.default
+
+
+def test_help_states_the_defaults_the_code_uses():
+    """Each default a command's --help states is the one its code runs with, where the flag's own default is None
+    (resolved further down) as well as where argparse holds it."""
+    import inspect
+
+    from waferline import cli
+    from waferline.demo import run_demo
+    from waferline.engine.afd.layout import DEFAULT_MICRO_BATCHES
+    from waferline.engine.pipeline import DEFAULT_HANG_TIMEOUT_S
+    from waferline.engine.scheduler import SchedulerConfig
+    from waferline.model import quant_commands
+    from waferline.server.commands import build_server
+
+    llm = inspect.signature(LLM).parameters
+    served = inspect.signature(build_server).parameters
+    demo = inspect.signature(run_demo).parameters
+    cfg = SchedulerConfig()
+    for cmd, dest, says, default in [
+        ("serve", "host", "default 127.0.0.1", "127.0.0.1"), ("serve", "port", "default 8000", 8000),
+        ("serve", "max_num_seqs", "default 16", cfg.max_num_seqs),
+        ("serve", "max_body_bytes", "default 1 MiB", served["max_body_bytes"].default),
+        ("serve", "body_timeout", "default 30", served["body_timeout"].default),
+        ("serve", "hang_timeout", "default 8", DEFAULT_HANG_TIMEOUT_S),
+        ("serve", "micro_batches", "(default 2)", DEFAULT_MICRO_BATCHES),
+        ("serve", "group_size", "default 128", llm["group_size"].default),
+        ("serve", "num_speculative_tokens", "default 4", cfg.num_speculative_tokens),
+        ("serve", "log_level", "default warning", "warning"), ("serve", "dtype", "default float32", "float32"),
+        ("generate", "max_tokens", "default 32", 32), ("generate", "dtype", "default float32", "float32"),
+        ("generate", "group_size", f"default {cli.GROUP_SIZE}", llm["group_size"].default),
+        ("generate", "micro_batches", "(default 2)", DEFAULT_MICRO_BATCHES),
+        ("generate", "num_speculative_tokens", f"default {cli.NUM_SPECULATIVE_TOKENS}",
+         llm["num_speculative_tokens"].default),
+        ("demo", "max_tokens", "default 160", demo["max_tokens"].default),
+        ("demo", "layers_per_stage", "default 1", demo["layers_per_stage"].default),
+        ("demo", "weight_bits", "(default)", demo["weight_bits"].default),
+        ("demo", "num_speculative_tokens", "default 3", demo["num_speculative_tokens"].default),
+        ("quantize", "group_size", "default 128", 128),
+        ("quantize", "calibration_tokens", f"({quant_commands.CALIBRATION_TOKENS})", 4096),
+    ]:
+        text, parsed = _help(cmd, dest)
+        assert says in text, (cmd, dest, text)
+        assert (parsed if parsed is not None else default) == default, (cmd, dest, parsed)
+        shown = f"{default:g}" if isinstance(default, float) else str(default)
+        assert shown in says or (dest, default) in {("max_body_bytes", 1 << 20), ("weight_bits", 4)}, says
+    assert served["max_num_seqs"].default == cfg.max_num_seqs and served["page_tokens"].default == cfg.page_tokens
+    assert cli.NUM_SPECULATIVE_TOKENS == cfg.num_speculative_tokens == served["num_speculative_tokens"].default
+
+
+def test_help_says_an_int4_checkpoint_loads_as_int4_whatever_weight_bits_says():
+    """serve (default 16) and demo (--weight-bits 16) run an int4 checkpoint as int4: their help says so, as
+    generate's does (demo's said "16 = the 16-bit file as is" and ran int4)."""
+    assert "int4 checkpoints load as int4" in _help("generate", "weight_bits")[0]
+    assert "an int4 checkpoint loads as int4 either way" in _help("serve", "weight_bits")[0]
+    assert "an int4 --model runs as int4 either way" in _help("demo", "weight_bits")[0]
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_serve_refuses_torch_threads_below_one(value, tmp_path, capsys):
+    """--torch-threads -1 started a server whose engine thread had died (set_num_threads: a traceback), and 0 was
+    ignored: both are refused by the parser, as --max-num-seqs is."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--model", str(tmp_path), "--torch-threads", value])
+    assert e.value.code == 2 and "argument --torch-threads: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_serve_warns_of_no_api_key_only_without_one(tmp_path, capsys, monkeypatch):
+    """Binding another interface warns; "has no --api-key" only where neither --api-key nor WAFERLINE_API_KEY
+    gives one (the key from the environment is required all the same)."""
+    monkeypatch.delenv("WAFERLINE_API_KEY", raising=False)
+    argv = ["serve", "--model", str(tmp_path / "none"), "--host", "0.0.0.0"]  # (stops at the missing checkpoint)
+    assert main(argv) == 2
+    assert "reachable from other machines and has no --api-key" in capsys.readouterr().out
+    monkeypatch.setenv("WAFERLINE_API_KEY", "k")
+    assert main(argv) == 2
+    out = capsys.readouterr().out
+    assert "reachable from other machines" in out and "no --api-key" not in out
+    assert main([*argv, "--allowed-hosts", "box.lan"]) == 2
+    assert "--allowed-hosts applies to a server without --api-key, and WAFERLINE_API_KEY sets one" in \
+        _one_error_line(capsys.readouterr().err)
+
+
 def test_sol_mini_training_refuses_bad_numbers_and_an_out_it_would_delete(tmp_path):
     """train/sol_mini.py replaced --out whatever it held (a directory of other files was deleted), and took --steps -1
     (an untrained model written over the checkpoint), --batch 0 or --threads 0 (a traceback after the data was

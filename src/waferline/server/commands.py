@@ -199,14 +199,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.model is None:
         raise UsageError("give the checkpoint directory: waferline serve MODEL (or --model MODEL)")
 
+    api_key = args.api_key or os.environ.get("WAFERLINE_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the API is reachable from other machines"
-              + ("" if args.api_key else " and has no --api-key"))
-    api_key = args.api_key or os.environ.get("WAFERLINE_API_KEY") or None
+              + ("" if api_key else " and has no --api-key"))
     if args.num_speculative_tokens is not None and not args.speculative:
         raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     if args.allowed_hosts and api_key:
-        raise UsageError("--allowed-hosts applies to a server without --api-key (with a key, any Host is answered)")
+        raise UsageError("--allowed-hosts applies to a server without --api-key"
+                         + ("" if args.api_key else ", and WAFERLINE_API_KEY sets one")
+                         + " (with a key, any Host is answered)")
     check_serve_flags(args)
     if args.stages is not None or args.layers_per_stage is not None:
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
@@ -293,7 +295,9 @@ def register(sub: Any) -> None:
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
                         "layer operators: one stream decoded 2x faster on an AVX2 CPU)")
-    s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4], help="4: int4 weights (W4A16)")
+    s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
+                   help="4: int4 weights (W4A16; RTN on load for a 16-bit checkpoint in one process, a pipeline needs "
+                        "an int4 checkpoint: waferline quantize); an int4 checkpoint loads as int4 either way")
     s.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for --weight-bits 4 on a 16-bit checkpoint (default 128)")
     s.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
@@ -301,7 +305,7 @@ def register(sub: Any) -> None:
     s.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the weights, caches and steps live (a pipeline's stages "
                         "each take a GPU of their own; AFD runs on CPU)")
-    s.add_argument("--torch-threads", type=int, default=None,
+    s.add_argument("--torch-threads", type=positive_int, default=None,
                    help="torch intra-op threads of the engine (with --stages / --afd: of every stage or rank process; "
                         "default: the cores divided among them)")
     s.add_argument("--stages", type=int, default=None,
