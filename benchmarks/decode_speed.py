@@ -291,7 +291,7 @@ def bench_model(name: str, engines: list[str], batches: list[int], a: argparse.N
         rows = cells[batch]
         for e in engines:
             bits, group, kv_bits = BITS[e]
-            head = HEAD_BITS.get(e, 16) if a.device == "cpu" else 16  # (on a GPU waferline int4 keeps a 16-bit head)
+            head = HEAD_BITS.get(e) if a.device == "cpu" else None  # (on a GPU waferline int4 keeps a 16-bit head)
             sb = step_bytes(spec, bits, group, kv_bits, batch, a.prompt_len + a.new_tokens // 2, head)
             rows[e].roofline_tok_s = batch * bw / sb
             rows[e].step_MB = sb / 1e6

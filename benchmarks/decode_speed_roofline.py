@@ -68,15 +68,16 @@ def experts_touched(n_experts: int, top_k: int, batch: int) -> float:
 
 
 def step_bytes(
-    spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int, head_bits: float = 16
+    spec: Any, bits: int, group: int, kv_bits: int, batch: int, context: int, head_bits: float | None = None
 ) -> float:
     """Bytes one decode step of ``batch`` sequences reads: weights (no embedding table; idle experts not read; the LM
-    head at ``head_bits``: 8 = int8 with a 16-bit scale per row, 6.5625 = llama.cpp's Q6_K) and each sequence's cache
-    at ``context`` tokens."""
+    head at ``head_bits``: 8 = int8 with a 16-bit scale per row, 6.5625 = llama.cpp's Q6_K, None = the embedding's
+    bits, 32 for fp32 weights) and each sequence's cache at ``context`` tokens."""
     from waferline.spec.model import MoESpec, quantized_bytes
 
     embed_bits = 32 if bits == 32 else 16
     total = spec.weight_bytes(bits, group, embed_bits=embed_bits) - spec.embed_bytes(embed_bits)
+    head_bits = embed_bits if head_bits is None else head_bits
     if head_bits != embed_bits:  # int8: ModelSpec's accounting with one scale per row; Q6_K: its 6.5625 bits flat
         n = spec.lm_head_params()
         head = quantized_bytes(n, 8, group_size=spec.hidden_size) if head_bits == 8 else n * head_bits / 8

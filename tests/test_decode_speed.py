@@ -113,3 +113,17 @@ def test_a_step_reads_no_idle_expert_bytes_as_weight_bytes_counts_them(ds):
     touched = 4  # (one token: its top-4 of 32 experts)
     expected = rest + sum(touched * lay.ffn.expert_bytes(4, 128) for lay in spec.layers)
     assert ds.step_bytes(spec, 4, 128, 16, 1, 0) == pytest.approx(expected, rel=1e-12)
+
+
+def test_an_fp32_step_reads_its_lm_head_at_32_bits(ds):
+    """waferline fp32 keeps its LM head fp32 (as loaded): the roofline counted that head at 16 bits (every engine
+    without an int8 or Q6_K head was given head_bits 16), the fp32 rows' step 24% short on the --quick llama. By
+    default the head is at the embedding's bits; 16-bit rows are as before."""
+    from waferline.spec.catalog import load_model
+
+    spec = load_model("llama-3.1-8b")
+    assert ds.step_bytes(spec, 32, 128, 32, 0, 0) == pytest.approx(
+        spec.weight_bytes(32, 128, embed_bits=32) - spec.embed_bytes(32), rel=1e-12)
+    assert ds.step_bytes(spec, 16, 128, 16, 0, 0) == pytest.approx(
+        spec.weight_bytes(16, 128) - spec.embed_bytes(16), rel=1e-12)
+    assert "wl_fp32" not in ds.HEAD_BITS  # (its head is at its weights' bits)

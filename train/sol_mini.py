@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from waferline import kernels  # noqa: E402
 from waferline.argtypes import nonnegative_int, positive_float, positive_int  # noqa: E402
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
@@ -216,7 +217,19 @@ class ExpertBalancer:
 def forward_losses(
     model: DecoderModel, x: torch.Tensor, mtp_weight: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Next-token loss on x[:, :-1] -> x[:, 1:] and MTP loss (t -> t+2); returns (total, main, mtp)."""
+    """Next-token loss on x[:, :-1] -> x[:, 1:] and MTP loss (t -> t+2); returns (total, main, mtp). Computed on the
+    eager path: the fused CPU operators (waferline.kernels) have no backward, and a loss through them left every
+    parameter before them (117 of 127) without a gradient."""
+    prev = kernels.use(False)
+    try:
+        return _forward_losses(model, x, mtp_weight)
+    finally:
+        kernels.use(prev)
+
+
+def _forward_losses(
+    model: DecoderModel, x: torch.Tensor, mtp_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inp, tgt = x[:, :-1], x[:, 1:]
     B, T = inp.shape
     caches = model.new_caches(B)
