@@ -963,6 +963,34 @@ def test_a_per_token_time_is_measured_again_while_the_difference_is_not_positive
     assert llm.calls == 2 * PER_TOKEN_MAX_ROUNDS  # (gives up)
 
 
+def test_a_disturbed_engine_probe_is_left_out_not_the_calibration(tmp_path, monkeypatch):
+    """One decode probe of the engine fit whose time per token stays at or below zero (a machine busy throughout) is
+    left out of the fit, as before the measurement raised; it aborted the whole calibration (and a twin run
+    calibrating first) with that error."""
+    from waferline.sim.calibrate import engine
+
+    real, calls = engine._per_token, []
+
+    def per_token(llm, prompts, n, clock, repeats):
+        calls.append(len(prompts))
+        return real(llm, prompts, n, (lambda: 0.0) if len(calls) == 2 else clock, repeats)  # (the 2nd: stuck)
+
+    monkeypatch.setattr(engine, "_per_token", per_token)
+    out = engine.engine_overhead("fp32", [(64, 1)], [1, 2, 4], 4, tmp_path)
+    assert calls == [1, 2, 4] and [p["batch"] for p in out["points"]] == [1, 4]
+
+
+def test_a_probe_that_failed_in_a_child_records_the_childs_exception():
+    """A calibration probe run in a child process (the pipeline's, the oversubscribed one) that failed is recorded
+    with the child's exception, not the start of the traceback (which cut off before the error's name)."""
+    from waferline.sim.calibrate.common import ChildFailed, not_measured, run_isolated
+
+    with pytest.raises(ChildFailed) as e:
+        run_isolated("json:loads", {"s": "not json"}, 60)
+    assert not_measured(e.value) == "not measured: JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+    assert not_measured(ValueError("x" * 300)) == ("not measured: ValueError: " + "x" * 300)[:200]
+
+
 def test_a_hardware_yaml_without_a_calibration_says_so():
     # (a catalog device's YAML read as a host calibration: "host_engine is missing 'engine'", of a section it lacks)
     from waferline.sim.host_params import HostParams

@@ -198,6 +198,12 @@ class ChildFailed(RuntimeError):
         self.reason = reason
 
 
+def not_measured(e: BaseException) -> str:
+    """Why a calibration probe was not measured, as its record says it: a run_isolated child's own exception
+    (ChildFailed's ``reason``, not the traceback lines before it), else the exception's type and message."""
+    return f"not measured: {e.reason if isinstance(e, ChildFailed) else f'{type(e).__name__}: {e}'}"[:200]
+
+
 def child_reason(output: str) -> str:
     """The last exception line of a child's output (a traceback's last line: the exception and its message), without
     the exception's module path; else the last non-empty line."""

@@ -30,6 +30,7 @@ from waferline.sim.calibrate.common import (
     PREFILL_CALIBRATION_MODEL,
     Progress,
     _fig,
+    not_measured,
     run_isolated,
 )
 from waferline.sim.calibrate.engine import BIG_PROBE_BATCHES, Canary, engine_overhead, speculative_overhead
@@ -384,7 +385,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
             except Exception as e:  # noqa: BLE001 - speculative decoding may be unavailable; the rest stands
                 he["engine"]["bf16"]["spec_step_overhead_s"] = {
                     "value": 0.0,
-                    "assumed": f"not measured: {type(e).__name__}: {e}"[:200],
+                    "assumed": not_measured(e),
                 }
             if pipeline:
                 say("pipeline hop vs idle time (2 stage processes, 3 model sizes)", 0.72)
@@ -397,7 +398,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                 except Exception as e:  # noqa: BLE001 - the pipeline engine may be unavailable; the rest stands
                     po = None
                     he["pipeline"] = {
-                        "hop_overhead_s": {"value": 0.0, "assumed": f"not measured: {type(e).__name__}: {e}"[:200]}
+                        "hop_overhead_s": {"value": 0.0, "assumed": not_measured(e)}
                     }
                 if po is not None:
                     meth = (
@@ -470,7 +471,7 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
                                               {"workdir": str(work), "tokens": toks}, 300)
                             he["pipeline"]["oversubscribed"] = oversubscribed_figures(ov, tag)
                         except Exception as e:  # noqa: BLE001 - the 2-stage figures stand for such Plans
-                            he["pipeline"]["oversubscribed"] = {"error": f"not measured: {type(e).__name__}: {e}"[:200]}
+                            he["pipeline"]["oversubscribed"] = {"error": not_measured(e)}
             if canary is not None:
                 canary_runs += [canary.seconds(), canary.seconds()]
                 canary.close()
