@@ -18,7 +18,7 @@ import torch
 
 from waferline.engine.padding import padded_calls, pads_safely
 from waferline.engine.speculative.rollback import VerifyRollback
-from waferline.model.attention import TokenCache
+from waferline.model.attention import TokenCache, managed_table
 from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
@@ -269,15 +269,8 @@ class LocalRunner:
     def block_table(self, page_tokens: int) -> BlockTable | None:
         """One page table of ``page_tokens``-token pages for every paged cache (each given the table's pages from
         now on: before any sequence runs), managed by its caller (CacheManager); None without paged caches."""
-        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
-        if not paged:
-            return None
-        table = BlockTable(self.num_slots, page_tokens, managed=True)
-        table.layers = frozenset(paged)
-        for i in paged:
-            self.caches[i].bind(table)
-        self._table = table
-        return table
+        self._table = managed_table(self.caches, self.num_slots, page_tokens)
+        return self._table
 
     def fault(self) -> str | None:
         return None

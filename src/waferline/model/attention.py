@@ -438,6 +438,20 @@ class TokenCache:
         self.update(rows[None], StepBatch.make([slot], [start], rows.shape[0], self.data.device))
 
 
+def managed_table(caches: list[Any], num_slots: int, page_tokens: int) -> BlockTable | None:
+    """One page table of ``page_tokens``-token pages for every paged TokenCache in ``caches`` (each bound to it: its
+    pages come from the table from now on, before any sequence runs), managed by its caller (the scheduler's
+    CacheManager); None where no cache is paged."""
+    paged = [i for i, c in enumerate(caches) if isinstance(c, TokenCache) and c.paged]
+    if not paged:
+        return None
+    table = BlockTable(num_slots, page_tokens, managed=True)
+    table.layers = frozenset(paged)
+    for i in paged:
+        caches[i].bind(table)
+    return table
+
+
 @dataclass
 class _Stage:
     """A paged cache's staging copy of some rows for the fused ops: row b is slot ``slots[b]``; positions

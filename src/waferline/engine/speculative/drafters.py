@@ -11,7 +11,7 @@ import torch
 from waferline.engine.sampling import SamplingParams, draw, greedy, target_probs
 from waferline.engine.speculative.rollback import _load, _save, _stateful
 from waferline.errors import ConfigError
-from waferline.model.attention import TokenCache
+from waferline.model.attention import managed_table
 from waferline.model.block_table import BlockTable
 from waferline.model.context import StepBatch
 from waferline.spec.model import ModelSpec
@@ -107,14 +107,7 @@ class _ModelDrafter:
         """One page table for the drafter's paged caches (as ``LocalRunner.block_table``; after ``begin``), managed by
         the scheduler's CacheManager, which counts the drafter's caches in its budget (``cache_spec``, kinds
         ``{cache_kind}_...``); None without paged caches."""
-        paged = [i for i, c in enumerate(self.caches) if isinstance(c, TokenCache) and c.paged]
-        if not paged:
-            return None
-        table = BlockTable(self.num_slots, page_tokens, managed=True)
-        table.layers = frozenset(paged)
-        for i in paged:
-            self.caches[i].bind(table)
-        return table
+        return managed_table(self.caches, self.num_slots, page_tokens)
 
     def _drafts(self, rows: list[int], ks: list[int], first: list[torch.Tensor], step: Any, params: SamplingParams,
                 gens: list[torch.Generator | None], caches: list[Any]) -> list[Proposal]:
