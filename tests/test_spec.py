@@ -74,8 +74,10 @@ def test_each_matrix_takes_the_group_waferline_quantize_gives_it():
 
 
 def test_every_catalog_matmul_list_adds_up_to_its_parameters():
-    """Each mixer's and FFN's (K, N, count) list, which the byte accounting groups, holds its matmul parameters, and
-    matmuls and small parameters make up all of them; the attention and FFN sides of a layer add up to the layer."""
+    """Each mixer's and FFN's (K, N, count) list (which its matmul parameters and the byte accounting are both read
+    from) and its small parameters make up all its parameters, counted on their own; the attention and FFN sides of
+    a layer add up to the layer. (Against transformers: tests/test_config_variants.py; against the int4 files:
+    tests/test_quant.py.)"""
     from waferline.spec.catalog import list_models, load_model
 
     for m in list_models():
@@ -84,11 +86,8 @@ def test_every_catalog_matmul_list_adds_up_to_its_parameters():
             for p in (layer.mixer, layer.ffn):
                 if p is None:
                     continue
-                assert sum(k * n * c for k, n, c in p.matmuls()) == p.matmul_params(), (m, layer.index, p.kind)
                 assert p.matmul_params() + p.small_params() == p.params(), (m, layer.index, p.kind)
                 if isinstance(p, MoESpec):
-                    one = sum(k * n * c for k, n, c in p.expert_matmuls())
-                    assert one * p.num_experts + sum(k * n * c for k, n, c in p._shared_matmuls()) == p.matmul_params()
                     assert p.expert_bytes(16) == 2 * p.expert_params()
             for bits in (4, 16):
                 parts = layer.mixer_weight_bytes(bits, 64) + layer.ffn_weight_bytes(bits, 64)

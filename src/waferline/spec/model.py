@@ -54,6 +54,11 @@ def quantized_bytes(
     return n_params * bits / 8 + math.ceil(n_params / group_size) * per_group
 
 
+def matmul_count(matmuls: Iterable[Matmul]) -> int:
+    """Parameters of the matmul weights ``(K, N, count)``."""
+    return sum(K * N * count for K, N, count in matmuls)
+
+
 def matmul_bytes(matmuls: Iterable[Matmul], bits: int, group_size: int = 128, scale_bits: int = 16,
                  zeros: bool = False) -> float:
     """Bytes to store the matmul weights ``(K, N, count)`` at ``bits``, as ``waferline quantize`` stores them: below
@@ -97,16 +102,8 @@ class AttentionSpec:
     def _q_width(self) -> int:
         return self.num_heads * self.head_dim * (2 if self.output_gate else 1)
 
-    def _q_matmul(self) -> int:
-        if self.q_rank:
-            return self.hidden_size * self.q_rank + self.q_rank * self._q_width()
-        return self.hidden_size * self._q_width()
-
     def params(self) -> int:
-        q = self._q_matmul() + self.q_rank  # (+ the norm of the low-rank query)
-        kv = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        o = self.num_heads * self.head_dim * self.hidden_size
-        n = q + kv + o
+        n = self.matmul_params() + self.q_rank  # (+ the norm of the low-rank query)
         if self.qkv_bias:
             n += self._q_width() + 2 * self.num_kv_heads * self.head_dim
         if self.o_bias:
@@ -122,7 +119,7 @@ class AttentionSpec:
         return self.params() - self.matmul_params()
 
     def matmul_params(self) -> int:
-        return self._q_matmul() + self.hidden_size * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count) of each matmul weight: q (or its low-rank pair), k and v, o."""
@@ -166,15 +163,7 @@ class MLASpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def matmul_params(self) -> int:
-        h, d = self.num_heads, self.hidden_size
-        if self.q_lora_rank:
-            q = d * self.q_lora_rank + self.q_lora_rank * h * self.qk_head_dim
-        else:
-            q = d * h * self.qk_head_dim
-        kv_a = d * (self.kv_lora_rank + self.qk_rope_head_dim)
-        kv_b = self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim)
-        o = h * self.v_head_dim * d
-        return q + kv_a + kv_b + o
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count) of each matmul weight: q_a / q_b (or q), kv_a, kv_b, o."""
@@ -191,7 +180,7 @@ class MLASpec:
         return [(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), 1)]
 
     def kept_16bit_params(self) -> int:
-        return sum(k * n * c for k, n, c in self.kept_16bit_matmuls())
+        return matmul_count(self.kept_16bit_matmuls())
 
     def params(self) -> int:
         return self.matmul_params() + self.small_params()
@@ -254,9 +243,7 @@ class Mamba2Spec(_StateMixer):
         return self.d_inner + 2 * self.n_groups * self.state_size
 
     def matmul_params(self) -> int:
-        in_proj = self.hidden_size * (2 * self.d_inner + 2 * self.n_groups * self.state_size + self.num_heads)
-        out_proj = self.d_inner * self.hidden_size
-        return in_proj + out_proj
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): in_proj (z, x, B, C, dt) and out_proj."""
@@ -301,8 +288,7 @@ class Mamba1Spec(_StateMixer):
     sliding_window: None = None
 
     def matmul_params(self) -> int:
-        return (self.hidden_size * 2 * self.d_inner + self.d_inner * (self.dt_rank + 2 * self.state_size)
-                + self.dt_rank * self.d_inner + self.d_inner * self.hidden_size)
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): in_proj, x_proj, dt_proj, out_proj."""
@@ -348,9 +334,7 @@ class GatedDeltaNetSpec(_StateMixer):
         return self.num_v_heads * self.head_v_dim
 
     def matmul_params(self) -> int:
-        qkvz = self.hidden_size * (2 * self.key_dim + 2 * self.value_dim)
-        ba = self.hidden_size * 2 * self.num_v_heads
-        return qkvz + ba + self.value_dim * self.hidden_size
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): in_proj_qkvz, in_proj_ba, out_proj."""
@@ -391,10 +375,7 @@ class KimiDeltaSpec(_StateMixer):
         return self.num_heads * self.head_dim
 
     def matmul_params(self) -> int:
-        d, c, hd = self.hidden_size, self.qkv_dim, self.head_dim
-        qkvo = 4 * d * c
-        gates = 2 * (d * hd + hd * c)  # forget gate and output gate, each d -> head_dim -> heads x head_dim
-        return qkvo + gates + d * self.num_heads  # + b_proj (beta)
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): q, k, v; the forget and output gates' two low-rank halves; b_proj; o."""
@@ -467,7 +448,7 @@ class DSASpec:
         return self.hidden_size * self.index_n_heads + 2 * self.index_head_dim  # weights_proj, k_norm (LayerNorm)
 
     def matmul_params(self) -> int:
-        return self._mla().matmul_params() + self.indexer_matmul_params()
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """MLA's, and the indexer's wq_b and wk."""
@@ -562,17 +543,7 @@ class CompressedAttentionSpec:
         return 2 * self.hidden_size * width + self.compress_ratio * width
 
     def matmul_params(self) -> int:
-        d, h, hd = self.hidden_size, self.num_heads, self.head_dim
-        q = d * self.q_lora_rank + self.q_lora_rank * h * hd
-        kv = d * hd
-        o = (h * hd * self.o_lora_rank + self.o_groups * self.o_lora_rank * d) if self.o_lora_rank else h * hd * d
-        n = q + kv + o
-        if self.compress_ratio:
-            n += 2 * d * (2 * hd if self.index_topk else hd)
-        if self.index_topk:  # the indexer's compressor, wq_b and weights_proj
-            n += 2 * d * 2 * self.index_head_dim + self.q_lora_rank * self.index_n_heads * self.index_head_dim
-            n += d * self.index_n_heads
-        return n
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): wq_a, wq_b, wkv, wo_a (one [heads x head_dim / o_groups -> o_groups x o_lora_rank] matrix)
@@ -680,7 +651,7 @@ class DenseFFNSpec:
     kind: str = "dense"
 
     def matmul_params(self) -> int:
-        return (3 if self.gated else 2) * self.hidden_size * self.intermediate_size
+        return matmul_count(self.matmuls())
 
     def matmuls(self) -> list[Matmul]:
         """(K, N, count): gate and up (or up), down."""
@@ -727,7 +698,7 @@ class MoESpec:
     kind: str = "moe"
 
     def _expert_matmul_params(self) -> int:
-        return (3 if self.gated else 2) * self.hidden_size * self.expert_intermediate
+        return matmul_count(self.expert_matmuls())
 
     def _expert_bias_params(self) -> int:
         return (2 if self.gated else 1) * self.expert_intermediate + self.hidden_size if self.expert_bias else 0
@@ -751,7 +722,7 @@ class MoESpec:
         return [(d, s, 2 if self.gated else 1), (s, d, 1)] if s else []
 
     def _shared_matmul_params(self) -> int:
-        return (3 if self.gated else 2) * self.hidden_size * self.shared_intermediate
+        return matmul_count(self._shared_matmuls())
 
     def _shared_small_params(self) -> int:
         """The shared experts' biases and sigmoid gate (a [d -> 1] weight, 16-bit as routers are)."""
