@@ -160,3 +160,24 @@ def test_the_cycle_check_sees_a_lazy_circle(tmp_path):
     assert import_cycles(mods) == [["waferline.x.a", "waferline.x.b"]]
     c.write_text("from waferline.x.a import g\n")
     assert import_cycles(mods) == [["waferline.x.a", "waferline.x.b"]]  # c imports into the circle, not part of it
+
+
+ENGINE_MAX_LINES = 500
+
+
+def long_files(root: Path, limit: int) -> list[str]:
+    """The Python files under ``root`` with more than ``limit`` lines, with their line counts."""
+    return [f"{p.relative_to(root)}: {n} lines" for p in sorted(root.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > limit]
+
+
+def test_no_engine_file_is_over_500_lines():
+    """The engine stays in files one can read whole: none over 500 lines."""
+    assert long_files(SRC / "waferline" / "engine", ENGINE_MAX_LINES) == []
+
+
+def test_the_length_check_sees_a_long_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "long.py").write_text("x = 1\n" * 501)
+    (tmp_path / "short.py").write_text("x = 1\n" * 500)
+    assert long_files(tmp_path, ENGINE_MAX_LINES) == ["sub/long.py: 501 lines"]

@@ -46,6 +46,7 @@ from waferline.engine.sampling import (
     resolve_dtype,
 )
 from waferline.engine.sequence import CONTEXT_TOKENS, Sequence, request_generator, stop_cut
+from waferline.engine.speculative.serving import ServeSpeculation, check_speculative
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -127,7 +128,7 @@ class LLM:
                 raise ConfigError("afd runs 16-bit weights without stages or layers_per_stage; drop those options "
                                   "(or drop afd / attention_ranks / ffn_ranks)")
             check_engine_options(pipeline_options, AFD_OPTIONS, "the AFD engine")
-            self._check_speculative(speculative, num_speculative_tokens)
+            check_speculative(self.path, speculative, num_speculative_tokens)  # before the processes start
             self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
@@ -138,7 +139,7 @@ class LLM:
             if weight_bits == 4 and not is_int4_checkpoint(self.path):
                 raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
-            self._check_speculative(speculative, num_speculative_tokens)
+            check_speculative(self.path, speculative, num_speculative_tokens)  # before the processes start
 
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
                                       micro_batches=micro_batches, **dev_kw, **pipeline_options)
@@ -174,8 +175,6 @@ class LLM:
         self._caller: int | None = None  # the thread whose call holds it
         self._request_ids = itertools.count()  # (a request id is never reused while its pages may be held)
         if speculative and self._pipeline is None:
-            from waferline.engine.speculative.serving import ServeSpeculation
-
             self._spec = ServeSpeculation(self.model, self.model.new_caches(1, self.device), 1, speculative,
                                           num_speculative_tokens, speculative_adaptive)
         if self._pipeline is not None:
@@ -184,15 +183,6 @@ class LLM:
             except BaseException:
                 self._pipeline.close()
                 raise
-
-    def _check_speculative(self, method: str | None, num_tokens: int) -> None:
-        """A speculative option the runner over processes would refuse, refused before they start."""
-        if method:
-            from waferline.engine.speculative.serving import check_speculative
-            from waferline.spec.configs import spec_from_pretrained
-
-            if (self.path / "config.json").is_file():  # (else the engine names the missing checkpoint)
-                check_speculative(self.path, method, num_tokens, spec_from_pretrained(self.path).vocab_size)
 
     # -- tokens
     def encode(self, text: str) -> list[int]:
@@ -363,8 +353,6 @@ class LLM:
             if isinstance(runner, LocalRunner):
                 runner.batch_prefills = False
             if self._speculative is not None and self._spec is None:  # (a pipeline's: its runner has the parts)
-                from waferline.engine.speculative.serving import ServeSpeculation
-
                 model, caches = runner.prepare_speculation(self._speculative[0])
                 self._spec = ServeSpeculation(model, caches, rows, *self._speculative)
             k = self._spec.k_max if self._spec is not None else 0

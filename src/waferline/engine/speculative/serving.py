@@ -59,10 +59,11 @@ def check_serve_method(method: str, k: int) -> None:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
 
 
-def check_speculative(path: Any, method: str, num_tokens: int, vocab_size: int) -> None:
-    """What ``ServeSpeculation`` would refuse for the checkpoint at ``path`` (of ``vocab_size`` tokens), read from
-    config files only, so that a pipeline or AFD engine refuses it before its processes start: K, the method, MTP
-    layers for 'mtp', a draft model's directory and vocabulary."""
+def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
+    """What ``ServeSpeculation`` would refuse for the checkpoint at ``path``, read from config files only, so that a
+    pipeline or AFD engine refuses it before its processes start: K, the method, MTP layers for 'mtp', a draft
+    model's directory and vocabulary. Nothing to check without a method or a config.json (the engine then names the
+    missing checkpoint)."""
     from pathlib import Path
 
     from waferline.engine.stage import check_mtp
@@ -71,6 +72,8 @@ def check_speculative(path: Any, method: str, num_tokens: int, vocab_size: int) 
     from waferline.model.load import open_weights
     from waferline.spec.configs import spec_from_pretrained
 
+    if not method or not (Path(path) / "config.json").is_file():
+        return
     if num_tokens < 1:
         raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
     if method == "mtp":  # (MTP layers in the config whose weights the checkpoint lacks load as none: DecoderModel)
@@ -81,7 +84,7 @@ def check_speculative(path: Any, method: str, num_tokens: int, vocab_size: int) 
         draft = Path(method[len("draft:"):])
         if not draft.is_dir():
             raise ConfigError(f"model directory {draft} does not exist")
-        n = spec_from_pretrained(draft).vocab_size
+        n, vocab_size = spec_from_pretrained(draft).vocab_size, spec_from_pretrained(path).vocab_size
         if n != vocab_size:
             raise ConfigError(f"draft model {draft} has vocab_size {n} but the target has {vocab_size}; a draft model "
                               "must share the target's tokenizer")
