@@ -188,3 +188,18 @@ def test_the_drafter_reads_its_int4_scales_at_the_plans_group_size(method, model
                      speculative=SpeculativeConfig(method, 3, 0.7, draft))
         drafted[g] = simulate(plan, prompt_len=100, output_len=100, spec=spec, hardware=hw).speculative["draft_s"]
     assert drafted[32] > drafted[128]
+
+
+def test_a_draft_models_step_reads_its_head_at_the_plans_embed_bits():
+    """A draft model's step reads its LM head (llama-3.2-1b: its tied embedding table) at the plan's embed_bits, as
+    its memory counts it (it was timed at 16 bits whatever the plan said)."""
+    spec, hw = load_model("llama-3.1-70b"), load_hardware("h200-sxm")
+    drafted = {}
+    for eb in (16, 4):
+        plan = place(spec, hw, devices=1, weight_bits=4, embed_bits=eb,
+                     speculative=SpeculativeConfig("draft", 3, 0.7, "llama-3.2-1b"))
+        drafted[eb] = simulate(plan, prompt_len=100, output_len=100, spec=spec, hardware=hw).speculative["draft_s"]
+    dspec = load_model("llama-3.2-1b")
+    bw = hw.memory_bandwidth * load_params().for_hardware(hw).bw_eff
+    saved = (dspec.embed_bytes(16) - dspec.embed_bytes(4)) / bw
+    assert drafted[16] - drafted[4] == pytest.approx(3 * saved, rel=0.05)

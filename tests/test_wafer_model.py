@@ -215,6 +215,43 @@ def test_explain_flag_prints_and_json_carries_it(capsys):
     assert "--explain" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["gpt-5.6-sol", "--hardware", "wse-3", "--devices", "80", "--weight-bits", "4"],
+                                  ["gpt-oss-20b", "--hardware", "h100-sxm"]])
+def test_explains_acceptance_reaches_the_target_when_simulated(capsys, argv):
+    """The acceptance --explain says MTP needs for the target, simulated with --speculative mtp, reaches it (it was
+    sized for a free drafter and a one-token verify step: 0.61 for Sol's 750 tok/s, which gave 722; 0.54 for
+    gpt-oss-20b on an H100 at 1.3 times its rate, which gave 73% of it)."""
+    base = [*argv, "--no-intervals"]
+    rate = _sim_json(capsys, *base)["decode_tokens_per_s_per_user"]
+    target = 750.0 if argv[0] == "gpt-5.6-sol" else 1.3 * rate
+    sp = _sim_json(capsys, *base, "--explain", "--target-tokens-per-s", str(target))["explain"]["target"]["speculative"]
+    a = sp["accept_rate_needed"]
+    assert a is not None and sp["num_tokens"] == 3
+    got = _sim_json(capsys, *base, "--speculative", "mtp", "--num-speculative-tokens", "3", "--accept-rate",
+                    f"{a + 1e-6:.6f}")["decode_tokens_per_s_per_user"]
+    assert got == pytest.approx(target, rel=1e-3)
+
+
+def test_explains_levers_reach_the_target_where_the_slowest_stage_binds():
+    """With micro-batches in flight a user's tokens are the slowest stage x micro-batches apart, not one step: the
+    fixed-latency lever, applied to the parameters, reaches the target (sized on the step it said 14.0x less, which
+    gave 1,556 of 1,628 tok/s)."""
+    plan = place("gpt-oss-20b", "groq-lpu-v1", devices=192, weight_bits=4, batch=64)
+    params = load_params()
+    r = simulate(plan, concurrency=64, params=params)
+    assert r.bound.startswith("pipeline")
+    target = 3 * r.decode_tokens_per_s_per_user
+    tgt = explain(r, target)["target"]
+    lever = next(lv for lv in tgt["levers"] if lv["term"] == "fixed per layer")
+    assert tgt["interval_needed_s"] == pytest.approx(1 / target) and lever["factor"] is not None
+    faster = params.copy()
+    cp = faster.for_hardware(load_hardware("groq-lpu-v1"))
+    cp.layer_latency_s /= lever["factor"]
+    cp.moe_latency_s /= lever["factor"]
+    got = simulate(plan, concurrency=64, params=faster).decode_tokens_per_s_per_user
+    assert got == pytest.approx(target, rel=1e-6)
+
+
 def test_a_draft_with_another_tokenizer_is_refused(capsys):
     assert main(["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "draft",
                  "--draft-model", "qwen3-0.6b", "--no-intervals"]) != 0

@@ -456,7 +456,16 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.explain:
         from waferline.sim.explain import explain
 
-        ex = explain(r, args.target_tokens_per_s)
+        mtp_step = None
+        if args.target_tokens_per_s and plan.speculative.method == "none":  # (what speculation's lever is sized by)
+            from dataclasses import replace
+
+            from waferline.plan.plan import SpeculativeConfig
+
+            m = simulate(replace(plan, speculative=SpeculativeConfig("mtp", 3)), prompt_len=P, output_len=O,
+                         concurrency=args.concurrency, params=params, reasoning_tokens=R)
+            mtp_step = m.speculative["expected_tokens_per_step"] / m.decode_tokens_per_s_per_user
+        ex = explain(r, args.target_tokens_per_s, mtp_step)
     serving = None
     if args.arrival_rate or args.closed_loop:
         from waferline.sim.serving import simulate_serving

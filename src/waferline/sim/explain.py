@@ -82,9 +82,54 @@ def _read_lever(r: SimResult, cut: float, tokens: int) -> tuple[float, float] | 
     return sum(m for m, _ in pairs) / hi, hi
 
 
-def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str, Any]:
+def _stage_terms(s: Any) -> dict[str, float]:
+    """One stage's share of each term (as ``explain`` sums them), hop included."""
+    return {"compute": max(0.0, s.compute - s.memory), "fixed per layer": s.fixed,
+            "mesh streaming": s.fabric - s.fabric_distance, "mesh distance": s.fabric_distance,
+            "collectives": s.comm, "device hops": s.hop}
+
+
+def _interval(r: SimResult, term: str, f: float) -> float:
+    """Seconds between a user's tokens (without speculation) with ``term`` ``f`` times shorter in every stage: the
+    larger of one step through every stage and hop and the slowest stage times the micro-batches (sim.pipeline)."""
+    total = slowest = 0.0
+    for s in r.stages:
+        t, hop = s.total - s.hop, s.hop
+        if term == "weights and cache read":  # (a stage's reads hide its compute: it shortens down to that)
+            t -= max(s.memory, s.compute) - max(s.compute, s.memory / f)
+        elif term == "device hops":
+            hop /= f
+        else:
+            t -= _stage_terms(s)[term] * (1.0 - 1.0 / f)
+        total += t + hop
+        slowest = max(slowest, t)
+    return max(total, r.micro_batches * slowest)
+
+
+def _exact_factor(r: SimResult, term: str, need: float) -> float | None:
+    """The factor ``term`` has to shrink by for the interval between a user's tokens to fall to ``need`` (None when
+    removing it is not enough)."""
+    if _interval(r, term, math.inf) > need * (1 + 1e-9):
+        return None
+    lo, hi = 1.0, 2.0
+    while _interval(r, term, hi) > need:
+        lo, hi = hi, hi * 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if _interval(r, term, mid) > need:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def explain(r: SimResult, target_tokens_per_s: float | None = None,
+            mtp_step_s: float | None = None) -> dict[str, Any]:
     """The per-token breakdown of ``r`` (one user; the step at concurrency 1 of the plan) and, for a target rate, what
-    each term (alone) or speculative decoding would have to reach."""
+    each term (alone) or speculative decoding would have to reach. ``mtp_step_s``: for a result without speculation,
+    the simulated seconds of one MTP step of the same plan (k=3 drafts and the verify of k+1 tokens; it does not
+    depend on the acceptance), which the speculation lever is sized with; without it the lever assumes a free
+    drafter and a verify step as cheap as a one-token step."""
     st = r.stages
     sides = _afd_sides(r)
     parts = sides if sides is not None else {
@@ -108,6 +153,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
         "overlapped": sides is not None,
         "tokens_per_step": tokens_per_step,
         "decode_tokens_per_s_per_user": rate,
+        "micro_batches": r.micro_batches,
         "terms": [{"term": k, "seconds_per_step": v, "share": v / step if step else 0.0, "basis": TERMS[k]}
                   for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v > 0],
         "dominant": max(parts, key=lambda k: parts[k]) if step else None,
@@ -140,6 +186,14 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
                 levers.append({"term": k, "from_s": v, "to_s": v - cut, "factor": v / (v - cut)})
             else:
                 levers.append({"term": k, "from_s": v, "to_s": None, "factor": None})
+    if levers and sides is None and sp.get("method", "none") == "none":
+        # the rate is 1 / max(step, slowest stage x micro-batches): a lever sized on the step alone may leave the
+        # pipeline bound short of the target (or the step may not be what binds): size it on the simulated interval
+        tgt["interval_s"] = _interval(r, "device hops", 1.0)
+        tgt["interval_needed_s"] = 1.0 / target_tokens_per_s
+        for lv in levers:
+            f = _exact_factor(r, lv["term"], 1.0 / target_tokens_per_s)
+            lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
     tgt["levers"] = levers
     tgt["levers_note"] = ("with speculation these are approximate: they assume drafting costs shrink with the step, "
                           "which a drafter's own cost does not; re-simulate the changed hardware to check"
@@ -149,11 +203,15 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None) -> dict[str,
     tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone and sides is None else None
     # speculative decoding: tokens each step must yield at the current step cost
     k = int(sp.get("num_tokens") or 3)
+    speculating = sp.get("method", "none") != "none"
+    if not speculating and mtp_step_s is not None:
+        spec_step = mtp_step_s
     need_tokens = target_tokens_per_s * spec_step
     tgt["speculative"] = {"method": sp.get("method", "none") if sp.get("method", "none") != "none" else "mtp",
                           "num_tokens": k, "tokens_per_step_needed": need_tokens,
                           "accept_rate_needed": _solve_accept(need_tokens, k),
-                          "assumes": "the current speculative step cost" if sp.get("method", "none") != "none"
+                          "assumes": "the current speculative step cost" if speculating
+                          else "the simulated MTP step cost" if mtp_step_s is not None
                           else "a free drafter (MTP-like) and a verify step as cheap as a one-token step"}
     out["target"] = tgt
     return out
@@ -179,8 +237,13 @@ def render(con: Console, ex: dict[str, Any]) -> None:
         con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: met ({ex['decode_tokens_per_s_per_user']:.0f})")
         return
     which = "Each side's busy time within it:" if ex.get("overlapped") else "Any one of:"
-    con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the step must fall to "
-              f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). {which}")
+    if tgt.get("interval_s", 0.0) > ex["step_s"] * (1 + 1e-9):  # (the slowest stage x micro-batches binds)
+        con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the time between a user's tokens (the slowest "
+                  f"stage x {ex['micro_batches']} micro-batches) must fall to {tgt['interval_needed_s'] * 1e6:.0f} us "
+                  f"(now {tgt['interval_s'] * 1e6:.0f} us). {which}")
+    else:
+        con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the step must fall to "
+                  f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). {which}")
     if ex.get("overlapped") and not tgt["levers"]:
         con.print("  - neither side is busy that long: the round trips between them bound the step (more "
                   "micro-batches in flight hide them)")

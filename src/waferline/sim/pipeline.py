@@ -290,6 +290,7 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             devices=devs,
             weight_bits=plan.weight_bits,
             kv_bits=plan.kv_bits,
+            embed_bits=plan.embed_bits,
             group_size=plan.group_size,
             context=plan.context_len,
             batch=batch,
