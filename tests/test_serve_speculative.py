@@ -14,6 +14,7 @@ import torch
 from server_helpers import _metrics, serve_in_thread
 from tiny_models import VOCAB, build
 from waferline import LLM, SamplingParams
+from waferline.engine.runner import WANT_ARGMAX, DecodeRow
 from waferline.engine.scheduler import CacheManager, Scheduler, SchedulerConfig, Sequence
 from waferline.engine.speculative import Proposal
 from waferline.errors import ConfigError
@@ -431,6 +432,46 @@ def test_stop_and_max_tokens_inside_a_burst(ckpts):
         got, ends = _serve(sch, [p], params)
         assert got == [ref[:n]] and ends == [reason]
         assert sch.stats["spec_accepted"] == sch.stats["spec_drafted"] > 0
+
+
+def test_tokens_per_decode_step_count_only_what_the_output_got(ckpts):
+    """A stop inside a verify's tokens (every draft accepted) or inside a burst of plain greedy steps (nothing drafted)
+    drops the tokens after it: the statistics behind ``spec_mean_accepted_length`` count the tokens the output got
+    and the steps the sequence took, not the ones dropped (they said 5 tokens a step of a verify that gave 3)."""
+    llm = LLM(ckpts["llama"])
+    p = PROMPTS[3]
+    ref = llm.generate([p], GREEDY)[0].token_ids
+
+    class Whole(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            return [Proposal(self.refs[0][len(seqs[b]):len(seqs[b]) + k]) for b, k in zip(rows, ks)]
+
+    class Never(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            return [Proposal([]) for _ in rows]
+
+    # a verify gives tokens 1-6, plain bursts 1, then 2, 4 tokens (1, 2-3, 4-7): a stop at 4 drops the rest
+    stop_at = 4
+    assert ref[stop_at] not in ref[:stop_at]
+    params = SamplingParams(max_tokens=18, stop_token_ids=[ref[stop_at]], ignore_eos=True)
+    def burst(rows, n):  # (the runner's burst step by step: where no fused operators run one, it runs none)
+        out = [[r.token] for r in rows]
+        for j in range(n):
+            dec, _ = sch.runner.step([DecodeRow(r.slot, r.position + j, o[-1], WANT_ARGMAX)
+                                      for r, o in zip(rows, out)], [])
+            for o, d in zip(out, dec):
+                o.append(d.argmax)
+        return [o[1:] for o in out], None
+
+    for drafter, bursts in ((Whole, False), (Never, True)):
+        sch = Scheduler(llm, _config(k=5, greedy_bursts=bursts))
+        sch.spec_dec.drafter = drafter([p + ref])
+        sch.runner.burst = burst
+        got, ends = _serve(sch, [p], params)
+        assert got == [ref[:stop_at + 1]] and ends == ["stop"]
+        st = sch.spec_dec.stats
+        assert st.emitted == stop_at  # (the first token is the prefill's)
+        assert (st.steps, st.row_steps) == ((1, 1) if drafter is Whole else (7, stop_at))
 
 
 def test_a_sequence_that_backed_off_drafts_again_when_its_drafts_pay(ckpts):

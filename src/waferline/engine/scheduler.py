@@ -240,14 +240,15 @@ class Scheduler:
     def postprocess(self, plan: StepPlan, res: StepResult) -> int:
         """Emit the step's tokens (verify rows', then the decodes', then the tokens that end prefills), each through
         the stop rules; returns the tokens fed through the model."""
-        fed, emitted = res.fed, 0
+        fed, spec = res.fed, self.spec_dec is not None and (plan.decodes or plan.verifies)
+        rows = ([s for s, _ in plan.verifies], plan.decodes)
+        had = [sum(len(s.output_ids) for s in r) for r in rows] if spec else []
         for (s, _), toks in zip(plan.verifies, res.verified):
             if isinstance(toks, Exception):
                 self.stats["request_errors"] += 1
                 self._finish(s, "error", f"request failed: {type(toks).__name__}: {toks}")
                 continue
             base = s.num_computed
-            emitted += len(toks)
             for i, tok in enumerate(toks):  # one at a time: a stop inside the burst ends it there
                 s.num_computed = base + i + 1
                 self._sample_or_fail(s, None, tok)
@@ -264,7 +265,6 @@ class Scheduler:
                 s.num_computed += 1
                 self._take(s, out)
         fed += plan.burst * len(plan.decodes)
-        emitted += plan.burst * len(plan.decodes)
         for (s, t), out in zip(plan.prefills, res.prefilled):
             s.take_prompt_logprobs(s.num_computed, out)
             s.num_computed += t
@@ -272,8 +272,10 @@ class Scheduler:
             fed += t
             if s.remaining == 0:
                 self._take(s, out)
-        if self.spec_dec is not None and (plan.decodes or plan.verifies):
-            self.spec_dec.counted(len(plan.decodes) + len(plan.verifies), plan.burst, emitted, bool(plan.verifies))
+        if spec:  # (the tokens the outputs got: a stop drops the verified or burst tokens after it)
+            verified, decoded = (sum(len(s.output_ids) for s in r) - h for r, h in zip(rows, had))
+            row_steps = len(plan.verifies) + (decoded if res.burst is not None else len(plan.decodes))
+            self.spec_dec.counted(row_steps, plan.burst, verified + decoded, bool(plan.verifies))
             self.stats.update(self.spec_dec.metrics())
         self.stats["steps"] += 1
         return fed

@@ -160,7 +160,7 @@ class AdaptiveK:
 
 
 def reproducible_k(params: SamplingParams) -> bool:
-    """A seeded sampled run must repeat exactly, and which tokens it samples depends on the K of every step: K then
-    follows the acceptance and the prior cost model only, not wall-clock measurements (greedy output does not
-    depend on K, so greedy and unseeded runs measure)."""
+    """A seeded sampled run must repeat exactly, and which tokens it samples depends on the K of every step: its rows
+    then draft the largest K (capped by what is left of max_tokens and the context), never a K chosen from
+    wall-clock measurements (greedy output does not depend on K, so greedy and unseeded rows take adaptive K)."""
     return params.temperature > 0 and params.seed is not None

@@ -183,13 +183,13 @@ class ServeSpeculation:
         after such steps in a row; a sequence whose drafts pay again waits at most one burst for its next draft."""
         return burst_len(self.idle)
 
-    def counted(self, rows: int, steps: int, emitted: int, verified: bool) -> None:
-        """``steps`` decode steps of ``rows`` sequences that gave ``emitted`` tokens (``verified``: one ran a
-        verify)."""
+    def counted(self, row_steps: int, steps: int, emitted: int, verified: bool) -> None:
+        """``steps`` decode steps, ``row_steps`` sequences' steps in all, that gave ``emitted`` tokens to the outputs
+        (``verified``: one ran a verify)."""
         st = self.stats
         st.steps += steps
         st.plain_steps += 0 if verified else steps
-        st.row_steps += rows * steps
+        st.row_steps += row_steps
         st.emitted += emitted
         self.idle = 0 if verified else self.idle + 1
 
