@@ -184,6 +184,90 @@ def test_sentencepiece_pieces_keep_their_space():
     assert m[12 + 0xC3] and not m[12 + 0xC4]  # é is C3 A9
 
 
+def _sentencepiece(added=()):
+    """A Llama-2 style SentencePiece tokenizer (a normalizer that writes spaces "▁" and prepends one, byte-fallback
+    pieces, a decoder that strips the first space), the pieces of "▁x" and "▁the", and ``added`` tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "\u2581": 3, "x": 4, "\u2581x": 5, "t": 6, "h": 7, "e": 8, "\u2581t": 9,
+             "\u2581th": 10, "\u2581the": 11}
+    vocab |= {f"<0x{i:02X}>": len(vocab) + i for i in range(256)}
+    merges = [("\u2581", "x"), ("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e")]
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tk.add_tokens(list(added))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_normalized_added_token_of_a_sentencepiece_tokenizer_keeps_its_space():
+    """An added token that is text and normalized (older Llama conversions: "normalized": true) is matched after the
+    normalizer prepends "▁": the text " foo" is that token, which reads " foo" in the output. The vocabulary read it
+    "foo": after " x" it was allowed where no space may follow (the output " x foo" off the grammar), refused where
+    " foo" is the text, and where a grammar forced " foo" it was allowed, then refused (the request failed)."""
+    from tokenizers import AddedToken
+
+    hf = _sentencepiece([AddedToken("foo", normalized=True, special=False)])
+    foo, x = hf.convert_tokens_to_ids(["foo", "\u2581x"])
+    assert hf.encode("x foo", add_special_tokens=False) == [x, foo] and hf.decode([x, foo]) == "x foo"
+    for rx, allowed in ((" x[a-z]+", False), (" x( [a-z]+)+", True), (" x foo", True)):
+        c = structured.constraint(hf, len(hf), frozenset({2}), SamplingParams(regex=rx))
+        c.advance(x)
+        assert bool(c.allowed()[foo]) is allowed, rx
+        if allowed:
+            c.advance(foo)
+            assert c.complete, rx
+
+
+def test_a_grammar_that_forces_a_space_mark_writes_it_in_bytes_with_a_sentencepiece_tokenizer():
+    """The text "▁" (U+2581) in a grammar: a SentencePiece tokenizer reads it as its space mark (the piece "▁", a
+    space), which the grammar engine, asking it for the tokens of the text it forces, allowed, then refused: the
+    request failed. It is written in byte-fallback pieces, as any character outside the vocabulary."""
+    hf = _sentencepiece()
+    for rx, text in (("x\u2581y", "x\u2581y"), ("\u2581", "\u2581"), (" the\u2581", " the\u2581")):
+        c = structured.constraint(hf, len(hf), frozenset({2}), SamplingParams(regex=rx))
+        out: list[int] = []
+        while not c.complete:
+            ids = c.allowed().nonzero().flatten().tolist()
+            assert ids and 3 not in ids, (rx, out)
+            c.advance(ids[0])
+            out.append(ids[0])
+        assert hf.decode(out) == text.removeprefix(" "), (rx, out)  # (the decoder strips the first space)
+
+
+def test_an_added_token_of_a_byte_level_vocabulary_keeps_its_space_marks():
+    """DeepSeek-V3's "<｜tool▁calls▁begin｜>": an added token that is text, in a byte-level vocabulary, with "▁" in
+    its name that the decoder keeps. Its bytes were read as a SentencePiece piece's (" " for "▁"): a grammar that
+    forces its text allowed the token, then refused it, and its log-probabilities showed "<｜tool calls begin｜>"."""
+    from waferline.server.logprobs import TokenTexts
+
+    name = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
+    hf = _byte_level(special=["</s>"], added=[name])
+    t = hf.convert_tokens_to_ids(name)
+    assert hf.decode([t]) == name and TokenTexts(hf)(t) == (name, list(name.encode()))
+    c = structured.constraint(hf, len(hf), frozenset({hf.eos_token_id}), SamplingParams(regex=re.escape(name) + "x"))
+    assert c.allowed()[t]
+    c.advance(t)
+    _spell(c, hf, "x")
+    assert c.complete
+
+
+def test_a_tokenizer_whose_decoder_the_grammar_engine_cannot_read_is_named_so():
+    """A fast tokenizer (tokenizer.json) with a decoder llguidance does not read (WordPiece's): the request is refused
+    with that reason, not told it needs the fast tokenizer it has."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.WordPiece(vocab={"[UNK]": 0, "</s>": 1, "a": 2, "##b": 3}, unk_token="[UNK]"))
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.BertPreTokenizer(), decoders.WordPiece()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="[UNK]")
+    with pytest.raises(RequestError, match=r"^structured output cannot use this tokenizer: the grammar engine cannot "
+                                           r"read its vocabulary \(can't determine decoder type"):
+        structured.constraint(hf, len(hf), frozenset({1}), SamplingParams(regex="ab"))
+
+
 @pytest.mark.parametrize(("kw", "words"), [
     (dict(regex="("), "regex cannot be used"),
     (dict(json_schema={"type": "object", "properties": {"a": {"type": "nonsense"}}}), "json_schema cannot be used"),

@@ -228,8 +228,9 @@ class _Vocabulary:
         for t in [*added, *(t for t in ids if t >= read.vocab_size)]:  # (added text, and ids past the count of tokens)
             if t in special:
                 self.tokens[t] = tokenizer.convert_ids_to_tokens(t).encode()
-            elif t >= read.vocab_size or read.is_special_token(t):  # (as the output's text has it: "▁<x>" is " <x>")
-                self.tokens[t] = token_bytes_of(tokenizer, t, byte_level, special) or b""
+            else:  # (as the output's text has it: "▁<x>" is " <x>", and an added "x" the normalizer wrote "▁x" is " x")
+                self.tokens[t] = token_bytes_of(tokenizer, t, byte_level, special) or (
+                    b"" if t >= read.vocab_size or read.is_special_token(t) else self.tokens[t])
         self.special_token_ids = sorted(t for t in special if t < len(self.tokens))
         self.names = {a.content: t for t, a in added.items() if t not in special}
         self.eos_token_id, self.bos_token_id = read.eos_token, tokenizer.bos_token_id
@@ -240,6 +241,10 @@ class _Vocabulary:
         out: list[int] = []
         for t in self._read.tokenize_str(text):
             out += self._read.greedy_tokenize(self._read.decode_str([t])) if t in self._special else [t]
+        if b"".join(self.tokens[t] for t in out) != text.encode("utf-8", "surrogatepass"):
+            # (tokens whose bytes are not the text: a SentencePiece tokenizer reads the text's "▁" as its space mark,
+            # and its piece "▁" is a space; the text's bytes, then)
+            return self._read.greedy_tokenize(text)
         return out
 
 
@@ -253,8 +258,11 @@ def _ll_tokenizer(tokenizer: Any, lock: Any) -> tuple[Any, dict[str, int]]:
 
             try:
                 read = llguidance.hf.from_tokenizer(tokenizer)
-            except ValueError as e:  # (a slow, Python-only tokenizer)
-                raise RequestError(f"structured output needs a fast (tokenizer.json) tokenizer: {e}") from None
+            except ValueError as e:  # (a slow, Python-only tokenizer; or a decoder llguidance does not read)
+                if getattr(tokenizer, "backend_tokenizer", None) is None:
+                    raise RequestError(f"structured output needs a fast (tokenizer.json) tokenizer: {e}") from None
+                raise RequestError("structured output cannot use this tokenizer: the grammar engine cannot read its "
+                                   f"vocabulary ({str(e)[:200]})") from None
             vocabulary = _Vocabulary(tokenizer, read)
             ll = LLTokenizer(vocabulary, eos_token=list(read.eos_tokens))
             if len(_TOKENIZERS) >= 4:

@@ -38,8 +38,10 @@ def token_bytes_of(tokenizer: Any, token: int, byte_level: dict[str, int] | None
             return bytes([int(piece[3:5], 16)])
         except ValueError:
             pass
-    if isinstance(piece, str) and SPACE_MARK in piece:  # a SentencePiece piece: decoded alone it loses its space
-        return piece.replace(SPACE_MARK, " ").encode("utf-8")
     text = tokenizer.decode([token], skip_special_tokens=False)
+    if isinstance(piece, str) and SPACE_MARK in piece:  # a SentencePiece piece: decoded alone it loses its space
+        spaced = piece.replace(SPACE_MARK, " ")
+        if text == spaced or (spaced.startswith(" ") and text == spaced[1:]):  # (not a "▁" the decoder keeps, as in
+            return spaced.encode("utf-8")  # a byte-level vocabulary's added "<｜tool▁calls▁begin｜>")
     return None if "\ufffd" in text else text.encode("utf-8")
 
