@@ -104,3 +104,40 @@ def test_sol_mini_training_reaches_every_parameter():
         loss, _, _ = sol_mini.forward_losses(model, x, 0.3)
     loss.backward()
     assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+
+
+def test_sol_mini_stopped_in_its_evaluation_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    """train/sol_mini.py replaced --out with the exported weights, then scored them and wrote the model card into it: a
+    run stopped while scoring (Ctrl-C) left a checkpoint without its README.md and a training.json without the
+    held-out perplexity, in place of the previous one."""
+    import importlib.util
+
+    import torch
+
+    import waferline
+    from waferline.demo import DEMO_TEXT
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    data = tmp_path / "work" / "data"  # (the prepared data, so nothing is downloaded)
+    data.mkdir(parents=True)
+    (data / "train.txt").write_text(DEMO_TEXT * 6)
+    (data / "heldout.txt").write_text(DEMO_TEXT)
+    (data / "split.json").write_text(json.dumps({"heldout_works": ["x"], "plays_total": 1}))
+    out = tmp_path / "sol-mini"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "README.md").write_text("previous")
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(waferline, "LLM", stopped)
+    monkeypatch.setattr(sys, "argv", ["sol_mini.py", "--work", str(tmp_path / "work"), "--out", str(out), "--steps",
+                                      "1", "--batch", "1", "--threads", str(torch.get_num_threads())])
+    with pytest.raises(KeyboardInterrupt):
+        sol_mini.main()
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json"]
+    assert (out / "README.md").read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "sol-mini", "work"]

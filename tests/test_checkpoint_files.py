@@ -114,3 +114,21 @@ def test_int4_of_a_sharded_tied_checkpoint_with_pickles_beside_it(tmp_path):
         assert torch.equal(two.prompt_logprobs(IDS), a)
     f = LLM(src).prompt_logprobs(IDS)
     assert (f.exp() * (f - a)).sum(-1).mean() < 0.1  # KL(fp32 || int4): g32 RTN, not another model
+
+
+def test_a_random_checkpoint_that_runs_out_of_disk_leaves_no_partial_weights(tmp_path, monkeypatch):
+    """write_random_checkpoint (the caches of twin's canary, the benchmarks' models) left model.safetensors.tmp, a
+    partial file the size the disk had left, after a full disk; and the config.json that says "done" comes last."""
+    import errno
+
+    import waferline.model.init as init
+    from waferline.demo import SOL_DEMO_CONFIG
+
+    def full_disk(tensors, path, metadata=None):
+        Path(path).write_bytes(b"\0" * 1000)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(init, "save_file", full_disk)
+    with pytest.raises(OSError):
+        init.write_random_checkpoint(SOL_DEMO_CONFIG, tmp_path / "ck")
+    assert list((tmp_path / "ck").iterdir()) == []

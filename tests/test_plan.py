@@ -493,3 +493,15 @@ def test_a_cache_no_device_count_holds_is_not_answered_with_more_devices(model, 
     # a stage that more devices do help keeps the hint (llama-3.1-70b's 16-bit weights on one H100)
     tight = place("llama-3.1-70b", "h100-sxm", devices=1)
     assert not tight.fits and "more devices" in tight.problems[0] and "do not help" not in tight.problems[0]
+
+
+@pytest.mark.parametrize("cmd", ["plan", "simulate"])
+def test_plan_out_makes_its_directory(tmp_path, capsys, cmd):
+    """`plan/simulate --out NEW/DIR/plan.json` makes the directories, as calibrate's and twin's --out do (simulate's
+    check before the work passed it, then the write after the work failed: No such file or directory)."""
+    from waferline.cli import main
+
+    out = tmp_path / "new" / "dir" / "plan.json"
+    assert main([cmd, "qwen3-32b", "-H", "h200-sxm", "--json", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert Plan.load(out).model == "qwen3-32b"

@@ -113,7 +113,7 @@ def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "sim.json"
     rc, _ = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(out), "--no-intervals"])
     assert rc == 0 and json.loads(out.read_text())["model"] == "llama-3.1-8b"
-    for bad in (tmp_path / "no" / "such" / "p.json", tmp_path):
+    for bad in (out / "p.json", tmp_path):  # (under a file; a directory)
         rc, text = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(bad)])
         assert rc == 2 and text.strip().splitlines()[-1].startswith(f"error: cannot write the plan to {bad}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.json"]  # (no temporary file left behind)

@@ -591,3 +591,19 @@ def test_quantize_refuses_what_it_cannot_do_before_the_work(tmp_path, llama_dir,
     assert cli.main(["quantize", "--model", str(bad), "--out", str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "quantize rtn" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_quantize_out_dot_is_refused_before_the_work(tmp_path, llama_dir, capsys, monkeypatch):
+    """`quantize --out .` (the current directory, empty) quantized the whole checkpoint, then failed with a ValueError
+    traceback (a directory named '.' cannot be renamed into place) and left a temporary directory in it."""
+    import waferline.model.load as load_mod
+
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(load_mod, "load_model", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    for out in (".", "..", "sub/.."):
+        assert cli.main(["quantize", "--model", str(llama_dir), "--out", out, "--json"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out ") and len(err.strip().splitlines()) == 1, err
+    assert list(here.iterdir()) == []

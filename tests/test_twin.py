@@ -784,6 +784,26 @@ def test_calibrate_combine_makes_the_out_directory(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["written"] == str(out) and out.is_file()
 
 
+def test_calibrate_combine_that_does_not_load_leaves_the_out_file(tmp_path, capsys):
+    """Calibrations whose median does not load as a host model (a host_engine section without the engine's figures)
+    are refused before --out is written: the calibration that was there stays (it was replaced, then the load
+    failed)."""
+    from pathlib import Path
+
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    out = tmp_path / "host.yaml"
+    out.write_text(src.read_text())
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text("name: x\nhost_engine:\n  measured: {host: h}\n")
+    assert main(["calibrate", "--combine", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "engine" in err and len(err.strip().splitlines()) == 1
+    assert out.read_text() == src.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.yaml", "b.yaml", "host.yaml"]
+
+
 def test_files_that_are_not_text_are_one_line_errors(tmp_path, capsys, monkeypatch):
     """A grid, hardware YAML, calibration to combine or published CSV that is not UTF-8 text (e.g. saved as UTF-16)
     is a one-line error, not a UnicodeDecodeError traceback."""

@@ -262,8 +262,9 @@ def evaluate(model: DecoderModel, ids: torch.Tensor, n_windows: int = 16) -> flo
 # ----------------------------------------------------------------------------- export
 
 
-def export(model: DecoderModel, tok_dir: Path, out: Path, card: dict) -> None:
-    """Write bf16 safetensors under Hugging Face names + config + tokenizer + training record, atomically."""
+def export(model: DecoderModel, tok_dir: Path, out: Path, card: dict) -> Path:
+    """Write bf16 safetensors under Hugging Face names + config + tokenizer + training record into a directory beside
+    ``out`` (returned); publish() puts it in place once the held-out text and model card are in it too."""
     from safetensors.torch import save_file
 
     tensors = export_hf_state_dict(model)
@@ -277,9 +278,19 @@ def export(model: DecoderModel, tok_dir: Path, out: Path, card: dict) -> None:
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, tmp / f)
     (tmp / "training.json").write_text(json.dumps(card, indent=2))
+    return tmp
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Replace ``out`` by the finished checkpoint ``tmp``: a run stopped before this leaves ``out`` as it was."""
+    old = out.with_name(out.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
     if out.exists():
-        shutil.rmtree(out)
+        out.rename(old)
     tmp.rename(out)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def model_card(info: dict, card: dict) -> str:
@@ -436,21 +447,26 @@ def main() -> int:
         "heldout_file_chars": heldout_file_chars,
         "data": info,
     }
-    export(model, tok_dir, out, card)
-    (out / "heldout.txt").write_text(held_text[:heldout_file_chars])
-    # score the exported checkpoint with the engine itself: this is the number the tests check
-    from waferline import LLM, SamplingParams
+    staged = export(model, tok_dir, out, card)  # (--out is replaced only once the model card is written too)
+    try:  # (stopped or failed here: --out stays as it was, and the unfinished copy goes)
+        (staged / "heldout.txt").write_text(held_text[:heldout_file_chars])
+        # score the exported checkpoint with the engine itself: this is the number the tests check
+        from waferline import LLM, SamplingParams
 
-    llm = LLM(out)
-    ids = llm.encode((out / "heldout.txt").read_text())
-    ppl = llm.perplexity(ids, window=SEQ)
-    samples = []
-    for prompt in ("ROMEO.\n", "First Citizen.\nWhat say you to", "KING.\nMy lords,"):
-        o = llm.generate([prompt], SamplingParams(max_tokens=60))[0]
-        samples.append("```\n" + prompt + o.text + "\n```")
-    card.update(heldout_ppl=ppl, eval_tokens=len(ids), samples="\n\n".join(samples))
-    (out / "training.json").write_text(json.dumps({k: v for k, v in card.items() if k != "samples"}, indent=2))
-    (out / "README.md").write_text(model_card(info, card))
+        llm = LLM(staged)
+        ids = llm.encode((staged / "heldout.txt").read_text())
+        ppl = llm.perplexity(ids, window=SEQ)
+        samples = []
+        for prompt in ("ROMEO.\n", "First Citizen.\nWhat say you to", "KING.\nMy lords,"):
+            o = llm.generate([prompt], SamplingParams(max_tokens=60))[0]
+            samples.append("```\n" + prompt + o.text + "\n```")
+        card.update(heldout_ppl=ppl, eval_tokens=len(ids), samples="\n\n".join(samples))
+        (staged / "training.json").write_text(json.dumps({k: v for k, v in card.items() if k != "samples"}, indent=2))
+        (staged / "README.md").write_text(model_card(info, card))
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    publish(staged, out)
     log(f"held-out perplexity {ppl:.2f}; wrote {out}")
     return 0
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from waferline.files import write_text_atomic
 from waferline.model.weights import WeightSource
 from waferline.spec.configs import parse_hf_config
 
@@ -58,9 +59,13 @@ def write_random_checkpoint(cfg: dict[str, Any], directory: str | Path, seed: in
     src = _RecordingSource(seed)
     DecoderModel(spec, torch.float32, with_mtp=True).load_hf(src)
     tmp = directory / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in src.tensors.items()}, str(tmp), metadata={"format": "pt"})
-    tmp.replace(directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(cfg, indent=2))
+    try:  # (a full disk, a Ctrl-C: no partial weights left behind)
+        save_file({k: v.contiguous() for k, v in src.tensors.items()}, str(tmp), metadata={"format": "pt"})
+        tmp.replace(directory / "model.safetensors")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    write_text_atomic(directory / "config.json", json.dumps(cfg, indent=2))  # (last, whole: the checkpoint is done)
     return directory
 
 

@@ -277,7 +277,7 @@ class Plan:
 
         p = Path(path)
         try:
-            write_text_atomic(p, self.to_json())
+            write_text_atomic(p, self.to_json(), make_parents=True)
         except OSError as e:
             raise ConfigError(f"cannot write the plan to {p}: {e.strerror or e}") from None
 

@@ -125,6 +125,9 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
         )
     if out_dir.resolve() == model_dir.resolve():
         raise ConfigError("--out must differ from --model")
+    if out_dir.name in ("", ".", ".."):  # (the checkpoint is renamed into place: it needs a name of its own)
+        raise ConfigError(f"--out {out_dir}: give the output directory by its name (e.g. {out_dir.resolve()}), "
+                          "not as '.' or '..'")
     if out_dir.exists() and any(out_dir.iterdir()) and not force:
         raise ConfigError(f"{out_dir} exists and is not empty; choose another --out or pass --force to replace it")
     if opts.method == "gptq" and not calibration:

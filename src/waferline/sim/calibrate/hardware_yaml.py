@@ -622,8 +622,12 @@ def _refit_pairs(pipe: dict[str, Any], n: int) -> None:
 
 
 def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, Any]:
-    """``combine_host_yamls(paths)`` written to ``path`` (via a temporary file: nothing half-written on failure)."""
+    """``combine_host_yamls(paths)`` written to ``path`` (via a temporary file: nothing half-written on failure); a
+    result that does not load as a host model is refused before ``path`` is replaced."""
+    from waferline.sim.host_params import HostParams
+
     d = combine_host_yamls(paths)
+    HostParams.from_dict(d, f"the median of {', '.join(map(str, paths))}")
     write_text_atomic(path, "# written by `waferline calibrate --combine`: the median of several calibrations of this "
                       "host.\n" + yaml.safe_dump(d, sort_keys=False, width=140), make_parents=True)
     return d
