@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from tiny_models import build
 from waferline import LLM
-from waferline.errors import CheckpointError
+from waferline.errors import CheckpointError, ConfigError
 from waferline.model.load import load_model
 from waferline.model.quant import QuantOptions
 from waferline.model.quant.write import quantize_checkpoint
@@ -132,3 +132,80 @@ def test_a_random_checkpoint_that_runs_out_of_disk_leaves_no_partial_weights(tmp
     with pytest.raises(OSError):
         init.write_random_checkpoint(SOL_DEMO_CONFIG, tmp_path / "ck")
     assert list((tmp_path / "ck").iterdir()) == []
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq", "mxfp4", "bitsandbytes"])
+def test_a_quantization_waferline_does_not_read_is_refused_by_name(llama, tmp_path, method):
+    """An fp8 / AWQ / MXFP4 / bitsandbytes checkpoint: refused before a model is allocated, naming the
+    quant_method (an fp8 one was 'tensors the config does not account for ... is config.json from the same model?',
+    an AWQ one a missing weight)."""
+    from waferline.engine.afd.sides import _check_checkpoint
+
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config={"quant_method": method})))
+    if method == "fp8":  # (DeepSeek-V3's layout: e4m3 weights, a scale per 128x128 block)
+        tensors = load_file(str(llama / "model.safetensors"))
+        for k in [k for k in tensors if k.endswith("proj.weight")]:
+            tensors[k] = tensors[k].to(torch.float8_e4m3fn)
+            tensors[k + "_scale_inv"] = torch.ones(1, 1)
+        save_file(tensors, str(d / "model.safetensors"))
+    want = rf"{d / 'config.json'}: quantization_config names quant_method '{method}', which waferline does not read"
+    for kwargs in ({}, {"stages": 1}):
+        with pytest.raises(CheckpointError, match=want):
+            LLM(d, **kwargs)
+    with pytest.raises(CheckpointError, match=want):
+        _check_checkpoint(d, "cpu")
+
+
+def test_a_snapshot_copied_without_its_blobs_names_the_broken_link(llama, tmp_path):
+    """A Hugging Face cache snapshot (files as links into ../../blobs/) copied without the blobs, single file or
+    sharded: a CheckpointError naming the link (the single file was a FileNotFoundError traceback)."""
+    snap = tmp_path / "snapshots" / "abc"
+    snap.mkdir(parents=True)
+    for f in llama.iterdir():
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    with pytest.raises(ConfigError, match=r"config\.json is a symbolic link to \.\./\.\./blobs/config\.json, "
+                                          "which does not exist"):
+        LLM(snap)
+    (tmp_path / "blobs").mkdir()
+    shutil.copy(llama / "config.json", tmp_path / "blobs" / "config.json")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is a symbolic link to \.\./\.\./blobs/model\."
+                                              r"safetensors, which does not exist"):
+        LLM(snap)
+    for f in llama.iterdir():
+        shutil.copy(f, tmp_path / "blobs" / f.name)
+    assert torch.equal(LLM(snap).prompt_logprobs(IDS), LLM(llama).prompt_logprobs(IDS))  # (links followed)
+    sharded = tmp_path / "sharded"
+    build("llama", tmp_path / "ref").save_pretrained(sharded, max_shard_size="40KB")
+    shard = sorted(sharded.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    shard.symlink_to("/nonexistent/blob")
+    with pytest.raises(CheckpointError, match=rf"missing: {shard.name} \({shard.name} is a symbolic link to "
+                                              "/nonexistent/blob, which does not exist"):
+        LLM(sharded)
+
+
+def test_a_generation_config_that_is_not_utf8_is_read_as_absent(llama, tmp_path):
+    """generation_config.json of bytes that are not UTF-8 is ignored as one that is not JSON is (config.json's
+    end-of-sequence id stays the stop rule); it was a UnicodeDecodeError traceback."""
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    for text in (b'{"eos_token_id": [2, ', b"\xff\xfe{"):
+        (d / "generation_config.json").write_bytes(text)
+        assert LLM(d).eos_token_ids == {2}
+
+
+def test_serve_names_the_model_after_the_directory_given_as_dot(llama, tmp_path, monkeypatch):
+    """`waferline serve --model .` (in the checkpoint directory) serves the directory's name, as documented; it
+    served the model id '' (Path('.').name), so a request naming the model was a 404."""
+    import httpx
+
+    from server_helpers import serve_in_thread
+    from waferline.server.commands import build_server
+
+    d = shutil.copytree(llama, tmp_path / "my ckpt")
+    monkeypatch.chdir(d)
+    with serve_in_thread(build_server(".", max_num_seqs=1, max_model_len=32)) as base:
+        assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]] == ["my ckpt"]
+        r = httpx.post(base + "/v1/completions", json={"model": "my ckpt", "prompt": [1, 5], "max_tokens": 1})
+        assert r.status_code == 200, r.text

@@ -1,4 +1,5 @@
-"""Output files: checked before the work that produces them, and written whole or not at all."""
+"""Output files: checked before the work that produces them, and written whole or not at all; and why an input file
+that a directory lists cannot be opened (a symbolic link to nothing)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def write_text_atomic(path: str | Path, text: str, *, make_parents: bool = False
             pass
         raise
     return p
+
+
+def broken_link(path: Path) -> str:
+    """Why ``path`` cannot be opened where it is a symbolic link to nothing (a Hugging Face cache snapshot copied
+    without its blobs/, or a download cut short), else ""."""
+    if not path.is_symlink() or path.exists():
+        return ""
+    return (f"{path.name} is a symbolic link to {os.readlink(path)}, which does not exist: a Hugging Face cache "
+            "snapshot copied without its blobs, or an unfinished download; re-download it, or copy the snapshot "
+            "with its links followed (cp -rL)")

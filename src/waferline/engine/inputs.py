@@ -23,7 +23,7 @@ def eos_ids(directory: Path, cfg: dict[str, Any], tokenizer: Any = None) -> set[
     if gen.is_file():
         try:
             sources.append(json.loads(gen.read_text()))
-        except json.JSONDecodeError:
+        except ValueError:  # (not JSON, or not UTF-8 text: ignored, as transformers ignores one it cannot parse)
             pass
     for src in sources:
         e = src.get("eos_token_id") if isinstance(src, dict) else None

@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from waferline.errors import CheckpointError, ConfigError
+from waferline.files import broken_link
 from waferline.model.decoder import DecoderModel
 from waferline.model.weights import WeightSource
 from waferline.spec.configs import spec_from_pretrained
@@ -34,18 +35,28 @@ def checkpoint_files(directory: Path) -> list[Path]:
         files = sorted({directory / f for f in weight_map.values()})
         missing = [f.name for f in files if not f.is_file()]
         if missing:
-            raise CheckpointError(f"{directory}: shards listed in the index are missing: {', '.join(missing)}")
+            raise CheckpointError(f"{directory}: shards listed in the index are missing: {', '.join(missing)}"
+                                  + _broken_links_note(files))
         return files
     single = directory / "model.safetensors"
     if single.is_file():
         return [single]
     others = sorted(directory.glob("*.safetensors"))
+    broken = [f.name for f in others if not f.is_file()]
+    if broken:
+        raise CheckpointError(f"{directory}: {', '.join(broken)} cannot be read" + _broken_links_note(others))
     if others:
         return others
     if list(directory.glob("*.bin")) or list(directory.glob("*.pt")):
         raise CheckpointError(f"{directory} holds only pickle weights (*.bin/*.pt); waferline loads safetensors only "
                               "(convert with transformers: model.save_pretrained(dir, safe_serialization=True))")
     raise CheckpointError(f"{directory} has no model.safetensors or model.safetensors.index.json")
+
+
+def _broken_links_note(files: list[Path]) -> str:
+    """Why files that a directory lists are missing, where they are symbolic links to nothing."""
+    notes = [n for n in map(broken_link, files) if n]
+    return f" ({notes[0]})" if notes else ""
 
 
 def open_weights(directory: Path) -> WeightSource:
@@ -135,6 +146,9 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
     if not directory.is_dir():
         raise ConfigError(f"model directory {directory} does not exist")
     spec = spec_from_pretrained(directory)
+    from waferline.model.quant.formats import check_readable_quantization
+
+    check_readable_quantization(spec.hf_config, directory / "config.json")
     src = open_weights(directory)
     model = DecoderModel(spec, dtype, layer_range, has_embed, has_head)
     int4 = _int4_source(directory, src)

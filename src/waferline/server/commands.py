@@ -103,8 +103,10 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         runner.close()
         raise
     engine = EngineLoop(scheduler, torch_threads=torch_threads, on_fatal=on_fatal).start()
-    server = Server(engine, served_model_name or path.name, api_key, max_body_bytes, body_timeout=body_timeout,
-                    allowed_hosts=allowed_hosts, tool_call_parser=tool_call_parser)
+    # (--model `.` or `dir/..`: the directory's own name, not a Path's empty or `..` one)
+    name = served_model_name or Path(os.path.abspath(path)).name
+    server = Server(engine, name, api_key, max_body_bytes, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
+                    tool_call_parser=tool_call_parser)
     return create_app(server)
 
 

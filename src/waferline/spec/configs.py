@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.errors import ConfigError
+from waferline.files import broken_link
 from waferline.spec.model import (
     AttentionSpec,
     CompressedAttentionSpec,
@@ -908,5 +909,7 @@ def spec_from_pretrained(directory: str | Path) -> ModelSpec:
     directory = Path(directory)
     cfg = directory / "config.json"
     if not cfg.is_file():
+        if broken_link(cfg):
+            raise ConfigError(f"{directory}: {broken_link(cfg)}")
         raise ConfigError(f"{directory} has no config.json: pass a Hugging Face checkpoint directory")
     return spec_from_config_file(cfg, name=directory.name)

@@ -107,9 +107,11 @@ class ExpertSlice:
 
 def _check_checkpoint(path: Path, device: str) -> None:
     from waferline.model.quant import quant_method
+    from waferline.model.quant.formats import check_readable_quantization
     from waferline.spec.configs import read_config_json
 
     cfg = read_config_json(path / "config.json")
+    check_readable_quantization(cfg, path / "config.json")
     if quant_method(cfg) is not None:
         raise ConfigError(f"{path} is an int4 checkpoint; the AFD engine runs 16-bit checkpoints so far (load the "
                           "16-bit original, or run the int4 checkpoint with the pipeline engine)")

@@ -160,6 +160,17 @@ def quant_method(cfg: dict[str, Any]) -> str | None:
     return m if m in FORMATS else None
 
 
+def check_readable_quantization(cfg: dict[str, Any], where: object) -> None:
+    """Raise a CheckpointError where ``cfg``'s ``quantization_config`` names a scheme this loader does not read
+    (fp8, MXFP4, AWQ, bitsandbytes, ...): its weights are stored in tensors no module takes (said before a model of
+    its size is allocated, not as missing or extra tensors after). ``where``: the config.json, for the message."""
+    m = (_qconfig(cfg) or {}).get("quant_method")
+    if isinstance(m, str) and m not in FORMATS:
+        raise CheckpointError(f"{where}: quantization_config names quant_method {m!r}, which waferline does not "
+                              f"read (it loads 16-bit checkpoints, and int4 ones: {', '.join(FORMATS)}); load the "
+                              "16-bit original (or the int4 `waferline quantize` writes from it)")
+
+
 class Int4Source(WeightSource):
     """A checkpoint's tensors with every int4 weight shown under its logical name (``X.weight``, served
     dequantized to fp32 in the checkpoint's own layout); :meth:`canonical` gives the codes/scales/zeros themselves
