@@ -344,6 +344,25 @@ def test_a_plan_file_is_judged_on_its_layers_and_devices_not_its_stored_memory(t
                                       placed.stages[0].memory.total, rel=1e-3)
 
 
+def test_an_afd_plan_file_is_judged_on_its_ranks_devices_not_its_stored_memory(tmp_path, capsys):
+    """A saved AFD plan (1 attention + 2 FFN ranks of 5 H200s) edited to one device for an FFN rank (672 GB of
+    experts on it) said 'fits': the ranks kept the memory the file stored."""
+    from waferline.cli import main
+
+    f = tmp_path / "p.json"
+    assert main(["plan", "deepseek-v3", "--hardware", "h200-sxm", "--afd", "--attention-ranks", "1", "--ffn-ranks",
+                 "2", "--batch", "8", "--context", "1500", "--out", str(f)]) == 0
+    capsys.readouterr()
+    rc, d = _simulate_json(["--plan", str(f)], capsys)
+    assert rc == 0 and d["fits"] and not any("the file said" in n for n in d["notes"])  # (as placed)
+    edited = json.loads(f.read_text())
+    edited["stages"][2]["device_ids"] = edited["stages"][2]["device_ids"][:1]
+    f.write_text(json.dumps(edited))
+    rc, d = _simulate_json(["--plan", str(f)], capsys)
+    assert rc == 2 and not d["fits"] and d["problems"][0].startswith("stage 2: 672.50 GB needed")
+    assert any("the file said" in n for n in d["notes"])
+
+
 def test_the_drafter_is_placed_beside_the_lm_head(capsys):
     from waferline.sim.cost import load_params
     from waferline.sim.pipeline import drafter_memory

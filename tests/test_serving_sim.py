@@ -185,6 +185,20 @@ def test_chunked_prefill_lowers_ttft_and_itl_tails_under_load():
         simulate_serving(gpu, max_num_batched_tokens=0, **light).itl_p50_s, rel=1e-9)
 
 
+def test_pd_handover_of_an_afd_plan_leaves_from_its_attention_ranks_only():
+    """The KV cache of an AFD plan lives on its attention ranks (2 H200s of 14): the handover was priced as if all
+    14 devices, FFN ranks included, sent a share of it."""
+    from waferline.sim.cost import hop_time
+
+    plan = place("deepseek-v3", "h200-sxm", afd=True, attention_ranks=2, ffn_ranks=3, batch=16, context=1500)
+    assert plan.num_devices == 14 and sum(s.num_devices for s in plan.stages if s.role == "attention") == 2
+    r = simulate_serving(plan, arrival_rate=2.0, num_requests=20, prompt_len=1000, output_len=500,
+                         pd_disaggregation=True)
+    hw = load_hardware("h200-sxm")
+    kv = load_model("deepseek-v3").cache_bytes_per_seq(1000, 16)
+    assert r.kv_handover_s == pytest.approx(hop_time(hw, load_params().for_hardware(hw), 0, 8, kv / 2), rel=1e-9)
+
+
 def test_pd_disaggregation_removes_prefill_from_decode_steps():
     plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=1024)
     kw = dict(arrival_rate=40.0, num_requests=400, prompt_len=512, output_len=128, seed=1)

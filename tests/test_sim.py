@@ -95,6 +95,49 @@ def test_afd_simulates_with_two_hops_per_layer():
     assert r.decode_tokens_per_s_per_user > 0 and sum(s.hop for s in att) > 2 * 61 * 1e-7
 
 
+def test_afd_ranks_are_timed_each_on_its_own_devices_and_slowest_link():
+    """The engine's AFD layout: a micro-batch waits for every FFN rank. The simulator timed the FFN rank with the
+    most devices (kimi-k2's 3-device rank of 76 experts shown as fast as the 4-device ones of 77) and priced the
+    round trip on the link to the first FFN rank (gpt-oss-120b: NVLink, though rank 7 sits on the next node); a rank
+    across two nodes sends the rows of the experts on the other node over the scale-out link."""
+    from dataclasses import replace
+
+    r = simulate(place("kimi-k2", "h200-sxm", afd=True, attention_ranks=3, ffn_ranks=5, batch=64))
+    ffn = [s for s in r.stages if s.role == "ffn"]
+    assert [s.devices for s in ffn] == [4, 4, 4, 4, 3] and ffn[4].memory > 1.2 * ffn[0].memory
+    plan = place("gpt-oss-120b", "h200-sxm", afd=True, attention_ranks=1, ffn_ranks=8, batch=1)
+    assert plan.stages[-1].device_ids == [8]  # (node 1; the rest on node 0)
+    hw = load_hardware("h200-sxm")
+    apart = simulate(plan, hardware=replace(hw, devices_per_node=1))  # every device on a node of its own
+    assert simulate(plan).stages[0].hop == pytest.approx(apart.stages[0].hop, rel=1e-9)
+    plan = place("deepseek-v3", "h200-sxm", afd=True, attention_ranks=1, ffn_ranks=1, batch=1)
+    assert plan.stages[1].device_ids == list(range(1, 11))  # (7 of its 10 devices on the attention rank's node)
+    one = simulate(plan, prompt_len=512, output_len=2)
+    near = simulate(plan, prompt_len=512, output_len=2, hardware=replace(hw, devices_per_node=16))
+    assert one.prefill_s > 1.3 * near.prefill_s  # (512 x 8 rows of 7168 a layer: 30% of them at 50 GB/s)
+
+
+def test_afd_ffn_side_gets_the_rows_the_engine_sends():
+    """64 sequences on 6 attention ranks in 2 micro-batches reach the FFN side as 34 + 30 rows (the engine's split),
+    not 2 x 6 x 6 = 72; one prompt's prefill sends its own chunk, not one per attention rank (8 ranks doubled the
+    prefill of 4; 6 ranks decoded 5% slower than 4)."""
+    from waferline.sim.pipeline import _afd_ffn_rows
+
+    assert _afd_ffn_rows(64, 6, 2) == [34, 30] and _afd_ffn_rows(64, 4, 2) == [32, 32]
+    assert _afd_ffn_rows(1, 8, 1) == [1] and _afd_ffn_rows(5, 2, 2) == [3, 2]
+
+    from dataclasses import replace
+
+    hw = replace(load_hardware("h200-sxm"), devices_per_node=64)  # (every rank on one node: links alike)
+
+    def run(M: int, batch: int):
+        plan = place("deepseek-v3", hw, afd=True, attention_ranks=M, ffn_ranks=1, batch=batch)
+        return simulate(plan, hardware=hw)
+
+    assert run(6, 64).aggregate_tokens_per_s >= run(4, 64).aggregate_tokens_per_s
+    assert run(8, 8).prefill_s == pytest.approx(run(1, 8).prefill_s, rel=1e-6)
+
+
 def test_parameters_change_predictions_by_class():
     plan = place("llama-3.1-70b", "wse-3", devices=4)
     slow = SimParams(classes={"wafer": ClassParams(layer_latency_s=50e-6), "gpu": ClassParams()})

@@ -231,25 +231,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
     and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
     every MoE layer plus the shared experts / dense FFN of the layers it owns. Each rank gets the fewest devices its
     memory needs."""
-    from waferline.spec.model import MoESpec
-
-    if M < 1 or N < 1:
-        raise ConfigError(f"--attention-ranks and --ffn-ranks must be >= 1 (got {M}, {N})")
-    share = math.ceil(batch / M) / batch
-    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards)
-           for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group)]
-    ffn = {p.layer: p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group) if p.weights > 0}
-    routed: dict[int, tuple[float, int]] = {}  # layer -> (bytes of one routed expert, experts)
-    for layer in spec.layers:
-        f = layer.ffn
-        if isinstance(f, MoESpec) and layer.index in ffn:
-            if f.num_experts < N:
-                raise ConfigError(f"layer {layer.index} has {f.num_experts} experts: at most {f.num_experts} FFN ranks")
-            routed[layer.index] = (f.expert_bytes(weight_bits, group), f.num_experts)
-    if not ffn:
-        raise ConfigError(f"{spec.name}: no layer has an FFN; attention/FFN disaggregation has nothing to split")
-    if not routed and N > len(ffn):
-        raise ConfigError(f"{spec.name} is dense: at most {len(ffn)} FFN ranks (one per FFN layer)")
+    att, ffn_ranks = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group)
     stages: list[Stage] = []
     dev = 0
     for m in range(M):
@@ -269,23 +251,54 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
             )
         )
         dev += n_dev
-    for n in range(N):
-        parts = []
-        for i, p in ffn.items():
-            w = p.weights
-            if i in routed:
-                eb, E = routed[i]
-                e0, e1 = expert_split(E, N)[n]
-                w = (w - E * eb) * (ffn_owner(i, N) == n) + (e1 - e0) * eb
-            elif ffn_owner(i, N) != n:
-                w = 0.0
-            parts.append(_Part(i, w, 0.0))
+    for n, parts in enumerate(ffn_ranks):
         n_dev = _devices_for(parts, hw, act)
-        stages.append(Stage(index=M + n, role="ffn", layers=sorted(ffn), device=hw.name,
+        stages.append(Stage(index=M + n, role="ffn", layers=[p.layer for p in parts], device=hw.name,
                             device_ids=list(range(dev, dev + n_dev)), weight_bits=weight_bits, kv_bits=kv_bits,
                             memory=_stage_memory(parts, n_dev, hw, act, 0.0)))
         dev += n_dev
     return stages
+
+
+def _afd_rank_parts(spec: ModelSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int, batch: int,
+                    group: int) -> tuple[list[_Part], list[list[_Part]]]:
+    """The engine's AFD layout in parts: an attention rank's (every mixer, the caches of ceil(batch / M) sequences)
+    and each of the N FFN ranks' (its expert range of every MoE layer, the shared experts / dense FFN of the layers
+    it owns)."""
+    from waferline.spec.model import MoESpec
+
+    if M < 1 or N < 1:
+        raise ConfigError(f"--attention-ranks and --ffn-ranks must be >= 1 (got {M}, {N})")
+    share = math.ceil(batch / M) / batch
+    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards)
+           for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group)]
+    ffn = {p.layer: p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group) if p.weights > 0}
+    routed: dict[int, tuple[float, int]] = {}  # layer -> (bytes of one routed expert, experts)
+    for layer in spec.layers:
+        f = layer.ffn
+        if isinstance(f, MoESpec) and layer.index in ffn:
+            if f.num_experts < N:
+                raise ConfigError(f"layer {layer.index} has {f.num_experts} experts: at most {f.num_experts} FFN ranks")
+            routed[layer.index] = (f.expert_bytes(weight_bits, group), f.num_experts)
+    if not ffn:
+        raise ConfigError(f"{spec.name}: no layer has an FFN; attention/FFN disaggregation has nothing to split")
+    if not routed and N > len(ffn):
+        raise ConfigError(f"{spec.name} is dense: at most {len(ffn)} FFN ranks (one per FFN layer)")
+    splits = {E: expert_split(E, N) for E in {E for _, E in routed.values()}}
+    ranks = []
+    for n in range(N):
+        parts = []
+        for i, p in sorted(ffn.items()):
+            w = p.weights
+            if i in routed:
+                eb, E = routed[i]
+                e0, e1 = splits[E][n]
+                w = (w - E * eb) * (ffn_owner(i, N) == n) + (e1 - e0) * eb
+            elif ffn_owner(i, N) != n:
+                w = 0.0
+            parts.append(_Part(i, w, 0.0))
+        ranks.append(parts)
+    return att, ranks
 
 
 DRAFTER_NOTE_END = " sits with the LM head"
@@ -663,22 +676,32 @@ def _max_int(ok: Any, hi: int) -> int:
 
 
 def restage_memory(plan: Plan, model: Any, drafter: float = 0.0) -> list[str]:
-    """Recompute the memory of every stage of ``plan`` that holds whole layers (role ``full``: pipeline and
-    tensor-parallel stages) from its layers, devices, bits, context and batch as ``place`` computes it (``drafter``:
-    the bytes its drafter adds beside the LM head), replacing what the plan says: a plan file edited, or placed by an
-    older planner, is judged on the model and hardware as they are. Returns one line per stage whose stored memory
-    differed by more than 0.5%. Attention and FFN ranks (AFD) keep theirs."""
+    """Recompute the memory of every stage of ``plan`` from its layers, role, devices, bits, context and batch as
+    ``place`` computes it (``drafter``: the bytes its drafter adds beside the LM head; AFD ranks: the engine's
+    layout, an attention rank holding a share of the batch's caches, an FFN rank its experts), replacing what the
+    plan says: a plan file edited, or placed by an older planner, is judged on the model and hardware as they are.
+    Returns one line per stage whose stored memory differed by more than 0.5%."""
     spec, hw = _resolve(model, plan.hardware)
     act = _activation_bytes(spec, plan.batch, DEFAULT_PREFILL_CHUNK)
     emb, head = spec.embed_bytes(plan.embed_bits), spec.lm_head_bytes(plan.embed_bits) + drafter
-    parts = {p.layer: p for p in _parts(spec, "full", plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch,
-                                        plan.group_size)}
+    args = (plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch, plan.group_size)
+    by_role: dict[str, dict[int, _Part]] = {}
+    ffn_ranks: list[dict[int, _Part]] = []
+    if plan.attention_ranks:  # (the engine's layout: data-parallel attention ranks, expert-sharded FFN ranks)
+        n_ffn = sum(1 for st in plan.stages if st.role == "ffn")
+        att, ranks = _afd_rank_parts(spec, plan.attention_ranks, n_ffn, *args)
+        by_role["attention"] = {p.layer: p for p in att}
+        ffn_ranks = [{p.layer: p for p in r} for r in ranks]
     changed = []
     for st in plan.stages:
-        if st.role != "full":
-            continue
+        if st.role == "ffn" and ffn_ranks:
+            parts = ffn_ranks.pop(0)
+        else:
+            if st.role not in by_role:
+                by_role[st.role] = {p.layer: p for p in _parts(spec, st.role, *args)}
+            parts = by_role[st.role]
         extra = (emb if st.has_embedding else 0.0) + (head if st.has_lm_head else 0.0)
-        mem = _stage_memory([parts[i] for i in st.layers], st.num_devices, hw, act, extra)
+        mem = _stage_memory([parts[i] for i in st.layers if i in parts], st.num_devices, hw, act, extra)
         if abs(mem.total - st.memory.total) > 0.005 * mem.total:
             changed.append(f"stage {st.index}'s memory is {mem.total / 1e9:,.2f} GB per device placed as the plan "
                            f"says ({st.num_devices} devices, layers {st.layers[0]}-{st.layers[-1]}); the file said "

@@ -30,16 +30,13 @@ TERMS: dict[str, str] = {
 
 
 def _afd_sides(r: SimResult) -> dict[str, float] | None:
-    """An attention/FFN-disaggregated result's sides, each counted once (every rank of a side carries its side's
-    totals); None for any other result."""
+    """An attention/FFN-disaggregated result's sides, each counted once (every attention rank carries its side's
+    totals, every FFN rank its own: the busiest one's); None for any other result."""
     if not r.sides_overlap:
         return None
-    first: dict[str, Any] = {}
-    for s in r.stages:
-        first.setdefault(s.role, s)
-    a = first.get("attention")
-    return {"attention side": a.total if a else 0.0, "FFN side": first["ffn"].total if "ffn" in first else 0.0,
-            "attention-FFN transfers": a.hop if a else 0.0}
+    a = next((s for s in r.stages if s.role == "attention"), None)
+    ffn = max((s.total for s in r.stages if s.role == "ffn"), default=0.0)
+    return {"attention side": a.total if a else 0.0, "FFN side": ffn, "attention-FFN transfers": a.hop if a else 0.0}
 
 
 def _solve_accept(need: float, k: int) -> float | None:

@@ -442,50 +442,115 @@ def is_afd_ranks(plan: Plan) -> bool:
     return plan.attention_ranks > 0
 
 
-def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K: int, resident_batch: int
-                     ) -> tuple[float, dict[str, float]]:
-    """One step of K micro-batches of ``bm`` sequences x ``tokens`` per attention rank: the time (sum over layers of
-    the ping-pong bound) and the busy seconds per side / term."""
+def _afd_ffn_rows(B: int, M: int, K: int) -> list[int]:
+    """Sequences the FFN side gets in each of the K micro-batches of a step of ``B``: sequence i lives on attention
+    rank i mod M, and each rank splits its rows into K micro-batches balanced as the engine does (the first ones a
+    row more)."""
+    rows = [0] * K
+    for m in range(min(M, B)):
+        q, r = divmod(len(range(m, B, M)), K)
+        for k in range(K):
+            rows[k] += q + (1 if k < r else 0)
+    return rows
+
+
+def _afd_node_shares(ctx: _Ctx, att: list[Stage], ffn: list[Stage]) -> tuple[tuple, tuple]:
+    """The least and the most share of an FFN rank's devices on the node of an attention rank, over every pair, each
+    as (share, attention device, FFN device off / on that node): a rank's experts are spread evenly over its devices,
+    so that share of the rows an attention rank sends it stays on the node's scale-up link and the rest crosses the
+    scale-out link."""
+    from collections import Counter
+
+    dpn = max(1, ctx.hw.devices_per_node)
+    counts = [Counter(d // dpn for d in s.device_ids) for s in ffn]
+    lo: tuple = (2.0, 0, 0)
+    hi: tuple = (-1.0, 0, 0)
+    for a in {s.device_ids[0] // dpn: s.device_ids[0] for s in att}.values():
+        node = a // dpn
+        for c, s in zip(counts, ffn):
+            share = c.get(node, 0) / s.num_devices
+            if share < lo[0]:
+                lo = (share, a, next((d for d in s.device_ids if d // dpn != node), a))
+            if share > hi[0]:
+                hi = (share, a, next((d for d in s.device_ids if d // dpn == node), a))
+    return lo, hi
+
+
+def _afd_hop(ctx: _Ctx, shares: tuple[tuple, tuple], nbytes: float) -> float:
+    """One message of ``nbytes`` from an attention rank to an FFN rank, the slowest pair's: the part for devices on
+    its node over the scale-up link, the rest over the scale-out link, side by side (``_afd_node_shares``)."""
+    (lo, a, off), (hi, b, on) = shares
+    t = ctx.hop(b, on, nbytes * hi) if hi > 0 else 0.0
+    return max(t, ctx.hop(a, off, nbytes * (1.0 - lo))) if lo < 1 else t
+
+
+def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K: int, resident_batch: int,
+                     ffn_rows: list[int]) -> tuple[float, dict[str, Any]]:
+    """One step of K micro-batches of ``bm`` sequences x ``tokens`` per attention rank, the FFN side getting
+    ``ffn_rows[k]`` sequences (over all attention ranks) in micro-batch k: the time (sum over layers of the ping-pong
+    bound) and the busy seconds per side / term (``ffn_stages``: per FFN stage index, its own)."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     att = [s for s in plan.stages if s.role == "attention"]
     ffn = [s for s in plan.stages if s.role == "ffn"]
-    M, N = len(att), len(ffn)
-    a, f = att[0], max(ffn, key=lambda s: s.num_devices)
+    N = len(ffn)
+    a = att[0]
     D = spec.hidden_size
     wb = plan.weight_bits
-    ffn_layers = set(f.layers)
+    ffn_layers = set(ffn[0].layers)
     spatial = hw.kind == "wafer"
     res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) if spatial else None
+    shares = _afd_node_shares(ctx, att, ffn)
+    from waferline.plan.place import expert_split
 
-    def local(lc: LayerCost) -> LayerCost:  # one FFN rank's share of a layer (its experts; shared/dense averaged)
+    splits = {E: [e1 - e0 for e0, e1 in expert_split(E, N)] for E in {lc.num_experts for lc in table if lc.is_moe}}
+
+    def local(lc: LayerCost, n: int) -> LayerCost:  # FFN rank n's share of a layer (its experts; shared/dense averaged)
         if not lc.is_moe:
             return replace(lc, ffn_bytes=lc.ffn_bytes / N, ffn_flops=lc.ffn_flops / N)
-        e_loc = math.ceil(lc.num_experts / N)
+        e_loc = splits[lc.num_experts][n]
         return replace(lc, num_experts=e_loc, top_k=lc.top_k * e_loc / lc.num_experts,
-                       ffn_bytes=lc.dense_ffn_bytes / N + e_loc * lc.expert_bytes, ffn_flops=lc.ffn_flops / N)
+                       ffn_bytes=lc.dense_ffn_bytes / N + e_loc * lc.expert_bytes,
+                       ffn_flops=lc.ffn_flops * e_loc / lc.num_experts)
 
-    locs = [local(lc) for lc in table]
-    res_f = sum(lc.ffn_bytes for lc, t in zip(locs, table) if t.index in ffn_layers) if spatial else None
-    tot = {"attention": 0.0, "ffn": 0.0, "transfer": 0.0, "att_compute": 0.0, "att_memory": 0.0, "att_fixed": 0.0,
-           "ffn_compute": 0.0, "ffn_memory": 0.0, "ffn_fixed": 0.0}
+    # the FFN ranks of one shape (experts, devices) time alike: one of each; a micro-batch waits for the slowest
+    shapes: dict[tuple, list[int]] = {}
+    for n, s in enumerate(ffn):
+        shapes.setdefault((tuple(splits[E][n] for E in sorted(splits)), s.num_devices), []).append(n)
+    ranks = []  # (FFN stage indices of the shape, its local layer table, devices, resident bytes)
+    for idx in shapes.values():
+        locs = [local(lc, idx[0]) for lc in table]
+        res_f = sum(lc.ffn_bytes for lc in locs if lc.index in ffn_layers) if spatial else None
+        ranks.append(([ffn[n].index for n in idx], locs, ffn[idx[0]].num_devices, res_f))
+    tot: dict[str, Any] = {"attention": 0.0, "ffn": 0.0, "transfer": 0.0, "att_compute": 0.0, "att_memory": 0.0,
+                           "att_fixed": 0.0, "ffn_stages": {}}
+    per_rank = [{"ffn": 0.0, "ffn_compute": 0.0, "ffn_memory": 0.0, "ffn_fixed": 0.0} for _ in ranks]
+    rows = sorted(set(ffn_rows))
     step = 0.0
-    for lc, loc in zip(table, locs):
+    for li, lc in enumerate(table):
         ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a,
                         resident_batch=resident_batch)
         T_a = ta.total
-        T_f = T_c = 0.0
         if lc.index in ffn_layers:
-            tf = stage_step([loc], "ffn", f.num_devices, hw, prm, D, M * bm, tokens, wb, spatial_resident=res_f)
-            T_f = tf.total
+            busy = first = 0.0  # the FFN side over the K micro-batches (slowest rank each), and micro-batch 0's
+            by_rows = {r: 0.0 for r in rows}
+            for ri, (_, locs, n_dev, res_f) in enumerate(ranks):
+                for r in rows:
+                    tf = stage_step([locs[li]], "ffn", n_dev, hw, prm, D, r, tokens, wb, spatial_resident=res_f)
+                    by_rows[r] = max(by_rows[r], tf.total)
+                    c = ffn_rows.count(r)
+                    pr = per_rank[ri]
+                    pr["ffn"] += c * tf.total
+                    pr["ffn_compute"] += c * tf.compute
+                    pr["ffn_memory"] += c * tf.memory
+                    pr["ffn_fixed"] += c * (tf.fixed + tf.comm)
+            busy = sum(by_rows[r] for r in ffn_rows)
+            first = by_rows[max(ffn_rows)]
             pairs = bm * tokens * ((lc.top_k / N) if lc.is_moe else 1.0)  # rows one attention rank sends one FFN rank
             nbytes = pairs * D * 2.0 + (bm * tokens * D * 2.0 / N if lc.is_moe and lc.dense_ffn_bytes > 0 else 0.0)
-            T_c = ctx.hop(a.device_ids[0], f.device_ids[0], nbytes)
-            tot["ffn"] += K * T_f
-            tot["ffn_compute"] += K * tf.compute
-            tot["ffn_memory"] += K * tf.memory
-            tot["ffn_fixed"] += K * (tf.fixed + tf.comm)
+            T_c = _afd_hop(ctx, shares, nbytes)
+            tot["ffn"] += busy
             tot["transfer"] += K * 2 * T_c
-            step += max(K * T_a, K * T_f, T_a + T_f + 2 * T_c)
+            step += max(K * T_a, busy, T_a + first + 2 * T_c)
         else:
             step += K * T_a
         tot["attention"] += K * T_a
@@ -497,19 +562,24 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
                     spatial_resident=res_a).total
     step += K * th
     tot["attention"] += K * th
+    for (stage_ids, _, _, _), pr in zip(ranks, per_rank):
+        for i in stage_ids:
+            tot["ffn_stages"][i] = pr
     return step, tot
 
 
 def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: int, dec_ctx: int) -> SimResult:
     """Decode: every attention rank runs K micro-batches of its ceil(B / M) sequences through every layer; per layer
-    the two sides ping-pong, so a layer costs max(K x attention, K x FFN, one round trip) (MegaScale-Infer's bound)."""
+    the two sides ping-pong, so a layer costs max(K x attention, the FFN over the K micro-batches, one round trip)
+    (MegaScale-Infer's bound), the FFN side timed on the slowest FFN rank with the rows the engine sends it."""
     plan, spec, params = ctx.plan, ctx.spec, ctx.params
     att = [s for s in plan.stages if s.role == "attention"]
     M = len(att)
     b = math.ceil(B / M)
     K = max(1, min(plan.micro_batches, b))
     bm = math.ceil(b / K)
-    step, tot = _afd_layer_times(ctx, table, bm, 1, K, b)
+    rows = _afd_ffn_rows(B, M, K)
+    step, tot = _afd_layer_times(ctx, table, bm, 1, K, b, rows)
     rate = 1.0 / step
     spec_info: dict[str, Any] = {"method": plan.speculative.method}
     sp = plan.speculative
@@ -517,23 +587,26 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
         acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
         E = expected_tokens_per_step(acc, k)
-        tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b)
+        tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b, rows)
         tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx)
         spec_info.update(num_tokens=k, accept_rate=acc, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
                          drafter=what, speedup=(E / (tv + K * tdraft)) / rate)
         rate = E / (tv + K * tdraft)
     C = min(P, PREFILL_CHUNK)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-    n_full, rest = divmod(P, C)  # chunks one after another, the last at its real size
-    ttft = params.ttft_overhead_s + n_full * _afd_layer_times(ctx, ptable, 1, C, 1, b)[0] + (
-        _afd_layer_times(ctx, ptable, 1, rest, 1, b)[0] if rest else 0.0)
+    n_full, rest = divmod(P, C)  # chunks one after another, the last at its real size; one prompt: the FFN side gets
+    # its chunk alone (the other attention ranks' messages are empty)
+    ttft = params.ttft_overhead_s + n_full * _afd_layer_times(ctx, ptable, 1, C, 1, b, [1])[0] + (
+        _afd_layer_times(ctx, ptable, 1, rest, 1, b, [1])[0] if rest else 0.0)
     timings = []
     for s in plan.stages:
-        side = "att" if s.role == "attention" else "ffn"
-        busy = tot["attention"] if s.role == "attention" else tot["ffn"]
-        timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, tot[side + "_compute"],
-                                   tot[side + "_memory"], tot[side + "_fixed"], 0.0,
-                                   tot["transfer"] if s.role == "attention" else 0.0, busy))
+        if s.role == "attention":
+            timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, tot["att_compute"],
+                                       tot["att_memory"], tot["att_fixed"], 0.0, tot["transfer"], tot["attention"]))
+        else:
+            f = tot["ffn_stages"][s.index]
+            timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, f["ffn_compute"],
+                                       f["ffn_memory"], f["ffn_fixed"], 0.0, 0.0, f["ffn"]))
     sides = {"attention": tot["attention"], "FFN": tot["ffn"], "transfer": tot["transfer"]}
     big = max(sides, key=sides.get)  # type: ignore[arg-type]
     bound = f"AFD: {big} ({sides[big] / step:.0%} of the step busy)" if sides[big] / step > 0.8 else \

@@ -281,13 +281,14 @@ class _Pricer:
 
     def _price(self, table: list[LayerCost], batch: int, tokens: int, resident: int) -> tuple[float, float]:
         """(latency of one step through every stage and hop, time the slowest stage is busy with it)."""
-        from waferline.sim.pipeline import _afd_layer_times, _step
+        from waferline.sim.pipeline import _afd_ffn_rows, _afd_layer_times, _step
 
         if self.afd:
             M = sum(1 for s in self.plan.stages if s.role == "attention")
             b = math.ceil(batch / M)
             K = max(1, min(self.plan.micro_batches, b))
-            t = _afd_layer_times(self.ctx, table, math.ceil(b / K), tokens, K, max(resident, b))[0]
+            t = _afd_layer_times(self.ctx, table, math.ceil(b / K), tokens, K, max(resident, b),
+                                 _afd_ffn_rows(batch, M, K))[0]
             return t, t
         total, _, slowest = _step(self.ctx, table, batch, tokens, resident, want_timings=False)
         return total, min(total, slowest)
@@ -435,7 +436,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     ``pd_disaggregation`` (or a ``prefill_plan``): prompts are prefilled on a separate pool (``prefill_plan``, default a
     second copy of ``plan``) with the same token budget; after the first token the request's KV cache
     (ModelSpec.cache_bytes_per_seq at the prompt length) moves to the decode pool over the scale-out link, each of
-    min(prefill, decode devices) devices sending its share in parallel; the decode pool only decodes. The prefill
+    min(prefill, decode devices that hold a cache; not AFD's FFN ranks) devices sending its share in parallel; the
+    decode pool only decodes. The prefill
     pool keeps a finished prompt's cache until the decode pool has room for it (its memory is not capped).
 
     ``expert_skew`` (MoE): Zipf exponent of expert popularity; the routed-expert FLOPs of every step scale by the
@@ -520,7 +522,10 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         pre_pool = _Pricer(pplan, spec, phw, params, P, O, expert_skew) if pplan is not plan else dec
         from waferline.sim.cost import hop_time
 
-        links = max(1, min(pplan.num_devices, plan.num_devices))
+        def holders(pl: Plan) -> int:  # (devices that hold a cache: not an AFD plan's FFN ranks)
+            return len({d for st in pl.stages if st.role != "ffn" for d in st.device_ids})
+
+        links = max(1, min(holders(pplan), holders(plan)))
         kv = spec.cache_bytes_per_seq(P, plan.kv_bits)
         dpn = max(1, hw.devices_per_node)
         handover = hop_time(hw, dec.ctx.prm, 0, dpn, kv / links)  # device 0 to a device of another node
