@@ -442,6 +442,42 @@ def test_scoring_a_prompt_counts_no_generated_token(live):
     assert bad.status_code == 400 and "min_tokens must be 0 with max_tokens 0, got 7" in bad.json()["error"]["message"]
 
 
+def test_the_token_counters_add_up_to_the_usage(live, client):
+    """/metrics counts the prompt and generated tokens the usage blocks report: with n > 1 and a batch of prompts
+    (each prompt once, as usage counts it), streamed or not."""
+    assert _wait_until(lambda: live.state.server.engine.num_running == 0)
+    before = _metrics(live)
+    sent = [client.completions.create(model="sol-test", prompt=["A light cache", "lets many sequences live"],
+                                      max_tokens=3, n=3, extra_body={"ignore_eos": True}).usage,
+            client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": "light"}],
+                                           max_tokens=2, n=2, extra_body={"ignore_eos": True}).usage,
+            list(client.completions.create(model="sol-test", prompt="A light cache", max_tokens=4, n=2, stream=True,
+                                           stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}))[-1].usage]
+    m = _metrics(live)
+    assert m["waferline_prompt_tokens_total"] - before["waferline_prompt_tokens_total"] == \
+        sum(u.prompt_tokens for u in sent)
+    assert m["waferline_generation_tokens_total"] - before["waferline_generation_tokens_total"] == \
+        sum(u.completion_tokens for u in sent) == 6 * 3 + 2 * 2 + 2 * 4
+
+
+def test_an_unexpected_fault_is_counted_as_a_500(live, monkeypatch):
+    """A request that fails on a fault the handlers do not expect is answered 500 and /metrics counts it so, under
+    its endpoint."""
+    server = live.state.server
+
+    def broken(req):
+        raise RuntimeError("a fault nobody expected")
+
+    monkeypatch.setattr(server, "chat_prompt", broken)
+    key = 'waferline_requests_total{endpoint="chat",status="500"}'
+    before = _metrics(live).get(key, 0.0)
+    err = _assert_error(httpx.post(live.state.base + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                                   json={"model": "sol-test", "messages": [{"role": "user", "content": "x"}]}), 500)
+    assert "a fault nobody expected" not in err["message"]
+    assert _metrics(live).get(key, 0.0) == before + 1
+
+
 def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> None:
     """Each offset lies within ``text``, in order, and a token that is a whole text (no part of a split character, nor
     after one) is found there."""

@@ -69,6 +69,9 @@ def create_app(server: Server) -> FastAPI:
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # (the traceback goes to the server log; the client learns only that the server failed)
+        name = getattr(request.scope.get("route"), "name", None)  # (the endpoint's function: its metrics label)
+        if name not in (None, "health", "metrics"):
+            m.requests.labels("models" if name == "model" else name, "500").inc()
         return JSONResponse(error_body("internal server error (details are in the server log)", "server_error"), 500)
 
     @app.get("/health")
@@ -215,7 +218,7 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
                       plan_of(req, server.tool_call_parser) if chat else None)
     base = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
             "model": server.model_name}
-    events = server.start(runs, rid, score_only)  # a full queue or a bad request is an HTTP error, not a broken stream
+    events = server.start(runs, rid, score_only, n)  # a full queue, a bad request: an HTTP error, not a broken stream
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         counted = m.requests.labels  # (at the stream's end: 200, or 499 for a client gone mid-stream)

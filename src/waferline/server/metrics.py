@@ -28,10 +28,11 @@ class Metrics:
         self.requests = Counter("waferline_requests", "HTTP requests to the API, by endpoint and status code (499: "
                                 "the client disconnected first)",
                                 ["endpoint", "status"], registry=r)
-        self.prompt_tokens = Counter("waferline_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.prompt_tokens = Counter("waferline_prompt_tokens", "prompt tokens of finished requests (each prompt once, "
+                                     "whatever n, as usage counts them)", registry=r)
         self.generation_tokens = Counter("waferline_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter(
-            "waferline_request_finished", "finished requests by finish reason", ["reason"], registry=r
+            "waferline_request_finished", "finished choices (n per prompt) by finish reason", ["reason"], registry=r
         )
         self.ttft = Histogram("waferline_time_to_first_token_seconds", "arrival to first token", buckets=_TTFT_BUCKETS,
                               registry=r)

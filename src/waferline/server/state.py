@@ -336,12 +336,13 @@ class Server:
         return params
 
     # -- running a request
-    def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str, score_only: bool = False
+    def start(self, prompts: list[tuple[list[int], SamplingParams]], rid: str, score_only: bool = False, n: int = 1
               ) -> AsyncIterator[tuple[int, Event, float]]:
         """Submit one sequence per choice (prompt ids, params), all or none: a full queue or a bad request raises
         here, before any response is sent. Returns the stream of (choice index, event, engine time) until every
         choice has finished; closing it early aborts those still running. ``score_only``: completions ``echo`` with
-        ``max_tokens`` 0, whose one generated token the answer leaves out (nor do the metrics count it)."""
+        ``max_tokens`` 0, whose one generated token the answer leaves out (nor do the metrics count it); ``n``: the
+        choices of each prompt (in a row), whose prompt tokens the metrics count once, as ``usage`` does."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, Event, float]] = asyncio.Queue()
 
@@ -366,14 +367,14 @@ class Server:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
-        events = self._events(queue, rids, arrival, score_only)
+        events = self._events(queue, rids, arrival, score_only, n)
         # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
         # generator's cleanup: abort when it is collected (a no-op for requests that already finished)
         weakref.finalize(events, _abort_all, self.engine, rids)
         return events
 
-    async def _events(self, queue: asyncio.Queue, rids: list[str], arrival: float, score_only: bool = False
-                      ) -> AsyncIterator[tuple[int, Event, float]]:
+    async def _events(self, queue: asyncio.Queue, rids: list[str], arrival: float, score_only: bool = False,
+                      n: int = 1) -> AsyncIterator[tuple[int, Event, float]]:
         running = set(range(len(rids)))
         last: dict[int, float] = {}
         m = self.metrics
@@ -392,7 +393,8 @@ class Server:
                     ok = ev.finish_reason in ("stop", "length")
                     m.finished.labels("length" if ok and score_only else ev.finish_reason or "unknown").inc()
                     if ok:
-                        m.prompt_tokens.inc(ev.prompt_tokens)
+                        if i % n == 0:  # (a prompt's first choice: its tokens count once, whatever n)
+                            m.prompt_tokens.inc(ev.prompt_tokens)
                         m.e2e.observe(t - arrival)
                 yield i, ev, t
         finally:
