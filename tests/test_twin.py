@@ -1018,3 +1018,63 @@ def test_a_hardware_yaml_without_a_calibration_says_so():
 
     with pytest.raises(ConfigError, match="wse-3.yaml: no host_engine section; run `waferline calibrate`"):
         HostParams.load(catalog_dir() / "wse-3.yaml")
+
+
+def test_calibrate_combine_refuses_another_machine_of_the_same_name_and_a_quick_calibration(tmp_path, capsys):
+    """Machines of one name differ (these 2-core VMs are all `vm`, some with AVX-512 and some without): calibrations
+    whose recorded cores, CPU or vector instructions differ are not combined, nor a --quick calibration (other probes,
+    no pipeline probe) with full ones; a figure only one file has is not labelled a median."""
+    from pathlib import Path
+
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+
+    def write(name, **measured):
+        d = yaml.safe_load(src.read_text())
+        d["host_engine"]["measured"].update(measured)
+        (tmp_path / name).write_text(yaml.safe_dump(d))
+        return str(tmp_path / name)
+
+    a = write("a.yaml", cpu_model="AMD EPYC", cpu_capability="AVX512")
+    b = write("b.yaml", cpu_model="AMD EPYC", cpu_capability="AVX2")
+    out = tmp_path / "combined.yaml"
+    assert main(["calibrate", "--combine", a, b, "--out", str(out)]) == 2
+    assert "different machines (cpu_capability AVX512 vs AVX2)" in capsys.readouterr().err and not out.exists()
+    q = write("q.yaml", cpu_model="AMD EPYC", cpu_capability="AVX512", quick=True)
+    assert main(["calibrate", "--combine", a, q, "--out", str(out)]) == 2
+    assert "--quick calibration with a full one" in capsys.readouterr().err and not out.exists()
+    d = yaml.safe_load(src.read_text())  # the canary only in the first file: its value and its source are its own
+    d["host_engine"]["measured"].update(cpu_model="AMD EPYC", cpu_capability="AVX512")
+    del d["host_engine"]["canary_s"]
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(d))
+    assert main(["calibrate", "--combine", a, str(tmp_path / "c.yaml"), "--out", str(out)]) == 0
+    he = yaml.safe_load(out.read_text())["host_engine"]
+    assert "median of 2 calibrations" not in he["canary_s"]["source"]
+    assert "median of 2 calibrations" in he["engine"]["bf16"]["op_overhead_s"]["source"]
+
+
+def test_twin_says_when_its_calibration_was_measured_on_another_machine(tiny_ckpt, tmp_path, monkeypatch):
+    """A calibration of another machine (here: recorded with more cores, or other vector instructions) prices that
+    machine's engine: the result says so (and its table and Markdown); one of this machine says nothing."""
+    from pathlib import Path
+
+    from waferline.sim import twin
+    from waferline.sim.calibrate.common import machine_identity
+
+    monkeypatch.setattr(twin, "_run_grid", lambda *a, **k: {"rows": []})
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    me = machine_identity()
+    cases = ((me["cores"], me["cpu_capability"], False), (me["cores"] + 62, me["cpu_capability"], True),
+             (me["cores"], "SOMETHING_ELSE", True))
+    for cores, cap, other in cases:
+        d = yaml.safe_load(src.read_text())
+        d["host_engine"]["measured"].update(host=me["host"], cpu_model=me["cpu_model"], cpu_capability=cap)
+        d["host_engine"]["cores"]["value"] = cores
+        hw = tmp_path / "h.yaml"
+        hw.write_text(yaml.safe_dump(d))
+        note = twin.run_twin(tiny_ckpt, hw, [{"stages": 1, "batch": 1}], canary_runs=False)["calibration_note"]
+        if other:
+            assert note and "another machine" in note and str(hw) in note, (cores, cap)
+        else:
+            assert note is None

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
+from waferline.sim.calibrate.common import cpu_model, machine_differences, machine_identity
 from waferline.sim.host_work import ChunkOps, Work, chunk_key, counted_op_count
 from waferline.spec.configs import spec_from_pretrained
 
@@ -278,18 +279,6 @@ def count_prefill_chunks(path: str, sweeps: list[list[int]], dtype: str = "bfloa
     return out
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), recorded with a twin result so that a
-    report can say which machine measured it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
-
-
 def cache_dir() -> Path:
     d = Path(os.environ.get("WAFERLINE_CACHE", Path.home() / ".cache" / "waferline"))
     d.mkdir(parents=True, exist_ok=True)
@@ -400,6 +389,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     hw_path = Path(hardware)
     hw = load_hardware_file(hw_path)
     host = host_override or HostParams.load(hw_path)
+    note = calibration_note(host)
     has_mtp = bool(getattr(spec, "mtp_layers", None))
     canary = None
     if host.canary_s and canary_runs:  # the machine's speed before each Plan, against the calibration's (Canary)
@@ -408,7 +398,7 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
         say("loading the canary workload", 0.0)
         canary = Canary(cache_dir() / "calibration-models")
     try:
-        return _run_grid(
+        result = _run_grid(
             points,
             path,
             spec,
@@ -428,6 +418,18 @@ def run_twin(model: str | Path, hardware: str | Path | None = None, grid: Any = 
     finally:
         if canary is not None:
             canary.close()
+    result["calibration_note"] = note
+    return result
+
+
+def calibration_note(host: Any) -> str | None:
+    """What says the calibration was measured on another machine than this one (its name, logical CPUs, CPU model or
+    vector instructions differ, where it records them), or None: its figures then price another machine's engine."""
+    diff = machine_differences(dict(host.measured, cores=host.cores), machine_identity())
+    if not diff:
+        return None
+    return (f"the calibration {host.source} was measured on another machine ({', '.join(diff)}: calibrated vs this "
+            "one); its predictions are that machine's: run `waferline calibrate` here")
 
 
 def check_context(spec: ModelSpec, path: Path, prompt_len: int, output_len: int) -> None:
@@ -778,6 +780,8 @@ def render(result: dict[str, Any], console: Any) -> None:
     for line in (drift_line(result), canary_line(result)):
         if line:
             console.print(line)
+    if result.get("calibration_note"):
+        console.print(f"note: {result['calibration_note']}", style="yellow", markup=False)
     console.print(f"measured inputs: {result['inputs']['measured']}")
     console.print(f"modelled: {result['inputs']['modelled']}")
     console.print(f"hardware: {result['hardware']} (calibrated {result['host'].get('date', '?')}, load average then "
@@ -827,7 +831,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append("; ".join(f"{label}: median **x{s[k]['median']:.2f}**, max x{s[k]['max']:.2f}" for k, label in
                            (("tokens_per_s_per_user", "tokens/s per user"), ("aggregate_tokens_per_s", "aggregate"),
                             ("ttft_s", "TTFT"), ("all", "all")) if s[k]["n"]) + f" ({s['plans_compared']} Plans).")
-    for line in (drift_line(result), canary_line(result)):
+    for line in (drift_line(result), canary_line(result), result.get("calibration_note")):
         if line:
             lines.append("")
             lines.append(line + ".")

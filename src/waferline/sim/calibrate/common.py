@@ -5,6 +5,7 @@ non-negative least squares the fits use, a measured figure's YAML form, and runn
 from __future__ import annotations
 
 import os
+import platform
 import re
 import time
 from collections.abc import Callable
@@ -196,6 +197,38 @@ class ChildFailed(RuntimeError):
     def __init__(self, message: str, reason: str):
         super().__init__(message)
         self.reason = reason
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform.processor()``), recorded with a calibration and a twin
+    result so that a report can say which machine measured it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+MACHINE_KEYS = ("host", "cores", "cpu_model", "cpu_capability")
+
+
+def machine_identity() -> dict[str, Any]:
+    """What tells this machine from another: its name, logical CPUs, CPU model and the vector instructions torch runs
+    on it (AVX2, AVX512, ...). Machines of one name can differ (2-core VMs all named ``vm``, some with AVX-512 and
+    some without), so a calibration records all of them."""
+    import torch
+
+    return {"host": platform.node() or "host", "cores": os.cpu_count() or 1, "cpu_model": cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def machine_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """How two machine identities (machine_identity's keys; one recorded before a key existed lacks it) differ, as
+    ``key a vs b`` for each key both have."""
+    return [f"{k} {a[k]} vs {b[k]}" for k in MACHINE_KEYS
+            if a.get(k) is not None and b.get(k) is not None and str(a[k]) != str(b[k])]
 
 
 def not_measured(e: BaseException) -> str:

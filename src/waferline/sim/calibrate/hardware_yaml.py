@@ -30,6 +30,8 @@ from waferline.sim.calibrate.common import (
     PREFILL_CALIBRATION_MODEL,
     Progress,
     _fig,
+    machine_differences,
+    machine_identity,
     not_measured,
     run_isolated,
 )
@@ -118,10 +120,13 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
         if rows:
             lin[d] = {"fit": fit_linear(rows), "points": rows,
                       "hot": linear_sweep(d, sweep_ms, sweep_sizes, hot_mb, hot=True) if hot_mb else []}
+    ident = machine_identity()
     he: dict[str, Any] = {
         "measured": {
             "date": when,
             "host": host,
+            "cpu_model": ident["cpu_model"],  # (a name is not a machine: combine and twin compare these)
+            "cpu_capability": ident["cpu_capability"],
             "torch": str(torch.__version__),
             "load_average_1m": load[0],
             "clock": "process CPU time for single-threaded probes, wall time for the link and the pipeline",
@@ -546,6 +551,16 @@ def measure_host(quick: bool = False, progress: Progress | None = None, engine: 
     }
 
 
+def calibrated_machine(he: dict[str, Any]) -> dict[str, Any]:
+    """The machine a ``host_engine`` section was measured on (common.machine_identity's keys that it records; older
+    calibrations lack the CPU's), and whether it was a --quick calibration."""
+    m = he.get("measured") or {}
+    cores = he.get("cores")
+    cores = cores.get("value") if isinstance(cores, dict) else cores
+    return {"host": m.get("host"), "cores": int(cores) if isinstance(cores, (int, float)) else None,
+            "cpu_model": m.get("cpu_model"), "cpu_capability": m.get("cpu_capability"), "quick": bool(m.get("quick"))}
+
+
 def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
     """Several calibrations of one host as one hardware mapping: every number found at the same place in all files (a
     figure's ``value``, each number of the probe tables and points) is the median over the files; the rest (text,
@@ -570,6 +585,15 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
     hosts = {str(d["host_engine"].get("measured", {}).get("host")) for d in docs}
     if len(hosts) > 1:
         raise ConfigError(f"--combine: calibrations of different hosts ({', '.join(sorted(hosts))})")
+    ids = [calibrated_machine(d["host_engine"]) for d in docs]
+    for p, m in zip(paths[1:], ids[1:]):
+        diff = machine_differences(ids[0], m)
+        if diff:  # (one name, another machine: these VMs are all named `vm`, some with AVX-512 and some without)
+            raise ConfigError(f"--combine: {paths[0]} and {p} are calibrations of different machines "
+                              f"({', '.join(diff)})")
+        if m["quick"] != ids[0]["quick"]:
+            raise ConfigError(f"--combine: {paths[0]} and {p} mix a --quick calibration with a full one (other "
+                              "probes, no pipeline probe): combine calibrations of one kind")
     n = len(docs)
     note = f" [median of {n} calibrations: {', '.join(str(p) for p in paths)}]"
 
@@ -586,10 +610,10 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
         for k, vals in zip(keys, subs):
             if num(dst[k]) and all(num(v) for v in vals):
                 dst[k] = float(statistics.median(vals))
+                if k == "value" and isinstance(dst.get("source"), str):  # (a figure one file alone has stays its own)
+                    dst["source"] += note
             else:
                 merge(dst[k], vals)
-        if isinstance(dst, dict) and num(dst.get("value")) and isinstance(dst.get("source"), str):
-            dst["source"] += note
 
     out = json.loads(json.dumps(docs[0]))
     merge(out, docs)
