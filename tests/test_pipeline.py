@@ -346,6 +346,46 @@ def test_dead_or_hung_stage_is_named(ckpts, sig, when):
     llm.close()
 
 
+# a worker that says it is alive, then dies before it joins the process groups (fork: the patch reaches the workers)
+_DIES_WHILE_CONNECTING = """
+import os, sys, time
+import {module} as worker
+orig = worker.make_group
+def make_group(store, name, rank, *args):
+    if rank == 2:
+        os._exit(9)
+    return orig(store, name, rank, *args)
+worker.make_group = make_group
+from waferline import LLM
+t0 = time.monotonic()
+try:
+    LLM(sys.argv[1], threads_per_stage=1, start_method="fork", **{options})
+except Exception as e:
+    print(f"{{type(e).__name__}}: {{e}}")
+print(f"took {{time.monotonic() - t0:.1f}} s", flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("engine, options, name", [
+    ("waferline.engine.stage", {"stages": 3}, "stage 2"),
+    ("waferline.engine.afd.ranks", {"afd": True, "ffn_ranks": 2}, "FFN rank 1"),
+], ids=["pipeline", "afd"])
+def test_a_worker_that_dies_while_the_processes_connect_is_named_at_once(ckpts, engine, options, name):
+    """The driver's process group rendezvous waits for the address of every worker on the rendezvous store; its
+    start-up checks read the workers' errors through the same store connection, which answers one request at a time,
+    so a worker that died before it joined was never noticed: start-up (and a server's rebuild after a fault) hung for
+    good. It is named within seconds."""
+    code = _DIES_WHILE_CONNECTING.format(module=engine, options=options)
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(ckpts["deepseek_v3"])], capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    except subprocess.TimeoutExpired:
+        pytest.fail("start-up hung on a worker that died while the processes connected")
+    assert f"{name} " in out and "exited with exit code 9 before it could connect" in out, out
+    assert float(out.rsplit("took ", 1)[1].split()[0]) < 10, out
+
+
 def test_stage_load_error_is_reported_with_its_class(tmp_path):
     from waferline.demo import SOL_DEMO_CONFIG
     from waferline.model.init import write_random_checkpoint

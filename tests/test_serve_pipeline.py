@@ -332,6 +332,25 @@ def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, flags,
         assert "threads_per_stage" not in seen and "device" not in seen
 
 
+@pytest.mark.parametrize("command, flags, want", [
+    ("serve", ["--torch-threads", "3"], {"threads_per_stage": 3, "device": "cpu"}),
+    ("serve", ["--device", "cuda"], {"device": "cuda"}),
+    ("generate", ["--prompt-ids", "1 2", "--device", "cuda"], {"device": "cuda"}),
+])
+def test_under_torchrun_a_worker_rank_takes_the_device_and_threads(ckpts, monkeypatch, command, flags, want):
+    """Under torchrun every rank runs the command and ranks >= 1 serve their stage (serve_from_env): they take the
+    --device rank 0 takes (they ran on the CPU whatever it said) and serve's --torch-threads (they took torch's
+    default)."""
+    import waferline.engine.pipeline as pipeline
+
+    seen: dict = {}
+    monkeypatch.setattr(pipeline, "serve_from_env", lambda *a, **kw: seen.update(kw) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert main([command, "--model", str(ckpts["afd"]), "--stages", "2", *flags]) == 0
+    assert {k: seen.get(k) for k in want} == want
+
+
 def test_when_the_processes_cannot_be_restarted_the_engine_stops(ckpts):
     """The other outcome of a fault: new stages cannot be started, so the engine stops for good, /health and new
     requests answer 503, and the server is told (``on_fatal``: the CLI exits non-zero)."""

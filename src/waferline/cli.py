@@ -97,7 +97,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
-            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
+                                  device=args.device or "cpu")
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
     if args.speculative:
         k = NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens

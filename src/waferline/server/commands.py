@@ -216,7 +216,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 (the server) stops
-            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage)
+            return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
+                                  device=args.device or "cpu", threads_per_stage=args.torch_threads)
     if not Path(args.model).is_dir():  # (before a first kernel build makes the user wait for this error)
         raise ConfigError(f"{args.model}: not a checkpoint directory (config.json + *.safetensors)")
     _check_port_free(args.host, args.port)

@@ -54,13 +54,16 @@ class Supervision:
     def _connect_watching(self, build: Any, box: dict[str, Any]) -> None:
         """Run ``build`` (which makes the process groups, storing them or an ``"error"`` in ``box``) in a thread while
         watching the other processes: one that fails or dies meanwhile raises instead of a hang."""
+        # (checked through a store connection of its own: a store client runs one request at a time, and the groups'
+        # rendezvous holds the driver's while it waits for the address of a process that may have died)
+        ctl = Control(self._store_client(), self.run_id)
         t = threading.Thread(target=build, daemon=True, name="waferline-connect")
         t.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while t.is_alive():
             t.join(0.05)
             if t.is_alive():
-                self._check_starting(f"connect to the other {self._peers_name}")
+                self._check_starting(f"connect to the other {self._peers_name}", ctl=ctl)
                 if time.monotonic() > deadline:
                     raise self._error_cls(f"the {self._peers_name} did not connect within {START_TIMEOUT_S:.0f} s")
         if "error" in box:
@@ -68,10 +71,11 @@ class Supervision:
                 f"{self._rank_name(0)} could not connect to the other {self._peers_name}: {box['error']}"
             )
 
-    def _check_starting(self, doing: str, pending: set[int] | None = None) -> None:
-        """Raise if a worker stage reported an error or (local) exited while starting."""
+    def _check_starting(self, doing: str, pending: set[int] | None = None, ctl: Control | None = None) -> None:
+        """Raise if a worker stage reported an error or (local) exited while starting (``ctl``: the store connection
+        to read the errors through, default the driver's)."""
         for r in range(1, self.num_stages):
-            status = self.ctl.get("status", r)
+            status = (ctl or self.ctl).get("status", r)
             if status is not None:
                 raise _status_error(self._rank_name(r), status, self._error_cls)
         for r, p in enumerate(self._procs, start=1):
@@ -102,13 +106,13 @@ class Supervision:
                                          name=name)
         self._watcher.start()
 
+    def _store_client(self) -> Any:
+        """A connection of its own to the rendezvous store."""
+        host, port = self._store_addr if self._env else (LOOPBACK, self.store.port)
+        return dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+
     def _watch_setup(self) -> Any:
-        if self._env:
-            ctl = Control(dist.TCPStore(self._store_addr[0], self._store_addr[1], is_master=False,
-                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
-        else:
-            ctl = Control(dist.TCPStore(LOOPBACK, self.store.port, is_master=False,
-                                        timeout=datetime.timedelta(seconds=30)), self.run_id)
+        ctl = Control(self._store_client(), self.run_id)
         S = self.num_stages
         return ctl, [ctl.key("progress", r) for r in range(1, S)], {r: (0, time.monotonic()) for r in range(1, S)}
 
