@@ -524,6 +524,80 @@ def test_a_grammar_naming_tokens_the_model_lacks_is_a_400_before_the_stream_star
     assert r.status_code == 200, r.text
 
 
+def test_grammars_whose_rules_chain_deep_are_built_without_overflowing_the_stack(sol):
+    """The grammar engine builds a grammar recursively: a chain of 3,000 Lark rules (or of 1,500 JSON Schema $refs)
+    overflowed the stack of the thread that built it and killed the server (SIGSEGV). They are built on a thread with
+    a larger stack, checked, constrained and used on the engine's; a Lark grammar longer than that stack holds is a
+    400. (In a process of its own: a stack overflow kills the process.)"""
+    import subprocess
+    import sys
+
+    code = f"""
+import threading
+from waferline import SamplingParams
+from waferline.engine import structured
+from waferline.errors import RequestError
+from pathlib import Path
+from waferline.model.load import load_tokenizer
+tok = load_tokenizer(Path({str(sol)!r}))
+lark = "start: r0\\n" + "\\n".join(f'r{{i}}: r{{i + 1}} "a"' for i in range(3000)) + '\\nr3000: "b"'
+defs = {{f"d{{i}}": {{"type": "object", "properties": {{"x": {{"$ref": f"#/$defs/d{{i + 1}}"}}}}, "required": ["x"]}}
+        for i in range(1500)}}
+schema = {{"$defs": defs | {{"d1500": {{"type": "integer"}}}}, "$ref": "#/$defs/d0"}}
+for p in (SamplingParams(grammar=lark), SamplingParams(json_schema=schema)):
+    structured.grammar_of(p)
+    structured.check_tokens(tok, p)
+    def run():  # (as the engine thread does: a thread with the default stack)
+        c = structured.constraint(tok, 512, frozenset({{1}}), p)
+        for _ in range(3):
+            c.advance(int(c.allowed().nonzero()[0]))
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+try:
+    structured.grammar_of(SamplingParams(grammar="start: a\\n" + "a: b\\n" * 30000))
+except RequestError as e:
+    print(e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "grammar cannot be used: 150009 characters (as Lark), at most 131072" in r.stdout, r.stdout
+
+
+def test_a_structured_output_is_checked_off_the_event_loop(live, monkeypatch):
+    """Checking a structured output builds its grammar (a second for some expressions): in a worker thread, so the
+    event loop that streams everyone else's tokens (and answers /health) is not held up meanwhile."""
+    from waferline.engine import structured
+
+    entered, gate = threading.Event(), threading.Event()
+    grammar_text = structured._grammar_text
+
+    def slow(kind, value):
+        entered.set()
+        gate.wait(30)
+        return grammar_text(kind, value)
+
+    monkeypatch.setattr(structured, "_grammar_text", slow)
+    body = {"model": "sol-test", "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(yes|no) off loop"}}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_post, live, body)
+        try:
+            assert entered.wait(30)
+            health = httpx.get(live.state.base + "/health", timeout=5)
+        finally:
+            gate.set()
+        assert health.status_code == 200
+        assert fut.result().status_code == 200, fut.result().text
+
+
+def test_a_json_schema_nested_too_deeply_as_text_is_a_400(live):
+    """A schema sent as JSON text nested thousands of levels deep (which the body's depth limit does not see) is the
+    request's 400, not a 500."""
+    r = _post(live, {"model": "sol-test", "prompt": "x", "guided_json": '{"a":' * 5000 + "1" + "}" * 5000})
+    err = _assert_error(r, 400)
+    assert "json_schema is nested too deeply" in err["message"], err
+
+
 def test_a_misspelt_structured_output_key_is_refused(live):
     for so, key in [({"regexp": "[0-9]+"}, "regexp"), ({"json_schema": {"type": "object"}}, "json_schema")]:
         err = _assert_error(_post(live, {"model": "sol-test", "prompt": "x", "max_tokens": 3,

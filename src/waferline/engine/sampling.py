@@ -226,6 +226,8 @@ class SamplingParams:
                 self.json_schema = json.loads(self.json_schema)
             except ValueError as e:
                 raise RequestError(f"json_schema is not valid JSON: {e}") from None
+            except RecursionError:  # (JSON text nested thousands of levels deep)
+                raise RequestError("json_schema is nested too deeply") from None
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise RequestError(f"json_schema must be a JSON Schema object, got {_show(self.json_schema)}")
         for name in ("regex", "grammar"):

@@ -39,11 +39,43 @@ _TOKENIZERS: dict[int, tuple[Any, Any, dict[str, int]]] = {}  # id(HF tokenizer)
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 # a Lark grammar's comments, strings and regular expressions (llguidance's lexer's), and the tokens it names ("<x>")
 _LARK_NAMES = re.compile(r'(?:#|//)[^\n]*|"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\])+/|(?P<name><[^<>\s]+>)')
+# The grammar engine builds a grammar recursively, a few KB of stack for each rule a chain of rule references passes
+# and each bracket it opens (a chain of 3,000 Lark rules, or of 900 JSON Schema $refs, overflowed a thread's 8 MiB and
+# killed the process): grammars are built on a thread with this much stack (reserved, not used unless needed), and a
+# Lark grammar (or GBNF, as Lark) longer than MAX_LARK_CHARS, whose rules could chain deeper than it holds, is refused.
+# (A JSON Schema's size is bounded by the grammar engine's own limit, "schema too large", well within it.)
+GRAMMAR_STACK_BYTES = 256 << 20
+MAX_LARK_CHARS = 128 * 1024
+_STACK_LOCK = threading.Lock()
 
 
 def _literal(text: str) -> str:
     """``text`` as a regular expression that matches it alone (llguidance reads Rust's regex syntax)."""
     return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+def _deep(fn: Any, *args: Any, **kw: Any) -> Any:
+    """``fn(*args, **kw)`` (what builds a grammar) on a thread of its own with ``GRAMMAR_STACK_BYTES`` of stack: its
+    result, or what it raised."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["out"] = fn(*args, **kw)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+            box["err"] = e
+
+    with _STACK_LOCK:  # (the stack size is the process's setting for the threads started next)
+        before = threading.stack_size(GRAMMAR_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="waferline-grammar", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(before)
+    t.join()
+    if "err" in box:
+        raise box["err"]
+    return box["out"]
 
 
 def _engine_error(matcher: Any) -> str:
@@ -73,6 +105,8 @@ def _grammar_text(kind: str, value: str) -> str:
     except Exception as e:
         raise RequestError(f"grammar cannot be used: neither Lark nor a GBNF grammar llguidance reads "
                            f"({str(e)[:300]})") from None
+    if len(text) > MAX_LARK_CHARS:
+        raise RequestError(f"grammar cannot be used: {len(text)} characters (as Lark), at most {MAX_LARK_CHARS}")
     return LLMatcher.grammar_from_lark(text)
 
 
@@ -101,7 +135,7 @@ def check_tokens(tokenizer: Any, params: Any, lock: Any = None) -> None:
         from llguidance import LLMatcher
 
         ll, names = _ll_tokenizer(tokenizer, lock)
-        _matcher_or_error(params.structured, LLMatcher(ll, _named_by_id(grammar, names), log_level=0))
+        _matcher_or_error(params.structured, _deep(LLMatcher, ll, _named_by_id(grammar, names), log_level=0))
 
 
 def _named_by_id(grammar: str, names: dict[str, int]) -> str:
@@ -121,6 +155,10 @@ def _matcher_or_error(kind: str, matcher: Any) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _checked_grammar(kind: str, value: str) -> tuple[str, bool]:
+    return _deep(_check_grammar, kind, value)
+
+
+def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
     from llguidance import LLMatcher
 
     try:
@@ -332,6 +370,6 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
     from llguidance import LLMatcher
 
     ll, names = _ll_tokenizer(tokenizer, lock)
-    matcher = _matcher_or_error(params.structured,
-                                LLMatcher(ll, _named_by_id(grammar, names) if names_tokens else grammar, log_level=0))
+    matcher = _matcher_or_error(params.structured, _deep(
+        LLMatcher, ll, _named_by_id(grammar, names) if names_tokens else grammar, log_level=0))
     return GrammarConstraint(matcher, vocab_size, frozenset(stop_ids or ()), list(ll.eos_tokens))

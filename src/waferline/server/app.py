@@ -206,7 +206,9 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     m = server.metrics
-    runs = server.choices(req, prompts, default_max)
+    # (off the event loop, which streams everyone's tokens: checking a structured output builds its grammar, which
+    # can take a second)
+    runs = await asyncio.to_thread(server.choices, req, prompts, default_max)
     n = req.n or 1
     echo = None
     if not chat and req.echo:  # (what each choice echoes: its prompt as sent, or decoded from its token ids)
