@@ -316,6 +316,30 @@ def test_tokenizing_runs_off_the_event_loop(live):
         server.encode_tokenizer = real
 
 
+def test_a_batch_of_more_prompts_than_a_request_may_run_is_refused_before_tokenizing(live):
+    """A completions batch of more prompts (x n) than one request may run was refused only after every prompt was
+    tokenized (10^5 text prompts took 10 s to get their 400); now before the first."""
+    server = live.state.server
+    real, calls = server.encode_tokenizer, []
+
+    class Counted:
+        def encode(self, text, **kw):
+            calls.append(text)
+            return real.encode(text, **kw)
+
+    server.encode_tokenizer = Counted()
+    try:
+        r = _post(live, {"model": "sol-test", "prompt": ["to be"] * 65, "max_tokens": 1})
+        assert r.status_code == 400 and "65 prompt(s) x n=1 = 65 choices" in r.json()["error"]["message"], r.text
+        r = _post(live, {"model": "sol-test", "prompt": ["to be"] * 8, "n": 9, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert calls == []
+        assert _post(live, {"model": "sol-test", "prompt": ["to be"] * 2, "n": 2, "max_tokens": 1}).status_code == 200
+        assert len(calls) == 2
+    finally:
+        server.encode_tokenizer = real
+
+
 def test_a_chat_template_renders_off_the_engine_lock(live):
     """A chat prompt is rendered (chat template) and tokenized by the server's own copy of the tokenizer, under its
     own lock: while one conversation renders, another request streams to the end."""
@@ -783,3 +807,23 @@ def test_a_temperature_beyond_fp32_samples_uniformly_among_the_tokens_left():
     for t in (1e39, 1e308):
         probs = target_probs(logits, SamplingParams(temperature=t))
         assert torch.allclose(probs, torch.tensor([1 / 3, 0.0, 1 / 3, 1 / 3])), (t, probs)
+
+
+def test_a_repetition_penalty_that_would_overflow_the_logits_is_a_400():
+    """A repetition_penalty of 1e-300 passed the (0, 100] check, then a seen token's logit divided by it was inf and
+    the request failed in sampling with a NaN distribution (a 500); the range is [0.01, 100], whose ends keep ordinary
+    logits finite, and the smallest one samples."""
+    from waferline.engine.sampling import adjust_logits, sample
+    from waferline.errors import RequestError
+
+    for bad in (1e-300, 0.0099, 0.0, -1.0, 100.5):
+        with pytest.raises(RequestError, match="repetition_penalty must be in"):
+            SamplingParams(temperature=1.0, repetition_penalty=bad)
+
+    class Seq:
+        prompt_ids, output_ids, stop_ids = [0, 2], [], set()
+
+    params = SamplingParams(temperature=1.0, repetition_penalty=0.01, seed=1)
+    logits = torch.tensor([30.0, 0.5, -40.0, 0.0])
+    assert torch.isfinite(adjust_logits(logits, params, Seq())).all()
+    assert sample(logits, params, torch.Generator().manual_seed(1), Seq()) == 0

@@ -199,8 +199,8 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {_show(v)}")
             setattr(self, name, v)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
-        if not 0.0 < self.repetition_penalty <= 100.0:
-            raise RequestError(f"repetition_penalty must be in (0, 100], got {_show(self.repetition_penalty)}")
+        if not 0.01 <= self.repetition_penalty <= 100.0:  # (below 0.01 a logit divided by it can pass fp32's range)
+            raise RequestError(f"repetition_penalty must be in [0.01, 100], got {_show(self.repetition_penalty)}")
         if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise RequestError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids to numbers, got "
                                f"{_show(self.logit_bias)}")

@@ -163,7 +163,7 @@ def create_app(server: Server) -> FastAPI:
         try:
             req = await server.request(request, CompletionRequest)
             server.check_options(req)
-            prompts, sent = await _completion_prompts(server, req.prompt, req.add_special_tokens)
+            prompts, sent = await _completion_prompts(server, req.prompt, req.add_special_tokens, req.n or 1)
             return await _respond(server, request, "completions", req, prompts, 16, sent)
         except APIError as e:
             return fail("completions", e)
@@ -181,10 +181,12 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-async def _completion_prompts(server: Server, prompt: Any, special: bool = True) -> tuple[list[list[int]], list[str]]:
+async def _completion_prompts(server: Server, prompt: Any, special: bool = True, n: int = 1
+                              ) -> tuple[list[list[int]], list[str]]:
     """The prompts of a completion request (one, or a batch: a list of strings or of token-id lists) as token ids,
     and each one's text as an echo shows it (as sent, or its token ids decoded)."""
     batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    server.check_choice_count(len(batch), n)  # (before tokenizing a batch too large to run)
     out = []
     for p in batch:
         # (tokenizing a long prompt takes a while: off the event loop, which streams everyone's tokens)

@@ -253,16 +253,19 @@ class Server:
         if req.audio is not None:
             raise APIError("audio output is not supported", param="audio")
 
+    def check_choice_count(self, prompts: int, n: int) -> None:
+        """Refuse a request of more choices (``prompts`` x ``n``) than one request may ask for."""
+        most = min(MAX_CHOICES, self.engine.scheduler.config.max_queue)
+        if prompts * n > most:
+            raise APIError(f"{prompts} prompt(s) x n={n} = {prompts * n} choices; at most {most} per request",
+                           param="n" if n > 1 else "prompt")
+
     def choices(self, req: Any, prompts: list[list[int]], default_max: int | None
                 ) -> list[tuple[list[int], SamplingParams]]:
         """One (prompt ids, params) per choice: each prompt ``n`` times, choice ``p * n + j`` being prompt p's j-th (the
         OpenAI order); with a seed, choice j samples with seed + j (so the n choices differ, and each repeats)."""
         n = req.n or 1
-        total = len(prompts) * n
-        most = min(MAX_CHOICES, self.engine.scheduler.config.max_queue)
-        if total > most:
-            raise APIError(f"{len(prompts)} prompt(s) x n={n} = {total} choices; at most {most} per request",
-                           param="n" if n > 1 else "prompt")
+        self.check_choice_count(len(prompts), n)
         out = []
         for ids in prompts:
             params = self.sampling(req, len(ids), default_max)
