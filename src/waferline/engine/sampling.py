@@ -275,9 +275,9 @@ def rows_logprobs(logits: torch.Tensor, tokens: list[int], n: int) -> list[Token
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, seq: Any) -> torch.Tensor:
     """The logits sampling draws from, fp32 [V], for the request ``seq`` (its ``prompt_ids``, ``output_ids``,
-    ``stop_ids`` and structured-output ``constraint``): the repetition penalty on every token of the prompt and the
-    output (a positive logit divided by it, a negative one multiplied, as transformers and vLLM do), then OpenAI's
-    penalties on the output's tokens (logit - frequency x count - presence x [count > 0]), then ``logit_bias`` added;
+    ``stop_ids`` and structured-output ``constraint``): ``logit_bias`` added, then the repetition penalty on every
+    token of the prompt and the output (a positive logit divided by it, a negative one multiplied, as transformers and
+    vLLM do), then OpenAI's penalties on the output's tokens (logit - frequency x count - presence x [count > 0]);
     before ``min_tokens`` output tokens, the stop ids at -inf; with a structured output, every token that would not
     continue it."""
     prompt_ids, output_ids, stop_ids = seq.prompt_ids, seq.output_ids, seq.stop_ids

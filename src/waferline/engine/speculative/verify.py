@@ -4,8 +4,8 @@ Greedy (T = 0): a draft is accepted while it equals the argmax of the target's l
 token is that argmax — the output is the non-speculative greedy output, token for token.
 Sampled: draft x ~ q is accepted with probability min(1, p(x) / q(x)); on rejection the token is drawn from the
 normalised residual max(0, p − q); after K acceptances a bonus token is drawn from p. p and q both come from
-``target_probs`` (temperature, top-k, top-p), and the n-gram drafter's q is one-hot. The emitted tokens then follow
-exactly the distribution the non-speculative sampler draws from (Leviathan et al. 2023; Chen et al. 2023).
+``target_probs`` (temperature, top-k, min-p, top-p), and the n-gram drafter's q is one-hot. The emitted tokens then
+follow exactly the distribution the non-speculative sampler draws from (Leviathan et al. 2023; Chen et al. 2023).
 """
 
 from __future__ import annotations
