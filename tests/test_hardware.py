@@ -33,12 +33,28 @@ def test_catalog_has_every_device_and_links_are_not_devices():
     assert {"nvlink4", "nvlink5", "nvl72", "ib-400g", "eth-100g", "wse3-mesh", "cs3-io"} <= set(catalog_links())
 
 
+def _is_number(node):
+    """A number, or text that reads as one: PyYAML reads `85.52e9` (no sign in the exponent) as a string."""
+    if isinstance(node, bool):
+        return False
+    if isinstance(node, (int, float)):
+        return True
+    if not isinstance(node, str):
+        return False
+    try:
+        float(node)
+    except ValueError:
+        return False
+    return True
+
+
 def _numbers_without_source(node, path=""):
-    """Numeric leaves not wrapped in {value, source|assumed|fitted|derived}."""
+    """Numeric leaves not wrapped in {value, source|assumed|fitted|derived} with a non-blank note."""
     bad = []
     if isinstance(node, dict):
         if "value" in node:
-            if not ({"source", "assumed", "fitted", "derived"} & set(node)):
+            notes = [node[k] for k in ("source", "assumed", "fitted", "derived") if k in node]
+            if not any(n is True or (isinstance(n, str) and n.strip()) for n in notes):
                 bad.append(path)
             return bad
         for k, v in node.items():
@@ -46,9 +62,19 @@ def _numbers_without_source(node, path=""):
     elif isinstance(node, list):
         for i, v in enumerate(node):
             bad += _numbers_without_source(v, f"{path}[{i}]")
-    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+    elif _is_number(node):
         bad.append(path)
     return bad
+
+
+def test_the_source_walker_sees_numbers_read_as_text_and_blank_notes():
+    """`memory_bytes: 85.52e9` loads as the string '85.52e9', and `source: ""` names nothing: both are numbers
+    without a source."""
+    doc = yaml.safe_load('device:\n  memory_bytes: 85.52e9\n  memory_bandwidth: {value: 3.35e12, source: ""}\n'
+                         '  power_w: {value: 700, source: "700 W"}\n  reserve_fraction: {value: 0.1, fitted: true}\n'
+                         'name: h100-sxm\ndescription: "80 GB"\n')
+    assert doc["device"]["memory_bytes"] == "85.52e9"
+    assert _numbers_without_source(doc) == [".device.memory_bytes", ".device.memory_bandwidth"]
 
 
 @pytest.mark.parametrize("path", sorted(HARDWARE_DIR.glob("*.yaml")), ids=lambda p: p.stem)
@@ -239,6 +265,23 @@ def test_every_catalog_file_loads_under_the_strict_loader(path):
     else:
         hw = load_hardware_file(path, require_source=True)
         assert hw.kind != "wafer" or (hw.on_chip is not None and hw.cores)
+
+
+def test_gpu_memory_is_the_bytes_the_driver_reports():
+    """NVIDIA and AMD quote HBM in GiB ("180 GB" on B200 is nvidia-smi's 183,359 MiB; "192 GB" on MI300X is 192 GiB):
+    every GPU counts the bytes its driver reports, as h100-sxm does, not the quoted figure read as 1e9 bytes (7% less
+    room for weights and cache than the part has)."""
+    mib, gib = 2**20, 2**30
+    reported = {"h100-sxm": 81_559 * mib, "h200-sxm": 143_771 * mib, "a100-sxm": 81_920 * mib,
+                "b200": 183_359 * mib, "gb200-nvl72": 189_471 * mib, "gb300-nvl72": 284_208 * mib,
+                "mi300x": 192 * gib, "mi355x": 288 * gib}
+    for name, nbytes in reported.items():
+        assert load_hardware(name).memory_bytes == pytest.approx(nbytes, rel=2e-4), name
+
+
+def test_a_bf16_rate_guessed_from_fp8_is_marked_assumed():
+    """Groq 3's BF16 rate is not published: half its FP8 rate is an assumption, listed with the assumed numbers."""
+    assert load_hardware("groq-lpu-3").sources["flops.bf16"].status == "assumed"
 
 
 def test_h800_counts_its_hbm_as_h100_sxm_does():
