@@ -3,11 +3,13 @@ of one layer each (engine/pipeline/serving.py), or two attention ranks and an FF
 Concurrent requests give what each gives alone and what LLM.generate gives with the same flags; a process that dies
 fails every request in flight or queued, and the processes are started again."""
 
+import gc
 import os
 import re
 import signal
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -349,6 +351,62 @@ def test_under_torchrun_a_worker_rank_takes_the_device_and_threads(ckpts, monkey
     monkeypatch.setenv("RANK", "1")
     assert main([command, "--model", str(ckpts["afd"]), "--stages", "2", *flags]) == 0
     assert {k: seen.get(k) for k in want} == want
+
+
+def _held() -> dict[str, int]:
+    """What this process holds: open descriptors, threads (gloo's too) and live engine objects."""
+    from waferline.engine.pipeline import Pipeline
+    from waferline.engine.pipeline.serving import PipelineRunner
+    from waferline.engine.scheduler import Scheduler
+
+    out = {"pipelines": 0, "runners": 0, "schedulers": 0}
+    for o in gc.get_objects():  # (no closure over the list: a cell in it would keep every object alive)
+        for k, cls in (("pipelines", Pipeline), ("runners", PipelineRunner), ("schedulers", Scheduler)):
+            out[k] += issubclass(type(o), cls)
+    return dict(out, fds=len(os.listdir("/proc/self/fd")), threads=len(os.listdir("/proc/self/task")))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors and threads in /proc")
+def test_processes_restarted_again_and_again_leave_nothing_behind(ckpt, engine):
+    """A server that survives faults must not grow: after each fault mid-stream and the rebuild, the old pipeline / AFD
+    engine (its process groups' sockets and threads, its store's port, its runner) is let go at once, without waiting
+    for a full garbage collection (a fault's traceback held the old engine in a cycle; the LLM's own scheduler held
+    the first one for good)."""
+    s = LiveServer(ckpt, ENGINES[engine], max_num_seqs=2)
+    try:
+        engines = [weakref.ref(s.engine.scheduler.runner.pipe)]  # (every pipeline / AFD engine the server had)
+
+        def fault(n: int) -> None:
+            sch = s.engine.scheduler
+            start = sch.stats["generated_tokens"]
+            with ThreadPoolExecutor(1) as ex:
+                doomed = ex.submit(s.stream, PROMPTS[0], max_tokens=MAX_LEN - 16, temperature=0)
+                assert _wait_until(lambda: sch.stats["generated_tokens"] >= start + 4, 30)
+                os.kill(sch.runner.pipe.pids[0], signal.SIGKILL)  # mid-stream: the step fails with a traceback
+                with pytest.raises(openai.APIError):
+                    doomed.result(timeout=60)
+            assert _wait_until(lambda: s.engine.recoveries == n and s.health().status_code == 200, 60, 0.1)
+            engines.append(weakref.ref(sch.runner.pipe))
+            s.stream(PROMPTS[1], max_tokens=4)
+
+        s.stream(PROMPTS[1], max_tokens=4)
+        fault(1)  # (one fault first: whatever a first fault sets up once is in the baseline)
+        gc.collect()
+        gc.disable()
+        try:
+            before = _held()
+            for n in range(2, 5):
+                fault(n)
+            after = _held()
+            kept = [i for i, ref in enumerate(engines[:-1]) if ref() is not None]
+        finally:
+            gc.enable()
+        assert kept == [], f"the engines before faults {[i + 1 for i in kept]} are still alive"
+        assert {k: after[k] - before[k] for k in ("pipelines", "runners", "schedulers")} == \
+            {"pipelines": 0, "runners": 0, "schedulers": 0}, (before, after)
+        assert after["fds"] <= before["fds"] + 2 and after["threads"] <= before["threads"] + 1, (before, after)
+    finally:
+        s.close()
 
 
 def test_when_the_processes_cannot_be_restarted_the_engine_stops(ckpts):

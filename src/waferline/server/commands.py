@@ -78,14 +78,17 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if device not in (None, "cpu"):
         kw["device"] = device
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
+    llm._scheduler = None  # (the server's scheduler drives the pipeline; the LLM's own would hold it after a rebuild)
     if chat_template is not None:
         llm.tokenizer.chat_template = chat_template  # (before the server copies the tokenizer)
 
     def rebuild() -> Any:
         """A new pipeline / AFD engine (new processes) with the same options, after one died or hung."""
         fresh = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
-        llm._pipeline = fresh._pipeline
-        return fresh._pipeline
+        # (the server's runner drives it; the fresh LLM's own scheduler, in a cycle with that LLM, would hold it
+        # after it is replaced in turn)
+        llm._pipeline, fresh._pipeline, fresh._scheduler = fresh._pipeline, None, None
+        return llm._pipeline
 
     try:
         runner = runner_for(llm, max_num_seqs, rebuild if pipeline else None)

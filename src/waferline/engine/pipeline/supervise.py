@@ -300,12 +300,18 @@ class Supervision:
 
     def _release(self) -> None:
         """Drop the process groups (their threads and sockets) and the store (its listening port), which a closed
-        pipeline otherwise held for as long as it was referenced."""
+        pipeline otherwise held for as long as it was referenced. The fault kept (``_broken``) lets go of its traceback:
+        its frames hold this pipeline and the transport's pending work (a cycle only a full collection would free)."""
         for name in ("act", "fb", "link"):
             link = getattr(self, name, None)
             if link is not None:
                 link.close()
         self.ctl = self.store = None
+        err, seen = self._broken, set()
+        while err is not None and id(err) not in seen:
+            seen.add(id(err))
+            err.__traceback__ = None
+            err = err.__cause__ or err.__context__
 
 
 # ---------------------------------------------------------------- helpers
