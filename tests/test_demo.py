@@ -25,6 +25,8 @@ def test_bundled_sol_mini_perplexity_matches_card():
     assert len(ids) == card["eval_tokens"]
     ppl = llm.perplexity(ids, window=256)  # the protocol train/sol_mini.py used for the card
     assert abs(ppl - card["heldout_ppl"]) / card["heldout_ppl"] < 0.01
+    text = (BUNDLED / "heldout.txt").read_text()[:2000]  # (a text is encoded as encode() encodes it)
+    assert llm.perplexity(text, window=64) == llm.perplexity(llm.encode(text), window=64)
     assert (BUNDLED / "model.safetensors").stat().st_size <= 40e6
 
 

@@ -107,6 +107,9 @@ def test_bad_arguments_are_request_errors_that_say_what_was_wrong(ckpts):
     assert llm.generate(list(np.array([1, 17, 42])), sp)[0].token_ids == llm.generate([1, 17, 42], sp)[0].token_ids
     with pytest.raises(RequestError, match="window must be an integer >= 1"):
         llm.perplexity([1, 2, 3], window=0)
+    # a text needs the tokenizer (it was a TypeError from inside the window loop)
+    with pytest.raises(RequestError, match="has no tokenizer"):
+        llm.perplexity("the quick brown fox")
 
 
 def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):

@@ -280,8 +280,11 @@ class LLM:
         h = self.model(torch.tensor([ids], device=self.device), caches, StepBatch.make([0], [0], len(ids), self.device))
         return torch.log_softmax(self.model.logits(h[0]), dim=-1).cpu()
 
-    def perplexity(self, token_ids: list[int], window: int = 256) -> float:
-        """exp(mean NLL) over consecutive windows of ``window`` predicted tokens, each window scored from scratch."""
+    def perplexity(self, token_ids: list[int] | str, window: int = 256) -> float:
+        """exp(mean NLL) over consecutive windows of ``window`` predicted tokens, each window scored from scratch;
+        ``token_ids``: token ids, or a text (encoded as ``encode`` encodes it)."""
+        if isinstance(token_ids, str):
+            token_ids = self.encode(token_ids)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise RequestError(f"perplexity window must be an integer >= 1, got {window!r}")
         nll, n = 0.0, 0
