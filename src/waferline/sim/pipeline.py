@@ -531,7 +531,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
                         resident_batch=resident_batch)
         T_a = ta.total
         if lc.index in ffn_layers:
-            busy = first = 0.0  # the FFN side over the K micro-batches (slowest rank each), and micro-batch 0's
+            # the FFN side over the K micro-batches (the slowest rank in each), and its largest micro-batch alone
             by_rows = {r: 0.0 for r in rows}
             for ri, (_, locs, n_dev, res_f) in enumerate(ranks):
                 for r in rows:
