@@ -395,3 +395,32 @@ def test_int4_one_row_is_a_row_of_two(threads, one_thread):
                 assert torch.equal(one[0], two[0]), (N, K, G, sym)
                 ref = x[:1].float() @ t.dequantize().t()
                 assert torch.allclose(one.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item()), (N, K, G)
+
+
+def test_mla_decode_refuses_rope_queries_of_other_rows():
+    """waferline::mla_decode reads q_rope at q_nope's [B, T, H]: a q_rope of other leading sizes is refused with a
+    clear error (it read past q_rope's end: other memory's values in the output), as are weights of another rank."""
+    g = torch.Generator().manual_seed(9)
+    B, T, H, n, p, r, v, L = 2, 3, 4, 16, 8, 32, 16, 5
+    qn, qr = torch.randn(B, T, H, n, generator=g), torch.randn(B, T, H, p, generator=g)
+    lat = torch.randn(B, L, r + p, generator=g)
+    wuk, wuv = torch.randn(H, n, r, generator=g), torch.randn(H, v, r, generator=g)
+    none = torch.empty(0, dtype=torch.bool)
+    assert torch.ops.waferline.mla_decode(qn, qr, lat, none, wuk, wuv, 0.1, torch.float32).shape == (B, T, H * v)
+    for short in (qr[:1].clone(), qr[:, :1].clone(), qr[:, :, :1].clone()):
+        with pytest.raises(RuntimeError, match="q_rope must be"):
+            torch.ops.waferline.mla_decode(qn, short, lat, none, wuk, wuv, 0.1, torch.float32)
+    with pytest.raises(RuntimeError, match="bad ranks"):
+        torch.ops.waferline.mla_decode(qn, qr, lat, none, wuk[..., None], wuv, 0.1, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_over_no_inputs_are_zero(dtype):
+    """linear_rows and int8_linear over K = 0 inputs return zeros (F.linear's empty sums), not uninitialised memory."""
+    x = torch.randn(3, 0).to(dtype)
+    for _ in range(3):  # (fresh allocations: uninitialised memory shows in some of them)
+        torch.randn(64, 64).mul_(1e30)
+        assert torch.equal(torch.ops.waferline.linear_rows(x, torch.empty(5, 0, dtype=dtype)),
+                           torch.zeros(3, 5, dtype=dtype))
+        assert torch.equal(torch.ops.waferline.int8_linear(x, torch.empty(5, 0, dtype=torch.int8), torch.ones(5)),
+                           torch.zeros(3, 5))

@@ -228,6 +228,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
   auto y = at::empty(sizes, xc.options().dtype(at::kFloat));
+  if (K == 0) return y.zero_();  // (empty sums)
   if (R == 0 || N == 0) return y;
   auto run = [&](auto s_tag) {
     using S = decltype(s_tag);

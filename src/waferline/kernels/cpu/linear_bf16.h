@@ -490,6 +490,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(M <= FEW_ROWS, "waferline::linear_rows: at most ", FEW_ROWS, " rows");
   auto sizes = xc.sizes().vec();
   sizes.back() = N;
+  if (K == 0) return at::zeros(sizes, xc.options());  // (empty sums)
   auto y = at::empty(sizes, xc.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, xc.scalar_type(), "waferline_linear_rows", [&] {
     if (!few_rows_tiled<scalar_t>(wc, -1, xc.data_ptr<scalar_t>(), M, N, K, y.data_ptr<scalar_t>(), N))

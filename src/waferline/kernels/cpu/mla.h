@@ -308,12 +308,15 @@ void mla_rows(const float* qn, const float* qr, const float* lat, const bool* bl
 at::Tensor mla_decode(const at::Tensor& q_nope, const at::Tensor& q_rope, const at::Tensor& latents,
                       const at::Tensor& blocked, const at::Tensor& w_uk, const at::Tensor& w_uv, double scale,
                       at::ScalarType out_dtype) {
-  TORCH_CHECK(q_nope.dim() == 4 && q_rope.dim() == 4 && latents.dim() == 3, "waferline::mla_decode: bad ranks");
+  TORCH_CHECK(q_nope.dim() == 4 && q_rope.dim() == 4 && latents.dim() == 3 && w_uk.dim() == 3 && w_uv.dim() == 3,
+              "waferline::mla_decode: bad ranks");
   TORCH_CHECK(w_uk.scalar_type() == w_uv.scalar_type() &&
                   (w_uk.scalar_type() == at::kFloat || w_uk.scalar_type() == at::kBFloat16),
               "waferline::mla_decode: W_UK/W_UV both fp32 or both bf16");
   const int64_t B = q_nope.size(0), T = q_nope.size(1), H = q_nope.size(2), n = q_nope.size(3), p = q_rope.size(3);
   const int64_t L = latents.size(1), r = w_uk.size(2), v = w_uv.size(1);
+  TORCH_CHECK(q_rope.size(0) == B && q_rope.size(1) == T && q_rope.size(2) == H,
+              "waferline::mla_decode: q_rope must be [B, T, H, rope] as q_nope is [B, T, H, nope]");
   TORCH_CHECK(latents.size(0) == B && latents.size(2) == r + p, "waferline::mla_decode: latents must be [B, L, r + rope]");
   TORCH_CHECK(w_uk.size(0) == H && w_uk.size(1) == n && w_uv.size(0) == H && w_uv.size(2) == r,
               "waferline::mla_decode: W_UK [H, n, r] and W_UV [H, v, r]");
