@@ -261,3 +261,20 @@ def test_mamba2_state_accounting_is_what_the_caches_hold():
         assert layers and all(c.ssm.dtype == torch.float32 and c.conv.dtype == torch.bfloat16 for _, c in layers)
         for layer, cache in layers:
             assert cache.nbytes() == 3 * layer.mixer.state_bytes_per_seq(16) == 3 * layer.cache_bytes_per_seq(99)
+
+
+@pytest.mark.parametrize("model_type", ["bamba", "nemotron_h"])
+def test_a_mamba_model_loaded_under_inference_mode_runs(model_type, tmp_path):
+    """Weights loaded inside torch.inference_mode are inference tensors, which keep no version counter: the Mamba-2
+    mixer's cached constants read one and the first prefill raised ("Inference tensors do not track version
+    counter"). Now they run, with the same log-probs as weights loaded outside it."""
+    build(model_type, tmp_path)
+
+    def logits(model):
+        return model.logits(model(torch.tensor([IDS[:6]]), model.new_caches(1), StepBatch.make([0], [0], 6))[0])
+
+    outside = load_model(tmp_path)
+    with torch.inference_mode():
+        want = logits(outside)
+        got = logits(load_model(tmp_path))
+    assert torch.equal(got, want)

@@ -249,12 +249,14 @@ class Mamba2Mixer(nn.Module):
         replaced or changed in place (its version)."""
         p = self._parameters
         a, d, n, b = p["A_log"], p["D"], p["norm_weight"], p["dt_bias"]
+        # (weights loaded under torch.inference_mode are inference tensors, which keep no version: only their
+        # replacement is seen)
+        versions = tuple(-1 if t.is_inference() else t._version for t in (a, d, n, b))
         c = self.__dict__.get("_const")
-        if (c is None or c[0] is not a or c[1] is not d or c[2] is not n or c[3] is not b
-                or c[4] != (a._version, d._version, n._version, b._version)):
+        if (c is None or c[0] is not a or c[1] is not d or c[2] is not n or c[3] is not b or c[4] != versions):
             D = d.float()[:, None]
             derived = (-torch.exp(a.float()), D, n.float(), b if b.dtype == torch.float32 else b.float(), D.view(-1))
-            c = self.__dict__["_const"] = (a, d, n, b, (a._version, d._version, n._version, b._version), derived)
+            c = self.__dict__["_const"] = (a, d, n, b, versions, derived)
         return c[5]
 
     def _gated_norm_out(self, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
