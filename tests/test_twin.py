@@ -147,6 +147,28 @@ def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml, tmp_path, mon
         run_twin(tiny_ckpt, host_yaml, [{"stages": 1, "batch": 1}], passes=0)
 
 
+def test_a_later_pass_kept_brings_its_own_run_record(tiny_ckpt, host_yaml, monkeypatch):
+    """When a later pass is the one kept (the fastest), the row's run record (its load and CPU share, which the
+    markdown table prints beside the kept rates) is that pass's, not the first's."""
+    from waferline.sim import twin
+    from waferline.sim.calibrate import common
+
+    real = common.run_isolated
+
+    def second_pass_faster(target, kwargs, timeout_s):
+        out = real(target, kwargs, timeout_s)
+        if target.endswith("measure_point") and kwargs.get("count") is False:  # (a later pass)
+            out = dict(out, tokens_per_s_per_user=out["tokens_per_s_per_user"] * 10, load_average_1m=[9.5, 9.5, 9.5])
+        return out
+
+    monkeypatch.setattr(common, "run_isolated", second_pass_faster)
+    res = twin.run_twin(tiny_ckpt, host_yaml, [{"stages": 1, "batch": 1}], prompt_len=8, output_len=8, repeats=1,
+                        passes=2, timeout_s=120)
+    row = res["rows"][0]
+    assert row["measured"]["tokens_per_s_per_user"] == row["passes"][1]["tokens_per_s_per_user"]
+    assert row["run"]["load_average_1m"] == [9.5, 9.5, 9.5] and row["run"]["engine_metrics"] is not None
+
+
 def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
     from waferline.sim.host import HostParams
     from waferline.sim.twin import repredict

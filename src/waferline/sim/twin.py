@@ -534,11 +534,7 @@ def _run_grid(
         todo.append((row, kwargs))
         if first_run is None and meas["tokens_per_s_per_user"] > 0:
             first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
-        row["run"] = {k: meas.get(k) for k in ("total_s", "tokens", "cpu_s_per_process", "load_average_1m", "start_s",
-                                               "engine_metrics", "arrivals_row0")}
-        cpu = [c for c in (meas.get("cpu_s_per_process") or []) if c == c]
-        if cpu and meas.get("total_s"):  # the share of the cores the engine's processes got (low: a busy machine)
-            row["run"]["cpu_share"] = sum(cpu) / (meas["total_s"] * min(len(cpu), os.cpu_count() or 1))
+        row["run"] = _run_record(meas)
         if plan.num_stages > 1 and not pt.afd and prompt_len > PIPELINE_PREFILL_CHUNK:
             # a pipeline prompt longer than one chunk: each chunk's own forward at its position, counted (untimed)
             try:
@@ -594,6 +590,9 @@ def _run_grid(
             if again["tokens_per_s_per_user"] > row["measured"]["tokens_per_s_per_user"]:  # rates of the same run
                 row["measured"]["tokens_per_s_per_user"] = again["tokens_per_s_per_user"]
                 row["measured"]["aggregate_tokens_per_s"] = again["aggregate_tokens_per_s"]
+                run = _run_record(again)  # (and how that run went: its load, its processes' share of the cores)
+                run["engine_metrics"] = run["engine_metrics"] or row["run"]["engine_metrics"]
+                row["run"] = run
             row["measured"]["ttft_s"] = min(row["measured"]["ttft_s"], again["ttft_s"])
     for row, _ in todo:
         rates = [q["tokens_per_s_per_user"] for q in row["passes"] if q.get("tokens_per_s_per_user")]
@@ -638,6 +637,16 @@ def _run_grid(
         "rows": rows,
         "summary": summarize(rows),
     }
+
+
+def _run_record(meas: dict[str, Any]) -> dict[str, Any]:
+    """How the run whose rates a row keeps went (its load, the share of the cores its processes got, ...)."""
+    run = {k: meas.get(k) for k in ("total_s", "tokens", "cpu_s_per_process", "load_average_1m", "start_s",
+                                    "engine_metrics", "arrivals_row0")}
+    cpu = [c for c in (meas.get("cpu_s_per_process") or []) if c == c]
+    if cpu and meas.get("total_s"):  # the share of the cores the engine's processes got (low: a busy machine)
+        run["cpu_share"] = sum(cpu) / (meas["total_s"] * min(len(cpu), os.cpu_count() or 1))
+    return run
 
 
 def _pass_record(meas: dict[str, Any]) -> dict[str, Any]:
