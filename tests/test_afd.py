@@ -269,3 +269,31 @@ def test_ctrl_c_stops_every_rank(ckpts):
     assert "finished" not in rest and "KeyboardInterrupt" in err
     time.sleep(0.5)
     assert _gone(pids), "rank processes left behind"
+
+
+def test_a_hang_is_timed_from_the_steps_start_not_the_idle_time_before(ckpts):
+    """The hang message counts the seconds without progress within the step: ranks that last progressed long before
+    the step began (idle between requests) were said to have made none for all that time."""
+    class Store:
+        def multi_get(self, keys):
+            return [b"5"] * len(keys)  # (no rank moves)
+
+    class Ctl:
+        store = Store()
+
+    class Proc:
+        pid = os.getpid()  # (running, not stopped)
+
+    afd = AFD.__new__(AFD)
+    afd.layout = make_layout(spec_from_pretrained(ckpts["sol"]), 1, 2)
+    afd.hang_timeout_s, afd._closed, afd._env, afd._procs = 2.0, False, True, [Proc(), Proc()]
+    afd._diagnose = lambda ctl: None
+    faults = []
+    afd._watch_fault = lambda fault: faults.append(fault) is None and fault is None
+    now = time.monotonic()
+    afd._busy_since = now - 3.0  # the step began 3 s ago; the ranks last progressed 60 s ago, before it
+    last = {r: (5, now - 60.0) for r in range(1, afd.layout.world)}
+    afd._watch_tick((Ctl(), ["k1", "k2"], last))
+    assert len(faults) == 1 and "hung" in faults[0], faults
+    stalled = float(faults[0].split("progress for ")[1].split(" s")[0])
+    assert 3.0 <= stalled < 10.0, faults[0]

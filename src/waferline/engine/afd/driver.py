@@ -191,8 +191,10 @@ class AFD(Pipeline):
                         stopped = [q for q in stalled if _proc_state(self._procs[q - 1].pid) in ("T", "t")]
                         r = stopped[0] if stopped else min(stalled, key=lambda q: last[q][1])
                         why = "is stopped (state T)" if stopped else "stalled first"
+                        # (since the step began, or the rank's last progress in it: not the idle time before it)
                         fault = (f"{self.layout.describe(r)} hung: no rank made progress for "
-                                 f"{now - last[r][1]:.1f} s of a step (hang timeout {self.hang_timeout_s:g} s); "
+                                 f"{now - max(last[r][1], busy):.1f} s of a step (hang timeout "
+                                 f"{self.hang_timeout_s:g} s); "
                                  f"{self.layout.describe(r)} {why}")
         except Exception as e:  # the store itself went away
             if self._closed:
