@@ -59,7 +59,7 @@ class _Ctx:
 def _lm_head(spec: ModelSpec, embed_bits: int) -> tuple[float, float]:
     return spec.lm_head_bytes(embed_bits) if spec.lm_head_params() else spec.embed_bytes(
         embed_bits
-    ), 2.0 * spec.vocab_size * spec.hidden_size
+    ), spec.lm_head_flops_per_token()
 
 
 def _eagle_head(spec: ModelSpec, embed_bits: int) -> tuple[int, float, float]:

@@ -447,6 +447,10 @@ class DSASpec:
     def indexer_small_params(self) -> int:
         return self.hidden_size * self.index_n_heads + 2 * self.index_head_dim  # weights_proj, k_norm (LayerNorm)
 
+    def small_matmul_params(self) -> int:
+        """Matmul weights counted with the small parameters: the indexer's weights_proj (a product per token)."""
+        return self.hidden_size * self.index_n_heads
+
     def matmul_params(self) -> int:
         return matmul_count(self.matmuls())
 
@@ -498,7 +502,8 @@ class DSASpec:
         return 0.0
 
     def attention_flops(self, context_len: int) -> float:
-        """Indexer scores over all cached tokens + absorbed MLA over the top-k."""
+        """Indexer scores over all cached tokens + absorbed MLA over the top-k (the heads' weighted sum of the
+        ReLU'd scores is elementwise, not counted)."""
         index = 2.0 * self.index_n_heads * self.index_head_dim * context_len
         return index + self._mla().attention_flops(self.attended_tokens(context_len))
 
@@ -866,23 +871,36 @@ class LayerSpec:
             return m.cache_read_bytes(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
         return self.cache_bytes_per_seq(context_len, kv_bits, state_bits)
 
+    def hc_flops_per_part(self) -> float:
+        """One token's hyper-connection products around each part: the (2 + n) x n by n x d map and the n x n mix of
+        the streams (the weighted sums in and out of the part are elementwise, not counted)."""
+        n = self.hc_mult
+        return 2.0 * n * n * self.hidden_size * (n + 3) if n else 0.0
+
     def mixer_flops_per_token(self, context_len: int = 0) -> float:
-        """Forward FLOPs of the mixer (attention side) for one token with ``context_len`` tokens of context."""
+        """Forward FLOPs of the mixer (attention side) for one token with ``context_len`` tokens of context (with
+        its hyper-connection)."""
         if self.mixer is None:
             return 0.0
-        return 2.0 * self.mixer.matmul_params() + self.mixer.attention_flops(context_len)
+        small = self.mixer.small_matmul_params() if hasattr(self.mixer, "small_matmul_params") else 0
+        return (2.0 * (self.mixer.matmul_params() + small) + self.mixer.attention_flops(context_len)
+                + self.hc_flops_per_part())
 
     def ffn_flops_per_token(self) -> float:
-        """Forward FLOPs of the FFN (router + active experts + shared experts) for one token."""
+        """Forward FLOPs of the FFN (router + active experts + shared experts and their gate) for one token (with its
+        hyper-connection)."""
         if self.ffn is None:
             return 0.0
-        f = 2.0 * self.ffn.active_matmul_params()
+        f = 2.0 * self.ffn.active_matmul_params() + self.hc_flops_per_part()
         if isinstance(self.ffn, MoESpec):
-            f += 2.0 * self.hidden_size * self.ffn.num_experts
+            gate = 1 if self.ffn.shared_gate and self.ffn.shared_intermediate else 0
+            f += 2.0 * self.hidden_size * (self.ffn.num_experts + gate)
         return f
 
     def flops_per_token(self, context_len: int = 0) -> float:
-        """Forward FLOPs for one decoded token with ``context_len`` tokens of context."""
+        """Forward FLOPs for one decoded token with ``context_len`` tokens of context: every matmul (routers, gates
+        and hyper-connections included) and the mixer's attention or state terms; norms, activations, softmax and
+        other elementwise work are not counted."""
         return self.mixer_flops_per_token(context_len) + self.ffn_flops_per_token()
 
 
@@ -975,8 +993,10 @@ class ModelSpec:
         return sum(layer.cache_read_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
 
     def lm_head_flops_per_token(self) -> float:
-        """The LM head's product for one token (computed whether or not its weights are tied to the embedding)."""
-        return 2.0 * self.vocab_size * self.hidden_size
+        """The LM head's product for one token (computed whether or not its weights are tied to the embedding), and
+        with hyper-connections the map that collapses the n streams."""
+        n = self.layers[-1].hc_mult if self.layers else 0
+        return 2.0 * self.vocab_size * self.hidden_size + 2.0 * n * n * self.hidden_size
 
     def flops_per_token(self, context_len: int = 0) -> float:
         return self.lm_head_flops_per_token() + sum(layer.flops_per_token(context_len) for layer in self.layers)
