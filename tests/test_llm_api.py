@@ -146,6 +146,58 @@ def test_a_dropped_pipeline_llm_stops_its_stages(ckpts, one_thread):
     assert os.getpid() not in pids
 
 
+def _in_forked_child(held: list, then: str) -> dict:
+    """What the parent's pipeline/AFD LLM (``held``: the one reference to it) does in a child forked after the parent
+    used it: a call, then ``close()`` or dropping it (collected there)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+
+    def child():
+        llm = held.pop()
+        try:
+            llm.generate([[1, 17, 42]], SamplingParams(max_tokens=2))
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            q.put({"call": f"{type(e).__name__}: {e}"})
+        if then == "close":
+            llm.close()
+        del llm
+        gc.collect()
+        q.put({then: True})
+
+    p = ctx.Process(target=child)
+    p.start()
+    p.join(30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    got = {"exitcode": p.exitcode}
+    while not q.empty():
+        got.update(q.get(timeout=1))
+    return got
+
+
+@pytest.mark.parametrize("options", [{"stages": 2}, {"afd": True, "attention_ranks": 1, "ffn_ranks": 2}],
+                         ids=["pipeline", "afd"])
+def test_a_forked_child_is_refused_the_parents_processes_and_leaves_them_alone(ckpts, one_thread, options):
+    """A child forked after the parent used a pipeline/AFD LLM drove the parent's workers through the inherited
+    transport (it hung, and the parent's next call failed with a protocol error, or the parent aborted in gloo);
+    its close() stopped them (AssertionError: can only join a child process), and collecting the LLM there killed
+    them (and crashed the child, freeing the parent's process groups)."""
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    held = [LLM(ckpts["llama"], **options)]
+    try:
+        want = [o.token_ids for o in held[0].generate([[1, 17, 42], [5, 6]], sp)]
+        for then in ("close", "drop"):
+            got = _in_forked_child(held, then)
+            assert got["exitcode"] == 0 and got.get(then), got
+            assert "a forked process cannot use them" in got.get("call", ""), got
+            assert [o.token_ids for o in held[0].generate([[1, 17, 42], [5, 6]], sp)] == want
+    finally:
+        held[0].close()
+
+
 def test_close_lets_go_of_the_store_port_and_the_groups_threads(ckpts, one_thread):
     """A closed pipeline LLM still referenced (the name a ``with`` block binds) held its store's listening port and
     its process groups' threads and sockets until it was collected."""

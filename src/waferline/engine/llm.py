@@ -81,7 +81,9 @@ class LLM:
     ``threads_per_stage``, ``hang_timeout_s``, ``start_method``, ``launch``. AFD: ``afd``, ``attention_ranks``,
     ``ffn_ranks``, ``micro_batches``, ``plan``, ``prefill_chunk``, ``threads_per_rank``, ``hang_timeout_s``,
     ``start_method``. Calls from several threads run one at a time; ``close()`` (or ``with LLM(...)``) stops a
-    pipeline's processes, as collecting a dropped LLM does.
+    pipeline's processes, as collecting a dropped LLM does. In a process forked from the one that made it, a
+    pipeline's or AFD's LLM refuses calls (``StageError``) and its close() or collection there leaves the processes
+    to that one.
     """
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,

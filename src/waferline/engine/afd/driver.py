@@ -9,7 +9,6 @@ import os
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Container, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from waferline.engine.afd.link import AFLink, Clock
 from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
 from waferline.engine.afd.sides import _check_checkpoint, load_attention_side
 from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
-from waferline.engine.pipeline.launch import _main_hidden, _reap
+from waferline.engine.pipeline.launch import _main_hidden
 from waferline.engine.pipeline.supervise import StageError
 from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
@@ -105,7 +104,7 @@ class AFD(Pipeline):
         self._busy_since: float | None = None
         self._stop_watch = threading.Event()
         self._watcher: threading.Thread | None = None
-        self._finalizer = weakref.finalize(self, _reap, self._procs)
+        self._started_here()
         try:
             self._start_afd(start_method)
         except BaseException:
@@ -310,6 +309,7 @@ class AFD(Pipeline):
     # ------------------------------------------------------------ measurement
     def time_split(self, reset: bool = True) -> dict[str, Any]:
         """Seconds of compute / transfer / idle per rank since the last reset, and the sums per side."""
+        self._check_process()
         if self._broken is not None or self._closed:
             raise AFDError(str(self._broken or "this AFD engine is closed"))
         with self._lock:

@@ -10,7 +10,6 @@ import datetime
 import os
 import threading
 import uuid
-import weakref
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,6 @@ from waferline import kernels
 from waferline.engine.pipeline.launch import (
     _env_run_id,
     _main_hidden,
-    _reap,
     _rendezvous_env,
     balanced_ranges,
     ids_downstream,
@@ -110,7 +108,7 @@ class Pipeline(Supervision):
             )
         self._env = launch == "env" or (launch == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
         load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
-        self._finalizer = weakref.finalize(self, _reap, self._procs)
+        self._started_here()
         try:
             self._start(load, start_method)
         except BaseException:

@@ -152,8 +152,10 @@ def _main_hidden() -> Any:
         main.__dict__.update(saved)
 
 
-def _reap(procs: list[Any]) -> None:
-    """Finalizer: never leave stage processes behind."""
+def _reap(procs: list[Any], pid: int | None = None) -> None:
+    """Finalizer: never leave stage processes behind (those process ``pid`` started: not in a forked child)."""
+    if pid is not None and os.getpid() != pid:
+        return
     for p in procs:
         try:
             if p.exitcode is None:

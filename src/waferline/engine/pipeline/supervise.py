@@ -4,6 +4,7 @@ around each run, and shutdown. ``Supervision`` is a part of ``Pipeline`` (driver
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
 import weakref
@@ -14,11 +15,26 @@ import torch
 import torch.distributed as dist
 
 from waferline import errors
+from waferline.engine.pipeline.launch import _reap
 from waferline.engine.stage import EXIT_ABORTED, EXIT_PEER_LOST, LOOPBACK, SHUTDOWN, Control, PeerLost
 from waferline.errors import WaferlineError
 
 WATCH_INTERVAL_S = 0.2
 START_TIMEOUT_S = 120.0
+
+_started: weakref.WeakSet[Any] = weakref.WeakSet()  # the drivers whose workers this process started
+_inherited: list[Any] = []  # (a forked child) the drivers it inherited, held for as long as it lives
+
+
+def _hold_inherited() -> None:
+    """In a forked child: hold every driver it inherited. Their process groups are the parent's (gloo's threads did
+    not come with the fork): freeing one here crashes the child, and its finalizer must not stop the parent's
+    workers."""
+    _inherited.extend(_started)
+    _started.clear()
+
+
+os.register_at_fork(after_in_child=_hold_inherited)
 
 
 def _watchdog(ref: weakref.ref[Any], stop: threading.Event) -> None:
@@ -50,6 +66,19 @@ class Supervision:
 
     def _rank_name(self, r: int) -> str:
         return f"stage {r} ({_layers(self.ranges[r])})"
+
+    def _started_here(self) -> None:
+        """Before the workers start: they are this process's; collecting the driver here stops them (``_reap``)."""
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _reap, self._procs, self._pid)
+        _started.add(self)
+
+    def _check_process(self) -> None:
+        """Refuse to drive the workers from a forked child: their messages would go to (and come from) the parent's
+        transport."""
+        if os.getpid() != self._pid:
+            raise self._error_cls(f"this {self._engine_name}'s {self._peers_name} were started by process {self._pid}; "
+                                  "a forked process cannot use them: create a new LLM in this process")
 
     def _connect_watching(self, build: Any, box: dict[str, Any]) -> None:
         """Run ``build`` (which makes the process groups, storing them or an ``"error"`` in ``box``) in a thread while
@@ -210,6 +239,7 @@ class Supervision:
     def _guarded(self, it: Iterator[Any]) -> Iterator[Any]:
         """Drive ``it`` (one _run) under the pipeline's lock; turn transport failures into a StageError naming the
         stage, and Ctrl-C into a clean shutdown of every stage."""
+        self._check_process()
         if self._broken is not None:
             raise StageError(str(self._broken))
         if self._closed:
@@ -269,7 +299,11 @@ class Supervision:
 
     def close(self) -> None:
         """Stop every worker: SHUTDOWN (``_send_shutdown``); workers that do not exit within 5 s are killed. Then let
-        go of the transport (``_release``)."""
+        go of the transport (``_release``). In a forked child it only marks the driver closed: the workers and the
+        transport are the parent's."""
+        if os.getpid() != self._pid:
+            self._closed = True
+            return
         if self._closed:
             if self._lock.acquire(blocking=False):  # (stopped by a fault: the transport is still held)
                 try:
