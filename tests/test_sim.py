@@ -219,6 +219,39 @@ def test_medusa_heads_of_a_tied_target_hold_their_vocabulary_projections():
         assert b == pytest.approx(4 * (spec.vocab_size * d + d * d) * 2, rel=1e-4), name
 
 
+@pytest.mark.parametrize("method,model", [("mtp", "deepseek-v3"), ("eagle", "llama-3.1-8b"), ("draft", "glm-4.6")])
+def test_a_one_layer_drafters_step_reads_and_computes_its_input_projection(monkeypatch, method, model):
+    """A one-layer drafter's step (an MTP module, an EAGLE-style head, the draft head a target without a small
+    same-vocabulary model falls back to) reads every weight its memory counts, the [2d -> d] input projection
+    (eh_proj / fc) included, and computes its 2 x 2d x d FLOPs per token (it was left out of the step)."""
+    from types import SimpleNamespace
+
+    import waferline.sim.pipeline as pipeline
+    from waferline.sim.cost import layer_table
+
+    seen = []
+    real = pipeline.stage_step
+
+    def spy(layers, *a, **kw):
+        seen.append(layers)
+        return real(layers, *a, **kw)
+
+    monkeypatch.setattr(pipeline, "stage_step", spy)
+    spec, hw, params = load_model(model), load_hardware("h200-sxm"), load_params()
+    sc = SpeculativeConfig(method, 3, 0.7)
+    plan = place(spec, hw, devices=8, weight_bits=4, speculative=sc)
+    table = layer_table(spec, 4, plan.kv_bits, 1000, plan.group_size)
+    pipeline._draft_time(pipeline._Ctx(plan, spec, hw, params.for_hardware(hw), params), method, 3, 1, table, 1000)
+    (lc,), d = seen[-1], spec.hidden_size
+    held, _ = pipeline.drafter_memory(spec, sc, params, weight_bits=4, kv_bits=plan.kv_bits, embed_bits=16,
+                                      group_size=plan.group_size, context=1000, batch=0)
+    head = pipeline._eagle_head(spec, 16)[1] if method == "eagle" else 0.0
+    assert lc.weight_bytes + 3 * d * 2 + head == pytest.approx(held, rel=1e-9)  # (+ its three 16-bit norms)
+    base = layer_table(SimpleNamespace(layers=spec.mtp_layers[:1], name="m"), 4, plan.kv_bits, 1000,
+                       plan.group_size)[0] if method == "mtp" else table[0]
+    assert lc.mixer_flops - base.mixer_flops == pytest.approx(4.0 * d * d)
+
+
 @pytest.mark.parametrize("method,model,draft", [("mtp", "deepseek-v3", None),
                                                  ("draft", "llama-3.1-70b", "llama-3.2-1b")])
 def test_the_drafter_reads_its_int4_scales_at_the_plans_group_size(method, model, draft):

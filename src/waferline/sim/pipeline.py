@@ -246,6 +246,20 @@ def _rate_method(ctx: _Ctx) -> str:
     return sp.method
 
 
+def _with_input_projection(lc: LayerCost, d: int, weight_bits: int, group: int) -> LayerCost:
+    """A one-layer drafter's layer with its [2d -> d] input projection (an MTP module's ``eh_proj``, an EAGLE-style
+    head's ``fc``: the token's embedding beside the hidden state, down to d) added to its mixer: the projection's
+    bytes, 2 x 2d x d FLOPs per token, and on a wafer one more phase carrying 2d elements in and d out beyond the
+    layer input ``fabric_work`` already counts."""
+    from waferline.spec.model import matmul_bytes
+
+    pb = matmul_bytes([(2 * d, d, 1)], weight_bits, group)
+    return replace(lc, weight_bytes=lc.weight_bytes + pb, mixer_bytes=lc.mixer_bytes + pb,
+                   mixer_flops=lc.mixer_flops + 4.0 * d * d,
+                   fabric_mixer_elems=lc.fabric_mixer_elems + 2.0 * d,
+                   fabric_mixer_phases=lc.fabric_mixer_phases + 1)
+
+
 def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
     """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
@@ -271,6 +285,7 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
             if method == "eagle":
                 v, head_b, head_f = _eagle_head(spec, plan.embed_bits)
                 what = f"one-layer draft head (EAGLE-style, over a {v:,}-token draft vocabulary)"
+        lc = _with_input_projection(lc, spec.hidden_size, plan.weight_bits, plan.group_size)
         one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                          lm_head_bytes=head_b, lm_head_flops=head_f)
         return k * one.total, what
@@ -279,7 +294,8 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
 
         dspec = draft_spec(spec, plan.speculative.draft_model, ctx.params)
         if dspec is None:  # no small catalog model shares the target's tokenizer: a draft head of its own shape
-            one = stage_step([table[0]], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
+            lc = _with_input_projection(table[0], spec.hidden_size, plan.weight_bits, plan.group_size)
+            one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
                              lm_head_bytes=head_b, lm_head_flops=head_f)
             return k * one.total, (f"one-layer draft head of {spec.name}'s shape (no small catalog model shares its "
                                    f"{spec.vocab_size}-token vocabulary), with an EAGLE-style head's acceptance")
