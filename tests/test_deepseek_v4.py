@@ -6,8 +6,11 @@ ModelSpec's accounting of the bytes the caches hold."""
 import pytest
 import torch
 
+from server_helpers import run_to_end
 from tiny_models import build, configs, decode_logits
-from waferline import LLM
+from waferline import LLM, SamplingParams
+from waferline.engine.paging import CacheManager
+from waferline.engine.scheduler import Scheduler, SchedulerConfig, Sequence
 from waferline.model.context import StepBatch
 
 LONG = [1] + [(7 * i * i + 3 * i + 5) % 125 + 3 for i in range(69)]  # 70 tokens: 17 CSA entries, 8 HCA entries
@@ -125,6 +128,37 @@ def test_cache_grows_by_the_modelspec_bytes_per_token(pair):
     per_token = llm.spec.cache_bytes_per_token(32)
     assert per_token == 2 * (32 + 16) * 4 / 4 + 32 * 4 / 8  # two CSA layers (kv + index key per 4), one HCA (per 8)
     assert (held[70] - held[22]) / 48 == per_token
+
+
+def test_the_scheduler_counts_what_the_caches_hold(pair):
+    """The scheduler's budget covers V4 caches: the compressed entries a page of tokens adds, and per sequence every
+    layer's window and compressor state at their largest, never less than the ModelSpec's bytes at any length so
+    far; served under a budget of two sequences, the caches never hold more than the budget (the sliding-window
+    layer went uncounted and the entries were paged as if each token cached one: four sequences ran at once, holding
+    14x the budget)."""
+    _, llm = pair
+    page, mml = 8, 64
+    one = CacheManager(llm.spec, 1, mml, page, kv_bits=32, state_bits=32)
+    most = 0.0
+    for n in range(1, mml + 1):
+        most = max(most, llm.spec.cache_bytes_per_seq(n, 32, 32))
+        assert one.bytes_for(n) >= most, n
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=mml, page_tokens=page,
+                                         cache_bytes=2 * one.bytes_for(mml), prefix_caching=False))
+    caches, cm, real, seen = sch.runner.caches, sch.cache, sch.runner.step, []
+
+    def step(decodes, prefills):
+        out = real(decodes, prefills)
+        held = sum(c.bytes_held(s) for c in caches for s in range(4))
+        seen.append((held, cm.used_bytes, len(decodes) + len(prefills)))
+        return out
+
+    sch.runner.step = step
+    sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    out = run_to_end(sch, [Sequence(f"r{i}", LONG[i: i + 44], sp) for i in range(4)])
+    assert all(len(t) == 20 for t in out)
+    assert all(held <= used <= cm.budget for held, used, _ in seen)
+    assert max(rows for _, _, rows in seen) == 2
 
 
 def test_the_indexer_choice_matters(tmp_path):

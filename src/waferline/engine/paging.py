@@ -9,20 +9,25 @@ this process or, under a pipeline, in the stage processes):
 by *slot*. A running sequence owns one slot (that is its SSM state slot) and a number of *pages* of token
 capacity in every pool of token-cache layers:
 
-=========  ==========================================  ===============================================
-pool       layers                                      pages a sequence of n tokens holds
-=========  ==========================================  ===============================================
-``gqa``    full-attention GQA (K and V)                ceil(n / page_tokens)
-``swa``    sliding-window GQA (one pool per window)    ceil(min(n, window) / page_tokens)
-``mla``    MLA (normalised latent c_KV + rotary key)    ceil(n / page_tokens)
-``mamba2`` Mamba-2 (conv + SSM state)                  1 state slot, whatever n
-=========  ==========================================  ===============================================
+====================  ==========================================  ===============================================
+pool                  layers                                      pages a sequence of n tokens holds
+====================  ==========================================  ===============================================
+``gqa``               full-attention GQA (K and V)                ceil(n / page_tokens)
+``swa``               sliding-window GQA (one pool per window)    ceil(min(n, window) / page_tokens)
+``mla``               MLA (normalised latent c_KV + rotary key)    ceil(n / page_tokens)
+``mamba2``            Mamba-2 (conv + SSM state)                  1 state slot, whatever n
+``compressed``        DeepSeek-V4-style CSA / HCA: the entries    ceil(n / page_tokens), each the bytes
+                      (and their indexer keys)                    page_tokens tokens add
+``compressed_state``  every V4-style layer: the window rows and   1 per sequence, whatever n (a full window and the
+                      the compressor's state                      compressor's largest state)
+====================  ==========================================  ===============================================
 
 The bytes of a page and of a state slot, and the tokens a layer keeps (``cached_tokens``), come from the
 ``ModelSpec`` accounting (``LayerSpec.cache_bytes_per_token``, ``mixer.state_bytes_per_seq``,
 ``mixer.cached_tokens``) — the same numbers the planner and simulator use. All pools draw on one byte budget
 (``cache_bytes``, default: ``max_num_seqs`` sequences of ``max_model_len`` tokens, so nothing is ever
-preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq``.
+preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq`` (with
+compressed layers, at least that: their windows and compressor states are counted at their largest).
 
 Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages
 where the runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes
@@ -57,19 +62,20 @@ from typing import Any
 
 from waferline.errors import ConfigError
 from waferline.model.block_table import BlockTable
-from waferline.spec.model import ModelSpec
+from waferline.spec.model import CompressedAttentionSpec, ModelSpec
 
 
 @dataclass(frozen=True)
 class CachePool:
     """Cache layers of one kind that grow together: every sequence holds the same pages in each of them."""
 
-    kind: str  # "gqa" | "swa" | "mla" | "mamba2"
+    kind: str  # "gqa" | "swa" | "mla" | "mamba2" | "compressed" | "compressed_state" ...
     layers: tuple[int, ...]
     window: int | None
     page_bytes: float  # one page (page_tokens tokens) across all layers of the pool; mamba2: one sequence's state
     per_seq: bool  # True: a constant-size state per sequence (Mamba-2), not token pages
     draft: bool = False  # layers of the drafter (a draft model or an MTP head: CacheManager's draft), not the target's
+    context: bool = False  # pages count every token of context, not the layers' cached_tokens (compressed entries)
 
 
 _DRAFTS = {"draft": "the draft model's caches", "mtp": "the MTP head's cache"}  # a drafter's pools: kind prefix
@@ -80,6 +86,11 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, dra
     for layer in spec.layers:
         m = layer.mixer
         if m is None:
+            continue
+        if isinstance(m, CompressedAttentionSpec):  # entries grow with the context; window and state are bounded
+            if m.compress_ratio:
+                groups.setdefault(("compressed", None), []).append(layer.index)
+            groups.setdefault(("compressed_state", None), []).append(layer.index)
             continue
         if m.state_bytes_per_seq(state_bits) > 0 and m.cache_bytes_per_token(kv_bits) == 0:
             key: tuple[str, int | None] = (m.kind, None)
@@ -92,13 +103,16 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, dra
     pools = []
     for (kind, window), idx in groups.items():
         layers = [spec.layers[i] for i in idx]
-        kind = f"{draft}_{kind}" if draft else kind  # (its own pages_in_use kind: another model's page size)
-        if any(l.mixer.cache_bytes_per_token(kv_bits) > 0 for l in layers):
+        name = f"{draft}_{kind}" if draft else kind  # (its own pages_in_use kind: another model's page size)
+        if kind == "compressed_state":
+            state = sum(l.mixer.most_bytes_beyond_entries(kv_bits) for l in layers)
+            pools.append(CachePool(name, tuple(idx), None, state, True, bool(draft)))
+        elif any(l.mixer.cache_bytes_per_token(kv_bits) > 0 for l in layers):
             page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), window, page, False, bool(draft)))
+            pools.append(CachePool(name, tuple(idx), window, page, False, bool(draft), kind == "compressed"))
         else:
             state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
-            pools.append(CachePool(kind, tuple(idx), None, state, True, bool(draft)))
+            pools.append(CachePool(name, tuple(idx), None, state, True, bool(draft)))
     return pools
 
 
@@ -187,7 +201,7 @@ class CacheManager:
                 out.append(1)
             else:
                 spec = self.draft if p.draft else self.spec  # (the pool's layers are its model's)
-                cached = spec.layers[p.layers[0]].mixer.cached_tokens(n_tokens)
+                cached = n_tokens if p.context else spec.layers[p.layers[0]].mixer.cached_tokens(n_tokens)
                 out.append(math.ceil(cached / self.page_tokens))
         return out
 

@@ -598,6 +598,12 @@ class CompressedAttentionSpec:
         overlap = self.compress_ratio * (self.head_dim + self.index_head_dim)
         return pending + overlap * (kv_bits / 8 + 4)
 
+    def most_bytes_beyond_entries(self, kv_bits: int = 16) -> float:
+        """The most a sequence holds besides its compressed entries and their indexer keys, at any length: a full
+        window and the compressor's largest state (a window one token short of closing, and CSA's overlap)."""
+        state = self.compressor_state_bytes(2 * self.compress_ratio - 1, kv_bits) if self.compress_ratio else 0.0
+        return self.kv_dim * kv_bits / 8 * self.window + state
+
     def cache_elems_per_token(self) -> int:
         """Long-context elements per token (window excluded): kv + indexer key per ``compress_ratio`` tokens."""
         if not self.compress_ratio:
