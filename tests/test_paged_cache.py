@@ -190,6 +190,40 @@ def test_a_split_block_table_gives_each_slot_pages_of_its_part():
     assert t.slots[3] == [6, 8] and t.available(1) == 0
 
 
+def test_a_split_tables_available_pages_count_a_page_once(ckpts):
+    """A parked page the prefix store held and let go of is free and still parked (and, taken and released by
+    another slot, parked twice): it is one page. Counted twice, a part short of pages said it had them, and the
+    scheduler's grow raised "no free cache page" (failing every request) instead of declining (a preemption)."""
+    from types import SimpleNamespace
+
+    from waferline.engine.paging import CacheManager, PrefixCache
+
+    t = BlockTable(3, page_tokens=2, managed=True, max_pages=1 + 4, parts=1)
+    t.grow(0, 4)
+    t.grow(1, 4)
+    t.release(0)
+    t.store(1)
+    t.store(2)  # (the prefix store keeps slot 0's pages right after its release)
+    assert t.unstore(1) and t.unstore(2) and t.available() == 2  # free, and still in slot 0's parked list
+    t.grow(2, 2)
+    t.release(2)  # page 1 again: parked by slot 2 too
+    assert t.available() == 2
+    spec = LLM(ckpts["llama"]).spec
+    table = BlockTable(8, page_tokens=4, managed=True, parts=2)
+    table.layers = frozenset(range(len(spec.layers)))
+    cm = CacheManager(spec, 8, 16, page_tokens=4, cache_bytes=16 * 4 * spec.cache_bytes_per_token(32), kv_bits=32)
+    cm.attach(SimpleNamespace(block_table=lambda pt: table))
+    prefix = PrefixCache(cm)
+    slots = {}
+    for rid, n in (("a", 8), ("b", 16), ("c", 8)):  # part 0's 8 pages, all held
+        slots[rid] = cm.admit(rid, 0)
+        assert cm.grow(rid, n)
+    prefix.store(list(range(3, 11)), 8, slots["a"], cm.free("a"))  # a's 2 pages, held by the store alone
+    cm.admit("d", 0)
+    assert not cm.grow("d", 16)  # the store's 2 pages evicted, 2 short: no room
+    assert cm.grow("d", 8) and table.available(0) == 0
+
+
 def test_cache_manager_places_sequences_on_the_parts_of_a_split_table(sol):
     """A page table split in two parts: a new sequence goes to the part with free slots and room, then (no prefix hit)
     the one with more free slots, and its slot is of that part; with no paged pool (no page bound) free slots alone

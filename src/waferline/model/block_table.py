@@ -108,9 +108,10 @@ class BlockTable:
         cap = self.part_pages
         if cap is None:
             return None
-        parked = sum(1 for pages in self._parked.values() for p in pages
-                     if self.owner(p) == part and not self.stored[p] and self.refs[p] == 0)
-        return cap - self._made[part] + len(self._free[part]) + parked
+        # (a parked page the prefix store let go of is free already, and one a slot took and released is parked twice)
+        parked = {p for pages in self._parked.values() for p in pages
+                  if self.owner(p) == part and not self.stored[p] and self.refs[p] == 0 and not self._is_free[p]}
+        return cap - self._made[part] + len(self._free[part]) + len(parked)
 
     def _store_only(self, p: int, d: int) -> None:
         self.store_only += d
