@@ -196,7 +196,26 @@ def test_pd_handover_of_an_afd_plan_leaves_from_its_attention_ranks_only():
                          pd_disaggregation=True)
     hw = load_hardware("h200-sxm")
     kv = load_model("deepseek-v3").cache_bytes_per_seq(1000, 16)
-    assert r.kv_handover_s == pytest.approx(hop_time(hw, load_params().for_hardware(hw), 0, 8, kv / 2), rel=1e-9)
+    # (each attention rank is one H200 holding whole caches of its share of the sequences: one device sends it)
+    assert r.kv_handover_s == pytest.approx(hop_time(hw, load_params().for_hardware(hw), 0, 8, kv), rel=1e-9)
+
+
+def test_pd_handover_of_afd_ranks_leaves_from_the_one_attention_rank_a_request_lives_on():
+    """The engine's AFD attention ranks are data-parallel: a request's cache lives whole on one of them, so its
+    handover does not get faster with more attention ranks (it was priced as shared over all of them: 4x faster on
+    4 ranks of one device than on one)."""
+    from waferline.sim.cost import hop_time
+
+    kw = dict(arrival_rate=1.0, num_requests=3, prompt_len=2000, output_len=10, pd_disaggregation=True)
+    got = {}
+    for m in (1, 4):
+        plan = place("qwen3-30b-a3b", "h100-sxm", afd=True, attention_ranks=m, ffn_ranks=2, context=2010)
+        assert [s.num_devices for s in plan.stages if s.role == "attention"] == [1] * m
+        got[m] = simulate_serving(plan, **kw).kv_handover_s
+    hw = load_hardware("h100-sxm")
+    kv = load_model("qwen3-30b-a3b").cache_bytes_per_seq(2000, 16)
+    assert got[4] == pytest.approx(got[1], rel=1e-12)
+    assert got[1] == pytest.approx(hop_time(hw, load_params().for_hardware(hw), 0, 8, kv), rel=1e-9)
 
 
 def test_pd_disaggregation_removes_prefill_from_decode_steps():
@@ -451,6 +470,22 @@ def test_cli_prefill_pool_notes_and_rank_flags(capsys):
     assert "--prefill-devices" in err and "--attention-ranks" in err and "drop --devices" not in err
 
 
+def test_cli_a_prefill_pool_that_cannot_be_placed_names_the_pool_and_its_flag(capsys):
+    """The prefill pool is placed with the plan's flags on --prefill-devices devices; a placement it cannot make used
+    to be reported as if --devices (given, and fine) were wrong: "3 devices cannot hold 8 stages ...; use --devices
+    >= 8", "--afd needs at least 2 devices" beside --devices 4."""
+    from waferline.cli import main
+
+    assert main(["simulate", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--layers-per-stage", "10",
+                 "--arrival-rate", "10", "--num-requests", "20", "--no-intervals", "--prefill-devices", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: the prefill pool (--prefill-devices 3): 3 devices cannot hold 8 stages")
+    assert "use --prefill-devices >= 8" in err and "use --devices" not in err and "\n" not in err
+    assert main(["simulate", "qwen3-30b-a3b", "--hardware", "h100-sxm", "--devices", "4", "--afd", "--arrival-rate",
+                 "2", "--num-requests", "5", "--no-intervals", "--prefill-devices", "1"]) == 2
+    assert "the prefill pool (--prefill-devices 1): --afd needs at least 2 devices" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rate", ["0", "-2", "nan"])
 def test_cli_a_zero_or_negative_arrival_rate_is_refused_not_ignored(capsys, rate):
     """--arrival-rate 0 used to skip the serving simulation silently (the flag accepted, then ignored)."""
@@ -491,6 +526,17 @@ def test_a_closed_loop_of_clients():
                       (dict(users=2, pd_disaggregation=True), "prefill pool")]:
         with pytest.raises(ConfigError, match=says):
             simulate_serving(plan, **kw, **bad)
+
+
+def test_a_closed_loop_of_one_client_may_send_one_request():
+    """One client's first request is reported (only several clients' first wave, sent at once, is warm-up), so one
+    request is a run: it was refused as "needs more than 1 requests ... the first wave is warm-up and not reported"."""
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=2048)
+    r = simulate_serving(plan, users=1, num_requests=1, prompt_len=1024, output_len=64, max_num_batched_tokens=512)
+    steady = simulate(plan, prompt_len=1024, output_len=64)
+    assert r.requests == 1 and r.ttft_p50_s == pytest.approx(steady.ttft_s, rel=1e-9)
+    with pytest.raises(ConfigError, match="a closed loop of 2 clients needs more than 2 requests"):
+        simulate_serving(plan, users=2, num_requests=2, prompt_len=1024, output_len=64)
 
 
 def test_cli_closed_loop(capsys):

@@ -472,8 +472,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
         prefill_plan = None
         if args.prefill_devices is not None:  # the prefill pool: the same model and flags on its own devices
-            prefill_plan = _make_plan(argparse.Namespace(**{**vars(args), "devices": args.prefill_devices}),
-                                      args.context or held)
+            try:
+                prefill_plan = _make_plan(argparse.Namespace(**{**vars(args), "devices": args.prefill_devices}),
+                                          args.context or held)
+            except ConfigError as e:  # (placement names --devices: here it is the pool's --prefill-devices)
+                raise ConfigError(f"the prefill pool (--prefill-devices {args.prefill_devices}): "
+                                  + re.sub(r"--devices\b", "--prefill-devices", str(e))) from None
         serving = simulate_serving(
             plan,
             arrival_rate=args.arrival_rate,
@@ -854,7 +858,8 @@ def register(subparsers: Any) -> None:
     s.add_argument("--num-requests", type=int_range(1, MAX_SERVING_REQUESTS, ": the serving simulation's time grows "
                                                     "with it, about 4 s per million"), default=None,
                    help="requests in the serving simulation (default 200; closed loop: 10 per client, at least 200, "
-                        f"and more than one per client: the first wave is warm-up; at most {MAX_SERVING_REQUESTS:,})")
+                        f"and with several clients more than one per client: their first wave is warm-up; at most "
+                        f"{MAX_SERVING_REQUESTS:,})")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="serving: tokens one step carries, decode tokens first, prompt chunks in the rest (default "
                         "2048; 0 = stop-the-world prefill, one prompt at a time with decode paused)")

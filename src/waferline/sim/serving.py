@@ -436,9 +436,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     ``pd_disaggregation`` (or a ``prefill_plan``): prompts are prefilled on a separate pool (``prefill_plan``, default a
     second copy of ``plan``) with the same token budget; after the first token the request's KV cache
     (ModelSpec.cache_bytes_per_seq at the prompt length) moves to the decode pool over the scale-out link, each of
-    min(prefill, decode devices that hold a cache; not AFD's FFN ranks) devices sending its share in parallel; the
-    decode pool only decodes. The prefill
-    pool keeps a finished prompt's cache until the decode pool has room for it (its memory is not capped).
+    min(prefill, decode devices that hold its cache; not AFD's FFN ranks, and of the engine's data-parallel AFD
+    attention ranks only the one it lives on) devices sending its share in parallel; the decode pool only decodes. The
+    prefill pool keeps a finished prompt's cache until the decode pool has room for it (its memory is not capped).
 
     ``expert_skew`` (MoE): Zipf exponent of expert popularity; the routed-expert FLOPs of every step scale by the
     busiest expert-parallel rank's expected load over the mean rank's (``expert_load_factor`` over the ranks
@@ -460,7 +460,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         raise ConfigError(f"arrival rate must be > 0 (got {arrival_rate})")
     if num_requests < 1:
         raise ConfigError(f"the simulation needs requests >= 1 (got {num_requests})")
-    if users is not None and num_requests <= users:
+    if users is not None and users > 1 and num_requests <= users:  # (one client's first request is reported)
         raise ConfigError(f"a closed loop of {users} clients needs more than {users} requests (got {num_requests}): "
                           "the first wave, one request per client, is warm-up and not reported")
     if max_num_batched_tokens is None or max_num_batched_tokens < 0:
@@ -521,8 +521,12 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         phw = load_hardware(pplan.hardware)
         pre_pool = _Pricer(pplan, spec, phw, params, P, O, expert_skew) if pplan is not plan else dec
         from waferline.sim.cost import hop_time
+        from waferline.sim.pipeline import is_afd_ranks
 
-        def holders(pl: Plan) -> int:  # (devices that hold a cache: not an AFD plan's FFN ranks)
+        def holders(pl: Plan) -> int:  # (devices that hold one request's cache: not an AFD plan's FFN ranks; under
+            # the engine's AFD ranks, the one data-parallel attention rank the request lives on)
+            if is_afd_ranks(pl):
+                return min(st.num_devices for st in pl.stages if st.role == "attention")
             return len({d for st in pl.stages if st.role != "ffn" for d in st.device_ids})
 
         links = max(1, min(holders(pplan), holders(plan)))
