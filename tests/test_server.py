@@ -250,6 +250,35 @@ def test_models_and_chat(live, client):
         llm.tokenizer.encode("[system] Be brief.\n[user] What is a wafer?\n[assistant] ", add_special_tokens=False))
 
 
+def test_a_developer_message_reaches_a_template_that_knows_only_system(live, client):
+    """OpenAI's "developer" role (system instructions, as newer clients send them) renders as a "system" message
+    through a template that does not name the role (as Qwen's, which would drop it silently and write its default
+    system prompt instead); a template that names it gets it as it is."""
+    llm = live.state.server.llm
+    tok = llm.tokenizer
+    qwen_like = ("{% if messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
+                 "{% else %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+                 "{% for m in messages %}{% if m.role == 'user' or m.role == 'assistant' %}<|im_start|>{{ m.role }}\n"
+                 "{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{{ '<|im_start|>assistant\n' }}")
+    kw = dict(model="sol-test", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    saved = tok.chat_template
+    try:
+        tok.chat_template = qwen_like
+        got = [client.chat.completions.create(messages=[{"role": role, "content": "Answer in French."},
+                                                        {"role": "user", "content": "hi"}], **kw)
+               for role in ("system", "developer")]
+        want = ("<|im_start|>system\nAnswer in French.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                "<|im_start|>assistant\n")
+        assert [r.usage.prompt_tokens for r in got] == [len(tok.encode(want, add_special_tokens=False))] * 2
+        assert got[0].choices[0].message.content == got[1].choices[0].message.content
+        tok.chat_template = ("{% for m in messages %}{% if m.role == 'developer' %}[dev]{% endif %}{{ m.content }}"
+                             "{% endfor %}")
+        r = client.chat.completions.create(messages=[{"role": "developer", "content": "Be brief."}], **kw)
+        assert r.usage.prompt_tokens == len(tok.encode("[dev]Be brief.", add_special_tokens=False))
+    finally:
+        tok.chat_template = saved
+
+
 def test_streaming_with_usage(live, client):
     kw = dict(model="sol-test", prompt="A light cache lets many sequences", max_tokens=10, temperature=0.7, seed=3,
               extra_body={"ignore_eos": True})

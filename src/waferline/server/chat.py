@@ -6,6 +6,7 @@ model without a template gets a plain one (``FALLBACK_CHAT_TEMPLATE``)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from waferline.server.protocol import APIError
 # the chat prompt when the model has no chat template: one block per message, then the assistant's
 FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
+# a template that names the "developer" role renders it; others get such a message as a "system" one
+_DEVELOPER = re.compile(r"""["']developer["']""")
 # what apply_chat_template takes from the server, not from chat_template_kwargs
 RESERVED = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "return_dict",
                       "tokenizer_kwargs", "add_generation_prompt", "continue_final_message",
@@ -78,6 +81,9 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> s
             raise APIError(f"the model has chat templates {', '.join(sorted(template))} but none named \"default\": "
                            "start the server with --chat-template", param="messages")
         template = template[name]
+    if not _DEVELOPER.search(template):  # (OpenAI's newer name for system instructions: a template that does not know
+        # the role would drop such a message silently, as Qwen's and DeepSeek's do, or refuse it)
+        msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in msgs]
     try:
         return tokenizer.apply_chat_template(msgs, chat_template=template, tools=tools, tokenize=False,
                                              add_generation_prompt=add_prompt, continue_final_message=cont, **extra)
