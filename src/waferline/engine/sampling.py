@@ -49,7 +49,9 @@ def decode_metrics(t0: float, ttft: float, n_generated: int, rows: int) -> dict[
 # Below this temperature, logits / T overflows to inf for ordinary logits (and the softmax becomes NaN); sampling that
 # cold is the argmax anyway, so such temperatures are greedy.
 MIN_TEMPERATURE = 1e-5
-MAX_SEED = 2**44  # the per-row generator seed is seed * 1_000_003 + row, which must fit 64 bits
+# seeds are taken modulo 2**32: torch's CPU generator keeps the low 32 bits of its seed (seed * 1_000_003 + row: an odd
+# multiplier, so distinct seeds below 2**32 give distinct streams), and seeds 2**32 apart would give the same tokens
+MAX_SEED = 2**32
 _TOP_K_OFF = 2**31  # no vocabulary is this large: a top_k at or beyond it keeps every token, as top_k = 0 does
 MAX_LOGPROBS = 20  # most alternatives a token's log-probabilities list (OpenAI's top_logprobs bound)
 MAX_LOGIT_BIAS = 300  # most entries of a logit_bias (OpenAI's bound)
@@ -172,7 +174,7 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed)
             if not -2**63 <= self.seed < 2**64:
                 raise RequestError(f"seed must be a 64-bit integer, got {_show(self.seed)}")
-            self.seed %= MAX_SEED  # (the per-row generator seed must fit 64 bits; seeds below 2**44 are kept)
+            self.seed %= MAX_SEED  # (what the generator keeps of it; seeds below 2**32 are kept as given)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
