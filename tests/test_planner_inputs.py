@@ -13,6 +13,9 @@ from waferline.sim.serving import simulate_serving
 from waferline.spec.catalog import load_hardware, load_model
 from waferline.spec.configs import parse_hf_config
 
+QWEN3_MOE_TINY = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
 HEADER = "id,system,model,hardware,num_chips,weight_bits,spec_decoding,concurrency,input_len,output_len,metric,value\n"
 
 
@@ -458,6 +461,28 @@ def test_hardware_without_rows_of_its_own_is_said_to_be_extrapolated(capsys, tmp
     assert rc == 0 and "note: jalapeno is extrapolated" in " ".join(out.split())
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--no-intervals", "--json"])
     assert rc == 0 and json.loads(out)["notes"] == []  # (a device with rows in the fit)
+
+
+def test_a_plan_is_not_simulated_on_another_file_of_the_same_name(capsys, tmp_path):
+    """With --plan, a --hardware YAML or a MODEL config that names the plan's device or model but describes another
+    one (a copy with other numbers) was checked by name only, and the plan's own file simulated without a word."""
+    hw = "name: jalapeno\ndevice: {memory_bytes: 2.0e+11, memory_bandwidth: %s, flops: {bf16: 2.0e+15}}\n"
+    (tmp_path / "v1.yaml").write_text(hw % "1.0e+13")
+    (tmp_path / "v2.yaml").write_text(hw % "2.0e+13")
+    cfg = dict(QWEN3_MOE_TINY)
+    for d, k in (("a", 2), ("b", 4)):
+        (tmp_path / d / "tiny").mkdir(parents=True)
+        (tmp_path / d / "tiny" / "config.json").write_text(json.dumps(dict(cfg, num_experts_per_tok=k)))
+    plan = tmp_path / "p.json"
+    rc, _ = _run(capsys, ["plan", str(tmp_path / "a" / "tiny"), "-H", str(tmp_path / "v1.yaml"), "--out", str(plan)])
+    assert rc == 0
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan), "-H", str(tmp_path / "v2.yaml")])
+    assert rc == 2 and "v2.yaml describes another jalapeno" in out
+    rc, out = _run(capsys, ["simulate", str(tmp_path / "b" / "tiny"), "--plan", str(plan)])
+    assert rc == 2 and "describes another tiny" in out
+    rc, out = _run(capsys, ["simulate", str(tmp_path / "a" / "tiny"), "--plan", str(plan), "-H",
+                            str(tmp_path / "v1.yaml"), "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["decode_tokens_per_s_per_user"] > 0
 
 
 def test_info_and_catalog_give_a_long_sequences_cache_growth_past_the_sliding_windows(capsys):

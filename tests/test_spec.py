@@ -215,6 +215,32 @@ def test_config_values_the_accounting_cannot_take_are_refused(tmp_path, change, 
     assert str(e.value).startswith(f"{p}: ") and message in str(e.value)
 
 
+BAMBA = dict(model_type="bamba", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, intermediate_size=128, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+             mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2)
+
+
+@pytest.mark.parametrize("base, change, message", [
+    # a null, a string or a negative layer size was a TypeError traceback, or a negative parameter count
+    (QWEN3_MOE, dict(moe_intermediate_size=None), "layer 0's MoESpec expert_intermediate = None: it must be an "
+                                                  "integer >= 0"),
+    (QWEN3_MOE, dict(moe_intermediate_size="768"), "config moe_intermediate_size must be an integer >= 1, got '768'"),
+    (QWEN3_MOE, dict(moe_intermediate_size=0), "config moe_intermediate_size must be an integer >= 1, got 0"),
+    (DSV3, dict(kv_lora_rank=None), "layer 0's MLASpec kv_lora_rank = None: it must be an integer >= 0"),
+    (DSV3, dict(kv_lora_rank=0), "config kv_lora_rank must be an integer >= 1, got 0"),
+    (DSV3, dict(n_shared_experts=-1), "config n_shared_experts must be an integer >= 0, got -1"),
+    (DSV3, dict(num_nextn_predict_layers="1"), "config num_nextn_predict_layers must be an integer >= 0, got '1'"),
+    (BAMBA, dict(mamba_d_state="x"), "config mamba_d_state must be an integer >= 1, got 'x'"),
+    (BAMBA, dict(mamba_n_heads=0), "config mamba_n_heads must be an integer >= 1, got 0"),
+    (BAMBA, dict(mamba_d_head=-1), "layer 0's Mamba2Spec head_dim = -1: it must be an integer >= 0"),
+    (LLAMA_405B, dict(intermediate_size=None), "layer 0's DenseFFNSpec intermediate_size = None"),
+])
+def test_layer_sizes_that_make_no_layer_are_one_error_naming_the_field(base, change, message):
+    parse_hf_config(base)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_hf_config(dict(base, **change))
+
+
 @pytest.mark.parametrize("mt, field", [("qwen3_next", "num_experts"), ("deepseek_v3", "n_routed_experts"),
                                        ("kimi_k2", "n_routed_experts"), ("granitemoehybrid", "num_local_experts"),
                                        ("jamba", "num_experts")])

@@ -44,6 +44,19 @@ def _hw_label(ref: str) -> str:
     return f"{load_hardware(ref).name} ({Path(ref).name})"
 
 
+def _same_numbers(a: Any, b: Any) -> bool:
+    """Whether two models (ModelSpec) or two devices (HardwareSpec) of one name describe the same thing, whatever
+    file or id each was read from."""
+    import dataclasses
+
+    from waferline.spec.hardware import HardwareSpec
+
+    if isinstance(a, HardwareSpec):
+        return dataclasses.replace(a, path="", description="") == dataclasses.replace(b, path="", description="")
+    return all(getattr(a, k) == getattr(b, k) for k in ("vocab_size", "hidden_size", "layers", "mtp_layers",
+                                                         "tie_word_embeddings", "max_position_embeddings"))
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:,.2f}"
 
@@ -420,11 +433,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                              "place MODEL anew)")
         plan = Plan.load(args.plan)
         spec, hw = load_model(plan.model), load_hardware(plan.hardware)
-        for given, placed, flag in ((args.model and load_model(args.model).name, spec.name, "MODEL"),
-                                    (args.hardware and load_hardware(args.hardware).name, hw.name, "--hardware")):
-            if given and given != placed:  # (by what the files name, however their paths are spelled)
-                raise UsageError(f"the plan places {spec.name} on {hw.name}; {flag} {given} says otherwise "
+        for given, placed, flag, ref, placed_ref in (
+                (args.model and load_model(args.model), spec, "MODEL", args.model, plan.model),
+                (args.hardware and load_hardware(args.hardware), hw, "--hardware", args.hardware, plan.hardware)):
+            if given and given.name != placed.name:  # (by what the files name, however their paths are spelled)
+                raise UsageError(f"the plan places {spec.name} on {hw.name}; {flag} {given.name} says otherwise "
                                  "(drop it, or drop --plan and place MODEL anew)")
+            if given and not _same_numbers(given, placed):  # (one name, two files: the plan's would be simulated)
+                raise UsageError(f"the plan places {spec.name} on {hw.name} as {placed_ref} describes it; {flag} {ref} "
+                                 f"describes another {given.name} (drop it, or drop --plan and place MODEL anew)")
         if args.speculative is not None:  # (given: it replaces the plan's, `none` included)
             plan.speculative = _spec_cfg(args)
         plan.check(spec, hw)  # (layers, hardware) before the memory of its stages is recomputed from them

@@ -3,6 +3,7 @@ spellings), multimodal configs flattened to their language model. Needs no torch
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -842,6 +843,31 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
 
 
 _NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# layer sizes beside the ones above, by config spelling: a whole number >= 1 where given (null: the default where the
+# model_type has one); and counts that may be 0 (no shared expert, no dense or MTP layer)
+_LAYER_SIZES = ("moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "mamba_n_heads", "mamba_num_heads", "mamba_n_groups", "n_groups", "mamba_d_state", "ssm_state_size",
+                "mamba_d_conv", "mamba_expand", "linear_num_key_heads", "linear_num_value_heads",
+                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+_LAYER_COUNTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
+                 "shared_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
+
+
+def _check_layer_sizes(spec: ModelSpec, mt: str) -> None:
+    """Every whole-number size of every layer's mixer and FFN as parsed: an integer >= 0. A value a config gives in a
+    field not checked by name here or in _check_accounting (a string, a null, a negative number) would otherwise be a
+    traceback or a negative parameter count."""
+    for layer in [*spec.layers, *spec.mtp_layers]:
+        for part in (layer.mixer, layer.ffn):
+            if part is None:
+                continue
+            for f in dataclasses.fields(part):
+                v = getattr(part, f.name)
+                if str(f.type).split(" ")[0] != "int" or (v is None and "None" in str(f.type)):
+                    continue
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise ConfigError(f"config for model_type {mt!r} gives layer {layer.index}'s "
+                                      f"{type(part).__name__} {f.name} = {v!r}: it must be an integer >= 0")
 
 
 def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
@@ -864,7 +890,11 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         null = v is None and k in cfg and k in _NEVER_NULL  # (head_dim, num_key_value_heads: null = the default)
         if null or (v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)):
             raise ConfigError(f"config {k} must be an integer >= 1, got {'null' if v is None else repr(v)}")
-    for k in (*_EXPERT_FIELDS, *_TOPK_FIELDS):  # (0 experts: a dense model where the model_type allows it)
+    for k in _LAYER_SIZES:
+        v = cfg.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"config {k} must be an integer >= 1, got {v!r}")
+    for k in (*_EXPERT_FIELDS, *_TOPK_FIELDS, *_LAYER_COUNTS):  # (0 experts: a dense model where the type allows it)
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"config {k} must be an integer >= 0, got {v!r}")
@@ -876,10 +906,11 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
         raise ConfigError(f"config for model_type {mt!r} cannot be read: {e}") from None
+    _check_accounting(spec, cfg, mt)
+    _check_layer_sizes(spec, mt)
     if not spec.layers or spec.hidden_size < 1 or spec.vocab_size < 1 or spec.params_total() < 1:
         raise ConfigError(f"config for model_type {mt!r} describes no model ({len(spec.layers)} layers, hidden size "
                           f"{spec.hidden_size}, vocabulary {spec.vocab_size})")
-    _check_accounting(spec, cfg, mt)
     return spec
 
 
