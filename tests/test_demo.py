@@ -272,6 +272,9 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, monkeypatch):
     assert "has no tokenizer" in capsys.readouterr().err
     assert main(["demo", "--out", str(out), "--no-report", "--prompt", " "]) == 2  # (was the default line, silently)
     assert "--prompt is empty" in capsys.readouterr().err
+    # bytes that are not UTF-8 (a Latin-1 terminal): a traceback from the tokenizer, after the int4 copy
+    assert main(["demo", "--out", str(out), "--no-report", "--prompt", "caf\udce9"]) == 2
+    assert "--prompt is not valid UTF-8 text" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -356,3 +359,49 @@ def test_demo_runs_a_checkpoint_whose_layers_are_a_mixer_or_an_ffn(tmp_path, cap
                     layers_per_stage=0, report=False) == 0
     out = capsys.readouterr().out
     assert "(mamba2 moe gqa dense)" in out and "MoE 8" in out
+
+
+def _short_context_checkpoint(path, prompt: str, spare: int):
+    """The demo's random sol checkpoint with a context of ``prompt``'s tokens + ``spare``."""
+    from waferline.demo import SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.model.init import write_random_checkpoint
+
+    write_random_checkpoint(dict(SOL_DEMO_CONFIG, max_position_embeddings=1024), path)
+    write_tokenizer(path, prompt * 4, SOL_DEMO_CONFIG["vocab_size"])
+    n = len(LLM(path).encode(prompt))
+    write_random_checkpoint(dict(SOL_DEMO_CONFIG, max_position_embeddings=n + spare), path)
+    return path
+
+
+def test_demo_fits_its_timing_and_structured_runs_in_the_context(tmp_path, capsys):
+    """A --prompt and --max-tokens that fit the model's context run whole: the timing run (16 tokens) and the structured
+    output (96) take what is left (they failed after the stream, naming a max_tokens the command line never set); a
+    --max-tokens that does not fit is one line naming --max-tokens, before the stage processes."""
+    from waferline.demo import run_demo
+    from waferline.errors import ConfigError
+
+    prompt = "ROMEO. What light is this that breaks upon the wafer? " * 3
+    model = _short_context_checkpoint(tmp_path / "short", prompt, spare=6)
+    out = tmp_path / "out"
+    assert run_demo(out_dir=str(out), max_tokens=6, prompt=prompt, model=str(model), weight_bits=16,
+                    layers_per_stage=0, report=False) == 0
+    d = json.loads((out / "demo.json").read_text())
+    assert len(d["token_ids"]) == 6
+    printed = " ".join(capsys.readouterr().out.split())  # (rich wraps its lines)
+    assert d["structured_output"]["valid"] or "(cut at 6 tokens)" in printed
+    with pytest.raises(ConfigError, match=r"--max-tokens 7 exceeds the model's context of \d+ tokens"):
+        run_demo(out_dir=str(out), max_tokens=7, prompt=prompt, model=str(model), weight_bits=16,
+                 layers_per_stage=0, report=False)
+
+
+def test_demo_plan_names_the_layers_a_stage_holds(tmp_path):
+    """--layers-per-stage above the model's layer count runs one stage of all its layers, and the plan says so (it said
+    "1 stage process (100 layers per stage" of a 6-layer model)."""
+    from waferline.demo import SOL_DEMO_CONFIG, run_demo
+
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    assert run_demo(out_dir=str(out), max_tokens=2, model=str(model), weight_bits=16, layers_per_stage=100,
+                    report=False) == 0
+    layers = SOL_DEMO_CONFIG["num_hidden_layers"]
+    assert json.loads((out / "demo.json").read_text())["plan"].startswith(f"1 stage process ({layers} layers per stage")

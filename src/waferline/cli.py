@@ -202,6 +202,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out} is a file: give a directory for the demo's files")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty: give some text to continue (or leave it out for the default line)")
+    if args.prompt is not None:
+        try:  # (bytes that are not UTF-8 arrive as lone surrogates, which the tokenizer refuses with a traceback)
+            args.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--prompt is not valid UTF-8 text: give it in UTF-8") from None
     if args.speculative:
         from waferline.engine.speculative.serving import check_serve_method
 

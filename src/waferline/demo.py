@@ -355,8 +355,15 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     kernels.prepare()  # a first run builds them here, announced, not inside the timed steps or stage processes
     # per-layer timing in one process (each layer is one stage of the one-layer-per-wafer plan)
     single = LLM(ckpt, dtype="bfloat16")
+    prompt_len = len(single.encode(prompt))
+    room = single.max_model_len - prompt_len  # (the timing and structured-output runs take at most what is left)
+    if max_tokens > room:
+        from waferline.errors import ConfigError
+
+        raise ConfigError(f"--prompt of {counted(prompt_len, 'token')} + --max-tokens {max_tokens} exceeds the "
+                          f"model's context of {single.max_model_len} tokens; shorten the prompt or lower --max-tokens")
     timer = LayerTimer(single.model)
-    single.generate([prompt], SamplingParams(max_tokens=16))
+    single.generate([prompt], SamplingParams(max_tokens=min(16, room)))
     timer.close()
     timeline_ms = [t * 1e3 for t in timer.median_s()]
     del single
@@ -378,8 +385,9 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         f"cache {growth[0]:.0f} B/token + {growth[1] / 1e3:.1f} kB/sequence "
         "(bf16)"
     )
-    n_stages = -(-spec.num_layers // layers_per_stage) if layers_per_stage else 1
-    plan_text = (f"{counted(n_stages, 'stage process', 'stage processes')} ({counted(layers_per_stage, 'layer')} per "
+    per_stage = min(layers_per_stage, spec.num_layers)  # (a K above the model's layers: one stage of all of them)
+    n_stages = -(-spec.num_layers // per_stage) if layers_per_stage else 1
+    plan_text = (f"{counted(n_stages, 'stage process', 'stage processes')} ({counted(per_stage, 'layer')} per "
                  "stage, activations over torch.distributed gloo)" if layers_per_stage else "single process")
     plan_text += "; " + (
         "int4 weights (as the checkpoint stores them), bf16 compute" if stored_int4 else
@@ -411,7 +419,9 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     schema = {"type": "object", "properties": {"speaker": {"enum": ["HAMLET", "OPHELIA", "HORATIO", "KING"]},
                                                "line": {"type": "string", "maxLength": 48}},
               "required": ["speaker", "line"], "additionalProperties": False}
-    shaped = llm.generate([prompt], SamplingParams(max_tokens=96, temperature=0.8, seed=0, json_schema=schema))[0]
+    shaped_max = min(96, room)
+    shaped = llm.generate([prompt], SamplingParams(max_tokens=shaped_max, temperature=0.8, seed=0,
+                                                   json_schema=schema))[0]
     if llm._pipeline is not None:
         llm.close()
     assert result is not None
@@ -421,7 +431,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     except ValueError:
         valid = False
     console.print(f"\nstructured output (a JSON Schema: speaker + line, same plan): [cyan]{shaped.text}[/cyan] "
-                  f"({'valid JSON of the schema' if valid else 'cut at 96 tokens'})")
+                  f"({'valid JSON of the schema' if valid else f'cut at {shaped_max} tokens'})")
     m = result.metrics
     console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
                   f"{len(result.token_ids)} tokens ({what})")
