@@ -273,8 +273,12 @@ def test_demo_refuses_bad_flags_before_any_work(tmp_path, capsys, monkeypatch):
     assert main(["demo", "--out", str(out), "--no-report", "--prompt", " "]) == 2  # (was the default line, silently)
     assert "--prompt is empty" in capsys.readouterr().err
     # bytes that are not UTF-8 (a Latin-1 terminal): a traceback from the tokenizer, after the int4 copy
-    assert main(["demo", "--out", str(out), "--no-report", "--prompt", "caf\udce9"]) == 2
-    assert "--prompt is not valid UTF-8 text" in capsys.readouterr().err
+    for argv in (["demo", "--out", str(out), "--no-report", "--prompt", "caf\udce9"],
+                 ["generate", "--model", str(no_tok), "--prompt", "caf\udce9"],
+                 ["generate", "--model", str(no_tok), "--prompt-ids", "1", "--stop", "\udcff"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and "not valid UTF-8 text" in capsys.readouterr().err
     assert not out.exists()
 
 

@@ -50,3 +50,13 @@ def out_path(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("expected a path to write, got an empty one")
     return text
+
+
+def utf8_text(text: str) -> str:
+    """Text that is UTF-8 (argv bytes that are not arrive as lone surrogates, which the tokenizer refuses with a
+    traceback)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8 text: give it in UTF-8") from None
+    return text

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline._version import __version__
-from waferline.argtypes import nonnegative_int, out_path, positive_int
+from waferline.argtypes import nonnegative_int, out_path, positive_int, utf8_text
 from waferline.errors import UsageError, WaferlineError, counted
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
@@ -202,11 +202,6 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {args.out} is a file: give a directory for the demo's files")
     if args.prompt is not None and not args.prompt.strip():
         raise UsageError("--prompt is empty: give some text to continue (or leave it out for the default line)")
-    if args.prompt is not None:
-        try:  # (bytes that are not UTF-8 arrive as lone surrogates, which the tokenizer refuses with a traceback)
-            args.prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError("--prompt is not valid UTF-8 text: give it in UTF-8") from None
     if args.speculative:
         from waferline.engine.speculative.serving import check_serve_method
 
@@ -227,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a Hugging Face checkpoint directory",
                        description="Load a checkpoint (config.json + safetensors) and continue a prompt.")
     g.add_argument("--model", required=True, help="checkpoint directory (config.json + *.safetensors)")
-    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
+    g.add_argument("--prompt", type=utf8_text, help="prompt text (needs tokenizer.json in the checkpoint)")
     g.add_argument("--prompt-ids", help="prompt as token ids, e.g. '1 2 3' (for checkpoints without a tokenizer)")
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -237,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --temperature > 0: sample from the k likeliest (0 = off, the default)")
     g.add_argument("--seed", type=int, default=None,
                    help="with --temperature > 0: seed for sampling (reproducible output)")
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", type=utf8_text, help="stop string (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each generated token's log-probability and the N (0-20) likeliest tokens' (with --json: "
                         "a 'logprobs' list; else one line per token on stderr)")
@@ -336,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the demo writes its checkpoint and report (default demo_out/)"
     )
     d.add_argument("--max-tokens", type=int, default=160, help="tokens to stream (default 160)")
-    d.add_argument("--prompt", default=None, help="prompt to continue (default: a Romeo line)")
+    d.add_argument("--prompt", default=None, type=utf8_text, help="prompt to continue (default: a Romeo line)")
     d.add_argument("--model", default=None, help="checkpoint directory (default: the bundled models/sol-mini)")
     d.add_argument("--no-report", action="store_true", help="skip the HTML report")
     d.add_argument("--layers-per-stage", type=nonnegative_int, default=1,
