@@ -607,3 +607,34 @@ def test_quantize_out_dot_is_refused_before_the_work(tmp_path, llama_dir, capsys
         err = capsys.readouterr().err
         assert err.startswith("error: --out ") and len(err.strip().splitlines()) == 1, err
     assert list(here.iterdir()) == []
+
+
+def test_quantize_checkpoint_refuses_an_out_that_would_destroy_the_model(tmp_path, llama_dir):
+    """The Python API checks ``out`` as the CLI does: with ``force=True`` and an ``out`` holding the model it wrote
+    the int4 checkpoint there and deleted the source checkpoint (then failed reading its size), and an ``out`` naming
+    a file was a NotADirectoryError traceback."""
+    import shutil
+
+    model = tmp_path / "models" / "llama"
+    shutil.copytree(llama_dir, model)
+    note = tmp_path / "todo.txt"
+    note.write_text("keep me")
+    for out, message in ((tmp_path / "models", "contains --model"), (tmp_path, "contains --model"),
+                         (note, "is a file")):
+        for force in (True, False):
+            with pytest.raises(ConfigError, match=message):
+                quantize_checkpoint(model, out, QuantOptions(group_size=32), force=force)
+    assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in llama_dir.iterdir())
+    assert note.read_text() == "keep me" and sorted(p.name for p in tmp_path.iterdir()) == ["models", "todo.txt"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["llama"]
+
+
+def test_a_calibration_file_of_ids_with_a_stray_word_is_a_one_line_error(tmp_path, llama_dir, capsys):
+    """A token-id calibration file holding a non-integer past its first ids was a ValueError traceback from int()."""
+    calib = tmp_path / "ids.txt"
+    calib.write_text(" ".join(["5"] * 1200) + " 12.5\n")
+    assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), "--method", "gptq",
+                     "--calibration", str(calib), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'12.5'" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]

@@ -16,23 +16,18 @@ CALIBRATION_TOKENS = 4096  # GPTQ calibration tokens unless --calibration-tokens
 
 
 def _check_paths(model: str, out: str, force: bool) -> None:
-    """Refuse an ``--out`` that would destroy ``--model`` when it is replaced (the same directory, one above it or
-    one inside it), one that names a file, and (with ``--force``) a directory that holds something other than a
-    checkpoint: replacing ``--out`` deletes what it held."""
+    """Refuse an ``--out`` that would destroy ``--model`` when it is replaced (the same directory or one above it:
+    ``check_out_dir``, which also refuses a file) or lies inside it, and (with ``--force``) a directory that holds
+    something other than a checkpoint: replacing ``--out`` deletes what it held."""
     from pathlib import Path
 
     from waferline.errors import ConfigError
+    from waferline.model.quant.write import check_out_dir
 
+    check_out_dir(model, out)
     m, o = Path(model).resolve(), Path(out).resolve()
-    if o == m:
-        raise ConfigError("--out must differ from --model")
-    if o in m.parents:
-        raise ConfigError(f"--out {out} contains --model {model}: writing it would delete the checkpoint being "
-                          "quantized; choose an --out outside it")
     if m in o.parents:
         raise ConfigError(f"--out {out} is inside --model {model}; choose an --out outside the checkpoint directory")
-    if o.exists() and not o.is_dir():
-        raise ConfigError(f"--out {out} is a file, not a directory; choose a directory path")
     if force and o.is_dir() and any(o.iterdir()) and not (o / "config.json").is_file():
         raise ConfigError(f"--out {out} holds files but no checkpoint (no config.json); --force replaces only a "
                           "checkpoint directory: choose another --out")

@@ -23,6 +23,10 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
     text = p.read_text(errors="replace")[: max_tokens * 16]  # more characters than max_tokens tokens need
     parts = text.split()
     if parts and all(s.isdigit() for s in parts[:1000]):
+        bad = next((s for s in parts if not s.isdecimal()), None)
+        if bad is not None:
+            raise ConfigError(f"calibration file {p} starts as whitespace-separated token ids but holds {bad[:40]!r}; "
+                              "give only token ids (or text)")
         ids = [int(s) for s in parts]
     elif tokenizer is None:
         raise ConfigError(

@@ -106,6 +106,21 @@ def _place(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, tu
     return None
 
 
+def check_out_dir(model_dir: Any, out_dir: Any) -> None:
+    """Refuse an ``out_dir`` that would destroy ``model_dir`` when it is replaced (the same directory, or one above
+    it), and one that names a file."""
+    from pathlib import Path
+
+    m, o = Path(model_dir).resolve(), Path(out_dir).resolve()
+    if o == m:
+        raise ConfigError("--out must differ from --model")
+    if o in m.parents:
+        raise ConfigError(f"--out {out_dir} contains --model {model_dir}: writing it would delete the checkpoint being "
+                          "quantized; choose an --out outside it")
+    if o.exists() and not o.is_dir():
+        raise ConfigError(f"--out {out_dir} is a file, not a directory; choose a directory path")
+
+
 def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
                    force: bool = False) -> Any:
     """What ``quantize_checkpoint`` checks before any work (the source's config and weight files, the options, where
@@ -123,8 +138,7 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
         raise ConfigError(
             f"{model_dir} is already quantized ({_qconfig(cfg).get('quant_method')}); quantize a 16-bit checkpoint"
         )
-    if out_dir.resolve() == model_dir.resolve():
-        raise ConfigError("--out must differ from --model")
+    check_out_dir(model_dir, out_dir)
     if out_dir.name in ("", ".", ".."):  # (the checkpoint is renamed into place: it needs a name of its own)
         raise ConfigError(f"--out {out_dir}: give the output directory by its name (e.g. {out_dir.resolve()}), "
                           "not as '.' or '..'")
