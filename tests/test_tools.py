@@ -268,3 +268,77 @@ def test_tools_and_calls_reach_the_chat_template(live, client):
         client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=4,
                                        functions=[WEATHER["function"]])
     assert e.value.param == "functions"
+
+
+def test_calls_with_a_lone_surrogate_escape(live, client, parser):
+    """A call whose arguments hold a lone surrogate escape ("\\ud800", as a model may write one) goes back out with it
+    escaped: the answer's UTF-8 cannot hold the character itself (it was a 500, and a stream cut off)."""
+    plan = ToolPlan("auto", {"get_weather": WEATHER["function"]["parameters"]})
+    _, calls = plan.calls('<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud800 \\u00e9\\ud83d\\ude00"}}'
+                          "</tool_call>")
+    args = calls[0]["function"]["arguments"]
+    assert args.encode("utf-8") and json.loads(args) == {"city": "\ud800 \u00e9\U0001F600"}
+    regex = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "a\\ud800"\}\}</tool_call>'
+    kw = dict(model="sol-test", messages=MSGS, max_tokens=150, temperature=0, tools=[WEATHER],
+              extra_body={"guided_regex": regex})
+    c = client.chat.completions.create(**kw).choices[0]
+    assert c.finish_reason == "tool_calls" and json.loads(c.message.tool_calls[0].function.arguments) == \
+        {"city": "a\ud800"}
+    streamed = [tc for ch in client.chat.completions.create(stream=True, **kw) if ch.choices
+                for tc in ch.choices[0].delta.tool_calls or []]
+    assert [t.function.arguments for t in streamed] == [c.message.tool_calls[0].function.arguments]
+
+
+def test_earlier_call_arguments_with_a_lone_surrogate_escape(live, client):
+    """An earlier call's arguments (JSON text) holding a lone surrogate escape are a 400, as such a string anywhere in
+    the body is (it was a 500: the chat template's text could not be encoded)."""
+    msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "\\ud800"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]
+    tok = live.state.server.llm.tokenizer
+    saved = tok.chat_template, live.state.server.encode_tokenizer.chat_template
+    tok.chat_template = live.state.server.encode_tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}<assistant>")
+    try:
+        with pytest.raises(openai.BadRequestError, match="surrogate") as e:
+            client.chat.completions.create(model="sol-test", messages=msgs, max_tokens=4, tools=[WEATHER],
+                                           tool_choice="none")
+        assert e.value.param == "messages"
+        ok = [dict(msgs[1], tool_calls=[{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "\\ud83d\\ude00"}'}}]), msgs[2]]  # (a pair: one character)
+        c = client.chat.completions.create(model="sol-test", messages=MSGS + ok, max_tokens=4, tools=[WEATHER],
+                                           tool_choice="none").choices[0]
+        assert c.finish_reason in ("stop", "length")
+    finally:
+        tok.chat_template, live.state.server.encode_tokenizer.chat_template = saved
+
+
+def test_named_and_required_calls_are_objects(live, client):
+    """A tool whose parameters schema leaves out "type" (or allows "null" too) is held to an object of it under a
+    named or required tool_choice: the answer is a call (it could be an array, or 24, which stayed content); a schema
+    of anything but an object is a 400."""
+    import jsonschema
+
+    loose = {"properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    tools = {"loose": loose, "nullable": dict(loose, type=["object", "null"])}
+    for name in tools:
+        for plan in (ToolPlan("named", tools, name), ToolPlan("required", tools)):
+            schema = plan.structured()["json_schema"]
+            wrap = (lambda v: v) if plan.mode == "named" else (lambda v: [{"name": name, "parameters": v}])
+            jsonschema.validate(wrap({"a": 1}), schema)
+            for bad in ([False, 9], 24, None):
+                with pytest.raises(jsonschema.ValidationError):
+                    jsonschema.validate(wrap(bad), schema)
+    arr = {"type": "function", "function": {"name": "arr", "parameters": {"type": "array"}}}
+    for choice in ({"type": "function", "function": {"name": "arr"}}, "required"):
+        with pytest.raises(openai.BadRequestError, match="object") as e:
+            client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=4, tools=[arr],
+                                           tool_choice=choice)
+        assert e.value.param == "tools"
+    tool = {"type": "function", "function": {"name": "loose", "parameters": loose}}
+    for seed in range(6):
+        c = client.chat.completions.create(model="sol-test", messages=MSGS, max_tokens=40, temperature=1.0, seed=seed,
+                                           tools=[tool], tool_choice={"type": "function", "function": {"name": "loose"}}
+                                           ).choices[0]
+        assert c.finish_reason == "length" or json.loads(c.message.tool_calls[0].function.arguments)["a"] in (1, 2)

@@ -44,9 +44,18 @@ def template_messages(req: Any) -> list[dict[str, Any]]:
 
 def _arguments(text: str) -> Any:
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except (ValueError, RecursionError):  # (not JSON, or nested deeper than Python decodes: the text as sent)
         return text
+    if "\\u" in text:  # (an escape may make a lone surrogate, which no prompt text may hold: refused as in the body)
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError("a tool call's arguments hold a string that is not valid Unicode (a lone surrogate escape)",
+                           param="messages") from None
+        except (ValueError, RecursionError):  # (written back deeper than Python writes: the template's to judge)
+            pass
+    return value
 
 
 def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> str:

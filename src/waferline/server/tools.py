@@ -3,7 +3,7 @@
 ``tool_choice`` (default ``"auto"`` where tools are given, as OpenAI's):
 
 - ``{"type": "function", "function": {"name": N}}``: the answer is a call of N; its arguments are held to N's
-  ``parameters`` schema by a structured output (engine/structured.py), whatever the model;
+  ``parameters`` schema (and to an object) by a structured output (engine/structured.py), whatever the model;
 - ``"required"``: one or more calls (one with ``parallel_tool_calls: false``), held to a JSON array of
   ``{"name": ..., "parameters": ...}`` objects, one of the tools each;
 - ``"auto"``: the model decides, in its own tool-call format, which a parser reads from the text. Only with
@@ -44,12 +44,12 @@ class ToolPlan:
     def structured(self) -> dict[str, Any]:
         """The SamplingParams fields that hold the answer to this plan's calls (none for "auto")."""
         if self.mode == "named":
-            return {"json_schema": self.tools[self.name or ""]}
+            return {"json_schema": _object(self.name or "", self.tools[self.name or ""])}
         if self.mode == "required":
             # each tool's whole schema sits under the array schema's "$defs", named after the tool, and its local
             # references ("#", "#/$defs/Loc", "#/properties/a") are re-rooted there: they keep pointing into it
             refs = {n: "#/$defs/" + n.replace("~", "~0").replace("/", "~1") for n in self.tools}  # (JSON pointers)
-            defs = {n: _rooted(schema, refs[n]) for n, schema in self.tools.items()}
+            defs = {n: _rooted(_object(n, schema), refs[n]) for n, schema in self.tools.items()}
             items = [{"type": "object", "properties": {"name": {"const": n}, "parameters": {"$ref": ref}},
                       "required": ["name", "parameters"], "additionalProperties": False} for n, ref in refs.items()]
             return {"json_schema": {"type": "array", "items": {"anyOf": items}, "minItems": 1, "$defs": defs}
@@ -89,6 +89,18 @@ class ToolPlan:
         return "tool_calls" if calls and self.mode != "named" else reason
 
 
+def _object(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters schema held to objects (a call's arguments are one: a schema without "type", or with
+    "null" among its types, also allows arrays, numbers, null); a 400 where it describes no object."""
+    kind = schema.get("type")
+    if kind == "object":
+        return schema
+    if kind is None or isinstance(kind, list) and "object" in kind:
+        return schema | {"type": "object"}
+    raise APIError(f"tools: the parameters of {name} describe {json.dumps(kind)[:40]}, not an object (a call's "
+                   'arguments are one: {"type": "object", ...})', param="tools")
+
+
 def _rooted(node: Any, root: str) -> Any:
     """``node`` (a tool's parameters schema) with its local "$ref" values ("#", "#/...") re-rooted at ``root``."""
     if isinstance(node, dict):
@@ -111,10 +123,17 @@ def _loads(text: str) -> Any:
 def _dumps(v: Any) -> str:
     """``v`` (from ``_loads``) as JSON text, ", " and ": " between items, numbers as written."""
     if isinstance(v, dict):
-        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_dumps(x)}" for k, x in v.items()) + "}"
+        return "{" + ", ".join(f"{_dumps(k)}: {_dumps(x)}" for k, x in v.items()) + "}"
     if isinstance(v, list):
         return "[" + ", ".join(_dumps(x) for x in v) + "]"
-    return str.__str__(v) if isinstance(v, _Number) else json.dumps(v, ensure_ascii=False)
+    if isinstance(v, _Number):
+        return str.__str__(v)
+    out = json.dumps(v, ensure_ascii=False)
+    try:
+        out.encode("utf-8")
+    except UnicodeEncodeError:  # (a lone surrogate escape, "\ud800": as \uXXXX, which the answer's UTF-8 can hold)
+        return json.dumps(v)
+    return out
 
 
 def call_object(name: str, arguments: str) -> dict[str, Any]:
