@@ -15,6 +15,7 @@ import tiny_models
 from conftest import raised_in_thread
 from waferline import LLM, SamplingParams, kernels
 from waferline.engine.pipeline import Pipeline, StageError, stage_ranges
+from waferline.engine.transport import Control
 from waferline.errors import CheckpointError, ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -384,6 +385,63 @@ def test_a_worker_that_dies_while_the_processes_connect_is_named_at_once(ckpts, 
         pytest.fail("start-up hung on a worker that died while the processes connected")
     assert f"{name} " in out and "exited with exit code 9 before it could connect" in out, out
     assert float(out.rsplit("took ", 1)[1].split()[0]) < 10, out
+
+
+class _Store:
+    """The rendezvous store's keys, for a driver whose workers are stand-ins."""
+
+    def __init__(self, keys=()):
+        self.keys = dict(keys)
+
+    def check(self, keys):
+        return all(k in self.keys for k in keys)
+
+    def get(self, k):
+        return self.keys[k].encode()
+
+
+class _Worker:
+    pid, exitcode = 0, None
+
+
+def _standing_in(stages: int, statuses: dict[int, str]) -> tuple[Pipeline, list[_Worker]]:
+    """A driver of ``stages`` stages whose workers are stand-ins that exit when a test says so."""
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.num_stages, pipe.ranges, pipe.run_id = stages, [(r, r + 1) for r in range(stages)], "run"
+    pipe._procs = [_Worker() for _ in range(1, stages)]
+    store = _Store({f"waferline/run/status/{r}": s for r, s in statuses.items()})
+    pipe.ctl = Control(store, "run")
+    pipe._store_client = lambda: store
+    return pipe, pipe._procs
+
+
+REFUSED = "RuntimeError: Gloo connectFullMesh failed with timed out connecting: SO_ERROR: Connection refused"
+
+
+def test_a_worker_that_dies_while_the_processes_connect_is_named_not_the_one_it_refused():
+    """A worker that dies in the middle of the process groups' rendezvous refuses the connections of the others: the
+    driver's own build failed first and the error named stage 0, or a worker that reported its refused connection was
+    named (stage 1 failed: ... Connection refused) while stage 2 had died. The one that died is named, also when its
+    exit is seen a moment after the others' errors."""
+    pipe, workers = _standing_in(2, {})
+    box: dict = {}
+
+    def build():
+        box["error"] = RuntimeError(REFUSED.split(": ", 1)[1])
+        threading.Timer(0.05, setattr, (workers[0], "exitcode", 9)).start()
+
+    with pytest.raises(StageError, match=r"^stage 1 \(layer 1\) exited with exit code 9 before it could connect"):
+        pipe._connect_watching(build, box)
+
+    pipe, workers = _standing_in(3, {1: REFUSED})
+    workers[0].exitcode = 1  # (it exits after it said why)
+    threading.Timer(0.05, setattr, (workers[1], "exitcode", -9)).start()
+    with pytest.raises(StageError, match=r"^stage 2 \(layer 2\) exited with signal SIGKILL before it could connect"):
+        pipe._check_starting("connect to the other stages")
+    pipe, workers = _standing_in(3, {2: "CheckpointError: no weights for layer 2"})  # (an error of its own: named)
+    workers[1].exitcode = 1
+    with pytest.raises(CheckpointError, match="^stage 2 \\(layer 2\\): no weights"):
+        pipe._check_starting("load its layers")
 
 
 def test_stage_load_error_is_reported_with_its_class(tmp_path):

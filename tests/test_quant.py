@@ -319,6 +319,44 @@ def test_import_gptq_checkpoint(tmp_path, llama_dir, checkpoint_format):
 # ----------------------------------------------------------------------------- the quantize CLI and the accounting
 
 
+# a writer killed while it writes the int4 file (as `waferline demo` / `twin` are, by a SIGKILL or the OOM killer)
+_KILLED_WRITING = """
+import os, signal, sys
+import safetensors.torch as st
+from waferline.model.quant import QuantOptions, quantize_checkpoint
+real = st.save_file
+def save_file(tensors, path, metadata=None):
+    real(dict(list(tensors.items())[:2]), path, metadata=metadata)  # part of it, then the kill
+    os.kill(os.getpid(), signal.SIGKILL)
+st.save_file = save_file
+quantize_checkpoint(sys.argv[1], sys.argv[2], QuantOptions(group_size=32))
+"""
+
+
+def test_a_writer_killed_part_way_leaves_no_copy_behind_once_the_next_has_written(tmp_path, llama_dir):
+    """The int4 copies `demo`, `twin` and `calibrate` make go through a temporary directory beside the output; one
+    whose writer was killed stayed there for good (the next run wrote the output, and no run looked again). The next
+    writer removes it; the temporary directory of a writer still running is left alone."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    out = tmp_path / "q4"
+    run = subprocess.run([sys.executable, "-c", _KILLED_WRITING, str(llama_dir), str(out)], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == -9, run.stderr
+    killed = list(tmp_path.glob(".q4.tmp-*"))
+    assert len(killed) == 1 and not out.exists()
+    live = tmp_path / f".q4.tmp-{socket.gethostname()}-{os.getpid()}-running"  # (this process: a writer alive)
+    live.mkdir()
+    elsewhere = tmp_path / f".q4.tmp-{socket.gethostname()}x-4194305-other"  # another host's: not judged here
+    elsewhere.mkdir()
+    quantize_checkpoint(llama_dir, out, QuantOptions(group_size=32))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, elsewhere.name, "q4"])
+    assert load_model(out).spec.num_layers == spec_from_pretrained(llama_dir).num_layers
+
+
 def test_quantize_cli_end_to_end(tmp_path, llama_dir, capsys):
     out = tmp_path / "q4"
     assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(out), "--group-size", "32", "--json"]) == 0

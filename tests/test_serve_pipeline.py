@@ -295,7 +295,6 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--afd", "--device", "cuda"], "AFD's ranks run on CPU"),
     (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
-    (["--stages", "2", "--hang-timeout", "nan"], "--hang-timeout must be > 0"),
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
     (["--stages", "2", "--head-bits", "8"], "single-process engine"),
     (["--group-size", "64"], "needs --weight-bits 4"),
@@ -304,6 +303,22 @@ def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):
     assert main(["serve", "--model", str(ckpts["afd"]), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_hang_timeout_that_turns_the_watchdog_off_is_refused(ckpts, capsys):
+    """`--hang-timeout` / `hang_timeout_s` of inf, NaN, 0 or below: a stage that hung was never named (the watchdog
+    waited forever or skipped its check), so each is refused before any process starts."""
+    from waferline.errors import ConfigError
+
+    for bad in ("inf", "nan", "0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--model", str(ckpts["afd"]), "--stages", "2", "--hang-timeout", bad])
+        assert e.value.code == 2
+        assert f"argument --hang-timeout: expected a finite number > 0, got {bad}" in capsys.readouterr().err
+    for bad in (float("inf"), float("nan"), 0, -1.0):
+        for engine in ({"stages": 2}, {"afd": True}):
+            with pytest.raises(ConfigError, match="hang_timeout_s must be a finite number of seconds > 0"):
+                LLM(ckpts["afd"], hang_timeout_s=bad, **engine)
 
 
 @pytest.mark.parametrize("flags, want", [

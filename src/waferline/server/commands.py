@@ -146,8 +146,6 @@ def check_serve_flags(args: argparse.Namespace) -> None:
     if args.head_bits != 16 and pipeline:
         raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
                          "--stages/--layers-per-stage")
-    if args.hang_timeout is not None and not args.hang_timeout > 0:  # (NaN too: it would turn the watchdog off)
-        raise UsageError(f"--hang-timeout must be > 0 seconds, got {args.hang_timeout}")
     if args.group_size is not None:
         from waferline.engine.inputs import is_int4_checkpoint
 
@@ -326,7 +324,7 @@ def register(sub: Any) -> None:
                    help="with a pipeline: split each engine step's sequences into M micro-batches kept in flight "
                         "together, so the stages overlap (default: stages); with --afd, micro-batches ping-ponging "
                         "between attention and FFN ranks (default 2)")
-    s.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+    s.add_argument("--hang-timeout", type=positive_float, default=None, metavar="S",
                    help="with a pipeline or --afd: a process that owes work and makes no progress for S seconds is a "
                         "fault (default 8)")
     s.add_argument("--afd", action="store_true",

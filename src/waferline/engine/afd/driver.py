@@ -21,7 +21,12 @@ from waferline.engine.afd.layout import DEFAULT_MICRO_BATCHES, STATS, AFDError, 
 from waferline.engine.afd.link import AFLink, Clock
 from waferline.engine.afd.ranks import AttentionRunner, encode_step, worker_main
 from waferline.engine.afd.sides import _check_checkpoint, load_attention_side
-from waferline.engine.pipeline.driver import DEFAULT_HANG_TIMEOUT_S, DEFAULT_PREFILL_CHUNK, Pipeline
+from waferline.engine.pipeline.driver import (
+    DEFAULT_HANG_TIMEOUT_S,
+    DEFAULT_PREFILL_CHUNK,
+    Pipeline,
+    checked_hang_timeout,
+)
 from waferline.engine.pipeline.launch import _main_hidden
 from waferline.engine.pipeline.supervise import StageError
 from waferline.engine.sampling import SamplingParams, resolve_dtype
@@ -89,7 +94,7 @@ class AFD(Pipeline):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
-        self.hang_timeout_s = float(hang_timeout_s)
+        self.hang_timeout_s = checked_hang_timeout(hang_timeout_s)
         threads = threads_per_rank or threads_per_stage
         self.threads = int(threads) if threads else max(1, (os.cpu_count() or 1) // self.layout.world)
         self.device = torch.device("cpu")

@@ -7,6 +7,7 @@ answers from. The scheduler drives it through ``serving.PipelineRunner``; the ho
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
 import uuid
@@ -51,6 +52,17 @@ DEFAULT_PREFILL_CHUNK = 256
 DEFAULT_HANG_TIMEOUT_S = 8.0
 
 
+def checked_hang_timeout(value: float) -> float:
+    """``hang_timeout_s`` as seconds: a finite number > 0 (0, a negative, NaN or inf turned the watchdog off)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        v = math.nan
+    if not (v > 0 and math.isfinite(v)):
+        raise ConfigError(f"hang_timeout_s must be a finite number of seconds > 0, got {value}")
+    return v
+
+
 class Pipeline(Supervision):
     """S stages over ``torch.distributed`` point-to-point; this process is stage 0 and the scheduler's. ``LLM(path,
     stages=S)`` makes one and runs its requests through the scheduler (``serving.PipelineRunner``)."""
@@ -81,7 +93,7 @@ class Pipeline(Supervision):
         if prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
-        self.hang_timeout_s = float(hang_timeout_s)
+        self.hang_timeout_s = checked_hang_timeout(hang_timeout_s)
         default_threads = torch.get_num_threads() if S == 1 else max(1, (os.cpu_count() or 1) // S)
         self.threads = int(threads_per_stage) if threads_per_stage else default_threads
         self.device = torch.device(device)

@@ -21,6 +21,7 @@ from waferline.errors import WaferlineError
 
 WATCH_INTERVAL_S = 0.2
 START_TIMEOUT_S = 120.0
+START_SETTLE_S = 0.3  # a start-up error: the wait for a worker's exit that may be its cause to be seen
 
 _started: weakref.WeakSet[Any] = weakref.WeakSet()  # the drivers whose workers this process started
 _inherited: list[Any] = []  # (a forked child) the drivers it inherited, held for as long as it lives
@@ -95,22 +96,34 @@ class Supervision:
                 self._check_starting(f"connect to the other {self._peers_name}", ctl=ctl)
                 if time.monotonic() > deadline:
                     raise self._error_cls(f"the {self._peers_name} did not connect within {START_TIMEOUT_S:.0f} s")
-        if "error" in box:
+        if "error" in box:  # (a worker that died while the processes connected refuses the connection: it is named)
+            time.sleep(START_SETTLE_S)
+            self._check_starting(f"connect to the other {self._peers_name}", ctl=ctl)
             raise self._error_cls(
                 f"{self._rank_name(0)} could not connect to the other {self._peers_name}: {box['error']}"
             )
 
     def _check_starting(self, doing: str, pending: set[int] | None = None, ctl: Control | None = None) -> None:
         """Raise if a worker stage reported an error or (local) exited while starting (``ctl``: the store connection
-        to read the errors through, default the driver's)."""
-        for r in range(1, self.num_stages):
-            status = (ctl or self.ctl).get("status", r)
+        to read the errors through, default the driver's). A worker that exited without saying why is named before
+        those that report an error: while the processes connect, the others fail to connect to the one that died."""
+        ctl = ctl or self.ctl
+        failed = {r: status for r in range(1, self.num_stages) if (status := ctl.get("status", r)) is not None}
+
+        def silent() -> list[tuple[int, Any]]:
+            return [(r, p) for r, p in enumerate(self._procs, start=1)
+                    if (pending is None or r in pending) and p.exitcode is not None and r not in failed]
+
+        if failed and self._procs and not silent():
+            time.sleep(START_SETTLE_S)  # (the exit of the worker that caused the others' errors is seen a moment late)
+        for r, p in silent():
+            status = ctl.get("status", r)  # (it may have said why since)
             if status is not None:
                 raise _status_error(self._rank_name(r), status, self._error_cls)
-        for r, p in enumerate(self._procs, start=1):
-            if (pending is None or r in pending) and p.exitcode is not None:
-                raise self._error_cls(f"{self._rank_name(r)} exited with {_describe_exit(p.exitcode)} "
-                                      f"before it could {doing}; see its output above")
+            raise self._error_cls(f"{self._rank_name(r)} exited with {_describe_exit(p.exitcode)} "
+                                  f"before it could {doing}; see its output above")
+        for r, status in failed.items():
+            raise _status_error(self._rank_name(r), status, self._error_cls)
 
     def _wait_for(self, what: str, doing: str) -> None:
         """Wait until every worker stage has set key ``what``; a stage that fails or dies meanwhile raises."""

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import math
+import os
+import shutil
+import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,16 +167,35 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
     return spec
 
 
+def _temp_prefix(out_dir: Path) -> str:
+    """How a writer's temporary directory beside ``out_dir`` is named: it says which host and process owns it."""
+    return f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def _remove_dead_writers_temps(out_dir: Path) -> None:
+    """Remove the temporary directories beside ``out_dir`` of writers on this host whose process is gone (killed
+    part-way: nothing else ever removes them, as the next run finds ``out_dir`` in place); a live writer's stays."""
+    mine = f".{out_dir.name}.tmp-{socket.gethostname()}-"
+    for d in out_dir.parent.glob(glob.escape(mine) + "*"):
+        rest = d.name[len(mine):].split("-")  # PID-SUFFIX (mkdtemp's suffix has no "-"; more: a host named mine-N)
+        pid = rest[0]
+        if len(rest) != 2 or not pid.isdigit() or not d.is_dir() or d.is_symlink():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:  # (another user's process: alive)
+            pass
+
+
 def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
                         calibration_max_tokens: int = 4096, force: bool = False,
                         progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """Quantize a 16-bit checkpoint directory to the canonical int4 format in ``out_dir`` (written to a temporary
     directory beside it, then renamed into place). Returns a summary (tensors, bytes, the accounting's bytes)."""
-    import os
-    import shutil
     import tempfile
     import time
-    from pathlib import Path
 
     from safetensors import SafetensorError
     from safetensors.torch import save_file
@@ -258,7 +282,8 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     cfg["quantization_config"] = qcfg
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+        _remove_dead_writers_temps(out_dir)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out_dir), dir=out_dir.parent))
     except OSError as e:
         raise ConfigError(f"cannot write {out_dir}: {e.strerror or e}") from None
     umask = os.umask(0)
