@@ -285,3 +285,75 @@ def test_a_draft_model_with_fewer_positions_than_the_sequence_is_noted(capsys):
     d = _sim_json(capsys, "qwen3-next-80b-a3b", "--hardware", "h200-sxm", "--devices", "4", "--speculative", "draft",
                   "--no-intervals")
     assert not any("past the draft model" in n for n in d["notes"])
+
+
+def test_explain_compute_lever_divides_the_whole_flop_time():
+    """Where the FLOPs outlast the reads, the compute lever's factor is of the FLOP time and, applied to the hardware,
+    reaches the target (sized on the part beyond the reads alone it said 10.13x for 45 tok/s, where 1.36x does it)."""
+    import dataclasses
+
+    plan = place("llama-3.1-70b", "h100-sxm", devices=8, batch=512, context=2000)
+    r = simulate(plan, concurrency=512)
+    assert r.bound == "compute"
+    lever = next(lv for lv in explain(r, 45.0)["target"]["levers"] if lv["term"] == "compute")
+    assert lever["factor"] is not None
+    hw = load_hardware("h100-sxm")
+
+    def rate(f):
+        faster = dataclasses.replace(hw, flops={k: v * f for k, v in hw.flops.items()})
+        return simulate(plan, concurrency=512, hardware=faster).decode_tokens_per_s_per_user
+
+    assert rate(lever["factor"]) == pytest.approx(45.0, rel=1e-3)
+    assert rate(lever["factor"] * 0.97) < 45.0
+    assert lever["flops_s"] > lever["from_s"] > lever["to_s"] > 0
+
+
+def test_explain_under_afd_says_a_side_within_the_step_is_not_enough(capsys):
+    """Under attention/FFN disaggregation a side cut to the target step is needed, not enough (the FFN side 1.42x
+    shorter gave 80 of 100 tok/s), and where the round trips bind, more micro-batches do not raise a user's rate (they
+    once were offered as what hides them: 124 tok/s per user fell to 118 with two)."""
+    r = simulate(place("deepseek-v3", "h200-sxm", devices=16, weight_bits=8, afd=True, batch=32), concurrency=32)
+    tgt = explain(r, 100.0)["target"]
+    assert [lv["term"] for lv in tgt["levers"]] == ["FFN side"] and "not enough" in (tgt["levers_note"] or "")
+    assert main(["simulate", "deepseek-v3", "--hardware", "h200-sxm", "--devices", "16", "--weight-bits", "8", "--afd",
+                 "--no-intervals", "--explain", "--target-tokens-per-s", "200"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "round trips between them bound the step" in out and "not a user's" in out
+
+
+def test_explain_compute_lever_with_speculation_counts_the_verify_tokens():
+    """A verify step of k+1 tokens has k+1 times a token's FLOPs: where they bind, faster compute is offered, sized
+    on the speculative step (it once said removing the compute was not enough for 30 tok/s; removed, it gave 39)."""
+    import dataclasses
+
+    from waferline.plan.plan import SpeculativeConfig
+
+    plan = place("llama-3.1-70b", "h100-sxm", devices=8, batch=512, context=2000,
+                 speculative=SpeculativeConfig("eagle"))
+    r = simulate(plan, concurrency=512)
+    lever = next(lv for lv in explain(r, 30.0)["target"]["levers"] if lv["term"] == "compute")
+    assert lever["factor"] is not None
+    hw = load_hardware("h100-sxm")
+    faster = dataclasses.replace(hw, flops={k: v * lever["factor"] for k, v in hw.flops.items()})
+    got = simulate(plan, concurrency=512, hardware=faster).decode_tokens_per_s_per_user
+    assert got == pytest.approx(30.0, rel=0.03)
+
+
+def test_explain_adds_up_to_the_simulated_step_where_some_layers_are_compute_bound():
+    """DeepSeek-V3 at 256 users: its dense layers' FLOPs outlast their reads while its MoE layers' reads bind, and
+    each layer costs the larger of the two: the terms add up to the simulated step (summed per stage they once came
+    to 28,576 of its 28,588 us)."""
+    r = simulate(place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256), concurrency=256)
+    ex = explain(r)
+    assert sum(s.compute for s in r.stages) < sum(s.memory for s in r.stages)
+    assert ex["step_s"] == pytest.approx(r.step_latency_s, rel=1e-9)
+    assert {t["term"] for t in ex["terms"]} >= {"compute", "weights and cache read"}
+
+
+def test_explain_lists_no_compute_term_where_the_reads_hide_it():
+    """A wafer's layers compute in far less time than their reads: the breakdown and the levers name no compute term
+    (the compute taken as what the step leaves beyond the other terms left a rounding residue, shown as "0.0 us")."""
+    r = simulate(place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4), concurrency=1)
+    ex = explain(r, 750.0)
+    assert "compute" not in [t["term"] for t in ex["terms"]]
+    assert "compute" not in [lv["term"] for lv in ex["target"]["levers"]]

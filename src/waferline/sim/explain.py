@@ -61,9 +61,27 @@ def _read_lever(r: SimResult, cut: float, tokens: int) -> tuple[float, float] | 
     they can only shorten the step down to that compute: ``tokens`` (k+1 when a verify step checks k drafts) times
     the one-token compute."""
     pairs = [(s.memory, s.compute * tokens) for s in r.stages]
+    f = _roofline_factor(pairs, cut)
+    return (sum(m for m, _ in pairs) / f, f) if f is not None else None
+
+
+def _compute_lever(r: SimResult, cut: float, tokens: int = 1) -> tuple[float, float] | None:
+    """(one-token compute beyond the reads after, factor) for every stage's FLOPs that many times faster so that a
+    step of ``tokens`` tokens (k+1 when a verify step checks k drafts: k+1 times the one-token compute) falls by
+    ``cut``; None when no factor does it. The factor divides the whole FLOP time, not only the part beyond the reads:
+    a stage's compute shortens the step only down to its reads."""
+    pairs = [(s.compute * tokens, s.memory) for s in r.stages]
+    f = _roofline_factor(pairs, cut)
+    pairs = [(s.compute, s.memory) for s in r.stages]
+    return (sum(max(0.0, c / f - m) for c, m in pairs), f) if f is not None else None
+
+
+def _roofline_factor(pairs: list[tuple[float, float]], cut: float) -> float | None:
+    """The factor the first of each (shrinking, staying) pair has to shrink by for the sum of the pairs' maxima to
+    fall by ``cut`` (None when removing it is not enough)."""
 
     def gain(f: float) -> float:
-        return sum(max(m, c) - max(c, m / f) for m, c in pairs)
+        return sum(max(x, y) - max(y, x / f) for x, y in pairs)
 
     if gain(math.inf) <= cut * (1 + 1e-9):
         return None
@@ -76,12 +94,19 @@ def _read_lever(r: SimResult, cut: float, tokens: int) -> tuple[float, float] | 
             lo = mid
         else:
             hi = mid
-    return sum(m for m, _ in pairs) / hi, hi
+    return hi
+
+
+def _beyond_reads(s: Any) -> float:
+    """A stage's compute beyond its reads as the simulator added it up: each layer costs the larger of its two, so a
+    layer whose FLOPs outlast its reads adds the difference even where the stage's reads, summed, are the longer."""
+    left = s.total - s.hop - s.fixed - s.comm - s.fabric - s.memory
+    return left if left > 1e-9 * s.total else 0.0  # (a rounding residue of the subtraction is no term)
 
 
 def _stage_terms(s: Any) -> dict[str, float]:
     """One stage's share of each term (as ``explain`` sums them), hop included."""
-    return {"compute": max(0.0, s.compute - s.memory), "fixed per layer": s.fixed,
+    return {"compute": _beyond_reads(s), "fixed per layer": s.fixed,
             "mesh streaming": s.fabric - s.fabric_distance, "mesh distance": s.fabric_distance,
             "collectives": s.comm, "device hops": s.hop}
 
@@ -94,6 +119,8 @@ def _interval(r: SimResult, term: str, f: float) -> float:
         t, hop = s.total - s.hop, s.hop
         if term == "weights and cache read":  # (a stage's reads hide its compute: it shortens down to that)
             t -= max(s.memory, s.compute) - max(s.compute, s.memory / f)
+        elif term == "compute":  # (all of its FLOPs faster; it shortens down to its reads)
+            t -= max(s.memory, s.compute) - max(s.memory, s.compute / f)
         elif term == "device hops":
             hop /= f
         else:
@@ -131,7 +158,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
     sides = _afd_sides(r)
     parts = sides if sides is not None else {
         "weights and cache read": sum(s.memory for s in st),
-        "compute": sum(max(0.0, s.compute - s.memory) for s in st),
+        "compute": sum(_beyond_reads(s) for s in st),
         "fixed per layer": sum(s.fixed for s in st),
         "mesh streaming": sum(s.fabric - s.fabric_distance for s in st),
         "mesh distance": sum(s.fabric_distance for s in st),
@@ -179,6 +206,12 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
                 levers.append({"term": k, "from_s": v, "to_s": read[0] if read else None,
                                "factor": read[1] if read else None,
                                "floor_s": sum(min(s.memory, s.compute * verified) for s in st)})
+            elif k == "compute":  # (the factor is of the FLOP time: the part beyond the reads falls faster; a
+                # verify step's k+1 tokens have k+1 times the FLOPs, sized on the speculative step itself)
+                comp = _compute_lever(r, cut, 1) if verified == 1 else \
+                    _compute_lever(r, spec_step - tokens_per_step / target_tokens_per_s, verified)
+                levers.append({"term": k, "from_s": v, "to_s": comp[0] if comp else None,
+                               "factor": comp[1] if comp else None, "flops_s": sum(s.compute for s in st)})
             elif v > cut:
                 levers.append({"term": k, "from_s": v, "to_s": v - cut, "factor": v / (v - cut)})
             else:
@@ -191,10 +224,15 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
         for lv in levers:
             f = _exact_factor(r, lv["term"], 1.0 / target_tokens_per_s)
             lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
+            if lv["term"] == "compute" and f is not None:  # (what is left beyond the reads)
+                lv["to_s"] = sum(max(0.0, s.compute / f - s.memory) for s in st)
     tgt["levers"] = levers
     tgt["levers_note"] = ("with speculation these are approximate: they assume drafting costs shrink with the step, "
                           "which a drafter's own cost does not; re-simulate the changed hardware to check"
-                          if sp.get("method", "none") != "none" and levers else None)
+                          if sp.get("method", "none") != "none" and levers else
+                          "each side within the step is needed, not enough: per layer a round trip (attention, the "
+                          "transfers and the FFN in turn) can bind instead; re-simulate the changed hardware to check"
+                          if sides is not None and levers else None)
     # when no term alone suffices: the cut shared by every term in proportion
     alone = any(lv["to_s"] is not None for lv in levers)
     tgt["together"] = {"cut_s": cut, "fraction": cut / step} if cut > 0 and not alone and sides is None else None
@@ -242,8 +280,9 @@ def render(con: Console, ex: dict[str, Any]) -> None:
         con.print(f"target {tgt['tokens_per_s']:g} tok/s per user: the step must fall to "
                   f"{tgt['step_needed_s'] * 1e6:.0f} us (now {ex['step_s'] * 1e6:.0f} us). {which}")
     if ex.get("overlapped") and not tgt["levers"]:
-        con.print("  - neither side is busy that long: the round trips between them bound the step (more "
-                  "micro-batches in flight hide them)")
+        con.print("  - neither side is busy that long: the round trips between them bound the step (a layer's "
+                  "attention, transfers and FFN in turn; more micro-batches in flight raise the aggregate rate, not "
+                  "a user's)")
     tog = tgt.get("together")
     if tog:
         con.print(f"  - no one term is enough alone: every term {tog['fraction']:.0%} shorter "
@@ -254,6 +293,10 @@ def render(con: Console, ex: dict[str, Any]) -> None:
                       f"{(lv['from_s'] - lv['floor_s']) * 1e6:.0f} us: the compute they overlap stays)")
         elif lv["to_s"] is None:
             con.print(f"  - {lv['term']}: removing it entirely is not enough ({lv['from_s'] * 1e6:.0f} us)")
+        elif "flops_s" in lv:
+            con.print(f"  - {lv['term']}: {lv['from_s'] * 1e6:.0f} -> {lv['to_s'] * 1e6:.0f} us beyond the reads "
+                      f"(the FLOPs {lv['factor']:.2f}x faster: {lv['flops_s'] * 1e6:.0f} -> "
+                      f"{lv['flops_s'] / lv['factor'] * 1e6:.0f} us)")
         else:
             con.print(f"  - {lv['term']}: {lv['from_s'] * 1e6:.0f} -> {lv['to_s'] * 1e6:.0f} us "
                       f"({lv['factor']:.2f}x less)")
