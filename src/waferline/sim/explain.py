@@ -227,7 +227,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
             if lv["term"] == "compute" and f is not None:  # (what is left beyond the reads)
                 lv["to_s"] = sum(max(0.0, s.compute / f - s.memory) for s in st)
     tgt["levers"] = levers
-    tgt["levers_note"] = ("with speculation these are approximate (off by up to ~12%): they are sized on the "
+    tgt["levers_note"] = ("with speculation these are approximate (off by up to ~12% where checked): sized on the "
                           "one-token step's terms, while a verify step of k+1 tokens and the drafter's own steps do "
                           "not split alike; re-simulate the changed hardware to check"
                           if sp.get("method", "none") != "none" and levers else
