@@ -147,10 +147,16 @@ def main() -> int:
     print("Where AFD loses:")
     # 1. one sequence: nothing to overlap, every layer pays two hops
     a1 = afd_point("deepseek-v3", hw, 1, 8, 1, K=1)
-    p1 = min((x for x in (plain_point("deepseek-v3", hw, D, 1) for D in (8, 16)) if x), key=lambda x: x["tpot_ms"])
+    p1 = min((x for x in (plain_point("deepseek-v3", hw, D, 1) for D in (8, 16)) if x), key=lambda x: x["tpot_ms"],
+             default=None)
     out["afd_loses"]["one_sequence"] = {"afd": a1, "plain": p1}
-    print(f"  deepseek-v3, 1 sequence: AFD 1A8F TPOT {a1['tpot_ms']:.1f} ms vs plain {p1['layout']} "
-          f"{p1['tpot_ms']:.1f} ms")
+    if a1 and p1:
+        print(f"  deepseek-v3, 1 sequence: AFD 1A8F TPOT {a1['tpot_ms']:.1f} ms vs plain {p1['layout']} "
+              f"{p1['tpot_ms']:.1f} ms")
+    else:  # (a device of less memory: the weights need more of them than these layouts have)
+        missing = [n for n, x in (("AFD 1A8F", a1), ("plain on 8 or 16 devices", p1)) if x is None]
+        print(f"  deepseek-v3, 1 sequence: {' and '.join(missing)} {'do' if len(missing) > 1 else 'does'} not fit "
+              f"on {hw}")
     # 2. a dense model: the FFN is as heavy per token as the weights it reads; batching across ranks buys nothing
     da, dp = search_afd("llama-3.1-70b", hw), search_plain("llama-3.1-70b", hw)
     out["afd_loses"]["dense_model"] = {"afd": da, "plain": dp}

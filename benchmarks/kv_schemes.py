@@ -201,8 +201,9 @@ def bench_variant(name: str, a: argparse.Namespace, workdir: Path) -> dict[str, 
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each context's measured and predicted tokens/s as ratios to GQA's at the same context."""
-    base = {c["context"]: c for c in rows[0]["contexts"]} if rows and rows[0]["variant"] == "GQA" else {}
+    """Each context's measured and predicted tokens/s as ratios to GQA's at the same context (where GQA ran)."""
+    gqa = next((r for r in rows if r["variant"] == "GQA"), None)
+    base = {c["context"]: c for c in gqa["contexts"]} if gqa else {}
     for r in rows:
         for c in r["contexts"]:
             b = base.get(c["context"])
@@ -219,7 +220,7 @@ def print_tables(res: dict[str, Any]) -> None:
     t = Table(title=f"KV-cache schemes — cache bytes per token ({res['dtype']}, {LAYERS} layers)")
     for col in ("variant", "mixers", "engine B/token", "ModelSpec B/token", "vs GQA"):
         t.add_column(col, justify="left" if col in ("variant", "mixers") else "right")
-    g = res["rows"][0]["spec_bytes_per_token"]
+    g = next((r["spec_bytes_per_token"] for r in res["rows"] if r["variant"] == "GQA"), float("nan"))
     for r in res["rows"]:
         t.add_row(r["variant"], " ".join(r["mixers"]), f"{r['engine_bytes_per_token']:.1f}",
                   f"{r['spec_bytes_per_token']:.1f}", f"{r['spec_bytes_per_token'] / g:.3f}")
@@ -249,7 +250,8 @@ def print_tables(res: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--contexts", default="1024,4096,16384,65536", help="comma-separated, multiples of 128")
+    ap.add_argument("--contexts", default="1024,4096,16384,65536",
+                    help="comma-separated, multiples of 128 from 256")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--real-prefill", type=int, default=1024,
                     help="tokens of each context prefilled by the engine (a multiple of 128); the rest is repeated")

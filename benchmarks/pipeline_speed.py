@@ -217,6 +217,20 @@ def cpu_seconds(pid: int) -> float:
         return float("nan")
 
 
+def parse_cases(text: str, L: int) -> list[tuple[int, int, int]]:
+    """--cases "S:M:threads,...": S and M may be L (the model's layers); ValueError names a case it cannot run."""
+    cases = []
+    for c in text.split(","):
+        try:
+            S, M, thr = (L if v == "L" else int(v) for v in c.split(":"))
+        except ValueError:
+            raise ValueError(f"{c!r} is not S:M:threads (integers; S and M may be L)") from None
+        if not 1 <= S <= L or M < 1 or thr < 0:
+            raise ValueError(f"{c!r}: S must be 1 to {L} (the model's layers), M at least 1, threads at least 0")
+        cases.append((S, M, thr))
+    return cases
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller model, fewer cases")
@@ -236,6 +250,11 @@ def main() -> int:
         check_writable(args.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
+    L = model_config(args.quick)["num_hidden_layers"]
+    try:  # (before the run too: a case it cannot read would end it after the measurements)
+        args.cases = parse_cases(args.cases, L) if args.cases else None
+    except ValueError as e:
+        ap.error(f"--cases {args.cases}: {e}")
     from waferline.engine.pipeline.launch import balanced_ranges
     from waferline.model.init import write_random_checkpoint
 
@@ -276,7 +295,7 @@ def main() -> int:
         if not args.quick:
             cases += [(4, 4, 1), (L, L, 1)]
         if args.cases:
-            cases = [tuple(L if v == "L" else int(v) for v in c.split(":")) for c in args.cases.split(",")]
+            cases = args.cases
         print(
             f"\ndecode throughput, {B} sequences, prompt {P}, {O} new tokens each (threads = per stage; 0 = all cores "
             "in one process; CPU s = CPU time of all stage processes in the run; cores = CPU s / wall: below S means "

@@ -317,10 +317,19 @@ def main() -> None:
         check_writable(args.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
+    bad = [s for s in args.engines or [] if s.split(":")[0] not in ("waferline", "llama.cpp")]
+    if bad:
+        ap.error(f"--engines {','.join(args.engines)}: unknown engine {', '.join(bad)}; give waferline or llama.cpp, "
+                 "optionally with a weights prefix (e.g. waferline:int4,llama.cpp:Q4_0)")
 
     t_start = time.perf_counter()
-    d = build_checkpoint("llama", False, CACHE)
     missing = llama_cpp_missing()
+    if not engines(args, Path("hf"), None if missing else {"q4_0": Path(), "f16": Path()}):  # (before the builds)
+        print(f"no server left to run for --engines {','.join(args.engines)}", file=sys.stderr)
+        if missing:
+            print(missing, file=sys.stderr)
+        raise SystemExit(1)
+    d = build_checkpoint("llama", False, CACHE)
     gguf = None
     if missing:
         print(missing, flush=True)

@@ -207,8 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown model {', '.join(unknown)}; choose from {', '.join(sorted(MODELS))}")
     if not (a.device == "cpu" or a.device == "cuda" or a.device.startswith("cuda:")):
         ap.error(f"--device {a.device}: give cpu or cuda[:N]")
+    if a.device != "cpu":
+        import torch
+
+        index = a.device.partition(":")[2]
+        if not (torch.cuda.is_available() and (int(index) if index.isdigit() else 0) < torch.cuda.device_count()):
+            ap.error(f"--device {a.device}: no such CUDA device here (torch {torch.__version__} sees "
+                     f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices)")
     if a.baseline is not None and not (a.baseline / "src" / "waferline").is_dir():
         ap.error(f"--baseline {a.baseline} has no src/waferline: give a checkout of waferline")
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(a.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
     trees = ([("baseline", a.baseline.resolve())] if a.baseline else []) + [("tree", ROOT)]
     rows = []
     for name in a.models:
@@ -242,12 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         r = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         return r.stdout.strip() or None if r.returncode == 0 else None
 
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = a.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"dtype": a.dtype, "device": a.device, "steps": a.steps, "torch": torch.__version__,
-                               "static": a.static,
-                               "commits": {label: commit(tree) for label, tree in trees}, "rows": rows}, indent=2))
-    tmp.replace(a.out)
+    write_text_atomic(a.out, json.dumps({"dtype": a.dtype, "device": a.device, "steps": a.steps,
+                                         "torch": torch.__version__, "static": a.static,
+                                         "commits": {label: commit(tree) for label, tree in trees}, "rows": rows},
+                                        indent=2), make_parents=True)
     print(f"wrote {a.out}")
     return 0
 

@@ -103,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    if a.json:
+        try:  # (before the run: a path that cannot be written fails here, not after the run)
+            check_writable(a.json, "--json")
+        except ConfigError as e:
+            ap.error(str(e))
     from waferline import kernels
     from waferline.model.context import StepBatch
     from waferline.model.load import load_model
@@ -195,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 for f, k, v in top:
                     con.print(f"  {100 * v:5.1f}%  {k:<20} {f[:90]}", markup=False, highlight=False)
     if a.json:
-        tmp = Path(a.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        tmp.replace(a.json)
+        write_text_atomic(a.json, json.dumps(res, indent=1) + "\n", make_parents=True)
     return 0
 
 

@@ -47,6 +47,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "structured_outputs.json"))
     args = ap.parse_args()
+    from waferline.errors import ConfigError
+    from waferline.files import check_writable, write_text_atomic
+
+    try:  # (before the run: a path that cannot be written fails here, not after the run)
+        check_writable(args.out, "--out")
+    except ConfigError as e:
+        ap.error(str(e))
 
     import torch
     from rich.console import Console
@@ -125,12 +132,9 @@ def main() -> None:
           "(computed one row after another). Constrained rows end early and unevenly, so their tokens/s also counts "
           "ragged batches and short runs.")
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"model": args.model, "max_tokens": args.max_tokens, "repeat": args.repeat,
-                               "threads": args.threads, "machine": platform.processor() or platform.machine(),
-                               "rows": rows}, indent=1))
-    tmp.replace(out)
+    write_text_atomic(out, json.dumps({"model": args.model, "max_tokens": args.max_tokens, "repeat": args.repeat,
+                                       "threads": args.threads, "machine": platform.processor() or platform.machine(),
+                                       "rows": rows}, indent=1), make_parents=True)
     print(f"wrote {out}")
 
 

@@ -268,7 +268,8 @@ def run(model: Path, hardware: Path, lengths: list[int], batch: int, batch_lengt
     finally:
         if can is not None:
             can.close()
-    say("attention over its scores: measured vs priced (CPU time)")
+    if attend:
+        say("attention over its scores: measured vs priced (CPU time)")
     probe = run_isolated("ttft_prompt_len:attend_probe", {"path": str(model), "hardware": str(hardware),
                                                           "lengths": sorted({min(256, lengths[-1]), lengths[-1]}
                                                                             | {p for p in (1024,) if p < lengths[-1]})},

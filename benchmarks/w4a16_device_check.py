@@ -48,7 +48,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    device = torch.device(a.device)
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        ap.error(f"--device {a.device}: give cpu or cuda[:N]")
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        ap.error(f"--device {a.device}: no such CUDA device here (torch {torch.__version__} sees "
+                 f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} CUDA devices)")
+    if device.type not in ("cpu", "cuda"):
+        ap.error(f"--device {a.device}: give cpu or cuda[:N]")
     out = Path(a.out or Path(__file__).resolve().parent / "results" / f"w4a16_device_check_{device.type}.json")
     from waferline.errors import ConfigError
     from waferline.files import check_writable, write_text_atomic

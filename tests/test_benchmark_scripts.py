@@ -29,6 +29,9 @@ WRITERS = {
     "serve_load": ("--out", ["--url", "http://127.0.0.1:9"]),
     "serve_load_llamacpp": ("--out", []),
     "speculative": ("--out", []),
+    "step_launches": ("--out", []),
+    "step_profile": ("--json", ["--model", str(BENCH.parent / "models" / "sol-mini")]),
+    "structured_outputs": ("--out", []),
     "sweep_sol": ("--out", []),
     "ttft_prompt_len": ("--out", []),
     "twin_layers": ("--json", ["--model", str(BENCH.parent / "models" / "sol-mini"), "--hardware", "x.yaml"]),
@@ -66,6 +69,71 @@ def test_a_result_write_that_fails_leaves_the_previous_result(tmp_path):
     assert r.returncode != 0
     assert out.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["afd_sim.json"]  # no temporary file left either
+
+
+def test_afd_sim_on_hardware_where_a_one_sequence_layout_does_not_fit(tmp_path):
+    """On a device of little memory (wse-2: DeepSeek-V3 fits on no 8 or 16 of them), afd_sim.py's "1 sequence" case
+    ended the run in a traceback (min() of nothing) after every search, and wrote no result."""
+    out = tmp_path / "afd_sim.json"
+    r = _run([str(BENCH / "afd_sim.py"), "--hardware", "wse-2", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "deepseek-v3, 1 sequence: plain on 8 or 16 devices does not fit on wse-2" in r.stdout
+    assert json.loads(out.read_text())["afd_loses"]["one_sequence"]["plain"] is None
+
+
+@pytest.mark.parametrize("cases", ["2:2", "2:x:1", "0:1:1"])
+def test_pipeline_speed_cases_it_cannot_run_fail_before_the_run(cases, tmp_path):
+    """pipeline_speed.py read --cases after the core, hop and checkpoint set-up: a case of two fields ended in a
+    traceback (not enough values to unpack) once those had run."""
+    r = _run([str(BENCH / "pipeline_speed.py"), "--quick", "--cases", cases, "--out", str(tmp_path / "p.json")])
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1].startswith(f"pipeline_speed.py: error: --cases {cases}: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ttft_prompt_len_without_the_attend_probe_does_not_say_it_runs_it(tmp_path):
+    """With --no-attend-probe, ttft_prompt_len.py still logged "attention over its scores: measured vs priced" as a
+    step of the run (the probe itself was skipped)."""
+    out = tmp_path / "ttft.json"
+    r = _run([str(BENCH / "ttft_prompt_len.py"), "--lengths", "32,64", "--batch", "1", "--stages", "1", "--repeats",
+              "1", "--no-canary", "--no-attend-probe", "--out", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "engine: single process" in r.stderr and "attention over its scores" not in r.stderr
+    assert json.loads(out.read_text())["attend_probe"] == []
+
+
+@pytest.mark.parametrize("device", ["cuda:64", "nodevice"])
+def test_w4a16_device_check_on_a_device_that_is_not_here_is_one_line(device, tmp_path):
+    """w4a16_device_check.py --device cuda on a machine without one (or a name torch does not know) ended in a
+    traceback from inside torch."""
+    r = _run([str(BENCH / "w4a16_device_check.py"), "--device", device, "--out", str(tmp_path / "x.json")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"w4a16_device_check.py: error: --device {device}: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_step_launches_on_a_cuda_device_that_is_not_here_is_one_line(tmp_path):
+    """step_launches.py --device cuda without one built the checkpoint and printed its counting child's traceback."""
+    r = _run([str(BENCH / "step_launches.py"), "--device", "cuda:64", "--cache", str(tmp_path / "cache"), "--out",
+              str(tmp_path / "x.json")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("step_launches.py: error: --device cuda:64: no such CUDA")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_load_llamacpp_engines_that_name_no_server_write_no_result(tmp_path):
+    """--engines with a misspelt engine (or weights no server has) ran no server and replaced the result file with one
+    of no rows."""
+    out = tmp_path / "r.json"
+    out.write_text("previous")
+    r = _run([str(BENCH / "serve_load_llamacpp.py"), "--engines", "wafer", "--out", str(out)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("serve_load_llamacpp.py: error: --engines wafer: unknown")
+    r = _run([str(BENCH / "serve_load_llamacpp.py"), "--engines", "waferline:fp16", "--out", str(out)])
+    assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[0] == "no server left to run for --engines waferline:fp16"
+    assert out.read_text() == "previous"
 
 
 @pytest.mark.parametrize("script", sorted(p.stem for p in BENCH.glob("*.py")))

@@ -49,3 +49,26 @@ def test_a_repeated_fill_holds_what_a_real_prefill_holds(ks, tmp_path, variant):
     if variant == "GQA":  # the repeated rows are the prefilled ones
         rows = filled[0].read(0, 2 * ks.ALIGN)
         torch.testing.assert_close(rows[ks.ALIGN: 2 * ks.ALIGN], rows[: ks.ALIGN], rtol=0, atol=0)
+
+
+def test_the_ratios_are_to_gqa_wherever_it_is_in_the_variants(ks, capsys):
+    """With --variants MLA,GQA the "vs GQA" columns divided by the first variant's figures (MLA's bytes per token
+    printed as 1.000 "vs GQA") or were left empty (the tokens/s ratios) though GQA ran."""
+    def row(variant, per_token, tok_s):
+        return {"variant": variant, "mixers": [variant.lower()], "engine_bytes_per_token": per_token,
+                "spec_bytes_per_token": per_token,
+                "contexts": [{"context": 256, "engine_bytes_per_seq": 256 * per_token,
+                              "spec_bytes_per_seq": 256 * per_token, "spec_read_bytes_per_token": 256 * per_token,
+                              "decode_tok_s": tok_s, "predicted_tok_s": 2 * tok_s}]}
+
+    rows = [row("MLA", 1280.0, 50.0), row("GQA", 2048.0, 100.0)]
+    ks.add_ratios(rows)
+    assert [(r["contexts"][0]["measured_vs_gqa"], r["contexts"][0]["predicted_vs_gqa"]) for r in rows] == [
+        (0.5, 0.5), (1.0, 1.0)]
+    res = {"rows": rows, "dtype": "bfloat16", "host": None, "hardware": "h100-sxm", "threads": 1, "repeats": 1,
+           "steps": 2, "real_prefill": 128, "chunk": 128, "machine": {"loadavg_start": [0.0], "loadavg_end": [0.0]}}
+    ks.print_tables(res)
+    lines = capsys.readouterr().out.splitlines()
+    cells = [[c.strip() for c in ln.split("│")[1:-1]] for ln in lines if ln.startswith(("│ MLA", "│ GQA"))]
+    assert [c[-1] for c in cells if c[1] in ("mla", "gqa")] == ["0.625", "1.000"]  # bytes per token vs GQA
+    assert [c[-2:] for c in cells if c[1] == "256"] == [["0.50", "0.50"], ["1.00", "1.00"]]  # tok/s vs GQA
