@@ -20,7 +20,7 @@ def test_bundled_sol_mini_perplexity_matches_card():
     card = json.loads((BUNDLED / "training.json").read_text())
     llm = LLM(BUNDLED)
     assert llm.spec.model_type == "sol" and len(llm.model.mtp) == 1
-    assert sum(p.numel() for p in llm.model.mtp.parameters()) == llm.spec.mtp_params()
+    assert sum(p.numel() for p in llm.model.mtp.parameters()) == llm.spec.mtp_params() == card["mtp_params"]
     ids = llm.encode((BUNDLED / "heldout.txt").read_text())
     assert len(ids) == card["eval_tokens"]
     ppl = llm.perplexity(ids, window=256)  # the protocol train/sol_mini.py used for the card
