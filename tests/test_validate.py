@@ -376,3 +376,52 @@ def test_a_stated_speculation_speedup_is_applied_to_the_system_without_speculati
         q.write_text(head + "".join(body[i] + "\n" for i in keep))
         params, _ = fit(q)
         assert (params.status.get("accept_rate.medusa") == "fitted") is accept_fitted
+
+
+def test_a_byte_order_mark_and_spaces_around_column_names_are_read(tmp_path):
+    """A CSV saved by a spreadsheet starts with a byte-order mark, and a header may put a space after each comma:
+    the columns are still the ones named (the first column's name was read with the mark: the shipped file, saved
+    that way, had no model column; a ' num_chips' column was ignored, its row planned on the fewest devices)."""
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + PUBLISHED.read_bytes())
+    assert [r.id for r in read_published(bom)] == [r.id for r in read_published(PUBLISHED)]
+    p = tmp_path / "spaced.csv"
+    p.write_text("\ufeffid, model, hardware, metric, value, num_chips\n"
+                 "r1, llama-3.1-70b, h100-sxm, decode_tokens_per_s_per_user, 50, 8\n")
+    (row,) = read_published(p)
+    assert (row.id, row.model, row.num_chips) == ("r1", "llama-3.1-70b", 8)
+    results, _ = validate(p)
+    assert results[0].devices == 8
+
+
+def test_a_row_with_more_cells_than_the_header_is_refused(tmp_path):
+    """An unquoted comma (a thousands separator in the value) makes more cells than columns: refused with the row,
+    not read as the value 1 with '042' dropped."""
+    p = tmp_path / "r.csv"
+    p.write_text("id,model,hardware,metric,value\nr1,llama-3.1-8b,h100-sxm,decode_tokens_per_s_per_user,1,042\n")
+    with pytest.raises(ConfigError, match=r"r\.csv: row 1 has 6 cells, the header 5 columns \(extra: '042'\)"):
+        read_published(p)
+    p.write_text("id,model,hardware,metric,value\nr1,llama-3.1-8b,h100-sxm,decode_tokens_per_s_per_user,150,\n")
+    assert read_published(p)[0].value == 150  # (a trailing empty cell is nothing)
+
+
+@pytest.mark.parametrize("cell", ["inf", "1e400", "abc"])
+def test_reasoning_tokens_that_are_not_a_finite_count_are_a_config_error(tmp_path, cell):
+    p = tmp_path / "r.csv"
+    p.write_text(REASONING_HEAD + f"x,S,llama-3.1-8b,h100-sxm,1,16,none,1,2000,500,{cell},end_to_end_latency_s,30,s,\n")
+    with pytest.raises(ConfigError, match=f"row 1 is malformed \\(reasoning_tokens {cell} is not a whole number"):
+        read_published(p)
+
+
+def test_calibrate_names_the_rows_it_leaves_out_and_the_parameters_at_a_bound(tmp_path, capsys):
+    """The table of `calibrate --published` says which rows the fit left out (and why) and which fitted values sat
+    at an end of their physical range (here the HBM efficiency at 1: 8B at 300 tok/s on one H100 wants more)."""
+    csv = _csv(tmp_path, ["fast,x,llama-3.1-8b,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,300,tok/s,,,",
+                          "typo,x,llama-3.1-8bb,h100-sxm,1,16,none,1,,,decode_tokens_per_s_per_user,150,tok/s,,,"])
+    out = tmp_path / "f.yaml"
+    assert cli_main(["calibrate", "--published", str(csv), "--out", str(out), "--bootstrap", "0"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "left out of the fit: typo: unknown model 'llama-3.1-8bb'" in text
+    assert "class.gpu.bw_eff = 1 (upper bound)" in text
+    assert cli_main(["calibrate", "--published", str(csv), "--out", str(out), "--bootstrap", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["at_bound"] == {"class.gpu.bw_eff": [1.0, "upper"]}

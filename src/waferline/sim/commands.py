@@ -75,6 +75,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for k, v in report["params"].items():
         t.add_row(k, f"{v:.4g}")
     con.print(t)
+    if report["at_bound"]:
+        con.print("at an end of its physical range (the rows want it further: a catalog number or a mechanism they do "
+                  "not state may be off): " + ", ".join(f"{k} = {b:g} ({end} bound)"
+                                                       for k, (b, end) in report["at_bound"].items()))
+    for rid, why in report["skipped"]:  # (each reason whole: the fit leaves these rows out)
+        con.print(f"left out of the fit: {rid}: {why}")
     con.print(f"error factor before: median {report['before']['median']:.3f}, max {report['before']['max']:.3f}; "
               f"after: median {report['after']['median']:.3f}, max {report['after']['max']:.3f}")
     con.print(f"{report['bootstrap_sets']} bootstrap parameter sets stored (fit {report['fit_seconds']:.1f} s, "

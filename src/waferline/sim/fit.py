@@ -411,6 +411,10 @@ def fit(
         "fit_seconds": t_fit,
         "bootstrap_sets": len(fitted.bootstrap),
         "params": {".".join(str(k) for k in p.key): p.to_value(zi) for p, zi in zip(free, z)},
+        # the parameters the fit left at an end of their physical range: the rows want them further
+        "at_bound": {".".join(str(k) for k in p.key): (p.lo, "lower") if v <= p.lo * (1 + 1e-3) else (p.hi, "upper")
+                     for p, zi in zip(free, z) for v in [p.to_value(zi)]
+                     if v <= p.lo * (1 + 1e-3) or v >= p.hi * (1 - 1e-3)},
         "before": {"median": _median(before), "max": max(before)},
         "after": {"median": _median(after), "max": max(after)},
         "per_row": {r.id: e for (r, _), e in zip(prob.models, after)},

@@ -65,11 +65,13 @@ def read_published(path: str | Path) -> list[Row]:
     if not p.is_file():
         raise ConfigError(f"no CSV at {p}")
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8-sig")  # (a spreadsheet's byte-order mark is not part of the first name)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p} is not a text CSV ({e})") from None
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     reader = csv.DictReader(lines)
+    if reader.fieldnames:  # (a column named with a space after its comma is that column, as its cells are stripped)
+        reader.fieldnames = [c.strip() for c in reader.fieldnames]
     cols = reader.fieldnames or []
     missing = [c for c in REQUIRED_COLUMNS if c not in cols]
     if missing:
@@ -83,13 +85,18 @@ def read_published(path: str | Path) -> list[Row]:
         v = (v or "").strip()
         if v.lower() == UNSTATED:
             return None
-        x = float(v) if v else 0.0
-        if not (x >= 0 and x == math.floor(x) and math.isfinite(x)):
+        x = _number(v)[1] if v else 0.0
+        if not (math.isfinite(x) and x >= 0 and x == math.floor(x)):
             raise ValueError(f"reasoning_tokens {v} is not a whole number >= 0")
         return int(x)
 
     seen: dict[str, int] = {}
     for i, r in enumerate(reader):
+        extra = [c for c in r.get(None) or [] if c.strip()]  # (DictReader's key for cells past the header's)
+        if extra:
+            raise ConfigError(f"{p}: row {i + 1} has {len(cols) + len(r[None])} cells, the header {len(cols)} "
+                              f"columns (extra: {', '.join(repr(c) for c in extra[:3])}); quote a cell that holds a "
+                              "comma, and write numbers without thousands separators")
         blank = [c for c in REQUIRED_COLUMNS if not (r.get(c) or "").strip()]
         if blank:
             raise ConfigError(f"{p}: row {i + 1} has no {', '.join(blank)}")
