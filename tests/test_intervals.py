@@ -2,6 +2,7 @@
 bootstrap parameter sets."""
 
 import json
+import re
 
 import pytest
 
@@ -182,3 +183,34 @@ def test_an_acceptance_range_widens_only_the_figures_acceptance_moves():
         (lo, hi), (lo1, hi1) = ranged.intervals[f], alone.intervals[f]
         assert lo <= lo1 and hi >= hi1 and (lo, hi) != (lo1, hi1), f
     assert ranged.speculative["accept_rate_interval"] == [0.7, 0.9]
+
+
+def test_the_serving_figures_carry_intervals(capsys):
+    """A serving simulation's figures (TTFT / inter-token / end-to-end mean and percentiles, output tokens/s, the mean
+    batch) come with the 90% range over the fit's parameter sets, as every other predicted figure does, in JSON and
+    in the table; an acceptance range widens them; past the budget of simulated requests they are left out with a
+    note saying how many requests would give them (they had none)."""
+    from waferline.sim.intervals import SERVING_FIGURES, SERVING_INTERVAL_BUDGET
+
+    base = ["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80", "--speculative",
+            "mtp", "--arrival-rate", "10", "--num-requests", "100"]
+    assert commands.main([*base, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["serving"]
+    for f in SERVING_FIGURES:
+        lo, hi = s[f + "_interval"]
+        assert lo <= s[f] <= hi, f
+    assert s["itl_p50_s_interval"][0] < s["itl_p50_s_interval"][1]  # (the fitted latencies move it)
+    assert commands.main([*base, "--json", "--accept-rate", "0.6:0.95"]) == 0
+    wide = json.loads(capsys.readouterr().out)["serving"]["output_tokens_per_s_interval"]
+    assert wide[0] <= s["output_tokens_per_s_interval"][0] and wide[1] >= s["output_tokens_per_s_interval"][1]
+    assert wide != s["output_tokens_per_s_interval"]
+    assert commands.main(base) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert re.search(r"output [\d,]+ \(90%: [\d,]+-[\d,]+\) tokens/s in all", out), out[-400:]
+    n = SERVING_INTERVAL_BUDGET // len(load_params().parameter_sets()) + 1
+    assert commands.main([*base[:-1], str(n), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert not any(k.endswith("_interval") for k in d["serving"])
+    assert any("serving figures without intervals" in note and f"{n - 1:,} or fewer" in note for note in d["notes"])
+    assert commands.main([*base, "--json", "--no-intervals"]) == 0
+    assert not any(k.endswith("_interval") for k in json.loads(capsys.readouterr().out)["serving"])

@@ -483,7 +483,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                          concurrency=args.concurrency, params=params, reasoning_tokens=R)
             mtp_step = m.speculative["expected_tokens_per_step"] / m.decode_tokens_per_s_per_user
         ex = explain(r, args.target_tokens_per_s, mtp_step)
-    serving = None
+    serving = serving_note = None
     if args.arrival_rate or args.closed_loop:
         from waferline.sim.serving import simulate_serving
 
@@ -495,19 +495,26 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             except ConfigError as e:  # (placement names --devices: here it is the pool's --prefill-devices)
                 raise ConfigError(f"the prefill pool (--prefill-devices {args.prefill_devices}): "
                                   + re.sub(r"--devices\b", "--prefill-devices", str(e))) from None
-        serving = simulate_serving(
-            plan,
-            arrival_rate=args.arrival_rate,
-            users=r.concurrency if args.closed_loop else None,
-            num_requests=args.num_requests or (max(200, 10 * r.concurrency) if args.closed_loop else 200),
-            prompt_len=P,
-            output_len=R + O,  # (the server decodes hidden reasoning tokens like any other)
-            params=params,
-            max_num_batched_tokens=2048 if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
-            pd_disaggregation=args.pd_disaggregation,
-            prefill_plan=prefill_plan,
-            expert_skew=args.expert_skew or 0.0,
-        )
+        def serve(pl: Any, prm: Any) -> Any:
+            return simulate_serving(
+                pl,
+                arrival_rate=args.arrival_rate,
+                users=r.concurrency if args.closed_loop else None,
+                num_requests=args.num_requests or (max(200, 10 * r.concurrency) if args.closed_loop else 200),
+                prompt_len=P,
+                output_len=R + O,  # (the server decodes hidden reasoning tokens like any other)
+                params=prm,
+                max_num_batched_tokens=2048 if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+                pd_disaggregation=args.pd_disaggregation,
+                prefill_plan=prefill_plan,
+                expert_skew=args.expert_skew or 0.0,
+            )
+
+        serving = serve(plan, params)
+        if not args.no_intervals:
+            from waferline.sim.intervals import serving_intervals
+
+            serving_note = serving_intervals(serving, plan, params, serve, accept_range=rng)
     if args.out:  # (a run that fails above leaves an existing file as it was)
         plan.save(args.out)
     mpe = load_model(plan.model).max_position_embeddings
@@ -527,6 +534,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if serving is not None and prefill_plan is not None:
         placed += [f"prefill pool: {line}" for line in prefill_plan.notes]
     placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals)
+    placed += [serving_note] if serving_note else []
     if args.json:
         d = r.to_dict()
         d["notes"] = placed + restaged + ([beyond] if beyond else [])
@@ -631,13 +639,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         sv.add_column("metric")
         for c in ("mean", "p50", "p99"):
             sv.add_column(c, justify="right")
-        sv.add_row("TTFT (s)", f"{serving.ttft_mean_s:.3f}", f"{serving.ttft_p50_s:.3f}", f"{serving.ttft_p99_s:.3f}")
-        sv.add_row("inter-token latency (ms)", f"{serving.itl_mean_s * 1e3:.2f}", f"{serving.itl_p50_s * 1e3:.2f}",
-                   f"{serving.itl_p99_s * 1e3:.2f}")
-        sv.add_row("end-to-end (s)", f"{serving.e2e_mean_s:.2f}", f"{serving.e2e_p50_s:.2f}",
-                   f"{serving.e2e_p99_s:.2f}")
-        sv.caption = (f"output {serving.output_tokens_per_s:,.0f} tokens/s in all; {serving.mean_batch:.1f} requests "
-                      "decoding per step on average")
+        siv = serving.intervals
+        for label, m, f, scale in (("TTFT (s)", "ttft", ".3f", 1.0), ("inter-token latency (ms)", "itl", ".2f", 1e3),
+                                   ("end-to-end (s)", "e2e", ".2f", 1.0)):
+            sv.add_row(label, *(fmt(getattr(serving, f"{m}_{q}_s"), siv.get(f"{m}_{q}_s"), f, scale)
+                                for q in ("mean", "p50", "p99")))
+        sv.caption = (f"output {fmt(serving.output_tokens_per_s, siv.get('output_tokens_per_s'), ',.0f')} tokens/s "
+                      f"in all; {fmt(serving.mean_batch, siv.get('mean_batch'))} requests decoding per step on "
+                      "average")
         con.print(sv)
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")

@@ -20,6 +20,12 @@ LEVEL = 0.9
 FIGURES = ("step_latency_s", "decode_tokens_per_s_per_user", "aggregate_tokens_per_s", "ttft_s", "prefill_s",
            "end_to_end_s", "first_answer_s")
 SPEC_FIGURES = ("accept_rate", "expected_tokens_per_step", "verify_s", "draft_s", "speedup")
+# the serving simulation's predicted figures (sim/serving.py ServingResult)
+SERVING_FIGURES = ("output_tokens_per_s", "duration_s", "mean_batch", "kv_handover_s",
+                   *(f"{m}_{q}_s" for m in ("ttft", "itl", "e2e") for q in ("mean", "p50", "p90", "p99")))
+# requests simulated in all for the serving figures' intervals (one serving run per parameter set and acceptance
+# end; ~1 s per 100,000 requests on a 2-core machine): above it they are left out and a note says so
+SERVING_INTERVAL_BUDGET = 1_000_000
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -75,6 +81,35 @@ def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: fl
         if isinstance(v, (int, float)):
             result.speculative[f + "_interval"] = interval(float(v), values(lambda r, f=f: r.speculative[f]), level)
     return result
+
+
+def serving_intervals(serving: Any, plan: Plan, params: SimParams, run: Any, level: float = LEVEL,
+                      accept_range: tuple[float, float] | None = None) -> str | None:
+    """Fill ``serving.intervals`` (a ServingResult's predicted figures) by running the serving simulation once per
+    stored parameter set, and at both ends of ``accept_range`` where given: ``run(plan, params)`` runs it as it ran
+    for ``serving`` (the same arrivals: the spread is the parameters', and the acceptance range's). Returns why they
+    were left out (no parameter sets, or more simulated requests than SERVING_INTERVAL_BUDGET), else None."""
+    from dataclasses import replace
+
+    sets = params.parameter_sets()
+    if not sets and accept_range is None:
+        return None  # (_params_notes already says the parameters carry no sets)
+    plans = [plan]
+    if accept_range is not None and plan.speculative.method != "none":
+        plans = [replace(plan, speculative=replace(plan.speculative, accept_rate=a)) for a in accept_range]
+    runs = len(plans) * len(sets or [params])
+    if runs * serving.requests > SERVING_INTERVAL_BUDGET:
+        return (f"serving figures without intervals: {runs} re-runs of {serving.requests:,} requests would simulate "
+                f"more than {SERVING_INTERVAL_BUDGET:,} (--num-requests {SERVING_INTERVAL_BUDGET // runs:,} or fewer "
+                "gives them)")
+    by_end = [[run(p, s) for s in (sets or [params])] for p in plans]
+
+    def values(f: str) -> list[float]:
+        ends = [[float(getattr(r, f)) for r in preds] for preds in by_end]
+        return ends[0] if all(e == ends[0] for e in ends) else [v for e in ends for v in e]
+
+    serving.intervals = {f: interval(float(getattr(serving, f)), values(f), level) for f in SERVING_FIGURES}
+    return None
 
 
 def fmt(value: float, iv: list[float] | None, f: str = ",.1f", scale: float = 1.0) -> str:

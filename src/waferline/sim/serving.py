@@ -9,7 +9,7 @@ import math
 import random
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
@@ -130,9 +130,13 @@ class ServingResult:
     quantile_rel_error: float = SKETCH_REL_ERROR  # bound on each percentile's relative error (streaming sketch)
     users: int = 0  # closed loop: this many clients, each sending its next request when the last one ends (else 0)
     expert_placement: str = ""  # expert skew: the expert placement ``expert_load_factor`` assumes (else "")
+    # 90% interval of each predicted figure (sim/intervals.py SERVING_FIGURES) over the fit's parameter sets; {}: none
+    intervals: dict[str, list[float] | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("intervals")
+        return d | {f"{k}_interval": v for k, v in self.intervals.items()}
 
 
 # ----------------------------------------------------------------------------- pricing
