@@ -350,6 +350,29 @@ def test_explain_adds_up_to_the_simulated_step_where_some_layers_are_compute_bou
     assert {t["term"] for t in ex["terms"]} >= {"compute", "weights and cache read"}
 
 
+def test_explain_levers_reach_the_target_where_some_layers_are_compute_bound():
+    """The levers follow the step op by op, as the simulator takes each layer's larger term: DeepSeek-V3's dense
+    layers' FLOPs outlast their reads while the MoE layers' reads bind (summed, the reads are the longer), so faster
+    FLOPs shorten the step (sized on the stage's sums, the compute lever said removing it was not enough where
+    FLOPs 1.09x faster reach the target), and each lever, applied to the hardware, reaches the target."""
+    import dataclasses
+
+    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256)
+    r = simulate(plan, concurrency=256)
+    assert sum(s.compute for s in r.stages) < sum(s.memory for s in r.stages)
+    hw = load_hardware("h200-sxm")
+    terms = {t["term"]: t["seconds_per_step"] for t in explain(r)["terms"]}
+    for target, term, field in ((1 / (r.step_latency_s - terms["compute"] / 2), "compute", "flops"),
+                                (1.1 * r.decode_tokens_per_s_per_user, "weights and cache read", "memory_bandwidth")):
+        lever = next(lv for lv in explain(r, target)["target"]["levers"] if lv["term"] == term)
+        assert lever["factor"] is not None, term
+        f = lever["factor"]
+        faster = dataclasses.replace(hw, flops={k: v * f for k, v in hw.flops.items()}) if field == "flops" else \
+            dataclasses.replace(hw, memory_bandwidth=hw.memory_bandwidth * f)
+        got = simulate(plan, concurrency=256, hardware=faster).decode_tokens_per_s_per_user
+        assert got == pytest.approx(target, rel=1e-6), term
+
+
 def test_explain_lists_no_compute_term_where_the_reads_hide_it():
     """A wafer's layers compute in far less time than their reads: the breakdown and the levers name no compute term
     (the compute taken as what the step leaves beyond the other terms left a rounding residue, shown as "0.0 us")."""

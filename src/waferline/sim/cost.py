@@ -429,6 +429,9 @@ class StepCost:
     comm: float = 0.0  # collective communication inside the stage (tensor / expert parallel)
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (sim/wafer.py)
     fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the region (hops), not streaming
+    # (compute, memory) of each op added (a layer, the LM head): each costs the larger of the two, so what faster
+    # FLOPs or reads save follows them op by op, not the sums (sim/explain.py)
+    ops: list[tuple[float, float]] = field(default_factory=list, repr=False)
 
     @property
     def total(self) -> float:
@@ -442,6 +445,7 @@ class StepCost:
         self.comm += o.comm
         self.fabric += o.fabric
         self.fabric_distance += o.fabric_distance
+        self.ops.extend(o.ops or [(o.compute, o.memory)])
 
 
 def compute_bits(weight_bits: int, hw: HardwareSpec) -> int:

@@ -60,7 +60,7 @@ def _read_lever(r: SimResult, cut: float, tokens: int) -> tuple[float, float] | 
     ``cut``; None when no factor does it. A stage's reads hide its compute (a layer costs the larger of the two), so
     they can only shorten the step down to that compute: ``tokens`` (k+1 when a verify step checks k drafts) times
     the one-token compute."""
-    pairs = [(s.memory, s.compute * tokens) for s in r.stages]
+    pairs = [(m, c * tokens) for s in r.stages for c, m in _ops(s)]
     f = _roofline_factor(pairs, cut)
     return (sum(m for m, _ in pairs) / f, f) if f is not None else None
 
@@ -70,10 +70,21 @@ def _compute_lever(r: SimResult, cut: float, tokens: int = 1) -> tuple[float, fl
     step of ``tokens`` tokens (k+1 when a verify step checks k drafts: k+1 times the one-token compute) falls by
     ``cut``; None when no factor does it. The factor divides the whole FLOP time, not only the part beyond the reads:
     a stage's compute shortens the step only down to its reads."""
-    pairs = [(s.compute * tokens, s.memory) for s in r.stages]
-    f = _roofline_factor(pairs, cut)
-    pairs = [(s.compute, s.memory) for s in r.stages]
-    return (sum(max(0.0, c / f - m) for c, m in pairs), f) if f is not None else None
+    f = _roofline_factor([(c * tokens, m) for s in r.stages for c, m in _ops(s)], cut)
+    return (_compute_after(r, f), f) if f is not None else None
+
+
+def _compute_after(r: SimResult, f: float) -> float:
+    """The one-token compute beyond the reads with every FLOP ``f`` times faster (op by op, as the simulator adds
+    it)."""
+    return sum(max(0.0, c / f - m) for s in r.stages for c, m in _ops(s))
+
+
+def _ops(s: Any) -> list[tuple[float, float]]:
+    """A stage's (compute, memory) op by op (each layer, the LM head: the simulator takes the larger of each), or its
+    sums where the result does not carry them. A faster term saves only in the ops it binds: the stage's sums would say
+    FLOPs that outlast the reads in some layers cannot shorten a stage whose reads, summed, are the longer."""
+    return getattr(s, "ops", None) or [(s.compute, s.memory)]
 
 
 def _roofline_factor(pairs: list[tuple[float, float]], cut: float) -> float | None:
@@ -118,9 +129,9 @@ def _interval(r: SimResult, term: str, f: float) -> float:
     for s in r.stages:
         t, hop = s.total - s.hop, s.hop
         if term == "weights and cache read":  # (a stage's reads hide its compute: it shortens down to that)
-            t -= max(s.memory, s.compute) - max(s.compute, s.memory / f)
+            t -= sum(max(m, c) - max(c, m / f) for c, m in _ops(s))
         elif term == "compute":  # (all of its FLOPs faster; it shortens down to its reads)
-            t -= max(s.memory, s.compute) - max(s.memory, s.compute / f)
+            t -= sum(max(m, c) - max(m, c / f) for c, m in _ops(s))
         elif term == "device hops":
             hop /= f
         else:
@@ -205,7 +216,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
                 read = _read_lever(r, cut, verified)
                 levers.append({"term": k, "from_s": v, "to_s": read[0] if read else None,
                                "factor": read[1] if read else None,
-                               "floor_s": sum(min(s.memory, s.compute * verified) for s in st)})
+                               "floor_s": sum(min(m, c * verified) for s in st for c, m in _ops(s))})
             elif k == "compute":  # (the factor is of the FLOP time: the part beyond the reads falls faster; a
                 # verify step's k+1 tokens have k+1 times the FLOPs, sized on the speculative step itself)
                 comp = _compute_lever(r, cut, 1) if verified == 1 else \
@@ -225,7 +236,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
             f = _exact_factor(r, lv["term"], 1.0 / target_tokens_per_s)
             lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
             if lv["term"] == "compute" and f is not None:  # (what is left beyond the reads)
-                lv["to_s"] = sum(max(0.0, s.compute / f - s.memory) for s in st)
+                lv["to_s"] = _compute_after(r, f)
     tgt["levers"] = levers
     tgt["levers_note"] = ("with speculation these are approximate (off by up to ~12% where checked): sized on the "
                           "one-token step's terms, while a verify step of k+1 tokens and the drafter's own steps do "

@@ -22,6 +22,9 @@ class StageTiming:
     total: float
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
     fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the layers' regions (hops)
+    # (compute, memory) of each op (a layer, the LM head), of which the step took the larger (sim/explain.py's levers;
+    # empty where the result does not carry them); not written out
+    ops: list[tuple[float, float]] = field(default_factory=list, repr=False, compare=False)
 
 
 @dataclass
@@ -62,6 +65,8 @@ class SimResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for s in d["stages"]:
+            del s["ops"]
         for k, v in d.pop("intervals").items():
             d[f"{k}_interval"] = v
         return d
