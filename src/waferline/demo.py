@@ -303,13 +303,14 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
              layers_per_stage: int = 1, speculative: str | None = None, num_speculative_tokens: int = 3) -> int:
     from rich.console import Console
     from rich.live import Live
+    from rich.markup import escape
     from rich.table import Table
     from rich.text import Text
 
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
 
-    console = Console(stderr=json_out)
+    console = Console(stderr=json_out, emoji=False)  # (no :name: emoji codes: names and text print as they are)
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     out = Path(out_dir)
     ckpt = Path(model) if model else BUNDLED
@@ -328,8 +329,8 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     if not trained:
         ckpt = out / "sol-demo-random"
         name = ckpt.name
-        console.print(f"[yellow]sol-mini not found at {BUNDLED}; building a small RANDOM sol checkpoint instead "
-                      "(the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
+        console.print(f"[yellow]sol-mini not found at {escape(str(BUNDLED))}; building a small RANDOM sol checkpoint "
+                      "instead (the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
         build_demo_checkpoint(ckpt)
     from waferline.engine.inputs import is_int4_checkpoint
 
@@ -346,7 +347,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                                              for f in ckpt.glob("*.safetensors"))})
         stamp = qdir / ".waferline-source.json"
         if not (qdir / "model.safetensors").is_file() or not stamp.is_file() or stamp.read_text() != source:
-            with console.status(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}"):
+            with console.status(escape(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}")):
                 quantize_checkpoint(ckpt, qdir, QuantOptions(group_size=group_size), force=True)
             _write(stamp, source)
         ckpt = qdir
@@ -379,7 +380,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     moe = next((layer.ffn for layer in spec.layers if layer.ffn is not None and layer.ffn.kind == "moe"), None)
     growth = spec.cache_growth(16)  # (a long sequence's: past the sliding windows, with the recurrent states)
     console.print(
-        f"[bold]{ckpt.name}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
+        f"[bold]{escape(ckpt.name)}[/bold]: {spec.num_layers} layers ({' '.join(kinds)}), "
         f"{spec.params_total() / 1e6:.1f}M parameters ({spec.params_active() / 1e6:.1f}M active), "
         f"MoE {moe.num_experts if moe else 0} experts; "
         f"cache {growth[0]:.0f} B/token + {growth[1] / 1e3:.1f} kB/sequence "
@@ -395,7 +396,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     )
     if speculative:
         plan_text += f"; speculative decoding: {speculative}, up to {num_speculative_tokens} drafts per step (adaptive)"
-    console.print(f"plan: {plan_text}")
+    console.print(f"plan: {plan_text}", markup=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=0)
     text = Text(prompt, style="cyan")
     n, t_first = 0, None
@@ -430,15 +431,15 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
             "speaker"]["enum"]
     except ValueError:
         valid = False
-    console.print(f"\nstructured output (a JSON Schema: speaker + line, same plan): [cyan]{shaped.text}[/cyan] "
+    console.print(f"\nstructured output (a JSON Schema: speaker + line, same plan): [cyan]{escape(shaped.text)}[/cyan] "
                   f"({'valid JSON of the schema' if valid else f'cut at {shaped_max} tokens'})")
     m = result.metrics
     console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
-                  f"{len(result.token_ids)} tokens ({what})")
+                  f"{len(result.token_ids)} tokens ({escape(what)})")
     spec_stats = {k: v for k, v in m.items() if k.startswith("spec_")}
     if speculative:
         console.print(
-            f"speculative {speculative}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
+            f"speculative {escape(speculative)}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
             f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
             f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step, "
             f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} decode "
@@ -515,7 +516,7 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         # --- end of the twin
         path = _write(out / "waferline-report.html", rep.to_html())
         summary["report"] = str(path)
-        console.print(f"report: {path}")
+        console.print(f"report: {path}", markup=False)
     _write(out / "demo.json", json.dumps(summary, indent=2))
     if json_out:
         print(json.dumps(summary))

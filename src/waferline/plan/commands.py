@@ -30,7 +30,16 @@ def _default_data() -> str:
 def _console():
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=160)
+    # (no :name: emoji codes: a path, an id or a name prints as it is)
+    return Console(emoji=False) if sys.stdout.isatty() else Console(width=160, emoji=False)
+
+
+def _esc(text: Any) -> str:
+    """``text`` as rich prints it verbatim: a name, path, id or message of the user's, or from their files, where it
+    meets markup (its brackets are not tags)."""
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def _hw_label(ref: str) -> str:
@@ -38,10 +47,10 @@ def _hw_label(ref: str) -> str:
     from pathlib import Path
 
     if not str(ref).endswith((".yaml", ".yml")):
-        return ref
+        return _esc(ref)
     from waferline.spec.catalog import load_hardware
 
-    return f"{load_hardware(ref).name} ({Path(ref).name})"
+    return _esc(f"{load_hardware(ref).name} ({Path(ref).name})")
 
 
 def _same_numbers(a: Any, b: Any) -> bool:
@@ -248,8 +257,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     con = _console()
     t = Table(
-        title=f"{plan.model} on {_hw_label(plan.hardware)}: {plan.num_devices} device(s), {plan.num_stages} stage(s), "
-        f"{plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch {plan.batch}"
+        title=f"{_esc(plan.model)} on {_hw_label(plan.hardware)}: {plan.num_devices} device(s), {plan.num_stages} "
+        f"stage(s), {plan.weight_bits}-bit weights, {plan.kv_bits}-bit KV, context {plan.context_len:,}, batch "
+        f"{plan.batch}"
     )
     for c in (
         "stage",
@@ -287,7 +297,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     con.print(t)
     for n in plan.notes:
-        con.print(f"note: {n}")
+        con.print(f"note: {_esc(n)}")
     if plan.fits:
         def at_least(v: int, cap: int) -> str:
             return f"at least {v:,} (the search limit)" if v >= cap else f"{v:,}"
@@ -301,9 +311,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         con.print("[red]does not fit:[/red]")
         for p in plan.problems:
-            con.print(f"  {p}")
+            con.print(f"  {_esc(p)}")
     if args.out:
-        con.print(f"plan written to {args.out}")
+        con.print(f"plan written to {_esc(args.out)}")
     return 0 if plan.fits else 2
 
 
@@ -554,7 +564,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     con = _console()
     t = Table(
-        title=f"{r.model} on {r.num_devices} x {_hw_label(r.hardware)} ({r.num_stages} stages, "
+        title=f"{_esc(r.model)} on {r.num_devices} x {_hw_label(r.hardware)} ({r.num_stages} stages, "
               f"{plan.weight_bits}-bit weights)"
     )
     t.add_column("metric")
@@ -581,12 +591,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     t.add_row(f"end-to-end, {r.output_len:,} output tokens" + (f" after {r.reasoning_tokens:,} reasoning"
                                                                if r.reasoning_tokens else "") + " (s)",
               fmt(r.end_to_end_s, iv.get("end_to_end_s"), ".3f"))
-    t.add_row("decode is bound by", r.bound)
+    t.add_row("decode is bound by", _esc(r.bound))
     sp = r.speculative
     if sp.get("method", "none") != "none":
-        t.add_row(f"speculative: {sp['method']} ({sp['drafter']})",
+        t.add_row(f"speculative: {sp['method']} ({_esc(sp['drafter'])})",
                   f"k={sp['num_tokens']}, accept {fmt(sp['accept_rate'], sp.get('accept_rate_interval'), '.2f')} "
-                  f"({sp['accept_rate_source']}), "
+                  f"({_esc(sp['accept_rate_source'])}), "
                   f"{fmt(sp['expected_tokens_per_step'], sp.get('expected_tokens_per_step_interval'), '.2f')} "
                   f"tok/step, x{fmt(sp['speedup'], sp.get('speedup_interval'), '.2f')}")
     notes = []
@@ -600,7 +610,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     notes += [f"note: {line}" for line in placed + restaged]
     if beyond:
         notes.append(f"note: {beyond}")
-    t.caption = "\n".join(notes) or None
+    t.caption = _esc("\n".join(notes)) or None
     con.print(t)
     st = Table(title="per-stage decode step (us)")
     wafer = any(s.fabric for s in r.stages)
@@ -651,7 +661,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")
         for p in r.problems:
-            con.print(f"  {p}")
+            con.print(f"  {_esc(p)}")
         return 2
     return 0
 
@@ -669,7 +679,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             con0 = _console()
 
             def say(g: str, rs: list) -> None:
-                con0.print(f"fold {g}: refit without its {len(rs)} row(s)", style="dim")
+                con0.print(f"fold {_esc(g)}: refit without its {len(rs)} row(s)", style="dim")
 
         results, summary = cross_validate(data, cv, _load_params(args), progress=say)
     else:
@@ -708,23 +718,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     con = _console()
-    title = f"validation on {data} (parameters: {summary['params']})"
+    title = f"validation on {_esc(data)} (parameters: {_esc(summary['params'])})"
     if cv is not None:
-        title = (f"cross-validation by {cv} on {data}: {summary['folds']} folds, each refit from the priors without "
-                 f"its rows; predictions are out-of-fold ({summary['seconds']:.0f} s)")
+        title = (f"cross-validation by {_esc(cv)} on {_esc(data)}: {summary['folds']} folds, each refit from the "
+                 f"priors without its rows; predictions are out-of-fold ({summary['seconds']:.0f} s)")
     t = Table(title=title)
     for c in ("id", "model", "hardware", "chips", "bits", "spec", "metric", "published", "predicted", "error x"):
         t.add_column(c, justify="right" if c in ("chips", "bits", "published", "predicted", "error x") else "left")
     for r in results:
         if r.predicted is None:
             t.add_row(
-                r.row.id,
-                r.row.model,
-                r.row.hardware,
+                _esc(r.row.id),
+                _esc(r.row.model),
+                _esc(r.row.hardware),
                 str(r.row.num_chips or ""),
                 str(r.row.weight_bits),
-                r.row.spec_decoding,
-                r.row.metric,
+                _esc(r.row.spec_decoding),
+                _esc(r.row.metric),
                 f"{r.row.value:g}",
                 "not comparable" if r.detail.get("unstated_reasoning") else "skipped",
                 "(below)",
@@ -733,13 +743,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
         e = r.error_factor or 0
         col = "green" if e <= 1.25 else "yellow" if e <= 2 else "red"
         t.add_row(
-            r.row.id,
-            r.row.model,
-            r.row.hardware,
+            _esc(r.row.id),
+            _esc(r.row.model),
+            _esc(r.row.hardware),
             str(r.devices),
             str(r.row.weight_bits),
-            r.row.spec_decoding + (f" x{r.row.spec_speedup:g}" if r.row.spec_speedup is not None else ""),
-            r.row.metric,
+            _esc(r.row.spec_decoding) + (f" x{r.row.spec_speedup:g}" if r.row.spec_speedup is not None else ""),
+            _esc(r.row.metric),
             f"{r.row.value:g}",
             f"{r.predicted:.4g}",
             f"[{col}]{e:.2f}[/{col}]",
@@ -755,7 +765,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         )
     if summary["beyond_ceiling"]:
         rows = {r.row.id: r.row for r in results}
-        far = ", ".join(f"{i} (published {rows[i].value:g}, the model's best {v:.4g})"
+        far = ", ".join(f"{_esc(i)} (published {rows[i].value:g}, the model's best {v:.4g})"
                         for i, v in summary["beyond_ceiling"].items())
         con.print(f"[yellow]beyond the model's physical ceiling[/yellow] (every fitted term at the most favourable end "
                   f"of its bounds, the catalog's numbers as they are): {far}. No fit reaches these rows: they need a "
@@ -763,15 +773,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
                   "speculation or precision, an assumed bandwidth or latency that is off).")
     for r in results:  # (each reason whole: the table's column would cut it)
         if r.predicted is None and r.skipped:
-            con.print(f"skipped: {r.row.id}: {r.skipped}")
+            con.print(f"skipped: {_esc(r.row.id)}: {_esc(r.skipped)}")
     rows = {r.row.id: r.row for r in results}
     for i, u in summary["not_comparable"].items():
         row = rows[i]
         at_pub = (f", {u['implied_reasoning_tokens_at_published_rate']:,.0f} at the published "
-                  f"{u['published_decode_tokens_per_s']:g} tok/s of {u['published_rate_row']}"
+                  f"{u['published_decode_tokens_per_s']:g} tok/s of {_esc(u['published_rate_row'])}"
                   if "published_rate_row" in u else "")
-        con.print(f"[yellow]not comparable[/yellow]: {i} is the end-to-end time of a reasoning model whose hidden "
-                  f"reasoning length the source does not state. With no reasoning the model predicts "
+        con.print(f"[yellow]not comparable[/yellow]: {_esc(i)} is the end-to-end time of a reasoning model whose "
+                  f"hidden reasoning length the source does not state. With no reasoning the model predicts "
                   f"{u['no_reasoning_s']:.3g} s; the published {row.value:g} s is "
                   f"{row.value / u['no_reasoning_s']:.1f}x that ("
                   + ("consistent: no reasoning is the fastest the row can be" if u["consistent"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from waferline.argtypes import int_range, nonnegative_int, out_path, positive_float, positive_int
 from waferline.files import check_writable
-from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _load_params
+from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _esc, _load_params
 
 MAX_BOOTSTRAP = 1_000  # bootstrap sets calibrate --published refits (each a whole fit; 32 by default)
 
@@ -67,25 +67,25 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     con = _console()
     t = Table(
-        title=f"fitted on {data} ({report['rows']} rows, {report['free_parameters']} parameters, "
+        title=f"fitted on {_esc(data)} ({report['rows']} rows, {report['free_parameters']} parameters, "
               f"{report['seconds']:.1f} s)"
     )
     t.add_column("parameter")
     t.add_column("value", justify="right")
     for k, v in report["params"].items():
-        t.add_row(k, f"{v:.4g}")
+        t.add_row(_esc(k), f"{v:.4g}")  # (a class may be named after a device of the user's)
     con.print(t)
     if report["at_bound"]:
         con.print("at an end of its physical range (the rows want it further: a catalog number or a mechanism they do "
-                  "not state may be off): " + ", ".join(f"{k} = {b:g} ({end} bound)"
+                  "not state may be off): " + ", ".join(f"{_esc(k)} = {b:g} ({end} bound)"
                                                        for k, (b, end) in report["at_bound"].items()))
     for rid, why in report["skipped"]:  # (each reason whole: the fit leaves these rows out)
-        con.print(f"left out of the fit: {rid}: {why}")
+        con.print(f"left out of the fit: {_esc(rid)}: {_esc(why)}")
     con.print(f"error factor before: median {report['before']['median']:.3f}, max {report['before']['max']:.3f}; "
               f"after: median {report['after']['median']:.3f}, max {report['after']['max']:.3f}")
     con.print(f"{report['bootstrap_sets']} bootstrap parameter sets stored (fit {report['fit_seconds']:.1f} s, "
               f"total {report['seconds']:.1f} s)")
-    con.print(f"written to {out}")
+    con.print(f"written to {_esc(out)}")
     return 0
 
 
@@ -100,8 +100,10 @@ def _progress_bar(quiet: bool):
 
     @contextlib.contextmanager
     def bar():
-        prog = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                        TimeElapsedColumn(), console=Console(stderr=True), transient=False)
+        # (a description may name a grid point of the user's: shown as it is, not as markup)
+        prog = Progress(TextColumn("{task.description}", markup=False), BarColumn(),
+                        TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                        console=Console(stderr=True, emoji=False), transient=False)
         task = None
 
         def say(what: str, frac: float) -> None:
@@ -139,7 +141,7 @@ def _combine_calibrations(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
     else:
         per_op = ", ".join(f"{k} {v * 1e6:.2f} us" for k, v in host.op_overhead_s.items())
-        _console().print(f"median of {len(args.combine)} calibrations written to {out} (per-op cost: {per_op})")
+        _console().print(f"median of {len(args.combine)} calibrations written to {_esc(out)} (per-op cost: {per_op})")
     return 0
 
 
@@ -193,8 +195,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(
-        title=f"{d['name']}: measured in {secs:.0f} s (load average {summary['load_average_1m']:.2f}; one thread per "
-              "process)"
+        title=f"{_esc(d['name'])}: measured in {secs:.0f} s (load average {summary['load_average_1m']:.2f}; one thread "
+              "per process)"
     )
     t.add_column("figure")
     t.add_column("value", justify="right")
@@ -239,7 +241,8 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     t.add_row("CUDA", "measured" if summary["cuda"] else "no device")
     con = _console()
     con.print(t)
-    con.print(f"written to {out} (use --hardware {out}; `waferline twin --hardware {out}` compares it with the engine)")
+    con.print(f"written to {_esc(out)} (use --hardware {_esc(out)}; `waferline twin --hardware {_esc(out)}` compares "
+              "it with the engine)")
     return 0
 
 
@@ -270,7 +273,7 @@ def cmd_twin(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ConfigError(f"--out {args.out}: cannot write the result ({e.strerror or e})") from None
         if not args.json:
-            _console().print(f"written to {args.out}")
+            _console().print(f"written to {_esc(args.out)}")
     return 0 if result["summary"]["plans_compared"] else 1
 
 

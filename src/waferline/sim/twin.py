@@ -735,12 +735,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any], console: Any) -> None:
-    """The twin table (rich)."""
+    """The twin table (rich): names, paths and messages in it printed as they are, not as markup."""
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(
-        title=f"twin: {result['model_name']} on {result['machine']} ({result['cores']} cores, 1 thread per process; "
-        f"prompt {result['prompt_len']}, {result['output_len']} new tokens; load average "
+        title=f"twin: {escape(result['model_name'])} on {escape(result['machine'])} ({result['cores']} cores, 1 thread "
+        f"per process; prompt {result['prompt_len']}, {result['output_len']} new tokens; load average "
         f"{result['load_average'][0]:.2f})"
     )
     for c in ("plan", "stages", "M", "B", "tok/s/user meas", "pred", "err x", "agg tok/s meas", "pred", "err x",
@@ -757,12 +758,13 @@ def render(result: dict[str, Any], console: Any) -> None:
         pt = r["point"]
         st = "afd" if pt["afd"] else str(pt["stages"])
         if r.get("status") != "ok" and "measured" not in r:
-            t.add_row(r["plan"], st, str(pt["micro_batches"]), str(pt["batch"]), *["-"] * 10, r.get("status", ""))
+            t.add_row(escape(r["plan"]), st, str(pt["micro_batches"]), str(pt["batch"]), *["-"] * 10,
+                      escape(r.get("status", "")))
             continue
         m, p, e = r["measured"], r.get("predicted", {}), r.get("error_factor", {})
         acc = r.get("acceptance", {}).get("alpha_fed")
         t.add_row(
-            r["plan"],
+            escape(r["plan"]),
             st,
             str(r.get("sim", {}).get("micro_batches", pt["micro_batches"])),
             str(pt["batch"]),
@@ -776,7 +778,7 @@ def render(result: dict[str, Any], console: Any) -> None:
             f"{p['ttft_s'] * 1e3:.1f}" if p else "-",
             col(e.get("ttft_s")),
             f"{acc:.2f}" if acc is not None else "",
-            r.get("sim", {}).get("bound", "")[:70] if r.get("status") == "ok" else r.get("status", ""),
+            escape(r.get("sim", {}).get("bound", "")[:70] if r.get("status") == "ok" else r.get("status", "")),
         )
     console.print(t)
     s = result["summary"]
@@ -788,13 +790,13 @@ def render(result: dict[str, Any], console: Any) -> None:
             console.print(f"{label}: median error x{v['median']:.3f}, max x{v['max']:.3f} over {v['n']} {what}")
     for line in (drift_line(result), canary_line(result)):
         if line:
-            console.print(line)
+            console.print(line, markup=False)
     if result.get("calibration_note"):
         console.print(f"note: {result['calibration_note']}", style="yellow", markup=False)
     console.print(f"measured inputs: {result['inputs']['measured']}")
     console.print(f"modelled: {result['inputs']['modelled']}")
     console.print(f"hardware: {result['hardware']} (calibrated {result['host'].get('date', '?')}, load average then "
-                  f"{result['host'].get('load_average_1m', float('nan')):.2f})")
+                  f"{result['host'].get('load_average_1m', float('nan')):.2f})", markup=False)
 
 
 def markdown(result: dict[str, Any]) -> str:
