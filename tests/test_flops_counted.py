@@ -1,15 +1,25 @@
 """The spec's FLOPs per decode token (what the planner / simulator compute time is made of) against the FLOPs the
-engine executes for one token, counted by torch's FlopCounterMode on tiny random checkpoints."""
+engine executes for one token, counted by torch's FlopCounterMode on tiny random checkpoints; and the simulator's
+FLOPs per token an MTP module drafts against the engine's MTP drafter's."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import tiny_checkpoints
+from test_speculative import SOL
+from tiny_models import configs
 from waferline import kernels
+from waferline.engine.sampling import SamplingParams
+from waferline.engine.speculative.drafters import MTPDrafter
 from waferline.model.context import StepBatch
+from waferline.model.init import write_random_checkpoint
 from waferline.model.load import load_model
-from waferline.spec.model import DSASpec, Mamba2Spec
+from waferline.sim.cost import layer_table
+from waferline.sim.pipeline import _with_input_projection
+from waferline.spec.model import DSASpec, Mamba2Spec, MLASpec
 
 TYPES = ["qwen3_moe", "qwen3_next", "bamba", "deepseek_v32", "deepseek_v4"]
 
@@ -28,11 +38,19 @@ def _sdpa_matmuls(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale
 
 
 @pytest.fixture
-def counted(monkeypatch):
-    """(model, context) -> (FLOPs per layer, FLOPs of the logits) of one decode token after ``context`` tokens, on
-    the eager path (waferline's fused operators off: the counter sees only ATen's operators)."""
+def eager(monkeypatch):
+    """The eager path: waferline's fused operators off and torch's fused attention as matmuls (the counter sees only
+    ATen's operators)."""
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _sdpa_matmuls)
     prev = kernels.use(False)
+    yield
+    kernels.use(prev)
+
+
+@pytest.fixture
+def counted(eager):
+    """(model, context) -> (FLOPs per layer, FLOPs of the logits) of one decode token after ``context`` tokens, on
+    the eager path."""
 
     def run(model, context):
         caches = model.new_caches(1)
@@ -52,19 +70,21 @@ def counted(monkeypatch):
                 model.logits(h[:, 0])
         return per_layer, fc.get_total_flops()
 
-    yield run
-    kernels.use(prev)
+    return run
 
 
-def _not_counted(mixer) -> float:
-    """What one token's spec FLOPs hold that the counter cannot see, less what the engine computes beyond them, at
-    context 0 (the token attends to itself): Mamba-2's state update and readout are elementwise; the engine's MLA
-    multiplies the probabilities by whole cached rows (latent and rotary key) and keeps the latent's columns, and
-    its indexer weighs the heads' scores with a product."""
+def _not_counted(mixer, context: int = 0) -> float:
+    """What one token's spec FLOPs hold that the counter cannot see, less what the engine computes beyond them,
+    after ``context`` tokens (at 0 the token attends to itself): Mamba-2's state update and readout are elementwise;
+    the engine's MLA multiplies the probabilities by whole cached rows (latent and rotary key) and keeps the
+    latent's columns, and its indexer weighs the heads' scores with a product."""
+    n = context + 1  # (tokens attended)
     if isinstance(mixer, Mamba2Spec):
         return mixer.attention_flops(0)
+    if isinstance(mixer, MLASpec):
+        return -2.0 * mixer.num_heads * mixer.qk_rope_head_dim * n
     if isinstance(mixer, DSASpec):
-        return -2.0 * (mixer.num_heads * mixer.qk_rope_head_dim + mixer.index_n_heads)
+        return -2.0 * (mixer.num_heads * mixer.qk_rope_head_dim * min(n, mixer.index_topk) + mixer.index_n_heads * n)
     return 0.0
 
 
@@ -92,3 +112,49 @@ def test_attention_flops_grow_with_context_as_counted(ckpts, counted, model_type
         per_layer = counted(model, context)[0]
         for layer, flops, flops0 in zip(spec.layers, per_layer, base):
             assert flops - flops0 == layer.flops_per_token(context + 1) - layer.flops_per_token(1), (context, layer)
+
+
+# checkpoints with an MTP module (the engine's MTP path: DeepSeek-V2 / V3 / V3.2's and sol's MTP layers; transformers
+# drops MTP weights, so these are written by waferline's own writer)
+MTP = {
+    "deepseek_v3": dict(configs()["deepseek_v3"], model_type="deepseek_v3", num_nextn_predict_layers=1),  # MLA + MoE
+    "deepseek_v32": dict(configs()["deepseek_v32"], model_type="deepseek_v32", num_nextn_predict_layers=1),  # DSA
+    "sol": SOL,  # MLA + dense, as sol-mini's
+    "sol:gqa+moe": dict(SOL, mtp_mixer_type="gqa", mtp_ffn_type="moe"),
+    "sol:mamba2": dict(SOL, mtp_mixer_type="mamba2"),
+}
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpts(tmp_path_factory):
+    return {name: write_random_checkpoint(cfg, tmp_path_factory.mktemp(name.replace(":", "_")), seed=3)
+            for name, cfg in MTP.items()}
+
+
+def _counted_draft(model, context: int) -> int:
+    """FLOPs of the engine's MTP drafter proposing one token after ``context`` committed pairs: the MTP module (its
+    norms, eh_proj over [embedding, hidden state], its layer) over one (hidden state, token) pair, the shared final
+    norm and LM head (the embedding lookup is not a matmul)."""
+    torch.manual_seed(0)
+    seq = torch.randint(3, model.spec.vocab_size, (context + 2,)).tolist()
+    drafter = MTPDrafter(model)
+    with torch.inference_mode():
+        drafter.begin([seq], [torch.randn(context + 1, model.spec.hidden_size)])  # (the first ``context`` pairs)
+        with FlopCounterMode(display=False) as fc:
+            (proposal,) = drafter.propose([0], [seq], [1], SamplingParams(temperature=0.0), [None])
+    assert len(proposal.tokens) == 1 and drafter.committed[0] == context + 1
+    return fc.get_total_flops()
+
+
+@pytest.mark.parametrize("name", list(MTP))
+def test_mtp_draft_flops_match_the_engines_counted_flops(mtp_ckpts, eager, name):
+    """What the simulator charges an MTP module for one drafted token (``_draft_time``: the MTP layer with its
+    eh_proj, and the LM head) is what the engine's MTP drafter computes, at the same context."""
+    model = load_model(mtp_ckpts[name])
+    spec = model.spec
+    assert len(model.mtp) == 1
+    mtp = SimpleNamespace(layers=spec.mtp_layers[:1], name=spec.name + ":mtp")
+    for context in (0, 7):
+        lc = _with_input_projection(layer_table(mtp, 16, 16, context + 1)[0], spec.hidden_size, 16, 128)
+        want = lc.mixer_flops + lc.ffn_flops + spec.lm_head_flops_per_token()
+        assert _counted_draft(model, context) == want - _not_counted(spec.mtp_layers[0].mixer, context), context
