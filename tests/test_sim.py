@@ -279,3 +279,14 @@ def test_a_draft_models_step_reads_its_head_at_the_plans_embed_bits():
     bw = hw.memory_bandwidth * load_params().for_hardware(hw).bw_eff
     saved = (dspec.embed_bytes(16) - dspec.embed_bytes(4)) / bw
     assert drafted[16] - drafted[4] == pytest.approx(3 * saved, rel=0.05)
+
+
+def test_a_models_mtp_module_the_spec_does_not_model_is_named_as_a_stand_in():
+    """DeepSeek-V4's config has an MTP module (num_nextn_predict_layers: 1) the spec does not model: the drafter that
+    stands in for it says so (it said the model had no MTP layers); a model without one still says that."""
+    hw = load_hardware("h200-sxm")
+    for name, says in (("deepseek-v4-flash", "standing in for its MTP module (not modelled for deepseek_v4)"),
+                       ("llama-3.1-8b", "model has no MTP layers")):
+        spec = load_model(name)
+        plan = place(spec, hw, speculative=SpeculativeConfig("mtp", 3))
+        assert says in simulate(plan, spec=spec, hardware=hw).speculative["drafter"], name

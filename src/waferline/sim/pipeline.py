@@ -282,6 +282,9 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
         else:
             lc = table[0]
             what = "MTP-like one-layer head (model has no MTP layers)"
+            if method == "mtp" and (spec.hf_config or {}).get("num_nextn_predict_layers"):  # (DeepSeek-V4)
+                what = (f"one-layer head of {spec.name}'s shape standing in for its MTP module (not modelled for "
+                        f"{spec.model_type})")
             if method == "eagle":
                 v, head_b, head_f = _eagle_head(spec, plan.embed_bits)
                 what = f"one-layer draft head (EAGLE-style, over a {v:,}-token draft vocabulary)"
