@@ -2,6 +2,7 @@
 caches, pages allocated by the scheduler's CacheManager, prefix hits that share pages instead of copying them, pages
 that go back to the free list, and pool bytes that equal the ModelSpec accounting."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -315,6 +316,46 @@ def test_a_prefix_hit_shares_the_stored_pages(ckpts, arch):
     n = table.num_pages
     table.grow(0, (n - 1) * 8)  # every page is free again: a slot can take them all, no new page made
     assert sorted(table.slots[0]) == list(range(1, n)) and table.num_pages == n
+
+
+def test_a_prefix_hit_is_admitted_with_room_for_its_rest_only(ckpts):
+    """A full cache of 7 pages: the store holds B's 3 pages and D's 3 (newer), 1 page is free. E is B's prompt and one
+    token more: it shares B's 3 pages and needs 1 page of its own, which is free, so nothing is evicted and E computes
+    1 token. Its stored pages were counted twice (as the store's and as new pages): E evicted B's pages, least
+    recently used, and computed all 13 tokens."""
+    llm = LLM(ckpts["llama"])
+    sp = SamplingParams(max_tokens=1, ignore_eos=True)
+    cfg = SchedulerConfig(max_num_seqs=2, max_model_len=16, page_tokens=4)
+    cfg.cache_bytes = 7 * Scheduler(llm, cfg).cache.paged_page_bytes
+    sch = Scheduler(llm, cfg)
+    b, d = list(range(30, 42)), list(range(50, 62))
+    want = _serve(Scheduler(llm, dataclasses.replace(cfg, prefix_caching=False)), [b + [5]], [sp])
+    _serve(sch, [b], [sp])
+    _serve(sch, [d], [sp])
+    assert sch.cache.table.store_only == 6 and sch.cache.table.available() == 1
+    e = Sequence("e", b + [5], sp)
+    assert run_to_end(sch, [e]) == want
+    assert e.cached_tokens == 12 and sch.prefix.evicted_pages == 0 and sch.cache.table.live == 0
+
+
+def test_a_prefix_hit_short_of_room_waits_and_keeps_its_pages(ckpts):
+    """7 pages: R holds 4, the store B's 3. E (B's prompt and one token more) needs 1 page beyond B's: none is free
+    and only its own prefix could be evicted, which would give it nothing. It waits for R, keeping B's pages, and then
+    shares them (they were evicted for it, and it computed its whole prompt)."""
+    llm = LLM(ckpts["llama"])
+    one, two = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=2, ignore_eos=True)
+    cfg = SchedulerConfig(max_num_seqs=2, max_model_len=16, page_tokens=4)
+    cfg.cache_bytes = 7 * Scheduler(llm, cfg).cache.paged_page_bytes
+    b, r = list(range(30, 42)), list(range(60, 74))
+    want = _serve(Scheduler(llm, dataclasses.replace(cfg, prefix_caching=False)), [r, b + [5]], [two, one])
+    sch = Scheduler(llm, cfg)
+    _serve(sch, [b], [one])
+    sr, se = Sequence("r", r, two), Sequence("e", b + [5], one)
+    sch.add(sr)
+    sch.step()
+    assert sch.cache.table.live == 4 and sch.cache.table.store_only == 3
+    assert run_to_end(sch, [se]) == want[1:] and sr.output_ids == want[0]
+    assert se.cached_tokens == 12 and sch.prefix.evicted_pages == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])

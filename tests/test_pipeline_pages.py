@@ -119,6 +119,31 @@ def test_afd_over_two_attention_ranks_preempts_within_a_rank(ckpts):
             Scheduler(llm, dataclasses.replace(cfg, cache_bytes=12 * page), runner_for(llm, 4))
 
 
+def test_afd_over_two_attention_ranks_evicts_only_the_prefix_pages_of_the_rank_that_needs_room(ckpts):
+    """Two attention ranks of 4 pages each: A (rank 0) and B (rank 1) run together and their 3 pages each stay
+    stored, B's (which ends first) less recently used. D, on rank 0, needs 4 pages: rank 0's own stored pages are
+    evicted, not B's (they give rank 0 no room). E, B's prompt and one token more, then goes to rank 1 and shares B's
+    3 pages, needing 1 page of its own: nothing of B's is evicted for it (checked: B's pages were evicted for D, and,
+    once not, for E itself, which then computed its whole prompt). Every output is the single process's."""
+    a, b, d = list(range(10, 22)), list(range(30, 42)), list(range(50, 65))
+    e = b + [5]
+    one, three = SamplingParams(max_tokens=1, ignore_eos=True), SamplingParams(max_tokens=3, ignore_eos=True)
+    want = [x.token_ids for x in LLM(ckpts["deepseek_v3"]).generate([a, b, d, e], [three, one, one, one])]
+    with LLM(ckpts["deepseek_v3"], **dict(_AFD1, attention_ranks=2, ffn_ranks=1)) as llm:
+        cfg = SchedulerConfig(max_num_seqs=2, max_model_len=16, page_tokens=4)
+        cfg.cache_bytes = 8 * Scheduler(llm, cfg, runner_for(llm, 2)).cache.paged_page_bytes
+        sch = Scheduler(llm, cfg, runner_for(llm, 2))
+        t = sch.cache.table
+        seqs = {k: Sequence(k, q, three if k == "a" else one) for k, q in zip("abde", (a, b, d, e))}
+        got = run_to_end(sch, [seqs["a"], seqs["b"]])
+        assert (seqs["a"].slot % 2, seqs["b"].slot % 2) == (0, 1) and t.store_only_in == [3, 3]
+        got += run_to_end(sch, [seqs["d"]])
+        assert seqs["d"].slot % 2 == 0 and sch.prefix.evicted_pages == 3 and t.store_only_in == [3, 3]
+        got += run_to_end(sch, [seqs["e"]])
+        assert seqs["e"].slot % 2 == 1 and seqs["e"].cached_tokens == 12 and sch.prefix.evicted_pages == 3
+        assert got == want and t.live == 0
+
+
 def test_serve_afd_over_two_attention_ranks_shares_a_prefix(ckpts):
     """`serve --afd --attention-ranks 2` through the openai client: A and C run together (on the two ranks), then B,
     which starts with C's first 24 tokens, is served partly from C's cached pages (the hit-token metric counts them)

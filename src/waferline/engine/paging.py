@@ -56,7 +56,7 @@ prefixes (their state is not a per-token prefix).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -250,11 +250,11 @@ class CacheManager:
         """Bytes of pages only the prefix store holds (evictable)."""
         return self.table.store_only * self.paged_page_bytes if self.table is not None else 0.0
 
-    def _room(self, extra: float) -> bool:
+    def _room(self, extra: float, keep: Collection[int] = ()) -> bool:
         if self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6:
             return True
         if self.reclaim is not None and self.prefix_bytes > 0:
-            self.reclaim(self.used_bytes + self.prefix_bytes + extra - self.budget)
+            self.reclaim(self.used_bytes + self.prefix_bytes + extra - self.budget, keep=keep)
         return self.used_bytes + self.prefix_bytes + extra <= self.budget + 1e-6
 
     @property
@@ -265,24 +265,26 @@ class CacheManager:
     def part_of(self, slot: int) -> int:
         return slot % self.parts
 
-    def _part_room(self, part: int, pages: int) -> bool:
+    def _part_room(self, part: int, pages: int, keep: Collection[int] = ()) -> bool:
         """A split page table: ``part`` can hand out ``pages`` more pages (evicting its prefix pages if need be)."""
         if self.parts == 1 or pages <= 0:
             return True
         short = pages - self.table.available(part)
         if short > 0 and self.reclaim is not None:
-            self.reclaim(short * self.paged_page_bytes, part)
+            self.reclaim(short * self.paged_page_bytes, part, keep=keep)
         return self.table.available(part) >= pages
 
-    def can_admit(self, n_tokens: int, part: int = 0) -> bool:
+    def can_admit(self, n_tokens: int, part: int = 0, hit: Collection[int] = ()) -> bool:
         """A free slot (in ``part``, where the page table is split) and room for ``n_tokens`` (evicting prefix pages
-        if need be)."""
+        if need be, ``part``'s first: another part's pages give it no room). ``hit``: the prefix store's blocks the
+        sequence will start with (its first pages, held already: they need no room, and are not evicted for it)."""
+        shared = len(hit) * self.paged_page_bytes
         if self.parts == 1:
-            return bool(self._free_slots) and self._room(self.bytes_for(n_tokens))
+            return bool(self._free_slots) and self._room(self.bytes_for(n_tokens) - shared, hit)
         if not any(self.part_of(s) == part for s in self._free_slots):
             return False
-        pages = self.table.pages_for(n_tokens) if any(self._paged) else 0
-        return self._room(self.bytes_for(n_tokens)) and self._part_room(part, pages)
+        pages = self.table.pages_for(n_tokens) - len(hit) if any(self._paged) else 0
+        return self._part_room(part, pages, hit) and self._room(self.bytes_for(n_tokens) - shared, hit)
 
     def place(self, n_tokens: int, match: Callable[..., list[int]] | None = None) -> int:
         """The part a new sequence of ``n_tokens`` goes to (0 when the table is not split): of the parts with a free
@@ -331,7 +333,7 @@ class CacheManager:
         dt = self.draft_table
         new_drafts = max(0, dt.pages_for(n_tokens) - len(dt.slots[slot])) if dt is not None else 0
         extra += new_drafts * self.draft_page_bytes
-        if extra > 0 and not (self._room(extra) and self._part_room(self.part_of(slot), new_pages)):
+        if extra > 0 and not (self._part_room(self.part_of(slot), new_pages) and self._room(extra)):
             return False
         if new_pages:
             self.table.grow(slot, n_tokens)
@@ -453,15 +455,15 @@ class PrefixCache:
         for b in blocks:
             self._used[b] = self._tick
 
-    def evict(self, need: float, part: int | None = None) -> None:
+    def evict(self, need: float, part: int | None = None, keep: Collection[int] = ()) -> None:
         """Drop least-recently-used pages (and the pages that extend them) until ``need`` bytes are freed (pages of
-        ``part`` only, where given)."""
+        ``part`` only, where given; not the blocks ``keep``, a prefix about to be used)."""
         freed = 0.0
         table = self.cm.table
         for b in sorted(self._used, key=self._used.__getitem__):
             if freed >= need:
                 break
-            if b in self._blocks and (part is None or table.owner(self._blocks[b][1]) == part):
+            if b in self._blocks and b not in keep and (part is None or table.owner(self._blocks[b][1]) == part):
                 freed += self._drop(b)
 
     def _drop(self, b: int) -> float:

@@ -346,7 +346,10 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(decodes) + len(prefills) < self.plan_cap:
             s = self.waiting[0]
             part = self.cache.place(len(s.all_ids) + 1, self.prefix and partial(self.prefix.match, s.all_ids))
-            if not self.cache.can_admit(len(s.all_ids) + 1, part):
+            caches = self.runner.prefix_caches() if self.prefix is not None else None
+            # the stored pages it starts with (a scored prompt is computed whole): they need no room of their own
+            hit = self.prefix.match(s.all_ids, part) if caches is not None and s.params.prompt_logprobs is None else []
+            if not self.cache.can_admit(len(s.all_ids) + 1, part, hit):
                 break
             self.waiting.popleft()
             s.slot = self.cache.admit(s.request_id, part)
@@ -355,13 +358,11 @@ class Scheduler:
             self.runner.reset_slots([s.slot])  # a fresh sequence in this slot: clear ring positions / SSM state
             if self.spec_dec is not None:
                 self.spec_dec.reset(s.slot)
-            if self.prefix is not None and s.params.prompt_logprobs is None:  # (a scored prompt is computed whole)
-                hit = self.prefix.match(s.all_ids, part)
-                caches = self.runner.prefix_caches()
-                if hit and caches is not None and self.cache.grow(s.request_id, len(hit) * self.cache.page_tokens):
-                    self.prefix.load(hit, s.slot, caches)
-                    s.num_computed = len(hit) * self.cache.page_tokens
-                    s.cached_tokens = s.cached_tokens if s.preemptions else min(s.num_computed, len(s.prompt_ids))
+            if hit:  # (its slot holds the stored pages first: grow then counts them, and takes a drafter's pages)
+                self.prefix.load(hit, s.slot, caches)
+                s.num_computed = len(hit) * self.cache.page_tokens
+                self.cache.grow(s.request_id, s.num_computed)
+                s.cached_tokens = s.cached_tokens if s.preemptions else min(s.num_computed, len(s.prompt_ids))
             t = min(s.redo_left, cfg.chunk_tokens, budget)
             if t:  # (else a recomputed sequence's last token, which decodes next step)
                 self.cache.grow(s.request_id, s.num_computed + t)
