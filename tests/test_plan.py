@@ -524,3 +524,41 @@ def test_plan_out_makes_its_directory(tmp_path, capsys, cmd):
     assert main([cmd, "qwen3-32b", "-H", "h200-sxm", "--json", "--out", str(out)]) == 0
     capsys.readouterr()
     assert Plan.load(out).model == "qwen3-32b"
+
+
+def test_devices_at_or_above_the_fewest_that_fit_fit_on_a_pipeline():
+    """qwen3-0.6b on Groq LPUs, 4-bit: the fewest that fit are 6 (the embedding stage takes 2); --devices 6 (or 7, or
+    12) once gave each of 6 (7, 12) stages one device, the embedding's stage over its capacity."""
+    fewest = place("qwen3-0.6b", "groq-lpu-v1", weight_bits=4)
+    assert fewest.fits and fewest.num_devices == 6
+    for n in (6, 7, 12, 28, 29):
+        plan = place("qwen3-0.6b", "groq-lpu-v1", weight_bits=4, devices=n)
+        assert plan.fits and plan.num_devices <= n, (n, plan.problems)
+        assert [i for s in plan.stages for i in s.layers] == list(range(28))
+
+
+def test_gpu_devices_take_stages_of_a_narrower_group_where_the_widest_does_not_fit():
+    """A cache that splits over no more devices than its KV heads (an MLA latent: none) is held whole by every device
+    of a group: glm-4.6 at 128k x 64 fit on 96 GB200s by default, but --devices 96 (2 stages of 48) did not;
+    deepseek-v3 with 256 sequences did not fit in one stage of 8 H200s, where 2 stages of 4 hold it."""
+    kw = dict(weight_bits=4, context=131072, batch=64)
+    default = place("glm-4.6", "gb200-nvl72", **kw)
+    assert default.fits
+    for n in (default.num_devices, 96):
+        plan = place("glm-4.6", "gb200-nvl72", devices=n, **kw)
+        assert plan.fits and plan.num_devices <= n, (n, plan.problems)
+    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256)
+    assert plan.fits and [s.num_devices for s in plan.stages] == [4, 4]
+    assert any("groups of 4 in 2 pipeline stages: 1 stage(s) of 8 do not fit" in n for n in plan.notes)
+    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256, layers_per_stage=61)  # (as asked)
+    assert not plan.fits and [s.num_devices for s in plan.stages] == [8]
+
+
+def test_default_gpu_stages_take_the_narrowest_group_that_holds_them():
+    """deepseek-r1 at 128k x 64, 4-bit, on GB200: every GPU of a stage holds its layers' whole MLA latents, so 4
+    stages of 64 GPUs (256, what the planner said were the fewest that fit) hold them no better than 4 of 4."""
+    kw = dict(weight_bits=4, context=131072, batch=64)
+    plan = place("deepseek-r1", "gb200-nvl72", **kw)
+    assert plan.fits and [s.num_devices for s in plan.stages] == [4] * 4
+    assert not place("deepseek-r1", "gb200-nvl72", devices=8, layers_per_stage=16, **kw).fits  # (groups of 2)
+    assert place("deepseek-r1", "gb200-nvl72", devices=plan.num_devices, **kw).fits

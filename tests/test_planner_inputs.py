@@ -510,3 +510,53 @@ def test_info_and_catalog_give_a_long_sequences_cache_growth_past_the_sliding_wi
     hybrid = load_model("gpt-5.6-sol-hybrid")  # (the Mamba layers' states: held, not grown)
     assert hybrid.cache_growth(16)[1] == sum(la.mixer.state_bytes_per_seq(16) for la in hybrid.layers
                                              if la.mixer.kind == "mamba2")
+
+
+def _four_stages(d):
+    """Split the fixture's one stage over four devices: layers 0-7, 8-15, 16-23, 24-31, in order (the layout the
+    engine runs)."""
+    one = d["stages"][0]
+    d["stages"] = [{**one, "index": i, "layers": list(range(8 * i, 8 * i + 8)), "device_ids": [i],
+                    "has_embedding": i == 0, "has_lm_head": i == 3} for i in range(4)]
+    return d["stages"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    # (each was simulated as if it were the plan placed: layers out of order, a stage holding layers that are not
+    # its predecessor's next, no LM head (a faster step), two embeddings, a stage index repeated)
+    (lambda s: s.__setitem__(slice(0, 2), [{**s[1], "index": 0}, {**s[0], "index": 1}]),
+     "do not hold the layers in order"),
+    (lambda s: (s[0]["layers"].__setitem__(-1, 8), s[1]["layers"].__setitem__(0, 7)),
+     "do not hold the layers in order"),
+    (lambda s: s[3].update(has_lm_head=False), "plan stage(s) [3]: the embedding belongs to the first full stage"),
+    (lambda s: s[2].update(has_embedding=True), "plan stage(s) [2]: the embedding belongs to the first full stage"),
+    (lambda s: s[1].update(index=0), "plan stage indices are [0, 0, 2, 3]"),
+])
+def test_a_plan_file_with_its_stages_out_of_order_is_refused(plan_file, capsys, edit, message):
+    d = json.loads(plan_file.read_text())
+    edit(_four_stages(d))
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file)])
+    assert rc == 2 and out.startswith("error: ") and message in out and "Traceback" not in out, out
+
+
+def test_a_plan_file_of_stages_in_order_is_simulated(plan_file, capsys):
+    d = json.loads(plan_file.read_text())
+    _four_stages(d)
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--json", "--no-intervals"])
+    assert rc == 0 and json.loads(out)["num_stages"] == 4
+
+
+def test_an_afd_plan_file_without_its_lm_head_is_refused(tmp_path, capsys):
+    """An attention/FFN plan with no LM head was simulated faster than the plan placed (132 vs 125 tok/s)."""
+    p = tmp_path / "afd.json"
+    assert commands.main(["plan", "deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8", "--afd", "--out",
+                          str(p), "--json"]) == 0
+    capsys.readouterr()
+    d = json.loads(p.read_text())
+    for st in d["stages"]:
+        st["has_lm_head"] = False
+    p.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(p)])
+    assert rc == 2 and "the embedding belongs to the first attention stage and the LM head to the last" in out

@@ -343,7 +343,8 @@ def test_explain_adds_up_to_the_simulated_step_where_some_layers_are_compute_bou
     """DeepSeek-V3 at 256 users: its dense layers' FLOPs outlast their reads while its MoE layers' reads bind, and
     each layer costs the larger of the two: the terms add up to the simulated step (summed per stage they once came
     to 28,576 of its 28,588 us)."""
-    r = simulate(place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256), concurrency=256)
+    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256, layers_per_stage=61)  # (one stage)
+    r = simulate(plan, concurrency=256)
     ex = explain(r)
     assert sum(s.compute for s in r.stages) < sum(s.memory for s in r.stages)
     assert ex["step_s"] == pytest.approx(r.step_latency_s, rel=1e-9)
@@ -357,7 +358,7 @@ def test_explain_levers_reach_the_target_where_some_layers_are_compute_bound():
     FLOPs 1.09x faster reach the target), and each lever, applied to the hardware, reaches the target."""
     import dataclasses
 
-    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256)
+    plan = place("deepseek-v3", "h200-sxm", devices=8, weight_bits=8, batch=256, layers_per_stage=61)  # (one stage)
     r = simulate(plan, concurrency=256)
     assert sum(s.compute for s in r.stages) < sum(s.memory for s in r.stages)
     hw = load_hardware("h200-sxm")

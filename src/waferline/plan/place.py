@@ -493,15 +493,33 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
         groups = [[p] for p in parts]
     else:
         groups = _balanced_split(parts, devices, first_extra, last_extra)
-    per = max(1, devices // len(groups))
     if devices < len(groups):
         raise ConfigError(f"{devices} devices cannot hold {len(groups)} stages of at most {k} layers; "
                           f"use --devices >= {len(groups)} or a larger --layers-per-stage")
+
+    def needs(gs: list[list[_Part]]) -> list[int]:
+        return [_devices_for(g, hw, act, (first_extra if i == 0 else 0.0) + (last_extra if i == len(gs) - 1 else 0.0))
+                for i, g in enumerate(gs)]
+
+    need = needs(groups)
+    if k is None and sum(need) > devices:
+        # a stage needs more than one device (an end stage's embedding or LM head, a layer larger than a device): one
+        # stage per device leaves none for it; fewer stages do, where the fewest devices that fit (the greedy
+        # packing) are not more than those given
+        packed = _greedy_pack(parts, hw, act, first_extra, last_extra)
+        if sum(n for _, n in packed) <= devices:
+            for g in range(len(groups) - 1, 0, -1):
+                fewer = _balanced_split(parts, g, first_extra, last_extra)
+                n = needs(fewer)
+                if sum(n) <= devices:
+                    groups, need = fewer, n
+                    break
+            else:
+                groups, need = [g for g, _ in packed], [n for _, n in packed]
+    per = max(1, devices // len(groups))
     sizes = [sum(p.weights + p.cache for p in g) for g in groups]
     sizes[0] += first_extra
     sizes[-1] += last_extra
-    need = [_devices_for(g, hw, act, (first_extra if i == 0 else 0.0) + (last_extra if i == len(groups) - 1 else 0.0))
-            for i, g in enumerate(groups)]
     if all(n <= per for n in need) or sum(need) > devices:  # the even split fits (or no split of these stages does)
         return [(g, per) for g in groups]
     # an end stage's embedding or LM head does not fit the even share: every stage gets the devices it needs, then
@@ -555,6 +573,18 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
                 was, tp = tp, max(ok)
             notes.append(f"tensor-parallel groups of {tp}, not {was}: {spec.name}'s {heads} heads split evenly over "
                          f"{tp} devices" + (f" ({pp} pipeline stages)" if k is None and pp > 1 else ""))
+        if k is None and not fits(build(tp, pp)):
+            # more stages of a narrower group hold what fewer, wider ones do not (a cache split over no more devices
+            # than its KV heads, an MLA latent over none): of the layouts that fit, the one that uses the most
+            # devices, then the widest group
+            fit = [(t, p) for t in range(1, min(devices, hw.devices_per_node) + 1) if heads % t == 0
+                   for p in (min(devices // t, len(parts)),) if fits(build(t, p))]
+            if fit:
+                if heads % min(devices, hw.devices_per_node):
+                    notes.pop()  # (the note on the heads' split names the group that does not fit)
+                was, (tp, pp) = (tp, pp), max(fit, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0]))
+                notes.append(f"tensor-parallel groups of {tp} in {pp} pipeline stages: {was[1]} stage(s) of "
+                             f"{was[0]} do not fit")
         if tp * pp < devices:
             notes.append(f"{devices - tp * pp} of {devices} devices left idle (stages use {tp} device(s) each)")
         return mk_stages(build(tp, pp), "full", 0, 0, True)
@@ -593,6 +623,10 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             hi, best = mid, g
         else:
             lo = mid
+    for t in sizes[:-1]:  # the narrowest group that holds those stages (where a cache that splits over no more devices
+        narrow = [(g, t) for g, _ in best]  # than its KV heads binds, the widest group holds it no better)
+        if fits(narrow):
+            return mk_stages(narrow, "full", 0, 0, True)
     return mk_stages(best, "full", 0, 0, True)
 
 

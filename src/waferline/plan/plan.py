@@ -265,11 +265,45 @@ class Plan:
         wrong = sorted({st.device for st in self.stages if st.device != hw.name})
         if wrong:
             raise ConfigError(f"plan stages are on {', '.join(map(str, wrong))}, not on {hw.name} ({self.hardware})")
+        self._check_order(n)
         over = [st for st in self.stages if not st.memory.fits]
         if over and self.fits:
             self.fits = False
             self.problems = [*self.problems, *(f"stage {st.index}: {st.memory.total / 1e9:,.2f} GB needed, "
                                                f"{st.memory.capacity / 1e9:,.2f} GB per device" for st in over)]
+
+    def _check_order(self, n: int) -> None:
+        """ConfigError unless the stages are numbered 0, 1, ... in order, hold their layers in order (a pipeline: the
+        stages one after another hold 0..n-1, each a contiguous range, as the engine runs them; attention/FFN pools:
+        each pool's stages one after another; data-parallel ranks: each rank every layer, in order) and the embedding
+        and LM head sit where a token enters and leaves (the first and last stage; AFD: the attention stages')."""
+        where = [st.index for st in self.stages]
+        if where != list(range(len(self.stages))):
+            raise ConfigError(f"plan stage indices are {where[:8]}{'...' if len(where) > 8 else ''}: number the stages "
+                              "0, 1, 2, ... in the order a token passes them")
+
+        def spans(stages: list[Stage]) -> str:
+            return ", ".join(f"stage {st.index}: {st.layers[0]}-{st.layers[-1]}" if len(st.layers) > 1 else
+                             f"stage {st.index}: {st.layers[0]}" for st in stages[:8])
+
+        ranks = self.attention_ranks
+        for role in ("full",) if not self.afd else ("attention", "ffn"):
+            stages = [st for st in self.stages if st.role == role]
+            runs = [st.layers for st in stages] if ranks else [[x for st in stages for x in st.layers]]
+            if role == "full" and runs[0] != list(range(n)) or any(a >= b for r in runs for a, b in zip(r, r[1:])):
+                raise ConfigError(f"plan {role} stages do not hold the layers in order ({spans(stages)}): "
+                                  + ("each rank holds every layer, in order" if ranks else
+                                     "each stage holds the range of layers after the one before it"))
+            ends = [st for st in stages if role != "ffn"]
+            want = [(True, True) if ranks else (i == 0, i == len(ends) - 1) for i in range(len(ends))]
+            got = [(st.has_embedding, st.has_lm_head) for st in ends]
+            wrong = [st.index for st in stages if role == "ffn" and (st.has_embedding or st.has_lm_head)]
+            wrong += [st.index for st, w, g in zip(ends, want, got) if w != g]
+            if wrong:
+                raise ConfigError(f"plan stage(s) {wrong[:8]}: the embedding belongs to the first "
+                                  f"{'full' if role == 'full' else 'attention'} stage and the LM head to the last"
+                                  + (" (each data-parallel attention rank holds both)" if ranks else "")
+                                  + ", and no other stage holds them")
 
     def save(self, path: str | Path) -> None:
         """Write the plan as JSON: whole or not at all (a temporary file renamed into place)."""
