@@ -158,3 +158,55 @@ def test_mtp_draft_flops_match_the_engines_counted_flops(mtp_ckpts, eager, name)
         lc = _with_input_projection(layer_table(mtp, 16, 16, context + 1)[0], spec.hidden_size, 16, 128)
         want = lc.mixer_flops + lc.ffn_flops + spec.lm_head_flops_per_token()
         assert _counted_draft(model, context) == want - _not_counted(spec.mtp_layers[0].mixer, context), context
+
+
+def _counted_first_draft(model, context: int, n: int) -> int:
+    """FLOPs of the engine's MTP drafter's first step after a verify step emitted ``n`` tokens (n - 1 accepted drafts
+    and the bonus token), ``context`` + 1 pairs committed before: the pairs of the n emitted tokens through the MTP
+    module, the LM head over the last."""
+    torch.manual_seed(0)
+    D, V = model.spec.hidden_size, model.spec.vocab_size
+    seq = torch.randint(3, V, (context + 2,)).tolist()
+    drafter = MTPDrafter(model)
+    greedy = SamplingParams(temperature=0.0)
+    with torch.inference_mode():
+        drafter.begin([seq], [torch.randn(context + 1, D)])
+        (first,) = drafter.propose([0], [seq], [n - 1], greedy, [None])
+        drafter.accepted([0], [seq], [n - 1], [n - 1], torch.randn(1, n, D))
+        seq = seq + first.tokens + torch.randint(3, V, (1,)).tolist()
+        with FlopCounterMode(display=False) as fc:
+            drafter.propose([0], [seq], [1], greedy, [None])
+    assert drafter.committed[0] == context + 1 + n
+    return fc.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "sol:gqa+moe"])  # (a Mamba-2 chunk scans by matmuls)
+def test_mtp_first_draft_after_a_verify_runs_over_the_emitted_tokens(mtp_ckpts, eager, name):
+    """After a verify step emitted n tokens the engine's MTP drafter runs its layer over all n (their true hidden
+    states), its LM head over the last; the simulator's first draft step (``_one_layer_step`` at t = n) charges
+    exactly that."""
+    from waferline.sim.cost import load_params
+    from waferline.sim.pipeline import _one_layer_step
+    from waferline.spec.catalog import load_hardware
+
+    model = load_model(mtp_ckpts[name])
+    spec = model.spec
+    mtp = SimpleNamespace(layers=spec.mtp_layers[:1], name=spec.name + ":mtp")
+    mixer = spec.mtp_layers[0].mixer
+    context = 5
+    for n in (2, 4):
+        want = spec.lm_head_flops_per_token()
+        end = context + 1 + n  # (the engine scores each of the n against every key up to the last, later ones masked)
+        lc = _with_input_projection(layer_table(mtp, 16, 16, end)[0], spec.hidden_size, 16, 128)
+        want += n * (lc.mixer_flops + lc.ffn_flops - _not_counted(mixer, end - 1))
+        assert _counted_first_draft(model, context, n) == want, n
+    # the simulator's step over t positions: its layer's FLOPs t times, the LM head's once, per sequence
+    hw = load_hardware("h100-sxm")
+    ctx = SimpleNamespace(plan=SimpleNamespace(weight_bits=16), spec=spec, hw=hw,
+                          prm=load_params().for_hardware(hw))
+    lc = _with_input_projection(layer_table(mtp, 16, 16, 64)[0], spec.hidden_size, 16, 128)
+    head_f = spec.lm_head_flops_per_token()
+    fl = hw.peak_flops(16) * ctx.prm.flops_eff
+    for t in (1.0, 2.5, 4.0):
+        step = _one_layer_step(ctx, lc, 1, 3, spec.lm_head_bytes(16), head_f)(t)
+        assert step.compute * fl == pytest.approx(3 * (t * (lc.mixer_flops + lc.ffn_flops) + head_f), rel=1e-9)

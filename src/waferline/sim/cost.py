@@ -465,7 +465,7 @@ def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
 
 
 def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
-               batch: int, tokens: int, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
+               batch: int, tokens: float, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
                spatial_resident: float | None = None, resident_batch: int | None = None) -> StepCost:
     """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
 

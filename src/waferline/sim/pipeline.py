@@ -260,8 +260,31 @@ def _with_input_projection(lc: LayerCost, d: int, weight_bits: int, group: int) 
                    fabric_mixer_phases=lc.fabric_mixer_phases + 1)
 
 
-def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int) -> tuple[float, str]:
-    """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting."""
+def _hidden_drafter_steps(one: Callable[[float], StepCost], k: int, first_tokens: float) -> float:
+    """k steps of a drafter fed the target's hidden states (an MTP module, an EAGLE-style head): the first runs its
+    layer over the ``first_tokens`` positions the last verify step emitted per sequence (their true hidden states
+    replace the drafted guesses, as the engine's MTP drafter commits them), its head over the last only; the others
+    over one drafted token each. ``one(t)`` is a step over t positions per sequence."""
+    return one(max(1.0, first_tokens)).total + (k - 1) * one(1.0).total
+
+
+def _one_layer_step(ctx: _Ctx, lc: LayerCost, n: int, batch: int, head_b: float,
+                    head_f: float) -> Callable[[float], StepCost]:
+    """A one-layer drafter's step over t positions per sequence, its LM head over the last position only."""
+    plan, spec = ctx.plan, ctx.spec
+
+    def one(t: float) -> StepCost:
+        return stage_step([lc], "full", n, ctx.hw, ctx.prm, spec.hidden_size, batch, t, plan.weight_bits,
+                          lm_head_bytes=head_b, lm_head_flops=head_f / t)
+
+    return one
+
+
+def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCost], context: int,
+                first_tokens: float = 1.0) -> tuple[float, str]:
+    """Seconds to propose k tokens for a micro-batch of ``batch`` sequences, and what did the drafting.
+    ``first_tokens``: tokens per sequence the previous verify step emitted (the expected accepted length), which a
+    drafter fed the target's hidden states runs its first step over."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     head_b, head_f = _lm_head(spec, plan.embed_bits)
     last = plan.stages[-1] if not plan.afd else next(s for s in plan.stages if s.has_lm_head)
@@ -289,19 +312,16 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
                 v, head_b, head_f = _eagle_head(spec, plan.embed_bits)
                 what = f"one-layer draft head (EAGLE-style, over a {v:,}-token draft vocabulary)"
         lc = _with_input_projection(lc, spec.hidden_size, plan.weight_bits, plan.group_size)
-        one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
-                         lm_head_bytes=head_b, lm_head_flops=head_f)
-        return k * one.total, what
+        return _hidden_drafter_steps(_one_layer_step(ctx, lc, n, batch, head_b, head_f), k, first_tokens), what
     if method == "draft":
         from waferline.plan.place import place
 
         dspec = draft_spec(spec, plan.speculative.draft_model, ctx.params)
         if dspec is None:  # no small catalog model shares the target's tokenizer: a draft head of its own shape
             lc = _with_input_projection(table[0], spec.hidden_size, plan.weight_bits, plan.group_size)
-            one = stage_step([lc], "full", n, hw, prm, spec.hidden_size, batch, 1, plan.weight_bits,
-                             lm_head_bytes=head_b, lm_head_flops=head_f)
-            return k * one.total, (f"one-layer draft head of {spec.name}'s shape (no small catalog model shares its "
-                                   f"{spec.vocab_size}-token vocabulary), with an EAGLE-style head's acceptance")
+            t = _hidden_drafter_steps(_one_layer_step(ctx, lc, n, batch, head_b, head_f), k, first_tokens)
+            return t, (f"one-layer draft head of {spec.name}'s shape (no small catalog model shares its "
+                       f"{spec.vocab_size}-token vocabulary), with an EAGLE-style head's acceptance")
         devs = plan.stages[0].num_devices if hw.placement == "tensor" else None
         dplan = place(
             dspec,
@@ -384,7 +404,7 @@ def simulate(
         a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(a, k)
         tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False)
-        tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx)
+        tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx, E)
         step = max(tv + tdraft, M * slowv)
         spec_rate = E / step
         spec_info.update(
@@ -607,7 +627,7 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
         acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
         E = expected_tokens_per_step(acc, k)
         tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b, rows)
-        tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx)
+        tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx, E)
         spec_info.update(num_tokens=k, accept_rate=acc, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
                          drafter=what, speedup=(E / (tv + K * tdraft)) / rate)
         rate = E / (tv + K * tdraft)
