@@ -492,7 +492,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             m = simulate(replace(plan, speculative=SpeculativeConfig("mtp", 3)), prompt_len=P, output_len=O,
                          concurrency=args.concurrency, params=params, reasoning_tokens=R)
             mtp_step = m.speculative["expected_tokens_per_step"] / m.decode_tokens_per_s_per_user
-        ex = explain(r, args.target_tokens_per_s, mtp_step)
+        def rate_with(term: str, f: float) -> float:
+            return simulate(plan, prompt_len=P, output_len=O, concurrency=args.concurrency,
+                            params=params.sped_up(term, f), reasoning_tokens=R).decode_tokens_per_s_per_user
+
+        ex = explain(r, args.target_tokens_per_s, mtp_step, rate_with)
     serving = serving_note = None
     if args.arrival_rate or args.closed_loop:
         from waferline.sim.serving import simulate_serving

@@ -71,6 +71,9 @@ class ClassParams:
     moe_latency_s: float = 5e-6
     hop_latency_s: float | None = None
     status: dict[str, str] = field(default_factory=dict)
+    # what-if, never fitted or stored: a term (sim/explain.py's TERMS) -> the factor its time is divided by in every
+    # step (``simulate --explain`` sizes its levers by re-simulating with one)
+    speedup: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,15 +105,15 @@ class SimParams:
     # (class.param, accept_rate.method, ttft_overhead_s); `simulate` predicts with each for its 90% intervals
     bootstrap: list[dict[str, float]] = field(default_factory=list)
     bootstrap_info: str = ""
+    speedup: dict[str, float] = field(default_factory=dict)  # (what-if: see ClassParams.speedup)
 
     def for_hardware(self, hw: HardwareSpec) -> ClassParams:
-        if hw.name in self.classes:
-            return self.classes[hw.name]
-        if hw.kind in self.classes:
-            return self.classes[hw.kind]
-        if "gpu" in self.classes:
-            return self.classes["gpu"]
-        return ClassParams()
+        cp = self.classes.get(hw.name) or self.classes.get(hw.kind) or self.classes.get("gpu") or ClassParams()
+        return replace(cp, speedup=self.speedup) if self.speedup else cp
+
+    def sped_up(self, term: str, factor: float) -> SimParams:
+        """A copy whose steps take ``term`` (a key of sim/explain.py's TERMS) ``factor`` times less time."""
+        return replace(self, speedup={term: factor})
 
     def copy(self) -> SimParams:
         return replace(self, classes={k: replace(v, status=dict(v.status)) for k, v in self.classes.items()},
@@ -474,8 +477,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     holds its weights and the cache of every resident sequence (``resident_batch``, default ``batch``), as
     ``spatial_resident`` counts them.
     """
-    bw = hw.memory_bandwidth * prm.bw_eff
-    fl = hw.peak_flops(compute_bits(weight_bits, hw)) * prm.flops_eff
+    sp = prm.speedup
+    bw = hw.memory_bandwidth * prm.bw_eff * sp.get("weights and cache read", 1.0)
+    fl = hw.peak_flops(compute_bits(weight_bits, hw)) * prm.flops_eff * sp.get("compute", 1.0)
     spatial = hw.kind == "wafer"
     fabric = Fabric.of(hw) if spatial else None
     n_tok = batch * tokens
@@ -519,6 +523,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         fixed = fixed_frac * prm.layer_latency_s
         if moe:
             fixed += prm.moe_latency_s  # router top-k, dispatch to the chosen experts and combine
+        fixed /= sp.get("fixed per layer", 1.0)
         fab = dist = 0.0
         if fabric is not None:  # weight-stationary on a wafer: the activations travel (sim/wafer.py)
             elems = phases = 0.0
@@ -528,6 +533,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
             region_share = (wbytes + held) / resident * n_dev if resident else 1.0
             stream, dist = fabric.time(elems, int(phases), n_tok, region_share, prm.fabric_links)
+            stream, dist = stream / sp.get("mesh streaming", 1.0), dist / sp.get("mesh distance", 1.0)
             fab = stream + dist
         comm = 0.0
         if link is not None:
@@ -536,12 +542,14 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 comm = 2 * (lat + act_bytes / link.bandwidth)  # a layer split over wafers: exchange halves twice
             else:
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
+            comm /= sp.get("collectives", 1.0)
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm,
                          fabric=fab, fabric_distance=dist))
     if lm_head_bytes:
         t_mem = (resident / n_dev / bw) if spatial else lm_head_bytes / n_dev / bw
         t_cmp = lm_head_flops * n_tok / n_dev / fl
-        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=0.5 * prm.layer_latency_s))
+        out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem),
+                         fixed=0.5 * prm.layer_latency_s / sp.get("fixed per layer", 1.0)))
     return out
 
 
@@ -557,7 +565,7 @@ def hop_time(hw: HardwareSpec, prm: ClassParams, a: int, b: int, nbytes: float) 
     """One activation transfer from device ``a`` to device ``b`` (fitted hop latency when the class has one)."""
     link = hw.link_between(a, b)
     lat = prm.hop_latency_s if (prm.hop_latency_s is not None and link is not hw.scale_up) else link.latency
-    return lat + nbytes / link.bandwidth
+    return (lat + nbytes / link.bandwidth) / prm.speedup.get("device hops", 1.0)
 
 
 def expected_tokens_per_step(accept: float, k: int) -> float:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 from waferline.sim.cost import expected_tokens_per_step
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rich.console import Console
 
     from waferline.sim.result import SimResult
@@ -158,13 +160,32 @@ def _exact_factor(r: SimResult, term: str, need: float) -> float | None:
     return hi
 
 
+def _resimulated_factor(rate_with: Callable[[str, float], float], term: str, target: float) -> float | None:
+    """The factor ``term`` has to shrink by for the re-simulated rate to reach ``target`` (None when removing it is
+    not enough)."""
+    if rate_with(term, math.inf) < target * (1 - 1e-9):
+        return None
+    lo, hi = 1.0, 2.0
+    while rate_with(term, hi) < target:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1e-9 * hi:
+        mid = (lo + hi) / 2
+        if rate_with(term, mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
 def explain(r: SimResult, target_tokens_per_s: float | None = None,
-            mtp_step_s: float | None = None) -> dict[str, Any]:
+            mtp_step_s: float | None = None, rate_with: Callable[[str, float], float] | None = None) -> dict[str, Any]:
     """The per-token breakdown of ``r`` (one user; the step at concurrency 1 of the plan) and, for a target rate, what
     each term (alone) or speculative decoding would have to reach. ``mtp_step_s``: for a result without speculation,
     the simulated seconds of one MTP step of the same plan (k=3 drafts and the verify of k+1 tokens; it does not
     depend on the acceptance), which the speculation lever is sized with; without it the lever assumes a free
-    drafter and a verify step as cheap as a one-token step."""
+    drafter and a verify step as cheap as a one-token step. ``rate_with(term, f)``: the plan re-simulated with
+    ``term`` f times shorter in every step (``SimParams.sped_up``), which sizes the levers under speculation exactly
+    (a verify step of k+1 tokens and the drafter's steps do not split as the one-token step does)."""
     st = r.stages
     sides = _afd_sides(r)
     parts = sides if sides is not None else {
@@ -237,8 +258,18 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
             lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
             if lv["term"] == "compute" and f is not None:  # (what is left beyond the reads)
                 lv["to_s"] = _compute_after(r, f)
+    resimulated = bool(levers) and sides is None and sp.get("method", "none") != "none" and rate_with is not None
+    if resimulated:
+        for lv in levers:
+            f = _resimulated_factor(rate_with, lv["term"], target_tokens_per_s)  # type: ignore[arg-type]
+            lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
+            if lv["term"] == "compute" and f is not None:
+                lv["to_s"] = _compute_after(r, f)
     tgt["levers"] = levers
-    tgt["levers_note"] = ("with speculation these are approximate (off by up to ~12% where checked): sized on the "
+    tgt["levers_note"] = ("with speculation each factor is sized by re-simulating the speculative step (the drafter's "
+                          "steps and the verify of k+1 tokens) with that term shorter; the us figures are the "
+                          "one-token step's" if resimulated else
+                          "with speculation these are approximate (off by up to ~12% where checked): sized on the "
                           "one-token step's terms, while a verify step of k+1 tokens and the drafter's own steps do "
                           "not split alike; re-simulate the changed hardware to check"
                           if sp.get("method", "none") != "none" and levers else
