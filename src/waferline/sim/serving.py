@@ -415,8 +415,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching, event by event; or,
     with ``users`` (a closed loop, as load generators such as genai-perf or vLLM's benchmark at a fixed concurrency
     drive a server), that many clients that start together and each send their next request the moment the last one
-    ends, until ``num_requests`` have been sent (the reported ``arrival_rate`` is then the achieved one; the first
-    wave, sent all at once, is a warm-up left out of TTFT and end-to-end).
+    ends (its end-to-end latency, the request overhead included, after it was sent), until ``num_requests`` have been
+    sent (the reported ``arrival_rate`` is then the achieved one; the first wave, sent all at once, is a warm-up left
+    out of TTFT and end-to-end).
 
     At most ``max_batch`` requests (default: what fits in the plan's memory) hold a KV cache at once, counting those
     being prefilled. Every step each decoding request gains one token at the per-user rate the pipeline model gives
@@ -562,8 +563,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
             e2e.add(when - a + ovh)
         done += 1
         t_last = max(t_last, when)
-        if users and issued < num_requests:  # (closed loop: this client sends its next request now)
-            heapq.heappush(pending, when)
+        if users and issued < num_requests:  # (closed loop: this client sends its next request once it has this
+            # one's end, the request overhead after the last token: its cycle is the end-to-end latency it measures)
+            heapq.heappush(pending, when + ovh)
             issued += 1
             nxt_arr = pending[0]
 
