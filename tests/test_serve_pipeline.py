@@ -321,6 +321,20 @@ def test_a_hang_timeout_that_turns_the_watchdog_off_is_refused(ckpts, capsys):
                 LLM(ckpts["afd"], hang_timeout_s=bad, **engine)
 
 
+def test_threads_that_are_not_a_whole_number_above_zero_are_refused(ckpts):
+    """``threads_per_stage`` / ``threads_per_rank`` of 0 or below, a fraction or a string: one ConfigError naming the
+    option before any process starts (-1 was torch's "set_num_threads expects a positive integer" RuntimeError; 2.5
+    was taken as 2)."""
+    from waferline.errors import ConfigError
+
+    for bad in (0, -1, 2.5, "2", True):
+        for engine in ({"stages": 2}, {"afd": True}):
+            with pytest.raises(ConfigError, match="threads_per_stage must be a whole number >= 1"):
+                LLM(ckpts["afd"], threads_per_stage=bad, **engine)
+    with pytest.raises(ConfigError, match="threads_per_rank must be a whole number >= 1"):
+        LLM(ckpts["afd"], afd=True, threads_per_rank=0)
+
+
 @pytest.mark.parametrize("flags, want", [
     (["--stages", "2", "--torch-threads", "3"], {"threads_per_stage": 3, "stages": 2}),
     (["--afd", "--torch-threads", "2"], {"threads_per_stage": 2, "afd": True}),

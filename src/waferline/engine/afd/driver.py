@@ -26,6 +26,7 @@ from waferline.engine.pipeline.driver import (
     DEFAULT_PREFILL_CHUNK,
     Pipeline,
     checked_hang_timeout,
+    checked_threads,
 )
 from waferline.engine.pipeline.launch import _main_hidden
 from waferline.engine.pipeline.supervise import StageError
@@ -95,8 +96,8 @@ class AFD(Pipeline):
             raise ConfigError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         self.prefill_chunk = int(prefill_chunk)
         self.hang_timeout_s = checked_hang_timeout(hang_timeout_s)
-        threads = threads_per_rank or threads_per_stage
-        self.threads = int(threads) if threads else max(1, (os.cpu_count() or 1) // self.layout.world)
+        threads = checked_threads(threads_per_rank, "threads_per_rank") or checked_threads(threads_per_stage)
+        self.threads = threads or max(1, (os.cpu_count() or 1) // self.layout.world)
         self.device = torch.device("cpu")
         self.dtype = dtype
         self.ranges = [(0, self.spec.num_layers)]

@@ -63,6 +63,16 @@ def checked_hang_timeout(value: float) -> float:
     return v
 
 
+def checked_threads(value: Any, name: str = "threads_per_stage") -> int | None:
+    """Torch threads per stage or rank process: None (the cores divided among them) or a whole number >= 1."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a whole number >= 1 (or None: the cores divided among the processes), "
+                          f"got {value!r}")
+    return value
+
+
 class Pipeline(Supervision):
     """S stages over ``torch.distributed`` point-to-point; this process is stage 0 and the scheduler's. ``LLM(path,
     stages=S)`` makes one and runs its requests through the scheduler (``serving.PipelineRunner``)."""
@@ -95,7 +105,7 @@ class Pipeline(Supervision):
         self.prefill_chunk = int(prefill_chunk)
         self.hang_timeout_s = checked_hang_timeout(hang_timeout_s)
         default_threads = torch.get_num_threads() if S == 1 else max(1, (os.cpu_count() or 1) // S)
-        self.threads = int(threads_per_stage) if threads_per_stage else default_threads
+        self.threads = checked_threads(threads_per_stage) or default_threads
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but CUDA is not available; use device='cpu'")
