@@ -115,3 +115,16 @@ def test_demo_prints_the_checkpoints_name_and_the_prompt_as_they_are(tmp_path, c
     cap = capsys.readouterr()
     assert "Traceback" not in cap.err
     assert _printed(cap.out, "m[b]x:", "(checkpoint m[b]x)", prompt)
+
+
+def test_generate_prints_an_output_a_stop_string_cut_to_nothing_as_no_text(sol, capsys):
+    """--prompt-ids with a tokenizer: an output whose text the stop string cut to nothing prints no text, not its
+    token ids (they stand for the text only for a checkpoint without a tokenizer)."""
+    from waferline import LLM, SamplingParams
+
+    first = LLM(sol).generate([[5, 6, 7]], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    assert first.text and "\ufffd" not in first.text
+    assert main(["generate", "--model", str(sol), "--prompt-ids", "5 6 7", "--max-tokens", "4", "--stop",
+                 first.text]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == "\n" and "finish: stop" in cap.err

@@ -87,6 +87,52 @@ def test_min_tokens_holds_back_stop_strings_in_its_text(llm):
         assert held.finish_reason == "length" and len(held.token_ids) == 8
 
 
+@pytest.fixture(scope="module")
+def merged_bytes(tmp_path_factory):
+    """A llama checkpoint whose byte-level vocabulary merges " " with the first byte of "é" (GPT-2's "ĠÃ"): "a é" is
+    "a", " \xc3", "\xa9", and the middle token's text ends inside a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tiny_models import build
+    from waferline.engine.token_bytes import byte_level_alphabet
+
+    d = tmp_path_factory.mktemp("merged-bytes")
+    vocab = {"<s>": 0, "</s>": 1} | {c: 2 + b for c, b in byte_level_alphabet().items()}
+    vocab["\u0120\u00c3"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("\u0120", "\u00c3")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    build("llama", d, vocab_size=len(hf))
+    hf.save_pretrained(d)
+    return d
+
+
+def test_a_stop_string_ending_in_a_token_held_back_cuts_the_text_as_the_server_does(merged_bytes, one_thread):
+    """The stop string "a " ends inside " \xc3", whose text waits for "\xa9": the scheduler finds it there and stops
+    with the text before it (as a server's stream sends it); generate's text was "a é", the stop string in it, where
+    min_tokens is 0 or its first min_tokens - 1 tokens end with that token."""
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.sequence import Sequence
+
+    llm = LLM(merged_bytes)
+    forced = llm.tokenizer.encode("a \u00e9", add_special_tokens=False)
+    assert len(forced) == 3
+    for min_tokens in (0, 1, 3):
+        params = SamplingParams(max_tokens=8, stop=["a "], min_tokens=min_tokens, choice=["a \u00e9b"],
+                                logit_bias={forced[1]: 30})
+        out = llm.generate([[5, 6]], params)[0]
+        assert out.token_ids == forced and out.finish_reason == "stop"
+        assert out.text == "", min_tokens
+        events: list = []
+        seq = Sequence("s", [5, 6], SamplingParams(max_tokens=8, stop=["a "], min_tokens=min_tokens), events.append)
+        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1))
+        for tok in forced:
+            sch._sample(seq, None, tok)
+        assert seq.finish_reason == "stop" and "".join(e.text for e in events) == out.text
+
+
 def test_stop_strings_without_a_tokenizer_are_refused(ckpts):
     llm = LLM(ckpts["llama"])
     with pytest.raises(RequestError, match="stop strings need the model's tokenizer"):

@@ -140,7 +140,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if isinstance(prompt, str):
             print(prompt + out.text)
         else:
-            print(out.text if out.text else " ".join(map(str, out.token_ids)))
+            # (the token ids stand for the text only where there is no tokenizer: with one, an output a stop string
+            # cut to nothing, or that stopped at its first token, is empty)
+            print(out.text if out.text or llm.tokenizer is not None else " ".join(map(str, out.token_ids)))
         print(f"\n[{counted(len(out.token_ids), 'token')}, {tps:.1f} tok/s decode, "
               f"TTFT {out.metrics.get('ttft_s', 0) * 1e3:.0f} ms, finish: {out.finish_reason}]", file=sys.stderr)
         if spec and not spec.get("spec_drafted", 1.0):  # (not "acceptance 0.00": no draft was rejected)

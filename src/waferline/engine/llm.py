@@ -470,10 +470,12 @@ class LLM:
         text = self.output_text(toks[:-1] if reason == "stop" and toks and toks[-1] in stop_ids else toks,
                                 params.skip_special_tokens, prompt_ids)
         if params.stop and reason == "stop" and toks and toks[-1] not in stop_ids:  # (as the scheduler cut it)
-            # (the text of the first min_tokens - 1 tokens as the scheduler had it: a character they leave incomplete,
-            # U+FFFD in this decode, was held back there)
-            head = toks[:params.min_tokens - 1]
-            after = len(self.output_text(head, params.skip_special_tokens, prompt_ids).rstrip("\ufffd")) if head else 0
+            # (the text of the first min_tokens - 1 tokens as the scheduler had it: the tokens whose text ends inside a
+            # character, U+FFFD in this decode, were held back there, all of their text: " \xc3" of " é" too)
+            head = toks[:max(params.min_tokens - 1, 0)]
+            while head and (shown := self.decode(head, params.skip_special_tokens, prompt_ids)).endswith("\ufffd"):
+                head = head[:-1]
+            after = len(shown) if head else 0
             cut = stop_cut(text, params.stop, after)
             text = text if cut is None else text[:cut]
         return Output(prompt_ids, toks, text, reason, dict(metrics))
