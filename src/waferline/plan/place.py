@@ -564,7 +564,8 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             pp = n_st
         else:
             pp = max(1, devices // tp)
-        if heads % tp:  # (a tensor-parallel group splits every layer's attention heads evenly, as vLLM requires)
+        split_note = heads % tp != 0
+        if split_note:  # (a tensor-parallel group splits every layer's attention heads evenly, as vLLM requires)
             ok = [t for t in range(1, tp + 1) if heads % t == 0]
             if k is None:  # the group that uses the most devices (then the widest): stages of it fill the rest
                 was, (tp, pp) = tp, max(((t, min(devices // t, len(parts))) for t in ok),
@@ -580,7 +581,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             fit = [(t, p) for t in range(1, min(devices, hw.devices_per_node) + 1) if heads % t == 0
                    for p in (min(devices // t, len(parts)),) if fits(build(t, p))]
             if fit:
-                if heads % min(devices, hw.devices_per_node):
+                if split_note:
                     notes.pop()  # (the note on the heads' split names the group that does not fit)
                 was, (tp, pp) = (tp, pp), max(fit, key=lambda tp_pp: (tp_pp[0] * tp_pp[1], tp_pp[0]))
                 notes.append(f"tensor-parallel groups of {tp} in {pp} pipeline stages: {was[1]} stage(s) of "
