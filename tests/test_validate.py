@@ -425,3 +425,27 @@ def test_calibrate_names_the_rows_it_leaves_out_and_the_parameters_at_a_bound(tm
     assert "class.gpu.bw_eff = 1 (upper bound)" in text
     assert cli_main(["calibrate", "--published", str(csv), "--out", str(out), "--bootstrap", "0", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["at_bound"] == {"class.gpu.bw_eff": [1.0, "upper"]}
+
+
+def test_a_relative_hardware_yaml_and_config_in_a_csv_are_read_beside_it(tmp_path, monkeypatch):
+    """A user's results CSV naming its own hardware YAML and config.json by relative paths finds them beside the CSV,
+    wherever validate runs from (they were looked up from the working directory: the row was skipped as unknown
+    hardware)."""
+    import shutil
+
+    from waferline.spec.catalog import HARDWARE_DIR, MODELS_DIR
+
+    data = tmp_path / "mine"
+    (data / "hw").mkdir(parents=True)
+    shutil.copy(HARDWARE_DIR / "h100-sxm.yaml", data / "hw" / "asic.yaml")
+    shutil.copy(MODELS_DIR / "llama-3.1-8b.json", data / "model.json")
+    p = _csv(data, ["a,S,model.json,hw/asic.yaml,1,16,none,1,1000,100,decode_tokens_per_s_per_user,150,tok/s,,,",
+                    "b,S,llama-3.1-8b,hw/asic.yaml,1,16,none,1,1000,100,decode_tokens_per_s_per_user,150,tok/s,,,"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    results, summary = validate(p)
+    assert [r.skipped for r in results] == ["", ""] and summary["predicted"] == 2
+    assert results[0].predicted == pytest.approx(results[1].predicted)
+    monkeypatch.chdir(data)  # (the same cells read from the CSV's own folder as before)
+    assert validate(p)[1]["predicted"] == 2

@@ -59,6 +59,18 @@ class Row:
     problem: str = ""
 
 
+def _beside(csv_path: Path, cell: str) -> str:
+    """A model or hardware cell: a relative path (a user's hardware YAML, a config.json or checkpoint folder) is read
+    beside the CSV, where it names something there; a catalog id, an absolute path or anything else stays as
+    written."""
+    from waferline.spec.catalog import _looks_like_path
+
+    if not _looks_like_path(cell) or cell.startswith("~") or Path(cell).is_absolute():
+        return cell
+    there = csv_path.parent / cell
+    return str(there) if there.exists() else cell
+
+
 def read_published(path: str | Path) -> list[Row]:
     """Parse a published-results CSV ('#' lines are comments); blank cells take documented defaults."""
     p = Path(path)
@@ -126,8 +138,8 @@ def read_published(path: str | Path) -> list[Row]:
             rows.append(
                 Row(
                     id=rid,
-                    model=r["model"].strip(),
-                    hardware=r["hardware"].strip(),
+                    model=_beside(p, r["model"].strip()),
+                    hardware=_beside(p, r["hardware"].strip()),
                     num_chips=counts["num_chips"],
                     weight_bits=counts["weight_bits"] or 16,
                     spec_decoding=method,
