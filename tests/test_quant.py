@@ -676,3 +676,32 @@ def test_a_calibration_file_of_ids_with_a_stray_word_is_a_one_line_error(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'12.5'" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]
+
+
+def test_quantize_refuses_a_calibration_file_or_architecture_it_cannot_use_before_loading(tmp_path, llama_dir, capsys,
+                                                                                          monkeypatch):
+    """GPTQ's calibration file was read only after the whole model had loaded (and the progress bar was drawn): a file
+    of too few tokens, or text for a checkpoint without a tokenizer, failed after that; so did a model_type the
+    planner places but the engine cannot load. Each is now a one-line error before the model loads."""
+    import shutil
+
+    import waferline.model.load as load_mod
+
+    monkeypatch.setattr(load_mod, "load_model", lambda *a, **k: pytest.fail("loaded before the inputs were checked"))
+    (tmp_path / "few.txt").write_text("5 6 7")
+    (tmp_path / "text.txt").write_text("some words of text, and the checkpoint has no tokenizer")
+    for calib, message in (("few.txt", "gives only 3 tokens"), ("text.txt", "has no tokenizer")):
+        with pytest.raises(ConfigError, match=message):
+            quantize_checkpoint(llama_dir, tmp_path / "g", QuantOptions(method="gptq"), str(tmp_path / calib))
+        assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), "--method", "gptq",
+                         "--calibration", str(tmp_path / calib)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+    planner_only = tmp_path / "mistral"
+    shutil.copytree(llama_dir, planner_only)
+    cfg = json.loads((planner_only / "config.json").read_text())
+    (planner_only / "config.json").write_text(json.dumps(dict(cfg, model_type="mistral", sliding_window=None)))
+    assert cli.main(["quantize", "--model", str(planner_only), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "planner-only" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["few.txt", "mistral", "text.txt"]

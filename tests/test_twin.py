@@ -149,7 +149,9 @@ def test_twin_passes_keep_each_plans_fastest(tiny_ckpt, host_yaml, tmp_path, mon
 
 def test_a_later_pass_kept_brings_its_own_run_record(tiny_ckpt, host_yaml, monkeypatch):
     """When a later pass is the one kept (the fastest), the row's run record (its load and CPU share, which the
-    markdown table prints beside the kept rates) is that pass's, not the first's."""
+    markdown table prints beside the kept rates) is that pass's, not the first's; row 0's token arrivals, which only
+    the first pass records, stay (the report's timeline figure had lost such a Plan, or the whole figure)."""
+    from waferline.report.twin_section import pick_timeline_row
     from waferline.sim import twin
     from waferline.sim.calibrate import common
 
@@ -167,6 +169,7 @@ def test_a_later_pass_kept_brings_its_own_run_record(tiny_ckpt, host_yaml, monke
     row = res["rows"][0]
     assert row["measured"]["tokens_per_s_per_user"] == row["passes"][1]["tokens_per_s_per_user"]
     assert row["run"]["load_average_1m"] == [9.5, 9.5, 9.5] and row["run"]["engine_metrics"] is not None
+    assert len(row["run"]["arrivals_row0"]) == 8 and pick_timeline_row(res) is row
 
 
 def test_wrong_hardware_figure_makes_the_error_grow(twin_result, host_yaml):
@@ -868,6 +871,34 @@ def test_a_16_bit_plan_on_an_int4_checkpoint_is_not_available(tmp_path, monkeypa
     s16, s4 = (r["status"] for r in res["rows"])
     assert s16.startswith("not available:") and "int4 checkpoint" in s16, s16
     assert ran == [(4, str(ckpt))] and s4.startswith("engine failed")
+
+
+def test_an_int4_copy_that_cannot_be_made_leaves_the_other_plans_running(tmp_path, monkeypatch):
+    """A checkpoint whose int4 copy fails (no matmul width a group fits, say) stopped the whole twin at its first int4
+    Plan, the Plans measured before it lost and no --out written; its int4 Plans are now not available (the copy tried
+    once), the rest run."""
+    from waferline.sim import twin
+    from waferline.sim.calibrate import common
+
+    ran, tried = [], []
+
+    def no_copy(path):
+        tried.append(path)
+        raise ConfigError("no weight was quantized: group size 128 fits none of its matmul widths")
+
+    def engine(target, kwargs, timeout):
+        ran.append(kwargs["point"]["weight_bits"])
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(twin, "int4_checkpoint", no_copy)
+    monkeypatch.setattr(common, "run_isolated", engine)
+    res = twin.run_twin(SOL_MINI, TWIN_HOST, [{"stages": 1, "weight_bits": 4}, {"stages": 1},
+                                              {"stages": 1, "weight_bits": 4, "batch": 2}],
+                        prompt_len=8, output_len=8, repeats=1, passes=1, canary_runs=False)
+    s4, s16, s4b = (r["status"] for r in res["rows"])
+    assert s4 == s4b == "not available: the int4 copy: no weight was quantized: group size 128 fits none of its " \
+                        "matmul widths", s4
+    assert ran == [16] and s16.startswith("engine failed") and len(tried) == 1
 
 
 def test_twin_grid_help_says_it_takes_a_file(capsys):

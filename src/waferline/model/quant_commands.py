@@ -81,7 +81,8 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
     keep = tuple(args.keep or ()) + (() if args.quantize_kv_b else DEFAULT_KEEP)
     opts = QuantOptions(bits=args.bits, group_size=args.group_size, symmetric=not args.asymmetric, method=args.method,
                         keep=keep)
-    check_quantize(args.model, args.out, opts, args.calibration, args.force)  # (before a progress bar is drawn)
+    check_quantize(args.model, args.out, opts, args.calibration, args.force,  # (before a progress bar is drawn)
+                   args.calibration_tokens)
     if args.json:
         summary = quantize_checkpoint(args.model, args.out, opts, args.calibration, args.calibration_tokens, args.force)
         print(json.dumps(summary, indent=2))

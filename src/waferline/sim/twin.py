@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from waferline.errors import ConfigError
+from waferline.errors import ConfigError, WaferlineError
 from waferline.sim.calibrate.common import cpu_model, machine_differences, machine_identity
 from waferline.sim.host_work import ChunkOps, Work, chunk_key, counted_op_count
 from waferline.spec.configs import spec_from_pretrained
@@ -477,6 +477,7 @@ def _run_grid(
     rows = []
     todo: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (row, measure_point kwargs) of the Plans that ran
     int4_path: Path | None = None
+    int4_failed: str | None = None  # why the int4 copy could not be made
     int4_model = is_int4_checkpoint(path)  # (the engine runs its int4 weights whatever the Plan's weight bits)
     first_run: tuple[str, dict[str, Any], float] | None = None  # (plan, measure_point kwargs, tokens/s per user)
     for i, pt in enumerate(points):
@@ -496,9 +497,15 @@ def _run_grid(
             continue
         ckpt = path
         if pt.weight_bits == 4:
-            if int4_path is None:
+            if int4_path is None and int4_failed is None:
                 say("quantizing an int4 copy (cached)", (i + 0.1) / len(points) / passes)
-                int4_path = int4_checkpoint(path)
+                try:
+                    int4_path = int4_checkpoint(path)
+                except WaferlineError as e:  # (this Plan and the other int4 ones are not available; the rest run)
+                    int4_failed = " ".join(str(e).split())
+            if int4_path is None:
+                row["status"] = f"not available: the int4 copy: {int4_failed}"
+                continue
             ckpt = int4_path
         if pt.afd:  # rows per micro-batch on one attention rank, in decode and in a prefill step alike
             Ba = math.ceil(pt.batch / max(1, sum(1 for s in plan.stages if s.role == "attention")))
@@ -592,6 +599,8 @@ def _run_grid(
                 row["measured"]["aggregate_tokens_per_s"] = again["aggregate_tokens_per_s"]
                 run = _run_record(again)  # (and how that run went: its load, its processes' share of the cores)
                 run["engine_metrics"] = run["engine_metrics"] or row["run"]["engine_metrics"]
+                # (row 0's token arrivals are recorded by the first pass only, which counts: the report's timeline)
+                run["arrivals_row0"] = run["arrivals_row0"] or row["run"].get("arrivals_row0")
                 row["run"] = run
             row["measured"]["ttft_s"] = min(row["measured"]["ttft_s"], again["ttft_s"])
     for row, _ in todo:

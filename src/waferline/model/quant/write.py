@@ -31,7 +31,7 @@ from waferline.model.quant.mapping import (
 from waferline.model.quant.modules import QuantOptions, _kept, _quantize_param, install, matmul_weights
 from waferline.model.quant.tensor import ALWAYS_16BIT, QUANT_METHOD, Int4Tensor
 from waferline.model.quant.weight import Int4Weight
-from waferline.spec.configs import read_config_json, spec_from_pretrained
+from waferline.spec.configs import ENGINE_MODEL_TYPES, read_config_json, spec_from_pretrained
 
 # the 16-bit model's weights in other formats (PyTorch pickles, Flax, TensorFlow, GGUF), with their shard indexes:
 # not copied into the int4 checkpoint (they would hold the whole 16-bit model again)
@@ -126,10 +126,23 @@ def check_out_dir(model_dir: Any, out_dir: Any) -> None:
         raise ConfigError(f"--out {out_dir} is a file, not a directory; choose a directory path")
 
 
+def _calibration(model_dir: Path, calibration: str, max_tokens: int, spec: Any) -> list[int]:
+    """GPTQ's calibration token ids from ``calibration`` (text through the checkpoint's tokenizer, or ids), checked
+    against ``spec``'s vocabulary."""
+    from waferline.model.load import load_tokenizer
+
+    tokens = calibration_tokens(calibration, load_tokenizer(model_dir), max_tokens)
+    if max(tokens) >= spec.vocab_size:
+        raise ConfigError(f"calibration file {calibration} has token ids past the vocabulary ({spec.vocab_size}): "
+                          f"e.g. {max(tokens)}")
+    return tokens
+
+
 def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
-                   force: bool = False) -> Any:
+                   force: bool = False, calibration_max_tokens: int = 4096) -> Any:
     """What ``quantize_checkpoint`` checks before any work (the source's config and weight files, the options, where
-    it will write): a ConfigError naming the first problem, else the source's ModelSpec."""
+    it will write, an architecture the engine runs, GPTQ's calibration file): a ConfigError naming the first problem,
+    else the source's ModelSpec."""
     from pathlib import Path
 
     from waferline.model.load import checkpoint_files
@@ -163,7 +176,12 @@ def check_quantize(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration
     except ConfigError:
         raise ConfigError(f"cannot write {out_dir}: {parent} is not a writable directory") from None
     spec = spec_from_pretrained(model_dir)
+    if spec.model_type not in ENGINE_MODEL_TYPES:  # (the engine loads the model to quantize it)
+        raise ConfigError(f"model_type {spec.model_type!r} is planner-only: waferline cannot load it to quantize it; "
+                          f"the engine runs {', '.join(ENGINE_MODEL_TYPES)}")
     checkpoint_files(model_dir)  # (no weight files: said here, not after loading starts)
+    if opts.method == "gptq":  # (a file of too few tokens, text without a tokenizer: said before the model loads)
+        _calibration(model_dir, calibration, calibration_max_tokens, spec)
     return spec
 
 
@@ -203,19 +221,14 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
     from waferline.model.load import checkpoint_files, load_model, open_weights
 
     t0 = time.perf_counter()
-    spec = check_quantize(model_dir, out_dir, opts, calibration, force)
+    spec = check_quantize(model_dir, out_dir, opts, calibration, force, calibration_max_tokens)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     cfg = read_config_json(model_dir / "config.json")
+    tokens = _calibration(model_dir, calibration, calibration_max_tokens, spec) if opts.method == "gptq" else []
     model = load_model(model_dir, torch.float32)
     calib = None
     n_calib = 0
     if opts.method == "gptq":
-        from waferline.model.load import load_tokenizer
-
-        tokens = calibration_tokens(calibration, load_tokenizer(model_dir), calibration_max_tokens)
-        if max(tokens) >= spec.vocab_size:
-            raise ConfigError(f"calibration file {calibration} has token ids past the vocabulary ({spec.vocab_size}): "
-                              f"e.g. {max(tokens)}")
         n_calib = len(tokens)
         calib = SequentialCalibration(model, tokens)
     raw = open_weights(model_dir)
