@@ -244,6 +244,51 @@ def test_sampled_generation_runs_and_is_seeded(ckpts):
         assert a == b and all(len(x) == 12 for x in a)
 
 
+def _joint(llm: LLM, prompt: list[int], params: SamplingParams, n: int) -> dict[tuple[int, ...], float]:
+    """The exact distribution of the first ``n`` sampled tokens: target_probs of the plain model's logits after each
+    prefix (a small top_k keeps the support small)."""
+    out: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for pre, pr in out.items():
+            p = target_probs(llm.prompt_logprobs(prompt + list(pre))[-1], params).double()
+            nxt.update({pre + (t,): pr * float(p[t]) for t in torch.nonzero(p).flatten().tolist()})
+        out = nxt
+    return out
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_sampled_speculation_keeps_the_joint_distribution_of_the_first_tokens(ckpts, method):
+    """End to end through the scheduler (drafts, verify, residual, bonus token, rollback, a drafter's q): the first 4
+    tokens of 2000 requests (seeded apart) follow the target's joint distribution (chi-square, the cells expected
+    fewer than 5 times pooled), with some drafts accepted and some rejected. A rejection resampled from p instead of the
+    residual, or a bonus token drawn from the wrong row, fails it (p < 1e-40 or a zero-probability sequence)."""
+    d = ckpts["llama"]
+    plain = LLM(d, max_model_len=96)
+    # a prompt of the model's own likely text, repeated in part: the n-gram drafter finds continuations it may accept
+    text = plain.generate([[5, 6, 7]], SamplingParams(max_tokens=40, temperature=1.0, top_k=3, seed=1,
+                                                      ignore_eos=True))[0].token_ids
+    prompt = [5, 6, 7] + text + text[:6]
+    params = SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True)
+    joint = _joint(plain, prompt, params, 4)
+    spec = "ngram" if method == "ngram" else f"draft:{ckpts['llama:draft']}"
+    llm = LLM(d, max_model_len=96, speculative=spec, num_speculative_tokens=2, speculative_adaptive=False)
+    n = 2000  # (each request seeded apart: independent draws, and the same ones every run)
+    outs = llm.generate([prompt] * n, [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, ignore_eos=True, seed=i)
+                                       for i in range(n)])
+    m = outs[0].metrics
+    assert 0 < m["spec_accepted"] < m["spec_drafted"], m
+    counts: dict[tuple[int, ...], int] = {}
+    for o in outs:
+        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+    assert all(joint.get(k, 0.0) > 0 for k in counts), "a sequence of probability 0 was sampled"
+    big = [k for k, p in joint.items() if p * n >= 5]
+    small = [k for k in joint if k not in big]
+    got = torch.tensor([counts.get(k, 0) for k in big] + [sum(counts.get(k, 0) for k in small)], dtype=torch.float64)
+    want = torch.tensor([joint[k] for k in big] + [sum(joint[k] for k in small)], dtype=torch.float64)
+    assert _chi2_pvalue(got, want) > 1e-4
+
+
 def test_stop_token_inside_accepted_drafts(ckpts):
     prompts = _prompts(3)
     ref_full = [o.token_ids for o in LLM(ckpts["llama"]).generate(prompts, GREEDY)]
