@@ -279,6 +279,19 @@ def test_gpu_memory_is_the_bytes_the_driver_reports():
         assert load_hardware(name).memory_bytes == pytest.approx(nbytes, rel=2e-4), name
 
 
+def test_tpu_memory_is_the_gib_google_lists():
+    """Google lists TPU HBM per chip in GiB (docs.cloud.google.com/tpu/docs/tpu7x: 95 / 32 / 192 for v5p / v6e /
+    TPU7x; XLA's per-chip limit on v6e, 31.25G, is above 32e9 bytes): read as 1e9 bytes, each chip had 7% less room,
+    and DeepSeek-V3 at 8 bits did not fit 8 v5p chips (95.49 GB > 95.00 GB). ICI v7's 1.2 TB/s and 9.6 Tb/s agree."""
+    gib = 2**30
+    for name, n in {"tpu-v5p": 95, "tpu-v6e": 32, "tpu-v7": 192}.items():
+        assert load_hardware(name).memory_bytes == pytest.approx(n * gib, rel=2e-4), name
+    from waferline.plan.place import place
+
+    assert place("deepseek-v3", "tpu-v5p", weight_bits=8, devices=8).fits
+    assert catalog_links()["ici-v7"].sources["ici-v7.bandwidth"].status == "sourced"
+
+
 def test_a_bf16_rate_guessed_from_fp8_is_marked_assumed():
     """Groq 3's BF16 rate is not published: half its FP8 rate is an assumption, listed with the assumed numbers."""
     assert load_hardware("groq-lpu-3").sources["flops.bf16"].status == "assumed"
