@@ -419,3 +419,9 @@ def test_explain_levers_with_speculation_reach_the_target_when_applied(capsys):
     tgt = _sim_json(capsys, "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "8", "--speculative", "eagle",
                     "--no-intervals", "--explain", "--target-tokens-per-s", "400")["explain"]["target"]
     assert tgt["levers"] and "re-simulating" in tgt["levers_note"]
+    # a read lever that is not enough says so without the one-token step's floor (it does not bound a verify step)
+    tgt = _sim_json(capsys, "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80",
+                    "--speculative", "mtp", "--no-intervals", "--explain", "--target-tokens-per-s",
+                    "1500")["explain"]["target"]
+    read = next(lv for lv in tgt["levers"] if lv["term"] == "weights and cache read")
+    assert read["to_s"] is None and "floor_s" not in read

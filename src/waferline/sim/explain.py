@@ -265,6 +265,7 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
             lv["factor"], lv["to_s"] = f, (lv["from_s"] / f if f is not None else None)
             if lv["term"] == "compute" and f is not None:
                 lv["to_s"] = _compute_after(r, f)
+            lv.pop("floor_s", None)  # (the one-token step's floor does not bound a verify step)
     tgt["levers"] = levers
     tgt["levers_note"] = ("with speculation each factor is sized by re-simulating the speculative step (the drafter's "
                           "steps and the verify of k+1 tokens) with that term shorter; the us figures are the "
