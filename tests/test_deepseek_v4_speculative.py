@@ -216,3 +216,16 @@ def test_greedy_drafters_equal_plain_greedy(checkpoint, plain, tmp_path, monkeyp
     m = outs[0].metrics
     assert 0 < m["spec_accepted"] < m["spec_drafted"]
     assert _reopened(seen) > 0
+
+
+def test_mtp_on_deepseek_v4_is_refused_as_not_run(checkpoint):
+    """DeepSeek-V4's config declares an MTP module (the planner models it) that the engine does not run: asking for
+    'mtp' is one ConfigError that says so, in one process and over a pipeline (it said the checkpoint had no MTP
+    weights)."""
+    from waferline.errors import ConfigError
+    from waferline.spec.configs import spec_from_pretrained
+
+    assert spec_from_pretrained(checkpoint).mtp_layers  # (num_nextn_predict_layers: 1, transformers' default)
+    for kw in ({}, {"stages": 2}):
+        with pytest.raises(ConfigError, match="does not run DeepSeek-V4's MTP module"):
+            LLM(checkpoint, speculative="mtp", **kw)

@@ -281,12 +281,25 @@ def test_a_draft_models_step_reads_its_head_at_the_plans_embed_bits():
     assert drafted[16] - drafted[4] == pytest.approx(3 * saved, rel=0.05)
 
 
-def test_a_models_mtp_module_the_spec_does_not_model_is_named_as_a_stand_in():
-    """DeepSeek-V4's config has an MTP module (num_nextn_predict_layers: 1) the spec does not model: the drafter that
-    stands in for it says so (it said the model had no MTP layers); a model without one still says that."""
+def test_deepseek_v4s_mtp_module_is_modelled_as_its_reference_builds_it():
+    """DeepSeek-V4's MTP module (num_nextn_predict_layers: 1) is a whole hyper-connected block of the model: attention
+    as the compress ratio after the layers' says (0: sliding window only, no compressor or indexer), MoE routed by score
+    (not hashed), a [d -> d] projection each for the embedding and the hidden state, three norms and its own collapse
+    of the streams; the simulator drafts with it (a one-layer head of the model's first layer stood in for it). A
+    model without MTP layers still says so."""
+    from waferline.spec.model import CompressedAttentionSpec
+
+    spec = load_model("deepseek-v4-flash")
+    assert spec.hf_config["compress_ratios"][spec.num_layers] == 0 and len(spec.mtp_layers) == 1
+    mtp = spec.mtp_layers[0]
+    assert isinstance(mtp.mixer, CompressedAttentionSpec) and mtp.mixer.compress_ratio == 0
+    assert mtp.mixer.index_topk == 0 and mtp.ffn.correction_bias and mtp.hc_mult == 4
+    assert spec.layers[0].mixer.compress_ratio != 0 or not spec.layers[0].ffn.correction_bias  # (not layer 0's shape)
+    d, n = spec.hidden_size, mtp.hc_mult
+    assert spec.mtp_params() == mtp.params() + 2 * d * d + 3 * d + n * (n * d + 1) + 1
     hw = load_hardware("h200-sxm")
-    for name, says in (("deepseek-v4-flash", "standing in for its MTP module (not modelled for deepseek_v4)"),
-                       ("llama-3.1-8b", "model has no MTP layers")):
+    for name, says in (("deepseek-v4-flash", "MTP module"), ("llama-3.1-8b", "MTP-like one-layer head (model has no "
+                                                                          "MTP layers)")):
         spec = load_model(name)
         plan = place(spec, hw, speculative=SpeculativeConfig("mtp", 3))
-        assert says in simulate(plan, spec=spec, hardware=hw).speculative["drafter"], name
+        assert simulate(plan, spec=spec, hardware=hw).speculative["drafter"] == says, name

@@ -401,11 +401,14 @@ def worker_failed(ctl: Control, rank: int, e: Exception) -> int:
     return EXIT_ERROR
 
 
-def check_mtp(layers: int, path: Any) -> None:
+def check_mtp(layers: int, path: Any, model_type: str = "") -> None:
     """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them): ``layers`` MTP
     layers, the model's or its config's."""
     from waferline.errors import ConfigError
 
+    if model_type == "deepseek_v4":
+        raise ConfigError("speculative='mtp': waferline's engine does not run DeepSeek-V4's MTP module (its "
+                          "hyper-connected mtp.* block); use 'ngram' or 'draft:PATH' instead")
     if not layers:
         raise ConfigError(
             f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "

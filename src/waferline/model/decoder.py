@@ -463,8 +463,9 @@ class DecoderModel(nn.Module):
         )
         # MTP heads: None = load them when the checkpoint has them, True = required, False = never
         self.with_mtp = with_mtp
-        self.mtp = nn.ModuleList([MTPHead(l, spec.model_type, self.cfg, dtype) for l in spec.mtp_layers]
-                                 if has_head and has_embed and with_mtp is not False else [])
+        self.mtp = nn.ModuleList([MTPHead(l, spec.model_type, self.cfg, dtype) for l in spec.mtp_layers]  # (not
+                                 # DeepSeek-V4's hyper-connected MTP block, which the engine does not run)
+                                 if has_head and has_embed and with_mtp is not False and not v4 else [])
         granite = spec.model_type == "granitemoehybrid"
         self.embedding_multiplier = float(self.cfg.get("embedding_multiplier") or 1.0) if granite else 1.0
         self.logits_scaling = float(self.cfg.get("logits_scaling") or 1.0) if granite else 1.0

@@ -246,16 +246,17 @@ def _rate_method(ctx: _Ctx) -> str:
     return sp.method
 
 
-def _with_input_projection(lc: LayerCost, d: int, weight_bits: int, group: int) -> LayerCost:
+def _with_input_projection(lc: LayerCost, d: int, weight_bits: int, group: int, streams: int = 1) -> LayerCost:
     """A one-layer drafter's layer with its [2d -> d] input projection (an MTP module's ``eh_proj``, an EAGLE-style
     head's ``fc``: the token's embedding beside the hidden state, down to d) added to its mixer: the projection's
     bytes, 2 x 2d x d FLOPs per token, and on a wafer one more phase carrying 2d elements in and d out beyond the
-    layer input ``fabric_work`` already counts."""
+    layer input ``fabric_work`` already counts. ``streams``: hyper-connected residual streams (DeepSeek-V4's MTP block
+    projects the embedding once and each stream of the hidden state with its own [d -> d])."""
     from waferline.spec.model import matmul_bytes
 
     pb = matmul_bytes([(2 * d, d, 1)], weight_bits, group)
     return replace(lc, weight_bytes=lc.weight_bytes + pb, mixer_bytes=lc.mixer_bytes + pb,
-                   mixer_flops=lc.mixer_flops + 4.0 * d * d,
+                   mixer_flops=lc.mixer_flops + 2.0 * d * d * (1 + max(1, streams)),
                    fabric_mixer_elems=lc.fabric_mixer_elems + 2.0 * d,
                    fabric_mixer_phases=lc.fabric_mixer_phases + 1)
 
@@ -301,17 +302,17 @@ def _draft_time(ctx: _Ctx, method: str, k: int, batch: int, table: list[LayerCos
 
             mspec = SimpleNamespace(layers=spec.mtp_layers[:1], name=spec.name + ":mtp")
             lc = layer_table(mspec, plan.weight_bits, plan.kv_bits, context, plan.group_size)[0]
-            what = "MTP module"
+            what, streams = "MTP module", spec.mtp_layers[0].hc_mult
         else:
-            lc = table[0]
+            lc, streams = table[0], 1
             what = "MTP-like one-layer head (model has no MTP layers)"
-            if method == "mtp" and (spec.hf_config or {}).get("num_nextn_predict_layers"):  # (DeepSeek-V4)
+            if method == "mtp" and (spec.hf_config or {}).get("num_nextn_predict_layers"):  # (a parser without them)
                 what = (f"one-layer head of {spec.name}'s shape standing in for its MTP module (not modelled for "
                         f"{spec.model_type})")
             if method == "eagle":
                 v, head_b, head_f = _eagle_head(spec, plan.embed_bits)
                 what = f"one-layer draft head (EAGLE-style, over a {v:,}-token draft vocabulary)"
-        lc = _with_input_projection(lc, spec.hidden_size, plan.weight_bits, plan.group_size)
+        lc = _with_input_projection(lc, spec.hidden_size, plan.weight_bits, plan.group_size, streams)
         return _hidden_drafter_steps(_one_layer_step(ctx, lc, n, batch, head_b, head_f), k, first_tokens), what
     if method == "draft":
         from waferline.plan.place import place

@@ -633,17 +633,24 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         n_hash = 3 if n_hash is None else int(n_hash)
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
     hc = int(cfg.get("hc_mult") or 4)
-    layers = []
-    for i in range(n):
+
+    def layer(i: int, kind: str, mlp: str) -> LayerSpec:
         ffn = MoESpec(
             hidden_size=cfg["hidden_size"], num_experts=_get(cfg, "n_routed_experts", "num_local_experts"),
             top_k=cfg["num_experts_per_tok"], expert_intermediate=cfg["moe_intermediate_size"],
             num_shared=1, shared_intermediate=cfg["moe_intermediate_size"], shared_bias=_mlp_bias(cfg),
-            scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp_types[i] != "hash_moe",
+            scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp != "hash_moe",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
             routed_scaling=float(cfg.get("routed_scaling_factor") or 1.5))
-        layers.append(LayerSpec(i, _compressed(cfg, types[i]), ffn, cfg["hidden_size"], hc_mult=hc))
-    return _spec(cfg, name, mt, layers)
+        return LayerSpec(i, _compressed(cfg, kind), ffn, cfg["hidden_size"], hc_mult=hc)
+
+    layers = [layer(i, types[i], mlp_types[i]) for i in range(n)]
+    # the MTP modules (DeepSeek's reference MTPBlock: a whole block of the model, hyper-connected, its attention as the
+    # compress ratio listed after the layers' says, sliding-window where none is, its MoE routed by score)
+    ratios = list(cfg.get("compress_ratios") or [])
+    mtp = [layer(n + j, _COMPRESS_RATIO_TYPES.get(int(ratios[n + j]), "sliding_attention") if n + j < len(ratios)
+                 else "sliding_attention", "moe") for j in range(int(cfg.get("num_nextn_predict_layers") or 0))]
+    return _spec(cfg, name, mt, layers, mtp)
 
 
 def _parse_llama4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:

@@ -951,17 +951,20 @@ class ModelSpec:
                 + sum(layer.active_params() for layer in self.layers))
 
     def mtp_params(self) -> int:
-        """MTP modules: each a decoder layer plus its input projection [2d -> d] and three norms
+        """MTP modules: each a decoder layer plus its input projection [2d -> d] (DeepSeek-V4's: two [d -> d], for the
+        embedding and the hidden state), three norms and, with hyper-connections, its own collapse of the streams
         (embeddings and LM head are shared with the main model)."""
         d = self.hidden_size
-        return sum(layer.params() + 2 * d * d + 3 * d for layer in self.mtp_layers)
+        return sum(layer.params() + 2 * d * d + 3 * d + self.hc_head_params() for layer in self.mtp_layers)
 
     def mtp_weight_bytes(self, bits: int = 16, group_size: int = 128, layers: list[Any] | None = None) -> float:
         """Stored bytes of the MTP modules (``mtp_params``' parts: the layer and its [2d -> d] projection at ``bits``,
-        the norms 16-bit); ``layers``: modules of other layers' shape (an EAGLE-style head: the first layer's)."""
+        the norms and a collapse of the streams 16-bit); ``layers``: modules of other layers' shape (an EAGLE-style
+        head: the first layer's)."""
         d = self.hidden_size
         return sum(layer.weight_bytes(bits, group_size) + matmul_bytes([(2 * d, d, 1)], bits, group_size)
-                   + 3 * d * BYTES_16 for layer in (self.mtp_layers if layers is None else layers))
+                   + (3 * d + self.hc_head_params()) * BYTES_16
+                   for layer in (self.mtp_layers if layers is None else layers))
 
     # -- bytes
     def embed_bytes(self, embed_bits: int = 16) -> float:

@@ -472,5 +472,5 @@ def load_mtp_drafter(path: Any, dtype: torch.dtype) -> Any:
     from waferline.model.load import load_model
 
     model = load_model(path, dtype, range(0), has_embed=True, has_head=True)
-    check_mtp(len(model.mtp), path)
+    check_mtp(len(model.mtp), path, model.spec.model_type)
     return model

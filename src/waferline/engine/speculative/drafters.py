@@ -252,6 +252,9 @@ class MTPDrafter(_ModelDrafter):
 
     def __init__(self, model: Any):
         if not len(model.mtp):
+            from waferline.engine.stage import check_mtp
+
+            check_mtp(0, "the checkpoint", model.spec.model_type)  # (DeepSeek-V4's: said as such)
             raise ConfigError("speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 "
                               "and model.layers.{N}.eh_proj.weight ...); use 'ngram' or 'draft:PATH' instead")
         self.model = model

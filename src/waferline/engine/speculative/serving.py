@@ -79,7 +79,8 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
     if method == "mtp":  # (MTP layers in the config whose weights the checkpoint lacks load as none: DecoderModel)
         spec = spec_from_pretrained(path)
         first = f"{NAMING.get(spec.model_type, Naming()).root}layers.{spec.num_layers}.eh_proj.weight"
-        check_mtp(len(spec.mtp_layers) if hf_source(open_weights(Path(path)), spec.model_type).has(first) else 0, path)
+        check_mtp(len(spec.mtp_layers) if hf_source(open_weights(Path(path)), spec.model_type).has(first) else 0, path,
+                  spec.model_type)
     elif method.startswith("draft:") and len(method) > len("draft:"):
         draft = Path(method[len("draft:"):])
         if not draft.is_dir():
