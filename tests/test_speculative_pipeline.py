@@ -246,3 +246,32 @@ def test_wire_format_round_trips():
     meta = [9, 2, 4, 0] + [0, 2] + [3, 1] + [5, 6, 1, 4]
     mb_id, toks, lps = decode_feedback(meta, torch.empty(0, dtype=torch.uint8), 16)
     assert (mb_id, toks, lps) == (9, {0: [5, 6, 1], 2: [4]}, {})
+
+
+def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
+    """An int4 checkpoint keeps its MTP head 16-bit; ``LLM(path, speculative="mtp")`` drafts with it in int4, as its
+    target is. A seeded sampled draft samples from the head's probabilities, so the pipeline's drafter and the
+    served single-process engine's must be int4 too for the same tokens."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.sequence import Sequence
+    from waferline.model.quant import QuantOptions
+    from waferline.model.quant.write import quantize_checkpoint
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
+               num_nextn_predict_layers=1)
+    ck = tmp_path / "int4"
+    quantize_checkpoint(write_random_checkpoint(cfg, tmp_path / "fp32"), ck, QuantOptions(group_size=32))
+    prompts = [[7, 8, 9, 10, 11, 12] * 3, list(range(40, 60))]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    with LLM(ck, speculative="mtp") as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(ck, speculative="mtp", stages=2, threads_per_stage=1) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    sch = Scheduler(LLM(ck), SchedulerConfig(max_num_seqs=2, speculative="mtp", prefix_caching=False))
+    seqs = [Sequence(str(i), p, sp, stream_text=False) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sch.add(s)
+    while sch.has_work():
+        sch.step()
+    assert [s.output_ids for s in seqs] == ref

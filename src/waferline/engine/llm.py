@@ -46,7 +46,7 @@ from waferline.engine.sampling import (
     resolve_dtype,
 )
 from waferline.engine.sequence import CONTEXT_TOKENS, Sequence, request_generator, stop_cut
-from waferline.engine.speculative.serving import ServeSpeculation, check_speculative
+from waferline.engine.speculative.serving import ServeSpeculation, check_speculative, int4_mtp
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -161,10 +161,8 @@ class LLM:
 
             if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
-            if speculative == "mtp" and is_int4(self.model) and len(self.model.mtp):
-                # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit): a draft only proposes, the
-                # target's verify decides, so the output is unchanged; each draft then runs its layer as one op
-                quantize_model(self.model.mtp, QuantOptions(group_size=group_size))
+            if speculative == "mtp":  # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit)
+                int4_mtp(self.model, is_int4(self.model), group_size)
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None

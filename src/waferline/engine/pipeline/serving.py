@@ -468,9 +468,14 @@ def _padded(outs: list[RowOutput | None], width: int) -> list[RowOutput | None]:
 def load_mtp_drafter(path: Any, dtype: torch.dtype) -> Any:
     """The parts of a checkpoint an MTP drafter runs on, for a process that holds no layer's weights: the embedding,
     the MTP head(s), the final norm and the LM head (a DecoderModel without decoder layers)."""
+    from pathlib import Path
+
+    from waferline.engine.inputs import is_int4_checkpoint
+    from waferline.engine.speculative.serving import int4_mtp
     from waferline.engine.stage import check_mtp
     from waferline.model.load import load_model
 
     model = load_model(path, dtype, range(0), has_embed=True, has_head=True)
     check_mtp(len(model.mtp), path, model.spec.model_type)
+    int4_mtp(model, is_int4_checkpoint(Path(path)))  # (in int4 where the stages' layers are, as LLM's drafter)
     return model

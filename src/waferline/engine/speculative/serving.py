@@ -93,6 +93,16 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
         make_drafter(method, None, torch.float32)  # (an n-gram drafter needs no model; anything else is refused)
 
 
+def int4_mtp(model: Any, target_int4: bool, group_size: int = 128) -> None:
+    """An MTP drafter's head in int4 where its target's layers are (a checkpoint keeps the head 16-bit), in place:
+    each draft then runs its layer as one op. Every engine drafts so (``LLM``, the server, a pipeline's drafter): a
+    seeded sampled draft samples from the head's probabilities, so the same tokens need the same head weights."""
+    from waferline.model.quant import QuantOptions, is_int4, quantize_model
+
+    if target_int4 and len(model.mtp) and not is_int4(model.mtp):
+        quantize_model(model.mtp, QuantOptions(group_size=group_size))
+
+
 @dataclass
 class ServeSpecStats:
     """What speculation did since the scheduler started (the scheduler's stats and /metrics report it)."""
@@ -156,6 +166,10 @@ class ServeSpeculation:
             raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
                               "serve without speculative")
         model, caches = prepare(config.speculative) if prepare else (runner.model, runner.caches)
+        if prepare is None and config.speculative == "mtp":
+            from waferline.model.quant import is_int4
+
+            int4_mtp(model, is_int4(model))
         return cls(model, caches, runner.num_slots, config.speculative, config.num_speculative_tokens,
                    config.speculative_adaptive, config.max_num_batched_tokens)
 
