@@ -409,3 +409,69 @@ def test_demo_plan_names_the_layers_a_stage_holds(tmp_path):
                     report=False) == 0
     layers = SOL_DEMO_CONFIG["num_hidden_layers"]
     assert json.loads((out / "demo.json").read_text())["plan"].startswith(f"1 stage process ({layers} layers per stage")
+
+
+def test_demo_refuses_mtp_for_a_checkpoint_without_mtp_before_any_work(tmp_path, capsys, monkeypatch):
+    """--speculative mtp with a --model that has no MTP layers is one line naming that checkpoint, before the int4 copy
+    and the timing run (the engine refused it only after them, naming the int4 copy)."""
+    import waferline.demo as demo
+    from waferline.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("the demo ran before its flags were checked")
+
+    monkeypatch.setattr(demo, "run_demo", no_run)
+    model = build_demo_checkpoint(tmp_path / "no-mtp")
+    out = tmp_path / "out"
+    assert main(["demo", "--model", str(model), "--out", str(out), "--no-report", "--speculative", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "needs a checkpoint with MTP weights" in err and str(model) in err
+    assert not out.exists()
+
+
+def test_demo_report_says_what_the_terminal_says_of_one_token_and_speculation(tmp_path, capsys, monkeypatch):
+    """--max-tokens 1 --speculative ngram: the terminal and the report say there was no decode step (not "decode
+    0 tok/s" of "1 tokens") and what speculation did (the report said nothing of it; with nothing drafted the terminal
+    said "acceptance 0.00 (0 of 0 drafts)")."""
+    import html
+
+    import waferline.report.html as report_html
+    from waferline.demo import run_demo
+
+    def png(fig):
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return ""
+
+    monkeypatch.setattr(report_html, "_png", png)
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    assert run_demo(out_dir=str(out), max_tokens=1, model=str(model), weight_bits=16, layers_per_stage=0,
+                    speculative="ngram", json_out=True) == 0
+    printed = " ".join(capsys.readouterr().err.split())  # (rich wraps its lines)
+    page = html.unescape((out / "waferline-report.html").read_text())
+    for said in (printed, page):
+        assert "no decode step" in said and "decode 0 tok/s" not in said and "1 tokens" not in said
+        assert "speculative ngram: nothing drafted (no decode step)" in said and "acceptance 0.00" not in said
+    from waferline.demo import speculative_text
+
+    d = json.loads((out / "demo.json").read_text())
+    assert speculative_text("ngram", {k: v for k, v in d.items() if k.startswith("spec_")}) in page
+    drafted = {"spec_acceptance_rate": 0.5, "spec_accepted": 2.0, "spec_drafted": 4.0,
+               "spec_mean_accepted_length": 1.5, "spec_plain_steps": 1.0, "spec_verify_steps": 3.0}
+    assert speculative_text("mtp", drafted).startswith("speculative mtp: acceptance 0.50 (2 of 4 drafts), mean "
+                                                       "accepted length 1.50 tokens per decode step")
+
+
+def test_demo_names_the_int4_copy_of_model_dot_after_the_checkpoint(tmp_path, monkeypatch):
+    """`--model .` (run inside the checkpoint's directory): the int4 copy is named after that directory, as the report
+    names the checkpoint (it was "-int4-g32")."""
+    from waferline.demo import run_demo
+
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    monkeypatch.chdir(model)
+    out = tmp_path / "out"
+    assert run_demo(out_dir=str(out), max_tokens=1, model=".", layers_per_stage=0, report=False) == 0
+    assert (out / "ckpt-int4-g32" / "model.safetensors").is_file() and not (out / "-int4-g32").exists()
+    assert json.loads((out / "demo.json").read_text())["checkpoint"] == str(out / "ckpt-int4-g32")

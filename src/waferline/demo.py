@@ -181,6 +181,27 @@ def headline_cell(head: dict[str, Any], key: str, scale: float = 1.0, unit: str 
     return fmt(head[key], head.get(key + "_interval"), ",.0f", scale) + unit
 
 
+def decode_text(metrics: dict[str, float]) -> str:
+    """The streamed run's decode speed, as the terminal and the report say it: none where no decode step ran (one
+    token: the prefill's, which the engine's 0 tok/s stands for)."""
+    rate = metrics["decode_tokens_per_s"]
+    return f"decode {rate:.0f} tok/s" if rate > 0 else "no decode step (one token, from the prefill)"
+
+
+def speculative_text(method: str, stats: dict[str, float]) -> str:
+    """What speculation did in the streamed run, as the terminal and the report say it (no acceptance where nothing
+    was drafted: no draft was rejected)."""
+    per_step = f"mean accepted length {stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step"
+    if not stats.get("spec_mean_accepted_length"):  # (one token: the prefill's)
+        return f"speculative {method}: nothing drafted (no decode step)"
+    if not stats.get("spec_drafted"):
+        return f"speculative {method}: nothing drafted (no draft found, or adaptive k chose plain steps), {per_step}"
+    return (f"speculative {method}: acceptance {stats.get('spec_acceptance_rate', 0.0):.2f} "
+            f"({stats.get('spec_accepted', 0):.0f} of {stats.get('spec_drafted', 0):.0f} drafts), {per_step}, "
+            f"{stats.get('spec_plain_steps', 0):.0f} of {stats.get('spec_verify_steps', 0):.0f} decode "
+            "steps without drafts (adaptive back-off)")
+
+
 REFERENCE_TOK_S = 750  # GPT-5.6 Sol's reported decode speed per user on Cerebras WSE-3 ("up to 750 tokens per second")
 REFERENCE_LABEL = f"{REFERENCE_TOK_S} tok/s per user: GPT-5.6 Sol's reported speed on Cerebras WSE-3"
 REFERENCE_CAPTION = (f"The dotted line at {REFERENCE_TOK_S} tok/s per user is the speed at which GPT-5.6 Sol is "
@@ -340,14 +361,14 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     elif weight_bits == 4:  # the canonical int4 file (RTN), made once and reused: what a wafer would hold
         from waferline.model.quant import QuantOptions, quantize_checkpoint
 
-        qdir = out / f"{ckpt.name}-int4-g{group_size}"
+        qdir = out / f"{name}-int4-g{group_size}"  # (named as the report names it: `--model .` is not "-int4-g32")
         # reused only while it is the int4 copy of these very weights (the source's path, sizes and times)
         source = json.dumps({"source": str(ckpt.resolve()), "group_size": group_size, "method": "rtn",
                              "files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
                                              for f in ckpt.glob("*.safetensors"))})
         stamp = qdir / ".waferline-source.json"
         if not (qdir / "model.safetensors").is_file() or not stamp.is_file() or stamp.read_text() != source:
-            with console.status(escape(f"quantizing {ckpt.name} to int4 (RTN, group {group_size}) -> {qdir}")):
+            with console.status(escape(f"quantizing {name} to int4 (RTN, group {group_size}) -> {qdir}")):
                 quantize_checkpoint(ckpt, qdir, QuantOptions(group_size=group_size), force=True)
             _write(stamp, source)
         ckpt = qdir
@@ -414,7 +435,8 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
                 t_first = time.perf_counter()
             rate = (n - 1) / max(time.perf_counter() - t_first, 1e-9) if n > 1 else 0.0
             live.update(
-                Text.assemble((prompt, "cyan"), llm.decode(pieces), (f"\n[{n} tokens, {rate:.0f} tok/s]", "bold green"))
+                Text.assemble((prompt, "cyan"), llm.decode(pieces),
+                              (f"\n[{counted(n, 'token')}" + (f", {rate:.0f} tok/s]" if n > 1 else "]"), "bold green"))
             )
     # the same plan held to a JSON Schema (structured output, engine/structured.py): the served feature, here in-process
     schema = {"type": "object", "properties": {"speaker": {"enum": ["HAMLET", "OPHELIA", "HORATIO", "KING"]},
@@ -434,17 +456,11 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     console.print(f"\nstructured output (a JSON Schema: speaker + line, same plan): [cyan]{escape(shaped.text)}[/cyan] "
                   f"({'valid JSON of the schema' if valid else f'cut at {shaped_max} tokens'})")
     m = result.metrics
-    console.print(f"decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
-                  f"{len(result.token_ids)} tokens ({escape(what)})")
+    console.print(f"{decode_text(m)}, TTFT {m['ttft_s'] * 1e3:.0f} ms, "
+                  f"{counted(len(result.token_ids), 'token')} ({escape(what)})")
     spec_stats = {k: v for k, v in m.items() if k.startswith("spec_")}
     if speculative:
-        console.print(
-            f"speculative {escape(speculative)}: acceptance {spec_stats.get('spec_acceptance_rate', 0.0):.2f} "
-            f"({spec_stats.get('spec_accepted', 0):.0f} of {spec_stats.get('spec_drafted', 0):.0f} drafts), "
-            f"mean accepted length {spec_stats.get('spec_mean_accepted_length', 0.0):.2f} tokens per decode step, "
-            f"{spec_stats.get('spec_plain_steps', 0):.0f} of {spec_stats.get('spec_verify_steps', 0):.0f} decode "
-            "steps without drafts (adaptive back-off)"
-        )
+        console.print(speculative_text(speculative, spec_stats), markup=False)
     head = planner_headline()
     t = Table(
         title="gpt-5.6-sol (~3T total / ~150B active, 80 layers; speculative config) on Cerebras WSE-3 — predicted"
@@ -489,10 +505,11 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         rep.add(
             "The run",
             text=prompt + result.text,
-            note=f"{len(result.token_ids)} tokens, decode {m['decode_tokens_per_s']:.0f} tok/s, TTFT "
+            note=f"{counted(len(result.token_ids), 'token')}, {decode_text(m)}, TTFT "
                  f"{m['ttft_s'] * 1e3:.0f} ms "
             f"({what if trained else 'random weights: the text is noise'}), {weight_bits}-bit weights, "
-            "sampled T=0.8 top-p 0.95 seed 0",
+            "sampled T=0.8 top-p 0.95 seed 0"
+            + (f"; {speculative_text(speculative, spec_stats)}" if speculative else ""),
         )
         rep.add(
             "Per-stage timeline",
