@@ -214,3 +214,91 @@ def test_the_serving_figures_carry_intervals(capsys):
     assert any("serving figures without intervals" in note and f"{n - 1:,} or fewer" in note for note in d["notes"])
     assert commands.main([*base, "--json", "--no-intervals"]) == 0
     assert not any(k.endswith("_interval") for k in json.loads(capsys.readouterr().out)["serving"])
+
+
+def test_afd_ranks_with_speculation_print_their_figures(capsys):
+    """The AFD ranks layout's speculative figures name where their acceptance comes from, as every other layout's do:
+    the table read the key and crashed (KeyError: 'accept_rate_source')."""
+    base = ["simulate", "deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8", "--afd", "--speculative", "mtp"]
+    for extra in (["--devices", "16"], ["--attention-ranks", "8", "--ffn-ranks", "8", "--accept-rate", "0.5:0.9"]):
+        assert commands.main([*base, *extra, "--json"]) == 0
+        sp = json.loads(capsys.readouterr().out)["speculative"]
+        assert sp["accept_rate_source"] == ("assumed default" if "--devices" in extra else "given")
+        assert commands.main([*base, *extra]) == 0
+        out = " ".join(capsys.readouterr().out.split())
+        assert re.search(r"accept 0\.\d\d (\(90%: [\d.]+-[\d.]+\) )?\((assumed default|given)\)", out), out[:1500]
+
+
+def _no_sets(tmp_path):
+    p = load_params().copy()
+    p.bootstrap = []
+    path = tmp_path / "no_sets.yaml"
+    p.save(path)
+    return path
+
+
+def test_an_acceptance_range_without_parameter_sets_spans_the_range(tmp_path, capsys):
+    """Without parameter sets a given acceptance range is predicted at its two ends only: the intervals span the two
+    (a 5th-95th percentile between two values left 0.615-0.885 of a 0.6:0.9 range out of its own interval), the
+    table says the ranges are the acceptance range's and the note no longer says there are no intervals."""
+    params = load_params(_no_sets(tmp_path))
+    plan = place("llama-3.1-70b", "h200-sxm", devices=8, speculative=_spec("mtp"))
+    r = attach_intervals(simulate(plan, params=params), plan, params, accept_range=(0.6, 0.9))
+    assert r.speculative["accept_rate_interval"] == [0.6, 0.9]
+    from dataclasses import replace
+
+    ends = [simulate(replace(plan, speculative=replace(plan.speculative, accept_rate=a)), params=params)
+            for a in (0.6, 0.9)]
+    assert r.intervals["decode_tokens_per_s_per_user"] == [ends[0].decode_tokens_per_s_per_user,
+                                                           ends[1].decode_tokens_per_s_per_user]
+    base = ["simulate", "llama-3.1-70b", "--hardware", "h200-sxm", "--devices", "8", "--speculative", "mtp",
+            "--accept-rate", "0.6:0.9", "--params", str(tmp_path / "no_sets.yaml"), "--arrival-rate", "2",
+            "--num-requests", "50"]
+    assert commands.main([*base, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["speculative"]["accept_rate_interval"] == [0.6, 0.9]
+    lo, hi = d["serving"]["output_tokens_per_s_interval"]
+    assert lo < d["serving"]["output_tokens_per_s"] < hi
+    assert not any(n.startswith("no intervals") for n in d["notes"])
+    assert any(n.startswith("intervals from the acceptance range alone") for n in d["notes"])
+    assert commands.main(base) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "accept 0.75 (90%: 0.60-0.90)" in out
+    assert "range over both ends of the acceptance range (parameter and acceptance uncertainty only)" in out
+    assert commands.main(base[:10]) == 0  # (with the shipped sets: both named)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "range over the fit's bootstrap parameter sets at both ends of the acceptance range" in out
+    assert commands.main(base[:8]) == 0  # (no range: the parameters' alone)
+    assert "range over the fit's bootstrap parameter sets (parameter uncertainty only)" in " ".join(
+        capsys.readouterr().out.split())
+
+
+def test_a_class_no_parameter_set_moves_is_noted(tmp_path, capsys):
+    """A device whose class no parameter set moves (kind cpu: assumed values, no published rows) gets ranges of zero
+    width from them; a note says so (there was none: the figure read as certain)."""
+    from waferline.spec.hardware import catalog_dir
+
+    src = (catalog_dir() / "h100-sxm.yaml").read_text()
+    hw = tmp_path / "my-cpu.yaml"
+    hw.write_text(src.replace("name: h100-sxm", "name: my-cpu").replace("kind: gpu", "kind: cpu"))
+    assert commands.main(["simulate", "llama-3.2-1b", "--hardware", str(hw), "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    lo, hi = d["decode_tokens_per_s_per_user_interval"]
+    assert lo == hi  # (what the note explains)
+    assert any("cpu class's assumed parameters" in n for n in d["notes"]), d["notes"]
+    assert commands.main(["simulate", "llama-3.2-1b", "--hardware", "h100-sxm", "--json"]) == 0
+    assert not any("assumed parameters" in n for n in json.loads(capsys.readouterr().out)["notes"])
+
+
+def test_a_closed_loops_request_rate_carries_an_interval(capsys):
+    """A closed loop's request rate is what its clients reach (a prediction, not the user's input): it carries its
+    range, in JSON and in the table's title; an open loop's given rate does not."""
+    base = ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "4", "--num-requests", "60"]
+    assert commands.main([*base, "--closed-loop", "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)["serving"]
+    lo, hi = s["arrival_rate_interval"]
+    assert lo <= s["arrival_rate"] <= hi and lo < hi
+    assert commands.main([*base, "--closed-loop"]) == 0
+    assert re.search(r"closed loop \([\d.]+ \(90%: [\d.]+-[\d.]+\) req/s\)", " ".join(capsys.readouterr().out.split()))
+    assert commands.main([*base, "--arrival-rate", "2", "--json"]) == 0
+    assert "arrival_rate_interval" not in json.loads(capsys.readouterr().out)["serving"]

@@ -354,6 +354,10 @@ def _class_notes(plan: Any, params: Any) -> list[str]:
     if cname is None:
         return []
     borrowed = any(s.startswith("assumed: as gpu") for s in params.classes[cname].status.values())
+    if params.bootstrap and not borrowed and not any(n.startswith(f"{cname}.") for b in params.bootstrap for n in b):
+        # (no parameter set moves this class's parameters: a range of zero width would read as certainty)
+        return [f"{hw.name} is simulated with the {cname} class's assumed parameters (no published rows fit them): "
+                "the 90% ranges hold none of their uncertainty (a figure that rests on them alone shows no range)"]
     path = Path(str(plan.hardware))
     user = path.is_file() and catalog_dir() not in path.resolve().parents
     if not (borrowed or (user and any(s.startswith("fitted") for s in params.classes[cname].status.values()))):
@@ -364,10 +368,10 @@ def _class_notes(plan: Any, params: Any) -> list[str]:
             "errors of ~1.5x, 2-3x at worst, on hardware with no rows (docs/planner.md, Validation)"]
 
 
-def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool) -> list[str]:
+def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool, ranged: bool = False) -> list[str]:
     """What a ``--params`` file leaves out that the shipped fit has, for this plan's hardware: a class it has no
     parameters for, fitted parameters it leaves at their priors, class names nothing matches, the parameter sets the
-    intervals come from."""
+    intervals come from (``ranged``: an acceptance range gives intervals without them)."""
     if not path:
         return []
     from pathlib import Path
@@ -400,8 +404,9 @@ def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool) -> 
         out.append(f"{name}: class(es) {', '.join(unused)} name no device kind ({', '.join(DEVICE_KINDS)}) and not "
                    "this hardware: not used")
     if intervals and not params.parameter_sets():
-        out.append(f"no intervals: {name} holds no bootstrap parameter sets (`waferline calibrate --published --out "
-                   "FILE` writes them)")
+        out.append(("intervals from the acceptance range alone" if ranged else "no intervals")
+                   + f": {name} holds no bootstrap parameter sets (`waferline calibrate --published --out FILE` "
+                   "writes them)")
     return out
 
 
@@ -547,7 +552,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     placed += _class_notes(plan, params)
     if serving is not None and prefill_plan is not None:
         placed += [f"prefill pool: {line}" for line in prefill_plan.notes]
-    placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals)
+    ranged = not args.no_intervals and rng is not None
+    placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals,
+                            ranged=ranged)
     placed += [serving_note] if serving_note else []
     if args.json:
         d = r.to_dict()
@@ -605,7 +612,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                   f"tok/step, x{fmt(sp['speedup'], sp.get('speedup_interval'), '.2f')}")
     notes = []
     if any(iv.values()):
-        notes.append("(90%: low-high): range over the fit's bootstrap parameter sets (parameter uncertainty only)")
+        over = "the fit's bootstrap parameter sets" if params.parameter_sets() else ""
+        if ranged:  # (each set, or the parameters alone, at both ends of the given acceptance range)
+            over = f"{over} at both ends of the acceptance range" if over else "both ends of the acceptance range"
+        notes.append(f"(90%: low-high): range over {over} (" + ("parameter and acceptance uncertainty only)" if ranged
+                                                             else "parameter uncertainty only)"))
     if r.concurrency > 1:
         notes.append(f"steady decode of {r.concurrency} users: the other users' prefills between their tokens are not "
                      "counted (" + ("the serving table below counts them)"
@@ -644,7 +655,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if serving.expert_skew:
             how += (f"; expert skew {serving.expert_skew:g}: busiest expert-parallel rank x"
                     f"{serving.expert_load_factor:.2f} the mean load ({serving.expert_placement})")
-        load = (f"from {serving.users} clients in a closed loop ({serving.arrival_rate:.3g} req/s)" if serving.users
+        load = (f"from {serving.users} clients in a closed loop "
+                f"({fmt(serving.arrival_rate, serving.intervals.get('arrival_rate'), '.3g')} req/s)" if serving.users
                 else f"at {serving.arrival_rate:g} req/s")
         sv = Table(
             title=f"serving {serving.requests} requests {load} (continuous batching, at most {serving.max_batch} in "

@@ -66,6 +66,8 @@ def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: fl
     plans = [plan]
     if accept_range is not None and plan.speculative.method != "none":
         plans = [replace(plan, speculative=replace(plan.speculative, accept_rate=a)) for a in accept_range]
+    if not sets:  # (the range's two ends alone: the interval spans them, not a percentile between them)
+        level = 1.0
     by_end = [[simulate(p, params=s, **simulate_kwargs) for s in (sets or [params])] for p in plans]
 
     def values(get: Any) -> list[float]:
@@ -102,13 +104,16 @@ def serving_intervals(serving: Any, plan: Plan, params: SimParams, run: Any, lev
         return (f"serving figures without intervals: {runs} re-runs of {serving.requests:,} requests would simulate "
                 f"more than {SERVING_INTERVAL_BUDGET:,} (--num-requests {SERVING_INTERVAL_BUDGET // runs:,} or fewer "
                 "gives them)")
+    if not sets:  # (the range's two ends alone: the interval spans them)
+        level = 1.0
     by_end = [[run(p, s) for s in (sets or [params])] for p in plans]
 
     def values(f: str) -> list[float]:
         ends = [[float(getattr(r, f)) for r in preds] for preds in by_end]
         return ends[0] if all(e == ends[0] for e in ends) else [v for e in ends for v in e]
 
-    serving.intervals = {f: interval(float(getattr(serving, f)), values(f), level) for f in SERVING_FIGURES}
+    figures = SERVING_FIGURES + (("arrival_rate",) if serving.users else ())  # (a closed loop's: the rate reached)
+    serving.intervals = {f: interval(float(getattr(serving, f)), values(f), level) for f in figures}
     return None
 
 

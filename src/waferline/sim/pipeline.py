@@ -246,6 +246,13 @@ def _rate_method(ctx: _Ctx) -> str:
     return sp.method
 
 
+def _accept_source(ctx: _Ctx, rated: str) -> str:
+    """Where the plan's acceptance rate comes from: given with the plan, fitted on published rows, or the default."""
+    if ctx.plan.speculative.accept_rate is not None:
+        return "given"
+    return "fitted" if ctx.params.status.get(f"accept_rate.{rated}", "").startswith("fitted") else "assumed default"
+
+
 def _with_input_projection(lc: LayerCost, d: int, weight_bits: int, group: int, streams: int = 1) -> LayerCost:
     """A one-layer drafter's layer with its [2d -> d] input projection (an MTP module's ``eh_proj``, an EAGLE-style
     head's ``fc``: the token's embedding beside the hidden state, down to d) added to its mixer: the projection's
@@ -416,9 +423,7 @@ def simulate(
             draft_s=tdraft,
             drafter=what,
             speedup=spec_rate / rate,
-            accept_rate_source="given" if sp.accept_rate is not None else (
-                "fitted" if ctx.params.status.get(f"accept_rate.{rated}", "").startswith("fitted")
-                else "assumed default"),
+            accept_rate_source=_accept_source(ctx, rated),
         )
         rate = spec_rate
     # TTFT: chunked prefill pipelined through the stages, the last chunk at its real size (sim/chunking.py)
@@ -625,12 +630,14 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
     sp = plan.speculative
     if sp.method != "none":
         k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
-        acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(_rate_method(ctx), 0.6)
+        rated = _rate_method(ctx)
+        acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(acc, k)
         tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b, rows)
         tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx, E)
         spec_info.update(num_tokens=k, accept_rate=acc, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
-                         drafter=what, speedup=(E / (tv + K * tdraft)) / rate)
+                         drafter=what, speedup=(E / (tv + K * tdraft)) / rate,
+                         accept_rate_source=_accept_source(ctx, rated))
         rate = E / (tv + K * tdraft)
     C = min(P, PREFILL_CHUNK)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
