@@ -275,3 +275,30 @@ def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
     while sch.has_work():
         sch.step()
     assert [s.output_ids for s in seqs] == ref
+
+
+def test_a_served_int4_on_load_mtp_drafts_at_the_llms_group_size(tmp_path):
+    """A 16-bit checkpoint quantized on load (weight_bits=4, group_size=32): the server's scheduler drafts with the MTP
+    head at that group size, as ``LLM(..., speculative="mtp")`` does, so a seeded sampled request gets the same tokens
+    (the scheduler quantized the head at the default 128 groups: `serve --weight-bits 4 --group-size 32` drafted
+    otherwise than `generate` with the same flags)."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.sequence import Sequence
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
+               num_nextn_predict_layers=1)
+    ck = write_random_checkpoint(cfg, tmp_path / "fp32")
+    prompts = [[7, 8, 9, 10, 11, 12] * 3, list(range(40, 60))]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    with LLM(ck, speculative="mtp", weight_bits=4, group_size=32) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, sp)]
+    served = LLM(ck, weight_bits=4, group_size=32)
+    sch = Scheduler(served, SchedulerConfig(max_num_seqs=2, speculative="mtp", prefix_caching=False))
+    assert {m.group_size for m in served.model.mtp.modules() if hasattr(m, "group_size")} == {32}
+    seqs = [Sequence(str(i), p, sp, stream_text=False) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sch.add(s)
+    while sch.has_work():
+        sch.step()
+    assert [s.output_ids for s in seqs] == ref

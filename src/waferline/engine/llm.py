@@ -161,8 +161,9 @@ class LLM:
 
             if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
-            if speculative == "mtp":  # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit)
-                int4_mtp(self.model, is_int4(self.model), group_size)
+            # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit), at this group size, drafting
+            # here or not: a server's scheduler that drafts with it (speculative="mtp") finds it so
+            int4_mtp(self.model, is_int4(self.model), group_size)
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None

@@ -181,8 +181,9 @@ def explain(r: SimResult, target_tokens_per_s: float | None = None,
             mtp_step_s: float | None = None, rate_with: Callable[[str, float], float] | None = None) -> dict[str, Any]:
     """The per-token breakdown of ``r`` (one user; the step at concurrency 1 of the plan) and, for a target rate, what
     each term (alone) or speculative decoding would have to reach. ``mtp_step_s``: for a result without speculation,
-    the simulated seconds of one MTP step of the same plan (k=3 drafts and the verify of k+1 tokens; it does not
-    depend on the acceptance), which the speculation lever is sized with; without it the lever assumes a free
+    the simulated seconds of one MTP step of the same plan (k=3 drafts and the verify of k+1 tokens, at the default
+    acceptance: the first draft pass runs over the tokens a verify emits, so the step moves with it, by ~0.1% where
+    checked), which the speculation lever is sized with; without it the lever assumes a free
     drafter and a verify step as cheap as a one-token step. ``rate_with(term, f)``: the plan re-simulated with
     ``term`` f times shorter in every step (``SimParams.sped_up``), which sizes the levers under speculation exactly
     (a verify step of k+1 tokens and the drafter's steps do not split as the one-token step does)."""
