@@ -248,13 +248,25 @@ def test_wire_format_round_trips():
     assert (mb_id, toks, lps) == (9, {0: [5, 6, 1], 2: [4]}, {})
 
 
+def _served_mtp(llm, prompts, sp):
+    """The tokens the server's scheduler gives ``prompts`` over ``llm`` with MTP speculation (no prefix cache)."""
+    from waferline.engine.scheduler import Scheduler, SchedulerConfig
+    from waferline.engine.sequence import Sequence
+
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=len(prompts), speculative="mtp", prefix_caching=False))
+    seqs = [Sequence(str(i), p, sp, stream_text=False) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sch.add(s)
+    while sch.has_work():
+        sch.step()
+    return [s.output_ids for s in seqs]
+
+
 def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
     """An int4 checkpoint keeps its MTP head 16-bit; ``LLM(path, speculative="mtp")`` drafts with it in int4, as its
     target is. A seeded sampled draft samples from the head's probabilities, so the pipeline's drafter and the
     served single-process engine's must be int4 too for the same tokens."""
     from waferline.demo import SOL_DEMO_CONFIG
-    from waferline.engine.scheduler import Scheduler, SchedulerConfig
-    from waferline.engine.sequence import Sequence
     from waferline.model.quant import QuantOptions
     from waferline.model.quant.write import quantize_checkpoint
 
@@ -268,13 +280,7 @@ def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
         ref = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(ck, speculative="mtp", stages=2, threads_per_stage=1) as llm:
         assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
-    sch = Scheduler(LLM(ck), SchedulerConfig(max_num_seqs=2, speculative="mtp", prefix_caching=False))
-    seqs = [Sequence(str(i), p, sp, stream_text=False) for i, p in enumerate(prompts)]
-    for s in seqs:
-        sch.add(s)
-    while sch.has_work():
-        sch.step()
-    assert [s.output_ids for s in seqs] == ref
+    assert _served_mtp(LLM(ck), prompts, sp) == ref
 
 
 def test_a_served_int4_on_load_mtp_drafts_at_the_llms_group_size(tmp_path):
@@ -283,8 +289,6 @@ def test_a_served_int4_on_load_mtp_drafts_at_the_llms_group_size(tmp_path):
     (the scheduler quantized the head at the default 128 groups: `serve --weight-bits 4 --group-size 32` drafted
     otherwise than `generate` with the same flags)."""
     from waferline.demo import SOL_DEMO_CONFIG
-    from waferline.engine.scheduler import Scheduler, SchedulerConfig
-    from waferline.engine.sequence import Sequence
 
     cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
                num_nextn_predict_layers=1)
@@ -294,11 +298,5 @@ def test_a_served_int4_on_load_mtp_drafts_at_the_llms_group_size(tmp_path):
     with LLM(ck, speculative="mtp", weight_bits=4, group_size=32) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, sp)]
     served = LLM(ck, weight_bits=4, group_size=32)
-    sch = Scheduler(served, SchedulerConfig(max_num_seqs=2, speculative="mtp", prefix_caching=False))
+    assert _served_mtp(served, prompts, sp) == ref
     assert {m.group_size for m in served.model.mtp.modules() if hasattr(m, "group_size")} == {32}
-    seqs = [Sequence(str(i), p, sp, stream_text=False) for i, p in enumerate(prompts)]
-    for s in seqs:
-        sch.add(s)
-    while sch.has_work():
-        sch.step()
-    assert [s.output_ids for s in seqs] == ref

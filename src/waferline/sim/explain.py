@@ -98,12 +98,18 @@ def _roofline_factor(pairs: list[tuple[float, float]], cut: float) -> float | No
 
     if gain(math.inf) <= cut * (1 + 1e-9):
         return None
+    return _least_factor(lambda f: gain(f) < cut)
+
+
+def _least_factor(short: Callable[[float], bool]) -> float:
+    """The least factor f >= 1 that is not ``short`` (``short`` true below it, false above): doubled until past it,
+    then halved to a relative 1e-12."""
     lo, hi = 1.0, 2.0
-    while gain(hi) < cut:
+    while short(hi):
         lo, hi = hi, hi * 2
-    for _ in range(100):
+    while hi - lo > 1e-12 * hi:
         mid = (lo + hi) / 2
-        if gain(mid) < cut:
+        if short(mid):
             lo = mid
         else:
             hi = mid
@@ -148,16 +154,7 @@ def _exact_factor(r: SimResult, term: str, need: float) -> float | None:
     removing it is not enough)."""
     if _interval(r, term, math.inf) > need * (1 + 1e-9):
         return None
-    lo, hi = 1.0, 2.0
-    while _interval(r, term, hi) > need:
-        lo, hi = hi, hi * 2
-    for _ in range(100):
-        mid = (lo + hi) / 2
-        if _interval(r, term, mid) > need:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return _least_factor(lambda f: _interval(r, term, f) > need)
 
 
 def _resimulated_factor(rate_with: Callable[[str, float], float], term: str, target: float) -> float | None:
@@ -165,16 +162,7 @@ def _resimulated_factor(rate_with: Callable[[str, float], float], term: str, tar
     not enough)."""
     if rate_with(term, math.inf) < target * (1 - 1e-9):
         return None
-    lo, hi = 1.0, 2.0
-    while rate_with(term, hi) < target:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1e-9 * hi:
-        mid = (lo + hi) / 2
-        if rate_with(term, mid) < target:
-            lo = mid
-        else:
-            hi = mid
-    return hi
+    return _least_factor(lambda f: rate_with(term, f) < target)
 
 
 def explain(r: SimResult, target_tokens_per_s: float | None = None,
