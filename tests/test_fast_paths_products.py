@@ -214,6 +214,56 @@ def _int16_activations(G, K, Z, many=False):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
+@pytest.mark.parametrize("kernel", ["tiles", "rows", "portable"])
+def test_integer_activation_products_keep_nan(kernel):
+    """A NaN or an infinity in a row of x makes that row's outputs non-finite through the int4 and int8 products with
+    16-bit fixed-point activations, as through the float product (NaN there: sx NaN for its group; the largest |x|
+    skipped the NaN and the clamp turned it into -32767, a finite row), whichever kernel takes it (tile copies,
+    row kernels, the portable quantizer and loops); the other rows are what they are without it, bitwise. i16_rows
+    holds such a group as sx = NaN, xi = 0, from the vector and the scalar quantizer alike."""
+    from waferline.model.quant import Int4Weight, rtn_quantize
+
+    op = torch.ops.waferline
+    g = torch.Generator().manual_seed(13)
+    prev = op.use_int_tiles(kernel == "tiles"), op.use_portable(kernel == "portable")
+    try:
+        for G, K in ((64, 128), (128, 384), (32, 96)):
+            t = rtn_quantize(torch.randn(33, K, generator=g), G, symmetric=False)
+            w = Int4Weight(t, compute_dtype=torch.bfloat16)
+            for rows in (1, 2, 5, 9, 20):
+                x = torch.randn(rows, K, generator=g).to(torch.bfloat16)
+                clean = op.int4_linear(x, w.packed, w.scales_zeros, G)
+                for bad in (float("nan"), float("inf")):
+                    xb = x.clone()
+                    xb[0, K - 3] = bad
+                    y = op.int4_linear(xb, w.packed, w.scales_zeros, G)
+                    assert not y[0].isfinite().any(), (G, K, rows, bad)
+                    assert torch.equal(y[1:], clean[1:])
+        q = torch.randint(-127, 128, (40, 200), generator=g, dtype=torch.int8)
+        scale = torch.rand(40, generator=g).to(torch.bfloat16)
+        x = torch.randn(3, 200, generator=g)
+        clean = op.int8_linear(x, q, scale)
+        for bad in (float("nan"), float("inf")):
+            xb = x.clone()
+            xb[1, 150] = bad
+            y = op.int8_linear(xb, q, scale)
+            assert y[1].isnan().all() if bad != bad else not y[1].isfinite().any()
+            assert torch.equal(y[::2], clean[::2])
+        if _INT_KERNELS:
+            x = torch.randn(2, 256, generator=g)
+            x[0, 70] = float("nan")
+            x[1, 200] = float("-inf")
+            xq, sx, xs = op.i16_rows(x, 64)
+            for row, group in ((0, 1), (1, 3)):
+                assert sx[row, group].isnan() and xs[row, group].isnan()
+                assert not xq[row, 64 * group:64 * group + 64].any()
+            assert sx[0, 0].isfinite() and sx[1, :3].isfinite().all() and xq[0, :64].any()
+    finally:
+        op.use_int_tiles(prev[0])
+        op.use_portable(prev[1])
+
+
+@pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
 @pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("K", [512, 200, 40, 99])
 def test_int8_linear(K, tiles):

@@ -154,6 +154,50 @@ def test_gqa_decode(dtype, H, Hkv, masked, sinks, D):
     assert torch.equal(short, longer)
 
 
+@pytest.mark.parametrize("portable", [False, True])
+def test_attention_of_a_nan_query_is_nan(portable):
+    """A head whose query holds a NaN (every score NaN) gives NaN outputs in gqa_decode and mla_decode, as attend's
+    softmax does, not the zeros of a head whose keys are all masked (the softmax's maximum skips NaN, so every score
+    NaN looked like every key masked); the other heads are what they are without it, bitwise, and a row whose keys
+    are all masked still gives zeros. Head sizes 32 (the AVX-512 kernel where the CPU has it) and 24 (the loop)."""
+    from waferline.model.attention import attend_chain
+
+    g = torch.Generator().manual_seed(8)
+    prev = torch.ops.waferline.use_portable(portable)
+    try:
+        for D in (32, 24):
+            for dtype in (torch.float32, torch.bfloat16):
+                q = torch.randn(2, 1, 4, D, generator=g).to(dtype)
+                kv = torch.randn(2, 19, 4, D, generator=g).to(dtype)
+                blocked = torch.zeros(2, 1, 19, dtype=torch.bool)
+                blocked[0, 0, 15:] = True
+                blocked[1] = True  # row 1: every key masked
+                clean = torch.ops.waferline.gqa_decode(q, kv, blocked, torch.empty(0), 0.2)
+                q[0, 0, 1, 5] = float("nan")
+                out = torch.ops.waferline.gqa_decode(q, kv, blocked, torch.empty(0), 0.2)
+                ref = attend_chain(q[:1], kv[:1, :, :2], kv[:1, :, 2:], blocked[:1], 0.2)
+                assert out[0, 0, 1].isnan().all() and ref[0, 0, 1].isnan().all(), (D, dtype)
+                keep = torch.ones(4, dtype=torch.bool)
+                keep[1] = False
+                assert torch.equal(out[0, 0, keep], clean[0, 0, keep])
+                assert not out[1].any()  # all masked: zeros
+        B, T, H, n, p, r, v, L = 2, 1, 5, 16, 8, 64, 16, 21
+        qn, qr = torch.randn(B, T, H, n, generator=g), torch.randn(B, T, H, p, generator=g)
+        lat = torch.randn(B, L, r + p, generator=g)
+        wuk, wuv = torch.randn(H, n, r, generator=g) * 0.1, torch.randn(H, v, r, generator=g) * 0.1
+        blocked = torch.zeros(B, T, L, dtype=torch.bool)
+        blocked[1] = True
+        clean = torch.ops.waferline.mla_decode(qn, qr, lat, blocked, wuk, wuv, 0.1, torch.float32)
+        qn[0, 0, 2, 3] = float("nan")
+        out = torch.ops.waferline.mla_decode(qn, qr, lat, blocked, wuk, wuv, 0.1, torch.float32)
+        assert out[0, 0, 2 * v:3 * v].isnan().all()
+        others = torch.cat([torch.arange(2 * v), torch.arange(3 * v, H * v)])
+        assert torch.equal(out[0, 0, others], clean[0, 0, others])
+        assert not out[1].any()
+    finally:
+        torch.ops.waferline.use_portable(prev)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(dtype, eager):
     g = torch.Generator().manual_seed(1)

@@ -151,15 +151,27 @@ std::atomic<bool> g_int_act{true};
 bool use_int_activations(bool on) { return g_int_act.exchange(on); }
 
 // 16-bit fixed point of activations (the integer kernels: int4.h, int8.h): over a span of x, sx = max|x| / 32767 and
-// xi = round(x / sx), so x ~ sx * xi with |xi| <= 32767; an all-zero span has sx = 0 and xi = 0
+// xi = round(x / sx), so x ~ sx * xi with |xi| <= 32767; an all-zero span has sx = 0 and xi = 0. A span holding a NaN
+// or an infinity has sx = NaN and xi = 0: every product it enters is NaN (the float product's is NaN or infinite),
+// where the maximum (it skips NaN) and the clamp alone made it finite numbers.
 inline float fixed16_inv(const float* x, int64_t n, float* sx) {  // -> 1 / sx (0 for an all-zero span); sets sx
   float mx = 0.f;
-  for (int64_t k = 0; k < n; ++k) mx = std::max(mx, std::fabs(x[k]));
+  bool finite = true;
+  for (int64_t k = 0; k < n; ++k) {
+    const float a = std::fabs(x[k]);
+    mx = std::max(mx, a);
+    finite = finite && a <= std::numeric_limits<float>::max();
+  }
+  if (!finite) {
+    *sx = std::numeric_limits<float>::quiet_NaN();
+    return 0.f;
+  }
   *sx = mx > 0.f ? mx / 32767.f : 0.f;
   return mx > 0.f ? 32767.f / mx : 0.f;
 }
 inline int16_t fixed16(float v, float inv) {
-  return static_cast<int16_t>(std::clamp(static_cast<int>(std::nearbyint(v * inv)), -32767, 32767));
+  const float r = std::nearbyint(v * inv);  // (NaN: a non-finite span's value, inv 0)
+  return r != r ? 0 : static_cast<int16_t>(std::clamp(static_cast<int>(r), -32767, 32767));
 }
 
 // v at least n long: a buffer kept from call to call grows and never shrinks, so a call after a larger one does not

@@ -7,7 +7,8 @@ namespace {
 
 // ---------------------------------------------------------------- attention softmax
 // In place over L scores (-inf = masked): p = exp(s - max) / sum, with an optional sink logit (-inf = none) that joins
-// the sum and is dropped; a row with every score masked (and no sink) becomes all zeros.
+// the sum and is dropped; a row with every score masked (and no sink) becomes all zeros, one whose unmasked scores are
+// all NaN (a NaN query's: the maxima below skip NaN) all NaN, as softmax gives.
 inline void softmax_masked(float* s, int64_t L, float sink) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float m16[16];  // the largest score: 16 running maxima (one chain of scalar maxes waits on each; vmaxps's pattern)
@@ -19,7 +20,9 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
   for (; l16 < L; ++l16) mx = std::max(mx, s[l16]);
   for (int i = 0; i < 16; ++i) mx = std::max(mx, m16[i]);
   if (mx == ninf) {
-    std::fill(s, s + L, 0.f);
+    bool nan = false;
+    for (int64_t l = 0; l < L; ++l) nan = nan || s[l] != s[l];
+    std::fill(s, s + L, nan ? std::numeric_limits<float>::quiet_NaN() : 0.f);
     return;
   }
   float den = sink - mx < -87.f ? 0.f : vexp(sink - mx);  // (vexp, vectorised: std::exp is a libm call per score)

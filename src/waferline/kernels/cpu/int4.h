@@ -270,23 +270,35 @@ struct I16LaneOrder {
 inline constexpr I16LaneOrder kI16LaneOrder{};
 
 // i16_quantize's numbers, 64 inputs at a time: each group's largest |x| by vmaxps with the running maximum second
-// (what std::max(mx, |x|) gives: max is exact, and a NaN is skipped the same way), x * inv rounded to nearest even
+// (what std::max(mx, |x|) gives: max is exact, and a NaN is skipped the same way; a group holding a NaN or an infinity
+// is fixed16_inv's: sx = sx * sum xi = NaN, xi = 0), x * inv rounded to nearest even
 // (the default mode, nearbyint's) and clamped to +-32767, narrowed, and put in lane order by one permute per 32. The
 // scalar loop took ~2% of a 1-thread llama int4 batch-8 step (its max does not vectorise: fp max is not reassociated)
 inline void i16_quantize_avx512(const float* xf, int64_t M, int64_t K, int64_t G, int16_t* xq, float* sx, float* xs) {
   const int64_t ng = K / G;
   const __m512i lo_idx = _mm512_load_si512(kI16LaneOrder.idx), hi_idx = _mm512_load_si512(kI16LaneOrder.idx + 32);
   const __m512i top = _mm512_set1_epi32(32767), bottom = _mm512_set1_epi32(-32767);
+  const __m512 top_f = _mm512_set1_ps(std::numeric_limits<float>::max());
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < ng; ++g) {
       const float* x = xf + m * K + g * G;
       __m512 mv = _mm512_setzero_ps();
-      for (int64_t k = 0; k < G; k += 16) mv = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + k)), mv);
+      __mmask16 bad = 0;  // lanes that saw a NaN or an infinity (|x| > FLT_MAX, unordered)
+      for (int64_t k = 0; k < G; k += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + k));
+        mv = _mm512_max_ps(a, mv);
+        bad |= _mm512_cmp_ps_mask(a, top_f, _CMP_NLE_UQ);
+      }
+      int16_t* out = xq + m * K + g * G;
+      if (bad) {  // (fixed16_inv's: sx NaN, xi 0)
+        std::fill(out, out + G, int16_t(0));
+        sx[m * ng + g] = xs[m * ng + g] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
       const float mx = _mm512_reduce_max_ps(mv);
       const float s = mx > 0.f ? mx / 32767.f : 0.f;  // (fixed16_inv's)
       const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
       __m512i sum = _mm512_setzero_si512();
-      int16_t* out = xq + m * K + g * G;
       for (int64_t k0 = 0; k0 < G; k0 += INT4_BLOCK) {
         __m256i n[4];
         for (int i = 0; i < 4; ++i) {

@@ -129,7 +129,8 @@ inline void mla_weighted(const float* p, const float* lat, const bool* mk, int64
 }
 
 // softmax over L scores in place; masked ones (mk[l], when mk is given; whatever their score) get probability 0; all
-// masked: all 0. exp by vexp, vectorised (std::exp is a libm call per score).
+// masked: all 0; every unmasked score NaN (a NaN query's: the maximum below skips NaN): all NaN, as softmax gives.
+// exp by vexp, vectorised (std::exp is a libm call per score).
 inline void mla_softmax(float* s, int64_t L, const bool* mk) {
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx = ninf;
@@ -139,7 +140,9 @@ inline void mla_softmax(float* s, int64_t L, const bool* mk) {
     else
       mx = std::max(mx, s[l]);
   if (mx == ninf) {
-    for (int64_t l = 0; l < L; ++l) s[l] = 0.f;
+    bool nan = false;
+    for (int64_t l = 0; l < L; ++l) nan = nan || s[l] != s[l];
+    for (int64_t l = 0; l < L; ++l) s[l] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
     return;
   }
   float den = 0.f;
