@@ -152,7 +152,8 @@ def register(sub: Any) -> None:
                    help=f"with --method gptq: at most this many calibration tokens ({CALIBRATION_TOKENS})")
     q.add_argument("--asymmetric", action="store_true", help="per-group zero as well as scale (default: symmetric)")
     q.add_argument("--keep", action="append", metavar="REGEX",
-                   help="keep matching weights 16-bit (module path or checkpoint name; repeatable)")
+                   help="keep matching weights 16-bit (module path or checkpoint name; repeatable), and those held "
+                        "in one tensor with them: one expert's name keeps its layer's experts")
     q.add_argument("--quantize-kv-b", action="store_true", help="also quantize MLA kv_b_proj (kept 16-bit by default)")
     q.add_argument("--force", action="store_true",
                    help="replace --out if it exists (a checkpoint directory; never one that holds --model)")
