@@ -56,7 +56,7 @@ __all__ = ["Kind", "Emit", "BEGIN", "STEP", "SHUTDOWN", "FEEDBACK", "RESET", "EM
            "LOOPBACK", "MAX_PENDING_SENDS", "SLOT_BYTES", "Control", "Link",
            "PeerLost", "json_meta", "loopback_host", "loopback_store", "make_group", "meta_json", "Group",
            "MicroBatch", "StageRunner", "decode_feedback", "serve", "worker_main", "worker_ready", "worker_failed",
-           "worker_load_failed", "check_mtp", "ctl_safe_set"]
+           "worker_load_failed", "ctl_safe_set"]
 
 # worker exit codes the driver interprets
 EXIT_ERROR, EXIT_PEER_LOST, EXIT_ABORTED = 3, 4, 5
@@ -399,21 +399,6 @@ def worker_failed(ctl: Control, rank: int, e: Exception) -> int:
     ctl_safe_set(ctl, "status", rank, f"{type(e).__name__}: {e}")
     _print_unexpected(e)
     return EXIT_ERROR
-
-
-def check_mtp(layers: int, path: Any, model_type: str = "") -> None:
-    """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them): ``layers`` MTP
-    layers, the model's or its config's."""
-    from waferline.errors import ConfigError
-
-    if model_type == "deepseek_v4":
-        raise ConfigError("speculative='mtp': waferline's engine does not run DeepSeek-V4's MTP module (its "
-                          "hyper-connected mtp.* block); use 'ngram' or 'draft:PATH' instead")
-    if not layers:
-        raise ConfigError(
-            f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
-            f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead"
-        )
 
 
 def ctl_safe_set(ctl: Control, what: str, rank: int, value: str) -> None:

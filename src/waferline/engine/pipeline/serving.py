@@ -471,8 +471,8 @@ def load_mtp_drafter(path: Any, dtype: torch.dtype) -> Any:
     from pathlib import Path
 
     from waferline.engine.inputs import is_int4_checkpoint
+    from waferline.engine.speculative.drafters import check_mtp
     from waferline.engine.speculative.serving import int4_mtp
-    from waferline.engine.stage import check_mtp
     from waferline.model.load import load_model
 
     model = load_model(path, dtype, range(0), has_embed=True, has_head=True)

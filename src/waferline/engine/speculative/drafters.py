@@ -242,6 +242,19 @@ class DraftModelDrafter(_ModelDrafter):
         self._rewind(rows, n_accepted, self.caches)
 
 
+def check_mtp(layers: int, path: Any, model_type: str = "") -> None:
+    """Speculative 'mtp' needs MTP weights in the checkpoint (the scheduler's drafter loads them): ``layers`` MTP
+    layers, the model's or its config's."""
+    if model_type == "deepseek_v4":
+        raise ConfigError("speculative='mtp': waferline's engine does not run DeepSeek-V4's MTP module (its "
+                          "hyper-connected mtp.* block); use 'ngram' or 'draft:PATH' instead")
+    if not layers:
+        raise ConfigError(
+            f"speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 and "
+            f"model.layers.{{N}}.eh_proj.weight ...); {path} has none: use 'ngram' or 'draft:PATH' instead"
+        )
+
+
 class MTPDrafter(_ModelDrafter):
     """DeepSeek-style MTP head: from the target's hidden state at t and the embedding of token t+1 it predicts t+2.
     The first draft is exact MTP; further drafts reuse the head on its own output (as vLLM / SGLang do)."""
@@ -252,8 +265,6 @@ class MTPDrafter(_ModelDrafter):
 
     def __init__(self, model: Any):
         if not len(model.mtp):
-            from waferline.engine.stage import check_mtp
-
             check_mtp(0, "the checkpoint", model.spec.model_type)  # (DeepSeek-V4's: said as such)
             raise ConfigError("speculative='mtp' needs a checkpoint with MTP weights (num_nextn_predict_layers >= 1 "
                               "and model.layers.{N}.eh_proj.weight ...); use 'ngram' or 'draft:PATH' instead")

@@ -66,7 +66,7 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
     missing checkpoint)."""
     from pathlib import Path
 
-    from waferline.engine.stage import check_mtp
+    from waferline.engine.speculative.drafters import check_mtp
     from waferline.model.decoder import NAMING, Naming
     from waferline.model.hybrids import hf_source
     from waferline.model.load import open_weights
