@@ -402,6 +402,37 @@ def test_env_rendezvous_on_one_host_listens_on_loopback_only(monkeypatch):
         ["127.0.0.1", "127.0.0.1", "127.0.0.2", None, None, None]
 
 
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("env, want", [
+    ({"RANK": "abc"}, "RANK must be a whole number, got 'abc'"),
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE must be a whole number, got 'two'"),
+    ({"RANK": "2"}, "RANK 2 is outside 0..1 (WORLD_SIZE 2)"),
+    ({"RANK": "-1"}, "RANK -1 is outside 0..1 (WORLD_SIZE 2)"),
+    ({"MASTER_PORT": "x"}, "MASTER_PORT must be a whole number, got 'x'"),
+    ({"MASTER_PORT": "70000"}, "MASTER_PORT must be a port number (1-65535), got 70000"),
+])
+def test_bad_env_launch_variables_are_one_line_errors(llama, monkeypatch, capsys, command, env, want):
+    """A hand-set env:// launch with a RANK, WORLD_SIZE or MASTER_PORT that is not a number was a ValueError traceback,
+    and a RANK outside 0..WORLD_SIZE-1 waited for a rendezvous that never comes (300 s, then a traceback)."""
+    import waferline.engine.pipeline.launch as launch
+
+    def rendezvous(*a, **kw):
+        raise AssertionError("reached the rendezvous")
+
+    monkeypatch.setattr(launch.dist, "rendezvous", rendezvous)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in dict({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}, **env).items():
+        monkeypatch.setenv(k, v)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--prompt-ids", "1 2", "--max-tokens", "2"] if command == "generate" else ["--port", str(port)]
+    assert main([command, "--model", str(llama), "--stages", "2", *flags]) == 2
+    assert capsys.readouterr().err == f"error: env:// launch: {want}\n"
+
+
 @pytest.mark.parametrize("engine", ["pipeline", "afd"])
 def test_local_engines_rendezvous_through_the_loopback_store(llama, monkeypatch, engine):
     # the driver modules, whose start-up code looks loopback_store up

@@ -23,6 +23,7 @@ from waferline.engine.pipeline.launch import (
     _main_hidden,
     _rendezvous_env,
     balanced_ranges,
+    env_world_size,
     ids_downstream,
 )
 from waferline.engine.pipeline.supervise import StageError, Supervision
@@ -110,7 +111,7 @@ class Pipeline(Supervision):
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device 'cuda' requested but CUDA is not available; use device='cpu'")
         if self.device.type == "cuda" and S > torch.cuda.device_count() and launch != "env" \
-                and int(os.environ.get("WORLD_SIZE", "1")) <= 1:  # (NCCL refuses two ranks on one GPU)
+                and env_world_size() <= 1:  # (NCCL refuses two ranks on one GPU)
             raise ConfigError(f"a pipeline on CUDA runs one stage per GPU: {S} stages need {S} GPUs, torch sees "
                               f"{torch.cuda.device_count()}; use fewer stages, more GPUs or device='cpu'")
         self.dtype = dtype
@@ -128,7 +129,7 @@ class Pipeline(Supervision):
             raise ConfigError(
                 f"launch must be 'auto', 'local' (spawn stage processes here) or 'env' (torchrun), got {launch!r}"
             )
-        self._env = launch == "env" or (launch == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+        self._env = launch == "env" or (launch == "auto" and env_world_size() > 1)
         load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
         self._started_here()
         try:

@@ -121,10 +121,33 @@ def balanced_ranges(spec: Any, stages: int | None = None, layers_per_stage: int 
                         last_extra=spec.lm_head_flops_per_token())
 
 
+def _env_int(name: str, default: str | None = None) -> int:
+    """An env:// variable as a whole number (a ConfigError naming it, not a traceback, for anything else)."""
+    value = os.environ.get(name, default)
+    try:
+        return int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"env:// launch: {name} must be a whole number, got {value!r}") from None
+
+
+def env_world_size() -> int:
+    """WORLD_SIZE from the environment (1 when unset): above 1, this process is one rank of an env:// launch."""
+    return _env_int("WORLD_SIZE", "1")
+
+
+def _env_rank(world: int) -> int:
+    """RANK from the environment (0 when unset), checked against the world size: 0 <= RANK < WORLD_SIZE."""
+    rank = _env_int("RANK", "0")
+    if not 0 <= rank < world:
+        raise ConfigError(f"env:// launch: RANK {rank} is outside 0..{world - 1} (WORLD_SIZE {world})")
+    return rank
+
+
 def torchrun_rank() -> int:
     """This process's rank when launched by torchrun (env:// with WORLD_SIZE > 1), else 0."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return int(os.environ.get("RANK", "0"))
+    world = env_world_size()
+    if world > 1:
+        return _env_rank(world)
     return 0
 
 
@@ -179,11 +202,15 @@ def _rendezvous_env() -> tuple[Any, int, int]:
             f"env:// launch needs {', '.join(missing)} in the environment (start the command with torchrun)"
         )
     timeout = datetime.timedelta(seconds=300)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    world = env_world_size()
+    rank = _env_rank(world)
+    port = _env_int("MASTER_PORT")
+    if not 0 < port < 65536:
+        raise ConfigError(f"env:// launch: MASTER_PORT must be a port number (1-65535), got {port}")
     host = loopback_host(os.environ["MASTER_ADDR"])
     if rank == 0 and host is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         # this rank hosts the store, and the address says one host: listen there only, not on every interface
-        return loopback_store(world, timeout, int(os.environ["MASTER_PORT"]), host), rank, world
+        return loopback_store(world, timeout, port, host), rank, world
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     return store, rank, world
 
