@@ -11,6 +11,7 @@ import torch
 
 from waferline.engine.sampling import SamplingParams, adjust_logits, draw, greedy, sample, target_probs
 from waferline.engine.speculative import verify, verify_sampled
+from waferline.errors import RequestError
 
 
 def reference_probs(logits: torch.Tensor, t: float = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -74,6 +75,25 @@ def test_top_p_of_a_150k_vocabulary_keeps_the_reference_set():
         want = reference_probs(logits, top_p=p)
         assert abs(int((got > 0).sum()) - int((want > 0).sum())) <= 1 and 0.5 * float((got - want).abs().sum()) < 1e-5
 
+
+
+@pytest.mark.parametrize("t", [1e8, 1e30, 1e300])
+def test_a_hot_temperature_keeps_min_p_and_top_p_to_the_likeliest_tokens(t):
+    # softmax(logits / t) rounds every probability to the same fp32 value: the tokens kept are still the likeliest
+    # (the logits' order), not whichever the sort of equal probabilities puts first
+    kept = target_probs(LOGITS, SamplingParams(temperature=t, top_p=0.3)) > 0
+    assert kept.nonzero().flatten().tolist() == [0, 1, 5, 8]
+    assert (target_probs(LOGITS, SamplingParams(temperature=t, min_p=1.0)) > 0).nonzero().flatten().tolist() == [0]
+    assert int((target_probs(LOGITS, SamplingParams(temperature=t, min_p=0.5)) > 0).sum()) == 11  # (all but -inf)
+
+
+def test_stop_and_stop_token_ids_of_the_wrong_type_are_request_errors():
+    for kw, says in [(dict(stop_token_ids=5), "stop_token_ids must be a list of integers"),
+                     (dict(stop_token_ids=2.0), "stop_token_ids must be a list of integers"),
+                     (dict(stop=5), "stop must be a string or a list of strings")]:
+        with pytest.raises(RequestError, match=says):
+            SamplingParams(**kw)
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
 
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[9], CASES[10]], ids=["plain", "top_k-tie", "all", "all2"])
 def test_sample_draws_the_reference_distribution(case):

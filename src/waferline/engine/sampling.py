@@ -177,11 +177,13 @@ class SamplingParams:
             self.seed %= MAX_SEED  # (what the generator keeps of it; seeds below 2**32 are kept as given)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop or [], (list, tuple)) or not all(isinstance(s, str) for s in self.stop or []):
             raise RequestError(f"stop must be a string or a list of strings, got {_show(self.stop)}")
+        self.stop = list(self.stop or [])
         if any(not s for s in self.stop):  # (an empty string would match before every character)
             raise RequestError("stop strings must not be empty")
+        if not isinstance(self.stop_token_ids or [], (list, tuple)):
+            raise RequestError(f"stop_token_ids must be a list of integers, got {_show(self.stop_token_ids)}")
         self.stop_token_ids = [_integer("stop_token_ids", t) for t in self.stop_token_ids or []]
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
@@ -355,11 +357,14 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         kth = torch.topk(x, params.top_k).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    if params.min_p > 0.0:
-        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+    # min-p and top-p read the tokens' order off the scaled logits, not the probabilities: at a hot temperature
+    # (1e8) every probability rounds to the same fp32 value while the scaled logits still differ
+    if params.min_p > 0.0:  # (p < min_p x the likeliest's p, as x - max(x) < log(min_p))
+        probs = probs.masked_fill(x - x.amax(-1, keepdim=True) < math.log(params.min_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
-        sp, idx = torch.sort(probs, descending=True)
+        idx = torch.argsort(x, dim=-1, descending=True)
+        sp = probs.gather(-1, idx)
         cum = sp.cumsum(-1)
         drop = cum - sp >= params.top_p  # keep the smallest prefix whose mass reaches top_p (not a token more)
         drop[..., 0] = False  # (the likeliest always: a top_p below fp32's least positive value compares as 0)
