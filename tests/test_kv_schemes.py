@@ -7,7 +7,8 @@ from waferline.sim.cost import layer_table
 from waferline.sim.pipeline import simulate
 from waferline.spec.catalog import load_model, model_config
 from waferline.spec.configs import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, parse_hf_config
-from waferline.spec.model import CompressedAttentionSpec, DSASpec, LayerSpec, MLASpec
+from waferline.spec.model import (CompressedAttentionSpec, DSASpec, GatedDeltaNetSpec, KimiDeltaSpec, LayerSpec,
+                                  Mamba2Spec, MLASpec)
 
 # a small latent: kv_lora 32 + rope 8 = 40 elements = 80 B/token at 16-bit
 MLA = MLASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
@@ -19,6 +20,30 @@ DSA = DSASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_n
 CSA = CompressedAttentionSpec(hidden_size=64, num_heads=4, head_dim=32, q_lora_rank=16, compress_ratio=4, window=10,
                               index_topk=5, index_n_heads=2, index_head_dim=16)
 HCA = CompressedAttentionSpec(hidden_size=64, num_heads=4, head_dim=32, q_lora_rank=16, compress_ratio=8, window=10)
+
+
+def test_a_recurrent_state_is_read_and_written_back_every_decode_step():
+    """A decode step reads a Mamba-2 / Gated DeltaNet / KDA layer's whole state and writes it back (the engine's
+    ssm_update and delta rule update it in place): twice the bytes a sequence holds, whatever its context; a hybrid
+    model's attention layers still read their cache once."""
+    m2 = Mamba2Spec(hidden_size=64, num_heads=4, head_dim=16, state_size=8, n_groups=1, conv_kernel=4)
+    gdn = GatedDeltaNetSpec(hidden_size=64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16,
+                            conv_kernel=4)
+    kda = KimiDeltaSpec(hidden_size=64, num_heads=4, head_dim=16, conv_kernel=4)
+    # Mamba-2: conv (64 + 2 x 8) x 3 at 2 B + 4 x 16 x 8 fp32; GDN: conv (2 x 32 + 64) x 3 at 2 B + 4 x 16 x 16 fp32
+    assert m2.state_bytes_per_seq(16) == 80 * 3 * 2 + 512 * 4
+    assert gdn.state_bytes_per_seq(16) == 128 * 3 * 2 + 1024 * 4
+    for mixer in (m2, gdn, kda):
+        layer = LayerSpec(0, mixer, None, 64)
+        for ctx in (1, 1000):
+            assert layer.cache_bytes_per_seq(ctx) == mixer.state_bytes_per_seq(16)
+            assert layer.cache_read_bytes_per_seq(ctx) == 2 * mixer.state_bytes_per_seq(16)
+    spec = load_model("qwen3-next-80b-a3b")
+    state = sum(lay.mixer.state_bytes_per_seq(16) for lay in spec.layers if lay.mixer.kind == "gdn")
+    attn = sum(lay.cache_bytes_per_seq(4096) for lay in spec.layers if lay.mixer.kind == "gqa")
+    assert spec.cache_read_bytes_per_seq(4096) == spec.cache_bytes_per_seq(4096) + state == attn + 2 * state
+    rows = layer_table(spec, 16, 16, 4096)
+    assert sum(r.cache_read for r in rows) == attn + 2 * state
 
 
 def test_mla_reads_its_whole_cache():

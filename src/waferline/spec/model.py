@@ -868,14 +868,16 @@ class LayerSpec:
         return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
 
     def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
-        """Cache bytes one decode token of one sequence reads at ``context_len`` (speed): the whole cache for
-        GQA / MLA / state mixers, less for sparse and compressed attention (DSA top-k, compressed top-k)."""
+        """Cache bytes one decode token of one sequence moves at ``context_len`` (speed): the whole cache for
+        GQA / MLA, less for sparse and compressed attention (DSA top-k, compressed top-k); a recurrent state (Mamba,
+        linear attention) is read and written back whole every step, so it counts twice."""
         if self.mixer is None:
             return 0.0
         m = self.mixer
+        state = 2 * m.state_bytes_per_seq(state_bits)
         if hasattr(m, "cache_read_bytes"):
-            return m.cache_read_bytes(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
-        return self.cache_bytes_per_seq(context_len, kv_bits, state_bits)
+            return m.cache_read_bytes(context_len, kv_bits) + state
+        return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + state
 
     def hc_flops_per_part(self) -> float:
         """One token's hyper-connection products around each part: the (2 + n) x n by n x d map and the n x n mix of
@@ -998,7 +1000,8 @@ class ModelSpec:
         return per_token, max(0.0, at_c - per_token * c)
 
     def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
-        """Cache bytes one decode token of one sequence reads at ``context_len`` (all layers)."""
+        """Cache bytes one decode token of one sequence moves at ``context_len`` (all layers; a recurrent state read
+        and written back)."""
         return sum(layer.cache_read_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
 
     def lm_head_flops_per_token(self) -> float:
