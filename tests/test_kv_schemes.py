@@ -7,8 +7,15 @@ from waferline.sim.cost import layer_table
 from waferline.sim.pipeline import simulate
 from waferline.spec.catalog import load_model, model_config
 from waferline.spec.configs import ENGINE_MODEL_TYPES, SUPPORTED_MODEL_TYPES, parse_hf_config
-from waferline.spec.model import (CompressedAttentionSpec, DSASpec, GatedDeltaNetSpec, KimiDeltaSpec, LayerSpec,
-                                  Mamba2Spec, MLASpec)
+from waferline.spec.model import (
+    CompressedAttentionSpec,
+    DSASpec,
+    GatedDeltaNetSpec,
+    KimiDeltaSpec,
+    LayerSpec,
+    Mamba2Spec,
+    MLASpec,
+)
 
 # a small latent: kv_lora 32 + rope 8 = 40 elements = 80 B/token at 16-bit
 MLA = MLASpec(hidden_size=64, num_heads=4, q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=8,
