@@ -698,6 +698,35 @@ def test_a_stream_whose_client_left_is_not_written_on(live, monkeypatch, caplog)
     assert not [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
+def test_a_stalled_stream_counts_what_the_engine_finished_when_its_client_leaves(live):
+    """A client that stops reading leaves its stream behind the engine: the engine finishes its choices while their
+    events wait to be written. When the client then goes, those choices count by their finish reason (not as aborts)
+    and their tokens as generated; only the choices still running count as aborted."""
+    from waferline.engine.scheduler import Event
+
+    server = live.state.server
+    key = "waferline_request_finished_total{reason=\"%s\"}"
+    tokens = "waferline_generation_tokens_total"
+    m0 = _metrics(live)
+
+    async def stalled() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        t = time.perf_counter()
+        for i in range(3):  # choices 0 and 1 finished in the engine; choice 2 still runs
+            queue.put_nowait((i, Event(5, "a", prompt_tokens=2), t))
+            if i < 2:
+                queue.put_nowait((i, Event(6, "b", True, "length", 2, 2), t))
+        events = server._events(queue, ["s-0", "s-1", "s-2"], t, n=3)
+        await anext(events)  # (the first chunk was written; then the client stopped reading, and left)
+        await events.aclose()
+
+    asyncio.run(stalled())
+    m1 = _metrics(live)
+    assert m1.get(key % "length", 0.0) - m0.get(key % "length", 0.0) == 2
+    assert m1.get(key % "abort", 0.0) - m0.get(key % "abort", 0.0) == 1
+    assert m1[tokens] - m0.get(tokens, 0.0) == 5
+
+
 def test_chat_messages_need_their_content_and_text_parts_are_lines(live):
     url = "/v1/chat/completions"
     for msg in ({"role": "user"}, {"role": "user", "content": None}, {"role": "system"}, {"role": "assistant"}):

@@ -381,26 +381,34 @@ class Server:
         running = set(range(len(rids)))
         last: dict[int, float] = {}
         m = self.metrics
+
+        def count(i: int, ev: Event, t: float) -> None:
+            if ev.token_id is not None and not score_only:  # (a scored prompt's token is not sent: no TTFT)
+                m.generation_tokens.inc()
+                if i not in last:
+                    m.ttft.observe(t - arrival)
+                else:
+                    m.itl.observe(t - last[i])
+                last[i] = t
+            if ev.finished:
+                running.discard(i)
+                ok = ev.finish_reason in ("stop", "length")
+                m.finished.labels("length" if ok and score_only else ev.finish_reason or "unknown").inc()
+                if ok:
+                    if i % n == 0:  # (a prompt's first choice: its tokens count once, whatever n)
+                        m.prompt_tokens.inc(ev.prompt_tokens)
+                    m.e2e.observe(t - arrival)
+
         try:
             while running:
                 i, ev, t = await queue.get()
-                if ev.token_id is not None and not score_only:  # (a scored prompt's token is not sent: no TTFT)
-                    m.generation_tokens.inc()
-                    if i not in last:
-                        m.ttft.observe(t - arrival)
-                    else:
-                        m.itl.observe(t - last[i])
-                    last[i] = t
-                if ev.finished:
-                    running.discard(i)
-                    ok = ev.finish_reason in ("stop", "length")
-                    m.finished.labels("length" if ok and score_only else ev.finish_reason or "unknown").inc()
-                    if ok:
-                        if i % n == 0:  # (a prompt's first choice: its tokens count once, whatever n)
-                            m.prompt_tokens.inc(ev.prompt_tokens)
-                        m.e2e.observe(t - arrival)
+                count(i, ev, t)
                 yield i, ev, t
         finally:
+            # what the engine did while the client was not reading (a stalled stream) is counted as it happened: the
+            # choices it finished are not aborts
+            while running and not queue.empty():
+                count(*queue.get_nowait())
             for i in running:  # the client went away (or the handler failed): stop the sequence, free its pages
                 self.engine.abort(rids[i])
                 m.finished.labels("abort").inc()
