@@ -116,9 +116,11 @@ def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "sim.json"
     rc, _ = _run(capsys, ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(out), "--no-intervals"])
     assert rc == 0 and json.loads(out.read_text())["model"] == "llama-3.1-8b"
-    for bad in (out / "p.json", tmp_path):  # (under a file; a directory)
+    # (under a file: named as such, before placing, not by the errno of making it a directory, 'File exists')
+    for bad, why in ((out / "p.json", f"{out} is not a directory"), (tmp_path, "is a directory")):
         rc, text = _run(capsys, ["plan", "llama-3.1-8b", "--hardware", "h100-sxm", "--out", str(bad)])
-        assert rc == 2 and text.strip().splitlines()[-1].startswith(f"error: cannot write the plan to {bad}")
+        lines = text.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"error: --out {bad}: {why}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sim.json"]  # (no temporary file left behind)
 
 
@@ -560,3 +562,19 @@ def test_an_afd_plan_file_without_its_lm_head_is_refused(tmp_path, capsys):
     p.write_text(json.dumps(d))
     rc, out = _run(capsys, ["simulate", "--plan", str(p)])
     assert rc == 2 and "the embedding belongs to the first attention stage and the LM head to the last" in out
+
+
+def test_info_shows_the_mtp_modules_beside_the_671b(capsys):
+    """DeepSeek's MTP module is not in params_total (671B) or weight_bytes: info showed neither it nor that it was
+    left out, so its figures did not add up to the checkpoint's. Text and --json give the same figures."""
+    spec = load_model("deepseek-v3")
+    rc, out = _run(capsys, ["info", "deepseek-v3", "--json"])
+    d = json.loads(out)
+    assert rc == 0 and d["params_total"] == spec.params_total() and d["mtp_layers"] == 1
+    assert d["mtp_params"] == spec.mtp_params() > 10e9
+    assert d["mtp_weight_bytes"] == {str(b): spec.mtp_weight_bytes(b) for b in (16, 8, 4)}
+    rc, text = _run(capsys, ["info", "deepseek-v3"])
+    assert rc == 0 and f"mtp_params: {spec.mtp_params()}" in text and "mtp_layers: 1" in text
+    rc, out = _run(capsys, ["info", "llama-3.1-8b", "--json"])
+    assert rc == 0 and "mtp_params" not in json.loads(out)  # (no MTP modules: nothing to show)
+

@@ -184,6 +184,10 @@ def _cmd_info(args: argparse.Namespace) -> int:
     growth = {str(b): spec.cache_growth(b) for b in (16, 8)}
     s["cache_bytes_per_context_token"] = {b: g[0] for b, g in growth.items()}
     s["cache_bytes_fixed_per_seq"] = {b: g[1] for b, g in growth.items()}
+    if spec.mtp_layers:  # (not in params_total or weight_bytes, as DeepSeek reports 671B without its MTP module)
+        s["mtp_layers"] = len(spec.mtp_layers)
+        s["mtp_params"] = spec.mtp_params()
+        s["mtp_weight_bytes"] = {str(b): spec.mtp_weight_bytes(b) for b in (16, 8, 4)}
     if args.json:
         print(json.dumps(s, indent=2))
     else:
@@ -322,7 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="architecture and accounting of a model: catalog id, checkpoint dir or "
                                     "config.json",
-                       description="Parameters, bytes at 16/8/4 bits and cache bytes per token, from the ModelSpec.")
+                       description="Parameters, bytes at 16/8/4 bits and cache bytes per token, from the ModelSpec; a "
+                                   "model's MTP modules (mtp_layers, mtp_params, mtp_weight_bytes: embeddings and "
+                                   "LM head shared) are counted apart, not in params_total or weight_bytes.")
     i.add_argument("model", help="catalog model id (`waferline catalog models`), checkpoint directory or config.json")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_info)

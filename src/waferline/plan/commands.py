@@ -234,6 +234,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from waferline.plan.place import BATCH_SEARCH_LIMIT, CONTEXT_SEARCH_LIMIT, batch_capacity, context_capacity
     from waferline.spec.catalog import load_model
 
+    if args.out:  # (before placing: a path that cannot be written is named as such, not by the OS's errno)
+        from waferline.files import check_writable
+
+        check_writable(args.out)
     plan = _make_plan(args, args.context or 4096)
     if args.out:
         plan.save(args.out)
