@@ -165,11 +165,8 @@ class ServeSpeculation:
         if prepare is None and not isinstance(runner, LocalRunner):
             raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
                               "serve without speculative")
+        # (a LocalRunner's model is an LLM's, whose MTP head is in int4 where the target is: LLM.__init__, int4_mtp)
         model, caches = prepare(config.speculative) if prepare else (runner.model, runner.caches)
-        if prepare is None and config.speculative == "mtp":
-            from waferline.model.quant import is_int4
-
-            int4_mtp(model, is_int4(model))
         return cls(model, caches, runner.num_slots, config.speculative, config.num_speculative_tokens,
                    config.speculative_adaptive, config.max_num_batched_tokens)
 
