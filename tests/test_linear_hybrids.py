@@ -10,6 +10,7 @@ import torch
 
 from tiny_models import VOCAB, build
 from waferline import LLM, SamplingParams
+from waferline.engine.scheduler import Scheduler, SchedulerConfig
 from waferline.engine.speculative import VerifyRollback
 from waferline.model.context import StepBatch
 from waferline.model.decoder import DecoderModel
@@ -147,6 +148,34 @@ def test_verify_rollback_equals_running_only_the_accepted_prefix(ckpts, mt):
             lb = m.logits(m(nxt, b, StepBatch.make([1], [13 + keep], 1)))
             assert torch.allclose(la, lb, atol=1e-4), (keep, float((la - lb).abs().max()))
             assert all(not c.trail for c in a if isinstance(c, LinearAttentionCache))
+
+
+@pytest.mark.parametrize("mt", TYPES)
+def test_a_verify_keeps_what_the_accounting_counts_and_the_scheduler_budgets_it(ckpts, mt):
+    """A verify of k drafts keeps, per linear layer and sequence until its rewind, the state after each of its k + 1
+    tokens (``LayerSpec.rollback_bytes_per_seq``); a scheduler speculating k drafts counts those bytes per sequence in
+    its budget (they went uncounted: a tight --cache-mb admitted more than it held), one without speculation does
+    not."""
+    llm = LLM(ckpts[mt][0])
+    m, spec, k = llm.model, llm.spec, 5
+    with torch.inference_mode():
+        caches = m.new_caches(2)
+        m(torch.arange(3, 16)[None] % VOCAB, caches, StepBatch.make([1], [0], 13))
+        batch = StepBatch.make([1], [13], k + 1)
+        rb = VerifyRollback(caches, batch)
+        m(torch.tensor([[17, 40, 9, 88, 5, 61]]), caches, batch)
+        for layer, c in zip(spec.layers, caches):
+            if isinstance(c, LinearAttentionCache):
+                kept = sum(t.numel() * t.element_size() for t in c.trail[1])
+                assert kept == layer.rollback_bytes_per_seq(k, 32) > 2 * (k + 1) * c.ssm[0].numel()
+        rb.done([2])
+    mml = 64
+    plain = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=mml, page_tokens=8))
+    spec_k = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=mml, page_tokens=8, speculative="ngram",
+                                            num_speculative_tokens=k, speculative_adaptive=False))
+    assert plain.cache.max_seq_bytes == spec.cache_bytes_per_seq(mml, 32, 32)
+    assert spec_k.cache.max_seq_bytes == plain.cache.max_seq_bytes + spec.rollback_bytes_per_seq(k, 32)
+    assert spec.rollback_bytes_per_seq(k, 32) > plain.cache.max_seq_bytes
 
 
 @pytest.mark.parametrize("mt", TYPES)

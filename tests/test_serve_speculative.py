@@ -399,9 +399,9 @@ def test_preemption_with_speculation_keeps_every_token(ckpts, mt):
     prompts = [[(7 * i + 3 * j) % 9 + 3 for j in range(5 + 9 * i)] for i in range(6)]
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
               for i in range(6)]
-    probe = CacheManager(llm.spec, 4, 80, page_tokens=4, kv_bits=32, state_bits=32)
+    probe = CacheManager(llm.spec, 4, 80, page_tokens=4, kv_bits=32, state_bits=32, spec_tokens=4)  # (_config's k)
     small = _config(max_model_len=80, page_tokens=4, chunk_tokens=7, max_num_batched_tokens=14,
-                    cache_bytes=probe.bytes_for(80) * 1.6)
+                    cache_bytes=probe.bytes_for(80) + probe.bytes_for(48))
     sch = Scheduler(llm, small)
     got, ends = _serve(sch, prompts, params)
     assert ends == ["length"] * 6

@@ -15,7 +15,8 @@ pool                  layers                                      pages a sequen
 ``gqa``               full-attention GQA (K and V)                ceil(n / page_tokens)
 ``swa``               sliding-window GQA (one pool per window)    ceil(min(n, window) / page_tokens)
 ``mla``               MLA (normalised latent c_KV + rotary key)    ceil(n / page_tokens)
-``mamba2``            Mamba-2 (conv + SSM state)                  1 state slot, whatever n
+``mamba2``            Mamba-2 (conv + SSM state; Gated DeltaNet,  1 state slot, whatever n (speculating k drafts:
+                      KDA likewise: ``gdn``, ``kda``)             and the k + 1 states a verify keeps)
 ``compressed``        DeepSeek-V4-style CSA / HCA: the entries    ceil(n / page_tokens), each the bytes
                       (and their indexer keys)                    page_tokens tokens add
 ``compressed_state``  every V4-style layer: the window rows and   1 per sequence, whatever n (a full window and the
@@ -27,7 +28,10 @@ The bytes of a page and of a state slot, and the tokens a layer keeps (``cached_
 ``mixer.cached_tokens``) — the same numbers the planner and simulator use. All pools draw on one byte budget
 (``cache_bytes``, default: ``max_num_seqs`` sequences of ``max_model_len`` tokens, so nothing is ever
 preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq`` (with
-compressed layers, at least that: their windows and compressor states are counted at their largest).
+compressed layers, at least that: their windows and compressor states are counted at their largest), plus
+``ModelSpec.rollback_bytes_per_seq`` under speculation: the state after each token of a verify, which recurrent
+layers keep until the rewind (Gated DeltaNet, KDA and Mamba-2 on GPU record them; Mamba-2's fused CPU update keeps
+the state before the verify instead, one state per slot, and replays the kept tokens).
 
 Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages
 where the runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes
@@ -81,7 +85,8 @@ class CachePool:
 _DRAFTS = {"draft": "the draft model's caches", "mtp": "the MTP head's cache"}  # a drafter's pools: kind prefix
 
 
-def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, draft: str = "") -> list[CachePool]:
+def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, draft: str = "",
+           spec_tokens: int = 0) -> list[CachePool]:
     groups: dict[tuple[str, int | None], list[int]] = {}
     for layer in spec.layers:
         m = layer.mixer
@@ -111,7 +116,8 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, dra
             page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
             pools.append(CachePool(name, tuple(idx), window, page, False, bool(draft), kind == "compressed"))
         else:
-            state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
+            state = sum(l.mixer.state_bytes_per_seq(state_bits) + l.rollback_bytes_per_seq(spec_tokens, state_bits)
+                        for l in layers)
             pools.append(CachePool(name, tuple(idx), None, state, True, bool(draft)))
     return pools
 
@@ -124,11 +130,14 @@ class CacheManager:
     the target's (kinds ``draft_gqa`` ..., ``mtp_mla`` ...), a sequence's bytes are the target's and the drafter's, and
     its paged caches take their pages from a second table (``attach(drafter, draft=True)``), never shared (the prefix
     store keeps the target's pages only; the draft model catches up on a prefix hit's tokens, and speculation with an
-    MTP head caches no prefixes)."""
+    MTP head caches no prefixes).
+
+    ``spec_tokens``: the most drafts a verify checks (speculation); a recurrent-state layer's pool then holds, per
+    sequence, the states a verify keeps for its rollback too (``LayerSpec.rollback_bytes_per_seq``)."""
 
     def __init__(self, spec: ModelSpec, max_num_seqs: int, max_model_len: int, page_tokens: int = 16,
                  cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16,
-                 draft: ModelSpec | None = None, draft_kind: str = "draft"):
+                 draft: ModelSpec | None = None, draft_kind: str = "draft", spec_tokens: int = 0):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if page_tokens < 1:
@@ -137,7 +146,7 @@ class CacheManager:
         self.page_tokens = page_tokens
         self.max_num_seqs = max_num_seqs
         self.kv_bits, self.state_bits = kv_bits, state_bits
-        self.pools = _pools(spec, page_tokens, kv_bits, state_bits)
+        self.pools = _pools(spec, page_tokens, kv_bits, state_bits, spec_tokens=spec_tokens)
         if draft is not None:
             self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=draft_kind)
         self.max_model_len = max_model_len

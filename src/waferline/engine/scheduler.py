@@ -117,10 +117,10 @@ class Scheduler:
         elif config.speculative:
             self.spec_dec = ServeSpeculation.for_runner(self.runner, config)
         draft = self.spec_dec.draft if self.spec_dec is not None else None  # (a draft model, an MTP head: they count)
-        bits = self.runner.cache_bits
+        bits, k = self.runner.cache_bits, self.spec_dec.k_max if self.spec_dec is not None else 0
         self.cache = CacheManager(self.spec, config.max_num_seqs, mml, config.page_tokens, config.cache_bytes,
                                   kv_bits=bits, state_bits=bits, draft=draft.cache_spec if draft else None,
-                                  draft_kind=draft.cache_kind if draft else "draft")
+                                  draft_kind=draft.cache_kind if draft else "draft", spec_tokens=k)
         self.cache.attach(self.runner)  # (the runner's paged caches take their pages from it)
         if draft is not None:
             self.cache.attach(draft, draft=True)

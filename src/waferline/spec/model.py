@@ -215,6 +215,12 @@ class _StateMixer:
     def cached_tokens(self, context_len: int) -> int:
         return 0
 
+    def rollback_bytes_per_seq(self, num_tokens: int, state_bits: int = 16) -> float:
+        """What a speculative verify of ``num_tokens`` drafts keeps per sequence beside its state, so that a rejected
+        suffix can be dropped: the state after each of its ``num_tokens + 1`` tokens (an engine that verifies on
+        recurrent state keeps them until the rewind, or holds one state slot per verified token)."""
+        return (num_tokens + 1) * self.state_bytes_per_seq(state_bits) if num_tokens > 0 else 0.0
+
 
 @dataclass(frozen=True)
 class Mamba2Spec(_StateMixer):
@@ -867,6 +873,12 @@ class LayerSpec:
             return m.cache_bytes_at(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
         return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
 
+    def rollback_bytes_per_seq(self, num_tokens: int, state_bits: int = 16) -> float:
+        """Bytes a speculative verify of ``num_tokens`` drafts keeps per sequence beside the cache (recurrent-state
+        mixers: the state after each verified token); 0 for attention, whose rejected entries are overwritten."""
+        fn = getattr(self.mixer, "rollback_bytes_per_seq", None)
+        return fn(num_tokens, state_bits) if fn is not None else 0.0
+
     def cache_read_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
         """Cache bytes one decode token of one sequence moves at ``context_len`` (speed): the whole cache for
         GQA / MLA, less for sparse and compressed attention (DSA top-k, compressed top-k); a recurrent state (Mamba,
@@ -987,6 +999,11 @@ class ModelSpec:
 
     def cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
         return sum(layer.cache_bytes_per_seq(context_len, kv_bits, state_bits) for layer in self.layers)
+
+    def rollback_bytes_per_seq(self, num_tokens: int, state_bits: int = 16) -> float:
+        """What a speculative verify of ``num_tokens`` drafts keeps per sequence beside the cache (all layers:
+        ``LayerSpec.rollback_bytes_per_seq``)."""
+        return sum(layer.rollback_bytes_per_seq(num_tokens, state_bits) for layer in self.layers)
 
     def cache_growth(self, kv_bits: int = 16, state_bits: int = 16) -> tuple[float, float]:
         """(bytes per token, fixed bytes) of one long sequence's cache: what each further token of context adds
