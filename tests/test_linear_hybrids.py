@@ -176,6 +176,11 @@ def test_a_verify_keeps_what_the_accounting_counts_and_the_scheduler_budgets_it(
     assert plain.cache.max_seq_bytes == spec.cache_bytes_per_seq(mml, 32, 32)
     assert spec_k.cache.max_seq_bytes == plain.cache.max_seq_bytes + spec.rollback_bytes_per_seq(k, 32)
     assert spec.rollback_bytes_per_seq(k, 32) > plain.cache.max_seq_bytes
+    # a draft model with recurrent layers keeps a copy of its state before each drafted token but the last
+    drafted = Scheduler(llm, SchedulerConfig(max_num_seqs=2, max_model_len=mml, page_tokens=8, speculative="draft:"
+                                             + str(ckpts[mt][0]), num_speculative_tokens=k, speculative_adaptive=False))
+    state = sum(layer.mixer.state_bytes_per_seq(32) for layer in spec.layers)
+    assert sum(p.page_bytes for p in drafted.cache.pools if p.draft and p.per_seq) == (1 + k) * state > 0
 
 
 @pytest.mark.parametrize("mt", TYPES)

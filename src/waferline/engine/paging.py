@@ -116,8 +116,11 @@ def _pools(spec: ModelSpec, page_tokens: int, kv_bits: int, state_bits: int, dra
             page = page_tokens * sum(l.cache_bytes_per_token(kv_bits) for l in layers)
             pools.append(CachePool(name, tuple(idx), window, page, False, bool(draft), kind == "compressed"))
         else:
-            state = sum(l.mixer.state_bytes_per_seq(state_bits) + l.rollback_bytes_per_seq(spec_tokens, state_bits)
-                        for l in layers)
+            state = sum(l.mixer.state_bytes_per_seq(state_bits) for l in layers)
+            # speculating, a sequence keeps more state: the target the state after each of a verify's k + 1 tokens
+            # until the rewind, a drafter a copy of its own before each drafted token but the last (k)
+            state += spec_tokens * state if draft else sum(l.rollback_bytes_per_seq(spec_tokens, state_bits)
+                                                          for l in layers)
             pools.append(CachePool(name, tuple(idx), None, state, True, bool(draft)))
     return pools
 
@@ -133,7 +136,8 @@ class CacheManager:
     MTP head caches no prefixes).
 
     ``spec_tokens``: the most drafts a verify checks (speculation); a recurrent-state layer's pool then holds, per
-    sequence, the states a verify keeps for its rollback too (``LayerSpec.rollback_bytes_per_seq``)."""
+    sequence, the states a verify keeps for its rollback too (``LayerSpec.rollback_bytes_per_seq``), and a drafter's
+    the copies of its state it keeps to rewind its drafts."""
 
     def __init__(self, spec: ModelSpec, max_num_seqs: int, max_model_len: int, page_tokens: int = 16,
                  cache_bytes: float | None = None, kv_bits: int = 16, state_bits: int = 16,
@@ -148,7 +152,7 @@ class CacheManager:
         self.kv_bits, self.state_bits = kv_bits, state_bits
         self.pools = _pools(spec, page_tokens, kv_bits, state_bits, spec_tokens=spec_tokens)
         if draft is not None:
-            self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=draft_kind)
+            self.pools += _pools(draft, page_tokens, kv_bits, state_bits, draft=draft_kind, spec_tokens=spec_tokens)
         self.max_model_len = max_model_len
         self.max_seq_bytes = self.bytes_for(max_model_len)
         self._default_budget = cache_bytes is None
