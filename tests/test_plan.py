@@ -387,6 +387,48 @@ def test_the_drafter_is_placed_beside_the_lm_head(capsys):
     assert rc == 2 and not d["fits"]
 
 
+def test_speculation_counts_the_states_a_verify_keeps_on_recurrent_layers(capsys):
+    """A verify of k drafts keeps, per sequence, the state after each of its k + 1 tokens on a recurrent-state layer
+    (``LayerSpec.rollback_bytes_per_seq``): a speculating plan of Qwen3-Next (Gated DeltaNet) counts them per stage
+    beside the cache, its capacities too (they went uncounted: 629 sequences of 4k tokens on 2 H200s with 6 n-gram
+    drafts, where 155 fit), and k is the simulator's (its method's default where the plan gives none)."""
+    from waferline.plan.place import batch_capacity
+    from waferline.sim.cost import load_params
+
+    spec, params = load_model("qwen3-next-80b-a3b"), load_params(None)
+    sp = SpeculativeConfig("ngram", 6)  # (n-grams draft on the host: no drafter beside the LM head)
+
+    def placed(batch, sp=sp, **kw):
+        return place(spec, "h200-sxm", devices=2, context=4096, batch=batch, speculative=sp, **kw)
+
+    plain, spec6 = placed(8, None), placed(8)
+    rollback = 8 * spec.rollback_bytes_per_seq(6) / 2  # (a state splits over the stage's devices as the cache does)
+    assert rollback > 0 and spec.rollback_bytes_per_seq(6) == 7 * sum(
+        layer.mixer.state_bytes_per_seq(16) for layer in spec.layers if layer.rollback_bytes_per_seq(6))
+    (p,), (s,) = plain.stages, spec6.stages
+    assert within(s.memory.cache, p.memory.cache, rel=1e-12)
+    assert within(s.memory.total - p.memory.total, rollback, rel=1e-9)
+    assert p.memory.rollback == 0 and within(s.memory.rollback, rollback, rel=1e-9)
+    assert "rollback" in spec6.to_dict()["stages"][0]["memory"] and "rollback" not in plain.to_dict()["stages"][0][
+        "memory"]
+    assert within(placed(8, SpeculativeConfig("ngram")).stages[0].memory.rollback,
+                  8 * spec.rollback_bytes_per_seq(params.num_tokens["ngram"]) / 2, rel=1e-9)
+    n = batch_capacity(spec6, spec, 4096)
+    assert n < batch_capacity(plain, spec, 4096) and n == batch_capacity(spec6, spec, 4096, spec_tokens=6)
+    assert placed(n).fits and not placed(n + 1).fits and placed(n + 1, None).fits
+    assert "rollback states" in placed(n + 1).problems[0]
+    # simulate: the workload that fits without speculation does not with it
+    base = ["qwen3-next-80b-a3b", "--hardware", "h200-sxm", "--devices", "2", "--prompt-len", "3596", "--output-len",
+            "500", "--concurrency", str(n + 1)]
+    rc, d = _simulate_json(base, capsys)
+    assert rc == 0 and d["fits"]
+    rc, d = _simulate_json([*base, "--speculative", "ngram", "--num-speculative-tokens", "6"], capsys)
+    assert rc == 2 and not d["fits"] and "rollback states" in d["problems"][0]
+    # attention alone keeps nothing beside its cache: a speculating plan of it is the plain one
+    assert place("llama-3.1-8b", "h100-sxm", speculative=sp).stages[0].memory == \
+        place("llama-3.1-8b", "h100-sxm").stages[0].memory
+
+
 def test_simulate_plan_speculative_none_turns_the_plans_speculation_off(tmp_path, capsys):
     f = tmp_path / "spec.json"
     rc, with_mtp = _simulate_json(["deepseek-v3", "--hardware", "h200-sxm", "--weight-bits", "8",

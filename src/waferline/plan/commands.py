@@ -211,12 +211,12 @@ def _make_plan(args: argparse.Namespace, context: int):
     if not args.model or not args.hardware:
         raise ConfigError("give MODEL and --hardware (or --plan PLAN.json for simulate)")
     batch = max(args.batch or 1, getattr(args, "concurrency", None) or 1)  # memory for every concurrent sequence
-    sp, wb, kb = _spec_cfg(args), args.weight_bits or 16, args.kv_bits or 16
+    sp, wb, kb, params = _spec_cfg(args), args.weight_bits or 16, args.kv_bits or 16, _load_params(args)
     return place(args.model, args.hardware, devices=args.devices, weight_bits=wb, kv_bits=kb,
                  context=context, batch=batch, layers_per_stage=args.layers_per_stage, afd=args.afd,
                  micro_batches=args.micro_batches, speculative=sp, attention_ranks=args.attention_ranks,
-                 ffn_ranks=args.ffn_ranks, drafter=_drafter(args.model, sp, _load_params(args), wb, kb, 16, 128,
-                                                            context, batch))
+                 ffn_ranks=args.ffn_ranks, drafter=_drafter(args.model, sp, params, wb, kb, 16, 128, context, batch),
+                 spec_tokens=params.draft_tokens(sp))
 
 
 def _drafter(model: Any, sp: Any, params: Any, weight_bits: int, kv_bits: int, embed_bits: int, group_size: int,
@@ -244,9 +244,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from waferline.sim.pipeline import plan_drafter
 
     spec = load_model(args.model)
-    drafter = plan_drafter(plan, _load_params(args))  # (its cache grows with the context and batch searched)
-    max_ctx = context_capacity(plan, spec, drafter) if plan.fits else 0
-    max_batch = batch_capacity(plan, spec, plan.context_len, drafter) if plan.fits else 0
+    params = _load_params(args)
+    drafter = plan_drafter(plan, params)  # (its cache grows with the context and batch searched)
+    k = params.draft_tokens(plan.speculative)
+    max_ctx = context_capacity(plan, spec, drafter, k) if plan.fits else 0
+    max_batch = batch_capacity(plan, spec, plan.context_len, drafter, k) if plan.fits else 0
     if args.json:
         d = plan.to_dict()
         d["max_context_per_sequence"] = max_ctx
@@ -466,7 +468,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         plan.check(spec, hw)  # (layers, hardware) before the memory of its stages is recomputed from them
         drafter = _drafter(plan.model, plan.speculative, params, plan.weight_bits, plan.kv_bits, plan.embed_bits,
                            plan.group_size, plan.context_len, plan.batch)
-        restaged = restage_memory(plan, spec, drafter[0])
+        restaged = restage_memory(plan, spec, drafter[0], params.draft_tokens(plan.speculative))
         if args.speculative is not None:  # (the plan's note on its own drafter: this one's instead)
             plan.notes = [n for n in plan.notes if not n.endswith(DRAFTER_NOTE_END)]
             plan.notes += [drafter_note(*drafter)] if drafter[0] > 0 else []

@@ -40,37 +40,59 @@ class _Part:
 
     layer: int
     weights: float
-    cache: float
+    cache: float  # (with ``rollback``)
     kv_shards: int = 0  # most devices the cache can be split over (GQA: its KV heads); 0 = no limit
+    rollback: float = 0.0  # of ``cache``, the states a speculative verify keeps for its rollback (_seq_bytes)
 
 
 _PARTS_CACHE: dict[tuple, list[_Part]] = {}
 
 
+def _seq_bytes(layer: Any, context: int, kv_bits: int, spec_tokens: int) -> tuple[float, float]:
+    """What one sequence of ``context`` tokens keeps on ``layer``: its cache, and, speculating ``spec_tokens`` drafts a
+    step, the states a verify keeps for its rollback (``LayerSpec.rollback_bytes_per_seq``: the state after each of
+    its k + 1 tokens on a recurrent-state layer; 0 for attention). Placing, restaging and the capacity searches all
+    count a sequence so."""
+    return (layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
+            layer.rollback_bytes_per_seq(spec_tokens, STATE_BITS))
+
+
+def _drafts(sp: SpeculativeConfig, spec_tokens: int | None) -> int:
+    """The drafts a verify of ``sp`` checks per step: ``spec_tokens`` where the caller knows them (its simulator
+    parameters' ``draft_tokens``), else as the default parameters count them."""
+    if spec_tokens is not None or sp.method == "none":
+        return spec_tokens or 0
+    from waferline.sim.cost import load_params
+
+    return load_params().draft_tokens(sp)
+
+
 def _parts(
-    spec: ModelSpec, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int
+    spec: ModelSpec, role: str, weight_bits: int, kv_bits: int, context: int, batch: int, group: int,
+    spec_tokens: int = 0
 ) -> list[_Part]:
-    """Per-layer memory of ``role`` parts (cached per model and precision: sweeps reuse it)."""
-    key = (id(spec), spec.name, role, weight_bits, kv_bits, context, batch, group)
+    """Per-layer memory of ``role`` parts (cached per model and precision: sweeps reuse it); ``spec_tokens``: the
+    drafts a speculative verify checks (its rollback states counted with the cache, ``_seq_bytes``)."""
+    key = (id(spec), spec.name, role, weight_bits, kv_bits, context, batch, group, spec_tokens)
     hit = _PARTS_CACHE.get(key)
     if hit is not None:
         return hit
-    memo: dict[tuple, tuple[float, float]] = {}
+    memo: dict[tuple, tuple[float, float, int, float]] = {}
     out = []
     for layer in spec.layers:
         sig = (repr(layer.mixer), repr(layer.ffn))
         wc = memo.get(sig)
         if wc is None:
-            cache = batch * layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS)
+            cache, rollback = (batch * x for x in _seq_bytes(layer, context, kv_bits, spec_tokens))
             shards = layer.cache_shard_limit()
             if role == "full":
-                wc = (layer.weight_bytes(weight_bits, group), cache, shards)
+                wc = (layer.weight_bytes(weight_bits, group), cache + rollback, shards, rollback)
             elif role == "attention":
-                wc = (layer.mixer_weight_bytes(weight_bits, group), cache, shards)
+                wc = (layer.mixer_weight_bytes(weight_bits, group), cache + rollback, shards, rollback)
             else:
-                wc = (layer.ffn_weight_bytes(weight_bits, group), 0.0, 0)
+                wc = (layer.ffn_weight_bytes(weight_bits, group), 0.0, 0, 0.0)
             memo[sig] = wc
-        out.append(_Part(layer.index, wc[0], wc[1], wc[2]))
+        out.append(_Part(layer.index, *wc))
     if len(_PARTS_CACHE) > 512:
         _PARTS_CACHE.clear()
     _PARTS_CACHE[key] = out
@@ -90,9 +112,10 @@ def _stage_memory(
     parts: list[_Part], n_dev: int, hw: HardwareSpec, act: float, extra_weights: float
 ) -> MemoryBreakdown:
     w = (sum(p.weights for p in parts) + extra_weights) / n_dev
-    c = sum(cache_per_device(p.cache, n_dev, p.kv_shards) for p in parts)
+    c = sum(cache_per_device(p.cache - p.rollback, n_dev, p.kv_shards) for p in parts)
+    r = sum(cache_per_device(p.rollback, n_dev, p.kv_shards) for p in parts)  # (split as the state it copies)
     return MemoryBreakdown(weights=w, cache=c, activations=act, reserve=hw.memory_bytes * hw.reserve_fraction,
-                           capacity=hw.memory_bytes)
+                           capacity=hw.memory_bytes, rollback=r)
 
 
 def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
@@ -226,12 +249,12 @@ def ffn_owner(layer: int, ranks: int) -> int:
 
 
 def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
-                     batch: int, group: int, act: float, emb: float, head: float) -> list[Stage]:
+                     batch: int, group: int, act: float, emb: float, head: float, spec_tokens: int) -> list[Stage]:
     """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding
     and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
     every MoE layer plus the shared experts / dense FFN of the layers it owns. Each rank gets the fewest devices its
     memory needs."""
-    att, ffn_ranks = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group)
+    att, ffn_ranks = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group, spec_tokens)
     stages: list[Stage] = []
     dev = 0
     for m in range(M):
@@ -261,7 +284,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
 
 
 def _afd_rank_parts(spec: ModelSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int, batch: int,
-                    group: int) -> tuple[list[_Part], list[list[_Part]]]:
+                    group: int, spec_tokens: int = 0) -> tuple[list[_Part], list[list[_Part]]]:
     """The engine's AFD layout in parts: an attention rank's (every mixer, the caches of ceil(batch / M) sequences)
     and each of the N FFN ranks' (its expert range of every MoE layer, the shared experts / dense FFN of the layers
     it owns)."""
@@ -270,8 +293,8 @@ def _afd_rank_parts(spec: ModelSpec, M: int, N: int, weight_bits: int, kv_bits: 
     if M < 1 or N < 1:
         raise ConfigError(f"--attention-ranks and --ffn-ranks must be >= 1 (got {M}, {N})")
     share = math.ceil(batch / M) / batch
-    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards)
-           for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group)]
+    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards, p.rollback * share)
+           for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group, spec_tokens)]
     ffn = {p.layer: p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group) if p.weights > 0}
     routed: dict[int, tuple[float, int]] = {}  # layer -> (bytes of one routed expert, experts)
     for layer in spec.layers:
@@ -314,13 +337,15 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
           layers_per_stage: int | None = None, afd: bool = False, micro_batches: int | None = None,
           speculative: SpeculativeConfig | None = None, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
           require_fit: bool = False, attention_ranks: int | None = None, ffn_ranks: int | None = None,
-          drafter: tuple[float, str] | None = None) -> Plan:
+          drafter: tuple[float, str] | None = None, spec_tokens: int | None = None) -> Plan:
     """Place ``model`` on ``hardware``: the fewest devices that fit when ``devices`` is None, else exactly ``devices``.
 
     ``afd=True`` with ``attention_ranks`` / ``ffn_ranks``: the layout the AFD engine runs (data-parallel attention
     ranks, expert-sharded FFN ranks, each rank sized to fit); ``afd=True`` alone: attention and FFN device pools
     with layers packed onto them (planner/simulator only). ``drafter``: the bytes speculative decoding's drafter adds
-    to the stage that holds the LM head, and what it is (sim.pipeline.drafter_memory)."""
+    to the stage that holds the LM head, and what it is (sim.pipeline.drafter_memory). ``spec_tokens``: the drafts a
+    verify of ``speculative`` checks per step (SimParams.draft_tokens; default: as the default parameters count
+    them), for which each stage holding recurrent-state layers keeps the states a verify rolls back to."""
     spec, hw = _resolve(model, hardware)
     if (attention_ranks is not None or ffn_ranks is not None) and not afd:
         raise ConfigError("--attention-ranks / --ffn-ranks need --afd")
@@ -349,8 +374,10 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     if drafter and drafter[0] > 0:  # (the drafts are made where the target's last hidden state and LM head are)
         head += drafter[0]
         notes.append(drafter_note(*drafter))
+    speculative = speculative or SpeculativeConfig()
+    drafts = _drafts(speculative, spec_tokens)
     kw = dict(weight_bits=weight_bits, kv_bits=kv_bits, embed_bits=embed_bits, group_size=group_size,
-              context_len=context, batch=batch, afd=afd, speculative=speculative or SpeculativeConfig())
+              context_len=context, batch=batch, afd=afd, speculative=speculative)
 
     def mk_stages(groups: list[tuple[list[_Part], int]], role: str, start_dev: int, start_idx: int,
                   with_ends: bool) -> list[Stage]:
@@ -371,12 +398,13 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                 "--attention-ranks/--ffn-ranks size each rank to fit; drop --devices / --layers-per-stage"
             )
         M, N = attention_ranks or 1, ffn_ranks or 1
-        stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, emb, head)
+        stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, emb, head,
+                                  drafts)
         notes.append(f"attention/FFN disaggregation as the engine runs it: {M} data-parallel attention rank(s) "
                      f"({stages[0].num_devices} device(s) each), {N} expert-parallel FFN rank(s)")
         micro_batches = micro_batches or 2
     elif afd:
-        att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size)
+        att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size, drafts)
         ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
         ma = sum(p.weights + p.cache for p in att) + emb + head
         mf = sum(p.weights for p in ffn)
@@ -406,7 +434,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             f"attention/FFN disaggregation: {n_att} attention device(s), {sum(n for _, n in gf)} FFN device(s)"
         )
     elif hw.placement == "pipeline":
-        parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size)
+        parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size, drafts)
         if devices is None and layers_per_stage is None:
             groups = _greedy_pack(parts, hw, act, emb, head)
         elif devices is None:
@@ -439,6 +467,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             head,
             mk_stages,
             notes,
+            drafts,
         )
 
     plan = Plan(model=_model_ref(model, spec), hardware=_hardware_ref(hw), stages=stages, notes=notes, **kw)
@@ -451,7 +480,8 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         floors = {}
         for s in stages:
             if not s.memory.fits:
-                by_layer = {p.layer: p for p in _parts(spec, s.role, weight_bits, kv_bits, context, batch, group_size)}
+                by_layer = {p.layer: p for p in _parts(spec, s.role, weight_bits, kv_bits, context, batch, group_size,
+                                                       drafts)}
                 floors[s.index] = _cache_floor([by_layer[i] for i in s.layers])
     plan.problems = explain(plan, floors)
     plan.fits = not plan.problems
@@ -533,9 +563,9 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
 
 def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
                   context: int, batch: int, group: int, act: float, emb: float, head: float, mk_stages: Any,
-                  notes: list[str]) -> list[Stage]:
+                  notes: list[str], spec_tokens: int = 0) -> list[Stage]:
     """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes."""
-    parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group)
+    parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group, spec_tokens)
     total = sum(p.weights + p.cache for p in parts) + emb + head
 
     def build(tp: int, pp: int) -> list[tuple[list[_Part], int]]:
@@ -649,22 +679,26 @@ def explain(plan: Plan, cache_floors: dict[int, float] | None = None) -> list[st
         m = s.memory
         if m.fits:
             continue
-        terms = {"weights": m.weights, "cache": m.cache, "activations": m.activations, "reserve": m.reserve}
+        terms = {"weights": m.weights, "cache": m.cache, "rollback": m.rollback, "activations": m.activations,
+                 "reserve": m.reserve}
         big = max(terms, key=terms.get)  # type: ignore[arg-type]
         layers = f"layer {s.layers[0]}" if len(s.layers) == 1 else f"layers {s.layers[0]}-{s.layers[-1]}"
         hint = {"weights": "use fewer bits (--weight-bits), more devices, or fewer layers per stage",
                 "cache": "use a shorter --context, a smaller --batch, --kv-bits 8, or more devices",
+                "rollback": "use fewer drafts a step (--num-speculative-tokens), a smaller --batch, or more devices",
                 "activations": "use a smaller --batch or prefill chunk",
                 "reserve": "the device is too small for this model"}[big]
         floor = (cache_floors or {}).get(s.index)
-        if big in ("weights", "cache") and floor is not None and floor + m.activations + m.reserve > m.capacity:
+        if big in ("weights", "cache", "rollback") and floor is not None \
+                and floor + m.activations + m.reserve > m.capacity:
             hint = (f"more devices in the stage do not help: each holds {_gb(floor)} of cache however many share "
                     "it (a layer's cache splits over at most its KV heads; an MLA latent over none); use a shorter "
                     "--context, a smaller --batch" + (", --kv-bits 8 or fewer layers per stage" if len(s.layers) > 1
                                                      else " or --kv-bits 8"))
         out.append(
             f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
-            f" + cache {_gb(m.cache)} + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"
+            f" + cache {_gb(m.cache)}" + (f" + speculation's rollback states {_gb(m.rollback)}" if m.rollback else "")
+            + f" + activations {_gb(m.activations)} + reserve {_gb(m.reserve)}"
             f" = {_gb(m.total)} > capacity {_gb(m.capacity)} by {_gb(m.total - m.capacity)} "
             f"({m.total - m.capacity:.0f} bytes);"
             f" largest term: {big}; {hint}"
@@ -673,10 +707,11 @@ def explain(plan: Plan, cache_floors: dict[int, float] | None = None) -> list[st
 
 
 def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: int,
-                drafter: Callable[[int, int], float] | None = None) -> bool:
-    """Whether every stage of ``plan`` holds ``batch`` sequences of ``ctx`` tokens: its weights, their cache, the
-    activation workspace of that batch, and (``drafter``: bytes at (context, batch), sim.pipeline.drafter_memory) its
-    drafter's cache beside the LM head, which the plan sized for its own context and batch."""
+                drafter: Callable[[int, int], float] | None = None, spec_tokens: int = 0) -> bool:
+    """Whether every stage of ``plan`` holds ``batch`` sequences of ``ctx`` tokens: its weights, their cache (with the
+    states a verify of ``spec_tokens`` drafts keeps for its rollback, ``_seq_bytes``), the activation workspace of
+    that batch, and (``drafter``: bytes at (context, batch), sim.pipeline.drafter_memory) its drafter's cache beside
+    the LM head, which the plan sized for its own context and batch."""
     by_index = {layer.index: layer for layer in spec.layers}
     act = _activation_bytes(spec, batch, DEFAULT_PREFILL_CHUNK)
     grow = drafter(ctx, batch) - drafter(plan.context_len, plan.batch) if drafter else 0.0
@@ -686,7 +721,7 @@ def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: 
             continue
         cache = sum(
             cache_per_device(
-                held * by_index[i].cache_bytes_per_seq(ctx, plan.kv_bits, STATE_BITS),
+                held * sum(_seq_bytes(by_index[i], ctx, plan.kv_bits, spec_tokens)),
                 s.num_devices,
                 by_index[i].cache_shard_limit(),
             )
@@ -710,16 +745,18 @@ def _max_int(ok: Any, hi: int) -> int:
     return lo
 
 
-def restage_memory(plan: Plan, model: Any, drafter: float = 0.0) -> list[str]:
+def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: int | None = None) -> list[str]:
     """Recompute the memory of every stage of ``plan`` from its layers, role, devices, bits, context and batch as
-    ``place`` computes it (``drafter``: the bytes its drafter adds beside the LM head; AFD ranks: the engine's
-    layout, an attention rank holding a share of the batch's caches, an FFN rank its experts), replacing what the
-    plan says: a plan file edited, or placed by an older planner, is judged on the model and hardware as they are.
+    ``place`` computes it (``drafter``: the bytes its drafter adds beside the LM head; ``spec_tokens``: the drafts
+    its verify checks, as ``place`` takes them; AFD ranks: the engine's layout, an attention rank holding a share of
+    the batch's caches, an FFN rank its experts), replacing what the plan says: a plan file edited, or placed by an
+    older planner, is judged on the model and hardware as they are.
     Returns one line per stage whose stored memory differed by more than 0.5%."""
     spec, hw = _resolve(model, plan.hardware)
     act = _activation_bytes(spec, plan.batch, DEFAULT_PREFILL_CHUNK)
     emb, head = spec.embed_bytes(plan.embed_bits), spec.lm_head_bytes(plan.embed_bits) + drafter
-    args = (plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch, plan.group_size)
+    args = (plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch, plan.group_size,
+            _drafts(plan.speculative, spec_tokens))
     by_role: dict[str, dict[int, _Part]] = {}
     ffn_ranks: list[dict[int, _Part]] = []
     if plan.attention_ranks:  # (the engine's layout: data-parallel attention ranks, expert-sharded FFN ranks)
@@ -749,15 +786,20 @@ CONTEXT_SEARCH_LIMIT = 1 << 34  # context_capacity searches up to this many toke
 BATCH_SEARCH_LIMIT = 1 << 24  # batch_capacity's, in sequences
 
 
-def context_capacity(plan: Plan, model: Any, drafter: Callable[[int, int], float] | None = None) -> int:
+def context_capacity(plan: Plan, model: Any, drafter: Callable[[int, int], float] | None = None,
+                     spec_tokens: int | None = None) -> int:
     """Longest context (tokens) every stage of ``plan`` can hold for its batch, given its weights (CONTEXT_SEARCH_LIMIT:
-    at least that); ``drafter``: its drafter's bytes at (context, batch), as ``_fits_cache`` takes them."""
+    at least that); ``drafter``: its drafter's bytes at (context, batch), as ``_fits_cache`` takes them;
+    ``spec_tokens``: the drafts its verify checks, as ``place`` takes them."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch, drafter), CONTEXT_SEARCH_LIMIT)
+    k = _drafts(plan.speculative, spec_tokens)
+    return _max_int(lambda c: _fits_cache(plan, spec, hw, c, plan.batch, drafter, k), CONTEXT_SEARCH_LIMIT)
 
 
-def batch_capacity(plan: Plan, model: Any, context: int, drafter: Callable[[int, int], float] | None = None) -> int:
+def batch_capacity(plan: Plan, model: Any, context: int, drafter: Callable[[int, int], float] | None = None,
+                   spec_tokens: int | None = None) -> int:
     """Most sequences of ``context`` tokens whose cache and activations every stage of ``plan`` can hold next to its
-    weights (BATCH_SEARCH_LIMIT: at least that); ``drafter`` as for ``context_capacity``."""
+    weights (BATCH_SEARCH_LIMIT: at least that); ``drafter`` and ``spec_tokens`` as for ``context_capacity``."""
     spec, hw = _resolve(model, plan.hardware)
-    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b, drafter), BATCH_SEARCH_LIMIT)
+    k = _drafts(plan.speculative, spec_tokens)
+    return _max_int(lambda b: _fits_cache(plan, spec, hw, context, b, drafter, k), BATCH_SEARCH_LIMIT)

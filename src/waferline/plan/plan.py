@@ -37,10 +37,11 @@ class MemoryBreakdown:
     activations: float = 0.0
     reserve: float = 0.0
     capacity: float = 0.0
+    rollback: float = 0.0  # speculation: the states a verify keeps for its rollback on recurrent-state layers
 
     @property
     def total(self) -> float:
-        return self.weights + self.cache + self.activations + self.reserve
+        return self.weights + self.cache + self.rollback + self.activations + self.reserve
 
     @property
     def free(self) -> float:
@@ -185,6 +186,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for s, sd in zip(self.stages, d["stages"]):
+            if not s.memory.rollback:  # (attention, or no speculation: nothing kept beside the cache)
+                del sd["memory"]["rollback"]
             sd["memory"]["total"] = s.memory.total
             sd["memory"]["fits"] = s.memory.fits
         return d

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from waferline.errors import ConfigError
-from waferline.plan.plan import MAX_DRAFT_TOKENS
+from waferline.plan.plan import MAX_DRAFT_TOKENS, SpeculativeConfig
 from waferline.sim.wafer import Fabric, fabric_work
 from waferline.spec.hardware import HardwareSpec
 from waferline.spec.model import MoESpec
@@ -110,6 +110,12 @@ class SimParams:
     def for_hardware(self, hw: HardwareSpec) -> ClassParams:
         cp = self.classes.get(hw.name) or self.classes.get(hw.kind) or self.classes.get("gpu") or ClassParams()
         return replace(cp, speedup=self.speedup) if self.speedup else cp
+
+    def draft_tokens(self, sp: SpeculativeConfig) -> int:
+        """Drafts a verify checks per step under ``sp`` (a SpeculativeConfig): its own count, else this method's
+        default (``num_tokens``); 0 without speculation. The simulator's k, and what the planner counts a verify's
+        rollback states for (plan.place)."""
+        return 0 if sp.method == "none" else sp.num_tokens or self.num_tokens.get(sp.method, 4)
 
     def sped_up(self, term: str, factor: float) -> SimParams:
         """A copy whose steps take ``term`` (a key of sim/explain.py's TERMS) ``factor`` times less time."""

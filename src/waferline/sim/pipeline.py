@@ -207,7 +207,7 @@ def drafter_memory(spec: ModelSpec, sp: Any, params: SimParams, *, weight_bits: 
         return 0.0, ""
     d = spec.hidden_size
     if method == "medusa":  # k heads, each a residual block [d -> d] and an LM head of its own
-        k = sp.num_tokens or params.num_tokens.get(method, 4)
+        k = params.draft_tokens(sp)
         # (each head's vocabulary projection the size of the target's: its embedding table where it ties the two)
         return k * (_lm_head(spec, embed_bits)[0] + matmul_bytes([(d, d, 1)], weight_bits, group_size)), \
             f"{k} Medusa heads"
@@ -407,7 +407,7 @@ def simulate(
     spec_info: dict[str, Any] = {"method": plan.speculative.method}
     sp = plan.speculative
     if sp.method != "none":
-        k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
+        k = params.draft_tokens(sp)
         rated = _rate_method(ctx)
         a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(a, k)
@@ -629,7 +629,7 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
     spec_info: dict[str, Any] = {"method": plan.speculative.method}
     sp = plan.speculative
     if sp.method != "none":
-        k = sp.num_tokens or params.num_tokens.get(sp.method, 4)
+        k = params.draft_tokens(sp)
         rated = _rate_method(ctx)
         acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(acc, k)

@@ -485,7 +485,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
     if expert_skew > 0 and not any(getattr(layer.ffn, "num_experts", 0) for layer in spec.layers):
         raise ConfigError(f"expert skew is for MoE models; {spec.name} has no routed experts")
-    cap = max_batch or batch_capacity(plan, spec, P + O, plan_drafter(plan, params))
+    cap = max_batch or batch_capacity(plan, spec, P + O, plan_drafter(plan, params),
+                                      params.draft_tokens(plan.speculative))
     if cap < 1:
         raise ConfigError(
             f"not even one sequence of {P + O} tokens fits next to the weights; plan more devices or a shorter context"
@@ -520,7 +521,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     nxt_src: tuple[float, float, float] | None = None
     if pd:
         pplan = prefill_plan or plan
-        if pplan is not plan and batch_capacity(pplan, spec, P) < 1:
+        if pplan is not plan and batch_capacity(pplan, spec, P, spec_tokens=0) < 1:  # (a prefill verifies nothing)
             raise ConfigError(f"the prefill pool ({pplan.num_devices} x {pplan.hardware}) cannot hold the weights and "
                               f"one {P}-token prompt's cache; give it more devices (--prefill-devices) or fewer bits")
         phw = load_hardware(pplan.hardware)
