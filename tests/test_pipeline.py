@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -345,6 +346,72 @@ def test_dead_or_hung_stage_is_named(ckpts, sig, when):
     with pytest.raises(StageError, match=name):  # every later caller gets the same answer
         llm.generate([[1, 2]], SamplingParams(max_tokens=2))
     llm.close()
+
+
+ENV_DRIVER = """
+import sys, time
+from waferline import LLM, SamplingParams
+llm = LLM(sys.argv[1], stages=3, threads_per_stage=1, hang_timeout_s=float(sys.argv[2]))
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+try:
+    for n, _ in enumerate(llm.stream([[1, 2, 3], [4, 5]], SamplingParams(max_tokens=2000, ignore_eos=True))):
+        if n == 20:
+            print("decoding", flush=True)
+    print("finished", flush=True)
+except Exception as e:
+    print(f"{type(e).__name__}: {e}", flush=True)
+print(f"took {time.monotonic() - t0:.1f}", flush=True)
+"""
+ENV_WORKER = ("import sys\nfrom waferline.engine.pipeline import serve_from_env\n"
+              "sys.exit(serve_from_env(sys.argv[1], stages=3, threads_per_stage=1))")
+
+
+@pytest.mark.parametrize("when, hang", [("idle", 2.0), ("during", 8.0)], ids=["killed-idle", "killed-during-decode"])
+def test_a_stage_killed_under_a_hand_set_env_launch_is_named(ckpts, when, hang):
+    """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand, one process per rank, no torchrun agent: rank 0 cannot see
+    another host's exit code, and a rank killed outright (SIGKILL) writes no status. Its heartbeat in the store stops:
+    rank 0 names the stage (it said "a stage stopped answering" without its index, or took it for hung), while idle
+    within the hang timeout, and about a second after a link to it breaks mid-decode (the default hang timeout)."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for r in range(3):
+            env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), RANK=str(r), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port))
+            cmd = ["-c", ENV_DRIVER, str(ckpts["sol"]), str(hang)] if r == 0 else ["-c", ENV_WORKER, str(ckpts["sol"])]
+            procs.append(subprocess.Popen([sys.executable, *cmd], env=env, text=True, stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE if r == 0 else None))
+        driver = procs[0]
+        assert driver.stdout.readline().strip() == "ready", driver.communicate(timeout=30)[1][-2000:]
+        if when == "idle":
+            procs[1].kill()
+            time.sleep(hang + 1.0)  # the watchdog alone notices
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+        else:
+            driver.stdin.write("go\n")
+            driver.stdin.flush()
+            assert driver.stdout.readline().strip() == "decoding"
+            procs[1].kill()
+        out, err = driver.communicate(timeout=60)
+        lines = out.strip().splitlines()
+        assert re.match(r"StageError: pipeline failed: stage 1 \(layers \d+-\d+\) stopped answering: no heartbeat",
+                        lines[0]), out + err[-2000:]
+        assert float(lines[-1].split()[1]) < hang, out
+        assert procs[2].wait(timeout=15) != 0  # the other stage is stopped too
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 # a worker that says it is alive, then dies before it joins the process groups (fork: the patch reaches the workers)

@@ -280,7 +280,8 @@ class StageRunner:
 # ---------------------------------------------------------------- worker process
 
 def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int | None) -> None:
-    """Publish this stage's progress counter; exit the process if the driver is gone or asked for an abort."""
+    """Publish this stage's progress counter (env://: and a heartbeat every tick); exit the process if the driver is
+    gone or asked for an abort."""
     last = None
     while True:
         if state.get("stopping"):  # a SHUTDOWN arrived: the process exits on its own (exit code 0), whatever follows
@@ -300,6 +301,8 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
                 os._exit(EXIT_PEER_LOST)
             last = n
         try:
+            if driver_pid is None:  # env://: a heartbeat, the driver's only sign that a process on another host lives
+                ctl.store.add(ctl.key("beat", rank), 1)
             if ctl.get("abort") is not None and not state.get("stopping"):
                 os._exit(EXIT_ABORTED)
         except Exception:
@@ -386,6 +389,8 @@ def worker_ready(ctl: Control, store: Any, load: dict[str, Any], run_id: str, ra
                  driver_pid: int | None, thread_name: str) -> None:
     """A worker has loaded: announce it and start the thread that publishes its progress for the driver's watchdog."""
     ctl.set("progress", rank, "0")
+    if driver_pid is None:  # (env://: the heartbeat the publisher counts up)
+        ctl.set("beat", rank, "0")
     ctl.set("ready", rank, "1")
     threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
                      daemon=True, name=thread_name).start()

@@ -22,6 +22,7 @@ from waferline.errors import WaferlineError
 WATCH_INTERVAL_S = 0.2
 START_TIMEOUT_S = 120.0
 START_SETTLE_S = 0.3  # a start-up error: the wait for a worker's exit that may be its cause to be seen
+BEAT_LOST_S = 1.0  # env://: once a link broke, a stage silent this long (no heartbeat, no status) is the one that died
 
 _started: weakref.WeakSet[Any] = weakref.WeakSet()  # the drivers whose workers this process started
 _inherited: list[Any] = []  # (a forked child) the drivers it inherited, held for as long as it lives
@@ -64,6 +65,7 @@ class Supervision:
     _error_cls = StageError
     _peers_name = "stages"
     _engine_name = "pipeline"
+    _link_lost = False  # a link to a stage broke (``_failed``): a stage without a heartbeat is named sooner
 
     def _rank_name(self, r: int) -> str:
         return f"stage {r} ({_layers(self.ranges[r])})"
@@ -155,26 +157,37 @@ class Supervision:
 
     def _watch_setup(self) -> Any:
         ctl = Control(self._store_client(), self.run_id)
-        S = self.num_stages
-        return ctl, [ctl.key("progress", r) for r in range(1, S)], {r: (0, time.monotonic()) for r in range(1, S)}
+        S, now = self.num_stages, time.monotonic()
+        keys = [ctl.key("progress", r) for r in range(1, S)]
+        if self._env:  # (and every stage's heartbeat: rank 0 cannot see the exit of a process on another host)
+            keys += [ctl.key("beat", r) for r in range(1, S)]
+        return ctl, keys, {r: (0, now) for r in range(1, S)}, {r: (-1, now) for r in range(1, S)}
 
     def _watch_tick(self, state: Any) -> bool:
-        """A dead stage, an error reported by a stage, or a stage that owes work and has not progressed for
-        ``hang_timeout_s`` is a fault: every stage is stopped, which unblocks the driver. False: the watch is over."""
-        ctl, keys, last = state
+        """A dead stage, an error reported by a stage, a stage that owes work and has not progressed for
+        ``hang_timeout_s``, or (env://) one silent for as long (``_silent``) is a fault: every stage is stopped, which
+        unblocks the driver. False: the watch is over."""
+        ctl, keys, last, beats = state
         S = self.num_stages
         try:
             fault = self._diagnose(ctl)
             if fault is None and self.hang_timeout_s > 0:
                 now = time.monotonic()
                 prog = [int(v) for v in ctl.store.multi_get(keys)]
+                if self._env:  # each stage's heartbeat: when it last changed
+                    for r in range(1, S):
+                        if prog[S - 2 + r] != beats[r][0]:
+                            beats[r] = (prog[S - 2 + r], now)
+                    limit = BEAT_LOST_S if self._link_lost else self.hang_timeout_s
+                    fault = next((f for r in range(1, S) if (f := self._silent(ctl, beats, r, limit, now))), None)
                 upstream = self._chain_sent
                 for r in range(1, S):
                     n = prog[r - 1]
                     if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
                         last[r] = (n, now)
-                    elif now - last[r][1] > self.hang_timeout_s:
-                        fault = (
+                    elif now - last[r][1] > self.hang_timeout_s and fault is None:
+                        # (env://: one whose heartbeat stopped too was killed or stopped, not hung in a step)
+                        fault = (self._silent(ctl, beats, r, BEAT_LOST_S, now) if self._env else None) or (
                             f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
                             f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)"
                         )
@@ -185,6 +198,17 @@ class Supervision:
                 return False
             fault = f"lost contact with the stages ({e})"
         return self._watch_fault(fault)
+
+    def _silent(self, ctl: Control, beats: dict[int, tuple[int, float]], r: int, limit: float, now: float
+                ) -> str | None:
+        """env://: stage ``r`` as a fault if its heartbeat stopped more than ``limit`` s ago and it set no status
+        (killed outright, or stopped: rank 0 cannot see the exit of a process on another host). The limit is the hang
+        timeout, or BEAT_LOST_S once a link broke (a stage that only lost its neighbour says so first)."""
+        quiet = now - beats[r][1]
+        if quiet > limit and _safe_status(ctl, r) is None and ctl.get("stopped", r) is None:
+            return (f"{self._rank_name(r)} stopped answering: no heartbeat for {quiet:.1f} s (its process died or "
+                    "was stopped)")
+        return None
 
     def _watch_fault(self, fault: str | None) -> bool:
         if fault is not None and not self._closed:
@@ -227,6 +251,7 @@ class Supervision:
 
     def _failed(self, err: BaseException) -> StageError:
         """Turn a transport failure in the driver into a StageError naming the stage (asks the watchdog first)."""
+        self._link_lost = True
         deadline = time.monotonic() + 3.0
         while (
             self._fault is None
