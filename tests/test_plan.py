@@ -424,6 +424,12 @@ def test_speculation_counts_the_states_a_verify_keeps_on_recurrent_layers(capsys
     assert rc == 0 and d["fits"]
     rc, d = _simulate_json([*base, "--speculative", "ngram", "--num-speculative-tokens", "6"], capsys)
     assert rc == 2 and not d["fits"] and "rollback states" in d["problems"][0]
+    base[base.index("--concurrency") + 1] = str(n)
+    rc, d = _simulate_json([*base, "--speculative", "ngram", "--num-speculative-tokens", "6"], capsys)
+    assert rc == 0 and d["fits"] and any("each of a verify's 7 tokens" in x and "GB per device" in x
+                                         for x in d["notes"])
+    rc, d = _simulate_json(base, capsys)
+    assert not any("rollback" in x for x in d["notes"])
     # attention alone keeps nothing beside its cache: a speculating plan of it is the plain one
     assert place("llama-3.1-8b", "h100-sxm", speculative=sp).stages[0].memory == \
         place("llama-3.1-8b", "h100-sxm").stages[0].memory

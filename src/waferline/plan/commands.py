@@ -374,6 +374,16 @@ def _class_notes(plan: Any, params: Any) -> list[str]:
             "errors of ~1.5x, 2-3x at worst, on hardware with no rows (docs/planner.md, Validation)"]
 
 
+def _rollback_note(plan: Any, params: Any) -> list[str]:
+    """What speculation keeps on the plan's recurrent-state layers for its rollback (counted in its memory)."""
+    most = max((s.memory.rollback for s in plan.stages), default=0.0)
+    if not most:
+        return []
+    k = params.draft_tokens(plan.speculative)
+    return [f"speculation keeps the state after each of a verify's {k + 1} tokens on the recurrent-state layers for "
+            f"its rollback: {_gb(most)} GB per device on the stage that keeps most, counted in its memory"]
+
+
 def _params_notes(path: str | None, params: Any, plan: Any, intervals: bool, ranged: bool = False) -> list[str]:
     """What a ``--params`` file leaves out that the shipped fit has, for this plan's hardware: a class it has no
     parameters for, fitted parameters it leaves at their priors, class names nothing matches, the parameter sets the
@@ -555,7 +565,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             beyond = f"{beyond}; {past}" if beyond else past
     restaged = [f"{line}: the recomputed memory is used" for line in restaged]
     placed = list(plan.notes) + _fitted_links(plan, params)  # (the plan's own: devices left idle, a regrouping)
-    placed += _class_notes(plan, params)
+    placed += _class_notes(plan, params) + _rollback_note(plan, params)
     if serving is not None and prefill_plan is not None:
         placed += [f"prefill pool: {line}" for line in prefill_plan.notes]
     ranged = not args.no_intervals and rng is not None
