@@ -297,3 +297,27 @@ def test_a_hang_is_timed_from_the_steps_start_not_the_idle_time_before(ckpts):
     assert len(faults) == 1 and "hung" in faults[0], faults
     stalled = float(faults[0].split("progress for ")[1].split(" s")[0])
     assert 3.0 <= stalled < 10.0, faults[0]
+
+
+def test_a_prefill_beside_a_verify_runs_as_a_plain_prefill(ckpts):
+    """A verify and a plain prefill chunk in one AFD step (speculation): only the verify records the per-token trail
+    its rollback needs. The Mamba-2 caches recorded it for every row of the step, so the prefill ran token by token,
+    its log-probs differed from the same prompt's alone, and its trail (T states per Mamba-2 layer) stayed behind."""
+    from waferline.engine.runner import WANT_ARGMAX, WANT_LOGPROBS, PrefillChunk, VerifyRow
+
+    with LLM(ckpts["nemotron_h"], speculative="ngram", afd=True, attention_ranks=1, ffn_ranks=1,
+             threads_per_rank=1) as llm:
+        sch = llm._engine(3)
+        runner = sch.runner
+        first, prompt = [5, 6, 7, 8] * 4, list(range(10, 50))
+        for rid, n in (("a", len(first) + 3), ("b", len(prompt)), ("c", len(prompt))):
+            sch.cache.admit(rid)
+            assert sch.cache.grow(rid, n)
+        runner.reset_slots([0, 1, 2])
+        runner.step([], [PrefillChunk(0, 0, first, WANT_LOGPROBS)])
+        _, _, beside = runner.verify([VerifyRow(0, len(first), [5, 6, 7], WANT_ARGMAX)], [],
+                                     [PrefillChunk(1, 0, prompt, WANT_LOGPROBS)])
+        trails = [set(c.trail) for c in runner.pipe.runner.rt.caches if hasattr(c, "trail")]
+        assert trails and all(t <= {0} for t in trails), trails  # (slot 0's verify: its keep comes next step)
+        alone = runner.step([], [PrefillChunk(2, 0, prompt, WANT_LOGPROBS)])[1][0]
+        assert torch.equal(beside[0].logits, alone.logits)

@@ -77,10 +77,13 @@ class AttentionRunner:
             self.progress["processed"] += 1
 
     @staticmethod
-    def _mixer(layer: Any, xs: list[torch.Tensor], cache: Any, batches: list[Any]) -> list[torch.Tensor]:
+    def _mixer(layer: Any, xs: list[torch.Tensor], cache: Any, batches: list[Any], trails: list[bool]
+               ) -> list[torch.Tensor]:
         m = layer.residual_multiplier
         out = []
-        for x, b in zip(xs, batches):  # DecoderLayer.forward's mixer half
+        for x, b, v in zip(xs, batches, trails):  # DecoderLayer.forward's mixer half
+            if hasattr(cache, "keep_trail"):  # (a verify group records its trail for a rollback; a plain one does not)
+                cache.keep_trail = v
             h = layer.mixer(layer.mixer_norm(x), cache, b)
             out.append(x + h * m if m != 1.0 else x + h)
         return out
@@ -184,6 +187,7 @@ class AttentionRunner:
         verifies = [b for mb, bs in zip(mbs, batches) for g, b in zip(mb.groups, bs) if g.verify and g.T > 1]
         for b in verifies:
             rt.rollback.before(rt.caches, b)
+        trails = [[g.verify and g.T > 1 for g in mb.groups] for mb in mbs]  # (per group: _mixer)
         K = len(mbs)
         pending: list[_Pending | None] = [None] * K
         try:
@@ -194,7 +198,7 @@ class AttentionRunner:
                         xs[k] = self._combine(pending[k])
                         pending[k] = None
                     if layer.mixer is not None and xs[k]:
-                        xs[k] = self._mixer(layer, xs[k], cache, batches[k])
+                        xs[k] = self._mixer(layer, xs[k], cache, batches[k], trails[k])
                     if li in self.fronts:
                         pending[k] = self._dispatch(li, xs[k])
             for k in range(K):
