@@ -67,6 +67,29 @@ VARIANTS = {
     "deepseek_v3_router_fields_not_read": ("deepseek_v3", dict(scoring_func="softmax", topk_method="greedy"), None),
     # DeepSeek-V3.2's dense layers are where mlp_layer_types says (first_k_dense_replace was read)
     "deepseek_v32_mlp_layer_types": ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]), None),
+    # partial_rotary_factor where transformers' attention rotates whole heads (waferline rotated the share) ...
+    "llama_partial_rotary_not_read": ("llama", dict(partial_rotary_factor=0.5, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0)), None),
+    "granite_partial_rotary_not_read": ("granitemoehybrid", {}, lambda c: c.update(partial_rotary_factor=0.5)),
+    # ... Bamba's top-level one, over which transformers sets half (it was read), and Qwen3-Next's default, a quarter
+    # (it was the whole head)
+    "bamba_partial_rotary_top_level": ("bamba", {}, lambda c: (c["rope_parameters"].pop("partial_rotary_factor", None),
+                                                               c.update(partial_rotary_factor=1.0))),
+    "qwen3_next_partial_rotary_absent": ("qwen3_next", {}, lambda c: (
+        c.pop("partial_rotary_factor", None), c["rope_parameters"].pop("partial_rotary_factor", None))),
+    # fields a config.json leaves out read as transformers' defaults (the engine's own fallbacks differed)
+    "qwen3_moe_norm_topk_prob_absent": ("qwen3_moe", dict(norm_topk_prob=False), lambda c: c.pop("norm_topk_prob")),
+    "mixtral_rms_norm_eps_absent": ("mixtral", {}, lambda c: c.pop("rms_norm_eps")),
+    "gpt_oss_rms_norm_eps_absent": ("gpt_oss", {}, lambda c: c.pop("rms_norm_eps")),
+    "bamba_rms_norm_eps_absent": ("bamba", {}, lambda c: c.pop("rms_norm_eps")),
+    "granite_rms_norm_eps_absent": ("granitemoehybrid", {}, lambda c: c.pop("rms_norm_eps")),
+    "nemotron_h_layer_norm_epsilon_absent": ("nemotron_h", {}, lambda c: c.pop("layer_norm_epsilon")),
+    "kimi_linear_rms_norm_eps_absent": ("kimi_linear", {}, lambda c: c.pop("rms_norm_eps")),
+    "deepseek_v2_shared_experts_absent": ("deepseek_v2", {}, lambda c: c.pop("n_shared_experts")),
+    "deepseek_v3_router_fields_absent": ("deepseek_v3", dict(
+        num_hidden_layers=4, n_routed_experts=16, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+        topk_group=4, first_k_dense_replace=3), lambda c: [c.pop(k) for k in (
+            "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")]),
 }
 
 
@@ -197,6 +220,19 @@ def test_real_config_conventions_still_read():
     parse_hf_config(dict(base, model_type="llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     parse_hf_config(_hf_config("deepseek_v4"))
     parse_hf_config(dict(_hf_config("nemotron_h"), rope_scaling={"rope_type": "bogus"}))  # (never read)
+
+
+@pytest.mark.parametrize("mt", ["llama", "qwen3", "gpt_oss"])
+def test_a_partial_rotary_factor_whole_head_attention_cannot_take_is_refused(mt):
+    """transformers' Llama-style attention rotates whole heads: its default rotary reads no partial_rotary_factor,
+    but a scaled one (linear, yarn, ...) makes tables for the share and the model fails on the first token; waferline
+    rotated the share, a model no reference computes."""
+    cfg = _hf_config(mt)
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_scaling={"rope_type": "linear", "factor": 2.0}, partial_rotary_factor=0.5)
+    with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 with rope_type 'linear'.*rotates whole heads"):
+        parse_hf_config(cfg)
+    parse_hf_config(dict(cfg, rope_scaling=None))  # (the default rotary: the share is not read)
 
 
 @pytest.mark.parametrize("mt,head_dim", [("gpt_oss", 7), ("llama", 9), ("bamba", 6), ("qwen3_next", 4),

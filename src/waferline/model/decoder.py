@@ -16,7 +16,7 @@ from waferline.model.attention import GQAttention, MLAttention, share_pages
 from waferline.model.context import StepBatch
 from waferline.model.hybrids import LINEAR_HYBRIDS, hf_source
 from waferline.model.hybrids import build_mixer as build_hybrid_mixer
-from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear, rope_parameters
+from waferline.model.layers import Linear, RMSNorm, Rotary, few_rows, packed_linear
 from waferline.model.linear_attention import DeltaRuleMixer
 from waferline.model.moe import DenseFFN, MoE, dense_names, hf_act, moe_kwargs
 from waferline.model.sparse_attention import DSAttention
@@ -24,7 +24,7 @@ from waferline.model.ssm import Mamba2Mixer, hf_mixer_kwargs
 from waferline.model.v4_attention import V4Attention
 from waferline.model.v4_blocks import HyperHead, V4Layer, hc_mult
 from waferline.model.weights import WeightSource, copy_into
-from waferline.spec.configs import ENGINE_MODEL_TYPES
+from waferline.spec.configs import ENGINE_MODEL_TYPES, partial_rotary
 from waferline.spec.model import (
     AttentionSpec,
     CompressedAttentionSpec,
@@ -351,10 +351,7 @@ def _build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dty
             mt == "granitemoehybrid" and cfg.get("position_embedding_type") != "rope"
         )
         if use_rope:
-            partial = rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-            if partial is None:
-                partial = 0.5 if mt == "bamba" else 1.0
-            rotary = Rotary(int(mix.head_dim * float(partial)), cfg)
+            rotary = Rotary(int(mix.head_dim * partial_rotary(cfg, mt)), cfg)
         scale = (
             float(cfg["attention_multiplier"]) if mt == "granitemoehybrid" and cfg.get("attention_multiplier") else None
         )

@@ -11,9 +11,10 @@ from torch import Tensor, nn
 from waferline.errors import ConfigError
 from waferline.model.attention import GQAttention, MLAttention, TokenCache, attend
 from waferline.model.context import StepBatch
-from waferline.model.layers import Linear, Rotary, rope_parameters
+from waferline.model.layers import Linear, Rotary
 from waferline.model.linear_attention import GatedDeltaNet, KimiDeltaAttention
 from waferline.model.weights import WeightSource
+from waferline.spec.configs import partial_rotary
 from waferline.spec.model import AttentionSpec, GatedDeltaNetSpec, KimiDeltaSpec, LayerSpec, MLASpec
 
 LINEAR_HYBRIDS = ("qwen3_next", "kimi_linear")  # the model types whose mixers build_mixer makes
@@ -66,8 +67,8 @@ def build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtyp
     if isinstance(mix, KimiDeltaSpec):  # (both convs: the config's hidden_act, as transformers applies it)
         return KimiDeltaAttention(mix, dtype, norm_eps=eps, act=cfg.get("hidden_act") or "silu")
     if isinstance(mix, AttentionSpec) and mix.output_gate:
-        partial = float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-        return GatedAttention(mix, cfg, dtype, rotary=Rotary(int(mix.head_dim * partial), cfg), norm_eps=eps)
+        rotary = Rotary(int(mix.head_dim * partial_rotary(cfg, mt)), cfg)
+        return GatedAttention(mix, cfg, dtype, rotary=rotary, norm_eps=eps)
     if isinstance(mix, MLASpec) and mt == "kimi_linear":
         mla = MLAttention(mix, cfg, dtype, interleaved_rope=False)  # (latent norms: the reference's 1e-6)
         mla.rotary = NoRotary(mix.qk_rope_head_dim)

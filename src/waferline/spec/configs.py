@@ -122,7 +122,7 @@ def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str) -> None:
             raise ConfigError(f"config {w_name} must be an integer >= 1 (tokens a layer attends to), got {window!r}")
         rotated = None
         if isinstance(mixer, AttentionSpec) and _uses_rope(cfg, mt):
-            rotated = int(mixer.head_dim * _partial_rotary(cfg, mt))
+            rotated = int(mixer.head_dim * partial_rotary(cfg, mt))
         elif isinstance(mixer, CompressedAttentionSpec):  # (as DeepSeek-V4 reads it: model/v4_attention.py rope_dim)
             partial, qk = cfg.get("partial_rotary_factor"), cfg.get("qk_rope_head_dim") or 64
             rotated = (int(qk) if _positive(qk) else 0) if partial is None else int(mixer.head_dim * partial)
@@ -171,11 +171,20 @@ def _uses_rope(cfg: dict[str, Any], mt: str) -> bool:
     return mt != "granitemoehybrid" or cfg.get("position_embedding_type") == "rope"
 
 
-def _partial_rotary(cfg: dict[str, Any], mt: str) -> float:
-    """The share of an attention head that is rotated, as the engine reads it (Bamba's default: half)."""
+# model types whose transformers attention rotates whole heads: their default rotary reads no partial_rotary_factor
+# (a scaled one reads it, and the model then fails: tables for a share, heads rotated whole)
+WHOLE_HEAD_ROTARY = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss", "granitemoehybrid")
+
+
+def partial_rotary(cfg: dict[str, Any], mt: str) -> float:
+    """The share of an attention head that is rotated, as transformers reads it: the whole head where its attention
+    reads no partial_rotary_factor; Bamba's from the rope settings alone, else half (transformers sets half over the
+    top-level field); Qwen3-Next's a quarter where the config gives none."""
+    if mt in WHOLE_HEAD_ROTARY:
+        return 1.0
     rp = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    partial = rp.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
-    return float(0.5 if partial is None and mt == "bamba" else 1.0 if partial is None else partial)
+    partial = rp.get("partial_rotary_factor", None if mt == "bamba" else cfg.get("partial_rotary_factor"))
+    return float({"bamba": 0.5, "qwen3_next": 0.25}.get(mt, 1.0) if partial is None else partial)
 
 
 def _check_rope(name: str, p: dict[str, Any]) -> None:
@@ -210,6 +219,13 @@ def _check_settings(cfg: dict[str, Any], mt: str) -> None:
         nested = {n: v for n, v in rp.items() if isinstance(v, dict)}  # (DeepSeek-V4: one per rope kind)
         for n, p in nested.items() or [(None, rp)]:
             _check_rope(k if n is None else f"{k}.{n}", p)
+    rp = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind, partial = rp.get("rope_type") or rp.get("type") or "default", rp.get(
+        "partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if mt in WHOLE_HEAD_ROTARY and kind != "default" and partial is not None and partial < 1:
+        raise ConfigError(f"config partial_rotary_factor {partial} with rope_type {kind!r}: transformers' {mt} "
+                          f"attention rotates whole heads, and its {kind} rotary, made for that share of a head, fails "
+                          "on them; remove partial_rotary_factor (or give 1.0)")
 
 
 def _head_dim(cfg: dict[str, Any]) -> int:
@@ -849,6 +865,21 @@ _PARSERS = {
 SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
 
 
+# transformers' config-class defaults of fields a config.json may leave out, where the parsers' and the engine's own
+# fallbacks differ (the norm epsilon, the DeepSeek router and shared experts, Qwen3-MoE's renormalisation): an absent
+# field reads as transformers reads it
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(norm_topk_prob=False),
+    "mixtral": dict(rms_norm_eps=1e-5),
+    "gpt_oss": dict(rms_norm_eps=1e-5),
+    "bamba": dict(rms_norm_eps=1e-5),
+    "granitemoehybrid": dict(rms_norm_eps=1e-6),
+    "nemotron_h": dict(layer_norm_epsilon=1e-5),
+    "kimi_linear": dict(rms_norm_eps=1e-5),
+    "deepseek_v2": dict(n_shared_experts=2),
+    **dict.fromkeys(("deepseek_v3", "deepseek_v32"), dict(n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
+                                                          topk_group=4, first_k_dense_replace=3)),
+}
 _NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # layer sizes beside the ones above, by config spelling: a whole number >= 1 where given (null: the default where the
 # model_type has one); and counts that may be 0 (no shared expert, no dense or MTP layer)
@@ -891,6 +922,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if parser is None:
         raise ConfigError(f"unsupported model_type {mt!r}; the engine runs {', '.join(sorted(ENGINE_MODEL_TYPES))}; "
                           f"the planner also places {', '.join(sorted(set(_PARSERS) - set(ENGINE_MODEL_TYPES)))}")
+    cfg = {**_HF_DEFAULTS.get(mt, {}), **cfg}
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
               "num_key_value_heads", "head_dim", "max_position_embeddings"):
         v = cfg.get(k)
