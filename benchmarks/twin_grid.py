@@ -82,8 +82,9 @@ def _run(args: argparse.Namespace) -> int:
     load_grid(args.grid)
     RESULTS.mkdir(parents=True, exist_ok=True)
     hw = RESULTS / "twin_host.yaml"  # the calibration these tables were predicted with, kept beside them
-    if src.resolve() != hw.resolve():
-        write_text_atomic(hw, src.read_text())
+    # (replaced with the first table, not before: a run that fails or is interrupted leaves the results as they were,
+    # each table beside the calibration it was predicted with)
+    hw_text = None if src.resolve() == hw.resolve() else src.read_text()
     for name in args.models:
         path = ROOT / "models" / "sol-mini" if name == "sol-mini" else dsv3_checkpoint()
         spec = spec_from_pretrained(path)
@@ -92,9 +93,14 @@ def _run(args: argparse.Namespace) -> int:
             "active per token"
         )
         t = time.perf_counter()
-        res = run_twin(path, str(hw), args.grid, repeats=args.repeats, passes=args.passes,
+        res = run_twin(path, str(src if hw_text is not None else hw), args.grid, repeats=args.repeats,
+                       passes=args.passes,
                        progress=lambda what, frac: print(f"  [{frac * 100:3.0f}%] {what}", file=sys.stderr, flush=True))
         res["wall_s"] = time.perf_counter() - t
+        res["hardware"] = str(hw)
+        if hw_text is not None:
+            write_text_atomic(hw, hw_text)
+            hw_text = None
         out = RESULTS / f"twin_{name}.json"
         write_text_atomic(out, json.dumps(res, indent=1))
         render(res, con)

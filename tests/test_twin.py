@@ -910,6 +910,46 @@ def test_twin_grid_help_says_it_takes_a_file(capsys):
     assert "a YAML file with a list of points" in out
 
 
+def test_twin_grid_replaces_the_kept_calibration_only_with_a_table(tmp_path, monkeypatch, capsys):
+    """benchmarks/twin_grid.py keeps the calibration its tables were predicted with beside them: a run that fails (or
+    is interrupted) before its first table leaves the kept calibration as it was, not beside the old tables."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from waferline.sim import twin
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("twin_grid_under_test", root / "benchmarks" / "twin_grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setattr(mod, "RESULTS", tmp_path)
+    kept = (root / "benchmarks" / "results" / "twin_host.yaml").read_text()
+    (tmp_path / "twin_host.yaml").write_text(kept)
+    new = root / "benchmarks" / "results" / "twin_host_avx2.yaml"
+    argv = ["twin_grid.py", "--models", "sol-mini", "--hardware", str(new)]
+
+    def fails(*a, **k):
+        raise ConfigError("the grid failed")
+
+    monkeypatch.setattr(twin, "run_twin", fails)
+    monkeypatch.setattr(sys, "argv", argv)
+    assert mod.main() == 2
+    assert "the grid failed" in capsys.readouterr().err
+    assert (tmp_path / "twin_host.yaml").read_text() == kept
+    ran = []
+
+    def runs(path, hardware, *a, **k):
+        ran.append(hardware)
+        return {"hardware": hardware, "rows": []}
+
+    monkeypatch.setattr(twin, "run_twin", runs)
+    monkeypatch.setattr(twin, "render", lambda res, con: None)
+    assert mod.main() == 0
+    assert ran == [str(new)] and (tmp_path / "twin_host.yaml").read_text() == new.read_text()
+    assert json.loads((tmp_path / "twin_sol-mini.json").read_text())["hardware"] == str(tmp_path / "twin_host.yaml")
+
+
 @pytest.mark.parametrize("point, field", [
     ({"stages": 2, "micro_batches": "x"}, "micro_batches"),
     ({"batch": 2.5}, "batch"),
@@ -1106,6 +1146,33 @@ def test_calibrate_combine_refuses_another_machine_of_the_same_name_and_a_quick_
     he = yaml.safe_load(out.read_text())["host_engine"]
     assert "median of 2 calibrations" not in he["canary_s"]["source"]
     assert "median of 2 calibrations" in he["engine"]["bf16"]["op_overhead_s"]["source"]
+
+
+def test_calibrate_combine_compares_every_pair_of_machines(tmp_path, capsys):
+    """A calibration recorded before the CPU model was matches any CPU: two later ones of different CPUs behind it are
+    still told apart (each file against the first alone let them through)."""
+    from pathlib import Path
+
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+
+    def write(name, **measured):
+        d = yaml.safe_load(src.read_text())
+        for k in ("cpu_model", "cpu_capability"):
+            d["host_engine"]["measured"].pop(k, None)
+        d["host_engine"]["measured"].update(measured)
+        (tmp_path / name).write_text(yaml.safe_dump(d))
+        return str(tmp_path / name)
+
+    old = write("old.yaml")
+    a = write("a.yaml", cpu_model="Intel Xeon", cpu_capability="AVX512")
+    b = write("b.yaml", cpu_model="AMD EPYC", cpu_capability="AVX2")
+    out = tmp_path / "combined.yaml"
+    assert main(["calibrate", "--combine", old, a, b, "--out", str(out)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{a} and {b} are calibrations of different machines (cpu_model Intel Xeon vs AMD EPYC" in err, err
+    assert not out.exists()
 
 
 def test_twin_says_when_its_calibration_was_measured_on_another_machine(tiny_ckpt, tmp_path, monkeypatch):

@@ -586,11 +586,13 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
     if len(hosts) > 1:
         raise ConfigError(f"--combine: calibrations of different hosts ({', '.join(sorted(hosts))})")
     ids = [calibrated_machine(d["host_engine"]) for d in docs]
+    for i in range(len(ids)):  # (every pair: a file recorded before a key existed matches any value of it)
+        for j in range(i + 1, len(ids)):
+            diff = machine_differences(ids[i], ids[j])
+            if diff:  # (one name, another machine: these VMs are all named `vm`, some with AVX-512 and some without)
+                raise ConfigError(f"--combine: {paths[i]} and {paths[j]} are calibrations of different machines "
+                                  f"({', '.join(diff)})")
     for p, m in zip(paths[1:], ids[1:]):
-        diff = machine_differences(ids[0], m)
-        if diff:  # (one name, another machine: these VMs are all named `vm`, some with AVX-512 and some without)
-            raise ConfigError(f"--combine: {paths[0]} and {p} are calibrations of different machines "
-                              f"({', '.join(diff)})")
         if m["quick"] != ids[0]["quick"]:
             raise ConfigError(f"--combine: {paths[0]} and {p} mix a --quick calibration with a full one (other "
                               "probes, no pipeline probe): combine calibrations of one kind")
