@@ -314,3 +314,18 @@ def test_a_mamba_model_loaded_under_inference_mode_runs(model_type, tmp_path):
         want = logits(outside)
         got = logits(load_model(tmp_path))
     assert torch.equal(got, want)
+
+
+def test_the_defaults_an_absent_field_takes_are_transformers_own():
+    """The defaults parse_hf_config fills in for fields a config.json leaves out, and the rotated share of a head
+    where none is given, are those of transformers' config classes (they cannot drift from the reference)."""
+    from waferline.spec.configs import _HF_DEFAULTS, partial_rotary
+
+    assert _HF_DEFAULTS
+    for mt, fields in _HF_DEFAULTS.items():
+        ref = transformers.AutoConfig.for_model(mt)
+        for k, v in fields.items():
+            assert getattr(ref, k) == v, (mt, k)
+    for mt in ("bamba", "qwen3_next"):
+        want = transformers.AutoConfig.for_model(mt).rope_parameters["partial_rotary_factor"]
+        assert partial_rotary({}, mt) == want
