@@ -347,6 +347,27 @@ def test_a_draft_models_caches_do_not_grow_with_requests(ckpts, drafter):
     assert sch.stats["spec_drafted"] > 0
 
 
+@pytest.mark.parametrize("mt, method", [("llama", "ngram"), ("deepseek_v3:mtp", "mtp")])
+def test_an_ended_sequence_leaves_no_drafter_state_behind(ckpts, mt, method):
+    """The drafter's state of a sequence (the n-gram index of all its tokens; the MTP head's pending hidden states;
+    its acceptance estimate) goes when the sequence ends, is aborted or is preempted: an idle scheduler held it for
+    every slot (until the slot's next sequence), outside the cache budget."""
+    sch = Scheduler(LLM(ckpts[mt]), _config(method, 3, adaptive=True, cache_bytes=None))
+    sch = Scheduler(sch.llm, _config(method, 3, adaptive=True, cache_bytes=sch.cache.max_seq_bytes))
+    lengths = [1, 60, 5, 60, 9]
+    _serve(sch, PROMPTS, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    sch.add(Sequence("gone", PROMPTS[0] * 3, GREEDY, lambda ev: None))
+    for _ in range(4):
+        sch.step()
+    assert sch.abort("gone") and not sch.has_work()
+    sd = sch.spec_dec
+    assert sd.stats.drafted > 0 and sch.stats["preemptions"] > 0 and not sd.ctl.alpha and not sd.ctl.since_draft
+    if method == "ngram":
+        assert not any(sd.drafter.index[b][n] for b in sd.drafter.index for n in sd.drafter.index[b])
+    else:  # (nor an empty view of them: it holds their storage)
+        assert [p.untyped_storage().nbytes() for p in sd.drafter.pending] == [0] * 4
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_the_cache_metrics_count_a_draft_models_pages(ckpts, drafter):
     """``waferline_cache_bytes_in_use`` is the target's pages and the drafter's (the bytes of its caches' pages); the

@@ -360,3 +360,28 @@ def test_bf16_runs_and_paths_agree():
     )
     assert (full.float() - ref).abs().max() < 0.05 * ref.abs().max()
     assert (steps.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("mt", ["bamba", "qwen3_next"])
+def test_a_stage_reset_drops_a_verify_trail_whose_rewind_never_came(mt, tmp_path):
+    """A pipeline stage (an AFD attention rank alike) keeps a verify's trail until its keep arrives on a later
+    micro-batch. A sequence that ends at its verify, its slot given to the next one at once, never sends it (the
+    runner drops it at the reset): the reset dropped the ring snapshots but left the Mamba-2 / linear-attention
+    trail (the k + 1 states per layer), kept until the slot's next verify, never for a sequence that does not draft."""
+    from tiny_models import build
+    from waferline.engine.messages import EMIT_NONE, EMIT_TOKEN, Group, MicroBatch
+    from waferline.engine.stage import StageRunner
+    from waferline.model.load import load_model
+
+    build(mt, tmp_path)
+    rt = StageRunner(load_model(tmp_path, torch.float32), 0, 1, torch.device("cpu"))
+    rt.begin({"num_slots": 2})
+    prompt = list(range(3, 15))
+    rt.forward(MicroBatch(1, [Group(12, [0], [0], [0], [EMIT_NONE])]), [torch.tensor([prompt])])
+    rt.forward(MicroBatch(2, [Group(4, [0], [0], [12], [EMIT_TOKEN], drafts=[[5, 6, 7]])]),
+               [torch.tensor([[20, 5, 6, 7]])])
+    assert rt.rollback.rows and any(getattr(c, "trail", None) for c in rt.caches)
+    rt.reset_slots([0])
+    assert not rt.rollback.rows
+    trails = [sorted(c.trail) for c in rt.caches if hasattr(c, "trail")]
+    assert trails and not any(trails), trails  # (slots holding a trail, per recurrent layer)

@@ -173,6 +173,7 @@ class CacheManager:
         self._counted = 0.0  # bytes live sequences hold in pools without pages (counted per sequence)
         # evict prefix pages until this many bytes are free (in one part of a split page table, where given)
         self.reclaim: Callable[..., None] | None = None
+        self.released: Callable[[int], None] | None = None  # told the slot of each sequence that leaves (``free``)
 
     def attach(self, runner: Any, draft: bool = False) -> None:
         """Take the runner's page table (``runner.block_table(page_tokens)``, where it has one): the full-attention
@@ -366,6 +367,8 @@ class CacheManager:
         if self.draft_table is not None:
             self.draft_table.release(slot)
         self._free_slots.append(slot)
+        if self.released is not None:
+            self.released(slot)
         return pages
 
     def pages_in_use(self) -> dict[str, int]:

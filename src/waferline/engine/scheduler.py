@@ -109,8 +109,7 @@ class Scheduler:
                               f"{self.spec.max_position_embeddings}")
         self.max_model_len = mml
         if self.runner.num_slots < config.max_num_seqs:
-            raise ConfigError(f"the runner has {self.runner.num_slots} cache slots, fewer than max_num_seqs="
-                              f"{config.max_num_seqs}")
+            raise ConfigError(f"{self.runner.num_slots} runner slots < max_num_seqs={config.max_num_seqs}")
         self.spec_dec: ServeSpeculation | None = speculation  # (given: the LLM's own, across its schedulers)
         if speculation is not None:
             speculation.bind(self.runner.num_slots)
@@ -125,7 +124,8 @@ class Scheduler:
         if draft is not None:
             self.cache.attach(draft, draft=True)
         prefixable = self.runner.prefix_caches() is not None
-        if self.spec_dec is not None:
+        if self.spec_dec is not None:  # (a slot's drafter state goes when its sequence leaves: an idle server kept it)
+            self.cache.released = self.spec_dec.reset
             self.runner.keep_hidden = self.spec_dec.uses_hidden
             prefixable = prefixable and not self.spec_dec.uses_hidden  # a prefix hit skips the MTP head's states
         self.prefix = PrefixCache(self.cache) if config.prefix_caching and prefixable else None

@@ -97,10 +97,14 @@ class Mamba2Cache:
         return self.conv.numel() * self.conv.element_size() + self.ssm.numel() * self.ssm.element_size()
 
     def reset(self, slots: Tensor) -> None:
-        """Zero the state of ``slots`` (a slot starting a new sequence)."""
+        """Zero the state of ``slots`` (a slot starting a new sequence) and drop the trail of a verify of the slots'
+        previous sequences whose rewind never came."""
         slots = torch.as_tensor(slots, dtype=torch.long, device=self.ssm.device).reshape(-1)
         self.conv.index_fill_(0, slots, 0)
         self.ssm.index_fill_(0, slots, 0)
+        if self.trail:
+            for s in slots.tolist():
+                self.trail.pop(s, None)
 
     def snapshot(self, slots: Tensor) -> tuple[Tensor, Tensor]:
         """Copies of the (conv, ssm) state of ``slots``, e.g. to roll back after a rejected speculative verify."""

@@ -315,7 +315,7 @@ class MTPDrafter(_ModelDrafter):
         pages are its allocator's)."""
         for b in rows:
             self.committed[b] = 0
-            self.pending[b] = self.pending[b][:0]
+            self.pending[b] = self.pending[b].new_empty((0, *self.pending[b].shape[1:]))  # (a view would keep them)
             self._saved.pop(b, None)
         self.caches[0].reset(torch.tensor(rows, device=self.device))
 

@@ -19,8 +19,9 @@ CacheManager hands out their pages and counts them in the cache budget (``ServeS
 MTP head's cache.
 
 A slot's drafter state (the n-gram index, the MTP head's cache and the target hidden states it still has to consume)
-is reset when a sequence is admitted to it — after a preemption too: the recompute prefill gives the MTP head the
-hidden states again — so the prefix cache is off with an MTP drafter (a prefix hit skips those hidden states).
+is released when a sequence leaves it (ends, is aborted or preempted) and reset when one is admitted to it — after a
+preemption too: the recompute prefill gives the MTP head the hidden states again — so the prefix cache is off with an
+MTP drafter (a prefix hit skips those hidden states).
 """
 
 from __future__ import annotations
