@@ -29,6 +29,7 @@ from waferline.model.quant import (
     rtn_quantize,
     unpack_nibbles,
 )
+from waferline.model.weights import WeightSource
 from waferline.spec.configs import spec_from_pretrained
 
 torch.manual_seed(0)
@@ -314,6 +315,117 @@ def test_import_gptq_checkpoint(tmp_path, llama_dir, checkpoint_format):
     save_file(out, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match="act-order"):
         load_model(d)
+
+
+def _gptq_source(q: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None, qc: dict):
+    """An Int4Source over one GPTQ linear ``l`` (q: 4-bit values [K, N], packed here by rows as GPTQ stores them)."""
+    t = {"l.qweight": _gptq_pack_rows(q), "l.qzeros": qzeros, "l.scales": scales}
+    if g_idx is not None:
+        t["l.g_idx"] = g_idx.to(torch.int32)
+    return Int4Source(WeightSource.from_dict(t), {"quantization_config": {"quant_method": "gptq", "bits": 4, **qc}})
+
+
+def _gptq_reference(q, zp, scales, g_idx):
+    """GPTQModel's dequantize_weight: scales[g_idx] * (q - zeros[g_idx]), as [N, K]."""
+    return (scales.float()[g_idx] * (q.float() - zp.float()[g_idx])).t()
+
+
+def test_gptq_v1_zero_point_of_zero_reads_as_gptqmodel_writes_it():
+    # GPTQModel writes a v1 file as the v2 int32 words minus 0x11111111 (convert_gptq_v2_to_v1_format_module), so a
+    # zero point of 0 borrows from the next one: zeros 0..7 are the v2 word 0x76543210 and the v1 word 0x654320FF
+    v2, v1 = 0x76543210, 0x654320FF
+    assert _gptq_pack_cols(torch.arange(8).view(1, 8)).item() == v2 and (v2 - 0x11111111) & 0xFFFFFFFF == v1
+    torch.manual_seed(1)
+    K, N, G = 64, 16, 32
+    q = torch.randint(0, 16, (K, N))
+    zp = torch.randint(1, 16, (K // G, N))
+    zp[0, :8] = torch.arange(8)
+    zp[1, 11] = 0
+    scales = (torch.rand(K // G, N) * 0.01 + 0.001).to(torch.float16)
+    g_idx = torch.arange(K) // G
+    want = _gptq_reference(q, zp, scales, g_idx)
+    words_v2 = _gptq_pack_cols(zp)
+    assert words_v2[0, 0].item() == v2
+    for fmt, qzeros in (("gptq_v2", words_v2), ("gptq", words_v2 - 0x11111111)):
+        got = _gptq_source(q, qzeros, scales, g_idx, {"checkpoint_format": fmt, "group_size": G}).canonical("l.weight")
+        assert torch.allclose(got.dequantize(), want, rtol=1e-6, atol=1e-7), fmt
+
+
+def test_gptq_format_is_read_from_format_as_transformers_and_gptqmodel_read_it():
+    # transformers' GPTQConfig and GPTQModel name the layout "format" ("checkpoint_format" being the older name)
+    torch.manual_seed(2)
+    K, N, G = 64, 16, 32
+    q = torch.randint(0, 16, (K, N))
+    scales = (torch.rand(K // G, N) * 0.01 + 0.001).to(torch.float16)
+    zp = torch.full((K // G, N), 8)
+    g_idx = torch.arange(K) // G
+    got = _gptq_source(q, _gptq_pack_cols(zp), scales, g_idx, {"format": "gptq_v2", "group_size": G})
+    assert torch.allclose(got.canonical("l.weight").dequantize(), _gptq_reference(q, zp, scales, g_idx), rtol=1e-6,
+                          atol=1e-7)
+    for fmt in ("marlin", "bitblas"):  # other layouts of the codes: refused by name, not read as the GPTQ one
+        with pytest.raises(CheckpointError, match=f"checkpoint_format '{fmt}'"):
+            _gptq_source(q, _gptq_pack_cols(zp), scales, g_idx, {"checkpoint_format": fmt})
+
+
+@pytest.mark.parametrize("with_g_idx", [True, False])
+def test_gptq_last_group_shorter_than_the_group_size(with_g_idx):
+    # K = 96 in groups of 64 (GPTQModel's g_idx = k // group_size): one group of 64, then one of 32
+    torch.manual_seed(3)
+    K, N, G = 96, 16, 64
+    q = torch.randint(0, 16, (K, N))
+    zp = torch.randint(1, 16, (2, N))
+    scales = (torch.rand(2, N) * 0.01 + 0.001).to(torch.float16)
+    g_idx = torch.arange(K) // G
+    src = _gptq_source(q, _gptq_pack_cols(zp - 1), scales, g_idx if with_g_idx else None, {"group_size": G})
+    got = src.canonical("l.weight")
+    assert got.group_size == 32
+    assert torch.allclose(got.dequantize(), _gptq_reference(q, zp, scales, g_idx), rtol=1e-6, atol=1e-7)
+
+
+# compressed-tensors' own pack_to_int32(q, 4) of q[r, k] = (3k + 5r) % 16 - 8 (K = 32), from compressed-tensors 0.20.1
+_CT_WORDS = [[0x52FC9630, 0xDA741EB8, 0x52FC9630, 0xDA741EB8], [0xA741EB85, 0x2FC9630D, 0xA741EB85, 0x2FC9630D]]
+
+
+def _ct_source(tensors: dict, G: int):
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": G}}}}
+    return Int4Source(WeightSource.from_dict(tensors), {"quantization_config": qc})
+
+
+def test_compressed_tensors_codes_read_as_the_library_packs_them():
+    k = torch.arange(32)
+    q = torch.stack([(3 * k + 5 * r) % 16 - 8 for r in range(2)])
+    words = torch.tensor([[w - (1 << 32) if w >= 1 << 31 else w for w in row] for row in _CT_WORDS], dtype=torch.int32)
+    assert torch.equal(_ct_pack(q), words)
+    scale = torch.tensor([[0.5], [0.25]], dtype=torch.bfloat16)
+    src = _ct_source({"l.weight_packed": words, "l.weight_scale": scale, "l.weight_shape": torch.tensor([2, 32])}, 32)
+    assert torch.equal(src.canonical("l.weight").dequantize(), q.float() * scale.float())
+
+
+@pytest.mark.parametrize("G", [32, 64, 128])
+def test_compressed_tensors_checkpoint_written_by_the_library(G):
+    ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized")
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    torch.manual_seed(4)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=G)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    tensors, want = {}, {}
+    for i, (N, K) in enumerate([(48, 256), (256, 128), (40, 384)]):
+        w = torch.randn(N, K)
+        scale, _ = calculate_qparams(w.view(N, K // G, G).amin(-1), w.view(N, K // G, G).amax(-1), args)
+        c = ct.PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale.to(torch.bfloat16)}, scheme)
+        tensors.update({f"l{i}.{k}": v for k, v in c.items()})
+        codes = ct.unpack_from_int32(c["weight_packed"], 4, c["weight_shape"])
+        want[f"l{i}.weight"] = dequantize(codes, c["weight_scale"].float(), None, args, dtype=torch.float32)
+        lib = ct.PackedQuantizationCompressor.decompress(c, scheme)["weight"]  # the library's, in the scale's bf16
+        assert torch.equal(want[f"l{i}.weight"].to(torch.bfloat16), lib)
+    src = _ct_source(tensors, G)
+    for name, w in want.items():
+        assert torch.equal(src.canonical(name).dequantize(), w)
 
 
 # ----------------------------------------------------------------------------- the quantize CLI and the accounting

@@ -3,6 +3,7 @@ each into the canonical form without re-quantizing (``Int4Source``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +111,12 @@ def _ct_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
 def _gptq_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
     if int(qc.get("bits", 4)) != 4:
         raise CheckpointError(f"GPTQ checkpoint has bits={qc.get('bits')}; only 4-bit is supported")
-    v1 = qc.get("checkpoint_format", "gptq") != "gptq_v2"  # v1 stores zero points minus one
+    # the layout: "checkpoint_format" (AutoGPTQ, and written beside "format" by transformers and GPTQModel) or "format"
+    fmt = str(qc.get("checkpoint_format") or qc.get("format") or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise CheckpointError(f"GPTQ checkpoint_format {fmt!r} is not supported; waferline reads 'gptq' and 'gptq_v2'")
+    v1 = fmt == "gptq"  # v1 stores zero points minus one
+    group = int(qc.get("group_size") or -1)
     out = []
     for name in src.names_with_prefix(""):
         if not name.endswith(".qweight"):
@@ -122,14 +128,24 @@ def _gptq_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
         def decode(s: WeightSource, base: str = base, raw: list[str] = raw) -> Int4Tensor:
             codes = _unpack_int32(s.get(base + ".qweight"), 0).t().contiguous()  # [N, K]
             N, K = codes.shape
-            scales = s.get(base + ".scales")  # [K/G, N]
-            G = K // scales.shape[0]
-            zp = _unpack_int32(s.get(base + ".qzeros"), -1)[:, :N].float() + (1.0 if v1 else 0.0)  # [K/G, N]
+            scales = s.get(base + ".scales")  # [ceil(K/G), N]
+            n = scales.shape[0]
+            qz = s.get(base + ".qzeros").to(torch.int64) & 0xFFFFFFFF
+            if v1:  # written as the v2 words minus 0x11111111 (GPTQModel): a zero point of 0 borrows from the next
+                qz = (qz + 0x11111111) & 0xFFFFFFFF
+            zp = _unpack_int32(qz, -1)[:, :N].float()  # [ceil(K/G), N]
             if len(raw) == 4:
                 g_idx = s.get(base + ".g_idx").long()
-                if not torch.equal(g_idx, torch.arange(K) // G):
-                    raise CheckpointError(f"{base}: act-order GPTQ (desc_act, permuted g_idx) is not supported; "
-                                          "re-quantize with desc_act=False")
+            else:  # the last group is short where K is not a multiple of the group size
+                g_idx = torch.arange(K) // (group if 0 < group < K and -(-K // group) == n else -(-K // n))
+            starts = (torch.nonzero(g_idx[1:] != g_idx[:-1]).flatten() + 1).tolist() if g_idx.shape == (K,) else []
+            if g_idx.shape != (K,) or not torch.equal(g_idx[[0, *starts]], torch.arange(n)):
+                raise CheckpointError(f"{base}: act-order GPTQ (desc_act, permuted g_idx) is not supported; "
+                                      "re-quantize with desc_act=False")
+            # groups in order, each of contiguous columns: held as equal groups of the widest width that divides K
+            # and where every group starts (its own group size, unless the last group is short)
+            rows = g_idx[:: math.gcd(K, *starts)]
+            scales, zp = scales[rows], zp[rows]
             if bool((zp == 8).all()):
                 return Int4Tensor(codes, scales.t().contiguous())
             zeros = ((8.0 - zp) * scales.float()).t().contiguous()  # w = (q - zp) s = (q - 8) s + (8 - zp) s
