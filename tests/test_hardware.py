@@ -292,6 +292,24 @@ def test_tpu_memory_is_the_gib_google_lists():
     assert catalog_links()["ici-v7"].sources["ici-v7.bandwidth"].status == "sourced"
 
 
+def test_tpu_rates_are_googles_spec_table():
+    """docs.cloud.google.com/tpu/docs/tpu7x lists per chip, for v5p / v6e / TPU7x: HBM bandwidth 2,765 / 1,638 / 7,380
+    GB/s, BF16 459 / 918 / 2,307 TFLOP/s, bidirectional ICI 1,200 / 800 / 1,200 GB/s (a link carries one direction).
+    TPU7x had launch-blog figures (7.2 TB/s, 2.3 PF), 2.5% and 0.3% under the table."""
+    table = {"tpu-v5p": (2765e9, 459e12, 600e9), "tpu-v6e": (1638e9, 918e12, 400e9), "tpu-v7": (7380e9, 2307e12, 600e9)}
+    for name, (bw, bf16, ici) in table.items():
+        hw = load_hardware(name)
+        assert (hw.memory_bandwidth, hw.flops["bf16"], hw.scale_up.bandwidth) == pytest.approx((bw, bf16, ici)), name
+
+
+def test_h800_rates_copied_from_h100_are_marked_assumed():
+    """The H800 page cited gives no tensor rate or power, only 'very similar' to H100: those numbers are H100's,
+    assumed, not sourced; its memory bandwidth and NVLink are figures the page does state."""
+    src = load_hardware("h800").sources
+    assert {src[k].status for k in ("flops.bf16", "flops.fp8", "power_w")} == {"assumed"}
+    assert src["memory_bandwidth"].status == "sourced"
+
+
 def test_a_bf16_rate_guessed_from_fp8_is_marked_assumed():
     """Groq 3's BF16 rate is not published: half its FP8 rate is an assumption, listed with the assumed numbers."""
     assert load_hardware("groq-lpu-3").sources["flops.bf16"].status == "assumed"
