@@ -368,6 +368,26 @@ def test_an_ended_sequence_leaves_no_drafter_state_behind(ckpts, mt, method):
         assert [p.untyped_storage().nbytes() for p in sd.drafter.pending] == [0] * 4
 
 
+def test_a_sequence_that_never_drafts_leaves_the_mtp_head_nothing_to_hold(ckpts):
+    """A request whose rows need the logits (log-probabilities, a penalty) never drafts; the MTP drafter kept the
+    hidden state of each of its tokens until some other sequence drafted (a lone one's whole output, outside the cache
+    budget, copied whole at every token). Beside a greedy request that drafts, the tokens stay plain decoding's."""
+    llm = LLM(ckpts["deepseek_v3:mtp"])
+    params = [SamplingParams(max_tokens=40, logprobs=1, ignore_eos=True),
+              SamplingParams(max_tokens=40, presence_penalty=1.0, ignore_eos=True)]
+    sch = Scheduler(llm, _config("mtp", 3))
+    sch.add(Sequence("alone", PROMPTS[0], params[0], lambda ev: None))
+    held = []
+    while sch.has_work():
+        sch.step()
+        held.append(max(p.shape[0] for p in sch.spec_dec.drafter.pending))
+    assert max(held) <= 1 and sch.stats["spec_drafted"] == 0
+    sch = Scheduler(llm, _config("mtp", 3))
+    got, _ = _serve(sch, PROMPTS[:3], [*params, GREEDY])
+    assert got == [llm.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS[:3], [*params, GREEDY])]
+    assert sch.stats["spec_drafted"] > 0
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_the_cache_metrics_count_a_draft_models_pages(ckpts, drafter):
     """``waferline_cache_bytes_in_use`` is the target's pages and the drafter's (the bytes of its caches' pages); the

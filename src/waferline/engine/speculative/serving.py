@@ -208,8 +208,8 @@ class ServeSpeculation:
 
     def prefilled(self, seq: Sequence, hidden: torch.Tensor | None) -> None:
         """Target hidden states [t, D] of a prefill chunk of ``seq``: the MTP head runs the pairs whose next token is
-        known now, with the prefill (MTPDrafter.commit_known)."""
-        if self.uses_hidden and hidden is not None:
+        known now, with the prefill (MTPDrafter.commit_known); none for a sequence that never drafts."""
+        if self.uses_hidden and hidden is not None and not seq.params.needs_logits:
             self.drafter.pending[seq.slot] = torch.cat([self.drafter.pending[seq.slot], hidden])
             self.drafter.commit_known(seq.slot, seq.all_ids)
 
@@ -232,11 +232,18 @@ class ServeSpeculation:
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """The drafter's proposals for ``seqs`` (a sequence with K = 0 gets none; in a step where some sequence
         drafts, an MTP drafter consumes the hidden states of every sequence's latest tokens, and a draft model its
-        tokens; in a step where none drafts, the drafter is not called and they wait for the next draft)."""
+        tokens; in a step where none drafts, the drafter is not called and they wait for the next draft). A sequence
+        whose rows need the logits never drafts: the drafter never sees it (its state would grow with every token)."""
         if not seqs:
             return []
         if not any(ks):
             return [Proposal([]) for _ in seqs]
+        if any(s.params.needs_logits for s in seqs):
+            mine = [i for i, s in enumerate(seqs) if not s.params.needs_logits]
+            props = [Proposal([]) for _ in seqs]
+            for i, p in zip(mine, self.propose([seqs[i] for i in mine], [ks[i] for i in mine])):
+                props[i] = p
+            return props
         t0 = time.perf_counter()
         # one call for the greedy rows, one per sampled row (a model drafter samples with the row's own parameters)
         groups: dict[int, list[int]] = {}
@@ -297,8 +304,11 @@ class ServeSpeculation:
 
     def after_step(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], decoded: list[Any],
                    prefilled: list[Any]) -> None:
-        """After a step's plain decode rows and prefill chunks: the drafter sees their hidden states."""
-        hidden = [o.hidden for o in decoded] if self.uses_hidden else []
+        """After a step's plain decode rows and prefill chunks: the drafter sees their hidden states (not those of a
+        sequence that never drafts)."""
+        rows = [(s, o) for s, o in zip(decodes, decoded) if not s.params.needs_logits]
+        decodes = [s for s, _ in rows]
+        hidden = [o.hidden for _, o in rows] if self.uses_hidden else []
         self.consumed([s.slot for s in decodes], [0] * len(decodes),
                       torch.stack(hidden) if hidden and all(h is not None for h in hidden) else None)
         for (s, _), out in zip(prefills, prefilled):
