@@ -267,3 +267,44 @@ def test_every_catalog_model_loads_under_the_checks():
     for m in list_models():
         s = load_model(m)
         assert 0 < s.params_active() <= s.params_total() and s.max_position_embeddings >= 1, m
+
+
+@pytest.mark.parametrize("model,path,value", [
+    # GLM-4.6 normalises q and k per head (q_norm / k_norm of head_dim in every layer of the release)
+    ("glm-4.6", ("use_qk_norm",), True),
+    # Llama 4 Scout, unlike Maverick: llama3 rotary scaling x16 (bands 1 / 1) and L2-normalised q and k
+    ("llama-4-scout", ("text_config", "rope_scaling", "rope_type"), "llama3"),
+    ("llama-4-scout", ("text_config", "rope_scaling", "factor"), 16.0),
+    ("llama-4-scout", ("text_config", "rope_scaling", "high_freq_factor"), 1.0),
+    ("llama-4-scout", ("text_config", "use_qk_norm"), True),
+    ("llama-4-maverick", ("text_config", "rope_scaling"), None),
+    ("llama-4-maverick", ("text_config", "use_qk_norm"), False),
+    # Kimi K2 (Instruct, 128k): YaRN x32 from 4,096 positions, eps 1e-6; K2.6 (256k): x64, beta_fast 32, eps 1e-5
+    ("kimi-k2", ("rope_scaling", "factor"), 32.0),
+    ("kimi-k2", ("rms_norm_eps",), 1e-6),
+    ("kimi-k2.6", ("text_config", "rope_scaling", "factor"), 64.0),
+    ("kimi-k2.6", ("text_config", "rope_scaling", "beta_fast"), 32.0),
+    ("kimi-k2.6", ("text_config", "rms_norm_eps"), 1e-5),
+])
+def test_catalog_configs_match_the_released_config_json(model, path, value):
+    """Fields of the catalog's configs as the released config.json files have them (each was once copied from a
+    sibling model: Scout's from Maverick, Kimi K2's rotary and epsilon from K2.6)."""
+    from waferline.spec.catalog import model_config
+
+    cfg = model_config(model)
+    for key in path:
+        cfg = cfg[key]
+    assert cfg == value
+
+
+def test_catalog_yarn_positions_match_the_context():
+    """Every YaRN config in the catalog stretches its original positions to its context (DeepSeek-V3: 40 x 4,096 =
+    163,840; Kimi K2: 32 x 4,096 = 131,072, where it once had K2.6's 64)."""
+    from waferline.spec.catalog import list_models, model_config
+
+    for m in list_models():
+        cfg = model_config(m)
+        cfg = cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
+        rs = cfg.get("rope_scaling") or {}
+        if (rs.get("type") or rs.get("rope_type")) == "yarn":
+            assert rs["factor"] * rs["original_max_position_embeddings"] == cfg["max_position_embeddings"], m
