@@ -2,6 +2,7 @@
 reference (fp32, eager) over a prompt longer than its sliding window, prefilled whole and in chunks that cross it,
 or loads where transformers loads."""
 
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,12 @@ from waferline.model.load import load_model
 from waferline.spec.configs import ENGINE_MODEL_TYPES, parse_hf_config
 
 IDS = [1] + [(7 * j + 3) % 120 + 3 for j in range(23)]  # 24 tokens: past every window below
+
+
+def _absent(*fields):
+    """An edit that leaves ``fields`` out of config.json."""
+    return lambda c: [c.pop(k) for k in fields]
+
 
 VARIANTS = {
     # transformers applies a Qwen3-MoE sliding window to every layer (its config has no layer_types)
@@ -90,6 +97,42 @@ VARIANTS = {
         num_hidden_layers=4, n_routed_experts=16, n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
         topk_group=4, first_k_dense_replace=3), lambda c: [c.pop(k) for k in (
             "n_shared_experts", "routed_scaling_factor", "n_group", "topk_group", "first_k_dense_replace")]),
+    # ... and sizes, the rotary base and settings, Granite's attention scale (they were hidden_size / heads, 10000, no
+    # q LoRA, no shared expert, 1 / sqrt(head_dim)): each model built as transformers reads the config without them
+    "qwen3_head_dim_absent": ("qwen3", dict(head_dim=128), _absent("head_dim", "max_position_embeddings")),
+    "qwen3_moe_kv_heads_absent": ("qwen3_moe", dict(num_attention_heads=8, num_key_value_heads=4),
+                                  _absent("num_key_value_heads", "max_position_embeddings")),
+    "mixtral_defaults_absent": ("mixtral", dict(num_attention_heads=16, num_key_value_heads=8),
+                                _absent("num_key_value_heads", "rope_parameters", "max_position_embeddings")),
+    "gpt_oss_defaults_absent": ("gpt_oss", dict(num_attention_heads=16, num_key_value_heads=8, head_dim=64,
+                                                sliding_window=128), _absent(
+        "head_dim", "num_key_value_heads", "sliding_window", "rope_parameters", "max_position_embeddings")),
+    "gpt_oss_rope_theta_absent": ("gpt_oss", {}, lambda c: c["rope_parameters"].pop("rope_theta")),
+    # (a hub-style rope_theta alone: transformers' yarn settings with that base)
+    "gpt_oss_rope_theta_alone": ("gpt_oss", dict(rope_parameters=dict(
+        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+        original_max_position_embeddings=4096, rope_theta=5000.0)), lambda c: (c.pop("rope_parameters"), c.update(
+            rope_theta=5000.0))),
+    "granite_defaults_absent": ("granitemoehybrid", dict(shared_intermediate_size=1024, attention_multiplier=1.0),
+                                _absent("shared_intermediate_size", "attention_multiplier", "max_position_embeddings")),
+    "nemotron_h_defaults_absent": ("nemotron_h", dict(
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, mamba_head_dim=64, n_groups=8, chunk_size=128,
+        moe_shared_expert_intermediate_size=7688), _absent(
+            "num_key_value_heads", "head_dim", "mamba_head_dim", "n_groups", "chunk_size",
+            "moe_shared_expert_intermediate_size")),
+    "bamba_kv_heads_absent": ("bamba", dict(num_attention_heads=16, num_key_value_heads=8),
+                              _absent("num_key_value_heads", "max_position_embeddings")),
+    "qwen3_next_defaults_absent": ("qwen3_next", dict(num_key_value_heads=2, head_dim=256,
+                                                      shared_expert_intermediate_size=512), _absent(
+        "num_key_value_heads", "head_dim", "shared_expert_intermediate_size", "max_position_embeddings")),
+    "deepseek_v2_q_lora_rank_absent": ("deepseek_v2", dict(q_lora_rank=1536),
+                                       _absent("q_lora_rank", "max_position_embeddings")),
+    "deepseek_v3_q_lora_rank_absent": ("deepseek_v3", dict(q_lora_rank=1536),
+                                       _absent("q_lora_rank", "num_nextn_predict_layers")),
+    "deepseek_v32_q_lora_rank_absent": ("deepseek_v32", dict(q_lora_rank=1536),
+                                        _absent("q_lora_rank", "max_position_embeddings")),
+    "deepseek_v4_defaults_absent": ("deepseek_v4", dict(num_attention_heads=8, o_groups=8, o_lora_rank=1024), _absent(
+        "o_groups", "o_lora_rank", "num_nextn_predict_layers", "max_position_embeddings")),
 }
 
 
@@ -232,7 +275,11 @@ def test_a_partial_rotary_factor_whole_head_attention_cannot_take_is_refused(mt)
     cfg.update(rope_scaling={"rope_type": "linear", "factor": 2.0}, partial_rotary_factor=0.5)
     with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 with rope_type 'linear'.*rotates whole heads"):
         parse_hf_config(cfg)
-    parse_hf_config(dict(cfg, rope_scaling=None))  # (the default rotary: the share is not read)
+    # the default rotary: the share is not read (gpt-oss's, where a config gives none, is transformers' yarn)
+    parse_hf_config(dict(cfg, rope_scaling=None, rope_parameters=dict(rope_type="default", rope_theta=1e4)))
+    if mt == "gpt_oss":
+        with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 with rope_type 'yarn'"):
+            parse_hf_config(dict(cfg, rope_scaling=None))
 
 
 @pytest.mark.parametrize("mt,head_dim", [("gpt_oss", 7), ("llama", 9), ("bamba", 6), ("qwen3_next", 4),
@@ -325,7 +372,64 @@ def test_the_defaults_an_absent_field_takes_are_transformers_own():
     for mt, fields in _HF_DEFAULTS.items():
         ref = transformers.AutoConfig.for_model(mt)
         for k, v in fields.items():
-            assert getattr(ref, k) == v, (mt, k)
+            if k == "rope_theta":  # (transformers keeps it in rope_parameters)
+                assert ref.rope_parameters["rope_theta"] == v, (mt, k)
+            elif k == "rope_parameters":  # (rope_theta beside them, where a config gives it alone)
+                assert {f: x for f, x in ref.rope_parameters.items() if f != "rope_theta"} == v, (mt, k)
+            else:
+                assert getattr(ref, k) == v, (mt, k)
     for mt in ("bamba", "qwen3_next"):
         want = transformers.AutoConfig.for_model(mt).rope_parameters["partial_rotary_factor"]
         assert partial_rotary({}, mt) == want
+
+
+# transformers' defaults left out: Qwen3Config's 32 key/value heads is no Qwen3's (16 to 64 query heads, 4 or 8
+# key/value heads, always written) and makes no model under 32 query heads; an absent field is all query heads
+NOT_TRANSFORMERS_DEFAULT = {("qwen3", "num_key_value_heads")}
+
+
+@pytest.mark.parametrize("mt", sorted(configs()))
+def test_a_config_without_a_field_parses_as_transformers_fills_it(mt):
+    """Every field of the config.json transformers writes, left out: the spec is that of the config transformers reads
+    from it (its default written in: the same layers, sizes and context), or a ConfigError naming what is missing
+    (sizes with no default that fits a real checkpoint). 16 query heads, so that a default count of key/value heads
+    is not all of them."""
+    cls = transformers.AutoConfig.for_model(mt).__class__
+    full = cls(**dict(configs()[mt], num_attention_heads=16)).to_dict()
+
+    def spec(cfg):
+        return dataclasses.replace(parse_hf_config(json.loads(json.dumps(cfg))), hf_config={}, name="")
+
+    for field in full:
+        absent = {k: v for k, v in full.items() if k != field}
+        try:
+            filled = cls.from_dict(json.loads(json.dumps(absent))).to_dict()
+        except Exception:  # (transformers reads no model from it either)
+            continue
+        try:
+            want = spec(absent)
+        except ConfigError:
+            continue
+        if (mt, field) not in NOT_TRANSFORMERS_DEFAULT:
+            assert want == spec(filled), field
+
+
+@pytest.mark.parametrize("mt", ["deepseek_v2", "deepseek_v3"])
+def test_a_null_q_lora_rank_is_no_q_lora(mt):
+    """transformers' default q_lora_rank (1536) fills an absent field only: DeepSeek-V2-Lite's explicit null is a
+    plain query projection."""
+    assert all(layer.mixer.q_lora_rank is None
+               for layer in parse_hf_config(dict(_hf_config(mt), q_lora_rank=None)).layers)
+    assert all(layer.mixer.q_lora_rank == 1536
+               for layer in parse_hf_config({k: v for k, v in _hf_config(mt).items() if k != "q_lora_rank"}).layers)
+
+
+def test_a_default_key_value_head_count_that_makes_no_model_says_so():
+    """Mixtral's default of 8 key/value heads under 4 query heads: transformers builds no model from it, and the error
+    says that the count is the default, not one the config gives."""
+    cfg = {k: v for k, v in _hf_config("mixtral").items() if k != "num_key_value_heads"}
+    with pytest.raises(ConfigError, match=r"num_key_value_heads .* got 8 \(transformers' mixtral default: the config "
+                                          r"gives none\)"):
+        parse_hf_config(cfg)
+    with pytest.raises(ConfigError, match="got 8$"):
+        parse_hf_config(dict(cfg, num_key_value_heads=8))

@@ -135,7 +135,7 @@ def test_hybrid_spellings_agree():
     y = parse_hf_config(dict(g1, layers_block_type=["mamba", "attention"]))
     assert x.params_total() == y.params_total()
     q = dict(model_type="mixtral", vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
-             intermediate_size=32, num_experts_per_tok=2)
+             num_key_value_heads=2, intermediate_size=32, num_experts_per_tok=2)
     assert (parse_hf_config(dict(q, num_local_experts=4)).params_total()
             == parse_hf_config(dict(q, num_experts=4)).params_total())
 

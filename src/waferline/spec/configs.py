@@ -94,9 +94,10 @@ def _require_expert_count(cfg: dict[str, Any], mt: str) -> None:
         )
 
 
-def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str) -> None:
+def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str, defaulted: Any = ()) -> None:
     """Values the accounting cannot take: top-k outside 1..num_experts (more active than total parameters), key/value
-    heads that are not a divisor of the query heads, no positions."""
+    heads that are not a divisor of the query heads, no positions. (``defaulted``: the fields transformers' defaults
+    filled in, which the config does not give.)"""
     def named(fields: tuple[str, ...], fallback: str) -> str:
         return next((f for f in fields if cfg.get(f) is not None), fallback)
 
@@ -134,8 +135,10 @@ def _check_accounting(spec: ModelSpec, cfg: dict[str, Any], mt: str) -> None:
             h, kv = mixer.num_heads, mixer.num_kv_heads
             kv_name = named(("num_key_value_heads", "num_attention_groups"), "num_key_value_heads")
             if not isinstance(kv, int) or isinstance(kv, bool) or not 1 <= kv <= h or h % kv:
+                note = f" (transformers' {mt} default: the config gives none)" if kv_name in defaulted else ""
                 raise ConfigError(f"config {kv_name} must be an integer from 1 to num_attention_heads = {h} that "
-                                  f"divides it (each key/value head serves a whole group of query heads), got {kv!r}")
+                                  f"divides it (each key/value head serves a whole group of query heads), got {kv!r}"
+                                  f"{note}")
 
 
 # rotary embeddings transformers builds (its ROPE_INIT_FUNCTIONS, and "default"), and the fields each needs
@@ -866,19 +869,33 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_PARSERS))
 
 
 # transformers' config-class defaults of fields a config.json may leave out, where the parsers' and the engine's own
-# fallbacks differ (the norm epsilon, the DeepSeek router and shared experts, Qwen3-MoE's renormalisation): an absent
-# field reads as transformers reads it
+# fallbacks differ (the norm epsilon, sizes, the DeepSeek router and shared experts, Qwen3-MoE's renormalisation, the
+# rotary base): an absent field reads as transformers reads it. (A size or setting that rests on others is not here:
+# transformers derives it as the parsers do. gpt-oss's yarn settings are rope_parameters without rope_theta, which
+# transformers takes from rope_theta where the config gives that alone.)
+_DSV3_DEFAULTS = dict(n_shared_experts=1, routed_scaling_factor=2.5, n_group=8, topk_group=4, first_k_dense_replace=3,
+                      q_lora_rank=1536)
 _HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen3_moe": dict(norm_topk_prob=False),
-    "mixtral": dict(rms_norm_eps=1e-5),
-    "gpt_oss": dict(rms_norm_eps=1e-5),
-    "bamba": dict(rms_norm_eps=1e-5),
-    "granitemoehybrid": dict(rms_norm_eps=1e-6),
-    "nemotron_h": dict(layer_norm_epsilon=1e-5),
-    "kimi_linear": dict(rms_norm_eps=1e-5),
-    "deepseek_v2": dict(n_shared_experts=2),
-    **dict.fromkeys(("deepseek_v3", "deepseek_v32"), dict(n_shared_experts=1, routed_scaling_factor=2.5, n_group=8,
-                                                          topk_group=4, first_k_dense_replace=3)),
+    "llama": dict(max_position_embeddings=2048),
+    "qwen3": dict(head_dim=128, max_position_embeddings=32768),
+    "qwen3_moe": dict(norm_topk_prob=False, num_key_value_heads=4, max_position_embeddings=32768),
+    "mixtral": dict(rms_norm_eps=1e-5, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=1e6),
+    "gpt_oss": dict(rms_norm_eps=1e-5, head_dim=64, num_key_value_heads=8, sliding_window=128,
+                    max_position_embeddings=131072, rope_theta=150000.0, rope_parameters=dict(
+                        rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                        original_max_position_embeddings=4096)),
+    "bamba": dict(rms_norm_eps=1e-5, num_key_value_heads=8, max_position_embeddings=262144),
+    "granitemoehybrid": dict(rms_norm_eps=1e-6, shared_intermediate_size=1024, attention_multiplier=1.0,
+                             max_position_embeddings=2048),
+    "nemotron_h": dict(layer_norm_epsilon=1e-5, head_dim=128, num_key_value_heads=8, mamba_head_dim=64, n_groups=8,
+                       chunk_size=128, moe_shared_expert_intermediate_size=7688),
+    "qwen3_next": dict(num_key_value_heads=2, head_dim=256, shared_expert_intermediate_size=512,
+                       max_position_embeddings=32768),
+    "kimi_linear": dict(rms_norm_eps=1e-5, model_max_length=1048576),
+    "deepseek_v2": dict(n_shared_experts=2, q_lora_rank=1536, max_position_embeddings=2048),
+    "deepseek_v3": dict(_DSV3_DEFAULTS, num_nextn_predict_layers=1),
+    "deepseek_v32": dict(_DSV3_DEFAULTS, max_position_embeddings=163840),
+    "deepseek_v4": dict(o_groups=8, o_lora_rank=1024, num_nextn_predict_layers=1, max_position_embeddings=1048576),
 }
 _NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # layer sizes beside the ones above, by config spelling: a whole number >= 1 where given (null: the default where the
@@ -922,6 +939,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if parser is None:
         raise ConfigError(f"unsupported model_type {mt!r}; the engine runs {', '.join(sorted(ENGINE_MODEL_TYPES))}; "
                           f"the planner also places {', '.join(sorted(set(_PARSERS) - set(ENGINE_MODEL_TYPES)))}")
+    defaulted = set(_HF_DEFAULTS.get(mt, {})) - set(cfg)
     cfg = {**_HF_DEFAULTS.get(mt, {}), **cfg}
     for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size",
               "num_key_value_heads", "head_dim", "max_position_embeddings"):
@@ -945,7 +963,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
     except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
         raise ConfigError(f"config for model_type {mt!r} cannot be read: {e}") from None
-    _check_accounting(spec, cfg, mt)
+    _check_accounting(spec, cfg, mt, defaulted)
     _check_layer_sizes(spec, mt)
     if not spec.layers or spec.hidden_size < 1 or spec.vocab_size < 1 or spec.params_total() < 1:
         raise ConfigError(f"config for model_type {mt!r} describes no model ({len(spec.layers)} layers, hidden size "
