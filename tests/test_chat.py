@@ -120,3 +120,27 @@ def test_call_arguments_nested_too_deeply_reach_the_template_as_text():
         assert template_messages(_req(messages=msgs))[1]["tool_calls"][0]["function"]["arguments"] == args
     msgs[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Oslo"}'
     assert template_messages(_req(messages=msgs))[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+
+
+# (Llama 4's and Gemma 3's way: a string content as it is, content parts one by one)
+PARTS_TEMPLATE = ("{% for m in messages %}[{{ m.role }}]{% if m.content is string %}{{ m.content }}{% else %}"
+                  "{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] | trim }}{% endif %}"
+                  "{% endfor %}{% endif %}[/]{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+def test_a_template_that_reads_content_parts_gets_them(sol):
+    """A template that loops over a message's content parts (as Llama 4's and Gemma 3's do) gets them as sent, as
+    transformers' apply_chat_template and vLLM give them; a template that takes a string gets their texts as lines
+    (the parts reached every template joined by newlines: Llama 4's prompt had a line break its own rendering does
+    not, and a template that reads parts alone lost the message)."""
+    from waferline.model.load import load_tokenizer
+
+    tok = load_tokenizer(sol)
+    parts = [{"type": "text", "text": "Who is "}, {"type": "text", "text": " there?"}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}]
+    want = tok.apply_chat_template(msgs, chat_template=PARTS_TEMPLATE, add_generation_prompt=True, tokenize=False)
+    assert want == "[system]Be brief.[/][user]Who isthere?[/][assistant]"
+    assert render(tok, PARTS_TEMPLATE, _req(messages=msgs)) == want
+    only_parts = "{% for m in messages %}{% for p in m.content %}{{ p.text }}|{% endfor %}{% endfor %}"
+    assert render(tok, only_parts, _req(messages=msgs[1:])) == "Who is | there?|"
+    assert render(tok, TEMPLATE, _req(messages=msgs[1:])) == "[user]Who is \n there?[/][assistant]"  # (lines)

@@ -18,18 +18,23 @@ FALLBACK_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
 # a template that names the "developer" role renders it; others get such a message as a "system" one
 _DEVELOPER = re.compile(r"""["']developer["']""")
+# a template that loops over a message's content ("{% for part in message['content'] %}", as Llama 4's and Gemma 3's
+# do) reads content parts; others take the content as a string (vLLM tells the two apart the same way)
+_PARTS_LOOP = re.compile(r"""\bfor\s+\w+\s+in\s+\w+\s*(?:\[\s*["']content["']\s*\]|\.\s*content\b)""")
 # what apply_chat_template takes from the server, not from chat_template_kwargs
 RESERVED = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "return_dict",
                       "tokenizer_kwargs", "add_generation_prompt", "continue_final_message",
                       "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors"})
 
 
-def template_messages(req: Any) -> list[dict[str, Any]]:
+def template_messages(req: Any, parts: bool = False) -> list[dict[str, Any]]:
     """The conversation as chat templates take it: assistant calls with their arguments as objects (as Hugging Face
-    templates read ``tool_call.function.arguments``), a tool's answer with the id of the call it answers."""
+    templates read ``tool_call.function.arguments``), a tool's answer with the id of the call it answers; content
+    parts as sent where the template reads them (``parts``), else their texts as lines."""
     out = []
     for m in req.messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.text()}
+        content = [p.model_dump() for p in m.content] if parts and isinstance(m.content, list) else m.text()
+        d: dict[str, Any] = {"role": m.role, "content": content}
         if getattr(m, "tool_calls", None):
             d["tool_calls"] = [{"id": c.id, "type": "function",
                                 "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
@@ -62,15 +67,14 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> s
     """The prompt text of a chat request (or a /tokenize request with messages); ``tokenizer`` renders ``template``
     (the caller holds the tokenizer's lock; of named templates, "tool_use" where tools are given, else "default"). A
     400 where the request's options do not fit or the template rejects the conversation."""
-    msgs = template_messages(req)
-    if not msgs:
+    if not req.messages:
         raise APIError("messages: give at least one", param="messages")
     add_prompt = getattr(req, "add_generation_prompt", True)
     cont = getattr(req, "continue_final_message", False)
     if cont and add_prompt:
         raise APIError("continue_final_message continues the last message: send add_generation_prompt: false with it",
                        param="continue_final_message")
-    if cont and msgs[-1]["role"] != "assistant":
+    if cont and req.messages[-1].role != "assistant":
         raise APIError("continue_final_message needs the last message to be the assistant's",
                        param="continue_final_message")
     extra = dict(getattr(req, "chat_template_kwargs", None) or {})
@@ -79,6 +83,7 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> s
         raise APIError(f"chat_template_kwargs may not set {', '.join(bad)} (the request's own fields do)",
                        param="chat_template_kwargs")
     if not template:
+        msgs = template_messages(req)
         body = "".join(FALLBACK_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in msgs)
         if cont:  # (the last message left open: no newline after it)
             return body[:-1]
@@ -90,6 +95,7 @@ def render(tokenizer: Any, template: str | dict[str, str] | None, req: Any) -> s
             raise APIError(f"the model has chat templates {', '.join(sorted(template))} but none named \"default\": "
                            "start the server with --chat-template", param="messages")
         template = template[name]
+    msgs = template_messages(req, parts=bool(_PARTS_LOOP.search(template)))
     if not _DEVELOPER.search(template):  # (OpenAI's newer name for system instructions: a template that does not know
         # the role would drop such a message silently, as Qwen's and DeepSeek's do, or refuse it)
         msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in msgs]
