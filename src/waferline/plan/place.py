@@ -411,7 +411,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         if hw.placement == "tensor" and layers_per_stage is None:
             # GPU-style pools: one attention stage (tensor parallel) and one FFN stage (experts sharded over the pool)
             if devices is None:
-                na, nf = _devices_needed(ma, hw, act), _devices_needed(mf, hw, act)
+                na, nf = _devices_for(att, hw, act, emb + head), _devices_for(ffn, hw, act)
             else:
                 if devices < 2:
                     raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
@@ -654,10 +654,25 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
             hi, best = mid, g
         else:
             lo = mid
-    for t in sizes[:-1]:  # the narrowest group that holds those stages (where a cache that splits over no more devices
-        narrow = [(g, t) for g, _ in best]  # than its KV heads binds, the widest group holds it no better)
-        if fits(narrow):
-            return mk_stages(narrow, "full", 0, 0, True)
+    # a narrower group can hold those stages in fewer devices, or in more stages in fewer nodes (where a cache that
+    # splits over no more devices than its KV heads binds, the widest group holds it no better: an MLA latent is held
+    # whole by every device): of each group's fewest stages that fit, the fewest devices, taken where it adds no stage
+    # or saves a whole node (deeper pipelines of narrower groups inside the same nodes would serve each token slower)
+    n_best, n_stages, avail = tp * hi, hi, hw.memory_bytes * (1 - hw.reserve_fraction) - act
+    nodes = lambda n: -(-n // hw.devices_per_node)  # noqa: E731
+    for t in reversed(sizes[:-1]):  # (the widest first: of two layouts of as many devices, the one of fewer stages)
+        top = min(len(parts), (n_best - 1) // t)  # (more stages of t use no fewer devices than the best so far)
+        lo_t = max(hi - 1, math.ceil(total / (t * avail) - 1e-12) - 1)  # (neither the widest group's lo nor fewer
+        if top <= lo_t or not fits(build(t, top)):  # stages than the memory's lower bound fit)
+            continue
+        hi_t, g_t = top, None
+        while hi_t - lo_t > 1:  # lo_t does not fit, hi_t does
+            mid = (lo_t + hi_t) // 2
+            g = build(t, mid)
+            lo_t, hi_t, g_t = (lo_t, mid, g) if fits(g) else (mid, hi_t, g_t)
+        if hi_t > n_stages and nodes(t * hi_t) >= nodes(n_best):
+            continue
+        n_best, n_stages, best = t * hi_t, hi_t, g_t or build(t, hi_t)
     return mk_stages(best, "full", 0, 0, True)
 
 
@@ -728,7 +743,8 @@ def _fits_cache(plan: Plan, spec: ModelSpec, hw: HardwareSpec, ctx: int, batch: 
             for i in s.layers
         )
         weights = s.memory.weights + (grow / s.num_devices if s.has_lm_head else 0.0)
-        if weights + cache + act + s.memory.reserve > hw.memory_bytes:
+        if not MemoryBreakdown(weights=weights, cache=cache, activations=act, reserve=s.memory.reserve,
+                               capacity=hw.memory_bytes).fits:  # (as a placed stage is judged)
             return False
     return True
 
