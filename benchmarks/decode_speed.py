@@ -460,7 +460,7 @@ def print_tables(res: dict) -> None:
                           str(r["same_tokens_as_int4"]), "yes" if r["target_750"] else "no")
         con.print(s)
     for why in sorted({f"{r['engine']}: {r['na']}" for r in res["rows"] if r.get("na")}):
-        con.print(f"n/a — {why}")
+        con.print(f"n/a — {why}", markup=False)  # (plain text: a reason such as "pip install -e '.[bench]'")
     for c in res["conversion_checks"]:
         con.print(
             f"conversion check {c['model']} {c['engine']} vs transformers fp32: top-1 {100 * c['top1_agree']:.0f}% of "
@@ -584,7 +584,10 @@ def main() -> None:
     if gpu and any(e.startswith("lcpp") or e == "sol" for e in engines):
         ap.error("llama.cpp (a CPU build here) and the sol-mini rows run on CPU only; drop them with --device "
                  f"{a.device}")
-    batches = [int(b) for b in a.batch.split(",")]
+    try:
+        batches = [int(b) for b in a.batch.split(",")]
+    except ValueError:
+        ap.error(f"--batch {a.batch}: expected comma-separated integers")
     torch.set_num_threads(a.threads)
     Path(a.cache).mkdir(parents=True, exist_ok=True)
 

@@ -69,6 +69,8 @@ def run_case(tree: Path, args: dict) -> dict:
 
 
 def main() -> int:
+    from waferline.argtypes import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", required=True, help="the baseline source tree (a checkout with src/waferline)")
     ap.add_argument("--tree", default=str(ROOT), help="the tree under test (default: this checkout)")
@@ -83,7 +85,7 @@ def main() -> int:
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature (seeded per request, so both trees draw the same way; default greedy)")
     ap.add_argument("--cases", default="batch,single,ttft")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=positive_int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine_ab.json"))
     a = ap.parse_args()
     from waferline.errors import ConfigError

@@ -278,6 +278,19 @@ def main() -> None:
         ap.error(f"contexts (>= {2 * ALIGN}) and --real-prefill must be multiples of {ALIGN}")
     if unknown := [v for v in names if v not in VARIANTS]:
         ap.error(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    try:  # (before the run too: the first prediction comes after the first measurement)
+        if a.host:
+            from waferline.sim.host import HostParams
+            from waferline.spec.hardware import load_hardware_file
+
+            load_hardware_file(a.host)
+            HostParams.load(a.host)
+        else:
+            from waferline.spec.catalog import load_hardware
+
+            load_hardware(a.hardware)
+    except ConfigError as e:
+        ap.error(f"--host {a.host}: {e}" if a.host else f"--hardware {a.hardware}: {e}")
     a.dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     t0, load0 = time.time(), os.getloadavg()

@@ -35,6 +35,13 @@ def _plan(ranges: list[tuple[int, int]], micro_batches: int) -> Plan:
                         for i, (a, b) in enumerate(ranges)])
 
 
+def int4_dir(path: Path, cached: bool) -> Path:
+    """Where the int4 checkpoint of ``path`` is kept: decode_speed.py's cache layout (``<model>/int4-g128`` beside
+    ``<model>/hf``) for the default model, ``<DIR>-int4-g128`` beside a --model DIR (named by it: two models in one
+    folder must not share one)."""
+    return path.parent / ("int4-g128" if cached else f"{path.name}-int4-g128")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint directory (default: decode_speed.py's llama, built once)")
@@ -45,7 +52,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--weight-bits", type=int, choices=(16, 4), default=16,
                     help="4: every engine of the run loads an int4 checkpoint (RTN, group 128, quantized once "
-                    "next to the model)")
+                    "next to the model: DIR-int4-g128)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "pipeline_split.json"))
     args = ap.parse_args()
     from waferline.errors import ConfigError
@@ -61,10 +68,12 @@ def main() -> None:
         path = build_checkpoint("llama", False, CACHE) / "hf"
     else:
         path = Path(args.model)
+        if not (path / "config.json").is_file():
+            ap.error(f"--model {args.model}: no config.json there")
     if args.weight_bits == 4:  # an int4 checkpoint (RTN, group 128) next to the bf16 one, built once
         from waferline.model.quant import QuantOptions, quantize_checkpoint
 
-        qdir = path.parent / "int4-g128"
+        qdir = int4_dir(path, args.model is None)
         if not (qdir / "model.safetensors").is_file():
             quantize_checkpoint(path, qdir, QuantOptions(group_size=128), force=True)
         path = qdir

@@ -21,6 +21,17 @@ import torch
 from decode_speed_models import CACHE, build_checkpoint
 
 
+def lengths(text: str) -> tuple[int, int]:
+    """--lengths LO:HI, two prompt lengths of at least 1 token."""
+    try:
+        lo, hi = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (two integers), got {text!r}") from None
+    if min(lo, hi) < 1:
+        raise argparse.ArgumentTypeError(f"expected lengths of at least 1 token, got {text!r}")
+    return lo, hi
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -28,7 +39,8 @@ def main() -> None:
     ap.add_argument("--weight-bits", type=int, default=4, choices=[4, 16])
     ap.add_argument("--decodes", type=int, default=57)
     ap.add_argument("--chunks", type=int, default=7)
-    ap.add_argument("--lengths", default="62:68", help="prompt lengths LO:HI, spread evenly over the chunks")
+    ap.add_argument("--lengths", type=lengths, default=(62, 68), help="prompt lengths LO:HI, spread evenly over the "
+                    "chunks")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     from rich.console import Console
@@ -42,7 +54,7 @@ def main() -> None:
     d = build_checkpoint("llama", False, CACHE)
     opts = dict(weight_bits=4, head_bits=8, group_size=128) if args.weight_bits == 4 else {}
     llm = LLM(d / "hf", dtype=args.dtype, **opts)
-    lo, hi = (int(x) for x in args.lengths.split(":"))
+    lo, hi = args.lengths
     lens = [lo + (hi - lo) * i // max(1, args.chunks - 1) for i in range(args.chunks)]
     slots = args.decodes + args.chunks
     runners = {}

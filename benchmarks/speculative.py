@@ -306,6 +306,17 @@ def main() -> None:
         check_writable(a.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
+    for flag, value in (("--engines", a.engines), ("--backoff-engines", a.backoff_engines)):
+        if bad := [e for e in value.split(",") if e and e != "single" and not (e[:4] == "pipe" and e[4:].isdigit())]:
+            ap.error(f"{flag} {value}: {bad[0]!r} is neither single nor pipeN (N stage processes)")
+    if bad := [m for m in a.methods.split(",") if m not in ("ngram", "mtp", "draft") and not m.startswith("draft:")]:
+        ap.error(f"--methods {a.methods}: {bad[0]!r} is none of ngram, mtp, draft, draft:PATH")
+    for flag, value, kind in (("--batches", a.batches, int), ("--temps", a.temps, float),
+                              ("--backoff-batches", a.backoff_batches, int)):
+        try:
+            [kind(x) for x in value.split(",") if x or flag != "--backoff-batches"]
+        except ValueError:
+            ap.error(f"{flag} {value}: expected comma-separated numbers")
     torch.set_num_threads(a.threads)
     if a.quick:
         a.num_prompts, a.max_tokens, a.prompt_tokens = 4, 24, 48

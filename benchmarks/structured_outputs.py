@@ -54,6 +54,12 @@ def main() -> None:
         check_writable(args.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
+    if not (Path(args.model) / "config.json").is_file():
+        ap.error(f"--model {args.model}: no config.json there")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        ap.error(f"--batches {args.batches}: expected comma-separated integers")
 
     import torch
     from rich.console import Console
@@ -63,7 +69,6 @@ def main() -> None:
     from waferline.engine import structured
 
     torch.set_num_threads(args.threads)
-    batches = [int(b) for b in args.batches.split(",")]
     rows = []
     import waferline.engine.scheduler as scheduler_module
 

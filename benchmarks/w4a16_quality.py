@@ -78,6 +78,8 @@ def main() -> None:
         raise SystemExit(f"{model} is not a checkpoint directory (the trained sol-mini appears at models/sol-mini); "
                          "pass --model DIR --heldout FILE")
     heldout = Path(a.heldout) if a.heldout else model / "heldout.txt"
+    if not heldout.is_file():
+        raise SystemExit(f"no held-out text at {heldout}: pass --heldout FILE")
     if not Path(a.calibration).is_file():
         raise SystemExit(f"no GPTQ calibration text at {a.calibration}: pass --calibration FILE, or write sol-mini's "
                          "training text there (the data step of python train/sol_mini.py, without training: python -c "

@@ -161,6 +161,12 @@ def main() -> None:
         check_writable(a.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
+    from waferline.model.quant import QuantOptions
+
+    try:  # (before the run too: the int4 engine loads after the fp32 and bf16 ones)
+        QuantOptions(group_size=a.group_size).validate()
+    except ConfigError as e:
+        ap.error(f"--group-size {a.group_size}: {e}")
     if a.threads:
         torch.set_num_threads(a.threads)
     res = run(a.models, a.tokens, a.group_size, Path(a.cache), a.repeats)

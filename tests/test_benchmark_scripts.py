@@ -272,3 +272,60 @@ def test_sol_mini_card_rebuild_command_has_the_run_settings():
             "heldout_ppl": 9.0, "eval_tokens": 10, "seed": 5, "heldout_file_chars": 100, "samples": ""}
     text = sol_mini.model_card({"heldout_works": ["x"], "plays_total": 1}, card)
     assert "python train/sol_mini.py --steps 7 --batch 2 --lr 0.001 --seed 5 --threads 1" in text
+
+
+@pytest.mark.parametrize("script,args,message", [
+    ("kv_schemes", ["--host", "/nonexistent/host.yaml"], "--host /nonexistent/host.yaml: no hardware file"),
+    ("kv_schemes", ["--hardware", "no-such-chip"], "--hardware no-such-chip: unknown hardware"),
+    ("speculative", ["--engines", "single,pipeX"], "--engines single,pipeX: 'pipeX' is neither single nor pipeN"),
+    ("speculative", ["--methods", "ngram,medusa"], "--methods ngram,medusa: 'medusa' is none of"),
+    ("speculative", ["--batches", "1,x"], "--batches 1,x: expected comma-separated numbers"),
+    ("structured_outputs", ["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json there"),
+    ("pipeline_split", ["--model", "/nonexistent/model"], "--model /nonexistent/model: no config.json there"),
+    ("w4a16_speed", ["--group-size", "48"], "--group-size 48: group size must be one of"),
+    ("decode_speed", ["--batch", "1,x"], "--batch 1,x: expected comma-separated integers"),
+    ("prefill_calls", ["--lengths", "62-68"], "argument --lengths: expected LO:HI"),
+    ("engine_ab", ["--baseline", str(BENCH.parent), "--rounds", "0"], "argument --rounds: expected an integer >= 1"),
+])
+def test_arguments_a_run_cannot_use_are_one_line_before_the_run(script, args, message, tmp_path):
+    """These ended in a traceback (a ValueError, a ConfigError from inside the engine or the simulator, an IndexError
+    after the rounds), kv_schemes.py's and speculative.py's after their first measurements."""
+    out = {"decode_speed": "--json", "kv_schemes": "--json", "prefill_calls": None}.get(script, "--out")
+    r = _run([str(BENCH / f"{script}.py"), *args, *([out, str(tmp_path / "r.json")] if out else [])])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"{script}.py: error: {message}")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_w4a16_quality_without_its_heldout_text_is_one_line(tmp_path):
+    """A --heldout that is not there ended in a traceback that called it a "calibration file"."""
+    r = _run([str(BENCH / "w4a16_quality.py"), "--heldout", str(tmp_path / "none.txt"), "--calibration",
+              str(BENCH.parent / "models" / "sol-mini" / "heldout.txt"), "--out", str(tmp_path / "r.json")])
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == f"no held-out text at {tmp_path / 'none.txt'}: pass --heldout FILE"
+
+
+def test_pipeline_split_keeps_the_int4_checkpoints_of_two_models_apart(tmp_path):
+    """With --weight-bits 4, every --model DIR was quantized into DIR/../int4-g128, once: a second model in the same
+    folder ran the first model's int4 weights (a 4-layer llama measured as sol-mini's 8 layers)."""
+    from conftest import script_module
+
+    for ps in script_module("pipeline_split"):
+        a, b = ps.int4_dir(tmp_path / "a", False), ps.int4_dir(tmp_path / "b", False)
+        assert a != b and a.parent == b.parent == tmp_path
+        assert ps.int4_dir(tmp_path / "llama" / "hf", True) == tmp_path / "llama" / "int4-g128"  # the cache's layout
+
+
+def test_decode_speed_prints_the_reasons_of_its_missing_rows_as_written(capsys):
+    """The n/a lines went through rich's markup, which took "[bench]" for a style: the install hint read
+    "pip install -e '.'"."""
+    from conftest import script_module
+
+    na = "llama-cpp-python is not installed (pip install -e '.[bench]'): No module named 'llama_cpp'"
+    res = {"device": "cpu", "threads": 1, "prompt_len": 16, "new_tokens": 8, "repeats": 1, "copy_bandwidth_GBps": 1,
+           "read_bandwidth_GBps": 1, "loadavg_start": [0.0], "loadavg_end": [0.0], "sol_mini": [],
+           "conversion_checks": [], "targets": [],
+           "rows": [{"model": "llama", "engine": "llama.cpp Q4_0", "batch": 1, "na": na, "roofline_tok_s": 1.0}]}
+    for ds in script_module("decode_speed"):
+        ds.print_tables(res)
+    assert f"n/a — llama.cpp Q4_0: {na}" in capsys.readouterr().out
