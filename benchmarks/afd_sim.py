@@ -5,8 +5,9 @@ the cases where AFD loses.
     python benchmarks/afd_sim.py          # seconds; writes benchmarks/results/afd_sim.json
 
 For each model it searches, under the SLA (time per output token <= 50 ms), the best decode tokens/s per GPU of
-  * AFD as the engine runs it: M data-parallel attention ranks x N expert-parallel FFN ranks (each rank as many GPUs
-    as its memory needs), b sequences per attention rank, K = 1 or 2 micro-batches (2: ping-pong; it costs a second
+  * AFD as the engine runs it: M data-parallel attention ranks x N expert-parallel FFN ranks (an attention rank the
+    narrowest tensor-parallel group in a node that holds it, an FFN rank as many GPUs as its memory needs), b
+    sequences per attention rank, K = 1 or 2 micro-batches (2: ping-pong; it costs a second
     read of the expert weights per step, so it pays only when attention is busy enough to hide the FFN behind);
   * the plain placement (tensor/expert parallel in a node, pipeline across nodes) on D GPUs with B sequences.
 The shape to reproduce: Step-3 gains more from AFD than DeepSeek-V3 and ends up ahead per GPU, because its attention

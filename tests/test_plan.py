@@ -641,8 +641,53 @@ def test_the_capacities_agree_with_fits_at_the_capacity():
 
 def test_afd_pools_take_the_fewest_devices_that_fit():
     """--afd on GPUs without --devices sized the attention pool by its bytes over a device's memory: a DSA latent
-    that every GPU holds whole left 2 GPUs over their capacity, where 3 hold it (as --devices 156 placed them)."""
+    that every GPU holds whole left 2 GPUs over their capacity, where 3 hold it (as --devices 156 placed them); the
+    narrowest group width a placement takes (as it does without --afd) that holds it is 4."""
     plan = place("gpt-5.6-sol-dsa", "h100-sxm", afd=True, context=32768, batch=16)
     assert plan.fits, plan.problems[:1]
     att = [s for s in plan.stages if s.role == "attention"]
-    assert [s.num_devices for s in att] == [3]
+    assert [s.num_devices for s in att] == [4]
+
+
+def _afd_attention(plan):
+    return [s.num_devices for s in plan.stages if s.role == "attention"]
+
+
+def test_afd_attention_groups_are_tensor_parallel_groups():
+    """--afd on GPUs/TPUs gave the attention side (and each --attention-ranks rank) the fewest devices its bytes
+    need, whatever that count: 3 devices for DeepSeek-V3's 128 heads on TPU v6e, 14 for Llama 3.1 405B on hosts of
+    8 (a group's all-reduces priced on the node's links). A group now splits the heads evenly inside a node, as
+    without --afd; where one node-wide group does not hold the attention side, it is a pipeline of groups."""
+    plan = place("deepseek-v3", "tpu-v6e", afd=True, batch=8, context=32768)
+    assert plan.fits and _afd_attention(plan) == [4] and plan.attention_ranks == 1  # (the engine's layout, M = 1)
+    plan = place("llama-3.1-405b", "tpu-v6e", afd=True, batch=128, context=4096)
+    assert plan.fits and _afd_attention(plan) == [8, 8]  # (one stage of 14 did not even fit: 8 KV heads)
+    assert [s.layers for s in plan.stages if s.role == "attention"] == [list(range(63)), list(range(63, 126))]
+    assert plan.stages[0].has_embedding and plan.stages[1].has_lm_head and plan.attention_ranks == 0
+    assert any("the attention side in 2 pipeline stages of 8 device(s)" in n for n in plan.notes)
+    assert Plan.from_dict(plan.to_dict()).to_dict() == plan.to_dict()
+    # --devices: the attention share is placed as a model is, the FFN pool takes the rest
+    plan = place("llama-3.1-405b", "tpu-v6e", afd=True, devices=40, batch=128, context=4096)
+    assert plan.fits and _afd_attention(plan) == [8, 8]
+    assert plan.num_devices == 40 and not any("idle" in n for n in plan.notes)
+    # a data-parallel attention rank: one group, the narrowest that holds it, else the widest (and why it cannot grow)
+    plan = place("llama-3.1-405b", "tpu-v6e", afd=True, attention_ranks=2, ffn_ranks=2, batch=8)
+    assert plan.fits and _afd_attention(plan) == [8, 8]
+    plan = place("llama-3.1-405b", "tpu-v6e", afd=True, attention_ranks=1, batch=128, context=4096)
+    assert not plan.fits and _afd_attention(plan) == [8]
+    assert any("an attention rank is one tensor-parallel group inside a node" in n for n in plan.notes)
+
+
+def test_every_afd_attention_group_splits_the_heads_inside_a_node():
+    from waferline.plan.place import _head_split
+    from waferline.spec.catalog import load_hardware
+
+    for model in ("deepseek-v3", "llama-3.1-405b", "llama-4-maverick", "qwen3-235b-a22b"):
+        heads = _head_split(load_model(model))
+        for hardware in ("h100-sxm", "tpu-v6e", "tpu-v5p", "mi300x"):
+            per_node = load_hardware(hardware).devices_per_node
+            for batch, context in ((1, 4096), (32, 32768), (128, 8192)):
+                for kw in ({}, {"devices": 24}, {"attention_ranks": 2, "ffn_ranks": 2}):
+                    plan = place(model, hardware, afd=True, batch=batch, context=context, **kw)
+                    for n in _afd_attention(plan):
+                        assert heads % n == 0 and n <= per_node, (model, hardware, batch, context, kw, n)

@@ -231,6 +231,13 @@ def _tp_sizes(hw: HardwareSpec) -> list[int]:
     return sorted({s for s in sizes if s >= min(hw.min_devices, hw.devices_per_node)})
 
 
+def _tp_widths(spec: ModelSpec, hw: HardwareSpec) -> list[int]:
+    """The tensor-parallel group widths a stage may have, narrowest first: inside a node, splitting every layer's
+    attention heads evenly (``_head_split``)."""
+    heads = _head_split(spec)
+    return [t for t in _tp_sizes(hw) if heads % t == 0] or [1]  # (groups that split the heads evenly)
+
+
 def expert_split(num_experts: int, ranks: int) -> list[tuple[int, int]]:
     """AFD expert parallelism: contiguous expert ranges [e0, e1) per FFN rank; the first ``num_experts mod ranks``
     ranks hold one expert more (the engine and the planner both use this split)."""
@@ -253,12 +260,18 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
     """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding
     and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
     every MoE layer plus the shared experts / dense FFN of the layers it owns. Each rank gets the fewest devices its
-    memory needs."""
+    memory needs; on GPU-style hardware an attention rank is one tensor-parallel group (``_tp_widths``: it splits the
+    heads evenly, inside a node), the narrowest that holds it, else the widest (the plan then says why it does not
+    fit)."""
     att, ffn_ranks = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group, spec_tokens)
+    if hw.placement == "tensor":
+        widths = _tp_widths(spec, hw)
+        n_dev = next((t for t in widths if _stage_memory(att, t, hw, act, emb + head).fits), widths[-1])
+    else:
+        n_dev = _devices_for(att, hw, act, emb + head)
     stages: list[Stage] = []
     dev = 0
     for m in range(M):
-        n_dev = _devices_for(att, hw, act, emb + head)
         stages.append(
             Stage(
                 index=m,
@@ -402,36 +415,48 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                                   drafts)
         notes.append(f"attention/FFN disaggregation as the engine runs it: {M} data-parallel attention rank(s) "
                      f"({stages[0].num_devices} device(s) each), {N} expert-parallel FFN rank(s)")
+        if hw.placement == "tensor" and not stages[0].memory.fits:
+            notes.append(f"an attention rank is one tensor-parallel group inside a node (at most "
+                         f"{stages[0].num_devices} devices here, splitting {spec.name}'s {_head_split(spec)} heads "
+                         "evenly): more devices per rank are not an option; use fewer bits, --kv-bits 8, a shorter "
+                         "--context, or more attention ranks (each holds a smaller share of the batch's caches)")
         micro_batches = micro_batches or 2
     elif afd:
         att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size, drafts)
         ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
         ma = sum(p.weights + p.cache for p in att) + emb + head
         mf = sum(p.weights for p in ffn)
-        if hw.placement == "tensor" and layers_per_stage is None:
-            # GPU-style pools: one attention stage (tensor parallel) and one FFN stage (experts sharded over the pool)
-            if devices is None:
-                na, nf = _devices_for(att, hw, act, emb + head), _devices_for(ffn, hw, act)
-            else:
-                if devices < 2:
-                    raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
-                na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
-                nf = devices - na
-            ga, gf = [(att, na)], [(ffn, nf)]
-        elif devices is None:
-            ga = _greedy_pack(att, hw, act, emb, head)
-            gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
-        else:
+        if devices is not None:
             if devices < 2:
                 raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
             na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
-            ga = _split_into(att, na, hw, act, layers_per_stage, emb, head)
-            gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
-        stages = mk_stages(ga, "attention", 0, 0, True)
-        n_att = sum(n for _, n in ga)
+        if hw.placement == "tensor" and layers_per_stage is None:
+            # GPU-style pools: the attention side placed as a model is (tensor-parallel groups that split the heads
+            # evenly inside a node; pipeline stages over nodes where one group does not hold it) and one FFN stage
+            # (experts sharded over the pool; with --devices, the devices the attention side leaves)
+            att_notes: list[str] = []
+            stages = _place_tensor(spec, hw, None if devices is None else na, None, weight_bits, kv_bits, context,
+                                   batch, group_size, act, emb, head, mk_stages, att_notes, drafts, role="attention")
+            notes += [n for n in att_notes if "left idle" not in n]  # (the FFN stage takes them)
+            n_att = stages[-1].device_ids[-1] + 1
+            gf = [(ffn, _devices_for(ffn, hw, act) if devices is None else devices - n_att)]
+        else:
+            if devices is None:
+                ga = _greedy_pack(att, hw, act, emb, head)
+                gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
+            else:
+                ga = _split_into(att, na, hw, act, layers_per_stage, emb, head)
+                gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
+            stages = mk_stages(ga, "attention", 0, 0, True)
+            n_att = sum(n for _, n in ga)
         stages += mk_stages(gf, "ffn", n_att, len(stages), False)
+        n_ast = len(stages) - len(gf)
         notes.append(
             f"attention/FFN disaggregation: {n_att} attention device(s), {sum(n for _, n in gf)} FFN device(s)"
+            + (f"; the attention side in {n_ast} pipeline stages of {stages[0].num_devices} device(s) (a "
+               "tensor-parallel group splits the heads evenly inside a node; planner/simulator only: the engine runs "
+               "attention ranks that each hold every layer)"
+               if hw.placement == "tensor" and layers_per_stage is None and n_ast > 1 else "")
         )
     elif hw.placement == "pipeline":
         parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size, drafts)
@@ -563,9 +588,10 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
 
 def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
                   context: int, batch: int, group: int, act: float, emb: float, head: float, mk_stages: Any,
-                  notes: list[str], spec_tokens: int = 0) -> list[Stage]:
-    """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes."""
-    parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group, spec_tokens)
+                  notes: list[str], spec_tokens: int = 0, role: str = "full") -> list[Stage]:
+    """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes (``role``: the whole
+    layers, or AFD's attention side)."""
+    parts = _parts(spec, role, weight_bits, kv_bits, context, batch, group, spec_tokens)
     total = sum(p.weights + p.cache for p in parts) + emb + head
 
     def build(tp: int, pp: int) -> list[tuple[list[_Part], int]]:
@@ -618,23 +644,23 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
                              f"{was[0]} do not fit")
         if tp * pp < devices:
             notes.append(f"{devices - tp * pp} of {devices} devices left idle (stages use {tp} device(s) each)")
-        return mk_stages(build(tp, pp), "full", 0, 0, True)
-    sizes = [t for t in _tp_sizes(hw) if heads % t == 0] or [1]  # (groups that split the heads evenly)
+        return mk_stages(build(tp, pp), role, 0, 0, True)
+    sizes = _tp_widths(spec, hw)
     if k is not None:
         n_st = math.ceil(len(parts) / k)
         for tp in sizes:
             g = build(tp, n_st)
             if fits(g):
-                return mk_stages(g, "full", 0, 0, True)
-        return mk_stages(build(sizes[-1], n_st), "full", 0, 0, True)
+                return mk_stages(g, role, 0, 0, True)
+        return mk_stages(build(sizes[-1], n_st), role, 0, 0, True)
     for tp in sizes:
         g = build(tp, 1)
         if fits(g):
-            return mk_stages(g, "full", 0, 0, True)
+            return mk_stages(g, role, 0, 0, True)
     tp = sizes[-1]
     last = build(tp, len(parts))
     if not fits(last):  # one part a stage does not fit either: no stage count does (a scan of them all was O(parts^2))
-        return mk_stages(last, "full", 0, 0, True)
+        return mk_stages(last, role, 0, 0, True)
     # the fewest stages that fit, from the memory's lower bound: more stages never hold more a stage (each split
     # minimises its largest group), so steps doubling to the first count that fits, then halving back between it and
     # the last that did not (one count after another was O(parts^2) where the bound is far off)
@@ -673,7 +699,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
         if hi_t > n_stages and nodes(t * hi_t) >= nodes(n_best):
             continue
         n_best, n_stages, best = t * hi_t, hi_t, g_t or build(t, hi_t)
-    return mk_stages(best, "full", 0, 0, True)
+    return mk_stages(best, role, 0, 0, True)
 
 
 def _head_split(spec: ModelSpec) -> int:
