@@ -214,14 +214,24 @@ def test_plain_steps_in_bursts_when_nothing_is_drafted(ckpts, monkeypatch, metho
         monkeypatch.setattr(llm._spec, "ctl", _Every(2, every))
     ran, orig = [], type(llm.model).greedy_steps
     monkeypatch.setattr(type(llm.model), "greedy_steps", lambda self, *a: ran.append(orig(self, *a)) or ran[-1])
-    held = {}
+    held, kept, release = {}, {}, llm._spec.reset
+
+    def keep(slot):  # (a sequence's drafter state is released when it ends: what it held then)
+        if llm._spec.drafter.pending[slot].shape[0]:
+            kept[slot] = llm._spec.drafter.pending[slot].clone()
+        release(slot)
+
+    if method == "mtp":
+        monkeypatch.setattr(llm._spec, "reset", keep)
     for name, burst in (("steps", lambda idle: 1), ("bursts", spm.burst_len)):
         monkeypatch.setattr(spm, "burst_len", burst)
         ran.clear()
+        kept.clear()
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == ref, name
         if method == "mtp":
-            held[name] = [p.clone() for p in llm._spec.drafter.pending]
+            held[name] = [kept[s] for s in sorted(kept)]
+            assert all(p.shape[0] == 0 for p in llm._spec.drafter.pending)  # (released)
             assert (outs[0].metrics["spec_drafted"] > 0) == (every > 0)
         if name == "steps":
             assert not ran
