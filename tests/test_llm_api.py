@@ -170,6 +170,29 @@ def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):
         LLM(ckpts["llama"]).time_split()
 
 
+def test_options_given_as_none_or_afd_false_are_not_given(ckpts, one_thread):
+    """``LLM(path, afd=False, head_bits=8)``, ``plan=None`` or ``threads_per_stage=None`` (its documented "the cores
+    divided") picked the single-process engine and then refused it ("head_bits=8 is for the single-process engine",
+    "pipeline options need stages=S"); ``prefill_chunk=None`` with stages was a TypeError."""
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    want = LLM(ckpts["llama"]).generate([[1, 17, 42]], sp)[0].token_ids
+    for options in ({"afd": False, "head_bits": 8}, {"plan": None}, {"threads_per_stage": None},
+                    {"stages": None, "hang_timeout_s": None, "prefill_chunk": None}):
+        llm = LLM(ckpts["llama"], **options)
+        assert llm._pipeline is None, options
+        assert llm.generate([[1, 17, 42]], sp)[0].token_ids == want, options
+    with LLM(ckpts["llama"], stages=2, prefill_chunk=None, hang_timeout_s=None, threads_per_stage=None) as llm:
+        assert llm._pipeline.prefill_chunk >= 1 and llm.generate([[1, 17, 42]], sp)[0].token_ids == want
+
+
+def test_ignore_eos_must_be_a_bool():
+    """ignore_eos="false" was kept, truthy: every request ran to max_tokens past its end-of-sequence token."""
+    for bad in ("false", 0, 1, None):
+        with pytest.raises(RequestError, match="ignore_eos must be true or false"):
+            SamplingParams(ignore_eos=bad)
+    assert SamplingParams(ignore_eos=True).ignore_eos is True
+
+
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -1,16 +1,15 @@
 """The single-process engine and the stable Python API: LLM, SamplingParams, Output.
 
 ``LLM.generate`` / ``LLM.stream`` run the scheduler's step (engine/scheduler.py) over the runner the options choose
-(``runner_for``): a ``LocalRunner`` (engine/runner.py) over the model in this process, a ``PipelineRunner`` over
-stage processes (``stages=`` / ``layers_per_stage=`` / ``plan=``: engine/pipeline/) or an ``AFDRunner`` over attention
-and FFN ranks (``afd=True``: engine/afd/). The LLM makes the scheduler at its first request and keeps it (a larger
-one when a request brings more prompts than it has slots): one ``Sequence`` per prompt, all admitted and prefilled
-(each prompt whole; a pipeline streams it through its stages in pieces) in the first step, then decoded together
-until each stops — the server's loop, with no prefix cache; in one process with greedy bursts and, on a GPU, the
-captured decode step (engine/graphs.py) as the runner's decode path; over a pipeline with up to M steps in flight
-(engine/overlap.py). ``speculative=`` speculates through the scheduler's ``ServeSpeculation``
-(engine/speculative/serving.py) under every runner, which the LLM keeps across requests (what steps cost is learnt
-once)."""
+(``runner_for``): a ``LocalRunner`` (engine/runner.py) over the model in this process, a ``PipelineRunner`` over stage
+processes (``stages=`` / ``layers_per_stage=`` / ``plan=``: engine/pipeline/) or an ``AFDRunner`` over attention and FFN
+ranks (``afd=True``: engine/afd/). The LLM makes the scheduler at its first request and keeps it (a larger one when a
+request brings more prompts than it has slots): one ``Sequence`` per prompt, all admitted and prefilled (each prompt
+whole; a pipeline streams it through its stages in pieces) in the first step, then decoded together until each stops —
+the server's loop, with no prefix cache; in one process with greedy bursts and, on a GPU, the captured decode step
+(engine/graphs.py) as the runner's decode path; over a pipeline with up to M steps in flight (engine/overlap.py).
+``speculative=`` speculates through the scheduler's ``ServeSpeculation`` (engine/speculative/serving.py) under every
+runner, which the LLM keeps across requests (what steps cost is learnt once)."""
 
 from __future__ import annotations
 
@@ -95,6 +94,8 @@ class LLM:
         if unknown:
             raise ConfigError(f"unknown LLM option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                               "(help(waferline.LLM) lists them)")
+        # (an option given as None is not given: its engine's default, as micro_batches=None is; afd=False: no AFD)
+        pipeline_options = {k: v for k, v in pipeline_options.items() if v is not None and (k, v) != ("afd", False)}
         torch_dtype = resolve_dtype(dtype)
         if weight_bits not in (16, 4):
             raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")

@@ -188,6 +188,8 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             bad = [t for t in self.stop_token_ids if t < 0]
             raise RequestError(f"stop_token_ids must be >= 0, got {_show(bad[:5])}")
+        if not isinstance(self.ignore_eos, bool):  # (a truthy "false" would run every request to max_tokens)
+            raise RequestError(f"ignore_eos must be true or false, got {_show(self.ignore_eos)}")
         self._validate_structured()
         if not isinstance(self.skip_special_tokens, bool):
             raise RequestError(f"skip_special_tokens must be true or false, got {_show(self.skip_special_tokens)}")
