@@ -303,3 +303,42 @@ def test_deepseek_v4s_mtp_module_is_modelled_as_its_reference_builds_it():
         spec = load_model(name)
         plan = place(spec, hw, speculative=SpeculativeConfig("mtp", 3))
         assert simulate(plan, spec=spec, hardware=hw).speculative["drafter"] == says, name
+
+
+@pytest.mark.parametrize("model", ["qwen3-next-80b-a3b", "gpt-5.6-sol-hybrid", "llama-3.1-8b"])
+def test_a_verify_writes_the_recurrent_state_after_each_of_its_tokens(model):
+    """A speculative verify of t tokens keeps the state after each of them on a recurrent-state layer for the
+    rollback (spec: ``rollback_bytes_per_seq``), so it moves (t - 1) x state x batch bytes more than a plain pass of
+    t tokens (which reads and writes the state once); attention keeps nothing, and its verify costs what it did."""
+    from waferline.sim.cost import STATE_BITS, layer_table, stage_step
+
+    spec, params = load_model(model), load_params()
+    table = layer_table(spec, 16, 16, 1000)
+    state = sum(layer.mixer.state_bytes_per_seq(STATE_BITS) for layer in spec.layers if layer.mixer is not None)
+    assert (state > 0) == (model != "llama-3.1-8b")
+    t, batch = 7, 8
+    for hw_name in ("h200-sxm", "wse-3"):
+        hw = load_hardware(hw_name)
+        prm = params.for_hardware(hw)
+        plain, verify = (stage_step(table, "full", 1, hw, prm, spec.hidden_size, batch, t, 16, verify=v)
+                         for v in (False, True))
+        if not state:
+            assert (verify.memory, verify.total) == (plain.memory, plain.total)
+        elif hw.kind == "wafer":  # (written at its layers' regions' share of the bandwidth)
+            assert verify.memory > plain.memory
+        else:
+            bw = hw.memory_bandwidth * prm.bw_eff * prm.speedup.get("weights and cache read", 1.0)
+            assert (verify.memory - plain.memory) * bw == pytest.approx((t - 1) * state * batch, rel=1e-9)
+    # the simulator's verify step is such a step: a plain pass of its t tokens, and the trail on recurrent layers
+    import waferline.sim.pipeline as pipeline
+
+    hw = load_hardware("h200-sxm")
+    plan = place(spec, hw, devices=8, speculative=SpeculativeConfig("eagle", t - 1, 0.7))
+    r = simulate(plan, prompt_len=200, output_len=200, concurrency=batch, spec=spec, hardware=hw)
+    ctx = pipeline._Ctx(plan, spec, hw, params.for_hardware(hw), params)
+    plain_v = pipeline._step(ctx, layer_table(spec, plan.weight_bits, plan.kv_bits, 300, plan.group_size),
+                             -(-batch // r.micro_batches), t, batch, want_timings=False)[0]
+    if state:
+        assert r.speculative["verify_s"] > plain_v
+    else:
+        assert r.speculative["verify_s"] == plain_v

@@ -359,6 +359,10 @@ class LayerCost:
     kv_shards: int = 0  # most devices the cache splits over (GQA: KV heads), 0 = no limit
     kind_id: int = 0  # layers with equal kind_id (in one table) have identical costs
     cache_read_bytes: float | None = None  # per sequence per decode token at the context; None = all of cache_bytes
+    # per sequence per verified token past the first: the recurrent state a speculative verify writes for its rollback
+    # (``LayerSpec.rollback_bytes_per_seq``: the state after each token; the last is the write-back ``cache_read``
+    # counts); 0 for attention
+    trail_bytes: float = 0.0
     # elements / phases of the activation vectors a decode token streams through a wafer's mesh (sim/wafer.py)
     fabric_mixer_elems: float = 0.0
     fabric_mixer_phases: int = 0
@@ -406,6 +410,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
             top_k=ffn.top_k if moe else 0,
             cache_bytes=layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
             cache_read_bytes=layer.cache_read_bytes_per_seq(context, kv_bits, STATE_BITS),
+            trail_bytes=layer.rollback_bytes_per_seq(2, STATE_BITS) - layer.rollback_bytes_per_seq(1, STATE_BITS),
             mixer_flops=mixer_f,
             ffn_flops=max(0.0, total_f - mixer_f),
             is_moe=moe,
@@ -475,13 +480,18 @@ def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
 
 def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
                batch: int, tokens: float, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
-               spatial_resident: float | None = None, resident_batch: int | None = None) -> StepCost:
+               spatial_resident: float | None = None, resident_batch: int | None = None,
+               verify: bool = False) -> StepCost:
     """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
 
     On a spatial (wafer) device each layer runs on its own region of cores, so a layer's bytes are read at
     the region's share of the bandwidth: every layer costs resident-bytes-of-the-stage / bandwidth. A layer's region
     holds its weights and the cache of every resident sequence (``resident_batch``, default ``batch``), as
     ``spatial_resident`` counts them.
+
+    ``verify``: the step is a speculative verify of ``tokens`` per sequence, which on a recurrent-state layer writes the
+    state after each of them for the rollback (``LayerCost.trail_bytes``), not once: (tokens - 1) states more per
+    sequence on the memory term (on a wafer, at its region's share of the bandwidth, as its resident bytes are).
     """
     sp = prm.speedup
     bw = hw.memory_bandwidth * prm.bw_eff * sp.get("weights and cache read", 1.0)
@@ -510,6 +520,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         else:
             wbytes, flops, fixed_frac, moe = lc.weight_bytes, lc.mixer_flops + lc.ffn_flops, 1.0, lc.is_moe
             cache, cache_rd = lc.cache_bytes * batch, lc.cache_read * batch
+        trail = lc.trail_bytes * (tokens - 1) * batch if verify and role != "ffn" else 0.0
         if moe and role != "attention":
             touched = _touched_experts(lc.num_experts, lc.top_k, n_tok)
             read = wbytes - lc.num_experts * lc.expert_bytes + touched * lc.expert_bytes
@@ -521,10 +532,12 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             res_layer = wbytes + held
             share = max(res_layer / resident, 1e-12) if resident else 1.0
             t_mem = resident / n_dev / bw if (read + cache) > 0 else 0.0
+            if trail:  # (its region holds res_layer and writes the trail at the same bandwidth)
+                t_mem *= 1.0 + trail / res_layer
             t_cmp = flops_all / n_dev / (fl * share)
         else:
             kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
-            t_mem = (read / n_dev + cache_rd / kv_dev) / bw
+            t_mem = (read / n_dev + (cache_rd + trail) / kv_dev) / bw
             t_cmp = flops_all / n_dev / fl
         fixed = fixed_frac * prm.layer_latency_s
         if moe:

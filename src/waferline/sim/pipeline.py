@@ -82,8 +82,9 @@ def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
 
 
 def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_batch: int,
-          want_timings: bool = True) -> tuple[float, list[StageTiming], float]:
-    """(latency of one step through all stages incl. hops, per-stage timings, slowest stage time)."""
+          want_timings: bool = True, verify: bool = False) -> tuple[float, list[StageTiming], float]:
+    """(latency of one step through all stages incl. hops, per-stage timings, slowest stage time). ``verify``: a
+    speculative verify of ``tokens`` per sequence (the recurrent states it keeps: ``cost.stage_step``)."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     head_b, head_f = _lm_head(spec, plan.embed_bits)
     act = batch * tokens * spec.hidden_size * 2.0
@@ -113,7 +114,7 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
                 )
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
                             lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident,
-                            resident_batch=resident_batch)
+                            resident_batch=resident_batch, verify=verify)
             memo[key] = sc
         if plan.afd:
             hop = _hops_out(ctx, i, act)
@@ -411,7 +412,7 @@ def simulate(
         rated = _rate_method(ctx)
         a = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(a, k)
-        tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False)
+        tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False, verify=True)
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx, E)
         step = max(tv + tdraft, M * slowv)
         spec_rate = E / step
@@ -530,10 +531,11 @@ def _afd_hop(ctx: _Ctx, shares: tuple[tuple, tuple], nbytes: float) -> float:
 
 
 def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K: int, resident_batch: int,
-                     ffn_rows: list[int]) -> tuple[float, dict[str, Any]]:
+                     ffn_rows: list[int], verify: bool = False) -> tuple[float, dict[str, Any]]:
     """One step of K micro-batches of ``bm`` sequences x ``tokens`` per attention rank, the FFN side getting
     ``ffn_rows[k]`` sequences (over all attention ranks) in micro-batch k: the time (sum over layers of the ping-pong
-    bound) and the busy seconds per side / term (``ffn_stages``: per FFN stage index, its own)."""
+    bound) and the busy seconds per side / term (``ffn_stages``: per FFN stage index, its own). ``verify``: a
+    speculative verify of ``tokens`` per sequence (the recurrent states it keeps: ``cost.stage_step``)."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     att = [s for s in plan.stages if s.role == "attention"]
     ffn = [s for s in plan.stages if s.role == "ffn"]
@@ -573,7 +575,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
     step = 0.0
     for li, lc in enumerate(table):
         ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a,
-                        resident_batch=resident_batch)
+                        resident_batch=resident_batch, verify=verify)
         T_a = ta.total
         if lc.index in ffn_layers:
             # the FFN side over the K micro-batches (the slowest rank in each), and its largest micro-batch alone
@@ -633,7 +635,7 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
         rated = _rate_method(ctx)
         acc = sp.accept_rate if sp.accept_rate is not None else params.accept_rate.get(rated, 0.6)
         E = expected_tokens_per_step(acc, k)
-        tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b, rows)
+        tv, _ = _afd_layer_times(ctx, table, bm, k + 1, K, b, rows, verify=True)
         tdraft, what = _draft_time(ctx, sp.method, k, bm, table, dec_ctx, E)
         spec_info.update(num_tokens=k, accept_rate=acc, expected_tokens_per_step=E, verify_s=tv, draft_s=tdraft,
                          drafter=what, speedup=(E / (tv + K * tdraft)) / rate,
