@@ -144,3 +144,6 @@ def test_a_template_that_reads_content_parts_gets_them(sol):
     only_parts = "{% for m in messages %}{% for p in m.content %}{{ p.text }}|{% endfor %}{% endfor %}"
     assert render(tok, only_parts, _req(messages=msgs[1:])) == "Who is | there?|"
     assert render(tok, TEMPLATE, _req(messages=msgs[1:])) == "[user]Who is \n there?[/][assistant]"  # (lines)
+    # a loop over something made of the content (its lines) reads a string, not parts
+    lines = "{% for m in messages %}{% for l in m['content'].split('\n') %}{{ l }}|{% endfor %}{% endfor %}"
+    assert render(tok, lines, _req(messages=msgs[1:])) == "Who is | there?|"

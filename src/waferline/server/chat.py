@@ -19,8 +19,9 @@ FALLBACK_GENERATION_PROMPT = "<|assistant|>\n"
 # a template that names the "developer" role renders it; others get such a message as a "system" one
 _DEVELOPER = re.compile(r"""["']developer["']""")
 # a template that loops over a message's content ("{% for part in message['content'] %}", as Llama 4's and Gemma 3's
-# do) reads content parts; others take the content as a string (vLLM tells the two apart the same way)
-_PARTS_LOOP = re.compile(r"""\bfor\s+\w+\s+in\s+\w+\s*(?:\[\s*["']content["']\s*\]|\.\s*content\b)""")
+# do) reads content parts (the loop is over the content itself, not e.g. its .split()); others take the content as a
+# string
+_PARTS_LOOP = re.compile(r"""\bfor\s+\w+\s+in\s+\w+\s*(?:\[\s*["']content["']\s*\]|\.\s*content\b)\s*(?:-?%}|if\b)""")
 # what apply_chat_template takes from the server, not from chat_template_kwargs
 RESERVED = frozenset({"conversation", "messages", "tools", "chat_template", "tokenize", "return_dict",
                       "tokenizer_kwargs", "add_generation_prompt", "continue_final_message",
