@@ -392,8 +392,8 @@ NOT_TRANSFORMERS_DEFAULT = {("qwen3", "num_key_value_heads")}
 def test_a_config_without_a_field_parses_as_transformers_fills_it(mt):
     """Every field of the config.json transformers writes, left out: the spec is that of the config transformers reads
     from it (its default written in: the same layers, sizes and context), or a ConfigError naming what is missing
-    (sizes with no default that fits a real checkpoint). 16 query heads, so that a default count of key/value heads
-    is not all of them."""
+    as transformers spells it (sizes with no default that fits a real checkpoint). 16 query heads, so that a default
+    count of key/value heads is not all of them."""
     cls = transformers.AutoConfig.for_model(mt).__class__
     full = cls(**dict(configs()[mt], num_attention_heads=16)).to_dict()
 
@@ -408,7 +408,8 @@ def test_a_config_without_a_field_parses_as_transformers_fills_it(mt):
             continue
         try:
             want = spec(absent)
-        except ConfigError:
+        except ConfigError as e:  # (in every spelling the parser takes: transformers' among them)
+            assert repr(field) in str(e), (field, str(e))
             continue
         if (mt, field) not in NOT_TRANSFORMERS_DEFAULT:
             assert want == spec(filled), field

@@ -54,8 +54,16 @@ def _get(cfg: dict[str, Any], *names: str, default: Any = KeyError) -> Any:
         if n in cfg and cfg[n] is not None:
             return cfg[n]
     if default is KeyError:
-        raise KeyError(names[0])
+        raise KeyError(names)
     return default
+
+
+def _spellings(names: str | tuple[str, ...]) -> str:
+    """A field as errors name it: every spelling the parser accepts ("'a' (or 'b', 'c')"), so that a config written in
+    any of them is recognised."""
+    names = (names,) if isinstance(names, str) else names
+    rest = f" (or {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
+    return f"{names[0]!r}{rest}"
 
 
 def _float(v: Any) -> float:
@@ -89,8 +97,8 @@ def _require_expert_count(cfg: dict[str, Any], mt: str) -> None:
     names = (field, "num_local_experts") if mt == "qwen3_moe" else (field,)
     if all(cfg.get(n) is None for n in names):
         raise ConfigError(
-            f"config for model_type {mt!r} has no {field!r} (its number of routed experts; transformers' {cls} "
-            f"default is {default}): give it (0 for a model without experts)"
+            f"config for model_type {mt!r} has no {_spellings(names)}, its number of routed experts (transformers' "
+            f"{cls} default is {default}): give it (0 for a model without experts)"
         )
 
 
@@ -482,7 +490,7 @@ def _hybrid_kinds(cfg: dict[str, Any], n: int | None) -> list[str]:
         attn = set(cfg.get("attn_layer_indices") or [])
         kinds = ["attention" if i in attn else "mamba" for i in range(n)]
     if kinds is None:
-        raise KeyError("layers_block_type")
+        raise KeyError(("layers_block_type", "layer_types", "hybrid_override_pattern", "attn_layer_indices"))
     norm = {"mamba": "mamba", "linear_attention": "mamba", "attention": "attention", "full_attention": "attention",
             "mlp": "mlp", "moe": "moe"}
     try:
@@ -960,7 +968,7 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     try:
         spec = parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
-        raise ConfigError(f"config for model_type {mt!r} is missing the field {e.args[0]!r}") from None
+        raise ConfigError(f"config for model_type {mt!r} is missing the field {_spellings(e.args[0])}") from None
     except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
         raise ConfigError(f"config for model_type {mt!r} cannot be read: {e}") from None
     _check_accounting(spec, cfg, mt, defaulted)
