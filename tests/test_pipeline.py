@@ -374,7 +374,9 @@ def test_a_stage_killed_under_a_hand_set_env_launch_is_named(ckpts, when, hang):
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand, one process per rank, no torchrun agent: rank 0 cannot see
     another host's exit code, and a rank killed outright (SIGKILL) writes no status. Its heartbeat in the store stops:
     rank 0 names the stage (it said "a stage stopped answering" without its index, or took it for hung), while idle
-    within the hang timeout, and about a second after a link to it breaks mid-decode (the default hang timeout)."""
+    within the hang timeout, and about a second after a link to it breaks mid-decode (the default hang timeout). (A
+    stage it fed last before it died owes work and was named "hung" when its clock, started before the kill, ran out
+    first: about one run in five.)"""
     import socket
     import time
 

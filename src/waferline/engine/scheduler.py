@@ -109,7 +109,7 @@ class Scheduler:
                               f"{self.spec.max_position_embeddings}")
         self.max_model_len = mml
         if self.runner.num_slots < config.max_num_seqs:
-            raise ConfigError(f"{self.runner.num_slots} runner slots < max_num_seqs={config.max_num_seqs}")
+            raise ConfigError(f"the runner has {self.runner.num_slots} slots < max_num_seqs={config.max_num_seqs}")
         self.spec_dec: ServeSpeculation | None = speculation  # (given: the LLM's own, across its schedulers)
         if speculation is not None:
             speculation.bind(self.runner.num_slots)

@@ -186,8 +186,10 @@ class Supervision:
                     if n != last[r][0] or upstream <= n:  # progressed, or owes nothing: restart its clock
                         last[r] = (n, now)
                     elif now - last[r][1] > self.hang_timeout_s and fault is None:
-                        # (env://: one whose heartbeat stopped too was killed or stopped, not hung in a step)
-                        fault = (self._silent(ctl, beats, r, BEAT_LOST_S, now) if self._env else None) or (
+                        # (env://: where its heartbeat, or an upstream stage's, stopped too, that one was killed or
+                        # stopped: a stage it fed last before it died waits for more)
+                        silent = (self._silent(ctl, beats, q, BEAT_LOST_S, now) for q in range(1, r + 1))
+                        fault = (next((f for f in silent if f), None) if self._env else None) or (
                             f"stage {r} ({_layers(self.ranges[r])}) hung: it has work waiting and made no progress "
                             f"for {now - last[r][1]:.1f} s (hang timeout {self.hang_timeout_s:g} s)"
                         )
