@@ -691,3 +691,19 @@ def test_every_afd_attention_group_splits_the_heads_inside_a_node():
                     plan = place(model, hardware, afd=True, batch=batch, context=context, **kw)
                     for n in _afd_attention(plan):
                         assert heads % n == 0 and n <= per_node, (model, hardware, batch, context, kw, n)
+
+
+@pytest.mark.parametrize("hardware", ["wse-3", "h100-sxm"])
+def test_afd_layers_per_stage_is_taken(hardware):
+    """--afd --layers-per-stage K without --devices placed both pools as if K were not given (a wafer per layer
+    asked, 1 attention wafer and 9 FFN wafers placed); each side is now in stages of K layers."""
+    for k in (1, 8):
+        plan = place("deepseek-v3", hardware, afd=True, layers_per_stage=k, weight_bits=4)
+        for role in ("attention", "ffn"):
+            layers = [s.layers for s in plan.stages if s.role == role]
+            assert layers == [list(range(i, min(i + k, 61))) for i in range(0, 61, k)], (role, k)
+        assert plan.fits, plan.problems[:1]
+    plan = place("deepseek-v3", hardware, afd=True, layers_per_stage=8, devices=24, weight_bits=4)
+    assert [len(s.layers) for s in plan.stages] == [8] * 7 + [5] + [8] * 7 + [5] and plan.num_devices == 24
+    with pytest.raises(ConfigError, match="8 attention and 8 FFN stages: use --devices >= 16"):
+        place("deepseek-v3", hardware, afd=True, layers_per_stage=8, devices=10, weight_bits=4)

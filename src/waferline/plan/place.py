@@ -355,10 +355,11 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
 
     ``afd=True`` with ``attention_ranks`` / ``ffn_ranks``: the layout the AFD engine runs (data-parallel attention
     ranks, expert-sharded FFN ranks, each rank sized to fit); ``afd=True`` alone: attention and FFN device pools
-    with layers packed onto them (planner/simulator only). ``drafter``: the bytes speculative decoding's drafter adds
-    to the stage that holds the LM head, and what it is (sim.pipeline.drafter_memory). ``spec_tokens``: the drafts a
-    verify of ``speculative`` checks per step (SimParams.draft_tokens; default: as the default parameters count
-    them), for which each stage holding recurrent-state layers keeps the states a verify rolls back to."""
+    with layers packed onto them, or in stages of ``layers_per_stage`` layers on each side (planner/simulator only).
+    ``drafter``: the bytes speculative decoding's drafter adds to the stage that holds the LM head, and what it is
+    (sim.pipeline.drafter_memory). ``spec_tokens``: the drafts a verify of ``speculative`` checks per step
+    (SimParams.draft_tokens; default: as the default parameters count them), for which each stage holding
+    recurrent-state layers keeps the states a verify rolls back to."""
     spec, hw = _resolve(model, hardware)
     if (attention_ranks is not None or ffn_ranks is not None) and not afd:
         raise ConfigError("--attention-ranks / --ffn-ranks need --afd")
@@ -430,18 +431,35 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             if devices < 2:
                 raise ConfigError("--afd needs at least 2 devices (one attention, one FFN)")
             na = min(devices - 1, max(1, round(devices * ma / (ma + mf))))
-        if hw.placement == "tensor" and layers_per_stage is None:
+            if layers_per_stage is not None:  # (each side in stages of K layers: a device a stage at least)
+                n_st = math.ceil(len(att) / layers_per_stage), math.ceil(len(ffn) / layers_per_stage)
+                if devices < sum(n_st):
+                    raise ConfigError(f"--afd in stages of {layers_per_stage} layers takes {n_st[0]} attention and "
+                                      f"{n_st[1]} FFN stages: use --devices >= {sum(n_st)} or a larger "
+                                      "--layers-per-stage")
+                na = min(max(na, n_st[0]), devices - n_st[1])
+        if hw.placement == "tensor":
             # GPU-style pools: the attention side placed as a model is (tensor-parallel groups that split the heads
-            # evenly inside a node; pipeline stages over nodes where one group does not hold it) and one FFN stage
-            # (experts sharded over the pool; with --devices, the devices the attention side leaves)
+            # evenly inside a node; pipeline stages over nodes where one group does not hold it, or stages of
+            # --layers-per-stage layers) and the FFN side one stage (experts sharded over the pool; with --devices,
+            # the devices the attention side leaves), or stages of --layers-per-stage layers
             att_notes: list[str] = []
-            stages = _place_tensor(spec, hw, None if devices is None else na, None, weight_bits, kv_bits, context,
-                                   batch, group_size, act, emb, head, mk_stages, att_notes, drafts, role="attention")
+            stages = _place_tensor(spec, hw, None if devices is None else na, layers_per_stage, weight_bits, kv_bits,
+                                   context, batch, group_size, act, emb, head, mk_stages, att_notes, drafts,
+                                   role="attention")
             notes += [n for n in att_notes if "left idle" not in n]  # (the FFN stage takes them)
             n_att = stages[-1].device_ids[-1] + 1
-            gf = [(ffn, _devices_for(ffn, hw, act) if devices is None else devices - n_att)]
+            if layers_per_stage is None:
+                gf = [(ffn, _devices_for(ffn, hw, act) if devices is None else devices - n_att)]
+            elif devices is None:
+                gf = _chunks(ffn, layers_per_stage, hw, act)
+            else:
+                gf = _split_into(ffn, devices - n_att, hw, act, layers_per_stage)
         else:
-            if devices is None:
+            if devices is None and layers_per_stage is not None:
+                ga = _chunks(att, layers_per_stage, hw, act, emb, head)
+                gf = _chunks(ffn, layers_per_stage, hw, act)
+            elif devices is None:
                 ga = _greedy_pack(att, hw, act, emb, head)
                 gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
             else:
@@ -456,18 +474,14 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             + (f"; the attention side in {n_ast} pipeline stages of {stages[0].num_devices} device(s) (a "
                "tensor-parallel group splits the heads evenly inside a node; planner/simulator only: the engine runs "
                "attention ranks that each hold every layer)"
-               if hw.placement == "tensor" and layers_per_stage is None and n_ast > 1 else "")
+               if hw.placement == "tensor" and n_ast > 1 else "")
         )
     elif hw.placement == "pipeline":
         parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size, drafts)
         if devices is None and layers_per_stage is None:
             groups = _greedy_pack(parts, hw, act, emb, head)
         elif devices is None:
-            chunks = [parts[i:i + layers_per_stage] for i in range(0, len(parts), layers_per_stage)]
-            groups = []
-            for ci, c in enumerate(chunks):
-                extra = (emb if ci == 0 else 0.0) + (head if ci == len(chunks) - 1 else 0.0)
-                groups.append((c, _devices_for(c, hw, act, extra)))
+            groups = _chunks(parts, layers_per_stage, hw, act, emb, head)
         else:
             groups = _split_into(parts, devices, hw, act, layers_per_stage, emb, head)
             used = sum(n for _, n in groups)
@@ -537,6 +551,14 @@ def _model_ref(model: Any, spec: ModelSpec) -> str:
     if isinstance(model, (str, Path)) and not is_catalog_model(str(model)) and Path(model).exists():
         return str(Path(model).resolve())
     return spec.name
+
+
+def _chunks(parts: list[_Part], k: int, hw: HardwareSpec, act: float, first_extra: float = 0.0,
+            last_extra: float = 0.0) -> list[tuple[list[_Part], int]]:
+    """Stages of ``k`` consecutive parts, each on the fewest devices that hold it."""
+    chunks = [parts[i:i + k] for i in range(0, len(parts), k)]
+    return [(c, _devices_for(c, hw, act, (first_extra if ci == 0 else 0.0)
+                             + (last_extra if ci == len(chunks) - 1 else 0.0))) for ci, c in enumerate(chunks)]
 
 
 def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None,
