@@ -280,7 +280,20 @@ def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
         ref = [o.token_ids for o in llm.generate(prompts, sp)]
     with LLM(ck, speculative="mtp", stages=2, threads_per_stage=1) as llm:
         assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
-    assert _served_mtp(LLM(ck), prompts, sp) == ref
+    served = LLM(ck, group_size=64)  # (the head at the checkpoint's 32, not the option's group size: a pipeline's
+    assert _served_mtp(served, prompts, sp) == ref  # drafter takes the checkpoint's, and the two drafted apart)
+    assert {m.group_size for m in served.model.mtp.modules() if hasattr(m, "group_size")} == {32}
+
+
+def test_int4_group_size_is_read_from_every_int4_format():
+    from waferline.model.quant import int4_group_size
+
+    assert int4_group_size({"quantization_config": {"quant_method": "waferline", "bits": 4, "group_size": 64}}) == 64
+    assert int4_group_size({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 32}}) == 32
+    assert int4_group_size({"quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}) == 128
+    ct = {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"group_size": 256}}}}
+    assert int4_group_size({"text_config": {"quantization_config": ct}}) == 256
+    assert int4_group_size({}) == 128
 
 
 def test_a_served_int4_on_load_mtp_drafts_at_the_llms_group_size(tmp_path):

@@ -160,11 +160,11 @@ class LLM:
             if self.device.type != "cpu":  # before quantizing: int4 weights are packed for the device they sit on
                 move_model(self.model, self.device)
 
-            if weight_bits == 4 and not is_int4(self.model):  # a 16-bit checkpoint: RTN int4 on load
+            int4_ckpt = is_int4(self.model)
+            if weight_bits == 4 and not int4_ckpt:  # a 16-bit checkpoint: RTN int4 on load
                 quantize_model(self.model, QuantOptions(group_size=group_size))
-            # the MTP drafter in int4 as the target is (a checkpoint keeps it 16-bit), at this group size, drafting
-            # here or not: a server's scheduler that drafts with it (speculative="mtp") finds it so
-            int4_mtp(self.model, is_int4(self.model), group_size)
+            # a scheduler's MTP drafter in int4 at the target's group size (an int4 checkpoint's, as a pipeline's)
+            int4_mtp(self.model, is_int4(self.model), None if int4_ckpt else group_size)
             self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None

@@ -94,14 +94,16 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
         make_drafter(method, None, torch.float32)  # (an n-gram drafter needs no model; anything else is refused)
 
 
-def int4_mtp(model: Any, target_int4: bool, group_size: int = 128) -> None:
-    """An MTP drafter's head in int4 where its target's layers are (a checkpoint keeps the head 16-bit), in place:
-    each draft then runs its layer as one op. Every engine drafts so (``LLM``, the server, a pipeline's drafter): a
-    seeded sampled draft samples from the head's probabilities, so the same tokens need the same head weights."""
-    from waferline.model.quant import QuantOptions, is_int4, quantize_model
+def int4_mtp(model: Any, target_int4: bool, group_size: int | None = None) -> None:
+    """An MTP drafter's head in int4 where its target's layers are (a checkpoint keeps the head 16-bit), in place, at
+    ``group_size`` (None: the group size of the int4 checkpoint the model was loaded from): each draft then runs its
+    layer as one op. Every engine drafts so (``LLM``, the server, a pipeline's drafter): a seeded sampled draft
+    samples from the head's probabilities, so the same tokens need the same head weights."""
+    from waferline.model.quant import QuantOptions, int4_group_size, is_int4, quantize_model
 
     if target_int4 and len(model.mtp) and not is_int4(model.mtp):
-        quantize_model(model.mtp, QuantOptions(group_size=group_size))
+        group = group_size or int4_group_size(model.spec.hf_config)
+        quantize_model(model.mtp, QuantOptions(group_size=group))
 
 
 @dataclass

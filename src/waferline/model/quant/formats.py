@@ -176,6 +176,17 @@ def quant_method(cfg: dict[str, Any]) -> str | None:
     return m if m in FORMATS else None
 
 
+def int4_group_size(cfg: dict[str, Any], default: int = 128) -> int:
+    """The group size an int4 checkpoint's weights were quantized at (its ``quantization_config``), where it is one
+    the int4 kernels take; else ``default`` (a 16-bit checkpoint, per-channel GPTQ, no group size recorded)."""
+    from waferline.spec.model import INT4_GROUP_SIZES
+
+    qc = _qconfig(cfg) or {}
+    sizes = [qc.get("group_size")] + [((g or {}).get("weights") or {}).get("group_size")
+                                      for g in (qc.get("config_groups") or {}).values()]
+    return next((int(g) for g in sizes if isinstance(g, int) and g in INT4_GROUP_SIZES), default)
+
+
 def check_readable_quantization(cfg: dict[str, Any], where: object) -> None:
     """Raise a CheckpointError where ``cfg``'s ``quantization_config`` names a scheme this loader does not read
     (fp8, MXFP4, AWQ, bitsandbytes, ...): its weights are stored in tensors no module takes (said before a model of
