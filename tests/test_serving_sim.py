@@ -567,3 +567,39 @@ def test_cli_closed_loop(capsys):
     assert "from 4 clients in a closed loop" in " ".join(capsys.readouterr().out.split())  # (a wrapped title)
     assert main(base + ["--closed-loop", "--arrival-rate", "2"]) == 2
     assert "drop --arrival-rate" in capsys.readouterr().err
+
+
+def test_a_step_carries_no_more_tokens_than_its_budget_on_a_pipeline(monkeypatch):
+    """Prompts whose last chunk is still draining through the stages decode a few steps later: their tokens count
+    against the budget of the steps that take further chunks. Counted only once in the batch, 8 stages let the decode
+    batch grow to ~33 requests under a 16-token budget."""
+    plan = place("llama-3.1-70b", "h100-sxm", devices=8, layers_per_stage=10, context=600)
+    assert plan.num_stages == 8
+    most = {"decode": 0, "chunk": 0}
+    decode_step, chunk = _Pricer.decode_step, _Pricer.chunk
+
+    def spy_decode(self, b):
+        most["decode"] = max(most["decode"], b)
+        return decode_step(self, b)
+
+    def spy_chunk(self, n):
+        most["chunk"] = max(most["chunk"], n)
+        return chunk(self, n)
+
+    monkeypatch.setattr(_Pricer, "decode_step", spy_decode)
+    monkeypatch.setattr(_Pricer, "chunk", spy_chunk)
+    r = simulate_serving(plan, arrival_rate=1000.0, num_requests=200, prompt_len=4, output_len=500,
+                         max_num_batched_tokens=16)
+    assert most["decode"] <= 16 and most["chunk"] <= 16, most
+    assert r.mean_batch <= 16
+
+
+def test_cli_mean_batch_is_read_as_a_time_average(capsys):
+    """At a low rate every decode step carries a request, yet the mean over the run is 0.2: the caption said
+    "requests decoding per step on average"."""
+    from waferline.cli import main
+
+    assert main(["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--devices", "1", "--prompt-len", "1000",
+                 "--output-len", "100", "--arrival-rate", "0.5", "--num-requests", "50", "--no-intervals"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "0.2 requests decoding at once on average over the run" in out and "per step on average" not in out

@@ -687,8 +687,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             sv.add_row(label, *(fmt(getattr(serving, f"{m}_{q}_s"), siv.get(f"{m}_{q}_s"), f, scale)
                                 for q in ("mean", "p50", "p99")))
         sv.caption = (f"output {fmt(serving.output_tokens_per_s, siv.get('output_tokens_per_s'), ',.0f')} tokens/s "
-                      f"in all; {fmt(serving.mean_batch, siv.get('mean_batch'))} requests decoding per step on "
-                      "average")
+                      f"in all; {fmt(serving.mean_batch, siv.get('mean_batch'))} requests decoding at once on "
+                      "average over the run (idle time included)")
         con.print(sv)
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")

@@ -112,7 +112,7 @@ class ServingResult:
     itl_p99_s: float
     e2e_p50_s: float
     e2e_p99_s: float
-    mean_batch: float
+    mean_batch: float  # requests decoding at once, averaged over the run's duration (idle time included)
     # added with the event-driven loop; older readers ignore them
     prefill_mode: str = "chunked"  # chunked (mixed into decode steps) | stop-the-world (one prompt at a time)
     max_num_batched_tokens: int = 0  # token budget of one step (0 with stop-the-world prefill)
@@ -608,7 +608,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         elif not pd:  # chunked: admit, then fill what decoding leaves of the token budget with prompt chunks
             while waiting and len(heap) + len(prefilling) + len(ready) < cap:
                 prefilling.append([waiting.popleft(), float(P)])
-            room = budget - len(heap)
+            room = budget - len(heap) - len(ready)  # (ready: prompts still draining, about to decode a token a step)
             if prefilling and room > 0:
                 c, finished = _take_chunks(prefilling, room)
         b = len(heap)
