@@ -805,9 +805,34 @@ def test_calibrate_combine_makes_the_out_directory(tmp_path, capsys):
     from waferline.cli import main
 
     src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    d = yaml.safe_load(src.read_text())
+    d["host_engine"]["measured"]["date"] = "another day"  # (a second calibration: the same one twice is refused)
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(d))
     out = tmp_path / "new" / "dir" / "combined.yaml"
-    assert main(["calibrate", "--combine", str(src), str(src), "--out", str(out), "--json"]) == 0
+    assert main(["calibrate", "--combine", str(src), str(other), "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["written"] == str(out) and out.is_file()
+
+
+def test_calibrate_combine_refuses_the_same_calibration_twice(tmp_path, capsys):
+    """One calibration given twice (the same path, or a copy of it) would count twice in every median (A, B, A: A's
+    figures throughout, written as the median of 3): refused in one line, nothing written."""
+    from pathlib import Path
+
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    d = yaml.safe_load(src.read_text())
+    d["host_engine"]["measured"]["date"] = "another day"
+    other, copy = tmp_path / "other.yaml", tmp_path / "copy.yaml"
+    other.write_text(yaml.safe_dump(d))
+    copy.write_text(src.read_text())
+    out = tmp_path / "combined.yaml"
+    for files in ([src, src], [src, other, src], [src, copy]):
+        assert main(["calibrate", "--combine", *map(str, files), "--out", str(out)]) == 2, files
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "the same calibration" in err and err.count("\n") == 1, err
+        assert not out.exists()
 
 
 def test_calibrate_combine_that_does_not_load_leaves_the_out_file(tmp_path, capsys):
@@ -822,7 +847,7 @@ def test_calibrate_combine_that_does_not_load_leaves_the_out_file(tmp_path, caps
     out = tmp_path / "host.yaml"
     out.write_text(src.read_text())
     for name in ("a.yaml", "b.yaml"):
-        (tmp_path / name).write_text("name: x\nhost_engine:\n  measured: {host: h}\n")
+        (tmp_path / name).write_text(f"name: x\nhost_engine:\n  measured: {{host: h, date: {name}}}\n")
     assert main(["calibrate", "--combine", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "engine" in err and len(err.strip().splitlines()) == 1
@@ -1199,3 +1224,26 @@ def test_twin_says_when_its_calibration_was_measured_on_another_machine(tiny_ckp
             assert note and "another machine" in note and str(hw) in note, (cores, cap)
         else:
             assert note is None
+
+
+def test_report_table_shows_the_micro_batches_the_plan_ran():
+    """A Plan asking for more micro-batches than it has sequences runs one per sequence (S2-M4 at batch 2: 2, as the
+    simulator and the engine split it): the HTML report's table says the same M as the twin's own table."""
+    import copy
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from waferline.report.twin_section import table_rows
+    from waferline.sim.twin import render
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_sol-mini.json"
+    res = copy.deepcopy(json.loads(src.read_text()))
+    i, row = next((i, r) for i, r in enumerate(res["rows"]) if r.get("status") == "ok" and r["point"]["stages"] == 2)
+    row["point"]["micro_batches"], row["point"]["batch"], row["sim"]["micro_batches"] = 4, 2, 2
+    res["rows"] = [row]
+    con = Console(record=True, width=400)
+    render(res, con)
+    shown = next(line for line in con.export_text().splitlines() if row["plan"] in line)
+    assert [c.strip() for c in shown.split("│")][3] == "2"  # the twin's table: plan, stages, M
+    assert table_rows(res)[1][2] == 2

@@ -221,7 +221,7 @@ def table_rows(result: dict[str, Any]) -> list[list[Any]]:
             [
                 r["plan"],
                 "afd" if pt["afd"] else pt["stages"],
-                pt["micro_batches"],
+                r.get("sim", {}).get("micro_batches", pt["micro_batches"]),  # (as run: at most one per sequence)
                 pt["batch"],
                 f(m.get("tokens_per_s_per_user")),
                 f(p.get("tokens_per_s_per_user")),

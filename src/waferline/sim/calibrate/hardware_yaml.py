@@ -581,6 +581,9 @@ def combine_host_yamls(paths: list[str | Path]) -> dict[str, Any]:
             raise ConfigError(f"{p}: cannot read ({e})") from None
         if not isinstance(d, dict) or not isinstance(d.get("host_engine"), dict):
             raise ConfigError(f"{p}: no host_engine section (not written by `waferline calibrate`)")
+        same = next((q for q, e in zip(paths, docs) if e == d), None)
+        if same is not None:  # (the same calibration twice would count as two in every median)
+            raise ConfigError(f"--combine: {same} and {p} are the same calibration: give each calibration once")
         docs.append(d)
     hosts = {str(d["host_engine"].get("measured", {}).get("host")) for d in docs}
     if len(hosts) > 1:
