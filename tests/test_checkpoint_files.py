@@ -70,6 +70,19 @@ def test_a_malformed_shard_index_is_a_checkpoint_error(llama, tmp_path, text):
         LLM(d)
 
 
+def test_a_weight_past_float16s_range_is_an_error_when_loaded_as_float16(llama, tmp_path):
+    """A 16-bit checkpoint value past float16's range (bf16 holds it) loaded with dtype float16 became inf, without a
+    word: the model produced NaN log-probs and greedy decoding token 0 at every step."""
+    tensors = load_file(str(llama / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.weight"][0, 0] = 1e5
+    d = shutil.copytree(llama, tmp_path / "big")
+    save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"layers\.0\.ffn\.w_down has values past float16's range"):
+        LLM(d, dtype="float16")
+    assert torch.isfinite(LLM(d, dtype="bfloat16").prompt_logprobs(IDS)).all()
+    assert torch.isfinite(LLM(llama, dtype="float16").prompt_logprobs(IDS)).all()
+
+
 def test_a_pipeline_stage_refuses_tensors_the_config_does_not_account_for(llama, tmp_path):
     """A config.json with fewer layers than the checkpoint holds: refused in a pipeline as in one process (the
     stages ran the first layers alone, without a word)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -633,6 +634,40 @@ def test_an_int4_file_names_the_weights_its_layout_cannot_hold(tmp_path, capsys)
     _print_summary(s)
     assert "4 matmuls the int4 file cannot hold" in capsys.readouterr().out
     assert len(_int4_weights(load_model(tmp_path / "q4"))) == 2 * 4  # the attention projections
+
+
+def test_an_fp16_checkpoint_written_int4_keeps_its_fp16_tensors_and_loads_as_quantized_on_load(tmp_path, llama_dir):
+    """The 16-bit tensors of an fp16 checkpoint (embeddings, head, norms) were rounded to bf16 in
+    the int4 file: it loaded as another model than the one quantized on load (log-probs ~0.02 apart)."""
+    from waferline import LLM
+
+    src = shutil.copytree(llama_dir, tmp_path / "fp16")
+    f = str(src / "model.safetensors")
+    save_file({k: v.to(torch.float16) for k, v in load_file(f).items()}, f, metadata={"format": "pt"})
+    quantize_checkpoint(src, tmp_path / "q4", QuantOptions(group_size=32))
+    tensors = load_file(str(tmp_path / "q4" / "model.safetensors"))
+    assert {tensors[k].dtype for k in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight")} == {
+        torch.float16}
+    ids = [1, 17, 42, 99, 5, 64, 3, 77, 12, 8, 120, 33]
+    for dtype in ("float32", "float16"):
+        assert torch.equal(LLM(tmp_path / "q4", dtype=dtype).prompt_logprobs(ids),
+                           LLM(src, dtype=dtype, weight_bits=4, group_size=32).prompt_logprobs(ids)), dtype
+
+
+@pytest.mark.parametrize("bad", ["transposed", "three groups", "integer"])
+def test_int4_scales_of_another_layout_are_a_checkpoint_error(tmp_path, llama_dir, bad):
+    """Scales that do not fit their codes ([K/G, N] as GPTQ lays them out, a group that does not divide K, integer
+    scales) raised a RuntimeError from a reshape deep in the load, or loaded as zeros."""
+    out = tmp_path / "q4"
+    quantize_checkpoint(llama_dir, out, QuantOptions(group_size=32))
+    f = str(out / "model.safetensors")
+    t = load_file(f)
+    name = "model.layers.0.mlp.up_proj.scales"
+    t[name] = {"transposed": t[name].t(), "three groups": torch.cat([t[name]] * 2, -1)[:, :3],
+               "integer": t[name].to(torch.int32)}[bad].contiguous()
+    save_file(t, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"up_proj\.weight' has scales of shape .* need float scales"):
+        load_model(out)
 
 
 def test_quantize_model_keeps_requested_modules_16bit(llama_dir):

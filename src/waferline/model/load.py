@@ -169,8 +169,20 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
             f"{directory}: checkpoint has tensors the {spec.model_type} config does not account for: "
             f"{', '.join(extra[:10])}{more}; is config.json from the same model?"
         )
+    if dtype == torch.float16:
+        _check_fp16_range(model, directory)
     model.eval()
     return model
+
+
+def _check_fp16_range(model: DecoderModel, directory: Path) -> None:
+    """Raise a CheckpointError where a weight loaded as float16 became inf: a bf16 or fp32 checkpoint value past
+    float16's range (65504) overflows when it is cast, and the model would produce NaN (``check_finite`` sees the
+    checkpoint's own values, which are finite)."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.dtype == torch.float16 and t.numel() and not _finite(t):
+            raise CheckpointError(f"{directory}: weight {name} has values past float16's range (+-65504) in the "
+                                  "checkpoint, which load as inf; load it with dtype bfloat16 or float32")
 
 
 def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:

@@ -229,4 +229,12 @@ class Int4Source(WeightSource):
             raise CheckpointError(
                 f"int4 tensor {name!r} decodes to shape {list(t.shape)} but is declared {list(e.stored_shape)}"
             )
+        # scales (and zeros): one per group of the codes' rows, [..., N, K/G] (a file of another layout, or corrupt)
+        *lead, N, K = t.shape
+        for what, v in (("scales", t.scales), ("zeros", t.zeros)):
+            if v is not None and (not v.is_floating_point() or v.dim() != t.codes.dim() or list(v.shape[:-1]) !=
+                                  [*lead, N] or not v.shape[-1] or K % v.shape[-1] or v.shape != t.scales.shape):
+                raise CheckpointError(f"int4 tensor {name!r} has {what} of shape {list(v.shape)} and dtype "
+                                      f"{str(v.dtype).removeprefix('torch.')}; its codes {[*lead, N, K]} need float "
+                                      f"{what} [..., {N}, K/group] with the group dividing {K}")
         return t

@@ -283,8 +283,9 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             int4_bytes += t.nbytes()
             n_q += 1
         else:
-            v = raw.get(name)
-            tensors[name] = (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
+            v = raw.get(name)  # (a 16-bit tensor keeps its dtype: an fp16 checkpoint's norms are not rounded to bf16)
+            wide = v.is_floating_point() and v.dtype not in (torch.bfloat16, torch.float16)
+            tensors[name] = (v.to(torch.bfloat16) if wide else v).contiguous()
     if n_q == 0:
         raise ConfigError(f"no weight was quantized: group size {opts.group_size} fits none of {spec.name}'s matmul "
                           "widths, or --keep kept them all; nothing written")
