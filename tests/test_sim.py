@@ -342,3 +342,47 @@ def test_a_verify_writes_the_recurrent_state_after_each_of_its_tokens(model):
         assert r.speculative["verify_s"] > plain_v
     else:
         assert r.speculative["verify_s"] == plain_v
+
+
+def test_a_prefill_computes_the_lm_head_at_the_prompts_last_position_only():
+    """The engine (runner: the head at each row's last token), vLLM and SGLang compute a prompt's logits at its last
+    position only: a 512-token prefill pays 512 x the layers' FLOPs and one position's LM head, not 512 of them.
+    By hand on a compute-bound device (bandwidth and latencies out of the way)."""
+    from waferline.spec.hardware import hardware_from_dict
+
+    hw = hardware_from_dict({"name": "compute-bound", "kind": "gpu", "device": {
+        "memory_bytes": 1e12, "memory_bandwidth": 1e18, "flops": {"bf16": 1e12}}})
+    params = SimParams(classes={"gpu": ClassParams(bw_eff=1.0, flops_eff=1.0, layer_latency_s=1e-7,
+                                                   moe_latency_s=1e-8)})
+    spec = load_model("qwen3-0.6b")  # (a 151,936-token head: 28% of the layers' FLOPs per token)
+    plan = place(spec, hw, devices=1, context=1024)
+    P = 512
+    r = simulate(plan, prompt_len=P, output_len=2, params=params, spec=spec, hardware=hw)
+    layers = sum(lay.flops_per_token(P // 2) for lay in spec.layers)
+    fixed = (spec.num_layers + 0.5) * 1e-7
+    assert r.prefill_s == pytest.approx((P * layers + spec.lm_head_flops_per_token()) / 1e12 + fixed, rel=1e-3)
+
+
+def test_an_afd_verify_computes_the_lm_head_at_each_verified_position(monkeypatch):
+    """A verify of k + 1 tokens computes the LM head at each of them (the pipeline model charges a plain plan so); the
+    AFD ranks' step charged the head at one position per sequence whatever the tokens. By hand: a head of F FLOPs a
+    position adds K micro-batches x bm sequences x (k + 1) positions x F / (devices x peak x flops_eff)."""
+    import waferline.sim.pipeline as pl
+
+    plan = place("qwen3-30b-a3b", "h100-sxm", afd=True, attention_ranks=1, ffn_ranks=1, batch=64, context=2048,
+                 speculative=SpeculativeConfig("eagle", 3, 0.8))
+    hw = load_hardware("h100-sxm")
+    params = load_params()
+    prm = params.for_hardware(hw)
+    F = 1e13  # (large enough that the head's compute, not its one byte, sets its time)
+
+    def verify(flops: float) -> float:
+        monkeypatch.setattr(pl, "_lm_head", lambda spec, bits: (1.0, flops))
+        r = simulate(plan, prompt_len=500, output_len=100, concurrency=64, params=params)
+        return r.speculative["verify_s"], r.micro_batches
+
+    (with_head, K), (without, _) = verify(F), verify(1.0)
+    att = plan.stages[0]
+    bm = 64 // K
+    fl = hw.peak_flops(16) * prm.flops_eff
+    assert with_head - without == pytest.approx(K * bm * 4 * F / (att.num_devices * fl), rel=1e-6)

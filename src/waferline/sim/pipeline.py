@@ -82,11 +82,16 @@ def _stage_keys(ctx: _Ctx, table: list[LayerCost]) -> list[tuple]:
 
 
 def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_batch: int,
-          want_timings: bool = True, verify: bool = False) -> tuple[float, list[StageTiming], float]:
+          want_timings: bool = True, verify: bool = False,
+          head_tokens: int | None = None) -> tuple[float, list[StageTiming], float]:
     """(latency of one step through all stages incl. hops, per-stage timings, slowest stage time). ``verify``: a
-    speculative verify of ``tokens`` per sequence (the recurrent states it keeps: ``cost.stage_step``)."""
+    speculative verify of ``tokens`` per sequence (the recurrent states it keeps: ``cost.stage_step``).
+    ``head_tokens``: positions per sequence the LM head runs over (None: all ``tokens``, as in a decode or verify
+    step; a prefill chunk's 1: its last position only, as the engine, vLLM and SGLang compute a prompt's logits)."""
     plan, spec, hw, prm = ctx.plan, ctx.spec, ctx.hw, ctx.prm
     head_b, head_f = _lm_head(spec, plan.embed_bits)
+    if head_tokens is not None:
+        head_f *= head_tokens / tokens
     act = batch * tokens * spec.hidden_size * 2.0
     timings: list[StageTiming] = []
     total = 0.0
@@ -431,7 +436,7 @@ def simulate(
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
 
     def chunk(n: int) -> tuple[float, float]:
-        tp, _, slowp = _step(ctx, ptable, 1, n, B, want_timings=False)
+        tp, _, slowp = _step(ctx, ptable, 1, n, B, want_timings=False, head_tokens=1)
         return tp, slowp
 
     ttft = params.ttft_overhead_s + pipelined_prefill(P, min(P, PREFILL_CHUNK), chunk)
@@ -604,9 +609,9 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
         tot["att_compute"] += K * ta.compute
         tot["att_memory"] += K * ta.memory
         tot["att_fixed"] += K * (ta.fixed + ta.comm)
-    head_b, head_f = _lm_head(spec, plan.embed_bits)
-    th = stage_step([], "attention", a.num_devices, hw, prm, D, bm, 1, wb, lm_head_bytes=head_b, lm_head_flops=head_f,
-                    spatial_resident=res_a).total
+    head_b, head_f = _lm_head(spec, plan.embed_bits)  # (a verify's head at each of its positions, else the last's)
+    th = stage_step([], "attention", a.num_devices, hw, prm, D, bm, 1, wb, lm_head_bytes=head_b,
+                    lm_head_flops=head_f * (tokens if verify else 1), spatial_resident=res_a).total
     step += K * th
     tot["attention"] += K * th
     for (stage_ids, _, _, _), pr in zip(ranks, per_rank):

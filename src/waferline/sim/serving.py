@@ -284,7 +284,8 @@ class _Pricer:
         self._chunk: dict[int, tuple[float, float]] = {}
 
     def _price(self, table: list[LayerCost], batch: int, tokens: int, resident: int) -> tuple[float, float]:
-        """(latency of one step through every stage and hop, time the slowest stage is busy with it)."""
+        """(latency of one step through every stage and hop, time the slowest stage is busy with it); the LM head at
+        one position per sequence (a chunk's last, as the pipeline model prices prefill)."""
         from waferline.sim.pipeline import _afd_ffn_rows, _afd_layer_times, _step
 
         if self.afd:
@@ -294,7 +295,7 @@ class _Pricer:
             t = _afd_layer_times(self.ctx, table, math.ceil(b / K), tokens, K, max(resident, b),
                                  _afd_ffn_rows(batch, M, K))[0]
             return t, t
-        total, _, slowest = _step(self.ctx, table, batch, tokens, resident, want_timings=False)
+        total, _, slowest = _step(self.ctx, table, batch, tokens, resident, want_timings=False, head_tokens=1)
         return total, min(total, slowest)
 
     def decode_step(self, b: int) -> float:
