@@ -277,6 +277,8 @@ def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, m
     ({"hidden_size": "big"}, "hidden_size must be an integer >= 1"),
     ({"hidden_size": -4096}, "hidden_size must be an integer >= 1"),
     ({"num_hidden_layers": None}, "num_hidden_layers must be an integer >= 1, got null"),
+    ({"model_type": ["llama"]}, r"model_type must be a string such as 'llama', got \['llama'\]"),
+    ({"model_type": {}}, "model_type must be a string such as 'llama', got {}"),
 ])
 def test_a_config_that_describes_no_model_is_refused(change, message):
     base = {"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -463,6 +465,20 @@ def test_hardware_without_rows_of_its_own_is_said_to_be_extrapolated(capsys, tmp
     assert rc == 0 and "note: jalapeno is extrapolated" in " ".join(out.split())
     rc, out = _run(capsys, ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--no-intervals", "--json"])
     assert rc == 0 and json.loads(out)["notes"] == []  # (a device with rows in the fit)
+
+
+def test_a_hardware_file_is_titled_by_the_name_it_gives_whatever_its_suffix(capsys, tmp_path):
+    """plan and simulate print a user's hardware file's name beside the device's (docs/planner.md); a file whose name
+    does not end in .yaml was titled by its path alone."""
+    text = ("name: jalapeno\nkind: asic\ndevice: {memory_bytes: 2.0e+11, memory_bandwidth: 1.0e+13, flops: "
+            "{bf16: 2.0e+15}}\nsystem: {devices_per_node: 8}\nlinks: {scale_up: nvlink4, scale_out: ib-400g}\n")
+    for name in ("my_asic.yaml", "my_asic.hw", "my_asic"):
+        (tmp_path / name).write_text(text)
+        for argv in (["plan"], ["simulate", "--no-intervals"]):
+            rc, out = _run(capsys, [*argv, "llama-3.1-8b", "-H", str(tmp_path / name)])
+            assert rc == 0 and f"jalapeno ({name})" in out and str(tmp_path) not in out.split("\n")[0]
+    rc, out = _run(capsys, ["plan", "llama-3.1-8b", "-H", "h100-sxm"])
+    assert rc == 0 and "llama-3.1-8b on h100-sxm:" in out
 
 
 def test_a_plan_is_not_simulated_on_another_file_of_the_same_name(capsys, tmp_path):

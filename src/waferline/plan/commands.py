@@ -43,14 +43,16 @@ def _esc(text: Any) -> str:
 
 
 def _hw_label(ref: str) -> str:
-    """A hardware reference as a title shows it: a catalog id as it is, a YAML file by the name it gives."""
+    """A hardware reference as a title shows it: a catalog id as it is, a YAML file (whatever its name ends with) by
+    the name it gives."""
     from pathlib import Path
 
-    if not str(ref).endswith((".yaml", ".yml")):
-        return _esc(ref)
-    from waferline.spec.catalog import load_hardware
+    from waferline.spec.catalog import HARDWARE_DIR, load_hardware
 
-    return _esc(f"{load_hardware(ref).name} ({Path(ref).name})")
+    hw = load_hardware(ref)
+    if Path(hw.path) == HARDWARE_DIR / f"{ref}.yaml":  # (a catalog id)
+        return _esc(ref)
+    return _esc(f"{hw.name} ({Path(ref).name})")
 
 
 def _same_numbers(a: Any, b: Any) -> bool:

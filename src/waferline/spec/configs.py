@@ -942,6 +942,8 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     mt = cfg.get("model_type")
     if mt is None:
         raise ConfigError("config has no 'model_type'; is this a Hugging Face config.json?")
+    if not isinstance(mt, str):  # (a list or an object: no model_type to look up)
+        raise ConfigError(f"config model_type must be a string such as 'llama', got {mt!r}"[:200])
     mt = MODEL_TYPE_ALIASES.get(mt, mt)
     parser = _PARSERS.get(mt)
     if parser is None:
