@@ -142,6 +142,17 @@ def test_gbnf_grammars_are_read(tok):
         assert stopped and re.fullmatch(r"wafer [0-9]{1,2}", text), text
 
 
+def test_a_lark_grammar_that_writes_the_gbnf_rule_sign_stays_lark(tok):
+    """A Lark grammar with "::=" in a string, a regular expression or a comment is Lark (it was taken for GBNF and
+    refused: "neither Lark nor a GBNF grammar"); GBNF with strings, character classes and comments is still read."""
+    for grammar, want in (('start: "x ::= " /[a-z]/', r"x ::= [a-z]"), ('start: /[a-z]::=[0-9]/', r"[a-z]::=[0-9]"),
+                          ('// from root ::= "ok"\nstart: "ok"', "ok"),
+                          ('# a "quoted" comment / with ::=\nroot ::= ["] "a/b" [#]', '"a/b#')):
+        c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(grammar=grammar))
+        text, stopped = _walk(c, tok, random.Random(2), 20, prefer_stop=1.0)
+        assert stopped and re.fullmatch(want, text), (grammar, text)
+
+
 def test_stop_token_ids_wait_for_a_whole_text_and_ids_past_the_tokenizer_are_masked(tok):
     stop = tok.encode("x", add_special_tokens=False)[0]
     c = structured.constraint(tok, len(tok) + 64, frozenset({tok.eos_token_id, stop}), SamplingParams(regex="Na"))

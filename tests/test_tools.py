@@ -122,6 +122,35 @@ def test_required_calls_keep_each_tools_definitions():
         jsonschema.validate([{"name": "a", "parameters": {"x": "8et"}}], collide)
 
 
+def test_required_calls_keep_anchors_and_resources_of_their_own():
+    """A tool's reference to an anchor ("#Loc") or within a part with an "$id" of its own (a resource, as the tool's
+    whole schema may be) points into that part wherever it sits: under "required" they are left as they are (they were
+    re-rooted as pointers, "#/$defs/whereLoc", and the request refused: "Pointer ... does not exist")."""
+    import jsonschema
+
+    from waferline.engine.sampling import SamplingParams
+    from waferline.engine.structured import grammar_of
+
+    anchored = {"$defs": {"Loc": {"$anchor": "Loc", "type": "integer"}}, "type": "object",
+                "properties": {"at": {"$ref": "#Loc"}}, "required": ["at"], "additionalProperties": False}
+    resource = {"$id": "https://example.com/count.json", "$defs": {"N": {"type": "string"}}, "type": "object",
+                "properties": {"n": {"$ref": "#/$defs/N"}}, "required": ["n"], "additionalProperties": False}
+    inner = {"type": "object", "properties": {"m": {"$id": "https://example.com/m.json", "$defs": {"M": {"const": 1}},
+                                                    "$ref": "#/$defs/M"}, "k": {"$ref": "#/properties/m"}}}
+    schema = ToolPlan("required", {"where": anchored, "count": resource, "inner": inner}).structured()["json_schema"]
+    assert schema["$defs"]["where"]["properties"]["at"] == {"$ref": "#Loc"}
+    assert schema["$defs"]["count"] == resource
+    assert schema["$defs"]["inner"]["properties"] == {"m": inner["properties"]["m"],
+                                                      "k": {"$ref": "#/$defs/inner/properties/m"}}
+    assert grammar_of(SamplingParams(json_schema=schema))
+    jsonschema.validate([{"name": "where", "parameters": {"at": 3}}, {"name": "count", "parameters": {"n": "x"}},
+                         {"name": "inner", "parameters": {"m": 1, "k": 1}}], schema)
+    for bad in ({"name": "where", "parameters": {"at": "3"}}, {"name": "count", "parameters": {"n": 3}},
+                {"name": "inner", "parameters": {"k": 2}}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([bad], schema)
+
+
 def test_call_arguments_keep_the_numbers_as_written():
     """A call's arguments go back out as the model wrote its numbers: 1e999 stays 1e999 (it came back as Infinity,
     which is not JSON) and no digit of 0.1000000000000000000001 is lost."""

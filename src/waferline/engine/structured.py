@@ -100,8 +100,9 @@ def _grammar_text(kind: str, value: str) -> str:
     if kind == "choice":  # (one regular expression: a lexer, not a parser, so thousands of choices cost no more)
         return LLMatcher.grammar_from_regex("(" + "|".join(_literal(c) for c in json.loads(value)) + ")")
     try:  # (GBNF, llama.cpp's grammar format, its rules written "::=", is translated to Lark; Lark is kept as it is,
-        # whatever its start rule's modifier: "?start:" and "!start:" are Lark too)
-        text = gbnf_to_lark(value) if "::=" in value else value
+        # whatever its start rule's modifier: "?start:" and "!start:" are Lark too, and a "::=" in its strings,
+        # regular expressions or comments is their text)
+        text = gbnf_to_lark(value) if "::=" in _LARK_NAMES.sub("", value) else value
     except Exception as e:
         raise RequestError(f"grammar cannot be used: neither Lark nor a GBNF grammar llguidance reads "
                            f"({str(e)[:300]})") from None

@@ -102,10 +102,14 @@ def _object(name: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rooted(node: Any, root: str) -> Any:
-    """``node`` (a tool's parameters schema) with its local "$ref" values ("#", "#/...") re-rooted at ``root``."""
+    """``node`` (a tool's parameters schema) with its local "$ref" values ("#", "#/...") re-rooted at ``root``. An
+    anchor's ("#name") is left as it is, and so is a part with an "$id" of its own (a resource, the tool's whole
+    schema too): its local references are to itself wherever it sits."""
     if isinstance(node, dict):
-        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, root)
-                for k, v in node.items()}
+        if isinstance(node.get("$id"), str) and not node["$id"].startswith("#"):
+            return node
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
+                else _rooted(v, root) for k, v in node.items()}
     if isinstance(node, list):
         return [_rooted(v, root) for v in node]
     return node
