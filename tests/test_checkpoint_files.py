@@ -43,6 +43,50 @@ def test_tied_word_embeddings_match_the_reference(model_type, tmp_path):
     assert (LLM(tmp_path).prompt_logprobs(IDS) - _reference_logprobs(ref)).abs().max().item() < 1e-4
 
 
+def _held_bytes(model) -> int:
+    """Bytes of a model's parameters and buffers, a tensor two modules share counted once."""
+    at: dict[int, int] = {}
+    for _, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        at[t.data_ptr()] = max(at.get(t.data_ptr(), 0), t.nbytes)
+    return sum(at.values())
+
+
+def test_a_tied_head_is_the_embedding_table_held_once(tmp_path):
+    """A tied model's LM head beside its embedding is the embedding's table (it was a copy of it: Qwen3-0.6B held
+    ~620 MB more at fp32), through a move and the huge-page arena; a checkpoint that also stores the head ties it
+    where it holds the same values and keeps it where it holds its own, as transformers loads them."""
+    from waferline.model.arena import huge_pages_possible, move_to_huge_pages
+    from waferline.model.quant import move_model
+
+    ref = build("qwen3", tmp_path / "tied", tie_word_embeddings=True)
+    want = _reference_logprobs(ref)
+    llm = LLM(tmp_path / "tied")
+    m = llm.model
+    table = m.embed.weight.nbytes
+    assert m.lm_head is m.embed.weight
+    assert sum(p.numel() for p in m.parameters()) == llm.spec.params_total()  # (the accounting's: the table once)
+    assert (llm.prompt_logprobs(IDS) - want).abs().max().item() < 1e-4
+    held = _held_bytes(m)
+    if huge_pages_possible():
+        assert move_to_huge_pages(m, min_bytes=1).nbytes < held + 64 * 200  # (one table; 64-byte aligned tensors)
+        assert m.lm_head is m.embed.weight and _held_bytes(m) == held
+        assert (llm.prompt_logprobs(IDS) - want).abs().max().item() < 1e-4
+    other = load_model(tmp_path / "tied")
+    move_model(other, "meta")  # (.to() makes one parameter per module where it cannot move it in place)
+    assert other.lm_head is other.embed.weight
+    tensors = load_file(str(tmp_path / "tied" / "model.safetensors"))
+    for name, head in (("same", tensors["model.embed_tokens.weight"].clone()),
+                       ("own", torch.randn(tensors["model.embed_tokens.weight"].shape))):
+        d = shutil.copytree(tmp_path / "tied", tmp_path / name)
+        save_file(dict(tensors, **{"lm_head.weight": head}), str(d / "model.safetensors"), metadata={"format": "pt"})
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager", dtype=torch.float32)
+        assert (hf.lm_head.weight is hf.model.embed_tokens.weight) == (name == "same")
+        llm = LLM(d)
+        assert (llm.model.lm_head is llm.model.embed.weight) == (name == "same")
+        assert _held_bytes(llm.model) == held + (table if name == "own" else 0)
+        assert (llm.prompt_logprobs(IDS) - _reference_logprobs(hf.eval())).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("model_type,dtype", [("deepseek_v3", torch.bfloat16), ("nemotron_h", torch.float16)])
 def test_16bit_files_load_as_transformers_reads_them(model_type, dtype, tmp_path):
     build(model_type, tmp_path / "fp32").to(dtype).save_pretrained(tmp_path / "half", max_shard_size="40KB")

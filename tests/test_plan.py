@@ -575,11 +575,13 @@ def test_plan_out_makes_its_directory(tmp_path, capsys, cmd):
 
 
 def test_devices_at_or_above_the_fewest_that_fit_fit_on_a_pipeline():
-    """qwen3-0.6b on Groq LPUs, 4-bit: the fewest that fit are 6 (the embedding stage takes 2); --devices 6 (or 7, or
-    12) once gave each of 6 (7, 12) stages one device, the embedding's stage over its capacity."""
+    """qwen3-0.6b on Groq LPUs, 4-bit: the fewest that fit are 8 (the embedding's stage takes 2, and the LM head's,
+    its tied copy of the table, 2); --devices 6 (or 7, or 12) once gave each of 6 (7, 12) stages one device, the
+    embedding's stage over its capacity."""
     fewest = place("qwen3-0.6b", "groq-lpu-v1", weight_bits=4)
-    assert fewest.fits and fewest.num_devices == 6
-    for n in (6, 7, 12, 28, 29):
+    assert fewest.fits and fewest.num_devices == 8
+    assert [s.num_devices for s in fewest.stages] == [2, 1, 1, 1, 1, 2]
+    for n in (8, 9, 12, 28, 29):
         plan = place("qwen3-0.6b", "groq-lpu-v1", weight_bits=4, devices=n)
         assert plan.fits and plan.num_devices <= n, (n, plan.problems)
         assert [i for s in plan.stages for i in s.layers] == list(range(28))
@@ -707,3 +709,58 @@ def test_afd_layers_per_stage_is_taken(hardware):
     assert [len(s.layers) for s in plan.stages] == [8] * 7 + [5] + [8] * 7 + [5] and plan.num_devices == 24
     with pytest.raises(ConfigError, match="8 attention and 8 FFN stages: use --devices >= 16"):
         place("deepseek-v3", hardware, afd=True, layers_per_stage=8, devices=10, weight_bits=4)
+
+
+def _layers_weights(spec, layers, bits=16):
+    return sum(spec.layers[i].weight_bytes(bits, 128) for i in layers)
+
+
+def test_a_tied_models_last_stage_holds_its_copy_of_the_embedding_table():
+    """A tied model's (tie_word_embeddings) LM head is its embedding table: the engine's last pipeline stage, which
+    holds no embedding, holds a copy of it, which the plan counted as 0 bytes (llama-3.2-1b in 2 stages of 8 layers:
+    its last stage ~525 MB short); a stage holding both ends holds it once."""
+    spec = load_model("llama-3.2-1b")
+    assert spec.tie_word_embeddings and spec.lm_head_params() == 0
+    table, head = spec.embed_bytes(16), spec.lm_head_bytes(16)
+    plan = place(spec, "h100-sxm", devices=2, layers_per_stage=8)
+    first, last = plan.stages
+    assert first.memory.weights == pytest.approx(_layers_weights(spec, first.layers) + table, rel=1e-12)
+    assert last.memory.weights == pytest.approx(_layers_weights(spec, last.layers) + head + table, rel=1e-12)
+    one = place(spec, "h100-sxm", devices=1).stages[0]
+    assert one.has_embedding and one.has_lm_head
+    assert one.memory.weights == pytest.approx(spec.weight_bytes(16), rel=1e-12)  # (the table once)
+    att = place(spec, "h100-sxm", afd=True, attention_ranks=1, ffn_ranks=1).stages[0]  # (both ends: once)
+    assert att.role == "attention" and att.memory.weights == pytest.approx(
+        sum(spec.layers[i].mixer_weight_bytes(16, 128) for i in att.layers) + table + head, rel=1e-9)
+
+
+def test_untied_models_end_stages_are_counted_as_before():
+    for model in ("llama-3.1-8b", "qwen3-8b", "deepseek-v3"):
+        spec = load_model(model)
+        assert not spec.tie_word_embeddings
+        plan = place(spec, "h100-sxm", devices=4, layers_per_stage=spec.num_layers // 2 + 1, weight_bits=4)
+        first, last = plan.stages[0], plan.stages[-1]
+        n0, n1 = first.num_devices, last.num_devices
+        assert first.memory.weights * n0 == pytest.approx(_layers_weights(spec, first.layers, 4) + spec.embed_bytes(16))
+        assert last.memory.weights * n1 == pytest.approx(_layers_weights(spec, last.layers, 4) + spec.lm_head_bytes(16))
+
+
+@pytest.mark.parametrize("spare", [0.5, -0.01])
+def test_a_tied_model_packed_by_memory_fits_as_placed(spare):
+    """The fewest devices that hold a tied model: one holds it with its table once (``spare`` of the table to spare),
+    or the stages that hold it each fit with what they hold (the last a copy of the table)."""
+    import dataclasses
+
+    from waferline.spec.catalog import load_hardware
+
+    spec = load_model("qwen3-0.6b")
+    m = place(spec, "wse-3", devices=1).stages[0].memory
+    wse = load_hardware("wse-3")
+    room = m.weights + m.cache + m.activations + spare * spec.embed_bytes(16)
+    hw = dataclasses.replace(wse, memory_bytes=room / (1 - wse.reserve_fraction))
+    plan = place(spec, hw)
+    assert plan.fits and plan.num_devices == (1 if spare > 0 else 2)
+    table, head = spec.embed_bytes(16), spec.lm_head_bytes(16)
+    for st in plan.stages:
+        ends = (table if st.has_embedding else 0.0) + (head + table * (not st.has_embedding) if st.has_lm_head else 0.0)
+        assert st.num_devices == 1 and st.memory.weights == pytest.approx(_layers_weights(spec, st.layers) + ends)

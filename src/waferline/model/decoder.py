@@ -424,6 +424,10 @@ def load_ffn(ffn: nn.Module, src: WeightSource, p: str, n: Naming, flavor: str) 
         ffn.load_hf(src, p + n.ffn + "." if n.ffn else p)
 
 
+def _head_param(vocab: int, d: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(vocab, d, dtype=dtype), requires_grad=False)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, the decoder layers ``layer_range`` of the model, final norm and LM head.
 
@@ -455,9 +459,10 @@ class DecoderModel(nn.Module):
         self.hc_mult = hc_mult(self.cfg) if v4 else 0
         self.hc_head = HyperHead(self.cfg) if v4 and has_head else None
         self.norm = RMSNorm(d, _norm_eps(self.cfg), dtype) if has_head else None
-        self.lm_head = (
-            nn.Parameter(torch.empty(spec.vocab_size, d, dtype=dtype), requires_grad=False) if has_head else None
-        )
+        # a tied head (tie_word_embeddings) beside its embedding is the embedding's table itself, held once (as
+        # transformers ties them); a stage without the embedding holds a copy
+        tied = self._tied_head()
+        self.lm_head = None if not has_head else tied if tied is not None else _head_param(spec.vocab_size, d, dtype)
         # MTP heads: None = load them when the checkpoint has them, True = required, False = never
         self.with_mtp = with_mtp
         self.mtp = nn.ModuleList([MTPHead(l, spec.model_type, self.cfg, dtype) for l in spec.mtp_layers]  # (not
@@ -490,11 +495,23 @@ class DecoderModel(nn.Module):
                 self.mtp = nn.ModuleList()  # the checkpoint carries no MTP weights (e.g. transformers drops them)
         if self.norm is not None:
             self.norm.load_hf(src, r + n.final_norm + ".weight")
-            if self.spec.tie_word_embeddings and not src.has("lm_head.weight"):
+            tied = self._tied_head()
+            if tied is not None:
+                self.lm_head = tied
+                if src.has("lm_head.weight"):  # (tied in the config, and a head in the checkpoint too)
+                    w = src.get("lm_head.weight", tuple(tied.shape))
+                    if not torch.equal(w.to(tied.dtype), tied):  # its own values: transformers does not tie them
+                        self.lm_head = _head_param(*tied.shape, tied.dtype)
+                        copy_into(self.lm_head, w)
+            elif self.spec.tie_word_embeddings and not src.has("lm_head.weight"):
                 copy_into(self.lm_head, src.get(r + n.embed + ".weight", tuple(self.lm_head.shape)))
             else:
                 head = "head.weight" if self.hc_mult and src.has("head.weight") else "lm_head.weight"  # (V4's name)
                 copy_into(self.lm_head, src.get(head, tuple(self.lm_head.shape)))
+
+    def _tied_head(self) -> nn.Parameter | None:
+        """The embedding's weight where this model holds the embedding and a head that the config ties to it."""
+        return self.embed.weight if self.embed is not None and self.spec.tie_word_embeddings else None
 
     def new_caches(self, num_slots: int, device: torch.device | str | None = None) -> list[Any]:
         return share_pages([layer.new_cache(num_slots, device) for layer in self.layers])

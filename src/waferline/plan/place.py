@@ -45,6 +45,33 @@ class _Part:
     rollback: float = 0.0  # of ``cache``, the states a speculative verify keeps for its rollback (_seq_bytes)
 
 
+@dataclass(frozen=True)
+class _Ends:
+    """The weights a stage holds besides its layers', by whether it is the first (the embedding table) and the last
+    (the final norm and LM head, with ``head`` any drafter beside it). ``table``: a tied model's (tie_word_embeddings)
+    LM head is its embedding table, which a last stage without the embedding holds a copy of (the engine's does); a
+    stage holding both holds it once."""
+
+    emb: float = 0.0
+    head: float = 0.0
+    table: float = 0.0
+
+    def __call__(self, first: bool, last: bool) -> float:
+        return (self.emb if first else 0.0) + ((self.head + (0.0 if first else self.table)) if last else 0.0)
+
+    def each(self, n: int) -> list[float]:
+        """The extras of ``n`` consecutive stages, the first holding the embedding and the last the LM head."""
+        return [self(i == 0, i == n - 1) for i in range(n)]
+
+
+_NO_ENDS = _Ends()
+
+
+def _ends(spec: ModelSpec, embed_bits: int, drafter: float = 0.0) -> _Ends:
+    table = spec.embed_bytes(embed_bits)
+    return _Ends(table, spec.lm_head_bytes(embed_bits) + drafter, table if spec.tie_word_embeddings else 0.0)
+
+
 _PARTS_CACHE: dict[tuple, list[_Part]] = {}
 
 
@@ -152,12 +179,10 @@ def _devices_for(parts: list[_Part], hw: HardwareSpec, act: float, extra: float 
     return hi
 
 
-def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_extra: float = 0.0) -> list[list[_Part]]:
+def _balanced_split(parts: list[_Part], n: int, ends: _Ends = _NO_ENDS) -> list[list[_Part]]:
     """Split parts into n contiguous non-empty groups minimising the largest group's memory (extras on the ends)."""
     n = max(1, min(n, len(parts)))
-    sizes = [p.weights + p.cache for p in parts]
-    sizes[0] += first_extra
-    sizes[-1] += last_extra
+    sizes = [p.weights + p.cache + e for p, e in zip(parts, ends.each(len(parts)))]
 
     def cuts(limit: float) -> list[int] | None:
         starts, acc = [0], 0.0
@@ -194,29 +219,29 @@ def _balanced_split(parts: list[_Part], n: int, first_extra: float = 0.0, last_e
     return [parts[a:b] for _, a, b in sorted(heap + done, key=lambda h: h[1])]
 
 
-def _greedy_pack(
-    parts: list[_Part], hw: HardwareSpec, act: float, first_extra: float, last_extra: float
-) -> list[tuple[list[_Part], int]]:
+def _greedy_pack(parts: list[_Part], hw: HardwareSpec, act: float, ends: _Ends) -> list[tuple[list[_Part], int]]:
     """Fewest devices: fill one device with consecutive parts; a part too big for one device gets several."""
     avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
     out: list[tuple[list[_Part], int]] = []
     cur: list[_Part] = []
-    used = first_extra
+    used = 0.0  # cur's bytes, with the extras it holds
     for i, p in enumerate(parts):
-        size = p.weights + p.cache + (last_extra if i == len(parts) - 1 else 0.0)
-        if cur and used + size <= avail:
-            cur.append(p)
-            used += size
-            continue
+        last = i == len(parts) - 1
         if cur:
+            first = not out
+            grown = used - ends(first, False) + ends(first, last) + p.weights + p.cache
+            if grown <= avail:
+                cur.append(p)
+                used = grown
+                continue
             out.append((cur, 1))
             cur, used = [], 0.0
-        extra = first_extra if not out and not cur else 0.0
-        if size + extra > avail:
-            out.append(([p], _devices_for([p], hw, act, size + extra - p.weights - p.cache)))
-            used = 0.0
+        extra = ends(not out, last)
+        size = p.weights + p.cache + extra
+        if size > avail:
+            out.append(([p], _devices_for([p], hw, act, extra)))
         else:
-            cur, used = [p], size + extra
+            cur, used = [p], size
     if cur:
         out.append((cur, 1))
     return out
@@ -256,7 +281,7 @@ def ffn_owner(layer: int, ranks: int) -> int:
 
 
 def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
-                     batch: int, group: int, act: float, emb: float, head: float, spec_tokens: int) -> list[Stage]:
+                     batch: int, group: int, act: float, ends: _Ends, spec_tokens: int) -> list[Stage]:
     """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding
     and LM head) holding the caches of ceil(batch / M) sequences, and N FFN ranks, each holding its expert range of
     every MoE layer plus the shared experts / dense FFN of the layers it owns. Each rank gets the fewest devices its
@@ -264,11 +289,12 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
     heads evenly, inside a node), the narrowest that holds it, else the widest (the plan then says why it does not
     fit)."""
     att, ffn_ranks = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group, spec_tokens)
+    both = ends(True, True)  # (an attention rank holds the embedding and the LM head: a tied table once)
     if hw.placement == "tensor":
         widths = _tp_widths(spec, hw)
-        n_dev = next((t for t in widths if _stage_memory(att, t, hw, act, emb + head).fits), widths[-1])
+        n_dev = next((t for t in widths if _stage_memory(att, t, hw, act, both).fits), widths[-1])
     else:
-        n_dev = _devices_for(att, hw, act, emb + head)
+        n_dev = _devices_for(att, hw, act, both)
     stages: list[Stage] = []
     dev = 0
     for m in range(M):
@@ -283,7 +309,7 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
                 kv_bits=kv_bits,
                 has_embedding=True,
                 has_lm_head=True,
-                memory=_stage_memory(att, n_dev, hw, act, emb + head),
+                memory=_stage_memory(att, n_dev, hw, act, both),
             )
         )
         dev += n_dev
@@ -379,15 +405,13 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         if v is not None and not 1 <= v <= MAX_DEVICES:  # (a rank takes a device at least)
             raise ConfigError(f"{flag} must be from 1 to {MAX_DEVICES:,}, got {v:,}")
     act = _activation_bytes(spec, batch, prefill_chunk)
-    emb = spec.embed_bytes(embed_bits)
-    head = spec.lm_head_bytes(embed_bits)
     notes: list[str] = []
     if devices is not None and devices < hw.min_devices:
         notes.append(f"{hw.name} is deployed from {hw.min_devices} devices up (min_devices); {devices} is below "
                      "that: a configuration its vendor does not ship")
     if drafter and drafter[0] > 0:  # (the drafts are made where the target's last hidden state and LM head are)
-        head += drafter[0]
         notes.append(drafter_note(*drafter))
+    ends = _ends(spec, embed_bits, drafter[0] if drafter and drafter[0] > 0 else 0.0)
     speculative = speculative or SpeculativeConfig()
     drafts = _drafts(speculative, spec_tokens)
     kw = dict(weight_bits=weight_bits, kv_bits=kv_bits, embed_bits=embed_bits, group_size=group_size,
@@ -399,7 +423,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         for gi, (g, n) in enumerate(groups):
             first = with_ends and gi == 0
             last = with_ends and gi == len(groups) - 1
-            extra = (emb if first else 0.0) + (head if last else 0.0)
+            extra = ends(first, last)
             stages.append(Stage(index=start_idx + gi, role=role, layers=[p.layer for p in g], device=hw.name,
                                 device_ids=list(range(dev, dev + n)), weight_bits=weight_bits, kv_bits=kv_bits,
                                 has_embedding=first, has_lm_head=last, memory=_stage_memory(g, n, hw, act, extra)))
@@ -412,7 +436,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                 "--attention-ranks/--ffn-ranks size each rank to fit; drop --devices / --layers-per-stage"
             )
         M, N = attention_ranks or 1, ffn_ranks or 1
-        stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, emb, head,
+        stages = _place_afd_ranks(spec, hw, M, N, weight_bits, kv_bits, context, batch, group_size, act, ends,
                                   drafts)
         notes.append(f"attention/FFN disaggregation as the engine runs it: {M} data-parallel attention rank(s) "
                      f"({stages[0].num_devices} device(s) each), {N} expert-parallel FFN rank(s)")
@@ -425,7 +449,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     elif afd:
         att = _parts(spec, "attention", weight_bits, kv_bits, context, batch, group_size, drafts)
         ffn = [p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group_size) if p.weights > 0]
-        ma = sum(p.weights + p.cache for p in att) + emb + head
+        ma = sum(p.weights + p.cache for p in att) + ends(True, True)
         mf = sum(p.weights for p in ffn)
         if devices is not None:
             if devices < 2:
@@ -445,7 +469,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             # the devices the attention side leaves), or stages of --layers-per-stage layers
             att_notes: list[str] = []
             stages = _place_tensor(spec, hw, None if devices is None else na, layers_per_stage, weight_bits, kv_bits,
-                                   context, batch, group_size, act, emb, head, mk_stages, att_notes, drafts,
+                                   context, batch, group_size, act, ends, mk_stages, att_notes, drafts,
                                    role="attention")
             notes += [n for n in att_notes if "left idle" not in n]  # (the FFN stage takes them)
             n_att = stages[-1].device_ids[-1] + 1
@@ -457,13 +481,13 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                 gf = _split_into(ffn, devices - n_att, hw, act, layers_per_stage)
         else:
             if devices is None and layers_per_stage is not None:
-                ga = _chunks(att, layers_per_stage, hw, act, emb, head)
+                ga = _chunks(att, layers_per_stage, hw, act, ends)
                 gf = _chunks(ffn, layers_per_stage, hw, act)
             elif devices is None:
-                ga = _greedy_pack(att, hw, act, emb, head)
-                gf = _greedy_pack(ffn, hw, act, 0.0, 0.0)
+                ga = _greedy_pack(att, hw, act, ends)
+                gf = _greedy_pack(ffn, hw, act, _NO_ENDS)
             else:
-                ga = _split_into(att, na, hw, act, layers_per_stage, emb, head)
+                ga = _split_into(att, na, hw, act, layers_per_stage, ends)
                 gf = _split_into(ffn, devices - na, hw, act, layers_per_stage)
             stages = mk_stages(ga, "attention", 0, 0, True)
             n_att = sum(n for _, n in ga)
@@ -479,11 +503,11 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
     elif hw.placement == "pipeline":
         parts = _parts(spec, "full", weight_bits, kv_bits, context, batch, group_size, drafts)
         if devices is None and layers_per_stage is None:
-            groups = _greedy_pack(parts, hw, act, emb, head)
+            groups = _greedy_pack(parts, hw, act, ends)
         elif devices is None:
-            groups = _chunks(parts, layers_per_stage, hw, act, emb, head)
+            groups = _chunks(parts, layers_per_stage, hw, act, ends)
         else:
-            groups = _split_into(parts, devices, hw, act, layers_per_stage, emb, head)
+            groups = _split_into(parts, devices, hw, act, layers_per_stage, ends)
             used = sum(n for _, n in groups)
             if used < devices:
                 notes.append(
@@ -502,8 +526,7 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
             batch,
             group_size,
             act,
-            emb,
-            head,
+            ends,
             mk_stages,
             notes,
             drafts,
@@ -553,40 +576,38 @@ def _model_ref(model: Any, spec: ModelSpec) -> str:
     return spec.name
 
 
-def _chunks(parts: list[_Part], k: int, hw: HardwareSpec, act: float, first_extra: float = 0.0,
-            last_extra: float = 0.0) -> list[tuple[list[_Part], int]]:
+def _chunks(parts: list[_Part], k: int, hw: HardwareSpec, act: float,
+            ends: _Ends = _NO_ENDS) -> list[tuple[list[_Part], int]]:
     """Stages of ``k`` consecutive parts, each on the fewest devices that hold it."""
     chunks = [parts[i:i + k] for i in range(0, len(parts), k)]
-    return [(c, _devices_for(c, hw, act, (first_extra if ci == 0 else 0.0)
-                             + (last_extra if ci == len(chunks) - 1 else 0.0))) for ci, c in enumerate(chunks)]
+    return [(c, _devices_for(c, hw, act, e)) for c, e in zip(chunks, ends.each(len(chunks)))]
 
 
 def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, k: int | None,
-                first_extra: float = 0.0, last_extra: float = 0.0) -> list[tuple[list[_Part], int]]:
+                ends: _Ends = _NO_ENDS) -> list[tuple[list[_Part], int]]:
     """Use exactly ``devices`` devices (or as many as divide evenly): stages of layers, devices per stage."""
     if k is not None:
         groups = [parts[i:i + k] for i in range(0, len(parts), k)]
     elif devices >= len(parts):
         groups = [[p] for p in parts]
     else:
-        groups = _balanced_split(parts, devices, first_extra, last_extra)
+        groups = _balanced_split(parts, devices, ends)
     if devices < len(groups):
         raise ConfigError(f"{devices} devices cannot hold {len(groups)} stages of at most {k} layers; "
                           f"use --devices >= {len(groups)} or a larger --layers-per-stage")
 
     def needs(gs: list[list[_Part]]) -> list[int]:
-        return [_devices_for(g, hw, act, (first_extra if i == 0 else 0.0) + (last_extra if i == len(gs) - 1 else 0.0))
-                for i, g in enumerate(gs)]
+        return [_devices_for(g, hw, act, e) for g, e in zip(gs, ends.each(len(gs)))]
 
     need = needs(groups)
     if k is None and sum(need) > devices:
         # a stage needs more than one device (an end stage's embedding or LM head, a layer larger than a device): one
         # stage per device leaves none for it; fewer stages do, where the fewest devices that fit (the greedy
         # packing) are not more than those given
-        packed = _greedy_pack(parts, hw, act, first_extra, last_extra)
+        packed = _greedy_pack(parts, hw, act, ends)
         if sum(n for _, n in packed) <= devices:
             for g in range(len(groups) - 1, 0, -1):
-                fewer = _balanced_split(parts, g, first_extra, last_extra)
+                fewer = _balanced_split(parts, g, ends)
                 n = needs(fewer)
                 if sum(n) <= devices:
                     groups, need = fewer, n
@@ -594,9 +615,7 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
             else:
                 groups, need = [g for g, _ in packed], [n for _, n in packed]
     per = max(1, devices // len(groups))
-    sizes = [sum(p.weights + p.cache for p in g) for g in groups]
-    sizes[0] += first_extra
-    sizes[-1] += last_extra
+    sizes = [sum(p.weights + p.cache for p in g) + e for g, e in zip(groups, ends.each(len(groups)))]
     if all(n <= per for n in need) or sum(need) > devices:  # the even split fits (or no split of these stages does)
         return [(g, per) for g in groups]
     # an end stage's embedding or LM head does not fit the even share: every stage gets the devices it needs, then
@@ -609,23 +628,22 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
 
 
 def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int | None, weight_bits: int, kv_bits: int,
-                  context: int, batch: int, group: int, act: float, emb: float, head: float, mk_stages: Any,
+                  context: int, batch: int, group: int, act: float, ends: _Ends, mk_stages: Any,
                   notes: list[str], spec_tokens: int = 0, role: str = "full") -> list[Stage]:
     """GPU-style: tensor/expert parallel inside a node first, pipeline stages across nodes (``role``: the whole
     layers, or AFD's attention side)."""
     parts = _parts(spec, role, weight_bits, kv_bits, context, batch, group, spec_tokens)
-    total = sum(p.weights + p.cache for p in parts) + emb + head
+    total = sum(p.weights + p.cache for p in parts) + ends(True, True)
 
     def build(tp: int, pp: int) -> list[tuple[list[_Part], int]]:
         if k is not None:
             groups = [parts[i:i + k] for i in range(0, len(parts), k)]
         else:
-            groups = _balanced_split(parts, pp, emb, head)
+            groups = _balanced_split(parts, pp, ends)
         return [(g, tp) for g in groups]
 
     def fits(groups: list[tuple[list[_Part], int]]) -> bool:
-        for gi, (g, n) in enumerate(groups):
-            extra = (emb if gi == 0 else 0.0) + (head if gi == len(groups) - 1 else 0.0)
+        for (g, n), extra in zip(groups, ends.each(len(groups))):
             if not _stage_memory(g, n, hw, act, extra).fits:
                 return False
         return True
@@ -818,7 +836,7 @@ def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: in
     Returns one line per stage whose stored memory differed by more than 0.5%."""
     spec, hw = _resolve(model, plan.hardware)
     act = _activation_bytes(spec, plan.batch, DEFAULT_PREFILL_CHUNK)
-    emb, head = spec.embed_bytes(plan.embed_bits), spec.lm_head_bytes(plan.embed_bits) + drafter
+    ends = _ends(spec, plan.embed_bits, drafter)
     args = (plan.weight_bits, plan.kv_bits, plan.context_len, plan.batch, plan.group_size,
             _drafts(plan.speculative, spec_tokens))
     by_role: dict[str, dict[int, _Part]] = {}
@@ -836,7 +854,7 @@ def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: in
             if st.role not in by_role:
                 by_role[st.role] = {p.layer: p for p in _parts(spec, st.role, *args)}
             parts = by_role[st.role]
-        extra = (emb if st.has_embedding else 0.0) + (head if st.has_lm_head else 0.0)
+        extra = ends(st.has_embedding, st.has_lm_head)
         mem = _stage_memory([parts[i] for i in st.layers if i in parts], st.num_devices, hw, act, extra)
         if abs(mem.total - st.memory.total) > 0.005 * mem.total:
             changed.append(f"stage {st.index}'s memory is {mem.total / 1e9:,.2f} GB per device placed as the plan "

@@ -133,7 +133,8 @@ def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
     """Move a loaded (and possibly quantized) model to ``device``: its int4 weights repacked for that device's kernel
     (``choose_backend``: tinygemm on a CUDA GPU of compute capability 8 or more, waferline's layout on CPU) from their
     exact codes and scales, everything else ``.to(device)``. Call before the first forward (modules keep per-weight
-    views and tile copies from then on)."""
+    views and tile copies from then on). A parameter two modules share (a tied LM head and its embedding) stays
+    shared."""
     device = torch.device(device)
     for path, mod in list(model.named_modules()):
         if not isinstance(mod, Int4Weight):
@@ -146,7 +147,15 @@ def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
         t = mod.int4_tensor()
         t = Int4Tensor(t.codes.cpu(), t.scales.cpu(), None if t.zeros is None else t.zeros.cpu())
         setattr(parent, child, Int4Weight(t, device, mod.compute_dtype, backend))
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}  # id(parameter) -> the (module, name) places that hold it
+    for mod in model.modules():
+        for name, p in mod._parameters.items():
+            if p is not None:
+                slots.setdefault(id(p), []).append((mod, name))
     model.to(device)
+    for (first, name), *others in slots.values():  # (.to() makes a parameter per module where it cannot move one
+        for mod, other in others:                  # in place, e.g. to the meta device: one of them then)
+            mod._parameters[other] = first._parameters[name]
     for mod in model.modules():  # .to() copied each weight on its own: weights multiplied as one lie together again
         colocate = getattr(mod, "colocate", None)
         if callable(colocate):
