@@ -197,7 +197,8 @@ def test_a_split_tables_available_pages_count_a_page_once(ckpts):
     scheduler's grow raised "no free cache page" (failing every request) instead of declining (a preemption)."""
     from types import SimpleNamespace
 
-    from waferline.engine.paging import CacheManager, PrefixCache
+    from waferline.engine.paging import CacheManager
+    from waferline.engine.prefix_cache import PrefixCache
 
     t = BlockTable(3, page_tokens=2, managed=True, max_pages=1 + 4, parts=1)
     t.grow(0, 4)
@@ -531,3 +532,47 @@ def test_staged_decode_entries_reach_their_pages_before_the_slot_is_released():
     t.release(0)  # the copy's entries of slot 0 are in its pages before they change hands
     assert torch.equal(c.data[t.pages_of(0)].reshape(-1, 2)[:9], rows(0, 0, 9)[0])
     assert torch.equal(c.read(1, 9), rows(1, 0, 9)[0]) and torch.equal(c.read(2, 5), rows(2, 0, 5)[0])
+
+
+def _held_bytes(caches) -> int:
+    """Bytes of the cache tensors: paged pools and sliding-window rings (their rows), Mamba-2 states."""
+    return sum(c.data.nbytes if isinstance(c, TokenCache) else c.nbytes() for c in caches if c is not None)
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "bamba"])
+def test_paged_pools_hold_only_the_pages_sequences_can_hold_beside_their_other_caches(tmp_path, arch):
+    """Sliding-window rings (gpt-oss) and Mamba-2 states (bamba) take their share of the budget too: the full-attention
+    pool holds the pages sequences can hold beside them, and all the caches the budget and the sink page. The pool held
+    the pages the whole budget pays for: 36 for 32 usable (gpt-oss), 73 (bamba), the caches 1.6x the budget."""
+    from waferline.model.ssm import Mamba2Cache
+
+    build(arch, tmp_path)
+    llm = LLM(tmp_path)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    for seqs in (4, 2):  # (the default budget: 4 sequences of max_model_len; then 2 in 4 slots)
+        cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8, prefix_caching=False)
+        cfg.cache_bytes = seqs * Scheduler(llm, cfg).cache.max_seq_bytes
+        sch = Scheduler(llm, cfg)
+        _serve(sch, [[3, 4, 5, 6, 7]], [sp])  # (the pool is made at the first page)
+        caches, cm = sch.runner.caches, sch.cache
+        assert any(isinstance(c, Mamba2Cache) for c in caches) == (arch == "bamba")
+        assert cm.table.max_pages == 1 + seqs * 8  # a sequence of max_model_len: 8 pages
+        assert sum(c.data.nbytes for c in caches if isinstance(c, TokenCache) and c.paged) == \
+            cm.table.max_pages * cm.paged_page_bytes
+        if seqs == 4:
+            assert _held_bytes(caches) == cm.budget + cm.paged_page_bytes
+
+
+def test_a_draft_models_pages_leave_the_targets_pool_its_share(ckpts):
+    """A draft model's pages count in the same budget: without a prefix store, the target's pool holds the pages its
+    sequences hold beside their draft pages (it held the pages the whole budget pays for, twice its share)."""
+    llm = LLM(ckpts["llama"])
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8, prefix_caching=False,
+                                         speculative=f"draft:{ckpts['llama']}"))
+    cm = sch.cache
+    assert cm.budget == 4 * 8 * (cm.paged_page_bytes + cm.draft_page_bytes)  # 4 sequences of 8 pages in each table
+    assert cm.table.max_pages == cm.draft_table.max_pages == 1 + 4 * 8
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[3 + i] * n for i, n in enumerate((9, 17, 30, 40))]
+    want = _serve(Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8)), prompts, [sp] * 4)
+    assert _serve(sch, prompts, [sp] * 4) == want

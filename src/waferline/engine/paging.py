@@ -1,5 +1,5 @@
-"""The scheduler's cache accounting: slots and pages per layer kind (``CacheManager``) and the prefix cache
-(``PrefixCache``). Used by engine/scheduler.py, which owns the requests.
+"""The scheduler's cache accounting: slots and pages per layer kind (``CacheManager``; the prefix cache over its
+pages: engine/prefix_cache.py). Used by engine/scheduler.py, which owns the requests.
 
 How memory is managed
 ---------------------
@@ -36,8 +36,11 @@ the state before the verify instead, one state per slot, and replays the kept to
 Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages
 where the runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes
 pages from that table, ``free`` releases them, and the bytes these pools hold are the pages held (by live sequences
-or the prefix store) x the page's bytes. Each paged layer's pool is made once with the pages the budget can pay for
-(plus the table's sink page); a page is zeroed, and its memory first touched, when it is first handed out. Other
+or the prefix store) x the page's bytes. Each paged layer's pool is made once with the most pages the budget lets
+the table hold (plus the table's sink page): a sequence holding pages also holds its states, window pages and
+drafter pages, so j sequences hold at most the pages the budget less j such remainders pays for, and at most j x the
+pages of max_model_len tokens (the prefix store's pages need no sequence: where there is a store, the budget less one
+sequence's remainder); a page is zeroed, and its memory first touched, when it is first handed out. Other
 pools (sliding-window rings, Mamba-2 states, and every cache in stage processes, whose paged caches take their own
 pages) are an accounting of capacity, enforced by admission and preemption, over tensors indexed by slot.
 
@@ -186,17 +189,17 @@ class CacheManager:
         paged = [p.draft == draft and not p.per_seq and p.window is None and set(p.layers) <= table.layers
                  for p in self.pools]
         self._paged = [a or b for a, b in zip(self._paged, paged)]
-        if draft:  # (its pages are never shared: its pools hold what the budget pays for, at most every slot full)
+        if draft:  # (its pages are never shared: its pools hold what the budget lets its sequences hold)
             self.draft_table = table
             if any(paged):
-                most = self.max_num_seqs * table.pages_for(self.max_model_len)
-                table.max_pages = 1 + min(int(self.budget // self.draft_page_bytes), most)
+                table.max_pages = 1 + self._most_pages(table, self.draft_page_bytes)
             return
         self.table = table
         if table.parts > 1 and self._default_budget:  # (each part holds its slots' sequences at full length)
             self.budget = table.parts * -(-self.max_num_seqs // table.parts) * self.max_seq_bytes
-        if any(self._paged):  # the pools hold the pages the budget can pay for (and the sink)
-            table.max_pages = 1 + int(self.budget // self.paged_page_bytes)
+        if any(self._paged):  # the pools hold the pages the budget lets sequences hold (and the sink)
+            table.max_pages = 1 + (self._most_pages(table, self.paged_page_bytes) if table.parts == 1
+                                   else int(self.budget // self.paged_page_bytes))
             # (one page id covers a position in every paged layer: the pools' counts for a sequence are one count)
             need = max((n for n, paged in zip(self.pages_for(self.max_model_len), self._paged) if paged), default=0)
             if table.part_pages < need:
@@ -205,6 +208,29 @@ class CacheManager:
                     f"and one rank's share ({table.part_pages} pages) cannot hold one sequence of max_model_len="
                     f"{self.max_model_len} tokens ({need} pages); raise the cache budget or lower --max-model-len"
                 )
+
+    def _most_pages(self, table: BlockTable, page_bytes: float) -> int:
+        """The most pages of ``table`` (the target's or the drafter's, ``page_bytes`` each) held at once within the
+        budget. A sequence holding any of them holds at least a page or a state of every other pool too (``rest``:
+        what one token costs beyond this table's page), so j sequences hold at most j x the pages of max_model_len
+        tokens, and at most the pages the budget less j x ``rest`` pays for; pages the prefix store keeps (the
+        target's, where a store reclaims them) need no sequence: the budget less one ``rest``."""
+        rest = self.bytes_for(1) - table.pages_for(1) * page_bytes
+
+        def room(j: int) -> int:
+            return max(0, int((self.budget - j * rest) / page_bytes + 1e-6))
+
+        if table is self.table and self.reclaim is not None:
+            return room(1)
+        most = table.pages_for(self.max_model_len)
+        return max(min(j * most, room(j)) for j in range(1, self.max_num_seqs + 1))
+
+    def keep_prefixes(self) -> None:
+        """A prefix store keeps pages of the target's table (``reclaim`` set): its pool may hold the pages the budget
+        pays for beside one sequence, not only those sequences hold. Before any sequence is admitted."""
+        t = self.table
+        if t is not None and t.parts == 1 and t.max_pages is not None:
+            t.max_pages = 1 + self._most_pages(t, self.paged_page_bytes)
 
     # -- accounting (pure)
     def pages_for(self, n_tokens: int) -> list[int]:
@@ -384,111 +410,3 @@ class CacheManager:
             out.setdefault(p.kind, 0)
         return out
 
-
-class PrefixCache:
-    """Full pages of finished sequences, reusable by any later sequence whose tokens start the same way.
-
-    A page is keyed by (the page before it, its tokens), so a hit is always an exact match of the whole prefix.
-    Each stored page is a page of the runner's paged caches, held by the store (``BlockTable.store``); the bytes of
-    those no sequence holds are ``CacheManager.prefix_bytes``.
-    """
-
-    def __init__(self, manager: CacheManager):
-        self.cm = manager
-        self.P = manager.page_tokens
-        self._by_key: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._blocks: dict[int, tuple[tuple[int, tuple[int, ...]], int, set[int]]] = {}  # key, page id, children
-        self._used: dict[int, int] = {}  # block id -> last use (a tick; larger is more recent)
-        self._tick = 0
-        self._next = 0
-        self.hit_tokens = 0
-        self.evicted_pages = 0
-        manager.reclaim = self.evict
-
-    @property
-    def num_pages(self) -> int:
-        return len(self._blocks)
-
-    def page_of(self, block: int) -> int:
-        """The page id a stored block is."""
-        return self._blocks[block][1]
-
-    def match(self, ids: list[int], part: int = 0, touch: bool = True) -> list[int]:
-        """Stored pages that start ``ids``, leaving at least one token to compute (pages of ``part``, where the page
-        table is split: a chain's first key names its part, so every page of a chain lives in one part). ``touch``:
-        count it as a use (least-recently-used eviction)."""
-        out: list[int] = []
-        parent = -1 - part
-        for i in range((len(ids) - 1) // self.P):
-            b = self._by_key.get((parent, tuple(ids[i * self.P:(i + 1) * self.P])))
-            if b is None:
-                break
-            out.append(b)
-            parent = b
-        if touch:
-            self._touch(out)
-        return out
-
-    def load(self, blocks: list[int], slot: int, caches: list[Any] | None = None) -> None:
-        """Put stored pages at ``slot``'s positions [0, len(blocks) * page_tokens): its block table points at them
-        (pages it was given there, unwritten, go back). ``caches``: unused (the pages are shared by every layer)."""
-        table = self.cm.table
-        if table is None:
-            raise RuntimeError("prefix pages need the runner's page table (CacheManager.attach)")
-        table.share(slot, [self._blocks[b][1] for b in blocks])
-        self.hit_tokens += len(blocks) * self.P
-
-    def store(self, ids: list[int], n_computed: int, slot: int, pages: list[int],
-              caches: list[Any] | None = None) -> None:
-        """Keep the full pages of a sequence's first ``n_computed`` tokens: ``pages``, what ``slot`` held in order
-        (``CacheManager.free``'s answer), right after the sequence is freed, before anything takes a page."""
-        table = self.cm.table
-        if table is None:
-            return
-        parent, chain = -1 - table.part_of(slot), []
-        for i in range(min(n_computed // self.P, len(pages))):
-            key = (parent, tuple(ids[i * self.P:(i + 1) * self.P]))
-            b = self._by_key.get(key)
-            if b is None:
-                self._touch(chain)
-                page = pages[i]
-                cost = 0.0 if table.refs[page] > 0 else self.cm.paged_page_bytes
-                if (cost and not self.cm._room(cost)) or (chain and chain[-1] not in self._blocks):
-                    return
-                table.store(page)
-                b = self._next
-                self._next += 1
-                self._blocks[b] = (key, page, set())
-                self._by_key[key] = b
-                if parent >= 0:
-                    self._blocks[parent][2].add(b)
-            chain.append(b)
-            parent = b
-        self._touch(chain)
-
-    def _touch(self, blocks: list[int]) -> None:
-        self._tick += 1
-        for b in blocks:
-            self._used[b] = self._tick
-
-    def evict(self, need: float, part: int | None = None, keep: Collection[int] = ()) -> None:
-        """Drop least-recently-used pages (and the pages that extend them) until ``need`` bytes are freed (pages of
-        ``part`` only, where given; not the blocks ``keep``, a prefix about to be used)."""
-        freed = 0.0
-        table = self.cm.table
-        for b in sorted(self._used, key=self._used.__getitem__):
-            if freed >= need:
-                break
-            if b in self._blocks and b not in keep and (part is None or table.owner(self._blocks[b][1]) == part):
-                freed += self._drop(b)
-
-    def _drop(self, b: int) -> float:
-        key, page, children = self._blocks.pop(b)
-        self._by_key.pop(key, None)
-        self._used.pop(b, None)
-        parent = key[0]
-        if parent in self._blocks:
-            self._blocks[parent][2].discard(b)
-        self.evicted_pages += 1
-        freed = self.cm.paged_page_bytes if self.cm.table.unstore(page) else 0.0
-        return freed + sum(self._drop(c) for c in list(children) if c in self._blocks)

@@ -1,9 +1,9 @@
 """Continuous batching: requests in cache slots with page accounting per layer kind, chunked prefill, admission and
 preemption (recompute), sampling and stop handling per request.
 
-The cache accounting (slots, pages, the prefix cache) is engine/paging.py; the background loop that drives a
-Scheduler is engine/loop.py; what a step asks of the model (the single-process engine or a pipeline) is the
-Runner of engine/runner.py; a request (``Sequence``, ``Event``) and a step's plan and result are engine/sequence.py.
+The cache accounting (slots, pages) is engine/paging.py, the prefix cache engine/prefix_cache.py; the loop that drives
+a Scheduler is engine/loop.py; what a step asks of the model (one process or a pipeline) is the Runner of
+engine/runner.py; a request (``Sequence``, ``Event``) and a step's plan and result are engine/sequence.py.
 
 Scheduling, one step
 --------------------
@@ -14,8 +14,7 @@ Scheduling, one step
    on with the same sampler state, so the tokens it streams are unchanged and no token is sent twice.
 2. Sequences still prefilling get chunks of up to ``chunk_tokens`` within the step's token budget
    (``max_num_batched_tokens``), so a long prompt never stalls the decodes of others for more than one chunk.
-3. Waiting sequences are admitted in arrival order while a slot is free and the budget holds their current
-   length + 1 token (no skipping ahead: FIFO fairness).
+3. Waiting sequences are admitted in arrival order (FIFO) while a slot is free and the budget holds them + 1 token.
 
 A step hands its decode rows and prefill chunks to the runner at once (the single-process runner: all decodes as one
 [B, 1] call and prefill chunks as [B, t] calls, padded where the caches allow it, engine/padding.py; a pipeline splits
@@ -45,7 +44,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from waferline.engine import sampling, structured
-from waferline.engine.paging import CacheManager, PrefixCache
+from waferline.engine.paging import CacheManager
+from waferline.engine.prefix_cache import PrefixCache
 from waferline.engine.runner import (
     WANT_ARGMAX,
     WANT_LOGITS,
