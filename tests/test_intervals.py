@@ -91,10 +91,45 @@ def test_memory_efficiency_is_one_parameter_per_memory_kind(tmp_path):
     assert gpu_only.classes["rdu"].layer_latency_s == pytest.approx(10e-6)  # its prior: no RDU rows
 
 
+def test_a_class_that_takes_a_shared_fitted_value_follows_each_parameter_set(tmp_path):
+    """A class without rows that takes its memory kind's fitted bandwidth efficiency (the RDU from GPU-only rows)
+    takes each bootstrap set's value of it too, in memory and read back from the file: its intervals hold that
+    parameter's uncertainty, not its point value alone."""
+    fitted, _ = fit(_csv(tmp_path, ROWS), iters=40, bootstrap_sets=4)
+    assert fitted.classes["rdu"].status["bw_eff"] == "fitted, shared by gpu"
+    out = tmp_path / "f.yaml"
+    fitted.save(out)
+    for params in (fitted, load_params(out)):
+        sets = params.parameter_sets()
+        assert len({s.classes["gpu"].bw_eff for s in sets}) > 1
+        assert [s.classes["rdu"].bw_eff for s in sets] == [s.classes["gpu"].bw_eff for s in sets]
+        assert all(s.classes["rdu"].layer_latency_s == params.classes["rdu"].layer_latency_s for s in sets)
+
+
 def test_vendor_folds_group_by_the_system_column(tmp_path):
     res, s = cross_validate(_csv(tmp_path, ROWS), "vendor", iters=40)
     assert s["folds"] == 2 and [r.detail["fold"] for r in res] == ["SysA", "SysA", "SysB"]
     assert all(r.detail["trained_on"] == (1 if r.row.system == "SysA" else 2) for r in res)
+
+
+def test_a_row_the_simulator_refuses_is_skipped_by_the_fit_and_the_folds_as_by_validate(tmp_path):
+    """A row the planner places but the simulator refuses (here a user's device YAML with no link between the
+    devices of a stage) is skipped with its reason by `validate`; the fit and every fold leave it out the same way,
+    rather than refusing the whole CSV."""
+    from waferline.sim.validate import validate
+    from waferline.spec.hardware import catalog_dir
+
+    src = (catalog_dir() / "h100-sxm.yaml").read_text()
+    (tmp_path / "nolink.yaml").write_text(src.replace("name: h100-sxm", "name: nolink").split("links:")[0])
+    row = "n,SysN,llama-3.1-70b,nolink.yaml,4,16,none,1,,,decode_tokens_per_s_per_user,60,tok/s,,,"
+    p = _csv(tmp_path, [*ROWS, row])
+    res, s = validate(p)
+    assert s["predicted"] == 3 and s["skipped"] == 1 and "no link" in res[3].skipped
+    fitted, report = fit(p, iters=40)
+    assert report["rows"] == 3 and [rid for rid, _ in report["skipped"]] == ["n"]
+    res, s = cross_validate(p, "vendor", iters=40)
+    assert s["predicted"] == 3 and s["skipped"] == 1
+    assert [r.row.id for r in res if r.skipped] == ["n"] and "no link" in res[-1].skipped
 
 
 def test_bad_cross_validate_values_are_one_line_errors(capsys):

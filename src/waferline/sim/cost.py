@@ -129,7 +129,8 @@ class SimParams:
 
     def with_values(self, values: dict[str, float]) -> SimParams:
         """A copy with the named fitted parameters replaced (a bootstrap set); a class that takes the gpu values
-        (no data: tpu, asic) follows the set's gpu values too."""
+        (no data: tpu, asic) follows the set's gpu values too, and a class that takes a value shared with the named
+        class (status "fitted, shared by ...", sim/fit.py SHARED) follows that value."""
         out = replace(self, classes={k: replace(v) for k, v in self.classes.items()},
                       accept_rate=dict(self.accept_rate), bootstrap=[])
         for name, v in values.items():
@@ -142,7 +143,9 @@ class SimParams:
                 if pname not in CLASS_PARAMS:
                     raise ConfigError(f"parameter set names unknown parameter {name!r}")
                 for cn, cp in out.classes.items():
-                    if cn == cname or (cname == "gpu" and cp.status.get(pname, "").startswith("assumed: as gpu")):
+                    st = cp.status.get(pname, "")
+                    if (cn == cname or (cname == "gpu" and st.startswith("assumed: as gpu"))
+                            or cname in st.partition("shared by ")[2].split(", ")):
                         setattr(cp, pname, v)
         return out
 

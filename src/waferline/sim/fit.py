@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from waferline.errors import FitError
+from waferline.errors import FitError, WaferlineError
 from waferline.sim.cost import (
     ACCEPT_BOUNDS,
     CLASS_PARAMS,
@@ -196,6 +196,13 @@ def problem(csv_path: str | Path, base: SimParams | None = None) -> Problem:
     base = prior_params(base)
     rows = read_published(csv_path)
     built = build_models(rows, base)
+    for k, (r, m, _) in enumerate(built):
+        if m is None:
+            continue
+        try:  # (a row the simulator refuses is skipped, as `validate` skips it; whatever the parameters' values)
+            m.predict(base)
+        except WaferlineError as e:
+            built[k] = (r, None, str(e))
     models = [(r, m) for r, m, _ in built if m is not None]
     skipped = [(r.id, why) for r, m, why in built if m is None]
     if not models:
