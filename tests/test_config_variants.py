@@ -44,6 +44,17 @@ VARIANTS = {
     "deepseek_v3_rms_norm_eps": ("deepseek_v3", dict(rms_norm_eps=1e-2), None),
     "deepseek_v2_rms_norm_eps": ("deepseek_v2", dict(rms_norm_eps=1e-2), None),
     "kimi_linear_rms_norm_eps": ("kimi_linear", dict(rms_norm_eps=1e-2), None),
+    # DeepSeek's softmax scale takes YaRN's mscale_all_dim under any scaled rope_type, as transformers folds it in
+    # (it was yarn only)
+    "deepseek_v3_linear_rope_mscale_all_dim": ("deepseek_v3", dict(rope_parameters=dict(
+        rope_type="linear", rope_theta=10000.0, factor=4.0, mscale_all_dim=0.5)), None),
+    # Kimi Linear's MLA has no rotary embedding: rope settings change nothing (mscale_all_dim scaled its softmax; a
+    # dynamic rope_type, which it never builds, refused the model)
+    "kimi_linear_yarn_not_read": ("kimi_linear", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=16, mscale=1.0,
+        mscale_all_dim=0.5)), None),
+    "kimi_linear_dynamic_rope_not_read": ("kimi_linear", dict(rope_parameters=dict(
+        rope_type="dynamic", rope_theta=10000.0, factor=2.0)), None),
     # rope_scaling beside transformers-5 rope_parameters: transformers takes rope_scaling
     "rope_scaling_beside_rope_parameters": ("llama", {}, lambda c: c.update(
         rope_scaling={"rope_type": "linear", "factor": 2.0})),
@@ -434,3 +445,19 @@ def test_a_default_key_value_head_count_that_makes_no_model_says_so():
         parse_hf_config(cfg)
     with pytest.raises(ConfigError, match="got 8$"):
         parse_hf_config(dict(cfg, num_key_value_heads=8))
+
+
+def test_a_yarn_scaling_without_factor_scales_the_softmax_by_its_implied_factor(tmp_path):
+    """A YaRN scaling that gives no factor rotates by max_position_embeddings / original_max_position_embeddings;
+    DeepSeek's softmax scale (mscale_all_dim) takes the same factor: it raised KeyError 'factor' at load. The model is
+    the one whose config writes that factor out."""
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64, mscale=1.0,
+                mscale_all_dim=0.5)
+    ref = build("deepseek_v3", tmp_path, max_position_embeddings=256, rope_parameters=rope)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["rope_parameters"]["factor"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([IDS]), position_ids=torch.arange(len(IDS))[None],
+                                     use_cache=False).logits[0].float(), dim=-1)
+    assert (LLM(tmp_path).prompt_logprobs(IDS) - want).abs().max().item() < 1e-4

@@ -70,7 +70,9 @@ def build_mixer(spec: LayerSpec, mt: str, cfg: dict[str, Any], dtype: torch.dtyp
         rotary = Rotary(int(mix.head_dim * partial_rotary(cfg, mt)), cfg)
         return GatedAttention(mix, cfg, dtype, rotary=rotary, norm_eps=eps)
     if isinstance(mix, MLASpec) and mt == "kimi_linear":
-        mla = MLAttention(mix, cfg, dtype, interleaved_rope=False)  # (latent norms: the reference's 1e-6)
+        # (latent norms: the reference's 1e-6; no rope settings read: no rotary, no YaRN mscale in the softmax scale)
+        norope = {k: v for k, v in cfg.items() if k not in ("rope_scaling", "rope_parameters")}
+        mla = MLAttention(mix, norope, dtype, interleaved_rope=False)
         mla.rotary = NoRotary(mix.qk_rope_head_dim)
         return mla
     kind = mix.kind if mix is not None else None

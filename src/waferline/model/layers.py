@@ -325,12 +325,17 @@ def _yarn_mscale(scale: float, m: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
+def _yarn_factor(p: dict[str, Any], cfg: dict[str, Any]) -> float:
+    """A YaRN scaling's factor; where the config gives none, max_position_embeddings over the original context."""
+    orig = _original_len(p, cfg)
+    return float(p.get("factor") or cfg.get("max_position_embeddings", orig) / orig)
+
+
 def _yarn(
     inv: torch.Tensor, base: float, dim: int, p: dict[str, Any], cfg: dict[str, Any]
 ) -> tuple[torch.Tensor, float]:
     orig = _original_len(p, cfg)
-    factor = p.get("factor") or cfg.get("max_position_embeddings", orig) / orig
-    factor = float(factor)
+    factor = _yarn_factor(p, cfg)
     att = p.get("attention_factor")
     if att is None:
         m, m_all = p.get("mscale"), p.get("mscale_all_dim")
@@ -353,10 +358,12 @@ def _yarn(
 
 
 def attention_softmax_scale(cfg: dict[str, Any], head_dim: int) -> float:
-    """1/sqrt(d), times YaRN's mscale² when ``mscale_all_dim`` is set (DeepSeek)."""
+    """1/sqrt(d), times YaRN's mscale² when ``mscale_all_dim`` is set (DeepSeek; under any scaled rope_type, as
+    transformers applies it)."""
     scale = head_dim ** -0.5
     p = rope_parameters(cfg)
-    if p["rope_type"] == "yarn" and p.get("mscale_all_dim"):
-        m = _yarn_mscale(float(p["factor"]), float(p["mscale_all_dim"]))
+    if p["rope_type"] != "default" and p.get("mscale_all_dim"):
+        factor = _yarn_factor(p, cfg) if p["rope_type"] == "yarn" else float(p["factor"])
+        m = _yarn_mscale(factor, float(p["mscale_all_dim"]))
         scale *= m * m
     return scale
