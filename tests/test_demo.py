@@ -475,3 +475,53 @@ def test_demo_names_the_int4_copy_of_model_dot_after_the_checkpoint(tmp_path, mo
     assert run_demo(out_dir=str(out), max_tokens=1, model=".", layers_per_stage=0, report=False) == 0
     assert (out / "ckpt-int4-g32" / "model.safetensors").is_file() and not (out / "-int4-g32").exists()
     assert json.loads((out / "demo.json").read_text())["checkpoint"] == str(out / "ckpt-int4-g32")
+
+
+def test_demo_requantizes_the_int4_copy_when_the_checkpoints_config_changes(tmp_path):
+    """The int4 copy carries the source's config.json and tokenizer: an edit to them makes a new copy (the stamp held
+    the weights' sizes and times only, and the demo ran the old config, the context it named included)."""
+    from waferline.demo import run_demo
+
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    out = tmp_path / "out"
+    assert run_demo(out_dir=str(out), max_tokens=1, model=str(model), report=False, layers_per_stage=0) == 0
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rope_theta"] = 5000.0
+    (model / "config.json").write_text(json.dumps(cfg, indent=2))
+    assert run_demo(out_dir=str(out), max_tokens=1, model=str(model), report=False, layers_per_stage=0) == 0
+    assert json.loads((out / "ckpt-int4-g32" / "config.json").read_text())["rope_theta"] == 5000.0
+
+
+def test_demo_reuses_its_random_checkpoint_and_its_int4_copy(tmp_path, monkeypatch, capsys):
+    """Without the bundled sol-mini, a second run reuses the random checkpoint and its int4 copy that the first made
+    (both were made again on every run); a build stopped before its config.json is made again."""
+    import waferline.demo as demo
+
+    monkeypatch.setattr(demo, "BUNDLED", tmp_path / "no-sol-mini")
+    out = tmp_path / "out"
+    made = (out / "sol-demo-random" / "model.safetensors", out / "sol-demo-random-int4-g32" / "model.safetensors")
+    assert demo.run_demo(out_dir=str(out), max_tokens=1, report=False, layers_per_stage=0) == 0
+    first = [p.stat().st_mtime_ns for p in made]
+    assert demo.run_demo(out_dir=str(out), max_tokens=1, report=False, layers_per_stage=0) == 0
+    assert [p.stat().st_mtime_ns for p in made] == first
+    assert "reusing the small RANDOM sol checkpoint" in " ".join(capsys.readouterr().out.split())
+    assert demo.is_demo_checkpoint(out / "sol-demo-random")
+    (out / "sol-demo-random" / "config.json").unlink()  # (as a build stopped midway leaves it)
+    assert not demo.is_demo_checkpoint(out / "sol-demo-random")
+
+
+def test_demo_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
+    """--model whose config.json is not valid JSON, or not an object: one line naming the file (a traceback from
+    is_int4_checkpoint, as `generate --stages 2 --weight-bits 4` gave)."""
+    from waferline.cli import main
+
+    model = build_demo_checkpoint(tmp_path / "ckpt")
+    for text in ("{bad", "[]"):
+        (model / "config.json").write_text(text)
+        for argv in (["demo", "--model", str(model), "--out", str(tmp_path / "out"), "--max-tokens", "1",
+                      "--no-report", "--layers-per-stage", "0"],
+                     ["generate", "--model", str(model), "--prompt-ids", "1 2", "--max-tokens", "1", "--stages", "2",
+                      "--weight-bits", "4"]):
+            assert main(argv) == 2, (text, argv[0])
+            err = capsys.readouterr().err
+            assert err.startswith("error: ") and err.count("\n") == 1 and "config.json" in err, err

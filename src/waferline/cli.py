@@ -357,7 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=4,
         choices=[4, 16],
         help="4 = int4 weights (default): an RTN int4 copy written once into --out and reused while it is the copy of "
-             "these weights; 16 = the 16-bit file as is (an int4 --model runs as int4 either way)",
+             "this checkpoint (its weights, config and tokenizer); 16 = the 16-bit file as is (an int4 --model runs as "
+             "int4 either way)",
     )
     d.add_argument("--json", action="store_true", help="also print a JSON summary on stdout")
     d.add_argument("--speculative", default=None, metavar="METHOD",

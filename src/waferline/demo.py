@@ -88,12 +88,25 @@ def _write(path: Path, text: str) -> Path:
 
 
 def build_demo_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """A small random `sol` checkpoint with a tokenizer (used when sol-mini is not bundled, and by tests)."""
+    """A small random `sol` checkpoint with a tokenizer (used when sol-mini is not bundled, and by tests). Its
+    config.json is written last: a build stopped midway has none."""
     from waferline.model.init import write_random_checkpoint
 
-    write_random_checkpoint(SOL_DEMO_CONFIG, directory, seed=seed)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").unlink(missing_ok=True)
     write_tokenizer(directory, DEMO_TEXT, SOL_DEMO_CONFIG["vocab_size"])
+    write_random_checkpoint(SOL_DEMO_CONFIG, directory, seed=seed)
     return directory
+
+
+def is_demo_checkpoint(directory: Path) -> bool:
+    """Whether ``directory`` holds a whole build_demo_checkpoint build of SOL_DEMO_CONFIG (reused, not rebuilt)."""
+    try:
+        return (json.loads((directory / "config.json").read_text()) == SOL_DEMO_CONFIG
+                and (directory / "model.safetensors").is_file())
+    except (OSError, ValueError):
+        return False
 
 
 class LayerTimer:
@@ -350,9 +363,12 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
     if not trained:
         ckpt = out / "sol-demo-random"
         name = ckpt.name
-        console.print(f"[yellow]sol-mini not found at {escape(str(BUNDLED))}; building a small RANDOM sol checkpoint "
+        built = is_demo_checkpoint(ckpt)  # (made by an earlier run: reused, as its int4 copy is)
+        console.print(f"[yellow]sol-mini not found at {escape(str(BUNDLED))}; "
+                      f"{'reusing the' if built else 'building a'} small RANDOM sol checkpoint "
                       "instead (the text will be noise). Rebuild sol-mini with: python train/sol_mini.py[/yellow]")
-        build_demo_checkpoint(ckpt)
+        if not built:
+            build_demo_checkpoint(ckpt)
     from waferline.engine.inputs import is_int4_checkpoint
 
     stored_int4 = is_int4_checkpoint(ckpt)  # (an int4 checkpoint runs as it is: int4 whatever --weight-bits says)
@@ -362,10 +378,12 @@ def run_demo(out_dir: str = "demo_out", max_tokens: int = 160, json_out: bool = 
         from waferline.model.quant import QuantOptions, quantize_checkpoint
 
         qdir = out / f"{name}-int4-g{group_size}"  # (named as the report names it: `--model .` is not "-int4-g32")
-        # reused only while it is the int4 copy of these very weights (the source's path, sizes and times)
+        # reused only while it is the int4 copy of this very checkpoint (the source's path, and the sizes and times of
+        # its files: the weights, and the config and tokenizer the copy carries; not the demo's own outputs)
         source = json.dumps({"source": str(ckpt.resolve()), "group_size": group_size, "method": "rtn",
                              "files": sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns)
-                                             for f in ckpt.glob("*.safetensors"))})
+                                             for f in ckpt.iterdir() if f.is_file() and not f.name.startswith(".")
+                                             and f.name not in ("demo.json", "waferline-report.html"))})
         stamp = qdir / ".waferline-source.json"
         if not (qdir / "model.safetensors").is_file() or not stamp.is_file() or stamp.read_text() != source:
             with console.status(escape(f"quantizing {name} to int4 (RTN, group {group_size}) -> {qdir}")):

@@ -89,6 +89,12 @@ def wants_afd(options: dict[str, Any]) -> bool:
 
 def is_int4_checkpoint(directory: Path) -> bool:
     from waferline.model.quant import quant_method
+    from waferline.spec.configs import read_config_json
 
     cfg = directory / "config.json"
-    return cfg.is_file() and quant_method(json.loads(cfg.read_text())) is not None
+    if not cfg.is_file():
+        return False
+    data = read_config_json(cfg)  # (not valid JSON: one line naming the file, not a traceback)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{cfg}: a config.json holds one JSON object, got a {type(data).__name__}")
+    return quant_method(data) is not None
