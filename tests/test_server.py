@@ -507,6 +507,33 @@ def test_an_unexpected_fault_is_counted_as_a_500(live, monkeypatch):
     assert _metrics(live).get(key, 0.0) == before + 1
 
 
+def test_a_stream_that_fails_on_an_unexpected_fault_is_counted_once_as_a_500(live, monkeypatch):
+    """A fault the handlers do not expect ends a stream that has started: /metrics counts the request once, as a 500
+    (not also as a client that went away, 499)."""
+    from waferline.server.choices import Choices
+
+    chunks = Choices.chunks
+
+    def broken(self, i, ev):
+        if ev.completion_tokens == 3:
+            raise RuntimeError("a fault nobody expected")
+        return chunks(self, i, ev)
+
+    monkeypatch.setattr(Choices, "chunks", broken)
+    key = 'waferline_requests_total{endpoint="completions",status="%s"}'
+    m0 = _metrics(live)
+    body = {"model": "sol-test", "prompt": "faulty", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with pytest.raises(httpx.RemoteProtocolError):  # (the stream is cut: its status was sent already)
+        with httpx.stream("POST", live.state.base + "/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}) as r:
+            list(r.iter_lines())
+    assert _wait_until(lambda: _metrics(live).get(key % "500", 0.0) == m0.get(key % "500", 0.0) + 1, 10)
+    assert _wait_until(lambda: live.state.server.engine.num_running == 0)
+    m = _metrics(live)
+    assert {s: m.get(key % s, 0.0) - m0.get(key % s, 0.0) for s in ("200", "499", "500")} == \
+        {"200": 0.0, "499": 0.0, "500": 1.0}
+
+
 def _assert_offsets_fit(text: str, tokens: list[str], offsets: list[int]) -> None:
     """Each offset lies within ``text``, in order, and a token that is a whole text (no part of a split character, nor
     after one) is found there."""

@@ -271,8 +271,9 @@ async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[st
                   include_usage: bool, count: Any) -> AsyncIterator[str]:
     """SSE: a chunk per token of each choice (chat: the role first), each choice's finish, then (``include_usage``) the
     usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted).
-    ``count(status)`` at the end: 200 (its HTTP status, an error event included), or 499 where the client left first."""
-    ended = False
+    ``count(status)`` at the end: 200 (its HTTP status, an error event included), or 499 where the client left first
+    (a fault that ends it is counted by the app's handler of unexpected faults: 500)."""
+    ended = failed = False
 
     def sse(c: dict[str, Any]) -> str:
         return _sse(dict(base, choices=[c]) | ({"usage": None} if include_usage else {}))
@@ -295,6 +296,10 @@ async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[st
                 yield _sse(dict(base, choices=[], usage=choices.usage()))
         yield "data: [DONE]\n\n"
         ended = True
+    except Exception:
+        failed = True
+        raise
     finally:
-        count(200 if ended else DISCONNECTED)
+        if not failed:
+            count(200 if ended else DISCONNECTED)
         await events.aclose()  # a disconnect cancels us here: closing the generator aborts what still runs
