@@ -126,3 +126,34 @@ def test_seeded_rows_sample_as_lone_requests_of_the_scheduler(ckpts):
         while sch.has_work():
             sch.step()
         assert seq.output_ids == outs[i].token_ids
+
+
+def test_a_loop_that_fails_outside_a_step_ends_every_request_and_says_so(ckpts, monkeypatch):
+    """An exception in the loop's own bookkeeping (here an abort's) killed the engine thread: requests in flight and
+    queued waited for events that never came, and ``on_fatal`` (the server's exit) was never called."""
+    import threading
+
+    from waferline.engine.loop import EngineLoop
+
+    llm = LLM(ckpts["llama"])
+    sch = Scheduler(llm, SchedulerConfig(max_num_seqs=2))
+    told: list[str] = []
+    loop = EngineLoop(sch, on_fatal=told.append)
+    loop.stepper = None  # (the plain step loop; an overlap stepper aborts the same way)
+    done, events = threading.Event(), []
+
+    def sink(e):
+        events.append(e)
+        if e.finished:
+            done.set()
+
+    monkeypatch.setattr(Scheduler, "abort", lambda self, rid: 1 / 0)
+    loop.start()
+    loop.pause()  # (both reach the loop at its next wakeup)
+    loop.submit([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True), sink)
+    loop.abort("another request")
+    loop.resume()
+    assert done.wait(30), "the request was left waiting on a dead engine loop"
+    assert events[-1].finish_reason == "error" and "ZeroDivisionError" in events[-1].error
+    assert len(told) == 1 and "the engine loop failed" in told[0] and not loop.healthy
+    loop.shutdown()

@@ -35,7 +35,8 @@ class EngineLoop:
     A step that fails (a bug, an out-of-memory, a pipeline stage that died or hung) ends every running, waiting and
     queued request with an error, then the runner recovers (fresh caches; a pipeline is rebuilt with new stage
     processes). While it recovers the loop is not ``healthy`` and ``submit`` refuses requests; if recovery fails the
-    loop stops for good (``fatal``) and calls ``on_fatal`` (the CLI's server then exits non-zero)."""
+    loop stops for good (``fatal``) and calls ``on_fatal`` (the CLI's server then exits non-zero), as it does when the
+    loop itself fails outside a step."""
 
     def __init__(self, scheduler: Scheduler, torch_threads: int | None = None,
                  on_fatal: Callable[[str], None] | None = None):
@@ -131,6 +132,23 @@ class EngineLoop:
 
     # -- the thread
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as e:  # (outside a step: admission or abort bookkeeping) no request may wait on a dead loop
+            self.fatal = f"the engine loop failed: {type(e).__name__}: {e}"
+            log.error("%s", self.fatal, exc_info=True)
+            with self._lock:
+                queued = list(self._inbox)
+                self._inbox.clear()
+            for seq in queued:
+                seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, self.fatal, True))
+            try:
+                self.scheduler.fail_all(self.fatal)
+            finally:
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+
+    def _loop(self) -> None:
         if self.torch_threads:
             torch.set_num_threads(self.torch_threads)
         sch = self.scheduler
