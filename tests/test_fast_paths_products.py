@@ -263,6 +263,50 @@ def test_integer_activation_products_keep_nan(kernel):
         op.use_portable(prev[1])
 
 
+@pytest.mark.skipif(not _INT_KERNELS, reason="the integer-activation kernels are AVX2 code")
+@pytest.mark.parametrize("kernel", ["tiles", "rows", "portable"])
+def test_integer_activations_of_tiny_groups(kernel):
+    """A group of x whose largest |x| is below 32767 times the smallest normal float (~3.9e-34) is held with sx =
+    2^-126 (xi = round(x 2^126), its own sign): 32767 / max|x| passed the largest float there, and the infinity made
+    every xi -32767 (the vector and the scalar quantizer alike), outputs of the wrong sign and size. Through the int4
+    products (tile copies, row kernels; the portable loop's fp32 product) and the int8 head, within the fixed point's
+    bound, as normal-sized groups are."""
+    from waferline.model.quant import pack_kernel
+
+    op = torch.ops.waferline
+    g = torch.Generator().manual_seed(17)
+    K, N, G = 256, 40, 64
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(N, K // G, generator=g) * 0.05 + 0.01).to(torch.bfloat16)
+    w = ((codes.float().view(N, K // G, G) - 8) * scales.float().unsqueeze(-1)).view(N, K)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = (torch.rand(N, generator=g) * 0.01 + 0.001).to(torch.bfloat16)
+    w8 = q.float() * s8.float()[:, None]
+    x = torch.randn(5, K, generator=g) * 1e-35
+    x[1, :G] *= 1e-4  # a group near the smallest bf16 numbers
+    x[2, G:] = torch.randn(K - G, generator=g)  # one tiny group beside normal ones
+    x[3] = x[3].abs()
+    x = x.to(torch.bfloat16)
+    prev = op.use_int_tiles(kernel == "tiles"), op.use_portable(kernel == "portable")
+    try:
+        tiny = x.float().abs().view(5, K // G, G).amax(-1) < 32767 * 2.0 ** -126
+        for out, wt in ((op.int4_linear(x, pack_kernel(codes), scales.unsqueeze(-1).contiguous(), G), w),
+                        (op.int8_linear(x.float(), q, s8), w8)):
+            exact = x.double() @ wt.double().T
+            step = torch.where(tiny, 2.0 ** -126, x.float().abs().view(5, K // G, G).amax(-1) / 32767).double()
+            bound = step @ wt.abs().view(N, K // G, G).sum(-1).double().T / 2 + exact.abs() * 2.0 ** -7
+            assert bool(((out.double() - exact).abs() <= bound).all()), kernel
+        xq, sx, _ = op.i16_rows(x.float(), G)
+        assert bool(tiny.any()) and bool((sx[tiny] == 2.0 ** -126).all())
+        order = torch.tensor([k0 + _lane_input(j) for k0 in range(0, K, 64) for j in range(64)])
+        want = torch.round(x.float()[:, order] * 2.0 ** 126).to(torch.int16)
+        pick = tiny.repeat_interleave(G, 1)
+        assert torch.equal(xq[pick], want[pick])
+    finally:
+        op.use_int_tiles(prev[0])
+        op.use_portable(prev[1])
+
+
 @pytest.mark.skipif(not kernels.available(), reason="fused CPU operators not built")
 @pytest.mark.parametrize("tiles", [True, False])
 @pytest.mark.parametrize("K", [512, 200, 40, 99])

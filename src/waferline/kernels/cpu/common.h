@@ -153,7 +153,23 @@ bool use_int_activations(bool on) { return g_int_act.exchange(on); }
 // 16-bit fixed point of activations (the integer kernels: int4.h, int8.h): over a span of x, sx = max|x| / 32767 and
 // xi = round(x / sx), so x ~ sx * xi with |xi| <= 32767; an all-zero span has sx = 0 and xi = 0. A span holding a NaN
 // or an infinity has sx = NaN and xi = 0: every product it enters is NaN (the float product's is NaN or infinite),
-// where the maximum (it skips NaN) and the clamp alone made it finite numbers.
+// where the maximum (it skips NaN) and the clamp alone made it finite numbers. A span whose max|x| is below 32767
+// times the smallest normal float (2^-126; max|x| < ~3.9e-34) has sx = 2^-126 instead (|xi| < 32767 still): there
+// max|x| / 32767 is a denormal and 32767 / max|x| may pass the largest float, an infinity that turned every xi into
+// -32767 (x * inf: the float -> int conversion's out-of-range value, or NaN for x = 0).
+inline float fixed16_scale(float mx, float* sx) {  // -> 1 / sx for a span of finite max|x| mx (0: all zero); sets sx
+  constexpr float tiny = std::numeric_limits<float>::min();  // 2^-126 (1 / tiny = 2^126: both exact)
+  if (!(mx > 0.f)) {
+    *sx = 0.f;
+    return 0.f;
+  }
+  if (mx < 32767.f * tiny) {
+    *sx = tiny;
+    return 1.f / tiny;
+  }
+  *sx = mx / 32767.f;
+  return 32767.f / mx;
+}
 inline float fixed16_inv(const float* x, int64_t n, float* sx) {  // -> 1 / sx (0 for an all-zero span); sets sx
   float mx = 0.f;
   bool finite = true;
@@ -166,8 +182,7 @@ inline float fixed16_inv(const float* x, int64_t n, float* sx) {  // -> 1 / sx (
     *sx = std::numeric_limits<float>::quiet_NaN();
     return 0.f;
   }
-  *sx = mx > 0.f ? mx / 32767.f : 0.f;
-  return mx > 0.f ? 32767.f / mx : 0.f;
+  return fixed16_scale(mx, sx);
 }
 inline int16_t fixed16(float v, float inv) {
   const float r = std::nearbyint(v * inv);  // (NaN: a non-finite span's value, inv 0)

@@ -296,8 +296,8 @@ inline void i16_quantize_avx512(const float* xf, int64_t M, int64_t K, int64_t G
         continue;
       }
       const float mx = _mm512_reduce_max_ps(mv);
-      const float s = mx > 0.f ? mx / 32767.f : 0.f;  // (fixed16_inv's)
-      const __m512 inv = _mm512_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+      float s;
+      const __m512 inv = _mm512_set1_ps(fixed16_scale(mx, &s));  // (fixed16_inv's)
       __m512i sum = _mm512_setzero_si512();
       for (int64_t k0 = 0; k0 < G; k0 += INT4_BLOCK) {
         __m256i n[4];
