@@ -778,6 +778,20 @@ def test_quantize_refuses_what_it_cannot_do_before_the_work(tmp_path, llama_dir,
     assert err.startswith("error: ") and "quantize rtn" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_quantize_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, capsys):
+    """A config.json holding a list (or any JSON that is not an object): one line naming the file, as generate, serve,
+    plan and demo say it (quantize was an AttributeError traceback from reading its quantization_config)."""
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for text in ("[]", "3"):
+        (bad / "config.json").write_text(text)
+        assert cli.main(["quantize", "--model", str(bad), "--out", str(tmp_path / "q")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "config.json holds one JSON object" in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+
+
 def test_quantize_out_dot_is_refused_before_the_work(tmp_path, llama_dir, capsys, monkeypatch):
     """`quantize --out .` (the current directory, empty) quantized the whole checkpoint, then failed with a ValueError
     traceback (a directory named '.' cannot be renamed into place) and left a temporary directory in it."""

@@ -94,7 +94,4 @@ def is_int4_checkpoint(directory: Path) -> bool:
     cfg = directory / "config.json"
     if not cfg.is_file():
         return False
-    data = read_config_json(cfg)  # (not valid JSON: one line naming the file, not a traceback)
-    if not isinstance(data, dict):
-        raise ConfigError(f"{cfg}: a config.json holds one JSON object, got a {type(data).__name__}")
-    return quant_method(data) is not None
+    return quant_method(read_config_json(cfg)) is not None  # (not a JSON object: one line naming the file)

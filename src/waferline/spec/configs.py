@@ -981,15 +981,19 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     return spec
 
 
-def read_config_json(path: str | Path) -> Any:
-    """A ``config.json`` file's JSON; ConfigError (the file named) where it is missing or not valid JSON."""
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A ``config.json`` file's JSON object; ConfigError (the file named) where it is missing, not valid JSON or not
+    an object."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no config file at {path}")
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):  # (a list, a number: one line, not a traceback where it is read)
+        raise ConfigError(f"{path}: a config.json holds one JSON object, got a {type(cfg).__name__}")
+    return cfg
 
 
 def spec_from_config_file(path: str | Path, name: str | None = None) -> ModelSpec:
