@@ -467,6 +467,8 @@ def test_scoring_a_prompt_counts_no_generated_token(live):
     assert m['waferline_request_finished_total{reason="length"}'] == \
         before.get('waferline_request_finished_total{reason="length"}', 0.0) + 2
     assert m["waferline_e2e_request_latency_seconds_count"] == before["waferline_e2e_request_latency_seconds_count"] + 2
+    # a whole request's latency has buckets past a minute (a long reply on a CPU; they topped out at 60 s)
+    assert 'waferline_e2e_request_latency_seconds_bucket{le="3600.0"}' in m
     bad = httpx.post(live.state.base + "/v1/completions", json=dict(body, min_tokens=7), headers=headers, timeout=60)
     assert bad.status_code == 400 and "min_tokens must be 0 with max_tokens 0, got 7" in bad.json()["error"]["message"]
 

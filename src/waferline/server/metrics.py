@@ -16,6 +16,8 @@ if TYPE_CHECKING:
 DISCONNECTED = 499
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# a whole request: a long reply on a CPU takes minutes (the TTFT buckets' 60 s top left them all in +Inf)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1200.0, 3600.0, 7200.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5.0)
 
 
@@ -38,7 +40,7 @@ class Metrics:
                               registry=r)
         self.itl = Histogram("waferline_inter_token_latency_seconds", "time between consecutive tokens of a request",
                              buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("waferline_e2e_request_latency_seconds", "arrival to last token", buckets=_TTFT_BUCKETS,
+        self.e2e = Histogram("waferline_e2e_request_latency_seconds", "arrival to last token", buckets=_E2E_BUCKETS,
                              registry=r)
         self.pages = Gauge("waferline_cache_pages_in_use", "cache pages held by live sequences, per cache kind "
                            "(mamba2: state slots; draft_*: a draft model's; mtp_*: the MTP head's)", ["kind"],
