@@ -76,6 +76,11 @@ def test_a_row_no_fold_holds_is_checked_with_the_fit_on_this_csv_not_the_shipped
     own = fit_rows(prob, iters=40)
     assert got == pytest.approx(unstated_reasoning(res[2].row, own, [])["decode_tokens_per_s"], rel=1e-9)
     assert got != pytest.approx(unstated_reasoning(res[2].row, load_params(), [])["decode_tokens_per_s"], rel=1e-3)
+    assert res[2].detail["fold"] is None  # (no fold's refit: the fit on every predicted row)
+    # by vendor, with its vendor's rows: checked with that fold's refit, and the row says which (it said none)
+    p.write_text(p.read_text().replace("n,SysN,", "n,SysA,").replace("b,SysA,", "b,SysB,"))
+    res, s = cross_validate(p, "vendor", iters=40)
+    assert s["folds"] == 2 and res[-1].row.id == "n" and res[-1].detail["fold"] == "SysA"
 
 
 def test_memory_efficiency_is_one_parameter_per_memory_kind(tmp_path):

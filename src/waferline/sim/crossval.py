@@ -78,8 +78,11 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
             full.append(fit_rows(prob, iters=iters))
         return full[0]
 
-    results += [skipped_result(published[rid], why, without(published[rid]) if why == NOT_COMPARABLE else prob.base,
-                               rows) for rid, why in prob.skipped]  # (only a row not comparable is simulated)
+    for rid, why in prob.skipped:  # (only a row not comparable is simulated)
+        r = skipped_result(published[rid], why, without(published[rid]) if why == NOT_COMPARABLE else prob.base, rows)
+        if why == NOT_COMPARABLE:  # (the fold whose refit checked it; None: the fit on every predicted row)
+            r.detail["fold"] = fold_key(published[rid], by) if fold_key(published[rid], by) in refits else None
+        results.append(r)
     return results, summarize(results) | {
         "cross_validate": by, "folds": len(groups),
         "params": f"refit per fold from the priors on the other rows of {Path(path).name}",
