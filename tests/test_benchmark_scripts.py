@@ -329,3 +329,29 @@ def test_decode_speed_prints_the_reasons_of_its_missing_rows_as_written(capsys):
     for ds in script_module("decode_speed"):
         ds.print_tables(res)
     assert f"n/a — llama.cpp Q4_0: {na}" in capsys.readouterr().out
+
+
+def test_sol_mini_caches_are_written_whole(tmp_path, monkeypatch):
+    """train/sol_mini.py wrote its token cache (and its data split and tokenizer) in place: a run stopped mid-write
+    left a partial file that the next run loaded as it was."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    tok = SimpleNamespace(encode=lambda text: SimpleNamespace(ids=[1, 2, 3]))
+    cache = tmp_path / "ids.pt"
+
+    def stopped(obj, f):  # (a kill mid-write: part of the file, then the interrupt)
+        Path(f).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        sol_mini.encode(tok, "text", cache)
+    assert not cache.exists()
+    monkeypatch.undo()
+    assert sol_mini.encode(tok, "text", cache).tolist() == [1, 2, 3] and torch.load(cache).tolist() == [1, 2, 3]

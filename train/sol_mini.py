@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from waferline import kernels  # noqa: E402
 from waferline.argtypes import nonnegative_int, out_path, positive_float, positive_int  # noqa: E402
+from waferline.files import write_text_atomic  # noqa: E402
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
 from waferline.model.init import _RecordingSource, export_hf_state_dict  # noqa: E402
@@ -138,9 +139,10 @@ def prepare_data(work: Path) -> tuple[str, str, dict]:
         "train_chars": sum(map(len, train)),
         "heldout_chars": sum(map(len, held)),
     }
-    train_f.write_text("\n\n".join(train))
-    held_f.write_text("\n\n".join(held))
-    info_f.write_text(json.dumps(info, indent=2))
+    # each written whole (a temporary file renamed), split.json last: a run stopped midway leaves no split it trusts
+    write_text_atomic(train_f, "\n\n".join(train))
+    write_text_atomic(held_f, "\n\n".join(held))
+    write_text_atomic(info_f, json.dumps(info, indent=2))
     return train_f.read_text(), held_f.read_text(), info
 
 
@@ -155,10 +157,10 @@ def train_tokenizer(text: str, out: Path) -> object:
         trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<s>", "</s>"], show_progress=False,
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
         tok.train_from_iterator(text.split("\n\n"), trainer)
-        tok.save(str(tok_path))
-        (out / "tokenizer_config.json").write_text(json.dumps(
+        write_text_atomic(out / "tokenizer_config.json", json.dumps(
             {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
              "model_max_length": SOL_MINI_CONFIG["max_position_embeddings"]}, indent=2))
+        write_text_atomic(tok_path, tok.to_str(pretty=True))  # (last, whole: a stopped run leaves no tokenizer.json it trusts)
     return Tokenizer.from_file(str(tok_path))
 
 
@@ -166,7 +168,9 @@ def encode(tok, text: str, cache: Path) -> torch.Tensor:
     if cache.is_file():
         return torch.load(cache, weights_only=True)
     ids = torch.tensor(tok.encode(text).ids, dtype=torch.int32)
-    torch.save(ids, cache)
+    tmp = cache.with_name(cache.name + ".tmp")
+    torch.save(ids, tmp)
+    tmp.replace(cache)  # (whole or not at all)
     return ids
 
 
