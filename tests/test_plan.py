@@ -711,6 +711,22 @@ def test_afd_layers_per_stage_is_taken(hardware):
         place("deepseek-v3", hardware, afd=True, layers_per_stage=8, devices=10, weight_bits=4)
 
 
+@pytest.mark.parametrize("model,hardware,bits,k", [
+    ("qwen3-30b-a3b", "groq-lpu-3", 4, 2),
+    ("mixtral-8x7b", "groq-lpu-v1", 4, None),
+])
+def test_afd_pools_on_a_pipeline_take_the_devices_each_side_needs(model, hardware, bits, k):
+    """--afd --devices on a pipeline (wafers, LPUs) gave the attention side its share of the bytes: qwen3-30b-a3b in
+    stages of 2 layers on 74 LPUs (the fewest that fit placed) or 150 got 24 devices for its 24 stages, the
+    embedding's and LM head's stages over capacity, the FFN side the rest; each side now gets at least the devices
+    its stages need where the devices given hold both."""
+    fewest = place(model, hardware, afd=True, layers_per_stage=k, weight_bits=bits)
+    assert fewest.fits
+    for n in (fewest.num_devices, fewest.num_devices + 1, 2 * fewest.num_devices):
+        plan = place(model, hardware, afd=True, layers_per_stage=k, weight_bits=bits, devices=n)
+        assert plan.fits and plan.num_devices <= n, (n, plan.problems[:1])
+
+
 def _layers_weights(spec, layers, bits=16):
     return sum(spec.layers[i].weight_bytes(bits, 128) for i in layers)
 
@@ -743,6 +759,20 @@ def test_untied_models_end_stages_are_counted_as_before():
         n0, n1 = first.num_devices, last.num_devices
         assert first.memory.weights * n0 == pytest.approx(_layers_weights(spec, first.layers, 4) + spec.embed_bytes(16))
         assert last.memory.weights * n1 == pytest.approx(_layers_weights(spec, last.layers, 4) + spec.lm_head_bytes(16))
+
+
+@pytest.mark.parametrize("model,hardware,bits,kw", [
+    ("llama-3.2-1b", "groq-lpu-3", 4, dict(devices=4)),
+    ("qwen3-0.6b", "groq-lpu-3", 16, dict(devices=4)),
+    ("llama-3.2-1b", "groq-lpu-3", 8, dict(afd=True, devices=8)),
+])
+def test_a_tied_model_on_the_devices_given_takes_fewer_stages_that_fit(model, hardware, bits, kw):
+    """llama-3.2-1b on 4 Groq LPUs, 4-bit: 2 stages of 2 hold it (or 1 stage of 4, the table once), but the search
+    for fewer stages ran only where the greedy packing fit the devices given, which the table's copy on the last
+    stage (its first and last stages of one layer, 2 devices each: 6) did not; the plan gave 4 stages of 1 device,
+    its end stages over capacity."""
+    plan = place(model, hardware, weight_bits=bits, **kw)
+    assert plan.fits and plan.num_devices <= kw["devices"], plan.problems[:1]
 
 
 @pytest.mark.parametrize("spare", [0.5, -0.01])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -462,6 +462,12 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
                                       f"{n_st[1]} FFN stages: use --devices >= {sum(n_st)} or a larger "
                                       "--layers-per-stage")
                 na = min(max(na, n_st[0]), devices - n_st[1])
+            if hw.placement != "tensor":  # (each side the devices its stages need, where those given hold both)
+                need = [sum(n for _, n in (_chunks(x, layers_per_stage, hw, act, e) if layers_per_stage is not None
+                                           else _greedy_pack(x, hw, act, e)))
+                        for x, e in ((att, ends), (ffn, _NO_ENDS))]
+                if sum(need) <= devices:
+                    na = min(max(na, need[0]), devices - need[1])
         if hw.placement == "tensor":
             # GPU-style pools: the attention side placed as a model is (tensor-parallel groups that split the heads
             # evenly inside a node; pipeline stages over nodes where one group does not hold it, or stages of
@@ -603,9 +609,11 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
     if k is None and sum(need) > devices:
         # a stage needs more than one device (an end stage's embedding or LM head, a layer larger than a device): one
         # stage per device leaves none for it; fewer stages do, where the fewest devices that fit (the greedy
-        # packing) are not more than those given
+        # packing) are not more than those given (a tied model's counted without the table's copy on the last stage,
+        # which fewer stages, one holding both ends, may not need)
         packed = _greedy_pack(parts, hw, act, ends)
-        if sum(n for _, n in packed) <= devices:
+        bound = _greedy_pack(parts, hw, act, replace(ends, table=0.0)) if ends.table else packed
+        if sum(n for _, n in bound) <= devices:
             for g in range(len(groups) - 1, 0, -1):
                 fewer = _balanced_split(parts, g, ends)
                 n = needs(fewer)
@@ -613,7 +621,8 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
                     groups, need = fewer, n
                     break
             else:
-                groups, need = [g for g, _ in packed], [n for _, n in packed]
+                if sum(n for _, n in packed) <= devices:
+                    groups, need = [g for g, _ in packed], [n for _, n in packed]
     per = max(1, devices // len(groups))
     sizes = [sum(p.weights + p.cache for p in g) + e for g, e in zip(groups, ends.each(len(groups)))]
     if all(n <= per for n in need) or sum(need) > devices:  # the even split fits (or no split of these stages does)
