@@ -516,6 +516,53 @@ def test_sigterm_stops_a_pipeline_run_cleanly(sol):
     assert not [p for p in stages if _alive(p)], "stage processes left behind"
 
 
+_SIGINT_PROBE = """
+import multiprocessing.context as context
+import sys
+
+preload = context.ForkServerContext.set_forkserver_preload
+context.ForkServerContext.set_forkserver_preload = lambda self, mods: preload(self, ["sigint_probe", *mods])
+from waferline import LLM
+
+with LLM(sys.argv[1], **({"afd": True} if sys.argv[2] == "afd" else {"stages": 2})):
+    pass
+"""
+
+
+@pytest.mark.parametrize("engine", ["pipeline", "afd"])
+def test_ctrl_c_while_the_forkserver_imports_is_ignored_there(llama, tmp_path, engine):
+    """Ctrl-C reaches the whole process group: a forkserver still importing its preload (torch: seconds) printed a
+    KeyboardInterrupt traceback under the driver's "interrupted". It starts with SIGINT ignored from its first moment
+    (probed here by a module imported first in its preload)."""
+    (tmp_path / "sigint_probe.py").write_text(
+        "import os, signal\nopen(os.environ['SIGINT_PROBE'], 'w').write(str(signal.getsignal(signal.SIGINT) is "
+        "signal.SIG_IGN))\n")
+    probe = tmp_path / "probe.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(tmp_path)]), SIGINT_PROBE=str(probe))
+    proc = subprocess.run([sys.executable, "-c", _SIGINT_PROBE, str(llama), engine], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert probe.read_text() == "True"
+
+
+def test_a_zombie_driver_counts_as_gone():
+    """A worker forked after its driver exited (a Ctrl-C while the forkserver imports) exits by itself: also when the
+    driver is a zombie its caller has not waited for yet (subprocess.run reads the output to the end first), where it
+    waited 30 s for the store and printed a C++ trace."""
+    from waferline.engine.stage import _gone
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while _alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Path(f"/proc/{proc.pid}").exists()  # exited, not yet waited for
+        assert _gone(proc.pid)
+    finally:
+        proc.wait()
+    assert _gone(proc.pid) and not _gone(os.getpid())
+
+
 @pytest.mark.parametrize("flag", ["--attention-ranks", "--ffn-ranks"])
 def test_generate_refuses_zero_ranks(flag, capsys):
     """--afd with 0 ranks used to run as 1 (while -1 was refused)."""

@@ -286,11 +286,9 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
     while True:
         if state.get("stopping"):  # a SHUTDOWN arrived: the process exits on its own (exit code 0), whatever follows
             return
-        if driver_pid is not None:  # first: a store call to a driver that is gone logs a C++ trace before it fails
-            try:
-                os.kill(driver_pid, 0)
-            except ProcessLookupError:
-                os._exit(EXIT_PEER_LOST)
+        # first: a store call to a driver that is gone logs a C++ trace before it fails
+        if driver_pid is not None and _gone(driver_pid):
+            os._exit(EXIT_PEER_LOST)
         n = state["processed"]
         if n != last:
             try:
@@ -427,11 +425,23 @@ def worker_start(driver_pid: int, kernels_on: bool | None = None) -> None:
     threading.Thread(target=_exit_without, args=(driver_pid,), daemon=True, name="waferline-driver-watch").start()
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited: no such process, or a zombie its parent has not waited for yet (a driver
+    run under a caller that reads its output to the end before it waits, as subprocess.run and `$(...)` do)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def _exit_without(driver_pid: int) -> None:
     while True:
-        try:
-            os.kill(driver_pid, 0)
-        except ProcessLookupError:
+        if _gone(driver_pid):
             os._exit(EXIT_PEER_LOST)
         time.sleep(PUBLISH_INTERVAL_S)
 

@@ -28,7 +28,7 @@ from waferline.engine.pipeline.driver import (
     checked_hang_timeout,
     checked_threads,
 )
-from waferline.engine.pipeline.launch import _main_hidden
+from waferline.engine.pipeline.launch import _main_hidden, _start_forkserver
 from waferline.engine.pipeline.supervise import StageError
 from waferline.engine.sampling import SamplingParams, resolve_dtype
 from waferline.engine.stage import (
@@ -133,7 +133,7 @@ class AFD(Pipeline):
                 "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on}
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(["waferline.engine.afd", "waferline.model.load"])
+            _start_forkserver(ctx, ["waferline.engine.afd", "waferline.model.load"])
         for r in range(1, W):
             p = ctx.Process(target=worker_main, args=(r, load, self.run_id, self.threads, os.getpid()),
                             name=f"waferline-afd{r}", daemon=True)

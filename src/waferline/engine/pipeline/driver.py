@@ -22,6 +22,7 @@ from waferline.engine.pipeline.launch import (
     _env_run_id,
     _main_hidden,
     _rendezvous_env,
+    _start_forkserver,
     balanced_ranges,
     env_world_size,
     ids_downstream,
@@ -174,7 +175,7 @@ class Pipeline(Supervision):
         self.ctl = Control(self.store, self.run_id)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
-            ctx.set_forkserver_preload(["waferline.engine.stage", "waferline.model.load"])
+            _start_forkserver(ctx, ["waferline.engine.stage", "waferline.model.load"])
         for r in range(1, S):
             stage_load = dict(load, layer_range=self.ranges[r])
             p = ctx.Process(

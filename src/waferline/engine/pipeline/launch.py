@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,6 +154,27 @@ def torchrun_rank() -> int:
 
 
 # ---------------------------------------------------------------- local workers
+
+def _start_forkserver(ctx: Any, preload: list[str]) -> None:
+    """Start the forkserver that forks the workers, ``preload`` imported in it, with Ctrl-C ignored there.
+
+    A Ctrl-C reaches the whole process group; the forkserver ignores SIGINT only once its preload (torch, the model
+    code: seconds) is imported, so a Ctrl-C while it imports printed a KeyboardInterrupt traceback from it under the
+    driver's one line. Started while this process ignores SIGINT, it inherits that from its first moment, and so do the
+    workers it forks (worker_start ignores it again). A forkserver already running is kept as it is.
+    """
+    from multiprocessing import forkserver
+
+    ctx.set_forkserver_preload(preload)
+    if threading.current_thread() is not threading.main_thread():  # (signal.signal works in the main thread only)
+        forkserver.ensure_running()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
 
 @contextlib.contextmanager
 def _main_hidden() -> Any:
