@@ -33,7 +33,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
     and the scheduler), with ``afd`` as attention and FFN ranks (this process is attention rank 0); a process that
     dies or hangs fails the requests in flight, and the processes are started again. ``on_fatal`` is called (from
-    the engine thread, with the reason) when they cannot be."""
+    the engine thread, with the reason) when they cannot be, or when the engine loop fails outside a step."""
     from waferline.engine.llm import LLM
     from waferline.engine.loop import EngineLoop
     from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
