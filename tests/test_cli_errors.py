@@ -516,6 +516,39 @@ def test_sigterm_stops_a_pipeline_run_cleanly(sol):
     assert not [p for p in stages if _alive(p)], "stage processes left behind"
 
 
+@pytest.mark.parametrize("first", [KeyboardInterrupt, "Terminated"])
+def test_sigterm_while_a_stop_is_reported_is_no_traceback(monkeypatch, first):
+    """torchrun stops its ranks with SIGINT and at once SIGTERM: the second signal, arriving while the first stop is
+    reported, must not raise out of main."""
+    import waferline.cli as cli
+
+    def stop(args):
+        raise cli.Terminated() if first == "Terminated" else first()
+
+    class Stderr:
+        text = ""
+
+        def write(self, s):
+            if not self.text:
+                os.kill(os.getpid(), signal.SIGTERM)
+            self.text += s
+
+        def flush(self):
+            pass
+
+    err = Stderr()
+    monkeypatch.setattr(cli, "_cmd_info", stop)
+    monkeypatch.setattr(sys, "stderr", err)
+    old = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # (as a command starts: main installs its own handler)
+    try:
+        rc = main(["info", "llama-3.1-8b"])
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert (rc, err.text.strip()) == ((130, "interrupted") if first is KeyboardInterrupt
+                                      else (128 + signal.SIGTERM, "terminated"))
+
+
 _SIGINT_PROBE = """
 import multiprocessing.context as context
 import sys

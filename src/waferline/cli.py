@@ -422,6 +422,8 @@ class Terminated(KeyboardInterrupt):
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
+    if isinstance(sys.exc_info()[1], KeyboardInterrupt):  # already stopping (torchrun sends SIGINT, then SIGTERM)
+        return
     raise Terminated()
 
 
