@@ -140,10 +140,8 @@ class EngineLoop:
             with self._lock:
                 queued = list(self._inbox)
                 self._inbox.clear()
-            for seq in queued:
-                seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, self.fatal, True))
             try:
-                self.scheduler.fail_all(self.fatal)
+                self._fail_everything(self.fatal, queued)
             finally:
                 if self.on_fatal is not None:
                     self.on_fatal(self.fatal)
@@ -201,11 +199,16 @@ class EngineLoop:
         with self._lock:
             queued = list(self._inbox)
             self._inbox.clear()
-        for seq in queued:
-            seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, "server shutting down", True))
+        self._fail_everything(self.fatal or "server shutting down", queued)
+
+    def _fail_everything(self, msg: str, queued: list[Sequence]) -> None:
+        """End every request with the error ``msg``: the steps in flight dropped, the scheduler's requests failed, and
+        ``queued`` (taken from the inbox) told it (an engine error: HTTP 503)."""
         if self.stepper is not None:
             self.stepper.drop()
-        sch.fail_all(self.fatal or "server shutting down")
+        self.scheduler.fail_all(msg)
+        for seq in queued:
+            seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg, True))
 
     def _has_work(self) -> bool:
         return self.stepper.has_work() if self.stepper is not None else self.scheduler.has_work()
@@ -229,12 +232,7 @@ class EngineLoop:
             queued = list(self._inbox)
             self._inbox.clear()
             stopping = self._stop
-        msg = f"engine error: {self.last_error}"
-        if self.stepper is not None:
-            self.stepper.drop()
-        sch.fail_all(msg)
-        for seq in queued:
-            seq.emit(Event(None, "", True, "error", len(seq.prompt_ids), 0, msg, True))
+        self._fail_everything(f"engine error: {self.last_error}", queued)
         if sch.prefix is not None:
             sch.prefix.evict(float("inf"))
         if stopping:

@@ -582,10 +582,15 @@ def _model_ref(model: Any, spec: ModelSpec) -> str:
     return spec.name
 
 
+def _by_k(parts: list[_Part], k: int) -> list[list[_Part]]:
+    """Consecutive groups of ``k`` parts (--layers-per-stage), the last holding what is left."""
+    return [parts[i:i + k] for i in range(0, len(parts), k)]
+
+
 def _chunks(parts: list[_Part], k: int, hw: HardwareSpec, act: float,
             ends: _Ends = _NO_ENDS) -> list[tuple[list[_Part], int]]:
     """Stages of ``k`` consecutive parts, each on the fewest devices that hold it."""
-    chunks = [parts[i:i + k] for i in range(0, len(parts), k)]
+    chunks = _by_k(parts, k)
     return [(c, _devices_for(c, hw, act, e)) for c, e in zip(chunks, ends.each(len(chunks)))]
 
 
@@ -593,7 +598,7 @@ def _split_into(parts: list[_Part], devices: int, hw: HardwareSpec, act: float, 
                 ends: _Ends = _NO_ENDS) -> list[tuple[list[_Part], int]]:
     """Use exactly ``devices`` devices (or as many as divide evenly): stages of layers, devices per stage."""
     if k is not None:
-        groups = [parts[i:i + k] for i in range(0, len(parts), k)]
+        groups = _by_k(parts, k)
     elif devices >= len(parts):
         groups = [[p] for p in parts]
     else:
@@ -646,7 +651,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
 
     def build(tp: int, pp: int) -> list[tuple[list[_Part], int]]:
         if k is not None:
-            groups = [parts[i:i + k] for i in range(0, len(parts), k)]
+            groups = _by_k(parts, k)
         else:
             groups = _balanced_split(parts, pp, ends)
         return [(g, tp) for g in groups]

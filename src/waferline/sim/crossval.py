@@ -81,7 +81,8 @@ def cross_validate(path: str | Path, by: str = "row", params: SimParams | None =
     for rid, why in prob.skipped:  # (only a row not comparable is simulated)
         r = skipped_result(published[rid], why, without(published[rid]) if why == NOT_COMPARABLE else prob.base, rows)
         if why == NOT_COMPARABLE:  # (the fold whose refit checked it; None: the fit on every predicted row)
-            r.detail["fold"] = fold_key(published[rid], by) if fold_key(published[rid], by) in refits else None
+            key = fold_key(published[rid], by)
+            r.detail["fold"] = key if key in refits else None
         results.append(r)
     return results, summarize(results) | {
         "cross_validate": by, "folds": len(groups),
