@@ -170,6 +170,23 @@ def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):
         LLM(ckpts["llama"]).time_split()
 
 
+@pytest.mark.parametrize("option, value, says", [
+    ("num_speculative_tokens", 2.5, "num_speculative_tokens must be an integer, got float 2.5"),
+    ("num_speculative_tokens", "3", "num_speculative_tokens must be an integer, got str '3'"),
+    ("max_model_len", 32.0, "max_model_len must be an integer, got float 32.0"),
+    ("group_size", True, "group_size must be an integer, got bool True"),
+    ("weight_bits", "4", "weight_bits must be an integer, got str '4'"),
+    ("prefill_chunk", 1.5, "prefill_chunk must be an integer, got float 1.5"),
+])
+def test_a_count_given_as_another_type_is_named(ckpts, option, value, says):
+    options = {"speculative": "ngram"} if option == "num_speculative_tokens" else {}
+    if option == "prefill_chunk":
+        options["stages"] = 2
+    with pytest.raises(ConfigError, match=says):  # (no TypeError from a comparison deep in the engine)
+        LLM(ckpts["llama"], **options, **{option: value})
+    LLM(ckpts["llama"], num_speculative_tokens=np.int64(2), speculative="ngram")  # a numpy integer is an integer
+
+
 def test_options_given_as_none_or_afd_false_are_not_given(ckpts, one_thread):
     """``LLM(path, afd=False, head_bits=8)``, ``plan=None`` or ``threads_per_stage=None`` (its documented "the cores
     divided") picked the single-process engine and then refused it ("head_bits=8 is for the single-process engine",

@@ -211,11 +211,12 @@ def test_serve_takes_speculative_with_stages_and_afd(ckpts):
     """`serve --speculative` passes the flag checks with --stages and with --afd; a method the server cannot draft
     with is refused, with the reason, whatever the engine."""
     from waferline.cli import build_parser
-    from waferline.server.commands import build_server, check_serve_flags
+    from waferline.engine_flags import check_engine_flags
+    from waferline.server.commands import build_server
 
     for flags in (["--stages", "2", "--speculative", "ngram"], ["--afd", "--speculative", "mtp"]):
         args = build_parser().parse_args(["serve", "--model", str(ckpts["afd"]), *flags])
-        assert check_serve_flags(args) is None and args.speculative == flags[-1]
+        assert check_engine_flags(args) is None and args.speculative == flags[-1]
     for kw in ({"stages": 2}, {"afd": True}):
         with pytest.raises(ConfigError, match="not a checkpoint directory"):
             build_server(ckpts["afd"], speculative="draft:/x", **kw)

@@ -15,6 +15,7 @@ from typing import Any
 
 from waferline._version import __version__
 from waferline.argtypes import nonnegative_int, out_path, positive_int, utf8_text
+from waferline.engine_flags import check_engine_flags
 from waferline.errors import UsageError, WaferlineError, counted
 
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
@@ -32,25 +33,7 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
         raise UsageError("--prompt and --prompt-ids both give the prompt: give one of them")
     if args.prompt is None and args.prompt_ids is None:
         raise UsageError("give --prompt TEXT or --prompt-ids '1 2 3'")
-    if not args.afd:
-        given = [f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
-                 if v is not None]
-        if given:
-            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --afd")
-    pipeline = args.stages is not None or args.layers_per_stage is not None
-    if args.afd and pipeline:
-        raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
-    if args.stages is not None and args.layers_per_stage is not None:
-        raise UsageError("give --stages S or --layers-per-stage K, not both")
-    if args.micro_batches is not None and not (pipeline or args.afd):
-        raise UsageError("--micro-batches needs --stages S, --layers-per-stage K or --afd")
-    if args.afd and args.weight_bits != 16:
-        raise UsageError("--afd runs 16-bit weights: drop --weight-bits 4")
-    if args.head_bits != 16 and (pipeline or args.afd):
-        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
-                         f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
-    if args.num_speculative_tokens is not None and not args.speculative:
-        raise UsageError("--num-speculative-tokens needs --speculative METHOD")
+    check_engine_flags(args)
     if args.speculative:  # (an unknown method, a draft path that is no checkpoint: before the target loads)
         from waferline.engine.speculative.serving import check_serve_method
 
@@ -64,17 +47,6 @@ def _check_generate_flags(args: argparse.Namespace) -> None:
         flag = "--stop" if args.stop else "--prompt"
         raise UsageError(f"{flag} needs the checkpoint's tokenizer and {args.model} has none (no tokenizer.json)"
                          + ("; drop --stop" if args.stop else ": pass --prompt-ids '1 2 3'"))
-    from waferline.engine.inputs import is_int4_checkpoint
-
-    if pipeline and args.weight_bits == 4 and not is_int4_checkpoint(model):
-        raise UsageError(f"--weight-bits 4 with a pipeline needs an int4 checkpoint: run `waferline quantize --model "
-                         f"{args.model} --out DIR` (--group-size G there) and pass --model DIR")
-    if args.group_size is not None:
-        if args.weight_bits != 4:
-            raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
-        if model.is_dir() and is_int4_checkpoint(model):
-            raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
-                             "quantized with; drop --group-size")
     if args.temperature == 0:
         sampling = [f for f, v in (("--top-p", args.top_p), ("--top-k", args.top_k), ("--seed", args.seed))
                     if v is not None]

@@ -53,6 +53,22 @@ PIPELINE_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "han
 AFD_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method",
                          "attention_ranks", "ffn_ranks", "threads_per_rank"})
 PROCESS_OPTIONS = PIPELINE_OPTIONS | AFD_OPTIONS | {"afd"}
+# the LLM options that are counts (an integer, or None for the default)
+INT_OPTIONS = frozenset({"max_model_len", "stages", "layers_per_stage", "micro_batches", "weight_bits", "group_size",
+                         "head_bits", "num_speculative_tokens", "prefill_chunk", "threads_per_stage", "attention_ranks",
+                         "ffn_ranks", "threads_per_rank"})
+
+
+def check_numbers(options: dict[str, Any]) -> None:
+    """Refuse (ConfigError) a count in ``options`` (INT_OPTIONS) given as anything but an integer (2.5, "4", True),
+    and weight or LM-head bits the engine has no kernels for."""
+    for name, value in options.items():
+        if name in INT_OPTIONS and value is not None and not is_token_id(value):
+            raise ConfigError(f"{name} must be an integer, got {shown(value)}")
+    if options.get("weight_bits", 16) not in (16, 4):
+        raise ConfigError(f"weight_bits must be 16 or 4, got {options['weight_bits']}")
+    if options.get("head_bits", 16) not in (16, 8):
+        raise ConfigError(f"head_bits must be 16 or 8, got {options['head_bits']}")
 
 
 def check_engine_options(options: dict[str, Any], allowed: frozenset[str], engine: str) -> None:

@@ -32,6 +32,7 @@ from waferline.engine.inputs import (
     PROCESS_OPTIONS,
     check_device,
     check_engine_options,
+    check_numbers,
     eos_ids,
     is_int4_checkpoint,
     is_token_id,
@@ -97,10 +98,9 @@ class LLM:
         # (an option given as None is not given: its engine's default, as micro_batches=None is; afd=False: no AFD)
         pipeline_options = {k: v for k, v in pipeline_options.items() if v is not None and (k, v) != ("afd", False)}
         torch_dtype = resolve_dtype(dtype)
-        if weight_bits not in (16, 4):
-            raise ConfigError(f"weight_bits must be 16 or 4, got {weight_bits}")
-        if head_bits not in (16, 8):
-            raise ConfigError(f"head_bits must be 16 or 8, got {head_bits}")
+        check_numbers(dict(pipeline_options, max_model_len=max_model_len, stages=stages,
+                           layers_per_stage=layers_per_stage, micro_batches=micro_batches, weight_bits=weight_bits,
+                           group_size=group_size, head_bits=head_bits, num_speculative_tokens=num_speculative_tokens))
         if head_bits != 16 and (stages is not None or layers_per_stage is not None or pipeline_options):
             raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.argtypes import positive_float, positive_int
+from waferline.engine_flags import check_engine_flags
 from waferline.errors import ConfigError, UsageError
 from waferline.server.tools import PARSERS
 
@@ -121,44 +122,6 @@ def check_serve_speculative(method: str, k: int) -> None:
     check_serve_method(method, k)
 
 
-def check_serve_flags(args: argparse.Namespace) -> None:
-    """Refuse engine flags that serve would ignore or cannot honour yet, with the reason, before anything loads."""
-    pipeline = args.stages is not None or args.layers_per_stage is not None
-    if not args.afd:
-        given = [f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
-                 if v is not None]
-        if given:
-            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --afd")
-    elif pipeline:
-        raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
-    elif args.weight_bits != 16 or args.head_bits != 16 or args.group_size is not None:
-        raise UsageError("--afd runs 16-bit weights and head: drop --weight-bits / --head-bits / --group-size")
-    if args.afd and args.device not in (None, "cpu"):
-        raise UsageError(f"--device {args.device}: AFD's ranks run on CPU processes (gloo) so far; drop --device")
-    if args.stages is not None and args.layers_per_stage is not None:
-        raise UsageError("give --stages S or --layers-per-stage K, not both")
-    if not (pipeline or args.afd):
-        given = [f for f, v in (("--micro-batches", args.micro_batches), ("--hang-timeout", args.hang_timeout))
-                 if v is not None]
-        if given:
-            raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --stages S, "
-                             "--layers-per-stage K or --afd")
-    if args.head_bits != 16 and pipeline:
-        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
-                         "--stages/--layers-per-stage")
-    if args.group_size is not None:
-        from waferline.engine.inputs import is_int4_checkpoint
-
-        if args.weight_bits != 4:
-            raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
-        if Path(args.model).is_dir() and is_int4_checkpoint(Path(args.model)):
-            raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
-                             "quantized with; drop --group-size")
-        if pipeline:
-            raise UsageError("--group-size applies to int4 on load in the single-process engine; a pipeline loads an "
-                             "int4 checkpoint as it was quantized (waferline quantize --group-size G)")
-
-
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 1-65535."""
     try:
@@ -206,13 +169,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: binding {args.host}: the API is reachable from other machines"
               + ("" if api_key else " and has no --api-key"))
-    if args.num_speculative_tokens is not None and not args.speculative:
-        raise UsageError("--num-speculative-tokens needs --speculative METHOD")
     if args.allowed_hosts and api_key:
         raise UsageError("--allowed-hosts applies to a server without --api-key"
                          + ("" if args.api_key else ", and WAFERLINE_API_KEY sets one")
                          + " (with a key, any Host is answered)")
-    check_serve_flags(args)
+    check_engine_flags(args)
     if args.stages is not None or args.layers_per_stage is not None:
         from waferline.engine.pipeline import serve_from_env, torchrun_rank
 

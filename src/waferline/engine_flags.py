@@ -1,0 +1,55 @@
+"""The engine flags `waferline generate` and `waferline serve` share, checked one way for both: a combination the
+engine would ignore or cannot honour is refused with the reason, before anything loads."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from waferline.errors import UsageError
+
+
+def _need(given: list[str], what: str) -> None:
+    if given:
+        raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} {what}")
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """Refuse engine flags (``args`` of generate or serve) that do not go together: AFD's ranks without --afd, two
+    engines at once, pipeline options in one process, bits the chosen engine does not run, --weight-bits 4 on a
+    16-bit checkpoint in a pipeline (it loads int4 checkpoints), --group-size where nothing is quantized on load, a
+    speculation length without a method."""
+    pipeline = args.stages is not None or args.layers_per_stage is not None
+    if not args.afd:
+        _need([f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
+               if v is not None], "--afd")
+    elif pipeline:
+        raise UsageError("--afd and --stages/--layers-per-stage are two different engines: give one of them")
+    if args.stages is not None and args.layers_per_stage is not None:
+        raise UsageError("give --stages S or --layers-per-stage K, not both")
+    if not (pipeline or args.afd):
+        _need([f for f, v in (("--micro-batches", args.micro_batches),
+                              ("--hang-timeout", getattr(args, "hang_timeout", None))) if v is not None],
+              "--stages S, --layers-per-stage K or --afd")
+    if args.head_bits != 16 and (pipeline or args.afd):
+        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
+                         f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
+    if args.afd and (args.weight_bits != 16 or args.group_size is not None):
+        raise UsageError("--afd runs 16-bit weights: drop --weight-bits 4 / --group-size")
+    if args.afd and args.device not in (None, "cpu"):
+        raise UsageError(f"--device {args.device}: AFD's ranks run on CPU processes (gloo) so far; drop --device")
+    _need(["--num-speculative-tokens"] if args.num_speculative_tokens is not None and not args.speculative else [],
+          "--speculative METHOD")
+    from waferline.engine.inputs import is_int4_checkpoint
+
+    model = Path(args.model)
+    int4 = is_int4_checkpoint(model)  # (False where there is no config.json: the caller names that)
+    if pipeline and args.weight_bits == 4 and (model / "config.json").is_file() and not int4:
+        raise UsageError(f"--weight-bits 4 with a pipeline needs an int4 checkpoint: run `waferline quantize --model "
+                         f"{args.model} --out DIR` (--group-size G there) and pass --model DIR")
+    if args.group_size is not None:
+        if args.weight_bits != 4:
+            raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
+        if int4:
+            raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
+                             "quantized with; drop --group-size")
