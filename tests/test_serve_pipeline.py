@@ -299,7 +299,8 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--stages", "2", "--head-bits", "8"], "single-process engine"),
     (["--group-size", "64"], "needs --weight-bits 4"),
     # (a 16-bit checkpoint: refused by the flag's name before the port is checked or the kernels built)
-    (["--stages", "2", "--weight-bits", "4", "--port", "1"], "--weight-bits 4 with a pipeline needs an int4 checkpoint"),
+    (["--stages", "2", "--weight-bits", "4", "--port", "1"],
+     "--weight-bits 4 with a pipeline needs an int4 checkpoint"),
     (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative METHOD"),
 ])
 def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):

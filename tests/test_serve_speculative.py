@@ -618,6 +618,30 @@ def test_refusals(ckpts, sol):
         Scheduler(LLM(ckpts["llama"]), _config("mtp"))
 
 
+def test_a_draft_model_with_another_tokenizer_of_the_same_size_is_refused(sol, tmp_path):
+    """A draft checkpoint whose vocabulary has the target's size but whose tokenizer maps text to other ids drafted
+    another text's tokens (output exact, next to nothing accepted): refused by every engine's front, before weights
+    load; the same tokenizer (a copy) is taken."""
+    import shutil
+
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.server.commands import build_server
+
+    other, same = tmp_path / "other", tmp_path / "same"
+    for d in (other, same):
+        write_random_checkpoint(SOL_DEMO_CONFIG, d)
+    write_tokenizer(other, DEMO_TEXT[::-1], SOL_DEMO_CONFIG["vocab_size"])  # (the same size, other merges)
+    shutil.copy(sol / "tokenizer.json", same / "tokenizer.json")
+    says = "has another tokenizer than the target's .* must share the target's tokenizer"
+    with pytest.raises(ConfigError, match=says):
+        LLM(sol, speculative=f"draft:{other}")
+    with pytest.raises(ConfigError, match=says):
+        LLM(sol, speculative=f"draft:{other}", stages=2)  # (before the stage processes start)
+    with pytest.raises(ConfigError, match=says):
+        build_server(sol, speculative=f"draft:{other}")
+    assert LLM(sol, speculative=f"draft:{same}", num_speculative_tokens=2).generate("ROMEO.", GREEDY)[0].token_ids
+
+
 # ----------------------------------------------------------------------------- the live server
 
 

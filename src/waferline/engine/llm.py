@@ -117,6 +117,7 @@ class LLM:
                 raise ConfigError(f"max_model_len {max_model_len} is outside 1..{mpe} (the model's "
                                   "max_position_embeddings: positions past it were never trained)")
         self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
+        check_speculative(self.path, speculative, num_speculative_tokens)  # before weights load or processes start
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
         self.cuda_graphs = cuda_graphs
@@ -131,7 +132,6 @@ class LLM:
                 raise ConfigError("afd runs 16-bit weights without stages or layers_per_stage; drop those options "
                                   "(or drop afd / attention_ranks / ffn_ranks)")
             check_engine_options(pipeline_options, AFD_OPTIONS, "the AFD engine")
-            check_speculative(self.path, speculative, num_speculative_tokens)  # before the processes start
             self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
@@ -142,7 +142,6 @@ class LLM:
             if weight_bits == 4 and not is_int4_checkpoint(self.path):
                 raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
                                   f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
-            check_speculative(self.path, speculative, num_speculative_tokens)  # before the processes start
 
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
                                       micro_batches=micro_batches, **dev_kw, **pipeline_options)

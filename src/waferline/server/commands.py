@@ -48,7 +48,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if not body_timeout > 0:
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
     if speculative:
-        check_serve_speculative(speculative, num_speculative_tokens)
+        check_serve_speculative(speculative, num_speculative_tokens, path)
     if chat_template is not None:  # (checked before the weights load: a bad template fails fast)
         from waferline.model.load import load_tokenizer
         from waferline.server.chat import load_template
@@ -114,12 +114,14 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     return create_app(server)
 
 
-def check_serve_speculative(method: str, k: int) -> None:
+def check_serve_speculative(method: str, k: int, path: str | Path) -> None:
     """``serve --speculative``: 'ngram', 'mtp' or 'draft:PATH' (in this process, over pipeline stages or over AFD
-    ranks); anything else is refused with the reason before the checkpoint loads."""
-    from waferline.engine.speculative.serving import check_serve_method
+    ranks); anything else, or what the checkpoint at ``path`` cannot draft with (no MTP weights, a draft model of
+    another tokenizer), is refused with the reason before the checkpoint loads."""
+    from waferline.engine.speculative.serving import check_serve_method, check_speculative
 
     check_serve_method(method, k)
+    check_speculative(path, method, k)
 
 
 def _port(text: str) -> int:

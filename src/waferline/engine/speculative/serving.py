@@ -38,7 +38,7 @@ from waferline.engine.speculative.drafters import DraftModelDrafter, MTPDrafter,
 from waferline.engine.speculative.rollback import _window
 from waferline.engine.speculative.speculator import burst_len
 from waferline.engine.speculative.verify import verify, verify_greedy
-from waferline.errors import ConfigError
+from waferline.errors import ConfigError, counted
 
 if TYPE_CHECKING:
     from waferline.engine.runner import LocalRunner, RowOutput
@@ -90,8 +90,26 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
         if n != vocab_size:
             raise ConfigError(f"draft model {draft} has vocab_size {n} but the target has {vocab_size}; a draft model "
                               "must share the target's tokenizer")
+        _check_same_tokens(Path(path), draft)
     else:
         make_drafter(method, None, torch.float32)  # (an n-gram drafter needs no model; anything else is refused)
+
+
+def _check_same_tokens(target: Any, draft: Any) -> None:
+    """Refuse a draft model whose tokenizer maps tokens to other ids than the target's, where both ship one (sizes
+    alike, its drafts would be another text's ids: output stays exact, but next to nothing is accepted)."""
+    from waferline.model.load import load_tokenizer
+
+    theirs, ours = load_tokenizer(draft), load_tokenizer(target)
+    if theirs is None or ours is None:
+        return
+    a, b = theirs.get_vocab(), ours.get_vocab()
+    differ = sorted({t for t in a.keys() | b.keys() if a.get(t) != b.get(t)}, key=lambda t: (a.get(t, b.get(t)), t))
+    if differ:
+        t, n = differ[0], counted(len(differ), "token")
+        raise ConfigError(f"draft model {draft} has another tokenizer than the target's ({n}"
+                          f" with another id or none, e.g. {t!r}: id {a.get(t)} there, {b.get(t)} in the target's); a "
+                          "draft model must share the target's tokenizer")
 
 
 def int4_mtp(model: Any, target_int4: bool, group_size: int | None = None) -> None:
