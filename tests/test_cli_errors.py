@@ -623,6 +623,7 @@ def test_generate_names_what_is_wrong_with_the_model_and_flag_files(tmp_path, ca
 @pytest.mark.parametrize("edit,message", [
     ({"rms_norm_eps": -1}, "config rms_norm_eps must be a number > 0, got -1"),
     ({"rope_scaling": {"rope_type": "bogus"}}, "config rope_scaling has rope_type 'bogus'"),
+    ({"num_hidden_layers": 10**12}, "config num_hidden_layers must be an integer from 1 to 100,000"),  # (MemoryError)
 ])
 def test_a_config_that_makes_no_model_is_the_same_one_line_everywhere(tmp_path, llama, capsys, edit, message):
     """info, plan (with the config path) and generate refuse it alike: generate used to decode NaN (`0 0 0`) from a
@@ -805,6 +806,38 @@ def test_an_empty_out_is_refused(argv, capsys, tmp_path, monkeypatch):
     assert e.value.code == 2 and "expected a path to write, got an empty one" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 
+
+
+def test_an_out_that_is_a_device_or_stdout_is_written_into_not_replaced(tmp_path, capsys, monkeypatch):
+    """`--out /dev/null` or `--out /dev/stdout` replaced the device node or the link with a regular file holding the
+    output (as root, /dev/null itself); a FIFO, and a link to an open file of this process, are written into and stay
+    what they are. An output that is read back (calibrate's) refuses them before any work."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # (the writer's open does not wait for one)
+    try:
+        assert main(["plan", "llama-3-8b", "-H", "h100-sxm", "--json", "--out", str(fifo)]) == 0
+        assert fifo.is_fifo()
+        assert json.loads(os.read(reader, 1 << 16))["model"] == "llama-3-8b"
+    finally:
+        os.close(reader)
+    capsys.readouterr()
+    held = tmp_path / "held.txt"  # (a redirection's file behind /dev/stdout: what was printed stays before the plan)
+    held.write_text("printed\n")
+    with open(held, "a") as f:
+        link = tmp_path / "stdout"
+        link.symlink_to(f"/proc/self/fd/{f.fileno()}")
+        assert main(["plan", "llama-3-8b", "-H", "h100-sxm", "--json", "--out", str(link)]) == 0
+    assert link.is_symlink() and held.read_text().startswith("printed\n{")
+    capsys.readouterr()
+    from waferline.sim.calibrate import hardware_yaml
+
+    def measured(*a, **k):
+        raise AssertionError("measured before --out was checked")
+
+    monkeypatch.setattr(hardware_yaml, "write_host_yaml", measured)
+    assert main(["calibrate", "--quick", "--out", str(fifo)]) == 2
+    assert "is not a regular file" in _one_error_line(capsys.readouterr().err) and fifo.is_fifo()
 
 def test_calibrate_bootstrap_sets_are_bounded(capsys):
     """--bootstrap 10^12 was accepted and never finished (each set is a whole refit)."""

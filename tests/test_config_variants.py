@@ -249,6 +249,16 @@ def test_sliding_windows_below_one_token_are_refused(mt, edit):
         parse_hf_config(dict(cfg, **edit))
 
 
+@pytest.mark.parametrize("mt,field", [("bamba", "mamba_chunk_size"), ("granitemoehybrid", "mamba_chunk_size"),
+                                      ("nemotron_h", "chunk_size")])
+def test_a_mamba_chunk_of_no_tokens_is_refused(mt, field):
+    """A Mamba-2 prefill chunk of 0 tokens makes no scan (transformers divides by it): the config was accepted and
+    the first prefill raised ZeroDivisionError."""
+    with pytest.raises(ConfigError, match=f"config {field} must be an integer >= 1, got 0"):
+        parse_hf_config(dict(_hf_config(mt), **{field: 0}))
+    parse_hf_config(dict(_hf_config(mt), **{field: 3}))
+
+
 @pytest.mark.parametrize("mt,types,message", [
     ("llama", ["full_attention", "sliding_attnetion"], "layer_types has 'sliding_attnetion'"),
     ("qwen3", "full_attention", "layer_types must be a list"),

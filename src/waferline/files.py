@@ -4,6 +4,7 @@ that a directory lists cannot be opened (a symbolic link to nothing)."""
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -11,16 +12,24 @@ from pathlib import Path
 from waferline.errors import ConfigError
 
 
-def check_writable(path: str | Path, what: str = "--out") -> Path:
+def check_writable(path: str | Path, what: str = "--out", file_only: bool = False) -> Path:
     """Raise ConfigError unless a file can be written at ``path``: it is not a directory, and the nearest of its
     parents that exists is a directory this process can make a file in (tried: a file made and removed; missing
-    directories below it are made by ``write_text_atomic(..., make_parents=True)``). Meant to run before a long job,
-    not after it."""
+    directories below it are made by ``write_text_atomic(..., make_parents=True)``); or it is a device or FIFO this
+    process may write to (/dev/null, /dev/stdout), unless ``file_only`` (an output that is read back). Meant to run
+    before a long job, not after it."""
     p = Path(path)
     if str(path).endswith(("/", os.sep)) or p.name in ("", ".", ".."):
         raise ConfigError(f"{what} {path}: names a directory; give a file name (e.g. {Path(path) / 'result.json'})")
     if p.is_dir():
         raise ConfigError(f"{what} {path}: is a directory; give a file name (e.g. {p / 'result.json'})")
+    if _special(p):  # (/dev/null, /dev/stdout, a FIFO: written into as it is, not replaced)
+        if file_only:
+            raise ConfigError(f"{what} {path}: is not a regular file, and what is written there is read back; give a "
+                              "file name")
+        if not os.access(p, os.W_OK):
+            raise ConfigError(f"{what} {path}: cannot write to it (permission denied)")
+        return p
     parent = p.absolute().parent
     while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
@@ -39,8 +48,13 @@ def write_text_atomic(path: str | Path, text: str, *, make_parents: bool = False
     """Write ``text`` to ``path`` whole or not at all: into a temporary file beside it (same directory, so the same
     file system), flushed to disk, then renamed over ``path`` (os.replace). A failure leaves ``path`` as it was and
     removes the temporary file; a kill mid-write can leave that file (``.NAME.PID-THREAD.tmp``), never a half-written
-    ``path``. ``make_parents``: create missing parent directories first."""
+    ``path``. ``make_parents``: create missing parent directories first. A ``path`` that is no regular file (a device
+    such as /dev/null, /dev/stdout, a FIFO) is written into, never replaced by a file."""
     p = Path(path)
+    if _special(p):  # (appended: a redirection's regular file behind /dev/stdout is not cut to what was printed)
+        with open(p, "a", encoding=encoding) as f:
+            f.write(text)
+        return p
     if make_parents:
         p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}-{threading.get_ident()}.tmp")
@@ -57,6 +71,21 @@ def write_text_atomic(path: str | Path, text: str, *, make_parents: bool = False
             pass
         raise
     return p
+
+
+def _special(p: Path) -> bool:
+    """Whether ``p`` exists (its link followed) as neither a regular file nor a directory (a device, a FIFO, a
+    socket), or names an open file of this process (/dev/stdout, /dev/fd/N: links into /proc/self/fd)."""
+    try:
+        mode = p.stat().st_mode
+    except (OSError, ValueError):
+        return False
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        return True
+    a = p.absolute()
+    if str(a).startswith(("/proc/", "/dev/fd/")):
+        return True
+    return p.is_symlink() and os.path.join(a.parent, os.readlink(p)).startswith(("/proc/", "/dev/fd/"))
 
 
 def broken_link(path: Path) -> str:

@@ -126,7 +126,7 @@ def _combine_calibrations(args: argparse.Namespace) -> int:
     from waferline.sim.calibrate.hardware_yaml import write_combined_yaml
     from waferline.sim.host import HostParams
 
-    out = check_writable(args.out or "hardware-host.yaml")
+    out = check_writable(args.out or "hardware-host.yaml", file_only=True)  # (read back below)
     write_combined_yaml(out, args.combine)
     host = HostParams.load(out)  # the result loads like any calibration
     summary = {
@@ -153,7 +153,7 @@ def _calibrate_host(args: argparse.Namespace) -> int:
     from waferline.sim.host import HostParams
     from waferline.spec.hardware import load_hardware_file
 
-    out = check_writable(args.out or "hardware-host.yaml")  # before the ~2-3 min of probes
+    out = check_writable(args.out or "hardware-host.yaml", file_only=True)  # before the ~2-3 min of probes
     t0 = time.perf_counter()
     with _progress_bar(args.json) as say:
         d = write_host_yaml(out, quick=args.quick, progress=say, pipeline=False if args.no_pipeline else None)

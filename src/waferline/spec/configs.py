@@ -906,12 +906,13 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v4": dict(o_groups=8, o_lora_rank=1024, num_nextn_predict_layers=1, max_position_embeddings=1048576),
 }
 _NEVER_NULL = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+MAX_LAYERS = 100_000  # (a config's num_hidden_layers past it is a typo: a list of its layers would fill the memory)
 # layer sizes beside the ones above, by config spelling: a whole number >= 1 where given (null: the default where the
 # model_type has one); and counts that may be 0 (no shared expert, no dense or MTP layer)
 _LAYER_SIZES = ("moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                 "mamba_n_heads", "mamba_num_heads", "mamba_n_groups", "n_groups", "mamba_d_state", "ssm_state_size",
-                "mamba_d_conv", "mamba_expand", "linear_num_key_heads", "linear_num_value_heads",
-                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
+                "mamba_d_conv", "mamba_expand", "mamba_chunk_size", "chunk_size", "linear_num_key_heads",
+                "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 _LAYER_COUNTS = ("n_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
                  "shared_intermediate_size", "shared_expert_intermediate_size", "moe_shared_expert_intermediate_size")
 
@@ -957,6 +958,9 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
         null = v is None and k in cfg and k in _NEVER_NULL  # (head_dim, num_key_value_heads: null = the default)
         if null or (v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1)):
             raise ConfigError(f"config {k} must be an integer >= 1, got {'null' if v is None else repr(v)}")
+    if isinstance(cfg.get("num_hidden_layers"), int) and cfg["num_hidden_layers"] > MAX_LAYERS:
+        raise ConfigError(f"config num_hidden_layers must be an integer from 1 to {MAX_LAYERS:,}, got "
+                          f"{cfg['num_hidden_layers']:,}")
     for k in _LAYER_SIZES:
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
