@@ -149,6 +149,22 @@ def test_a_pipeline_stage_refuses_tensors_the_config_does_not_account_for(llama,
     load_model(d, torch.float32, range(0, 1), has_embed=True, has_head=False)
 
 
+def test_a_pipeline_refuses_a_tensor_of_no_layer_the_config_does_not_account_for(llama, tmp_path):
+    """A tensor outside the decoder layers that no module takes: refused in a pipeline as in one process (each stage
+    let it pass: the stage with the embedding and the stage with the head each took it for the other's)."""
+    tensors = load_file(str(llama / "model.safetensors"))
+    tensors["model.extra.weight"] = torch.ones(2, 2)
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    save_file(tensors, str(d / "model.safetensors"))
+    for kwargs in ({}, {"stages": 1}):
+        with pytest.raises(CheckpointError, match=r"does not account for: model\.extra\.weight;"):
+            LLM(d, **kwargs)
+    with pytest.raises(CheckpointError, match=r"model\.extra\.weight"):  # (the stage with the head says it)
+        load_model(d, torch.float32, range(1, 2), has_embed=False, has_head=True)
+    load_model(d, torch.float32, range(0, 1), has_embed=True, has_head=False)  # (the embedding's stage: not its own)
+    load_model(llama, torch.float32, range(1, 2), has_embed=False, has_head=True)  # (the embedding: not the head's)
+
+
 def test_int4_of_a_sharded_tied_checkpoint_with_pickles_beside_it(tmp_path):
     """`waferline quantize` of a sharded checkpoint with tied embeddings that also ships its weights as a PyTorch
     pickle: the int4 directory holds none of the 16-bit weight files, and loads as int4 in one process and in two
@@ -213,6 +229,21 @@ def test_a_quantization_waferline_does_not_read_is_refused_by_name(llama, tmp_pa
             LLM(d, **kwargs)
     with pytest.raises(CheckpointError, match=want):
         _check_checkpoint(d, "cpu")
+
+
+@pytest.mark.parametrize("qc", ["fp8", ["int4"]])
+def test_a_quantization_config_that_is_not_an_object_is_one_line(llama, tmp_path, qc):
+    """A config.json whose quantization_config is not a JSON object: a ConfigError naming it, loaded and quantized
+    alike (it was an AttributeError traceback)."""
+    d = shutil.copytree(llama, tmp_path / "ckpt")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(dict(cfg, quantization_config=qc)))
+    want = f"quantization_config is a {type(qc).__name__}, not a JSON object"
+    with pytest.raises(ConfigError, match=want):
+        LLM(d)
+    with pytest.raises(ConfigError, match=want):
+        quantize_checkpoint(d, tmp_path / "int4", QuantOptions(group_size=32))
+    assert not (tmp_path / "int4").exists()
 
 
 def test_a_snapshot_copied_without_its_blobs_names_the_broken_link(llama, tmp_path):

@@ -926,6 +926,24 @@ def test_an_int4_copy_that_cannot_be_made_leaves_the_other_plans_running(tmp_pat
     assert ran == [16] and s16.startswith("engine failed") and len(tried) == 1
 
 
+def test_the_int4_copy_of_a_sharded_checkpoint_saved_again_is_made_again(tmp_path, monkeypatch):
+    """The cached int4 copy is keyed on the checkpoint's weight files: a sharded checkpoint saved again at the same
+    path (another model) got the old model's int4 copy (only model.safetensors, which it has not, was looked at)."""
+    from tiny_models import build
+    from waferline.sim.twin import int4_checkpoint
+
+    monkeypatch.setenv("WAFERLINE_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "model"
+    build("llama", tmp_path / "a").save_pretrained(ckpt, max_shard_size="40KB")
+    first = int4_checkpoint(ckpt)
+    assert json.loads((first / "config.json").read_text())["num_hidden_layers"] == 2
+    assert int4_checkpoint(ckpt) == first  # (made once)
+    for f in ckpt.iterdir():
+        f.unlink()
+    build("llama", tmp_path / "b", num_hidden_layers=3).save_pretrained(ckpt, max_shard_size="40KB")
+    assert json.loads((int4_checkpoint(ckpt) / "config.json").read_text())["num_hidden_layers"] == 3
+
+
 def test_twin_grid_help_says_it_takes_a_file(capsys):
     from waferline.cli import main
 

@@ -161,8 +161,9 @@ def load_model(directory: str | Path, dtype: torch.dtype = torch.float32, layer_
     unused = [k for k in src.unused() if not _IGNORED.search(k) and math.prod(src.shape(k))]
     if layer_range is None and has_embed and has_head:
         extra = [k for k in unused if not _is_mtp(k, spec)]
-    else:  # a pipeline stage: the tensors of its own layers, and (the stage with the embedding) layers past the config
-        extra = [k for k in unused if _stage_extra(k, spec, model, has_embed)]
+    else:  # a pipeline stage: the tensors of its own layers, (the stage with the embedding) layers past the config,
+        # and (the stage with the head) the tensors of no layer that no stage takes: not the embedding's
+        extra = [k for k in unused if _stage_extra(k, spec, model, has_embed, has_head)]
     if extra:
         more = f" (and {len(extra) - 10} more)" if len(extra) > 10 else ""
         raise CheckpointError(
@@ -193,12 +194,13 @@ def _int4_source(directory: Path, src: WeightSource) -> WeightSource | None:
     return Int4Source(src, cfg) if quant_method(cfg) is not None else None
 
 
-def _stage_extra(name: str, spec: ModelSpec, model: DecoderModel, first: bool) -> bool:
-    """Whether an unused tensor is one a pipeline stage answers for: of a decoder layer it loaded, or (``first``: the
-    stage with the embedding) of a layer past the config's ``num_hidden_layers`` that is no MTP module."""
+def _stage_extra(name: str, spec: ModelSpec, model: DecoderModel, first: bool, last: bool = False) -> bool:
+    """Whether an unused tensor is one a pipeline stage answers for: of a decoder layer it loaded, (``first``: the
+    stage with the embedding) of a layer past the config's ``num_hidden_layers`` that is no MTP module, or (``last``:
+    the stage with the head) of no layer and not the embedding's (which the stage with the embedding takes)."""
     m = re.match(rf"{re.escape(model.naming.root)}layers\.(\d+)\.", name)
     if m is None:
-        return False
+        return last and name != f"{model.naming.root}{model.naming.embed}.weight"
     i = int(m.group(1))
     return i in model.layer_range or (first and i >= spec.num_layers and not _is_mtp(name, spec))
 

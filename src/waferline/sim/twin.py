@@ -301,13 +301,15 @@ def int4_checkpoint(path: Path) -> Path:
     """An int4 (RTN, group 128) copy of ``path`` in the cache (made once); an int4 checkpoint is returned as is."""
     import json
 
+    from waferline.model.load import checkpoint_files
     from waferline.model.quant import QuantOptions, quant_method, quantize_checkpoint
 
     cfg = json.loads((path / "config.json").read_text())
     if quant_method(cfg) is not None:
         return path
-    st = path / "model.safetensors"
-    stamp = f"{path.resolve()}:{st.stat().st_mtime if st.is_file() else 0}"
+    # (each weight file and config.json: a sharded checkpoint saved again, or its config edited, is quantized again)
+    stamp = f"{path.resolve()}:" + ",".join(f"{f.name}:{f.stat().st_mtime}:{f.stat().st_size}"
+                                           for f in (path / "config.json", *checkpoint_files(path)))
     out = cache_dir() / "int4" / (path.name + "-" + hashlib.sha1(stamp.encode()).hexdigest()[:10])  # stable across runs
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from waferline.errors import CheckpointError
+from waferline.errors import CheckpointError, ConfigError
 from waferline.model.quant.tensor import Int4Tensor, unpack_nibbles
 from waferline.model.weights import WeightSource
 
@@ -162,9 +162,15 @@ FORMATS: dict[str, Callable[[WeightSource, dict[str, Any]], list[_Entry]]] = {
 
 def _qconfig(cfg: dict[str, Any]) -> dict[str, Any] | None:
     for c in (cfg, cfg.get("text_config") or {}):  # multimodal configs (Kimi K2.6) nest it under text_config
-        qc = c.get("quantization_config") or c.get("compression_config")
-        if qc:
-            return qc
+        if not isinstance(c, dict):
+            continue
+        for key in ("quantization_config", "compression_config"):
+            qc = c.get(key)
+            if qc and not isinstance(qc, dict):  # (one line, not an AttributeError where it is read)
+                raise ConfigError(f"config.json: {key} is a {type(qc).__name__}, not a JSON object; fix or "
+                                  "remove it")
+            if qc:
+                return qc
     return None
 
 
