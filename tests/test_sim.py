@@ -80,6 +80,19 @@ def test_pipeline_micro_batches_fill_the_ring():
                                                    output_len=128).aggregate_tokens_per_s
 
 
+def test_micro_batches_of_unequal_size_are_not_priced_as_the_largest():
+    """The engine splits B sequences into M micro-batches of near-equal size (pipeline/serving.py _split): 59 on 58
+    stages are one micro-batch of 2 and 57 of 1, not 58 of 2. Priced as 58 of 2, one more user cut the aggregate rate
+    (deepseek-v3 on wse-2 with MTP: 34,656 -> 31,043 tok/s from 58 to 59 users; 116 -> 117 without speculation)."""
+    plan = place("deepseek-v3", "wse-2", context=3000, batch=128, speculative=SpeculativeConfig("mtp", 0))
+    assert plan.micro_batches == plan.num_stages == 58
+    for spec in ("mtp", "none"):
+        p = plan if spec == "mtp" else place("deepseek-v3", "wse-2", context=3000, batch=128)
+        rates = [simulate(p, prompt_len=2000, output_len=500, concurrency=b).aggregate_tokens_per_s
+                 for b in (58, 59, 116, 117)]
+        assert rates[0] < rates[1] and rates[2] < rates[3], (spec, rates)
+
+
 def test_ttft_grows_with_prompt_and_includes_overhead():
     plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=9000)
     short = simulate(plan, prompt_len=100, output_len=10)

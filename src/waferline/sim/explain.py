@@ -132,21 +132,28 @@ def _stage_terms(s: Any) -> dict[str, float]:
 
 def _interval(r: SimResult, term: str, f: float) -> float:
     """Seconds between a user's tokens (without speculation) with ``term`` ``f`` times shorter in every stage: the
-    larger of one step through every stage and hop and the slowest stage times the micro-batches (sim.pipeline)."""
-    total = slowest = 0.0
-    for s in r.stages:
-        t, hop = s.total - s.hop, s.hop
-        if term == "weights and cache read":  # (a stage's reads hide its compute: it shortens down to that)
-            t -= sum(max(m, c) - max(c, m / f) for c, m in _ops(s))
-        elif term == "compute":  # (all of its FLOPs faster; it shortens down to its reads)
-            t -= sum(max(m, c) - max(m, c / f) for c, m in _ops(s))
-        elif term == "device hops":
-            hop /= f
-        else:
-            t -= _stage_terms(s)[term] * (1.0 - 1.0 / f)
-        total += t + hop
-        slowest = max(slowest, t)
-    return max(total, r.micro_batches * slowest)
+    larger of one step through every stage and hop and the slowest stage's time on every micro-batch (sim.pipeline:
+    those a sequence smaller on the timings of theirs)."""
+    def step(stages: list[Any]) -> tuple[float, float]:
+        total = slowest = 0.0
+        for s in stages:
+            t, hop = s.total - s.hop, s.hop
+            if term == "weights and cache read":  # (a stage's reads hide its compute: it shortens down to that)
+                t -= sum(max(m, c) - max(c, m / f) for c, m in _ops(s))
+            elif term == "compute":  # (all of its FLOPs faster; it shortens down to its reads)
+                t -= sum(max(m, c) - max(m, c / f) for c, m in _ops(s))
+            elif term == "device hops":
+                hop /= f
+            else:
+                t -= _stage_terms(s)[term] * (1.0 - 1.0 / f)
+            total += t + hop
+            slowest = max(slowest, t)
+        return total, slowest
+
+    total, slowest = step(r.stages)
+    full = r.micro_batches if r.full_micro_batches is None else r.full_micro_batches
+    rest = (r.micro_batches - full) * step(r.smaller_stages)[1] if r.smaller_stages else 0.0
+    return max(total, full * slowest + rest)
 
 
 def _exact_factor(r: SimResult, term: str, need: float) -> float | None:

@@ -407,8 +407,13 @@ def simulate(
     if is_afd_ranks(plan):  # the engine's AFD layout: data-parallel attention ranks, expert-sharded FFN ranks
         return _answered(_simulate_afd_ranks(ctx, table, B, P, O, dec_ctx), R)
     t1, timings, slow1 = _step(ctx, table, b, 1, B)
-    interval = max(t1, M * slow1)
-    bound = _bound(timings, t1, M * slow1)
+    # the engine splits the B sequences into M micro-batches of near-equal size (pipeline/serving.py _split): ``full``
+    # of b, the rest of b - 1, each once through the slowest stage per step
+    full = B - M * (b - 1)
+    smaller, slow0 = _step(ctx, table, b - 1, 1, B)[1:] if full < M else ([], 0.0)
+    pipe = full * slow1 + (M - full) * slow0
+    interval = max(t1, pipe)
+    bound = _bound(timings, t1, pipe)
     rate = 1.0 / interval
     spec_info: dict[str, Any] = {"method": plan.speculative.method}
     sp = plan.speculative
@@ -419,7 +424,8 @@ def simulate(
         E = expected_tokens_per_step(a, k)
         tv, _, slowv = _step(ctx, table, b, k + 1, B, want_timings=False, verify=True)
         tdraft, what = _draft_time(ctx, sp.method, k, b, table, dec_ctx, E)
-        step = max(tv + tdraft, M * slowv)
+        slowv0 = _step(ctx, table, b - 1, k + 1, B, want_timings=False, verify=True)[2] if full < M else 0.0
+        step = max(tv + tdraft, full * slowv + (M - full) * slowv0)
         spec_rate = E / step
         spec_info.update(
             num_tokens=k,
@@ -461,6 +467,8 @@ def simulate(
         stages=timings,
         speculative=spec_info,
         problems=list(plan.problems),
+        full_micro_batches=full,
+        smaller_stages=smaller,
     ), R)
 
 

@@ -58,6 +58,10 @@ class SimResult:
     # figure -> [low, high] 90% interval from the fit's parameter sets (sim.intervals.attach_intervals; empty unless
     # asked for: the planner's sweeps skip it)
     intervals: dict[str, list[float] | None] = field(default_factory=dict)
+    # micro-batches of the largest size and, where the others hold a sequence less (the engine splits the sequences
+    # near-equally), the stages' timings on one of those (sim/explain.py's interval); not written out
+    full_micro_batches: int | None = field(default=None, repr=False, compare=False)
+    smaller_stages: list[StageTiming] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.first_answer_s is None:
@@ -67,6 +71,7 @@ class SimResult:
         d = asdict(self)
         for s in d["stages"]:
             del s["ops"]
+        del d["full_micro_batches"], d["smaller_stages"]
         for k, v in d.pop("intervals").items():
             d[f"{k}_interval"] = v
         return d
