@@ -95,6 +95,18 @@ def test_quantize_refuses_an_out_that_would_destroy_the_model(tmp_path, llama, c
     assert (other / "todo.txt").read_text() == "keep me"
 
 
+def test_quantize_force_onto_a_link_leaves_no_hidden_link_behind(tmp_path, llama):
+    """--out a symbolic link to an earlier output, with --force: the link is replaced by the new checkpoint, the
+    directory it named stays as it was, and no hidden `.link.old-*` link is left beside it for good (rmtree refused
+    to remove the link it had moved aside)."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    assert main(["quantize", "--model", str(llama), "--out", str(real)]) == 0
+    link.symlink_to(real)
+    assert main(["quantize", "--model", str(llama), "--out", str(link), "--force"]) == 0
+    assert not link.is_symlink() and (link / "config.json").is_file() and (real / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
 def test_quantize_checks_where_it_writes_and_its_calibration_before_loading(tmp_path, llama, capsys):
     # (as root a permission check passed for /proc: the whole model was quantized, then the write failed)
     assert main(["quantize", "--model", str(llama), "--out", "/proc/q4"]) == 2

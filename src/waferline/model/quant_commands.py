@@ -60,7 +60,9 @@ def _remove_leftovers(out: str) -> None:
     if o.is_dir():
         stale += o.parent.glob(f".{glob.escape(o.name)}.old-*")
     for d in stale:
-        if d.is_dir() and not d.is_symlink():
+        if d.is_symlink():  # (a link moved aside: only the link goes)
+            d.unlink(missing_ok=True)
+        elif d.is_dir():
             shutil.rmtree(d, ignore_errors=True)
 
 

@@ -320,7 +320,10 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             except BaseException:  # (the old output goes back where it was)
                 old.rename(out_dir)
                 raise
-            shutil.rmtree(old, ignore_errors=True)
+            if old.is_symlink():  # (an --out that was a link: the link goes, the directory it named stays as it was)
+                old.unlink()
+            else:
+                shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out_dir)
     except (OSError, SafetensorError) as e:  # (a full disk, a quota: one line, not a traceback)
