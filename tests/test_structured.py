@@ -307,6 +307,35 @@ def test_bad_structured_outputs_are_refused(kw, words):
         structured._checked_grammar("json_schema", "false")
 
 
+def test_an_exclusive_bound_the_grammar_engine_lets_through_is_refused(tok):
+    """llguidance lets an exclusive integer bound through where no integer lies inside the range and it is the bound
+    nearer zero: {"exclusiveMinimum": 0, "maximum": 0.5} (pydantic's gt=0, le=0.5) allowed the output 0, and
+    {"minimum": -1.5, "exclusiveMaximum": -1} -1, both outside the schema, with finish_reason "stop". Such a schema
+    is refused before it queues; the bounds it holds to are not."""
+    from waferline.engine.sequence import check_request
+
+    for bounds, text in (({"exclusiveMinimum": 0, "maximum": 0.5}, "0"), ({"minimum": -1.5, "exclusiveMaximum": -1.0},
+                                                                           "-1"),
+                         ({"minimum": -0.5, "exclusiveMaximum": 0}, "-0"),
+                         ({"minimum": 2, "exclusiveMinimum": True, "maximum": 2.5}, "2")):  # (draft 4's flag)
+        schema = {"type": "object", "properties": {"p": dict(bounds, type="number")}, "required": ["p"]}
+        with pytest.raises(RequestError, match=rf"^json_schema cannot be used: the grammar engine would let {text} "
+                                               rf"through {re.escape(json.dumps(bounds))} \(an exclusive"):
+            check_request([1, 2], SamplingParams(json_schema=schema), len(tok), 64)
+    for bounds in ({"exclusiveMinimum": 0, "maximum": 1}, {"exclusiveMinimum": 0}, {"minimum": 0, "maximum": 0.5},
+                   {"exclusiveMinimum": 0.5, "maximum": 0.75}, {"exclusiveMinimum": 1, "exclusiveMaximum": 3}):
+        schema = dict(bounds, type="number")
+        check_request([1, 2], SamplingParams(json_schema=schema), len(tok), 64)  # (no RequestError)
+        for bound in set(bounds) & {"exclusiveMinimum", "exclusiveMaximum"}:  # (the bound itself is not whole)
+            c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}), SamplingParams(json_schema=schema))
+            for t in tok.encode(str(bounds[bound]), add_special_tokens=False):
+                if not c.allowed()[t]:
+                    break
+                c.advance(t)
+            else:
+                assert not c.allowed()[tok.eos_token_id], bounds
+
+
 def test_a_dead_end_past_the_first_bytes_ends_the_request_with_its_reason(sol, tok):
     """A grammar with texts whose dead end the check before the request queues does not find (a branch past a whole
     text's, a tokenizer that cannot write what comes next) ends the request, where its output reaches it, with a reason

@@ -151,6 +151,25 @@ def test_required_calls_keep_anchors_and_resources_of_their_own():
             jsonschema.validate([bad], schema)
 
 
+def test_required_calls_keep_a_ref_that_is_data():
+    """A "$ref" inside an instance (a "const", an "enum"'s value, a "default") is data the call must hold, not a
+    reference: under "required" it stays as written (it was re-rooted, "#/$defs/link/components/Pet", and every call
+    was held to that, which the tool's own schema refuses); a property named "const" is still a schema."""
+    import jsonschema
+
+    params = {"type": "object", "properties": {"kind": {"const": {"$ref": "#/components/Pet"}},
+                                               "alt": {"enum": [{"$ref": "#"}], "default": {"$ref": "#"}},
+                                               "const": {"$ref": "#/properties/kind"}},
+              "required": ["kind"], "additionalProperties": False}
+    schema = ToolPlan("required", {"link": params}).structured()["json_schema"]
+    props = schema["$defs"]["link"]["properties"]
+    assert props["kind"] == params["properties"]["kind"] and props["alt"] == params["properties"]["alt"]
+    assert props["const"] == {"$ref": "#/$defs/link/properties/kind"}
+    call = {"kind": {"$ref": "#/components/Pet"}, "alt": {"$ref": "#"}, "const": {"$ref": "#/components/Pet"}}
+    jsonschema.validate(call, params)
+    jsonschema.validate([{"name": "link", "parameters": call}], schema)
+
+
 def test_call_arguments_keep_the_numbers_as_written():
     """A call's arguments go back out as the model wrote its numbers: 1e999 stays 1e999 (it came back as Infinity,
     which is not JSON) and no digit of 0.1000000000000000000001 is lost."""

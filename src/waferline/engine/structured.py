@@ -20,6 +20,7 @@ import collections
 import contextlib
 import functools
 import json
+import math
 import re
 import threading
 import time
@@ -169,6 +170,12 @@ def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
     err = LLMatcher.validate_grammar(grammar)
     if err and not err.startswith("WARNING"):
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
+    held = _exclusive_bound_let_through(json.loads(value)) if kind == "json_schema" else None
+    if held is not None:
+        text, bounds = held
+        raise RequestError(f"{kind} cannot be used: the grammar engine would let {text} through {bounds} (an "
+                           "exclusive integer bound with no integer inside the range, which it does not hold to; an "
+                           "inclusive bound it holds to)")
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
     # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer; and one whose every text comes
     # to a dead end within a few bytes (as in 'start: "x" /[a&&b]/', or a rule that never ends), by ``_dead_end``. A
@@ -189,6 +196,46 @@ def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
             f"the grammar engine cannot go on after {text!r} ({why})" if why else
             f"no text holds to it (every text it starts comes to a dead end, as {text!r} does)"))
     return grammar, False
+
+
+def _exclusive_bound_let_through(schema: Any) -> tuple[str, str] | None:
+    """An exclusive bound of ``schema``'s numbers that the grammar engine does not hold to: the text of the bound (an
+    integer) it allows there, and that part's bounds as JSON; else None. llguidance lets the integer through where
+    no integer lies inside the range and it is the bound nearer zero ({"exclusiveMinimum": 0, "maximum": 0.5}
+    allowed 0, {"minimum": -1.5, "exclusiveMaximum": -1} -1): each such bound is asked about (over single bytes,
+    ~1 ms), so an engine that holds to it refuses nothing."""
+    from llguidance import LLMatcher
+
+    keys = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
+    asked: set[str] = set()
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes += node
+            continue
+        if not isinstance(node, dict):
+            continue
+        nodes += node.values()
+        bounds = {k: node[k] for k in keys if k in node}
+        texts = []
+        for key, alone in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            v = node.get(alone) if node.get(key) is True else node.get(key)  # (draft 4: a flag on the bound)
+            if type(v) in (int, float) and math.isfinite(v) and v == int(v):
+                texts += [str(int(v))] + (["-0"] if v == 0 else [])
+        probe = json.dumps(bounds, sort_keys=True)
+        if not texts or probe in asked:
+            continue
+        asked.add(probe)
+        try:
+            grammar = LLMatcher.grammar_from_json_schema(dict(bounds, type="number"), defaults=JSON_OPTIONS)
+        except (ValueError, TypeError):  # (bounds no number holds to: the whole schema's check says so)
+            continue
+        for text in texts:
+            m = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+            if not m.is_error() and all(m.consume_token(b) for b in text.encode()) and m.is_accepting():
+                return text, json.dumps(bounds)
+    return None
 
 
 def _dead_end(matcher: Any, mask: np.ndarray, budget: int = 256, seconds: float = 0.05

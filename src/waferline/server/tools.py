@@ -101,15 +101,23 @@ def _object(name: str, schema: dict[str, Any]) -> dict[str, Any]:
                    'arguments are one: {"type": "object", ...})', param="tools")
 
 
-def _rooted(node: Any, root: str) -> Any:
+# keywords whose values are instances (data, kept as they are), and those whose values map names to schemas
+_DATA = frozenset(("const", "enum", "default", "examples"))
+_NAMED = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+
+
+def _rooted(node: Any, root: str, names: bool = False) -> Any:
     """``node`` (a tool's parameters schema) with its local "$ref" values ("#", "#/...") re-rooted at ``root``. An
     anchor's ("#name") is left as it is, and so is a part with an "$id" of its own (a resource, the tool's whole
-    schema too): its local references are to itself wherever it sits."""
+    schema too): its local references are to itself wherever it sits. Instances (a "const", an "enum"'s values) are
+    data, not schemas: a "$ref" in them stays as written. ``names``: ``node`` maps names to schemas."""
     if isinstance(node, dict):
+        if names:
+            return {k: _rooted(v, root) for k, v in node.items()}
         if isinstance(node.get("$id"), str) and not node["$id"].startswith("#"):
             return node
         return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/"))
-                else _rooted(v, root) for k, v in node.items()}
+                else v if k in _DATA else _rooted(v, root, k in _NAMED) for k, v in node.items()}
     if isinstance(node, list):
         return [_rooted(v, root) for v in node]
     return node
