@@ -455,6 +455,25 @@ def _moe_eager(moe, x):
         del moe._fused_args, moe._fused_weights
 
 
+def test_moe_ffn_of_one_token_routed_twice_to_an_expert():
+    """One token whose row of idx names an expert twice goes through it twice (two rows, each weighted), as two
+    tokens' rows do: not one row read as two (the second past the end of the expert's output)."""
+    g = torch.Generator().manual_seed(0)
+    D, I, E = 64, 32, 4
+    gu, dn = torch.randn(E, 2 * I, D, generator=g), torch.randn(E, D, I, generator=g)
+    x = torch.randn(1, D, generator=g)
+    none = torch.empty(0)
+
+    def moe(x, weights, idx):
+        return torch.ops.waferline.moe_ffn(x, weights, idx, gu, none, dn, none, none, none, none, none, 0, I, 0)
+
+    once = moe(x, torch.ones(1, 1), torch.tensor([[2]]))
+    twice = moe(x, torch.tensor([[0.5, 0.25]]), torch.tensor([[2, 2]]))
+    torch.testing.assert_close(twice, 0.75 * once)
+    pair = moe(torch.cat([x, x]), torch.tensor([[0.5, 0.25]] * 2), torch.tensor([[2, 2]] * 2))
+    assert torch.equal(twice[0], pair[0])
+
+
 def test_moe_fused_arguments_follow_the_module(tmp_path, one_thread):
     """The fused MoE path's arguments are built once and reused: replacing the weights (quantizing), forcing the
     gather path or installing a matmul hook must be seen at the next call, not hidden by the cached copy."""

@@ -73,7 +73,7 @@ at::Tensor moe_ffn_impl(const at::Tensor& x, const at::Tensor& weights, const at
     if (ps.empty()) continue;
     const int64_t R = static_cast<int64_t>(ps.size());
     at::Tensor xs;
-    if (N == 1) {
+    if (N == 1 && R == 1) {  // (one token, once: an expert twice in its row takes two rows, gathered below)
       xs = x;
     } else {
       xs = at::empty({R, D}, x.options());
