@@ -534,6 +534,27 @@ def test_staged_decode_entries_reach_their_pages_before_the_slot_is_released():
     assert torch.equal(c.read(1, 9), rows(1, 0, 9)[0]) and torch.equal(c.read(2, 5), rows(2, 0, 5)[0])
 
 
+def test_a_prefix_store_beside_a_drafters_pages_keeps_within_the_budget(ckpts):
+    """A draft model's pages and a prefix store: the target's pool was sized for the whole budget (the store's pages
+    need no sequence) beside the drafter's own pool, 1.5x the budget held; the store now keeps pages within the pool
+    the sequences would hold, evicting them when a sequence needs the page, and the output is plain greedy's."""
+    llm = LLM(ckpts["llama"])
+    cfg = dict(max_num_seqs=2, max_model_len=64, page_tokens=8, speculative=f"draft:{ckpts['llama']}",
+               num_speculative_tokens=2, speculative_adaptive=False)
+    sch = Scheduler(llm, SchedulerConfig(**cfg))
+    cm = sch.cache
+    assert sch.prefix is not None
+    held = cm.table.max_pages * cm.paged_page_bytes + cm.draft_table.max_pages * cm.draft_page_bytes
+    assert held <= cm.budget + cm.paged_page_bytes + cm.draft_page_bytes  # (each table's sink page)
+    shared = [(7 * j) % 90 + 3 for j in range(24)]
+    prompts = [shared + [40 + i] * (4 + 3 * i) for i in range(6)] + [[9 + i] * 30 for i in range(3)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    want = [llm.generate([p], sp)[0].token_ids for p in prompts]
+    assert _serve_arriving(sch, prompts, [sp] * len(prompts), [0, 0, 3, 3, 6, 9, 9, 12, 12]) == want
+    assert sch.prefix.hit_tokens > 0 and sch.prefix.evicted_pages > 0 and sch.stats["spec_drafted"] > 0
+    assert cm.table.live == cm.draft_table.live == 0
+
+
 def _held_bytes(caches) -> int:
     """Bytes of the cache tensors: paged pools and sliding-window rings (their rows), Mamba-2 states."""
     return sum(c.data.nbytes if isinstance(c, TokenCache) else c.nbytes() for c in caches if c is not None)

@@ -33,14 +33,15 @@ compressed layers, at least that: their windows and compressor states are counte
 layers keep until the rewind (Gated DeltaNet, KDA and Mamba-2 on GPU record them; Mamba-2's fused CPU update keeps
 the state before the verify instead, one state per slot, and replays the kept tokens).
 
-Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages
-where the runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes
-pages from that table, ``free`` releases them, and the bytes these pools hold are the pages held (by live sequences
-or the prefix store) x the page's bytes. Each paged layer's pool is made once with the most pages the budget lets
-the table hold (plus the table's sink page): a sequence holding pages also holds its states, window pages and
-drafter pages, so j sequences hold at most the pages the budget less j such remainders pays for, and at most j x the
-pages of max_model_len tokens (the prefix store's pages need no sequence: where there is a store, the budget less one
-sequence's remainder); a page is zeroed, and its memory first touched, when it is first handed out. Other
+Full-attention pools (``gqa`` and ``mla`` layers whose caches are paged, model/block_table.py) are real pages where the
+runner shares its caches' ``BlockTable`` (``attach``; the single-process runner does): ``grow`` takes pages from that
+table, ``free`` releases them, and the bytes these pools hold are the pages held (by live sequences or the prefix store)
+x the page's bytes. Each paged layer's pool is made once with the most pages the budget lets the table hold (plus the
+table's sink page): a sequence holding pages also holds its states, window pages and drafter pages, so j sequences hold
+at most the pages the budget less j such remainders pays for, and at most j x the pages of max_model_len tokens (the
+prefix store's pages need no sequence: where there is a store, the budget less one sequence's remainder; but beside a
+drafter's pages, which the budget pays for too, the store keeps pages within the pool its sequences would hold, evicting
+them when a sequence needs the page); a page is zeroed, and its memory first touched, when it is first handed out. Other
 pools (sliding-window rings, Mamba-2 states, and every cache in stage processes, whose paged caches take their own
 pages) are an accounting of capacity, enforced by admission and preemption, over tensors indexed by slot.
 
@@ -214,16 +215,23 @@ class CacheManager:
         budget. A sequence holding any of them holds at least a page or a state of every other pool too (``rest``:
         what one token costs beyond this table's page), so j sequences hold at most j x the pages of max_model_len
         tokens, and at most the pages the budget less j x ``rest`` pays for; pages the prefix store keeps (the
-        target's, where a store reclaims them) need no sequence: the budget less one ``rest``."""
+        target's, where a store reclaims them) need no sequence: the budget less one ``rest`` (not beside a drafter's
+        pool: the two pools would together hold up to the drafter's pool more than the budget; ``_store_in_pool``)."""
         rest = self.bytes_for(1) - table.pages_for(1) * page_bytes
 
         def room(j: int) -> int:
             return max(0, int((self.budget - j * rest) / page_bytes + 1e-6))
 
-        if table is self.table and self.reclaim is not None:
+        if table is self.table and self.reclaim is not None and not self._store_in_pool:
             return room(1)
         most = table.pages_for(self.max_model_len)
         return max(min(j * most, room(j)) for j in range(1, self.max_num_seqs + 1))
+
+    @property
+    def _store_in_pool(self) -> bool:
+        """The prefix store keeps the target's pages within the pool its sequences would hold (beside a drafter's
+        pages): a page it keeps may be wanted by a sequence the budget admits, and is evicted for it."""
+        return self.reclaim is not None and self.draft_table is not None and self.draft_table.max_pages is not None
 
     def keep_prefixes(self) -> None:
         """A prefix store keeps pages of the target's table (``reclaim`` set): its pool may hold the pages the budget
@@ -306,8 +314,9 @@ class CacheManager:
         return slot % self.parts
 
     def _part_room(self, part: int, pages: int, keep: Collection[int] = ()) -> bool:
-        """A split page table: ``part`` can hand out ``pages`` more pages (evicting its prefix pages if need be)."""
-        if self.parts == 1 or pages <= 0:
+        """A split page table, or a store kept within the pool: ``part`` can hand out ``pages`` more pages (evicting
+        its prefix pages if need be)."""
+        if pages <= 0 or self.table is None or (self.parts == 1 and not self._store_in_pool):
             return True
         short = pages - self.table.available(part)
         if short > 0 and self.reclaim is not None:
@@ -319,7 +328,7 @@ class CacheManager:
         if need be, ``part``'s first: another part's pages give it no room). ``hit``: the prefix store's blocks the
         sequence will start with (its first pages, held already: they need no room, and are not evicted for it)."""
         shared = len(hit) * self.paged_page_bytes
-        if self.parts == 1:
+        if self.parts == 1 and not self._store_in_pool:
             return bool(self._free_slots) and self._room(self.bytes_for(n_tokens) - shared, hit)
         if not any(self.part_of(s) == part for s in self._free_slots):
             return False
