@@ -209,6 +209,17 @@ def test_simulate_json_has_an_interval_for_every_predicted_figure(capsys):
     assert "ttft_s_interval" not in json.loads(capsys.readouterr().out)
 
 
+def test_an_acceptance_ranges_interval_joins_each_ends_interval():
+    """Both ends' predictions pooled can put a percentile inside one end's interval (here the 95th: 18.1 of the
+    pooled values against 19.1 of the first end's alone): the interval joins each end's instead."""
+    from waferline.sim.intervals import _over_ends, interval
+
+    a, b = [float(v) for v in range(1, 21)], [5.0] * 20
+    assert interval(10.0, a + b, 0.9)[1] < interval(10.0, a, 0.9)[1]  # (what pooling gave)
+    assert _over_ends(10.0, [a, b], 0.9) == [min(interval(10.0, a, 0.9)[0], 5.0), interval(10.0, a, 0.9)[1]]
+    assert _over_ends(10.0, [a, a], 0.9) == interval(10.0, a, 0.9)  # (a figure the acceptance does not move)
+
+
 def test_an_acceptance_range_widens_only_the_figures_acceptance_moves():
     """Each parameter set is predicted at both ends of an acceptance range; a figure that does not depend on the
     acceptance (a step without speculation, the prefill) is taken from one end's predictions (both ends' identical

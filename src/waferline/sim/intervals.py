@@ -45,6 +45,17 @@ def interval(point: float, values: list[float], level: float = LEVEL) -> list[fl
     return [min(point, percentile(values, tail)), max(point, percentile(values, 1.0 - tail))]
 
 
+def _over_ends(point: float, ends: list[list[float]], level: float) -> list[float]:
+    """The interval of a figure predicted with each parameter set at each end of an acceptance range: each end's
+    interval, joined (the lowest low, the highest high), so a range only ever widens what one acceptance gives (the
+    percentiles of both ends' predictions pooled could narrow it). A figure the acceptance does not move (a step
+    without speculation, the prefill): one end's."""
+    if all(e == ends[0] for e in ends):
+        return interval(point, ends[0], level)
+    each = [interval(point, e, level) for e in ends]
+    return [min(i[0] for i in each), max(i[1] for i in each)]
+
+
 def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: float = LEVEL,
                      accept_range: tuple[float, float] | None = None, **simulate_kwargs: Any) -> SimResult:
     """Fill ``result.intervals`` (and the speculative figures' ``X_interval``) by predicting ``plan`` with each
@@ -70,18 +81,15 @@ def attach_intervals(result: SimResult, plan: Plan, params: SimParams, level: fl
         level = 1.0
     by_end = [[simulate(p, params=s, **simulate_kwargs) for s in (sets or [params])] for p in plans]
 
-    def values(get: Any) -> list[float]:
-        # a figure the acceptance does not move (a step without speculation, the prefill) from one end's predictions:
-        # the two ends' identical copies of the sets would shift the interpolated percentiles
-        ends = [[float(get(r)) for r in preds] for preds in by_end]
-        return ends[0] if all(e == ends[0] for e in ends) else [v for e in ends for v in e]
+    def ends(get: Any) -> list[list[float]]:
+        return [[float(get(r)) for r in preds] for preds in by_end]
 
-    result.intervals = {f: interval(getattr(result, f), values(lambda r, f=f: getattr(r, f)), level)
+    result.intervals = {f: _over_ends(getattr(result, f), ends(lambda r, f=f: getattr(r, f)), level)
                         for f in FIGURES}
     for f in SPEC_FIGURES:
         v = result.speculative.get(f)
         if isinstance(v, (int, float)):
-            result.speculative[f + "_interval"] = interval(float(v), values(lambda r, f=f: r.speculative[f]), level)
+            result.speculative[f + "_interval"] = _over_ends(float(v), ends(lambda r, f=f: r.speculative[f]), level)
     return result
 
 
@@ -108,12 +116,9 @@ def serving_intervals(serving: Any, plan: Plan, params: SimParams, run: Any, lev
         level = 1.0
     by_end = [[run(p, s) for s in (sets or [params])] for p in plans]
 
-    def values(f: str) -> list[float]:
-        ends = [[float(getattr(r, f)) for r in preds] for preds in by_end]
-        return ends[0] if all(e == ends[0] for e in ends) else [v for e in ends for v in e]
-
     figures = SERVING_FIGURES + (("arrival_rate",) if serving.users else ())  # (a closed loop's: the rate reached)
-    serving.intervals = {f: interval(float(getattr(serving, f)), values(f), level) for f in figures}
+    serving.intervals = {f: _over_ends(float(getattr(serving, f)), [[float(getattr(r, f)) for r in preds]
+                                                                     for preds in by_end], level) for f in figures}
     return None
 
 
