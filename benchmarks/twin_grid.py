@@ -41,12 +41,13 @@ DSV3_100M = {
 
 
 def dsv3_checkpoint() -> Path:
-    """The ~100M DeepSeek-V3-type random checkpoint (seed 0), written once into the cache."""
+    """The ~100M DeepSeek-V3-type random checkpoint (seed 0), written once into the cache (whole: its config.json is
+    written last, so a build that failed or was stopped before it is built again)."""
     from waferline.model.init import write_random_checkpoint
     from waferline.sim.twin import cache_dir
 
     d = cache_dir() / "models" / "dsv3-100m"
-    if not (d / "model.safetensors").is_file():
+    if not (d / "config.json").is_file():
         write_random_checkpoint(DSV3_100M, d, seed=0)
     return d
 

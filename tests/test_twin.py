@@ -1265,3 +1265,69 @@ def test_report_table_shows_the_micro_batches_the_plan_ran():
     shown = next(line for line in con.export_text().splitlines() if row["plan"] in line)
     assert [c.strip() for c in shown.split("│")][3] == "2"  # the twin's table: plan, stages, M
     assert table_rows(res)[1][2] == 2
+
+
+def test_a_prompt_up_to_the_context_is_measured_and_counted(tmp_path, host_yaml):
+    """A prompt and output that fit the context exactly (the most check_context accepts) run: the warm-up and the op
+    counting generate no more tokens than the timed run (they took 4 and 7 whatever --output-len said, and every Plan
+    failed with the engine's context error after its timed runs)."""
+    from waferline.model.init import write_random_checkpoint
+    from waferline.sim.calibrate.common import tiny_config
+    from waferline.sim.twin import run_twin
+
+    d = tmp_path / "short-context"
+    write_random_checkpoint(dict(tiny_config(2), max_position_embeddings=24), d, seed=1)
+    res = run_twin(d, host_yaml, [{"stages": 1, "batch": 1}], prompt_len=21, output_len=3, repeats=1, passes=1,
+                   drift_check=False, canary_runs=False, timeout_s=120)
+    row = res["rows"][0]
+    assert row["status"] == "ok", row["status"]
+    assert row["measured"]["tokens_per_s_per_user"] > 0 and row["predicted"]["tokens_per_s_per_user"] > 0
+
+
+def test_a_grid_point_with_k_but_no_speculation_is_refused(tmp_path, capsys, monkeypatch):
+    """k without speculative ngram or mtp is refused, one line before anything runs (as `generate` refuses
+    --num-speculative-tokens without --speculative): it ran plain decoding, named S1-bf16-B1, and the k was lost."""
+    from waferline.cli import main
+    from waferline.sim.twin import load_grid
+
+    for point in ({"stages": 1, "k": 5}, {"stages": 2, "micro_batches": 2, "batch": 8, "speculative": "none", "k": 3}):
+        with pytest.raises(ConfigError, match="grid point 1 .*k needs speculative"):
+            load_grid([point])
+    assert load_grid([{"speculative": "ngram", "k": 5}])[0].name == "S1-bf16-ngram5-B1"
+    _nothing_runs(monkeypatch)
+    g = tmp_path / "g.yaml"
+    g.write_text("- {stages: 1, batch: 1, k: 5}\n")
+    assert main(["twin", "--model", str(SOL_MINI), "--hardware", str(TWIN_HOST), "--grid", str(g), "--json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: grid point 1") and "k needs speculative" in err and err.count("\n") == 1, err
+
+
+def test_twin_grid_builds_again_a_dsv3_checkpoint_whose_build_stopped(tmp_path, monkeypatch):
+    """benchmarks/twin_grid.py's cached DeepSeek-V3-type checkpoint is trusted once its config.json (written last) is
+    there: a build that failed after its weights (a full disk) is built again, not kept without a config.json (which
+    failed every later run until the cache was deleted by hand)."""
+    import errno
+    import importlib.util
+    from pathlib import Path
+
+    from waferline.model import init
+    from waferline.sim.calibrate.common import tiny_config
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("twin_grid_under_test", root / "benchmarks" / "twin_grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("WAFERLINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mod, "DSV3_100M", tiny_config(2))  # (small: the same build, in a second)
+    real = init.write_text_atomic
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(init, "write_text_atomic", full)
+    with pytest.raises(OSError):
+        mod.dsv3_checkpoint()
+    assert (tmp_path / "models" / "dsv3-100m" / "model.safetensors").is_file()
+    monkeypatch.setattr(init, "write_text_atomic", real)
+    d = mod.dsv3_checkpoint()
+    assert spec_from_pretrained(d).num_layers == 2

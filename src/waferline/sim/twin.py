@@ -177,6 +177,9 @@ def load_grid(grid: str | list[dict[str, Any]] | None) -> list[GridPoint]:
             pt = GridPoint(**d)
         except GridPointError as e:
             raise ConfigError(f"grid point {i} ({d}): {e.problem}") from None
+        if "k" in d and pt.speculative == "none":  # (as `generate` refuses --num-speculative-tokens without it)
+            raise ConfigError(f"grid point {i} ({d}): k needs speculative ngram or mtp (without speculation it would "
+                              "be ignored)")
         same = next((j for j, q in enumerate(out, 1) if q.name == pt.name), None)
         if same is not None:
             raise ConfigError(f"grid points {same} and {i} are both {pt.name}: give each Plan once (or a name)")

@@ -101,6 +101,9 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     if speculative != "none":
         kw = {"speculative": speculative, "num_speculative_tokens": k, "speculative_adaptive": False}
     llm = LLM(path, dtype=dtype, **kw)
+    # (the counted runs stay within the context the timed run fitted in: a prompt up to it and 3 new tokens leave
+    # room for 2 decode steps, not 6)
+    steps = max(1, min(steps, llm.max_model_len - prompt_len - 1))
     model = llm.model
     idx = list(model.layer_range)
     counter = OpCounter()
@@ -198,7 +201,8 @@ def measure_point(path: str, point: dict[str, Any], plan_json: str | None, promp
     with LLM(path, dtype=dtype, **_engine_kwargs(point, plan_json)) as llm:
         start_s = time.perf_counter() - t_start
         prompts = make_prompts(llm.spec.vocab_size, point["batch"], prompt_len)
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up at the timed shapes
+        # warm-up at the timed shapes (no more tokens than the timed run: a prompt up to the context leaves no more)
+        llm.generate(prompts, SamplingParams(max_tokens=min(4, output_len), ignore_eos=True))
         pipe = getattr(llm, "_pipeline", None)
         pids = [os.getpid()] + list(getattr(pipe, "pids", []) or [])
         best = None
