@@ -53,10 +53,9 @@ PIPELINE_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "han
 AFD_OPTIONS = frozenset({"plan", "prefill_chunk", "threads_per_stage", "hang_timeout_s", "start_method",
                          "attention_ranks", "ffn_ranks", "threads_per_rank"})
 PROCESS_OPTIONS = PIPELINE_OPTIONS | AFD_OPTIONS | {"afd"}
-# the LLM options that are counts (an integer, or None for the default)
+# the LLM options that are counts (an integer, or None for the default; thread counts: the process engines' own check)
 INT_OPTIONS = frozenset({"max_model_len", "stages", "layers_per_stage", "micro_batches", "weight_bits", "group_size",
-                         "head_bits", "num_speculative_tokens", "prefill_chunk", "threads_per_stage", "attention_ranks",
-                         "ffn_ranks", "threads_per_rank"})
+                         "head_bits", "num_speculative_tokens", "prefill_chunk", "attention_ranks", "ffn_ranks"})
 
 
 def check_numbers(options: dict[str, Any]) -> None:
