@@ -410,8 +410,32 @@ def test_env_rendezvous_on_one_host_listens_on_loopback_only(monkeypatch):
     store, rank, world = _rendezvous_env()
     assert (rank, world, store.port) == (0, 1, port)
     assert _listening(port) == {"127.0.0.1"}
-    assert [loopback_host(a) for a in ("127.0.0.1", "localhost", "127.0.0.2", "10.1.2.3", "node7", "::1")] == \
-        ["127.0.0.1", "127.0.0.1", "127.0.0.2", None, None, None]
+    assert [loopback_host(a) for a in ("127.0.0.1", "localhost", "127.0.0.2", "10.1.2.3", "node7", "::1", "fe80::1")] \
+        == ["127.0.0.1", "127.0.0.1", "127.0.0.2", None, None, "::1", None]
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="reads the socket table from /proc")
+def test_env_rendezvous_on_the_ipv6_loopback_listens_there_only(monkeypatch):
+    """MASTER_ADDR ::1 is a loopback address too (docs/pipeline.md: an env:// launch whose MASTER_ADDR is a loopback
+    address binds the store there): its store listened on every interface."""
+    import socket
+
+    from waferline.engine.pipeline import _rendezvous_env
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "::1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = _rendezvous_env()
+    assert (rank, world, store.port) == (0, 1, port)
+    assert _listening(port) == {"::1"}
+    store.set("k", "v")
+    assert store.get("k") == b"v"
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -443,6 +467,128 @@ def test_bad_env_launch_variables_are_one_line_errors(llama, monkeypatch, capsys
     flags = ["--prompt-ids", "1 2", "--max-tokens", "2"] if command == "generate" else ["--port", str(port)]
     assert main([command, "--model", str(llama), "--stages", "2", *flags]) == 2
     assert capsys.readouterr().err == f"error: env:// launch: {want}\n"
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("rank", ["0", "1", "2"])
+def test_a_world_size_that_is_not_the_number_of_stages_is_refused_before_the_rendezvous(llama, monkeypatch, capsys,
+                                                                                        command, rank):
+    """WORLD_SIZE 3 for 2 stages: every rank refuses it at once. It was checked after the rendezvous, so in a hand-set
+    launch rank 0 refused and took the store with it while the other ranks waited for it (300 s, then a traceback)."""
+    import waferline.engine.pipeline.launch as launch
+
+    def rendezvous(*a, **kw):
+        raise AssertionError("reached the rendezvous")
+
+    monkeypatch.setattr(launch.dist, "rendezvous", rendezvous)
+    monkeypatch.setattr(launch, "loopback_store", rendezvous)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"RANK": rank, "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    flags = ["--prompt-ids", "1 2", "--max-tokens", "2"] if command == "generate" else ["--port", "1"]
+    assert main([command, "--model", str(llama), "--stages", "2", *flags]) == 2
+    assert capsys.readouterr().err == ("error: torchrun started 3 processes but the pipeline has 2 stages; launch with "
+                                       "2 processes in total (nnodes x nproc-per-node)\n")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_a_rank_whose_rendezvous_store_never_comes_is_a_one_line_error(llama, monkeypatch, capsys, command):
+    """A rank >= 1 of a hand-set env:// launch started without rank 0 (or after rank 0 failed before the rendezvous)
+    waited more than the 300 s timeout (the store client retries once past it), printed C++ frames twice, then a
+    DistNetworkError traceback. It waits for the store itself and says so in one line."""
+    import socket
+
+    import waferline.engine.pipeline.launch as launch
+
+    monkeypatch.setattr(launch, "RENDEZVOUS_TIMEOUT_S", 1.0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (nothing listens there)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    flags = ["--prompt-ids", "1 2", "--max-tokens", "2"] if command == "generate" else ["--port", "1"]
+    t0 = time.monotonic()
+    assert main([command, "--model", str(llama), "--stages", "2", *flags]) == 2
+    assert time.monotonic() - t0 < 10
+    assert capsys.readouterr().err == (f"error: env:// launch: no rendezvous store answered at MASTER_ADDR 127.0.0.1 "
+                                       f"MASTER_PORT {port} within 1 s; start rank 0 (the driver) with the same "
+                                       "MASTER_ADDR and MASTER_PORT\n")
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1", "0.0.0.0"], ids=["loopback", "every-interface"])
+def test_rank_0_on_a_taken_master_port_is_a_one_line_error(llama, monkeypatch, capsys, addr):
+    """Rank 0 of a hand-set env:// launch hosts the rendezvous store on MASTER_PORT: a port already taken was an
+    OSError traceback (loopback) or a DistNetworkError one (any other address)."""
+    import socket
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.socket() as taken:
+        taken.bind((addr, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": addr, "MASTER_PORT": str(port)}.items():
+            monkeypatch.setenv(k, v)
+        assert main(["generate", "--model", str(llama), "--stages", "2", "--prompt-ids", "1 2", "--max-tokens",
+                     "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: env:// launch: rank 0 could not listen on MASTER_ADDR {addr} MASTER_PORT {port} "
+                          "for the rendezvous (") and err.endswith("); pick a free MASTER_PORT on every rank\n"), err
+    assert len(err.splitlines()) == 1 and "in use" in err, err
+
+
+# rank 0 of a hand-set env:// launch that hosts the store, waits for rank 1 ("alive"; "joined": and joins the process
+# groups with it; "ready": and waits until it has loaded), then dies outright
+_RANK0_DIES = """
+import os, sys, time
+from waferline.engine.pipeline.launch import _env_run_id, _rendezvous_env
+from waferline.engine.stage import Control, make_group
+import torch
+store, rank, world = _rendezvous_env()
+ctl = Control(store, _env_run_id())
+def wait(key):
+    while ctl.get(key, 1) is None:
+        time.sleep(0.02)
+wait("alive")
+if sys.argv[1] != "alive":
+    groups = [make_group(store, f"waferline/{_env_run_id()}/{name}", 0, 2, torch.device("cpu"), False)
+              for name in ("act", "fb")]
+if sys.argv[1] == "ready":
+    wait("ready")
+    time.sleep(0.3)
+os._exit(9)
+"""
+
+
+@pytest.mark.parametrize("when", ["alive", "joined", "ready"],
+                         ids=["while-connecting", "while-loading", "while-serving"])
+def test_a_rank_whose_rank_0_dies_says_why_in_one_line(llama, when):
+    """A rank >= 1 of a hand-set env:// launch whose rank 0 (and with it the rendezvous store) died while it started
+    printed a DistNetworkError traceback (a store call outside the start-up's guard) or nothing but C++ frames, and
+    one that lost it while serving exited without a word. Each says why in one line and exits non-zero."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+    env.update(PYTHONPATH=str(ROOT / "src"), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank0 = subprocess.Popen([sys.executable, "-c", _RANK0_DIES, when], env=dict(env, RANK="0"),
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        rank1 = subprocess.run([sys.executable, "-m", "waferline.cli", "generate", "--model", str(llama), "--stages",
+                                "2", "--prompt-ids", "1 2", "--max-tokens", "2"], env=dict(env, RANK="1"),
+                               capture_output=True, text=True, timeout=60)
+        rank0.wait(timeout=15)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+        rank0.wait()
+    assert rank0.returncode == 9, rank0.stderr.read()[-2000:]
+    assert rank1.returncode in (3, 4), rank1.stderr[-2000:]  # (could not start; lost a neighbour)
+    assert "Traceback" not in rank1.stderr, rank1.stderr[-2000:]
+    said = [line for line in rank1.stderr.splitlines() if line.startswith("error:")]
+    assert len(said) == 1 and said[0].startswith("error: stage 1 stopped: "), rank1.stderr[-2000:]
 
 
 @pytest.mark.parametrize("engine", ["pipeline", "afd"])

@@ -279,6 +279,21 @@ class StageRunner:
 
 # ---------------------------------------------------------------- worker process
 
+_said = threading.Lock()  # (held once a worker has said why it stops)
+
+
+def _say_why(rank: int, why: str, driver_pid: int | None) -> None:
+    """env:// (``driver_pid`` None): say once why this worker stops (its output is all its user sees; not local)."""
+    if driver_pid is None and _said.acquire(blocking=False):
+        print(f"error: stage {rank} stopped: {why}", file=sys.stderr, flush=True)
+
+
+def first_line(e: BaseException | str) -> str:
+    """An error (an exception, or a worker's status text) as one line: its first (torch's go on with C++ frames)."""
+    text = e if isinstance(e, str) else str(e)
+    return next((line.strip() for line in text.splitlines() if line.strip()), text or type(e).__name__)[:500]
+
+
 def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int | None) -> None:
     """Publish this stage's progress counter (env://: and a heartbeat every tick); exit the process if the driver is
     gone or asked for an abort."""
@@ -293,19 +308,22 @@ def _publisher(ctl: Control, rank: int, state: dict[str, Any], driver_pid: int |
         if n != last:
             try:
                 ctl.set("progress", rank, str(n))
-            except Exception:
+            except Exception as e:
                 if state.get("stopping"):
                     return
+                _say_why(rank, f"lost the rendezvous store: rank 0 is gone ({first_line(e)})", driver_pid)
                 os._exit(EXIT_PEER_LOST)
             last = n
         try:
             if driver_pid is None:  # env://: a heartbeat, the driver's only sign that a process on another host lives
                 ctl.store.add(ctl.key("beat", rank), 1)
             if ctl.get("abort") is not None and not state.get("stopping"):
+                _say_why(rank, "rank 0 stopped the pipeline after a fault (its error names it)", driver_pid)
                 os._exit(EXIT_ABORTED)
-        except Exception:
+        except Exception as e:
             if state.get("stopping"):
                 return
+            _say_why(rank, f"lost the rendezvous store: rank 0 is gone ({first_line(e)})", driver_pid)
             os._exit(EXIT_PEER_LOST)
         time.sleep(PUBLISH_INTERVAL_S)
 
@@ -314,24 +332,32 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
           local: bool, driver_pid: int | None = None) -> int:
     """Run stage ``rank`` (>= 1) until SHUTDOWN: receive from rank-1, compute, send on (or feed back to rank 0)."""
     ctl = Control(store, run_id)
-    ctl.set("alive", rank, str(os.getpid()))
     state = {"processed": 0}
-    try:
-        act = Link(make_group(store, f"waferline/{run_id}/act", rank, num_stages, device, local), device)
-        fb = Link(make_group(store, f"waferline/{run_id}/fb", rank, num_stages, device, local), device)
-        from waferline.model.load import load_model
-        from waferline.model.quant import loading_for, move_model
+    try:  # (the store is the driver's: a driver gone while this worker starts fails the store calls here)
+        # the publisher's connection, made while the store surely answers: one made once the driver is gone would be
+        # retried for up to a minute
+        publish = Control(_client_of(store, load), run_id)
+        ctl.set("alive", rank, str(os.getpid()))
+        try:
+            act = Link(make_group(store, f"waferline/{run_id}/act", rank, num_stages, device, local), device)
+            fb = Link(make_group(store, f"waferline/{run_id}/fb", rank, num_stages, device, local), device)
+            from waferline.model.load import load_model
+            from waferline.model.quant import loading_for, move_model
 
-        a, b = load["layer_range"]
-        last = rank == num_stages - 1
-        with loading_for(device):
-            model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=last,
-                               **load.get("extra", {}))
-        if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
-            move_model(model, device)
-    except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
-        return worker_load_failed(ctl, rank, e)
-    worker_ready(ctl, store, load, run_id, rank, state, driver_pid, f"waferline-stage{rank}-publisher")
+            a, b = load["layer_range"]
+            last = rank == num_stages - 1
+            with loading_for(device):
+                model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=last,
+                                   **load.get("extra", {}))
+            if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
+                move_model(model, device)
+        except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
+            _say_why(rank, f"could not start: {type(e).__name__}: {first_line(e)}", driver_pid)
+            return worker_load_failed(ctl, rank, e)
+        worker_ready(ctl, store, load, run_id, rank, state, driver_pid, f"waferline-stage{rank}-publisher", publish)
+    except (dist.DistError, OSError) as e:
+        _say_why(rank, f"lost the rendezvous store while starting: rank 0 is gone ({first_line(e)})", driver_pid)
+        return EXIT_PEER_LOST
     runner = StageRunner(model, rank, num_stages, device)
     last = runner.is_last
     try:
@@ -363,6 +389,8 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
                     act.send(rank + 1, STEP, meta, hs)
             state["processed"] += 1
     except Exception as e:
+        if isinstance(e, PeerLost):
+            _say_why(rank, f"lost a neighbouring stage ({first_line(e)})", driver_pid)
         return worker_failed(ctl, rank, e)
 
 
@@ -384,14 +412,15 @@ def _print_unexpected(e: BaseException) -> None:
 
 
 def worker_ready(ctl: Control, store: Any, load: dict[str, Any], run_id: str, rank: int, state: dict[str, Any],
-                 driver_pid: int | None, thread_name: str) -> None:
-    """A worker has loaded: announce it and start the thread that publishes its progress for the driver's watchdog."""
+                 driver_pid: int | None, thread_name: str, publish: Control | None = None) -> None:
+    """A worker has loaded: announce it and start the thread that publishes its progress for the driver's watchdog
+    (through ``publish``, or a connection of its own to the store made now)."""
     ctl.set("progress", rank, "0")
     if driver_pid is None:  # (env://: the heartbeat the publisher counts up)
         ctl.set("beat", rank, "0")
     ctl.set("ready", rank, "1")
-    threading.Thread(target=_publisher, args=(Control(_client_of(store, load), run_id), rank, state, driver_pid),
-                     daemon=True, name=thread_name).start()
+    publish = publish or Control(_client_of(store, load), run_id)
+    threading.Thread(target=_publisher, args=(publish, rank, state, driver_pid), daemon=True, name=thread_name).start()
 
 
 def worker_failed(ctl: Control, rank: int, e: Exception) -> int:

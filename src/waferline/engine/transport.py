@@ -206,15 +206,15 @@ LOOPBACK = "127.0.0.1"
 
 
 def loopback_store(world_size: int, timeout: datetime.timedelta, port: int = 0, host: str = LOOPBACK) -> Any:
-    """The rendezvous store of processes on this host, its server listening on ``host`` (an IPv4 loopback address)
-    only, on ``port`` (0: any free port; the store's ``port`` says which).
+    """The rendezvous store of processes on this host, its server listening on ``host`` (a loopback address, IPv4
+    or IPv6) only, on ``port`` (0: any free port; the store's ``port`` says which).
 
     A TCPStore server otherwise listens on every interface, and it has no authentication: whoever reaches the port
     could join the run's process groups or rewrite its keys. So the socket is bound here and handed to the store
     (``master_listen_fd``). Several hosts rendezvous through the address given to torchrun instead."""
     import socket
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, port))
         sock.listen(128)
@@ -233,7 +233,8 @@ def loopback_store(world_size: int, timeout: datetime.timedelta, port: int = 0, 
 
 
 def loopback_host(addr: str) -> str | None:
-    """The IPv4 loopback address that ``addr`` names (``localhost`` is 127.0.0.1), or None for any other address."""
+    """The loopback address that ``addr`` names (``localhost`` is 127.0.0.1; IPv6's ``::1`` too), or None for any
+    other address."""
     import ipaddress
 
     if addr == "localhost":
@@ -242,7 +243,7 @@ def loopback_host(addr: str) -> str | None:
         ip = ipaddress.ip_address(addr)
     except ValueError:
         return None
-    return addr if ip.version == 4 and ip.is_loopback else None
+    return str(ip) if ip.is_loopback else None
 
 
 def _client_of(store: Any, load: dict[str, Any]) -> Any:

@@ -44,7 +44,7 @@ from waferline.engine.stage import (
     make_group,
     worker_main,
 )
-from waferline.errors import ConfigError, counted
+from waferline.errors import ConfigError
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
@@ -190,14 +190,10 @@ class Pipeline(Supervision):
         self._wait_for("alive", "start")
 
     def _start_env(self, load: dict[str, Any]) -> None:
-        store, rank, world = _rendezvous_env()
+        store, rank, _ = _rendezvous_env(self.num_stages)
         if rank != 0:
             raise ConfigError(f"rank {rank}: under torchrun only rank 0 drives the pipeline; other ranks run "
                               "waferline.engine.pipeline.serve_from_env (the CLI does this for you)")
-        if world != self.num_stages:
-            raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
-                              f"{counted(self.num_stages, 'stage')}; launch with "
-                              f"{counted(self.num_stages, 'process', 'processes')} in total (nnodes x nproc-per-node)")
         self.store = store
         self.run_id = _env_run_id()
         load["store_addr"] = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from waferline import kernels
 from waferline.engine.sampling import resolve_dtype
-from waferline.engine.stage import loopback_host, loopback_store, serve
+from waferline.engine.stage import first_line, loopback_host, loopback_store, serve
 from waferline.errors import ConfigError, counted
 from waferline.spec.configs import spec_from_pretrained
 
@@ -217,25 +217,68 @@ def _env_run_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "env") + "-" + os.environ.get("MASTER_PORT", "0")
 
 
-def _rendezvous_env() -> tuple[Any, int, int]:
-    """(store, rank, world size) from torchrun's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+RENDEZVOUS_TIMEOUT_S = 300.0  # env://: how long a rank waits for the rendezvous store (rank 0's, or torchrun's)
+
+
+def _rendezvous_env(stages: int | None = None) -> tuple[Any, int, int]:
+    """(store, rank, world size) from torchrun's env:// variables (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE);
+    ``stages``: the pipeline's, which the world size must equal (checked before the rendezvous, on every rank: rank 0
+    refusing after it left the others waiting for a store that was gone)."""
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if k not in os.environ]
     if missing:
         raise ConfigError(
             f"env:// launch needs {', '.join(missing)} in the environment (start the command with torchrun)"
         )
-    timeout = datetime.timedelta(seconds=300)
+    timeout = datetime.timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
     world = env_world_size()
     rank = _env_rank(world)
+    if stages is not None and world != stages:
+        raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
+                          f"{counted(stages, 'stage')}; launch with {counted(stages, 'process', 'processes')} in "
+                          "total (nnodes x nproc-per-node)")
     port = _env_int("MASTER_PORT")
     if not 0 < port < 65536:
         raise ConfigError(f"env:// launch: MASTER_PORT must be a port number (1-65535), got {port}")
-    host = loopback_host(os.environ["MASTER_ADDR"])
-    if rank == 0 and host is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        # this rank hosts the store, and the address says one host: listen there only, not on every interface
-        return loopback_store(world, timeout, port, host), rank, world
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    addr = os.environ["MASTER_ADDR"]
+    host = loopback_host(addr)
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # (torchrun's agent hosts the store, up by now)
+    where = f"MASTER_ADDR {addr} MASTER_PORT {port}"
+    if rank == 0 and not agent:
+        try:
+            if host is not None:  # this rank hosts the store, and the address says one host: listen there only, not
+                return loopback_store(world, timeout, port, host), rank, world  # on every interface
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        except (OSError, RuntimeError) as e:  # (the port taken, the address not this host's: a DistNetworkError)
+            raise ConfigError(f"env:// launch: rank 0 could not listen on {where} for the rendezvous "
+                              f"({first_line(e)}); pick a free MASTER_PORT on every rank") from None
+        return store, rank, world
+    if not agent:  # (a store client that finds nothing to connect to retries for the whole timeout, then logs C++
+        _wait_for_store(addr, port, where)  # frames and raises: it is waited for here, and named in one line)
+    try:
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    except (OSError, RuntimeError) as e:
+        raise ConfigError(f"env:// launch: rank {rank} could not join the rendezvous at {where} "
+                          f"({first_line(e)})") from None
     return store, rank, world
+
+
+def _wait_for_store(addr: str, port: int, where: str) -> None:
+    """Wait (at most RENDEZVOUS_TIMEOUT_S) until the rendezvous store at ``addr``:``port`` takes connections."""
+    import socket
+    import time
+
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT_S
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(left, 5.0))):
+                return
+        except OSError:
+            if left <= 0:
+                break
+            time.sleep(min(0.2, max(0.0, left)))
+    raise ConfigError(f"env:// launch: no rendezvous store answered at {where} within {RENDEZVOUS_TIMEOUT_S:g} s; "
+                      "start rank 0 (the driver) with the same MASTER_ADDR and MASTER_PORT")
 
 
 def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
@@ -246,10 +289,7 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
     ranges = balanced_ranges(spec, stages, layers_per_stage, plan)
     if torch.device(device).type == "cpu":  # built (first run) or loaded now, not inside this stage's first step
         kernels.prepare()  # (where the pipeline's hang timeout would stop a build)
-    store, rank, world = _rendezvous_env()
-    if world != len(ranges):
-        raise ConfigError(f"torchrun started {counted(world, 'process', 'processes')} but the pipeline has "
-                          f"{counted(len(ranges), 'stage')}")
+    store, rank, _ = _rendezvous_env(len(ranges))
     if threads_per_stage:
         torch.set_num_threads(threads_per_stage)
     dev = torch.device(device)

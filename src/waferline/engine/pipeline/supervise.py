@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from waferline import errors
 from waferline.engine.pipeline.launch import _reap
-from waferline.engine.stage import EXIT_ABORTED, EXIT_PEER_LOST, LOOPBACK, SHUTDOWN, Control, PeerLost
+from waferline.engine.stage import EXIT_ABORTED, EXIT_PEER_LOST, LOOPBACK, SHUTDOWN, Control, PeerLost, first_line
 from waferline.errors import WaferlineError
 
 WATCH_INTERVAL_S = 0.2
@@ -230,12 +230,12 @@ class Supervision:
             cause = [(r, p) for r, p in dead if p.exitcode not in (EXIT_PEER_LOST, EXIT_ABORTED)] or dead
             r, p = cause[0]
             status = _safe_status(ctl, r)
-            detail = f": {_first_line(status)}" if status and p.exitcode not in (EXIT_PEER_LOST,) else ""
+            detail = f": {first_line(status)}" if status and p.exitcode not in (EXIT_PEER_LOST,) else ""
             return f"{self._rank_name(r)} (pid {p.pid}) died with {_describe_exit(p.exitcode)}{detail}"
         for r in range(1, self.num_stages):
             status = _safe_status(ctl, r)
             if status is not None and not status.startswith("lost a neighbour"):
-                return f"{self._rank_name(r)} failed: {_first_line(status)}"
+                return f"{self._rank_name(r)} failed: {first_line(status)}"
         return None
 
     def _kill_all(self) -> None:
@@ -422,10 +422,6 @@ def _status_error(who: str, status: str, fallback: type[WaferlineError] = StageE
     cls = getattr(errors, name, None)
     if isinstance(cls, type) and issubclass(cls, WaferlineError):
         return cls(f"{who}: {msg}")
-    return fallback(f"{who} failed: {_first_line(status)}")
+    return fallback(f"{who} failed: {first_line(status)}")
 
-
-def _first_line(status: str) -> str:
-    """A worker's error as one line: its first (a torch error goes on with C++ frames and hints)."""
-    return next((line for line in status.splitlines() if line.strip()), status)[:500]
 
