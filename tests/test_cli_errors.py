@@ -394,21 +394,33 @@ def test_rendezvous_store_listens_on_loopback_only():
     assert store.get("k") == b"v"
 
 
+def _env_store(monkeypatch, addr: str, family: int):
+    """Rank 0 of a one-process env:// launch at ``addr`` on a free port: (its store, the port)."""
+    import socket
+
+    from waferline.engine.pipeline import _rendezvous_env
+
+    try:
+        with socket.socket(family) as s:
+            s.bind((addr if addr != "localhost" else "127.0.0.1", 0))
+            port = s.getsockname()[1]
+    except OSError:
+        pytest.skip(f"no {addr} here")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    store, rank, world = _rendezvous_env()
+    assert (rank, world, store.port) == (0, 1, port)
+    return store, port
+
+
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the socket table from /proc")
 def test_env_rendezvous_on_one_host_listens_on_loopback_only(monkeypatch):
     import socket
 
-    from waferline.engine.pipeline import _rendezvous_env
     from waferline.engine.stage import loopback_host
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-    store, rank, world = _rendezvous_env()
-    assert (rank, world, store.port) == (0, 1, port)
+    _, port = _env_store(monkeypatch, "localhost", socket.AF_INET)
     assert _listening(port) == {"127.0.0.1"}
     assert [loopback_host(a) for a in ("127.0.0.1", "localhost", "127.0.0.2", "10.1.2.3", "node7", "::1", "fe80::1")] \
         == ["127.0.0.1", "127.0.0.1", "127.0.0.2", None, None, "::1", None]
@@ -420,19 +432,7 @@ def test_env_rendezvous_on_the_ipv6_loopback_listens_there_only(monkeypatch):
     address binds the store there): its store listened on every interface."""
     import socket
 
-    from waferline.engine.pipeline import _rendezvous_env
-
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-            port = s.getsockname()[1]
-    except OSError:
-        pytest.skip("no IPv6 loopback here")
-    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
-    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "::1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(k, v)
-    store, rank, world = _rendezvous_env()
-    assert (rank, world, store.port) == (0, 1, port)
+    store, port = _env_store(monkeypatch, "::1", socket.AF_INET6)
     assert _listening(port) == {"::1"}
     store.set("k", "v")
     assert store.get("k") == b"v"
