@@ -112,7 +112,7 @@ class LLM:
                 raise ConfigError(f"max_model_len {max_model_len} is outside 1..{mpe} (the model's "
                                   "max_position_embeddings: positions past it were never trained)")
         self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
-        check_speculative(self.path, speculative, num_speculative_tokens)  # before weights load or processes start
+        check_speculative(self.path, speculative, num_speculative_tokens, self.tokenizer)  # (before any weights)
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
         self.cuda_graphs = cuda_graphs

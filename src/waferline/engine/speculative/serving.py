@@ -60,11 +60,11 @@ def check_serve_method(method: str, k: int) -> None:
         raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
 
 
-def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
+def check_speculative(path: Any, method: str | None, num_tokens: int, tokenizer: Any = None) -> None:
     """What ``ServeSpeculation`` would refuse for the checkpoint at ``path``, read from config files only, so that a
     pipeline or AFD engine refuses it before its processes start: K, the method, MTP layers for 'mtp', a draft
-    model's directory and vocabulary. Nothing to check without a method or a config.json (the engine then names the
-    missing checkpoint)."""
+    model's directory, vocabulary and tokenizer (against ``tokenizer``, the target's where the caller has it loaded).
+    Nothing to check without a method or a config.json (the engine then names the missing checkpoint)."""
     from pathlib import Path
 
     from waferline.engine.speculative.drafters import check_mtp
@@ -90,17 +90,18 @@ def check_speculative(path: Any, method: str | None, num_tokens: int) -> None:
         if n != vocab_size:
             raise ConfigError(f"draft model {draft} has vocab_size {n} but the target has {vocab_size}; a draft model "
                               "must share the target's tokenizer")
-        _check_same_tokens(Path(path), draft)
+        _check_same_tokens(Path(path), draft, tokenizer)
     else:
         make_drafter(method, None, torch.float32)  # (an n-gram drafter needs no model; anything else is refused)
 
 
-def _check_same_tokens(target: Any, draft: Any) -> None:
-    """Refuse a draft model whose tokenizer maps tokens to other ids than the target's, where both ship one (sizes
-    alike, its drafts would be another text's ids: output stays exact, but next to nothing is accepted)."""
+def _check_same_tokens(target: Any, draft: Any, ours: Any = None) -> None:
+    """Refuse a draft model whose tokenizer maps tokens to other ids than the target's (``ours``, where the caller
+    has it loaded), where both ship one (sizes alike, its drafts would be another text's ids: output stays exact,
+    but next to nothing is accepted)."""
     from waferline.model.load import load_tokenizer
 
-    theirs, ours = load_tokenizer(draft), load_tokenizer(target)
+    theirs, ours = load_tokenizer(draft), ours if ours is not None else load_tokenizer(target)
     if theirs is None or ours is None:
         return
     a, b = theirs.get_vocab(), ours.get_vocab()
