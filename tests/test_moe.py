@@ -375,6 +375,11 @@ def test_moe_kwargs_from_config():
     assert moe_kwargs("nemotron_h", {"mlp_hidden_act": "relu2", "hidden_act": "silu"})["act"] == "relu2"
     assert MoE(MoESpec(hidden_size=D, num_experts=E, top_k=K, expert_intermediate=I_EXPERT, gated=False),
                flavor="nemotron_h").act_name == "relu2"
+    # a null or non-numeric clamp is refused by name (it was a bare TypeError from float(None))
+    for key, bad in (("swiglu_limit", None), ("swiglu_alpha", "1.7"), ("swiglu_limit", True)):
+        with pytest.raises(ConfigError, match=f"{key} must be a number"):
+            moe_kwargs("gpt_oss", {key: bad})
+    assert moe_kwargs("gpt_oss", {"swiglu_limit": 10})["swiglu_limit"] == 10.0
 
 
 def test_prefixes_and_config_errors():

@@ -147,8 +147,16 @@ def moe_kwargs(model_type: str, cfg: dict) -> dict:
     """Keyword arguments for ``MoE(spec, dtype, **moe_kwargs(model_type, cfg))`` from a Hugging Face config dict."""
     kw: dict = {"act": hf_act(model_type, cfg), "flavor": model_type}
     if model_type == "gpt_oss":
-        kw.update(swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+        kw.update(swiglu_alpha=_number(cfg, "swiglu_alpha", 1.702), swiglu_limit=_number(cfg, "swiglu_limit", 7.0))
     return kw
+
+
+def _number(cfg: dict, key: str, default: float) -> float:
+    """``cfg[key]`` as a float (``default`` when absent); anything else, null included, refused by name."""
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"config.json: {key} must be a number, got {v!r}")
+    return float(v)
 
 
 def _pick_prefix(candidates: tuple[str, ...], i: int, src: WeightSource | None) -> str:
