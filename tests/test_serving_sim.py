@@ -396,6 +396,8 @@ def test_single_token_outputs_and_prompts_longer_than_the_budget(kw):
     (dict(arrival_rate=1.0, expert_skew=1.0), "llama-3.1-8b has no routed experts"),
     (dict(arrival_rate=1.0, max_batch=0), "max batch must be >= 1"),
     (dict(arrival_rate=1.0, output_len=-3), "lengths must be >= 1"),
+    (dict(arrival_rate=1.0, output_len=0), "lengths must be >= 1"),  # (0 was taken for the default length)
+    (dict(arrival_rate=1.0, prompt_len=0), "lengths must be >= 1"),
 ])
 def test_bad_inputs_are_one_line_config_errors(kw, says):
     plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=1024)

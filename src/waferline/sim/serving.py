@@ -480,8 +480,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     params = params or load_params()
     spec = load_model(plan.model)
     hw = load_hardware(plan.hardware)
-    P = int(prompt_len or params.default_prompt_len)
-    O = int(output_len or params.default_output_len)
+    P = int(prompt_len if prompt_len is not None else params.default_prompt_len)
+    O = int(output_len if output_len is not None else params.default_output_len)
     if P < 1 or O < 1:
         raise ConfigError(f"prompt and output lengths must be >= 1 (got {P}, {O})")
     if expert_skew > 0 and not any(getattr(layer.ffn, "num_experts", 0) for layer in spec.layers):
