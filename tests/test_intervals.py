@@ -137,6 +137,25 @@ def test_a_row_the_simulator_refuses_is_skipped_by_the_fit_and_the_folds_as_by_v
     assert [r.row.id for r in res if r.skipped] == ["n"] and "no link" in res[-1].skipped
 
 
+def test_a_csv_with_no_usable_row_says_why_in_one_line(tmp_path, capsys):
+    """calibrate --published and validate --cross-validate on a CSV with a header and no data rows, or with only rows
+    that cannot be placed, say why (not a message that ends at its colon), each skipped row past the fifth counted."""
+    from waferline.cli import main as cli_main
+
+    empty = _csv(tmp_path, [], "empty.csv")
+    for argv in (["calibrate", "--published", str(empty), "--out", str(tmp_path / "f.yaml")],
+                 ["validate", "--data", str(empty), "--cross-validate", "row"]):
+        assert cli_main(argv) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and not err.endswith(":") and "no data rows" in err
+    assert not (tmp_path / "f.yaml").exists()
+    unknown = _csv(tmp_path, [f"u{i},S,llama-3.1-8b,nohw,1,16,none,1,,,decode_tokens_per_s_per_user,100,tok/s,,,"
+                              for i in range(7)], "unknown.csv")
+    assert cli_main(["calibrate", "--published", str(unknown), "--out", str(tmp_path / "f.yaml")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "u4: unknown hardware 'nohw'" in err and err.endswith("; and 2 more")
+
+
 def test_bad_cross_validate_values_are_one_line_errors(capsys):
     assert commands.main(["validate", "--cross-validate", "bogus"]) != 0
     err = capsys.readouterr().err.strip()

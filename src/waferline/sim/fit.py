@@ -206,7 +206,9 @@ def problem(csv_path: str | Path, base: SimParams | None = None) -> Problem:
     models = [(r, m) for r, m, _ in built if m is not None]
     skipped = [(r.id, why) for r, m, why in built if m is None]
     if not models:
-        raise FitError(f"no usable rows in {csv_path}: " + "; ".join(f"{i}: {w}" for i, w in skipped[:5]))
+        why = "; ".join(f"{i}: {w}" for i, w in skipped[:5])
+        why += f"; and {len(skipped) - 5} more" if len(skipped) > 5 else ""
+        raise FitError(f"no usable rows in {csv_path}: " + (why or "it has no data rows, only a header"))
     return Problem(models, skipped, base)
 
 
