@@ -1002,6 +1002,48 @@ def test_serve_command(sol):
     assert bad.returncode == 2 and "not a checkpoint directory" in bad.stderr
 
 
+def test_serve_stops_within_the_shutdown_timeout(sol):
+    """SIGTERM with a request that never completes (here a body that never arrives, within a long --body-timeout; a
+    client that stops reading a stream is the same) still stops `waferline serve` once --shutdown-timeout has
+    passed, rather than waiting for that connection forever."""
+    import signal
+    import socket
+    import time
+
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(sol), "--port", str(port),
+                          "--max-model-len", "128", "--torch-threads", "1", "--body-timeout", "600",
+                          "--shutdown-timeout", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stalled = None
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return p.poll() is not None
+        assert _wait_until(healthy, 60, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
+        stalled = socket.create_connection(("127.0.0.1", port))
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"model\": ")
+        time.sleep(0.5)  # (the handler is reading the body)
+        p.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            rc = p.wait(20)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0 and time.monotonic() - t0 < 15, (rc, time.monotonic() - t0)
+        out = p.stdout.read()
+        assert "Traceback" not in out and "timeout graceful shutdown exceeded" in out, out
+    finally:
+        if stalled is not None:
+            stalled.close()
+        if p.poll() is None:
+            p.kill()
+            p.wait(20)
+
+
 def test_scheduler_runs_on_the_engines_device(tmp_path):
     """The single-process runner is made on the LLM's device (its caches there; logits come back to the host)."""
     build("llama", tmp_path)

@@ -4,6 +4,7 @@ over a pipeline of stage processes (--stages / --layers-per-stage)."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -155,6 +156,13 @@ def _check_port_free(host: str, port: int) -> None:
                 raise ConfigError(f"cannot listen on {addr[0]} port {port}: {e.strerror or e}") from None
 
 
+def _not_cut_off(record: logging.LogRecord) -> bool:
+    """A logging filter: drop the traceback uvicorn logs for each request it cancels at the shutdown timeout."""
+    import asyncio
+
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
@@ -213,7 +221,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug")
+        # (a stop waits for the requests in flight at most --shutdown-timeout seconds: a client that stops reading its
+        # stream, or never sends its body, would hold it forever; uvicorn says in one line that it cut them off)
+        logging.getLogger("uvicorn.error").addFilter(_not_cut_off)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
     finally:
         engine.shutdown()
     return 1 if stopped else 0
@@ -311,6 +323,9 @@ def register(sub: Any) -> None:
         metavar="S",
         help="seconds for a request's whole body to arrive (default 30; 408 and the connection closed beyond)",
     )
+    s.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish (default 30); those "
+                        "still running then are cut off, and the server exits")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="without --api-key the server answers only requests whose Host is localhost, an IP address or "
                         "this machine's name; add comma-separated host names here (e.g. a name in /etc/hosts)")
