@@ -478,7 +478,22 @@ def test_a_model_without_an_end_token_ends_a_whole_text_at_the_tokenizers(tmp_pa
         for seed in range(3):
             out = llm.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, choice=CHOICES))[0]
             assert out.finish_reason == "stop" and out.text in CHOICES
+            # (the end token is not text: with skip_special_tokens False the text read "yes</s>")
+            kept = llm.generate([ids], SamplingParams(max_tokens=20, temperature=1.0, seed=seed, choice=CHOICES,
+                                                      skip_special_tokens=False))[0]
+            assert kept.token_ids == out.token_ids and kept.text == out.text
         assert len(llm.generate([ids], SamplingParams(max_tokens=6))[0].token_ids) == 6  # (plain: to max_tokens)
+        # a stop token id of the request's own is one more way to end: the tokenizer's end token still ends a whole
+        # text (that id had been the only one it could end at: a regex that could go on ran to max_tokens)
+        tok, eos = llm.tokenizer, llm.tokenizer.eos_token_id
+        hash_id = tok.encode("#", add_special_tokens=False)[0]
+        p = SamplingParams(max_tokens=20, choice=["Norway"], stop_token_ids=[hash_id])
+        c = structured.constraint(tok, SOL_DEMO_CONFIG["vocab_size"], frozenset({hash_id}), p)
+        for t in tok.encode("Norway", add_special_tokens=False):
+            c.advance(t)
+        assert c.allowed().nonzero().flatten().tolist() == sorted([eos, hash_id])
+        out = llm.generate([ids], p)[0]
+        assert out.token_ids[-1] in (eos, hash_id) and out.finish_reason == "stop" and out.text == "Norway"
     finally:
         llm.close()
 

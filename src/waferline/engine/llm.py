@@ -435,7 +435,10 @@ class LLM:
         outs = []
         for b, s in enumerate(seqs):
             params = per[b]
-            stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            # (the ids that ended it: a structured output on a model whose config names no end-of-sequence token ends
+            # at the tokenizer's, which the scheduler added to its own)
+            stop_ids = set(s.stop_ids) if s.stop_ids is not None else set(params.stop_token_ids) | (
+                set() if params.ignore_eos else self.eos_token_ids)
             span = last_at[b] - (s.first_token_at or t0)
             m = dict(metrics, tokens_per_s_per_user=(len(s.output_ids) - 1) / span if span > 0 else 0.0)
             out = self.make_output(ids[b], s.output_ids, s.finish_reason or "length", stop_ids, params, m)

@@ -362,8 +362,6 @@ class GrammarConstraint:
     ``complete`` once the output is a whole sentence of the grammar."""
 
     def __init__(self, matcher: Any, vocab_size: int, stop_ids: frozenset[int], grammar_eos: list[int]):
-        # (a model whose config names no end-of-sequence token: the tokenizer's ends a whole text)
-        stop_ids = stop_ids or frozenset(t for t in grammar_eos if t < vocab_size)
         self.matcher, self.vocab_size, self.stop_ids = matcher, vocab_size, stop_ids
         self.consumed = 0  # output tokens taken
         self._grammar_eos = [t for t in grammar_eos if t not in stop_ids and t < vocab_size]
@@ -420,4 +418,8 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
     ll, names = _ll_tokenizer(tokenizer, lock)
     matcher = _matcher_or_error(params.structured, _deep(
         LLMatcher, ll, _named_by_id(grammar, names) if names_tokens else grammar, log_level=0))
-    return GrammarConstraint(matcher, vocab_size, frozenset(stop_ids or ()), list(ll.eos_tokens))
+    stop_ids = frozenset(stop_ids or ())
+    if not stop_ids - frozenset(params.stop_token_ids):  # (a model whose config names no end-of-sequence token: the
+        # tokenizer's ends a whole text, as well as the request's stop_token_ids where it lists some)
+        stop_ids |= frozenset(t for t in ll.eos_tokens if t < vocab_size)
+    return GrammarConstraint(matcher, vocab_size, stop_ids, list(ll.eos_tokens))
