@@ -147,6 +147,27 @@ def test_quantize_removes_what_a_killed_run_left_behind(tmp_path, llama, capsys)
     assert not moved_aside.exists() and (out / "config.json").is_file()
 
 
+def test_quantize_leaves_a_running_writers_temporary_directory_alone(tmp_path, llama, capsys):
+    """A second `quantize` to the same --out, even one refused (no --force), removed every `.q.tmp-*` beside it: the
+    temporary directory a run still writing was filling went, and that run failed at the end ("cannot write q: No
+    such file or directory")."""
+    import os
+    import socket
+
+    out = tmp_path / "q"
+    assert main(["quantize", "--model", str(llama), "--out", str(out), "--group-size", "32", "--json"]) == 0
+    capsys.readouterr()
+    live = tmp_path / f".q.tmp-{socket.gethostname()}-{os.getpid()}-running"  # (this process: a writer alive)
+    live.mkdir()
+    (live / "model.safetensors").write_bytes(b"being written")
+    assert main(["quantize", "--model", str(llama), "--out", str(out), "--json"]) == 2
+    assert "--force" in _one_error_line(capsys.readouterr().err)
+    assert (live / "model.safetensors").is_file()
+    assert main(["quantize", "--model", str(llama), "--out", str(out), "--group-size", "32", "--force", "--json"]) == 0
+    capsys.readouterr()
+    assert (live / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [live.name, "q"]
+
+
 def test_quantize_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, llama, capsys, monkeypatch):
     """A full disk while the int4 file is written: one line and exit 2 (it was safetensors' traceback); neither --out
     nor the temporary directory is left behind, and a checkpoint already at --out is kept."""

@@ -808,6 +808,35 @@ def test_quantize_out_dot_is_refused_before_the_work(tmp_path, llama_dir, capsys
     assert list(here.iterdir()) == []
 
 
+def test_quantize_out_a_link_to_nothing_is_refused_before_the_work(tmp_path, llama_dir, capsys, monkeypatch):
+    """An --out that is a symbolic link to a path that does not exist passed the checks, the whole checkpoint was
+    quantized, then the rename onto the link failed: "cannot write OUT: Not a directory"."""
+    import waferline.model.load as load_mod
+
+    link = tmp_path / "q4"
+    link.symlink_to(tmp_path / "gone")
+    monkeypatch.setattr(load_mod, "load_model", lambda *a, **k: pytest.fail("loaded before --out was checked"))
+    for force in ([], ["--force"]):
+        assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(link), "--json", *force]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --out ") and "symbolic link" in err and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(ConfigError, match="symbolic link"):
+        quantize_checkpoint(llama_dir, link, QuantOptions(group_size=32))
+    assert link.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["q4"]
+
+
+def test_weights_kept_16bit_are_listed_one_name_each(tmp_path):
+    """quantization_config's "modules_not_quantized" (and the summary's) held one comma-joined string per kept
+    matmul ("...experts.0.down_proj.weight, ...experts.1.down_proj.weight, ...") where several checkpoint tensors
+    feed it: not names a reader can look up."""
+    build("qwen3_moe", tmp_path / "m")
+    s = quantize_checkpoint(tmp_path / "m", tmp_path / "m4", QuantOptions(group_size=32, keep=(r"layers\.1\.mlp",)))
+    qc = json.loads((tmp_path / "m4" / "config.json").read_text())["quantization_config"]
+    names = set(load_file(str(tmp_path / "m4" / "model.safetensors")))
+    expected = sorted(n for n in names if n.startswith("model.layers.1.mlp.experts.") and n.endswith("_proj.weight"))
+    assert expected and qc["modules_not_quantized"] == s["modules_not_quantized"] == expected
+
+
 def test_quantize_checkpoint_refuses_an_out_that_would_destroy_the_model(tmp_path, llama_dir):
     """The Python API checks ``out`` as the CLI does: with ``force=True`` and an ``out`` holding the model it wrote
     the int4 checkpoint there and deleted the source checkpoint (then failed reading its size), and an ``out`` naming
@@ -836,6 +865,21 @@ def test_a_calibration_file_of_ids_with_a_stray_word_is_a_one_line_error(tmp_pat
                      "--calibration", str(calib), "--json"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "'12.5'" in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]
+
+
+def test_too_few_calibration_tokens_are_said_as_the_option_not_the_file(tmp_path, llama_dir, capsys):
+    """--calibration-tokens 2 with a file of 600 ids said "calibration file ... gives only 10 tokens" (the file is read
+    only as far as the budget needs), while --calibration-tokens 10 ran GPTQ on 10 tokens: both are now refused as
+    the option, whatever the file."""
+    calib = tmp_path / "ids.txt"
+    calib.write_text(" ".join(str(3 + i % 100) for i in range(600)))
+    for n in ("2", "10", "15"):
+        assert cli.main(["quantize", "--model", str(llama_dir), "--out", str(tmp_path / "g"), "--method", "gptq",
+                         "--calibration", str(calib), "--calibration-tokens", n, "--json"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: calibration tokens must be >= 16") and f"got {n}" in err, err
+        assert len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ids.txt"]
 
 

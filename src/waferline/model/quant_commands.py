@@ -47,16 +47,18 @@ def _has_mla(model: str) -> bool:
 
 
 def _remove_leftovers(out: str) -> None:
-    """Remove what a run that was killed left beside ``--out``: its temporary directory (``.NAME.tmp-*``), and the
-    previous output it had moved aside (``.NAME.old-*``) once ``--out`` itself is in place again. (One writer per
-    ``--out``: a second run started meanwhile would lose its temporary directory.)"""
+    """Remove what a run that was killed left beside ``--out``: its temporary directory (``.NAME.tmp-*``; not that of
+    a writer on this host whose process still runs), and the previous output it had moved aside (``.NAME.old-*``)
+    once ``--out`` itself is in place again."""
     import shutil
     from pathlib import Path
+
+    from waferline.model.quant.write import _writer_alive
 
     o = Path(out)
     if o.name in ("", ".", "..") or not o.parent.is_dir():
         return
-    stale = list(o.parent.glob(f".{glob.escape(o.name)}.tmp-*"))
+    stale = [d for d in o.parent.glob(f".{glob.escape(o.name)}.tmp-*") if not _writer_alive(d, o)]
     if o.is_dir():
         stale += o.parent.glob(f".{glob.escape(o.name)}.old-*")
     for d in stale:
@@ -79,12 +81,12 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
         args.calibration_tokens = CALIBRATION_TOKENS
     if args.quantize_kv_b and not _has_mla(args.model):
         raise ConfigError(f"--quantize-kv-b is for MLA attention's kv_b_proj, and {args.model} has no MLA layer")
-    _remove_leftovers(args.out)
     keep = tuple(args.keep or ()) + (() if args.quantize_kv_b else DEFAULT_KEEP)
     opts = QuantOptions(bits=args.bits, group_size=args.group_size, symmetric=not args.asymmetric, method=args.method,
                         keep=keep)
     check_quantize(args.model, args.out, opts, args.calibration, args.force,  # (before a progress bar is drawn)
                    args.calibration_tokens)
+    _remove_leftovers(args.out)  # (a run refused above touches nothing beside --out)
     if args.json:
         summary = quantize_checkpoint(args.model, args.out, opts, args.calibration, args.calibration_tokens, args.force)
         print(json.dumps(summary, indent=2))

@@ -12,12 +12,17 @@ from torch import Tensor, nn
 from waferline.errors import ConfigError
 from waferline.model.quant.modules import matmul_weights
 
+MIN_CALIBRATION_TOKENS = 16
+
 
 def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
     """Token ids from a calibration file: text (needs the checkpoint's tokenizer) or whitespace-separated ids."""
     from pathlib import Path
 
     p = Path(path)
+    if max_tokens < MIN_CALIBRATION_TOKENS:  # (the file is read only this far: not the file's fault below)
+        raise ConfigError(f"calibration tokens must be >= {MIN_CALIBRATION_TOKENS} (GPTQ needs at least a few "
+                          f"hundred), got {max_tokens}")
     if not p.is_file():
         raise ConfigError(f"calibration file {p} does not exist")
     text = p.read_text(errors="replace")[: max_tokens * 16]  # more characters than max_tokens tokens need
@@ -34,9 +39,7 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
         )
     else:
         ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if max_tokens < 1:
-        raise ConfigError(f"calibration tokens must be >= 1, got {max_tokens}")
-    if len(ids) < 16:
+    if len(ids) < MIN_CALIBRATION_TOKENS:
         raise ConfigError(f"calibration file {p} gives only {len(ids)} tokens; GPTQ needs at least a few hundred")
     return ids[:max_tokens]
 

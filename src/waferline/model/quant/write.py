@@ -113,7 +113,7 @@ def _place(t: Int4Tensor, ids: Tensor, selected: list[str], shapes: dict[str, tu
 
 def check_out_dir(model_dir: Any, out_dir: Any) -> None:
     """Refuse an ``out_dir`` that would destroy ``model_dir`` when it is replaced (the same directory, or one above
-    it), and one that names a file."""
+    it), one that names a file, and a symbolic link to nothing."""
     from pathlib import Path
 
     m, o = Path(model_dir).resolve(), Path(out_dir).resolve()
@@ -124,6 +124,9 @@ def check_out_dir(model_dir: Any, out_dir: Any) -> None:
                           "quantized; choose an --out outside it")
     if o.exists() and not o.is_dir():
         raise ConfigError(f"--out {out_dir} is a file, not a directory; choose a directory path")
+    if Path(out_dir).is_symlink() and not Path(out_dir).exists():  # (the checkpoint cannot be renamed onto it)
+        raise ConfigError(f"--out {out_dir} is a symbolic link to {os.readlink(out_dir)}, which does not exist; "
+                          "remove the link or choose another --out")
 
 
 def _calibration(model_dir: Path, calibration: str, max_tokens: int, spec: Any) -> list[int]:
@@ -190,21 +193,29 @@ def _temp_prefix(out_dir: Path) -> str:
     return f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
 
 
+def _writer_alive(d: Path, out_dir: Path) -> bool | None:
+    """Whether ``d`` (a temporary directory beside ``out_dir``) is a writer's on this host whose process still runs;
+    None where its name does not say (another host's, or not named by :func:`_temp_prefix`)."""
+    mine = f".{out_dir.name}.tmp-{socket.gethostname()}-"
+    rest = d.name[len(mine):].split("-")  # PID-SUFFIX (mkdtemp's suffix has no "-"; more: a host named mine-N)
+    if not d.name.startswith(mine) or len(rest) != 2 or not rest[0].isdigit():
+        return None
+    try:
+        os.kill(int(rest[0]), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # (another user's process: alive)
+        pass
+    return True
+
+
 def _remove_dead_writers_temps(out_dir: Path) -> None:
     """Remove the temporary directories beside ``out_dir`` of writers on this host whose process is gone (killed
     part-way: nothing else ever removes them, as the next run finds ``out_dir`` in place); a live writer's stays."""
     mine = f".{out_dir.name}.tmp-{socket.gethostname()}-"
     for d in out_dir.parent.glob(glob.escape(mine) + "*"):
-        rest = d.name[len(mine):].split("-")  # PID-SUFFIX (mkdtemp's suffix has no "-"; more: a host named mine-N)
-        pid = rest[0]
-        if len(rest) != 2 or not pid.isdigit() or not d.is_dir() or d.is_symlink():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if _writer_alive(d, out_dir) is False and d.is_dir() and not d.is_symlink():
             shutil.rmtree(d, ignore_errors=True)
-        except OSError:  # (another user's process: alive)
-            pass
 
 
 def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibration: str | None = None,
@@ -249,7 +260,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             ids = traced.get(path)
             feeds = [] if ids is None else [selected[j] for j in _used_tensors(ids)]
             if ids is None or _kept(mpath, opts.keep) or any(_kept(f, opts.keep) for f in feeds):
-                kept.append(", ".join(feeds) if feeds else mpath)
+                kept += feeds or [mpath]
                 if ids is None:
                     off_layout.append(mpath)
                 continue
@@ -257,7 +268,7 @@ def quantize_checkpoint(model_dir: Any, out_dir: Any, opts: QuantOptions, calibr
             t = _quantize_param(w, opts, hess.get(path))
             swapped = None if t is None else _place(t, ids, selected, shapes, outs, covered)
             if swapped is None:
-                kept.append(", ".join(feeds))
+                kept += feeds
                 if t is not None:
                     off_layout.append(mpath)
                 continue
