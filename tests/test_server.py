@@ -584,6 +584,25 @@ def test_text_offsets_stay_in_the_text_when_tokens_split_a_character(live, clien
     assert [o for s in streamed for o in s.text_offset] == offs
 
 
+def test_offsets_after_a_replacement_character_in_the_output(live, client):
+    """A U+FFFD character in the generated text (its three bytes one token each here) is text like any other: the
+    token after it starts past it, streamed or not (its text was held back as if a character were still open, and
+    the next token's text_offset was the U+FFFD's)."""
+    want = "ok\ufffdyz \u00e9!"
+    kw = dict(model="sol-test", prompt="x", max_tokens=24, temperature=0, logprobs=0,
+              extra_body={"structured_outputs": {"choice": [want]}})
+    c = client.completions.create(**kw).choices[0]
+    assert c.text == want
+    toks, offs = c.logprobs.tokens, c.logprobs.text_offset
+    assert sum(t == "\ufffd" for t in toks) >= 4  # (the U+FFFD and the é: split over tokens, the case checked)
+    for off, tok in zip(offs, toks):
+        if "\ufffd" not in tok and tok != "</s>":
+            assert want[off:off + len(tok)] == tok, (off, tok)
+    streamed = [ch.choices[0].logprobs for ch in client.completions.create(stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs is not None]
+    assert [o for s in streamed for o in s.text_offset] == offs
+
+
 def test_penalties_and_logit_bias_are_the_engines(live, client):
     """frequency / presence penalties, logit_bias and (an extension) repetition_penalty, served: the tokens
     LLM.generate gives with the same parameters, greedy and seeded; bad values are a 400 naming the field."""

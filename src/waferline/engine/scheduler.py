@@ -421,7 +421,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(seq, reason)
             return
-        offset, (text, cut) = len(seq.text), self._text(seq)  # (the token's text starts where the text was)
+        (text, cut), offset = self._text(seq), seq.token_start  # (_text first: where the token's text starts)
         if tok in stop_ids:
             reason = "stop"
         elif cut is not None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ class Sequence:
     text: str = ""  # the output's text so far, decoded incrementally (Scheduler._text)
     text_from: int = 0  # output_ids[text_from:text_upto] decode to text's last piece (the window the next starts from)
     text_upto: int = 0
+    token_start: int = 0  # where the last token's text starts in text (update_text; its text_offset)
     stop_ids: frozenset[int] | None = None  # the token ids that end it, gathered once (Scheduler.add)
     stop_after: int = 0  # a stop string ends it only where it ends past this many characters (min_tokens' text)
     stream_text: bool = True
@@ -114,13 +116,18 @@ class Sequence:
         piece's is appended, once it does not end inside a character (U+FFFD). Decoding the whole output every token
         cost ~0.7 ms a token at 2000 tokens (sol-mini's tokenizer), more than a decode step of sol-mini; this costs
         the same at any length. A finished sequence's text is the whole output decoded at once (Scheduler._sample),
-        as LLM.generate's is."""
+        as LLM.generate's is. ``token_start``: where the last token's text starts (past the U+FFFD of tokens held
+        back before it that it did not complete: the character itself, or a byte no character takes)."""
         ids, first = self.output_ids, self.prompt_ids[-CONTEXT_TOKENS:]  # (the first piece reads after the prompt)
+        self.token_start = len(self.text)
         if decode is not None and len(ids) > self.text_upto:
             after = first if self.text_from == 0 else ()
             done = decode(ids[self.text_from:self.text_upto], after=after) if self.text_upto > self.text_from else ""
             now = decode(ids[self.text_from:], after=after)
             if len(now) > len(done) and not now.endswith("\ufffd"):
+                if now.startswith(done) and self.text_upto < len(ids) - 1:  # (tokens held back before this one)
+                    held = decode(ids[self.text_from:-1], after=after)
+                    self.token_start += max(0, len(os.path.commonprefix([held, now])) - len(done))
                 # (a tokenizer whose pieces do not add up: the whole output, decoded again)
                 self.text = self.text + now[len(done):] if now.startswith(done) else decode(ids, after=first)
                 self.text_from, self.text_upto = self.text_upto, len(ids)
