@@ -744,6 +744,23 @@ def test_chat_messages_need_their_content_and_text_parts_are_lines(live):
     assert as_parts.status_code == 200 and as_parts.json()["tokens"] == as_lines.json()["tokens"]
 
 
+def test_a_content_part_that_is_not_text_is_named_in_the_400(live, client):
+    """An image part (or a text part without its text) is refused naming the part, not with "should be a valid
+    string" for content that may be a list of parts; a list where only a string may be says so as before."""
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+    for part, says in ((image, "messages.0.content.1.type': Input should be 'text' (got 'image_url')"),
+                       ({"type": "text"}, "messages.0.content.1.text': Field required")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="sol-test", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}])
+        assert says in e.value.message and e.value.param == "messages"
+    with pytest.raises(openai.BadRequestError, match=r"'stop.1': Input should be a valid string"):
+        client.chat.completions.create(model="sol-test", max_tokens=2, stop=["a", 1],
+                                       messages=[{"role": "user", "content": "hi"}])
+    err = _assert_error(_post(live, {"model": "sol-test", "prompt": [1, "a"]}), 400)
+    assert "'prompt': Input should be a valid string" in err["message"]  # (several kinds of list: as before)
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": False,

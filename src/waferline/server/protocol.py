@@ -202,7 +202,16 @@ def parse(cls: type[_Strict], data: Any) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        err = errors[0]
+        if isinstance(err.get("input"), list) and err["loc"] and err["loc"][-1] == "str":
+            # (a list where a string or one kind of list may be, as a message's content parts: the list's own error,
+            # e.g. a part that is not text, not "should be a valid string")
+            at = len(err["loc"]) - 1
+            branches = [x for x in errors if x["loc"][:at] == err["loc"][:at] and len(x["loc"]) > at
+                        and str(x["loc"][at]).startswith("list[")]
+            if len({x["loc"][at] for x in branches}) == 1:
+                err = branches[0]
         loc = ".".join(
             str(x)
             for x in err["loc"]
