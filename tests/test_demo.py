@@ -525,3 +525,22 @@ def test_demo_a_config_json_that_is_not_a_json_object_is_one_line(tmp_path, caps
             assert main(argv) == 2, (text, argv[0])
             err = capsys.readouterr().err
             assert err.startswith("error: ") and err.count("\n") == 1 and "config.json" in err, err
+
+
+def test_demo_refuses_mtp_for_its_random_checkpoint_before_any_work(tmp_path, capsys, monkeypatch):
+    """Without the bundled sol-mini, --speculative mtp was refused only after the demo had built its random checkpoint
+    (which has no MTP head), its int4 copy and the timing run, naming that copy: now one line before any of it."""
+    import waferline.demo as demo
+    from waferline.cli import main
+
+    def no_run(*a, **k):
+        raise AssertionError("the demo ran before its flags were checked")
+
+    monkeypatch.setattr(demo, "run_demo", no_run)
+    monkeypatch.setattr(demo, "BUNDLED", tmp_path / "models" / "sol-mini")
+    out = tmp_path / "out"
+    assert main(["demo", "--out", str(out), "--no-report", "--speculative", "mtp"]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative mtp: sol-mini is not at" in err and "no MTP head" in err
+    assert not out.exists()
+    assert main(["demo", "--out", str(out), "--no-report", "--speculative", "nonsense"]) == 2  # (checked as before)

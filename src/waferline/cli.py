@@ -184,13 +184,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         from waferline.engine.speculative.serving import check_serve_method
 
         check_serve_method(args.speculative, k)
-        from waferline.demo import BUNDLED
+        from waferline.demo import BUNDLED, SOL_DEMO_CONFIG
         from waferline.engine.speculative.serving import check_speculative
 
         # what the checkpoint must hold for the method (MTP layers, a draft's vocabulary), read from its files: the
         # engine refused it only after the int4 copy and the timing run (the bundled sol-mini when it is there)
         if args.model is not None or (BUNDLED / "model.safetensors").is_file():
             check_speculative(args.model or BUNDLED, args.speculative, k)
+        elif args.speculative == "mtp" and not SOL_DEMO_CONFIG.get("num_nextn_predict_layers"):
+            raise UsageError(f"--speculative mtp: sol-mini is not at {BUNDLED}, and the small random checkpoint the "
+                             "demo runs instead has no MTP head; use ngram or draft:PATH, or rebuild sol-mini with: "
+                             "python train/sol_mini.py")
     if args.model is not None and (Path(args.model) / "config.json").is_file() and not _has_tokenizer(Path(args.model)):
         raise UsageError(f"--model {args.model} has no tokenizer (no tokenizer.json), and the demo streams text")
     return run_demo(out_dir=args.out, max_tokens=args.max_tokens, json_out=args.json, report=not args.no_report,
