@@ -341,7 +341,14 @@ def test_parameter_count_is_what_transformers_builds(mt):
                                      ("deepseek_v4", dict(mlp_bias=True)), ("nemotron_h", dict(n_shared_experts=0)),
                                      ("nemotron_h", dict(use_bias=True, attention_bias=True)),
                                      ("qwen3", dict(mlp_bias=True)), ("deepseek_v3", dict(mlp_bias=True)),
-                                     ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]))])
+                                     ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"])),
+                                     ("deepseek_v2", dict(attention_bias=True)),
+                                     ("deepseek_v3", dict(attention_bias=True)),
+                                     ("deepseek_v32", dict(attention_bias=True)),
+                                     ("kimi_linear", dict(attention_bias=True)),
+                                     ("nemotron_h", dict(tie_word_embeddings=True)),
+                                     ("kimi_linear", dict(tie_word_embeddings=True)),
+                                     ("nemotron_h", dict(moe_shared_expert_intermediate_size=0))])
 def test_parameter_count_of_config_variants(mt, edit):
     """The biases and layers the variants above switch on or off are counted as transformers builds them."""
     cfg = transformers.AutoConfig.for_model(mt, **dict(configs()[mt], **edit))
@@ -350,6 +357,23 @@ def test_parameter_count_of_config_variants(mt, edit):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     buffers = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
     assert spec.params_total() == sum(p.numel() for p in model.parameters()) + buffers
+
+
+@pytest.mark.parametrize("mt,edit", [("deepseek_v3", dict(attention_bias=True)),
+                                     ("nemotron_h", dict(tie_word_embeddings=True)),
+                                     ("nemotron_h", dict(moe_shared_expert_intermediate_size=0))])
+def test_the_engine_holds_the_parameters_the_accounting_counts(mt, edit, tmp_path):
+    """MLA's attention biases (q_a_proj, kv_a_proj_with_mqa, o_proj under attention_bias) and the LM head of a model
+    transformers never ties (Nemotron-H, Kimi Linear: tie_word_embeddings or not) are loaded by the engine, and the
+    accounting the planner sizes memory by counted neither; a Nemotron-H shared expert of size 0 is one of
+    intermediate_size in transformers' checkpoint, which the engine refused."""
+    ref = build(mt, tmp_path, **edit)
+    m = load_model(tmp_path)
+    buffers = sum(b.numel() for n, b in m.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert sum(p.numel() for p in m.parameters()) + buffers == m.spec.params_total()
+    ids = torch.tensor([IDS[:6]])
+    got = m.logits(m(ids, m.new_caches(1), StepBatch.make([0], [0], 6))[0])
+    assert (got - ref(ids).logits[0].detach()).abs().max().item() < 1e-4
 
 
 def test_mamba2_state_accounting_is_what_the_caches_hold():

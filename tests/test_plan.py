@@ -794,3 +794,22 @@ def test_a_tied_model_packed_by_memory_fits_as_placed(spare):
     for st in plan.stages:
         ends = (table if st.has_embedding else 0.0) + (head + table * (not st.has_embedding) if st.has_lm_head else 0.0)
         assert st.num_devices == 1 and st.memory.weights == pytest.approx(_layers_weights(spec, st.layers) + ends)
+
+
+def test_plans_of_models_made_one_after_another_are_each_their_own():
+    """The per-layer bytes are cached by model: a model made after another was let go can take its id (and has the same
+    name), and its plan and cost table were the other's layers (a sweep of sizes saw the weights of an earlier size)."""
+    import gc
+
+    from waferline.sim.cost import layer_table
+
+    cfg = dict(model_type="llama", vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+               num_hidden_layers=4, max_position_embeddings=256)
+    for i in range(60):
+        spec = parse_hf_config(dict(cfg, intermediate_size=96 * (1 + i)), name="m")
+        plan = place(spec, "h100-sxm", devices=1)
+        assert sum(s.memory.weights for s in plan.stages) == pytest.approx(spec.weight_bytes(16))
+        assert sum(c.weight_bytes for c in layer_table(spec, 16, 16, 4096)) == sum(
+            layer.weight_bytes(16) for layer in spec.layers)
+        del spec, plan
+        gc.collect()

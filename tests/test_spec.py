@@ -234,8 +234,18 @@ BAMBA = dict(model_type="bamba", vocab_size=512, hidden_size=64, num_hidden_laye
     (BAMBA, dict(mamba_n_heads=0), "config mamba_n_heads must be an integer >= 1, got 0"),
     (BAMBA, dict(mamba_d_head=-1), "layer 0's Mamba2Spec head_dim = -1: it must be an integer >= 0"),
     (LLAMA_405B, dict(intermediate_size=None), "layer 0's DenseFFNSpec intermediate_size = None"),
+    # a list of that many MTP layers filled the memory; an object for V4's per-layer list was a TypeError traceback
+    (DSV3, dict(num_nextn_predict_layers=10**9), "config num_nextn_predict_layers must be an integer from 0 to "
+                                                 "100,000, got 1,000,000,000"),
+    ("deepseek-v4-flash", dict(mlp_layer_types={}), "config mlp_layer_types must be a list of 43 entries 'hash_moe' "
+                                                    "or 'moe' (one per layer), got {}"),
+    ("deepseek-v4-flash", dict(mlp_layer_types=["moe"]), "must be a list of 43 entries"),
 ])
 def test_layer_sizes_that_make_no_layer_are_one_error_naming_the_field(base, change, message):
+    if isinstance(base, str):
+        from waferline.spec.catalog import model_config
+
+        base = model_config(base)
     parse_hf_config(base)
     with pytest.raises(ConfigError, match=re.escape(message)):
         parse_hf_config(dict(base, **change))

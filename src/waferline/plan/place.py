@@ -72,7 +72,7 @@ def _ends(spec: ModelSpec, embed_bits: int, drafter: float = 0.0) -> _Ends:
     return _Ends(table, spec.lm_head_bytes(embed_bits) + drafter, table if spec.tie_word_embeddings else 0.0)
 
 
-_PARTS_CACHE: dict[tuple, list[_Part]] = {}
+_PARTS_CACHE: dict[tuple, tuple[Any, list[_Part]]] = {}  # (the spec held: its id is not reused)
 
 
 def _seq_bytes(layer: Any, context: int, kv_bits: int, spec_tokens: int) -> tuple[float, float]:
@@ -102,8 +102,8 @@ def _parts(
     drafts a speculative verify checks (its rollback states counted with the cache, ``_seq_bytes``)."""
     key = (id(spec), spec.name, role, weight_bits, kv_bits, context, batch, group, spec_tokens)
     hit = _PARTS_CACHE.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is spec:
+        return hit[1]
     memo: dict[tuple, tuple[float, float, int, float]] = {}
     out = []
     for layer in spec.layers:
@@ -122,7 +122,7 @@ def _parts(
         out.append(_Part(layer.index, *wc))
     if len(_PARTS_CACHE) > 512:
         _PARTS_CACHE.clear()
-    _PARTS_CACHE[key] = out
+    _PARTS_CACHE[key] = (spec, out)
     return out
 
 

@@ -378,15 +378,15 @@ class LayerCost:
         return self.cache_bytes if self.cache_read_bytes is None else self.cache_read_bytes
 
 
-_TABLE_CACHE: dict[tuple, list[LayerCost]] = {}
+_TABLE_CACHE: dict[tuple, tuple[Any, list[LayerCost]]] = {}  # (the spec held: its id is not reused)
 
 
 def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, group: int = 128) -> list[LayerCost]:
     """Per-layer bytes / FLOPs of ``spec`` (cached: sweeps reuse it)."""
     key = (id(spec), spec.name, weight_bits, kv_bits, context, group)
     hit = _TABLE_CACHE.get(key)
-    if hit is not None:
-        return hit
+    if hit is not None and hit[0] is spec:
+        return hit[1]
     memo: dict[tuple, LayerCost] = {}
     out = []
     for layer in spec.layers:
@@ -428,7 +428,7 @@ def layer_table(spec: ModelSpec, weight_bits: int, kv_bits: int, context: int, g
         out.append(lc)
     if len(_TABLE_CACHE) > 256:
         _TABLE_CACHE.clear()
-    _TABLE_CACHE[key] = out
+    _TABLE_CACHE[key] = (spec, out)
     return out
 
 

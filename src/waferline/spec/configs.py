@@ -256,7 +256,7 @@ def _mla(cfg: dict[str, Any]) -> MLASpec:
         hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
         q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
-        v_head_dim=cfg["v_head_dim"])
+        v_head_dim=cfg["v_head_dim"], attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 def _dsa(cfg: dict[str, Any]) -> DSASpec:
@@ -267,7 +267,7 @@ def _dsa(cfg: dict[str, Any]) -> DSASpec:
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
         v_head_dim=cfg["v_head_dim"], index_n_heads=int(cfg.get("index_n_heads") or 64),
         index_head_dim=int(cfg.get("index_head_dim") or 128), index_topk=int(cfg.get("index_topk") or 2048),
-        index_bits=int(cfg.get("index_bits") or 8))
+        index_bits=int(cfg.get("index_bits") or 8), attention_bias=bool(cfg.get("attention_bias", False)))
 
 
 COMPRESSED_LAYER_TYPES = {"csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention",
@@ -339,12 +339,17 @@ def _dense(cfg: dict[str, Any], inter: int | None = None, gated: bool = True) ->
                         gated=gated, bias=_mlp_bias(cfg))
 
 
+# model types whose transformers model never ties its LM head to the embedding, whatever tie_word_embeddings says
+# (their checkpoints carry a head of its own)
+_UNTIED_TYPES = ("nemotron_h", "kimi_linear")
+
+
 def _spec(
     cfg: dict[str, Any], name: str, mt: str, layers: list[LayerSpec], mtp: list[LayerSpec] | None = None
 ) -> ModelSpec:
     return ModelSpec(
         name=name, model_type=mt, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], layers=layers,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)) and mt not in _UNTIED_TYPES,
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096), mtp_layers=mtp or [], hf_config=cfg)
 
 
@@ -541,9 +546,9 @@ def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         else:
             if cfg.get("moe_latent_size"):
                 raise ConfigError("nemotron_h MoE layers with moe_latent_size are not supported yet")
-            # (transformers builds one shared expert of moe_shared_expert_intermediate_size in every MoE layer: it
-            # reads no n_shared_experts)
-            shared = cfg.get("moe_shared_expert_intermediate_size") or 0
+            # (transformers builds one shared expert of moe_shared_expert_intermediate_size in every MoE layer, of
+            # intermediate_size where that is 0 or null: it reads no n_shared_experts)
+            shared = cfg.get("moe_shared_expert_intermediate_size") or cfg["intermediate_size"]
             ffn = MoESpec(
                 hidden_size=cfg["hidden_size"],
                 num_experts=cfg["n_routed_experts"],
@@ -659,6 +664,10 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         n_hash = cfg.get("num_hash_layers")
         n_hash = 3 if n_hash is None else int(n_hash)
         mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+    mlp_types = mlp_types[:n] if isinstance(mlp_types, list) else mlp_types  # (transformers reads the first n)
+    if not isinstance(mlp_types, list) or len(mlp_types) != n or any(t not in ("hash_moe", "moe") for t in mlp_types):
+        raise ConfigError(f"config mlp_layer_types must be a list of {n} entries 'hash_moe' or 'moe' (one per layer), "
+                          f"got {mlp_types!r}"[:300])
     hc = int(cfg.get("hc_mult") or 4)
 
     def layer(i: int, kind: str, mlp: str) -> LayerSpec:
@@ -961,6 +970,9 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     if isinstance(cfg.get("num_hidden_layers"), int) and cfg["num_hidden_layers"] > MAX_LAYERS:
         raise ConfigError(f"config num_hidden_layers must be an integer from 1 to {MAX_LAYERS:,}, got "
                           f"{cfg['num_hidden_layers']:,}")
+    mtp = cfg.get("num_nextn_predict_layers")  # (one more layer each: the same list to fill)
+    if isinstance(mtp, int) and not isinstance(mtp, bool) and mtp > MAX_LAYERS:
+        raise ConfigError(f"config num_nextn_predict_layers must be an integer from 0 to {MAX_LAYERS:,}, got {mtp:,}")
     for k in _LAYER_SIZES:
         v = cfg.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
@@ -974,6 +986,8 @@ def parse_hf_config(cfg: dict[str, Any], name: str | None = None) -> ModelSpec:
     try:
         spec = parser(cfg, name or cfg.get("_name_or_path") or mt)
     except KeyError as e:
+        if not isinstance(e.args[0], (str, tuple)):  # (a list the config gives as an object, indexed by layer)
+            raise ConfigError(f"config for model_type {mt!r} cannot be read: no entry {e.args[0]!r}") from None
         raise ConfigError(f"config for model_type {mt!r} is missing the field {_spellings(e.args[0])}") from None
     except (TypeError, ValueError, ZeroDivisionError, IndexError) as e:
         raise ConfigError(f"config for model_type {mt!r} cannot be read: {e}") from None

@@ -155,6 +155,7 @@ class MLASpec:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    attention_bias: bool = False  # biases on q_a_proj (with a low-rank query), kv_a_proj_with_mqa and o_proj
     kind: str = "mla"
     sliding_window: None = None
 
@@ -173,7 +174,10 @@ class MLASpec:
                     (h * self.v_head_dim, d, 1)]
 
     def small_params(self) -> int:
-        return (self.q_lora_rank or 0) + self.kv_lora_rank  # the two latent RMSNorms
+        n = (self.q_lora_rank or 0) + self.kv_lora_rank  # the two latent RMSNorms
+        if self.attention_bias:
+            n += (self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim + self.hidden_size
+        return n
 
     def kept_16bit_matmuls(self) -> list[Matmul]:
         """Matmuls that stay 16-bit in int4 checkpoints: kv_b_proj, whose halves W_UK / W_UV are absorbed."""
@@ -438,12 +442,13 @@ class DSASpec:
     index_head_dim: int = 128
     index_topk: int = 2048
     index_bits: int = 8
+    attention_bias: bool = False
     kind: str = "dsa"
     sliding_window: None = None
 
     def _mla(self) -> MLASpec:
         return MLASpec(self.hidden_size, self.num_heads, self.q_lora_rank, self.kv_lora_rank,
-                       self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+                       self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.attention_bias)
 
     def indexer_matmul_params(self) -> int:
         """wq_b (q_lora -> heads x dim), wk (d -> dim); the fp32 weights_proj (d -> heads) counts as small."""
