@@ -119,6 +119,29 @@ def test_afd_over_two_attention_ranks_preempts_within_a_rank(ckpts):
             Scheduler(llm, dataclasses.replace(cfg, cache_bytes=12 * page), runner_for(llm, 4))
 
 
+@pytest.mark.parametrize("engine", [dict(stages=2, threads_per_stage=1), dict(_AFD1, attention_ranks=2, ffn_ranks=1)],
+                         ids=["pipeline", "afd"])
+def test_the_processes_pools_hold_the_pages_the_budget_pays_for(ckpts, engine):
+    """The scheduler bounds its page table once it has attached it: a stage's (an attention rank's) paged pools are
+    made that size, as in one process (9 pages a part and the sink), not grown by doubling to 16 or more pages, which
+    would hold up to twice the cache budget (checked: without the bound they reach 18)."""
+    from waferline.model.attention import TokenCache
+
+    prompts = [[(3 * j + i) % tiny_models.VOCAB for j in range(n)] for i, n in enumerate([28, 25, 27, 26])]
+    want = [x.token_ids for x in LLM(ckpts["deepseek_v3"]).generate(prompts, GREEDY)]
+    with LLM(ckpts["deepseek_v3"], **engine) as llm:
+        parts = engine.get("attention_ranks", 1)
+        probe = Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8), runner_for(llm, 4))
+        cfg = SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8,
+                              cache_bytes=parts * 9 * probe.cache.paged_page_bytes)
+        sch = Scheduler(llm, cfg, runner_for(llm, 4))
+        assert sch.cache.table.part_pages == 9
+        assert run_to_end(sch, [_seq(str(i), q) for i, q in enumerate(prompts)]) == want
+        rt = sch.runner.pipe.runner
+        pools = [c.data.shape[0] for c in getattr(rt, "rt", rt).caches if isinstance(c, TokenCache) and c.paged]
+        assert pools and set(pools) == {10}, pools
+
+
 def test_afd_over_two_attention_ranks_evicts_only_the_prefix_pages_of_the_rank_that_needs_room(ckpts):
     """Two attention ranks of 4 pages each: A (rank 0) and B (rank 1) run together and their 3 pages each stay
     stored, B's (which ends first) less recently used. D, on rank 0, needs 4 pages: rank 0's own stored pages are

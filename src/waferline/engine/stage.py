@@ -85,10 +85,9 @@ class StageRunner:
         self._pad_ok: bool | None = None  # plain groups of different T may share a padded call (_merged)
 
     def begin(self, cfg: dict[str, Any]) -> None:
-        """A new set of sequences: fresh caches for ``num_slots`` rows; the last stage sets up sampling (with
-        ``cfg["hidden"]`` its feedback carries the final hidden states of every row). With ``cfg["page_tokens"]`` the
-        paged caches follow the scheduler's page table (micro-batches carry its changes: ``MicroBatch.pages``), so a
-        page id names the same tokens in every stage and a prefix the scheduler shares is shared here too."""
+        """Fresh caches for ``num_slots`` rows; the last stage sets up sampling (``cfg["hidden"]``: its feedback carries
+        every row's final hidden states). With ``cfg["page_tokens"]`` paged caches follow the scheduler's page table
+        (``MicroBatch.pages``): a page id names the same tokens in every stage, a shared prefix is shared here too."""
         self.caches = self.model.new_caches(int(cfg["num_slots"]), self.device)
         self._pad_ok = None
         self.rollback.reset()
@@ -96,7 +95,8 @@ class StageRunner:
             from waferline.model.attention import TokenCache
             from waferline.model.block_table import BlockTable
 
-            table = BlockTable(int(cfg["num_slots"]), int(cfg["page_tokens"]), managed=True)
+            table = BlockTable(int(cfg["num_slots"]), int(cfg["page_tokens"]), managed=True,  # (pools made once,
+                               max_pages=int(cfg["max_pages"]) if cfg.get("max_pages") else None)  # at the bound)
             for c in self.caches:
                 if isinstance(c, TokenCache) and c.paged:
                     c.bind(table)

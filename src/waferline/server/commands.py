@@ -262,7 +262,8 @@ def register(sub: Any) -> None:
         type=positive_float,
         default=None,
         help="cache budget in MiB (default: max-num-seqs sequences of "
-        "max-model-len tokens, by the ModelSpec accounting); smaller budgets preempt",
+        "max-model-len tokens, by the ModelSpec accounting; with --afd and M attention ranks, M x ceil(max-num-seqs / "
+        "M) of them, each rank's share holding its slots' sequences); smaller budgets preempt",
     )
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes (they are "
                    "reused only on attention-only models without sliding windows)")

@@ -251,17 +251,20 @@ class AFD(Pipeline):
             toks.append([torch.tensor(groups[key][1], dtype=torch.long) for key in sorted(groups)])
         return mbs, toks
 
-    def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None
-                     ) -> None:
+    def _begin_ranks(self, n: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None,
+                     max_pages: int | None = None) -> None:
         """Fresh caches for ``n`` global rows on the attention ranks (row i: rank i % M); sampling ``params``; with
         ``hidden`` the feedback carries every row's final hidden states; with ``page_tokens`` their paged caches follow
-        the scheduler's page table, split in one part per rank (the changes ride on each rank's first micro-batch)."""
+        the scheduler's page table, split in one part per rank (the changes ride on each rank's first micro-batch), in
+        pools of ``max_pages`` pages (one part's and the sink) where given."""
         cfg: dict[str, Any] = {"num_slots": n, "params": {"temperature": params.temperature, "top_p": params.top_p,
                                                           "top_k": params.top_k, "seed": params.seed}}
         if hidden:
             cfg["hidden"] = True
         if page_tokens:
             cfg["page_tokens"] = page_tokens
+            if max_pages:
+                cfg["max_pages"] = max_pages
         self._mb_ids = 0
         self.runner.begin(dict(cfg, local_slots=len(range(0, n, self.M))))
         for m in range(1, self.M):

@@ -35,7 +35,13 @@ class AFDRunner(PipelineRunner):
     def _begin(self) -> None:
         self._rewinds, self._verified, self._sent = [], [], {}
         pt = self._table.page_tokens if self._table is not None else None
-        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY, self._keep_hidden, pt))
+        self._bound = bound = self._stage_pages()
+        self._guard(lambda: self.pipe._begin_ranks(self.num_slots, _GREEDY, self._keep_hidden, pt, bound))
+
+    def _stage_pages(self) -> int | None:
+        """An attention rank's pools hold its part's pages (its own ids 1 .. part_pages) and the sink."""
+        t = self._table
+        return None if t is None or t.part_pages is None else t.part_pages + 1
 
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
@@ -104,6 +110,7 @@ class AFDRunner(PipelineRunner):
         return self.pipe.M
 
     def reset_slots(self, slots: list[int]) -> None:
+        self._check_bound()
         fresh = set(slots)
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]
         self._guard(lambda: self.pipe._reset_rows(slots))

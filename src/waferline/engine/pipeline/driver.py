@@ -242,11 +242,12 @@ class Pipeline(Supervision):
                 raise StageError(f"protocol error: expected feedback from stage {self.num_stages - 1}, got kind {kind}")
         return meta, tail.cpu()
 
-    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None
-               ) -> None:
+    def _begin(self, num_slots: int, params: SamplingParams, hidden: bool = False, page_tokens: int | None = None,
+               max_pages: int | None = None) -> None:
         """Fresh caches of ``num_slots`` rows on every stage; the last stage samples EMIT_TOKEN rows with ``params``
         (and with ``hidden`` sends back every row's final hidden states); with ``page_tokens`` the paged caches
-        follow the pages the micro-batches name (the scheduler's page table)."""
+        follow the pages the micro-batches name (the scheduler's page table), in pools of ``max_pages`` pages where
+        given."""
         cfg: dict[str, Any] = {
             "num_slots": num_slots,
             "params": {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
@@ -256,6 +257,8 @@ class Pipeline(Supervision):
             cfg["hidden"] = True
         if page_tokens:
             cfg["page_tokens"] = page_tokens
+            if max_pages:
+                cfg["max_pages"] = max_pages
         self.runner.begin(cfg)
         if self.num_stages > 1:
             self._send_chain(BEGIN, json_meta(cfg))

@@ -96,6 +96,7 @@ class PipelineRunner:
         self._in_chain: set[int] = set()  # micro-batches launched and not answered yet
         self._table: BlockTable | None = None  # the scheduler's page table, which the stages' paged caches follow
         self._sent: dict[int, list[int]] = {}  # slot -> its pages as the stages last heard them
+        self._bound: int | None = None  # the pages the stages' paged pools were sized for at the last BEGIN
         self._attach(pipe)
 
     def _attach(self, pipe: Pipeline) -> None:
@@ -109,7 +110,20 @@ class PipelineRunner:
         self._rewinds, self._verified, self._submitted, self._early, self._in_chain = [], [], [], {}, set()
         self._sent = {}
         pt = self._table.page_tokens if self._table is not None else None
-        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden, pt))
+        self._bound = bound = self._stage_pages()
+        self._guard(lambda: self.pipe._begin(self.num_slots, _GREEDY, self._keep_hidden, pt, bound))
+
+    def _stage_pages(self) -> int | None:
+        """The most pages (the sink included) a stage's paged pools hold: the scheduler's bound on its table (None
+        until its CacheManager sets one). A stage makes its pools that size once, as the single-process engine does;
+        without a bound they grow by doubling, to up to twice the pages the cache budget pays for."""
+        return self._table.max_pages if self._table is not None else None
+
+    def _check_bound(self) -> None:
+        """The scheduler bounds its table's pages after ``block_table`` (whose BEGIN could not say it), before it
+        admits a sequence: the stages start again with pools of that size before the first sequence's reset."""
+        if self._stage_pages() != self._bound:
+            self._begin()
 
     @property
     def keep_hidden(self) -> bool:
@@ -195,6 +209,7 @@ class PipelineRunner:
         return torch.log_softmax(outs[0].logits.float(), dim=-1)
 
     def reset_slots(self, slots: list[int]) -> None:
+        self._check_bound()
         fresh = set(slots)
         self._rewinds = [(s, k) for s, k in self._rewinds if s not in fresh]  # (a new sequence: nothing to roll back)
 
