@@ -127,7 +127,7 @@ def main() -> int:
         check_writable(args.out, "--out")
     except ConfigError as e:
         ap.error(str(e))
-    from waferline.engine.pipeline import stage_ranges
+    from waferline.engine.pipeline.launch import balanced_ranges
     from waferline.model.init import write_random_checkpoint
 
     torch.set_num_threads(1)
@@ -182,7 +182,7 @@ def main() -> int:
             if sim is not None:
                 hw = cpu_hardware(procs, flops, bw, hop_lat, hop_bw)
                 if sim[0] == "pipe":
-                    s = predict(spec, stage_ranges(spec.num_layers, stages=sim[1]), sim[2], B, P, O, hw)
+                    s = predict(spec, balanced_ranges(spec, sim[1]), sim[2], B, P, O, hw)  # (the engine's split)
                     pred = {"aggregate_tokens_per_s": s.aggregate_tokens_per_s, "bound": s.bound} if s else None
                 else:
                     pred = sim_afd(path, sim[1], sim[2], sim[3], B, P, O, hw)

@@ -272,7 +272,10 @@ def main() -> None:
         check_writable(a.json, "--json")
     except ConfigError as e:
         ap.error(str(e))
-    a.contexts = [int(x) for x in a.contexts.split(",")]
+    try:
+        a.contexts = [int(x) for x in a.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts {a.contexts}: expected comma-separated integers")
     names = [v.strip() for v in a.variants.split(",")]
     if any(c % ALIGN or c < 2 * ALIGN for c in a.contexts) or a.real_prefill % ALIGN or a.real_prefill < ALIGN:
         ap.error(f"contexts (>= {2 * ALIGN}) and --real-prefill must be multiples of {ALIGN}")

@@ -153,13 +153,16 @@ def main() -> None:
         check_writable(a.json, "--json")
     except ConfigError as e:
         ap.error(str(e))
+    try:
+        batches = [int(b) for b in a.batch_sizes.split(",")]
+    except ValueError:
+        ap.error(f"--batch-sizes {a.batch_sizes}: expected comma-separated integers")
     if not a.lm_eval or not Path(a.lm_eval).exists():
         sys.exit("lm_eval not found: install lm-evaluation-harness in an environment of its own and pass "
                  "--lm-eval /path/to/bin/lm_eval (see this script's --help)")
     text = a.text or a.model / "heldout.txt"
     if not text.is_file():
         sys.exit(f"no text to build the tasks from: {text} (give --text)")
-    batches = [int(b) for b in a.batch_sizes.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
         build_tasks(text, tmp_path, a.docs, a.paragraphs)

@@ -315,6 +315,7 @@ def main() -> int:
                 base = r["aggregate_decode_tokens_per_s"]
             r["speedup_vs_1stage_1thread"] = r["aggregate_decode_tokens_per_s"] / base if base else None
             results["throughput"].append(r)
+            vs = f"{r['speedup_vs_1stage_1thread']:>6.2f}x" if base else f"{'-':>7}"  # (no 1:1:1 case before it)
             simtxt = (
                 f"{r['sim_aggregate_tokens_per_s']:>13.1f} {r['sim_tokens_per_s_per_user']:>9.2f}"
                 if sim
@@ -323,7 +324,7 @@ def main() -> int:
             print(
                 f"{S:>3} {M:>3} {thr:>3} {r['aggregate_decode_tokens_per_s']:>10.1f} "
                 f"{r['tokens_per_s_per_user']:>9.2f} "
-                f"{r['speedup_vs_1stage_1thread'] or 0:>6.2f}x {r['ttft_s'] * 1e3:>6.0f}ms "
+                f"{vs} {r['ttft_s'] * 1e3:>6.0f}ms "
                 f"{sum(r['cpu_s_per_process']):>6.1f} "
                 f"{r['cores_used']:>5.2f}   {simtxt}"
             )

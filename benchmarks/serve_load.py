@@ -56,6 +56,7 @@ async def _client(i: int, http: httpx.AsyncClient, args: argparse.Namespace, mod
         t0 = time.perf_counter()
         last = None
         toks = 0
+        failed = False
         try:
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -69,6 +70,7 @@ async def _client(i: int, http: httpx.AsyncClient, args: argparse.Namespace, mod
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         res["errors"].append(chunk["error"]["message"][:120])
+                        failed = True  # (an error, not a request served: its tokens count, the request does not)
                         break
                     if not chunk["choices"] or chunk["choices"][0]["finish_reason"] is not None:
                         continue  # the finish chunk and the usage chunk carry no token
@@ -80,8 +82,9 @@ async def _client(i: int, http: httpx.AsyncClient, args: argparse.Namespace, mod
                     last = now
                     toks += 1
             res["tokens"] += toks
-            res["requests"] += 1
-            res["e2e"].append(time.perf_counter() - t0)
+            if not failed:
+                res["requests"] += 1
+                res["e2e"].append(time.perf_counter() - t0)
         except httpx.HTTPError as e:
             res["errors"].append(f"{type(e).__name__}: {e}"[:120])
 
@@ -127,6 +130,13 @@ def wait_ready(base: str, proc: subprocess.Popen[str] | None, path: str = "/heal
         if time.monotonic() > end:
             sys.exit(f"server did not become healthy within {timeout:g} s")
         time.sleep(0.3)
+
+
+def _ok(r: httpx.Response, what: str) -> httpx.Response:
+    """``r`` where it is a 200; otherwise exit with one line (a wrong --api-key or --model-name: no load of errors)."""
+    if r.status_code != 200:
+        sys.exit(f"{what}: HTTP {r.status_code}: {r.text[:200]}")
+    return r
 
 
 def _free_port() -> int:
@@ -189,9 +199,10 @@ def main() -> None:
     try:
         wait_ready(base, proc)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = args.model_name or httpx.get(base + "/v1/models", headers=headers).json()["data"][0]["id"]
-        httpx.post(base + "/v1/completions", headers=headers, timeout=120,  # warm-up, outside the measurement
-                   json={"model": model, "prompt": PROMPT, "max_tokens": 4})
+        model = args.model_name or _ok(httpx.get(base + "/v1/models", headers=headers), "GET /v1/models").json()[
+            "data"][0]["id"]
+        _ok(httpx.post(base + "/v1/completions", headers=headers, timeout=120,  # warm-up, outside the measurement
+                       json={"model": model, "prompt": PROMPT, "max_tokens": 4}), "the warm-up request")
         rss_before = _rss_mib(pid)
         res = asyncio.run(_load(args, base, model))
         rss_after = _rss_mib(pid)

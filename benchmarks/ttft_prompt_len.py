@@ -385,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
             check_writable(a.out, "--out")
         except ConfigError as e:
             ap.error(str(e))
+    lengths = {}
+    for flag, text in (("--lengths", a.lengths), ("--batch-lengths", a.batch_lengths)):
+        try:
+            lengths[flag] = [int(x) for x in text.split(",") if x]
+        except ValueError:
+            ap.error(f"{flag} {text}: expected comma-separated integers")
     from rich.console import Console
 
     err = Console(stderr=True)
@@ -400,8 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     if not hardware.is_file():
         ap.error(f"--hardware {hardware}: no such file; run `waferline calibrate --out host.yaml`")
     t0 = time.perf_counter()
-    res = run(model, hardware, [int(x) for x in a.lengths.split(",") if x], a.batch,
-              [int(x) for x in a.batch_lengths.split(",") if x], a.stages, a.repeats, not a.no_canary,
+    res = run(model, hardware, lengths["--lengths"], a.batch, lengths["--batch-lengths"], a.stages, a.repeats,
+              not a.no_canary,
               lambda what: err.print(f"[dim]{time.perf_counter() - t0:6.1f} s[/dim] {what}"), not a.no_attend_probe)
     res["wall_s"] = time.perf_counter() - t0
     if a.out:

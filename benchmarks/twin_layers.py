@@ -1,6 +1,6 @@
 """Where the twin's host model is off, layer by layer: one decode (or speculative verify) step of a checkpoint on the
-single-process engine, timed per layer (forward hooks, wall clock, 1 thread), beside what sim/host.py prices each
-layer's counted op stream at with a calibrated hardware YAML.
+single-process engine, timed per layer (forward hooks, the process's CPU time, 1 thread), beside what sim/host.py
+prices each layer's counted op stream at with a calibrated hardware YAML.
 
     waferline calibrate --out host.yaml
     python benchmarks/twin_layers.py --model models/sol-mini --hardware host.yaml [--speculative mtp] [--batch 8]
@@ -78,8 +78,10 @@ def main() -> int:
 
     spent: dict[int, list[float]] = {}
     for i, layer in zip(llm.model.layer_range, llm.model.layers):
-        layer.register_forward_pre_hook(lambda m, a, i=i: spent.setdefault(i, [0.0]).append(time.perf_counter()))
-        layer.register_forward_hook(lambda m, a, o, i=i: spent[i].__setitem__(0, spent[i][0] + time.perf_counter()
+        # (the clock of the step below: this process's CPU time; a layer timed by the wall clock counts the time a
+        # busy host runs other work, and "other" = step - layers went below zero)
+        layer.register_forward_pre_hook(lambda m, a, i=i: spent.setdefault(i, [0.0]).append(time.process_time()))
+        layer.register_forward_hook(lambda m, a, o, i=i: spent[i].__setitem__(0, spent[i][0] + time.process_time()
                                                                                - spent[i].pop()))
     prompts = make_prompts(llm.spec.vocab_size, args.batch, 32)
     gen = lambda k: llm.generate(prompts, SamplingParams(max_tokens=k, ignore_eos=True))  # noqa: E731

@@ -277,6 +277,10 @@ def test_sol_mini_card_rebuild_command_has_the_run_settings():
 @pytest.mark.parametrize("script,args,message", [
     ("kv_schemes", ["--host", "/nonexistent/host.yaml"], "--host /nonexistent/host.yaml: no hardware file"),
     ("kv_schemes", ["--hardware", "no-such-chip"], "--hardware no-such-chip: unknown hardware"),
+    ("kv_schemes", ["--contexts", "1024,x"], "--contexts 1024,x: expected comma-separated integers"),
+    ("lm_eval_check", ["--batch-sizes", "1,x"], "--batch-sizes 1,x: expected comma-separated integers"),
+    ("ttft_prompt_len", ["--lengths", "32,x"], "--lengths 32,x: expected comma-separated integers"),
+    ("ttft_prompt_len", ["--batch-lengths", "32,x"], "--batch-lengths 32,x: expected comma-separated integers"),
     ("speculative", ["--engines", "single,pipeX"], "--engines single,pipeX: 'pipeX' is neither single nor pipeN"),
     ("speculative", ["--methods", "ngram,medusa"], "--methods ngram,medusa: 'medusa' is none of"),
     ("speculative", ["--batches", "1,x"], "--batches 1,x: expected comma-separated numbers"),
@@ -290,7 +294,8 @@ def test_sol_mini_card_rebuild_command_has_the_run_settings():
 def test_arguments_a_run_cannot_use_are_one_line_before_the_run(script, args, message, tmp_path):
     """These ended in a traceback (a ValueError, a ConfigError from inside the engine or the simulator, an IndexError
     after the rounds), kv_schemes.py's and speculative.py's after their first measurements."""
-    out = {"decode_speed": "--json", "kv_schemes": "--json", "prefill_calls": None}.get(script, "--out")
+    out = {"decode_speed": "--json", "kv_schemes": "--json", "lm_eval_check": "--json", "prefill_calls": None}.get(
+        script, "--out")
     r = _run([str(BENCH / f"{script}.py"), *args, *([out, str(tmp_path / "r.json")] if out else [])])
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith(f"{script}.py: error: {message}")
@@ -388,3 +393,151 @@ def test_sol_mini_a_broken_sdist_is_one_line(content, tmp_path, monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and str(sdist) in err and "delete it and rerun" in err
     assert not (data / "split.json").exists()
+
+
+class _FakeServer:
+    """A loopback HTTP server answering as ``handler(method, path)`` says: (status, content type, body chunks)."""
+
+    def __init__(self, handler):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _answer(self, method):
+                if method == "POST":
+                    self.rfile.read(int(self.headers["Content-Length"]))
+                status, kind, chunks = handler(method, self.path)
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.end_headers()
+                for c in chunks:
+                    self.wfile.write(c.encode())
+
+            def do_GET(self):
+                self._answer("GET")
+
+            def do_POST(self):
+                self._answer("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_serve_load_counts_a_stream_that_ends_in_an_error_as_an_error_not_a_request():
+    """A stream that sent a token and then the server's error object was counted both as an error and as a request
+    served (its end-to-end time among the served ones): a load where every request failed showed as many requests as
+    errors."""
+    import argparse
+    import asyncio
+
+    from conftest import script_module
+
+    token = {"choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}
+    error = {"error": {"message": "engine error", "type": "server_error"}}
+    stream = [f"data: {json.dumps(c)}\n\n" for c in (token, error)] + ["data: [DONE]\n\n"]
+    srv = _FakeServer(lambda method, path: (200, "text/event-stream", stream))
+    try:
+        for sl in script_module("serve_load"):
+            a = argparse.Namespace(clients=1, duration=0.2, max_tokens=4, prompt_chars=10, temperature=0.0,
+                                   api_key=None)
+            s = sl.summarize(asyncio.run(sl._load(a, srv.url, "m")), a)
+    finally:
+        srv.close()
+    assert s["errors"] >= 1 and s["error_samples"][0] == "engine error"
+    assert s["requests"] == 0 and s["e2e_p50_s"] is None
+
+
+def test_serve_load_against_a_server_that_refuses_it_is_one_line(tmp_path):
+    """Against a running server with an API key, without --api-key (or with a wrong one), serve_load.py ended in a
+    KeyError traceback reading /v1/models' answer; with --model-name it ran the whole load of refused requests."""
+    refused = json.dumps({"error": {"message": "missing or invalid API key", "type": "invalid_request_error"}})
+    srv = _FakeServer(lambda method, path: (200, "application/json", ["{}"]) if path == "/health" else
+                      (401, "application/json", [refused]))
+    try:
+        for extra, what in (([], "GET /v1/models"), (["--model-name", "m"], "the warm-up request")):
+            r = _run([str(BENCH / "serve_load.py"), "--url", srv.url, *extra, "--clients", "1", "--duration", "1",
+                      "--out", str(tmp_path / "r.json")])
+            assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == "", r.stderr[-2000:]
+            assert r.stderr.strip().splitlines() == [f"{what}: HTTP 401: {refused}"]
+    finally:
+        srv.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_afd_speed_prices_the_pipeline_split_the_engine_runs(tmp_path, monkeypatch):
+    """afd_speed.py priced its pipeline rows on layers split evenly by count, while `LLM(stages=S)` splits them by
+    each layer's decode FLOPs (the LM head on the last stage): with --quick the engine ran 3 + 1 layers and the
+    simulator column priced 2 + 2."""
+    from conftest import script_module
+    from waferline.engine.pipeline.launch import balanced_ranges
+    from waferline.spec.configs import parse_hf_config
+
+    priced = []
+    for afd in script_module("afd_speed"):
+        def predict(spec, ranges, *a):
+            priced.append(ranges)
+            return None
+
+        monkeypatch.setattr(afd, "predict", predict)
+        monkeypatch.setattr(afd, "measure_core", lambda: (1e11, 3e10))
+        monkeypatch.setattr(afd, "measure_hop", lambda sizes: [{"one_way_s": 1e-4, "bandwidth_Bps": 1e9}] * len(sizes))
+        monkeypatch.setattr(afd, "run_all", lambda path, cases, *a: [
+            {"decode_tokens_per_s": 1.0, "cores_used": 1.0, "loadavg": 0.0, "split": None, "tokens": [[1]],
+             "rounds": [1.0]} for _ in cases])
+        monkeypatch.setattr(sys, "argv", ["afd_speed.py", "--quick", "--out", str(tmp_path / "afd.json")])
+        assert afd.main() == 0
+        spec = parse_hf_config(afd.model_config(True))
+    assert priced == [balanced_ranges(spec, 2)] and priced[0] == [(0, 3), (3, 4)]
+
+
+def test_pipeline_speed_without_its_baseline_case_shows_no_ratio(tmp_path, monkeypatch, capsys):
+    """With --cases that run no 1-stage 1-thread case before a row, its "vs S=1" column read 0.00x (a speed-up of
+    nothing) where there is no ratio to show."""
+    from conftest import script_module
+
+    for ps in script_module("pipeline_speed"):
+        monkeypatch.setattr(ps, "measure_core", lambda: (1e11, 3e10))
+        monkeypatch.setattr(ps, "measure_parallel_ceiling", lambda seconds: {"processes": 2, "ceiling": 2.0})
+        monkeypatch.setattr(ps, "measure_hop", lambda sizes: [{"bytes": n, "one_way_s": 1e-4, "bandwidth_Bps": 1e9}
+                                                              for n in sizes])
+        monkeypatch.setattr(ps, "run_case", lambda path, S, M, B, P, O, thr: {
+            "aggregate_decode_tokens_per_s": 100.0 * S, "tokens_per_s_per_user": 10.0, "ttft_s": 0.1,
+            "cpu_s_per_process": [1.0] * S, "cores_used": 1.0})
+        monkeypatch.setattr(sys, "argv", ["pipeline_speed.py", "--quick", "--cases", "2:2:1,1:1:1", "--no-latency",
+                                          "--out", str(tmp_path / "p.json")])
+        assert ps.main() == 0
+    rows = [ln.split() for ln in capsys.readouterr().out.splitlines() if ln.split()[:3] in (["2", "2", "1"],
+                                                                                           ["1", "1", "1"])]
+    assert [r[5] for r in rows] == ["-", "1.00x"]
+    got = json.loads((tmp_path / "p.json").read_text())["throughput"]
+    assert [r["speedup_vs_1stage_1thread"] for r in got] == [None, 1.0]
+
+
+def test_twin_layers_times_the_layers_on_the_clock_of_the_step(tmp_path, monkeypatch):
+    """twin_layers.py timed the step in the process's CPU time and its layers by the wall clock: on a busy host the
+    layers' sum came out above the step and "other" (step - layers) below zero (-0.8 and -1.4 ms of a 1.1 ms step on
+    the 2-core VM). Here the wall clock runs a second ahead at every reading; the layers must not see it."""
+    import time
+
+    from conftest import script_module
+
+    wall = time.perf_counter
+    ahead = iter(range(1, 10**9))
+    out = tmp_path / "layers.json"
+    for tl in script_module("twin_layers"):
+        monkeypatch.setattr(sys, "argv", ["twin_layers.py", "--model", str(BENCH.parent / "models" / "sol-mini"),
+                                          "--hardware", str(BENCH / "results" / "twin_host_avx2.yaml"), "--steps", "3",
+                                          "--json", str(out)])
+        monkeypatch.setattr(time, "perf_counter", lambda: wall() + next(ahead))
+        assert tl.main() == 0
+        monkeypatch.undo()
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[-1]["part"] == "other" and all(abs(r["measured_s"]) < 0.5 for r in rows), rows
