@@ -32,6 +32,8 @@ VARIANTS = {
                              lambda c: c.pop("layer_types")),
     # gpt-oss's clamp read from the config (it was always 7.0, which random weights never reach)
     "gpt_oss_swiglu_limit": ("gpt_oss", dict(swiglu_limit=0.3), None),
+    # a routed scaling of 0 (only the shared expert counts) is 0, not the default (`or 1.0` took 0 for absent)
+    "deepseek_v3_routed_scaling_zero": ("deepseek_v3", dict(routed_scaling_factor=0.0), None),
     # a dense Granite-4.0 hybrid (no experts: the FFN is shared_mlp alone)
     "granite_dense": ("granitemoehybrid", dict(num_local_experts=0), None),
     # DeepSeek-V2's router never renormalises the top-k weights, whatever norm_topk_prob says

@@ -410,6 +410,13 @@ def _parse_llama_like(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     return _spec(cfg, name, mt, layers)
 
 
+def _or_default(cfg: dict[str, Any], key: str, default: float) -> float:
+    """``cfg[key]`` as a float, ``default`` where it is absent or null (0 stays 0: ``x or default`` took it for
+    absent)."""
+    v = cfg.get(key)
+    return default if v is None else _float(v)
+
+
 def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
     scoring = cfg.get("scoring_func") or ("sigmoid" if mt == "deepseek_v3" else "softmax")
     topk_method = cfg.get("topk_method") or ("noaux_tc" if mt == "deepseek_v3" else "greedy")
@@ -423,7 +430,7 @@ def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
         n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
         # (transformers' DeepSeek-V2 router never renormalises the top-k weights, whatever norm_topk_prob says)
         norm_topk_prob=mt != "deepseek_v2" and bool(cfg.get("norm_topk_prob", mt == "deepseek_v3")),
-        routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0))
+        routed_scaling=_or_default(cfg, "routed_scaling_factor", 1.0))
 
 
 def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
@@ -563,7 +570,7 @@ def _parse_nemotron_h(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
                 n_group=cfg.get("n_group") or 1,
                 topk_group=cfg.get("topk_group") or 1,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                routed_scaling=float(cfg.get("routed_scaling_factor") or 1.0),
+                routed_scaling=_or_default(cfg, "routed_scaling_factor", 1.0),
             )
         layers.append(LayerSpec(i, mixer, ffn, cfg["hidden_size"]))
     return _spec(cfg, name, mt, layers)
@@ -677,7 +684,7 @@ def _parse_deepseek_v4(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
             num_shared=1, shared_intermediate=cfg["moe_intermediate_size"], shared_bias=_mlp_bias(cfg),
             scoring=cfg.get("scoring_func") or "sqrtsoftplus", correction_bias=mlp != "hash_moe",
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-            routed_scaling=float(cfg.get("routed_scaling_factor") or 1.5))
+            routed_scaling=_or_default(cfg, "routed_scaling_factor", 1.5))
         return LayerSpec(i, _compressed(cfg, kind), ffn, cfg["hidden_size"], hc_mult=hc)
 
     layers = [layer(i, types[i], mlp_types[i]) for i in range(n)]
@@ -802,7 +809,7 @@ def _parse_kimi_linear(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         shared_intermediate=n_shared * cfg["moe_intermediate_size"], scoring="sigmoid", correction_bias=True,
         n_group=int(_get(cfg, "num_expert_group", "n_group", default=1)), topk_group=int(cfg.get("topk_group") or 1),
         norm_topk_prob=bool(_get(cfg, "moe_renormalize", "norm_topk_prob", default=True)),
-        routed_scaling=float(cfg.get("routed_scaling_factor") or 2.446))
+        routed_scaling=_or_default(cfg, "routed_scaling_factor", 2.446))
     layers = []
     for i in range(n):
         mixer: MixerSpec = kda if types[i] == "linear_attention" else _mla(cfg)
