@@ -597,3 +597,16 @@ def test_a_draft_models_pages_leave_the_targets_pool_its_share(ckpts):
     prompts = [[3 + i] * n for i, n in enumerate((9, 17, 30, 40))]
     want = _serve(Scheduler(llm, SchedulerConfig(max_num_seqs=4, max_model_len=64, page_tokens=8)), prompts, [sp] * 4)
     assert _serve(sch, prompts, [sp] * 4) == want
+
+
+def test_a_sliding_window_counts_its_last_page_whole(tmp_path):
+    """A sequence holds ModelSpec.cache_bytes_per_seq(n) at page-aligned lengths where the window is whole pages; a
+    window of 8 in pages of 3 counts 9 tokens (docs/server.md, engine/paging.py say so)."""
+    from waferline.engine.paging import CacheManager
+
+    build("gpt_oss", tmp_path)  # layer 0: a window of 8
+    spec = LLM(tmp_path).spec
+    window = sum(layer.cache_bytes_per_token() for layer in spec.layers if layer.mixer.sliding_window)
+    assert window > 0
+    assert CacheManager(spec, 1, 32, page_tokens=4).bytes_for(16) == spec.cache_bytes_per_seq(16)
+    assert CacheManager(spec, 1, 32, page_tokens=3).bytes_for(15) == spec.cache_bytes_per_seq(15) + window

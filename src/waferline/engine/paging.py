@@ -28,7 +28,8 @@ The bytes of a page and of a state slot, and the tokens a layer keeps (``cached_
 ``mixer.cached_tokens``) — the same numbers the planner and simulator use. All pools draw on one byte budget
 (``cache_bytes``, default: ``max_num_seqs`` sequences of ``max_model_len`` tokens, so nothing is ever
 preempted); with page-aligned lengths, the bytes a sequence holds equal ``ModelSpec.cache_bytes_per_seq`` (with
-compressed layers, at least that: their windows and compressor states are counted at their largest), plus
+compressed layers, at least that: their windows and compressor states are counted at their largest; so is a sliding
+window that is not a whole number of pages: its last page counts whole), plus
 ``ModelSpec.rollback_bytes_per_seq`` under speculation: the state after each token of a verify, which recurrent
 layers keep until the rewind (Gated DeltaNet, KDA and Mamba-2 on GPU record them; Mamba-2's fused CPU update keeps
 the state before the verify instead, one state per slot, and replays the kept tokens).
