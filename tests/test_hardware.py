@@ -302,6 +302,20 @@ def test_tpu_rates_are_googles_spec_table():
         assert (hw.memory_bandwidth, hw.flops["bf16"], hw.scale_up.bandwidth) == pytest.approx((bw, bf16, ici)), name
 
 
+def test_scale_out_is_the_nic_each_system_ships():
+    """One NIC per GPU, of the generation the system ships: DGX/HGX A100 has ConnectX-6 HDR at 200 Gb/s (25 GB/s), GB300
+    NVL72 ConnectX-8 at 800 Gb/s (100 GB/s); both were on ib-400g, whose source is ConnectX-7 on B200/GB200 (2x the
+    A100's, half the GB300's)."""
+    expected = {"a100-sxm": 25e9, "h100-sxm": 50e9, "h200-sxm": 50e9, "b200": 50e9, "gb200-nvl72": 50e9,
+                "gb300-nvl72": 100e9}
+    for name, bw in expected.items():
+        link = load_hardware(name).scale_out
+        assert link.bandwidth == pytest.approx(bw), name
+        assert link.sources[f"{link.name}.bandwidth"].status == "sourced", name
+    assert "ConnectX-6" in load_hardware("a100-sxm").scale_out.sources["ib-200g.bandwidth"].source
+    assert "ConnectX-8" in load_hardware("gb300-nvl72").scale_out.sources["ib-800g.bandwidth"].source
+
+
 def test_h800_rates_copied_from_h100_are_marked_assumed():
     """The H800 page cited gives no tensor rate or power, only 'very similar' to H100: those numbers are H100's,
     assumed, not sourced; its memory bandwidth and NVLink are figures the page does state."""
