@@ -248,3 +248,6 @@ def test_device_option_and_its_errors(ckpts):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="no CUDA GPU"):
             LLM(ckpts["llama"], device="cuda")
+        for device in (0, ""):  # (a GPU's index, as 1 is, or nothing: was a silent CPU run)
+            with pytest.raises(ConfigError, match="device must be like|no CUDA GPU"):
+                LLM(ckpts["llama"], device=device)

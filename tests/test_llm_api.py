@@ -5,6 +5,8 @@ import gc
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -56,6 +58,30 @@ def test_a_call_while_a_stream_is_open_in_the_same_thread_is_refused(llm):
     outs = list(stream)[-1]
     assert len(outs[0].token_ids) == 8
     assert llm.generate("ROMEO.", sp)[0].token_ids == ref  # usable again once the stream ended
+
+
+def test_llms_made_in_several_threads_at_once_load_their_tokenizers(sol):
+    """LLM(path) from several threads at once in a fresh process: all but one failed with "ImportError: cannot import
+    name 'AutoTokenizer' from 'transformers'" (transformers' lazy import raced by the threads)."""
+    code = f"""
+import threading
+from waferline import LLM
+errors = []
+def make():
+    try:
+        LLM({str(sol)!r}, huge_pages=False)
+    except Exception as e:
+        errors.append(repr(e))
+ts = [threading.Thread(target=make) for _ in range(4)]
+for t in ts:
+    t.start()
+for t in ts:
+    t.join()
+print(errors)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "[]", r.stdout + r.stderr[-2000:]
 
 
 def test_a_seeded_request_samples_the_same_whatever_its_batch(llm):

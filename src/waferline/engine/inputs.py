@@ -80,8 +80,8 @@ def check_engine_options(options: dict[str, Any], allowed: frozenset[str], engin
 
 def check_device(device: str | None) -> torch.device:
     """The engine's device (default CPU), checked: a known device type, and CUDA only where torch sees a GPU."""
-    try:
-        dev = torch.device(device or "cpu")
+    try:  # (None only is the default: device 0 names a GPU, as device 1 does)
+        dev = torch.device("cpu" if device is None else device)
     except (RuntimeError, TypeError) as e:
         raise ConfigError(f"device must be like 'cpu', 'cuda' or 'cuda:1', got {device!r}") from e
     if dev.type == "cuda" and not torch.cuda.is_available():

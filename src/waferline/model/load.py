@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,9 @@ from waferline.model.weights import WeightSource
 from waferline.spec.configs import spec_from_pretrained
 from waferline.spec.model import ModelSpec
 
+# tokenizers load one at a time: transformers' first (lazy) import of AutoTokenizer fails with an ImportError in
+# threads that race it, and the verbosity set around the load is process-wide
+_TOKENIZER_LOAD = threading.Lock()
 # tensors some checkpoints carry that no module needs
 _IGNORED = re.compile(r"(rotary_emb\.inv_freq|\.attention\.masked_bias|\.attn\.bias)$")
 
@@ -215,6 +219,11 @@ def load_tokenizer(directory: Path) -> Any:
     """The checkpoint's Hugging Face tokenizer, or None when it ships none; a corrupt one is a CheckpointError."""
     if not ((directory / "tokenizer.json").is_file() or (directory / "tokenizer_config.json").is_file()):
         return None
+    with _TOKENIZER_LOAD:
+        return _load_tokenizer(directory)
+
+
+def _load_tokenizer(directory: Path) -> Any:
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
