@@ -203,10 +203,11 @@ def test_unknown_options_and_a_file_for_a_directory_are_named(ckpts):
     ("group_size", True, "group_size must be an integer, got bool True"),
     ("weight_bits", "4", "weight_bits must be an integer, got str '4'"),
     ("prefill_chunk", 1.5, "prefill_chunk must be an integer, got float 1.5"),
+    ("start_method", "bogus", "start_method must be 'forkserver', 'spawn' or 'fork', got 'bogus'"),  # (ValueError)
 ])
 def test_a_count_given_as_another_type_is_named(ckpts, option, value, says):
     options = {"speculative": "ngram"} if option == "num_speculative_tokens" else {}
-    if option == "prefill_chunk":
+    if option in ("prefill_chunk", "start_method"):
         options["stages"] = 2
     with pytest.raises(ConfigError, match=says):  # (no TypeError from a comparison deep in the engine)
         LLM(ckpts["llama"], **options, **{option: value})

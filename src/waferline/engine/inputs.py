@@ -60,7 +60,7 @@ INT_OPTIONS = frozenset({"max_model_len", "stages", "layers_per_stage", "micro_b
 
 def check_numbers(options: dict[str, Any]) -> None:
     """Refuse (ConfigError) a count in ``options`` (INT_OPTIONS) given as anything but an integer (2.5, "4", True),
-    and weight or LM-head bits the engine has no kernels for."""
+    and weight or LM-head bits the engine has no kernels for, or a process start method multiprocessing has not."""
     for name, value in options.items():
         if name in INT_OPTIONS and value is not None and not is_token_id(value):
             raise ConfigError(f"{name} must be an integer, got {shown(value)}")
@@ -68,6 +68,8 @@ def check_numbers(options: dict[str, Any]) -> None:
         raise ConfigError(f"weight_bits must be 16 or 4, got {options['weight_bits']}")
     if options.get("head_bits", 16) not in (16, 8):
         raise ConfigError(f"head_bits must be 16 or 8, got {options['head_bits']}")
+    if options.get("start_method", "forkserver") not in ("forkserver", "spawn", "fork"):
+        raise ConfigError(f"start_method must be 'forkserver', 'spawn' or 'fork', got {options['start_method']!r}")
 
 
 def check_engine_options(options: dict[str, Any], allowed: frozenset[str], engine: str) -> None:
