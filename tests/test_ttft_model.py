@@ -187,3 +187,20 @@ def test_twin_profile_prices_a_long_pipeline_prompt_chunk_by_chunk(counted, tiny
     assert flops[-1] < attention_flops(prefill_chunk_count(whole, spec, *groups[0], host.small_op_bytes))
     # only the prompt's last chunk runs the LM head, as in the pipeline
     assert [c.other.ops for c in tw[:-1]] == [tw[0].other.ops] * 3 and tw[-1].other.ops > tw[0].other.ops
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_host_ttft_without_counted_ops_does_not_depend_on_the_output_length(stages):
+    """Without the engine's counted ops (DefaultOps), a prefill is priced from the ModelSpec accounting: its attention
+    over the prompt, not over the decode's context (prompt + half the output), which the output length would move."""
+    from waferline.plan.place import place
+    from waferline.sim.host_params import HostParams
+    from waferline.sim.pipeline import simulate
+    from waferline.spec.catalog import load_model
+    from waferline.spec.hardware import load_hardware_file
+
+    host, hw, spec = HostParams.load(HOST_YAML), load_hardware_file(HOST_YAML), load_model("llama-3.2-1b")
+    plan = place(spec, hw, devices=stages, context=40_000, batch=1)
+    ttft = [simulate(plan, prompt_len=2000, output_len=o, spec=spec, hardware=hw, host=host).ttft_s
+            for o in (1, 30_000)]
+    assert ttft[0] == pytest.approx(ttft[1], rel=1e-12)

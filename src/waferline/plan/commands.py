@@ -108,8 +108,9 @@ def _add_plan_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
                    help="with --afd: N FFN ranks, each holding a shard of every layer's experts")
     p.add_argument(
         "--micro-batches", type=positive_int, default=None,
-        help="micro-batches in flight (default min(batch, stages); with --attention-ranks/--ffn-ranks: 2, as the AFD "
-             "engine runs them; decode fills at most batch of them, a prompt's chunks the rest)"
+        help="decode micro-batches in flight (default min(batch, stages); with --attention-ranks/--ffn-ranks: 2, as "
+             "the AFD engine runs them; decode fills at most batch of them); the TTFT streams a prompt's chunks "
+             "through the stages back to back whatever this is, as a pipeline of devices streams a prompt"
     )
     p.add_argument("--out", type=out_path, default=None, help="write the plan as JSON to this file")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -88,6 +88,9 @@ def simulate_host(
     M = max(1, min(plan.micro_batches if S > 1 else 1, B))
     b = math.ceil(B / M)
     table = layer_table(spec, plan.weight_bits, plan.kv_bits, P + O // 2, plan.group_size)
+    # the prompt's own tokens: attention over half the prompt on average (not the decode's context, which the output
+    # lengthens; as sim/pipeline.py prices a prefill)
+    ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
     sp = plan.speculative
     k = sp.num_tokens if sp.method != "none" else 0
     t = k + 1
@@ -159,12 +162,12 @@ def simulate_host(
     if S == 1:
         pc = profile.prefill(1, P)
         one = _stage_cost(
-            host, plan, spec, table, list(plan.stages[0].layers), pc, 1, P, True, 1, True, 0.0, prefill=True
+            host, plan, spec, ptable, list(plan.stages[0].layers), pc, 1, P, True, 1, True, 0.0, prefill=True
         )
         ttft = B * (one.total + host.prefill.get(comp, (0, 0, 0.0))[2]) + plain_over
         prefill_cpu = [ttft]
     else:
-        ttft, prefill_cpu = _pipeline_prefill(plan, spec, host, profile, table, P, B, plain_over, per_step, act_bytes)
+        ttft, prefill_cpu = _pipeline_prefill(plan, spec, host, profile, ptable, P, B, plain_over, per_step, act_bytes)
     timings = [
         StageTiming(
             index=s.index,
