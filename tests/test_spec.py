@@ -181,6 +181,34 @@ def test_sol_layers():
         parse_hf_config(dict(cfg, mixer_types=["xyz"] * 4))
 
 
+def test_sol_router_reads_norm_topk_prob_for_softmax_scores_too():
+    """sol has no transformers class: the DeepSeek-V2 router's never-renormalise does not apply to its softmax
+    router (the demo's config asks for renormalised weights)."""
+    from waferline.demo import SOL_DEMO_CONFIG
+
+    def renorm(**change):
+        return {l.ffn.norm_topk_prob for l in parse_hf_config(dict(SOL_DEMO_CONFIG, **change)).layers[1:]}
+
+    assert SOL_DEMO_CONFIG["scoring_func"] == "softmax" and renorm() == {True}
+    assert renorm(norm_topk_prob=False) == {False}
+    assert renorm(scoring_func="sigmoid") == {True} and renorm(scoring_func="sigmoid", norm_topk_prob=False) == {False}
+    cfg = {k: v for k, v in SOL_DEMO_CONFIG.items() if k != "norm_topk_prob"}  # absent: as before, on for sigmoid
+    assert {l.ffn.norm_topk_prob for l in parse_hf_config(cfg).layers[1:]} == {False}
+    assert {l.ffn.norm_topk_prob for l in parse_hf_config(dict(cfg, scoring_func="sigmoid")).layers[1:]} == {True}
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(topk_method="noaux-tc"), "sol config: topk_method 'noaux-tc'; use greedy, group_limited_greedy or noaux_tc"),
+    (dict(mixer_types="mla"), "sol config: mixer_types must be a list of num_hidden_layers=6 layer kinds, got 'mla'"),
+    (dict(ffn_types=6), "sol config: ffn_types must be a list of num_hidden_layers=6 layer kinds, got 6"),
+])
+def test_sol_config_values_no_layer_reads_are_refused(change, message):
+    from waferline.demo import SOL_DEMO_CONFIG
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_hf_config(dict(SOL_DEMO_CONFIG, **change))
+
+
 QWEN3_MOE = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
                  num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960)

@@ -585,6 +585,12 @@ def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     n = cfg["num_hidden_layers"]
     mixers = cfg.get("mixer_types") or ["mla"] * n
     ffns = cfg.get("ffn_types") or ["moe"] * n
+    for key, kinds in (("mixer_types", mixers), ("ffn_types", ffns)):
+        if not isinstance(kinds, list):
+            raise ConfigError(f"sol config: {key} must be a list of num_hidden_layers={n} layer kinds, got {kinds!r}"
+                              [:200])
+    sigmoid = cfg.get("scoring_func") == "sigmoid"
+    method = cfg.get("topk_method") or ("noaux_tc" if sigmoid else "greedy")
     if len(mixers) != n or len(ffns) != n:
         raise ConfigError(
             f"sol config: mixer_types ({len(mixers)}) and ffn_types ({len(ffns)}) must both have "
@@ -607,7 +613,12 @@ def _parse_sol(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         if ffn_kind == "dense":
             ffn: FFNSpec = _dense(cfg)
         elif ffn_kind == "moe":
-            ffn = _deepseek_moe(cfg, "deepseek_v3" if cfg.get("scoring_func") == "sigmoid" else "deepseek_v2")
+            if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+                raise ConfigError(f"sol config: topk_method {method!r}; use greedy, group_limited_greedy or noaux_tc")
+            # (the DeepSeek flavor gives the defaults; norm_topk_prob is the config's for softmax scores too: sol is not
+            # transformers' DeepSeek-V2, whose router never renormalises)
+            ffn = dataclasses.replace(_deepseek_moe(cfg, "deepseek_v3" if sigmoid else "deepseek_v2"),
+                                      norm_topk_prob=bool(cfg.get("norm_topk_prob", sigmoid)))
         else:
             raise ConfigError(f"sol config: layer {i} has ffn {ffn_kind!r}; use dense or moe")
         return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
