@@ -211,3 +211,30 @@ def test_deepseek_v4_legacy_spellings():
     spec = parse_hf_config(legacy)
     assert [lay.mixer for lay in spec.layers] == [lay.mixer for lay in modern.layers]
     assert spec.params_total() == modern.params_total()
+
+
+def test_host_model_prices_the_cache_bytes_a_decode_token_reads():
+    """Waferline's engine on a calibrated host without counted ops (the kv-schemes benchmark's prediction): a decode
+    step's memory term is the cache bytes the token reads (DSA: top-k latents + every index key; CSA: window + top-k
+    entries + every index key; a recurrent state read and written back), not the bytes the sequence holds."""
+    from pathlib import Path
+
+    from waferline.sim.host_params import HostParams
+    from waferline.spec.hardware import load_hardware_file
+
+    yaml = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host_avx2.yaml"
+    host, hw = HostParams.load(yaml), load_hardware_file(yaml)
+    base = dict(model_type="sol", vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                head_dim=16, intermediate_size=128, ffn_types=["dense"] * 2, max_position_embeddings=65536,
+                q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                index_n_heads=2, index_head_dim=16, index_topk=64, index_bits=8, sliding_window=16,
+                mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4)
+    P, O = 8192, 16
+    for mixers in (["dsa", "dsa"], ["hca", "csa"], ["mamba2", "mla"]):
+        spec = parse_hf_config(dict(base, mixer_types=mixers))
+        plan = place(spec, hw, devices=1, weight_bits=16, context=P + O, batch=1)
+        r = simulate(plan, prompt_len=P, output_len=O, spec=spec, hardware=hw, host=host)
+        read = spec.cache_read_bytes_per_seq(P + O // 2)
+        assert r.stages[0].memory * host.memory_bandwidth == pytest.approx(read, rel=1e-9), mixers
+        if mixers[0] != "mamba2":
+            assert read < 0.5 * spec.cache_bytes_per_seq(P + O // 2)

@@ -393,7 +393,7 @@ def _stage_cost(
         else:
             read = lc.weight_bytes
         lin_s += lin.time(read, (lc.mixer_flops + lc.ffn_flops) * n)
-        cache_s += lc.cache_bytes * rows / host.memory_bandwidth
+        cache_s += lc.cache_read * rows / host.memory_bandwidth  # (what a step reads: DSA / CSA less than held)
     if has_head:
         hl = host.linear_for(16, comp)  # the LM head stays 16-bit
         head_b = spec.lm_head_bytes(plan.embed_bits) if spec.lm_head_params() else spec.embed_bytes(plan.embed_bits)
