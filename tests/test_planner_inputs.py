@@ -271,6 +271,18 @@ def test_a_parameter_file_out_of_its_physical_range_is_refused(tmp_path, text, m
         load_params(p)
 
 
+def test_a_parameter_file_that_is_not_text_is_one_line(tmp_path, capsys):
+    """A --params file that is not UTF-8 (a binary given by mistake) is a one-line error, not a traceback."""
+    p = tmp_path / "params.yaml"
+    p.write_bytes(b"\xff\xfe\x00 not yaml")
+    for argv in (["validate", "--params", str(p), "--json"],
+                 ["simulate", "llama-3.1-8b", "-H", "h100-sxm", "--params", str(p), "--json"]):
+        assert cli_main(argv) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err.count("\n") == 1, cap.err
+        assert cap.err.startswith(f"error: {p}: cannot read simulator parameters")
+
+
 @pytest.mark.parametrize("change, message", [
     ({"num_hidden_layers": 0}, "num_hidden_layers must be an integer >= 1"),
     ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1"),

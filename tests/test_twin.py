@@ -775,7 +775,7 @@ def test_twin_out_is_written_whole_or_not_at_all(tmp_path, capsys, monkeypatch):
 
 def test_write_host_yaml_is_atomic(tmp_path, monkeypatch):
     """calibrate's YAML (also twin's cached calibration) is written whole or not at all: a failed write leaves the
-    previous calibration and no temporary file; a good one replaces it."""
+    previous calibration and no temporary file, and says which file it could not write; a good one replaces it."""
     import os
 
     from waferline.sim.calibrate import hardware_yaml
@@ -789,7 +789,7 @@ def test_write_host_yaml_is_atomic(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", no_rename)
-    with pytest.raises(OSError):
+    with pytest.raises(ConfigError, match=f"cannot write the calibration to {p}: No space left on device"):
         hardware_yaml.write_host_yaml(p)
     assert p.read_text() == "name: previous\n" and [q.name for q in tmp_path.iterdir()] == ["host.yaml"]
     monkeypatch.setattr(os, "replace", real)
@@ -812,6 +812,36 @@ def test_calibrate_combine_makes_the_out_directory(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "combined.yaml"
     assert main(["calibrate", "--combine", str(src), str(other), "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["written"] == str(out) and out.is_file()
+
+
+def test_calibrate_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    """`calibrate --published` and `calibrate --combine` whose write fails after the work (a full disk: check_writable
+    passed before it) say so in one line and exit 2, the file that was there kept; they printed a traceback."""
+    import errno
+    from pathlib import Path
+
+    from waferline import files
+    from waferline.cli import main
+
+    src = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "twin_host.yaml"
+    d = yaml.safe_load(src.read_text())
+    d["host_engine"]["measured"]["date"] = "another day"
+    other = tmp_path / "other.yaml"
+    other.write_text(yaml.safe_dump(d))
+    out = tmp_path / "out.yaml"
+    out.write_text("previous\n")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    for argv, what in ((["calibrate", "--combine", str(src), str(other)], "calibration"),
+                       (["calibrate", "--published", "--bootstrap", "0", "--iters", "1"], "simulator parameters")):
+        assert main([*argv, "--out", str(out), "--json"]) == 2
+        cap = capsys.readouterr()
+        assert cap.out == "" and cap.err == f"error: cannot write the {what} to {out}: No space left on device\n"
+        assert out.read_text() == "previous\n" and sorted(q.name for q in tmp_path.iterdir()) == ["other.yaml",
+                                                                                                  "out.yaml"]
 
 
 def test_calibrate_combine_refuses_the_same_calibration_twice(tmp_path, capsys):

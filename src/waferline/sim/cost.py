@@ -311,7 +311,10 @@ class SimParams:
             text += yaml.safe_dump({"bootstrap": bs}, sort_keys=False, default_flow_style=None, width=200)
         from waferline.files import write_text_atomic
 
-        write_text_atomic(path, (header + "\n" if header else "") + text, make_parents=True)  # (whole or not at all)
+        try:  # (whole or not at all)
+            write_text_atomic(path, (header + "\n" if header else "") + text, make_parents=True)
+        except OSError as e:  # (a full disk after the fit's minute: one line, the file that was there kept)
+            raise ConfigError(f"cannot write the simulator parameters to {path}: {e.strerror or e}") from None
 
 
 _PARAMS_CACHE: dict[str, SimParams] = {}
@@ -332,6 +335,8 @@ def load_params(path: str | Path | None = None) -> SimParams:
             d = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        except (OSError, UnicodeDecodeError) as e:  # (a binary file, one this user may not read)
+            raise ConfigError(f"{p}: cannot read simulator parameters ({getattr(e, 'strerror', None) or e})") from None
         if not isinstance(d, dict) or not (d.keys() & {"classes", "speculative", "ttft_overhead_s"}):
             raise ConfigError(f"{p}: not simulator parameters (a mapping with classes, speculative and/or "
                               "ttft_overhead_s, as sim/fitted.yaml has)")

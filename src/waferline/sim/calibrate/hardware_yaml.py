@@ -657,8 +657,8 @@ def write_combined_yaml(path: str | Path, paths: list[str | Path]) -> dict[str, 
 
     d = combine_host_yamls(paths)
     HostParams.from_dict(d, f"the median of {', '.join(map(str, paths))}")
-    write_text_atomic(path, "# written by `waferline calibrate --combine`: the median of several calibrations of this "
-                      "host.\n" + yaml.safe_dump(d, sort_keys=False, width=140), make_parents=True)
+    _write(path, "# written by `waferline calibrate --combine`: the median of several calibrations of this host.\n"
+           + yaml.safe_dump(d, sort_keys=False, width=140))
     return d
 
 
@@ -674,10 +674,14 @@ def write_host_yaml(
             measure_host(quick, progress, **kw), default=lambda o: float(o) if hasattr(o, "__float__") else str(o)
         )
     )
-    write_text_atomic(
-        path,
-        "# written by `waferline calibrate`; re-run to refresh. Every figure is measured (see source).\n"
-        + yaml.safe_dump(d, sort_keys=False, width=140),
-        make_parents=True,
-    )
+    _write(path, "# written by `waferline calibrate`; re-run to refresh. Every figure is measured (see source).\n"
+           + yaml.safe_dump(d, sort_keys=False, width=140))
     return d
+
+
+def _write(path: str | Path, text: str) -> None:
+    """A calibration written whole or not at all; a failed write (a full disk) is a ConfigError that names the file."""
+    try:
+        write_text_atomic(path, text, make_parents=True)
+    except OSError as e:
+        raise ConfigError(f"cannot write the calibration to {path}: {e.strerror or e}") from None
