@@ -207,7 +207,7 @@ def test_every_cache_kind_rolls_back_on_every_process(engine, mt, tmp_path):
     assert 0 < sch.stats["spec_accepted"] < sch.stats["spec_drafted"]
 
 
-def test_serve_takes_speculative_with_stages_and_afd(ckpts):
+def test_serve_takes_speculative_with_stages_and_afd(ckpts, capsys):
     """`serve --speculative` passes the flag checks with --stages and with --afd; a method the server cannot draft
     with is refused, with the reason, whatever the engine."""
     from waferline.cli import build_parser
@@ -221,3 +221,4 @@ def test_serve_takes_speculative_with_stages_and_afd(ckpts):
         with pytest.raises(ConfigError, match="not a checkpoint directory"):
             build_server(ckpts["afd"], speculative="draft:/x", **kw)
     assert main(["serve", "--model", str(ckpts["afd"]), "--afd", "--speculative", "medusa"]) == 2
+    assert "--speculative medusa: unknown method" in capsys.readouterr().err
