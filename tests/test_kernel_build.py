@@ -117,6 +117,27 @@ def test_a_failed_build_leaves_nothing_and_says_so(tmp_path, monkeypatch, capsys
     assert "no compiler here" in str(kernels.status()["error"])
 
 
+def test_a_library_cut_short_in_the_cache_is_built_again(tmp_path, monkeypatch):
+    """A cached library cut short (a copy or a disk write stopped part-way) is built again, not loaded: dlopen maps
+    it and the process died of SIGBUS. Where the build fails too (here no compiler), the eager path runs."""
+    real = kernels.library()
+    calls: list = []
+    _fake_compile(monkeypatch, calls)  # (copies `real`)
+    monkeypatch.setenv("WAFERLINE_KERNELS_DIR", str(tmp_path / "cache"))
+    lib = kernels.library()
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(real.read_bytes()[: real.stat().st_size // 2])
+    code = ("import torch\nfrom waferline import kernels\nprint(kernels.prepare())\n"
+            "print(torch.nn.functional.rms_norm(torch.ones(2, 8), (8,)).shape)\n")
+    env = {**os.environ, "CXX": "/bin/false", "WAFERLINE_KERNELS": "1"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["False", "torch.Size([2,", "8])"], (r.returncode, r.stderr)
+    assert "using the eager path" in r.stderr and "Traceback" not in r.stderr
+
+    assert kernels._built(False) == lib
+    assert len(calls) == 1 and lib.read_bytes() == real.read_bytes()
+
+
 def test_a_missing_compiler_is_named_in_the_one_line_reason(tmp_path, monkeypatch):
     """No C++ compiler on PATH: the build fails with a reason that says so (it read "ninja: build stopped: subcommand
     failed.", after torch's many-line banner calling the missing compiler "not compatible")."""

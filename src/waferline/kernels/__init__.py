@@ -5,9 +5,10 @@ They are built once per machine (torch.utils.cpp_extension with ninja, 1-2 min o
 compiler flags, torch's and waferline's versions and this CPU's features. A process that finds the library there
 loads it directly (torch.ops.load_library), without cpp_extension, a compiler or ninja: nothing is rebuilt because
 another ``ninja`` is first on PATH. A build runs in a temporary directory beside the cache entry and is renamed into
-place once the library is complete, so a build killed part-way leaves nothing that a later process loads. Processes
-that start together take turns on a lock file (flock: the system releases it when its holder exits, killed or not);
-the first builds, the others then load its library.
+place once the library is complete, so a build killed part-way leaves nothing that a later process loads; a library
+cut short in the cache (a copy or a disk write stopped part-way: loading it would kill the process with SIGBUS) is
+built again. Processes that start together take turns on a lock file (flock: the system releases it when its holder
+exits, killed or not); the first builds, the others then load its library.
 
 ``prepare()`` builds or loads them up front and, when it has to build, says so on stderr in one line (``waferline
 serve`` calls it before it listens, so /health is not ok while they build; a local pipeline's or AFD's driver before
@@ -23,6 +24,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import threading
@@ -101,7 +103,7 @@ def _built(progress: bool) -> Path:
     """The library for this key, built first where the cache has none (a line on stderr about it with ``progress``)."""
     d = build_dir()
     lib = d / _LIB
-    if lib.is_file():
+    if _whole(lib):
         return lib
     t0 = time.monotonic()
     if progress:
@@ -109,7 +111,7 @@ def _built(progress: bool) -> Path:
     try:
         d.parent.mkdir(parents=True, exist_ok=True)
         with _build_lock(d.parent / f"{d.name}.lock"):
-            if not lib.is_file():  # (else another process built it while this one waited)
+            if not _whole(lib):  # (else another process built it while this one waited)
                 _build_into(d)
     except BaseException as e:
         if progress:  # (Ctrl-C: the build stopped, nothing failed; the next run builds again)
@@ -138,11 +140,38 @@ def _build_into(d: Path) -> None:
             built[0].rename(tmp / _LIB)
         for obj in tmp.glob("*.o"):  # (the library is all a later process loads)
             obj.unlink()
-        if d.exists():  # a directory without the library (a build of another layout, stopped part-way): replaced
+        if d.exists():  # a directory without a whole library (a build of another layout, stopped part-way): replaced
             shutil.rmtree(d)
         tmp.rename(d)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _whole(lib: Path) -> bool:
+    """Whether ``lib`` is there and as long as its ELF header says: its program headers, loaded segments and section
+    table lie inside the file. dlopen maps a library cut short without complaint, and the first touch of a missing
+    page kills the process with SIGBUS. (A file of another format, on another platform, is not checked.)"""
+    try:
+        with open(lib, "rb") as f:
+            data = f.read()
+    except OSError:
+        return False
+    if data[:4] != b"\x7fELF":
+        return not sys.platform.startswith("linux") and bool(data)
+    try:
+        e = "<" if data[5] == 1 else ">"
+        if data[4] == 2:  # ELF64: e_phoff, e_shoff; e_phentsize, e_phnum, e_shentsize, e_shnum; p_offset, p_filesz
+            phoff, shoff = struct.unpack_from(e + "QQ", data, 32)
+            phsz, phn, shsz, shn = struct.unpack_from(e + "HHHH", data, 54)
+            segs = [struct.unpack_from(e + "I4xQ16xQ", data, phoff + i * phsz) for i in range(phn)]
+        else:  # ELF32
+            phoff, shoff = struct.unpack_from(e + "II", data, 28)
+            phsz, phn, shsz, shn = struct.unpack_from(e + "HHHH", data, 42)
+            segs = [struct.unpack_from(e + "II8xI", data, phoff + i * phsz) for i in range(phn)]
+    except struct.error:  # (the headers themselves are cut off)
+        return False
+    ends = [shoff + shn * shsz] + [off + size for kind, off, size in segs if kind == 1]  # (PT_LOAD)
+    return len(data) >= max(ends)
 
 
 def _compile(out: Path) -> None:
