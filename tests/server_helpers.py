@@ -2,7 +2,10 @@
 client) are in conftest.py."""
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +30,28 @@ def _wait_until(cond, limit=30.0, every=0.05):
         if v or time.monotonic() > end:
             return v
         time.sleep(every)
+
+
+def start_serve(model, *flags: str, limit: float = 60.0) -> tuple[subprocess.Popen, int]:
+    """``waferline serve --model model *flags`` in its own process on a free loopback port (one torch thread), once
+    /health says ok: (the process, its port). Its stdout and stderr together are the process's stdout."""
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(model), "--port", str(port),
+                          *flags], env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+
+    def healthy():
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return p.poll() is not None
+    try:
+        assert _wait_until(healthy, limit, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
+    except BaseException:
+        p.kill()
+        p.wait(20)
+        raise
+    return p, port
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from server_helpers import KEY, _free_port, _wait_until
+from server_helpers import KEY, _free_port, _wait_until, start_serve
 from waferline import LLM, SamplingParams
 from waferline.cli import main
 
@@ -510,23 +510,10 @@ def _alive(pid: int) -> bool:
 def test_serve_command_with_stages(ckpts):
     """`waferline serve --layers-per-stage 1 --micro-batches 2 --weight-bits 4` in its own process: it answers as
     the single-process engine does, and stopping it stops its stage processes."""
-    import subprocess
-    import sys
-
     want = LLM(ckpts["pipeline"]).generate([PROMPTS[0]], SamplingParams(max_tokens=12, ignore_eos=True))[0].text
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(ckpts["pipeline"]),
-                          "--port", str(port), "--max-model-len", str(MAX_LEN), "--weight-bits", "4",
-                          "--layers-per-stage", "1", "--micro-batches", "2"],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True)
+    p, port = start_serve(ckpts["pipeline"], "--max-model-len", str(MAX_LEN), "--weight-bits", "4",
+                          "--layers-per-stage", "1", "--micro-batches", "2", limit=90)
     try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return p.poll() is not None
-        assert _wait_until(healthy, 90, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
         workers = _descendants(p.pid)
         assert workers
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30)

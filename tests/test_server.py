@@ -23,6 +23,7 @@ from server_helpers import (
     _pages_in_use,
     _wait_until,
     run_to_end,
+    start_serve,
 )
 from tiny_models import build
 from waferline import LLM, SamplingParams
@@ -1029,19 +1030,10 @@ def test_serve_stops_within_the_shutdown_timeout(sol):
     import socket
     import time
 
-    port = _free_port()
-    p = subprocess.Popen([sys.executable, "-m", "waferline.cli", "serve", "--model", str(sol), "--port", str(port),
-                          "--max-model-len", "128", "--torch-threads", "1", "--body-timeout", "600",
-                          "--shutdown-timeout", "1"], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p, port = start_serve(sol, "--max-model-len", "128", "--torch-threads", "1", "--body-timeout", "600",
+                          "--shutdown-timeout", "1")
     stalled = None
     try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return p.poll() is not None
-        assert _wait_until(healthy, 60, 0.2) and p.poll() is None, p.stdout.read() if p.poll() is not None else ""
         stalled = socket.create_connection(("127.0.0.1", port))
         stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: 100\r\n\r\n{\"model\": ")
