@@ -164,8 +164,8 @@ def main() -> int:
     print(_row("llama-3.1-70b AFD", da))
     print(_row("llama-3.1-70b plain", dp))
     if da and dp:
-        print(f"  dense: AFD / plain {da['tok_s_per_gpu'] / dp['tok_s_per_gpu']:.2f}x (no experts to batch up: "
-              "about even, for twice the processes to run)")
+        print(f"  dense: AFD / plain {da['tok_s_per_gpu'] / dp['tok_s_per_gpu']:.2f}x (no experts to batch up, and "
+              "each layer's FFN runs whole on one FFN rank)")
     # 3. slower links between the pools (every hop over a scale-out link of this bandwidth, 20 us): the round trip
     #    stops hiding behind the other micro-batch, and the FFN's batch no longer pays for the hops
     from dataclasses import replace

@@ -359,7 +359,7 @@ def test_an_afd_plan_file_is_judged_on_its_ranks_devices_not_its_stored_memory(t
     edited["stages"][2]["device_ids"] = edited["stages"][2]["device_ids"][:1]
     f.write_text(json.dumps(edited))
     rc, d = _simulate_json(["--plan", str(f)], capsys)
-    assert rc == 2 and not d["fits"] and d["problems"][0].startswith("stage 2: 672.50 GB needed")
+    assert rc == 2 and not d["fits"] and d["problems"][0].startswith("stage 2: 672.39 GB needed")
     assert any("the file said" in n for n in d["notes"])
 
 
@@ -746,8 +746,9 @@ def test_a_tied_models_last_stage_holds_its_copy_of_the_embedding_table():
     assert one.has_embedding and one.has_lm_head
     assert one.memory.weights == pytest.approx(spec.weight_bytes(16), rel=1e-12)  # (the table once)
     att = place(spec, "h100-sxm", afd=True, attention_ranks=1, ffn_ranks=1).stages[0]  # (both ends: once)
+    ffn_norms = sum(spec.layers[i].hidden_size * 2 for i in att.layers)  # (each FFN's pre-norm: attention side)
     assert att.role == "attention" and att.memory.weights == pytest.approx(
-        sum(spec.layers[i].mixer_weight_bytes(16, 128) for i in att.layers) + table + head, rel=1e-9)
+        sum(spec.layers[i].mixer_weight_bytes(16, 128) for i in att.layers) + table + head + ffn_norms, rel=1e-9)
 
 
 def test_untied_models_end_stages_are_counted_as_before():

@@ -324,15 +324,18 @@ def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_b
 
 def _afd_rank_parts(spec: ModelSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int, batch: int,
                     group: int, spec_tokens: int = 0) -> tuple[list[_Part], list[list[_Part]]]:
-    """The engine's AFD layout in parts: an attention rank's (every mixer, the caches of ceil(batch / M) sequences)
-    and each of the N FFN ranks' (its expert range of every MoE layer, the shared experts / dense FFN of the layers
-    it owns)."""
-    from waferline.spec.model import MoESpec
+    """The engine's AFD layout in parts: an attention rank's (every mixer, every FFN pre-norm and MoE router, the
+    caches of ceil(batch / M) sequences) and each of the N FFN ranks' (its expert range of every MoE layer, the
+    shared experts / dense FFN of the layers it owns)."""
+    from waferline.spec.model import BYTES_16, MoESpec
 
     if M < 1 or N < 1:
         raise ConfigError(f"--attention-ranks and --ffn-ranks must be >= 1 (got {M}, {N})")
+    # what the attention side keeps of each FFN layer (engine/afd/sides.py FFNFront): its pre-norm, an MoE's router
+    front = {layer.index: (layer.hidden_size + (layer.ffn.router_params() if isinstance(layer.ffn, MoESpec) else 0))
+             * BYTES_16 for layer in spec.layers if layer.ffn is not None}
     share = math.ceil(batch / M) / batch
-    att = [_Part(p.layer, p.weights, p.cache * share, p.kv_shards, p.rollback * share)
+    att = [_Part(p.layer, p.weights + front.get(p.layer, 0.0), p.cache * share, p.kv_shards, p.rollback * share)
            for p in _parts(spec, "attention", weight_bits, kv_bits, context, batch, group, spec_tokens)]
     ffn = {p.layer: p for p in _parts(spec, "ffn", weight_bits, kv_bits, context, batch, group) if p.weights > 0}
     routed: dict[int, tuple[float, int]] = {}  # layer -> (bytes of one routed expert, experts)
@@ -351,7 +354,7 @@ def _afd_rank_parts(spec: ModelSpec, M: int, N: int, weight_bits: int, kv_bits: 
     for n in range(N):
         parts = []
         for i, p in sorted(ffn.items()):
-            w = p.weights
+            w = p.weights - front[i]
             if i in routed:
                 eb, E = routed[i]
                 e0, e1 = splits[E][n]

@@ -558,11 +558,14 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
     wb = plan.weight_bits
     ffn_layers = set(ffn[0].layers)
     spatial = hw.kind == "wafer"
-    res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) if spatial else None
+    head_b, head_f = _lm_head(spec, plan.embed_bits)
+    # an attention rank's resident bytes (a wafer: every layer's region, and the LM head's, as ``_step`` counts them)
+    res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) + head_b if spatial else None
     shares = _afd_node_shares(ctx, att, ffn)
-    from waferline.plan.place import expert_split
+    from waferline.plan.place import expert_split, ffn_owner
 
     splits = {E: [e1 - e0 for e0, e1 in expert_split(E, N)] for E in {lc.num_experts for lc in table if lc.is_moe}}
+    shared = {layer.index for layer in spec.layers if getattr(layer.ffn, "shared_intermediate", 0)}
 
     def local(lc: LayerCost, n: int) -> LayerCost:  # FFN rank n's share of a layer (its experts; shared/dense averaged)
         if not lc.is_moe:
@@ -571,6 +574,19 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
         return replace(lc, num_experts=e_loc, top_k=lc.top_k * e_loc / lc.num_experts,
                        ffn_bytes=lc.dense_ffn_bytes / N + e_loc * lc.expert_bytes,
                        ffn_flops=lc.ffn_flops * e_loc / lc.num_experts)
+
+    def owner(lc: LayerCost, n: int) -> LayerCost:
+        """FFN rank n's part of a layer it owns (``ffn_owner``): its experts and the shared experts / dense FFN whole,
+        which one micro-batch's round trip waits for (the averaged share prices the side's busy time: round robin by
+        layer spreads the owners' extra work over the step)."""
+        if not lc.is_moe:
+            return lc
+        e_loc = splits[lc.num_experts][n]
+        routed = lc.top_k * lc.expert_bytes  # (the routed experts' share of the FLOPs, by bytes as serving's skew)
+        frac = routed / (routed + lc.dense_ffn_bytes) if routed + lc.dense_ffn_bytes > 0 else 1.0
+        return replace(lc, num_experts=e_loc, top_k=lc.top_k * e_loc / lc.num_experts,
+                       ffn_bytes=lc.dense_ffn_bytes + e_loc * lc.expert_bytes,
+                       ffn_flops=lc.ffn_flops * (frac * e_loc / lc.num_experts + 1.0 - frac))
 
     # the FFN ranks of one shape (experts, devices) time alike: one of each; a micro-batch waits for the slowest
     shapes: dict[tuple, list[int]] = {}
@@ -581,6 +597,8 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
         locs = [local(lc, idx[0]) for lc in table]
         res_f = sum(lc.ffn_bytes for lc in locs if lc.index in ffn_layers) if spatial else None
         ranks.append(([ffn[n].index for n in idx], locs, ffn[idx[0]].num_devices, res_f))
+    shape_of = {n: ri for ri, idx in enumerate(shapes.values()) for n in idx}
+    own_memo: dict[tuple, float] = {}
     tot: dict[str, Any] = {"attention": 0.0, "ffn": 0.0, "transfer": 0.0, "att_compute": 0.0, "att_memory": 0.0,
                            "att_fixed": 0.0, "ffn_stages": {}}
     per_rank = [{"ffn": 0.0, "ffn_compute": 0.0, "ffn_memory": 0.0, "ffn_fixed": 0.0} for _ in ranks]
@@ -604,9 +622,20 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
                     pr["ffn_memory"] += c * tf.memory
                     pr["ffn_fixed"] += c * (tf.fixed + tf.comm)
             busy = sum(by_rows[r] for r in ffn_rows)
-            first = by_rows[max(ffn_rows)]
-            pairs = bm * tokens * ((lc.top_k / N) if lc.is_moe else 1.0)  # rows one attention rank sends one FFN rank
-            nbytes = pairs * D * 2.0 + (bm * tokens * D * 2.0 / N if lc.is_moe and lc.dense_ffn_bytes > 0 else 0.0)
+            # its largest micro-batch alone: on the slowest rank, the layer's owner holding its shared experts or
+            # dense FFN whole (a dense layer: on the owner only)
+            o = ffn_owner(lc.index, N)
+            _, locs, n_dev, res_f = ranks[shape_of[o]]
+            key = (lc.kind_id, lc.ffn_flops, shape_of[o], max(ffn_rows))
+            t_own = own_memo.get(key)
+            if t_own is None:
+                t_own = own_memo[key] = stage_step([owner(lc, o)], "ffn", n_dev, hw, prm, D, max(ffn_rows), tokens,
+                                                   wb, spatial_resident=res_f).total
+            first = max(t_own, by_rows[max(ffn_rows)] if lc.is_moe and N > 1 else 0.0)
+            # rows one attention rank sends one FFN rank, the largest message: the owner's (a dense layer whole; beside
+            # its routed rows, the whole micro-batch for the shared experts)
+            pairs = bm * tokens * ((lc.top_k / N) if lc.is_moe else 1.0)
+            nbytes = pairs * D * 2.0 + (bm * tokens * D * 2.0 if lc.is_moe and lc.index in shared else 0.0)
             T_c = _afd_hop(ctx, shares, nbytes)
             tot["ffn"] += busy
             tot["transfer"] += K * 2 * T_c
@@ -617,7 +646,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
         tot["att_compute"] += K * ta.compute
         tot["att_memory"] += K * ta.memory
         tot["att_fixed"] += K * (ta.fixed + ta.comm)
-    head_b, head_f = _lm_head(spec, plan.embed_bits)  # (a verify's head at each of its positions, else the last's)
+    # the LM head: a verify's at each of its positions, else the last's
     th = stage_step([], "attention", a.num_devices, hw, prm, D, bm, 1, wb, lm_head_bytes=head_b,
                     lm_head_flops=head_f * (tokens if verify else 1), spatial_resident=res_a).total
     step += K * th
@@ -669,7 +698,8 @@ def _simulate_afd_ranks(ctx: _Ctx, table: list[LayerCost], B: int, P: int, O: in
             f = tot["ffn_stages"][s.index]
             timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, f["ffn_compute"],
                                        f["ffn_memory"], f["ffn_fixed"], 0.0, 0.0, f["ffn"]))
-    sides = {"attention": tot["attention"], "FFN": tot["ffn"], "transfer": tot["transfer"]}
+    # (the K micro-batches' transfers overlap one another: one micro-batch's lie on the step's path)
+    sides = {"attention": tot["attention"], "FFN": tot["ffn"], "transfer": tot["transfer"] / K}
     big = max(sides, key=sides.get)  # type: ignore[arg-type]
     bound = f"AFD: {big} ({sides[big] / step:.0%} of the step busy)" if sides[big] / step > 0.8 else \
         "AFD: round-trip latency (micro-batches too small to hide it)"
