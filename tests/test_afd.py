@@ -151,6 +151,9 @@ def test_plan_from_the_planner_runs(ckpts, references):
         assert [o.token_ids for o in llm.generate(ref["many"], ref["greedy"])] == ref["many_out"]
     with pytest.raises(ConfigError, match="data-parallel"):  # pool placement (layers split over stages): planner-only
         AFD(d, plan=place(str(d), "wse-3", afd=True, devices=4))
+    # placed for another model: said so (not that its attention ranks do not each hold every layer)
+    with pytest.raises(ConfigError, match=r"placed for qwen3-30b-a3b \(qwen3_moe, 48 layers\); .* is deepseek_v3"):
+        AFD(d, plan=place("qwen3-30b-a3b", "h200-sxm", afd=True, attention_ranks=1, ffn_ranks=2))
 
 
 def test_simulator_predicts_the_engine_layout():

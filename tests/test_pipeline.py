@@ -257,6 +257,26 @@ def test_pipeline_from_plan_file_takes_its_micro_batches(ckpts, tmp_path):
     with Pipeline(ckpts["sol"], plan=str(tmp_path / "plan.json"), threads_per_stage=1) as pipe:
         assert pipe.ranges == [(0, n)] and pipe.micro_batches == 3
 
+
+def test_a_plan_of_another_model_is_refused_naming_both(ckpts, tmp_path):
+    """A plan placed for one model and given with another's checkpoint: refused naming the two, before a stage
+    starts (a catalog plan was refused by which layers it left out; a plan of another 4-layer checkpoint ran)."""
+    from waferline.plan.place import place
+
+    with pytest.raises(ConfigError, match=r"placed for deepseek-v3 \(deepseek_v3, 61 layers\); .* is nemotron_h "
+                                          r"with 4 layers"):
+        LLM(ckpts["nemotron_h"], plan=place("deepseek-v3", "wse-3", weight_bits=4))
+    plan = place(str(ckpts["deepseek_v3"]), "wse-3", layers_per_stage=2)
+    plan.save(tmp_path / "plan.json")
+    for given in (plan, str(tmp_path / "plan.json")):
+        with pytest.raises(ConfigError, match=r"\(deepseek_v3, 4 layers\); .* is nemotron_h with 4 layers"):
+            LLM(ckpts["nemotron_h"], plan=given)
+    plan.model = "a-model-this-machine-does-not-have"  # (unresolved: its layers are checked)
+    plan.stages[-1].layers = plan.stages[-1].layers[:-1]
+    with pytest.raises(ConfigError, match="the plan places layers up to 2 of a-model-this-machine-does-not-have; "
+                                          ".* has 4 layers"):
+        LLM(ckpts["deepseek_v3"], plan=plan)
+
 def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):
     """A step's decode rows go to min(M, n) micro-batches; prefill chunks fill what is left of each micro-batch's
     prefill chunk, in order, a long prompt split into pieces sent back to back (pipelined), only its last piece asking

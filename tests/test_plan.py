@@ -337,11 +337,12 @@ def test_a_plan_file_is_judged_on_its_layers_and_devices_not_its_stored_memory(t
     edited["stages"][0]["device_ids"] = [0, 1, 2, 3]
     f.write_text(json.dumps(edited))
     rc, d = _simulate_json(["--plan", str(f)], capsys)
-    assert rc == 2 and not d["fits"] and "GB needed" in d["problems"][0]
+    assert rc == 2 and not d["fits"] and "GB > capacity" in d["problems"][0]
     assert any("the file said" in n for n in d["notes"])
     placed = place("deepseek-v3", "h200-sxm", weight_bits=8, devices=4)
-    assert not placed.fits and within(float(d["problems"][0].split(": ")[1].split(" GB")[0]) * 1e9,
-                                      placed.stages[0].memory.total, rel=1e-3)
+    assert not placed.fits and d["problems"] == placed.problems  # (as `plan` says it of the same placement)
+    assert within(float(d["problems"][0].split(" = ")[1].split(" GB")[0]) * 1e9, placed.stages[0].memory.total,
+                  rel=1e-3)
 
 
 def test_an_afd_plan_file_is_judged_on_its_ranks_devices_not_its_stored_memory(tmp_path, capsys):
@@ -359,7 +360,8 @@ def test_an_afd_plan_file_is_judged_on_its_ranks_devices_not_its_stored_memory(t
     edited["stages"][2]["device_ids"] = edited["stages"][2]["device_ids"][:1]
     f.write_text(json.dumps(edited))
     rc, d = _simulate_json(["--plan", str(f)], capsys)
-    assert rc == 2 and not d["fits"] and d["problems"][0].startswith("stage 2: 672.39 GB needed")
+    assert rc == 2 and not d["fits"] and d["problems"][0].startswith("stage 2 (ffn, layers 0-60, 1 x h200-sxm)")
+    assert "= 672.39 GB > capacity" in d["problems"][0]
     assert any("the file said" in n for n in d["notes"])
 
 

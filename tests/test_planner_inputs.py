@@ -97,6 +97,8 @@ def test_a_plan_file_that_does_not_place_the_model_is_refused(plan_file, capsys,
     (b"null", "malformed plan: expected a JSON object, got NoneType"),
     (b'"plan"', "malformed plan: expected a JSON object, got str"),
     (b"\xff\xfe\x00{}", "is not a JSON text file (not UTF-8)"),
+    (b'{"batch": ' + b"9" * 5000 + b"}", "plan is not valid JSON: a number with too many digits"),
+    (b"[" * 100_000 + b"]" * 100_000, "plan is not valid JSON: nested deeper than Python decodes"),
 ])
 def test_a_plan_file_that_is_no_plan_object_is_refused_in_one_line(plan_file, capsys, data, message):
     plan_file.write_bytes(data)
@@ -104,12 +106,30 @@ def test_a_plan_file_that_is_no_plan_object_is_refused_in_one_line(plan_file, ca
     assert rc == 2 and out.startswith("error: ") and message in out and "Traceback" not in out
 
 
-def test_a_plan_file_that_says_it_fits_is_checked(plan_file, capsys):
+def test_a_plan_file_is_judged_on_its_memory_as_recomputed_not_what_it_says(plan_file, capsys):
     d = json.loads(plan_file.read_text())
-    d["stages"][0]["memory"]["capacity"] = 1.0  # (fits: true left as written)
+    d["stages"][0]["memory"]["capacity"] = 1.0  # (fits: true left as written; the device holds what the catalog says)
     plan_file.write_text(json.dumps(d))
     rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--no-intervals"])
-    assert rc == 2 and "does not fit" in out and "GB needed, 0.00 GB per device" in out
+    assert rc == 0 and "does not fit" not in out
+    # placed on too few devices (fits: false, and why), then edited to weights that fit: the stale reason was printed
+    # under the recomputed memory that fits, and the JSON said fits: false
+    assert cli_main(["plan", "llama-3.1-70b", "--hardware", "h100-sxm", "--devices", "1", "--out",
+                     str(plan_file), "--json"]) == 2
+    capsys.readouterr()
+    d = json.loads(plan_file.read_text())
+    assert not d["fits"] and d["problems"]
+    d["weight_bits"] = 4
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--no-intervals", "--json"])
+    assert rc == 0 and json.loads(out)["fits"] and json.loads(out)["problems"] == []
+    d["stages"][0]["device_ids"] = [0]  # (and back to weights that do not fit: why, from the recomputed memory)
+    d["weight_bits"] = 16
+    d["fits"], d["problems"] = True, []
+    plan_file.write_text(json.dumps(d))
+    rc, out = _run(capsys, ["simulate", "--plan", str(plan_file), "--no-intervals", "--json"])
+    r = json.loads(out)
+    assert rc == 2 and not r["fits"] and r["problems"] == place("llama-3.1-70b", "h100-sxm", devices=1).problems
 
 
 def test_out_writes_the_plan_whole_or_says_why_not(tmp_path, capsys):

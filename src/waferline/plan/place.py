@@ -848,8 +848,9 @@ def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: in
     """Recompute the memory of every stage of ``plan`` from its layers, role, devices, bits, context and batch as
     ``place`` computes it (``drafter``: the bytes its drafter adds beside the LM head; ``spec_tokens``: the drafts
     its verify checks, as ``place`` takes them; AFD ranks: the engine's layout, an attention rank holding a share of
-    the batch's caches, an FFN rank its experts), replacing what the plan says: a plan file edited, or placed by an
-    older planner, is judged on the model and hardware as they are.
+    the batch's caches, an FFN rank its experts), replacing what the plan says (its ``fits`` and ``problems`` too, as
+    ``place`` sets them): a plan file edited, or placed by an older planner, is judged on the model and hardware as
+    they are.
     Returns one line per stage whose stored memory differed by more than 0.5%."""
     spec, hw = _resolve(model, plan.hardware)
     act = _activation_bytes(spec, plan.batch, DEFAULT_PREFILL_CHUNK)
@@ -878,6 +879,12 @@ def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: in
                            f"says ({st.num_devices} devices, layers {st.layers[0]}-{st.layers[-1]}); the file said "
                            f"{st.memory.total / 1e9:,.2f} GB")
         st.memory = mem
+    # (what fits, and why not, from the memory as recomputed: not the file's, placed on other numbers)
+    floors = None if plan.attention_ranks else {
+        st.index: _cache_floor([by_role[st.role][i] for i in st.layers if i in by_role[st.role]])
+        for st in plan.stages if not st.memory.fits}
+    plan.problems = explain(plan, floors)
+    plan.fits = not plan.problems
     return changed
 
 

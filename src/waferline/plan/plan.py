@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from waferline.errors import ConfigError
+from waferline.errors import ConfigError, counted
 
 ROLES = ("full", "attention", "ffn")
 SPEC_METHODS = ("none", "draft", "mtp", "ngram", "eagle", "medusa")
@@ -226,9 +226,14 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         try:
-            return cls.from_dict(json.loads(text))
+            d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"plan is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError("plan is not valid JSON: nested deeper than Python decodes") from None
+        except ValueError:  # an integer beyond the interpreter's digit limit (sys.get_int_max_str_digits)
+            raise ConfigError("plan is not valid JSON: a number with too many digits") from None
+        return cls.from_dict(d)
 
     def check(self, spec: Any, hw: Any) -> None:
         """ConfigError unless this plan places ``spec`` (a ModelSpec) on ``hw`` (a HardwareSpec): every layer's mixer
@@ -274,6 +279,28 @@ class Plan:
             self.fits = False
             self.problems = [*self.problems, *(f"stage {st.index}: {st.memory.total / 1e9:,.2f} GB needed, "
                                                f"{st.memory.capacity / 1e9:,.2f} GB per device" for st in over)]
+
+    def check_model(self, spec: Any, where: str | Path) -> None:
+        """ConfigError naming both unless this plan was placed for the model of the checkpoint at ``where`` (``spec``,
+        its ModelSpec), as the engine runs it: where the plan's model is one this machine can read (a catalog id, or a
+        config or checkpoint that is still there), that model has the checkpoint's architecture and layer count; else
+        the plan's last layer is the checkpoint's (the engine says which layers a stage lacks or repeats)."""
+        from waferline.errors import WaferlineError
+        from waferline.spec.catalog import load_model
+
+        n = len(spec.layers)
+        top = max(x for st in self.stages for x in st.layers)
+        try:
+            placed = load_model(self.model)
+        except (WaferlineError, OSError, ValueError):  # (a name this machine cannot resolve: its layers say enough)
+            placed = None
+        if placed is not None and (placed.model_type, len(placed.layers)) != (spec.model_type, n):
+            raise ConfigError(f"the plan was placed for {self.model} ({placed.model_type}, "
+                              f"{counted(len(placed.layers), 'layer')}); {where} is {spec.model_type} with "
+                              f"{counted(n, 'layer')}: place a plan for this checkpoint (waferline plan {where} ...)")
+        if placed is None and top != n - 1:
+            raise ConfigError(f"the plan places layers up to {top} of {self.model}; {where} has {counted(n, 'layer')} "
+                              f"(0-{n - 1}): place a plan for this checkpoint (waferline plan {where} ...)")
 
     def _check_order(self, n: int) -> None:
         """ConfigError unless the stages are numbered 0, 1, ... in order, hold their layers in order (a pipeline: the

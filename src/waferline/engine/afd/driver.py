@@ -83,6 +83,11 @@ class AFD(Pipeline):
         if plan is not None:
             if attention_ranks is not None or ffn_ranks is not None:
                 raise ConfigError("give a plan or attention_ranks/ffn_ranks, not both")
+            if isinstance(plan, (str, Path)):
+                from waferline.plan.plan import Plan
+
+                plan = Plan.load(plan)
+            plan.check_model(self.spec, self.path)  # (a plan of another model: said so, not how its ranks differ)
             attention_ranks, ffn_ranks, plan_mb = plan_ranks(plan, self.spec)
             micro_batches = micro_batches if micro_batches is not None else plan_mb
         self.layout = make_layout(self.spec, 1 if attention_ranks is None else attention_ranks,

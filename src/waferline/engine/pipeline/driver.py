@@ -94,6 +94,8 @@ class Pipeline(Supervision):
             from waferline.plan.plan import Plan
 
             plan = Plan.load(plan)
+        if plan is not None:  # (a plan of another model: said so, not which of its layers are not there)
+            plan.check_model(self.spec, self.path)
         self.ranges = balanced_ranges(self.spec, stages, layers_per_stage, plan)
         self.num_stages = S = len(self.ranges)
         self.ids_downstream = ids_downstream(self.spec, self.ranges)  # (DeepSeek-V4's hash-routed layers)
