@@ -168,6 +168,22 @@ def test_quantize_leaves_a_running_writers_temporary_directory_alone(tmp_path, l
     assert (live / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [live.name, "q"]
 
 
+def test_quantize_leaves_another_hosts_temporary_directory_alone(tmp_path, llama, capsys):
+    """On a file system two hosts share, `quantize` removed the temporary directory beside --out of a writer on the
+    other host (whose process it cannot look up), which that run was still filling; quantize_checkpoint keeps it."""
+    import socket
+
+    elsewhere = tmp_path / f".q.tmp-{socket.gethostname()}x-4194305-other"
+    elsewhere.mkdir()
+    (elsewhere / "model.safetensors").write_bytes(b"being written")
+    killed = tmp_path / ".q.tmp-k1ll3d"  # (a name that says no writer: a leftover, removed)
+    killed.mkdir()
+    assert main(["quantize", "--model", str(llama), "--out", str(tmp_path / "q"), "--group-size", "32", "--json"]) == 0
+    capsys.readouterr()
+    assert (elsewhere / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == [
+        elsewhere.name, "q"]
+
+
 def test_quantize_a_write_that_fails_is_one_line_and_leaves_nothing(tmp_path, llama, capsys, monkeypatch):
     """A full disk while the int4 file is written: one line and exit 2 (it was safetensors' traceback); neither --out
     nor the temporary directory is left behind, and a checkpoint already at --out is kept."""

@@ -48,17 +48,19 @@ def _has_mla(model: str) -> bool:
 
 def _remove_leftovers(out: str) -> None:
     """Remove what a run that was killed left beside ``--out``: its temporary directory (``.NAME.tmp-*``; not that of
-    a writer on this host whose process still runs), and the previous output it had moved aside (``.NAME.old-*``)
-    once ``--out`` itself is in place again."""
+    a writer on this host whose process still runs, nor one another host's writer names as its own: whether that one
+    runs cannot be told from here), and the previous output it had moved aside (``.NAME.old-*``) once ``--out``
+    itself is in place again."""
     import shutil
     from pathlib import Path
 
-    from waferline.model.quant.write import _writer_alive
+    from waferline.model.quant.write import _writer_alive, _writer_host
 
     o = Path(out)
     if o.name in ("", ".", "..") or not o.parent.is_dir():
         return
-    stale = [d for d in o.parent.glob(f".{glob.escape(o.name)}.tmp-*") if not _writer_alive(d, o)]
+    stale = [d for d in o.parent.glob(f".{glob.escape(o.name)}.tmp-*")
+             if (alive := _writer_alive(d, o)) is False or (alive is None and _writer_host(d, o) is None)]
     if o.is_dir():
         stale += o.parent.glob(f".{glob.escape(o.name)}.old-*")
     for d in stale:

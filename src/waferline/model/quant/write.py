@@ -209,6 +209,14 @@ def _writer_alive(d: Path, out_dir: Path) -> bool | None:
     return True
 
 
+def _writer_host(d: Path, out_dir: Path) -> str | None:
+    """The host ``d`` (a temporary directory beside ``out_dir``) names as its writer's (:func:`_temp_prefix`:
+    HOST-PID-SUFFIX), or None where its name says none."""
+    head = f".{out_dir.name}.tmp-"
+    parts = d.name[len(head):].rsplit("-", 2) if d.name.startswith(head) else []
+    return parts[0] if len(parts) == 3 and parts[0] and parts[1].isdigit() else None
+
+
 def _remove_dead_writers_temps(out_dir: Path) -> None:
     """Remove the temporary directories beside ``out_dir`` of writers on this host whose process is gone (killed
     part-way: nothing else ever removes them, as the next run finds ``out_dir`` in place); a live writer's stays."""
