@@ -554,6 +554,40 @@ def test_afd_prefill_ping_pongs_its_micro_batches():
     assert ttft(h2, 2) - ttft(h1, 2) == pytest.approx(8 * 2 * 0.1, rel=1e-6)
 
 
+def test_afd_round_trip_waits_for_the_layers_owner(tmp_path):
+    """A micro-batch's round trip through a layer waits for the layer's owner FFN rank, which runs a dense FFN whole
+    (engine/afd/sides.py): for a dense model with one micro-batch, free messages and spare cores, more FFN ranks do
+    not shorten a decode step or a prefill (the averaged share, 1 / N of the FFN, did); the FFN ranks' busy time keeps
+    the averaged share."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from tiny_models import build
+    from waferline.plan.place import place
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import predict
+    from waferline.sim.twin_engine import count_ops
+    from waferline.spec.hardware import load_hardware_file
+
+    build("llama", tmp_path, num_hidden_layers=4)
+    ops = count_ops(str(tmp_path), "bfloat16", "none", 3, 4, 4, 8, steps=1)
+    spec = spec_from_pretrained(tmp_path)
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    hw = load_hardware_file(res / "twin_host_avx2.yaml")
+    host = replace(HostParams.load(res / "twin_host_avx2.yaml"), cores=64, parallel_ceiling=None,
+                   afd_message_cpu_s=0.0, afd_overlapped_message_cpu_s=0.0, hop_vs_idle=(), hop_latency_s=0.0,
+                   afd_overlapped_hop_s=0.0)
+    out = {}
+    for n in (1, 2, 4):
+        plan = place(spec, hw, afd=True, attention_ranks=1, ffn_ranks=n, micro_batches=1, batch=4, context=24)
+        out[n] = predict(plan, spec, hw, host, ops, 8, 8, 4, None)
+    for n in (2, 4):
+        assert out[n].step_latency_s == pytest.approx(out[1].step_latency_s, rel=1e-9)
+        assert out[n].ttft_s == pytest.approx(out[1].ttft_s, rel=1e-9)
+        busy = [s.total for s in out[n].stages if s.role == "ffn"]
+        assert len(busy) == n and max(busy) < next(s.total for s in out[1].stages if s.role == "ffn")
+
+
 def test_calibrate_combine_takes_the_median_of_each_figure(tmp_path, capsys):
     """`calibrate --combine` of three calibrations: each measured figure and probe number is the median of the three
     (not the first file's, not the mean), the result loads as a host model and says what it combined; one file, a

@@ -21,8 +21,10 @@ def _simulate_host_afd(
     ranks (the FFN work of the Ma ranks' tokens, split over them); per layer and micro-batch one message each way
     between
     every attention and FFN rank; K micro-batches ping-pong, so per layer the step is bounded by the busier side x K or
-    by one micro-batch's attention + FFN + two hops; all ranks share the cores."""
+    by one micro-batch's attention + FFN on the layer's owner rank + two hops; all ranks share the cores."""
+    from waferline.plan.place import expert_split, ffn_owner
     from waferline.sim.result import SimResult, StageTiming
+    from waferline.spec.model import MoESpec
 
     if profile is None or not hasattr(profile, "ffn"):
         raise ConfigError(
@@ -43,8 +45,24 @@ def _simulate_host_afd(
     hop = host.hop
     hot = _hot(host, plan)
 
+    by_index = {layer.index: layer for layer in spec.layers}
+
+    def owner_share(i: int) -> float:
+        """Layer i's FFN work on its slowest FFN rank, per attention rank's share (the averaged share is 1 / Nf): the
+        owner (``ffn_owner``) runs a dense FFN whole, and for an MoE its routed experts plus the shared experts whole,
+        as engine/afd/sides.py lays them out; one micro-batch's round trip waits for it (the averaged share prices the
+        side's busy time: round robin by layer spreads the owners' extra work over a step)."""
+        f = getattr(by_index.get(i), "ffn", None)
+        if not isinstance(f, MoESpec):
+            return 1.0
+        routed = f.top_k * f.expert_params()  # (the routed experts' share of the work, by parameters)
+        frac = routed / (routed + f.shared_params()) if routed + f.shared_params() > 0 else 1.0
+        o = ffn_owner(i, Nf)
+        return max(frac * (e1 - e0) / f.num_experts + (1.0 - frac if n == o else 0.0)
+                   for n, (e0, e1) in enumerate(expert_split(f.num_experts, Nf)))
+
     def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool,
-                   prefill_tokens: float = 0.0) -> tuple[list[float], list[float], float]:
+                   prefill_tokens: float = 0.0) -> tuple[list[float], list[float], list[float], float]:
         # prefill with the prefill constants (per op, linear scale, int4 scale), decode with the decode ones
         pf = host.prefill.get(comp) if prefill else None
         kw: dict[str, Any] = {"multi_s": host.multi_call_overhead_s.get(comp, 0.0)}
@@ -62,7 +80,22 @@ def _simulate_host_afd(
             ops_s, mm_s, other_s = _work_time(host, w, cop, comp, hot=hot, **kw)
             return (ops_s + other_s) * rs + mm_s
 
-        a_t, f_t = [], []
+        def scaled(fw: Work, x: float) -> Work:
+            return Work(
+                fw.ops * x,
+                {k: v * x for k, v in fw.mm_bytes.items()},
+                {k: v * x for k, v in fw.mm_flops.items()},
+                fw.small_bytes * x,
+                fw.large_bytes * x,
+                {k: v * x for k, v in fw.calls.items()},
+                fw.small_bytes_bf16 * x,
+                fw.large_bytes_bf16 * x,
+                {k: v * x for k, v in fw.fused.items()},
+            )
+
+        # f_t: an FFN rank's averaged share (the Ma attention ranks' tokens over Nf ranks); r_t: the slowest rank's
+        # part, the layer's owner (what one micro-batch's round trip waits for)
+        a_t, f_t, r_t = [], [], []
         for i, w in sorted(count.layers.items()):
             fw = ffn_w.get(i, Work())
             aw = Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
@@ -72,22 +105,12 @@ def _simulate_host_afd(
                       w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
                       {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
             a_t.append(secs(aw))
-            scaled = Work(
-                fw.ops * Ma / Nf,
-                {k: v * Ma / Nf for k, v in fw.mm_bytes.items()},
-                {k: v * Ma / Nf for k, v in fw.mm_flops.items()},
-                fw.small_bytes * Ma / Nf,
-                fw.large_bytes * Ma / Nf,
-                {k: v * Ma / Nf for k, v in fw.calls.items()},
-                fw.small_bytes_bf16 * Ma / Nf,
-                fw.large_bytes_bf16 * Ma / Nf,
-                {k: v * Ma / Nf for k, v in fw.fused.items()},
-            )
-            f_t.append(secs(scaled) if fw.ops else 0.0)
-        return a_t, f_t, secs(count.other)
+            f_t.append(secs(scaled(fw, Ma / Nf)) if fw.ops else 0.0)
+            r_t.append(secs(scaled(fw, Ma * owner_share(i))) if fw.ops else 0.0)
+        return a_t, f_t, r_t, secs(count.other)
 
     dc = profile.decode(b, 1)
-    a_t, f_t, other = side_times(dc, profile.ffn("decode"), False)
+    a_t, f_t, r_t, other = side_times(dc, profile.ffn("decode"), False)
     nb = b * spec.hidden_size * act
     h = hop(nb)
     # CPU per message besides compute (receive, unpack, send, wake-up): measured on an AFD calibration run; else half a
@@ -105,19 +128,19 @@ def _simulate_host_afd(
         return hop(nb, idle) if busy is None else busy + nb / host.link_bytes_per_s
 
     # one micro-batch's round trip through a layer is serial: attention, its message out (sent by one side, received
-    # by the other), the FFN, the message back, each end's CPU included
-    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + f + msg_a + msg_f + 2 * hop_afd(0.0)) if f > 0 else K * a
-                 for a, f in zip(a_t, f_t)]
+    # by the other), the FFN on the layer's owner (fo), the message back, each end's CPU included
+    per_layer = [max(K * (a + msg_a), K * (f + msg_f), a + fo + msg_a + msg_f + 2 * hop_afd(0.0)) if f > 0 else K * a
+                 for a, f, fo in zip(a_t, f_t, r_t)]
     # each side waits per micro-batch what the other side and the hops take: a longer wait, a slower (idle) hop
     per_layer = [
         max(
             K * (a + msg_a),
             K * (f + msg_f),
-            a + f + msg_a + msg_f + hop_afd(max(0.0, pl / K - f - msg_f)) + hop_afd(max(0.0, pl / K - a - msg_a)),
+            a + fo + msg_a + msg_f + hop_afd(max(0.0, pl / K - fo - msg_f)) + hop_afd(max(0.0, pl / K - a - msg_a)),
         )
         if f > 0
         else K * a
-        for a, f, pl in zip(a_t, f_t, per_layer)
+        for a, f, fo, pl in zip(a_t, f_t, r_t, per_layer)
     ]
     row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
     step = sum(per_layer) + K * (other + b * row_over) + over
@@ -143,10 +166,10 @@ def _simulate_host_afd(
     rp = math.ceil(r / Kp)
     n_steps = math.ceil(Ba / r)
     pc = profile.prefill(rp, P)
-    pa, pf, pother = side_times(pc, profile.ffn("prefill"), True, rp * P)
+    pa, pf, pr, pother = side_times(pc, profile.ffn("prefill"), True, rp * P)
     ph = hop(rp * P * spec.hidden_size * act)
-    per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + f + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
-                   for a, f in zip(pa, pf)]
+    per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + fo + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
+                   for a, f, fo in zip(pa, pf, pr)]
     ttft = n_steps * (sum(per_layer_p) + Kp * pother) + over
     timings = [
         StageTiming(
