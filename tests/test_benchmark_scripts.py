@@ -144,6 +144,19 @@ def test_every_script_answers_help(script):
     assert (r.stdout + r.stderr).strip()
 
 
+def test_twin_repredict_prices_stored_rows_with_their_own_calibration():
+    """twin_repredict.py prices a stored twin result with the host YAML of its canary time (the dsv3-100m rows from the
+    config alone, no checkpoint); a result whose calibration was not kept is skipped, not priced with another's."""
+    r = _run([str(BENCH / "twin_repredict.py"), "twin_avx512_dsv3-100m", "twin_avx2_sol-mini"])
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    out = r.stdout.splitlines()
+    assert out[0].startswith("twin_avx512_dsv3-100m.json (host twin_host_avx512.yaml): ")
+    assert any(x.strip().startswith("all metrics, median / max error: recorded x1.192 / x2.289, now x") for x in out)
+    assert out[-1].startswith("twin_avx2_sol-mini.json: its calibration was not kept")
+    r = _run([str(BENCH / "twin_repredict.py"), "twin_nothing"])
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: twin_nothing.json: no such result")
+
+
 def test_the_fp32_pipeline_benchmarks_get_the_simulator_column():
     """pipeline_speed.py (and afd_speed.py through it) price the fp32 engine they run as a 32-bit Plan."""
     from conftest import script_module
