@@ -307,6 +307,25 @@ def test_bad_structured_outputs_are_refused(kw, words):
         structured._checked_grammar("json_schema", "false")
 
 
+def test_a_refused_grammar_is_freed_when_its_error_is():
+    """The error of a grammar refused on the grammar thread holds no cycle: the grammar engine's state its traceback
+    keeps (~150 MB for the regex "(a{1000}){1000}") goes with it, not at the next full collection (a server held GBs
+    of it after a few such requests)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        with pytest.raises(RequestError, match="regex cannot be used") as info:
+            structured.grammar_of(SamplingParams(regex="[a&&b]"))
+        ref = weakref.ref(info.value)
+        del info
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_an_exclusive_bound_the_grammar_engine_lets_through_is_refused(tok):
     """llguidance lets an exclusive integer bound through where no integer lies inside the range and it is the bound
     nearer zero: {"exclusiveMinimum": 0, "maximum": 0.5} (pydantic's gt=0, le=0.5) allowed the output 0, and

@@ -74,8 +74,9 @@ def _deep(fn: Any, *args: Any, **kw: Any) -> Any:
         finally:
             threading.stack_size(before)
     t.join()
-    if "err" in box:
-        raise box["err"]
+    if "err" in box:  # (taken out of the box: kept there, the error's traceback, through the thread's frame, would hold
+        # the box and so itself, a cycle that keeps the grammar engine's state, hundreds of MB, until a full collection)
+        raise box.pop("err")
     return box["out"]
 
 

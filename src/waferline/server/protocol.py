@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,6 +31,13 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 _STRICT = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+# Lists checked up to their first bad item (pydantic's fail_fast): the errors of every item of a long list (a body holds
+# 200,000 of them), each union branch's, took seconds to build, on the event loop's interpreter lock that everyone's
+# tokens wait for.
+_Ints = Annotated[list[int], Field(fail_fast=True)]
+_Strs = Annotated[list[str], Field(fail_fast=True)]
+
+
 class _Strict(BaseModel):
     model_config = _STRICT
 
@@ -47,7 +54,7 @@ class StructuredOutputs(_Strict):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     json_: Any = Field(None, alias="json")  # (pydantic's BaseModel has a "json" method)
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: _Strs | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -61,14 +68,14 @@ class _Sampling(_Strict):
     n: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | _Strs | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # extensions (as in vLLM): pass with extra_body=
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: _Ints | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False
     skip_special_tokens: bool = True
@@ -78,7 +85,7 @@ class _Sampling(_Strict):
     structured_outputs: StructuredOutputs | None = None
     guided_json: Any = None  # (vLLM's older spelling of structured_outputs: one of these four)
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: _Strs | None = None
     guided_grammar: str | None = None
     min_p: float | None = None
     min_tokens: int | None = None
@@ -86,8 +93,8 @@ class _Sampling(_Strict):
     # not answered as if it had not (their defaults, as vLLM's, are accepted)
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: _Ints | None = None
+    bad_words: _Strs | None = None
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     priority: int = 0
@@ -95,7 +102,7 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | _Ints | _Strs | Annotated[list[_Ints], Field(fail_fast=True)]
     logprobs: int | None = None  # the N most likely tokens' log-probabilities with each generated token's (0-20)
     echo: bool | None = False
     suffix: str | None = None
@@ -136,9 +143,9 @@ class Tool(_Strict):
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # (assistant)
+    tool_calls: Annotated[list[ToolCall], Field(fail_fast=True)] | None = None  # (assistant)
     tool_call_id: str | None = None  # (tool: the call this answers)
 
     @model_validator(mode="after")
@@ -158,12 +165,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None
     add_special_tokens: bool = False  # (on the rendered chat text: its template writes the special tokens it wants)
     logprobs: bool | None = None  # each generated token's log-probability ...
     top_logprobs: int | None = None  # ... and the N most likely tokens' (0-20; needs logprobs: true)
-    tools: list[Tool] | None = None  # function calling (server/tools.py)
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None  # function calling (server/tools.py)
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
     # (vLLM's) how the chat template renders the conversation (server/chat.py)
@@ -173,7 +180,7 @@ class ChatRequest(_Sampling):
     # the deprecated function-calling fields and audio are not supported: parsed only to be refused (400)
     functions: Any = None
     function_call: Any = None
-    modalities: list[str] | None = None
+    modalities: _Strs | None = None
     audio: Any = None
 
 
@@ -182,8 +189,8 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = None  # (with messages: as the chat template renders them)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, fail_fast=True)
+    tools: Annotated[list[Tool], Field(fail_fast=True)] | None = None  # (with messages: as the template renders them)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -192,7 +199,7 @@ class TokenizeRequest(_Strict):
 
 class DetokenizeRequest(_Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: _Ints
 
 
 def parse(cls: type[_Strict], data: Any) -> Any:
