@@ -326,6 +326,40 @@ def test_a_refused_grammar_is_freed_when_its_error_is():
         gc.enable()
 
 
+def test_the_engine_copies_the_matcher_the_server_built_when_it_checked_the_request(tok, monkeypatch):
+    """The server checks a request on its own thread (check_tokens) and builds its matcher there; the engine's
+    constraint copies it instead of building it again on the engine's thread, which every stream waits for (a schema of
+    a few hundred patternProperties took seconds). The copy starts where a fresh matcher does and advances alone."""
+    import llguidance
+
+    real, built = llguidance.LLMatcher, []
+
+    class Counting:
+        def __new__(cls, ll, grammar, **kw):
+            built.append(ll)
+            return real(ll, grammar, **kw)
+
+    for name in ("validate_grammar", "grammar_from_json_schema", "grammar_from_lark", "grammar_from_regex"):
+        setattr(Counting, name, staticmethod(getattr(real, name)))
+
+    params = SamplingParams(json_schema={"type": "object", "patternProperties": {
+        f"^k{i}[a-z]*$": {"type": "integer"} for i in range(7)}, "additionalProperties": False})
+    ll, _ = structured._ll_tokenizer(tok, None)
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting)
+    structured.check_tokens(tok, params)
+    assert built.count(ll) == 1  # (the server's)
+    first = structured.constraint(tok, tok.vocab_size, frozenset({tok.eos_token_id}), params)
+    second = structured.constraint(tok, tok.vocab_size, frozenset({tok.eos_token_id}), params)
+    assert built.count(ll) == 1  # (each a copy: nothing built on the engine's thread)
+    monkeypatch.setattr(llguidance, "LLMatcher", real)
+    structured._PROTOTYPES.clear()
+    fresh = structured.constraint(tok, tok.vocab_size, frozenset({tok.eos_token_id}), params)
+    assert torch.equal(first.allowed(), fresh.allowed())
+    for t in tok.encode('{"k3', add_special_tokens=False):  # (the first copy moves on; the second stays at the start)
+        first.advance(t)
+    assert not torch.equal(first.allowed(), second.allowed()) and torch.equal(second.allowed(), fresh.allowed())
+
+
 def test_an_exclusive_bound_the_grammar_engine_lets_through_is_refused(tok):
     """llguidance lets an exclusive integer bound through where no integer lies inside the range and it is the bound
     nearer zero: {"exclusiveMinimum": 0, "maximum": 0.5} (pydantic's gt=0, le=0.5) allowed the output 0, and

@@ -37,6 +37,11 @@ from waferline.errors import RequestError, counted
 JSON_OPTIONS = {"whitespace_pattern": r"[ ]?"}
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[int, tuple[Any, Any, dict[str, int]]] = {}  # id(HF tokenizer) -> (it, ``_ll_tokenizer``'s)
+# (id(LLTokenizer), grammar text) -> (the LLTokenizer, a matcher not yet advanced): the server builds a request's
+# matcher while it checks the request, off the engine's thread, and the engine takes a copy (``_matcher``); building
+# one can take seconds (a schema of a few hundred patternProperties), which every stream would wait for
+_PROTOTYPES: collections.OrderedDict[tuple[int, str], tuple[Any, Any]] = collections.OrderedDict()
+_MAX_PROTOTYPES = 16
 _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 # a Lark grammar's comments, strings and regular expressions (llguidance's lexer's), and the tokens it names ("<x>")
 _LARK_NAMES = re.compile(r'(?:#|//)[^\n]*|"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\])+/|(?P<name><[^<>\s]+>)')
@@ -130,15 +135,33 @@ def _checked(params: Any) -> tuple[str, bool]:
 def check_tokens(tokenizer: Any, params: Any, lock: Any = None) -> None:
     """RequestError where ``params``' grammar names tokens (which ``grammar_of`` leaves to the model's tokenizer) that
     ``tokenizer`` lacks: the server asks before the request queues, so that a stream starts with a 400, not an
-    error event. Other grammars cost nothing here."""
+    error event. It builds the request's matcher here, on the server's thread, and keeps it for the engine to copy
+    (``constraint``)."""
     if params.structured is None or tokenizer is None:
         return
-    grammar, names_tokens = _checked(params)
-    if names_tokens:
-        from llguidance import LLMatcher
+    _matcher(tokenizer, params, lock)
 
-        ll, names = _ll_tokenizer(tokenizer, lock)
-        _matcher_or_error(params.structured, _deep(LLMatcher, ll, _named_by_id(grammar, names), log_level=0))
+
+def _matcher(tokenizer: Any, params: Any, lock: Any) -> tuple[Any, Any]:
+    """(``tokenizer``'s LLTokenizer, a fresh matcher of ``params``' grammar over it): a copy of the one built for the
+    same grammar before (kept for the last ``_MAX_PROTOTYPES``), else built and kept."""
+    grammar, names_tokens = _checked(params)
+    ll, names = _ll_tokenizer(tokenizer, lock)
+    text = _named_by_id(grammar, names) if names_tokens else grammar
+    key = (id(ll), text)
+    with _LOCK:
+        hit = _PROTOTYPES.get(key)
+        if hit is not None and hit[0] is ll:
+            _PROTOTYPES.move_to_end(key)
+            return ll, hit[1].deep_copy()
+    from llguidance import LLMatcher
+
+    proto = _matcher_or_error(params.structured, _deep(LLMatcher, ll, text, log_level=0))
+    with _LOCK:
+        _PROTOTYPES[key] = (ll, proto)
+        while len(_PROTOTYPES) > _MAX_PROTOTYPES:
+            _PROTOTYPES.popitem(last=False)
+        return ll, proto.deep_copy()
 
 
 def _named_by_id(grammar: str, names: dict[str, int]) -> str:
@@ -411,14 +434,10 @@ def constraint(tokenizer: Any, vocab_size: int, stop_ids: frozenset[int] | None,
     ``lock``: held while the tokenizer is read (the first time), not while the grammar is built."""
     if params.structured is None:
         return None
-    grammar, names_tokens = _checked(params)
+    _checked(params)
     if tokenizer is None:
         raise RequestError("structured output needs the model's tokenizer (tokenizer.json)")
-    from llguidance import LLMatcher
-
-    ll, names = _ll_tokenizer(tokenizer, lock)
-    matcher = _matcher_or_error(params.structured, _deep(
-        LLMatcher, ll, _named_by_id(grammar, names) if names_tokens else grammar, log_level=0))
+    ll, matcher = _matcher(tokenizer, params, lock)  # (a copy of the server's where it checked the request)
     stop_ids = frozenset(stop_ids or ())
     if not stop_ids - frozenset(params.stop_token_ids):  # (a model whose config names no end-of-sequence token: the
         # tokenizer's ends a whole text, as well as the request's stop_token_ids where it lists some)
