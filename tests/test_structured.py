@@ -307,6 +307,42 @@ def test_bad_structured_outputs_are_refused(kw, words):
         structured._checked_grammar("json_schema", "false")
 
 
+def test_a_schema_of_too_many_pattern_properties_is_refused_before_the_grammar_engine_builds_it(monkeypatch):
+    """The grammar engine's time to build a schema grows steeply with its patternProperties (400 in one object: ~11
+    s, 3,000: minutes, holding a server thread): over MAX_PATTERN_PROPERTIES, counted where each is used (allOf
+    merges them, and a definition is built at each $ref), it is refused at once; at the limit it is built."""
+    import llguidance
+
+    def pattern_properties(n, tag="x"):
+        return {f"^{tag}{i}[a-z]*$": {"type": "integer"} for i in range(n)}
+
+    limit = structured.MAX_PATTERN_PROPERTIES
+    at_limit = {"type": "object", "patternProperties": pattern_properties(limit)}
+    over = [{"type": "object", "patternProperties": pattern_properties(3000)},
+            {"allOf": [{"type": "object", "patternProperties": pattern_properties(limit // 2 + 1, t)} for t in "ab"]},
+            {"$defs": {"d": {"type": "object", "patternProperties": pattern_properties(limit // 2 + 1)}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}, "b": {"$ref": "#/$defs/d"}}},
+            # (a property named as a keyword whose value is data, "default" or "enum", is a schema: counted)
+            {"type": "object", "properties": {"default": {"type": "object",
+                                                          "patternProperties": pattern_properties(limit + 1)}}}]
+
+    def unused(*a, **kw):
+        raise AssertionError("the grammar engine was asked")
+
+    with monkeypatch.context() as m:
+        m.setattr(llguidance.LLMatcher, "validate_grammar", unused)
+        m.setattr(llguidance.LLMatcher, "grammar_from_json_schema", unused)
+        for schema in over:
+            with pytest.raises(RequestError, match=rf"^json_schema cannot be used: over {limit} patternProperties "
+                                                   r"\(counted where each is used\)"):
+                structured._checked_grammar("json_schema", json.dumps(schema))
+    recursive = {"$defs": {"t": {"type": "object", "patternProperties": pattern_properties(limit),
+                                 "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}},
+                 "$ref": "#/$defs/t", "examples": [{"patternProperties": pattern_properties(limit)}]}
+    for schema in (at_limit, recursive):
+        assert structured.grammar_of(SamplingParams(json_schema=schema))
+
+
 def test_a_refused_grammar_is_freed_when_its_error_is():
     """The error of a grammar refused on the grammar thread holds no cycle: the grammar engine's state its traceback
     keeps (~150 MB for the regex "(a{1000}){1000}") goes with it, not at the next full collection (a server held GBs
