@@ -550,6 +550,19 @@ def test_a_grammar_naming_tokens_the_model_lacks_is_a_400_before_the_stream_star
     assert r.status_code == 200, r.text
 
 
+def _health_while_held(live, body, entered, gate) -> tuple[int, httpx.Response]:
+    """POST ``body`` from another thread; once the server is held inside it (``entered``, until ``gate`` is set),
+    /health's status; then the POST's response."""
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_post, live, body)
+        try:
+            assert entered.wait(30)
+            health = httpx.get(live.state.base + "/health", timeout=5)
+        finally:
+            gate.set()
+        return health.status_code, fut.result()
+
+
 def test_grammars_whose_rules_chain_deep_are_built_without_overflowing_the_stack(sol):
     """The grammar engine builds a grammar recursively: a chain of 3,000 Lark rules (or of 1,500 JSON Schema $refs)
     overflowed the stack of the thread that built it and killed the server (SIGSEGV). They are built on a thread with
@@ -605,15 +618,8 @@ def test_a_structured_output_is_checked_off_the_event_loop(live, monkeypatch):
 
     monkeypatch.setattr(structured, "_grammar_text", slow)
     body = {"model": "sol-test", "prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(yes|no) off loop"}}
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_post, live, body)
-        try:
-            assert entered.wait(30)
-            health = httpx.get(live.state.base + "/health", timeout=5)
-        finally:
-            gate.set()
-        assert health.status_code == 200
-        assert fut.result().status_code == 200, fut.result().text
+    health, r = _health_while_held(live, body, entered, gate)
+    assert health == 200 and r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("held", ["_check_strings", "parse"])
@@ -631,15 +637,8 @@ def test_a_body_is_decoded_and_validated_off_the_event_loop(live, monkeypatch, h
         return real(*args)
 
     monkeypatch.setattr(state, held, slow)
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(_post, live, {"model": "sol-test", "prompt": "x", "max_tokens": 2})
-        try:
-            assert entered.wait(30)
-            health = httpx.get(live.state.base + "/health", timeout=5)
-        finally:
-            gate.set()
-        assert health.status_code == 200
-        assert fut.result().status_code == 200, fut.result().text
+    health, r = _health_while_held(live, {"model": "sol-test", "prompt": "x", "max_tokens": 2}, entered, gate)
+    assert health == 200 and r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("cls, body", [
