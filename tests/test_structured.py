@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from waferline.engine import structured
+from waferline.engine import schema_cost, structured
 from waferline.engine.sampling import SamplingParams
 from waferline.errors import RequestError
 
@@ -316,7 +316,7 @@ def test_a_schema_of_too_many_pattern_properties_is_refused_before_the_grammar_e
     def pattern_properties(n, tag="x"):
         return {f"^{tag}{i}[a-z]*$": {"type": "integer"} for i in range(n)}
 
-    limit = structured.MAX_PATTERN_PROPERTIES
+    limit = schema_cost.MAX_PATTERN_PROPERTIES
     at_limit = {"type": "object", "patternProperties": pattern_properties(limit)}
     over = [{"type": "object", "patternProperties": pattern_properties(3000)},
             {"allOf": [{"type": "object", "patternProperties": pattern_properties(limit // 2 + 1, t)} for t in "ab"]},
