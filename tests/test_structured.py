@@ -309,8 +309,9 @@ def test_bad_structured_outputs_are_refused(kw, words):
 
 def test_a_schema_of_too_many_pattern_properties_is_refused_before_the_grammar_engine_builds_it(monkeypatch):
     """The grammar engine's time to build a schema grows steeply with its patternProperties (400 in one object: ~11
-    s, 3,000: minutes, holding a server thread): over MAX_PATTERN_PROPERTIES, counted where each is used (allOf
-    merges them, and a definition is built at each $ref), it is refused at once; at the limit it is built."""
+    s, 3,000: minutes, holding a server thread): over MAX_PATTERN_PROPERTIES in all (allOf merges objects' into one),
+    it is refused at once; at the limit it is built, and a definition counts once however many $refs use it (the
+    engine builds it once), however each $ref spells it (the check walks it once: 2,000 spellings took 22 s)."""
     import llguidance
 
     def pattern_properties(n, tag="x"):
@@ -320,8 +321,9 @@ def test_a_schema_of_too_many_pattern_properties_is_refused_before_the_grammar_e
     at_limit = {"type": "object", "patternProperties": pattern_properties(limit)}
     over = [{"type": "object", "patternProperties": pattern_properties(3000)},
             {"allOf": [{"type": "object", "patternProperties": pattern_properties(limit // 2 + 1, t)} for t in "ab"]},
-            {"$defs": {"d": {"type": "object", "patternProperties": pattern_properties(limit // 2 + 1)}},
-             "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}, "b": {"$ref": "#/$defs/d"}}},
+            {"$defs": {"d": {"type": "object", "patternProperties": pattern_properties(limit // 2 + 1)},
+                       "e": {"type": "object", "patternProperties": pattern_properties(limit // 2 + 1, "e")}},
+             "type": "object", "properties": {"a": {"$ref": "#/$defs/d"}, "b": {"$ref": "#/$defs/%65"}}},
             # (a property named as a keyword whose value is data, "default" or "enum", is a schema: counted)
             {"type": "object", "properties": {"default": {"type": "object",
                                                           "patternProperties": pattern_properties(limit + 1)}}}]
@@ -333,12 +335,26 @@ def test_a_schema_of_too_many_pattern_properties_is_refused_before_the_grammar_e
         m.setattr(llguidance.LLMatcher, "validate_grammar", unused)
         m.setattr(llguidance.LLMatcher, "grammar_from_json_schema", unused)
         for schema in over:
-            with pytest.raises(RequestError, match=rf"^json_schema cannot be used: over {limit} patternProperties "
-                                                   r"\(counted where each is used\)"):
+            with pytest.raises(RequestError, match=rf"^json_schema cannot be used: over {limit} patternProperties, "):
                 structured._checked_grammar("json_schema", json.dumps(schema))
     recursive = {"$defs": {"t": {"type": "object", "patternProperties": pattern_properties(limit),
                                  "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}},
                  "$ref": "#/$defs/t", "examples": [{"patternProperties": pattern_properties(limit)}]}
+    class Walked(dict):  # (counts the walks through a definition's properties)
+        walks = 0
+
+        def values(self):
+            Walked.walks += 1
+            return super().values()
+
+    spelled = [f"#/$defs/{''.join(c if (i >> j) & 1 else f'%{ord(c):02x}' for j, c in enumerate('abcdefghijk'))}"
+               for i in range(2000)]  # (2,000 spellings of one definition)
+    reused = {"$defs": {"abcdefghijk": {"type": "object", "patternProperties": pattern_properties(limit),
+                                        "properties": Walked({f"p{i}": {"type": "string"} for i in range(50)})}},
+              "anyOf": [{"$ref": r} for r in spelled]}
+    schema_cost.refuse_costly_schema(reused)
+    assert Walked.walks == 1  # (walked once, not once per spelling)
+    schema_cost.refuse_costly_schema({"items": [{}], "$ref": "#/items/\u00b2"})  # (a digit int() does not read)
     for schema in (at_limit, recursive):
         assert structured.grammar_of(SamplingParams(json_schema=schema))
 
