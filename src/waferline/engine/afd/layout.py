@@ -91,10 +91,6 @@ def is_afd_plan(plan: Plan | None) -> bool:
 def plan_ranks(plan: Plan, spec: ModelSpec) -> tuple[int, int, int | None]:
     """(attention ranks, FFN ranks, micro-batches) of an AFD Plan the engine can run: every attention stage holds every
     layer (a data-parallel replica) and every FFN stage the FFN of every layer (an expert shard)."""
-    if isinstance(plan, (str, Path)):
-        from waferline.plan.plan import Plan
-
-        plan = Plan.load(plan)
     att = [s for s in plan.stages if s.role == "attention"]
     ffn = [s for s in plan.stages if s.role == "ffn"]
     full = [s for s in plan.stages if s.role == "full"]
