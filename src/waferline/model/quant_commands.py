@@ -54,13 +54,13 @@ def _remove_leftovers(out: str) -> None:
     import shutil
     from pathlib import Path
 
-    from waferline.model.quant.write import _writer_alive, _writer_host
+    from waferline.model.quant.write import _writer, _writer_alive
 
     o = Path(out)
     if o.name in ("", ".", "..") or not o.parent.is_dir():
         return
     stale = [d for d in o.parent.glob(f".{glob.escape(o.name)}.tmp-*")
-             if (alive := _writer_alive(d, o)) is False or (alive is None and _writer_host(d, o) is None)]
+             if (alive := _writer_alive(d, o)) is False or (alive is None and _writer(d, o) is None)]
     if o.is_dir():
         stale += o.parent.glob(f".{glob.escape(o.name)}.old-*")
     for d in stale:

@@ -193,28 +193,27 @@ def _temp_prefix(out_dir: Path) -> str:
     return f".{out_dir.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
 
 
+def _writer(d: Path, out_dir: Path) -> tuple[str, int] | None:
+    """(host, process id) that ``d`` (a temporary directory beside ``out_dir``) names as its writer's
+    (:func:`_temp_prefix`: HOST-PID-SUFFIX; mkdtemp's suffix has no "-"), or None where its name says none."""
+    head = f".{out_dir.name}.tmp-"
+    parts = d.name[len(head):].rsplit("-", 2) if d.name.startswith(head) else []
+    return (parts[0], int(parts[1])) if len(parts) == 3 and parts[0] and parts[1].isdigit() else None
+
+
 def _writer_alive(d: Path, out_dir: Path) -> bool | None:
     """Whether ``d`` (a temporary directory beside ``out_dir``) is a writer's on this host whose process still runs;
     None where its name does not say (another host's, or not named by :func:`_temp_prefix`)."""
-    mine = f".{out_dir.name}.tmp-{socket.gethostname()}-"
-    rest = d.name[len(mine):].split("-")  # PID-SUFFIX (mkdtemp's suffix has no "-"; more: a host named mine-N)
-    if not d.name.startswith(mine) or len(rest) != 2 or not rest[0].isdigit():
+    w = _writer(d, out_dir)
+    if w is None or w[0] != socket.gethostname():
         return None
     try:
-        os.kill(int(rest[0]), 0)
+        os.kill(w[1], 0)
     except ProcessLookupError:
         return False
     except OSError:  # (another user's process: alive)
         pass
     return True
-
-
-def _writer_host(d: Path, out_dir: Path) -> str | None:
-    """The host ``d`` (a temporary directory beside ``out_dir``) names as its writer's (:func:`_temp_prefix`:
-    HOST-PID-SUFFIX), or None where its name says none."""
-    head = f".{out_dir.name}.tmp-"
-    parts = d.name[len(head):].rsplit("-", 2) if d.name.startswith(head) else []
-    return parts[0] if len(parts) == 3 and parts[0] and parts[1].isdigit() else None
 
 
 def _remove_dead_writers_temps(out_dir: Path) -> None:
