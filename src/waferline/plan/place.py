@@ -280,6 +280,14 @@ def ffn_owner(layer: int, ranks: int) -> int:
     return layer % ranks
 
 
+def ffn_rank_share(routed: float, shared: float, experts: int, num_experts: int, owner: bool) -> float:
+    """AFD: the fraction of an MoE layer's FFN work on an FFN rank holding ``experts`` of its ``num_experts`` routed
+    experts, and as the layer's owner (``ffn_owner``) its shared experts whole; the work split between the routed
+    experts a token takes and the shared ones as ``routed`` (top-k experts' size) to ``shared`` (their size)."""
+    frac = routed / (routed + shared) if routed + shared > 0 else 1.0
+    return frac * experts / num_experts + (1.0 - frac if owner else 0.0)
+
+
 def _place_afd_ranks(spec: ModelSpec, hw: HardwareSpec, M: int, N: int, weight_bits: int, kv_bits: int, context: int,
                      batch: int, group: int, act: float, ends: _Ends, spec_tokens: int) -> list[Stage]:
     """The engine's AFD layout: M attention ranks, each a data-parallel replica of every mixer layer (plus embedding

@@ -22,7 +22,7 @@ def _simulate_host_afd(
     between
     every attention and FFN rank; K micro-batches ping-pong, so per layer the step is bounded by the busier side x K or
     by one micro-batch's attention + FFN on the layer's owner rank + two hops; all ranks share the cores."""
-    from waferline.plan.place import expert_split, ffn_owner
+    from waferline.plan.place import expert_split, ffn_owner, ffn_rank_share
     from waferline.sim.result import SimResult, StageTiming
     from waferline.spec.model import MoESpec
 
@@ -55,10 +55,8 @@ def _simulate_host_afd(
         f = getattr(by_index.get(i), "ffn", None)
         if not isinstance(f, MoESpec):
             return 1.0
-        routed = f.top_k * f.expert_params()  # (the routed experts' share of the work, by parameters)
-        frac = routed / (routed + f.shared_params()) if routed + f.shared_params() > 0 else 1.0
-        o = ffn_owner(i, Nf)
-        return max(frac * (e1 - e0) / f.num_experts + (1.0 - frac if n == o else 0.0)
+        routed, o = f.top_k * f.expert_params(), ffn_owner(i, Nf)  # (the work split by parameters)
+        return max(ffn_rank_share(routed, f.shared_params(), e1 - e0, f.num_experts, n == o)
                    for n, (e0, e1) in enumerate(expert_split(f.num_experts, Nf)))
 
     def side_times(count: OpCount, ffn_w: dict[int, Work], prefill: bool,

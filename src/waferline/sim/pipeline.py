@@ -562,7 +562,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
     # an attention rank's resident bytes (a wafer: every layer's region, and the LM head's, as ``_step`` counts them)
     res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) + head_b if spatial else None
     shares = _afd_node_shares(ctx, att, ffn)
-    from waferline.plan.place import expert_split, ffn_owner
+    from waferline.plan.place import expert_split, ffn_owner, ffn_rank_share
 
     splits = {E: [e1 - e0 for e0, e1 in expert_split(E, N)] for E in {lc.num_experts for lc in table if lc.is_moe}}
     shared = {layer.index for layer in spec.layers if getattr(layer.ffn, "shared_intermediate", 0)}
@@ -581,12 +581,10 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
         layer spreads the owners' extra work over the step)."""
         if not lc.is_moe:
             return lc
-        e_loc = splits[lc.num_experts][n]
-        routed = lc.top_k * lc.expert_bytes  # (the routed experts' share of the FLOPs, by bytes as serving's skew)
-        frac = routed / (routed + lc.dense_ffn_bytes) if routed + lc.dense_ffn_bytes > 0 else 1.0
+        e_loc = splits[lc.num_experts][n]  # (the routed experts' share of the FLOPs by bytes, as serving's skew)
+        share = ffn_rank_share(lc.top_k * lc.expert_bytes, lc.dense_ffn_bytes, e_loc, lc.num_experts, True)
         return replace(lc, num_experts=e_loc, top_k=lc.top_k * e_loc / lc.num_experts,
-                       ffn_bytes=lc.dense_ffn_bytes + e_loc * lc.expert_bytes,
-                       ffn_flops=lc.ffn_flops * (frac * e_loc / lc.num_experts + 1.0 - frac))
+                       ffn_bytes=lc.dense_ffn_bytes + e_loc * lc.expert_bytes, ffn_flops=lc.ffn_flops * share)
 
     # the FFN ranks of one shape (experts, devices) time alike: one of each; a micro-batch waits for the slowest
     shapes: dict[tuple, list[int]] = {}
