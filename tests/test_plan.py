@@ -564,6 +564,26 @@ def test_a_cache_no_device_count_holds_is_not_answered_with_more_devices(model, 
     assert not tight.fits and "more devices" in tight.problems[0] and "do not help" not in tight.problems[0]
 
 
+@pytest.mark.parametrize("kind, model", [("lpu", "llama-3.1-405b"), ("asic", "llama-3.1-8b")])
+def test_a_device_the_activation_workspace_fills_is_not_answered_with_more_devices(kind, model):
+    """A 128 MB SRAM chip of the user's: 405B's activation workspace (512 tokens x 16,384 x 2 bytes x 8, 134 MB) and
+    the reserve fill every device whatever the stage's size. The planner placed 100,000 devices a stage (12.6M in
+    all) and advised a smaller --batch (it was 1); on a tensor-parallel device it blamed a cache of 0.00 GB and
+    advised a shorter --context. Now each stage is one device and the line says no number of devices holds it."""
+    from waferline.spec.hardware import hardware_from_dict
+
+    hw = hardware_from_dict({"name": "sram128", "kind": kind, "system": {"devices_per_node": 8},
+                             "device": {"memory_bytes": 1.28e8 if kind == "lpu" else 1e7, "memory_bandwidth": 8e13,
+                                        "flops": {"bf16": 1e14}}, "links": {"scale_up": "nvlink4",
+                                                                            "scale_out": "ib-400g"}})
+    plan = place(model, hw, weight_bits=8)
+    assert not plan.fits and plan.num_devices < 10_000
+    assert len(plan.problems) == plan.num_stages
+    for p in plan.problems:
+        assert "no number of devices holds it" in p and "device with more memory" in p
+        assert "--context" not in p and "--batch" not in p and "or more devices" not in p
+
+
 @pytest.mark.parametrize("cmd", ["plan", "simulate"])
 def test_plan_out_makes_its_directory(tmp_path, capsys, cmd):
     """`plan/simulate --out NEW/DIR/plan.json` makes the directories, as calibrate's and twin's --out do (simulate's

@@ -147,8 +147,8 @@ def _stage_memory(
 
 def _devices_needed(total: float, hw: HardwareSpec, act: float) -> int:
     avail = hw.memory_bytes * (1 - hw.reserve_fraction) - act
-    if avail <= 0:
-        return MAX_DEVICES
+    if avail <= 0:  # (the reserve and the activation workspace fill a device: no count holds it, explain() says so)
+        return 1
     return min(MAX_DEVICES, max(1, math.ceil(total / avail - 1e-12)))  # (a stage's device ids are listed)
 
 
@@ -795,7 +795,12 @@ def explain(plan: Plan, cache_floors: dict[int, float] | None = None) -> list[st
                 "activations": "use a smaller --batch or prefill chunk",
                 "reserve": "the device is too small for this model"}[big]
         floor = (cache_floors or {}).get(s.index)
-        if big in ("weights", "cache", "rollback") and floor is not None \
+        if m.activations + m.reserve >= m.capacity:  # (every device of a stage holds the workspace whole)
+            hint = (f"no number of devices holds it: each keeps the activation workspace ({_gb(m.activations)}) "
+                    f"and the reserve ({_gb(m.reserve)}) whole, and they alone fill its {_gb(m.capacity)}; "
+                    + ("use a smaller --batch or " if plan.batch > DEFAULT_PREFILL_CHUNK else "use ")
+                    + "a device with more memory")
+        elif big in ("weights", "cache", "rollback") and floor is not None \
                 and floor + m.activations + m.reserve > m.capacity:
             hint = (f"more devices in the stage do not help: each holds {_gb(floor)} of cache however many share "
                     "it (a layer's cache splits over at most its KV heads; an MLA latent over none); use a shorter "
