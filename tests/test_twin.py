@@ -1395,3 +1395,62 @@ def test_twin_grid_builds_again_a_dsv3_checkpoint_whose_build_stopped(tmp_path, 
     monkeypatch.setattr(init, "write_text_atomic", real)
     d = mod.dsv3_checkpoint()
     assert spec_from_pretrained(d).num_layers == 2
+
+
+def test_a_pipeline_prefill_split_where_a_chunk_ends_is_priced_from_its_own_forwards(tiny_ckpt, host_yaml):
+    """8 prompts of 48 tokens fill a pipeline's 256-token prefill micro-batch with 5 whole prompts and a 16-token piece
+    of the sixth: each such group is counted at its own rows and tokens (it was priced as the counted 5 x 48 forward,
+    the TTFT x1.5 too slow), though the prompt is shorter than one chunk."""
+    import copy
+
+    from waferline.sim.host import HostParams
+    from waferline.sim.host_work import chunk_key, prefill_micro_batches
+    from waferline.sim.twin import repredict, run_twin
+
+    res = run_twin(tiny_ckpt, host_yaml, [{"stages": 2, "micro_batches": 2, "batch": 8}], prompt_len=48, output_len=4,
+                   repeats=1, passes=1, drift_check=False, canary_runs=False, timeout_s=120)
+    row = res["rows"][0]
+    assert row["status"] == "ok", row["status"]
+    groups = [g for mb in prefill_micro_batches(8, 48, 256) for g in mb]
+    assert (1, 16, 0) in groups and (2, 48, 0) in groups
+    chunks = row["ops"].get("prefill_chunks") or {}
+    assert all(chunk_key(r, t, 0) in chunks for r, t, _ in groups), sorted(chunks)
+    uncounted = copy.deepcopy(res)
+    del uncounted["rows"][0]["ops"]["prefill_chunks"]
+    host = HostParams.load(host_yaml)
+    assert (repredict(res, host)["rows"][0]["predicted"]["ttft_s"]
+            < repredict(uncounted, host)["rows"][0]["predicted"]["ttft_s"])
+
+
+def test_afd_with_speculation_emits_the_accepted_tokens_per_step():
+    """An AFD Plan under speculative decoding (the engine verifies k + 1 tokens per sequence a step, as `generate --afd
+    --speculative` runs it) is priced as verify steps that emit (1 - a^(k+1)) / (1 - a) tokens: the prediction moves
+    with the measured acceptance (it was one token per step, the speculation dropped, at any acceptance)."""
+    from pathlib import Path
+
+    from waferline.plan.plan import Plan, SpeculativeConfig
+    from waferline.sim.cost import expected_tokens_per_step
+    from waferline.sim.host import HostParams
+    from waferline.sim.twin import predict
+    from waferline.spec.hardware import load_hardware_file
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    d = json.loads((res / "twin_sol-mini.json").read_text())
+    row = next(r for r in d["rows"] if r["point"]["afd"])
+    spec = spec_from_pretrained(Path(__file__).resolve().parents[1] / "models" / "sol-mini")
+    hw = load_hardware_file(res / "twin_host.yaml")
+    host = HostParams.load(res / "twin_host.yaml")
+
+    def sim(method, accept):
+        plan = Plan.from_json(row["plan_json"])
+        plan.speculative = SpeculativeConfig(method=method, num_tokens=3 if method != "none" else 0)
+        return predict(plan, spec, hw, host, row["ops"], 32, 32, 8, accept)
+
+    low, high = sim("ngram", 0.1), sim("ngram", 0.8)
+    assert high.speculative["method"] == "ngram" and high.speculative["accept_rate"] == 0.8
+    ratio = expected_tokens_per_step(0.8, 3) / expected_tokens_per_step(0.1, 3)
+    assert high.decode_tokens_per_s_per_user / low.decode_tokens_per_s_per_user == pytest.approx(ratio, rel=1e-9)
+    # a verify step carries k + 1 tokens per sequence and takes the speculative per-step overhead: not the plain step
+    plain = sim("none", None)
+    assert plain.speculative["method"] == "none"
+    assert high.step_latency_s > plain.step_latency_s and high.ttft_s == plain.ttft_s

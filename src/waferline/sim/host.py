@@ -45,6 +45,7 @@ from waferline.sim.host_work import (
     _touched,
     _work_time,
     compute_dtype,
+    host_speculation,
     multi_row_product,
     prefill_chunk_count,
     prefill_micro_batches,
@@ -74,7 +75,7 @@ def simulate_host(
     concurrency: int,
 ) -> Any:
     """SimResult of ``plan`` run by waferline's own engine on the calibrated host (see the module docstring)."""
-    from waferline.sim.cost import expected_tokens_per_step, layer_table
+    from waferline.sim.cost import layer_table
     from waferline.sim.result import SimResult, StageTiming
 
     P, O, B = int(prompt_len), int(output_len), int(concurrency)
@@ -91,8 +92,7 @@ def simulate_host(
     # the prompt's own tokens: attention over half the prompt on average (not the decode's context, which the output
     # lengthens; as sim/pipeline.py prices a prefill)
     ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
-    sp = plan.speculative
-    k = sp.num_tokens if sp.method != "none" else 0
+    k, tokens_per_cycle, spec_info = host_speculation(plan)  # one cycle is one verify step (drafting included)
     t = k + 1
     plain_over = host.step_overhead_s.get(comp, 0.0)
     step_over = host.spec_step_overhead_s.get(comp, plain_over) if k > 0 else plain_over
@@ -149,14 +149,6 @@ def simulate_host(
         if cycle == M * max(cpu)
         else f"CPU cores ({S} processes on {host.cores} cores)"
     )
-    spec_info: dict[str, Any] = {"method": sp.method}
-    tokens_per_cycle = 1.0
-    if k > 0:
-        a = sp.accept_rate if sp.accept_rate is not None else 0.5
-        E = expected_tokens_per_step(a, k)
-        tokens_per_cycle = E  # one cycle is one verify step (its op count includes the drafting): E tokens per row
-        spec_info.update(num_tokens=k, accept_rate=a, expected_tokens_per_step=E,
-                         accept_rate_source="given" if sp.accept_rate is not None else "assumed 0.5")
     rate = tokens_per_cycle / cycle
     # ---- TTFT: every row's first token (prefill)
     if S == 1:

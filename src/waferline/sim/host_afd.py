@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK, HostParams
-from waferline.sim.host_work import OpCount, OpsProfile, Work, _hot, _work_time, compute_dtype
+from waferline.sim.host_work import OpCount, OpsProfile, Work, _hot, _work_time, compute_dtype, host_speculation
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
@@ -41,6 +41,11 @@ def _simulate_host_afd(
     K = max(1, min(plan.micro_batches, Ba))
     b = math.ceil(Ba / K)
     act = 2.0 if comp == "bf16" else 4.0
+    # speculative decoding: a step is one verify of k + 1 tokens per sequence (its op count includes the drafting), at
+    # the speculative per-step overhead, and emits (1 - a^(k+1)) / (1 - a) tokens per sequence
+    k, tokens_per_step, spec_info = host_speculation(plan)
+    t = k + 1
+    step_over = host.spec_step_overhead_s.get(comp, over) if k > 0 else over
 
     hop = host.hop
     hot = _hot(host, plan)
@@ -107,9 +112,9 @@ def _simulate_host_afd(
             r_t.append(secs(scaled(fw, Ma * owner_share(i))) if fw.ops else 0.0)
         return a_t, f_t, r_t, secs(count.other)
 
-    dc = profile.decode(b, 1)
+    dc = profile.decode(b, t)
     a_t, f_t, r_t, other = side_times(dc, profile.ffn("decode"), False)
-    nb = b * spec.hidden_size * act
+    nb = b * t * spec.hidden_size * act
     h = hop(nb)
     # CPU per message besides compute (receive, unpack, send, wake-up): measured on an AFD calibration run; else half a
     # pipeline stage's step CPU (one receive and one send on the same transport); else the link probe's
@@ -141,9 +146,9 @@ def _simulate_host_afd(
         for a, f, fo, pl in zip(a_t, f_t, r_t, per_layer)
     ]
     row_over = host.row_overhead_s.get(comp, 0.0) + len(a_t) * host.row_layer_overhead_s.get(comp, 0.0)
-    step = sum(per_layer) + K * (other + b * row_over) + over
+    step = sum(per_layer) + K * (other + b * row_over) + step_over
     cpu_total = (
-        Ma * (K * (sum(a_t) + other + b * row_over) + over)
+        Ma * (K * (sum(a_t) + other + b * row_over) + step_over)
         + Nf * K * sum(f_t)
         + K * len(a_t) * (Ma * msg_a + Nf * msg_f)
     )
@@ -154,7 +159,7 @@ def _simulate_host_afd(
         else "ping-pong per layer (busier side or one micro-batch's round trip)"
     )
     step = max(step, cores_bound)
-    rate = 1.0 / step
+    rate = tokens_per_step / step
     # TTFT: prompts prefilled in steps of the engine's prefill budget (r rows per attention rank); the engine splits a
     # step's rows into its micro-batches as it does a decode step's, so the prefill ping-pongs between the sides too:
     # per layer the busier side over all micro-batches, or one micro-batch's round trip (the counted prefill is one
@@ -203,7 +208,7 @@ def _simulate_host_afd(
         bound=bound,
         stages=timings,
         speculative={
-            "method": "none",
+            **spec_info,
             "host": {
                 "attention_ranks": Ma,
                 "ffn_ranks": Nf,

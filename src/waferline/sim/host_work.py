@@ -233,6 +233,24 @@ def prefill_chunk_count(profile: OpsProfile, spec: ModelSpec, rows: int, tokens:
     return OpCount(layers, c.other, c.traced)
 
 
+def host_speculation(plan: Plan) -> tuple[int, float, dict[str, Any]]:
+    """A plan's speculation as the host model prices it: the drafts k a verify step checks per sequence (0: none), the
+    tokens a step emits per sequence ((1 - a^(k+1)) / (1 - a); a: the plan's acceptance, else an assumed 0.5; 1.0
+    without speculation) and what a result reports of it."""
+    from waferline.sim.cost import expected_tokens_per_step
+
+    sp = plan.speculative
+    k = sp.num_tokens if sp.method != "none" else 0
+    info: dict[str, Any] = {"method": sp.method}
+    if k == 0:
+        return 0, 1.0, info
+    a = sp.accept_rate if sp.accept_rate is not None else 0.5
+    e = expected_tokens_per_step(a, k)
+    info.update(num_tokens=k, accept_rate=a, expected_tokens_per_step=e,
+                accept_rate_source="given" if sp.accept_rate is not None else "assumed 0.5")
+    return k, e, info
+
+
 def compute_dtype(plan: Plan) -> str:
     """The engine's activation dtype for a Plan: 32-bit weights run fp32; 16- and 4-bit weights run bf16 (W4A16)."""
     return "fp32" if getattr(plan, "weight_bits", 16) >= 32 else "bf16"

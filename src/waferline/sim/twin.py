@@ -214,9 +214,10 @@ def accept_from_tokens_per_step(tokens_per_step: float, k: int) -> float:
 
 class CountedOps(ChunkOps):
     """An ops profile for sim.host from the counts of one grid point (decode at its micro-batch rows, prefill). A
-    pipeline prompt longer than one chunk is priced chunk by chunk from each chunk's own forward counted at its position
-    (``ops["prefill_chunks"]``: count_prefill_chunks), as the TTFT benchmark prices it (host_work.ChunkOps); a chunk
-    not counted there falls back to the position-0 forward plus the attention term (host_work.prefill_chunk_count)."""
+    pipeline prompt longer than one chunk, or split where a micro-batch's budget ends, is priced chunk by chunk from
+    each chunk's own forward counted at its position (``ops["prefill_chunks"]``: count_prefill_chunks), as the TTFT
+    benchmark prices it (host_work.ChunkOps); a chunk not counted there falls back to the position-0 forward plus the
+    attention term (host_work.prefill_chunk_count)."""
 
     def __init__(self, ops: dict[str, Any]):
         self.ops, self.counts, self.at_position, self.host = ops, ops.get("prefill_chunks") or {}, True, None
@@ -474,7 +475,7 @@ def _run_grid(
     from waferline.engine.inputs import is_int4_checkpoint
     from waferline.sim.calibrate.common import run_isolated
     from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK
-    from waferline.sim.host_work import chunk_sweeps
+    from waferline.sim.host_work import chunk_sweeps, prefill_micro_batches
 
     def probe() -> float | None:
         return canary.seconds() if canary is not None else None
@@ -547,8 +548,11 @@ def _run_grid(
         if first_run is None and meas["tokens_per_s_per_user"] > 0:
             first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
         row["run"] = _run_record(meas)
-        if plan.num_stages > 1 and not pt.afd and prompt_len > PIPELINE_PREFILL_CHUNK:
-            # a pipeline prompt longer than one chunk: each chunk's own forward at its position, counted (untimed)
+        if plan.num_stages > 1 and not pt.afd and any(
+                g != (prefill_rows, prompt_len, 0)
+                for mb in prefill_micro_batches(pt.batch, prompt_len, PIPELINE_PREFILL_CHUNK) for g in mb):
+            # a pipeline prefill micro-batch other than the counted forward (a prompt longer than one chunk, or one
+            # split where a chunk's budget ends): each chunk's own forward at its position, counted (untimed)
             try:
                 meas["ops"]["prefill_chunks"] = run_isolated("waferline.sim.twin:count_prefill_chunks", {
                     "path": str(ckpt), "sweeps": [list(x) for x in chunk_sweeps([(pt.batch, prompt_len)],
