@@ -84,8 +84,15 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if chat_template is not None:
         llm.tokenizer.chat_template = chat_template  # (before the server copies the tokenizer)
 
+    env = getattr(llm._pipeline, "_env", False)  # (an env:// launch: the other ranks' processes are not this one's)
+
     def rebuild() -> Any:
         """A new pipeline / AFD engine (new processes) with the same options, after one died or hung."""
+        if env:  # (every rank stops after a fault; rank 0 cannot start them again)
+            from waferline.engine.pipeline import StageError
+
+            raise StageError("the stages of an env:// launch (torchrun, or RANK and WORLD_SIZE set by hand) run in "
+                             "processes rank 0 cannot start again; restart every rank")
         fresh = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
         # (the server's runner drives it; the fresh LLM's own scheduler, in a cycle with that LLM, would hold it
         # after it is replaced in turn)

@@ -355,7 +355,8 @@ class Supervision:
         try:
             self._closed = True
             self._stop_watch.set()
-            if idle and self.num_stages > 1 and self._broken is None:
+            # (a fault the watchdog saw while idle: every stage was stopped, none would take a SHUTDOWN)
+            if idle and self.num_stages > 1 and self._broken is None and self._fault is None:
                 try:
                     self._send_shutdown()
                 except Exception:
