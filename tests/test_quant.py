@@ -429,6 +429,22 @@ def test_compressed_tensors_checkpoint_written_by_the_library(G):
         assert torch.equal(src.canonical(name).dequantize(), w)
 
 
+@pytest.mark.parametrize("K,G", [(96, 64), (100, 32), (48, 64), (128, 32)])
+def test_compressed_tensors_last_group_shorter_than_the_group_size(K, G):
+    """llm-compressor quantizes a weight whose K inputs the group size does not divide in ceil(K/G) groups, the last
+    one short; its scales read as equal groups (K / ceil(K/G) inputs each: 48 for K = 96, G = 64) gave other weights
+    than the file's."""
+    torch.manual_seed(5)
+    N, n = 8, -(-K // G)
+    w = torch.randn(N, K)
+    scale = torch.stack([w[:, g * G:(g + 1) * G].abs().amax(-1) / 7.5 for g in range(n)], -1).to(torch.bfloat16)
+    per_input = scale.float().repeat_interleave(G, -1)[:, :K]
+    q = torch.clamp(torch.round(w / per_input), -8, 7)
+    packed = _ct_pack(torch.nn.functional.pad(q, (0, -K % 8)))  # (a row padded to whole int32 words)
+    src = _ct_source({"l.weight_packed": packed, "l.weight_scale": scale, "l.weight_shape": torch.tensor([N, K])}, G)
+    assert torch.equal(src.canonical("l.weight").dequantize(), q * per_input)
+
+
 # ----------------------------------------------------------------------------- the quantize CLI and the accounting
 
 

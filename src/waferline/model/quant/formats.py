@@ -80,12 +80,15 @@ def _ct_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
     if qc.get("format") not in ("pack-quantized", None):
         raise CheckpointError(f"compressed-tensors format {qc.get('format')!r} is not supported; waferline reads "
                               "'pack-quantized' int4 (re-export with llm-compressor's W4A16 scheme)")
+    sizes: set[int] = set()  # the config's group sizes (a weight whose K one does not divide: _short_last_group)
     for g in (qc.get("config_groups") or {}).values():
         w = (g or {}).get("weights") or {}
         if w and (w.get("num_bits") != 4 or w.get("type", "int") != "int" or w.get("strategy", "group") != "group"):
             raise CheckpointError(
                 f"compressed-tensors weights {w} are not group-wise int4; only W4A16 int4 is supported"
             )
+        if isinstance(w.get("group_size"), int) and w["group_size"] > 0:
+            sizes.add(w["group_size"])
     out = []
     for name in src.names_with_prefix(""):
         if not name.endswith(".weight_packed"):
@@ -102,10 +105,23 @@ def _ct_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
         def decode(s: WeightSource, base: str = base, shape: tuple[int, ...] = shape) -> Int4Tensor:
             codes = _unpack_int32(s.get(base + ".weight_packed"), -1)[..., : shape[-1]]  # stored as signed + 8
             s.get(base + ".weight_shape")
-            return Int4Tensor(codes.contiguous(), s.get(base + ".weight_scale"))
+            return Int4Tensor(codes.contiguous(), _short_last_group(s.get(base + ".weight_scale"), shape[-1], sizes))
 
         out.append(_Entry(base + ".weight", shape, raw, decode))
     return out
+
+
+def _short_last_group(scales: Tensor, K: int, sizes: set[int]) -> Tensor:
+    """compressed-tensors ``scales [..., ceil(K/G)]`` of a weight whose K inputs the group size G does not divide (its
+    last group is short, as llm-compressor quantizes such a weight) as equal groups of gcd(K, G) inputs; ``scales`` as
+    they are where a group size of the config splits K into equal groups, one per scale."""
+    n = scales.shape[-1] if scales.dim() else 0
+    if n < 2 or any(K % G == 0 and K // G == n for G in sizes):
+        return scales
+    for G in sorted(sizes):
+        if K % G and -(-K // G) == n:
+            return scales[..., torch.arange(0, K, math.gcd(K, G)) // G].contiguous()
+    return scales
 
 
 def _gptq_entries(src: WeightSource, qc: dict[str, Any]) -> list[_Entry]:
