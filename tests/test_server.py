@@ -1022,6 +1022,17 @@ def test_serve_command(sol):
     assert bad.returncode == 2 and "not a checkpoint directory" in bad.stderr
 
 
+def test_a_page_longer_than_the_context_is_refused(sol):
+    """A request holds whole pages: a page over the context wasted most of each (10^8 tokens: a traceback allocating
+    32 GB); refused with the context to fit, before any request."""
+    from waferline.errors import ConfigError
+    from waferline.server.commands import build_server
+
+    with pytest.raises(ConfigError, match=r"--page-tokens 129 is longer than the context \(128 tokens"):
+        build_server(sol, max_num_seqs=1, max_model_len=128, page_tokens=129)
+    build_server(sol, max_num_seqs=1, max_model_len=128, page_tokens=128).state.server.engine.shutdown()  # (taken)
+
+
 def test_serve_stops_within_the_shutdown_timeout(sol):
     """SIGTERM with a request that never completes (here a body that never arrives, within a long --body-timeout; a
     client that stops reading a stream is the same) still stops `waferline serve` once --shutdown-timeout has

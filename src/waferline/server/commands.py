@@ -80,6 +80,10 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if device not in (None, "cpu"):
         kw["device"] = device
     llm = LLM(path, dtype=dtype, max_model_len=max_model_len, **kw)
+    if page_tokens > llm.max_model_len:  # (a request holds whole pages: most of such a page would never be used)
+        llm.close()
+        raise ConfigError(f"--page-tokens {page_tokens} is longer than the context ({llm.max_model_len} tokens, "
+                          "--max-model-len): use a page of at most that (default 16)")
     llm._scheduler = None  # (the server's scheduler drives the pipeline; the LLM's own would hold it after a rebuild)
     if chat_template is not None:
         llm.tokenizer.chat_template = chat_template  # (before the server copies the tokenizer)
@@ -263,7 +267,8 @@ def register(sub: Any) -> None:
     s.add_argument(
         "--chunk-tokens", type=int, default=256, help="largest prefill chunk of one sequence (chunked prefill)"
     )
-    s.add_argument("--page-tokens", type=int, default=16, help="tokens per cache page")
+    s.add_argument("--page-tokens", type=int, default=16,
+                   help="tokens per cache page (default 16; at most the context, --max-model-len)")
     s.add_argument(
         "--cache-mb",
         type=positive_float,
