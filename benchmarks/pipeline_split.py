@@ -29,8 +29,8 @@ from waferline.plan.plan import Plan, Stage  # noqa: E402
 from waferline.spec.configs import spec_from_pretrained  # noqa: E402
 
 
-def _plan(ranges: list[tuple[int, int]], micro_batches: int) -> Plan:
-    return Plan(model="bench", hardware="cpu", micro_batches=micro_batches,
+def _plan(ranges: list[tuple[int, int]], micro_batches: int, weight_bits: int = 16) -> Plan:
+    return Plan(model="bench", hardware="cpu", micro_batches=micro_batches, weight_bits=weight_bits,
                 stages=[Stage(index=i, role="full", layers=list(range(a, b)), device="cpu", device_ids=[i])
                         for i, (a, b) in enumerate(ranges)])
 
@@ -81,7 +81,7 @@ def main() -> None:
     even, balanced = stage_ranges(spec.num_layers, 2), balanced_ranges(spec, 2)
     torch.set_num_threads(1)
     engines = {"one process": LLM(path),
-               f"2 stages x 2, even {even}": LLM(path, plan=_plan(even, 2), threads_per_stage=1),
+               f"2 stages x 2, even {even}": LLM(path, plan=_plan(even, 2, args.weight_bits), threads_per_stage=1),
                f"2 stages x 2, balanced {balanced}": LLM(path, stages=2, micro_batches=2, threads_per_stage=1)}
     V = spec.vocab_size
     best: dict[tuple[str, int], float] = {}

@@ -277,6 +277,41 @@ def test_a_plan_of_another_model_is_refused_naming_both(ckpts, tmp_path):
                                           ".* has 4 layers"):
         LLM(ckpts["deepseek_v3"], plan=plan)
 
+def test_a_plan_is_run_as_placed_its_weight_bits_and_speculation(ckpts, tmp_path):
+    """A Plan describes its weights and speculation too: the run takes the plan's speculation where it names none, and
+    is refused where it is another deployment (the plan's int4 weights on a 16-bit checkpoint ran 16-bit, its
+    speculation was dropped: its memory and predictions were another run's)."""
+    from waferline.engine.inputs import plan_run
+    from waferline.plan.plan import Plan, SpeculativeConfig, Stage
+    from waferline.spec.configs import spec_from_pretrained
+
+    d = ckpts["sol"]
+    n = spec_from_pretrained(d).num_layers
+
+    def plan(**kw) -> Plan:
+        return Plan(model="sol", hardware="cpu", stages=[Stage(index=0, role="full", layers=list(range(n)),
+                                                               device="cpu", device_ids=[0])], **kw)
+
+    with pytest.raises(ConfigError, match=r"the plan places 4-bit weights; .* runs unquantized weights: quantize"):
+        LLM(d, plan=plan(weight_bits=4))
+    with pytest.raises(ConfigError, match="the plan places 8-bit weights; .* the engine runs int4 or unquantized"):
+        LLM(d, plan=plan(weight_bits=8))
+    ngram = plan(speculative=SpeculativeConfig(method="ngram", num_tokens=2))
+    with pytest.raises(ConfigError, match=r"speculative='mtp' but the plan places ngram"):
+        LLM(d, plan=ngram, speculative="mtp")
+    with pytest.raises(ConfigError, match="speculative='ngram' but the plan places no speculation"):
+        LLM(d, plan=plan(), speculative="ngram")
+    with pytest.raises(ConfigError, match=r"the plan's speculation \(eagle, no draft model\) is not one the engine"):
+        LLM(d, plan=plan(speculative=SpeculativeConfig(method="eagle", num_tokens=2)))
+    ngram.save(tmp_path / "plan.json")
+    opts = {"plan": str(tmp_path / "plan.json")}
+    assert plan_run(opts, d, 16, None, 4) == ("ngram", 2) and isinstance(opts["plan"], Plan)  # (the plan's, read)
+    assert plan_run({"plan": ngram}, d, 16, "ngram", 3) == ("ngram", 3)  # (the run's own count of the same method)
+    assert plan_run({"plan": plan()}, d, 16, None, 4) == (None, 4) and plan_run({}, d, 16, "mtp", 2) == ("mtp", 2)
+    drafted = plan(speculative=SpeculativeConfig(method="draft", num_tokens=0, draft_model=str(tmp_path)))
+    assert plan_run({"plan": drafted}, d, 16, None, 4) == (f"draft:{tmp_path}", 4)
+
+
 def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):
     """A step's decode rows go to min(M, n) micro-batches; prefill chunks fill what is left of each micro-batch's
     prefill chunk, in order, a long prompt split into pieces sent back to back (pipelined), only its last piece asking

@@ -112,3 +112,42 @@ def is_int4_checkpoint(directory: Path) -> bool:
     if not cfg.is_file():
         return False
     return quant_method(read_config_json(cfg)) is not None  # (not a JSON object: one line naming the file)
+
+
+def plan_run(options: dict[str, Any], directory: Path, weight_bits: int, speculative: str | None,
+             num_tokens: int) -> tuple[str | None, int]:
+    """The run's speculation (method, drafts per step) under ``options["plan"]`` where the LLM's options give a Plan
+    (read in place where it is a file): the plan's method and draft count where the run names no method. ConfigError
+    where the run is not the deployment the plan describes (its memory and predictions are that one's): int4 weights
+    or not (an int4 checkpoint loads as int4), another speculative method, or one the engine does not run."""
+    from waferline.plan.plan import Plan
+
+    plan = options.get("plan")
+    if plan is None:
+        return speculative, num_tokens
+    if isinstance(plan, (str, Path)):
+        plan = options["plan"] = Plan.load(plan)
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be a Plan or a plan JSON file, got {type(plan).__name__}")
+    from waferline.spec.configs import spec_from_pretrained
+
+    if (directory / "config.json").is_file():  # (a plan of another model: said so first; else the engine names it)
+        plan.check_model(spec_from_pretrained(directory), directory)
+    int4 = weight_bits == 4 or is_int4_checkpoint(directory)
+    if plan.weight_bits not in (4, 16, 32) or (plan.weight_bits == 4) != int4:
+        fix = (f"place a plan of int4 weights (waferline plan {directory} ... --weight-bits 4)" if int4 else
+               "quantize it (waferline quantize --model DIR --out INT4_DIR) and load that, or place a 16-bit plan"
+               if plan.weight_bits == 4 else "the engine runs int4 or unquantized weights: place a 16-bit plan")
+        raise ConfigError(f"the plan places {plan.weight_bits}-bit weights; {directory} runs "
+                          f"{'int4' if int4 else 'unquantized'} weights: {fix}")
+    sp = plan.speculative
+    theirs = {"none": None, "ngram": "ngram", "mtp": "mtp"}.get(sp.method, f"draft:{sp.draft_model}")
+    if sp.method in ("eagle", "medusa") or (sp.method == "draft" and not sp.draft_model):
+        raise ConfigError(f"the plan's speculation ({sp.method}{'' if sp.draft_model else ', no draft model'}) is "
+                          "not one the engine runs (ngram, mtp or a draft model's directory): place the plan with one")
+    if speculative is None:
+        return theirs, (sp.num_tokens or num_tokens) if theirs else num_tokens
+    if theirs is None or speculative.split(":")[0] != sp.method:
+        raise ConfigError(f"speculative={speculative!r} but the plan places {theirs or 'no speculation'}: drop the "
+                          "option (the plan's is taken) or place the plan with it")
+    return speculative, num_tokens

@@ -36,6 +36,7 @@ from waferline.engine.inputs import (
     eos_ids,
     is_int4_checkpoint,
     is_token_id,
+    plan_run,
     shown,
     wants_afd,
 )
@@ -112,6 +113,8 @@ class LLM:
                 raise ConfigError(f"max_model_len {max_model_len} is outside 1..{mpe} (the model's "
                                   "max_position_embeddings: positions past it were never trained)")
         self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
+        speculative, num_speculative_tokens = plan_run(pipeline_options, self.path, weight_bits, speculative,
+                                                       num_speculative_tokens)  # (a plan's own, or as the plan's)
         check_speculative(self.path, speculative, num_speculative_tokens, self.tokenizer)  # (before any weights)
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
@@ -299,13 +302,12 @@ class LLM:
 
     def _check_len(self, prompt_len: int, max_tokens: int) -> None:
         if prompt_len + max_tokens > self.max_model_len:
-            raise RequestError(f"prompt of {counted(prompt_len, 'token')} + max_tokens {max_tokens} exceeds the "
-                               f"model's context of {self.max_model_len} tokens; shorten the prompt or lower "
-                               "max_tokens")
+            n = counted(prompt_len, "token")
+            raise RequestError(f"prompt of {n} + max_tokens {max_tokens} exceeds the model's context of "
+                               f"{self.max_model_len} tokens; shorten the prompt or lower max_tokens")
 
-    def generate(
-        self, prompts: list[str] | list[list[int]] | str, params: SamplingParams | list[SamplingParams] | None = None
-    ) -> list[Output]:
+    def generate(self, prompts: list[str] | list[list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[Output]:
         """Prefill every prompt, then decode them together as one batch until each stops. ``params``: one for every
         prompt, or a list, one per prompt. A seeded request samples its own stream: its tokens do not depend on the
         other prompts in the batch or on its place among them (as ``waferline serve`` samples it)."""
@@ -321,8 +323,7 @@ class LLM:
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and is_token_id(prompts[0])):
             prompts = [prompts]  # type: ignore[list-item]
         if not isinstance(prompts, (list, tuple)):
-            raise RequestError("prompts must be a string, a list of token ids, or a list of those; got "
-                               f"{shown(prompts)}")
+            raise RequestError(f"prompts must be a string, list of token ids or a list of those, got {shown(prompts)}")
         ids = [self._prompt_ids(p) for p in prompts]
         if isinstance(params, (list, tuple)):
             if len(params) != len(ids):
