@@ -1,6 +1,7 @@
 """The planner's and the simulator's AFD layout against the engine's: what an attention rank and an FFN rank hold, and
 what one micro-batch's round trip through a layer waits for."""
 
+import json
 import math
 
 import pytest
@@ -123,3 +124,84 @@ def test_the_transfers_lever_counts_one_micro_batch_on_the_steps_path():
     faster = replace(params, speedup={**{t: 10.0 for t in terms}, "device hops": 1.9})
     assert simulate(plan, params=faster).decode_tokens_per_s_per_user >= 2000.0
     assert lever["factor"] <= 1.9 and lever["to_s"] == pytest.approx(2 / 2000.0, rel=1e-9)
+
+
+def _engine_prefill_steps(B, P, K, chunk):
+    """The prefill steps AFD's scheduler runner sends one attention rank for ``B`` fresh prompts of ``P`` tokens
+    (engine/afd/serving.py AFDRunner._rows, then driver.py AFD._micro_batches), run on stubs in place of the ranks: per
+    step, each micro-batch's groups as (rows, tokens, latest start)."""
+    from types import SimpleNamespace
+
+    from waferline.engine.afd.driver import AFD
+    from waferline.engine.afd.serving import AFDRunner
+    from waferline.engine.runner import WANT_ARGMAX
+
+    pipe = SimpleNamespace(M=1, prefill_chunk=chunk, micro_batches=K, _mb_ids=0, _rank_of=lambda i: 0)
+    pipe._micro_batches = lambda rows, verify=(): AFD._micro_batches(pipe, rows, verify)
+    steps = []
+
+    def step(per, verify, rewinds, pages):
+        mbs, _ = pipe._micro_batches(per[0], verify)
+        steps.append([[(len(g.seqs), g.T, max(g.starts)) for g in mb.groups] for mb in mbs if mb.groups])
+        return [], {}
+
+    runner = AFDRunner.__new__(AFDRunner)
+    runner.pipe, runner._rewinds, runner._keep_hidden = pipe, [], False
+    runner._guard, runner._step, runner._page_changes = (lambda f: f()), step, (lambda rows: [])
+    runner._rows([(b, 0, list(range(P)), WANT_ARGMAX, b) for b in range(B)], 0, ())
+    return steps
+
+
+@pytest.mark.parametrize("B,P,K", [(8, 48, 2), (4, 100, 2), (8, 100, 2), (8, 100, 1), (4, 300, 2), (8, 130, 2),
+                                   (8, 32, 2), (3, 20, 4)])
+def test_afd_prefill_steps_are_the_engines(B, P, K):
+    """The host model's AFD prefill steps (sim afd_prefill_steps) are the engine's: a rank's prompts packed in steps of
+    its prefill chunk, a prompt split where one ends, each step's rows split in its micro-batches by tokens."""
+    from waferline.sim.host_work import afd_prefill_steps
+
+    assert afd_prefill_steps(B, P, 256, K) == _engine_prefill_steps(B, P, K, 256)
+
+
+@pytest.mark.parametrize("B,P", [(8, 130), (8, 100), (4, 300), (8, 48)])
+def test_afd_ttft_prices_the_forwards_the_engine_runs(B, P):
+    """An AFD TTFT is priced from the prefill forwards the engine runs (rows, tokens, position of each group of each
+    micro-batch of each step: 8 prompts of 130 tokens run as 5 steps of 256 tokens), not from r = 256 // P whole
+    prompts a step (8 steps of one prompt), which missed the engine's TTFT by 0.6-1.3x on prompts that do not divide
+    256. (sol-mini's AFD Plan of the stored twin result, on an op profile that records what it is asked.)"""
+    from pathlib import Path
+
+    from waferline.plan.plan import Plan
+    from waferline.sim.host import HostParams, simulate_host
+    from waferline.sim.host_work import OpCount, Work
+    from waferline.spec.configs import spec_from_pretrained
+    from waferline.spec.hardware import load_hardware_file
+
+    root = Path(__file__).resolve().parents[1]
+    res = root / "benchmarks" / "results"
+    row = next(r for r in json.loads((res / "twin_sol-mini.json").read_text())["rows"] if r["point"]["afd"])
+    plan = Plan.from_json(row["plan_json"])
+    spec = spec_from_pretrained(root / "models" / "sol-mini")
+    L = spec.num_layers
+
+    class Spy:
+        def __init__(self):
+            self.asked = []
+
+        def decode(self, rows, tokens):
+            return OpCount({i: Work(100.0) for i in range(L)}, Work(50.0))
+
+        def ffn(self, phase):
+            return {i: Work(40.0) for i in range(L)}
+
+        def prefill(self, rows, tokens):
+            return self.prefill_chunk(rows, tokens, 0)
+
+        def prefill_chunk(self, rows, tokens, start):
+            self.asked.append((rows, tokens, start))
+            return OpCount({i: Work(100.0 + rows * tokens) for i in range(L)}, Work(50.0))
+
+    spy = Spy()
+    simulate_host(plan, spec, load_hardware_file(res / "twin_host.yaml"), HostParams.load(res / "twin_host.yaml"),
+                  spy, prompt_len=P, output_len=8, concurrency=B)
+    engine = [g for step in _engine_prefill_steps(B, P, plan.micro_batches, 256) for mb in step for g in mb]
+    assert sorted(spy.asked) == sorted(engine)

@@ -7,11 +7,31 @@ from typing import TYPE_CHECKING, Any
 
 from waferline.errors import ConfigError
 from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK, HostParams
-from waferline.sim.host_work import OpCount, OpsProfile, Work, _hot, _work_time, compute_dtype, host_speculation
+from waferline.sim.host_work import (
+    OpCount,
+    OpsProfile,
+    Work,
+    _hot,
+    _work_time,
+    afd_prefill_steps,
+    compute_dtype,
+    host_speculation,
+    prefill_chunk_count,
+)
 
 if TYPE_CHECKING:
     from waferline.plan.plan import Plan
     from waferline.spec.model import ModelSpec
+
+
+def _less(w: Work, fw: Work) -> Work:
+    """A layer's work ``w`` less its FFN part ``fw`` (what the attention side runs)."""
+    return Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
+                {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
+                w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
+                {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
+                w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
+                {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
 
 
 def _simulate_host_afd(
@@ -101,13 +121,7 @@ def _simulate_host_afd(
         a_t, f_t, r_t = [], [], []
         for i, w in sorted(count.layers.items()):
             fw = ffn_w.get(i, Work())
-            aw = Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
-                      {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
-                      w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
-                      {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
-                      w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
-                      {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
-            a_t.append(secs(aw))
+            a_t.append(secs(_less(w, fw)))
             f_t.append(secs(scaled(fw, Ma / Nf)) if fw.ops else 0.0)
             r_t.append(secs(scaled(fw, Ma * owner_share(i))) if fw.ops else 0.0)
         return a_t, f_t, r_t, secs(count.other)
@@ -160,20 +174,50 @@ def _simulate_host_afd(
     )
     step = max(step, cores_bound)
     rate = tokens_per_step / step
-    # TTFT: prompts prefilled in steps of the engine's prefill budget (r rows per attention rank); the engine splits a
-    # step's rows into its micro-batches as it does a decode step's, so the prefill ping-pongs between the sides too:
-    # per layer the busier side over all micro-batches, or one micro-batch's round trip (the counted prefill is one
-    # micro-batch's rows, rp)
-    r = min(Ba, max(1, PIPELINE_PREFILL_CHUNK // P))
-    Kp = max(1, min(K, r))
-    rp = math.ceil(r / Kp)
-    n_steps = math.ceil(Ba / r)
-    pc = profile.prefill(rp, P)
-    pa, pf, pr, pother = side_times(pc, profile.ffn("prefill"), True, rp * P)
-    ph = hop(rp * P * spec.hidden_size * act)
-    per_layer_p = [max(Kp * (a + msg_a), Kp * (f + msg_f), a + fo + msg_a + msg_f + 2 * ph) if f > 0 else Kp * a
-                   for a, f, fo in zip(pa, pf, pr)]
-    ttft = n_steps * (sum(per_layer_p) + Kp * pother) + over
+    # TTFT: the prompts of the busiest attention rank prefilled as the engine packs them (afd_prefill_steps: steps of
+    # its prefill chunk, a prompt split where one ends, each step's rows split in its micro-batches), each group priced
+    # from its own forward at its position (prefill_chunk_count); a step's micro-batches ping-pong between the sides as
+    # a decode step's do: per layer the busier side over all of them, or the largest one's round trip
+    kv_bytes = 4.0 if comp == "fp32" else 2.0
+    prefill_ffn = getattr(profile, "prefill_ffn", None)
+    ttft = over
+    for step_mbs in afd_prefill_steps(Ba, P, PIPELINE_PREFILL_CHUNK, K):
+        Kp, pother, per_mb = len(step_mbs), 0.0, []
+        for mb in step_mbs:
+            # each group's mixers (its forward less its FFN part); the FFN of all the micro-batch's tokens at once
+            # (engine/afd/ranks.py sends them together), counted as one forward of them where it was
+            n_tok = sum(r * tok for r, tok, _ in mb)
+            whole = prefill_ffn(1, n_tok, 0) if prefill_ffn is not None and len(mb) > 1 else None
+            layers: dict[int, Work] = {}
+            fw: dict[int, Work] = {}
+            oth = Work()
+            for r, tok, start in mb:
+                c = prefill_chunk_count(profile, spec, r, tok, start, host.small_op_bytes, kv_bytes)
+                gf = prefill_ffn(r, tok, start) if prefill_ffn is not None else None
+                gf = gf if gf is not None else profile.ffn("prefill")
+                for i, w in c.layers.items():
+                    layers.setdefault(i, Work()).add(_less(w, gf.get(i, Work())) if whole is not None else w)
+                if whole is None:
+                    for i, w in gf.items():
+                        fw.setdefault(i, Work()).add(w)
+                oth.add(c.other)
+            if whole is not None:
+                for i, w in whole.items():
+                    layers.setdefault(i, Work()).add(w)
+                    fw.setdefault(i, Work()).add(w)
+            pa, pf, pr, po = side_times(OpCount(layers, oth), fw, True, n_tok)
+            per_mb.append((pa, pf, pr, hop(n_tok * spec.hidden_size * act)))
+            pother += po
+        per_layer_p = []
+        for j in range(len(per_mb[0][0])):
+            sum_a = sum(m[0][j] for m in per_mb)
+            sum_f = sum(m[1][j] for m in per_mb)
+            if sum_f > 0:  # (one micro-batch's round trip: attention, the owner's FFN, a message and a hop each way)
+                trip = max(m[0][j] + m[2][j] + 2 * m[3] for m in per_mb) + msg_a + msg_f
+                per_layer_p.append(max(sum_a + Kp * msg_a, sum_f + Kp * msg_f, trip))
+            else:
+                per_layer_p.append(sum_a)
+        ttft += sum(per_layer_p) + pother
     timings = [
         StageTiming(
             index=s.index,

@@ -138,6 +138,29 @@ def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[t
     return out
 
 
+def afd_prefill_steps(rows: int, prompt_len: int, chunk: int,
+                      micro_batches: int) -> list[list[list[tuple[int, int, int]]]]:
+    """AFD's prefill steps on one attention rank of ``rows`` prompts of ``prompt_len`` tokens (engine/afd/serving.py
+    ``AFDRunner._rows`` with nothing decoding): the prompts packed as a pipeline packs them (prefill_micro_batches, up
+    to ``chunk`` tokens a step), each step's rows split into the engine's micro-batches as engine/afd/driver.py
+    ``AFD._micro_batches`` splits them (largest first, each to the one with the fewest tokens so far); a micro-batch is
+    a list of groups (rows, tokens, start), the empty ones left out."""
+    K = max(1, micro_batches)
+    out = []
+    for step in prefill_micro_batches(rows, prompt_len, chunk):
+        bins: list[dict[int, list[int]]] = [{} for _ in range(K)]  # tokens -> [rows, latest start]
+        load = [0] * K
+        for n, t, s in sorted(step, key=lambda g: -g[1]):
+            for _ in range(n):
+                k = min(range(K), key=lambda j: (load[j], j))
+                g = bins[k].setdefault(t, [0, 0])
+                g[0] += 1
+                g[1] = max(g[1], s)
+                load[k] += t
+        out.append([[(g[0], t, g[1]) for t, g in sorted(b.items())] for b in bins if b])
+    return out
+
+
 def attention_context_work(spec: ModelSpec, layers: list[int], rows: int, tokens: int, start: int,
                            small_op_bytes: float, kv_elem_bytes: float = 2.0) -> Work:
     """What a prefill chunk of ``rows`` x ``tokens`` queries at position ``start`` does beyond the same chunk at
@@ -462,13 +485,21 @@ class ChunkOps:
         return self.count(rows, tokens, start) if self.at_position else None
 
 
-def chunk_sweeps(cases: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int]]:
+def chunk_sweeps(cases: list[tuple[int, int]], chunk: int, afd_micro_batches: int | None = None
+                 ) -> list[tuple[int, int, int]]:
     """The counted sweeps (rows, prompt length, chunk) that reach every pipeline micro-batch group (rows, tokens,
     start) of ``cases`` (rows, prompt length) at its position (where chunks of equal size lead up to it), and at
-    position 0: what a counter feeding ``rows`` prompts in chunks of ``chunk`` tokens into the same caches sees."""
+    position 0: what a counter feeding ``rows`` prompts in chunks of ``chunk`` tokens into the same caches sees.
+    ``afd_micro_batches``: the groups of AFD's prefill micro-batches (afd_prefill_steps) instead, and the one forward
+    of all its tokens of a micro-batch of several groups (its FFN part: the FFN ranks run them together)."""
     out: set[tuple[int, int, int]] = set()
     for B, P in cases:
-        for mb in prefill_micro_batches(B, P, chunk):
+        mbs = (prefill_micro_batches(B, P, chunk) if afd_micro_batches is None else
+               [mb for step in afd_prefill_steps(B, P, chunk, afd_micro_batches) for mb in step])
+        for mb in mbs:
+            if afd_micro_batches is not None and len(mb) > 1:
+                n = sum(r * t for r, t, _ in mb)
+                out.add((1, n, n))
             for r, t, s in mb:
                 out.add((r, t, t))
                 if s % t == 0:

@@ -238,28 +238,43 @@ class CountedOps(ChunkOps):
         prefill forward (its prompt, at its prefill rows)."""
         return self.count(rows, prompt_len, 0) or self._count(self.ops["prefill"])
 
+    def prefill_ffn(self, rows: int, tokens: int, start: int) -> dict[int, Any] | None:
+        """The FFN part of each layer of the counted prefill forward of ``rows`` x ``tokens`` at ``start`` (else at
+        position 0: an FFN's work does not depend on the position); None where none was counted with it."""
+        for key in (chunk_key(rows, tokens, start), chunk_key(rows, tokens, 0)):
+            d = self.counts.get(key)
+            if d is not None and "ffn" in d:
+                return {int(k): Work.from_counts(v.get("ops", 0.0), v) for k, v in d["ffn"].items()}
+        return None
+
 
 def count_prefill_chunks(path: str, sweeps: list[list[int]], dtype: str = "bfloat16") -> dict[str, Any]:
     """Child process: the engine's op stream (sim/calibrate/opcount.py OpCounter, per layer and outside the layers;
     counted, not timed) of every prefill forward of each sweep (rows, prompt length, chunk): the prompts fed in chunks
     of ``chunk`` tokens into the same caches, as the pipeline feeds them (chunk = prompt length: the single process's
-    one forward). Returns host_work.chunk_key(rows, tokens, start) -> {"layers": {i: work}, "other": work, "logits":
-    whether the forward ends its prompts}."""
+    one forward). Returns host_work.chunk_key(rows, tokens, start) -> {"layers": {i: work}, "ffn": {i: the layer's FFN
+    part, within its work}, "other": work, "logits": whether the forward ends its prompts}."""
     import torch
 
     from waferline.engine.llm import LLM
     from waferline.model.context import StepBatch
     from waferline.sim.calibrate.opcount import OpCounter
-    from waferline.sim.twin_engine import _merged, make_prompts
+    from waferline.sim.twin_engine import _both, _label_only, _merged, make_prompts
 
     torch.set_num_threads(1)
     llm = LLM(path, dtype=dtype)
     model = llm.model
     counter = OpCounter()
+    counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part, as count_ops labels it (what AFD's FFN ranks run)
     hooks = []
     for i, layer in zip(model.layer_range, model.layers):  # layer labels only (the fused layer path stays on)
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
+        if getattr(layer, "ffn", None) is not None:
+            hooks.append(layer.ffn.register_forward_pre_hook(
+                _label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
+            hooks.append(layer.ffn.register_forward_hook(
+                _label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for rows, P, chunk in sweeps:
@@ -275,7 +290,8 @@ def count_prefill_chunks(path: str, sweeps: list[list[int]], dtype: str = "bfloa
                 c = _merged(counter)
                 key = chunk_key(rows, t, s)
                 if key not in out:
-                    out[key] = {"layers": {str(i): c.get(i, {"ops": 0.0}) for i in model.layer_range},
+                    out[key] = {"layers": {str(i): _both(c, i) for i in model.layer_range},
+                                "ffn": {str(i): c.get(f"f{i}", {"ops": 0.0}) for i in model.layer_range},
                                 "other": c.get(None, {"ops": 0.0}), "logits": s + t >= P}
     for h_ in hooks:
         h_.remove()
@@ -475,7 +491,7 @@ def _run_grid(
     from waferline.engine.inputs import is_int4_checkpoint
     from waferline.sim.calibrate.common import run_isolated
     from waferline.sim.host_params import PIPELINE_PREFILL_CHUNK
-    from waferline.sim.host_work import chunk_sweeps, prefill_micro_batches
+    from waferline.sim.host_work import afd_prefill_steps, chunk_sweeps, prefill_micro_batches
 
     def probe() -> float | None:
         return canary.seconds() if canary is not None else None
@@ -513,11 +529,12 @@ def _run_grid(
                 row["status"] = f"not available: the int4 copy: {int4_failed}"
                 continue
             ckpt = int4_path
-        if pt.afd:  # rows per micro-batch on one attention rank, in decode and in a prefill step alike
+        if pt.afd:  # rows per micro-batch on one attention rank; a prefill's: its whole prompts in one micro-batch
             Ba = math.ceil(pt.batch / max(1, sum(1 for s in plan.stages if s.role == "attention")))
             b = math.ceil(Ba / max(1, min(plan.micro_batches, Ba)))
-            r = min(Ba, max(1, 256 // prompt_len))
-            prefill_rows = math.ceil(r / max(1, min(plan.micro_batches, r)))
+            afd_groups = [g for step in afd_prefill_steps(Ba, prompt_len, PIPELINE_PREFILL_CHUNK, plan.micro_batches)
+                          for mb in step for g in mb]
+            prefill_rows = max((r for r, t, s in afd_groups if t == prompt_len and s == 0), default=1)
         else:
             M = plan.micro_batches if plan.num_stages > 1 else 1
             b = math.ceil(pt.batch / max(1, min(M, pt.batch)))
@@ -548,15 +565,18 @@ def _run_grid(
         if first_run is None and meas["tokens_per_s_per_user"] > 0:
             first_run = (pt.name, kwargs, meas["tokens_per_s_per_user"])
         row["run"] = _run_record(meas)
-        if plan.num_stages > 1 and not pt.afd and any(
-                g != (prefill_rows, prompt_len, 0)
-                for mb in prefill_micro_batches(pt.batch, prompt_len, PIPELINE_PREFILL_CHUNK) for g in mb):
-            # a pipeline prefill micro-batch other than the counted forward (a prompt longer than one chunk, or one
-            # split where a chunk's budget ends): each chunk's own forward at its position, counted (untimed)
+        if pt.afd and any(g != (prefill_rows, prompt_len, 0) for g in afd_groups) or (
+                plan.num_stages > 1 and not pt.afd and any(
+                    g != (prefill_rows, prompt_len, 0)
+                    for mb in prefill_micro_batches(pt.batch, prompt_len, PIPELINE_PREFILL_CHUNK) for g in mb)):
+            # a prefill micro-batch other than the counted forward (a prompt longer than one chunk, or one split where
+            # a chunk's budget ends; AFD's also split in the engine's micro-batches): each chunk's own forward at its
+            # position, counted (untimed)
+            cases = [(Ba, prompt_len)] if pt.afd else [(pt.batch, prompt_len)]
             try:
                 meas["ops"]["prefill_chunks"] = run_isolated("waferline.sim.twin:count_prefill_chunks", {
-                    "path": str(ckpt), "sweeps": [list(x) for x in chunk_sweeps([(pt.batch, prompt_len)],
-                                                                                 PIPELINE_PREFILL_CHUNK)]}, timeout_s)
+                    "path": str(ckpt), "sweeps": [list(x) for x in chunk_sweeps(
+                        cases, PIPELINE_PREFILL_CHUNK, plan.micro_batches if pt.afd else None)]}, timeout_s)
             except RuntimeError as e:
                 row["status"] = "engine failed: counting the prefill chunks: " + failure_reason(e)
                 continue

@@ -94,7 +94,6 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     from waferline.engine.llm import LLM
     from waferline.engine.sampling import SamplingParams
     from waferline.model.context import StepBatch
-    from waferline.model.decoder import LABEL_ONLY
     from waferline.sim.calibrate.opcount import OpCounter
 
     kw: dict[str, Any] = {}
@@ -110,17 +109,14 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part (mla_moe_layer, ffn_residual), as the hooks label it
     hooks = []
 
-    def label_only(fn: Any) -> Any:  # these hooks only label: the engine still runs a layer as one op (see _hooked)
-        setattr(fn, LABEL_ONLY, True)
-        return fn
-
     for i, layer in zip(idx, model.layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
         hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
         if getattr(layer, "ffn", None) is not None:  # the FFN part separately (what AFD's FFN ranks run)
             hooks.append(layer.ffn.register_forward_pre_hook(
-                label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
-            hooks.append(layer.ffn.register_forward_hook(label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
+                _label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
+            hooks.append(layer.ffn.register_forward_hook(
+                _label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
     prompts = make_prompts(llm.spec.vocab_size, max(decode_rows, prefill_rows), prompt_len)
 
     def run(rows: int, max_tokens: int) -> tuple[dict[Any, dict[str, float]], dict[str, float]]:
@@ -139,11 +135,7 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     c2, m2 = run(decode_rows, steps + 1)
     n_steps = m2.get("spec_verify_steps", steps) if speculative != "none" else steps
     n_steps = max(float(n_steps), 1.0)
-    def both(c: dict[Any, dict[str, float]], i: int) -> dict[str, float]:
-        a, f = c.get(i, {}), c.get(f"f{i}", {})
-        return {k: a.get(k, 0.0) + f.get(k, 0.0) for k in set(a) | set(f)}
-
-    decode = {"layers": {i: diff(both(c1, i), both(c2, i), n_steps) for i in idx},
+    decode = {"layers": {i: diff(_both(c1, i), _both(c2, i), n_steps) for i in idx},
               "ffn": {i: diff(c1.get(f"f{i}"), c2.get(f"f{i}"), n_steps) for i in idx},
               "other": diff(c1.get(None), c2.get(None), n_steps), "verify_steps": n_steps}
     # prefill: one forward of prefill_rows x prompt_len tokens, as a pipeline stage runs a prefill micro-batch
@@ -155,7 +147,7 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         model.logits(h[:, -1]).argmax(-1)
     c3 = _merged(counter)
     pre = {
-        "layers": {i: both(c3, i) for i in idx},
+        "layers": {i: _both(c3, i) for i in idx},
         "ffn": {i: c3.get(f"f{i}", {}) for i in idx},
         "other": c3.get(None, {}),
     }
@@ -163,6 +155,20 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         h_.remove()
     return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
             "tokens_per_row": (k + 1) if speculative != "none" else 1}
+
+
+def _label_only(fn: Any) -> Any:
+    """A hook that only labels: the engine still runs a layer as one op (model/decoder.py LABEL_ONLY)."""
+    from waferline.model.decoder import LABEL_ONLY
+
+    setattr(fn, LABEL_ONLY, True)
+    return fn
+
+
+def _both(c: dict[Any, dict[str, float]], i: int) -> dict[str, float]:
+    """Layer ``i``'s whole work in counts labelled by ``_merged``: its FFN part (label f{i}) and the rest."""
+    a, f = c.get(i, {}), c.get(f"f{i}", {})
+    return {k: a.get(k, 0.0) + f.get(k, 0.0) for k in set(a) | set(f)}
 
 
 def _merged(counter: Any) -> dict[Any, dict[str, float]]:
