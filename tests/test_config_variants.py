@@ -30,6 +30,9 @@ VARIANTS = {
     # a Qwen3 config.json written before layer_types: the layers from max_window_layers on slide
     "qwen3_no_layer_types": ("qwen3", dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
                              lambda c: c.pop("layer_types")),
+    # transformers' Llama attention has no window: sliding_window and layer_types are not read (a window was applied)
+    "llama_sliding_window_not_read": ("llama", dict(sliding_window=6, layer_types=[
+        "sliding_attention", "full_attention"]), None),
     # gpt-oss's clamp read from the config (it was always 7.0, which random weights never reach)
     "gpt_oss_swiglu_limit": ("gpt_oss", dict(swiglu_limit=0.3), None),
     # a routed scaling of 0 (only the shared expert counts) is 0, not the default (`or 1.0` took 0 for absent)
@@ -173,7 +176,7 @@ def test_config_variant_matches_the_reference(name, tmp_path):
 
 def test_sliding_windows_are_read_as_transformers_reads_them():
     """The planner's cache accounting takes the same windows: Mistral's on every layer; Qwen's only with
-    use_sliding_window (false by default), from max_window_layers on where layer_types is absent."""
+    use_sliding_window (false by default), from max_window_layers on where layer_types is absent; Llama's none."""
     def windows(**kw):
         cfg = dict(COMMON, num_hidden_layers=4, intermediate_size=96, **kw)
         return [layer.mixer.sliding_window for layer in parse_hf_config(cfg).layers]
@@ -186,6 +189,8 @@ def test_sliding_windows_are_read_as_transformers_reads_them():
         [None, None, 6, 6]
     assert windows(model_type="qwen3", sliding_window=6, use_sliding_window=False,
                    layer_types=["sliding_attention"] * 4) == [None] * 4
+    assert windows(model_type="llama", sliding_window=6, layer_types=["sliding_attention"] * 4) == [None] * 4
+    assert windows(model_type="llama", sliding_window=0, layer_types=["sliding_attention"] * 4) == [None] * 4
 
 
 def _hf_config(mt):
@@ -242,7 +247,7 @@ def test_settings_that_make_no_model_are_one_config_error(mt, bad):
     ("mixtral", dict(sliding_window=0)), ("mixtral", dict(sliding_window=-4)), ("mistral", dict(sliding_window=0)),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=-1)),
     ("qwen3", dict(use_sliding_window=True, sliding_window=0, layer_types=["sliding_attention"] * 2)),
-    ("llama", dict(sliding_window=0, layer_types=["sliding_attention"] * 2)), ("gpt_oss", dict(sliding_window=0)),
+    ("gpt_oss", dict(sliding_window=0)),
     ("gpt_oss", dict(sliding_window=8.5)), ("deepseek_v4", dict(sliding_window=0)),
 ])
 def test_sliding_windows_below_one_token_are_refused(mt, edit):

@@ -372,8 +372,11 @@ def _layer_types(cfg: dict[str, Any], n: int, default: list[str] | None = None,
 def _llama_like_windows(cfg: dict[str, Any], n: int, mt: str) -> list[int | None]:
     """Each layer's sliding window as transformers reads the config: Mistral, Mixtral and Qwen3-MoE apply
     ``sliding_window`` to every layer; Qwen2/Qwen3 only with ``use_sliding_window`` (default false), to the layers
-    ``layer_types`` marks, or where it is absent to those from ``max_window_layers`` (default 28) on; others as
-    ``layer_types`` marks them."""
+    ``layer_types`` marks, or where it is absent to those from ``max_window_layers`` (default 28) on. Llama's
+    attention has no window, whatever ``sliding_window`` and ``layer_types`` say."""
+    if mt == "llama":
+        _layer_types(cfg, n)  # (transformers refuses an unknown kind, though its Llama reads none)
+        return [None] * n
     w = cfg.get("sliding_window", 4096 if mt == "mistral" else None)  # (MistralConfig's default: key absent)
     if mt in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window", False):
         w = None
