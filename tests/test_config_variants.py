@@ -87,6 +87,8 @@ VARIANTS = {
     "nemotron_h_attention_bias_not_read": ("nemotron_h", dict(attention_bias=True), None),
     # the DeepSeek routers transformers builds whatever scoring_func / topk_method say (they were read: other scores)
     "deepseek_v2_scoring_func_not_read": ("deepseek_v2", dict(scoring_func="sigmoid"), None),
+    "deepseek_v2_moe_layer_freq_not_read": ("deepseek_v2", dict(moe_layer_freq=2), None),
+    "deepseek_v3_moe_layer_freq_not_read": ("deepseek_v3", dict(moe_layer_freq=2), None),
     "deepseek_v3_router_fields_not_read": ("deepseek_v3", dict(scoring_func="softmax", topk_method="greedy"), None),
     # DeepSeek-V3.2's dense layers are where mlp_layer_types says (first_k_dense_replace was read)
     "deepseek_v32_mlp_layer_types": ("deepseek_v32", dict(mlp_layer_types=["dense", "sparse", "dense"]), None),

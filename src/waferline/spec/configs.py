@@ -439,11 +439,10 @@ def _deepseek_moe(cfg: dict[str, Any], mt: str) -> MoESpec:
 def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
     """(The router as transformers builds it: DeepSeek-V3 / V3.2 always sigmoid scores with the correction bias and
     grouped top-k, DeepSeek-V2 always softmax scores, top-k greedy or group_limited_greedy; the scoring_func and
-    topk_method a config writes beside those are not read. DeepSeek-V3.2 takes its dense layers from
-    mlp_layer_types where the config has it.)"""
+    topk_method a config writes beside those are not read, nor moe_layer_freq: experts on every layer from
+    first_k_dense_replace on. DeepSeek-V3.2 takes its dense layers from mlp_layer_types where the config has it.)"""
     n = cfg["num_hidden_layers"]
     first_dense = cfg.get("first_k_dense_replace", 0) or 0
-    freq = cfg.get("moe_layer_freq", 1) or 1
     has_moe = (cfg.get("n_routed_experts") or 0) > 0
     if mt == "deepseek_v2":
         method = cfg.get("topk_method") or "greedy"
@@ -463,7 +462,7 @@ def _parse_deepseek(cfg: dict[str, Any], name: str, mt: str) -> ModelSpec:
         if mlp_types is not None and i < n:
             moe = has_moe and mlp_types[i] == "sparse"
         else:
-            moe = has_moe and i >= first_dense and i % freq == 0
+            moe = has_moe and i >= first_dense
         mixer: MixerSpec = _dsa(cfg) if mt == "deepseek_v32" else _mla(cfg)
         ffn = _deepseek_moe(router, "deepseek_v3" if mt == "deepseek_v32" else mt) if moe else _dense(cfg)
         return LayerSpec(i, mixer, ffn, cfg["hidden_size"])
