@@ -538,6 +538,51 @@ def test_a_sequence_that_backed_off_drafts_again_when_its_drafts_pay(ckpts):
     assert sch.stats["steps"] < len(ref) - 10
 
 
+def test_a_backed_off_sequence_probes_after_probe_every_steps_in_greedy_bursts(ckpts):
+    """A sequence that stopped drafting decodes in bursts of plain greedy steps (8 a call); its probe is due after
+    ``probe_every`` steps, a burst's steps each, not after that many bursts (which made it 8x as many tokens)."""
+    llm = LLM(ckpts["llama"])
+    p, params = PROMPTS[2], SamplingParams(max_tokens=110, ignore_eos=True)
+    ref = llm.generate([p], params)[0].token_ids
+
+    class Late(Oracle):
+        def propose(self, rows, seqs, ks, params, gens):
+            out = []
+            for b, k in zip(rows, ks):
+                d = self.refs[0][len(seqs[b]):len(seqs[b]) + k]
+                out.append(Proposal(d if len(seqs[b]) - len(p) >= 20 else [(t + 1) % VOCAB for t in d]))
+            return out
+
+    def burst(rows, n):  # (the runner's burst step by step: where no fused operators run one, it runs none)
+        out = [[r.token] for r in rows]
+        for j in range(n):
+            dec, _ = sch.runner.step([DecodeRow(r.slot, r.position + j, o[-1], WANT_ARGMAX)
+                                      for r, o in zip(rows, out)], [])
+            for o, d in zip(out, dec):
+                o.append(d.argmax)
+        return [o[1:] for o in out], None
+
+    sch = Scheduler(llm, _config(k=4, adaptive=True, max_model_len=128, greedy_bursts=True))
+    sch.spec_dec.drafter = Late([p + ref])
+    sch.runner.burst = burst
+    sch.spec_dec.ctl.measure = False  # (K from the acceptance and the prior cost model: no timings)
+    drafted_at = []
+    choose = sch.spec_dec.ctl.choose
+
+    def logged(rows):
+        ks = choose(rows)
+        if any(ks):
+            drafted_at.append(len(sch.running[0].output_ids))
+        return ks
+
+    sch.spec_dec.ctl.choose = logged
+    got, _ = _serve(sch, [p], params)
+    assert got == [ref] and sch.stats["spec_accepted"] > 0
+    backed_off = max(t for t in drafted_at if t < 20)  # (its last draft while they were rejected)
+    probe = min(t for t in drafted_at if t >= 20)
+    assert probe - backed_off <= sch.spec_dec.ctl.probe_every + 8  # (+ at most one burst)
+
+
 def test_drafts_leave_every_decode_its_token_in_a_tight_step_budget(ckpts):
     """Four decoding sequences, K = 4 and 10 tokens a step: the first rows' drafts are cut so that every later decode
     still gets its next token (none waits while others verify drafts, here all rejected)."""

@@ -475,13 +475,13 @@ def test_adaptive_k_follows_measured_step_costs():
     ctl = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
     first = [ctl.choose([0])[0] for _ in range(8)]
     assert first.count(0) >= 1  # a new batch size: one plain step early on, to measure it
-    for _ in range(2):  # (a shape's first step is not kept: it pays one-time costs)
+    for _ in range(3):  # (a shape's first step is not kept: it pays one-time costs; the next waits for a third)
         ctl.record(1, 1, 0.010)
         for T in range(2, 6):
             ctl.record(1, T, 0.030)
     assert ctl.step_cost(1, 3) == pytest.approx(0.030) and ctl.choose([0]) == [0]
     fast = AdaptiveK(k_max=4, measure=True, explore_every=4, alpha={0: 0.5})
-    for T, sec in ((1, 0.050), (1, 0.010), (5, 0.011), (5, 0.011)):
+    for T, sec in ((1, 0.050), (1, 0.010), (1, 0.010), (5, 0.011), (5, 0.011), (5, 0.011)):
         fast.record(1, T, sec)  # unmeasured T: the prior line scaled to the measurements
     assert fast.step_cost(1, 1) == pytest.approx(0.010)
     ks = [fast.choose([0])[0] for _ in range(12)]
@@ -492,10 +492,9 @@ def test_adaptive_k_follows_measured_step_costs():
     assert ks[4:6] == [0, 0] and min(ks[:4] + ks[6:]) > 0
     # measured drafting time counts against drafting
     slow_draft = AdaptiveK(k_max=4, measure=True, alpha={0: 0.5})
-    slow_draft.record(1, 1, 0.010)
-    slow_draft.record(1, 1, 0.010)
-    slow_draft.record_draft(1, 2, 0.040)
-    slow_draft.record_draft(1, 2, 0.040)  # 20 ms per drafted token
+    for _ in range(3):
+        slow_draft.record(1, 1, 0.010)
+        slow_draft.record_draft(1, 2, 0.040)  # 20 ms per drafted token
     assert slow_draft.gain(0.5, 2, 1) < 1.0
     # noise only slows steps down: a faster step replaces the estimate, slower ones move it a quarter of the way
     # (a lone slow step not at all: the next one must be slow too)
@@ -521,6 +520,20 @@ def test_one_slow_step_does_not_stop_speculation():
     ctl.record(1, 5, 0.004)  # steps that really got slower move the estimate
     ctl.record(1, 5, 0.004)
     assert 0.00125 < ctl.step_cost(1, 5) < 0.004
+
+
+def test_a_pause_in_the_first_kept_step_of_a_width_does_not_price_it_out():
+    """The first step of a width whose time is kept (its first is not: one-time costs) may be a GC pause too: it must
+    not become the width's cost (nor scale every unmeasured width's prior), or speculation stops until a probe and
+    that width is never chosen, so never measured, again."""
+    ctl = AdaptiveK(k_max=4, measure=True, alpha={0: 0.95})
+    for _ in range(3):
+        ctl.record(1, 1, 0.00105)
+    ctl.record(1, 5, 0.00125)  # (not kept: the width's first step)
+    ctl.record(1, 5, 0.5)  # a 0.5 s pause
+    assert ctl.choose([0]) == [4]
+    ctl.record(1, 5, 0.00125)
+    assert ctl.step_cost(1, 5) == pytest.approx(0.00125) and ctl.choose([0]) == [4]
 
 
 def test_a_row_that_backed_off_drafts_again_when_its_drafts_pay():

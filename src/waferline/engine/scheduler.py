@@ -214,8 +214,7 @@ class Scheduler:
             if got is not None:
                 res.burst, hidden = got
                 if spec is not None:
-                    spec.record(len(dec_rows), 1, (time.perf_counter() - t0) / plan.burst)
-                    spec.consumed([r.slot for r in dec_rows], [plan.burst - 1] * len(dec_rows), hidden)
+                    spec.burst_done([r.slot for r in dec_rows], plan.burst, time.perf_counter() - t0, hidden)
                 return res
             plan.burst = 1
         if not (dec_rows or chunks):

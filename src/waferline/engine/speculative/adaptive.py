@@ -73,9 +73,16 @@ class AdaptiveK:
             a = self.alpha.get(row, self.prior)
             self.alpha[row] = self.decay * a + (1 - self.decay) * accepted / drafted
 
+    def stepped(self, rows: list[int], steps: int) -> None:
+        """``rows`` took ``steps`` more plain steps without a ``choose`` of their own (a burst's steps after its first):
+        they count towards a row's probe, which is due after ``probe_every`` steps, not calls."""
+        for b in rows:
+            self.since_draft[b] = self.since_draft.get(b, 0) + steps
+
     def record(self, B: int, T: int, seconds: float) -> None:
         """A measured step of B rows x T tokens (T = 1: a plain step); ignored unless ``measure``. The first step of a
-        shape is not kept (it pays one-time costs: buffers, caches growing); then a faster step replaces the estimate
+        shape is not kept (it pays one-time costs: buffers, caches growing), the next one is estimated with the one
+        after it (the faster of the two: it may be a pause too); then a faster step replaces the estimate
         and a slower one moves it a quarter of the way towards the faster of it and the shape's previous step: on a
         shared machine noise only slows steps down, and one slow step (a GC pause) must not price a verify width out
         (a width the controller stops choosing is measured again only when a row probes)."""
@@ -92,10 +99,12 @@ class AdaptiveK:
         if (id(table), key) not in self.warm:
             self.warm.add((id(table), key))
             return
-        old, prev = table.get(key), self.last.get((id(table), key), seconds)
+        old, prev = table.get(key), self.last.get((id(table), key))
         self.last[(id(table), key)] = seconds
+        if prev is None:  # (the first kept step waits for the next: a lone pause must not become the estimate)
+            return
         if old is None or seconds < old:
-            table[key] = seconds
+            table[key] = min(seconds, prev)
         else:  # (a lone slow step moves nothing: the next one must be slow too)
             table[key] = old + 0.25 * max(min(seconds, prev) - old, 0.0)
 

@@ -341,6 +341,14 @@ class ServeSpeculation:
         if slots:
             self.drafter.accepted(slots, None, n_accepted, n_accepted, hidden if self.uses_hidden else None)
 
+    def burst_done(self, slots: list[int], steps: int, seconds: float, hidden: torch.Tensor | None) -> None:
+        """After a greedy burst of ``steps`` plain decode steps of ``slots`` in ``seconds``: one step's time for
+        adaptive K, the drafter handed the tokens kept, and the steps after the first counted towards each row's probe
+        (due after ``probe_every`` steps, not calls)."""
+        self.record(len(slots), 1, seconds / steps)
+        self.consumed(slots, [steps - 1] * len(slots), hidden)
+        self.ctl.stepped(slots, steps - 1)
+
     def record(self, rows: int, width: int, seconds: float) -> None:
         """A measured forward of ``rows`` rows x ``width`` tokens (adaptive K learns what a verify costs)."""
         self.ctl.record(rows, width, seconds)
