@@ -187,6 +187,121 @@ def test_sol_mini_training_reaches_every_parameter():
     assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
 
 
+def test_sol_mini_training_steps_see_the_updated_mla_weights():
+    """MLA kept W_UK / W_UV (kv_b_proj's weight, split per head) from its first forward for good: every training step
+    after the first ran its MLA layers with the initial kv_b_proj while the optimizer updated it, and a run resumed from
+    a saved state (its MLA then built from the trained weight) took other steps than the run it continued. Kept ones
+    made under no_grad (the held-out evaluation) also left the next step without a gradient for kv_b_proj."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    model = sol_mini.build_model(0)
+    x = torch.randint(0, sol_mini.SOL_MINI_CONFIG["vocab_size"], (1, 17), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    for _ in range(2):
+        with torch.no_grad():  # (as evaluate() runs between steps)
+            sol_mini.forward_losses(model, x, 0.3)
+        opt.zero_grad(set_to_none=True)
+        sol_mini.forward_losses(model, x, 0.3)[0].backward()
+        assert [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0] == []
+        opt.step()
+    fresh = sol_mini.build_model(1)
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(sol_mini.forward_losses(model, x, 0.3)[0], sol_mini.forward_losses(fresh, x, 0.3)[0])
+
+
+def _small_sol_mini(monkeypatch):
+    """train/sol_mini.py loaded as a module, its model and sequence made small, stopped at the export's scoring (the
+    training state is saved by then)."""
+    import importlib.util
+
+    import waferline
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    monkeypatch.setattr(sol_mini, "SEQ", 16)
+    monkeypatch.setattr(sol_mini, "SOL_MINI_CONFIG", dict(
+        sol_mini.SOL_MINI_CONFIG, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, kv_lora_rank=16,
+        mamba_d_head=16, mamba_chunk_size=16))
+
+    def stopped(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(waferline, "LLM", stopped)
+    return sol_mini
+
+
+def _sol_mini_data(work: Path) -> None:
+    from waferline.demo import DEMO_TEXT
+
+    data = work / "data"  # (the prepared data, so nothing is downloaded)
+    data.mkdir(parents=True, exist_ok=True)
+    (data / "train.txt").write_text(DEMO_TEXT * 6)
+    (data / "heldout.txt").write_text(DEMO_TEXT)
+    (data / "split.json").write_text(json.dumps({"heldout_works": ["x"], "plays_total": 1}))
+
+
+def test_sol_mini_time_budget_run_is_what_its_card_rebuilds(tmp_path, monkeypatch):
+    """A run given a time budget (the default) took its first 20 steps, before it fitted its length to the budget, at
+    the learning rates of a 10,000-step cosine: the `--steps N` the model card gives as the rebuild command trained
+    other weights."""
+    import torch
+
+    sol_mini = _small_sol_mini(monkeypatch)
+
+    def run(work: Path, *args: str) -> dict:
+        _sol_mini_data(work)
+        monkeypatch.setattr(sys, "argv", ["sol_mini.py", "--work", str(work), "--out", str(tmp_path / "sol-mini"),
+                                          "--batch", "2", "--threads", str(torch.get_num_threads()), *args])
+        with pytest.raises(KeyboardInterrupt):
+            sol_mini.main()
+        return torch.load(work / "state.pt", weights_only=True)
+
+    budget = run(tmp_path / "budget", "--minutes", "0.0001")  # (fitted at step 20 to its least: 30 steps)
+    rebuilt = run(tmp_path / "rebuilt", "--steps", str(budget["step"]))
+    assert budget["step"] == rebuilt["step"] == 30
+    assert [k for k in budget["model"] if not torch.equal(budget["model"][k], rebuilt["model"][k])] == []
+
+
+def test_sol_mini_resumed_run_trains_as_the_uninterrupted_one(tmp_path, monkeypatch):
+    """A run stopped after a saved state and resumed drew its batches from a generator seeded with seed + step, not
+    where the stopped run's generator was: the same command with the same --seed gave other weights when it had been
+    stopped on the way (and its MLA layers, built anew from the trained weights, ran what the stopped run had not)."""
+    import torch
+
+    sol_mini = _small_sol_mini(monkeypatch)  # (52 steps, a state saved at step 50)
+    balance = sol_mini.ExpertBalancer.step
+
+    def run(work: Path, stop_at: int = 0) -> dict:
+        _sol_mini_data(work)
+        calls = [0]
+
+        def step(self):  # (a Ctrl-C in step stop_at, after the state of step 50 was saved)
+            calls[0] += 1
+            if calls[0] == stop_at:
+                raise KeyboardInterrupt
+            return balance(self)
+
+        monkeypatch.setattr(sol_mini.ExpertBalancer, "step", step)
+        monkeypatch.setattr(sys, "argv", ["sol_mini.py", "--work", str(work), "--out", str(tmp_path / "sol-mini"),
+                                          "--steps", "52", "--batch", "2", "--threads", str(torch.get_num_threads())])
+        with pytest.raises(KeyboardInterrupt):
+            sol_mini.main()
+        return torch.load(work / "state.pt", weights_only=True)
+
+    whole = run(tmp_path / "whole")
+    assert run(tmp_path / "resumed", stop_at=51)["step"] == 50
+    resumed = run(tmp_path / "resumed")
+    assert (whole["step"], resumed["step"]) == (52, 52)
+    assert [k for k in whole["model"] if not torch.equal(whole["model"][k], resumed["model"][k])] == []
+
+
 def test_sol_mini_stopped_in_its_evaluation_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     """train/sol_mini.py replaced --out with the exported weights, then scored them and wrote the model card into it: a
     run stopped while scoring (Ctrl-C) left a checkpoint without its README.md and a training.json without the
@@ -226,9 +341,9 @@ def test_sol_mini_stopped_in_its_evaluation_leaves_the_previous_checkpoint(tmp_p
 
 def test_sol_mini_resumed_with_other_steps_or_batch(tmp_path, monkeypatch, capsys):
     """train/sol_mini.py resumed a run with the --steps it was started with, whatever --steps said (a run of 1 step
-    rerun with --steps 2 exported the 1-step model again), and took another --batch or --seed, which the model card
-    then recorded for steps that had not used it. Now --steps sets the resumed run's length (refused below the step
-    reached), and another --batch or --seed is refused in one line."""
+    rerun with --steps 2 exported the 1-step model again), and took another --batch, --seed or --lr, which the model
+    card (and its rebuild command) then recorded for steps that had not used it. Now --steps sets the resumed run's
+    length (refused below the step reached), and another --batch, --seed or --lr is refused in one line."""
     import importlib.util
 
     import torch
@@ -265,7 +380,8 @@ def test_sol_mini_resumed_with_other_steps_or_batch(tmp_path, monkeypatch, capsy
     capsys.readouterr()
     for args, message in ((["--steps", "1", "--batch", "1"], "is at step 2 already"),
                           (["--steps", "2", "--batch", "2"], "is a run with --batch 1, not 2"),
-                          (["--steps", "2", "--batch", "1", "--seed", "7"], "is a run with --seed 1234, not 7")):
+                          (["--steps", "2", "--batch", "1", "--seed", "7"], "is a run with --seed 1234, not 7"),
+                          (["--steps", "3", "--batch", "1", "--lr", "0.001"], "is a run with --lr 0.003, not 0.001")):
         with pytest.raises(SystemExit) as e:
             run(*args)
         assert e.value.code == 2 and message in capsys.readouterr().err

@@ -404,7 +404,7 @@ def main() -> int:
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, elapsed, total_steps = int(st["step"]), float(st["elapsed"]), int(st["total_steps"])
-        for name in ("batch", "seed"):  # (the model card records them for every step)
+        for name in ("batch", "seed", "lr"):  # (the model card records them for every step)
             if st.get(name, getattr(args, name)) != getattr(args, name):
                 ap.error(f"{state_f} is a run with --{name} {st[name]}, not {getattr(args, name)}: resume it with "
                          f"--{name} {st[name]}, or give another --work")
@@ -416,6 +416,8 @@ def main() -> int:
         torch.set_rng_state(st["rng"])
         log(f"resumed at step {step} ({elapsed / 60:.1f} min done)" + (f" of {total_steps}" if total_steps else ""))
     gen = torch.Generator().manual_seed(args.seed + step)
+    if step and "data_rng" in st:  # (resumed: the batches the run would have drawn next, had it not stopped)
+        gen.set_state(st["data_rng"])
     warmup = 50
     t_start = time.perf_counter() - elapsed
     ema = None
@@ -429,12 +431,10 @@ def main() -> int:
                 bar.update(task, total=total_steps)
             if total_steps and step >= total_steps:
                 break
-            horizon = total_steps or 10_000
-            lr = (
-                args.lr
-                * min(1.0, (step + 1) / warmup)
-                * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
-            )
+            # linear warmup, then the cosine: it starts after the warmup, so that the steps run before a time budget
+            # fits total_steps (step 20) take the rates a run of the --steps the model card gives takes
+            progress = min(1.0, max(0, step - warmup) / max(1, total_steps - warmup)) if total_steps else 0.0
+            lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
             for g in opt.param_groups:
                 g["lr"] = lr
             starts = torch.randint(0, len(train_ids) - SEQ - 2, (args.batch,), generator=gen)
@@ -457,8 +457,8 @@ def main() -> int:
                 elapsed = time.perf_counter() - t_start
                 tmp = state_f.with_suffix(".tmp")
                 torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": elapsed,
-                            "total_steps": total_steps, "rng": torch.get_rng_state(), "batch": args.batch,
-                            "seed": args.seed}, tmp)
+                            "total_steps": total_steps, "rng": torch.get_rng_state(), "data_rng": gen.get_state(),
+                            "batch": args.batch, "seed": args.seed, "lr": args.lr}, tmp)
                 tmp.replace(state_f)
                 if step % 200 == 0 or step == total_steps:
                     bar.console.print(f"step {step}: loss {ema:.3f}, held-out ppl {evaluate(model, held_ids):.2f}, "

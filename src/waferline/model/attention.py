@@ -825,13 +825,22 @@ class MLAttention(nn.Module):
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, r] (absorbed into the query) and W_UV [H, v, r] (applied after attention). On CPU, fp32, or
         bf16 as a bf16 model holds them where the fused kernels run (they widen them to fp32 as they read them: the
-        same numbers from half the bytes a decode step reads)."""
-        if self._absorbed is None:
+        same numbers from half the bytes a decode step reads). Kept between calls, and made again when kv_b_proj's
+        weight is replaced or changed in place (its version: a training step) or is to get gradients through them where
+        the kept ones were made without (under no_grad)."""
+        weight = self.kv_b_proj.weight
+        # (weights loaded under torch.inference_mode are inference tensors, which keep no version: only their
+        # replacement is seen)
+        stamp = (weight, -1 if weight.is_inference() else weight._version,
+                 torch.is_grad_enabled() and weight.requires_grad)
+        kept = self.__dict__.get("_absorbed_from")
+        if self._absorbed is None or kept is None or kept[0] is not weight or kept[1:] != stamp[1:]:
             s = self.spec
-            w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+            w = weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
             if w.device.type == "cpu" and not (w.dtype == torch.bfloat16 and kernels.available()):
                 w = w.float()  # small per-head matmuls: fp32 on CPU (16-bit ones go through slow oneDNN paths)
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())
+            self._absorbed_from = stamp
         return self._absorbed
 
     def _int4_block(self, x: torch.Tensor, cache: TokenCache) -> tuple | None:
