@@ -321,6 +321,21 @@ def test_explain_under_afd_says_a_side_within_the_step_is_not_enough(capsys):
     assert "round trips between them bound the step" in out and "not a user's" in out
 
 
+@pytest.mark.parametrize("batch", ["1", "8"])
+def test_explain_under_afd_ranks_says_how_the_shares_add_up(capsys, batch):
+    """The AFD sides' shares add to more than the step where they overlap (micro-batches in flight) and to at most it
+    where a layer's round trip binds (one sequence: attention, transfers and the FFN in turn); the title once said
+    "more than 100%" for both (they added to 98.5% for deepseek-v3 on two H100 attention and FFN ranks, batch 1)."""
+    argv = ["simulate", "deepseek-v3", "--hardware", "h100-sxm", "--weight-bits", "4", "--afd", "--attention-ranks",
+            "2", "--ffn-ranks", "2", "--batch", batch, "--no-intervals", "--explain"]
+    assert main([*argv, "--json"]) == 0
+    added = sum(t["share"] for t in json.loads(capsys.readouterr().out)["explain"]["terms"])
+    assert (added > 1) == (batch == "8")
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("add to more than 100%" in out) == (added > 1) and ("add to at most 100%" in out) == (added <= 1)
+
+
 def test_explain_compute_lever_with_speculation_counts_the_verify_tokens():
     """A verify step of k+1 tokens has k+1 times a token's FLOPs: where they bind, faster compute is offered, sized
     on the speculative step (it once said removing the compute was not enough for 30 tok/s; removed, it gave 39)."""

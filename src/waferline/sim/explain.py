@@ -300,8 +300,10 @@ def render(con: Console, ex: dict[str, Any]) -> None:
     from rich.table import Table
 
     per = f"; {ex['tokens_per_step']:.2f} tokens per verify step with speculation" if ex["tokens_per_step"] > 1 else ""
-    over = "; the attention and FFN sides overlap, so their shares add to more than 100%" if ex.get("overlapped") \
-        else ""
+    over = ("; the attention and FFN sides overlap, so their shares add to more than 100%"
+            if sum(row["share"] for row in ex["terms"]) > 1 + 1e-9 else
+            "; a layer's round trip (attention, the transfers and the FFN in turn) binds the step, so the sides' "
+            "shares add to at most 100%") if ex.get("overlapped") else ""
     t = Table(title=f"where one decode step goes ({ex['step_s'] * 1e6:.0f} us without speculation{per}{over})")
     for c in ("term", "us per step", "share", "basis"):
         t.add_column(c, justify="right" if c in ("us per step", "share") else "left")
