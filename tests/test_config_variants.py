@@ -321,6 +321,15 @@ def test_an_odd_number_of_rotated_channels_is_refused(mt, head_dim):
         parse_hf_config(dict(_hf_config(mt), head_dim=head_dim))
 
 
+def test_a_dsa_indexer_narrower_than_the_rotary_channels_is_refused():
+    """The DSA indexer's keys carry the rotary channels: a qk_rope_head_dim over index_head_dim was a tensor-size
+    traceback at the first token (transformers fails on it too) and the planner counted the model."""
+    cfg = _hf_config("deepseek_v32")
+    with pytest.raises(ConfigError, match="qk_rope_head_dim 32 is over index_head_dim 16"):
+        parse_hf_config(dict(cfg, qk_rope_head_dim=32, index_head_dim=16))
+    parse_hf_config(dict(cfg, qk_rope_head_dim=16, index_head_dim=16))
+
+
 ACCOUNTING_ONLY = {  # model types the planner places but tiny_models does not build: small configs, every part on
     "qwen2": dict(COMMON, num_hidden_layers=2, intermediate_size=96),
     "jamba": dict(COMMON, num_hidden_layers=2, intermediate_size=48, attn_layer_period=2, attn_layer_offset=1,

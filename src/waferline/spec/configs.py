@@ -261,12 +261,16 @@ def _mla(cfg: dict[str, Any]) -> MLASpec:
 
 def _dsa(cfg: dict[str, Any]) -> DSASpec:
     """MLA + lightning indexer (DeepSeek-V3.2 ``index_*`` fields; defaults are transformers' DeepseekV32Config)."""
+    index_head_dim = int(cfg.get("index_head_dim") or 128)
+    if cfg["qk_rope_head_dim"] > index_head_dim:  # (the indexer's keys carry the rope channels; transformers fails)
+        raise ConfigError(f"config qk_rope_head_dim {cfg['qk_rope_head_dim']} is over index_head_dim {index_head_dim}: "
+                          "the indexer's heads hold the rotary channels")
     return DSASpec(
         hidden_size=cfg["hidden_size"], num_heads=cfg["num_attention_heads"],
         q_lora_rank=cfg.get("q_lora_rank") or None, kv_lora_rank=cfg["kv_lora_rank"],
         qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
         v_head_dim=cfg["v_head_dim"], index_n_heads=int(cfg.get("index_n_heads") or 64),
-        index_head_dim=int(cfg.get("index_head_dim") or 128), index_topk=int(cfg.get("index_topk") or 2048),
+        index_head_dim=index_head_dim, index_topk=int(cfg.get("index_topk") or 2048),
         index_bits=int(cfg.get("index_bits") or 8), attention_bias=bool(cfg.get("attention_bias", False)))
 
 
