@@ -153,10 +153,12 @@ def _engine_prefill_steps(B, P, K, chunk):
 
 
 @pytest.mark.parametrize("B,P,K", [(8, 48, 2), (4, 100, 2), (8, 100, 2), (8, 100, 1), (4, 300, 2), (8, 130, 2),
-                                   (8, 32, 2), (3, 20, 4)])
+                                   (8, 32, 2), (3, 20, 4), (2, 384, 2), (4, 640, 3)])
 def test_afd_prefill_steps_are_the_engines(B, P, K):
     """The host model's AFD prefill steps (sim afd_prefill_steps) are the engine's: a rank's prompts packed in steps of
-    its prefill chunk, a prompt split where one ends, each step's rows split in its micro-batches by tokens."""
+    its prefill chunk, a prompt split where one ends, each step's rows split in its micro-batches by tokens, each
+    micro-batch's group at its own rows' latest position (two prompts' pieces of one length, one a prompt's tail and
+    one a prompt's start, in two micro-batches were both priced at the tail's)."""
     from waferline.sim.host_work import afd_prefill_steps
 
     assert afd_prefill_steps(B, P, 256, K) == _engine_prefill_steps(B, P, K, 256)

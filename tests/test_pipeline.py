@@ -310,6 +310,13 @@ def test_a_plan_is_run_as_placed_its_weight_bits_and_speculation(ckpts, tmp_path
     assert plan_run({"plan": plan()}, d, 16, None, 4) == (None, 4) and plan_run({}, d, 16, "mtp", 2) == ("mtp", 2)
     drafted = plan(speculative=SpeculativeConfig(method="draft", num_tokens=0, draft_model=str(tmp_path)))
     assert plan_run({"plan": drafted}, d, 16, None, 4) == (f"draft:{tmp_path}", 4)
+    # a draft plan placed without its draft model runs with the one the run names (it was refused as not run)
+    undrafted = plan(speculative=SpeculativeConfig(method="draft", num_tokens=3))
+    assert plan_run({"plan": undrafted}, d, 16, f"draft:{tmp_path}", 4) == (f"draft:{tmp_path}", 4)
+    with pytest.raises(ConfigError, match=r"\(draft, no draft model\) is not one .*speculative='draft:PATH'"):
+        plan_run({"plan": undrafted}, d, 16, None, 4)
+    with pytest.raises(ConfigError, match="speculative='ngram' but the plan places eagle"):
+        plan_run({"plan": plan(speculative=SpeculativeConfig(method="eagle", num_tokens=2))}, d, 16, "ngram", 4)
 
 
 def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):

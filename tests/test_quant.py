@@ -695,6 +695,21 @@ def test_quantize_model_keeps_requested_modules_16bit(llama_dir):
         quantize_model(m, QuantOptions(bits=3))
 
 
+def test_an_int4_kv_b_proj_gives_its_absorbed_weights_once(tmp_path):
+    """An int4 kv_b_proj (--quantize-kv-b, or an imported checkpoint that quantizes it) makes its weight from its codes
+    at each read: MLA's kept W_UK / W_UV, stamped with that fresh tensor, were made again at every call (a dequantize
+    and two copies per MLA layer per decode step)."""
+    from waferline.model.attention import MLAttention
+
+    build("deepseek_v3", tmp_path)
+    m = load_model(tmp_path)
+    quantize_model(m, QuantOptions(group_size=32, keep=()))
+    mla = next(x for x in m.modules() if isinstance(x, MLAttention))
+    assert isinstance(mla.kv_b_proj, QuantLinear)
+    first = mla.absorbed()
+    assert mla.absorbed() is first and torch.equal(first[0], mla.absorbed()[0])
+
+
 def test_move_model_repacks_int4_weights_exactly_for_the_device():
     # a model whose int4 weights were packed for another backend is repacked for the target device's kernel from
     # the exact codes, scales and zeros (a GPU gets tinygemm's layout this way; here: dequant -> this CPU's kernel)

@@ -142,12 +142,15 @@ def plan_run(options: dict[str, Any], directory: Path, weight_bits: int, specula
                           f"{'int4' if int4 else 'unquantized'} weights: {fix}")
     sp = plan.speculative
     theirs = {"none": None, "ngram": "ngram", "mtp": "mtp"}.get(sp.method, f"draft:{sp.draft_model}")
-    if sp.method in ("eagle", "medusa") or (sp.method == "draft" and not sp.draft_model):
-        raise ConfigError(f"the plan's speculation ({sp.method}{'' if sp.draft_model else ', no draft model'}) is "
-                          "not one the engine runs (ngram, mtp or a draft model's directory): place the plan with one")
+    unrun = sp.method in ("eagle", "medusa") or (sp.method == "draft" and not sp.draft_model)
     if speculative is None:
+        if unrun:  # (a draft plan without its draft model runs where the run names the draft's directory)
+            raise ConfigError(f"the plan's speculation ({sp.method}{'' if sp.draft_model else ', no draft model'}) "
+                              "is not one the engine runs (ngram, mtp or a draft model's directory): place the plan "
+                              "with one" + (", or pass speculative='draft:PATH'" if sp.method == "draft" else ""))
         return theirs, (sp.num_tokens or num_tokens) if theirs else num_tokens
     if theirs is None or speculative.split(":")[0] != sp.method:
-        raise ConfigError(f"speculative={speculative!r} but the plan places {theirs or 'no speculation'}: drop the "
+        placed = "no speculation" if theirs is None else sp.method if unrun else theirs
+        raise ConfigError(f"speculative={speculative!r} but the plan places {placed}: drop the "
                           "option (the plan's is taken) or place the plan with it")
     return speculative, num_tokens

@@ -828,15 +828,15 @@ class MLAttention(nn.Module):
         same numbers from half the bytes a decode step reads). Kept between calls, and made again when kv_b_proj's
         weight is replaced or changed in place (its version: a training step) or is to get gradients through them where
         the kept ones were made without (under no_grad)."""
-        weight = self.kv_b_proj.weight
+        held = self.kv_b_proj._parameters.get("weight")
         # (weights loaded under torch.inference_mode are inference tensors, which keep no version: only their
-        # replacement is seen)
-        stamp = (weight, -1 if weight.is_inference() else weight._version,
-                 torch.is_grad_enabled() and weight.requires_grad)
+        # replacement is seen; an int4 kv_b_proj makes its weight from its codes at each read: those are the stamp)
+        stamp = ((getattr(self.kv_b_proj, "int4", None), -1, False) if held is None else
+                 (held, -1 if held.is_inference() else held._version, torch.is_grad_enabled() and held.requires_grad))
         kept = self.__dict__.get("_absorbed_from")
-        if self._absorbed is None or kept is None or kept[0] is not weight or kept[1:] != stamp[1:]:
+        if self._absorbed is None or kept is None or kept[0] is not stamp[0] or kept[1:] != stamp[1:]:
             s = self.spec
-            w = weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
+            w = self.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, s.kv_lora_rank)
             if w.device.type == "cpu" and not (w.dtype == torch.bfloat16 and kernels.available()):
                 w = w.float()  # small per-head matmuls: fp32 on CPU (16-bit ones go through slow oneDNN paths)
             self._absorbed = (w[:, : s.qk_nope_head_dim].contiguous(), w[:, s.qk_nope_head_dim:].contiguous())

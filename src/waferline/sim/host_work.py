@@ -119,23 +119,36 @@ def prefill_micro_batches(rows: int, prompt_len: int, chunk: int) -> list[list[t
     split where the budget ends. Each micro-batch is a list of groups (rows, tokens, start): the engine runs one [rows,
     tokens] forward per chunk length, its keys up to the group's furthest row (start: the latest row's first
     position)."""
-    out: list[list[tuple[int, int, int]]] = []
+    return [_grouped(step) for step in _prefill_pieces(rows, prompt_len, chunk)]
+
+
+def _prefill_pieces(rows: int, prompt_len: int, chunk: int) -> list[list[tuple[int, int]]]:
+    """prefill_micro_batches' micro-batches as their rows' pieces (tokens, start), in row order."""
+    out: list[list[tuple[int, int]]] = []
     pos = [0] * rows
     while pos[-1] < prompt_len:
-        budget, groups = chunk, {}  # tokens -> [rows, latest start]
+        budget, pieces = chunk, []
         for r in range(rows):
             if budget <= 0:
                 break
             if pos[r] >= prompt_len:
                 continue
             n = min(prompt_len - pos[r], budget)
-            g = groups.setdefault(n, [0, 0])
-            g[0] += 1
-            g[1] = max(g[1], pos[r])
+            pieces.append((n, pos[r]))
             pos[r] += n
             budget -= n
-        out.append([(g[0], n, g[1]) for n, g in sorted(groups.items())])
+        out.append(pieces)
     return out
+
+
+def _grouped(pieces: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Rows' pieces (tokens, start) as the groups (rows, tokens, latest start) the engine runs, by tokens."""
+    groups: dict[int, list[int]] = {}  # tokens -> [rows, latest start]
+    for n, s in pieces:
+        g = groups.setdefault(n, [0, 0])
+        g[0] += 1
+        g[1] = max(g[1], s)
+    return [(g[0], n, g[1]) for n, g in sorted(groups.items())]
 
 
 def afd_prefill_steps(rows: int, prompt_len: int, chunk: int,
@@ -147,17 +160,14 @@ def afd_prefill_steps(rows: int, prompt_len: int, chunk: int,
     a list of groups (rows, tokens, start), the empty ones left out."""
     K = max(1, micro_batches)
     out = []
-    for step in prefill_micro_batches(rows, prompt_len, chunk):
-        bins: list[dict[int, list[int]]] = [{} for _ in range(K)]  # tokens -> [rows, latest start]
+    for step in _prefill_pieces(rows, prompt_len, chunk):
+        bins: list[list[tuple[int, int]]] = [[] for _ in range(K)]
         load = [0] * K
-        for n, t, s in sorted(step, key=lambda g: -g[1]):
-            for _ in range(n):
-                k = min(range(K), key=lambda j: (load[j], j))
-                g = bins[k].setdefault(t, [0, 0])
-                g[0] += 1
-                g[1] = max(g[1], s)
-                load[k] += t
-        out.append([[(g[0], t, g[1]) for t, g in sorted(b.items())] for b in bins if b])
+        for t, s in sorted(step, key=lambda p: -p[0]):  # (stable: rows of equal tokens in order, as the engine's)
+            k = min(range(K), key=lambda j: (load[j], j))
+            bins[k].append((t, s))
+            load[k] += t
+        out.append([_grouped(b) for b in bins if b])
     return out
 
 
