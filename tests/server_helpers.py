@@ -32,6 +32,26 @@ def _wait_until(cond, limit=30.0, every=0.05):
         time.sleep(every)
 
 
+@contextlib.contextmanager
+def env_launch_worker(model, monkeypatch) -> Iterator[subprocess.Popen]:
+    """A hand-set env:// launch of a 2-stage pipeline on loopback: rank 1 (``serve_from_env``) in its own process,
+    this process rank 0 (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set with ``monkeypatch``); yields the rank-1
+    process, killed (if it still runs) and reaped at the end."""
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    code = ("import sys\nfrom waferline.engine.pipeline import serve_from_env\n"
+            "sys.exit(serve_from_env(sys.argv[1], stages=2, threads_per_stage=1))")
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    worker = subprocess.Popen([sys.executable, "-c", code, str(model)], env={**os.environ, "PYTHONPATH": src, **env})
+    try:
+        for k, v in dict(env, RANK="0").items():
+            monkeypatch.setenv(k, v)
+        yield worker
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+
+
 def start_serve(model, *flags: str, limit: float = 60.0) -> tuple[subprocess.Popen, int]:
     """``waferline serve --model model *flags`` in its own process on a free loopback port (one torch thread), once
     /health says ok: (the process, its port). Its stdout and stderr together are the process's stdout."""

@@ -482,34 +482,23 @@ def test_close_after_a_fault_seen_while_idle_under_an_env_launch_is_prompt(ckpts
     """A stage of a hand-set env:// launch dies while the pipeline is idle: the watchdog names it and stops every
     stage; close() then returns at once (it sent the dead stages a SHUTDOWN and waited 5 s for them to say they
     stopped; the server's recovery waited as long before it could say the engine stopped)."""
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    worker = subprocess.Popen([sys.executable, "-c", ENV_WORKER.replace("stages=3", "stages=2"), str(ckpts["sol"])],
-                              env=dict(os.environ, PYTHONPATH=str(ROOT / "src"), **env))
-    llm = None
-    try:
-        for k, v in dict(env, RANK="0").items():
-            monkeypatch.setenv(k, v)
+    from server_helpers import env_launch_worker
+
+    with env_launch_worker(ckpts["sol"], monkeypatch) as worker:
         llm = LLM(ckpts["sol"], stages=2, threads_per_stage=1, hang_timeout_s=2.0)
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-        worker.kill()
-        deadline = time.monotonic() + 20
-        while llm._pipeline._fault is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "stage 1" in (llm._pipeline._fault or ""), llm._pipeline._fault
-        t0 = time.monotonic()
-        llm.close()
-        assert time.monotonic() - t0 < 2.0, f"close() took {time.monotonic() - t0:.1f} s"
-    finally:
-        if worker.poll() is None:
+        try:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
             worker.kill()
-        worker.wait()
-        if llm is not None:
+            deadline = time.monotonic() + 20
+            while llm._pipeline._fault is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "stage 1" in (llm._pipeline._fault or ""), llm._pipeline._fault
+            t0 = time.monotonic()
+            llm.close()
+            assert time.monotonic() - t0 < 2.0, f"close() took {time.monotonic() - t0:.1f} s"
+        finally:
             llm.close()
 
 

@@ -464,41 +464,26 @@ def test_when_the_processes_cannot_be_restarted_the_engine_stops(ckpts):
         s.close()
 
 
-ENV_WORKER = ("import sys\nfrom waferline.engine.pipeline import serve_from_env\n"
-              "sys.exit(serve_from_env(sys.argv[1], stages=2, threads_per_stage=1))")
-
-
 def test_under_an_env_launch_a_dead_stage_stops_the_server_at_once(ckpts, monkeypatch):
     """RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT set by hand: rank 0 cannot start the stage processes of the other ranks
     again (every rank stops after a fault), so a fault stops the engine at once, saying why. It answered 503 "retry
     shortly" while it waited 120 s for ranks that never came, or failed to listen on MASTER_PORT again and told the
     user to pick a free one."""
-    import subprocess
-    import sys
-
+    from server_helpers import env_launch_worker
     from waferline.server.commands import build_server
 
-    port = _free_port()
-    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    worker = subprocess.Popen([sys.executable, "-c", ENV_WORKER, str(ckpts["afd"])], env={**os.environ, **env})
-    engine = None
-    try:
-        for k, v in dict(env, RANK="0").items():
-            monkeypatch.setenv(k, v)
+    with env_launch_worker(ckpts["afd"], monkeypatch) as worker:
         told: list[str] = []
         app = build_server(ckpts["afd"], max_model_len=MAX_LEN, stages=2, hang_timeout_s=2.0, threads_per_stage=1,
                            on_fatal=told.append)
         engine = app.state.server.engine
-        assert engine.healthy
-        worker.kill()
-        assert _wait_until(lambda: told, 20), "the engine did not stop"
-        assert "stage 1" in told[0] and "env:// launch" in told[0] and "MASTER_PORT" not in told[0], told[0]
-        assert not engine.healthy and "could not recover" in engine.unavailable_reason()
-    finally:
-        if worker.poll() is None:
+        try:
+            assert engine.healthy
             worker.kill()
-        worker.wait()
-        if engine is not None:
+            assert _wait_until(lambda: told, 20), "the engine did not stop"
+            assert "stage 1" in told[0] and "env:// launch" in told[0] and "MASTER_PORT" not in told[0], told[0]
+            assert not engine.healthy and "could not recover" in engine.unavailable_reason()
+        finally:
             engine.shutdown()
 
 

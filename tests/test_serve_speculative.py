@@ -495,7 +495,36 @@ def test_tokens_per_decode_step_count_only_what_the_output_got(ckpts):
     stop_at = 4
     assert ref[stop_at] not in ref[:stop_at]
     params = SamplingParams(max_tokens=18, stop_token_ids=[ref[stop_at]], ignore_eos=True)
-    def burst(rows, n):  # (the runner's burst step by step: where no fused operators run one, it runs none)
+    for drafter, bursts in ((Whole, False), (Never, True)):
+        sch = Scheduler(llm, _config(k=5, greedy_bursts=bursts))
+        sch.spec_dec.drafter = drafter([p + ref])
+        sch.runner.burst = stepwise_burst(sch)
+        got, ends = _serve(sch, [p], params)
+        assert got == [ref[:stop_at + 1]] and ends == ["stop"]
+        st = sch.spec_dec.stats
+        assert st.emitted == stop_at  # (the first token is the prefill's)
+        assert (st.steps, st.row_steps) == ((1, 1) if drafter is Whole else (7, stop_at))
+
+
+class Late(Oracle):
+    """Drafts a sequence's reference once it has 20 generated tokens, every draft wrong before (a phase change)."""
+
+    def __init__(self, refs: list[list[int]], prompt_len: int):
+        super().__init__(refs)
+        self.prompt_len = prompt_len
+
+    def propose(self, rows, seqs, ks, params, gens):
+        out = []
+        for b, k in zip(rows, ks):
+            d = self.refs[0][len(seqs[b]):len(seqs[b]) + k]
+            out.append(Proposal(d if len(seqs[b]) - self.prompt_len >= 20 else [(t + 1) % VOCAB for t in d]))
+        return out
+
+
+def stepwise_burst(sch):
+    """The runner's greedy burst run step by step (where no fused operators run one, the runner runs none)."""
+
+    def burst(rows, n):
         out = [[r.token] for r in rows]
         for j in range(n):
             dec, _ = sch.runner.step([DecodeRow(r.slot, r.position + j, o[-1], WANT_ARGMAX)
@@ -504,15 +533,7 @@ def test_tokens_per_decode_step_count_only_what_the_output_got(ckpts):
                 o.append(d.argmax)
         return [o[1:] for o in out], None
 
-    for drafter, bursts in ((Whole, False), (Never, True)):
-        sch = Scheduler(llm, _config(k=5, greedy_bursts=bursts))
-        sch.spec_dec.drafter = drafter([p + ref])
-        sch.runner.burst = burst
-        got, ends = _serve(sch, [p], params)
-        assert got == [ref[:stop_at + 1]] and ends == ["stop"]
-        st = sch.spec_dec.stats
-        assert st.emitted == stop_at  # (the first token is the prefill's)
-        assert (st.steps, st.row_steps) == ((1, 1) if drafter is Whole else (7, stop_at))
+    return burst
 
 
 def test_a_sequence_that_backed_off_drafts_again_when_its_drafts_pay(ckpts):
@@ -522,16 +543,8 @@ def test_a_sequence_that_backed_off_drafts_again_when_its_drafts_pay(ckpts):
     p, params = PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True)
     ref = llm.generate([p], params)[0].token_ids
 
-    class Late(Oracle):
-        def propose(self, rows, seqs, ks, params, gens):
-            out = []
-            for b, k in zip(rows, ks):
-                d = self.refs[0][len(seqs[b]):len(seqs[b]) + k]
-                out.append(Proposal(d if len(seqs[b]) - len(p) >= 20 else [(t + 1) % VOCAB for t in d]))
-            return out
-
     sch = Scheduler(llm, _config(k=4, adaptive=True, max_model_len=128))
-    sch.spec_dec.drafter = Late([p + ref])
+    sch.spec_dec.drafter = Late([p + ref], len(p))
     sch.spec_dec.ctl.measure = False  # (K from the acceptance and the prior cost model: no timings)
     got, _ = _serve(sch, [p], params)
     assert got == [ref] and sch.stats["spec_accepted"] > 0
@@ -545,26 +558,9 @@ def test_a_backed_off_sequence_probes_after_probe_every_steps_in_greedy_bursts(c
     p, params = PROMPTS[2], SamplingParams(max_tokens=110, ignore_eos=True)
     ref = llm.generate([p], params)[0].token_ids
 
-    class Late(Oracle):
-        def propose(self, rows, seqs, ks, params, gens):
-            out = []
-            for b, k in zip(rows, ks):
-                d = self.refs[0][len(seqs[b]):len(seqs[b]) + k]
-                out.append(Proposal(d if len(seqs[b]) - len(p) >= 20 else [(t + 1) % VOCAB for t in d]))
-            return out
-
-    def burst(rows, n):  # (the runner's burst step by step: where no fused operators run one, it runs none)
-        out = [[r.token] for r in rows]
-        for j in range(n):
-            dec, _ = sch.runner.step([DecodeRow(r.slot, r.position + j, o[-1], WANT_ARGMAX)
-                                      for r, o in zip(rows, out)], [])
-            for o, d in zip(out, dec):
-                o.append(d.argmax)
-        return [o[1:] for o in out], None
-
     sch = Scheduler(llm, _config(k=4, adaptive=True, max_model_len=128, greedy_bursts=True))
-    sch.spec_dec.drafter = Late([p + ref])
-    sch.runner.burst = burst
+    sch.spec_dec.drafter = Late([p + ref], len(p))
+    sch.runner.burst = stepwise_burst(sch)
     sch.spec_dec.ctl.measure = False  # (K from the acceptance and the prior cost model: no timings)
     drafted_at = []
     choose = sch.spec_dec.ctl.choose
