@@ -124,7 +124,8 @@ def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
     experts' as routed, the dense FFN's), rms_norm and silu_mul elements, mla_decode FLOPs and mamba2_mix state
     elements as the modules' path
     counts for a decode step of 3 rows at different positions, the FFN's under ``ffn_label`` as the twin's label-only
-    hooks put the modules' FFN ops; no more ops than the modules' path."""
+    hooks put the modules' FFN ops, an MoE router's under the layer's (AFD routes on the attention side); no more ops
+    than the modules' path."""
     from waferline.model.quant import QuantOptions, quantize_model
 
     build("deepseek_v3", tmp_path, q_lora_rank=64)
@@ -146,9 +147,57 @@ def test_op_counter_sees_inside_layer_ops(tmp_path, monkeypatch, one_thread):
     _counted_layer_parts(sol, sol.layers[1], monkeypatch)  # Mamba-2 + MoE: waferline::mamba_ffn_layer
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+def test_the_twin_counts_an_moe_router_as_its_layers_part(tmp_path, monkeypatch, one_thread, fused):
+    """AFD's attention ranks route their tokens (engine/afd/): the twin's op counts put an MoE router's work under its
+    layer, not under the FFN part the FFN ranks run (it was under the FFN's, in the fused layer operators and the
+    modules' path alike)."""
+    from waferline.model.moe import MoE
+    from waferline.model.quant import QuantOptions, quantize_model
+    from waferline.sim.calibrate.opcount import OpCounter
+    from waferline.sim.twin_engine import label_layers
+
+    build("qwen3_moe", tmp_path)
+    model = load_model(tmp_path, torch.bfloat16)
+    quantize_model(model, QuantOptions(group_size=32))
+    routed: list = []
+    account = OpCounter._account
+
+    def spy(self, name, lab, *a, **kw):  # noqa: ANN001 - a fused layer operator's routing part
+        if name == "moe_route":
+            routed.append(lab)
+        return account(self, name, lab, *a, **kw)
+
+    route = MoE.route
+
+    def routing(self, x):  # noqa: ANN001 - the modules' path: the label its ops are counted under
+        routed.append(c.label)
+        return route(self, x)
+
+    monkeypatch.setattr(OpCounter, "_account", spy)
+    monkeypatch.setattr(MoE, "route", routing)
+    c = OpCounter()
+    hooks = label_layers(model, c)
+    prev = kernels.use(fused)
+    try:
+        caches = model.new_caches(3)
+        with torch.inference_mode(), c:
+            for b, k in enumerate((5, 9, 7)):
+                model(torch.arange(3, 3 + k)[None], caches, StepBatch.make([b], [0], k))
+            x = torch.arange(3, 6)[:, None]
+            model(x, caches, StepBatch.make([0, 1, 2], [5, 9, 7], 1))
+    finally:
+        kernels.use(prev)
+        for h in hooks:
+            h.remove()
+    assert routed and all(isinstance(lab, int) for lab in routed), routed
+    assert "route" not in model.layers[-1].ffn.__dict__  # (removed with the hooks)
+
+
 def _counted_layer_parts(model, layer, monkeypatch):
     from waferline.model.decoder import LABEL_ONLY, DecoderLayer
     from waferline.sim.calibrate.opcount import OpCounter, _priced_calls
+    from waferline.sim.twin_engine import _RouteAsLayer
 
     i = list(model.layers).index(layer)
     seen: list[tuple[int, float]] = []
@@ -161,6 +210,8 @@ def _counted_layer_parts(model, layer, monkeypatch):
         for f in (pre, post):
             setattr(f, LABEL_ONLY, True)
         hooks = [layer.ffn.register_forward_pre_hook(pre), layer.ffn.register_forward_hook(post)]
+        if callable(getattr(layer.ffn, "route", None)):  # (the router: the layer's part, as AFD routes)
+            hooks.append(_RouteAsLayer(layer.ffn, c, "layer"))
         with monkeypatch.context() as mp:
             if not fused:
                 mp.setattr(DecoderLayer, "_fused_step", lambda self, x, cache, batch: None)

@@ -259,22 +259,13 @@ def count_prefill_chunks(path: str, sweeps: list[list[int]], dtype: str = "bfloa
     from waferline.engine.llm import LLM
     from waferline.model.context import StepBatch
     from waferline.sim.calibrate.opcount import OpCounter
-    from waferline.sim.twin_engine import _both, _label_only, _merged, make_prompts
+    from waferline.sim.twin_engine import _both, _merged, label_layers, make_prompts
 
     torch.set_num_threads(1)
     llm = LLM(path, dtype=dtype)
     model = llm.model
     counter = OpCounter()
-    counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part, as count_ops labels it (what AFD's FFN ranks run)
-    hooks = []
-    for i, layer in zip(model.layer_range, model.layers):  # layer labels only (the fused layer path stays on)
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
-        if getattr(layer, "ffn", None) is not None:
-            hooks.append(layer.ffn.register_forward_pre_hook(
-                _label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
-            hooks.append(layer.ffn.register_forward_hook(
-                _label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
+    hooks = label_layers(model, counter)
     out: dict[str, Any] = {}
     with torch.inference_mode():
         for rows, P, chunk in sweeps:

@@ -106,17 +106,7 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
     model = llm.model
     idx = list(model.layer_range)
     counter = OpCounter()
-    counter.ffn_label = lambda i: f"f{i}"  # a layer op's FFN part (mla_moe_layer, ffn_residual), as the hooks label it
-    hooks = []
-
-    for i, layer in zip(idx, model.layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
-        if getattr(layer, "ffn", None) is not None:  # the FFN part separately (what AFD's FFN ranks run)
-            hooks.append(layer.ffn.register_forward_pre_hook(
-                _label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
-            hooks.append(layer.ffn.register_forward_hook(
-                _label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
+    hooks = label_layers(model, counter)
     prompts = make_prompts(llm.spec.vocab_size, max(decode_rows, prefill_rows), prompt_len)
 
     def run(rows: int, max_tokens: int) -> tuple[dict[Any, dict[str, float]], dict[str, float]]:
@@ -155,6 +145,44 @@ def count_ops(path: str, dtype: str, speculative: str, k: int, decode_rows: int,
         h_.remove()
     return {"decode": decode, "prefill": pre, "decode_rows": decode_rows, "prefill_rows": prefill_rows,
             "tokens_per_row": (k + 1) if speculative != "none" else 1}
+
+
+def label_layers(model: Any, counter: Any) -> list[Any]:
+    """Label ``counter``'s ops (an OpCounter) by the layer that runs them (``i``; outside the layers: None) and a
+    layer's FFN part apart (``f{i}``: what AFD's FFN ranks run, its router excepted: the attention ranks route their
+    tokens, engine/afd/); the fused layer ops' parts as OpCounter.ffn_label says. Returns the hooks (``.remove()``)."""
+    counter.ffn_label = lambda i: f"f{i}"
+    hooks: list[Any] = []
+    for i, layer in zip(model.layer_range, model.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "label", i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "label", None)))
+        ffn = getattr(layer, "ffn", None)
+        if ffn is None:
+            continue
+        hooks.append(ffn.register_forward_pre_hook(_label_only(lambda m, a, i=i: setattr(counter, "label", f"f{i}"))))
+        hooks.append(ffn.register_forward_hook(_label_only(lambda m, a, o, i=i: setattr(counter, "label", i))))
+        if callable(getattr(ffn, "route", None)):  # (an MoE block's router: the layer's part, as AFD runs it)
+            hooks.append(_RouteAsLayer(ffn, counter, i))
+    return hooks
+
+
+class _RouteAsLayer:
+    """An MoE block's ``route`` counted under its layer's label, not its FFN's; ``remove()`` undoes it."""
+
+    def __init__(self, ffn: Any, counter: Any, i: int):
+        self.ffn, route = ffn, ffn.route
+
+        def routed(x: Any) -> Any:
+            was, counter.label = counter.label, i
+            try:
+                return route(x)
+            finally:
+                counter.label = was
+
+        ffn.route = routed
+
+    def remove(self) -> None:
+        self.ffn.__dict__.pop("route", None)
 
 
 def _label_only(fn: Any) -> Any:

@@ -239,7 +239,7 @@ def ffn_residual_parts(args: Any, out: Any) -> list[tuple[str, Any, tuple, Any]]
     parts: list[tuple[str, Any, tuple, Any]] = [("rms_norm", None, (h, norm, eps), h)]
     if gate_w.numel():
         weights = idx.new_empty(idx.shape, dtype=torch.float32)
-        parts += [("moe_route", "ffn", (hn, *route), (weights, idx)),
+        parts += [("moe_route", None, (hn, *route), (weights, idx)),  # (AFD's attention ranks route: engine/afd/)
                   ("moe_ffn", "ffn", (hn, weights, idx, *moe_w, group, inter, shared), hn)]
     else:  # a dense FFN: its weights where the shared expert's go
         N = int(hn.shape[0])
