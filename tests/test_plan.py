@@ -5,7 +5,7 @@ import json
 import pytest
 
 from waferline.errors import ConfigError, FitError
-from waferline.plan.place import context_capacity, place
+from waferline.plan.place import context_capacity, place, restage_memory
 from waferline.plan.plan import Plan, SpeculativeConfig
 from waferline.spec.catalog import list_models, load_model, model_config
 from waferline.spec.configs import parse_hf_config
@@ -836,3 +836,33 @@ def test_plans_of_models_made_one_after_another_are_each_their_own():
             layer.weight_bytes(16) for layer in spec.layers)
         del spec, plan
         gc.collect()
+
+
+def test_gpu_stages_are_split_by_their_memory_per_device():
+    """A stage of a tensor-parallel group holds its MLA latents whole on every device: the split that balances the
+    stages' bytes is not the one that balances their bytes per device. deepseek-v3 at 128k x 64, 8-bit, on SN40L
+    sockets: 13 stages of 8 hold it (5 layers each, the LM head's stage 1), where the split by bytes took 15 (120
+    sockets; --devices 104 fitted it in 26 stages of 4)."""
+    kw = dict(weight_bits=8, context=131072, batch=64)
+    plan = place("deepseek-v3", "sn40l", **kw)
+    assert plan.fits and [s.num_devices for s in plan.stages] == [8] * 13, [s.num_devices for s in plan.stages]
+    assert [len(s.layers) for s in plan.stages] == [5] * 12 + [1]
+    plan = place("deepseek-v3", "sn40l", devices=104, **kw)
+    assert plan.fits and [s.num_devices for s in plan.stages] == [8] * 13
+
+
+def test_an_attention_rank_whose_cache_no_device_count_holds_is_not_answered_with_more_devices():
+    """llama-3.1-8b on wafers, AFD with 2 attention ranks, 128k x 64, 8-bit: each rank's 14 wafers hold 68.72 GB of
+    cache each (8 KV heads: a cache splits over 8 devices at most), so more wafers do not help; the plan said to use
+    "more devices" (the ranks' stages were explained without their cache floor), in place and when a plan file is
+    re-judged; more attention ranks do help (each holds a smaller share of the batch's caches)."""
+    plan = place("llama-3.1-8b", "wse-3", weight_bits=8, afd=True, attention_ranks=2, ffn_ranks=1, context=131072,
+                 batch=64)
+    assert not plan.fits and len(plan.problems) == 2
+    placed = list(plan.problems)
+    restage_memory(plan, "llama-3.1-8b")
+    for problems in (placed, plan.problems):
+        assert all("more devices in the stage do not help" in p and "more --attention-ranks" in p
+                   and "or more devices" not in p for p in problems), problems
+    assert place("llama-3.1-8b", "wse-3", weight_bits=8, afd=True, attention_ranks=4, ffn_ranks=1, context=131072,
+                 batch=64).fits

@@ -179,10 +179,15 @@ def _devices_for(parts: list[_Part], hw: HardwareSpec, act: float, extra: float 
     return hi
 
 
-def _balanced_split(parts: list[_Part], n: int, ends: _Ends = _NO_ENDS) -> list[list[_Part]]:
-    """Split parts into n contiguous non-empty groups minimising the largest group's memory (extras on the ends)."""
+def _balanced_split(parts: list[_Part], n: int, ends: _Ends = _NO_ENDS, width: int = 1) -> list[list[_Part]]:
+    """Split parts into n contiguous non-empty groups minimising the largest group's memory per device (extras on the
+    ends) on ``width`` devices a group, as ``_stage_memory`` counts it: a cache past its shard limit (an MLA latent,
+    GQA's KV heads) is not divided by all of them, so the groups of least bytes are not those of least bytes per
+    device."""
     n = max(1, min(n, len(parts)))
-    sizes = [p.weights + p.cache + e for p, e in zip(parts, ends.each(len(parts)))]
+    sizes = [p.weights + p.cache + e if width == 1 else (p.weights + e) / width + cache_per_device(p.cache, width,
+                                                                                                  p.kv_shards)
+             for p, e in zip(parts, ends.each(len(parts)))]
 
     def cuts(limit: float) -> list[int] | None:
         starts, acc = [0], 0.0
@@ -554,9 +559,11 @@ def place(model: Any, hardware: Any, *, devices: int | None = None, weight_bits:
         notes.append(f"{devices - plan.num_devices} of {devices} devices left idle: the layout uses "
                      f"{plan.num_devices} (stages of whole tensor-parallel groups)")
     plan.micro_batches = micro_batches if micro_batches else max(1, min(batch, plan.num_stages))
-    floors = None
-    if not (afd and (attention_ranks is not None or ffn_ranks is not None)):  # (ranks hold a share of the batch)
-        floors = {}
+    floors = {}
+    if afd and (attention_ranks is not None or ffn_ranks is not None):  # (a rank holds its share of the batch's caches)
+        att = _afd_rank_parts(spec, M, N, weight_bits, kv_bits, context, batch, group_size, drafts)[0]
+        floors = {s.index: _cache_floor(att) for s in stages if s.role == "attention" and not s.memory.fits}
+    else:
         for s in stages:
             if not s.memory.fits:
                 by_layer = {p.layer: p for p in _parts(spec, s.role, weight_bits, kv_bits, context, batch, group_size,
@@ -664,7 +671,7 @@ def _place_tensor(spec: ModelSpec, hw: HardwareSpec, devices: int | None, k: int
         if k is not None:
             groups = _by_k(parts, k)
         else:
-            groups = _balanced_split(parts, pp, ends)
+            groups = _balanced_split(parts, pp, ends, tp)
         return [(g, tp) for g in groups]
 
     def fits(groups: list[tuple[list[_Part], int]]) -> bool:
@@ -804,8 +811,10 @@ def explain(plan: Plan, cache_floors: dict[int, float] | None = None) -> list[st
                 and floor + m.activations + m.reserve > m.capacity:
             hint = (f"more devices in the stage do not help: each holds {_gb(floor)} of cache however many share "
                     "it (a layer's cache splits over at most its KV heads; an MLA latent over none); use a shorter "
-                    "--context, a smaller --batch" + (", --kv-bits 8 or fewer layers per stage" if len(s.layers) > 1
-                                                     else " or --kv-bits 8"))
+                    "--context, a smaller --batch"
+                    + (", --kv-bits 8 or more --attention-ranks (each holds a smaller share of the batch's caches)"
+                       if plan.attention_ranks else ", --kv-bits 8 or fewer layers per stage" if len(s.layers) > 1
+                       else " or --kv-bits 8"))
         out.append(
             f"stage {s.index} ({s.role}, {layers}, {s.num_devices} x {s.device}): per device weights {_gb(m.weights)}"
             f" + cache {_gb(m.cache)}" + (f" + speculation's rollback states {_gb(m.rollback)}" if m.rollback else "")
@@ -893,9 +902,8 @@ def restage_memory(plan: Plan, model: Any, drafter: float = 0.0, spec_tokens: in
                            f"{st.memory.total / 1e9:,.2f} GB")
         st.memory = mem
     # (what fits, and why not, from the memory as recomputed: not the file's, placed on other numbers)
-    floors = None if plan.attention_ranks else {
-        st.index: _cache_floor([by_role[st.role][i] for i in st.layers if i in by_role[st.role]])
-        for st in plan.stages if not st.memory.fits}
+    floors = {st.index: _cache_floor([by_role[st.role][i] for i in st.layers if i in by_role[st.role]])
+              for st in plan.stages if not st.memory.fits and st.role in by_role}  # (AFD ranks: an FFN rank's none)
     plan.problems = explain(plan, floors)
     plan.fits = not plan.problems
     return changed
