@@ -114,7 +114,7 @@ class LLM:
                                   "max_position_embeddings: positions past it were never trained)")
         self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         speculative, num_speculative_tokens = plan_run(pipeline_options, self.path, weight_bits, speculative,
-                                                       num_speculative_tokens)  # (a plan's own, or as the plan's)
+                                                       num_speculative_tokens)  # (a Plan: its speculation, or refused)
         check_speculative(self.path, speculative, num_speculative_tokens, self.tokenizer)  # (before any weights)
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
