@@ -26,12 +26,9 @@ if TYPE_CHECKING:
 
 def _less(w: Work, fw: Work) -> Work:
     """A layer's work ``w`` less its FFN part ``fw`` (what the attention side runs)."""
-    return Work(w.ops - fw.ops, {k: v - fw.mm_bytes.get(k, 0.0) for k, v in w.mm_bytes.items()},
-                {k: v - fw.mm_flops.get(k, 0.0) for k, v in w.mm_flops.items()},
-                w.small_bytes - fw.small_bytes, w.large_bytes - fw.large_bytes,
-                {k: v - fw.calls.get(k, 0.0) for k, v in w.calls.items()},
-                w.small_bytes_bf16 - fw.small_bytes_bf16, w.large_bytes_bf16 - fw.large_bytes_bf16,
-                {k: v - fw.fused.get(k, 0.0) for k, v in w.fused.items()})
+    out = w.scaled(1.0)
+    out.add(fw.scaled(-1.0))
+    return out
 
 
 def _simulate_host_afd(
@@ -103,27 +100,14 @@ def _simulate_host_afd(
             ops_s, mm_s, other_s = _work_time(host, w, cop, comp, hot=hot, **kw)
             return (ops_s + other_s) * rs + mm_s
 
-        def scaled(fw: Work, x: float) -> Work:
-            return Work(
-                fw.ops * x,
-                {k: v * x for k, v in fw.mm_bytes.items()},
-                {k: v * x for k, v in fw.mm_flops.items()},
-                fw.small_bytes * x,
-                fw.large_bytes * x,
-                {k: v * x for k, v in fw.calls.items()},
-                fw.small_bytes_bf16 * x,
-                fw.large_bytes_bf16 * x,
-                {k: v * x for k, v in fw.fused.items()},
-            )
-
         # f_t: an FFN rank's averaged share (the Ma attention ranks' tokens over Nf ranks); r_t: the slowest rank's
         # part, the layer's owner (what one micro-batch's round trip waits for)
         a_t, f_t, r_t = [], [], []
         for i, w in sorted(count.layers.items()):
             fw = ffn_w.get(i, Work())
             a_t.append(secs(_less(w, fw)))
-            f_t.append(secs(scaled(fw, Ma / Nf)) if fw.ops else 0.0)
-            r_t.append(secs(scaled(fw, Ma * owner_share(i))) if fw.ops else 0.0)
+            f_t.append(secs(fw.scaled(Ma / Nf)) if fw.ops else 0.0)
+            r_t.append(secs(fw.scaled(Ma * owner_share(i))) if fw.ops else 0.0)
         return a_t, f_t, r_t, secs(count.other)
 
     dc = profile.decode(b, t)

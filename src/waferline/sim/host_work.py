@@ -43,6 +43,13 @@ class Work:
             fused={k[6:]: float(v) for k, v in w.items() if k.startswith("fused|")},
         )
 
+    def scaled(self, x: float) -> Work:
+        """This work ``x`` times (x < 0: to take it off another's with ``add``)."""
+        return Work(self.ops * x, {k: v * x for k, v in self.mm_bytes.items()},
+                    {k: v * x for k, v in self.mm_flops.items()}, self.small_bytes * x, self.large_bytes * x,
+                    {k: v * x for k, v in self.calls.items()}, self.small_bytes_bf16 * x, self.large_bytes_bf16 * x,
+                    {k: v * x for k, v in self.fused.items()})
+
     def add(self, o: Work) -> None:
         self.ops += o.ops
         for k, v in o.mm_bytes.items():
