@@ -25,6 +25,10 @@ nvidia-smi -L 2>&1 | tee "$OUT/machine.txt"
 "$PY" -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
 "transformers", transformers.__version__)' 2>&1 | tee -a "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"
+# the result files are named after the card (h100, h200, ...): timings compare only within one kind of card
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[a-z][0-9]{2,4}' | head -1 \
+    | tr 'A-Z' 'a-z')
+GPU=${GPU:-gpu}
 
 t0=$(date +%s)
 timeout "${TESTS_S:-230}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/test_cuda.log"
@@ -32,16 +36,16 @@ echo "== tests: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
 timeout "${SERVE_S:-140}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
-    --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_16c.json" 2>&1 \
+    --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_$GPU.json" 2>&1 \
     | grep -v "Writing model shards" | tee "$OUT/serve_pipeline.log"
 echo "== serve load: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
 timeout "${DECODE_S:-150}" "$PY" benchmarks/decode_speed.py --device cuda --models llama-gpu --repeats 1 \
-    --threads "$(nproc)" --json "$OUT/decode_speed_h200.json" 2>&1 | tee "$OUT/decode_speed.log"
+    --threads "$(nproc)" --json "$OUT/decode_speed_$GPU.json" 2>&1 | tee "$OUT/decode_speed.log"
 echo "== decode speed: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
 timeout "${LAUNCH_S:-60}" "$PY" benchmarks/step_launches.py --device cuda --models llama-gpu dsv3-gpu \
-    --out "$OUT/step_launches_h200.json" 2>&1 | tee "$OUT/step_launches.log"
+    --out "$OUT/step_launches_$GPU.json" 2>&1 | tee "$OUT/step_launches.log"
 echo "== step launches: $(( $(date +%s) - t0 )) s"
