@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--duration", type=float, default=20.0, help="seconds during which clients start new requests")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--warmup", type=float, default=5.0,
+                    help="seconds of the same load before the measured one, not recorded (default 5; 0: one request)")
     ap.add_argument("--prompt-chars", type=int, default=120)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--max-num-seqs", type=int, default=16, help="server flag (with --model)")
@@ -203,6 +205,8 @@ def main() -> None:
             "data"][0]["id"]
         _ok(httpx.post(base + "/v1/completions", headers=headers, timeout=120,  # warm-up, outside the measurement
                        json={"model": model, "prompt": PROMPT, "max_tokens": 4}), "the warm-up request")
+        if args.warmup > 0:  # a fresh server's first load ran slower (TTFT p50 3-5x): run here, not counted
+            asyncio.run(_load(argparse.Namespace(**dict(vars(args), duration=args.warmup)), base, model))
         rss_before = _rss_mib(pid)
         res = asyncio.run(_load(args, base, model))
         rss_after = _rss_mib(pid)

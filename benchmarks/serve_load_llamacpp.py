@@ -13,7 +13,8 @@ The checkpoint is decode_speed.py's "llama" (124.7M parameters: hidden 768, 12 l
 under benchmarks/.cache/llama, converted to GGUF f16 by llama.cpp's convert_hf_to_gguf.py and to Q4_0 by llama.cpp's
 quantizer (both from llama-cpp-python). waferline's int4 server runs an int8 LM head (--head-bits; the Q4_0 file keeps
 its output projection as Q6_K) and bf16 activations (--int4-dtype: W4A16). Every server gets the same thread count,
-runs on its own free 127.0.0.1 port and takes one warm-up request; then, for each client count, each server in turn
+runs on its own free 127.0.0.1 port and takes one warm-up request and --warmup seconds of the largest load, not
+counted (a fresh server's first load ran 1.2-1.5x slower); then, for each client count, each server in turn
 (the others idle; the order reversed at every other count, so a host whose speed drifts shifts all engines alike) gets
 the load for --duration seconds (clients start new requests until then; requests in flight finish, so a queueing
 server runs longer than --duration). Each point also records the host's CPU split over its window (busy / idle /
@@ -192,6 +193,14 @@ def measure(e: Engine, live: Live, clients: int, args: argparse.Namespace) -> No
           flush=True)
 
 
+def warm(live: Live, clients: int, args: argparse.Namespace) -> None:
+    """``clients`` streaming clients against ``live`` for --warmup seconds, not recorded (a server's first load of
+    many sequences pays for its first steps of those shapes)."""
+    la = argparse.Namespace(clients=clients, duration=args.warmup, max_tokens=args.max_tokens,
+                            prompt_chars=args.prompt_chars, temperature=args.temperature, api_key=None)
+    asyncio.run(_load(la, live.base, live.model))
+
+
 def _cpu_times() -> list[int] | None:
     """The host's aggregate CPU jiffies from /proc/stat (user nice system idle iowait irq softirq steal), or None."""
     try:
@@ -232,6 +241,9 @@ def run_all(runs: list[Engine], args: argparse.Namespace, logdir: Path) -> None:
             got = start_engine(e, logdir)
             if got is not None:
                 live[i] = got
+        if args.warmup > 0:  # each server's first load ran slower (TTFT p50 3-5x): it is run here, not counted
+            for i in sorted(live):
+                warm(live[i], max(args.clients), args)
         for n, clients in enumerate(args.clients):
             order = sorted(live) if n % 2 == 0 else sorted(live, reverse=True)
             for i in order:
@@ -282,6 +294,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds per client count during which clients "
                     "start new requests")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--warmup", type=float, default=5.0,
+                    help="seconds of the largest client count's load each server gets once before the measured points, "
+                         "not recorded (default 5; 0: only the one warm-up request)")
     ap.add_argument("--prompt-chars", type=int, default=120)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,

@@ -670,3 +670,41 @@ def test_twin_layers_times_the_layers_on_the_clock_of_the_step(tmp_path, monkeyp
         monkeypatch.undo()
     rows = json.loads(out.read_text())["rows"]
     assert rows[-1]["part"] == "other" and all(abs(r["measured_s"]) < 0.5 for r in rows), rows
+
+
+def test_serve_load_warms_the_server_with_its_own_load_before_measuring(tmp_path):
+    """A fresh server's first load of many sequences ran 1.2-1.5x slower than the next (its first steps of those
+    shapes), and serve_load.py measured it after one 4-token request: --warmup seconds of the same load now run first,
+    not counted."""
+    import threading
+    import time
+
+    posts = []
+    lock = threading.Lock()
+    token = {"choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]}
+
+    def stream():
+        time.sleep(0.05)
+        yield f"data: {json.dumps(token)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    def handler(method, path):
+        if path == "/v1/models":
+            return 200, "application/json", [json.dumps({"data": [{"id": "m"}]})]
+        if method == "POST":
+            with lock:
+                posts.append(path)
+            return 200, "text/event-stream", stream()
+        return 200, "text/plain", ["ok"]
+
+    srv = _FakeServer(handler)
+    try:
+        out = tmp_path / "r.json"
+        r = _run([str(BENCH / "serve_load.py"), "--url", srv.url, "--clients", "2", "--duration", "0.5",
+                  "--warmup", "0.5", "--out", str(out)])
+        assert r.returncode == 0, r.stderr[-2000:]
+    finally:
+        srv.close()
+    measured = json.loads(out.read_text())["requests"]
+    assert measured >= 4
+    assert len(posts) >= 1 + measured + 8  # the warm-up request, the measured load and ~0.5 s of warm-up load
