@@ -1066,6 +1066,43 @@ def test_serve_stops_within_the_shutdown_timeout(sol):
             p.wait(20)
 
 
+def test_requests_still_running_at_the_shutdown_timeout_get_the_json_error(sol):
+    """SIGTERM with requests still generating at --shutdown-timeout: each is answered with the server's error before
+    it exits (a response: the 503 JSON error object, not uvicorn's plain-text 500 of a cancelled handler; a stream:
+    its error event, not a connection closed mid-body), and the server still exits at about that timeout."""
+    import signal
+    import time
+
+    p, port = start_serve(sol, "--max-model-len", "1024", "--torch-threads", "1", "--shutdown-timeout", "0.5")
+    base = f"http://127.0.0.1:{port}"
+    long = {"model": sol.name, "max_tokens": 1000, "ignore_eos": True}  # (seconds of tokens on one thread)
+
+    def stream() -> list[str]:
+        body = dict(long, messages=[{"role": "user", "content": "hi"}], stream=True)
+        with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+            return [line for line in r.iter_lines() if line]
+
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(httpx.post, base + "/v1/completions", json=dict(long, prompt="Cerebras"), timeout=30)
+            streamed = pool.submit(stream)
+            assert _wait_until(lambda: httpx.get(base + "/health").json()["running"] == 2, 20, 0.02)
+            p.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            rc = p.wait(20)
+            took = time.monotonic() - t0
+            r, lines = plain.result(), streamed.result()
+        assert rc == 0 and took < 10, (rc, took)
+        err = _assert_error(r, 503)
+        assert err["type"] == "server_error" and "shutting down" in err["message"], err
+        assert lines[-1] == "data: [DONE]" and "shutting down" in json.loads(lines[-2][6:])["error"]["message"], lines
+        assert "Traceback" not in p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(20)
+
+
 def test_scheduler_runs_on_the_engines_device(tmp_path):
     """The single-process runner is made on the LLM's device (its caches there; logits come back to the host)."""
     build("llama", tmp_path)

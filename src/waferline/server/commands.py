@@ -4,6 +4,7 @@ over a pipeline of stage processes (--stages / --layers-per-stage)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -178,6 +179,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     import signal
 
     import uvicorn
+    from uvicorn.main import STARTUP_FAILURE
 
     if args.model_dir is not None and args.model is not None and \
             Path(args.model_dir).resolve() != Path(args.model).resolve():
@@ -235,11 +237,40 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # (a stop waits for the requests in flight at most --shutdown-timeout seconds: a client that stops reading its
         # stream, or never sends its body, would hold it forever; uvicorn says in one line that it cut them off)
         logging.getLogger("uvicorn.error").addFilter(_not_cut_off)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=args.log_level == "debug",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                access_log=args.log_level == "debug",
+                                timeout_graceful_shutdown=args.shutdown_timeout + CUT_OFF_AFTER_S)
+        uvicorn_server = _stopping_server(uvicorn.Server, app.state.server.stop_requests, args.shutdown_timeout)(config)
+        with contextlib.suppress(KeyboardInterrupt):  # (SIGTERM, raised again once uvicorn has stopped: as uvicorn.run)
+            uvicorn_server.run()
+        if not uvicorn_server.started:
+            sys.exit(STARTUP_FAILURE)  # (as uvicorn.run exits where the server could not start)
     finally:
         engine.shutdown()
     return 1 if stopped else 0
+
+
+# (after --shutdown-timeout, when the server has answered the requests still in flight with its error) how long uvicorn
+# still waits before it cancels what is left: the connections of clients that do not take their answer
+CUT_OFF_AFTER_S = 0.5
+
+
+def _stopping_server(base: type, stop_requests: Callable[[], None], timeout: float) -> type:
+    """A ``uvicorn.Server`` class whose shutdown ends the requests still in flight ``timeout`` seconds after it
+    starts, with the server's JSON error (503; a stream's error event): uvicorn's own timeout, which cancels the
+    handlers, would answer them with a plain-text 500 or close the connection with no answer at all, and it comes
+    ``CUT_OFF_AFTER_S`` later, for the clients that do not read their answer."""
+    import asyncio
+
+    class StoppingServer(base):  # type: ignore[misc,valid-type]
+        async def shutdown(self, sockets: Any = None) -> None:
+            timer = asyncio.get_running_loop().call_later(timeout, stop_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+    return StoppingServer
 
 
 def register(sub: Any) -> None:
@@ -338,7 +369,7 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--shutdown-timeout", type=positive_float, default=30.0, metavar="S",
                    help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish (default 30); those "
-                        "still running then are cut off, and the server exits")
+                        "still running then end with a 503 error (a stream: its error event), and the server exits")
     s.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="without --api-key the server answers only requests whose Host is localhost, an IP address or "
                         "this machine's name; add comma-separated host names here (e.g. a name in /etc/hosts)")

@@ -63,6 +63,9 @@ class Server:
         # (as a Host header's name is compared: without a port or brackets, lowercased, no trailing dot)
         self.allowed_hosts = {_host_name(h) for h in (*allowed_hosts, socket.gethostname()) if h.strip()}
         self.metrics = Metrics(engine)
+        # set by ``stop_requests`` (the server's shutdown): why the requests in flight end, and later ones are refused
+        self.stopping: str | None = None
+        self._in_flight: weakref.WeakSet[asyncio.Queue] = weakref.WeakSet()  # each running request's event queue
         self.created = int(time.time())
         self.token_texts = TokenTexts(self.llm.tokenizer)  # (logprobs entries' token texts)
         self.tokenizer_lock: threading.Lock = engine.scheduler.tokenizer_lock  # shared with the engine's decoding
@@ -334,8 +337,10 @@ class Server:
         choice has finished; closing it early aborts those still running. ``score_only``: completions ``echo`` with
         ``max_tokens`` 0, whose one generated token the answer leaves out (nor do the metrics count it); ``n``: the
         choices of each prompt (in a row), whose prompt tokens the metrics count once, as ``usage`` does."""
+        if self.stopping is not None:
+            raise APIError(self.stopping, 503, type="server_error")
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, Event, float]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Event, float] | None] = asyncio.Queue()
 
         def sink_of(i: int) -> Callable[[Event], None]:
             def sink(ev: Event) -> None:
@@ -359,10 +364,21 @@ class Server:
         except RequestError as e:
             raise APIError(str(e), param=_param_of(str(e))) from None
         events = self._events(queue, rids, arrival, score_only, n)
+        self._in_flight.add(queue)
         # if the response is dropped before its body is ever iterated (an early disconnect), nothing would run the
         # generator's cleanup: abort when it is collected (a no-op for requests that already finished)
         weakref.finalize(events, _abort_all, self.engine, rids)
         return events
+
+    def stop_requests(self, reason: str = "the server is shutting down: the request did not finish within its "
+                      "shutdown timeout") -> None:
+        """End every request in flight with the error ``reason`` (an engine error, HTTP 503: the JSON error object of
+        a response not sent yet, a stream's error event) and refuse those that reach the engine after it. Called on the
+        event loop, by the server's shutdown at its timeout: answered here, the requests still running are not cut off
+        with no answer (the connections closed, or uvicorn's plain-text 500) when uvicorn cancels them."""
+        self.stopping = reason
+        for queue in list(self._in_flight):
+            queue.put_nowait(None)  # (the stream turns it into its error; the engine's sequences are then aborted)
 
     async def _events(self, queue: asyncio.Queue, rids: list[str], arrival: float, score_only: bool = False,
                       n: int = 1) -> AsyncIterator[tuple[int, Event, float]]:
@@ -389,14 +405,19 @@ class Server:
 
         try:
             while running:
-                i, ev, t = await queue.get()
-                count(i, ev, t)
-                yield i, ev, t
+                item = await queue.get()
+                if item is None:  # (``stop_requests``) the request ends with the server's error, as a fault ends it
+                    item = (min(running), Event(None, "", True, "error", error=self.stopping, unavailable=True),
+                            time.perf_counter())
+                count(*item)
+                yield item
         finally:
             # what the engine did while the client was not reading (a stalled stream) is counted as it happened: the
             # choices it finished are not aborts
             while running and not queue.empty():
-                count(*queue.get_nowait())
+                item = queue.get_nowait()
+                if item is not None:
+                    count(*item)
             for i in running:  # the client went away (or the handler failed): stop the sequence, free its pages
                 self.engine.abort(rids[i])
                 m.finished.labels("abort").inc()
