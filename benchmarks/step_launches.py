@@ -9,7 +9,10 @@ not depend on the widths) one request of a 64-token prompt decodes; every ATen o
 recorded under a TorchDispatchMode and sorted into: **launches** (an operation that writes a new or an existing
 tensor: a kernel on a GPU), **views** (every output shares an input's storage: metadata only, no kernel; a no-op
 ``.to()`` or ``.contiguous()`` among them) and **host tensors** (``torch.tensor(...)`` of Python values inside the
-step: on a GPU each is a host-to-device copy). On CPU the engine runs its fused C++ operators; this script turns
+step: on a GPU each is a host-to-device copy) and **host reads** (a device tensor read back to the host: ``.item()``,
+``int()``/``float()``/``bool()`` of a tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``torch.nonzero``, a boolean-mask
+index, ``repeat_interleave`` of tensor repeats; on a GPU each waits for the queued kernels; on CPU every tensor counts,
+with ``--device cuda`` only those not on the host). On CPU the engine runs its fused C++ operators; this script turns
 them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as grouped products (``grouped_on_cpu``, as
 on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's absorbed products, which a CPU computes
 in fp32 (casts a GPU does not run). A composite operation (``rms_norm``, ``scaled_dot_product_attention``) counts
@@ -82,16 +85,68 @@ def _tensors(x: Any) -> list:
     return []
 
 
-def counter() -> Any:
-    """A TorchDispatchMode that sorts every ATen operation run under it into launches (by operation name), views
-    and host tensors (see the module's docstring)."""
+# operations that read a tensor's values back to the host (under inference mode ``bool(t)`` and ``.item()`` reach the
+# dispatcher as is_nonzero and item, outside it as _local_scalar_dense)
+READS = {"_local_scalar_dense", "item", "is_nonzero", "nonzero", "masked_select", "unique", "_unique", "_unique2",
+         "unique_consecutive", "unique_dim", "equal"}
+READ_METHODS = ("tolist", "cpu", "numpy")  # (these reach the dispatcher, if at all, as a copy or nothing)
+
+
+def _reads_back(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether operation ``name`` reads values back to the host: READS, a boolean-mask index (a nonzero inside),
+    ``repeat_interleave`` of tensor repeats without ``output_size`` (their sum read back)."""
+    import torch
+
+    if name in READS:
+        return True
+    if name == "index" and len(args) > 1:
+        return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8) for t in args[1])
+    if name == "repeat_interleave":
+        reps = args[1] if len(args) > 1 and isinstance(args[0], torch.Tensor) else args[0] if args else None
+        return isinstance(reps, torch.Tensor) and kwargs.get("output_size") is None
+    return False
+
+
+def counter(device: str = "cpu") -> Any:
+    """A TorchDispatchMode that sorts every ATen operation run under it into launches (by operation name), views,
+    host tensors and host reads (see the module's docstring); ``reads_at`` counts the host reads by where in waferline
+    they are made (file:line). Used as a context manager it also counts ``Tensor.tolist``, ``.cpu`` and ``.numpy``
+    calls (on ``device`` cpu every tensor's, elsewhere those of tensors not on the host)."""
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.launches: dict[str, int] = {}
-            self.views = self.host = 0
+            self.views = self.host = self.reads = 0
+            self.reads_at: dict[str, int] = {}
+            self._saved: dict[str, Any] = {}
+
+        def read(self) -> None:
+            self.reads += 1
+            at = _caller()
+            self.reads_at[at] = self.reads_at.get(at, 0) + 1
+
+        def __enter__(self) -> Any:
+            for m in READ_METHODS:
+                self._saved[m] = orig = getattr(torch.Tensor, m)
+
+                def wrapped(t: Any, *a: Any, _orig: Any = orig, **k: Any) -> Any:
+                    if device == "cpu" or t.device.type != "cpu":
+                        self.read()
+                    return _orig(t, *a, **k)
+
+                setattr(torch.Tensor, m, wrapped)
+            return super().__enter__()
+
+        def __exit__(self, *exc: Any) -> None:
+            try:
+                super().__exit__(*exc)
+            finally:
+                for m, orig in self._saved.items():
+                    setattr(torch.Tensor, m, orig)
+                self._saved.clear()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -99,6 +154,8 @@ def counter() -> Any:
             name = func.__name__.split(".")[0]
             writes = any(r.alias_info is not None and r.alias_info.is_write for r in func._schema.returns)
             outs = _tensors(out)
+            if _reads_back(name, args, kwargs):
+                self.read()
             if name == "lift_fresh":
                 self.host += 1
             elif name in ("empty", "empty_strided", "empty_like", "detach_", "detach"):
@@ -112,10 +169,22 @@ def counter() -> Any:
     return Count()
 
 
+def _caller() -> str:
+    """file:line of the innermost waferline frame on the stack (the code that made the read)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack() if f"{os.sep}waferline{os.sep}" in f.filename]
+    if not frames:
+        return "?"
+    f = frames[-1]
+    return f"{f.filename.rpartition(os.sep + 'waferline' + os.sep)[2]}:{f.lineno}"
+
+
 def count_decode(llm: Any, steps: int, timed_steps: int = 0) -> dict:
     """Operations per decode step of ``llm`` (an LLM): one greedy request of a 64-token prompt, counted for 1 + steps
-    tokens and for 1 token, the difference divided by ``steps``. With ``timed_steps``, also the best of 5 of the
-    eager step's time in ms."""
+    tokens and for 1 token, the difference divided by ``steps`` (``host_reads_at``: the host reads per step by where
+    they are made); ``prefill_host_reads`` / ``prefill_host_tensors``: those of the 1-token request (its prefill and
+    first token). With ``timed_steps``, also the best of 5 of the eager step's time in ms."""
     import time
 
     import torch
@@ -133,13 +202,17 @@ def count_decode(llm: Any, steps: int, timed_steps: int = 0) -> dict:
                 llm.generate([prompt], p)
 
     run(4)
-    short, long = counter(), counter()
+    device = str(next(iter(llm.model.parameters())).device.type)
+    short, long = counter(device), counter(device)
     run(1, short)
     run(1 + steps, long)
     names = set(short.launches) | set(long.launches)
     per = {k: (long.launches.get(k, 0) - short.launches.get(k, 0)) / steps for k in names}
+    at = {k: (long.reads_at.get(k, 0) - short.reads_at.get(k, 0)) / steps for k in long.reads_at}
     res = {"launches": sum(per.values()), "views": (long.views - short.views) / steps,
-           "host_tensors": (long.host - short.host) / steps, "by_op": {k: v for k, v in sorted(per.items()) if v}}
+           "host_tensors": (long.host - short.host) / steps, "host_reads": (long.reads - short.reads) / steps,
+           "host_reads_at": {k: v for k, v in sorted(at.items()) if v}, "prefill_host_reads": short.reads,
+           "prefill_host_tensors": short.host, "by_op": {k: v for k, v in sorted(per.items()) if v}}
     if timed_steps:
         sync = torch.cuda.synchronize if next(iter(llm.model.parameters())).is_cuda else (lambda: None)
         best = None
@@ -234,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     head = f"{'model':10s} {'layers':>6s}"
     for label, _ in trees:
-        head += f" {label + ' launches/step':>24s} {'per layer':>9s} {'host tensors':>12s}"
+        head += f" {label + ' launches/step':>24s} {'per layer':>9s} {'host tensors':>12s} {'host reads':>10s}"
         if a.time_steps:
             head += f" {'step ms':>8s}"
     print(head)
@@ -242,10 +315,17 @@ def main(argv: list[str] | None = None) -> int:
         line = f"{row['model']:10s} {row['layers']:6d}"
         for label, _ in trees:
             r = row[label]
-            line += f" {r['launches']:24.1f} {r['launches'] / row['layers']:9.1f} {r['host_tensors']:12.1f}"
+            line += (f" {r['launches']:24.1f} {r['launches'] / row['layers']:9.1f} {r['host_tensors']:12.1f}"
+                     f" {r.get('host_reads', float('nan')):10.1f}")  # (a baseline tree may not count them)
             if a.time_steps:
                 line += f" {r['eager_step_ms']:8.2f}"
         print(line)
+    for row in rows:  # where the host reads of a step are made
+        for label, _ in trees:
+            at = row[label].get("host_reads_at", {})
+            if at:
+                print(f"{row['model']} under {label}: host reads per step at "
+                      + ", ".join(f"{k} ({v:g})" for k, v in at.items()))
     if a.baseline:
         for row in rows:
             print(f"{row['model']}: {row['tree']['launches'] / row['baseline']['launches']:.2f}x the baseline's "

@@ -117,6 +117,34 @@ def test_a_decode_step_on_the_device_path_issues_few_operations(device_path, tmp
     # positions in one, and a page table's entry every 16 tokens; a greedy burst, which only a CPU program runs,
     # made its steps' batches (~13 copies a step) before finding it could not run
     assert got["host_tensors"] <= 1.25
+    # values read back to the host per step (on a GPU each waits for the queued kernels): the greedy tokens, once
+    assert got["host_reads"] == 1 and all(k.startswith("engine/runner.py") for k in got["host_reads_at"]), got
+    assert fixed["host_reads"] == 1
+
+
+@pytest.mark.parametrize("inference", [True, False])
+def test_the_step_counter_counts_reads_back_to_the_host(inference):
+    gen = script_module("step_launches")
+    sl = next(gen)
+    before = [getattr(torch.Tensor, m) for m in ("tolist", "cpu", "numpy")]
+    try:
+        x = torch.arange(6.0)
+        with torch.inference_mode(inference), sl.counter() as c:
+            x.sum().item()
+            bool(x[1] > 0)
+            int(x[2])
+            x.tolist()
+            x[x > 2]
+            torch.nonzero(x)
+            x.cpu()
+            x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1]))  # (their sum read back: 8 reads so far)
+            x.repeat_interleave(torch.tensor([1, 2, 1, 1, 1, 1]), output_size=7)
+            x.repeat_interleave(2)
+            x.max().to(torch.float64)
+    finally:
+        gen.close()
+    assert c.reads == 8 and sum(c.reads_at.values()) == 8
+    assert [getattr(torch.Tensor, m) for m in ("tolist", "cpu", "numpy")] == before  # (put back)
 
 
 def test_q_k_v_weights_lie_side_by_side_on_the_device_path_only(tmp_path, device_path):
@@ -177,3 +205,79 @@ def test_grouped_experts_compute_the_sorted_experts(mt, tmp_path):
         kernels.use(prev)
     assert calls  # (the grouped path ran)
     torch.testing.assert_close(grouped, sorted_, atol=1e-3, rtol=1e-3)  # (bitwise equal on this CPU's torch)
+
+
+class _DeviceTensors:
+    """Counts ``torch.tensor(..., device=...)`` calls and ``Tensor.to`` calls while in use: on a GPU each makes a
+    tensor from host values there, a synchronous host-to-device copy (the GPU's queue drained first)."""
+
+    def __enter__(self):
+        self.made = self.moved = 0
+        self._tensor, self._to = torch.tensor, torch.Tensor.to
+
+        def tensor(*a, **k):
+            self.made += k.get("device") is not None
+            return self._tensor(*a, **k)
+
+        def to(t, *a, **k):
+            self.moved += 1
+            return self._to(t, *a, **k)
+
+        torch.tensor, torch.Tensor.to = tensor, to
+        return self
+
+    def __exit__(self, *exc):
+        torch.tensor, torch.Tensor.to = self._tensor, self._to
+
+
+def test_a_prefill_and_a_verify_copy_their_inputs_to_the_device_once(device_path, tmp_path):
+    # a prefill call made its tokens, slots, starts, and the rows and positions its head reads as five tensors (five
+    # waits on a GPU), a verify its tokens, slots and positions as three: now one each
+    build("llama", tmp_path)
+    llm = LLM(tmp_path, speculative="ngram", num_speculative_tokens=3)
+    prompt = [5, 6, 7, 8, 9] * 6
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = llm.generate([prompt], greedy)[0].token_ids
+    runner = llm._scheduler.runner
+    calls = {"step": [], "verify": []}
+    for name in calls:
+        real = getattr(runner, name)
+
+        def counted(*a, _real=real, _name=name):
+            with _DeviceTensors() as n:
+                out = _real(*a)
+            calls[_name].append(n.made)
+            return out
+
+        setattr(runner, name, counted)
+    assert llm.generate([prompt], greedy)[0].token_ids == want
+    assert calls["verify"] and all(n == 1 for n in calls["verify"]), calls
+    assert calls["step"][0] == 1, calls  # (the prefill step: its one prompt)
+
+
+def test_a_write_back_copies_its_rows_to_the_device_once_for_every_layer(device_path, tmp_path):
+    # batched decode rows in pages that do not follow one another run on staging copies of their rows, written back
+    # to the pages layer by layer; each layer's write-back made its source and destination rows on the host and
+    # copied them to the device (2 waits a layer on a GPU), though every layer writes back the same entries
+    from waferline.model.attention import TokenCache
+
+    build("llama", tmp_path)
+    layers = configs()["llama"]["num_hidden_layers"]
+    llm = LLM(tmp_path)
+    prompts = [[1, 17, 42, 99, 5, 23, 64, 11, 87, 3][: 10 - i] for i in range(3)]
+    stream = llm.stream(prompts, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    for _ in range(3 * 4):  # (four steps in: each row's new entries wait in its staging copy)
+        next(stream)
+    try:
+        table = llm._scheduler.runner._table
+        writes = []
+        real = TokenCache._write_back
+        TokenCache._write_back = lambda self, st: writes.append(st) or real(self, st)
+        try:
+            with _DeviceTensors() as n:
+                table.flush()
+        finally:
+            TokenCache._write_back = real
+        assert len(writes) == layers and n.moved == 1, (len(writes), n.moved)
+    finally:
+        stream.close()

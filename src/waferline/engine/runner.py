@@ -173,15 +173,17 @@ class LocalRunner:
         pre_out: list[RowOutput | None] = [None] * len(prefills)
         for idx, T in self._prefill_calls(prefills):
             rows = [prefills[i] for i in idx]
-            toks = torch.tensor([r.tokens + [0] * (T - len(r.tokens)) for r in rows], device=dev)
-            h = self.model(toks, self.caches, StepBatch.make([r.slot for r in rows], [r.start for r in rows], T, dev))
+            want = [b for b, r in enumerate(rows) if r.want in (WANT_ARGMAX, WANT_LOGITS)]
+            # (the tokens, slots, starts and the rows and positions the head reads: one tensor, one copy to a GPU)
+            toks, batch, at = StepBatch.chunks([r.tokens + [0] * (T - len(r.tokens)) for r in rows],
+                                               [r.slot for r in rows], [r.start for r in rows], dev,
+                                               want + [len(rows[b].tokens) - 1 for b in want])
+            h = self.model(toks, self.caches, batch)
             for b, r in enumerate(rows):  # (scored chunks: the head at every position)
                 if r.want == WANT_LOGPROBS:
                     pre_out[idx[b]] = RowOutput(logits=self.model.logits(h[b, :len(r.tokens)]).float().cpu())
-            want = [b for b, r in enumerate(rows) if r.want in (WANT_ARGMAX, WANT_LOGITS)]
             if want:  # (the head once for the call's rows, at each row's last token)
-                last = torch.tensor([len(rows[b].tokens) - 1 for b in want], device=dev)
-                logits = self.model.logits(h[torch.tensor(want, device=dev), last]).cpu()
+                logits = self.model.logits(h[at[:len(want)], at[len(want):]]).cpu()
                 for j, b in enumerate(want):
                     pre_out[idx[b]] = RowOutput(logits=logits[j])
             if self.keep_hidden:
@@ -240,8 +242,8 @@ class LocalRunner:
         rollback; ``keep`` must follow before the next step."""
         width = max(len(r.tokens) for r in rows)
         dev = self.device
-        toks = torch.tensor([r.tokens + [0] * (width - len(r.tokens)) for r in rows], device=dev)
-        batch = StepBatch.make([r.slot for r in rows], [r.position for r in rows], width, dev)
+        toks, batch, _ = StepBatch.chunks([r.tokens + [0] * (width - len(r.tokens)) for r in rows],
+                                          [r.slot for r in rows], [r.position for r in rows], dev)
         self._rollback = VerifyRollback(self.caches, batch)
         greedy = [r.want == WANT_ARGMAX for r in rows]
         logits, hidden, top = self.model.step_logits(toks, self.caches, batch, argmax=any(greedy))

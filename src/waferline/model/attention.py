@@ -274,15 +274,12 @@ class TokenCache:
         counts = [max(0, h - lo) for lo, h in zip(st.lo, st.hi)]
         if not sum(counts):
             return
-        t, P, W, cap = self.table, self.table.page_tokens, self.data.shape[2], st.data.shape[1]
+        t, W = self.table, self.data.shape[2]
         t.columns(t.pages_for(max(st.hi)))
+        src, dst = t.write_back_rows(list(st.slots), list(st.lo), counts, st.data.shape[1], self.data.device)
         with torch.inference_mode():  # (also when the allocator releases a slot, outside the model's steps)
-            pos = torch.cat([torch.arange(lo, lo + c) for lo, c in zip(st.lo, counts)])
-            row = torch.arange(len(counts)).repeat_interleave(torch.tensor(counts))
-            page = t.ids[torch.tensor(st.slots)[row], torch.div(pos, P, rounding_mode="floor")]
-            dev = self.data.device  # (a position its slot has no page for goes to the sink)
-            rows = st.data.view(-1, W).index_select(0, (row * cap + pos).to(dev))
-            self.data.view(-1, W).index_copy_(0, (page * P + pos % P).to(dev), rows)
+            rows = st.data.view(-1, W).index_select(0, src)
+            self.data.view(-1, W).index_copy_(0, dst, rows)
 
     def _staged(self, batch: StepBatch, n: int, make: bool) -> _Stage | None:
         """The staging copy of the step's rows: one that holds these rows with room for the step (its pending range

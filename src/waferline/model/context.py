@@ -99,6 +99,22 @@ class StepBatch:
         return packed[0].view(-1, 1), cls(packed[1], packed[2], 1, tuple(slots), tuple(start))
 
     @classmethod
+    def chunks(cls, tokens: list[list[int]], slots: list[int], start: list[int], device: torch.device | str = "cpu",
+               extra: list[int] | tuple = ()) -> tuple[torch.Tensor, StepBatch, torch.Tensor]:
+        """A step of B rows of T tokens each (``tokens``: B lists of T ints; a prefill call's chunks, a verify's
+        rows): its input tokens [B, T], its batch and ``extra`` (ints the step indexes by) as a tensor, all from one
+        tensor made on ``device`` (on a GPU, one host-to-device copy instead of one each: each is synchronous)."""
+        B, T = len(tokens), len(tokens[0])
+        slots, start = [int(s) for s in slots], [int(s) for s in start]
+        flat = [int(t) for row in tokens for t in row]
+        if len(flat) != B * T:
+            raise ValueError("StepBatch.chunks: every row needs the same number of tokens")
+        packed = torch.tensor(flat + slots + start + [int(x) for x in extra], dtype=torch.long, device=device)
+        n = B * T
+        return (packed[:n].view(B, T), cls(packed[n:n + B], packed[n + B:n + 2 * B], T, tuple(slots), tuple(start)),
+                packed[n + 2 * B:])
+
+    @classmethod
     def make(cls, slots: list[int], start: list[int], T: int, device: torch.device | str = "cpu") -> StepBatch:
         slots, start = [int(s) for s in slots], [int(s) for s in start]
         return cls(
