@@ -5,25 +5,24 @@ replays (each at least a few microseconds on the GPU, however small).
     python benchmarks/step_launches.py [--baseline /tmp/base] [--models llama-gpu dsv3-gpu qwen3moe] [--device cuda]
 
 For each model (decode_speed_models' architectures and layer counts, narrowed to hidden 256: an operation count does
-not depend on the widths) one request of a 64-token prompt decodes; every ATen operation of its decode steps is
-recorded under a TorchDispatchMode and sorted into: **launches** (an operation that writes a new or an existing
-tensor: a kernel on a GPU), **views** (every output shares an input's storage: metadata only, no kernel; a no-op
-``.to()`` or ``.contiguous()`` among them) and **host tensors** (``torch.tensor(...)`` of Python values inside the
-step: on a GPU each is a host-to-device copy) and **host reads** (a device tensor read back to the host: ``.item()``,
-``int()``/``float()``/``bool()`` of a tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``torch.nonzero``, a boolean-mask
-index, ``repeat_interleave`` of tensor repeats; on a GPU each waits for the queued kernels; on CPU every tensor counts,
-with ``--device cuda`` only those not on the host). On CPU the engine runs its fused C++ operators; this script turns
-them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as grouped products (``grouped_on_cpu``, as
-on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's absorbed products, which a CPU computes
-in fp32 (casts a GPU does not run). A composite operation (``rms_norm``, ``scaled_dot_product_attention``) counts
-once: one fused kernel on a GPU, several on CPU. The table adds the eager step's time (no CUDA graph:
-``cuda_graphs=False``; best of 5 runs of ``--time-steps`` steps, one torch thread); with ``--device cuda`` the steps
-run on the GPU. ``--static`` counts the fixed-shape step that a CUDA graph captures instead (engine/graphs.py, run
-uncaptured: the kernels a replay runs; attention over the step's fixed end, later keys masked). With
-``--baseline TREE`` each model is counted under that source tree as well (a checkout of waferline; each tree in its
-own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and repeatable; times are not.
-Writes ``benchmarks/results/step_launches.json`` (``--out``).
-"""
+not depend on the widths; ``--full-width`` keeps their own) one request of a 64-token prompt decodes; every ATen
+operation of its decode steps is recorded under a TorchDispatchMode and sorted into: **launches** (an operation that
+writes a new or an existing tensor: a kernel on a GPU), **views** (every output shares an input's storage: metadata
+only, no kernel; a no-op ``.to()`` or ``.contiguous()`` among them) and **host tensors** (``torch.tensor(...)`` of
+Python values inside the step: on a GPU each is a host-to-device copy) and **host reads** (a device tensor read back
+to the host: ``.item()``, ``int()``/``float()``/``bool()`` of a tensor, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+``torch.nonzero``, a boolean-mask index, ``repeat_interleave`` of tensor repeats; on a GPU each waits for the queued
+kernels; on CPU every tensor counts, with ``--device cuda`` only those not on the host). On CPU the engine runs its
+fused C++ operators; this script turns them off (``WAFERLINE_KERNELS=0``) and has MoE blocks run their experts as
+grouped products (``grouped_on_cpu``, as on a GPU, for bf16), so the CPU runs the operations a GPU runs, except MLA's
+absorbed products, which a CPU computes in fp32 (casts a GPU does not run). A composite operation (``rms_norm``,
+``scaled_dot_product_attention``) counts once: one fused kernel on a GPU, several on CPU. The table adds the eager
+step's time (no CUDA graph: ``cuda_graphs=False``; best of 5 runs of ``--time-steps`` steps, ``--threads`` torch
+threads, default one); with ``--device cuda`` the steps run on the GPU. ``--static`` counts the fixed-shape step that
+a CUDA graph captures instead (engine/graphs.py, run uncaptured: the kernels a replay runs; attention over the step's
+fixed end, later keys masked). With ``--baseline TREE`` each model is counted under that source tree as well (a
+checkout of waferline; each tree in its own process, ``PYTHONPATH=<tree>/src``), side by side. Counts are exact and
+repeatable; times are not. Writes ``benchmarks/results/step_launches.json`` (``--out``)."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ from step_launches import count_decode
 from waferline import LLM
 
 a = json.loads(sys.argv[1])
-torch.set_num_threads(1)
+torch.set_num_threads(a["threads"])
 llm = LLM(a["model"], dtype=a["dtype"], device=a["device"], cuda_graphs=False)
 llm._graphs_on_cpu = a["static"]  # the fixed-shape step a CUDA graph captures, run uncaptured
 for m in llm.model.modules():  # on CPU, MoE blocks choose their experts as a GPU does (grouped products)
@@ -215,7 +214,7 @@ def count_decode(llm: Any, steps: int, timed_steps: int = 0) -> dict:
            "prefill_host_tensors": short.host, "by_op": {k: v for k, v in sorted(per.items()) if v}}
     if timed_steps:
         sync = torch.cuda.synchronize if next(iter(llm.model.parameters())).is_cuda else (lambda: None)
-        best = None
+        longs, shorts = [], []
         for _ in range(5):
             sync()
             t0 = time.perf_counter()
@@ -224,30 +223,34 @@ def count_decode(llm: Any, steps: int, timed_steps: int = 0) -> dict:
             t1 = time.perf_counter()
             run(1)
             sync()
-            t2 = time.perf_counter()
-            ms = ((t1 - t0) - (t2 - t1)) / timed_steps * 1e3
-            best = ms if best is None else min(best, ms)
-        res["eager_step_ms"] = best
+            longs.append(t1 - t0)
+            shorts.append(time.perf_counter() - t1)
+        # (the best of each, then their difference: a slow one-token run in one round made that round's difference
+        # small or negative)
+        res["eager_step_ms"] = max(0.0, min(longs) - min(shorts)) / timed_steps * 1e3
     return res
 
 
-def checkpoint(name: str, cache: Path) -> tuple[Path, int]:
-    """A random checkpoint of ``name``'s architecture and depth at hidden 256 (cached); returns it and its layers."""
+def checkpoint(name: str, cache: Path, full_width: bool = False) -> tuple[Path, int]:
+    """A random checkpoint of ``name``'s architecture and depth at hidden 256 (at its own widths with
+    ``full_width``; cached); returns it and its layers."""
     from decode_speed_models import MODELS
     from waferline.model.init import write_random_checkpoint
 
     model_type, kw = MODELS[name]
-    cfg = dict(kw, **NARROW, **HEADS.get(model_type, {}), model_type=model_type)
-    d = cache / name
+    cfg = dict(kw, model_type=model_type) if full_width else dict(kw, **NARROW, **HEADS.get(model_type, {}),
+                                                                  model_type=model_type)
+    d = cache / (name + ("-full" if full_width else ""))
     if not (d / "model.safetensors").exists():
         write_random_checkpoint(cfg, d, seed=0)
     return d, int(cfg["num_hidden_layers"])
 
 
-def count(tree: Path, model: Path, dtype: str, device: str, steps: int, time_steps: int, static: bool) -> dict:
+def count(tree: Path, model: Path, dtype: str, device: str, steps: int, time_steps: int, static: bool,
+          threads: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), WAFERLINE_KERNELS="0")
     arg = json.dumps({"model": str(model), "dtype": dtype, "device": device, "steps": steps,
-                      "time_steps": time_steps, "static": static})
+                      "time_steps": time_steps, "static": static, "threads": threads})
     p = subprocess.run([sys.executable, "-c", CHILD, arg, str(ROOT / "benchmarks")], env=env, capture_output=True,
                        text=True, cwd=tree)
     for line in p.stdout.splitlines():
@@ -267,12 +270,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="count the fixed-shape step a CUDA graph captures (run uncaptured: the kernels a replay runs)")
     ap.add_argument("--time-steps", type=int, default=32, help="decode steps timed (default 32; 0: no timing)")
     ap.add_argument("--baseline", type=Path, help="a waferline source tree counted beside this one")
+    ap.add_argument("--full-width", action="store_true",
+                    help="the architectures at their own widths (decode_speed's checkpoints), not narrowed to hidden "
+                         "256: the same operations, each moving its real bytes (what a timed step on a GPU reads)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the counting process (default 1; decode_speed.py sets its --threads: on a "
+                         "GPU host the threads' wake-ups are part of an eager step's host time)")
     ap.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "waferline_step_launches",
                     help="where the narrowed checkpoints are kept")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "step_launches.json")
     a = ap.parse_args(argv)
-    if a.steps < 1 or a.time_steps < 0:
-        ap.error("--steps must be at least 1 and --time-steps at least 0")
+    if a.steps < 1 or a.time_steps < 0 or a.threads < 1:
+        ap.error("--steps and --threads must be at least 1 and --time-steps at least 0")
     from decode_speed_models import MODELS
 
     unknown = [m for m in a.models if m not in MODELS]
@@ -299,10 +308,10 @@ def main(argv: list[str] | None = None) -> int:
     trees = ([("baseline", a.baseline.resolve())] if a.baseline else []) + [("tree", ROOT)]
     rows = []
     for name in a.models:
-        model, layers = checkpoint(name, a.cache)
+        model, layers = checkpoint(name, a.cache, a.full_width)
         row = {"model": name, "layers": layers}
         for label, tree in trees:
-            row[label] = count(tree, model, a.dtype, a.device, a.steps, a.time_steps, a.static)
+            row[label] = count(tree, model, a.dtype, a.device, a.steps, a.time_steps, a.static, a.threads)
             print(f"  {name} under {label}: {row[label]['launches']:.1f} launches per step", file=sys.stderr)
         rows.append(row)
     head = f"{'model':10s} {'layers':>6s}"
@@ -338,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
 
     write_text_atomic(a.out, json.dumps({"dtype": a.dtype, "device": a.device, "steps": a.steps,
                                          "torch": torch.__version__, "static": a.static,
+                                         "full_width": a.full_width, "threads": a.threads,
                                          "commits": {label: commit(tree) for label, tree in trees}, "rows": rows},
                                         indent=2), make_parents=True)
     print(f"wrote {a.out}")
