@@ -119,7 +119,7 @@ def test_a_decode_step_on_the_device_path_issues_few_operations(device_path, tmp
     assert got["host_tensors"] <= 1.25
     # values read back to the host per step (on a GPU each waits for the queued kernels): the greedy tokens, once
     assert got["host_reads"] == 1 and all(k.startswith("engine/runner.py") for k in got["host_reads_at"]), got
-    assert fixed["host_reads"] == 1
+    assert fixed["host_reads"] == 1 / 8  # the static step's greedy bursts: one read per 8 steps, fed on the device
 
 
 @pytest.mark.parametrize("inference", [True, False])

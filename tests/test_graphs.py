@@ -41,8 +41,8 @@ def test_static_steps_decode_the_engines_tokens(ckpts, gpu_like, mt, monkeypatch
     llm = _as_gpu(LLM(ckpts[mt], dtype="bfloat16"))
     llm._graphs_on_cpu = True
     runs = []
-    real = StaticDecode.run
-    monkeypatch.setattr(StaticDecode, "run", lambda self, *a: runs.append(1) or real(self, *a))
+    real = StaticDecode._once
+    monkeypatch.setattr(StaticDecode, "_once", lambda self: runs.append(1) or real(self))
     got = [o.token_ids for o in llm.generate(prompts, p)]
     assert got == want
     assert len(runs) == 8 and llm.graph_note is None  # every step after the prefill's token ran static
@@ -52,6 +52,29 @@ def test_static_steps_decode_the_engines_tokens(ckpts, gpu_like, mt, monkeypatch
     llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.7, seed=1))
     llm.generate([prompts[0]], SamplingParams(max_tokens=1, temperature=0.0))  # (the prefill's token alone)
     assert not runs and llm.graph_note is None
+
+
+@pytest.mark.parametrize("mt", ["deepseek_v3", "llama"])
+def test_static_steps_run_greedy_bursts_fed_on_the_device(ckpts, gpu_like, mt, monkeypatch):
+    """A greedy burst (LLM.generate: 8 steps back to back) ran the static step one step at a time, each step's
+    tokens read back to the host before the next (a GPU waited at every replay); the burst now feeds each step's
+    argmax to the next on the device and reads the burst's tokens once."""
+    prompts = [[5, 6, 7, 8, 9], [11, 12], [3, 4, 5, 6, 7, 8, 9, 10]]
+    p = SamplingParams(max_tokens=17, temperature=0.0, ignore_eos=True)
+    want = [o.token_ids for o in _as_gpu(LLM(ckpts[mt], dtype="bfloat16")).generate(prompts, p)]
+    llm = _as_gpu(LLM(ckpts[mt], dtype="bfloat16"))
+    llm._graphs_on_cpu = True
+    calls = {"run": 0, "burst": 0, "_once": 0}
+    for name in calls:
+        real = getattr(StaticDecode, name)
+        monkeypatch.setattr(StaticDecode, name, lambda self, *a, _n=name, _r=real: calls.__setitem__(
+            _n, calls[_n] + 1) or _r(self, *a))
+    assert [o.token_ids for o in llm.generate(prompts, p)] == want
+    assert calls == {"run": 0, "burst": 2, "_once": 16}  # two bursts of 8 steps, no step read back alone
+    # a stop in the middle of a burst: the tokens after it are dropped, as for the CPU's bursts
+    stop = want[0][6]
+    got = llm.generate([prompts[0]], SamplingParams(max_tokens=17, temperature=0.0, stop_token_ids=[stop]))
+    assert got[0].token_ids == want[0][:want[0].index(stop) + 1]
 
 
 def test_models_without_token_caches_decode_as_before(ckpts, gpu_like):

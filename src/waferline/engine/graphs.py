@@ -88,13 +88,33 @@ class StaticDecode:
 
     def run(self, tokens: list[int], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """One step: row b's token ``tokens[b]`` at position ``starts[b]`` (< end)."""
-        if max(starts) >= self.end:
-            raise ValueError(f"position {max(starts)} is past the static step's end {self.end}")
+        self._load(tokens, starts, 1)
+        return self._once()
+
+    def burst(self, tokens: list[int], starts: list[int], n: int) -> torch.Tensor:
+        """``n`` greedy steps back to back, each step's argmax the next one's token, fed on the device (no host read
+        between the steps: on a GPU the replays queue behind each other): the ids [B, n], on the device. Every row
+        of the step takes part (its slots are ``slot_list``); the caches must hold pages for all n positions."""
+        self._load(tokens, starts, n)
+        ids = torch.empty((n, len(tokens)), dtype=torch.long, device=self._inputs.device)
+        for j in range(n):
+            ids[j].copy_(self._once()[1])
+            if j + 1 < n:
+                self._inputs[0].copy_(ids[j])
+                self._inputs[1].add_(1)
+        return ids.t()
+
+    def _load(self, tokens: list[int], starts: list[int], n: int) -> None:
+        """The step's inputs for ``n`` steps from (``tokens``, ``starts``); the page tables' device copies current."""
+        if max(starts) + n - 1 >= self.end:
+            raise ValueError(f"position {max(starts) + n - 1} is past the static step's end {self.end}")
         self._inputs.copy_(torch.tensor([tokens, starts], dtype=torch.long))
         if self.graph is not None and any(t.ids_on(ids.device) is not ids for t, ids in zip(self._tables,
                                                                                          self._table_ids)):
             self.graph = None  # a page table grew wider than the captured step's copy of it: eager from here on
             self.dropped = "a page table grew wider than the captured step's copy"
+
+    def _once(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.graph is None:
             return self._step()
         self.graph.replay()

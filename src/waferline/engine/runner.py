@@ -131,7 +131,7 @@ class LocalRunner:
     (``model.greedy_steps``: one program, the steps' Python once) where the CPU's operators allow it; and where
     ``static_factory`` is set (a GPU: engine/graphs.py) a decode-only greedy step replays a fixed-shape step over the
     slots it was made for (rows of those slots that are not in the step repeat their last token and position; their
-    answers are dropped)."""
+    answers are dropped), and a burst of every one of those slots replays it back to back."""
 
     def __init__(self, model: Any, num_slots: int, device: torch.device | str | None = None):
         self.model = model
@@ -220,13 +220,32 @@ class LocalRunner:
         where = {s: i for i, s in enumerate(static.slot_list)}
         return [RowOutput(argmax=top[where[r.slot]]) for r in decodes]
 
+    def _static_burst(self, decodes: list[DecodeRow], n: int) -> tuple[list[list[int]], None] | None:
+        """A burst as replays of the static step, where every one of its slots is a row of ``decodes`` and no
+        hidden states are asked for; None (step instead) otherwise."""
+        if self.keep_hidden:
+            return None
+        static = self._static_for([r.slot for r in decodes])
+        if static is None or sorted(r.slot for r in decodes) != sorted(static.slot_list) or \
+                max(r.position for r in decodes) + n > static.end:
+            return None
+        row = {r.slot: r for r in decodes}
+        first = [row[s] for s in static.slot_list]
+        ids = static.burst([r.token for r in first], [r.position for r in first], n).tolist()
+        for r, got in zip(first, ids):  # (each slot's last step: the token it was fed and its position)
+            self._static_rows[r.slot] = (got[-2] if n > 1 else r.token, r.position + n - 1)
+        where = {s: i for i, s in enumerate(static.slot_list)}
+        return [ids[where[r.slot]] for r in decodes], None
+
     @torch.inference_mode()
     def burst(self, decodes: list[DecodeRow], n: int) -> tuple[list[list[int]], torch.Tensor | None] | None:
         """``n`` greedy one-token steps of the rows ``decodes`` back to back, each step's argmax the next one's token
-        (``model.greedy_steps``): per row its n tokens, and (``keep_hidden``) the hidden states [B, n, D]. None where
-        the model cannot run them as one program, or a static step is in use: nothing ran, step instead."""
+        (``model.greedy_steps``; with a static step: its replays, fed on the device): per row its n tokens, and
+        (``keep_hidden``) the hidden states [B, n, D]. None where neither can run them: nothing ran, step instead."""
         dev = self.device
-        if self.static is not None or self.static_factory is not None or not self.model.runs_step_programs(dev):
+        if self.static is not None or self.static_factory is not None:  # (a fixed-shape step: its replays fed on
+            return self._static_burst(decodes, n)                        # the device, where it can run them)
+        if not self.model.runs_step_programs(dev):
             return None  # (before any per-step tensor is made: on a GPU each is a synchronous host-to-device copy)
         slots = [r.slot for r in decodes]
         batches = [StepBatch.make(slots, [r.position + j for r in decodes], 1, dev) for j in range(n)]
