@@ -687,6 +687,27 @@ def test_a_chat_prompt_past_the_context_without_max_tokens_names_the_prompt(live
     assert err["param"] == "messages" and "the prompt has" in err["message"], err
 
 
+def test_a_request_past_the_context_carries_openais_error_code(live, client):
+    """A prompt (or prompt + max_tokens) past the context: OpenAI's code "context_length_exceeded" and its message's
+    start, which clients read to trim a conversation or fall back to a longer model (it had no code)."""
+    long = [{"role": "user", "content": " ".join(["light"] * (MAX_LEN + 40))}]
+    short = [{"role": "user", "content": "hi"}]
+    calls = [(lambda: client.chat.completions.create(model="sol-test", messages=long), "messages"),
+             (lambda: client.chat.completions.create(model="sol-test", messages=short, max_tokens=MAX_LEN),
+              "max_tokens"),
+             (lambda: client.chat.completions.create(model="sol-test", messages=short, stream=True,
+                                                     max_completion_tokens=MAX_LEN), "max_completion_tokens"),
+             (lambda: client.completions.create(model="sol-test", prompt="hi", max_tokens=MAX_LEN), "max_tokens")]
+    for call, param in calls:
+        with pytest.raises(openai.BadRequestError) as e:
+            call()
+        assert e.value.code == "context_length_exceeded" and e.value.param == param, e.value.body
+        assert f"maximum context length is {MAX_LEN} tokens" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # (another 400 keeps its own code)
+        client.chat.completions.create(model="sol-test", messages=short, max_tokens=0)
+    assert e.value.code is None
+
+
 def test_a_stream_whose_client_leaves_is_counted_as_a_disconnect(live):
     """A stream is counted when it ends: 200 when it ran to [DONE] (an error event included), 499 when its client left
     mid-stream (it was counted 200 as it started)."""

@@ -38,6 +38,9 @@ MAX_JSON_DEPTH = 64  # nesting levels of a request body (an OpenAI request needs
 MAX_CHOICES = 64  # choices one request may ask for (prompts x n): each is a sequence of its own
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait before retrying
 LOCAL_HOST_NAMES = ("localhost",)  # (and *.localhost, RFC 6761) names that always mean this machine
+# OpenAI's error code for a prompt (+ max_tokens) past the context, which clients read to trim a conversation or fall
+# back to a longer model (its message starts as OpenAI's and vLLM's do, "This model's maximum context length is")
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 # vLLM sampling extensions this server does not do (protocol._Sampling declares them; their defaults are accepted)
@@ -272,9 +275,9 @@ class Server:
         mml = self.engine.scheduler.max_model_len
         if prompt_len >= mml:  # (first: the default max_tokens below would be 0 or less)
             raise APIError(
-                f"the prompt has {prompt_len} tokens; this server's context is {mml} tokens "
-                "(--max-model-len): shorten the prompt",
-                param="messages" if isinstance(req, ChatRequest) else "prompt",
+                f"This model's maximum context length is {mml} tokens (--max-model-len); the prompt has "
+                f"{prompt_len} tokens: shorten the prompt",
+                param="messages" if isinstance(req, ChatRequest) else "prompt", code=CONTEXT_LENGTH_EXCEEDED,
             )
         if max_tokens is None:
             max_tokens = default_max if default_max is not None else mml - prompt_len
@@ -292,8 +295,9 @@ class Server:
             hint = "" if isinstance(req, ChatRequest) else " (0 only with echo)"
             raise APIError(f"{param} must be >= 1{hint}, got {max_tokens}", param=param)
         if prompt_len + max_tokens > mml:
-            raise APIError(f"prompt of {prompt_len} tokens + {param}={max_tokens} exceeds the context of {mml} tokens; "
-                           f"lower {param} to at most {mml - prompt_len}", param=param)
+            raise APIError(f"This model's maximum context length is {mml} tokens; the prompt of {prompt_len} tokens + "
+                           f"{param}={max_tokens} exceeds it: lower {param} to at most {mml - prompt_len}",
+                           param=param, code=CONTEXT_LENGTH_EXCEEDED)
         logprobs = req.logprobs
         if isinstance(req, ChatRequest):
             if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
