@@ -801,6 +801,81 @@ def test_generate_refuses_zero_ranks(flag, capsys):
     assert e.value.code == 2 and f"{flag}: expected an integer >= 1, got 0" in capsys.readouterr().err
 
 
+def test_ctrl_c_while_the_commands_import_is_one_line(monkeypatch, capsys):
+    """Ctrl-C in the first ~0.3 s (building the parser imports every command's module, pydantic and torch among
+    them) printed a 40-line KeyboardInterrupt traceback; now it is `interrupted` and 130, as later."""
+    from waferline import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    try:
+        rc = main(["catalog"])
+    except KeyboardInterrupt:  # (what it did: not this test run's Ctrl-C)
+        rc = None
+    assert rc == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_flag_files_that_are_directories_or_missing_paths_are_named(tmp_path, capsys):
+    """--json-schema / --grammar given a directory, or a path to no file, said the path was bad JSON or a bad
+    grammar ("json_schema is not valid JSON: Expecting value"); texts are still taken as texts."""
+    from waferline.cli import _file_or_text
+
+    gen = ["generate", "--model", "models/sol-mini", "--prompt", "x"]
+    assert main([*gen, "--json-schema", str(tmp_path)]) == 2
+    assert f"error: --json-schema {tmp_path} is a directory: give a file" in capsys.readouterr().err
+    for missing in (str(tmp_path / "schema.yml"), "./grammars/sql"):
+        assert main([*gen, "--grammar", missing]) == 2
+        assert f"error: --grammar: no file at {missing}\n" == capsys.readouterr().err
+    for text in ('{"type": "object"}', "[a-z]+", 'root ::= "yes" | "no"', "start: /[0-9]+/"):
+        assert _file_or_text(text) == text
+
+
+def test_an_empty_chat_template_file_is_refused(tmp_path):
+    """An empty --chat-template file was taken as no template: the server started and rendered chats its fallback
+    way, silently."""
+    from waferline.errors import ConfigError
+    from waferline.model.load import load_tokenizer
+    from waferline.server.chat import load_template
+
+    tok = load_tokenizer(ROOT / "models" / "sol-mini")
+    for text in ("", " \n\n"):
+        (tmp_path / "t.jinja").write_text(text)
+        with pytest.raises(ConfigError, match="the file is empty"):
+            load_template(str(tmp_path / "t.jinja"), tok)
+
+
+def test_a_binary_calibration_file_is_refused(tmp_path):
+    """quantize --method gptq --calibration on a binary file (token ids saved as int32, a .safetensors) calibrated
+    GPTQ on the replacement characters of its bytes for minutes; a few bad bytes in text are still text."""
+    from waferline.errors import ConfigError
+    from waferline.model.quant.calibration import calibration_tokens
+
+    class Tokenizer:
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            return [ord(c) % 100 for c in text]
+
+    for data in (bytes(range(256)) * 8, b"".join(i.to_bytes(4, "little") for i in range(1000))):
+        (tmp_path / "cal.bin").write_bytes(data)
+        with pytest.raises(ConfigError, match="is binary data, not text"):
+            calibration_tokens(str(tmp_path / "cal.bin"), Tokenizer(), 4096)
+    (tmp_path / "cal.txt").write_bytes("Caf\xe9 ".encode("latin-1") + b"plain words " * 40)
+    assert len(calibration_tokens(str(tmp_path / "cal.txt"), Tokenizer(), 4096)) > 400
+
+
+def test_twin_refuses_a_timeout_its_waits_cannot_take():
+    """twin --timeout 1e30 passed the parser and ended in an OverflowError traceback from the first engine run's
+    wait."""
+    from waferline.cli import build_parser
+
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["twin", "--model", "models/sol-mini", "--timeout", "1e30"])
+    assert e.value.code == 2
+    assert build_parser().parse_args(["twin", "--model", "m", "--timeout", "600"]).timeout == 600
+
+
 def test_generate_names_what_is_wrong_with_the_model_and_flag_files(tmp_path, capsys):
     """A --model that is not a checkpoint says so (not that it lacks a tokenizer; a file in it: pass the directory);
     --json-schema naming a missing file says the file is missing (not that the name is bad JSON)."""
@@ -904,6 +979,10 @@ def test_help_states_the_defaults_the_code_uses():
         ("demo", "layers_per_stage", "default 1", demo["layers_per_stage"].default),
         ("demo", "weight_bits", "(default)", demo["weight_bits"].default),
         ("demo", "num_speculative_tokens", "default 3", demo["num_speculative_tokens"].default),
+        ("serve", "max_num_batched_tokens", "default 512", cfg.max_num_batched_tokens),
+        ("serve", "chunk_tokens", "default 256", cfg.chunk_tokens),
+        ("serve", "max_queue", "(default 256)", cfg.max_queue),
+        ("quantize", "method", "rtn = round-to-nearest (default)", "rtn"),
         ("quantize", "group_size", "default 128", 128),
         ("quantize", "calibration_tokens", f"({quant_commands.CALIBRATION_TOKENS})", 4096),
     ]:
@@ -914,6 +993,18 @@ def test_help_states_the_defaults_the_code_uses():
         assert shown in says or (dest, default) in {("max_body_bytes", 1 << 20), ("weight_bits", 4)}, says
     assert served["max_num_seqs"].default == cfg.max_num_seqs and served["page_tokens"].default == cfg.page_tokens
     assert cli.NUM_SPECULATIVE_TOKENS == cfg.num_speculative_tokens == served["num_speculative_tokens"].default
+
+
+def test_every_flag_and_argument_has_help():
+    """`waferline COMMAND --help` explains everything it lists (info's --json and catalog's WHAT said nothing)."""
+    import argparse
+
+    from waferline.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    empty = [(cmd, a.option_strings[0] if a.option_strings else a.dest) for cmd, parser in sub.choices.items()
+             for a in parser._actions if not isinstance(a, argparse._HelpAction) and not (a.help or "").strip()]
+    assert not empty
 
 
 def test_help_says_an_int4_checkpoint_loads_as_int4_whatever_weight_bits_says():

@@ -2,6 +2,10 @@
 
 import sys
 
-from waferline.cli import main
+try:
+    from waferline.cli import main
+except KeyboardInterrupt:  # (Ctrl-C while the command line itself imports: no traceback)
+    print("interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

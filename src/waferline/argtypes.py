@@ -45,6 +45,17 @@ def positive_float(text: str) -> float:
     return v
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # (a week: the OS's waits refuse timeouts past ~1e9 s, with a traceback)
+
+
+def timeout_seconds(text: str) -> float:
+    """A timeout: a finite number of seconds > 0, at most a week."""
+    v = positive_float(text)
+    if v > MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 and at most {MAX_TIMEOUT_S:,} (a week), got {text}")
+    return v
+
+
 def out_path(text: str) -> str:
     """A file or directory to write: not empty (an empty --out wrote nothing, silently)."""
     if not text.strip():

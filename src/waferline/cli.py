@@ -92,8 +92,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, seed=args.seed,
                             stop=args.stop or [], logprobs=args.logprobs, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            json_object=args.json_object, json_schema=_file_or_text(args.json_schema),
-                            regex=args.regex, choice=args.choice, grammar=_file_or_text(args.grammar))
+                            json_object=args.json_object,
+                            json_schema=_file_or_text(args.json_schema, "--json-schema"), regex=args.regex,
+                            choice=args.choice, grammar=_file_or_text(args.grammar, "--grammar"))
     group_size = GROUP_SIZE if args.group_size is None else args.group_size
     llm = LLM(args.model, dtype=args.dtype, weight_bits=args.weight_bits, group_size=group_size, **pipe)
     try:
@@ -129,12 +130,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _file_or_text(value: str | None) -> str | None:
-    """A flag that takes a file or the text itself: the file's text where ``value`` names a file."""
+def _file_or_text(value: str | None, flag: str = "") -> str | None:
+    """A flag that takes a file or the text itself: the file's text where ``value`` names a file. A directory, or a
+    name that can only be a file's (a known suffix, or a path from / ./ ../ with no spaces: no JSON Schema, Lark or
+    GBNF text begins so), is refused rather than parsed as the text."""
     try:
         if value is None or "\n" in value or not Path(value).is_file():
-            if value is not None and value.endswith((".json", ".lark", ".gbnf", ".txt", ".jinja")):
-                raise UsageError(f"no file at {value}")  # (a file name that names no file, not a text to parse)
+            if value is not None and "\n" not in value and Path(value).is_dir():
+                raise UsageError(f"{flag + ' ' if flag else ''}{value} is a directory: give a file, or the text itself")
+            if value is not None and (value.endswith((".json", ".lark", ".gbnf", ".txt", ".jinja")) or (
+                    value.startswith(("/", "./", "../")) and not any(c.isspace() for c in value))):
+                raise UsageError(f"{flag + ': ' if flag else ''}no file at {value}")  # (a file's name, not a text)
             return value
     except OSError:  # (text longer than a file name may be)
         return value
@@ -306,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model's MTP modules (mtp_layers, mtp_params, mtp_weight_bytes: embeddings and "
                                    "LM head shared) are counted apart, not in params_total or weight_bytes.")
     i.add_argument("model", help="catalog model id (`waferline catalog models`), checkpoint directory or config.json")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("--json", action="store_true", help="print the numbers as one JSON object")
     i.set_defaults(func=_cmd_info)
 
     d = sub.add_parser(
@@ -366,8 +372,12 @@ COMMAND_MODULES = ("waferline.plan.commands", "waferline.sim.commands", "waferli
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # (building the parser imports every command's module: a Ctrl-C then is as clean as one later)
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -149,7 +149,8 @@ def register(sub: Any) -> None:
     q.add_argument("--group-size", type=int, default=128, choices=INT4_GROUP_SIZES,
                    help="weights per scale along the input dim (32, 64 or 128 are usual; default 128)")
     q.add_argument(
-        "--method", default="rtn", choices=["rtn", "gptq"], help="round-to-nearest, or GPTQ (needs --calibration)"
+        "--method", default="rtn", choices=["rtn", "gptq"],
+        help="rtn = round-to-nearest (default), or gptq (needs --calibration)"
     )
     q.add_argument(
         "--calibration", help="calibration file for GPTQ: text (uses the checkpoint's tokenizer) or token ids"

@@ -879,7 +879,8 @@ def register(subparsers: Any) -> None:
     """Add plan / simulate / validate to an argparse subparsers object (calibrate and twin: sim/commands.py)."""
     c = subparsers.add_parser("catalog", help="list the catalog's models and hardware (the ids plan and simulate "
                                               "take) with their main numbers")
-    c.add_argument("what", nargs="?", default="all", choices=("all", "models", "hardware"))
+    c.add_argument("what", nargs="?", default="all", choices=("all", "models", "hardware"),
+                   help="what to list: models, hardware or all of it (default all)")
     c.add_argument("--json", action="store_true", help="machine-readable output")
     c.set_defaults(func=cmd_catalog)
 

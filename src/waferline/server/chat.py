@@ -122,6 +122,8 @@ def load_template(value: str, tokenizer: Any) -> str:
                           f"({e.reason if isinstance(e, UnicodeDecodeError) else e.strerror or e})") from None
     if not is_file and "{" not in text:
         raise ConfigError(f"--chat-template {value[:80]}: no such file, and not a Jinja template")
+    if not text.strip():  # (an empty template was taken as none: chat went on with the fallback rendering, silently)
+        raise ConfigError(f"--chat-template {value}: the file is empty; give a Jinja chat template")
     if tokenizer is None:
         raise ConfigError("--chat-template needs the model's tokenizer (tokenizer.json)")
     try:

@@ -293,10 +293,12 @@ def register(sub: Any) -> None:
     s.add_argument("--max-model-len", type=positive_int, default=None, help="context per sequence: prompt + "
                    "max_tokens (default, and at most: the model's max_position_embeddings)")
     s.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="tokens per engine step (decodes + prefill chunks)"
+        "--max-num-batched-tokens", type=int, default=512,
+        help="tokens per engine step (decodes + prefill chunks; default 512)"
     )
     s.add_argument(
-        "--chunk-tokens", type=int, default=256, help="largest prefill chunk of one sequence (chunked prefill)"
+        "--chunk-tokens", type=int, default=256,
+        help="largest prefill chunk of one sequence (chunked prefill; default 256)"
     )
     s.add_argument("--page-tokens", type=int, default=16,
                    help="tokens per cache page (default 16; at most the context, --max-model-len)")
@@ -311,7 +313,8 @@ def register(sub: Any) -> None:
     s.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes (they are "
                    "reused only on attention-only models without sliding windows)")
     s.add_argument("--max-queue", type=positive_int, default=256,
-                   help="requests that may wait for a slot (beyond what free slots take) before the server answers 429")
+                   help="requests that may wait for a slot (beyond what free slots take) before the server answers 429 "
+                        "(default 256)")
     s.add_argument(
         "--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (default 1 MiB; 413 beyond)"
     )

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from waferline.argtypes import int_range, nonnegative_int, out_path, positive_float, positive_int
+from waferline.argtypes import int_range, nonnegative_int, out_path, positive_int, timeout_seconds
 from waferline.files import check_writable
 from waferline.plan.commands import DEFAULT_DATA, _console, _default_data, _esc, _load_params
 
@@ -364,8 +364,8 @@ def register(subparsers: Any) -> None:
     tw.add_argument(
         "--recalibrate", action="store_true", help="re-measure this host even if a cached calibration exists"
     )
-    tw.add_argument("--timeout", type=positive_float, default=300.0,
-                    help="seconds per Plan before its engine run is killed (default 300)")
+    tw.add_argument("--timeout", type=timeout_seconds, default=300.0,
+                    help="seconds per Plan before its engine run is killed (default 300; at most a week)")
     tw.add_argument(
         "--no-canary",
         action="store_true",

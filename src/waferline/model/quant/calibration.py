@@ -26,6 +26,9 @@ def calibration_tokens(path: str, tokenizer: Any, max_tokens: int) -> list[int]:
     if not p.is_file():
         raise ConfigError(f"calibration file {p} does not exist")
     text = p.read_text(errors="replace")[: max_tokens * 16]  # more characters than max_tokens tokens need
+    if "\0" in text or text.count("\ufffd") > len(text) // 10:  # (a few bad bytes are still text; this is not)
+        raise ConfigError(f"calibration file {p} is binary data, not text: give text (UTF-8) or whitespace-separated "
+                          "token ids")
     parts = text.split()
     if parts and all(s.isdigit() for s in parts[:1000]):
         bad = next((s for s in parts if not s.isdecimal()), None)
