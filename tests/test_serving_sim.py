@@ -614,3 +614,70 @@ def test_cli_mean_batch_is_read_as_a_time_average(capsys):
                  "--output-len", "100", "--arrival-rate", "0.5", "--num-requests", "50", "--no-intervals"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "0.2 requests decoding at once on average over the run" in out and "per step on average" not in out
+
+
+def test_arrivals_above_capacity_are_reported_as_overload(capsys):
+    """Above the engine's capacity the queue grows without bound: TTFT and end-to-end grow with the run, not to a
+    steady state. The run said nothing (8B on one H100 at 60 req/s: TTFT p50 16 s at 2,000 requests, 155 s at
+    20,000); it now measures the capacity (every request queued from the start) and flags the run."""
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=1100)
+    kw = dict(prompt_len=1000, output_len=100, max_num_batched_tokens=2048)
+    plateau = simulate_serving(plan, arrival_rate=1e4, num_requests=20000, check_capacity=False, **kw)
+    served = plateau.requests / plateau.duration_s  # (~31 req/s: the throughput every overloaded run plateaus at)
+    for budget in (2048, 0):
+        for rate in (0.5 * served, 0.9 * served):
+            r = simulate_serving(plan, arrival_rate=rate, num_requests=2000, **{**kw, "max_num_batched_tokens": budget})
+            assert not r.overloaded and (r.capacity_rps == 0 or r.capacity_rps > rate), (budget, rate)
+    over = simulate_serving(plan, arrival_rate=2 * served, num_requests=2000, **kw)
+    assert over.overloaded and over.capacity_rps == pytest.approx(served, rel=0.03)
+    assert not simulate_serving(plan, arrival_rate=2 * served, num_requests=2000, check_capacity=False,
+                                **kw).overloaded
+    from waferline.cli import main
+
+    base = ["simulate", "llama-3.1-8b", "--hardware", "h100-sxm", "--prompt-len", "1000", "--output-len", "100",
+            "--num-requests", "1000", "--no-intervals", "--json", "--arrival-rate"]
+    assert main(base + ["60"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["serving"]["overloaded"] and any("the queue grows without bound" in n for n in d["notes"])
+    assert main(base + ["10"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert not d["serving"]["overloaded"] and not any("grows without bound" in n for n in d["notes"])
+
+
+@pytest.mark.parametrize("budget", [2048, 0])
+def test_mean_batch_keeps_littles_law(budget):
+    """Requests decoding at once, averaged over the run = requests completed per second x the time each spends from
+    its first token to its last (Little's law). Stop-the-world prefill pauses the batch, which still holds its places
+    (and its inter-token latency counts the pause): the pause was left out of the mean, 5.3 instead of 7.8 at 10
+    req/s."""
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=1100)
+    for rate in (10.0, 20.0):
+        r = simulate_serving(plan, arrival_rate=rate, num_requests=2000, prompt_len=1000, output_len=100,
+                             max_num_batched_tokens=budget)
+        little = r.requests / r.duration_s * (r.e2e_mean_s - r.ttft_mean_s)
+        assert r.mean_batch == pytest.approx(little, rel=1e-6), (rate, r.mean_batch, little)
+
+
+@pytest.mark.parametrize("pd", [False, True])
+def test_a_long_prompt_under_a_small_budget_is_one_jump(monkeypatch, pd):
+    """A 32k-token prompt under a 512-token budget is 63 identical chunk steps, each priced and looped over: 100k
+    such requests took ~10 s of CPU (a 1-token budget: ~4 minutes). The steps that take the same chunk of one prompt
+    are now one jump, as identical decode steps are; the figures are those of the step-by-step loop."""
+    plan = place("llama-3.1-8b", "h100-sxm", devices=1, context=33000)
+    calls = [0]
+    chunk = _Pricer.chunk
+
+    def spy(self, n):
+        calls[0] += 1
+        return chunk(self, n)
+
+    monkeypatch.setattr(_Pricer, "chunk", spy)
+    r = simulate_serving(plan, arrival_rate=0.5, num_requests=500, prompt_len=32000, output_len=50,
+                         max_num_batched_tokens=512, pd_disaggregation=pd)
+    assert calls[0] < 5 * r.requests, calls[0]
+    one = simulate_serving(plan, arrival_rate=1.0, num_requests=1, prompt_len=32000, output_len=10,
+                           max_num_batched_tokens=512, pd_disaggregation=pd)
+    assert one.steps == (0 if pd else math.ceil(32000 / 512)) + 9  # (a jump counts every step it stands for)
+    pre = _Pricer(plan, load_model(plan.model), load_hardware(plan.hardware), load_params(), 32000, 10, 0.0)
+    lone = sum(pre.chunk(512)[0] for _ in range(62)) + pre.chunk(32000 - 62 * 512)[0]  # (one stage: back to back)
+    assert one.ttft_p50_s - load_params().ttft_overhead_s == pytest.approx(lone, rel=SKETCH_REL_ERROR)

@@ -533,7 +533,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             except ConfigError as e:  # (placement names --devices: here it is the pool's --prefill-devices)
                 raise ConfigError(f"the prefill pool (--prefill-devices {args.prefill_devices}): "
                                   + re.sub(r"--devices\b", "--prefill-devices", str(e))) from None
-        def serve(pl: Any, prm: Any) -> Any:
+        def serve(pl: Any, prm: Any, check_capacity: bool = False) -> Any:
             return simulate_serving(
                 pl,
                 arrival_rate=args.arrival_rate,
@@ -546,9 +546,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 pd_disaggregation=args.pd_disaggregation,
                 prefill_plan=prefill_plan,
                 expert_skew=args.expert_skew or 0.0,
+                check_capacity=check_capacity,
             )
 
-        serving = serve(plan, params)
+        serving = serve(plan, params, check_capacity=True)
         if not args.no_intervals:
             from waferline.sim.intervals import serving_intervals
 
@@ -575,6 +576,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     placed += _params_notes(getattr(args, "params", None), params, plan, intervals=not args.no_intervals,
                             ranged=ranged)
     placed += [serving_note] if serving_note else []
+    if serving is not None and serving.overloaded:
+        placed.append(f"serving: requests arrive at {serving.arrival_rate:g}/s, above the {serving.capacity_rps:.3g}/s "
+                      "this engine completes with every request queued: the queue grows without bound, so TTFT and "
+                      "end-to-end grow with --num-requests (no steady state); lower --arrival-rate or add devices")
     if args.json:
         d = r.to_dict()
         d["notes"] = placed + restaged + ([beyond] if beyond else [])
@@ -691,7 +696,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                                 for q in ("mean", "p50", "p99")))
         sv.caption = (f"output {fmt(serving.output_tokens_per_s, siv.get('output_tokens_per_s'), ',.0f')} tokens/s "
                       f"in all; {fmt(serving.mean_batch, siv.get('mean_batch'))} requests decoding at once on "
-                      "average over the run (idle time included)")
+                      "average over the run (idle time included)"
+                      + (f"; arrivals above the engine's {serving.capacity_rps:.3g} req/s: the queue grows with the "
+                         "run, no steady state" if serving.overloaded else ""))
         con.print(sv)
     if not r.fits:
         con.print("[red]warning: the plan does not fit:[/red]")

@@ -130,6 +130,10 @@ class ServingResult:
     quantile_rel_error: float = SKETCH_REL_ERROR  # bound on each percentile's relative error (streaming sketch)
     users: int = 0  # closed loop: this many clients, each sending its next request when the last one ends (else 0)
     expert_placement: str = ""  # expert skew: the expert placement ``expert_load_factor`` assumes (else "")
+    # Poisson arrivals the run may not have kept up with: the requests/s this engine completes with every request
+    # queued from the start (0: not measured -- the run kept up with its arrivals, or a closed loop)
+    capacity_rps: float = 0.0
+    overloaded: bool = False  # arrival_rate > capacity_rps: queues grow without bound, latencies with the run's length
     # 90% interval of each predicted figure (sim/intervals.py SERVING_FIGURES) over the fit's parameter sets; {}: none
     intervals: dict[str, list[float] | None] = field(default_factory=dict)
 
@@ -397,8 +401,10 @@ def _prefill_pool(pr: _Pricer, arrivals: Iterator[float], budget: int, handover:
             continue
         c, done = _take_chunks(q, budget)
         hold, drain = pr.chunk(c)
-        t += hold
-        ft = ex.after(t, hold, drain)  # the chunk leaves the last stage (not before the chunk ahead of it)
+        n = 1 if done else math.ceil(q[0][1] / c)  # (the same chunk of one long prompt, step after step: one jump)
+        q[0][1] -= (n - 1) * c
+        t += n * hold
+        ft = ex.after(t, n * hold, drain)  # the chunk leaves the last stage (not before the chunk ahead of it)
         for _ in range(done):
             a = q.popleft()[0]
             ttft.add(ft - a + overhead)
@@ -412,7 +418,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
                      prompt_len: int | None = None, output_len: int | None = None, max_batch: int | None = None,
                      seed: int = 0, params: SimParams | None = None, max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET,
                      pd_disaggregation: bool = False, prefill_plan: Plan | None = None,
-                     expert_skew: float = 0.0, users: int | None = None) -> ServingResult:
+                     expert_skew: float = 0.0, users: int | None = None, check_capacity: bool = True,
+                     _saturated: list[float] | None = None) -> ServingResult:
     """Serve ``num_requests`` Poisson arrivals at ``arrival_rate``/s with continuous batching, event by event; or,
     with ``users`` (a closed loop, as load generators such as genai-perf or vLLM's benchmark at a fixed concurrency
     drive a server), that many clients that start together and each send their next request the moment the last one
@@ -453,6 +460,13 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
 
     Latencies go into streaming quantile sketches (relative error ``SKETCH_REL_ERROR``); memory stays bounded by the
     requests in flight and in the queue.
+
+    ``check_capacity``: where Poisson arrivals finish more slowly than they came (fewer than 97 % of ``arrival_rate``
+    requests/s over the run, the last one ending later after it came than the fastest request took by over 5 % of
+    the arrivals' span), the engine's capacity -- the rate at which it completes requests with all of them queued
+    from the start, in its steady stretch -- is measured by a second run (``_saturation_rate``): above it
+    (``overloaded``) the queues grow without bound, so TTFT and end-to-end grow with ``num_requests``, not to a steady
+    state. ``_saturated`` (internal): every request arrives at 0 and each end time is appended to this list.
     """
     from waferline.plan.place import batch_capacity
     from waferline.sim.pipeline import plan_drafter
@@ -503,6 +517,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     pending = [0.0] * min(users, num_requests) if users else []
     issued = len(pending)
     arr = _arrivals(random.Random(seed), arrival_rate, num_requests) if not users else iter(())
+    if _saturated is not None:
+        arr = iter([0.0] * num_requests)
 
     def first_wave(a: float) -> bool:
         """Closed loop with several clients: their first requests, all sent at once, are a warm-up (their queueing
@@ -555,6 +571,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     t = t_prev = t_last = 0.0
     ex = ChunkExit()
     first_arrival = _INF
+    last_arrival = 0.0
     k = 0  # decode steps done; a request joining after step k has its O-th token after step k + O - 1
     steps = done = 0
     busy = 0.0  # sum over steps of batch x step time
@@ -565,6 +582,8 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
             e2e.add(when - a + ovh)
         done += 1
         t_last = max(t_last, when)
+        if _saturated is not None:
+            _saturated.append(when)
         if users and issued < num_requests:  # (closed loop: this client sends its next request once it has this
             # one's end, the request overhead after the last token: its cycle is the end-to-end latency it measures)
             heapq.heappush(pending, when + ovh)
@@ -584,11 +603,13 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
             while nxt_src is not None and nxt_src[0] <= t:
                 heapq.heappush(ready, nxt_src)
                 first_arrival = min(first_arrival, nxt_src[1])
+                last_arrival = max(last_arrival, nxt_src[1])
                 nxt_src = next(source, None)  # type: ignore[arg-type]
         else:
             while nxt_arr <= t:
                 waiting.append(nxt_arr)
                 first_arrival = min(first_arrival, nxt_arr)
+                last_arrival = max(last_arrival, nxt_arr)
                 nxt_arr = advance()
         # 2. requests whose first token is out start decoding (PD: when the decode pool has room for their cache)
         while ready and ready[0][0] <= t and len(heap) < cap:
@@ -599,6 +620,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         if not pd and budget == 0:  # stop-the-world: prefill every admissible waiting prompt, decode paused
             while waiting and len(heap) < cap:
                 a = waiting.popleft()
+                busy += len(heap) * whole  # (the batch holds its places, paused: they count as decoding, as its ITL)
                 t += whole
                 if not first_wave(a):
                     ttft.add(t - a + ovh)
@@ -635,12 +657,17 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         else:
             hold, drain = dec.chunk(b + c)
             T = max(dec.decode_step(b), hold) if b else hold
-        n = 1
-        if c == 0:
-            n = heap[0][0] - k  # until the next request finishes...
+        # (a chunk that leaves its prompt unfinished takes the whole room: the steps after it take the same chunk of
+        # the same prompt, up to the step that finishes it -- a long prompt under a small budget is one jump too)
+        n = heap[0][0] - k if c == 0 else (math.ceil(prefilling[0][1] / c) if not finished else 1)
+        if n > 1:  # until the next request finishes...
+            if b:
+                n = min(n, heap[0][0] - k)
             if nxt_time < _INF:
                 n = min(n, math.ceil((nxt_time - t) / T))  # ...or the next one could join
             n = max(1, n)
+            if c:
+                prefilling[0][1] -= (n - 1) * c
         # 5. every decoding request gets a token per step
         if b:
             old = b - len(joiners)
@@ -657,7 +684,9 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         steps += n
         t_prev = t
         # a chunk leaves the last stage after the pipeline drains, and not before the chunk ahead of it
-        ft = ex.after(t, hold, drain) if c else t
+        # (n identical chunks: the exit of the last, max(the previous exit + n holds, this step's end + its drain), as
+        # n calls would give: each step takes T >= hold)
+        ft = ex.after(t, n * hold, drain) if c else t
         for _ in range(finished):
             a = prefilling.popleft()[0]
             if not first_wave(a):
@@ -671,6 +700,16 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
 
     duration = t_last - first_arrival
     rate = arrival_rate if arrival_rate is not None else (num_requests / duration if duration > 0 else 0.0)
+    capacity = 0.0
+    # (a queue that may have grown: requests finished more slowly than they came, and the last one ended later after
+    # it came than the fastest request took by over 5 % of the arrivals' span -- an overloaded queue's backlog at the
+    # last arrival takes (arrival rate / capacity - 1) x that span to clear)
+    if check_capacity and not users and _saturated is None and arrival_rate is not None and duration > 0 \
+            and num_requests / duration < 0.97 * arrival_rate \
+            and t_last - last_arrival > (e2e.min - ovh) * (1 + 1e-9) + 0.05 * (last_arrival - first_arrival):
+        capacity = _saturation_rate(plan, cap, prompt_len=P, output_len=O, max_batch=max_batch, params=params,
+                                    max_num_batched_tokens=budget, pd_disaggregation=pd_disaggregation,
+                                    prefill_plan=prefill_plan, expert_skew=expert_skew)
     return ServingResult(
         requests=num_requests, arrival_rate=rate, max_batch=cap, duration_s=duration,
         output_tokens_per_s=num_requests * O / duration if duration > 0 else 0.0,
@@ -683,4 +722,19 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
         itl_p90_s=itl.quantile(0.9), itl_mean_s=itl.mean, e2e_p90_s=e2e.quantile(0.9), e2e_mean_s=e2e.mean,
         steps=steps, quantile_rel_error=ttft.rel_error, users=users or 0,
         expert_placement=dec.expert_placement if expert_skew > 0 else "",
+        capacity_rps=capacity, overloaded=0 < capacity < rate,
     )
+
+
+def _saturation_rate(plan: Plan, cap: int, **kw: Any) -> float:
+    """Requests/s the engine completes with every request queued from the start, over its steady stretch: from the
+    ``cap``-th end (the first batch, filled from empty, left out) over a whole number of batches (at least 4 and 400
+    requests: a stop-the-world batch refills and ends together, and a stretch of a batch and a half would count one
+    burst of ends too many), before the last batch drains."""
+    m = max(4, math.ceil(400 / cap))
+    i = cap - 1
+    j = i + m * cap
+    ends: list[float] = []
+    simulate_serving(plan, arrival_rate=1.0, num_requests=j + 1 + cap, check_capacity=False, _saturated=ends, **kw)
+    ends.sort()
+    return (j - i) / (ends[j] - ends[i]) if ends[j] > ends[i] else _INF
