@@ -322,6 +322,9 @@ def test_a_workers_error_is_reported_as_one_line(monkeypatch, capsys):
     (["--prompt-ids", "1 2", "--speculative", "medusa"], "unknown method"),
     (["--prompt-ids", "1 2", "--speculative", "ngram", "--num-speculative-tokens", "0"],
      "--num-speculative-tokens must be >= 1"),
+    # (10^12 drafts a step had the engine allocate memory until the host ran out: 11 GB within 20 s)
+    (["--prompt-ids", "1 2", "--speculative", "ngram", "--num-speculative-tokens", "1000000000000"],
+     "--num-speculative-tokens must be at most 32 (draft tokens verified per step), got 1,000,000,000,000"),
     (["--prompt-ids", "1 2", "--top-p", "0.9"], "--top-p: this applies to sampling"),
     (["--prompt-ids", "1 2", "--top-k", "5", "--seed", "1"], "--top-k, --seed: these apply to sampling"),
     (["--prompt-ids", "1 2", "--head-bits", "8", "--afd"], "--head-bits 8 is for the single-process engine"),

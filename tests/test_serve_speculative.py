@@ -652,7 +652,8 @@ def test_refusals(ckpts, sol):
 
     for kw, says in (({"speculative": "draft:/x"}, "not a checkpoint directory"),
                      ({"speculative": "medusa"}, "unknown method"),
-                     ({"speculative": "ngram", "num_speculative_tokens": 0}, "num-speculative-tokens must be >= 1")):
+                     ({"speculative": "ngram", "num_speculative_tokens": 0}, "num-speculative-tokens must be >= 1"),
+                     ({"speculative": "ngram", "num_speculative_tokens": 10**12}, "must be at most 32")):
         with pytest.raises(ConfigError, match=says):
             build_server(sol, **kw)
     with pytest.raises(ConfigError, match="MTP"):

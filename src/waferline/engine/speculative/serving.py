@@ -39,6 +39,7 @@ from waferline.engine.speculative.rollback import _window
 from waferline.engine.speculative.speculator import burst_len
 from waferline.engine.speculative.verify import verify, verify_greedy
 from waferline.errors import ConfigError, counted
+from waferline.plan.plan import MAX_DRAFT_TOKENS
 
 if TYPE_CHECKING:
     from waferline.engine.runner import LocalRunner, RowOutput
@@ -56,8 +57,16 @@ def check_serve_method(method: str, k: int) -> None:
     elif not (method in ("ngram", "mtp") or method.startswith("ngram:")):
         raise ConfigError(f"--speculative {method}: unknown method; use 'ngram' (or 'ngram:MIN_N:MAX_N'), 'mtp' or "
                           "'draft:PATH' (a checkpoint sharing the target's tokenizer)")
+    _check_k(k, "--num-speculative-tokens")
+
+
+def _check_k(k: int, name: str = "num_speculative_tokens") -> None:
+    """Drafts a step: at least 1, at most MAX_DRAFT_TOKENS (as the planner takes; a step of more is all verify, and
+    10^12 had the engine allocate memory until the host ran out)."""
     if k < 1:
-        raise ConfigError(f"--num-speculative-tokens must be >= 1, got {k}")
+        raise ConfigError(f"{name} must be >= 1, got {k}")
+    if k > MAX_DRAFT_TOKENS:
+        raise ConfigError(f"{name} must be at most {MAX_DRAFT_TOKENS} (draft tokens verified per step), got {k:,}")
 
 
 def check_speculative(path: Any, method: str | None, num_tokens: int, tokenizer: Any = None) -> None:
@@ -75,8 +84,7 @@ def check_speculative(path: Any, method: str | None, num_tokens: int, tokenizer:
 
     if not method or not (Path(path) / "config.json").is_file():
         return
-    if num_tokens < 1:
-        raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+    _check_k(num_tokens)
     if method == "mtp":  # (MTP layers in the config whose weights the checkpoint lacks load as none: DecoderModel)
         spec = spec_from_pretrained(path)
         first = f"{NAMING.get(spec.model_type, Naming()).root}layers.{spec.num_layers}.eh_proj.weight"
@@ -160,8 +168,7 @@ class ServeSpeculation:
     def __init__(self, model: Any, caches: list[Any], num_slots: int, method: str, num_tokens: int,
                  adaptive: bool = True, step_tokens: int | None = None,
                  cost_table: list[tuple[int, float]] | None = None):
-        if num_tokens < 1:
-            raise ConfigError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
+        _check_k(num_tokens)
         w = _window(caches)
         self.k_max = min(num_tokens, w - 1) if w is not None else num_tokens  # a verify must not wrap a ring
         if step_tokens is not None:  # a verify row fits in one step's token budget
