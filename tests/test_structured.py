@@ -441,6 +441,68 @@ def test_an_exclusive_bound_the_grammar_engine_lets_through_is_refused(tok):
                 assert not c.allowed()[tok.eos_token_id], bounds
 
 
+def test_numbers_that_would_crash_the_grammar_engine_are_refused_and_the_process_lives():
+    """llguidance ends the whole process (SIGSEGV, no error) as it builds a JSON Schema that holds an integer at or
+    below -2^63 in a const or an enum, or an integer range whose two ends lie there: one request with
+    {"enum": ["x", -9223372036854775807]} (or the same in a tool's parameters, or a Lark grammar's %json) killed the
+    server. Each is refused, in a child process (where the old code crashed it), with a reason."""
+    import subprocess
+    import sys
+
+    m = -9223372036854775807
+    cases = [("json_schema", {"const": m}), ("json_schema", {"enum": ["x", m]}),
+             ("json_schema", {"type": "object", "properties": {"a": {"const": {"b": [m]}}}}),
+             ("json_schema", {"type": "integer", "minimum": -1e19, "maximum": -9.3e18}),
+             ("json_schema", {"type": "integer", "const": -1e30}),
+             ("json_schema", {"allOf": [{"type": "integer"}, {"minimum": m, "maximum": m}]}),
+             ("grammar", f'start: %json {{"const": {m}}}')]
+    code = ("import json, sys\nfrom waferline.engine.sequence import check_request\n"
+            "from waferline.engine.sampling import SamplingParams\nfrom waferline.errors import RequestError\n"
+            "for kind, value in json.loads(sys.argv[1]):\n"
+            "    try:\n        check_request([1], SamplingParams(**{kind: value}), 4096, 64)\n"
+            "        print('let through')\n    except RequestError as e:\n        print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(cases)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == len(cases) and all(re.match(r"(json_schema|grammar) cannot be used: the number -\S+ "
+                                                     r"\(in \"(const|enum|minimum)\"\) is at or below -2\^63", line)
+                                            for line in lines), lines
+    for fine in ({"default": m, "type": "integer"}, {"type": "integer", "minimum": -9e18, "maximum": 0},
+                 {"type": "object", "properties": {"const": {"type": "integer"}}}):
+        structured.grammar_of(SamplingParams(json_schema=fine))  # (no RequestError)
+
+
+def test_integer_bounds_past_2_53_the_grammar_engine_moves_are_refused(tok):
+    """llguidance reads a schema's bounds as f64 and an integer's range as i64: {"type": "integer", "minimum": 1e19,
+    "maximum": 2e19} gave the output 9223372036854775807 (i64's largest, under the minimum) with finish_reason "stop",
+    and {"minimum": 9007199254740993} (2^53 + 1) allowed 9007199254740992. Such a schema is refused before it queues,
+    naming the number; the bounds past 2^53 that it holds to (int64's and uint64's ranges) are not."""
+    from waferline.engine.sequence import check_request
+
+    for schema, text in (({"type": "integer", "minimum": 1e19, "maximum": 2e19}, "9223372036854775807"),
+                         ({"type": "integer", "minimum": 9007199254740993}, "9007199254740992"),
+                         ({"type": "number", "minimum": 9007199254740993, "maximum": 9007199254740993},
+                          "9007199254740992"),
+                         ({"type": "integer", "const": 10 ** 20}, "9223372036854775807"),
+                         ({"type": "integer", "enum": [1e30, 5]}, "9223372036854775807")):
+        with pytest.raises(RequestError, match=rf"^json_schema cannot be used: the grammar engine would let {text} "
+                                               r"through .* \(it reads numbers as 64-bit floats"):
+            check_request([1, 2], SamplingParams(json_schema={"type": "array", "items": schema}), len(tok), 64)
+    for schema in ({"type": "integer", "minimum": 0, "maximum": 2 ** 63 - 1},
+                   {"type": "integer", "maximum": 2 ** 64 - 1}, {"type": "integer", "maximum": 9007199254740993},
+                   {"const": 1e30}, {"enum": [10 ** 20]},
+                   {"type": "number", "minimum": 1e18, "maximum": 1e18}):
+        check_request([1, 2], SamplingParams(json_schema=schema), len(tok), 64)  # (no RequestError)
+    c = structured.constraint(tok, len(tok), frozenset({tok.eos_token_id}),
+                              SamplingParams(json_schema={"type": "integer", "minimum": 0, "maximum": 2 ** 63 - 1}))
+    for t in tok.encode(str(2 ** 63), add_special_tokens=False):  # (int64's bound held: one past it never whole)
+        if not c.allowed()[t]:
+            break
+        c.advance(t)
+    else:
+        assert not c.allowed()[tok.eos_token_id]
+
+
 def test_a_dead_end_past_the_first_bytes_ends_the_request_with_its_reason(sol, tok):
     """A grammar with texts whose dead end the check before the request queues does not find (a branch past a whole
     text's, a tokenizer that cannot write what comes next) ends the request, where its output reaches it, with a reason

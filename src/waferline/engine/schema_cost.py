@@ -1,8 +1,11 @@
 """What a JSON Schema would cost the grammar engine to build, counted before it is asked (engine/structured.py): the
-schemas whose build would hold a server thread for seconds to minutes are refused."""
+schemas whose build would hold a server thread for seconds to minutes are refused, and those whose numbers would crash
+it."""
 
 from __future__ import annotations
 
+import json
+import re
 import urllib.parse
 from typing import Any
 
@@ -62,3 +65,64 @@ def _pointed(schema: Any, ref: str) -> Any:
         else:
             return None
     return node
+
+
+# The grammar engine (llguidance 1.9.1) reads a JSON Schema's numbers as f64 and an integer's range as i64: a const or
+# an enum value that holds an integer at or below -2^63 ({"const": -9223372036854775807}, {"enum": [[-1e19]]} in an
+# integer schema), or an integer range whose two ends both lie there ({"type": "integer", "minimum": -1e19, "maximum":
+# -1e19}), ends the whole process (SIGSEGV as it builds the grammar) instead of failing. Such a number in a const, an
+# enum or a bound is refused before the engine sees it (a bound there is one no integer range can use anyway: "Failed
+# to generate regex"). Also in the JSON Schemas a Lark grammar embeds (%json {...}).
+LOWEST_NUMBER = -(2 ** 63)
+_BOUNDS = frozenset(("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"))
+_LARK_JSON = re.compile(r"%json\b\s*")
+
+
+def refuse_crashing_numbers(schema: Any, kind: str = "json_schema") -> None:
+    """RequestError where a const, an enum value (or a number inside one) or a numeric bound of ``schema`` is at or
+    below ``LOWEST_NUMBER`` as an f64 (what the grammar engine would crash on); instances that only annotate
+    ("default", "examples") are not read."""
+    nodes = [(schema, False)]
+    while nodes:
+        node, names = nodes.pop()
+        if isinstance(node, list):
+            nodes += ((v, False) for v in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if names:
+            nodes += ((v, False) for v in node.values())
+            continue
+        for key, value in node.items():
+            if key in _BOUNDS or key in ("const", "enum"):
+                low = _lowest(value if key not in _BOUNDS else [value])
+                if low is not None:
+                    raise RequestError(f"{kind} cannot be used: the number {low} (in \"{key}\") is at or below "
+                                       f"-2^63 ({LOWEST_NUMBER}), which the grammar engine cannot hold")
+            elif key not in ("default", "examples"):
+                nodes.append((value, key in _NAMED_SCHEMAS))
+
+
+def _lowest(value: Any) -> int | float | None:
+    """The first number in ``value`` (a JSON instance) at or below ``LOWEST_NUMBER`` once rounded to an f64; else
+    None."""
+    items = [value]
+    while items:
+        v = items.pop()
+        if isinstance(v, (list, dict)):
+            items += v.values() if isinstance(v, dict) else v
+        elif type(v) is int and v <= LOWEST_NUMBER + 512 or type(v) is float and v <= LOWEST_NUMBER:
+            return v  # (an integer within 512 of -2^63 rounds to it)
+    return None
+
+
+def refuse_crashing_lark(text: str) -> None:
+    """``refuse_crashing_numbers`` of each JSON Schema a Lark grammar embeds (``%json {...}``; one that is not JSON is
+    left to the grammar engine's own error)."""
+    decoder = json.JSONDecoder()
+    for m in _LARK_JSON.finditer(text):
+        try:
+            schema, _ = decoder.raw_decode(text, m.end())
+        except ValueError:
+            continue
+        refuse_crashing_numbers(schema, "grammar")

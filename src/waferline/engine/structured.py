@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from waferline.engine.schema_cost import refuse_costly_schema
+from waferline.engine.schema_cost import refuse_costly_schema, refuse_crashing_lark, refuse_crashing_numbers
 from waferline.errors import RequestError, counted
 
 # between JSON tokens at most one space: compact JSON, not the runs of whitespace and line breaks that models which
@@ -116,6 +116,7 @@ def _grammar_text(kind: str, value: str) -> str:
                            f"({str(e)[:300]})") from None
     if len(text) > MAX_LARK_CHARS:
         raise RequestError(f"grammar cannot be used: {len(text)} characters (as Lark), at most {MAX_LARK_CHARS}")
+    refuse_crashing_lark(text)
     return LLMatcher.grammar_from_lark(text)
 
 
@@ -190,6 +191,7 @@ def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
 
     try:
         if kind == "json_schema":
+            refuse_crashing_numbers(json.loads(value))
             refuse_costly_schema(json.loads(value))
         grammar = _grammar_text(kind, value)
     except (ValueError, TypeError) as e:
@@ -197,12 +199,10 @@ def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
     err = LLMatcher.validate_grammar(grammar)
     if err and not err.startswith("WARNING"):
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
-    held = _exclusive_bound_let_through(json.loads(value)) if kind == "json_schema" else None
+    held = _bound_let_through(json.loads(value)) if kind == "json_schema" else None
     if held is not None:
-        text, bounds = held
-        raise RequestError(f"{kind} cannot be used: the grammar engine would let {text} through {bounds} (an "
-                           "exclusive integer bound with no integer inside the range, which it does not hold to; an "
-                           "inclusive bound it holds to)")
+        raise RequestError(f"{kind} cannot be used: the grammar engine would let {held[0]} through {held[1]} "
+                           f"({held[2]})")
     # a grammar no text starts (e.g. the regex "[a&&b]") is valid, and found only by a matcher: one over single bytes
     # (~1 ms) finds it here, before the request queues, whatever the model's tokenizer; and one whose every text comes
     # to a dead end within a few bytes (as in 'start: "x" /[a&&b]/', or a rule that never ends), by ``_dead_end``. A
@@ -225,17 +225,17 @@ def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
     return grammar, False
 
 
-def _exclusive_bound_let_through(schema: Any) -> tuple[str, str] | None:
-    """An exclusive bound of ``schema``'s numbers that the grammar engine does not hold to: the text of the bound (an
-    integer) it allows there, and that part's bounds as JSON; else None. llguidance lets the integer through where
-    no integer lies inside the range and it is the bound nearer zero ({"exclusiveMinimum": 0, "maximum": 0.5}
-    allowed 0, {"minimum": -1.5, "exclusiveMaximum": -1} -1): each such bound is asked about (over single bytes,
-    ~1 ms), so an engine that holds to it refuses nothing."""
+def _bound_let_through(schema: Any) -> tuple[str, str, str] | None:
+    """A number the grammar engine would let through ``schema`` that the part of it it is in refuses: its text, that
+    part's bounds (and const or enum) as JSON, and why; else None. Each candidate is asked about over single bytes
+    (~1 ms), so an engine that holds to the schema refuses nothing. llguidance lets an exclusive integer bound through
+    where no integer lies inside the range and it is the bound nearer zero ({"exclusiveMinimum": 0, "maximum": 0.5}
+    allowed 0, {"minimum": -1.5, "exclusiveMaximum": -1} -1); and it reads bounds as f64 and an integer's range as i64,
+    so past 2^53 an integer bound or const moves ({"minimum": 9007199254740993} allowed 9007199254740992) and past
+    2^63 it stops at the i64 ({"type": "integer", "minimum": 1e19, "maximum": 2e19} allowed 9223372036854775807)."""
     from llguidance import LLMatcher
 
-    keys = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum")
-    asked: set[str] = set()
-    nodes = [schema]
+    keys, asked, nodes = ("minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"), set(), [schema]
     while nodes:
         node = nodes.pop()
         if isinstance(node, list):
@@ -244,25 +244,56 @@ def _exclusive_bound_let_through(schema: Any) -> tuple[str, str] | None:
         if not isinstance(node, dict):
             continue
         nodes += node.values()
-        bounds = {k: node[k] for k in keys if k in node}
-        texts = []
-        for key, alone in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
-            v = node.get(alone) if node.get(key) is True else node.get(key)  # (draft 4: a flag on the bound)
-            if type(v) in (int, float) and math.isfinite(v) and v == int(v):
-                texts += [str(int(v))] + (["-0"] if v == 0 else [])
-        probe = json.dumps(bounds, sort_keys=True)
-        if not texts or probe in asked:
+        lo = {k: v for k in ("minimum", "exclusiveMinimum") if _finite(v := node.get(k))}
+        hi = {k: v for k in ("maximum", "exclusiveMaximum") if _finite(v := node.get(k))}
+        for key, alone, ends in (("exclusiveMinimum", "minimum", lo), ("exclusiveMaximum", "maximum", hi)):
+            if node.get(key) is True and alone in ends:  # (draft 4: a flag on the bound)
+                ends[key] = ends.pop(alone)
+        typed = [t for t in ([node["type"]] if isinstance(node.get("type"), str) else node.get("type", ["number"]))
+                 if t in ("number", "integer")] if "type" in node else []
+        values = [v for v in [node.get("const"), *(node.get("enum") if isinstance(node.get("enum"), list) else [])]
+                  if _finite(v)] if typed else []
+        probe = {k: node[k] for k in keys if k in node} | ({"const": node["const"]} if typed and _finite(
+            node.get("const")) else {}) | ({"enum": values[:16]} if values and "enum" in node else {})
+        texts = [str(math.floor(v)) for k, v in (lo | hi).items() if k.startswith("excl") and v == int(v)]
+        texts += ["-0" for k, v in (lo | hi).items() if k.startswith("excl") and v == 0]
+        kinds = ["number"]
+        if any(abs(v) >= 2 ** 53 for v in [*lo.values(), *hi.values(), *values[:16]]):
+            kinds = typed or ["number", "integer"]
+            texts += [str(math.ceil(v) - 1 if k == "minimum" else math.floor(v)) for k, v in lo.items()]
+            texts += [str(math.floor(v) + 1 if k == "maximum" else math.ceil(v)) for k, v in hi.items()]
+            texts += [str(int(v) + d) for v in values[:16] if v == int(v) for d in (-1, 1)]
+            texts += [str(int(float(v))) for v in [*lo.values(), *hi.values(), *values[:16]] if abs(v) < 2 ** 1000]
+            texts += [str(2 ** 63 - 1), str(-(2 ** 63))]
+        texts = [t for t in dict.fromkeys(texts) if _outside(int(t), lo, hi, values)]
+        if not texts or (seen := json.dumps(probe, sort_keys=True)) in asked:
             continue
-        asked.add(probe)
-        try:
-            grammar = LLMatcher.grammar_from_json_schema(dict(bounds, type="number"), defaults=JSON_OPTIONS)
-        except (ValueError, TypeError):  # (bounds no number holds to: the whole schema's check says so)
-            continue
-        for text in texts:
-            m = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-            if not m.is_error() and all(m.consume_token(b) for b in text.encode()) and m.is_accepting():
-                return text, json.dumps(bounds)
+        asked.add(seen)
+        for kind in kinds:
+            try:  # (as JSON text: a dict's integer past 64 bits is "not JSON serializable" to llguidance)
+                grammar = LLMatcher.grammar_from_json_schema(json.dumps(probe | {"type": kind}), defaults=JSON_OPTIONS)
+            except (ValueError, TypeError):  # (bounds no number holds to: the whole schema's check says so)
+                continue
+            for text in texts:
+                m = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+                if not m.is_error() and all(m.consume_token(b) for b in text.encode()) and m.is_accepting():
+                    exact = kinds == ["number"] and abs(int(text)) < 2 ** 53
+                    return text, json.dumps(probe), (
+                        "an exclusive integer bound with no integer inside the range, which it does not hold to; an "
+                        "inclusive bound it holds to" if exact else "it reads numbers as 64-bit floats and an "
+                        "integer's range as 64-bit integers: exact to 2^53 (9007199254740992)")
     return None
+
+
+def _finite(v: Any) -> bool:
+    """``v`` is a JSON number (not a bool) other than an infinity or NaN; an integer of any size is one."""
+    return type(v) is int or type(v) is float and math.isfinite(v)
+
+
+def _outside(n: int, lo: dict[str, Any], hi: dict[str, Any], values: list[Any]) -> bool:
+    """The integer ``n`` lies outside the bounds ``lo`` and ``hi`` (keyword -> number), or is none of ``values``."""
+    return (any(n < v if k == "minimum" else n <= v for k, v in lo.items())
+            or any(n > v if k == "maximum" else n >= v for k, v in hi.items()) or bool(values) and n not in values)
 
 
 def _dead_end(matcher: Any, mask: np.ndarray, budget: int = 256, seconds: float = 0.05
