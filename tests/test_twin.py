@@ -1366,6 +1366,20 @@ def test_a_grid_point_with_k_but_no_speculation_is_refused(tmp_path, capsys, mon
     assert err.startswith("error: grid point 1") and "k needs speculative" in err and err.count("\n") == 1, err
 
 
+def test_a_grid_point_past_what_a_host_runs_is_refused():
+    """A point of batch 10^20 (or k 10^6, 10^6 FFN ranks) passed the checks and its engine built prompts until the
+    point's 300 s timeout; it is refused before anything runs."""
+    from waferline.sim.twin import load_grid
+
+    for point, says in (({"batch": 10**20}, "batch must be at most 4,096, got 100,000,000,000,000,000,000"),
+                        ({"speculative": "ngram", "k": 10**6}, "k must be at most 32"),
+                        ({"afd": True, "ffn_ranks": 10**6}, "ffn_ranks must be at most 64"),
+                        ({"stages": 10**9}, "stages must be at most 4,096")):
+        with pytest.raises(ConfigError, match=f"grid point 1 .*{says}"):
+            load_grid([point])
+    assert load_grid([{"batch": 4096, "speculative": "mtp", "k": 32}])[0].name.endswith("-B4096")
+
+
 def test_twin_grid_builds_again_a_dsv3_checkpoint_whose_build_stopped(tmp_path, monkeypatch):
     """benchmarks/twin_grid.py's cached DeepSeek-V3-type checkpoint is trusted once its config.json (written last) is
     there: a build that failed after its weights (a full disk) is built again, not kept without a config.json (which

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from waferline.spec.model import ModelSpec
 
 SPEC_METHODS = ("none", "ngram", "mtp")
+# the most a grid point may ask for: sequences a point runs on this host, processes (micro-batches are a batch's
+# parts), drafts a step (the planner's MAX_DRAFT_TOKENS); a batch of 10^20 built prompts until the point's timeout
+POINT_LIMITS = {"batch": 4096, "micro_batches": 4096, "attention_ranks": 64, "ffn_ranks": 64, "k": 32}
 POINT_TIMEOUT_S = 300.0
 MEASURED_INPUTS = (
     "per-op and per-step engine overhead, GEMV/GEMM speed per dtype (fp32/bf16/int4), copy bandwidth, "
@@ -99,6 +102,10 @@ class GridPoint:
                 return f"{f} must be an integer, got {v!r}"
             if v < 1:
                 return f"{f} must be >= 1, got {v}"
+            if v > POINT_LIMITS.get(f, v):
+                return f"{f} must be at most {POINT_LIMITS[f]:,}, got {v:,}"
+        if _is_int(self.stages) and self.stages > 4096:
+            return f"stages must be at most 4,096 (or 'L'), got {self.stages:,}"
         if self.weight_bits not in (16, 4):
             return f"weight_bits must be 16 or 4, got {self.weight_bits}"
         if not isinstance(self.speculative, str) or self.speculative not in SPEC_METHODS:
