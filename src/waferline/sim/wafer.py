@@ -12,10 +12,11 @@ in ``cost.stage_step``), for the vectors that cross its region:
 * **distance**: each phase also travels the region's side (a square of the layer's share of the wafer's PEs) at the
   mesh's per-hop latency: bigger regions cost more hops. One layer per wafer spans the whole wafer (~950 hops).
 
-Which vectors cross is derived from the layer's shapes (``fabric_work``): the layer input, and each matmul's output
-once (``matmul params / d`` elements for a mixer, which is exact for a GQA block: q, k, v, attention output and the
-projection back), a dense FFN's gate, up and down outputs, and for a MoE block the router logits, the dispatch of the
-input to the chosen experts, one expert's gate/up/down outputs (the chosen experts and the shared expert run side by
+Which vectors cross is derived from the layer's shapes (``fabric_work``): the layer input, and each matmul's output once
+(a mixer: each product's output, the output projection's input instead of its own; MLA and DSA from their shapes, whose
+low-rank products read their rank's width; any other mixer as ``matmul params / d``, exact for a GQA block: q, k, v and
+the attention output), a dense FFN's gate, up and down outputs, and for a MoE block the router logits, the dispatch of
+the input to the chosen experts, one expert's gate/up/down outputs (the chosen experts and the shared expert run side by
 side in their own regions) and the combine. Activations move in 16-bit (16-bit compute).
 """
 
@@ -54,7 +55,7 @@ def fabric_work(layer: LayerSpec) -> FabricWork:
     d = layer.hidden_size
     mixer_elems, mixer_phases = 0.0, 0
     if layer.mixer is not None:
-        mixer_elems = d + layer.mixer.matmul_params() / d
+        mixer_elems = d + _mixer_vectors(layer.mixer, d)
         mixer_phases = MIXER_PHASES
     ffn = layer.ffn
     ffn_elems, ffn_phases = 0.0, 0
@@ -68,6 +69,22 @@ def fabric_work(layer: LayerSpec) -> FabricWork:
         ffn_elems = d + (2 if ffn.gated else 1) * ffn.intermediate_size + d  # in, gate/up, down
         ffn_phases = DENSE_FFN_PHASES
     return FabricWork(mixer_elems, mixer_phases, ffn_elems, ffn_phases)
+
+
+def _mixer_vectors(mixer: object, d: int) -> float:
+    """Elements of the vectors a mixer's products write, per token: each product's output, the output projection's
+    replaced by its input (the attention's output; the projection's own output is the next block's input). MLA (and
+    DSA, MLA with an indexer): its low-rank products read their rank's width, not ``d``, so they are counted from
+    their shapes; any other mixer as ``matmul params / d`` (each product reads the layer input: exact for GQA and
+    Mamba-2's in/out projections)."""
+    from waferline.spec.model import DSASpec, MLASpec
+
+    if isinstance(mixer, (MLASpec, DSASpec)):
+        mla = mixer if isinstance(mixer, MLASpec) else mixer._mla()
+        *inner, (o_in, _, _) = mla.matmuls()
+        extra = mixer.matmuls()[len(inner) + 1:]  # (DSA: the indexer's products)
+        return float(sum(n * c for _, n, c in inner + extra) + o_in)
+    return mixer.matmul_params() / d  # type: ignore[attr-defined]
 
 
 _FABRICS: dict[tuple, Fabric] = {}
