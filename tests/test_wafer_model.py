@@ -36,6 +36,15 @@ def test_fabric_work_of_an_mla_layer_counts_its_low_rank_vectors():
     assert fabric_work(load_model("gpt-5.6-sol-dsa").layers[0]).mixer_elems == mla + 64 * 128 + 128  # + wq_b, wk
 
 
+def test_fabric_work_of_a_v4_compressed_attention_layer_counts_its_low_rank_vectors():
+    """gpt-5.6-sol-v4 (DeepSeek-V4-style compressed attention: low-rank query, grouped low-rank output): counted as
+    `matmul params / d` it streamed 32,256 elements; by its shapes it writes 118,272."""
+    d, H, hd, q_lora, g, o_lora = 12288, 96, 512, 2048, 16, 1024
+    # in, q_a, q_b, the shared K=V head, the attention's output (wo_a's input), wo_a, the compressor's kv and gate
+    v4 = d + q_lora + H * hd + hd + H * hd + g * o_lora + 2 * hd
+    assert fabric_work(load_model("gpt-5.6-sol-v4").layers[0]).mixer_elems == v4 == d + 118_272
+
+
 def test_fabric_constants_come_from_the_catalog():
     hw = load_hardware("wse-3")
     f = Fabric.of(hw)

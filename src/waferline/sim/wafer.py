@@ -13,11 +13,12 @@ in ``cost.stage_step``), for the vectors that cross its region:
   mesh's per-hop latency: bigger regions cost more hops. One layer per wafer spans the whole wafer (~950 hops).
 
 Which vectors cross is derived from the layer's shapes (``fabric_work``): the layer input, and each matmul's output once
-(a mixer: each product's output, the output projection's input instead of its own; MLA and DSA from their shapes, whose
-low-rank products read their rank's width; any other mixer as ``matmul params / d``, exact for a GQA block: q, k, v and
-the attention output), a dense FFN's gate, up and down outputs, and for a MoE block the router logits, the dispatch of
-the input to the chosen experts, one expert's gate/up/down outputs (the chosen experts and the shared expert run side by
-side in their own regions) and the combine. Activations move in 16-bit (16-bit compute).
+(a mixer: each product's output, the output projection's input instead of its own; MLA, DSA and V4-style compressed
+attention from their shapes, whose low-rank products read their rank's width; any other mixer as ``matmul params / d``,
+exact for a GQA block: q, k, v and the attention output), a dense FFN's gate, up and down outputs, and for a MoE block
+the router logits, the dispatch of the input to the chosen experts, one expert's gate/up/down outputs (the chosen
+experts and the shared expert run side by side in their own regions) and the combine. Activations move in 16-bit (16-bit
+compute).
 """
 
 from __future__ import annotations
@@ -74,11 +75,13 @@ def fabric_work(layer: LayerSpec) -> FabricWork:
 def _mixer_vectors(mixer: object, d: int) -> float:
     """Elements of the vectors a mixer's products write, per token: each product's output, the output projection's
     replaced by its input (the attention's output; the projection's own output is the next block's input). MLA (and
-    DSA, MLA with an indexer): its low-rank products read their rank's width, not ``d``, so they are counted from
-    their shapes; any other mixer as ``matmul params / d`` (each product reads the layer input: exact for GQA and
-    Mamba-2's in/out projections)."""
-    from waferline.spec.model import DSASpec, MLASpec
+    DSA, MLA with an indexer) and DeepSeek-V4-style compressed attention: their low-rank products read their rank's
+    width, not ``d``, so they are counted from their shapes; any other mixer as ``matmul params / d`` (each product
+    reads the layer input: exact for GQA and Mamba-2's in/out projections)."""
+    from waferline.spec.model import CompressedAttentionSpec, DSASpec, MLASpec
 
+    if isinstance(mixer, CompressedAttentionSpec):  # (every product's output but the one back to d; the attention's)
+        return float(sum(n * c for _, n, c in mixer.matmuls()) - d + mixer.num_heads * mixer.head_dim)
     if isinstance(mixer, (MLASpec, DSASpec)):
         mla = mixer if isinstance(mixer, MLASpec) else mixer._mla()
         *inner, (o_in, _, _) = mla.matmuls()
