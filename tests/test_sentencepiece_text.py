@@ -139,3 +139,94 @@ def test_served_text_keeps_the_first_space_after_a_character_in_byte_pieces(sp_c
                 "continue_final_message": True, "add_generation_prompt": False}
         r = httpx.post(base + "/v1/chat/completions", json=chat, timeout=60).json()
         assert r["choices"][0]["message"]["content"] == " Hello Hello"  # (continues "café": "café Hello Hello")
+
+
+def test_a_bad_byte_after_whole_characters_in_byte_pieces_keeps_them(sp_llm):
+    """Hugging Face's ByteFallback decoder turns every byte of a run of byte pieces that is not whole UTF-8 into
+    U+FFFD: "Q" (<0x51>) followed by two bad bytes read "\\ufffd" * 3 decoded together, though the stream sent "Q"
+    when it came. The text reads as UTF-8 with replacement reads it (one U+FFFD a bad byte sequence), streamed, in
+    LLM.generate's output and decoded."""
+    llm, hf = sp_llm, sp_llm.tokenizer
+    prompt = hf.encode("the x")
+    out = _ids(llm, "<0x51>", "<0xAB>", "<0xF0>", "\u2581Hello", "<0xC3>", "<0xA9>", "<0xFF>", "<0x41>")
+    want = "Q\ufffd\ufffd Hello\u00e9\ufffdA"
+    assert b"Q\xab\xf0 Hello\xc3\xa9\xffA".decode("utf-8", "replace") == want
+    assert llm.decode(out) == want and llm.decode(out, after=prompt) == want
+    for params in (SamplingParams(max_tokens=len(out)), SamplingParams(max_tokens=len(out), stop=["zz"])):
+        assert llm.make_output(prompt, out, "length", {2}, params, {}).text == want
+        assert _streamed(llm, prompt, out, params) == want
+    params = SamplingParams(max_tokens=9, stop=["\u00e9"])  # (a stop string after them: the text before it)
+    assert llm.make_output(prompt, out[:6], "stop", {2}, params, {}).text == "Q\ufffd\ufffd Hello"
+    assert _streamed(llm, prompt, out, params) == "Q\ufffd\ufffd Hello"
+
+
+def test_streamed_text_adds_up_to_the_output_text_for_random_tokens(sp_llm):
+    """Random outputs (byte pieces, words, special tokens; ended by max_tokens, the end-of-sequence token or stop
+    strings, one a prefix of another): the text streamed piece by piece is the output's text, with no U+FFFD sent
+    for a character a later token completes, and each token's text_offset within the text, in order."""
+    import random
+
+    llm, hf = sp_llm, sp_llm.tokenizer
+    rng = random.Random(0)
+    pool = [*range(len(hf))] + _ids(llm, *(f"<0x{b:02X}>" for b in "\u00e9\u4e2d\U0001f44d".encode())) * 8
+    for _ in range(200):
+        prompt, toks = [rng.choice(pool) for _ in range(3)], [rng.choice(pool) for _ in range(12)]
+        whole = llm.decode(toks)
+        stops = [whole[i:i + rng.randint(1, 3)] for i in rng.sample(range(len(whole)), min(2, len(whole)))]
+        stops += [s[:-1] for s in stops[:1] if len(s) > 1]
+        params = SamplingParams(max_tokens=rng.randint(1, 12), stop=stops if rng.random() < 0.5 else [],
+                                skip_special_tokens=rng.random() < 0.7)
+        sch = Scheduler(llm, SchedulerConfig(max_num_seqs=1))
+        events: list = []
+        seq = Sequence("s", prompt, params, events.append)
+        for tok in toks:
+            if seq.status != "finished":
+                sch._sample(seq, None, tok)
+        out = llm.make_output(prompt, seq.output_ids, seq.finish_reason, {2}, params, {}).text
+        sent = [e.text for e in events]
+        assert "".join(sent) == out, (prompt, seq.output_ids, params, sent, out)
+        offsets = [e.text_offset for e in events if e.token_id is not None]
+        assert offsets[-1] <= len(out), (offsets, out)
+        assert offsets == sorted(offsets) or params.stop, offsets  # (sent before a stop string cut the text)
+
+
+def test_served_logprobs_text_offsets_stay_inside_a_text_a_stop_string_cut(sp_ckpt, one_thread):
+    """The stop string "o Hello H" starts inside the first "▁Hello" and ends in the third: the text is " Hell" and the
+    second and third tokens' text_offset is its end (not 6 and 12, past it), streamed (the token that ends it) or not;
+    the streamed text is the text, through the openai client."""
+    import openai
+
+    from server_helpers import serve_in_thread
+    from waferline.server.commands import build_server
+
+    app = build_server(sp_ckpt, max_num_seqs=4, max_model_len=128, served_model_name="sp")
+    hello = app.state.server.llm.tokenizer.convert_tokens_to_ids("\u2581Hello")
+    with serve_in_thread(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        kw = dict(model="sp", prompt="the x", max_tokens=5, temperature=0, logit_bias={str(hello): 100},
+                  stop=["o Hello H"], logprobs=0)
+        r = client.completions.create(**kw).choices[0]
+        assert (r.text, r.finish_reason, r.logprobs.text_offset) == (" Hell", "stop", [0, 5, 5])
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(c.text for c in chunks) == " Hell"
+        assert [c.logprobs.text_offset[0] for c in chunks if c.logprobs][-1] == 5
+
+
+def test_served_echo_and_detokenize_read_a_bad_byte_as_an_output_does(sp_ckpt, one_thread):
+    """A prompt of token ids "Q" <0xAB> <0xF0> "▁Hello" echoed with log-probabilities: the echo reads
+    "Q\\ufffd\\ufffd Hello" (not "\\ufffd" * 3 " Hello", which the text_offsets [0, 1, 2, 2] did not index), as
+    /detokenize and a generated output with those tokens read it."""
+    import openai
+
+    from server_helpers import serve_in_thread
+    from waferline.server.commands import build_server
+
+    app = build_server(sp_ckpt, max_num_seqs=4, max_model_len=128, served_model_name="sp")
+    ids = app.state.server.llm.tokenizer.convert_tokens_to_ids(["<0x51>", "<0xAB>", "<0xF0>", "\u2581Hello"])
+    with serve_in_thread(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        r = client.completions.create(model="sp", prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=0,
+                                      logit_bias={str(ids[-1]): 100}).choices[0]
+        assert (r.text, r.logprobs.text_offset) == ("Q\ufffd\ufffd Hello Hello", [0, 1, 2, 2, 9])
+        assert httpx.post(base + "/detokenize", json={"model": "sp", "tokens": ids}).json()["prompt"] == \
+            "Q\ufffd\ufffd Hello"

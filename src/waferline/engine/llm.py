@@ -43,6 +43,7 @@ from waferline.engine.inputs import (
 from waferline.engine.sampling import SamplingParams, TokenLogprobs, decode_metrics, resolve_dtype
 from waferline.engine.sequence import CONTEXT_TOKENS, Sequence, request_generator, stop_cut
 from waferline.engine.speculative.serving import ServeSpeculation, check_speculative, int4_mtp
+from waferline.engine.token_bytes import decode_text
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
 from waferline.model.context import StepBatch
@@ -198,19 +199,18 @@ class LLM:
         ``CONTEXT_TOKENS`` of ``after``, the shortest tail whose text is not empty (a special token skipped, a lone
         "▁") and does not end inside a character (the prompt's last character in byte-fallback pieces) is taken. No
         clean-up of spaces (as vLLM): it takes back a space a stream sent ("it '" then "s" reads "it's")."""
-        kw = {"skip_special_tokens": skip_special_tokens, "clean_up_tokenization_spaces": False}
         if self.tokenizer is None:
             return ""
         after = after[-CONTEXT_TOKENS:]
         if after and ids:
             for k in range(1, len(after) + 1):
-                pre = self.tokenizer.decode(list(after[-k:]), **kw)
+                pre = decode_text(self.tokenizer, list(after[-k:]), skip_special_tokens)
                 if pre and not pre.endswith("\ufffd"):
-                    full = self.tokenizer.decode(list(after[-k:]) + list(ids), **kw)
+                    full = decode_text(self.tokenizer, list(after[-k:]) + list(ids), skip_special_tokens)
                     if full.startswith(pre):  # (else: a character split across them)
                         return full[len(pre):]
                     break
-        return self.tokenizer.decode(ids, **kw)
+        return decode_text(self.tokenizer, list(ids), skip_special_tokens)
 
     def output_text(self, ids: list[int], skip_special_tokens: bool = True, context: list[int] | tuple = ()) -> str:
         """A finished output's text: ``ids`` decoded after the prompt's last tokens ``context`` (``decode``'s

@@ -423,8 +423,8 @@ class Scheduler:
         (text, cut), offset = self._text(seq), seq.token_start  # (_text first: where the token's text starts)
         if tok in stop_ids:
             reason = "stop"
-        elif cut is not None:
-            reason, text = "stop", text[:cut]
+        elif cut is not None:  # (a token whose text starts past the cut starts at the output's end)
+            reason, text, offset = "stop", text[:cut], min(offset, cut)
         elif len(seq.output_ids) >= p.max_tokens:
             reason, text = "length", self._decode(seq.output_ids, p, seq.prompt_ids, True)  # (a cut character too)
         if reason is None:

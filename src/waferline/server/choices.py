@@ -90,7 +90,8 @@ class Choices:
                 choice["logprobs"] = {"content": [chat_entry(lp, self.texts) for lp in lps]}
             elif self.texts is not None:
                 items = self._echoed(c, c.prompt_lps) + [(lp.token, lp) for lp in lps]
-                offsets = self._echo_offsets(c) + [len(c.echo or "") + s for s in c.starts[:len(lps)]]
+                # (a token inside a stop string, streamed before the stop was known, starts at the text's end)
+                offsets = self._echo_offsets(c) + [len(c.echo or "") + min(s, len(text)) for s in c.starts[:len(lps)]]
                 choice["logprobs"] = completion_logprobs(items, self.texts, offsets)
             if self.token_ids:
                 choice["token_ids"] = toks

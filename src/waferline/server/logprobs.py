@@ -16,7 +16,7 @@ import copy
 from typing import Any
 
 from waferline.engine.sampling import TokenLogprobs
-from waferline.engine.token_bytes import byte_level_alphabet, token_bytes_of
+from waferline.engine.token_bytes import byte_level_alphabet, decode_text, token_bytes_of
 
 FLOOR = -9999.0
 
@@ -43,8 +43,9 @@ class TokenTexts:
         return self._tok
 
     def text(self, ids: list[int]) -> str:
-        """``ids`` decoded together (an echoed prompt given as token ids); "" without a tokenizer."""
-        return "" if self._source is None else self._tokenizer().decode(ids, skip_special_tokens=False)
+        """``ids`` decoded together (an echoed prompt given as token ids: a bad byte in byte pieces as one U+FFFD, as
+        ``text_offsets`` counts it); "" without a tokenizer."""
+        return "" if self._source is None else decode_text(self._tokenizer(), ids, skip_special_tokens=False)
 
     def __call__(self, token: int) -> tuple[str, list[int] | None]:
         hit = self._seen.get(token)

@@ -25,6 +25,7 @@ from waferline.engine.loop import EngineLoop, EngineUnavailableError, QueueFullE
 from waferline.engine.sampling import MAX_LOGPROBS, MAX_SEED, SamplingParams
 from waferline.engine.scheduler import Event
 from waferline.engine.structured import check_tokens, grammar_of
+from waferline.engine.token_bytes import decode_text
 from waferline.errors import RequestError
 from waferline.server.chat import render
 from waferline.server.logprobs import TokenTexts
@@ -190,7 +191,7 @@ class Server:
         if bad:
             raise APIError(f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
         with self.encode_lock:
-            return self.encode_tokenizer.decode(ids, skip_special_tokens=False)
+            return decode_text(self.encode_tokenizer, ids, skip_special_tokens=False)  # (as an output's text reads)
 
     def tokenizer_info(self) -> dict[str, Any]:
         """What a client needs to tokenize as this server does (``GET /tokenizer_info``, as vLLM's)."""
