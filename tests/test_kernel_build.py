@@ -241,10 +241,11 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path):
     order: list = []
     monkeypatch.setattr(kernels, "prepare", lambda progress=True: order.append("prepare") or True)
     engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"))
-    server = types.SimpleNamespace(model_name="m", engine=engine)
+    server = types.SimpleNamespace(model_name="m", engine=engine, stop_requests=lambda *a: None)
     app = types.SimpleNamespace(state=types.SimpleNamespace(server=server))
     monkeypatch.setattr(commands, "build_server", lambda *a, **k: order.append("build_server") or app)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: order.append("listen"))
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, *a, **k: order.append("listen") or setattr(
+        self, "started", True))
     parser = argparse.ArgumentParser()
     commands.register(parser.add_subparsers())
     args = parser.parse_args(["serve", "--model", str(tmp_path)])
