@@ -73,6 +73,23 @@ def test_each_matrix_takes_the_group_waferline_quantize_gives_it():
     assert oss.layers[0].ffn.expert_bytes(4) == 3 * 2880 * 2880 / 2 + 3 * 2880 * 45 * 2 + 3 * 2880 * 2
 
 
+def test_catalog_configs_carry_the_released_fields():
+    """Fields of the released config.json files that the catalog had left out or written differently: the Llama 3.3
+    Instruct release stops on three ids (<|end_of_text|>, <|eom_id|>, <|eot_id|>); DeepSeek-V4-Flash's compressed
+    layers rotate with YaRN (factor 16 from 65,536 positions), which transformers' DeepseekV4Config defaults leave out.
+    Neither moves what the planner counts."""
+    from waferline.spec.catalog import load_model, model_config
+
+    llama = model_config("llama-3.3-70b")
+    assert llama["eos_token_id"] == [128001, 128008, 128009] and llama["head_dim"] == 128
+    v4 = model_config("deepseek-v4-flash")
+    assert v4["rope_scaling"] == dict(beta_fast=32, beta_slow=1, factor=16, original_max_position_embeddings=65536,
+                                      type="yarn")
+    assert (v4["qk_rope_head_dim"], v4["bos_token_id"], v4["eos_token_id"]) == (64, 0, 1)
+    assert load_model("deepseek-v4-flash").params_total() == 284_332_240_471
+    assert load_model("llama-3.3-70b").cache_bytes_per_token(16) == 327_680
+
+
 def test_every_catalog_matmul_list_adds_up_to_its_parameters():
     """Each mixer's and FFN's (K, N, count) list (which its matmul parameters and the byte accounting are both read
     from) and its small parameters make up all its parameters, counted on their own; the attention and FFN sides of
