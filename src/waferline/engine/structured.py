@@ -189,17 +189,19 @@ def _checked_grammar(kind: str, value: str) -> tuple[str, bool]:
 def _check_grammar(kind: str, value: str) -> tuple[str, bool]:
     from llguidance import LLMatcher
 
+    schema = None
     try:
         if kind == "json_schema":
-            refuse_crashing_numbers(json.loads(value))
-            refuse_costly_schema(json.loads(value))
+            schema = json.loads(value)
+            refuse_crashing_numbers(schema)
+            refuse_costly_schema(schema)
         grammar = _grammar_text(kind, value)
     except (ValueError, TypeError) as e:
         raise RequestError(f"{kind} cannot be used: {str(e)[:300]}") from None
     err = LLMatcher.validate_grammar(grammar)
     if err and not err.startswith("WARNING"):
         raise RequestError(f"{kind} cannot be used: {err.strip()[:400]}")
-    held = _bound_let_through(json.loads(value)) if kind == "json_schema" else None
+    held = _bound_let_through(schema) if schema is not None else None
     if held is not None:
         raise RequestError(f"{kind} cannot be used: the grammar engine would let {held[0]} through {held[1]} "
                            f"({held[2]})")
