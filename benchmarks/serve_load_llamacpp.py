@@ -113,18 +113,20 @@ def engines(args: argparse.Namespace, hf: Path, gguf: dict[str, Path] | None) ->
           "--max-model-len", str(args.context)]
     head = f", int{args.head_bits} head" if args.head_bits != 16 else ""
     short = {"float32": "fp32", "bfloat16": "bf16"}
-    out = [Engine("waferline", f"int4 g{args.group_size}{head}, {short[args.int4_dtype]} act.", wl + [
-               "--dtype", args.int4_dtype, "--weight-bits", "4", "--group-size", str(args.group_size),
-               "--head-bits", str(args.head_bits)], "/health"),
-           Engine("waferline", short[args.dtype], wl + ["--dtype", args.dtype], "/health")]
-    for S, M in args.pipelines:  # the same 16/32-bit server as S stage processes, M micro-batches in flight ...
-        out.append(Engine("waferline", f"{short[args.dtype]}, {S} stages x {M} micro-batches, {args.threads} "
-                          f"thread{'s' if args.threads > 1 else ''} each", wl + [
-                              "--dtype", args.dtype, "--stages", str(S), "--micro-batches", str(M)], "/health"))
+    int4 = (f"int4 g{args.group_size}{head}, {short[args.int4_dtype]} act.",
+            ["--dtype", args.int4_dtype, "--weight-bits", "4", "--group-size", str(args.group_size),
+             "--head-bits", str(args.head_bits)])
+    dense = (short[args.dtype], ["--dtype", args.dtype])
+    out = [Engine("waferline", int4[0], wl + int4[1], "/health"),
+           Engine("waferline", dense[0], wl + dense[1], "/health")]
+    label, flags = int4 if args.pipeline_weights == "int4" else dense
+    for S, M in args.pipelines:  # the int4 or 16/32-bit server as S stage processes, M micro-batches in flight ...
+        out.append(Engine("waferline", f"{label}, {S} stages x {M} micro-batches, {args.threads} "
+                          f"thread{'s' if args.threads > 1 else ''} each", wl + flags + [
+                              "--stages", str(S), "--micro-batches", str(M)], "/health"))
         # ... and as one process given the same cores as threads
         one = wl[:wl.index("--torch-threads") + 1] + [str(S * args.threads)] + wl[wl.index("--torch-threads") + 2:]
-        out.append(Engine("waferline", f"{short[args.dtype]}, one process, {S * args.threads} threads",
-                          one + ["--dtype", args.dtype], "/health"))
+        out.append(Engine("waferline", f"{label}, one process, {S * args.threads} threads", one + flags, "/health"))
     if gguf is not None:
         for fmt, label in (("q4_0", "Q4_0"), ("f16", "f16")):
             out.append(Engine("llama.cpp", label, [
@@ -315,9 +317,12 @@ def main() -> None:
                     help="waferline int4's LM head bits (default 8: llama.cpp's Q4_0 file stores its output "
                          "projection as Q6_K)")
     ap.add_argument("--pipelines", type=_pipelines, default=[], metavar="SxM[,SxM...]",
-                    help="also serve the 16/32-bit row as a pipeline of S stage processes with M micro-batches, "
+                    help="also serve the 16/32-bit row (or int4: --pipeline-weights) as a pipeline of S stage "
+                         "processes with M micro-batches, "
                          "--threads threads in each (e.g. 2x2: beside the one-process row, what a second core "
                          "buys as a stage)")
+    ap.add_argument("--pipeline-weights", default="dense", choices=["dense", "int4"],
+                    help="which row --pipelines serves as stages: the 16/32-bit one (dense, default) or int4")
     ap.add_argument("--engines", type=lambda s: s.split(","), default=None,
                     help="subset: engine or engine:weights prefix, e.g. 'waferline:int4,llama.cpp' (default: all)")
     ap.add_argument("--llama-cpp-src", default=None, help="vendor/llama.cpp of the llama-cpp-python sdist "

@@ -296,11 +296,8 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
     (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
-    (["--stages", "2", "--head-bits", "8"], "single-process engine"),
+    (["--afd", "--head-bits", "8"], "--afd runs a 16-bit LM head"),
     (["--group-size", "64"], "needs --weight-bits 4"),
-    # (a 16-bit checkpoint: refused by the flag's name before the port is checked or the kernels built)
-    (["--stages", "2", "--weight-bits", "4", "--port", "1"],
-     "--weight-bits 4 with a pipeline needs an int4 checkpoint"),
     (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative METHOD"),
 ])
 def test_serve_refuses_flags_it_cannot_honour(ckpts, capsys, flags, says):
@@ -487,9 +484,10 @@ def test_under_an_env_launch_a_dead_stage_stops_the_server_at_once(ckpts, monkey
             engine.shutdown()
 
 
-def test_engine_flags_reach_the_single_process_engine(ckpts):
+def test_engine_flags_reach_the_single_process_engine_and_the_pipeline(ckpts):
     """serve's int4-on-load and int8-head flags mean what they mean to LLM (and `waferline generate`): the served
-    model is quantized the same way and answers the same text."""
+    model is quantized the same way and answers the same text, in one process and as a pipeline of two stages (whose
+    stages each convert their own layers; a pipeline refused both flags)."""
     from waferline.model.quant import is_int4
 
     flags = {"weight_bits": 4, "group_size": 32, "head_bits": 8}
@@ -501,6 +499,11 @@ def test_engine_flags_reach_the_single_process_engine(ckpts):
         assert is_int4(model) and model.lm_head is None and model.lm_head_int8 is not None
         assert [s.stream(p, max_tokens=12, temperature=0)[0] for p in PROMPTS[:3]] == want
         assert want != [o.text for o in LLM(ckpts["afd"]).generate(PROMPTS[:3], greedy)]  # (the flags matter)
+    finally:
+        s.close()
+    s = LiveServer(ckpts["afd"], dict(flags, stages=2, threads_per_stage=1))
+    try:
+        assert [s.stream(p, max_tokens=12, temperature=0)[0] for p in PROMPTS[:3]] == want
     finally:
         s.close()
 

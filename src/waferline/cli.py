@@ -15,10 +15,9 @@ from typing import Any
 
 from waferline._version import __version__
 from waferline.argtypes import nonnegative_int, out_path, positive_int, utf8_text
-from waferline.engine_flags import check_engine_flags
+from waferline.engine_flags import GROUP_SIZE, check_engine_flags, stage_convert
 from waferline.errors import UsageError, WaferlineError, counted
 
-GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise
 NUM_SPECULATIVE_TOKENS = 4  # most draft tokens per step unless --num-speculative-tokens says otherwise
 DEMO_SPECULATIVE_TOKENS = 3  # the demo's (sol-mini's MTP head accepts about this many)
 
@@ -70,7 +69,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
             return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
-                                  device=args.device or "cpu")
+                                  device=args.device or "cpu", convert=stage_convert(args))
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
     if args.speculative:
         k = NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
@@ -260,14 +259,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=16,
         choices=[16, 4],
-        help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint in one process; a pipeline needs "
-             "an int4 checkpoint: waferline quantize; int4 checkpoints load as int4)",
+        help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint, each pipeline stage its own "
+             "layers; int4 checkpoints load as int4; not with --afd)",
     )
     g.add_argument("--group-size", type=int, default=None,
                    help=f"int4 group size for --weight-bits 4 on a 16-bit checkpoint (default {GROUP_SIZE})")
     g.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
                    help="8 = int8 LM head (per-row scales; halves the largest matrix read per token of a small model), "
-                        "16 = as loaded (default); single-process engine only")
+                        "16 = as loaded (default); not with --afd")
     g.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the engine's weights, caches and steps live (a pipeline's "
                         "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from waferline.errors import UsageError
 
+GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise (LLM's default)
+
 
 def _need(given: list[str], what: str) -> None:
     if given:
@@ -16,9 +18,8 @@ def _need(given: list[str], what: str) -> None:
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """Refuse engine flags (``args`` of generate or serve) that do not go together: AFD's ranks without --afd, two
-    engines at once, pipeline options in one process, bits the chosen engine does not run, --weight-bits 4 on a
-    16-bit checkpoint in a pipeline (it loads int4 checkpoints), --group-size where nothing is quantized on load, a
-    speculation length without a method."""
+    engines at once, pipeline options in one process, bits the chosen engine does not run (AFD: 16-bit only),
+    --group-size where nothing is quantized on load, a speculation length without a method."""
     pipeline = args.stages is not None or args.layers_per_stage is not None
     if not args.afd:
         _need([f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
@@ -31,9 +32,8 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         _need([f for f, v in (("--micro-batches", args.micro_batches),
                               ("--hang-timeout", getattr(args, "hang_timeout", None))) if v is not None],
               "--stages S, --layers-per-stage K or --afd")
-    if args.head_bits != 16 and (pipeline or args.afd):
-        raise UsageError(f"--head-bits {args.head_bits} is for the single-process engine: drop it or "
-                         f"{'--afd' if args.afd else '--stages/--layers-per-stage'}")
+    if args.head_bits != 16 and args.afd:
+        raise UsageError(f"--head-bits {args.head_bits}: --afd runs a 16-bit LM head; drop one of them")
     if args.afd and (args.weight_bits != 16 or args.group_size is not None):
         raise UsageError("--afd runs 16-bit weights: drop --weight-bits 4 / --group-size")
     if args.afd and args.device not in (None, "cpu"):
@@ -44,12 +44,15 @@ def check_engine_flags(args: argparse.Namespace) -> None:
 
     model = Path(args.model)
     int4 = is_int4_checkpoint(model)  # (False where there is no config.json: the caller names that)
-    if pipeline and args.weight_bits == 4 and (model / "config.json").is_file() and not int4:
-        raise UsageError(f"--weight-bits 4 with a pipeline needs an int4 checkpoint: run `waferline quantize --model "
-                         f"{args.model} --out DIR` (--group-size G there) and pass --model DIR")
     if args.group_size is not None:
         if args.weight_bits != 4:
             raise UsageError("--group-size is the int4 group size: it needs --weight-bits 4")
         if int4:
             raise UsageError(f"--group-size: {args.model} is an int4 checkpoint and loads with the groups it was "
                              "quantized with; drop --group-size")
+
+
+def stage_convert(args: argparse.Namespace) -> dict[str, int]:
+    """What a torchrun rank >= 1 does to its stage's layers once loaded (``convert_loaded``): the driver's
+    --weight-bits, --group-size and --head-bits, from the same command line."""
+    return {"weight_bits": args.weight_bits, "group_size": args.group_size or GROUP_SIZE, "head_bits": args.head_bits}

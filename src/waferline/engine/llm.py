@@ -34,7 +34,6 @@ from waferline.engine.inputs import (
     check_engine_options,
     check_numbers,
     eos_ids,
-    is_int4_checkpoint,
     is_token_id,
     plan_run,
     shown,
@@ -42,7 +41,7 @@ from waferline.engine.inputs import (
 )
 from waferline.engine.sampling import SamplingParams, TokenLogprobs, decode_metrics, resolve_dtype
 from waferline.engine.sequence import CONTEXT_TOKENS, Sequence, request_generator, stop_cut
-from waferline.engine.speculative.serving import ServeSpeculation, check_speculative, int4_mtp
+from waferline.engine.speculative.serving import ServeSpeculation, check_speculative
 from waferline.engine.token_bytes import decode_text
 from waferline.errors import ConfigError, RequestError, counted
 from waferline.model.arena import move_to_huge_pages
@@ -71,7 +70,7 @@ class LLM:
     >>> llm.generate(["Once upon a time"], SamplingParams(max_tokens=32))[0].text
 
     Options: ``dtype`` (float32 | bfloat16 | float16), ``max_model_len`` (the context; default the model's),
-    ``weight_bits`` 4 (int4 weights: RTN on load in one process; a pipeline needs an int4 checkpoint) with
+    ``weight_bits`` 4 (int4 weights: RTN on load of a 16-bit checkpoint, each pipeline stage its own layers) with
     ``group_size``, ``head_bits`` 8 (int8 LM head), ``speculative`` ("ngram" | "mtp" | "draft:PATH") with
     ``num_speculative_tokens`` and ``speculative_adaptive``, ``device`` ("cpu" | "cuda[:i]"), ``cuda_graphs``,
     ``huge_pages``. A pipeline: ``stages`` or ``layers_per_stage``, ``micro_batches``, ``plan``, ``prefill_chunk``,
@@ -98,8 +97,6 @@ class LLM:
         check_numbers(dict(pipeline_options, max_model_len=max_model_len, stages=stages,
                            layers_per_stage=layers_per_stage, micro_batches=micro_batches, weight_bits=weight_bits,
                            group_size=group_size, head_bits=head_bits, num_speculative_tokens=num_speculative_tokens))
-        if head_bits != 16 and (stages is not None or layers_per_stage is not None or pipeline_options):
-            raise ConfigError("head_bits=8 is for the single-process engine; drop it or the pipeline/AFD options")
         self.path = Path(path)
         if self.path.is_file():
             raise ConfigError(f"{path} is a file, not a checkpoint directory (config.json + *.safetensors); pass the "
@@ -127,9 +124,9 @@ class LLM:
         if wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
             from waferline.engine.afd import AFD
 
-            if stages is not None or layers_per_stage is not None or weight_bits != 16:
-                raise ConfigError("afd runs 16-bit weights without stages or layers_per_stage; drop those options "
-                                  "(or drop afd / attention_ranks / ffn_ranks)")
+            if stages is not None or layers_per_stage is not None or weight_bits != 16 or head_bits != 16:
+                raise ConfigError("afd runs 16-bit weights and head without stages or layers_per_stage; drop those "
+                                  "options (or drop afd / attention_ranks / ffn_ranks)")
             check_engine_options(pipeline_options, AFD_OPTIONS, "the AFD engine")
             self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
             self.model = None  # the layers live in the attention and FFN ranks
@@ -138,32 +135,24 @@ class LLM:
             from waferline.engine.pipeline import Pipeline
 
             check_engine_options(pipeline_options, PIPELINE_OPTIONS, "a pipeline")
-            if weight_bits == 4 and not is_int4_checkpoint(self.path):
-                raise ConfigError("weight_bits=4 with a pipeline needs an int4 checkpoint: run `waferline quantize "
-                                  f"--model {self.path} --out DIR` and load DIR (int4 checkpoints load as int4 anyway)")
-
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
-                                      micro_batches=micro_batches, **dev_kw, **pipeline_options)
+                                      micro_batches=micro_batches, **dev_kw, **pipeline_options,
+                                      convert={"weight_bits": weight_bits, "group_size": group_size,
+                                               "head_bits": head_bits})  # (each stage converts its own layers)
             self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
             self.spec = self._pipeline.spec
         else:
             if micro_batches is not None or pipeline_options:
                 raise ConfigError("micro_batches and pipeline options need stages=S or layers_per_stage=K")
-            from waferline.model.quant import QuantOptions, is_int4, loading_for, move_model, quantize_model
+            from waferline.model.quant import convert_loaded, loading_for, move_model
 
             with loading_for(self.device):  # (an int4 checkpoint bound for a GPU keeps codes move_model can read)
                 self.model = load_model(self.path, self.dtype)
             self.spec = self.model.spec
-
             if self.device.type != "cpu":  # before quantizing: int4 weights are packed for the device they sit on
                 move_model(self.model, self.device)
-
-            int4_ckpt = is_int4(self.model)
-            if weight_bits == 4 and not int4_ckpt:  # a 16-bit checkpoint: RTN int4 on load
-                quantize_model(self.model, QuantOptions(group_size=group_size))
-            # a scheduler's MTP drafter in int4 at the target's group size (an int4 checkpoint's, as a pipeline's)
-            int4_mtp(self.model, is_int4(self.model), None if int4_ckpt else group_size)
-            self.model.quantize_head(head_bits)  # 8: int8 LM head (fewer bytes per token); 16: as loaded
+            # RTN int4 on load (a 16-bit checkpoint), the MTP drafter's head in int4 where the layers are, int8 head
+            convert_loaded(self.model, weight_bits, group_size, head_bits)
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = eos_ids(self.path, self.spec.hf_config, self.tokenizer)

@@ -342,15 +342,15 @@ def serve(store: Any, run_id: str, rank: int, num_stages: int, load: dict[str, A
             act = Link(make_group(store, f"waferline/{run_id}/act", rank, num_stages, device, local), device)
             fb = Link(make_group(store, f"waferline/{run_id}/fb", rank, num_stages, device, local), device)
             from waferline.model.load import load_model
-            from waferline.model.quant import loading_for, move_model
+            from waferline.model.quant import convert_loaded, loading_for, move_model
 
             a, b = load["layer_range"]
-            last = rank == num_stages - 1
             with loading_for(device):
-                model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False, has_head=last,
-                                   **load.get("extra", {}))
+                model = load_model(load["path"], load["dtype"], range(a, b), has_embed=False,
+                                   has_head=rank == num_stages - 1, **load.get("extra", {}))
             if device.type != "cpu":  # (int4 weights repacked for the device's kernel)
                 move_model(model, device)
+            convert_loaded(model, **load.get("convert", {}))  # (int4 on load, int8 head: as the driver's stage)
         except Exception as e:  # a load error (bad checkpoint, ...) goes to the driver, which raises it
             _say_why(rank, f"could not start: {type(e).__name__}: {first_line(e)}", driver_pid)
             return worker_load_failed(ctl, rank, e)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.argtypes import positive_float, positive_int
-from waferline.engine_flags import check_engine_flags
+from waferline.engine_flags import check_engine_flags, stage_convert
 from waferline.errors import ConfigError, UsageError
 from waferline.server.tools import PARSERS
 
@@ -202,7 +202,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 (the server) stops
             return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
-                                  device=args.device or "cpu", threads_per_stage=args.torch_threads)
+                                  device=args.device or "cpu", threads_per_stage=args.torch_threads,
+                                  convert=stage_convert(args))
     if not Path(args.model).is_dir():  # (before a first kernel build makes the user wait for this error)
         raise ConfigError(f"{args.model}: not a checkpoint directory (config.json + *.safetensors)")
     _check_port_free(args.host, args.port)
@@ -322,12 +323,12 @@ def register(sub: Any) -> None:
                    help="compute dtype (default float32; with int4 weights, bfloat16 is W4A16 and runs the fused CPU "
                         "layer operators: one stream decoded 2x faster on an AVX2 CPU)")
     s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
-                   help="4: int4 weights (W4A16; RTN on load for a 16-bit checkpoint in one process, a pipeline needs "
-                        "an int4 checkpoint: waferline quantize); an int4 checkpoint loads as int4 either way")
+                   help="4: int4 weights (W4A16; RTN on load for a 16-bit checkpoint, each pipeline stage its own "
+                        "layers; not with --afd); an int4 checkpoint loads as int4 either way")
     s.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for --weight-bits 4 on a 16-bit checkpoint (default 128)")
     s.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
-                   help="8 = int8 LM head, 16 = as loaded (default); single-process engine only")
+                   help="8 = int8 LM head, 16 = as loaded (default); not with --afd")
     s.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the weights, caches and steps live (a pipeline's stages "
                         "each take a GPU of their own; AFD runs on CPU)")

@@ -83,7 +83,8 @@ class Pipeline(Supervision):
                  layers_per_stage: int | None = None, micro_batches: int | None = None, plan: Plan | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_stage: int | None = None,
                  hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S, device: str = "cpu", start_method: str = "forkserver",
-                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None):
+                 launch: str = "auto", load_kwargs: dict[str, Any] | None = None,
+                 convert: dict[str, int] | None = None):
 
         dtype = resolve_dtype(dtype)
         self.path = Path(path)
@@ -133,7 +134,9 @@ class Pipeline(Supervision):
                 f"launch must be 'auto', 'local' (spawn stage processes here) or 'env' (torchrun), got {launch!r}"
             )
         self._env = launch == "env" or (launch == "auto" and env_world_size() > 1)
-        load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {})}
+        # (weight_bits / group_size / head_bits: what each stage does to its layers once loaded, convert_loaded)
+        self.convert = dict(convert or {})
+        load = {"path": str(self.path), "dtype": dtype, "extra": dict(load_kwargs or {}), "convert": self.convert}
         self._started_here()
         try:
             self._start(load, start_method)
@@ -155,13 +158,14 @@ class Pipeline(Supervision):
             else:
                 self._start_local(load, start_method)
             self._connect()
-        from waferline.model.quant import loading_for, move_model
+        from waferline.model.quant import convert_loaded, loading_for, move_model
 
         a, b = self.ranges[0]
         with loading_for(self.device):
             model = load_model(self.path, self.dtype, range(a, b), has_embed=True, has_head=S == 1, **load["extra"])
         if self.device.type != "cpu":  # (int4 weights repacked for the device's kernel)
             move_model(model, self.device)
+        convert_loaded(model, **self.convert)
         self.runner = StageRunner(model, 0, S, self.device)
         if S > 1:
             self._wait_for("ready", "load its layers")

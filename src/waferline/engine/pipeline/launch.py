@@ -283,8 +283,10 @@ def _wait_for_store(addr: str, port: int, where: str) -> None:
 
 def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | None = None,
                    layers_per_stage: int | None = None, plan: Plan | None = None, device: str = "cpu",
-                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None) -> int:
-    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down."""
+                   threads_per_stage: int | None = None, load_kwargs: dict[str, Any] | None = None,
+                   convert: dict[str, int] | None = None) -> int:
+    """Run this torchrun rank (>= 1) as a worker stage until the driver (rank 0) shuts the pipeline down
+    (``convert``: the driver's weight_bits / group_size / head_bits, applied to this stage's layers)."""
     spec = spec_from_pretrained(Path(path))
     ranges = balanced_ranges(spec, stages, layers_per_stage, plan)
     if torch.device(device).type == "cpu":  # built (first run) or loaded now, not inside this stage's first step
@@ -297,5 +299,6 @@ def serve_from_env(path: str | Path, dtype: str = "float32", *, stages: int | No
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(dev)
     load = {"path": str(path), "dtype": resolve_dtype(dtype), "layer_range": ranges[rank],
-            "extra": dict(load_kwargs or {}), "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))}
+            "extra": dict(load_kwargs or {}), "convert": dict(convert or {}),
+            "store_addr": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))}
     return serve(store, _env_run_id(), rank, len(ranges), load, dev, local=False)

@@ -197,7 +197,7 @@ class PipelineRunner:
         if method != "mtp":
             return self.pipe.runner.model, standins
         if self._mtp_model is None:
-            self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype)
+            self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype, self.pipe.convert)
         return self._mtp_model, standins
 
     def prompt_logprobs(self, token_ids: list[int], slot: int = 0) -> torch.Tensor:
@@ -480,17 +480,21 @@ def _padded(outs: list[RowOutput | None], width: int) -> list[RowOutput | None]:
     return outs
 
 
-def load_mtp_drafter(path: Any, dtype: torch.dtype) -> Any:
+def load_mtp_drafter(path: Any, dtype: torch.dtype, convert: dict[str, int] | None = None) -> Any:
     """The parts of a checkpoint an MTP drafter runs on, for a process that holds no layer's weights: the embedding,
-    the MTP head(s), the final norm and the LM head (a DecoderModel without decoder layers)."""
+    the MTP head(s), the final norm and the LM head (a DecoderModel without decoder layers); its MTP head in int4
+    where the stages' layers are and its LM head in int8 with head_bits 8 (``convert``), as LLM's drafter."""
     from pathlib import Path
 
     from waferline.engine.inputs import is_int4_checkpoint
     from waferline.engine.speculative.drafters import check_mtp
-    from waferline.engine.speculative.serving import int4_mtp
     from waferline.model.load import load_model
+    from waferline.model.quant import quantize_mtp
 
+    convert = convert or {}
     model = load_model(path, dtype, range(0), has_embed=True, has_head=True)
     check_mtp(len(model.mtp), path, model.spec.model_type)
-    int4_mtp(model, is_int4_checkpoint(Path(path)))  # (in int4 where the stages' layers are, as LLM's drafter)
+    ckpt = is_int4_checkpoint(Path(path))
+    quantize_mtp(model, ckpt or convert.get("weight_bits") == 4, None if ckpt else convert.get("group_size"))
+    model.quantize_head(convert.get("head_bits", 16))
     return model

@@ -121,18 +121,6 @@ def _check_same_tokens(target: Any, draft: Any, ours: Any = None) -> None:
                           "draft model must share the target's tokenizer")
 
 
-def int4_mtp(model: Any, target_int4: bool, group_size: int | None = None) -> None:
-    """An MTP drafter's head in int4 where its target's layers are (a checkpoint keeps the head 16-bit), in place, at
-    ``group_size`` (None: the group size of the int4 checkpoint the model was loaded from): each draft then runs its
-    layer as one op. Every engine drafts so (``LLM``, the server, a pipeline's drafter): a seeded sampled draft
-    samples from the head's probabilities, so the same tokens need the same head weights."""
-    from waferline.model.quant import QuantOptions, int4_group_size, is_int4, quantize_model
-
-    if target_int4 and len(model.mtp) and not is_int4(model.mtp):
-        group = group_size or int4_group_size(model.spec.hf_config)
-        quantize_model(model.mtp, QuantOptions(group_size=group))
-
-
 @dataclass
 class ServeSpecStats:
     """What speculation did since the scheduler started (the scheduler's stats and /metrics report it)."""
@@ -194,7 +182,7 @@ class ServeSpeculation:
         if prepare is None and not isinstance(runner, LocalRunner):
             raise ConfigError(f"speculative={config.speculative!r}: this runner cannot verify drafts; "
                               "serve without speculative")
-        # (a LocalRunner's model is an LLM's, whose MTP head is in int4 where the target is: LLM.__init__, int4_mtp)
+        # (a LocalRunner's model is an LLM's, whose MTP head is in int4 where the target is: LLM.__init__, quantize_mtp)
         model, caches = prepare(config.speculative) if prepare else (runner.model, runner.caches)
         return cls(model, caches, runner.num_slots, config.speculative, config.num_speculative_tokens,
                    config.speculative_adaptive, config.max_num_batched_tokens)

@@ -30,7 +30,16 @@ below are the public ones; import them from here.
 from waferline.model.quant.calibration import SequentialCalibration, calibration_tokens, collect_hessians, hessians
 from waferline.model.quant.formats import FORMATS, Int4Source, int4_group_size, quant_method
 from waferline.model.quant.mapping import attach_int4, gather_int4, trace_layer
-from waferline.model.quant.modules import QuantOptions, install, is_int4, matmul_weights, move_model, quantize_model
+from waferline.model.quant.modules import (
+    QuantOptions,
+    convert_loaded,
+    install,
+    is_int4,
+    matmul_weights,
+    move_model,
+    quantize_model,
+    quantize_mtp,
+)
 from waferline.model.quant.quantizers import gptq_quantize, rtn_quantize
 from waferline.model.quant.tensor import (
     ALWAYS_16BIT,
@@ -58,5 +67,5 @@ __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Sourc
            "collect_hessians", "hessians", "SequentialCalibration", "calibration_tokens",
            "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel",
            "group_for", "choose_backend", "quant_method", "quantization_config", "quantize_checkpoint",
-           "check_quantize", "int4_group_size",
+           "check_quantize", "int4_group_size", "convert_loaded", "quantize_mtp",
            "FORMATS", "KERNEL_BLOCK", "KERNEL_GROUPS", "QUANT_METHOD", "ALWAYS_16BIT", "DEFAULT_KEEP"]

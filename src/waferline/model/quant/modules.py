@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from waferline.errors import ConfigError
+from waferline.model.quant.formats import int4_group_size
 from waferline.model.quant.quantizers import gptq_quantize, rtn_quantize
 from waferline.model.quant.tensor import DEFAULT_KEEP, Int4Tensor, group_for
 from waferline.model.quant.weight import Int4Weight, QuantLinear, choose_backend
@@ -127,6 +128,27 @@ def quantize_model(model: nn.Module, opts: QuantOptions | None = None, hessians:
         if progress:
             progress(path)
     return {"quantized": done, "kept_16bit": kept}
+
+
+def quantize_mtp(model: Any, target_int4: bool, group_size: int | None = None) -> None:
+    """An MTP drafter's head in int4 where its target's layers are (a checkpoint keeps the head 16-bit), in place, at
+    ``group_size`` (None: the group size of the int4 checkpoint the model was loaded from): each draft then runs its
+    layer as one op. Every engine drafts so (``LLM``, the server, a pipeline's drafter): a seeded sampled draft
+    samples from the head's probabilities, so the same tokens need the same head weights."""
+    if target_int4 and len(model.mtp) and not is_int4(model.mtp):
+        quantize_model(model.mtp, QuantOptions(group_size=group_size or int4_group_size(model.spec.hf_config)))
+
+
+def convert_loaded(model: Any, weight_bits: int = 16, group_size: int = 128, head_bits: int = 16) -> None:
+    """What every engine does to a loaded model, or to a pipeline stage's slice of one, once it sits on its device:
+    RTN int4 at ``group_size`` where ``weight_bits`` is 4 and the checkpoint is 16-bit (an int4 checkpoint keeps its
+    own codes), an MTP head in int4 where the layers are (``quantize_mtp``), and with ``head_bits`` 8 the LM head in
+    int8 where the model holds it (a pipeline's last stage). The same weights in every engine: the same tokens."""
+    int4_checkpoint = is_int4(model)
+    if weight_bits == 4 and not int4_checkpoint:
+        quantize_model(model, QuantOptions(group_size=group_size))
+    quantize_mtp(model, is_int4(model), None if int4_checkpoint else group_size)
+    model.quantize_head(head_bits)
 
 
 def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:

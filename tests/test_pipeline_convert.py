@@ -1,0 +1,83 @@
+"""A pipeline converts its stages' weights on load as the single-process engine does: int4 (RTN) on a 16-bit
+checkpoint with ``weight_bits=4``, the LM head in int8 with ``head_bits=8`` (the last stage's), the MTP drafter's head
+in int4 where the layers are; the same weights give the same tokens and log-probs (a pipeline refused both options:
+`serve --stages 2 --weight-bits 4` needed a `waferline quantize` first, and `--head-bits 8` was single-process only)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tiny_models
+from waferline import LLM, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ROOT = Path(__file__).resolve().parents[1]
+CONVERT = {"weight_bits": 4, "group_size": 32, "head_bits": 8}
+
+
+@pytest.fixture(scope="module")
+def dsv3(tmp_path_factory):
+    d = tmp_path_factory.mktemp("convert") / "dsv3"
+    tiny_models.build("deepseek_v3", d)  # MLA + MoE, two layers: one per stage
+    return d
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    return [[(i * 7 + j * 3 + 1) % vocab for j in range(n)] for i, n in enumerate([5, 23, 3, 11])]
+
+
+def test_a_pipeline_quantizes_its_stages_on_load_as_one_process_does(dsv3):
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    one = LLM(dsv3, **CONVERT)
+    prompts = _prompts(one.spec.vocab_size)
+    want = [o.token_ids for o in one.generate(prompts, greedy)]
+    want_sampled = [o.token_ids for o in one.generate(prompts, sampled)]
+    want_lp = one.prompt_logprobs(prompts[1])
+    plain = [o.token_ids for o in LLM(dsv3).generate(prompts, greedy)]
+    assert plain != want  # (int4 weights and an int8 head answer otherwise than 16-bit ones: the check can fail)
+    with LLM(dsv3, stages=2, threads_per_stage=1, **CONVERT) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+        assert [o.token_ids for o in llm.generate(prompts, sampled)] == want_sampled
+        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
+        assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
+
+
+def test_a_pipelines_mtp_drafter_takes_the_int8_head_and_int4_layers(tmp_path):
+    """With MTP speculation the pipeline's drafter (loaded apart from the stages) drafts with the same weights as the
+    single-process engine's: a seeded sampled request gets the same tokens."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
+               num_nextn_predict_layers=1)
+    ck = write_random_checkpoint(cfg, tmp_path / "fp32")
+    prompts = [[7, 8, 9, 10, 11, 12] * 3, list(range(40, 60))]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+    with LLM(ck, speculative="mtp", **CONVERT) as llm:
+        ref = [o.token_ids for o in llm.generate(prompts, sp)]
+    with LLM(ck, speculative="mtp", stages=2, threads_per_stage=1, **CONVERT) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+        drafter = llm._spec.drafter.model
+        assert drafter.lm_head is None and drafter.lm_head_int8 is not None  # (the int8 head, as the stages')
+
+
+def test_torchrun_ranks_convert_their_stages_from_the_same_flags(dsv3):
+    """Under torchrun each rank >= 1 loads its stage from the command line: --weight-bits 4 --group-size 32
+    --head-bits 8 reach it (rank 0 alone converting would give other tokens, or a shape error at the head)."""
+    one = LLM(dsv3, **CONVERT)
+    ids = _prompts(one.spec.vocab_size)[1]
+    want = one.generate([ids], SamplingParams(max_tokens=8))[0].token_ids
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "waferline.cli", "generate", "--model", str(dsv3), "--prompt-ids", " ".join(map(str, ids)),
+           "--max-tokens", "8", "--stages", "2", "--weight-bits", "4", "--group-size", "32",
+           "--head-bits", "8", "--json"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == want
