@@ -353,3 +353,27 @@ def test_a_stage_over_devices_without_a_link_is_refused_not_free(tmp_path):
         simulate(plan, prompt_len=16, output_len=4)
     assert "\n" not in str(e.value)
     assert simulate(place("llama-3.2-1b", str(p), devices=1), prompt_len=16, output_len=4).step_latency_s > 0
+
+
+def test_a_core_count_that_gives_one_core_a_whole_chips_rates_is_refused(tmp_path):
+    """A wafer's bandwidth and FLOP/s are its cores' sums. WSE-3's figures over 1 core (21 PB/s and 125 PFLOP/s in
+    one core) predicted llama-3.1-8b at ~3x the 900,000-core wafer (its mesh term vanished); such a count is refused,
+    naming the smallest count that is not, and a count from there up loads."""
+    d = yaml.safe_load((HARDWARE_DIR / "wse-3.yaml").read_text())
+    p = tmp_path / "w.yaml"
+    for cores, says in ((1, "device.memory_bandwidth 2.1e+16 over 1 cores is 2.1e+16 a core"),
+                        (262, "give the device's core count (at least 263)")):
+        d["device"]["cores"] = cores
+        p.write_text(yaml.safe_dump(d))
+        with pytest.raises(ConfigError) as e:
+            load_hardware_file(p)
+        assert says in str(e.value) and "80e12" in str(e.value) and "\n" not in str(e.value)
+    d["device"]["memory_bandwidth"] = 1e15  # (the FLOP/s alone: 125e15 over 50 cores)
+    d["device"]["cores"] = 50
+    p.write_text(yaml.safe_dump(d))
+    with pytest.raises(ConfigError, match=r"device.flops.bf16 1.25e\+17 over 50 cores .*\(at least 56\)"):
+        load_hardware_file(p)
+    d = yaml.safe_load((HARDWARE_DIR / "wse-3.yaml").read_text())
+    d["device"]["cores"] = 263
+    p.write_text(yaml.safe_dump(d))
+    assert load_hardware_file(p).cores == 263

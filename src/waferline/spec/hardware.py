@@ -31,6 +31,12 @@ LINK_ROLES = ("scale_up", "scale_out", "on_chip")
 MESH_LINKS_PER_CORE = 8
 # below this a mesh link would be slower than any on-chip link (WSE-3's: 3.7e9 B/s): the figure given is one link's
 MIN_MESH_LINK_BYTES_PER_S = 1e8
+# what one core may do at most (a wafer's or chip's figures are its cores' sums): a core reading its memory faster than
+# a whole Groq LPU v1 reads its SRAM (80 TB/s, TechPowerUp; catalog groq-lpu-v1), or computing faster than a whole
+# B200 (2.25 PFLOP/s dense BF16; catalog b200), is a core count or an aggregate entered wrong. WSE-3: 23 GB/s and
+# 139 GFLOP/s a core. (Without this a 1-core wafer predicted 3x a 900,000-core one: its mesh term vanishes.)
+MAX_CORE_MEMORY_BYTES_PER_S = 80e12
+MAX_CORE_FLOPS = 2.25e15
 LINK_FIELDS = ("name", "description", *REQUIRED_LINK_FIELDS)
 # a number given as a mapping: its value and where it came from (measured: what `waferline calibrate` adds)
 FIGURE_FIELDS = ("value", "source", "derived", "assumed", "fitted", "measured")
@@ -298,6 +304,21 @@ def _link(raw: Any, where: str, require_source: bool, role: str) -> LinkSpec | N
     return link_from_dict(raw, where, require_source, name=role)
 
 
+def _check_per_core(where: str, cores: int, bandwidth: float, flops: float) -> None:
+    """Refuse a core count that leaves one core more memory bandwidth or FLOP/s than any whole chip has (the
+    aggregates are the cores' sums: each core reads its own memory and computes on it)."""
+    for what, total, ceiling, whole in (
+        ("memory_bandwidth", bandwidth, MAX_CORE_MEMORY_BYTES_PER_S, "a whole Groq LPU v1 reads its SRAM at 80e12 B/s"),
+        ("flops.bf16", flops, MAX_CORE_FLOPS, "a whole B200 computes 2.25e15 FLOP/s in BF16"),
+    ):
+        if total / cores > ceiling:
+            raise ConfigError(
+                f"{where}: device.{what} {total:g} over {cores:,} cores is {total / cores:.3g} a core, more than "
+                f"{whole}; the device's figure is its cores' sum (wse-3: 21e15 B/s and 125e15 FLOP/s over 900,000 "
+                f"cores): give the device's core count (at least {math.ceil(total / ceiling):,}) or check the figure"
+            )
+
+
 def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_source: bool = False) -> HardwareSpec:
     """Validate a hardware mapping (catalog or user YAML) and build a HardwareSpec. Unknown keys are refused at every
     level; counts (devices_per_node, min_devices, cores) must be whole numbers."""
@@ -331,6 +352,8 @@ def hardware_from_dict(data: dict[str, Any], where: str = "<dict>", require_sour
     _check_keys(fl, FLOPS_PRECISIONS, where, "device.flops")
     flops = {str(k): _num(v, where, f"flops.{k}", sources, require_source) for k, v in fl.items()}
     cores = _count(dev["cores"], where, "cores", sources, require_source) if "cores" in dev else None
+    if cores is not None:
+        _check_per_core(where, cores, bw, flops["bf16"])
     power = _num(dev["power_w"], where, "power_w", sources, require_source) if "power_w" in dev else None
     reserve = _num(
         dev.get("reserve_fraction", {"value": 0.1, "assumed": "default 10% for runtime, workspace, fragmentation"}),
