@@ -224,7 +224,8 @@ def _pipeline_prefill(plan: Plan, spec: ModelSpec, host: HostParams, profile: Op
         if (r, tok, start) not in memo:
             pc = prefill_chunk_count(profile, spec, r, tok, start, host.small_op_bytes,
                                      4.0 if compute_dtype(plan) == "fp32" else 2.0)  # (the cache's element bytes)
-            costs = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head, r,
+            ends = start + tok >= P  # (the LM head runs on the piece that ends its prompts, as the engine runs it)
+            costs = [_stage_cost(host, plan, spec, table, list(s.layers), pc, r, tok, s.has_lm_head and ends, r,
                                  s.has_lm_head, 0.0, prefill=True).total for s in plan.stages]
             memo[(r, tok, start)] = costs
         return memo[(r, tok, start)]
