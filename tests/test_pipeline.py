@@ -282,6 +282,7 @@ def test_a_plan_is_run_as_placed_its_weight_bits_and_speculation(ckpts, tmp_path
     is refused where it is another deployment (the plan's int4 weights on a 16-bit checkpoint ran 16-bit, its
     speculation was dropped: its memory and predictions were another run's)."""
     from waferline.engine.inputs import plan_run
+    from waferline.model.quant import is_int4
     from waferline.plan.plan import Plan, SpeculativeConfig, Stage
     from waferline.spec.configs import spec_from_pretrained
 
@@ -292,8 +293,11 @@ def test_a_plan_is_run_as_placed_its_weight_bits_and_speculation(ckpts, tmp_path
         return Plan(model="sol", hardware="cpu", stages=[Stage(index=0, role="full", layers=list(range(n)),
                                                                device="cpu", device_ids=[0])], **kw)
 
-    with pytest.raises(ConfigError, match=r"the plan places 4-bit weights; .* runs unquantized weights: quantize"):
-        LLM(d, plan=plan(weight_bits=4))
+    with pytest.raises(ConfigError, match=r"the plan places 4-bit weights; .* runs unquantized weights: pass "
+                                          r"weight_bits=4, group_size=64 \(int4 on load\), load an int4 checkpoint"):
+        LLM(d, plan=plan(weight_bits=4, group_size=64))  # (a pipeline converts on load: the plan's group size)
+    with LLM(d, plan=plan(weight_bits=4, group_size=64), weight_bits=4, group_size=64, threads_per_stage=1) as llm:
+        assert is_int4(llm._pipeline.runner.model)  # (as the message says: the plan's int4 weights, RTN on load)
     with pytest.raises(ConfigError, match="the plan places 8-bit weights; .* the engine runs int4 or unquantized"):
         LLM(d, plan=plan(weight_bits=8))
     ngram = plan(speculative=SpeculativeConfig(method="ngram", num_tokens=2))

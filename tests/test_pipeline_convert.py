@@ -81,3 +81,25 @@ def test_torchrun_ranks_convert_their_stages_from_the_same_flags(dsv3):
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["token_ids"] == want
+
+
+def test_a_stage_of_an_int4_checkpoint_keeps_the_layers_it_kept_16_bit(tmp_path):
+    """An int4 checkpoint whose layer 0 was kept 16-bit (`waferline quantize --keep`) with weight_bits=4: the stage
+    that holds only that layer keeps it 16-bit, as one process does (the stage took its slice for a 16-bit
+    checkpoint and quantized it at the group size of weight_bits=4: other log-probs, other tokens)."""
+    from waferline.model.quant import DEFAULT_KEEP, QuantOptions, is_int4
+    from waferline.model.quant.write import quantize_checkpoint
+
+    tiny_models.build("llama", tmp_path / "fp32")  # two layers: one per stage
+    q = tmp_path / "int4"
+    quantize_checkpoint(tmp_path / "fp32", q, QuantOptions(group_size=32, keep=(r"layers\.0\.", *DEFAULT_KEEP)))
+    flags = {"weight_bits": 4, "head_bits": 8}  # (weight_bits=4 names what an int4 checkpoint loads as anyway)
+    one = LLM(q, **flags)
+    prompts = _prompts(one.spec.vocab_size)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    want, want_lp = [o.token_ids for o in one.generate(prompts, greedy)], one.prompt_logprobs(prompts[1])
+    with LLM(q, stages=2, threads_per_stage=1, **flags) as llm:
+        assert not is_int4(llm._pipeline.runner.model)  # (stage 0: layer 0 alone, 16-bit in the checkpoint)
+        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
+        assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want

@@ -136,8 +136,9 @@ def plan_run(options: dict[str, Any], directory: Path, weight_bits: int, specula
     int4 = weight_bits == 4 or is_int4_checkpoint(directory)
     if plan.weight_bits not in (4, 16, 32) or (plan.weight_bits == 4) != int4:
         fix = (f"place a plan of int4 weights (waferline plan {directory} ... --weight-bits 4)" if int4 else
-               "quantize it (waferline quantize --model DIR --out INT4_DIR) and load that, or place a 16-bit plan"
-               if plan.weight_bits == 4 else "the engine runs int4 or unquantized weights: place a 16-bit plan")
+               f"pass weight_bits=4, group_size={plan.group_size} (int4 on load), load an int4 checkpoint (waferline "
+               "quantize --model DIR --out INT4_DIR), or place a 16-bit plan" if plan.weight_bits == 4 else
+               "the engine runs int4 or unquantized weights: place a 16-bit plan")
         raise ConfigError(f"the plan places {plan.weight_bits}-bit weights; {directory} runs "
                           f"{'int4' if int4 else 'unquantized'} weights: {fix}")
     sp = plan.speculative

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from waferline.errors import ConfigError
-from waferline.model.quant.formats import int4_group_size
+from waferline.model.quant.formats import int4_group_size, quant_method
 from waferline.model.quant.quantizers import gptq_quantize, rtn_quantize
 from waferline.model.quant.tensor import DEFAULT_KEEP, Int4Tensor, group_for
 from waferline.model.quant.weight import Int4Weight, QuantLinear, choose_backend
@@ -143,11 +143,13 @@ def convert_loaded(model: Any, weight_bits: int = 16, group_size: int = 128, hea
     """What every engine does to a loaded model, or to a pipeline stage's slice of one, once it sits on its device:
     RTN int4 at ``group_size`` where ``weight_bits`` is 4 and the checkpoint is 16-bit (an int4 checkpoint keeps its
     own codes), an MTP head in int4 where the layers are (``quantize_mtp``), and with ``head_bits`` 8 the LM head in
-    int8 where the model holds it (a pipeline's last stage). The same weights in every engine: the same tokens."""
-    int4_checkpoint = is_int4(model)
+    int8 where the model holds it (a pipeline's last stage). The same weights in every engine: the same tokens. An int4
+    checkpoint is told by its config, not by the weights loaded: a stage may hold only layers it kept 16-bit (--keep),
+    which stay so, as in one process."""
+    int4_checkpoint = quant_method(model.spec.hf_config) is not None or is_int4(model)
     if weight_bits == 4 and not int4_checkpoint:
         quantize_model(model, QuantOptions(group_size=group_size))
-    quantize_mtp(model, is_int4(model), None if int4_checkpoint else group_size)
+    quantize_mtp(model, int4_checkpoint or is_int4(model), None if int4_checkpoint else group_size)
     model.quantize_head(head_bits)
 
 
