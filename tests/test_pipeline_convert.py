@@ -103,3 +103,25 @@ def test_a_stage_of_an_int4_checkpoint_keeps_the_layers_it_kept_16_bit(tmp_path)
         diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
         assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
         assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+
+
+def test_a_4_bit_plan_quantizes_at_its_own_group_size(dsv3):
+    """``LLM(path, plan=<4-bit plan, groups of 64>, weight_bits=4)`` on a 16-bit checkpoint quantizes at the plan's 64
+    (it took LLM's default 128: the run was not the deployment the plan placed); another group size is refused."""
+    from waferline.errors import ConfigError
+    from waferline.model.quant.weight import Int4Weight
+    from waferline.plan.plan import Plan, Stage
+    from waferline.spec.configs import spec_from_pretrained
+
+    n = spec_from_pretrained(dsv3).num_layers
+    plan = Plan(model="dsv3", hardware="cpu", weight_bits=4, group_size=64,
+                stages=[Stage(index=i, role="full", layers=[i], device="cpu", device_ids=[i]) for i in range(n)])
+    with pytest.raises(ConfigError, match="group_size=32 but the plan places int4 weights in groups of 64"):
+        LLM(dsv3, plan=plan, weight_bits=4, group_size=32)
+    def groups(model) -> dict[str, int]:  # (stage 0's layer: layer 0)
+        return {k: m.group_size for k, m in model.named_modules() if isinstance(m, Int4Weight) and "layers.0." in k}
+
+    at = {g: groups(LLM(dsv3, weight_bits=4, group_size=g).model) for g in (64, 128)}
+    assert at[64] != at[128]  # (the layer's widths tell the two apart: the check can fail)
+    with LLM(dsv3, plan=plan, weight_bits=4, threads_per_stage=1) as llm:
+        assert groups(llm._pipeline.runner.model) == at[64]

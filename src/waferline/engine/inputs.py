@@ -58,6 +58,16 @@ INT_OPTIONS = frozenset({"max_model_len", "stages", "layers_per_stage", "micro_b
                          "head_bits", "num_speculative_tokens", "prefill_chunk", "attention_ranks", "ffn_ranks"})
 
 
+def plan_group_size(plan: Any, weight_bits: int, group_size: int | None) -> int:
+    """The int4 group size a 16-bit checkpoint is quantized at on load: the one given, else a 4-bit plan's, else 128;
+    ConfigError where the one given is not the 4-bit plan's (the plan's memory and predictions are at its own)."""
+    placed = plan.group_size if plan is not None and plan.weight_bits == 4 and weight_bits == 4 else None
+    if group_size is not None and placed is not None and group_size != placed:
+        raise ConfigError(f"group_size={group_size} but the plan places int4 weights in groups of {placed}: drop the "
+                          "option (the plan's is taken) or place the plan with it")
+    return group_size if group_size is not None else placed or 128
+
+
 def check_numbers(options: dict[str, Any]) -> None:
     """Refuse (ConfigError) a count in ``options`` (INT_OPTIONS) given as anything but an integer (2.5, "4", True),
     and weight or LM-head bits the engine has no kernels for, or a process start method multiprocessing has not."""

@@ -35,6 +35,7 @@ from waferline.engine.inputs import (
     check_numbers,
     eos_ids,
     is_token_id,
+    plan_group_size,
     plan_run,
     shown,
     wants_afd,
@@ -71,22 +72,22 @@ class LLM:
 
     Options: ``dtype`` (float32 | bfloat16 | float16), ``max_model_len`` (the context; default the model's),
     ``weight_bits`` 4 (int4 weights: RTN on load of a 16-bit checkpoint, each pipeline stage its own layers) with
-    ``group_size``, ``head_bits`` 8 (int8 LM head), ``speculative`` ("ngram" | "mtp" | "draft:PATH") with
-    ``num_speculative_tokens`` and ``speculative_adaptive``, ``device`` ("cpu" | "cuda[:i]"), ``cuda_graphs``,
-    ``huge_pages``. A pipeline: ``stages`` or ``layers_per_stage``, ``micro_batches``, ``plan``, ``prefill_chunk``,
-    ``threads_per_stage``, ``hang_timeout_s``, ``start_method``, ``launch``. AFD: ``afd``, ``attention_ranks``,
-    ``ffn_ranks``, ``micro_batches``, ``plan``, ``prefill_chunk``, ``threads_per_rank``, ``hang_timeout_s``,
-    ``start_method``. Calls from several threads run one at a time; ``close()`` (or ``with LLM(...)``) stops a
-    pipeline's processes, as collecting a dropped LLM does. In a process forked from the one that made it, a
-    pipeline's or AFD's LLM refuses calls (``StageError``) and its close() or collection there leaves the processes
-    to that one.
+    ``group_size`` (default a 4-bit plan's, else 128), ``head_bits`` 8 (int8 LM head), ``speculative`` ("ngram" |
+    "mtp" | "draft:PATH") with ``num_speculative_tokens`` and ``speculative_adaptive``, ``device`` ("cpu" |
+    "cuda[:i]"), ``cuda_graphs``, ``huge_pages``. A pipeline: ``stages`` or ``layers_per_stage``, ``micro_batches``,
+    ``plan``, ``prefill_chunk``, ``threads_per_stage``, ``hang_timeout_s``, ``start_method``, ``launch``. AFD:
+    ``afd``, ``attention_ranks``, ``ffn_ranks``, ``micro_batches``, ``plan``, ``prefill_chunk``, ``threads_per_rank``,
+    ``hang_timeout_s``, ``start_method``. Calls from several threads run one at a time; ``close()`` (or ``with
+    LLM(...)``) stops a pipeline's processes, as collecting a dropped LLM does. In a process forked from the one that
+    made it, a pipeline's or AFD's LLM refuses calls (``StageError``) and its close() or collection there leaves the
+    processes to that one.
     """
 
     def __init__(self, path: str | Path, dtype: str = "float32", max_model_len: int | None = None, *,
                  stages: int | None = None, layers_per_stage: int | None = None, micro_batches: int | None = None,
-                 weight_bits: int = 16, group_size: int = 128, head_bits: int = 16, speculative: str | None = None,
-                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True, huge_pages: bool = True,
-                 device: str | None = None, cuda_graphs: bool = True, **pipeline_options: Any):
+                 weight_bits: int = 16, group_size: int | None = None, head_bits: int = 16,
+                 speculative: str | None = None, num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
+                 huge_pages: bool = True, device: str | None = None, cuda_graphs: bool = True, **pipeline_options: Any):
         unknown = sorted(set(pipeline_options) - PROCESS_OPTIONS)
         if unknown:
             raise ConfigError(f"unknown LLM option{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
@@ -113,6 +114,7 @@ class LLM:
         self.device = check_device(device)  # the single-process engine's (a pipeline's / AFD's: their processes')
         speculative, num_speculative_tokens = plan_run(pipeline_options, self.path, weight_bits, speculative,
                                                        num_speculative_tokens)  # (a Plan: its speculation, or refused)
+        group_size = plan_group_size(pipeline_options.get("plan"), weight_bits, group_size)  # (given, plan's, 128)
         check_speculative(self.path, speculative, num_speculative_tokens, self.tokenizer)  # (before any weights)
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
