@@ -325,8 +325,6 @@ def test_a_workers_error_is_reported_as_one_line(monkeypatch, capsys):
      "--num-speculative-tokens must be at most 32 (draft tokens verified per step), got 1,000,000,000,000"),
     (["--prompt-ids", "1 2", "--top-p", "0.9"], "--top-p: this applies to sampling"),
     (["--prompt-ids", "1 2", "--top-k", "5", "--seed", "1"], "--top-k, --seed: these apply to sampling"),
-    (["--prompt-ids", "1 2", "--head-bits", "8", "--afd"], "--head-bits 8: --afd runs a 16-bit LM head"),
-    (["--prompt-ids", "1 2", "--afd", "--weight-bits", "4"], "--afd runs 16-bit weights"),
     (["--prompt-ids", "1 2", "--stop", "x"], "--stop needs the checkpoint's tokenizer"),
     (["--prompt", "hello"], "--prompt needs the checkpoint's tokenizer"),
     (["--prompt-ids", "1 two"], "--prompt-ids takes integers"),
@@ -952,6 +950,7 @@ def test_help_states_the_defaults_the_code_uses():
     from waferline import cli
     from waferline.demo import run_demo
     from waferline.engine.afd.layout import DEFAULT_MICRO_BATCHES
+    from waferline.engine.inputs import plan_group_size
     from waferline.engine.pipeline import DEFAULT_HANG_TIMEOUT_S
     from waferline.engine.scheduler import SchedulerConfig
     from waferline.model import quant_commands
@@ -968,11 +967,11 @@ def test_help_states_the_defaults_the_code_uses():
         ("serve", "body_timeout", "default 30", served["body_timeout"].default),
         ("serve", "hang_timeout", "default 8", DEFAULT_HANG_TIMEOUT_S),
         ("serve", "micro_batches", "(default 2)", DEFAULT_MICRO_BATCHES),
-        ("serve", "group_size", "default 128", llm["group_size"].default),
+        ("serve", "group_size", "default 128", plan_group_size(None, 4, None)),  # (LLM's None: no plan's, 128)
         ("serve", "num_speculative_tokens", "default 4", cfg.num_speculative_tokens),
         ("serve", "log_level", "default warning", "warning"), ("serve", "dtype", "default float32", "float32"),
         ("generate", "max_tokens", "default 32", 32), ("generate", "dtype", "default float32", "float32"),
-        ("generate", "group_size", f"default {cli.GROUP_SIZE}", llm["group_size"].default),
+        ("generate", "group_size", f"default {cli.GROUP_SIZE}", plan_group_size(None, 4, None)),
         ("generate", "micro_batches", "(default 2)", DEFAULT_MICRO_BATCHES),
         ("generate", "num_speculative_tokens", f"default {cli.NUM_SPECULATIVE_TOKENS}",
          llm["num_speculative_tokens"].default),

@@ -165,8 +165,6 @@ def test_llm_head_bits(tmp_path, one_thread):
     build("llama", tmp_path)
     with pytest.raises(ConfigError, match="head_bits"):
         LLM(tmp_path, head_bits=5)
-    with pytest.raises(ConfigError, match="afd runs 16-bit weights and head"):
-        LLM(tmp_path, head_bits=8, afd=True)
     llm = LLM(tmp_path, head_bits=8)
     assert llm.model.lm_head is None
     assert (

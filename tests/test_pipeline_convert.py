@@ -1,7 +1,8 @@
-"""A pipeline converts its stages' weights on load as the single-process engine does: int4 (RTN) on a 16-bit
-checkpoint with ``weight_bits=4``, the LM head in int8 with ``head_bits=8`` (the last stage's), the MTP drafter's head
-in int4 where the layers are; the same weights give the same tokens and log-probs (a pipeline refused both options:
-`serve --stages 2 --weight-bits 4` needed a `waferline quantize` first, and `--head-bits 8` was single-process only)."""
+"""A pipeline's stages and AFD's ranks convert their weights on load as the single-process engine does: int4 (RTN)
+on a 16-bit checkpoint with ``weight_bits=4``, the LM head in int8 with ``head_bits=8`` (the last stage's, the attention
+ranks'), the MTP drafter's head in int4 where the layers are; the same weights give the same tokens and log-probs (both
+options were refused: `serve --stages 2 --weight-bits 4` needed a `waferline quantize` first, and `--head-bits 8` and
+AFD's int4 were single-process only)."""
 
 import json
 import os
@@ -61,10 +62,11 @@ def test_a_pipelines_mtp_drafter_takes_the_int8_head_and_int4_layers(tmp_path):
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     with LLM(ck, speculative="mtp", **CONVERT) as llm:
         ref = [o.token_ids for o in llm.generate(prompts, sp)]
-    with LLM(ck, speculative="mtp", stages=2, threads_per_stage=1, **CONVERT) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
-        drafter = llm._spec.drafter.model
-        assert drafter.lm_head is None and drafter.lm_head_int8 is not None  # (the int8 head, as the stages')
+    for engine in ({"stages": 2, "threads_per_stage": 1}, {"afd": True, "ffn_ranks": 2, "threads_per_rank": 1}):
+        with LLM(ck, speculative="mtp", **engine, **CONVERT) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, sp)] == ref, engine
+            drafter = llm._spec.drafter.model
+            assert drafter.lm_head is None and drafter.lm_head_int8 is not None  # (the int8 head, as the engine's)
 
 
 def test_torchrun_ranks_convert_their_stages_from_the_same_flags(dsv3):
@@ -125,3 +127,25 @@ def test_a_4_bit_plan_quantizes_at_its_own_group_size(dsv3):
     assert at[64] != at[128]  # (the layer's widths tell the two apart: the check can fail)
     with LLM(dsv3, plan=plan, weight_bits=4, threads_per_stage=1) as llm:
         assert groups(llm._pipeline.runner.model) == at[64]
+
+
+def test_afd_ranks_convert_their_parts_as_one_process_does(dsv3):
+    """AFD with ``weight_bits=4, head_bits=8`` (refused before: AFD ran 16-bit only): the attention ranks' mixers in
+    int4 and their LM head in int8, each FFN rank's experts (a slice of each MoE layer) in int4: the single-process
+    engine's tokens and log-probs with the same flags."""
+    from waferline.model.quant import is_int4
+
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+    one = LLM(dsv3, **CONVERT)
+    prompts = _prompts(one.spec.vocab_size)
+    want = [o.token_ids for o in one.generate(prompts, greedy)]
+    want_sampled = [o.token_ids for o in one.generate(prompts, sampled)]
+    want_lp = one.prompt_logprobs(prompts[1])
+    with LLM(dsv3, afd=True, attention_ranks=1, ffn_ranks=2, threads_per_rank=1, **CONVERT) as llm:
+        model = llm._pipeline.runner.model
+        assert is_int4(model) and model.lm_head is None and model.lm_head_int8 is not None
+        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+        assert [o.token_ids for o in llm.generate(prompts, sampled)] == want_sampled
+        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
+        assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"

@@ -291,12 +291,10 @@ def test_a_dead_or_hung_process_fails_every_request_then_they_are_restarted(ckpt
 @pytest.mark.parametrize("flags, says", [
     (["--attention-ranks", "2"], "needs --afd"),
     (["--afd", "--stages", "2"], "two different engines"),
-    (["--afd", "--weight-bits", "4"], "16-bit weights"),
     (["--afd", "--device", "cuda"], "AFD's ranks run on CPU"),
     (["--micro-batches", "2"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--hang-timeout", "3"], "needs --stages S, --layers-per-stage K or --afd"),
     (["--stages", "2", "--layers-per-stage", "1"], "not both"),
-    (["--afd", "--head-bits", "8"], "--afd runs a 16-bit LM head"),
     (["--group-size", "64"], "needs --weight-bits 4"),
     (["--num-speculative-tokens", "2"], "--num-speculative-tokens needs --speculative METHOD"),
 ])

@@ -260,13 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         choices=[16, 4],
         help="4 = int4 weights, 16-bit compute (RTN on load for a 16-bit checkpoint, each pipeline stage its own "
-             "layers; int4 checkpoints load as int4; not with --afd)",
+             "layers, each AFD rank its part; int4 checkpoints load as int4)",
     )
     g.add_argument("--group-size", type=int, default=None,
                    help=f"int4 group size for --weight-bits 4 on a 16-bit checkpoint (default {GROUP_SIZE})")
     g.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
                    help="8 = int8 LM head (per-row scales; halves the largest matrix read per token of a small model), "
-                        "16 = as loaded (default); not with --afd")
+                        "16 = as loaded (default)")
     g.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the engine's weights, caches and steps live (a pipeline's "
                         "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "

@@ -18,8 +18,8 @@ def _need(given: list[str], what: str) -> None:
 
 def check_engine_flags(args: argparse.Namespace) -> None:
     """Refuse engine flags (``args`` of generate or serve) that do not go together: AFD's ranks without --afd, two
-    engines at once, pipeline options in one process, bits the chosen engine does not run (AFD: 16-bit only),
-    --group-size where nothing is quantized on load, a speculation length without a method."""
+    engines at once, pipeline options in one process, --group-size where nothing is quantized on load, a speculation
+    length without a method."""
     pipeline = args.stages is not None or args.layers_per_stage is not None
     if not args.afd:
         _need([f for f, v in (("--attention-ranks", args.attention_ranks), ("--ffn-ranks", args.ffn_ranks))
@@ -32,10 +32,6 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         _need([f for f, v in (("--micro-batches", args.micro_batches),
                               ("--hang-timeout", getattr(args, "hang_timeout", None))) if v is not None],
               "--stages S, --layers-per-stage K or --afd")
-    if args.head_bits != 16 and args.afd:
-        raise UsageError(f"--head-bits {args.head_bits}: --afd runs a 16-bit LM head; drop one of them")
-    if args.afd and (args.weight_bits != 16 or args.group_size is not None):
-        raise UsageError("--afd runs 16-bit weights: drop --weight-bits 4 / --group-size")
     if args.afd and args.device not in (None, "cpu"):
         raise UsageError(f"--device {args.device}: AFD's ranks run on CPU processes (gloo) so far; drop --device")
     _need(["--num-speculative-tokens"] if args.num_speculative_tokens is not None and not args.speculative else [],

@@ -115,6 +115,7 @@ class LLM:
         speculative, num_speculative_tokens = plan_run(pipeline_options, self.path, weight_bits, speculative,
                                                        num_speculative_tokens)  # (a Plan: its speculation, or refused)
         group_size = plan_group_size(pipeline_options.get("plan"), weight_bits, group_size)  # (given, plan's, 128)
+        convert = {"weight_bits": weight_bits, "group_size": group_size, "head_bits": head_bits}  # (convert_loaded)
         check_speculative(self.path, speculative, num_speculative_tokens, self.tokenizer)  # (before any weights)
         dev_kw = {} if device is None else {"device": str(self.device)}
         # greedy decode on a GPU replays a captured step (engine/graphs.py) where the model allows one
@@ -126,11 +127,12 @@ class LLM:
         if wants_afd(pipeline_options):  # attention/FFN disaggregation: attention and FFN ranks (engine/afd/)
             from waferline.engine.afd import AFD
 
-            if stages is not None or layers_per_stage is not None or weight_bits != 16 or head_bits != 16:
-                raise ConfigError("afd runs 16-bit weights and head without stages or layers_per_stage; drop those "
-                                  "options (or drop afd / attention_ranks / ffn_ranks)")
+            if stages is not None or layers_per_stage is not None:
+                raise ConfigError("afd runs without stages or layers_per_stage; drop those options (or drop afd / "
+                                  "attention_ranks / ffn_ranks)")
             check_engine_options(pipeline_options, AFD_OPTIONS, "the AFD engine")
-            self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options)
+            self._pipeline = AFD(self.path, self.dtype, micro_batches=micro_batches, **dev_kw, **pipeline_options,
+                                 convert=convert)  # (each rank converts its part of the model)
             self.model = None  # the layers live in the attention and FFN ranks
             self.spec = self._pipeline.spec
         elif stages is not None or layers_per_stage is not None or pipeline_options.get("plan") is not None:
@@ -139,8 +141,7 @@ class LLM:
             check_engine_options(pipeline_options, PIPELINE_OPTIONS, "a pipeline")
             self._pipeline = Pipeline(self.path, self.dtype, stages=stages, layers_per_stage=layers_per_stage,
                                       micro_batches=micro_batches, **dev_kw, **pipeline_options,
-                                      convert={"weight_bits": weight_bits, "group_size": group_size,
-                                               "head_bits": head_bits})  # (each stage converts its own layers)
+                                      convert=convert)  # (each stage converts its own layers)
             self.model = None  # the layers live in the stages; stage 0's slice is self._pipeline.runner.model
             self.spec = self._pipeline.spec
         else:
@@ -154,7 +155,7 @@ class LLM:
             if self.device.type != "cpu":  # before quantizing: int4 weights are packed for the device they sit on
                 move_model(self.model, self.device)
             # RTN int4 on load (a 16-bit checkpoint), the MTP drafter's head in int4 where the layers are, int8 head
-            convert_loaded(self.model, weight_bits, group_size, head_bits)
+            convert_loaded(self.model, **convert)
             # the weights in transparent huge pages (model/arena.py: a decode step streams them; 1.02-1.11x measured)
             self.arena = move_to_huge_pages(self.model) if huge_pages and self.device.type == "cpu" else None
         self.eos_token_ids = eos_ids(self.path, self.spec.hf_config, self.tokenizer)

@@ -324,11 +324,11 @@ def register(sub: Any) -> None:
                         "layer operators: one stream decoded 2x faster on an AVX2 CPU)")
     s.add_argument("--weight-bits", type=int, default=16, choices=[16, 4],
                    help="4: int4 weights (W4A16; RTN on load for a 16-bit checkpoint, each pipeline stage its own "
-                        "layers; not with --afd); an int4 checkpoint loads as int4 either way")
+                        "layers, each AFD rank its part); an int4 checkpoint loads as int4 either way")
     s.add_argument("--group-size", type=int, default=None,
                    help="int4 group size for --weight-bits 4 on a 16-bit checkpoint (default 128)")
     s.add_argument("--head-bits", type=int, default=16, choices=[16, 8],
-                   help="8 = int8 LM head, 16 = as loaded (default); not with --afd")
+                   help="8 = int8 LM head, 16 = as loaded (default)")
     s.add_argument("--device", default=None,
                    help="cpu (default) or cuda[:N]: where the weights, caches and steps live (a pipeline's stages "
                         "each take a GPU of their own; AFD runs on CPU)")

@@ -47,6 +47,7 @@ from waferline.engine.stage import (
 )
 from waferline.errors import ConfigError
 from waferline.model.block_table import local_page
+from waferline.model.quant import convert_loaded
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
@@ -72,9 +73,10 @@ class AFD(Pipeline):
                  ffn_ranks: int | None = None, micro_batches: int | None = None, plan: Plan | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, threads_per_rank: int | None = None,
                  threads_per_stage: int | None = None, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S,
-                 device: str = "cpu", start_method: str = "forkserver"):
+                 device: str = "cpu", start_method: str = "forkserver", convert: dict[str, int] | None = None):
 
         dtype = resolve_dtype(dtype)
+        self.convert = dict(convert or {})  # (weight_bits / group_size / head_bits: each rank converts its part)
         self.path = Path(path)
         if not self.path.is_dir():
             raise ConfigError(f"model directory {self.path} does not exist")
@@ -135,7 +137,7 @@ class AFD(Pipeline):
         self.store = loopback_store(W, datetime.timedelta(seconds=60))
         self.ctl = Control(self.store, self.run_id)
         load = {"path": str(self.path), "dtype": self.dtype, "layout": self.layout, "hidden": self.spec.hidden_size,
-                "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on}
+                "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on, "convert": self.convert}
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             _start_forkserver(ctx, ["waferline.engine.afd", "waferline.model.load"])
@@ -148,6 +150,7 @@ class AFD(Pipeline):
         self._wait_for("alive", "start")
         self._connect_afd()
         model, fronts = load_attention_side(self.path, self.dtype)
+        convert_loaded(model, **self.convert)
         self.runner = AttentionRunner(model, fronts, self.layout, self.link)
         self._wait_for("ready", "load its part of the model")
         self._start_watchdog("waferline-afd-watchdog")

@@ -18,7 +18,7 @@ from torch import nn
 
 from waferline.engine.afd.layout import DISPATCH, STATS, Layout
 from waferline.engine.afd.link import AFLink, Clock, _split_tail
-from waferline.engine.afd.sides import FFNFront, load_attention_side, load_ffn_side
+from waferline.engine.afd.sides import FFNFront, convert_ffn, load_attention_side, load_ffn_side
 from waferline.engine.sampling import make_generator, seeded_generator
 from waferline.engine.stage import (
     BEGIN,
@@ -36,6 +36,7 @@ from waferline.engine.stage import (
     worker_ready,
     worker_start,
 )
+from waferline.model.quant import convert_loaded
 from waferline.plan.place import ffn_owner
 
 # ---------------------------------------------------------------- attention side
@@ -315,10 +316,12 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
         )
         if rank < M:
             model, fronts = load_attention_side(load["path"], load["dtype"])
+            convert_loaded(model, **load.get("convert", {}))  # (the mixers in int4, the head in int8: as rank 0's)
             runner: Any = AttentionRunner(model, fronts, layout, link)
             runner.progress = state
         else:
             mods = load_ffn_side(load["path"], load["dtype"], rank - M, layout)
+            convert_ffn(mods, **load.get("convert", {}))
             runner = FFNRunner(mods, layout, rank - M, link, load["hidden"], load["dtype"])
             for m in range(M):
                 link.post(m)

@@ -191,3 +191,14 @@ def load_ffn_side(
         mod.load_hf(ExpertSlice(src, prefix, e0, e1, f.num_experts), prefix)
         mods[i] = mod.eval()
     return mods
+
+
+def convert_ffn(mods: dict[int, nn.Module], weight_bits: int = 16, group_size: int = 128, head_bits: int = 16) -> None:
+    """An FFN rank's modules with ``weight_bits`` 4: in int4, RTN at ``group_size`` (each expert's rows in groups of
+    its own inputs, so a slice of the experts quantizes as the whole layer does in one process); ``head_bits`` is the
+    attention side's (``convert_loaded``)."""
+    from waferline.model.quant import QuantOptions, quantize_model
+
+    if weight_bits == 4:
+        for mod in mods.values():
+            quantize_model(mod, QuantOptions(group_size=group_size))
