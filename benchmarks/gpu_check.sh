@@ -10,7 +10,8 @@
 #      speculative decoding (n-gram, MTP, a draft model) = plain decoding on the GPU, `serve --device cuda` through
 #      the openai client = `LLM.generate` on the GPU;
 #   2. the serve load on the machine's CPU cores: one process against 2 stage processes x 2 micro-batches (1 thread
-#      each) and one process with 2 threads (benchmarks/serve_load_llamacpp.py --pipelines 2x2);
+#      each) and one process with 2 threads, int4 weights (SERVE_WEIGHTS=fp32: 32-bit) (benchmarks/
+#      serve_load_llamacpp.py --pipelines 2x2 --pipeline-weights int4);
 #   3. decode speed on the GPU against its HBM roofline (benchmarks/decode_speed.py --device cuda, llama-gpu);
 #   4. operations and eager time per decode step on the GPU (benchmarks/step_launches.py --device cuda): narrowed to
 #      hidden 256, then llama-gpu at its own width with one torch thread and with one per core (an eager step of
@@ -40,7 +41,10 @@ timeout "${TESTS_S:-120}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda
 echo "== tests: $(( $(date +%s) - t0 )) s"
 
 t0=$(date +%s)
-timeout "${SERVE_S:-150}" "$PY" benchmarks/serve_load_llamacpp.py --engines waferline:fp32 --pipelines 2x2 \
+# SERVE_WEIGHTS=int4 (default: the stages quantized on load) or fp32
+if [ "${SERVE_WEIGHTS:-int4}" = int4 ]; then SERVE_ROWS="waferline:int4 --pipeline-weights int4"; else SERVE_ROWS="waferline:fp32"; fi
+# shellcheck disable=SC2086
+timeout "${SERVE_S:-150}" "$PY" benchmarks/serve_load_llamacpp.py --engines $SERVE_ROWS --pipelines 2x2 \
     --threads 1 --clients "${SERVE_CLIENTS:-16}" --duration 15 --max-tokens 32 --out "$OUT/serve_pipeline_$GPU.json" 2>&1 \
     | grep -v "Writing model shards" | tee -a "$OUT/gpu_check.log"
 echo "== serve load: $(( $(date +%s) - t0 )) s"
