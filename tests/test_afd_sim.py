@@ -93,18 +93,22 @@ def test_messages_carry_the_routed_rows_and_the_shared_experts_batch():
 
 def test_a_wafer_attention_rank_counts_its_lm_head_resident():
     """On a wafer every layer of a stage is read at its region's share of the bandwidth (``cost.stage_step``): an
-    attention rank's resident bytes include the LM head it holds, as a pipeline stage's do."""
+    attention rank's resident bytes include the LM head it holds, as a pipeline stage's do. The regions are laid out
+    for the plan's context (4,096 tokens here); each reads the cache it holds at the workload's."""
     spec, hw = load_model("qwen3-30b-a3b"), load_hardware("wse-3")
     B = 8
     plan = place("qwen3-30b-a3b", hw, afd=True, attention_ranks=1, ffn_ranks=2, batch=B)
     r = simulate(plan, prompt_len=1000, output_len=500)
     prm = load_params().for_hardware(hw)
     table = layer_table(spec, 16, 16, 1000 + 250)
+    regions = layer_table(spec, 16, 16, plan.context_len)
     head = spec.lm_head_bytes(16)
-    resident = sum(lc.mixer_bytes + lc.cache_bytes * B for lc in table) + head
+    room = [lc.mixer_bytes + rg.cache_bytes * B for lc, rg in zip(table, regions)]
+    resident = sum(room) + head
     a = r.stages[0]
     bw = hw.memory_bandwidth * prm.bw_eff
-    assert a.memory == pytest.approx(r.micro_batches * len(table) * resident / a.devices / bw, rel=1e-9)
+    want = sum(resident * (lc.mixer_bytes + lc.cache_bytes * B) / x for lc, x in zip(table, room)) / a.devices / bw
+    assert a.memory == pytest.approx(r.micro_batches * want, rel=1e-9)
 
 
 def test_the_transfers_lever_counts_one_micro_batch_on_the_steps_path():

@@ -95,7 +95,8 @@ def test_the_planner_doc_quotes_what_the_longer_context_wafer_run_prints(capsys)
     """docs/planner.md: a longer context can make decode on unlike layers sharing a wafer slightly faster, with the
     command's two per-user rates quoted; they are what `simulate` prints for the two prompt lengths."""
     text = " ".join((ROOT / "docs" / "planner.md").read_text().split())
-    m = re.search(r"(\d+) -> (\d+) tok/s per user from 4k- to 16k-token prompts: `waferline simulate ([^`]+)`", text)
+    m = re.search(r"(\d+) -> (\d+) tok/s per user from 4k- to 16k-token prompts, each placed for its own: "
+                  r"`waferline simulate ([^`]+)`", text)
     assert m, "the sentence moved: update this test with it"
     command = m.group(3).split()
     lengths = command[command.index("--prompt-len") + 1].split("|")

@@ -79,8 +79,9 @@ def _seq_bytes(layer: Any, context: int, kv_bits: int, spec_tokens: int) -> tupl
     """What one sequence of ``context`` tokens keeps on ``layer``: its cache, and, speculating ``spec_tokens`` drafts a
     step, the states a verify keeps for its rollback (``LayerSpec.rollback_bytes_per_seq``: the state after each of
     its k + 1 tokens on a recurrent-state layer; 0 for attention). Placing, restaging and the capacity searches all
-    count a sequence so."""
-    return (layer.cache_bytes_per_seq(context, kv_bits, STATE_BITS),
+    count a sequence so. The cache is the most it holds on its way to ``context`` tokens (a compressed cache holds
+    less just after a compression window closes than just before)."""
+    return (layer.peak_cache_bytes_per_seq(context, kv_bits, STATE_BITS),
             layer.rollback_bytes_per_seq(spec_tokens, STATE_BITS))
 
 

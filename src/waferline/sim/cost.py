@@ -489,13 +489,16 @@ def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
 def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
                batch: int, tokens: float, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
                spatial_resident: float | None = None, resident_batch: int | None = None,
-               verify: bool = False) -> StepCost:
+               verify: bool = False, regions: list[LayerCost] | None = None) -> StepCost:
     """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
 
     On a spatial (wafer) device each layer runs on its own region of cores, so a layer's bytes are read at
     the region's share of the bandwidth: every layer costs resident-bytes-of-the-stage / bandwidth. A layer's region
     holds its weights and the cache of every resident sequence (``resident_batch``, default ``batch``), as
-    ``spatial_resident`` counts them.
+    ``spatial_resident`` counts them. ``regions``: ``layers`` at the context the plan lays the regions out for (its
+    ``context_len``): a region keeps its size while the cache it holds is shorter (a shorter prompt on the same plan
+    reads less, on the same cores), so its share of the cores, and what it computes, do not move with the workload's
+    context (``region_bytes``).
 
     ``verify``: the step is a speculative verify of ``tokens`` per sequence, which on a recurrent-state layer writes the
     state after each of them for the rollback (``LayerCost.trail_bytes``), not once: (tokens - 1) states more per
@@ -517,8 +520,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     act_bytes = n_tok * hidden * 2.0
     resident = spatial_resident
     if spatial and resident is None:
-        resident = sum(_layer_resident(lc, role, batch) for lc in layers) + lm_head_bytes
-    for lc in layers:
+        resident = sum(region_bytes(lc, role, resident_batch or batch, regions[i] if regions else None)
+                       for i, lc in enumerate(layers)) + lm_head_bytes
+    for i, lc in enumerate(layers):
         if role == "attention":
             wbytes, flops, fixed_frac, moe = lc.mixer_bytes, lc.mixer_flops, 0.5, False
             cache, cache_rd = lc.cache_bytes * batch, lc.cache_read * batch
@@ -536,12 +540,14 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             read = wbytes
         flops_all = flops * n_tok
         held = cache * (resident_batch / batch) if resident_batch and batch else cache  # (its region's cache)
+        room = wbytes + held  # (its region's bytes: what it holds, or what the plan lays it out for if more)
         if spatial:
-            res_layer = wbytes + held
-            share = max(res_layer / resident, 1e-12) if resident else 1.0
-            t_mem = resident / n_dev / bw if (read + cache) > 0 else 0.0
-            if trail:  # (its region holds res_layer and writes the trail at the same bandwidth)
-                t_mem *= 1.0 + trail / res_layer
+            if regions:
+                room = max(room, region_bytes(lc, role, resident_batch or batch, regions[i]))
+            share = max(room / resident, 1e-12) if resident else 1.0
+            # (its region reads what it holds now, and writes the trail, at the region's share of the bandwidth)
+            t_mem = resident / n_dev / bw * ((wbytes + held + trail) / room if room else 1.0) \
+                if (read + cache) > 0 else 0.0
             t_cmp = flops_all / n_dev / (fl * share)
         else:
             kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
@@ -558,7 +564,7 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 elems, phases = lc.fabric_mixer_elems, lc.fabric_mixer_phases
             if role != "attention":
                 elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
-            region_share = (wbytes + held) / resident * n_dev if resident else 1.0
+            region_share = room / resident * n_dev if resident else 1.0
             stream, dist = fabric.time(elems, int(phases), n_tok, region_share, prm.fabric_links)
             stream, dist = stream / sp.get("mesh streaming", 1.0), dist / sp.get("mesh distance", 1.0)
             fab = stream + dist
@@ -580,12 +586,13 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     return out
 
 
-def _layer_resident(lc: LayerCost, role: str, batch: int) -> float:
-    if role == "attention":
-        return lc.mixer_bytes + lc.cache_bytes * batch
+def region_bytes(lc: LayerCost, role: str, batch: int, region: LayerCost | None = None) -> float:
+    """The bytes of a layer's region on a wafer (``role``'s weights and the cache of ``batch`` sequences): what
+    ``lc`` holds, or what ``region`` (the layer at the plan's context) lays out, whichever is more."""
     if role == "ffn":
         return lc.ffn_bytes
-    return lc.weight_bytes + lc.cache_bytes * batch
+    w = lc.mixer_bytes if role == "attention" else lc.weight_bytes
+    return w + max(lc.cache_bytes, region.cache_bytes if region is not None else 0.0) * batch
 
 
 def hop_time(hw: HardwareSpec, prm: ClassParams, a: int, b: int, nbytes: float) -> float:

@@ -18,6 +18,7 @@ from waferline.sim.cost import (
     hop_time,
     layer_table,
     load_params,
+    region_bytes,
     stage_step,
 )
 from waferline.sim.result import SimResult, StageTiming
@@ -46,6 +47,15 @@ class _Ctx:
     hop_memo: dict = field(default_factory=dict)
     keys: list | None = None
     hop_keys: list = field(default_factory=list)
+    _regions: list | None = None
+
+    @property
+    def regions(self) -> list[LayerCost]:
+        """The layers at the plan's context: what a wafer's regions are laid out for (``cost.stage_step``)."""
+        if self._regions is None:
+            p = self.plan
+            self._regions = layer_table(self.spec, p.weight_bits, p.kv_bits, p.context_len, p.group_size)
+        return self._regions
 
     def hop(self, a: int, b: int, nbytes: float) -> float:
         dpn = max(1, self.hw.devices_per_node)
@@ -104,22 +114,10 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
         if sc is None:
             lcs = [table[j] for j in s.layers]
             hb = head_b if s.has_lm_head else 0.0
-            resident = None
-            if hw.kind == "wafer":
-                resident = (
-                    sum(
-                        (lc.mixer_bytes + lc.cache_bytes * resident_batch)
-                        if s.role == "attention"
-                        else lc.ffn_bytes
-                        if s.role == "ffn"
-                        else lc.weight_bytes + lc.cache_bytes * resident_batch
-                        for lc in lcs
-                    )
-                    + hb
-                )
+            regions = [ctx.regions[j] for j in s.layers] if hw.kind == "wafer" else None
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
-                            lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0, spatial_resident=resident,
-                            resident_batch=resident_batch, verify=verify)
+                            lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0,
+                            resident_batch=resident_batch, verify=verify, regions=regions)
             memo[key] = sc
         if plan.afd:
             hop = _hops_out(ctx, i, act)
@@ -560,7 +558,8 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
     spatial = hw.kind == "wafer"
     head_b, head_f = _lm_head(spec, plan.embed_bits)
     # an attention rank's resident bytes (a wafer: every layer's region, and the LM head's, as ``_step`` counts them)
-    res_a = sum(lc.mixer_bytes + lc.cache_bytes * resident_batch for lc in table) + head_b if spatial else None
+    res_a = sum(region_bytes(lc, "attention", resident_batch, r) for lc, r in zip(table, ctx.regions)) + head_b \
+        if spatial else None
     shares = _afd_node_shares(ctx, att, ffn)
     from waferline.plan.place import expert_split, ffn_owner, ffn_rank_share
 
@@ -604,7 +603,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
     step = 0.0
     for li, lc in enumerate(table):
         ta = stage_step([lc], "attention", a.num_devices, hw, prm, D, bm, tokens, wb, spatial_resident=res_a,
-                        resident_batch=resident_batch, verify=verify)
+                        resident_batch=resident_batch, verify=verify, regions=[ctx.regions[li]] if spatial else None)
         T_a = ta.total
         if lc.index in ffn_layers:
             # the FFN side over the K micro-batches (the slowest rank in each), and its largest micro-batch alone

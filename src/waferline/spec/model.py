@@ -609,6 +609,16 @@ class CompressedAttentionSpec:
         overlap = self.compress_ratio * (self.head_dim + self.index_head_dim)
         return pending + overlap * (kv_bits / 8 + 4)
 
+    def peak_cache_bytes(self, context_len: int, kv_bits: int = 16) -> float:
+        """The most a sequence holds on its way to ``context_len`` tokens: at ``context_len``, or where the last
+        window before it was one token short of closing (its compressor state then at its largest), whichever is
+        more (between window ends the held bytes only grow)."""
+        held = self.cache_bytes_at(context_len, kv_bits)
+        if not self.compress_ratio:
+            return held
+        last_open = context_len - context_len % self.compress_ratio - 1
+        return max(held, self.cache_bytes_at(last_open, kv_bits)) if last_open >= 1 else held
+
     def most_bytes_beyond_entries(self, kv_bits: int = 16) -> float:
         """The most a sequence holds besides its compressed entries and their indexer keys, at any length: a full
         window and the compressor's largest state (a window one token short of closing, and CSA's overlap)."""
@@ -877,6 +887,15 @@ class LayerSpec:
         if hasattr(m, "cache_bytes_at"):
             return m.cache_bytes_at(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
         return m.cache_bytes_per_token(kv_bits) * m.cached_tokens(context_len) + m.state_bytes_per_seq(state_bits)
+
+    def peak_cache_bytes_per_seq(self, context_len: int, kv_bits: int = 16, state_bits: int = 16) -> float:
+        """The most cache one sequence holds on its way to ``context_len`` tokens (what memory must leave room
+        for): ``cache_bytes_per_seq`` but for a compressed cache, whose held bytes drop each time a compression
+        window closes (DeepSeek-V4's CSA / HCA: 18.4 MB per sequence at 1,023 tokens, 13.0 MB at 1,024)."""
+        m = self.mixer
+        if m is not None and hasattr(m, "peak_cache_bytes"):
+            return m.peak_cache_bytes(context_len, kv_bits) + m.state_bytes_per_seq(state_bits)
+        return self.cache_bytes_per_seq(context_len, kv_bits, state_bits)
 
     def rollback_bytes_per_seq(self, num_tokens: int, state_bits: int = 16) -> float:
         """Bytes a speculative verify of ``num_tokens`` drafts keeps per sequence beside the cache (recurrent-state
