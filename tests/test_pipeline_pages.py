@@ -12,6 +12,7 @@ import torch
 import tiny_models
 from server_helpers import run_to_end
 from waferline import LLM, SamplingParams
+from waferline.engine.runner import DecodeRow, PrefillChunk
 from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
 from waferline.engine.sequence import Sequence
 
@@ -265,3 +266,39 @@ def test_plain_rows_ride_the_verify_trip(ckpts, engine):
         assert [o.token_ids for o in outs] == want
         assert any(v > 0 and p > 0 for v, p in seen), seen
         assert outs[0].metrics["spec_accepted"] > 0
+
+
+def _hand_a_page_over(runner) -> torch.Tensor:
+    """X (slot 0) and A (slot 1) decode a token each, one row per step (their pages are not consecutive: each row goes
+    through a staging copy whose entries reach the pages later); A ends, C takes its slot, and X grows into A's last
+    page, where X then decodes two tokens before C's prompt runs. The logits of X's next token."""
+    t = runner.block_table(2)
+    for slot, n in ((0, 2), (1, 2), (0, 4), (1, 4)):  # X: pages 1 and 3, A: pages 2 and 4
+        t.grow(slot, n)
+    runner.reset_slots([0, 1])
+    runner.step([], [PrefillChunk(0, 0, [5, 6, 7]), PrefillChunk(1, 0, [9, 10, 11])])
+    runner.step([DecodeRow(0, 3, 8)], [])
+    runner.step([DecodeRow(1, 3, 12)], [])  # A's entry at position 3: page 4
+    t.release(1)  # A ends; C takes slot 1 (A's pages are free again: C gets page 2), X grows into page 4
+    t.grow(1, 2)
+    t.grow(0, 6)
+    runner.step([DecodeRow(0, 4, 20)], [])
+    runner.step([DecodeRow(0, 5, 21)], [])  # X's position 5: where A's position 3 was, in page 4
+    runner.reset_slots([1])
+    runner.step([], [PrefillChunk(1, 0, [13, 14])])
+    t.grow(0, 8)
+    decoded, _ = runner.step([DecodeRow(0, 6, 22)], [])
+    return decoded[0].logits
+
+
+@pytest.mark.parametrize("engine", [dict(stages=2, micro_batches=2, threads_per_stage=1), _AFD1], ids=["pipeline",
+                                                                                                      "afd"])
+def test_a_page_that_changes_hands_holds_its_new_slots_entries(ckpts, engine):
+    """A slot whose sequence ended and whose slot a new one took before the processes heard of it: they are told of
+    the old sequence's end before another slot's rows use its pages, so what they held of its rows (entries not yet
+    written to its pages) goes to those pages first, not over the new owner's entries later (checked: telling them
+    only with the new sequence's pages gives X other logits). X's logits are the single process's, page for page."""
+    want = _hand_a_page_over(runner_for(LLM(ckpts["llama"]), 2))
+    with LLM(ckpts["llama"], **engine) as llm:
+        got = _hand_a_page_over(runner_for(llm, 2))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -181,8 +181,7 @@ class PipelineRunner:
         return mine, outs[n:n + nd], outs[n + nd:]
 
     def keep(self, counts: list[int]) -> None:
-        """After ``verify``: row b keeps its first ``counts[b]`` tokens on every stage (sent with the next
-        micro-batch)."""
+        """After ``verify``: row b keeps its first ``counts[b]`` tokens on every stage (with the next micro-batch)."""
         self._rewinds += list(zip(self._verified, counts))
         self._verified = []
 
@@ -327,12 +326,13 @@ class PipelineRunner:
         return where
 
     def _page_changes(self, rows: list[_Row]) -> list[tuple[int, list[int]]]:
-        """The pages the stages must follow before running ``rows``: slots released since they last heard (first),
-        then the rows' slots whose pages changed."""
+        """The pages the stages must follow before running ``rows``: slots released or given other pages since they
+        last heard (first: their rows' pending entries go to the old pages before another slot gets one), then the
+        rows' slots whose pages changed."""
         t = self._table
         if t is None:
             return []
-        out: list[tuple[int, list[int]]] = [(s, []) for s in list(self._sent) if not t.slots[s]]
+        out: list[tuple[int, list[int]]] = [(s, []) for s, was in self._sent.items() if t.slots[s][:len(was)] != was]
         for s, _ in out:
             del self._sent[s]
         for row in rows:
