@@ -32,21 +32,31 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [[(i * 7 + j * 3 + 1) % vocab for j in range(n)] for i, n in enumerate([5, 23, 3, 11])]
 
 
-def test_a_pipeline_quantizes_its_stages_on_load_as_one_process_does(dsv3):
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(dsv3):
+    """The single-process engine's answers with CONVERT: greedy and seeded tokens, a prompt's log-probs."""
     one = LLM(dsv3, **CONVERT)
     prompts = _prompts(one.spec.vocab_size)
-    want = [o.token_ids for o in one.generate(prompts, greedy)]
-    want_sampled = [o.token_ids for o in one.generate(prompts, sampled)]
-    want_lp = one.prompt_logprobs(prompts[1])
-    plain = [o.token_ids for o in LLM(dsv3).generate(prompts, greedy)]
-    assert plain != want  # (int4 weights and an int8 head answer otherwise than 16-bit ones: the check can fail)
+    return {"prompts": prompts, "greedy": [o.token_ids for o in one.generate(prompts, GREEDY)],
+            "sampled": [o.token_ids for o in one.generate(prompts, SAMPLED)], "lp": one.prompt_logprobs(prompts[1])}
+
+
+def _answers_as(llm, ref) -> None:
+    assert [o.token_ids for o in llm.generate(ref["prompts"], GREEDY)] == ref["greedy"]
+    assert [o.token_ids for o in llm.generate(ref["prompts"], SAMPLED)] == ref["sampled"]
+    diff = (llm.prompt_logprobs(ref["prompts"][1]) - ref["lp"]).abs().max().item()
+    assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
+
+
+def test_a_pipeline_quantizes_its_stages_on_load_as_one_process_does(dsv3, reference):
+    plain = [o.token_ids for o in LLM(dsv3).generate(reference["prompts"], GREEDY)]
+    assert plain != reference["greedy"]  # (int4 weights and an int8 head answer otherwise: the check can fail)
     with LLM(dsv3, stages=2, threads_per_stage=1, **CONVERT) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
-        assert [o.token_ids for o in llm.generate(prompts, sampled)] == want_sampled
-        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
-        assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
+        _answers_as(llm, reference)
 
 
 def test_a_pipelines_mtp_drafter_takes_the_int8_head_and_int4_layers(tmp_path):
@@ -98,13 +108,12 @@ def test_a_stage_of_an_int4_checkpoint_keeps_the_layers_it_kept_16_bit(tmp_path)
     flags = {"weight_bits": 4, "head_bits": 8}  # (weight_bits=4 names what an int4 checkpoint loads as anyway)
     one = LLM(q, **flags)
     prompts = _prompts(one.spec.vocab_size)
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    want, want_lp = [o.token_ids for o in one.generate(prompts, greedy)], one.prompt_logprobs(prompts[1])
+    want, want_lp = [o.token_ids for o in one.generate(prompts, GREEDY)], one.prompt_logprobs(prompts[1])
     with LLM(q, stages=2, threads_per_stage=1, **flags) as llm:
         assert not is_int4(llm._pipeline.runner.model)  # (stage 0: layer 0 alone, 16-bit in the checkpoint)
         diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
         assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
 
 
 def test_a_4_bit_plan_quantizes_at_its_own_group_size(dsv3):
@@ -129,23 +138,13 @@ def test_a_4_bit_plan_quantizes_at_its_own_group_size(dsv3):
         assert groups(llm._pipeline.runner.model) == at[64]
 
 
-def test_afd_ranks_convert_their_parts_as_one_process_does(dsv3):
+def test_afd_ranks_convert_their_parts_as_one_process_does(dsv3, reference):
     """AFD with ``weight_bits=4, head_bits=8`` (refused before: AFD ran 16-bit only): the attention ranks' mixers in
     int4 and their LM head in int8, each FFN rank's experts (a slice of each MoE layer) in int4: the single-process
     engine's tokens and log-probs with the same flags."""
     from waferline.model.quant import is_int4
 
-    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True)
-    one = LLM(dsv3, **CONVERT)
-    prompts = _prompts(one.spec.vocab_size)
-    want = [o.token_ids for o in one.generate(prompts, greedy)]
-    want_sampled = [o.token_ids for o in one.generate(prompts, sampled)]
-    want_lp = one.prompt_logprobs(prompts[1])
     with LLM(dsv3, afd=True, attention_ranks=1, ffn_ranks=2, threads_per_rank=1, **CONVERT) as llm:
         model = llm._pipeline.runner.model
         assert is_int4(model) and model.lm_head is None and model.lm_head_int8 is not None
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
-        assert [o.token_ids for o in llm.generate(prompts, sampled)] == want_sampled
-        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
-        assert diff < 1e-4, f"prompt log-probs differ by {diff:.2e}"
+        _answers_as(llm, reference)
