@@ -196,7 +196,7 @@ class PipelineRunner:
         if method != "mtp":
             return self.pipe.runner.model, standins
         if self._mtp_model is None:
-            self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype, getattr(self.pipe, "convert", None))
+            self._mtp_model = load_mtp_drafter(self.pipe.path, self.pipe.dtype, self.pipe.convert)
         return self._mtp_model, standins
 
     def prompt_logprobs(self, token_ids: list[int], slot: int = 0) -> torch.Tensor:
