@@ -542,12 +542,15 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         held = cache * (resident_batch / batch) if resident_batch and batch else cache  # (its region's cache)
         room = wbytes + held  # (its region's bytes: what it holds, or what the plan lays it out for if more)
         if spatial:
+            reg = regions[i] if regions else lc
             if regions:
-                room = max(room, region_bytes(lc, role, resident_batch or batch, regions[i]))
+                room = max(room, region_bytes(lc, role, resident_batch or batch, reg))
             share = max(room / resident, 1e-12) if resident else 1.0
+            if fabric is not None:
+                share = region_share(reg, role, room, share, n_dev, hw, prm, fabric, resident_batch or batch,
+                                     compute_bits(weight_bits, hw))
             # (its region reads what it holds now, and writes the trail, at the region's share of the bandwidth)
-            t_mem = resident / n_dev / bw * ((wbytes + held + trail) / room if room else 1.0) \
-                if (read + cache) > 0 else 0.0
+            t_mem = (wbytes + held + trail) / (share * n_dev * bw) if (read + cache) > 0 else 0.0
             t_cmp = flops_all / n_dev / (fl * share)
         else:
             kv_dev = min(n_dev, lc.kv_shards) if lc.kv_shards else n_dev
@@ -559,13 +562,8 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         fixed /= sp.get("fixed per layer", 1.0)
         fab = dist = 0.0
         if fabric is not None:  # weight-stationary on a wafer: the activations travel (sim/wafer.py)
-            elems = phases = 0.0
-            if role != "ffn":
-                elems, phases = lc.fabric_mixer_elems, lc.fabric_mixer_phases
-            if role != "attention":
-                elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
-            region_share = room / resident * n_dev if resident else 1.0
-            stream, dist = fabric.time(elems, int(phases), n_tok, region_share, prm.fabric_links)
+            elems, phases = _fabric_work(lc, role)
+            stream, dist = fabric.time(elems, phases, n_tok, share * n_dev, prm.fabric_links)
             stream, dist = stream / sp.get("mesh streaming", 1.0), dist / sp.get("mesh distance", 1.0)
             fab = stream + dist
         comm = 0.0
@@ -584,6 +582,57 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem),
                          fixed=0.5 * prm.layer_latency_s / sp.get("fixed per layer", 1.0)))
     return out
+
+
+def _fabric_work(lc: LayerCost, role: str) -> tuple[float, int]:
+    """(elements, phases) a token of ``role``'s part of ``lc`` streams through a wafer's mesh."""
+    elems = phases = 0
+    if role != "ffn":
+        elems, phases = lc.fabric_mixer_elems, lc.fabric_mixer_phases
+    if role != "attention":
+        elems, phases = elems + lc.fabric_ffn_elems, phases + lc.fabric_ffn_phases
+    return elems, int(phases)
+
+
+_SHARES: dict[tuple, float] = {}
+
+
+def region_share(region: LayerCost, role: str, room: float, proportional: float, n_dev: int, hw: HardwareSpec,
+                 prm: ClassParams, fabric: Fabric, batch: int, bits: int) -> float:
+    """The share of a stage's cores a layer's region takes on a wafer: laid out for the plan's decode step (one token
+    per resident sequence, at the plan's context), the fastest between the fewest cores whose SRAM holds the region's
+    ``room`` bytes and the layer's share of the stage in proportion to its bytes (``proportional``: the stage's layers
+    side by side fill it). A smaller region reads its bytes at its cores' share of the bandwidth (and computes at their
+    share of the FLOP/s) but its vectors cross fewer hops (``Fabric.time``): one large layer alone on a wafer does not
+    have to spread over all of it. The region keeps this size whatever step runs on it (a prefill, a verify), and
+    whatever term ``--explain`` speeds up (its levers are what-ifs on the same layout)."""
+    lo = room / (n_dev * hw.usable_bytes()) if hw.usable_bytes() > 0 else proportional
+    if lo >= proportional:  # (the stage's bytes fill its SRAM, or overflow it: the plan does not fit)
+        return proportional
+    elems, phases = _fabric_work(region, role)
+    if phases <= 0:
+        return proportional
+    flops = (region.mixer_flops if role != "ffn" else 0.0) + (region.ffn_flops if role != "attention" else 0.0)
+    bw, fl = hw.memory_bandwidth * prm.bw_eff, hw.peak_flops(bits) * prm.flops_eff
+    key = (elems, phases, flops, room, proportional, n_dev, fabric, lo, prm.fabric_links, batch, bw, fl)
+    hit = _SHARES.get(key)
+    if hit is not None:
+        return hit
+    whole = max(room / (n_dev * bw), flops * batch / (n_dev * fl))  # its roofline on all of the stage's cores
+
+    def step(s: float) -> float:
+        stream, dist = fabric.time(elems, phases, batch, s * n_dev, prm.fabric_links)
+        return whole / s + stream + dist
+
+    # (roofline / s + distance x sqrt(s): least at s = (2 roofline / distance at s = 1)^(2/3) while the streaming
+    # front is narrower than the region's side; the bounds cover the rest)
+    d1 = fabric.time(elems, phases, batch, n_dev, prm.fabric_links)[1]
+    best = (2 * whole * n_dev / d1) ** (2 / 3) / n_dev if d1 > 0 else proportional
+    share = min((lo, proportional, min(max(best, lo), proportional)), key=step)
+    if len(_SHARES) > 200_000:  # (a long sweep: keep the memo bounded)
+        _SHARES.clear()
+    _SHARES[key] = share
+    return share
 
 
 def region_bytes(lc: LayerCost, role: str, batch: int, region: LayerCost | None = None) -> float:
