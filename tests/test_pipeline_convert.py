@@ -59,6 +59,18 @@ def test_a_pipeline_quantizes_its_stages_on_load_as_one_process_does(dsv3, refer
         _answers_as(llm, reference)
 
 
+def test_afd_ffn_ranks_multiply_int4_in_the_load_dtype(dsv3, reference):
+    """float16 with weight_bits=4: an FFN rank's int4 experts (RTN on load) multiply in float16 as one process's do
+    (they ran in bfloat16, as the blocks carry no dtype of their own: prompt log-probs 1.6 apart)."""
+    one = LLM(dsv3, dtype="float16", **CONVERT)
+    prompts = reference["prompts"]
+    want, want_lp = [o.token_ids for o in one.generate(prompts, GREEDY)], one.prompt_logprobs(prompts[1])
+    with LLM(dsv3, dtype="float16", afd=True, ffn_ranks=2, micro_batches=1, threads_per_rank=1, **CONVERT) as llm:
+        diff = (llm.prompt_logprobs(prompts[1]) - want_lp).abs().max().item()
+        assert diff < 1e-3, f"prompt log-probs differ by {diff:.2e}"
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == want
+
+
 def test_a_pipelines_mtp_drafter_takes_the_int8_head_and_int4_layers(tmp_path):
     """With MTP speculation the pipeline's drafter (loaded apart from the stages) drafts with the same weights as the
     single-process engine's: a seeded sampled request gets the same tokens."""

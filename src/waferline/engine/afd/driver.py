@@ -47,7 +47,7 @@ from waferline.engine.stage import (
 )
 from waferline.errors import ConfigError
 from waferline.model.block_table import local_page
-from waferline.model.quant import convert_loaded
+from waferline.model.quant import convert_loaded, quant_method
 from waferline.spec.configs import spec_from_pretrained
 
 if TYPE_CHECKING:
@@ -137,7 +137,8 @@ class AFD(Pipeline):
         self.store = loopback_store(W, datetime.timedelta(seconds=60))
         self.ctl = Control(self.store, self.run_id)
         load = {"path": str(self.path), "dtype": self.dtype, "layout": self.layout, "hidden": self.spec.hidden_size,
-                "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on, "convert": self.convert}
+                "store_addr": (LOOPBACK, self.store.port), "kernels": kernels_on, "convert": self.convert,
+                "int4": quant_method(self.spec.hf_config) is not None}  # (an int4 checkpoint: its own codes)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             _start_forkserver(ctx, ["waferline.engine.afd", "waferline.model.load"])

@@ -321,7 +321,7 @@ def _serve(store: Any, run_id: str, rank: int, load: dict[str, Any], driver_pid:
             runner.progress = state
         else:
             mods = load_ffn_side(load["path"], load["dtype"], rank - M, layout)
-            convert_ffn(mods, **load.get("convert", {}))
+            convert_ffn(mods, **load.get("convert", {}), int4_checkpoint=load.get("int4", False), dtype=load["dtype"])
             runner = FFNRunner(mods, layout, rank - M, link, load["hidden"], load["dtype"])
             for m in range(M):
                 link.post(m)

@@ -29,7 +29,7 @@ below are the public ones; import them from here.
 
 from waferline.model.quant.calibration import SequentialCalibration, calibration_tokens, collect_hessians, hessians
 from waferline.model.quant.formats import FORMATS, Int4Source, int4_group_size, quant_method
-from waferline.model.quant.mapping import attach_int4, gather_int4, trace_layer
+from waferline.model.quant.mapping import attach_int4, attach_int4_parts, gather_int4, trace_layer, trace_module
 from waferline.model.quant.modules import (
     QuantOptions,
     convert_loaded,
@@ -63,7 +63,8 @@ from waferline.model.quant.weight import (
 from waferline.model.quant.write import check_quantize, quantization_config, quantize_checkpoint
 
 __all__ = ["Int4Tensor", "Int4Weight", "QuantLinear", "QuantOptions", "Int4Source", "rtn_quantize", "gptq_quantize",
-           "quantize_model", "move_model", "loading_for", "attach_int4", "trace_layer", "gather_int4",
+           "quantize_model", "move_model", "loading_for", "attach_int4", "attach_int4_parts", "trace_layer",
+           "trace_module", "gather_int4",
            "collect_hessians", "hessians", "SequentialCalibration", "calibration_tokens",
            "matmul_weights", "install", "is_int4", "pack_nibbles", "unpack_nibbles", "pack_kernel", "unpack_kernel",
            "group_for", "choose_backend", "quant_method", "quantization_config", "quantize_checkpoint",

@@ -22,14 +22,30 @@ if TYPE_CHECKING:
 
 
 def trace_layer(spec: ModelSpec, i: int, shapes: dict[str, tuple[int, ...]], selected: list[str]) -> dict[str, Tensor]:
-    """Which checkpoint elements feed each matmul weight of decoder layer ``i``.
+    """Which checkpoint elements feed each matmul weight of decoder layer ``i`` (:func:`trace_module` of the layer)."""
+    return trace_module(_layer_probe(spec, i), shapes, selected, f"layer {i}")
 
-    Runs the layer's own ``load_hf`` on a float64 probe whose checkpoint tensors hold element ids
-    (``(tensor number << 32) + flat index`` for the ``selected`` names, -1 for the others). Returns, for each
-    weight fed only by selected tensors, an int64 tensor of those ids in the module's layout.
+
+def _layer_probe(spec: ModelSpec, i: int) -> Callable[[WeightSource], nn.Module]:
+    def probe(src: WeightSource) -> nn.Module:
+        from waferline.model.decoder import DecoderModel
+
+        model = DecoderModel(spec, torch.float64, range(i, i + 1), has_embed=False, has_head=False)
+        model.load_hf(src)
+        return model.layers[0]
+
+    return probe
+
+
+def trace_module(probe: Callable[[WeightSource], nn.Module], shapes: dict[str, tuple[int, ...]], selected: list[str],
+                 where: str) -> dict[str, Tensor]:
+    """Which checkpoint elements feed each matmul weight of a module.
+
+    ``probe`` builds the module in float64 and loads it (its own ``load_hf``) from the source it is given, whose
+    checkpoint tensors hold element ids (``(tensor number << 32) + flat index`` for the ``selected`` names, -1 for
+    the others). Returns, for each weight fed only by selected tensors, an int64 tensor of those ids in the module's
+    layout. ``where`` names the module in an error.
     """
-    from waferline.model.decoder import DecoderModel
-
     number = {n: j for j, n in enumerate(selected)}
 
     def load(name: str) -> Tensor:
@@ -38,10 +54,9 @@ def trace_layer(spec: ModelSpec, i: int, shapes: dict[str, tuple[int, ...]], sel
             return (torch.arange(math.prod(shape), dtype=torch.int64) + (number[name] << 32)).double().view(shape)
         return torch.full((), -1.0, dtype=torch.float64).expand(shape)
 
-    probe = DecoderModel(spec, torch.float64, range(i, i + 1), has_embed=False, has_head=False)
-    probe.load_hf(WeightSource(list(shapes), load, dict(shapes)))
+    root = probe(WeightSource(list(shapes), load, dict(shapes)))
     out = {}
-    for path, owner, leaf in matmul_weights(probe.layers[0]):
+    for path, owner, leaf in matmul_weights(root):
         ids = getattr(owner, leaf).detach()
         if ids.dtype != torch.float64:
             continue
@@ -49,7 +64,7 @@ def trace_layer(spec: ModelSpec, i: int, shapes: dict[str, tuple[int, ...]], sel
         if bool(fed.all()):
             out[path] = ids.long()
         elif bool(fed.any()):
-            raise CheckpointError(f"layer {i}: {path} is fed partly by int4 and partly by 16-bit tensors; quantize "
+            raise CheckpointError(f"{where}: {path} is fed partly by int4 and partly by 16-bit tensors; quantize "
                                   "all of its parts or none")
     return out
 
@@ -136,9 +151,18 @@ def attach_int4(model: nn.Module, src: Int4Source) -> int:
     """Replace the fp weights of ``model`` (already loaded from ``src``) that the checkpoint stores in int4
     with :class:`Int4Weight` modules built from the stored codes. Returns how many were replaced."""
     spec = model.spec
+    parts = [(layer, _layer_probe(spec, i), f"layer {i}") for layer, i in zip(model.layers, model.layer_range)]
+    return attach_int4_parts(parts, src, getattr(model, "dtype", torch.float32))
+
+
+def attach_int4_parts(parts: list[tuple[nn.Module, Callable[[WeightSource], nn.Module], str]], src: Int4Source,
+                      dtype: torch.dtype) -> int:
+    """:func:`attach_int4` for modules other than a model's decoder layers (an AFD FFN rank's slice of an MoE
+    block): each part is (module loaded from ``src``, its probe for :func:`trace_module`, its name in errors);
+    ``dtype`` the dtype the modules were loaded in (int4 products run in it where it is 16-bit, else in bf16)."""
     selected = sorted(src.entries)
     shapes = dict(src._shapes)
-    compute = _compute_dtype(model)
+    compute = _compute_dtype(None, dtype)
     transposed = {name for name, e in src.entries.items() if e.transposed}
     cache: dict[str, Int4Tensor] = {}
 
@@ -148,11 +172,11 @@ def attach_int4(model: nn.Module, src: Int4Source) -> int:
         return cache[name]
 
     n = 0
-    for layer, i in zip(model.layers, model.layer_range):
-        for path, ids in trace_layer(spec, i, shapes, selected).items():
+    for module, probe, where in parts:
+        for path, ids in trace_module(probe, shapes, selected, where).items():
             t = gather_int4(ids, selected, get, transposed)
-            w = layer.get_parameter(path)
-            install(layer, path, Int4Weight(t, w.device, compute))
+            w = module.get_parameter(path)
+            install(module, path, Int4Weight(t, w.device, compute))
             n += 1
         cache.clear()
     return n

@@ -107,13 +107,14 @@ def _quantize_param(w: Tensor, opts: QuantOptions, H: Tensor | None) -> Int4Tens
 
 
 def quantize_model(model: nn.Module, opts: QuantOptions | None = None, hessians: dict[str, Tensor] | None = None,
-                   progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   progress: Callable[[str], None] | None = None, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Quantize the matmul weights of a loaded model in place (RTN, or GPTQ given ``hessians`` by param path).
-    Returns what was done: counts and the paths kept 16-bit."""
+    ``dtype``: the dtype it was loaded in, where it has no ``.dtype`` of its own (an FFN block): int4 products run in
+    it where it is 16-bit, as the whole model's do. Returns what was done: counts and the paths kept 16-bit."""
     opts = opts or QuantOptions()
     opts.validate()
     kept, done = [], 0
-    compute = _compute_dtype(model)
+    compute = _compute_dtype(model, dtype)
     for path, owner, leaf in matmul_weights(model):
         if _kept(path, opts.keep):
             kept.append(path)
@@ -187,6 +188,6 @@ def move_model(model: nn.Module, device: torch.device | str) -> nn.Module:
     return model
 
 
-def _compute_dtype(model: nn.Module) -> torch.dtype:
-    dt = getattr(model, "dtype", torch.float32)
+def _compute_dtype(model: nn.Module | None, dtype: torch.dtype | None = None) -> torch.dtype:
+    dt = dtype or getattr(model, "dtype", torch.float32)
     return dt if dt in (torch.bfloat16, torch.float16) else torch.bfloat16
