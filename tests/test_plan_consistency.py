@@ -32,3 +32,14 @@ def test_a_compressed_cache_is_counted_at_the_most_it_holds_on_the_way():
     assert not full.fits  # (as at 1,023 tokens)
     at = [spec.cache_bytes_per_seq(c) for c in range(1, 1025)]
     assert at[-1] < max(at) <= sum(layer.peak_cache_bytes_per_seq(1024) for layer in spec.layers)
+
+
+def test_a_compressed_caches_wafer_regions_keep_their_size_on_the_way_to_the_context():
+    """DeepSeek-V4's layers hold more cache at 1,023 tokens than at 1,024: the regions of a plan for 1,024 are laid
+    out for the most a sequence holds on its way there, so a decode at 1,023 tokens runs on the same cores as one at
+    1,024 (laid out for the 1,024-token cache, the regions grew for the shorter one: their mesh distance moved)."""
+    plan = place("deepseek-v4-flash", "wse-3", weight_bits=4, context=1024, batch=256)
+    runs = [simulate(plan, prompt_len=p, output_len=o) for p, o in ((1000, 23), (1000, 24), (1023, 1), (1024, 1))]
+    first = [s.fabric_distance for s in runs[0].stages]
+    for r in runs[1:]:
+        assert [s.fabric_distance for s in r.stages] == pytest.approx(first, rel=1e-12)

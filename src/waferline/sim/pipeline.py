@@ -10,6 +10,7 @@ from waferline.errors import ConfigError
 from waferline.plan.plan import Plan, Stage
 from waferline.sim.chunking import pipelined_prefill
 from waferline.sim.cost import (
+    STATE_BITS,
     ClassParams,
     LayerCost,
     SimParams,
@@ -51,10 +52,15 @@ class _Ctx:
 
     @property
     def regions(self) -> list[LayerCost]:
-        """The layers at the plan's context: what a wafer's regions are laid out for (``cost.stage_step``)."""
+        """The layers at the plan's context: what a wafer's regions are laid out for (``cost.stage_step``), each with
+        the most cache a sequence holds on its way there (a compressed cache holds more just before a window closes:
+        ``LayerSpec.peak_cache_bytes_per_seq``, as the plan's memory counts it)."""
         if self._regions is None:
             p = self.plan
-            self._regions = layer_table(self.spec, p.weight_bits, p.kv_bits, p.context_len, p.group_size)
+            table = layer_table(self.spec, p.weight_bits, p.kv_bits, p.context_len, p.group_size)
+            self._regions = [lc if (peak := self.spec.layers[lc.index].peak_cache_bytes_per_seq(
+                p.context_len, p.kv_bits, STATE_BITS)) <= lc.cache_bytes else replace(lc, cache_bytes=peak)
+                for lc in table]
         return self._regions
 
     def hop(self, a: int, b: int, nbytes: float) -> float:
