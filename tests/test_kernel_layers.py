@@ -694,3 +694,33 @@ def test_step_logits_program_is_the_modules_path(monkeypatch, one_thread, head):
             pos = [pos[0] + 2, pos[1]] if verify else [p + 1 for p in pos]  # (row 1 sits the verifies out)
     assert seen == [4, 4]  # (step 4 of both sets: the hooked norm ran in the planned one too)
     assert tails.count(True) >= 5  # (the steps that replayed did so with the embedding, norm and head in the program)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_int4_sequence_decodes_beside_others_as_alone(tmp_path, dtype, one_thread):
+    """A prompt of a random int4 sol (MLA + MoE, groups of 32: the fp32 int4 kernel) decoded beside 1..7 others (a
+    step of up to MLA_FUSED_MAX_ROWS rows) gets the log-probabilities it gets alone: within 1e-5 in fp32 (the LM
+    head's GEMM differs by a rounding with its row count), bitwise in bf16. Its int4 products summed each row in
+    chains that depended on the row count, and the attention's softmax on the batch's longest row: 1e-4 in fp32
+    and 8e-3 in bf16 over these 24 tokens."""
+    import random
+
+    from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
+    from waferline.engine.llm import LLM
+    from waferline.engine.sampling import SamplingParams
+    from waferline.model.init import write_random_checkpoint
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["moe", "moe"])
+    write_random_checkpoint(cfg, tmp_path, seed=0 if dtype == "float32" else 1)  # (seeds where it showed)
+    write_tokenizer(tmp_path, DEMO_TEXT, cfg["vocab_size"])
+    llm = LLM(tmp_path, dtype=dtype, weight_bits=4, group_size=32)
+    rng = random.Random(1)
+    prompts = [[1] + [rng.randrange(3, 500) for _ in range(rng.randrange(3, 12))] for _ in range(8)]
+    sp = SamplingParams(max_tokens=24, logprobs=0)
+    for p in (0, 2):
+        alone = llm.generate([prompts[p]], sp)[0]
+        for n in range(1, 8):
+            out = llm.generate([prompts[p]] + [q for i, q in enumerate(prompts) if i != p][:n], sp)[0]
+            assert out.token_ids == alone.token_ids, (p, n)
+            diff = max(abs(a.logprob - b.logprob) for a, b in zip(out.logprobs, alone.logprobs))
+            assert diff <= (1e-5 if dtype == "float32" else 0.0), (p, n, diff)

@@ -43,6 +43,20 @@ namespace {
 template <typename T>
 inline float f32(T v) { return static_cast<float>(v); }
 
+// the sum of s[0..L) as 16 partial sums (s[l] into partial l % 16) added pairwise at the end: the same number whatever
+// zeros follow s[L - 1]. A softmax's denominator over a batch's keys, padded to its longest row (a shorter row's keys
+// past its own end masked: probability 0), so equals that row's alone; a vectorised reduction grouped them by L.
+inline float sum_by16(const float* s, int64_t L) {
+  float p[16] = {};
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16)
+    for (int i = 0; i < 16; ++i) p[i] += s[l + i];
+  for (int i = 0; l + i < L; ++i) p[i] += s[l + i];
+  for (int w = 8; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) p[i] += p[i + w];
+  return p[0];
+}
+
 inline float dotf(const float* a, const float* b, int64_t n) {  // sum of a[i] b[i], vectorised (fp32 throughout)
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)

@@ -25,15 +25,13 @@ inline void softmax_masked(float* s, int64_t L, float sink) {
     std::fill(s, s + L, nan ? std::numeric_limits<float>::quiet_NaN() : 0.f);
     return;
   }
-  float den = sink - mx < -87.f ? 0.f : vexp(sink - mx);  // (vexp, vectorised: std::exp is a libm call per score)
-#pragma omp simd reduction(+ : den)
+  const float e_sink = sink - mx < -87.f ? 0.f : vexp(sink - mx);  // (vexp, vectorised: std::exp is a libm call)
+#pragma omp simd
   for (int64_t l = 0; l < L; ++l) {
     const float d = s[l] - mx;  // below e^-87 of the largest (masked -inf too): 0
-    const float e = d < -87.f ? 0.f : vexp(d);
-    s[l] = e;
-    den += e;
+    s[l] = d < -87.f ? 0.f : vexp(d);
   }
-  const float inv = 1.f / den;
+  const float inv = 1.f / (e_sink + sum_by16(s, L));  // (a row's keys padded with masked ones: the same sum)
 #pragma omp simd
   for (int64_t l = 0; l < L; ++l) s[l] *= inv;
 }

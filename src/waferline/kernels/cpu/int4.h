@@ -135,108 +135,64 @@ inline void int4_scale(const S* sz, int64_t Z, int64_t g, __m256& s, __m256& z) 
   z = _mm256_set1_ps(Z > 1 ? f32(sz[g * Z + 1]) : 0.f);
 }
 
-// One weight row at a time, straight through, into M x U accumulators (U chains per row: FMA latency when M is small)
-template <int M, int U, typename T, typename S>
+// NR weight rows at a time, straight through, into NR x M x 2 accumulators. Every output of every row of x is summed
+// the same way whatever M and NR: two chains (a half block's vectors 0, 2 and 1, 3), blocks in order, the chains
+// added at the end, so a row's result does not depend on the rows beside it (a decode step's row equals that
+// sequence decoded alone). NR = 2 for one row gives it four independent chains (FMA latency), as M >= 2 rows have.
+template <int M, int NR, typename T, typename S>
 void int4_block_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, int64_t K, int64_t G, T* y,
                      int64_t ldy, int64_t n0, int64_t n1) {
   const Int4Widen wd;
   const int64_t ng = K / G, K64 = K / INT4_BLOCK * INT4_BLOCK;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qr = q + n * (K / 2);
-    const S* sr = sz + n * ng * Z;
-    __m256 acc[M][U];
-    for (int m = 0; m < M; ++m)
-      for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
-    __m256 sl, zl, sh, zh;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) {
+    __m256 acc[NR][M][2];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) acc[r][m][0] = acc[r][m][1] = _mm256_setzero_ps();
+    __m256 sl[NR], zl[NR], sh[NR], zh[NR];
     for (int64_t k0 = 0; k0 < K64; k0 += INT4_BLOCK) {
-      // (a group of an odd number of 32s, 96 or 160, starts mid-block: the next block's low half is its group)
-      if (k0 % G == 0) int4_scale(sr, Z, k0 / G, sl, zl);
-      else if (k0 % G == 32) sl = sh, zl = zh;
-      if ((k0 + 32) % G == 0) int4_scale(sr, Z, (k0 + 32) / G, sh, zh);
-      else if (k0 % G == 0) sh = sl, zh = zl;
-      // one nibble half at a time (4 weight vectors live, not 8: with 8 rows' accumulators that spilled)
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qr + k0 / 2));
-      for (int h = 0; h < 2; ++h) {
-        __m256 w[4];
-        wd.half(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, wd.low4), h ? sh : sl, h ? zh : zl, w);
-        for (int t = 0; t < 4; ++t)
-          for (int m = 0; m < M; ++m)
-            acc[m][t % U] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + k0 + 32 * h + 8 * t), acc[m][t % U]);
+      for (int r = 0; r < NR; ++r) {
+        const S* sr = sz + (n + r) * ng * Z;
+        // (a group of an odd number of 32s, 96 or 160, starts mid-block: the next block's low half is its group)
+        if (k0 % G == 0) int4_scale(sr, Z, k0 / G, sl[r], zl[r]);
+        else if (k0 % G == 32) sl[r] = sh[r], zl[r] = zh[r];
+        if ((k0 + 32) % G == 0) int4_scale(sr, Z, (k0 + 32) / G, sh[r], zh[r]);
+        else if (k0 % G == 0) sh[r] = sl[r], zh[r] = zl[r];
+        // one nibble half at a time (4 weight vectors live, not 8: with 8 rows' accumulators that spilled)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n + r) * (K / 2) + k0 / 2));
+        for (int h = 0; h < 2; ++h) {
+          __m256 w[4];
+          wd.half(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, wd.low4), h ? sh[r] : sl[r], h ? zh[r] : zl[r], w);
+          for (int t = 0; t < 4; ++t)
+            for (int m = 0; m < M; ++m)
+              acc[r][m][t % 2] =
+                  _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + k0 + 32 * h + 8 * t), acc[r][m][t % 2]);
+        }
       }
     }
     if (K64 < K) {
-      int4_scale(sr, Z, K64 / G, sl, zl);
-      __m256 w[4];
-      wd.tail(qr + K64 / 2, sl, zl, w);
-      for (int t = 0; t < 4; ++t)
-        for (int m = 0; m < M; ++m)
-          acc[m][t % U] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + K64 + 8 * t), acc[m][t % U]);
-    }
-    for (int m = 0; m < M; ++m) {
-      __m256 a = acc[m][0];
-      for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[m][u]);
-      y[m * ldy + n] = static_cast<T>(hsum8(a));
-    }
-  }
-}
-
-// 1-2 rows, groups of whole blocks (G % 64 == 0): sum (code - 8) x over each group unscaled, then one FMA by the
-// group's scale (and the zero times the group's sum of x): half the FMAs per weight of int4_block_avx2, where one row
-// leaves the widening's FMA unshared. The same exact products (code - 8) x_k; the scale multiplies their sum instead.
-template <int M, int U, typename T, typename S>
-void int4_block_fold_avx2(const float* xf, const float* xsum, const uint8_t* q, const S* sz, int64_t Z, int64_t K,
-                          int64_t G, T* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const Int4Widen wd;
-  const int64_t ng = K / G;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* qr = q + n * (K / 2);
-    const S* sr = sz + n * ng * Z;
-    __m256 tot[M];
-    float zs[M];
-    for (int m = 0; m < M; ++m) tot[m] = _mm256_setzero_ps(), zs[m] = 0.f;
-    for (int64_t g = 0; g < ng; ++g) {
-      __m256 acc[M][U];
-      for (int m = 0; m < M; ++m)
-        for (int u = 0; u < U; ++u) acc[m][u] = _mm256_setzero_ps();
-      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += INT4_BLOCK) {
-        __m256 w[8];
-        wd.block_raw(qr + k0 / 2, w);
-        for (int t = 0; t < 8; ++t)
+      for (int r = 0; r < NR; ++r) {
+        int4_scale(sz + (n + r) * ng * Z, Z, K64 / G, sl[r], zl[r]);
+        __m256 w[4];
+        wd.tail(q + (n + r) * (K / 2) + K64 / 2, sl[r], zl[r], w);
+        for (int t = 0; t < 4; ++t)
           for (int m = 0; m < M; ++m)
-            acc[m][t % U] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + k0 + 8 * t), acc[m][t % U]);
-      }
-      const __m256 s = _mm256_set1_ps(f32(sr[g * Z]));
-      for (int m = 0; m < M; ++m) {
-        __m256 a = acc[m][0];
-        for (int u = 1; u < U; ++u) a = _mm256_add_ps(a, acc[m][u]);
-        tot[m] = _mm256_fmadd_ps(a, s, tot[m]);
-        if (Z > 1) zs[m] += f32(sr[g * Z + 1]) * xsum[m * ng + g];
+            acc[r][m][t % 2] = _mm256_fmadd_ps(w[t], _mm256_loadu_ps(xf + m * K + K64 + 8 * t), acc[r][m][t % 2]);
       }
     }
-    for (int m = 0; m < M; ++m) y[m * ldy + n] = static_cast<T>(hsum8(tot[m]) + zs[m]);
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < M; ++m) y[m * ldy + n + r] = static_cast<T>(hsum8(_mm256_add_ps(acc[r][m][0], acc[r][m][1])));
   }
+  if constexpr (NR > 1)
+    if (n < n1) int4_block_avx2<M, 1, T, S>(xf, q, sz, Z, K, G, y, ldy, n, n1);  // (an odd last weight row)
 }
 
 template <int M, typename T, typename S>
 void int4_rows_avx2(const float* xf, const uint8_t* q, const S* sz, int64_t Z, int64_t N, int64_t K, int64_t G, T* y,
                     int64_t ldy) {
-  constexpr int U = M == 1 ? 4 : (M <= 4 ? 2 : 1);  // ~4-8 independent chains, within AVX2's 16 registers
-  if constexpr (M <= 2) {
-    if (G % INT4_BLOCK == 0) {
-      const int64_t ng = K / G;
-      std::vector<float> xsum(M * ng, 0.f);  // per row and group: the sum of x (what the zero multiplies)
-      if (Z > 1)
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t g = 0; g < ng; ++g)
-            for (int64_t k = g * G; k < (g + 1) * G; ++k) xsum[m * ng + g] += xf[m * K + k];
-      at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-        int4_block_fold_avx2<M, U, T, S>(xf, xsum.data(), q, sz, Z, K, G, y, ldy, n0, n1);
-      });
-      return;
-    }
-  }
-  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)),
-                   [&](int64_t n0, int64_t n1) { int4_block_avx2<M, U, T, S>(xf, q, sz, Z, K, G, y, ldy, n0, n1); });
+  at::parallel_for(0, N, std::max<int64_t>(16, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    int4_block_avx2<M, M == 1 ? 2 : 1, T, S>(xf, q, sz, Z, K, G, y, ldy, n0, n1);
+  });
 }
 
 // ---- 16-bit activations (bf16 / fp16 x) as integers: the decode step's int4 product without fp32 widening of the

@@ -145,16 +145,13 @@ inline void mla_softmax(float* s, int64_t L, const bool* mk) {
     for (int64_t l = 0; l < L; ++l) s[l] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.f;
     return;
   }
-  float den = 0.f;
-#pragma omp simd reduction(+ : den)
+#pragma omp simd
   for (int64_t l = 0; l < L; ++l) {
     // below e^-87 (~1.6e-38 of the largest): 0 (masked scores, -inf, land here too)
     const float d = s[l] - mx;
-    const float e = d < -87.f ? 0.f : vexp(d);
-    s[l] = e;
-    den += e;
+    s[l] = d < -87.f ? 0.f : vexp(d);
   }
-  const float inv = 1.f / den;
+  const float inv = 1.f / sum_by16(s, L);  // (a row's keys padded with masked ones: the same sum)
 #pragma omp simd
   for (int64_t l = 0; l < L; ++l) s[l] *= inv;
 }
