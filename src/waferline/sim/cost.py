@@ -607,7 +607,7 @@ def region_share(region: LayerCost, role: str, room: float, proportional: float,
     have to spread over all of it. The region keeps this size whatever step runs on it (a prefill, a verify), and
     whatever term ``--explain`` speeds up (its levers are what-ifs on the same layout)."""
     lo = room / (n_dev * hw.usable_bytes()) if hw.usable_bytes() > 0 else proportional
-    if lo >= proportional:  # (the stage's bytes fill its SRAM, or overflow it: the plan does not fit)
+    if lo >= proportional or room <= 0:  # (the stage's bytes fill its SRAM, or overflow it: the plan does not fit)
         return proportional
     elems, phases = _fabric_work(region, role)
     if phases <= 0:
