@@ -489,7 +489,8 @@ def _touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
 def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec, prm: ClassParams, hidden: int,
                batch: int, tokens: float, weight_bits: int, lm_head_bytes: float = 0.0, lm_head_flops: float = 0.0,
                spatial_resident: float | None = None, resident_batch: int | None = None,
-               verify: bool = False, regions: list[LayerCost] | None = None) -> StepCost:
+               verify: bool = False, regions: list[LayerCost] | None = None,
+               layout_batch: int | None = None) -> StepCost:
     """Time for one stage to process ``batch`` sequences x ``tokens`` new tokens each.
 
     On a spatial (wafer) device each layer runs on its own region of cores, so a layer's bytes are read at
@@ -503,6 +504,9 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     ``verify``: the step is a speculative verify of ``tokens`` per sequence, which on a recurrent-state layer writes the
     state after each of them for the rollback (``LayerCost.trail_bytes``), not once: (tokens - 1) states more per
     sequence on the memory term (on a wafer, at its region's share of the bandwidth, as its resident bytes are).
+
+    ``layout_batch``: the sequences of the decode step a wafer's regions are laid out for (``region_share``): the
+    plan's decode micro-batch, one token each, whichever step runs (default ``resident_batch``, else ``batch``).
     """
     sp = prm.speedup
     bw = hw.memory_bandwidth * prm.bw_eff * sp.get("weights and cache read", 1.0)
@@ -522,6 +526,14 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
     if spatial and resident is None:
         resident = sum(region_bytes(lc, role, resident_batch or batch, regions[i] if regions else None)
                        for i, lc in enumerate(layers)) + lm_head_bytes
+    # a wafer stage's regions fill the fewest of its wafers whose SRAM holds them (``fill``): more wafers than that
+    # leave the rest idle rather than spread a layer over wafers it does not need (its vectors would cross between them)
+    fill = n_dev
+    if spatial and resident and hw.usable_bytes() > 0:
+        fill = max(1, min(n_dev, math.ceil(resident / hw.usable_bytes() - 1e-9)))
+    crossing = filled = 0.0  # (one transfer between a stage's wafers; the wafers its one-wafer regions fill)
+    if spatial and link is not None:
+        crossing = (prm.hop_latency_s if prm.hop_latency_s is not None else link.latency) + act_bytes / link.bandwidth
     for i, lc in enumerate(layers):
         if role == "attention":
             wbytes, flops, fixed_frac, moe = lc.mixer_bytes, lc.mixer_flops, 0.5, False
@@ -545,10 +557,10 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
             reg = regions[i] if regions else lc
             if regions:
                 room = max(room, region_bytes(lc, role, resident_batch or batch, reg))
-            share = max(room / resident, 1e-12) if resident else 1.0
+            share = max(room / resident * fill / n_dev, 1e-12) if resident else 1.0
             if fabric is not None:
-                share = region_share(reg, role, room, share, n_dev, hw, prm, fabric, resident_batch or batch,
-                                     compute_bits(weight_bits, hw))
+                share = region_share(reg, role, room, share, n_dev, hw, prm, fabric,
+                                     layout_batch or resident_batch or batch, compute_bits(weight_bits, hw))
             # (its region reads what it holds now, and writes the trail, at the region's share of the bandwidth)
             t_mem = (wbytes + held + trail) / (share * n_dev * bw) if (read + cache) > 0 else 0.0
             t_cmp = flops_all / n_dev / (fl * share)
@@ -569,16 +581,21 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
         comm = 0.0
         if link is not None:
             if spatial:
-                lat = prm.hop_latency_s if prm.hop_latency_s is not None else link.latency
-                comm = 2 * (lat + act_bytes / link.bandwidth)  # a layer split over wafers: exchange halves twice
+                if share * n_dev > 1 + 1e-9:  # a layer split over wafers: exchange halves twice
+                    comm = 2 * crossing
+                else:  # (a region within one wafer exchanges nothing; the stage's wafer crossings: below)
+                    filled += share * n_dev
             else:
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
             comm /= sp.get("collectives", 1.0)
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm,
                          fabric=fab, fabric_distance=dist))
+    if filled > 0:  # the regions side by side, in layer order: the activations cross each wafer boundary they fill
+        filled += lm_head_bytes / resident * fill if lm_head_bytes and resident else 0.0
+        out.comm += (min(n_dev, math.ceil(filled - 1e-9)) - 1) * crossing / sp.get("collectives", 1.0)
     if lm_head_bytes:
-        t_mem = (resident / n_dev / bw) if spatial else lm_head_bytes / n_dev / bw
-        t_cmp = lm_head_flops * n_tok / n_dev / fl
+        t_mem = (resident / fill / bw) if spatial else lm_head_bytes / n_dev / bw
+        t_cmp = lm_head_flops * n_tok / fill / fl
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem),
                          fixed=0.5 * prm.layer_latency_s / sp.get("fixed per layer", 1.0)))
     return out
@@ -600,12 +617,13 @@ _SHARES: dict[tuple, float] = {}
 def region_share(region: LayerCost, role: str, room: float, proportional: float, n_dev: int, hw: HardwareSpec,
                  prm: ClassParams, fabric: Fabric, batch: int, bits: int) -> float:
     """The share of a stage's cores a layer's region takes on a wafer: laid out for the plan's decode step (one token
-    per resident sequence, at the plan's context), the fastest between the fewest cores whose SRAM holds the region's
-    ``room`` bytes and the layer's share of the stage in proportion to its bytes (``proportional``: the stage's layers
-    side by side fill it). A smaller region reads its bytes at its cores' share of the bandwidth (and computes at their
-    share of the FLOP/s) but its vectors cross fewer hops (``Fabric.time``): one large layer alone on a wafer does not
-    have to spread over all of it. The region keeps this size whatever step runs on it (a prefill, a verify), and
-    whatever term ``--explain`` speeds up (its levers are what-ifs on the same layout)."""
+    for each of ``batch`` sequences, the micro-batch a stage steps at once, at the plan's context), the fastest between
+    the fewest cores whose SRAM holds the region's ``room`` bytes and the layer's share of the stage in proportion to
+    its bytes (``proportional``: the stage's layers side by side fill the wafers that hold them). A smaller region
+    reads its bytes at its cores' share of the bandwidth (and computes at their share of the FLOP/s) but its vectors
+    cross fewer hops (``Fabric.time``): one large layer alone on a wafer does not have to spread over all of it. The
+    region keeps this size whatever step runs on it (a prefill, a verify), and whatever term ``--explain`` speeds up
+    (its levers are what-ifs on the same layout)."""
     lo = room / (n_dev * hw.usable_bytes()) if hw.usable_bytes() > 0 else proportional
     if lo >= proportional or room <= 0:  # (the stage's bytes fill its SRAM, or overflow it: the plan does not fit)
         return proportional

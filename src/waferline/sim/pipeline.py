@@ -49,6 +49,9 @@ class _Ctx:
     keys: list | None = None
     hop_keys: list = field(default_factory=list)
     _regions: list | None = None
+    # sequences of the decode micro-batch a wafer's regions are laid out for (cost.region_share): every step runs on
+    # that layout (None: each stage_step's resident batch)
+    layout_batch: int | None = None
 
     @property
     def regions(self) -> list[LayerCost]:
@@ -123,7 +126,8 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
             regions = [ctx.regions[j] for j in s.layers] if hw.kind == "wafer" else None
             sc = stage_step(lcs, s.role, s.num_devices, hw, prm, spec.hidden_size, batch, tokens, plan.weight_bits,
                             lm_head_bytes=hb, lm_head_flops=head_f if s.has_lm_head else 0.0,
-                            resident_batch=resident_batch, verify=verify, regions=regions)
+                            resident_batch=resident_batch, verify=verify, regions=regions,
+                            layout_batch=ctx.layout_batch)
             memo[key] = sc
         if plan.afd:
             hop = _hops_out(ctx, i, act)
@@ -404,7 +408,7 @@ def simulate(
     M = plan.micro_batches if concurrency is None or concurrency == plan.batch else max(1, min(B, S))
     M = max(1, min(M, B))
     b = math.ceil(B / M)
-    ctx = _Ctx(plan, spec, hw, prm, params)
+    ctx = _Ctx(plan, spec, hw, prm, params, layout_batch=b)  # (a stage steps one micro-batch at a time)
     dec_ctx = P + O // 2
     table = layer_table(spec, plan.weight_bits, plan.kv_bits, dec_ctx, plan.group_size)
 
