@@ -357,6 +357,48 @@ def test_micro_batches_split_decodes_and_stream_long_prompts(ckpts):
             assert got == prefill_micro_batches(B, P, 8), (B, P)
 
 
+def test_bf16_a_prompt_split_by_the_packing_gets_what_one_process_gets_split_there(tmp_path, monkeypatch):
+    """bfloat16, a Mamba-2 hybrid: a prompt split where a micro-batch's room ends (behind prompts of 150 and 100
+    tokens, its first 6 tokens in one piece, the other 94 in the next) gets the log-probs one process computes for that
+    prompt prefilled in the same two pieces: the stages add no rounding of their own (the hidden states cross between
+    them in the model's dtype, as one process keeps them; each stage keeps its own fp32 SSM states). Prefilled whole
+    (as one process's LLM.generate does) the prompt's first token's log-probs differ here by up to 1.6e-2: the Mamba-2
+    scan's chunks start elsewhere and one fp32 value of layer 0, 4e-8 from a bf16 rounding midpoint, rounds the other
+    way (docs/pipeline.md)."""
+    import torch
+
+    from waferline.engine import stage
+    from waferline.model.context import StepBatch
+    from waferline.model.load import load_model
+
+    d = tmp_path / "bamba"
+    tiny_models.build("bamba", d)
+    # two short prompts take the first step, the last two the next (a step takes at most ceil(n / M) of n rows): the
+    # last prompt gets the 6 tokens of that micro-batch's 256 the 250-token prompt leaves, the next micro-batch the rest
+    prompts = [[5, 6, 7], [8, 9, 10], [(j * 5 + 1) % 120 + 3 for j in range(250)],
+               [(j * 31 + 18) % 125 + 3 for j in range(100)]]
+    ran: list[tuple[int, int]] = []
+    forward = stage.StageRunner.forward
+
+    def logged(self, mb, inputs):
+        ran.extend((g.slots[0], g.T) for g in mb.groups if self.is_first and g.slots[0] == 3)
+        return forward(self, mb, inputs)
+
+    monkeypatch.setattr(stage.StageRunner, "forward", logged)  # (stage 0 runs in this process)
+    sp = SamplingParams(max_tokens=1, temperature=1.0, seed=0, logprobs=20, ignore_eos=True)
+    with LLM(d, dtype="bfloat16", stages=2, threads_per_stage=1) as llm:
+        got = llm.generate(prompts, sp)[3].logprobs[0].top
+    assert ran == [(3, 6), (3, 94)]  # (the last prompt's pieces, as pack_prefills cut them)
+    model = load_model(d, torch.bfloat16)
+    with torch.inference_mode():
+        caches = model.new_caches(1)
+        model(torch.tensor([prompts[3][:6]]), caches, StepBatch.make([0], [0], 6))
+        h = model(torch.tensor([prompts[3][6:]]), caches, StepBatch.make([0], [6], 94))
+        want = torch.log_softmax(model.logits(h[0, -1]).float(), -1)
+    diff = max(abs(v - want[t].item()) for t, v in got)
+    assert diff < 1e-6, f"the pipeline's log-probs differ from one process's split the same way by {diff:.2e}"
+
+
 def test_stream_stop_tokens_and_abandoned_stream(ckpts, references):
     ref = references["sol"]
     with LLM(ckpts["sol"], stages=2, prefill_chunk=CHUNK, threads_per_stage=1) as llm:
