@@ -56,3 +56,28 @@ def test_a_multi_wafer_stage_fills_the_wafers_its_bytes_need_and_crosses_between
         assert t.comm == pytest.approx(t.hop, rel=1e-9)  # (one transfer of the step's activations, as a hop is)
         out.append(r.decode_tokens_per_s_per_user)
     assert out[1] == pytest.approx(out[0], rel=1e-9)
+
+
+def _layout_batches(monkeypatch) -> list[tuple[str, int]]:
+    """Record the (role, batch) each wafer region is laid out for (``cost.region_share``)."""
+    from waferline.sim import cost
+
+    seen: list[tuple[str, int]] = []
+    real = cost.region_share
+
+    def spy(region, role, room, proportional, n_dev, hw, prm, fabric, batch, bits):
+        seen.append((role, batch))
+        return real(region, role, room, proportional, n_dev, hw, prm, fabric, batch, bits)
+
+    monkeypatch.setattr(cost, "region_share", spy)
+    return seen
+
+
+def test_an_afd_ranks_ffn_side_runs_every_step_on_one_layout(monkeypatch):
+    """Attention / FFN ranks on wafers: the FFN ranks' regions are laid out once, whatever rows a step routes to them
+    (a prompt's prefill or a decode step; they were laid out for each step's rows)."""
+    seen = _layout_batches(monkeypatch)
+    plan = place("deepseek-v3", "wse-3", afd=True, attention_ranks=2, ffn_ranks=4, weight_bits=4, batch=8)
+    simulate(plan, prompt_len=1000, output_len=100)
+    ffn = {b for role, b in seen if role == "ffn"}
+    assert len(ffn) == 1

@@ -620,7 +620,8 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
             by_rows = {r: 0.0 for r in rows}
             for ri, (_, locs, n_dev, res_f) in enumerate(ranks):
                 for r in rows:
-                    tf = stage_step([locs[li]], "ffn", n_dev, hw, prm, D, r, tokens, wb, spatial_resident=res_f)
+                    tf = stage_step([locs[li]], "ffn", n_dev, hw, prm, D, r, tokens, wb, spatial_resident=res_f,
+                                    layout_batch=ctx.layout_batch)
                     by_rows[r] = max(by_rows[r], tf.total)
                     c = ffn_rows.count(r)
                     pr = per_rank[ri]
@@ -637,7 +638,7 @@ def _afd_layer_times(ctx: _Ctx, table: list[LayerCost], bm: int, tokens: int, K:
             t_own = own_memo.get(key)
             if t_own is None:
                 t_own = own_memo[key] = stage_step([owner(lc, o)], "ffn", n_dev, hw, prm, D, max(ffn_rows), tokens,
-                                                   wb, spatial_resident=res_f).total
+                                                   wb, spatial_resident=res_f, layout_batch=ctx.layout_batch).total
             first = max(t_own, by_rows[max(ffn_rows)] if lc.is_moe and N > 1 else 0.0)
             # rows one attention rank sends one FFN rank, the largest message: the owner's (a dense layer whole; beside
             # its routed rows, the whole micro-batch for the shared experts)
