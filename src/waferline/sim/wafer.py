@@ -10,7 +10,9 @@ in ``cost.stage_step``), for the vectors that cross its region:
   fabric_links)``, where ``fabric_links`` -- how many links a vector front is effectively spread over -- is the one
   fitted term (bounded: at least one link, at most the region's side).
 * **distance**: each phase also travels the region's side (a square of the layer's share of the wafer's PEs) at the
-  mesh's per-hop latency: bigger regions cost more hops. One layer per wafer spans the whole wafer (~950 hops).
+  mesh's per-hop latency: bigger regions cost more hops. A whole wafer is ~950 hops across; a layer's region is the
+  fastest for its decode step between the fewest cores that hold its bytes and its byte share of the stage
+  (``cost.region_share``), so one layer alone on a wafer need not span it.
 
 Which vectors cross is derived from the layer's shapes (``fabric_work``): the layer input, and each matmul's output once
 (a mixer: each product's output, the output projection's input instead of its own; MLA, DSA and V4-style compressed
