@@ -157,13 +157,7 @@ def test_the_mtp_drafter_under_afd_on_an_int4_checkpoint(tmp_path):
     """With MTP speculation the AFD engine's drafter loads the int4 checkpoint's MTP head (kept 16-bit in the file, in
     int4 as the layers, as every engine drafts) and the int8 head: seeded sampled tokens are the single-process
     engine's."""
-    from waferline.demo import SOL_DEMO_CONFIG
-    from waferline.model.init import write_random_checkpoint
-
-    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
-               num_nextn_predict_layers=1)
-    q = tmp_path / "int4"
-    quantize_checkpoint(write_random_checkpoint(cfg, tmp_path / "fp32"), q, QuantOptions(group_size=32))
+    q = tiny_models.int4_sol_with_mtp(tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12] * 3, list(range(40, 60))]
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     with LLM(q, speculative="mtp", head_bits=8) as llm:

@@ -266,14 +266,7 @@ def test_int4_mtp_drafts_as_the_single_process_engine(tmp_path):
     """An int4 checkpoint keeps its MTP head 16-bit; ``LLM(path, speculative="mtp")`` drafts with it in int4, as its
     target is. A seeded sampled draft samples from the head's probabilities, so the pipeline's drafter and the
     served single-process engine's must be int4 too for the same tokens."""
-    from waferline.demo import SOL_DEMO_CONFIG
-    from waferline.model.quant import QuantOptions
-    from waferline.model.quant.write import quantize_checkpoint
-
-    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
-               num_nextn_predict_layers=1)
-    ck = tmp_path / "int4"
-    quantize_checkpoint(write_random_checkpoint(cfg, tmp_path / "fp32"), ck, QuantOptions(group_size=32))
+    ck = tiny_models.int4_sol_with_mtp(tmp_path)
     prompts = [[7, 8, 9, 10, 11, 12] * 3, list(range(40, 60))]
     sp = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
     with LLM(ck, speculative="mtp") as llm:

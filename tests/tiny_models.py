@@ -207,6 +207,20 @@ def build(model_type: str, directory: Path, seed: int = 0, **overrides) -> torch
     return model
 
 
+def int4_sol_with_mtp(root: Path) -> Path:
+    """A random 2-layer sol checkpoint (MLA + dense, MLA + MoE) with an MTP head, written as int4 (RTN, group 32) under
+    ``root / "int4"`` (its 16-bit original under ``root / "fp32"``)."""
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+    from waferline.model.quant import QuantOptions
+    from waferline.model.quant.write import quantize_checkpoint
+
+    cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mla", "mla"], ffn_types=["dense", "moe"],
+               num_nextn_predict_layers=1)
+    quantize_checkpoint(write_random_checkpoint(cfg, root / "fp32"), root / "int4", QuantOptions(group_size=32))
+    return root / "int4"
+
+
 def decode_logits(model, prompts, slots, num_slots, steps=4, return_caches=False):
     """Prefill ``prompts`` into ``slots`` one by one, then decode them together greedily; return the logits per step
     (and the caches, to go on from there)."""
