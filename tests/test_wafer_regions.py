@@ -81,3 +81,26 @@ def test_an_afd_ranks_ffn_side_runs_every_step_on_one_layout(monkeypatch):
     simulate(plan, prompt_len=1000, output_len=100)
     ffn = {b for role, b in seen if role == "ffn"}
     assert len(ffn) == 1
+
+
+def test_simulate_shows_the_share_of_a_stages_cores_its_regions_take(capsys):
+    """`simulate` on wafers prints (and `--json` gives, `cores_used`) the share of each stage's cores its layers'
+    regions take: one 4-bit gpt-5.6-sol layer alone on a WSE-3 47% (its bytes need 45%), Llama 3.1
+    8B's 32 layers and LM head the whole wafer; on GPUs nothing."""
+    import json
+
+    from waferline.cli import main
+    from waferline.sim.cost import layer_table
+    from waferline.spec.catalog import load_hardware, load_model
+
+    plan = place("gpt-5.6-sol", "wse-3", devices=80, weight_bits=4)
+    r = simulate(plan)
+    lc = layer_table(load_model("gpt-5.6-sol"), 4, 16, plan.context_len)[0]  # (laid out for the plan's context)
+    need = (lc.weight_bytes + lc.cache_bytes) / load_hardware("wse-3").usable_bytes()
+    assert need <= r.stages[0].cores_used < 0.5  # (at least what holds its bytes; less than half the wafer)
+    assert main(["simulate", "llama-3.1-8b", "--hardware", "wse-3", "--no-intervals", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["stages"][0]["cores_used"] == pytest.approx(1.0)
+    assert main(["simulate", "gpt-5.6-sol", "--hardware", "wse-3", "--weight-bits", "4", "--devices", "80",
+                 "--no-intervals"]) == 0
+    assert "│   47% │" in capsys.readouterr().out
+    assert simulate(place("llama-3.1-8b", "h100-sxm")).stages[0].cores_used == 0.0

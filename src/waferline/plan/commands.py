@@ -653,8 +653,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     con.print(t)
     st = Table(title="per-stage decode step (us)")
     wafer = any(s.fabric for s in r.stages)
-    cols = ("stage", "role", "layers", "devices", "compute", "memory", "fixed") + (("fabric",) if wafer else ()) + (
-        "collective", "hop", "total")
+    used = any(s.cores_used for s in r.stages)  # (the share of a stage's cores its wafer regions take)
+    cols = ("stage", "role", "layers", "devices") + (("cores",) if used else ()) + (
+        "compute", "memory", "fixed") + (("fabric",) if wafer else ()) + ("collective", "hop", "total")
     for c in cols:
         st.add_column(c, justify="right" if c != "role" else "left")
     rows = r.stages
@@ -664,7 +665,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             st.add_row("...", "", f"({len(rows) - 12} more)", *[""] * (len(cols) - 3))
             continue
         us = [s.compute, s.memory, s.fixed] + ([s.fabric] if wafer else []) + [s.comm, s.hop, s.total]
-        st.add_row(str(s.index), s.role, s.layers, str(s.devices), *(f"{v * 1e6:.1f}" for v in us))
+        cores = (f"{s.cores_used:.0%}",) if used else ()
+        st.add_row(str(s.index), s.role, s.layers, str(s.devices), *cores, *(f"{v * 1e6:.1f}" for v in us))
     con.print(st)
     if ex is not None:
         from waferline.sim.explain import render

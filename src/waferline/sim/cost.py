@@ -451,6 +451,7 @@ class StepCost:
     comm: float = 0.0  # collective communication inside the stage (tensor / expert parallel)
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (sim/wafer.py)
     fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the region (hops), not streaming
+    cores_used: float = 0.0  # on a wafer: the share of the stage's cores its layers' regions take
     # (compute, memory) of each op added (a layer, the LM head): each costs the larger of the two, so what faster
     # FLOPs or reads save follows them op by op, not the sums (sim/explain.py)
     ops: list[tuple[float, float]] = field(default_factory=list, repr=False)
@@ -467,6 +468,7 @@ class StepCost:
         self.comm += o.comm
         self.fabric += o.fabric
         self.fabric_distance += o.fabric_distance
+        self.cores_used += o.cores_used
         self.ops.extend(o.ops or [(o.compute, o.memory)])
 
 
@@ -589,15 +591,16 @@ def stage_step(layers: list[LayerCost], role: str, n_dev: int, hw: HardwareSpec,
                 comm = (2 * fixed_frac) * link.allreduce_time(act_bytes, n_dev)
             comm /= sp.get("collectives", 1.0)
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem), fixed=fixed, comm=comm,
-                         fabric=fab, fabric_distance=dist))
+                         fabric=fab, fabric_distance=dist, cores_used=share if fabric is not None else 0.0))
     if filled > 0:  # the regions side by side, in layer order: the activations cross each wafer boundary they fill
         filled += lm_head_bytes / resident * fill if lm_head_bytes and resident else 0.0
         out.comm += (min(n_dev, math.ceil(filled - 1e-9)) - 1) * crossing / sp.get("collectives", 1.0)
     if lm_head_bytes:
         t_mem = (resident / fill / bw) if spatial else lm_head_bytes / n_dev / bw
         t_cmp = lm_head_flops * n_tok / fill / fl
+        head_cores = lm_head_bytes / resident * fill / n_dev if fabric is not None and resident else 0.0
         out.add(StepCost(compute=t_cmp, memory=t_mem, roofline=max(t_cmp, t_mem),
-                         fixed=0.5 * prm.layer_latency_s / sp.get("fixed per layer", 1.0)))
+                         fixed=0.5 * prm.layer_latency_s / sp.get("fixed per layer", 1.0), cores_used=head_cores))
     return out
 
 

@@ -140,7 +140,8 @@ def _step(ctx: _Ctx, table: list[LayerCost], batch: int, tokens: int, resident_b
         if want_timings:
             timings.append(StageTiming(s.index, s.role, _layer_range(s), s.num_devices, sc.compute, sc.memory, sc.fixed,
                                        sc.comm, hop, st + hop, fabric=sc.fabric,
-                                       fabric_distance=sc.fabric_distance, ops=list(sc.ops)))
+                                       fabric_distance=sc.fabric_distance, ops=list(sc.ops),
+                                       cores_used=sc.cores_used))
         total += st + hop
         if st > slowest:
             slowest = st

@@ -22,6 +22,8 @@ class StageTiming:
     total: float
     fabric: float = 0.0  # activation vectors streamed through a wafer's mesh (part of total)
     fabric_distance: float = 0.0  # the part of ``fabric`` spent crossing the layers' regions (hops)
+    # on wafers: the share of the stage's cores its layers' regions take (laid out for its decode step; 0 elsewhere)
+    cores_used: float = 0.0
     # (compute, memory) of each op (a layer, the LM head), of which the step took the larger (sim/explain.py's levers;
     # empty where the result does not carry them); not written out
     ops: list[tuple[float, float]] = field(default_factory=list, repr=False, compare=False)
