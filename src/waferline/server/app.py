@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, SSE streaming, models, health, metrics.
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, responses (responses.py: run as a chat
+completion), SSE streaming, models, health, metrics.
 
 Every request goes to one ``EngineLoop`` (continuous batching in a background thread) as one sequence per choice (``n``
 per prompt; a completion may send a batch of prompts); tokens come back through a per-request asyncio queue and are
@@ -36,6 +37,7 @@ from waferline.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from waferline.server.responses import ResponsesRequest, Shape, chat_request, in_responses_terms
 from waferline.server.state import Server
 from waferline.server.tools import plan_of
 
@@ -178,6 +180,18 @@ def create_app(server: Server) -> FastAPI:
         except APIError as e:
             return fail("chat", e)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        try:
+            req = await server.request(request, ResponsesRequest)
+            chat_req = await asyncio.to_thread(chat_request, req)  # (off the event loop, as chat's parse)
+            server.check_options(chat_req)
+            ids = await asyncio.to_thread(server.chat_prompt, chat_req)
+            return await _respond(server, request, "responses", chat_req, [ids], None,
+                                  shape=Shape(req, server.model_name))
+        except APIError as e:
+            return fail("responses", in_responses_terms(e))
+
     return app
 
 
@@ -202,10 +216,11 @@ async def _completion_prompts(server: Server, prompt: Any, special: bool = True,
 
 
 async def _respond(server: Server, request: Request, endpoint: str, req: Any, prompts: list[list[int]],
-                   default_max: int | None, sent: list[str] | None = None) -> Response:
-    """Run the request's choices (each prompt ``n`` times) and answer: one JSON body, or an SSE stream."""
-    chat = endpoint == "chat"
-    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+                   default_max: int | None, sent: list[str] | None = None, shape: Shape | None = None) -> Response:
+    """Run the request's choices (each prompt ``n`` times) and answer: one JSON body, or an SSE stream; ``shape``: a
+    Responses request's (``req`` its chat request), whose answer it writes."""
+    chat = endpoint != "completions"
+    rid = shape.id if shape is not None else ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     created = int(time.time())
     m = server.metrics
     # (off the event loop, which streams everyone's tokens: checking a structured output builds its grammar, which
@@ -226,9 +241,12 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         counted = m.requests.labels  # (at the stream's end: 200, or 499 for a client gone mid-stream)
-        return StreamingResponse(_stream(events, base, choices, include_usage,
-                                         lambda status: counted(endpoint, str(status)).inc()),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+        def count(status: int) -> None:
+            counted(endpoint, str(status)).inc()
+        sse = shape.stream(events, choices, count) if shape is not None else _stream(events, base, choices,
+                                                                                       include_usage, count)
+        return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect() -> None:
         try:
@@ -262,6 +280,8 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
         raise APIError(bad.error or "the request did not finish", 503 if bad.unavailable else 500,
                        type="server_error")
     m.requests.labels(endpoint, "200").inc()
+    if shape is not None:
+        return JSONResponse(shape.body(choices))
     body, usage = choices.body()
     return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                          "model": server.model_name, "choices": body, "usage": usage})

@@ -277,8 +277,9 @@ def _stopping_server(base: type, stop_requests: Callable[[], None], timeout: flo
 def register(sub: Any) -> None:
     """Add ``serve`` to the CLI's subparsers."""
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching",
-                       description="Serve a checkpoint over /v1/completions and /v1/chat/completions (SSE streaming), "
-                                   "/v1/models, /health and /metrics. See docs/server.md.")
+                       description="Serve a checkpoint over /v1/completions, /v1/chat/completions and "
+                                   "/v1/responses (SSE streaming), /v1/models, /health and /metrics. See "
+                                   "docs/server.md.")
     s.add_argument("model_dir", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint directory (config.json + *.safetensors [+ tokenizer.json]); or --model")
     s.add_argument("--model", default=None, help="the checkpoint directory, as MODEL")
