@@ -12,6 +12,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _pages_in_use, _wait_until
+from waferline.server.responses import REFUSED
 
 GREEDY = dict(model="sol-test", temperature=0, extra_body={"ignore_eos": True})
 
@@ -183,6 +184,40 @@ def test_refused_fields_are_400_and_the_server_keeps_serving(live, client):
     r = client.responses.create(input="still here", max_output_tokens=3, **GREEDY)
     assert r.usage.output_tokens == 3 and httpx.get(live.state.base + "/health").json()["status"] == "ok"
 
+
+def test_malformed_fields_are_400_naming_them_not_500_or_accepted(live):
+    """Odd shapes a hostile client sends: a content part whose type is a list or an object (was a 500), a refused
+    value of another type (0 for store: false, true for n: 1), a json_schema format without a valid name or with a
+    strict that is not a boolean (was accepted, and echoed into a response the client's types reject); the refusals of
+    chat's field names and a model name quoting one keep their words."""
+    url, auth = live.state.base + "/v1/responses", {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": "sol-test", "input": "hi", "max_output_tokens": 2}
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    cases = [
+        ({"input": [{"role": "user", "content": [{"type": ["input_text"], "text": "x"}]}]}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": {"a": 1}, "text": "x"}]}]}, "input"),
+        ({"store": 0}, "store"), ({"background": 0}, "background"), ({"n": True}, "n"), ({"n": 1.0}, "n"),
+        ({"top_logprobs": False}, "top_logprobs"),
+        ({"text": {"format": {"type": "json_schema", "schema": schema}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": 5, "schema": schema}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "a b!", "schema": schema}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": schema, "strict": "yes"}}}, "text.format"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": schema, "description": 5}}},
+         "text.format"),
+    ]
+    for extra, param in cases:
+        err = _assert_error(httpx.post(url, headers=auth, json={**ok, **extra}, timeout=60), 400)
+        assert (err["param"], err["type"]) == (param, "invalid_request_error"), (extra, err)
+    err = _assert_error(httpx.post(url, headers=auth, json={**ok, "messages": [{"role": "user", "content": "x"}]}), 400)
+    assert (err["param"], err["message"]) == ("messages", REFUSED["messages"])
+    err = _assert_error(httpx.post(url, headers=auth, json={**ok, "response_format": {"type": "json_object"}}), 400)
+    assert (err["param"], err["message"]) == ("response_format", REFUSED["response_format"])
+    err = _assert_error(httpx.post(url, headers=auth, json={**ok, "model": "messages-7b"}), 404)
+    assert "'messages-7b'" in err["message"]
+    fmt = {"type": "json_schema", "name": "x-1", "schema": schema, "strict": False, "description": "d"}
+    r = httpx.post(url, headers=auth, json={**ok, "text": {"format": fmt}}, timeout=60)
+    assert Response.model_validate(r.json()).text.format.name == "x-1"
+    assert _metrics(live).get('waferline_requests_total{endpoint="responses",status="500"}', 0.0) == 0
 
 def test_a_bad_request_beside_a_good_one_fails_alone(live, client):
     """A streamed response runs while bad requests (refused fields, a prompt past the context, malformed JSON) come

@@ -182,9 +182,12 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        try:
+        try:  # (errors in the Responses API's terms as raised; the chat path's below, with its field names)
             req = await server.request(request, ResponsesRequest)
             chat_req = await asyncio.to_thread(chat_request, req)  # (off the event loop, as chat's parse)
+        except APIError as e:
+            return fail("responses", e)
+        try:
             server.check_options(chat_req)
             ids = await asyncio.to_thread(server.chat_prompt, chat_req)
             return await _respond(server, request, "responses", chat_req, [ids], None,

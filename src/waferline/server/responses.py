@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +51,7 @@ REFUSED = {
     "messages": "messages is not a Responses API field: send the conversation as input",
     "response_format": "response_format is not a Responses API field: send text.format",
 }
+# (a value of another type is refused too: 0 is not false, nor 1.0 or true a count of 1)
 _ACCEPTED: dict[str, tuple[Any, ...]] = {"store": (None, False), "background": (None, False), "truncation":
                                          (None, "disabled"), "n": (None, 1), "tools": (None, []), "include": (None, []),
                                          "top_logprobs": (None, 0)}
@@ -57,6 +59,7 @@ _PART_KINDS = {"input_image": "image inputs", "input_file": "file inputs", "inpu
                "refusal": "refusal parts"}
 # the chat request's names -> the Responses API's (in error messages and their param)
 _NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"))
+_FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (OpenAI's rule for text.format's name)
 
 
 class TextConfig(_Strict):
@@ -106,7 +109,7 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     400 naming the field this server does not do."""
     for name, why in REFUSED.items():
         v = getattr(req, name)
-        if v not in _ACCEPTED.get(name, (None,)):
+        if not any(v is a or (type(v) is type(a) and v == a) for a in _ACCEPTED.get(name, (None,))):
             raise APIError(why, param=name)
     if req.tool_choice not in (None, "none", "auto"):
         raise APIError("tool_choice: this server's Responses API takes no tools (\"none\" or \"auto\" only)",
@@ -128,7 +131,10 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     if fmt is not None:
         body["response_format"] = _response_format(fmt)
     body.update({k: v for k, v in (req.model_extra or {}).items() if k in PASSED_ON})
-    return parse(ChatRequest, body)
+    try:
+        return parse(ChatRequest, body)
+    except APIError as e:  # (the chat request's field names, in the Responses API's)
+        raise in_responses_terms(e) from None
 
 
 def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -153,7 +159,7 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             parts = []
             for j, p in enumerate(content):
                 t = p.get("type") if isinstance(p, dict) else None
-                if t in _PART_KINDS:
+                if isinstance(t, str) and t in _PART_KINDS:
                     raise APIError(f"input[{i}].content[{j}]: {_PART_KINDS[t]} are not supported (this server reads "
                                    "text)", param="input")
                 if t not in ("input_text", "output_text") or not isinstance(p.get("text"), str):
@@ -176,13 +182,23 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(fmt.get("schema"), dict):
             raise APIError("text.format json_schema: give {\"type\": \"json_schema\", \"name\": ..., \"schema\": "
                            "{...}}", param="text.format")
+        # (as OpenAI's API checks them: the response echoes text.format, which its clients read as typed)
+        name = fmt.get("name")
+        if not isinstance(name, str) or not _FORMAT_NAME.fullmatch(name):
+            raise APIError("text.format json_schema: name is required, 1 to 64 letters, digits, '_' or '-', got "
+                           f"{str(name)[:80]!r}", param="text.format")
+        for key, kinds, what in (("strict", bool, "a boolean"), ("description", str, "a string")):
+            if fmt.get(key) is not None and not isinstance(fmt[key], kinds):
+                raise APIError(f"text.format json_schema: {key} must be {what}, got {str(fmt[key])[:80]!r}",
+                               param="text.format")
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
     raise APIError(f"text.format: the type is \"text\", \"json_object\" or \"json_schema\", got {str(fmt)[:80]}",
                    param="text.format")
 
 
 def in_responses_terms(e: APIError) -> APIError:
-    """A chat-path error with the Responses API's field names (``max_output_tokens``, ``text.format``, ``input``)."""
+    """A chat-path error with the Responses API's field names (``max_output_tokens``, ``text.format``, ``input``): only
+    the chat request's (the Responses request's own errors, which may quote what the client sent, are as raised)."""
     message, param = str(e), e.param
     for ours, theirs in _NAMES:
         message = message.replace(ours, theirs)
