@@ -335,11 +335,12 @@ def test_serving_ttft_never_falls_as_the_prompt_grows_on_a_pipeline(model, hardw
     assert plan.num_stages > 1
     params, spec, hw = load_params(), load_model(model), load_hardware(hardware)
     ttft: dict[int, float] = {}
+    cap: dict[int, int] = {}  # (the run's regions are laid out for the most sequences it can hold)
     for P in (500, 2048, 2049, 4096, 64_000):
         r = simulate_serving(plan, users=1, num_requests=2, prompt_len=P, output_len=2)
-        ttft[P] = r.ttft_mean_s - params.ttft_overhead_s
+        ttft[P], cap[P] = r.ttft_mean_s - params.ttft_overhead_s, r.max_batch
         # the flow shop by hand: chunk j leaves at max(its step's end + its drain, chunk j-1's exit + its hold)
-        pr = _Pricer(plan, spec, hw, params, P, 2, 0.0)
+        pr = _Pricer(plan, spec, hw, params, P, 2, 0.0, layout=cap[P])
         t = ex = 0.0
         for c in [DEFAULT_TOKEN_BUDGET] * (P // DEFAULT_TOKEN_BUDGET) + [P % DEFAULT_TOKEN_BUDGET] * bool(
                 P % DEFAULT_TOKEN_BUDGET):
@@ -348,12 +349,12 @@ def test_serving_ttft_never_falls_as_the_prompt_grows_on_a_pipeline(model, hardw
             ex = max(ex + hold, t + drain)
         assert ttft[P] == pytest.approx(ex, rel=1e-9), P
     assert list(ttft.values()) == sorted(ttft.values()), ttft
-    pr = _Pricer(plan, spec, hw, params, 2049, 2, 0.0)
+    pr = _Pricer(plan, spec, hw, params, 2049, 2, 0.0, layout=cap[2049])
     (h, d), (h1, d1) = pr.chunk(2048), pr.chunk(1)
     assert d > 0 and h + d > h + h1 + d1  # (why it mattered: the big chunk's drain dwarfs the small one's)
     assert ttft[2048] == pytest.approx(h + d, rel=1e-9)  # one chunk: hold + drain
     assert ttft[2049] == pytest.approx(h + d + h1, rel=1e-9)  # the 1-token chunk leaves right behind it
-    h4, d4 = _Pricer(plan, spec, hw, params, 4096, 2, 0.0).chunk(2048)  # (attention at half the prompt)
+    h4, d4 = _Pricer(plan, spec, hw, params, 4096, 2, 0.0, layout=cap[4096]).chunk(2048)
     assert ttft[4096] == pytest.approx(2 * h4 + d4, rel=1e-9)  # Σ stages + (chunks - 1) x slowest
     # a separate prefill pool (a second copy of the plan) times its chunks the same way
     for P in (2048, 2049):
@@ -373,9 +374,10 @@ def test_one_chunk_rule_for_the_steady_state_and_the_serving_ttft(model, hardwar
     plan = place(model, hardware, weight_bits=bits, devices=devices, context=4200)
     pre = {}
     for P in (300, 512, 513, 1000, 1024, 1025, 2049, 4000):
-        steady = simulate(plan, prompt_len=P, output_len=2, concurrency=1)
-        pre[P] = steady.prefill_s
         one = simulate_serving(plan, users=1, num_requests=2, prompt_len=P, output_len=2, max_num_batched_tokens=512)
+        # (the serving run lays a wafer's regions out for the most sequences it can hold)
+        steady = simulate(plan, prompt_len=P, output_len=2, concurrency=1, layout_concurrency=one.max_batch)
+        pre[P] = steady.prefill_s
         assert one.ttft_mean_s == pytest.approx(steady.ttft_s, rel=1e-12), P
     assert list(pre.values()) == sorted(pre.values()), pre
     if plan.num_stages == 1:  # one stage: chunk after chunk, 513 tokens = one 512-token pass + one 1-token pass
@@ -678,6 +680,7 @@ def test_a_long_prompt_under_a_small_budget_is_one_jump(monkeypatch, pd):
     one = simulate_serving(plan, arrival_rate=1.0, num_requests=1, prompt_len=32000, output_len=10,
                            max_num_batched_tokens=512, pd_disaggregation=pd)
     assert one.steps == (0 if pd else math.ceil(32000 / 512)) + 9  # (a jump counts every step it stands for)
-    pre = _Pricer(plan, load_model(plan.model), load_hardware(plan.hardware), load_params(), 32000, 10, 0.0)
+    pre = _Pricer(plan, load_model(plan.model), load_hardware(plan.hardware), load_params(), 32000, 10, 0.0,
+                  layout=one.max_batch)
     lone = sum(pre.chunk(512)[0] for _ in range(62)) + pre.chunk(32000 - 62 * 512)[0]  # (one stage: back to back)
     assert one.ttft_p50_s - load_params().ttft_overhead_s == pytest.approx(lone, rel=SKETCH_REL_ERROR)

@@ -104,3 +104,25 @@ def test_simulate_shows_the_share_of_a_stages_cores_its_regions_take(capsys):
                  "--no-intervals"]) == 0
     assert "│   47% │" in capsys.readouterr().out
     assert simulate(place("llama-3.1-8b", "h100-sxm")).stages[0].cores_used == 0.0
+
+
+def test_a_serving_run_keeps_one_layout_for_every_batch_it_steps():
+    """A deployment is compiled once: a serving run's regions are laid out for the most sequences it can hold, and a
+    step of 1 or 256 sequences runs on that layout. Each batch size was priced with regions laid out for it (a steady
+    state per size): gpt-5.6-sol, 4-bit on 80 WSE-3, one client's tokens came 3.24 ms apart on a region made for one
+    sequence, though the run's regions must hold thousands."""
+    from waferline.sim.serving import simulate_serving
+
+    plan = place("gpt-5.6-sol", "wse-3", weight_bits=4, devices=80)
+    P, O = 1000, 64
+    cores = {b: [s.cores_used for s in simulate(plan, prompt_len=P, output_len=O, concurrency=b,
+                                                 layout_concurrency=4096).stages] for b in (1, 16, 256)}
+    assert cores[1] == cores[16] == cores[256]
+    own = {b: simulate(plan, prompt_len=P, output_len=O, concurrency=b).stages[0].cores_used for b in (1, 256)}
+    assert own[1] < own[256]  # (each size's own steady state: a larger region for more sequences' cache)
+    r = simulate_serving(plan, users=1, num_requests=3, prompt_len=P, output_len=O)
+    laid = simulate(plan, prompt_len=P, output_len=O, concurrency=1, layout_concurrency=r.max_batch)
+    alone = simulate(plan, prompt_len=P, output_len=O, concurrency=1)
+    assert r.max_batch > 1000
+    assert r.itl_mean_s == pytest.approx(1 / laid.decode_tokens_per_s_per_user, rel=1e-9)
+    assert abs(r.itl_mean_s * alone.decode_tokens_per_s_per_user - 1) > 1e-3

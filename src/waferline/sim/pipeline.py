@@ -38,6 +38,18 @@ EAGLE_DRAFT_VOCAB = 32000
 
 
 
+def micro_batches(plan: Plan, B: int) -> int:
+    """Micro-batches ``B`` sequences go through the stages in: the plan's own at its batch, else one per stage (at
+    most B)."""
+    M = plan.micro_batches if B == plan.batch else max(1, min(B, plan.num_stages))
+    return max(1, min(M, B))
+
+
+def layout_rows(plan: Plan, B: int) -> int:
+    """The decode micro-batch of ``B`` sequences: what a wafer's regions are laid out for."""
+    return math.ceil(B / micro_batches(plan, B))
+
+
 @dataclass
 class _Ctx:
     plan: Plan
@@ -376,8 +388,12 @@ def simulate(
     host: Any = None,
     ops: Any = None,
     reasoning_tokens: int = 0,
+    layout_concurrency: int | None = None,
 ) -> SimResult:
     """Predict decode speed, TTFT and end-to-end latency of ``plan``.
+
+    ``layout_concurrency``: on wafers, the concurrency the regions are laid out for (a deployment compiles one layout,
+    for the most sequences it serves: the serving simulation's cap), default ``concurrency`` (a steady state at it).
 
     ``reasoning_tokens``: hidden tokens a reasoning model generates before its ``output_len`` answer tokens (decoded
     like any output, so they lengthen the end-to-end time and the cache read per step; ``first_answer_s`` is when the
@@ -406,10 +422,10 @@ def simulate(
 
         return _answered(simulate_host(plan, spec, hw, host, ops, prompt_len=P, output_len=O, concurrency=B), R)
     S = plan.num_stages
-    M = plan.micro_batches if concurrency is None or concurrency == plan.batch else max(1, min(B, S))
-    M = max(1, min(M, B))
+    M = micro_batches(plan, B)
     b = math.ceil(B / M)
-    ctx = _Ctx(plan, spec, hw, prm, params, layout_batch=b)  # (a stage steps one micro-batch at a time)
+    # (a stage steps one micro-batch at a time: regions are laid out for that micro-batch)
+    ctx = _Ctx(plan, spec, hw, prm, params, layout_batch=layout_rows(plan, layout_concurrency or B))
     dec_ctx = P + O // 2
     table = layer_table(spec, plan.weight_bits, plan.kv_bits, dec_ctx, plan.group_size)
 

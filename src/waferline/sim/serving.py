@@ -271,12 +271,16 @@ class _Pricer:
     """Step times of one pool's plan, cached per batch size / chunk size (the pipeline model is priced once each)."""
 
     def __init__(self, plan: Plan, spec: ModelSpec, hw: HardwareSpec, params: SimParams, P: int, O: int,
-                 skew: float) -> None:
+                 skew: float, layout: int | None = None) -> None:
         from waferline.sim.cost import layer_table
-        from waferline.sim.pipeline import _Ctx, is_afd_ranks
+        from waferline.sim.pipeline import _Ctx, is_afd_ranks, layout_rows
 
         self.plan, self.spec, self.hw, self.params, self.P, self.O = plan, spec, hw, params, P, O
-        self.ctx = _Ctx(plan, spec, hw, params.for_hardware(hw), params)
+        # one layout of a wafer's regions for the whole run, made for ``layout`` sequences (the most it holds at once):
+        # a deployment is compiled once, not for each batch it happens to step (None: each step's own, as before)
+        self.layout = layout
+        self.ctx = _Ctx(plan, spec, hw, params.for_hardware(hw), params,
+                        layout_batch=layout_rows(plan, layout) if layout else None)
         self.afd = is_afd_ranks(plan)
         self.dtable = layer_table(spec, plan.weight_bits, plan.kv_bits, P + O // 2, plan.group_size)
         self.ptable = layer_table(spec, plan.weight_bits, plan.kv_bits, max(1, P // 2), plan.group_size)
@@ -310,7 +314,8 @@ class _Pricer:
             from waferline.sim.pipeline import simulate
 
             t = 1.0 / simulate(self.plan, prompt_len=self.P, output_len=self.O, concurrency=b, params=self.params,
-                               spec=self.spec, hardware=self.hw).decode_tokens_per_s_per_user
+                               spec=self.spec, hardware=self.hw,
+                               layout_concurrency=self.layout).decode_tokens_per_s_per_user
             if self.skew > 0:
                 S = max(1, self.plan.num_stages)
                 bm = math.ceil(b / max(1, min(b, S)))
@@ -334,7 +339,7 @@ class _Pricer:
         from waferline.sim.pipeline import PREFILL_CHUNK, simulate
 
         t = simulate(self.plan, prompt_len=self.P, output_len=1, concurrency=1, params=self.params, spec=self.spec,
-                     hardware=self.hw).prefill_s
+                     hardware=self.hw, layout_concurrency=self.layout).prefill_s
         if self.skew > 0:
             C = min(self.P, PREFILL_CHUNK)
             t *= self._price(self.ptable_s, 1, C, 1)[0] / self._price(self.ptable, 1, C, 1)[0]
@@ -510,7 +515,7 @@ def simulate_serving(plan: Plan, *, arrival_rate: float | None = None, num_reque
     pd = pd_disaggregation or prefill_plan is not None
     if prefill_plan is not None and prefill_plan.model != plan.model:
         raise ConfigError(f"the prefill pool serves {prefill_plan.model}, the decode pool {plan.model}: use one model")
-    dec = _Pricer(plan, spec, hw, params, P, O, expert_skew)
+    dec = _Pricer(plan, spec, hw, params, P, O, expert_skew, layout=cap)
     ovh = params.ttft_overhead_s
     ttft, itl, e2e = QuantileSketch(), QuantileSketch(), QuantileSketch()
     # arrivals: Poisson, or (closed loop) a heap of the clients' next sends, refilled as requests end
