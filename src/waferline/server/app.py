@@ -38,7 +38,7 @@ from waferline.server.protocol import (
     error_body,
 )
 from waferline.server.responses import ResponsesRequest, Shape, chat_request, in_responses_terms
-from waferline.server.state import Server
+from waferline.server.state import Server, counted_stream
 from waferline.server.tools import plan_of
 
 __all__ = ["Server", "create_app", "FALLBACK_CHAT_TEMPLATE", "FALLBACK_GENERATION_PROMPT"]
@@ -245,11 +245,9 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         counted = m.requests.labels  # (at the stream's end: 200, or 499 for a client gone mid-stream)
 
-        def count(status: int) -> None:
-            counted(endpoint, str(status)).inc()
-        sse = shape.stream(events, choices, count) if shape is not None else _stream(events, base, choices,
-                                                                                       include_usage, count)
-        return StreamingResponse(sse, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        sse = shape.stream(events, choices) if shape is not None else _stream(events, base, choices, include_usage)
+        return StreamingResponse(counted_stream(sse, events, lambda status: counted(endpoint, str(status)).inc()),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     async def collect() -> None:
         try:
@@ -291,38 +289,26 @@ async def _respond(server: Server, request: Request, endpoint: str, req: Any, pr
 
 
 async def _stream(events: AsyncIterator[tuple[int, Event, float]], base: dict[str, Any], choices: Choices,
-                  include_usage: bool, count: Any) -> AsyncIterator[str]:
+                  include_usage: bool) -> AsyncIterator[str]:
     """SSE: a chunk per token of each choice (chat: the role first), each choice's finish, then (``include_usage``) the
-    usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted).
-    ``count(status)`` at the end: 200 (its HTTP status, an error event included), or 499 where the client left first
-    (a fault that ends it is counted by the app's handler of unexpected faults: 500)."""
-    ended = failed = False
+    usage, then ``[DONE]``; an error in any choice ends the stream with an error object (the others are aborted)."""
 
     def sse(c: dict[str, Any]) -> str:
         return _sse(dict(base, choices=[c]) | ({"usage": None} if include_usage else {}))
 
-    try:
-        for c in choices.opening():
+    for c in choices.opening():
+        yield sse(c)
+    async for i, ev, _ in events:
+        if ev.finished and ev.finish_reason == "error":
+            yield _sse(error_body(ev.error or "engine error",
+                                  "invalid_request_error" if ev.invalid else "server_error"))
+            break
+        for c in choices.chunks(i, ev):
             yield sse(c)
-        async for i, ev, _ in events:
-            if ev.finished and ev.finish_reason == "error":
-                yield _sse(error_body(ev.error or "engine error",
-                                      "invalid_request_error" if ev.invalid else "server_error"))
-                break
-            for c in choices.chunks(i, ev):
-                yield sse(c)
-            # (with the next events queued already nothing above waits: a turn of the event loop lets it see a client
-            # that went away, which stops the stream, rather than writing the rest to the closed connection)
-            await asyncio.sleep(0)
-        else:
-            if include_usage:
-                yield _sse(dict(base, choices=[], usage=choices.usage()))
-        yield "data: [DONE]\n\n"
-        ended = True
-    except Exception:
-        failed = True
-        raise
-    finally:
-        if not failed:
-            count(200 if ended else DISCONNECTED)
-        await events.aclose()  # a disconnect cancels us here: closing the generator aborts what still runs
+        # (with the next events queued already nothing above waits: a turn of the event loop lets it see a client
+        # that went away, which stops the stream, rather than writing the rest to the closed connection)
+        await asyncio.sleep(0)
+    else:
+        if include_usage:
+            yield _sse(dict(base, choices=[], usage=choices.usage()))
+    yield "data: [DONE]\n\n"

@@ -14,14 +14,13 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
 from waferline.engine.sequence import Event
 from waferline.server.choices import Choices
-from waferline.server.metrics import DISCONNECTED
 from waferline.server.protocol import APIError, ChatRequest, _Strict, parse
 from waferline.server.state import UNSUPPORTED_EXTENSIONS
 
@@ -249,13 +248,11 @@ class Shape:
         status = "incomplete" if out[0]["finish_reason"] == "length" else "completed"
         return self.response(status, out[0]["message"]["content"], usage)
 
-    async def stream(self, events: AsyncIterator[tuple[int, Event, float]], choices: Choices,
-                     count: Callable[[int], None]) -> AsyncIterator[str]:
+    async def stream(self, events: AsyncIterator[tuple[int, Event, float]], choices: Choices) -> AsyncIterator[str]:
         """SSE: ``response.created``, ``response.in_progress``, the message and its text part added, a
         ``response.output_text.delta`` per piece of text, the text, part and message done, then
         ``response.completed`` (``response.incomplete`` where the token limit stopped it); an error ends it with an
-        ``error`` event and ``response.failed``. ``count(status)`` at the end, as chat's stream counts: 200, or 499
-        where the client left first."""
+        ``error`` event and ``response.failed``."""
         seq = 0
 
         def event(kind: str, **fields: Any) -> str:
@@ -265,44 +262,32 @@ class Shape:
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
         at = {"item_id": self.item_id, "output_index": 0}
-        ended = failed = False
         pieces: list[str] = []
         reason = None
-        try:
-            yield event("response.created", response=self.response("in_progress"))
-            yield event("response.in_progress", response=self.response("in_progress"))
-            yield event("response.output_item.added", output_index=0, item=self.item("in_progress", None))
-            yield event("response.content_part.added", **at, content_index=0, part=_part(""))
-            async for i, ev, _ in events:
-                if ev.finished and ev.finish_reason == "error":
-                    message = ev.error or "engine error"
-                    yield event("error", code="invalid_request_error" if ev.invalid else "server_error",
-                                message=message, param=None)
-                    yield event("response.failed", response=self.response(
-                        "failed", error={"code": "invalid_prompt" if ev.invalid else "server_error",
-                                         "message": message}))
-                    break
-                for c in choices.chunks(i, ev):
-                    if c["delta"].get("content"):
-                        pieces.append(c["delta"]["content"])
-                        yield event("response.output_text.delta", **at, content_index=0, delta=pieces[-1],
-                                    logprobs=[])
-                    reason = c["finish_reason"] or reason
-                await asyncio.sleep(0)  # (as chat's stream: lets the event loop see a client that went away)
-            else:
-                text = "".join(pieces)
-                status = "incomplete" if reason == "length" else "completed"
-                yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
-                yield event("response.content_part.done", **at, content_index=0, part=_part(text))
-                yield event("response.output_item.done", output_index=0, item=self.item(status, text))
-                yield event(f"response.{status}", response=self.response(status, text, choices.usage()))
-            ended = True
-        except Exception:
-            failed = True
-            raise
-        finally:
-            if not failed:
-                count(200 if ended else DISCONNECTED)
+        yield event("response.created", response=self.response("in_progress"))
+        yield event("response.in_progress", response=self.response("in_progress"))
+        yield event("response.output_item.added", output_index=0, item=self.item("in_progress", None))
+        yield event("response.content_part.added", **at, content_index=0, part=_part(""))
+        async for i, ev, _ in events:
+            if ev.finished and ev.finish_reason == "error":
+                message = ev.error or "engine error"
+                yield event("error", code="invalid_request_error" if ev.invalid else "server_error", message=message,
+                            param=None)
+                yield event("response.failed", response=self.response(
+                    "failed", error={"code": "invalid_prompt" if ev.invalid else "server_error", "message": message}))
+                return
+            for c in choices.chunks(i, ev):
+                if c["delta"].get("content"):
+                    pieces.append(c["delta"]["content"])
+                    yield event("response.output_text.delta", **at, content_index=0, delta=pieces[-1], logprobs=[])
+                reason = c["finish_reason"] or reason
+            await asyncio.sleep(0)  # (as chat's stream: lets the event loop see a client that went away)
+        text = "".join(pieces)
+        status = "incomplete" if reason == "length" else "completed"
+        yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
+        yield event("response.content_part.done", **at, content_index=0, part=_part(text))
+        yield event("response.output_item.done", output_index=0, item=self.item(status, text))
+        yield event(f"response.{status}", response=self.response(status, text, choices.usage()))
 
 
 def _part(text: str) -> dict[str, Any]:

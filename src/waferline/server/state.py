@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -426,6 +426,27 @@ class Server:
             for i in running:  # the client went away (or the handler failed): stop the sequence, free its pages
                 self.engine.abort(rids[i])
                 m.finished.labels("abort").inc()
+
+
+async def counted_stream(sse: AsyncGenerator[str, None], events: AsyncGenerator, count: Callable[[int], None]
+                         ) -> AsyncIterator[str]:
+    """An SSE answer ``sse`` (made from ``events``, ``Server.start``'s) as sent: ``count(status)`` at its end, 200 (its
+    HTTP status, an error event included) or 499 where the client left first (a fault that ends it is counted by the
+    app's handler of unexpected faults: 500); then both generators are closed, which aborts what still runs (a
+    disconnect cancels the stream here)."""
+    ended = failed = False
+    try:
+        async for chunk in sse:
+            yield chunk
+        ended = True
+    except Exception:
+        failed = True
+        raise
+    finally:
+        if not failed:
+            count(200 if ended else DISCONNECTED)
+        await sse.aclose()
+        await events.aclose()
 
 
 def _abort_all(engine: EngineLoop, rids: list[str]) -> None:
