@@ -113,6 +113,21 @@ def _assert_error(resp: httpx.Response, status: int) -> dict:
     return err
 
 
+def fail_sampling(live, monkeypatch, which):
+    """The live server's sampler raises for a sequence ``which(seq)`` selects, at its third token; returns what puts
+    the sampler back."""
+    sch = live.state.server.engine.scheduler
+    sample = sch._sample
+
+    def failing(seq, logits, greedy=None):
+        if which(seq) and len(seq.output_ids) == 2:
+            raise ValueError("injected")
+        return sample(seq, logits, greedy)
+
+    monkeypatch.setattr(sch, "_sample", failing)
+    return lambda: monkeypatch.setattr(sch, "_sample", sample)
+
+
 def run_to_end(sch, seqs, max_steps=2000) -> list[list[int]]:
     """Add ``seqs`` to the scheduler ``sch`` and step it until nothing is left: each sequence's token ids."""
     got = {s.request_id: [] for s in seqs}

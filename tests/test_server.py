@@ -22,6 +22,7 @@ from server_helpers import (
     _metrics,
     _pages_in_use,
     _wait_until,
+    fail_sampling,
     run_to_end,
     start_serve,
 )
@@ -779,15 +780,7 @@ def test_several_choices_per_request(live, client):
 def test_a_failing_choice_fails_its_request_and_frees_the_others(live, monkeypatch):
     """One choice of a request fails while sampling: the answer is a 500 (streamed: an error object, then [DONE]), the
     request's other choices are aborted and every page comes back; the next request is served."""
-    sch = live.state.server.engine.scheduler
-    sample = sch._sample
-
-    def failing(seq, logits, greedy=None):
-        if seq.request_id.endswith("-1") and len(seq.output_ids) == 2:
-            raise ValueError("injected")
-        return sample(seq, logits, greedy)
-
-    monkeypatch.setattr(sch, "_sample", failing)
+    restore = fail_sampling(live, monkeypatch, lambda s: s.request_id.endswith("-1"))
     body = {"model": "sol-test", "prompt": "The wafer", "max_tokens": 40, "n": 3, "ignore_eos": True}
     url, auth = live.state.base + "/v1/completions", {"Authorization": f"Bearer {KEY}"}
     aborted = _metrics(live).get('waferline_request_finished_total{reason="abort"}', 0.0)
@@ -798,7 +791,7 @@ def test_a_failing_choice_fails_its_request_and_frees_the_others(live, monkeypat
         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
     assert "injected" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
     assert _wait_until(lambda: live.state.server.engine.num_running == 0 and _pages_in_use(live) == 0)
-    monkeypatch.setattr(sch, "_sample", sample)
+    restore()
     ok = httpx.post(url, headers=auth, json=dict(body, max_tokens=3), timeout=60).json()
     assert [c["finish_reason"] for c in ok["choices"]] == ["length"] * 3
 

@@ -11,7 +11,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _pages_in_use, _wait_until
+from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _pages_in_use, _wait_until, fail_sampling
 from waferline.server.responses import REFUSED
 
 GREEDY = dict(model="sol-test", temperature=0, extra_body={"ignore_eos": True})
@@ -251,15 +251,7 @@ def test_a_bad_request_beside_a_good_one_fails_alone(live, client):
 def test_an_engine_error_ends_the_response_and_frees_its_pages(live, monkeypatch):
     """A response whose sampling fails: 500 in OpenAI's error shape; streamed, an error event then response.failed
     end the stream; its pages come back and the next request is served."""
-    sch = live.state.server.engine.scheduler
-    sample = sch._sample
-
-    def failing(seq, logits, greedy=None):
-        if seq.request_id.startswith("resp_") and len(seq.output_ids) == 2:
-            raise ValueError("injected")
-        return sample(seq, logits, greedy)
-
-    monkeypatch.setattr(sch, "_sample", failing)
+    restore = fail_sampling(live, monkeypatch, lambda s: s.request_id.startswith("resp_"))
     url, auth = live.state.base + "/v1/responses", {"Authorization": f"Bearer {KEY}"}
     body = {"model": "sol-test", "input": "The wafer", "max_output_tokens": 40, "ignore_eos": True}
     err = _assert_error(httpx.post(url, headers=auth, json=body, timeout=60), 500)
@@ -273,7 +265,7 @@ def test_an_engine_error_ends_the_response_and_frees_its_pages(live, monkeypatch
     assert failed["status"] == "failed" and "injected" in failed["error"]["message"]
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert _wait_until(lambda: live.state.server.engine.num_running == 0 and _pages_in_use(live) == 0)
-    monkeypatch.setattr(sch, "_sample", sample)
+    restore()
     assert httpx.post(url, headers=auth, json=dict(body, max_output_tokens=3), timeout=60).json()["status"] == \
         "incomplete"
 
