@@ -215,6 +215,39 @@ def test_sol_mini_training_steps_see_the_updated_mla_weights():
         assert torch.equal(sol_mini.forward_losses(model, x, 0.3)[0], sol_mini.forward_losses(fresh, x, 0.3)[0])
 
 
+def test_sol_mini_training_loss_is_the_models_own_on_each_sequence():
+    """train/sol_mini.py's loss ran its batch as a step made of tensors alone, which put every row's MLA latents on one
+    sink page of the paged cache: each position read other rows' and later positions' latents (a rebuild reached
+    held-out perplexity 96.8 against the shipped 67.4). Its losses must be the model's own on each sequence, scored one
+    at a time as the engine scores a prompt."""
+    import importlib.util
+
+    import torch
+
+    from waferline.model.context import StepBatch
+
+    spec = importlib.util.spec_from_file_location("sol_mini_under_test", BENCH.parent / "train" / "sol_mini.py")
+    sol_mini = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sol_mini)
+    model = sol_mini.build_model(0)
+    x = torch.randint(0, sol_mini.SOL_MINI_CONFIG["vocab_size"], (3, 41), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, main, mtp = sol_mini.forward_losses(model, x, 0.3)
+        mains, mtps = [], []
+        for row in x:
+            inp, tgt = row[None, :-1], row[None, 1:]
+            T = inp.shape[1]
+            h = model(inp, model.new_caches(1), StepBatch.make([0], [0], T))
+            mains.append(torch.nn.functional.cross_entropy(model.logits(h)[0].float(), tgt[0]))
+            head = model.mtp[0]
+            h2 = head(h[:, :-1], model.embed_tokens(tgt[:, :-1]), head.layer.new_cache(1),
+                      StepBatch.make([0], [0], T - 1))
+            lg2 = torch.nn.functional.linear(head.norm(h2), model.lm_head).float()
+            mtps.append(torch.nn.functional.cross_entropy(lg2[0], tgt[0, 1:]))
+    assert abs(float(main) - float(torch.stack(mains).mean())) < 1e-4
+    assert abs(float(mtp) - float(torch.stack(mtps).mean())) < 1e-4
+
+
 def _small_sol_mini(monkeypatch):
     """train/sol_mini.py loaded as a module, its model and sequence made small, stopped at the export's scoring (the
     training state is saved by then)."""

@@ -610,3 +610,23 @@ def test_a_sliding_window_counts_its_last_page_whole(tmp_path):
     assert window > 0
     assert CacheManager(spec, 1, 32, page_tokens=4).bytes_for(16) == spec.cache_bytes_per_seq(16)
     assert CacheManager(spec, 1, 32, page_tokens=3).bytes_for(15) == spec.cache_bytes_per_seq(15) + window
+
+
+def test_a_step_whose_rows_are_only_tensors_keeps_each_rows_entries():
+    """A step made of tensors alone (StepBatch(slots, start, T), no host copy: train/sol_mini.py's loss) on an
+    unmanaged paged cache took no pages for its rows: every row's every entry went to the sink page, so each query
+    read the last entries written there (another row's, later positions) and sol-mini's MLA layers trained on them."""
+    t = BlockTable(2, page_tokens=4)
+    c = TokenCache(2, 2, torch.float32, table=t)
+
+    def rows(slot, start, n):  # entry (slot, position)
+        return torch.tensor([[float(slot), float(p)] for p in range(start, start + n)])[None]
+
+    keys, blocked = c.update(torch.cat([rows(0, 0, 10), rows(1, 0, 10)]),
+                             StepBatch(torch.arange(2), torch.zeros(2, dtype=torch.long), 10))
+    assert torch.equal(keys, torch.cat([rows(0, 0, 10), rows(1, 0, 10)]))
+    assert torch.equal(blocked[0], torch.ones(10, 10, dtype=torch.bool).triu(1))
+    keys, _ = c.update(torch.cat([rows(0, 10, 1), rows(1, 10, 1)]),
+                       StepBatch(torch.arange(2), torch.full((2,), 10), 1))
+    assert torch.equal(keys, torch.cat([rows(0, 0, 11), rows(1, 0, 11)]))
+    assert torch.equal(c.read(1, 11), rows(1, 0, 11)[0])

@@ -248,7 +248,7 @@ def _forward_losses(
     inp, tgt = x[:, :-1], x[:, 1:]
     B, T = inp.shape
     caches = model.new_caches(B)
-    batch = StepBatch(torch.arange(B), torch.zeros(B, dtype=torch.long), T)
+    batch = StepBatch.make(list(range(B)), [0] * B, T)  # (slots and starts on the host too, as the engine's steps)
     h = model(inp, caches, batch)
     logits = model.logits(h)
     main = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1))
@@ -256,7 +256,7 @@ def _forward_losses(
     if len(model.mtp) and mtp_weight > 0:
         head = model.mtp[0]
         h2 = head(h[:, :-1], model.embed_tokens(tgt[:, :-1]), head.layer.new_cache(B),
-                  StepBatch(torch.arange(B), torch.zeros(B, dtype=torch.long), T - 1))
+                  StepBatch.make(list(range(B)), [0] * B, T - 1))
         lg2 = torch.nn.functional.linear(head.norm(h2), model.lm_head).float()
         mtp = torch.nn.functional.cross_entropy(lg2.reshape(-1, lg2.shape[-1]), tgt[:, 1:].reshape(-1))
     return main + mtp_weight * mtp, main, mtp

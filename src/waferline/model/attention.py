@@ -215,6 +215,9 @@ class TokenCache:
             if batch.host_slots is not None:
                 for s, st in zip(batch.host_slots, batch.host_start):
                     t.ensure(s, st + batch.T)
+            elif not t.managed:  # (rows known only as tensors: every slot takes pages to the step's end, as _grow
+                for s in range(t.num_slots):  # gives a static step's; without them every row went to the sink page)
+                    t.ensure(s, batch.end)
             n = batch.memo[key] = t.pages_for(batch.end)
             t.columns(n)  # (a ragged row reads past its pages: the sink, masked)
         return n
