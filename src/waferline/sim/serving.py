@@ -277,7 +277,7 @@ class _Pricer:
 
         self.plan, self.spec, self.hw, self.params, self.P, self.O = plan, spec, hw, params, P, O
         # one layout of a wafer's regions for the whole run, made for ``layout`` sequences (the most it holds at once):
-        # a deployment is compiled once, not for each batch it happens to step (None: each step's own, as before)
+        # a deployment is compiled once, not for each batch it happens to step (None: each step laid out for its own)
         self.layout = layout
         self.ctx = _Ctx(plan, spec, hw, params.for_hardware(hw), params,
                         layout_batch=layout_rows(plan, layout) if layout else None)
