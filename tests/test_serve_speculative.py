@@ -730,7 +730,12 @@ def test_live_server_concurrent_streams_equal_lone_requests(spec_live):
         together = list(ex.map(stream, prompts))
     assert together == lone and all(lone)
     assert lone == [llm.generate([p], sp)[0].text for p in prompts]
-    for stop in (["\n"], ["thee"]):  # a stop string: the text ends before it, wherever it falls in a burst
+    # stop strings taken from the plain answer (a line break, a word of its second half): the text ends before the
+    # first, wherever it falls in a burst
+    plain = llm.generate([prompts[0]], SamplingParams(max_tokens=24))[0].text
+    words = plain.split()
+    assert "\n" in plain.strip() and len(words) >= 4, plain
+    for stop in (["\n"], [words[len(words) * 2 // 3]]):
         r = client.completions.create(model=name, prompt=prompts[0], max_tokens=24, temperature=0.0, stop=stop)
         want = llm.generate([prompts[0]], SamplingParams(max_tokens=24, stop=stop))[0]
         assert r.choices[0].text == want.text and r.choices[0].finish_reason == "stop" and stop[0] not in want.text
