@@ -12,9 +12,66 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _pages_in_use, _wait_until, fail_sampling
+from waferline.server import responses
 from waferline.server.responses import REFUSED
 
 GREEDY = dict(model="sol-test", temperature=0, extra_body={"ignore_eos": True})
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "the weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                                           "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                          "required": ["city"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}
+ASK = "Weather in Oslo?"
+
+
+def _as_chat(tool):
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+def _calls(chat_choice):
+    return [(t.function.name, t.function.arguments) for t in chat_choice.message.tool_calls or []]
+
+
+def _raw_events(live, body) -> list[dict]:
+    """The SSE events of a streamed request as sent, each checked against the openai client's event types; each
+    "event: <type>" line names its data's type."""
+    url, auth = live.state.base + "/v1/responses", {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("POST", url, headers=auth, json=dict(body, stream=True), timeout=60) as s:
+        assert s.status_code == 200
+        lines = [ln for ln in s.iter_lines() if ln]
+    events = [json.loads(ln[6:]) for ln in lines[1::2]]
+    assert [ln.split(": ", 1)[1] for ln in lines[::2]] == [e["type"] for e in events]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for e in events:
+        adapter.validate_python(e)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+@pytest.fixture
+def parser(live):
+    live.state.server.tool_call_parser = "hermes"
+    yield
+    live.state.server.tool_call_parser = None
+
+
+@pytest.fixture
+def template(live):
+    """A chat template that renders the tools, an assistant's calls and a tool's answers (the test model has none)."""
+    server = live.state.server
+    tok = server.llm.tokenizer
+    saved = tok.chat_template, server.encode_tokenizer.chat_template
+    tok.chat_template = server.encode_tokenizer.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}"
+        "<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} "
+        "{{ c.function.arguments | tojson }}]{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}"
+        "{% endfor %}<assistant>")
+    yield server.llm.encode
+    tok.chat_template, server.encode_tokenizer.chat_template = saved
 
 
 def _chat(client, messages, max_tokens, **kw):
@@ -135,20 +192,20 @@ def test_refused_fields_are_400_and_the_server_keeps_serving(live, client):
     img = [{"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
                                         {"type": "input_image", "image_url": "https://example.com/a.png"}]}]
     cases = [
-        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+        ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # ("auto": no parser)
         ({"tools": [{"type": "web_search"}]}, "tools"),
         ({"previous_response_id": "resp_123"}, "previous_response_id"),
         ({"conversation": "conv_1"}, "conversation"),
         ({"store": True}, "store"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
-        ({"include": ["message.output_text.logprobs"]}, "include"),
+        ({"include": ["file_search_call.results"]}, "include"),
         ({"n": 2}, "n"),
         ({"max_tokens": 5}, "max_tokens"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"text": {"verbosity": "low"}}, "text"),
         ({"input": img}, "input"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input"),
         ({"input": [{"role": "wizard", "content": "x"}]}, "input"),
         ({"input": []}, "input"),
         ({"input": 5}, "input"),
@@ -303,3 +360,257 @@ def test_a_client_that_leaves_a_stream_aborts_its_response(live):
     assert _wait_until(lambda: engine.num_waiting == 0 and engine.num_running == 0 and _pages_in_use(live) == 0)
     assert _wait_until(lambda: _metrics(live).get(
         'waferline_requests_total{endpoint="responses",status="499"}', 0.0) == gone + 2)
+
+
+def test_named_and_required_calls_are_function_call_items(live, client):
+    """A named or required tool_choice runs as chat's: each call the chat completion makes (same seed) is a
+    function_call item (call_id: chat's call id) and no message comes before it; an answer the token limit cut stays
+    the message's text; the tools and tool_choice are echoed in the Responses API's shape."""
+    kw = dict(model="sol-test", input=ASK, max_output_tokens=60, temperature=1.0, tools=[WEATHER, TIME])
+    chat_kw = dict(model="sol-test", messages=[{"role": "user", "content": ASK}], max_tokens=60, temperature=1.0,
+                   tools=[_as_chat(WEATHER), _as_chat(TIME)])
+    called = 0
+    for seed in range(3):
+        r = client.responses.create(tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": seed},
+                                    **kw)
+        c = client.chat.completions.create(seed=seed, tool_choice={"type": "function", "function": {
+            "name": "get_weather"}}, **chat_kw).choices[0]
+        if c.message.tool_calls:
+            called += 1
+            assert r.status == "completed" and [o.type for o in r.output] == ["function_call"] and r.output_text == ""
+            call = r.output[0]
+            assert [(call.name, call.arguments)] == _calls(c) and call.status == "completed"
+            assert call.id.startswith("fc_") and call.call_id.startswith("call_") and call.id != call.call_id
+            assert set(json.loads(call.arguments)) <= {"city", "days"}
+        else:
+            assert r.status == "incomplete" and [o.type for o in r.output] == ["message"]
+            assert r.output_text == c.message.content
+    assert called >= 2
+    assert [(t.type, t.name, t.parameters, t.description) for t in r.tools] == [
+        ("function", "get_weather", WEATHER["parameters"], "the weather in a city"),
+        ("function", "get_time", TIME["parameters"], None)]
+    assert (r.tool_choice.type, r.tool_choice.name) == ("function", "get_weather") and r.parallel_tool_calls
+
+    required = 0
+    for seed in range(4):
+        for parallel in (True, False):
+            r = client.responses.create(tool_choice="required", parallel_tool_calls=parallel,
+                                        extra_body={"seed": seed}, **(kw | {"max_output_tokens": 120}))
+            c = client.chat.completions.create(seed=seed, tool_choice="required", parallel_tool_calls=parallel,
+                                               **(chat_kw | {"max_tokens": 120})).choices[0]
+            assert [(o.name, o.arguments) for o in r.output if o.type == "function_call"] == _calls(c)
+            if c.message.tool_calls:
+                required += 1
+                assert {o.type for o in r.output} == {"function_call"} and r.status == "completed"
+                assert r.tool_choice == "required" and r.parallel_tool_calls is parallel
+                assert parallel or len(r.output) == 1
+    assert required >= 1
+    # every field is there, of the type the client's types give it
+    body = {"model": "sol-test", "input": ASK, "max_output_tokens": 60, "temperature": 0, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    raw = httpx.post(live.state.base + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                     timeout=60).json()
+    assert Response.model_validate(raw).output[0].type == "function_call"
+
+
+def test_a_streamed_call_is_its_items_events(live, client):
+    """Streamed, a named call is an output item added (arguments ""), its arguments in one delta, done, the item
+    done, at output_index 0, numbered in order; response.completed holds the item the unstreamed response gives;
+    every event parses as the client's type (through client.responses.create(stream=True) too)."""
+    body = {"model": "sol-test", "input": ASK, "max_output_tokens": 60, "temperature": 1.0, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "name": "get_weather"}}
+    for seed in range(4):
+        whole = client.responses.create(**body, extra_body={"seed": seed})
+        if whole.status == "completed":
+            break
+    assert [o.type for o in whole.output] == ["function_call"]
+    events = _raw_events(live, dict(body, seed=seed))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    added, delta, done, item_done, completed = events[2:]
+    args = whole.output[0].arguments
+    assert added["item"]["type"] == "function_call" and added["item"]["arguments"] == ""
+    assert added["item"]["status"] == "in_progress" and item_done["item"]["status"] == "completed"
+    assert delta["delta"] == done["arguments"] == item_done["item"]["arguments"] == args
+    assert {e["output_index"] for e in events[2:6]} == {0}
+    assert {e.get("item_id", e.get("item", {}).get("id")) for e in events[2:6]} == {added["item"]["id"]}
+    assert (added["item"]["name"], added["item"]["call_id"]) == ("get_weather", item_done["item"]["call_id"])
+    assert completed["response"]["output"] == [item_done["item"]]
+    assert completed["response"]["usage"]["output_tokens"] == whole.usage.output_tokens
+    parsed = list(client.responses.create(stream=True, **body, extra_body={"seed": seed}))
+    assert [type(e).__name__ for e in parsed[2:6]] == [
+        "ResponseOutputItemAddedEvent", "ResponseFunctionCallArgumentsDeltaEvent",
+        "ResponseFunctionCallArgumentsDoneEvent", "ResponseOutputItemDoneEvent"]
+    assert parsed[-1].response.output[0].arguments == args
+
+
+def test_auto_calls_follow_the_message(live, client, parser, monkeypatch):
+    """tool_choice "auto" with the Hermes parser (the model's text forced by a regex, as in the chat tests): the text
+    before the call is the message, the call a function_call item after it, as the chat completion reads them;
+    streamed, the message's events at output_index 0, then the call's at 1. Without a call the answer is the
+    message alone."""
+    monkeypatch.setattr(responses, "PASSED_ON", responses.PASSED_ON + ("guided_regex",))  # (to force the text)
+    regex = r'I will check\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}"\}\}</tool_call>'
+    body = {"model": "sol-test", "input": ASK, "max_output_tokens": 150, "temperature": 0.7, "seed": 1,
+            "tools": [WEATHER], "guided_regex": regex}
+    r = Response.model_validate(httpx.post(live.state.base + "/v1/responses", headers={
+        "Authorization": f"Bearer {KEY}"}, json=body, timeout=60).json())
+    chat = client.chat.completions.create(model="sol-test", messages=[{"role": "user", "content": ASK}],
+                                          max_tokens=150, temperature=0.7, seed=1, tools=[_as_chat(WEATHER)],
+                                          extra_body={"guided_regex": regex}).choices[0]
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.status == "completed"
+    assert r.output_text == chat.message.content == "I will check. " and r.tool_choice == "auto"
+    assert [(r.output[1].name, r.output[1].arguments)] == _calls(chat)
+    events = _raw_events(live, body)
+    kinds = [e["type"] for e in events]
+    at = kinds.index("response.output_item.done")
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[at - 2:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                              "response.output_item.added", "response.function_call_arguments.delta",
+                              "response.function_call_arguments.done", "response.output_item.done",
+                              "response.completed"]
+    assert set(kinds[4:at - 2]) == {"response.output_text.delta"}
+    assert [e["output_index"] for e in events[2:-1]] == [0] * (at + 1 - 2) + [1] * 4
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "I will check. "
+    final = events[-1]["response"]["output"]
+    assert [o["type"] for o in final] == ["message", "function_call"] and final[1]["arguments"] == r.output[1].arguments
+    plain = client.responses.create(model="sol-test", input=ASK, max_output_tokens=8, tools=[WEATHER])
+    assert [o.type for o in plain.output] == ["message"] and plain.output_text
+
+
+def test_calls_and_their_outputs_sent_back_are_the_conversation(live, client, template):
+    """An answer's output (its message and calls) sent back in input with a function_call_output, as the openai
+    client's docs show, reaches the chat template as chat's assistant tool_calls (one message for the turn) and tool
+    message: the prompt and the answer are the chat completion's for those messages."""
+    r = client.responses.create(model="sol-test", input=ASK, max_output_tokens=60, temperature=1.0, tools=[WEATHER],
+                                tool_choice={"type": "function", "name": "get_weather"}, extra_body={"seed": 0})
+    call = r.output[0]
+    assert call.type == "function_call"
+    items = [{"role": "user", "content": ASK}] + r.output + [
+        {"type": "function_call_output", "call_id": call.call_id, "output": "rain"}]
+    back = client.responses.create(model="sol-test", input=items, max_output_tokens=5, tools=[WEATHER],
+                                   tool_choice="none", **{k: v for k, v in GREEDY.items() if k != "model"})
+    messages = [{"role": "user", "content": ASK},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": call.call_id, "type": "function",
+                                                                       "function": {"name": "get_weather",
+                                                                                    "arguments": call.arguments}}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "rain"}]
+    rendered = httpx.post(live.state.base + "/tokenize", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"messages": messages, "tools": [_as_chat(WEATHER)]}).json()
+    assert back.usage.input_tokens == rendered["count"]
+    assert f"[call {call.call_id} get_weather" in live.state.server.llm.tokenizer.decode(rendered["tokens"])
+    chat = _chat(client, messages, 5, tools=[_as_chat(WEATHER)], tool_choice="none")
+    assert back.output_text == chat.choices[0].message.content and back.tools[0].name == "get_weather"
+
+    # a turn's text and its calls (two, in parallel) are one assistant message; outputs as text parts
+    items = [{"role": "user", "content": ASK},
+             {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Checking.", "annotations": [], "logprobs": []}]},
+             {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "get_weather",
+              "arguments": '{"city": "Oslo"}', "status": "completed"},
+             {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "rain"}]},
+             {"type": "function_call_output", "call_id": "c2", "output": "sun"}]
+    back = client.responses.create(model="sol-test", input=items, max_output_tokens=2, tools=[WEATHER],
+                                   tool_choice="none")
+    want = (f'[tool get_weather]<user>{ASK}<assistant>Checking.[call c1 get_weather {{"city": "Oslo"}}]'
+            '[call c2 get_weather {"city": "Rome"}]<tool>rain[for c1]<tool>sun[for c2]<assistant>')
+    assert back.usage.input_tokens == len(template(want))
+
+
+def test_logprobs_are_the_chat_completions(live, client):
+    """include message.output_text.logprobs with top_logprobs: the output_text part's logprobs are the chat
+    completion's for the same greedy request (token, logprob, bytes, top tokens); streamed, each text delta carries
+    its tokens', the text's done event all of them; top_logprobs alone gives them too, neither gives none."""
+    q = "What is a wafer?"
+    chat = _chat(client, [{"role": "user", "content": q}], 6, logprobs=True, top_logprobs=3)
+    want = [(e.token, e.logprob, e.bytes, [(t.token, t.logprob, t.bytes) for t in e.top_logprobs])
+            for e in chat.choices[0].logprobs.content]
+    assert len(want) == 6 and all(len(w[3]) == 3 for w in want)
+    body = {"model": "sol-test", "input": q, "max_output_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "top_logprobs": 3, "include": ["message.output_text.logprobs"]}
+    raw = httpx.post(live.state.base + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                     timeout=60).json()
+    r = Response.model_validate(raw)
+    got = [(e.token, e.logprob, e.bytes, [(t.token, t.logprob, t.bytes) for t in e.top_logprobs])
+           for e in r.output[0].content[0].logprobs]
+    assert got == want and r.top_logprobs == 3 and r.output_text == chat.choices[0].message.content
+    events = _raw_events(live, body)
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    streamed = [(x["token"], x["logprob"], [(t["token"], t["logprob"]) for t in x["top_logprobs"]])
+                for e in deltas for x in e["logprobs"]]
+    assert streamed == [(w[0], w[1], [t[:2] for t in w[3]]) for w in want] and all(e["logprobs"] for e in deltas)
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert [(x["token"], x["logprob"]) for x in done["logprobs"]] == [w[:2] for w in want]
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == raw["output"][0]["content"][0]["logprobs"]
+
+    alone = client.responses.create(input=q, max_output_tokens=6, top_logprobs=2, **GREEDY)
+    assert [(e.token, e.logprob, len(e.top_logprobs)) for e in alone.output[0].content[0].logprobs] == \
+        [(w[0], w[1], 2) for w in want]
+    included = client.responses.create(input=q, max_output_tokens=6, include=["message.output_text.logprobs"],
+                                       **GREEDY)
+    assert [(e.token, e.top_logprobs) for e in included.output[0].content[0].logprobs] == [(w[0], []) for w in want]
+    plain = client.responses.create(input=q, max_output_tokens=6, **GREEDY)
+    assert plain.output[0].content[0].logprobs == [] and plain.top_logprobs is None
+
+
+def test_tool_and_logprob_requests_refused_name_their_field(live):
+    """Built-in tools, tool_choice values this server does not do, malformed function tools and call items, other
+    include values, top_logprobs past 20 and max_tool_calls: a 400 naming the field (and the value)."""
+    url, auth = live.state.base + "/v1/responses", {"Authorization": f"Bearer {KEY}"}
+    ok = {"model": "sol-test", "input": "hi", "max_output_tokens": 2}
+    image = [{"type": "input_image", "image_url": "https://example.com/a.png"}]
+    cases = [
+        ({"tools": [{"type": "web_search"}]}, "tools", "'web_search'"),
+        ({"tools": [WEATHER, {"type": "mcp", "server_label": "x"}]}, "tools", "tools[1]: tools of type 'mcp'"),
+        ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, "tools", "'code_interpreter'"),
+        ({"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "tools", "'file_search'"),
+        ({"tools": ["get_weather"]}, "tools", "tools[0]"),
+        ({"tools": {"type": "function", "name": "f"}}, "tools", "a list"),
+        ({"tools": [{"type": "function", "name": "a b"}], "tool_choice": "none"}, "tools", "'tools.0.name'"),
+        ({"tools": [{"type": "function"}], "tool_choice": "none"}, "tools", "'tools.0.name'"),
+        ({"tools": [WEATHER, WEATHER], "tool_choice": "required"}, "tools", "name of its own"),
+        ({"tools": [{"type": "function", "name": "arr", "parameters": {"type": "array"}}], "tool_choice": "required"},
+         "tools", "not an object"),
+        ({"tools": [WEATHER]}, "tool_choice", "--tool-call-parser"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "\"name\""),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+         "tool_choice", "\"name\""),
+        ({"tools": [WEATHER], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}}, "tool_choice",
+         "'allowed_tools'"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "'web_search_preview'"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice", "'sometimes'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+          "text": {"format": {"type": "json_object"}}}, "text.format", None),
+        ({"max_tool_calls": 2}, "max_tool_calls", "max_tool_calls"),
+        ({"include": ["reasoning.encrypted_content"]}, "include", "'reasoning.encrypted_content'"),
+        ({"include": ["message.output_text.logprobs", "web_search_call.action.sources"]}, "include",
+         "'web_search_call.action.sources'"),
+        ({"include": "message.output_text.logprobs"}, "include", "a list"),
+        ({"top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        ({"top_logprobs": -1, "include": ["message.output_text.logprobs"]}, "top_logprobs", "[0, 20]"),
+        ({"top_logprobs": 2.0}, "top_logprobs", None),
+        ({"input": [{"type": "function_call", "name": "get_weather", "arguments": "{}"}]}, "input", "call_id"),
+        ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}]}, "input",
+         "arguments"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "call_id"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": image}]}, "input", "image inputs"),
+        ({"input": [{"type": "function_call_output", "call_id": "c", "output": 5}]}, "input", "input[0].output"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "input", "'reasoning'"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1", "status": "completed"}]}, "input", "'web_search_call'"),
+    ]
+    failed = _metrics(live).get('waferline_requests_total{endpoint="responses",status="500"}', 0.0)
+    for extra, param, words in cases:
+        err = _assert_error(httpx.post(url, headers=auth, json={**ok, **extra}, timeout=60), 400)
+        assert (err["param"], err["type"]) == (param, "invalid_request_error"), (extra, err)
+        assert words is None or words in err["message"], (extra, err)
+    assert _metrics(live).get('waferline_requests_total{endpoint="responses",status="500"}', 0.0) == failed
+    fine = {"tools": [WEATHER], "tool_choice": "none", "top_logprobs": 0, "include": [], "parallel_tool_calls": False}
+    r = httpx.post(url, headers=auth, json={**ok, **fine}, timeout=60).json()
+    assert r["status"] in ("completed", "incomplete") and r["output"][0]["content"][0]["logprobs"] == []
+    assert Response.model_validate(r).tools[0].name == "get_weather" and r["tool_choice"] == "none"

@@ -3,9 +3,15 @@ chat request (``instructions`` a system message first, ``input`` the messages, `
 ``max_completion_tokens``, ``text.format`` its structured output), checked and run as one chat choice by the same
 code (app.py's ``_respond``); its answer is a ``response`` object, or the Responses API's typed SSE events.
 
-What this server cannot do is refused (400), not ignored: tools, stored state (``previous_response_id``,
+Function tools and ``tool_choice`` are chat's (responses_tools.py maps them): each call the chat path reads is a
+``function_call`` output item after the message (no message where the answer is only calls), and ``function_call`` /
+``function_call_output`` input items send a conversation's calls and their results back. Log-probabilities
+(``include: ["message.output_text.logprobs"]``, or ``top_logprobs`` of 1 or more) are chat's: each token's on the
+``output_text`` part (with calls, those of the text before them), streamed with the text deltas that carry it.
+
+What this server cannot do is refused (400), not ignored: built-in tools, stored state (``previous_response_id``,
 ``conversation``, ``store: true``), ``background``, reasoning options, image / file / audio inputs, items other than
-messages, several answers (``n``)."""
+messages and function calls, other ``include`` data, several answers (``n``)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,14 @@ from pydantic import ConfigDict, Field
 from waferline.engine.sequence import Event
 from waferline.server.choices import Choices
 from waferline.server.protocol import APIError, ChatRequest, _Strict, parse
+from waferline.server.responses_tools import (
+    call_item,
+    call_message,
+    chat_tool_choice,
+    chat_tools,
+    echoed_tools,
+    output_message,
+)
 from waferline.server.state import UNSUPPORTED_EXTENSIONS
 
 # vLLM's sampling extensions a Responses request may send too (extra_body=), checked by the chat request's own fields
@@ -31,19 +45,16 @@ PASSED_ON = ("top_k", "min_p", "min_tokens", "stop", "stop_token_ids", "ignore_e
              *UNSUPPORTED_EXTENSIONS)
 # (request field: what a value other than the accepted ones is refused with)
 REFUSED = {
-    "tools": "tools (function calling and built-in tools) are not supported by this server's Responses API; use "
-             "/v1/chat/completions for function calling",
     "previous_response_id": "previous_response_id is not supported: responses are not stored; send the conversation "
                             "in input",
     "conversation": "conversation is not supported: responses are not stored; send the conversation in input",
     "store": "store: true is not supported: responses are not stored (send store: false, or leave it out)",
     "background": "background responses are not supported",
     "reasoning": "reasoning options are not supported",
-    "include": "include is not supported (no extra output data)",
-    "top_logprobs": "top_logprobs is not supported on /v1/responses (chat completions give log-probabilities)",
     "prompt": "prompt (stored prompt templates) is not supported: send instructions and input",
     "truncation": "truncation \"auto\" is not supported: a conversation longer than the context is a 400",
-    "max_tool_calls": "max_tool_calls is not supported: this server's Responses API takes no tools",
+    "max_tool_calls": "max_tool_calls is not supported (it limits built-in tools' calls, which this server does not "
+                      "run; parallel_tool_calls: false gives at most one function call)",
     "context_management": "context_management is not supported",
     "n": "n is not supported: a response holds one answer (send several requests, or use n on /v1/chat/completions)",
     "max_tokens": "max_tokens is not a Responses API field: send max_output_tokens",
@@ -52,13 +63,13 @@ REFUSED = {
 }
 # (a value of another type is refused too: 0 is not false, nor 1.0 or true a count of 1)
 _ACCEPTED: dict[str, tuple[Any, ...]] = {"store": (None, False), "background": (None, False), "truncation":
-                                         (None, "disabled"), "n": (None, 1), "tools": (None, []), "include": (None, []),
-                                         "top_logprobs": (None, 0)}
+                                         (None, "disabled"), "n": (None, 1)}
 _PART_KINDS = {"input_image": "image inputs", "input_file": "file inputs", "input_audio": "audio inputs",
                "refusal": "refusal parts"}
 # the chat request's names -> the Responses API's (in error messages and their param)
 _NAMES = (("max_completion_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"))
 _FORMAT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # (OpenAI's rule for text.format's name)
+LOGPROBS = "message.output_text.logprobs"  # (the one include value this server gives)
 
 
 class TextConfig(_Strict):
@@ -82,17 +93,17 @@ class ResponsesRequest(_Strict):
     seed: int | None = None  # (an extension, as the chat path takes it)
     metadata: dict[str, str] | None = None  # echoed
     user: str | None = None
-    tool_choice: Any = None  # ("none" or "auto" only: no tools)
+    tools: Any = None  # function tools (responses_tools.py)
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include: Any = None  # ([LOGPROBS] only)
+    top_logprobs: int | None = None
     # parsed only to be refused where given (REFUSED)
-    tools: Any = None
     previous_response_id: Any = None
     conversation: Any = None
     store: Any = None
     background: Any = None
     reasoning: Any = None
-    include: Any = None
-    top_logprobs: Any = None
     prompt: Any = None
     truncation: Any = None
     max_tool_calls: Any = None
@@ -110,9 +121,8 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
         v = getattr(req, name)
         if not any(v is a or (type(v) is type(a) and v == a) for a in _ACCEPTED.get(name, (None,))):
             raise APIError(why, param=name)
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError("tool_choice: this server's Responses API takes no tools (\"none\" or \"auto\" only)",
-                       param="tool_choice")
+    tools = chat_tools(req.tools)
+    tool_choice = chat_tool_choice(req.tool_choice, bool(tools))
     if req.text is not None and req.text.verbosity is not None:
         raise APIError("text.verbosity is not supported", param="text")
     if req.metadata is not None and (len(req.metadata) > 16 or any(len(k) > 64 or len(v) > 512 for k, v in
@@ -122,8 +132,15 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + \
         _messages(req.input)
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
+    if tools:
+        body["tools"] = tools
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    if wants_logprobs(req):
+        body |= {"logprobs": True} | ({} if req.top_logprobs is None else {"top_logprobs": req.top_logprobs})
     for ours, theirs in (("max_completion_tokens", "max_output_tokens"), ("temperature", "temperature"),
-                         ("top_p", "top_p"), ("seed", "seed"), ("user", "user")):
+                         ("top_p", "top_p"), ("seed", "seed"), ("user", "user"),
+                         ("parallel_tool_calls", "parallel_tool_calls")):
         if getattr(req, theirs) is not None:
             body[ours] = getattr(req, theirs)
     fmt = req.text.format if req.text is not None else None
@@ -132,13 +149,27 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
     body.update({k: v for k, v in (req.model_extra or {}).items() if k in PASSED_ON})
     try:
         return parse(ChatRequest, body)
-    except APIError as e:  # (the chat request's field names, in the Responses API's)
-        raise in_responses_terms(e) from None
+    except APIError as e:  # (the chat request's field names, in the Responses API's; a flat tool's fields)
+        e = in_responses_terms(e)
+        raise APIError(re.sub(r"\btools\.(\d+)\.function\.", r"tools.\1.", str(e)), e.status, e.type, e.param,
+                       e.code, e.headers) from None
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether the answer carries log-probabilities (``include`` asks for them, or ``top_logprobs`` of 1 or more),
+    or a 400 naming an ``include`` value this server does not give."""
+    include = req.include
+    if include is not None and (not isinstance(include, list) or not all(isinstance(v, str) for v in include)):
+        raise APIError(f"include: give a list of strings, got {str(include)[:40]!r}", param="include")
+    for v in include or []:
+        if v != LOGPROBS:
+            raise APIError(f"include: {v[:60]!r} is not supported (only {LOGPROBS!r})", param="include")
+    return LOGPROBS in (include or []) or bool(req.top_logprobs)
 
 
 def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``input`` as chat messages: a string is one user message; a list holds message items (as sent, or an earlier
-    response's output sent back), whose content is a string or text parts."""
+    response's output sent back), whose content is a string or text parts, and function calls and their outputs."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
@@ -146,30 +177,39 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for i, item in enumerate(value):
         kind = item.get("type", "message")
+        if kind == "function_call":
+            call_message(item, i, out)
+            continue
+        if kind == "function_call_output":
+            out.append(output_message(item, i, _parts))
+            continue
         if kind != "message":
-            raise APIError(f"input[{i}]: items of type {str(kind)[:40]!r} are not supported (only messages: no tools "
-                           "or stored items)", param="input")
+            raise APIError(f"input[{i}]: items of type {str(kind)[:40]!r} are not supported (only messages, function "
+                           "calls and their outputs: no built-in tools or stored items)", param="input")
         role = item.get("role")
         if role not in ("user", "assistant", "system", "developer"):
             raise APIError(f"input[{i}].role must be \"user\", \"assistant\", \"system\" or \"developer\", got "
                            f"{str(role)[:40]!r}", param="input")
         content = item.get("content")
         if isinstance(content, list):
-            parts = []
-            for j, p in enumerate(content):
-                t = p.get("type") if isinstance(p, dict) else None
-                if isinstance(t, str) and t in _PART_KINDS:
-                    raise APIError(f"input[{i}].content[{j}]: {_PART_KINDS[t]} are not supported (this server reads "
-                                   "text)", param="input")
-                if t not in ("input_text", "output_text") or not isinstance(p.get("text"), str):
-                    raise APIError(f"input[{i}].content[{j}]: give {{\"type\": \"input_text\", \"text\": ...}}",
-                                   param="input")
-                parts.append({"type": "text", "text": p["text"]})
-            content = parts
+            content = _parts(content, f"input[{i}].content")
         elif not isinstance(content, str):
             raise APIError(f"input[{i}].content: give a string or a list of input_text parts", param="input")
         out.append({"role": role, "content": content})
     return out
+
+
+def _parts(content: list[Any], at: str) -> list[dict[str, Any]]:
+    """Text parts (``input_text``, ``output_text``) as chat's; ``at``: where they are, in errors."""
+    parts = []
+    for j, p in enumerate(content):
+        t = p.get("type") if isinstance(p, dict) else None
+        if isinstance(t, str) and t in _PART_KINDS:
+            raise APIError(f"{at}[{j}]: {_PART_KINDS[t]} are not supported (this server reads text)", param="input")
+        if t not in ("input_text", "output_text") or not isinstance(p.get("text"), str):
+            raise APIError(f"{at}[{j}]: give {{\"type\": \"input_text\", \"text\": ...}}", param="input")
+        parts.append({"type": "text", "text": p["text"]})
+    return parts
 
 
 def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
@@ -218,41 +258,53 @@ class Shape:
         self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
 
-    def response(self, status: str, text: str | None = None, usage: dict[str, Any] | None = None,
+    def response(self, status: str, output: list[dict[str, Any]] | None = None, usage: dict[str, Any] | None = None,
                  error: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The ``response`` object; ``text``: the message (None: no output yet)."""
-        r, done = self.req, status in ("completed", "incomplete")
+        """The ``response`` object; ``output``: its items (None: none yet)."""
+        r = self.req
         fmt = r.text.format if r.text is not None and r.text.format is not None else {"type": "text"}
         return {
             "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
             "completed_at": int(time.time()) if status == "completed" else None, "model": self.model,
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "output": [] if text is None else [self.item(status if done else "in_progress", text)],
+            "output": output or [],
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
             "temperature": 1.0 if r.temperature is None else r.temperature,
             "top_p": 1.0 if r.top_p is None else r.top_p, "metadata": r.metadata or {}, "user": r.user,
-            "text": {"format": fmt}, "tools": [], "tool_choice": r.tool_choice or "auto",
-            "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": None,
-            "reasoning": None, "store": False, "background": False, "truncation": "disabled",
-            "usage": None if usage is None else _usage(usage),
+            "text": {"format": fmt}, "tools": echoed_tools(r.tools), "tool_choice": r.tool_choice or "auto",
+            "parallel_tool_calls": r.parallel_tool_calls is not False, "max_tool_calls": None,
+            "top_logprobs": r.top_logprobs, "previous_response_id": None, "reasoning": None, "store": False,
+            "background": False, "truncation": "disabled", "usage": None if usage is None else _usage(usage),
         }
 
-    def item(self, status: str, text: str | None) -> dict[str, Any]:
+    def message(self, status: str, text: str | None, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The assistant message item (``text`` None: its part not added yet)."""
         return {"type": "message", "id": self.item_id, "role": "assistant", "status": status,
-                "content": [] if text is None else [_part(text)]}
+                "content": [] if text is None else [_part(text, logprobs)]}
 
     def body(self, choices: Choices) -> dict[str, Any]:
-        """The whole answer, once the choice has finished well."""
+        """The whole answer, once the choice has finished well: the message (none where the answer is only calls),
+        then a ``function_call`` item per call."""
         out, usage = choices.body()
-        status = "incomplete" if out[0]["finish_reason"] == "length" else "completed"
-        return self.response(status, out[0]["message"]["content"], usage)
+        choice = out[0]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        content, calls = choice["message"]["content"], choice["message"].get("tool_calls") or []
+        lps = None
+        if choice["logprobs"] is not None:
+            lps = [_entry(e) for e in choice["logprobs"]["content"]]
+            if calls:  # (the text's tokens: those that start before the first call)
+                lps = [e for e, at in zip(lps, choices.items[0].starts) if at < len(content or "")]
+        items = [self.message(status, content or "", lps)] if content or not calls else []
+        return self.response(status, items + [call_item(c) for c in calls], usage)
 
     async def stream(self, events: AsyncIterator[tuple[int, Event, float]], choices: Choices) -> AsyncIterator[str]:
-        """SSE: ``response.created``, ``response.in_progress``, the message and its text part added, a
-        ``response.output_text.delta`` per piece of text, the text, part and message done, then
-        ``response.completed`` (``response.incomplete`` where the token limit stopped it); an error ends it with an
-        ``error`` event and ``response.failed``."""
+        """SSE: ``response.created``, ``response.in_progress``; at the first text the message and its text part
+        added, then a ``response.output_text.delta`` per piece of text (with its tokens' log-probabilities where
+        asked); at the end the text, part and message done (an empty message where there is no text and no call),
+        each function call's item added, its arguments (one delta) and the item done; then ``response.completed``
+        (``response.incomplete`` where the token limit stopped it). An error ends it with an ``error`` event and
+        ``response.failed``."""
         seq = 0
 
         def event(kind: str, **fields: Any) -> str:
@@ -261,13 +313,18 @@ class Shape:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
+        def opening() -> list[str]:
+            return [event("response.output_item.added", output_index=0, item=self.message("in_progress", None)),
+                    event("response.content_part.added", **at, content_index=0, part=_part(""))]
+
         at = {"item_id": self.item_id, "output_index": 0}
         pieces: list[str] = []
-        reason = None
+        lps: list[dict[str, Any]] = []  # (the text's tokens': sent with their text)
+        pending: list[dict[str, Any]] = []  # (tokens whose text has not gone out: held back, or a call's)
+        calls: list[dict[str, Any]] = []
+        opened, reason = False, None
         yield event("response.created", response=self.response("in_progress"))
         yield event("response.in_progress", response=self.response("in_progress"))
-        yield event("response.output_item.added", output_index=0, item=self.item("in_progress", None))
-        yield event("response.content_part.added", **at, content_index=0, part=_part(""))
         async for i, ev, _ in events:
             if ev.finished and ev.finish_reason == "error":
                 message = ev.error or "engine error"
@@ -277,21 +334,63 @@ class Shape:
                     "failed", error={"code": "invalid_prompt" if ev.invalid else "server_error", "message": message}))
                 return
             for c in choices.chunks(i, ev):
-                if c["delta"].get("content"):
-                    pieces.append(c["delta"]["content"])
-                    yield event("response.output_text.delta", **at, content_index=0, delta=pieces[-1], logprobs=[])
+                if c["logprobs"] is not None:
+                    pending += [_entry(e) for e in c["logprobs"]["content"]]
+                text = c["delta"].get("content")
+                if text:
+                    if not opened:
+                        opened = True
+                        for s in opening():
+                            yield s
+                    pieces.append(text)
+                    lps += pending
+                    yield event("response.output_text.delta", **at, content_index=0, delta=text,
+                                logprobs=[_streamed(e) for e in pending])
+                    pending = []
+                calls += c["delta"].get("tool_calls") or []
                 reason = c["finish_reason"] or reason
             await asyncio.sleep(0)  # (as chat's stream: lets the event loop see a client that went away)
-        text = "".join(pieces)
         status = "incomplete" if reason == "length" else "completed"
-        yield event("response.output_text.done", **at, content_index=0, text=text, logprobs=[])
-        yield event("response.content_part.done", **at, content_index=0, part=_part(text))
-        yield event("response.output_item.done", output_index=0, item=self.item(status, text))
-        yield event(f"response.{status}", response=self.response(status, text, choices.usage()))
+        output: list[dict[str, Any]] = []
+        if opened or not calls:
+            if not opened:
+                for s in opening():
+                    yield s
+            text = "".join(pieces)
+            lps += [] if calls else pending  # (tokens of text held back and dropped, as a stop string's)
+            yield event("response.output_text.done", **at, content_index=0, text=text,
+                        logprobs=[_streamed(e) for e in lps])
+            yield event("response.content_part.done", **at, content_index=0, part=_part(text, lps))
+            output.append(self.message(status, text, lps))
+            yield event("response.output_item.done", output_index=0, item=output[-1])
+        for call in calls:
+            item, k = call_item(call), len(output)
+            yield event("response.output_item.added", output_index=k,
+                        item=item | {"arguments": "", "status": "in_progress"})
+            yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=k,
+                        delta=item["arguments"])
+            yield event("response.function_call_arguments.done", item_id=item["id"], output_index=k,
+                        arguments=item["arguments"])
+            output.append(item)
+            yield event("response.output_item.done", output_index=k, item=item)
+        yield event(f"response.{status}", response=self.response(status, output, choices.usage()))
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _entry(e: dict[str, Any]) -> dict[str, Any]:
+    """A chat logprobs entry as the output_text part's (its bytes a list: [] where chat's are null)."""
+    return {"token": e["token"], "logprob": e["logprob"], "bytes": e["bytes"] or [],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"] or []}
+                             for t in e["top_logprobs"]]}
+
+
+def _streamed(e: dict[str, Any]) -> dict[str, Any]:
+    """A part's logprobs entry as a text delta's (no bytes, as the Responses API's events give them)."""
+    return {"token": e["token"], "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]]}
 
 
 def _usage(u: dict[str, Any]) -> dict[str, Any]:
