@@ -169,6 +169,30 @@ def test_the_fp32_pipeline_benchmarks_get_the_simulator_column():
         assert r is not None and r.aggregate_tokens_per_s > 0
 
 
+def test_speculative_times_a_verify_as_the_engine_runs_it(tmp_path, monkeypatch):
+    """speculative.py's forward-cost table (adaptive K's prior in its single-process runs) timed a T-token forward of a
+    Mamba-2 model as a prompt chunk (the chunked scan, ~5x a verify's cost on sol-mini), not as the engine's verify
+    (the decode recurrence with a trail): a 48-token run then never drafted."""
+    from conftest import script_module
+    from waferline import LLM
+    from waferline.demo import SOL_DEMO_CONFIG
+    from waferline.model.init import write_random_checkpoint
+    from waferline.model.ssm import Mamba2Mixer
+
+    d = write_random_checkpoint(dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mamba2", "mla"],
+                                                ffn_types=["dense", "moe"]), tmp_path / "sol")
+    llm = LLM(d)
+    scans, verifies = [], []  # (the timed forwards are of 1-8 tokens; the 64-token prompts are chunks)
+    scan, recurrent = Mamba2Mixer._scan, Mamba2Mixer._recurrent
+    monkeypatch.setattr(Mamba2Mixer, "_scan", lambda self, x, *a: scans.append(x.shape[1]) or scan(self, x, *a))
+    monkeypatch.setattr(Mamba2Mixer, "_recurrent", lambda self, x, *a: verifies.append(x.shape[1]) or
+                        recurrent(self, x, *a))
+    for spec in script_module("speculative"):
+        cost = spec.forward_cost(llm, reps=1)
+    assert sorted({p["T"] for p in cost["points"]}) == [1, 2, 4, 8] and all(p["s"] > 0 for p in cost["points"])
+    assert set(scans) == {64} and {2, 4, 8} <= set(verifies)
+
+
 def test_sol_mini_training_reaches_every_parameter():
     """train/sol_mini.py's loss ran through the fused CPU operators (waferline.kernels), which have no backward: 117 of
     the model's 127 parameters got no gradient, so a rebuild trained only the LM head and a few others."""
