@@ -244,8 +244,8 @@ def test_afd_speculates_through_the_scheduler(ckpts):
 def test_plain_rows_ride_the_verify_trip(ckpts, engine):
     """n-gram speculation over 2 stages (or 2 attention ranks and an FFN rank) with one prompt that repeats itself (it
     drafts) beside others that do not: steps that verify some sequences and decode others send both in one trip (the
-    runner's verify is given the step's decode rows; AFD: verify groups and plain groups in the same micro-batches),
-    and the tokens are the single-process engine's."""
+    runner's verify, or a pipeline's submit of a step in flight, is given the step's decode rows; AFD: verify groups
+    and plain groups in the same micro-batches), and the tokens are the single-process engine's."""
     sys.path.insert(0, str(Path(__file__).parent))
     prompts = [[7, 8, 9, 10, 11, 12] * 4, [(5 * j + 1) % tiny_models.VOCAB for j in range(9)],
                [(3 * j + 2) % tiny_models.VOCAB for j in range(13)]]
@@ -255,13 +255,22 @@ def test_plain_rows_ride_the_verify_trip(ckpts, engine):
              **engine) as llm:
         runner = llm._engine(len(prompts)).runner
         seen = []
-        verify = runner.verify
+        if getattr(runner, "overlap", False) and getattr(runner, "verify_in_flight", False):
+            submit = runner.submit
 
-        def counting(rows, decodes=(), prefills=()):
-            seen.append((len(rows), len(decodes) + len(prefills)))
-            return verify(rows, decodes, prefills)
+            def counting(decodes, prefills, verifies=(), parts=None):
+                seen.append((len(verifies), len(decodes) + len(prefills)))
+                return submit(decodes, prefills, verifies, parts)
 
-        runner.verify = counting
+            runner.submit = counting
+        else:
+            verify = runner.verify
+
+            def counting(rows, decodes=(), prefills=()):
+                seen.append((len(rows), len(decodes) + len(prefills)))
+                return verify(rows, decodes, prefills)
+
+            runner.verify = counting
         outs = llm.generate(prompts, params)
         assert [o.token_ids for o in outs] == want
         assert any(v > 0 and p > 0 for v, p in seen), seen

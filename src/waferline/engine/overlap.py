@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 from typing import Any
 
 import torch
@@ -21,9 +22,11 @@ from waferline.engine.sequence import StepPlan, StepResult
 
 
 def can_overlap(sch: Scheduler) -> bool:
-    """The runner keeps steps in flight and the scheduler does not speculate or burst (those stay step by step)."""
+    """The runner keeps steps in flight (speculative ones too where the scheduler speculates) and the scheduler does
+    not burst (bursts stay step by step)."""
     r = sch.runner
-    return (bool(getattr(r, "overlap", False)) and hasattr(r, "submit") and sch.spec_dec is None
+    return (bool(getattr(r, "overlap", False)) and hasattr(r, "submit")
+            and (sch.spec_dec is None or bool(getattr(r, "verify_in_flight", False)))
             and not sch.config.greedy_bursts and _depth(sch) > 1)
 
 
@@ -39,7 +42,7 @@ class OverlapStepper:
     def __init__(self, sch: Scheduler):
         self.sch = sch
         self.depth = _depth(sch)
-        self.in_flight: collections.deque[tuple[StepPlan, Any]] = collections.deque()
+        self.in_flight: collections.deque[tuple[StepPlan, Any, float]] = collections.deque()
         self._aborts: set[str] = set()
 
     def has_work(self) -> bool:
@@ -57,7 +60,7 @@ class OverlapStepper:
                 plan = sch.schedule()
             finally:
                 sch.plan_cap = sch.config.max_num_seqs
-            if plan.decodes or plan.prefills:
+            if plan.decodes or plan.prefills or plan.verifies:
                 self._submit(plan)
                 if len(self.in_flight) < self.depth:
                     return 0
@@ -66,19 +69,33 @@ class OverlapStepper:
         return self._collect()
 
     def _submit(self, plan: StepPlan) -> None:
-        sch = self.sch
+        sch, spec = self.sch, self.sch.spec_dec
         dec_rows, chunks = sch.rows(plan)
-        handle = sch.runner.submit(dec_rows, chunks)  # type: ignore[attr-defined]
-        sch.busy.update(s.request_id for s in plan.decodes)
-        sch.busy.update(s.request_id for s, _ in plan.prefills)
-        self.in_flight.append((plan, handle))
+        verifies = spec.verify_rows(plan.verifies) if plan.verifies else []  # type: ignore[union-attr]
+        handle = sch.runner.submit(dec_rows, chunks, *([verifies] if verifies else []))  # type: ignore[attr-defined]
+        sch.busy.update(s.request_id for s in _seqs(plan))
+        self.in_flight.append((plan, handle, time.perf_counter()))
 
     def _collect(self) -> int:
-        sch = self.sch
-        plan, handle = self.in_flight.popleft()
+        """Read the oldest plan's answers and postprocess it: its verify rows judged and kept first, the drafter handed
+        its plain rows' hidden states, adaptive K the plan's time in flight (the same measure for a plain and a verify
+        step: both shared the stages with the other plans in flight)."""
+        sch, spec = self.sch, self.sch.spec_dec
+        plan, handle, t0 = self.in_flight.popleft()
         res = StepResult()
-        res.decoded, res.prefilled = sch.runner.collect(handle)  # type: ignore[attr-defined]
-        seqs = list(plan.decodes) + [s for s, _ in plan.prefills]
+        got = sch.runner.collect(handle)  # type: ignore[attr-defined]
+        seconds = time.perf_counter() - t0
+        if plan.verifies:
+            outs, res.decoded, res.prefilled = got
+            res.verified, res.fed = spec.judged(sch.runner, plan.verifies, outs)  # type: ignore[union-attr]
+        else:
+            res.decoded, res.prefilled = got
+        if spec is not None:
+            if not plan.prefills and bool(plan.verifies) != bool(plan.decodes):  # (a step of one kind, as execute)
+                spec.record(len(plan.verifies) or len(plan.decodes),
+                            max([len(p.tokens) + 1 for _, p in plan.verifies] or [1]), seconds)
+            spec.after_step(plan.decodes, plan.prefills, res.decoded, res.prefilled)
+        seqs = _seqs(plan)
         for s in seqs:
             sch.busy.discard(s.request_id)
         fed = sch.postprocess(plan, res)
@@ -100,3 +117,8 @@ class OverlapStepper:
         self.in_flight.clear()
         self._aborts.clear()
         self.sch.busy.clear()
+
+
+def _seqs(plan: StepPlan) -> list[Any]:
+    """The sequences of ``plan``: its verify rows', its decode rows', its prefill chunks'."""
+    return [s for s, _ in plan.verifies] + list(plan.decodes) + [s for s, _ in plan.prefills]

@@ -16,11 +16,10 @@ Scheduling, one step
    (``max_num_batched_tokens``), so a long prompt never stalls the decodes of others for more than one chunk.
 3. Waiting sequences are admitted in arrival order (FIFO) while a slot is free and the budget holds them + 1 token.
 
-A step hands its decode rows and prefill chunks to the runner at once (the single-process runner: all decodes as one
-[B, 1] call and prefill chunks as [B, t] calls, padded where the caches allow it, engine/padding.py; a pipeline splits
-them into micro-batches). A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on
-the batch (up to floating-point reassociation). With ``speculative``, decoding sequences may draft and verify several
-tokens a step instead (engine/speculative/serving.py).
+A step hands its decode rows and prefill chunks to the runner at once (one process: all decodes as one [B, 1] call
+and prefill chunks as [B, t] calls, padded where the caches allow it, engine/padding.py; a pipeline: micro-batches).
+A sequence's tokens depend only on its own prompt, parameters and seeded sampler, never on the batch (up to rounding).
+With ``speculative``, decoding sequences may draft and verify several tokens a step (engine/speculative/serving.py).
 
 ``step`` runs in three phases: ``schedule`` (the plan: decode rows, prefill chunks, verify rows with their drafts,
 and whether the decodes run as a burst), ``execute`` (the runner runs it) and ``postprocess`` (each row's tokens
@@ -295,8 +294,10 @@ class Scheduler:
         preempted = False
         # decodes first (one token, or one plus drafts after an output token: never a prompt's), then prefill chunks
         order = [s for s in self.running if s.remaining == 1] + [s for s in self.running if s.remaining > 1]
-        self._ks = {} if self.spec_dec is None else self.spec_dec.choose(
-            [s for s in order if s.remaining == 1 and s.num_computed >= len(s.prompt_ids)], self.max_model_len)
+        if self.spec_dec is not None:  # (the sequences in flight are not this step's: engine/overlap.py)
+            self._ks = self.spec_dec.choose([s for s in order if s.remaining == 1 and s.request_id not in self.busy
+                                             and s.num_computed >= len(s.prompt_ids)], self.max_model_len,
+                                            self.plan_cap)
         dec = [s for s in order if s.remaining == 1 and s.request_id not in self.busy]  # (what each keeps: below)
         at = {s.request_id: j + 1 for j, s in enumerate(dec)}  # (cum: running sums, one pass a step)
         cum = list(accumulate((1 + (0 if s.params.needs_logits or not (self.spec_dec and self.spec_dec.exact(s)) else

@@ -30,7 +30,7 @@ class AFDRunner(PipelineRunner):
     """A ``Runner`` over the ranks of ``afd``; ``rebuild`` returns a new AFD engine after a fault."""
 
     pipe: AFD
-    overlap = False  # (an AFD step runs through the ranks at once: steps go one at a time)
+    overlap = verify_in_flight = False  # (an AFD step runs through the ranks at once: steps go one at a time)
 
     def _begin(self) -> None:
         self._rewinds, self._verified, self._sent = [], [], {}

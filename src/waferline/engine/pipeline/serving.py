@@ -9,7 +9,8 @@ r works on micro-batch k while stage r-1 works on k+1. The last stage answers gr
 those with each request's own generator, so per-request parameters and seeds hold as in the single-process engine.
 The server's engine loop keeps up to M steps in flight over disjoint sequences (``submit`` launches a step,
 ``collect`` reads its answers: engine/overlap.py), so the stages stay busy while a step is postprocessed; a step
-submitted while others are in flight goes as fewer micro-batches (about M in flight in all).
+submitted while others are in flight goes as fewer micro-batches (about M in flight in all); so does a speculative
+step, whose verify rows ``submit`` launches first (``verify`` is submit + collect).
 
 Speculation (the scheduler's, engine/speculative/serving.py): ``verify`` sends each row's [last token] + drafts as
 a verify group (every stage snapshots what the group overwrites, ``SlotRollback``) and the
@@ -68,8 +69,8 @@ _EMITS = {WANT_NONE: EMIT_NONE, WANT_ARGMAX: EMIT_TOKEN, WANT_LOGITS: EMIT_LOGIT
 _Row = tuple[int, int, list[int], int, int]
 # where a launched micro-batch's answers go: mb id -> (slot -> output index, its groups, whether it is a verify's)
 _Where = dict[int, tuple[dict[int, int], list[Group], bool]]
-# a submitted step: (where its answers go, its outputs, how many of them are decode rows')
-_Submitted = tuple[_Where, list[RowOutput | None], int]
+# a submitted step: (where its answers go, its outputs, how many of them are decode rows', its verify rows)
+_Submitted = tuple[_Where, list[RowOutput | None], int, list[VerifyRow]]
 
 
 def _once(fn: Callable[[], Any]) -> Iterator[Any]:
@@ -80,7 +81,8 @@ def _once(fn: Callable[[], Any]) -> Iterator[Any]:
 class PipelineRunner:
     """A ``Runner`` over the stage processes of ``pipe``; ``rebuild`` returns a new Pipeline after a fault."""
 
-    overlap = True  # the engine loop may keep several steps in flight (submit / collect: engine/overlap.py)
+    overlap = True  # the engine loop may keep several steps in flight (submit / collect: engine/overlap.py),
+    verify_in_flight = True  # speculative ones too (a step's verify rows go with ``submit``)
     verify_with_step = True  # ``verify`` also takes the step's decode rows and prefill chunks: one trip for all
 
     def __init__(self, pipe: Pipeline, num_slots: int, rebuild: Callable[[], Pipeline] | None = None):
@@ -146,11 +148,9 @@ class PipelineRunner:
     # -- the Runner interface
     def step(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]
              ) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        rows = _plain_rows(decodes, prefills)
-        outs: list[RowOutput | None] = [None] * len(rows)
-        if rows:
-            self._guard(lambda: self._run(self._split(rows, len(decodes)), outs))
-        return outs[:len(decodes)], outs[len(decodes):]
+        if not (decodes or prefills):
+            return [], []
+        return self.collect(self.submit(decodes, prefills, parts=self.pipe.micro_batches))
 
     def verify(self, rows: list[VerifyRow], decodes: list[DecodeRow] = (), prefills: list[PrefillChunk] = ()
                ) -> Any:
@@ -162,23 +162,8 @@ class PipelineRunner:
         With ``decodes`` / ``prefills`` (the rest of the scheduler's step) those travel in the same trip through the
         stages, launched behind the verify's micro-batches: returns (verify outputs, decode outputs, prefill
         outputs)."""
-        n, nd = len(rows), len(decodes)
-        items: list[_Row] = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(rows)]
-        plain = _plain_rows(decodes, prefills, n)
-        outs: list[RowOutput | None] = [None] * (n + len(plain))
-        self._verified = [r.slot for r in rows]
-
-        def run() -> None:
-            where = self._launch_all(self._split(items, n), verify=True)
-            if plain:
-                where.update(self._launch_all(self._split(plain, nd)))
-            self._gather(where, outs)
-
-        self._guard(run)
-        mine = _padded(outs[:n], max(len(r.tokens) for r in rows)) if self._keep_hidden else outs[:n]
-        if not plain:
-            return mine
-        return mine, outs[n:n + nd], outs[n + nd:]
+        got = self.collect(self.submit(decodes, prefills, rows, parts=self.pipe.micro_batches))
+        return got if decodes or prefills else got[0]
 
     def keep(self, counts: list[int]) -> None:
         """After ``verify``: row b keeps its first ``counts[b]`` tokens on every stage (with the next micro-batch)."""
@@ -287,12 +272,6 @@ class PipelineRunner:
         bins = pack_prefills(rows[n_decodes:], [max(chunk - len(mb), 1) for mb in mbs], chunk)
         return [mb + b for mb, b in itertools.zip_longest(mbs, bins, fillvalue=[]) if mb or b]
 
-    def _run(self, mbs: list[list[_Row]], outs: list[RowOutput | None]) -> None:
-        """Launch every micro-batch (stage 0 computes its layers on each, then sends it on), then read the last
-        stage's answers and put them where their rows' outputs go; the rollbacks queued by ``keep`` ride on the first
-        micro-batch."""
-        self._gather(self._launch_all(mbs), outs)
-
     def _launch_all(self, mbs: list[list[_Row]], verify: bool = False) -> _Where:
         """Launch the micro-batches ``mbs`` (``verify``: each one verify group); returns where their answers go."""
         pipe = self.pipe
@@ -365,22 +344,36 @@ class PipelineRunner:
             pipe.act.flush()
 
     # -- steps in flight (engine/overlap.py): launched now, their answers read later
-    def submit(self, decodes: list[DecodeRow], prefills: list[PrefillChunk]) -> _Submitted:
-        """Launch a step's micro-batches without waiting for their answers; ``collect`` reads them."""
-        rows = _plain_rows(decodes, prefills)
-        parts = max(1, self.pipe.micro_batches - len(self._submitted))  # (about M micro-batches in flight in all)
-        where = self._guard(lambda: self._launch_all(self._split(rows, len(decodes), parts))) if rows else {}
-        h: _Submitted = (where, [None] * len(rows), len(decodes))
+    def submit(self, decodes: list[DecodeRow], prefills: list[PrefillChunk], verifies: list[VerifyRow] = (),
+               parts: int | None = None) -> _Submitted:
+        """Launch a step's micro-batches (its verify rows' first, as verify groups) without waiting for their answers;
+        ``collect`` reads them."""
+        n = len(verifies)
+        items: list[_Row] = [(r.slot, r.position, list(r.tokens), r.want, i) for i, r in enumerate(verifies)]
+        rows = _plain_rows(decodes, prefills, n)
+        parts = parts or max(1, self.pipe.micro_batches - len(self._submitted))  # (about M micro-batches in flight)
+
+        def launch() -> _Where:
+            where = self._launch_all(self._split(items, n, parts), verify=True) if items else {}
+            return where | (self._launch_all(self._split(rows, len(decodes), parts)) if rows else {})
+
+        h: _Submitted = (self._guard(launch) if items or rows else {}, [None] * (n + len(rows)), len(decodes),
+                         list(verifies))
         self._submitted.append(h)
         self.max_in_flight = max(self.max_in_flight, len(self._submitted))
         return h
 
-    def collect(self, h: _Submitted) -> tuple[list[RowOutput | None], list[RowOutput | None]]:
-        """The outputs of a submitted step (its decode rows', then its prefill chunks')."""
-        where, outs, n = h
+    def collect(self, h: _Submitted) -> Any:
+        """The outputs of a submitted step: (decode rows', prefill chunks'); of one with verify rows, (verify rows',
+        decode rows', prefill chunks'), and ``keep`` then names its verify rows' accepted lengths."""
+        where, outs, nd, verifies = h
         self._submitted.remove(h)
         self._guard(lambda: self._gather(where, outs))
-        return outs[:n], outs[n:]
+        if not verifies:
+            return outs[:nd], outs[nd:]
+        n, self._verified = len(verifies), [r.slot for r in verifies]
+        mine = _padded(outs[:n], max(len(r.tokens) for r in verifies)) if self._keep_hidden else outs[:n]
+        return mine, outs[n:n + nd], outs[n + nd:]
 
     def _answers(self, meta: list[int], tail: torch.Tensor, groups: list[Group], slots: dict[int, int],
                  outs: list[RowOutput | None], verify: Container[int]) -> None:

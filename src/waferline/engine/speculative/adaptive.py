@@ -126,6 +126,10 @@ class AdaptiveK:
         got = self.observed.get((B, T))
         if got is not None:
             return got
+        same = sorted((t, v) for (b, t), v in self.observed.items() if b == B)
+        if len(same) >= 2:  # steps of these rows measured at two widths or more: linear in T between (or past) them
+            (t0, v0), (t1, v1) = next(((p, q) for p, q in zip(same, same[1:]) if T < q[0]), same[-2:])
+            return max(v0 + (v1 - v0) * (T - t0) / (t1 - t0), min(v0, v1))
         prior = self.cost(B * T)
         if self.observed:
             ratios = sorted(v / self.cost(b * t) for (b, t), v in self.observed.items())
@@ -140,15 +144,17 @@ class AdaptiveK:
             draft = k * self.draft_cost * base
         return expected_tokens(alpha, k) * base / (self.step_cost(batch, k + 1) + draft)
 
-    def choose(self, rows: list[int]) -> list[int]:
+    def choose(self, rows: list[int], batch: int | None = None) -> list[int]:
+        """Each row's K; ``batch``: the rows of the step they will run in, where fewer than ``rows`` (steps in flight
+        split the rows between them: engine/overlap.py), so that the step's measured cost is the one weighed."""
         if not self.enabled:
             return [self.k_max] * len(rows)
-        B = len(rows)
+        B = batch or len(rows)
         if self.measure:
             n = self.since_plain.get(B, self.explore_every - 4)  # a new batch size: a plain step soon, to measure it
             if n < 0 or n >= self.explore_every:  # exploring: explore_run plain steps
                 self.since_plain[B] = n + 1 if n < 0 else 1 - self.explore_run
-                return [0] * B
+                return [0] * len(rows)
         ks = []
         for b in rows:
             a = min(self.alpha.get(b, self.prior), 0.99)

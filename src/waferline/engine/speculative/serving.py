@@ -229,11 +229,11 @@ class ServeSpeculation:
             self.drafter.pending[seq.slot] = torch.cat([self.drafter.pending[seq.slot], hidden])
             self.drafter.commit_known(seq.slot, seq.all_ids)
 
-    def choose(self, decodes: list[Sequence], max_model_len: int) -> dict[int, int]:
+    def choose(self, decodes: list[Sequence], max_model_len: int, batch: int | None = None) -> dict[int, int]:
         """Drafts per decoding sequence (by slot) for this step, before the cache budget and the step's token budget
-        cut them."""
-        free = [s for s in decodes if not reproducible_k(s.params)]
-        ks = dict(zip([s.slot for s in free], self.ctl.choose([s.slot for s in free]))) if free else {}
+        cut them; ``batch``: the most rows the step takes, where fewer than ``decodes`` (AdaptiveK.choose)."""
+        free = [s.slot for s in decodes if not reproducible_k(s.params)]
+        ks = dict(zip(free, self.ctl.choose(free, *([batch] if batch and batch < len(free) else [])))) if free else {}
         out: dict[int, int] = {}
         for s in decodes:
             room = min(s.params.max_tokens - len(s.output_ids) - 1, max_model_len - len(s.prompt_ids)
@@ -296,8 +296,7 @@ class ServeSpeculation:
         accepted prefixes, the drafter told what was kept. Returns per row the tokens to emit (or the error), the
         tokens fed through the model, and — where the step's ``decodes`` / ``prefills`` were given (a runner that
         takes them with the verify: ``verify_with_step``) — their (decode outputs, prefill outputs), else None."""
-        rows = [VerifyRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1) + p.tokens,
-                          WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s, p in items]
+        rows = self.verify_rows(items)
         t0 = time.perf_counter()
         rest = None
         if decodes or prefills:
@@ -305,6 +304,19 @@ class ServeSpeculation:
         else:
             outs = runner.verify(rows)
             self.record(len(rows), max(len(r.tokens) for r in rows), time.perf_counter() - t0)
+        return (*self.judged(runner, items, outs), rest)
+
+    @staticmethod
+    def verify_rows(items: list[tuple[Sequence, Proposal]]) -> list[VerifyRow]:
+        """The runner's verify rows of ``items``: each sequence's last token, then its drafts."""
+        return [VerifyRow(s.slot, s.num_computed, s.tokens(s.num_computed, s.num_computed + 1) + p.tokens,
+                          WANT_ARGMAX if s.params.temperature == 0 else WANT_LOGITS) for s, p in items]
+
+    def judged(self, runner: Any, items: list[tuple[Sequence, Proposal]], outs: list[Any]
+               ) -> tuple[list[list[int] | Exception], int]:
+        """A verify forward's outputs ``outs`` judged (``verify_step``'s second half, also for a verify a pipeline
+        answers later: engine/overlap.py): per row the tokens to emit (or its error), the caches told to keep the
+        accepted prefixes (``runner.keep``), the drafter what was kept; and the tokens fed through the model."""
         emitted: list[list[int] | Exception] = []
         for (s, p), out in zip(items, outs):
             try:
@@ -316,7 +328,7 @@ class ServeSpeculation:
         self.consumed([s.slot for s, _ in items], [k - 1 for k in keep],
                       torch.stack([o.hidden for o in outs]) if self.uses_hidden else None)
         self.stats.verify_steps += 1
-        return emitted, sum(len(r.tokens) for r in rows), rest
+        return emitted, sum(1 + len(p.tokens) for _, p in items)
 
     def after_step(self, decodes: list[Sequence], prefills: list[tuple[Sequence, int]], decoded: list[Any],
                    prefilled: list[Any]) -> None:
