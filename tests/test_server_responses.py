@@ -614,3 +614,46 @@ def test_tool_and_logprob_requests_refused_name_their_field(live):
     r = httpx.post(url, headers=auth, json={**ok, **fine}, timeout=60).json()
     assert r["status"] in ("completed", "incomplete") and r["output"][0]["content"][0]["logprobs"] == []
     assert Response.model_validate(r).tools[0].name == "get_weather" and r["tool_choice"] == "none"
+
+
+def test_streamed_logprobs_before_a_call_are_the_texts_when_a_stop_string_holds_it_back(live, parser, monkeypatch):
+    """A stop string holds the text back a few tokens, so the tokens of a call's opening tag come with the text
+    before it: the streamed message's logprobs are still those of its text alone, as the unstreamed response's (they
+    held the call's tokens too: the final output differed between the two)."""
+    monkeypatch.setattr(responses, "PASSED_ON", responses.PASSED_ON + ("guided_regex",))  # (to force the text)
+    regex = r'Hm\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,4}"\}\}</tool_call>'
+    body = {"model": "sol-test", "input": ASK, "max_output_tokens": 150, "temperature": 0.7, "seed": 1,
+            "tools": [WEATHER], "guided_regex": regex, "stop": ["</tool_call>"], "top_logprobs": 1}
+    raw = httpx.post(live.state.base + "/v1/responses", headers={"Authorization": f"Bearer {KEY}"}, json=body,
+                     timeout=60).json()
+    r = Response.model_validate(raw)
+    assert [o.type for o in r.output] == ["message", "function_call"] and r.output_text == "Hm. "
+    want = [e.token for e in r.output[0].content[0].logprobs]
+    assert "".join(want) == "Hm. "
+    events = _raw_events(live, body)
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["text"] == "Hm. " and [x["token"] for x in done["logprobs"]] == want
+    final = events[-1]["response"]["output"]
+    assert [o["type"] for o in final] == ["message", "function_call"]
+    assert final[0]["content"][0]["logprobs"] == raw["output"][0]["content"][0]["logprobs"]
+
+
+def test_a_function_call_output_of_no_call_is_refused(live):
+    """A function_call_output whose call_id no function_call item before it has (the calls not sent back, a mistyped
+    id, the output first) is a 400 naming input, as OpenAI's API refuses it: it was a tool message the model read
+    without its call; an output of a call sent before it still runs, streamed or not."""
+    url, auth = live.state.base + "/v1/responses", {"Authorization": f"Bearer {KEY}"}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    out = {"type": "function_call_output", "call_id": "c1", "output": "rain"}
+    ok = {"model": "sol-test", "max_output_tokens": 2, "temperature": 0, "ignore_eos": True, "tools": [WEATHER],
+          "tool_choice": "none"}
+    for items, at in (([{"role": "user", "content": ASK}, out], 1),
+                      ([{"role": "user", "content": ASK}, dict(call, call_id="c2"), out], 2),
+                      ([{"role": "user", "content": ASK}, out, call], 1)):
+        for stream in (False, True):
+            err = _assert_error(httpx.post(url, headers=auth, json={**ok, "input": items, "stream": stream},
+                                           timeout=60), 400)
+            assert err["param"] == "input" and f"input[{at}]" in err["message"] and "'c1'" in err["message"], err
+    good = [{"role": "user", "content": ASK}, call, out]
+    assert Response.model_validate(httpx.post(url, headers=auth, json={**ok, "input": good}, timeout=60).json())
+    assert _raw_events(live, {**ok, "input": good})[-1]["type"] == "response.incomplete"

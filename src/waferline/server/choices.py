@@ -124,6 +124,7 @@ class Choices:
                                                      self._echo_offsets(c))
             out.append(ch)
         if ev.token_id is not None and not self.score_only:
+            c.starts.append(self._offset(c, ev))  # (a Responses stream's text, cut before a call, keeps its tokens')
             text = ev.text if c.tool_stream is None else c.tool_stream.feed(ev.text) or None
             ch = self._chunk(c, text)
             # (a tool call's text is held back until it parses: a token that adds nothing else sends no chunk)

@@ -174,14 +174,16 @@ def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not value:
         raise APIError("input: give a string or at least one message", param="input")
-    out = []
+    out: list[dict[str, Any]] = []
+    called: set[str] = set()  # (the call ids of the function_call items so far: each output answers one)
     for i, item in enumerate(value):
         kind = item.get("type", "message")
         if kind == "function_call":
             call_message(item, i, out)
+            called.add(item["call_id"])
             continue
         if kind == "function_call_output":
-            out.append(output_message(item, i, _parts))
+            out.append(output_message(item, i, _parts, called))
             continue
         if kind != "message":
             raise APIError(f"input[{i}]: items of type {str(kind)[:40]!r} are not supported (only messages, function "
@@ -357,7 +359,11 @@ class Shape:
                 for s in opening():
                     yield s
             text = "".join(pieces)
-            lps += [] if calls else pending  # (tokens of text held back and dropped, as a stop string's)
+            if calls:  # (the text's tokens, as the body's: those that start before the first call; a stop string
+                # holds the text back, so the tokens of a call's opening tag may have come with it)
+                lps = [e for e, start in zip(lps + pending, choices.items[0].starts) if start < len(text)]
+            else:
+                lps += pending  # (tokens of text held back and dropped, as a stop string's)
             yield event("response.output_text.done", **at, content_index=0, text=text,
                         logprobs=[_streamed(e) for e in lps])
             yield event("response.content_part.done", **at, content_index=0, part=_part(text, lps))
