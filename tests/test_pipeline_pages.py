@@ -277,6 +277,33 @@ def test_plain_rows_ride_the_verify_trip(ckpts, engine):
         assert outs[0].metrics["spec_accepted"] > 0
 
 
+def test_adaptive_k_prices_a_step_in_flight_by_its_own_launch_and_wait(ckpts):
+    """Over a pipeline with steps in flight, adaptive K prices a step by the time its launch took (stage 0's layers
+    run in the scheduler's process) and the time spent waiting for its answers, not by its time in flight, which
+    counted the launches (and drafting) of the steps around it: a plain step beside a verify looked as dear as the
+    verify, so K kept drafting where verifies cost 3-4x a plain step (8 rows on 2 stages ran at 0.4-0.55x plain
+    decoding). Here a verify's launch is made 50 ms dearer: plain steps must still measure far below it."""
+    import time
+
+    prompts = [[7, 8, 9, 10, 11, 12] * 4 for _ in range(4)]  # (they repeat themselves: the n-grams draft)
+    with LLM(ckpts["llama"], speculative="ngram", num_speculative_tokens=3, stages=2, micro_batches=2) as llm:
+        runner = llm._engine(len(prompts)).runner
+        submit = runner.submit
+
+        def slow(decodes, prefills, verifies=(), parts=None):
+            if verifies:
+                time.sleep(0.05)
+            return submit(decodes, prefills, verifies, parts)
+
+        runner.submit = slow
+        llm.generate(prompts, SamplingParams(max_tokens=32, ignore_eos=True))
+        observed = dict(llm._spec.ctl.observed)
+    plain = [v for (_, t), v in observed.items() if t == 1]
+    verify = [v for (_, t), v in observed.items() if t > 1]
+    assert plain and verify, observed
+    assert max(plain) < 0.025 and min(verify) >= 0.05, observed
+
+
 def _hand_a_page_over(runner) -> torch.Tensor:
     """X (slot 0) and A (slot 1) decode a token each, one row per step (their pages are not consecutive: each row goes
     through a staging copy whose entries reach the pages later); A ends, C takes its slot, and X grows into A's last

@@ -42,7 +42,7 @@ class OverlapStepper:
     def __init__(self, sch: Scheduler):
         self.sch = sch
         self.depth = _depth(sch)
-        self.in_flight: collections.deque[tuple[StepPlan, Any, float]] = collections.deque()
+        self.in_flight: collections.deque[tuple[StepPlan, Any, float]] = collections.deque()  # (+ launch seconds)
         self._aborts: set[str] = set()
 
     def has_work(self) -> bool:
@@ -72,19 +72,22 @@ class OverlapStepper:
         sch, spec = self.sch, self.sch.spec_dec
         dec_rows, chunks = sch.rows(plan)
         verifies = spec.verify_rows(plan.verifies) if plan.verifies else []  # type: ignore[union-attr]
+        t0 = time.perf_counter()
         handle = sch.runner.submit(dec_rows, chunks, *([verifies] if verifies else []))  # type: ignore[attr-defined]
         sch.busy.update(s.request_id for s in _seqs(plan))
-        self.in_flight.append((plan, handle, time.perf_counter()))
+        self.in_flight.append((plan, handle, time.perf_counter() - t0))
 
     def _collect(self) -> int:
         """Read the oldest plan's answers and postprocess it: its verify rows judged and kept first, the drafter handed
-        its plain rows' hidden states, adaptive K the plan's time in flight (the same measure for a plain and a verify
-        step: both shared the stages with the other plans in flight)."""
+        its plain rows' hidden states, adaptive K the plan's cost: the time its launch took (the first stage's layers
+        run in this process) and the time spent waiting for its answers. (Its time in flight would count the work of
+        the plans around it, drafting included: a plain step beside a verify would look as dear as the verify.)"""
         sch, spec = self.sch, self.sch.spec_dec
-        plan, handle, t0 = self.in_flight.popleft()
+        plan, handle, seconds = self.in_flight.popleft()
         res = StepResult()
+        t0 = time.perf_counter()
         got = sch.runner.collect(handle)  # type: ignore[attr-defined]
-        seconds = time.perf_counter() - t0
+        seconds += time.perf_counter() - t0
         if plan.verifies:
             outs, res.decoded, res.prefilled = got
             res.verified, res.fed = spec.judged(sch.runner, plan.verifies, outs)  # type: ignore[union-attr]
