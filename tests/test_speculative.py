@@ -488,8 +488,15 @@ def test_adaptive_k_follows_measured_step_costs():
     assert max(ks) >= 3 and ks.count(0) in (2, 3, 4)  # plain exactly when due, K >= 3 otherwise
     # a pipeline explores with one plain step per micro-batch in a row, so its measurement is not mixed with verifies
     run = AdaptiveK(k_max=4, measure=True, explore_every=4, explore_run=2, alpha={0: 0.9})
+    for _ in range(3):  # (a plain step measured: explorations take explore_run steps)
+        run.record(1, 1, 0.010)
     ks = [run.choose([0])[0] for _ in range(10)]
     assert ks[4:6] == [0, 0] and min(ks[:4] + ks[6:]) > 0
+    # never measured: the first exploration takes the 3 plain steps a measurement needs (the first is not kept, the
+    # next waits for a third), so a short run does not draft on the prior alone until a later one
+    new = AdaptiveK(k_max=4, measure=True, explore_every=16, alpha={0: 0.9})
+    ks = [new.choose([0])[0] for _ in range(10)]
+    assert ks[4:7] == [0, 0, 0] and min(ks[:4] + ks[7:]) > 0
     # measured drafting time counts against drafting
     slow_draft = AdaptiveK(k_max=4, measure=True, alpha={0: 0.5})
     for _ in range(3):

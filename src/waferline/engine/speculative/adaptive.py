@@ -152,8 +152,9 @@ class AdaptiveK:
         B = batch or len(rows)
         if self.measure:
             n = self.since_plain.get(B, self.explore_every - 4)  # a new batch size: a plain step soon, to measure it
-            if n < 0 or n >= self.explore_every:  # exploring: explore_run plain steps
-                self.since_plain[B] = n + 1 if n < 0 else 1 - self.explore_run
+            if n < 0 or n >= self.explore_every:  # exploring: explore_run plain steps (3 where never measured: the
+                # first is not kept, the next waits for a third; a short run would draft on the prior meanwhile)
+                self.since_plain[B] = n + 1 if n < 0 else 1 - (self.explore_run if (B, 1) in self.observed else 3)
                 return [0] * len(rows)
         ks = []
         for b in rows:
