@@ -195,6 +195,47 @@ def test_verify_steps_stay_in_flight_over_a_pipeline(served, singles):
     assert not app.state.server.engine.scheduler.busy and not runner._submitted
 
 
+def test_a_dead_stage_fails_the_verifies_in_flight_then_the_pipeline_serves_again(ckpts, singles):
+    """A stage killed while speculative steps are in flight (engine/overlap.py): every stream ends with an error naming
+    the dead stage (none hangs), nothing stays in flight, and once the stages are rebuilt a request gives the
+    single-process engine's tokens again (drafter and rollback state start afresh)."""
+    import os
+    import signal
+
+    from server_helpers import _wait_until
+    from waferline.server.commands import build_server
+
+    app = build_server(ckpts["pipeline"], max_num_seqs=8, max_model_len=MAX_LEN, chunk_tokens=16, speculative="mtp",
+                       num_speculative_tokens=K, speculative_adaptive=False, hang_timeout_s=4.0,
+                       **ENGINES["pipeline"])
+    engine = app.state.server.engine
+    single, prompts = singles["pipeline"]
+    with serve_in_thread(app) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def doomed(p: list[int]) -> BaseException | None:
+            try:
+                for _ in client.completions.create(model=client.models.list().data[0].id, prompt=p, stream=True,
+                                                   max_tokens=MAX_LEN - len(p) - K - 1, temperature=0,
+                                                   extra_body={"ignore_eos": True}):
+                    pass
+            except openai.APIError as e:
+                return e
+            return None
+
+        pids = engine.scheduler.runner.pipe.pids
+        with ThreadPoolExecutor(4) as ex:
+            futures = [ex.submit(doomed, p) for p in prompts[:4]]
+            assert _wait_until(lambda: engine.scheduler.stats.get("spec_verify_steps", 0) >= 4, 30)
+            os.kill(pids[0], signal.SIGKILL)
+            errors = [f.result(timeout=60) for f in futures]
+        assert _wait_until(lambda: engine.healthy, 60, 0.1)
+        assert not engine.scheduler.busy and not engine.scheduler.runner._submitted
+        assert all(isinstance(e, openai.APIError) and "stage 1" in str(e) and "died" in str(e) for e in errors), errors
+        got = _stream(client, prompts[5], temperature=0)
+    assert got == single.generate([prompts[5]], GREEDY)[0].token_ids
+
+
 def test_acceptance_and_drafts_equal_the_single_process_engine(served, singles):
     """The same requests give the same drafts, the same accepted drafts (/metrics) and the same tokens as on the
     single-process engine's scheduler: the MTP head, here in the scheduler's process, gets the same hidden states
