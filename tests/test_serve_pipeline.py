@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from server_helpers import KEY, _free_port, _wait_until, start_serve
 from waferline import LLM, SamplingParams
@@ -357,9 +358,11 @@ def test_threads_that_are_not_a_whole_number_above_zero_are_refused(ckpts):
     (["--torch-threads", "2"], {}),  # (one process: the engine loop's own threads, no stage processes)
     (["--device", "cuda"], {"device": "cuda"}),
 ])
-def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, flags, want):
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, command, flags, want):
     """`--torch-threads` is every stage / rank process's thread count (only stage 0's was set; the others took the
-    cores divided among them), and `--device` reaches the engine (it was refused)."""
+    cores divided among them), and `--device` reaches the engine (it was refused); `generate` takes both as `serve`
+    does (it had no `--torch-threads`)."""
     import waferline.engine.llm as llm_module
 
     seen: dict = {}
@@ -372,17 +375,22 @@ def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, flags,
         raise Stop
 
     monkeypatch.setattr(llm_module, "LLM", fake)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.update(threads=n))
+    argv = ["--port", str(_free_port())] if command == "serve" else ["--prompt-ids", "1 2"]
     with pytest.raises(Stop):
-        main(["serve", "--model", str(ckpts["afd"]), "--port", str(_free_port()), *flags])
+        main([command, "--model", str(ckpts["afd"]), *argv, *flags])
     assert {k: seen.get(k) for k in want} == want
     if not want:
         assert "threads_per_stage" not in seen and "device" not in seen
+    if command == "generate" and "--torch-threads" in flags:  # (this process too: stage 0, or the only one)
+        assert seen["threads"] == int(flags[flags.index("--torch-threads") + 1])
 
 
 @pytest.mark.parametrize("command, flags, want", [
     ("serve", ["--torch-threads", "3"], {"threads_per_stage": 3, "device": "cpu"}),
     ("serve", ["--device", "cuda"], {"device": "cuda"}),
     ("generate", ["--prompt-ids", "1 2", "--device", "cuda"], {"device": "cuda"}),
+    ("generate", ["--prompt-ids", "1 2", "--torch-threads", "3"], {"threads_per_stage": 3}),
 ])
 def test_under_torchrun_a_worker_rank_takes_the_device_and_threads(ckpts, monkeypatch, command, flags, want):
     """Under torchrun every rank runs the command and ranks >= 1 serve their stage (serve_from_env): they take the

@@ -69,7 +69,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
         if torchrun_rank() > 0:  # under torchrun, ranks >= 1 serve their stage until rank 0 shuts down
             return serve_from_env(args.model, args.dtype, stages=args.stages, layers_per_stage=args.layers_per_stage,
-                                  device=args.device or "cpu", convert=stage_convert(args))
+                                  device=args.device or "cpu", threads_per_stage=args.torch_threads,
+                                  convert=stage_convert(args))
         pipe = {"stages": args.stages, "layers_per_stage": args.layers_per_stage, "micro_batches": args.micro_batches}
     if args.speculative:
         k = NUM_SPECULATIVE_TOKENS if args.num_speculative_tokens is None else args.num_speculative_tokens
@@ -78,6 +79,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe["head_bits"] = args.head_bits
     if args.device is not None:
         pipe["device"] = args.device
+    if args.torch_threads is not None:  # (this process, and every stage or rank process: as serve's flag)
+        import torch
+
+        torch.set_num_threads(args.torch_threads)
+        if pipe.keys() & {"stages", "layers_per_stage", "afd"}:
+            pipe["threads_per_stage"] = args.torch_threads
     prompt: str | list[int]
     if args.prompt_ids is not None:
         try:
@@ -271,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cpu (default) or cuda[:N]: where the engine's weights, caches and steps live (a pipeline's "
                         "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "
                         "single-process engine's greedy decode as CUDA graphs)")
+    g.add_argument("--torch-threads", type=positive_int, default=None,
+                   help="torch intra-op threads (with --stages / --afd: of every stage or rank process; default: "
+                        "torch's, the cores divided among the processes; 1 is fastest for small models on a busy "
+                        "machine, where threads wait on each other)")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split by work, the LM head counted on the "
                         "last stage; see docs/pipeline.md)")
