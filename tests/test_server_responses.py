@@ -194,9 +194,8 @@ def test_refused_fields_are_400_and_the_server_keeps_serving(live, client):
     cases = [
         ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tool_choice"),  # ("auto": no parser)
         ({"tools": [{"type": "web_search"}]}, "tools"),
-        ({"previous_response_id": "resp_123"}, "previous_response_id"),
+        ({"previous_response_id": "resp_123"}, "previous_response_id"),  # (not stored: test_server_responses_store)
         ({"conversation": "conv_1"}, "conversation"),
-        ({"store": True}, "store"),
         ({"background": True}, "background"),
         ({"reasoning": {"effort": "low"}}, "reasoning"),
         ({"include": ["file_search_call.results"]}, "include"),
@@ -232,7 +231,7 @@ def test_refused_fields_are_400_and_the_server_keeps_serving(live, client):
             "parallel_tool_calls": True, "text": {"format": {"type": "text"}}, "prompt_cache_key": "x"}
     assert httpx.post(url, headers=auth, json={**ok, **fine}, timeout=60).json()["status"] in ("completed",
                                                                                                 "incomplete")
-    with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+    with pytest.raises(openai.BadRequestError, match="Previous response with id 'resp_1' not found"):
         client.responses.create(model="sol-test", input="hi", previous_response_id="resp_1")
     with pytest.raises(openai.BadRequestError, match="image inputs are not supported"):
         client.responses.create(model="sol-test", input=img)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, responses (responses.py: run as a chat
-completion), SSE streaming, models, health, metrics.
+completion; stored ones read back and deleted: responses_store.py), SSE streaming, models, health, metrics.
 
 Every request goes to one ``EngineLoop`` (continuous batching in a background thread) as one sequence per choice (``n``
 per prompt; a completion may send a batch of prompts); tokens come back through a per-request asyncio queue and are
@@ -37,7 +37,8 @@ from waferline.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from waferline.server.responses import ResponsesRequest, Shape, chat_request, in_responses_terms
+from waferline.server.responses import LOGPROBS, ResponsesRequest, Shape, chat_request, in_responses_terms
+from waferline.server.responses_store import Stored, check_query, input_items
 from waferline.server.state import Server, counted_stream
 from waferline.server.tools import plan_of
 
@@ -182,18 +183,56 @@ def create_app(server: Server) -> FastAPI:
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
+        store = server.responses
         try:  # (errors in the Responses API's terms as raised; the chat path's below, with its field names)
             req = await server.request(request, ResponsesRequest)
-            chat_req = await asyncio.to_thread(chat_request, req)  # (off the event loop, as chat's parse)
+            # (off the event loop, as chat's parse; the store is read under its lock)
+            chat_req, items = await asyncio.to_thread(chat_request, req, store)
         except APIError as e:
             return fail("responses", e)
         try:
             server.check_options(chat_req)
             ids = await asyncio.to_thread(server.chat_prompt, chat_req)
             return await _respond(server, request, "responses", chat_req, [ids], None,
-                                  shape=Shape(req, server.model_name))
+                                  shape=Shape(req, server.model_name, items, store))
         except APIError as e:
             return fail("responses", in_responses_terms(e))
+
+    def stored(request: Request, response_id: str, stream: bool = False) -> Stored:
+        """The checks of a read or delete of a stored response (host, key, query), and the response, or an APIError."""
+        server.check_host(request)
+        server.check_auth(request)
+        check_query(request.query_params, LOGPROBS, stream)
+        return server.responses.stored(response_id)
+
+    # (name=: the metrics label of a request that fails unexpectedly, as the routes' own)
+    @app.get("/v1/responses/{response_id}", name="responses")
+    async def response_get(request: Request, response_id: str) -> JSONResponse:
+        try:
+            entry = stored(request, response_id, stream=True)
+        except APIError as e:
+            return fail("responses", e)
+        m.requests.labels("responses", "200").inc()
+        return JSONResponse(entry.response)
+
+    @app.delete("/v1/responses/{response_id}", name="responses")
+    async def response_delete(request: Request, response_id: str) -> JSONResponse:
+        try:
+            stored(request, response_id)
+            server.responses.delete(response_id)
+        except APIError as e:
+            return fail("responses", e)
+        m.requests.labels("responses", "200").inc()
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    @app.get("/v1/responses/{response_id}/input_items", name="responses")
+    async def response_input_items(request: Request, response_id: str) -> JSONResponse:
+        try:
+            page = input_items(stored(request, response_id), request.query_params)
+        except APIError as e:
+            return fail("responses", e)
+        m.requests.labels("responses", "200").inc()
+        return JSONResponse(page)
 
     return app
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from waferline.argtypes import positive_float, positive_int
+from waferline.argtypes import nonnegative_int, positive_float, positive_int
 from waferline.engine_flags import check_engine_flags, stage_convert
 from waferline.errors import ConfigError, UsageError
 from waferline.server.tools import PARSERS
@@ -30,13 +30,16 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  group_size: int | None = None, head_bits: int = 16, afd: bool = False,
                  attention_ranks: int | None = None, ffn_ranks: int | None = None,
                  tool_call_parser: str | None = None, chat_template: str | None = None,
-                 device: str | None = None, on_fatal: Callable[[str], None] | None = None) -> Any:
+                 device: str | None = None, on_fatal: Callable[[str], None] | None = None,
+                 responses_store: int = 1024) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
     and the scheduler), with ``afd`` as attention and FFN ranks (this process is attention rank 0); a process that
     dies or hangs fails the requests in flight, and the processes are started again. ``on_fatal`` is called (from
-    the engine thread, with the reason) when they cannot be, or when the engine loop fails outside a step."""
+    the engine thread, with the reason) when they cannot be, or when the engine loop fails outside a step.
+    ``responses_store``: how many responses /v1/responses keeps for ``previous_response_id`` and reading back (0:
+    none)."""
     from waferline.engine.llm import LLM
     from waferline.engine.loop import EngineLoop
     from waferline.engine.scheduler import Scheduler, SchedulerConfig, runner_for
@@ -49,6 +52,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise ConfigError(f"--model {model}: not a checkpoint directory (config.json + *.safetensors)")
     if not body_timeout > 0:
         raise ConfigError(f"--body-timeout must be > 0 seconds, got {body_timeout}")
+    if responses_store < 0:
+        raise ConfigError(f"--responses-store must be 0 or more responses, got {responses_store}")
     if speculative:
         check_serve_speculative(speculative, num_speculative_tokens, path)
     if chat_template is not None:  # (checked before the weights load: a bad template fails fast)
@@ -123,7 +128,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     # (--model `.` or `dir/..`: the directory's own name, not a Path's empty or `..` one)
     name = served_model_name or Path(os.path.abspath(path)).name
     server = Server(engine, name, api_key, max_body_bytes, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser, responses_store=responses_store)
     return create_app(server)
 
 
@@ -231,7 +236,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        hang_timeout_s=args.hang_timeout, group_size=args.group_size, head_bits=args.head_bits,
                        afd=args.afd, attention_ranks=args.attention_ranks, ffn_ranks=args.ffn_ranks,
                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
-                       device=args.device, on_fatal=fatal)
+                       device=args.device, on_fatal=fatal, responses_store=args.responses_store)
     engine = app.state.server.engine
     print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
     try:
@@ -385,6 +390,10 @@ def register(sub: Any) -> None:
                    help="read the model's own tool calls (tool_choice \"auto\"): hermes = "
                         "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them. Without it, chat with "
                         "tools takes tool_choice \"required\", a named function or \"none\"")
+    s.add_argument("--responses-store", type=nonnegative_int, default=1024, metavar="N",
+                   help="/v1/responses keeps the last N responses in memory (default 1024, within 256 MiB; the least "
+                        "recently used go first) for previous_response_id and GET / DELETE /v1/responses/{id}; store: false leaves "
+                        "one out; 0 keeps none, and store: true and previous_response_id are refused")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning; debug also logs each request)")
     s.set_defaults(func=_cmd_serve)

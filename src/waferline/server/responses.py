@@ -9,9 +9,21 @@ Function tools and ``tool_choice`` are chat's (responses_tools.py maps them): ea
 (``include: ["message.output_text.logprobs"]``, or ``top_logprobs`` of 1 or more) are chat's: each token's on the
 ``output_text`` part (with calls, those of the text before them), streamed with the text deltas that carry it.
 
-What this server cannot do is refused (400), not ignored: built-in tools, stored state (``previous_response_id``,
-``conversation``, ``store: true``), ``background``, reasoning options, image / file / audio inputs, items other than
-messages and function calls, other ``include`` data, several answers (``n``)."""
+Responses are stored (responses_store.py; ``store`` left out means true, as OpenAI's API has it, where the server
+stores any: ``serve --responses-store N``, default 1024, 0 none): the finished response object with the input items
+the model saw. As OpenAI keeps a response that failed (status ``failed``, readable by its id), a stream is kept with
+the status it ends with, before its last event (``response.completed``, ``response.incomplete`` or
+``response.failed``) goes out, so a client that has read it can continue at once; a non-streamed response is kept as
+answered. Not kept: a request refused or failed before an answer with an id (an HTTP error), and a stream whose client
+left before its end (its sequence is aborted: it never finished, and there is no client to read it back).
+``previous_response_id`` continues a stored response: the request runs on that response's input and output items,
+then its own ``input``, under its own ``instructions`` only (a ``function_call_output`` may answer a call of any
+response of the chain). The response says ``store`` and ``previous_response_id`` as they were taken.
+
+What this server cannot do is refused (400), not ignored: built-in tools, conversations (``conversation``),
+``store: true`` and ``previous_response_id`` where it stores no responses, ``background``, reasoning options, image /
+file / audio inputs, items other than messages and function calls, other ``include`` data, several answers
+(``n``)."""
 
 from __future__ import annotations
 
@@ -28,6 +40,7 @@ from pydantic import ConfigDict, Field
 from waferline.engine.sequence import Event
 from waferline.server.choices import Choices
 from waferline.server.protocol import APIError, ChatRequest, _Strict, parse
+from waferline.server.responses_store import ResponseStore, Stored, with_ids
 from waferline.server.responses_tools import (
     call_item,
     call_message,
@@ -45,10 +58,12 @@ PASSED_ON = ("top_k", "min_p", "min_tokens", "stop", "stop_token_ids", "ignore_e
              *UNSUPPORTED_EXTENSIONS)
 # (request field: what a value other than the accepted ones is refused with)
 REFUSED = {
-    "previous_response_id": "previous_response_id is not supported: responses are not stored; send the conversation "
-                            "in input",
-    "conversation": "conversation is not supported: responses are not stored; send the conversation in input",
-    "store": "store: true is not supported: responses are not stored (send store: false, or leave it out)",
+    "previous_response_id": "previous_response_id is not supported: this server stores no responses (serve "
+                            "--responses-store 0); send the conversation in input",
+    "conversation": "conversation (the Conversations API) is not supported: send the conversation in input, or "
+                    "continue a stored response with previous_response_id",
+    "store": "store: true is not supported: this server stores no responses (serve --responses-store 0); send store: "
+             "false, or leave it out",
     "background": "background responses are not supported",
     "reasoning": "reasoning options are not supported",
     "prompt": "prompt (stored prompt templates) is not supported: send instructions and input",
@@ -64,6 +79,8 @@ REFUSED = {
 # (a value of another type is refused too: 0 is not false, nor 1.0 or true a count of 1)
 _ACCEPTED: dict[str, tuple[Any, ...]] = {"store": (None, False), "background": (None, False), "truncation":
                                          (None, "disabled"), "n": (None, 1)}
+_STORED = {"store": (None, False, True), "previous_response_id": None}  # (accepted where responses are stored: None,
+# any value, checked below)
 _PART_KINDS = {"input_image": "image inputs", "input_file": "file inputs", "input_audio": "audio inputs",
                "refusal": "refusal parts"}
 # the chat request's names -> the Responses API's (in error messages and their param)
@@ -98,10 +115,11 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: bool | None = None
     include: Any = None  # ([LOGPROBS] only)
     top_logprobs: int | None = None
-    # parsed only to be refused where given (REFUSED)
+    # stored responses (responses_store.py), refused where the server stores none (REFUSED)
     previous_response_id: Any = None
-    conversation: Any = None
     store: Any = None
+    # parsed only to be refused where given (REFUSED)
+    conversation: Any = None
     background: Any = None
     reasoning: Any = None
     prompt: Any = None
@@ -114,13 +132,22 @@ class ResponsesRequest(_Strict):
     response_format: Any = None
 
 
-def chat_request(req: ResponsesRequest) -> ChatRequest:
+def chat_request(req: ResponsesRequest, store: ResponseStore | None = None
+                 ) -> tuple[ChatRequest, list[dict[str, Any]]]:
     """The chat request a Responses request runs as (blocking for a long input: the route calls it in a thread), or a
-    400 naming the field this server does not do."""
+    400 naming the field this server does not do; and the input items the model sees, each with an id (those of the
+    response ``previous_response_id`` names, then ``input``'s: what its stored response keeps; none where ``store``
+    is None or off)."""
+    on = store is not None and store.on
     for name, why in REFUSED.items():
         v = getattr(req, name)
-        if not any(v is a or (type(v) is type(a) and v == a) for a in _ACCEPTED.get(name, (None,))):
-            raise APIError(why, param=name)
+        accepted = _STORED[name] if on and name in _STORED else _ACCEPTED.get(name, (None,))
+        if accepted is not None and not any(v is a or (type(v) is type(a) and v == a) for a in accepted):
+            raise APIError(f"store: give true or false, got {str(v)[:40]!r}" if on and name in _STORED else why,
+                           param=name)
+    earlier: list[dict[str, Any]] = []
+    if store is not None and on and req.previous_response_id is not None:
+        earlier = store.previous(req.previous_response_id).conversation()
     tools = chat_tools(req.tools)
     tool_choice = chat_tool_choice(req.tool_choice, bool(tools))
     if req.text is not None and req.text.verbosity is not None:
@@ -129,8 +156,10 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
                                                                    req.metadata.items())):
         raise APIError("metadata: at most 16 pairs, keys of at most 64 characters, values of at most 512",
                        param="metadata")
+    own = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) + \
-        _messages(req.input)
+        _messages(own, earlier)
+    items = earlier + with_ids(own, earlier) if on else []
     body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": bool(req.stream)}
     if tools:
         body["tools"] = tools
@@ -148,7 +177,7 @@ def chat_request(req: ResponsesRequest) -> ChatRequest:
         body["response_format"] = _response_format(fmt)
     body.update({k: v for k, v in (req.model_extra or {}).items() if k in PASSED_ON})
     try:
-        return parse(ChatRequest, body)
+        return parse(ChatRequest, body), items
     except APIError as e:  # (the chat request's field names, in the Responses API's; a flat tool's fields)
         e = in_responses_terms(e)
         raise APIError(re.sub(r"\btools\.(\d+)\.function\.", r"tools.\1.", str(e)), e.status, e.type, e.param,
@@ -167,16 +196,15 @@ def wants_logprobs(req: ResponsesRequest) -> bool:
     return LOGPROBS in (include or []) or bool(req.top_logprobs)
 
 
-def _messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` as chat messages: a string is one user message; a list holds message items (as sent, or an earlier
-    response's output sent back), whose content is a string or text parts, and function calls and their outputs."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
+def _messages(value: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input``'s items as chat messages, after ``earlier``'s (a stored conversation, checked when it was sent):
+    message items (as sent, or an earlier response's output sent back), whose content is a string or text parts, and
+    function calls and their outputs."""
     if not value:
         raise APIError("input: give a string or at least one message", param="input")
     out: list[dict[str, Any]] = []
     called: set[str] = set()  # (the call ids of the function_call items so far: each output answers one)
-    for i, item in enumerate(value):
+    for i, item in enumerate([*earlier, *value], -len(earlier)):  # (input[i]: i from 0 at input's first)
         kind = item.get("type", "message")
         if kind == "function_call":
             call_message(item, i, out)
@@ -254,8 +282,12 @@ class Shape:
     """The answer of one Responses request: its ``response`` object (``body``) or SSE events (``stream``), from the
     chat choice's events."""
 
-    def __init__(self, req: ResponsesRequest, model: str):
-        self.req, self.model = req, model
+    def __init__(self, req: ResponsesRequest, model: str, items: list[dict[str, Any]] | None = None,
+                 store: ResponseStore | None = None):
+        """``items``: the input items the model sees, kept with the finished response in ``store`` (None or off: not
+        kept; nor where the request says ``store: false``)."""
+        self.req, self.model, self.items = req, model, items or []
+        self.store = store if store is not None and store.on and req.store is not False else None
         self.id = "resp_" + uuid.uuid4().hex
         self.item_id = "msg_" + uuid.uuid4().hex
         self.created_at = int(time.time())
@@ -276,7 +308,8 @@ class Shape:
             "top_p": 1.0 if r.top_p is None else r.top_p, "metadata": r.metadata or {}, "user": r.user,
             "text": {"format": fmt}, "tools": echoed_tools(r.tools), "tool_choice": r.tool_choice or "auto",
             "parallel_tool_calls": r.parallel_tool_calls is not False, "max_tool_calls": None,
-            "top_logprobs": r.top_logprobs, "previous_response_id": None, "reasoning": None, "store": False,
+            "top_logprobs": r.top_logprobs, "previous_response_id": r.previous_response_id, "reasoning": None,
+            "store": self.store is not None,
             "background": False, "truncation": "disabled", "usage": None if usage is None else _usage(usage),
         }
 
@@ -298,7 +331,13 @@ class Shape:
             if calls:  # (the text's tokens: those that start before the first call)
                 lps = [e for e, at in zip(lps, choices.items[0].starts) if at < len(content or "")]
         items = [self.message(status, content or "", lps)] if content or not calls else []
-        return self.response(status, items + [call_item(c) for c in calls], usage)
+        return self.kept(self.response(status, items + [call_item(c) for c in calls], usage))
+
+    def kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The finished ``response``, stored where the request is."""
+        if self.store is not None:
+            self.store.put(Stored(response, self.items))
+        return response
 
     async def stream(self, events: AsyncIterator[tuple[int, Event, float]], choices: Choices) -> AsyncIterator[str]:
         """SSE: ``response.created``, ``response.in_progress``; at the first text the message and its text part
@@ -332,8 +371,8 @@ class Shape:
                 message = ev.error or "engine error"
                 yield event("error", code="invalid_request_error" if ev.invalid else "server_error", message=message,
                             param=None)
-                yield event("response.failed", response=self.response(
-                    "failed", error={"code": "invalid_prompt" if ev.invalid else "server_error", "message": message}))
+                yield event("response.failed", response=self.kept(self.response(
+                    "failed", error={"code": "invalid_prompt" if ev.invalid else "server_error", "message": message})))
                 return
             for c in choices.chunks(i, ev):
                 if c["logprobs"] is not None:
@@ -379,7 +418,7 @@ class Shape:
                         arguments=item["arguments"])
             output.append(item)
             yield event("response.output_item.done", output_index=k, item=item)
-        yield event(f"response.{status}", response=self.response(status, output, choices.usage()))
+        yield event(f"response.{status}", response=self.kept(self.response(status, output, choices.usage())))
 
 
 def _part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:

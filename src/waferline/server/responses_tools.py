@@ -73,8 +73,9 @@ def call_message(item: dict[str, Any], i: int, out: list[dict[str, Any]]) -> Non
 
 def output_message(item: dict[str, Any], i: int, parts: Any, called: set[str]) -> dict[str, Any]:
     """A ``function_call_output`` input item (a call's result) as chat's tool message; ``parts`` reads a list
-    ``output`` as message content; ``called``: the call ids of the ``function_call`` items before it, one of which it
-    answers (as OpenAI's API checks: an output of no call is a 400, not a tool message the model reads without it)."""
+    ``output`` as message content; ``called``: the call ids of the ``function_call`` items before it (a stored
+    conversation's included), one of which it answers (as OpenAI's API checks: an output of no call is a 400, not a
+    tool message the model reads without it)."""
     if not isinstance(item.get("call_id"), str):
         raise APIError(f"input[{i}]: a function_call_output item needs call_id (a string)", param="input")
     output = item.get("output")
@@ -84,7 +85,8 @@ def output_message(item: dict[str, Any], i: int, parts: Any, called: set[str]) -
         raise APIError(f"input[{i}].output: give a string or a list of input_text parts", param="input")
     if item["call_id"] not in called:
         raise APIError(f"input[{i}]: no function_call item before it has call_id {item['call_id'][:64]!r} (send the "
-                       "response's function_call items back in input, before their outputs)", param="input")
+                       "response's function_call items back in input, before their outputs, or continue a stored "
+                       "response that has them with previous_response_id)", param="input")
     return {"role": "tool", "tool_call_id": item["call_id"], "content": output}
 
 

@@ -31,6 +31,7 @@ from waferline.server.chat import render
 from waferline.server.logprobs import TokenTexts
 from waferline.server.metrics import DISCONNECTED, Metrics
 from waferline.server.protocol import APIError, ChatRequest, TokenizeRequest, parse
+from waferline.server.responses_store import DEFAULT_CAPACITY, ResponseStore
 from waferline.server.tools import ToolPlan, plan_of
 
 log = logging.getLogger("waferline.server")
@@ -52,10 +53,12 @@ UNSUPPORTED_HINTS = {"prompt_logprobs": " (completions: echo with logprobs score
 
 
 class Server:
-    """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key."""
+    """State shared by the handlers: the engine loop, the tokenizer, the served model name, the API key, the stored
+    responses."""
 
     def __init__(self, engine: EngineLoop, model_name: str, api_key: str | None = None, max_body_bytes: int = 1 << 20,
-                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = (), tool_call_parser: str | None = None):
+                 body_timeout: float = 30.0, allowed_hosts: tuple[str, ...] = (), tool_call_parser: str | None = None,
+                 responses_store: int = DEFAULT_CAPACITY):
         self.engine = engine
         self.tool_call_parser = tool_call_parser  # (reads the model's own tool calls: tool_choice "auto")
         self.llm = engine.scheduler.llm
@@ -67,6 +70,7 @@ class Server:
         # (as a Host header's name is compared: without a port or brackets, lowercased, no trailing dot)
         self.allowed_hosts = {_host_name(h) for h in (*allowed_hosts, socket.gethostname()) if h.strip()}
         self.metrics = Metrics(engine)
+        self.responses = ResponseStore(responses_store)  # (the Responses API's stored responses; 0: none)
         # set by ``stop_requests`` (the server's shutdown): why the requests in flight end, and later ones are refused
         self.stopping: str | None = None
         self._in_flight: weakref.WeakSet[asyncio.Queue] = weakref.WeakSet()  # each running request's event queue
