@@ -4,8 +4,8 @@ speculation stops paying as the batch grows. Prints tables; writes benchmarks/re
 
     python benchmarks/speculative.py                       # models/sol-mini, n-gram / MTP / a 2-layer draft model
     python benchmarks/speculative.py --quick               # fewer prompts and tokens
-    python benchmarks/speculative.py --engines pipe8 --batches 1 --backoff-batches '' --out
-    benchmarks/results/speculative_pipe8.json
+    python benchmarks/speculative.py --engines single,pipe8 --batches 1 --backoff-batches '' --out
+    benchmarks/results/speculative_quiet.json
 
 Engines: ``single`` (one process: the scheduler's speculation, engine/speculative/serving.py) and ``pipeN`` (N stage
 processes over gloo, N micro-batches; every drafter runs in the scheduler's process, stage 0). Every row has

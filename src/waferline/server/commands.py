@@ -392,8 +392,9 @@ def register(sub: Any) -> None:
                         "tools takes tool_choice \"required\", a named function or \"none\"")
     s.add_argument("--responses-store", type=nonnegative_int, default=1024, metavar="N",
                    help="/v1/responses keeps the last N responses in memory (default 1024, within 256 MiB; the least "
-                        "recently used go first) for previous_response_id and GET / DELETE /v1/responses/{id}; store: false leaves "
-                        "one out; 0 keeps none, and store: true and previous_response_id are refused")
+                        "recently used go first) for previous_response_id and GET / DELETE /v1/responses/{id}; "
+                        "store: false leaves one out; 0 keeps none, and store: true and previous_response_id are "
+                        "refused")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning; debug also logs each request)")
     s.set_defaults(func=_cmd_serve)
