@@ -386,6 +386,30 @@ def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, comman
         assert seen["threads"] == int(flags[flags.index("--torch-threads") + 1])
 
 
+def test_a_single_process_server_leaves_a_core_to_its_own_threads(ckpts, monkeypatch):
+    """Without --torch-threads the single-process server's engine takes the cores torch would take less one (the
+    event loop, tokenizing and detokenizing share the cores with it; an intra-op team waits at every operator for a
+    descheduled thread: 2 threads served 16 clients at less than half the tokens/s of 1 on 2 cores); OMP_NUM_THREADS
+    or --torch-threads are taken as they are."""
+    from waferline.server.commands import build_server
+
+    def engine_threads(**kw):
+        app = build_server(ckpts["afd"], max_num_seqs=1, max_model_len=MAX_LEN, **kw)
+        try:
+            return app.state.server.engine.torch_threads
+        finally:
+            app.state.server.engine.shutdown()
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    assert engine_threads() == 3
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert engine_threads() == 1
+    assert engine_threads(torch_threads=2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert engine_threads() is None  # (torch's own: the environment's)
+
+
 @pytest.mark.parametrize("command, flags, want", [
     ("serve", ["--torch-threads", "3"], {"threads_per_stage": 3, "device": "cpu"}),
     ("serve", ["--device", "cuda"], {"device": "cuda"}),

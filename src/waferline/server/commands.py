@@ -14,7 +14,7 @@ from typing import Any
 
 from waferline.argtypes import nonnegative_int, positive_float, positive_int
 from waferline.engine_flags import check_engine_flags, stage_convert
-from waferline.errors import ConfigError, UsageError
+from waferline.errors import ConfigError, UsageError, counted
 from waferline.server.tools import PARSERS
 
 
@@ -79,6 +79,8 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
         raise ConfigError("micro_batches, hang_timeout_s and threads_per_stage need stages, layers_per_stage or afd")
     if hang_timeout_s is not None:
         kw["hang_timeout_s"] = hang_timeout_s
+    if torch_threads is None and not pipeline and device in (None, "cpu"):
+        torch_threads = serving_threads()
     if threads_per_stage is None and pipeline and torch_threads:
         threads_per_stage = torch_threads  # (every stage / rank process, as stage 0's engine loop takes)
     if threads_per_stage is not None:
@@ -130,6 +132,18 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     server = Server(engine, name, api_key, max_body_bytes, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
                     tool_call_parser=tool_call_parser, responses_store=responses_store)
     return create_app(server)
+
+
+def serving_threads() -> int | None:
+    """The single-process server's engine threads where none are given: the cores torch would take less one, left to
+    the server's own threads (the event loop streaming every answer, tokenizing, detokenizing), as vLLM's CPU backend
+    reserves one; an intra-op team whose threads share their cores with those waits at every operator for the one
+    that was descheduled. None (torch's own choice) where ``OMP_NUM_THREADS`` says how many."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
 
 
 def check_serve_speculative(method: str, k: int, path: str | Path) -> None:
@@ -238,7 +252,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        tool_call_parser=args.tool_call_parser, chat_template=args.chat_template,
                        device=args.device, on_fatal=fatal, responses_store=args.responses_store)
     engine = app.state.server.engine
-    print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1", flush=True)
+    threads = f" (engine: {counted(engine.torch_threads, 'torch thread')})" if engine.torch_threads else ""
+    print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1{threads}",
+          flush=True)
     try:
         # (a stop waits for the requests in flight at most --shutdown-timeout seconds: a client that stops reading its
         # stream, or never sends its body, would hold it forever; uvicorn says in one line that it cut them off)
@@ -339,8 +355,9 @@ def register(sub: Any) -> None:
                    help="cpu (default) or cuda[:N]: where the weights, caches and steps live (a pipeline's stages "
                         "each take a GPU of their own; AFD runs on CPU)")
     s.add_argument("--torch-threads", type=positive_int, default=None,
-                   help="torch intra-op threads of the engine (with --stages / --afd: of every stage or rank process; "
-                        "default: the cores divided among them)")
+                   help="torch intra-op threads of the engine (default: the cores less one, left to the server's "
+                        "own threads, or OMP_NUM_THREADS where set; with --stages / --afd: of every stage or rank "
+                        "process, default the cores divided among them)")
     s.add_argument("--stages", type=int, default=None,
                    help="serve a pipeline of S stage processes (layers split by work, the LM head on the last; this "
                         "process is stage 0 and the "
