@@ -227,7 +227,7 @@ def test_the_package_ships_every_source_file():
         assert any(ships(rel, pat) for pat in patterns), rel
 
 
-def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path):
+def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path, capsys):
     """`waferline serve` builds or loads the fused operators before it loads the model and listens: /health answers
     only once they are ready, and no request waits on their build; a --model that is no directory is refused before
     the build (a first build takes minutes)."""
@@ -240,7 +240,7 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path):
 
     order: list = []
     monkeypatch.setattr(kernels, "prepare", lambda progress=True: order.append("prepare") or True)
-    engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"))
+    engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"), torch_threads=1)
     server = types.SimpleNamespace(model_name="m", engine=engine, stop_requests=lambda *a: None)
     app = types.SimpleNamespace(state=types.SimpleNamespace(server=server))
     monkeypatch.setattr(commands, "build_server", lambda *a, **k: order.append("build_server") or app)
@@ -251,6 +251,7 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path):
     args = parser.parse_args(["serve", "--model", str(tmp_path)])
     assert args.func(args) == 0
     assert order == ["prepare", "build_server", "listen", "shutdown"]
+    assert "/v1 (engine: 1 torch thread)" in capsys.readouterr().out  # (what the engine's threads are, said at start)
     order.clear()
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         args.func(parser.parse_args(["serve", "--model", str(tmp_path / "missing")]))
