@@ -410,6 +410,27 @@ def test_a_single_process_server_leaves_a_core_to_its_own_threads(ckpts, monkeyp
     assert engine_threads() is None  # (torch's own: the environment's)
 
 
+@pytest.mark.parametrize("which, dtype", [("pipeline", "bfloat16")])
+def test_tokens_and_logprobs_do_not_depend_on_the_engines_threads(ckpts, which, dtype):
+    """The server's engine takes a thread fewer than `waferline generate` by default: served output equals generate's
+    only if no operator's result depends on how many threads split it: so with int4 weights and bf16 activations
+    (prompt chunks and a 4-row decode; Mamba-2, MLA, MoE). Not so in fp32, whose products are ATen's MKL GEMM: a
+    4-row product rounded its last bit differently on 1 and 2 threads (docs/server.md says so)."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [[(5 * i + 3 * j) % 50 + 3 for j in range(4 + 9 * i)] for i in range(4)]
+    got = []
+    before = torch.get_num_threads()
+    try:
+        with LLM(ckpts[which], dtype=dtype) as llm:
+            for n in (1, 2, 3):
+                torch.set_num_threads(n)
+                got.append([(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs])
+                            for o in llm.generate(prompts, params)])
+    finally:
+        torch.set_num_threads(before)
+    assert got[0] == got[1] == got[2]
+
+
 @pytest.mark.parametrize("command, flags, want", [
     ("serve", ["--torch-threads", "3"], {"threads_per_stage": 3, "device": "cpu"}),
     ("serve", ["--device", "cuda"], {"device": "cuda"}),
