@@ -410,6 +410,37 @@ def test_a_single_process_server_leaves_a_core_to_its_own_threads(ckpts, monkeyp
     assert engine_threads() is None  # (torch's own: the environment's)
 
 
+def test_generate_takes_the_servers_default_threads(ckpts, monkeypatch):
+    """`waferline generate` in one process takes the cores less one by default, as serve's engine does (the same
+    flags, the same output: an fp32 product may round differently on another thread count); OMP_NUM_THREADS is
+    taken as it is; a pipeline's stages keep the cores divided among them (nothing set here)."""
+    import waferline.engine.llm as llm_module
+
+    seen: list = []
+
+    class Stop(Exception):
+        pass
+
+    def fake(path, **kw):
+        seen.append(kw)
+        raise Stop
+
+    monkeypatch.setattr(llm_module, "LLM", fake)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for flags, want in (([], [3]), (["--stages", "2"], [])):
+        seen.clear()
+        with pytest.raises(Stop):
+            main(["generate", "--model", str(ckpts["afd"]), "--prompt-ids", "1 2", *flags])
+        assert [x for x in seen if isinstance(x, int)] == want and "threads_per_stage" not in seen[-1]
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    seen.clear()
+    with pytest.raises(Stop):
+        main(["generate", "--model", str(ckpts["afd"]), "--prompt-ids", "1 2"])
+    assert [x for x in seen if isinstance(x, int)] == []
+
+
 @pytest.mark.parametrize("which, dtype", [("pipeline", "bfloat16")])
 def test_tokens_and_logprobs_do_not_depend_on_the_engines_threads(ckpts, which, dtype):
     """The server's engine takes a thread fewer than `waferline generate` by default: served output equals generate's

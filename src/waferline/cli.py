@@ -15,7 +15,7 @@ from typing import Any
 
 from waferline._version import __version__
 from waferline.argtypes import nonnegative_int, out_path, positive_int, utf8_text
-from waferline.engine_flags import GROUP_SIZE, check_engine_flags, stage_convert
+from waferline.engine_flags import GROUP_SIZE, check_engine_flags, default_threads, stage_convert
 from waferline.errors import UsageError, WaferlineError, counted
 
 NUM_SPECULATIVE_TOKENS = 4  # most draft tokens per step unless --num-speculative-tokens says otherwise
@@ -79,12 +79,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         pipe["head_bits"] = args.head_bits
     if args.device is not None:
         pipe["device"] = args.device
-    if args.torch_threads is not None:  # (this process, and every stage or rank process: as serve's flag)
+    pipeline = bool(pipe.keys() & {"stages", "layers_per_stage", "afd"})
+    threads = args.torch_threads
+    if threads is None and not pipeline and args.device in (None, "cpu"):
+        threads = default_threads()  # (as serve's engine: the same flags, the same output)
+    if threads is not None:  # (this process, and every stage or rank process: as serve's flag)
         import torch
 
-        torch.set_num_threads(args.torch_threads)
-        if pipe.keys() & {"stages", "layers_per_stage", "afd"}:
-            pipe["threads_per_stage"] = args.torch_threads
+        torch.set_num_threads(threads)
+        if pipeline:
+            pipe["threads_per_stage"] = threads
     prompt: str | list[int]
     if args.prompt_ids is not None:
         try:
@@ -279,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "stages each take a GPU of their own; AFD runs on CPU; off the CPU: torch ops, and the "
                         "single-process engine's greedy decode as CUDA graphs)")
     g.add_argument("--torch-threads", type=positive_int, default=None,
-                   help="torch intra-op threads (with --stages / --afd: of every stage or rank process; default: "
-                        "torch's, the cores divided among the processes; 1 is fastest for small models on a busy "
-                        "machine, where threads wait on each other)")
+                   help="torch intra-op threads (default: the cores less one, as serve's engine, or "
+                        "OMP_NUM_THREADS where set; with --stages / --afd: of every stage or rank process, default "
+                        "the cores divided among them); 1 is fastest for small models on a busy machine, where "
+                        "threads wait on each other")
     g.add_argument("--stages", type=int, default=None,
                    help="run as a pipeline of S stage processes (layers split by work, the LM head counted on the "
                         "last stage; see docs/pipeline.md)")

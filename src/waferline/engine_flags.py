@@ -11,6 +11,23 @@ from waferline.errors import UsageError
 GROUP_SIZE = 128  # int4 group size on load unless --group-size says otherwise (LLM's default)
 
 
+def default_threads() -> int | None:
+    """A single-process engine's torch threads where none are given (generate and serve alike, so that the same
+    flags give the same output: fp32 products may round differently on another thread count): the cores torch would
+    take less one. An intra-op team waits at every operator for its slowest thread, and where any other thread shares
+    the cores (a server's event loop tokenizing and streaming, anything else running) one of the team is descheduled
+    a scheduler slice at a time: on 2 cores, 2 threads decoded at 0.20x the rate of 1 beside one busy process, and a
+    server of 16 clients gave 0.64-0.67x (1.27x on an idle machine; docs/results/serve.md). vLLM's CPU backend
+    leaves one core to its serving side too. None (torch's own choice) where ``OMP_NUM_THREADS`` says how many."""
+    import os
+
+    if "OMP_NUM_THREADS" in os.environ:
+        return None
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
+
+
 def _need(given: list[str], what: str) -> None:
     if given:
         raise UsageError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} {what}")

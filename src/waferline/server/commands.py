@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from waferline.argtypes import nonnegative_int, positive_float, positive_int
-from waferline.engine_flags import check_engine_flags, stage_convert
+from waferline.engine_flags import check_engine_flags, default_threads, stage_convert
 from waferline.errors import ConfigError, UsageError, counted
 from waferline.server.tools import PARSERS
 
@@ -80,7 +80,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     if hang_timeout_s is not None:
         kw["hang_timeout_s"] = hang_timeout_s
     if torch_threads is None and not pipeline and device in (None, "cpu"):
-        torch_threads = serving_threads()
+        torch_threads = default_threads()  # (one core left to the server's own threads)
     if threads_per_stage is None and pipeline and torch_threads:
         threads_per_stage = torch_threads  # (every stage / rank process, as stage 0's engine loop takes)
     if threads_per_stage is not None:
@@ -132,18 +132,6 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
     server = Server(engine, name, api_key, max_body_bytes, body_timeout=body_timeout, allowed_hosts=allowed_hosts,
                     tool_call_parser=tool_call_parser, responses_store=responses_store)
     return create_app(server)
-
-
-def serving_threads() -> int | None:
-    """The single-process server's engine threads where none are given: the cores torch would take less one, left to
-    the server's own threads (the event loop streaming every answer, tokenizing, detokenizing), as vLLM's CPU backend
-    reserves one; an intra-op team whose threads share their cores with those waits at every operator for the one
-    that was descheduled. None (torch's own choice) where ``OMP_NUM_THREADS`` says how many."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return None
-    import torch
-
-    return max(1, torch.get_num_threads() - 1)
 
 
 def check_serve_speculative(method: str, k: int, path: str | Path) -> None:
