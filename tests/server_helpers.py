@@ -139,3 +139,32 @@ def run_to_end(sch, seqs, max_steps=2000) -> list[list[int]]:
         sch.step()
         steps += 1
     return [got[s.request_id] for s in seqs]
+
+
+def int4_with_tokenizer(src, dst, group_size: int = 32):
+    """``src`` quantized to int4 (RTN, ``group_size``) at ``dst``, with ``src``'s tokenizer files beside it (a served
+    checkpoint needs them): ``dst``."""
+    import shutil
+    from pathlib import Path
+
+    from waferline.model.quant import QuantOptions
+    from waferline.model.quant.write import quantize_checkpoint
+
+    src, dst = Path(src), Path(dst)
+    quantize_checkpoint(src, dst, QuantOptions(group_size=group_size))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (src / f).exists() and not (dst / f).exists():
+            shutil.copy(src / f, dst / f)
+    return dst
+
+
+@contextlib.contextmanager
+def chat_template(server, template: str) -> Iterator[None]:
+    """The live ``server`` renders chats with ``template`` (its tokenizer and its encoding copy) in the block."""
+    tok = server.llm.tokenizer
+    saved = tok.chat_template, server.encode_tokenizer.chat_template
+    tok.chat_template = server.encode_tokenizer.chat_template = template
+    try:
+        yield
+    finally:
+        tok.chat_template, server.encode_tokenizer.chat_template = saved

@@ -18,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from server_helpers import KEY, _free_port, _wait_until, start_serve
+from server_helpers import KEY, _free_port, _wait_until, int4_with_tokenizer, start_serve
 from waferline import LLM, SamplingParams
 from waferline.cli import main
 
@@ -38,21 +38,15 @@ ENGINES = {  # (hang_timeout_s: the watchdog's, for the tests of a hung process)
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     """A 2-layer sol checkpoint (Mamba-2 + dense FFN, MLA + MoE) with a tokenizer: fp32 for AFD, int4 for the
     pipeline."""
-    import shutil
 
     from waferline.demo import DEMO_TEXT, SOL_DEMO_CONFIG, write_tokenizer
     from waferline.model.init import write_random_checkpoint
-    from waferline.model.quant import QuantOptions
-    from waferline.model.quant.write import quantize_checkpoint
 
     tmp = tmp_path_factory.mktemp("serve-pipeline")
     cfg = dict(SOL_DEMO_CONFIG, num_hidden_layers=2, mixer_types=["mamba2", "mla"], ffn_types=["dense", "moe"])
     write_random_checkpoint(cfg, tmp / "fp32")
     write_tokenizer(tmp / "fp32", DEMO_TEXT, cfg["vocab_size"])
-    quantize_checkpoint(tmp / "fp32", tmp / "int4", QuantOptions(group_size=32))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if not (tmp / "int4" / f).exists():
-            shutil.copy(tmp / "fp32" / f, tmp / "int4" / f)
+    int4_with_tokenizer(tmp / "fp32", tmp / "int4")
     return {"pipeline": tmp / "int4", "afd": tmp / "fp32"}
 
 
@@ -363,27 +357,36 @@ def test_serve_hands_threads_and_device_to_the_engine(ckpts, monkeypatch, comman
     """`--torch-threads` is every stage / rank process's thread count (only stage 0's was set; the others took the
     cores divided among them), and `--device` reaches the engine (it was refused); `generate` takes both as `serve`
     does (it had no `--torch-threads`)."""
-    import waferline.engine.llm as llm_module
-
-    seen: dict = {}
-
-    class Stop(Exception):
-        pass
-
-    def fake(path, **kw):
-        seen.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(llm_module, "LLM", fake)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.update(threads=n))
+    calls = _fake_llm(monkeypatch)
     argv = ["--port", str(_free_port())] if command == "serve" else ["--prompt-ids", "1 2"]
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         main([command, "--model", str(ckpts["afd"]), *argv, *flags])
+    seen = calls[-1]
     assert {k: seen.get(k) for k in want} == want
     if not want:
         assert "threads_per_stage" not in seen and "device" not in seen
     if command == "generate" and "--torch-threads" in flags:  # (this process too: stage 0, or the only one)
-        assert seen["threads"] == int(flags[flags.index("--torch-threads") + 1])
+        assert calls[:-1] == [int(flags[flags.index("--torch-threads") + 1])]
+
+
+class _Stop(Exception):
+    """What the fake LLM of ``_fake_llm`` raises: the command got as far as loading the model."""
+
+
+def _fake_llm(monkeypatch) -> list:
+    """LLM replaced by a fake that records its keyword arguments, and torch.set_num_threads its count, in the list
+    returned (in call order), then raises _Stop."""
+    import waferline.engine.llm as llm_module
+
+    calls: list = []
+
+    def fake(path, **kw):
+        calls.append(kw)
+        raise _Stop
+
+    monkeypatch.setattr(llm_module, "LLM", fake)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    return calls
 
 
 def test_a_single_process_server_leaves_a_core_to_its_own_threads(ckpts, monkeypatch):
@@ -414,31 +417,19 @@ def test_generate_takes_the_servers_default_threads(ckpts, monkeypatch):
     """`waferline generate` in one process takes the cores less one by default, as serve's engine does (the same
     flags, the same output: an fp32 product may round differently on another thread count); OMP_NUM_THREADS is
     taken as it is; a pipeline's stages keep the cores divided among them (nothing set here)."""
-    import waferline.engine.llm as llm_module
-
-    seen: list = []
-
-    class Stop(Exception):
-        pass
-
-    def fake(path, **kw):
-        seen.append(kw)
-        raise Stop
-
-    monkeypatch.setattr(llm_module, "LLM", fake)
+    seen = _fake_llm(monkeypatch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: seen.append(n))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     for flags, want in (([], [3]), (["--stages", "2"], [])):
         seen.clear()
-        with pytest.raises(Stop):
+        with pytest.raises(_Stop):
             main(["generate", "--model", str(ckpts["afd"]), "--prompt-ids", "1 2", *flags])
-        assert [x for x in seen if isinstance(x, int)] == want and "threads_per_stage" not in seen[-1]
+        assert seen[:-1] == want and "threads_per_stage" not in seen[-1]
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     seen.clear()
-    with pytest.raises(Stop):
+    with pytest.raises(_Stop):
         main(["generate", "--model", str(ckpts["afd"]), "--prompt-ids", "1 2"])
-    assert [x for x in seen if isinstance(x, int)] == []
+    assert seen[:-1] == []
 
 
 @pytest.mark.parametrize("which, dtype", [("pipeline", "bfloat16")])

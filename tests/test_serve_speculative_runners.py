@@ -9,7 +9,6 @@ not always accepted: its embedding dominates the residual stream (the next token
 greedy output repeats what the prompt already holds) and its MTP head passes the next token's embedding through, so
 verifies keep every length and every stage rolls Mamba-2 states back."""
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import openai
 import pytest
 import torch
 
-from server_helpers import _metrics, serve_in_thread
+from server_helpers import _metrics, int4_with_tokenizer, serve_in_thread
 from test_serve_speculative import PROMPTS, Oracle, _serve
 from tiny_models import build
 from waferline import LLM, SamplingParams
@@ -61,15 +60,10 @@ def _looping_sol(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
-    from waferline.model.quant import QuantOptions
-    from waferline.model.quant.write import quantize_checkpoint
 
     tmp = tmp_path_factory.mktemp("serve-spec-runners")
     _looping_sol(tmp / "fp32")
-    quantize_checkpoint(tmp / "fp32", tmp / "int4", QuantOptions(group_size=32))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if not (tmp / "int4" / f).exists():
-            shutil.copy(tmp / "fp32" / f, tmp / "int4" / f)
+    int4_with_tokenizer(tmp / "fp32", tmp / "int4")
     return {"pipeline": tmp / "int4", "afd": tmp / "fp32"}
 
 

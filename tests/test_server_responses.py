@@ -11,7 +11,16 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _pages_in_use, _wait_until, fail_sampling
+from server_helpers import (
+    KEY,
+    MAX_LEN,
+    _assert_error,
+    _metrics,
+    _pages_in_use,
+    _wait_until,
+    chat_template,
+    fail_sampling,
+)
 from waferline.server import responses
 from waferline.server.responses import REFUSED
 
@@ -63,15 +72,13 @@ def parser(live):
 def template(live):
     """A chat template that renders the tools, an assistant's calls and a tool's answers (the test model has none)."""
     server = live.state.server
-    tok = server.llm.tokenizer
-    saved = tok.chat_template, server.encode_tokenizer.chat_template
-    tok.chat_template = server.encode_tokenizer.chat_template = (
+    with chat_template(server, (
         "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}{% for m in messages %}"
         "<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}[call {{ c.id }} {{ c.function.name }} "
         "{{ c.function.arguments | tojson }}]{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}"
-        "{% endfor %}<assistant>")
-    yield server.llm.encode
-    tok.chat_template, server.encode_tokenizer.chat_template = saved
+        "{% endfor %}<assistant>"
+    )):
+        yield server.llm.encode
 
 
 def _chat(client, messages, max_tokens, **kw):

@@ -13,7 +13,16 @@ from openai.types.responses import Response
 from openai.types.responses.response_item import ResponseItem
 from pydantic import TypeAdapter
 
-from server_helpers import KEY, MAX_LEN, _assert_error, _metrics, _wait_until, fail_sampling, serve_in_thread
+from server_helpers import (
+    KEY,
+    MAX_LEN,
+    _assert_error,
+    _metrics,
+    _wait_until,
+    chat_template,
+    fail_sampling,
+    serve_in_thread,
+)
 from waferline.server.responses import REFUSED
 from waferline.server.responses_store import ResponseStore, Stored
 
@@ -35,15 +44,11 @@ def small_store(live, monkeypatch):
 @pytest.fixture
 def template(live):
     """A chat template that shows an assistant's calls and a tool's answers (the test model has none)."""
-    server = live.state.server
-    tok = server.llm.tokenizer
-    saved = tok.chat_template, server.encode_tokenizer.chat_template
-    tok.chat_template = server.encode_tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}[call {{ c.id }} "
-        "{{ c.function.name }}]{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}{% endfor %}"
-        "<assistant>")
-    yield
-    tok.chat_template, server.encode_tokenizer.chat_template = saved
+    with chat_template(live.state.server, (
+            "{% for m in messages %}<{{ m.role }}>{{ m.content or '' }}{% for c in m.tool_calls or [] %}[call "
+            "{{ c.id }} {{ c.function.name }}]{% endfor %}{% if m.tool_call_id %}[for {{ m.tool_call_id }}]{% endif %}"
+            "{% endfor %}<assistant>")):
+        yield
 
 
 def _url(live, path=""):

@@ -8,7 +8,6 @@ page held, no step in flight, no drafter state, no verify on the first process w
 queued. The live server with a small --cache-mb does the same for eight concurrent streams, some dropped."""
 
 import json
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 import tiny_models
-from server_helpers import _metrics, _wait_until, serve_in_thread
+from server_helpers import _metrics, _wait_until, int4_with_tokenizer, serve_in_thread
 from test_serve_speculative_runners import _looping_sol
 from waferline import LLM, SamplingParams
 from waferline.engine.overlap import OverlapStepper, can_overlap
@@ -36,15 +35,10 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     its tokens hardly depend on the Mamba-2 state); mla: a 3-layer DeepSeek-V3 (MLA only, so prefixes are cached)
     with an MTP head; bamba: Mamba-2, attention, Mamba-2 (a stale state changes its tokens)."""
     from waferline.model.init import write_random_checkpoint
-    from waferline.model.quant import QuantOptions
-    from waferline.model.quant.write import quantize_checkpoint
 
     tmp = tmp_path_factory.mktemp("spec-preempt")
     _looping_sol(tmp / "sol")
-    quantize_checkpoint(tmp / "sol", tmp / "sol4", QuantOptions(group_size=32))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        if not (tmp / "sol4" / f).exists():
-            shutil.copy(tmp / "sol" / f, tmp / "sol4" / f)
+    int4_with_tokenizer(tmp / "sol", tmp / "sol4")
     tiny_models.build("deepseek_v3", tmp / "dsv3")
     cfg = json.loads((tmp / "dsv3" / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1
