@@ -143,8 +143,8 @@ def test_read_delete_and_input_items(live, client):
     assert [d.id for d in client.responses.input_items.list(r2.id, limit=3, after=ids[2])] == ids[:2][::-1]
 
     for query, param in (({"order": "sideways"}, "order"), ({"limit": "0"}, "limit"), ({"limit": "101"}, "limit"),
-                         ({"limit": "x"}, "limit"), ({"after": "msg_nope"}, "after"), ({"before": ids[1]}, "before"),
-                         ({"include[]": "file_search_call.results"}, "include")):
+                         ({"limit": "x"}, "limit"), ({"limit": "1" * 5000}, "limit"), ({"after": "msg_nope"}, "after"),
+                         ({"before": ids[1]}, "before"), ({"include[]": "file_search_call.results"}, "include")):
         err = _assert_error(httpx.get(_url(live, f"/{r2.id}/input_items"), headers=AUTH, params=query), 400)
         assert err["param"] == param, (query, err)
     err = _assert_error(httpx.get(_url(live, f"/{r2.id}"), headers=AUTH, params={"stream": "true"}), 400)

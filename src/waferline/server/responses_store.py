@@ -180,7 +180,9 @@ def input_items(entry: Stored, query: Mapping[str, str]) -> dict[str, Any]:
     if order not in ("asc", "desc"):
         raise APIError(f"order: \"asc\" or \"desc\", got {order[:20]!r}", param="order")
     text = query.get("limit", "20")
-    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_LIST):
+    # (4 significant digits at most read: past 100 either way, and int() refuses more than 4300 digits)
+    limit = int(text.lstrip("0")[:4] or "0") if text.isascii() and text.isdigit() else 0
+    if not 1 <= limit <= MAX_LIST:
         raise APIError(f"limit: an integer from 1 to {MAX_LIST}, got {text[:20]!r}", param="limit")
     if "before" in query:
         raise APIError("before is not supported: page with after", param="before")
@@ -191,6 +193,6 @@ def input_items(entry: Stored, query: Mapping[str, str]) -> dict[str, Any]:
         if at is None:
             raise APIError(f"after: no input item of this response has id {after[:64]!r}", param="after")
         items = items[at + 1:]
-    page = [listed(item) for item in items[:int(text)]]
+    page = [listed(item) for item in items[:limit]]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
