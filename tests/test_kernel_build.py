@@ -240,7 +240,9 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path, c
 
     order: list = []
     monkeypatch.setattr(kernels, "prepare", lambda progress=True: order.append("prepare") or True)
-    engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"), torch_threads=1)
+    cache = types.SimpleNamespace(describe=lambda: "cache 1.0 MiB: ...")
+    engine = types.SimpleNamespace(shutdown=lambda: order.append("shutdown"), torch_threads=1,
+                                   scheduler=types.SimpleNamespace(cache=cache))
     server = types.SimpleNamespace(model_name="m", engine=engine, stop_requests=lambda *a: None)
     app = types.SimpleNamespace(state=types.SimpleNamespace(server=server))
     monkeypatch.setattr(commands, "build_server", lambda *a, **k: order.append("build_server") or app)
@@ -251,7 +253,8 @@ def test_serve_prepares_the_operators_before_it_listens(monkeypatch, tmp_path, c
     args = parser.parse_args(["serve", "--model", str(tmp_path)])
     assert args.func(args) == 0
     assert order == ["prepare", "build_server", "listen", "shutdown"]
-    assert "/v1 (engine: 1 torch thread)" in capsys.readouterr().out  # (what the engine's threads are, said at start)
+    out = capsys.readouterr().out  # (what the engine's threads and its cache are, said at start)
+    assert "/v1 (engine: 1 torch thread)\nwaferline: cache 1.0 MiB: ..." in out
     order.clear()
     with pytest.raises(ConfigError, match="not a checkpoint directory"):
         args.func(parser.parse_args(["serve", "--model", str(tmp_path / "missing")]))

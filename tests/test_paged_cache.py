@@ -630,3 +630,19 @@ def test_a_step_whose_rows_are_only_tensors_keeps_each_rows_entries():
                        StepBatch(torch.arange(2), torch.full((2,), 10), 1))
     assert torch.equal(keys, torch.cat([rows(0, 0, 11), rows(1, 0, 11)]))
     assert torch.equal(c.read(1, 11), rows(1, 0, 11)[0])
+
+
+def test_the_cache_says_what_it_holds(ckpts):
+    """The line `waferline serve` prints at start-up: the budget, how many whole sequences of max_model_len tokens it
+    holds (the ModelSpec accounting), how many run at once, and whether more than fit can run (then: preemption)."""
+    from waferline.engine.paging import CacheManager
+
+    spec = LLM(ckpts["llama"]).spec
+    one = spec.cache_bytes_per_token(32) * 64
+    roomy = CacheManager(spec, 4, 64, page_tokens=16, kv_bits=32)
+    assert roomy.describe() == (f"cache {4 * one / 2**20:,.1f} MiB: room for 4 sequences of 64 tokens "
+                                f"({one / 2**20:,.2f} MiB each, pages of 16 tokens), 4 running at most")
+    tight = CacheManager(spec, 4, 64, page_tokens=16, kv_bits=32, cache_bytes=2.5 * one)
+    assert tight.describe().startswith(f"cache {2.5 * one / 2**20:,.1f} MiB: room for 2 sequences of 64 tokens")
+    assert tight.describe().endswith("4 running at most; more run while their pages fit, the newest preempted when "
+                                     "they run out")

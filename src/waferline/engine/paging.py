@@ -242,6 +242,15 @@ class CacheManager:
             t.max_pages = 1 + self._most_pages(t, self.paged_page_bytes)
 
     # -- accounting (pure)
+    def describe(self) -> str:
+        """One line on what the cache holds, as a server says it at start-up: its budget, how many whole sequences of
+        ``max_model_len`` tokens fit in it, and how many run at once."""
+        fit = int(self.budget // self.max_seq_bytes + 1e-9)
+        return (f"cache {self.budget / 2**20:,.1f} MiB: room for {fit:,} sequences of {self.max_model_len:,} tokens "
+                f"({self.max_seq_bytes / 2**20:,.2f} MiB each, pages of {self.page_tokens} tokens), "
+                f"{self.max_num_seqs:,} running at most" + ("; more run while their pages fit, the newest preempted "
+                                                              "when they run out" if fit < self.max_num_seqs else ""))
+
     def pages_for(self, n_tokens: int) -> list[int]:
         """Pages (or state slots) per pool for a sequence of ``n_tokens`` cached tokens."""
         out = []

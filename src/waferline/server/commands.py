@@ -241,8 +241,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        device=args.device, on_fatal=fatal, responses_store=args.responses_store)
     engine = app.state.server.engine
     threads = f" (engine: {counted(engine.torch_threads, 'torch thread')})" if engine.torch_threads else ""
-    print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1{threads}",
-          flush=True)
+    print(f"waferline: serving {app.state.server.model_name} on http://{args.host}:{args.port}/v1{threads}\n"
+          f"waferline: {engine.scheduler.cache.describe()}", flush=True)
     try:
         # (a stop waits for the requests in flight at most --shutdown-timeout seconds: a client that stops reading its
         # stream, or never sends its body, would hold it forever; uvicorn says in one line that it cut them off)
