@@ -15,6 +15,7 @@ from typing import Any
 from waferline.argtypes import nonnegative_int, positive_float, positive_int
 from waferline.engine_flags import check_engine_flags, default_threads, stage_convert
 from waferline.errors import ConfigError, UsageError, counted
+from waferline.server.responses_store import DEFAULT_CAPACITY, DEFAULT_MAX_BYTES
 from waferline.server.tools import PARSERS
 
 
@@ -31,7 +32,7 @@ def build_server(model: str | Path, *, dtype: str = "float32", weight_bits: int 
                  attention_ranks: int | None = None, ffn_ranks: int | None = None,
                  tool_call_parser: str | None = None, chat_template: str | None = None,
                  device: str | None = None, on_fatal: Callable[[str], None] | None = None,
-                 responses_store: int = 1024) -> Any:
+                 responses_store: int = DEFAULT_CAPACITY) -> Any:
     """Load the checkpoint, start the engine loop, and return the FastAPI app (``app.state.server`` holds the rest).
 
     With ``stages`` or ``layers_per_stage`` the model runs as a pipeline of stage processes (this process is stage 0
@@ -395,8 +396,9 @@ def register(sub: Any) -> None:
                    help="read the model's own tool calls (tool_choice \"auto\"): hermes = "
                         "<tool_call>{...}</tool_call>, as Hermes and Qwen 2.5/3 write them. Without it, chat with "
                         "tools takes tool_choice \"required\", a named function or \"none\"")
-    s.add_argument("--responses-store", type=nonnegative_int, default=1024, metavar="N",
-                   help="/v1/responses keeps the last N responses in memory (default 1024, within 256 MiB; the least "
+    s.add_argument("--responses-store", type=nonnegative_int, default=DEFAULT_CAPACITY, metavar="N",
+                   help=f"/v1/responses keeps the last N responses in memory (default {DEFAULT_CAPACITY}, within "
+                        f"{DEFAULT_MAX_BYTES >> 20} MiB; the least "
                         "recently used go first) for previous_response_id and GET / DELETE /v1/responses/{id}; "
                         "store: false leaves one out; 0 keeps none, and store: true and previous_response_id are "
                         "refused")
